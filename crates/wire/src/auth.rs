@@ -1,0 +1,99 @@
+//! Mutual challenge-response authentication over a cluster secret.
+//!
+//! The server sends a magic, a protocol version and a fresh 32-byte nonce; the client answers with
+//! its own nonce and `HMAC-SHA256(secret, "client" | server_nonce | client_nonce)`; the server checks
+//! it and proves itself with `HMAC-SHA256(secret, "server" | client_nonce | server_nonce)`. Neither
+//! side reveals the secret, and a replayed answer fails against a new nonce.
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::WireError;
+
+const MAGIC: &[u8; 8] = b"UNDRSTDY";
+const VERSION: u32 = 1;
+const NONCE_BYTES: usize = 32;
+const MAC_BYTES: usize = 32;
+
+fn mac(secret: &[u8], role: &[u8], a: &[u8], b: &[u8]) -> [u8; MAC_BYTES] {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes any key length");
+    m.update(role);
+    m.update(a);
+    m.update(b);
+    m.finalize().into_bytes().into()
+}
+
+fn equal_ct(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Server side of the handshake: returns once the client proved it knows `secret`.
+pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]) -> Result<(), WireError> {
+    let server_nonce: [u8; NONCE_BYTES] = rand::random();
+    let mut hello = Vec::with_capacity(8 + 4 + NONCE_BYTES);
+    hello.extend_from_slice(MAGIC);
+    hello.extend_from_slice(&VERSION.to_le_bytes());
+    hello.extend_from_slice(&server_nonce);
+    s.write_all(&hello).await?;
+    s.flush().await?;
+    let mut answer = [0u8; NONCE_BYTES + MAC_BYTES];
+    s.read_exact(&mut answer).await.map_err(|_| WireError::Auth("peer closed during handshake".into()))?;
+    let (client_nonce, client_mac) = answer.split_at(NONCE_BYTES);
+    if !equal_ct(client_mac, &mac(secret, b"client", &server_nonce, client_nonce)) {
+        return Err(WireError::Auth("client does not know the cluster secret".into()));
+    }
+    s.write_all(&mac(secret, b"server", client_nonce, &server_nonce)).await?;
+    s.flush().await?;
+    Ok(())
+}
+
+/// Client side of the handshake: returns once the server proved it knows `secret`.
+pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]) -> Result<(), WireError> {
+    let mut hello = [0u8; 8 + 4 + NONCE_BYTES];
+    s.read_exact(&mut hello).await.map_err(|_| WireError::Auth("peer closed during handshake".into()))?;
+    if &hello[..8] != MAGIC {
+        return Err(WireError::Auth("peer is not an Understudy server".into()));
+    }
+    let version = u32::from_le_bytes(hello[8..12].try_into().unwrap());
+    if version != VERSION {
+        return Err(WireError::Auth(format!("peer speaks protocol version {version}, we speak {VERSION}")));
+    }
+    let server_nonce = &hello[12..];
+    let client_nonce: [u8; NONCE_BYTES] = rand::random();
+    let mut answer = Vec::with_capacity(NONCE_BYTES + MAC_BYTES);
+    answer.extend_from_slice(&client_nonce);
+    answer.extend_from_slice(&mac(secret, b"client", server_nonce, &client_nonce));
+    s.write_all(&answer).await?;
+    s.flush().await?;
+    let mut server_mac = [0u8; MAC_BYTES];
+    s.read_exact(&mut server_mac)
+        .await
+        .map_err(|_| WireError::Auth("server refused our cluster secret".into()))?;
+    if !equal_ct(&server_mac, &mac(secret, b"server", &client_nonce, server_nonce)) {
+        return Err(WireError::Auth("server does not know the cluster secret".into()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn same_secret_passes() {
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let (r1, r2) = tokio::join!(accept(&mut a, b"s3cret"), connect(&mut b, b"s3cret"));
+        r1.unwrap();
+        r2.unwrap();
+    }
+
+    #[tokio::test]
+    async fn wrong_secret_fails_both_ways() {
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let server = tokio::spawn(async move { accept(&mut a, b"right").await });
+        let client = connect(&mut b, b"wrong").await;
+        assert!(server.await.unwrap().is_err());
+        assert!(client.is_err());
+    }
+}
