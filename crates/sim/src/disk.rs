@@ -64,7 +64,7 @@ struct Inode {
 ///
 /// [`SimDisk::crash`] is a power loss. Pending operations are replayed in order onto the durable
 /// state, each independently: a directory operation or a truncate is kept or lost (1/2 each); a
-/// write is kept whole, lost, or torn (1/3 each), where torn applies a random subset of the
+/// write is kept whole, lost, or torn (1/3 each), where torn applies some but not all of the
 /// [`SECTOR_BYTES`]-aligned sectors it covers (a sector itself is never torn). A lost create
 /// drops the file; a rename or delete whose source no longer exists is skipped. Afterwards
 /// everything left is durable. Because each operation is decided independently, a crash can
@@ -310,16 +310,18 @@ fn apply_write(buf: &mut Vec<u8>, offset: u64, data: &[u8]) {
     buf[start..end].copy_from_slice(data);
 }
 
-/// Applies a random subset of the sectors covered by the write.
+/// Applies some but not all of the sectors the write covers (a write within one sector is
+/// applied or not), so a torn write is always distinguishable from a kept or lost one.
 fn tear_write(rng: &mut SimRng, buf: &mut Vec<u8>, offset: u64, data: &[u8]) {
     let end = offset + data.len() as u64;
-    let mut sector_start = offset - offset % SECTOR_BYTES;
-    while sector_start < end {
-        let (from, to) = (sector_start.max(offset), (sector_start + SECTOR_BYTES).min(end));
-        if rng.chance(0.5) {
-            apply_write(buf, from, &data[(from - offset) as usize..(to - offset) as usize]);
-        }
-        sector_start += SECTOR_BYTES;
+    let first_sector = offset / SECTOR_BYTES;
+    let sector_count = (end - 1) / SECTOR_BYTES - first_sector + 1;
+    let mut sectors: Vec<u64> = (first_sector..first_sector + sector_count).collect();
+    rng.shuffle(&mut sectors);
+    let applied_count = if sector_count == 1 { rng.range_u64(0, 1) } else { rng.range_u64(1, sector_count - 1) };
+    for sector in &sectors[..applied_count as usize] {
+        let (from, to) = ((sector * SECTOR_BYTES).max(offset), ((sector + 1) * SECTOR_BYTES).min(end));
+        apply_write(buf, from, &data[(from - offset) as usize..(to - offset) as usize]);
     }
 }
 
