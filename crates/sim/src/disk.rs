@@ -26,7 +26,10 @@ impl fmt::Display for DiskError {
         match self {
             DiskError::NotFound(name) => write!(f, "file {name:?} not found"),
             DiskError::NoSpace { capacity_bytes } => {
-                write!(f, "no space left: files would exceed the disk capacity of {capacity_bytes} bytes")
+                write!(
+                    f,
+                    "no space left: files would exceed the disk capacity of {capacity_bytes} bytes"
+                )
             }
             DiskError::Io => write!(f, "I/O error (injected by the simulator)"),
         }
@@ -108,7 +111,10 @@ impl SimDisk {
             self.next_id += 1;
             self.inodes.insert(id, Inode::default());
             self.names.insert(name.to_string(), id);
-            self.dir_pending.push(DirOp::Create { name: name.to_string(), id });
+            self.dir_pending.push(DirOp::Create {
+                name: name.to_string(),
+                id,
+            });
         }
         Ok(())
     }
@@ -120,11 +126,16 @@ impl SimDisk {
         if data.is_empty() {
             return Ok(()); // like pwrite: an empty write does not extend the file
         }
-        let end = offset.checked_add(data.len() as u64).ok_or(self.no_space())?;
+        let end = offset
+            .checked_add(data.len() as u64)
+            .ok_or(self.no_space())?;
         self.check_growth(id, end)?;
         let inode = self.inodes.get_mut(&id).expect("named file has an inode");
         apply_write(&mut inode.cached, offset, data);
-        inode.pending.push(FileOp::Write { offset, data: data.to_vec() });
+        inode.pending.push(FileOp::Write {
+            offset,
+            data: data.to_vec(),
+        });
         Ok(())
     }
 
@@ -154,7 +165,9 @@ impl SimDisk {
         self.injected_fault()?;
         self.id(name)?;
         self.names.remove(name);
-        self.dir_pending.push(DirOp::Delete { name: name.to_string() });
+        self.dir_pending.push(DirOp::Delete {
+            name: name.to_string(),
+        });
         Ok(())
     }
 
@@ -165,7 +178,10 @@ impl SimDisk {
         if from != to {
             self.names.remove(from);
             self.names.insert(to.to_string(), id);
-            self.dir_pending.push(DirOp::Rename { from: from.to_string(), to: to.to_string() });
+            self.dir_pending.push(DirOp::Rename {
+                from: from.to_string(),
+                to: to.to_string(),
+            });
         }
         Ok(())
     }
@@ -174,7 +190,10 @@ impl SimDisk {
     /// [`sync_dir`](Self::sync_dir).
     pub fn sync(&mut self, name: &str) -> Result<(), DiskError> {
         self.injected_fault()?;
-        let inode = self.inodes.get_mut(&self.id(name)?).expect("named file has an inode");
+        let inode = self
+            .inodes
+            .get_mut(&self.id(name)?)
+            .expect("named file has an inode");
         inode.durable = inode.cached.clone();
         inode.pending.clear();
         Ok(())
@@ -248,7 +267,10 @@ impl SimDisk {
 
     /// Sum of the lengths of all named files.
     pub fn used_bytes(&self) -> u64 {
-        self.names.values().map(|id| self.inodes[id].cached.len() as u64).sum()
+        self.names
+            .values()
+            .map(|id| self.inodes[id].cached.len() as u64)
+            .sum()
     }
 
     /// Limits [`used_bytes`](Self::used_bytes): a write or truncate that would grow it beyond
@@ -275,25 +297,37 @@ impl SimDisk {
     }
 
     fn id(&self, name: &str) -> Result<FileId, DiskError> {
-        self.names.get(name).copied().ok_or_else(|| DiskError::NotFound(name.to_string()))
+        self.names
+            .get(name)
+            .copied()
+            .ok_or_else(|| DiskError::NotFound(name.to_string()))
     }
 
     fn no_space(&self) -> DiskError {
-        DiskError::NoSpace { capacity_bytes: self.capacity_bytes.unwrap_or(u64::MAX) }
+        DiskError::NoSpace {
+            capacity_bytes: self.capacity_bytes.unwrap_or(u64::MAX),
+        }
     }
 
     /// Refuses to let file `id` grow to `new_len` if that would exceed the capacity.
     fn check_growth(&self, id: FileId, new_len: u64) -> Result<(), DiskError> {
         let growth = new_len.saturating_sub(self.inodes[&id].cached.len() as u64);
         match self.capacity_bytes {
-            Some(capacity) if self.used_bytes().saturating_add(growth) > capacity => Err(self.no_space()),
+            Some(capacity) if self.used_bytes().saturating_add(growth) > capacity => {
+                Err(self.no_space())
+            }
             _ => Ok(()),
         }
     }
 
     /// Forgets files that no name can reach any more, now or after a crash.
     fn drop_unnamed_inodes(&mut self) {
-        let live: BTreeSet<FileId> = self.names.values().chain(self.durable_names.values()).copied().collect();
+        let live: BTreeSet<FileId> = self
+            .names
+            .values()
+            .chain(self.durable_names.values())
+            .copied()
+            .collect();
         self.inodes.retain(|id, _| live.contains(id));
     }
 }
@@ -318,10 +352,21 @@ fn tear_write(rng: &mut SimRng, buf: &mut Vec<u8>, offset: u64, data: &[u8]) {
     let sector_count = (end - 1) / SECTOR_BYTES - first_sector + 1;
     let mut sectors: Vec<u64> = (first_sector..first_sector + sector_count).collect();
     rng.shuffle(&mut sectors);
-    let applied_count = if sector_count == 1 { rng.range_u64(0, 1) } else { rng.range_u64(1, sector_count - 1) };
+    let applied_count = if sector_count == 1 {
+        rng.range_u64(0, 1)
+    } else {
+        rng.range_u64(1, sector_count - 1)
+    };
     for sector in &sectors[..applied_count as usize] {
-        let (from, to) = ((sector * SECTOR_BYTES).max(offset), ((sector + 1) * SECTOR_BYTES).min(end));
-        apply_write(buf, from, &data[(from - offset) as usize..(to - offset) as usize]);
+        let (from, to) = (
+            (sector * SECTOR_BYTES).max(offset),
+            ((sector + 1) * SECTOR_BYTES).min(end),
+        );
+        apply_write(
+            buf,
+            from,
+            &data[(from - offset) as usize..(to - offset) as usize],
+        );
     }
 }
 
@@ -357,7 +402,10 @@ mod tests {
         disk.delete("g").unwrap();
         assert!(!disk.exists("g"));
         assert_eq!(disk.read("g", 0, 1), Err(DiskError::NotFound("g".into())));
-        assert_eq!(disk.write("g", 0, b"x"), Err(DiskError::NotFound("g".into())));
+        assert_eq!(
+            disk.write("g", 0, b"x"),
+            Err(DiskError::NotFound("g".into()))
+        );
     }
 
     #[test]
@@ -371,7 +419,10 @@ mod tests {
             let after = disk.read("f", 0, 4096).unwrap();
             assert_eq!(after.len(), 4 * 512);
             for sector in after.chunks(512) {
-                assert!(sector == &old[..512] || sector == &new[..512], "seed {seed}: a sector was torn inside");
+                assert!(
+                    sector == &old[..512] || sector == &new[..512],
+                    "seed {seed}: a sector was torn inside"
+                );
             }
             match after {
                 a if a == new => kept += 1,
@@ -379,7 +430,30 @@ mod tests {
                 _ => torn += 1,
             }
         }
-        assert!(kept > 0 && lost > 0 && torn > 0, "kept {kept} lost {lost} torn {torn}");
+        assert!(
+            kept > 0 && lost > 0 && torn > 0,
+            "kept {kept} lost {lost} torn {torn}"
+        );
+    }
+
+    #[test]
+    fn torn_write_applies_some_but_not_all_absolute_sectors() {
+        // Bytes 256..1280 touch sectors 0, 1 and 2 partially; each region tears as a unit.
+        for seed in 0..SEEDS {
+            let mut buf = vec![1u8; 1536];
+            tear_write(&mut SimRng::new(seed), &mut buf, 256, &[2; 1024]);
+            let regions = [&buf[256..512], &buf[512..1024], &buf[1024..1280]];
+            assert!(
+                regions.iter().all(|r| r.iter().all(|&b| b == r[0])),
+                "seed {seed}"
+            );
+            let applied = regions.iter().filter(|r| r[0] == 2).count();
+            assert!(
+                (1..=2).contains(&applied),
+                "seed {seed}: {applied} of 3 sectors applied"
+            );
+            assert!(buf[..256].iter().chain(&buf[1280..]).all(|&b| b == 1));
+        }
     }
 
     #[test]
@@ -389,7 +463,11 @@ mod tests {
             disk.create("other").unwrap(); // unsynced activity around it
             disk.write("other", 0, &[7; 1000]).unwrap();
             disk.crash(&mut SimRng::new(seed));
-            assert_eq!(disk.read("f", 0, 100).unwrap(), b"durable bytes", "seed {seed}");
+            assert_eq!(
+                disk.read("f", 0, 100).unwrap(),
+                b"durable bytes",
+                "seed {seed}"
+            );
             assert_eq!(disk.list().first().map(String::as_str), Some("f"));
         }
     }
@@ -402,7 +480,11 @@ mod tests {
             disk.create("new").unwrap();
             disk.truncate("f", 3).unwrap();
             disk.crash(&mut SimRng::new(seed));
-            if disk.exists("new") { created += 1 } else { not_created += 1 }
+            if disk.exists("new") {
+                created += 1
+            } else {
+                not_created += 1
+            }
             match disk.read("f", 0, 100).unwrap().as_slice() {
                 b"012" => truncated += 1,
                 b"0123456789" => not_truncated += 1,
@@ -429,9 +511,15 @@ mod tests {
                 b"old" => not_renamed += 1,
                 other => panic!("seed {seed}: unexpected contents {other:?}"),
             }
-            assert_eq!(disk.exists("data.tmp"), disk.read("data", 0, 3).unwrap() == b"old");
+            assert_eq!(
+                disk.exists("data.tmp"),
+                disk.read("data", 0, 3).unwrap() == b"old"
+            );
         }
-        assert!(renamed > 0 && not_renamed > 0, "renamed {renamed} not renamed {not_renamed}");
+        assert!(
+            renamed > 0 && not_renamed > 0,
+            "renamed {renamed} not renamed {not_renamed}"
+        );
 
         let mut disk = durable_file("data", b"old");
         disk.create("data.tmp").unwrap();
@@ -450,15 +538,33 @@ mod tests {
         disk.set_capacity_bytes(Some(1000));
         disk.create("a").unwrap();
         disk.write("a", 0, &[1; 600]).unwrap();
-        assert_eq!(disk.write("a", 500, &[2; 501]), Err(DiskError::NoSpace { capacity_bytes: 1000 }));
-        assert_eq!(disk.truncate("a", 1001), Err(DiskError::NoSpace { capacity_bytes: 1000 }));
+        assert_eq!(
+            disk.write("a", 500, &[2; 501]),
+            Err(DiskError::NoSpace {
+                capacity_bytes: 1000
+            })
+        );
+        assert_eq!(
+            disk.truncate("a", 1001),
+            Err(DiskError::NoSpace {
+                capacity_bytes: 1000
+            })
+        );
         assert_eq!(disk.read("a", 0, 2000).unwrap(), vec![1; 600]);
         disk.write("a", 0, &[3; 600]).unwrap(); // overwrite needs no space
         disk.create("b").unwrap();
         disk.write("b", 0, &[4; 400]).unwrap(); // exactly at the limit
         assert_eq!(disk.used_bytes(), 1000);
-        assert!(matches!(disk.write("b", 400, &[5]), Err(DiskError::NoSpace { .. })));
-        assert_eq!(disk.write("a", u64::MAX, &[1]), Err(DiskError::NoSpace { capacity_bytes: 1000 }));
+        assert!(matches!(
+            disk.write("b", 400, &[5]),
+            Err(DiskError::NoSpace { .. })
+        ));
+        assert_eq!(
+            disk.write("a", u64::MAX, &[1]),
+            Err(DiskError::NoSpace {
+                capacity_bytes: 1000
+            })
+        );
         disk.delete("a").unwrap();
         disk.write("b", 400, &[5]).unwrap();
     }

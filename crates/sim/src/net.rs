@@ -88,7 +88,10 @@ impl<M: Clone> Network<M> {
     /// `0.0..=1.0` or `delay_us_min > delay_us_max`.
     pub fn new(config: NetConfig) -> Self {
         for p in [config.drop_probability, config.duplicate_probability] {
-            assert!((0.0..=1.0).contains(&p), "NetConfig: probability {p} is outside 0.0..=1.0");
+            assert!(
+                (0.0..=1.0).contains(&p),
+                "NetConfig: probability {p} is outside 0.0..=1.0"
+            );
         }
         assert!(
             config.delay_us_min <= config.delay_us_max,
@@ -133,7 +136,16 @@ impl<M: Clone> Network<M> {
         }
         if rng.chance(self.config.duplicate_probability) {
             let delay_us = rng.range_u64(self.config.delay_us_min, self.config.delay_us_max);
-            queue.push_after(now, delay_us, Delivery { from, to, msg: msg.clone() }.into())?;
+            queue.push_after(
+                now,
+                delay_us,
+                Delivery {
+                    from,
+                    to,
+                    msg: msg.clone(),
+                }
+                .into(),
+            )?;
             self.stats.duplicated += 1;
         }
         let delay_us = rng.range_u64(self.config.delay_us_min, self.config.delay_us_max);
@@ -208,7 +220,12 @@ mod tests {
     use super::*;
 
     fn config(drop_probability: f64, duplicate_probability: f64) -> NetConfig {
-        NetConfig { drop_probability, duplicate_probability, delay_us_min: 10, delay_us_max: 1000 }
+        NetConfig {
+            drop_probability,
+            duplicate_probability,
+            delay_us_min: 10,
+            delay_us_max: 1000,
+        }
     }
 
     /// Sends `count` numbered messages from 0 to 1, one per microsecond, then drains the queue.
@@ -217,7 +234,8 @@ mod tests {
         let mut rng = SimRng::new(seed);
         let mut queue: EventQueue<Delivery<u32>> = EventQueue::new(10_000);
         for i in 0..count {
-            net.send(&mut rng, &mut queue, i as TimeUs, 0, 1, i).unwrap();
+            net.send(&mut rng, &mut queue, i as TimeUs, 0, 1, i)
+                .unwrap();
         }
         let mut out = Vec::new();
         while let Some((time, d)) = queue.pop() {
@@ -233,11 +251,22 @@ mod tests {
         let mut net = Network::new(config(0.0, 0.0));
         let got = run(&mut net, 42, 1000);
         let mut ids: Vec<u32> = got.iter().map(|&(_, m)| m).collect();
-        assert!(ids.windows(2).any(|w| w[0] > w[1]), "random delays should reorder messages");
+        assert!(
+            ids.windows(2).any(|w| w[0] > w[1]),
+            "random delays should reorder messages"
+        );
         ids.sort();
         assert_eq!(ids, (0..1000).collect::<Vec<_>>());
         let stats = net.stats();
-        assert_eq!((stats.sent, stats.delivered, stats.dropped(), stats.in_flight()), (1000, 1000, 0, 0));
+        assert_eq!(
+            (
+                stats.sent,
+                stats.delivered,
+                stats.dropped(),
+                stats.in_flight()
+            ),
+            (1000, 1000, 0, 0)
+        );
     }
 
     #[test]
@@ -249,7 +278,10 @@ mod tests {
         let mut net = Network::new(config(0.3, 0.0));
         let got = run(&mut net, 1, 1000).len() as u64;
         let stats = net.stats();
-        assert!((200..400).contains(&stats.dropped_random), "about 30% dropped: {stats:?}");
+        assert!(
+            (200..400).contains(&stats.dropped_random),
+            "about 30% dropped: {stats:?}"
+        );
         assert_eq!(got + stats.dropped_random, 1000);
     }
 

@@ -17,14 +17,19 @@ pub struct SimRng {
 impl SimRng {
     /// A generator whose whole output is determined by `seed`.
     pub fn new(seed: u64) -> Self {
-        Self { inner: ChaCha8Rng::seed_from_u64(seed) }
+        Self {
+            inner: ChaCha8Rng::seed_from_u64(seed),
+        }
     }
 
     /// True with probability `p`. `chance(0.0)` is always false, `chance(1.0)` always true.
     ///
     /// Panics if `p` is not within `0.0..=1.0` (a configuration bug, not a simulated fault).
     pub fn chance(&mut self, p: f64) -> bool {
-        assert!((0.0..=1.0).contains(&p), "probability {p} is outside 0.0..=1.0");
+        assert!(
+            (0.0..=1.0).contains(&p),
+            "probability {p} is outside 0.0..=1.0"
+        );
         self.inner.gen_bool(p)
     }
 
@@ -53,7 +58,9 @@ impl SimRng {
     pub fn fork(&mut self) -> SimRng {
         let mut seed = [0u8; 32];
         self.inner.fill_bytes(&mut seed);
-        Self { inner: ChaCha8Rng::from_seed(seed) }
+        Self {
+            inner: ChaCha8Rng::from_seed(seed),
+        }
     }
 }
 
@@ -100,7 +107,10 @@ mod tests {
         assert!((0..100).all(|_| !rng.chance(0.0)) && (0..100).all(|_| rng.chance(1.0)));
         let values: Vec<u64> = (0..1000).map(|_| rng.range_u64(10, 12)).collect();
         assert!(values.iter().all(|v| (10..=12).contains(v)));
-        assert!(values.contains(&10) && values.contains(&12), "both ends are inclusive");
+        assert!(
+            values.contains(&10) && values.contains(&12),
+            "both ends are inclusive"
+        );
         assert_eq!(rng.range_u64(5, 5), 5);
         assert_eq!(rng.pick::<u8>(&[]), None);
         assert_eq!(rng.pick(&[9]), Some(&9));

@@ -44,19 +44,37 @@ impl<E> EventQueue<E> {
     /// An empty queue at time 0 that holds at most `max_events` events at once; pushing more
     /// returns [`QueueFull`]. Panics if `max_events` is 0.
     pub fn new(max_events: usize) -> Self {
-        assert!(max_events > 0, "EventQueue::new: max_events must be at least 1");
-        Self { heap: BinaryHeap::new(), next_seq: 0, max_events, now: 0 }
+        assert!(
+            max_events > 0,
+            "EventQueue::new: max_events must be at least 1"
+        );
+        Self {
+            heap: BinaryHeap::new(),
+            next_seq: 0,
+            max_events,
+            now: 0,
+        }
     }
 
     /// Schedules `event` at absolute time `time`.
     ///
     /// Panics if `time` is before [`now`](Self::now) (a harness bug).
     pub fn push_at(&mut self, time: TimeUs, event: E) -> Result<(), QueueFull> {
-        assert!(time >= self.now, "event scheduled at {time} us, before the current time {} us", self.now);
+        assert!(
+            time >= self.now,
+            "event scheduled at {time} us, before the current time {} us",
+            self.now
+        );
         if self.heap.len() >= self.max_events {
-            return Err(QueueFull { max_events: self.max_events });
+            return Err(QueueFull {
+                max_events: self.max_events,
+            });
         }
-        self.heap.push(Entry { time, seq: self.next_seq, event });
+        self.heap.push(Entry {
+            time,
+            seq: self.next_seq,
+            event,
+        });
         self.next_seq += 1;
         Ok(())
     }
@@ -147,7 +165,9 @@ mod tests {
         assert_eq!(q.len(), 2, "the refused event is not queued");
         q.pop();
         q.push_at(3, 3).unwrap();
-        assert!(QueueFull { max_events: 2 }.to_string().contains("max_events"));
+        assert!(QueueFull { max_events: 2 }
+            .to_string()
+            .contains("max_events"));
     }
 
     #[test]
