@@ -1,0 +1,1578 @@
+//! The storage shard as a deterministic state machine (no I/O, no clock, no threads).
+//!
+//! Inputs are messages, completed disk commands and clock ticks; outputs are messages to send and
+//! disk commands to run. The tokio driver (`shard_server`) and the simulation tests run the same
+//! core. What it implements (SpecREDS §4.2–4.3, §5):
+//!
+//! * primary-copy replication: the acting primary of a slot applies a write locally and on every
+//!   live replica in parallel and acknowledges once all are durable; every operation on one slot
+//!   is serialised by a slot lock, different slots proceed in parallel;
+//! * collocated clones: a `super` child's object shares its parent's slot, so copy-on-write is a
+//!   local copy on each replica, and a write covering the whole object skips the copy;
+//! * the dirty / allow-write bits in a replicated tracking object per table, the tracking list on
+//!   every data shard, permission requests, atomic `collapse`, and garbage collection;
+//! * re-replication of a restarted or replaced shard, and repair of a replica whose copy differs
+//!   from the primary's (object versions name contents; see [`Version`]).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::hash::{BuildHasherDefault, DefaultHasher};
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::*;
+
+/// Who a message comes from or goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Peer {
+    Shard(ShardId),
+    /// A client connection, numbered by the driver.
+    Client(u64),
+    /// The metadata service.
+    Meta,
+}
+
+#[derive(Debug)]
+pub enum Input {
+    Msg { from: Peer, msg: Msg },
+    Disk { id: u64, result: Result<DiskOut, DiskErr> },
+    Tick { now_us: u64 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    Send { to: Peer, msg: Msg },
+    Disk { id: u64, cmd: DiskCmd },
+}
+
+/// Local storage work for the driver. Every mutation is durable when it completes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiskCmd {
+    /// Reads a range; bytes past the stored length read as zeroes.
+    Read { key: ObjKey, offset: u32, len: u32 },
+    /// Reads the whole stored object.
+    ReadAll { key: ObjKey },
+    /// Applies a mutation and records `version`. With `cow_from`, the object is first created as
+    /// a local copy of that object (copy-on-write of a collocated clone).
+    Apply { key: ObjKey, version: Version, op: RepOp, cow_from: Option<ObjKey> },
+    Delete { key: ObjKey },
+    /// Renames an object, keeping its version (garbage collection hands a parent object to the
+    /// child).
+    Rename { from: ObjKey, to: ObjKey },
+    /// Replaces the shard's small state file; a higher `seq` always wins.
+    SaveState { seq: u64, bytes: Vec<u8> },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiskOut {
+    Data(Vec<u8>),
+    Done,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DiskErr {
+    NoSpace,
+    Io(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct ShardConfig {
+    pub id: ShardId,
+    /// Resend a request that has had no reply for this long.
+    pub resend_after_us: u64,
+    /// Objects per `ListObjects` reply page.
+    pub list_page_objects: usize,
+    /// Concurrent object pulls while re-replicating.
+    pub max_pulls_in_flight: usize,
+}
+
+impl ShardConfig {
+    pub fn new(id: ShardId) -> Self {
+        ShardConfig { id, resend_after_us: 200_000, list_page_objects: 2048, max_pulls_in_flight: 16 }
+    }
+}
+
+/// What the driver found on disk at start.
+#[derive(Debug, Default, Clone)]
+pub struct Boot {
+    pub objects: Vec<(ObjKey, Version)>,
+    /// Contents of the tracking objects held here.
+    pub track_objects: Vec<(ObjKey, Vec<u8>)>,
+    /// The last saved state file.
+    pub state: Option<Vec<u8>>,
+}
+
+/// The shard's small durable state: its tracking list.
+#[derive(Serialize, Deserialize, Default, Debug, Clone)]
+struct SavedState {
+    entries: Vec<(VolId, TrackEntry)>,
+    retired: Vec<VolId>,
+}
+
+type OpId = u64;
+/// Hash maps with a fixed hasher: iteration order must not vary between runs, or a simulation
+/// seed would not reproduce.
+type HashMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<DefaultHasher>>;
+type HashSet<K> = std::collections::HashSet<K, BuildHasherDefault<DefaultHasher>>;
+
+/// Whom an outstanding request is addressed to; resolved again on every resend.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    Shard(ShardId),
+    TrackingPrimary(TableId),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Owner {
+    Op(OpId),
+    Permission(VolId),
+    Recovery,
+}
+
+#[derive(Debug)]
+struct Outstanding {
+    target: Target,
+    msg: Msg,
+    sent_us: u64,
+    owner: Owner,
+}
+
+#[derive(Debug)]
+enum Queued {
+    Msg(Peer, Msg),
+    Task(OpId, Task),
+}
+
+/// Slot-locked local work of a multi-object operation (GC, delete, recovery).
+#[derive(Debug, Clone)]
+enum Task {
+    Delete(ObjKey),
+    /// GC after promotion: delete the parent object if the child has its own, else rename.
+    HandOver { parent: ObjKey, child: ObjKey },
+    /// Recovery: install a pulled object.
+    Install { key: ObjKey, version: Version, data: Vec<u8> },
+}
+
+#[derive(Debug)]
+enum Kind {
+    /// Client write at the primary.
+    Write {
+        reply_to: (Peer, ReqId),
+        vol: VolRef,
+        objno: u64,
+        op: IoOp,
+        waiting_permission: bool,
+        started: Option<(ObjKey, Version)>,
+        need_full: Vec<ShardId>,
+        reading_full: bool,
+    },
+    /// Client read at the primary, or a pull served to a recovering shard.
+    Read { reply_to: (Peer, ReqId), pull_of: Option<(ObjKey, Version)>, body: Option<ReplyBody> },
+    /// A replicated mutation at a replica.
+    Replica { reply_to: (Peer, ReqId), key: ObjKey, version: Version, track: Option<TableTrack> },
+    /// A change of a tracking object at its primary (super, collapse, permission, end).
+    TrackUpdate {
+        reply_to: (Peer, ReqId),
+        key: ObjKey,
+        version: Version,
+        new: TableTrack,
+        reply: ReplyBody,
+        broadcast: Option<(VolId, TrackEntry)>,
+    },
+    /// A tracking-list change at a data shard, acknowledged once saved.
+    SaveEntries { reply_to: Option<(Peer, ReqId)>, parent: Option<OpId> },
+    /// A set of slot-locked tasks (GC, delete) replied to when all are done.
+    Tasks { reply_to: Option<(Peer, ReqId)>, remaining: usize, for_recovery: bool },
+    /// One slot-locked task.
+    Task { parent: OpId, task: Task },
+}
+
+#[derive(Debug)]
+struct Op {
+    slot: Option<Slot>,
+    disk: HashSet<u64>,
+    waits: HashSet<ReqId>,
+    err: Option<IoErr>,
+    kind: Kind,
+}
+
+#[derive(Debug)]
+struct PermissionState {
+    table: TableId,
+    waiters: Vec<OpId>,
+}
+
+#[derive(Debug, Default)]
+struct Recovery {
+    epoch: Epoch,
+    /// Peers still listing, with their next cursor.
+    listing: HashMap<ShardId, Option<ObjKey>>,
+    /// Peers asked for their lists: only slots one of them leads are reconciled.
+    peers: HashSet<ShardId>,
+    listed: HashMap<ObjKey, (Version, ShardId)>,
+    /// Objects a replicated write reached since recovery began: they are current.
+    touched: HashSet<ObjKey>,
+    pulls: VecDeque<(ObjKey, ShardId)>,
+    pulls_in_flight: usize,
+    tasks_in_flight: usize,
+    reported: bool,
+}
+
+pub struct ShardCore {
+    cfg: ShardConfig,
+    now_us: u64,
+    map: Option<ClusterMap>,
+    objects: BTreeMap<ObjKey, Version>,
+    tracks: HashMap<TableId, TableTrack>,
+    entries: HashMap<VolId, TrackEntry>,
+    /// Volumes deleted, collapsed away or replaced: late I/O for them is refused, so an in-flight
+    /// write can never recreate an object garbage collection removed.
+    retired: HashSet<VolId>,
+    state_seq: u64,
+    locks: HashMap<Slot, VecDeque<Queued>>,
+    ops: HashMap<OpId, Op>,
+    disk_owner: HashMap<u64, OpId>,
+    outstanding: HashMap<ReqId, Outstanding>,
+    permissions: HashMap<VolId, PermissionState>,
+    recovery: Option<Recovery>,
+    next_id: u64,
+    out: Vec<Output>,
+}
+
+fn track_key(table: TableId) -> ObjKey {
+    ObjKey { table, objno: TRACK_OBJNO, owner: 0 }
+}
+
+fn with_owner(key: ObjKey, owner: VolId) -> ObjKey {
+    ObjKey { owner, ..key }
+}
+
+fn set_epoch(msg: &mut Msg, e: Epoch) {
+    match msg {
+        Msg::Rep { epoch, .. }
+        | Msg::Permission { epoch, .. }
+        | Msg::Track { epoch, .. }
+        | Msg::ListObjects { epoch, .. }
+        | Msg::Pull { epoch, .. } => *epoch = e,
+        _ => {}
+    }
+}
+
+impl ShardCore {
+    pub fn new(cfg: ShardConfig, boot: Boot) -> Self {
+        let mut core = ShardCore {
+            cfg,
+            now_us: 0,
+            map: None,
+            objects: boot.objects.into_iter().collect(),
+            tracks: HashMap::default(),
+            entries: HashMap::default(),
+            retired: HashSet::default(),
+            state_seq: 0,
+            locks: HashMap::default(),
+            ops: HashMap::default(),
+            disk_owner: HashMap::default(),
+            outstanding: HashMap::default(),
+            permissions: HashMap::default(),
+            recovery: None,
+            next_id: 1,
+            out: Vec::new(),
+        };
+        for (key, bytes) in boot.track_objects {
+            if let Ok(t) = postcard::from_bytes::<TableTrack>(&bytes) {
+                core.tracks.insert(key.table, t);
+            }
+        }
+        if let Some(bytes) = boot.state {
+            if let Ok(s) = postcard::from_bytes::<SavedState>(&bytes) {
+                core.entries = s.entries.into_iter().collect();
+                core.retired = s.retired.into_iter().collect();
+            }
+        }
+        core
+    }
+
+    pub fn id(&self) -> ShardId {
+        self.cfg.id
+    }
+
+    pub fn map(&self) -> Option<&ClusterMap> {
+        self.map.as_ref()
+    }
+
+    /// Objects stored here and their versions (for tests and metrics).
+    pub fn objects(&self) -> &BTreeMap<ObjKey, Version> {
+        &self.objects
+    }
+
+    pub fn tracking_entry(&self, vol: VolId) -> Option<TrackEntry> {
+        self.entries.get(&vol).copied()
+    }
+
+    pub fn table_track(&self, table: TableId) -> Option<&TableTrack> {
+        self.tracks.get(&table)
+    }
+
+    /// Operations in progress (for tests: zero when the shard is idle).
+    pub fn ops_in_flight(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// A one-line description of the operations in progress, for test failures.
+    pub fn debug_ops(&self) -> String {
+        let ops: Vec<String> = self
+            .ops
+            .values()
+            .map(|o| {
+                let kind = match &o.kind {
+                    Kind::Write { waiting_permission, started, need_full, .. } => {
+                        format!("write perm:{waiting_permission} {started:?} need_full:{need_full:?}")
+                    }
+                    Kind::Read { .. } => "read".into(),
+                    Kind::Replica { key, .. } => format!("replica {key:?}"),
+                    Kind::TrackUpdate { key, .. } => format!("track-update {key:?}"),
+                    Kind::SaveEntries { .. } => "save".into(),
+                    Kind::Tasks { remaining, .. } => format!("tasks {remaining}"),
+                    Kind::Task { task, .. } => format!("task {task:?}").chars().take(80).collect(),
+                };
+                let waits: Vec<String> = o
+                    .waits
+                    .iter()
+                    .map(|w| match self.outstanding.get(w) {
+                        Some(x) => format!("{:?} {}", x.target, format!("{:?}", x.msg).chars().take(60).collect::<String>()),
+                        None => "?".into(),
+                    })
+                    .collect();
+                format!("[{kind} disk:{} waits:{waits:?} err:{:?}]", o.disk.len(), o.err)
+            })
+            .collect();
+        format!("{} locks:{} recovery:{:?}", ops.join(" "), self.locks.len(), self.recovery.as_ref().map(|r| (r.listing.len(), r.pulls.len(), r.pulls_in_flight, r.tasks_in_flight, r.reported)))
+    }
+
+    pub fn is_recovering(&self) -> bool {
+        self.recovery.as_ref().is_some_and(|r| !r.reported)
+    }
+
+    /// Feeds one input and returns the outputs it produced.
+    pub fn handle(&mut self, input: Input) -> Vec<Output> {
+        match input {
+            Input::Msg { from, msg } => self.on_msg(from, msg),
+            Input::Disk { id, result } => self.on_disk(id, result),
+            Input::Tick { now_us } => self.on_tick(now_us),
+        }
+        std::mem::take(&mut self.out)
+    }
+
+    fn fresh_id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        // Mix in the shard id so request ids of different shards never collide in logs.
+        id << 8 | (self.cfg.id as u64 & 0xff)
+    }
+
+    fn epoch(&self) -> Epoch {
+        self.map.as_ref().map_or(0, |m| m.epoch)
+    }
+
+    fn reply(&mut self, to: (Peer, ReqId), result: Result<ReplyBody, IoErr>) {
+        self.out.push(Output::Send { to: to.0, msg: Msg::Reply { req: to.1, result } });
+    }
+
+    fn send_request(&mut self, target: Target, mut msg: Msg, owner: Owner) -> ReqId {
+        let req = self.fresh_id();
+        match &mut msg {
+            Msg::Rep { req: r, .. }
+            | Msg::Permission { req: r, .. }
+            | Msg::Track { req: r, .. }
+            | Msg::ListObjects { req: r, .. }
+            | Msg::Pull { req: r, .. } => *r = req,
+            _ => unreachable!("not a shard-to-shard request: {msg:?}"),
+        }
+        self.transmit(target, &msg);
+        self.outstanding.insert(req, Outstanding { target, msg, sent_us: self.now_us, owner });
+        req
+    }
+
+    fn resolve(&self, target: Target) -> Option<ShardId> {
+        let map = self.map.as_ref()?;
+        match target {
+            Target::Shard(id) => (map.state(id) != ShardState::Down).then_some(id),
+            Target::TrackingPrimary(table) => map.primary(track_key(table).slot()),
+        }
+    }
+
+    fn transmit(&mut self, target: Target, msg: &Msg) {
+        if let Some(to) = self.resolve(target) {
+            if to == self.cfg.id {
+                // Requests to ourselves (we are the tracking primary) loop through the inbox.
+                let msg = msg.clone();
+                self.on_msg(Peer::Shard(to), msg);
+            } else {
+                self.out.push(Output::Send { to: Peer::Shard(to), msg: msg.clone() });
+            }
+        }
+    }
+
+    fn check_epoch(&self, epoch: Epoch) -> Result<(), IoErr> {
+        match &self.map {
+            None => Err(IoErr::NotReady),
+            Some(m) if epoch < m.epoch => Err(IoErr::StaleEpoch(m.epoch)),
+            Some(m) if epoch > m.epoch => Err(IoErr::NotReady),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn check_primary(&self, slot: Slot) -> Result<(), IoErr> {
+        if self.is_primary(slot) {
+            Ok(())
+        } else {
+            Err(IoErr::NotPrimary)
+        }
+    }
+
+    fn is_primary(&self, slot: Slot) -> bool {
+        self.map.as_ref().and_then(|m| m.primary(slot)) == Some(self.cfg.id)
+    }
+
+    /// Replicas of a slot other than us that must receive its mutations.
+    fn live_replicas(&self, slot: Slot) -> Vec<ShardId> {
+        let Some(map) = &self.map else { return vec![] };
+        map.placement(slot)
+            .into_iter()
+            .filter(|&id| id != self.cfg.id && map.state(id) != ShardState::Down)
+            .collect()
+    }
+
+    // ---- slot locks ---------------------------------------------------------------------------
+
+    /// Takes the slot lock, or queues the item to run when the lock is handed over.
+    fn lock_or_queue(&mut self, slot: Slot, item: Queued) -> bool {
+        match self.locks.get_mut(&slot) {
+            Some(q) => {
+                q.push_back(item);
+                false
+            }
+            None => {
+                self.locks.insert(slot, VecDeque::new());
+                true
+            }
+        }
+    }
+
+    fn unlock(&mut self, slot: Slot) {
+        let next = self.locks.get_mut(&slot).and_then(|q| q.pop_front());
+        match next {
+            Some(item) => self.run_locked(item),
+            None => {
+                self.locks.remove(&slot);
+            }
+        }
+    }
+
+    fn run_locked(&mut self, item: Queued) {
+        match item {
+            Queued::Msg(from, msg) => self.on_msg_locked(from, msg),
+            Queued::Task(op, task) => self.run_task(op, task),
+        }
+    }
+
+    fn new_op(&mut self, slot: Option<Slot>, kind: Kind) -> OpId {
+        let id = self.fresh_id();
+        self.ops.insert(id, Op { slot, disk: HashSet::default(), waits: HashSet::default(), err: None, kind });
+        id
+    }
+
+    fn disk(&mut self, op: OpId, cmd: DiskCmd) {
+        let id = self.fresh_id();
+        self.disk_owner.insert(id, op);
+        if let Some(o) = self.ops.get_mut(&op) {
+            o.disk.insert(id);
+        }
+        self.out.push(Output::Disk { id, cmd });
+    }
+
+    fn wait_on(&mut self, op: OpId, target: Target, msg: Msg) {
+        let req = self.send_request(target, msg, Owner::Op(op));
+        if let Some(o) = self.ops.get_mut(&op) {
+            o.waits.insert(req);
+        }
+    }
+
+    // ---- messages -----------------------------------------------------------------------------
+
+    fn on_msg(&mut self, from: Peer, msg: Msg) {
+        match msg {
+            Msg::Map(map) => self.on_map(map),
+            Msg::Reply { req, result } => self.on_reply(req, result),
+            Msg::Io { req, epoch, ref vol, objno, ref op } => {
+                let slot = Slot { table: vol.table, objno };
+                if let Err(e) = self.validate_io(epoch, vol, objno, op) {
+                    return self.reply((from, req), Err(e));
+                }
+                if self.lock_or_queue(slot, Queued::Msg(from, msg.clone())) {
+                    self.on_msg_locked(from, msg);
+                }
+            }
+            Msg::Rep { req, epoch, key, .. } => {
+                if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_sender_is_primary(from, key.slot())) {
+                    return self.reply((from, req), Err(e));
+                }
+                if let Some(r) = &mut self.recovery {
+                    r.touched.insert(key);
+                }
+                if self.lock_or_queue(key.slot(), Queued::Msg(from, msg.clone())) {
+                    self.on_msg_locked(from, msg);
+                }
+            }
+            Msg::Permission { req, epoch, table, .. }
+            | Msg::Super { req, epoch, table, .. }
+            | Msg::Collapse { req, epoch, table, .. }
+            | Msg::EndSuper { req, epoch, table, .. } => {
+                let slot = track_key(table).slot();
+                if let Err(e) = self.check_epoch(epoch) {
+                    return self.reply((from, req), Err(e));
+                }
+                if !self.is_primary(slot) {
+                    return self.reply((from, req), Err(IoErr::NotPrimary));
+                }
+                if self.lock_or_queue(slot, Queued::Msg(from, msg.clone())) {
+                    self.on_msg_locked(from, msg);
+                }
+            }
+            Msg::Pull { req, epoch, key } => {
+                if let Err(e) = self.check_epoch(epoch) {
+                    return self.reply((from, req), Err(e));
+                }
+                if !self.is_primary(key.slot()) {
+                    return self.reply((from, req), Err(IoErr::NotPrimary));
+                }
+                if self.lock_or_queue(key.slot(), Queued::Msg(from, msg.clone())) {
+                    self.on_msg_locked(from, msg);
+                }
+            }
+            Msg::Track { req, epoch, parent, entry } => {
+                if let Err(e) = self.check_epoch(epoch) {
+                    return self.reply((from, req), Err(e));
+                }
+                self.set_entry(parent, entry);
+                let op = self.new_op(None, Kind::SaveEntries { reply_to: Some((from, req)), parent: None });
+                self.save_state(op);
+            }
+            Msg::Gc { req, table, parent, child, promoted } => self.on_gc(from, req, table, parent, child, promoted),
+            Msg::DeleteVolume { req, table, owner, drop_table } => {
+                self.entries.remove(&owner);
+                self.retired.insert(owner);
+                let keys: Vec<ObjKey> = self
+                    .objects
+                    .keys()
+                    .filter(|k| k.table == table && (k.owner == owner || (drop_table && k.objno == TRACK_OBJNO)))
+                    .copied()
+                    .collect();
+                let tasks = keys.into_iter().map(Task::Delete).collect();
+                self.start_tasks(Some((from, req)), tasks, true);
+            }
+            Msg::ListObjects { req, epoch, after } => self.on_list(from, req, epoch, after),
+            Msg::Ping { req } => self.reply((from, req), Ok(ReplyBody::Done)),
+            Msg::Recovered { .. } | Msg::Register { .. } => {}
+        }
+    }
+
+    fn check_sender_is_primary(&self, from: Peer, slot: Slot) -> Result<(), IoErr> {
+        match (from, self.map.as_ref().and_then(|m| m.primary(slot))) {
+            (Peer::Shard(s), Some(p)) if s == p => Ok(()),
+            _ => Err(IoErr::NotPrimary),
+        }
+    }
+
+    fn validate_io(&self, epoch: Epoch, vol: &VolRef, objno: u64, op: &IoOp) -> Result<(), IoErr> {
+        self.check_epoch(epoch)?;
+        if !self.is_primary(Slot { table: vol.table, objno }) {
+            return Err(IoErr::NotPrimary);
+        }
+        if vol.object_size_bytes == 0 || vol.object_size_bytes > MAX_OBJECT_SIZE_BYTES {
+            return Err(IoErr::BadRequest(format!("object size {} out of range", vol.object_size_bytes)));
+        }
+        if objno == TRACK_OBJNO {
+            return Err(IoErr::BadRequest("the tracking object is not addressable by clients".into()));
+        }
+        if self.retired.contains(&vol.id) {
+            return Err(IoErr::WriteRefused(format!("volume {} was deleted or collapsed away", vol.id)));
+        }
+        let (offset, len) = match op {
+            IoOp::Read { offset, len } | IoOp::Zero { offset, len } => (*offset, *len),
+            IoOp::Write { offset, data } => (*offset, data.len() as u32),
+        };
+        if offset as u64 + len as u64 > vol.object_size_bytes as u64 {
+            return Err(IoErr::BadRequest(format!(
+                "range {offset}+{len} exceeds object size {}",
+                vol.object_size_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs a message that needs the slot lock, which the caller holds.
+    fn on_msg_locked(&mut self, from: Peer, msg: Msg) {
+        match msg {
+            Msg::Io { req, epoch, vol, objno, op } => {
+                let slot = Slot { table: vol.table, objno };
+                // Re-check: the map may have changed while the message was queued.
+                if let Err(e) = self.validate_io(epoch, &vol, objno, &op) {
+                    self.reply((from, req), Err(e));
+                    return self.unlock(slot);
+                }
+                match op {
+                    IoOp::Read { offset, len } => self.start_read(from, req, &vol, objno, offset, len),
+                    op => self.start_write(from, req, vol, objno, op),
+                }
+            }
+            Msg::Rep { req, epoch, key, prev_version, version, op, cow_from } => {
+                if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_sender_is_primary(from, key.slot())) {
+                    self.reply((from, req), Err(e));
+                    return self.unlock(key.slot());
+                }
+                if self.retired.contains(&key.owner) {
+                    self.reply((from, req), Err(IoErr::WriteRefused(format!("volume {} was deleted or collapsed away", key.owner))));
+                    return self.unlock(key.slot());
+                }
+                let local = self.objects.get(&key).copied().unwrap_or_default();
+                if local == version {
+                    self.reply((from, req), Ok(ReplyBody::Done));
+                    return self.unlock(key.slot());
+                }
+                let whole = matches!(op, RepOp::Put { .. });
+                let cow_ok = cow_from.is_none_or(|(p, v)| self.objects.get(&with_owner(key, p)) == Some(&v));
+                if !whole && (local != prev_version || !cow_ok) {
+                    self.reply((from, req), Ok(ReplyBody::NeedFull));
+                    return self.unlock(key.slot());
+                }
+                let track = match (&op, key.objno) {
+                    (RepOp::Put { data }, TRACK_OBJNO) => postcard::from_bytes(data).ok(),
+                    _ => None,
+                };
+                let op_id = self.new_op(Some(key.slot()), Kind::Replica { reply_to: (from, req), key, version, track });
+                let cow_from = if whole { None } else { cow_from.map(|(p, _)| with_owner(key, p)) };
+                self.disk(op_id, DiskCmd::Apply { key, version, op, cow_from });
+            }
+            Msg::Pull { req, key, epoch } => {
+                let slot = key.slot();
+                if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_primary(slot)) {
+                    self.reply((from, req), Err(e));
+                    return self.unlock(slot);
+                }
+                match self.objects.get(&key).copied() {
+                    None => {
+                        self.reply((from, req), Ok(ReplyBody::Object { version: Version::default(), data: vec![] }));
+                        self.unlock(slot);
+                    }
+                    Some(version) => {
+                        let op = self.new_op(Some(slot), Kind::Read { reply_to: (from, req), pull_of: Some((key, version)), body: None });
+                        self.disk(op, DiskCmd::ReadAll { key });
+                    }
+                }
+            }
+            Msg::Permission { req, epoch, table, .. }
+            | Msg::Super { req, epoch, table, .. }
+            | Msg::Collapse { req, epoch, table, .. }
+            | Msg::EndSuper { req, epoch, table, .. }
+                if self.check_epoch(epoch).and_then(|_| self.check_primary(track_key(table).slot())).is_err() =>
+            {
+                // The map changed while this waited for the lock: the sender retries elsewhere.
+                let e = self.check_epoch(epoch).and_then(|_| self.check_primary(track_key(table).slot())).unwrap_err();
+                self.reply((from, req), Err(e));
+                self.unlock(track_key(table).slot())
+            }
+            Msg::Permission { req, table, parent, .. } => self.on_permission(from, req, table, parent),
+            Msg::Super { req, table, parent, child, .. } => self.on_super(from, req, table, parent, child),
+            Msg::Collapse { req, table, child, .. } => self.on_collapse(from, req, table, child),
+            Msg::EndSuper { req, table, child, .. } => self.on_end_super(from, req, table, child),
+            other => unreachable!("not a slot-locked message: {other:?}"),
+        }
+    }
+
+    // ---- client I/O at the primary ------------------------------------------------------------
+
+    fn start_read(&mut self, from: Peer, req: ReqId, vol: &VolRef, objno: u64, offset: u32, len: u32) {
+        let slot = Slot { table: vol.table, objno };
+        let own = ObjKey { table: vol.table, objno, owner: vol.id };
+        // A child reads its own copy, else falls through to the parent's (§4.2).
+        let key = if self.objects.contains_key(&own) {
+            Some(own)
+        } else {
+            vol.parent.map(|p| with_owner(own, p)).filter(|k| self.objects.contains_key(k))
+        };
+        match key {
+            None => {
+                self.reply((from, req), Ok(ReplyBody::Data(vec![0; len as usize])));
+                self.unlock(slot);
+            }
+            Some(key) => {
+                let op = self.new_op(Some(slot), Kind::Read { reply_to: (from, req), pull_of: None, body: None });
+                self.disk(op, DiskCmd::Read { key, offset, len });
+            }
+        }
+    }
+
+    fn start_write(&mut self, from: Peer, req: ReqId, vol: VolRef, objno: u64, op: IoOp) {
+        let slot = Slot { table: vol.table, objno };
+        let entry = if vol.parent.is_none() { self.entries.get(&vol.id).copied() } else { None };
+        let vol_id = vol.id;
+        let op_id = self.new_op(
+            Some(slot),
+            Kind::Write {
+                reply_to: (from, req),
+                vol,
+                objno,
+                op,
+                waiting_permission: false,
+                started: None,
+                need_full: vec![],
+                reading_full: false,
+            },
+        );
+        match entry {
+            Some(TrackEntry::Fenced { .. }) => {
+                self.fail(op_id, IoErr::WriteRefused("the volume's super child was promoted; this volume is fenced".into()));
+            }
+            Some(TrackEntry::Tracked { table, .. }) => {
+                // First parent write on this shard since super: ask the tracking shard (§4.3).
+                if let Some(Kind::Write { waiting_permission, .. }) = self.ops.get_mut(&op_id).map(|o| &mut o.kind) {
+                    *waiting_permission = true;
+                }
+                match self.permissions.get_mut(&vol_id) {
+                    Some(p) => p.waiters.push(op_id),
+                    None => {
+                        self.permissions.insert(vol_id, PermissionState { table, waiters: vec![op_id] });
+                        let msg = Msg::Permission { req: 0, epoch: self.epoch(), table, parent: vol_id };
+                        self.send_request(Target::TrackingPrimary(table), msg, Owner::Permission(vol_id));
+                    }
+                }
+            }
+            _ => self.issue_write(op_id),
+        }
+    }
+
+    fn issue_write(&mut self, op_id: OpId) {
+        let epoch = self.epoch();
+        let Some(Op { kind: Kind::Write { vol, objno, op, started, .. }, .. }) = self.ops.get_mut(&op_id) else { return };
+        let key = ObjKey { table: vol.table, objno: *objno, owner: vol.id };
+        let object_size = vol.object_size_bytes;
+        let rep_op = match std::mem::replace(op, IoOp::Zero { offset: 0, len: 0 }) {
+            IoOp::Write { offset: 0, data } if data.len() as u32 == object_size => RepOp::Put { data },
+            IoOp::Zero { offset: 0, len } if len == object_size => RepOp::Put { data: vec![] },
+            IoOp::Write { offset, data } => RepOp::Write { offset, data },
+            IoOp::Zero { offset, len } => RepOp::Zero { offset, len },
+            IoOp::Read { .. } => unreachable!(),
+        };
+        let parent = vol.parent;
+        let prev = self.objects.get(&key).copied().unwrap_or_default();
+        let version = Version { epoch, seq: prev.seq + 1 };
+        *started = Some((key, version));
+        // Copy-on-write only for a partial write of a child object not yet copied.
+        let cow_from = match (parent, &rep_op) {
+            (Some(p), RepOp::Write { .. } | RepOp::Zero { .. }) if !self.objects.contains_key(&key) => {
+                self.objects.get(&with_owner(key, p)).map(|v| (p, *v))
+            }
+            _ => None,
+        };
+        for r in self.live_replicas(key.slot()) {
+            let msg = Msg::Rep { req: 0, epoch, key, prev_version: prev, version, op: rep_op.clone(), cow_from };
+            self.wait_on(op_id, Target::Shard(r), msg);
+        }
+        self.disk(op_id, DiskCmd::Apply { key, version, op: rep_op, cow_from: cow_from.map(|(p, _)| with_owner(key, p)) });
+    }
+
+    // ---- tracking shard -----------------------------------------------------------------------
+
+    fn table_track_or_default(&self, table: TableId) -> TableTrack {
+        self.tracks.get(&table).cloned().unwrap_or_default()
+    }
+
+    /// Persists and replicates a new tracking object, then replies (and broadcasts).
+    fn update_track(
+        &mut self,
+        reply_to: (Peer, ReqId),
+        table: TableId,
+        new: TableTrack,
+        reply: ReplyBody,
+        broadcast: Option<(VolId, TrackEntry)>,
+    ) {
+        let key = track_key(table);
+        let prev = self.objects.get(&key).copied().unwrap_or_default();
+        let version = Version { epoch: self.epoch(), seq: prev.seq + 1 };
+        let data = postcard::to_allocvec(&new).expect("tracking object encodes");
+        let op_id = self.new_op(Some(key.slot()), Kind::TrackUpdate { reply_to, key, version, new, reply, broadcast });
+        for r in self.live_replicas(key.slot()) {
+            let msg = Msg::Rep {
+                req: 0,
+                epoch: self.epoch(),
+                key,
+                prev_version: prev,
+                version,
+                op: RepOp::Put { data: data.clone() },
+                cow_from: None,
+            };
+            self.wait_on(op_id, Target::Shard(r), msg);
+        }
+        if let Some((parent, entry)) = broadcast {
+            self.broadcast_track(op_id, parent, entry);
+        }
+        self.disk(op_id, DiskCmd::Apply { key, version, op: RepOp::Put { data }, cow_from: None });
+    }
+
+    /// Tells every shard not down (and ourselves) to track `parent`; `super` returns only when
+    /// all of them, at one epoch, have saved it.
+    fn broadcast_track(&mut self, op_id: OpId, parent: VolId, entry: TrackEntry) {
+        self.set_entry(parent, entry);
+        let save = self.new_op(None, Kind::SaveEntries { reply_to: None, parent: None });
+        self.save_state(save);
+        let others: Vec<ShardId> = self
+            .map
+            .as_ref()
+            .map(|m| m.shards.iter().filter(|s| s.state != ShardState::Down && s.id != self.cfg.id).map(|s| s.id).collect())
+            .unwrap_or_default();
+        for s in others {
+            let msg = Msg::Track { req: 0, epoch: self.epoch(), parent, entry };
+            self.wait_on(op_id, Target::Shard(s), msg);
+        }
+    }
+
+    fn on_permission(&mut self, from: Peer, req: ReqId, table: TableId, parent: VolId) {
+        let mut t = self.table_track_or_default(table);
+        let slot = track_key(table).slot();
+        if t.fenced_parents.contains(&parent) {
+            self.reply((from, req), Ok(ReplyBody::Granted(false)));
+            return self.unlock(slot);
+        }
+        match &mut t.current {
+            Some(cur) if cur.parent == parent && cur.phase == Phase::Superposed => {
+                if !cur.allow_write {
+                    self.reply((from, req), Ok(ReplyBody::Granted(false)));
+                    self.unlock(slot)
+                } else if cur.dirty {
+                    self.reply((from, req), Ok(ReplyBody::Granted(true)));
+                    self.unlock(slot)
+                } else {
+                    cur.dirty = true;
+                    self.update_track((from, req), table, t, ReplyBody::Granted(true), None);
+                }
+            }
+            Some(cur) if cur.parent == parent && cur.phase == Phase::Promoted => {
+                self.reply((from, req), Ok(ReplyBody::Granted(false)));
+                self.unlock(slot)
+            }
+            _ => {
+                // Not (or no longer) tracked: an aborted super leaves the parent writable.
+                self.reply((from, req), Ok(ReplyBody::Granted(true)));
+                self.unlock(slot)
+            }
+        }
+    }
+
+    fn on_super(&mut self, from: Peer, req: ReqId, table: TableId, parent: VolId, child: VolId) {
+        let mut t = self.table_track_or_default(table);
+        let slot = track_key(table).slot();
+        match &t.current {
+            Some(cur) if cur.child == child && cur.parent == parent && cur.phase == Phase::Superposed => {
+                // A retried super: broadcast again so every shard surely tracks the parent.
+                let (p, e) = (parent, TrackEntry::Tracked { table, child });
+                return self.update_track((from, req), table, t, ReplyBody::Done, Some((p, e)));
+            }
+            Some(cur) => {
+                let msg = format!("volume already has a super child {} (phase {:?}); collapse it first", cur.child, cur.phase);
+                self.reply((from, req), Err(IoErr::BadRequest(msg)));
+                return self.unlock(slot);
+            }
+            None if t.fenced_parents.contains(&parent) => {
+                self.reply((from, req), Err(IoErr::BadRequest("volume was fenced by an earlier collapse".into())));
+                return self.unlock(slot);
+            }
+            None => {}
+        }
+        t.current = Some(TrackState { parent, child, dirty: false, allow_write: true, phase: Phase::Superposed });
+        self.update_track((from, req), table, t, ReplyBody::Done, Some((parent, TrackEntry::Tracked { table, child })));
+    }
+
+    fn on_collapse(&mut self, from: Peer, req: ReqId, table: TableId, child: VolId) {
+        let mut t = self.table_track_or_default(table);
+        let slot = track_key(table).slot();
+        let Some(cur) = t.current.as_mut().filter(|c| c.child == child) else {
+            self.reply((from, req), Err(IoErr::CollapseRefused(format!("volume {child} is not a super child"))));
+            return self.unlock(slot);
+        };
+        let outcome = match cur.phase {
+            Phase::Promoted => Some(CollapseOutcome::Promoted),
+            Phase::Aborted => Some(CollapseOutcome::Rejected),
+            Phase::Superposed => None,
+        };
+        if let Some(outcome) = outcome {
+            self.reply((from, req), Ok(ReplyBody::Collapse(outcome)));
+            return self.unlock(slot);
+        }
+        // The atomic step of collapse: one check-and-set on the tracking object (§4.3).
+        let outcome = if cur.dirty {
+            cur.phase = Phase::Aborted;
+            CollapseOutcome::Rejected
+        } else {
+            cur.allow_write = false;
+            cur.phase = Phase::Promoted;
+            let parent = cur.parent;
+            t.fenced_parents.push(parent);
+            CollapseOutcome::Promoted
+        };
+        self.update_track((from, req), table, t, ReplyBody::Collapse(outcome), None);
+    }
+
+    fn on_end_super(&mut self, from: Peer, req: ReqId, table: TableId, child: VolId) {
+        let mut t = self.table_track_or_default(table);
+        let slot = track_key(table).slot();
+        match &t.current {
+            Some(cur) if cur.child == child && cur.phase != Phase::Superposed => {
+                t.current = None;
+                self.update_track((from, req), table, t, ReplyBody::Done, None);
+            }
+            Some(cur) if cur.child == child => {
+                self.reply((from, req), Err(IoErr::BadRequest("super not collapsed yet".into())));
+                self.unlock(slot)
+            }
+            _ => {
+                self.reply((from, req), Ok(ReplyBody::Done));
+                self.unlock(slot)
+            }
+        }
+    }
+
+    // ---- data shard tracking list -------------------------------------------------------------
+
+    fn set_entry(&mut self, parent: VolId, entry: TrackEntry) {
+        // Fenced is final: a late or repeated message never unfences a parent.
+        if !matches!(self.entries.get(&parent), Some(TrackEntry::Fenced { .. })) {
+            self.entries.insert(parent, entry);
+        }
+    }
+
+    fn save_state(&mut self, op: OpId) {
+        self.state_seq += 1;
+        let mut entries: Vec<(VolId, TrackEntry)> = self.entries.iter().map(|(k, v)| (*k, *v)).collect();
+        entries.sort_by_key(|e| e.0);
+        let mut retired: Vec<VolId> = self.retired.iter().copied().collect();
+        retired.sort_unstable();
+        let bytes = postcard::to_allocvec(&SavedState { entries, retired }).expect("state encodes");
+        self.disk(op, DiskCmd::SaveState { seq: self.state_seq, bytes });
+    }
+
+    fn on_permission_reply(&mut self, parent: VolId, result: Result<ReplyBody, IoErr>) -> bool {
+        let granted = match result {
+            Ok(ReplyBody::Granted(g)) => g,
+            _ => return false, // retried on the next tick
+        };
+        let Some(p) = self.permissions.remove(&parent) else { return true };
+        let child = match self.entries.get(&parent) {
+            Some(TrackEntry::Tracked { child, .. } | TrackEntry::Granted { child, .. } | TrackEntry::Fenced { child, .. }) => *child,
+            None => 0,
+        };
+        if granted {
+            self.set_entry(parent, TrackEntry::Granted { table: p.table, child });
+            for w in p.waiters {
+                self.resume_write(w);
+            }
+        } else {
+            self.set_entry(parent, TrackEntry::Fenced { table: p.table, child });
+            let op = self.new_op(None, Kind::SaveEntries { reply_to: None, parent: None });
+            self.save_state(op);
+            for w in p.waiters {
+                self.fail(w, IoErr::WriteRefused("the volume's super child was promoted; this volume is fenced".into()));
+            }
+        }
+        true
+    }
+
+    fn resume_write(&mut self, op_id: OpId) {
+        if let Some(Op { kind: Kind::Write { waiting_permission, .. }, err, .. }) = self.ops.get_mut(&op_id) {
+            *waiting_permission = false;
+            if err.is_some() {
+                return self.advance(op_id);
+            }
+            self.issue_write(op_id);
+        }
+    }
+
+    // ---- GC, delete, tasks --------------------------------------------------------------------
+
+    fn on_gc(&mut self, from: Peer, req: ReqId, table: TableId, parent: VolId, child: VolId, promoted: bool) {
+        let mut tasks = vec![];
+        if promoted {
+            self.set_entry(parent, TrackEntry::Fenced { table, child });
+            self.retired.insert(parent);
+            // Parent objects the child copied are deleted; the rest are handed to the child.
+            for k in self.objects.keys().filter(|k| k.table == table && k.owner == parent) {
+                tasks.push(Task::HandOver { parent: *k, child: with_owner(*k, child) });
+            }
+        } else {
+            if matches!(self.entries.get(&parent), Some(TrackEntry::Tracked { child: c, .. } | TrackEntry::Granted { child: c, .. }) if *c == child)
+            {
+                self.entries.remove(&parent);
+            }
+            self.retired.insert(child);
+            for k in self.objects.keys().filter(|k| k.table == table && k.owner == child) {
+                tasks.push(Task::Delete(*k));
+            }
+        }
+        self.start_tasks(Some((from, req)), tasks, true);
+    }
+
+    fn start_tasks(&mut self, reply_to: Option<(Peer, ReqId)>, tasks: Vec<Task>, save_entries: bool) -> OpId {
+        let for_recovery = reply_to.is_none() && !save_entries;
+        if for_recovery {
+            if let Some(r) = &mut self.recovery {
+                r.tasks_in_flight += 1;
+            }
+        }
+        let parent = self.new_op(None, Kind::Tasks { reply_to, remaining: tasks.len() + save_entries as usize, for_recovery });
+        if save_entries {
+            let save = self.new_op(None, Kind::SaveEntries { reply_to: None, parent: Some(parent) });
+            self.save_state(save);
+        }
+        for task in tasks {
+            let slot = match &task {
+                Task::Delete(k) | Task::HandOver { parent: k, .. } | Task::Install { key: k, .. } => k.slot(),
+            };
+            if self.lock_or_queue(slot, Queued::Task(parent, task.clone())) {
+                self.run_task(parent, task);
+            }
+        }
+        self.advance(parent);
+        parent
+    }
+
+    /// Runs one task with its slot lock held.
+    fn run_task(&mut self, parent: OpId, task: Task) {
+        let (slot, cmd) = match &task {
+            Task::Delete(k) => {
+                if !self.objects.contains_key(k) {
+                    return self.task_done(parent, k.slot());
+                }
+                (k.slot(), DiskCmd::Delete { key: *k })
+            }
+            Task::HandOver { parent: p, child } => {
+                if !self.objects.contains_key(p) {
+                    return self.task_done(parent, p.slot());
+                }
+                let cmd = if self.objects.contains_key(child) {
+                    DiskCmd::Delete { key: *p }
+                } else {
+                    DiskCmd::Rename { from: *p, to: *child }
+                };
+                (p.slot(), cmd)
+            }
+            Task::Install { key, version, data } => {
+                if self.recovery.as_ref().is_some_and(|r| r.touched.contains(key)) {
+                    // A replicated write reached this slot after we listed it: it is current.
+                    return self.task_done(parent, key.slot());
+                }
+                let cmd = if *version == Version::default() {
+                    if !self.objects.contains_key(key) {
+                        return self.task_done(parent, key.slot());
+                    }
+                    DiskCmd::Delete { key: *key }
+                } else {
+                    DiskCmd::Apply { key: *key, version: *version, op: RepOp::Put { data: data.clone() }, cow_from: None }
+                };
+                (key.slot(), cmd)
+            }
+        };
+        let op = self.new_op(Some(slot), Kind::Task { parent, task });
+        self.disk(op, cmd);
+    }
+
+    fn task_done(&mut self, parent: OpId, slot: Slot) {
+        self.unlock(slot);
+        self.child_task_finished(parent);
+    }
+
+    fn child_task_finished(&mut self, parent: OpId) {
+        if let Some(Op { kind: Kind::Tasks { remaining, .. }, .. }) = self.ops.get_mut(&parent) {
+            *remaining -= 1;
+        }
+        self.advance(parent);
+    }
+
+    // ---- completions --------------------------------------------------------------------------
+
+    fn on_disk(&mut self, id: u64, result: Result<DiskOut, DiskErr>) {
+        let Some(op_id) = self.disk_owner.remove(&id) else { return };
+        let Some(op) = self.ops.get_mut(&op_id) else { return };
+        op.disk.remove(&id);
+        let err = match &result {
+            Ok(_) => None,
+            Err(DiskErr::NoSpace) => Some(IoErr::NoSpace(self.cfg.id)),
+            Err(DiskErr::Io(m)) => Some(IoErr::Io(format!("shard {}: {m}", self.cfg.id))),
+        };
+        if let Some(e) = err {
+            op.err.get_or_insert(e);
+        }
+        let ok = result.is_ok();
+        match &mut op.kind {
+            Kind::Write { started: Some((key, version)), reading_full, .. } => {
+                if *reading_full {
+                    *reading_full = false;
+                    if let Ok(DiskOut::Data(data)) = result {
+                        let (key, version) = (*key, *version);
+                        return self.send_full(op_id, key, version, data);
+                    }
+                } else if ok {
+                    self.objects.insert(*key, *version);
+                }
+            }
+            Kind::Replica { key, version, .. } | Kind::TrackUpdate { key, version, .. } if ok => {
+                let (key, version) = (*key, *version);
+                self.objects.insert(key, version);
+                match &op.kind {
+                    Kind::TrackUpdate { new, .. } | Kind::Replica { track: Some(new), .. } => {
+                        self.tracks.insert(key.table, new.clone());
+                    }
+                    _ => {}
+                }
+            }
+            Kind::Replica { .. } | Kind::TrackUpdate { .. } => {}
+            Kind::Read { pull_of, body, .. } => {
+                *body = match (result, *pull_of) {
+                    (Ok(DiskOut::Data(data)), None) => Some(ReplyBody::Data(data)),
+                    (Ok(DiskOut::Data(data)), Some((_, version))) => Some(ReplyBody::Object { version, data }),
+                    _ => {
+                        op.err.get_or_insert(IoErr::Io("disk returned no data".into()));
+                        None
+                    }
+                };
+            }
+            Kind::Task { task, .. } if ok => match task.clone() {
+                Task::Delete(k) => {
+                    self.objects.remove(&k);
+                    if k.objno == TRACK_OBJNO {
+                        self.tracks.remove(&k.table);
+                    }
+                }
+                Task::HandOver { parent, child } => {
+                    if let Some(v) = self.objects.remove(&parent) {
+                        self.objects.entry(child).or_insert(v);
+                    }
+                }
+                Task::Install { key, version, data } => {
+                    if version == Version::default() {
+                        self.objects.remove(&key);
+                    } else {
+                        self.objects.insert(key, version);
+                    }
+                    if key.objno == TRACK_OBJNO {
+                        match postcard::from_bytes::<TableTrack>(&data) {
+                            Ok(t) if version != Version::default() => self.tracks.insert(key.table, t),
+                            _ => self.tracks.remove(&key.table),
+                        };
+                    }
+                }
+            },
+            _ => {}
+        }
+        self.advance(op_id);
+    }
+
+    fn on_reply(&mut self, req: ReqId, result: Result<ReplyBody, IoErr>) {
+        let Some(o) = self.outstanding.get(&req) else { return };
+        match o.owner {
+            Owner::Permission(parent) => {
+                if self.on_permission_reply(parent, result) {
+                    self.outstanding.remove(&req);
+                }
+            }
+            Owner::Recovery => {
+                if result.as_ref().is_err_and(|e| e.is_retryable()) {
+                    return; // resent on a later tick
+                }
+                let o = self.outstanding.remove(&req).unwrap();
+                self.on_recovery_reply(o, result);
+            }
+            Owner::Op(op_id) => {
+                if result.as_ref().is_err_and(|e| e.is_retryable()) {
+                    return; // resent on a later tick
+                }
+                let o = self.outstanding.remove(&req).unwrap();
+                let Some(op) = self.ops.get_mut(&op_id) else { return };
+                op.waits.remove(&req);
+                match result {
+                    Ok(ReplyBody::NeedFull) => {
+                        if let (Kind::Write { need_full, .. }, Target::Shard(s)) = (&mut op.kind, o.target) {
+                            need_full.push(s);
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        op.err.get_or_insert(e);
+                    }
+                }
+                self.advance(op_id);
+            }
+        }
+    }
+
+    /// Finishes an operation once nothing is pending.
+    fn advance(&mut self, op_id: OpId) {
+        let Some(op) = self.ops.get(&op_id) else { return };
+        if !op.disk.is_empty() || !op.waits.is_empty() {
+            return;
+        }
+        if let Kind::Write { waiting_permission: true, .. } = op.kind {
+            return;
+        }
+        if let Kind::Write { need_full, started: Some((key, _)), .. } = &op.kind {
+            if !need_full.is_empty() && op.err.is_none() {
+                let key = *key;
+                if let Some(Op { kind: Kind::Write { reading_full, .. }, .. }) = self.ops.get_mut(&op_id) {
+                    *reading_full = true;
+                }
+                return self.disk(op_id, DiskCmd::ReadAll { key });
+            }
+        }
+        if let Kind::Tasks { remaining, .. } = op.kind {
+            if remaining > 0 {
+                return;
+            }
+        }
+        let op = self.ops.remove(&op_id).unwrap();
+        let result = match op.err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        match op.kind {
+            Kind::Write { reply_to, .. } => self.reply(reply_to, result.map(|_| ReplyBody::Done)),
+            Kind::Read { reply_to, body, .. } => self.reply(reply_to, result.map(|_| body.expect("read completed"))),
+            Kind::Replica { reply_to, .. } => self.reply(reply_to, result.map(|_| ReplyBody::Done)),
+            Kind::TrackUpdate { reply_to, reply, .. } => self.reply(reply_to, result.map(|_| reply)),
+            Kind::SaveEntries { reply_to, parent } => {
+                if let Some(r) = reply_to {
+                    self.reply(r, result.map(|_| ReplyBody::Done));
+                }
+                if let Some(parent) = parent {
+                    return self.child_task_finished(parent);
+                }
+            }
+            Kind::Tasks { reply_to, for_recovery, .. } => {
+                if let Some(r) = reply_to {
+                    self.reply(r, result.map(|_| ReplyBody::Done));
+                }
+                if for_recovery {
+                    if let Some(r) = &mut self.recovery {
+                        r.tasks_in_flight = r.tasks_in_flight.saturating_sub(1);
+                    }
+                    self.recovery_step();
+                }
+            }
+            Kind::Task { parent, .. } => {
+                if let Some(slot) = op.slot {
+                    self.unlock(slot);
+                }
+                return self.child_task_finished(parent);
+            }
+        }
+        if let Some(slot) = op.slot {
+            self.unlock(slot);
+        }
+    }
+
+    fn fail(&mut self, op_id: OpId, e: IoErr) {
+        if let Some(op) = self.ops.get_mut(&op_id) {
+            op.err.get_or_insert(e);
+            if let Kind::Write { waiting_permission, .. } = &mut op.kind {
+                *waiting_permission = false;
+            }
+        }
+        self.advance(op_id);
+    }
+
+    fn send_full(&mut self, op_id: OpId, key: ObjKey, version: Version, data: Vec<u8>) {
+        let targets = match self.ops.get_mut(&op_id) {
+            Some(Op { kind: Kind::Write { need_full, .. }, .. }) => std::mem::take(need_full),
+            _ => return,
+        };
+        for s in targets {
+            let msg = Msg::Rep {
+                req: 0,
+                epoch: self.epoch(),
+                key,
+                prev_version: Version::default(),
+                version,
+                op: RepOp::Put { data: data.clone() },
+                cow_from: None,
+            };
+            self.wait_on(op_id, Target::Shard(s), msg);
+        }
+        self.advance(op_id);
+    }
+
+    // ---- map changes and ticks ----------------------------------------------------------------
+
+    fn on_map(&mut self, map: ClusterMap) {
+        if self.map.as_ref().is_some_and(|m| m.epoch >= map.epoch) {
+            return;
+        }
+        let me = map.state(self.cfg.id);
+        self.map = Some(map);
+        // Stop waiting for shards now down; re-address everything else at the new epoch.
+        let reqs: Vec<ReqId> = self.outstanding.keys().copied().collect();
+        for req in reqs {
+            let epoch = self.epoch();
+            let o = self.outstanding.get_mut(&req).unwrap();
+            set_epoch(&mut o.msg, epoch);
+            let (target, owner) = (o.target, o.owner);
+            if self.resolve(target).is_none() {
+                if let (Owner::Op(op), Target::Shard(_)) = (owner, target) {
+                    self.outstanding.remove(&req);
+                    if let Some(op) = self.ops.get_mut(&op) {
+                        op.waits.remove(&req);
+                    }
+                    self.advance(op);
+                }
+                continue;
+            }
+            let msg = self.outstanding[&req].msg.clone();
+            self.outstanding.get_mut(&req).unwrap().sent_us = self.now_us;
+            self.transmit(target, &msg);
+        }
+        // A super in progress must be acknowledged by every live shard at one epoch: re-broadcast.
+        let supers: Vec<(OpId, VolId, TrackEntry)> = self
+            .ops
+            .iter()
+            .filter_map(|(id, o)| match &o.kind {
+                Kind::TrackUpdate { broadcast: Some((p, e)), .. } => Some((*id, *p, *e)),
+                _ => None,
+            })
+            .collect();
+        for (op_id, parent, entry) in supers {
+            let track_waits: Vec<ReqId> = self
+                .outstanding
+                .iter()
+                .filter(|(_, o)| o.owner == Owner::Op(op_id) && matches!(o.msg, Msg::Track { .. }))
+                .map(|(r, _)| *r)
+                .collect();
+            for r in track_waits {
+                self.outstanding.remove(&r);
+                if let Some(op) = self.ops.get_mut(&op_id) {
+                    op.waits.remove(&r);
+                }
+            }
+            self.broadcast_track(op_id, parent, entry);
+        }
+        // Writes whose slot we no longer lead fail; the client retries at the new primary.
+        let lost: Vec<OpId> = self
+            .ops
+            .iter()
+            .filter_map(|(id, o)| match (&o.kind, o.slot) {
+                (Kind::Write { .. } | Kind::TrackUpdate { .. }, Some(slot)) if !self.is_primary(slot) => Some(*id),
+                _ => None,
+            })
+            .collect();
+        for op_id in lost {
+            let waits: Vec<ReqId> = self.ops[&op_id].waits.iter().copied().collect();
+            for r in waits {
+                self.outstanding.remove(&r);
+            }
+            let op = self.ops.get_mut(&op_id).unwrap();
+            op.waits.clear();
+            op.err.get_or_insert(IoErr::NotPrimary);
+            if let Kind::Write { waiting_permission, need_full, .. } = &mut op.kind {
+                *waiting_permission = false;
+                need_full.clear();
+            }
+            for p in self.permissions.values_mut() {
+                p.waiters.retain(|w| *w != op_id);
+            }
+            self.advance(op_id);
+        }
+        if me == ShardState::Recovering && self.recovery.as_ref().is_none_or(|r| r.epoch != self.epoch()) {
+            self.start_recovery();
+        }
+        if me == ShardState::Up {
+            self.recovery = None;
+        }
+    }
+
+    fn on_tick(&mut self, now_us: u64) {
+        self.now_us = self.now_us.max(now_us);
+        let due: Vec<ReqId> = self
+            .outstanding
+            .iter()
+            .filter(|(_, o)| self.now_us.saturating_sub(o.sent_us) >= self.cfg.resend_after_us)
+            .map(|(r, _)| *r)
+            .collect();
+        for req in due {
+            let o = self.outstanding.get_mut(&req).unwrap();
+            o.sent_us = self.now_us;
+            let (target, msg) = (o.target, o.msg.clone());
+            self.transmit(target, &msg);
+        }
+    }
+
+    // ---- recovery (re-replication) ------------------------------------------------------------
+
+    fn start_recovery(&mut self) {
+        let epoch = self.epoch();
+        // Our tracking list may be stale: rebuild it from the live shards' lists.
+        self.entries.clear();
+        let old_touched = self.recovery.take().map(|r| r.touched).unwrap_or_default();
+        let peers: Vec<ShardId> = self
+            .map
+            .as_ref()
+            .map(|m| m.shards.iter().filter(|s| s.state == ShardState::Up && s.id != self.cfg.id).map(|s| s.id).collect())
+            .unwrap_or_default();
+        self.recovery = Some(Recovery {
+            epoch,
+            listing: peers.iter().map(|p| (*p, None)).collect(),
+            peers: peers.iter().copied().collect(),
+            touched: old_touched,
+            ..Default::default()
+        });
+        for p in peers {
+            self.send_request(Target::Shard(p), Msg::ListObjects { req: 0, epoch, after: None }, Owner::Recovery);
+        }
+        self.recovery_step();
+    }
+
+    fn on_list(&mut self, from: Peer, req: ReqId, epoch: Epoch, after: Option<ObjKey>) {
+        if let Err(e) = self.check_epoch(epoch) {
+            return self.reply((from, req), Err(e));
+        }
+        let Peer::Shard(asker) = from else {
+            return self.reply((from, req), Err(IoErr::BadRequest("only shards list objects".into())));
+        };
+        let map = self.map.as_ref().unwrap();
+        let mut objects = vec![];
+        let mut more = false;
+        let range = match after {
+            Some(a) => self.objects.range((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded)),
+            None => self.objects.range(..),
+        };
+        for (k, v) in range {
+            if objects.len() >= self.cfg.list_page_objects {
+                more = true;
+                break;
+            }
+            let slot = k.slot();
+            if map.primary(slot) == Some(self.cfg.id) && map.placement(slot).contains(&asker) {
+                objects.push((*k, *v));
+            }
+        }
+        let first = after.is_none();
+        if first {
+            // Mutations in flight may have started before the asker was a replica and so not
+            // reach it: list them as changing, so it pulls them once they are done.
+            let changing = Version { epoch: Epoch::MAX, seq: 0 };
+            for o in self.ops.values() {
+                let key = match &o.kind {
+                    Kind::Write { started: Some((key, _)), .. } | Kind::TrackUpdate { key, .. } => *key,
+                    _ => continue,
+                };
+                if map.placement(key.slot()).contains(&asker) {
+                    objects.retain(|(k, _)| *k != key);
+                    objects.push((key, changing));
+                }
+            }
+        }
+        let tracks = if first { self.entries.iter().map(|(k, v)| (*k, *v)).collect() } else { vec![] };
+        let retired = if first { self.retired.iter().copied().collect() } else { vec![] };
+        self.reply((from, req), Ok(ReplyBody::Objects { objects, tracks, retired, more }));
+    }
+
+    fn on_recovery_reply(&mut self, o: Outstanding, result: Result<ReplyBody, IoErr>) {
+        let Some(r) = &mut self.recovery else { return };
+        match (o.msg, result) {
+            (Msg::ListObjects { epoch, .. }, Ok(ReplyBody::Objects { objects, tracks, retired, more })) if epoch == r.epoch => {
+                let Target::Shard(peer) = o.target else { return };
+                let last = objects.last().map(|(k, _)| *k);
+                for (k, v) in objects {
+                    r.listed.insert(k, (v, peer));
+                }
+                self.retired.extend(retired);
+                for (parent, entry) in tracks {
+                    let entry = match entry {
+                        TrackEntry::Granted { table, child } => TrackEntry::Tracked { table, child },
+                        e => e,
+                    };
+                    if !matches!(self.entries.get(&parent), Some(TrackEntry::Fenced { .. })) {
+                        self.entries.insert(parent, entry);
+                    }
+                }
+                let r = self.recovery.as_mut().unwrap();
+                if more {
+                    r.listing.insert(peer, last);
+                    self.send_request(Target::Shard(peer), Msg::ListObjects { req: 0, epoch, after: last }, Owner::Recovery);
+                } else {
+                    r.listing.remove(&peer);
+                    if r.listing.is_empty() {
+                        self.plan_recovery();
+                    }
+                }
+            }
+            (Msg::Pull { key, .. }, Ok(ReplyBody::Object { version, data })) => {
+                r.pulls_in_flight -= 1;
+                self.start_tasks(None, vec![Task::Install { key, version, data }], false);
+                self.recovery_step();
+            }
+            (Msg::Pull { .. }, _) => {
+                // The object is unreadable at the primary; recovery restarts at the next map.
+                r.pulls_in_flight -= 1;
+                self.recovery_step();
+            }
+            _ => {}
+        }
+    }
+
+    fn plan_recovery(&mut self) {
+        let entries_op = self.new_op(None, Kind::SaveEntries { reply_to: None, parent: None });
+        self.save_state(entries_op);
+        let map = self.map.clone().unwrap();
+        let r = self.recovery.as_mut().unwrap();
+        for (k, (v, peer)) in &r.listed {
+            if !r.touched.contains(k) && self.objects.get(k) != Some(v) {
+                r.pulls.push_back((*k, *peer));
+            }
+        }
+        // Objects here that their primary no longer has (deleted or collected while we were
+        // away). Slots no listed peer leads are left alone: we may hold their only copy.
+        let stale: Vec<ObjKey> = self
+            .objects
+            .keys()
+            .filter(|k| {
+                !r.listed.contains_key(k)
+                    && !r.touched.contains(k)
+                    && map.primary(k.slot()).is_some_and(|p| r.peers.contains(&p))
+                    && map.placement(k.slot()).contains(&self.cfg.id)
+            })
+            .copied()
+            .collect();
+        if !stale.is_empty() {
+            self.start_tasks(None, stale.into_iter().map(Task::Delete).collect(), false);
+        }
+        self.recovery_step();
+    }
+
+    fn recovery_step(&mut self) {
+        let epoch = self.epoch();
+        let Some(r) = &mut self.recovery else { return };
+        if !r.listing.is_empty() || r.reported {
+            return;
+        }
+        let mut to_send = vec![];
+        while r.pulls_in_flight < self.cfg.max_pulls_in_flight {
+            let Some((key, peer)) = r.pulls.pop_front() else { break };
+            r.pulls_in_flight += 1;
+            to_send.push((key, peer));
+        }
+        let done = r.pulls.is_empty() && r.pulls_in_flight == 0 && r.tasks_in_flight == 0 && to_send.is_empty();
+        if done {
+            r.reported = true;
+            self.out.push(Output::Send { to: Peer::Meta, msg: Msg::Recovered { shard: self.cfg.id, epoch } });
+        }
+        for (key, peer) in to_send {
+            self.send_request(Target::Shard(peer), Msg::Pull { req: 0, epoch, key }, Owner::Recovery);
+        }
+    }
+}
+

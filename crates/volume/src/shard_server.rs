@@ -1,0 +1,289 @@
+//! The runtime driver of a shard: real sockets, real files, a real clock, around [`ShardCore`].
+//!
+//! One task owns the core and feeds it inputs from a bounded channel: messages read by the
+//! connection tasks, completed disk commands (run on tokio's blocking pool so many fdatasyncs
+//! proceed in parallel), and clock ticks. Outputs go to per-connection writer tasks, also through
+//! bounded channels; a message that cannot be queued is dropped and the core's resend timer or
+//! the client's retry covers it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tokio::io::BufWriter;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+use crate::shard_core::{Input, Output, Peer, ShardConfig, ShardCore};
+use crate::store::FileStore;
+use crate::types::*;
+
+/// Messages waiting for one connection's writer.
+pub const CONN_QUEUE_MSGS: usize = 4096;
+/// Inputs waiting for the core.
+pub const CORE_QUEUE_INPUTS: usize = 8192;
+const TICK_INTERVAL_MS: u64 = 20;
+
+#[derive(Clone, Debug)]
+pub struct ShardOptions {
+    pub id: ShardId,
+    pub listen: SocketAddr,
+    /// Address other shards and clients reach this shard at (defaults to `listen`).
+    pub advertise: Option<String>,
+    pub data_dir: PathBuf,
+    pub meta_addr: String,
+    pub secret: Vec<u8>,
+    pub create: bool,
+}
+
+enum CoreEvent {
+    Input(Input),
+    ClientConn(u64, mpsc::Sender<Msg>),
+    ClientGone(u64),
+    PeerGone(ShardId),
+    MetaConn(mpsc::Sender<Msg>),
+}
+
+/// Runs a shard until the process is stopped.
+pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
+    let store = Arc::new(FileStore::open(&opts.data_dir, opts.create).map_err(anyhow::Error::msg)?);
+    let boot = {
+        let s = store.clone();
+        tokio::task::spawn_blocking(move || s.boot()).await?.context("reading the shard's objects")?
+    };
+    tracing::info!(shard = opts.id, objects = boot.objects.len(), "shard starting");
+    let listener = TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
+    let advertise = opts.advertise.clone().unwrap_or_else(|| listener.local_addr().unwrap().to_string());
+    let core = ShardCore::new(ShardConfig::new(opts.id), boot);
+    let (tx, rx) = mpsc::channel::<CoreEvent>(CORE_QUEUE_INPUTS);
+    let secret: Arc<[u8]> = opts.secret.clone().into();
+
+    // Accept clients and peers.
+    {
+        let tx = tx.clone();
+        let secret = secret.clone();
+        tokio::spawn(async move {
+            let mut next_conn = 1u64;
+            loop {
+                let Ok((sock, _)) = listener.accept().await else { continue };
+                let _ = sock.set_nodelay(true);
+                let conn = next_conn;
+                next_conn += 1;
+                tokio::spawn(serve_conn(sock, conn, tx.clone(), secret.clone()));
+            }
+        });
+    }
+    // Keep a control link to the metadata service.
+    {
+        let tx = tx.clone();
+        let secret = secret.clone();
+        let boot_id: u64 = rand::random();
+        let (meta_addr, id) = (opts.meta_addr.clone(), opts.id);
+        tokio::spawn(async move {
+            loop {
+                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, &tx, &secret).await {
+                    tracing::warn!("metadata link to {meta_addr}: {e:#}; reconnecting");
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+    }
+    // Clock.
+    {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let start = Instant::now();
+            let mut iv = tokio::time::interval(Duration::from_millis(TICK_INTERVAL_MS));
+            loop {
+                iv.tick().await;
+                let now_us = start.elapsed().as_micros() as u64;
+                if tx.send(CoreEvent::Input(Input::Tick { now_us })).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    core_loop(core, rx, tx, store, secret, opts.id).await;
+    Ok(())
+}
+
+async fn core_loop(
+    mut core: ShardCore,
+    mut rx: mpsc::Receiver<CoreEvent>,
+    tx: mpsc::Sender<CoreEvent>,
+    store: Arc<FileStore>,
+    secret: Arc<[u8]>,
+    me: ShardId,
+) {
+    let mut clients: HashMap<u64, mpsc::Sender<Msg>> = HashMap::new();
+    let mut peers: HashMap<ShardId, mpsc::Sender<Msg>> = HashMap::new();
+    let mut meta: Option<mpsc::Sender<Msg>> = None;
+    while let Some(ev) = rx.recv().await {
+        let outputs = match ev {
+            CoreEvent::Input(input) => core.handle(input),
+            CoreEvent::ClientConn(c, s) => {
+                clients.insert(c, s);
+                continue;
+            }
+            CoreEvent::ClientGone(c) => {
+                clients.remove(&c);
+                continue;
+            }
+            CoreEvent::PeerGone(s) => {
+                peers.remove(&s);
+                continue;
+            }
+            CoreEvent::MetaConn(s) => {
+                meta = Some(s);
+                continue;
+            }
+        };
+        for out in outputs {
+            match out {
+                Output::Send { to: Peer::Client(c), msg } => {
+                    if let Some(s) = clients.get(&c) {
+                        let _ = s.try_send(msg);
+                    }
+                }
+                Output::Send { to: Peer::Meta, msg } => {
+                    if let Some(s) = &meta {
+                        let _ = s.try_send(msg);
+                    }
+                }
+                Output::Send { to: Peer::Shard(s), msg } => {
+                    if !peers.contains_key(&s) {
+                        let Some(addr) = core.map().and_then(|m| m.addr(s)).map(str::to_string) else { continue };
+                        let (ptx, prx) = mpsc::channel(CONN_QUEUE_MSGS);
+                        peers.insert(s, ptx);
+                        tokio::spawn(peer_link(me, s, addr, prx, tx.clone(), secret.clone()));
+                    }
+                    let _ = peers[&s].try_send(msg);
+                }
+                Output::Disk { id, cmd } => {
+                    let store = store.clone();
+                    let tx = tx.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let result = store.run(cmd);
+                        let _ = tx.blocking_send(CoreEvent::Input(Input::Disk { id, result }));
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// Authenticates and identifies an outgoing connection.
+pub async fn dial(addr: &str, secret: &[u8], hello: &Hello) -> anyhow::Result<TcpStream> {
+    let mut sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
+        .await
+        .with_context(|| format!("timed out connecting to {addr}"))?
+        .with_context(|| format!("cannot connect to {addr}"))?;
+    sock.set_nodelay(true)?;
+    wire::auth::connect(&mut sock, secret).await.with_context(|| format!("authenticating to {addr}"))?;
+    wire::write_msg(&mut sock, hello).await?;
+    Ok(sock)
+}
+
+/// Writes queued messages to a socket, flushing whenever the queue runs dry.
+pub async fn writer_loop<W: tokio::io::AsyncWrite + Unpin>(w: W, mut rx: mpsc::Receiver<Msg>) {
+    let mut w = BufWriter::with_capacity(256 * 1024, w);
+    while let Some(msg) = rx.recv().await {
+        if wire::write_msg(&mut w, &msg).await.is_err() {
+            return;
+        }
+        while let Ok(msg) = rx.try_recv() {
+            if wire::write_msg(&mut w, &msg).await.is_err() {
+                return;
+            }
+        }
+        if tokio::io::AsyncWriteExt::flush(&mut w).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn peer_link(
+    me: ShardId,
+    peer: ShardId,
+    addr: String,
+    rx: mpsc::Receiver<Msg>,
+    tx: mpsc::Sender<CoreEvent>,
+    secret: Arc<[u8]>,
+) {
+    match dial(&addr, &secret, &Hello::Shard(me)).await {
+        Ok(sock) => {
+            let (r, w) = sock.into_split();
+            let reader = tokio::spawn(read_loop(r, Peer::Shard(peer), tx.clone()));
+            writer_loop(w, rx).await;
+            reader.abort();
+        }
+        Err(e) => tracing::debug!("link to shard {peer} at {addr}: {e:#}"),
+    }
+    let _ = tx.send(CoreEvent::PeerGone(peer)).await;
+}
+
+async fn read_loop<R: tokio::io::AsyncRead + Unpin>(r: R, from: Peer, tx: mpsc::Sender<CoreEvent>) {
+    let mut r = tokio::io::BufReader::with_capacity(256 * 1024, r);
+    loop {
+        match wire::read_msg::<Msg, _>(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES).await {
+            Ok(msg) => {
+                if tx.send(CoreEvent::Input(Input::Msg { from, msg })).await.is_err() {
+                    return;
+                }
+            }
+            Err(wire::WireError::Closed) => return,
+            Err(e) => {
+                tracing::warn!("closing connection from {from:?}: {e}");
+                return;
+            }
+        }
+    }
+}
+
+async fn serve_conn(mut sock: TcpStream, conn: u64, tx: mpsc::Sender<CoreEvent>, secret: Arc<[u8]>) {
+    let hello = async {
+        wire::auth::accept(&mut sock, &secret).await?;
+        wire::read_msg::<Hello, _>(&mut sock, 1024).await
+    };
+    let hello = match tokio::time::timeout(Duration::from_secs(5), hello).await {
+        Ok(Ok(h)) => h,
+        Ok(Err(e)) => return tracing::warn!("refused connection: {e}"),
+        Err(_) => return tracing::warn!("refused connection: handshake timed out"),
+    };
+    let (r, w) = sock.into_split();
+    match hello {
+        Hello::Shard(s) => read_loop(r, Peer::Shard(s), tx).await,
+        Hello::Client => {
+            let (ctx, crx) = mpsc::channel(CONN_QUEUE_MSGS);
+            if tx.send(CoreEvent::ClientConn(conn, ctx)).await.is_err() {
+                return;
+            }
+            let writer = tokio::spawn(writer_loop(w, crx));
+            read_loop(r, Peer::Client(conn), tx.clone()).await;
+            writer.abort();
+            let _ = tx.send(CoreEvent::ClientGone(conn)).await;
+        }
+    }
+}
+
+async fn meta_link(
+    meta_addr: &str,
+    id: ShardId,
+    advertise: &str,
+    boot_id: u64,
+    tx: &mpsc::Sender<CoreEvent>,
+    secret: &[u8],
+) -> anyhow::Result<()> {
+    let sock = dial(meta_addr, secret, &Hello::Shard(id)).await?;
+    let (r, w) = sock.into_split();
+    let (mtx, mrx) = mpsc::channel(CONN_QUEUE_MSGS);
+    mtx.send(Msg::Register { shard: id, addr: advertise.to_string(), boot_id }).await?;
+    tx.send(CoreEvent::MetaConn(mtx)).await?;
+    let writer = tokio::spawn(writer_loop(w, mrx));
+    read_loop(r, Peer::Meta, tx.clone()).await;
+    writer.abort();
+    bail!("metadata service closed the link")
+}

@@ -1,0 +1,780 @@
+//! The shard core under the deterministic simulator: parent writes racing `super` and
+//! `collapse`, shards crashing (losing and tearing unsynced writes) and restarting, partitions,
+//! message loss, duplication and reordering, and the tracking shard failing over.
+//!
+//! Every seed checks the safety property of SpecREDS §4.4 — once a child is promoted, no parent
+//! write issued after `super` returned was acknowledged, and the child's content is the parent's
+//! at `super` plus the child's own writes — plus replica agreement, no lost acknowledged write,
+//! and no leaked objects after garbage collection. A failing seed reproduces exactly:
+//! `SIM_SEED=<n> cargo test -p volume --test sim_super_collapse -- --nocapture`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use sim::{Delivery, EventQueue, NetConfig, Network, NodeId, SimRng, TimeUs};
+use volume::shard_core::*;
+use volume::sim_store::{SimStore, Started};
+use volume::types::*;
+
+const META: NodeId = 99;
+const CLIENT_BASE: NodeId = 100;
+const SHARDS: u32 = 4;
+const OBJECT_BYTES: u32 = 4096;
+const BLOCK_BYTES: u32 = 512;
+const OBJECTS: u64 = 6;
+const BLOCKS: u64 = OBJECTS * (OBJECT_BYTES / BLOCK_BYTES) as u64;
+const TABLE: TableId = 1;
+const PARENT: VolId = 1;
+const CHILD: VolId = 2;
+const CLIENTS_PER_VOLUME: usize = 3;
+const CLIENT_TIMEOUT_US: u64 = 30_000;
+const CONTROL_TIMEOUT_US: u64 = 30_000;
+
+enum Ev {
+    Deliver(Delivery<Msg>),
+    DiskDone { shard: u32, gen: u64, id: u64, started: Started },
+    Tick,
+    ClientWake { client: usize, gen: u64 },
+    Crash(u32),
+    Restart(u32),
+    Isolate(u32),
+    Heal(u32),
+    MarkDown(u32),
+    Super,
+    Collapse,
+    StopFaults,
+}
+
+impl From<Delivery<Msg>> for Ev {
+    fn from(d: Delivery<Msg>) -> Self {
+        Ev::Deliver(d)
+    }
+}
+
+struct Shard {
+    core: Option<ShardCore>,
+    store: SimStore,
+    gen: u64,
+    isolated: bool,
+}
+
+#[derive(Clone, Debug)]
+struct WriteRec {
+    child: bool,
+    block: u64,
+    value: u64,
+    issued_us: TimeUs,
+    acked_us: Option<TimeUs>,
+    refused: bool,
+}
+
+struct Client {
+    child: bool,
+    blocks: Vec<u64>,
+    active: bool,
+    /// (request id, history indices of the write in flight, the message, sent at)
+    current: Option<(ReqId, Vec<usize>, Msg, TimeUs)>,
+    gen: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ControlKind {
+    Super,
+    Collapse,
+    Gc,
+    EndSuper,
+}
+
+struct World {
+    rng: SimRng,
+    q: EventQueue<Ev>,
+    net: Network<Msg>,
+    shards: Vec<Shard>,
+    map: ClusterMap,
+    clients: Vec<Client>,
+    history: Vec<WriteRec>,
+    next_req: u64,
+    next_value: u64,
+    // Control plane, played by the test as the metadata service.
+    control: Option<(ControlKind, ReqId, TimeUs)>,
+    gc_pending: BTreeSet<u32>,
+    gc_reqs: BTreeMap<ReqId, u32>,
+    super_start_us: Option<TimeUs>,
+    super_end_us: Option<TimeUs>,
+    collapse_outcome: Option<CollapseOutcome>,
+    gc_done: bool,
+    faults: bool,
+    parent_keeps_writing: bool,
+    log: Vec<String>,
+}
+
+fn value_bytes(v: u64, len: usize) -> Vec<u8> {
+    v.to_le_bytes().iter().cycle().take(len).copied().collect()
+}
+
+fn block_value(bytes: &[u8]) -> u64 {
+    u64::from_le_bytes(bytes[..8].try_into().unwrap())
+}
+
+impl World {
+    fn new(seed: u64) -> World {
+        let mut rng = SimRng::new(seed);
+        let drop_probability = [0.0, 0.01, 0.05][rng.range_u64(0, 2) as usize];
+        let net = Network::new(NetConfig {
+            drop_probability,
+            duplicate_probability: 0.01,
+            delay_us_min: 50,
+            delay_us_max: 1_500,
+        });
+        let shards = (0..SHARDS)
+            .map(|id| Shard { core: Some(ShardCore::new(ShardConfig::new(id), Boot::default())), store: SimStore::default(), gen: 0, isolated: false })
+            .collect();
+        let map = ClusterMap {
+            epoch: 1,
+            replicas: 3,
+            shards: (0..SHARDS).map(|id| ShardInfo { id, addr: format!("sim:{id}"), state: ShardState::Up }).collect(),
+        };
+        let mut clients = vec![];
+        for child in [false, true] {
+            for c in 0..CLIENTS_PER_VOLUME {
+                // Each client owns whole objects, so every block has a single writer per volume.
+                let per_object = (OBJECT_BYTES / BLOCK_BYTES) as u64;
+                let blocks = (0..BLOCKS).filter(|b| ((b / per_object) as usize) % CLIENTS_PER_VOLUME == c).collect();
+                clients.push(Client { child, blocks, active: !child, current: None, gen: 0 });
+            }
+        }
+        let parent_keeps_writing = rng.chance(0.5);
+        let mut w = World {
+            rng,
+            q: EventQueue::new(1_000_000),
+            net,
+            shards,
+            map,
+            clients,
+            history: vec![],
+            next_req: 1 << 48,
+            next_value: 1,
+            control: None,
+            gc_pending: BTreeSet::new(),
+            gc_reqs: BTreeMap::new(),
+            super_start_us: None,
+            super_end_us: None,
+            collapse_outcome: None,
+            gc_done: false,
+            faults: true,
+            parent_keeps_writing,
+            log: vec![],
+        };
+        w.push_map();
+        w.q.push_at(0, Ev::Tick).unwrap();
+        for c in 0..w.clients.len() {
+            w.q.push_at(100, Ev::ClientWake { client: c, gen: 0 }).unwrap();
+        }
+        let super_at = w.rng.range_u64(80_000, 150_000);
+        w.q.push_at(super_at, Ev::Super).unwrap();
+        w.q.push_at(900_000, Ev::StopFaults).unwrap();
+        // Faults: a few crashes and partitions, at most one shard out at a time.
+        let mut t = 20_000;
+        while t < 800_000 {
+            t += w.rng.range_u64(40_000, 200_000);
+            let s = w.rng.range_u64(0, SHARDS as u64 - 1) as u32;
+            let ev = if w.rng.chance(0.6) { Ev::Crash(s) } else { Ev::Isolate(s) };
+            w.q.push_at(t, ev).unwrap();
+        }
+        w
+    }
+
+    fn req(&mut self) -> ReqId {
+        self.next_req += 1;
+        self.next_req
+    }
+
+    fn now(&self) -> TimeUs {
+        self.q.now()
+    }
+
+    fn send(&mut self, from: NodeId, to: NodeId, msg: Msg) {
+        let now = self.now();
+        self.net.send(&mut self.rng, &mut self.q, now, from, to, msg).unwrap();
+    }
+
+    fn push_map(&mut self) {
+        for s in 0..SHARDS {
+            let m = Msg::Map(self.map.clone());
+            self.send(META, s, m);
+        }
+    }
+
+    fn set_state(&mut self, s: u32, state: ShardState) {
+        let info = self.map.shards.iter_mut().find(|i| i.id == s).unwrap();
+        if info.state != state {
+            info.state = state;
+            self.map.epoch += 1;
+            self.log.push(format!("{} epoch {} shard {s} {state:?}", self.now(), self.map.epoch));
+            self.push_map();
+        }
+    }
+
+    fn out_of_service(&self) -> bool {
+        self.shards.iter().any(|s| s.core.is_none() || s.isolated)
+            || self.map.shards.iter().any(|i| i.state != ShardState::Up)
+    }
+
+    fn node_to_peer(n: NodeId) -> Peer {
+        match n {
+            META => Peer::Meta,
+            n if n >= CLIENT_BASE => Peer::Client((n - CLIENT_BASE) as u64),
+            n => Peer::Shard(n),
+        }
+    }
+
+    fn run_core(&mut self, s: u32, input: Input) {
+        let Some(core) = self.shards[s as usize].core.as_mut() else { return };
+        let outputs = core.handle(input);
+        for out in outputs {
+            match out {
+                Output::Send { to, msg } => {
+                    let to = match to {
+                        Peer::Shard(t) => t,
+                        Peer::Client(c) => CLIENT_BASE + c as NodeId,
+                        Peer::Meta => META,
+                    };
+                    self.send(s, to, msg);
+                }
+                Output::Disk { id, cmd } => {
+                    if std::env::var("SIM_TRACE").is_ok() {
+                        eprintln!("{} shard {s} disk issue {id} {:?}", self.now(), format!("{cmd:?}").chars().take(100).collect::<String>());
+                    }
+                    let shard = &mut self.shards[s as usize];
+                    let started = shard.store.start(cmd);
+                    let gen = shard.gen;
+                    let delay = self.rng.range_u64(30, 800);
+                    let now = self.now();
+                    self.q.push_after(now, delay, Ev::DiskDone { shard: s, gen, id, started }).unwrap();
+                }
+            }
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        let Some((now, ev)) = self.q.pop() else { return false };
+        match ev {
+            Ev::Deliver(d) => {
+                let Some(d) = self.net.receive(d) else { return true };
+                match d.to {
+                    META => self.meta_receive(d.msg),
+                    n if n >= CLIENT_BASE => self.client_receive((n - CLIENT_BASE) as usize, d.msg),
+                    s => self.run_core(s, Input::Msg { from: Self::node_to_peer(d.from), msg: d.msg }),
+                }
+            }
+            Ev::DiskDone { shard, gen, id, started } => {
+                let sh = &mut self.shards[shard as usize];
+                if std::env::var("SIM_TRACE").is_ok() {
+                    eprintln!("{now} shard {shard} disk done {id} gen {gen} current {}", sh.gen);
+                }
+                if sh.gen == gen && sh.core.is_some() {
+                    let result = sh.store.finish(started);
+                    self.run_core(shard, Input::Disk { id, result });
+                }
+            }
+            Ev::Tick => {
+                for s in 0..SHARDS {
+                    self.run_core(s, Input::Tick { now_us: now });
+                }
+                self.control_tick();
+                if now % 50_000 < 5_000 {
+                    self.push_map(); // the metadata service re-sends the map with its pings
+                }
+                if self.q.len() > 1 || !self.quiet() {
+                    self.q.push_after(now, 5_000, Ev::Tick).unwrap();
+                }
+            }
+            Ev::ClientWake { client, gen } => {
+                if self.clients[client].gen == gen {
+                    self.client_wake(client);
+                }
+            }
+            Ev::Crash(s) => {
+                if self.faults && !self.out_of_service() {
+                    self.log.push(format!("{now} crash shard {s}"));
+                    let sh = &mut self.shards[s as usize];
+                    sh.core = None;
+                    sh.gen += 1;
+                    sh.store.disk.crash(&mut self.rng);
+                    self.net.set_down(s, true);
+                    self.q.push_after(now, 20_000, Ev::MarkDown(s)).unwrap();
+                    let back = self.rng.range_u64(60_000, 250_000);
+                    self.q.push_after(now, back, Ev::Restart(s)).unwrap();
+                }
+            }
+            Ev::Restart(s) => {
+                let sh = &mut self.shards[s as usize];
+                let boot = sh.store.boot();
+                sh.core = Some(ShardCore::new(ShardConfig::new(s), boot));
+                sh.gen += 1;
+                self.net.set_down(s, false);
+                self.log.push(format!("{now} restart shard {s}"));
+                // Registration of a restarted shard: it must re-replicate before leading.
+                self.set_state(s, ShardState::Down);
+                self.set_state(s, ShardState::Recovering);
+            }
+            Ev::Isolate(s) => {
+                if self.faults && !self.out_of_service() {
+                    self.log.push(format!("{now} isolate shard {s}"));
+                    self.shards[s as usize].isolated = true;
+                    self.net.isolate(s);
+                    self.q.push_after(now, 20_000, Ev::MarkDown(s)).unwrap();
+                    let back = self.rng.range_u64(30_000, 150_000);
+                    self.q.push_after(now, back, Ev::Heal(s)).unwrap();
+                }
+            }
+            Ev::Heal(s) => {
+                self.log.push(format!("{now} heal shard {s}"));
+                self.shards[s as usize].isolated = false;
+                self.net.heal_all();
+                if self.map.state(s) == ShardState::Down {
+                    self.set_state(s, ShardState::Recovering);
+                }
+            }
+            Ev::MarkDown(s) => {
+                if self.shards[s as usize].core.is_none() || self.shards[s as usize].isolated {
+                    self.set_state(s, ShardState::Down);
+                }
+            }
+            Ev::Super => {
+                if !self.parent_keeps_writing {
+                    for c in self.clients.iter_mut().filter(|c| !c.child) {
+                        c.active = false;
+                    }
+                    if self.clients.iter().any(|c| !c.child && c.current.is_some()) {
+                        // Wait until the parent is truly silent.
+                        self.q.push_after(now, 2_000, Ev::Super).unwrap();
+                        return true;
+                    }
+                }
+                self.super_start_us = Some(now);
+                self.log.push(format!("{now} super"));
+                self.start_control(ControlKind::Super);
+            }
+            Ev::Collapse => {
+                self.log.push(format!("{now} collapse"));
+                self.start_control(ControlKind::Collapse);
+            }
+            Ev::StopFaults => self.faults = false,
+        }
+        true
+    }
+
+    // ---- clients ------------------------------------------------------------------------------
+
+    fn vol(&self, child: bool) -> VolRef {
+        if child {
+            VolRef { id: CHILD, table: TABLE, object_size_bytes: OBJECT_BYTES, parent: (!self.gc_done).then_some(PARENT) }
+        } else {
+            VolRef { id: PARENT, table: TABLE, object_size_bytes: OBJECT_BYTES, parent: None }
+        }
+    }
+
+    fn client_wake(&mut self, c: usize) {
+        let now = self.now();
+        if let Some((_, idx, msg, sent)) = self.clients[c].current.clone() {
+            if now.saturating_sub(sent) >= CLIENT_TIMEOUT_US {
+                // Timed out: resend the same write under a new request id.
+                let req = self.req();
+                let mut msg = msg;
+                if let Msg::Io { req: r, epoch, .. } = &mut msg {
+                    *r = req;
+                    *epoch = self.map.epoch;
+                }
+                self.clients[c].current = Some((req, idx, msg.clone(), now));
+                self.send_io(c, msg);
+            }
+            self.schedule_client(c, CLIENT_TIMEOUT_US);
+            return;
+        }
+        if !self.clients[c].active {
+            return;
+        }
+        let child = self.clients[c].child;
+        let blocks = self.clients[c].blocks.clone();
+        let per_object = (OBJECT_BYTES / BLOCK_BYTES) as u64;
+        let value = self.next_value;
+        self.next_value += 1;
+        let b = *self.rng.pick(&blocks).unwrap();
+        let objno = b / per_object;
+        let (op, written, stored) = if self.rng.chance(0.1) {
+            // A write covering the whole object: no copy-on-write needed.
+            let data = value_bytes(value, OBJECT_BYTES as usize);
+            (IoOp::Write { offset: 0, data }, (objno * per_object..(objno + 1) * per_object).collect::<Vec<_>>(), value)
+        } else if self.rng.chance(0.05) {
+            let offset = ((b % per_object) * BLOCK_BYTES as u64) as u32;
+            (IoOp::Zero { offset, len: BLOCK_BYTES }, vec![b], 0)
+        } else {
+            let offset = ((b % per_object) * BLOCK_BYTES as u64) as u32;
+            (IoOp::Write { offset, data: value_bytes(value, BLOCK_BYTES as usize) }, vec![b], value)
+        };
+        let idx: Vec<usize> = written
+            .iter()
+            .map(|&block| {
+                self.history.push(WriteRec { child, block, value: stored, issued_us: now, acked_us: None, refused: false });
+                self.history.len() - 1
+            })
+            .collect();
+        let req = self.req();
+        let msg = Msg::Io { req, epoch: self.map.epoch, vol: self.vol(child), objno, op };
+        self.clients[c].current = Some((req, idx, msg.clone(), now));
+        self.send_io(c, msg);
+        self.schedule_client(c, CLIENT_TIMEOUT_US);
+    }
+
+    fn send_io(&mut self, c: usize, msg: Msg) {
+        let Msg::Io { vol, objno, .. } = &msg else { unreachable!() };
+        let slot = Slot { table: vol.table, objno: *objno };
+        // Clients learn the map from the metadata service: here, the current one.
+        if let Some(p) = self.map.primary(slot) {
+            self.send(CLIENT_BASE + c as NodeId, p, msg);
+        }
+    }
+
+    fn schedule_client(&mut self, c: usize, delay: u64) {
+        self.clients[c].gen += 1;
+        let gen = self.clients[c].gen;
+        let now = self.now();
+        self.q.push_after(now, delay, Ev::ClientWake { client: c, gen }).unwrap();
+    }
+
+    fn client_receive(&mut self, c: usize, msg: Msg) {
+        let Msg::Reply { req, result } = msg else { return };
+        let Some((cur, idx, m, _)) = self.clients[c].current.clone() else { return };
+        if cur != req {
+            return;
+        }
+        let now = self.now();
+        match result {
+            Ok(_) => {
+                for i in idx {
+                    self.history[i].acked_us = Some(now);
+                }
+            }
+            Err(e) if e.is_retryable() => {
+                // Retry soon at the (possibly new) primary.
+                let req = self.req();
+                let mut m = m;
+                if let Msg::Io { req: r, epoch, .. } = &mut m {
+                    *r = req;
+                    *epoch = self.map.epoch;
+                }
+                self.clients[c].current = Some((req, idx, m.clone(), now));
+                self.send_io(c, m);
+                return;
+            }
+            Err(IoErr::WriteRefused(_)) => {
+                for i in idx {
+                    self.history[i].refused = true;
+                }
+            }
+            Err(e) => panic!("client {c}: unexpected error {e:?}"),
+        }
+        self.clients[c].current = None;
+        let pause = self.rng.range_u64(0, 3_000);
+        self.schedule_client(c, pause);
+    }
+
+    // ---- the metadata service's control operations --------------------------------------------
+
+    fn start_control(&mut self, kind: ControlKind) {
+        let req = self.req();
+        self.control = Some((kind, req, self.now()));
+        self.send_control();
+    }
+
+    fn send_control(&mut self) {
+        let Some((kind, req, _)) = self.control else { return };
+        let epoch = self.map.epoch;
+        let track = Slot { table: TABLE, objno: TRACK_OBJNO };
+        match kind {
+            ControlKind::Super | ControlKind::Collapse | ControlKind::EndSuper => {
+                let msg = match kind {
+                    ControlKind::Super => Msg::Super { req, epoch, table: TABLE, parent: PARENT, child: CHILD },
+                    ControlKind::Collapse => Msg::Collapse { req, epoch, table: TABLE, child: CHILD },
+                    _ => Msg::EndSuper { req, epoch, table: TABLE, child: CHILD },
+                };
+                if let Some(p) = self.map.primary(track) {
+                    self.send(META, p, msg);
+                }
+            }
+            ControlKind::Gc => {
+                // Every shard not down must collect; a shard down now reconciles on recovery.
+                let live: BTreeSet<u32> = self.map.shards.iter().filter(|s| s.state != ShardState::Down).map(|s| s.id).collect();
+                self.gc_pending.retain(|s| live.contains(s));
+                let promoted = self.collapse_outcome == Some(CollapseOutcome::Promoted);
+                for s in self.gc_pending.clone() {
+                    let r = self.req();
+                    self.gc_reqs.insert(r, s);
+                    self.send(META, s, Msg::Gc { req: r, table: TABLE, parent: PARENT, child: CHILD, promoted });
+                }
+                if self.gc_pending.is_empty() {
+                    self.start_control(ControlKind::EndSuper);
+                }
+            }
+        }
+    }
+
+    fn control_tick(&mut self) {
+        if let Some((_, _, sent)) = self.control {
+            if self.now().saturating_sub(sent) >= CONTROL_TIMEOUT_US {
+                let c = self.control.as_mut().unwrap();
+                c.2 = self.q.now();
+                self.send_control();
+            }
+        }
+    }
+
+    fn meta_receive(&mut self, msg: Msg) {
+        let now = self.now();
+        match msg {
+            Msg::Recovered { shard, epoch } => {
+                if self.map.epoch == epoch && self.map.state(shard) == ShardState::Recovering {
+                    self.set_state(shard, ShardState::Up);
+                }
+            }
+            Msg::Reply { req, result } => {
+                if let Some(s) = self.gc_reqs.remove(&req) {
+                    if result.is_ok() {
+                        self.gc_pending.remove(&s);
+                        if self.gc_pending.is_empty() && matches!(self.control, Some((ControlKind::Gc, ..))) {
+                            self.start_control(ControlKind::EndSuper);
+                        }
+                    }
+                    return;
+                }
+                let Some((kind, creq, _)) = self.control else { return };
+                if creq != req {
+                    return;
+                }
+                match result {
+                    Err(e) if e.is_retryable() => {} // resent by the control timer
+                    Err(e) => {
+                        let tk = ObjKey { table: TABLE, objno: TRACK_OBJNO, owner: 0 };
+                        let states: Vec<String> = self
+                            .shards
+                            .iter()
+                            .map(|s| match &s.core {
+                                Some(c) => format!("{:?} {:?}", c.objects().get(&tk), c.table_track(TABLE)),
+                                None => "down".into(),
+                            })
+                            .collect();
+                        panic!("{kind:?} failed: {e:?}\n{states:#?}\nplacement {:?}\n{}", self.map.placement(tk.slot()), self.log.join("\n"))
+                    }
+                    Ok(body) => {
+                        self.control = None;
+                        match kind {
+                            ControlKind::Super => {
+                                self.super_end_us = Some(now);
+                                self.log.push(format!("{now} super returned"));
+                                for c in self.clients.iter_mut().filter(|c| c.child) {
+                                    c.active = true;
+                                }
+                                for c in 0..self.clients.len() {
+                                    if self.clients[c].child {
+                                        self.schedule_client(c, 100);
+                                    }
+                                }
+                                let at = self.rng.range_u64(100_000, 400_000);
+                                self.q.push_after(now, at, Ev::Collapse).unwrap();
+                            }
+                            ControlKind::Collapse => {
+                                let ReplyBody::Collapse(o) = body else { panic!("collapse answered {body:?}") };
+                                self.log.push(format!("{now} collapse -> {o:?}"));
+                                self.collapse_outcome = Some(o);
+                                // The loser's clients stop; the survivor keeps going a while.
+                                let promoted = o == CollapseOutcome::Promoted;
+                                for c in self.clients.iter_mut() {
+                                    if c.child != promoted {
+                                        c.active = false;
+                                    }
+                                }
+                                self.gc_pending = (0..SHARDS).collect();
+                                self.start_control(ControlKind::Gc);
+                            }
+                            ControlKind::EndSuper => {
+                                self.gc_done = true;
+                                self.log.push(format!("{now} gc done"));
+                                for c in self.clients.iter_mut() {
+                                    c.active = false;
+                                }
+                            }
+                            ControlKind::Gc => {}
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn why_busy(&self) -> String {
+        let clients: Vec<String> = self.clients.iter().map(|c| format!("active {} current {:?}", c.active, c.current.as_ref().map(|x| &x.2))).collect();
+        let shards: Vec<String> = self
+            .shards
+            .iter()
+            .map(|s| match &s.core {
+                Some(c) => format!("ops {} recovering {} {}", c.ops_in_flight(), c.is_recovering(), c.debug_ops()),
+                None => "down".into(),
+            })
+            .collect();
+        format!("control {:?} clients {clients:#?} shards {shards:#?} map {:?}", self.control, self.map)
+    }
+
+    fn quiet(&self) -> bool {
+        self.gc_done
+            && !self.faults
+            && self.clients.iter().all(|c| c.current.is_none() && !c.active)
+            && !self.out_of_service()
+            && self.control.is_none()
+            && self.shards.iter().all(|s| s.core.as_ref().is_some_and(|c| c.ops_in_flight() == 0 && !c.is_recovering()))
+    }
+}
+
+/// Values a block may hold given a single writer's history: the last acknowledged write, or any
+/// write issued after it that was not refused (it may or may not have landed).
+fn allowed(writes: &[&WriteRec], initial: &BTreeSet<u64>) -> BTreeSet<u64> {
+    let last_acked = writes.iter().rposition(|w| w.acked_us.is_some());
+    let mut out = match last_acked {
+        Some(i) => BTreeSet::from([writes[i].value]),
+        None => initial.clone(),
+    };
+    let from = last_acked.map_or(0, |i| i + 1);
+    out.extend(writes[from..].iter().filter(|w| !w.refused).map(|w| w.value));
+    out
+}
+
+fn run_seed(seed: u64) {
+    eprintln!("seed {seed}");
+    let mut w = World::new(seed);
+    let mut steps = 0u64;
+    while w.step() {
+        steps += 1;
+        if w.quiet() && w.now() > 1_000_000 {
+            break;
+        }
+        assert!(w.now() < 20_000_000, "seed {seed}: no quiescence after 20 s virtual: {}\n{}", w.why_busy(), w.log.join("\n"));
+        assert!(steps < 20_000_000, "seed {seed}: too many steps");
+    }
+    let ctx = || format!("seed {seed} (parent keeps writing: {})\n{}", w.parent_keeps_writing, w.log.join("\n"));
+    assert!(w.quiet(), "seed {seed}: event queue ran dry before quiescence\n{}", ctx());
+    let outcome = w.collapse_outcome.unwrap_or_else(|| panic!("no collapse outcome\n{}", ctx()));
+    let (super_start, super_end) = (w.super_start_us.unwrap(), w.super_end_us.unwrap());
+    let promoted = outcome == CollapseOutcome::Promoted;
+
+    // Safety (§4.4): a promoted child means no parent write issued after super returned was
+    // acknowledged.
+    if promoted {
+        for h in w.history.iter().filter(|h| !h.child) {
+            assert!(
+                !(h.issued_us > super_end && h.acked_us.is_some()),
+                "promoted, yet parent write {h:?} issued after super returned was acknowledged\n{}",
+                ctx()
+            );
+        }
+    }
+    if !w.parent_keeps_writing {
+        assert!(promoted, "the parent stayed silent, yet collapse rejected the child\n{}", ctx());
+    }
+
+    // Replicas agree, and nothing of the loser is left.
+    let loser = if promoted { PARENT } else { CHILD };
+    let survivor = if promoted { CHILD } else { PARENT };
+    let mut contents: BTreeMap<ObjKey, Vec<u8>> = BTreeMap::new();
+    for s in 0..SHARDS {
+        let sh = &mut w.shards[s as usize];
+        let keys: Vec<ObjKey> = sh.core.as_ref().unwrap().objects().keys().copied().collect();
+        for k in keys {
+            assert_ne!(k.owner, loser, "shard {s} still holds {k:?} of the collapsed-away volume\n{}", ctx());
+            assert!(w.map.placement(k.slot()).contains(&s), "shard {s} holds {k:?} outside its placement");
+            let mut bytes = sh.store.object_bytes(&k).unwrap();
+            if k.objno != TRACK_OBJNO {
+                while bytes.last() == Some(&0) {
+                    bytes.pop();
+                }
+            }
+            if let Some(prev) = contents.get(&k) {
+                if prev != &bytes {
+                    let summary = |b: &Vec<u8>| b.chunks(BLOCK_BYTES as usize).map(|c| c[..8.min(c.len())].to_vec()).map(|c| c.first().copied().unwrap_or(0)).collect::<Vec<u8>>();
+                    let versions: Vec<String> = (0..SHARDS)
+                        .map(|t| format!("shard {t}: {:?}", w.shards[t as usize].core.as_ref().unwrap().objects().get(&k)))
+                        .collect();
+                    panic!("replicas of {k:?} differ (shard {s}): {:?} vs {:?}; {versions:?}\n{}", summary(prev), summary(&bytes), ctx());
+                }
+            }
+            contents.insert(k, bytes);
+        }
+        for (slot, placement) in (0..OBJECTS).map(|o| (Slot { table: TABLE, objno: o }, w.map.placement(Slot { table: TABLE, objno: o }))) {
+            let key = ObjKey { table: slot.table, objno: slot.objno, owner: survivor };
+            let here = w.shards[s as usize].core.as_ref().unwrap().objects().contains_key(&key);
+            if placement.contains(&s) {
+                let anywhere = (0..SHARDS).any(|t| w.shards[t as usize].core.as_ref().unwrap().objects().contains_key(&key));
+                assert_eq!(here, anywhere, "shard {s} is missing {key:?}\n{}", ctx());
+            }
+        }
+    }
+
+    // Content: every block holds what the history allows.
+    for b in 0..BLOCKS {
+        let objno = b / (OBJECT_BYTES / BLOCK_BYTES) as u64;
+        let key = ObjKey { table: TABLE, objno, owner: survivor };
+        let bytes = contents.get(&key).cloned().unwrap_or_default();
+        let off = ((b % (OBJECT_BYTES / BLOCK_BYTES) as u64) * BLOCK_BYTES as u64) as usize;
+        let mut blk = vec![0u8; BLOCK_BYTES as usize];
+        let avail = bytes.len().saturating_sub(off).min(BLOCK_BYTES as usize);
+        if avail > 0 {
+            blk[..avail].copy_from_slice(&bytes[off..off + avail]);
+        }
+        let got = block_value(&blk);
+        assert_eq!(blk, value_bytes(got, BLOCK_BYTES as usize), "block {b} is torn: {blk:?}\n{}", ctx());
+        let parent_writes: Vec<&WriteRec> = w.history.iter().filter(|h| !h.child && h.block == b).collect();
+        let child_writes: Vec<&WriteRec> = w.history.iter().filter(|h| h.child && h.block == b).collect();
+        let expect = if promoted {
+            // The parent at super: the last write acknowledged before super began, or any write
+            // in flight across super.
+            let before: Vec<&WriteRec> = parent_writes.iter().copied().filter(|h| h.acked_us.is_some_and(|a| a < super_start)).collect();
+            let mut at_super = before.last().map_or(BTreeSet::from([0]), |h| BTreeSet::from([h.value]));
+            at_super.extend(
+                parent_writes
+                    .iter()
+                    .filter(|h| h.issued_us <= super_end && h.acked_us.is_none_or(|a| a >= super_start) && !h.refused)
+                    .map(|h| h.value),
+            );
+            if child_writes.is_empty() { at_super } else { allowed(&child_writes, &at_super) }
+        } else {
+            allowed(&parent_writes, &BTreeSet::from([0]))
+        };
+        assert!(expect.contains(&got), "block {b}: holds {got}, allowed {expect:?}\n{}", ctx());
+    }
+
+    // The tracking object was reset, and a promoted parent is fenced everywhere.
+    for s in 0..SHARDS {
+        let core = w.shards[s as usize].core.as_ref().unwrap();
+        if let Some(t) = core.table_track(TABLE) {
+            assert!(t.current.is_none(), "shard {s}: tracking object not reset: {t:?}");
+        }
+        if promoted {
+            assert!(
+                matches!(core.tracking_entry(PARENT), Some(TrackEntry::Fenced { .. })),
+                "shard {s}: promoted parent not fenced: {:?}\n{}",
+                core.tracking_entry(PARENT),
+                ctx()
+            );
+        }
+    }
+}
+
+#[test]
+fn super_collapse_under_faults_many_seeds() {
+    if let Ok(seed) = std::env::var("SIM_SEED") {
+        return run_seed(seed.parse().expect("SIM_SEED is a number"));
+    }
+    let seeds: u64 = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+    for seed in 0..seeds {
+        run_seed(seed);
+    }
+}
