@@ -382,7 +382,13 @@ impl<E: Exports> Server<E> {
             loop {
                 let mut header_bytes = [0u8; REQUEST_HEADER_BYTES];
                 tokio::select! {
-                    read = reader.read_exact(&mut header_bytes) => { read?; }
+                    read = read_header(&mut reader, &mut header_bytes) => {
+                        if !read? {
+                            // The client closed its side between requests without NBD_CMD_DISC:
+                            // treat it as one, so the replies in flight still go out.
+                            return Ok(());
+                        }
+                    }
                     _ = reply_tx.closed() => return Err(ConnError::Protocol("reply writer failed".into())),
                 }
                 let header = parse_request_header(&header_bytes)?;
@@ -418,7 +424,7 @@ impl<E: Exports> Server<E> {
                         let reply = ReplySlot { cookie: header.cookie, tx: reply_tx.clone(), permits: Some((slot, None)) };
                         reply.send(errno, Vec::new()).await;
                     }
-                    RequestPlan::Disconnect => return Ok(()),
+                    RequestPlan::Disconnect => return Ok(()), // NBD_CMD_DISC
                     RequestPlan::Close(reason) => return Err(ConnError::Protocol(reason)),
                 }
             }
@@ -428,7 +434,7 @@ impl<E: Exports> Server<E> {
         drop(reply_tx);
         match result {
             Ok(()) => {
-                // NBD_CMD_DISC: the requests in flight finish and their replies go out first.
+                // Disconnect: the requests in flight finish and their replies go out first.
                 match writer_task.await {
                     Ok(Ok(())) | Err(_) => Ok(()),
                     Ok(Err(e)) => Err(e.into()),
@@ -446,6 +452,20 @@ impl<E: Exports> Server<E> {
 enum Handshake<D> {
     Transmission(Arc<D>),
     Abort,
+}
+
+/// Fills `buf` from `r`; returns false on end of stream before the first byte (a clean close
+/// between requests). End of stream inside the header is an error.
+async fn read_header<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8]) -> io::Result<bool> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        match r.read(&mut buf[filled..]).await? {
+            0 if filled == 0 => return Ok(false),
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => filled += n,
+        }
+    }
+    Ok(true)
 }
 
 /// Reads and throws away `len` bytes, `DISCARD_CHUNK_BYTES` at a time.

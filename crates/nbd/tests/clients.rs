@@ -242,3 +242,30 @@ fn fio_randwrite_with_verify_at_iodepth_16() {
     );
     assert!(text.contains("iodepth=16"), "{text}");
 }
+
+#[test]
+fn qemu_io_over_a_unix_socket() {
+    let dir = temp_dir("unix");
+    let socket = dir.join("nbd.sock");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let dev = Arc::new(MemDev::new(8 * MIB));
+    let listener = rt
+        .block_on(async { tokio::net::UnixListener::bind(&socket) })
+        .unwrap();
+    rt.spawn(nbd::serve_unix(
+        listener,
+        SingleExport::new("name", dev.clone()),
+    ));
+    let uri = format!("nbd+unix:///name?socket={}", socket.display());
+    assert_qemu_io_clean(&qemu_io(
+        &uri,
+        &["write -P 0x42 1M 128k", "read -P 0x42 1M 128k"],
+    ));
+    assert_eq!(rt.block_on(dev.read(MIB, 4)).unwrap(), vec![0x42; 4]);
+    drop(rt);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -438,3 +438,80 @@ fn serves_unix_sockets() {
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn in_flight_requests_reach_but_never_exceed_the_limit() {
+    let dev = Arc::new(LatencyDev::new(16 * MIB, Duration::from_millis(50)));
+    let server = TestServer::start(SingleExport::new("vol", dev.clone()));
+    let limit = ServerConfig::default().max_in_flight_requests_per_connection as u64;
+    assert_eq!(limit, 64);
+    server.runtime.block_on(async {
+        let mut c = Client::connect(server.addr, "vol").await.unwrap();
+        for i in 0..200u64 {
+            c.send_request(NBD_CMD_WRITE, 0, i * 4096, 4096, &[i as u8; 4096])
+                .await;
+        }
+        for _ in 0..200 {
+            assert_eq!(c.read_reply(0).await.unwrap().0, 0);
+        }
+        c.disconnect().await;
+    });
+    assert_eq!(
+        dev.max_in_flight.load(Ordering::SeqCst),
+        limit,
+        "one connection should run exactly the limit at once"
+    );
+}
+
+#[test]
+fn disconnect_waits_for_requests_in_flight() {
+    let dev = Arc::new(LatencyDev::new(MIB, Duration::from_millis(200)));
+    let server = TestServer::start(SingleExport::new("vol", dev.clone()));
+    server.runtime.block_on(async {
+        let mut c = Client::connect(server.addr, "vol").await.unwrap();
+        let cookie = c.send_request(NBD_CMD_WRITE, 0, 0, 4, b"last").await;
+        c.send_request(NBD_CMD_DISC, 0, 0, 0, &[]).await;
+        // The reply to the write still arrives before the server closes.
+        let (errno, got, _) = c.read_reply(0).await.unwrap();
+        assert_eq!((errno, got), (0, cookie));
+        assert!(is_closed(&mut c.stream, Duration::from_secs(5)).await);
+
+        // Closing the sending side between requests (no DISC) is treated the same way.
+        let mut c = Client::connect(server.addr, "vol").await.unwrap();
+        let cookie = c.send_request(NBD_CMD_WRITE, 0, 4, 4, b"half").await;
+        c.stream.shutdown().await.unwrap();
+        let (errno, got, _) = c.read_reply(0).await.unwrap();
+        assert_eq!((errno, got), (0, cookie));
+        assert!(is_closed(&mut c.stream, Duration::from_secs(5)).await);
+    });
+    assert_eq!(
+        server
+            .runtime
+            .block_on(blockdev::BlockDev::read(&*dev, 0, 8))
+            .unwrap(),
+        b"lasthalf"
+    );
+}
+
+#[test]
+fn in_flight_buffer_bytes_are_bounded() {
+    let dev = Arc::new(LatencyDev::new(16 * MIB, Duration::from_millis(50)));
+    let config = ServerConfig {
+        max_request_bytes: 64 << 10,
+        max_in_flight_bytes_per_connection: 64 << 10,
+        ..Default::default()
+    };
+    let server = TestServer::start_with(SingleExport::new("vol", dev.clone()), config);
+    server.runtime.block_on(async {
+        let mut c = Client::connect(server.addr, "vol").await.unwrap();
+        for i in 0..64u64 {
+            c.send_request(NBD_CMD_READ, 0, i * 4096, 4096, &[]).await;
+        }
+        for _ in 0..64 {
+            assert_eq!(c.read_reply(4096).await.unwrap().0, 0);
+        }
+        c.disconnect().await;
+    });
+    // 64 KiB of buffers at 4 KiB each: at most 16 reads at once.
+    assert_eq!(dev.max_in_flight.load(Ordering::SeqCst), 16);
+}

@@ -349,3 +349,51 @@ pub fn run_with_timeout(cmd: &mut Command, timeout: Duration) -> ToolOutput {
         stderr,
     }
 }
+
+/// A MemDev whose reads and writes take `delay` and which records how many ran at once.
+pub struct LatencyDev {
+    pub inner: MemDev,
+    pub delay: Duration,
+    pub in_flight: std::sync::atomic::AtomicU64,
+    pub max_in_flight: std::sync::atomic::AtomicU64,
+}
+
+impl LatencyDev {
+    pub fn new(size_bytes: u64, delay: Duration) -> Self {
+        LatencyDev {
+            inner: MemDev::new(size_bytes),
+            delay,
+            in_flight: 0.into(),
+            max_in_flight: 0.into(),
+        }
+    }
+    async fn slow<T>(&self, io: impl std::future::Future<Output = T>) -> T {
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        tokio::time::sleep(self.delay).await;
+        let out = io.await;
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        out
+    }
+}
+
+impl BlockDev for LatencyDev {
+    fn size_bytes(&self) -> u64 {
+        self.inner.size_bytes()
+    }
+    async fn read(&self, offset: u64, len: u32) -> DevResult<Vec<u8>> {
+        self.slow(self.inner.read(offset, len)).await
+    }
+    async fn write(&self, offset: u64, data: Vec<u8>) -> DevResult<()> {
+        self.slow(self.inner.write(offset, data)).await
+    }
+    async fn flush(&self) -> DevResult<()> {
+        self.inner.flush().await
+    }
+    async fn trim(&self, offset: u64, len: u64) -> DevResult<()> {
+        self.inner.trim(offset, len).await
+    }
+    async fn write_zeroes(&self, offset: u64, len: u64) -> DevResult<()> {
+        self.inner.write_zeroes(offset, len).await
+    }
+}
