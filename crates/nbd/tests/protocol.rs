@@ -441,7 +441,7 @@ fn serves_unix_sockets() {
 
 #[test]
 fn in_flight_requests_reach_but_never_exceed_the_limit() {
-    let dev = Arc::new(LatencyDev::new(16 * MIB, Duration::from_millis(50)));
+    let dev = Arc::new(LatencyDev::new(16 * MIB, Duration::from_millis(250)));
     let server = TestServer::start(SingleExport::new("vol", dev.clone()));
     let limit = ServerConfig::default().max_in_flight_requests_per_connection as u64;
     assert_eq!(limit, 64);
@@ -495,7 +495,7 @@ fn disconnect_waits_for_requests_in_flight() {
 
 #[test]
 fn in_flight_buffer_bytes_are_bounded() {
-    let dev = Arc::new(LatencyDev::new(16 * MIB, Duration::from_millis(50)));
+    let dev = Arc::new(LatencyDev::new(16 * MIB, Duration::from_millis(250)));
     let config = ServerConfig {
         max_request_bytes: 64 << 10,
         max_in_flight_bytes_per_connection: 64 << 10,
