@@ -385,14 +385,18 @@ impl Meta {
         }
     }
 
-    /// Sends a request to every shard not down and waits for all, retrying across map changes.
+    /// Sends a request to every shard not down and waits until all of them have acknowledged it
+    /// at one epoch (shards refuse another epoch's), retrying across map changes: a shard that
+    /// was down then learns the outcome from its peers when it re-replicates.
     async fn ask_all(&self, make: impl Fn(ReqId, Epoch) -> Msg) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let shards: Vec<ShardId> = {
+            let (epoch, shards): (Epoch, Vec<ShardId>) = {
                 let g = self.inner.lock().await;
-                g.state.map.shards.iter().filter(|s| s.state != ShardState::Down).map(|s| s.id).collect()
+                let live = g.state.map.shards.iter().filter(|s| s.state != ShardState::Down).map(|s| s.id).collect();
+                (g.state.map.epoch, live)
             };
+            let make = |req, _| make(req, epoch);
             let mut all_ok = true;
             let results = futures::future::join_all(shards.iter().map(|s| self.ask(*s, &make, Duration::from_secs(10)))).await;
             for (s, r) in shards.iter().zip(results) {
@@ -401,7 +405,7 @@ impl Meta {
                     all_ok = false;
                 }
             }
-            if all_ok {
+            if all_ok && self.inner.lock().await.state.map.epoch == epoch {
                 return Ok(());
             }
             if Instant::now() > deadline {
@@ -436,7 +440,7 @@ impl Meta {
     async fn run_job(&self, job: &Job) -> anyhow::Result<()> {
         match job.clone() {
             Job::Gc { table, parent, child, promoted, child_name } => {
-                self.ask_all(|req, _| Msg::Gc { req, table, parent, child, promoted }).await?;
+                self.ask_all(|req, epoch| Msg::Gc { req, epoch, table, parent, child, promoted }).await?;
                 self.ask_tracking(table, |req, epoch| Msg::EndSuper { req, epoch, table, child }).await?;
                 // The child holds every object now: it no longer copies on write.
                 let _c = self.control.lock().await;
@@ -449,7 +453,7 @@ impl Meta {
                 Self::persist(&mut g)
             }
             Job::Delete { table, owner, drop_table } => {
-                self.ask_all(|req, _| Msg::DeleteVolume { req, table, owner, drop_table }).await
+                self.ask_all(|req, epoch| Msg::DeleteVolume { req, epoch, table, owner, drop_table }).await
             }
         }
     }

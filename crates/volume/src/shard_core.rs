@@ -83,11 +83,14 @@ pub struct ShardConfig {
     pub list_page_objects: usize,
     /// Concurrent object pulls while re-replicating.
     pub max_pulls_in_flight: usize,
+    /// First request id: differs between runs of a shard, so a reply to a request of an earlier
+    /// run can never be taken for one of this run.
+    pub id_base: u64,
 }
 
 impl ShardConfig {
     pub fn new(id: ShardId) -> Self {
-        ShardConfig { id, resend_after_us: 200_000, list_page_objects: 2048, max_pulls_in_flight: 16 }
+        ShardConfig { id, resend_after_us: 200_000, list_page_objects: 2048, max_pulls_in_flight: 16, id_base: 0 }
     }
 }
 
@@ -209,12 +212,15 @@ struct Recovery {
     /// Peers asked for their lists: only slots one of them leads are reconciled.
     peers: HashSet<ShardId>,
     listed: HashMap<ObjKey, (Version, ShardId)>,
-    /// Objects a replicated write reached since recovery began: they are current.
+    /// Objects a replicated write was applied to since recovery began: they are current.
     touched: HashSet<ObjKey>,
+    /// Objects we told a primary we hold a different copy of: pulled before recovery may end.
+    stale: HashSet<ObjKey>,
     pulls: VecDeque<(ObjKey, ShardId)>,
     pulls_in_flight: usize,
     tasks_in_flight: usize,
     reported: bool,
+    reported_us: u64,
 }
 
 pub struct ShardCore {
@@ -259,6 +265,7 @@ fn set_epoch(msg: &mut Msg, e: Epoch) {
 
 impl ShardCore {
     pub fn new(cfg: ShardConfig, boot: Boot) -> Self {
+        let cfg_id_base = cfg.id_base;
         let mut core = ShardCore {
             cfg,
             now_us: 0,
@@ -274,7 +281,7 @@ impl ShardCore {
             outstanding: HashMap::default(),
             permissions: HashMap::default(),
             recovery: None,
-            next_id: 1,
+            next_id: 1 + cfg_id_base,
             out: Vec::new(),
         };
         for (key, bytes) in boot.track_objects {
@@ -338,7 +345,7 @@ impl ShardCore {
                     .waits
                     .iter()
                     .map(|w| match self.outstanding.get(w) {
-                        Some(x) => format!("{:?} {}", x.target, format!("{:?}", x.msg).chars().take(60).collect::<String>()),
+                        Some(x) => format!("{:?} {}", x.target, { let m = format!("{:?}", x.msg); let n = m.len(); m[n.saturating_sub(120)..].to_string() }),
                         None => "?".into(),
                     })
                     .collect();
@@ -516,9 +523,6 @@ impl ShardCore {
                 if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_sender_is_primary(from, key.slot())) {
                     return self.reply((from, req), Err(e));
                 }
-                if let Some(r) = &mut self.recovery {
-                    r.touched.insert(key);
-                }
                 if self.lock_or_queue(key.slot(), Queued::Msg(from, msg.clone())) {
                     self.on_msg_locked(from, msg);
                 }
@@ -557,8 +561,12 @@ impl ShardCore {
                 let op = self.new_op(None, Kind::SaveEntries { reply_to: Some((from, req)), parent: None });
                 self.save_state(op);
             }
-            Msg::Gc { req, table, parent, child, promoted } => self.on_gc(from, req, table, parent, child, promoted),
-            Msg::DeleteVolume { req, table, owner, drop_table } => {
+            Msg::Gc { req, epoch, .. } | Msg::DeleteVolume { req, epoch, .. } if self.check_epoch(epoch).is_err() => {
+                let e = self.check_epoch(epoch).unwrap_err();
+                self.reply((from, req), Err(e));
+            }
+            Msg::Gc { req, table, parent, child, promoted, .. } => self.on_gc(from, req, table, parent, child, promoted),
+            Msg::DeleteVolume { req, table, owner, drop_table, .. } => {
                 self.entries.remove(&owner);
                 self.retired.insert(owner);
                 let keys: Vec<ObjKey> = self
@@ -642,8 +650,16 @@ impl ShardCore {
                 let whole = matches!(op, RepOp::Put { .. });
                 let cow_ok = cow_from.is_none_or(|(p, v)| self.objects.get(&with_owner(key, p)) == Some(&v));
                 if !whole && (local != prev_version || !cow_ok) {
+                    if let Some(r) = &mut self.recovery {
+                        r.touched.remove(&key);
+                        r.stale.insert(key);
+                    }
                     self.reply((from, req), Ok(ReplyBody::NeedFull));
                     return self.unlock(key.slot());
+                }
+                if let Some(r) = &mut self.recovery {
+                    r.touched.insert(key);
+                    r.stale.remove(&key);
                 }
                 let track = match (&op, key.objno) {
                     (RepOp::Put { data }, TRACK_OBJNO) => postcard::from_bytes(data).ok(),
@@ -1065,10 +1081,16 @@ impl ShardCore {
                 (p.slot(), cmd)
             }
             Task::Install { key, version, data } => {
-                if self.recovery.as_ref().is_some_and(|r| r.touched.contains(key)) {
+                if let Some(r) = self.recovery.as_mut().filter(|r| r.touched.contains(key)) {
+                    r.stale.remove(key);
                     // A replicated write reached this slot after we listed it: it is current.
                     return self.task_done(parent, key.slot());
                 }
+                if let Some(r) = &mut self.recovery {
+                    r.stale.remove(key);
+                }
+                // A volume retired while we pulled (collapsed away, deleted) is not reinstalled.
+                let version = if self.retired.contains(&key.owner) { &Version::default() } else { version };
                 let cmd = if *version == Version::default() {
                     if !self.objects.contains_key(key) {
                         return self.task_done(parent, key.slot());
@@ -1157,7 +1179,7 @@ impl ShardCore {
                     }
                 }
                 Task::Install { key, version, data } => {
-                    if version == Version::default() {
+                    if version == Version::default() || self.retired.contains(&key.owner) {
                         self.objects.remove(&key);
                     } else {
                         self.objects.insert(key, version);
@@ -1402,6 +1424,15 @@ impl ShardCore {
             .filter(|(_, o)| self.now_us.saturating_sub(o.sent_us) >= self.cfg.resend_after_us)
             .map(|(r, _)| *r)
             .collect();
+        // Until the metadata service marks us up, repeat that recovery finished (it may be lost).
+        if let (Some(r), Some(map)) = (&mut self.recovery, &self.map) {
+            if r.reported && map.state(self.cfg.id) == ShardState::Recovering && map.epoch == r.epoch {
+                if self.now_us.saturating_sub(r.reported_us) >= self.cfg.resend_after_us {
+                    r.reported_us = self.now_us;
+                    self.out.push(Output::Send { to: Peer::Meta, msg: Msg::Recovered { shard: self.cfg.id, epoch: r.epoch } });
+                }
+            }
+        }
         for req in due {
             let o = self.outstanding.get_mut(&req).unwrap();
             o.sent_us = self.now_us;
@@ -1565,9 +1596,21 @@ impl ShardCore {
             r.pulls_in_flight += 1;
             to_send.push((key, peer));
         }
-        let done = r.pulls.is_empty() && r.pulls_in_flight == 0 && r.tasks_in_flight == 0 && to_send.is_empty();
+        let idle = r.pulls.is_empty() && r.pulls_in_flight == 0 && r.tasks_in_flight == 0 && to_send.is_empty();
+        if idle && !r.stale.is_empty() {
+            // Copies a primary found different while we listed: fetch them whole.
+            let map = self.map.as_ref().unwrap();
+            for key in std::mem::take(&mut r.stale) {
+                if let Some(p) = map.primary(key.slot()) {
+                    r.pulls.push_back((key, p));
+                }
+            }
+            return self.recovery_step();
+        }
+        let done = idle;
         if done {
             r.reported = true;
+            r.reported_us = self.now_us;
             self.out.push(Output::Send { to: Peer::Meta, msg: Msg::Recovered { shard: self.cfg.id, epoch } });
         }
         for (key, peer) in to_send {

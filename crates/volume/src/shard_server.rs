@@ -57,7 +57,9 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
     tracing::info!(shard = opts.id, objects = boot.objects.len(), "shard starting");
     let listener = TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
     let advertise = opts.advertise.clone().unwrap_or_else(|| listener.local_addr().unwrap().to_string());
-    let core = ShardCore::new(ShardConfig::new(opts.id), boot);
+    let mut cfg = ShardConfig::new(opts.id);
+    cfg.id_base = rand::random::<u64>() >> 16;
+    let core = ShardCore::new(cfg, boot);
     let (tx, rx) = mpsc::channel::<CoreEvent>(CORE_QUEUE_INPUTS);
     let secret: Arc<[u8]> = opts.secret.clone().into();
 

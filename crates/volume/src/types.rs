@@ -252,10 +252,12 @@ pub enum Msg {
     /// Metadata → tracking shard: forget a finished super (after GC) so another can follow.
     EndSuper { req: ReqId, epoch: Epoch, table: TableId, child: VolId },
     /// Metadata → every shard: garbage-collect after collapse.
-    Gc { req: ReqId, table: TableId, parent: VolId, child: VolId, promoted: bool },
+    /// Every shard not down at `epoch` must acknowledge it at that epoch, so a shard that comes
+    /// back later learns the result from its peers' lists.
+    Gc { req: ReqId, epoch: Epoch, table: TableId, parent: VolId, child: VolId, promoted: bool },
     /// Metadata → every shard: delete every object of a volume.
     /// With `drop_table`, the table's tracking object goes too (no volume uses the table any more).
-    DeleteVolume { req: ReqId, table: TableId, owner: VolId, drop_table: bool },
+    DeleteVolume { req: ReqId, epoch: Epoch, table: TableId, owner: VolId, drop_table: bool },
     /// Recovering shard → peer.
     ListObjects { req: ReqId, epoch: Epoch, after: Option<ObjKey> },
     /// Recovering shard → primary: the whole object.

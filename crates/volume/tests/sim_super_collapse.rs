@@ -26,7 +26,8 @@ const TABLE: TableId = 1;
 const PARENT: VolId = 1;
 const CHILD: VolId = 2;
 const CLIENTS_PER_VOLUME: usize = 3;
-const CLIENT_TIMEOUT_US: u64 = 30_000;
+/// Longer than a few shard resend periods, as a real client's request timeout is.
+const CLIENT_TIMEOUT_US: u64 = 200_000;
 const CONTROL_TIMEOUT_US: u64 = 30_000;
 
 enum Ev {
@@ -97,6 +98,7 @@ struct World {
     // Control plane, played by the test as the metadata service.
     control: Option<(ControlKind, ReqId, TimeUs)>,
     gc_pending: BTreeSet<u32>,
+    gc_epoch: Epoch,
     gc_reqs: BTreeMap<ReqId, u32>,
     super_start_us: Option<TimeUs>,
     super_end_us: Option<TimeUs>,
@@ -105,6 +107,13 @@ struct World {
     faults: bool,
     parent_keeps_writing: bool,
     log: Vec<String>,
+}
+
+fn sim_config(id: ShardId, boot: u64) -> ShardConfig {
+    let mut c = ShardConfig::new(id);
+    c.resend_after_us = 20_000;
+    c.id_base = boot << 40;
+    c
 }
 
 fn value_bytes(v: u64, len: usize) -> Vec<u8> {
@@ -126,7 +135,7 @@ impl World {
             delay_us_max: 1_500,
         });
         let shards = (0..SHARDS)
-            .map(|id| Shard { core: Some(ShardCore::new(ShardConfig::new(id), Boot::default())), store: SimStore::default(), gen: 0, isolated: false })
+            .map(|id| Shard { core: Some(ShardCore::new(sim_config(id, 0), Boot::default())), store: SimStore::default(), gen: 0, isolated: false })
             .collect();
         let map = ClusterMap {
             epoch: 1,
@@ -155,6 +164,7 @@ impl World {
             next_value: 1,
             control: None,
             gc_pending: BTreeSet::new(),
+            gc_epoch: 0,
             gc_reqs: BTreeMap::new(),
             super_start_us: None,
             super_end_us: None,
@@ -260,6 +270,10 @@ impl World {
         match ev {
             Ev::Deliver(d) => {
                 let Some(d) = self.net.receive(d) else { return true };
+                if std::env::var("SIM_TRACE_MSG").is_ok() {
+                    let m = format!("{:?}", d.msg);
+                    eprintln!("{now} msg {} -> {}: {}", d.from, d.to, &m[..m.len().min(160)]);
+                }
                 match d.to {
                     META => self.meta_receive(d.msg),
                     n if n >= CLIENT_BASE => self.client_receive((n - CLIENT_BASE) as usize, d.msg),
@@ -309,7 +323,7 @@ impl World {
             Ev::Restart(s) => {
                 let sh = &mut self.shards[s as usize];
                 let boot = sh.store.boot();
-                sh.core = Some(ShardCore::new(ShardConfig::new(s), boot));
+                sh.core = Some(ShardCore::new(sim_config(s, sh.gen + 1), boot));
                 sh.gen += 1;
                 self.net.set_down(s, false);
                 self.log.push(format!("{now} restart shard {s}"));
@@ -503,14 +517,17 @@ impl World {
                 }
             }
             ControlKind::Gc => {
-                // Every shard not down must collect; a shard down now reconciles on recovery.
-                let live: BTreeSet<u32> = self.map.shards.iter().filter(|s| s.state != ShardState::Down).map(|s| s.id).collect();
-                self.gc_pending.retain(|s| live.contains(s));
+                // Every shard not down must collect at one epoch; a shard down now learns it from
+                // its peers when it re-replicates. A map change restarts the round.
+                if self.gc_epoch != self.map.epoch {
+                    self.gc_epoch = self.map.epoch;
+                    self.gc_pending = self.map.shards.iter().filter(|s| s.state != ShardState::Down).map(|s| s.id).collect();
+                }
                 let promoted = self.collapse_outcome == Some(CollapseOutcome::Promoted);
                 for s in self.gc_pending.clone() {
                     let r = self.req();
                     self.gc_reqs.insert(r, s);
-                    self.send(META, s, Msg::Gc { req: r, table: TABLE, parent: PARENT, child: CHILD, promoted });
+                    self.send(META, s, Msg::Gc { req: r, epoch: self.gc_epoch, table: TABLE, parent: PARENT, child: CHILD, promoted });
                 }
                 if self.gc_pending.is_empty() {
                     self.start_control(ControlKind::EndSuper);
@@ -539,7 +556,7 @@ impl World {
             }
             Msg::Reply { req, result } => {
                 if let Some(s) = self.gc_reqs.remove(&req) {
-                    if result.is_ok() {
+                    if result.is_ok() && self.gc_epoch == self.map.epoch {
                         self.gc_pending.remove(&s);
                         if self.gc_pending.is_empty() && matches!(self.control, Some((ControlKind::Gc, ..))) {
                             self.start_control(ControlKind::EndSuper);
@@ -593,7 +610,7 @@ impl World {
                                         c.active = false;
                                     }
                                 }
-                                self.gc_pending = (0..SHARDS).collect();
+                                self.gc_epoch = 0;
                                 self.start_control(ControlKind::Gc);
                             }
                             ControlKind::EndSuper => {
@@ -748,7 +765,13 @@ fn run_seed(seed: u64) {
         } else {
             allowed(&parent_writes, &BTreeSet::from([0]))
         };
-        assert!(expect.contains(&got), "block {b}: holds {got}, allowed {expect:?}\n{}", ctx());
+        if !expect.contains(&got) {
+            let hist: Vec<String> = w.history.iter().filter(|h| h.block == b).map(|h| format!("{h:?}")).collect();
+            let versions: Vec<String> = (0..SHARDS)
+                .map(|t| format!("shard {t}: {:?}", w.shards[t as usize].core.as_ref().unwrap().objects().get(&key)))
+                .collect();
+            panic!("block {b}: holds {got}, allowed {expect:?}\n{}\n{versions:?}\n{}", hist.join("\n"), ctx());
+        }
     }
 
     // The tracking object was reset, and a promoted parent is fenced everywhere.
