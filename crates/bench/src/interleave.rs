@@ -28,6 +28,14 @@ pub fn run_interleaved<T>(
     results
 }
 
+/// The ABBA order of `run_interleaved` as a list of variant indices, for callers whose
+/// measurements are asynchronous and so cannot be a plain closure.
+pub fn interleaved_order(rounds: usize, variants: usize) -> Vec<usize> {
+    let mut order = Vec::with_capacity(rounds * variants);
+    run_interleaved(rounds, variants, |v| order.push(v));
+    order
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -48,7 +48,7 @@ mod progress;
 mod report;
 mod window;
 
-pub use interleave::run_interleaved;
+pub use interleave::{interleaved_order, run_interleaved};
 pub use latency::{LatencyRecorder, LatencySummary};
 pub use output::{out_dir, write_csv};
 pub use plot::{bar_plot, cdf_plot, line_plot, BarSeries, Scale, Series, PLOT_SIZE_PX};

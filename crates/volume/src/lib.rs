@@ -12,3 +12,4 @@ pub mod store;
 pub mod meta;
 pub mod client;
 pub mod sim_store;
+pub mod bench_cow;

@@ -1,0 +1,346 @@
+//! `understudy bench volume cow`: the disk-level experiments of SpecREDS §6.2 (Figure 4a, 4b and
+//! the dirty-bit overhead), on a running cluster.
+//!
+//! Three variants are measured in one run, interleaved batch by batch (ABBA) so machine noise
+//! hits them alike:
+//! * **plain** — in-place writes to a volume whose objects all exist;
+//! * **super** — writes to a collocated `super` child, each to an object the child has not
+//!   copied yet (a local copy on each replica, then the write);
+//! * **general** — writes to an rbd-style general clone, each to an object not yet copied up (a
+//!   read of the parent object across the network, an object-map update serialised per volume,
+//!   then a full-object write to the clone's own shards).
+//!
+//! After each batch of child writes the child is collapsed (promoted: the parent stays silent)
+//! and the next round works on a fresh child of the promoted volume, so every measured COW write
+//! hits a not-yet-copied object however long the run.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bench::{LatencyRecorder, Progress, Report, Scale, Series};
+use blockdev::BlockDev;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use crate::client::{Cluster, Volume};
+use crate::meta::{MetaReq, MetaResp};
+
+pub const WRITE_SIZES_BYTES: [u32; 5] = [4096, 8192, 16384, 32768, 65536];
+pub const DEPTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
+const VARIANTS: [&str; 3] = ["plain", "super", "general"];
+
+#[derive(Debug, Clone)]
+pub struct CowOptions {
+    pub quick: bool,
+    pub object_size_bytes: u32,
+    /// Writes per variant per write size (a) and per depth (b).
+    pub writes_per_point: usize,
+    /// Seconds per variant per round of the IOPS experiment (d), and rounds.
+    pub iops_seconds: u64,
+    pub iops_rounds: usize,
+}
+
+impl CowOptions {
+    pub fn new(quick: bool) -> Self {
+        if quick {
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 64, iops_seconds: 3, iops_rounds: 2 }
+        } else {
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 2000, iops_seconds: 10, iops_rounds: 4 }
+        }
+    }
+
+    /// Objects in the volume: enough distinct objects per round for every measured COW write.
+    fn objects(&self) -> u64 {
+        let per_round = (WRITE_SIZES_BYTES.len() * self.batch_writes()).max(DEPTHS.iter().sum::<usize>() * self.depth_batches());
+        (per_round as u64 + 64).next_power_of_two()
+    }
+
+    /// Writes per variant per point in one round; rounds repeat until `writes_per_point`.
+    fn batch_writes(&self) -> usize {
+        self.writes_per_point.min(200)
+    }
+
+    fn depth_batches(&self) -> usize {
+        (self.batch_writes() / 32).max(2)
+    }
+}
+
+/// The state of the three variants: a base volume and its current super child and general clone.
+struct Variants {
+    cluster: Arc<Cluster>,
+    base: String,
+    round: usize,
+    object_size: u32,
+    /// Objects of the current super child and general clone not yet written.
+    fresh: Vec<u64>,
+    vols: [Option<Volume>; 3],
+}
+
+impl Variants {
+    async fn meta(&self, req: MetaReq) -> anyhow::Result<MetaResp> {
+        self.cluster.meta(req).await
+    }
+
+    /// Starts a round: a fresh super child and general clone of the base volume.
+    async fn begin_round(&mut self, objects: u64, rng: &mut rand::rngs::StdRng) -> anyhow::Result<()> {
+        self.round += 1;
+        let child = format!("{}.super-{}", self.base, self.round);
+        let general = format!("{}.general-{}", self.base, self.round);
+        self.meta(MetaReq::Super { parent: self.base.clone(), child: child.clone() }).await?;
+        self.meta(MetaReq::CloneGeneral { parent: self.base.clone(), child: general.clone() }).await?;
+        self.vols = [
+            Some(self.cluster.open(&self.base).await?),
+            Some(self.cluster.open(&child).await?),
+            Some(self.cluster.open(&general).await?),
+        ];
+        self.fresh = (0..objects).collect();
+        self.fresh.shuffle(rng);
+        Ok(())
+    }
+
+    /// Ends a round: the child is promoted (the base stayed silent) and becomes the base; the
+    /// general clone is deleted; waits for garbage collection so the next round starts clean.
+    async fn end_round(&mut self) -> anyhow::Result<()> {
+        let child = self.vols[1].as_ref().unwrap().record().name.clone();
+        let general = self.vols[2].as_ref().unwrap().record().name.clone();
+        self.vols = [None, None, None];
+        match self.meta(MetaReq::Collapse { child: child.clone() }).await? {
+            MetaResp::Collapsed { outcome: crate::types::CollapseOutcome::Promoted, .. } => {}
+            other => anyhow::bail!("collapse of {child} with a silent parent did not promote: {other:?}"),
+        }
+        self.base = child;
+        self.meta(MetaReq::Delete { name: general }).await?;
+        wait_for_jobs(&self.cluster).await
+    }
+
+    fn take_fresh(&mut self, n: usize) -> anyhow::Result<Vec<u64>> {
+        anyhow::ensure!(self.fresh.len() >= n, "ran out of uncopied objects (internal sizing error)");
+        Ok(self.fresh.split_off(self.fresh.len() - n))
+    }
+}
+
+pub async fn wait_for_jobs(cluster: &Cluster) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match cluster.meta(MetaReq::Jobs).await? {
+            MetaResp::Jobs(j) if j.is_empty() => return Ok(()),
+            _ if Instant::now() > deadline => anyhow::bail!("garbage collection did not finish in 120 s"),
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+/// Issues `targets.len()` writes of `size` bytes in batches of `depth` concurrent writes, each to
+/// a random aligned offset of its target object; returns each write's latency.
+async fn write_batches(
+    vol: &Volume,
+    object_size: u32,
+    targets: &[u64],
+    size: u32,
+    depth: usize,
+    rng: &mut rand::rngs::StdRng,
+) -> anyhow::Result<Vec<Duration>> {
+    let mut lat = Vec::with_capacity(targets.len());
+    for batch in targets.chunks(depth) {
+        let writes: Vec<(u64, Vec<u8>)> = batch
+            .iter()
+            .map(|&objno| {
+                let slots = object_size / size;
+                let offset = objno * object_size as u64 + rng.gen_range(0..slots) as u64 * size as u64;
+                (offset, vec![rng.gen::<u8>() | 1; size as usize])
+            })
+            .collect();
+        let futs = writes.into_iter().map(|(offset, data)| async move {
+            let t = Instant::now();
+            vol.write(offset, data).await.map(|_| t.elapsed())
+        });
+        for r in futures::future::join_all(futs).await {
+            lat.push(r.map_err(|e| anyhow::anyhow!("benchmark write failed: {e}"))?);
+        }
+    }
+    Ok(lat)
+}
+
+/// Random 4 KiB writes at `depth` for `seconds`; returns completed writes per second.
+async fn iops(vol: &Volume, seconds: u64, depth: usize, seed: u64) -> anyhow::Result<f64> {
+    let size = vol.size_bytes();
+    let start = Instant::now();
+    let end = start + Duration::from_secs(seconds);
+    let workers = (0..depth).map(|w| async move {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ w as u64);
+        let mut n = 0u64;
+        while Instant::now() < end {
+            let offset = rng.gen_range(0..size / 4096) * 4096;
+            vol.write(offset, vec![0x5a; 4096]).await.map_err(|e| anyhow::anyhow!("benchmark write failed: {e}"))?;
+            n += 1;
+        }
+        anyhow::Ok(n)
+    });
+    let mut total = 0;
+    for r in futures::future::join_all(workers).await {
+        total += r?;
+    }
+    Ok(total as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Runs the whole experiment and fills `report`.
+pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &mut Report) -> anyhow::Result<()> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
+    let objects = opts.objects();
+    let size_bytes = objects * opts.object_size_bytes as u64;
+    let base = format!("bench-cow-{}", std::process::id());
+    cluster
+        .meta(MetaReq::Create { name: base.clone(), size_bytes, object_size_bytes: opts.object_size_bytes })
+        .await
+        .context("creating the benchmark volume")?;
+
+    // Fill every object so the clones have something to copy.
+    let mut progress = Progress::new(objects, "filling the volume");
+    {
+        let vol = cluster.open(&base).await?;
+        let chunk = 32;
+        let all: Vec<u64> = (0..objects).collect();
+        for batch in all.chunks(chunk) {
+            let futs = batch.iter().map(|&o| vol.write(o * opts.object_size_bytes as u64, vec![0xa5; opts.object_size_bytes as usize]));
+            for r in futures::future::join_all(futs).await {
+                r.map_err(|e| anyhow::anyhow!("filling: {e}"))?;
+            }
+            progress.inc(batch.len() as u64);
+        }
+    }
+    progress.finish();
+
+    let mut v = Variants { cluster: cluster.clone(), base, round: 0, object_size: opts.object_size_bytes, fresh: vec![], vols: [None, None, None] };
+    let mut by_size: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
+    let mut by_depth: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
+    let mut samples: Vec<Vec<String>> = vec![];
+
+    // (a) single COW writes of each size at depth 1, and (b) 4 KiB COW writes at each depth.
+    let rounds = opts.writes_per_point.div_ceil(opts.batch_writes());
+    let mut progress = Progress::new((rounds * 2) as u64, "COW latency rounds");
+    for _ in 0..rounds {
+        v.begin_round(objects, &mut rng).await?;
+        for &size in &WRITE_SIZES_BYTES {
+            // Small batches, ABBA across variants.
+            let per_batch = 8;
+            for variant in bench::interleaved_order(opts.batch_writes() / per_batch, 3) {
+                let targets = if variant == 0 {
+                    (0..per_batch).map(|_| rng.gen_range(0..objects)).collect()
+                } else {
+                    v.take_fresh(per_batch)?
+                };
+                let vol = v.vols[variant].as_ref().unwrap();
+                for l in write_batches(vol, v.object_size, &targets, size, 1, &mut rng).await? {
+                    by_size.entry((variant, size)).or_default().record(l);
+                    samples.push(vec!["size".into(), VARIANTS[variant].into(), size.to_string(), "1".into(), l.as_micros().to_string()]);
+                }
+            }
+        }
+        v.end_round().await?;
+        progress.inc(1);
+        v.begin_round(objects, &mut rng).await?;
+        for &depth in &DEPTHS {
+            for variant in bench::interleaved_order(opts.depth_batches(), 3) {
+                let targets = if variant == 0 { (0..depth).map(|_| rng.gen_range(0..objects)).collect() } else { v.take_fresh(depth)? };
+                let vol = v.vols[variant].as_ref().unwrap();
+                for l in write_batches(vol, v.object_size, &targets, 4096, depth, &mut rng).await? {
+                    by_depth.entry((variant, depth as u32)).or_default().record(l);
+                    samples.push(vec!["depth".into(), VARIANTS[variant].into(), "4096".into(), depth.to_string(), l.as_micros().to_string()]);
+                }
+            }
+        }
+        v.end_round().await?;
+        progress.inc(1);
+    }
+    progress.finish();
+
+    // (d) parent IOPS at depth 32 with super invoked every second, against none.
+    let mut iops_plain = vec![];
+    let mut iops_super = vec![];
+    let mut progress = Progress::new((opts.iops_rounds * 2) as u64, "parent IOPS, super every second");
+    for variant in bench::interleaved_order(opts.iops_rounds, 2) {
+        let vol = cluster.open(&v.base).await?;
+        let seed = rng.gen();
+        if variant == 0 {
+            iops_plain.push(iops(&vol, opts.iops_seconds, 32, seed).await?);
+        } else {
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let supers = tokio::spawn(super_every_second(cluster.clone(), v.base.clone(), stop.clone()));
+            let r = iops(&vol, opts.iops_seconds, 32, seed).await;
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let cycles = supers.await??;
+            iops_super.push(r?);
+            anyhow::ensure!(cycles > 0, "no super cycle completed during the IOPS run");
+        }
+        progress.inc(1);
+    }
+    progress.finish();
+    wait_for_jobs(&cluster).await?;
+
+    // Figures, ratios, CSV and plots.
+    let mean = |m: &BTreeMap<_, LatencyRecorder>, k| m.get(&k).map(|r: &LatencyRecorder| r.mean_us()).unwrap_or(f64::NAN);
+    for (i, name) in VARIANTS.iter().enumerate() {
+        for &size in &WRITE_SIZES_BYTES {
+            report.latency(&format!("{name}.write_{}k.depth1.latency", size / 1024), &by_size[&(i, size)].summary())?;
+        }
+        for &depth in &DEPTHS {
+            report.latency(&format!("{name}.write_4k.depth{depth}.latency"), &by_depth[&(i, depth as u32)].summary())?;
+        }
+    }
+    let avg = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    report.figure("plain.parent.write_4k.depth32.iops", avg(&iops_plain))?;
+    report.figure("super_every_1s.parent.write_4k.depth32.iops", avg(&iops_super))?;
+    // Depth 1 of (a) and (b) measure the same thing; (b) is interleaved with deeper batches.
+    report.ratio("super_vs_plain.write_4k.depth1.latency", mean(&by_size, (1, 4096)), mean(&by_size, (0, 4096)))?;
+    report.ratio("super_vs_plain.write_4k.depth32.latency", mean(&by_depth, (1, 32)), mean(&by_depth, (0, 32)))?;
+    report.ratio("general_vs_super.write_4k.depth32.latency", mean(&by_depth, (2, 32)), mean(&by_depth, (1, 32)))?;
+    report.ratio("general_vs_super.write_4k.depth1.latency", mean(&by_size, (2, 4096)), mean(&by_size, (1, 4096)))?;
+    report.ratio("plain_vs_super_every_1s.parent.iops", avg(&iops_plain), avg(&iops_super))?;
+    for (i, name) in VARIANTS.iter().enumerate() {
+        report.ratio(&format!("{name}.write_4k.depth32_vs_depth1.latency"), mean(&by_depth, (i, 32)), mean(&by_depth, (i, 1)))?;
+    }
+    report.ratio(
+        "super_vs_plain.write_4k.depth32_vs_depth1.latency",
+        mean(&by_depth, (1, 32)) / mean(&by_depth, (1, 1)),
+        mean(&by_depth, (0, 32)) / mean(&by_depth, (0, 1)),
+    )?;
+
+    bench::write_csv(&out.join("cow_latency.csv"), &["experiment", "variant", "write_bytes", "depth", "latency_us"], samples)?;
+    let size_series: Vec<Series> = VARIANTS
+        .iter()
+        .enumerate()
+        .map(|(i, n)| Series { name: n.to_string(), points: WRITE_SIZES_BYTES.iter().map(|&s| ((s / 1024) as f64, mean(&by_size, (i, s)) / 1000.0)).collect() })
+        .collect();
+    bench::line_plot(&out.join("fig4a_cow_latency_by_size"), "Single COW write latency (depth 1)", "write size (KiB)", "mean latency (ms)", &size_series, Scale::Log)?;
+    let depth_series: Vec<Series> = VARIANTS
+        .iter()
+        .enumerate()
+        .map(|(i, n)| Series { name: n.to_string(), points: DEPTHS.iter().map(|&d| (d as f64, mean(&by_depth, (i, d as u32)) / 1000.0)).collect() })
+        .collect();
+    bench::line_plot(&out.join("fig4b_cow_latency_by_depth"), "4 KiB COW write latency by writes in flight", "writes in flight", "mean latency (ms)", &depth_series, Scale::Log)?;
+    Ok(())
+}
+
+/// Every second: `super` the volume, then collapse the child a second later (the parent keeps
+/// writing, so it is rejected and discarded). Returns the cycles completed.
+async fn super_every_second(cluster: Arc<Cluster>, base: String, stop: Arc<std::sync::atomic::AtomicBool>) -> anyhow::Result<u64> {
+    let mut cycles = 0;
+    let mut n = 0;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        n += 1;
+        let child = format!("{base}.dirty-{n}");
+        let t = Instant::now();
+        cluster.meta(MetaReq::Super { parent: base.clone(), child: child.clone() }).await?;
+        tokio::time::sleep(Duration::from_secs(1).saturating_sub(t.elapsed())).await;
+        match cluster.meta(MetaReq::Collapse { child: child.clone() }).await? {
+            MetaResp::Collapsed { outcome: crate::types::CollapseOutcome::Rejected, .. } => {}
+            other => anyhow::bail!("collapse while the parent writes must reject, got {other:?}"),
+        }
+        wait_for_jobs(&cluster).await?;
+        cycles += 1;
+    }
+    Ok(cycles)
+}
