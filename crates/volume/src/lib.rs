@@ -13,3 +13,4 @@ pub mod meta;
 pub mod client;
 pub mod sim_store;
 pub mod bench_cow;
+pub mod objfmt;

@@ -7,10 +7,50 @@
 
 use sim::{DiskError, SimDisk};
 
+use crate::objfmt::{self, ObjFile, HEADER_BYTES};
 use crate::shard_core::{Boot, DiskCmd, DiskErr, DiskOut};
 use crate::types::*;
 
-const HEADER_BYTES: u64 = 16;
+/// An object file on the simulated disk.
+struct SimFile<'a> {
+    disk: &'a mut SimDisk,
+    name: &'a str,
+}
+
+fn io_err(e: DiskError) -> std::io::Error {
+    match e {
+        DiskError::NoSpace { .. } => std::io::Error::from_raw_os_error(28),
+        e => std::io::Error::other(e.to_string()),
+    }
+}
+
+impl ObjFile for SimFile<'_> {
+    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        let d = self.disk.read(self.name, offset, buf.len() as u64).map_err(io_err)?;
+        buf[..d.len()].copy_from_slice(&d);
+        Ok(d.len())
+    }
+    fn write_at(&mut self, data: &[u8], offset: u64) -> std::io::Result<()> {
+        self.disk.write(self.name, offset, data).map_err(io_err)
+    }
+    fn len(&mut self) -> std::io::Result<u64> {
+        self.disk.len(self.name).map_err(io_err)
+    }
+    fn set_len(&mut self, len: u64) -> std::io::Result<()> {
+        self.disk.truncate(self.name, len).map_err(io_err)
+    }
+    fn zero_range(&mut self, offset: u64, len: u64) -> std::io::Result<()> {
+        self.disk.write(self.name, offset, &vec![0u8; len as usize]).map_err(io_err)
+    }
+}
+
+fn ioe(e: std::io::Error) -> DiskErr {
+    if e.raw_os_error() == Some(28) {
+        DiskErr::NoSpace
+    } else {
+        DiskErr::Io(e.to_string())
+    }
+}
 
 fn name(key: &ObjKey) -> String {
     format!("o/{:016x}/{:016x}.{:016x}", key.table, key.objno, key.owner)
@@ -53,15 +93,9 @@ impl SimStore {
         let mut boot = Boot::default();
         for n in self.disk.list() {
             if let Some(key) = parse(&n) {
-                let h = self.disk.read(&n, 0, HEADER_BYTES).unwrap_or_default();
-                let mut hb = [0u8; 16];
-                hb[..h.len().min(16)].copy_from_slice(&h[..h.len().min(16)]);
-                let version = Version {
-                    epoch: u64::from_le_bytes(hb[..8].try_into().unwrap()),
-                    seq: u64::from_le_bytes(hb[8..].try_into().unwrap()),
-                };
+                let version = objfmt::verify(&mut SimFile { disk: &mut self.disk, name: &n }).unwrap_or(objfmt::SUSPECT);
                 boot.objects.push((key, version));
-                if key.objno == TRACK_OBJNO {
+                if key.objno == TRACK_OBJNO && version != objfmt::SUSPECT {
                     boot.track_objects.push((key, self.read_body(&n)));
                 }
             } else if n.ends_with(".cow") {
@@ -77,8 +111,7 @@ impl SimStore {
     }
 
     fn read_body(&mut self, n: &str) -> Vec<u8> {
-        let len = self.disk.len(n).unwrap_or(0).saturating_sub(HEADER_BYTES);
-        self.disk.read(n, HEADER_BYTES, len).unwrap_or_default()
+        objfmt::read_body(&mut SimFile { disk: &mut self.disk, name: n }).unwrap_or_default()
     }
 
     /// Reads an object's bytes (for test checks).
@@ -145,25 +178,7 @@ impl SimStore {
                     self.disk.create(&n).map_err(err)?;
                     *dir = true;
                 }
-                match op {
-                    RepOp::Put { data } => {
-                        self.disk.truncate(&n, HEADER_BYTES).map_err(err)?;
-                        self.disk.write(&n, HEADER_BYTES, &data).map_err(err)?;
-                    }
-                    RepOp::Write { offset, data } => self.disk.write(&n, HEADER_BYTES + offset as u64, &data).map_err(err)?,
-                    RepOp::Zero { offset, len } => {
-                        let file_len = self.disk.len(&n).map_err(err)?;
-                        let start = HEADER_BYTES + offset as u64;
-                        let end = (start + len as u64).min(file_len);
-                        if end > start {
-                            self.disk.write(&n, start, &vec![0u8; (end - start) as usize]).map_err(err)?;
-                        }
-                    }
-                }
-                let mut header = [0u8; 16];
-                header[..8].copy_from_slice(&version.epoch.to_le_bytes());
-                header[8..].copy_from_slice(&version.seq.to_le_bytes());
-                self.disk.write(&n, 0, &header).map_err(err)?;
+                objfmt::apply(&mut SimFile { disk: &mut self.disk, name: &n }, version, &op).map_err(ioe)?;
                 files.push(n);
                 Ok(DiskOut::Done)
             }

@@ -1,9 +1,9 @@
 //! The shard's local object store: one file per object, durable on return.
 //!
 //! Layout under the data directory:
-//! `objects/<table>/<objno>.<owner>` (hex), each file a 16-byte header holding the object's
-//! [`Version`] followed by the object's bytes (sparse: unwritten ranges read as zeroes), and
-//! `state` (the shard's tracking list, replaced atomically). Every mutation is followed by
+//! `objects/<table>/<objno>.<owner>` (hex), each file in the format of [`crate::objfmt`]
+//! (a header with the version and block checksums, then the bytes), and `state` (the shard's
+//! tracking list, replaced atomically). Every mutation is followed by
 //! `fdatasync`, and creations, renames and deletions by an `fsync` of the directory, before it is
 //! reported done: a shard acknowledges only durable writes.
 
@@ -14,10 +14,39 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use crate::objfmt::{self, ObjFile, HEADER_BYTES};
 use crate::shard_core::{Boot, DiskCmd, DiskErr, DiskOut};
 use crate::types::*;
 
-const HEADER_BYTES: u64 = 16;
+/// A real object file.
+struct RealFile<'a>(&'a File);
+
+impl ObjFile for RealFile<'_> {
+    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.0.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+    fn write_at(&mut self, data: &[u8], offset: u64) -> std::io::Result<()> {
+        self.0.write_all_at(data, offset)
+    }
+    fn len(&mut self) -> std::io::Result<u64> {
+        Ok(self.0.metadata()?.len())
+    }
+    fn set_len(&mut self, len: u64) -> std::io::Result<()> {
+        self.0.set_len(len)
+    }
+    fn zero_range(&mut self, offset: u64, len: u64) -> std::io::Result<()> {
+        punch_hole(self.0, offset, len)
+    }
+}
 
 pub struct FileStore {
     root: PathBuf,
@@ -73,7 +102,8 @@ impl FileStore {
         })
     }
 
-    /// Scans the store: every object with its version, the tracking objects' contents, the state.
+    /// Scans the store: every object with its version (checked against its checksums, see
+    /// [`objfmt`]), the tracking objects' contents, the state.
     pub fn boot(&self) -> std::io::Result<Boot> {
         let mut boot = Boot::default();
         for t in fs::read_dir(self.root.join("objects"))? {
@@ -88,10 +118,13 @@ impl FileStore {
                     continue;
                 };
                 let f = File::open(o.path())?;
-                let version = read_header(&f)?;
+                let version = objfmt::verify(&mut RealFile(&f))?;
+                if version == objfmt::SUSPECT {
+                    tracing::warn!("object {key:?} does not match its checksums (interrupted write): it will be re-replicated");
+                }
                 boot.objects.push((key, version));
-                if key.objno == TRACK_OBJNO {
-                    boot.track_objects.push((key, read_body(&f)?));
+                if key.objno == TRACK_OBJNO && version != objfmt::SUSPECT {
+                    boot.track_objects.push((key, objfmt::read_body(&mut RealFile(&f))?));
                 }
             }
         }
@@ -110,7 +143,7 @@ impl FileStore {
                 let mut buf = vec![0u8; len as usize];
                 match File::open(self.path(&key)) {
                     Ok(f) => {
-                        read_at_full(&f, &mut buf, HEADER_BYTES + offset as u64).map_err(disk_err)?;
+                        RealFile(&f).read_at(&mut buf, HEADER_BYTES + offset as u64).map_err(disk_err)?;
                     }
                     Err(e) if e.kind() == ErrorKind::NotFound => {}
                     Err(e) => return Err(disk_err(e)),
@@ -119,7 +152,7 @@ impl FileStore {
             }
             DiskCmd::ReadAll { key } => {
                 let f = File::open(self.path(&key)).map_err(disk_err)?;
-                Ok(DiskOut::Data(read_body(&f).map_err(disk_err)?))
+                Ok(DiskOut::Data(objfmt::read_body(&mut RealFile(&f)).map_err(disk_err)?))
             }
             DiskCmd::Apply { key, version, op, cow_from } => {
                 self.apply(key, version, op, cow_from).map_err(disk_err)?;
@@ -182,58 +215,13 @@ impl FileStore {
             }
             Err(e) => return Err(e),
         };
-        match op {
-            RepOp::Put { data } => {
-                f.set_len(HEADER_BYTES)?;
-                f.write_all_at(&data, HEADER_BYTES)?;
-            }
-            RepOp::Write { offset, data } => f.write_all_at(&data, HEADER_BYTES + offset as u64)?,
-            RepOp::Zero { offset, len } => {
-                let file_len = f.metadata()?.len();
-                let start = HEADER_BYTES + offset as u64;
-                let end = (start + len as u64).min(file_len);
-                if end > start {
-                    punch_hole(&f, start, end - start)?;
-                }
-            }
-        }
-        let mut header = [0u8; HEADER_BYTES as usize];
-        header[..8].copy_from_slice(&version.epoch.to_le_bytes());
-        header[8..].copy_from_slice(&version.seq.to_le_bytes());
-        f.write_all_at(&header, 0)?;
+        objfmt::apply(&mut RealFile(&f), version, &op)?;
         f.sync_data()?;
         if created {
             sync_dir(&dir)?;
         }
         Ok(())
     }
-}
-
-fn read_header(f: &File) -> std::io::Result<Version> {
-    let mut h = [0u8; HEADER_BYTES as usize];
-    read_at_full(f, &mut h, 0)?;
-    Ok(Version { epoch: u64::from_le_bytes(h[..8].try_into().unwrap()), seq: u64::from_le_bytes(h[8..].try_into().unwrap()) })
-}
-
-fn read_body(f: &File) -> std::io::Result<Vec<u8>> {
-    let len = f.metadata()?.len().saturating_sub(HEADER_BYTES);
-    let mut buf = vec![0u8; len as usize];
-    read_at_full(f, &mut buf, HEADER_BYTES)?;
-    Ok(buf)
-}
-
-/// Reads as much as exists at `offset`; the rest of `buf` stays zero.
-fn read_at_full(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        match f.read_at(&mut buf[done..], offset + done as u64) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 fn punch_hole(f: &File, offset: u64, len: u64) -> std::io::Result<()> {
