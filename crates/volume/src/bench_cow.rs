@@ -68,9 +68,12 @@ impl CowOptions {
     }
 }
 
-/// The state of the three variants: a base volume and its current super child and general clone.
+/// The state of the three variants: a plain volume, and a base volume with its current super
+/// child and general clone (the base itself is never written while it has a child, or collapse
+/// would rightly reject the child).
 struct Variants {
     cluster: Arc<Cluster>,
+    plain: String,
     base: String,
     round: usize,
     object_size: u32,
@@ -92,7 +95,7 @@ impl Variants {
         self.meta(MetaReq::Super { parent: self.base.clone(), child: child.clone() }).await?;
         self.meta(MetaReq::CloneGeneral { parent: self.base.clone(), child: general.clone() }).await?;
         self.vols = [
-            Some(self.cluster.open(&self.base).await?),
+            Some(self.cluster.open(&self.plain).await?),
             Some(self.cluster.open(&child).await?),
             Some(self.cluster.open(&general).await?),
         ];
@@ -192,15 +195,15 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     let objects = opts.objects();
     let size_bytes = objects * opts.object_size_bytes as u64;
     let base = format!("bench-cow-{}", std::process::id());
-    cluster
-        .meta(MetaReq::Create { name: base.clone(), size_bytes, object_size_bytes: opts.object_size_bytes })
-        .await
-        .context("creating the benchmark volume")?;
-
-    // Fill every object so the clones have something to copy.
-    let mut progress = Progress::new(objects, "filling the volume");
-    {
-        let vol = cluster.open(&base).await?;
+    let plain = format!("bench-plain-{}", std::process::id());
+    // Fill every object so the clones have something to copy and plain writes overwrite.
+    let mut progress = Progress::new(2 * objects, "filling the volumes");
+    for name in [&plain, &base] {
+        cluster
+            .meta(MetaReq::Create { name: name.clone(), size_bytes, object_size_bytes: opts.object_size_bytes })
+            .await
+            .context("creating the benchmark volumes")?;
+        let vol = cluster.open(name).await?;
         let chunk = 32;
         let all: Vec<u64> = (0..objects).collect();
         for batch in all.chunks(chunk) {
@@ -213,7 +216,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     }
     progress.finish();
 
-    let mut v = Variants { cluster: cluster.clone(), base, round: 0, object_size: opts.object_size_bytes, fresh: vec![], vols: [None, None, None] };
+    let mut v = Variants { cluster: cluster.clone(), plain, base, round: 0, object_size: opts.object_size_bytes, fresh: vec![], vols: [None, None, None] };
     let mut by_size: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut by_depth: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut samples: Vec<Vec<String>> = vec![];
@@ -284,7 +287,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     let mean = |m: &BTreeMap<_, LatencyRecorder>, k| m.get(&k).map(|r: &LatencyRecorder| r.mean_us()).unwrap_or(f64::NAN);
     for (i, name) in VARIANTS.iter().enumerate() {
         for &size in &WRITE_SIZES_BYTES {
-            report.latency(&format!("{name}.write_{}k.depth1.latency", size / 1024), &by_size[&(i, size)].summary())?;
+            report.latency(&format!("{name}.size_sweep.write_{}k.depth1.latency", size / 1024), &by_size[&(i, size)].summary())?;
         }
         for &depth in &DEPTHS {
             report.latency(&format!("{name}.write_4k.depth{depth}.latency"), &by_depth[&(i, depth as u32)].summary())?;

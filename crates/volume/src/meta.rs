@@ -176,6 +176,12 @@ fn now_unix_ms() -> u64 {
 }
 
 pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
+    serve_meta(listener, opts).await
+}
+
+/// Runs the metadata service on a bound listener (`opts.listen` is ignored).
+pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Result<()> {
     let store = FileMetaStore::new(&opts.dir)?;
     let state = match store.load()? {
         Some(s) => s,
@@ -185,7 +191,6 @@ pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
             s
         }
     };
-    let listener = TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
     let meta = Meta {
         inner: Arc::new(Mutex::new(Inner { state, store: Box::new(store), links: HashMap::new() })),
         control: Arc::new(Mutex::new(())),
@@ -327,6 +332,11 @@ impl Meta {
                 if !alive && s.state != ShardState::Down {
                     tracing::warn!(shard = id, "shard missed its pings: marking it down");
                     s.state = ShardState::Down;
+                    changed = true;
+                } else if alive && s.state == ShardState::Down {
+                    // Answering again (it was slow or cut off): it may have missed writes.
+                    tracing::info!(shard = id, "shard answers again: recovering");
+                    s.state = ShardState::Recovering;
                     changed = true;
                 }
             }

@@ -14,7 +14,7 @@
 //! * re-replication of a restarted or replaced shard, and repair of a replica whose copy differs
 //!   from the primary's (object versions name contents; see [`Version`]).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::{BuildHasherDefault, DefaultHasher};
 
 use serde::{Deserialize, Serialize};
@@ -145,12 +145,15 @@ enum Queued {
     Task(OpId, Task),
 }
 
-/// Slot-locked local work of a multi-object operation (GC, delete, recovery).
+/// Slot-locked work of a multi-object operation (GC, delete, recovery).
 #[derive(Debug, Clone)]
 enum Task {
     Delete(ObjKey),
-    /// GC after promotion: delete the parent object if the child has its own, else rename.
-    HandOver { parent: ObjKey, child: ObjKey },
+    /// Garbage collection of one slot: `from`'s object is deleted if `to` is `None` or already
+    /// has its own, else renamed to `to`'s (a promoted child takes the parent objects it did not
+    /// copy). A primary replicates it to the slot's replicas, so every change to a slot's objects
+    /// flows through its primary in order.
+    Collect { slot: Slot, from: VolId, to: Option<VolId>, replicate: bool },
     /// Recovery: install a pulled object.
     Install { key: ObjKey, version: Version, data: Vec<u8> },
 }
@@ -187,6 +190,8 @@ enum Kind {
     Tasks { reply_to: Option<(Peer, ReqId)>, remaining: usize, for_recovery: bool },
     /// One slot-locked task.
     Task { parent: OpId, task: Task },
+    /// A new primary making its replicas' copies of a slot equal to its own.
+    SlotSync { epoch: Epoch, reads: HashMap<u64, (ShardId, ObjKey, Version)> },
 }
 
 #[derive(Debug)]
@@ -240,6 +245,8 @@ pub struct ShardCore {
     outstanding: HashMap<ReqId, Outstanding>,
     permissions: HashMap<VolId, PermissionState>,
     recovery: Option<Recovery>,
+    /// Slots whose replicas were made equal to ours since the last map change.
+    synced: HashSet<Slot>,
     next_id: u64,
     out: Vec<Output>,
 }
@@ -258,6 +265,10 @@ fn set_epoch(msg: &mut Msg, e: Epoch) {
         | Msg::Permission { epoch, .. }
         | Msg::Track { epoch, .. }
         | Msg::ListObjects { epoch, .. }
+        | Msg::SlotVersions { epoch, .. }
+        | Msg::RepDelete { epoch, .. }
+        | Msg::RepSync { epoch, .. }
+        | Msg::RepCollect { epoch, .. }
         | Msg::Pull { epoch, .. } => *epoch = e,
         _ => {}
     }
@@ -281,6 +292,7 @@ impl ShardCore {
             outstanding: HashMap::default(),
             permissions: HashMap::default(),
             recovery: None,
+            synced: HashSet::default(),
             next_id: 1 + cfg_id_base,
             out: Vec::new(),
         };
@@ -340,6 +352,7 @@ impl ShardCore {
                     Kind::SaveEntries { .. } => "save".into(),
                     Kind::Tasks { remaining, .. } => format!("tasks {remaining}"),
                     Kind::Task { task, .. } => format!("task {task:?}").chars().take(80).collect(),
+                    Kind::SlotSync { reads, .. } => format!("slot-sync reads:{}", reads.len()),
                 };
                 let waits: Vec<String> = o
                     .waits
@@ -391,6 +404,10 @@ impl ShardCore {
             | Msg::Permission { req: r, .. }
             | Msg::Track { req: r, .. }
             | Msg::ListObjects { req: r, .. }
+            | Msg::SlotVersions { req: r, .. }
+            | Msg::RepDelete { req: r, .. }
+            | Msg::RepSync { req: r, .. }
+            | Msg::RepCollect { req: r, .. }
             | Msg::Pull { req: r, .. } => *r = req,
             _ => unreachable!("not a shard-to-shard request: {msg:?}"),
         }
@@ -569,16 +586,55 @@ impl ShardCore {
             Msg::DeleteVolume { req, table, owner, drop_table, .. } => {
                 self.entries.remove(&owner);
                 self.retired.insert(owner);
-                let keys: Vec<ObjKey> = self
-                    .objects
-                    .keys()
-                    .filter(|k| k.table == table && (k.owner == owner || (drop_table && k.objno == TRACK_OBJNO)))
-                    .copied()
-                    .collect();
-                let tasks = keys.into_iter().map(Task::Delete).collect();
+                let mut tasks: Vec<Task> =
+                    self.led_slots(table).into_iter().map(|slot| Task::Collect { slot, from: owner, to: None, replicate: true }).collect();
+                let track = track_key(table).slot();
+                if drop_table && self.is_primary(track) {
+                    tasks.push(Task::Collect { slot: track, from: 0, to: None, replicate: true });
+                }
                 self.start_tasks(Some((from, req)), tasks, true);
             }
             Msg::ListObjects { req, epoch, after } => self.on_list(from, req, epoch, after),
+            Msg::SlotVersions { req, epoch, slot } => {
+                if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_sender_is_primary(from, slot)) {
+                    return self.reply((from, req), Err(e));
+                }
+                let lo = ObjKey { table: slot.table, objno: slot.objno, owner: 0 };
+                let hi = ObjKey { table: slot.table, objno: slot.objno, owner: VolId::MAX };
+                let objects = self.objects.range(lo..=hi).map(|(k, v)| (*k, *v)).collect();
+                self.reply((from, req), Ok(ReplyBody::Objects { objects, tracks: vec![], retired: vec![], more: false }));
+            }
+            Msg::RepCollect { req, epoch, slot, from: gone, to } => {
+                if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_sender_is_primary(from, slot)) {
+                    return self.reply((from, req), Err(e));
+                }
+                if let Some(r) = &mut self.recovery {
+                    for owner in std::iter::once(gone).chain(to) {
+                        let key = ObjKey { table: slot.table, objno: slot.objno, owner };
+                        r.touched.insert(key);
+                        r.stale.remove(&key);
+                    }
+                }
+                self.start_tasks(Some((from, req)), vec![Task::Collect { slot, from: gone, to, replicate: false }], false);
+            }
+            Msg::RepSync { req, epoch, key, .. } => {
+                if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_sender_is_primary(from, key.slot())) {
+                    return self.reply((from, req), Err(e));
+                }
+                if self.lock_or_queue(key.slot(), Queued::Msg(from, msg.clone())) {
+                    self.on_msg_locked(from, msg);
+                }
+            }
+            Msg::RepDelete { req, epoch, key } => {
+                if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_sender_is_primary(from, key.slot())) {
+                    return self.reply((from, req), Err(e));
+                }
+                if let Some(r) = &mut self.recovery {
+                    r.touched.insert(key);
+                    r.stale.remove(&key);
+                }
+                self.start_tasks(Some((from, req)), vec![Task::Delete(key)], false);
+            }
             Msg::Ping { req } => self.reply((from, req), Ok(ReplyBody::Done)),
             Msg::Recovered { .. } | Msg::Register { .. } => {}
         }
@@ -620,6 +676,22 @@ impl ShardCore {
 
     /// Runs a message that needs the slot lock, which the caller holds.
     fn on_msg_locked(&mut self, from: Peer, msg: Msg) {
+        let primary_slot = match &msg {
+            Msg::Io { vol, objno, .. } => Some(Slot { table: vol.table, objno: *objno }),
+            Msg::Permission { table, .. } | Msg::Super { table, .. } | Msg::Collapse { table, .. } | Msg::EndSuper { table, .. } => {
+                Some(track_key(*table).slot())
+            }
+            Msg::Pull { key, .. } => Some(key.slot()),
+            _ => None,
+        };
+        if let Some(slot) = primary_slot {
+            if self.is_primary(slot) && !self.synced.contains(&slot) {
+                // First operation on this slot since the map changed: make the replicas' copies
+                // equal to ours first, then run the operation (it waits at the head of the queue).
+                self.locks.get_mut(&slot).expect("slot is locked").push_front(Queued::Msg(from, msg));
+                return self.start_sync(slot);
+            }
+        }
         match msg {
             Msg::Io { req, epoch, vol, objno, op } => {
                 let slot = Slot { table: vol.table, objno };
@@ -669,6 +741,19 @@ impl ShardCore {
                 let cow_from = if whole { None } else { cow_from.map(|(p, _)| with_owner(key, p)) };
                 self.disk(op_id, DiskCmd::Apply { key, version, op, cow_from });
             }
+            Msg::RepSync { req, epoch, key, version, data } => {
+                if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_sender_is_primary(from, key.slot())) {
+                    self.reply((from, req), Err(e));
+                    return self.unlock(key.slot());
+                }
+                if let Some(r) = &mut self.recovery {
+                    r.touched.insert(key);
+                    r.stale.remove(&key);
+                }
+                let track = if key.objno == TRACK_OBJNO { postcard::from_bytes(&data).ok() } else { None };
+                let op_id = self.new_op(Some(key.slot()), Kind::Replica { reply_to: (from, req), key, version, track });
+                self.disk(op_id, DiskCmd::Apply { key, version, op: RepOp::Put { data }, cow_from: None });
+            }
             Msg::Pull { req, key, epoch } => {
                 let slot = key.slot();
                 if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_primary(slot)) {
@@ -702,6 +787,44 @@ impl ShardCore {
             Msg::Collapse { req, table, child, .. } => self.on_collapse(from, req, table, child),
             Msg::EndSuper { req, table, child, .. } => self.on_end_super(from, req, table, child),
             other => unreachable!("not a slot-locked message: {other:?}"),
+        }
+    }
+
+    // ---- slot synchronisation by a new primary -----------------------------------------------
+
+    /// Asks every live replica for its versions of the slot's objects; differing copies are
+    /// replaced by ours and extra ones deleted (they can only be unacknowledged writes: every
+    /// acknowledged write is on every live replica, us included).
+    fn start_sync(&mut self, slot: Slot) {
+        let op = self.new_op(Some(slot), Kind::SlotSync { epoch: self.epoch(), reads: HashMap::default() });
+        for r in self.live_replicas(slot) {
+            self.wait_on(op, Target::Shard(r), Msg::SlotVersions { req: 0, epoch: self.epoch(), slot });
+        }
+        self.advance(op);
+    }
+
+    fn on_slot_versions(&mut self, op_id: OpId, replica: ShardId, theirs: Vec<(ObjKey, Version)>) {
+        let Some(slot) = self.ops.get(&op_id).and_then(|o| o.slot) else { return };
+        let lo = ObjKey { table: slot.table, objno: slot.objno, owner: 0 };
+        let hi = ObjKey { table: slot.table, objno: slot.objno, owner: VolId::MAX };
+        // Objects of retired volumes too: the replica must hold what we hold when our garbage
+        // collection of the slot, which follows, replicates to it.
+        let ours: BTreeMap<ObjKey, Version> = self.objects.range(lo..=hi).map(|(k, v)| (*k, *v)).collect();
+        let theirs: BTreeMap<ObjKey, Version> = theirs.into_iter().filter(|(k, _)| k.slot() == slot).collect();
+        for (k, v) in &ours {
+            if theirs.get(k) != Some(v) {
+                let id = self.fresh_id();
+                self.disk_owner.insert(id, op_id);
+                let op = self.ops.get_mut(&op_id).unwrap();
+                op.disk.insert(id);
+                if let Kind::SlotSync { reads, .. } = &mut op.kind {
+                    reads.insert(id, (replica, *k, *v));
+                }
+                self.out.push(Output::Disk { id, cmd: DiskCmd::ReadAll { key: *k } });
+            }
+        }
+        for k in theirs.keys().filter(|k| !ours.contains_key(k)) {
+            self.wait_on(op_id, Target::Shard(replica), Msg::RepDelete { req: 0, epoch: self.epoch(), key: *k });
         }
     }
 
@@ -1015,25 +1138,28 @@ impl ShardCore {
     // ---- GC, delete, tasks --------------------------------------------------------------------
 
     fn on_gc(&mut self, from: Peer, req: ReqId, table: TableId, parent: VolId, child: VolId, promoted: bool) {
-        let mut tasks = vec![];
-        if promoted {
+        let (gone, heir) = if promoted {
             self.set_entry(parent, TrackEntry::Fenced { table, child });
-            self.retired.insert(parent);
-            // Parent objects the child copied are deleted; the rest are handed to the child.
-            for k in self.objects.keys().filter(|k| k.table == table && k.owner == parent) {
-                tasks.push(Task::HandOver { parent: *k, child: with_owner(*k, child) });
-            }
+            (parent, Some(child))
         } else {
             if matches!(self.entries.get(&parent), Some(TrackEntry::Tracked { child: c, .. } | TrackEntry::Granted { child: c, .. }) if *c == child)
             {
                 self.entries.remove(&parent);
             }
-            self.retired.insert(child);
-            for k in self.objects.keys().filter(|k| k.table == table && k.owner == child) {
-                tasks.push(Task::Delete(*k));
-            }
-        }
+            (child, None)
+        };
+        self.retired.insert(gone);
+        let tasks = self.led_slots(table).into_iter().map(|slot| Task::Collect { slot, from: gone, to: heir, replicate: true }).collect();
         self.start_tasks(Some((from, req)), tasks, true);
+    }
+
+    /// Slots of `table` we lead that may hold objects: those with objects here, and those a
+    /// write in progress (holding the slot's lock) may be filling. Tasks look again when they
+    /// run, under the lock.
+    fn led_slots(&self, table: TableId) -> BTreeSet<Slot> {
+        let stored = self.objects.keys().filter(|k| k.table == table && k.objno != TRACK_OBJNO).map(|k| k.slot());
+        let writing = self.locks.keys().filter(|s| s.table == table).copied();
+        stored.chain(writing).filter(|s| self.is_primary(*s)).collect()
     }
 
     fn start_tasks(&mut self, reply_to: Option<(Peer, ReqId)>, tasks: Vec<Task>, save_entries: bool) -> OpId {
@@ -1050,7 +1176,8 @@ impl ShardCore {
         }
         for task in tasks {
             let slot = match &task {
-                Task::Delete(k) | Task::HandOver { parent: k, .. } | Task::Install { key: k, .. } => k.slot(),
+                Task::Delete(k) | Task::Install { key: k, .. } => k.slot(),
+                Task::Collect { slot, .. } => *slot,
             };
             if self.lock_or_queue(slot, Queued::Task(parent, task.clone())) {
                 self.run_task(parent, task);
@@ -1069,16 +1196,34 @@ impl ShardCore {
                 }
                 (k.slot(), DiskCmd::Delete { key: *k })
             }
-            Task::HandOver { parent: p, child } => {
-                if !self.objects.contains_key(p) {
-                    return self.task_done(parent, p.slot());
+            Task::Collect { slot, from, to, replicate } => {
+                let (slot, from, to, replicate) = (*slot, *from, *to, *replicate);
+                if replicate && !self.is_primary(slot) {
+                    // The slot's primary changed: the collection at the new epoch does it.
+                    return self.task_done(parent, slot);
                 }
-                let cmd = if self.objects.contains_key(child) {
-                    DiskCmd::Delete { key: *p }
-                } else {
-                    DiskCmd::Rename { from: *p, to: *child }
+                if replicate && !self.synced.contains(&slot) {
+                    self.locks.get_mut(&slot).expect("slot is locked").push_front(Queued::Task(parent, task));
+                    return self.start_sync(slot);
+                }
+                let key = ObjKey { table: slot.table, objno: slot.objno, owner: from };
+                let cmd = match to.map(|t| with_owner(key, t)) {
+                    _ if !self.objects.contains_key(&key) => None,
+                    Some(heir) if !self.objects.contains_key(&heir) => Some(DiskCmd::Rename { from: key, to: heir }),
+                    _ => Some(DiskCmd::Delete { key }),
                 };
-                (p.slot(), cmd)
+                let replicas = if replicate { self.live_replicas(slot) } else { vec![] };
+                if cmd.is_none() && replicas.is_empty() {
+                    return self.task_done(parent, slot);
+                }
+                let op = self.new_op(Some(slot), Kind::Task { parent, task: task.clone() });
+                for r in replicas {
+                    self.wait_on(op, Target::Shard(r), Msg::RepCollect { req: 0, epoch: self.epoch(), slot, from, to });
+                }
+                if let Some(cmd) = cmd {
+                    self.disk(op, cmd);
+                }
+                return self.advance(op);
             }
             Task::Install { key, version, data } => {
                 if let Some(r) = self.recovery.as_mut().filter(|r| r.touched.contains(key)) {
@@ -1166,6 +1311,12 @@ impl ShardCore {
                     }
                 };
             }
+            Kind::SlotSync { reads, .. } => {
+                if let (Some((replica, key, version)), Ok(DiskOut::Data(data))) = (reads.remove(&id), result) {
+                    let msg = Msg::RepSync { req: 0, epoch: self.epoch(), key, version, data };
+                    self.wait_on(op_id, Target::Shard(replica), msg);
+                }
+            }
             Kind::Task { task, .. } if ok => match task.clone() {
                 Task::Delete(k) => {
                     self.objects.remove(&k);
@@ -1173,9 +1324,15 @@ impl ShardCore {
                         self.tracks.remove(&k.table);
                     }
                 }
-                Task::HandOver { parent, child } => {
-                    if let Some(v) = self.objects.remove(&parent) {
-                        self.objects.entry(child).or_insert(v);
+                Task::Collect { slot, from, to, .. } => {
+                    let key = ObjKey { table: slot.table, objno: slot.objno, owner: from };
+                    if let Some(v) = self.objects.remove(&key) {
+                        if let Some(heir) = to.map(|t| with_owner(key, t)) {
+                            self.objects.entry(heir).or_insert(v);
+                        }
+                    }
+                    if key.objno == TRACK_OBJNO {
+                        self.tracks.remove(&key.table);
                     }
                 }
                 Task::Install { key, version, data } => {
@@ -1225,6 +1382,11 @@ impl ShardCore {
                             need_full.push(s);
                         }
                     }
+                    Ok(ReplyBody::Objects { objects, .. }) => {
+                        if let (Kind::SlotSync { .. }, Target::Shard(s)) = (&op.kind, o.target) {
+                            self.on_slot_versions(op_id, s, objects);
+                        }
+                    }
                     Ok(_) => {}
                     Err(e) => {
                         op.err.get_or_insert(e);
@@ -1266,6 +1428,12 @@ impl ShardCore {
         match op.kind {
             Kind::Write { reply_to, .. } => self.reply(reply_to, result.map(|_| ReplyBody::Done)),
             Kind::Read { reply_to, body, .. } => self.reply(reply_to, result.map(|_| body.expect("read completed"))),
+            Kind::SlotSync { epoch, .. } => {
+                // On failure, or if the map changed meanwhile, the next operation syncs again.
+                if let (Ok(()), Some(slot), true) = (&result, op.slot, epoch == self.epoch()) {
+                    self.synced.insert(slot);
+                }
+            }
             Kind::Replica { reply_to, .. } => self.reply(reply_to, result.map(|_| ReplyBody::Done)),
             Kind::TrackUpdate { reply_to, reply, .. } => self.reply(reply_to, result.map(|_| reply)),
             Kind::SaveEntries { reply_to, parent } => {
@@ -1337,6 +1505,7 @@ impl ShardCore {
         }
         let me = map.state(self.cfg.id);
         self.map = Some(map);
+        self.synced.clear();
         // Stop waiting for shards now down; re-address everything else at the new epoch.
         let reqs: Vec<ReqId> = self.outstanding.keys().copied().collect();
         for req in reqs {
@@ -1387,7 +1556,13 @@ impl ShardCore {
             .ops
             .iter()
             .filter_map(|(id, o)| match (&o.kind, o.slot) {
-                (Kind::Write { .. } | Kind::TrackUpdate { .. }, Some(slot)) if !self.is_primary(slot) => Some(*id),
+                (
+                    Kind::Write { .. }
+                    | Kind::TrackUpdate { .. }
+                    | Kind::SlotSync { .. }
+                    | Kind::Task { task: Task::Collect { replicate: true, .. }, .. },
+                    Some(slot),
+                ) if !self.is_primary(slot) => Some(*id),
                 _ => None,
             })
             .collect();

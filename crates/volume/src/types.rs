@@ -260,6 +260,17 @@ pub enum Msg {
     DeleteVolume { req: ReqId, epoch: Epoch, table: TableId, owner: VolId, drop_table: bool },
     /// Recovering shard → peer.
     ListObjects { req: ReqId, epoch: Epoch, after: Option<ObjKey> },
+    /// New primary → replica, before the first operation on a slot in an epoch: which objects of
+    /// the slot do you hold, at which versions?
+    SlotVersions { req: ReqId, epoch: Epoch, slot: Slot },
+    /// Primary → replica: delete an object the primary does not have (an unacknowledged write
+    /// of a former primary).
+    RepDelete { req: ReqId, epoch: Epoch, key: ObjKey },
+    /// Primary → replica during slot synchronisation: take this copy, whatever you hold.
+    RepSync { req: ReqId, epoch: Epoch, key: ObjKey, version: Version, data: Vec<u8> },
+    /// Primary → replica: garbage-collect the slot as the primary did (hand `from`'s object to
+    /// `to`, or delete it when `to` is `None`).
+    RepCollect { req: ReqId, epoch: Epoch, slot: Slot, from: VolId, to: Option<VolId> },
     /// Recovering shard → primary: the whole object.
     Pull { req: ReqId, epoch: Epoch, key: ObjKey },
     /// Metadata → shard: a new cluster map.

@@ -107,6 +107,7 @@ struct World {
     faults: bool,
     parent_keeps_writing: bool,
     log: Vec<String>,
+    dumped: TimeUs,
 }
 
 fn sim_config(id: ShardId, boot: u64) -> ShardConfig {
@@ -173,6 +174,7 @@ impl World {
             faults: true,
             parent_keeps_writing,
             log: vec![],
+            dumped: 0,
         };
         w.push_map();
         w.q.push_at(0, Ev::Tick).unwrap();
@@ -267,6 +269,12 @@ impl World {
 
     fn step(&mut self) -> bool {
         let Some((now, ev)) = self.q.pop() else { return false };
+        if let Some(at) = std::env::var("SIM_DUMP_AT").ok().and_then(|s| s.parse::<u64>().ok()) {
+            if self.dumped < at && now >= at {
+                self.dumped = now;
+                eprintln!("DUMP {now}: {}", self.why_busy());
+            }
+        }
         match ev {
             Ev::Deliver(d) => {
                 let Some(d) = self.net.receive(d) else { return true };
@@ -653,7 +661,8 @@ impl World {
 }
 
 /// Values a block may hold given a single writer's history: the last acknowledged write, or any
-/// write issued after it that was not refused (it may or may not have landed).
+/// write issued after it (unacknowledged, failed or refused: a refused retry may follow an
+/// earlier attempt that landed, so it may or may not be there).
 fn allowed(writes: &[&WriteRec], initial: &BTreeSet<u64>) -> BTreeSet<u64> {
     let last_acked = writes.iter().rposition(|w| w.acked_us.is_some());
     let mut out = match last_acked {
@@ -661,7 +670,7 @@ fn allowed(writes: &[&WriteRec], initial: &BTreeSet<u64>) -> BTreeSet<u64> {
         None => initial.clone(),
     };
     let from = last_acked.map_or(0, |i| i + 1);
-    out.extend(writes[from..].iter().filter(|w| !w.refused).map(|w| w.value));
+    out.extend(writes[from..].iter().map(|w| w.value));
     out
 }
 
@@ -758,7 +767,7 @@ fn run_seed(seed: u64) {
             at_super.extend(
                 parent_writes
                     .iter()
-                    .filter(|h| h.issued_us <= super_end && h.acked_us.is_none_or(|a| a >= super_start) && !h.refused)
+                    .filter(|h| h.issued_us <= super_end && h.acked_us.is_none_or(|a| a >= super_start))
                     .map(|h| h.value),
             );
             if child_writes.is_empty() { at_super } else { allowed(&child_writes, &at_super) }

@@ -1,0 +1,153 @@
+//! The runtime drivers end to end, in one process: a metadata service and four shards on
+//! loopback with real files, a volume client doing I/O, `super` / `collapse` both ways, the
+//! general clone baseline, and the COW benchmark's workload at a tiny size (to check that it
+//! completes and reports every figure; timings are not asserted).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use blockdev::{BlockDev, DevError};
+use volume::client::Cluster;
+use volume::meta::{MetaOptions, MetaReq, MetaResp};
+use volume::shard_server::ShardOptions;
+use volume::types::{CollapseOutcome, ShardState};
+
+const SECRET: &[u8] = b"test-secret";
+
+/// Compares byte vectors, reporting the first difference instead of printing both.
+#[track_caller]
+fn same(got: &[u8], want: &[u8], what: &str) {
+    if got != want {
+        let i = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(got.len().min(want.len()));
+        panic!("{what}: lengths {} vs {}, first difference at byte {i}: {:?} vs {:?}", got.len(), want.len(), got.get(i), want.get(i));
+    }
+}
+
+async fn start_cluster(dir: &std::path::Path) -> Arc<Cluster> {
+    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_test_writer().try_init();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let meta_addr = listener.local_addr().unwrap().to_string();
+    let opts = MetaOptions {
+        listen: listener.local_addr().unwrap(),
+        dir: dir.join("meta"),
+        replicas: 3,
+        secret: SECRET.to_vec(),
+        ping_interval_ms: 100,
+        down_after_ms: 3000,
+    };
+    tokio::spawn(volume::meta::serve_meta(listener, opts));
+    for id in 0..4 {
+        let opts = ShardOptions {
+            id,
+            listen: "127.0.0.1:0".parse().unwrap(),
+            advertise: None,
+            data_dir: dir.join(format!("shard{id}")),
+            meta_addr: meta_addr.clone(),
+            secret: SECRET.to_vec(),
+            create: true,
+        };
+        tokio::spawn(volume::shard_server::run_shard(opts));
+    }
+    let cluster = Cluster::connect(&meta_addr, SECRET).await.unwrap();
+    // Wait until all four shards are up.
+    for _ in 0..200 {
+        cluster.refresh_map(0).await.ok();
+        if let MetaResp::Map(m) = cluster.meta(MetaReq::GetMap).await.unwrap() {
+            if m.shards.len() == 4 && m.shards.iter().all(|s| s.state == ShardState::Up) {
+                return cluster;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("shards did not come up");
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("understudy-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_io_super_collapse_and_general_clone() {
+    let dir = tempdir("runtime");
+    let c = start_cluster(&dir).await;
+    let mib = 1 << 20;
+    c.meta(MetaReq::Create { name: "db".into(), size_bytes: 8 * mib, object_size_bytes: 65536 }).await.unwrap();
+    let db = c.open("db").await.unwrap();
+    // Unaligned, multi-object writes and reads.
+    let mut data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    db.write(30_000, data.clone()).await.unwrap();
+    same(&db.read(30_000, 200_000).await.unwrap(), &data, "read");
+    db.write_zeroes(100_000, 5_000).await.unwrap();
+    data[70_000..75_000].fill(0);
+    assert_eq!(db.read(100_000, 5_000).await.unwrap(), vec![0; 5_000]);
+    assert!(matches!(db.read(8 * mib - 10, 20).await, Err(DevError::OutOfRange(_))));
+
+    // super, a child write (copy-on-write), collapse with a silent parent: promoted.
+    c.meta(MetaReq::Super { parent: "db".into(), child: "db.s1".into() }).await.unwrap();
+    let child = c.open("db.s1").await.unwrap();
+    same(&child.read(30_000, 200_000).await.unwrap(), &data, "the child starts as the parent");
+    child.write(40_000, vec![9; 100]).await.unwrap();
+    same(&db.read(40_000, 100).await.unwrap(), &data[10_000..10_100], "the parent is not changed by the child");
+    let r = c.meta(MetaReq::Collapse { child: "db.s1".into() }).await.unwrap();
+    assert!(matches!(r, MetaResp::Collapsed { outcome: CollapseOutcome::Promoted, .. }), "{r:?}");
+    match db.write(0, vec![1; 512]).await {
+        Err(DevError::WriteRefused(_)) => {}
+        other => panic!("a write to the promoted-away parent must be refused, got {other:?}"),
+    }
+    volume::bench_cow::wait_for_jobs(&c).await.unwrap();
+    let child = c.open("db.s1").await.unwrap();
+    assert_eq!(child.read(40_000, 100).await.unwrap(), vec![9; 100]);
+    same(&child.read(50_000, 1000).await.unwrap(), &data[20_000..21_000], "read");
+
+    // super again; the parent (now db.s1) writes: collapse rejects and the child is discarded.
+    c.meta(MetaReq::Super { parent: "db.s1".into(), child: "db.s2".into() }).await.unwrap();
+    let s2 = c.open("db.s2").await.unwrap();
+    s2.write(0, vec![4; 4096]).await.unwrap();
+    child.write(4096, vec![5; 4096]).await.unwrap();
+    let r = c.meta(MetaReq::Collapse { child: "db.s2".into() }).await.unwrap();
+    assert!(matches!(r, MetaResp::Collapsed { outcome: CollapseOutcome::Rejected, .. }), "{r:?}");
+    assert_eq!(child.read(4096, 4096).await.unwrap(), vec![5; 4096]);
+    assert!(c.meta(MetaReq::Info { name: "db.s2".into() }).await.is_err(), "a rejected child is gone");
+    // Collapse of something that is not a child is a clear error.
+    let e = c.meta(MetaReq::Collapse { child: "db.s1".into() }).await.unwrap_err();
+    assert!(e.to_string().contains("not a super child"), "{e}");
+    let e = c.meta(MetaReq::Info { name: "nope".into() }).await.unwrap_err();
+    assert!(e.to_string().contains("no volume named"), "{e}");
+
+    // The rbd-style general clone reads through to its parent and copies up on write.
+    c.meta(MetaReq::CloneGeneral { parent: "db.s1".into(), child: "g".into() }).await.unwrap();
+    let g = c.open("g").await.unwrap();
+    same(&g.read(50_000, 1000).await.unwrap(), &data[20_000..21_000], "read");
+    g.write(50_500, vec![7; 10]).await.unwrap();
+    let mut expect = data[20_000..21_000].to_vec();
+    expect[500..510].fill(7);
+    same(&g.read(50_000, 1000).await.unwrap(), &expect, "read");
+    same(&child.read(50_000, 1000).await.unwrap(), &data[20_000..21_000], "the general clone's parent is untouched");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cow_benchmark_workload_completes_with_every_figure() {
+    let dir = tempdir("benchcow");
+    let c = start_cluster(&dir).await;
+    let mut opts = volume::bench_cow::CowOptions::new(true);
+    opts.writes_per_point = 16;
+    opts.iops_seconds = 2;
+    opts.iops_rounds = 2;
+    let mut report = bench::Report::new("volume.cow", true);
+    volume::bench_cow::run(c, &opts, &dir, &mut report).await.unwrap();
+    let json: serde_json::Value = serde_json::from_str(&report.to_json_line()).unwrap();
+    for ratio in [
+        "super_vs_plain.write_4k.depth1.latency",
+        "super_vs_plain.write_4k.depth32.latency",
+        "general_vs_super.write_4k.depth32.latency",
+        "plain_vs_super_every_1s.parent.iops",
+    ] {
+        assert!(json["ratios"][ratio].as_f64().is_some_and(|r| r > 0.0), "missing ratio {ratio}: {json}");
+    }
+    assert!(dir.join("fig4b_cow_latency_by_depth.png").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
