@@ -139,6 +139,7 @@ async fn cow_benchmark_workload_completes_with_every_figure() {
     opts.iops_rounds = 2;
     let mut report = bench::Report::new("volume.cow", true);
     volume::bench_cow::run(c, &opts, &dir, &mut report).await.unwrap();
+    eprintln!("{}", report.to_json_line());
     let json: serde_json::Value = serde_json::from_str(&report.to_json_line()).unwrap();
     for ratio in [
         "super_vs_plain.write_4k.depth1.latency",
