@@ -96,6 +96,10 @@ impl Cluster {
         unreachable!()
     }
 
+    pub fn meta_addr(&self) -> &str {
+        &self.meta_addr
+    }
+
     pub fn map(&self) -> Arc<ClusterMap> {
         self.map.read().unwrap().clone()
     }

@@ -152,3 +152,48 @@ async fn cow_benchmark_workload_completes_with_every_figure() {
     assert!(dir.join("fig4b_cow_latency_by_depth.png").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A stranger without the cluster secret cannot talk to a shard or the metadata service, a peer
+/// speaking nonsense is cut off, and both keep serving everyone else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_and_nonsense_are_refused_and_service_goes_on() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempdir("garbage");
+    let c = start_cluster(&dir).await;
+    c.meta(MetaReq::Create { name: "v".into(), size_bytes: 1 << 20, object_size_bytes: 65536 }).await.unwrap();
+    let v = c.open("v").await.unwrap();
+    v.write(0, vec![3; 4096]).await.unwrap();
+    let map = c.map();
+    let shard_addr = map.shards[0].addr.clone();
+
+    // Wrong secret: the client library reports an authentication failure.
+    let meta_addr = c.meta_addr().to_string();
+    let e = Cluster::connect(&meta_addr, b"wrong").await.err().expect("a wrong secret must be refused");
+    assert!(format!("{e:#}").contains("authenticat") || format!("{e:#}").contains("secret"), "{e:#}");
+
+    // Raw garbage before the handshake, and garbage frames after a valid handshake.
+    for round in 0..20u8 {
+        let mut s = tokio::net::TcpStream::connect(&shard_addr).await.unwrap();
+        if round % 2 == 1 {
+            let mut hello = [0u8; 44];
+            s.read_exact(&mut hello).await.unwrap();
+        }
+        let junk: Vec<u8> = (0..(round as usize * 37 + 5)).map(|i| (i as u8).wrapping_mul(round).wrapping_add(7)).collect();
+        let _ = s.write_all(&junk).await;
+        let mut buf = [0u8; 64];
+        // The server closes the connection (or it times out the handshake); it never crashes.
+        let _ = tokio::time::timeout(Duration::from_secs(6), s.read(&mut buf)).await;
+    }
+    let mut authed = tokio::net::TcpStream::connect(&shard_addr).await.unwrap();
+    wire::auth::connect(&mut authed, SECRET).await.unwrap();
+    wire::write_msg(&mut authed, &volume::types::Hello::Client).await.unwrap();
+    authed.write_all(&[0xff, 0xff, 0xff, 0x7f, 1, 2, 3, 4]).await.unwrap(); // a 2 GiB frame
+    let mut buf = [0u8; 8];
+    let n = tokio::time::timeout(Duration::from_secs(5), authed.read(&mut buf)).await.unwrap().unwrap_or(0);
+    assert_eq!(n, 0, "an oversized frame closes the connection");
+
+    // Everyone else is still served.
+    same(&v.read(0, 4096).await.unwrap(), &[3; 4096], "read after the garbage");
+    v.write(4096, vec![4; 4096]).await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
