@@ -99,7 +99,8 @@ struct World {
     control: Option<(ControlKind, ReqId, TimeUs)>,
     gc_pending: BTreeSet<u32>,
     gc_epoch: Epoch,
-    gc_reqs: BTreeMap<ReqId, u32>,
+    /// Outstanding GC requests: the shard and the epoch they were sent at.
+    gc_reqs: BTreeMap<ReqId, (u32, Epoch)>,
     super_start_us: Option<TimeUs>,
     super_end_us: Option<TimeUs>,
     collapse_outcome: Option<CollapseOutcome>,
@@ -534,7 +535,7 @@ impl World {
                 let promoted = self.collapse_outcome == Some(CollapseOutcome::Promoted);
                 for s in self.gc_pending.clone() {
                     let r = self.req();
-                    self.gc_reqs.insert(r, s);
+                    self.gc_reqs.insert(r, (s, self.gc_epoch));
                     self.send(META, s, Msg::Gc { req: r, epoch: self.gc_epoch, table: TABLE, parent: PARENT, child: CHILD, promoted });
                 }
                 if self.gc_pending.is_empty() {
@@ -563,8 +564,9 @@ impl World {
                 }
             }
             Msg::Reply { req, result } => {
-                if let Some(s) = self.gc_reqs.remove(&req) {
-                    if result.is_ok() && self.gc_epoch == self.map.epoch {
+                if let Some((s, sent_epoch)) = self.gc_reqs.remove(&req) {
+                    // Only an acknowledgement at the current round's epoch counts.
+                    if result.is_ok() && sent_epoch == self.gc_epoch && self.gc_epoch == self.map.epoch {
                         self.gc_pending.remove(&s);
                         if self.gc_pending.is_empty() && matches!(self.control, Some((ControlKind::Gc, ..))) {
                             self.start_control(ControlKind::EndSuper);
@@ -715,7 +717,15 @@ fn run_seed(seed: u64) {
         let sh = &mut w.shards[s as usize];
         let keys: Vec<ObjKey> = sh.core.as_ref().unwrap().objects().keys().copied().collect();
         for k in keys {
-            assert_ne!(k.owner, loser, "shard {s} still holds {k:?} of the collapsed-away volume\n{}", ctx());
+            if k.owner == loser {
+                let held: Vec<String> = (0..SHARDS)
+                    .map(|t| {
+                        let keys: Vec<&ObjKey> = w.shards[t as usize].core.as_ref().unwrap().objects().keys().filter(|x| x.slot() == k.slot()).collect();
+                        format!("shard {t}: {keys:?}")
+                    })
+                    .collect();
+                panic!("shard {s} still holds {k:?} of the collapsed-away volume; placement {:?}; {held:#?}\n{}", w.map.placement(k.slot()), ctx());
+            }
             assert!(w.map.placement(k.slot()).contains(&s), "shard {s} holds {k:?} outside its placement");
             let mut bytes = sh.store.object_bytes(&k).unwrap();
             if k.objno != TRACK_OBJNO {
