@@ -37,6 +37,8 @@ enum Ev {
     ClientWake { client: usize, gen: u64 },
     Crash(u32),
     Restart(u32),
+    /// The shard's disk is lost: a replacement with the same id and an empty disk comes up.
+    Replace(u32),
     Isolate(u32),
     Heal(u32),
     MarkDown(u32),
@@ -190,7 +192,11 @@ impl World {
         while t < 800_000 {
             t += w.rng.range_u64(40_000, 200_000);
             let s = w.rng.range_u64(0, SHARDS as u64 - 1) as u32;
-            let ev = if w.rng.chance(0.6) { Ev::Crash(s) } else { Ev::Isolate(s) };
+            let ev = match w.rng.range_u64(0, 9) {
+                0..=4 => Ev::Crash(s),
+                5..=7 => Ev::Isolate(s),
+                _ => Ev::Replace(s),
+            };
             w.q.push_at(t, ev).unwrap();
         }
         w
@@ -326,6 +332,19 @@ impl World {
                     self.net.set_down(s, true);
                     self.q.push_after(now, 20_000, Ev::MarkDown(s)).unwrap();
                     let back = self.rng.range_u64(60_000, 250_000);
+                    self.q.push_after(now, back, Ev::Restart(s)).unwrap();
+                }
+            }
+            Ev::Replace(s) => {
+                if self.faults && !self.out_of_service() {
+                    self.log.push(format!("{now} shard {s} loses its disk"));
+                    let sh = &mut self.shards[s as usize];
+                    sh.core = None;
+                    sh.gen += 1;
+                    sh.store = SimStore::default();
+                    self.net.set_down(s, true);
+                    self.q.push_after(now, 20_000, Ev::MarkDown(s)).unwrap();
+                    let back = self.rng.range_u64(40_000, 150_000);
                     self.q.push_after(now, back, Ev::Restart(s)).unwrap();
                 }
             }
