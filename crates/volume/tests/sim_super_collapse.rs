@@ -70,9 +70,20 @@ struct WriteRec {
     refused: bool,
 }
 
+#[derive(Clone, Debug)]
+struct ReadRec {
+    child: bool,
+    block: u64,
+    invoked_us: TimeUs,
+    /// Completion time and the value read.
+    done: Option<(TimeUs, u64)>,
+}
+
 struct Client {
     child: bool,
     blocks: Vec<u64>,
+    /// The read in flight (index into `World::reads`), when `current` is a read.
+    reading: Option<usize>,
     active: bool,
     /// (request id, history indices of the write in flight, the message, sent at)
     current: Option<(ReqId, Vec<usize>, Msg, TimeUs)>,
@@ -95,6 +106,7 @@ struct World {
     map: ClusterMap,
     clients: Vec<Client>,
     history: Vec<WriteRec>,
+    reads: Vec<ReadRec>,
     next_req: u64,
     next_value: u64,
     // Control plane, played by the test as the metadata service.
@@ -152,7 +164,7 @@ impl World {
                 // Each client owns whole objects, so every block has a single writer per volume.
                 let per_object = (OBJECT_BYTES / BLOCK_BYTES) as u64;
                 let blocks = (0..BLOCKS).filter(|b| ((b / per_object) as usize) % CLIENTS_PER_VOLUME == c).collect();
-                clients.push(Client { child, blocks, active: !child, current: None, gen: 0 });
+                clients.push(Client { child, blocks, reading: None, active: !child, current: None, gen: 0 });
             }
         }
         let parent_keeps_writing = rng.chance(0.5);
@@ -164,6 +176,7 @@ impl World {
             map,
             clients,
             history: vec![],
+            reads: vec![],
             next_req: 1 << 48,
             next_value: 1,
             control: None,
@@ -439,6 +452,20 @@ impl World {
         let child = self.clients[c].child;
         let blocks = self.clients[c].blocks.clone();
         let per_object = (OBJECT_BYTES / BLOCK_BYTES) as u64;
+        if self.rng.chance(0.3) {
+            // Read a block another client writes: histories are checked for linearizability.
+            let others: Vec<u64> = (0..BLOCKS).filter(|b| !blocks.contains(b)).collect();
+            let b = *self.rng.pick(&others).unwrap();
+            self.reads.push(ReadRec { child, block: b, invoked_us: now, done: None });
+            self.clients[c].reading = Some(self.reads.len() - 1);
+            let offset = ((b % per_object) * BLOCK_BYTES as u64) as u32;
+            let req = self.req();
+            let msg = Msg::Io { req, epoch: self.map.epoch, vol: self.vol(child), objno: b / per_object, op: IoOp::Read { offset, len: BLOCK_BYTES } };
+            self.clients[c].current = Some((req, vec![], msg.clone(), now));
+            self.send_io(c, msg);
+            self.schedule_client(c, CLIENT_TIMEOUT_US);
+            return;
+        }
         let value = self.next_value;
         self.next_value += 1;
         let b = *self.rng.pick(&blocks).unwrap();
@@ -492,6 +519,12 @@ impl World {
         }
         let now = self.now();
         match result {
+            Ok(ReplyBody::Data(d)) => {
+                let r = self.clients[c].reading.take().expect("data answers a read");
+                let v = block_value(&d);
+                assert_eq!(d, value_bytes(v, BLOCK_BYTES as usize), "a read returned a torn block: {:?}", &self.reads[r]);
+                self.reads[r].done = Some((now, v));
+            }
             Ok(_) => {
                 for i in idx {
                     self.history[i].acked_us = Some(now);
@@ -510,6 +543,7 @@ impl World {
                 return;
             }
             Err(IoErr::WriteRefused(_)) => {
+                self.clients[c].reading = None;
                 for i in idx {
                     self.history[i].refused = true;
                 }
@@ -695,6 +729,34 @@ fn allowed(writes: &[&WriteRec], initial: &BTreeSet<u64>) -> BTreeSet<u64> {
     out
 }
 
+/// Position of a value in a single-writer register's history: 0 for the initial value, i + 1 for
+/// the i-th write. A zero may be the initial value or a zeroing write.
+fn positions(v: u64, writes: &[&WriteRec], initial: &BTreeSet<u64>) -> Vec<usize> {
+    let mut p: Vec<usize> = writes.iter().enumerate().filter(|(_, w)| w.value == v).map(|(i, _)| i + 1).collect();
+    if initial.contains(&v) {
+        p.push(0);
+    }
+    p
+}
+
+/// Atomic-register check for one read: the value was written (or initial), not before the last
+/// write acknowledged before the read began, not issued after the read ended, and not older than
+/// what an earlier, non-overlapping read returned.
+fn check_read(r: &ReadRec, writes: &[&WriteRec], initial: &BTreeSet<u64>, earlier: &[&ReadRec]) -> Result<(), String> {
+    let (done_us, v) = r.done.unwrap();
+    let floor = writes.iter().rposition(|w| w.acked_us.is_some_and(|a| a < r.invoked_us)).map_or(0, |i| i + 1);
+    let floor = earlier
+        .iter()
+        .filter_map(|o| o.done.map(|(_, ov)| positions(ov, writes, initial).into_iter().min().unwrap_or(0)))
+        .fold(floor, usize::max);
+    let ok = positions(v, writes, initial).into_iter().any(|p| p >= floor && (p == 0 || writes[p - 1].issued_us <= done_us));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("read {r:?} returned {v}, not linearizable: writes {writes:?}, initial {initial:?}, floor {floor}"))
+    }
+}
+
 fn run_seed(seed: u64) {
     eprintln!("seed {seed}");
     let mut w = World::new(seed);
@@ -810,6 +872,29 @@ fn run_seed(seed: u64) {
                 .collect();
             panic!("block {b}: holds {got}, allowed {expect:?}\n{}\n{versions:?}\n{}", hist.join("\n"), ctx());
         }
+    }
+
+    // Every completed read is linearizable: each block is a single-writer register per volume.
+    for r in w.reads.iter().filter(|r| r.done.is_some()) {
+        if r.child && !promoted {
+            continue; // a rejected child may see parent writes (§4.2.1); it is discarded anyway
+        }
+        let writes: Vec<&WriteRec> = w.history.iter().filter(|h| h.child == r.child && h.block == r.block).collect();
+        let initial: BTreeSet<u64> = if r.child {
+            let pw: Vec<&WriteRec> = w.history.iter().filter(|h| !h.child && h.block == r.block).collect();
+            let before: Vec<&&WriteRec> = pw.iter().filter(|h| h.acked_us.is_some_and(|a| a < super_start)).collect();
+            let mut s = before.last().map_or(BTreeSet::from([0]), |h| BTreeSet::from([h.value]));
+            s.extend(pw.iter().filter(|h| h.issued_us <= super_end && h.acked_us.is_none_or(|a| a >= super_start)).map(|h| h.value));
+            s
+        } else {
+            BTreeSet::from([0])
+        };
+        let earlier: Vec<&ReadRec> = w
+            .reads
+            .iter()
+            .filter(|o| o.child == r.child && o.block == r.block && o.done.is_some_and(|(t, _)| t < r.invoked_us))
+            .collect();
+        check_read(r, &writes, &initial, &earlier).unwrap_or_else(|e| panic!("{e}\n{}", ctx()));
     }
 
     // The tracking object was reset, and a promoted parent is fenced everywhere.
