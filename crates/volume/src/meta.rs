@@ -145,6 +145,8 @@ pub struct MetaOptions {
     pub secret: Vec<u8>,
     pub ping_interval_ms: u64,
     pub down_after_ms: u64,
+    /// Where to serve Prometheus metrics, if anywhere.
+    pub metrics: Option<SocketAddr>,
 }
 
 struct ShardLink {
@@ -198,6 +200,14 @@ pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Res
         next_req: Arc::new(1.into()),
         opts: Arc::new(opts),
     };
+    if let Some(addr) = meta.opts.metrics {
+        let l = TcpListener::bind(addr).await.with_context(|| format!("cannot serve metrics on {addr}"))?;
+        let m = meta.clone();
+        tokio::spawn(wire::metrics::serve(l, move || {
+            let m = m.clone();
+            async move { m.render_metrics().await }
+        }));
+    }
     tokio::spawn(meta.clone().liveness_loop());
     tokio::spawn(meta.clone().jobs_loop());
     loop {
@@ -213,6 +223,25 @@ pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Res
 }
 
 impl Meta {
+    async fn render_metrics(&self) -> String {
+        use wire::metrics::metric;
+        let g = self.inner.lock().await;
+        let mut out = String::new();
+        let map = &g.state.map;
+        metric(&mut out, "understudy_meta_epoch", "gauge", "Cluster map epoch.", &[("", map.epoch as f64)]);
+        let count = |st: ShardState| map.shards.iter().filter(|s| s.state == st).count() as f64;
+        metric(
+            &mut out,
+            "understudy_meta_shards",
+            "gauge",
+            "Shards by state.",
+            &[("state=\"up\"", count(ShardState::Up)), ("state=\"recovering\"", count(ShardState::Recovering)), ("state=\"down\"", count(ShardState::Down))],
+        );
+        metric(&mut out, "understudy_meta_volumes", "gauge", "Volumes.", &[("", g.state.volumes.len() as f64)]);
+        metric(&mut out, "understudy_meta_jobs", "gauge", "Garbage collection and delete jobs pending.", &[("", g.state.jobs.len() as f64)]);
+        out
+    }
+
     async fn serve(self, mut sock: TcpStream) -> anyhow::Result<()> {
         tokio::time::timeout(Duration::from_secs(5), wire::auth::accept(&mut sock, &self.opts.secret)).await??;
         let hello: Hello = wire::read_msg(&mut sock, 1024).await?;

@@ -94,6 +94,16 @@ impl ShardConfig {
     }
 }
 
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CoreStats {
+    pub epoch: Epoch,
+    pub objects: u64,
+    pub ops_in_flight: u64,
+    pub locked_slots: u64,
+    pub recovering: bool,
+    pub retired_volumes: u64,
+}
+
 /// What the driver found on disk at start.
 #[derive(Debug, Default, Clone)]
 pub struct Boot {
@@ -366,6 +376,18 @@ impl ShardCore {
             })
             .collect();
         format!("{} locks:{} recovery:{:?}", ops.join(" "), self.locks.len(), self.recovery.as_ref().map(|r| (r.listing.len(), r.pulls.len(), r.pulls_in_flight, r.tasks_in_flight, r.reported)))
+    }
+
+    /// Gauges for the metrics endpoint.
+    pub fn stats(&self) -> CoreStats {
+        CoreStats {
+            epoch: self.epoch(),
+            objects: self.objects.len() as u64,
+            ops_in_flight: self.ops.len() as u64,
+            locked_slots: self.locks.len() as u64,
+            recovering: self.is_recovering(),
+            retired_volumes: self.retired.len() as u64,
+        }
     }
 
     pub fn is_recovering(&self) -> bool {

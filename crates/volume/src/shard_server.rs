@@ -17,7 +17,11 @@ use tokio::io::BufWriter;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use crate::shard_core::{Input, Output, Peer, ShardConfig, ShardCore};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use wire::metrics::metric;
+
+use crate::shard_core::{CoreStats, Input, Output, Peer, ShardConfig, ShardCore};
 use crate::store::FileStore;
 use crate::types::*;
 
@@ -37,6 +41,37 @@ pub struct ShardOptions {
     pub meta_addr: String,
     pub secret: Vec<u8>,
     pub create: bool,
+    /// Where to serve Prometheus metrics, if anywhere.
+    pub metrics: Option<SocketAddr>,
+}
+
+/// Counters of the driver, and the core's gauges as of the last tick.
+#[derive(Default)]
+struct Stats {
+    core: std::sync::Mutex<CoreStats>,
+    messages_in: AtomicU64,
+    messages_dropped: AtomicU64,
+    disk_ops: AtomicU64,
+    disk_errors: AtomicU64,
+}
+
+impl Stats {
+    fn render(&self, shard: ShardId) -> String {
+        let c = *self.core.lock().unwrap();
+        let mut out = String::new();
+        let l = format!("shard=\"{shard}\"");
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        metric(&mut out, "understudy_shard_epoch", "gauge", "Cluster map epoch the shard acts on.", &[(&l, c.epoch as f64)]);
+        metric(&mut out, "understudy_shard_objects", "gauge", "Objects stored.", &[(&l, c.objects as f64)]);
+        metric(&mut out, "understudy_shard_ops_in_flight", "gauge", "Operations in progress.", &[(&l, c.ops_in_flight as f64)]);
+        metric(&mut out, "understudy_shard_locked_slots", "gauge", "Slots with an operation holding their lock.", &[(&l, c.locked_slots as f64)]);
+        metric(&mut out, "understudy_shard_recovering", "gauge", "1 while re-replicating.", &[(&l, c.recovering as u8 as f64)]);
+        metric(&mut out, "understudy_shard_messages_in_total", "counter", "Messages received.", &[(&l, g(&self.messages_in))]);
+        metric(&mut out, "understudy_shard_messages_dropped_total", "counter", "Messages dropped because a connection queue was full.", &[(&l, g(&self.messages_dropped))]);
+        metric(&mut out, "understudy_shard_disk_ops_total", "counter", "Disk commands run.", &[(&l, g(&self.disk_ops))]);
+        metric(&mut out, "understudy_shard_disk_errors_total", "counter", "Disk commands that failed.", &[(&l, g(&self.disk_errors))]);
+        out
+    }
 }
 
 enum CoreEvent {
@@ -62,6 +97,15 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
     let core = ShardCore::new(cfg, boot);
     let (tx, rx) = mpsc::channel::<CoreEvent>(CORE_QUEUE_INPUTS);
     let secret: Arc<[u8]> = opts.secret.clone().into();
+    let stats = Arc::new(Stats::default());
+    if let Some(addr) = opts.metrics {
+        let l = TcpListener::bind(addr).await.with_context(|| format!("cannot serve metrics on {addr}"))?;
+        let (stats, id) = (stats.clone(), opts.id);
+        tokio::spawn(wire::metrics::serve(l, move || {
+            let stats = stats.clone();
+            async move { stats.render(id) }
+        }));
+    }
 
     // Accept clients and peers.
     {
@@ -108,7 +152,7 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
             }
         });
     }
-    core_loop(core, rx, tx, store, secret, opts.id).await;
+    core_loop(core, rx, tx, store, secret, opts.id, stats).await;
     Ok(())
 }
 
@@ -119,13 +163,28 @@ async fn core_loop(
     store: Arc<FileStore>,
     secret: Arc<[u8]>,
     me: ShardId,
+    stats: Arc<Stats>,
 ) {
     let mut clients: HashMap<u64, mpsc::Sender<Msg>> = HashMap::new();
     let mut peers: HashMap<ShardId, mpsc::Sender<Msg>> = HashMap::new();
     let mut meta: Option<mpsc::Sender<Msg>> = None;
     while let Some(ev) = rx.recv().await {
         let outputs = match ev {
-            CoreEvent::Input(input) => core.handle(input),
+            CoreEvent::Input(input) => {
+                match &input {
+                    Input::Msg { .. } => {
+                        stats.messages_in.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Input::Disk { result, .. } => {
+                        stats.disk_ops.fetch_add(1, Ordering::Relaxed);
+                        if result.is_err() {
+                            stats.disk_errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Input::Tick { .. } => *stats.core.lock().unwrap() = core.stats(),
+                }
+                core.handle(input)
+            }
             CoreEvent::ClientConn(c, s) => {
                 clients.insert(c, s);
                 continue;
@@ -147,7 +206,9 @@ async fn core_loop(
             match out {
                 Output::Send { to: Peer::Client(c), msg } => {
                     if let Some(s) = clients.get(&c) {
-                        let _ = s.try_send(msg);
+                        if s.try_send(msg).is_err() {
+                            stats.messages_dropped.fetch_add(1, Ordering::Relaxed);
+                        }
                     }
                 }
                 Output::Send { to: Peer::Meta, msg } => {
@@ -162,7 +223,9 @@ async fn core_loop(
                         peers.insert(s, ptx);
                         tokio::spawn(peer_link(me, s, addr, prx, tx.clone(), secret.clone()));
                     }
-                    let _ = peers[&s].try_send(msg);
+                    if peers[&s].try_send(msg).is_err() {
+                        stats.messages_dropped.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
                 Output::Disk { id, cmd } => {
                     let store = store.clone();
