@@ -328,6 +328,13 @@ impl Meta {
                     tracing::warn!(shard = id, "shard missed its pings: marking it down");
                     s.state = ShardState::Down;
                     changed = true;
+                } else if alive && s.state == ShardState::Down {
+                    // It answers again on the same link: it was stalled, not dead. It may have
+                    // missed writes while down, so it re-replicates before it leads again
+                    // (without this, Down was sticky until the shard process restarted).
+                    tracing::warn!(shard = id, "shard answers its pings again: marking it recovering");
+                    s.state = ShardState::Recovering;
+                    changed = true;
                 }
             }
             if changed {
