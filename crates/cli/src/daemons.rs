@@ -30,7 +30,7 @@ pub struct MetaArgs {
     #[arg(long, default_value_t = 250, value_name = "MS")]
     pub ping_interval_ms: u64,
     /// A shard silent for this long is marked down (I/O moves to the other replicas).
-    #[arg(long, default_value_t = 2000, value_name = "MS")]
+    #[arg(long, default_value_t = 3000, value_name = "MS")]
     pub down_after_ms: u64,
 }
 

@@ -188,6 +188,15 @@ fn init_logging(verbose: u8, default_level: &str) {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal()).init();
 }
 
+/// Client commands die quietly when their output pipe closes (`understudy volume list | head`),
+/// like other Unix tools, instead of panicking on EPIPE. Daemons keep Rust's default (ignored).
+fn restore_sigpipe() {
+    // SAFETY: resetting a signal disposition to its default before any thread is started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
@@ -212,6 +221,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Volume { conn, cmd } => {
             let foreground_attach = matches!(&cmd, VolumeCmd::Attach(a) if a.foreground || a.helper);
+            if !foreground_attach {
+                restore_sigpipe();
+            }
             init_logging(cli.verbose, if foreground_attach { "info" } else { "warn" });
             match cmd {
                 VolumeCmd::Attach(a) => attach::attach(&conn, a, cli.verbose),
@@ -220,6 +232,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Status { conn, json } => {
+            restore_sigpipe();
             init_logging(cli.verbose, "warn");
             runtime()?.block_on(volume_cmds::status(&conn, json))
         }

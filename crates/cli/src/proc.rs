@@ -101,6 +101,23 @@ pub fn tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// The reason a daemon gave for exiting: its last `error: ...` line (or panic message), else its
+/// last log line.
+pub fn last_error(log: &Path) -> String {
+    let text = tail(log, 200);
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    for (i, l) in lines.iter().enumerate().rev() {
+        if let Some(e) = l.strip_prefix("error: ") {
+            return e.to_string();
+        }
+        if l.contains("panicked at") {
+            // The panic message is on the next line.
+            return format!("{} {}", l.trim(), lines.get(i + 1).copied().unwrap_or("").trim());
+        }
+    }
+    lines.last().map(|l| l.to_string()).unwrap_or_else(|| "no output".to_string())
+}
+
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM; returns the signal's name.
 pub async fn shutdown_signal() -> &'static str {
     use tokio::signal::unix::{signal, SignalKind};

@@ -250,7 +250,7 @@ impl LocalCluster {
         let want = self.info.shards.len();
         loop {
             if let Some((what, status, log)) = self.newly_exited().into_iter().next() {
-                anyhow::bail!("{what} exited during start-up ({status}); the end of {}:\n{}", log.display(), proc::tail(&log, 15));
+                anyhow::bail!("{what} exited during start-up ({status}): {} (log: {})", proc::last_error(&log), log.display());
             }
             anyhow::ensure!(
                 Instant::now() < deadline,
@@ -367,7 +367,7 @@ pub fn up(a: UpArgs, verbose: u8) -> anyhow::Result<()> {
                     for (what, status, log) in lc.newly_exited() {
                         eprintln!("understudy up: {what} exited ({status}); see {}", log.display());
                         if what == "metadata service" {
-                            anyhow::bail!("the metadata service exited ({status}); the end of {}:\n{}", log.display(), proc::tail(&log, 15));
+                            anyhow::bail!("the metadata service exited ({status}): {} (log: {})", proc::last_error(&log), log.display());
                         }
                     }
                 }
@@ -378,7 +378,7 @@ pub fn up(a: UpArgs, verbose: u8) -> anyhow::Result<()> {
         eprintln!("understudy up: {sig} received, stopping the cluster");
     }
     for (what, status) in lc.stop() {
-        tracing::info!("{what}: {status}");
+        tracing::debug!("{what}: {status}");
     }
     result.map(|_| eprintln!("understudy up: stopped"))
 }

@@ -42,6 +42,20 @@ fn bad_input_gets_clear_errors() {
     assert_eq!(vols.as_array().unwrap().len(), 1, "{list}");
     assert_eq!(vols[0]["size_bytes"], 8u64 << 20);
 
+    // super and general clones do not mix: a promoting collapse would retire the clone's parent.
+    up.ok(&["volume", "clone-general", "vol", "gclone"]);
+    let err = up.fails(&["volume", "super", "vol"]);
+    assert!(err.contains("has general clones"), "{err}");
+    up.ok(&["volume", "delete", "gclone"]);
+    up.ok(&["volume", "super", "vol", "--child", "vchild"]);
+    let err = up.fails(&["volume", "clone-general", "vol", "gclone2"]);
+    assert!(err.contains("has a super child"), "{err}");
+    let err = up.fails(&["volume", "super", "vol"]);
+    assert!(err.contains("already has a super child"), "{err}");
+    let err = up.fails(&["volume", "delete", "vol"]);
+    assert!(err.contains("has a super child"), "{err}");
+    assert_eq!(up.ok(&["volume", "collapse", "vchild"]).trim(), "promoted");
+
     // An unknown export over NBD.
     let (ok, text) = qemu_io(&up.uri("nope"), &["read 0 4k"]);
     assert!(!ok, "{text}");
@@ -74,6 +88,19 @@ fn bad_input_gets_clear_errors() {
         .unwrap();
     let err = expect_one_line_error(&o, "up on a taken port");
     assert!(err.contains("already in use"), "{err}");
+    // A daemon that cannot start: `up` says which and why, in one line.
+    let broken = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(broken.path().join("meta")).unwrap();
+    std::fs::write(broken.path().join("meta/meta.json"), "{ not json").unwrap();
+    let o = Command::new(BIN)
+        .args(["up", "--dir"])
+        .arg(broken.path())
+        .args(["--port-base", "0", "--shards", "1", "--replicas", "1"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = expect_one_line_error(&o, "up with a corrupt metadata file");
+    assert!(err.contains("metadata service exited during start-up") && err.contains("corrupt"), "{err}");
     // And a second `up` on the same directory is refused.
     let o = Command::new(BIN).args(["up", "--dir"]).arg(up.dir.path()).args(["--port-base", "0"]).stdin(Stdio::null()).output().unwrap();
     let err = expect_one_line_error(&o, "second up on one directory");
