@@ -342,6 +342,7 @@ pub fn detach(a: DetachArgs) -> anyhow::Result<()> {
         }
         match load_state(&state_file) {
             None => {
+                let _ = std::fs::remove_file(&state.log);
                 println!("detached {}", mount_dir.display());
                 return Ok(());
             }

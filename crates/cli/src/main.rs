@@ -224,7 +224,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if !foreground_attach {
                 restore_sigpipe();
             }
-            init_logging(cli.verbose, if foreground_attach { "info" } else { "warn" });
+            // fuser warns about every xattr it does not implement: keep its errors only.
+            init_logging(cli.verbose, if foreground_attach { "info,fuser=error" } else { "warn" });
             match cmd {
                 VolumeCmd::Attach(a) => attach::attach(&conn, a, cli.verbose),
                 VolumeCmd::Detach(a) => attach::detach(a),

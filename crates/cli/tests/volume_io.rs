@@ -35,6 +35,9 @@ fn volume_io_super_collapse_both_ways() {
     assert!(up.ok(&["volume", "list"]).contains("vol"));
     let uri = up.uri("vol");
     qemu_ok(&uri, &["write -P 0x5a 0 1M", "write -P 0x5b 1M 64k", "read -P 0x5a 0 1M", "read -P 0x5b 1M 64k", "read -P 0 2M 64k"]);
+    // The same volume over the NBD server's Unix socket.
+    let sock = up.info["nbd"]["unix_socket"].as_str().unwrap().to_string();
+    qemu_ok(&format!("nbd+unix:///vol?socket={sock}"), &["read -P 0x5a 0 1M"]);
     let info = std::process::Command::new("qemu-img").args(["info", "--output=json", &uri]).output().unwrap();
     assert!(info.status.success(), "qemu-img info: {}", String::from_utf8_lossy(&info.stderr));
     let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
