@@ -24,7 +24,7 @@ fn wait_gc_done(up: &Up, volume: &str) {
 #[test]
 fn volume_io_super_collapse_both_ways() {
     require_qemu();
-    let up = Up::start(4);
+    let mut up = Up::start(4);
     assert!(up.up_output().contains("nbd://"), "up prints the NBD endpoint:\n{}", up.up_output());
     let mode = std::fs::metadata(up.secret_file()).unwrap();
     assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777, 0o600, "secret file is private");
@@ -104,4 +104,11 @@ fn volume_io_super_collapse_both_ways() {
     assert!(!list.contains("gclone") && !list.contains("scratch"), "{list}");
     let status = up.ok(&["status"]);
     assert!(status.contains("4/4 shards up"), "{status}");
+
+    // `up` again on the same directory: same secret, same volumes, same data.
+    let secret = std::fs::read(up.secret_file()).unwrap();
+    up.restart();
+    assert_eq!(std::fs::read(up.secret_file()).unwrap(), secret);
+    qemu_ok(&up.uri(&child), &["read -P 0x5a 0 4k", "read -P 0xc1 4k 4k", "read -P 0x77 2M 4k", "read -P 0x78 3M 4k"]);
+    assert!(up.ok(&["volume", "list"]).contains(&child));
 }

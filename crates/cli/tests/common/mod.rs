@@ -66,22 +66,48 @@ impl Up {
             .spawn()
             .expect("cannot start understudy up");
         let mut up = Up { dir, up: Some(child), info: serde_json::Value::Null, extra: vec![] };
-        let file = up.cluster_file();
+        up.wait_cluster_file(None);
+        up
+    }
+
+    /// Stops `understudy up` (SIGTERM) and starts it again on the same directory, which reuses
+    /// the data, the secret and the settings; waits for the new cluster file.
+    pub fn restart(&mut self) {
+        if let Some(mut up) = self.up.take() {
+            stop_child(&mut up, Duration::from_secs(20));
+        }
+        let out = std::fs::OpenOptions::new().append(true).open(self.dir.path().join("up.out")).unwrap();
+        let child = Command::new(BIN)
+            .args(["up", "--dir"])
+            .arg(self.dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(out.try_clone().unwrap()))
+            .stderr(Stdio::from(out))
+            .spawn()
+            .expect("cannot start understudy up");
+        let new_pid = child.id() as u64;
+        self.up = Some(child);
+        self.wait_cluster_file(Some(new_pid));
+    }
+
+    fn wait_cluster_file(&mut self, up_pid: Option<u64>) {
+        let file = self.cluster_file();
         let deadline = Instant::now() + UP_TIMEOUT;
         loop {
-            if let Ok(Some(status)) = up.up.as_mut().unwrap().try_wait() {
-                panic!("understudy up exited ({status}):\n{}", up.up_output());
+            if let Ok(Some(status)) = self.up.as_mut().unwrap().try_wait() {
+                panic!("understudy up exited ({status}):\n{}", self.up_output());
             }
             if let Ok(bytes) = std::fs::read(&file) {
                 if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
-                    up.info = v;
-                    break;
+                    if up_pid.is_none_or(|p| v["up_pid"].as_u64() == Some(p)) {
+                        self.info = v;
+                        return;
+                    }
                 }
             }
-            assert!(Instant::now() < deadline, "cluster not up within {UP_TIMEOUT:?}:\n{}", up.up_output());
+            assert!(Instant::now() < deadline, "cluster not up within {UP_TIMEOUT:?}:\n{}", self.up_output());
             std::thread::sleep(Duration::from_millis(50));
         }
-        up
     }
 
     pub fn up_output(&self) -> String {
