@@ -1,1 +1,280 @@
-fn main() {}
+//! `understudy`: the one binary of the project.
+//!
+//! * daemons: `meta` (metadata service), `shard` (storage shard), `nbd` (NBD server exporting
+//!   every volume by name) — see [`daemons`];
+//! * `up`: a whole local cluster on loopback, as child processes of itself — see [`up`];
+//! * client commands: `volume ...` and `status`, which find the cluster through its
+//!   `cluster.json` — see [`volume_cmds`] and [`attach`];
+//! * `demo`: super and collapse, both ways, through a real NBD client — see [`demo`].
+//!
+//! Errors reach the user as one line (`error: ...`) and a non-zero exit code.
+
+mod attach;
+mod cluster_file;
+mod daemons;
+mod demo;
+mod exports;
+mod proc;
+mod qemu;
+mod size;
+mod up;
+mod volume_cmds;
+
+use std::path::PathBuf;
+
+use clap::{ArgAction, Args, Parser, Subcommand};
+
+/// Cheap high availability for storage: replicated block volumes with instant `super` clones
+/// and atomic `collapse`.
+///
+/// Start a local cluster with `understudy up`, then create volumes and attach them over NBD
+/// (`qemu-io -f raw nbd://127.0.0.1:7701/NAME`) or as a mounted ext4 file system
+/// (`understudy volume attach NAME --mount DIR --mkfs`). `understudy demo` shows super and
+/// collapse end to end with nothing to set up.
+///
+/// Logs go to stderr; RUST_LOG (e.g. RUST_LOG=volume=debug) overrides -v.
+#[derive(Parser, Debug)]
+#[command(name = "understudy", version, propagate_version = true, max_term_width = 100)]
+struct Cli {
+    /// More log output on stderr: -v info, -vv debug, -vvv trace (RUST_LOG overrides).
+    #[arg(short, long, action = ArgAction::Count, global = true)]
+    verbose: u8,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the metadata service (volumes, cluster map, super/collapse orchestration).
+    ///
+    /// Keeps its state in DIR/meta.json (replaced atomically on every change), listens for
+    /// shards and control clients on ADDR, pings every shard and marks one down after
+    /// --down-after-ms without an answer. Stops on SIGTERM or Ctrl-C.
+    Meta(daemons::MetaArgs),
+    /// Run a storage shard.
+    ///
+    /// Stores objects as files under DIR, registers with the metadata service at --meta and
+    /// serves clients and peer shards on --listen. The data directory must exist unless
+    /// --create is given; a restarted shard (or a replacement with the same --id and an empty
+    /// directory) re-replicates what it missed before it serves as a primary again.
+    Shard(daemons::ShardArgs),
+    /// Run an NBD server exporting every volume by name.
+    ///
+    /// A client names the volume in its URI: `nbd://HOST:PORT/VOLUME` (or
+    /// `nbd+unix:///VOLUME?socket=PATH` with --unix). Each connection opens the volume through
+    /// the metadata service; writes to a parent fenced by `collapse` fail with EPERM.
+    Nbd(daemons::NbdArgs),
+    /// Start a local cluster on loopback (metadata service, shards, NBD server) and stay in the
+    /// foreground until Ctrl-C.
+    ///
+    /// From nothing it creates DIR, a random cluster secret (DIR/secret, mode 0600), one data
+    /// directory per process and their logs under DIR/logs/; it waits until every shard is up,
+    /// prints the endpoints and writes them to DIR/cluster.json, which the client commands
+    /// read. Running it again on the same DIR reuses the data, the secret and the ports.
+    /// Ports: metadata PORT_BASE, NBD PORT_BASE+1, shards PORT_BASE+2 onwards (--port-base 0
+    /// picks free ports).
+    Up(up::UpArgs),
+    /// Create, list, clone, super, collapse, attach volumes.
+    ///
+    /// Every volume command finds the cluster through --cluster (default
+    /// ./understudy-data/cluster.json, or $UNDERSTUDY_CLUSTER), written by `understudy up`;
+    /// --meta and --secret-file point at any other cluster.
+    Volume {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[command(subcommand)]
+        cmd: VolumeCmd,
+    },
+    /// Show the cluster map (shards, their states, the epoch) and the jobs in progress.
+    Status {
+        #[command(flatten)]
+        conn: ConnArgs,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Super and collapse, both ways, on a throw-away local cluster, as a timeline.
+    ///
+    /// Brings up a cluster in a fresh temporary directory, creates a volume and writes to it
+    /// with qemu-io over NBD, runs `super`, writes to the child as a recovering application
+    /// would while the parent stays silent, and collapses: the child is promoted (checked by
+    /// reading it back; a parent write now fails). Then a second round where the parent keeps
+    /// writing after `super`: collapse rejects the child and the parent keeps its writes.
+    /// Cleans everything up; exits 0 only if every check held. Needs qemu-io (qemu-utils).
+    Demo(demo::DemoArgs),
+}
+
+/// How client commands find the cluster.
+#[derive(Args, Debug, Clone)]
+pub struct ConnArgs {
+    /// The cluster file written by `understudy up`.
+    #[arg(long, global = true, env = "UNDERSTUDY_CLUSTER", value_name = "FILE")]
+    pub cluster: Option<PathBuf>,
+    /// Address of the metadata service (instead of the one in the cluster file).
+    #[arg(long, global = true, value_name = "ADDR")]
+    pub meta: Option<String>,
+    /// File holding the cluster secret (instead of the one in the cluster file).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+enum VolumeCmd {
+    /// Create a volume.
+    ///
+    /// Sizes take binary units: 512, 4K, 64KiB, 1G, 1.5T (K = 1024). A volume is thin: no
+    /// space is used until it is written.
+    Create(volume_cmds::CreateArgs),
+    /// List volumes.
+    List {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one volume: size, object size, id, table, super parent or child.
+    Info {
+        name: String,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a volume and (asynchronously) every object of it.
+    Delete { name: String },
+    /// Grow a volume (shrinking is refused: it would discard data).
+    Resize(volume_cmds::ResizeArgs),
+    /// Make an instant collocated copy-on-write child of PARENT; prints the child's name.
+    ///
+    /// O(1): the child reuses the parent's allocation table, so its objects live on the very
+    /// shards of its parent's and a copy-on-write is a local copy. Until `collapse`, the
+    /// parent's first write on each shard sets the dirty bit. The child's default name is
+    /// PARENT.super-N (the smallest unused N).
+    Super(volume_cmds::SuperArgs),
+    /// Decide between a super child and its parent, atomically; prints `promoted` or `rejected`.
+    ///
+    /// promoted: the parent was not written after `super`: parent writes now fail and the child
+    /// is the volume (under the child's name). rejected: the parent was written: the child is
+    /// discarded and the parent goes on. Garbage collection then runs in the background.
+    Collapse { child: String },
+    /// Make an rbd-style general clone CHILD of PARENT (the baseline super is compared with).
+    ///
+    /// The child gets its own allocation table: objects placed independently of the parent's,
+    /// copy-up across the network and an object-map update per copied object.
+    CloneGeneral { parent: String, child: String },
+    /// Attach a volume as a mounted file system: FUSE file → loop device → [mkfs.ext4] → mount.
+    ///
+    /// By default a background helper process serves the FUSE file (its pid and log are kept
+    /// under /run/understudy/attach/, or $XDG_RUNTIME_DIR when not root) and this command
+    /// returns once the file system is mounted; `understudy volume detach DIR` unmounts it and
+    /// stops the helper. With --foreground the command itself serves the file until Ctrl-C or
+    /// `detach`. Needs root, /dev/fuse, losetup and mount.
+    Attach(attach::AttachArgs),
+    /// Undo `volume attach`: unmount DIR, release the loop device, stop the FUSE helper.
+    Detach(attach::DetachArgs),
+}
+
+fn init_logging(verbose: u8, default_level: &str) {
+    use tracing_subscriber::EnvFilter;
+    let level = match verbose {
+        0 => default_level,
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(s) if !s.is_empty() => EnvFilter::new(s),
+        _ => EnvFilter::new(level),
+    };
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal()).init();
+}
+
+/// Client commands die quietly when their output pipe closes (`understudy volume list | head`),
+/// like other Unix tools, instead of panicking on EPIPE. Daemons keep Rust's default (ignored).
+fn restore_sigpipe() {
+    // SAFETY: resetting a signal disposition to its default before any thread is started.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.cmd {
+        Cmd::Meta(a) => {
+            init_logging(cli.verbose, "info");
+            runtime()?.block_on(daemons::meta(a))
+        }
+        Cmd::Shard(a) => {
+            init_logging(cli.verbose, "info");
+            runtime()?.block_on(daemons::shard(a))
+        }
+        Cmd::Nbd(a) => {
+            init_logging(cli.verbose, "info");
+            runtime()?.block_on(daemons::nbd(a))
+        }
+        Cmd::Up(a) => {
+            init_logging(cli.verbose, "info");
+            up::up(a, cli.verbose)
+        }
+        Cmd::Volume { conn, cmd } => {
+            let foreground_attach = matches!(&cmd, VolumeCmd::Attach(a) if a.foreground || a.helper);
+            if !foreground_attach {
+                restore_sigpipe();
+            }
+            // fuser warns about every xattr it does not implement: keep its errors only.
+            init_logging(cli.verbose, if foreground_attach { "info,fuser=error" } else { "warn" });
+            match cmd {
+                VolumeCmd::Attach(a) => attach::attach(&conn, a, cli.verbose),
+                VolumeCmd::Detach(a) => attach::detach(a),
+                cmd => runtime()?.block_on(volume_cmds::run(&conn, cmd)),
+            }
+        }
+        Cmd::Status { conn, json } => {
+            restore_sigpipe();
+            init_logging(cli.verbose, "warn");
+            runtime()?.block_on(volume_cmds::status(&conn, json))
+        }
+        Cmd::Demo(a) => {
+            init_logging(cli.verbose, "warn");
+            demo::demo(a, cli.verbose)
+        }
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        // One line: the error and its causes, outermost first.
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_command_has_help() {
+        fn walk(cmd: &clap::Command, path: &str) {
+            for sub in cmd.get_subcommands() {
+                if sub.get_name() == "help" {
+                    continue;
+                }
+                let p = format!("{path} {}", sub.get_name());
+                assert!(sub.get_about().is_some(), "`{p}` has no one-line description");
+                walk(sub, &p);
+            }
+        }
+        walk(&Cli::command(), "understudy");
+    }
+}

@@ -363,8 +363,10 @@ impl Meta {
                     s.state = ShardState::Down;
                     changed = true;
                 } else if alive && s.state == ShardState::Down {
-                    // Answering again (it was slow or cut off): it may have missed writes.
-                    tracing::info!(shard = id, "shard answers again: recovering");
+                    // It answers again on the same link: it was stalled, not dead. It may have
+                    // missed writes while down, so it re-replicates before it leads again
+                    // (without this, Down was sticky until the shard process restarted).
+                    tracing::warn!(shard = id, "shard answers its pings again: marking it recovering");
                     s.state = ShardState::Recovering;
                     changed = true;
                 }
@@ -586,6 +588,12 @@ impl Meta {
                     anyhow::ensure!(p.super_parent.is_none(), "volume {parent:?} is itself a super child; collapse it first");
                     anyhow::ensure!(p.vol.parent.is_none(), "volume {parent:?} is still being garbage-collected; retry shortly");
                     anyhow::ensure!(p.layout == Layout::Plain, "super needs a plain volume");
+                    // A promoting collapse retires the parent and hands its objects to the child,
+                    // which would leave a general clone reading through to a retired volume.
+                    anyhow::ensure!(
+                        !g.state.volumes.values().any(|v| matches!(&v.layout, Layout::GeneralClone { parent: gp } if gp.id == p.vol.id)),
+                        "volume {parent:?} has general clones, which a promoting collapse would break; delete them first"
+                    );
                     (p, g.state.next_id)
                 };
                 // Record the child first: if we crash before the tracking shard knows it, the
@@ -665,6 +673,7 @@ impl Meta {
                         let p = get(s, &parent)?;
                         anyhow::ensure!(!s.volumes.contains_key(&child), "a volume named {child:?} already exists");
                         anyhow::ensure!(p.layout == Layout::Plain && p.vol.parent.is_none(), "general clones need a plain parent");
+                        anyhow::ensure!(p.super_child.is_none(), "volume {parent:?} has a super child; collapse it first");
                         let id = s.next_id;
                         s.next_id += 1;
                         let rec = VolumeRec {

@@ -1,0 +1,173 @@
+//! The daemons: `meta`, `shard`, `nbd`. Each runs until SIGTERM or Ctrl-C.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+
+use crate::cluster_file::read_secret;
+use crate::exports::ClusterExports;
+use crate::proc::shutdown_signal;
+
+#[derive(Args, Debug)]
+pub struct MetaArgs {
+    /// Directory of the metadata state (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Address to listen on for shards and clients.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7700")]
+    pub listen: SocketAddr,
+    /// Copies of every object (used when the state is created; fixed afterwards).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub replicas: u32,
+    /// File holding the cluster secret shared by every process of the cluster.
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: PathBuf,
+    /// How often every shard is pinged.
+    #[arg(long, default_value_t = 250, value_name = "MS")]
+    pub ping_interval_ms: u64,
+    /// A shard silent for this long is marked down (I/O moves to the other replicas).
+    #[arg(long, default_value_t = 3000, value_name = "MS")]
+    pub down_after_ms: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<SocketAddr>,
+}
+
+#[derive(Args, Debug)]
+pub struct ShardArgs {
+    /// Shard id, unique in the cluster; a replacement shard reuses the id of the one it replaces.
+    #[arg(long)]
+    pub id: u32,
+    /// Data directory (objects are files under DIR/objects).
+    #[arg(long, value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Address to listen on for clients and peer shards.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: SocketAddr,
+    /// Address others reach this shard at (default: the listen address).
+    #[arg(long, value_name = "ADDR")]
+    pub advertise: Option<String>,
+    /// Address of the metadata service.
+    #[arg(long, value_name = "ADDR")]
+    pub meta: String,
+    /// File holding the cluster secret.
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: PathBuf,
+    /// Create the data directory if it does not exist (a new or replacement shard).
+    #[arg(long)]
+    pub create: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<SocketAddr>,
+}
+
+#[derive(Args, Debug)]
+pub struct NbdArgs {
+    /// Address of the metadata service.
+    #[arg(long, value_name = "ADDR")]
+    pub meta: String,
+    /// File holding the cluster secret.
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: PathBuf,
+    /// TCP address to serve NBD on.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:10809")]
+    pub listen: SocketAddr,
+    /// Also serve on this Unix socket (a stale socket file is replaced).
+    #[arg(long, value_name = "PATH")]
+    pub unix: Option<PathBuf>,
+}
+
+/// Runs `fut` until it ends or a stop signal arrives.
+async fn until_signal(name: &str, fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    tokio::select! {
+        r = fut => r,
+        sig = shutdown_signal() => {
+            tracing::info!("{name}: {sig} received, stopping");
+            Ok(())
+        }
+    }
+}
+
+pub async fn meta(a: MetaArgs) -> anyhow::Result<()> {
+    let secret = read_secret(&a.secret_file)?;
+    anyhow::ensure!(a.ping_interval_ms > 0 && a.down_after_ms > a.ping_interval_ms, "--down-after-ms must exceed --ping-interval-ms");
+    tracing::info!(listen = %a.listen, dir = %a.dir.display(), "metadata service starting");
+    let opts = volume::meta::MetaOptions {
+        listen: a.listen,
+        dir: a.dir,
+        replicas: a.replicas,
+        secret,
+        ping_interval_ms: a.ping_interval_ms,
+        down_after_ms: a.down_after_ms,
+        metrics: a.metrics,
+    };
+    until_signal("metadata service", volume::meta::run_meta(opts)).await
+}
+
+pub async fn shard(a: ShardArgs) -> anyhow::Result<()> {
+    let secret = read_secret(&a.secret_file)?;
+    tracing::info!(id = a.id, listen = %a.listen, dir = %a.dir.display(), meta = %a.meta, "shard starting");
+    let opts = volume::shard_server::ShardOptions {
+        id: a.id,
+        listen: a.listen,
+        advertise: a.advertise,
+        data_dir: a.dir,
+        meta_addr: a.meta,
+        secret,
+        create: a.create,
+        metrics: a.metrics,
+    };
+    until_signal("shard", volume::shard_server::run_shard(opts)).await
+}
+
+/// How long the NBD server keeps trying to reach the metadata service at start.
+const NBD_META_WAIT: Duration = Duration::from_secs(60);
+
+pub async fn nbd(a: NbdArgs) -> anyhow::Result<()> {
+    let secret = read_secret(&a.secret_file)?;
+    let tcp = tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
+    let unix = match &a.unix {
+        Some(path) => {
+            if path.exists() {
+                use std::os::unix::fs::FileTypeExt;
+                let meta = std::fs::symlink_metadata(path)?;
+                anyhow::ensure!(meta.file_type().is_socket(), "{} exists and is not a socket", path.display());
+                std::fs::remove_file(path)?;
+            }
+            Some(tokio::net::UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?)
+        }
+        None => None,
+    };
+    let serve = async {
+        // The metadata service may still be starting.
+        let deadline = Instant::now() + NBD_META_WAIT;
+        let cluster = loop {
+            match crate::cluster_file::connect(&a.meta, &secret).await {
+                Ok(c) => break c,
+                Err(e) if Instant::now() < deadline && !format!("{e:#}").contains("secret") => {
+                    tracing::info!("waiting for the metadata service: {e:#}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let server = Arc::new(nbd::Server::new(ClusterExports::new(cluster)));
+        tracing::info!(listen = %a.listen, unix = ?a.unix, "NBD server ready: nbd://{}/<volume>", a.listen);
+        match unix {
+            Some(u) => {
+                tokio::try_join!(server.clone().serve_tcp(tcp), server.serve_unix(u))?;
+            }
+            None => server.serve_tcp(tcp).await?,
+        }
+        Ok(())
+    };
+    let r = until_signal("NBD server", serve).await;
+    if let Some(p) = &a.unix {
+        let _ = std::fs::remove_file(p);
+    }
+    r
+}

@@ -1,0 +1,130 @@
+//! Child processes and signals: starting the same binary as a daemon with its output in a log
+//! file, stopping processes by pid (SIGTERM, wait, SIGKILL), and waiting for Ctrl-C / SIGTERM.
+
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+/// How long a stopped child gets between SIGTERM and SIGKILL.
+pub const STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Starts `understudy ARGS...` (this very executable) with stdout and stderr appended to `log`,
+/// in its own process group (so a terminal's Ctrl-C reaches only the supervisor, which stops
+/// the children in order), and with SIGTERM as its parent-death signal (so the children do not
+/// outlive a supervisor that was killed).
+pub fn spawn_self(args: &[String], log: &Path, env: &[(&str, String)]) -> anyhow::Result<Child> {
+    let exe = std::env::current_exe().context("cannot find the understudy executable")?;
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .with_context(|| format!("cannot open log file {}", log.display()))?;
+    let err = out.try_clone()?;
+    let parent = std::process::id() as libc::pid_t;
+    let mut cmd = Command::new(exe);
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::from(out)).stderr(Stdio::from(err));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    // SAFETY: only async-signal-safe calls (setpgid, prctl, getppid, kill) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setpgid(0, 0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0);
+            // The parent may have died before prctl: then nobody would stop us.
+            if libc::getppid() != parent {
+                libc::kill(libc::getpid(), libc::SIGTERM);
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn().with_context(|| format!("cannot start `understudy {}`", args.join(" ")))
+}
+
+pub fn signal(pid: u32, sig: libc::c_int) -> bool {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe { libc::kill(pid as libc::pid_t, sig) == 0 }
+}
+
+/// Whether a process with this pid exists (and is not a zombie).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat.rsplit_once(')').map(|(_, rest)| !rest.trim_start().starts_with('Z')).unwrap_or(true),
+        Err(_) => false,
+    }
+}
+
+/// Stops children: SIGTERM to all, wait up to `grace`, SIGKILL the rest, reap all.
+/// Returns each child's description and exit status text.
+pub fn stop_children(children: &mut [(String, Child)], grace: Duration) -> Vec<(String, String)> {
+    for (_, c) in children.iter_mut() {
+        if let Ok(None) = c.try_wait() {
+            signal(c.id(), libc::SIGTERM);
+        }
+    }
+    let deadline = Instant::now() + grace;
+    let mut out = vec![];
+    for (name, c) in children.iter_mut() {
+        let status = loop {
+            match c.try_wait() {
+                Ok(Some(s)) => break describe_status(s),
+                Ok(None) if Instant::now() >= deadline => {
+                    let _ = c.kill();
+                    break c.wait().map(|s| format!("{} after SIGKILL", describe_status(s))).unwrap_or_else(|e| e.to_string());
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                Err(e) => break e.to_string(),
+            }
+        };
+        out.push((name.clone(), status));
+    }
+    out
+}
+
+pub fn describe_status(s: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(sig)) => format!("killed by signal {sig}"),
+        _ => s.to_string(),
+    }
+}
+
+/// The last `lines` lines of a (log) file, for error messages.
+pub fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// The reason a daemon gave for exiting: its last `error: ...` line (or panic message), else its
+/// last log line.
+pub fn last_error(log: &Path) -> String {
+    let text = tail(log, 200);
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    for (i, l) in lines.iter().enumerate().rev() {
+        if let Some(e) = l.strip_prefix("error: ") {
+            return e.to_string();
+        }
+        if l.contains("panicked at") {
+            // The panic message is on the next line.
+            return format!("{} {}", l.trim(), lines.get(i + 1).copied().unwrap_or("").trim());
+        }
+    }
+    lines.last().map(|l| l.to_string()).unwrap_or_else(|| "no output".to_string())
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM; returns the signal's name.
+pub async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("installing a SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    }
+}
