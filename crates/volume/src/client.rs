@@ -26,6 +26,9 @@ use crate::types::*;
 
 /// How long one request may wait for its reply before it is retried.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
+/// Object requests one client keeps in flight at most; a bigger I/O waits for room, so a huge
+/// write cannot flood the shards (and their failure detector) with work.
+pub const MAX_OBJECT_IOS_IN_FLIGHT: usize = 128;
 
 type Waiter = oneshot::Sender<Result<ReplyBody, IoErr>>;
 
@@ -47,6 +50,7 @@ pub struct Cluster {
     conns: Mutex<HashMap<ShardId, Arc<ShardConn>>>,
     meta_conn: Mutex<Option<TcpStream>>,
     next_req: AtomicU64,
+    in_flight: tokio::sync::Semaphore,
     /// Give up on an I/O after this long without success.
     pub io_timeout: Duration,
 }
@@ -60,6 +64,7 @@ impl Cluster {
             conns: Mutex::new(HashMap::new()),
             meta_conn: Mutex::new(None),
             next_req: AtomicU64::new(1),
+            in_flight: tokio::sync::Semaphore::new(MAX_OBJECT_IOS_IN_FLIGHT),
             io_timeout: Duration::from_secs(30),
         });
         c.refresh_map(0).await?;
@@ -162,6 +167,7 @@ impl Cluster {
 
     /// One I/O on one object, retried across failures until `io_timeout`.
     pub async fn io(&self, vol: &VolRef, objno: u64, op: IoOp) -> Result<ReplyBody, IoErr> {
+        let _permit = self.in_flight.acquire().await.expect("the semaphore is never closed");
         let deadline = Instant::now() + self.io_timeout;
         let slot = Slot { table: vol.table, objno };
         let mut last_err = IoErr::NotReady;

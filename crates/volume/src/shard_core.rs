@@ -875,7 +875,10 @@ impl ShardCore {
 
     fn start_write(&mut self, from: Peer, req: ReqId, vol: VolRef, objno: u64, op: IoOp) {
         let slot = Slot { table: vol.table, objno };
-        let entry = if vol.parent.is_none() { self.entries.get(&vol.id).copied() } else { None };
+        // Look the volume up whatever the client says of its parent: a client that opened a child
+        // before it was promoted still names the old parent, and the promoted child may have a
+        // super child of its own by now.
+        let entry = self.entries.get(&vol.id).copied();
         let vol_id = vol.id;
         let op_id = self.new_op(
             Some(slot),
@@ -925,6 +928,13 @@ impl ShardCore {
             IoOp::Read { .. } => unreachable!(),
         };
         let parent = vol.parent;
+        let zeroing = matches!(&rep_op, RepOp::Zero { .. }) || matches!(&rep_op, RepOp::Put { data } if data.is_empty());
+        let nothing_below = parent.is_none_or(|p| !self.objects.contains_key(&with_owner(key, p)));
+        if zeroing && !self.objects.contains_key(&key) && nothing_below {
+            // Zeroing an object that does not exist (trim of a fresh volume, mkfs discards):
+            // it already reads as zeroes, so no object is created anywhere.
+            return self.advance(op_id);
+        }
         let prev = self.objects.get(&key).copied().unwrap_or_default();
         let version = Version { epoch, seq: prev.seq + 1 };
         *started = Some((key, version));
@@ -1642,6 +1652,8 @@ impl ShardCore {
 
     fn start_recovery(&mut self) {
         let epoch = self.epoch();
+        // Requests of an abandoned round: their replies must not count in the new one.
+        self.outstanding.retain(|_, o| o.owner != Owner::Recovery);
         // Our tracking list may be stale: rebuild it from the live shards' lists.
         self.entries.clear();
         let old_touched = self.recovery.take().map(|r| r.touched).unwrap_or_default();
@@ -1738,12 +1750,12 @@ impl ShardCore {
                     }
                 }
             }
-            (Msg::Pull { key, .. }, Ok(ReplyBody::Object { version, data })) => {
+            (Msg::Pull { key, epoch, .. }, Ok(ReplyBody::Object { version, data })) if epoch == r.epoch => {
                 r.pulls_in_flight -= 1;
                 self.start_tasks(None, vec![Task::Install { key, version, data }], false);
                 self.recovery_step();
             }
-            (Msg::Pull { .. }, _) => {
+            (Msg::Pull { epoch, .. }, _) if epoch == r.epoch => {
                 // The object is unreadable at the primary; recovery restarts at the next map.
                 r.pulls_in_flight -= 1;
                 self.recovery_step();

@@ -30,6 +30,8 @@ pub const CONN_QUEUE_MSGS: usize = 4096;
 /// Inputs waiting for the core.
 pub const CORE_QUEUE_INPUTS: usize = 8192;
 const TICK_INTERVAL_MS: u64 = 20;
+/// Disk commands running at once (each on a blocking thread); more wait their turn.
+pub const MAX_DISK_COMMANDS_IN_FLIGHT: usize = 64;
 
 #[derive(Clone, Debug)]
 pub struct ShardOptions {
@@ -168,6 +170,7 @@ async fn core_loop(
     let mut clients: HashMap<u64, mpsc::Sender<Msg>> = HashMap::new();
     let mut peers: HashMap<ShardId, mpsc::Sender<Msg>> = HashMap::new();
     let mut meta: Option<mpsc::Sender<Msg>> = None;
+    let disk_slots = Arc::new(tokio::sync::Semaphore::new(MAX_DISK_COMMANDS_IN_FLIGHT));
     while let Some(ev) = rx.recv().await {
         let outputs = match ev {
             CoreEvent::Input(input) => {
@@ -230,9 +233,13 @@ async fn core_loop(
                 Output::Disk { id, cmd } => {
                     let store = store.clone();
                     let tx = tx.clone();
-                    tokio::task::spawn_blocking(move || {
-                        let result = store.run(cmd);
-                        let _ = tx.blocking_send(CoreEvent::Input(Input::Disk { id, result }));
+                    let slots = disk_slots.clone();
+                    tokio::spawn(async move {
+                        let Ok(_permit) = slots.acquire_owned().await else { return };
+                        let result = tokio::task::spawn_blocking(move || store.run(cmd))
+                            .await
+                            .unwrap_or_else(|e| Err(crate::shard_core::DiskErr::Io(format!("disk task failed: {e}"))));
+                        let _ = tx.send(CoreEvent::Input(Input::Disk { id, result })).await;
                     });
                 }
             }

@@ -125,7 +125,7 @@ pub struct VolRef {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub enum IoOp {
     Read { offset: u32, len: u32 },
-    Write { offset: u32, data: Vec<u8> },
+    Write { offset: u32, #[serde(with = "serde_bytes")] data: Vec<u8> },
     /// Write zeroes (also used for trim: reads of a trimmed range return zeroes).
     Zero { offset: u32, len: u32 },
 }
@@ -133,10 +133,10 @@ pub enum IoOp {
 /// A mutation as replicated from primary to replicas.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub enum RepOp {
-    Write { offset: u32, data: Vec<u8> },
+    Write { offset: u32, #[serde(with = "serde_bytes")] data: Vec<u8> },
     Zero { offset: u32, len: u32 },
     /// Replace the whole object.
-    Put { data: Vec<u8> },
+    Put { #[serde(with = "serde_bytes")] data: Vec<u8> },
 }
 
 /// Contents of a table's tracking object, replicated like every object.
@@ -215,12 +215,12 @@ pub enum CollapseOutcome {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub enum ReplyBody {
     Done,
-    Data(Vec<u8>),
+    Data(#[serde(with = "serde_bytes")] Vec<u8>),
     Collapse(CollapseOutcome),
     Granted(bool),
     /// Recovery: objects (and versions) a peer holds as primary in slots the asker belongs to.
     Objects { objects: Vec<(ObjKey, Version)>, tracks: Vec<(VolId, TrackEntry)>, retired: Vec<VolId>, more: bool },
-    Object { version: Version, data: Vec<u8> },
+    Object { version: Version, #[serde(with = "serde_bytes")] data: Vec<u8> },
     /// Replica → primary: my copy differs from what you expect; send the whole object.
     NeedFull,
 }
@@ -267,7 +267,7 @@ pub enum Msg {
     /// of a former primary).
     RepDelete { req: ReqId, epoch: Epoch, key: ObjKey },
     /// Primary → replica during slot synchronisation: take this copy, whatever you hold.
-    RepSync { req: ReqId, epoch: Epoch, key: ObjKey, version: Version, data: Vec<u8> },
+    RepSync { req: ReqId, epoch: Epoch, key: ObjKey, version: Version, #[serde(with = "serde_bytes")] data: Vec<u8> },
     /// Primary → replica: garbage-collect the slot as the primary did (hand `from`'s object to
     /// `to`, or delete it when `to` is `None`).
     RepCollect { req: ReqId, epoch: Epoch, slot: Slot, from: VolId, to: Option<VolId> },
