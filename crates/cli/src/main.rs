@@ -5,11 +5,13 @@
 //! * `up`: a whole local cluster on loopback, as child processes of itself — see [`up`];
 //! * client commands: `volume ...` and `status`, which find the cluster through its
 //!   `cluster.json` — see [`volume_cmds`] and [`attach`];
-//! * `demo`: super and collapse, both ways, through a real NBD client — see [`demo`].
+//! * `demo`: super and collapse, both ways, through a real NBD client — see [`demo`];
+//! * `bench`: benchmarks on throw-away clusters — see [`bench_cmds`].
 //!
 //! Errors reach the user as one line (`error: ...`) and a non-zero exit code.
 
 mod attach;
+mod bench_cmds;
 mod cluster_file;
 mod daemons;
 mod demo;
@@ -102,6 +104,12 @@ enum Cmd {
     /// writing after `super`: collapse rejects the child and the parent keeps its writes.
     /// Cleans everything up; exits 0 only if every check held. Needs qemu-io (qemu-utils).
     Demo(demo::DemoArgs),
+    /// Benchmarks, each on a throw-away local cluster; the last line of stdout is JSON.
+    ///
+    /// `--quick` finishes in about a minute and still measures every figure; without it the
+    /// run reproduces the paper's experiment at the largest size this machine allows.
+    #[command(subcommand)]
+    Bench(bench_cmds::BenchCmd),
 }
 
 /// How client commands find the cluster.
@@ -240,6 +248,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Demo(a) => {
             init_logging(cli.verbose, "warn");
             demo::demo(a, cli.verbose)
+        }
+        Cmd::Bench(cmd) => {
+            init_logging(cli.verbose, "warn");
+            bench_cmds::run(cmd, cli.verbose)
         }
     }
 }

@@ -68,17 +68,18 @@ impl CowOptions {
     }
 }
 
-/// The state of the three variants: a plain volume, and a base volume with its current super
-/// child and general clone (the base itself is never written while it has a child, or collapse
-/// would rightly reject the child).
+/// The state of the three variants: a plain volume, a base volume with its current super child
+/// (the base itself is never written while it has a child, or collapse would rightly reject the
+/// child), and a second base with its current general clone (a volume has clones of one kind).
 struct Variants {
     cluster: Arc<Cluster>,
     plain: String,
     base: String,
+    general_base: String,
     round: usize,
     object_size: u32,
-    /// Objects of the current super child and general clone not yet written.
-    fresh: Vec<u64>,
+    /// Objects of the current super child (index 1) and general clone (2) not yet written.
+    fresh: [Vec<u64>; 3],
     vols: [Option<Volume>; 3],
 }
 
@@ -93,14 +94,16 @@ impl Variants {
         let child = format!("{}.super-{}", self.base, self.round);
         let general = format!("{}.general-{}", self.base, self.round);
         self.meta(MetaReq::Super { parent: self.base.clone(), child: child.clone() }).await?;
-        self.meta(MetaReq::CloneGeneral { parent: self.base.clone(), child: general.clone() }).await?;
+        self.meta(MetaReq::CloneGeneral { parent: self.general_base.clone(), child: general.clone() }).await?;
         self.vols = [
             Some(self.cluster.open(&self.plain).await?),
             Some(self.cluster.open(&child).await?),
             Some(self.cluster.open(&general).await?),
         ];
-        self.fresh = (0..objects).collect();
-        self.fresh.shuffle(rng);
+        for f in &mut self.fresh[1..] {
+            *f = (0..objects).collect();
+            f.shuffle(rng);
+        }
         Ok(())
     }
 
@@ -119,9 +122,10 @@ impl Variants {
         wait_for_jobs(&self.cluster).await
     }
 
-    fn take_fresh(&mut self, n: usize) -> anyhow::Result<Vec<u64>> {
-        anyhow::ensure!(self.fresh.len() >= n, "ran out of uncopied objects (internal sizing error)");
-        Ok(self.fresh.split_off(self.fresh.len() - n))
+    fn take_fresh(&mut self, variant: usize, n: usize) -> anyhow::Result<Vec<u64>> {
+        let f = &mut self.fresh[variant];
+        anyhow::ensure!(f.len() >= n, "ran out of uncopied objects (internal sizing error)");
+        Ok(f.split_off(f.len() - n))
     }
 }
 
@@ -196,9 +200,10 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     let size_bytes = objects * opts.object_size_bytes as u64;
     let base = format!("bench-cow-{}", std::process::id());
     let plain = format!("bench-plain-{}", std::process::id());
+    let general_base = format!("bench-general-{}", std::process::id());
     // Fill every object so the clones have something to copy and plain writes overwrite.
-    let mut progress = Progress::new(2 * objects, "filling the volumes");
-    for name in [&plain, &base] {
+    let mut progress = Progress::new(3 * objects, "filling the volumes");
+    for name in [&plain, &base, &general_base] {
         cluster
             .meta(MetaReq::Create { name: name.clone(), size_bytes, object_size_bytes: opts.object_size_bytes })
             .await
@@ -216,7 +221,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     }
     progress.finish();
 
-    let mut v = Variants { cluster: cluster.clone(), plain, base, round: 0, object_size: opts.object_size_bytes, fresh: vec![], vols: [None, None, None] };
+    let mut v = Variants { cluster: cluster.clone(), plain, base, general_base, round: 0, object_size: opts.object_size_bytes, fresh: Default::default(), vols: [None, None, None] };
     let mut by_size: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut by_depth: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut samples: Vec<Vec<String>> = vec![];
@@ -233,7 +238,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
                 let targets = if variant == 0 {
                     (0..per_batch).map(|_| rng.gen_range(0..objects)).collect()
                 } else {
-                    v.take_fresh(per_batch)?
+                    v.take_fresh(variant, per_batch)?
                 };
                 let vol = v.vols[variant].as_ref().unwrap();
                 for l in write_batches(vol, v.object_size, &targets, size, 1, &mut rng).await? {
@@ -247,7 +252,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         v.begin_round(objects, &mut rng).await?;
         for &depth in &DEPTHS {
             for variant in bench::interleaved_order(opts.depth_batches(), 3) {
-                let targets = if variant == 0 { (0..depth).map(|_| rng.gen_range(0..objects)).collect() } else { v.take_fresh(depth)? };
+                let targets = if variant == 0 { (0..depth).map(|_| rng.gen_range(0..objects)).collect() } else { v.take_fresh(variant, depth)? };
                 let vol = v.vols[variant].as_ref().unwrap();
                 for l in write_batches(vol, v.object_size, &targets, 4096, depth, &mut rng).await? {
                     by_depth.entry((variant, depth as u32)).or_default().record(l);

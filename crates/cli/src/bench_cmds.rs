@@ -1,0 +1,150 @@
+//! `understudy bench <area> <scenario>`: benchmarks as commands, per `BENCH.md`.
+//!
+//! Each one brings up a throw-away local cluster (real processes on loopback), measures, and
+//! prints one JSON line on stdout (progress on stderr; plots, CSV in `--out`).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+
+use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCmd {
+    /// Benchmarks of the volume layer (SpecREDS §6.2).
+    #[command(subcommand)]
+    Volume(VolumeBench),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum VolumeBench {
+    /// Copy-on-write cost of super against a plain volume and an rbd-style general clone.
+    ///
+    /// (a) single COW write latency for 4–64 KiB writes; (b) 4 KiB COW latency at 1–32 writes in
+    /// flight — every measured clone write hits an object not yet copied; (d) the parent's 4 KiB
+    /// IOPS at depth 32 with `super` invoked every second, against none. Also the plain volume's
+    /// 4 KiB IOPS through fio's NBD engine next to fio on a local file with --fdatasync=1, and
+    /// the peak resident memory of shards and client. Variants are interleaved batch by batch.
+    Cow(CommonArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct CommonArgs {
+    /// A short run (under a minute) that still measures every figure.
+    #[arg(long)]
+    pub quick: bool,
+    /// Where plots (SVG, PNG) and raw samples (CSV) go [default: target/bench/volume].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Storage shards of the throw-away cluster.
+    #[arg(long, default_value_t = 4)]
+    pub shards: u32,
+    /// Keep the cluster's data directory (for inspecting logs).
+    #[arg(long)]
+    pub keep: bool,
+}
+
+pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
+    match cmd {
+        BenchCmd::Volume(VolumeBench::Cow(a)) => volume_cow(a, verbose),
+    }
+}
+
+fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
+    let out = bench::out_dir("volume", a.out.clone())?;
+    let dir = tempfile::Builder::new().prefix("understudy-bench-").tempdir_in(work_dir()?).context("cannot create a temporary directory")?;
+    let rt = crate::runtime()?;
+    let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().to_path_buf(), shards: a.shards, replicas: 3.min(a.shards), port_base: 0, verbose })?;
+    let mut report = bench::Report::new("volume.cow", a.quick);
+    let result = rt.block_on(async {
+        let cluster = lc.wait_ready(READY_TIMEOUT, false).await?;
+        let opts = volume::bench_cow::CowOptions::new(a.quick);
+        volume::bench_cow::run(cluster.clone(), &opts, &out, &mut report).await?;
+        // The plain volume through a real client: fio's NBD engine, 4 KiB random writes, depth 32.
+        let seconds = if a.quick { 3 } else { 10 };
+        let name = "bench-fio";
+        cluster
+            .meta(volume::meta::MetaReq::Create { name: name.into(), size_bytes: 256 << 20, object_size_bytes: 65536 })
+            .await?;
+        let uri = format!("nbd://{}/{name}", lc.info.nbd.addr);
+        let nbd_iops = fio_iops(&["--ioengine=nbd", &format!("--uri={uri}"), "--iodepth=32", "--size=256M"], seconds)?;
+        report.figure("plain.fio_nbd.write_4k.depth32.iops", nbd_iops)?;
+        // fio on a local file in the same directory, every write followed by fdatasync.
+        let file = dir.path().join("fio-local.dat");
+        let local_iops = fio_iops(
+            &["--ioengine=psync", &format!("--filename={}", file.display()), "--fdatasync=1", "--numjobs=32", "--size=256M", "--group_reporting"],
+            seconds,
+        )?;
+        let _ = std::fs::remove_file(&file);
+        report.figure("local_file.fio_fdatasync.write_4k.depth32.iops", local_iops)?;
+        report.ratio("local_file_vs_plain.fio.write_4k.depth32.iops", local_iops, nbd_iops)?;
+        Ok::<_, anyhow::Error>(())
+    });
+    // Peak resident memory of every shard (they are still running) and of this client.
+    let shard_rss = lc.info.shards.iter().filter_map(|s| peak_rss_bytes(s.pid)).max();
+    lc.stop();
+    if a.keep {
+        eprintln!("cluster data kept in {}", dir.keep().display());
+    }
+    result?;
+    if let Some(rss) = shard_rss {
+        report.figure("shard.rss_peak_bytes", rss as f64)?;
+    }
+    if let Some(rss) = peak_rss_bytes(std::process::id()) {
+        report.figure("client.rss_peak_bytes", rss as f64)?;
+    }
+    eprintln!("plots and samples in {}", out.display());
+    report.print();
+    Ok(())
+}
+
+/// A directory on the work disk (not tmpfs), so shards and fio measure the same disk.
+fn work_dir() -> anyhow::Result<PathBuf> {
+    let d = std::env::current_dir()?.join("target").join("bench-clusters");
+    std::fs::create_dir_all(&d).with_context(|| format!("cannot create {}", d.display()))?;
+    Ok(d)
+}
+
+/// Peak resident set size of a process (VmHWM), in bytes.
+fn peak_rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Runs fio's 4 KiB random-write job with `args` for `seconds`; returns its write IOPS.
+fn fio_iops(args: &[&str], seconds: u64) -> anyhow::Result<f64> {
+    let out = std::process::Command::new("fio")
+        .args(["--name=bench", "--rw=randwrite", "--bs=4k", "--time_based", &format!("--runtime={seconds}"), "--output-format=json"])
+        .args(args)
+        .output()
+        .context("cannot run fio (install it: apt-get install fio)")?;
+    anyhow::ensure!(out.status.success(), "fio failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    parse_fio_write_iops(&out.stdout)
+}
+
+fn parse_fio_write_iops(stdout: &[u8]) -> anyhow::Result<f64> {
+    // fio may print notes before the JSON document.
+    let text = String::from_utf8_lossy(stdout);
+    let start = text.find('{').context("fio printed no JSON")?;
+    let v: serde_json::Value = serde_json::from_str(&text[start..]).context("fio's JSON output")?;
+    let jobs = v["jobs"].as_array().context("fio's JSON has no jobs")?;
+    let iops: f64 = jobs.iter().filter_map(|j| j["write"]["iops"].as_f64()).sum();
+    anyhow::ensure!(iops > 0.0, "fio measured no writes");
+    Ok(iops)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fio_json_is_parsed_after_notes() {
+        let out = b"note: something\n{\"jobs\": [{\"write\": {\"iops\": 1200.5}}, {\"write\": {\"iops\": 10}}]}";
+        assert_eq!(parse_fio_write_iops(out).unwrap(), 1210.5);
+        assert!(parse_fio_write_iops(b"{\"jobs\": [{\"write\": {\"iops\": 0}}]}").is_err());
+        assert!(parse_fio_write_iops(b"garbage").is_err());
+    }
+}
