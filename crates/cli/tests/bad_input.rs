@@ -68,6 +68,19 @@ fn bad_input_gets_clear_errors() {
     let err = expect_one_line_error(&o, "status with a wrong secret");
     assert!(err.contains("secret"), "{err}");
 
+    // A shard pointed at a missing data directory refuses to start, and says how to create one.
+    let o = Command::new(BIN)
+        .args(["shard", "--id", "9", "--dir", "/nonexistent/understudy-shard", "--listen", "127.0.0.1:0", "--meta"])
+        .arg(up.meta_addr())
+        .arg("--secret-file")
+        .arg(up.secret_file())
+        .output()
+        .unwrap();
+    // (A daemon logs its start first: the error is its last line.)
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let err = stderr.trim_end().lines().last().unwrap_or_default();
+    assert!(!o.status.success() && err.starts_with("error: ") && err.contains("does not exist") && err.contains("--create"), "{stderr}");
+
     // No cluster file; nothing listening.
     let o = Command::new(BIN).args(["status", "--cluster", "/nonexistent/cluster.json"]).output().unwrap();
     let err = expect_one_line_error(&o, "status without a cluster");
