@@ -919,7 +919,7 @@ fn super_collapse_under_faults_many_seeds() {
     if let Ok(seed) = std::env::var("SIM_SEED") {
         return run_seed(seed.parse().expect("SIM_SEED is a number"));
     }
-    let seeds: u64 = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+    let seeds: u64 = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(400);
     for seed in 0..seeds {
         run_seed(seed);
     }
