@@ -117,8 +117,9 @@ pub fn apply<F: ObjFile>(f: &mut F, version: Version, op: &RepOp) -> io::Result<
     if blocks > MAX_CRC_BLOCKS {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "object larger than 4 MiB"));
     }
-    // Blocks the write touched, and any block between the old end and the write (a hole).
-    let first = ((start / CRC_BLOCK_BYTES) as usize).min(header.crcs.len());
+    // Blocks the write touched, and any block from the one holding the old end (it may have
+    // grown from a partial block to a whole one) to the write (a hole).
+    let first = ((start.min(old_len) / CRC_BLOCK_BYTES) as usize).min(header.crcs.len());
     let last = if data_len > old_len { blocks } else { end.div_ceil(CRC_BLOCK_BYTES) as usize };
     header.crcs.resize(blocks, 0);
     for b in first..last.min(blocks) {
@@ -216,5 +217,16 @@ mod tests {
         apply(&mut f, v(5), &RepOp::Put { data: vec![3; 5] }).unwrap();
         assert_eq!(verify(&mut f).unwrap(), v(5));
         assert_eq!(read_body(&mut f).unwrap(), vec![3; 5]);
+    }
+
+    #[test]
+    fn growing_past_a_partial_last_block_rechecksums_it() {
+        // The last block of a 100-byte object grows to a whole 64 KiB block (its new bytes are
+        // zeroes) when a write lands two blocks further on: its checksum must be recomputed.
+        let mut f = Mem::default();
+        let v = |seq| Version { epoch: 1, seq };
+        apply(&mut f, v(1), &RepOp::Write { offset: 0, data: vec![4; 100] }).unwrap();
+        apply(&mut f, v(2), &RepOp::Write { offset: 200_000, data: vec![5; 10] }).unwrap();
+        assert_eq!(verify(&mut f).unwrap(), v(2));
     }
 }
