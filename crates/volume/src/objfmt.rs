@@ -71,15 +71,20 @@ pub trait ObjFile {
     fn set_len(&mut self, len: u64) -> io::Result<()>;
     /// Makes `[offset, offset+len)` read as zeroes without changing the length.
     fn zero_range(&mut self, offset: u64, len: u64) -> io::Result<()>;
+    /// CRC32C of the bytes in `[offset, offset+len)` that exist. The default reads them; a file
+    /// that holds its bytes in memory can checksum them where they are.
+    fn crc_range(&mut self, offset: u64, len: u64) -> io::Result<u32> {
+        let mut buf = vec![0u8; len as usize];
+        let got = self.read_at(&mut buf, offset)?;
+        buf.truncate(got);
+        Ok(crc32c::crc32c(&buf))
+    }
 }
 
 fn block_crc<F: ObjFile>(f: &mut F, block: usize, data_len: u64) -> io::Result<u32> {
     let start = block as u64 * CRC_BLOCK_BYTES;
     let n = CRC_BLOCK_BYTES.min(data_len.saturating_sub(start));
-    let mut buf = vec![0u8; n as usize];
-    let got = f.read_at(&mut buf, HEADER_BYTES + start)?;
-    buf.truncate(got);
-    Ok(crc32c::crc32c(&buf))
+    f.crc_range(HEADER_BYTES + start, n)
 }
 
 pub fn read_header<F: ObjFile>(f: &mut F) -> io::Result<Option<Header>> {

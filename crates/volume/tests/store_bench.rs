@@ -18,7 +18,8 @@
 //! `STORE_BENCH_BATCH` (operations per batch, default 100), `STORE_BENCH_RECYCLE` (1, default:
 //! the COW children of a batch are deleted after it, untimed, as garbage collection does after
 //! `collapse`, so slots are recycled; 0: they are kept, so every COW write needs a never-used
-//! slot and the refill must keep up), `STORE_BENCH_STORES` (`new,old` by default).
+//! slot and the refill must keep up), `STORE_BENCH_STORES` (`new,old,raw` by default; `raw` is
+//! the device floor, see [`RawFiles`]).
 
 #[path = "store_bench/old_file_store.rs"]
 mod old_file_store;
@@ -65,6 +66,66 @@ impl Variant {
 enum Store {
     New(FileStore),
     Old(old_file_store::OldFileStore),
+    Raw(RawFiles),
+}
+
+/// The device floor: what each variant must at least do, on pre-written files kept open (no
+/// lookups, no checksums, no index): an overwrite writes a header sector and its data; a COW
+/// reads the parent's 64 KiB and writes header and bytes (68 KiB) to the child's file; a Put
+/// writes 68 KiB. Each ends with one `fdatasync`.
+struct RawFiles {
+    parents: Vec<std::fs::File>,
+    children: Vec<std::fs::File>,
+}
+
+const RAW_SLOT_BYTES: usize = 4096 + OBJECT_BYTES;
+
+impl RawFiles {
+    fn open(dir: &Path) -> RawFiles {
+        use std::os::unix::fs::FileExt;
+        std::fs::create_dir_all(dir).unwrap();
+        let make = |name: String| {
+            let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(dir.join(name)).unwrap();
+            f.write_all_at(&vec![0u8; RAW_SLOT_BYTES], 0).unwrap();
+            f.sync_all().unwrap();
+            f
+        };
+        let parents = (0..PARENT_OBJECTS).map(|o| make(format!("p{o}"))).collect();
+        let children = (0..PARENT_OBJECTS).map(|o| make(format!("c{o}"))).collect();
+        std::fs::File::open(dir).unwrap().sync_all().unwrap();
+        RawFiles { parents, children }
+    }
+
+    fn run(&self, cmd: DiskCmd) -> Result<DiskOut, DiskErr> {
+        use std::os::unix::fs::FileExt;
+        let io = |e: std::io::Error| DiskErr::Io(e.to_string());
+        match cmd {
+            DiskCmd::Apply { key, op: RepOp::Write { offset, data }, cow_from: None, .. } => {
+                let f = &self.parents[key.objno as usize];
+                f.write_all_at(&[1u8; 512], 0).map_err(io)?;
+                f.write_all_at(&data, 4096 + offset as u64).map_err(io)?;
+                f.sync_data().map_err(io)?;
+            }
+            DiskCmd::Apply { key, op: RepOp::Write { offset, data }, cow_from: Some(_), .. } => {
+                let mut buf = vec![0u8; RAW_SLOT_BYTES];
+                self.parents[key.objno as usize].read_exact_at(&mut buf[4096..], 4096).map_err(io)?;
+                buf[4096 + offset as usize..4096 + offset as usize + data.len()].copy_from_slice(&data);
+                let f = &self.children[key.objno as usize];
+                f.write_all_at(&buf, 0).map_err(io)?;
+                f.sync_data().map_err(io)?;
+            }
+            DiskCmd::Apply { key, op: RepOp::Put { data }, .. } => {
+                let mut buf = vec![1u8; 4096];
+                buf.extend_from_slice(&data);
+                let f = &self.parents[key.objno as usize];
+                f.write_all_at(&buf, 0).map_err(io)?;
+                f.sync_data().map_err(io)?;
+            }
+            DiskCmd::Delete { .. } => {}
+            cmd => panic!("the raw floor does not do {cmd:?}"),
+        }
+        Ok(DiskOut::Done)
+    }
 }
 
 impl Store {
@@ -80,7 +141,8 @@ impl Store {
                 s.boot().unwrap();
                 Store::Old(s)
             }
-            k => panic!("unknown store {k} (new or old)"),
+            "raw" => Store::Raw(RawFiles::open(dir)),
+            k => panic!("unknown store {k} (new, old or raw)"),
         }
     }
 
@@ -88,6 +150,7 @@ impl Store {
         match self {
             Store::New(s) => s.run(cmd),
             Store::Old(s) => s.run(cmd),
+            Store::Raw(s) => s.run(cmd),
         }
     }
 }
@@ -189,7 +252,7 @@ fn store_latency() {
     let batch = env_usize("STORE_BENCH_BATCH", 100).min(ops);
     let recycle = env_usize("STORE_BENCH_RECYCLE", 1) != 0;
     let kinds: Vec<String> =
-        std::env::var("STORE_BENCH_STORES").unwrap_or_else(|_| "new,old".into()).split(',').map(String::from).collect();
+        std::env::var("STORE_BENCH_STORES").unwrap_or_else(|_| "new,old,raw".into()).split(',').map(String::from).collect();
     let dir = std::env::var("STORE_BENCH_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from(format!("/work/store-bench-{}", std::process::id())));
