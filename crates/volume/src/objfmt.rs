@@ -71,15 +71,20 @@ pub trait ObjFile {
     fn set_len(&mut self, len: u64) -> io::Result<()>;
     /// Makes `[offset, offset+len)` read as zeroes without changing the length.
     fn zero_range(&mut self, offset: u64, len: u64) -> io::Result<()>;
+    /// CRC32C of the bytes in `[offset, offset+len)` that exist. The default reads them; a file
+    /// that holds its bytes in memory can checksum them where they are.
+    fn crc_range(&mut self, offset: u64, len: u64) -> io::Result<u32> {
+        let mut buf = vec![0u8; len as usize];
+        let got = self.read_at(&mut buf, offset)?;
+        buf.truncate(got);
+        Ok(crc32c::crc32c(&buf))
+    }
 }
 
 fn block_crc<F: ObjFile>(f: &mut F, block: usize, data_len: u64) -> io::Result<u32> {
     let start = block as u64 * CRC_BLOCK_BYTES;
     let n = CRC_BLOCK_BYTES.min(data_len.saturating_sub(start));
-    let mut buf = vec![0u8; n as usize];
-    let got = f.read_at(&mut buf, HEADER_BYTES + start)?;
-    buf.truncate(got);
-    Ok(crc32c::crc32c(&buf))
+    f.crc_range(HEADER_BYTES + start, n)
 }
 
 pub fn read_header<F: ObjFile>(f: &mut F) -> io::Result<Option<Header>> {
@@ -117,8 +122,9 @@ pub fn apply<F: ObjFile>(f: &mut F, version: Version, op: &RepOp) -> io::Result<
     if blocks > MAX_CRC_BLOCKS {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "object larger than 4 MiB"));
     }
-    // Blocks the write touched, and any block between the old end and the write (a hole).
-    let first = ((start / CRC_BLOCK_BYTES) as usize).min(header.crcs.len());
+    // Blocks the write touched, and any block from the one holding the old end (it may have
+    // grown from a partial block to a whole one) to the write (a hole).
+    let first = ((start.min(old_len) / CRC_BLOCK_BYTES) as usize).min(header.crcs.len());
     let last = if data_len > old_len { blocks } else { end.div_ceil(CRC_BLOCK_BYTES) as usize };
     header.crcs.resize(blocks, 0);
     for b in first..last.min(blocks) {
@@ -216,5 +222,16 @@ mod tests {
         apply(&mut f, v(5), &RepOp::Put { data: vec![3; 5] }).unwrap();
         assert_eq!(verify(&mut f).unwrap(), v(5));
         assert_eq!(read_body(&mut f).unwrap(), vec![3; 5]);
+    }
+
+    #[test]
+    fn growing_past_a_partial_last_block_rechecksums_it() {
+        // The last block of a 100-byte object grows to a whole 64 KiB block (its new bytes are
+        // zeroes) when a write lands two blocks further on: its checksum must be recomputed.
+        let mut f = Mem::default();
+        let v = |seq| Version { epoch: 1, seq };
+        apply(&mut f, v(1), &RepOp::Write { offset: 0, data: vec![4; 100] }).unwrap();
+        apply(&mut f, v(2), &RepOp::Write { offset: 200_000, data: vec![5; 10] }).unwrap();
+        assert_eq!(verify(&mut f).unwrap(), v(2));
     }
 }
