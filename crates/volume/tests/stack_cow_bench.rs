@@ -33,6 +33,7 @@ async fn start_cluster(dir: &std::path::Path) -> Arc<Cluster> {
         secret: SECRET.to_vec(),
         ping_interval_ms: 100,
         down_after_ms: 3000,
+        metrics: None,
     };
     tokio::spawn(volume::meta::serve_meta(listener, opts));
     for id in 0..4 {
@@ -44,6 +45,7 @@ async fn start_cluster(dir: &std::path::Path) -> Arc<Cluster> {
             meta_addr: meta_addr.clone(),
             secret: SECRET.to_vec(),
             create: true,
+            metrics: None,
         };
         tokio::spawn(volume::shard_server::run_shard(opts));
     }
