@@ -13,4 +13,5 @@ pub mod meta;
 pub mod client;
 pub mod sim_store;
 pub mod bench_cow;
+pub mod bench_trace;
 pub mod objfmt;
