@@ -4,6 +4,11 @@
 //! prints one JSON line on stdout (progress on stderr; plots, CSV in `--out`).
 
 use std::path::PathBuf;
+use std::sync::Arc;
+
+use volume::client::Cluster;
+
+use crate::cluster_file::ClusterInfo;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
@@ -60,22 +65,29 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
     }
 }
 
-fn volume_recovery_trace(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
+/// Runs `body` on a throw-away local cluster, then adds the peak resident memory of the shards
+/// and of this client and prints the report.
+fn on_cluster<F, Fut>(a: &CommonArgs, bench_name: &str, verbose: u8, body: F) -> anyhow::Result<()>
+where
+    F: FnOnce(Arc<Cluster>, ClusterInfo, PathBuf, PathBuf, bench::Report) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bench::Report>>,
+{
     let out = bench::out_dir("volume", a.out.clone())?;
     let dir = tempfile::Builder::new().prefix("understudy-bench-").tempdir_in(work_dir()?).context("cannot create a temporary directory")?;
     let rt = crate::runtime()?;
     let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().to_path_buf(), shards: a.shards, replicas: 3.min(a.shards), port_base: 0, verbose })?;
-    let mut report = bench::Report::new("volume.recovery_trace", a.quick);
+    let report = bench::Report::new(bench_name, a.quick);
     let result = rt.block_on(async {
         let cluster = lc.wait_ready(READY_TIMEOUT, false).await?;
-        volume::bench_trace::run(cluster, a.quick, &out, &mut report).await
+        body(cluster, lc.info.clone(), out.clone(), dir.path().to_path_buf(), report).await
     });
+    // The shards are still running: their peak memory is still there to read.
     let shard_rss = lc.info.shards.iter().filter_map(|s| peak_rss_bytes(s.pid)).max();
     lc.stop();
     if a.keep {
         eprintln!("cluster data kept in {}", dir.keep().display());
     }
-    result?;
+    let mut report = result?;
     if let Some(rss) = shard_rss {
         report.figure("shard.rss_peak_bytes", rss as f64)?;
     }
@@ -88,26 +100,21 @@ fn volume_recovery_trace(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
 }
 
 fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
-    let out = bench::out_dir("volume", a.out.clone())?;
-    let dir = tempfile::Builder::new().prefix("understudy-bench-").tempdir_in(work_dir()?).context("cannot create a temporary directory")?;
-    let rt = crate::runtime()?;
-    let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().to_path_buf(), shards: a.shards, replicas: 3.min(a.shards), port_base: 0, verbose })?;
-    let mut report = bench::Report::new("volume.cow", a.quick);
-    let result = rt.block_on(async {
-        let cluster = lc.wait_ready(READY_TIMEOUT, false).await?;
-        let opts = volume::bench_cow::CowOptions::new(a.quick);
+    let quick = a.quick;
+    on_cluster(&a, "volume.cow", verbose, |cluster, info, out, dir, mut report| async move {
+        let opts = volume::bench_cow::CowOptions::new(quick);
         volume::bench_cow::run(cluster.clone(), &opts, &out, &mut report).await?;
         // The plain volume through a real client: fio's NBD engine, 4 KiB random writes, depth 32.
-        let seconds = if a.quick { 3 } else { 10 };
+        let seconds = if quick { 3 } else { 10 };
         let name = "bench-fio";
         cluster
             .meta(volume::meta::MetaReq::Create { name: name.into(), size_bytes: 256 << 20, object_size_bytes: 65536 })
             .await?;
-        let uri = format!("nbd://{}/{name}", lc.info.nbd.addr);
+        let uri = format!("nbd://{}/{name}", info.nbd.addr);
         let nbd_iops = fio_iops(&["--ioengine=nbd", &format!("--uri={uri}"), "--iodepth=32", "--size=256M"], seconds)?;
         report.figure("plain.fio_nbd.write_4k.depth32.iops", nbd_iops)?;
         // fio on a local file in the same directory, every write followed by fdatasync.
-        let file = dir.path().join("fio-local.dat");
+        let file = dir.join("fio-local.dat");
         let local_iops = fio_iops(
             &["--ioengine=psync", &format!("--filename={}", file.display()), "--fdatasync=1", "--numjobs=32", "--size=256M", "--group_reporting"],
             seconds,
@@ -115,24 +122,16 @@ fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(&file);
         report.figure("local_file.fio_fdatasync.write_4k.depth32.iops", local_iops)?;
         report.ratio("local_file_vs_plain.fio.write_4k.depth32.iops", local_iops, nbd_iops)?;
-        Ok::<_, anyhow::Error>(())
-    });
-    // Peak resident memory of every shard (they are still running) and of this client.
-    let shard_rss = lc.info.shards.iter().filter_map(|s| peak_rss_bytes(s.pid)).max();
-    lc.stop();
-    if a.keep {
-        eprintln!("cluster data kept in {}", dir.keep().display());
-    }
-    result?;
-    if let Some(rss) = shard_rss {
-        report.figure("shard.rss_peak_bytes", rss as f64)?;
-    }
-    if let Some(rss) = peak_rss_bytes(std::process::id()) {
-        report.figure("client.rss_peak_bytes", rss as f64)?;
-    }
-    eprintln!("plots and samples in {}", out.display());
-    report.print();
-    Ok(())
+        Ok(report)
+    })
+}
+
+fn volume_recovery_trace(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
+    let quick = a.quick;
+    on_cluster(&a, "volume.recovery_trace", verbose, |cluster, _info, out, _dir, mut report| async move {
+        volume::bench_trace::run(cluster, quick, &out, &mut report).await?;
+        Ok(report)
+    })
 }
 
 /// A directory on the work disk (not tmpfs), so shards and fio measure the same disk.
