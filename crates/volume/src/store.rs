@@ -110,6 +110,8 @@ const STATE_LIVE: u32 = 2;
 /// Bytes of slots the refill creates between two checks of the disk space and of shutdown (at
 /// least one slot). The files of a batch share one journal commit.
 const REFILL_BATCH_BYTES: u64 = 4 << 20;
+/// And at most this many slots: a batch keeps its files open until they are synced.
+const REFILL_BATCH_MAX_SLOTS: usize = 64;
 /// The refill looks at the pool at least this often, even when nobody woke it; a class whose
 /// writes all found a free slot for this long has its target lowered by a quarter.
 const REFILL_PERIOD_MS: u64 = 1000;
@@ -1028,7 +1030,7 @@ impl Inner {
             if !in_use || free >= target {
                 return;
             }
-            let batch_slots = (REFILL_BATCH_BYTES / slot_file_bytes(class)).max(1) as usize;
+            let batch_slots = ((REFILL_BATCH_BYTES / slot_file_bytes(class)).max(1) as usize).min(REFILL_BATCH_MAX_SLOTS);
             let count = (target - free).min(batch_slots);
             let need_bytes = count as u64 * slot_file_bytes(class);
             match available_bytes(&self.root) {
