@@ -70,6 +70,7 @@ async fn stack_cow_latency() {
         .unwrap_or_else(|_| std::path::PathBuf::from(format!("/work/stack-bench-{}", std::process::id())));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
+    std::fs::create_dir_all(dir.join("out")).unwrap();
     let c = start_cluster(&dir).await;
     let mut opts = volume::bench_cow::CowOptions::new(true);
     opts.writes_per_point = std::env::var("STACK_BENCH_WRITES").ok().and_then(|v| v.parse().ok()).unwrap_or(400);
