@@ -15,3 +15,4 @@ pub mod sim_store;
 pub mod bench_cow;
 pub mod bench_trace;
 pub mod objfmt;
+pub mod testkit;

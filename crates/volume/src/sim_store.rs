@@ -1,6 +1,8 @@
-//! The shard's object store on the simulator's disk, with the same layout and durability rules
-//! as [`crate::store::FileStore`], so the simulation tests run the real core against a disk that
-//! crashes, loses unsynced writes and tears them.
+//! The shard's object store on the simulator's disk, for the simulation tests: one file per
+//! object in the format of [`crate::objfmt`] (version and block checksums), with the same
+//! semantics as the real [`crate::store::FileStore`] (which keeps objects in pre-allocated slot
+//! files instead; both apply mutations through `objfmt::apply`). The disk crashes, loses unsynced
+//! writes and tears them.
 //!
 //! A command is split in two: [`SimStore::start`] makes its changes (unsynced, as the page cache
 //! would hold them) and [`SimStore::finish`] syncs them; a crash in between loses or tears them.

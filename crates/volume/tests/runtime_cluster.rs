@@ -8,9 +8,8 @@ use std::time::Duration;
 
 use blockdev::{BlockDev, DevError};
 use volume::client::Cluster;
-use volume::meta::{MetaOptions, MetaReq, MetaResp};
-use volume::shard_server::ShardOptions;
-use volume::types::{CollapseOutcome, ShardState};
+use volume::meta::{MetaReq, MetaResp};
+use volume::types::CollapseOutcome;
 
 const SECRET: &[u8] = b"test-secret";
 
@@ -25,43 +24,7 @@ fn same(got: &[u8], want: &[u8], what: &str) {
 
 async fn start_cluster(dir: &std::path::Path) -> Arc<Cluster> {
     let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_test_writer().try_init();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let meta_addr = listener.local_addr().unwrap().to_string();
-    let opts = MetaOptions {
-        listen: listener.local_addr().unwrap(),
-        dir: dir.join("meta"),
-        replicas: 3,
-        secret: SECRET.to_vec(),
-        ping_interval_ms: 100,
-        down_after_ms: 3000,
-        metrics: None,
-    };
-    tokio::spawn(volume::meta::serve_meta(listener, opts));
-    for id in 0..4 {
-        let opts = ShardOptions {
-            id,
-            listen: "127.0.0.1:0".parse().unwrap(),
-            advertise: None,
-            data_dir: dir.join(format!("shard{id}")),
-            meta_addr: meta_addr.clone(),
-            secret: SECRET.to_vec(),
-            create: true,
-            metrics: None,
-        };
-        tokio::spawn(volume::shard_server::run_shard(opts));
-    }
-    let cluster = Cluster::connect(&meta_addr, SECRET).await.unwrap();
-    // Wait until all four shards are up.
-    for _ in 0..200 {
-        cluster.refresh_map(0).await.ok();
-        if let MetaResp::Map(m) = cluster.meta(MetaReq::GetMap).await.unwrap() {
-            if m.shards.len() == 4 && m.shards.iter().all(|s| s.state == ShardState::Up) {
-                return cluster;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("shards did not come up");
+    volume::testkit::start_in_process(dir, 4, SECRET).await.unwrap()
 }
 
 fn tempdir(name: &str) -> std::path::PathBuf {
