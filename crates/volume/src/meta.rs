@@ -186,7 +186,21 @@ pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
 pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Result<()> {
     let store = FileMetaStore::new(&opts.dir)?;
     let state = match store.load()? {
-        Some(s) => s,
+        Some(mut s) => {
+            // After our own restart we do not know which shards live: none leads until it
+            // registers again. Marked down here, not by the failure detector, so each keeps its
+            // in-sync flag (a stale shard must not win a whole-cluster restart).
+            let mut changed = false;
+            for sh in s.map.shards.iter_mut().filter(|sh| sh.state != ShardState::Down) {
+                sh.state = ShardState::Down;
+                changed = true;
+            }
+            if changed {
+                s.map.epoch += 1;
+                store.save(&s)?;
+            }
+            s
+        }
         None => {
             let s = MetaState::new(opts.replicas);
             store.save(&s)?;
@@ -266,7 +280,7 @@ impl Meta {
         let (r, w) = sock.into_split();
         let mut r = tokio::io::BufReader::new(r);
         let first: Msg = wire::read_msg(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES).await?;
-        let Msg::Register { shard, addr, boot_id } = first else { anyhow::bail!("shard {id} did not register") };
+        let Msg::Register { shard, addr, boot_id, fresh } = first else { anyhow::bail!("shard {id} did not register") };
         anyhow::ensure!(shard == id, "shard link says {id} but registers {shard}");
         let (tx, rx) = mpsc::channel(1024);
         tokio::spawn(writer_loop(w, rx));
@@ -278,7 +292,7 @@ impl Meta {
             let known = map.shards.iter().position(|s| s.id == id);
             let changed = match known {
                 None => {
-                    map.shards.push(ShardInfo { id, addr: addr.clone(), state: ShardState::Recovering });
+                    map.shards.push(ShardInfo { id, addr: addr.clone(), state: ShardState::Recovering, in_sync: false });
                     map.shards.sort_by_key(|s| s.id);
                     true
                 }
@@ -286,6 +300,11 @@ impl Meta {
                     let s = &mut map.shards[i];
                     let mut changed = s.addr != addr;
                     s.addr = addr.clone();
+                    if fresh && s.in_sync {
+                        // A new disk under an old id holds nothing it used to.
+                        s.in_sync = false;
+                        changed = true;
+                    }
                     // A restarted shard may have missed writes and lost unsynced ones: it
                     // re-replicates before it may lead again.
                     if restarted || s.state == ShardState::Down {
@@ -320,9 +339,22 @@ impl Meta {
                 }
                 Msg::Recovered { shard, epoch } => {
                     let mut g = self.inner.lock().await;
+                    // A shard that missed writes may lead only once every in-sync shard is up:
+                    // then each of its slots had an in-sync primary it caught up from. (It
+                    // repeats its report; once the others are up, the new epoch restarts its
+                    // recovery and the next report counts.)
+                    let others_in_sync_up =
+                        g.state.map.shards.iter().filter(|s| s.id != shard && s.in_sync).all(|s| s.state == ShardState::Up);
                     if g.state.map.epoch == epoch {
-                        if let Some(s) = g.state.map.shards.iter_mut().find(|s| s.id == shard && s.state == ShardState::Recovering) {
+                        if let Some(s) = g
+                            .state
+                            .map
+                            .shards
+                            .iter_mut()
+                            .find(|s| s.id == shard && s.state == ShardState::Recovering && (s.in_sync || others_in_sync_up))
+                        {
                             s.state = ShardState::Up;
+                            s.in_sync = true;
                             g.state.map.epoch += 1;
                             tracing::info!(shard, epoch = g.state.map.epoch, "shard recovered, up");
                             Self::persist(&mut g)?;
@@ -361,6 +393,7 @@ impl Meta {
                 if !alive && s.state != ShardState::Down {
                     tracing::warn!(shard = id, "shard missed its pings: marking it down");
                     s.state = ShardState::Down;
+                    s.in_sync = false;
                     changed = true;
                 } else if alive && s.state == ShardState::Down {
                     // It answers again on the same link: it was stalled, not dead. It may have

@@ -92,6 +92,7 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
         tokio::task::spawn_blocking(move || s.boot()).await?.context("reading the shard's objects")?
     };
     tracing::info!(shard = opts.id, objects = boot.objects.len(), "shard starting");
+    let boot_is_empty = boot.objects.is_empty();
     let listener = TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
     let advertise = opts.advertise.clone().unwrap_or_else(|| listener.local_addr().unwrap().to_string());
     let mut cfg = ShardConfig::new(opts.id);
@@ -129,10 +130,11 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
         let tx = tx.clone();
         let secret = secret.clone();
         let boot_id: u64 = rand::random();
+        let fresh = boot_is_empty;
         let (meta_addr, id) = (opts.meta_addr.clone(), opts.id);
         tokio::spawn(async move {
             loop {
-                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, &tx, &secret).await {
+                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, fresh, &tx, &secret).await {
                     tracing::warn!("metadata link to {meta_addr}: {e:#}; reconnecting");
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -346,13 +348,14 @@ async fn meta_link(
     id: ShardId,
     advertise: &str,
     boot_id: u64,
+    fresh: bool,
     tx: &mpsc::Sender<CoreEvent>,
     secret: &[u8],
 ) -> anyhow::Result<()> {
     let sock = dial(meta_addr, secret, &Hello::Shard(id)).await?;
     let (r, w) = sock.into_split();
     let (mtx, mrx) = mpsc::channel(CONN_QUEUE_MSGS);
-    mtx.send(Msg::Register { shard: id, addr: advertise.to_string(), boot_id }).await?;
+    mtx.send(Msg::Register { shard: id, addr: advertise.to_string(), boot_id, fresh }).await?;
     tx.send(CoreEvent::MetaConn(mtx)).await?;
     let writer = tokio::spawn(writer_loop(w, mrx));
     read_loop(r, Peer::Meta, tx.clone()).await;

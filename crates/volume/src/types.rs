@@ -64,6 +64,11 @@ pub struct ShardInfo {
     pub id: ShardId,
     pub addr: String,
     pub state: ShardState,
+    /// The shard holds every acknowledged write of its objects: it was never marked down since
+    /// it last caught up. A shard that is not in sync may lead only after catching up from the
+    /// in-sync shards, so a whole-cluster restart never lets a stale copy win.
+    #[serde(default)]
+    pub in_sync: bool,
 }
 
 /// The cluster map: which shards exist, where, and in which state. Changed only by the metadata
@@ -278,8 +283,9 @@ pub enum Msg {
     /// Shard → metadata: recovery finished at this epoch.
     Recovered { shard: ShardId, epoch: Epoch },
     /// Shard → metadata, first on its link: who it is and where it listens; `boot_id` changes on
-    /// every start, so the metadata service knows a restarted shard must re-replicate.
-    Register { shard: ShardId, addr: String, boot_id: u64 },
+    /// every start, so the metadata service knows a restarted shard must re-replicate; `fresh`
+    /// says it started with no objects at all (a new or replacement disk).
+    Register { shard: ShardId, addr: String, boot_id: u64, fresh: bool },
     /// Metadata → shard: liveness probe, answered with `Done`.
     Ping { req: ReqId },
     Reply { req: ReqId, result: Result<ReplyBody, IoErr> },

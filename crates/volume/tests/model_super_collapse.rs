@@ -30,7 +30,7 @@ impl Cluster {
         let map = ClusterMap {
             epoch: 1,
             replicas: 3,
-            shards: (0..SHARDS).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up }).collect(),
+            shards: (0..SHARDS).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
         };
         let mut shards: Vec<(ShardCore, SimStore)> =
             (0..SHARDS).map(|id| (ShardCore::new(ShardConfig::new(id), Boot::default()), SimStore::default())).collect();

@@ -156,7 +156,7 @@ impl World {
         let map = ClusterMap {
             epoch: 1,
             replicas: 3,
-            shards: (0..SHARDS).map(|id| ShardInfo { id, addr: format!("sim:{id}"), state: ShardState::Up }).collect(),
+            shards: (0..SHARDS).map(|id| ShardInfo { id, addr: format!("sim:{id}"), state: ShardState::Up, in_sync: true }).collect(),
         };
         let mut clients = vec![];
         for child in [false, true] {
