@@ -54,7 +54,8 @@ impl CowOptions {
 
     /// Objects in the volume: enough distinct objects per round for every measured COW write.
     fn objects(&self) -> u64 {
-        let per_round = (WRITE_SIZES_BYTES.len() * self.batch_writes()).max(DEPTHS.iter().sum::<usize>() * self.depth_batches());
+        let per_round = (WRITE_SIZES_BYTES.len() * self.batch_writes())
+            .max(DEPTHS.iter().map(|&d| d * self.depth_batches(d)).sum::<usize>());
         (per_round as u64 + 64).next_power_of_two()
     }
 
@@ -63,8 +64,9 @@ impl CowOptions {
         self.writes_per_point.min(200)
     }
 
-    fn depth_batches(&self) -> usize {
-        (self.batch_writes() / 32).max(2)
+    /// Batches per depth in one round: about `batch_writes` writes at every depth, at least two.
+    fn depth_batches(&self, depth: usize) -> usize {
+        (self.batch_writes() / depth).max(2)
     }
 }
 
@@ -251,7 +253,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         progress.inc(1);
         v.begin_round(objects, &mut rng).await?;
         for &depth in &DEPTHS {
-            for variant in bench::interleaved_order(opts.depth_batches(), 3) {
+            for variant in bench::interleaved_order(opts.depth_batches(depth), 3) {
                 let targets = if variant == 0 { (0..depth).map(|_| rng.gen_range(0..objects)).collect() } else { v.take_fresh(variant, depth)? };
                 let vol = v.vols[variant].as_ref().unwrap();
                 for l in write_batches(vol, v.object_size, &targets, 4096, depth, &mut rng).await? {
