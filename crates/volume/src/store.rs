@@ -350,17 +350,7 @@ impl ObjFile for SlotObject<'_> {
     }
 
     fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()> {
-        if offset == 0 && data.len() == HEADER_COPY_BYTES {
-            self.objfmt_header.copy_from_slice(data);
-            return Ok(());
-        }
-        if offset < HEADER_BYTES {
-            return Err(invalid("partial object header write".into()));
-        }
-        if data.is_empty() {
-            return Ok(()); // as on a file: an empty write does not extend it
-        }
-        let at = offset - HEADER_BYTES;
+        let Some(at) = body_write_offset(&mut self.objfmt_header, data, offset)? else { return Ok(()) };
         if at > self.len_bytes {
             self.grow_to(at)?;
         }
@@ -411,6 +401,20 @@ impl ObjFile for SlotObject<'_> {
     }
 }
 
+/// What both object adapters do first in `write_at`: objfmt writes its header whole at offset 0,
+/// into the slot header's copy; a partial header write is refused; an empty write does nothing
+/// (as on a file, it does not extend it). Returns the body offset of anything else.
+fn body_write_offset(header: &mut [u8; HEADER_COPY_BYTES], data: &[u8], offset: u64) -> io::Result<Option<u64>> {
+    if offset == 0 && data.len() == HEADER_COPY_BYTES {
+        header.copy_from_slice(data);
+        return Ok(None);
+    }
+    if offset < HEADER_BYTES {
+        return Err(invalid("partial object header write".into()));
+    }
+    Ok((!data.is_empty()).then_some(offset - HEADER_BYTES))
+}
+
 /// An object built in memory before it goes into a fresh slot in one write: a new object, a
 /// copy-on-write copy of its parent, or an object moving to a bigger class.
 struct MemObject {
@@ -429,17 +433,8 @@ impl ObjFile for MemObject {
     }
 
     fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()> {
-        if offset == 0 && data.len() == HEADER_COPY_BYTES {
-            self.objfmt_header.copy_from_slice(data);
-            return Ok(());
-        }
-        if offset < HEADER_BYTES {
-            return Err(invalid("partial object header write".into()));
-        }
-        if data.is_empty() {
-            return Ok(());
-        }
-        let at = (offset - HEADER_BYTES) as usize;
+        let Some(at) = body_write_offset(&mut self.objfmt_header, data, offset)? else { return Ok(()) };
+        let at = at as usize;
         if at + data.len() > MAX_OBJECT_SIZE_BYTES as usize {
             return Err(invalid("object larger than 4 MiB".into()));
         }

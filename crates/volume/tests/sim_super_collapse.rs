@@ -67,7 +67,6 @@ struct WriteRec {
     value: u64,
     issued_us: TimeUs,
     acked_us: Option<TimeUs>,
-    refused: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -484,7 +483,7 @@ impl World {
         let idx: Vec<usize> = written
             .iter()
             .map(|&block| {
-                self.history.push(WriteRec { child, block, value: stored, issued_us: now, acked_us: None, refused: false });
+                self.history.push(WriteRec { child, block, value: stored, issued_us: now, acked_us: None });
                 self.history.len() - 1
             })
             .collect();
@@ -543,10 +542,9 @@ impl World {
                 return;
             }
             Err(IoErr::WriteRefused(_)) => {
+                // A refused write stays unacknowledged in the history: an earlier attempt of it
+                // may have landed, so the checks treat it like any unacknowledged write.
                 self.clients[c].reading = None;
-                for i in idx {
-                    self.history[i].refused = true;
-                }
             }
             Err(e) => panic!("client {c}: unexpected error {e:?}"),
         }
