@@ -15,6 +15,18 @@
 //!
 //! ("Slot" in this file means a slot file. It is not the placement slot, [`Slot`], of the core.)
 //!
+//! # Deferred copies
+//!
+//! Even a local copy writes 64 KiB where a plain overwrite writes 4 KiB, and on a virtual disk
+//! a 64 KiB `fdatasync`ed write costs about twice a 4 KiB one (measured here with fio: ≈ 7,300
+//! against ≈ 13,300 writes per second). So a child's first write to an object of the 64 KiB
+//! class writes only the 4 KiB sectors it touches into the child's slot, and records in the
+//! slot header which sectors are there and which parent slot holds the rest ([`Base`]). The
+//! copy is completed (the missing sectors written, the base dropped) only when the parent's
+//! bytes are about to change or go: a parent write (the child is then doomed anyway: the dirty
+//! bit is set), garbage collection deleting or renaming the parent, or the child growing out of
+//! the class. A rejected child is deleted without ever being copied.
+//!
 //! # Layout
 //!
 //! ```text
