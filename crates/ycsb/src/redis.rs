@@ -1,1 +1,0 @@
-//! Redis adapter (next step).
