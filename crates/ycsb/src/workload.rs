@@ -104,7 +104,11 @@ pub struct WorkloadSpec {
     /// Operations of the run phase (YCSB's `operationcount`); `None` when only a duration
     /// bounds the run (then zipfian choosers expect no inserts).
     pub operation_count: Option<u64>,
-    /// A record's value is `field_count * field_length_bytes` bytes (YCSB: 10 × 100).
+    /// A record's value is `field_count * field_length_bytes` bytes (YCSB: 10 × 100). Targets
+    /// store a record as one value, so an update writes the whole record (YCSB's
+    /// `writeallfields=true`; its default rewrites one field of a record stored field by
+    /// field) and a read returns all fields (`readallfields=true`, YCSB's default). Field
+    /// lengths are constant (YCSB's default `fieldlengthdistribution`).
     pub field_count: usize,
     pub field_length_bytes: usize,
     pub key_format: KeyFormat,
@@ -218,6 +222,8 @@ impl WorkloadSpec {
         if self.record_count == 0 {
             return Err(ConfigError::new("the record count must be at least 1"));
         }
+        // Checks θ and the like: building a chooser is O(1).
+        KeyChooser::new(self.request_distribution, self.record_count, 0)?;
         if self.record_count > self.key_format.capacity() {
             return Err(ConfigError::new(format!(
                 "{} records do not fit in keys of {} bytes (at most {}); use longer keys",

@@ -82,14 +82,13 @@ impl Connection {
                 Ok(None) => {}
                 Err(e) => return Err(TargetError::Store(format!("protocol: {e}"))),
             }
-            let old = self.buffer.len();
-            self.buffer.resize(old + READ_CHUNK_BYTES, 0);
+            // Appends into spare capacity, without zeroing it first.
+            self.buffer.reserve(READ_CHUNK_BYTES);
             let n = self
                 .stream
-                .read(&mut self.buffer[old..])
+                .read_buf(&mut self.buffer)
                 .await
                 .map_err(|e| TargetError::Io(format!("receive: {e}")))?;
-            self.buffer.truncate(old + n);
             if n == 0 {
                 return Err(TargetError::Io("the server closed the connection".into()));
             }

@@ -40,6 +40,10 @@ pub struct RedisServerOptions {
     pub dir: Option<PathBuf>,
     /// How long to wait for the server to answer `PING`.
     pub ready_timeout: Duration,
+    /// More `--name value` arguments for redis-server (e.g. `--maxmemory 1gb`).
+    pub extra_args: Vec<String>,
+    /// Extra environment for the server process (e.g. `LD_PRELOAD` for a shim under test).
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for RedisServerOptions {
@@ -50,6 +54,8 @@ impl Default for RedisServerOptions {
             appendfsync: AppendFsync::Everysec,
             dir: None,
             ready_timeout: Duration::from_secs(20),
+            extra_args: Vec::new(),
+            env: Vec::new(),
         }
     }
 }
@@ -131,6 +137,8 @@ impl RedisServer {
                 .args(["--daemonize", "no", "--save", ""])
                 .args(["--appendonly", if options.appendonly { "yes" } else { "no" }])
                 .args(["--appendfsync", options.appendfsync.as_str()])
+                .args(&options.extra_args)
+                .envs(options.env.iter().map(|(k, v)| (k, v)))
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
