@@ -42,7 +42,9 @@ impl Zipfian {
     /// Zipf over `items >= 1` ranks with exponent `theta > 0` (finite).
     pub fn new(items: u64, theta: f64) -> Result<Zipfian, ConfigError> {
         if items == 0 {
-            return Err(ConfigError::new("a zipfian chooser needs at least one item"));
+            return Err(ConfigError::new(
+                "a zipfian chooser needs at least one item",
+            ));
         }
         if !(theta.is_finite() && theta > 0.0) {
             return Err(ConfigError::new(format!(
@@ -183,7 +185,9 @@ pub struct ScrambledZipfian {
 impl ScrambledZipfian {
     pub fn new(items: u64, theta: f64) -> Result<ScrambledZipfian, ConfigError> {
         if items == 0 {
-            return Err(ConfigError::new("a zipfian chooser needs at least one item"));
+            return Err(ConfigError::new(
+                "a zipfian chooser needs at least one item",
+            ));
         }
         Ok(ScrambledZipfian {
             items,
@@ -318,9 +322,7 @@ impl KeyChooser {
             RequestDistribution::Zipfian { theta } => {
                 KeyChooser::Zipfian(Zipfian::new(items, theta)?)
             }
-            RequestDistribution::Latest { theta } => {
-                KeyChooser::Latest(SkewedLatest::new(theta)?)
-            }
+            RequestDistribution::Latest { theta } => KeyChooser::Latest(SkewedLatest::new(theta)?),
         })
     }
 

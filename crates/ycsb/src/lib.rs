@@ -38,7 +38,7 @@ pub use keys::{fnv_hash64, InsertOrder, KeyFormat};
 pub use memory::MemTarget;
 pub use runner::{RunConfig, RunError, Runner};
 pub use summary::{OpStats, Phase, PhaseSummary};
-pub use target::{KvTarget, TargetError};
+pub use target::{KvTarget, Records, TargetError};
 pub use workload::{
     InsertSequence, Mix, Op, OpGenerator, OpKind, Proportions, ScanLengthDistribution, TaoMix,
     WorkloadSpec,

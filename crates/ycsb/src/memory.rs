@@ -59,11 +59,7 @@ impl KvTarget for MemTarget {
         Ok(())
     }
 
-    async fn scan(
-        &mut self,
-        start: &[u8],
-        count: usize,
-    ) -> Result<Vec<(Vec<u8>, Vec<u8>)>, TargetError> {
+    async fn scan(&mut self, start: &[u8], count: usize) -> Result<crate::Records, TargetError> {
         Ok(self
             .map()
             .range(start.to_vec()..)

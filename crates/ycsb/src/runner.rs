@@ -105,7 +105,9 @@ impl ClientStats {
 
 /// SplitMix64 of the inputs: independent seeds per phase and client.
 fn derive_seed(seed: u64, phase: u64, client: u64) -> u64 {
-    let mut z = seed ^ phase.wrapping_mul(0xD6E8_FEB8_6659_FD93) ^ client.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut z = seed
+        ^ phase.wrapping_mul(0xD6E8_FEB8_6659_FD93)
+        ^ client.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -183,8 +185,10 @@ impl Runner {
         };
         let mut tasks = Vec::with_capacity(clients);
         for (i, target) in targets.into_iter().enumerate() {
-            let generator =
-                OpGenerator::new(self.spec.clone(), derive_seed(config.seed, phase_number, i as u64))?;
+            let generator = OpGenerator::new(
+                self.spec.clone(),
+                derive_seed(config.seed, phase_number, i as u64),
+            )?;
             let shared = shared.clone();
             tasks.push(tokio::spawn(client(phase, target, generator, shared)));
         }
@@ -288,6 +292,9 @@ async fn client<T: KvTarget>(
     (target, stats, None)
 }
 
+/// A key and what reading it returned.
+type ReadBack = (Vec<u8>, Option<Vec<u8>>);
+
 /// Whether `value` is what the driver wrote for `key`; the reason if not.
 fn check(key: &[u8], value: &[u8], expected_len: usize) -> Result<(), String> {
     check_value(key, value).map_err(|e| e.to_string())?;
@@ -310,7 +317,7 @@ async fn execute<T: KvTarget>(
     let key_text = || String::from_utf8_lossy(&op.key).into_owned();
     let started = Instant::now();
     // Ok(values read back, with the key each belongs to) or the error.
-    let outcome: Result<Vec<(Vec<u8>, Option<Vec<u8>>)>, TargetError> = match op.kind {
+    let outcome: Result<Vec<ReadBack>, TargetError> = match op.kind {
         OpKind::Read => target.get(&op.key).await.map(|v| vec![(op.key.clone(), v)]),
         OpKind::Update => {
             let value = make_value(&op.key, op.nonce, op.value_bytes);
@@ -350,7 +357,7 @@ async fn execute<T: KvTarget>(
                     }
                     // The start key exists (it was chosen among completed inserts), so it
                     // must come first.
-                    let mut checked: Vec<(Vec<u8>, Option<Vec<u8>>)> =
+                    let mut checked: Vec<ReadBack> =
                         records.into_iter().map(|(k, v)| (k, Some(v))).collect();
                     if checked.first().is_none_or(|(k, _)| *k != op.key) {
                         checked.insert(0, (op.key.clone(), None));
@@ -399,7 +406,11 @@ async fn execute<T: KvTarget>(
                 return Err(RunError::TooManyErrors {
                     count: total,
                     limit: shared.config.max_errors,
-                    first: stats.problems.first().cloned().unwrap_or_else(|| e.to_string()),
+                    first: stats
+                        .problems
+                        .first()
+                        .cloned()
+                        .unwrap_or_else(|| e.to_string()),
                 });
             }
             Ok(())

@@ -106,22 +106,40 @@ impl PhaseSummary {
         )?;
         report.figure(&format!("{prefix}.ops_count"), self.completed_ops() as f64)?;
         report.figure(&format!("{prefix}.errors_count"), self.errors_count as f64)?;
-        report.figure(&format!("{prefix}.missing_count"), self.missing_count as f64)?;
-        report.figure(&format!("{prefix}.corrupt_count"), self.corrupt_count as f64)?;
+        report.figure(
+            &format!("{prefix}.missing_count"),
+            self.missing_count as f64,
+        )?;
+        report.figure(
+            &format!("{prefix}.corrupt_count"),
+            self.corrupt_count as f64,
+        )?;
         report.figure(&format!("{prefix}.elapsed_s"), self.elapsed.as_secs_f64())?;
         let mut rates = self.window_ops_per_s();
         if !rates.is_empty() {
             rates.sort_by(f64::total_cmp);
             let at = |q: f64| rates[((rates.len() - 1) as f64 * q).round() as usize];
-            report.figure(&format!("{prefix}.window.throughput_ops_per_s_min"), at(0.0))?;
-            report.figure(&format!("{prefix}.window.throughput_ops_per_s_p50"), at(0.5))?;
-            report.figure(&format!("{prefix}.window.throughput_ops_per_s_max"), at(1.0))?;
+            report.figure(
+                &format!("{prefix}.window.throughput_ops_per_s_min"),
+                at(0.0),
+            )?;
+            report.figure(
+                &format!("{prefix}.window.throughput_ops_per_s_p50"),
+                at(0.5),
+            )?;
+            report.figure(
+                &format!("{prefix}.window.throughput_ops_per_s_max"),
+                at(1.0),
+            )?;
         }
         for (label, stats) in &self.ops {
             let count = stats.latency.count();
             report.figure(&format!("{prefix}.{label}.ops_count"), count as f64)?;
             if count > 0 {
-                report.latency(&format!("{prefix}.{label}.latency"), &stats.latency.summary())?;
+                report.latency(
+                    &format!("{prefix}.{label}.latency"),
+                    &stats.latency.summary(),
+                )?;
             }
         }
         Ok(())

@@ -2,6 +2,9 @@
 
 use std::future::Future;
 
+/// Records a scan returns: `(key, value)` in key order.
+pub type Records = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// Why an operation on a target failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TargetError {
@@ -59,7 +62,7 @@ pub trait KvTarget: Send + 'static {
         &mut self,
         _start: &[u8],
         _count: usize,
-    ) -> impl Future<Output = Result<Vec<(Vec<u8>, Vec<u8>)>, TargetError>> + Send {
+    ) -> impl Future<Output = Result<Records, TargetError>> + Send {
         let target = self.name();
         async move {
             Err(TargetError::Unsupported {

@@ -128,22 +128,63 @@ impl WorkloadSpec {
         };
         let (p, distribution, max_scan) = match letter.to_ascii_lowercase().as_str() {
             // Update heavy: session store recording recent actions.
-            "a" => (Proportions { read: 0.5, update: 0.5, ..Default::default() }, zipfian, 1000),
+            "a" => (
+                Proportions {
+                    read: 0.5,
+                    update: 0.5,
+                    ..Default::default()
+                },
+                zipfian,
+                1000,
+            ),
             // Read mostly: photo tagging.
-            "b" => (Proportions { read: 0.95, update: 0.05, ..Default::default() }, zipfian, 1000),
+            "b" => (
+                Proportions {
+                    read: 0.95,
+                    update: 0.05,
+                    ..Default::default()
+                },
+                zipfian,
+                1000,
+            ),
             // Read only: user profile cache.
-            "c" => (Proportions { read: 1.0, ..Default::default() }, zipfian, 1000),
+            "c" => (
+                Proportions {
+                    read: 1.0,
+                    ..Default::default()
+                },
+                zipfian,
+                1000,
+            ),
             // Read latest: user status updates.
             "d" => (
-                Proportions { read: 0.95, insert: 0.05, ..Default::default() },
-                RequestDistribution::Latest { theta: DEFAULT_THETA },
+                Proportions {
+                    read: 0.95,
+                    insert: 0.05,
+                    ..Default::default()
+                },
+                RequestDistribution::Latest {
+                    theta: DEFAULT_THETA,
+                },
                 1000,
             ),
             // Short ranges: threaded conversations.
-            "e" => (Proportions { scan: 0.95, insert: 0.05, ..Default::default() }, zipfian, 100),
+            "e" => (
+                Proportions {
+                    scan: 0.95,
+                    insert: 0.05,
+                    ..Default::default()
+                },
+                zipfian,
+                100,
+            ),
             // Read-modify-write: user database.
             "f" => (
-                Proportions { read: 0.5, read_modify_write: 0.5, ..Default::default() },
+                Proportions {
+                    read: 0.5,
+                    read_modify_write: 0.5,
+                    ..Default::default()
+                },
                 zipfian,
                 1000,
             ),
@@ -284,7 +325,12 @@ impl WorkloadSpec {
 
 fn share_of(table: &[(TaoOp, f64)], op: TaoOp) -> f64 {
     let total: f64 = table.iter().map(|(_, w)| w).sum();
-    table.iter().filter(|(o, _)| *o == op).map(|(_, w)| w).sum::<f64>() / total
+    table
+        .iter()
+        .filter(|(o, _)| *o == op)
+        .map(|(_, w)| w)
+        .sum::<f64>()
+        / total
 }
 
 /// What an operation does to the store.
@@ -696,7 +742,10 @@ mod tests {
         // Every length 1..=100 near 1 % of scans.
         for (len, &c) in lengths.iter().enumerate().skip(1) {
             let expected = scans as f64 / 100.0;
-            assert!((c as f64 - expected).abs() < 5.0 * expected.sqrt(), "length {len}: {c}");
+            assert!(
+                (c as f64 - expected).abs() < 5.0 * expected.sqrt(),
+                "length {len}: {c}"
+            );
         }
     }
 
@@ -730,7 +779,9 @@ mod tests {
             let spec = Arc::new(WorkloadSpec::core("a").unwrap());
             let seq = InsertSequence::new(spec.record_count);
             let mut g = OpGenerator::new(spec, seed).unwrap();
-            (0..100).map(|_| g.next_op(&seq).unwrap()).collect::<Vec<_>>()
+            (0..100)
+                .map(|_| g.next_op(&seq).unwrap())
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(5), run(5));
         assert_ne!(run(5), run(6));
@@ -742,7 +793,10 @@ mod tests {
         spec.field_length_bytes = 1;
         assert!(spec.validate().unwrap_err().0.contains("header"));
         let mut spec = WorkloadSpec::core("a").unwrap();
-        spec.mix = Mix::Ycsb(Proportions { read: 0.7, ..Default::default() });
+        spec.mix = Mix::Ycsb(Proportions {
+            read: 0.7,
+            ..Default::default()
+        });
         assert!(spec.validate().unwrap_err().0.contains("sum to"));
         assert!(WorkloadSpec::core("z").is_err());
         let mut spec = WorkloadSpec::core("a").unwrap();

@@ -4,7 +4,9 @@
 use proptest::prelude::*;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use ycsb::{fnv_hash64, zeta, KeyChooser, RequestDistribution, ScrambledZipfian, SkewedLatest, Zipfian};
+use ycsb::{
+    fnv_hash64, zeta, KeyChooser, RequestDistribution, ScrambledZipfian, SkewedLatest, Zipfian,
+};
 
 fn rng(seed: u64) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(seed)
@@ -46,7 +48,10 @@ fn zeta_matches_direct_sums_and_ycsb_constant() {
     for theta in [0.5, 0.99, 1.0, 1.1, 2.0] {
         let direct: f64 = (1..=200_000u64).map(|k| (k as f64).powf(-theta)).sum();
         let fast = zeta(200_000, theta);
-        assert!((direct - fast).abs() / direct < 1e-11, "θ {theta}: {direct} vs {fast}");
+        assert!(
+            (direct - fast).abs() / direct < 1e-11,
+            "θ {theta}: {direct} vs {fast}"
+        );
     }
     // YCSB's ScrambledZipfianGenerator hard-codes ζ(10^10, 0.99) = 26.46902820178302.
     let z = zeta(10_000_000_000, 0.99);
@@ -68,8 +73,9 @@ fn zipfian_099_rank_frequency_matches_zipfs_law() {
         assert!((got / want - 1.0).abs() < 0.01, "rank {k}: {got} vs {want}");
     }
     // The rank-frequency slope on log-log axes over ranks 1..100 is -θ.
-    let points: Vec<(f64, f64)> =
-        (1..=100).map(|k| ((k as f64).ln(), (counts[k - 1] as f64).ln())).collect();
+    let points: Vec<(f64, f64)> = (1..=100)
+        .map(|k| ((k as f64).ln(), (counts[k - 1] as f64).ln()))
+        .collect();
     let mx = points.iter().map(|p| p.0).sum::<f64>() / 100.0;
     let my = points.iter().map(|p| p.1).sum::<f64>() / 100.0;
     let slope = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum::<f64>()
@@ -107,7 +113,11 @@ fn zipfian_other_thetas_match() {
             }
         }
         let chi2 = chi_square(&obs, &exp, samples);
-        assert!(chi2 < chi_square_limit(obs.len() - 1), "θ {theta}: χ² {chi2} over {} cells", obs.len());
+        assert!(
+            chi2 < chi_square_limit(obs.len() - 1),
+            "θ {theta}: χ² {chi2} over {} cells",
+            obs.len()
+        );
     }
 }
 
@@ -138,7 +148,10 @@ fn zipfian_over_ten_billion_items_has_the_right_head() {
     // P(rank > 10^9) = 1 - ζ(10^9)/ζ(10^10).
     let want = 1.0 - zeta(1_000_000_000, 0.99) / zn;
     let got = beyond_billion as f64 / samples as f64;
-    assert!((got - want).abs() < 5.0 * (want / samples as f64).sqrt(), "{got} vs {want}");
+    assert!(
+        (got - want).abs() < 5.0 * (want / samples as f64).sqrt(),
+        "{got} vs {want}"
+    );
 }
 
 #[test]
@@ -178,7 +191,12 @@ fn scrambled_zipfian_matches_hashed_ranks() {
     let chi2 = chi_square(&counts, &expected, samples);
     assert!(chi2 < chi_square_limit(items as usize - 1), "χ² {chi2}");
     // The most popular key is where rank 1 lands, as in YCSB.
-    let top = counts.iter().enumerate().max_by_key(|(_, c)| **c).unwrap().0 as u64;
+    let top = counts
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, c)| **c)
+        .unwrap()
+        .0 as u64;
     assert_eq!(top, s.keynum_of_rank(1));
     assert_eq!(s.keynum_of_rank(1), fnv_hash64(0) % items);
 }
@@ -214,7 +232,10 @@ fn latest_favours_the_newest_records_as_they_arrive() {
             let want = z.probability(age + 1);
             let got = by_age[age as usize] as f64 / samples as f64;
             let sd = (want * (1.0 - want) / samples as f64).sqrt();
-            assert!((got - want).abs() < 5.0 * sd, "last {last} age {age}: {got} vs {want}");
+            assert!(
+                (got - want).abs() < 5.0 * sd,
+                "last {last} age {age}: {got} vs {want}"
+            );
         }
         // The oldest record (key 0) can be chosen; YCSB's own generator never picks it.
         assert!(z.probability(items) > 0.0);

@@ -16,7 +16,11 @@ fn server() -> RedisServer {
 async fn clients(server: &RedisServer, n: usize, options: &RedisOptions) -> Vec<RedisTarget> {
     let mut targets = vec![];
     for _ in 0..n {
-        targets.push(RedisTarget::connect(server.addr(), options.clone()).await.unwrap());
+        targets.push(
+            RedisTarget::connect(server.addr(), options.clone())
+                .await
+                .unwrap(),
+        );
     }
     targets
 }
@@ -46,7 +50,11 @@ async fn workloads_a_and_b_read_back_what_was_written() {
         let (mut targets, run) = runner.run(targets, &config).await.unwrap();
         assert_eq!(run.errors_count, 0, "{:?}", run.first_problems);
         assert_eq!(run.completed_ops(), 3000, "{letter}");
-        assert!(run.all_reads_checked_ok(), "{letter}: {:?}", run.first_problems);
+        assert!(
+            run.all_reads_checked_ok(),
+            "{letter}: {:?}",
+            run.first_problems
+        );
         let reads = run.ops["read"].latency.count();
         assert!(reads > 1000, "{letter}: only {reads} reads");
         // Independently of the runner: every loaded record is in Redis, with a value the driver
@@ -54,7 +62,11 @@ async fn workloads_a_and_b_read_back_what_was_written() {
         let t = &mut targets[0];
         for k in 0..1000 {
             let key = runner.spec().key_format.key(k);
-            let value = t.get(&key).await.unwrap().unwrap_or_else(|| panic!("{letter}: key {k} lost"));
+            let value = t
+                .get(&key)
+                .await
+                .unwrap()
+                .unwrap_or_else(|| panic!("{letter}: key {k} lost"));
             check_value(&key, &value).unwrap();
             assert_eq!(value.len(), 1000);
         }
@@ -73,13 +85,20 @@ async fn a_value_the_driver_did_not_write_is_caught() {
     s.request_distribution = RequestDistribution::Uniform;
     let runner = Runner::new(s).unwrap();
     let config = RunConfig::default();
-    let (mut targets, _) = runner.load(clients(&server, 2, &options).await, &config).await.unwrap();
+    let (mut targets, _) = runner
+        .load(clients(&server, 2, &options).await, &config)
+        .await
+        .unwrap();
     let key = runner.spec().key_format.key(5);
     targets[0].put(&key, &[b'x'; 1000]).await.unwrap();
     let gone = runner.spec().key_format.key(6);
     targets[0].call(&[b"DEL", &gone]).await.unwrap();
     let (_, run) = runner.run(targets, &config).await.unwrap();
-    assert!(run.corrupt_count > 0 && run.missing_count > 0, "{:?}", run.first_problems);
+    assert!(
+        run.corrupt_count > 0 && run.missing_count > 0,
+        "{:?}",
+        run.first_problems
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -89,8 +108,14 @@ async fn workload_e_scans_through_the_index_and_needs_it() {
     s.field_length_bytes = 20; // scans carry ~50 records each: keep the test quick
     let runner = Runner::new(s).unwrap();
     let config = RunConfig::default();
-    let indexed = RedisOptions { scan_index: true, ..RedisOptions::default() };
-    let (targets, _) = runner.load(clients(&server, 3, &indexed).await, &config).await.unwrap();
+    let indexed = RedisOptions {
+        scan_index: true,
+        ..RedisOptions::default()
+    };
+    let (targets, _) = runner
+        .load(clients(&server, 3, &indexed).await, &config)
+        .await
+        .unwrap();
     let (mut targets, run) = runner.run(targets, &config).await.unwrap();
     assert_eq!(run.errors_count, 0, "{:?}", run.first_problems);
     assert!(run.all_reads_checked_ok(), "{:?}", run.first_problems);
@@ -106,7 +131,10 @@ async fn workload_e_scans_through_the_index_and_needs_it() {
     let plain = clients(&server, 1, &RedisOptions::default()).await;
     match runner.run(plain, &config).await {
         Err(RunError::Unsupported(e)) => assert!(e.to_string().contains("scan index"), "{e}"),
-        other => panic!("expected unsupported scans, got {:?}", other.map(|r| r.1.completed_ops())),
+        other => panic!(
+            "expected unsupported scans, got {:?}",
+            other.map(|r| r.1.completed_ops())
+        ),
     }
 }
 

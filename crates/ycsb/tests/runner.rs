@@ -46,13 +46,20 @@ async fn inserts_grow_the_store_and_latest_reads_find_them() {
         let mut s = spec(letter, 300, 3000);
         s.field_length_bytes = 10; // E scans ~50 records an operation: keep the checks cheap
         let runner = Runner::new(s).unwrap();
-        let config = RunConfig { seed: 9, ..RunConfig::default() };
+        let config = RunConfig {
+            seed: 9,
+            ..RunConfig::default()
+        };
         let (t, _) = runner.load(targets(&store, 3), &config).await.unwrap();
         let (_, run) = runner.run(t, &config).await.unwrap();
         let inserts = run.ops["insert"].latency.count() as usize;
         assert!(inserts > 50, "{letter}: {inserts} inserts");
         assert_eq!(store.len(), 300 + inserts, "{letter}");
-        assert!(run.all_reads_checked_ok(), "{letter}: {:?}", run.first_problems);
+        assert!(
+            run.all_reads_checked_ok(),
+            "{letter}: {:?}",
+            run.first_problems
+        );
     }
 }
 
@@ -67,8 +74,18 @@ async fn tao_mix_runs_clean() {
     let (_, run) = runner.run(t, &config).await.unwrap();
     assert_eq!(run.completed_ops(), 5000);
     assert!(run.all_reads_checked_ok(), "{:?}", run.first_problems);
-    for label in ["obj_get", "assoc_range", "assoc_add", "obj_update", "obj_add"] {
-        assert!(run.ops.contains_key(label), "{label} missing from {:?}", run.ops.keys());
+    for label in [
+        "obj_get",
+        "assoc_range",
+        "assoc_add",
+        "obj_update",
+        "obj_add",
+    ] {
+        assert!(
+            run.ops.contains_key(label),
+            "{label} missing from {:?}",
+            run.ops.keys()
+        );
     }
 }
 
@@ -111,13 +128,22 @@ async fn duration_bounds_the_run() {
     assert!(run.elapsed >= Duration::from_millis(300));
     assert!(run.elapsed < Duration::from_secs(5));
     assert!(run.completed_ops() > 0);
-    assert!(run.window_ops_per_s().len() >= 2, "100 ms windows over 300 ms");
+    assert!(
+        run.window_ops_per_s().len() >= 2,
+        "100 ms windows over 300 ms"
+    );
     // Neither bound: refused.
     let mut s = spec("b", 100, 0);
     s.operation_count = None;
     let runner = Runner::new(s).unwrap();
-    let err = runner.run(targets(&store, 1), &RunConfig::default()).await.unwrap_err();
-    assert!(err.to_string().contains("operation count, a duration"), "{err}");
+    let err = runner
+        .run(targets(&store, 1), &RunConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("operation count, a duration"),
+        "{err}"
+    );
 }
 
 /// A target without scans whose every `fail_every`-th operation fails.
@@ -130,7 +156,7 @@ struct Flaky {
 impl Flaky {
     fn tick(&mut self) -> Result<(), TargetError> {
         self.calls += 1;
-        if self.fail_every > 0 && self.calls % self.fail_every == 0 {
+        if self.fail_every > 0 && self.calls.is_multiple_of(self.fail_every) {
             return Err(TargetError::Io("connection reset (injected)".into()));
         }
         Ok(())
@@ -155,12 +181,21 @@ impl KvTarget for Flaky {
 async fn unsupported_scans_stop_the_run_with_a_clear_error() {
     let runner = Runner::new(spec("e", 100, 100)).unwrap();
     let store = MemTarget::new();
-    let flaky = || Flaky { inner: store.clone(), calls: 0, fail_every: 0 };
+    let flaky = || Flaky {
+        inner: store.clone(),
+        calls: 0,
+        fail_every: 0,
+    };
     let config = RunConfig::default();
     let (t, _) = runner.load(vec![flaky(), flaky()], &config).await.unwrap();
     match runner.run(t, &config).await {
-        Err(RunError::Unsupported(e)) => assert!(e.to_string().contains("scan is not supported by flaky")),
-        other => panic!("expected unsupported scans, got {:?}", other.map(|r| r.1.completed_ops())),
+        Err(RunError::Unsupported(e)) => {
+            assert!(e.to_string().contains("scan is not supported by flaky"))
+        }
+        other => panic!(
+            "expected unsupported scans, got {:?}",
+            other.map(|r| r.1.completed_ops())
+        ),
     }
 }
 
@@ -168,23 +203,48 @@ async fn unsupported_scans_stop_the_run_with_a_clear_error() {
 async fn errors_are_counted_up_to_the_limit() {
     let store = MemTarget::new();
     let mut s = spec("a", 100, 1000);
-    s.mix = Mix::Ycsb(Proportions { read: 0.5, update: 0.5, ..Default::default() });
+    s.mix = Mix::Ycsb(Proportions {
+        read: 0.5,
+        update: 0.5,
+        ..Default::default()
+    });
     let runner = Runner::new(s).unwrap();
-    let config = RunConfig { max_errors: u64::MAX, ..RunConfig::default() };
+    let config = RunConfig {
+        max_errors: u64::MAX,
+        ..RunConfig::default()
+    };
     let (t, _) = runner.load(targets(&store, 2), &config).await.unwrap();
     // One client, so that exactly every tenth operation fails.
-    let flaky: Vec<Flaky> = t.into_iter().take(1).map(|inner| Flaky { inner, calls: 0, fail_every: 10 }).collect();
+    let flaky: Vec<Flaky> = t
+        .into_iter()
+        .take(1)
+        .map(|inner| Flaky {
+            inner,
+            calls: 0,
+            fail_every: 10,
+        })
+        .collect();
     let (flaky, run) = runner.run(flaky, &config).await.unwrap();
     assert_eq!(run.errors_count, 100, "every tenth of 1000 operations");
     assert_eq!(run.completed_ops(), 900);
     assert!(run.all_reads_checked_ok());
-    let limited = RunConfig { max_errors: 5, ..RunConfig::default() };
+    let limited = RunConfig {
+        max_errors: 5,
+        ..RunConfig::default()
+    };
     match runner.run(flaky, &limited).await {
-        Err(RunError::TooManyErrors { count, limit: 5, first }) => {
+        Err(RunError::TooManyErrors {
+            count,
+            limit: 5,
+            first,
+        }) => {
             assert!(count > 5);
             assert!(first.contains("injected"), "{first}");
         }
-        other => panic!("expected too many errors, got {:?}", other.map(|r| r.1.errors_count)),
+        other => panic!(
+            "expected too many errors, got {:?}",
+            other.map(|r| r.1.errors_count)
+        ),
     }
 }
 
@@ -208,8 +268,17 @@ async fn summary_becomes_bench_md_figures() {
         "memory.f.run.missing_count",
         "memory.f.load.insert.latency_us_mean",
     ] {
-        assert!(figures.contains_key(name), "{name} not in {:?}", figures.keys());
+        assert!(
+            figures.contains_key(name),
+            "{name} not in {:?}",
+            figures.keys()
+        );
     }
     assert_eq!(figures["memory.f.run.missing_count"], 0.0);
-    assert!(figures["memory.f.run.throughput_ops_per_s"].as_f64().unwrap() > 0.0);
+    assert!(
+        figures["memory.f.run.throughput_ops_per_s"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
 }

@@ -105,7 +105,10 @@ pub struct RedisTarget {
 
 impl RedisTarget {
     /// Connects to Redis at `addr` (and checks it answers `PING`).
-    pub async fn connect(addr: SocketAddr, options: RedisOptions) -> Result<RedisTarget, TargetError> {
+    pub async fn connect(
+        addr: SocketAddr,
+        options: RedisOptions,
+    ) -> Result<RedisTarget, TargetError> {
         let mut target = RedisTarget {
             addr,
             options,
@@ -124,10 +127,13 @@ impl RedisTarget {
     /// Sends one command and waits for its reply; reconnects first if the last one failed.
     pub async fn call(&mut self, args: &[&[u8]]) -> Result<Reply, TargetError> {
         if self.connection.is_none() {
-            let stream = tokio::time::timeout(self.options.connect_timeout, TcpStream::connect(self.addr))
-                .await
-                .map_err(|_| TargetError::Io(format!("connecting to {} timed out", self.addr)))?
-                .map_err(|e| TargetError::Io(format!("cannot connect to redis at {}: {e}", self.addr)))?;
+            let stream =
+                tokio::time::timeout(self.options.connect_timeout, TcpStream::connect(self.addr))
+                    .await
+                    .map_err(|_| TargetError::Io(format!("connecting to {} timed out", self.addr)))?
+                    .map_err(|e| {
+                        TargetError::Io(format!("cannot connect to redis at {}: {e}", self.addr))
+                    })?;
             // One small request at a time: Nagle's delay would only add latency.
             stream
                 .set_nodelay(true)
@@ -140,13 +146,16 @@ impl RedisTarget {
         }
         let limits = self.options.limits;
         let connection = self.connection.as_mut().expect("connected above");
-        let result = match tokio::time::timeout(self.options.op_timeout, connection.command(args, &limits)).await {
-            Ok(result) => result,
-            Err(_) => Err(TargetError::Io(format!(
-                "no reply within {} ms",
-                self.options.op_timeout.as_millis()
-            ))),
-        };
+        let result =
+            match tokio::time::timeout(self.options.op_timeout, connection.command(args, &limits))
+                .await
+            {
+                Ok(result) => result,
+                Err(_) => Err(TargetError::Io(format!(
+                    "no reply within {} ms",
+                    self.options.op_timeout.as_millis()
+                ))),
+            };
         if result.is_err() {
             // The reply stream may be out of step with our requests: start afresh.
             self.connection = None;
@@ -193,7 +202,7 @@ impl KvTarget for RedisTarget {
         Ok(())
     }
 
-    async fn scan(&mut self, start: &[u8], count: usize) -> Result<Vec<(Vec<u8>, Vec<u8>)>, TargetError> {
+    async fn scan(&mut self, start: &[u8], count: usize) -> Result<crate::Records, TargetError> {
         if !self.options.scan_index {
             return Err(TargetError::Unsupported {
                 operation: "scan",
@@ -207,7 +216,15 @@ impl KvTarget for RedisTarget {
         let index = self.options.index_key.clone();
         let limit = count.to_string();
         let keys = match self
-            .call(&[b"ZRANGEBYLEX", &index, &from, b"+", b"LIMIT", b"0", limit.as_bytes()])
+            .call(&[
+                b"ZRANGEBYLEX",
+                &index,
+                &from,
+                b"+",
+                b"LIMIT",
+                b"0",
+                limit.as_bytes(),
+            ])
             .await?
         {
             Reply::Array(Some(items)) => items

@@ -74,7 +74,11 @@ pub fn parse_reply(buf: &[u8], limits: &Limits) -> Result<Option<(Reply, usize)>
     parse_at(buf, 0, limits, 0)
 }
 
-fn line<'a>(buf: &'a [u8], at: usize, limits: &Limits) -> Result<Option<(&'a [u8], usize)>, ProtocolError> {
+fn line<'a>(
+    buf: &'a [u8],
+    at: usize,
+    limits: &Limits,
+) -> Result<Option<(&'a [u8], usize)>, ProtocolError> {
     let rest = &buf[at..];
     let scan = &rest[..rest.len().min(limits.max_line_bytes)];
     match scan.windows(2).position(|w| w == b"\r\n") {
@@ -204,7 +208,8 @@ mod tests {
             "[a-zA-Z0-9 ]{0,20}".prop_map(Reply::Simple),
             "[a-zA-Z0-9 ]{0,20}".prop_map(Reply::Error),
             any::<i64>().prop_map(Reply::Integer),
-            proptest::option::of(proptest::collection::vec(any::<u8>(), 0..64)).prop_map(Reply::Bulk),
+            proptest::option::of(proptest::collection::vec(any::<u8>(), 0..64))
+                .prop_map(Reply::Bulk),
         ];
         leaf.prop_recursive(3, 32, 6, |inner| {
             proptest::option::of(proptest::collection::vec(inner, 0..6)).prop_map(Reply::Array)
@@ -237,19 +242,43 @@ mod tests {
             max_line_bytes: 16,
             max_depth: 1,
         };
-        assert!(matches!(parse_reply(b"$11\r\n", &limits), Err(ProtocolError::TooLarge { .. })));
-        assert!(matches!(parse_reply(b"*3\r\n", &limits), Err(ProtocolError::TooLarge { .. })));
-        assert!(matches!(parse_reply(b"+aaaaaaaaaaaaaaaaaaaa", &limits), Err(ProtocolError::TooLarge { .. })));
-        assert!(matches!(parse_reply(b"*1\r\n*1\r\n*1\r\n:1\r\n", &limits), Err(ProtocolError::TooLarge { .. })));
-        assert_eq!(parse_reply(b"$3\r\nabcXY", &limits), Err(ProtocolError::BadTerminator));
-        assert_eq!(parse_reply(b"?x\r\n", &limits), Err(ProtocolError::UnknownType(b'?')));
-        assert!(matches!(parse_reply(b":x\r\n", &limits), Err(ProtocolError::BadLine(_))));
+        assert!(matches!(
+            parse_reply(b"$11\r\n", &limits),
+            Err(ProtocolError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            parse_reply(b"*3\r\n", &limits),
+            Err(ProtocolError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            parse_reply(b"+aaaaaaaaaaaaaaaaaaaa", &limits),
+            Err(ProtocolError::TooLarge { .. })
+        ));
+        assert!(matches!(
+            parse_reply(b"*1\r\n*1\r\n*1\r\n:1\r\n", &limits),
+            Err(ProtocolError::TooLarge { .. })
+        ));
+        assert_eq!(
+            parse_reply(b"$3\r\nabcXY", &limits),
+            Err(ProtocolError::BadTerminator)
+        );
+        assert_eq!(
+            parse_reply(b"?x\r\n", &limits),
+            Err(ProtocolError::UnknownType(b'?'))
+        );
+        assert!(matches!(
+            parse_reply(b":x\r\n", &limits),
+            Err(ProtocolError::BadLine(_))
+        ));
     }
 
     #[test]
     fn commands_are_arrays_of_bulk_strings() {
         let mut out = vec![];
         encode_command(&mut out, &[b"SET", b"k", b"v\r\n"]);
-        assert_eq!(out, b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\nv\r\n\r\n".to_vec());
+        assert_eq!(
+            out,
+            b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\nv\r\n\r\n".to_vec()
+        );
     }
 }

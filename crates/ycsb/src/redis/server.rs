@@ -135,7 +135,10 @@ impl RedisServer {
                 .arg("--logfile")
                 .arg(&log)
                 .args(["--daemonize", "no", "--save", ""])
-                .args(["--appendonly", if options.appendonly { "yes" } else { "no" }])
+                .args([
+                    "--appendonly",
+                    if options.appendonly { "yes" } else { "no" },
+                ])
                 .args(["--appendfsync", options.appendfsync.as_str()])
                 .args(&options.extra_args)
                 .envs(options.env.iter().map(|(k, v)| (k, v)))
@@ -146,7 +149,13 @@ impl RedisServer {
             // SAFETY: only async-signal-safe calls (prctl, getppid, kill) between fork and exec.
             unsafe {
                 command.pre_exec(move || {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
+                    libc::prctl(
+                        libc::PR_SET_PDEATHSIG,
+                        libc::SIGKILL as libc::c_ulong,
+                        0,
+                        0,
+                        0,
+                    );
                     if libc::getppid() != parent {
                         libc::kill(libc::getpid(), libc::SIGKILL);
                     }
@@ -188,7 +197,10 @@ impl RedisServer {
                     let _ = child.wait();
                     let tail = log_tail(&log);
                     let port_taken = tail.contains("Address already in use");
-                    last_error = Some(ServerError::NotReady { reason, log_tail: tail });
+                    last_error = Some(ServerError::NotReady {
+                        reason,
+                        log_tail: tail,
+                    });
                     if !port_taken {
                         break;
                     }
