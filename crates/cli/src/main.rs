@@ -21,6 +21,7 @@ mod qemu;
 mod size;
 mod up;
 mod volume_cmds;
+mod ycsb;
 
 use std::path::PathBuf;
 
