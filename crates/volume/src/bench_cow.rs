@@ -339,12 +339,17 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
 async fn super_every_second(cluster: Arc<Cluster>, base: String, stop: Arc<std::sync::atomic::AtomicBool>) -> anyhow::Result<u64> {
     let mut cycles = 0;
     let mut n = 0;
+    let parent = cluster.open(&base).await?;
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         n += 1;
         let child = format!("{base}.dirty-{n}");
         let t = Instant::now();
         cluster.meta(MetaReq::Super { parent: base.clone(), child: child.clone() }).await?;
         tokio::time::sleep(Duration::from_secs(1).saturating_sub(t.elapsed())).await;
+        // The benchmark's writers may not have had a write acknowledged since `super` returned
+        // (on a loaded machine `super` can take the whole second): one parent write of our own
+        // makes the child dirty for sure, so the collapse below rejects it as intended.
+        parent.write(0, vec![0x5a; 4096]).await.map_err(|e| anyhow::anyhow!("parent write after super failed: {e}"))?;
         match cluster.meta(MetaReq::Collapse { child: child.clone() }).await? {
             MetaResp::Collapsed { outcome: crate::types::CollapseOutcome::Rejected, .. } => {}
             other => anyhow::bail!("collapse while the parent writes must reject, got {other:?}"),
