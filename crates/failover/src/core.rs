@@ -185,7 +185,7 @@ pub enum Action {
     KillInstance(InstanceId),
     PointEndpoint(InstanceId),
     Super { parent: String, child: String },
-    Collapse { child: String },
+    Collapse { parent: String, child: String },
     /// Discard a super child without promoting it (the parent is kept).
     DropChild { parent: String, child: String },
     Notify(Event),
@@ -287,7 +287,7 @@ impl Monitor {
                     vec![Action::StartInstance { id: *backup, volume: child.clone() }]
                 }
             }
-            Phase::Collapsing { child, .. } => vec![Action::Collapse { child: child.clone() }],
+            Phase::Collapsing { child, .. } => vec![Action::Collapse { parent: self.d.volume.clone(), child: child.clone() }],
             Phase::Promoting { backup, old, pointed, old_stopped } => {
                 let mut a = vec![];
                 if !pointed {
@@ -557,7 +557,7 @@ impl Monitor {
                 Phase::Recovering { child, backup, .. } => {
                     self.d.phase = Phase::Collapsing { child: child.clone(), backup };
                     out.push(Action::Notify(Event::BackupHealthy { instance: backup }));
-                    out.push(Action::Collapse { child });
+                    out.extend(self.phase_actions());
                 }
                 Phase::RedsStarting { backup, .. } => {
                     self.d.phase = Phase::RedsPointing { backup };

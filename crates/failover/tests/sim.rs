@@ -178,7 +178,7 @@ impl World {
         if self.rng.chance(0.05) {
             let input = match a {
                 Action::Super { child, .. } => Input::SuperFailed { child, error: "unavailable".into(), existing_child: None },
-                Action::Collapse { child } => Input::CollapseFailed { child, error: "unavailable".into() },
+                Action::Collapse { child, .. } => Input::CollapseFailed { child, error: "unavailable".into() },
                 Action::DropChild { child, .. } => Input::DropFailed { child, error: "unavailable".into() },
                 _ => unreachable!(),
             };
@@ -212,7 +212,7 @@ impl World {
                 };
                 self.deliver(inc, d, input);
             }
-            Action::Collapse { child } => {
+            Action::Collapse { child, .. } => {
                 let outcome = self.collapse(&child, false);
                 self.deliver(inc, d, Input::CollapseDone { child, outcome });
             }
