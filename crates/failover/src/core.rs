@@ -204,6 +204,8 @@ pub enum Event {
     Aborted { child: String, reason: String },
     RedsTimeout { instance: InstanceId },
     RedsRestarted { instance: InstanceId, volume: String, failover_ms: u64 },
+    /// The primary answers again after a silence, without a failover.
+    PrimaryAnswered { instance: InstanceId, silent_ms: u64 },
     GaveUp { reason: String },
 }
 
@@ -256,6 +258,18 @@ impl Monitor {
         m.detected_ms = m.d.silent_since_ms;
         let acts = m.phase_actions();
         (m, acts)
+    }
+
+    /// The monitor is shutting down and has stopped every instance cleanly: a primary that was
+    /// serving is to be started again (on the same volume) by the next run, rather than
+    /// taken for failed. Mid-failover phases stay as they are and resume.
+    pub fn shutdown(&mut self, now_ms: u64) {
+        if self.d.phase == Phase::Normal {
+            let id = self.new_instance();
+            self.d.primary = id;
+            self.d.silent_since_ms = None;
+            self.d.phase = Phase::Booting { instance: id, since_ms: now_ms, healthy: false };
+        }
     }
 
     pub fn durable(&self) -> &Durable {
@@ -513,11 +527,12 @@ impl Monitor {
         }
     }
 
-    fn on_ping_ok(&mut self, _now_ms: u64, id: InstanceId, out: &mut Vec<Action>) {
+    fn on_ping_ok(&mut self, now_ms: u64, id: InstanceId, out: &mut Vec<Action>) {
         if id == self.d.primary && self.primary_watched() {
-            if self.d.silent_since_ms.take().is_some() {
+            if let Some(since) = self.d.silent_since_ms.take() {
                 // A failure that healed: the oracle's hint was about it.
                 self.oracle = None;
+                out.push(Action::Notify(Event::PrimaryAnswered { instance: id, silent_ms: now_ms.saturating_sub(since) }));
             }
             self.missed_pings = 0;
             self.detected_ms = None;

@@ -460,6 +460,8 @@ pub async fn run(
         }
     }
     pool.stop_all().await;
+    m.shutdown(now_unix_ms());
+    journal.save(&Record { config: spec.monitor.clone(), state: m.durable().clone() })?;
     Ok(m.durable().clone())
 }
 
