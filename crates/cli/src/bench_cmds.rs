@@ -20,6 +20,9 @@ pub enum BenchCmd {
     /// Benchmarks of the volume layer (SpecREDS §6.2).
     #[command(subcommand)]
     Volume(VolumeBench),
+    /// Benchmarks of speculative failover (SpecREDS §6.3–6.5).
+    #[command(subcommand)]
+    Failover(crate::failover::FailoverBench),
 }
 
 #[derive(Subcommand, Debug)]
@@ -62,6 +65,7 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Volume(VolumeBench::Cow(a)) => volume_cow(a, verbose),
         BenchCmd::Volume(VolumeBench::RecoveryTrace(a)) => volume_recovery_trace(a, verbose),
+        BenchCmd::Failover(b) => crate::failover::bench(b, verbose),
     }
 }
 

@@ -23,6 +23,30 @@ use tokio::sync::mpsc;
 use crate::cluster_file::Target;
 use crate::ConnArgs;
 
+mod bench;
+
+/// `understudy bench failover ...`.
+#[derive(Subcommand, Debug)]
+pub enum FailoverBench {
+    /// End-to-end failover latency of REDS, speculative and oracle on a real application
+    /// (SpecREDS §6.3–6.5, Figure 6).
+    ///
+    /// The SQLite front on an ext4 volume, the load generator through the endpoint, an unclean
+    /// crash (SIGKILL of the whole primary) under each policy, alternating over the rounds; the
+    /// failover latency is the client's longest time without an acknowledged commit, and every
+    /// run checks that no acknowledged commit was lost. Also the application's recovery time on
+    /// the super child against the plain volume, and the monitor's peak RSS. The Figure 6
+    /// scenarios (timeouts of 60 s and 5 s, a 15 s false positive) are composed from these
+    /// measurements as in §6.4. Needs root, /dev/fuse, losetup, python3.
+    Scenarios(bench::BenchArgs),
+}
+
+pub fn bench(b: FailoverBench, verbose: u8) -> anyhow::Result<()> {
+    match b {
+        FailoverBench::Scenarios(a) => bench::scenarios(a, verbose),
+    }
+}
+
 #[derive(Subcommand, Debug)]
 pub enum FailoverCmd {
     /// Run an application from SPEC with the failure monitor (REDS, speculative or oracle).
