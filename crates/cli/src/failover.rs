@@ -217,6 +217,10 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
             },
             inputs_tx.clone(),
         )?);
+        let adopted = pool.adopt().await;
+        if !adopted.is_empty() {
+            eprintln!("understudy failover: adopted the instances left running by the previous run: {adopted:?}");
+        }
         let (control_tx, control_rx) = mpsc::channel::<Control>(64);
         let control_addr = match a.control {
             Some(addr) => {
@@ -244,7 +248,13 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
             let sig = crate::proc::shutdown_signal().await;
             eprintln!("understudy failover: {sig} received: stopping every instance");
         };
-        let r = ::failover::driver::run(&spec, cluster, pool, inputs_rx, inputs_tx, endpoint, control_rx, on_event, shutdown).await;
+        let r = ::failover::driver::run(
+            &spec,
+            ::failover::driver::Parts { cluster, pool, inputs: inputs_rx, inputs_tx, endpoint, control: control_rx },
+            on_event,
+            shutdown,
+        )
+        .await;
         match r {
             Ok(d) => {
                 eprintln!("understudy failover: stopped; the volume is {} ({} failovers)", d.volume, d.failovers);

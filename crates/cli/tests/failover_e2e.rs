@@ -90,6 +90,8 @@ struct Monitor {
     state_dir: PathBuf,
     cluster: PathBuf,
     stderr: PathBuf,
+    /// Detach what is left on drop (not after a simulated crash: the next run adopts it).
+    cleanup: bool,
 }
 
 impl Monitor {
@@ -126,6 +128,7 @@ impl Monitor {
             state_dir: spec.parent().unwrap().join("failover"),
             cluster: up.cluster_file(),
             stderr,
+            cleanup: true,
         }
     }
 
@@ -158,6 +161,14 @@ impl Monitor {
         assert!(o.status.success(), "inject {fault}: {}", String::from_utf8_lossy(&o.stderr));
     }
 
+    /// SIGKILL of the monitor itself; its instances keep running.
+    fn crash(mut self) {
+        let mut c = self.child.take().unwrap();
+        let _ = c.kill();
+        let _ = c.wait();
+        self.cleanup = false;
+    }
+
     fn exit_status(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
         let deadline = Instant::now() + timeout;
         let c = self.child.as_mut()?;
@@ -177,6 +188,9 @@ impl Drop for Monitor {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
             stop_child(&mut c, Duration::from_secs(60));
+        }
+        if !self.cleanup {
+            return;
         }
         // Anything left mounted (the monitor was killed): detach by mount point.
         if let Ok(dirs) = std::fs::read_dir(self.state_dir.join("mnt")) {
@@ -374,4 +388,28 @@ fn bad_specs_and_never_healthy_apps_get_clear_errors() {
     let status = m.exit_status(Duration::from_secs(60)).expect("the monitor did not exit after giving up");
     assert!(!status.success());
     assert_eq!(volumes(&up), vec!["db".to_string()]);
+}
+
+#[test]
+fn monitor_killed_mid_failover_resumes_and_promotes_once() {
+    if skip() {
+        return;
+    }
+    let up = Up::start(4);
+    up.ok(&["volume", "create", "db", "--size", "128M"]);
+    let (spec, port) = write_spec(up.dir.path(), &Opts::default());
+    let mut m = Monitor::start(&up, &spec);
+    m.wait("primary_up", Duration::from_secs(120));
+    let load = Load::start(port, 25_000);
+    std::thread::sleep(Duration::from_secs(2));
+    m.inject("kill", 0);
+    m.wait("backup_started", Duration::from_secs(60));
+    // The monitor dies in the middle of the failover (its journal says: recovering on db.fo-1).
+    m.crash();
+    let mut m = Monitor::start(&up, &spec);
+    let p = m.wait("promoted", Duration::from_secs(120));
+    assert_eq!(p["volume"], "db.fo-1", "{p}");
+    check_load(&load.finish());
+    assert_eq!(volumes(&up), vec!["db.fo-1".to_string()]);
+    assert_eq!(m.seen.iter().filter(|e| e["event"] == "promoted").count(), 1);
 }

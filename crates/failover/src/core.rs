@@ -760,3 +760,76 @@ impl Monitor {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn boot(m: &mut Monitor, now: u64) {
+        let a = m.handle(now, Input::PingOk(InstanceId(1)));
+        assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1))]);
+        m.handle(now, Input::EndpointPointed(InstanceId(1)));
+        assert_eq!(m.durable().phase, Phase::Normal);
+    }
+
+    #[test]
+    fn restart_mid_failover_keeps_the_detection_time_and_promotes_once() {
+        let (mut m, _) = Monitor::new(MonitorConfig::default(), "db".into(), 0);
+        boot(&mut m, 100);
+        let a = m.handle(1_000, Input::PingFailed(InstanceId(1)));
+        assert!(a.contains(&Action::Super { parent: "db".into(), child: "db.fo-1".into() }), "{a:?}");
+        m.handle(1_010, Input::SuperDone { child: "db.fo-1".into() });
+        // Crash: recover from the durable state only.
+        let d = m.durable().clone();
+        assert_eq!(d.silent_since_ms, Some(1_000));
+        let (mut m, a) = Monitor::recover(MonitorConfig::default(), d, 2_000);
+        assert_eq!(a, vec![Action::StartInstance { id: InstanceId(2), volume: "db.fo-1".into() }]);
+        m.handle(2_100, Input::PingFailed(InstanceId(1)));
+        let a = m.handle(3_000, Input::PingOk(InstanceId(2)));
+        assert!(a.contains(&Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }), "{a:?}");
+        // Crash again before the answer: the collapse is asked again (idempotent in drivers).
+        let (mut m, a) = Monitor::recover(MonitorConfig::default(), m.durable().clone(), 3_100);
+        assert_eq!(a, vec![Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }]);
+        let a = m.handle(3_200, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
+        assert_eq!(a, vec![Action::PointEndpoint(InstanceId(2)), Action::KillInstance(InstanceId(1))]);
+        // A late duplicate answer changes nothing.
+        assert!(m.handle(3_250, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted }).is_empty());
+        m.handle(3_300, Input::EndpointPointed(InstanceId(2)));
+        let a = m.handle(3_400, Input::InstanceStopped(InstanceId(1)));
+        assert_eq!(
+            a,
+            vec![Action::Notify(Event::Promoted { instance: InstanceId(2), volume: "db.fo-1".into(), failover_ms: 2_400 })]
+        );
+        assert_eq!(m.durable().volume, "db.fo-1");
+        assert_eq!(m.durable().failovers, 1);
+    }
+
+    #[test]
+    fn rejected_collapse_keeps_the_parent_and_falls_back_to_reds() {
+        let cfg = MonitorConfig { max_aborts: 2, reds_timeout_ms: 10_000, ..MonitorConfig::default() };
+        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        boot(&mut m, 0);
+        let mut t = 1_000;
+        for n in 1..=2u64 {
+            let child = format!("db.fo-{n}");
+            let backup = InstanceId(n + 1);
+            let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+            assert!(a.contains(&Action::Super { parent: "db".into(), child: child.clone() }), "{a:?}");
+            m.handle(t + 10, Input::SuperDone { child: child.clone() });
+            m.handle(t + 20, Input::PingOk(backup));
+            let a = m.handle(t + 30, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
+            assert_eq!(a, vec![Action::KillInstance(backup)], "the rejected child is gone already: no drop");
+            let a = m.handle(t + 40, Input::InstanceStopped(backup));
+            assert!(matches!(&a[..], [Action::Notify(Event::Aborted { .. })]), "{a:?}");
+            assert_eq!(m.durable().volume, "db");
+            t += 1_000;
+        }
+        // Two aborts: no more speculation; the REDS timeout (from the first silence) decides.
+        let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+        assert!(!a.iter().any(|a| matches!(a, Action::Super { .. })), "{a:?}");
+        let a = m.handle(11_000, Input::Tick);
+        assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
+        let a = m.handle(11_100, Input::InstanceStopped(InstanceId(1)));
+        assert!(a.contains(&Action::StartInstance { id: InstanceId(4), volume: "db".into() }), "{a:?}");
+    }
+}

@@ -197,7 +197,15 @@ pub struct Status {
     pub state: Durable,
     pub endpoint: SocketAddr,
     pub endpoint_target: Option<SocketAddr>,
-    pub instances: Vec<(InstanceId, Option<SocketAddr>, Option<(u32, u32)>)>,
+    pub instances: Vec<InstanceStatus>,
+}
+
+#[derive(Serialize, Debug, Clone)]
+pub struct InstanceStatus {
+    pub id: InstanceId,
+    pub addr: Option<SocketAddr>,
+    /// (application, attach helper)
+    pub pids: Option<(u32, u32)>,
 }
 
 pub enum Control {
@@ -280,19 +288,26 @@ async fn control_request(tx: &mpsc::Sender<Control>, line: &str) -> Result<Strin
     }
 }
 
+/// What the driver runs with.
+pub struct Parts {
+    pub cluster: Arc<Cluster>,
+    pub pool: Arc<LocalPool>,
+    /// Inputs from the pool (instance exits) and the workers; `inputs_tx` feeds it.
+    pub inputs: mpsc::Receiver<Input>,
+    pub inputs_tx: mpsc::Sender<Input>,
+    pub endpoint: Arc<Proxy>,
+    pub control: mpsc::Receiver<Control>,
+}
+
 /// Runs the monitor until `shutdown` resolves (then stops every instance cleanly) or it gives up.
 /// `on_event` sees every [`Event`] (the CLI prints them).
 pub async fn run(
     spec: &Spec,
-    cluster: Arc<Cluster>,
-    pool: Arc<LocalPool>,
-    mut inputs: mpsc::Receiver<Input>,
-    inputs_tx: mpsc::Sender<Input>,
-    endpoint: Arc<Proxy>,
-    mut control: mpsc::Receiver<Control>,
+    parts: Parts,
     mut on_event: impl FnMut(&Event),
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<Durable, DriverError> {
+    let Parts { cluster, pool, mut inputs, inputs_tx, endpoint, mut control } = parts;
     let journal = FileJournal::new(&spec.state_dir.join("monitor.json"));
     let now = now_unix_ms();
     let (mut m, first) = match journal.load()? {
@@ -418,7 +433,7 @@ pub async fn run(
                     Control::Status(reply) => {
                         let mut instances = vec![];
                         for id in pool.instances() {
-                            instances.push((id, pool.address(id), pool.pids(id)));
+                            instances.push(InstanceStatus { id, addr: pool.address(id), pids: pool.pids(id) });
                         }
                         let _ = reply.send(Status {
                             state: m.durable().clone(),

@@ -68,7 +68,37 @@ pub struct LocalPoolConfig {
     pub attach_timeout: Duration,
 }
 
+/// What `instances.json` keeps of an instance, so a restarted monitor adopts the instances its
+/// previous run left running (a monitor crash is not an instance crash).
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]
+struct SavedInst {
+    id: InstanceId,
+    pgid: i32,
+    app_pid: u32,
+    app_start: u64,
+    attach_pid: u32,
+    attach_start: u64,
+    app_port: u16,
+    mount: PathBuf,
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Default, Debug)]
+struct SavedPool {
+    instances: Vec<SavedInst>,
+    killed: Vec<InstanceId>,
+}
+
+/// Start time of a process (clock ticks since boot, /proc/PID/stat field 22): with the pid, it
+/// names one process even after pid reuse.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    // Fields after the command: state is field 3, so starttime (22) is index 19 here.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
 struct Inst {
+    saved: SavedInst,
     pgid: i32,
     app_pid: u32,
     attach_pid: u32,
@@ -77,7 +107,7 @@ struct Inst {
     mount: PathBuf,
     /// Set before we kill or stop it, so the exit is not reported as a failure.
     expected_exit: Arc<AtomicBool>,
-    _attach_stdout: ChildStdout,
+    _attach_stdout: Option<ChildStdout>,
 }
 
 pub struct LocalPool {
@@ -123,6 +153,74 @@ impl LocalPool {
         std::fs::create_dir_all(cfg.state_dir.join("mnt"))?;
         std::fs::create_dir_all(cfg.state_dir.join("logs"))?;
         Ok(LocalPool { cfg, insts: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events })
+    }
+
+    fn saved_path(&self) -> PathBuf {
+        self.cfg.state_dir.join("instances.json")
+    }
+
+    /// Writes `instances.json` (atomically) after every change.
+    fn save(&self) {
+        let saved = SavedPool {
+            instances: self.insts.lock().unwrap().values().map(|i| i.saved.clone()).collect(),
+            killed: self.killed.lock().unwrap().iter().copied().collect(),
+        };
+        let path = self.saved_path();
+        let tmp = path.with_extension("tmp");
+        let r = std::fs::write(&tmp, serde_json::to_vec_pretty(&saved).expect("serialisable")).and_then(|_| std::fs::rename(&tmp, &path));
+        if let Err(e) = r {
+            tracing::error!("cannot write {}: {e}", path.display());
+        }
+    }
+
+    /// Adopts the instances a previous run of the monitor left running (same processes, same
+    /// start times); returns their ids. Call once, before the monitor starts.
+    pub async fn adopt(&self) -> Vec<InstanceId> {
+        let Ok(bytes) = std::fs::read(self.saved_path()) else { return vec![] };
+        let Ok(saved) = serde_json::from_slice::<SavedPool>(&bytes) else {
+            tracing::warn!("ignoring unreadable {}", self.saved_path().display());
+            return vec![];
+        };
+        self.killed.lock().unwrap().extend(saved.killed.iter().copied());
+        let mut adopted = vec![];
+        for s in saved.instances {
+            let alive = start_time(s.app_pid) == Some(s.app_start) && start_time(s.attach_pid) == Some(s.attach_start);
+            if !alive {
+                tracing::info!(id = %s.id, "instance of the previous run is gone");
+                continue;
+            }
+            let app_addr: SocketAddr = ([127, 0, 0, 1], s.app_port).into();
+            let Ok(link) = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await else { continue };
+            let expected_exit = Arc::new(AtomicBool::new(false));
+            // Not our children any more: watch them by pid.
+            let (events, flag, id, pids) = (self.events.clone(), expected_exit.clone(), s.id, [s.app_pid, s.attach_pid]);
+            tokio::spawn(async move {
+                while pids.iter().all(|p| pid_alive(*p)) {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                if !flag.load(Ordering::SeqCst) {
+                    let _ = events.send(Input::InstanceExited(id)).await;
+                }
+            });
+            tracing::info!(id = %s.id, addr = %link.local_addr(), "adopted a running instance");
+            adopted.push(s.id);
+            self.insts.lock().unwrap().insert(
+                s.id,
+                Inst {
+                    pgid: s.pgid,
+                    app_pid: s.app_pid,
+                    attach_pid: s.attach_pid,
+                    app_addr,
+                    link,
+                    mount: s.mount.clone(),
+                    expected_exit,
+                    _attach_stdout: None,
+                    saved: s,
+                },
+            );
+        }
+        self.save();
+        adopted
     }
 
     pub fn mount_dir(&self, id: InstanceId) -> PathBuf {
@@ -261,10 +359,21 @@ impl LocalPool {
             let _ = attach.wait().await;
         });
         tracing::info!(%id, volume, %addr, app_pid, attach_pid, "instance started");
+        let saved = SavedInst {
+            id,
+            pgid,
+            app_pid,
+            app_start: start_time(app_pid).unwrap_or(0),
+            attach_pid,
+            attach_start: start_time(attach_pid).unwrap_or(0),
+            app_port: port,
+            mount: mount.clone(),
+        };
         self.insts.lock().unwrap().insert(
             id,
-            Inst { pgid, app_pid, attach_pid, app_addr, link, mount, expected_exit, _attach_stdout: stdout.into_inner() },
+            Inst { saved, pgid, app_pid, attach_pid, app_addr, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
         );
+        self.save();
         Ok(addr)
     }
 
@@ -296,7 +405,10 @@ impl InstancePool for LocalPool {
 
     async fn kill(&self, id: InstanceId) -> Result<(), PoolError> {
         self.killed.lock().unwrap().insert(id);
-        self.kill_inner(id).await
+        self.save();
+        let r = self.kill_inner(id).await;
+        self.save();
+        r
     }
 
     async fn stop(&self, id: InstanceId) -> Result<(), PoolError> {
@@ -318,6 +430,7 @@ impl InstancePool for LocalPool {
         if let Some(i) = self.insts.lock().unwrap().remove(&id) {
             i.link.point(None);
         }
+        self.save();
         r.map_err(|msg| PoolError::Io { id, msg: format!("detach after clean stop: {msg}") })
     }
 
