@@ -78,6 +78,13 @@ pub enum FailoverCmd {
     Load(LoadArgs),
     /// The SQLite front: SQLite (WAL, synchronous=FULL) behind a one-line-per-request TCP server.
     SqliteFront(FrontArgs),
+    /// A real speculative failover on a throw-away cluster, as a timeline.
+    ///
+    /// SQLite under load on an ext4 volume, the primary killed (SIGKILL), the backup recovering
+    /// on a super child and promoted by collapse; prints the monitor's events and the client's
+    /// throughput, plots it, and checks every acknowledged commit. Needs root, /dev/fuse,
+    /// losetup, python3.
+    Demo,
 }
 
 #[derive(Args, Debug)]
@@ -133,7 +140,7 @@ pub struct FrontArgs {
     pub housekeeping_ms: u64,
 }
 
-pub fn run(conn: &ConnArgs, cmd: FailoverCmd) -> anyhow::Result<()> {
+pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()> {
     match cmd {
         FailoverCmd::Run(a) => run_monitor(conn, a),
         FailoverCmd::Inject(a) => {
@@ -147,6 +154,7 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd) -> anyhow::Result<()> {
         }
         FailoverCmd::Load(a) => load(a),
         FailoverCmd::SqliteFront(a) => sqlite_front(a),
+        FailoverCmd::Demo => bench::demo(verbose),
     }
 }
 

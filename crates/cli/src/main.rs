@@ -264,7 +264,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Failover { conn, cmd } => {
             init_logging(cli.verbose, "warn,fuser=error");
-            failover::run(&conn, cmd)
+            failover::run(&conn, cmd, cli.verbose)
         }
         Cmd::Bench(cmd) => {
             init_logging(cli.verbose, "warn");
