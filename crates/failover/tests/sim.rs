@@ -477,6 +477,9 @@ impl World {
 }
 
 struct Outcome {
+    rejected: usize,
+    aborted: usize,
+    monitor_restarts: u64,
     phase: Phase,
     failovers: u64,
     fault: Fault,
@@ -641,7 +644,15 @@ fn run(seed: u64, trace: bool) -> Outcome {
             eprintln!("event {}", serde_json::to_string(e).unwrap());
         }
     }
-    Outcome { phase: d.phase, failovers: d.failovers, fault, policy }
+    Outcome {
+        rejected: w.decided.values().filter(|o| **o == CollapseOutcome::Rejected).count(),
+        aborted: w.events.iter().filter(|e| matches!(e, Event::Aborted { .. })).count(),
+        monitor_restarts: w.inc,
+        phase: d.phase,
+        failovers: d.failovers,
+        fault,
+        policy,
+    }
 }
 
 #[test]
@@ -652,21 +663,28 @@ fn many_seeds() {
     }
     let n: u64 = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
     let mut failovers = BTreeMap::new();
+    let (mut rejected, mut aborted, mut restarts) = (0, 0, 0);
     for seed in 0..n {
         let r = std::panic::catch_unwind(|| run(seed, false));
         match r {
             Ok(o) => {
                 *failovers.entry((format!("{:?}", o.policy), format!("{:?}", o.fault), o.failovers > 0)).or_insert(0u32) += 1;
+                rejected += o.rejected;
+                aborted += o.aborted;
+                restarts += o.monitor_restarts;
                 let _ = o.phase;
             }
             Err(_) => panic!("seed {seed} failed; rerun with SIM_SEED={seed} for a trace"),
         }
     }
-    eprintln!("{n} seeds: {failovers:?}");
+    eprintln!("{n} seeds: {failovers:?}; {rejected} rejected collapses, {aborted} aborted attempts, {restarts} monitor restarts");
     // The runs cover promotions and aborts of every policy.
     assert!(failovers.keys().any(|(p, _, f)| p == "Speculative" && *f));
     assert!(failovers.keys().any(|(p, _, f)| p == "Reds" && *f));
     assert!(failovers.keys().any(|(p, _, f)| p == "Oracle" && *f));
+    if n >= 100 {
+        assert!(rejected > 0 && aborted > 0 && restarts > 0, "the seeds must cover rejections, aborts and monitor restarts");
+    }
 }
 
 #[test]

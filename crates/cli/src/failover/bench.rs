@@ -45,6 +45,11 @@ const TRANSIENT_MS: f64 = 15_000.0;
 
 struct RunResult {
     gap_ms: f64,
+    /// Client commits/s in the 2 s before the crash and in the 2 s after service resumed.
+    before_ops_per_s: f64,
+    after_ops_per_s: f64,
+    /// Time two instances were held at once (backup started → old primary released).
+    overlap_s: f64,
     app_recovery_ms: f64,
     monitor_rss_bytes: u64,
     ops_per_window: Vec<u64>,
@@ -218,7 +223,20 @@ fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose
             r.gap_end_ms as f64 / 1000.0
         );
     }
-    Ok(RunResult { gap_ms: r.max_gap_ms as f64, app_recovery_ms: healthy - started, monitor_rss_bytes: rss, ops_per_window: r.ops_per_window, window_ms: r.window_ms })
+    let rate = |from_ms: u64, to_ms: u64| {
+        let n = r.acked.iter().filter(|(_, t)| *t >= from_ms && *t < to_ms).count();
+        n as f64 * 1000.0 / (to_ms.saturating_sub(from_ms)).max(1) as f64
+    };
+    let before = rate(r.gap_start_ms.saturating_sub(2_000), r.gap_start_ms);
+    let after = rate(r.gap_end_ms, r.gap_end_ms + 2_000);
+    // REDS and the oracle fence before they start: no overlap. Speculative holds the backup
+    // from its start until the old primary is released at promotion.
+    let overlap_s = if variant == "speculative" { (t(&done) - started) / 1000.0 } else { 0.0 };
+    Ok(RunResult {
+        before_ops_per_s: before,
+        after_ops_per_s: after,
+        overlap_s,
+        gap_ms: r.max_gap_ms as f64, app_recovery_ms: healthy - started, monitor_rss_bytes: rss, ops_per_window: r.ops_per_window, window_ms: r.window_ms })
 }
 
 fn mean(v: &[f64]) -> f64 {
@@ -259,6 +277,19 @@ pub fn scenarios(a: BenchArgs, verbose: u8) -> anyhow::Result<()> {
     report.figure("plain.unclean.app_recovery_latency_ms_mean", plain_rec)?;
     report.figure("super.unclean.app_recovery_latency_ms_mean", super_rec)?;
     report.figure("monitor.rss_peak_bytes", rss as f64)?;
+    for (v, name) in VARIANTS.iter().enumerate() {
+        let before = mean(&results[v].iter().map(|r| r.before_ops_per_s).collect::<Vec<_>>());
+        let after = mean(&results[v].iter().map(|r| r.after_ops_per_s).collect::<Vec<_>>());
+        report.figure(&format!("{name}.before_crash.throughput_ops_per_s_mean"), before)?;
+        report.figure(&format!("{name}.after_failover.throughput_ops_per_s_mean"), after)?;
+        if before > 0.0 {
+            report.ratio(&format!("{name}.after_failover_vs_before_crash.throughput"), after, before)?;
+        }
+    }
+    report.figure(
+        "speculative.extra_instance_time_per_failure_s_mean",
+        mean(&results[1].iter().map(|r| r.overlap_s).collect::<Vec<_>>()),
+    )?;
     // Figure 6, short recovery (the measured one): II medium timeout, IV false positive, V short.
     let scen = [
         ("scenario_ii_timeout_60s", 60_000.0 + reds_restart, spec_gap, oracle_gap),
