@@ -23,6 +23,9 @@ pub enum BenchCmd {
     /// YCSB workloads through the project's own driver (crate ycsb).
     #[command(subcommand)]
     Ycsb(crate::ycsb::YcsbBench),
+    /// Benchmarks of speculative failover (SpecREDS §6.3–6.5).
+    #[command(subcommand)]
+    Failover(crate::failover::FailoverBench),
 }
 
 #[derive(Subcommand, Debug)]
@@ -66,6 +69,7 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
         BenchCmd::Volume(VolumeBench::Cow(a)) => volume_cow(a, verbose),
         BenchCmd::Volume(VolumeBench::RecoveryTrace(a)) => volume_recovery_trace(a, verbose),
         BenchCmd::Ycsb(cmd) => crate::ycsb::run(cmd),
+        BenchCmd::Failover(b) => crate::failover::bench(b, verbose),
     }
 }
 

@@ -16,6 +16,7 @@ mod cluster_file;
 mod daemons;
 mod demo;
 mod exports;
+mod failover;
 mod proc;
 mod qemu;
 mod size;
@@ -105,6 +106,18 @@ enum Cmd {
     /// writing after `super`: collapse rejects the child and the parent keeps its writes.
     /// Cleans everything up; exits 0 only if every check held. Needs qemu-io (qemu-utils).
     Demo(demo::DemoArgs),
+    /// Speculative failover of an application on a volume: monitor, instance pool, endpoint.
+    ///
+    /// `failover run SPEC` runs an application instance on a volume behind a stable client
+    /// endpoint and fails it over (REDS, speculative or oracle policy) when its health check
+    /// fails; `inject` and `status` talk to a running monitor; `load` and `sqlite-front` are
+    /// the bundled test application and its client.
+    Failover {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[command(subcommand)]
+        cmd: failover::FailoverCmd,
+    },
     /// Benchmarks, each on a throw-away local cluster; the last line of stdout is JSON.
     ///
     /// `--quick` finishes in about a minute and still measures every figure; without it the
@@ -249,6 +262,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Demo(a) => {
             init_logging(cli.verbose, "warn");
             demo::demo(a, cli.verbose)
+        }
+        Cmd::Failover { conn, cmd } => {
+            init_logging(cli.verbose, "warn,fuser=error");
+            failover::run(&conn, cmd, cli.verbose)
         }
         Cmd::Bench(cmd) => {
             init_logging(cli.verbose, "warn");

@@ -1,0 +1,319 @@
+//! `understudy failover ...`: the failure monitor and its helpers (crate `failover`).
+//!
+//! * `run SPEC`: start the primary from the spec on its volume, serve the client endpoint, ping,
+//!   and fail over by the spec's policy; events go to stdout as JSON lines; a control address
+//!   takes fault injections and status requests;
+//! * `inject`, `status`: talk to a running monitor's control address;
+//! * `load`: the SQLite front's load generator and checker;
+//! * `sqlite-front`: the SQLite front itself (python3 + the sqlite3 module).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use ::failover::driver::Control;
+use ::failover::pool::{LocalPool, LocalPoolConfig};
+use ::failover::spec::Spec;
+use tokio::sync::mpsc;
+
+use crate::cluster_file::Target;
+use crate::ConnArgs;
+
+mod bench;
+
+/// `understudy bench failover ...`.
+#[derive(Subcommand, Debug)]
+pub enum FailoverBench {
+    /// End-to-end failover latency of REDS, speculative and oracle on a real application
+    /// (SpecREDS §6.3–6.5, Figure 6).
+    ///
+    /// The SQLite front on an ext4 volume, the load generator through the endpoint, an unclean
+    /// crash (SIGKILL of the whole primary) under each policy, alternating over the rounds; the
+    /// failover latency is the client's longest time without an acknowledged commit, and every
+    /// run checks that no acknowledged commit was lost. Also the application's recovery time on
+    /// the super child against the plain volume, and the monitor's peak RSS. The Figure 6
+    /// scenarios (timeouts of 60 s and 5 s, a 15 s false positive) are composed from these
+    /// measurements as in §6.4. Needs root, /dev/fuse, losetup, python3.
+    Scenarios(bench::BenchArgs),
+}
+
+pub fn bench(b: FailoverBench, verbose: u8) -> anyhow::Result<()> {
+    match b {
+        FailoverBench::Scenarios(a) => bench::scenarios(a, verbose),
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum FailoverCmd {
+    /// Run an application from SPEC with the failure monitor (REDS, speculative or oracle).
+    ///
+    /// Starts the primary instance (its volume attached as ext4 at STATE_DIR/mnt/i1), points the
+    /// endpoint (spec `endpoint.listen`) at it once its health check passes, and pings it every
+    /// `monitor.ping_interval_ms`. On a failure: REDS waits `reds_timeout_ms`, kills the
+    /// primary and restarts on the same volume; speculative supers the volume at the first
+    /// missed ping, starts a backup on the child and collapses once it is healthy — promoted:
+    /// the endpoint moves to the backup and the old primary is killed; rejected (the primary
+    /// wrote): the backup is dropped. State survives a restart of this command
+    /// (STATE_DIR/monitor.json). Events are printed as JSON lines. Ctrl-C stops every instance
+    /// cleanly. Needs root, /dev/fuse, losetup and mount (as `volume attach`).
+    Run(RunArgs),
+    /// Inject a fault into the current primary of a running monitor: kill, stop, pause MS, cut MS.
+    ///
+    /// kill: SIGKILL of the whole instance (application and volume server, no flush); stop:
+    /// clean shutdown and unmount; pause: SIGSTOP for MS milliseconds (0: for good); cut: its
+    /// network link cut for MS milliseconds (0: for good).
+    Inject(InjectArgs),
+    /// Show a running monitor's state (JSON).
+    Status(ControlArgs),
+    /// Load generator for the SQLite front: insert through the endpoint, then check the table.
+    ///
+    /// Inserts fresh ids one at a time for --duration-ms, recording every acknowledged one and
+    /// the longest gap without acknowledgements (when throughput dropped to zero and resumed),
+    /// then reads the table through the endpoint and checks that every acknowledged id is there
+    /// and nothing never attempted. Prints JSON; exits 1 if the check fails.
+    Load(LoadArgs),
+    /// The SQLite front: SQLite (WAL, synchronous=FULL) behind a one-line-per-request TCP server.
+    SqliteFront(FrontArgs),
+    /// A real speculative failover on a throw-away cluster, as a timeline.
+    ///
+    /// SQLite under load on an ext4 volume, the primary killed (SIGKILL), the backup recovering
+    /// on a super child and promoted by collapse; prints the monitor's events and the client's
+    /// throughput, plots it, and checks every acknowledged commit. Needs root, /dev/fuse,
+    /// losetup, python3.
+    Demo,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The spec file (TOML if it ends in .toml, else JSON).
+    pub spec: PathBuf,
+    /// Serve control requests (faults, status) on this address.
+    #[arg(long, value_name = "ADDR")]
+    pub control: Option<SocketAddr>,
+}
+
+#[derive(Args, Debug)]
+pub struct ControlArgs {
+    /// The monitor's --control address.
+    #[arg(long, value_name = "ADDR")]
+    pub control: SocketAddr,
+}
+
+#[derive(Args, Debug)]
+pub struct InjectArgs {
+    #[command(flatten)]
+    pub c: ControlArgs,
+    /// kill, stop, pause or cut.
+    pub fault: String,
+    /// How long a pause or cut lasts (0: for good).
+    #[arg(default_value_t = 0)]
+    pub duration_ms: u64,
+}
+
+#[derive(Args, Debug)]
+pub struct LoadArgs {
+    /// The client endpoint.
+    #[arg(long, value_name = "ADDR")]
+    pub endpoint: SocketAddr,
+    #[arg(long, default_value_t = 10_000)]
+    pub duration_ms: u64,
+    /// Throughput window.
+    #[arg(long, default_value_t = 100)]
+    pub window_ms: u64,
+    /// How long the final check may wait for the endpoint.
+    #[arg(long, default_value_t = 60_000)]
+    pub verify_timeout_ms: u64,
+}
+
+#[derive(Args, Debug)]
+pub struct FrontArgs {
+    #[arg(long)]
+    pub db: PathBuf,
+    #[arg(long)]
+    pub port: u16,
+    /// Write on its own every N ms (0: never), reachable or not.
+    #[arg(long, default_value_t = 0)]
+    pub housekeeping_ms: u64,
+}
+
+pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()> {
+    match cmd {
+        FailoverCmd::Run(a) => run_monitor(conn, a),
+        FailoverCmd::Inject(a) => {
+            let reply = control_request(a.c.control, &format!("{} {}", a.fault, a.duration_ms))?;
+            println!("{reply}");
+            Ok(())
+        }
+        FailoverCmd::Status(a) => {
+            println!("{}", control_request(a.control, "status")?);
+            Ok(())
+        }
+        FailoverCmd::Load(a) => load(a),
+        FailoverCmd::SqliteFront(a) => sqlite_front(a),
+        FailoverCmd::Demo => bench::demo(verbose),
+    }
+}
+
+/// One request to a monitor's control address; returns the text after `ok`.
+pub fn control_request(addr: SocketAddr, line: &str) -> anyhow::Result<String> {
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+        .with_context(|| format!("cannot reach the monitor's control address {addr}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    s.write_all(format!("{line}\n").as_bytes())?;
+    let mut reply = String::new();
+    BufReader::new(s).read_line(&mut reply)?;
+    let reply = reply.trim_end();
+    match reply.split_once(' ') {
+        Some(("ok", rest)) => Ok(rest.to_string()),
+        Some(("error", e)) => anyhow::bail!("{e}"),
+        _ => anyhow::bail!("unexpected answer from the monitor: {reply:?}"),
+    }
+}
+
+/// Arguments that let `understudy volume attach/detach` find the same cluster.
+fn conn_args(conn: &ConnArgs) -> Vec<String> {
+    let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()).to_string_lossy().into_owned();
+    let mut v = vec![];
+    if let Some(c) = &conn.cluster {
+        v.extend(["--cluster".to_string(), abs(c)]);
+    }
+    if let Some(m) = &conn.meta {
+        v.extend(["--meta".to_string(), m.clone()]);
+    }
+    if let Some(s) = &conn.secret_file {
+        v.extend(["--secret-file".to_string(), abs(s)]);
+    }
+    if conn.cluster.is_none() && (conn.meta.is_none() || conn.secret_file.is_none()) {
+        let default = Path::new(crate::cluster_file::DEFAULT_DIR).join(crate::cluster_file::CLUSTER_FILE);
+        v.extend(["--cluster".to_string(), abs(&default)]);
+    }
+    v
+}
+
+fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
+    let mut spec = Spec::load(&a.spec)?;
+    std::fs::create_dir_all(&spec.state_dir).with_context(|| format!("cannot create state_dir {}", spec.state_dir.display()))?;
+    spec.state_dir = spec.state_dir.canonicalize()?;
+    let target = Target::resolve(conn)?;
+    let rt = crate::runtime()?;
+    rt.block_on(async {
+        let cluster = target.connect().await?;
+        // A missing volume is the commonest mistake: say so before starting anything.
+        let journal = ::failover::journal::FileJournal::new(&spec.state_dir.join("monitor.json"));
+        let volume = journal.load()?.map(|r| r.state.volume).unwrap_or_else(|| spec.volume.clone());
+        cluster.volume_info(&volume).await.with_context(|| {
+            format!("volume {volume:?} of the spec: create it first (`understudy volume create {volume} --size 1G`, then run with `mkfs = true`)")
+        })?;
+        let endpoint = Arc::new(
+            ::failover::endpoint::Proxy::bind(spec.endpoint.listen, None)
+                .await
+                .with_context(|| format!("cannot listen on the endpoint address {}", spec.endpoint.listen))?,
+        );
+        let (inputs_tx, inputs_rx) = mpsc::channel(::failover::driver::INPUT_QUEUE);
+        let pool = Arc::new(LocalPool::new(
+            LocalPoolConfig {
+                exe: std::env::current_exe()?,
+                conn_args: conn_args(conn),
+                state_dir: spec.state_dir.clone(),
+                app: spec.app.clone(),
+                mkfs_first: spec.mkfs,
+                attach_timeout: Duration::from_secs(300),
+            },
+            inputs_tx.clone(),
+        )?);
+        let adopted = pool.adopt().await;
+        if !adopted.is_empty() {
+            eprintln!("understudy failover: adopted the instances left running by the previous run: {adopted:?}");
+        }
+        let (control_tx, control_rx) = mpsc::channel::<Control>(64);
+        let control_addr = match a.control {
+            Some(addr) => {
+                let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on --control {addr}"))?;
+                let local = l.local_addr()?;
+                tokio::spawn(::failover::driver::serve_control(l, control_tx));
+                Some(local)
+            }
+            None => None,
+        };
+        let start = std::time::Instant::now();
+        let ready = serde_json::json!({
+            "event": "ready", "endpoint": endpoint.local_addr(), "control": control_addr,
+            "state_dir": spec.state_dir, "policy": spec.monitor.policy, "pid": std::process::id(),
+        });
+        println!("{ready}");
+        let _ = std::io::stdout().flush();
+        let on_event = move |e: &::failover::Event| {
+            let mut v = serde_json::to_value(e).unwrap();
+            v["t_ms"] = serde_json::json!(start.elapsed().as_millis() as u64);
+            println!("{v}");
+            let _ = std::io::stdout().flush();
+        };
+        let shutdown = async {
+            let sig = crate::proc::shutdown_signal().await;
+            eprintln!("understudy failover: {sig} received: stopping every instance");
+        };
+        let r = ::failover::driver::run(
+            &spec,
+            ::failover::driver::Parts { cluster, pool, inputs: inputs_rx, inputs_tx, endpoint, control: control_rx },
+            on_event,
+            shutdown,
+        )
+        .await;
+        match r {
+            Ok(d) => {
+                eprintln!("understudy failover: stopped; the volume is {} ({} failovers)", d.volume, d.failovers);
+                Ok(())
+            }
+            Err(e) => Err(anyhow::Error::from(e)),
+        }
+    })
+}
+
+fn load(a: LoadArgs) -> anyhow::Result<()> {
+    let rt = crate::runtime()?;
+    rt.block_on(async {
+        let stop = async {
+            crate::proc::shutdown_signal().await;
+        };
+        let r = ::failover::load::run_load(a.endpoint, Duration::from_millis(a.duration_ms), a.window_ms, stop).await;
+        let v = ::failover::load::verify(a.endpoint, &r, Duration::from_millis(a.verify_timeout_ms)).await.map_err(anyhow::Error::msg)?;
+        let ok = v.missing.is_empty() && v.unexpected.is_empty();
+        let out = serde_json::json!({
+            "ok": ok,
+            "verdict": v,
+            "acked": r.acked.len(),
+            "attempted": r.attempted_max,
+            "errors": r.errors,
+            "duration_ms": r.duration_ms,
+            "max_gap_ms": r.max_gap_ms,
+            "gap_start_ms": r.gap_start_ms,
+            "gap_end_ms": r.gap_end_ms,
+            "window_ms": r.window_ms,
+            "ops_per_window": r.ops_per_window,
+        });
+        println!("{out}");
+        anyhow::ensure!(ok, "acknowledged commits missing {:?} or unexpected rows {:?}", v.missing, v.unexpected);
+        Ok(())
+    })
+}
+
+fn sqlite_front(a: FrontArgs) -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let python = ::failover::spec::find_program("python3").context("python3 not found (the SQLite front runs on python3's sqlite3 module)")?;
+    // exec: the front keeps this process id, so signals reach it directly.
+    let e = std::process::Command::new(python)
+        .arg("-c")
+        .arg(::failover::load::SQLITE_FRONT_PY)
+        .arg("--db")
+        .arg(&a.db)
+        .arg("--port")
+        .arg(a.port.to_string())
+        .arg("--housekeeping-ms")
+        .arg(a.housekeeping_ms.to_string())
+        .exec();
+    Err(anyhow::Error::from(e).context("cannot start python3"))
+}

@@ -1,0 +1,33 @@
+//! `understudy bench failover scenarios --quick` completes and emits well-formed JSON with the
+//! issue's ratio names (no timing is asserted). Needs root, /dev/fuse, losetup, python3; set
+//! UNDERSTUDY_SKIP_FUSE_TESTS=1 on a machine without them.
+
+mod common;
+
+use std::process::Command;
+
+use common::BIN;
+
+#[test]
+fn quick_scenarios_bench_emits_the_ratios() {
+    if std::env::var_os("UNDERSTUDY_SKIP_FUSE_TESTS").is_some() {
+        eprintln!("skipped: UNDERSTUDY_SKIP_FUSE_TESTS is set");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(BIN)
+        .args(["bench", "failover", "scenarios", "--quick", "--out"])
+        .arg(dir.path().join("out"))
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "bench failed: {}\n{stdout}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
+    assert_eq!(v["bench"], "failover.scenarios");
+    for r in ["speculative_vs_oracle.failover_latency.worst", "reds_60s_vs_speculative.failover_latency", "super_vs_plain.app_recovery_latency"] {
+        assert!(v["ratios"][r].as_f64().is_some_and(|x| x.is_finite() && x > 0.0), "ratio {r} missing or not positive: {v}");
+    }
+    assert!(v["figures"]["monitor.rss_peak_bytes"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    assert!(dir.path().join("out/throughput.csv").exists());
+}

@@ -1,0 +1,835 @@
+//! The failure monitor's decision logic as a deterministic state machine (sans-I/O).
+//!
+//! [`Monitor::handle`] takes the time and one [`Input`] (a ping result, an instance event, the
+//! result of a volume operation, a timer tick) and returns [`Action`]s for the driver to carry
+//! out. The part of the state that must survive a restart of the monitor is [`Durable`]; the
+//! driver persists it (see [`crate::journal`]) **after every `handle` and before executing the
+//! actions it returned**, so every irreversible step (super, collapse, re-pointing the endpoint,
+//! killing an instance) is recorded as intended before it happens. After a restart,
+//! [`Monitor::recover`] re-issues the actions of the recorded phase; every action is idempotent
+//! in the drivers (a second `Collapse` of the same child reports the outcome already decided),
+//! so a restart never promotes twice and never loses a decision.
+//!
+//! Safety rules the core keeps (and the simulation checks):
+//! * the parent volume is only ever given up through a `Collapse` that answered `Promoted`;
+//!   aborting drops the *child* (`DropChild`), never the parent;
+//! * the endpoint is re-pointed to a backup only after its child was promoted (speculative) or
+//!   after the old primary was fenced (REDS: killed, volume detached);
+//! * one superposition at a time, and one failover at a time.
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+
+/// An application instance, numbered by the monitor (never reused).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct InstanceId(pub u64);
+
+impl std::fmt::Display for InstanceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "i{}", self.0)
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PolicyKind {
+    /// Recovery from disaggregated storage: wait a timeout, fence, restart on the same volume.
+    Reds,
+    /// Speculative recovery (§3, §4.1): super + backup at the first missed ping, collapse.
+    Speculative,
+    /// Evaluation only: told the future by [`Input::OracleHint`], takes the shorter path.
+    Oracle,
+}
+
+impl std::str::FromStr for PolicyKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "reds" => Ok(PolicyKind::Reds),
+            "speculative" => Ok(PolicyKind::Speculative),
+            "oracle" => Ok(PolicyKind::Oracle),
+            _ => Err(format!("unknown policy {s:?} (reds, speculative or oracle)")),
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CollapseOutcome {
+    Promoted,
+    Rejected,
+}
+
+/// Timing and limits of the monitor.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MonitorConfig {
+    pub policy: PolicyKind,
+    /// How often the primary (and a recovering backup) is pinged.
+    pub ping_interval_ms: u64,
+    /// REDS (and speculative's fallback): how long the primary must stay silent before it is
+    /// fenced and restarted.
+    pub reds_timeout_ms: u64,
+    /// Speculative: consecutive missed pings before `super` (the paper: the first one).
+    pub speculate_after_missed_pings: u32,
+    /// How long a started instance has to answer its first ping before it counts as failed.
+    pub healthy_timeout_ms: u64,
+    /// Starts of a backup (speculative: on one child) before the attempt is given up.
+    pub max_backup_starts: u32,
+    /// Speculative falls back to REDS after this many aborted attempts within `abort_window_ms`
+    /// (fail-slow primaries, §4.4).
+    pub max_aborts: u32,
+    pub abort_window_ms: u64,
+    /// Wait after a failed volume operation or endpoint change before retrying it.
+    pub retry_backoff_ms: u64,
+}
+
+impl Default for MonitorConfig {
+    fn default() -> Self {
+        MonitorConfig {
+            policy: PolicyKind::Speculative,
+            ping_interval_ms: 500,
+            reds_timeout_ms: 60_000,
+            speculate_after_missed_pings: 1,
+            healthy_timeout_ms: 120_000,
+            max_backup_starts: 3,
+            max_aborts: 3,
+            abort_window_ms: 600_000,
+            retry_backoff_ms: 500,
+        }
+    }
+}
+
+/// Where the monitor is in a failover; persisted.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Starting the first primary (on `Durable::volume`); once healthy, point the endpoint.
+    Booting { instance: InstanceId, since_ms: u64, healthy: bool },
+    /// The primary serves; pings watch it.
+    Normal,
+    /// Speculative: `super` of the volume into `child` requested.
+    Supering { child: String },
+    /// Speculative: a backup recovers on `child` (restarted up to `max_backup_starts` times).
+    Recovering { child: String, backup: InstanceId, attempt: u32, since_ms: u64, stopping: bool },
+    /// Speculative: the backup is healthy; `collapse` requested.
+    Collapsing { child: String, backup: InstanceId },
+    /// Speculative: the child was promoted. Re-point the endpoint, kill the old primary.
+    Promoting { backup: InstanceId, old: InstanceId, pointed: bool, old_stopped: bool },
+    /// Speculative attempt given up: stop the backup (if any), drop the child (unless collapse
+    /// already discarded it). The primary and its volume are untouched.
+    Aborting { child: String, backup: Option<InstanceId>, backup_stopped: bool, child_dropped: bool, reason: String },
+    /// REDS: fence the old primary (kill it, detach its volume), then restart on the volume.
+    RedsFencing { old: InstanceId },
+    /// REDS: a new instance recovers on the very volume.
+    RedsStarting { old: InstanceId, backup: InstanceId, attempt: u32, since_ms: u64, stopping: bool },
+    /// REDS: the backup is healthy; re-point the endpoint.
+    RedsPointing { backup: InstanceId },
+    /// Nothing more to try (an application that never becomes healthy): needs an operator.
+    /// The volume is intact.
+    Failed { reason: String },
+}
+
+/// The monitor's persistent state.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Durable {
+    /// The volume of the current primary (after a promotion: the promoted child's name).
+    pub volume: String,
+    /// The instance the endpoint points at (or is to point at).
+    pub primary: InstanceId,
+    pub next_instance: u64,
+    /// Numbers the children: `VOLUME.fo-N`.
+    pub next_child: u64,
+    pub phase: Phase,
+    /// Times (ms) of recent aborted speculative attempts, newest last, at most `max_aborts`.
+    pub aborts_ms: Vec<u64>,
+    /// Completed failovers.
+    pub failovers: u64,
+    /// Start of the primary's current silence (first missed ping). Durable so that the REDS
+    /// timeout runs on across restarts of the monitor instead of starting over each time.
+    pub silent_since_ms: Option<u64>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// Timer; the driver calls it at least every `ping_interval_ms`.
+    Tick,
+    PingOk(InstanceId),
+    PingFailed(InstanceId),
+    InstanceStarted(InstanceId),
+    InstanceStartFailed { id: InstanceId, error: String },
+    /// The instance's processes exited on their own.
+    InstanceExited(InstanceId),
+    /// A `KillInstance` finished: processes gone, volume detached.
+    InstanceStopped(InstanceId),
+    EndpointPointed(InstanceId),
+    /// The endpoint could not be re-pointed (retried).
+    EndpointFailed { id: InstanceId, error: String },
+    SuperDone { child: String },
+    /// `super` failed; `existing_child` is set when the parent already has a (stale) child.
+    SuperFailed { child: String, error: String, existing_child: Option<String> },
+    CollapseDone { child: String, outcome: CollapseOutcome },
+    CollapseFailed { child: String, error: String },
+    ChildDropped { child: String },
+    DropFailed { child: String, error: String },
+    /// Oracle only: what will happen to the current failure, told by the evaluator.
+    /// `primary_back_after_ms`: the primary answers again that long after it was first missed
+    /// (None: never); `recovery_ms`: how long a restart on the volume takes.
+    OracleHint { primary_back_after_ms: Option<u64>, recovery_ms: u64 },
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    Ping(InstanceId),
+    StartInstance { id: InstanceId, volume: String },
+    /// SIGKILL the whole instance and detach its volume (fencing); answered by `InstanceStopped`.
+    KillInstance(InstanceId),
+    PointEndpoint(InstanceId),
+    Super { parent: String, child: String },
+    Collapse { parent: String, child: String },
+    /// Discard a super child without promoting it (the parent is kept).
+    DropChild { parent: String, child: String },
+    Notify(Event),
+}
+
+/// What the monitor tells its operator (the CLI prints these as JSON lines).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    PrimaryUp { instance: InstanceId, volume: String },
+    Suspected { instance: InstanceId },
+    Superposed { parent: String, child: String },
+    BackupStarted { instance: InstanceId, volume: String },
+    BackupHealthy { instance: InstanceId },
+    Promoted { instance: InstanceId, volume: String, failover_ms: u64 },
+    Aborted { child: String, reason: String },
+    RedsTimeout { instance: InstanceId },
+    RedsRestarted { instance: InstanceId, volume: String, failover_ms: u64 },
+    /// The primary answers again after a silence, without a failover.
+    PrimaryAnswered { instance: InstanceId, silent_ms: u64 },
+    GaveUp { reason: String },
+}
+
+/// The monitor core: [`Durable`] plus what may be forgotten on a restart.
+#[derive(Clone, Debug)]
+pub struct Monitor {
+    cfg: MonitorConfig,
+    d: Durable,
+    /// Pings sent and not yet answered.
+    pings_in_flight: BTreeSet<InstanceId>,
+    next_ping_ms: u64,
+    missed_pings: u32,
+    /// When a failed action is to be re-issued.
+    retry_at_ms: Option<u64>,
+    oracle: Option<(Option<u64>, u64)>,
+    /// When the failure was first noticed, for the `failover_ms` of events.
+    detected_ms: Option<u64>,
+}
+
+impl Monitor {
+    /// A fresh monitor that starts the first primary on `volume`.
+    pub fn new(cfg: MonitorConfig, volume: String, now_ms: u64) -> (Monitor, Vec<Action>) {
+        let first = InstanceId(1);
+        let d = Durable {
+            volume,
+            primary: first,
+            next_instance: 2,
+            next_child: 1,
+            phase: Phase::Booting { instance: first, since_ms: now_ms, healthy: false },
+            aborts_ms: vec![],
+            failovers: 0,
+            silent_since_ms: None,
+        };
+        Monitor::recover(cfg, d, now_ms)
+    }
+
+    /// A monitor restarted from its persisted state: re-issues what the phase needs.
+    pub fn recover(cfg: MonitorConfig, d: Durable, now_ms: u64) -> (Monitor, Vec<Action>) {
+        let m = Monitor {
+            cfg,
+            d,
+            pings_in_flight: BTreeSet::new(),
+            next_ping_ms: now_ms,
+            missed_pings: 0,
+            retry_at_ms: None,
+            oracle: None,
+            detected_ms: None,
+        };
+        let mut m = m;
+        m.detected_ms = m.d.silent_since_ms;
+        let acts = m.phase_actions();
+        (m, acts)
+    }
+
+    /// The monitor is shutting down and has stopped every instance cleanly: a primary that was
+    /// serving is to be started again (on the same volume) by the next run, rather than
+    /// taken for failed. Mid-failover phases stay as they are and resume.
+    pub fn shutdown(&mut self, now_ms: u64) {
+        if self.d.phase == Phase::Normal {
+            let id = self.new_instance();
+            self.d.primary = id;
+            self.d.silent_since_ms = None;
+            self.d.phase = Phase::Booting { instance: id, since_ms: now_ms, healthy: false };
+        }
+    }
+
+    pub fn durable(&self) -> &Durable {
+        &self.d
+    }
+
+    pub fn config(&self) -> &MonitorConfig {
+        &self.cfg
+    }
+
+    fn new_instance(&mut self) -> InstanceId {
+        let id = InstanceId(self.d.next_instance);
+        self.d.next_instance += 1;
+        id
+    }
+
+    /// The idempotent actions that move the current phase forward (re-issued after a restart
+    /// or a failed attempt).
+    fn phase_actions(&self) -> Vec<Action> {
+        match &self.d.phase {
+            Phase::Booting { instance, healthy: false, .. } => vec![Action::StartInstance { id: *instance, volume: self.d.volume.clone() }],
+            Phase::Booting { instance, healthy: true, .. } => vec![Action::PointEndpoint(*instance)],
+            Phase::Normal | Phase::Failed { .. } => vec![],
+            Phase::Supering { child } => vec![Action::Super { parent: self.d.volume.clone(), child: child.clone() }],
+            Phase::Recovering { child, backup, stopping, .. } => {
+                if *stopping {
+                    vec![Action::KillInstance(*backup)]
+                } else {
+                    vec![Action::StartInstance { id: *backup, volume: child.clone() }]
+                }
+            }
+            Phase::Collapsing { child, .. } => vec![Action::Collapse { parent: self.d.volume.clone(), child: child.clone() }],
+            Phase::Promoting { backup, old, pointed, old_stopped } => {
+                let mut a = vec![];
+                if !pointed {
+                    a.push(Action::PointEndpoint(*backup));
+                }
+                if !old_stopped {
+                    a.push(Action::KillInstance(*old));
+                }
+                a
+            }
+            Phase::Aborting { child, backup, backup_stopped, child_dropped, .. } => {
+                let mut a = vec![];
+                if let (Some(b), false) = (backup, backup_stopped) {
+                    a.push(Action::KillInstance(*b));
+                }
+                if !child_dropped {
+                    a.push(Action::DropChild { parent: self.d.volume.clone(), child: child.clone() });
+                }
+                a
+            }
+            Phase::RedsFencing { old } => vec![Action::KillInstance(*old)],
+            Phase::RedsStarting { backup, stopping, .. } => {
+                if *stopping {
+                    vec![Action::KillInstance(*backup)]
+                } else {
+                    vec![Action::StartInstance { id: *backup, volume: self.d.volume.clone() }]
+                }
+            }
+            Phase::RedsPointing { backup } => vec![Action::PointEndpoint(*backup)],
+        }
+    }
+
+    fn aborts_in_window(&self, now_ms: u64) -> usize {
+        self.d.aborts_ms.iter().filter(|&&t| now_ms.saturating_sub(t) < self.cfg.abort_window_ms).count()
+    }
+
+    fn record_abort(&mut self, now_ms: u64) {
+        self.d.aborts_ms.push(now_ms);
+        let max = self.cfg.max_aborts.max(1) as usize;
+        if self.d.aborts_ms.len() > max {
+            let drop = self.d.aborts_ms.len() - max;
+            self.d.aborts_ms.drain(..drop);
+        }
+    }
+
+    /// The instance being recovered on, if any (pinged alongside the primary).
+    fn backup(&self) -> Option<InstanceId> {
+        match &self.d.phase {
+            Phase::Booting { instance, healthy: false, .. } => Some(*instance),
+            Phase::Recovering { backup, stopping: false, .. } => Some(*backup),
+            Phase::RedsStarting { backup, stopping: false, .. } => Some(*backup),
+            _ => None,
+        }
+    }
+
+    /// Whether the primary is still the one to watch (not being replaced for good).
+    fn primary_watched(&self) -> bool {
+        matches!(self.d.phase, Phase::Normal | Phase::Supering { .. } | Phase::Recovering { .. } | Phase::Collapsing { .. } | Phase::Aborting { .. })
+    }
+
+    pub fn handle(&mut self, now_ms: u64, input: Input) -> Vec<Action> {
+        let mut out = vec![];
+        match input {
+            Input::Tick => self.on_tick(now_ms, &mut out),
+            Input::PingOk(id) => {
+                self.pings_in_flight.remove(&id);
+                self.on_ping_ok(now_ms, id, &mut out);
+            }
+            Input::PingFailed(id) => {
+                self.pings_in_flight.remove(&id);
+                self.on_ping_failed(now_ms, id, &mut out);
+            }
+            Input::InstanceStarted(_) => {}
+            Input::InstanceStartFailed { id, error } => self.on_instance_failed(now_ms, id, &error, &mut out),
+            Input::InstanceExited(id) => self.on_instance_failed(now_ms, id, "exited", &mut out),
+            Input::InstanceStopped(id) => self.on_stopped(now_ms, id, &mut out),
+            Input::EndpointPointed(id) => self.on_pointed(now_ms, id, &mut out),
+            Input::EndpointFailed { .. } | Input::CollapseFailed { .. } | Input::DropFailed { .. } => {
+                self.retry_at_ms = Some(now_ms + self.cfg.retry_backoff_ms);
+            }
+            Input::SuperDone { child } => {
+                if let Phase::Supering { child: c } = &self.d.phase {
+                    if *c == child {
+                        let backup = self.new_instance();
+                        self.d.phase = Phase::Recovering { child: child.clone(), backup, attempt: 1, since_ms: now_ms, stopping: false };
+                        out.push(Action::Notify(Event::Superposed { parent: self.d.volume.clone(), child: child.clone() }));
+                        out.push(Action::StartInstance { id: backup, volume: child.clone() });
+                        out.push(Action::Notify(Event::BackupStarted { instance: backup, volume: child }));
+                    }
+                }
+            }
+            Input::SuperFailed { child, error, existing_child } => {
+                if let Phase::Supering { child: c } = &self.d.phase {
+                    if *c == child {
+                        match existing_child {
+                            // A superposition left by an earlier attempt: drop it first.
+                            Some(stale) if stale != child => {
+                                self.d.phase = Phase::Aborting {
+                                    child: stale,
+                                    backup: None,
+                                    backup_stopped: true,
+                                    child_dropped: false,
+                                    reason: format!("stale super child found: {error}"),
+                                };
+                                out.extend(self.phase_actions());
+                            }
+                            _ => {
+                                // Storage unavailable for now: a new attempt on the next silence.
+                                self.d.phase = Phase::Normal;
+                                self.retry_at_ms = Some(now_ms + self.cfg.retry_backoff_ms);
+                                out.push(Action::Notify(Event::Aborted { child, reason: format!("super failed: {error}") }));
+                            }
+                        }
+                    }
+                }
+            }
+            Input::CollapseDone { child, outcome } => self.on_collapse(now_ms, child, outcome, &mut out),
+            Input::ChildDropped { child } => {
+                if let Phase::Aborting { child: c, child_dropped, .. } = &mut self.d.phase {
+                    if *c == child {
+                        *child_dropped = true;
+                    }
+                }
+                self.maybe_finish_abort(now_ms, &mut out);
+            }
+            Input::OracleHint { primary_back_after_ms, recovery_ms } => {
+                self.oracle = Some((primary_back_after_ms, recovery_ms));
+                if self.cfg.policy == PolicyKind::Oracle && self.d.silent_since_ms.is_some() && self.d.phase == Phase::Normal {
+                    self.oracle_decide(now_ms, &mut out);
+                }
+            }
+        }
+        self.check_invariants();
+        out
+    }
+
+    fn check_invariants(&self) {
+        assert!(self.d.primary.0 < self.d.next_instance, "primary id was allocated");
+        assert!(self.d.aborts_ms.len() <= self.cfg.max_aborts.max(1) as usize, "abort history is bounded");
+        if let Phase::Promoting { backup, old, .. } = &self.d.phase {
+            assert_ne!(backup, old);
+        }
+    }
+
+    fn on_tick(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        if let Some(t) = self.retry_at_ms {
+            if now_ms >= t {
+                self.retry_at_ms = None;
+                out.extend(self.phase_actions());
+            }
+        }
+        if now_ms >= self.next_ping_ms {
+            self.next_ping_ms = now_ms + self.cfg.ping_interval_ms;
+            let mut targets = vec![];
+            if self.primary_watched() {
+                targets.push(self.d.primary);
+            }
+            if let Some(b) = self.backup() {
+                targets.push(b);
+            }
+            for t in targets {
+                if self.pings_in_flight.insert(t) {
+                    out.push(Action::Ping(t));
+                }
+            }
+        }
+        // Time-outs of the current phase.
+        let healthy_timeout = self.cfg.healthy_timeout_ms;
+        match self.d.phase.clone() {
+            Phase::Booting { instance, since_ms, healthy: false } if now_ms.saturating_sub(since_ms) > healthy_timeout => {
+                let reason = format!("instance {instance} did not become healthy within {healthy_timeout} ms");
+                out.push(Action::KillInstance(instance));
+                self.fail(reason, out);
+            }
+            Phase::Recovering { backup, since_ms, stopping: false, .. } if now_ms.saturating_sub(since_ms) > healthy_timeout => {
+                self.on_instance_failed(now_ms, backup, &format!("not healthy within {healthy_timeout} ms"), out);
+            }
+            Phase::RedsStarting { backup, since_ms, stopping: false, .. } if now_ms.saturating_sub(since_ms) > healthy_timeout => {
+                self.on_instance_failed(now_ms, backup, &format!("not healthy within {healthy_timeout} ms"), out);
+            }
+            Phase::Normal | Phase::Supering { .. } | Phase::Recovering { .. } | Phase::Collapsing { .. } | Phase::Aborting { .. } => {
+                self.check_reds_timeout(now_ms, out);
+            }
+            _ => {}
+        }
+    }
+
+    fn fail(&mut self, reason: String, out: &mut Vec<Action>) {
+        tracing::error!("{reason}");
+        self.d.phase = Phase::Failed { reason: reason.clone() };
+        out.push(Action::Notify(Event::GaveUp { reason }));
+    }
+
+    /// REDS (or speculative's fallback): the primary silent for the whole timeout.
+    fn check_reds_timeout(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        let Some(since) = self.d.silent_since_ms else { return };
+        if now_ms.saturating_sub(since) < self.cfg.reds_timeout_ms || self.d.phase != Phase::Normal {
+            return;
+        }
+        let use_reds = match self.cfg.policy {
+            PolicyKind::Reds => true,
+            PolicyKind::Speculative => self.aborts_in_window(now_ms) >= self.cfg.max_aborts as usize,
+            // Only reached when the hint said "comes back" and it did not: stop waiting.
+            PolicyKind::Oracle => true,
+        };
+        if use_reds {
+            self.start_reds(out);
+        }
+    }
+
+    fn start_reds(&mut self, out: &mut Vec<Action>) {
+        self.oracle = None;
+        let old = self.d.primary;
+        self.d.phase = Phase::RedsFencing { old };
+        out.push(Action::Notify(Event::RedsTimeout { instance: old }));
+        out.extend(self.phase_actions());
+    }
+
+    fn oracle_decide(&mut self, _now_ms: u64, out: &mut Vec<Action>) {
+        match self.oracle {
+            Some((Some(back_ms), recovery_ms)) if back_ms <= recovery_ms => {} // waiting is shorter
+            _ => self.start_reds(out),
+        }
+    }
+
+    fn on_ping_ok(&mut self, now_ms: u64, id: InstanceId, out: &mut Vec<Action>) {
+        if id == self.d.primary && self.primary_watched() {
+            if let Some(since) = self.d.silent_since_ms.take() {
+                // A failure that healed: the oracle's hint was about it.
+                self.oracle = None;
+                out.push(Action::Notify(Event::PrimaryAnswered { instance: id, silent_ms: now_ms.saturating_sub(since) }));
+            }
+            self.missed_pings = 0;
+            self.detected_ms = None;
+            match self.d.phase.clone() {
+                // The primary answers again: it wins. Stop the speculation.
+                Phase::Supering { child } => {
+                    self.d.phase = Phase::Aborting {
+                        child,
+                        backup: None,
+                        backup_stopped: true,
+                        child_dropped: false,
+                        reason: "the primary answered again".into(),
+                    };
+                    out.extend(self.phase_actions());
+                }
+                Phase::Recovering { child, backup, .. } => {
+                    self.d.phase = Phase::Aborting {
+                        child,
+                        backup: Some(backup),
+                        backup_stopped: false,
+                        child_dropped: false,
+                        reason: "the primary answered again".into(),
+                    };
+                    out.extend(self.phase_actions());
+                }
+                // Collapsing: the decision is the tracking shard's now.
+                _ => {}
+            }
+            return;
+        }
+        if Some(id) == self.backup() {
+            match self.d.phase.clone() {
+                Phase::Booting { instance, since_ms, healthy: false } => {
+                    self.d.phase = Phase::Booting { instance, since_ms, healthy: true };
+                    out.extend(self.phase_actions());
+                }
+                Phase::Recovering { child, backup, .. } => {
+                    self.d.phase = Phase::Collapsing { child: child.clone(), backup };
+                    out.push(Action::Notify(Event::BackupHealthy { instance: backup }));
+                    out.extend(self.phase_actions());
+                }
+                Phase::RedsStarting { backup, .. } => {
+                    self.d.phase = Phase::RedsPointing { backup };
+                    out.push(Action::Notify(Event::BackupHealthy { instance: backup }));
+                    out.extend(self.phase_actions());
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn on_ping_failed(&mut self, now_ms: u64, id: InstanceId, out: &mut Vec<Action>) {
+        if id != self.d.primary || !self.primary_watched() {
+            return; // a backup that is not up yet: its health timeout decides
+        }
+        self.missed_pings += 1;
+        if self.d.silent_since_ms.is_none() {
+            self.d.silent_since_ms = Some(now_ms);
+            self.detected_ms = Some(now_ms);
+            out.push(Action::Notify(Event::Suspected { instance: id }));
+        }
+        if self.d.phase != Phase::Normal {
+            return;
+        }
+        match self.cfg.policy {
+            PolicyKind::Speculative => {
+                let fallen_back = self.aborts_in_window(now_ms) >= self.cfg.max_aborts as usize;
+                if !fallen_back && self.missed_pings >= self.cfg.speculate_after_missed_pings.max(1) {
+                    let child = format!("{}.fo-{}", self.d.volume, self.d.next_child);
+                    self.d.next_child += 1;
+                    self.d.phase = Phase::Supering { child };
+                    out.extend(self.phase_actions());
+                }
+            }
+            PolicyKind::Oracle => self.oracle_decide(now_ms, out),
+            PolicyKind::Reds => {}
+        }
+        self.check_reds_timeout(now_ms, out);
+    }
+
+    fn on_instance_failed(&mut self, now_ms: u64, id: InstanceId, why: &str, out: &mut Vec<Action>) {
+        match self.d.phase.clone() {
+            Phase::Booting { instance, healthy: false, .. } if instance == id => {
+                out.push(Action::KillInstance(instance));
+                self.fail(format!("the first instance failed to start: {why}"), out);
+            }
+            Phase::Recovering { child, backup, attempt, since_ms, stopping: false } if backup == id => {
+                if attempt >= self.cfg.max_backup_starts {
+                    self.d.phase = Phase::Aborting {
+                        child,
+                        backup: Some(backup),
+                        backup_stopped: false,
+                        child_dropped: false,
+                        reason: format!("backup {backup} failed {attempt} times (last: {why})"),
+                    };
+                } else {
+                    self.d.phase = Phase::Recovering { child, backup, attempt, since_ms, stopping: true };
+                }
+                out.extend(self.phase_actions());
+            }
+            Phase::RedsStarting { old, backup, attempt, since_ms, stopping: false } if backup == id => {
+                if attempt >= self.cfg.max_backup_starts {
+                    out.push(Action::KillInstance(backup));
+                    self.fail(format!("REDS restart failed {attempt} times (last: {why}); volume {} is intact", self.d.volume), out);
+                } else {
+                    self.d.phase = Phase::RedsStarting { old, backup, attempt, since_ms, stopping: true };
+                    out.extend(self.phase_actions());
+                }
+            }
+            // The primary exited on its own: a ping will notice; nothing more to know here.
+            _ => {
+                let _ = now_ms;
+            }
+        }
+    }
+
+    fn on_stopped(&mut self, now_ms: u64, id: InstanceId, out: &mut Vec<Action>) {
+        match self.d.phase.clone() {
+            Phase::Recovering { child, backup, attempt, stopping: true, .. } if backup == id => {
+                let next = self.new_instance();
+                self.d.phase = Phase::Recovering { child: child.clone(), backup: next, attempt: attempt + 1, since_ms: now_ms, stopping: false };
+                out.push(Action::StartInstance { id: next, volume: child.clone() });
+                out.push(Action::Notify(Event::BackupStarted { instance: next, volume: child }));
+            }
+            Phase::Promoting { backup, old, pointed, old_stopped: false } if old == id => {
+                self.d.phase = Phase::Promoting { backup, old, pointed, old_stopped: true };
+                self.maybe_finish_promotion(now_ms, out);
+            }
+            Phase::Aborting { child, backup: Some(b), backup_stopped: false, child_dropped, reason } if b == id => {
+                self.d.phase = Phase::Aborting { child, backup: Some(b), backup_stopped: true, child_dropped, reason };
+                self.maybe_finish_abort(now_ms, out);
+            }
+            Phase::RedsFencing { old } if old == id => {
+                let backup = self.new_instance();
+                self.d.phase = Phase::RedsStarting { old, backup, attempt: 1, since_ms: now_ms, stopping: false };
+                out.extend(self.phase_actions());
+                out.push(Action::Notify(Event::BackupStarted { instance: backup, volume: self.d.volume.clone() }));
+            }
+            Phase::RedsStarting { old, backup, attempt, stopping: true, .. } if backup == id => {
+                let next = self.new_instance();
+                self.d.phase = Phase::RedsStarting { old, backup: next, attempt: attempt + 1, since_ms: now_ms, stopping: false };
+                out.extend(self.phase_actions());
+            }
+            _ => {}
+        }
+    }
+
+    fn on_pointed(&mut self, now_ms: u64, id: InstanceId, out: &mut Vec<Action>) {
+        match self.d.phase.clone() {
+            Phase::Promoting { backup, old, pointed: false, old_stopped } if backup == id => {
+                self.d.phase = Phase::Promoting { backup, old, pointed: true, old_stopped };
+                self.maybe_finish_promotion(now_ms, out);
+            }
+            Phase::Booting { instance, healthy: true, .. } if instance == id => {
+                self.d.phase = Phase::Normal;
+                self.reset_silence();
+                out.push(Action::Notify(Event::PrimaryUp { instance, volume: self.d.volume.clone() }));
+            }
+            Phase::RedsPointing { backup } if backup == id => {
+                self.d.primary = backup;
+                self.d.phase = Phase::Normal;
+                self.d.failovers += 1;
+                self.reset_silence();
+                let failover_ms = self.detected_ms.take().map(|t| now_ms.saturating_sub(t)).unwrap_or(0);
+                out.push(Action::Notify(Event::RedsRestarted { instance: backup, volume: self.d.volume.clone(), failover_ms }));
+            }
+            _ => {}
+        }
+    }
+
+    fn reset_silence(&mut self) {
+        self.d.silent_since_ms = None;
+        self.missed_pings = 0;
+        self.pings_in_flight.clear();
+    }
+
+    fn on_collapse(&mut self, now_ms: u64, child: String, outcome: CollapseOutcome, out: &mut Vec<Action>) {
+        let Phase::Collapsing { child: c, backup } = self.d.phase.clone() else { return };
+        if c != child {
+            return;
+        }
+        match outcome {
+            CollapseOutcome::Promoted => {
+                // Irreversible: the parent is fenced; the child is the volume from now on.
+                let old = self.d.primary;
+                self.d.volume = child;
+                self.d.primary = backup;
+                self.d.phase = Phase::Promoting { backup, old, pointed: false, old_stopped: false };
+                out.extend(self.phase_actions());
+            }
+            CollapseOutcome::Rejected => {
+                // The parent was written: the primary lives. The child is already discarded.
+                self.d.phase = Phase::Aborting {
+                    child,
+                    backup: Some(backup),
+                    backup_stopped: false,
+                    child_dropped: true,
+                    reason: "collapse rejected: the primary wrote to its volume".into(),
+                };
+                out.extend(self.phase_actions());
+            }
+        }
+        let _ = now_ms;
+    }
+
+    fn maybe_finish_promotion(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        if let Phase::Promoting { backup, pointed: true, old_stopped: true, .. } = self.d.phase {
+            self.d.phase = Phase::Normal;
+            self.d.failovers += 1;
+            self.reset_silence();
+            let failover_ms = self.detected_ms.take().map(|t| now_ms.saturating_sub(t)).unwrap_or(0);
+            out.push(Action::Notify(Event::Promoted { instance: backup, volume: self.d.volume.clone(), failover_ms }));
+        }
+    }
+
+    fn maybe_finish_abort(&mut self, now_ms: u64, out: &mut Vec<Action>) {
+        if let Phase::Aborting { child, backup, backup_stopped, child_dropped: true, reason } = self.d.phase.clone() {
+            if backup.is_none() || backup_stopped {
+                self.d.phase = Phase::Normal;
+                self.record_abort(now_ms);
+                out.push(Action::Notify(Event::Aborted { child, reason }));
+                // Still silent? The next missed ping starts a new attempt (or the REDS timeout).
+                self.missed_pings = 0;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn boot(m: &mut Monitor, now: u64) {
+        let a = m.handle(now, Input::PingOk(InstanceId(1)));
+        assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1))]);
+        m.handle(now, Input::EndpointPointed(InstanceId(1)));
+        assert_eq!(m.durable().phase, Phase::Normal);
+    }
+
+    #[test]
+    fn restart_mid_failover_keeps_the_detection_time_and_promotes_once() {
+        let (mut m, _) = Monitor::new(MonitorConfig::default(), "db".into(), 0);
+        boot(&mut m, 100);
+        let a = m.handle(1_000, Input::PingFailed(InstanceId(1)));
+        assert!(a.contains(&Action::Super { parent: "db".into(), child: "db.fo-1".into() }), "{a:?}");
+        m.handle(1_010, Input::SuperDone { child: "db.fo-1".into() });
+        // Crash: recover from the durable state only.
+        let d = m.durable().clone();
+        assert_eq!(d.silent_since_ms, Some(1_000));
+        let (mut m, a) = Monitor::recover(MonitorConfig::default(), d, 2_000);
+        assert_eq!(a, vec![Action::StartInstance { id: InstanceId(2), volume: "db.fo-1".into() }]);
+        m.handle(2_100, Input::PingFailed(InstanceId(1)));
+        let a = m.handle(3_000, Input::PingOk(InstanceId(2)));
+        assert!(a.contains(&Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }), "{a:?}");
+        // Crash again before the answer: the collapse is asked again (idempotent in drivers).
+        let (mut m, a) = Monitor::recover(MonitorConfig::default(), m.durable().clone(), 3_100);
+        assert_eq!(a, vec![Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }]);
+        let a = m.handle(3_200, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
+        assert_eq!(a, vec![Action::PointEndpoint(InstanceId(2)), Action::KillInstance(InstanceId(1))]);
+        // A late duplicate answer changes nothing.
+        assert!(m.handle(3_250, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted }).is_empty());
+        m.handle(3_300, Input::EndpointPointed(InstanceId(2)));
+        let a = m.handle(3_400, Input::InstanceStopped(InstanceId(1)));
+        assert_eq!(
+            a,
+            vec![Action::Notify(Event::Promoted { instance: InstanceId(2), volume: "db.fo-1".into(), failover_ms: 2_400 })]
+        );
+        assert_eq!(m.durable().volume, "db.fo-1");
+        assert_eq!(m.durable().failovers, 1);
+    }
+
+    #[test]
+    fn rejected_collapse_keeps_the_parent_and_falls_back_to_reds() {
+        let cfg = MonitorConfig { max_aborts: 2, reds_timeout_ms: 10_000, ..MonitorConfig::default() };
+        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        boot(&mut m, 0);
+        let mut t = 1_000;
+        for n in 1..=2u64 {
+            let child = format!("db.fo-{n}");
+            let backup = InstanceId(n + 1);
+            let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+            assert!(a.contains(&Action::Super { parent: "db".into(), child: child.clone() }), "{a:?}");
+            m.handle(t + 10, Input::SuperDone { child: child.clone() });
+            m.handle(t + 20, Input::PingOk(backup));
+            let a = m.handle(t + 30, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
+            assert_eq!(a, vec![Action::KillInstance(backup)], "the rejected child is gone already: no drop");
+            let a = m.handle(t + 40, Input::InstanceStopped(backup));
+            assert!(matches!(&a[..], [Action::Notify(Event::Aborted { .. })]), "{a:?}");
+            assert_eq!(m.durable().volume, "db");
+            t += 1_000;
+        }
+        // Two aborts: no more speculation; the REDS timeout (from the first silence) decides.
+        let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+        assert!(!a.iter().any(|a| matches!(a, Action::Super { .. })), "{a:?}");
+        let a = m.handle(11_000, Input::Tick);
+        assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
+        let a = m.handle(11_100, Input::InstanceStopped(InstanceId(1)));
+        assert!(a.contains(&Action::StartInstance { id: InstanceId(4), volume: "db".into() }), "{a:?}");
+    }
+}

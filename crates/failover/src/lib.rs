@@ -1,0 +1,29 @@
+//! Speculative failover for applications on Understudy volumes (SpecREDS §3, §4.1, §4.3, §4.4,
+//! §5): a failure monitor, an instance pool and a client endpoint.
+//!
+//! * [`core`]: the monitor's decisions as a deterministic sans-I/O state machine
+//!   ([`core::Monitor`]: inputs are ping results, instance events, volume-operation results and
+//!   ticks; outputs are [`core::Action`]s) with three policies — REDS (timeout, fence, restart on
+//!   the same volume), speculative (first missed ping → `super` + backup on the child → `collapse`
+//!   → promote or abort; REDS after repeated aborts) and oracle (evaluation only).
+//! * [`journal`]: the monitor's state on disk, written before every irreversible step.
+//! * [`spec`]: the instance spec (command, environment, volume, mount point, health check),
+//!   TOML or JSON, validated.
+//! * [`pool`]: the instance pool trait and its local-process implementation (a process tree
+//!   per instance with its own attached volume; SIGKILL, SIGSTOP, clean stop).
+//! * [`endpoint`]: the TCP proxy clients use (the "elastic IP" of §4.3), re-pointable, severing
+//!   every connection to the old primary.
+//! * [`driver`]: the tokio runtime driver that runs the core against the real pool, endpoint and
+//!   volume service.
+//! * [`load`]: the load generator of the SQLite front: records every acknowledged commit and the
+//!   client-side throughput timeline.
+
+pub mod core;
+pub mod driver;
+pub mod endpoint;
+pub mod journal;
+pub mod load;
+pub mod pool;
+pub mod spec;
+
+pub use crate::core::{Action, CollapseOutcome, Durable, Event, Input, InstanceId, Monitor, MonitorConfig, Phase, PolicyKind};

@@ -1,0 +1,486 @@
+//! The instance pool (§4.1): where application instances run.
+//!
+//! [`InstancePool`] is what the monitor's driver needs from any pool (local processes today;
+//! containers or Kubernetes pods can implement it later). [`LocalPool`] runs each instance as its
+//! own process group, like a small host: the `understudy volume attach --foreground` helper that
+//! serves the instance's volume as ext4 at its own mount point, and the application itself. Each
+//! instance is reached through its own network link (a [`Proxy`] the pool owns), which a fault can
+//! cut; the group can be paused (SIGSTOP) or killed (SIGKILL of the whole group, with no flush:
+//! the FUSE server dies with the application, so dirty pages never reach the volume).
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, ChildStdout, Command};
+use tokio::sync::mpsc;
+
+use crate::core::{InstanceId, Input};
+use crate::endpoint::Proxy;
+use crate::spec::{substitute, AppSpec};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error("instance {0} was killed; ids are never reused")]
+    Killed(InstanceId),
+    #[error("no instance {0}")]
+    Unknown(InstanceId),
+    #[error("attaching volume {volume} for instance {id} failed: {msg}")]
+    Attach { id: InstanceId, volume: String, msg: String },
+    #[error("starting the application of instance {id} failed: {msg}")]
+    App { id: InstanceId, msg: String },
+    #[error("instance {id}: {msg}")]
+    Io { id: InstanceId, msg: String },
+}
+
+/// What the monitor's driver needs from a pool. Every operation is idempotent.
+pub trait InstancePool: Send + Sync + 'static {
+    /// Starts instance `id` on `volume` (or reports the running one); returns its address.
+    fn start(&self, id: InstanceId, volume: &str) -> impl std::future::Future<Output = Result<SocketAddr, PoolError>> + Send;
+    /// Kills the whole instance at once and detaches its volume (fencing). Final for `id`.
+    fn kill(&self, id: InstanceId) -> impl std::future::Future<Output = Result<(), PoolError>> + Send;
+    /// Stops the application cleanly (SIGTERM, wait), then detaches the volume (unmount).
+    fn stop(&self, id: InstanceId) -> impl std::future::Future<Output = Result<(), PoolError>> + Send;
+    /// SIGSTOP / SIGCONT of the whole instance.
+    fn pause(&self, id: InstanceId, paused: bool) -> Result<(), PoolError>;
+    /// Cuts (or restores) the instance's network link: connections severed, new ones refused.
+    fn cut(&self, id: InstanceId, cut: bool) -> Result<(), PoolError>;
+    fn address(&self, id: InstanceId) -> Option<SocketAddr>;
+}
+
+#[derive(Clone, Debug)]
+pub struct LocalPoolConfig {
+    /// The `understudy` executable (for `volume attach` / `volume detach`).
+    pub exe: PathBuf,
+    /// Arguments that find the cluster, e.g. `["--cluster", "/data/cluster.json"]`.
+    pub conn_args: Vec<String>,
+    /// Mount points (`mnt/iN`) and logs (`logs/iN.log`, `logs/iN.attach.log`) live here.
+    pub state_dir: PathBuf,
+    pub app: AppSpec,
+    /// `--mkfs` for the first instance's attach.
+    pub mkfs_first: bool,
+    /// How long attaching may take.
+    pub attach_timeout: Duration,
+}
+
+/// What `instances.json` keeps of an instance, so a restarted monitor adopts the instances its
+/// previous run left running (a monitor crash is not an instance crash).
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug)]
+struct SavedInst {
+    id: InstanceId,
+    pgid: i32,
+    app_pid: u32,
+    app_start: u64,
+    attach_pid: u32,
+    attach_start: u64,
+    app_port: u16,
+    mount: PathBuf,
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Default, Debug)]
+struct SavedPool {
+    instances: Vec<SavedInst>,
+    killed: Vec<InstanceId>,
+}
+
+/// Start time of a process (clock ticks since boot, /proc/PID/stat field 22): with the pid, it
+/// names one process even after pid reuse.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    // Fields after the command: state is field 3, so starttime (22) is index 19 here.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+struct Inst {
+    saved: SavedInst,
+    pgid: i32,
+    app_pid: u32,
+    attach_pid: u32,
+    app_addr: SocketAddr,
+    link: Proxy,
+    mount: PathBuf,
+    /// Set before we kill or stop it, so the exit is not reported as a failure.
+    expected_exit: Arc<AtomicBool>,
+    _attach_stdout: Option<ChildStdout>,
+}
+
+pub struct LocalPool {
+    cfg: LocalPoolConfig,
+    insts: Mutex<HashMap<InstanceId, Inst>>,
+    killed: Mutex<HashSet<InstanceId>>,
+    events: mpsc::Sender<Input>,
+}
+
+fn signal_group(pgid: i32, sig: libc::c_int) {
+    // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
+    unsafe {
+        libc::kill(-pgid, sig);
+    }
+}
+
+fn signal_pid(pid: u32, sig: libc::c_int) {
+    // SAFETY: as above, for one process.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+pub fn pid_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat.rsplit_once(')').map(|(_, rest)| !rest.trim_start().starts_with('Z')).unwrap_or(true),
+        Err(_) => false,
+    }
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join(" | ")
+}
+
+impl LocalPool {
+    pub fn new(cfg: LocalPoolConfig, events: mpsc::Sender<Input>) -> std::io::Result<LocalPool> {
+        std::fs::create_dir_all(cfg.state_dir.join("mnt"))?;
+        std::fs::create_dir_all(cfg.state_dir.join("logs"))?;
+        Ok(LocalPool { cfg, insts: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events })
+    }
+
+    fn saved_path(&self) -> PathBuf {
+        self.cfg.state_dir.join("instances.json")
+    }
+
+    /// Writes `instances.json` (atomically) after every change.
+    fn save(&self) {
+        let saved = SavedPool {
+            instances: self.insts.lock().unwrap().values().map(|i| i.saved.clone()).collect(),
+            killed: self.killed.lock().unwrap().iter().copied().collect(),
+        };
+        let path = self.saved_path();
+        let tmp = path.with_extension("tmp");
+        let r = std::fs::write(&tmp, serde_json::to_vec_pretty(&saved).expect("serialisable")).and_then(|_| std::fs::rename(&tmp, &path));
+        if let Err(e) = r {
+            tracing::error!("cannot write {}: {e}", path.display());
+        }
+    }
+
+    /// Adopts the instances a previous run of the monitor left running (same processes, same
+    /// start times); returns their ids. Call once, before the monitor starts.
+    pub async fn adopt(&self) -> Vec<InstanceId> {
+        let Ok(bytes) = std::fs::read(self.saved_path()) else { return vec![] };
+        let Ok(saved) = serde_json::from_slice::<SavedPool>(&bytes) else {
+            tracing::warn!("ignoring unreadable {}", self.saved_path().display());
+            return vec![];
+        };
+        self.killed.lock().unwrap().extend(saved.killed.iter().copied());
+        let mut adopted = vec![];
+        for s in saved.instances {
+            let alive = start_time(s.app_pid) == Some(s.app_start) && start_time(s.attach_pid) == Some(s.attach_start);
+            if !alive {
+                tracing::info!(id = %s.id, "instance of the previous run is gone");
+                continue;
+            }
+            let app_addr: SocketAddr = ([127, 0, 0, 1], s.app_port).into();
+            let Ok(link) = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await else { continue };
+            let expected_exit = Arc::new(AtomicBool::new(false));
+            // Not our children any more: watch them by pid.
+            let (events, flag, id, pids) = (self.events.clone(), expected_exit.clone(), s.id, [s.app_pid, s.attach_pid]);
+            tokio::spawn(async move {
+                while pids.iter().all(|p| pid_alive(*p)) {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                if !flag.load(Ordering::SeqCst) {
+                    let _ = events.send(Input::InstanceExited(id)).await;
+                }
+            });
+            tracing::info!(id = %s.id, addr = %link.local_addr(), "adopted a running instance");
+            adopted.push(s.id);
+            self.insts.lock().unwrap().insert(
+                s.id,
+                Inst {
+                    pgid: s.pgid,
+                    app_pid: s.app_pid,
+                    attach_pid: s.attach_pid,
+                    app_addr,
+                    link,
+                    mount: s.mount.clone(),
+                    expected_exit,
+                    _attach_stdout: None,
+                    saved: s,
+                },
+            );
+        }
+        self.save();
+        adopted
+    }
+
+    pub fn mount_dir(&self, id: InstanceId) -> PathBuf {
+        self.cfg.state_dir.join("mnt").join(id.to_string())
+    }
+
+    pub fn log_file(&self, id: InstanceId) -> PathBuf {
+        self.cfg.state_dir.join("logs").join(format!("{id}.log"))
+    }
+
+    /// Process ids of an instance: (application, attach helper).
+    pub fn pids(&self, id: InstanceId) -> Option<(u32, u32)> {
+        self.insts.lock().unwrap().get(&id).map(|i| (i.app_pid, i.attach_pid))
+    }
+
+    pub fn instances(&self) -> Vec<InstanceId> {
+        let mut v: Vec<_> = self.insts.lock().unwrap().keys().copied().collect();
+        v.sort();
+        v
+    }
+
+    async fn detach(&self, mount: &Path) -> Result<(), String> {
+        let out = Command::new(&self.cfg.exe)
+            .arg("volume")
+            .args(&self.cfg.conn_args)
+            .arg("detach")
+            .arg(mount)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .map_err(|e| format!("cannot run {}: {e}", self.cfg.exe.display()))?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() || err.contains("nothing is attached") {
+            Ok(())
+        } else {
+            Err(err.trim().to_string())
+        }
+    }
+
+    async fn wait_gone(pids: &[u32], timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while pids.iter().any(|p| pid_alive(*p)) {
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
+    }
+
+    async fn start_inner(&self, id: InstanceId, volume: &str) -> Result<SocketAddr, PoolError> {
+        let mount = self.mount_dir(id);
+        std::fs::create_dir_all(&mount).map_err(|e| PoolError::Io { id, msg: format!("cannot create {}: {e}", mount.display()) })?;
+        let attach_log = self.cfg.state_dir.join("logs").join(format!("{id}.attach.log"));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&attach_log)
+            .map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
+        let mut cmd = Command::new(&self.cfg.exe);
+        cmd.arg("volume").args(&self.cfg.conn_args).args(["attach", volume, "--mount"]).arg(&mount).arg("--foreground");
+        if self.cfg.mkfs_first && id == InstanceId(1) {
+            cmd.arg("--mkfs");
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log)).process_group(0).kill_on_drop(false);
+        let mut attach: Child =
+            cmd.spawn().map_err(|e| PoolError::Attach { id, volume: volume.into(), msg: format!("cannot run {}: {e}", self.cfg.exe.display()) })?;
+        let attach_pid = attach.id().unwrap_or(0);
+        let pgid = attach_pid as i32;
+        let mut stdout = BufReader::new(attach.stdout.take().expect("piped"));
+        let mut line = String::new();
+        let ready = tokio::time::timeout(self.cfg.attach_timeout, stdout.read_line(&mut line)).await;
+        if !matches!(ready, Ok(Ok(n)) if n > 0 && line.starts_with("attached")) {
+            signal_group(pgid, libc::SIGKILL);
+            let _ = attach.wait().await;
+            let _ = self.detach(&mount).await;
+            let why = match ready {
+                Err(_) => format!("not attached within {:?}", self.cfg.attach_timeout),
+                _ => tail(&attach_log, 3),
+            };
+            return Err(PoolError::Attach { id, volume: volume.into(), msg: why });
+        }
+        // The application, in the same process group.
+        let port = free_port().map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
+        let inst = id.to_string();
+        let args: Vec<String> = self.cfg.app.command.iter().map(|a| substitute(a, &mount, port, &inst)).collect();
+        let app_log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_file(id))
+            .map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
+        let app_err = app_log.try_clone().map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
+        let mut app = Command::new(&args[0]);
+        app.args(&args[1..])
+            .current_dir(&mount)
+            .env("UNDERSTUDY_MOUNT", &mount)
+            .env("UNDERSTUDY_PORT", port.to_string())
+            .env("UNDERSTUDY_INSTANCE", &inst)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(app_log))
+            .stderr(Stdio::from(app_err))
+            .process_group(pgid)
+            .kill_on_drop(false);
+        for (k, v) in &self.cfg.app.env {
+            app.env(k, substitute(v, &mount, port, &inst));
+        }
+        let mut app_child = match app.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                signal_group(pgid, libc::SIGKILL);
+                let _ = attach.wait().await;
+                let _ = self.detach(&mount).await;
+                return Err(PoolError::App { id, msg: format!("cannot run {:?}: {e}", args[0]) });
+            }
+        };
+        let app_pid = app_child.id().unwrap_or(0);
+        let app_addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let link = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr))
+            .await
+            .map_err(|e| PoolError::Io { id, msg: format!("cannot open the instance's link: {e}") })?;
+        let addr = link.local_addr();
+        let expected_exit = Arc::new(AtomicBool::new(false));
+        // Report an exit we did not cause (a crash of the app or of the attach helper).
+        let events = self.events.clone();
+        let flag = expected_exit.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = app_child.wait() => {}
+                _ = attach.wait() => {}
+            }
+            if !flag.load(Ordering::SeqCst) {
+                let _ = events.send(Input::InstanceExited(id)).await;
+            }
+            // Reap whichever is left once it is killed.
+            let _ = app_child.wait().await;
+            let _ = attach.wait().await;
+        });
+        tracing::info!(%id, volume, %addr, app_pid, attach_pid, "instance started");
+        let saved = SavedInst {
+            id,
+            pgid,
+            app_pid,
+            app_start: start_time(app_pid).unwrap_or(0),
+            attach_pid,
+            attach_start: start_time(attach_pid).unwrap_or(0),
+            app_port: port,
+            mount: mount.clone(),
+        };
+        self.insts.lock().unwrap().insert(
+            id,
+            Inst { saved, pgid, app_pid, attach_pid, app_addr, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
+        );
+        self.save();
+        Ok(addr)
+    }
+
+    /// Clean stop of every instance (the monitor shutting down).
+    pub async fn stop_all(&self) {
+        for id in self.instances() {
+            if let Err(e) = self.stop(id).await {
+                tracing::warn!("stopping {id}: {e}");
+            }
+        }
+    }
+}
+
+impl InstancePool for LocalPool {
+    async fn start(&self, id: InstanceId, volume: &str) -> Result<SocketAddr, PoolError> {
+        if self.killed.lock().unwrap().contains(&id) {
+            return Err(PoolError::Killed(id));
+        }
+        let existing = self.insts.lock().unwrap().get(&id).map(|i| (i.link.local_addr(), i.app_pid));
+        if let Some((addr, pid)) = existing {
+            if pid_alive(pid) {
+                return Ok(addr);
+            }
+            // It died: clean up, then start it again (a restart of the same instance).
+            self.kill_inner(id).await?;
+        }
+        self.start_inner(id, volume).await
+    }
+
+    async fn kill(&self, id: InstanceId) -> Result<(), PoolError> {
+        self.killed.lock().unwrap().insert(id);
+        self.save();
+        let r = self.kill_inner(id).await;
+        self.save();
+        r
+    }
+
+    async fn stop(&self, id: InstanceId) -> Result<(), PoolError> {
+        let Some((app_pid, attach_pid, mount, flag)) =
+            self.insts.lock().unwrap().get(&id).map(|i| (i.app_pid, i.attach_pid, i.mount.clone(), i.expected_exit.clone()))
+        else {
+            return Ok(());
+        };
+        flag.store(true, Ordering::SeqCst);
+        signal_pid(app_pid, libc::SIGCONT);
+        signal_pid(app_pid, libc::SIGTERM);
+        if !Self::wait_gone(&[app_pid], Duration::from_millis(self.cfg.app.stop_grace_ms)).await {
+            signal_pid(app_pid, libc::SIGKILL);
+            Self::wait_gone(&[app_pid], Duration::from_secs(10)).await;
+        }
+        signal_pid(attach_pid, libc::SIGCONT);
+        let r = self.detach(&mount).await;
+        Self::wait_gone(&[attach_pid], Duration::from_secs(30)).await;
+        if let Some(i) = self.insts.lock().unwrap().remove(&id) {
+            i.link.point(None);
+        }
+        self.save();
+        r.map_err(|msg| PoolError::Io { id, msg: format!("detach after clean stop: {msg}") })
+    }
+
+    fn pause(&self, id: InstanceId, paused: bool) -> Result<(), PoolError> {
+        let g = self.insts.lock().unwrap();
+        let i = g.get(&id).ok_or(PoolError::Unknown(id))?;
+        signal_group(i.pgid, if paused { libc::SIGSTOP } else { libc::SIGCONT });
+        Ok(())
+    }
+
+    fn cut(&self, id: InstanceId, cut: bool) -> Result<(), PoolError> {
+        let g = self.insts.lock().unwrap();
+        let i = g.get(&id).ok_or(PoolError::Unknown(id))?;
+        i.link.point(if cut { None } else { Some(i.app_addr) });
+        Ok(())
+    }
+
+    fn address(&self, id: InstanceId) -> Option<SocketAddr> {
+        self.insts.lock().unwrap().get(&id).map(|i| i.link.local_addr())
+    }
+}
+
+impl LocalPool {
+    async fn kill_inner(&self, id: InstanceId) -> Result<(), PoolError> {
+        let Some((pgid, pids, mount, flag)) = self
+            .insts
+            .lock()
+            .unwrap()
+            .get(&id)
+            .map(|i| (i.pgid, [i.app_pid, i.attach_pid], i.mount.clone(), i.expected_exit.clone()))
+        else {
+            // Unknown (never started here, or already gone): make sure nothing is mounted.
+            let mount = self.mount_dir(id);
+            if mount.exists() {
+                self.detach(&mount).await.map_err(|msg| PoolError::Io { id, msg })?;
+            }
+            return Ok(());
+        };
+        flag.store(true, Ordering::SeqCst);
+        // One signal for the whole group: the FUSE server dies with the app, no flush.
+        signal_group(pgid, libc::SIGKILL);
+        if let Some(i) = self.insts.lock().unwrap().get(&id) {
+            i.link.point(None);
+        }
+        if !Self::wait_gone(&pids, Duration::from_secs(30)).await {
+            return Err(PoolError::Io { id, msg: "processes still alive 30 s after SIGKILL".into() });
+        }
+        self.detach(&mount).await.map_err(|msg| PoolError::Io { id, msg: format!("detach after kill: {msg}") })?;
+        self.insts.lock().unwrap().remove(&id);
+        tracing::info!(%id, "instance killed and its volume detached");
+        Ok(())
+    }
+}
