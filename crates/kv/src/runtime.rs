@@ -1,0 +1,1 @@
+//! Tokio drivers (node server, CM server, async client).
