@@ -132,6 +132,11 @@ impl CmCore {
         self.last_heard_us.insert(n, now_us);
         match ack.status {
             NodeStatus::WantsJoin => {
+                if self.config.active.len() == 1 && self.config.active.contains(&n) {
+                    // The last active node restarted: the group's state is in its log alone;
+                    // nothing can be recovered from peers. Keep it (it cannot serve: it is Down).
+                    return;
+                }
                 if self.config.is_member(n) {
                     // It restarted and lost its volatile state: it has no lease to wait out.
                     self.remove(now_us, n, "restarted");
@@ -173,6 +178,10 @@ impl CmCore {
             })
             .collect();
         for n in ready {
+            if self.config.active.len() == 1 && self.config.active.contains(&n) {
+                // Never remove the last active node: nobody could recover from the others.
+                continue;
+            }
             if self.config.is_member(n) {
                 self.remove(now_us, n, "silent");
             } else {

@@ -196,9 +196,15 @@ pub struct NodeCore {
     next_persist_id: u64,
     /// Scope PERSISTs of other coordinators waiting for local durability: (from, id, writes).
     persist_waits: Vec<(NodeId, u64, Vec<(Vec<u8>, Ts)>)>,
+    /// Client tags seen lately: a request delivered twice must not write twice.
+    recent_tags: BTreeSet<u64>,
+    recent_order: VecDeque<u64>,
     out: Vec<Output>,
     pub counters: NodeCounters,
 }
+
+/// Client tags remembered for duplicate suppression.
+pub const RECENT_CLIENT_TAGS: usize = 4096;
 
 impl NodeCore {
     /// A node starting on what its log holds. It serves nothing until a configuration admits
@@ -241,6 +247,8 @@ impl NodeCore {
             persist_ops: BTreeMap::new(),
             next_persist_id: 0,
             persist_waits: Vec::new(),
+            recent_tags: BTreeSet::new(),
+            recent_order: VecDeque::new(),
             out: Vec::new(),
             counters: NodeCounters::default(),
         }
@@ -530,6 +538,14 @@ impl NodeCore {
 
     /// A client operation; the answer comes as [`Output::Reply`] with the same `tag`.
     pub fn on_client(&mut self, now_us: u64, tag: u64, op: ClientOp) {
+        if !self.recent_tags.insert(tag) {
+            return; // a duplicate delivery of a request already taken
+        }
+        self.recent_order.push_back(tag);
+        if self.recent_order.len() > RECENT_CLIENT_TAGS {
+            let old = self.recent_order.pop_front().unwrap();
+            self.recent_tags.remove(&old);
+        }
         let bad = match &op {
             ClientOp::Get { key } => key.len() > MAX_KEY_BYTES || key.is_empty(),
             ClientOp::Put { key, value, .. } => {
