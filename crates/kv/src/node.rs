@@ -476,6 +476,14 @@ impl NodeCore {
             } else {
                 self.missed = Missed::default();
             }
+        } else if self.config.degraded() {
+            // A recovering node does not know what happened while it was away, so its buffer
+            // cannot be trusted if it is later asked to be someone's Buddy: it answers with a
+            // full copy instead (rare: concurrent failures, §VI).
+            self.missed.recording = true;
+            self.missed.overflowed = true;
+            self.missed.keys.clear();
+            self.missed.bytes = 0;
         }
         // In-flight writes and PERSISTs restart with the new membership (same timestamps).
         let keys: Vec<Vec<u8>> = self.unsettled.iter().cloned().collect();

@@ -264,7 +264,13 @@ impl World {
         let n = &mut self.nodes[id as usize];
         n.down_until = None;
         let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
-        let st = log::rebuild(&log::decode_all(&bytes).0);
+        let (recs, valid) = log::decode_all(&bytes);
+        // As FileLog::open does: cut a torn tail so new records follow the valid prefix.
+        if valid < bytes.len() {
+            n.disk.truncate(LOG, valid as u64).unwrap();
+            n.disk.sync(LOG).unwrap();
+        }
+        let st = log::rebuild(&recs);
         if self.verbose {
             eprintln!(
                 "{now:>9} restart node {id}: {} records, {} base keys, {} partially persisted",
