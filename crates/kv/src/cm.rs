@@ -137,6 +137,10 @@ impl CmCore {
                     // nothing can be recovered from peers. Keep it (it cannot serve: it is Down).
                     return;
                 }
+                if self.config.is_member(n) && ack.epoch < self.config.epoch {
+                    // An answer to an older configuration (e.g. the one that removed it).
+                    return;
+                }
                 if self.config.is_member(n) {
                     // It restarted and lost its volatile state: it has no lease to wait out.
                     self.remove(now_us, n, "restarted");

@@ -326,7 +326,7 @@ fn render_node_metrics(s: &NodeStats) -> String {
 }
 
 async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc::Receiver<PeerMsg>) {
-    let mut backoff = Duration::from_millis(10);
+    let mut backoff = Duration::from_millis(2);
     loop {
         let conn = async {
             let mut s = TcpStream::connect(addr).await?;
@@ -340,11 +340,11 @@ async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc
                 // Messages for an unreachable peer are dropped; the protocol retransmits.
                 while rx.try_recv().is_ok() {}
                 tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
+                backoff = (backoff * 2).min(Duration::from_millis(20));
                 continue;
             }
         };
-        backoff = Duration::from_millis(10);
+        backoff = Duration::from_millis(2);
         let (_r, mut w) = s.split();
         loop {
             let Some(m) = rx.recv().await else { return };
