@@ -69,6 +69,29 @@ pub enum Protocol {
     Leaderless,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Recovery {
+    /// HEAL online incremental recovery.
+    Heal,
+    /// Baseline: the recoverer streams its whole store to the returning node.
+    FullCopy,
+}
+
+impl Recovery {
+    fn scheme(self) -> ::kv::node::RecoveryScheme {
+        match self {
+            Recovery::Heal => ::kv::node::RecoveryScheme::Heal,
+            Recovery::FullCopy => ::kv::node::RecoveryScheme::FullCopy,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Recovery::Heal => "heal",
+            Recovery::FullCopy => "full-copy",
+        }
+    }
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct KvConn {
     /// The file written by `understudy kv up`.
@@ -132,6 +155,9 @@ pub struct NodeArgs {
     /// Missed_updates cap; past it recovery falls back to a full copy.
     #[arg(long, default_value_t = 256 << 20)]
     pub missed_updates_cap_bytes: usize,
+    /// Recovery scheme (the same on every node): heal, or the full-copy baseline.
+    #[arg(long, value_enum, default_value = "heal")]
+    pub recovery: Recovery,
     /// Serve Prometheus metrics on this address.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<SocketAddr>,
@@ -146,8 +172,8 @@ pub struct CmArgs {
     pub data: PathBuf,
     #[arg(long, value_name = "FILE")]
     pub secret_file: PathBuf,
-    /// Heartbeat period (the paper uses 4 ms).
-    #[arg(long, default_value_t = 4)]
+    /// Heartbeat period (the paper uses 4 ms; 10 by default to spare a shared machine).
+    #[arg(long, default_value_t = 10)]
     pub heartbeat_interval_ms: u64,
     /// A node silent this long is removed (after its lease has run out).
     #[arg(long, default_value_t = 500)]
@@ -187,6 +213,9 @@ pub struct UpArgs {
     /// Missed_updates cap per node.
     #[arg(long, default_value_t = 256 << 20)]
     pub missed_updates_cap_bytes: usize,
+    /// Recovery scheme: heal, or the full-copy baseline.
+    #[arg(long, value_enum, default_value = "heal")]
+    pub recovery: Recovery,
 }
 
 pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
@@ -254,6 +283,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
     p.ack_val_timeout_us = a.ack_val_timeout_ms * 1000;
     p.lease_us = a.lease_ms * 1000;
     p.missed_updates_cap_bytes = a.missed_updates_cap_bytes;
+    p.recovery = a.recovery.scheme();
     let cfg = NodeConfig {
         params: p,
         listen,
@@ -280,6 +310,7 @@ async fn cm(a: CmArgs) -> anyhow::Result<()> {
             lease_us: a.lease_ms * 1000,
             max_message_delay_us: 100_000,
             efn_min_us: a.efn_ms * 1000,
+            startup_grace_us: 10_000_000,
         },
         nodes,
         data_dir: a.data,
@@ -346,6 +377,7 @@ impl LocalKv {
                     "--secret-file".into(), sf.clone(), "--model".into(), a.model.name().into(),
                     "--persist-latency-us".into(), a.persist_latency_us.to_string(),
                     "--missed-updates-cap-bytes".into(), a.missed_updates_cap_bytes.to_string(),
+                    "--recovery".into(), a.recovery.name().into(),
                 ]
             })
             .collect();
@@ -366,6 +398,32 @@ impl LocalKv {
         me.children.push(("cm".into(), Some(cm)));
         me.write_pids()?;
         Ok(me)
+    }
+
+    /// Restarts node `i` now if it is not running.
+    pub fn restart_node(&mut self, i: usize) -> anyhow::Result<()> {
+        if let Some(c) = &mut self.children[i].1 {
+            if let Ok(None) = c.try_wait() {
+                return Ok(());
+            }
+        }
+        let c = self.spawn_node(i)?;
+        self.children[i].1 = Some(c);
+        self.down_since[i] = None;
+        self.write_pids()
+    }
+
+    /// Kills node `i` with SIGKILL and reaps it.
+    pub fn kill9(&mut self, i: usize) -> anyhow::Result<()> {
+        if let Some(mut c) = self.children[i].1.take() {
+            c.kill()?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.children[i].1.as_ref().map(|c| c.id())
     }
 
     fn spawn_node(&self, i: usize) -> anyhow::Result<Child> {
@@ -469,4 +527,264 @@ fn up(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
     })?;
     lk.stop();
     Ok(())
+}
+
+// ------------------------------------------------------------------------------ benchmark
+
+#[derive(Subcommand, Debug)]
+pub enum KvBench {
+    /// Recovery after a node failure (HEAL §IX): HEAL against the full-copy baseline.
+    ///
+    /// Each run: a group on loopback with a preloaded store (every node's log restored from the
+    /// same snapshot), closed-loop clients with a YCSB-B mix (95% reads, 5% writes, uniform
+    /// keys); one node is killed with SIGKILL, stays down for the EFN period, and is restarted
+    /// on its log. Measured: the recovery latency the recovering node reports (from its
+    /// re-admission to Recov_end, broken into Start_to_ACK / CatchUp_to_Resp / Apply_to_end),
+    /// the bytes it received, and the throughput lost from the kill until one second after the
+    /// recovery, against the throughput before the kill. HEAL and full copy alternate runs.
+    Recovery(KvRecoveryArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct KvRecoveryArgs {
+    /// A short run (under a minute) that still measures every figure.
+    #[arg(long)]
+    pub quick: bool,
+    /// Where the CSV of throughput windows goes [default: target/bench/kv].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Nodes in the group.
+    #[arg(long, default_value_t = 5)]
+    pub nodes: u32,
+    /// Preloaded keys (default: 100000 with --quick, 1000000 without).
+    #[arg(long)]
+    pub keys: Option<u64>,
+    /// Value size of the preloaded records and of the writes.
+    #[arg(long, default_value_t = 1000)]
+    pub value_bytes: usize,
+    /// Execution with fewer nodes, in seconds (default: 2 with --quick, 60 without).
+    #[arg(long)]
+    pub efn_s: Option<u64>,
+    /// Runs per scheme (default: 1 with --quick, 3 without).
+    #[arg(long)]
+    pub rounds: Option<usize>,
+    /// Closed-loop clients.
+    #[arg(long, default_value_t = 16)]
+    pub clients: usize,
+}
+
+pub fn bench(b: KvBench, _verbose: u8) -> anyhow::Result<()> {
+    let KvBench::Recovery(a) = b;
+    let keys = a.keys.unwrap_or(if a.quick { 100_000 } else { 1_000_000 });
+    let efn = Duration::from_secs(a.efn_s.unwrap_or(if a.quick { 2 } else { 60 }));
+    let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 });
+    let out = bench::out_dir("kv", a.out.clone())?;
+    let mut report = bench::Report::new("kv.recovery", a.quick);
+    let schemes = [Recovery::Heal, Recovery::FullCopy];
+    let mut results: BTreeMap<&'static str, Vec<RunResult>> = BTreeMap::new();
+    let mut csv_rows = Vec::new();
+    for (round, v) in bench::interleaved_order(rounds, schemes.len()).into_iter().enumerate() {
+        let scheme = schemes[v];
+        eprintln!("run {}/{}: {} ({} nodes, {} keys x {} B, EFN {:?})", round + 1, rounds * 2, scheme.name(), a.nodes, keys, a.value_bytes, efn);
+        let r = recovery_run(&a, scheme, keys, efn)?;
+        eprintln!(
+            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms; {} entries, {} bytes); throughput lost {:.1}%",
+            r.recovery_ms, r.start_to_ack_ms, r.catchup_to_resp_ms, r.apply_to_end_ms, r.entries, r.bytes, r.throughput_lost * 100.0
+        );
+        for (i, w) in r.windows.iter().enumerate() {
+            csv_rows.push(vec![scheme.name().to_string(), round.to_string(), format!("{:.1}", i as f64 * 0.1), w.to_string()]);
+        }
+        results.entry(scheme.name()).or_default().push(r);
+    }
+    bench::write_csv(&out.join("recovery_throughput.csv"), &["scheme", "run", "t_s", "ops_in_100ms"], csv_rows)?;
+    let mean = |v: &[RunResult], f: &dyn Fn(&RunResult) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
+    for (name, key) in [("heal", "heal"), ("full-copy", "fullcopy")] {
+        let v = &results[name];
+        report.figure(&format!("{key}.recovery_latency_ms"), mean(v, &|r| r.recovery_ms))?;
+        report.figure(&format!("{key}.start_to_ack_ms"), mean(v, &|r| r.start_to_ack_ms))?;
+        report.figure(&format!("{key}.catchup_to_resp_ms"), mean(v, &|r| r.catchup_to_resp_ms))?;
+        report.figure(&format!("{key}.apply_to_end_ms"), mean(v, &|r| r.apply_to_end_ms))?;
+        report.figure(&format!("{key}.recovery_bytes"), mean(v, &|r| r.bytes as f64))?;
+        report.figure(&format!("{key}.throughput_before_ops_per_s"), mean(v, &|r| r.before_ops_per_s))?;
+        report.figure(&format!("{key}.throughput_lost_ratio"), mean(v, &|r| r.throughput_lost))?;
+        report.figure(&format!("{key}.node_rss_bytes"), mean(v, &|r| r.rss_bytes as f64))?;
+    }
+    report.figure("store.per_node_bytes", (keys as usize * (a.value_bytes + 8)) as f64)?;
+    let h = &results["heal"];
+    let f = &results["full-copy"];
+    report.ratio("fullcopy_vs_heal.recovery_latency", mean(f, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
+    report.ratio("heal_vs_fullcopy.throughput_lost", mean(h, &|r| r.throughput_lost), mean(f, &|r| r.throughput_lost))?;
+    report.print();
+    Ok(())
+}
+
+struct RunResult {
+    recovery_ms: f64,
+    start_to_ack_ms: f64,
+    catchup_to_resp_ms: f64,
+    apply_to_end_ms: f64,
+    entries: u64,
+    bytes: u64,
+    before_ops_per_s: f64,
+    throughput_lost: f64,
+    rss_bytes: u64,
+    windows: Vec<u64>,
+}
+
+/// The number just before `tag` in `line`.
+fn before(line: &str, tag: &str) -> f64 {
+    line.split(tag).next().and_then(|h| h.rsplit(|c: char| !(c.is_ascii_digit() || c == '.')).next()).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN)
+}
+
+fn bench_key(i: u64) -> Vec<u8> {
+    format!("user{i:010}").into_bytes()
+}
+
+/// Restores the same snapshot into every node's log: `keys` committed records.
+fn preload(dir: &Path, nodes: u32, keys: u64, value_bytes: usize) -> anyhow::Result<()> {
+    use std::io::Write;
+    let ts = ::kv::Ts { version: 1, node: 0 };
+    let mut image = Vec::new();
+    for i in 0..keys {
+        let key = bench_key(i);
+        let mut value = vec![b'x'; value_bytes];
+        value[..8.min(value_bytes)].copy_from_slice(&i.to_le_bytes()[..8.min(value_bytes)]);
+        image.extend_from_slice(&::kv::log::encode(&::kv::log::LogRecord::Put { key: key.clone(), ts, value }));
+        image.extend_from_slice(&::kv::log::encode(&::kv::log::LogRecord::Mark { key, ts }));
+    }
+    for n in 0..nodes {
+        let d = dir.join(format!("node-{n}"));
+        std::fs::create_dir_all(&d)?;
+        let mut f = std::fs::File::create(d.join("pm.log"))?;
+        f.write_all(&image)?;
+        f.sync_all()?;
+    }
+    Ok(())
+}
+
+fn rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+fn recovery_run(a: &KvRecoveryArgs, scheme: Recovery, keys: u64, efn: Duration) -> anyhow::Result<RunResult> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let work = std::env::current_dir()?.join("target").join("bench-clusters");
+    std::fs::create_dir_all(&work)?;
+    let tmp = tempfile::Builder::new().prefix("understudy-kv-bench-").tempdir_in(&work)?;
+    let dir = tmp.path().to_path_buf();
+    preload(&dir, a.nodes, keys, a.value_bytes)?;
+    let up = UpArgs {
+        dir: dir.clone(),
+        nodes: a.nodes,
+        model: Model::Synch,
+        port_base: 0,
+        restart_after_ms: 0,
+        persist_latency_us: 0,
+        efn_ms: 0,
+        missed_updates_cap_bytes: 256 << 20,
+        recovery: scheme,
+    };
+    let mut lk = LocalKv::start(&up)?;
+    let rt = crate::runtime()?;
+    let victim = (a.nodes - 1) as usize;
+    let res = rt.block_on(async {
+        let c = KvCluster::new(lk.file.nodes.values().copied().collect(), lk.secret.clone());
+        let start = Instant::now();
+        while c.get(&bench_key(0)).await.is_err() {
+            anyhow::ensure!(start.elapsed() < Duration::from_secs(120), "the group did not start serving");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Load: 100 ms windows of completed operations.
+        let windows: Arc<Vec<AtomicU64>> = Arc::new((0..100_000).map(|_| AtomicU64::new(0)).collect());
+        let stop = Arc::new(AtomicBool::new(false));
+        let t0 = Instant::now();
+        let mut tasks = Vec::new();
+        for cl in 0..a.clients {
+            let c = c.clone();
+            let windows = windows.clone();
+            let stop = stop.clone();
+            let value_bytes = a.value_bytes;
+            tasks.push(tokio::spawn(async move {
+                let mut x: u64 = 0x9e37_79b9_7f4a_7c15 ^ (cl as u64 + 1);
+                while !stop.load(Ordering::Relaxed) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let key = bench_key(x % keys);
+                    let ok = if x % 100 < 5 {
+                        c.put(&key, &vec![b'y'; value_bytes]).await.is_ok()
+                    } else {
+                        c.get(&key).await.is_ok()
+                    };
+                    if ok {
+                        let w = (t0.elapsed().as_millis() / 100) as usize;
+                        if w < windows.len() {
+                            windows[w].fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }));
+        }
+        let warm = Duration::from_secs(if a.quick { 2 } else { 5 });
+        tokio::time::sleep(warm).await;
+        let kill_at = t0.elapsed();
+        lk.kill9(victim)?;
+        tokio::time::sleep(efn).await;
+        lk.restart_node(victim)?;
+        let log = dir.join(format!("logs/node-{victim}.log"));
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let line = loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if let Some(l) = text.lines().filter(|l| l.starts_with("recovered: node")).last() {
+                break l.to_string();
+            }
+            anyhow::ensure!(Instant::now() < deadline, "node {victim} did not recover within 600 s; see {}", log.display());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let recovered_at = t0.elapsed();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let end = t0.elapsed();
+        let rss = lk.pid(0).map(rss_bytes).unwrap_or(0);
+        stop.store(true, Ordering::Relaxed);
+        for t in tasks {
+            let _ = t.await;
+        }
+        let w: Vec<u64> = windows.iter().take((end.as_millis() / 100) as usize).map(|x| x.load(Ordering::Relaxed)).collect();
+        let win = |d: Duration| (d.as_millis() / 100) as usize;
+        let before: Vec<u64> = w[win(kill_at).saturating_sub(10)..win(kill_at)].to_vec();
+        let before_per_window = before.iter().sum::<u64>() as f64 / before.len().max(1) as f64;
+        let after = &w[win(kill_at)..w.len().min(win(recovered_at) + 10)];
+        let expected = before_per_window * after.len() as f64;
+        let got: u64 = after.iter().sum();
+        let lost = if expected > 0.0 { (1.0 - got as f64 / expected).max(0.0) } else { 0.0 };
+        Ok::<_, anyhow::Error>((line, before_per_window * 10.0, lost, rss, w))
+    });
+    lk.stop();
+    let (line, before_ops_per_s, throughput_lost, rss_bytes, windows) = match res {
+        Ok(r) => r,
+        Err(e) => {
+            let kept = tmp.keep();
+            return Err(e.context(format!("logs kept in {}/logs", kept.display())));
+        }
+    };
+    let num = |tag: &str| -> f64 {
+        line.split(tag).nth(1).and_then(|r| r.trim_start().split(|c: char| !(c.is_ascii_digit() || c == '.')).next()).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN)
+    };
+    Ok(RunResult {
+        recovery_ms: num(" in "),
+        start_to_ack_ms: num("start_to_ack ") / 1000.0,
+        catchup_to_resp_ms: num("catchup_to_resp ") / 1000.0,
+        apply_to_end_ms: num("apply_to_end ") / 1000.0,
+        entries: before(&line, " entries").max(0.0) as u64,
+        bytes: before(&line, " bytes,").max(0.0) as u64,
+        before_ops_per_s,
+        throughput_lost,
+        rss_bytes,
+        windows,
+    })
 }

@@ -26,6 +26,9 @@ pub struct CmParams {
     /// Minimum execution with fewer nodes before a returning node is re-added (models the time
     /// a replacement takes to come online; 0 = re-add as soon as it asks).
     pub efn_min_us: u64,
+    /// After the CM starts, a node it has not heard from yet is suspected only after this long
+    /// (nodes may start after the CM, or take a while to read their logs).
+    pub startup_grace_us: u64,
 }
 
 impl Default for CmParams {
@@ -36,6 +39,7 @@ impl Default for CmParams {
             lease_us: 200_000,
             max_message_delay_us: 50_000,
             efn_min_us: 0,
+            startup_grace_us: 10_000_000,
         }
     }
 }
@@ -73,7 +77,11 @@ impl CmCore {
                 c
             }
         };
-        let last_heard_us = config.nodes.iter().map(|n| (*n, now_us)).collect();
+        let last_heard_us = config
+            .nodes
+            .iter()
+            .map(|n| (*n, now_us + p.startup_grace_us.saturating_sub(p.failure_timeout_us)))
+            .collect();
         let removed_at_us = config
             .nodes
             .iter()

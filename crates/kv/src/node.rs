@@ -39,6 +39,17 @@ pub struct NodeParams {
     pub max_pending_client_ops: usize,
     /// Writes remembered per scope until its PERSIST.
     pub max_scope_writes: usize,
+    /// How a returning node is brought up to date (HEAL, or the full-copy baseline).
+    pub recovery: RecoveryScheme,
+}
+
+/// Recovery scheme of the group (set the same on every node).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecoveryScheme {
+    /// HEAL: the Buddy sends its Missed_updates (newest per key) and judges Partially_persisted.
+    Heal,
+    /// Baseline (Hermes-style): the recoverer streams its whole store.
+    FullCopy,
 }
 
 impl NodeParams {
@@ -54,6 +65,7 @@ impl NodeParams {
             max_catchup_chunk_bytes: 1 << 20,
             max_pending_client_ops: 10_000,
             max_scope_writes: 100_000,
+            recovery: RecoveryScheme::Heal,
         }
     }
 }
@@ -66,6 +78,7 @@ pub struct RecoveryStats {
     pub apply_to_end_us: u64,
     pub entries_received: u64,
     pub entries_applied: u64,
+    pub bytes_received: u64,
     pub full_copy: bool,
     pub partially_persisted: u64,
 }
@@ -402,8 +415,13 @@ impl NodeCore {
         let recovering = self.config.recovering.contains(&me);
         match &self.mode {
             Mode::Down => {
-                if active && self.config.epoch == 1 && !self.booted {
-                    // Genesis: the Boot record goes to the log before anything this node acks.
+                if active && !self.booted {
+                    // Genesis: a node that never booted and was never removed (it is still
+                    // listed active) missed nothing: no write completes without its ACK. The
+                    // Boot record goes to the log before anything this node acks.
+                    for k in self.store.values_mut() {
+                        k.gdp = true; // the shared initial state is durable everywhere
+                    }
                     self.booted = true;
                     let seq = self.next_seq;
                     self.next_seq += 1;
@@ -413,7 +431,7 @@ impl NodeCore {
                     });
                     self.mode = Mode::Member;
                 } else if recovering {
-                    if !self.booted {
+                    let boot = if !self.booted {
                         self.booted = true;
                         let seq = self.next_seq;
                         self.next_seq += 1;
@@ -421,8 +439,15 @@ impl NodeCore {
                             seq,
                             rec: LogRecord::Boot { node: me },
                         });
-                    }
+                        Some(seq)
+                    } else {
+                        None
+                    };
                     self.start_recovery(now_us);
+                    if let (Some(seq), Mode::Recovering(r)) = (boot, &mut self.mode) {
+                        // Recov_end only once the Boot record is durable.
+                        r.outstanding.insert(seq);
+                    }
                 }
                 // Listed active but restarted: stay down; the CM removes us on WantsJoin.
             }
@@ -1229,7 +1254,9 @@ impl NodeCore {
             return;
         }
         self.counters.catchup_served += 1;
-        let full_copy = self.missed.overflowed || !self.missed.recording;
+        let full_copy = self.missed.overflowed
+            || !self.missed.recording
+            || self.p.recovery == RecoveryScheme::FullCopy;
         // The current version of each key is the newest update to it: Missed_updates keeps
         // keys, the store supplies their newest values. Partially_persisted entries are judged
         // by sending our version: R keeps its own only if ours equals it (marked committed).
@@ -1293,6 +1320,7 @@ impl NodeCore {
             }
             r.stats.full_copy |= full_copy;
             r.stats.entries_received += entries.len() as u64;
+            r.stats.bytes_received += entries.iter().map(|e| e.size_bytes() as u64).sum::<u64>();
         }
         // Step 3: apply, never resurrecting a version older than what we hold (ShadowReplica
         // writes may have overtaken it).

@@ -32,6 +32,8 @@ pub const MAX_FRAME_BYTES: usize = 4 * 1024 * 1024;
 pub const PEER_QUEUE_MSGS: usize = 65_536;
 /// Requests a client connection may have in flight.
 pub const CLIENT_INFLIGHT_MAX: usize = 4096;
+/// Period of a node's timer checks.
+pub const NODE_TICK_MS: u64 = 5;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Hello {
@@ -219,7 +221,8 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     let mut replies: HashMap<u64, (mpsc::Sender<NetMsg>, u64)> = HashMap::new();
     let mut next_tag: u64 = 1;
     let mut cm_tx: Option<mpsc::Sender<NetMsg>> = None;
-    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    // Timers are checked at this granularity (timeouts are tens of milliseconds).
+    let mut tick = tokio::time::interval(Duration::from_millis(NODE_TICK_MS));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tokio::select! {
@@ -289,14 +292,24 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             "HEAL recovery complete"
                         );
                         eprintln!(
-                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, {} entries, full_copy {})",
-                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.entries_received, s.full_copy
+                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, {} entries, {} bytes, full_copy {})",
+                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.entries_received, s.bytes_received, s.full_copy
                         );
                         stats.recoveries.fetch_add(1, Ordering::Relaxed);
                         *stats.last_recovery.lock().unwrap() = Some(s);
                     }
                 }
             }
+        }
+        if stats.epoch.load(Ordering::Relaxed) != core.epoch() {
+            tracing::info!(
+                node = me,
+                epoch = core.epoch(),
+                member = core.is_member_mode(),
+                recovering = core.is_recovering(),
+                serving = core.serving(now_us()),
+                "configuration adopted"
+            );
         }
         stats.epoch.store(core.epoch(), Ordering::Relaxed);
         stats.serving.store(core.serving(now_us()) as u64, Ordering::Relaxed);
@@ -474,7 +487,7 @@ pub async fn run_cm(cfg: CmConfig) -> Result<(), KvError> {
             }
         }));
     }
-    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    let mut tick = tokio::time::interval(Duration::from_micros(cfg.params.heartbeat_interval_us.max(1000)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tokio::select! {

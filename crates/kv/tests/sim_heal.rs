@@ -114,6 +114,7 @@ fn cm_params() -> CmParams {
         lease_us: 20_000,
         max_message_delay_us: 2_000,
         efn_min_us: 0,
+        startup_grace_us: 30_000,
     }
 }
 
