@@ -310,7 +310,7 @@ async fn cm(a: CmArgs) -> anyhow::Result<()> {
             lease_us: a.lease_ms * 1000,
             max_message_delay_us: 100_000,
             efn_min_us: a.efn_ms * 1000,
-            startup_grace_us: 10_000_000,
+            startup_grace_us: 30_000_000,
         },
         nodes,
         data_dir: a.data,
@@ -487,22 +487,34 @@ impl Drop for LocalKv {
     }
 }
 
-fn up(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
-    let mut lk = LocalKv::start(&a)?;
-    let rt = crate::runtime()?;
-    let ready = rt.block_on(async {
-        let c = KvCluster::new(lk.file.nodes.values().copied().collect(), lk.secret.clone());
-        let start = Instant::now();
+/// Waits until every node serves a read itself (all nodes active, none recovering).
+pub async fn wait_all_serving(file: &KvClusterFile, secret: &[u8], timeout: Duration) -> anyhow::Result<Duration> {
+    use ::kv::msg::{ClientOp, ClientResult};
+    let start = Instant::now();
+    for addr in file.nodes.values() {
         loop {
-            if c.get(b"__understudy_ready").await.is_ok() {
-                return Ok(start.elapsed());
+            let ok = match ::kv::runtime::KvClient::connect(*addr, secret).await {
+                Ok(c) => matches!(c.call(ClientOp::Get { key: b"__understudy_ready".to_vec() }).await, Ok(ClientResult::Value(_))),
+                Err(_) => false,
+            };
+            if ok {
+                break;
             }
-            if start.elapsed() > Duration::from_secs(30) {
-                bail!("the group did not start serving within 30 s; see {}/logs/", lk.dir.display());
+            if start.elapsed() > timeout {
+                bail!("node {addr} did not start serving within {timeout:?}");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    })?;
+    }
+    Ok(start.elapsed())
+}
+
+fn up(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
+    let mut lk = LocalKv::start(&a)?;
+    let rt = crate::runtime()?;
+    let ready = rt
+        .block_on(wait_all_serving(&lk.file, &lk.secret, Duration::from_secs(60)))
+        .with_context(|| format!("see {}/logs/", lk.dir.display()))?;
     println!("kv group of {} nodes ({} persistency) serving after {:.1} s", a.nodes, a.model, ready.as_secs_f64());
     for (i, addr) in &lk.file.nodes {
         println!("  node {i}  {addr}   log {}/logs/node-{i}.log", lk.dir.display());
@@ -694,11 +706,7 @@ fn recovery_run(a: &KvRecoveryArgs, scheme: Recovery, keys: u64, efn: Duration) 
     let victim = (a.nodes - 1) as usize;
     let res = rt.block_on(async {
         let c = KvCluster::new(lk.file.nodes.values().copied().collect(), lk.secret.clone());
-        let start = Instant::now();
-        while c.get(&bench_key(0)).await.is_err() {
-            anyhow::ensure!(start.elapsed() < Duration::from_secs(120), "the group did not start serving");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_all_serving(&lk.file, &lk.secret, Duration::from_secs(300)).await?;
         // Load: 100 ms windows of completed operations.
         let windows: Arc<Vec<AtomicU64>> = Arc::new((0..100_000).map(|_| AtomicU64::new(0)).collect());
         let stop = Arc::new(AtomicBool::new(false));
