@@ -216,6 +216,12 @@ pub struct UpArgs {
     /// Recovery scheme: heal, or the full-copy baseline.
     #[arg(long, value_enum, default_value = "heal")]
     pub recovery: Recovery,
+    /// Failure detection timeout passed to the CM (raise it on a loaded machine).
+    #[arg(long, default_value_t = 500)]
+    pub failure_timeout_ms: u64,
+    /// Read lease passed to the CM and every node (below --failure-timeout-ms).
+    #[arg(long, default_value_t = 300)]
+    pub lease_ms: u64,
 }
 
 pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
@@ -337,6 +343,7 @@ pub struct LocalKv {
 impl LocalKv {
     pub fn start(a: &UpArgs) -> anyhow::Result<LocalKv> {
         anyhow::ensure!((2..=16).contains(&a.nodes), "--nodes must be between 2 and 16");
+        anyhow::ensure!(a.lease_ms < a.failure_timeout_ms, "--lease-ms must be below --failure-timeout-ms");
         let dir = a.dir.clone();
         std::fs::create_dir_all(dir.join("logs")).with_context(|| format!("cannot create {}", dir.display()))?;
         let secret_file = dir.join("secret");
@@ -367,6 +374,8 @@ impl LocalKv {
             "kv".into(), "cm".into(), "--nodes".into(), peers.clone(),
             "--data".into(), dir.join("cm").to_string_lossy().into_owned(),
             "--secret-file".into(), sf.clone(), "--efn-ms".into(), a.efn_ms.to_string(),
+            "--failure-timeout-ms".into(), a.failure_timeout_ms.to_string(),
+            "--lease-ms".into(), a.lease_ms.to_string(),
         ];
         let node_args: Vec<Vec<String>> = (0..a.nodes)
             .map(|i| {
@@ -378,6 +387,7 @@ impl LocalKv {
                     "--persist-latency-us".into(), a.persist_latency_us.to_string(),
                     "--missed-updates-cap-bytes".into(), a.missed_updates_cap_bytes.to_string(),
                     "--recovery".into(), a.recovery.name().into(),
+                    "--lease-ms".into(), a.lease_ms.to_string(),
                 ]
             })
             .collect();
@@ -700,6 +710,9 @@ fn recovery_run(a: &KvRecoveryArgs, scheme: Recovery, keys: u64, efn: Duration) 
         efn_ms: 0,
         missed_updates_cap_bytes: 256 << 20,
         recovery: scheme,
+        // Generous: a loaded shared machine must not see false failures during a full copy.
+        failure_timeout_ms: 5000,
+        lease_ms: 2000,
     };
     let mut lk = LocalKv::start(&up)?;
     let rt = crate::runtime()?;

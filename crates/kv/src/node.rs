@@ -29,7 +29,7 @@ pub struct NodeParams {
     /// Reads and new writes are served only within this long after the CM's last heartbeat
     /// naming this node active; the CM waits longer than this before removing a silent node.
     pub lease_us: u64,
-    /// Recovery steps (Recov_start, CatchUp_req) are retried after this long.
+    /// Recovery steps (Recov_start, CatchUp_req) are retried after this long without progress.
     pub recovery_retry_us: u64,
     /// Missed_updates cap: past it the buffer is dropped and recovery falls back to full copy.
     pub missed_updates_cap_bytes: usize,
@@ -60,7 +60,7 @@ impl NodeParams {
             inv_ack_timeout_us: 20_000,
             ack_val_timeout_us: 40_000,
             lease_us: 200_000,
-            recovery_retry_us: 100_000,
+            recovery_retry_us: 1_000_000,
             missed_updates_cap_bytes: 64 << 20,
             max_catchup_chunk_bytes: 1 << 20,
             max_pending_client_ops: 10_000,
@@ -1314,6 +1314,8 @@ impl NodeCore {
             if last {
                 *total = Some(chunk + 1);
             }
+            // Chunks are still coming: no retry (a retry would restart a full copy).
+            r.deadline_us = now_us + self.p.recovery_retry_us;
             if r.resp_us == 0 {
                 r.resp_us = now_us;
                 r.stats.catchup_to_resp_us = now_us - r.acked_us;
