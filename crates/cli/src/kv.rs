@@ -578,7 +578,7 @@ pub struct KvRecoveryArgs {
     /// Nodes in the group.
     #[arg(long, default_value_t = 5)]
     pub nodes: u32,
-    /// Preloaded keys (default: 100000 with --quick, 1000000 without).
+    /// Preloaded keys (default: 2000 with --quick, 1000000 without).
     #[arg(long)]
     pub keys: Option<u64>,
     /// Value size of the preloaded records and of the writes.
@@ -597,7 +597,7 @@ pub struct KvRecoveryArgs {
 
 pub fn bench(b: KvBench, _verbose: u8) -> anyhow::Result<()> {
     let KvBench::Recovery(a) = b;
-    let keys = a.keys.unwrap_or(if a.quick { 100_000 } else { 1_000_000 });
+    let keys = a.keys.unwrap_or(if a.quick { 2_000 } else { 1_000_000 });
     let efn = Duration::from_secs(a.efn_s.unwrap_or(if a.quick { 2 } else { 60 }));
     let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 });
     let out = bench::out_dir("kv", a.out.clone())?;

@@ -60,7 +60,7 @@ impl NodeParams {
             inv_ack_timeout_us: 20_000,
             ack_val_timeout_us: 40_000,
             lease_us: 200_000,
-            recovery_retry_us: 1_000_000,
+            recovery_retry_us: 200_000,
             missed_updates_cap_bytes: 64 << 20,
             max_catchup_chunk_bytes: 1 << 20,
             max_pending_client_ops: 10_000,
