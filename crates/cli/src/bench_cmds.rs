@@ -26,6 +26,9 @@ pub enum BenchCmd {
     /// Benchmarks of speculative failover (SpecREDS §6.3–6.5).
     #[command(subcommand)]
     Failover(crate::failover::FailoverBench),
+    /// Benchmarks of the leaderless KV store (HEAL §IX).
+    #[command(subcommand)]
+    Kv(crate::kv::KvBench),
 }
 
 #[derive(Subcommand, Debug)]
@@ -70,6 +73,7 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
         BenchCmd::Volume(VolumeBench::RecoveryTrace(a)) => volume_recovery_trace(a, verbose),
         BenchCmd::Ycsb(cmd) => crate::ycsb::run(cmd),
         BenchCmd::Failover(b) => crate::failover::bench(b, verbose),
+        BenchCmd::Kv(b) => crate::kv::bench(b, verbose),
     }
 }
 

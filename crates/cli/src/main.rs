@@ -17,6 +17,7 @@ mod daemons;
 mod demo;
 mod exports;
 mod failover;
+mod kv;
 mod proc;
 mod qemu;
 mod size;
@@ -124,6 +125,9 @@ enum Cmd {
     /// run reproduces the paper's experiment at the largest size this machine allows.
     #[command(subcommand)]
     Bench(bench_cmds::BenchCmd),
+    /// Leaderless replicated key-value store with HEAL recovery: node, cm, up, get, put.
+    #[command(subcommand)]
+    Kv(kv::KvCmd),
 }
 
 /// How client commands find the cluster.
@@ -271,6 +275,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             init_logging(cli.verbose, "warn");
             bench_cmds::run(cmd, cli.verbose)
         }
+        Cmd::Kv(cmd) => kv::run(cmd, cli.verbose),
     }
 }
 

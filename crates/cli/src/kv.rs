@@ -1,0 +1,811 @@
+//! `understudy kv ...`: the leaderless replicated KV store with HEAL recovery (crate `kv`).
+//!
+//! * `kv node --protocol leaderless`: one replica (a process per node);
+//! * `kv cm`: the configuration manager (a separate process: it dials every node, sends
+//!   heartbeats with the configuration, removes silent nodes and re-adds returning ones);
+//! * `kv up`: CM + N nodes on loopback as child processes, in the foreground; a node that dies
+//!   is restarted on its durable log after `--restart-after-ms` and comes back through HEAL;
+//! * `kv get` / `kv put`: a client, finding the group through `kv-cluster.json`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand, ValueEnum};
+
+use ::kv::cm::CmParams;
+use ::kv::node::NodeParams;
+use ::kv::runtime::{CmConfig, KvCluster, KvClusterFile, NodeConfig};
+use ::kv::Model;
+
+use crate::cluster_file;
+use crate::proc;
+
+pub const CLUSTER_FILE: &str = "kv-cluster.json";
+pub const PIDS_FILE: &str = "pids";
+const DEFAULT_DIR: &str = "understudy-kv";
+
+#[derive(Subcommand, Debug)]
+pub enum KvCmd {
+    /// Run one replica of a leaderless (Hermes-style) group.
+    ///
+    /// Keeps its emulated persistent memory in DIR/pm.log (O_DSYNC appends, one GDP flag per
+    /// entry), serves clients and peers on --listen, and obeys the configuration the CM sends.
+    /// A node restarted on an existing log recovers through HEAL before serving again.
+    Node(NodeArgs),
+    /// Run the configuration manager: heartbeats, failure detection, epochs, re-adding nodes.
+    ///
+    /// Its configuration is durable in DIR/cm.state (replaced atomically); a restarted CM
+    /// carries on from it.
+    Cm(CmArgs),
+    /// Start a local group (CM + N nodes) on loopback and stay in the foreground until Ctrl-C.
+    ///
+    /// Creates DIR with a random cluster secret, one data directory per node, logs under
+    /// DIR/logs/, the process ids in DIR/pids and DIR/kv-cluster.json for clients. A node that
+    /// exits (e.g. `kill -9`) is restarted on its log after --restart-after-ms and recovers
+    /// through HEAL while the others keep serving.
+    Up(UpArgs),
+    /// Read a key (prints the value, or exits 1 if the key does not exist).
+    Get {
+        key: String,
+        #[command(flatten)]
+        conn: KvConn,
+    },
+    /// Write a key.
+    Put {
+        key: String,
+        value: String,
+        #[command(flatten)]
+        conn: KvConn,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Protocol {
+    /// Hermes-style INV/ACK/VAL with HEAL recovery.
+    Leaderless,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Recovery {
+    /// HEAL online incremental recovery.
+    Heal,
+    /// Baseline: the recoverer streams its whole store to the returning node.
+    FullCopy,
+}
+
+impl Recovery {
+    fn scheme(self) -> ::kv::node::RecoveryScheme {
+        match self {
+            Recovery::Heal => ::kv::node::RecoveryScheme::Heal,
+            Recovery::FullCopy => ::kv::node::RecoveryScheme::FullCopy,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Recovery::Heal => "heal",
+            Recovery::FullCopy => "full-copy",
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct KvConn {
+    /// The file written by `understudy kv up`.
+    #[arg(long, env = "UNDERSTUDY_KV_CLUSTER", value_name = "FILE")]
+    pub cluster: Option<PathBuf>,
+}
+
+fn parse_model(s: &str) -> Result<Model, String> {
+    s.parse()
+}
+
+/// `ID=ADDR,ID=ADDR,...`
+fn parse_addrs(s: &str) -> anyhow::Result<BTreeMap<u32, SocketAddr>> {
+    let mut out = BTreeMap::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        let (id, addr) = part.split_once('=').with_context(|| format!("{part:?} is not ID=ADDR"))?;
+        let id: u32 = id.trim().parse().with_context(|| format!("bad node id in {part:?}"))?;
+        let addr: SocketAddr = addr.trim().parse().with_context(|| format!("bad address in {part:?}"))?;
+        if out.insert(id, addr).is_some() {
+            bail!("node {id} listed twice");
+        }
+    }
+    let n = out.len() as u32;
+    if n < 2 || out.keys().copied().ne(0..n) {
+        bail!("nodes must be numbered 0..N-1 with N >= 2 (got {:?})", out.keys().collect::<Vec<_>>());
+    }
+    Ok(out)
+}
+
+#[derive(Args, Debug)]
+pub struct NodeArgs {
+    /// The replication protocol.
+    #[arg(long, value_enum, default_value = "leaderless")]
+    pub protocol: Protocol,
+    /// This node's id (0..N-1).
+    #[arg(long)]
+    pub id: u32,
+    /// Every node of the group: ID=ADDR,ID=ADDR,... (this node's own entry is its listen address).
+    #[arg(long)]
+    pub peers: String,
+    /// Data directory (created if missing).
+    #[arg(long, value_name = "DIR")]
+    pub data: PathBuf,
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: PathBuf,
+    /// Persistency model: synch, strict, read-enforced, eventual or scope (same for the group).
+    #[arg(long, default_value = "synch", value_parser = parse_model)]
+    pub model: Model,
+    /// Extra latency added to every durable append, to model NVM (microseconds).
+    #[arg(long, default_value_t = 0)]
+    pub persist_latency_us: u64,
+    /// Coordinator re-broadcasts INV after this long without every ACK.
+    #[arg(long, default_value_t = 20)]
+    pub inv_ack_timeout_ms: u64,
+    /// Follower resends its ACK, then replays the write, after this long without VAL.
+    #[arg(long, default_value_t = 40)]
+    pub ack_val_timeout_ms: u64,
+    /// Read lease after each CM heartbeat; must match the CM's.
+    #[arg(long, default_value_t = 300)]
+    pub lease_ms: u64,
+    /// Missed_updates cap; past it recovery falls back to a full copy.
+    #[arg(long, default_value_t = 256 << 20)]
+    pub missed_updates_cap_bytes: usize,
+    /// Recovery scheme (the same on every node): heal, or the full-copy baseline.
+    #[arg(long, value_enum, default_value = "heal")]
+    pub recovery: Recovery,
+    /// Serve Prometheus metrics on this address.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<SocketAddr>,
+}
+
+#[derive(Args, Debug)]
+pub struct CmArgs {
+    /// Every node of the group: ID=ADDR,ID=ADDR,...
+    #[arg(long)]
+    pub nodes: String,
+    #[arg(long, value_name = "DIR")]
+    pub data: PathBuf,
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: PathBuf,
+    /// Heartbeat period (the paper uses 4 ms; 10 by default to spare a shared machine).
+    #[arg(long, default_value_t = 10)]
+    pub heartbeat_interval_ms: u64,
+    /// A node silent this long is removed (after its lease has run out).
+    #[arg(long, default_value_t = 500)]
+    pub failure_timeout_ms: u64,
+    /// Must match the nodes' --lease-ms.
+    #[arg(long, default_value_t = 300)]
+    pub lease_ms: u64,
+    /// Minimum execution with fewer nodes before a returning node is re-added.
+    #[arg(long, default_value_t = 0)]
+    pub efn_ms: u64,
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<SocketAddr>,
+}
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// Data directory of the whole group.
+    #[arg(long, default_value = DEFAULT_DIR, value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Nodes in the replication group (3, 4 or 5 in the paper).
+    #[arg(long, default_value_t = 5)]
+    pub nodes: u32,
+    #[arg(long, default_value = "synch", value_parser = parse_model)]
+    pub model: Model,
+    /// Nodes listen on PORT_BASE.. (0: free ports chosen at start, kept in DIR/kv-cluster.json).
+    #[arg(long, default_value_t = 7800)]
+    pub port_base: u16,
+    /// Restart a node that exited after this long (0: leave it down).
+    #[arg(long, default_value_t = 1000)]
+    pub restart_after_ms: u64,
+    /// Extra latency per durable append (microseconds), passed to every node.
+    #[arg(long, default_value_t = 0)]
+    pub persist_latency_us: u64,
+    /// Minimum EFN before a returning node is re-added (passed to the CM).
+    #[arg(long, default_value_t = 0)]
+    pub efn_ms: u64,
+    /// Missed_updates cap per node.
+    #[arg(long, default_value_t = 256 << 20)]
+    pub missed_updates_cap_bytes: usize,
+    /// Recovery scheme: heal, or the full-copy baseline.
+    #[arg(long, value_enum, default_value = "heal")]
+    pub recovery: Recovery,
+    /// Failure detection timeout passed to the CM (raise it on a loaded machine).
+    #[arg(long, default_value_t = 500)]
+    pub failure_timeout_ms: u64,
+    /// Read lease passed to the CM and every node (below --failure-timeout-ms).
+    #[arg(long, default_value_t = 300)]
+    pub lease_ms: u64,
+}
+
+pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
+    match cmd {
+        KvCmd::Node(a) => {
+            crate::init_logging(verbose, "info");
+            crate::runtime()?.block_on(node(a))
+        }
+        KvCmd::Cm(a) => {
+            crate::init_logging(verbose, "info");
+            crate::runtime()?.block_on(cm(a))
+        }
+        KvCmd::Up(a) => {
+            crate::init_logging(verbose, "info");
+            up(a, verbose)
+        }
+        KvCmd::Get { key, conn } => {
+            crate::init_logging(verbose, "warn");
+            crate::runtime()?.block_on(async {
+                let c = connect(&conn)?;
+                match c.get(key.as_bytes()).await? {
+                    Some(v) => {
+                        println!("{}", String::from_utf8_lossy(&v));
+                        Ok(())
+                    }
+                    None => {
+                        eprintln!("key {key:?} not found");
+                        std::process::exit(1)
+                    }
+                }
+            })
+        }
+        KvCmd::Put { key, value, conn } => {
+            crate::init_logging(verbose, "warn");
+            crate::runtime()?.block_on(async {
+                let c = connect(&conn)?;
+                c.put(key.as_bytes(), value.as_bytes()).await?;
+                Ok(())
+            })
+        }
+    }
+}
+
+pub fn load_cluster(path: &Path) -> anyhow::Result<(KvClusterFile, Vec<u8>)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read {} (start a group with `understudy kv up`, or pass --cluster)", path.display()))?;
+    let f: KvClusterFile = serde_json::from_str(&text).with_context(|| format!("{} is not a kv cluster file", path.display()))?;
+    let secret = cluster_file::read_secret(&f.secret_file)?;
+    Ok((f, secret))
+}
+
+fn connect(conn: &KvConn) -> anyhow::Result<KvCluster> {
+    let path = conn.cluster.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_DIR).join(CLUSTER_FILE));
+    let (f, secret) = load_cluster(&path)?;
+    Ok(KvCluster::new(f.nodes.values().copied().collect(), secret))
+}
+
+async fn node(a: NodeArgs) -> anyhow::Result<()> {
+    let Protocol::Leaderless = a.protocol;
+    let peers = parse_addrs(&a.peers)?;
+    let listen = *peers.get(&a.id).with_context(|| format!("--peers has no entry for this node's id {}", a.id))?;
+    let secret = cluster_file::read_secret(&a.secret_file)?;
+    let mut p = NodeParams::new(a.id, a.model);
+    p.inv_ack_timeout_us = a.inv_ack_timeout_ms * 1000;
+    p.ack_val_timeout_us = a.ack_val_timeout_ms * 1000;
+    p.lease_us = a.lease_ms * 1000;
+    p.missed_updates_cap_bytes = a.missed_updates_cap_bytes;
+    p.recovery = a.recovery.scheme();
+    let cfg = NodeConfig {
+        params: p,
+        listen,
+        peers,
+        data_dir: a.data,
+        secret,
+        extra_persist_latency: Duration::from_micros(a.persist_latency_us),
+        metrics: a.metrics,
+    };
+    tokio::select! {
+        r = ::kv::runtime::run_node(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
+        s = proc::shutdown_signal() => { tracing::info!("{s}: stopping"); Ok(()) }
+    }
+}
+
+async fn cm(a: CmArgs) -> anyhow::Result<()> {
+    let nodes = parse_addrs(&a.nodes)?;
+    let secret = cluster_file::read_secret(&a.secret_file)?;
+    anyhow::ensure!(a.failure_timeout_ms >= a.lease_ms, "--failure-timeout-ms must be at least --lease-ms");
+    let cfg = CmConfig {
+        params: CmParams {
+            heartbeat_interval_us: a.heartbeat_interval_ms * 1000,
+            failure_timeout_us: a.failure_timeout_ms * 1000,
+            lease_us: a.lease_ms * 1000,
+            max_message_delay_us: 100_000,
+            efn_min_us: a.efn_ms * 1000,
+            startup_grace_us: 30_000_000,
+        },
+        nodes,
+        data_dir: a.data,
+        secret,
+        metrics: a.metrics,
+    };
+    tokio::select! {
+        r = ::kv::runtime::run_cm(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
+        s = proc::shutdown_signal() => { tracing::info!("{s}: stopping"); Ok(()) }
+    }
+}
+
+/// A local group of child processes (what `kv up` runs; also used by the benchmark).
+pub struct LocalKv {
+    pub dir: PathBuf,
+    pub file: KvClusterFile,
+    pub secret: Vec<u8>,
+    node_args: Vec<Vec<String>>,
+    cm_args: Vec<String>,
+    pub children: Vec<(String, Option<Child>)>,
+    down_since: Vec<Option<Instant>>,
+}
+
+impl LocalKv {
+    pub fn start(a: &UpArgs) -> anyhow::Result<LocalKv> {
+        anyhow::ensure!((2..=16).contains(&a.nodes), "--nodes must be between 2 and 16");
+        anyhow::ensure!(a.lease_ms < a.failure_timeout_ms, "--lease-ms must be below --failure-timeout-ms");
+        let dir = a.dir.clone();
+        std::fs::create_dir_all(dir.join("logs")).with_context(|| format!("cannot create {}", dir.display()))?;
+        let secret_file = dir.join("secret");
+        cluster_file::ensure_secret(&secret_file)?;
+        let secret = cluster_file::read_secret(&secret_file)?;
+        let cf = dir.join(CLUSTER_FILE);
+        // Reuse the ports of an earlier run on the same DIR.
+        let nodes: BTreeMap<u32, SocketAddr> = match load_cluster(&cf) {
+            Ok((f, _)) if f.nodes.len() == a.nodes as usize => f.nodes,
+            _ => {
+                let ports: Vec<u16> = if a.port_base == 0 {
+                    let ls: Vec<std::net::TcpListener> =
+                        (0..a.nodes).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+                    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
+                } else {
+                    (0..a.nodes as u16).map(|i| a.port_base + i).collect()
+                };
+                (0..a.nodes).map(|i| (i, SocketAddr::from(([127, 0, 0, 1], ports[i as usize])))).collect()
+            }
+        };
+        let file = KvClusterFile { model: a.model.to_string(), nodes: nodes.clone(), secret_file: secret_file.canonicalize()? };
+        let tmp = cf.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(&file)?)?;
+        std::fs::rename(&tmp, &cf)?;
+        let peers: String = nodes.iter().map(|(i, a)| format!("{i}={a}")).collect::<Vec<_>>().join(",");
+        let sf = secret_file.to_string_lossy().into_owned();
+        let cm_args = vec![
+            "kv".into(), "cm".into(), "--nodes".into(), peers.clone(),
+            "--data".into(), dir.join("cm").to_string_lossy().into_owned(),
+            "--secret-file".into(), sf.clone(), "--efn-ms".into(), a.efn_ms.to_string(),
+            "--failure-timeout-ms".into(), a.failure_timeout_ms.to_string(),
+            "--lease-ms".into(), a.lease_ms.to_string(),
+        ];
+        let node_args: Vec<Vec<String>> = (0..a.nodes)
+            .map(|i| {
+                vec![
+                    "kv".into(), "node".into(), "--protocol".into(), "leaderless".into(),
+                    "--id".into(), i.to_string(), "--peers".into(), peers.clone(),
+                    "--data".into(), dir.join(format!("node-{i}")).to_string_lossy().into_owned(),
+                    "--secret-file".into(), sf.clone(), "--model".into(), a.model.name().into(),
+                    "--persist-latency-us".into(), a.persist_latency_us.to_string(),
+                    "--missed-updates-cap-bytes".into(), a.missed_updates_cap_bytes.to_string(),
+                    "--recovery".into(), a.recovery.name().into(),
+                    "--lease-ms".into(), a.lease_ms.to_string(),
+                ]
+            })
+            .collect();
+        let mut me = LocalKv {
+            dir: dir.clone(),
+            file,
+            secret,
+            node_args,
+            cm_args,
+            children: Vec::new(),
+            down_since: vec![None; a.nodes as usize],
+        };
+        for i in 0..a.nodes as usize {
+            let c = me.spawn_node(i)?;
+            me.children.push((format!("node-{i}"), Some(c)));
+        }
+        let cm = proc::spawn_self(&me.cm_args, &dir.join("logs/cm.log"), &[])?;
+        me.children.push(("cm".into(), Some(cm)));
+        me.write_pids()?;
+        Ok(me)
+    }
+
+    /// Restarts node `i` now if it is not running.
+    pub fn restart_node(&mut self, i: usize) -> anyhow::Result<()> {
+        if let Some(c) = &mut self.children[i].1 {
+            if let Ok(None) = c.try_wait() {
+                return Ok(());
+            }
+        }
+        let c = self.spawn_node(i)?;
+        self.children[i].1 = Some(c);
+        self.down_since[i] = None;
+        self.write_pids()
+    }
+
+    /// Kills node `i` with SIGKILL and reaps it.
+    pub fn kill9(&mut self, i: usize) -> anyhow::Result<()> {
+        if let Some(mut c) = self.children[i].1.take() {
+            c.kill()?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.children[i].1.as_ref().map(|c| c.id())
+    }
+
+    fn spawn_node(&self, i: usize) -> anyhow::Result<Child> {
+        proc::spawn_self(&self.node_args[i], &self.dir.join(format!("logs/node-{i}.log")), &[])
+    }
+
+    pub fn write_pids(&self) -> anyhow::Result<()> {
+        let text: String = self
+            .children
+            .iter()
+            .filter_map(|(n, c)| c.as_ref().map(|c| format!("{n} {}\n", c.id())))
+            .collect();
+        let p = self.dir.join(PIDS_FILE);
+        std::fs::write(p.with_extension("tmp"), text)?;
+        std::fs::rename(p.with_extension("tmp"), p)?;
+        Ok(())
+    }
+
+    /// Reaps exited nodes and restarts those down for `restart_after`. Returns notes.
+    pub fn supervise(&mut self, restart_after: Option<Duration>) -> anyhow::Result<Vec<String>> {
+        let mut notes = Vec::new();
+        let n = self.node_args.len();
+        for i in 0..n {
+            if let Some(c) = &mut self.children[i].1 {
+                if let Ok(Some(st)) = c.try_wait() {
+                    notes.push(format!("node-{i} exited ({})", proc::describe_status(st)));
+                    self.children[i].1 = None;
+                    self.down_since[i] = Some(Instant::now());
+                }
+            }
+            if let (None, Some(t), Some(after)) = (&self.children[i].1, self.down_since[i], restart_after) {
+                if t.elapsed() >= after {
+                    let c = self.spawn_node(i)?;
+                    notes.push(format!("node-{i} restarted on its log (pid {})", c.id()));
+                    self.children[i].1 = Some(c);
+                    self.down_since[i] = None;
+                    self.write_pids()?;
+                }
+            }
+        }
+        if let Some(c) = &mut self.children[n].1 {
+            if let Ok(Some(st)) = c.try_wait() {
+                notes.push(format!("cm exited ({}); restarting it on its durable state", proc::describe_status(st)));
+                self.children[n].1 = Some(proc::spawn_self(&self.cm_args, &self.dir.join("logs/cm.log"), &[])?);
+                self.write_pids()?;
+            }
+        }
+        Ok(notes)
+    }
+
+    pub fn stop(&mut self) {
+        let mut live: Vec<(String, Child)> =
+            self.children.iter_mut().filter_map(|(n, c)| c.take().map(|c| (n.clone(), c))).collect();
+        proc::stop_children(&mut live, Duration::from_secs(5));
+    }
+}
+
+impl Drop for LocalKv {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Waits until every node serves a read itself (all nodes active, none recovering).
+pub async fn wait_all_serving(file: &KvClusterFile, secret: &[u8], timeout: Duration) -> anyhow::Result<Duration> {
+    use ::kv::msg::{ClientOp, ClientResult};
+    let start = Instant::now();
+    for addr in file.nodes.values() {
+        loop {
+            let ok = match ::kv::runtime::KvClient::connect(*addr, secret).await {
+                Ok(c) => matches!(c.call(ClientOp::Get { key: b"__understudy_ready".to_vec() }).await, Ok(ClientResult::Value(_))),
+                Err(_) => false,
+            };
+            if ok {
+                break;
+            }
+            if start.elapsed() > timeout {
+                bail!("node {addr} did not start serving within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(start.elapsed())
+}
+
+fn up(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
+    let mut lk = LocalKv::start(&a)?;
+    let rt = crate::runtime()?;
+    let ready = rt
+        .block_on(wait_all_serving(&lk.file, &lk.secret, Duration::from_secs(60)))
+        .with_context(|| format!("see {}/logs/", lk.dir.display()))?;
+    println!("kv group of {} nodes ({} persistency) serving after {:.1} s", a.nodes, a.model, ready.as_secs_f64());
+    for (i, addr) in &lk.file.nodes {
+        println!("  node {i}  {addr}   log {}/logs/node-{i}.log", lk.dir.display());
+    }
+    println!("  cluster file  {}", lk.dir.join(CLUSTER_FILE).display());
+    println!("try: understudy kv put hello world --cluster {0}; understudy kv get hello --cluster {0}", lk.dir.join(CLUSTER_FILE).display());
+    let restart = (a.restart_after_ms > 0).then(|| Duration::from_millis(a.restart_after_ms));
+    rt.block_on(async {
+        let stop = proc::shutdown_signal();
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                s = &mut stop => { eprintln!("{s}: stopping the group"); break; }
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    for n in lk.supervise(restart)? {
+                        eprintln!("{n}");
+                    }
+                }
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    lk.stop();
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------ benchmark
+
+#[derive(Subcommand, Debug)]
+pub enum KvBench {
+    /// Recovery after a node failure (HEAL §IX): HEAL against the full-copy baseline.
+    ///
+    /// Each run: a group on loopback with a preloaded store (every node's log restored from the
+    /// same snapshot), closed-loop clients with a YCSB-B mix (95% reads, 5% writes, uniform
+    /// keys); one node is killed with SIGKILL, stays down for the EFN period, and is restarted
+    /// on its log. Measured: the recovery latency the recovering node reports (from its
+    /// re-admission to Recov_end, broken into Start_to_ACK / CatchUp_to_Resp / Apply_to_end),
+    /// the bytes it received, and the throughput lost from the kill until one second after the
+    /// recovery, against the throughput before the kill. HEAL and full copy alternate runs.
+    Recovery(KvRecoveryArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct KvRecoveryArgs {
+    /// A short run (under a minute) that still measures every figure.
+    #[arg(long)]
+    pub quick: bool,
+    /// Where the CSV of throughput windows goes [default: target/bench/kv].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Nodes in the group.
+    #[arg(long, default_value_t = 5)]
+    pub nodes: u32,
+    /// Preloaded keys (default: 2000 with --quick, 1000000 without).
+    #[arg(long)]
+    pub keys: Option<u64>,
+    /// Value size of the preloaded records and of the writes.
+    #[arg(long, default_value_t = 1000)]
+    pub value_bytes: usize,
+    /// Execution with fewer nodes, in seconds (default: 2 with --quick, 60 without).
+    #[arg(long)]
+    pub efn_s: Option<u64>,
+    /// Runs per scheme (default: 1 with --quick, 3 without).
+    #[arg(long)]
+    pub rounds: Option<usize>,
+    /// Closed-loop clients.
+    #[arg(long, default_value_t = 16)]
+    pub clients: usize,
+}
+
+pub fn bench(b: KvBench, _verbose: u8) -> anyhow::Result<()> {
+    let KvBench::Recovery(a) = b;
+    let keys = a.keys.unwrap_or(if a.quick { 2_000 } else { 1_000_000 });
+    let efn = Duration::from_secs(a.efn_s.unwrap_or(if a.quick { 2 } else { 60 }));
+    let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 });
+    let out = bench::out_dir("kv", a.out.clone())?;
+    let mut report = bench::Report::new("kv.recovery", a.quick);
+    let schemes = [Recovery::Heal, Recovery::FullCopy];
+    let mut results: BTreeMap<&'static str, Vec<RunResult>> = BTreeMap::new();
+    let mut csv_rows = Vec::new();
+    for (round, v) in bench::interleaved_order(rounds, schemes.len()).into_iter().enumerate() {
+        let scheme = schemes[v];
+        eprintln!("run {}/{}: {} ({} nodes, {} keys x {} B, EFN {:?})", round + 1, rounds * 2, scheme.name(), a.nodes, keys, a.value_bytes, efn);
+        let r = recovery_run(&a, scheme, keys, efn)?;
+        eprintln!(
+            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms; {} entries, {} bytes); throughput lost {:.1}%",
+            r.recovery_ms, r.start_to_ack_ms, r.catchup_to_resp_ms, r.apply_to_end_ms, r.entries, r.bytes, r.throughput_lost * 100.0
+        );
+        for (i, w) in r.windows.iter().enumerate() {
+            csv_rows.push(vec![scheme.name().to_string(), round.to_string(), format!("{:.1}", i as f64 * 0.1), w.to_string()]);
+        }
+        results.entry(scheme.name()).or_default().push(r);
+    }
+    bench::write_csv(&out.join("recovery_throughput.csv"), &["scheme", "run", "t_s", "ops_in_100ms"], csv_rows)?;
+    let mean = |v: &[RunResult], f: &dyn Fn(&RunResult) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
+    for (name, key) in [("heal", "heal"), ("full-copy", "fullcopy")] {
+        let v = &results[name];
+        report.figure(&format!("{key}.recovery_latency_ms"), mean(v, &|r| r.recovery_ms))?;
+        report.figure(&format!("{key}.start_to_ack_ms"), mean(v, &|r| r.start_to_ack_ms))?;
+        report.figure(&format!("{key}.catchup_to_resp_ms"), mean(v, &|r| r.catchup_to_resp_ms))?;
+        report.figure(&format!("{key}.apply_to_end_ms"), mean(v, &|r| r.apply_to_end_ms))?;
+        report.figure(&format!("{key}.recovery_bytes"), mean(v, &|r| r.bytes as f64))?;
+        report.figure(&format!("{key}.throughput_before_ops_per_s"), mean(v, &|r| r.before_ops_per_s))?;
+        report.figure(&format!("{key}.throughput_lost_ratio"), mean(v, &|r| r.throughput_lost))?;
+        report.figure(&format!("{key}.node_rss_bytes"), mean(v, &|r| r.rss_bytes as f64))?;
+    }
+    report.figure("store.per_node_bytes", (keys as usize * (a.value_bytes + 8)) as f64)?;
+    let h = &results["heal"];
+    let f = &results["full-copy"];
+    report.ratio("fullcopy_vs_heal.recovery_latency", mean(f, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
+    report.ratio("heal_vs_fullcopy.throughput_lost", mean(h, &|r| r.throughput_lost), mean(f, &|r| r.throughput_lost))?;
+    report.print();
+    Ok(())
+}
+
+struct RunResult {
+    recovery_ms: f64,
+    start_to_ack_ms: f64,
+    catchup_to_resp_ms: f64,
+    apply_to_end_ms: f64,
+    entries: u64,
+    bytes: u64,
+    before_ops_per_s: f64,
+    throughput_lost: f64,
+    rss_bytes: u64,
+    windows: Vec<u64>,
+}
+
+/// The number just before `tag` in `line`.
+fn before(line: &str, tag: &str) -> f64 {
+    line.split(tag).next().and_then(|h| h.rsplit(|c: char| !(c.is_ascii_digit() || c == '.')).next()).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN)
+}
+
+fn bench_key(i: u64) -> Vec<u8> {
+    format!("user{i:010}").into_bytes()
+}
+
+/// Restores the same snapshot into every node's log: `keys` committed records.
+fn preload(dir: &Path, nodes: u32, keys: u64, value_bytes: usize) -> anyhow::Result<()> {
+    use std::io::Write;
+    let ts = ::kv::Ts { version: 1, node: 0 };
+    let mut image = Vec::new();
+    for i in 0..keys {
+        let key = bench_key(i);
+        let mut value = vec![b'x'; value_bytes];
+        value[..8.min(value_bytes)].copy_from_slice(&i.to_le_bytes()[..8.min(value_bytes)]);
+        image.extend_from_slice(&::kv::log::encode(&::kv::log::LogRecord::Put { key: key.clone(), ts, value }));
+        image.extend_from_slice(&::kv::log::encode(&::kv::log::LogRecord::Mark { key, ts }));
+    }
+    for n in 0..nodes {
+        let d = dir.join(format!("node-{n}"));
+        std::fs::create_dir_all(&d)?;
+        let mut f = std::fs::File::create(d.join("pm.log"))?;
+        f.write_all(&image)?;
+        f.sync_all()?;
+    }
+    Ok(())
+}
+
+fn rss_bytes(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+fn recovery_run(a: &KvRecoveryArgs, scheme: Recovery, keys: u64, efn: Duration) -> anyhow::Result<RunResult> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let work = std::env::current_dir()?.join("target").join("bench-clusters");
+    std::fs::create_dir_all(&work)?;
+    let tmp = tempfile::Builder::new().prefix("understudy-kv-bench-").tempdir_in(&work)?;
+    let dir = tmp.path().to_path_buf();
+    preload(&dir, a.nodes, keys, a.value_bytes)?;
+    let up = UpArgs {
+        dir: dir.clone(),
+        nodes: a.nodes,
+        model: Model::Synch,
+        port_base: 0,
+        restart_after_ms: 0,
+        persist_latency_us: 0,
+        efn_ms: 0,
+        missed_updates_cap_bytes: 256 << 20,
+        recovery: scheme,
+        // Generous: a loaded shared machine must not see false failures during a full copy.
+        failure_timeout_ms: 5000,
+        lease_ms: 2000,
+    };
+    let mut lk = LocalKv::start(&up)?;
+    let rt = crate::runtime()?;
+    let victim = (a.nodes - 1) as usize;
+    let res = rt.block_on(async {
+        let c = KvCluster::new(lk.file.nodes.values().copied().collect(), lk.secret.clone());
+        wait_all_serving(&lk.file, &lk.secret, Duration::from_secs(300)).await?;
+        // Load: 100 ms windows of completed operations.
+        let windows: Arc<Vec<AtomicU64>> = Arc::new((0..100_000).map(|_| AtomicU64::new(0)).collect());
+        let stop = Arc::new(AtomicBool::new(false));
+        let t0 = Instant::now();
+        let mut tasks = Vec::new();
+        for cl in 0..a.clients {
+            let c = c.clone();
+            let windows = windows.clone();
+            let stop = stop.clone();
+            let value_bytes = a.value_bytes;
+            tasks.push(tokio::spawn(async move {
+                let mut x: u64 = 0x9e37_79b9_7f4a_7c15 ^ (cl as u64 + 1);
+                while !stop.load(Ordering::Relaxed) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let key = bench_key(x % keys);
+                    let ok = if x % 100 < 5 {
+                        c.put(&key, &vec![b'y'; value_bytes]).await.is_ok()
+                    } else {
+                        c.get(&key).await.is_ok()
+                    };
+                    if ok {
+                        let w = (t0.elapsed().as_millis() / 100) as usize;
+                        if w < windows.len() {
+                            windows[w].fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+            }));
+        }
+        let warm = Duration::from_secs(if a.quick { 2 } else { 5 });
+        tokio::time::sleep(warm).await;
+        let kill_at = t0.elapsed();
+        lk.kill9(victim)?;
+        tokio::time::sleep(efn).await;
+        lk.restart_node(victim)?;
+        let log = dir.join(format!("logs/node-{victim}.log"));
+        let deadline = Instant::now() + Duration::from_secs(600);
+        let line = loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if let Some(l) = text.lines().filter(|l| l.starts_with("recovered: node")).last() {
+                break l.to_string();
+            }
+            anyhow::ensure!(Instant::now() < deadline, "node {victim} did not recover within 600 s; see {}", log.display());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let recovered_at = t0.elapsed();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let end = t0.elapsed();
+        let rss = lk.pid(0).map(rss_bytes).unwrap_or(0);
+        stop.store(true, Ordering::Relaxed);
+        for t in tasks {
+            let _ = t.await;
+        }
+        let w: Vec<u64> = windows.iter().take((end.as_millis() / 100) as usize).map(|x| x.load(Ordering::Relaxed)).collect();
+        let win = |d: Duration| (d.as_millis() / 100) as usize;
+        let before: Vec<u64> = w[win(kill_at).saturating_sub(10)..win(kill_at)].to_vec();
+        let before_per_window = before.iter().sum::<u64>() as f64 / before.len().max(1) as f64;
+        let after = &w[win(kill_at)..w.len().min(win(recovered_at) + 10)];
+        let expected = before_per_window * after.len() as f64;
+        let got: u64 = after.iter().sum();
+        let lost = if expected > 0.0 { (1.0 - got as f64 / expected).max(0.0) } else { 0.0 };
+        Ok::<_, anyhow::Error>((line, before_per_window * 10.0, lost, rss, w))
+    });
+    lk.stop();
+    let (line, before_ops_per_s, throughput_lost, rss_bytes, windows) = match res {
+        Ok(r) => r,
+        Err(e) => {
+            let kept = tmp.keep();
+            return Err(e.context(format!("logs kept in {}/logs", kept.display())));
+        }
+    };
+    let num = |tag: &str| -> f64 {
+        line.split(tag).nth(1).and_then(|r| r.trim_start().split(|c: char| !(c.is_ascii_digit() || c == '.')).next()).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN)
+    };
+    Ok(RunResult {
+        recovery_ms: num(" in "),
+        start_to_ack_ms: num("start_to_ack ") / 1000.0,
+        catchup_to_resp_ms: num("catchup_to_resp ") / 1000.0,
+        apply_to_end_ms: num("apply_to_end ") / 1000.0,
+        entries: before(&line, " entries").max(0.0) as u64,
+        bytes: before(&line, " bytes,").max(0.0) as u64,
+        before_ops_per_s,
+        throughput_lost,
+        rss_bytes,
+        windows,
+    })
+}

@@ -1,0 +1,23 @@
+//! Leaderless replicated key-value store with HEAL online incremental recovery.
+//!
+//! Implements the HEAL paper (`003_5773a350e342dcf8.txt`): the Hermes-style INV / ACK / VAL write
+//! protocol with per-key Lamport timestamps ⟨version, node_id⟩ (§II-B), the five persistency
+//! models of Table I under linearizable consistency (§II-A, §V-E), replay on timeouts and after
+//! reconfiguration (§V-F, Table III), a configuration manager with heartbeats, epochs and the EFN
+//! period (§IV, §V-A), and HEAL recovery: Missed_updates, Partially_persisted, Buddy,
+//! Recov_start / CatchUp / Recov_end, ShadowReplica (§V-B/C, Fig. 4, Table II).
+//!
+//! Main types: [`node::NodeCore`] (the sans-I/O replica: inputs in, [`node::Output`]s out),
+//! [`cm::CmCore`] (the sans-I/O configuration manager), [`log`] (the emulated persistent-memory
+//! log with a per-entry GDP/commit flag, and its file implementation), [`checker`] (a
+//! Porcupine/Knossos-style linearizability checker for per-key registers), and [`runtime`]
+//! (tokio drivers: node server, CM server, async client).
+
+pub mod checker;
+pub mod cm;
+pub mod log;
+pub mod msg;
+pub mod node;
+pub mod runtime;
+
+pub use msg::{Model, NodeId, Ts};

@@ -1,0 +1,1412 @@
+//! The sans-I/O replica: Hermes-style writes (§II-B), the five persistency models (Table I,
+//! §V-E), replays (§V-F, Table III) and the HEAL recovery of Fig. 4 (§V-C), as one deterministic
+//! state machine.
+//!
+//! Inputs: [`NodeCore::on_peer`], [`NodeCore::on_heartbeat`] (the CM's configuration),
+//! [`NodeCore::on_client`], [`NodeCore::on_persisted`] (a durable append finished) and
+//! [`NodeCore::tick`] (time passes). Outputs, drained with [`NodeCore::take_outputs`], must be
+//! carried out in order: [`Output::Persist`] and [`Output::Mark`] go to the same log, in order.
+//!
+//! Per key a node keeps the newest timestamp and value it has applied, whether that version is
+//! *valid* (committed: readable), whether it is *gdp* (globally durable, known from ACK_P / VAL_P),
+//! the newest timestamp made locally durable, and at most one write it coordinates (a client
+//! write, or a replay of someone else's write with its original timestamp).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::log::{LogRecord, LogState};
+use crate::msg::*;
+
+/// Tunables of a node, with units in their names.
+#[derive(Clone, Debug)]
+pub struct NodeParams {
+    pub id: NodeId,
+    pub model: Model,
+    /// Coordinator: re-broadcast INV (same timestamp) after this long without every ACK.
+    pub inv_ack_timeout_us: u64,
+    /// Follower: after this long invalid, resend the ACK; after twice as long, replay the write.
+    pub ack_val_timeout_us: u64,
+    /// Reads and new writes are served only within this long after the CM's last heartbeat
+    /// naming this node active; the CM waits longer than this before removing a silent node.
+    pub lease_us: u64,
+    /// Recovery steps (Recov_start, CatchUp_req) are retried after this long without progress.
+    pub recovery_retry_us: u64,
+    /// Missed_updates cap: past it the buffer is dropped and recovery falls back to full copy.
+    pub missed_updates_cap_bytes: usize,
+    /// CatchUp_resp is cut into messages of at most this many bytes of entries.
+    pub max_catchup_chunk_bytes: usize,
+    /// Client operations queued behind invalid keys, in total.
+    pub max_pending_client_ops: usize,
+    /// Writes remembered per scope until its PERSIST.
+    pub max_scope_writes: usize,
+    /// How a returning node is brought up to date (HEAL, or the full-copy baseline).
+    pub recovery: RecoveryScheme,
+}
+
+/// Recovery scheme of the group (set the same on every node).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecoveryScheme {
+    /// HEAL: the Buddy sends its Missed_updates (newest per key) and judges Partially_persisted.
+    Heal,
+    /// Baseline (Hermes-style): the recoverer streams its whole store.
+    FullCopy,
+}
+
+impl NodeParams {
+    pub fn new(id: NodeId, model: Model) -> Self {
+        NodeParams {
+            id,
+            model,
+            inv_ack_timeout_us: 20_000,
+            ack_val_timeout_us: 40_000,
+            lease_us: 200_000,
+            recovery_retry_us: 200_000,
+            missed_updates_cap_bytes: 64 << 20,
+            max_catchup_chunk_bytes: 1 << 20,
+            max_pending_client_ops: 10_000,
+            max_scope_writes: 100_000,
+            recovery: RecoveryScheme::Heal,
+        }
+    }
+}
+
+/// Timing of one HEAL recovery (the breakdown of Fig. 8), in microseconds of the driver's clock.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryStats {
+    pub start_to_ack_us: u64,
+    pub catchup_to_resp_us: u64,
+    pub apply_to_end_us: u64,
+    pub entries_received: u64,
+    pub entries_applied: u64,
+    pub bytes_received: u64,
+    pub full_copy: bool,
+    pub partially_persisted: u64,
+}
+
+impl RecoveryStats {
+    pub fn total_us(&self) -> u64 {
+        self.start_to_ack_us + self.catchup_to_resp_us + self.apply_to_end_us
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Output {
+    Send { to: NodeId, msg: PeerMsg },
+    ToCm(HeartbeatAck),
+    /// Append durably, then call [`NodeCore::on_persisted`] with `seq`.
+    Persist { seq: u64, rec: LogRecord },
+    /// Append without waiting (a GDP flag).
+    Mark(LogRecord),
+    Reply { tag: u64, result: ClientResult },
+    /// This node was removed from the configuration: drop this core and build a new one from
+    /// the log (its volatile state may be stale; it must recover like a restarted node).
+    Reload,
+    Recovered(RecoveryStats),
+}
+
+/// Counters for metrics and tests.
+#[derive(Clone, Debug, Default)]
+pub struct NodeCounters {
+    pub refused_epoch: u64,
+    pub replays_started: u64,
+    pub inv_rebroadcasts: u64,
+    pub writes_committed: u64,
+    pub reads_served: u64,
+    pub missed_updates_overflows: u64,
+    pub catchup_served: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Coord {
+    ts: Ts,
+    value: Vec<u8>,
+    client: Option<u64>,
+    scope: Option<u64>,
+    acks_c: BTreeSet<NodeId>,
+    acks_p: BTreeSet<NodeId>,
+    local_p: bool,
+    replied: bool,
+    val_c_sent: bool,
+    deadline_us: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+struct KeyState {
+    ts: Ts,
+    value: Vec<u8>,
+    valid: bool,
+    gdp: bool,
+    marked: Ts,
+    durable: Ts,
+    deadline_us: u64,
+    timeouts: u32,
+    coord: Option<Coord>,
+    pending_p: Vec<(NodeId, Ts)>,
+    waiting: VecDeque<(u64, ClientOp)>,
+}
+
+#[derive(Clone, Debug)]
+struct PersistOp {
+    writes: Vec<(Vec<u8>, Ts)>,
+    client: u64,
+    acks: BTreeSet<NodeId>,
+    deadline_us: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Phase {
+    Start { acked: BTreeSet<NodeId> },
+    CatchUp { buddy: NodeId, chunks: BTreeSet<u32>, total: Option<u32> },
+    Applying,
+}
+
+#[derive(Clone, Debug)]
+struct Recov {
+    phase: Phase,
+    started_us: u64,
+    acked_us: u64,
+    resp_us: u64,
+    deadline_us: u64,
+    outstanding: BTreeSet<u64>,
+    stats: RecoveryStats,
+}
+
+#[derive(Clone, Debug)]
+enum Mode {
+    /// Not (yet) a member: restarted on durable state, or never joined.
+    Down,
+    Member,
+    Recovering(Box<Recov>),
+    /// HEAL finished (Recov_end sent); waiting for the CM to make it active.
+    Recovered,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Missed {
+    recording: bool,
+    overflowed: bool,
+    keys: BTreeMap<Vec<u8>, usize>,
+    bytes: usize,
+}
+
+/// One replica. See the module docs.
+pub struct NodeCore {
+    p: NodeParams,
+    config: Config,
+    mode: Mode,
+    booted: bool,
+    lease_until_us: u64,
+    store: BTreeMap<Vec<u8>, KeyState>,
+    /// Keys with a coordinated write or not valid: the ones timers look at.
+    unsettled: BTreeSet<Vec<u8>>,
+    partially: Vec<(Vec<u8>, Ts)>,
+    missed: Missed,
+    next_seq: u64,
+    inflight: BTreeMap<u64, (Vec<u8>, Ts)>,
+    pending_client_ops: usize,
+    scopes: BTreeMap<u64, Vec<(Vec<u8>, Ts)>>,
+    persist_ops: BTreeMap<u64, PersistOp>,
+    next_persist_id: u64,
+    /// Scope PERSISTs of other coordinators waiting for local durability: (from, id, writes).
+    persist_waits: Vec<(NodeId, u64, Vec<(Vec<u8>, Ts)>)>,
+    /// Client tags seen lately: a request delivered twice must not write twice.
+    recent_tags: BTreeSet<u64>,
+    recent_order: VecDeque<u64>,
+    out: Vec<Output>,
+    pub counters: NodeCounters,
+}
+
+/// Client tags remembered for duplicate suppression.
+pub const RECENT_CLIENT_TAGS: usize = 4096;
+
+impl NodeCore {
+    /// A node starting on what its log holds. It serves nothing until a configuration admits
+    /// it: as a genesis member if its log has never booted, otherwise through HEAL recovery.
+    pub fn new(p: NodeParams, log: LogState) -> Self {
+        let mut store = BTreeMap::new();
+        for (k, (ts, v)) in &log.base {
+            store.insert(
+                k.clone(),
+                KeyState {
+                    ts: *ts,
+                    value: v.clone(),
+                    valid: true,
+                    gdp: false,
+                    marked: *ts,
+                    durable: *ts,
+                    ..Default::default()
+                },
+            );
+        }
+        NodeCore {
+            config: Config {
+                epoch: 0,
+                nodes: Vec::new(),
+                active: BTreeSet::new(),
+                recovering: BTreeSet::new(),
+            },
+            p,
+            mode: Mode::Down,
+            booted: log.booted,
+            lease_until_us: 0,
+            store,
+            unsettled: BTreeSet::new(),
+            partially: log.partially.iter().map(|(k, (ts, _))| (k.clone(), *ts)).collect(),
+            missed: Missed::default(),
+            next_seq: 0,
+            inflight: BTreeMap::new(),
+            pending_client_ops: 0,
+            scopes: BTreeMap::new(),
+            persist_ops: BTreeMap::new(),
+            next_persist_id: 0,
+            persist_waits: Vec::new(),
+            recent_tags: BTreeSet::new(),
+            recent_order: VecDeque::new(),
+            out: Vec::new(),
+            counters: NodeCounters::default(),
+        }
+    }
+
+    pub fn id(&self) -> NodeId {
+        self.p.id
+    }
+    pub fn model(&self) -> Model {
+        self.p.model
+    }
+    pub fn epoch(&self) -> u64 {
+        self.config.epoch
+    }
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+    pub fn take_outputs(&mut self) -> Vec<Output> {
+        std::mem::take(&mut self.out)
+    }
+    pub fn is_member_mode(&self) -> bool {
+        matches!(self.mode, Mode::Member)
+    }
+    pub fn is_recovering(&self) -> bool {
+        matches!(self.mode, Mode::Recovering(_) | Mode::Recovered)
+    }
+    /// Whether client operations are accepted now.
+    pub fn serving(&self, now_us: u64) -> bool {
+        matches!(self.mode, Mode::Member)
+            && self.config.active.contains(&self.p.id)
+            && now_us < self.lease_until_us
+    }
+    /// Bytes the Missed_updates buffer accounts for.
+    pub fn missed_updates_bytes(&self) -> usize {
+        self.missed.bytes
+    }
+    pub fn missed_updates_keys(&self) -> usize {
+        self.missed.keys.len()
+    }
+    pub fn keys(&self) -> usize {
+        self.store.len()
+    }
+    /// Volatile (timestamp, valid) of every key, for invariant checks.
+    pub fn snapshot(&self) -> BTreeMap<Vec<u8>, (Ts, bool, Vec<u8>)> {
+        self.store
+            .iter()
+            .filter(|(_, k)| k.ts != Ts::default())
+            .map(|(key, k)| (key.clone(), (k.ts, k.valid, k.value.clone())))
+            .collect()
+    }
+    /// Bytes of keys and values held.
+    pub fn stored_bytes(&self) -> usize {
+        self.store.iter().map(|(k, s)| k.len() + s.value.len()).sum()
+    }
+
+    fn others(&self) -> Vec<NodeId> {
+        let me = self.p.id;
+        self.config.members().filter(|&n| n != me).collect()
+    }
+
+    fn send(&mut self, to: NodeId, msg: PeerMsg) {
+        self.out.push(Output::Send { to, msg });
+    }
+
+    fn broadcast(&mut self, msg: PeerMsg) {
+        for n in self.others() {
+            self.send(n, msg.clone());
+        }
+    }
+
+    fn persist(&mut self, key: &[u8], ts: Ts, value: &[u8]) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.inflight.insert(seq, (key.to_vec(), ts));
+        self.out.push(Output::Persist {
+            seq,
+            rec: LogRecord::Put {
+                key: key.to_vec(),
+                ts,
+                value: value.to_vec(),
+            },
+        });
+        seq
+    }
+
+    fn status(&self) -> NodeStatus {
+        match self.mode {
+            Mode::Down => NodeStatus::WantsJoin,
+            Mode::Recovered => NodeStatus::Recovered,
+            Mode::Member | Mode::Recovering(_) => NodeStatus::Member,
+        }
+    }
+
+    fn record_missed(&mut self, key: &[u8], value_len: usize) {
+        if !self.missed.recording || self.missed.overflowed {
+            return;
+        }
+        let size = key.len() + value_len + 24;
+        let old = self.missed.keys.insert(key.to_vec(), size).unwrap_or(0);
+        self.missed.bytes = self.missed.bytes + size - old;
+        if self.missed.bytes > self.p.missed_updates_cap_bytes {
+            // Past the cap the buffer is useless: drop it, the Buddy will send a full copy.
+            self.missed.overflowed = true;
+            self.missed.keys.clear();
+            self.missed.bytes = 0;
+            self.counters.missed_updates_overflows += 1;
+        }
+    }
+
+    /// Sets the GDP flag of the current version in the log once it is committed or durable.
+    fn mark_if_needed(&mut self, key: &[u8]) {
+        let Some(k) = self.store.get_mut(key) else { return };
+        if (k.valid || k.gdp) && k.marked < k.ts && k.ts != Ts::default() {
+            k.marked = k.ts;
+            let ts = k.ts;
+            self.out.push(Output::Mark(LogRecord::Mark {
+                key: key.to_vec(),
+                ts,
+            }));
+        }
+    }
+
+    // ---------------------------------------------------------------- configuration
+
+    /// A heartbeat from the CM carrying its configuration.
+    pub fn on_heartbeat(&mut self, now_us: u64, hb: Heartbeat) {
+        let me = self.p.id;
+        if hb.config.epoch > self.config.epoch {
+            self.adopt(now_us, hb.config.clone());
+        }
+        if hb.config.epoch == self.config.epoch && self.config.is_member(me) {
+            self.lease_until_us = now_us + self.p.lease_us;
+        }
+        let ack = HeartbeatAck {
+            node: me,
+            epoch: self.config.epoch,
+            seq: hb.seq,
+            status: self.status(),
+        };
+        self.out.push(Output::ToCm(ack));
+        if matches!(self.mode, Mode::Member) {
+            self.serve_all_waiting(now_us);
+        }
+    }
+
+    fn adopt(&mut self, now_us: u64, cfg: Config) {
+        let me = self.p.id;
+        self.config = cfg;
+        let member = self.config.is_member(me);
+        let active = self.config.active.contains(&me);
+        let recovering = self.config.recovering.contains(&me);
+        match &self.mode {
+            Mode::Down => {
+                if active && !self.booted {
+                    // Genesis: a node that never booted and was never removed (it is still
+                    // listed active) missed nothing: no write completes without its ACK. The
+                    // Boot record goes to the log before anything this node acks.
+                    for k in self.store.values_mut() {
+                        k.gdp = true; // the shared initial state is durable everywhere
+                    }
+                    self.booted = true;
+                    let seq = self.next_seq;
+                    self.next_seq += 1;
+                    self.out.push(Output::Persist {
+                        seq,
+                        rec: LogRecord::Boot { node: me },
+                    });
+                    self.mode = Mode::Member;
+                } else if recovering {
+                    let boot = if !self.booted {
+                        self.booted = true;
+                        let seq = self.next_seq;
+                        self.next_seq += 1;
+                        self.out.push(Output::Persist {
+                            seq,
+                            rec: LogRecord::Boot { node: me },
+                        });
+                        Some(seq)
+                    } else {
+                        None
+                    };
+                    self.start_recovery(now_us);
+                    if let (Some(seq), Mode::Recovering(r)) = (boot, &mut self.mode) {
+                        // Recov_end only once the Boot record is durable.
+                        r.outstanding.insert(seq);
+                    }
+                }
+                // Listed active but restarted: stay down; the CM removes us on WantsJoin.
+            }
+            Mode::Member => {
+                if !member || recovering {
+                    self.reload();
+                    return;
+                }
+            }
+            Mode::Recovering(_) => {
+                if !member {
+                    self.reload();
+                    return;
+                }
+                if active {
+                    self.mode = Mode::Member;
+                } else {
+                    // The configuration changed under the recovery: redo it (§VI, TL5).
+                    self.start_recovery(now_us);
+                }
+            }
+            Mode::Recovered => {
+                if !member {
+                    self.reload();
+                    return;
+                }
+                if active {
+                    self.mode = Mode::Member;
+                }
+            }
+        }
+        if matches!(self.mode, Mode::Down) {
+            return;
+        }
+        // Missed_updates: seeded with everything not yet globally durable when the group first
+        // loses a node, then fed by every update applied while it runs degraded.
+        if matches!(self.mode, Mode::Member) {
+            if self.config.degraded() {
+                if !self.missed.recording {
+                    self.missed.recording = true;
+                    let seeds: Vec<(Vec<u8>, usize)> = self
+                        .store
+                        .iter()
+                        .filter(|(_, k)| !k.gdp && k.ts != Ts::default())
+                        .map(|(key, k)| (key.clone(), k.value.len()))
+                        .collect();
+                    for (k, l) in seeds {
+                        self.record_missed(&k, l);
+                    }
+                }
+            } else {
+                self.missed = Missed::default();
+            }
+        } else if self.config.degraded() {
+            // A recovering node does not know what happened while it was away, so its buffer
+            // cannot be trusted if it is later asked to be someone's Buddy: it answers with a
+            // full copy instead (rare: concurrent failures, §VI).
+            self.missed.recording = true;
+            self.missed.overflowed = true;
+            self.missed.keys.clear();
+            self.missed.bytes = 0;
+        }
+        // In-flight writes and PERSISTs restart with the new membership (same timestamps).
+        let keys: Vec<Vec<u8>> = self.unsettled.iter().cloned().collect();
+        let epoch = self.config.epoch;
+        for key in keys {
+            let k = self.store.get_mut(&key).unwrap();
+            if let Some(c) = &mut k.coord {
+                c.acks_c.clear();
+                c.acks_p.clear();
+                c.deadline_us = now_us + self.p.inv_ack_timeout_us;
+                let msg = PeerMsg::Inv {
+                    epoch,
+                    key: key.clone(),
+                    ts: c.ts,
+                    value: c.value.clone(),
+                };
+                self.broadcast(msg);
+                self.advance(now_us, &key);
+            } else if !k.valid {
+                // The coordinator may be gone (Table III): react soon.
+                k.deadline_us = now_us + self.p.ack_val_timeout_us / 2 + (me as u64) * 1_000;
+                k.timeouts = k.timeouts.max(1);
+            }
+        }
+        let ids: Vec<u64> = self.persist_ops.keys().copied().collect();
+        for id in ids {
+            let op = self.persist_ops.get_mut(&id).unwrap();
+            op.acks.clear();
+            op.deadline_us = now_us + self.p.inv_ack_timeout_us;
+            let msg = PeerMsg::PersistReq {
+                epoch,
+                id,
+                writes: op.writes.clone(),
+            };
+            self.broadcast(msg);
+            self.check_persist_op(id);
+        }
+    }
+
+    fn reload(&mut self) {
+        // Queued client ops were never started: tell their clients to go elsewhere. Writes in
+        // flight get no answer (their outcome is unknown).
+        let mut replies = Vec::new();
+        for k in self.store.values_mut() {
+            for (tag, _) in k.waiting.drain(..) {
+                replies.push(tag);
+            }
+        }
+        for tag in replies {
+            self.out.push(Output::Reply {
+                tag,
+                result: ClientResult::NotServing,
+            });
+        }
+        self.mode = Mode::Down;
+        self.out.push(Output::Reload);
+    }
+
+    // ---------------------------------------------------------------- clients
+
+    /// A client operation; the answer comes as [`Output::Reply`] with the same `tag`.
+    pub fn on_client(&mut self, now_us: u64, tag: u64, op: ClientOp) {
+        if !self.recent_tags.insert(tag) {
+            return; // a duplicate delivery of a request already taken
+        }
+        self.recent_order.push_back(tag);
+        if self.recent_order.len() > RECENT_CLIENT_TAGS {
+            let old = self.recent_order.pop_front().unwrap();
+            self.recent_tags.remove(&old);
+        }
+        let bad = match &op {
+            ClientOp::Get { key } => key.len() > MAX_KEY_BYTES || key.is_empty(),
+            ClientOp::Put { key, value, .. } => {
+                key.len() > MAX_KEY_BYTES || key.is_empty() || value.len() > MAX_VALUE_BYTES
+            }
+            ClientOp::Persist { .. } => false,
+        };
+        if bad {
+            self.reply(tag, ClientResult::Invalid(format!(
+                "key must be 1..={MAX_KEY_BYTES} bytes and value at most {MAX_VALUE_BYTES} bytes"
+            )));
+            return;
+        }
+        if !self.serving(now_us) {
+            self.reply(tag, ClientResult::NotServing);
+            return;
+        }
+        if let ClientOp::Persist { scope } = op {
+            self.start_persist(now_us, tag, scope);
+            return;
+        }
+        let key = match &op {
+            ClientOp::Get { key } | ClientOp::Put { key, .. } => key.clone(),
+            ClientOp::Persist { .. } => unreachable!(),
+        };
+        let ready = match self.store.get(&key) {
+            None => true,
+            Some(k) => k.valid && k.waiting.is_empty() && !self.coord_blocks(k),
+        };
+        if ready {
+            self.execute(now_us, tag, op);
+        } else if self.pending_client_ops >= self.p.max_pending_client_ops {
+            self.reply(tag, ClientResult::Busy);
+        } else {
+            self.pending_client_ops += 1;
+            self.store.get_mut(&key).unwrap().waiting.push_back((tag, op));
+        }
+    }
+
+    fn coord_blocks(&self, k: &KeyState) -> bool {
+        match &k.coord {
+            None => false,
+            // A write waiting only for its background durability does not block the next one.
+            Some(c) => !(c.replied && c.val_c_sent),
+        }
+    }
+
+    fn reply(&mut self, tag: u64, result: ClientResult) {
+        self.out.push(Output::Reply { tag, result });
+    }
+
+    fn execute(&mut self, now_us: u64, tag: u64, op: ClientOp) {
+        match op {
+            ClientOp::Get { key } => {
+                self.counters.reads_served += 1;
+                let v = self
+                    .store
+                    .get(&key)
+                    .filter(|k| k.ts != Ts::default())
+                    .map(|k| k.value.clone());
+                self.reply(tag, ClientResult::Value(v));
+            }
+            ClientOp::Put { key, value, scope } => {
+                if self.p.model == Model::Scope {
+                    if let Some(s) = scope {
+                        let n = self.scopes.get(&s).map_or(0, |v| v.len());
+                        if n >= self.p.max_scope_writes {
+                            self.reply(tag, ClientResult::Busy);
+                            return;
+                        }
+                    }
+                }
+                let me = self.p.id;
+                let k = self.store.entry(key.clone()).or_insert_with(|| KeyState {
+                    valid: true,
+                    ..Default::default()
+                });
+                let ts = Ts {
+                    version: k.ts.version + 1,
+                    node: me,
+                };
+                k.ts = ts;
+                k.value = value.clone();
+                k.valid = false;
+                k.gdp = false;
+                k.timeouts = 0;
+                k.deadline_us = u64::MAX;
+                k.coord = Some(Coord {
+                    ts,
+                    value: value.clone(),
+                    client: Some(tag),
+                    scope: if self.p.model == Model::Scope { scope } else { None },
+                    acks_c: BTreeSet::new(),
+                    acks_p: BTreeSet::new(),
+                    local_p: false,
+                    replied: false,
+                    val_c_sent: false,
+                    deadline_us: now_us + self.p.inv_ack_timeout_us,
+                });
+                self.unsettled.insert(key.clone());
+                self.persist(&key, ts, &value);
+                self.record_missed(&key, value.len());
+                let msg = PeerMsg::Inv {
+                    epoch: self.config.epoch,
+                    key: key.clone(),
+                    ts,
+                    value,
+                };
+                self.broadcast(msg);
+                self.advance(now_us, &key);
+            }
+            ClientOp::Persist { .. } => unreachable!(),
+        }
+    }
+
+    fn serve_waiting(&mut self, now_us: u64, key: &[u8]) {
+        loop {
+            let Some(k) = self.store.get_mut(key) else { return };
+            if !k.valid || self.coord_blocks_key(key) {
+                return;
+            }
+            let k = self.store.get_mut(key).unwrap();
+            let Some((tag, op)) = k.waiting.pop_front() else { return };
+            self.pending_client_ops -= 1;
+            if !self.serving(now_us) {
+                self.reply(tag, ClientResult::NotServing);
+                continue;
+            }
+            self.execute(now_us, tag, op);
+        }
+    }
+
+    fn coord_blocks_key(&self, key: &[u8]) -> bool {
+        self.store.get(key).is_some_and(|k| self.coord_blocks(k))
+    }
+
+    fn serve_all_waiting(&mut self, now_us: u64) {
+        if self.pending_client_ops == 0 {
+            return;
+        }
+        let keys: Vec<Vec<u8>> = self
+            .store
+            .iter()
+            .filter(|(_, k)| !k.waiting.is_empty())
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in keys {
+            self.serve_waiting(now_us, &key);
+        }
+    }
+
+    fn start_persist(&mut self, now_us: u64, tag: u64, scope: u64) {
+        if self.p.model != Model::Scope {
+            // Every other model makes writes durable on its own schedule: nothing to wait for
+            // beyond what each write's answer already promised.
+            self.reply(tag, ClientResult::Done);
+            return;
+        }
+        let writes = self.scopes.remove(&scope).unwrap_or_default();
+        let id = self.next_persist_id;
+        self.next_persist_id += 1;
+        self.persist_ops.insert(
+            id,
+            PersistOp {
+                writes: writes.clone(),
+                client: tag,
+                acks: BTreeSet::new(),
+                deadline_us: now_us + self.p.inv_ack_timeout_us,
+            },
+        );
+        let msg = PeerMsg::PersistReq {
+            epoch: self.config.epoch,
+            id,
+            writes,
+        };
+        self.broadcast(msg);
+        self.check_persist_op(id);
+    }
+
+    fn all_durable(&self, writes: &[(Vec<u8>, Ts)]) -> bool {
+        writes
+            .iter()
+            .all(|(k, ts)| self.store.get(k).is_some_and(|s| s.durable >= *ts))
+    }
+
+    fn check_persist_op(&mut self, id: u64) {
+        let Some(op) = self.persist_ops.get(&id) else { return };
+        let others = self.others();
+        if !others.iter().all(|n| op.acks.contains(n)) || !self.all_durable(&op.writes) {
+            return;
+        }
+        let op = self.persist_ops.remove(&id).unwrap();
+        self.reply(op.client, ClientResult::Done);
+        let msg = PeerMsg::PersistVal {
+            epoch: self.config.epoch,
+            writes: op.writes.clone(),
+        };
+        self.broadcast(msg);
+        self.apply_persist_val(&op.writes);
+    }
+
+    fn apply_persist_val(&mut self, writes: &[(Vec<u8>, Ts)]) {
+        for (key, ts) in writes {
+            if let Some(k) = self.store.get_mut(key) {
+                if k.ts == *ts {
+                    k.gdp = true;
+                }
+            }
+            self.mark_if_needed(key);
+        }
+    }
+
+    // ---------------------------------------------------------------- write protocol
+
+    /// Moves a coordinated write forward according to the model (Table I).
+    fn advance(&mut self, now_us: u64, key: &[u8]) {
+        let others = self.others();
+        let model = self.p.model;
+        let epoch = self.config.epoch;
+        let Some(k) = self.store.get_mut(key) else { return };
+        let Some(c) = &mut k.coord else { return };
+        let all_c = others.iter().all(|n| c.acks_c.contains(n));
+        let all_p = others.iter().all(|n| c.acks_p.contains(n)) && c.local_p;
+        let ts = c.ts;
+        let mut reply = None;
+        let mut vals: Vec<(bool, bool)> = Vec::new();
+        let mut validate = false;
+        let mut gdp = false;
+        let mut done = false;
+        match model {
+            Model::Synch => {
+                if all_c && all_p {
+                    reply = c.client.take();
+                    vals.push((true, true));
+                    validate = true;
+                    gdp = true;
+                    done = true;
+                }
+            }
+            Model::Strict => {
+                if all_c && !c.val_c_sent {
+                    c.val_c_sent = true;
+                    vals.push((true, false));
+                    validate = true;
+                }
+                if all_c && all_p {
+                    reply = c.client.take();
+                    vals.push((false, true));
+                    gdp = true;
+                    done = true;
+                }
+            }
+            Model::ReadEnforced => {
+                if all_c && !c.replied {
+                    c.replied = true;
+                    reply = c.client.take();
+                }
+                if all_c && all_p {
+                    vals.push((true, true));
+                    validate = true;
+                    gdp = true;
+                    done = true;
+                }
+            }
+            Model::Eventual => {
+                if all_c && !c.val_c_sent {
+                    c.val_c_sent = true;
+                    c.replied = true;
+                    reply = c.client.take();
+                    vals.push((true, false));
+                    validate = true;
+                }
+                if all_c && all_p {
+                    vals.push((false, true));
+                    gdp = true;
+                    done = true;
+                }
+            }
+            Model::Scope => {
+                if all_c {
+                    c.val_c_sent = true;
+                    c.replied = true;
+                    reply = c.client.take();
+                    vals.push((true, false));
+                    validate = true;
+                    done = true;
+                }
+            }
+        }
+        let scope = c.scope;
+        if done {
+            k.coord = None;
+        }
+        let _ = now_us;
+        if let Some(tag) = reply {
+            self.counters.writes_committed += 1;
+            if let Some(s) = scope {
+                self.scopes.entry(s).or_default().push((key.to_vec(), ts));
+            }
+            self.reply(tag, ClientResult::Done);
+        }
+        for (c, p) in vals {
+            self.broadcast(PeerMsg::Val {
+                epoch,
+                key: key.to_vec(),
+                ts,
+                c,
+                p,
+            });
+        }
+        let k = self.store.get_mut(key).unwrap();
+        if k.ts == ts {
+            if validate {
+                k.valid = true;
+            }
+            if gdp {
+                k.gdp = true;
+            }
+        }
+        self.mark_if_needed(key);
+        self.settle(now_us, key);
+    }
+
+    /// Drops a key from the timer set once nothing is pending on it, and serves queued ops.
+    fn settle(&mut self, now_us: u64, key: &[u8]) {
+        if let Some(k) = self.store.get(key) {
+            if k.valid && k.coord.is_none() {
+                self.unsettled.remove(key);
+            }
+            if k.valid {
+                self.serve_waiting(now_us, key);
+            }
+        }
+    }
+
+    /// Sends the ACK(s) a follower owes for `ts` of `key` now, queueing the persistency half.
+    fn ack(&mut self, to: NodeId, key: &[u8], ts: Ts) {
+        let model = self.p.model;
+        let epoch = self.config.epoch;
+        let k = self.store.get_mut(key).unwrap();
+        let durable = k.durable >= ts;
+        match model {
+            Model::Synch => {
+                if durable {
+                    self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: true });
+                } else if !k.pending_p.contains(&(to, ts)) {
+                    k.pending_p.push((to, ts));
+                }
+            }
+            Model::Scope => {
+                self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: false });
+            }
+            _ => {
+                if durable {
+                    self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: true });
+                } else {
+                    if !k.pending_p.contains(&(to, ts)) {
+                        k.pending_p.push((to, ts));
+                    }
+                    self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: false });
+                }
+            }
+        }
+    }
+
+    /// Applies a version to the volatile store if it is newer. Returns whether it was.
+    fn apply_newer(&mut self, now_us: u64, key: &[u8], ts: Ts, value: &[u8], valid: bool) -> bool {
+        let k = self.store.entry(key.to_vec()).or_insert_with(|| KeyState {
+            valid: true,
+            ..Default::default()
+        });
+        if ts <= k.ts {
+            return false;
+        }
+        k.ts = ts;
+        k.value = value.to_vec();
+        k.valid = valid;
+        k.gdp = false;
+        k.timeouts = 0;
+        k.deadline_us = now_us + self.p.ack_val_timeout_us;
+        if k.coord.as_ref().is_some_and(|c| c.client.is_none()) {
+            // A replay of an older version is moot now.
+            k.coord = None;
+        }
+        if !valid {
+            self.unsettled.insert(key.to_vec());
+        }
+        self.persist(key, ts, value);
+        self.record_missed(key, value.len());
+        true
+    }
+
+    /// A message from another node.
+    pub fn on_peer(&mut self, now_us: u64, from: NodeId, msg: PeerMsg) {
+        if msg.epoch() != self.config.epoch {
+            self.counters.refused_epoch += 1;
+            return;
+        }
+        if matches!(self.mode, Mode::Down) || !self.config.is_member(from) {
+            return;
+        }
+        match msg {
+            PeerMsg::Inv { key, ts, value, .. } => {
+                if key.is_empty() || key.len() > MAX_KEY_BYTES || value.len() > MAX_VALUE_BYTES {
+                    return;
+                }
+                self.apply_newer(now_us, &key, ts, &value, false);
+                self.ack(from, &key, ts);
+            }
+            PeerMsg::Ack { key, ts, c, p, .. } => {
+                let Some(k) = self.store.get_mut(&key) else { return };
+                match &mut k.coord {
+                    Some(co) if co.ts == ts => {
+                        if c {
+                            co.acks_c.insert(from);
+                        }
+                        if p {
+                            co.acks_p.insert(from);
+                        }
+                        self.advance(now_us, &key);
+                    }
+                    _ => {
+                        // A late ACK for a write already finished here: repeat its VAL.
+                        if k.ts == ts && k.valid {
+                            let gdp = k.gdp;
+                            let epoch = self.config.epoch;
+                            self.send(from, PeerMsg::Val { epoch, key, ts, c: true, p: gdp });
+                        }
+                    }
+                }
+            }
+            PeerMsg::Val { key, ts, c, p, .. } => {
+                let Some(k) = self.store.get_mut(&key) else { return };
+                if k.ts != ts {
+                    return;
+                }
+                if c {
+                    k.valid = true;
+                }
+                if p {
+                    k.gdp = true;
+                }
+                self.mark_if_needed(&key);
+                self.settle(now_us, &key);
+            }
+            PeerMsg::PersistReq { id, writes, .. } => {
+                if self.all_durable(&writes) {
+                    let epoch = self.config.epoch;
+                    self.send(from, PeerMsg::PersistAck { epoch, id });
+                } else if self.persist_waits.len() < self.p.max_pending_client_ops
+                    && !self.persist_waits.iter().any(|(f, i, _)| *f == from && *i == id)
+                {
+                    self.persist_waits.push((from, id, writes));
+                }
+            }
+            PeerMsg::PersistAck { id, .. } => {
+                if let Some(op) = self.persist_ops.get_mut(&id) {
+                    op.acks.insert(from);
+                    self.check_persist_op(id);
+                }
+            }
+            PeerMsg::PersistVal { writes, .. } => self.apply_persist_val(&writes),
+            PeerMsg::RecovStart { .. } => {
+                let epoch = self.config.epoch;
+                self.send(from, PeerMsg::RecovStartAck { epoch });
+            }
+            PeerMsg::RecovStartAck { .. } => self.on_recov_start_ack(now_us, from),
+            PeerMsg::CatchUpReq { partially, .. } => self.on_catchup_req(from, partially),
+            PeerMsg::CatchUpResp {
+                chunk,
+                last,
+                full_copy,
+                entries,
+                ..
+            } => self.on_catchup_resp(now_us, from, chunk, last, full_copy, entries),
+            PeerMsg::RecovEnd { .. } => {
+                let others_whole = self
+                    .config
+                    .nodes
+                    .iter()
+                    .all(|n| *n == from || self.config.active.contains(n));
+                if others_whole && matches!(self.mode, Mode::Member) {
+                    // Recovery complete and nobody else absent: the buffer has done its job.
+                    self.missed.keys.clear();
+                    self.missed.bytes = 0;
+                    self.missed.overflowed = false;
+                }
+            }
+        }
+    }
+
+    /// A durable append finished.
+    pub fn on_persisted(&mut self, now_us: u64, seq: u64) {
+        let Some((key, ts)) = self.inflight.remove(&seq) else { return };
+        let epoch = self.config.epoch;
+        let model = self.p.model;
+        if let Some(k) = self.store.get_mut(&key) {
+            if ts > k.durable {
+                k.durable = ts;
+            }
+            let durable = k.durable;
+            let (ready, rest): (Vec<_>, Vec<_>) =
+                k.pending_p.drain(..).partition(|(_, t)| *t <= durable);
+            k.pending_p = rest;
+            if let Some(c) = &mut k.coord {
+                if c.ts <= durable {
+                    c.local_p = true;
+                }
+            }
+            if !matches!(self.mode, Mode::Down) {
+                for (to, t) in ready {
+                    let c = model == Model::Synch;
+                    self.send(to, PeerMsg::Ack { epoch, key: key.clone(), ts: t, c, p: true });
+                }
+            }
+            self.advance(now_us, &key);
+        }
+        if !self.persist_waits.is_empty() {
+            let waits = std::mem::take(&mut self.persist_waits);
+            for (from, id, writes) in waits {
+                if self.all_durable(&writes) {
+                    self.send(from, PeerMsg::PersistAck { epoch, id });
+                } else {
+                    self.persist_waits.push((from, id, writes));
+                }
+            }
+        }
+        let ids: Vec<u64> = self.persist_ops.keys().copied().collect();
+        for id in ids {
+            self.check_persist_op(id);
+        }
+        let mut check_recovery = false;
+        if let Mode::Recovering(r) = &mut self.mode {
+            if r.outstanding.remove(&seq) && r.outstanding.is_empty() {
+                check_recovery = true;
+            }
+        }
+        if check_recovery {
+            self.maybe_finish_recovery(now_us);
+        }
+    }
+
+    /// Time passes: retransmissions, replays, recovery retries.
+    pub fn tick(&mut self, now_us: u64) {
+        if matches!(self.mode, Mode::Down) {
+            return;
+        }
+        let epoch = self.config.epoch;
+        let me = self.p.id;
+        let keys: Vec<Vec<u8>> = self.unsettled.iter().cloned().collect();
+        for key in keys {
+            let Some(k) = self.store.get_mut(&key) else { continue };
+            if let Some(c) = &mut k.coord {
+                if now_us >= c.deadline_us {
+                    // §V-F1: re-broadcast with the original timestamp to every follower.
+                    c.deadline_us = now_us + self.p.inv_ack_timeout_us;
+                    let msg = PeerMsg::Inv { epoch, key: key.clone(), ts: c.ts, value: c.value.clone() };
+                    self.counters.inv_rebroadcasts += 1;
+                    self.broadcast(msg);
+                }
+                continue;
+            }
+            if k.valid {
+                self.unsettled.remove(&key);
+                continue;
+            }
+            if now_us < k.deadline_us {
+                continue;
+            }
+            k.timeouts += 1;
+            k.deadline_us = now_us + self.p.ack_val_timeout_us;
+            let coord = k.ts.node;
+            let ts = k.ts;
+            if k.timeouts == 1 && coord != me && self.config.is_member(coord) {
+                self.ack(coord, &key, ts);
+            } else {
+                // The coordinator is gone or silent: take over with its timestamp (Table III).
+                let local_p = k.durable >= ts;
+                k.coord = Some(Coord {
+                    ts,
+                    value: k.value.clone(),
+                    client: None,
+                    scope: None,
+                    acks_c: BTreeSet::new(),
+                    acks_p: BTreeSet::new(),
+                    local_p,
+                    replied: true,
+                    val_c_sent: false,
+                    deadline_us: now_us + self.p.inv_ack_timeout_us,
+                });
+                self.counters.replays_started += 1;
+                let msg = PeerMsg::Inv { epoch, key: key.clone(), ts, value: k.value.clone() };
+                self.broadcast(msg);
+                self.advance(now_us, &key);
+            }
+        }
+        let ids: Vec<u64> = self.persist_ops.keys().copied().collect();
+        for id in ids {
+            let op = self.persist_ops.get_mut(&id).unwrap();
+            if now_us >= op.deadline_us {
+                op.deadline_us = now_us + self.p.inv_ack_timeout_us;
+                let msg = PeerMsg::PersistReq { epoch, id, writes: op.writes.clone() };
+                self.broadcast(msg);
+            }
+        }
+        self.recovery_tick(now_us);
+    }
+
+    // ---------------------------------------------------------------- HEAL recovery
+
+    fn start_recovery(&mut self, now_us: u64) {
+        let r = Recov {
+            phase: Phase::Start { acked: BTreeSet::new() },
+            started_us: now_us,
+            acked_us: 0,
+            resp_us: 0,
+            deadline_us: now_us + self.p.recovery_retry_us,
+            outstanding: BTreeSet::new(),
+            stats: RecoveryStats {
+                partially_persisted: self.partially.len() as u64,
+                ..Default::default()
+            },
+        };
+        self.mode = Mode::Recovering(Box::new(r));
+        let epoch = self.config.epoch;
+        // Step 1: Recov_start to every active node.
+        let active: Vec<NodeId> = self.config.active.iter().copied().filter(|n| *n != self.p.id).collect();
+        for n in active {
+            self.send(n, PeerMsg::RecovStart { epoch });
+        }
+        self.on_recov_start_ack_check(now_us);
+    }
+
+    fn on_recov_start_ack(&mut self, now_us: u64, from: NodeId) {
+        if let Mode::Recovering(r) = &mut self.mode {
+            if let Phase::Start { acked } = &mut r.phase {
+                acked.insert(from);
+            }
+        }
+        self.on_recov_start_ack_check(now_us);
+    }
+
+    fn buddy(&self) -> Option<NodeId> {
+        // Static choice: the next node after us that is active; re-chosen if it is not.
+        let n = self.config.nodes.len() as u32;
+        (1..n)
+            .map(|i| (self.p.id + i) % n)
+            .find(|c| self.config.active.contains(c))
+    }
+
+    fn on_recov_start_ack_check(&mut self, now_us: u64) {
+        let me = self.p.id;
+        let active: Vec<NodeId> = self.config.active.iter().copied().filter(|n| *n != me).collect();
+        let buddy = self.buddy();
+        let epoch = self.config.epoch;
+        let partially = self.partially.clone();
+        let Mode::Recovering(r) = &mut self.mode else { return };
+        let Phase::Start { acked } = &r.phase else { return };
+        if !active.iter().all(|n| acked.contains(n)) {
+            return;
+        }
+        let Some(buddy) = buddy else { return };
+        r.acked_us = now_us;
+        r.stats.start_to_ack_us = now_us - r.started_us;
+        r.phase = Phase::CatchUp { buddy, chunks: BTreeSet::new(), total: None };
+        r.deadline_us = now_us + self.p.recovery_retry_us;
+        // Step 2: CatchUp_req with the Partially_persisted list.
+        self.send(buddy, PeerMsg::CatchUpReq { epoch, partially });
+    }
+
+    fn on_catchup_req(&mut self, from: NodeId, partially: Vec<(Vec<u8>, Ts)>) {
+        if !matches!(self.mode, Mode::Member) || !self.config.active.contains(&self.p.id) {
+            return;
+        }
+        self.counters.catchup_served += 1;
+        let full_copy = self.missed.overflowed
+            || !self.missed.recording
+            || self.p.recovery == RecoveryScheme::FullCopy;
+        // The current version of each key is the newest update to it: Missed_updates keeps
+        // keys, the store supplies their newest values. Partially_persisted entries are judged
+        // by sending our version: R keeps its own only if ours equals it (marked committed).
+        let keys: Vec<Vec<u8>> = if full_copy {
+            self.store.keys().cloned().collect()
+        } else {
+            let mut set: BTreeSet<Vec<u8>> = self.missed.keys.keys().cloned().collect();
+            set.extend(partially.into_iter().map(|(k, _)| k));
+            set.into_iter().collect()
+        };
+        let epoch = self.config.epoch;
+        let mut chunk = Vec::new();
+        let mut chunk_bytes = 0;
+        let mut n = 0u32;
+        let mut chunks = Vec::new();
+        for key in keys {
+            let Some(k) = self.store.get(&key) else { continue };
+            if k.ts == Ts::default() {
+                continue;
+            }
+            let e = Entry { key, ts: k.ts, value: k.value.clone(), committed: k.valid };
+            chunk_bytes += e.size_bytes();
+            chunk.push(e);
+            if chunk_bytes >= self.p.max_catchup_chunk_bytes {
+                chunks.push(std::mem::take(&mut chunk));
+                chunk_bytes = 0;
+            }
+        }
+        if !chunk.is_empty() || chunks.is_empty() {
+            chunks.push(chunk);
+        }
+        let total = chunks.len();
+        for (i, entries) in chunks.into_iter().enumerate() {
+            let last = i + 1 == total;
+            self.send(from, PeerMsg::CatchUpResp { epoch, chunk: n, last, full_copy, entries });
+            n += 1;
+        }
+    }
+
+    fn on_catchup_resp(
+        &mut self,
+        now_us: u64,
+        from: NodeId,
+        chunk: u32,
+        last: bool,
+        full_copy: bool,
+        entries: Vec<Entry>,
+    ) {
+        {
+            let Mode::Recovering(r) = &mut self.mode else { return };
+            let Phase::CatchUp { buddy, chunks, total } = &mut r.phase else { return };
+            if *buddy != from || !chunks.insert(chunk) {
+                return;
+            }
+            if last {
+                *total = Some(chunk + 1);
+            }
+            // Chunks are still coming: no retry (a retry would restart a full copy).
+            r.deadline_us = now_us + self.p.recovery_retry_us;
+            if r.resp_us == 0 {
+                r.resp_us = now_us;
+                r.stats.catchup_to_resp_us = now_us - r.acked_us;
+            }
+            r.stats.full_copy |= full_copy;
+            r.stats.entries_received += entries.len() as u64;
+            r.stats.bytes_received += entries.iter().map(|e| e.size_bytes() as u64).sum::<u64>();
+        }
+        // Step 3: apply, never resurrecting a version older than what we hold (ShadowReplica
+        // writes may have overtaken it).
+        let mut applied = 0;
+        let mut seqs = Vec::new();
+        for e in entries {
+            if e.key.is_empty() || e.key.len() > MAX_KEY_BYTES || e.value.len() > MAX_VALUE_BYTES {
+                continue;
+            }
+            if self.apply_newer(now_us, &e.key, e.ts, &e.value, e.committed) {
+                applied += 1;
+                seqs.push(self.next_seq - 1);
+                if e.committed {
+                    self.mark_if_needed(&e.key);
+                    self.settle(now_us, &e.key);
+                }
+            }
+        }
+        let eventual = self.p.model == Model::Eventual;
+        let Mode::Recovering(r) = &mut self.mode else { return };
+        r.stats.entries_applied += applied;
+        if !eventual {
+            // Under Eventual the NVM copy is made in the background, off the critical path.
+            r.outstanding.extend(seqs);
+        }
+        let Phase::CatchUp { chunks, total, .. } = &r.phase else { return };
+        if total.is_some_and(|t| chunks.len() as u32 == t) {
+            r.phase = Phase::Applying;
+            self.maybe_finish_recovery(now_us);
+        }
+    }
+
+    fn maybe_finish_recovery(&mut self, now_us: u64) {
+        let Mode::Recovering(r) = &mut self.mode else { return };
+        if r.phase != Phase::Applying || !r.outstanding.is_empty() {
+            return;
+        }
+        r.stats.apply_to_end_us = now_us - r.resp_us.max(r.acked_us);
+        let stats = r.stats.clone();
+        self.mode = Mode::Recovered;
+        self.partially.clear();
+        let epoch = self.config.epoch;
+        self.broadcast(PeerMsg::RecovEnd { epoch });
+        self.out.push(Output::Recovered(stats));
+        self.out.push(Output::ToCm(HeartbeatAck {
+            node: self.p.id,
+            epoch,
+            seq: 0,
+            status: NodeStatus::Recovered,
+        }));
+    }
+
+    fn recovery_tick(&mut self, now_us: u64) {
+        let retry = self.p.recovery_retry_us;
+        let Mode::Recovering(r) = &mut self.mode else { return };
+        if now_us < r.deadline_us {
+            return;
+        }
+        r.deadline_us = now_us + retry;
+        match &r.phase {
+            Phase::Start { acked } => {
+                let epoch = self.config.epoch;
+                let missing: Vec<NodeId> = self
+                    .config
+                    .active
+                    .iter()
+                    .copied()
+                    .filter(|n| *n != self.p.id && !acked.contains(n))
+                    .collect();
+                for n in missing {
+                    self.send(n, PeerMsg::RecovStart { epoch });
+                }
+            }
+            Phase::CatchUp { .. } => {
+                // Ask again, possibly a different Buddy; already applied entries are harmless.
+                let buddy = self.buddy();
+                let epoch = self.config.epoch;
+                let partially = self.partially.clone();
+                if let (Some(b), Mode::Recovering(r)) = (buddy, &mut self.mode) {
+                    r.phase = Phase::CatchUp { buddy: b, chunks: BTreeSet::new(), total: None };
+                    self.send(b, PeerMsg::CatchUpReq { epoch, partially });
+                }
+            }
+            Phase::Applying => {}
+        }
+    }
+}

@@ -1,0 +1,732 @@
+//! Tokio drivers: the node server ([`run_node`]), the CM server ([`run_cm`]) and the async
+//! client ([`KvClient`], [`KvCluster`]). They run the sans-I/O cores unchanged.
+//!
+//! Every TCP connection starts with `wire::auth` (mutual HMAC over the cluster secret), then a
+//! [`NetMsg::Hello`] saying who connects; then frames of [`NetMsg`] (`wire` framing, size-limited).
+//! Nodes dial each other (one outbound connection per peer, reconnecting); the CM dials every
+//! node; clients dial any node and may keep many requests in flight on one connection.
+//!
+//! Persistence runs on a dedicated thread owning the [`FileLog`]: appends are taken in order and
+//! batched, one `O_DSYNC` write per batch (group commit), then each durable append is reported.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::cm::{CmCore, CmOutput, CmParams};
+use crate::log::{self, FileLog, LogRecord, PmLog};
+use crate::msg::*;
+use crate::node::{NodeCore, NodeParams, Output, RecoveryStats};
+
+/// Largest frame a node or client accepts (a CatchUp_resp chunk or a maximal value, plus room).
+pub const MAX_FRAME_BYTES: usize = 4 * 1024 * 1024;
+/// Messages queued per peer connection before new ones are dropped (the protocol retransmits).
+pub const PEER_QUEUE_MSGS: usize = 65_536;
+/// Requests a client connection may have in flight.
+pub const CLIENT_INFLIGHT_MAX: usize = 4096;
+/// Period of a node's timer checks.
+pub const NODE_TICK_MS: u64 = 5;
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Hello {
+    Peer(NodeId),
+    Cm,
+    Client,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum NetMsg {
+    Hello(Hello),
+    Peer(PeerMsg),
+    Hb(Heartbeat),
+    HbAck(HeartbeatAck),
+    Req { id: u64, op: ClientOp },
+    Resp { id: u64, result: ClientResult },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    #[error(transparent)]
+    Wire(#[from] wire::WireError),
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("log error: {0}")]
+    Log(#[from] log::LogError),
+    #[error("no node answered: {0}")]
+    Unavailable(String),
+    #[error("request refused: {0}")]
+    Refused(String),
+    #[error("timed out after {0:?} (the operation may or may not have taken effect)")]
+    Timeout(Duration),
+}
+
+async fn handshake_client<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8], hello: Hello) -> Result<(), KvError> {
+    wire::auth::connect(s, secret).await?;
+    wire::write_msg(s, &NetMsg::Hello(hello)).await?;
+    Ok(())
+}
+
+// ------------------------------------------------------------------------------ node
+
+/// What a node process needs.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub params: NodeParams,
+    pub listen: SocketAddr,
+    /// Every node's address, by id (this node's included).
+    pub peers: BTreeMap<NodeId, SocketAddr>,
+    pub data_dir: PathBuf,
+    pub secret: Vec<u8>,
+    pub extra_persist_latency: Duration,
+    pub metrics: Option<SocketAddr>,
+}
+
+enum Input {
+    Peer(NodeId, PeerMsg),
+    Hb(Heartbeat, mpsc::Sender<NetMsg>),
+    Client { id: u64, op: ClientOp, reply: mpsc::Sender<NetMsg> },
+    Persisted(Vec<u64>),
+}
+
+enum LogJob {
+    Durable(u64, LogRecord),
+    Lazy(LogRecord),
+    ReadAll(std::sync::mpsc::Sender<Vec<LogRecord>>),
+}
+
+/// Numbers a node exposes on its metrics endpoint.
+#[derive(Default)]
+pub struct NodeStats {
+    pub epoch: AtomicU64,
+    pub serving: AtomicU64,
+    pub keys: AtomicU64,
+    pub stored_bytes: AtomicU64,
+    pub missed_updates_bytes: AtomicU64,
+    pub recoveries: AtomicU64,
+    pub last_recovery: Mutex<Option<RecoveryStats>>,
+}
+
+fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>) -> std::sync::mpsc::Sender<LogJob> {
+    let (tx, rx) = std::sync::mpsc::channel::<LogJob>();
+    std::thread::Builder::new()
+        .name("kv-log".into())
+        .spawn(move || {
+            while let Ok(first) = rx.recv() {
+                let mut batch = vec![first];
+                while let Ok(j) = rx.try_recv() {
+                    batch.push(j);
+                    if batch.len() >= 1024 {
+                        break;
+                    }
+                }
+                let mut recs = Vec::new();
+                let mut seqs = Vec::new();
+                let mut reads = Vec::new();
+                for j in batch {
+                    match j {
+                        LogJob::Durable(s, r) => {
+                            seqs.push(s);
+                            recs.push(r);
+                        }
+                        LogJob::Lazy(r) => recs.push(r),
+                        LogJob::ReadAll(reply) => reads.push(reply),
+                    }
+                }
+                let res = if seqs.is_empty() {
+                    flog.append_lazy(&recs)
+                } else {
+                    flog.append_durable(&recs)
+                };
+                if let Err(e) = res {
+                    // A node that cannot persist must not acknowledge anything: stop it.
+                    tracing::error!("log append failed: {e}; stopping");
+                    eprintln!("error: persistent log append failed: {e}");
+                    std::process::exit(2);
+                }
+                if !seqs.is_empty() && inputs.blocking_send(Input::Persisted(seqs)).is_err() {
+                    return;
+                }
+                for r in reads {
+                    let _ = r.send(flog.read_all().unwrap_or_default());
+                }
+            }
+        })
+        .expect("spawning the log thread");
+    tx
+}
+
+/// Runs a node until the process is stopped.
+pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
+    std::fs::create_dir_all(&cfg.data_dir)?;
+    let mut flog = FileLog::open(&cfg.data_dir.join("pm.log"), cfg.extra_persist_latency)?;
+    let st = log::rebuild(&flog.read_all()?);
+    tracing::info!(
+        node = cfg.params.id,
+        records = st.records,
+        keys = st.base.len(),
+        partially = st.partially.len(),
+        booted = st.booted,
+        "node starting on its log"
+    );
+    let listener = TcpListener::bind(cfg.listen).await?;
+    let (in_tx, mut in_rx) = mpsc::channel::<Input>(65_536);
+    let log_tx = spawn_log_thread(flog, in_tx.clone());
+    let stats = Arc::new(NodeStats::default());
+
+    if let Some(m) = cfg.metrics {
+        let l = TcpListener::bind(m).await?;
+        let stats = stats.clone();
+        tokio::spawn(wire::metrics::serve(l, move || {
+            let stats = stats.clone();
+            async move { render_node_metrics(&stats) }
+        }));
+    }
+
+    // Outbound peer connections.
+    let me = cfg.params.id;
+    let mut peer_tx: HashMap<NodeId, mpsc::Sender<PeerMsg>> = HashMap::new();
+    for (&id, &addr) in &cfg.peers {
+        if id == me {
+            continue;
+        }
+        let (tx, rx) = mpsc::channel(PEER_QUEUE_MSGS);
+        peer_tx.insert(id, tx);
+        tokio::spawn(peer_writer(me, addr, cfg.secret.clone(), rx));
+    }
+
+    // Inbound connections.
+    {
+        let secret = cfg.secret.clone();
+        let in_tx = in_tx.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((sock, _)) = listener.accept().await else { continue };
+                let _ = sock.set_nodelay(true);
+                tokio::spawn(serve_conn(sock, secret.clone(), in_tx.clone()));
+            }
+        });
+    }
+
+    let start = Instant::now();
+    let now_us = || start.elapsed().as_micros() as u64;
+    let mut core = NodeCore::new(cfg.params.clone(), st);
+    let mut replies: HashMap<u64, (mpsc::Sender<NetMsg>, u64)> = HashMap::new();
+    let mut next_tag: u64 = 1;
+    let mut cm_tx: Option<mpsc::Sender<NetMsg>> = None;
+    // Timers are checked at this granularity (timeouts are tens of milliseconds).
+    let mut tick = tokio::time::interval(Duration::from_millis(NODE_TICK_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => core.tick(now_us()),
+            Some(inp) = in_rx.recv() => {
+                let now = now_us();
+                match inp {
+                    Input::Peer(from, m) => core.on_peer(now, from, m),
+                    Input::Hb(hb, tx) => { cm_tx = Some(tx); core.on_heartbeat(now, hb) }
+                    Input::Client { id, op, reply } => {
+                        let tag = next_tag;
+                        next_tag += 1;
+                        replies.insert(tag, (reply, id));
+                        core.on_client(now, tag, op);
+                    }
+                    Input::Persisted(seqs) => for s in seqs { core.on_persisted(now, s) },
+                }
+            }
+        }
+        // Carry out outputs in order; a Reload rebuilds the core and continues with its outputs.
+        loop {
+            let outs = core.take_outputs();
+            if outs.is_empty() {
+                break;
+            }
+            for o in outs {
+                match o {
+                    Output::Send { to, msg } => {
+                        if let Some(tx) = peer_tx.get(&to) {
+                            let _ = tx.try_send(msg);
+                        }
+                    }
+                    Output::ToCm(a) => {
+                        if let Some(tx) = &cm_tx {
+                            let _ = tx.try_send(NetMsg::HbAck(a));
+                        }
+                    }
+                    Output::Persist { seq, rec } => {
+                        let _ = log_tx.send(LogJob::Durable(seq, rec));
+                    }
+                    Output::Mark(rec) => {
+                        let _ = log_tx.send(LogJob::Lazy(rec));
+                    }
+                    Output::Reply { tag, result } => {
+                        if let Some((tx, id)) = replies.remove(&tag) {
+                            let _ = tx.try_send(NetMsg::Resp { id, result });
+                        }
+                    }
+                    Output::Reload => {
+                        tracing::warn!(node = me, "removed from the configuration: reloading from the log to recover");
+                        let (rtx, rrx) = std::sync::mpsc::channel();
+                        let _ = log_tx.send(LogJob::ReadAll(rtx));
+                        let recs = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
+                        core = NodeCore::new(cfg.params.clone(), log::rebuild(&recs));
+                        // Durable completions of the old core are meaningless to the new one.
+                    }
+                    Output::Recovered(s) => {
+                        tracing::info!(
+                            node = me,
+                            total_ms = s.total_us() as f64 / 1000.0,
+                            start_to_ack_us = s.start_to_ack_us,
+                            catchup_to_resp_us = s.catchup_to_resp_us,
+                            apply_to_end_us = s.apply_to_end_us,
+                            entries = s.entries_received,
+                            applied = s.entries_applied,
+                            full_copy = s.full_copy,
+                            "HEAL recovery complete"
+                        );
+                        eprintln!(
+                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, {} entries, {} bytes, full_copy {})",
+                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.entries_received, s.bytes_received, s.full_copy
+                        );
+                        stats.recoveries.fetch_add(1, Ordering::Relaxed);
+                        *stats.last_recovery.lock().unwrap() = Some(s);
+                    }
+                }
+            }
+        }
+        if stats.epoch.load(Ordering::Relaxed) != core.epoch() {
+            tracing::info!(
+                node = me,
+                epoch = core.epoch(),
+                member = core.is_member_mode(),
+                recovering = core.is_recovering(),
+                serving = core.serving(now_us()),
+                "configuration adopted"
+            );
+        }
+        stats.epoch.store(core.epoch(), Ordering::Relaxed);
+        stats.serving.store(core.serving(now_us()) as u64, Ordering::Relaxed);
+        stats.keys.store(core.keys() as u64, Ordering::Relaxed);
+        stats.missed_updates_bytes.store(core.missed_updates_bytes() as u64, Ordering::Relaxed);
+    }
+}
+
+fn render_node_metrics(s: &NodeStats) -> String {
+    use wire::metrics::metric;
+    let mut out = String::new();
+    metric(&mut out, "kv_epoch", "gauge", "configuration epoch", &[("", s.epoch.load(Ordering::Relaxed) as f64)]);
+    metric(&mut out, "kv_serving", "gauge", "1 if serving clients", &[("", s.serving.load(Ordering::Relaxed) as f64)]);
+    metric(&mut out, "kv_keys", "gauge", "keys held", &[("", s.keys.load(Ordering::Relaxed) as f64)]);
+    metric(
+        &mut out,
+        "kv_missed_updates_bytes",
+        "gauge",
+        "bytes accounted in the Missed_updates buffer",
+        &[("", s.missed_updates_bytes.load(Ordering::Relaxed) as f64)],
+    );
+    metric(&mut out, "kv_recoveries_total", "counter", "HEAL recoveries completed", &[("", s.recoveries.load(Ordering::Relaxed) as f64)]);
+    if let Some(r) = s.last_recovery.lock().unwrap().clone() {
+        metric(&mut out, "kv_last_recovery_us", "gauge", "duration of the last HEAL recovery", &[("", r.total_us() as f64)]);
+    }
+    out
+}
+
+async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc::Receiver<PeerMsg>) {
+    let mut backoff = Duration::from_millis(2);
+    loop {
+        let conn = async {
+            let mut s = TcpStream::connect(addr).await?;
+            s.set_nodelay(true)?;
+            handshake_client(&mut s, &secret, Hello::Peer(me)).await?;
+            Ok::<_, KvError>(s)
+        };
+        let mut s = match tokio::time::timeout(Duration::from_secs(2), conn).await {
+            Ok(Ok(s)) => s,
+            _ => {
+                // Messages for an unreachable peer are dropped; the protocol retransmits.
+                while rx.try_recv().is_ok() {}
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(20));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(2);
+        let (_r, mut w) = s.split();
+        loop {
+            let Some(m) = rx.recv().await else { return };
+            let mut buf = wire::encode_frame(&NetMsg::Peer(m)).unwrap_or_default();
+            while let Ok(m) = rx.try_recv() {
+                buf.extend_from_slice(&wire::encode_frame(&NetMsg::Peer(m)).unwrap_or_default());
+                if buf.len() > 1 << 20 {
+                    break;
+                }
+            }
+            use tokio::io::AsyncWriteExt;
+            if w.write_all(&buf).await.is_err() {
+                break;
+            }
+        }
+    }
+}
+
+async fn serve_conn(mut sock: TcpStream, secret: Vec<u8>, in_tx: mpsc::Sender<Input>) {
+    if let Err(e) = wire::auth::accept(&mut sock, &secret).await {
+        tracing::warn!("refused connection: {e}");
+        return;
+    }
+    let Ok(NetMsg::Hello(hello)) = wire::read_msg::<NetMsg, _>(&mut sock, MAX_FRAME_BYTES).await else { return };
+    let (mut r, mut w) = sock.into_split();
+    let (out_tx, mut out_rx) = mpsc::channel::<NetMsg>(CLIENT_INFLIGHT_MAX);
+    tokio::spawn(async move {
+        while let Some(m) = out_rx.recv().await {
+            if wire::write_msg(&mut w, &m).await.is_err() {
+                return;
+            }
+        }
+    });
+    loop {
+        let m = match wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await {
+            Ok(m) => m,
+            Err(wire::WireError::Closed) => return,
+            Err(e) => {
+                tracing::debug!("closing connection: {e}");
+                return;
+            }
+        };
+        let inp = match (&hello, m) {
+            (Hello::Peer(from), NetMsg::Peer(pm)) => Input::Peer(*from, pm),
+            (Hello::Cm, NetMsg::Hb(hb)) => Input::Hb(hb, out_tx.clone()),
+            (Hello::Client, NetMsg::Req { id, op }) => Input::Client { id, op, reply: out_tx.clone() },
+            _ => return, // a message this kind of peer may not send: drop the connection
+        };
+        if in_tx.send(inp).await.is_err() {
+            return;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------ CM
+
+#[derive(Clone, Debug)]
+pub struct CmConfig {
+    pub params: CmParams,
+    pub nodes: BTreeMap<NodeId, SocketAddr>,
+    pub data_dir: PathBuf,
+    pub secret: Vec<u8>,
+    pub metrics: Option<SocketAddr>,
+}
+
+fn load_cm_state(path: &Path) -> Result<Option<Config>, KvError> {
+    match std::fs::read(path) {
+        Ok(b) => {
+            let (recs, _) = log::decode_all(&b);
+            // The state file holds one record: a Put whose value is the postcard configuration.
+            for r in recs {
+                if let LogRecord::Put { value, .. } = r {
+                    return postcard::from_bytes(&value)
+                        .map(Some)
+                        .map_err(|e| KvError::Refused(format!("corrupt CM state {}: {e}", path.display())));
+                }
+            }
+            Err(KvError::Refused(format!("corrupt CM state {}: no record", path.display())))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn save_cm_state(path: &Path, c: &Config) -> Result<(), KvError> {
+    use std::io::Write;
+    let rec = LogRecord::Put { key: b"config".to_vec(), ts: Ts::default(), value: postcard::to_allocvec(c).expect("config encodes") };
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&log::encode(&rec))?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// Runs the configuration manager until the process is stopped.
+pub async fn run_cm(cfg: CmConfig) -> Result<(), KvError> {
+    std::fs::create_dir_all(&cfg.data_dir)?;
+    let state_path = cfg.data_dir.join("cm.state");
+    let durable = load_cm_state(&state_path)?;
+    if let Some(c) = &durable {
+        tracing::info!(epoch = c.epoch, "CM restarting from its durable configuration");
+    }
+    let start = Instant::now();
+    let now_us = || start.elapsed().as_micros() as u64;
+    let mut cm = CmCore::new(cfg.params.clone(), durable, cfg.nodes.len() as u32, now_us());
+    let (ack_tx, mut ack_rx) = mpsc::channel::<HeartbeatAck>(65_536);
+    let mut hb_tx: HashMap<NodeId, mpsc::Sender<Heartbeat>> = HashMap::new();
+    for (&id, &addr) in &cfg.nodes {
+        let (tx, rx) = mpsc::channel(64);
+        hb_tx.insert(id, tx);
+        tokio::spawn(cm_link(addr, cfg.secret.clone(), rx, ack_tx.clone()));
+    }
+    let epoch = Arc::new(AtomicU64::new(0));
+    if let Some(m) = cfg.metrics {
+        let l = TcpListener::bind(m).await?;
+        let epoch = epoch.clone();
+        tokio::spawn(wire::metrics::serve(l, move || {
+            let e = epoch.load(Ordering::Relaxed);
+            async move {
+                let mut out = String::new();
+                wire::metrics::metric(&mut out, "kv_cm_epoch", "gauge", "configuration epoch", &[("", e as f64)]);
+                out
+            }
+        }));
+    }
+    let mut tick = tokio::time::interval(Duration::from_micros(cfg.params.heartbeat_interval_us.max(1000)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => cm.tick(now_us()),
+            Some(a) = ack_rx.recv() => cm.on_ack(now_us(), a),
+        }
+        for o in cm.take_outputs() {
+            match o {
+                CmOutput::Persist(c) => {
+                    save_cm_state(&state_path, &c)?;
+                    epoch.store(c.epoch, Ordering::Relaxed);
+                }
+                CmOutput::Send { to, hb } => {
+                    if let Some(tx) = hb_tx.get(&to) {
+                        let _ = tx.try_send(hb);
+                    }
+                }
+                CmOutput::Note(n) => {
+                    tracing::info!("{n}");
+                    eprintln!("cm: {n}");
+                }
+            }
+        }
+    }
+}
+
+async fn cm_link(addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc::Receiver<Heartbeat>, acks: mpsc::Sender<HeartbeatAck>) {
+    loop {
+        let conn = async {
+            let mut s = TcpStream::connect(addr).await?;
+            s.set_nodelay(true)?;
+            handshake_client(&mut s, &secret, Hello::Cm).await?;
+            Ok::<_, KvError>(s)
+        };
+        let s = match tokio::time::timeout(Duration::from_secs(1), conn).await {
+            Ok(Ok(s)) => s,
+            _ => {
+                while rx.try_recv().is_ok() {}
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            }
+        };
+        let (mut r, mut w) = s.into_split();
+        let acks2 = acks.clone();
+        let reader = tokio::spawn(async move {
+            while let Ok(NetMsg::HbAck(a)) = wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await {
+                if acks2.send(a).await.is_err() {
+                    return;
+                }
+            }
+        });
+        loop {
+            tokio::select! {
+                m = rx.recv() => {
+                    let Some(hb) = m else { reader.abort(); return };
+                    if wire::write_msg(&mut w, &NetMsg::Hb(hb)).await.is_err() { break; }
+                }
+                _ = tokio::time::sleep(Duration::from_secs(1)), if reader.is_finished() => break,
+            }
+            if reader.is_finished() {
+                break;
+            }
+        }
+        reader.abort();
+    }
+}
+
+// ------------------------------------------------------------------------------ client
+
+type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<ClientResult>>>>;
+
+/// A connection to one node, with many requests in flight. Cheap to clone.
+#[derive(Clone)]
+pub struct KvClient {
+    tx: mpsc::Sender<NetMsg>,
+    pending: Pending,
+    next: Arc<AtomicU64>,
+    pub addr: SocketAddr,
+    pub timeout: Duration,
+}
+
+impl KvClient {
+    pub async fn connect(addr: SocketAddr, secret: &[u8]) -> Result<Self, KvError> {
+        let mut s = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr))
+            .await
+            .map_err(|_| KvError::Unavailable(format!("connecting to {addr} timed out")))??;
+        s.set_nodelay(true)?;
+        handshake_client(&mut s, secret, Hello::Client).await?;
+        let (mut r, mut w) = s.into_split();
+        let (tx, mut rx) = mpsc::channel::<NetMsg>(CLIENT_INFLIGHT_MAX);
+        let pending: Pending = Arc::new(Mutex::new(HashMap::new()));
+        tokio::spawn(async move {
+            while let Some(m) = rx.recv().await {
+                if wire::write_msg(&mut w, &m).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let p2 = pending.clone();
+        tokio::spawn(async move {
+            while let Ok(NetMsg::Resp { id, result }) = wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await {
+                if let Some(tx) = p2.lock().unwrap().remove(&id) {
+                    let _ = tx.send(result);
+                }
+            }
+            // Connection gone: fail everything still waiting.
+            p2.lock().unwrap().clear();
+        });
+        Ok(KvClient { tx, pending, next: Arc::new(AtomicU64::new(1)), addr, timeout: Duration::from_secs(5) })
+    }
+
+    /// Sends one operation and waits for its answer.
+    pub async fn call(&self, op: ClientOp) -> Result<ClientResult, KvError> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.pending.lock().unwrap().insert(id, tx);
+        if self.tx.send(NetMsg::Req { id, op }).await.is_err() {
+            self.pending.lock().unwrap().remove(&id);
+            return Err(KvError::Unavailable(format!("connection to {} closed", self.addr)));
+        }
+        match tokio::time::timeout(self.timeout, rx).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(_)) => Err(KvError::Unavailable(format!("connection to {} lost", self.addr))),
+            Err(_) => {
+                self.pending.lock().unwrap().remove(&id);
+                Err(KvError::Timeout(self.timeout))
+            }
+        }
+    }
+
+    pub async fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        match self.call(ClientOp::Get { key: key.to_vec() }).await? {
+            ClientResult::Value(v) => Ok(v),
+            other => Err(refusal(other)),
+        }
+    }
+
+    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+        match self.call(ClientOp::Put { key: key.to_vec(), value: value.to_vec(), scope: None }).await? {
+            ClientResult::Done => Ok(()),
+            other => Err(refusal(other)),
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+fn refusal(r: ClientResult) -> KvError {
+    match r {
+        ClientResult::NotServing => KvError::Refused("node not serving".into()),
+        ClientResult::Busy => KvError::Refused("node busy".into()),
+        ClientResult::Invalid(e) => KvError::Refused(e),
+        other => KvError::Refused(format!("unexpected answer {other:?}")),
+    }
+}
+
+/// A client of a whole group: sends each operation to a node (round robin), and moves on to the
+/// next node when one is not serving or unreachable. Safe to share among many tasks.
+#[derive(Clone)]
+pub struct KvCluster {
+    addrs: Vec<SocketAddr>,
+    secret: Vec<u8>,
+    conns: Arc<tokio::sync::Mutex<Vec<Option<KvClient>>>>,
+    rr: Arc<AtomicU64>,
+    /// Give up after this long of retrying across nodes.
+    pub deadline: Duration,
+}
+
+impl KvCluster {
+    pub fn new(addrs: Vec<SocketAddr>, secret: Vec<u8>) -> Self {
+        let n = addrs.len();
+        KvCluster { addrs, secret, conns: Arc::new(tokio::sync::Mutex::new(vec![None; n])), rr: Arc::new(AtomicU64::new(0)), deadline: Duration::from_secs(20) }
+    }
+
+    async fn conn(&self, i: usize) -> Result<KvClient, KvError> {
+        let mut g = self.conns.lock().await;
+        if let Some(c) = &g[i] {
+            if !c.is_closed() {
+                return Ok(c.clone());
+            }
+        }
+        let c = KvClient::connect(self.addrs[i], &self.secret).await?;
+        g[i] = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Runs `op`, retrying elsewhere while nodes refuse it (refusals guarantee nothing was done).
+    /// A timeout is returned as is: the write may or may not have happened.
+    pub async fn call(&self, op: ClientOp) -> Result<ClientResult, KvError> {
+        let start = Instant::now();
+        let mut last;
+        loop {
+            let i = (self.rr.fetch_add(1, Ordering::Relaxed) as usize) % self.addrs.len();
+            match self.conn(i).await {
+                Ok(c) => match c.call(op.clone()).await {
+                    Ok(ClientResult::NotServing) | Ok(ClientResult::Busy) => last = format!("{} not serving", self.addrs[i]),
+                    Ok(r) => return Ok(r),
+                    Err(KvError::Timeout(d)) => return Err(KvError::Timeout(d)),
+                    Err(e) => {
+                        // The request may have reached the node if it was a write; only
+                        // connection-level failures before sending are safe to retry, and those
+                        // show up as Unavailable from `send` — treat a lost connection as unknown.
+                        if matches!(op, ClientOp::Put { .. }) && matches!(e, KvError::Unavailable(ref s) if s.contains("lost")) {
+                            return Err(e);
+                        }
+                        last = e.to_string();
+                        self.conns.lock().await[i] = None;
+                    }
+                },
+                Err(e) => last = e.to_string(),
+            }
+            if start.elapsed() > self.deadline {
+                return Err(KvError::Unavailable(last));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    pub async fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        match self.call(ClientOp::Get { key: key.to_vec() }).await? {
+            ClientResult::Value(v) => Ok(v),
+            other => Err(refusal(other)),
+        }
+    }
+
+    pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+        match self.call(ClientOp::Put { key: key.to_vec(), value: value.to_vec(), scope: None }).await? {
+            ClientResult::Done => Ok(()),
+            other => Err(refusal(other)),
+        }
+    }
+}
+
+/// The file `kv up` writes so that clients find the group.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct KvClusterFile {
+    pub model: String,
+    pub nodes: BTreeMap<NodeId, SocketAddr>,
+    pub secret_file: PathBuf,
+}

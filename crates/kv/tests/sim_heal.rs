@@ -1,0 +1,698 @@
+//! Deterministic simulation of a whole replication group: the real `NodeCore`s and `CmCore`
+//! over `sim::Network` (loss, duplication, reordering, partitions) and `sim::SimDisk` (crashes
+//! lose or tear unsynced log writes), with closed-loop clients whose histories are checked for
+//! linearizability. Crashes, restarts (recovery through HEAL), partitions and CM restarts are
+//! injected at random; at the end every node must have recovered, every replica must hold the
+//! same timestamp for every key (Table IV, 2a), and the final state must be consistent with the
+//! history (no acknowledged write lost).
+//!
+//! `SIM_SEEDS=N` sets the number of seeds per model (default a CI-sized count); `SIM_SEED=S`
+//! runs one seed verbosely.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kv::checker::{self, Op, OpKind};
+use kv::cm::{CmCore, CmOutput, CmParams};
+use kv::log::{self, LogRecord};
+use kv::msg::*;
+use kv::node::{NodeCore, NodeParams, Output, RecoveryStats};
+use sim::{Delivery, EventQueue, NetConfig, Network, SimDisk, SimRng};
+
+const CM: NodeId = 1000;
+const CLIENT0: NodeId = 2000;
+const TICK_US: u64 = 1_000;
+const LOG: &str = "log";
+
+#[derive(Clone, Debug)]
+enum Msg {
+    Peer(PeerMsg),
+    Hb(Heartbeat),
+    HbAck(HeartbeatAck),
+    Req { tag: u64, op: ClientOp },
+    Resp { tag: u64, result: ClientResult },
+}
+
+enum Ev {
+    Deliver(Delivery<Msg>),
+    Persisted { node: NodeId, inc: u64, seq: u64 },
+    Tick { node: NodeId, inc: u64 },
+    CmTick { inc: u64 },
+    ClientNext(u32),
+    ClientTimeout { client: u32, opno: u64 },
+    Fault,
+}
+
+impl From<Delivery<Msg>> for Ev {
+    fn from(d: Delivery<Msg>) -> Self {
+        Ev::Deliver(d)
+    }
+}
+
+struct SimNode {
+    core: Option<NodeCore>,
+    disk: SimDisk,
+    inc: u64,
+    down_until: Option<u64>,
+}
+
+struct Client {
+    opno: u64,
+    /// Index into history of the op in flight.
+    inflight: Option<(u64, usize)>,
+    puts: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Scenario {
+    nodes: u32,
+    model: Model,
+    keys: u32,
+    clients: u32,
+    run_us: u64,
+    drop_p: f64,
+    dup_p: f64,
+    crashes: bool,
+    partitions: bool,
+    double_failures: bool,
+    missed_cap_bytes: usize,
+}
+
+struct World {
+    sc: Scenario,
+    rng: SimRng,
+    net_rng: SimRng,
+    net: Network<Msg>,
+    q: EventQueue<Ev>,
+    nodes: Vec<SimNode>,
+    cm: CmCore,
+    cm_inc: u64,
+    cm_durable: Option<Config>,
+    clients: Vec<Client>,
+    history: Vec<Op>,
+    faults_on: bool,
+    isolated: BTreeSet<NodeId>,
+    recoveries: Vec<RecoveryStats>,
+    verbose: bool,
+    now: u64,
+}
+
+fn node_params(id: NodeId, sc: &Scenario) -> NodeParams {
+    let mut p = NodeParams::new(id, sc.model);
+    p.inv_ack_timeout_us = 5_000;
+    p.ack_val_timeout_us = 10_000;
+    p.lease_us = 20_000;
+    p.recovery_retry_us = 20_000;
+    p.missed_updates_cap_bytes = sc.missed_cap_bytes;
+    p.max_catchup_chunk_bytes = 200;
+    p
+}
+
+fn cm_params() -> CmParams {
+    CmParams {
+        heartbeat_interval_us: 4_000,
+        failure_timeout_us: 30_000,
+        lease_us: 20_000,
+        max_message_delay_us: 2_000,
+        efn_min_us: 0,
+        startup_grace_us: 30_000,
+    }
+}
+
+impl World {
+    fn new(seed: u64, sc: Scenario, verbose: bool) -> Self {
+        let mut rng = SimRng::new(seed);
+        let net_rng = rng.fork();
+        let net = Network::new(NetConfig {
+            drop_probability: sc.drop_p,
+            duplicate_probability: sc.dup_p,
+            delay_us_min: 50,
+            delay_us_max: 1_000,
+        });
+        let mut q = EventQueue::new(2_000_000);
+        let mut nodes = Vec::new();
+        for id in 0..sc.nodes {
+            let mut disk = SimDisk::new();
+            disk.create(LOG).unwrap();
+            disk.sync_dir().unwrap();
+            let core = NodeCore::new(node_params(id, &sc), log::LogState::default());
+            nodes.push(SimNode { core: Some(core), disk, inc: 0, down_until: None });
+            q.push_at(0, Ev::Tick { node: id, inc: 0 }).unwrap();
+        }
+        let cm = CmCore::new(cm_params(), None, sc.nodes, 0);
+        q.push_at(0, Ev::CmTick { inc: 0 }).unwrap();
+        let clients = (0..sc.clients)
+            .map(|c| {
+                q.push_at(20_000 + c as u64 * 100, Ev::ClientNext(c)).unwrap();
+                Client { opno: 0, inflight: None, puts: 0 }
+            })
+            .collect();
+        if sc.crashes || sc.partitions {
+            q.push_at(50_000, Ev::Fault).unwrap();
+        }
+        let mut w = World {
+            sc,
+            rng,
+            net_rng,
+            net,
+            q,
+            nodes,
+            cm,
+            cm_inc: 0,
+            cm_durable: None,
+            clients,
+            history: Vec::new(),
+            faults_on: true,
+            isolated: BTreeSet::new(),
+            recoveries: Vec::new(),
+            verbose,
+            now: 0,
+        };
+        w.drain_cm();
+        w
+    }
+
+    fn send(&mut self, from: NodeId, to: NodeId, msg: Msg) {
+        let now = self.now;
+        self.net.send(&mut self.net_rng, &mut self.q, now, from, to, msg).unwrap();
+    }
+
+    fn drain_cm(&mut self) {
+        for o in self.cm.take_outputs() {
+            match o {
+                CmOutput::Persist(c) => self.cm_durable = Some(c),
+                CmOutput::Send { to, hb } => self.send(CM, to, Msg::Hb(hb)),
+                CmOutput::Note(s) => {
+                    if self.verbose {
+                        eprintln!("{:>9} CM {s}", self.now);
+                    }
+                }
+            }
+        }
+    }
+
+    fn drain_node(&mut self, id: NodeId) {
+        loop {
+            let Some(core) = self.nodes[id as usize].core.as_mut() else { return };
+            let outs = core.take_outputs();
+            if outs.is_empty() {
+                return;
+            }
+            for o in outs {
+                self.do_output(id, o);
+            }
+        }
+    }
+
+    fn do_output(&mut self, id: NodeId, o: Output) {
+        let now = self.now;
+        match o {
+            Output::Send { to, msg } => self.send(id, to, Msg::Peer(msg)),
+            Output::ToCm(a) => self.send(id, CM, Msg::HbAck(a)),
+            Output::Persist { seq, rec } => {
+                let n = &mut self.nodes[id as usize];
+                let len = n.disk.len(LOG).unwrap();
+                n.disk.write(LOG, len, &log::encode(&rec)).unwrap();
+                let inc = n.inc;
+                let lat = 20 + self.rng.range_u64(0, 3) * 30;
+                // Completions in order: a later append never finishes before an earlier one.
+                self.q.push_after(now, lat, Ev::Persisted { node: id, inc, seq }).unwrap();
+            }
+            Output::Mark(rec) => {
+                let n = &mut self.nodes[id as usize];
+                let len = n.disk.len(LOG).unwrap();
+                n.disk.write(LOG, len, &log::encode(&rec)).unwrap();
+            }
+            Output::Reply { tag, result } => {
+                let client = CLIENT0 + (tag >> 32) as u32;
+                self.send(id, client, Msg::Resp { tag, result });
+            }
+            Output::Reload => {
+                if self.verbose {
+                    eprintln!("{now:>9} node {id} reloads from its log");
+                }
+                let n = &mut self.nodes[id as usize];
+                n.inc += 1;
+                let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
+                let st = log::rebuild(&log::decode_all(&bytes).0);
+                n.core = Some(NodeCore::new(node_params(id, &self.sc), st));
+                let inc = n.inc;
+                self.q.push_after(now, TICK_US, Ev::Tick { node: id, inc }).unwrap();
+            }
+            Output::Recovered(stats) => {
+                if self.verbose {
+                    eprintln!("{now:>9} node {id} recovered: {stats:?}");
+                }
+                self.recoveries.push(stats);
+            }
+        }
+    }
+
+    fn crash(&mut self, id: NodeId, down_us: u64) {
+        let now = self.now;
+        if self.verbose {
+            eprintln!("{now:>9} crash node {id} for {down_us} us");
+        }
+        let n = &mut self.nodes[id as usize];
+        n.core = None;
+        n.inc += 1;
+        n.disk.crash(&mut self.rng);
+        n.down_until = Some(now + down_us);
+        self.net.set_down(id, true);
+    }
+
+    fn restart(&mut self, id: NodeId) {
+        let now = self.now;
+        let n = &mut self.nodes[id as usize];
+        n.down_until = None;
+        let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
+        let (recs, valid) = log::decode_all(&bytes);
+        // As FileLog::open does: cut a torn tail so new records follow the valid prefix.
+        if valid < bytes.len() {
+            n.disk.truncate(LOG, valid as u64).unwrap();
+            n.disk.sync(LOG).unwrap();
+        }
+        let st = log::rebuild(&recs);
+        if self.verbose {
+            eprintln!(
+                "{now:>9} restart node {id}: {} records, {} base keys, {} partially persisted",
+                st.records,
+                st.base.len(),
+                st.partially.len()
+            );
+        }
+        n.core = Some(NodeCore::new(node_params(id, &self.sc), st));
+        self.net.set_down(id, false);
+        let inc = n.inc;
+        self.q.push_after(now, TICK_US, Ev::Tick { node: id, inc }).unwrap();
+    }
+
+    fn fault(&mut self) {
+        if !self.faults_on {
+            return;
+        }
+        let now = self.now;
+        let down: Vec<NodeId> = (0..self.sc.nodes)
+            .filter(|i| self.nodes[*i as usize].down_until.is_some() || self.isolated.contains(i))
+            .collect();
+        let max_down = if self.sc.double_failures { 2 } else { 1 };
+        let r = self.rng.range_u64(0, 9);
+        if r < 4 && self.sc.crashes && down.len() < max_down {
+            let id = self.rng.range_u64(0, self.sc.nodes as u64 - 1) as NodeId;
+            if self.nodes[id as usize].down_until.is_none() {
+                let d = self.rng.range_u64(5_000, 200_000);
+                self.crash(id, d);
+            }
+        } else if r < 6 && self.sc.partitions && down.len() < max_down {
+            let id = self.rng.range_u64(0, self.sc.nodes as u64 - 1) as NodeId;
+            if self.verbose {
+                eprintln!("{now:>9} isolate node {id}");
+            }
+            self.net.isolate(id);
+            self.isolated.insert(id);
+        } else if r < 8 {
+            if self.verbose {
+                eprintln!("{now:>9} heal network");
+            }
+            self.net.heal_all();
+            self.isolated.clear();
+        } else if self.sc.crashes {
+            // The CM restarts from its durable configuration.
+            if self.verbose {
+                eprintln!("{now:>9} CM restarts");
+            }
+            self.cm_inc += 1;
+            self.cm = CmCore::new(cm_params(), self.cm_durable.clone(), self.sc.nodes, now);
+            let inc = self.cm_inc;
+            self.q.push_after(now, 1, Ev::CmTick { inc }).unwrap();
+        }
+        let next = self.rng.range_u64(20_000, 150_000);
+        self.q.push_after(now, next, Ev::Fault).unwrap();
+    }
+
+    fn client_next(&mut self, c: u32) {
+        if !self.faults_on && self.now > self.sc.run_us {
+            return; // load stops with the faults
+        }
+        let cl = &mut self.clients[c as usize];
+        if cl.inflight.is_some() {
+            return;
+        }
+        cl.opno += 1;
+        let opno = cl.opno;
+        let key = format!("k{}", self.rng.range_u64(0, self.sc.keys as u64 - 1)).into_bytes();
+        let node = self.rng.range_u64(0, self.sc.nodes as u64 - 1) as NodeId;
+        let r = self.rng.range_u64(0, 9);
+        let (op, kind) = if r < 5 {
+            (ClientOp::Get { key: key.clone() }, OpKind::Get(None))
+        } else if r < 9 || self.sc.model != Model::Scope {
+            let cl = &mut self.clients[c as usize];
+            cl.puts += 1;
+            let v = format!("c{c}-{}", cl.puts).into_bytes();
+            (ClientOp::Put { key: key.clone(), value: v.clone(), scope: Some(c as u64) }, OpKind::Put(v))
+        } else {
+            (ClientOp::Persist { scope: c as u64 }, OpKind::Get(None))
+        };
+        let idx = self.history.len();
+        let record = !matches!(op, ClientOp::Persist { .. });
+        if record {
+            self.history.push(Op { client: c as u64, key, call_us: self.now, ret_us: None, kind });
+        }
+        let cl = &mut self.clients[c as usize];
+        cl.inflight = Some((opno, if record { idx } else { usize::MAX }));
+        let tag = ((c as u64) << 32) | opno;
+        self.send(CLIENT0 + c, node, Msg::Req { tag, op });
+        let now = self.now;
+        self.q.push_after(now, 50_000, Ev::ClientTimeout { client: c, opno }).unwrap();
+    }
+
+    fn client_resp(&mut self, c: u32, tag: u64, result: ClientResult) {
+        let opno = tag & 0xffff_ffff;
+        let now = self.now;
+        let cl = &mut self.clients[c as usize];
+        let Some((cur, idx)) = cl.inflight else { return };
+        if cur != opno {
+            return;
+        }
+        cl.inflight = None;
+        match result {
+            ClientResult::NotServing | ClientResult::Busy => {
+                // Nothing was done: the op never happened.
+                if idx != usize::MAX {
+                    self.history[idx].ret_us = Some(u64::MAX); // marker: remove
+                }
+            }
+            ClientResult::Value(v) => {
+                let op = &mut self.history[idx];
+                op.kind = OpKind::Get(v);
+                op.ret_us = Some(now);
+            }
+            ClientResult::Done => {
+                if idx != usize::MAX {
+                    self.history[idx].ret_us = Some(now);
+                }
+            }
+            ClientResult::Invalid(e) => panic!("valid request refused: {e}"),
+        }
+        let d = self.rng.range_u64(0, 500);
+        self.q.push_after(now, d, Ev::ClientNext(c)).unwrap();
+    }
+
+    fn client_timeout(&mut self, c: u32, opno: u64) {
+        let cl = &mut self.clients[c as usize];
+        if cl.inflight.is_some_and(|(o, _)| o == opno) {
+            // Outcome unknown: the op stays pending (reads are dropped by the checker).
+            cl.inflight = None;
+            let now = self.now;
+            self.q.push_after(now, 100, Ev::ClientNext(c)).unwrap();
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        let Some((now, ev)) = self.q.pop() else { return false };
+        self.now = now;
+        match ev {
+            Ev::Deliver(d) => {
+                let Some(d) = self.net.receive(d) else { return true };
+                if d.to == CM {
+                    if let Msg::HbAck(a) = d.msg {
+                        self.cm.on_ack(now, a);
+                        self.drain_cm();
+                    }
+                } else if d.to >= CLIENT0 {
+                    if let Msg::Resp { tag, result } = d.msg {
+                        if self.verbose && std::env::var("SIM_TRACE").is_ok() {
+                            eprintln!("{now:>9} c{} <- n{} op {} {:?}", d.to - CLIENT0, d.from, tag & 0xffffffff, result);
+                        }
+                        self.client_resp(d.to - CLIENT0, tag, result);
+                    }
+                } else {
+                    let id = d.to;
+                    let Some(core) = self.nodes[id as usize].core.as_mut() else { return true };
+                    if self.verbose && std::env::var("SIM_TRACE").is_ok() {
+                        match &d.msg {
+                            Msg::Hb(_) => {}
+                            Msg::Peer(m) => eprintln!("{now:>9} n{} <- n{} e{} {:?}", id, d.from, core.epoch(), m),
+                            m => eprintln!("{now:>9} n{} <- {} {:?}", id, d.from, m),
+                        }
+                    }
+                    match d.msg {
+                        Msg::Peer(m) => core.on_peer(now, d.from, m),
+                        Msg::Hb(hb) => core.on_heartbeat(now, hb),
+                        Msg::Req { tag, op } => core.on_client(now, tag, op),
+                        _ => {}
+                    }
+                    self.drain_node(id);
+                }
+            }
+            Ev::Persisted { node, inc, seq } => {
+                let n = &mut self.nodes[node as usize];
+                if n.inc == inc {
+                    n.disk.sync(LOG).unwrap();
+                    if let Some(core) = n.core.as_mut() {
+                        core.on_persisted(now, seq);
+                    }
+                    self.drain_node(node);
+                }
+            }
+            Ev::Tick { node, inc } => {
+                let n = &mut self.nodes[node as usize];
+                if n.inc == inc {
+                    if let Some(core) = n.core.as_mut() {
+                        core.tick(now);
+                    }
+                    self.drain_node(node);
+                    self.q.push_after(now, TICK_US, Ev::Tick { node, inc }).unwrap();
+                }
+            }
+            Ev::CmTick { inc } => {
+                if inc == self.cm_inc {
+                    self.cm.tick(now);
+                    self.drain_cm();
+                    self.q.push_after(now, 1_000, Ev::CmTick { inc }).unwrap();
+                }
+            }
+            Ev::ClientNext(c) => self.client_next(c),
+            Ev::ClientTimeout { client, opno } => self.client_timeout(client, opno),
+            Ev::Fault => self.fault(),
+        }
+        // Restarts are due-time checks rather than events so a crash can be scheduled simply.
+        for id in 0..self.sc.nodes {
+            if self.nodes[id as usize].down_until.is_some_and(|t| t <= now) {
+                self.restart(id);
+            }
+        }
+        true
+    }
+
+    fn all_settled(&self) -> bool {
+        let cfg = self.cm.config();
+        if cfg.active.len() != self.sc.nodes as usize {
+            return false;
+        }
+        self.nodes.iter().all(|n| {
+            n.core.as_ref().is_some_and(|c| {
+                c.epoch() == cfg.epoch
+                    && c.is_member_mode()
+                    && c.snapshot().values().all(|(_, valid, _)| *valid)
+            })
+        }) && self.clients.iter().all(|c| c.inflight.is_none())
+    }
+}
+
+/// Runs one seed; returns a description of the first failure.
+fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize), String> {
+    let mut w = World::new(seed, sc, verbose);
+    while w.now < sc.run_us {
+        if !w.step() {
+            break;
+        }
+    }
+    // Stop faults, bring everyone back, let the group settle.
+    w.faults_on = false;
+    w.net.heal_all();
+    let deadline = w.now + 5_000_000;
+    for id in 0..sc.nodes {
+        if w.nodes[id as usize].down_until.is_some() {
+            w.nodes[id as usize].down_until = Some(w.now);
+        }
+    }
+    loop {
+        if !w.step() {
+            return Err("event queue ran dry".into());
+        }
+        if w.all_settled() {
+            break;
+        }
+        if w.now > deadline {
+            let st: Vec<String> = w
+                .nodes
+                .iter()
+                .map(|n| match &n.core {
+                    None => "down".into(),
+                    Some(c) => format!(
+                        "epoch {} member {} recovering {} invalid {}",
+                        c.epoch(),
+                        c.is_member_mode(),
+                        c.is_recovering(),
+                        c.snapshot().values().filter(|(_, v, _)| !v).count()
+                    ),
+                })
+                .collect();
+            return Err(format!("no convergence 5 s after faults stopped: cm {:?}; nodes {st:?}", w.cm.config()));
+        }
+    }
+    // Table IV 2a: every replica holds the same version of every key.
+    let snaps: Vec<BTreeMap<Vec<u8>, (Ts, bool, Vec<u8>)>> =
+        w.nodes.iter().map(|n| n.core.as_ref().unwrap().snapshot()).collect();
+    for (i, s) in snaps.iter().enumerate().skip(1) {
+        if s != &snaps[0] {
+            let keys: BTreeSet<_> = s.keys().chain(snaps[0].keys()).collect();
+            for k in keys {
+                if s.get(k) != snaps[0].get(k) {
+                    return Err(format!(
+                        "replicas differ on {:?}: node 0 {:?} node {i} {:?}",
+                        String::from_utf8_lossy(k),
+                        snaps[0].get(k).map(|x| (x.0, String::from_utf8_lossy(&x.2).to_string())),
+                        s.get(k).map(|x| (x.0, String::from_utf8_lossy(&x.2).to_string()))
+                    ));
+                }
+            }
+        }
+    }
+    // Final reads at the end of the history: nothing acknowledged may be lost.
+    let now = w.now + 1;
+    for k in 0..sc.keys {
+        let key = format!("k{k}").into_bytes();
+        let v = snaps[0].get(&key).map(|x| x.2.clone());
+        w.history.push(Op { client: 9999, key, call_us: now, ret_us: Some(now + 1), kind: OpKind::Get(v) });
+    }
+    let hist: Vec<Op> = w.history.into_iter().filter(|o| o.ret_us != Some(u64::MAX)).collect();
+    if let Err(v) = checker::check(&hist) {
+        if verbose {
+            for o in hist.iter().filter(|o| o.key == v.key) {
+                eprintln!("  c{} {:>9}..{:<9} {:?}", o.client, o.call_us, o.ret_us.map(|r| r.to_string()).unwrap_or("pending".into()),
+                    match &o.kind { OpKind::Put(x) => format!("put {}", String::from_utf8_lossy(x)), OpKind::Get(x) => format!("get {:?}", x.as_ref().map(|x| String::from_utf8_lossy(x).to_string())) });
+            }
+        }
+        return Err(v.to_string());
+    }
+    Ok((hist.len(), w.recoveries.len()))
+}
+
+fn seeds(default: u64) -> Vec<u64> {
+    if let Ok(s) = std::env::var("SIM_SEED") {
+        return vec![s.parse().expect("SIM_SEED is a number")];
+    }
+    let n = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(default);
+    (0..n).collect()
+}
+
+fn scenario(model: Model, nodes: u32) -> Scenario {
+    Scenario {
+        nodes,
+        model,
+        keys: 3,
+        clients: 4,
+        run_us: 600_000,
+        drop_p: 0.02,
+        dup_p: 0.02,
+        crashes: true,
+        partitions: true,
+        double_failures: false,
+        missed_cap_bytes: 1 << 20,
+    }
+}
+
+fn run_many(name: &str, sc: Scenario, default_seeds: u64) {
+    let verbose = std::env::var("SIM_SEED").is_ok();
+    let mut ops = 0;
+    let mut recoveries = 0;
+    let seeds = seeds(default_seeds);
+    for &seed in &seeds {
+        match run(seed, sc, verbose) {
+            Ok((o, r)) => {
+                ops += o;
+                recoveries += r;
+            }
+            Err(e) => panic!("{name}: seed {seed} failed: {e}\nreproduce: SIM_SEED={seed} cargo test -p kv --test sim_heal {name} -- --nocapture"),
+        }
+    }
+    eprintln!("{name}: {} seeds, {ops} ops checked, {recoveries} HEAL recoveries", seeds.len());
+    assert!(recoveries > 0 || !sc.crashes || seeds.len() < 3, "{name}: no recovery exercised");
+}
+
+#[test]
+fn synch_5_nodes() {
+    run_many("synch_5_nodes", scenario(Model::Synch, 5), 40);
+}
+
+#[test]
+fn strict_5_nodes() {
+    run_many("strict_5_nodes", scenario(Model::Strict, 5), 30);
+}
+
+#[test]
+fn read_enforced_4_nodes() {
+    run_many("read_enforced_4_nodes", scenario(Model::ReadEnforced, 4), 30);
+}
+
+#[test]
+fn eventual_3_nodes() {
+    run_many("eventual_3_nodes", scenario(Model::Eventual, 3), 30);
+}
+
+#[test]
+fn scope_5_nodes() {
+    run_many("scope_5_nodes", scenario(Model::Scope, 5), 30);
+}
+
+#[test]
+fn synch_double_failures() {
+    let mut sc = scenario(Model::Synch, 5);
+    sc.double_failures = true;
+    run_many("synch_double_failures", sc, 30);
+}
+
+#[test]
+fn missed_updates_overflow_falls_back_to_full_copy() {
+    let mut sc = scenario(Model::Strict, 3);
+    sc.missed_cap_bytes = 64; // a couple of entries
+    sc.partitions = false;
+    run_many("missed_updates_overflow_falls_back_to_full_copy", sc, 20);
+}
+
+#[test]
+fn lossless_without_faults_is_linearizable() {
+    let mut sc = scenario(Model::Synch, 5);
+    sc.crashes = false;
+    sc.partitions = false;
+    sc.drop_p = 0.0;
+    sc.dup_p = 0.0;
+    run_many("lossless_without_faults_is_linearizable", sc, 5);
+}
+
+/// The checker must be able to fail on this harness's histories: flip one read in a real run.
+#[test]
+fn checker_rejects_a_corrupted_real_history() {
+    let mut sc = scenario(Model::Synch, 3);
+    sc.crashes = false;
+    sc.partitions = false;
+    let mut w = World::new(7, sc, false);
+    while w.now < 200_000 && w.step() {}
+    let mut hist: Vec<Op> = w.history.into_iter().filter(|o| o.ret_us.is_some_and(|r| r != u64::MAX)).collect();
+    checker::check(&hist).expect("real history is linearizable");
+    // Make a late read return the very first value written to its key.
+    let (first_put_key, first_val) = hist
+        .iter()
+        .find_map(|o| match &o.kind { OpKind::Put(v) => Some((o.key.clone(), v.clone())), _ => None })
+        .unwrap();
+    let later_put = hist.iter().rposition(|o| o.key == first_put_key && matches!(o.kind, OpKind::Put(_)) ).unwrap();
+    let t = hist[later_put].ret_us.unwrap() + 1;
+    let _ = LogRecord::Boot { node: 0 };
+    if hist.iter().filter(|o| o.key == first_put_key && matches!(o.kind, OpKind::Put(_))).count() > 1 {
+        hist.push(Op { client: 77, key: first_put_key, call_us: t, ret_us: Some(t + 1), kind: OpKind::Get(Some(first_val)) });
+        assert!(checker::check(&hist).is_err(), "a stale read after a newer acknowledged write must be rejected");
+    } else {
+        panic!("run too short to have two writes to one key");
+    }
+}
