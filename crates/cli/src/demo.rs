@@ -28,6 +28,9 @@ pub struct DemoArgs {
     /// Storage shards to start.
     #[arg(long, default_value_t = 4)]
     pub shards: u32,
+    /// Skip the second part: a real speculative failover of SQLite (`understudy failover demo`).
+    #[arg(long)]
+    pub no_failover: bool,
 }
 
 const VOLUME: &str = "app";
@@ -142,6 +145,11 @@ pub fn demo(a: DemoArgs, verbose: u8) -> anyhow::Result<()> {
     let failed: Vec<&str> = tl.checks.iter().filter(|(_, ok)| !ok).map(|(w, _)| w.as_str()).collect();
     if failed.is_empty() {
         println!("all {} checks held", tl.checks.len());
+        drop(rt);
+        if !a.no_failover {
+            println!();
+            crate::failover::demo(verbose)?;
+        }
         Ok(())
     } else {
         anyhow::bail!("{} of {} checks failed: {}", failed.len(), tl.checks.len(), failed.join("; "))

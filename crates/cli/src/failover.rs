@@ -25,6 +25,11 @@ use crate::ConnArgs;
 
 mod bench;
 
+/// The failover part of `understudy demo`: SQLite failed over speculatively, as a timeline.
+pub fn demo(verbose: u8) -> anyhow::Result<()> {
+    bench::demo(verbose)
+}
+
 /// `understudy bench failover ...`.
 #[derive(Subcommand, Debug)]
 pub enum FailoverBench {

@@ -16,6 +16,8 @@ fn demo_exits_zero() {
     assert!(stdout.contains("→ rejected"), "{stdout}");
     assert!(stdout.contains("checks held"), "{stdout}");
     assert!(!stdout.contains("FAIL"), "{stdout}");
+    // Then the failover part: SQLite killed, the backup promoted, no acknowledged commit lost.
+    assert!(stdout.contains("demo ok: the backup was promoted"), "{stdout}");
     // Cleans up after itself.
     let dir = stdout.lines().next().and_then(|l| l.rsplit_once("data in ")).map(|(_, d)| d.trim_end_matches(')').to_string()).unwrap();
     assert!(!std::path::Path::new(&dir).exists(), "{dir} left behind");
