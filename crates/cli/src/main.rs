@@ -16,6 +16,7 @@ mod cluster_file;
 mod daemons;
 mod demo;
 mod exports;
+mod nearlog;
 mod proc;
 mod qemu;
 mod size;
@@ -110,6 +111,9 @@ enum Cmd {
     /// run reproduces the paper's experiment at the largest size this machine allows.
     #[command(subcommand)]
     Bench(bench_cmds::BenchCmd),
+    /// Near-compute log (SplitFT): log peers, controller, a local cluster for the LD_PRELOAD shim.
+    #[command(subcommand)]
+    Nearlog(nearlog::NearlogCmd),
 }
 
 /// How client commands find the cluster.
@@ -248,6 +252,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Demo(a) => {
             init_logging(cli.verbose, "warn");
             demo::demo(a, cli.verbose)
+        }
+        Cmd::Nearlog(cmd) => {
+            init_logging(cli.verbose, "info");
+            runtime()?.block_on(nearlog::run(cmd))
         }
         Cmd::Bench(cmd) => {
             init_logging(cli.verbose, "warn");

@@ -1,0 +1,166 @@
+//! `understudy nearlog ...`: the near-compute log daemons (log peer, controller) and `up`, a
+//! local controller + 3 peers for trying the LD_PRELOAD shim.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+
+use ::nearlog::controller::{ControllerCore, JsonFileStore};
+
+#[derive(Subcommand, Debug)]
+pub enum NearlogCmd {
+    /// Run a log peer: lend --region-bytes of memory to replicated log files.
+    ///
+    /// Registers with the controller (and re-registers after a restart: its memory is then
+    /// empty and clients re-base it), answers records, probes and fetches from clients. An op
+    /// that does not fit in the region is refused loudly, never applied short.
+    Peer(PeerArgs),
+    /// Run the controller: peers, their free space, file placement and epochs in DIR.
+    ///
+    /// State lives in DIR/nearlog-controller.json, replaced atomically (fsync) before any
+    /// answer, so a restart loses nothing.
+    Controller(ControllerArgs),
+    /// A local controller and 3 log peers on loopback, in the foreground until Ctrl-C.
+    ///
+    /// Writes DIR/nearlog-cluster.json (controller address, secret file) for the shim:
+    /// `UNDERSTUDY_NEARLOG_CLUSTER=DIR/nearlog-cluster.json LD_PRELOAD=libnearlog_preload.so APP`.
+    Up(UpArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct PeerArgs {
+    /// Bytes of memory lent to log files (K/M/G suffixes are not parsed: plain bytes).
+    #[arg(long, default_value_t = 256 << 20)]
+    pub region_bytes: u64,
+    /// Address to serve clients on.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// Controller address.
+    #[arg(long)]
+    pub controller: String,
+    /// File holding the cluster secret.
+    #[arg(long)]
+    pub secret_file: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct ControllerArgs {
+    /// Directory of the controller's state (created if missing).
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Address to serve on.
+    #[arg(long, default_value = "127.0.0.1:7801")]
+    pub listen: String,
+    /// File holding the cluster secret [default: DIR/secret, created if missing].
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// Directory for the controller state, the secret and the cluster file.
+    #[arg(long, default_value = "./nearlog-data")]
+    pub dir: PathBuf,
+    /// Bytes each of the 3 peers lends.
+    #[arg(long, default_value_t = 256 << 20)]
+    pub region_bytes: u64,
+    /// Controller port (0: any free port).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+}
+
+/// The cluster file the shim reads (`UNDERSTUDY_NEARLOG_CLUSTER`).
+#[derive(serde::Serialize, serde::Deserialize, Debug)]
+pub struct NearlogClusterFile {
+    pub controller: String,
+    pub secret_file: PathBuf,
+    pub peers: Vec<String>,
+}
+
+pub fn read_secret(path: &Path) -> anyhow::Result<Arc<Vec<u8>>> {
+    let s = std::fs::read(path).with_context(|| format!("cannot read the cluster secret {}", path.display()))?;
+    let s: Vec<u8> = s.trim_ascii().to_vec();
+    anyhow::ensure!(!s.is_empty(), "cluster secret file {} is empty", path.display());
+    Ok(Arc::new(s))
+}
+
+pub fn ensure_secret(path: &Path) -> anyhow::Result<Arc<Vec<u8>>> {
+    if !path.exists() {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let hex: String = (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect();
+        let mut f = std::fs::OpenOptions::new().create_new(true).write(true).mode(0o600).open(path)?;
+        f.write_all(hex.as_bytes())?;
+        f.sync_all()?;
+    }
+    read_secret(path)
+}
+
+pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
+    match cmd {
+        NearlogCmd::Peer(a) => {
+            let secret = read_secret(&a.secret_file)?;
+            let l = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
+            let addr = l.local_addr()?.to_string();
+            println!("nearlog peer listening on {addr}, region {} bytes", a.region_bytes);
+            tokio::select! {
+                r = ::nearlog::server::run_peer(l, addr, a.controller, secret, a.region_bytes) => r?,
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            Ok(())
+        }
+        NearlogCmd::Controller(a) => {
+            std::fs::create_dir_all(&a.dir).with_context(|| format!("cannot create {}", a.dir.display()))?;
+            let secret = ensure_secret(&a.secret_file.clone().unwrap_or_else(|| a.dir.join("secret")))?;
+            let core = ControllerCore::open(JsonFileStore::new(&a.dir))?;
+            let l = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
+            println!("nearlog controller listening on {}", l.local_addr()?);
+            tokio::select! {
+                r = ::nearlog::server::run_controller(l, core, secret) => r?,
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            Ok(())
+        }
+        NearlogCmd::Up(a) => {
+            std::fs::create_dir_all(&a.dir).with_context(|| format!("cannot create {}", a.dir.display()))?;
+            let dir = std::fs::canonicalize(&a.dir)?;
+            let secret_file = dir.join("secret");
+            let secret = ensure_secret(&secret_file)?;
+            let core = ControllerCore::open(JsonFileStore::new(&dir))?;
+            let cl = tokio::net::TcpListener::bind(("127.0.0.1", a.port)).await?;
+            let controller = cl.local_addr()?.to_string();
+            tokio::spawn(::nearlog::server::run_controller(cl, core, secret.clone()));
+            let mut peers = Vec::new();
+            for _ in 0..3 {
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                let addr = l.local_addr()?.to_string();
+                peers.push(addr.clone());
+                tokio::spawn(::nearlog::server::run_peer(l, addr, controller.clone(), secret.clone(), a.region_bytes));
+            }
+            // Wait until the 3 peers registered.
+            for _ in 0..100 {
+                if let Ok(::nearlog::proto::CtlReply::Status(s)) = ::nearlog::server::ctl_call(&controller, &secret, &::nearlog::proto::CtlRequest::Status).await {
+                    if peers.iter().all(|p| s.peers.values().any(|i| &i.addr == p)) {
+                        break;
+                    }
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            let cluster = dir.join("nearlog-cluster.json");
+            let cf = NearlogClusterFile { controller: controller.clone(), secret_file, peers: peers.clone() };
+            let tmp = dir.join("nearlog-cluster.json.tmp");
+            std::fs::write(&tmp, serde_json::to_vec_pretty(&cf)?)?;
+            std::fs::rename(&tmp, &cluster)?;
+            println!("nearlog controller {controller}");
+            for p in &peers {
+                println!("nearlog peer {p}");
+            }
+            println!("cluster file {}", cluster.display());
+            println!("ready");
+            tokio::signal::ctrl_c().await?;
+            Ok(())
+        }
+    }
+}
