@@ -36,6 +36,33 @@ pub const O_NCL: c_int = 0o40000000;
 
 pub use shim::glob_match;
 
+type FopenFn = unsafe extern "C" fn(*const c_char, *const c_char) -> *mut libc::FILE;
+
+unsafe fn real_fopen(name: &[u8], path: *const c_char, mode: *const c_char) -> *mut libc::FILE {
+    // SAFETY: glibc's fopen/fopen64 have this signature.
+    let f = std::mem::transmute::<*mut c_void, FopenFn>(libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char));
+    f(path, mode)
+}
+
+/// stdio opens (Redis reads its AOF with `fopen`): a missing log file is recovered first; the
+/// stream itself is not replicated (write log files through `open`/`write`).
+#[no_mangle]
+pub unsafe extern "C" fn fopen(path: *const c_char, mode: *const c_char) -> *mut libc::FILE {
+    if shim::before_fopen(path).is_err() {
+        *libc::__errno_location() = libc::EIO;
+        return std::ptr::null_mut();
+    }
+    real_fopen(b"fopen\0", path, mode)
+}
+#[no_mangle]
+pub unsafe extern "C" fn fopen64(path: *const c_char, mode: *const c_char) -> *mut libc::FILE {
+    if shim::before_fopen(path).is_err() {
+        *libc::__errno_location() = libc::EIO;
+        return std::ptr::null_mut();
+    }
+    real_fopen(b"fopen64\0", path, mode)
+}
+
 // The C `open`/`openat` are variadic; on x86_64 and aarch64 Linux the optional `mode` argument
 // travels in the same register as a fixed third (fourth) argument would, so declaring it fixed
 // reads it correctly (garbage when the caller passed none, and then it is unused: the kernel
@@ -116,4 +143,25 @@ pub unsafe extern "C" fn unlinkat(dirfd: c_int, path: *const c_char, flags: c_in
 #[no_mangle]
 pub unsafe extern "C" fn rename(from: *const c_char, to: *const c_char) -> c_int {
     shim::rename(from, to)
+}
+
+type StatFn = unsafe extern "C" fn(*const c_char, *mut c_void) -> c_int;
+
+unsafe fn real_stat(name: &[u8], path: *const c_char, buf: *mut c_void) -> c_int {
+    // SAFETY: glibc's stat family have this signature (the buffer type is opaque here).
+    let f = std::mem::transmute::<*mut c_void, StatFn>(libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char));
+    f(path, buf)
+}
+
+/// `stat` of a missing log file recovers it first (Redis checks its AOF's length with stat
+/// before reading it).
+#[no_mangle]
+pub unsafe extern "C" fn stat(path: *const c_char, buf: *mut c_void) -> c_int {
+    let _ = shim::before_fopen(path);
+    real_stat(b"stat\0", path, buf)
+}
+#[no_mangle]
+pub unsafe extern "C" fn stat64(path: *const c_char, buf: *mut c_void) -> c_int {
+    let _ = shim::before_fopen(path);
+    real_stat(b"stat64\0", path, buf)
 }

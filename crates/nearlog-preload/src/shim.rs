@@ -164,8 +164,27 @@ pub fn glob_match(pat: &str, s: &str) -> bool {
 
 struct Tracked {
     key: String,
-    grant: FileGrant,
     client: FileClient,
+    /// A read-only fd on the same file (the application's may be write-only), for resyncs.
+    read_fd: c_int,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        // SAFETY: our own fd, closed once.
+        unsafe { (real().close)(self.read_fd) };
+    }
+}
+
+/// A read-only fd on the file behind `fd`.
+fn reopen_readonly(fd: c_int) -> Result<c_int, String> {
+    let p = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).unwrap();
+    // SAFETY: real openat on a valid C string.
+    let r = unsafe { (real().openat)(libc::AT_FDCWD, p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
+    if r < 0 {
+        return Err(format!("cannot reopen fd {fd} for reading: {}", std::io::Error::last_os_error()));
+    }
+    Ok(r)
 }
 
 struct Shim {
@@ -346,8 +365,9 @@ impl Shim {
             }
             if let Some(peer) = t.client.wants_resync() {
                 // A peer lost this file (restarted): re-base it from our local copy.
+                log(&format!("log peer {peer} lost file {} (epoch {}): resyncing it from the local copy", t.key, t.client.epoch()));
                 let size = t.client.size();
-                match read_local(fd, size) {
+                match read_local(t.read_fd, size) {
                     Ok(img) => t.client.resync(peer, img),
                     Err(e) => return Err(format!("cannot read the local copy to resync peer {peer}: {e}")),
                 }
@@ -400,12 +420,22 @@ pub unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: mod
     let opted_in = flags & O_NCL != 0;
     let flags = flags & !O_NCL;
     let writable = flags & (libc::O_WRONLY | libc::O_RDWR) != 0;
-    if path.is_null() || (!opted_in && patterns().is_empty()) || !writable {
+    if path.is_null() || (!opted_in && patterns().is_empty()) {
         return (r.openat)(dirfd, path, flags, mode);
     }
     let cpath = CStr::from_ptr(path);
     let Some(abs) = absolute(dirfd, cpath) else { return (r.openat)(dirfd, path, flags, mode) };
     if !opted_in && !is_log_path(&abs) {
+        return (r.openat)(dirfd, path, flags, mode);
+    }
+    if !writable {
+        // A reader (e.g. the application's own crash recovery) of a log file whose local copy
+        // is missing gets it recovered first; an existing local copy is read as it is, so a
+        // reader never fences the writer.
+        if recover_if_missing(&abs).is_err() {
+            set_errno(libc::EIO);
+            return -1;
+        }
         return (r.openat)(dirfd, path, flags, mode);
     }
     let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
@@ -434,6 +464,50 @@ pub unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: mod
     }
 }
 
+/// If the log file `abs` has no local copy, recovers it from the peers (and releases it).
+fn recover_if_missing(abs: &str) -> Result<(), ()> {
+    if std::path::Path::new(abs).exists() {
+        return Ok(());
+    }
+    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    let shim = match Shim::get(&mut slot) {
+        Ok(s) => s,
+        Err(e) => {
+            log(&format!("open {abs}: EIO: nearlog is misconfigured: {e}"));
+            return Err(());
+        }
+    };
+    if let Ok(CtlReply::Status(st)) = shim.ctl(&CtlRequest::Status) {
+        if !st.files.contains_key(abs) {
+            return Ok(()); // never replicated: nothing to recover, the open fails as it should
+        }
+    }
+    let c = std::ffi::CString::new(abs).map_err(|_| ())?;
+    // SAFETY: real openat/close on a path we own; the fd is closed below.
+    let fd = unsafe { (real().openat)(libc::AT_FDCWD, c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o644) };
+    if fd < 0 {
+        return Err(());
+    }
+    let res = open_log(shim, fd, abs, 0);
+    shim.files.remove(&fd);
+    set_tracked(fd, false);
+    // SAFETY: closing the fd we opened.
+    unsafe { (real().close)(fd) };
+    res.map_err(|e| log(&format!("open {abs}: EIO: {e}")))
+}
+
+/// `fopen` (glibc opens inside without going through `open`): recovers a missing log file first.
+pub unsafe fn before_fopen(path: *const c_char) -> Result<(), ()> {
+    if path.is_null() || patterns().is_empty() {
+        return Ok(());
+    }
+    let Some(_g) = Guard::enter() else { return Ok(()) };
+    match absolute(libc::AT_FDCWD, CStr::from_ptr(path)) {
+        Some(abs) if is_log_path(&abs) => recover_if_missing(&abs),
+        _ => Ok(()),
+    }
+}
+
 fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), String> {
     if fd as usize >= MAX_TRACKED_FD {
         return Err(format!("fd {fd} is beyond the shim's table of {MAX_TRACKED_FD} fds"));
@@ -453,11 +527,12 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         st.st_size as u64
     };
     // A file that was never replicated starts from its local content (it predates the shim).
-    let initial = if grant.initialized { Vec::new() } else { read_local(fd, local_size).map_err(|e| e.to_string())? };
+    let read_fd = reopen_readonly(fd)?;
+    let initial = if grant.initialized { Vec::new() } else { read_local(read_fd, local_size).map_err(|e| e.to_string())? };
     let peers = grant.peers.iter().map(|p| p.id).collect();
     let now = shim.now_us();
     let client = FileClient::open(grant.file, grant.epoch, peers, grant.initialized, initial, ClientConfig::default(), now);
-    shim.files.insert(fd, Tracked { key: key.to_string(), grant: grant.clone(), client });
+    shim.files.insert(fd, Tracked { key: key.to_string(), client, read_fd });
     shim.wait_for(fd, |c| c.is_ready()).map_err(|e| format!("recovery of {key} (epoch {}): {e}", grant.epoch))?;
     let t = shim.files.get_mut(&fd).unwrap();
     let image = t.client.take_recovered().unwrap_or_default();
@@ -470,7 +545,8 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         let seq = t.client.submit(Op::Truncate { size: 0 }).map_err(|e| e.to_string())?;
         shim.wait_for(fd, |c| c.acked_seq() >= seq)?;
     } else {
-        let local = read_local(fd, local_size).map_err(|e| e.to_string())?;
+        let rfd = shim.files[&fd].read_fd;
+        let local = read_local(rfd, local_size).map_err(|e| e.to_string())?;
         if local != image {
             // Missing, shorter, longer (unacknowledged tail) or different: the replicas win.
             write_local_all(fd, &image, 0).map_err(|e| format!("restoring the local copy: {e}"))?;

@@ -397,15 +397,14 @@ impl FileClient {
                     self.send_resync(peer);
                     return;
                 }
-                if t.applied == 0 && !t.needs_image {
+                let basing = matches!(self.phase, Phase::Basing { .. });
+                if t.applied == 0 && basing {
                     t.needs_image = true;
-                    if matches!(self.phase, Phase::Basing { .. }) {
-                        self.send_base(peer);
-                    }
-                } else if t.applied == 0 && matches!(self.phase, Phase::Basing { .. }) {
                     self.send_base(peer);
-                } else if t.applied == 0 {
-                    t.lost = true; // the image is gone: re-based at the next open
+                } else if t.applied == 0 && matches!(self.phase, Phase::Ready) {
+                    // The image is gone: the driver resyncs it from its local copy.
+                    t.lost = true;
+                    t.want_resync = true;
                 }
             }
             PeerReply::Ack { epoch, applied_seq, .. } => {
@@ -447,11 +446,11 @@ impl FileClient {
         if matches!(self.phase, Phase::Basing { .. }) && self.acked_seq >= 1 {
             let Phase::Basing { image, .. } = std::mem::replace(&mut self.phase, Phase::Ready) else { unreachable!() };
             self.recovered = Some(image);
-            // Peers that have not taken the Base yet lose the image: re-based at the next open.
+            // Peers that have not taken the Base yet keep getting records: a slow peer applies
+            // them in order after its Base; one that needs the (now dropped) image answers
+            // NeedImage and is resynced from the driver's copy.
             for t in self.tracks.values_mut() {
-                if t.applied == 0 {
-                    t.lost = true;
-                }
+                t.needs_image = false;
             }
         }
         let _ = self.trim();
