@@ -20,6 +20,9 @@ pub enum BenchCmd {
     /// Benchmarks of the volume layer (SpecREDS §6.2).
     #[command(subcommand)]
     Volume(VolumeBench),
+    /// Benchmarks of the near-compute log (SplitFT).
+    #[command(subcommand)]
+    Nearlog(crate::nearlog::NearlogBench),
 }
 
 #[derive(Subcommand, Debug)]
@@ -62,6 +65,7 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Volume(VolumeBench::Cow(a)) => volume_cow(a, verbose),
         BenchCmd::Volume(VolumeBench::RecoveryTrace(a)) => volume_recovery_trace(a, verbose),
+        BenchCmd::Nearlog(crate::nearlog::NearlogBench::Apps(a)) => crate::nearlog::bench_apps(a),
     }
 }
 
