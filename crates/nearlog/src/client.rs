@@ -359,11 +359,7 @@ impl FileClient {
             return;
         }
         match reply {
-            PeerReply::Stale { promised, .. } => {
-                if promised > self.epoch {
-                    self.fail(Failure::Fenced { promised })
-                }
-            }
+            PeerReply::Stale { promised, .. } if promised > self.epoch => self.fail(Failure::Fenced { promised }),
             PeerReply::RegionFull { region_bytes, used_bytes, epoch, .. } if epoch == self.epoch => {
                 self.fail(Failure::RegionFull { peer, region_bytes, used_bytes })
             }
