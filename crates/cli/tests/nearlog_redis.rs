@@ -58,7 +58,7 @@ fn redis(dir: &Path, port: u16, so: &Path, cluster: &Path) -> Kill {
         .env("LD_PRELOAD", so)
         .env("UNDERSTUDY_NEARLOG_CLUSTER", cluster)
         .env("UNDERSTUDY_NEARLOG_PATTERNS", "*.incr.aof")
-        .stdout(Stdio::inherit())
+        .stdout(Stdio::null())
         .stderr(Stdio::inherit());
     Kill(c.spawn().unwrap())
 }
