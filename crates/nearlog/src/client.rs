@@ -541,3 +541,76 @@ impl FileClient {
         self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq: 1, op: Op::Base { from, size, image_crc } }));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::peer::PeerCore;
+
+    /// Delivers every outgoing message to its peer and every reply back, until quiet.
+    fn run(c: &mut FileClient, peers: &mut [PeerCore]) {
+        loop {
+            let out = c.take_outgoing();
+            if out.is_empty() {
+                return;
+            }
+            for (p, req) in out {
+                let rep = peers[p as usize - 1].handle(req);
+                c.on_reply(p, rep);
+            }
+        }
+    }
+
+    #[test]
+    fn a_full_region_fails_the_write_loudly_and_never_acknowledges_it() {
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(100)).collect();
+        let mut c = FileClient::open(1, 1, vec![1, 2, 3], false, Vec::new(), ClientConfig::default(), 0);
+        run(&mut c, &mut peers);
+        assert!(c.is_ready());
+        let ok = c.submit(Op::write(0, vec![1; 60])).unwrap();
+        run(&mut c, &mut peers);
+        assert!(c.acked_seq() >= ok);
+        let big = c.submit(Op::write(60, vec![2; 60])).unwrap();
+        run(&mut c, &mut peers);
+        assert!(matches!(c.failure(), Some(Failure::RegionFull { .. })), "{:?}", c.failure());
+        assert!(c.acked_seq() < big, "the write that did not fit is never acknowledged");
+        assert!(peers.iter().all(|p| p.holding(1).unwrap().size == 60), "nothing applied short");
+        assert!(c.submit(Op::write(0, vec![3])).is_err(), "later writes fail too");
+    }
+
+    #[test]
+    fn recovery_takes_the_most_advanced_member_of_a_majority_and_keeps_trailing_zeros() {
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(1 << 20)).collect();
+        let mut c = FileClient::open(1, 1, vec![1, 2, 3], false, Vec::new(), ClientConfig::default(), 0);
+        run(&mut c, &mut peers);
+        c.submit(Op::write(0, b"abc".to_vec())).unwrap();
+        run(&mut c, &mut peers);
+        // Only peers 1 and 2 get the next ops (peer 3 lags): acknowledged by a majority.
+        let s1 = c.submit(Op::write(3, b"def".to_vec())).unwrap();
+        let s2 = c.submit(Op::Truncate { size: 10 }).unwrap();
+        for (p, req) in c.take_outgoing() {
+            if p != 3 {
+                let rep = peers[p as usize - 1].handle(req);
+                c.on_reply(p, rep);
+            }
+        }
+        assert!(c.acked_seq() >= s2 && s2 > s1);
+        drop(c);
+        // Recovery hears from peer 3 (behind) and peer 2 (ahead) only.
+        let mut r = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        loop {
+            let out = r.take_outgoing();
+            if out.is_empty() {
+                break;
+            }
+            for (p, req) in out {
+                if p != 1 {
+                    let rep = peers[p as usize - 1].handle(req);
+                    r.on_reply(p, rep);
+                }
+            }
+        }
+        assert!(r.is_ready());
+        assert_eq!(r.take_recovered().unwrap(), b"abcdef\0\0\0\0".to_vec());
+    }
+}
