@@ -98,7 +98,7 @@ impl Run {
             eprintln!("ready epoch {}: {}", self.epoch, &d[i..(i + 600).min(d.len())]);
         }
         if self.initialized {
-            let ok = self.history[self.acked_floor..].iter().any(|img| *img == recovered);
+            let ok = self.history[self.acked_floor..].contains(&recovered);
             if !ok {
                 let any = self.history.iter().position(|img| *img == recovered);
                 let h = &self.history[self.acked_floor];
