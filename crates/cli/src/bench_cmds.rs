@@ -29,6 +29,9 @@ pub enum BenchCmd {
     /// Benchmarks of the leaderless KV store (HEAL §IX).
     #[command(subcommand)]
     Kv(crate::kv::KvBench),
+    /// Benchmarks of the near-compute log (SplitFT).
+    #[command(subcommand)]
+    Nearlog(crate::nearlog::NearlogBench),
 }
 
 #[derive(Subcommand, Debug)]
@@ -74,6 +77,7 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
         BenchCmd::Ycsb(cmd) => crate::ycsb::run(cmd),
         BenchCmd::Failover(b) => crate::failover::bench(b, verbose),
         BenchCmd::Kv(b) => crate::kv::bench(b, verbose),
+        BenchCmd::Nearlog(crate::nearlog::NearlogBench::Apps(a)) => crate::nearlog::bench_apps(a),
     }
 }
 

@@ -18,6 +18,7 @@ mod demo;
 mod exports;
 mod failover;
 mod kv;
+mod nearlog;
 mod proc;
 mod qemu;
 mod size;
@@ -128,6 +129,9 @@ enum Cmd {
     /// Leaderless replicated key-value store with HEAL recovery: node, cm, up, get, put.
     #[command(subcommand)]
     Kv(kv::KvCmd),
+    /// Near-compute log (SplitFT): log peers, controller, a local cluster for the LD_PRELOAD shim.
+    #[command(subcommand)]
+    Nearlog(nearlog::NearlogCmd),
 }
 
 /// How client commands find the cluster.
@@ -270,6 +274,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Failover { conn, cmd } => {
             init_logging(cli.verbose, "warn,fuser=error");
             failover::run(&conn, cmd, cli.verbose)
+        Cmd::Nearlog(cmd) => {
+            init_logging(cli.verbose, "info");
+            runtime()?.block_on(nearlog::run(cmd))
         }
         Cmd::Bench(cmd) => {
             init_logging(cli.verbose, "warn");

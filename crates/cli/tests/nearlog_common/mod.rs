@@ -1,0 +1,54 @@
+//! Shared by the nearlog integration tests: the shim, a local nearlog cluster, process guards.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// Kills (SIGKILL) and reaps a child on drop, also on panic.
+pub struct Kill(pub Child);
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Builds the LD_PRELOAD shim (a cdylib is not built as a dependency) and returns its path.
+pub fn shim_path() -> PathBuf {
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_understudy"));
+    let dir = bin.parent().unwrap().to_path_buf();
+    let so = dir.join("libnearlog_preload.so");
+    let profile = if dir.ends_with("release") { vec!["--release"] } else { vec![] };
+    let status = Command::new(env!("CARGO")).args(["build", "-q", "-p", "nearlog-preload"]).args(profile).status().expect("cargo");
+    assert!(status.success(), "building the shim failed");
+    assert!(so.exists(), "no shim at {}", so.display());
+    so
+}
+
+/// `understudy nearlog up` in DIR; returns the guard and the cluster file once ready.
+pub fn start_cluster(dir: &Path) -> (Kill, PathBuf) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_understudy"))
+        .args(["nearlog", "up", "--dir"])
+        .arg(dir)
+        .args(["--region-bytes", "67108864"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let guard = Kill(child);
+    let mut lines = BufReader::new(out).lines();
+    loop {
+        let l = lines.next().expect("nearlog up exited").unwrap();
+        if l == "ready" {
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines {});
+    (guard, dir.join("nearlog-cluster.json"))
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}

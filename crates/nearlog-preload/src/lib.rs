@@ -1,0 +1,167 @@
+//! LD_PRELOAD shim of the near-compute log (SplitFT's "NCL library"): an unmodified
+//! application's log files are replicated to nearlog peers; everything else passes through.
+//!
+//! A file is a log file when it is opened with [`O_NCL`] (`0o40000000`, a bit Linux leaves
+//! unused; stripped before the real `open`) or when its absolute path matches one of the
+//! colon-separated glob patterns in `UNDERSTUDY_NEARLOG_PATTERNS` (`*` any run of characters,
+//! `?` one; e.g. `*-wal:*.incr.aof`). The cluster comes from `UNDERSTUDY_NEARLOG_CLUSTER` (the
+//! `nearlog-cluster.json` of `understudy nearlog up`).
+//!
+//! - open/openat/creat (and 64-bit forms) of a log file: the controller grants a new epoch, the
+//!   content is recovered from a majority of peers ([`nearlog::client::FileClient`]) and written
+//!   to the local file when the local copy is missing, shorter or different.
+//! - write/pwrite/writev: the bytes go to the local file (page cache, no fsync) and to the
+//!   file's peers; the call returns once a majority holds them. fsync/fdatasync/sync_file_range
+//!   then cost nothing. ftruncate is replicated; unlink and rename update the controller and
+//!   free the peers' memory.
+//! - No majority within `UNDERSTUDY_NEARLOG_DEADLINE_MS` (default 10000): EIO. A missing or bad
+//!   configuration or an unreachable controller: EIO at open, with a line on stderr — never
+//!   silently unreplicated writes.
+//!
+//! No tokio: std blocking sockets and `poll(2)`, driven by the calling thread under one lock.
+//! Reentrancy (the shim's own I/O) passes through via a thread-local guard. After `fork` the
+//! child owns no log file: an inherited log fd fails with EIO there.
+//! Not intercepted (documented limits): dup/dup2 of a log fd, mmap writes, stdio (`fopen`).
+
+#![allow(clippy::missing_safety_doc)]
+
+mod shim;
+
+use std::ffi::c_char;
+
+use libc::{c_int, c_void, iovec, mode_t, off64_t, off_t, size_t, ssize_t};
+
+/// The opt-in open flag: a bit no Linux `open` flag uses.
+pub const O_NCL: c_int = 0o40000000;
+
+pub use shim::glob_match;
+
+type FopenFn = unsafe extern "C" fn(*const c_char, *const c_char) -> *mut libc::FILE;
+
+unsafe fn real_fopen(name: &[u8], path: *const c_char, mode: *const c_char) -> *mut libc::FILE {
+    // SAFETY: glibc's fopen/fopen64 have this signature.
+    let f = std::mem::transmute::<*mut c_void, FopenFn>(libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char));
+    f(path, mode)
+}
+
+/// stdio opens (Redis reads its AOF with `fopen`): a missing log file is recovered first; the
+/// stream itself is not replicated (write log files through `open`/`write`).
+#[no_mangle]
+pub unsafe extern "C" fn fopen(path: *const c_char, mode: *const c_char) -> *mut libc::FILE {
+    if shim::before_fopen(path).is_err() {
+        *libc::__errno_location() = libc::EIO;
+        return std::ptr::null_mut();
+    }
+    real_fopen(b"fopen\0", path, mode)
+}
+#[no_mangle]
+pub unsafe extern "C" fn fopen64(path: *const c_char, mode: *const c_char) -> *mut libc::FILE {
+    if shim::before_fopen(path).is_err() {
+        *libc::__errno_location() = libc::EIO;
+        return std::ptr::null_mut();
+    }
+    real_fopen(b"fopen64\0", path, mode)
+}
+
+// The C `open`/`openat` are variadic; on x86_64 and aarch64 Linux the optional `mode` argument
+// travels in the same register as a fixed third (fourth) argument would, so declaring it fixed
+// reads it correctly (garbage when the caller passed none, and then it is unused: the kernel
+// reads mode only with O_CREAT/O_TMPFILE).
+
+#[no_mangle]
+pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
+    shim::open_at(libc::AT_FDCWD, path, flags, mode)
+}
+#[no_mangle]
+pub unsafe extern "C" fn open64(path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
+    shim::open_at(libc::AT_FDCWD, path, flags, mode)
+}
+#[no_mangle]
+pub unsafe extern "C" fn openat(dirfd: c_int, path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
+    shim::open_at(dirfd, path, flags, mode)
+}
+#[no_mangle]
+pub unsafe extern "C" fn openat64(dirfd: c_int, path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
+    shim::open_at(dirfd, path, flags, mode)
+}
+#[no_mangle]
+pub unsafe extern "C" fn creat(path: *const c_char, mode: mode_t) -> c_int {
+    shim::open_at(libc::AT_FDCWD, path, libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC, mode)
+}
+#[no_mangle]
+pub unsafe extern "C" fn creat64(path: *const c_char, mode: mode_t) -> c_int {
+    shim::open_at(libc::AT_FDCWD, path, libc::O_CREAT | libc::O_WRONLY | libc::O_TRUNC, mode)
+}
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    shim::write(fd, buf, n, None)
+}
+#[no_mangle]
+pub unsafe extern "C" fn pwrite(fd: c_int, buf: *const c_void, n: size_t, off: off_t) -> ssize_t {
+    shim::write(fd, buf, n, Some(off))
+}
+#[no_mangle]
+pub unsafe extern "C" fn pwrite64(fd: c_int, buf: *const c_void, n: size_t, off: off64_t) -> ssize_t {
+    shim::write(fd, buf, n, Some(off))
+}
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
+    shim::writev(fd, iov, cnt)
+}
+#[no_mangle]
+pub unsafe extern "C" fn fsync(fd: c_int) -> c_int {
+    shim::sync(fd, shim::SyncKind::Fsync)
+}
+#[no_mangle]
+pub unsafe extern "C" fn fdatasync(fd: c_int) -> c_int {
+    shim::sync(fd, shim::SyncKind::Fdatasync)
+}
+#[no_mangle]
+pub unsafe extern "C" fn sync_file_range(fd: c_int, off: off64_t, n: off64_t, flags: libc::c_uint) -> c_int {
+    shim::sync(fd, shim::SyncKind::Range(off, n, flags))
+}
+#[no_mangle]
+pub unsafe extern "C" fn ftruncate(fd: c_int, len: off_t) -> c_int {
+    shim::ftruncate(fd, len)
+}
+#[no_mangle]
+pub unsafe extern "C" fn ftruncate64(fd: c_int, len: off64_t) -> c_int {
+    shim::ftruncate(fd, len)
+}
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    shim::close(fd)
+}
+#[no_mangle]
+pub unsafe extern "C" fn unlink(path: *const c_char) -> c_int {
+    shim::unlink_at(libc::AT_FDCWD, path, 0)
+}
+#[no_mangle]
+pub unsafe extern "C" fn unlinkat(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
+    shim::unlink_at(dirfd, path, flags)
+}
+#[no_mangle]
+pub unsafe extern "C" fn rename(from: *const c_char, to: *const c_char) -> c_int {
+    shim::rename(from, to)
+}
+
+type StatFn = unsafe extern "C" fn(*const c_char, *mut c_void) -> c_int;
+
+unsafe fn real_stat(name: &[u8], path: *const c_char, buf: *mut c_void) -> c_int {
+    // SAFETY: glibc's stat family have this signature (the buffer type is opaque here).
+    let f = std::mem::transmute::<*mut c_void, StatFn>(libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char));
+    f(path, buf)
+}
+
+/// `stat` of a missing log file recovers it first (Redis checks its AOF's length with stat
+/// before reading it).
+#[no_mangle]
+pub unsafe extern "C" fn stat(path: *const c_char, buf: *mut c_void) -> c_int {
+    let _ = shim::before_fopen(path);
+    real_stat(b"stat\0", path, buf)
+}
+#[no_mangle]
+pub unsafe extern "C" fn stat64(path: *const c_char, buf: *mut c_void) -> c_int {
+    let _ = shim::before_fopen(path);
+    real_stat(b"stat64\0", path, buf)
+}

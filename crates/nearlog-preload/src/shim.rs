@@ -1,0 +1,813 @@
+//! The shim's state and the real work behind each intercepted call.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::ffi::{c_char, CStr};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use libc::{c_int, c_void, iovec, mode_t, off_t, size_t, ssize_t};
+use nearlog::blocking;
+use nearlog::client::{ClientConfig, FileClient};
+use nearlog::proto::{CtlReply, CtlRequest, FileGrant, Op, PeerId, PeerReply, PeerRequest, MAX_CHUNK_BYTES, MAX_FRAME_BYTES};
+
+use crate::O_NCL;
+
+type OpenAtFn = unsafe extern "C" fn(c_int, *const c_char, c_int, mode_t) -> c_int;
+type WriteFn = unsafe extern "C" fn(c_int, *const c_void, size_t) -> ssize_t;
+type PwriteFn = unsafe extern "C" fn(c_int, *const c_void, size_t, off_t) -> ssize_t;
+type WritevFn = unsafe extern "C" fn(c_int, *const iovec, c_int) -> ssize_t;
+type FdFn = unsafe extern "C" fn(c_int) -> c_int;
+type SfrFn = unsafe extern "C" fn(c_int, i64, i64, libc::c_uint) -> c_int;
+type TruncFn = unsafe extern "C" fn(c_int, off_t) -> c_int;
+type UnlinkAtFn = unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int;
+type RenameFn = unsafe extern "C" fn(*const c_char, *const c_char) -> c_int;
+
+struct Real {
+    openat: OpenAtFn,
+    write: WriteFn,
+    pwrite: PwriteFn,
+    writev: WritevFn,
+    fsync: FdFn,
+    fdatasync: FdFn,
+    sync_file_range: SfrFn,
+    ftruncate: TruncFn,
+    close: FdFn,
+    unlinkat: UnlinkAtFn,
+    rename: RenameFn,
+}
+
+fn real() -> &'static Real {
+    static REAL: OnceLock<Real> = OnceLock::new();
+    REAL.get_or_init(|| {
+        // SAFETY: dlsym(RTLD_NEXT) returns glibc's own definitions of these well-known symbols,
+        // whose C signatures are the function types above.
+        unsafe {
+            let sym = |name: &[u8]| {
+                let p = libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char);
+                assert!(!p.is_null(), "nearlog shim: libc symbol missing");
+                p
+            };
+            Real {
+                openat: std::mem::transmute::<*mut c_void, OpenAtFn>(sym(b"openat64\0")),
+                write: std::mem::transmute::<*mut c_void, WriteFn>(sym(b"write\0")),
+                pwrite: std::mem::transmute::<*mut c_void, PwriteFn>(sym(b"pwrite64\0")),
+                writev: std::mem::transmute::<*mut c_void, WritevFn>(sym(b"writev\0")),
+                fsync: std::mem::transmute::<*mut c_void, FdFn>(sym(b"fsync\0")),
+                fdatasync: std::mem::transmute::<*mut c_void, FdFn>(sym(b"fdatasync\0")),
+                sync_file_range: std::mem::transmute::<*mut c_void, SfrFn>(sym(b"sync_file_range\0")),
+                ftruncate: std::mem::transmute::<*mut c_void, TruncFn>(sym(b"ftruncate64\0")),
+                close: std::mem::transmute::<*mut c_void, FdFn>(sym(b"close\0")),
+                unlinkat: std::mem::transmute::<*mut c_void, UnlinkAtFn>(sym(b"unlinkat\0")),
+                rename: std::mem::transmute::<*mut c_void, RenameFn>(sym(b"rename\0")),
+            }
+        }
+    })
+}
+
+thread_local! {
+    /// Set while the shim itself does I/O: every intercepted call passes straight through.
+    static IN_SHIM: Cell<bool> = const { Cell::new(false) };
+}
+
+struct Guard;
+impl Guard {
+    /// None if we are already inside the shim (reentrant call: pass through).
+    fn enter() -> Option<Guard> {
+        IN_SHIM.with(|g| if g.replace(true) { None } else { Some(Guard) })
+    }
+}
+impl Drop for Guard {
+    fn drop(&mut self) {
+        IN_SHIM.with(|g| g.set(false));
+    }
+}
+
+/// Bitmap of fds that are log files (fast path for every other write). Fds above the bitmap
+/// are never tracked: a log open that gets one fails with EIO rather than going unreplicated.
+const MAX_TRACKED_FD: usize = 65536;
+static TRACKED: [AtomicU64; MAX_TRACKED_FD / 64] = [const { AtomicU64::new(0) }; MAX_TRACKED_FD / 64];
+
+fn is_tracked(fd: c_int) -> bool {
+    fd >= 0 && (fd as usize) < MAX_TRACKED_FD && TRACKED[fd as usize / 64].load(Ordering::Relaxed) & (1 << (fd % 64)) != 0
+}
+fn set_tracked(fd: c_int, on: bool) {
+    let bit = 1u64 << (fd % 64);
+    if on {
+        TRACKED[fd as usize / 64].fetch_or(bit, Ordering::Relaxed);
+    } else {
+        TRACKED[fd as usize / 64].fetch_and(!bit, Ordering::Relaxed);
+    }
+}
+
+fn log(msg: &str) {
+    let line = format!("[nearlog {}] {msg}\n", std::process::id());
+    // SAFETY: writing a valid buffer to stderr with the real write.
+    unsafe {
+        (real().write)(2, line.as_ptr() as *const c_void, line.len());
+    }
+}
+
+fn set_errno(e: c_int) {
+    // SAFETY: errno is thread-local and always valid to write.
+    unsafe { *libc::__errno_location() = e };
+}
+
+struct Config {
+    controller: String,
+    secret: Vec<u8>,
+    deadline: Duration,
+}
+
+fn load_config() -> Result<Config, String> {
+    let deadline_ms = match std::env::var("UNDERSTUDY_NEARLOG_DEADLINE_MS") {
+        Ok(s) => s.parse::<u64>().map_err(|_| format!("UNDERSTUDY_NEARLOG_DEADLINE_MS={s:?} is not a number of milliseconds"))?,
+        Err(_) => 10_000,
+    };
+    let cluster = std::env::var("UNDERSTUDY_NEARLOG_CLUSTER").map_err(|_| "UNDERSTUDY_NEARLOG_CLUSTER is not set (the nearlog-cluster.json of `understudy nearlog up`)".to_string())?;
+    let text = std::fs::read(&cluster).map_err(|e| format!("cannot read {cluster}: {e}"))?;
+    let v: serde_json::Value = serde_json::from_slice(&text).map_err(|e| format!("{cluster} is not JSON: {e}"))?;
+    let controller = v["controller"].as_str().ok_or(format!("{cluster} has no \"controller\""))?.to_string();
+    let secret_file = v["secret_file"].as_str().ok_or(format!("{cluster} has no \"secret_file\""))?;
+    let secret = std::fs::read(secret_file).map_err(|e| format!("cannot read the cluster secret {secret_file}: {e}"))?.trim_ascii().to_vec();
+    if secret.is_empty() {
+        return Err(format!("cluster secret {secret_file} is empty"));
+    }
+    Ok(Config { controller, secret, deadline: Duration::from_millis(deadline_ms) })
+}
+
+/// `*` matches any run of characters (including `/`), `?` one character.
+pub fn glob_match(pat: &str, s: &str) -> bool {
+    let (p, s) = (pat.as_bytes(), s.as_bytes());
+    let (mut pi, mut si, mut star, mut mark) = (0, 0, None, 0);
+    while si < s.len() {
+        if pi < p.len() && (p[pi] == b'?' || p[pi] == s[si]) {
+            pi += 1;
+            si += 1;
+        } else if pi < p.len() && p[pi] == b'*' {
+            star = Some(pi);
+            pi += 1;
+            mark = si;
+        } else if let Some(sp) = star {
+            pi = sp + 1;
+            mark += 1;
+            si = mark;
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&c| c == b'*')
+}
+
+struct Tracked {
+    key: String,
+    client: FileClient,
+    /// A read-only fd on the same file (the application's may be write-only), for resyncs.
+    read_fd: c_int,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        // SAFETY: our own fd, closed once.
+        unsafe { (real().close)(self.read_fd) };
+    }
+}
+
+/// A read-only fd on the file behind `fd`.
+fn reopen_readonly(fd: c_int) -> Result<c_int, String> {
+    let p = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).unwrap();
+    // SAFETY: real openat on a valid C string.
+    let r = unsafe { (real().openat)(libc::AT_FDCWD, p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
+    if r < 0 {
+        return Err(format!("cannot reopen fd {fd} for reading: {}", std::io::Error::last_os_error()));
+    }
+    Ok(r)
+}
+
+struct Shim {
+    cfg: Config,
+    peers: HashMap<PeerId, (String, Option<TcpStream>, Instant)>,
+    files: HashMap<c_int, Tracked>,
+    owner_pid: u32,
+    start: Instant,
+}
+
+static SHIM: Mutex<Option<Shim>> = Mutex::new(None);
+/// Config errors are reported once per process, then every log open fails.
+static PATTERNS: OnceLock<Vec<String>> = OnceLock::new();
+
+fn patterns() -> &'static [String] {
+    PATTERNS.get_or_init(|| std::env::var("UNDERSTUDY_NEARLOG_PATTERNS").unwrap_or_default().split(':').filter(|p| !p.is_empty()).map(String::from).collect())
+}
+
+/// The absolute path of `path` relative to `dirfd` (lexically; the file may not exist yet).
+unsafe fn absolute(dirfd: c_int, path: &CStr) -> Option<String> {
+    let p = path.to_str().ok()?;
+    if p.starts_with('/') {
+        return Some(normalize(p));
+    }
+    let base = if dirfd == libc::AT_FDCWD {
+        std::env::current_dir().ok()?.to_str()?.to_string()
+    } else {
+        std::fs::read_link(format!("/proc/self/fd/{dirfd}")).ok()?.to_str()?.to_string()
+    };
+    Some(normalize(&format!("{base}/{p}")))
+}
+
+fn normalize(p: &str) -> String {
+    let mut out: Vec<&str> = Vec::new();
+    for c in p.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                out.pop();
+            }
+            c => out.push(c),
+        }
+    }
+    format!("/{}", out.join("/"))
+}
+
+fn is_log_path(abs: &str) -> bool {
+    patterns().iter().any(|p| glob_match(p, abs))
+}
+
+impl Shim {
+    fn get(slot: &mut Option<Shim>) -> Result<&mut Shim, String> {
+        let pid = std::process::id();
+        if slot.as_ref().is_some_and(|s| s.owner_pid != pid) {
+            // A forked child: the parent's connections and files are not ours. Forget them
+            // without closing anything (the parent still uses those sockets).
+            let old = slot.take().unwrap();
+            for (_, (_, conn, _)) in old.peers {
+                std::mem::forget(conn);
+            }
+            std::mem::forget(old.files);
+        }
+        if slot.is_none() {
+            let cfg = load_config()?;
+            *slot = Some(Shim { cfg, peers: HashMap::new(), files: HashMap::new(), owner_pid: pid, start: Instant::now() });
+        }
+        Ok(slot.as_mut().unwrap())
+    }
+
+    fn now_us(&self) -> u64 {
+        self.start.elapsed().as_micros() as u64
+    }
+
+    fn ctl(&mut self, req: &CtlRequest) -> Result<CtlReply, String> {
+        let mut s = blocking::connect(&self.cfg.controller, &self.cfg.secret, Duration::from_secs(5)).map_err(|e| format!("controller {}: {e}", self.cfg.controller))?;
+        let rep: CtlReply = blocking::call(&mut s, req, MAX_FRAME_BYTES).map_err(|e| format!("controller {}: {e}", self.cfg.controller))?;
+        if let CtlReply::Error(e) = &rep {
+            return Err(format!("controller refused {req:?}: {e}"));
+        }
+        Ok(rep)
+    }
+
+    fn ensure_conn(&mut self, peer: PeerId) -> Option<&mut TcpStream> {
+        let secret = self.cfg.secret.clone();
+        let (addr, conn, last_try) = self.peers.get_mut(&peer)?;
+        if conn.is_none() && last_try.elapsed() >= Duration::from_millis(200) {
+            *last_try = Instant::now();
+            match blocking::connect(addr, &secret, Duration::from_secs(2)) {
+                Ok(s) => {
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                    *conn = Some(s)
+                }
+                Err(e) => log(&format!("log peer {peer} at {addr} unreachable: {e}")),
+            }
+        }
+        conn.as_mut()
+    }
+
+    /// Sends every file's outgoing messages, reads replies for up to `wait`, feeds them in.
+    fn pump(&mut self, wait: Duration) {
+        let now = self.now_us();
+        let mut out: Vec<(PeerId, PeerRequest)> = Vec::new();
+        for t in self.files.values_mut() {
+            t.client.tick(now);
+            out.extend(t.client.take_outgoing());
+        }
+        // One buffer per peer: a batch goes out in one write.
+        let mut batches: HashMap<PeerId, Vec<u8>> = HashMap::new();
+        for (p, req) in out {
+            if let Ok(frame) = nearlog_frame(&req) {
+                batches.entry(p).or_default().extend_from_slice(&frame);
+            }
+        }
+        for (p, buf) in batches {
+            if let Some(conn) = self.ensure_conn(p) {
+                use std::io::Write;
+                if let Err(e) = conn.write_all(&buf) {
+                    log(&format!("log peer {p}: send failed: {e}"));
+                    self.peers.get_mut(&p).unwrap().1 = None;
+                }
+            }
+        }
+        // Wait for replies on every connected peer.
+        let ids: Vec<PeerId> = self.peers.iter().filter(|(_, v)| v.1.is_some()).map(|(k, _)| *k).collect();
+        if ids.is_empty() {
+            std::thread::sleep(wait.min(Duration::from_millis(20)));
+            return;
+        }
+        let mut fds: Vec<libc::pollfd> =
+            ids.iter().map(|p| libc::pollfd { fd: self.peers[p].1.as_ref().unwrap().as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
+        // SAFETY: fds is a valid array of pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait.as_millis() as c_int) };
+        if n <= 0 {
+            return;
+        }
+        for (i, p) in ids.iter().enumerate() {
+            if fds[i].revents == 0 {
+                continue;
+            }
+            // Drain what is readable without blocking beyond one frame.
+            loop {
+                let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
+                let rep: Result<PeerReply, _> = blocking::recv(conn, MAX_FRAME_BYTES);
+                match rep {
+                    Ok(rep) => {
+                        if let Some(f) = rep.file() {
+                            for t in self.files.values_mut().filter(|t| t.client.file() == f) {
+                                t.client.on_reply(*p, rep.clone());
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        log(&format!("log peer {p}: connection lost: {e}"));
+                        self.peers.get_mut(p).unwrap().1 = None;
+                        break;
+                    }
+                }
+                let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
+                let mut pf = libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd.
+                if unsafe { libc::poll(&mut pf, 1, 0) } <= 0 {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Pumps until `done` holds for the file on `fd`, it failed, or the deadline passed.
+    fn wait_for(&mut self, fd: c_int, done: impl Fn(&FileClient) -> bool) -> Result<(), String> {
+        let deadline = Instant::now() + self.cfg.deadline;
+        loop {
+            let t = self.files.get_mut(&fd).ok_or("file vanished")?;
+            if let Some(f) = t.client.failure() {
+                return Err(f.to_string());
+            }
+            if done(&t.client) {
+                return Ok(());
+            }
+            if let Some(peer) = t.client.wants_resync() {
+                // A peer lost this file (restarted): re-base it from our local copy.
+                log(&format!("log peer {peer} lost file {} (epoch {}): resyncing it from the local copy", t.key, t.client.epoch()));
+                let size = t.client.size();
+                match read_local(t.read_fd, size) {
+                    Ok(img) => t.client.resync(peer, img),
+                    Err(e) => return Err(format!("cannot read the local copy to resync peer {peer}: {e}")),
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("no majority of log peers within {} ms", self.cfg.deadline.as_millis()));
+            }
+            self.pump(Duration::from_millis(5));
+        }
+    }
+}
+
+fn nearlog_frame(req: &PeerRequest) -> Result<Vec<u8>, String> {
+    blocking::encode(req).map_err(|e| e.to_string())
+}
+
+fn read_local(fd: c_int, size: u64) -> std::io::Result<Vec<u8>> {
+    let mut img = vec![0u8; size as usize];
+    let mut done = 0;
+    while done < img.len() {
+        // SAFETY: reading into our own buffer within its bounds.
+        let n = unsafe { libc::pread64(fd, img[done..].as_mut_ptr() as *mut c_void, img.len() - done, done as i64) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if n == 0 {
+            break; // shorter than replicated: the rest reads as zeros
+        }
+        done += n as usize;
+    }
+    Ok(img)
+}
+
+fn write_local_all(fd: c_int, data: &[u8], offset: u64) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < data.len() {
+        // SAFETY: writing from our own buffer within its bounds with the real pwrite.
+        let n = unsafe { (real().pwrite)(fd, data[done..].as_ptr() as *const c_void, data.len() - done, (offset + done as u64) as off_t) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+pub unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: mode_t) -> c_int {
+    let r = real();
+    let Some(_g) = Guard::enter() else { return (r.openat)(dirfd, path, flags & !O_NCL, mode) };
+    let opted_in = flags & O_NCL != 0;
+    let flags = flags & !O_NCL;
+    let writable = flags & (libc::O_WRONLY | libc::O_RDWR) != 0;
+    if path.is_null() || (!opted_in && patterns().is_empty()) {
+        return (r.openat)(dirfd, path, flags, mode);
+    }
+    let cpath = CStr::from_ptr(path);
+    let Some(abs) = absolute(dirfd, cpath) else { return (r.openat)(dirfd, path, flags, mode) };
+    if !opted_in && !is_log_path(&abs) {
+        return (r.openat)(dirfd, path, flags, mode);
+    }
+    if !writable {
+        // A reader (e.g. the application's own crash recovery) of a log file whose local copy
+        // is missing gets it recovered first; an existing local copy is read as it is, so a
+        // reader never fences the writer.
+        if recover_if_missing(&abs).is_err() {
+            set_errno(libc::EIO);
+            return -1;
+        }
+        return (r.openat)(dirfd, path, flags, mode);
+    }
+    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    let shim = match Shim::get(&mut slot) {
+        Ok(s) => s,
+        Err(e) => {
+            log(&format!("open {abs}: EIO: nearlog is misconfigured: {e}"));
+            set_errno(libc::EIO);
+            return -1;
+        }
+    };
+    let fd = (r.openat)(dirfd, path, flags, mode);
+    if fd < 0 {
+        return fd;
+    }
+    match open_log(shim, fd, &abs, flags) {
+        Ok(()) => fd,
+        Err(e) => {
+            log(&format!("open {abs}: EIO: {e}"));
+            shim.files.remove(&fd);
+            set_tracked(fd, false);
+            (r.close)(fd);
+            set_errno(libc::EIO);
+            -1
+        }
+    }
+}
+
+/// If the log file `abs` has no local copy, recovers it from the peers (and releases it).
+fn recover_if_missing(abs: &str) -> Result<(), ()> {
+    if std::path::Path::new(abs).exists() {
+        return Ok(());
+    }
+    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    let shim = match Shim::get(&mut slot) {
+        Ok(s) => s,
+        Err(e) => {
+            log(&format!("open {abs}: EIO: nearlog is misconfigured: {e}"));
+            return Err(());
+        }
+    };
+    if let Ok(CtlReply::Status(st)) = shim.ctl(&CtlRequest::Status) {
+        if !st.files.contains_key(abs) {
+            return Ok(()); // never replicated: nothing to recover, the open fails as it should
+        }
+    }
+    let c = std::ffi::CString::new(abs).map_err(|_| ())?;
+    // SAFETY: real openat/close on a path we own; the fd is closed below.
+    let fd = unsafe { (real().openat)(libc::AT_FDCWD, c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o644) };
+    if fd < 0 {
+        return Err(());
+    }
+    let res = open_log(shim, fd, abs, 0);
+    shim.files.remove(&fd);
+    set_tracked(fd, false);
+    // SAFETY: closing the fd we opened.
+    unsafe { (real().close)(fd) };
+    res.map_err(|e| log(&format!("open {abs}: EIO: {e}")))
+}
+
+/// `fopen` (glibc opens inside without going through `open`): recovers a missing log file first.
+pub unsafe fn before_fopen(path: *const c_char) -> Result<(), ()> {
+    if path.is_null() || patterns().is_empty() {
+        return Ok(());
+    }
+    let Some(_g) = Guard::enter() else { return Ok(()) };
+    match absolute(libc::AT_FDCWD, CStr::from_ptr(path)) {
+        Some(abs) if is_log_path(&abs) => recover_if_missing(&abs),
+        _ => Ok(()),
+    }
+}
+
+fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), String> {
+    if fd as usize >= MAX_TRACKED_FD {
+        return Err(format!("fd {fd} is beyond the shim's table of {MAX_TRACKED_FD} fds"));
+    }
+    let CtlReply::Granted(grant) = shim.ctl(&CtlRequest::Open { key: key.to_string(), replicas: 3 })? else {
+        return Err("controller answered Open with something else".into());
+    };
+    for p in &grant.peers {
+        shim.peers.entry(p.id).or_insert_with(|| (p.addr.clone(), None, Instant::now() - Duration::from_secs(1)));
+    }
+    let local_size = {
+        // SAFETY: fstat into a zeroed struct.
+        let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstat64(fd, &mut st) } != 0 {
+            return Err(format!("fstat: {}", std::io::Error::last_os_error()));
+        }
+        st.st_size as u64
+    };
+    // A file that was never replicated starts from its local content (it predates the shim).
+    let read_fd = reopen_readonly(fd)?;
+    let initial = if grant.initialized { Vec::new() } else { read_local(read_fd, local_size).map_err(|e| e.to_string())? };
+    let peers = grant.peers.iter().map(|p| p.id).collect();
+    let now = shim.now_us();
+    let client = FileClient::open(grant.file, grant.epoch, peers, grant.initialized, initial, ClientConfig::default(), now);
+    shim.files.insert(fd, Tracked { key: key.to_string(), client, read_fd });
+    shim.wait_for(fd, |c| c.is_ready()).map_err(|e| format!("recovery of {key} (epoch {}): {e}", grant.epoch))?;
+    let t = shim.files.get_mut(&fd).unwrap();
+    let image = t.client.take_recovered().unwrap_or_default();
+    if !grant.initialized {
+        shim.ctl(&CtlRequest::Initialized { key: key.to_string(), epoch: grant.epoch })?;
+    }
+    if flags & libc::O_TRUNC != 0 {
+        // The real open already emptied the local file; the peers follow.
+        let t = shim.files.get_mut(&fd).unwrap();
+        let seq = t.client.submit(Op::Truncate { size: 0 }).map_err(|e| e.to_string())?;
+        shim.wait_for(fd, |c| c.acked_seq() >= seq)?;
+    } else {
+        let rfd = shim.files[&fd].read_fd;
+        let local = read_local(rfd, local_size).map_err(|e| e.to_string())?;
+        if local != image {
+            // Missing, shorter, longer (unacknowledged tail) or different: the replicas win.
+            write_local_all(fd, &image, 0).map_err(|e| format!("restoring the local copy: {e}"))?;
+            // SAFETY: real ftruncate on our fd.
+            if unsafe { (real().ftruncate)(fd, image.len() as off_t) } != 0 {
+                return Err(format!("restoring the local copy: {}", std::io::Error::last_os_error()));
+            }
+            log(&format!("recovered {key}: {} bytes from the log peers (local copy had {local_size})", image.len()));
+        }
+    }
+    set_tracked(fd, true);
+    Ok(())
+}
+
+fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim) -> Result<T, String>, what: &str) -> Result<T, ()> {
+    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(shim) = slot.as_mut() else {
+        log(&format!("{what} on log fd {fd}: EIO: shim state is gone"));
+        return Err(());
+    };
+    if shim.owner_pid != std::process::id() {
+        log(&format!("{what} on log fd {fd}: EIO: a log file inherited across fork is not replicated by the child"));
+        return Err(());
+    }
+    f(shim).map_err(|e| {
+        log(&format!("{what} on log fd {fd}: EIO: {e}"));
+    })
+}
+
+/// Replicates `data` written at `offset` and waits for a majority.
+fn replicate(shim: &mut Shim, fd: c_int, offset: u64, data: &[u8]) -> Result<(), String> {
+    let t = shim.files.get_mut(&fd).ok_or("not a log fd")?;
+    let mut last = 0;
+    for (i, chunk) in data.chunks(MAX_CHUNK_BYTES).enumerate() {
+        last = t.client.submit(Op::write(offset + (i * MAX_CHUNK_BYTES) as u64, chunk.to_vec())).map_err(|e| e.to_string())?;
+    }
+    shim.wait_for(fd, |c| c.acked_seq() >= last)
+}
+
+pub unsafe fn write(fd: c_int, buf: *const c_void, n: size_t, off: Option<off_t>) -> ssize_t {
+    let r = real();
+    if !is_tracked(fd) {
+        return match off {
+            None => (r.write)(fd, buf, n),
+            Some(o) => (r.pwrite)(fd, buf, n, o),
+        };
+    }
+    let Some(_g) = Guard::enter() else {
+        return match off {
+            None => (r.write)(fd, buf, n),
+            Some(o) => (r.pwrite)(fd, buf, n, o),
+        };
+    };
+    let res = with_tracked(
+        fd,
+        |shim| {
+            let done = match off {
+                None => (r.write)(fd, buf, n),
+                Some(o) => (r.pwrite)(fd, buf, n, o),
+            };
+            if done <= 0 {
+                return Ok(done);
+            }
+            let offset = match off {
+                Some(o) => o as u64,
+                // After write(2) the file offset is just past the bytes (O_APPEND included).
+                None => libc::lseek64(fd, 0, libc::SEEK_CUR) as u64 - done as u64,
+            };
+            let data = std::slice::from_raw_parts(buf as *const u8, done as usize);
+            replicate(shim, fd, offset, data)?;
+            Ok(done)
+        },
+        "write",
+    );
+    res.unwrap_or_else(|()| {
+        set_errno(libc::EIO);
+        -1
+    })
+}
+
+pub unsafe fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
+    let r = real();
+    if !is_tracked(fd) || cnt <= 0 {
+        return (r.writev)(fd, iov, cnt);
+    }
+    let Some(_g) = Guard::enter() else { return (r.writev)(fd, iov, cnt) };
+    let res = with_tracked(
+        fd,
+        |shim| {
+            let done = (r.writev)(fd, iov, cnt);
+            if done <= 0 {
+                return Ok(done);
+            }
+            let offset = libc::lseek64(fd, 0, libc::SEEK_CUR) as u64 - done as u64;
+            let mut data = Vec::with_capacity(done as usize);
+            for v in std::slice::from_raw_parts(iov, cnt as usize) {
+                let take = (v.iov_len).min(done as usize - data.len());
+                data.extend_from_slice(std::slice::from_raw_parts(v.iov_base as *const u8, take));
+            }
+            replicate(shim, fd, offset, &data)?;
+            Ok(done)
+        },
+        "writev",
+    );
+    res.unwrap_or_else(|()| {
+        set_errno(libc::EIO);
+        -1
+    })
+}
+
+pub enum SyncKind {
+    Fsync,
+    Fdatasync,
+    Range(i64, i64, libc::c_uint),
+}
+
+pub unsafe fn sync(fd: c_int, kind: SyncKind) -> c_int {
+    let r = real();
+    if is_tracked(fd) {
+        // Every acknowledged write is already on a majority of peers: durable without a flush.
+        let Some(_g) = Guard::enter() else { return 0 };
+        let failed = with_tracked(fd, |shim| Ok(shim.files.get(&fd).and_then(|t| t.client.failure().cloned())), "fsync");
+        return match failed {
+            Ok(None) => 0,
+            Ok(Some(f)) => {
+                log(&format!("fsync on log fd {fd}: EIO: {f}"));
+                set_errno(libc::EIO);
+                -1
+            }
+            Err(()) => {
+                set_errno(libc::EIO);
+                -1
+            }
+        };
+    }
+    match kind {
+        SyncKind::Fsync => (r.fsync)(fd),
+        SyncKind::Fdatasync => (r.fdatasync)(fd),
+        SyncKind::Range(o, n, f) => (r.sync_file_range)(fd, o, n, f),
+    }
+}
+
+pub unsafe fn ftruncate(fd: c_int, len: off_t) -> c_int {
+    let r = real();
+    if !is_tracked(fd) || len < 0 {
+        return (r.ftruncate)(fd, len);
+    }
+    let Some(_g) = Guard::enter() else { return (r.ftruncate)(fd, len) };
+    let res = with_tracked(
+        fd,
+        |shim| {
+            let rc = (r.ftruncate)(fd, len);
+            if rc != 0 {
+                return Ok(rc);
+            }
+            let t = shim.files.get_mut(&fd).ok_or("not a log fd")?;
+            let seq = t.client.submit(Op::Truncate { size: len as u64 }).map_err(|e| e.to_string())?;
+            shim.wait_for(fd, |c| c.acked_seq() >= seq)?;
+            Ok(0)
+        },
+        "ftruncate",
+    );
+    res.unwrap_or_else(|()| {
+        set_errno(libc::EIO);
+        -1
+    })
+}
+
+pub unsafe fn close(fd: c_int) -> c_int {
+    let r = real();
+    if is_tracked(fd) {
+        if let Some(_g) = Guard::enter() {
+            set_tracked(fd, false);
+            let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(shim) = slot.as_mut() {
+                if shim.owner_pid == std::process::id() {
+                    // Writes were acknowledged synchronously: nothing is pending.
+                    shim.files.remove(&fd);
+                }
+            }
+        }
+    }
+    (r.close)(fd)
+}
+
+/// Tells the peers of a forgotten file to free its memory (best effort: a peer that misses it
+/// holds bytes of a file nobody will open again until it restarts).
+fn drop_on_peers(shim: &mut Shim, g: &FileGrant) {
+    for p in &g.peers {
+        shim.peers.entry(p.id).or_insert_with(|| (p.addr.clone(), None, Instant::now() - Duration::from_secs(1)));
+        if let Some(conn) = shim.ensure_conn(p.id) {
+            // The reply is read (and ignored: no open file has this id) by a later pump.
+            let _ = blocking::send(conn, &PeerRequest::Drop { file: g.file, epoch: g.epoch });
+        }
+    }
+}
+
+pub unsafe fn unlink_at(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
+    let r = real();
+    let Some(_g) = Guard::enter() else { return (r.unlinkat)(dirfd, path, flags) };
+    if path.is_null() || patterns().is_empty() && SHIM.lock().map(|s| s.is_none()).unwrap_or(true) {
+        return (r.unlinkat)(dirfd, path, flags);
+    }
+    let rc = (r.unlinkat)(dirfd, path, flags);
+    if rc != 0 {
+        return rc;
+    }
+    if let Some(abs) = absolute(dirfd, CStr::from_ptr(path)) {
+        forget(&abs, None);
+    }
+    rc
+}
+
+/// Updates the controller after an unlink (`to == None`) or rename of `from`.
+fn forget(from: &str, to: Option<&str>) {
+    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    let matched = is_log_path(from) || to.is_some_and(is_log_path);
+    if !matched && slot.is_none() {
+        return;
+    }
+    let Ok(shim) = Shim::get(&mut slot) else { return };
+    let req = match to {
+        None => CtlRequest::Remove { key: from.to_string() },
+        Some(to) => CtlRequest::Rename { from: from.to_string(), to: to.to_string() },
+    };
+    match shim.ctl(&req) {
+        Ok(CtlReply::Forgotten(Some(g))) => drop_on_peers(shim, &g),
+        Ok(_) => {}
+        Err(e) => log(&format!("{req:?}: {e} (the peers keep the file's bytes)")),
+    }
+    if let Some(to) = to {
+        for t in shim.files.values_mut().filter(|t| t.key == from) {
+            t.key = to.to_string();
+        }
+    }
+}
+
+pub unsafe fn rename(from: *const c_char, to: *const c_char) -> c_int {
+    let r = real();
+    let Some(_g) = Guard::enter() else { return (r.rename)(from, to) };
+    let rc = (r.rename)(from, to);
+    if rc != 0 || from.is_null() || to.is_null() {
+        return rc;
+    }
+    if let (Some(a), Some(b)) = (absolute(libc::AT_FDCWD, CStr::from_ptr(from)), absolute(libc::AT_FDCWD, CStr::from_ptr(to))) {
+        forget(&a, Some(&b));
+    }
+    rc
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("*-wal", "/x/db.sqlite-wal"));
+        assert!(glob_match("*.aof*", "/d/appendonly.aof.1.incr.aof"));
+        assert!(!glob_match("*.log", "/d/x.logs"));
+        assert!(glob_match("/d/?.log", "/d/a.log"));
+        assert_eq!(normalize("/a/./b/../c//d"), "/a/c/d");
+    }
+}

@@ -1,0 +1,94 @@
+//! Blocking (std-only) client transport: framed messages over `TcpStream` and the client side of
+//! `wire::auth`'s mutual HMAC handshake. Used by the LD_PRELOAD shim, which must not start a
+//! tokio runtime inside an application; it speaks exactly the protocol of `wire::auth::accept`.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use serde::{de::DeserializeOwned, Serialize};
+use sha2::Sha256;
+use wire::WireError;
+
+const MAGIC: &[u8; 8] = b"UNDRSTDY";
+const VERSION: u32 = 1;
+
+fn mac(secret: &[u8], role: &[u8], a: &[u8], b: &[u8]) -> [u8; 32] {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes any key length");
+    m.update(role);
+    m.update(a);
+    m.update(b);
+    m.finalize().into_bytes().into()
+}
+
+/// Client side of `wire::auth`: returns once the server proved it knows `secret`.
+pub fn auth_connect(s: &mut TcpStream, secret: &[u8]) -> Result<(), WireError> {
+    let mut hello = [0u8; 8 + 4 + 32];
+    s.read_exact(&mut hello).map_err(|_| WireError::Auth("peer closed during handshake".into()))?;
+    if &hello[..8] != MAGIC {
+        return Err(WireError::Auth("peer is not an Understudy server".into()));
+    }
+    let version = u32::from_le_bytes(hello[8..12].try_into().unwrap());
+    if version != VERSION {
+        return Err(WireError::Auth(format!("peer speaks protocol version {version}, we speak {VERSION}")));
+    }
+    let server_nonce = &hello[12..];
+    let client_nonce: [u8; 32] = rand::random();
+    let mut answer = Vec::with_capacity(64);
+    answer.extend_from_slice(&client_nonce);
+    answer.extend_from_slice(&mac(secret, b"client", server_nonce, &client_nonce));
+    s.write_all(&answer)?;
+    let mut server_mac = [0u8; 32];
+    s.read_exact(&mut server_mac).map_err(|_| WireError::Auth("server refused our cluster secret".into()))?;
+    let want = mac(secret, b"server", &client_nonce, server_nonce);
+    if server_mac.iter().zip(want.iter()).fold(0u8, |a, (x, y)| a | (x ^ y)) != 0 {
+        return Err(WireError::Auth("server does not know the cluster secret".into()));
+    }
+    Ok(())
+}
+
+/// Connects, authenticates and sets TCP_NODELAY (records are small and latency-bound).
+pub fn connect(addr: &str, secret: &[u8], timeout: Duration) -> Result<TcpStream, WireError> {
+    use std::net::ToSocketAddrs;
+    let sa = addr.to_socket_addrs()?.next().ok_or_else(|| WireError::Decode(format!("cannot resolve {addr}")))?;
+    let mut s = TcpStream::connect_timeout(&sa, timeout)?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    auth_connect(&mut s, secret)?;
+    Ok(s)
+}
+
+/// One frame (`wire` framing) holding `msg`.
+pub fn encode<M: Serialize>(msg: &M) -> Result<Vec<u8>, WireError> {
+    wire::encode_frame(msg)
+}
+
+pub fn send<M: Serialize>(s: &mut TcpStream, msg: &M) -> Result<(), WireError> {
+    s.write_all(&wire::encode_frame(msg)?)?;
+    Ok(())
+}
+
+pub fn recv<M: DeserializeOwned>(s: &mut TcpStream, limit: usize) -> Result<M, WireError> {
+    let mut header = [0u8; wire::FRAME_HEADER_BYTES];
+    match s.read_exact(&mut header) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let (len, want) = wire::parse_header(&header, limit)?;
+    let mut payload = vec![0u8; len];
+    s.read_exact(&mut payload)?;
+    let got = crc32c::crc32c(&payload);
+    if got != want {
+        return Err(WireError::Checksum { got, want });
+    }
+    wire::decode_payload(&payload)
+}
+
+/// One request, one reply (the controller protocol).
+pub fn call<Q: Serialize, A: DeserializeOwned>(s: &mut TcpStream, req: &Q, limit: usize) -> Result<A, WireError> {
+    send(s, req)?;
+    recv(s, limit)
+}

@@ -1,0 +1,616 @@
+//! [`FileClient`]: the client side of one open log file (sans-I/O): recovery from a majority of
+//! log peers, then ordered replication of writes and truncates with majority acknowledgement.
+//!
+//! Recovery (at every open, under a fresh epoch from the controller):
+//! 1. **Probe** every peer: each promises to refuse older epochs and says what it holds
+//!    (`(epoch, seq, size)` of its committed copy, or nothing).
+//! 2. Once a majority of peers that *hold* a copy answered, the most advanced of them (highest
+//!    epoch, then longest op prefix) is the source: any write acknowledged in an earlier epoch
+//!    is on a majority, which intersects ours, and within an epoch peers apply ops strictly in
+//!    order, so the most advanced witness holds every acknowledged op. A peer that holds nothing
+//!    (e.g. restarted, memory lost) is no witness.
+//! 3. **Fetch** the source's image block by block, checking each block's CRC32C. A corrupt
+//!    source is excluded and step 2 repeats with the others (waiting for more answers if the
+//!    rest is no longer a majority) — never falling back to a less advanced minority.
+//! 4. **Base**: the new epoch's op 1. Peers already holding exactly the source's state keep it
+//!    (`Base { from: Some(..) }`); the others are sent the image (`Stage`) first. A peer only
+//!    switches to the new epoch when the Base commits, so a half-installed peer still reports its
+//!    old state. The file is ready when a majority applied the Base.
+//!
+//! Then every op gets the next `seq`; it is acknowledged once a majority applied it (acks are
+//! cumulative). Lost records are resent on `tick` from a bounded buffer; a peer that lags
+//! beyond the buffer is dropped for the rest of the session (it is re-based at the next open).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::proto::{Epoch, FileId, Holding, Op, PeerId, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES};
+
+/// Records sent ahead of a peer's last acknowledgement before it must catch up by retransmission.
+const PIPELINE_RECORDS: u64 = 4096;
+
+/// Limits and timers of a [`FileClient`].
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// Bytes of records kept for peers that have not acknowledged them yet.
+    pub max_buffered_bytes: usize,
+    /// A peer that acknowledged nothing new for this long is sent its missing records again.
+    pub retransmit_after_us: u64,
+    /// Records resent to one peer per retransmission.
+    pub retransmit_batch_records: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig { max_buffered_bytes: 16 * 1024 * 1024, retransmit_after_us: 200_000, retransmit_batch_records: 256 }
+    }
+}
+
+/// Why a file can no longer be written (the driver turns these into EIO/ENOSPC).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Failure {
+    #[error("fenced: a newer open (epoch {promised}) took over this log file")]
+    Fenced { promised: Epoch },
+    #[error("log peer {peer} has no room left in its lent region ({used_bytes} of {region_bytes} bytes used)")]
+    RegionFull { peer: PeerId, region_bytes: u64, used_bytes: u64 },
+    #[error("log peer {peer} refused a request: {reason}")]
+    Refused { peer: PeerId, reason: String },
+    #[error("fewer than a majority of log peers can follow this file")]
+    NoMajority,
+}
+
+#[derive(Debug)]
+enum Phase {
+    Probing,
+    Fetching { source: PeerId, holding: Holding, image: Vec<u8> },
+    Basing { source: Option<(PeerId, Holding)>, image: Vec<u8> },
+    Ready,
+    Failed(Failure),
+}
+
+#[derive(Debug, Default, Clone)]
+struct Track {
+    /// Ops of this epoch the peer applied (0: not even the Base).
+    applied: u64,
+    last_send_us: u64,
+    lost: bool,
+    /// The peer needs the full image before the Base.
+    needs_image: bool,
+    /// Lost, and seen alive without this epoch's state: wants a resync (driver supplies the image).
+    want_resync: bool,
+    /// Being re-based mid-session at this seq with this image.
+    resync: Option<(u64, Vec<u8>)>,
+}
+
+/// One open log file. Inputs: [`FileClient::on_reply`], [`FileClient::tick`], [`FileClient::submit`];
+/// outputs: [`FileClient::take_outgoing`].
+#[derive(Debug)]
+pub struct FileClient {
+    file: FileId,
+    epoch: Epoch,
+    peers: Vec<PeerId>,
+    majority: usize,
+    cfg: ClientConfig,
+    initialized: bool,
+    phase: Phase,
+    probes: BTreeMap<PeerId, Option<Holding>>,
+    excluded: BTreeSet<PeerId>,
+    tracks: BTreeMap<PeerId, Track>,
+    ops: VecDeque<(u64, Op)>,
+    ops_bytes: usize,
+    next_seq: u64,
+    acked_seq: u64,
+    size: u64,
+    recovered: Option<Vec<u8>>,
+    initial: Vec<u8>,
+    now_us: u64,
+    out: Vec<(PeerId, PeerRequest)>,
+}
+
+impl FileClient {
+    /// Starts recovery of `file` at `epoch` over `peers`. `initialized` is the controller's word
+    /// that some earlier open committed content; if not, the file starts as `initial` (the local
+    /// copy, for a file that existed before it was replicated; usually empty).
+    pub fn open(file: FileId, epoch: Epoch, peers: Vec<PeerId>, initialized: bool, initial: Vec<u8>, cfg: ClientConfig, now_us: u64) -> FileClient {
+        assert!(!peers.is_empty(), "a log file needs at least one peer");
+        let majority = peers.len() / 2 + 1;
+        let tracks = peers.iter().map(|&p| (p, Track { last_send_us: now_us, ..Track::default() })).collect();
+        let mut c = FileClient {
+            file,
+            epoch,
+            majority,
+            cfg,
+            initialized,
+            phase: Phase::Probing,
+            probes: BTreeMap::new(),
+            excluded: BTreeSet::new(),
+            tracks,
+            ops: VecDeque::new(),
+            ops_bytes: 0,
+            next_seq: 0,
+            acked_seq: 0,
+            size: 0,
+            recovered: None,
+            initial,
+            now_us,
+            out: Vec::new(),
+            peers,
+        };
+        for p in c.peers.clone() {
+            c.out.push((p, PeerRequest::Probe { file, epoch }));
+        }
+        c
+    }
+
+    pub fn file(&self) -> FileId {
+        self.file
+    }
+    pub fn epoch(&self) -> Epoch {
+        self.epoch
+    }
+    pub fn peers(&self) -> &[PeerId] {
+        &self.peers
+    }
+    /// The replicated file size (after every submitted op).
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+    pub fn is_ready(&self) -> bool {
+        matches!(self.phase, Phase::Ready)
+    }
+    pub fn failure(&self) -> Option<&Failure> {
+        match &self.phase {
+            Phase::Failed(f) => Some(f),
+            _ => None,
+        }
+    }
+    /// Highest seq held by a majority: every op up to it is durable.
+    pub fn acked_seq(&self) -> u64 {
+        self.acked_seq
+    }
+    pub fn last_seq(&self) -> u64 {
+        self.next_seq
+    }
+    /// The recovered content, once ready (taken once: the driver writes it to the local file).
+    pub fn take_recovered(&mut self) -> Option<Vec<u8>> {
+        self.recovered.take()
+    }
+    pub fn take_outgoing(&mut self) -> Vec<(PeerId, PeerRequest)> {
+        std::mem::take(&mut self.out)
+    }
+    /// Bytes of records buffered for retransmission.
+    pub fn buffered_bytes(&self) -> usize {
+        self.ops_bytes
+    }
+
+    fn fail(&mut self, f: Failure) {
+        if !matches!(self.phase, Phase::Failed(_)) {
+            self.phase = Phase::Failed(f);
+        }
+    }
+
+    /// Replicates one op; returns its seq (wait until `acked_seq() >= seq`). Only when ready.
+    pub fn submit(&mut self, op: Op) -> Result<u64, Failure> {
+        match &self.phase {
+            Phase::Ready => {}
+            Phase::Failed(f) => return Err(f.clone()),
+            _ => panic!("submit before the file is ready"),
+        }
+        self.size = match &op {
+            Op::Write { offset, data, .. } => self.size.max(offset + data.len() as u64),
+            Op::Truncate { size } => *size,
+            Op::Base { .. } => panic!("Base is the client's own op"),
+        };
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        self.ops_bytes += op.payload_bytes();
+        for (&p, t) in self.tracks.iter_mut() {
+            // Peers far behind get their records, in order, from the retransmission instead.
+            if !t.lost && t.applied + PIPELINE_RECORDS >= seq {
+                self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq, op: op.clone() }));
+            }
+        }
+        self.ops.push_back((seq, op));
+        self.trim()?;
+        Ok(seq)
+    }
+
+    /// Drops records every live peer holds; drops the slowest peers while the buffer is over its
+    /// limit and more than a majority would remain.
+    fn trim(&mut self) -> Result<(), Failure> {
+        loop {
+            let min_applied = self
+                .tracks
+                .values()
+                .filter_map(|t| match (&t.resync, t.lost) {
+                    (Some((seq, _)), _) => Some(*seq),
+                    (None, false) => Some(t.applied),
+                    (None, true) => None,
+                })
+                .min()
+                .unwrap_or(self.next_seq);
+            while let Some((seq, _)) = self.ops.front() {
+                if *seq > min_applied {
+                    break;
+                }
+                let (_, op) = self.ops.pop_front().unwrap();
+                self.ops_bytes -= op.payload_bytes();
+            }
+            if self.ops_bytes <= self.cfg.max_buffered_bytes {
+                return Ok(());
+            }
+            let live = self.tracks.values().filter(|t| !t.lost).count();
+            if live <= self.majority {
+                // Every remaining peer is needed: the caller waits for acks (backpressure).
+                return Ok(());
+            }
+            let slowest = self.tracks.iter().filter(|(_, t)| !t.lost && t.resync.is_none()).min_by_key(|(_, t)| t.applied).map(|(&p, _)| p).unwrap();
+            self.tracks.get_mut(&slowest).unwrap().lost = true;
+        }
+    }
+
+    /// Advances the clock; resends what was not acknowledged in time.
+    pub fn tick(&mut self, now_us: u64) {
+        self.now_us = now_us;
+        let after = self.cfg.retransmit_after_us;
+        let due = move |t: &Track| now_us.saturating_sub(t.last_send_us) >= after;
+        match &self.phase {
+            Phase::Failed(_) => {}
+            Phase::Probing => {
+                for p in self.peers.clone() {
+                    if !self.probes.contains_key(&p) && due(&self.tracks[&p]) {
+                        self.tracks.get_mut(&p).unwrap().last_send_us = now_us;
+                        self.out.push((p, PeerRequest::Probe { file: self.file, epoch: self.epoch }));
+                    }
+                }
+            }
+            Phase::Fetching { source, image, .. } => {
+                let source = *source;
+                let offset = image.len() as u64;
+                if due(&self.tracks[&source]) {
+                    self.tracks.get_mut(&source).unwrap().last_send_us = now_us;
+                    self.out.push((source, self.fetch(offset)));
+                }
+                // Peers still silent may be needed if the source turns out corrupt.
+                for p in self.peers.clone() {
+                    if !self.probes.contains_key(&p) && due(&self.tracks[&p]) {
+                        self.tracks.get_mut(&p).unwrap().last_send_us = now_us;
+                        self.out.push((p, PeerRequest::Probe { file: self.file, epoch: self.epoch }));
+                    }
+                }
+            }
+            Phase::Basing { .. } => {
+                for p in self.peers.clone() {
+                    let t = &self.tracks[&p];
+                    if t.applied == 0 && !t.lost && due(t) {
+                        self.send_base(p);
+                    }
+                }
+            }
+            Phase::Ready => {
+                for p in self.peers.clone() {
+                    let t = &self.tracks[&p];
+                    if !due(t) {
+                        continue;
+                    }
+                    if t.resync.is_some() {
+                        self.send_resync(p);
+                        continue;
+                    }
+                    if t.lost {
+                        // Is it back, and with what? A peer that lost its memory wants a resync.
+                        self.tracks.get_mut(&p).unwrap().last_send_us = now_us;
+                        self.out.push((p, PeerRequest::Probe { file: self.file, epoch: self.epoch }));
+                        continue;
+                    }
+                    if t.applied >= self.next_seq {
+                        continue;
+                    }
+                    let from = t.applied + 1;
+                    self.tracks.get_mut(&p).unwrap().last_send_us = now_us;
+                    let batch = self.cfg.retransmit_batch_records;
+                    for (seq, op) in self.ops.iter().filter(|(s, _)| *s >= from).take(batch) {
+                        self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq: *seq, op: op.clone() }));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A peer that is alive but lost this file's state (restarted, or fell behind the buffer),
+    /// if any: the driver answers with [`FileClient::resync`] and the current image.
+    pub fn wants_resync(&self) -> Option<PeerId> {
+        if !matches!(self.phase, Phase::Ready) {
+            return None;
+        }
+        self.tracks.iter().find(|(_, t)| t.want_resync && t.resync.is_none()).map(|(&p, _)| p)
+    }
+
+    /// Re-bases `peer` mid-session: `image` must be the file's content after every op submitted
+    /// so far (the driver reads its local copy). Later records reach it by retransmission.
+    pub fn resync(&mut self, peer: PeerId, image: Vec<u8>) {
+        assert!(matches!(self.phase, Phase::Ready), "resync only when ready");
+        assert_eq!(image.len() as u64, self.size, "resync image must have the replicated size");
+        let t = self.tracks.get_mut(&peer).unwrap();
+        t.want_resync = false;
+        t.resync = Some((self.next_seq, image));
+        self.send_resync(peer);
+    }
+
+    fn send_resync(&mut self, p: PeerId) {
+        let t = self.tracks.get_mut(&p).unwrap();
+        let Some((seq, image)) = &t.resync else { return };
+        t.last_send_us = self.now_us;
+        let (seq, size, image_crc) = (*seq, image.len() as u64, crc32c::crc32c(image));
+        for (i, chunk) in image.chunks(MAX_CHUNK_BYTES).enumerate() {
+            self.out.push((
+                p,
+                PeerRequest::Stage { file: self.file, epoch: self.epoch, size, offset: (i * MAX_CHUNK_BYTES) as u64, data: chunk.to_vec() },
+            ));
+        }
+        self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq, op: Op::Base { from: None, size, image_crc } }));
+    }
+
+    fn fetch(&self, offset: u64) -> PeerRequest {
+        PeerRequest::Fetch { file: self.file, epoch: self.epoch, offset, len: MAX_CHUNK_BYTES as u32 }
+    }
+
+    pub fn on_reply(&mut self, peer: PeerId, reply: PeerReply) {
+        if !self.tracks.contains_key(&peer) || reply.file() != Some(self.file) {
+            return;
+        }
+        match reply {
+            PeerReply::Stale { promised, .. } if promised > self.epoch => self.fail(Failure::Fenced { promised }),
+            PeerReply::RegionFull { region_bytes, used_bytes, epoch, .. } if epoch == self.epoch => {
+                self.fail(Failure::RegionFull { peer, region_bytes, used_bytes })
+            }
+            PeerReply::Refused { reason, .. } => self.fail(Failure::Refused { peer, reason }),
+            PeerReply::Probed { epoch, holding, .. } if epoch == self.epoch => {
+                if matches!(self.phase, Phase::Ready) {
+                    let floor = self.ops.front().map(|(s, _)| *s - 1).unwrap_or(self.next_seq);
+                    let t = self.tracks.get_mut(&peer).unwrap();
+                    if t.lost && t.resync.is_none() {
+                        match holding {
+                            Some(h) if h.epoch == self.epoch && h.seq >= floor => {
+                                t.lost = false;
+                                t.applied = h.seq;
+                            }
+                            _ => t.want_resync = true,
+                        }
+                    }
+                    return;
+                }
+                if matches!(self.phase, Phase::Probing | Phase::Fetching { .. }) {
+                    self.probes.entry(peer).or_insert(holding);
+                    if matches!(self.phase, Phase::Probing) {
+                        self.choose_source();
+                    }
+                }
+            }
+            PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
+            PeerReply::NeedImage { epoch, .. } if epoch == self.epoch => {
+                let t = self.tracks.get_mut(&peer).unwrap();
+                if t.resync.is_some() {
+                    self.send_resync(peer);
+                    return;
+                }
+                let basing = matches!(self.phase, Phase::Basing { .. });
+                if t.applied == 0 && basing {
+                    t.needs_image = true;
+                    self.send_base(peer);
+                } else if t.applied == 0 && matches!(self.phase, Phase::Ready) {
+                    // The image is gone: the driver resyncs it from its local copy.
+                    t.lost = true;
+                    t.want_resync = true;
+                }
+            }
+            PeerReply::Ack { epoch, applied_seq, .. } => {
+                if epoch != self.epoch {
+                    let ready = matches!(self.phase, Phase::Ready);
+                    let t = self.tracks.get_mut(&peer).unwrap();
+                    if ready && t.resync.is_none() {
+                        // Alive but without this epoch's state (restarted: memory lost).
+                        t.lost = true;
+                        t.want_resync = true;
+                    }
+                    return;
+                }
+                let t = self.tracks.get_mut(&peer).unwrap();
+                if let Some((seq, _)) = &t.resync {
+                    if applied_seq < *seq {
+                        return;
+                    }
+                    t.resync = None;
+                    t.lost = false;
+                }
+                if applied_seq > t.applied {
+                    t.applied = applied_seq;
+                    t.last_send_us = self.now_us;
+                }
+                self.update_acked();
+            }
+            _ => {}
+        }
+    }
+
+    fn update_acked(&mut self) {
+        let mut applied: Vec<u64> = self.tracks.values().map(|t| t.applied).collect();
+        applied.sort_unstable_by(|a, b| b.cmp(a));
+        let acked = applied[self.majority - 1];
+        if acked > self.acked_seq {
+            self.acked_seq = acked;
+        }
+        if matches!(self.phase, Phase::Basing { .. }) && self.acked_seq >= 1 {
+            let Phase::Basing { image, .. } = std::mem::replace(&mut self.phase, Phase::Ready) else { unreachable!() };
+            self.recovered = Some(image);
+            // Peers that have not taken the Base yet keep getting records: a slow peer applies
+            // them in order after its Base; one that needs the (now dropped) image answers
+            // NeedImage and is resynced from the driver's copy.
+            for t in self.tracks.values_mut() {
+                t.needs_image = false;
+            }
+        }
+        let _ = self.trim();
+    }
+
+    fn choose_source(&mut self) {
+        let witnesses: Vec<(PeerId, Holding)> =
+            self.probes.iter().filter(|(p, _)| !self.excluded.contains(p)).filter_map(|(&p, h)| h.map(|h| (p, h))).collect();
+        if !self.initialized {
+            // Nothing was ever acknowledged (the controller marks a file initialized before
+            // its first write can be acknowledged): start empty once a majority is fenced.
+            if self.probes.len() >= self.majority {
+                let initial = std::mem::take(&mut self.initial);
+                self.start_base(None, initial);
+            }
+            return;
+        }
+        if witnesses.len() < self.majority {
+            // Wait: a peer may still answer or come back; the driver's deadline turns a lasting
+            // lack of witnesses into EIO. Never recover from fewer than a majority.
+            return;
+        }
+        let (source, holding) = *witnesses.iter().max_by_key(|(p, h)| (h.epoch, h.seq, std::cmp::Reverse(*p))).unwrap();
+        if holding.size == 0 {
+            self.start_base(Some((source, holding)), Vec::new());
+            return;
+        }
+        self.phase = Phase::Fetching { source, holding, image: Vec::with_capacity(holding.size as usize) };
+        self.tracks.get_mut(&source).unwrap().last_send_us = self.now_us;
+        self.out.push((source, self.fetch(0)));
+    }
+
+    fn on_data(&mut self, peer: PeerId, offset: u64, data: Vec<u8>, block_crcs: Vec<u32>, got: Holding) {
+        let Phase::Fetching { source, holding, image } = &mut self.phase else { return };
+        if peer != *source || offset != image.len() as u64 {
+            return; // a duplicate or stale answer
+        }
+        let want_len = (holding.size - offset).min(MAX_CHUNK_BYTES as u64) as usize;
+        let blocks_ok = got == *holding
+            && data.len() == want_len
+            && block_crcs.len() == data.len().div_ceil(BLOCK_BYTES)
+            && data.chunks(BLOCK_BYTES).zip(&block_crcs).all(|(b, &c)| crc32c::crc32c(b) == c);
+        if !blocks_ok {
+            // Corrupt, torn or changed under us: this replica is no witness; choose again.
+            self.excluded.insert(peer);
+            self.phase = Phase::Probing;
+            self.choose_source();
+            return;
+        }
+        image.extend_from_slice(&data);
+        if image.len() as u64 == holding.size {
+            let Phase::Fetching { source, holding, image } = std::mem::replace(&mut self.phase, Phase::Probing) else { unreachable!() };
+            self.start_base(Some((source, holding)), image);
+        } else {
+            let next = image.len() as u64;
+            self.tracks.get_mut(&peer).unwrap().last_send_us = self.now_us;
+            self.out.push((peer, self.fetch(next)));
+        }
+    }
+
+    fn start_base(&mut self, source: Option<(PeerId, Holding)>, image: Vec<u8>) {
+        self.size = image.len() as u64;
+        self.next_seq = 1;
+        for (&p, t) in self.tracks.iter_mut() {
+            let same = match (source, self.probes.get(&p)) {
+                (Some((_, h)), Some(Some(ph))) => *ph == h && !self.excluded.contains(&p),
+                _ => false,
+            };
+            t.needs_image = !same && !image.is_empty();
+        }
+        self.phase = Phase::Basing { source, image };
+        for p in self.peers.clone() {
+            self.send_base(p);
+        }
+    }
+
+    fn send_base(&mut self, p: PeerId) {
+        let Phase::Basing { source, image } = &self.phase else { return };
+        let t = self.tracks.get_mut(&p).unwrap();
+        t.last_send_us = self.now_us;
+        let size = image.len() as u64;
+        let image_crc = crc32c::crc32c(image);
+        let from = if t.needs_image || image.is_empty() { None } else { source.map(|(_, h)| (h.epoch, h.seq)) };
+        if t.needs_image {
+            for (i, chunk) in image.chunks(MAX_CHUNK_BYTES).enumerate() {
+                self.out.push((
+                    p,
+                    PeerRequest::Stage { file: self.file, epoch: self.epoch, size, offset: (i * MAX_CHUNK_BYTES) as u64, data: chunk.to_vec() },
+                ));
+            }
+        }
+        self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq: 1, op: Op::Base { from, size, image_crc } }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::peer::PeerCore;
+
+    /// Delivers every outgoing message to its peer and every reply back, until quiet.
+    fn run(c: &mut FileClient, peers: &mut [PeerCore]) {
+        loop {
+            let out = c.take_outgoing();
+            if out.is_empty() {
+                return;
+            }
+            for (p, req) in out {
+                let rep = peers[p as usize - 1].handle(req);
+                c.on_reply(p, rep);
+            }
+        }
+    }
+
+    #[test]
+    fn a_full_region_fails_the_write_loudly_and_never_acknowledges_it() {
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(100)).collect();
+        let mut c = FileClient::open(1, 1, vec![1, 2, 3], false, Vec::new(), ClientConfig::default(), 0);
+        run(&mut c, &mut peers);
+        assert!(c.is_ready());
+        let ok = c.submit(Op::write(0, vec![1; 60])).unwrap();
+        run(&mut c, &mut peers);
+        assert!(c.acked_seq() >= ok);
+        let big = c.submit(Op::write(60, vec![2; 60])).unwrap();
+        run(&mut c, &mut peers);
+        assert!(matches!(c.failure(), Some(Failure::RegionFull { .. })), "{:?}", c.failure());
+        assert!(c.acked_seq() < big, "the write that did not fit is never acknowledged");
+        assert!(peers.iter().all(|p| p.holding(1).unwrap().size == 60), "nothing applied short");
+        assert!(c.submit(Op::write(0, vec![3])).is_err(), "later writes fail too");
+    }
+
+    #[test]
+    fn recovery_takes_the_most_advanced_member_of_a_majority_and_keeps_trailing_zeros() {
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(1 << 20)).collect();
+        let mut c = FileClient::open(1, 1, vec![1, 2, 3], false, Vec::new(), ClientConfig::default(), 0);
+        run(&mut c, &mut peers);
+        c.submit(Op::write(0, b"abc".to_vec())).unwrap();
+        run(&mut c, &mut peers);
+        // Only peers 1 and 2 get the next ops (peer 3 lags): acknowledged by a majority.
+        let s1 = c.submit(Op::write(3, b"def".to_vec())).unwrap();
+        let s2 = c.submit(Op::Truncate { size: 10 }).unwrap();
+        for (p, req) in c.take_outgoing() {
+            if p != 3 {
+                let rep = peers[p as usize - 1].handle(req);
+                c.on_reply(p, rep);
+            }
+        }
+        assert!(c.acked_seq() >= s2 && s2 > s1);
+        drop(c);
+        // Recovery hears from peer 3 (behind) and peer 2 (ahead) only.
+        let mut r = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        loop {
+            let out = r.take_outgoing();
+            if out.is_empty() {
+                break;
+            }
+            for (p, req) in out {
+                if p != 1 {
+                    let rep = peers[p as usize - 1].handle(req);
+                    r.on_reply(p, rep);
+                }
+            }
+        }
+        assert!(r.is_ready());
+        assert_eq!(r.take_recovered().unwrap(), b"abcdef\0\0\0\0".to_vec());
+    }
+}

@@ -1,0 +1,278 @@
+//! [`ControllerCore`]: the nearlog metadata (SplitFT's controller): log peers and their free
+//! space, which file lives on which peers, and each file's epoch. Every change is persisted
+//! through a [`MetaStore`] *before* it is answered, so a controller restart loses nothing
+//! (in particular an epoch is never handed out twice).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::proto::{CtlReply, CtlRequest, Epoch, FileGrant, FileId, PeerAddr, PeerId};
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerInfo {
+    pub addr: String,
+    pub region_bytes: u64,
+    pub used_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileMeta {
+    pub file: FileId,
+    pub epoch: Epoch,
+    pub peers: Vec<PeerId>,
+    pub initialized: bool,
+}
+
+/// Everything the controller knows; persisted whole (it is small: a few bytes per file).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControllerState {
+    pub peers: BTreeMap<PeerId, PeerInfo>,
+    pub files: BTreeMap<String, FileMeta>,
+    pub next_peer: PeerId,
+    pub next_file: FileId,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("controller state I/O on {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("controller state file {path} is corrupt: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+}
+
+/// Durable home of the controller state (a local JSON file by default; etcd could implement it).
+pub trait MetaStore: Send {
+    fn load(&mut self) -> Result<Option<ControllerState>, StoreError>;
+    fn save(&mut self, state: &ControllerState) -> Result<(), StoreError>;
+}
+
+/// `DIR/nearlog-controller.json`, replaced atomically (write temp, fsync, rename, fsync dir).
+pub struct JsonFileStore {
+    dir: PathBuf,
+}
+
+impl JsonFileStore {
+    pub fn new(dir: &Path) -> JsonFileStore {
+        JsonFileStore { dir: dir.to_path_buf() }
+    }
+    pub fn path(&self) -> PathBuf {
+        self.dir.join("nearlog-controller.json")
+    }
+}
+
+impl MetaStore for JsonFileStore {
+    fn load(&mut self) -> Result<Option<ControllerState>, StoreError> {
+        let path = self.path();
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| StoreError::Corrupt { path, reason: e.to_string() }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(StoreError::Io { path, source }),
+        }
+    }
+
+    fn save(&mut self, state: &ControllerState) -> Result<(), StoreError> {
+        let path = self.path();
+        let tmp = self.dir.join("nearlog-controller.json.tmp");
+        let io = |source| StoreError::Io { path: path.clone(), source };
+        let bytes = serde_json::to_vec_pretty(state).expect("state serialises");
+        let mut f = std::fs::File::create(&tmp).map_err(io)?;
+        f.write_all(&bytes).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, &path).map_err(io)?;
+        std::fs::File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io)?;
+        Ok(())
+    }
+}
+
+/// In-memory store (simulation and tests); `fail_saves` makes every save fail.
+#[derive(Default)]
+pub struct MemStore {
+    pub saved: Option<ControllerState>,
+    pub fail_saves: bool,
+}
+
+impl MetaStore for MemStore {
+    fn load(&mut self) -> Result<Option<ControllerState>, StoreError> {
+        Ok(self.saved.clone())
+    }
+    fn save(&mut self, state: &ControllerState) -> Result<(), StoreError> {
+        if self.fail_saves {
+            return Err(StoreError::Io { path: "mem".into(), source: std::io::Error::other("injected") });
+        }
+        self.saved = Some(state.clone());
+        Ok(())
+    }
+}
+
+/// Longest file key accepted (a path).
+pub const MAX_KEY_BYTES: usize = 4096;
+/// Most replicas a file may ask for.
+pub const MAX_REPLICAS: u32 = 7;
+
+pub struct ControllerCore<S: MetaStore> {
+    state: ControllerState,
+    store: S,
+}
+
+impl<S: MetaStore> ControllerCore<S> {
+    pub fn open(mut store: S) -> Result<ControllerCore<S>, StoreError> {
+        let state = store.load()?.unwrap_or(ControllerState { next_peer: 1, next_file: 1, ..Default::default() });
+        Ok(ControllerCore { state, store })
+    }
+
+    pub fn state(&self) -> &ControllerState {
+        &self.state
+    }
+
+    fn grant(&self, key: &str, m: &FileMeta) -> FileGrant {
+        FileGrant {
+            key: key.to_string(),
+            file: m.file,
+            epoch: m.epoch,
+            initialized: m.initialized,
+            peers: m.peers.iter().map(|&id| PeerAddr { id, addr: self.state.peers.get(&id).map(|p| p.addr.clone()).unwrap_or_default() }).collect(),
+        }
+    }
+
+    /// Applies one request; a change is persisted before the reply (on a failed save the
+    /// in-memory state is rolled back and the request fails).
+    pub fn handle(&mut self, req: CtlRequest) -> CtlReply {
+        let before = self.state.clone();
+        let (reply, changed) = self.apply(req);
+        if changed {
+            if let Err(e) = self.store.save(&self.state) {
+                self.state = before;
+                return CtlReply::Error(format!("cannot persist controller state: {e}"));
+            }
+        }
+        reply
+    }
+
+    fn apply(&mut self, req: CtlRequest) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        let check_key = |k: &str| -> Result<(), String> {
+            if k.is_empty() || k.len() > MAX_KEY_BYTES {
+                Err(format!("file key must be 1..={MAX_KEY_BYTES} bytes"))
+            } else {
+                Ok(())
+            }
+        };
+        match req {
+            CtlRequest::RegisterPeer { addr, region_bytes } => {
+                if addr.is_empty() || addr.len() > 256 {
+                    return (CtlReply::Error("peer address must be 1..=256 bytes".into()), false);
+                }
+                if let Some((&id, p)) = s.peers.iter_mut().find(|(_, p)| p.addr == addr) {
+                    // The same peer restarted: its memory is gone; its files stay placed on it
+                    // (recovery never counts a peer without a copy as a witness).
+                    p.region_bytes = region_bytes;
+                    p.used_bytes = 0;
+                    return (CtlReply::Registered { peer: id }, true);
+                }
+                let id = s.next_peer;
+                s.next_peer += 1;
+                s.peers.insert(id, PeerInfo { addr, region_bytes, used_bytes: 0 });
+                (CtlReply::Registered { peer: id }, true)
+            }
+            CtlRequest::PeerHeartbeat { peer, used_bytes } => match s.peers.get_mut(&peer) {
+                Some(p) => {
+                    // Not persisted: free space is soft state, refreshed by every heartbeat.
+                    p.used_bytes = used_bytes;
+                    (CtlReply::Ok, false)
+                }
+                None => (CtlReply::Error(format!("unknown peer {peer}: register first")), false),
+            },
+            CtlRequest::Open { key, replicas } => {
+                if let Err(e) = check_key(&key) {
+                    return (CtlReply::Error(e), false);
+                }
+                if replicas == 0 || replicas > MAX_REPLICAS {
+                    return (CtlReply::Error(format!("replicas must be 1..={MAX_REPLICAS}")), false);
+                }
+                if !s.files.contains_key(&key) {
+                    if (s.peers.len() as u32) < replicas {
+                        return (CtlReply::Error(format!("{replicas} log peers needed, {} registered", s.peers.len())), false);
+                    }
+                    // Placement: the peers with the most free space (ties: lowest id).
+                    let mut by_free: Vec<(PeerId, u64)> = s.peers.iter().map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes))).collect();
+                    by_free.sort_by_key(|&(id, free)| (std::cmp::Reverse(free), id));
+                    let peers = by_free.iter().take(replicas as usize).map(|&(id, _)| id).collect();
+                    let file = s.next_file;
+                    s.next_file += 1;
+                    s.files.insert(key.clone(), FileMeta { file, epoch: 0, peers, initialized: false });
+                }
+                let m = s.files.get_mut(&key).unwrap();
+                m.epoch += 1;
+                let m = m.clone();
+                (CtlReply::Granted(self.grant(&key, &m)), true)
+            }
+            CtlRequest::Initialized { key, epoch } => match s.files.get_mut(&key) {
+                Some(m) if m.epoch == epoch => {
+                    let changed = !m.initialized;
+                    m.initialized = true;
+                    (CtlReply::Ok, changed)
+                }
+                Some(m) => (CtlReply::Error(format!("epoch {epoch} is stale (file is at {})", m.epoch)), false),
+                None => (CtlReply::Error(format!("unknown file {key}")), false),
+            },
+            CtlRequest::Remove { key } => match s.files.remove(&key) {
+                Some(m) => (CtlReply::Forgotten(Some(self.grant(&key, &m))), true),
+                None => (CtlReply::Forgotten(None), false),
+            },
+            CtlRequest::Rename { from, to } => {
+                if let Err(e) = check_key(&to) {
+                    return (CtlReply::Error(e), false);
+                }
+                let Some(m) = s.files.remove(&from) else { return (CtlReply::Forgotten(None), false) };
+                let old = s.files.insert(to.clone(), m);
+                (CtlReply::Forgotten(old.map(|o| self.grant(&to, &o))), true)
+            }
+            CtlRequest::Status => (CtlReply::Status(self.state.clone()), false),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctl(dir: &Path) -> ControllerCore<JsonFileStore> {
+        ControllerCore::open(JsonFileStore::new(dir)).unwrap()
+    }
+
+    #[test]
+    fn placement_epochs_and_restart_lose_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = ctl(dir.path());
+        for (i, region) in [(1, 100), (2, 300), (3, 200), (4, 50)] {
+            let r = c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: region });
+            assert_eq!(r, CtlReply::Registered { peer: i });
+        }
+        let CtlReply::Granted(g) = c.handle(CtlRequest::Open { key: "/a.log".into(), replicas: 3 }) else { panic!() };
+        assert_eq!((g.epoch, g.initialized), (1, false));
+        assert_eq!(g.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![2, 3, 1], "most free space first");
+        assert_eq!(c.handle(CtlRequest::Initialized { key: "/a.log".into(), epoch: 1 }), CtlReply::Ok);
+        drop(c);
+        let mut c = ctl(dir.path());
+        let CtlReply::Granted(g2) = c.handle(CtlRequest::Open { key: "/a.log".into(), replicas: 3 }) else { panic!() };
+        assert_eq!((g2.file, g2.epoch, g2.initialized), (g.file, 2, true));
+        assert!(matches!(c.handle(CtlRequest::Initialized { key: "/a.log".into(), epoch: 1 }), CtlReply::Error(_)));
+        let CtlReply::Forgotten(None) = c.handle(CtlRequest::Rename { from: "/a.log".into(), to: "/b.log".into() }) else { panic!() };
+        let CtlReply::Forgotten(Some(f)) = c.handle(CtlRequest::Remove { key: "/b.log".into() }) else { panic!() };
+        assert_eq!(f.file, g.file);
+    }
+
+    #[test]
+    fn bad_requests_are_refused_and_failed_saves_roll_back() {
+        let mut c = ControllerCore::open(MemStore::default()).unwrap();
+        assert!(matches!(c.handle(CtlRequest::Open { key: "k".into(), replicas: 3 }), CtlReply::Error(_)), "no peers");
+        assert!(matches!(c.handle(CtlRequest::Open { key: "".into(), replicas: 1 }), CtlReply::Error(_)));
+        c.handle(CtlRequest::RegisterPeer { addr: "p".into(), region_bytes: 1 });
+        c.store.fail_saves = true;
+        assert!(matches!(c.handle(CtlRequest::Open { key: "k".into(), replicas: 1 }), CtlReply::Error(_)));
+        assert!(c.state().files.is_empty());
+    }
+}

@@ -1,0 +1,417 @@
+//! [`PeerCore`]: a log peer's state machine (sans-I/O): a bounded lent region holding the
+//! replicated images of log files, one CRC32C per block.
+//!
+//! A peer is passive (SplitFT's "passive memory units"): it applies records in order, answers
+//! probes and fetches, and does no work per byte beyond checking a record's checksum and keeping
+//! the block checksums. Memory is accounted per file as the image size plus any staged image;
+//! an op that would exceed the region is refused with `RegionFull`, never applied short.
+
+use std::collections::BTreeMap;
+
+use crate::proto::{Epoch, FileId, Holding, Op, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES};
+
+#[derive(Debug, Default)]
+struct PeerFile {
+    /// Highest epoch probed or written: anything below is refused (fencing).
+    promised: Epoch,
+    /// The committed copy: `None` until a Base was applied.
+    committed: Option<Committed>,
+    /// An image being staged for a `Base { from: None }` of this epoch.
+    staging: Option<(Epoch, Vec<u8>)>,
+}
+
+#[derive(Debug)]
+struct Committed {
+    epoch: Epoch,
+    seq: u64,
+    image: Vec<u8>,
+    block_crcs: Vec<u32>,
+}
+
+impl Committed {
+    fn holding(&self) -> Holding {
+        Holding { epoch: self.epoch, seq: self.seq, size: self.image.len() as u64 }
+    }
+
+    /// Recomputes the checksums of the blocks covering `start..end` (and drops or adds blocks so
+    /// that there is exactly one per started block).
+    fn refresh_crcs(&mut self, start: usize, end: usize) {
+        let blocks = self.image.len().div_ceil(BLOCK_BYTES);
+        self.block_crcs.resize(blocks, 0);
+        let first = start / BLOCK_BYTES;
+        let last = end.min(self.image.len()).div_ceil(BLOCK_BYTES);
+        for b in first..last.min(blocks) {
+            let lo = b * BLOCK_BYTES;
+            let hi = (lo + BLOCK_BYTES).min(self.image.len());
+            self.block_crcs[b] = crc32c::crc32c(&self.image[lo..hi]);
+        }
+    }
+
+    /// Whether the existing blocks that `lo..hi` only partly covers still match their checksums.
+    fn partial_blocks_intact(&self, lo: usize, hi: usize) -> bool {
+        let len = self.image.len();
+        let last = hi.max(lo + 1).saturating_sub(1) / BLOCK_BYTES;
+        (lo / BLOCK_BYTES..=last).all(|b| {
+            let start = b * BLOCK_BYTES;
+            let end = (start + BLOCK_BYTES).min(len);
+            start >= len || (lo <= start && hi >= end) || crc32c::crc32c(&self.image[start..end]) == self.block_crcs[b]
+        })
+    }
+
+    fn from_image(epoch: Epoch, image: Vec<u8>) -> Committed {
+        let mut c = Committed { epoch, seq: 1, image, block_crcs: Vec::new() };
+        let len = c.image.len();
+        c.refresh_crcs(0, len);
+        c
+    }
+}
+
+/// A log peer's state. Feed it requests with [`PeerCore::handle`]; it returns the reply.
+#[derive(Debug)]
+pub struct PeerCore {
+    region_bytes: u64,
+    used_bytes: u64,
+    files: BTreeMap<FileId, PeerFile>,
+}
+
+impl PeerCore {
+    pub fn new(region_bytes: u64) -> PeerCore {
+        PeerCore { region_bytes, used_bytes: 0, files: BTreeMap::new() }
+    }
+
+    pub fn region_bytes(&self) -> u64 {
+        self.region_bytes
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.used_bytes
+    }
+
+    pub fn file_count(&self) -> usize {
+        self.files.len()
+    }
+
+    /// Test hook: flips one byte of a file's committed image without fixing its checksum (a
+    /// memory corruption); returns false if there is no byte to flip.
+    pub fn corrupt(&mut self, file: FileId, at: u64) -> bool {
+        match self.files.get_mut(&file).and_then(|f| f.committed.as_mut()) {
+            Some(c) if !c.image.is_empty() => {
+                let i = (at % c.image.len() as u64) as usize;
+                c.image[i] ^= 0x5a;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// What the peer holds of `file` (for tests and status).
+    pub fn holding(&self, file: FileId) -> Option<Holding> {
+        self.files.get(&file).and_then(|f| f.committed.as_ref()).map(|c| c.holding())
+    }
+
+    fn full(&self, file: FileId, epoch: Epoch) -> PeerReply {
+        PeerReply::RegionFull { file, epoch, region_bytes: self.region_bytes, used_bytes: self.used_bytes }
+    }
+
+    pub fn handle(&mut self, req: PeerRequest) -> PeerReply {
+        match req {
+            PeerRequest::Stats => PeerReply::Stats {
+                region_bytes: self.region_bytes,
+                used_bytes: self.used_bytes,
+                files: self.files.len() as u64,
+            },
+            PeerRequest::Probe { file, epoch } => {
+                let f = self.files.entry(file).or_default();
+                if epoch < f.promised {
+                    return PeerReply::Stale { file, promised: f.promised };
+                }
+                f.promised = epoch;
+                PeerReply::Probed { file, epoch, holding: f.committed.as_ref().map(|c| c.holding()) }
+            }
+            PeerRequest::Fetch { file, epoch, offset, len } => {
+                let Some(f) = self.files.get(&file) else {
+                    return PeerReply::Refused { file, reason: "unknown file".into() };
+                };
+                if epoch < f.promised {
+                    return PeerReply::Stale { file, promised: f.promised };
+                }
+                let Some(c) = f.committed.as_ref() else {
+                    return PeerReply::Refused { file, reason: "no committed copy".into() };
+                };
+                if offset % BLOCK_BYTES as u64 != 0 || len as usize > MAX_CHUNK_BYTES || offset > c.image.len() as u64 {
+                    return PeerReply::Refused { file, reason: format!("bad fetch {offset}+{len}") };
+                }
+                let lo = offset as usize;
+                let hi = (lo + len as usize).min(c.image.len());
+                let first = lo / BLOCK_BYTES;
+                let last = hi.div_ceil(BLOCK_BYTES);
+                PeerReply::Data {
+                    file,
+                    offset,
+                    data: c.image[lo..hi].to_vec(),
+                    block_crcs: c.block_crcs[first..last].to_vec(),
+                    holding: c.holding(),
+                }
+            }
+            PeerRequest::Stage { file, epoch, size, offset, data } => {
+                let used = self.used_bytes;
+                let region = self.region_bytes;
+                let f = self.files.entry(file).or_default();
+                if epoch < f.promised {
+                    return PeerReply::Stale { file, promised: f.promised };
+                }
+                f.promised = epoch;
+                let end = offset.checked_add(data.len() as u64);
+                if end.is_none_or(|e| e > size) {
+                    return PeerReply::Refused { file, reason: "stage chunk beyond the image size".into() };
+                }
+                let old = match &f.staging {
+                    Some((e, img)) if *e == epoch && img.len() as u64 == size => None,
+                    Some((_, img)) => Some(img.len() as u64),
+                    None => Some(0),
+                };
+                if let Some(old) = old {
+                    if used - old + size > region {
+                        return PeerReply::RegionFull { file, epoch, region_bytes: region, used_bytes: used };
+                    }
+                    f.staging = Some((epoch, vec![0; size as usize]));
+                    self.used_bytes = used - old + size;
+                }
+                let img = &mut self.files.get_mut(&file).unwrap().staging.as_mut().unwrap().1;
+                img[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+                PeerReply::Staged { file, epoch, offset }
+            }
+            PeerRequest::Drop { file, epoch } => {
+                if let Some(f) = self.files.get(&file) {
+                    if epoch < f.promised {
+                        return PeerReply::Stale { file, promised: f.promised };
+                    }
+                    let f = self.files.remove(&file).unwrap();
+                    self.used_bytes -= f.bytes();
+                }
+                PeerReply::Dropped { file }
+            }
+            PeerRequest::Record { file, epoch, seq, op } => self.record(file, epoch, seq, op),
+        }
+    }
+
+    fn record(&mut self, file: FileId, epoch: Epoch, seq: u64, op: Op) -> PeerReply {
+        if let Op::Write { data, crc, .. } = &op {
+            if crc32c::crc32c(data) != *crc {
+                return PeerReply::Refused { file, reason: "record checksum mismatch".into() };
+            }
+        }
+        let f = self.files.entry(file).or_default();
+        if epoch < f.promised {
+            return PeerReply::Stale { file, promised: f.promised };
+        }
+        f.promised = epoch;
+        let ack = |c: &Option<Committed>| match c {
+            Some(c) => PeerReply::Ack { file, epoch: c.epoch, applied_seq: c.seq },
+            None => PeerReply::Ack { file, epoch: 0, applied_seq: 0 },
+        };
+        let in_epoch = f.committed.as_ref().is_some_and(|c| c.epoch == epoch);
+        // A Base starts an epoch (seq 1), or re-bases a peer that lost its copy mid-epoch (any
+        // seq, full image only, never backwards).
+        let rebase = matches!(op, Op::Base { from: None, .. }) && f.committed.as_ref().is_none_or(|c| c.epoch != epoch || c.seq < seq);
+        if !in_epoch || rebase {
+            // Anything but a Base waits for a retransmit.
+            let Op::Base { from, size, image_crc } = op else { return ack(&f.committed) };
+            if from.is_some() && seq != 1 {
+                return ack(&f.committed);
+            }
+            match from {
+                Some(from) => match f.committed.as_mut() {
+                    Some(c) if (c.epoch, c.seq) == from && c.image.len() as u64 == size => {
+                        c.epoch = epoch;
+                        c.seq = 1;
+                    }
+                    _ => return PeerReply::NeedImage { file, epoch },
+                },
+                None => {
+                    let image = if size == 0 && image_crc == crc32c::crc32c(&[]) {
+                        Vec::new()
+                    } else {
+                        match f.staging.take() {
+                            Some((e, img)) if e == epoch && img.len() as u64 == size && crc32c::crc32c(&img) == image_crc => img,
+                            other => {
+                                f.staging = other;
+                                return PeerReply::NeedImage { file, epoch };
+                            }
+                        }
+                    };
+                    // Staged bytes were counted when staged; a leftover staging and the old copy
+                    // are released.
+                    let leftover = f.staging.take().map(|(_, i)| i.len() as u64).unwrap_or(0);
+                    let old = f.committed.take().map(|c| c.image.len() as u64).unwrap_or(0);
+                    let mut c = Committed::from_image(epoch, image);
+                    c.seq = seq;
+                    f.committed = Some(c);
+                    self.used_bytes -= old + leftover;
+                }
+            }
+            let f = self.files.get_mut(&file).unwrap();
+            return ack(&f.committed);
+        }
+        let c = f.committed.as_mut().unwrap();
+        if seq != c.seq + 1 {
+            // A duplicate (already applied) or a gap (an earlier record was lost): the cumulative
+            // ack tells the client where to resume.
+            return ack(&f.committed);
+        }
+        let cur = c.image.len() as u64;
+        let new_len = match &op {
+            Op::Write { offset, data, .. } => cur.max(offset + data.len() as u64),
+            Op::Truncate { size } => *size,
+            Op::Base { .. } => return PeerReply::Refused { file, reason: "Base inside an epoch".into() },
+        };
+        if new_len > cur && self.used_bytes + (new_len - cur) > self.region_bytes {
+            return self.full(file, epoch);
+        }
+        let f = self.files.get_mut(&file).unwrap();
+        let c = f.committed.as_mut().unwrap();
+        // A block that is only partly rewritten keeps bytes we did not receive now: check them
+        // first, or a corruption at rest would be sealed under a fresh checksum. Appends extend
+        // the last block's checksum instead (no re-read).
+        let (lo, hi) = match &op {
+            Op::Write { offset, data, .. } => (*offset as usize, *offset as usize + data.len()),
+            Op::Truncate { size } => (*size as usize, *size as usize),
+            Op::Base { .. } => unreachable!(),
+        };
+        let append = matches!(op, Op::Write { .. }) && lo == cur as usize;
+        if !append && !c.partial_blocks_intact(lo.min(cur as usize), hi) {
+            // This copy is corrupt: drop it (no longer a witness); the client re-bases us.
+            let old = f.committed.take().map(|c| c.image.len() as u64).unwrap_or(0);
+            self.used_bytes -= old;
+            return PeerReply::Ack { file, epoch: 0, applied_seq: 0 };
+        }
+        match op {
+            Op::Write { data, .. } if append => {
+                let tail = cur as usize % BLOCK_BYTES;
+                let head = if tail == 0 { 0 } else { (BLOCK_BYTES - tail).min(data.len()) };
+                c.image.extend_from_slice(&data);
+                if head > 0 {
+                    let last = c.block_crcs.len() - 1;
+                    c.block_crcs[last] = crc32c::crc32c_append(c.block_crcs[last], &data[..head]);
+                }
+                // Blocks after the extended one (if the append reaches them) get fresh checksums.
+                let next_block = if head > 0 { (cur as usize / BLOCK_BYTES + 1) * BLOCK_BYTES } else { cur as usize };
+                c.refresh_crcs(next_block, hi);
+            }
+            Op::Write { data, .. } => {
+                if c.image.len() < hi {
+                    c.image.resize(hi, 0);
+                }
+                c.image[lo..hi].copy_from_slice(&data);
+                // Blocks from the old end are included: a gap before `offset` was zero-filled.
+                c.refresh_crcs(lo.min(cur as usize), hi);
+            }
+            Op::Truncate { size } => {
+                c.image.truncate(size as usize);
+                c.image.resize(size as usize, 0);
+                c.refresh_crcs((size as usize).min(cur as usize), size as usize);
+            }
+            Op::Base { .. } => unreachable!(),
+        }
+        c.seq += 1;
+        self.used_bytes = self.used_bytes + new_len - cur;
+        let f = self.files.get(&file).unwrap();
+        ack(&f.committed)
+    }
+}
+
+impl PeerFile {
+    fn bytes(&self) -> u64 {
+        self.committed.as_ref().map(|c| c.image.len() as u64).unwrap_or(0)
+            + self.staging.as_ref().map(|(_, i)| i.len() as u64).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base_empty(p: &mut PeerCore, file: FileId, epoch: Epoch) {
+        let r = p.handle(PeerRequest::Record { file, epoch, seq: 1, op: Op::Base { from: None, size: 0, image_crc: crc32c::crc32c(&[]) } });
+        assert_eq!(r, PeerReply::Ack { file, epoch, applied_seq: 1 });
+    }
+
+    #[test]
+    fn applies_in_order_and_acks_cumulatively() {
+        let mut p = PeerCore::new(1 << 20);
+        base_empty(&mut p, 1, 1);
+        let w = |seq, off, d: &[u8]| PeerRequest::Record { file: 1, epoch: 1, seq, op: Op::write(off, d.to_vec()) };
+        assert_eq!(p.handle(w(3, 5, b"zz")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 1 }, "gap waits");
+        assert_eq!(p.handle(w(2, 0, b"hello")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 2 });
+        assert_eq!(p.handle(w(2, 0, b"hello")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 2 }, "dup");
+        assert_eq!(p.handle(w(3, 5, b"zz")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 3 });
+        assert_eq!(p.used_bytes(), 7);
+        let tr = PeerRequest::Record { file: 1, epoch: 1, seq: 4, op: Op::Truncate { size: 10 } };
+        p.handle(tr);
+        match p.handle(PeerRequest::Fetch { file: 1, epoch: 1, offset: 0, len: 100 }) {
+            PeerReply::Data { data, block_crcs, .. } => {
+                assert_eq!(data, b"hellozz\0\0\0");
+                assert_eq!(block_crcs, vec![crc32c::crc32c(&data)]);
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+
+    #[test]
+    fn full_region_refuses_and_applies_nothing() {
+        let mut p = PeerCore::new(8);
+        base_empty(&mut p, 1, 1);
+        let r = p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, vec![1; 9]) });
+        assert!(matches!(r, PeerReply::RegionFull { .. }), "{r:?}");
+        assert_eq!(p.holding(1).unwrap().size, 0);
+        assert_eq!(p.used_bytes(), 0);
+    }
+
+    #[test]
+    fn newer_epoch_fences_older_writer_and_drop_frees() {
+        let mut p = PeerCore::new(1 << 20);
+        base_empty(&mut p, 1, 1);
+        p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, vec![7; 100]) });
+        assert!(matches!(p.handle(PeerRequest::Probe { file: 1, epoch: 2 }), PeerReply::Probed { holding: Some(Holding { epoch: 1, seq: 2, size: 100 }), .. }));
+        let r = p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 3, op: Op::write(0, vec![1]) });
+        assert_eq!(r, PeerReply::Stale { file: 1, promised: 2 });
+        let adopt = Op::Base { from: Some((1, 2)), size: 100, image_crc: 0 };
+        assert_eq!(p.handle(PeerRequest::Record { file: 1, epoch: 2, seq: 1, op: adopt }), PeerReply::Ack { file: 1, epoch: 2, applied_seq: 1 });
+        assert_eq!(p.handle(PeerRequest::Drop { file: 1, epoch: 2 }), PeerReply::Dropped { file: 1 });
+        assert_eq!(p.used_bytes(), 0);
+    }
+
+    #[test]
+    fn bad_record_checksum_is_refused() {
+        let mut p = PeerCore::new(1 << 20);
+        base_empty(&mut p, 1, 1);
+        let op = Op::Write { offset: 0, data: vec![1, 2, 3], crc: 0 };
+        assert!(matches!(p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op }), PeerReply::Refused { .. }));
+    }
+}
+
+#[cfg(test)]
+mod corruption_tests {
+    use super::*;
+
+    #[test]
+    fn corruption_at_rest_is_never_sealed_by_later_ops() {
+        let mut p = PeerCore::new(1 << 20);
+        let r = p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 1, op: Op::Base { from: None, size: 0, image_crc: crc32c::crc32c(&[]) } });
+        assert!(matches!(r, PeerReply::Ack { applied_seq: 1, .. }));
+        let mut seq = 1;
+        let mut w = |p: &mut PeerCore, op: Op| {
+            seq += 1;
+            p.handle(PeerRequest::Record { file: 1, epoch: 1, seq, op })
+        };
+        w(&mut p, Op::write(0, vec![1; 6094]));
+        assert!(p.corrupt(1, 4867));
+        for size in [8024usize, 9084, 24692] {
+            let cur = p.holding(1).unwrap().size as usize;
+            w(&mut p, Op::write(cur as u64, vec![2; size - cur]));
+        }
+        let r = w(&mut p, Op::Truncate { size: 6750 });
+        assert_eq!(r, PeerReply::Ack { file: 1, epoch: 0, applied_seq: 0 }, "corrupt copy dropped");
+        assert_eq!(p.holding(1), None);
+    }
+}

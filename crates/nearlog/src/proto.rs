@@ -1,0 +1,183 @@
+//! Wire messages between clients, log peers and the controller (postcard inside `wire` frames).
+
+use serde::{Deserialize, Serialize};
+
+/// A log file's cluster-wide id, given by the controller.
+pub type FileId = u64;
+/// A log peer's id, given by the controller when the peer first registers.
+pub type PeerId = u32;
+/// A file's epoch: bumped by the controller at every open, so the newest opener fences the
+/// older ones (a peer refuses records of an epoch below the highest it was probed with).
+pub type Epoch = u64;
+
+/// Bytes per checksummed block of a peer's copy of a file. A peer keeps one CRC32C per block, so
+/// a replica corrupted at rest is detected when it is read back for recovery.
+pub const BLOCK_BYTES: usize = 4096;
+/// Largest data chunk in one message (writes are split, fetches answer at most this much).
+pub const MAX_CHUNK_BYTES: usize = 1024 * 1024;
+/// Largest frame any nearlog endpoint accepts.
+pub const MAX_FRAME_BYTES: usize = MAX_CHUNK_BYTES + 64 * 1024;
+
+/// One replicated operation of a file, applied by peers in `seq` order within an epoch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Op {
+    /// First op of every epoch. `from = Some((e, s))`: keep your committed copy, which must be
+    /// exactly the state (e, s); `from = None`: commit the staged image sent with [`PeerRequest::Stage`].
+    /// `size` and `image_crc` describe the image either way (checked by the peer).
+    Base { from: Option<(Epoch, u64)>, size: u64, image_crc: u32 },
+    /// Bytes at an offset; `crc` is CRC32C of `data`, checked by the peer before applying.
+    Write {
+        offset: u64,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+        crc: u32,
+    },
+    /// The file's size becomes `size` (shrink or zero-extend): replicated, so trailing zeros and
+    /// truncation survive recovery.
+    Truncate { size: u64 },
+}
+
+impl Op {
+    pub fn write(offset: u64, data: Vec<u8>) -> Op {
+        let crc = crc32c::crc32c(&data);
+        Op::Write { offset, data, crc }
+    }
+
+    /// Bytes this op holds (for the client's bounded retransmit buffer).
+    pub fn payload_bytes(&self) -> usize {
+        match self {
+            Op::Write { data, .. } => data.len(),
+            _ => 0,
+        }
+    }
+}
+
+/// Client -> log peer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PeerRequest {
+    /// Promise to refuse anything below `epoch` for `file`, and say what you hold.
+    Probe { file: FileId, epoch: Epoch },
+    /// Read back committed bytes `offset..offset+len` (offset block-aligned, len ≤ MAX_CHUNK_BYTES).
+    Fetch { file: FileId, epoch: Epoch, offset: u64, len: u32 },
+    /// Part of a full image for a `Base { from: None }` of `epoch` (idempotent by offset).
+    Stage {
+        file: FileId,
+        epoch: Epoch,
+        size: u64,
+        offset: u64,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    /// One replicated record: the file's epoch, its position in the epoch's op stream, the op.
+    Record { file: FileId, epoch: Epoch, seq: u64, op: Op },
+    /// Forget the file (unlink, or rename over it); frees its region bytes.
+    Drop { file: FileId, epoch: Epoch },
+    /// Liveness and space check.
+    Stats,
+}
+
+/// What a peer holds of a file, as answered to a probe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holding {
+    pub epoch: Epoch,
+    pub seq: u64,
+    pub size: u64,
+}
+
+/// Log peer -> client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PeerReply {
+    /// Answer to a probe: `None` if this peer holds no committed copy (never had one, dropped,
+    /// or restarted and lost its memory: such a peer never counts as a witness).
+    Probed { file: FileId, epoch: Epoch, holding: Option<Holding> },
+    /// Fetched bytes and the CRC32C of each `BLOCK_BYTES` block they cover (last may be partial).
+    Data {
+        file: FileId,
+        offset: u64,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+        block_crcs: Vec<u32>,
+        holding: Holding,
+    },
+    /// Stage chunk stored.
+    Staged { file: FileId, epoch: Epoch, offset: u64 },
+    /// Cumulative: the peer's committed copy is at (epoch, applied_seq). An ack of an older epoch
+    /// means the peer has not applied this epoch's Base yet.
+    Ack { file: FileId, epoch: Epoch, applied_seq: u64 },
+    /// The Base could not be applied (state moved, or the staged image is incomplete/mismatched):
+    /// send the full image.
+    NeedImage { file: FileId, epoch: Epoch },
+    /// A newer epoch has probed this file: this writer is fenced.
+    Stale { file: FileId, promised: Epoch },
+    /// The lent region cannot hold this op: the client must fail loudly (never a short write).
+    RegionFull { file: FileId, epoch: Epoch, region_bytes: u64, used_bytes: u64 },
+    /// A malformed request (bad checksum in a record, out-of-range fetch).
+    Refused { file: FileId, reason: String },
+    Dropped { file: FileId },
+    Stats { region_bytes: u64, used_bytes: u64, files: u64 },
+}
+
+impl PeerReply {
+    pub fn file(&self) -> Option<FileId> {
+        match self {
+            PeerReply::Probed { file, .. }
+            | PeerReply::Data { file, .. }
+            | PeerReply::Staged { file, .. }
+            | PeerReply::Ack { file, .. }
+            | PeerReply::NeedImage { file, .. }
+            | PeerReply::Stale { file, .. }
+            | PeerReply::RegionFull { file, .. }
+            | PeerReply::Refused { file, .. }
+            | PeerReply::Dropped { file } => Some(*file),
+            PeerReply::Stats { .. } => None,
+        }
+    }
+}
+
+/// Anyone -> controller.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CtlRequest {
+    /// A peer announces itself (same `addr` again = the same peer restarted, memory lost).
+    RegisterPeer { addr: String, region_bytes: u64 },
+    /// A peer's periodic report of the bytes it holds.
+    PeerHeartbeat { peer: PeerId, used_bytes: u64 },
+    /// A client opens a log file by key: placement on first open, a new epoch every time.
+    Open { key: String, replicas: u32 },
+    /// The client committed the epoch's Base on a majority: the file now has replicated content
+    /// that a later open must recover (before that, an open may start from empty).
+    Initialized { key: String, epoch: Epoch },
+    /// Unlink: forget the file; the answer names its peers so the client frees their memory.
+    Remove { key: String },
+    /// Rename: the file keeps its id and peers under a new key; a file that lived at `to` is
+    /// forgotten and returned so its peers are freed.
+    Rename { from: String, to: String },
+    /// Peers, their space, and the files.
+    Status,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerAddr {
+    pub id: PeerId,
+    pub addr: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileGrant {
+    pub key: String,
+    pub file: FileId,
+    pub epoch: Epoch,
+    pub peers: Vec<PeerAddr>,
+    /// False until some client committed a Base on a majority: then empty is the right content.
+    pub initialized: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CtlReply {
+    Registered { peer: PeerId },
+    Ok,
+    Granted(FileGrant),
+    /// Remove/Rename: the forgotten file, if any (its peers should be told to drop it).
+    Forgotten(Option<FileGrant>),
+    Status(crate::controller::ControllerState),
+    Error(String),
+}
