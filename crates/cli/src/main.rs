@@ -274,6 +274,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Failover { conn, cmd } => {
             init_logging(cli.verbose, "warn,fuser=error");
             failover::run(&conn, cmd, cli.verbose)
+        }
         Cmd::Nearlog(cmd) => {
             init_logging(cli.verbose, "info");
             runtime()?.block_on(nearlog::run(cmd))
