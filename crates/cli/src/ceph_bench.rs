@@ -131,6 +131,8 @@ cluster_addr = 127.0.0.1
 
 [client]
 admin_socket =
+# No client-side cache: like Understudy, a write is acknowledged once the store has it.
+rbd_cache = false
 "
     )
 }
