@@ -12,6 +12,7 @@
 
 mod attach;
 mod bench_cmds;
+mod ceph_bench;
 mod cluster_file;
 mod daemons;
 mod demo;
