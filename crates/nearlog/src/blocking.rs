@@ -6,46 +6,19 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use hmac::{Hmac, Mac};
 use serde::{de::DeserializeOwned, Serialize};
-use sha2::Sha256;
+use wire::auth::{check_server_proof, client_answer, HELLO_BYTES, PROOF_BYTES};
 use wire::WireError;
-
-const MAGIC: &[u8; 8] = b"UNDRSTDY";
-const VERSION: u32 = 1;
-
-fn mac(secret: &[u8], role: &[u8], a: &[u8], b: &[u8]) -> [u8; 32] {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes any key length");
-    m.update(role);
-    m.update(a);
-    m.update(b);
-    m.finalize().into_bytes().into()
-}
 
 /// Client side of `wire::auth`: returns once the server proved it knows `secret`.
 pub fn auth_connect(s: &mut TcpStream, secret: &[u8]) -> Result<(), WireError> {
-    let mut hello = [0u8; 8 + 4 + 32];
+    let mut hello = [0u8; HELLO_BYTES];
     s.read_exact(&mut hello).map_err(|_| WireError::Auth("peer closed during handshake".into()))?;
-    if &hello[..8] != MAGIC {
-        return Err(WireError::Auth("peer is not an Understudy server".into()));
-    }
-    let version = u32::from_le_bytes(hello[8..12].try_into().unwrap());
-    if version != VERSION {
-        return Err(WireError::Auth(format!("peer speaks protocol version {version}, we speak {VERSION}")));
-    }
-    let server_nonce = &hello[12..];
-    let client_nonce: [u8; 32] = rand::random();
-    let mut answer = Vec::with_capacity(64);
-    answer.extend_from_slice(&client_nonce);
-    answer.extend_from_slice(&mac(secret, b"client", server_nonce, &client_nonce));
+    let (answer, want) = client_answer(&hello, secret)?;
     s.write_all(&answer)?;
-    let mut server_mac = [0u8; 32];
+    let mut server_mac = [0u8; PROOF_BYTES];
     s.read_exact(&mut server_mac).map_err(|_| WireError::Auth("server refused our cluster secret".into()))?;
-    let want = mac(secret, b"server", &client_nonce, server_nonce);
-    if server_mac.iter().zip(want.iter()).fold(0u8, |a, (x, y)| a | (x ^ y)) != 0 {
-        return Err(WireError::Auth("server does not know the cluster secret".into()));
-    }
-    Ok(())
+    check_server_proof(&server_mac, &want)
 }
 
 /// Connects, authenticates and sets TCP_NODELAY (records are small and latency-bound).

@@ -48,10 +48,17 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8])
     Ok(())
 }
 
-/// Client side of the handshake: returns once the server proved it knows `secret`.
-pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]) -> Result<(), WireError> {
-    let mut hello = [0u8; 8 + 4 + NONCE_BYTES];
-    s.read_exact(&mut hello).await.map_err(|_| WireError::Auth("peer closed during handshake".into()))?;
+/// Bytes of the server's hello: magic, version, nonce.
+pub const HELLO_BYTES: usize = 8 + 4 + NONCE_BYTES;
+/// Bytes of the client's answer: its nonce and its proof.
+pub const ANSWER_BYTES: usize = NONCE_BYTES + MAC_BYTES;
+/// Bytes of the server's proof.
+pub const PROOF_BYTES: usize = MAC_BYTES;
+
+/// The client's half of the handshake without I/O (shared by the async [`connect`] and blocking
+/// clients such as the LD_PRELOAD shim's): checks the server's hello and returns the answer to
+/// send and the proof the server must send back.
+pub fn client_answer(hello: &[u8; HELLO_BYTES], secret: &[u8]) -> Result<([u8; ANSWER_BYTES], [u8; PROOF_BYTES]), WireError> {
     if &hello[..8] != MAGIC {
         return Err(WireError::Auth("peer is not an Understudy server".into()));
     }
@@ -61,19 +68,33 @@ pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]
     }
     let server_nonce = &hello[12..];
     let client_nonce: [u8; NONCE_BYTES] = rand::random();
-    let mut answer = Vec::with_capacity(NONCE_BYTES + MAC_BYTES);
-    answer.extend_from_slice(&client_nonce);
-    answer.extend_from_slice(&mac(secret, b"client", server_nonce, &client_nonce));
+    let mut answer = [0u8; ANSWER_BYTES];
+    answer[..NONCE_BYTES].copy_from_slice(&client_nonce);
+    answer[NONCE_BYTES..].copy_from_slice(&mac(secret, b"client", server_nonce, &client_nonce));
+    Ok((answer, mac(secret, b"server", &client_nonce, server_nonce)))
+}
+
+/// Checks the server's proof against the one [`client_answer`] expects.
+pub fn check_server_proof(got: &[u8; PROOF_BYTES], want: &[u8; PROOF_BYTES]) -> Result<(), WireError> {
+    if equal_ct(got, want) {
+        Ok(())
+    } else {
+        Err(WireError::Auth("server does not know the cluster secret".into()))
+    }
+}
+
+/// Client side of the handshake: returns once the server proved it knows `secret`.
+pub async fn connect<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]) -> Result<(), WireError> {
+    let mut hello = [0u8; HELLO_BYTES];
+    s.read_exact(&mut hello).await.map_err(|_| WireError::Auth("peer closed during handshake".into()))?;
+    let (answer, want) = client_answer(&hello, secret)?;
     s.write_all(&answer).await?;
     s.flush().await?;
-    let mut server_mac = [0u8; MAC_BYTES];
+    let mut server_mac = [0u8; PROOF_BYTES];
     s.read_exact(&mut server_mac)
         .await
         .map_err(|_| WireError::Auth("server refused our cluster secret".into()))?;
-    if !equal_ct(&server_mac, &mac(secret, b"server", &client_nonce, server_nonce)) {
-        return Err(WireError::Auth("server does not know the cluster secret".into()));
-    }
-    Ok(())
+    check_server_proof(&server_mac, &want)
 }
 
 #[cfg(test)]
