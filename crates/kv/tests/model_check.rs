@@ -29,7 +29,9 @@
 //!
 //! Bounds (CI default): 3 nodes, 2 keys, 2 client writes, 1 crash (with restart and HEAL), 1
 //! message loss; Scope adds one PERSIST. `MODEL_WRITES`, `MODEL_CRASHES`, `MODEL_DROPS` raise
-//! them, `MODEL_DEPTH` bounds the search depth (default: unbounded, i.e. exhaustive).
+//! them, `MODEL_DEPTH` bounds the BFS depth (default 10; 0 = unbounded, i.e. exhaustive — far too big
+//! for CI), `MODEL_SIM_STATES` the seeded random walks (default 20000) that go deeper, through
+//! the crash, the CM's reconfigurations, HEAL and later writes; `MODEL_SEED` picks their seed.
 //! `model_check_finds_skipped_acks` runs a deliberately broken core (the coordinator does not
 //! wait for ACKs) and requires the checker to find the violation.
 
@@ -440,7 +442,8 @@ impl SrModel for Check {
                             let k = if self.same_key { 0 } else { w as usize % KEYS.len() };
                             a.push(Action::Put(id, k));
                         }
-                        if self.model == Model::Scope && s.persists < b.persists && s.writes_done > 0 {
+                        // PERSIST of scope 0 at node 0, which coordinates the first write.
+                        if self.model == Model::Scope && id == 0 && s.persists < b.persists && s.writes_done > 0 {
                             a.push(Action::Persist(id));
                         }
                     }
@@ -627,7 +630,7 @@ fn run(model: Model, faulty: bool, bounds: Bounds, sim_states: Option<usize>) ->
     let b = b.finish_when(stateright::HasDiscoveries::AnyFailures);
     let r = match sim_states {
         None => {
-            let depth = env_u("MODEL_DEPTH", 12);
+            let depth = env_u("MODEL_DEPTH", 10);
             let b = if depth > 0 { b.target_max_depth(depth) } else { b };
             summarize(&m, b.spawn_bfs().join())
         }
@@ -673,7 +676,7 @@ fn summarize(m: &Check, c: impl Checker<Check>) -> (usize, usize, usize, Found) 
 }
 
 fn check_model(model: Model) {
-    // Exhaustive to MODEL_DEPTH (default 12) from the start...
+    // Exhaustive to MODEL_DEPTH (default 10) from the start...
     let (_, _, found) = run(model, false, bounds(), None);
     for (name, why) in &found {
         if *name != SOMETIMES {
