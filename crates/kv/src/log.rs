@@ -23,7 +23,7 @@ use crate::msg::Ts;
 /// Largest record accepted when reading a log back (a maximal key and value plus framing).
 pub const MAX_RECORD_BYTES: usize = crate::msg::MAX_VALUE_BYTES + crate::msg::MAX_KEY_BYTES + 64;
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum LogRecord {
     /// Written (and synced) once, when the node first joins its group: a log with `Boot` belongs
     /// to a node that was a member before and must recover before it serves again.

@@ -13,6 +13,7 @@
 //! write, or a replay of someone else's write with its original timestamp).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::hash::{Hash, Hasher};
 
 use crate::log::{LogRecord, LogState};
 use crate::msg::*;
@@ -41,6 +42,10 @@ pub struct NodeParams {
     pub max_scope_writes: usize,
     /// How a returning node is brought up to date (HEAL, or the full-copy baseline).
     pub recovery: RecoveryScheme,
+    /// Deliberately broken variant for `tests/model_check.rs` (shows the checker can fail): the
+    /// coordinator does not wait for its followers' ACKs. Never set outside that test.
+    #[doc(hidden)]
+    pub fault_skip_ack_wait: bool,
 }
 
 /// Recovery scheme of the group (set the same on every node).
@@ -66,6 +71,7 @@ impl NodeParams {
             max_pending_client_ops: 10_000,
             max_scope_writes: 100_000,
             recovery: RecoveryScheme::Heal,
+            fault_skip_ack_wait: false,
         }
     }
 }
@@ -153,7 +159,7 @@ struct PersistOp {
     deadline_us: u64,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Phase {
     Start { acked: BTreeSet<NodeId> },
     CatchUp { buddy: NodeId, chunks: BTreeSet<u32>, total: Option<u32> },
@@ -190,6 +196,7 @@ struct Missed {
 }
 
 /// One replica. See the module docs.
+#[derive(Clone)]
 pub struct NodeCore {
     p: NodeParams,
     config: Config,
@@ -311,6 +318,42 @@ impl NodeCore {
             .filter(|(_, k)| k.ts != Ts::default())
             .map(|(key, k)| (key.clone(), (k.ts, k.valid, k.value.clone())))
             .collect()
+    }
+    /// Hashes the protocol state for model checking (`tests/model_check.rs`): everything that
+    /// decides future behaviour except timers, the lease, counters and drained outputs, which the
+    /// checker abstracts (it fires timeouts by jumping time past every deadline). Timeout counts
+    /// are hashed saturated at 2 since only `== 1` matters.
+    pub fn model_fingerprint<H: Hasher>(&self, h: &mut H) {
+        let c = &self.config;
+        (c.epoch, &c.nodes, &c.active, &c.recovering, self.booted).hash(h);
+        match &self.mode {
+            Mode::Down => 0u8.hash(h),
+            Mode::Member => 1u8.hash(h),
+            Mode::Recovering(r) => (2u8, &r.phase, &r.outstanding).hash(h),
+            Mode::Recovered => 3u8.hash(h),
+        }
+        for (key, k) in &self.store {
+            (key, k.ts, &k.value, k.valid, k.gdp, k.marked, k.durable, k.timeouts.min(2)).hash(h);
+            match &k.coord {
+                None => 0u8.hash(h),
+                Some(co) => {
+                    (1u8, co.ts, &co.value, co.client, co.scope, &co.acks_c, &co.acks_p).hash(h);
+                    (co.local_p, co.replied, co.val_c_sent).hash(h);
+                }
+            }
+            (&k.pending_p, k.waiting.iter().map(|(t, _)| *t).collect::<Vec<_>>()).hash(h);
+        }
+        (&self.unsettled, &self.partially).hash(h);
+        (self.missed.recording, self.missed.overflowed, &self.missed.keys).hash(h);
+        (self.next_seq, &self.inflight, self.pending_client_ops, &self.scopes).hash(h);
+        for (id, op) in &self.persist_ops {
+            (id, &op.writes, op.client, &op.acks).hash(h);
+        }
+        (self.next_persist_id, &self.persist_waits, &self.recent_tags).hash(h);
+    }
+    /// Volatile timestamp of `key` (default if absent), for invariant checks.
+    pub fn key_ts(&self, key: &[u8]) -> Ts {
+        self.store.get(key).map(|k| k.ts).unwrap_or_default()
     }
     /// Bytes of keys and values held.
     pub fn stored_bytes(&self) -> usize {
@@ -800,8 +843,9 @@ impl NodeCore {
         let epoch = self.config.epoch;
         let Some(k) = self.store.get_mut(key) else { return };
         let Some(c) = &mut k.coord else { return };
-        let all_c = others.iter().all(|n| c.acks_c.contains(n));
-        let all_p = others.iter().all(|n| c.acks_p.contains(n)) && c.local_p;
+        let skip = self.p.fault_skip_ack_wait;
+        let all_c = skip || others.iter().all(|n| c.acks_c.contains(n));
+        let all_p = (skip || others.iter().all(|n| c.acks_p.contains(n))) && c.local_p;
         let ts = c.ts;
         let mut reply = None;
         let mut vals: Vec<(bool, bool)> = Vec::new();
