@@ -1465,11 +1465,11 @@ impl Inner {
             self.index.lock().unwrap().objects.iter().map(|(k, e)| (*k, *e)).collect();
         entries.sort_by_key(|(k, _)| *k);
         for (key, e) in entries {
-            let f = self.open_slot(&e.slot)?;
             let version = if e.base.is_some() {
                 // A deferred copy: its checksums cover the bytes merged with the parent's.
                 objfmt::verify(&mut self.load(&key, &e)?)?
             } else {
+                let f = self.open_slot(&e.slot)?;
                 let live = self.read_live(&f, &key, &e)?;
                 objfmt::verify(&mut SlotObject {
                     file: &f,
@@ -1478,19 +1478,12 @@ impl Inner {
                     capacity_bytes: CLASS_DATA_BYTES[e.slot.class],
                 })?
             };
-            let live = self.read_live(&f, &key, &e)?;
-            let mut obj = SlotObject {
-                file: &f,
-                objfmt_header: live.objfmt_header,
-                len_bytes: e.len_bytes,
-                capacity_bytes: CLASS_DATA_BYTES[e.slot.class],
-            };
             if version == objfmt::SUSPECT {
                 tracing::warn!("object {key:?} does not match its checksums (interrupted write): it will be re-replicated");
             }
             boot.objects.push((key, version));
             if key.objno == TRACK_OBJNO && version != objfmt::SUSPECT {
-                boot.track_objects.push((key, objfmt::read_body(&mut obj)?));
+                boot.track_objects.push((key, self.load(&key, &e)?.body));
             }
         }
         match fs::read(self.root.join("state")) {
