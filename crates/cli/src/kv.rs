@@ -565,6 +565,13 @@ pub enum KvBench {
     /// the bytes it received, and the throughput lost from the kill until one second after the
     /// recovery, against the throughput before the kill. HEAL and full copy alternate runs.
     Recovery(KvRecoveryArgs),
+    /// YCSB A-F and the TAO-like mix through the project's driver against a local group, with
+    /// latency histograms, 100 ms throughput windows and, with --kill-at-s, a node killed and
+    /// recovered mid-run (see kv_ycsb.rs).
+    Ycsb(crate::kv_ycsb::KvYcsbArgs),
+    /// A real ZooKeeper 3-server ensemble beside a HEAL group: one replica down for the same EFN
+    /// under the same write rate; catch-up time of each (see kv_zk.rs).
+    Zookeeper(crate::kv_zk::KvZkArgs),
 }
 
 #[derive(Args, Debug)]
@@ -596,7 +603,11 @@ pub struct KvRecoveryArgs {
 }
 
 pub fn bench(b: KvBench, _verbose: u8) -> anyhow::Result<()> {
-    let KvBench::Recovery(a) = b;
+    let a = match b {
+        KvBench::Recovery(a) => a,
+        KvBench::Ycsb(a) => return crate::kv_ycsb::bench(a, _verbose),
+        KvBench::Zookeeper(a) => return crate::kv_zk::bench(a, _verbose),
+    };
     let keys = a.keys.unwrap_or(if a.quick { 2_000 } else { 1_000_000 });
     let efn = Duration::from_secs(a.efn_s.unwrap_or(if a.quick { 2 } else { 60 }));
     let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 });

@@ -19,6 +19,8 @@ mod demo;
 mod exports;
 mod failover;
 mod kv;
+mod kv_ycsb;
+mod kv_zk;
 mod nearlog;
 mod proc;
 mod qemu;
