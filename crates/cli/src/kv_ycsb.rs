@@ -179,7 +179,7 @@ pub(crate) struct RecoveryLine {
 pub(crate) fn recovery_line(dir: &Path, i: usize, from: u64) -> Option<RecoveryLine> {
     let text = std::fs::read(dir.join(format!("logs/node-{i}.log"))).ok()?;
     let text = String::from_utf8_lossy(text.get(from as usize..)?);
-    let line = text.lines().filter(|l| l.starts_with("recovered: node")).last()?;
+    let line = text.lines().rfind(|l| l.starts_with("recovered: node"))?;
     let num = |tag: &str| -> Option<f64> {
         let rest = line.split(tag).nth(1)?.trim_start();
         rest.split(|c: char| !(c.is_ascii_digit() || c == '.')).next()?.parse().ok()
