@@ -12,9 +12,9 @@
 //!   caught up when it serves a read itself (reads are linearizable, so it serves the latest).
 //!   The recovery latency the node reports (re-admission → Recov_end) is recorded too.
 //!
-//! Writes go to the surviving replicas only (open loop at --write-rate, up to
-//! `WRITES_INFLIGHT_MAX` in flight; a write that finds no free slot is counted as skipped), so
-//! both systems see the same stream. Rounds of the two systems alternate.
+//! Writes go to the surviving replicas only (open loop at --write-rate, up to --max-inflight in
+//! flight; a write that finds no free slot is counted as skipped), so both systems see the same
+//! stream. Rounds of the two systems alternate.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -32,8 +32,6 @@ use zk::{srvr, Ensemble, EnsembleOptions, ServerState, ZkClient};
 use crate::kv::{wait_all_serving, LocalKv};
 use crate::kv_ycsb::{bench_dir, log_len, recovery_line, up_args};
 
-/// Writes in flight at most; beyond it the open-loop driver skips (and counts) writes.
-pub const WRITES_INFLIGHT_MAX: usize = 256;
 /// Throughput windows.
 const WINDOW: Duration = Duration::from_millis(100);
 /// Longest run the window array covers.
@@ -61,6 +59,9 @@ pub struct KvZkArgs {
     /// Fixed write rate offered to both systems (writes per second).
     #[arg(long, default_value_t = 200)]
     pub write_rate: u64,
+    /// Writes in flight at most; a write due while all are busy is skipped (and counted).
+    #[arg(long, default_value_t = 32)]
+    pub max_inflight: usize,
     /// Keys (znodes) written round robin.
     #[arg(long, default_value_t = 1000)]
     pub keys: u64,
@@ -79,6 +80,10 @@ pub struct KvZkArgs {
     /// Writes before the failure, in seconds [default: 5; 2 with --quick].
     #[arg(long)]
     pub warmup_s: Option<f64>,
+    /// Failure detection timeout of the HEAL group's CM (its read lease is half of it). Writes
+    /// stall from the failure until the CM removes the node (all live replicas must ACK).
+    #[arg(long, default_value_t = 1000)]
+    pub failure_timeout_ms: u64,
     /// Persistency model of the HEAL group (synch: every replica persists before a write is
     /// acknowledged, as ZooKeeper's quorum fsyncs its log).
     #[arg(long, default_value = "synch")]
@@ -156,7 +161,7 @@ impl Load {
 }
 
 /// Offers `rate` writes per second to `writer` until `load.stop`.
-fn drive(writer: Writer, rate: u64, keys: u64, value_bytes: usize) -> (Arc<Load>, tokio::task::JoinHandle<()>) {
+fn drive(writer: Writer, rate: u64, keys: u64, value_bytes: usize, inflight: usize) -> (Arc<Load>, tokio::task::JoinHandle<()>) {
     let load = Arc::new(Load {
         start: Instant::now(),
         stop: AtomicBool::new(false),
@@ -169,7 +174,7 @@ fn drive(writer: Writer, rate: u64, keys: u64, value_bytes: usize) -> (Arc<Load>
     });
     let l = load.clone();
     let task = tokio::spawn(async move {
-        let slots = Arc::new(tokio::sync::Semaphore::new(WRITES_INFLIGHT_MAX));
+        let slots = Arc::new(tokio::sync::Semaphore::new(inflight));
         let period = Duration::from_secs_f64(1.0 / rate as f64);
         let mut n: u64 = 0;
         while !l.stop.load(Ordering::Relaxed) {
@@ -203,7 +208,7 @@ fn drive(writer: Writer, rate: u64, keys: u64, value_bytes: usize) -> (Arc<Load>
             });
         }
         // Let the writes in flight finish.
-        let _ = slots.acquire_many(WRITES_INFLIGHT_MAX as u32).await;
+        let _ = slots.acquire_many(inflight as u32).await;
     });
     (load, task)
 }
@@ -264,6 +269,7 @@ struct Plan {
     rate: u64,
     keys: u64,
     value_bytes: usize,
+    inflight: usize,
     fault: Fault,
 }
 
@@ -286,7 +292,7 @@ async fn zk_round(p: &Plan, dir: PathBuf) -> anyhow::Result<Round> {
             _ => None,
         }
     };
-    let (load, task) = drive(writer, p.rate, p.keys, p.value_bytes);
+    let (load, task) = drive(writer, p.rate, p.keys, p.value_bytes, p.inflight);
     let mut r = Round::default();
     let res = async {
         tokio::time::sleep(p.warmup).await;
@@ -348,7 +354,7 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
     let live: Vec<SocketAddr> = addrs.iter().enumerate().filter(|(i, _)| *i != victim).map(|(_, a)| *a).collect();
     let writer = Writer::Heal(KvCluster::new(live, lk.secret.clone()));
     writer.setup(p.keys, &vec![b'v'; p.value_bytes]).await.context("writing the keys")?;
-    let (load, task) = drive(writer, p.rate, p.keys, p.value_bytes);
+    let (load, task) = drive(writer, p.rate, p.keys, p.value_bytes, p.inflight);
     let mut r = Round::default();
     let dir = lk.dir.clone();
     let secret = lk.secret.clone();
@@ -411,6 +417,8 @@ const SYSTEMS: [&str; 2] = ["heal", "zookeeper"];
 pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<()> {
     anyhow::ensure!(a.write_rate >= 1 && a.write_rate <= 100_000, "--write-rate must be between 1 and 100000 writes per second");
     anyhow::ensure!(a.keys >= 1, "--keys must be at least 1");
+    anyhow::ensure!(a.failure_timeout_ms >= 100, "--failure-timeout-ms must be at least 100");
+    anyhow::ensure!((1..=4096).contains(&a.max_inflight), "--max-inflight must be between 1 and 4096");
     anyhow::ensure!((8..=zk::jute::MAX_DATA_BYTES).contains(&a.value_bytes), "--value-bytes must be between 8 and {}", zk::jute::MAX_DATA_BYTES);
     anyhow::ensure!((3..=16).contains(&a.nodes), "--nodes must be between 3 and 16");
     let efn_s = a.efn_s.unwrap_or(if a.quick { 3.0 } else { 60.0 });
@@ -428,6 +436,7 @@ pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<()> {
         rate: a.write_rate,
         keys: a.keys,
         value_bytes: a.value_bytes,
+        inflight: a.max_inflight,
         fault: a.fault,
     };
     let out = bench::out_dir("kv", a.out.clone())?;
@@ -446,8 +455,16 @@ pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<()> {
         );
         let tmp = bench_dir(if v == 0 { "understudy-kvzk-heal-" } else { "understudy-kvzk-zk-" })?;
         let r = if v == 0 {
-            let extra: Vec<String> =
-                ["--model", &a.model, "--failure-timeout-ms", "2000", "--lease-ms", "1000"].map(String::from).to_vec();
+            let extra: Vec<String> = [
+                "--model",
+                &a.model,
+                "--failure-timeout-ms",
+                &a.failure_timeout_ms.to_string(),
+                "--lease-ms",
+                &(a.failure_timeout_ms / 2).to_string(),
+            ]
+            .map(String::from)
+            .to_vec();
             let mut lk = LocalKv::start(&up_args(tmp.path(), a.nodes, &extra)?)?;
             let r = rt.block_on(heal_round(&plan, &mut lk, a.nodes));
             lk.stop();

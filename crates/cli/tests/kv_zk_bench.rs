@@ -14,7 +14,7 @@ fn quick_zookeeper_comparison_prints_bench_md_json() {
     let dir = tempfile::Builder::new().prefix("understudy-kv-zk-test-").tempdir().unwrap();
     let out = dir.path().join("out");
     let o = Command::new(env!("CARGO_BIN_EXE_understudy"))
-        .args(["bench", "kv", "zookeeper", "--quick", "--efn-s", "2", "--warmup-s", "1", "--write-rate", "100"])
+        .args(["bench", "kv", "zookeeper", "--quick", "--efn-s", "2", "--warmup-s", "1", "--write-rate", "50"])
         .args(["--keys", "100", "--out"])
         .arg(&out)
         .current_dir(dir.path())
