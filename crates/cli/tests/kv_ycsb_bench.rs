@@ -36,12 +36,17 @@ fn quick_ycsb_with_a_kill_prints_bench_md_json() {
         "heal.b.c4.run.read.latency_us_p50",
         "heal.b.c4.run.read.latency_us_p99",
         "heal.b.c4.run.update.latency_us_p999",
-        "heal.b.c4.run.window.throughput_ops_per_s_p50",
         "kill.restart_to_serving_ms",
         "kill.at_s",
     ] {
         let v = figures.get(name).unwrap_or_else(|| panic!("{name} missing: {json}"));
         assert!(v.as_f64().unwrap() > 0.0, "{name} = {v}");
+    }
+    // Present, but may be zero: the failure stalls writes, and closed-loop clients with them,
+    // for a good part of this short run.
+    for name in ["heal.b.c4.run.window.throughput_ops_per_s_p50", "kill.down.throughput_ops_per_s"] {
+        let v = figures.get(name).unwrap_or_else(|| panic!("{name} missing: {json}"));
+        assert!(v.as_f64().unwrap() >= 0.0, "{name} = {v}");
     }
     assert_eq!(figures["heal.b.c4.load.ops_count"], 300.0);
     // Every value read back was one the driver wrote, and no acknowledged record was lost.
