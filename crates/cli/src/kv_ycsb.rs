@@ -19,7 +19,10 @@ use clap::{Args, Parser};
 
 use ::kv::msg::{ClientOp, ClientResult};
 use ::kv::runtime::KvClient;
-use ycsb::{KeyFormat, KvTarget, PhaseSummary, RequestDistribution, RunConfig, Runner, TargetError, WorkloadSpec};
+use ycsb::{
+    KeyFormat, KvTarget, PhaseSummary, RequestDistribution, RunConfig, Runner, TargetError,
+    WorkloadSpec,
+};
 
 use crate::kv::{wait_all_serving, LocalKv, UpArgs};
 
@@ -91,7 +94,10 @@ impl HealTarget {
                 }
             }
             if start.elapsed() > self.retry_for {
-                return Err(TargetError::Io(format!("no node answered within {:?}; last: {last}", self.retry_for)));
+                return Err(TargetError::Io(format!(
+                    "no node answered within {:?}; last: {last}",
+                    self.retry_for
+                )));
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
@@ -106,14 +112,25 @@ impl KvTarget for HealTarget {
     async fn get(&mut self, key: &[u8]) -> Result<Option<Vec<u8>>, TargetError> {
         match self.op(ClientOp::Get { key: key.to_vec() }).await? {
             ClientResult::Value(v) => Ok(v),
-            other => Err(TargetError::Store(format!("unexpected answer to a get: {other:?}"))),
+            other => Err(TargetError::Store(format!(
+                "unexpected answer to a get: {other:?}"
+            ))),
         }
     }
 
     async fn put(&mut self, key: &[u8], value: &[u8]) -> Result<(), TargetError> {
-        match self.op(ClientOp::Put { key: key.to_vec(), value: value.to_vec(), scope: None }).await? {
+        match self
+            .op(ClientOp::Put {
+                key: key.to_vec(),
+                value: value.to_vec(),
+                scope: None,
+            })
+            .await?
+        {
             ClientResult::Done => Ok(()),
-            other => Err(TargetError::Store(format!("unexpected answer to a put: {other:?}"))),
+            other => Err(TargetError::Store(format!(
+                "unexpected answer to a put: {other:?}"
+            ))),
         }
     }
 }
@@ -130,37 +147,63 @@ pub(crate) fn up_args(dir: &Path, nodes: u32, extra: &[String]) -> anyhow::Resul
     }
     let mut argv: Vec<String> = ["up", "--dir"].map(String::from).to_vec();
     argv.push(dir.to_string_lossy().into_owned());
-    argv.extend(["--nodes".to_string(), nodes.to_string(), "--port-base".into(), "0".into(), "--restart-after-ms".into(), "0".into()]);
+    argv.extend([
+        "--nodes".to_string(),
+        nodes.to_string(),
+        "--port-base".into(),
+        "0".into(),
+        "--restart-after-ms".into(),
+        "0".into(),
+    ]);
     argv.extend(extra.iter().cloned());
-    Ok(Wrap::try_parse_from(argv).map_err(|e| anyhow::anyhow!("kv group arguments: {e}"))?.up)
+    Ok(Wrap::try_parse_from(argv)
+        .map_err(|e| anyhow::anyhow!("kv group arguments: {e}"))?
+        .up)
 }
 
 /// A fresh directory for a benchmark group under ./target/bench-clusters (a real disk: the
 /// nodes' logs must really be synced).
 pub(crate) fn bench_dir(prefix: &str) -> anyhow::Result<tempfile::TempDir> {
-    let work = std::env::current_dir()?.join("target").join("bench-clusters");
+    let work = std::env::current_dir()?
+        .join("target")
+        .join("bench-clusters");
     std::fs::create_dir_all(&work).with_context(|| format!("cannot create {}", work.display()))?;
     Ok(tempfile::Builder::new().prefix(prefix).tempdir_in(&work)?)
 }
 
 /// Polls node `addr` until it serves a read itself; returns when it did. A recovering node
 /// (HEAL's ShadowReplica) answers NotServing until its Recov_end.
-pub(crate) async fn wait_node_serving(addr: SocketAddr, secret: &[u8], timeout: Duration) -> anyhow::Result<Instant> {
+pub(crate) async fn wait_node_serving(
+    addr: SocketAddr,
+    secret: &[u8],
+    timeout: Duration,
+) -> anyhow::Result<Instant> {
     let start = Instant::now();
     loop {
         if let Ok(mut c) = KvClient::connect(addr, secret).await {
             c.timeout = Duration::from_secs(1);
             loop {
-                match c.call(ClientOp::Get { key: b"__understudy_ready".to_vec() }).await {
+                match c
+                    .call(ClientOp::Get {
+                        key: b"__understudy_ready".to_vec(),
+                    })
+                    .await
+                {
                     Ok(ClientResult::Value(_)) => return Ok(Instant::now()),
                     Ok(_) => {}
                     Err(_) => break,
                 }
-                anyhow::ensure!(start.elapsed() < timeout, "node {addr} did not serve within {timeout:?}");
+                anyhow::ensure!(
+                    start.elapsed() < timeout,
+                    "node {addr} did not serve within {timeout:?}"
+                );
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
         }
-        anyhow::ensure!(start.elapsed() < timeout, "node {addr} did not serve within {timeout:?}");
+        anyhow::ensure!(
+            start.elapsed() < timeout,
+            "node {addr} did not serve within {timeout:?}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -182,7 +225,10 @@ pub(crate) fn recovery_line(dir: &Path, i: usize, from: u64) -> Option<RecoveryL
     let line = text.lines().rfind(|l| l.starts_with("recovered: node"))?;
     let num = |tag: &str| -> Option<f64> {
         let rest = line.split(tag).nth(1)?.trim_start();
-        rest.split(|c: char| !(c.is_ascii_digit() || c == '.')).next()?.parse().ok()
+        rest.split(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .next()?
+            .parse()
+            .ok()
     };
     Some(RecoveryLine {
         total_ms: num(" in "),
@@ -194,13 +240,19 @@ pub(crate) fn recovery_line(dir: &Path, i: usize, from: u64) -> Option<RecoveryL
 
 /// Size of node `i`'s log file so far (to read only what a restart adds).
 pub(crate) fn log_len(dir: &Path, i: usize) -> u64 {
-    std::fs::metadata(dir.join(format!("logs/node-{i}.log"))).map(|m| m.len()).unwrap_or(0)
+    std::fs::metadata(dir.join(format!("logs/node-{i}.log")))
+        .map(|m| m.len())
+        .unwrap_or(0)
 }
 
 pub(crate) fn rss_bytes(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
         .map(|kb| kb * 1024)
         .unwrap_or(0)
 }
@@ -295,7 +347,10 @@ fn build_spec(a: &KvYcsbArgs) -> anyhow::Result<WorkloadSpec> {
     };
     spec.field_count = a.field_count;
     spec.field_length_bytes = a.field_length;
-    spec.key_format = KeyFormat { key_size_bytes: a.key_size, ..spec.key_format };
+    spec.key_format = KeyFormat {
+        key_size_bytes: a.key_size,
+        ..spec.key_format
+    };
     spec.validate()?;
     Ok(spec)
 }
@@ -310,11 +365,17 @@ struct FaultTimes {
 
 pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
     anyhow::ensure!(a.clients >= 1, "--clients must be at least 1");
-    anyhow::ensure!((3..=16).contains(&a.nodes), "--nodes must be between 3 and 16");
+    anyhow::ensure!(
+        (3..=16).contains(&a.nodes),
+        "--nodes must be between 3 and 16"
+    );
     let spec = build_spec(&a)?;
     let mut duration_s = a.duration_s.unwrap_or(if a.quick { 10 } else { 60 }) as f64;
     if let Some(k) = a.kill_at_s {
-        anyhow::ensure!(k > 0.0 && a.down_s >= 0.0, "--kill-at-s must be positive and --down-s not negative");
+        anyhow::ensure!(
+            k > 0.0 && a.down_s >= 0.0,
+            "--kill-at-s must be positive and --down-s not negative"
+        );
         if a.quick && a.duration_s.is_none() {
             duration_s = duration_s.max(k + a.down_s + 4.0);
         }
@@ -328,7 +389,12 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
     let tmp = bench_dir("understudy-kv-ycsb-")?;
     let dir = tmp.path().to_path_buf();
     let extra: Vec<String> = [
-        "--model", &a.model, "--failure-timeout-ms", &a.failure_timeout_ms.to_string(), "--lease-ms", &a.lease_ms.to_string(),
+        "--model",
+        &a.model,
+        "--failure-timeout-ms",
+        &a.failure_timeout_ms.to_string(),
+        "--lease-ms",
+        &a.lease_ms.to_string(),
     ]
     .map(String::from)
     .to_vec();
@@ -341,7 +407,11 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
         seed: a.seed,
         max_duration: Some(Duration::from_secs_f64(duration_s)),
         // Through a failure, operations that time out are counted, not fatal.
-        max_errors: if a.kill_at_s.is_some() { u64::MAX } else { 1000 },
+        max_errors: if a.kill_at_s.is_some() {
+            u64::MAX
+        } else {
+            1000
+        },
         ..RunConfig::default()
     };
     eprintln!(
@@ -360,12 +430,20 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
     let rt = crate::runtime()?;
     let result = rt.block_on(async {
         wait_all_serving(&lk.file, &lk.secret, Duration::from_secs(120)).await?;
-        let targets: Vec<HealTarget> = (0..clients).map(|i| HealTarget::new(addrs.clone(), secret.clone(), i)).collect();
+        let targets: Vec<HealTarget> = (0..clients)
+            .map(|i| HealTarget::new(addrs.clone(), secret.clone(), i))
+            .collect();
         let (targets, load) = runner.load(targets, &config).await?;
-        eprintln!("load: {} inserts in {:.1} s", load.completed_ops(), load.elapsed.as_secs_f64());
+        eprintln!(
+            "load: {} inserts in {:.1} s",
+            load.completed_ops(),
+            load.elapsed.as_secs_f64()
+        );
         let t0 = Instant::now();
         let fault = async {
-            let Some(kill_at) = a.kill_at_s else { return Ok(None) };
+            let Some(kill_at) = a.kill_at_s else {
+                return Ok(None);
+            };
             tokio::time::sleep(Duration::from_secs_f64(kill_at)).await;
             let log_from = log_len(&dir, victim);
             lk.kill9(victim)?;
@@ -375,7 +453,8 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
             lk.restart_node(victim)?;
             let restarted = Instant::now();
             let restart_s = t0.elapsed().as_secs_f64();
-            let serving = wait_node_serving(addrs[victim], &secret, Duration::from_secs(120)).await?;
+            let serving =
+                wait_node_serving(addrs[victim], &secret, Duration::from_secs(120)).await?;
             let serving_s = serving.duration_since(t0).as_secs_f64();
             eprintln!(
                 "node {victim} restarted at {restart_s:.2} s, serving again after {:.1} ms",
@@ -390,7 +469,12 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            anyhow::Ok(Some(FaultTimes { kill_s, restart_s, serving_s, recovery }))
+            anyhow::Ok(Some(FaultTimes {
+                kill_s,
+                restart_s,
+                serving_s,
+                recovery,
+            }))
         };
         let (run, fault) = tokio::join!(runner.run(targets, &config), fault);
         let (_, run) = run?;
@@ -445,10 +529,17 @@ fn mean_rate(rates: &[f64], window_s: f64, from_s: f64, to_s: f64) -> Option<f64
     (first < last).then(|| rates[first..last].iter().sum::<f64>() / (last - first) as f64)
 }
 
-fn add_fault_figures(report: &mut bench::Report, f: &FaultTimes, run: &PhaseSummary) -> anyhow::Result<()> {
+fn add_fault_figures(
+    report: &mut bench::Report,
+    f: &FaultTimes,
+    run: &PhaseSummary,
+) -> anyhow::Result<()> {
     report.figure("kill.at_s", f.kill_s)?;
     report.figure("kill.down_s", f.restart_s - f.kill_s)?;
-    report.figure("kill.restart_to_serving_ms", (f.serving_s - f.restart_s) * 1000.0)?;
+    report.figure(
+        "kill.restart_to_serving_ms",
+        (f.serving_s - f.restart_s) * 1000.0,
+    )?;
     if let Some(r) = &f.recovery {
         for (name, v) in [
             ("kill.heal.recovery_latency_ms", r.total_ms),
@@ -465,9 +556,17 @@ fn add_fault_figures(report: &mut bench::Report, f: &FaultTimes, run: &PhaseSumm
     let w = run.window.as_secs_f64();
     let end = rates.len() as f64 * w;
     let spans = [
-        ("kill.before.throughput_ops_per_s", (f.kill_s - 2.0).max(0.0), f.kill_s),
+        (
+            "kill.before.throughput_ops_per_s",
+            (f.kill_s - 2.0).max(0.0),
+            f.kill_s,
+        ),
         ("kill.down.throughput_ops_per_s", f.kill_s, f.restart_s),
-        ("kill.recovering.throughput_ops_per_s", f.restart_s, f.serving_s),
+        (
+            "kill.recovering.throughput_ops_per_s",
+            f.restart_s,
+            f.serving_s,
+        ),
         ("kill.after.throughput_ops_per_s", f.serving_s + 0.5, end),
     ];
     for (name, from, to) in spans {
@@ -479,30 +578,62 @@ fn add_fault_figures(report: &mut bench::Report, f: &FaultTimes, run: &PhaseSumm
 }
 
 /// The run's throughput timeline (with the failure marked) and latency CDFs, as CSV and plots.
-fn write_samples(out: &Path, prefix: &str, run: &PhaseSummary, fault: Option<&FaultTimes>) -> anyhow::Result<()> {
+fn write_samples(
+    out: &Path,
+    prefix: &str,
+    run: &PhaseSummary,
+    fault: Option<&FaultTimes>,
+) -> anyhow::Result<()> {
     let stem = prefix.replace('.', "-");
     let window_s = run.window.as_secs_f64();
-    let timeline: Vec<(f64, f64)> =
-        run.window_ops_per_s().into_iter().enumerate().map(|(i, rate)| (i as f64 * window_s, rate)).collect();
+    let timeline: Vec<(f64, f64)> = run
+        .window_ops_per_s()
+        .into_iter()
+        .enumerate()
+        .map(|(i, rate)| (i as f64 * window_s, rate))
+        .collect();
     bench::write_csv(
         &out.join(format!("{stem}-throughput.csv")),
         &["window_start_s", "throughput_ops_per_s"],
-        timeline.iter().map(|(t, r)| vec![format!("{t:.1}"), format!("{r:.0}")]),
+        timeline
+            .iter()
+            .map(|(t, r)| vec![format!("{t:.1}"), format!("{r:.0}")]),
     )?;
     let mut cdf_rows = vec![];
     let mut cdfs = vec![];
     for (label, stats) in &run.ops {
         let points = stats.latency.cdf_points();
-        cdf_rows.extend(points.iter().map(|(us, f)| vec![label.to_string(), format!("{us}"), format!("{f:.6}")]));
-        cdfs.push(bench::Series { name: label.to_string(), points });
+        cdf_rows.extend(
+            points
+                .iter()
+                .map(|(us, f)| vec![label.to_string(), format!("{us}"), format!("{f:.6}")]),
+        );
+        cdfs.push(bench::Series {
+            name: label.to_string(),
+            points,
+        });
     }
-    bench::write_csv(&out.join(format!("{stem}-latency-cdf.csv")), &["operation", "latency_us", "fraction"], cdf_rows)?;
+    bench::write_csv(
+        &out.join(format!("{stem}-latency-cdf.csv")),
+        &["operation", "latency_us", "fraction"],
+        cdf_rows,
+    )?;
     if timeline.len() >= 2 {
         let top = timeline.iter().map(|p| p.1).fold(0.0, f64::max);
-        let mut series = vec![bench::Series { name: "all operations".into(), points: timeline }];
+        let mut series = vec![bench::Series {
+            name: "all operations".into(),
+            points: timeline,
+        }];
         if let Some(f) = fault {
-            for (name, t) in [("node killed", f.kill_s), ("node restarted", f.restart_s), ("node serving again", f.serving_s)] {
-                series.push(bench::Series { name: format!("{name} ({t:.2} s)"), points: vec![(t, 0.0), (t, top)] });
+            for (name, t) in [
+                ("node killed", f.kill_s),
+                ("node restarted", f.restart_s),
+                ("node serving again", f.serving_s),
+            ] {
+                series.push(bench::Series {
+                    name: format!("{name} ({t:.2} s)"),
+                    points: vec![(t, 0.0), (t, top)],
+                });
             }
         }
         bench::line_plot(
@@ -515,7 +646,13 @@ fn write_samples(out: &Path, prefix: &str, run: &PhaseSummary, fault: Option<&Fa
         )?;
     }
     if !cdfs.is_empty() {
-        bench::cdf_plot(&out.join(format!("{stem}-latency-cdf")), &format!("{prefix}: latency"), "latency (µs)", &cdfs, bench::Scale::Log)?;
+        bench::cdf_plot(
+            &out.join(format!("{stem}-latency-cdf")),
+            &format!("{prefix}: latency"),
+            "latency (µs)",
+            &cdfs,
+            bench::Scale::Log,
+        )?;
     }
     Ok(())
 }

@@ -128,7 +128,9 @@ impl Writer {
                     match &w {
                         Writer::Heal(_) => w.write(k, k, &value).await?,
                         Writer::Zk(cs) => {
-                            cs[(k % cs.len() as u64) as usize].upsert(&format!("/understudy/k{k:08}"), &value).await?;
+                            cs[(k % cs.len() as u64) as usize]
+                                .upsert(&format!("/understudy/k{k:08}"), &value)
+                                .await?;
                         }
                     }
                 }
@@ -155,13 +157,25 @@ struct Load {
 
 impl Load {
     fn completed_between(&self, from: Duration, to: Duration) -> u64 {
-        let (a, b) = ((from.as_millis() / WINDOW.as_millis()) as usize, (to.as_millis() / WINDOW.as_millis()) as usize);
-        self.windows[a.min(WINDOWS_MAX)..b.min(WINDOWS_MAX)].iter().map(|w| w.load(Ordering::Relaxed)).sum()
+        let (a, b) = (
+            (from.as_millis() / WINDOW.as_millis()) as usize,
+            (to.as_millis() / WINDOW.as_millis()) as usize,
+        );
+        self.windows[a.min(WINDOWS_MAX)..b.min(WINDOWS_MAX)]
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed))
+            .sum()
     }
 }
 
 /// Offers `rate` writes per second to `writer` until `load.stop`.
-fn drive(writer: Writer, rate: u64, keys: u64, value_bytes: usize, inflight: usize) -> (Arc<Load>, tokio::task::JoinHandle<()>) {
+fn drive(
+    writer: Writer,
+    rate: u64,
+    keys: u64,
+    value_bytes: usize,
+    inflight: usize,
+) -> (Arc<Load>, tokio::task::JoinHandle<()>) {
     let load = Arc::new(Load {
         start: Instant::now(),
         stop: AtomicBool::new(false),
@@ -188,7 +202,8 @@ fn drive(writer: Writer, rate: u64, keys: u64, value_bytes: usize, inflight: usi
             tokio::spawn(async move {
                 let mut value = vec![b'v'; value_bytes];
                 let tag = n.to_le_bytes();
-                value[..tag.len().min(value_bytes)].copy_from_slice(&tag[..tag.len().min(value_bytes)]);
+                value[..tag.len().min(value_bytes)]
+                    .copy_from_slice(&tag[..tag.len().min(value_bytes)]);
                 let t = Instant::now();
                 match w.write(n, n % keys, &value).await {
                     Ok(()) => {
@@ -201,7 +216,10 @@ fn drive(writer: Writer, rate: u64, keys: u64, value_bytes: usize, inflight: usi
                     }
                     Err(e) => {
                         l.errors.fetch_add(1, Ordering::Relaxed);
-                        l.first_error.lock().unwrap().get_or_insert_with(|| format!("{e:#}"));
+                        l.first_error
+                            .lock()
+                            .unwrap()
+                            .get_or_insert_with(|| format!("{e:#}"));
                     }
                 }
                 drop(permit);
@@ -256,7 +274,10 @@ fn finish_load(load: &Load, r: &mut Round) {
     r.errors = load.errors.load(Ordering::Relaxed);
     r.skipped = load.skipped.load(Ordering::Relaxed);
     r.done = load.done.load(Ordering::Relaxed);
-    r.efn_writes = load.completed_between(Duration::from_secs_f64(r.kill_s), Duration::from_secs_f64(r.restart_s));
+    r.efn_writes = load.completed_between(
+        Duration::from_secs_f64(r.kill_s),
+        Duration::from_secs_f64(r.restart_s),
+    );
     if let Some(e) = load.first_error.lock().unwrap().as_ref() {
         eprintln!("  {} writes failed; the first: {e}", r.errors);
     }
@@ -282,10 +303,20 @@ async fn zk_round(p: &Plan, dir: PathBuf) -> anyhow::Result<Round> {
     let live: Vec<usize> = (0..e.len()).filter(|&i| i != victim).collect();
     let mut clients = Vec::new();
     for &i in &live {
-        clients.push(ZkClient::connect(e.client_addr(i), Duration::from_secs(10), Duration::from_secs(30)).await?);
+        clients.push(
+            ZkClient::connect(
+                e.client_addr(i),
+                Duration::from_secs(10),
+                Duration::from_secs(30),
+            )
+            .await?,
+        );
     }
     let writer = Writer::Zk(Arc::new(clients));
-    writer.setup(p.keys, &vec![b'v'; p.value_bytes]).await.context("creating the znodes")?;
+    writer
+        .setup(p.keys, &vec![b'v'; p.value_bytes])
+        .await
+        .context("creating the znodes")?;
     let zxid_of = |addr: SocketAddr| async move {
         match srvr(addr, Duration::from_secs(1)).await {
             Ok(ServerState::Serving { zxid, .. }) => Some(zxid),
@@ -335,7 +366,9 @@ async fn zk_round(p: &Plan, dir: PathBuf) -> anyhow::Result<Round> {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         r.caught_up_s = load.start.elapsed().as_secs_f64();
-        r.listen_s = listening.map(|t| t.duration_since(load.start).as_secs_f64()).unwrap_or(r.caught_up_s);
+        r.listen_s = listening
+            .map(|t| t.duration_since(load.start).as_secs_f64())
+            .unwrap_or(r.caught_up_s);
         tokio::time::sleep(p.tail).await;
         anyhow::Ok(())
     }
@@ -351,9 +384,17 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
     wait_all_serving(&lk.file, &lk.secret, Duration::from_secs(180)).await?;
     let addrs: Vec<SocketAddr> = lk.file.nodes.values().copied().collect();
     let victim = model_nodes as usize - 1;
-    let live: Vec<SocketAddr> = addrs.iter().enumerate().filter(|(i, _)| *i != victim).map(|(_, a)| *a).collect();
+    let live: Vec<SocketAddr> = addrs
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != victim)
+        .map(|(_, a)| *a)
+        .collect();
     let writer = Writer::Heal(KvCluster::new(live, lk.secret.clone()));
-    writer.setup(p.keys, &vec![b'v'; p.value_bytes]).await.context("writing the keys")?;
+    writer
+        .setup(p.keys, &vec![b'v'; p.value_bytes])
+        .await
+        .context("writing the keys")?;
     let (load, task) = drive(writer, p.rate, p.keys, p.value_bytes, p.inflight);
     let mut r = Round::default();
     let dir = lk.dir.clone();
@@ -364,13 +405,19 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
         let pid = lk.pid(victim).context("the victim node is not running")?;
         match p.fault {
             Fault::Kill => lk.kill9(victim)?,
-            Fault::Stop => anyhow::ensure!(crate::proc::signal(pid, libc::SIGSTOP), "cannot stop node {victim}"),
+            Fault::Stop => anyhow::ensure!(
+                crate::proc::signal(pid, libc::SIGSTOP),
+                "cannot stop node {victim}"
+            ),
         }
         r.kill_s = load.start.elapsed().as_secs_f64();
         tokio::time::sleep(p.efn).await;
         match p.fault {
             Fault::Kill => lk.restart_node(victim)?,
-            Fault::Stop => anyhow::ensure!(crate::proc::signal(pid, libc::SIGCONT), "cannot continue node {victim}"),
+            Fault::Stop => anyhow::ensure!(
+                crate::proc::signal(pid, libc::SIGCONT),
+                "cannot continue node {victim}"
+            ),
         }
         let restarted = Instant::now();
         r.restart_s = load.start.elapsed().as_secs_f64();
@@ -380,20 +427,33 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
                 listening.get_or_insert_with(Instant::now);
                 c.timeout = Duration::from_secs(1);
                 loop {
-                    match c.call(::kv::msg::ClientOp::Get { key: b"k00000000".to_vec() }).await {
+                    match c
+                        .call(::kv::msg::ClientOp::Get {
+                            key: b"k00000000".to_vec(),
+                        })
+                        .await
+                    {
                         Ok(::kv::msg::ClientResult::Value(_)) => break 'serving,
                         Ok(_) => {}
                         Err(_) => break,
                     }
-                    anyhow::ensure!(restarted.elapsed() < CATCHUP_TIMEOUT, "node {victim} did not serve again");
+                    anyhow::ensure!(
+                        restarted.elapsed() < CATCHUP_TIMEOUT,
+                        "node {victim} did not serve again"
+                    );
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
             }
-            anyhow::ensure!(restarted.elapsed() < CATCHUP_TIMEOUT, "node {victim} did not serve again");
+            anyhow::ensure!(
+                restarted.elapsed() < CATCHUP_TIMEOUT,
+                "node {victim} did not serve again"
+            );
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         r.caught_up_s = load.start.elapsed().as_secs_f64();
-        r.listen_s = listening.map(|t| t.duration_since(load.start).as_secs_f64()).unwrap_or(r.caught_up_s);
+        r.listen_s = listening
+            .map(|t| t.duration_since(load.start).as_secs_f64())
+            .unwrap_or(r.caught_up_s);
         for _ in 0..200 {
             if let Some(l) = recovery_line(&dir, victim, log_from) {
                 r.node_recovery_ms = l.total_ms;
@@ -415,20 +475,43 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
 const SYSTEMS: [&str; 2] = ["heal", "zookeeper"];
 
 pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<()> {
-    anyhow::ensure!(a.write_rate >= 1 && a.write_rate <= 100_000, "--write-rate must be between 1 and 100000 writes per second");
+    anyhow::ensure!(
+        a.write_rate >= 1 && a.write_rate <= 100_000,
+        "--write-rate must be between 1 and 100000 writes per second"
+    );
     anyhow::ensure!(a.keys >= 1, "--keys must be at least 1");
-    anyhow::ensure!(a.failure_timeout_ms >= 100, "--failure-timeout-ms must be at least 100");
-    anyhow::ensure!((1..=4096).contains(&a.max_inflight), "--max-inflight must be between 1 and 4096");
-    anyhow::ensure!((8..=zk::jute::MAX_DATA_BYTES).contains(&a.value_bytes), "--value-bytes must be between 8 and {}", zk::jute::MAX_DATA_BYTES);
-    anyhow::ensure!((3..=16).contains(&a.nodes), "--nodes must be between 3 and 16");
+    anyhow::ensure!(
+        a.failure_timeout_ms >= 100,
+        "--failure-timeout-ms must be at least 100"
+    );
+    anyhow::ensure!(
+        (1..=4096).contains(&a.max_inflight),
+        "--max-inflight must be between 1 and 4096"
+    );
+    anyhow::ensure!(
+        (8..=zk::jute::MAX_DATA_BYTES).contains(&a.value_bytes),
+        "--value-bytes must be between 8 and {}",
+        zk::jute::MAX_DATA_BYTES
+    );
+    anyhow::ensure!(
+        (3..=16).contains(&a.nodes),
+        "--nodes must be between 3 and 16"
+    );
     let efn_s = a.efn_s.unwrap_or(if a.quick { 3.0 } else { 60.0 });
     let warmup_s = a.warmup_s.unwrap_or(if a.quick { 2.0 } else { 5.0 });
-    anyhow::ensure!(efn_s >= 0.0 && efn_s.is_finite() && warmup_s >= 0.0 && warmup_s.is_finite(), "--efn-s and --warmup-s must be finite and not negative");
+    anyhow::ensure!(
+        efn_s >= 0.0 && efn_s.is_finite() && warmup_s >= 0.0 && warmup_s.is_finite(),
+        "--efn-s and --warmup-s must be finite and not negative"
+    );
     let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 2 });
     anyhow::ensure!(rounds >= 1, "--rounds must be at least 1");
     // Fail early, with the install line, if ZooKeeper is missing.
     let jar = zk::ensemble::DEBIAN_ZOOKEEPER_JAR;
-    anyhow::ensure!(std::path::Path::new(jar).exists(), "{jar} not found; {}", zk::ensemble::INSTALL_HINT);
+    anyhow::ensure!(
+        std::path::Path::new(jar).exists(),
+        "{jar} not found; {}",
+        zk::ensemble::INSTALL_HINT
+    );
     let plan = Plan {
         efn: Duration::from_secs_f64(efn_s),
         warmup: Duration::from_secs_f64(warmup_s),
@@ -442,7 +525,10 @@ pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<()> {
     let out = bench::out_dir("kv", a.out.clone())?;
     let rt = crate::runtime()?;
     let mut results: [Vec<Round>; 2] = [vec![], vec![]];
-    for (i, v) in bench::interleaved_order(rounds, SYSTEMS.len()).into_iter().enumerate() {
+    for (i, v) in bench::interleaved_order(rounds, SYSTEMS.len())
+        .into_iter()
+        .enumerate()
+    {
         eprintln!(
             "run {}/{}: {} ({:?} of one replica for {efn_s} s under {} writes/s of {} B over {} keys)",
             i + 1,
@@ -453,7 +539,11 @@ pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<()> {
             a.value_bytes,
             a.keys
         );
-        let tmp = bench_dir(if v == 0 { "understudy-kvzk-heal-" } else { "understudy-kvzk-zk-" })?;
+        let tmp = bench_dir(if v == 0 {
+            "understudy-kvzk-heal-"
+        } else {
+            "understudy-kvzk-zk-"
+        })?;
         let r = if v == 0 {
             let extra: Vec<String> = [
                 "--model",
@@ -497,19 +587,39 @@ pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<()> {
     report.figure("efn_s", efn_s)?;
     report.figure("offered_write_rate_ops_per_s", a.write_rate as f64)?;
     report.figure("value_bytes", a.value_bytes as f64)?;
-    let mean = |v: &[Round], f: &dyn Fn(&Round) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
+    let mean =
+        |v: &[Round], f: &dyn Fn(&Round) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
     let mut csv = Vec::new();
     for (s, name) in SYSTEMS.iter().enumerate() {
         let v = &results[s];
-        report.figure(&format!("{name}.catchup_latency_ms"), mean(v, &Round::catchup_ms))?;
-        report.figure(&format!("{name}.restart_to_listen_ms"), mean(v, &Round::listen_ms))?;
-        report.figure(&format!("{name}.listen_to_catchup_ms"), mean(v, &Round::listen_to_catchup_ms))?;
-        report.figure(&format!("{name}.efn_writes_count"), mean(v, &|r| r.efn_writes as f64))?;
-        report.figure(&format!("{name}.write_errors_count"), v.iter().map(|r| r.errors as f64).sum())?;
-        report.figure(&format!("{name}.write_skipped_count"), v.iter().map(|r| r.skipped as f64).sum())?;
+        report.figure(
+            &format!("{name}.catchup_latency_ms"),
+            mean(v, &Round::catchup_ms),
+        )?;
+        report.figure(
+            &format!("{name}.restart_to_listen_ms"),
+            mean(v, &Round::listen_ms),
+        )?;
+        report.figure(
+            &format!("{name}.listen_to_catchup_ms"),
+            mean(v, &Round::listen_to_catchup_ms),
+        )?;
+        report.figure(
+            &format!("{name}.efn_writes_count"),
+            mean(v, &|r| r.efn_writes as f64),
+        )?;
+        report.figure(
+            &format!("{name}.write_errors_count"),
+            v.iter().map(|r| r.errors as f64).sum(),
+        )?;
+        report.figure(
+            &format!("{name}.write_skipped_count"),
+            v.iter().map(|r| r.skipped as f64).sum(),
+        )?;
         report.figure(
             &format!("{name}.write_throughput_ops_per_s"),
-            v.iter().map(|r| r.done as f64).sum::<f64>() / v.iter().map(|r| r.elapsed_s).sum::<f64>(),
+            v.iter().map(|r| r.done as f64).sum::<f64>()
+                / v.iter().map(|r| r.elapsed_s).sum::<f64>(),
         )?;
         let mut lat = LatencyRecorder::new();
         for r in v {
@@ -520,26 +630,45 @@ pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<()> {
         }
         let reported: Vec<f64> = v.iter().filter_map(|r| r.node_recovery_ms).collect();
         if !reported.is_empty() {
-            report.figure(&format!("{name}.recovery_latency_ms"), reported.iter().sum::<f64>() / reported.len() as f64)?;
+            report.figure(
+                &format!("{name}.recovery_latency_ms"),
+                reported.iter().sum::<f64>() / reported.len() as f64,
+            )?;
         }
         let missed: Vec<f64> = v.iter().filter_map(|r| r.missed_txns).collect();
         if !missed.is_empty() {
-            report.figure(&format!("{name}.missed_txns_count"), missed.iter().sum::<f64>() / missed.len() as f64)?;
+            report.figure(
+                &format!("{name}.missed_txns_count"),
+                missed.iter().sum::<f64>() / missed.len() as f64,
+            )?;
         }
         for (round, r) in v.iter().enumerate() {
             for (i, w) in r.windows.iter().enumerate() {
-                csv.push(vec![name.to_string(), round.to_string(), format!("{:.1}", i as f64 * 0.1), (w * 10).to_string()]);
+                csv.push(vec![
+                    name.to_string(),
+                    round.to_string(),
+                    format!("{:.1}", i as f64 * 0.1),
+                    (w * 10).to_string(),
+                ]);
             }
         }
     }
     let (h, z) = (&results[0], &results[1]);
-    report.ratio("zookeeper_vs_heal.recovery_latency", mean(z, &Round::catchup_ms), mean(h, &Round::catchup_ms))?;
+    report.ratio(
+        "zookeeper_vs_heal.recovery_latency",
+        mean(z, &Round::catchup_ms),
+        mean(h, &Round::catchup_ms),
+    )?;
     report.ratio(
         "zookeeper_vs_heal.listen_to_catchup.recovery_latency",
         mean(z, &Round::listen_to_catchup_ms),
         mean(h, &Round::listen_to_catchup_ms),
     )?;
-    bench::write_csv(&out.join("zookeeper_vs_heal_throughput.csv"), &["system", "run", "t_s", "writes_per_s"], csv)?;
+    bench::write_csv(
+        &out.join("zookeeper_vs_heal_throughput.csv"),
+        &["system", "run", "t_s", "writes_per_s"],
+        csv,
+    )?;
     plots(&out, h, z)?;
     eprintln!("plots and samples in {}", out.display());
     report.print();
@@ -550,8 +679,16 @@ fn plots(out: &std::path::Path, h: &[Round], z: &[Round]) -> anyhow::Result<()> 
     let mut series = Vec::new();
     for (name, r) in [("HEAL", &h[0]), ("ZooKeeper", &z[0])] {
         // Aligned on the failure so both timelines share the x axis.
-        let points = r.windows.iter().enumerate().map(|(i, w)| (i as f64 * 0.1 - r.kill_s, *w as f64 * 10.0)).collect();
-        series.push(bench::Series { name: format!("{name} writes/s"), points });
+        let points = r
+            .windows
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (i as f64 * 0.1 - r.kill_s, *w as f64 * 10.0))
+            .collect();
+        series.push(bench::Series {
+            name: format!("{name} writes/s"),
+            points,
+        });
         let top = r.windows.iter().copied().max().unwrap_or(0) as f64 * 10.0;
         for (what, t) in [("restarted", r.restart_s), ("caught up", r.caught_up_s)] {
             series.push(bench::Series {
@@ -568,7 +705,8 @@ fn plots(out: &std::path::Path, h: &[Round], z: &[Round]) -> anyhow::Result<()> 
         &series,
         bench::Scale::Linear,
     )?;
-    let mean = |v: &[Round], f: &dyn Fn(&Round) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
+    let mean =
+        |v: &[Round], f: &dyn Fn(&Round) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
     bench::bar_plot(
         &out.join("zookeeper_vs_heal_catchup"),
         "replica catch-up after the EFN: restart -> serving the latest state",
@@ -582,7 +720,10 @@ fn plots(out: &std::path::Path, h: &[Round], z: &[Round]) -> anyhow::Result<()> 
             },
             bench::BarSeries {
                 name: "listening -> caught up".into(),
-                values: vec![mean(h, &Round::listen_to_catchup_ms), mean(z, &Round::listen_to_catchup_ms)],
+                values: vec![
+                    mean(h, &Round::listen_to_catchup_ms),
+                    mean(z, &Round::listen_to_catchup_ms),
+                ],
             },
             bench::BarSeries {
                 name: "total".into(),

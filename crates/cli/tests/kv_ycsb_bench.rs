@@ -13,18 +13,46 @@ fn json_of(stdout: &str) -> serde_json::Value {
 
 #[test]
 fn quick_ycsb_with_a_kill_prints_bench_md_json() {
-    let dir = tempfile::Builder::new().prefix("understudy-kv-ycsb-test-").tempdir().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("understudy-kv-ycsb-test-")
+        .tempdir()
+        .unwrap();
     let out = dir.path().join("out");
     let o = Command::new(BIN)
-        .args(["bench", "kv", "ycsb", "--workload", "b", "--clients", "4", "--records", "300"])
-        .args(["--operations", "1000000", "--duration-s", "8", "--kill-at-s", "2", "--down-s", "1", "--quick", "--out"])
+        .args([
+            "bench",
+            "kv",
+            "ycsb",
+            "--workload",
+            "b",
+            "--clients",
+            "4",
+            "--records",
+            "300",
+        ])
+        .args([
+            "--operations",
+            "1000000",
+            "--duration-s",
+            "8",
+            "--kill-at-s",
+            "2",
+            "--down-s",
+            "1",
+            "--quick",
+            "--out",
+        ])
         .arg(&out)
         .current_dir(dir.path())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "exit {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}", o.status);
+    assert!(
+        o.status.success(),
+        "exit {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        o.status
+    );
     let json = json_of(&stdout);
     assert_eq!(json["bench"], "kv.ycsb");
     assert_eq!(json["quick"], true);
@@ -39,13 +67,20 @@ fn quick_ycsb_with_a_kill_prints_bench_md_json() {
         "kill.restart_to_serving_ms",
         "kill.at_s",
     ] {
-        let v = figures.get(name).unwrap_or_else(|| panic!("{name} missing: {json}"));
+        let v = figures
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} missing: {json}"));
         assert!(v.as_f64().unwrap() > 0.0, "{name} = {v}");
     }
     // Present, but may be zero: the failure stalls writes, and closed-loop clients with them,
     // for a good part of this short run.
-    for name in ["heal.b.c4.run.window.throughput_ops_per_s_p50", "kill.down.throughput_ops_per_s"] {
-        let v = figures.get(name).unwrap_or_else(|| panic!("{name} missing: {json}"));
+    for name in [
+        "heal.b.c4.run.window.throughput_ops_per_s_p50",
+        "kill.down.throughput_ops_per_s",
+    ] {
+        let v = figures
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} missing: {json}"));
         assert!(v.as_f64().unwrap() >= 0.0, "{name} = {v}");
     }
     assert_eq!(figures["heal.b.c4.load.ops_count"], 300.0);
@@ -53,11 +88,17 @@ fn quick_ycsb_with_a_kill_prints_bench_md_json() {
     for checks in ["missing_count", "corrupt_count"] {
         assert_eq!(figures[&format!("heal.b.c4.run.{checks}")], 0.0, "{checks}");
     }
-    for file in ["heal-b-c4-throughput.csv", "heal-b-c4-throughput.png", "heal-b-c4-latency-cdf.csv"] {
+    for file in [
+        "heal-b-c4-throughput.csv",
+        "heal-b-c4-throughput.png",
+        "heal-b-c4-latency-cdf.csv",
+    ] {
         assert!(out.join(file).is_file(), "{file} not written");
     }
     // The group's directory is gone.
-    let left = std::fs::read_dir(dir.path().join("target/bench-clusters")).unwrap().count();
+    let left = std::fs::read_dir(dir.path().join("target/bench-clusters"))
+        .unwrap()
+        .count();
     assert_eq!(left, 0, "the group's directory was not removed");
 }
 
@@ -67,14 +108,35 @@ fn bad_arguments_get_clear_errors() {
     for (args, expect) in [
         (vec!["ycsb", "--workload", "e"], "keeps no key order"),
         (vec!["ycsb", "--workload", "z"], "unknown YCSB workload"),
-        (vec!["ycsb", "--clients", "0"], "--clients must be at least 1"),
-        (vec!["ycsb", "--kill-at-s", "9", "--duration-s", "5"], "must outlast the kill"),
-        (vec!["zookeeper", "--write-rate", "0"], "--write-rate must be"),
-        (vec!["zookeeper", "--value-bytes", "2"], "--value-bytes must be"),
+        (
+            vec!["ycsb", "--clients", "0"],
+            "--clients must be at least 1",
+        ),
+        (
+            vec!["ycsb", "--kill-at-s", "9", "--duration-s", "5"],
+            "must outlast the kill",
+        ),
+        (
+            vec!["zookeeper", "--write-rate", "0"],
+            "--write-rate must be",
+        ),
+        (
+            vec!["zookeeper", "--value-bytes", "2"],
+            "--value-bytes must be",
+        ),
     ] {
-        let o = Command::new(BIN).args(["bench", "kv"]).args(&args).arg("--quick").current_dir(dir.path()).output().unwrap();
+        let o = Command::new(BIN)
+            .args(["bench", "kv"])
+            .args(&args)
+            .arg("--quick")
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
         let stderr = String::from_utf8_lossy(&o.stderr);
         assert!(!o.status.success(), "{args:?} succeeded");
-        assert!(stderr.contains(expect), "{args:?}: expected {expect:?} in {stderr}");
+        assert!(
+            stderr.contains(expect),
+            "{args:?}: expected {expect:?} in {stderr}"
+        );
     }
 }

@@ -11,10 +11,24 @@ fn quick_zookeeper_comparison_prints_bench_md_json() {
         eprintln!("skipped: ZooKeeper is not installed (apt-get install zookeeper)");
         return;
     }
-    let dir = tempfile::Builder::new().prefix("understudy-kv-zk-test-").tempdir().unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("understudy-kv-zk-test-")
+        .tempdir()
+        .unwrap();
     let out = dir.path().join("out");
     let o = Command::new(env!("CARGO_BIN_EXE_understudy"))
-        .args(["bench", "kv", "zookeeper", "--quick", "--efn-s", "2", "--warmup-s", "1", "--write-rate", "50"])
+        .args([
+            "bench",
+            "kv",
+            "zookeeper",
+            "--quick",
+            "--efn-s",
+            "2",
+            "--warmup-s",
+            "1",
+            "--write-rate",
+            "50",
+        ])
         .args(["--keys", "100", "--out"])
         .arg(&out)
         .current_dir(dir.path())
@@ -22,9 +36,14 @@ fn quick_zookeeper_comparison_prints_bench_md_json() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "exit {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}", o.status);
+    assert!(
+        o.status.success(),
+        "exit {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        o.status
+    );
     let last = stdout.lines().last().expect("some stdout");
-    let json: serde_json::Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
+    let json: serde_json::Value =
+        serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
     assert_eq!(json["bench"], "kv.zookeeper");
     let figures = json["figures"].as_object().unwrap();
     for name in [
@@ -36,14 +55,24 @@ fn quick_zookeeper_comparison_prints_bench_md_json() {
         "heal.write_throughput_ops_per_s",
         "zookeeper.write_throughput_ops_per_s",
     ] {
-        let v = figures.get(name).unwrap_or_else(|| panic!("{name} missing: {last}"));
+        let v = figures
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} missing: {last}"));
         assert!(v.as_f64().unwrap() > 0.0, "{name} = {v}");
     }
-    let ratio = json["ratios"]["zookeeper_vs_heal.recovery_latency"].as_f64().expect("the ratio");
+    let ratio = json["ratios"]["zookeeper_vs_heal.recovery_latency"]
+        .as_f64()
+        .expect("the ratio");
     assert!(ratio > 0.0);
-    for file in ["zookeeper_vs_heal_throughput.csv", "zookeeper_vs_heal_throughput.png", "zookeeper_vs_heal_catchup.png"] {
+    for file in [
+        "zookeeper_vs_heal_throughput.csv",
+        "zookeeper_vs_heal_throughput.png",
+        "zookeeper_vs_heal_catchup.png",
+    ] {
         assert!(out.join(file).is_file(), "{file} not written");
     }
-    let left = std::fs::read_dir(dir.path().join("target/bench-clusters")).unwrap().count();
+    let left = std::fs::read_dir(dir.path().join("target/bench-clusters"))
+        .unwrap()
+        .count();
     assert_eq!(left, 0, "a cluster directory was not removed");
 }

@@ -15,7 +15,9 @@ use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use crate::jute::{self, FrameSplitter, Reply, Request, Stat, MAX_FRAME_BYTES, XID_NOTIFICATION, XID_PING};
+use crate::jute::{
+    self, FrameSplitter, Reply, Request, Stat, MAX_FRAME_BYTES, XID_NOTIFICATION, XID_PING,
+};
 use crate::ZkError;
 
 /// Requests one session may have in flight (the writer queue's bound).
@@ -55,7 +57,11 @@ impl ZkClient {
             let mut buf = vec![0u8; 4096];
             loop {
                 if let Some(payload) = splitter.next_frame()? {
-                    return Ok::<_, ZkError>((s, jute::decode_connect_response(&payload)?, splitter));
+                    return Ok::<_, ZkError>((
+                        s,
+                        jute::decode_connect_response(&payload)?,
+                        splitter,
+                    ));
                 }
                 let n = s.read(&mut buf).await?;
                 if n == 0 {
@@ -97,9 +103,11 @@ impl ZkClient {
                     loop {
                         match splitter.next_frame() {
                             Ok(Some(payload)) => match jute::decode_reply(&payload) {
-                                Ok(reply) if reply.xid == XID_PING || reply.xid == XID_NOTIFICATION => {}
+                                Ok(reply)
+                                    if reply.xid == XID_PING || reply.xid == XID_NOTIFICATION => {}
                                 Ok(reply) => {
-                                    if let Some(waiter) = pending.lock().unwrap().remove(&reply.xid) {
+                                    if let Some(waiter) = pending.lock().unwrap().remove(&reply.xid)
+                                    {
                                         let _ = waiter.send(reply);
                                     }
                                 }
@@ -193,13 +201,23 @@ impl ZkClient {
         if reply.err == jute::err::OK {
             Ok(())
         } else {
-            Err(ZkError::Server { op, path: path.to_string(), code: reply.err, name: jute::error_name(reply.err) })
+            Err(ZkError::Server {
+                op,
+                path: path.to_string(),
+                code: reply.err,
+                name: jute::error_name(reply.err),
+            })
         }
     }
 
     /// Creates a persistent znode; returns the zxid of the create.
     pub async fn create(&self, path: &str, data: &[u8]) -> Result<i64, ZkError> {
-        let reply = self.call(&Request::Create { path: path.into(), data: data.to_vec() }).await?;
+        let reply = self
+            .call(&Request::Create {
+                path: path.into(),
+                data: data.to_vec(),
+            })
+            .await?;
         Self::check("create", path, &reply)?;
         Ok(reply.zxid)
     }
@@ -207,14 +225,23 @@ impl ZkClient {
     /// Creates the znode, or sets its data if it exists; returns the zxid of the write.
     pub async fn upsert(&self, path: &str, data: &[u8]) -> Result<i64, ZkError> {
         match self.create(path, data).await {
-            Err(ZkError::Server { code: jute::err::NODE_EXISTS, .. }) => Ok(self.set_data(path, data).await?.0),
+            Err(ZkError::Server {
+                code: jute::err::NODE_EXISTS,
+                ..
+            }) => Ok(self.set_data(path, data).await?.0),
             other => other,
         }
     }
 
     /// Sets a znode's data whatever its version; returns the zxid of the write and the stat.
     pub async fn set_data(&self, path: &str, data: &[u8]) -> Result<(i64, Stat), ZkError> {
-        let reply = self.call(&Request::SetData { path: path.into(), data: data.to_vec(), version: -1 }).await?;
+        let reply = self
+            .call(&Request::SetData {
+                path: path.into(),
+                data: data.to_vec(),
+                version: -1,
+            })
+            .await?;
         Self::check("setData", path, &reply)?;
         Ok((reply.zxid, reply.stat()?))
     }

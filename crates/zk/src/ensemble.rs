@@ -17,7 +17,8 @@ pub const DEBIAN_ZOOKEEPER_JAR: &str = "/usr/share/java/zookeeper.jar";
 /// An SLF4J binding that logs to stderr (without one, ZooKeeper logs nothing).
 pub const DEBIAN_SLF4J_SIMPLE_JAR: &str = "/usr/share/java/slf4j-simple.jar";
 /// How to get them.
-pub const INSTALL_HINT: &str = "install Debian's ZooKeeper: apt-get install zookeeper (it pulls a Java runtime)";
+pub const INSTALL_HINT: &str =
+    "install Debian's ZooKeeper: apt-get install zookeeper (it pulls a Java runtime)";
 
 /// How to run the ensemble.
 #[derive(Clone, Debug)]
@@ -85,14 +86,23 @@ fn which(program: &Path) -> Option<PathBuf> {
         return program.is_file().then(|| program.to_path_buf());
     }
     std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).map(|d| d.join(program)).find(|c| c.is_file()))
+        .map(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join(program))
+                .find(|c| c.is_file())
+        })
         .unwrap_or(None)
 }
 
 fn free_ports(n: usize) -> Result<Vec<u16>, ZkError> {
     // Held together so they differ; released just before the servers bind them.
-    let ls: Vec<TcpListener> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
-    Ok(ls.iter().map(|l| l.local_addr().map(|a| a.port())).collect::<Result<_, _>>()?)
+    let ls: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<_, _>>()?;
+    Ok(ls
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect::<Result<_, _>>()?)
 }
 
 impl Ensemble {
@@ -100,10 +110,14 @@ impl Ensemble {
     /// Java or ZooKeeper is missing. Call [`Ensemble::wait_ready`] before using it.
     pub fn start(opts: EnsembleOptions) -> Result<Ensemble, ZkError> {
         if !(1..=9).contains(&opts.servers) {
-            return Err(ZkError::BadArgument(format!("{} servers: 1 to 9 are supported", opts.servers)));
+            return Err(ZkError::BadArgument(format!(
+                "{} servers: 1 to 9 are supported",
+                opts.servers
+            )));
         }
-        let java = which(&opts.java)
-            .ok_or_else(|| ZkError::Setup(format!("{} not found; {INSTALL_HINT}", opts.java.display())))?;
+        let java = which(&opts.java).ok_or_else(|| {
+            ZkError::Setup(format!("{} not found; {INSTALL_HINT}", opts.java.display()))
+        })?;
         for jar in opts.classpath.split(':').filter(|j| !j.is_empty()) {
             if !Path::new(jar).exists() {
                 return Err(ZkError::Setup(format!("{jar} not found; {INSTALL_HINT}")));
@@ -111,7 +125,14 @@ impl Ensemble {
         }
         let ports = free_ports(3 * opts.servers)?;
         let peers: String = (0..opts.servers)
-            .map(|i| format!("server.{}=127.0.0.1:{}:{}\n", i + 1, ports[3 * i + 1], ports[3 * i + 2]))
+            .map(|i| {
+                format!(
+                    "server.{}=127.0.0.1:{}:{}\n",
+                    i + 1,
+                    ports[3 * i + 1],
+                    ports[3 * i + 2]
+                )
+            })
             .collect();
         let mut servers = Vec::new();
         for i in 0..opts.servers {
@@ -139,7 +160,11 @@ impl Ensemble {
                 child: None,
             });
         }
-        let mut e = Ensemble { opts, java, servers };
+        let mut e = Ensemble {
+            opts,
+            java,
+            servers,
+        };
         for i in 0..e.servers.len() {
             e.spawn(i)?;
         }
@@ -148,12 +173,23 @@ impl Ensemble {
 
     fn spawn(&mut self, i: usize) -> Result<(), ZkError> {
         let s = &self.servers[i];
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(s.dir.join("server.log"))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(s.dir.join("server.log"))?;
         let mut cmd = Command::new(&self.java);
         cmd.arg(format!("-Xmx{}m", self.opts.heap_mib))
-            .args(["-XX:+UseSerialGC", "-Djava.awt.headless=true", "-Dorg.slf4j.simpleLogger.showDateTime=true"])
+            .args([
+                "-XX:+UseSerialGC",
+                "-Djava.awt.headless=true",
+                "-Dorg.slf4j.simpleLogger.showDateTime=true",
+            ])
             .arg(format!("-Dzookeeper.log.dir={}", s.dir.display()))
-            .args(["-cp", &self.opts.classpath, "org.apache.zookeeper.server.quorum.QuorumPeerMain"])
+            .args([
+                "-cp",
+                &self.opts.classpath,
+                "org.apache.zookeeper.server.quorum.QuorumPeerMain",
+            ])
             .arg(s.dir.join("zoo.cfg"))
             .current_dir(&s.dir)
             .stdin(Stdio::null())
@@ -163,7 +199,13 @@ impl Ensemble {
         unsafe {
             cmd.pre_exec(|| {
                 libc::setpgid(0, 0);
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
+                libc::prctl(
+                    libc::PR_SET_PDEATHSIG,
+                    libc::SIGKILL as libc::c_ulong,
+                    0,
+                    0,
+                    0,
+                );
                 Ok(())
             });
         }
@@ -216,7 +258,9 @@ impl Ensemble {
                         )));
                     }
                 }
-                if let Ok(ServerState::Serving { mode, .. }) = srvr(self.client_addr(i), Duration::from_secs(2)).await {
+                if let Ok(ServerState::Serving { mode, .. }) =
+                    srvr(self.client_addr(i), Duration::from_secs(2)).await
+                {
                     serving += 1;
                     if mode == "leader" || mode == "standalone" {
                         leader = Some(i);
@@ -258,7 +302,9 @@ impl Ensemble {
 
     /// Sends `signal` (e.g. SIGSTOP, SIGCONT) to server `i`.
     pub fn signal(&self, i: usize, signal: libc::c_int) -> Result<(), ZkError> {
-        let pid = self.pid(i).ok_or_else(|| ZkError::Setup(format!("server {} is not running", i + 1)))?;
+        let pid = self
+            .pid(i)
+            .ok_or_else(|| ZkError::Setup(format!("server {} is not running", i + 1)))?;
         // SAFETY: kill(2) has no memory-safety preconditions; the pid is our unreaped child.
         if unsafe { libc::kill(pid as libc::pid_t, signal) } != 0 {
             return Err(std::io::Error::last_os_error().into());

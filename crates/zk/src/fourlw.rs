@@ -22,18 +22,29 @@ pub enum ServerState {
 }
 
 /// Sends a four-letter word and returns the answer.
-pub async fn four_letter(addr: SocketAddr, word: &str, timeout: Duration) -> Result<String, ZkError> {
+pub async fn four_letter(
+    addr: SocketAddr,
+    word: &str,
+    timeout: Duration,
+) -> Result<String, ZkError> {
     if word.len() != 4 || !word.bytes().all(|b| b.is_ascii_lowercase()) {
-        return Err(ZkError::BadArgument(format!("{word:?} is not a four-letter word")));
+        return Err(ZkError::BadArgument(format!(
+            "{word:?} is not a four-letter word"
+        )));
     }
     let ask = async {
         let mut s = TcpStream::connect(addr).await?;
         s.write_all(word.as_bytes()).await?;
         let mut out = Vec::new();
-        (&mut s).take(ANSWER_MAX_BYTES).read_to_end(&mut out).await?;
+        (&mut s)
+            .take(ANSWER_MAX_BYTES)
+            .read_to_end(&mut out)
+            .await?;
         Ok::<_, ZkError>(String::from_utf8_lossy(&out).into_owned())
     };
-    tokio::time::timeout(timeout, ask).await.map_err(|_| ZkError::Timeout(timeout))?
+    tokio::time::timeout(timeout, ask)
+        .await
+        .map_err(|_| ZkError::Timeout(timeout))?
 }
 
 /// `srvr` on `addr`, parsed.
@@ -48,14 +59,25 @@ pub fn parse_srvr(text: &str) -> Result<ServerState, ZkError> {
         return Ok(ServerState::NotServing);
     }
     if text.contains("is not executed because it is not in the whitelist") {
-        return Err(ZkError::Setup("srvr is not allowed: add it to 4lw.commands.whitelist".into()));
+        return Err(ZkError::Setup(
+            "srvr is not allowed: add it to 4lw.commands.whitelist".into(),
+        ));
     }
-    let field = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
-    let zxid = field("Zxid:").ok_or_else(|| ZkError::Protocol(format!("no Zxid in srvr answer {text:?}")))?;
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(str::trim)
+    };
+    let zxid = field("Zxid:")
+        .ok_or_else(|| ZkError::Protocol(format!("no Zxid in srvr answer {text:?}")))?;
     let zxid = i64::from_str_radix(zxid.trim_start_matches("0x"), 16)
         .map_err(|_| ZkError::Protocol(format!("bad Zxid {zxid:?}")))?;
-    let mode = field("Mode:").ok_or_else(|| ZkError::Protocol(format!("no Mode in srvr answer {text:?}")))?;
-    Ok(ServerState::Serving { mode: mode.to_string(), zxid })
+    let mode = field("Mode:")
+        .ok_or_else(|| ZkError::Protocol(format!("no Mode in srvr answer {text:?}")))?;
+    Ok(ServerState::Serving {
+        mode: mode.to_string(),
+        zxid,
+    })
 }
 
 #[cfg(test)]
@@ -66,7 +88,13 @@ mod tests {
     fn parses_srvr() {
         let text = "Zookeeper version: 3.8.0\nLatency min/avg/max: 0/0.0/0\nReceived: 1\nSent: 0\n\
                     Connections: 1\nOutstanding: 0\nZxid: 0x10000001a\nMode: follower\nNode count: 5\n";
-        assert_eq!(parse_srvr(text).unwrap(), ServerState::Serving { mode: "follower".into(), zxid: 0x1_0000_001a });
+        assert_eq!(
+            parse_srvr(text).unwrap(),
+            ServerState::Serving {
+                mode: "follower".into(),
+                zxid: 0x1_0000_001a
+            }
+        );
         assert_eq!(
             parse_srvr("This ZooKeeper instance is not currently serving requests\n").unwrap(),
             ServerState::NotServing

@@ -61,10 +61,19 @@ const PERMS_ALL: i32 = 31;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
     /// A persistent znode with an open ACL.
-    Create { path: String, data: Vec<u8> },
+    Create {
+        path: String,
+        data: Vec<u8>,
+    },
     /// `version` -1 matches any version.
-    SetData { path: String, data: Vec<u8>, version: i32 },
-    GetData { path: String },
+    SetData {
+        path: String,
+        data: Vec<u8>,
+        version: i32,
+    },
+    GetData {
+        path: String,
+    },
     Ping,
     CloseSession,
 }
@@ -180,8 +189,11 @@ pub fn encode_request(xid: i32, req: &Request) -> Result<Vec<u8>, ZkError> {
     int(&mut p, xid);
     int(&mut p, req.op_code());
     let check_path = |path: &str| {
-        if !path.starts_with('/') || (path.len() > 1 && path.ends_with('/')) || path.contains("//") {
-            return Err(ZkError::BadArgument(format!("{path:?} is not a ZooKeeper path")));
+        if !path.starts_with('/') || (path.len() > 1 && path.ends_with('/')) || path.contains("//")
+        {
+            return Err(ZkError::BadArgument(format!(
+                "{path:?} is not a ZooKeeper path"
+            )));
         }
         Ok(())
     };
@@ -206,7 +218,11 @@ pub fn encode_request(xid: i32, req: &Request) -> Result<Vec<u8>, ZkError> {
             buffer(&mut p, b"anyone");
             int(&mut p, 0); // flags: persistent
         }
-        Request::SetData { path, data, version } => {
+        Request::SetData {
+            path,
+            data,
+            version,
+        } => {
             check_path(path)?;
             check_data(data)?;
             buffer(&mut p, path.as_bytes());
@@ -254,11 +270,15 @@ impl<'a> Reader<'a> {
     }
 
     fn int(&mut self) -> Result<i32, ZkError> {
-        Ok(i32::from_be_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(i32::from_be_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
 
     fn long(&mut self) -> Result<i64, ZkError> {
-        Ok(i64::from_be_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(i64::from_be_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
 
     fn buffer(&mut self) -> Result<Option<Vec<u8>>, ZkError> {
@@ -309,7 +329,12 @@ pub fn decode_reply(payload: &[u8]) -> Result<Reply, ZkError> {
     let xid = r.int()?;
     let zxid = r.long()?;
     let err = r.int()?;
-    Ok(Reply { xid, zxid, err, body: payload[r.at..].to_vec() })
+    Ok(Reply {
+        xid,
+        zxid,
+        err,
+        body: payload[r.at..].to_vec(),
+    })
 }
 
 /// Splits a byte stream into frame payloads, refusing lengths that are negative or above
@@ -322,7 +347,10 @@ pub struct FrameSplitter {
 
 impl FrameSplitter {
     pub fn new(max_frame_bytes: usize) -> Self {
-        FrameSplitter { buf: Vec::new(), max_frame_bytes }
+        FrameSplitter {
+            buf: Vec::new(),
+            max_frame_bytes,
+        }
     }
 
     /// Adds received bytes.
@@ -367,7 +395,15 @@ mod tests {
 
     #[test]
     fn set_data_layout() {
-        let f = encode_request(7, &Request::SetData { path: "/a".into(), data: b"xy".to_vec(), version: -1 }).unwrap();
+        let f = encode_request(
+            7,
+            &Request::SetData {
+                path: "/a".into(),
+                data: b"xy".to_vec(),
+                version: -1,
+            },
+        )
+        .unwrap();
         let mut want = vec![];
         int(&mut want, 7);
         int(&mut want, op::SET_DATA);
@@ -380,10 +416,20 @@ mod tests {
     #[test]
     fn bad_paths_and_data_are_refused() {
         for p in ["a", "/a/", "//a", ""] {
-            assert!(encode_request(1, &Request::GetData { path: p.into() }).is_err(), "{p:?}");
+            assert!(
+                encode_request(1, &Request::GetData { path: p.into() }).is_err(),
+                "{p:?}"
+            );
         }
         let big = vec![0u8; MAX_DATA_BYTES + 1];
-        assert!(encode_request(1, &Request::Create { path: "/a".into(), data: big }).is_err());
+        assert!(encode_request(
+            1,
+            &Request::Create {
+                path: "/a".into(),
+                data: big
+            }
+        )
+        .is_err());
     }
 
     #[test]
@@ -413,7 +459,12 @@ mod tests {
         assert_eq!(s.next_frame().unwrap(), None);
         s.push(&[3, 9]);
         assert_eq!(s.next_frame().unwrap(), Some(vec![1, 2, 3]));
-        let r = Reply { xid: 1, zxid: 1, err: 0, body: vec![0, 0, 0, 9, 1] };
+        let r = Reply {
+            xid: 1,
+            zxid: 1,
+            err: 0,
+            body: vec![0, 0, 0, 9, 1],
+        };
         assert!(r.created_path().is_err());
         assert!(r.stat().is_err());
     }

@@ -39,7 +39,12 @@ pub enum ZkError {
     BadArgument(String),
     /// The server answered with an error code.
     #[error("{op} {path}: {name} (code {code})")]
-    Server { op: &'static str, path: String, code: i32, name: &'static str },
+    Server {
+        op: &'static str,
+        path: String,
+        code: i32,
+        name: &'static str,
+    },
     #[error("{0} refused the session (expired, or not serving)")]
     SessionRefused(SocketAddr),
     /// The connection closed with the request in flight: it may or may not have been applied.
