@@ -444,12 +444,23 @@ impl Testbed {
         c.env("LD_PRELOAD", &self.shim).env("UNDERSTUDY_NEARLOG_CLUSTER", &self.log.cluster_file).env("UNDERSTUDY_NEARLOG_PATTERNS", patterns);
     }
 
-    /// A fresh directory for one run on the storage.
+    /// A fresh directory for one run on the storage (a new name every time: a log file the
+    /// peers still held under an old name would otherwise be recovered into the new run).
     fn run_dir(&self, name: &str) -> anyhow::Result<PathBuf> {
-        let d = self.storage.join(name);
-        let _ = std::fs::remove_dir_all(&d);
+        static RUN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let d = self.storage.join(format!("{name}-{}", RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
         std::fs::create_dir_all(&d)?;
         Ok(d)
+    }
+
+    /// Removes a run's directory; for nearlog, through the shim, so the unlinks of its log files
+    /// reach the controller and free the peers' memory.
+    fn remove_run_dir(&self, dir: &Path, setup: Setup, patterns: &str) -> anyhow::Result<()> {
+        if setup == Setup::Nearlog {
+            python(Some((self, patterns)), "import shutil, sys; shutil.rmtree(sys.argv[1])", &[dir.display().to_string()])?;
+        }
+        let _ = std::fs::remove_dir_all(dir);
+        Ok(())
     }
 
     fn what(&self) -> String {
@@ -538,6 +549,8 @@ impl Resp {
     }
 }
 
+const REDIS_LOGS: &str = "*.incr.aof";
+
 /// redis-server for a setup, its data in `dir`; returns the guard and the port once it answers.
 fn start_redis(tb: &Testbed, setup: Setup, dir: &Path) -> anyhow::Result<(KillOnDrop, u16)> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
@@ -549,7 +562,7 @@ fn start_redis(tb: &Testbed, setup: Setup, dir: &Path) -> anyhow::Result<(KillOn
         .stdout(Stdio::null())
         .stderr(Stdio::inherit());
     if setup == Setup::Nearlog {
-        tb.shim_env(&mut c, "*.incr.aof");
+        tb.shim_env(&mut c, REDIS_LOGS);
     }
     let server = KillOnDrop(c.spawn().context("cannot start redis-server (Debian package redis-server)")?);
     let mut probe = Resp::connect(port)?;
@@ -591,7 +604,7 @@ fn redis_run(tb: &Testbed, setup: Setup, clients: usize, secs: f64) -> anyhow::R
     }
     out.secs = start.elapsed().as_secs_f64().max(secs);
     drop(server);
-    let _ = std::fs::remove_dir_all(&dir);
+    tb.remove_run_dir(&dir, setup, REDIS_LOGS)?;
     Ok(out)
 }
 
@@ -659,7 +672,7 @@ fn sqlite_run(tb: &Testbed, setup: Setup, secs: f64) -> anyhow::Result<Runs> {
     let ops: u64 = it.next().context("sqlite output")?.parse()?;
     let el: f64 = it.next().context("sqlite output")?.parse()?;
     let rec = read_lat_file(&lat)?;
-    let _ = std::fs::remove_dir_all(&dir);
+    tb.remove_run_dir(&dir, setup, "*-wal")?;
     Ok(Runs { ops, secs: el, lat: rec })
 }
 
@@ -735,7 +748,7 @@ fn rocksdb_run(tb: &Testbed, bin: &Path, setup: Setup, clients: usize, secs: f64
     let ops: u64 = it.next().context("rocksdb output")?.parse()?;
     let el: f64 = it.next().context("rocksdb output")?.parse()?;
     let rec = read_lat_file(&lat)?;
-    let _ = std::fs::remove_dir_all(&dir);
+    tb.remove_run_dir(&dir, setup, &format!("{}/*.log", wal.display()))?;
     Ok(Runs { ops, secs: el, lat: rec })
 }
 
@@ -763,7 +776,7 @@ fn record_runs(report: &mut bench::Report, pfx: &str, app: &str, clients: usize,
 fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
     let c = &a.common;
     let out = bench::out_dir("nearlog", c.out.clone())?;
-    let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(".")?;
+    let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(std::env::current_dir()?)?;
     let rocks = build_rocksdb_load(tmp.path())?;
     let rt = crate::runtime()?;
     let (rounds, secs) = params(c);
@@ -853,7 +866,7 @@ fn ycsb(a: YcsbBenchArgs) -> anyhow::Result<()> {
     let c = &a.common;
     anyhow::ensure!(a.clients >= 1, "--clients must be at least 1");
     let out = bench::out_dir("nearlog", c.out.clone())?;
-    let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(".")?;
+    let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(std::env::current_dir()?)?;
     let rt = crate::runtime()?;
     let (rounds, secs) = params(c);
     let records = a.records.unwrap_or(if c.quick { 2000 } else { 20000 });
@@ -898,7 +911,7 @@ fn ycsb(a: YcsbBenchArgs) -> anyhow::Result<()> {
                     problems.push(format!("{} {}: {} missing, {} corrupt: {:?}", wname, s.name(), run.missing_count, run.corrupt_count, run.first_problems));
                 }
                 drop(server);
-                let _ = std::fs::remove_dir_all(&dir);
+                tb.remove_run_dir(&dir, s, REDIS_LOGS)?;
                 Ok(Runs { ops: run.completed_ops(), secs: run.elapsed.as_secs_f64(), lat: run.all_latency() })
             })?;
             anyhow::ensure!(problems.is_empty(), "reads returned values the driver never wrote: {problems:?}");
@@ -948,12 +961,12 @@ os.fsync(fd)
 os.close(fd)
 "#;
 
-/// Opens a log file (recovering it when run under the shim), reads it all; prints the open's
+/// Opens a log file read-only (the shim recovers a missing one first), reads it all; prints the open's
 /// and the read's seconds and the size.
 const LOG_OPEN: &str = r#"
 import os, sys, time
 t0 = time.perf_counter()
-fd = os.open(sys.argv[1], os.O_RDWR)
+fd = os.open(sys.argv[1], os.O_RDONLY)
 t1 = time.perf_counter()
 n = 0
 while True:
@@ -968,7 +981,7 @@ print(t1 - t0, t2 - t1, n)
 fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
     let c = &a.common;
     let out = bench::out_dir("nearlog", c.out.clone())?;
-    let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(".")?;
+    let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(std::env::current_dir()?)?;
     let rocks = build_rocksdb_load(tmp.path())?;
     let rt = crate::runtime()?;
     let rounds = c.rounds.unwrap_or(if c.quick { 1 } else { 3 }).max(1);
@@ -1025,6 +1038,10 @@ fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
                 BufReader::new(child.0.stdout.take().unwrap()).read_line(&mut l)?;
                 anyhow::ensure!(l.trim() == "filled", "RocksDB fill failed");
                 drop(child); // SIGKILL
+                // A restart elsewhere reads the storage cold: drop this machine's cached pages
+                // of the (synced, so clean) files.
+                drop_cached(&db);
+                drop_cached(&wal);
                 let t0 = Instant::now();
                 if s == Setup::Nearlog {
                     std::fs::remove_dir_all(&wal)?;
@@ -1052,8 +1069,8 @@ fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
                 } else {
                     rocks_strong.push(total);
                 }
+                tb.remove_run_dir(&wal, s, &pat)?;
                 let _ = std::fs::remove_dir_all(&d);
-                let _ = std::fs::remove_dir_all(&wal);
             }
         }
         let med = |v: &mut Vec<f64>| {
@@ -1061,12 +1078,13 @@ fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
             v[v.len() / 2]
         };
         let (l, r, rn, rs) = (med(&mut log_s), med(&mut vol_s), med(&mut rocks_near), med(&mut rocks_strong));
-        report.figure(&format!("{pfx}nearlog.log_60mb.recovery_s"), l)?;
-        report.figure(&format!("{pfx}volume.read_60mb.duration_s"), r)?;
-        report.ratio(&format!("{pfx}nearlog_recovery_vs_volume_read.log_60mb.duration"), l, r)?;
-        report.figure(&format!("{pfx}rocksdb.nearlog.wal_60mb.restart_s"), rn)?;
-        report.figure(&format!("{pfx}rocksdb.strong.wal_60mb.restart_s"), rs)?;
-        report.ratio(&format!("{pfx}nearlog_vs_strong.rocksdb.wal_60mb.restart"), rn, rs)?;
+        let size = format!("{}mb", mb.round());
+        report.figure(&format!("{pfx}nearlog.log_{size}.recovery_s"), l)?;
+        report.figure(&format!("{pfx}volume.read_{size}.duration_s"), r)?;
+        report.ratio(&format!("{pfx}nearlog_recovery_vs_volume_read.log_{size}.duration"), l, r)?;
+        report.figure(&format!("{pfx}rocksdb.nearlog.wal_{size}.restart_s"), rn)?;
+        report.figure(&format!("{pfx}rocksdb.strong.wal_{size}.restart_s"), rs)?;
+        report.ratio(&format!("{pfx}nearlog_vs_strong.rocksdb.wal_{size}.restart"), rn, rs)?;
         csv.push(vec![latency.name().into(), format!("{l:.4}"), format!("{r:.4}"), format!("{rn:.4}"), format!("{rs:.4}")]);
         bench::bar_plot(
             &out.join(format!("recovery-60mb-{}", latency.name())),
@@ -1080,6 +1098,17 @@ fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
     bench::write_csv(&out.join("recovery.csv"), &["latency", "nearlog_log_s", "volume_read_s", "rocksdb_nearlog_s", "rocksdb_strong_s"], csv)?;
     report.print();
     Ok(())
+}
+
+/// Drops the page cache of every file directly in `dir` (POSIX_FADV_DONTNEED; clean pages only).
+fn drop_cached(dir: &Path) {
+    use std::os::fd::AsRawFd;
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if let Ok(f) = std::fs::File::open(e.path()) {
+            // SAFETY: fadvise on an fd we own; it only drops clean cached pages.
+            unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        }
+    }
 }
 
 /// Reads a file with O_DIRECT (1 MiB requests, past the page cache); seconds.
