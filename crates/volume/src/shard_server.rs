@@ -185,6 +185,7 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn core_loop(
     mut core: ShardCore,
     mut rx: mpsc::Receiver<CoreEvent>,

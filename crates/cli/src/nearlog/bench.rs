@@ -773,6 +773,9 @@ fn record_runs(report: &mut bench::Report, pfx: &str, app: &str, clients: usize,
     Ok(())
 }
 
+/// (throughput, mean latency) points per setup, one per client count.
+type PlotLines = BTreeMap<Setup, Vec<(f64, f64)>>;
+
 fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
     let c = &a.common;
     let out = bench::out_dir("nearlog", c.out.clone())?;
@@ -809,7 +812,7 @@ fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
         report.figure(&format!("{pfx}shim.write_fsync.rss_overhead_bytes"), near_rss - strong_rss)?;
         eprintln!("[{}] loopback rtt p50 {rtt} us; write+fsync p50: nearlog {near_wf} us, strong {strong_wf} us; shim adds {:.1} MiB RSS", tb.what(), (near_rss - strong_rss) / 1048576.0);
 
-        let mut plots: BTreeMap<&str, BTreeMap<Setup, Vec<(f64, f64)>>> = BTreeMap::new();
+        let mut plots: BTreeMap<&str, PlotLines> = BTreeMap::new();
         let mut keep = |app: &'static str, clients: usize, runs: &BTreeMap<Setup, Runs>, csv: &mut Vec<Vec<String>>| {
             for (s, r) in runs {
                 plots.entry(app).or_default().entry(*s).or_default().push((r.ops_per_s(), r.lat.mean_us()));
@@ -1004,7 +1007,7 @@ fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
             let f = local.join("app.nlog").display().to_string();
             python(Some((&tb, "*.nlog")), LOG_WRITE, &[f.clone(), a.log_bytes.to_string()])?;
             std::fs::remove_file(&f)?;
-            let line = python(Some((&tb, "*.nlog")), LOG_OPEN, &[f.clone()])?;
+            let line = python(Some((&tb, "*.nlog")), LOG_OPEN, std::slice::from_ref(&f))?;
             let v: Vec<f64> = line.split_whitespace().map(|x| x.parse().unwrap_or(f64::NAN)).collect();
             anyhow::ensure!(v.len() == 3 && v[2] as u64 == a.log_bytes, "recovered {line} instead of {} bytes", a.log_bytes);
             // Unlink through the shim frees the peers' memory for the next round.
