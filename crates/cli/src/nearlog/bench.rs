@@ -83,7 +83,7 @@ pub struct CommonArgs {
     /// Interleaved rounds of the setups [default: 1 with --quick, 2 otherwise].
     #[arg(long)]
     pub rounds: Option<usize>,
-    /// Seconds of one measured run [default: 1.5 with --quick, 8 otherwise].
+    /// Seconds of one measured run [default: 1 with --quick, 8 otherwise].
     #[arg(long)]
     pub secs: Option<f64>,
     /// A plain directory instead of an Understudy volume for the bulk files and the logs of
@@ -756,7 +756,7 @@ fn rocksdb_run(tb: &Testbed, bin: &Path, setup: Setup, clients: usize, secs: f64
 // `bench nearlog apps`
 
 fn params(c: &CommonArgs) -> (usize, f64) {
-    (c.rounds.unwrap_or(if c.quick { 1 } else { 2 }).max(1), c.secs.unwrap_or(if c.quick { 1.5 } else { 8.0 }))
+    (c.rounds.unwrap_or(if c.quick { 1 } else { 2 }).max(1), c.secs.unwrap_or(if c.quick { 1.0 } else { 8.0 }))
 }
 
 /// Records throughput and latency of every setup and the nearlog ratios; returns plot points.
