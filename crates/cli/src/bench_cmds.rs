@@ -86,7 +86,7 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
         BenchCmd::Ycsb(cmd) => crate::ycsb::run(cmd),
         BenchCmd::Failover(b) => crate::failover::bench(b, verbose),
         BenchCmd::Kv(b) => crate::kv::bench(b, verbose),
-        BenchCmd::Nearlog(crate::nearlog::NearlogBench::Apps(a)) => crate::nearlog::bench_apps(a),
+        BenchCmd::Nearlog(b) => crate::nearlog::bench(b, verbose),
         BenchCmd::Volume(VolumeBench::Ceph(a)) => crate::ceph_bench::run(a, verbose),
     }
 }

@@ -63,6 +63,14 @@ pub struct ShardArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<SocketAddr>,
+    /// Benchmarks: add this much latency to every write before it is acknowledged (a cloud
+    /// disk: about 500 for EBS gp3).
+    #[arg(long, value_name = "US", default_value_t = 0)]
+    pub inject_write_latency_us: u64,
+    /// Benchmarks: add this much latency for the flush that makes every write durable (every
+    /// acknowledged write is flushed; about 1000 for EBS gp3).
+    #[arg(long, value_name = "US", default_value_t = 0)]
+    pub inject_flush_latency_us: u64,
 }
 
 #[derive(Args, Debug)]
@@ -120,6 +128,7 @@ pub async fn shard(a: ShardArgs) -> anyhow::Result<()> {
         secret,
         create: a.create,
         metrics: a.metrics,
+        injected: volume::shard_server::InjectedLatency { write_us: a.inject_write_latency_us, flush_us: a.inject_flush_latency_us },
     };
     until_signal("shard", volume::shard_server::run_shard(opts)).await
 }

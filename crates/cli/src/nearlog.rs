@@ -27,6 +27,93 @@ pub enum NearlogCmd {
     /// Writes DIR/nearlog-cluster.json (controller address, secret file) for the shim:
     /// `UNDERSTUDY_NEARLOG_CLUSTER=DIR/nearlog-cluster.json LD_PRELOAD=libnearlog_preload.so APP`.
     Up(UpArgs),
+    /// Restore the local copies of every log file the cluster holds under DIR, before an
+    /// application starts there (a new machine, or a stale local directory).
+    ///
+    /// An application that finds its logs by listing a directory (RocksDB's WAL directory)
+    /// cannot ask for a file whose name it does not see: this brings every replicated log file
+    /// under DIR back to its replicated content (missing files created; shorter, longer or
+    /// different ones rewritten), each opened once through the shim, which takes a new epoch and
+    /// so fences any writer still running. Run it before the application, never while it runs.
+    Restore(RestoreArgs),
+    /// Internal (run by `restore` under the shim): open each path once as a log file.
+    #[command(hide = true)]
+    OpenLogs { paths: Vec<PathBuf> },
+}
+
+#[derive(Args, Debug)]
+pub struct RestoreArgs {
+    /// Directory whose log files to restore (created if missing).
+    pub dir: PathBuf,
+    /// The cluster file (`nearlog-cluster.json` of `nearlog up`, or one written by hand).
+    #[arg(long, env = "UNDERSTUDY_NEARLOG_CLUSTER")]
+    pub cluster: PathBuf,
+    /// The LD_PRELOAD shim [default: libnearlog_preload.so next to this executable].
+    #[arg(long, env = "UNDERSTUDY_NEARLOG_SHIM")]
+    pub shim: Option<PathBuf>,
+}
+
+/// The opt-in open flag of the shim (`nearlog_preload::O_NCL`).
+const O_NCL: libc::c_int = 0o40000000;
+
+pub fn default_shim() -> anyhow::Result<PathBuf> {
+    Ok(std::env::current_exe()?.parent().context("executable has no directory")?.join("libnearlog_preload.so"))
+}
+
+async fn restore(a: RestoreArgs) -> anyhow::Result<()> {
+    let shim = match a.shim {
+        Some(s) => s,
+        None => default_shim()?,
+    };
+    anyhow::ensure!(shim.exists(), "no shim at {} (build it: cargo build --release -p nearlog-preload)", shim.display());
+    let cf: NearlogClusterFile = serde_json::from_slice(&std::fs::read(&a.cluster).with_context(|| format!("cannot read {}", a.cluster.display()))?)
+        .with_context(|| format!("{} is not a nearlog cluster file", a.cluster.display()))?;
+    let secret = read_secret(&cf.secret_file)?;
+    std::fs::create_dir_all(&a.dir).with_context(|| format!("cannot create {}", a.dir.display()))?;
+    let dir = std::fs::canonicalize(&a.dir)?;
+    let prefix = format!("{}/", dir.display());
+    let st = match ::nearlog::server::ctl_call(&cf.controller, &secret, &::nearlog::proto::CtlRequest::Status).await {
+        Ok(::nearlog::proto::CtlReply::Status(s)) => s,
+        Ok(other) => anyhow::bail!("controller {} answered Status with {other:?}", cf.controller),
+        Err(e) => anyhow::bail!("controller {} unreachable: {e}", cf.controller),
+    };
+    let keys: Vec<&String> = st.files.keys().filter(|k| k.starts_with(&prefix)).collect();
+    if keys.is_empty() {
+        println!("no replicated log files under {}", dir.display());
+        return Ok(());
+    }
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args(["nearlog", "open-logs"])
+        .args(&keys)
+        .env("LD_PRELOAD", &shim)
+        .env("UNDERSTUDY_NEARLOG_CLUSTER", &a.cluster)
+        .env_remove("UNDERSTUDY_NEARLOG_PATTERNS")
+        .output()
+        .context("cannot run the restore helper")?;
+    // The shim's lines (one per recovered file) go to our stderr.
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    anyhow::ensure!(out.status.success(), "restoring the log files under {} failed", dir.display());
+    println!("restored {} log files under {}", keys.len(), dir.display());
+    Ok(())
+}
+
+fn open_logs(paths: &[PathBuf]) -> anyhow::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    // Without the shim O_NCL is ignored and nothing would be recovered: refuse.
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    anyhow::ensure!(maps.contains("nearlog_preload"), "open-logs must run under the nearlog shim (LD_PRELOAD)");
+    for p in paths {
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        let c = std::ffi::CString::new(p.as_os_str().as_bytes())?;
+        // SAFETY: a valid NUL-terminated path; the fd is closed right away.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC | O_NCL, 0o644) };
+        anyhow::ensure!(fd >= 0, "cannot restore {}: {}", p.display(), std::io::Error::last_os_error());
+        // SAFETY: closing the fd opened above.
+        unsafe { libc::close(fd) };
+    }
+    Ok(())
 }
 
 #[derive(Args, Debug)]
@@ -162,352 +249,11 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             tokio::signal::ctrl_c().await?;
             Ok(())
         }
+        NearlogCmd::Restore(a) => restore(a).await,
+        NearlogCmd::OpenLogs { paths } => open_logs(&paths),
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// `understudy bench nearlog apps`
+mod bench;
+pub use bench::{bench, NearlogBench};
 
-#[derive(Subcommand, Debug)]
-pub enum NearlogBench {
-    /// Redis (appendfsync always) and SQLite (WAL, synchronous=FULL): strong, weak, nearlog.
-    ///
-    /// strong: the log fsync'd to the storage directory; weak: not synced (Redis appendfsync
-    /// no, SQLite synchronous=OFF); nearlog: fsync'd through the LD_PRELOAD shim to 3 log peers
-    /// (`understudy nearlog up` as a child). Redis SET throughput and latency at 1, 8 and 50
-    /// clients, SQLite single-writer inserts, write+fsync latency of 64 B against a loopback TCP
-    /// round trip measured in the same run, peak RSS of the peers' process and of redis-server.
-    /// Needs redis-server, python3 and the shim (cargo build --release -p nearlog-preload).
-    Apps(AppsBenchArgs),
-}
-
-/// Options of `understudy bench nearlog apps`.
-#[derive(Args, Debug)]
-pub struct AppsBenchArgs {
-    /// A short run (under a minute) that still measures every figure.
-    #[arg(long)]
-    pub quick: bool,
-    /// Where the raw samples (CSV) go [default: target/bench/nearlog].
-    #[arg(long, value_name = "DIR")]
-    pub out: Option<PathBuf>,
-    /// The LD_PRELOAD shim [default: libnearlog_preload.so next to this executable].
-    #[arg(long, env = "UNDERSTUDY_NEARLOG_SHIM")]
-    pub shim: Option<PathBuf>,
-    /// Directory standing for disaggregated storage (bulk files, and the WAL of `strong`/`weak`)
-    /// [default: a temporary directory under the current directory].
-    #[arg(long)]
-    pub storage: Option<PathBuf>,
-}
-
-struct BenchEnv {
-    shim: PathBuf,
-    cluster_file: PathBuf,
-}
-
-impl BenchEnv {
-    fn apply(&self, c: &mut std::process::Command, patterns: &str) {
-        c.env("LD_PRELOAD", &self.shim).env("UNDERSTUDY_NEARLOG_CLUSTER", &self.cluster_file).env("UNDERSTUDY_NEARLOG_PATTERNS", patterns);
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Setup {
-    Strong,
-    Weak,
-    Nearlog,
-}
-
-impl Setup {
-    fn name(self) -> &'static str {
-        match self {
-            Setup::Strong => "strong",
-            Setup::Weak => "weak",
-            Setup::Nearlog => "nearlog",
-        }
-    }
-}
-
-struct KillOnDrop(std::process::Child);
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn rss_bytes(pid: u32, field: &str) -> Option<f64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = s.lines().find(|l| l.starts_with(field))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024.0)
-}
-
-/// A minimal blocking RESP client (SET/PING), enough for the load.
-struct Resp {
-    w: std::net::TcpStream,
-    r: std::io::BufReader<std::net::TcpStream>,
-}
-
-impl Resp {
-    fn connect(port: u16) -> anyhow::Result<Resp> {
-        let start = std::time::Instant::now();
-        loop {
-            match std::net::TcpStream::connect(("127.0.0.1", port)) {
-                Ok(s) => {
-                    s.set_nodelay(true)?;
-                    return Ok(Resp { r: std::io::BufReader::new(s.try_clone()?), w: s });
-                }
-                Err(_) if start.elapsed() < std::time::Duration::from_secs(30) => std::thread::sleep(std::time::Duration::from_millis(20)),
-                Err(e) => anyhow::bail!("redis on port {port} not reachable: {e}"),
-            }
-        }
-    }
-    fn cmd(&mut self, args: &[&[u8]]) -> anyhow::Result<String> {
-        use std::io::{BufRead, Write};
-        let mut m = format!("*{}\r\n", args.len()).into_bytes();
-        for a in args {
-            m.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-            m.extend_from_slice(a);
-            m.extend_from_slice(b"\r\n");
-        }
-        self.w.write_all(&m)?;
-        let mut line = String::new();
-        self.r.read_line(&mut line)?;
-        Ok(line.trim_end().to_string())
-    }
-}
-
-fn redis_run(env: &BenchEnv, setup: Setup, storage: &Path, clients: usize, secs: f64, samples: &mut Vec<(String, usize, u64)>) -> anyhow::Result<(f64, bench::LatencySummary, Option<f64>)> {
-    let dir = storage.join(format!("redis-{}-c{clients}", setup.name()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let mut c = std::process::Command::new("redis-server");
-    let fsync = if setup == Setup::Weak { "no" } else { "always" };
-    c.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--dir"])
-        .arg(&dir)
-        .args(["--appendonly", "yes", "--appendfsync", fsync, "--save", "", "--daemonize", "no", "--logfile", "", "--maxclients", "1000"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::inherit());
-    if setup == Setup::Nearlog {
-        env.apply(&mut c, "*.incr.aof");
-    }
-    let server = KillOnDrop(c.spawn().context("cannot start redis-server (Debian package redis-server)")?);
-    let pid = server.0.id();
-    // Wait until it answers.
-    let mut probe = Resp::connect(port)?;
-    while probe.cmd(&[b"PING"])?.starts_with("-LOADING") {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(secs);
-    let value = vec![b'v'; 100];
-    let handles: Vec<_> = (0..clients)
-        .map(|t| {
-            let value = value.clone();
-            std::thread::spawn(move || -> anyhow::Result<(u64, bench::LatencyRecorder)> {
-                let mut c = Resp::connect(port)?;
-                let mut rec = bench::LatencyRecorder::new();
-                let mut n = 0u64;
-                while std::time::Instant::now() < deadline {
-                    let key = format!("k{t}:{n}");
-                    let t0 = std::time::Instant::now();
-                    let r = c.cmd(&[b"SET", key.as_bytes(), &value])?;
-                    anyhow::ensure!(r == "+OK", "SET answered {r}");
-                    rec.record(t0.elapsed());
-                    n += 1;
-                }
-                Ok((n, rec))
-            })
-        })
-        .collect();
-    let start = std::time::Instant::now();
-    let mut total = 0;
-    let mut rec = bench::LatencyRecorder::new();
-    for h in handles {
-        let (n, r) = h.join().map_err(|_| anyhow::anyhow!("client thread panicked"))??;
-        total += n;
-        rec.merge(&r);
-    }
-    let elapsed = start.elapsed().as_secs_f64().max(secs);
-    let rss = rss_bytes(pid, "VmRSS:");
-    samples.push((format!("redis.{}", setup.name()), clients, total));
-    drop(server);
-    let _ = std::fs::remove_dir_all(&dir);
-    Ok((total as f64 / elapsed, rec.summary(), rss))
-}
-
-const SQLITE_LOAD: &str = r#"
-import sqlite3, sys, time
-db = sqlite3.connect(sys.argv[1], isolation_level=None)
-db.execute("PRAGMA journal_mode=WAL")
-db.execute("PRAGMA synchronous=" + sys.argv[2])
-db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v BLOB)")
-secs = float(sys.argv[3])
-v = b"x" * 100
-n = 0
-lat = []
-end = time.perf_counter() + secs
-start = time.perf_counter()
-while True:
-    t0 = time.perf_counter()
-    if t0 >= end:
-        break
-    db.execute("INSERT INTO t (v) VALUES (?)", (v,))
-    lat.append(time.perf_counter() - t0)
-    n += 1
-el = time.perf_counter() - start
-lat.sort()
-print(n / el, lat[len(lat) // 2] * 1e6)
-"#;
-
-const WRITE_FSYNC: &str = r#"
-import os, sys, time
-fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-lat = []
-buf = b"r" * 64
-for i in range(int(sys.argv[2])):
-    t0 = time.perf_counter_ns()
-    os.write(fd, buf)
-    os.fsync(fd)
-    lat.append(time.perf_counter_ns() - t0)
-lat.sort()
-print(lat[len(lat) // 2] / 1000.0)
-"#;
-
-fn python(env: Option<(&BenchEnv, &str)>, script: &str, args: &[String]) -> anyhow::Result<String> {
-    let mut c = std::process::Command::new("python3");
-    c.arg("-c").arg(script).args(args);
-    if let Some((e, pat)) = env {
-        e.apply(&mut c, pat);
-    }
-    let out = c.output().context("cannot run python3")?;
-    anyhow::ensure!(out.status.success(), "python3 failed: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-}
-
-/// Median TCP round trip on loopback (64-byte ping-pong), microseconds.
-fn loopback_rtt_us(rounds: usize) -> anyhow::Result<f64> {
-    use std::io::{Read, Write};
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    let echo = std::thread::spawn(move || -> std::io::Result<()> {
-        let (mut s, _) = l.accept()?;
-        s.set_nodelay(true)?;
-        let mut b = [0u8; 64];
-        loop {
-            if s.read_exact(&mut b).is_err() {
-                return Ok(());
-            }
-            s.write_all(&b)?;
-        }
-    });
-    let mut s = std::net::TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    let mut rec = bench::LatencyRecorder::new();
-    let mut b = [7u8; 64];
-    for _ in 0..rounds {
-        let t0 = std::time::Instant::now();
-        s.write_all(&b)?;
-        s.read_exact(&mut b)?;
-        rec.record_us(t0.elapsed().as_nanos() as u64 / 1000);
-    }
-    drop(s);
-    let _ = echo.join();
-    Ok(rec.summary().p50_us as f64)
-}
-
-pub fn bench_apps(a: AppsBenchArgs) -> anyhow::Result<()> {
-    let shim = match a.shim {
-        Some(s) => s,
-        None => std::env::current_exe()?.parent().unwrap().join("libnearlog_preload.so"),
-    };
-    anyhow::ensure!(shim.exists(), "no shim at {} (build it: cargo build --release -p nearlog-preload)", shim.display());
-    let out = bench::out_dir("nearlog", a.out.clone())?;
-    let tmp = match &a.storage {
-        Some(d) => tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(d)?,
-        None => tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(".")?,
-    };
-    let storage = tmp.path().join("storage");
-    std::fs::create_dir_all(&storage)?;
-    // Log peers and controller: `understudy nearlog up` as a child (so its memory is its own).
-    let mut up = std::process::Command::new(std::env::current_exe()?);
-    up.args(["nearlog", "up", "--dir"]).arg(tmp.path().join("cluster")).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null());
-    let mut child = KillOnDrop(up.spawn()?);
-    {
-        use std::io::BufRead;
-        let mut lines = std::io::BufReader::new(child.0.stdout.take().unwrap()).lines();
-        loop {
-            let l = lines.next().context("nearlog up exited")??;
-            if l == "ready" {
-                break;
-            }
-        }
-        std::thread::spawn(move || for _ in lines {});
-    }
-    let env = BenchEnv { shim, cluster_file: tmp.path().join("cluster/nearlog-cluster.json") };
-    let mut report = bench::Report::new("nearlog.apps", a.quick);
-    let secs = if a.quick { 2.0 } else { 10.0 };
-    let setups = [Setup::Strong, Setup::Weak, Setup::Nearlog];
-    let mut samples = Vec::new();
-
-    let rtt = loopback_rtt_us(if a.quick { 2000 } else { 20000 })?;
-    report.figure("loopback.rtt.latency_us_p50", rtt)?;
-    eprintln!("loopback rtt p50 {rtt} us");
-
-    // write+fsync of 64 B through the shim, and to the storage directory for comparison.
-    let n = if a.quick { 500 } else { 5000 }.to_string();
-    let near_wf: f64 = python(Some((&env, "*.nlog")), WRITE_FSYNC, &[storage.join("x.nlog").display().to_string(), n.clone()])?.parse()?;
-    let strong_wf: f64 = python(None, WRITE_FSYNC, &[storage.join("y.log").display().to_string(), n])?.parse()?;
-    report.figure("nearlog.write_fsync.latency_us_p50", near_wf)?;
-    report.figure("strong.write_fsync.latency_us_p50", strong_wf)?;
-    report.ratio("nearlog_vs_loopback_rtt.write_fsync.latency_p50", near_wf, rtt)?;
-    report.ratio("nearlog_vs_strong.write_fsync.latency_p50", near_wf, strong_wf)?;
-    eprintln!("write+fsync p50: nearlog {near_wf} us, strong {strong_wf} us");
-
-    // Redis: SET at 1, 8, 50 clients; setups alternate within each client count.
-    let mut tput = std::collections::BTreeMap::new();
-    for clients in [1usize, 8, 50] {
-        for s in setups {
-            let (ops, lat, rss) = redis_run(&env, s, &storage, clients, secs, &mut samples)?;
-            eprintln!("redis {} c{clients}: {ops:.0} ops/s, p50 {} us", s.name(), lat.p50_us);
-            report.figure(&format!("redis.{}.c{clients}.throughput_ops_per_s", s.name()), ops)?;
-            report.latency(&format!("redis.{}.c{clients}.set.latency", s.name()), &lat)?;
-            if let (Some(rss), 1) = (rss, clients) {
-                report.figure(&format!("redis.{}.c1.server_rss_bytes", s.name()), rss)?;
-            }
-            tput.insert((s.name(), clients), ops);
-        }
-    }
-    for c in [1usize, 8, 50] {
-        report.ratio(&format!("nearlog_vs_strong.redis.c{c}.throughput"), tput[&("nearlog", c)], tput[&("strong", c)])?;
-        report.ratio(&format!("nearlog_vs_weak.redis.c{c}.throughput"), tput[&("nearlog", c)], tput[&("weak", c)])?;
-    }
-
-    // SQLite: one writer, autocommit inserts.
-    let mut sq = std::collections::BTreeMap::new();
-    for s in setups {
-        let db = storage.join(format!("sqlite-{}.db", s.name()));
-        let sync = if s == Setup::Weak { "OFF" } else { "FULL" };
-        let e = if s == Setup::Nearlog { Some((&env, "*-wal")) } else { None };
-        let line = python(e, SQLITE_LOAD, &[db.display().to_string(), sync.into(), secs.to_string()])?;
-        let mut it = line.split_whitespace();
-        let ops: f64 = it.next().context("sqlite output")?.parse()?;
-        let p50: f64 = it.next().context("sqlite output")?.parse()?;
-        eprintln!("sqlite {}: {ops:.0} inserts/s, p50 {p50:.0} us", s.name());
-        report.figure(&format!("sqlite.{}.c1.throughput_ops_per_s", s.name()), ops)?;
-        report.figure(&format!("sqlite.{}.c1.insert.latency_us_p50", s.name()), p50)?;
-        sq.insert(s.name(), ops);
-    }
-    report.ratio("nearlog_vs_strong.sqlite.c1.throughput", sq["nearlog"], sq["strong"])?;
-    report.ratio("nearlog_vs_weak.sqlite.c1.throughput", sq["nearlog"], sq["weak"])?;
-
-    // Memory: the process holding the controller and the 3 peers (their regions hold the logs).
-    if let Some(hwm) = rss_bytes(child.0.id(), "VmHWM:") {
-        report.figure("peers.controller_and_3_peers.peak_rss_bytes", hwm)?;
-    }
-    let rows: Vec<Vec<String>> = samples.iter().map(|(n, c, ops)| vec![n.clone(), c.to_string(), ops.to_string()]).collect();
-    let _ = bench::write_csv(&out.join("apps.csv"), &["setup", "clients", "ops"], rows);
-    drop(child);
-    report.print();
-    Ok(())
-}

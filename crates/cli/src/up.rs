@@ -90,6 +90,12 @@ fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
 impl LocalCluster {
     /// Lays out `cfg.dir` and starts every process (without waiting for them).
     pub fn start(cfg: &UpConfig) -> anyhow::Result<LocalCluster> {
+        Self::start_with(cfg, &[])
+    }
+
+    /// As [`LocalCluster::start`], with extra arguments for every shard (e.g.
+    /// `--inject-write-latency-us 500` in benchmarks).
+    pub fn start_with(cfg: &UpConfig, extra_shard_args: &[String]) -> anyhow::Result<LocalCluster> {
         anyhow::ensure!((1..=MAX_SHARDS).contains(&cfg.shards), "--shards must be between 1 and {MAX_SHARDS}");
         anyhow::ensure!((1..=cfg.shards).contains(&cfg.replicas), "--replicas must be between 1 and the number of shards ({})", cfg.shards);
         std::fs::create_dir_all(&cfg.dir).with_context(|| format!("cannot create {}", cfg.dir.display()))?;
@@ -192,6 +198,7 @@ impl LocalCluster {
                 // `up` owns DIR: a missing shard directory is a new (or replacement) shard.
                 "--create".into(),
             ];
+            args.extend(extra_shard_args.iter().cloned());
             args.extend(verbose_args.iter().cloned());
             let child = proc::spawn_self(&args, &log, &[])?;
             lc.info.shards.push(ShardProc { id: i, addr: shard_addr, dir: shard_dir, pid: child.id(), log });

@@ -4,7 +4,7 @@
 //! Needs python3 (its sqlite3 module) and the `nearlog-preload` cdylib (built on demand).
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 mod nearlog_common;

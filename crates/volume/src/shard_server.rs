@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use wire::metrics::metric;
 
-use crate::shard_core::{CoreStats, Input, Output, Peer, ShardConfig, ShardCore};
+use crate::shard_core::{CoreStats, DiskCmd, Input, Output, Peer, ShardConfig, ShardCore};
 use crate::store::FileStore;
 use crate::types::*;
 
@@ -45,6 +45,31 @@ pub struct ShardOptions {
     pub create: bool,
     /// Where to serve Prometheus metrics, if anywhere.
     pub metrics: Option<SocketAddr>,
+    /// Latency added to disk commands, to stand for a slower (cloud) disk in benchmarks.
+    pub injected: InjectedLatency,
+}
+
+/// Latency a shard adds to its disk commands before their completion reaches the core (so before
+/// it acks), to make this machine's disk look like a cloud disk (e.g. EBS gp3: about 0.5 ms per
+/// write, 1 ms per flush). Every mutating command of the store both writes and fdatasyncs (the
+/// volume has no volatile cache: an ack means durable), so it pays `write_us + flush_us`; reads pay
+/// nothing. The delay is slept on the blocking thread that ran the command, so commands in flight
+/// overlap as they would on a real disk with a queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InjectedLatency {
+    pub write_us: u64,
+    pub flush_us: u64,
+}
+
+impl InjectedLatency {
+    fn for_cmd(&self, cmd: &DiskCmd) -> Duration {
+        match cmd {
+            DiskCmd::Read { .. } | DiskCmd::ReadAll { .. } => Duration::ZERO,
+            DiskCmd::Apply { .. } | DiskCmd::Delete { .. } | DiskCmd::Rename { .. } | DiskCmd::SaveState { .. } => {
+                Duration::from_micros(self.write_us + self.flush_us)
+            }
+        }
+    }
 }
 
 /// Counters of the driver, and the core's gauges as of the last tick.
@@ -156,10 +181,11 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
             }
         });
     }
-    core_loop(core, rx, tx, store, secret, opts.id, stats).await;
+    core_loop(core, rx, tx, store, secret, opts.id, stats, opts.injected).await;
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn core_loop(
     mut core: ShardCore,
     mut rx: mpsc::Receiver<CoreEvent>,
@@ -168,6 +194,7 @@ async fn core_loop(
     secret: Arc<[u8]>,
     me: ShardId,
     stats: Arc<Stats>,
+    injected: InjectedLatency,
 ) {
     let mut clients: HashMap<u64, mpsc::Sender<Msg>> = HashMap::new();
     let mut peers: HashMap<ShardId, mpsc::Sender<Msg>> = HashMap::new();
@@ -238,7 +265,14 @@ async fn core_loop(
                     let slots = disk_slots.clone();
                     tokio::spawn(async move {
                         let Ok(_permit) = slots.acquire_owned().await else { return };
-                        let result = tokio::task::spawn_blocking(move || store.run(cmd))
+                        let delay = injected.for_cmd(&cmd);
+                        let result = tokio::task::spawn_blocking(move || {
+                            let r = store.run(cmd);
+                            if !delay.is_zero() {
+                                std::thread::sleep(delay);
+                            }
+                            r
+                        })
                             .await
                             .unwrap_or_else(|e| Err(crate::shard_core::DiskErr::Io(format!("disk task failed: {e}"))));
                         let _ = tx.send(CoreEvent::Input(Input::Disk { id, result })).await;

@@ -36,6 +36,7 @@ pub async fn start_in_process(dir: &Path, shards: u32, secret: &[u8]) -> anyhow:
             secret: secret.to_vec(),
             create: true,
             metrics: None,
+            injected: Default::default(),
         };
         tokio::spawn(crate::shard_server::run_shard(opts));
     }
