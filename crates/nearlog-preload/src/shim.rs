@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use libc::{c_int, c_void, iovec, mode_t, off_t, size_t, ssize_t};
 use nearlog::blocking;
-use nearlog::client::{ClientConfig, FileClient};
+use nearlog::client::{ClientConfig, Failure, FileClient};
 use nearlog::proto::{CtlReply, CtlRequest, FileGrant, Op, PeerId, PeerReply, PeerRequest, MAX_CHUNK_BYTES, MAX_FRAME_BYTES};
 
 use crate::O_NCL;
@@ -167,12 +167,35 @@ struct Tracked {
     client: FileClient,
     /// A read-only fd on the same file (the application's may be write-only), for resyncs.
     read_fd: c_int,
+    /// The epoch this writer owns the file at (its open, or its last resume/relocation); a
+    /// mover's newer epoch does not take ownership, so after being fenced by one we resume.
+    owner_epoch: u64,
+    /// A resume in progress: ops not acknowledged in the old epoch (resubmitted once the new
+    /// epoch is ready) and the replicated size after them.
+    resume: Option<(Vec<Op>, u64)>,
+    /// Resumes and relocations so far in this wait (bounded: no endless ping-pong).
+    resumes: u32,
+}
+
+/// Resumes or relocations one wait may go through before it gives up with EIO.
+const MAX_RESUMES_PER_WAIT: u32 = 8;
+
+thread_local! {
+    /// errno of the last failed log operation on this thread (EIO unless a region was full
+    /// everywhere: ENOSPC).
+    static FAIL_ERRNO: Cell<c_int> = const { Cell::new(libc::EIO) };
+}
+
+fn take_fail_errno() -> c_int {
+    FAIL_ERRNO.with(|e| e.replace(libc::EIO))
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        // SAFETY: our own fd, closed once.
-        unsafe { (real().close)(self.read_fd) };
+        if self.read_fd >= 0 {
+            // SAFETY: our own fd, closed once.
+            unsafe { (real().close)(self.read_fd) };
+        }
     }
 }
 
@@ -352,15 +375,94 @@ impl Shim {
         }
     }
 
-    /// Pumps until `done` holds for the file on `fd`, it failed, or the deadline passed.
-    fn wait_for(&mut self, fd: c_int, done: impl Fn(&FileClient) -> bool) -> Result<(), String> {
+    /// Starts a resume (after being fenced by a mover) or a relocation (a peer's region is
+    /// full): a new epoch from the controller, recovery under it; ops not acknowledged yet are
+    /// resubmitted by [`Shim::finish_resume`] once it is ready.
+    fn start_resume(&mut self, fd: c_int, failure: &Failure) -> Result<(), String> {
+        let t = self.files.get_mut(&fd).ok_or("file vanished")?;
+        t.resumes += 1;
+        if t.resumes > MAX_RESUMES_PER_WAIT {
+            return Err(format!("{failure} (gave up after {MAX_RESUMES_PER_WAIT} resumes)"));
+        }
+        let (key, owner) = (t.key.clone(), t.owner_epoch);
+        if t.resume.is_none() {
+            t.resume = Some((t.client.unacked_ops(), t.client.size()));
+        }
+        let req = match failure {
+            Failure::Fenced { .. } => CtlRequest::Resume { key: key.clone(), epoch: owner },
+            Failure::RegionFull { peer, .. } => CtlRequest::Relocate { key: key.clone(), epoch: owner, full: *peer },
+            f => return Err(f.to_string()),
+        };
+        let grant = match self.ctl(&req) {
+            Ok(CtlReply::Granted(g)) => g,
+            Ok(other) => return Err(format!("controller answered {other:?}")),
+            Err(e) => {
+                if matches!(failure, Failure::RegionFull { .. }) {
+                    FAIL_ERRNO.with(|x| x.set(libc::ENOSPC));
+                }
+                return Err(format!("{failure}; {e}"));
+            }
+        };
+        log(&format!("{key}: {failure}; continuing at epoch {} on peers {:?}", grant.epoch, grant.peers.iter().map(|p| p.id).collect::<Vec<_>>()));
+        self.learn(&grant);
+        let ids = |v: &[nearlog::proto::PeerAddr]| v.iter().map(|p| p.id).collect::<Vec<_>>();
+        let now = self.now_us();
+        let t = self.files.get_mut(&fd).unwrap();
+        t.owner_epoch = grant.epoch;
+        t.client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), true, Vec::new(), ClientConfig::default(), now);
+        Ok(())
+    }
+
+    /// The resumed epoch is ready: checks that the recovered content plus our unacknowledged
+    /// ops is exactly our local copy (nobody else wrote), ends a pending move, resubmits.
+    fn finish_resume(&mut self, fd: c_int) -> Result<(), String> {
+        let t = self.files.get_mut(&fd).ok_or("file vanished")?;
+        let (ops, size) = t.resume.take().unwrap();
+        let mut img = t.client.take_recovered().unwrap_or_default();
+        for op in &ops {
+            nearlog::proto::apply_op(&mut img, op);
+        }
+        let local = read_local(t.read_fd, size).map_err(|e| format!("reading the local copy: {e}"))?;
+        if img != local {
+            return Err(format!("{} changed on the log peers while this writer was fenced (another writer?)", t.key));
+        }
+        let (key, epoch) = (t.key.clone(), t.client.epoch());
+        if let Err(e) = self.ctl(&CtlRequest::Initialized { key, epoch }) {
+            log(&format!("after resuming: {e}"));
+        }
+        let t = self.files.get_mut(&fd).unwrap();
+        for op in ops {
+            t.client.submit(op).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    fn learn(&mut self, g: &FileGrant) {
+        for p in g.peers.iter().chain(&g.recover_from) {
+            self.peers.entry(p.id).or_insert_with(|| (p.addr.clone(), None, Instant::now() - Duration::from_secs(1)));
+        }
+    }
+
+    /// Pumps until `done` holds for the file on `fd`, it failed, or the deadline passed. With
+    /// `may_resume`, being fenced by a mover or meeting a full region continues at a new epoch.
+    fn wait_for(&mut self, fd: c_int, may_resume: bool, done: impl Fn(&FileClient) -> bool) -> Result<(), String> {
         let deadline = Instant::now() + self.cfg.deadline;
+        self.files.get_mut(&fd).ok_or("file vanished")?.resumes = 0;
         loop {
             let t = self.files.get_mut(&fd).ok_or("file vanished")?;
-            if let Some(f) = t.client.failure() {
+            if let Some(f) = t.client.failure().cloned() {
+                if may_resume && matches!(f, Failure::Fenced { .. } | Failure::RegionFull { .. }) {
+                    self.start_resume(fd, &f)?;
+                    continue;
+                }
                 return Err(f.to_string());
             }
-            if done(&t.client) {
+            if t.resume.is_some() {
+                if t.client.is_ready() {
+                    self.finish_resume(fd)?;
+                    continue;
+                }
+            } else if done(&t.client) {
                 return Ok(());
             }
             if let Some(peer) = t.client.wants_resync() {
@@ -512,12 +614,6 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
     if fd as usize >= MAX_TRACKED_FD {
         return Err(format!("fd {fd} is beyond the shim's table of {MAX_TRACKED_FD} fds"));
     }
-    let CtlReply::Granted(grant) = shim.ctl(&CtlRequest::Open { key: key.to_string(), replicas: 3 })? else {
-        return Err("controller answered Open with something else".into());
-    };
-    for p in &grant.peers {
-        shim.peers.entry(p.id).or_insert_with(|| (p.addr.clone(), None, Instant::now() - Duration::from_secs(1)));
-    }
     let local_size = {
         // SAFETY: fstat into a zeroed struct.
         let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
@@ -526,24 +622,50 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         }
         st.st_size as u64
     };
-    // A file that was never replicated starts from its local content (it predates the shim).
     let read_fd = reopen_readonly(fd)?;
-    let initial = if grant.initialized { Vec::new() } else { read_local(read_fd, local_size).map_err(|e| e.to_string())? };
-    let peers = grant.peers.iter().map(|p| p.id).collect();
-    let now = shim.now_us();
-    let client = FileClient::open(grant.file, grant.epoch, peers, grant.initialized, initial, ClientConfig::default(), now);
-    shim.files.insert(fd, Tracked { key: key.to_string(), client, read_fd });
-    shim.wait_for(fd, |c| c.is_ready()).map_err(|e| format!("recovery of {key} (epoch {}): {e}", grant.epoch))?;
-    let t = shim.files.get_mut(&fd).unwrap();
-    let image = t.client.take_recovered().unwrap_or_default();
-    if !grant.initialized {
-        shim.ctl(&CtlRequest::Initialized { key: key.to_string(), epoch: grant.epoch })?;
-    }
+    let mut attempt = 0;
+    let (grant, image) = loop {
+        attempt += 1;
+        let grant = match shim.ctl(&CtlRequest::Open { key: key.to_string(), replicas: 3 }) {
+            Ok(CtlReply::Granted(g)) => g,
+            Ok(_) => return Err("controller answered Open with something else".into()),
+            Err(e) => {
+                // SAFETY: our own fd, not stored anywhere yet.
+                unsafe { (real().close)(read_fd) };
+                return Err(e);
+            }
+        };
+        shim.learn(&grant);
+        // A file that was never replicated starts from its local content (it predates the shim).
+        let initial = if grant.initialized { Vec::new() } else { read_local(read_fd, local_size).map_err(|e| e.to_string())? };
+        let ids = |v: &[nearlog::proto::PeerAddr]| v.iter().map(|p| p.id).collect::<Vec<_>>();
+        let now = shim.now_us();
+        let client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), grant.initialized, initial, ClientConfig::default(), now);
+        // A re-open after a failed attempt replaces (and keeps) the same read fd.
+        if let Some(mut old) = shim.files.insert(fd, Tracked { key: key.to_string(), client, read_fd, owner_epoch: grant.epoch, resume: None, resumes: 0 }) {
+            old.read_fd = -1;
+        }
+        match shim.wait_for(fd, false, |c| c.is_ready()) {
+            Ok(()) => {}
+            // A mover (reclaim) fenced our recovery: open again, it will follow.
+            Err(_) if attempt < 4 && matches!(shim.files[&fd].client.failure(), Some(Failure::Fenced { .. })) => continue,
+            Err(e) => return Err(format!("recovery of {key} (epoch {}): {e}", grant.epoch)),
+        }
+        let t = shim.files.get_mut(&fd).unwrap();
+        let image = t.client.take_recovered().unwrap_or_default();
+        if !grant.initialized || !grant.recover_from.is_empty() {
+            // Marks the content as replicated, and ends a pending move (our Base is on the new set).
+            shim.ctl(&CtlRequest::Initialized { key: key.to_string(), epoch: grant.epoch })?;
+        }
+        break (grant, image);
+    };
+    let _ = &grant;
     if flags & libc::O_TRUNC != 0 {
         // The real open already emptied the local file; the peers follow.
         let t = shim.files.get_mut(&fd).unwrap();
         let seq = t.client.submit(Op::Truncate { size: 0 }).map_err(|e| e.to_string())?;
-        shim.wait_for(fd, |c| c.acked_seq() >= seq)?;
+        let _ = seq;
+        shim.wait_for(fd, true, all_acked)?;
     } else {
         let rfd = shim.files[&fd].read_fd;
         let local = read_local(rfd, local_size).map_err(|e| e.to_string())?;
@@ -579,11 +701,15 @@ fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim) -> Result<T, String>, wh
 /// Replicates `data` written at `offset` and waits for a majority.
 fn replicate(shim: &mut Shim, fd: c_int, offset: u64, data: &[u8]) -> Result<(), String> {
     let t = shim.files.get_mut(&fd).ok_or("not a log fd")?;
-    let mut last = 0;
     for (i, chunk) in data.chunks(MAX_CHUNK_BYTES).enumerate() {
-        last = t.client.submit(Op::write(offset + (i * MAX_CHUNK_BYTES) as u64, chunk.to_vec())).map_err(|e| e.to_string())?;
+        t.client.submit(Op::write(offset + (i * MAX_CHUNK_BYTES) as u64, chunk.to_vec())).map_err(|e| e.to_string())?;
     }
-    shim.wait_for(fd, |c| c.acked_seq() >= last)
+    shim.wait_for(fd, true, all_acked)
+}
+
+/// Every op submitted so far is on a majority (calls are synchronous: this is "ours is").
+fn all_acked(c: &FileClient) -> bool {
+    c.acked_seq() >= c.last_seq()
 }
 
 pub unsafe fn write(fd: c_int, buf: *const c_void, n: size_t, off: Option<off_t>) -> ssize_t {
@@ -622,7 +748,7 @@ pub unsafe fn write(fd: c_int, buf: *const c_void, n: size_t, off: Option<off_t>
         "write",
     );
     res.unwrap_or_else(|()| {
-        set_errno(libc::EIO);
+        set_errno(take_fail_errno());
         -1
     })
 }
@@ -652,7 +778,7 @@ pub unsafe fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
         "writev",
     );
     res.unwrap_or_else(|()| {
-        set_errno(libc::EIO);
+        set_errno(take_fail_errno());
         -1
     })
 }
@@ -703,14 +829,14 @@ pub unsafe fn ftruncate(fd: c_int, len: off_t) -> c_int {
                 return Ok(rc);
             }
             let t = shim.files.get_mut(&fd).ok_or("not a log fd")?;
-            let seq = t.client.submit(Op::Truncate { size: len as u64 }).map_err(|e| e.to_string())?;
-            shim.wait_for(fd, |c| c.acked_seq() >= seq)?;
+            t.client.submit(Op::Truncate { size: len as u64 }).map_err(|e| e.to_string())?;
+            shim.wait_for(fd, true, all_acked)?;
             Ok(0)
         },
         "ftruncate",
     );
     res.unwrap_or_else(|()| {
-        set_errno(libc::EIO);
+        set_errno(take_fail_errno());
         -1
     })
 }

@@ -18,6 +18,7 @@
 pub mod blocking;
 pub mod client;
 pub mod controller;
+pub mod mover;
 pub mod peer;
 pub mod proto;
 #[cfg(feature = "server")]

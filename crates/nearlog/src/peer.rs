@@ -91,6 +91,30 @@ impl PeerCore {
         self.files.len()
     }
 
+    /// Ids of the files the peer keeps any state for (reported in heartbeats).
+    pub fn files(&self) -> Vec<FileId> {
+        self.files.keys().copied().collect()
+    }
+
+    /// Frees everything held for `file` (the controller placed it elsewhere or forgot it).
+    /// Returns the bytes freed.
+    pub fn release(&mut self, file: FileId) -> u64 {
+        match self.files.remove(&file) {
+            Some(f) => {
+                let b = f.bytes();
+                self.used_bytes -= b;
+                b
+            }
+            None => 0,
+        }
+    }
+
+    /// Shrinks (or grows) the lent region. Shrinking below the bytes in use only refuses
+    /// growth from now on; the caller shrinks to 0 once the controller moved every file away.
+    pub fn set_region_bytes(&mut self, region_bytes: u64) {
+        self.region_bytes = region_bytes;
+    }
+
     /// Test hook: flips one byte of a file's committed image without fixing its checksum (a
     /// memory corruption); returns false if there is no byte to flip.
     pub fn corrupt(&mut self, file: FileId, at: u64) -> bool {

@@ -27,18 +27,36 @@ pub async fn run_peer(listener: TcpListener, advertise: String, controller: Stri
         let secret = secret.clone();
         tokio::spawn(async move {
             let mut peer_id = None;
+            let mut returned = false;
             loop {
-                let used = core.lock().unwrap().used_bytes();
+                let (used, files) = {
+                    let c = core.lock().unwrap();
+                    (c.used_bytes(), c.files())
+                };
                 let req = match peer_id {
                     None => CtlRequest::RegisterPeer { addr: advertise.clone(), region_bytes },
-                    Some(peer) => CtlRequest::PeerHeartbeat { peer, used_bytes: used },
+                    Some(peer) => CtlRequest::PeerHeartbeat { peer, used_bytes: used, files },
                 };
                 match ctl_call(&controller, &secret, &req).await {
                     Ok(CtlReply::Registered { peer }) => {
                         tracing::info!(peer, %advertise, "registered with the controller");
                         peer_id = Some(peer)
                     }
-                    Ok(CtlReply::Ok) => {}
+                    Ok(CtlReply::Heartbeat { release, draining }) => {
+                        let mut c = core.lock().unwrap();
+                        for f in release {
+                            let freed = c.release(f);
+                            tracing::info!(file = f, freed, "released a file placed elsewhere");
+                        }
+                        if draining && !returned && c.used_bytes() == 0 {
+                            // Reclaimed: every file moved away. The region goes back to the host
+                            // (its buffers are freed; no new file is placed here).
+                            c.set_region_bytes(0);
+                            returned = true;
+                            tracing::info!(%advertise, "reclaimed: lent region returned");
+                            println!("nearlog peer {advertise}: reclaimed, lent region returned");
+                        }
+                    }
                     Ok(other) => {
                         tracing::warn!(?other, "controller refused us; registering again");
                         peer_id = None;
