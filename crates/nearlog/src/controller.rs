@@ -400,6 +400,45 @@ mod tests {
     }
 
     #[test]
+    fn reclaim_moves_files_resume_and_relocate_and_heartbeats_release() {
+        let mut c = ControllerCore::open(MemStore::default()).unwrap();
+        for i in 1..=4 {
+            c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: 1000 });
+        }
+        let CtlReply::Granted(g) = c.handle(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
+        assert_eq!(g.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![1, 2, 3]);
+        c.handle(CtlRequest::Initialized { key: "k".into(), epoch: 1 });
+        // Reclaim peer 1: placed on 4; the old set stays the recovery set.
+        let CtlReply::Reclaiming { pending } = c.handle(CtlRequest::Reclaim { peer: 1 }) else { panic!() };
+        assert_eq!(pending, vec!["k".to_string()]);
+        let m = c.state().files["k"].clone();
+        assert_eq!((m.peers.clone(), m.prev_peers.clone()), (vec![4, 2, 3], vec![1, 2, 3]));
+        // Peer 1 keeps the file while the move is pending.
+        let hb = |c: &mut ControllerCore<MemStore>, peer| c.handle(CtlRequest::PeerHeartbeat { peer, used_bytes: 10, files: vec![m.file, 99] });
+        assert_eq!(hb(&mut c, 1), CtlReply::Heartbeat { release: vec![99], draining: true });
+        // A mover's epoch does not take ownership; the fenced writer (owner epoch 1) resumes.
+        let CtlReply::Granted(mv) = c.handle(CtlRequest::Move { key: "k".into() }) else { panic!() };
+        assert_eq!((mv.epoch, mv.recover_from.len()), (2, 3));
+        let CtlReply::Granted(w) = c.handle(CtlRequest::Resume { key: "k".into(), epoch: 1 }) else { panic!() };
+        assert_eq!(w.epoch, 3);
+        assert!(matches!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: 2 }), CtlReply::Error(_)), "the mover's epoch is stale");
+        assert_eq!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: 3 }), CtlReply::Ok);
+        assert!(c.state().files["k"].prev_peers.is_empty(), "move done");
+        assert_eq!(hb(&mut c, 1), CtlReply::Heartbeat { release: vec![m.file, 99], draining: true });
+        assert!(matches!(c.handle(CtlRequest::Resume { key: "k".into(), epoch: 1 }), CtlReply::Error(_)), "an old owner cannot resume");
+        // No new placement on a draining peer; a relocation needs a peer with room outside the set.
+        assert!(matches!(c.handle(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }), CtlReply::Error(_)));
+        c.handle(CtlRequest::RegisterPeer { addr: "p5".into(), region_bytes: 1000 });
+        let CtlReply::Granted(r) = c.handle(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }) else { panic!() };
+        assert_eq!(r.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![4, 5, 3]);
+        assert_eq!(r.recover_from.iter().map(|p| p.id).collect::<Vec<_>>(), vec![4, 2, 3]);
+        // Reclaiming with no peer left to take the file fails and changes nothing.
+        let before = c.state().clone();
+        assert!(matches!(c.handle(CtlRequest::Reclaim { peer: 3 }), CtlReply::Error(_)));
+        assert_eq!(c.state(), &before);
+    }
+
+    #[test]
     fn bad_requests_are_refused_and_failed_saves_roll_back() {
         let mut c = ControllerCore::open(MemStore::default()).unwrap();
         assert!(matches!(c.handle(CtlRequest::Open { key: "k".into(), replicas: 3 }), CtlReply::Error(_)), "no peers");

@@ -170,8 +170,9 @@ pub fn move_file(controller: &str, secret: &[u8], key: &str, deadline: Instant) 
         match d.run(&mut c, deadline, |c| c.is_ready()) {
             Ok(()) => {}
             Err(Failure::Fenced { .. }) => {
-                // The writer resumed (or another open): it bases the new set itself.
-                std::thread::sleep(Duration::from_millis(50));
+                // The writer resumed (or another open): it bases the new set itself. Give it
+                // time (until the move is done or the epoch stops changing) before trying again.
+                wait_quiet(controller, secret, key, deadline)?;
                 continue;
             }
             Err(e) => return Err(format!("moving {key} (epoch {}): {e}", g.epoch)),
@@ -185,6 +186,28 @@ pub fn move_file(controller: &str, secret: &[u8], key: &str, deadline: Instant) 
         let _ = d.run(&mut c, deadline, |c| c.fully_replicated());
         return Ok(Moved::Moved);
     }
+}
+
+/// Waits until `key` has no pending move, or its epoch did not change for `QUIET_MS`.
+fn wait_quiet(controller: &str, secret: &[u8], key: &str, deadline: Instant) -> Result<(), String> {
+    const QUIET_MS: u64 = 1000;
+    let mut last = None;
+    let mut since = Instant::now();
+    while Instant::now() < deadline {
+        let CtlReply::Status(st) = ctl_call(controller, secret, &CtlRequest::Status)? else { return Err("bad status reply".into()) };
+        let Some(m) = st.files.get(key) else { return Ok(()) };
+        if m.prev_peers.is_empty() {
+            return Ok(());
+        }
+        if last != Some(m.epoch) {
+            last = Some(m.epoch);
+            since = Instant::now();
+        } else if since.elapsed() >= Duration::from_millis(QUIET_MS) {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
 }
 
 fn tracing_note(msg: &str) {
