@@ -479,6 +479,11 @@ impl FileClient {
                     }
                     return;
                 }
+                if applied_seq > self.next_seq {
+                    // Acknowledges ops never sent: a misbehaving peer. Ignored (it never counts
+                    // towards a majority; it is re-probed like a silent peer).
+                    return;
+                }
                 let t = self.tracks.get_mut(&peer).unwrap();
                 if let Some((seq, _)) = &t.resync {
                     if applied_seq < *seq {
@@ -542,7 +547,8 @@ impl FileClient {
             self.start_base(Some((source, holding)), Vec::new());
             return;
         }
-        self.phase = Phase::Fetching { source, holding, image: Vec::with_capacity(holding.size as usize) };
+        // The claimed size is not trusted for an allocation (a lying peer could claim petabytes).
+        self.phase = Phase::Fetching { source, holding, image: Vec::with_capacity(holding.size.min(MAX_CHUNK_BYTES as u64) as usize) };
         self.touch(source);
         self.out.push((source, self.fetch(0)));
     }

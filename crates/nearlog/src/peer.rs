@@ -66,6 +66,9 @@ impl Committed {
     }
 }
 
+/// Largest log file a peer accepts (offsets and sizes beyond are refused, not allocated).
+pub const MAX_FILE_BYTES: u64 = 1 << 40;
+
 /// A log peer's state. Feed it requests with [`PeerCore::handle`]; it returns the reply.
 #[derive(Debug)]
 pub struct PeerCore {
@@ -220,9 +223,17 @@ impl PeerCore {
     }
 
     fn record(&mut self, file: FileId, epoch: Epoch, seq: u64, op: Op) -> PeerReply {
-        if let Op::Write { data, crc, .. } = &op {
+        if let Op::Write { data, crc, offset } = &op {
             if crc32c::crc32c(data) != *crc {
                 return PeerReply::Refused { file, reason: "record checksum mismatch".into() };
+            }
+            if offset.checked_add(data.len() as u64).is_none_or(|end| end > MAX_FILE_BYTES) {
+                return PeerReply::Refused { file, reason: format!("write beyond {MAX_FILE_BYTES} bytes") };
+            }
+        }
+        if let Op::Truncate { size } | Op::Base { size, .. } = &op {
+            if *size > MAX_FILE_BYTES {
+                return PeerReply::Refused { file, reason: format!("size beyond {MAX_FILE_BYTES} bytes") };
             }
         }
         let f = self.files.entry(file).or_default();
