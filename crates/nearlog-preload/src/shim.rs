@@ -214,6 +214,9 @@ struct Shim {
     cfg: Config,
     peers: HashMap<PeerId, (String, Option<TcpStream>, Instant)>,
     files: HashMap<c_int, Tracked>,
+    /// dup/dup2/dup3/F_DUPFD copies of log fds -> the fd their `Tracked` is filed under (they
+    /// share the open file description, so one replication state serves them all).
+    aliases: HashMap<c_int, c_int>,
     owner_pid: u32,
     start: Instant,
 }
@@ -272,7 +275,7 @@ impl Shim {
         }
         if slot.is_none() {
             let cfg = load_config()?;
-            *slot = Some(Shim { cfg, peers: HashMap::new(), files: HashMap::new(), owner_pid: pid, start: Instant::now() });
+            *slot = Some(Shim { cfg, peers: HashMap::new(), files: HashMap::new(), aliases: HashMap::new(), owner_pid: pid, start: Instant::now() });
         }
         Ok(slot.as_mut().unwrap())
     }
@@ -683,7 +686,7 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
     Ok(())
 }
 
-fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim) -> Result<T, String>, what: &str) -> Result<T, ()> {
+fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim, c_int) -> Result<T, String>, what: &str) -> Result<T, ()> {
     let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
     let Some(shim) = slot.as_mut() else {
         log(&format!("{what} on log fd {fd}: EIO: shim state is gone"));
@@ -693,7 +696,8 @@ fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim) -> Result<T, String>, wh
         log(&format!("{what} on log fd {fd}: EIO: a log file inherited across fork is not replicated by the child"));
         return Err(());
     }
-    f(shim).map_err(|e| {
+    let primary = *shim.aliases.get(&fd).unwrap_or(&fd);
+    f(shim, primary).map_err(|e| {
         log(&format!("{what} on log fd {fd}: EIO: {e}"));
     })
 }
@@ -728,7 +732,7 @@ pub unsafe fn write(fd: c_int, buf: *const c_void, n: size_t, off: Option<off_t>
     };
     let res = with_tracked(
         fd,
-        |shim| {
+        |shim, pfd| {
             let done = match off {
                 None => (r.write)(fd, buf, n),
                 Some(o) => (r.pwrite)(fd, buf, n, o),
@@ -742,7 +746,7 @@ pub unsafe fn write(fd: c_int, buf: *const c_void, n: size_t, off: Option<off_t>
                 None => libc::lseek64(fd, 0, libc::SEEK_CUR) as u64 - done as u64,
             };
             let data = std::slice::from_raw_parts(buf as *const u8, done as usize);
-            replicate(shim, fd, offset, data)?;
+            replicate(shim, pfd, offset, data)?;
             Ok(done)
         },
         "write",
@@ -761,7 +765,7 @@ pub unsafe fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
     let Some(_g) = Guard::enter() else { return (r.writev)(fd, iov, cnt) };
     let res = with_tracked(
         fd,
-        |shim| {
+        |shim, pfd| {
             let done = (r.writev)(fd, iov, cnt);
             if done <= 0 {
                 return Ok(done);
@@ -772,7 +776,7 @@ pub unsafe fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
                 let take = (v.iov_len).min(done as usize - data.len());
                 data.extend_from_slice(std::slice::from_raw_parts(v.iov_base as *const u8, take));
             }
-            replicate(shim, fd, offset, &data)?;
+            replicate(shim, pfd, offset, &data)?;
             Ok(done)
         },
         "writev",
@@ -794,7 +798,7 @@ pub unsafe fn sync(fd: c_int, kind: SyncKind) -> c_int {
     if is_tracked(fd) {
         // Every acknowledged write is already on a majority of peers: durable without a flush.
         let Some(_g) = Guard::enter() else { return 0 };
-        let failed = with_tracked(fd, |shim| Ok(shim.files.get(&fd).and_then(|t| t.client.failure().cloned())), "fsync");
+        let failed = with_tracked(fd, |shim, pfd| Ok(shim.files.get(&pfd).and_then(|t| t.client.failure().cloned())), "fsync");
         return match failed {
             Ok(None) => 0,
             Ok(Some(f)) => {
@@ -823,14 +827,14 @@ pub unsafe fn ftruncate(fd: c_int, len: off_t) -> c_int {
     let Some(_g) = Guard::enter() else { return (r.ftruncate)(fd, len) };
     let res = with_tracked(
         fd,
-        |shim| {
+        |shim, pfd| {
             let rc = (r.ftruncate)(fd, len);
             if rc != 0 {
                 return Ok(rc);
             }
-            let t = shim.files.get_mut(&fd).ok_or("not a log fd")?;
+            let t = shim.files.get_mut(&pfd).ok_or("not a log fd")?;
             t.client.submit(Op::Truncate { size: len as u64 }).map_err(|e| e.to_string())?;
-            shim.wait_for(fd, true, all_acked)?;
+            shim.wait_for(pfd, true, all_acked)?;
             Ok(0)
         },
         "ftruncate",
@@ -845,17 +849,133 @@ pub unsafe fn close(fd: c_int) -> c_int {
     let r = real();
     if is_tracked(fd) {
         if let Some(_g) = Guard::enter() {
-            set_tracked(fd, false);
-            let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(shim) = slot.as_mut() {
-                if shim.owner_pid == std::process::id() {
-                    // Writes were acknowledged synchronously: nothing is pending.
-                    shim.files.remove(&fd);
-                }
-            }
+            forget_fd(fd);
         }
     }
     (r.close)(fd)
+}
+
+/// The shim's bookkeeping when `fd` stops naming a log file (close, or dup2/dup3 over it):
+/// writes were acknowledged synchronously, so nothing is pending; if copies of the fd remain,
+/// one of them takes over the replication state.
+fn forget_fd(fd: c_int) {
+    set_tracked(fd, false);
+    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(shim) = slot.as_mut() else { return };
+    if shim.owner_pid != std::process::id() {
+        return;
+    }
+    if shim.aliases.remove(&fd).is_some() {
+        return;
+    }
+    let Some(t) = shim.files.remove(&fd) else { return };
+    let copies: Vec<c_int> = shim.aliases.iter().filter(|(_, &p)| p == fd).map(|(&a, _)| a).collect();
+    if let Some(&heir) = copies.iter().min() {
+        shim.aliases.remove(&heir);
+        for a in copies.into_iter().filter(|&a| a != heir) {
+            shim.aliases.insert(a, heir);
+        }
+        shim.files.insert(heir, t);
+    }
+}
+
+/// After a successful dup of log fd `old` into `new`: `new` replicates too. A copy beyond the
+/// fd table cannot be tracked: it is closed and the call fails (EMFILE) rather than letting
+/// writes through it go unreplicated.
+fn track_copy(old: c_int, new: c_int) -> c_int {
+    if new as usize >= MAX_TRACKED_FD {
+        log(&format!("dup of log fd {old}: EMFILE: fd {new} is beyond the shim's table of {MAX_TRACKED_FD} fds"));
+        // SAFETY: closing the fd the dup just made.
+        unsafe { (real().close)(new) };
+        set_errno(libc::EMFILE);
+        return -1;
+    }
+    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(shim) = slot.as_mut() {
+        let primary = *shim.aliases.get(&old).unwrap_or(&old);
+        shim.aliases.insert(new, primary);
+        set_tracked(new, true);
+    }
+    new
+}
+
+type FcntlFn = unsafe extern "C" fn(c_int, c_int, ...) -> c_int;
+type Dup2Fn = unsafe extern "C" fn(c_int, c_int) -> c_int;
+type Dup3Fn = unsafe extern "C" fn(c_int, c_int, c_int) -> c_int;
+
+unsafe fn sym<T>(name: &[u8]) -> T {
+    let p = libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char);
+    assert!(!p.is_null(), "nearlog shim: libc symbol missing");
+    std::mem::transmute_copy::<*mut c_void, T>(&p)
+}
+
+pub unsafe fn dup(old: c_int) -> c_int {
+    static REAL: OnceLock<FdFn> = OnceLock::new();
+    // SAFETY: glibc's dup has this signature.
+    let r = (REAL.get_or_init(|| sym(b"dup\0")))(old);
+    if r < 0 || !is_tracked(old) {
+        return r;
+    }
+    let Some(_g) = Guard::enter() else { return r };
+    track_copy(old, r)
+}
+
+pub unsafe fn dup3(old: c_int, new: c_int, flags: c_int, three: bool) -> c_int {
+    static REAL2: OnceLock<Dup2Fn> = OnceLock::new();
+    static REAL3: OnceLock<Dup3Fn> = OnceLock::new();
+    let call = || {
+        // SAFETY: glibc's dup2/dup3 have these signatures.
+        if three {
+            (REAL3.get_or_init(|| sym(b"dup3\0")))(old, new, flags)
+        } else {
+            (REAL2.get_or_init(|| sym(b"dup2\0")))(old, new)
+        }
+    };
+    if old == new || !(is_tracked(old) || is_tracked(new)) {
+        return call();
+    }
+    let Some(_g) = Guard::enter() else { return call() };
+    let r = call();
+    if r < 0 {
+        return r;
+    }
+    // `new` was closed by the call if it was open: forget it first, then track the copy.
+    if is_tracked(new) {
+        forget_fd(new);
+    }
+    if is_tracked(old) {
+        return track_copy(old, new);
+    }
+    r
+}
+
+pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong, name: &'static [u8]) -> c_int {
+    static REAL: OnceLock<FcntlFn> = OnceLock::new();
+    static REAL64: OnceLock<FcntlFn> = OnceLock::new();
+    // SAFETY: glibc's fcntl/fcntl64 are variadic with one optional integer-or-pointer argument,
+    // passed here in the same register it arrived in.
+    let f = if name == b"fcntl64\0" { REAL64.get_or_init(|| sym(b"fcntl64\0")) } else { REAL.get_or_init(|| sym(b"fcntl\0")) };
+    let r = f(fd, cmd, arg);
+    if r < 0 || !(cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC) || !is_tracked(fd) {
+        return r;
+    }
+    let Some(_g) = Guard::enter() else { return r };
+    track_copy(fd, r)
+}
+
+/// A writable shared mapping of a log file would change it behind the shim's back: refused
+/// loudly (ENODEV, as for a file system without mmap). Private or read-only mappings pass.
+pub unsafe fn mmap(addr: *mut c_void, len: size_t, prot: c_int, flags: c_int, fd: c_int, off: off_t) -> *mut c_void {
+    if fd >= 0 && is_tracked(fd) && prot & libc::PROT_WRITE != 0 && flags & libc::MAP_SHARED != 0 {
+        if let Some(_g) = Guard::enter() {
+            log(&format!("mmap of log fd {fd} with PROT_WRITE|MAP_SHARED: ENODEV: writes through a mapping cannot be replicated; use write/pwrite"));
+        }
+        set_errno(libc::ENODEV);
+        return libc::MAP_FAILED;
+    }
+    // The raw system call: no dlsym (which may allocate, and malloc may map memory).
+    let r = libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off);
+    r as *mut c_void
 }
 
 /// Tells the peers of a forgotten file to free its memory (best effort: a peer that misses it
