@@ -217,6 +217,8 @@ struct Shim {
     /// dup/dup2/dup3/F_DUPFD copies of log fds -> the fd their `Tracked` is filed under (they
     /// share the open file description, so one replication state serves them all).
     aliases: HashMap<c_int, c_int>,
+    /// Reply buffers of the peer connections (reset with each new connection).
+    readers: HashMap<PeerId, blocking::FrameReader>,
     owner_pid: u32,
     start: Instant,
 }
@@ -275,7 +277,7 @@ impl Shim {
         }
         if slot.is_none() {
             let cfg = load_config()?;
-            *slot = Some(Shim { cfg, peers: HashMap::new(), files: HashMap::new(), aliases: HashMap::new(), owner_pid: pid, start: Instant::now() });
+            *slot = Some(Shim { cfg, peers: HashMap::new(), files: HashMap::new(), aliases: HashMap::new(), readers: HashMap::new(), owner_pid: pid, start: Instant::now() });
         }
         Ok(slot.as_mut().unwrap())
     }
@@ -301,7 +303,8 @@ impl Shim {
             match blocking::connect(addr, &secret, Duration::from_secs(2)) {
                 Ok(s) => {
                     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-                    *conn = Some(s)
+                    *conn = Some(s);
+                    self.readers.remove(&peer);
                 }
                 Err(e) => log(&format!("log peer {peer} at {addr} unreachable: {e}")),
             }
@@ -330,6 +333,7 @@ impl Shim {
                 if let Err(e) = conn.write_all(&buf) {
                     log(&format!("log peer {p}: send failed: {e}"));
                     self.peers.get_mut(&p).unwrap().1 = None;
+                    self.readers.remove(&p);
                 }
             }
         }
@@ -350,30 +354,33 @@ impl Shim {
             if fds[i].revents == 0 {
                 continue;
             }
-            // Drain what is readable without blocking beyond one frame.
-            loop {
-                let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
-                let rep: Result<PeerReply, _> = blocking::recv(conn, MAX_FRAME_BYTES);
-                match rep {
-                    Ok(rep) => {
-                        if let Some(f) = rep.file() {
-                            for t in self.files.values_mut().filter(|t| t.client.file() == f) {
-                                t.client.on_reply(*p, rep.clone());
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        log(&format!("log peer {p}: connection lost: {e}"));
-                        self.peers.get_mut(p).unwrap().1 = None;
-                        break;
+            // One read takes every reply the kernel has; they are parsed from the buffer.
+            let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
+            let reader = self.readers.entry(*p).or_default();
+            let mut replies = Vec::new();
+            let mut lost = match reader.fill(conn) {
+                Ok(0) => Some("connection closed".to_string()),
+                Ok(_) => None,
+                Err(e) => Some(e.to_string()),
+            };
+            while lost.is_none() {
+                match reader.next::<PeerReply>(MAX_FRAME_BYTES) {
+                    Ok(Some(rep)) => replies.push(rep),
+                    Ok(None) => break,
+                    Err(e) => lost = Some(e.to_string()),
+                }
+            }
+            for rep in replies {
+                if let Some(f) = rep.file() {
+                    for t in self.files.values_mut().filter(|t| t.client.file() == f) {
+                        t.client.on_reply(*p, rep.clone());
                     }
                 }
-                let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
-                let mut pf = libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-                // SAFETY: one valid pollfd.
-                if unsafe { libc::poll(&mut pf, 1, 0) } <= 0 {
-                    break;
-                }
+            }
+            if let Some(e) = lost {
+                log(&format!("log peer {p}: connection lost: {e}"));
+                self.peers.get_mut(p).unwrap().1 = None;
+                self.readers.remove(p);
             }
         }
     }
