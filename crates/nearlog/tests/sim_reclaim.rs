@@ -13,7 +13,7 @@
 //! every acknowledged op; a resumed writer's recovered state plus its unacknowledged ops is its
 //! own view; at the end every reclaimed peer holds nothing, no peer holds the file unless the
 //! placement names it, and the final recovery has every acknowledged op.
-//! `SIM_SEEDS=N` runs N seeds (default 40); `SIM_SEED=S` runs one.
+//! `SIM_SEEDS=N` runs N seeds (default 16); `SIM_SEED=S` runs one.
 
 use nearlog::client::{ClientConfig, Failure, FileClient};
 use nearlog::controller::{ControllerCore, MemStore};
@@ -508,7 +508,7 @@ fn reclaiming_peers_while_writing_loses_nothing_over_many_seeds() {
         println!("seed {s}: {:?}", run(s));
         return;
     }
-    let seeds: u64 = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(40);
+    let seeds: u64 = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
     let (mut rec, mut res, mut moves, mut acked) = (0, 0, 0, 0);
     for seed in 0..seeds {
         let (a, b, c, d) = run(seed);
