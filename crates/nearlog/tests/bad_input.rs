@@ -75,7 +75,7 @@ enum Bad {
     /// Random bytes (may look like a frame header announcing more bytes: then we close).
     Random(Vec<u8>),
     /// A correct header whose checksum does not match the payload.
-    BadCrc(Vec<u8>),
+    WrongCrc(Vec<u8>),
     /// A header announcing more than `MAX_FRAME_BYTES`.
     Oversized(u32),
     /// A correctly framed payload that is not a request.
@@ -95,7 +95,7 @@ fn frame(payload: &[u8], crc: u32) -> Vec<u8> {
 fn bad_strategy() -> impl Strategy<Value = Bad> {
     prop_oneof![
         proptest::collection::vec(any::<u8>(), 0..3000).prop_map(Bad::Random),
-        proptest::collection::vec(any::<u8>(), 1..3000).prop_map(Bad::BadCrc),
+        proptest::collection::vec(any::<u8>(), 1..3000).prop_map(Bad::WrongCrc),
         ((MAX_FRAME_BYTES as u32 + 1)..u32::MAX).prop_map(Bad::Oversized),
         proptest::collection::vec(any::<u8>(), 1..200).prop_map(Bad::Garbage),
         (1usize..40).prop_map(Bad::Truncated),
@@ -109,7 +109,7 @@ fn send_bad(addr: &str, bad: &Bad, valid: &[u8]) -> Result<(), TestCaseError> {
             let _ = s.write_all(b);
             drop(s);
         }
-        Bad::BadCrc(p) => {
+        Bad::WrongCrc(p) => {
             let _ = s.write_all(&frame(p, crc32c::crc32c(p) ^ 1));
             expect_closed(s)?;
         }
@@ -148,9 +148,9 @@ fn garbage_frames_are_refused_and_other_clients_keep_being_served() {
             } else {
                 send_bad(&d.controller, &bad, &ctl_valid)?;
             }
-            let r: PeerReply = blocking::call(&mut *good_peer.borrow_mut(), &PeerRequest::Stats, MAX_FRAME_BYTES).map_err(|e| TestCaseError::fail(format!("peer stopped serving: {e}")))?;
+            let r: PeerReply = blocking::call(&mut good_peer.borrow_mut(), &PeerRequest::Stats, MAX_FRAME_BYTES).map_err(|e| TestCaseError::fail(format!("peer stopped serving: {e}")))?;
             prop_assert!(matches!(r, PeerReply::Stats { .. }), "peer answered {:?}", r);
-            let r: CtlReply = blocking::call(&mut *good_ctl.borrow_mut(), &CtlRequest::Status, MAX_FRAME_BYTES).map_err(|e| TestCaseError::fail(format!("controller stopped serving: {e}")))?;
+            let r: CtlReply = blocking::call(&mut good_ctl.borrow_mut(), &CtlRequest::Status, MAX_FRAME_BYTES).map_err(|e| TestCaseError::fail(format!("controller stopped serving: {e}")))?;
             prop_assert!(matches!(r, CtlReply::Status(_)), "controller answered {:?}", r);
             Ok(())
         })
