@@ -31,7 +31,11 @@ pub async fn run_peer(listener: TcpListener, advertise: String, controller: Stri
             loop {
                 let (used, files) = {
                     let c = core.lock().unwrap();
-                    (c.used_bytes(), c.files())
+                    let mut files = c.files();
+                    // The controller accepts a bounded list; the rest is reported next time
+                    // after these are released.
+                    files.truncate(crate::controller::MAX_HEARTBEAT_FILES);
+                    (c.used_bytes(), files)
                 };
                 let req = match peer_id {
                     None => CtlRequest::RegisterPeer { addr: advertise.clone(), region_bytes },
