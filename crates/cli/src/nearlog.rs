@@ -39,6 +39,14 @@ pub enum NearlogCmd {
     /// Internal (run by `restore` under the shim): open each path once as a log file.
     #[command(hide = true)]
     OpenLogs { paths: Vec<PathBuf> },
+    /// Take a log peer's lent memory back: its files move to other peers, then it frees it.
+    ///
+    /// The controller places every file of the peer on another peer with room (the old set
+    /// stays the recovery set until the move completes); this command then moves each file
+    /// (new epoch, recovery from a majority, the new peer brought up to date), and waits until
+    /// the peer reports that it holds nothing. Application writers fenced by a move continue
+    /// at a newer epoch after a short pause. Needs one peer beyond each file's replica count.
+    Reclaim(ReclaimArgs),
 }
 
 #[derive(Args, Debug)]
@@ -114,6 +122,22 @@ fn open_logs(paths: &[PathBuf]) -> anyhow::Result<()> {
         unsafe { libc::close(fd) };
     }
     Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct ReclaimArgs {
+    /// Controller address.
+    #[arg(long)]
+    pub controller: String,
+    /// File holding the cluster secret.
+    #[arg(long)]
+    pub secret_file: PathBuf,
+    /// The peer's id (as printed by the controller's status / in its log), or its address.
+    #[arg(long)]
+    pub peer: String,
+    /// Give up (exit non-zero) if the moves are not done within this many seconds.
+    #[arg(long, default_value_t = 120)]
+    pub timeout_secs: u64,
 }
 
 #[derive(Args, Debug)]
@@ -208,6 +232,25 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
                 r = ::nearlog::server::run_controller(l, core, secret) => r?,
                 _ = tokio::signal::ctrl_c() => {}
             }
+            Ok(())
+        }
+        NearlogCmd::Reclaim(a) => {
+            let secret = read_secret(&a.secret_file)?;
+            let moved = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<String>> {
+                let peer = match a.peer.parse::<::nearlog::proto::PeerId>() {
+                    Ok(id) => id,
+                    Err(_) => match ::nearlog::mover::ctl_call(&a.controller, &secret, &::nearlog::proto::CtlRequest::Status).map_err(anyhow::Error::msg)? {
+                        ::nearlog::proto::CtlReply::Status(st) => {
+                            *st.peers.iter().find(|(_, p)| p.addr == a.peer).with_context(|| format!("no peer at {}", a.peer))?.0
+                        }
+                        other => anyhow::bail!("unexpected answer {other:?}"),
+                    },
+                };
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.timeout_secs);
+                ::nearlog::mover::reclaim(&a.controller, &secret, peer, deadline).map_err(anyhow::Error::msg)
+            })
+            .await??;
+            println!("reclaimed: {} file(s) moved: {moved:?}", moved.len());
             Ok(())
         }
         NearlogCmd::Up(a) => {

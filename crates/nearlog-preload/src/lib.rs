@@ -21,7 +21,10 @@
 //! No tokio: std blocking sockets and `poll(2)`, driven by the calling thread under one lock.
 //! Reentrancy (the shim's own I/O) passes through via a thread-local guard. After `fork` the
 //! child owns no log file: an inherited log fd fails with EIO there.
-//! Not intercepted (documented limits): dup/dup2 of a log fd, mmap writes, stdio (`fopen`).
+//! dup/dup2/dup3/fcntl(F_DUPFD, F_DUPFD_CLOEXEC) of a log fd make another fd that replicates
+//! through the same state (closing the original keeps the copy replicating); a writable shared
+//! mmap of a log fd is refused loudly (ENODEV). Not intercepted (documented limit): writes
+//! through stdio streams (`fopen`: recovery only).
 
 #![allow(clippy::missing_safety_doc)]
 
@@ -131,6 +134,35 @@ pub unsafe extern "C" fn ftruncate64(fd: c_int, len: off64_t) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn close(fd: c_int) -> c_int {
     shim::close(fd)
+}
+#[no_mangle]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    shim::dup(fd)
+}
+#[no_mangle]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    shim::dup3(old, new, 0, false)
+}
+#[no_mangle]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    shim::dup3(old, new, flags, true)
+}
+// `fcntl` is variadic like `open`: the optional argument is read from its register.
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
+    shim::fcntl(fd, cmd, arg, b"fcntl\0")
+}
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
+    shim::fcntl(fd, cmd, arg, b"fcntl64\0")
+}
+#[no_mangle]
+pub unsafe extern "C" fn mmap(addr: *mut c_void, len: size_t, prot: c_int, flags: c_int, fd: c_int, off: off_t) -> *mut c_void {
+    shim::mmap(addr, len, prot, flags, fd, off)
+}
+#[no_mangle]
+pub unsafe extern "C" fn mmap64(addr: *mut c_void, len: size_t, prot: c_int, flags: c_int, fd: c_int, off: off64_t) -> *mut c_void {
+    shim::mmap(addr, len, prot, flags, fd, off)
 }
 #[no_mangle]
 pub unsafe extern "C" fn unlink(path: *const c_char) -> c_int {

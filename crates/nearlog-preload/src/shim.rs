@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use libc::{c_int, c_void, iovec, mode_t, off_t, size_t, ssize_t};
 use nearlog::blocking;
-use nearlog::client::{ClientConfig, FileClient};
+use nearlog::client::{ClientConfig, Failure, FileClient};
 use nearlog::proto::{CtlReply, CtlRequest, FileGrant, Op, PeerId, PeerReply, PeerRequest, MAX_CHUNK_BYTES, MAX_FRAME_BYTES};
 
 use crate::O_NCL;
@@ -167,12 +167,35 @@ struct Tracked {
     client: FileClient,
     /// A read-only fd on the same file (the application's may be write-only), for resyncs.
     read_fd: c_int,
+    /// The epoch this writer owns the file at (its open, or its last resume/relocation); a
+    /// mover's newer epoch does not take ownership, so after being fenced by one we resume.
+    owner_epoch: u64,
+    /// A resume in progress: ops not acknowledged in the old epoch (resubmitted once the new
+    /// epoch is ready) and the replicated size after them.
+    resume: Option<(Vec<Op>, u64)>,
+    /// Resumes and relocations so far in this wait (bounded: no endless ping-pong).
+    resumes: u32,
+}
+
+/// Resumes or relocations one wait may go through before it gives up with EIO.
+const MAX_RESUMES_PER_WAIT: u32 = 8;
+
+thread_local! {
+    /// errno of the last failed log operation on this thread (EIO unless a region was full
+    /// everywhere: ENOSPC).
+    static FAIL_ERRNO: Cell<c_int> = const { Cell::new(libc::EIO) };
+}
+
+fn take_fail_errno() -> c_int {
+    FAIL_ERRNO.with(|e| e.replace(libc::EIO))
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        // SAFETY: our own fd, closed once.
-        unsafe { (real().close)(self.read_fd) };
+        if self.read_fd >= 0 {
+            // SAFETY: our own fd, closed once.
+            unsafe { (real().close)(self.read_fd) };
+        }
     }
 }
 
@@ -191,6 +214,11 @@ struct Shim {
     cfg: Config,
     peers: HashMap<PeerId, (String, Option<TcpStream>, Instant)>,
     files: HashMap<c_int, Tracked>,
+    /// dup/dup2/dup3/F_DUPFD copies of log fds -> the fd their `Tracked` is filed under (they
+    /// share the open file description, so one replication state serves them all).
+    aliases: HashMap<c_int, c_int>,
+    /// Reply buffers of the peer connections (reset with each new connection).
+    readers: HashMap<PeerId, blocking::FrameReader>,
     owner_pid: u32,
     start: Instant,
 }
@@ -249,7 +277,7 @@ impl Shim {
         }
         if slot.is_none() {
             let cfg = load_config()?;
-            *slot = Some(Shim { cfg, peers: HashMap::new(), files: HashMap::new(), owner_pid: pid, start: Instant::now() });
+            *slot = Some(Shim { cfg, peers: HashMap::new(), files: HashMap::new(), aliases: HashMap::new(), readers: HashMap::new(), owner_pid: pid, start: Instant::now() });
         }
         Ok(slot.as_mut().unwrap())
     }
@@ -275,7 +303,8 @@ impl Shim {
             match blocking::connect(addr, &secret, Duration::from_secs(2)) {
                 Ok(s) => {
                     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-                    *conn = Some(s)
+                    *conn = Some(s);
+                    self.readers.remove(&peer);
                 }
                 Err(e) => log(&format!("log peer {peer} at {addr} unreachable: {e}")),
             }
@@ -304,6 +333,7 @@ impl Shim {
                 if let Err(e) = conn.write_all(&buf) {
                     log(&format!("log peer {p}: send failed: {e}"));
                     self.peers.get_mut(&p).unwrap().1 = None;
+                    self.readers.remove(&p);
                 }
             }
         }
@@ -324,43 +354,125 @@ impl Shim {
             if fds[i].revents == 0 {
                 continue;
             }
-            // Drain what is readable without blocking beyond one frame.
-            loop {
-                let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
-                let rep: Result<PeerReply, _> = blocking::recv(conn, MAX_FRAME_BYTES);
-                match rep {
-                    Ok(rep) => {
-                        if let Some(f) = rep.file() {
-                            for t in self.files.values_mut().filter(|t| t.client.file() == f) {
-                                t.client.on_reply(*p, rep.clone());
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        log(&format!("log peer {p}: connection lost: {e}"));
-                        self.peers.get_mut(p).unwrap().1 = None;
-                        break;
+            // One read takes every reply the kernel has; they are parsed from the buffer.
+            let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
+            let reader = self.readers.entry(*p).or_default();
+            let mut replies = Vec::new();
+            let mut lost = match reader.fill(conn) {
+                Ok(0) => Some("connection closed".to_string()),
+                Ok(_) => None,
+                Err(e) => Some(e.to_string()),
+            };
+            while lost.is_none() {
+                match reader.next::<PeerReply>(MAX_FRAME_BYTES) {
+                    Ok(Some(rep)) => replies.push(rep),
+                    Ok(None) => break,
+                    Err(e) => lost = Some(e.to_string()),
+                }
+            }
+            for rep in replies {
+                if let Some(f) = rep.file() {
+                    for t in self.files.values_mut().filter(|t| t.client.file() == f) {
+                        t.client.on_reply(*p, rep.clone());
                     }
                 }
-                let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
-                let mut pf = libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-                // SAFETY: one valid pollfd.
-                if unsafe { libc::poll(&mut pf, 1, 0) } <= 0 {
-                    break;
-                }
+            }
+            if let Some(e) = lost {
+                log(&format!("log peer {p}: connection lost: {e}"));
+                self.peers.get_mut(p).unwrap().1 = None;
+                self.readers.remove(p);
             }
         }
     }
 
-    /// Pumps until `done` holds for the file on `fd`, it failed, or the deadline passed.
-    fn wait_for(&mut self, fd: c_int, done: impl Fn(&FileClient) -> bool) -> Result<(), String> {
+    /// Starts a resume (after being fenced by a mover) or a relocation (a peer's region is
+    /// full): a new epoch from the controller, recovery under it; ops not acknowledged yet are
+    /// resubmitted by [`Shim::finish_resume`] once it is ready.
+    fn start_resume(&mut self, fd: c_int, failure: &Failure) -> Result<(), String> {
+        let t = self.files.get_mut(&fd).ok_or("file vanished")?;
+        t.resumes += 1;
+        if t.resumes > MAX_RESUMES_PER_WAIT {
+            return Err(format!("{failure} (gave up after {MAX_RESUMES_PER_WAIT} resumes)"));
+        }
+        let (key, owner) = (t.key.clone(), t.owner_epoch);
+        if t.resume.is_none() {
+            t.resume = Some((t.client.unacked_ops(), t.client.size()));
+        }
+        let req = match failure {
+            Failure::Fenced { .. } => CtlRequest::Resume { key: key.clone(), epoch: owner },
+            Failure::RegionFull { peer, .. } => CtlRequest::Relocate { key: key.clone(), epoch: owner, full: *peer },
+            f => return Err(f.to_string()),
+        };
+        let grant = match self.ctl(&req) {
+            Ok(CtlReply::Granted(g)) => g,
+            Ok(other) => return Err(format!("controller answered {other:?}")),
+            Err(e) => {
+                if matches!(failure, Failure::RegionFull { .. }) {
+                    FAIL_ERRNO.with(|x| x.set(libc::ENOSPC));
+                }
+                return Err(format!("{failure}; {e}"));
+            }
+        };
+        log(&format!("{key}: {failure}; continuing at epoch {} on peers {:?}", grant.epoch, grant.peers.iter().map(|p| p.id).collect::<Vec<_>>()));
+        self.learn(&grant);
+        let ids = |v: &[nearlog::proto::PeerAddr]| v.iter().map(|p| p.id).collect::<Vec<_>>();
+        let now = self.now_us();
+        let t = self.files.get_mut(&fd).unwrap();
+        t.owner_epoch = grant.epoch;
+        t.client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), true, Vec::new(), ClientConfig::default(), now);
+        Ok(())
+    }
+
+    /// The resumed epoch is ready: checks that the recovered content plus our unacknowledged
+    /// ops is exactly our local copy (nobody else wrote), ends a pending move, resubmits.
+    fn finish_resume(&mut self, fd: c_int) -> Result<(), String> {
+        let t = self.files.get_mut(&fd).ok_or("file vanished")?;
+        let (ops, size) = t.resume.take().unwrap();
+        let mut img = t.client.take_recovered().unwrap_or_default();
+        for op in &ops {
+            nearlog::proto::apply_op(&mut img, op);
+        }
+        let local = read_local(t.read_fd, size).map_err(|e| format!("reading the local copy: {e}"))?;
+        if img != local {
+            return Err(format!("{} changed on the log peers while this writer was fenced (another writer?)", t.key));
+        }
+        let (key, epoch) = (t.key.clone(), t.client.epoch());
+        if let Err(e) = self.ctl(&CtlRequest::Initialized { key, epoch }) {
+            log(&format!("after resuming: {e}"));
+        }
+        let t = self.files.get_mut(&fd).unwrap();
+        for op in ops {
+            t.client.submit(op).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    fn learn(&mut self, g: &FileGrant) {
+        for p in g.peers.iter().chain(&g.recover_from) {
+            self.peers.entry(p.id).or_insert_with(|| (p.addr.clone(), None, Instant::now() - Duration::from_secs(1)));
+        }
+    }
+
+    /// Pumps until `done` holds for the file on `fd`, it failed, or the deadline passed. With
+    /// `may_resume`, being fenced by a mover or meeting a full region continues at a new epoch.
+    fn wait_for(&mut self, fd: c_int, may_resume: bool, done: impl Fn(&FileClient) -> bool) -> Result<(), String> {
         let deadline = Instant::now() + self.cfg.deadline;
+        self.files.get_mut(&fd).ok_or("file vanished")?.resumes = 0;
         loop {
             let t = self.files.get_mut(&fd).ok_or("file vanished")?;
-            if let Some(f) = t.client.failure() {
+            if let Some(f) = t.client.failure().cloned() {
+                if may_resume && matches!(f, Failure::Fenced { .. } | Failure::RegionFull { .. }) {
+                    self.start_resume(fd, &f)?;
+                    continue;
+                }
                 return Err(f.to_string());
             }
-            if done(&t.client) {
+            if t.resume.is_some() {
+                if t.client.is_ready() {
+                    self.finish_resume(fd)?;
+                    continue;
+                }
+            } else if done(&t.client) {
                 return Ok(());
             }
             if let Some(peer) = t.client.wants_resync() {
@@ -512,12 +624,6 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
     if fd as usize >= MAX_TRACKED_FD {
         return Err(format!("fd {fd} is beyond the shim's table of {MAX_TRACKED_FD} fds"));
     }
-    let CtlReply::Granted(grant) = shim.ctl(&CtlRequest::Open { key: key.to_string(), replicas: 3 })? else {
-        return Err("controller answered Open with something else".into());
-    };
-    for p in &grant.peers {
-        shim.peers.entry(p.id).or_insert_with(|| (p.addr.clone(), None, Instant::now() - Duration::from_secs(1)));
-    }
     let local_size = {
         // SAFETY: fstat into a zeroed struct.
         let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
@@ -526,24 +632,50 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         }
         st.st_size as u64
     };
-    // A file that was never replicated starts from its local content (it predates the shim).
     let read_fd = reopen_readonly(fd)?;
-    let initial = if grant.initialized { Vec::new() } else { read_local(read_fd, local_size).map_err(|e| e.to_string())? };
-    let peers = grant.peers.iter().map(|p| p.id).collect();
-    let now = shim.now_us();
-    let client = FileClient::open(grant.file, grant.epoch, peers, grant.initialized, initial, ClientConfig::default(), now);
-    shim.files.insert(fd, Tracked { key: key.to_string(), client, read_fd });
-    shim.wait_for(fd, |c| c.is_ready()).map_err(|e| format!("recovery of {key} (epoch {}): {e}", grant.epoch))?;
-    let t = shim.files.get_mut(&fd).unwrap();
-    let image = t.client.take_recovered().unwrap_or_default();
-    if !grant.initialized {
-        shim.ctl(&CtlRequest::Initialized { key: key.to_string(), epoch: grant.epoch })?;
-    }
+    let mut attempt = 0;
+    let (grant, image) = loop {
+        attempt += 1;
+        let grant = match shim.ctl(&CtlRequest::Open { key: key.to_string(), replicas: 3 }) {
+            Ok(CtlReply::Granted(g)) => g,
+            Ok(_) => return Err("controller answered Open with something else".into()),
+            Err(e) => {
+                // SAFETY: our own fd, not stored anywhere yet.
+                unsafe { (real().close)(read_fd) };
+                return Err(e);
+            }
+        };
+        shim.learn(&grant);
+        // A file that was never replicated starts from its local content (it predates the shim).
+        let initial = if grant.initialized { Vec::new() } else { read_local(read_fd, local_size).map_err(|e| e.to_string())? };
+        let ids = |v: &[nearlog::proto::PeerAddr]| v.iter().map(|p| p.id).collect::<Vec<_>>();
+        let now = shim.now_us();
+        let client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), grant.initialized, initial, ClientConfig::default(), now);
+        // A re-open after a failed attempt replaces (and keeps) the same read fd.
+        if let Some(mut old) = shim.files.insert(fd, Tracked { key: key.to_string(), client, read_fd, owner_epoch: grant.epoch, resume: None, resumes: 0 }) {
+            old.read_fd = -1;
+        }
+        match shim.wait_for(fd, false, |c| c.is_ready()) {
+            Ok(()) => {}
+            // A mover (reclaim) fenced our recovery: open again, it will follow.
+            Err(_) if attempt < 4 && matches!(shim.files[&fd].client.failure(), Some(Failure::Fenced { .. })) => continue,
+            Err(e) => return Err(format!("recovery of {key} (epoch {}): {e}", grant.epoch)),
+        }
+        let t = shim.files.get_mut(&fd).unwrap();
+        let image = t.client.take_recovered().unwrap_or_default();
+        if !grant.initialized || !grant.recover_from.is_empty() {
+            // Marks the content as replicated, and ends a pending move (our Base is on the new set).
+            shim.ctl(&CtlRequest::Initialized { key: key.to_string(), epoch: grant.epoch })?;
+        }
+        break (grant, image);
+    };
+    let _ = &grant;
     if flags & libc::O_TRUNC != 0 {
         // The real open already emptied the local file; the peers follow.
         let t = shim.files.get_mut(&fd).unwrap();
         let seq = t.client.submit(Op::Truncate { size: 0 }).map_err(|e| e.to_string())?;
-        shim.wait_for(fd, |c| c.acked_seq() >= seq)?;
+        let _ = seq;
+        shim.wait_for(fd, true, all_acked)?;
     } else {
         let rfd = shim.files[&fd].read_fd;
         let local = read_local(rfd, local_size).map_err(|e| e.to_string())?;
@@ -561,7 +693,7 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
     Ok(())
 }
 
-fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim) -> Result<T, String>, what: &str) -> Result<T, ()> {
+fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim, c_int) -> Result<T, String>, what: &str) -> Result<T, ()> {
     let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
     let Some(shim) = slot.as_mut() else {
         log(&format!("{what} on log fd {fd}: EIO: shim state is gone"));
@@ -571,7 +703,8 @@ fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim) -> Result<T, String>, wh
         log(&format!("{what} on log fd {fd}: EIO: a log file inherited across fork is not replicated by the child"));
         return Err(());
     }
-    f(shim).map_err(|e| {
+    let primary = *shim.aliases.get(&fd).unwrap_or(&fd);
+    f(shim, primary).map_err(|e| {
         log(&format!("{what} on log fd {fd}: EIO: {e}"));
     })
 }
@@ -579,11 +712,15 @@ fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim) -> Result<T, String>, wh
 /// Replicates `data` written at `offset` and waits for a majority.
 fn replicate(shim: &mut Shim, fd: c_int, offset: u64, data: &[u8]) -> Result<(), String> {
     let t = shim.files.get_mut(&fd).ok_or("not a log fd")?;
-    let mut last = 0;
     for (i, chunk) in data.chunks(MAX_CHUNK_BYTES).enumerate() {
-        last = t.client.submit(Op::write(offset + (i * MAX_CHUNK_BYTES) as u64, chunk.to_vec())).map_err(|e| e.to_string())?;
+        t.client.submit(Op::write(offset + (i * MAX_CHUNK_BYTES) as u64, chunk.to_vec())).map_err(|e| e.to_string())?;
     }
-    shim.wait_for(fd, |c| c.acked_seq() >= last)
+    shim.wait_for(fd, true, all_acked)
+}
+
+/// Every op submitted so far is on a majority (calls are synchronous: this is "ours is").
+fn all_acked(c: &FileClient) -> bool {
+    c.acked_seq() >= c.last_seq()
 }
 
 pub unsafe fn write(fd: c_int, buf: *const c_void, n: size_t, off: Option<off_t>) -> ssize_t {
@@ -602,7 +739,7 @@ pub unsafe fn write(fd: c_int, buf: *const c_void, n: size_t, off: Option<off_t>
     };
     let res = with_tracked(
         fd,
-        |shim| {
+        |shim, pfd| {
             let done = match off {
                 None => (r.write)(fd, buf, n),
                 Some(o) => (r.pwrite)(fd, buf, n, o),
@@ -616,13 +753,13 @@ pub unsafe fn write(fd: c_int, buf: *const c_void, n: size_t, off: Option<off_t>
                 None => libc::lseek64(fd, 0, libc::SEEK_CUR) as u64 - done as u64,
             };
             let data = std::slice::from_raw_parts(buf as *const u8, done as usize);
-            replicate(shim, fd, offset, data)?;
+            replicate(shim, pfd, offset, data)?;
             Ok(done)
         },
         "write",
     );
     res.unwrap_or_else(|()| {
-        set_errno(libc::EIO);
+        set_errno(take_fail_errno());
         -1
     })
 }
@@ -635,7 +772,7 @@ pub unsafe fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
     let Some(_g) = Guard::enter() else { return (r.writev)(fd, iov, cnt) };
     let res = with_tracked(
         fd,
-        |shim| {
+        |shim, pfd| {
             let done = (r.writev)(fd, iov, cnt);
             if done <= 0 {
                 return Ok(done);
@@ -646,13 +783,13 @@ pub unsafe fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
                 let take = (v.iov_len).min(done as usize - data.len());
                 data.extend_from_slice(std::slice::from_raw_parts(v.iov_base as *const u8, take));
             }
-            replicate(shim, fd, offset, &data)?;
+            replicate(shim, pfd, offset, &data)?;
             Ok(done)
         },
         "writev",
     );
     res.unwrap_or_else(|()| {
-        set_errno(libc::EIO);
+        set_errno(take_fail_errno());
         -1
     })
 }
@@ -668,7 +805,7 @@ pub unsafe fn sync(fd: c_int, kind: SyncKind) -> c_int {
     if is_tracked(fd) {
         // Every acknowledged write is already on a majority of peers: durable without a flush.
         let Some(_g) = Guard::enter() else { return 0 };
-        let failed = with_tracked(fd, |shim| Ok(shim.files.get(&fd).and_then(|t| t.client.failure().cloned())), "fsync");
+        let failed = with_tracked(fd, |shim, pfd| Ok(shim.files.get(&pfd).and_then(|t| t.client.failure().cloned())), "fsync");
         return match failed {
             Ok(None) => 0,
             Ok(Some(f)) => {
@@ -697,20 +834,20 @@ pub unsafe fn ftruncate(fd: c_int, len: off_t) -> c_int {
     let Some(_g) = Guard::enter() else { return (r.ftruncate)(fd, len) };
     let res = with_tracked(
         fd,
-        |shim| {
+        |shim, pfd| {
             let rc = (r.ftruncate)(fd, len);
             if rc != 0 {
                 return Ok(rc);
             }
-            let t = shim.files.get_mut(&fd).ok_or("not a log fd")?;
-            let seq = t.client.submit(Op::Truncate { size: len as u64 }).map_err(|e| e.to_string())?;
-            shim.wait_for(fd, |c| c.acked_seq() >= seq)?;
+            let t = shim.files.get_mut(&pfd).ok_or("not a log fd")?;
+            t.client.submit(Op::Truncate { size: len as u64 }).map_err(|e| e.to_string())?;
+            shim.wait_for(pfd, true, all_acked)?;
             Ok(0)
         },
         "ftruncate",
     );
     res.unwrap_or_else(|()| {
-        set_errno(libc::EIO);
+        set_errno(take_fail_errno());
         -1
     })
 }
@@ -719,17 +856,133 @@ pub unsafe fn close(fd: c_int) -> c_int {
     let r = real();
     if is_tracked(fd) {
         if let Some(_g) = Guard::enter() {
-            set_tracked(fd, false);
-            let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(shim) = slot.as_mut() {
-                if shim.owner_pid == std::process::id() {
-                    // Writes were acknowledged synchronously: nothing is pending.
-                    shim.files.remove(&fd);
-                }
-            }
+            forget_fd(fd);
         }
     }
     (r.close)(fd)
+}
+
+/// The shim's bookkeeping when `fd` stops naming a log file (close, or dup2/dup3 over it):
+/// writes were acknowledged synchronously, so nothing is pending; if copies of the fd remain,
+/// one of them takes over the replication state.
+fn forget_fd(fd: c_int) {
+    set_tracked(fd, false);
+    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(shim) = slot.as_mut() else { return };
+    if shim.owner_pid != std::process::id() {
+        return;
+    }
+    if shim.aliases.remove(&fd).is_some() {
+        return;
+    }
+    let Some(t) = shim.files.remove(&fd) else { return };
+    let copies: Vec<c_int> = shim.aliases.iter().filter(|(_, &p)| p == fd).map(|(&a, _)| a).collect();
+    if let Some(&heir) = copies.iter().min() {
+        shim.aliases.remove(&heir);
+        for a in copies.into_iter().filter(|&a| a != heir) {
+            shim.aliases.insert(a, heir);
+        }
+        shim.files.insert(heir, t);
+    }
+}
+
+/// After a successful dup of log fd `old` into `new`: `new` replicates too. A copy beyond the
+/// fd table cannot be tracked: it is closed and the call fails (EMFILE) rather than letting
+/// writes through it go unreplicated.
+fn track_copy(old: c_int, new: c_int) -> c_int {
+    if new as usize >= MAX_TRACKED_FD {
+        log(&format!("dup of log fd {old}: EMFILE: fd {new} is beyond the shim's table of {MAX_TRACKED_FD} fds"));
+        // SAFETY: closing the fd the dup just made.
+        unsafe { (real().close)(new) };
+        set_errno(libc::EMFILE);
+        return -1;
+    }
+    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(shim) = slot.as_mut() {
+        let primary = *shim.aliases.get(&old).unwrap_or(&old);
+        shim.aliases.insert(new, primary);
+        set_tracked(new, true);
+    }
+    new
+}
+
+type FcntlFn = unsafe extern "C" fn(c_int, c_int, ...) -> c_int;
+type Dup2Fn = unsafe extern "C" fn(c_int, c_int) -> c_int;
+type Dup3Fn = unsafe extern "C" fn(c_int, c_int, c_int) -> c_int;
+
+unsafe fn sym<T>(name: &[u8]) -> T {
+    let p = libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char);
+    assert!(!p.is_null(), "nearlog shim: libc symbol missing");
+    std::mem::transmute_copy::<*mut c_void, T>(&p)
+}
+
+pub unsafe fn dup(old: c_int) -> c_int {
+    static REAL: OnceLock<FdFn> = OnceLock::new();
+    // SAFETY: glibc's dup has this signature.
+    let r = (REAL.get_or_init(|| sym(b"dup\0")))(old);
+    if r < 0 || !is_tracked(old) {
+        return r;
+    }
+    let Some(_g) = Guard::enter() else { return r };
+    track_copy(old, r)
+}
+
+pub unsafe fn dup3(old: c_int, new: c_int, flags: c_int, three: bool) -> c_int {
+    static REAL2: OnceLock<Dup2Fn> = OnceLock::new();
+    static REAL3: OnceLock<Dup3Fn> = OnceLock::new();
+    let call = || {
+        // SAFETY: glibc's dup2/dup3 have these signatures.
+        if three {
+            (REAL3.get_or_init(|| sym(b"dup3\0")))(old, new, flags)
+        } else {
+            (REAL2.get_or_init(|| sym(b"dup2\0")))(old, new)
+        }
+    };
+    if old == new || !(is_tracked(old) || is_tracked(new)) {
+        return call();
+    }
+    let Some(_g) = Guard::enter() else { return call() };
+    let r = call();
+    if r < 0 {
+        return r;
+    }
+    // `new` was closed by the call if it was open: forget it first, then track the copy.
+    if is_tracked(new) {
+        forget_fd(new);
+    }
+    if is_tracked(old) {
+        return track_copy(old, new);
+    }
+    r
+}
+
+pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong, name: &'static [u8]) -> c_int {
+    static REAL: OnceLock<FcntlFn> = OnceLock::new();
+    static REAL64: OnceLock<FcntlFn> = OnceLock::new();
+    // SAFETY: glibc's fcntl/fcntl64 are variadic with one optional integer-or-pointer argument,
+    // passed here in the same register it arrived in.
+    let f = if name == b"fcntl64\0" { REAL64.get_or_init(|| sym(b"fcntl64\0")) } else { REAL.get_or_init(|| sym(b"fcntl\0")) };
+    let r = f(fd, cmd, arg);
+    if r < 0 || !(cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC) || !is_tracked(fd) {
+        return r;
+    }
+    let Some(_g) = Guard::enter() else { return r };
+    track_copy(fd, r)
+}
+
+/// A writable shared mapping of a log file would change it behind the shim's back: refused
+/// loudly (ENODEV, as for a file system without mmap). Private or read-only mappings pass.
+pub unsafe fn mmap(addr: *mut c_void, len: size_t, prot: c_int, flags: c_int, fd: c_int, off: off_t) -> *mut c_void {
+    if fd >= 0 && is_tracked(fd) && prot & libc::PROT_WRITE != 0 && flags & libc::MAP_SHARED != 0 {
+        if let Some(_g) = Guard::enter() {
+            log(&format!("mmap of log fd {fd} with PROT_WRITE|MAP_SHARED: ENODEV: writes through a mapping cannot be replicated; use write/pwrite"));
+        }
+        set_errno(libc::ENODEV);
+        return libc::MAP_FAILED;
+    }
+    // The raw system call: no dlsym (which may allocate, and malloc may map memory).
+    let r = libc::syscall(libc::SYS_mmap, addr, len, prot, flags, fd, off);
+    r as *mut c_void
 }
 
 /// Tells the peers of a forgotten file to free its memory (best effort: a peer that misses it

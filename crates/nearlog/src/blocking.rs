@@ -65,3 +65,56 @@ pub fn call<Q: Serialize, A: DeserializeOwned>(s: &mut TcpStream, req: &Q, limit
     send(s, req)?;
     recv(s, limit)
 }
+
+/// Reads replies in bulk: one `read` takes every frame the kernel has, then they are parsed
+/// from the buffer (instead of two reads and a poll per frame).
+#[derive(Default, Debug)]
+pub struct FrameReader {
+    buf: Vec<u8>,
+    at: usize,
+    /// Read target, zeroed once.
+    chunk: Vec<u8>,
+}
+
+/// Bytes asked for per `read`.
+const FILL_BYTES: usize = 256 * 1024;
+
+impl FrameReader {
+    /// One `read` (blocks if nothing is available). Ok(0): the peer closed the connection.
+    pub fn fill(&mut self, s: &mut TcpStream) -> std::io::Result<usize> {
+        if self.at > 0 && self.at == self.buf.len() {
+            self.buf.clear();
+            self.at = 0;
+        } else if self.at > FILL_BYTES {
+            self.buf.drain(..self.at);
+            self.at = 0;
+        }
+        if self.chunk.is_empty() {
+            self.chunk = vec![0; FILL_BYTES];
+        }
+        let n = s.read(&mut self.chunk)?;
+        self.buf.extend_from_slice(&self.chunk[..n]);
+        Ok(n)
+    }
+
+    /// The next complete frame in the buffer, if any.
+    pub fn next<M: DeserializeOwned>(&mut self, limit: usize) -> Result<Option<M>, WireError> {
+        let rest = &self.buf[self.at..];
+        if rest.len() < wire::FRAME_HEADER_BYTES {
+            return Ok(None);
+        }
+        let header: [u8; wire::FRAME_HEADER_BYTES] = rest[..wire::FRAME_HEADER_BYTES].try_into().unwrap();
+        let (len, want) = wire::parse_header(&header, limit)?;
+        if rest.len() - wire::FRAME_HEADER_BYTES < len {
+            return Ok(None);
+        }
+        let payload = &rest[wire::FRAME_HEADER_BYTES..wire::FRAME_HEADER_BYTES + len];
+        let got = crc32c::crc32c(payload);
+        if got != want {
+            return Err(WireError::Checksum { got, want });
+        }
+        let m = wire::decode_payload(payload)?;
+        self.at += wire::FRAME_HEADER_BYTES + len;
+        Ok(Some(m))
+    }
+}

@@ -89,6 +89,11 @@ pub struct FileClient {
     epoch: Epoch,
     peers: Vec<PeerId>,
     majority: usize,
+    /// The peers a majority of which must witness recovery (the grant's `recover_from` while a
+    /// move is pending, else `peers`).
+    witness_set: Vec<PeerId>,
+    /// Peers only probed and fetched from (old members of a pending move): last send time.
+    extra: BTreeMap<PeerId, u64>,
     cfg: ClientConfig,
     initialized: bool,
     phase: Phase,
@@ -111,13 +116,35 @@ impl FileClient {
     /// that some earlier open committed content; if not, the file starts as `initial` (the local
     /// copy, for a file that existed before it was replicated; usually empty).
     pub fn open(file: FileId, epoch: Epoch, peers: Vec<PeerId>, initialized: bool, initial: Vec<u8>, cfg: ClientConfig, now_us: u64) -> FileClient {
+        Self::open_moving(file, epoch, peers, Vec::new(), initialized, initial, cfg, now_us)
+    }
+
+    /// [`FileClient::open`] of a file with a pending move: recovery needs witnesses from a
+    /// majority of `recover_from` (the set the last committed epoch ran on; also probed and
+    /// fetched from), and the new epoch is based on `peers` (a new member gets the image).
+    /// Empty `recover_from`: no move pending.
+    #[allow(clippy::too_many_arguments)]
+    pub fn open_moving(
+        file: FileId,
+        epoch: Epoch,
+        peers: Vec<PeerId>,
+        recover_from: Vec<PeerId>,
+        initialized: bool,
+        initial: Vec<u8>,
+        cfg: ClientConfig,
+        now_us: u64,
+    ) -> FileClient {
         assert!(!peers.is_empty(), "a log file needs at least one peer");
         let majority = peers.len() / 2 + 1;
         let tracks = peers.iter().map(|&p| (p, Track { last_send_us: now_us, ..Track::default() })).collect();
+        let witness_set = if recover_from.is_empty() { peers.clone() } else { recover_from };
+        let extra = witness_set.iter().filter(|p| !peers.contains(p)).map(|&p| (p, now_us)).collect();
         let mut c = FileClient {
             file,
             epoch,
             majority,
+            witness_set,
+            extra,
             cfg,
             initialized,
             phase: Phase::Probing,
@@ -135,10 +162,35 @@ impl FileClient {
             out: Vec::new(),
             peers,
         };
-        for p in c.peers.clone() {
+        for p in c.probe_set() {
             c.out.push((p, PeerRequest::Probe { file, epoch }));
         }
         c
+    }
+
+    /// Every peer recovery talks to: the new set and the old members of a pending move.
+    fn probe_set(&self) -> Vec<PeerId> {
+        self.peers.iter().copied().chain(self.extra.keys().copied()).collect()
+    }
+
+    fn last_send(&self, p: PeerId) -> u64 {
+        self.tracks.get(&p).map(|t| t.last_send_us).or_else(|| self.extra.get(&p).copied()).unwrap_or(0)
+    }
+
+    fn touch(&mut self, p: PeerId) {
+        let now = self.now_us;
+        if let Some(t) = self.tracks.get_mut(&p) {
+            t.last_send_us = now;
+        } else if let Some(t) = self.extra.get_mut(&p) {
+            *t = now;
+        }
+    }
+
+    /// The submitted ops no majority acknowledged yet, in order (a writer that is fenced by a
+    /// mover or relocates resubmits them in its next epoch: re-applying a suffix of ops on any
+    /// state between the acknowledged one and the last gives the same result).
+    pub fn unacked_ops(&self) -> Vec<Op> {
+        self.ops.iter().filter(|(s, _)| *s > self.acked_seq).map(|(_, op)| op.clone()).collect()
     }
 
     pub fn file(&self) -> FileId {
@@ -176,6 +228,10 @@ impl FileClient {
     }
     pub fn take_outgoing(&mut self) -> Vec<(PeerId, PeerRequest)> {
         std::mem::take(&mut self.out)
+    }
+    /// Every peer of the set applied every submitted op (a new member is fully up to date).
+    pub fn fully_replicated(&self) -> bool {
+        self.is_ready() && self.tracks.values().all(|t| !t.lost && t.resync.is_none() && t.applied >= self.next_seq)
     }
     /// Bytes of records buffered for retransmission.
     pub fn buffered_bytes(&self) -> usize {
@@ -253,27 +309,21 @@ impl FileClient {
         self.now_us = now_us;
         let after = self.cfg.retransmit_after_us;
         let due = move |t: &Track| now_us.saturating_sub(t.last_send_us) >= after;
+        let due_at = move |last: u64| now_us.saturating_sub(last) >= after;
         match &self.phase {
             Phase::Failed(_) => {}
-            Phase::Probing => {
-                for p in self.peers.clone() {
-                    if !self.probes.contains_key(&p) && due(&self.tracks[&p]) {
-                        self.tracks.get_mut(&p).unwrap().last_send_us = now_us;
-                        self.out.push((p, PeerRequest::Probe { file: self.file, epoch: self.epoch }));
+            Phase::Probing | Phase::Fetching { .. } => {
+                if let Phase::Fetching { source, image, .. } = &self.phase {
+                    let (source, offset) = (*source, image.len() as u64);
+                    if due_at(self.last_send(source)) {
+                        self.touch(source);
+                        self.out.push((source, self.fetch(offset)));
                     }
                 }
-            }
-            Phase::Fetching { source, image, .. } => {
-                let source = *source;
-                let offset = image.len() as u64;
-                if due(&self.tracks[&source]) {
-                    self.tracks.get_mut(&source).unwrap().last_send_us = now_us;
-                    self.out.push((source, self.fetch(offset)));
-                }
-                // Peers still silent may be needed if the source turns out corrupt.
-                for p in self.peers.clone() {
-                    if !self.probes.contains_key(&p) && due(&self.tracks[&p]) {
-                        self.tracks.get_mut(&p).unwrap().last_send_us = now_us;
+                // Peers still silent (while fetching: needed if the source turns out corrupt).
+                for p in self.probe_set() {
+                    if !self.probes.contains_key(&p) && due_at(self.last_send(p)) {
+                        self.touch(p);
                         self.out.push((p, PeerRequest::Probe { file: self.file, epoch: self.epoch }));
                     }
                 }
@@ -355,7 +405,22 @@ impl FileClient {
     }
 
     pub fn on_reply(&mut self, peer: PeerId, reply: PeerReply) {
-        if !self.tracks.contains_key(&peer) || reply.file() != Some(self.file) {
+        if !(self.tracks.contains_key(&peer) || self.extra.contains_key(&peer)) || reply.file() != Some(self.file) {
+            return;
+        }
+        if !self.tracks.contains_key(&peer) {
+            // An old member of a pending move: it only answers probes and fetches.
+            match reply {
+                PeerReply::Stale { promised, .. } if promised > self.epoch => self.fail(Failure::Fenced { promised }),
+                PeerReply::Probed { epoch, holding, .. } if epoch == self.epoch && matches!(self.phase, Phase::Probing | Phase::Fetching { .. }) => {
+                    self.probes.entry(peer).or_insert(holding);
+                    if matches!(self.phase, Phase::Probing) {
+                        self.choose_source();
+                    }
+                }
+                PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
+                _ => {}
+            }
             return;
         }
         match reply {
@@ -414,6 +479,11 @@ impl FileClient {
                     }
                     return;
                 }
+                if applied_seq > self.next_seq {
+                    // Acknowledges ops never sent: a misbehaving peer. Ignored (it never counts
+                    // towards a majority; it is re-probed like a silent peer).
+                    return;
+                }
                 let t = self.tracks.get_mut(&peer).unwrap();
                 if let Some((seq, _)) = &t.resync {
                     if applied_seq < *seq {
@@ -455,18 +525,21 @@ impl FileClient {
     fn choose_source(&mut self) {
         let witnesses: Vec<(PeerId, Holding)> =
             self.probes.iter().filter(|(p, _)| !self.excluded.contains(p)).filter_map(|(&p, h)| h.map(|h| (p, h))).collect();
+        let witness_majority = self.witness_set.len() / 2 + 1;
+        let in_set = |p: &PeerId| self.witness_set.contains(p);
         if !self.initialized {
             // Nothing was ever acknowledged (the controller marks a file initialized before
             // its first write can be acknowledged): start empty once a majority is fenced.
-            if self.probes.len() >= self.majority {
+            if self.probes.keys().filter(|p| in_set(p)).count() >= witness_majority && self.probes.keys().filter(|p| self.peers.contains(p)).count() >= self.majority {
                 let initial = std::mem::take(&mut self.initial);
                 self.start_base(None, initial);
             }
             return;
         }
-        if witnesses.len() < self.majority {
+        if witnesses.iter().filter(|(p, _)| in_set(p)).count() < witness_majority {
             // Wait: a peer may still answer or come back; the driver's deadline turns a lasting
-            // lack of witnesses into EIO. Never recover from fewer than a majority.
+            // lack of witnesses into EIO. Never recover from fewer than a majority. (A new
+            // member holding a copy got it from an earlier recovery: it may be the source.)
             return;
         }
         let (source, holding) = *witnesses.iter().max_by_key(|(p, h)| (h.epoch, h.seq, std::cmp::Reverse(*p))).unwrap();
@@ -474,8 +547,9 @@ impl FileClient {
             self.start_base(Some((source, holding)), Vec::new());
             return;
         }
-        self.phase = Phase::Fetching { source, holding, image: Vec::with_capacity(holding.size as usize) };
-        self.tracks.get_mut(&source).unwrap().last_send_us = self.now_us;
+        // The claimed size is not trusted for an allocation (a lying peer could claim petabytes).
+        self.phase = Phase::Fetching { source, holding, image: Vec::with_capacity(holding.size.min(MAX_CHUNK_BYTES as u64) as usize) };
+        self.touch(source);
         self.out.push((source, self.fetch(0)));
     }
 
@@ -502,7 +576,7 @@ impl FileClient {
             self.start_base(Some((source, holding)), image);
         } else {
             let next = image.len() as u64;
-            self.tracks.get_mut(&peer).unwrap().last_send_us = self.now_us;
+            self.touch(peer);
             self.out.push((peer, self.fetch(next)));
         }
     }

@@ -16,6 +16,9 @@ pub struct PeerInfo {
     pub addr: String,
     pub region_bytes: u64,
     pub used_bytes: u64,
+    /// Being reclaimed: no new placements; its files move to other peers.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -24,6 +27,18 @@ pub struct FileMeta {
     pub epoch: Epoch,
     pub peers: Vec<PeerId>,
     pub initialized: bool,
+    /// A pending move (reclaim or full region): the set the last committed epoch ran on, whose
+    /// majority must witness recovery until a Base commits on `peers`. Empty: no move pending.
+    #[serde(default)]
+    pub prev_peers: Vec<PeerId>,
+    /// The epoch `peers` was last changed at: only a Base of a later epoch (granted with this
+    /// set) completes the move.
+    #[serde(default)]
+    pub placed_at: Epoch,
+    /// The epoch of the application writer (last `Open`, `Resume` or `Relocate`); a mover's
+    /// epoch does not change it, so the writer it fenced may resume.
+    #[serde(default)]
+    pub owner_epoch: Epoch,
 }
 
 /// Everything the controller knows; persisted whole (it is small: a few bytes per file).
@@ -111,6 +126,27 @@ impl MetaStore for MemStore {
 pub const MAX_KEY_BYTES: usize = 4096;
 /// Most replicas a file may ask for.
 pub const MAX_REPLICAS: u32 = 7;
+/// Most file ids one peer heartbeat may list.
+pub const MAX_HEARTBEAT_FILES: usize = 100_000;
+
+/// The peer with the most free space (ties: lowest id) not already holding `m`.
+fn pick_peer(free: &BTreeMap<PeerId, u64>, m: &FileMeta) -> Option<PeerId> {
+    free.iter().filter(|(id, _)| !m.peers.contains(id) && !m.prev_peers.contains(id)).max_by_key(|(&id, &f)| (f, std::cmp::Reverse(id))).map(|(&id, _)| id)
+}
+
+/// Places `m` on `to` instead of `from`; the set the last committed epoch ran on stays the
+/// recovery set until a Base commits on the new one.
+fn replace_peer(m: &mut FileMeta, from: PeerId, to: PeerId) {
+    if m.prev_peers.is_empty() {
+        m.prev_peers = m.peers.clone();
+    }
+    for p in m.peers.iter_mut() {
+        if *p == from {
+            *p = to;
+        }
+    }
+    m.placed_at = m.epoch;
+}
 
 pub struct ControllerCore<S: MetaStore> {
     state: ControllerState,
@@ -128,14 +164,17 @@ impl<S: MetaStore> ControllerCore<S> {
     }
 
     fn grant(&self, key: &str, m: &FileMeta) -> FileGrant {
-        FileGrant {
-            key: key.to_string(),
-            file: m.file,
-            epoch: m.epoch,
-            initialized: m.initialized,
-            peers: m.peers.iter().map(|&id| PeerAddr { id, addr: self.state.peers.get(&id).map(|p| p.addr.clone()).unwrap_or_default() }).collect(),
-        }
+        let addrs = |ids: &[PeerId]| -> Vec<PeerAddr> {
+            ids.iter().map(|&id| PeerAddr { id, addr: self.state.peers.get(&id).map(|p| p.addr.clone()).unwrap_or_default() }).collect()
+        };
+        FileGrant { key: key.to_string(), file: m.file, epoch: m.epoch, initialized: m.initialized, peers: addrs(&m.peers), recover_from: addrs(&m.prev_peers) }
     }
+
+    /// Keys of the files whose placement or pending move involves `peer`.
+    pub fn files_on(&self, peer: PeerId) -> Vec<String> {
+        self.state.files.iter().filter(|(_, m)| m.peers.contains(&peer) || m.prev_peers.contains(&peer)).map(|(k, _)| k.clone()).collect()
+    }
+
 
     /// Applies one request; a change is persisted before the reply (on a failed save the
     /// in-memory state is rolled back and the request fails).
@@ -174,17 +213,102 @@ impl<S: MetaStore> ControllerCore<S> {
                 }
                 let id = s.next_peer;
                 s.next_peer += 1;
-                s.peers.insert(id, PeerInfo { addr, region_bytes, used_bytes: 0 });
+                s.peers.insert(id, PeerInfo { addr, region_bytes, used_bytes: 0, draining: false });
                 (CtlReply::Registered { peer: id }, true)
             }
-            CtlRequest::PeerHeartbeat { peer, used_bytes } => match s.peers.get_mut(&peer) {
-                Some(p) => {
-                    // Not persisted: free space is soft state, refreshed by every heartbeat.
-                    p.used_bytes = used_bytes;
-                    (CtlReply::Ok, false)
+            CtlRequest::PeerHeartbeat { peer, used_bytes, files } => {
+                if files.len() > MAX_HEARTBEAT_FILES {
+                    return (CtlReply::Error(format!("heartbeat lists more than {MAX_HEARTBEAT_FILES} files")), false);
                 }
-                None => (CtlReply::Error(format!("unknown peer {peer}: register first")), false),
+                let Some(p) = s.peers.get_mut(&peer) else {
+                    return (CtlReply::Error(format!("unknown peer {peer}: register first")), false);
+                };
+                // Not persisted: free space is soft state, refreshed by every heartbeat.
+                p.used_bytes = used_bytes;
+                let draining = p.draining;
+                // A file the peer holds but no placement (current or pending-move) names it for
+                // is garbage: removed, renamed over, moved away, or a Drop that never arrived.
+                let placed: BTreeMap<FileId, &FileMeta> = s.files.values().map(|m| (m.file, m)).collect();
+                let release = files
+                    .into_iter()
+                    .filter(|f| placed.get(f).is_none_or(|m| !m.peers.contains(&peer) && !m.prev_peers.contains(&peer)))
+                    .collect();
+                (CtlReply::Heartbeat { release, draining }, false)
+            }
+            CtlRequest::Reclaim { peer } => {
+                if !s.peers.contains_key(&peer) {
+                    return (CtlReply::Error(format!("unknown peer {peer}")), false);
+                }
+                let mut changed = !s.peers[&peer].draining;
+                // Plan every move before changing anything: all or nothing.
+                let mut free: BTreeMap<PeerId, u64> = s
+                    .peers
+                    .iter()
+                    .filter(|(&id, p)| id != peer && !p.draining)
+                    .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
+                    .collect();
+                let mut plan = Vec::new();
+                for (key, m) in s.files.iter().filter(|(_, m)| m.peers.contains(&peer)) {
+                    let Some(to) = pick_peer(&free, m) else {
+                        return (CtlReply::Error(format!("no other log peer can take {key} (start another peer, then reclaim again)")), false);
+                    };
+                    // Count the file's size against the chosen peer (approximated by the
+                    // reclaimed peer's whole use: we do not know per-file sizes here).
+                    *free.get_mut(&to).unwrap() = free[&to].saturating_sub(1);
+                    plan.push((key.clone(), to));
+                }
+                s.peers.get_mut(&peer).unwrap().draining = true;
+                for (key, to) in plan {
+                    let m = s.files.get_mut(&key).unwrap();
+                    replace_peer(m, peer, to);
+                    changed = true;
+                }
+                let pending = s.files.iter().filter(|(_, m)| m.prev_peers.contains(&peer)).map(|(k, _)| k.clone()).collect();
+                (CtlReply::Reclaiming { pending }, changed)
+            }
+            CtlRequest::Move { key } => match s.files.get_mut(&key) {
+                Some(m) if !m.prev_peers.is_empty() => {
+                    m.epoch += 1;
+                    let m = m.clone();
+                    (CtlReply::Granted(self.grant(&key, &m)), true)
+                }
+                Some(_) => (CtlReply::Error(format!("{key} has no pending move")), false),
+                None => (CtlReply::Error(format!("unknown file {key}")), false),
             },
+            CtlRequest::Resume { key, epoch } => match s.files.get_mut(&key) {
+                Some(m) if m.owner_epoch == epoch => {
+                    m.epoch += 1;
+                    m.owner_epoch = m.epoch;
+                    let m = m.clone();
+                    (CtlReply::Granted(self.grant(&key, &m)), true)
+                }
+                Some(m) => (CtlReply::Error(format!("{key} was opened by another writer (epoch {}) since epoch {epoch}", m.owner_epoch)), false),
+                None => (CtlReply::Error(format!("unknown file {key}")), false),
+            },
+            CtlRequest::Relocate { key, epoch, full } => {
+                let free: BTreeMap<PeerId, u64> = s
+                    .peers
+                    .iter()
+                    .filter(|(&id, p)| id != full && !p.draining)
+                    .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
+                    .collect();
+                match s.files.get_mut(&key) {
+                    Some(m) if m.owner_epoch == epoch => {
+                        if m.peers.contains(&full) {
+                            let Some(to) = pick_peer(&free, m) else {
+                                return (CtlReply::Error(format!("no log peer has room for {key}: every region is full")), false);
+                            };
+                            replace_peer(m, full, to);
+                        }
+                        m.epoch += 1;
+                        m.owner_epoch = m.epoch;
+                        let m = m.clone();
+                        (CtlReply::Granted(self.grant(&key, &m)), true)
+                    }
+                    Some(m) => (CtlReply::Error(format!("{key} was opened by another writer (epoch {}) since epoch {epoch}", m.owner_epoch)), false),
+                    None => (CtlReply::Error(format!("unknown file {key}")), false),
+                }
+            }
             CtlRequest::Open { key, replicas } => {
                 if let Err(e) = check_key(&key) {
                     return (CtlReply::Error(e), false);
@@ -197,22 +321,32 @@ impl<S: MetaStore> ControllerCore<S> {
                         return (CtlReply::Error(format!("{replicas} log peers needed, {} registered", s.peers.len())), false);
                     }
                     // Placement: the peers with the most free space (ties: lowest id).
-                    let mut by_free: Vec<(PeerId, u64)> = s.peers.iter().map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes))).collect();
+                    let mut by_free: Vec<(PeerId, u64)> =
+                        s.peers.iter().filter(|(_, p)| !p.draining).map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes))).collect();
+                    if (by_free.len() as u32) < replicas {
+                        return (CtlReply::Error(format!("{replicas} log peers needed, {} not being reclaimed", by_free.len())), false);
+                    }
                     by_free.sort_by_key(|&(id, free)| (std::cmp::Reverse(free), id));
                     let peers = by_free.iter().take(replicas as usize).map(|&(id, _)| id).collect();
                     let file = s.next_file;
                     s.next_file += 1;
-                    s.files.insert(key.clone(), FileMeta { file, epoch: 0, peers, initialized: false });
+                    s.files.insert(key.clone(), FileMeta { file, epoch: 0, peers, initialized: false, prev_peers: Vec::new(), placed_at: 0, owner_epoch: 0 });
                 }
                 let m = s.files.get_mut(&key).unwrap();
                 m.epoch += 1;
+                m.owner_epoch = m.epoch;
                 let m = m.clone();
                 (CtlReply::Granted(self.grant(&key, &m)), true)
             }
             CtlRequest::Initialized { key, epoch } => match s.files.get_mut(&key) {
                 Some(m) if m.epoch == epoch => {
-                    let changed = !m.initialized;
+                    let mut changed = !m.initialized;
                     m.initialized = true;
+                    if epoch > m.placed_at && !m.prev_peers.is_empty() {
+                        // The Base committed on a majority of the new set: the move is done.
+                        m.prev_peers.clear();
+                        changed = true;
+                    }
                     (CtlReply::Ok, changed)
                 }
                 Some(m) => (CtlReply::Error(format!("epoch {epoch} is stale (file is at {})", m.epoch)), false),
@@ -263,6 +397,45 @@ mod tests {
         let CtlReply::Forgotten(None) = c.handle(CtlRequest::Rename { from: "/a.log".into(), to: "/b.log".into() }) else { panic!() };
         let CtlReply::Forgotten(Some(f)) = c.handle(CtlRequest::Remove { key: "/b.log".into() }) else { panic!() };
         assert_eq!(f.file, g.file);
+    }
+
+    #[test]
+    fn reclaim_moves_files_resume_and_relocate_and_heartbeats_release() {
+        let mut c = ControllerCore::open(MemStore::default()).unwrap();
+        for i in 1..=4 {
+            c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: 1000 });
+        }
+        let CtlReply::Granted(g) = c.handle(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
+        assert_eq!(g.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![1, 2, 3]);
+        c.handle(CtlRequest::Initialized { key: "k".into(), epoch: 1 });
+        // Reclaim peer 1: placed on 4; the old set stays the recovery set.
+        let CtlReply::Reclaiming { pending } = c.handle(CtlRequest::Reclaim { peer: 1 }) else { panic!() };
+        assert_eq!(pending, vec!["k".to_string()]);
+        let m = c.state().files["k"].clone();
+        assert_eq!((m.peers.clone(), m.prev_peers.clone()), (vec![4, 2, 3], vec![1, 2, 3]));
+        // Peer 1 keeps the file while the move is pending.
+        let hb = |c: &mut ControllerCore<MemStore>, peer| c.handle(CtlRequest::PeerHeartbeat { peer, used_bytes: 10, files: vec![m.file, 99] });
+        assert_eq!(hb(&mut c, 1), CtlReply::Heartbeat { release: vec![99], draining: true });
+        // A mover's epoch does not take ownership; the fenced writer (owner epoch 1) resumes.
+        let CtlReply::Granted(mv) = c.handle(CtlRequest::Move { key: "k".into() }) else { panic!() };
+        assert_eq!((mv.epoch, mv.recover_from.len()), (2, 3));
+        let CtlReply::Granted(w) = c.handle(CtlRequest::Resume { key: "k".into(), epoch: 1 }) else { panic!() };
+        assert_eq!(w.epoch, 3);
+        assert!(matches!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: 2 }), CtlReply::Error(_)), "the mover's epoch is stale");
+        assert_eq!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: 3 }), CtlReply::Ok);
+        assert!(c.state().files["k"].prev_peers.is_empty(), "move done");
+        assert_eq!(hb(&mut c, 1), CtlReply::Heartbeat { release: vec![m.file, 99], draining: true });
+        assert!(matches!(c.handle(CtlRequest::Resume { key: "k".into(), epoch: 1 }), CtlReply::Error(_)), "an old owner cannot resume");
+        // No new placement on a draining peer; a relocation needs a peer with room outside the set.
+        assert!(matches!(c.handle(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }), CtlReply::Error(_)));
+        c.handle(CtlRequest::RegisterPeer { addr: "p5".into(), region_bytes: 1000 });
+        let CtlReply::Granted(r) = c.handle(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }) else { panic!() };
+        assert_eq!(r.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![4, 5, 3]);
+        assert_eq!(r.recover_from.iter().map(|p| p.id).collect::<Vec<_>>(), vec![4, 2, 3]);
+        // Reclaiming with no peer left to take the file fails and changes nothing.
+        let before = c.state().clone();
+        assert!(matches!(c.handle(CtlRequest::Reclaim { peer: 3 }), CtlReply::Error(_)));
+        assert_eq!(c.state(), &before);
     }
 
     #[test]

@@ -11,6 +11,9 @@
 //! - [`controller::ControllerCore`]: peers, free space, placement, epochs, persisted through
 //!   [`controller::MetaStore`] (JSON file by default).
 //!
+//! - [`mover`]: taking a peer's memory back — files re-placed by the controller are moved to
+//!   their new set at a new epoch (a fenced application writer resumes on its own).
+//!
 //! Messages are in [`proto`], framed by the `wire` crate. [`blocking`] is the std-only client
 //! transport (what the LD_PRELOAD shim uses: no tokio inside applications); `server` (feature
 //! `server`) holds the tokio daemons.
@@ -18,6 +21,7 @@
 pub mod blocking;
 pub mod client;
 pub mod controller;
+pub mod mover;
 pub mod peer;
 pub mod proto;
 #[cfg(feature = "server")]

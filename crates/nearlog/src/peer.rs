@@ -66,6 +66,9 @@ impl Committed {
     }
 }
 
+/// Largest log file a peer accepts (offsets and sizes beyond are refused, not allocated).
+pub const MAX_FILE_BYTES: u64 = 1 << 40;
+
 /// A log peer's state. Feed it requests with [`PeerCore::handle`]; it returns the reply.
 #[derive(Debug)]
 pub struct PeerCore {
@@ -89,6 +92,30 @@ impl PeerCore {
 
     pub fn file_count(&self) -> usize {
         self.files.len()
+    }
+
+    /// Ids of the files the peer keeps any state for (reported in heartbeats).
+    pub fn files(&self) -> Vec<FileId> {
+        self.files.keys().copied().collect()
+    }
+
+    /// Frees everything held for `file` (the controller placed it elsewhere or forgot it).
+    /// Returns the bytes freed.
+    pub fn release(&mut self, file: FileId) -> u64 {
+        match self.files.remove(&file) {
+            Some(f) => {
+                let b = f.bytes();
+                self.used_bytes -= b;
+                b
+            }
+            None => 0,
+        }
+    }
+
+    /// Shrinks (or grows) the lent region. Shrinking below the bytes in use only refuses
+    /// growth from now on; the caller shrinks to 0 once the controller moved every file away.
+    pub fn set_region_bytes(&mut self, region_bytes: u64) {
+        self.region_bytes = region_bytes;
     }
 
     /// Test hook: flips one byte of a file's committed image without fixing its checksum (a
@@ -196,9 +223,17 @@ impl PeerCore {
     }
 
     fn record(&mut self, file: FileId, epoch: Epoch, seq: u64, op: Op) -> PeerReply {
-        if let Op::Write { data, crc, .. } = &op {
+        if let Op::Write { data, crc, offset } = &op {
             if crc32c::crc32c(data) != *crc {
                 return PeerReply::Refused { file, reason: "record checksum mismatch".into() };
+            }
+            if offset.checked_add(data.len() as u64).is_none_or(|end| end > MAX_FILE_BYTES) {
+                return PeerReply::Refused { file, reason: format!("write beyond {MAX_FILE_BYTES} bytes") };
+            }
+        }
+        if let Op::Truncate { size } | Op::Base { size, .. } = &op {
+            if *size > MAX_FILE_BYTES {
+                return PeerReply::Refused { file, reason: format!("size beyond {MAX_FILE_BYTES} bytes") };
             }
         }
         let f = self.files.entry(file).or_default();

@@ -139,13 +139,28 @@ impl PeerReply {
 pub enum CtlRequest {
     /// A peer announces itself (same `addr` again = the same peer restarted, memory lost).
     RegisterPeer { addr: String, region_bytes: u64 },
-    /// A peer's periodic report of the bytes it holds.
-    PeerHeartbeat { peer: PeerId, used_bytes: u64 },
+    /// A peer's periodic report of the bytes and files it holds; answered with
+    /// [`CtlReply::Heartbeat`] (files to release, whether the peer is being reclaimed).
+    PeerHeartbeat { peer: PeerId, used_bytes: u64, files: Vec<FileId> },
     /// A client opens a log file by key: placement on first open, a new epoch every time.
     Open { key: String, replicas: u32 },
-    /// The client committed the epoch's Base on a majority: the file now has replicated content
-    /// that a later open must recover (before that, an open may start from empty).
+    /// The client committed the epoch's Base on a majority of the grant's peers: the file now
+    /// has replicated content that a later open must recover (before that, an open may start
+    /// from empty), and a pending move is complete (recovery no longer needs the old peers).
     Initialized { key: String, epoch: Epoch },
+    /// Take a peer's memory back: every file on it is placed on another peer (the old set stays
+    /// the recovery set until a client commits a Base on the new one); the peer gets no new
+    /// files. Answers [`CtlReply::Reclaiming`] with the files still to move (idempotent).
+    Reclaim { peer: PeerId },
+    /// A mover's open of a file with a pending move: a new epoch over the new set, without
+    /// taking over ownership (the application writer resumes after being fenced by it).
+    Move { key: String },
+    /// The writer that opened at (or last resumed at) `epoch` was fenced: if no other
+    /// application opened the file since, it gets a new epoch over the current placement.
+    Resume { key: String, epoch: Epoch },
+    /// The writer at `epoch` met a full region on `full`: the file grows onto another peer
+    /// with room (new epoch, old set as recovery set), or the answer is an error (ENOSPC).
+    Relocate { key: String, epoch: Epoch, full: PeerId },
     /// Unlink: forget the file; the answer names its peers so the client frees their memory.
     Remove { key: String },
     /// Rename: the file keeps its id and peers under a new key; a file that lived at `to` is
@@ -169,15 +184,38 @@ pub struct FileGrant {
     pub peers: Vec<PeerAddr>,
     /// False until some client committed a Base on a majority: then empty is the right content.
     pub initialized: bool,
+    /// While a move is pending: the peers a majority of which must witness the recovery (the
+    /// set the last committed epoch ran on). Empty: the same as `peers`.
+    pub recover_from: Vec<PeerAddr>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CtlReply {
     Registered { peer: PeerId },
     Ok,
+    /// Answer to a heartbeat: files the peer may free (no placement names it for them any
+    /// more), and whether it is being reclaimed (it returns its region once empty).
+    Heartbeat { release: Vec<FileId>, draining: bool },
+    /// Answer to `Reclaim`: keys of the files whose move is not complete yet.
+    Reclaiming { pending: Vec<String> },
     Granted(FileGrant),
     /// Remove/Rename: the forgotten file, if any (its peers should be told to drop it).
     Forgotten(Option<FileGrant>),
     Status(crate::controller::ControllerState),
     Error(String),
+}
+
+/// Applies `op` to a file image (what a peer's copy and the local file go through).
+pub fn apply_op(image: &mut Vec<u8>, op: &Op) {
+    match op {
+        Op::Write { offset, data, .. } => {
+            let end = *offset as usize + data.len();
+            if image.len() < end {
+                image.resize(end, 0);
+            }
+            image[*offset as usize..end].copy_from_slice(data);
+        }
+        Op::Truncate { size } => image.resize(*size as usize, 0),
+        Op::Base { .. } => {}
+    }
 }

@@ -8,7 +8,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::controller::{ControllerCore, MetaStore};
@@ -27,18 +27,40 @@ pub async fn run_peer(listener: TcpListener, advertise: String, controller: Stri
         let secret = secret.clone();
         tokio::spawn(async move {
             let mut peer_id = None;
+            let mut returned = false;
             loop {
-                let used = core.lock().unwrap().used_bytes();
+                let (used, files) = {
+                    let c = core.lock().unwrap();
+                    let mut files = c.files();
+                    // The controller accepts a bounded list; the rest is reported next time
+                    // after these are released.
+                    files.truncate(crate::controller::MAX_HEARTBEAT_FILES);
+                    (c.used_bytes(), files)
+                };
                 let req = match peer_id {
                     None => CtlRequest::RegisterPeer { addr: advertise.clone(), region_bytes },
-                    Some(peer) => CtlRequest::PeerHeartbeat { peer, used_bytes: used },
+                    Some(peer) => CtlRequest::PeerHeartbeat { peer, used_bytes: used, files },
                 };
                 match ctl_call(&controller, &secret, &req).await {
                     Ok(CtlReply::Registered { peer }) => {
                         tracing::info!(peer, %advertise, "registered with the controller");
                         peer_id = Some(peer)
                     }
-                    Ok(CtlReply::Ok) => {}
+                    Ok(CtlReply::Heartbeat { release, draining }) => {
+                        let mut c = core.lock().unwrap();
+                        for f in release {
+                            let freed = c.release(f);
+                            tracing::info!(file = f, freed, "released a file placed elsewhere");
+                        }
+                        if draining && !returned && c.used_bytes() == 0 {
+                            // Reclaimed: every file moved away. The region goes back to the host
+                            // (its buffers are freed; no new file is placed here).
+                            c.set_region_bytes(0);
+                            returned = true;
+                            tracing::info!(%advertise, "reclaimed: lent region returned");
+                            println!("nearlog peer {advertise}: reclaimed, lent region returned");
+                        }
+                    }
                     Ok(other) => {
                         tracing::warn!(?other, "controller refused us; registering again");
                         peer_id = None;
@@ -61,29 +83,87 @@ pub async fn run_peer(listener: TcpListener, advertise: String, controller: Stri
     }
 }
 
+/// A client connection silent for this long is closed.
+pub const PEER_IDLE_TIMEOUT_SECS: u64 = 600;
+
+/// Most client connections a peer serves at once (one data-path thread each).
+pub const MAX_PEER_CONNECTIONS: usize = 256;
+
+static PEER_CONNECTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 async fn serve_peer_conn(mut sock: TcpStream, core: Arc<Mutex<PeerCore>>, secret: &[u8]) -> Result<(), wire::WireError> {
+    use std::sync::atomic::Ordering;
     sock.set_nodelay(true)?;
     wire::auth::accept(&mut sock, secret).await?;
-    let (r, w) = sock.into_split();
-    let mut r = BufReader::with_capacity(1 << 20, r);
-    let mut w = BufWriter::with_capacity(1 << 16, w);
+    if PEER_CONNECTIONS.fetch_add(1, Ordering::SeqCst) >= MAX_PEER_CONNECTIONS {
+        PEER_CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
+        return Err(wire::WireError::Io(std::io::Error::other(format!("more than {MAX_PEER_CONNECTIONS} connections"))));
+    }
+    // The data path runs on its own thread with blocking I/O: a record's round trip is one
+    // wake-up of this thread, with no hop through the async scheduler.
+    let sock = sock.into_std()?;
+    sock.set_nonblocking(false)?;
+    // A client that vanished without closing frees its thread after this long (a live but
+    // idle client simply reconnects).
+    sock.set_read_timeout(Some(Duration::from_secs(PEER_IDLE_TIMEOUT_SECS)))?;
+    // A plain thread, not the runtime's blocking pool: shutting the runtime down (Ctrl-C)
+    // must not wait for connected clients.
+    let spawned = std::thread::Builder::new().name("nearlog-peer-conn".into()).spawn(move || {
+        if let Err(e) = serve_records(sock, &core) {
+            tracing::debug!("peer connection ended: {e}");
+        }
+        PEER_CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
+    });
+    if let Err(e) = spawned {
+        PEER_CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
+        return Err(e.into());
+    }
+    Ok(())
+}
+
+/// Bytes read from a client connection per `read` (frames larger than this are assembled).
+const READ_CHUNK_BYTES: usize = 256 * 1024;
+
+/// Applies every complete frame in the input buffer under one lock, then answers them all with
+/// one `write`. Per byte: the frame checksum, the record checksum, the copy into the region.
+fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Result<(), wire::WireError> {
+    use std::io::{Read, Write};
+    let mut chunk = vec![0u8; READ_CHUNK_BYTES];
+    let mut buf: Vec<u8> = Vec::with_capacity(READ_CHUNK_BYTES);
+    let mut out: Vec<u8> = Vec::with_capacity(64 * 1024);
     loop {
-        let req: PeerRequest = wire::read_msg(&mut r, MAX_FRAME_BYTES).await?;
-        let mut replies = vec![core.lock().unwrap().handle(req)];
-        // Batch: everything already buffered is applied before one flush.
-        while r.buffer().len() >= wire::FRAME_HEADER_BYTES {
-            let header: [u8; 8] = r.buffer()[..8].try_into().unwrap();
-            let (len, _) = wire::parse_header(&header, MAX_FRAME_BYTES)?;
-            if r.buffer().len() < 8 + len {
-                break;
+        let n = sock.read(&mut chunk)?;
+        if n == 0 {
+            return Err(wire::WireError::Closed);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let mut at = 0;
+        {
+            let mut c = None;
+            while buf.len() - at >= wire::FRAME_HEADER_BYTES {
+                let header: [u8; wire::FRAME_HEADER_BYTES] = buf[at..at + wire::FRAME_HEADER_BYTES].try_into().unwrap();
+                let (len, want) = wire::parse_header(&header, MAX_FRAME_BYTES)?;
+                let start = at + wire::FRAME_HEADER_BYTES;
+                if buf.len() - start < len {
+                    break;
+                }
+                let payload = &buf[start..start + len];
+                let got = crc32c::crc32c(payload);
+                if got != want {
+                    return Err(wire::WireError::Checksum { got, want });
+                }
+                let req: PeerRequest = wire::decode_payload(payload)?;
+                let core = c.get_or_insert_with(|| core.lock().unwrap());
+                let rep: PeerReply = core.handle(req);
+                out.extend_from_slice(&wire::encode_frame(&rep)?);
+                at = start + len;
             }
-            let req: PeerRequest = wire::read_msg(&mut r, MAX_FRAME_BYTES).await?;
-            replies.push(core.lock().unwrap().handle(req));
         }
-        for rep in &replies {
-            wire::write_msg::<PeerReply, _>(&mut w, rep).await?;
+        buf.drain(..at);
+        if !out.is_empty() {
+            sock.write_all(&out)?;
+            out.clear();
         }
-        w.flush().await?;
     }
 }
 

@@ -1,0 +1,75 @@
+//! The shim and file-descriptor copies: an unmodified Python program writes a log file through
+//! `os.dup` (fcntl F_DUPFD_CLOEXEC), `os.dup2` (dup2), `os.dup2(inheritable=False)` (dup3) and
+//! `fcntl(F_DUPFD)` copies, closes the original, replaces one copy with a non-log fd via dup2,
+//! and tries a writable shared mmap of the log (refused with ENODEV, loudly) and a read-only
+//! one (allowed). Recovered on an empty directory, the log holds every byte written through
+//! every copy, and nothing written after a copy stopped being a log fd.
+
+mod nearlog_common;
+
+use std::process::Command;
+
+use nearlog_common::{shim_path, start_cluster};
+
+const PROG: &str = r#"
+import os, sys, mmap, fcntl
+path = sys.argv[1]
+fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+os.write(fd, b"A" * 100)
+d1 = os.dup(fd)
+os.write(d1, b"B" * 100)
+d2 = os.dup2(fd, 50)
+os.write(d2, b"C" * 100)
+d3 = os.dup2(fd, 51, inheritable=False)
+os.write(d3, b"D" * 100)
+d4 = fcntl.fcntl(fd, fcntl.F_DUPFD, 60)
+os.write(d4, b"E" * 100)
+os.close(fd)
+os.write(d1, b"F" * 100)
+os.fsync(d1)
+other = os.open(path + ".other", os.O_WRONLY | os.O_CREAT, 0o644)
+os.dup2(other, d2)
+os.write(d2, b"not-a-log")
+try:
+    mmap.mmap(d3, 600, mmap.MAP_SHARED, mmap.PROT_WRITE | mmap.PROT_READ)
+    print("MMAP-OK")
+except OSError as e:
+    print("MMAP-ERR", e.errno)
+m = mmap.mmap(d3, 600, mmap.MAP_PRIVATE, mmap.PROT_READ)
+print("READMAP", m[:1].decode())
+print("SIZE", os.fstat(d1).st_size)
+"#;
+
+#[test]
+fn writes_through_fd_copies_replicate_and_shared_mmap_is_refused() {
+    let so = shim_path();
+    let tmp = tempfile::tempdir().unwrap();
+    let (_cluster, cluster_file) = start_cluster(&tmp.path().join("cluster"));
+    let app = tmp.path().join("app");
+    std::fs::create_dir_all(&app).unwrap();
+    let log = app.join("fds.log");
+    let env = |c: &mut Command| {
+        c.env("LD_PRELOAD", &so).env("UNDERSTUDY_NEARLOG_CLUSTER", &cluster_file).env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log");
+    };
+    let mut cmd = Command::new("python3");
+    cmd.arg("-c").arg(PROG).arg(&log);
+    env(&mut cmd);
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout} {stderr}");
+    assert!(stdout.contains(&format!("MMAP-ERR {}", libc::ENODEV)), "{stdout} {stderr}");
+    assert!(stderr.contains("ENODEV"), "the refusal is logged: {stderr}");
+    assert!(stdout.contains("READMAP A"), "{stdout}");
+    assert!(stdout.contains("SIZE 600"), "{stdout}");
+    assert_eq!(std::fs::read(app.join("fds.log.other")).unwrap(), b"not-a-log");
+
+    std::fs::remove_file(&log).unwrap();
+    let mut cmd = Command::new("python3");
+    cmd.arg("-c").arg("import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read())").arg(&log);
+    env(&mut cmd);
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let want: Vec<u8> = b"ABCDEF".iter().flat_map(|&c| std::iter::repeat_n(c, 100)).collect();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&want));
+}
