@@ -5,7 +5,8 @@
 //!   takes fault injections and status requests;
 //! * `inject`, `status`: talk to a running monitor's control address;
 //! * `load`: the SQLite front's load generator and checker;
-//! * `sqlite-front`: the SQLite front itself (python3 + the sqlite3 module).
+//! * `sqlite-front`: the SQLite front itself (python3 + the sqlite3 module);
+//! * `postgres`: Debian's PostgreSQL server as an instance's application.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -24,6 +25,7 @@ use crate::cluster_file::Target;
 use crate::ConnArgs;
 
 mod bench;
+mod postgres;
 
 /// The failover part of `understudy demo`: SQLite failed over speculatively, as a timeline.
 pub fn demo(verbose: u8) -> anyhow::Result<()> {
@@ -74,7 +76,7 @@ pub enum FailoverCmd {
     Inject(InjectArgs),
     /// Show a running monitor's state (JSON).
     Status(ControlArgs),
-    /// Load generator for the SQLite front: insert through the endpoint, then check the table.
+    /// Load generator (SQLite front or --postgres): insert through the endpoint, then check.
     ///
     /// Inserts fresh ids one at a time for --duration-ms, recording every acknowledged one and
     /// the longest gap without acknowledgements (when throughput dropped to zero and resumed),
@@ -83,6 +85,13 @@ pub enum FailoverCmd {
     Load(LoadArgs),
     /// The SQLite front: SQLite (WAL, synchronous=FULL) behind a one-line-per-request TCP server.
     SqliteFront(FrontArgs),
+    /// PostgreSQL (Debian's, unmodified) as an instance's application: initdb on first start,
+    /// then `postgres` as an unprivileged user on 127.0.0.1:PORT.
+    ///
+    /// For a spec's `app.command`: `["understudy", "failover", "postgres", "--data",
+    /// "{mount}/pgdata", "--port", "{port}"]`, with `[health] postgres = {}` (a read-only
+    /// `SELECT 1`). SIGTERM is a fast shutdown.
+    Postgres(postgres::PgArgs),
     /// A real speculative failover on a throw-away cluster, as a timeline.
     ///
     /// SQLite under load on an ext4 volume, the primary killed (SIGKILL), the backup recovering
@@ -132,6 +141,10 @@ pub struct LoadArgs {
     /// How long the final check may wait for the endpoint.
     #[arg(long, default_value_t = 60_000)]
     pub verify_timeout_ms: u64,
+    /// Speak PostgreSQL (user and database `postgres`, trust) instead of the SQLite front's
+    /// protocol: autocommit inserts into table `commits`.
+    #[arg(long)]
+    pub postgres: bool,
 }
 
 #[derive(Args, Debug)]
@@ -159,6 +172,7 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()>
         }
         FailoverCmd::Load(a) => load(a),
         FailoverCmd::SqliteFront(a) => sqlite_front(a),
+        FailoverCmd::Postgres(a) => postgres::run(a),
         FailoverCmd::Demo => bench::demo(verbose),
     }
 }
@@ -284,8 +298,9 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         let stop = async {
             crate::proc::shutdown_signal().await;
         };
-        let r = ::failover::load::run_load(a.endpoint, Duration::from_millis(a.duration_ms), a.window_ms, stop).await;
-        let v = ::failover::load::verify(a.endpoint, &r, Duration::from_millis(a.verify_timeout_ms)).await.map_err(anyhow::Error::msg)?;
+        let target = if a.postgres { ::failover::load::Target::Postgres(Default::default()) } else { ::failover::load::Target::Line };
+        let r = ::failover::load::run_load(a.endpoint, &target, Duration::from_millis(a.duration_ms), a.window_ms, stop).await;
+        let v = ::failover::load::verify(a.endpoint, &target, &r, Duration::from_millis(a.verify_timeout_ms)).await.map_err(anyhow::Error::msg)?;
         let ok = v.missing.is_empty() && v.unexpected.is_empty();
         let out = serde_json::json!({
             "ok": ok,

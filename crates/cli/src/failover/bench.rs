@@ -176,11 +176,11 @@ fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose
     let load = std::thread::spawn(move || -> anyhow::Result<(::failover::load::LoadResult, ::failover::load::Verdict)> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         rt.block_on(async {
-            let r = ::failover::load::run_load(endpoint, Duration::from_secs(600), 100, async {
+            let r = ::failover::load::run_load(endpoint, &::failover::load::Target::Line, Duration::from_secs(600), 100, async {
                 let _ = stop_rx.await;
             })
             .await;
-            let v = ::failover::load::verify(endpoint, &r, Duration::from_secs(60)).await.map_err(anyhow::Error::msg)?;
+            let v = ::failover::load::verify(endpoint, &::failover::load::Target::Line, &r, Duration::from_secs(60)).await.map_err(anyhow::Error::msg)?;
             Ok((r, v))
         })
     });
