@@ -26,6 +26,7 @@ use crate::ConnArgs;
 
 mod bench;
 mod postgres;
+mod recovery;
 
 /// The failover part of `understudy demo`: SQLite failed over speculatively, as a timeline.
 pub fn demo(verbose: u8) -> anyhow::Result<()> {
@@ -46,11 +47,23 @@ pub enum FailoverBench {
     /// scenarios (timeouts of 60 s and 5 s, a 15 s false positive) are composed from these
     /// measurements as in §6.4. Needs root, /dev/fuse, losetup, python3.
     Scenarios(bench::BenchArgs),
+    /// Application recovery latency on the plain volume, a super clone and a general clone
+    /// (SpecREDS §6.3), for PostgreSQL and SQLite, after clean and unclean failures, with a small
+    /// and a large WAL left to recover.
+    ///
+    /// Per application and WAL size: one primary on a fresh ext4 volume; load until the WAL
+    /// since the last checkpoint reaches the size (PostgreSQL: max_wal_size set to leave it;
+    /// SQLite: automatic checkpoints off for the large WAL); then a failure (SIGKILL of the whole
+    /// instance, or a clean stop) and the application started on a super child, on a general
+    /// clone and on the volume itself, each timed from its start to its first good health check.
+    /// Needs root, /dev/fuse, losetup, python3, PostgreSQL.
+    Recovery(recovery::RecoveryArgs),
 }
 
 pub fn bench(b: FailoverBench, verbose: u8) -> anyhow::Result<()> {
     match b {
         FailoverBench::Scenarios(a) => bench::scenarios(a, verbose),
+        FailoverBench::Recovery(a) => recovery::run(a, verbose),
     }
 }
 
@@ -156,6 +169,9 @@ pub struct FrontArgs {
     /// Write on its own every N ms (0: never), reachable or not.
     #[arg(long, default_value_t = 0)]
     pub housekeeping_ms: u64,
+    /// WAL pages before SQLite checkpoints on its own (0: never): how much WAL a crash leaves.
+    #[arg(long, default_value_t = 1000)]
+    pub wal_autocheckpoint_pages: u64,
 }
 
 pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()> {
@@ -334,6 +350,8 @@ fn sqlite_front(a: FrontArgs) -> anyhow::Result<()> {
         .arg(a.port.to_string())
         .arg("--housekeeping-ms")
         .arg(a.housekeeping_ms.to_string())
+        .arg("--wal-autocheckpoint-pages")
+        .arg(a.wal_autocheckpoint_pages.to_string())
         .exec();
     Err(anyhow::Error::from(e).context("cannot start python3"))
 }
