@@ -242,7 +242,6 @@ pub enum DriverError {
 enum Work {
     Start(InstanceId, String),
     Kill(InstanceId),
-    Point(InstanceId),
     Super(String, String),
     Collapse(String, String),
     Drop(String, String),
@@ -344,7 +343,6 @@ pub async fn run(
     {
         let pool = pool.clone();
         let tx = inputs_tx.clone();
-        let endpoint = endpoint.clone();
         tokio::spawn(async move {
             while let Some(w) = work_rx.recv().await {
                 let input = match w {
@@ -361,14 +359,6 @@ pub async fn run(
                             let _ = tx.send(Input::Tick).await;
                             continue;
                         }
-                    },
-                    Work::Point(id) => match pool.address(id) {
-                        Some(addr) => {
-                            endpoint.point(Some(addr));
-                            tracing::info!(%id, %addr, "endpoint re-pointed");
-                            Input::EndpointPointed(id)
-                        }
-                        None => Input::EndpointFailed { id, error: format!("instance {id} has no address") },
                     },
                     _ => unreachable!(),
                 };
@@ -417,7 +407,27 @@ pub async fn run(
                 }
                 Action::StartInstance { id, volume } => work.push(Work::Start(id, volume)),
                 Action::KillInstance(id) => work.push(Work::Kill(id)),
-                Action::PointEndpoint(id) => work.push(Work::Point(id)),
+                // Endpoint changes at once, in the order issued: a re-point queued behind a slow
+                // start must never undo a later freeze.
+                Action::PointEndpoint(id) => {
+                    let input = match pool.address(id) {
+                        Some(addr) => {
+                            endpoint.point(Some(addr));
+                            tracing::info!(%id, %addr, "endpoint re-pointed");
+                            Input::EndpointPointed(id)
+                        }
+                        None => Input::EndpointFailed { id, error: format!("instance {id} has no address") },
+                    };
+                    let tx = inputs_tx.clone();
+                    tokio::spawn(async move {
+                        let _ = tx.send(input).await;
+                    });
+                }
+                // At once, before the collapse that follows it is even queued.
+                Action::FreezeEndpoint => {
+                    endpoint.freeze();
+                    tracing::info!("endpoint frozen before collapse");
+                }
                 Action::Super { parent, child } => work.push(Work::Super(parent, child)),
                 Action::Collapse { parent, child } => work.push(Work::Collapse(parent, child)),
                 Action::DropChild { parent, child } => work.push(Work::Drop(parent, child)),
