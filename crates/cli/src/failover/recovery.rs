@@ -45,9 +45,9 @@ pub struct RecoveryArgs {
     pub apps: Vec<String>,
 }
 
-const SMALL_WAL_BYTES: u64 = 4 << 20;
-const LARGE_WAL_BYTES_QUICK: u64 = 48 << 20;
-const LARGE_WAL_BYTES: u64 = 192 << 20;
+pub const SMALL_WAL_BYTES: u64 = 4 << 20;
+pub const LARGE_WAL_BYTES_QUICK: u64 = 48 << 20;
+pub const LARGE_WAL_BYTES: u64 = 192 << 20;
 /// How long an instance may take to become healthy.
 const HEALTHY_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long loading one WAL size may take at most.
@@ -218,6 +218,29 @@ impl Bench {
     }
 }
 
+/// Recovery latencies (ms) of one application state on the three kinds of volume.
+#[derive(Clone, Copy, Debug)]
+pub struct Latencies {
+    pub plain_ms: f64,
+    pub super_ms: f64,
+    pub general_ms: f64,
+}
+
+/// Measures one cell in a running cluster (for `bench failover scenarios`): `app` is
+/// "postgres" or "sqlite", `large` picks the large WAL, `unclean` the failure.
+pub async fn measure(cluster_file: &Path, dir: &Path, app: &str, large: bool, wal_bytes: u64, unclean: bool) -> anyhow::Result<Latencies> {
+    let app = if app == "postgres" { App::Postgres } else { App::Sqlite };
+    let conn = crate::ConnArgs { cluster: Some(cluster_file.to_path_buf()), meta: None, secret_file: None };
+    let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
+    let conn_args = vec!["--cluster".to_string(), cluster_file.to_string_lossy().into_owned()];
+    let wal = if large { "large_wal" } else { "small_wal" };
+    let failure = if unclean { "unclean" } else { "clean" };
+    let mut samples = vec![];
+    cell(&std::env::current_exe()?, &conn_args, dir, cluster, app, wal, wal_bytes, 0, &[failure], &mut samples).await?;
+    let get = |c: &str| samples.iter().find(|s| s.clone == c).map(|s| s.app_recovery_ms).unwrap_or(f64::NAN);
+    Ok(Latencies { plain_ms: get("plain"), super_ms: get("super"), general_ms: get("general") })
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn cell(
     exe: &Path,
@@ -228,9 +251,10 @@ async fn cell(
     wal: &'static str,
     wal_bytes: u64,
     round: usize,
+    failures: &[&'static str],
     samples: &mut Vec<Sample>,
 ) -> anyhow::Result<()> {
-    let vol = format!("rec-{}-{wal}-{round}", app.name());
+    let vol = format!("rec-{}-{wal}-{round}-{}", app.name(), failures.join("-"));
     let size = 128 * 1024 * 1024 + wal_bytes * 4;
     match cluster.meta(MetaReq::Create { name: vol.clone(), size_bytes: size.next_multiple_of(4 << 20), object_size_bytes: volume::meta::DEFAULT_OBJECT_SIZE_BYTES }).await {
         Ok(_) => {}
@@ -256,7 +280,7 @@ async fn cell(
     let r = async {
         let (mut primary, mut addr, _, boot_ms) = b.recover_on(&vol).await?;
         eprintln!("failover recovery bench: {} {wal}: primary up ({boot_ms:.0} ms to healthy)", app.name());
-        for failure in FAILURES {
+        for &failure in failures {
             let have = fill(app, addr, &pool.mount_dir(primary), wal_bytes).await?;
             match failure {
                 "unclean" => pool.kill(primary).await?,
@@ -344,7 +368,7 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
         for round in 0..rounds {
             for &app in &apps {
                 for (wal, bytes) in [("small_wal", SMALL_WAL_BYTES), ("large_wal", large)] {
-                    cell(&exe, &conn_args, dir.path(), cluster.clone(), app, wal, bytes, round, &mut samples).await?;
+                    cell(&exe, &conn_args, dir.path(), cluster.clone(), app, wal, bytes, round, &FAILURES, &mut samples).await?;
                 }
             }
         }
