@@ -43,9 +43,12 @@ pub enum FailoverBench {
     /// crash (SIGKILL of the whole primary) under each policy, alternating over the rounds; the
     /// failover latency is the client's longest time without an acknowledged commit, and every
     /// run checks that no acknowledged commit was lost. Also the application's recovery time on
-    /// the super child against the plain volume, and the monitor's peak RSS. The Figure 6
-    /// scenarios (timeouts of 60 s and 5 s, a 15 s false positive) are composed from these
-    /// measurements as in §6.4. Needs root, /dev/fuse, losetup, python3.
+    /// the super child against the plain volume, the monitor's peak RSS, and a never-failed
+    /// run for the throughput after promotion (§6.5). The five Figure 6 scenarios (timeouts of
+    /// 60 s and 5 s, short and long recovery, a 15 s false positive) are composed for REDS,
+    /// speculative (super), speculative (general clone) and oracle from these measurements and
+    /// short/long recovery latencies measured in the same run (or --recovery FILE), as in §6.4.
+    /// Needs root, /dev/fuse, losetup, python3 (and PostgreSQL without --quick).
     Scenarios(bench::BenchArgs),
     /// Application recovery latency on the plain volume, a super clone and a general clone
     /// (SpecREDS §6.3), for PostgreSQL and SQLite, after clean and unclean failures, with a small

@@ -7,11 +7,17 @@
 //! latency; every run also checks that no acknowledged commit was lost. Variants alternate ABBA
 //! over the rounds.
 //!
-//! The Figure 6 scenarios are then composed as the paper composed them (§6.4: "we simulated
-//! various failover scenarios ... recovery latencies picked from §6.3"): REDS with a timeout T
-//! costs T plus its measured restart (its client gap minus the short timeout it ran with);
-//! speculative and oracle cost what they measured; in the false-positive scenario the primary
-//! returns after 15 s, so speculative and oracle cost at most that, REDS commits to a restart.
+//! A never-failed run under the same load gives §6.5's baseline for the throughput right after a
+//! promotion. The five Figure 6 scenarios are then composed as the paper composed them (§6.4:
+//! "we simulated various failover scenarios ... recovery latencies picked from §6.3"): each
+//! policy's fixed cost is its measured client outage less the application recovery within it
+//! (and, for REDS, less the short timeout it ran with); a scenario adds its timeout (REDS) and
+//! its recovery latency on the volume the policy recovers on — plain for REDS and the oracle,
+//! the super child for speculative, the general clone for speculative-on-general. Short and
+//! long recoveries (small WAL + clean stop, large WAL + SIGKILL) are measured in the same run
+//! by [`super::recovery::measure`] or read from a `bench failover recovery` report. In the
+//! false-positive scenario the primary returns after 15 s, so speculative and the oracle cost
+//! at most that; REDS has committed to a restart.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
