@@ -25,6 +25,7 @@ use crate::cluster_file::Target;
 use crate::ConnArgs;
 
 mod bench;
+mod mariadb;
 mod postgres;
 mod recovery;
 
@@ -108,6 +109,14 @@ pub enum FailoverCmd {
     /// "{mount}/pgdata", "--port", "{port}"]`, with `[health] postgres = {}` (a read-only
     /// `SELECT 1`). SIGTERM is a fast shutdown.
     Postgres(postgres::PgArgs),
+    /// MariaDB (Debian's, unmodified; RocksDB engine when mariadb-plugin-rocksdb is installed)
+    /// as an instance's application: mariadb-install-db on first start, then `mariadbd` on
+    /// 127.0.0.1:PORT.
+    ///
+    /// For a spec's `app.command`: `["understudy", "failover", "mariadb", "--data",
+    /// "{mount}/mysql", "--port", "{port}"]`, with `[health] mysql = {}` (a read-only
+    /// `SELECT 1`).
+    Mariadb(mariadb::MariaArgs),
     /// A real speculative failover on a throw-away cluster, as a timeline.
     ///
     /// SQLite under load on an ext4 volume, the primary killed (SIGKILL), the backup recovering
@@ -161,6 +170,9 @@ pub struct LoadArgs {
     /// protocol: autocommit inserts into table `commits`.
     #[arg(long)]
     pub postgres: bool,
+    /// Speak MySQL/MariaDB (user root, no password): inserts into `understudy.commits`.
+    #[arg(long, conflicts_with = "postgres")]
+    pub mysql: bool,
 }
 
 #[derive(Args, Debug)]
@@ -192,6 +204,7 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()>
         FailoverCmd::Load(a) => load(a),
         FailoverCmd::SqliteFront(a) => sqlite_front(a),
         FailoverCmd::Postgres(a) => postgres::run(a),
+        FailoverCmd::Mariadb(a) => mariadb::run(a),
         FailoverCmd::Demo => bench::demo(verbose),
     }
 }
@@ -317,7 +330,13 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         let stop = async {
             crate::proc::shutdown_signal().await;
         };
-        let target = if a.postgres { ::failover::load::Target::Postgres(Default::default()) } else { ::failover::load::Target::Line };
+        let target = if a.postgres {
+            ::failover::load::Target::Postgres(Default::default())
+        } else if a.mysql {
+            ::failover::load::Target::Mysql(Default::default())
+        } else {
+            ::failover::load::Target::Line
+        };
         let r = ::failover::load::run_load(a.endpoint, &target, Duration::from_millis(a.duration_ms), a.window_ms, stop).await;
         let v = ::failover::load::verify(a.endpoint, &target, &r, Duration::from_millis(a.verify_timeout_ms)).await.map_err(anyhow::Error::msg)?;
         let ok = v.missing.is_empty() && v.unexpected.is_empty();

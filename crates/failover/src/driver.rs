@@ -65,6 +65,21 @@ pub async fn health_check(h: &HealthSpec, addr: SocketAddr, instance: InstanceId
         };
         return matches!(tokio::time::timeout(timeout, check).await, Ok(Some(())));
     }
+    if let Some(my) = &h.mysql {
+        let check = async {
+            let mut c = crate::mysql::MyConn::connect(addr, &my.user, timeout).await.ok()?;
+            let rows = c.query(h.send.as_deref().unwrap_or("SELECT 1")).await.ok()?;
+            c.close().await;
+            if let Some(e) = &h.expect {
+                let first = rows.first().and_then(|r| r.first().cloned().flatten()).unwrap_or_default();
+                if !first.starts_with(e.as_str()) {
+                    return None;
+                }
+            }
+            Some(())
+        };
+        return matches!(tokio::time::timeout(timeout, check).await, Ok(Some(())));
+    }
     let check = async {
         let mut s = TcpStream::connect(addr).await.ok()?;
         if let Some(send) = &h.send {

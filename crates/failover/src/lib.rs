@@ -17,14 +17,15 @@
 //!   volume service.
 //! * [`load`]: the load generator (SQLite front or PostgreSQL): records every acknowledged
 //!   commit and the client-side throughput timeline, then checks the table.
-//! * [`pg`]: a tiny PostgreSQL protocol client (trust auth, simple queries) for health checks
-//!   and load.
+//! * [`pg`], [`mysql`]: tiny PostgreSQL and MySQL/MariaDB protocol clients (no password, text
+//!   queries) for health checks and load.
 
 pub mod core;
 pub mod driver;
 pub mod endpoint;
 pub mod journal;
 pub mod load;
+pub mod mysql;
 pub mod pg;
 pub mod pool;
 pub mod spec;

@@ -28,6 +28,9 @@ pub enum Target {
     Line,
     /// PostgreSQL (trust authentication).
     Postgres(crate::spec::PgTarget),
+    /// MySQL/MariaDB (empty password); the table is `understudy.commits`, RocksDB if the
+    /// server's default engine is.
+    Mysql(crate::spec::MyTarget),
 }
 
 /// Bytes of payload per PostgreSQL row (the SQLite front's default too).
@@ -36,6 +39,7 @@ pub const PG_PAYLOAD_BYTES: usize = 200;
 enum Conn {
     Line(BufReader<TcpStream>),
     Pg(crate::pg::PgConn),
+    My(crate::mysql::MyConn),
 }
 
 async fn connect(endpoint: SocketAddr, target: &Target) -> std::io::Result<Conn> {
@@ -54,6 +58,14 @@ async fn connect(endpoint: SocketAddr, target: &Target) -> std::io::Result<Conn>
                 .map_err(std::io::Error::other)?;
             Ok(Conn::Pg(c))
         }
+        Target::Mysql(my) => {
+            let mut c = crate::mysql::MyConn::connect(endpoint, &my.user, REQUEST_TIMEOUT).await.map_err(std::io::Error::other)?;
+            c.query("CREATE DATABASE IF NOT EXISTS understudy").await.map_err(std::io::Error::other)?;
+            c.query("CREATE TABLE IF NOT EXISTS understudy.commits(id bigint PRIMARY KEY, payload varchar(255) NOT NULL)")
+                .await
+                .map_err(std::io::Error::other)?;
+            Ok(Conn::My(c))
+        }
     }
 }
 
@@ -65,6 +77,11 @@ async fn insert(conn: &mut Conn, id: u64) -> std::io::Result<()> {
             r => Err(std::io::Error::other(format!("unexpected reply {r:?}"))),
         },
         Conn::Pg(c) => c.query(&format!("INSERT INTO commits(id) VALUES ({id})")).await.map(|_| ()).map_err(std::io::Error::other),
+        Conn::My(c) => c
+            .query(&format!("INSERT INTO understudy.commits VALUES ({id}, REPEAT('x', {PG_PAYLOAD_BYTES}))"))
+            .await
+            .map(|_| ())
+            .map_err(std::io::Error::other),
     }
 }
 
@@ -79,6 +96,10 @@ async fn list(conn: &mut Conn) -> std::io::Result<BTreeSet<u64>> {
         }
         Conn::Pg(c) => {
             let rows = c.query("SELECT id FROM commits").await.map_err(std::io::Error::other)?;
+            Ok(rows.iter().filter_map(|r| r.first().cloned().flatten()).filter_map(|s| s.parse().ok()).collect())
+        }
+        Conn::My(c) => {
+            let rows = c.query("SELECT id FROM understudy.commits").await.map_err(std::io::Error::other)?;
             Ok(rows.iter().filter_map(|r| r.first().cloned().flatten()).filter_map(|s| s.parse().ok()).collect())
         }
     }

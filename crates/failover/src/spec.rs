@@ -83,6 +83,9 @@ pub struct HealthSpec {
     /// with `expect`, check that the first column of the first row starts with it.
     #[serde(default)]
     pub postgres: Option<PgTarget>,
+    /// Or speak MySQL/MariaDB's protocol the same way (user with an empty password).
+    #[serde(default)]
+    pub mysql: Option<MyTarget>,
     #[serde(default = "default_health_timeout_ms")]
     pub timeout_ms: u64,
 }
@@ -108,6 +111,24 @@ fn default_pg_user() -> String {
 impl Default for PgTarget {
     fn default() -> Self {
         PgTarget { user: default_pg_user(), database: default_pg_user() }
+    }
+}
+
+/// Who a MySQL/MariaDB client logs in as (empty password).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct MyTarget {
+    #[serde(default = "default_my_user")]
+    pub user: String,
+}
+
+fn default_my_user() -> String {
+    "root".into()
+}
+
+impl Default for MyTarget {
+    fn default() -> Self {
+        MyTarget { user: default_my_user() }
     }
 }
 
@@ -168,10 +189,11 @@ impl Spec {
                 return Err("`health`: give either `command` or `send`, not both".into());
             }
         }
-        if self.health.postgres.is_some() && self.health.command.is_some() {
-            return Err("`health`: give either `command` or `postgres`, not both".into());
+        let kinds = [self.health.command.is_some(), self.health.postgres.is_some(), self.health.mysql.is_some()];
+        if kinds.iter().filter(|k| **k).count() > 1 {
+            return Err("`health`: give one of `command`, `postgres` and `mysql`".into());
         }
-        if self.health.expect.is_some() && self.health.send.is_none() && self.health.postgres.is_none() {
+        if self.health.expect.is_some() && self.health.send.is_none() && self.health.postgres.is_none() && self.health.mysql.is_none() {
             return Err("`health.expect` needs `health.send`".into());
         }
         let m = &self.monitor;

@@ -124,9 +124,10 @@ fn app_spec(exe: &Path, app: App, wal_bytes: u64) -> (AppSpec, HealthSpec) {
             expect: Some("1".into()),
             command: None,
             postgres: Some(PgTarget::default()),
+            mysql: None,
             timeout_ms: 1000,
         },
-        App::Sqlite => HealthSpec { send: Some("PING".into()), expect: Some("PONG".into()), command: None, postgres: None, timeout_ms: 1000 },
+        App::Sqlite => HealthSpec { send: Some("PING".into()), expect: Some("PONG".into()), command: None, postgres: None, mysql: None, timeout_ms: 1000 },
     };
     (AppSpec { command, env: Default::default(), stop_grace_ms: 60_000 }, health)
 }
