@@ -52,15 +52,16 @@ pub enum FailoverBench {
     /// Needs root, /dev/fuse, losetup, python3 (and PostgreSQL without --quick).
     Scenarios(bench::BenchArgs),
     /// Application recovery latency on the plain volume, a super clone and a general clone
-    /// (SpecREDS §6.3), for PostgreSQL and SQLite, after clean and unclean failures, with a small
-    /// and a large WAL left to recover.
+    /// (SpecREDS §6.3), for PostgreSQL, SQLite and MariaDB (RocksDB), after clean and unclean
+    /// failures, with a small and a large WAL left to recover.
     ///
     /// Per application and WAL size: one primary on a fresh ext4 volume; load until the WAL
     /// since the last checkpoint reaches the size (PostgreSQL: max_wal_size set to leave it;
-    /// SQLite: automatic checkpoints off for the large WAL); then a failure (SIGKILL of the whole
+    /// SQLite: automatic checkpoints off for the large WAL; MariaDB: RocksDB memtables larger than
+    /// the WAL); then a failure (SIGKILL of the whole
     /// instance, or a clean stop) and the application started on a super child, on a general
     /// clone and on the volume itself, each timed from its start to its first good health check.
-    /// Needs root, /dev/fuse, losetup, python3, PostgreSQL.
+    /// Needs root, /dev/fuse, losetup, python3, PostgreSQL, MariaDB.
     Recovery(recovery::RecoveryArgs),
 }
 

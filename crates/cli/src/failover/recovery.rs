@@ -1,6 +1,6 @@
 //! `understudy bench failover recovery`: application recovery latency on the plain volume, a
-//! super clone and a general clone (SpecREDS §6.3), for PostgreSQL and SQLite, clean and unclean
-//! failures, a small and a large WAL.
+//! super clone and a general clone (SpecREDS §6.3), for PostgreSQL, SQLite and MariaDB with
+//! RocksDB, clean and unclean failures, a small and a large WAL.
 //!
 //! Instances run through the same [`LocalPool`] the monitor uses (its volume attached as ext4
 //! through FUSE and a loop device, the application in the instance's process group), in this
@@ -40,7 +40,7 @@ pub struct RecoveryArgs {
     /// Rounds of each cell [default: 1 with --quick, else 2].
     #[arg(long)]
     pub rounds: Option<usize>,
-    /// Only these applications (postgres, sqlite) [default: both].
+    /// Only these applications (postgres, sqlite, mariadb) [default: all three].
     #[arg(long = "app", value_name = "APP")]
     pub apps: Vec<String>,
 }
@@ -59,6 +59,8 @@ const FAILURES: [&str; 2] = ["unclean", "clean"];
 enum App {
     Postgres,
     Sqlite,
+    /// MariaDB with the RocksDB engine: its WAL is RocksDB's (`#rocksdb/*.log`).
+    Mariadb,
 }
 
 impl App {
@@ -66,8 +68,16 @@ impl App {
         match self {
             App::Postgres => "postgres",
             App::Sqlite => "sqlite",
+            App::Mariadb => "mariadb",
         }
     }
+}
+
+/// RocksDB's WAL files of a MariaDB data directory, in bytes.
+fn rocksdb_wal_bytes(mount: &Path) -> u64 {
+    std::fs::read_dir(mount.join("mysql").join("#rocksdb"))
+        .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".log")).filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+        .unwrap_or(0)
 }
 
 struct Sample {
@@ -102,6 +112,24 @@ fn app_spec(exe: &Path, app: App, wal_bytes: u64) -> (AppSpec, HealthSpec) {
                 "3600".into(),
             ]
         }
+        App::Mariadb => {
+            // RocksDB keeps its WAL until the memtables holding its writes are flushed: a
+            // memtable larger than the WAL we mean to leave keeps it all.
+            let buffer = (wal_bytes * 2).max(64 << 20);
+            vec![
+                exe,
+                "failover".into(),
+                "mariadb".into(),
+                "--data".into(),
+                "{mount}/mysql".into(),
+                "--port".into(),
+                "{port}".into(),
+                "--set".into(),
+                format!("rocksdb-write-buffer-size={buffer}"),
+                "--set".into(),
+                format!("rocksdb-max-total-wal-size={}", buffer * 4),
+            ]
+        }
         App::Sqlite => {
             // The small WAL: SQLite's automatic checkpoint keeps it near 4 MiB; the large: none.
             let pages = if wal_bytes > SMALL_WAL_BYTES { 0 } else { 1000 };
@@ -125,6 +153,14 @@ fn app_spec(exe: &Path, app: App, wal_bytes: u64) -> (AppSpec, HealthSpec) {
             command: None,
             postgres: Some(PgTarget::default()),
             mysql: None,
+            timeout_ms: 1000,
+        },
+        App::Mariadb => HealthSpec {
+            send: Some("SELECT 1".into()),
+            expect: Some("1".into()),
+            command: None,
+            postgres: None,
+            mysql: Some(Default::default()),
             timeout_ms: 1000,
         },
         App::Sqlite => HealthSpec { send: Some("PING".into()), expect: Some("PONG".into()), command: None, postgres: None, mysql: None, timeout_ms: 1000 },
@@ -162,6 +198,22 @@ async fn fill(app: App, addr: SocketAddr, mount: &Path, wal_bytes: u64) -> anyho
                 anyhow::ensure!(Instant::now() < deadline, "only {have} bytes of WAL after {FILL_TIMEOUT:?}");
                 // About 1 MiB of rows per statement; random text so nothing compresses.
                 c.query("INSERT INTO fill(payload) SELECT repeat(md5(random()::text), 16) FROM generate_series(1, 2000)").await?;
+            }
+        }
+        App::Mariadb => {
+            let mut c = ::failover::mysql::MyConn::connect(addr, "root", Duration::from_secs(60)).await?;
+            c.query("CREATE DATABASE IF NOT EXISTS understudy").await?;
+            c.query("CREATE TABLE IF NOT EXISTS understudy.fill(id bigint AUTO_INCREMENT PRIMARY KEY, payload text)").await?;
+            // Start from empty memtables (a flush), so the WAL to replay is what follows.
+            c.query("SET GLOBAL rocksdb_force_flush_memtable_now = 1").await?;
+            loop {
+                let have = rocksdb_wal_bytes(mount);
+                if have >= wal_bytes {
+                    c.close().await;
+                    return Ok(have);
+                }
+                anyhow::ensure!(Instant::now() < deadline, "only {have} bytes of WAL after {FILL_TIMEOUT:?}");
+                c.query("INSERT INTO understudy.fill(payload) SELECT REPEAT(MD5(RAND()), 16) FROM seq_1_to_2000").await?;
             }
         }
         App::Sqlite => {
@@ -230,7 +282,11 @@ pub struct Latencies {
 /// Measures one cell in a running cluster (for `bench failover scenarios`): `app` is
 /// "postgres" or "sqlite", `large` picks the large WAL, `unclean` the failure.
 pub async fn measure(cluster_file: &Path, dir: &Path, app: &str, large: bool, wal_bytes: u64, unclean: bool) -> anyhow::Result<Latencies> {
-    let app = if app == "postgres" { App::Postgres } else { App::Sqlite };
+    let app = match app {
+        "postgres" => App::Postgres,
+        "mariadb" => App::Mariadb,
+        _ => App::Sqlite,
+    };
     let conn = crate::ConnArgs { cluster: Some(cluster_file.to_path_buf()), meta: None, secret_file: None };
     let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
     let conn_args = vec!["--cluster".to_string(), cluster_file.to_string_lossy().into_owned()];
@@ -338,12 +394,17 @@ fn mean(v: impl Iterator<Item = f64>) -> f64 {
 pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
     let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 2 }).max(1);
     let mut apps = vec![];
-    for name in if a.apps.is_empty() { vec!["postgres".to_string(), "sqlite".to_string()] } else { a.apps.clone() } {
+    let all = ["postgres", "sqlite", "mariadb"].map(String::from).to_vec();
+    for name in if a.apps.is_empty() { all } else { a.apps.clone() } {
         apps.push(match name.as_str() {
             "postgres" => App::Postgres,
             "sqlite" => App::Sqlite,
-            other => anyhow::bail!("unknown application {other:?} (postgres, sqlite)"),
+            "mariadb" => App::Mariadb,
+            other => anyhow::bail!("unknown application {other:?} (postgres, sqlite, mariadb)"),
         });
+    }
+    if apps.contains(&App::Mariadb) {
+        anyhow::ensure!(Path::new("/usr/sbin/mariadbd").exists(), "MariaDB is not installed (apt-get install mariadb-server mariadb-plugin-rocksdb)");
     }
     if apps.contains(&App::Postgres) {
         anyhow::ensure!(super::postgres::find_bin_dir().is_some(), "PostgreSQL is not installed (apt-get install postgresql)");
