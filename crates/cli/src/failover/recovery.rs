@@ -168,11 +168,16 @@ fn app_spec(exe: &Path, app: App, wal_bytes: u64) -> (AppSpec, HealthSpec) {
     (AppSpec { command, env: Default::default(), stop_grace_ms: 60_000 }, health)
 }
 
-async fn wait_healthy(h: &HealthSpec, addr: SocketAddr, id: InstanceId) -> anyhow::Result<Instant> {
+async fn wait_healthy(pool: &LocalPool, h: &HealthSpec, addr: SocketAddr, id: InstanceId) -> anyhow::Result<Instant> {
     let deadline = Instant::now() + HEALTHY_TIMEOUT;
     loop {
         if health_check(h, addr, id).await {
             return Ok(Instant::now());
+        }
+        if !pool.pids(id).is_some_and(|(app, _)| ::failover::pool::pid_alive(app)) {
+            let log = std::fs::read_to_string(pool.log_file(id)).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(5).collect();
+            anyhow::bail!("the application of instance {id} exited before it was healthy: {}", tail.into_iter().rev().collect::<Vec<_>>().join(" | "));
         }
         anyhow::ensure!(Instant::now() < deadline, "instance {id} not healthy within {HEALTHY_TIMEOUT:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -262,7 +267,7 @@ impl Bench {
         let t0 = Instant::now();
         let addr = self.pool.start(id, vol).await.with_context(|| format!("starting an instance on {vol}"))?;
         let started = Instant::now();
-        let healthy = wait_healthy(&self.health, addr, id).await?;
+        let healthy = wait_healthy(&self.pool, &self.health, addr, id).await?;
         Ok((id, addr, (started - t0).as_secs_f64() * 1000.0, (healthy - started).as_secs_f64() * 1000.0))
     }
 
@@ -312,7 +317,8 @@ async fn cell(
     samples: &mut Vec<Sample>,
 ) -> anyhow::Result<()> {
     let vol = format!("rec-{}-{wal}-{round}-{}", app.name(), failures.join("-"));
-    let size = 128 * 1024 * 1024 + wal_bytes * 4;
+    // MariaDB's InnoDB alone takes ~110 MiB (system tablespace, 96 MiB redo log).
+    let size = 512 * 1024 * 1024 + wal_bytes * 4;
     match cluster.meta(MetaReq::Create { name: vol.clone(), size_bytes: size.next_multiple_of(4 << 20), object_size_bytes: volume::meta::DEFAULT_OBJECT_SIZE_BYTES }).await {
         Ok(_) => {}
         Err(e) => anyhow::bail!("creating volume {vol}: {e:#}"),
