@@ -125,7 +125,9 @@ fn app_spec(exe: &Path, app: App, wal_bytes: u64) -> (AppSpec, HealthSpec) {
                 "--port".into(),
                 "{port}".into(),
                 "--set".into(),
-                format!("rocksdb-write-buffer-size={buffer}"),
+                format!("rocksdb-default-cf-options=write_buffer_size={buffer}"),
+                "--set".into(),
+                format!("rocksdb-db-write-buffer-size={}", buffer * 2),
                 "--set".into(),
                 format!("rocksdb-max-total-wal-size={}", buffer * 4),
             ]
@@ -218,7 +220,7 @@ async fn fill(app: App, addr: SocketAddr, mount: &Path, wal_bytes: u64) -> anyho
                     return Ok(have);
                 }
                 anyhow::ensure!(Instant::now() < deadline, "only {have} bytes of WAL after {FILL_TIMEOUT:?}");
-                c.query("INSERT INTO understudy.fill(payload) SELECT REPEAT(MD5(RAND()), 16) FROM seq_1_to_2000").await?;
+                c.query("INSERT INTO understudy.fill(payload) SELECT REPEAT(MD5(RAND()), 16) FROM understudy.seq_1_to_2000").await?;
             }
         }
         App::Sqlite => {
