@@ -97,7 +97,7 @@ fn app_spec(exe: &Path, app: App, wal_bytes: u64) -> (AppSpec, HealthSpec) {
             // Checkpoints are requested at about max_wal_size / (1 + completion target): twice
             // and a half the WAL we mean to leave keeps them away; the timeout keeps time
             // from triggering one.
-            let mb = (wal_bytes * 5 / 2 >> 20).max(32);
+            let mb = ((wal_bytes * 5 / 2) >> 20).max(32);
             vec![
                 exe,
                 "failover".into(),
@@ -351,7 +351,7 @@ async fn cell(
                 "unclean" => pool.kill(primary).await?,
                 _ => pool.stop(primary).await?,
             }
-            let clones: [&str; 2] = if round % 2 == 0 { ["super", "general"] } else { ["general", "super"] };
+            let clones: [&str; 2] = if round.is_multiple_of(2) { ["super", "general"] } else { ["general", "super"] };
             for c in clones {
                 let child = format!("{vol}.{c}-{failure}");
                 match c {
