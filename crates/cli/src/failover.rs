@@ -5,7 +5,8 @@
 //!   takes fault injections and status requests;
 //! * `inject`, `status`: talk to a running monitor's control address;
 //! * `load`: the SQLite front's load generator and checker;
-//! * `sqlite-front`: the SQLite front itself (python3 + the sqlite3 module).
+//! * `sqlite-front`: the SQLite front itself (python3 + the sqlite3 module);
+//! * `postgres`: Debian's PostgreSQL server as an instance's application.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
@@ -24,6 +25,9 @@ use crate::cluster_file::Target;
 use crate::ConnArgs;
 
 mod bench;
+mod mariadb;
+mod postgres;
+mod recovery;
 
 /// The failover part of `understudy demo`: SQLite failed over speculatively, as a timeline.
 pub fn demo(verbose: u8) -> anyhow::Result<()> {
@@ -40,15 +44,31 @@ pub enum FailoverBench {
     /// crash (SIGKILL of the whole primary) under each policy, alternating over the rounds; the
     /// failover latency is the client's longest time without an acknowledged commit, and every
     /// run checks that no acknowledged commit was lost. Also the application's recovery time on
-    /// the super child against the plain volume, and the monitor's peak RSS. The Figure 6
-    /// scenarios (timeouts of 60 s and 5 s, a 15 s false positive) are composed from these
-    /// measurements as in §6.4. Needs root, /dev/fuse, losetup, python3.
+    /// the super child against the plain volume, the monitor's peak RSS, and a never-failed
+    /// run for the throughput after promotion (§6.5). The five Figure 6 scenarios (timeouts of
+    /// 60 s and 5 s, short and long recovery, a 15 s false positive) are composed for REDS,
+    /// speculative (super), speculative (general clone) and oracle from these measurements and
+    /// short/long recovery latencies measured in the same run (or --recovery FILE), as in §6.4.
+    /// Needs root, /dev/fuse, losetup, python3 (and PostgreSQL without --quick).
     Scenarios(bench::BenchArgs),
+    /// Application recovery latency on the plain volume, a super clone and a general clone
+    /// (SpecREDS §6.3), for PostgreSQL, SQLite and MariaDB (RocksDB), after clean and unclean
+    /// failures, with a small and a large WAL left to recover.
+    ///
+    /// Per application and WAL size: one primary on a fresh ext4 volume; load until the WAL
+    /// since the last checkpoint reaches the size (PostgreSQL: max_wal_size set to leave it;
+    /// SQLite: automatic checkpoints off for the large WAL; MariaDB: RocksDB memtables larger than
+    /// the WAL); then a failure (SIGKILL of the whole
+    /// instance, or a clean stop) and the application started on a super child, on a general
+    /// clone and on the volume itself, each timed from its start to its first good health check.
+    /// Needs root, /dev/fuse, losetup, python3, PostgreSQL, MariaDB.
+    Recovery(recovery::RecoveryArgs),
 }
 
 pub fn bench(b: FailoverBench, verbose: u8) -> anyhow::Result<()> {
     match b {
         FailoverBench::Scenarios(a) => bench::scenarios(a, verbose),
+        FailoverBench::Recovery(a) => recovery::run(a, verbose),
     }
 }
 
@@ -74,7 +94,7 @@ pub enum FailoverCmd {
     Inject(InjectArgs),
     /// Show a running monitor's state (JSON).
     Status(ControlArgs),
-    /// Load generator for the SQLite front: insert through the endpoint, then check the table.
+    /// Load generator (SQLite front or --postgres): insert through the endpoint, then check.
     ///
     /// Inserts fresh ids one at a time for --duration-ms, recording every acknowledged one and
     /// the longest gap without acknowledgements (when throughput dropped to zero and resumed),
@@ -83,6 +103,21 @@ pub enum FailoverCmd {
     Load(LoadArgs),
     /// The SQLite front: SQLite (WAL, synchronous=FULL) behind a one-line-per-request TCP server.
     SqliteFront(FrontArgs),
+    /// PostgreSQL (Debian's, unmodified) as an instance's application: initdb on first start,
+    /// then `postgres` as an unprivileged user on 127.0.0.1:PORT.
+    ///
+    /// For a spec's `app.command`: `["understudy", "failover", "postgres", "--data",
+    /// "{mount}/pgdata", "--port", "{port}"]`, with `[health] postgres = {}` (a read-only
+    /// `SELECT 1`). SIGTERM is a fast shutdown.
+    Postgres(postgres::PgArgs),
+    /// MariaDB (Debian's, unmodified; RocksDB engine when mariadb-plugin-rocksdb is installed)
+    /// as an instance's application: mariadb-install-db on first start, then `mariadbd` on
+    /// 127.0.0.1:PORT.
+    ///
+    /// For a spec's `app.command`: `["understudy", "failover", "mariadb", "--data",
+    /// "{mount}/mysql", "--port", "{port}"]`, with `[health] mysql = {}` (a read-only
+    /// `SELECT 1`).
+    Mariadb(mariadb::MariaArgs),
     /// A real speculative failover on a throw-away cluster, as a timeline.
     ///
     /// SQLite under load on an ext4 volume, the primary killed (SIGKILL), the backup recovering
@@ -132,6 +167,13 @@ pub struct LoadArgs {
     /// How long the final check may wait for the endpoint.
     #[arg(long, default_value_t = 60_000)]
     pub verify_timeout_ms: u64,
+    /// Speak PostgreSQL (user and database `postgres`, trust) instead of the SQLite front's
+    /// protocol: autocommit inserts into table `commits`.
+    #[arg(long)]
+    pub postgres: bool,
+    /// Speak MySQL/MariaDB (user root, no password): inserts into `understudy.commits`.
+    #[arg(long, conflicts_with = "postgres")]
+    pub mysql: bool,
 }
 
 #[derive(Args, Debug)]
@@ -143,6 +185,9 @@ pub struct FrontArgs {
     /// Write on its own every N ms (0: never), reachable or not.
     #[arg(long, default_value_t = 0)]
     pub housekeeping_ms: u64,
+    /// WAL pages before SQLite checkpoints on its own (0: never): how much WAL a crash leaves.
+    #[arg(long, default_value_t = 1000)]
+    pub wal_autocheckpoint_pages: u64,
 }
 
 pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()> {
@@ -159,6 +204,8 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()>
         }
         FailoverCmd::Load(a) => load(a),
         FailoverCmd::SqliteFront(a) => sqlite_front(a),
+        FailoverCmd::Postgres(a) => postgres::run(a),
+        FailoverCmd::Mariadb(a) => mariadb::run(a),
         FailoverCmd::Demo => bench::demo(verbose),
     }
 }
@@ -284,8 +331,15 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         let stop = async {
             crate::proc::shutdown_signal().await;
         };
-        let r = ::failover::load::run_load(a.endpoint, Duration::from_millis(a.duration_ms), a.window_ms, stop).await;
-        let v = ::failover::load::verify(a.endpoint, &r, Duration::from_millis(a.verify_timeout_ms)).await.map_err(anyhow::Error::msg)?;
+        let target = if a.postgres {
+            ::failover::load::Target::Postgres(Default::default())
+        } else if a.mysql {
+            ::failover::load::Target::Mysql(Default::default())
+        } else {
+            ::failover::load::Target::Line
+        };
+        let r = ::failover::load::run_load(a.endpoint, &target, Duration::from_millis(a.duration_ms), a.window_ms, stop).await;
+        let v = ::failover::load::verify(a.endpoint, &target, &r, Duration::from_millis(a.verify_timeout_ms)).await.map_err(anyhow::Error::msg)?;
         let ok = v.missing.is_empty() && v.unexpected.is_empty();
         let out = serde_json::json!({
             "ok": ok,
@@ -319,6 +373,8 @@ fn sqlite_front(a: FrontArgs) -> anyhow::Result<()> {
         .arg(a.port.to_string())
         .arg("--housekeeping-ms")
         .arg(a.housekeeping_ms.to_string())
+        .arg("--wal-autocheckpoint-pages")
+        .arg(a.wal_autocheckpoint_pages.to_string())
         .exec();
     Err(anyhow::Error::from(e).context("cannot start python3"))
 }

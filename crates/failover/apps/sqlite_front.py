@@ -4,6 +4,7 @@
 #   INSERT <id>   -> "OK <id>"           (acknowledged only after the commit is durable)
 #   LIST          -> "IDS <id>,<id>,..."
 #   COUNT         -> "COUNT <rows>"
+#   FILL <n> <b>  -> "FILLED <n>"        (n rows of b bytes in one transaction: WAL to recover)
 # WAL mode with synchronous=FULL: a commit is fsynced before it is acknowledged. The optional
 # housekeeping thread writes on its own (like log rotation or GC), reachable or not.
 import argparse, signal, socketserver, sqlite3, sys, threading, time
@@ -13,14 +14,19 @@ ap.add_argument("--db", required=True)
 ap.add_argument("--port", type=int, required=True)
 ap.add_argument("--housekeeping-ms", type=int, default=0)
 ap.add_argument("--payload-bytes", type=int, default=200)
+# Pages of WAL before an automatic checkpoint (SQLite's default 1000; 0: never): how much WAL a
+# crash can leave for recovery.
+ap.add_argument("--wal-autocheckpoint-pages", type=int, default=1000)
 args = ap.parse_args()
 
 t0 = time.time()
 db = sqlite3.connect(args.db, isolation_level=None, check_same_thread=False)
 db.execute("PRAGMA journal_mode=WAL")
 db.execute("PRAGMA synchronous=FULL")
+db.execute(f"PRAGMA wal_autocheckpoint={int(args.wal_autocheckpoint_pages)}")
 db.execute("CREATE TABLE IF NOT EXISTS commits(id INTEGER PRIMARY KEY, payload BLOB)")
 db.execute("CREATE TABLE IF NOT EXISTS housekeeping(at REAL)")
+db.execute("CREATE TABLE IF NOT EXISTS fill(payload BLOB)")
 rows = db.execute("SELECT count(*) FROM commits").fetchone()[0]
 print(f"sqlite front: {args.db} open with {rows} rows in {time.time() - t0:.3f} s", flush=True)
 lock = threading.Lock()
@@ -42,6 +48,12 @@ class Handler(socketserver.StreamRequestHandler):
                     elif cmd == "INSERT" and len(words) == 2:
                         db.execute("INSERT INTO commits VALUES(?, ?)", (int(words[1]), payload))
                         reply = f"OK {words[1]}"
+                    elif cmd == "FILL" and len(words) == 3:
+                        n, b = min(int(words[1]), 1_000_000), min(int(words[2]), 1 << 20)
+                        db.execute("BEGIN")
+                        db.executemany("INSERT INTO fill VALUES(?)", ((b"f" * b,) for _ in range(n)))
+                        db.execute("COMMIT")
+                        reply = f"FILLED {n}"
                     elif cmd == "LIST":
                         ids = [str(r[0]) for r in db.execute("SELECT id FROM commits ORDER BY id")]
                         reply = "IDS " + ",".join(ids)

@@ -184,6 +184,11 @@ pub enum Action {
     /// SIGKILL the whole instance and detach its volume (fencing); answered by `InstanceStopped`.
     KillInstance(InstanceId),
     PointEndpoint(InstanceId),
+    /// Stop forwarding: sever every client connection and hold new ones until the next
+    /// `PointEndpoint`. Issued (and carried out at once, in order) before every `Collapse`, so
+    /// between a promoting collapse and the re-point no client can reach the old primary
+    /// (§4.3); not answered.
+    FreezeEndpoint,
     Super { parent: String, child: String },
     Collapse { parent: String, child: String },
     /// Discard a super child without promoting it (the parent is kept).
@@ -256,7 +261,18 @@ impl Monitor {
         };
         let mut m = m;
         m.detected_ms = m.d.silent_since_ms;
-        let acts = m.phase_actions();
+        let mut acts = vec![];
+        // The endpoint lives in the monitor's process: a restarted monitor points it again at
+        // the primary that serves (phases that point it themselves, or fence, are left alone).
+        let serving = match &m.d.phase {
+            Phase::Normal | Phase::Supering { .. } | Phase::Recovering { .. } | Phase::Aborting { .. } => true,
+            Phase::Promoting { pointed, .. } => *pointed,
+            _ => false,
+        };
+        if serving {
+            acts.push(Action::PointEndpoint(m.d.primary));
+        }
+        acts.extend(m.phase_actions());
         (m, acts)
     }
 
@@ -301,7 +317,9 @@ impl Monitor {
                     vec![Action::StartInstance { id: *backup, volume: child.clone() }]
                 }
             }
-            Phase::Collapsing { child, .. } => vec![Action::Collapse { parent: self.d.volume.clone(), child: child.clone() }],
+            Phase::Collapsing { child, .. } => {
+                vec![Action::FreezeEndpoint, Action::Collapse { parent: self.d.volume.clone(), child: child.clone() }]
+            }
             Phase::Promoting { backup, old, pointed, old_stopped } => {
                 let mut a = vec![];
                 if !pointed {
@@ -724,7 +742,9 @@ impl Monitor {
                 out.extend(self.phase_actions());
             }
             CollapseOutcome::Rejected => {
-                // The parent was written: the primary lives. The child is already discarded.
+                // The parent was written: the primary lives (thaw the endpoint: it serves on).
+                // The child is already discarded.
+                out.push(Action::PointEndpoint(self.d.primary));
                 self.d.phase = Phase::Aborting {
                     child,
                     backup: Some(backup),
@@ -783,13 +803,15 @@ mod tests {
         let d = m.durable().clone();
         assert_eq!(d.silent_since_ms, Some(1_000));
         let (mut m, a) = Monitor::recover(MonitorConfig::default(), d, 2_000);
-        assert_eq!(a, vec![Action::StartInstance { id: InstanceId(2), volume: "db.fo-1".into() }]);
+        // The endpoint (lost with the monitor) points at the primary again while it may serve.
+        assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1)), Action::StartInstance { id: InstanceId(2), volume: "db.fo-1".into() }]);
         m.handle(2_100, Input::PingFailed(InstanceId(1)));
         let a = m.handle(3_000, Input::PingOk(InstanceId(2)));
         assert!(a.contains(&Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }), "{a:?}");
         // Crash again before the answer: the collapse is asked again (idempotent in drivers).
         let (mut m, a) = Monitor::recover(MonitorConfig::default(), m.durable().clone(), 3_100);
-        assert_eq!(a, vec![Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }]);
+        // Frozen first: no client reaches the old primary between the collapse and the re-point.
+        assert_eq!(a, vec![Action::FreezeEndpoint, Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }]);
         let a = m.handle(3_200, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
         assert_eq!(a, vec![Action::PointEndpoint(InstanceId(2)), Action::KillInstance(InstanceId(1))]);
         // A late duplicate answer changes nothing.
@@ -818,7 +840,8 @@ mod tests {
             m.handle(t + 10, Input::SuperDone { child: child.clone() });
             m.handle(t + 20, Input::PingOk(backup));
             let a = m.handle(t + 30, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
-            assert_eq!(a, vec![Action::KillInstance(backup)], "the rejected child is gone already: no drop");
+            // The endpoint thaws back to the primary; the rejected child is gone already: no drop.
+            assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1)), Action::KillInstance(backup)]);
             let a = m.handle(t + 40, Input::InstanceStopped(backup));
             assert!(matches!(&a[..], [Action::Notify(Event::Aborted { .. })]), "{a:?}");
             assert_eq!(m.durable().volume, "db");

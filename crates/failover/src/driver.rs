@@ -50,6 +50,36 @@ pub async fn health_check(h: &HealthSpec, addr: SocketAddr, instance: InstanceId
             .status();
         return matches!(tokio::time::timeout(timeout, run).await, Ok(Ok(s)) if s.success());
     }
+    if let Some(pg) = &h.postgres {
+        let check = async {
+            let mut c = crate::pg::PgConn::connect(addr, &pg.user, &pg.database, timeout).await.ok()?;
+            let rows = c.query(h.send.as_deref().unwrap_or("SELECT 1")).await.ok()?;
+            c.close().await;
+            if let Some(e) = &h.expect {
+                let first = rows.first().and_then(|r| r.first().cloned().flatten()).unwrap_or_default();
+                if !first.starts_with(e.as_str()) {
+                    return None;
+                }
+            }
+            Some(())
+        };
+        return matches!(tokio::time::timeout(timeout, check).await, Ok(Some(())));
+    }
+    if let Some(my) = &h.mysql {
+        let check = async {
+            let mut c = crate::mysql::MyConn::connect(addr, &my.user, timeout).await.ok()?;
+            let rows = c.query(h.send.as_deref().unwrap_or("SELECT 1")).await.ok()?;
+            c.close().await;
+            if let Some(e) = &h.expect {
+                let first = rows.first().and_then(|r| r.first().cloned().flatten()).unwrap_or_default();
+                if !first.starts_with(e.as_str()) {
+                    return None;
+                }
+            }
+            Some(())
+        };
+        return matches!(tokio::time::timeout(timeout, check).await, Ok(Some(())));
+    }
     let check = async {
         let mut s = TcpStream::connect(addr).await.ok()?;
         if let Some(send) = &h.send {
@@ -227,7 +257,6 @@ pub enum DriverError {
 enum Work {
     Start(InstanceId, String),
     Kill(InstanceId),
-    Point(InstanceId),
     Super(String, String),
     Collapse(String, String),
     Drop(String, String),
@@ -329,7 +358,6 @@ pub async fn run(
     {
         let pool = pool.clone();
         let tx = inputs_tx.clone();
-        let endpoint = endpoint.clone();
         tokio::spawn(async move {
             while let Some(w) = work_rx.recv().await {
                 let input = match w {
@@ -346,14 +374,6 @@ pub async fn run(
                             let _ = tx.send(Input::Tick).await;
                             continue;
                         }
-                    },
-                    Work::Point(id) => match pool.address(id) {
-                        Some(addr) => {
-                            endpoint.point(Some(addr));
-                            tracing::info!(%id, %addr, "endpoint re-pointed");
-                            Input::EndpointPointed(id)
-                        }
-                        None => Input::EndpointFailed { id, error: format!("instance {id} has no address") },
                     },
                     _ => unreachable!(),
                 };
@@ -402,7 +422,27 @@ pub async fn run(
                 }
                 Action::StartInstance { id, volume } => work.push(Work::Start(id, volume)),
                 Action::KillInstance(id) => work.push(Work::Kill(id)),
-                Action::PointEndpoint(id) => work.push(Work::Point(id)),
+                // Endpoint changes at once, in the order issued: a re-point queued behind a slow
+                // start must never undo a later freeze.
+                Action::PointEndpoint(id) => {
+                    let input = match pool.address(id) {
+                        Some(addr) => {
+                            endpoint.point(Some(addr));
+                            tracing::info!(%id, %addr, "endpoint re-pointed");
+                            Input::EndpointPointed(id)
+                        }
+                        None => Input::EndpointFailed { id, error: format!("instance {id} has no address") },
+                    };
+                    let tx = inputs_tx.clone();
+                    tokio::spawn(async move {
+                        let _ = tx.send(input).await;
+                    });
+                }
+                // At once, before the collapse that follows it is even queued.
+                Action::FreezeEndpoint => {
+                    endpoint.freeze();
+                    tracing::info!("endpoint frozen before collapse");
+                }
                 Action::Super { parent, child } => work.push(Work::Super(parent, child)),
                 Action::Collapse { parent, child } => work.push(Work::Collapse(parent, child)),
                 Action::DropChild { parent, child } => work.push(Work::Drop(parent, child)),

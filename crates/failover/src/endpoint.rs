@@ -24,7 +24,13 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 struct Target {
     generation: u64,
     addr: Option<SocketAddr>,
+    /// Frozen: new connections wait (up to [`HOLD_TIMEOUT`]) for the next target.
+    hold: bool,
 }
+
+/// How long a connection accepted while the endpoint is frozen waits for a target before it is
+/// closed.
+pub const HOLD_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub struct Proxy {
     local: SocketAddr,
@@ -38,7 +44,7 @@ impl Proxy {
     pub async fn bind(listen: SocketAddr, target: Option<SocketAddr>) -> std::io::Result<Proxy> {
         let listener = TcpListener::bind(listen).await?;
         let local = listener.local_addr()?;
-        let (tx, rx) = watch::channel(Target { generation: 0, addr: target });
+        let (tx, rx) = watch::channel(Target { generation: 0, addr: target, hold: false });
         let severed = Arc::new(AtomicU64::new(0));
         let task = tokio::spawn(accept_loop(listener, rx, severed.clone()));
         Ok(Proxy { local, target: tx, severed, task })
@@ -57,8 +63,24 @@ impl Proxy {
     pub fn point(&self, addr: Option<SocketAddr>) {
         self.target.send_modify(|t| {
             t.generation += 1;
+            t.hold = false;
             t.addr = addr;
         });
+    }
+
+    /// Stops forwarding: severs every open connection and holds new ones (they wait up to
+    /// [`HOLD_TIMEOUT`] for the next [`Proxy::point`], then go to that target). Used before a
+    /// collapse: whichever way it goes, no client reaches the old primary in between.
+    pub fn freeze(&self) {
+        self.target.send_modify(|t| {
+            t.generation += 1;
+            t.hold = true;
+            t.addr = None;
+        });
+    }
+
+    pub fn frozen(&self) -> bool {
+        self.target.borrow().hold
     }
 
     /// Connections cut by [`Proxy::point`] so far.
@@ -91,7 +113,24 @@ async fn accept_loop(listener: TcpListener, rx: watch::Receiver<Target>, severed
         let severed = severed.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            let t = *rx.borrow_and_update();
+            let mut t = *rx.borrow_and_update();
+            if t.hold {
+                // Frozen: wait for the next target rather than refuse (a failover in progress).
+                let thawed = tokio::time::timeout(HOLD_TIMEOUT, async {
+                    while rx.changed().await.is_ok() {
+                        let now = *rx.borrow_and_update();
+                        if !now.hold {
+                            return Some(now);
+                        }
+                    }
+                    None
+                })
+                .await;
+                match thawed {
+                    Ok(Some(now)) => t = now,
+                    _ => return,
+                }
+            }
             let Some(addr) = t.addr else { return };
             let upstream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
                 Ok(Ok(s)) => s,
@@ -174,5 +213,28 @@ mod tests {
         p.point(None);
         let mut c3 = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
         assert_eq!(ask(&mut c3, "w").await, None);
+    }
+
+    #[tokio::test]
+    async fn freeze_severs_and_holds_until_the_next_target() {
+        let a = echo_server("a").await;
+        let b = echo_server("b").await;
+        let p = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(a)).await.unwrap();
+        let mut c1 = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
+        assert_eq!(ask(&mut c1, "x").await.as_deref(), Some("a x"));
+        p.freeze();
+        assert!(p.frozen());
+        // The open connection to the old target answers no more.
+        assert_eq!(ask(&mut c1, "y").await, None);
+        // A new one is held: no answer while frozen (from a or anyone) ...
+        let mut c2 = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
+        c2.get_mut().write_all(b"z\n").await.unwrap();
+        let mut line = String::new();
+        let early = tokio::time::timeout(Duration::from_millis(300), c2.read_line(&mut line)).await;
+        assert!(early.is_err(), "answered while frozen: {line:?}");
+        // ... and reaches the next target once there is one.
+        p.point(Some(b));
+        tokio::time::timeout(Duration::from_secs(5), c2.read_line(&mut line)).await.unwrap().unwrap();
+        assert_eq!(line.trim(), "b z");
     }
 }

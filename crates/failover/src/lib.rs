@@ -15,14 +15,18 @@
 //!   every connection to the old primary.
 //! * [`driver`]: the tokio runtime driver that runs the core against the real pool, endpoint and
 //!   volume service.
-//! * [`load`]: the load generator of the SQLite front: records every acknowledged commit and the
-//!   client-side throughput timeline.
+//! * [`load`]: the load generator (SQLite front or PostgreSQL): records every acknowledged
+//!   commit and the client-side throughput timeline, then checks the table.
+//! * [`pg`], [`mysql`]: tiny PostgreSQL and MySQL/MariaDB protocol clients (no password, text
+//!   queries) for health checks and load.
 
 pub mod core;
 pub mod driver;
 pub mod endpoint;
 pub mod journal;
 pub mod load;
+pub mod mysql;
+pub mod pg;
 pub mod pool;
 pub mod spec;
 

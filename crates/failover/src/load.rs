@@ -1,5 +1,6 @@
-//! Load generator and checker for the SQLite front (`apps/sqlite_front.py`), from the client's
-//! side of the endpoint.
+//! Load generator and checker for the SQLite front (`apps/sqlite_front.py`) and for PostgreSQL
+//! (table `commits(id bigint primary key, payload text)`, autocommit inserts), from the
+//! client's side of the endpoint.
 //!
 //! One client inserts fresh ids one at a time (`INSERT <id>`), records every acknowledged id
 //! with its time, reconnects after any error (a retried request always gets a new id, so an
@@ -18,6 +19,91 @@ use tokio::net::TcpStream;
 
 /// The SQLite front's script (run with `python3 -c`).
 pub const SQLITE_FRONT_PY: &str = include_str!("../apps/sqlite_front.py");
+
+/// What the load talks to.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Target {
+    /// The SQLite front's one-line protocol.
+    #[default]
+    Line,
+    /// PostgreSQL (trust authentication).
+    Postgres(crate::spec::PgTarget),
+    /// MySQL/MariaDB (empty password); the table is `understudy.commits`, RocksDB if the
+    /// server's default engine is.
+    Mysql(crate::spec::MyTarget),
+}
+
+/// Bytes of payload per PostgreSQL row (the SQLite front's default too).
+pub const PG_PAYLOAD_BYTES: usize = 200;
+
+enum Conn {
+    Line(BufReader<TcpStream>),
+    Pg(crate::pg::PgConn),
+    My(crate::mysql::MyConn),
+}
+
+async fn connect(endpoint: SocketAddr, target: &Target) -> std::io::Result<Conn> {
+    match target {
+        Target::Line => {
+            let s = tokio::time::timeout(REQUEST_TIMEOUT, TcpStream::connect(endpoint))
+                .await
+                .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
+            let _ = s.set_nodelay(true);
+            Ok(Conn::Line(BufReader::new(s)))
+        }
+        Target::Postgres(pg) => {
+            let mut c = crate::pg::PgConn::connect(endpoint, &pg.user, &pg.database, REQUEST_TIMEOUT).await.map_err(std::io::Error::other)?;
+            c.query(&format!("CREATE TABLE IF NOT EXISTS commits(id bigint PRIMARY KEY, payload text NOT NULL DEFAULT repeat('x', {PG_PAYLOAD_BYTES}))"))
+                .await
+                .map_err(std::io::Error::other)?;
+            Ok(Conn::Pg(c))
+        }
+        Target::Mysql(my) => {
+            let mut c = crate::mysql::MyConn::connect(endpoint, &my.user, REQUEST_TIMEOUT).await.map_err(std::io::Error::other)?;
+            c.query("CREATE DATABASE IF NOT EXISTS understudy").await.map_err(std::io::Error::other)?;
+            c.query("CREATE TABLE IF NOT EXISTS understudy.commits(id bigint PRIMARY KEY, payload varchar(255) NOT NULL)")
+                .await
+                .map_err(std::io::Error::other)?;
+            Ok(Conn::My(c))
+        }
+    }
+}
+
+/// Inserts `id`; Ok only when the commit was acknowledged.
+async fn insert(conn: &mut Conn, id: u64) -> std::io::Result<()> {
+    match conn {
+        Conn::Line(c) => match request(c, &format!("INSERT {id}")).await? {
+            r if r == format!("OK {id}") => Ok(()),
+            r => Err(std::io::Error::other(format!("unexpected reply {r:?}"))),
+        },
+        Conn::Pg(c) => c.query(&format!("INSERT INTO commits(id) VALUES ({id})")).await.map(|_| ()).map_err(std::io::Error::other),
+        Conn::My(c) => c
+            .query(&format!("INSERT INTO understudy.commits VALUES ({id}, REPEAT('x', {PG_PAYLOAD_BYTES}))"))
+            .await
+            .map(|_| ())
+            .map_err(std::io::Error::other),
+    }
+}
+
+async fn list(conn: &mut Conn) -> std::io::Result<BTreeSet<u64>> {
+    match conn {
+        Conn::Line(c) => {
+            let r = request(c, "LIST").await?;
+            if !r.starts_with("IDS") {
+                return Err(std::io::Error::other(format!("unexpected reply {:?}", &r[..r.len().min(100)])));
+            }
+            Ok(r.trim_start_matches("IDS").trim().split(',').filter(|s| !s.is_empty()).filter_map(|s| s.parse().ok()).collect())
+        }
+        Conn::Pg(c) => {
+            let rows = c.query("SELECT id FROM commits").await.map_err(std::io::Error::other)?;
+            Ok(rows.iter().filter_map(|r| r.first().cloned().flatten()).filter_map(|s| s.parse().ok()).collect())
+        }
+        Conn::My(c) => {
+            let rows = c.query("SELECT id FROM understudy.commits").await.map_err(std::io::Error::other)?;
+            Ok(rows.iter().filter_map(|r| r.first().cloned().flatten()).filter_map(|s| s.parse().ok()).collect())
+        }
+    }
+}
 
 /// How long one request may take before the connection is abandoned.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -62,10 +148,16 @@ async fn request(conn: &mut BufReader<TcpStream>, line: &str) -> std::io::Result
 }
 
 /// Inserts until `stop` resolves (or `duration` passes).
-pub async fn run_load(endpoint: SocketAddr, duration: Duration, window_ms: u64, stop: impl std::future::Future<Output = ()>) -> LoadResult {
+pub async fn run_load(
+    endpoint: SocketAddr,
+    target: &Target,
+    duration: Duration,
+    window_ms: u64,
+    stop: impl std::future::Future<Output = ()>,
+) -> LoadResult {
     let start = Instant::now();
     let mut r = LoadResult { window_ms, ..Default::default() };
-    let mut conn: Option<BufReader<TcpStream>> = None;
+    let mut conn: Option<Conn> = None;
     let first_id = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(1) * 1000;
     r.first_id = first_id;
     r.attempted_max = first_id - 1;
@@ -75,12 +167,9 @@ pub async fn run_load(endpoint: SocketAddr, duration: Duration, window_ms: u64, 
     let body = async {
         while start.elapsed() < duration {
             if conn.is_none() {
-                match tokio::time::timeout(REQUEST_TIMEOUT, TcpStream::connect(endpoint)).await {
-                    Ok(Ok(s)) => {
-                        let _ = s.set_nodelay(true);
-                        conn = Some(BufReader::new(s));
-                    }
-                    _ => {
+                match connect(endpoint, target).await {
+                    Ok(c) => conn = Some(c),
+                    Err(_) => {
                         r.errors += 1;
                         tokio::time::sleep(RECONNECT_PAUSE).await;
                         continue;
@@ -90,8 +179,8 @@ pub async fn run_load(endpoint: SocketAddr, duration: Duration, window_ms: u64, 
             let id = next_id;
             next_id += 1;
             r.attempted_max = id;
-            match request(conn.as_mut().unwrap(), &format!("INSERT {id}")).await {
-                Ok(reply) if reply == format!("OK {id}") => {
+            match insert(conn.as_mut().unwrap(), id).await {
+                Ok(()) => {
                     let t = start.elapsed().as_millis() as u64;
                     r.acked.push((id, t));
                     if t - last_ack_ms > r.max_gap_ms {
@@ -140,16 +229,15 @@ pub struct Verdict {
 }
 
 /// Reads every id through the endpoint (retrying until `timeout`) and checks the load's record.
-pub async fn verify(endpoint: SocketAddr, load: &LoadResult, timeout: Duration) -> Result<Verdict, String> {
+pub async fn verify(endpoint: SocketAddr, target: &Target, load: &LoadResult, timeout: Duration) -> Result<Verdict, String> {
     let deadline = Instant::now() + timeout;
-    let reply = loop {
+    let present = loop {
         let attempt = async {
-            let s = TcpStream::connect(endpoint).await?;
-            let mut c = BufReader::new(s);
-            request(&mut c, "LIST").await
+            let mut c = connect(endpoint, target).await?;
+            list(&mut c).await
         };
         match attempt.await {
-            Ok(r) if r.starts_with("IDS") => break r,
+            Ok(ids) => break ids,
             other => {
                 if Instant::now() > deadline {
                     return Err(format!("cannot read the table through {endpoint}: {other:?}"));
@@ -158,7 +246,6 @@ pub async fn verify(endpoint: SocketAddr, load: &LoadResult, timeout: Duration) 
             }
         }
     };
-    let present: BTreeSet<u64> = reply.trim_start_matches("IDS").trim().split(',').filter(|s| !s.is_empty()).filter_map(|s| s.parse().ok()).collect();
     let acked: BTreeSet<u64> = load.acked.iter().map(|(id, _)| *id).collect();
     Ok(Verdict {
         acked: acked.len(),

@@ -79,12 +79,57 @@ pub struct HealthSpec {
     /// Or a command that exits 0 when healthy (e.g. `["pg_isready", "-p", "{port}"]`).
     #[serde(default)]
     pub command: Option<Vec<String>>,
+    /// Or speak PostgreSQL's protocol: connect, run `send` (default `SELECT 1`, read-only) and,
+    /// with `expect`, check that the first column of the first row starts with it.
+    #[serde(default)]
+    pub postgres: Option<PgTarget>,
+    /// Or speak MySQL/MariaDB's protocol the same way (user with an empty password).
+    #[serde(default)]
+    pub mysql: Option<MyTarget>,
     #[serde(default = "default_health_timeout_ms")]
     pub timeout_ms: u64,
 }
 
 fn default_health_timeout_ms() -> u64 {
     1_000
+}
+
+/// Who a PostgreSQL client logs in as (trust authentication).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PgTarget {
+    #[serde(default = "default_pg_user")]
+    pub user: String,
+    #[serde(default = "default_pg_user")]
+    pub database: String,
+}
+
+fn default_pg_user() -> String {
+    "postgres".into()
+}
+
+impl Default for PgTarget {
+    fn default() -> Self {
+        PgTarget { user: default_pg_user(), database: default_pg_user() }
+    }
+}
+
+/// Who a MySQL/MariaDB client logs in as (empty password).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct MyTarget {
+    #[serde(default = "default_my_user")]
+    pub user: String,
+}
+
+fn default_my_user() -> String {
+    "root".into()
+}
+
+impl Default for MyTarget {
+    fn default() -> Self {
+        MyTarget { user: default_my_user() }
+    }
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -144,7 +189,11 @@ impl Spec {
                 return Err("`health`: give either `command` or `send`, not both".into());
             }
         }
-        if self.health.expect.is_some() && self.health.send.is_none() {
+        let kinds = [self.health.command.is_some(), self.health.postgres.is_some(), self.health.mysql.is_some()];
+        if kinds.iter().filter(|k| **k).count() > 1 {
+            return Err("`health`: give one of `command`, `postgres` and `mysql`".into());
+        }
+        if self.health.expect.is_some() && self.health.send.is_none() && self.health.postgres.is_none() && self.health.mysql.is_none() {
             return Err("`health.expect` needs `health.send`".into());
         }
         let m = &self.monitor;

@@ -105,6 +105,9 @@ struct World {
     events: Vec<Event>,
     fault: Fault,
     faulted: Option<InstanceId>,
+    /// A transient fault that heals the moment a collapse promotes the backup: the old primary
+    /// is reachable again before the monitor has heard the outcome (the fencing window).
+    heal_at_collapse: bool,
 }
 
 impl World {
@@ -161,6 +164,10 @@ impl World {
         let d = self.rng.range_u64(1, 30) * MS;
         match a {
             Action::Notify(e) => self.events.push(e),
+            Action::FreezeEndpoint => {
+                self.endpoint = None;
+                self.log(|| "endpoint frozen".into());
+            }
             Action::Ping(id) => {
                 let input = if self.reachable(id) { Input::PingOk(id) } else { Input::PingFailed(id) };
                 // An unanswered ping fails after its timeout.
@@ -168,7 +175,18 @@ impl World {
                 self.deliver(inc, delay, input);
             }
             Action::Super { .. } | Action::Collapse { .. } | Action::DropChild { .. } => self.push(d, Ev::Storage { inc, action: a }),
-            Action::StartInstance { .. } | Action::KillInstance(_) | Action::PointEndpoint(_) => self.push(d, Ev::Pool { inc, action: a }),
+            Action::StartInstance { .. } | Action::KillInstance(_) => self.push(d, Ev::Pool { inc, action: a }),
+            // Endpoint changes happen at once, in the order issued (as in the driver): a
+            // re-point queued behind a slow start must not undo a later freeze.
+            Action::PointEndpoint(id) => {
+                let i = self.insts.get(&id).expect("endpoint pointed at an unknown instance");
+                let v = self.vols.get(&i.volume).expect("endpoint pointed at an instance whose volume is gone");
+                assert!(v.parent.is_none(), "endpoint pointed at {id} on uncollapsed child {}", i.volume);
+                assert!(!v.fenced, "endpoint pointed at {id} on fenced volume {}", i.volume);
+                self.endpoint = Some(id);
+                self.log(|| format!("endpoint → {id}"));
+                self.deliver(inc, d, Input::EndpointPointed(id));
+            }
         }
     }
 
@@ -214,6 +232,15 @@ impl World {
             }
             Action::Collapse { child, .. } => {
                 let outcome = self.collapse(&child, false);
+                if self.heal_at_collapse && outcome == CollapseOutcome::Promoted {
+                    if let Some(id) = self.faulted {
+                        self.log(|| format!("{id} heals as the collapse promotes"));
+                        self.cut.remove(&id);
+                    }
+                }
+                // Sometimes the answer is slow to come back: the decision is made, the monitor
+                // does not know it yet (the window fencing must cover).
+                let d = if self.rng.chance(0.2) { self.rng.range_u64(200, 2_000) * MS } else { d };
                 self.deliver(inc, d, Input::CollapseDone { child, outcome });
             }
             Action::DropChild { parent, child } => {
@@ -325,15 +352,6 @@ impl World {
                 }
                 self.deliver(inc, d, Input::InstanceStopped(id));
             }
-            Action::PointEndpoint(id) => {
-                let i = self.insts.get(&id).expect("endpoint pointed at an unknown instance");
-                let v = self.vols.get(&i.volume).expect("endpoint pointed at an instance whose volume is gone");
-                assert!(v.parent.is_none(), "endpoint pointed at {id} on uncollapsed child {}", i.volume);
-                assert!(!v.fenced, "endpoint pointed at {id} on fenced volume {}", i.volume);
-                self.endpoint = Some(id);
-                self.log(|| format!("endpoint → {id}"));
-                self.deliver(inc, d, Input::EndpointPointed(id));
-            }
             _ => unreachable!(),
         }
     }
@@ -345,6 +363,12 @@ impl World {
             return;
         }
         let vol = self.insts[&id].volume.clone();
+        // Fencing (§4.3): once a collapse promoted a child, the old primary must not answer a
+        // client any more, not even a read from its caches.
+        assert!(
+            self.vols.get(&vol).is_some_and(|v| !v.fenced),
+            "a client was answered by {id}, whose volume {vol} was fenced by a promotion (a second primary)"
+        );
         let w = self.next_write;
         self.next_write += 1;
         if self.write(&vol, w) {
@@ -458,6 +482,8 @@ impl World {
             Ev::MonitorCrash => {
                 if self.monitor.take().is_some() {
                     self.log(|| "monitor crashed".into());
+                    // The endpoint is the monitor's own proxy: it goes down with it.
+                    self.endpoint = None;
                     self.inc += 1;
                     let d = self.rng.range_u64(10, 3_000) * MS;
                     self.push(d, Ev::MonitorRestart);
@@ -534,6 +560,7 @@ fn run(seed: u64, trace: bool) -> Outcome {
         events: vec![],
         fault,
         faulted: None,
+        heal_at_collapse: false,
     };
     w.log(|| format!("seed {seed}: {policy:?} {fault:?} never_healthy={never_healthy} backup_crash_p={backup_crash_p} crash_p={crash_p} recovery_ms={recovery_ms:?} timeout={}", cfg.reds_timeout_ms));
     w.vols.insert("db".into(), Vol { writes: BTreeSet::new(), parent: None, child: None, dirty: false, fenced: false });
@@ -550,6 +577,7 @@ fn run(seed: u64, trace: bool) -> Outcome {
         Fault::Transient => {
             w.push(fault_at, Ev::Cut);
             w.push(fault_at + heal_after, Ev::Heal);
+            w.heal_at_collapse = rng.chance(0.5);
         }
         Fault::WritingWhileCut => {
             w.push(fault_at, Ev::Cut);

@@ -7,11 +7,17 @@
 //! latency; every run also checks that no acknowledged commit was lost. Variants alternate ABBA
 //! over the rounds.
 //!
-//! The Figure 6 scenarios are then composed as the paper composed them (§6.4: "we simulated
-//! various failover scenarios ... recovery latencies picked from §6.3"): REDS with a timeout T
-//! costs T plus its measured restart (its client gap minus the short timeout it ran with);
-//! speculative and oracle cost what they measured; in the false-positive scenario the primary
-//! returns after 15 s, so speculative and oracle cost at most that, REDS commits to a restart.
+//! A never-failed run under the same load gives §6.5's baseline for the throughput right after a
+//! promotion. The five Figure 6 scenarios are then composed as the paper composed them (§6.4:
+//! "we simulated various failover scenarios ... recovery latencies picked from §6.3"): each
+//! policy's fixed cost is its measured client outage less the application recovery within it
+//! (and, for REDS, less the short timeout it ran with); a scenario adds its timeout (REDS) and
+//! its recovery latency on the volume the policy recovers on — plain for REDS and the oracle,
+//! the super child for speculative, the general clone for speculative-on-general. Short and
+//! long recoveries (small WAL + clean stop, large WAL + SIGKILL) are measured in the same run
+//! by [`super::recovery::measure`] or read from a `bench failover recovery` report. In the
+//! false-positive scenario the primary returns after 15 s, so speculative and the oracle cost
+//! at most that; REDS has committed to a restart.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -35,6 +41,40 @@ pub struct BenchArgs {
     /// Rounds of each policy [default: 1 with --quick, else 3].
     #[arg(long)]
     pub rounds: Option<usize>,
+    /// Take the short and long recovery latencies of the Figure 6 composition from this JSON
+    /// report of `bench failover recovery` (PostgreSQL if it has it, else SQLite) instead of
+    /// measuring them in this run (which uses SQLite with --quick, PostgreSQL otherwise).
+    #[arg(long, value_name = "FILE")]
+    pub recovery: Option<PathBuf>,
+}
+
+use super::recovery::Latencies;
+
+/// Short (small WAL, clean stop) and long (large WAL, SIGKILL) recovery latencies.
+fn recovery_inputs(a: &BenchArgs, cluster_file: &Path, dir: &Path) -> anyhow::Result<(Latencies, Latencies, String)> {
+    if let Some(f) = &a.recovery {
+        let text = std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?;
+        let last = text.lines().rev().find(|l| l.trim_start().starts_with('{')).context("no JSON line in the recovery report")?;
+        let v: serde_json::Value = serde_json::from_str(last).context("the recovery report is not JSON")?;
+        anyhow::ensure!(v["bench"] == "failover.recovery", "{} is not a `bench failover recovery` report", f.display());
+        for app in ["postgres", "sqlite"] {
+            let get = |cell: &str, c: &str| v["figures"][format!("{app}.{cell}.{c}.app_recovery_latency_ms_mean")].as_f64();
+            let lat = |cell: &str| -> Option<Latencies> {
+                Some(Latencies { plain_ms: get(cell, "plain")?, super_ms: get(cell, "super")?, general_ms: get(cell, "general")? })
+            };
+            if let (Some(s), Some(l)) = (lat("small_wal.clean"), lat("large_wal.unclean")) {
+                return Ok((s, l, format!("{app} from {}", f.display())));
+            }
+        }
+        anyhow::bail!("{} has no small_wal.clean and large_wal.unclean cells", f.display());
+    }
+    let (app, large) = if a.quick { ("sqlite", super::recovery::LARGE_WAL_BYTES_QUICK) } else { ("postgres", super::recovery::LARGE_WAL_BYTES) };
+    // postgres runs unprivileged: it must reach its data directory under here.
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let rt = crate::runtime()?;
+    let short = rt.block_on(super::recovery::measure(cluster_file, dir, app, false, super::recovery::SMALL_WAL_BYTES, false))?;
+    let long = rt.block_on(super::recovery::measure(cluster_file, dir, app, true, large, true))?;
+    Ok((short, long, format!("{app} measured in this run")))
 }
 
 const VARIANTS: [&str; 3] = ["reds", "speculative", "oracle"];
@@ -111,16 +151,25 @@ impl Drop for MonitorProc {
     }
 }
 
+/// The load for 8 s with no failure at all: the never-failed instance of §6.5.
+fn run_never_failed(cluster_file: &Path, dir: &Path, verbose: u8) -> anyhow::Result<RunResult> {
+    run_inner(cluster_file, dir, "speculative", 0, verbose, false, false)
+}
+
 fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool) -> anyhow::Result<RunResult> {
+    run_inner(cluster_file, dir, variant, round, verbose, tell, true)
+}
+
+fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool, crash: bool) -> anyhow::Result<RunResult> {
     let exe = std::env::current_exe()?;
-    let vol = format!("bench-{variant}-{round}");
+    let vol = format!("bench-{variant}-{round}{}", if crash { "" } else { "-nofail" });
     let cli = |args: &[&str]| -> anyhow::Result<String> {
         let o = Command::new(&exe).args(args).arg("--cluster").arg(cluster_file).output()?;
         anyhow::ensure!(o.status.success(), "`understudy {}`: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim());
         Ok(String::from_utf8_lossy(&o.stdout).into_owned())
     };
     cli(&["volume", "create", &vol, "--size", "128M"])?;
-    let run_dir = dir.join(format!("run-{variant}-{round}"));
+    let run_dir = dir.join(format!("run-{vol}"));
     std::fs::create_dir_all(&run_dir)?;
     let port = free_port()?;
     let control = format!("127.0.0.1:{}", free_port()?);
@@ -176,15 +225,34 @@ fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose
     let load = std::thread::spawn(move || -> anyhow::Result<(::failover::load::LoadResult, ::failover::load::Verdict)> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         rt.block_on(async {
-            let r = ::failover::load::run_load(endpoint, Duration::from_secs(600), 100, async {
+            let r = ::failover::load::run_load(endpoint, &::failover::load::Target::Line, Duration::from_secs(600), 100, async {
                 let _ = stop_rx.await;
             })
             .await;
-            let v = ::failover::load::verify(endpoint, &r, Duration::from_secs(60)).await.map_err(anyhow::Error::msg)?;
+            let v = ::failover::load::verify(endpoint, &::failover::load::Target::Line, &r, Duration::from_secs(60)).await.map_err(anyhow::Error::msg)?;
             Ok((r, v))
         })
     });
     std::thread::sleep(Duration::from_secs(2));
+    if !crash {
+        std::thread::sleep(Duration::from_secs(6));
+        let rss = peak_rss_bytes(monitor.0.id()).unwrap_or(0);
+        let _ = stop_tx.send(());
+        let (r, v) = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
+        anyhow::ensure!(v.missing.is_empty() && v.unexpected.is_empty(), "never-failed run lost commits: {v:?}");
+        let n = r.acked.iter().filter(|(_, t)| *t >= 2_000 && *t < 8_000).count();
+        let rate = n as f64 / 6.0;
+        return Ok(RunResult {
+            gap_ms: r.max_gap_ms as f64,
+            before_ops_per_s: rate,
+            after_ops_per_s: rate,
+            overlap_s: 0.0,
+            app_recovery_ms: f64::NAN,
+            monitor_rss_bytes: rss,
+            ops_per_window: r.ops_per_window,
+            window_ms: r.window_ms,
+        });
+    }
     super::control_request(control_addr, "kill")?;
     if tell {
         println!("  {:>9} demo: SIGKILL of the whole primary (application and its volume server)", "");
@@ -259,7 +327,11 @@ pub fn scenarios(a: BenchArgs, verbose: u8) -> anyhow::Result<()> {
         let round = i / VARIANTS.len();
         results[v].push(run_one(&cluster_file, dir.path(), VARIANTS[v], round, verbose, false)?);
     }
+    let never_failed = run_never_failed(&cluster_file, dir.path(), verbose);
+    let recov = never_failed.and_then(|nf| Ok((nf, recovery_inputs(&a, &cluster_file, dir.path())?)));
     lc.stop();
+    let (never_failed, (short, long, recovery_source)) = recov?;
+    eprintln!("failover bench: Figure 6 recovery latencies: {recovery_source}: short {short:?}, long {long:?}");
 
     let gap = |v: usize| mean(&results[v].iter().map(|r| r.gap_ms).collect::<Vec<_>>());
     let (reds_gap, spec_gap, oracle_gap) = (gap(0), gap(1), gap(2));
@@ -286,23 +358,75 @@ pub fn scenarios(a: BenchArgs, verbose: u8) -> anyhow::Result<()> {
             report.ratio(&format!("{name}.after_failover_vs_before_crash.throughput"), after, before)?;
         }
     }
-    report.figure(
-        "speculative.extra_instance_time_per_failure_s_mean",
-        mean(&results[1].iter().map(|r| r.overlap_s).collect::<Vec<_>>()),
-    )?;
-    // Figure 6, short recovery (the measured one): II medium timeout, IV false positive, V short.
-    let scen = [
-        ("scenario_ii_timeout_60s", 60_000.0 + reds_restart, spec_gap, oracle_gap),
-        ("scenario_iv_timeout_5s_false_positive_15s", 5_000.0 + reds_restart, spec_gap.min(TRANSIENT_MS), oracle_gap.min(TRANSIENT_MS)),
-        ("scenario_v_timeout_5s", 5_000.0 + reds_restart, spec_gap, oracle_gap),
-    ];
-    let mut worst = 0.0f64;
-    for (name, reds, spec, oracle) in scen {
-        report.figure(&format!("{name}.reds.failover_latency_ms"), reds)?;
-        report.figure(&format!("{name}.speculative.failover_latency_ms"), spec)?;
-        report.figure(&format!("{name}.oracle.failover_latency_ms"), oracle)?;
-        worst = worst.max(report.ratio(&format!("{name}.speculative_vs_oracle.failover_latency"), spec, oracle)?);
+    let overlap_ms = mean(&results[1].iter().map(|r| r.overlap_s * 1000.0).collect::<Vec<_>>());
+    report.figure("speculative.extra_instance_time_per_failure_s_mean", overlap_ms / 1000.0)?;
+    // §6.5: throughput right after the promotion against an instance that never failed (same
+    // load, same time since its start).
+    report.figure("never_failed.throughput_ops_per_s_mean", never_failed.after_ops_per_s)?;
+    report.figure("monitor.never_failed.rss_peak_bytes", never_failed.monitor_rss_bytes as f64)?;
+    let spec_after = mean(&results[1].iter().map(|r| r.after_ops_per_s).collect::<Vec<_>>());
+    if never_failed.after_ops_per_s > 0.0 {
+        report.ratio("speculative.after_promotion_vs_never_failed.throughput", spec_after, never_failed.after_ops_per_s)?;
     }
+
+    // Figure 6, composed as §6.4 did: each policy's fixed costs measured above (detection,
+    // attach, collapse, re-point: its client outage less the application's recovery in it),
+    // plus the recovery latency of the scenario on the volume the policy recovers on.
+    let nonneg = |x: f64| if x.is_finite() { x.max(0.0) } else { 0.0 };
+    let reds_over = nonneg(reds_gap - REDS_REAL_TIMEOUT_MS as f64 - mean(&results[0].iter().map(|r| r.app_recovery_ms).collect::<Vec<_>>()));
+    let spec_over = nonneg(spec_gap - super_rec);
+    let oracle_over = nonneg(oracle_gap - mean(&results[2].iter().map(|r| r.app_recovery_ms).collect::<Vec<_>>()));
+    // Speculative holds the backup from its start (`detect` after the crash) until promotion
+    // (its recovery plus `post`: collapse, re-point, kill), or until the primary returns.
+    let detect = nonneg(spec_gap - overlap_ms);
+    let post = nonneg(overlap_ms - super_rec);
+    report.figure("reds.fixed_cost_ms", reds_over)?;
+    report.figure("speculative.fixed_cost_ms", spec_over)?;
+    report.figure("oracle.fixed_cost_ms", oracle_over)?;
+    for (name, l) in [("short_recovery", short), ("long_recovery", long)] {
+        report.figure(&format!("{name}.plain.app_recovery_latency_ms"), l.plain_ms)?;
+        report.figure(&format!("{name}.super.app_recovery_latency_ms"), l.super_ms)?;
+        report.figure(&format!("{name}.general.app_recovery_latency_ms"), l.general_ms)?;
+    }
+    struct Scen {
+        name: &'static str,
+        label: &'static str,
+        timeout_ms: f64,
+        rec: Latencies,
+        back_ms: Option<f64>,
+    }
+    let scen = [
+        Scen { name: "scenario_i_timeout_60s_long_recovery", label: "I 60s long", timeout_ms: 60_000.0, rec: long, back_ms: None },
+        Scen { name: "scenario_ii_timeout_60s", label: "II 60s short", timeout_ms: 60_000.0, rec: short, back_ms: None },
+        Scen { name: "scenario_iii_timeout_5s_long_recovery", label: "III 5s long", timeout_ms: 5_000.0, rec: long, back_ms: None },
+        Scen { name: "scenario_iv_timeout_5s_false_positive_15s", label: "IV 5s FP 15s", timeout_ms: 5_000.0, rec: long, back_ms: Some(TRANSIENT_MS) },
+        Scen { name: "scenario_v_timeout_5s", label: "V 5s short", timeout_ms: 5_000.0, rec: short, back_ms: None },
+    ];
+    let policies = ["reds", "speculative", "speculative_general", "oracle"];
+    let mut bars: Vec<bench::BarSeries> = policies.iter().map(|p| bench::BarSeries { name: p.to_string(), values: vec![] }).collect();
+    let mut worst = 0.0f64;
+    for s in &scen {
+        let cap = |x: f64| s.back_ms.map_or(x, |b| x.min(b));
+        // REDS commits to the restart at its timeout, primary back or not (a false positive).
+        let reds = s.timeout_ms + reds_over + s.rec.plain_ms;
+        let spec = cap(spec_over + s.rec.super_ms);
+        let spec_general = cap(spec_over + s.rec.general_ms);
+        let oracle = cap(oracle_over + s.rec.plain_ms);
+        let extra = |rec_ms: f64| match s.back_ms {
+            Some(b) if spec_over + rec_ms > b => nonneg(b - detect),
+            _ => rec_ms + post,
+        };
+        for (i, v) in [reds, spec, spec_general, oracle].into_iter().enumerate() {
+            report.figure(&format!("{}.{}.failover_latency_ms", s.name, policies[i]), v)?;
+            bars[i].values.push(v / 1000.0);
+        }
+        report.figure(&format!("{}.speculative.extra_instance_s", s.name), extra(s.rec.super_ms) / 1000.0)?;
+        report.figure(&format!("{}.speculative_general.extra_instance_s", s.name), extra(s.rec.general_ms) / 1000.0)?;
+        worst = worst.max(report.ratio(&format!("{}.speculative_vs_oracle.failover_latency", s.name), spec, oracle)?);
+        report.ratio(&format!("{}.reds_vs_speculative.failover_latency", s.name), reds, spec)?;
+    }
+    let labels: Vec<&str> = scen.iter().map(|s| s.label).collect();
+    let _ = bench::bar_plot(&out.join("figure6"), "End-to-end failover latency (SpecREDS Figure 6)", "scenario (timeout, recovery)", "seconds", &labels, &bars);
     report.ratio("speculative_vs_oracle.failover_latency.worst", worst, 1.0)?;
     report.ratio("reds_60s_vs_speculative.failover_latency", 60_000.0 + reds_restart, spec_gap)?;
     report.ratio("super_vs_plain.app_recovery_latency", super_rec, plain_rec)?;

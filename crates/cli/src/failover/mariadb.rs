@@ -1,0 +1,111 @@
+//! `understudy failover mariadb`: runs Debian's unmodified MariaDB server (`mariadbd`) as an
+//! instance's application, with the RocksDB storage engine (MyRocks) as the default engine when
+//! its plugin is installed.
+//!
+//! The data directory lives on the instance's volume. On the first start it is made with
+//! `mariadb-install-db` (root with an empty password on loopback only) into a scratch directory
+//! renamed into place, so a crash during it leaves nothing half made. `mariadbd` drops to the
+//! `mysql` user itself and shuts down cleanly on SIGTERM; it stays in the instance's process
+//! group, so the pool's SIGKILL of the group reaches it. Commits are flushed at commit
+//! (`rocksdb_flush_log_at_trx_commit = 1`, `innodb_flush_log_at_trx_commit = 1`).
+
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use anyhow::Context;
+use clap::Args;
+
+#[derive(Args, Debug)]
+pub struct MariaArgs {
+    /// The data directory (made with mariadb-install-db when it holds no database yet).
+    #[arg(long, value_name = "DIR")]
+    pub data: PathBuf,
+    /// TCP port on 127.0.0.1.
+    #[arg(long)]
+    pub port: u16,
+    /// The unprivileged user mariadbd runs as.
+    #[arg(long, default_value = "mysql")]
+    pub user: String,
+    /// Use InnoDB even when the RocksDB plugin is installed.
+    #[arg(long)]
+    pub innodb: bool,
+    /// More `--NAME=VALUE` server options.
+    #[arg(long = "set", value_name = "NAME=VALUE")]
+    pub set: Vec<String>,
+}
+
+const MARIADBD: &str = "/usr/sbin/mariadbd";
+const ROCKSDB_PLUGIN: &str = "ha_rocksdb.so";
+
+/// Whether the RocksDB plugin of Debian's mariadb-plugin-rocksdb is there.
+pub fn rocksdb_plugin() -> bool {
+    std::fs::read_dir("/usr/lib/mysql/plugin").is_ok_and(|mut d| d.any(|e| e.is_ok_and(|e| e.file_name() == ROCKSDB_PLUGIN)))
+}
+
+fn uid_gid(name: &str) -> anyhow::Result<(u32, u32)> {
+    let c = std::ffi::CString::new(name)?;
+    // SAFETY: getpwnam reads a NUL-terminated string and returns a pointer to static storage (or
+    // null), read at once.
+    let pw = unsafe { libc::getpwnam(c.as_ptr()) };
+    anyhow::ensure!(!pw.is_null(), "no user {name:?} on this machine");
+    // SAFETY: checked non-null above; plain integers.
+    Ok(unsafe { ((*pw).pw_uid, (*pw).pw_gid) })
+}
+
+pub fn run(a: MariaArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(std::path::Path::new(MARIADBD).exists(), "MariaDB is not installed ({MARIADBD}): apt-get install mariadb-server");
+    let (uid, gid) = uid_gid(&a.user)?;
+    let data = std::path::absolute(&a.data)?;
+    let parent = data.parent().context("--data has no parent directory")?.to_path_buf();
+    for dir in parent.ancestors() {
+        let m = std::fs::metadata(dir)?;
+        let ok = m.mode() & 0o001 != 0 || (m.uid() == uid && m.mode() & 0o100 != 0) || (m.gid() == gid && m.mode() & 0o010 != 0);
+        anyhow::ensure!(ok, "user {} cannot reach {}: {} is not searchable by it (chmod o+x)", a.user, data.display(), dir.display());
+    }
+    if !data.join("mysql").exists() {
+        anyhow::ensure!(!data.exists() || std::fs::read_dir(&data)?.next().is_none(), "{} exists and holds no MariaDB database", data.display());
+        let scratch = parent.join(format!(".{}.install", data.file_name().unwrap().to_string_lossy()));
+        if scratch.exists() {
+            std::fs::remove_dir_all(&scratch)?;
+        }
+        std::fs::create_dir_all(&scratch)?;
+        std::os::unix::fs::chown(&scratch, Some(uid), Some(gid))?;
+        eprintln!("understudy failover mariadb: mariadb-install-db {} as {}", data.display(), a.user);
+        let out = std::process::Command::new("mariadb-install-db")
+            .arg(format!("--user={}", a.user))
+            .arg(format!("--datadir={}", scratch.display()))
+            .args(["--auth-root-authentication-method=normal", "--skip-test-db", "--no-defaults"])
+            .stdin(Stdio::null())
+            .output()
+            .context("cannot run mariadb-install-db")?;
+        anyhow::ensure!(out.status.success(), "mariadb-install-db failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        if data.exists() {
+            std::fs::remove_dir(&data)?;
+        }
+        std::fs::rename(&scratch, &data)?;
+        std::fs::File::open(&parent)?.sync_all()?;
+    }
+    let mut cmd = std::process::Command::new(MARIADBD);
+    cmd.arg("--no-defaults")
+        .arg(format!("--user={}", a.user))
+        .arg(format!("--datadir={}", data.display()))
+        .arg(format!("--port={}", a.port))
+        .arg("--bind-address=127.0.0.1")
+        // Unix socket paths are short (108 bytes): keep it out of the deep mount path.
+        .arg(format!("--socket=/tmp/understudy-mariadb-{}.sock", a.port))
+        .arg(format!("--pid-file={}/mariadbd.pid", data.display()))
+        .arg("--innodb-flush-log-at-trx-commit=1")
+        .arg("--skip-log-bin");
+    if !a.innodb && rocksdb_plugin() {
+        cmd.arg(format!("--plugin-load-add={ROCKSDB_PLUGIN}")).arg("--default-storage-engine=ROCKSDB").arg("--rocksdb-flush-log-at-trx-commit=1");
+    }
+    for s in &a.set {
+        anyhow::ensure!(s.contains('='), "--set {s:?}: expected NAME=VALUE");
+        cmd.arg(format!("--{s}"));
+    }
+    // exec: mariadbd keeps this process id (the pool's app pid), and handles SIGTERM itself.
+    let e = cmd.current_dir(&data).stdin(Stdio::null()).exec();
+    Err(anyhow::Error::from(e).context("cannot start mariadbd"))
+}

@@ -1,0 +1,491 @@
+//! `understudy bench failover recovery`: application recovery latency on the plain volume, a
+//! super clone and a general clone (SpecREDS §6.3), for PostgreSQL, SQLite and MariaDB with
+//! RocksDB, clean and unclean failures, a small and a large WAL.
+//!
+//! Instances run through the same [`LocalPool`] the monitor uses (its volume attached as ext4
+//! through FUSE and a loop device, the application in the instance's process group), in this
+//! process. Per application and WAL size one volume: a primary on it is loaded until the WAL
+//! since its last checkpoint reaches the size, then fails (SIGKILL of the whole group: no flush;
+//! or a clean stop); the application is then started on a super child, on a general clone (in
+//! alternating order over rounds) and last on the volume itself (which changes it), each from
+//! the very same crashed state; each is timed from the moment its process starts (the volume is
+//! attached by then) to its first good health check. The plain restart becomes the primary for
+//! the next failure.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use ::failover::driver::{health_check, Volumes};
+use ::failover::pg::PgConn;
+use ::failover::pool::{InstancePool, LocalPool, LocalPoolConfig};
+use ::failover::spec::{AppSpec, HealthSpec, PgTarget};
+use ::failover::{Input, InstanceId};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use volume::meta::{MetaReq, MetaResp};
+
+use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
+
+#[derive(Args, Debug)]
+pub struct RecoveryArgs {
+    /// A short run: one round, a large WAL of 48 MiB instead of 192 MiB.
+    #[arg(long)]
+    pub quick: bool,
+    /// Where plots and CSV go [default: target/bench/failover].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Rounds of each cell [default: 1 with --quick, else 2].
+    #[arg(long)]
+    pub rounds: Option<usize>,
+    /// Only these applications (postgres, sqlite, mariadb) [default: all three].
+    #[arg(long = "app", value_name = "APP")]
+    pub apps: Vec<String>,
+}
+
+pub const SMALL_WAL_BYTES: u64 = 4 << 20;
+pub const LARGE_WAL_BYTES_QUICK: u64 = 48 << 20;
+pub const LARGE_WAL_BYTES: u64 = 192 << 20;
+/// How long an instance may take to become healthy.
+const HEALTHY_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long loading one WAL size may take at most.
+const FILL_TIMEOUT: Duration = Duration::from_secs(600);
+const CLONES: [&str; 3] = ["plain", "super", "general"];
+const FAILURES: [&str; 2] = ["unclean", "clean"];
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum App {
+    Postgres,
+    Sqlite,
+    /// MariaDB with the RocksDB engine: its WAL is RocksDB's (`#rocksdb/*.log`).
+    Mariadb,
+}
+
+impl App {
+    fn name(self) -> &'static str {
+        match self {
+            App::Postgres => "postgres",
+            App::Sqlite => "sqlite",
+            App::Mariadb => "mariadb",
+        }
+    }
+}
+
+/// RocksDB's WAL files of a MariaDB data directory, in bytes.
+fn rocksdb_wal_bytes(mount: &Path) -> u64 {
+    std::fs::read_dir(mount.join("mysql").join("#rocksdb"))
+        .map(|d| d.flatten().filter(|e| e.file_name().to_string_lossy().ends_with(".log")).filter_map(|e| e.metadata().ok()).map(|m| m.len()).sum())
+        .unwrap_or(0)
+}
+
+struct Sample {
+    app: App,
+    wal: &'static str,
+    failure: &'static str,
+    clone: &'static str,
+    wal_bytes: u64,
+    app_recovery_ms: f64,
+    attach_ms: f64,
+}
+
+fn app_spec(exe: &Path, app: App, wal_bytes: u64) -> (AppSpec, HealthSpec) {
+    let exe = exe.to_string_lossy().to_string();
+    let command: Vec<String> = match app {
+        App::Postgres => {
+            // Checkpoints are requested at about max_wal_size / (1 + completion target): twice
+            // and a half the WAL we mean to leave keeps them away; the timeout keeps time
+            // from triggering one.
+            let mb = ((wal_bytes * 5 / 2) >> 20).max(32);
+            vec![
+                exe,
+                "failover".into(),
+                "postgres".into(),
+                "--data".into(),
+                "{mount}/pgdata".into(),
+                "--port".into(),
+                "{port}".into(),
+                "--max-wal-size-mb".into(),
+                mb.to_string(),
+                "--checkpoint-timeout-s".into(),
+                "3600".into(),
+            ]
+        }
+        App::Mariadb => {
+            // RocksDB keeps its WAL until the memtables holding its writes are flushed: a
+            // memtable larger than the WAL we mean to leave keeps it all.
+            let buffer = (wal_bytes * 2).max(64 << 20);
+            vec![
+                exe,
+                "failover".into(),
+                "mariadb".into(),
+                "--data".into(),
+                "{mount}/mysql".into(),
+                "--port".into(),
+                "{port}".into(),
+                "--set".into(),
+                format!("rocksdb-default-cf-options=write_buffer_size={buffer}"),
+                "--set".into(),
+                format!("rocksdb-db-write-buffer-size={}", buffer * 2),
+                "--set".into(),
+                format!("rocksdb-max-total-wal-size={}", buffer * 4),
+            ]
+        }
+        App::Sqlite => {
+            // The small WAL: SQLite's automatic checkpoint keeps it near 4 MiB; the large: none.
+            let pages = if wal_bytes > SMALL_WAL_BYTES { 0 } else { 1000 };
+            vec![
+                exe,
+                "failover".into(),
+                "sqlite-front".into(),
+                "--db".into(),
+                "{mount}/app.db".into(),
+                "--port".into(),
+                "{port}".into(),
+                "--wal-autocheckpoint-pages".into(),
+                pages.to_string(),
+            ]
+        }
+    };
+    let health = match app {
+        App::Postgres => HealthSpec {
+            send: Some("SELECT 1".into()),
+            expect: Some("1".into()),
+            command: None,
+            postgres: Some(PgTarget::default()),
+            mysql: None,
+            timeout_ms: 1000,
+        },
+        App::Mariadb => HealthSpec {
+            send: Some("SELECT 1".into()),
+            expect: Some("1".into()),
+            command: None,
+            postgres: None,
+            mysql: Some(Default::default()),
+            timeout_ms: 1000,
+        },
+        App::Sqlite => HealthSpec { send: Some("PING".into()), expect: Some("PONG".into()), command: None, postgres: None, mysql: None, timeout_ms: 1000 },
+    };
+    (AppSpec { command, env: Default::default(), stop_grace_ms: 60_000 }, health)
+}
+
+async fn wait_healthy(pool: &LocalPool, h: &HealthSpec, addr: SocketAddr, id: InstanceId) -> anyhow::Result<Instant> {
+    let deadline = Instant::now() + HEALTHY_TIMEOUT;
+    loop {
+        if health_check(h, addr, id).await {
+            return Ok(Instant::now());
+        }
+        if !pool.pids(id).is_some_and(|(app, _)| ::failover::pool::pid_alive(app)) {
+            let log = std::fs::read_to_string(pool.log_file(id)).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(5).collect();
+            anyhow::bail!("the application of instance {id} exited before it was healthy: {}", tail.into_iter().rev().collect::<Vec<_>>().join(" | "));
+        }
+        anyhow::ensure!(Instant::now() < deadline, "instance {id} not healthy within {HEALTHY_TIMEOUT:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Loads the primary until at least `wal_bytes` of WAL wait for recovery; returns how much.
+async fn fill(app: App, addr: SocketAddr, mount: &Path, wal_bytes: u64) -> anyhow::Result<u64> {
+    let deadline = Instant::now() + FILL_TIMEOUT;
+    match app {
+        App::Postgres => {
+            let mut c = PgConn::connect(addr, "postgres", "postgres", Duration::from_secs(60)).await?;
+            c.query("CREATE TABLE IF NOT EXISTS fill(id bigserial, payload text)").await?;
+            // Start from a checkpoint, so the WAL to replay is exactly what follows.
+            c.query("CHECKPOINT").await?;
+            loop {
+                let rows = c.query("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), redo_lsn)::bigint FROM pg_control_checkpoint()").await?;
+                let have: u64 = rows.first().and_then(|r| r.first().cloned().flatten()).and_then(|s| s.parse().ok()).context("no WAL position")?;
+                if have >= wal_bytes {
+                    c.close().await;
+                    return Ok(have);
+                }
+                anyhow::ensure!(Instant::now() < deadline, "only {have} bytes of WAL after {FILL_TIMEOUT:?}");
+                // About 1 MiB of rows per statement; random text so nothing compresses.
+                c.query("INSERT INTO fill(payload) SELECT repeat(md5(random()::text), 16) FROM generate_series(1, 2000)").await?;
+            }
+        }
+        App::Mariadb => {
+            let mut c = ::failover::mysql::MyConn::connect(addr, "root", Duration::from_secs(60)).await?;
+            c.query("CREATE DATABASE IF NOT EXISTS understudy").await?;
+            c.query("CREATE TABLE IF NOT EXISTS understudy.fill(id bigint AUTO_INCREMENT PRIMARY KEY, payload text)").await?;
+            // Start from empty memtables (a flush), so the WAL to replay is what follows.
+            c.query("SET GLOBAL rocksdb_force_flush_memtable_now = 1").await?;
+            loop {
+                let have = rocksdb_wal_bytes(mount);
+                if have >= wal_bytes {
+                    c.close().await;
+                    return Ok(have);
+                }
+                anyhow::ensure!(Instant::now() < deadline, "only {have} bytes of WAL after {FILL_TIMEOUT:?}");
+                c.query("INSERT INTO understudy.fill(payload) SELECT REPEAT(MD5(RAND()), 16) FROM understudy.seq_1_to_2000").await?;
+            }
+        }
+        App::Sqlite => {
+            let s = tokio::net::TcpStream::connect(addr).await?;
+            let mut s = BufReader::new(s);
+            let wal = mount.join("app.db-wal");
+            loop {
+                let have = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
+                if have >= wal_bytes {
+                    return Ok(have);
+                }
+                anyhow::ensure!(Instant::now() < deadline, "only {have} bytes of WAL after {FILL_TIMEOUT:?}");
+                s.get_mut().write_all(b"FILL 1000 1000\n").await?;
+                let mut line = String::new();
+                s.read_line(&mut line).await?;
+                anyhow::ensure!(line.starts_with("FILLED"), "the SQLite front answered {line:?}");
+                // With automatic checkpoints (the small WAL) the file stays near their size:
+                // stop once it has grown past the size asked, or after enough rows.
+                if wal_bytes <= SMALL_WAL_BYTES {
+                    let have = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
+                    if have >= wal_bytes * 3 / 4 {
+                        return Ok(have);
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct Bench {
+    pool: Arc<LocalPool>,
+    volumes: Volumes,
+    health: HealthSpec,
+    next_id: u64,
+}
+
+impl Bench {
+    fn id(&mut self) -> InstanceId {
+        self.next_id += 1;
+        InstanceId(self.next_id)
+    }
+
+    /// Starts an instance on `vol`; returns (its address, attach ms, app recovery ms).
+    async fn recover_on(&mut self, vol: &str) -> anyhow::Result<(InstanceId, SocketAddr, f64, f64)> {
+        let id = self.id();
+        let t0 = Instant::now();
+        let addr = self.pool.start(id, vol).await.with_context(|| format!("starting an instance on {vol}"))?;
+        let started = Instant::now();
+        let healthy = wait_healthy(&self.pool, &self.health, addr, id).await?;
+        Ok((id, addr, (started - t0).as_secs_f64() * 1000.0, (healthy - started).as_secs_f64() * 1000.0))
+    }
+
+    async fn meta(&self, req: MetaReq) -> anyhow::Result<MetaResp> {
+        self.volumes.cluster.meta(req).await
+    }
+}
+
+/// Recovery latencies (ms) of one application state on the three kinds of volume.
+#[derive(Clone, Copy, Debug)]
+pub struct Latencies {
+    pub plain_ms: f64,
+    pub super_ms: f64,
+    pub general_ms: f64,
+}
+
+/// Measures one cell in a running cluster (for `bench failover scenarios`): `app` is
+/// "postgres" or "sqlite", `large` picks the large WAL, `unclean` the failure.
+pub async fn measure(cluster_file: &Path, dir: &Path, app: &str, large: bool, wal_bytes: u64, unclean: bool) -> anyhow::Result<Latencies> {
+    let app = match app {
+        "postgres" => App::Postgres,
+        "mariadb" => App::Mariadb,
+        _ => App::Sqlite,
+    };
+    let conn = crate::ConnArgs { cluster: Some(cluster_file.to_path_buf()), meta: None, secret_file: None };
+    let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
+    let conn_args = vec!["--cluster".to_string(), cluster_file.to_string_lossy().into_owned()];
+    let wal = if large { "large_wal" } else { "small_wal" };
+    let failure = if unclean { "unclean" } else { "clean" };
+    let mut samples = vec![];
+    cell(&std::env::current_exe()?, &conn_args, dir, cluster, app, wal, wal_bytes, 0, &[failure], &mut samples).await?;
+    let get = |c: &str| samples.iter().find(|s| s.clone == c).map(|s| s.app_recovery_ms).unwrap_or(f64::NAN);
+    Ok(Latencies { plain_ms: get("plain"), super_ms: get("super"), general_ms: get("general") })
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn cell(
+    exe: &Path,
+    conn_args: &[String],
+    dir: &Path,
+    cluster: Arc<volume::client::Cluster>,
+    app: App,
+    wal: &'static str,
+    wal_bytes: u64,
+    round: usize,
+    failures: &[&'static str],
+    samples: &mut Vec<Sample>,
+) -> anyhow::Result<()> {
+    let vol = format!("rec-{}-{wal}-{round}-{}", app.name(), failures.join("-"));
+    // MariaDB's InnoDB alone takes ~110 MiB (system tablespace, 96 MiB redo log).
+    let size = 512 * 1024 * 1024 + wal_bytes * 4;
+    match cluster.meta(MetaReq::Create { name: vol.clone(), size_bytes: size.next_multiple_of(4 << 20), object_size_bytes: volume::meta::DEFAULT_OBJECT_SIZE_BYTES }).await {
+        Ok(_) => {}
+        Err(e) => anyhow::bail!("creating volume {vol}: {e:#}"),
+    }
+    let (app_spec, health) = app_spec(exe, app, wal_bytes);
+    let state_dir = dir.join(&vol);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Input>(64);
+    // Instance exits are expected here (we cause them); drain the channel.
+    tokio::spawn(async move { while rx.recv().await.is_some() {} });
+    let pool = Arc::new(LocalPool::new(
+        LocalPoolConfig {
+            exe: exe.to_path_buf(),
+            conn_args: conn_args.to_vec(),
+            state_dir: state_dir.clone(),
+            app: app_spec,
+            mkfs_first: true,
+            attach_timeout: Duration::from_secs(300),
+        },
+        tx,
+    )?);
+    let mut b = Bench { pool: pool.clone(), volumes: Volumes { cluster }, health, next_id: 0 };
+    let r = async {
+        let (mut primary, mut addr, _, boot_ms) = b.recover_on(&vol).await?;
+        eprintln!("failover recovery bench: {} {wal}: primary up ({boot_ms:.0} ms to healthy)", app.name());
+        for &failure in failures {
+            let have = fill(app, addr, &pool.mount_dir(primary), wal_bytes).await?;
+            match failure {
+                "unclean" => pool.kill(primary).await?,
+                _ => pool.stop(primary).await?,
+            }
+            let clones: [&str; 2] = if round.is_multiple_of(2) { ["super", "general"] } else { ["general", "super"] };
+            for c in clones {
+                let child = format!("{vol}.{c}-{failure}");
+                match c {
+                    "super" => match b.volumes.super_(&vol, &child).await {
+                        Input::SuperDone { .. } => {}
+                        other => anyhow::bail!("super of {vol}: {other:?}"),
+                    },
+                    _ => {
+                        b.meta(MetaReq::CloneGeneral { parent: vol.clone(), child: child.clone() }).await.context("general clone")?;
+                    }
+                }
+                let (id, _, attach_ms, app_ms) = b.recover_on(&child).await?;
+                samples.push(Sample { app, wal, failure, clone: c, wal_bytes: have, app_recovery_ms: app_ms, attach_ms });
+                eprintln!("failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on {c}: attach {attach_ms:.0} ms, app recovery {app_ms:.0} ms", app.name());
+                pool.kill(id).await?;
+                match c {
+                    "super" => match b.volumes.drop_child(&vol, &child).await {
+                        Input::ChildDropped { .. } => {}
+                        other => anyhow::bail!("dropping {child}: {other:?}"),
+                    },
+                    _ => {
+                        b.meta(MetaReq::Delete { name: child.clone() }).await.context("deleting the general clone")?;
+                    }
+                }
+            }
+            let (id, a, attach_ms, app_ms) = b.recover_on(&vol).await?;
+            samples.push(Sample { app, wal, failure, clone: "plain", wal_bytes: have, app_recovery_ms: app_ms, attach_ms });
+            eprintln!("failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on plain: attach {attach_ms:.0} ms, app recovery {app_ms:.0} ms", app.name());
+            (primary, addr) = (id, a);
+        }
+        pool.kill(primary).await?;
+        anyhow::Ok(())
+    }
+    .await;
+    if r.is_err() {
+        for id in pool.instances() {
+            let _ = pool.kill(id).await;
+        }
+    }
+    r
+}
+
+fn mean(v: impl Iterator<Item = f64>) -> f64 {
+    let v: Vec<f64> = v.collect();
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
+    let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 2 }).max(1);
+    let mut apps = vec![];
+    let all = ["postgres", "sqlite", "mariadb"].map(String::from).to_vec();
+    for name in if a.apps.is_empty() { all } else { a.apps.clone() } {
+        apps.push(match name.as_str() {
+            "postgres" => App::Postgres,
+            "sqlite" => App::Sqlite,
+            "mariadb" => App::Mariadb,
+            other => anyhow::bail!("unknown application {other:?} (postgres, sqlite, mariadb)"),
+        });
+    }
+    if apps.contains(&App::Mariadb) {
+        anyhow::ensure!(Path::new("/usr/sbin/mariadbd").exists(), "MariaDB is not installed (apt-get install mariadb-server mariadb-plugin-rocksdb)");
+    }
+    if apps.contains(&App::Postgres) {
+        anyhow::ensure!(super::postgres::find_bin_dir().is_some(), "PostgreSQL is not installed (apt-get install postgresql)");
+    }
+    let large = if a.quick { LARGE_WAL_BYTES_QUICK } else { LARGE_WAL_BYTES };
+    let out = bench::out_dir("failover", a.out.clone())?;
+    let base = std::env::current_dir()?.join("target").join("bench-clusters");
+    std::fs::create_dir_all(&base)?;
+    let dir = tempfile::Builder::new().prefix("understudy-recovery-").tempdir_in(&base)?;
+    // postgres runs unprivileged: it must reach its data directory under here.
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let rt = crate::runtime()?;
+    let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose })?;
+    rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
+    let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
+    lc.info.save(&cluster_file)?;
+    let exe = std::env::current_exe()?;
+    let conn_args = vec!["--cluster".to_string(), cluster_file.to_string_lossy().into_owned()];
+    let mut samples = vec![];
+    let r = rt.block_on(async {
+        let conn = crate::ConnArgs { cluster: Some(cluster_file.clone()), meta: None, secret_file: None };
+        let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
+        for round in 0..rounds {
+            for &app in &apps {
+                for (wal, bytes) in [("small_wal", SMALL_WAL_BYTES), ("large_wal", large)] {
+                    cell(&exe, &conn_args, dir.path(), cluster.clone(), app, wal, bytes, round, &FAILURES, &mut samples).await?;
+                }
+            }
+        }
+        anyhow::Ok(())
+    });
+    lc.stop();
+    r?;
+
+    let mut report = bench::Report::new("failover.recovery", a.quick);
+    let mut groups = vec![];
+    let mut bars: Vec<bench::BarSeries> = CLONES.iter().map(|c| bench::BarSeries { name: c.to_string(), values: vec![] }).collect();
+    let (mut super_sum, mut plain_sum, mut general_sum) = (0.0, 0.0, 0.0);
+    for &app in &apps {
+        for wal in ["small_wal", "large_wal"] {
+            for failure in FAILURES {
+                let cell: Vec<&Sample> = samples.iter().filter(|s| s.app == app && s.wal == wal && s.failure == failure).collect();
+                if cell.is_empty() {
+                    continue;
+                }
+                let prefix = format!("{}.{wal}.{failure}", app.name());
+                report.figure(&format!("{prefix}.wal_bytes_mean"), mean(cell.iter().map(|s| s.wal_bytes as f64)))?;
+                let mut m = [0.0; 3];
+                for (i, c) in CLONES.iter().enumerate() {
+                    m[i] = mean(cell.iter().filter(|s| s.clone == *c).map(|s| s.app_recovery_ms));
+                    report.figure(&format!("{prefix}.{c}.app_recovery_latency_ms_mean"), m[i])?;
+                    report.figure(&format!("{prefix}.{c}.attach_latency_ms_mean"), mean(cell.iter().filter(|s| s.clone == *c).map(|s| s.attach_ms)))?;
+                    bars[i].values.push(m[i] / 1000.0);
+                }
+                report.ratio(&format!("{prefix}.super_vs_plain.app_recovery_latency"), m[1], m[0])?;
+                report.ratio(&format!("{prefix}.general_vs_plain.app_recovery_latency"), m[2], m[0])?;
+                plain_sum += m[0];
+                super_sum += m[1];
+                general_sum += m[2];
+                groups.push(format!("{} {} {}", app.name(), wal.trim_end_matches("_wal"), failure));
+            }
+        }
+    }
+    // Over every cell: total recovery time on super (general) against the plain volume.
+    report.ratio("super_vs_plain.app_recovery_latency", super_sum, plain_sum)?;
+    report.ratio("general_vs_plain.app_recovery_latency", general_sum, plain_sum)?;
+    let group_refs: Vec<&str> = groups.iter().map(String::as_str).collect();
+    let _ = bench::bar_plot(&out.join("recovery"), "Application recovery latency (SpecREDS §6.3)", "application, WAL, failure", "seconds", &group_refs, &bars);
+    let rows = samples.iter().map(|s| {
+        vec![s.app.name().to_string(), s.wal.into(), s.failure.into(), s.clone.into(), s.wal_bytes.to_string(), format!("{:.1}", s.attach_ms), format!("{:.1}", s.app_recovery_ms)]
+    });
+    bench::write_csv(&out.join("recovery.csv"), &["app", "wal", "failure", "volume", "wal_bytes", "attach_ms", "app_recovery_ms"], rows)?;
+    eprintln!("plots and samples in {}", out.display());
+    report.print();
+    Ok(())
+}
