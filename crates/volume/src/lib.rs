@@ -16,3 +16,4 @@ pub mod bench_cow;
 pub mod bench_trace;
 pub mod objfmt;
 pub mod testkit;
+pub mod fuzzing;
