@@ -148,6 +148,10 @@ pub struct SimStore {
     state_seq: u64,
     /// Deferred copies: child → its base (rebuilt from the headers at boot).
     lazy: BTreeMap<ObjKey, Base>,
+    /// First child writes that made a deferred copy, and deferred copies completed (counts for
+    /// tests: the partial-copy paths ran).
+    pub deferred_copies_made: u64,
+    pub deferred_copies_completed: u64,
 }
 
 impl SimStore {
@@ -243,6 +247,7 @@ impl SimStore {
         self.disk.write(&n, 0, &obj.objfmt_header).map_err(err)?;
         self.disk.sync(&n).map_err(err)?;
         self.lazy.remove(key);
+        self.deferred_copies_completed += 1;
         Ok(())
     }
 
@@ -373,6 +378,7 @@ impl SimStore {
                         self.disk.create(&n).map_err(err)?;
                         *dir = true;
                         let base = Base { parent: src, parent_len: plen, present: 0 };
+                        self.deferred_copies_made += 1;
                         return self.apply_lazy(key, base, MemObject { objfmt_header, body }, version, &op, files);
                     }
                 }
