@@ -349,6 +349,19 @@ impl SimStore {
             DiskCmd::Apply { key, version, op, cow_from } => {
                 let n = name(&key);
                 let put = matches!(op, RepOp::Put { .. });
+                // As the real store: an object that would outgrow the largest object size is
+                // refused before anything is written (a write far past the end would otherwise
+                // allocate the gap).
+                let start_len = match (self.disk.exists(&n), cow_from) {
+                    (true, _) => self.disk.len(&n).map_err(err)?,
+                    (false, Some(src)) if self.disk.exists(&name(&src)) => self.disk.len(&name(&src)).map_err(err)?,
+                    _ => HEADER_BYTES,
+                }
+                .saturating_sub(HEADER_BYTES);
+                let len_bytes = len_after(start_len, &op);
+                if len_bytes > MAX_OBJECT_SIZE_BYTES as u64 {
+                    return Err(DiskErr::Io(format!("object {key:?} would be {len_bytes} bytes, larger than 4 MiB")));
+                }
                 if self.disk.exists(&n) {
                     // Children still reading this object's bytes get their own copy first.
                     self.complete_children_of(&key)?;

@@ -18,9 +18,10 @@ use volume::types::*;
 const META: NodeId = 99;
 const CLIENT_BASE: NodeId = 100;
 const SHARDS: u32 = 4;
-/// Four 4 KiB sectors: a child's first 512-byte write makes a deferred (partial) copy.
+/// Four 4 KiB sectors: a child's first block write makes a deferred (partial) copy.
 const OBJECT_BYTES: u32 = 16384;
-const BLOCK_BYTES: u32 = 512;
+/// Half a 4 KiB sector: a block write to an uncopied child object copies only part of it.
+const BLOCK_BYTES: u32 = 2048;
 const OBJECTS: u64 = 6;
 const BLOCKS: u64 = OBJECTS * (OBJECT_BYTES / BLOCK_BYTES) as u64;
 const TABLE: TableId = 1;
