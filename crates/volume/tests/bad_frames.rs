@@ -210,7 +210,12 @@ fn hostile_frames_get_an_error_or_a_close_and_others_keep_being_served() {
         c.meta(MetaReq::Create { name: "good-volume".into(), size_bytes: GOOD_VOLUME_BYTES, object_size_bytes: OBJECT_BYTES }).await.unwrap();
         let v = c.open("good-volume").await.unwrap();
         assert!(v.record().vol.id > 4);
-        let shards: Vec<String> = c.map().shards.iter().map(|s| s.addr.clone()).collect();
+        // Every shard's address, from the metadata service's map.
+        let shards: Vec<String> = match c.meta(MetaReq::GetMap).await.unwrap() {
+            MetaResp::Map(m) => m.shards.iter().map(|s| s.addr.clone()).collect(),
+            other => panic!("GetMap answered {other:?}"),
+        };
+        assert_eq!(shards.len(), 3, "{shards:?}");
         (c.clone(), v, c.meta_addr().to_string(), shards)
     });
     let round = AtomicUsize::new(0);
