@@ -192,7 +192,7 @@ impl<'a> Bytes<'a> {
         let n = self.u8() % 5;
         let shards = (0..n)
             .map(|i| ShardInfo {
-                id: if self.u8() % 8 == 0 { self.u32() } else { i as u32 + 1 },
+                id: if self.u8().is_multiple_of(8) { self.u32() } else { i as u32 + 1 },
                 addr: format!("s{i}"),
                 state: match self.u8() % 3 {
                     0 => ShardState::Up,
@@ -211,7 +211,7 @@ impl<'a> Bytes<'a> {
         let req = if !recent.is_empty() && self.bool() { recent[self.u8() as usize % recent.len()] } else { self.id() };
         let epoch = self.epoch();
         match self.u8() % 19 {
-            0 | 1 | 2 => Msg::Io { req, epoch, vol: self.vol(), objno: self.objno(), op: self.io_op() },
+            0..=2 => Msg::Io { req, epoch, vol: self.vol(), objno: self.objno(), op: self.io_op() },
             3 => Msg::Rep {
                 req,
                 epoch,
@@ -235,7 +235,7 @@ impl<'a> Bytes<'a> {
             15 => Msg::RepCollect { req, epoch, slot: self.slot(), from: self.id(), to: self.bool().then(|| self.id()) },
             16 => Msg::Pull { req, epoch, key: self.key() },
             17 => {
-                if self.u8() % 4 == 0 {
+                if self.u8().is_multiple_of(4) {
                     Msg::Map(self.map())
                 } else {
                     Msg::Ping { req }

@@ -1895,9 +1895,7 @@ mod tests {
     #[test]
     fn the_refill_holds_back_while_writes_are_served_but_never_below_its_floor() {
         let dir = tempdir();
-        let mut pool = quiet();
-        pool.free_slots_target = [0, 8, 0, 0];
-        pool.free_slots_max = [0, 8, 0, 0];
+        let pool = PoolOptions { free_slots_target: [0, 8, 0, 0], free_slots_max: [0, 8, 0, 0], ..quiet() };
         let s = FileStore::open_with(&dir, true, pool).unwrap();
         let free = |s: &FileStore| s.pool_stats().free_slots[1];
         // One 64 KiB object: the class is in use (and that write counts as serving writes).
