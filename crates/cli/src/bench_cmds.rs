@@ -128,7 +128,8 @@ where
 fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
     let quick = a.quick;
     on_cluster(&a, "volume.cow", verbose, |cluster, info, out, dir, mut report| async move {
-        let opts = volume::bench_cow::CowOptions::new(quick);
+        let mut opts = volume::bench_cow::CowOptions::new(quick);
+        opts.shard_pids = info.shards.iter().map(|s| s.pid).collect();
         volume::bench_cow::run(cluster.clone(), &opts, &out, &mut report).await?;
         // The plain volume through a real client: fio's NBD engine, 4 KiB random writes, depth 32.
         let seconds = if quick { 3 } else { 10 };

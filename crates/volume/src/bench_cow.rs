@@ -12,7 +12,14 @@
 //!
 //! After each batch of child writes the child is collapsed (promoted: the parent stays silent)
 //! and the next round works on a fresh child of the promoted volume, so every measured COW write
-//! hits a not-yet-copied object however long the run.
+//! hits a not-yet-copied object however long the run. Plain writes get the same care: within a
+//! round each goes to an object no earlier write of the round touched.
+//!
+//! Before every measured point (a write size, a depth) the benchmark waits until the shards'
+//! background disk work has settled ([`settle`]): the slot refill after the fill or after a
+//! burst of copies, garbage collection. Background work the measured writes cause themselves
+//! still lands in their point; the backlog of earlier steps does not, so the first point after
+//! `super` (depth 1) is not penalised for what the fill or the previous round left behind.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -41,14 +48,17 @@ pub struct CowOptions {
     /// Seconds per variant per round of the IOPS experiment (d), and rounds.
     pub iops_seconds: u64,
     pub iops_rounds: usize,
+    /// Process ids of the shards (when they run as processes on this machine): [`settle`]
+    /// watches their disk writes. Empty: no settling.
+    pub shard_pids: Vec<u32>,
 }
 
 impl CowOptions {
     pub fn new(quick: bool) -> Self {
         if quick {
-            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 64, iops_seconds: 3, iops_rounds: 2 }
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 64, iops_seconds: 3, iops_rounds: 2, shard_pids: vec![] }
         } else {
-            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 2000, iops_seconds: 10, iops_rounds: 4 }
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 2000, iops_seconds: 10, iops_rounds: 4, shard_pids: vec![] }
         }
     }
 
@@ -64,9 +74,10 @@ impl CowOptions {
         self.writes_per_point.min(200)
     }
 
-    /// Batches per depth in one round: about `batch_writes` writes at every depth, at least two.
+    /// Batches per depth in one round: about `batch_writes` writes at every depth, at least
+    /// four (with two, one stall of the machine decides a deep point's mean).
     fn depth_batches(&self, depth: usize) -> usize {
-        (self.batch_writes() / depth).max(2)
+        (self.batch_writes() / depth).max(4)
     }
 }
 
@@ -80,7 +91,8 @@ struct Variants {
     general_base: String,
     round: usize,
     object_size: u32,
-    /// Objects of the current super child (index 1) and general clone (2) not yet written.
+    /// Objects of the plain volume (index 0), the current super child (1) and general clone (2)
+    /// not yet written in this round.
     fresh: [Vec<u64>; 3],
     vols: [Option<Volume>; 3],
 }
@@ -102,7 +114,7 @@ impl Variants {
             Some(self.cluster.open(&child).await?),
             Some(self.cluster.open(&general).await?),
         ];
-        for f in &mut self.fresh[1..] {
+        for f in &mut self.fresh {
             *f = (0..objects).collect();
             f.shuffle(rng);
         }
@@ -130,6 +142,37 @@ impl Variants {
         Ok(f.split_off(f.len() - n))
     }
 }
+
+/// Waits until the shards' background disk work has settled: none of them has written a byte
+/// (`write_bytes` of `/proc/PID/io`, counted when pages are dirtied) for [`SETTLE_QUIET_MS`].
+/// Gives up after [`SETTLE_MAX_S`] (the point is then measured anyway). Returns seconds waited.
+pub async fn settle(pids: &[u32]) -> f64 {
+    let start = Instant::now();
+    let written = || -> Option<u64> {
+        pids.iter()
+            .map(|pid| {
+                let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+                io.lines().find_map(|l| l.strip_prefix("write_bytes:")).and_then(|v| v.trim().parse::<u64>().ok())
+            })
+            .sum()
+    };
+    let Some(mut last) = written() else { return 0.0 };
+    let mut quiet_since = Instant::now();
+    while quiet_since.elapsed() < Duration::from_millis(SETTLE_QUIET_MS) && start.elapsed() < Duration::from_secs(SETTLE_MAX_S) {
+        tokio::time::sleep(Duration::from_millis(SETTLE_POLL_MS)).await;
+        let now = written().unwrap_or(last);
+        if now != last {
+            last = now;
+            quiet_since = Instant::now();
+        }
+    }
+    start.elapsed().as_secs_f64()
+}
+
+/// How long the shards must not write for [`settle`], how often it looks, and its limit.
+const SETTLE_QUIET_MS: u64 = 300;
+const SETTLE_POLL_MS: u64 = 50;
+const SETTLE_MAX_S: u64 = 60;
 
 pub async fn wait_for_jobs(cluster: &Cluster) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -227,6 +270,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     let mut by_size: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut by_depth: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut samples: Vec<Vec<String>> = vec![];
+    let mut settle_s = 0.0;
 
     // (a) single COW writes of each size at depth 1, and (b) 4 KiB COW writes at each depth.
     let rounds = opts.writes_per_point.div_ceil(opts.batch_writes());
@@ -234,14 +278,11 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     for _ in 0..rounds {
         v.begin_round(objects, &mut rng).await?;
         for &size in &WRITE_SIZES_BYTES {
+            settle_s += settle(&opts.shard_pids).await;
             // Small batches, ABBA across variants.
             let per_batch = 8;
             for variant in bench::interleaved_order(opts.batch_writes() / per_batch, 3) {
-                let targets = if variant == 0 {
-                    (0..per_batch).map(|_| rng.gen_range(0..objects)).collect()
-                } else {
-                    v.take_fresh(variant, per_batch)?
-                };
+                let targets = v.take_fresh(variant, per_batch)?;
                 let vol = v.vols[variant].as_ref().unwrap();
                 for l in write_batches(vol, v.object_size, &targets, size, 1, &mut rng).await? {
                     by_size.entry((variant, size)).or_default().record(l);
@@ -253,8 +294,9 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         progress.inc(1);
         v.begin_round(objects, &mut rng).await?;
         for &depth in &DEPTHS {
+            settle_s += settle(&opts.shard_pids).await;
             for variant in bench::interleaved_order(opts.depth_batches(depth), 3) {
-                let targets = if variant == 0 { (0..depth).map(|_| rng.gen_range(0..objects)).collect() } else { v.take_fresh(variant, depth)? };
+                let targets = v.take_fresh(variant, depth)?;
                 let vol = v.vols[variant].as_ref().unwrap();
                 for l in write_batches(vol, v.object_size, &targets, 4096, depth, &mut rng).await? {
                     by_depth.entry((variant, depth as u32)).or_default().record(l);
@@ -272,6 +314,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     let mut iops_super = vec![];
     let mut progress = Progress::new((opts.iops_rounds * 2) as u64, "parent IOPS, super every second");
     for variant in bench::interleaved_order(opts.iops_rounds, 2) {
+        settle_s += settle(&opts.shard_pids).await;
         let vol = cluster.open(&v.base).await?;
         let seed = rng.gen();
         if variant == 0 {
@@ -290,6 +333,8 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     progress.finish();
     wait_for_jobs(&cluster).await?;
 
+    report.figure("settle_wait_s", settle_s)?;
+
     // Figures, ratios, CSV and plots.
     let mean = |m: &BTreeMap<_, LatencyRecorder>, k| m.get(&k).map(|r: &LatencyRecorder| r.mean_us()).unwrap_or(f64::NAN);
     for (i, name) in VARIANTS.iter().enumerate() {
@@ -303,8 +348,28 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     let avg = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
     report.figure("plain.parent.write_4k.depth32.iops", avg(&iops_plain))?;
     report.figure("super_every_1s.parent.write_4k.depth32.iops", avg(&iops_super))?;
-    // Depth 1 of (a) and (b) measure the same thing; (b) is interleaved with deeper batches.
-    report.ratio("super_vs_plain.write_4k.depth1.latency", mean(&by_size, (1, 4096)), mean(&by_size, (0, 4096)))?;
+    // Depth 1 of (a) and (b) measure the same thing (single 4 KiB writes to uncopied objects,
+    // after the shards settled): the ratio takes the samples of both.
+    let both = |variant: usize| {
+        let mut r = by_size[&(variant, 4096)].clone();
+        r.merge(&by_depth[&(variant, 1)]);
+        r.mean_us()
+    };
+    report.ratio("super_vs_plain.write_4k.depth1.latency", both(1), both(0))?;
+    // Medians too: on a loaded machine a few stalls of seconds decide a mean of 128 writes.
+    let both_p50 = |variant: usize| {
+        let mut r = by_size[&(variant, 4096)].clone();
+        r.merge(&by_depth[&(variant, 1)]);
+        r.percentile_us(50.0) as f64
+    };
+    report.ratio("super_vs_plain.write_4k.depth1.latency_p50", both_p50(1), both_p50(0))?;
+    report.ratio(
+        "super_vs_plain.write_4k.depth32.latency_p50",
+        by_depth[&(1, 32)].percentile_us(50.0) as f64,
+        by_depth[&(0, 32)].percentile_us(50.0) as f64,
+    )?;
+    report.ratio("super_vs_plain.size_sweep.write_4k.depth1.latency", mean(&by_size, (1, 4096)), mean(&by_size, (0, 4096)))?;
+    report.ratio("super_vs_plain.depth_sweep.write_4k.depth1.latency", mean(&by_depth, (1, 1)), mean(&by_depth, (0, 1)))?;
     report.ratio("super_vs_plain.write_4k.depth32.latency", mean(&by_depth, (1, 32)), mean(&by_depth, (0, 32)))?;
     report.ratio("general_vs_super.write_4k.depth32.latency", mean(&by_depth, (2, 32)), mean(&by_depth, (1, 32)))?;
     report.ratio("general_vs_super.write_4k.depth1.latency", mean(&by_size, (2, 4096)), mean(&by_size, (1, 4096)))?;

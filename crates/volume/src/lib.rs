@@ -4,6 +4,13 @@
 //! * [`shard_core`]: the storage shard as a deterministic state machine: primary-copy
 //!   replication, collocated-clone copy-on-write, the dirty / allow-write tracking protocol,
 //!   garbage collection and re-replication.
+//! * [`store`]: the shard's object store in pre-allocated slot files, with deferred
+//!   (sector-wise) copy-on-write; [`sim_store`]: the same semantics on the simulator's disk.
+//! * [`shard_server`], [`meta`], [`client`]: the tokio drivers (shard, metadata service, volume
+//!   client); [`testkit`] runs them in one process.
+//! * [`bench_cow`], [`bench_trace`]: `understudy bench volume cow` and `recovery-trace`.
+//! * [`fuzzing`]: hostile protocol input for the cargo-fuzz targets (`crates/volume/fuzz`) and
+//!   the property tests.
 
 pub mod shard_core;
 pub mod types;
@@ -16,3 +23,4 @@ pub mod bench_cow;
 pub mod bench_trace;
 pub mod objfmt;
 pub mod testkit;
+pub mod fuzzing;

@@ -546,6 +546,21 @@ impl ShardCore {
     // ---- messages -----------------------------------------------------------------------------
 
     fn on_msg(&mut self, from: Peer, msg: Msg) {
+        if let Peer::Client(_) = from {
+            // A client connection may only do I/O (and ping). Control and replication messages
+            // come from the metadata service and from shards; a reply from a client could
+            // otherwise pass for a replica's acknowledgement of the same request id.
+            match &msg {
+                Msg::Io { .. } | Msg::Ping { .. } => {}
+                Msg::Reply { .. } | Msg::Map(_) | Msg::Recovered { .. } | Msg::Register { .. } => return,
+                other => {
+                    if let Some(req) = request_id(other) {
+                        self.reply((from, req), Err(IoErr::BadRequest("clients may only send I/O".into())));
+                    }
+                    return;
+                }
+            }
+        }
         match msg {
             Msg::Map(map) => self.on_map(map),
             Msg::Reply { req, result } => self.on_reply(req, result),
@@ -1826,5 +1841,28 @@ impl ShardCore {
             self.send_request(Target::Shard(peer), Msg::Pull { req: 0, epoch, key }, Owner::Recovery);
         }
     }
+}
+
+/// The request id of a request message (`None` for messages that are not requests).
+pub fn request_id(m: &Msg) -> Option<ReqId> {
+    Some(match m {
+        Msg::Io { req, .. }
+        | Msg::Rep { req, .. }
+        | Msg::Permission { req, .. }
+        | Msg::Super { req, .. }
+        | Msg::Track { req, .. }
+        | Msg::Collapse { req, .. }
+        | Msg::EndSuper { req, .. }
+        | Msg::Gc { req, .. }
+        | Msg::DeleteVolume { req, .. }
+        | Msg::ListObjects { req, .. }
+        | Msg::SlotVersions { req, .. }
+        | Msg::RepDelete { req, .. }
+        | Msg::RepSync { req, .. }
+        | Msg::RepCollect { req, .. }
+        | Msg::Pull { req, .. }
+        | Msg::Ping { req } => *req,
+        Msg::Map(_) | Msg::Recovered { .. } | Msg::Register { .. } | Msg::Reply { .. } => return None,
+    })
 }
 

@@ -127,6 +127,13 @@ const REFILL_BATCH_MAX_SLOTS: usize = 64;
 /// The refill looks at the pool at least this often, even when nobody woke it; a class whose
 /// writes all found a free slot for this long has its target lowered by a quarter.
 const REFILL_PERIOD_MS: u64 = 1000;
+/// While the shard is serving writes, the refill holds back (so its batches of zeroes and their
+/// fdatasyncs do not queue in front of the writes' own) as long as a class keeps at least this
+/// share of its target ready: one slot in `REFILL_FLOOR_DIVISOR` of the target, at least one.
+const REFILL_FLOOR_DIVISOR: usize = 4;
+/// A write this recent counts as the shard serving writes; a held-back refill looks again after
+/// this long.
+const REFILL_YIELD_MS: u64 = 50;
 /// Zeroes are written in pieces of at most this many bytes when a slot is created.
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
 
@@ -137,10 +144,10 @@ const _: () = assert!(24 + 4 * MAX_CRC_BLOCKS <= TRAILER_AT);
 const _: () = assert!(TRAILER_AT + BASE_AT + 52 <= HEADER_CRC_AT);
 
 /// A child's first write copies only the 4 KiB sectors it touches (see [`Base`]).
-const LAZY_SECTOR_BYTES: u64 = 4096;
+pub(crate) const LAZY_SECTOR_BYTES: u64 = 4096;
 /// Copies are deferred for objects of the 64 KiB class (the default object size: 16 sectors);
 /// bigger objects are copied whole on the first write, as before.
-const LAZY_CLASS: usize = 1;
+pub(crate) const LAZY_CLASS: usize = 1;
 const _: () = assert!(CLASS_DATA_BYTES[LAZY_CLASS] / LAZY_SECTOR_BYTES <= 32);
 /// Where the deferred-copy fields start in the slot trailer, and their magic.
 const BASE_AT: usize = 56;
@@ -497,9 +504,9 @@ fn body_write_offset(header: &mut [u8; HEADER_COPY_BYTES], data: &[u8], offset: 
 
 /// An object built in memory before it goes into a fresh slot in one write: a new object, a
 /// copy-on-write copy of its parent, or an object moving to a bigger class.
-struct MemObject {
-    objfmt_header: [u8; HEADER_COPY_BYTES],
-    body: Vec<u8>,
+pub(crate) struct MemObject {
+    pub(crate) objfmt_header: [u8; HEADER_COPY_BYTES],
+    pub(crate) body: Vec<u8>,
 }
 
 impl ObjFile for MemObject {
@@ -550,7 +557,7 @@ impl ObjFile for MemObject {
 }
 
 /// The object's length after `op`, as [`objfmt::apply`] makes it.
-fn len_after(len_bytes: u64, op: &RepOp) -> u64 {
+pub(crate) fn len_after(len_bytes: u64, op: &RepOp) -> u64 {
     match op {
         RepOp::Put { data } => data.len() as u64,
         RepOp::Write { data, .. } if data.is_empty() => len_bytes,
@@ -619,6 +626,9 @@ struct Inner {
     refill_wanted: Mutex<bool>,
     refill_cv: Condvar,
     shutdown: AtomicBool,
+    /// When the last mutating command started, in µs since `opened` (0: none yet).
+    last_write_us: AtomicU64,
+    opened: std::time::Instant,
 }
 
 pub struct FileStore {
@@ -705,6 +715,8 @@ impl FileStore {
             refill_wanted: Mutex::new(false),
             refill_cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
+            last_write_us: AtomicU64::new(0),
+            opened: std::time::Instant::now(),
         };
         inner.make_dirs().map_err(|e| format!("{} is not a usable shard data directory: {e}", root.display()))?;
         inner.scan().map_err(|e| format!("cannot read the slots of {}: {e}", root.display()))?;
@@ -826,6 +838,9 @@ impl Inner {
     }
 
     fn run(&self, cmd: DiskCmd) -> Result<DiskOut, DiskErr> {
+        if matches!(cmd, DiskCmd::Apply { .. } | DiskCmd::Delete { .. } | DiskCmd::Rename { .. }) {
+            self.last_write_us.store((self.opened.elapsed().as_micros() as u64).max(1), Ordering::Relaxed);
+        }
         match cmd {
             DiskCmd::Read { key, offset, len } => {
                 let mut buf = vec![0u8; len as usize];
@@ -1256,12 +1271,14 @@ impl Inner {
 
     fn refill_loop(&self) {
         let mut last_decay = std::time::Instant::now();
+        let mut held_back = false;
         loop {
             {
                 let wanted = self.refill_wanted.lock().unwrap();
+                let period = if held_back { REFILL_YIELD_MS } else { REFILL_PERIOD_MS };
                 let (mut wanted, _) = self
                     .refill_cv
-                    .wait_timeout_while(wanted, Duration::from_millis(REFILL_PERIOD_MS), |w| {
+                    .wait_timeout_while(wanted, Duration::from_millis(period), |w| {
                         !*w && !self.shutdown.load(Ordering::SeqCst)
                     })
                     .unwrap();
@@ -1281,35 +1298,47 @@ impl Inner {
                     }
                 }
             }
+            held_back = false;
             for class in 0..CLASSES {
-                self.refill(class);
+                held_back |= self.refill(class);
                 self.trim(class);
             }
         }
     }
 
+    /// Whether a write started in the last [`REFILL_YIELD_MS`].
+    fn serving_writes(&self) -> bool {
+        let last = self.last_write_us.load(Ordering::Relaxed);
+        last != 0 && (self.opened.elapsed().as_micros() as u64).saturating_sub(last) < REFILL_YIELD_MS * 1000
+    }
+
     /// Tops up the free slots of a class in use, in batches, while the disk has room to spare.
-    fn refill(&self, class: usize) {
+    /// Returns true if it held back for the shard's writes (see [`REFILL_FLOOR_DIVISOR`]): the
+    /// loop then looks again soon.
+    fn refill(&self, class: usize) -> bool {
         loop {
             if self.shutdown.load(Ordering::SeqCst) {
-                return;
+                return false;
             }
             let (free, in_use, target) = {
                 let idx = self.index.lock().unwrap();
                 (idx.free[class].len(), idx.in_use[class], idx.target[class])
             };
             if !in_use || free >= target {
-                return;
+                return false;
+            }
+            if free >= (target / REFILL_FLOOR_DIVISOR).max(1) && self.serving_writes() {
+                return true;
             }
             let batch_slots = ((REFILL_BATCH_BYTES / slot_file_bytes(class)).max(1) as usize).min(REFILL_BATCH_MAX_SLOTS);
             let count = (target - free).min(batch_slots);
             let need_bytes = count as u64 * slot_file_bytes(class);
             match available_bytes(&self.root) {
                 Ok(avail) if avail >= self.pool.reserve_bytes + need_bytes => {}
-                Ok(_) => return, // the disk is nearly full: leave its space to writes
+                Ok(_) => return false, // the disk is nearly full: leave its space to writes
                 Err(e) => {
                     tracing::warn!("slot refill cannot check free space: {e}");
-                    return;
+                    return false;
                 }
             }
             match self.create_slots(class, count) {
@@ -1321,7 +1350,7 @@ impl Inner {
                 }
                 Err(e) => {
                     tracing::warn!("slot refill of class {} failed: {e}", CLASS_DIR_NAMES[class]);
-                    return;
+                    return false;
                 }
             }
         }
@@ -1860,6 +1889,36 @@ mod tests {
             s.run(DiskCmd::Delete { key: key(i, 1) }).unwrap();
         }
         wait_until("trimmed to the maximum", &|st| st.free_slots[1] == 8 && s.slot_files() == 9);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_refill_holds_back_while_writes_are_served_but_never_below_its_floor() {
+        let dir = tempdir();
+        let pool = PoolOptions { free_slots_target: [0, 8, 0, 0], free_slots_max: [0, 8, 0, 0], ..quiet() };
+        let s = FileStore::open_with(&dir, true, pool).unwrap();
+        let free = |s: &FileStore| s.pool_stats().free_slots[1];
+        // One 64 KiB object: the class is in use (and that write counts as serving writes).
+        write(&s, key(1, 1), 1, 0, vec![1; 10_000]);
+        assert_eq!(free(&s), 0);
+        // Below the floor (8 / 4 = 2 slots): the refill tops up whatever the shard is doing.
+        assert!(s.inner.serving_writes());
+        assert!(!s.inner.refill(1));
+        assert_eq!(free(&s), 8);
+        // Above the floor while writes are served: it holds back and says so.
+        for i in 0..5 {
+            s.inner.take_slot(1).unwrap();
+            assert_eq!(free(&s), 7 - i);
+        }
+        s.inner.last_write_us.store((s.inner.opened.elapsed().as_micros() as u64).max(1), Ordering::Relaxed);
+        assert!(s.inner.refill(1));
+        assert_eq!(free(&s), 3);
+        // Once the writes are older than the yield window, it tops up.
+        std::thread::sleep(Duration::from_millis(REFILL_YIELD_MS + 10));
+        assert!(!s.inner.serving_writes());
+        assert!(!s.inner.refill(1));
+        assert_eq!(free(&s), 8);
+        drop(s);
         fs::remove_dir_all(&dir).unwrap();
     }
 
