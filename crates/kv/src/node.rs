@@ -1045,11 +1045,16 @@ impl NodeCore {
                         self.advance(now_us, &key);
                     }
                     _ => {
-                        // A late ACK for a write already finished here: repeat its VAL.
+                        // A late ACK for a write already finished here: repeat its VAL. The
+                        // persistency half only to an ACK_P: `gdp` may date from an earlier
+                        // epoch whose members did not include the sender (a recovering node
+                        // acking a replay), and a VAL_P must not reach a replica whose NVM does
+                        // not hold the version yet (Table IV, 3b). Its ACK_P follows once it
+                        // has persisted, and gets the VAL_P then.
                         if k.ts == ts && k.valid {
-                            let gdp = k.gdp;
+                            let p = k.gdp && p;
                             let epoch = self.config.epoch;
-                            self.send(from, PeerMsg::Val { epoch, key, ts, c: true, p: gdp });
+                            self.send(from, PeerMsg::Val { epoch, key, ts, c: true, p });
                         }
                     }
                 }
@@ -1451,6 +1456,79 @@ impl NodeCore {
                 }
             }
             Phase::Applying => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(epoch: u64, active: &[NodeId], recovering: &[NodeId]) -> Config {
+        Config {
+            epoch,
+            nodes: vec![0, 1, 2],
+            active: active.iter().copied().collect(),
+            recovering: recovering.iter().copied().collect(),
+        }
+    }
+
+    fn persist_all(n: &mut NodeCore, now: u64) {
+        loop {
+            let seqs: Vec<u64> = n
+                .take_outputs()
+                .into_iter()
+                .filter_map(|o| match o {
+                    Output::Persist { seq, .. } => Some(seq),
+                    _ => None,
+                })
+                .collect();
+            if seqs.is_empty() {
+                return;
+            }
+            for s in seqs {
+                n.on_persisted(now, s);
+            }
+        }
+    }
+
+    /// Regression for the model-check finding (MODEL_EAGER_TIMEOUTS=1, Strict and Eventual):
+    /// a write made globally durable in epoch 2 (members 1, 2) gets a late ACK with only
+    /// ACK_C from node 0, which came back as a recovering node in epoch 3 and has not
+    /// persisted the version. The repeated VAL must not carry VAL_P (Table IV, 3b); the
+    /// node's ACK_P, once it persisted, gets it.
+    #[test]
+    fn late_ack_c_from_recovering_node_gets_no_val_p() {
+        for model in [Model::Strict, Model::Eventual, Model::ReadEnforced] {
+            let mut n = NodeCore::new(NodeParams::new(1, model), LogState::default());
+            n.on_heartbeat(0, Heartbeat { seq: 0, config: cfg(1, &[0, 1, 2], &[]) });
+            persist_all(&mut n, 0);
+            n.on_heartbeat(1, Heartbeat { seq: 1, config: cfg(2, &[1, 2], &[]) });
+            n.take_outputs();
+            let key = b"b".to_vec();
+            n.on_client(2, 7, ClientOp::Put { key: key.clone(), value: b"v".to_vec(), scope: None });
+            persist_all(&mut n, 2);
+            let ts = Ts { version: 1, node: 1 };
+            n.on_peer(3, 2, PeerMsg::Ack { epoch: 2, key: key.clone(), ts, c: true, p: true });
+            let outs = n.take_outputs();
+            assert!(
+                outs.contains(&Output::Reply { tag: 7, result: ClientResult::Done }),
+                "{model}: write done in epoch 2: {outs:?}"
+            );
+            n.on_heartbeat(4, Heartbeat { seq: 2, config: cfg(3, &[1, 2], &[0]) });
+            n.take_outputs();
+            let val_to_0 = |outs: Vec<Output>| -> Vec<(bool, bool)> {
+                outs.into_iter()
+                    .filter_map(|o| match o {
+                        Output::Send { to: 0, msg: PeerMsg::Val { c, p, .. } } => Some((c, p)),
+                        _ => None,
+                    })
+                    .collect()
+            };
+            n.on_peer(5, 0, PeerMsg::Ack { epoch: 3, key: key.clone(), ts, c: true, p: false });
+            assert_eq!(val_to_0(n.take_outputs()), vec![(true, false)], "{model}");
+            n.on_peer(6, 0, PeerMsg::Ack { epoch: 3, key: key.clone(), ts, c: false, p: true });
+            assert_eq!(val_to_0(n.take_outputs()), vec![(true, true)], "{model}");
         }
     }
 }
