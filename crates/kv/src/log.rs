@@ -30,6 +30,10 @@ pub enum LogRecord {
     Boot { node: u32 },
     Put { key: Vec<u8>, ts: Ts, value: Vec<u8> },
     Mark { key: Vec<u8>, ts: Ts },
+    /// The node became an active, complete member of configuration `epoch` (`whole`: no node
+    /// was absent). Everything it applies later follows this record: the "log id" the
+    /// reactive-log baseline reads from (§II-C, ZooKeeper's zxid), and where compaction cuts.
+    Epoch { epoch: u64, whole: bool },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -85,15 +89,19 @@ pub struct LogState {
     /// flag is clear.
     pub partially: BTreeMap<Vec<u8>, (Ts, Vec<u8>)>,
     pub records: usize,
+    /// The newest [`LogRecord::Epoch`]: the last configuration this node was complete in.
+    pub last_epoch: u64,
 }
 
 /// Replays records into a [`LogState`].
 pub fn rebuild(records: &[LogRecord]) -> LogState {
     let mut puts: BTreeMap<Vec<u8>, BTreeMap<Ts, (Vec<u8>, bool)>> = BTreeMap::new();
     let mut booted = false;
+    let mut last_epoch = 0;
     for r in records {
         match r {
             LogRecord::Boot { .. } => booted = true,
+            LogRecord::Epoch { epoch, .. } => last_epoch = last_epoch.max(*epoch),
             LogRecord::Put { key, ts, value } => {
                 let e = puts.entry(key.clone()).or_default().entry(*ts).or_insert((Vec::new(), false));
                 e.0 = value.clone();
@@ -110,6 +118,7 @@ pub fn rebuild(records: &[LogRecord]) -> LogState {
     let mut st = LogState {
         booted,
         records: records.len(),
+        last_epoch,
         ..Default::default()
     };
     for (key, versions) in puts {
@@ -127,6 +136,156 @@ pub fn rebuild(records: &[LogRecord]) -> LogState {
     st
 }
 
+/// A request to read a node's log from a point (the reactive-log baseline, §II-C).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LogCursor {
+    /// The recovering node's last epoch as a complete member (its newest `Epoch` record).
+    pub since_epoch: u64,
+    /// Log generation `pos` belongs to (compaction starts a new one).
+    pub gen: u64,
+    /// Byte offset to continue from; `None`: find the point for `since_epoch` first.
+    pub pos: Option<u64>,
+}
+
+/// What a log read returns.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LogChunk {
+    /// False: no `Epoch` record old enough is left (never written, or compacted away): the
+    /// log cannot serve this node and recovery falls back to a full copy.
+    pub found: bool,
+    pub gen: u64,
+    /// Every update in log order from the point, redundant ones included.
+    pub puts: Vec<(Vec<u8>, Ts, Vec<u8>)>,
+    pub next_pos: u64,
+    /// The read reached the end of the log.
+    pub at_end: bool,
+}
+
+/// Where a read for `since_epoch` starts: the newest `Epoch` record of an *earlier*
+/// configuration (one configuration of slack: a write in flight while the recovering node
+/// adopted its last configuration was applied here before this node's record of it), or the
+/// genesis one. `markers` are (epoch, offset) in log order.
+pub fn start_offset(markers: &[(u64, u64)], since_epoch: u64) -> Option<u64> {
+    if since_epoch == 0 {
+        return None;
+    }
+    markers
+        .iter()
+        .rev()
+        .find(|(e, _)| *e < since_epoch || *e == 1)
+        .filter(|(e, _)| *e <= since_epoch)
+        .map(|(_, o)| *o)
+}
+
+/// Reads up to about `max_bytes` of updates at `cursor` from a log of `len` bytes whose
+/// `Epoch` records are `markers`; `read_at(offset, len)` reads the file.
+pub fn read_chunk(
+    markers: &[(u64, u64)],
+    gen: u64,
+    len: u64,
+    cursor: &LogCursor,
+    max_bytes: usize,
+    mut read_at: impl FnMut(u64, usize) -> std::io::Result<Vec<u8>>,
+) -> std::io::Result<LogChunk> {
+    let start = match cursor.pos {
+        Some(p) if cursor.gen == gen && p <= len => Some(p),
+        _ => start_offset(markers, cursor.since_epoch),
+    };
+    let Some(mut pos) = start else {
+        return Ok(LogChunk { found: false, gen, ..Default::default() });
+    };
+    let mut out = LogChunk { found: true, gen, ..Default::default() };
+    let mut bytes_out = 0usize;
+    while pos < len && bytes_out < max_bytes {
+        let want = ((len - pos) as usize).min(max_bytes.max(MAX_RECORD_BYTES + 8));
+        let buf = read_at(pos, want)?;
+        let mut at = 0usize;
+        while at + 8 <= buf.len() && bytes_out < max_bytes {
+            let n = u32::from_le_bytes(buf[at..at + 4].try_into().unwrap()) as usize;
+            if at + 8 + n > buf.len() {
+                break;
+            }
+            let Some(rec) = decode_one(&buf[at..at + 8 + n]) else {
+                // A corrupt record inside the valid length cannot be: stop as at a torn tail.
+                out.next_pos = pos + at as u64;
+                out.at_end = true;
+                return Ok(out);
+            };
+            at += 8 + n;
+            if let LogRecord::Put { key, ts, value } = rec {
+                bytes_out += key.len() + value.len() + 24;
+                out.puts.push((key, ts, value));
+            }
+        }
+        if at == 0 {
+            break; // a record larger than the read (cannot happen below MAX_RECORD_BYTES)
+        }
+        pos += at as u64;
+    }
+    out.next_pos = pos;
+    out.at_end = pos >= len;
+    Ok(out)
+}
+
+fn decode_one(b: &[u8]) -> Option<LogRecord> {
+    let (recs, used) = decode_all(b);
+    (used == b.len() && recs.len() == 1).then(|| recs.into_iter().next().unwrap())
+}
+
+/// Offsets of the `Epoch` records in a log image, and the byte length of its valid prefix.
+pub fn scan_markers(bytes: &[u8]) -> (Vec<(u64, u64)>, usize) {
+    let mut markers = Vec::new();
+    let mut pos = 0;
+    while pos + 8 <= bytes.len() {
+        let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
+        if len > MAX_RECORD_BYTES || pos + 8 + len > bytes.len() {
+            break;
+        }
+        let Some(rec) = decode_one(&bytes[pos..pos + 8 + len]) else { break };
+        if let LogRecord::Epoch { epoch, .. } = rec {
+            markers.push((epoch, pos as u64));
+        }
+        pos += 8 + len;
+    }
+    (markers, pos)
+}
+
+/// The records that stand for `records` once compacted: the Boot record, then per key its
+/// committed base (Put + Mark) and its Partially_persisted entry. Intermediate versions, old
+/// `Epoch` records and flags of superseded versions go.
+pub fn snapshot_records(records: &[LogRecord]) -> Vec<LogRecord> {
+    let st = rebuild(records);
+    let mut out = Vec::new();
+    if let Some(b) = records.iter().find(|r| matches!(r, LogRecord::Boot { .. })) {
+        out.push(b.clone());
+    }
+    for (key, (ts, value)) in &st.base {
+        out.push(LogRecord::Put { key: key.clone(), ts: *ts, value: value.clone() });
+        out.push(LogRecord::Mark { key: key.clone(), ts: *ts });
+    }
+    for (key, (ts, value)) in &st.partially {
+        out.push(LogRecord::Put { key: key.clone(), ts: *ts, value: value.clone() });
+    }
+    out
+}
+
+/// Where compaction may cut a log: before the second-newest `Epoch` record of a whole group
+/// (a node that left after it can still be served by the reactive baseline), unless the tail
+/// from there is over `max_tail_bytes` (then everything is compacted, and such a node gets a
+/// full copy, as ZooKeeper sends a snapshot to a learner too far behind).
+pub fn compaction_cut(whole_markers: &[u64], len: u64, max_tail_bytes: u64) -> u64 {
+    let cut = match whole_markers {
+        [.., a, _] => *a,
+        [a] => *a,
+        [] => len,
+    };
+    if len - cut > max_tail_bytes {
+        len
+    } else {
+        cut
+    }
+}
+
 /// Durable storage of a node's log.
 pub trait PmLog {
     /// Appends records and makes them durable before returning.
@@ -140,46 +299,161 @@ pub trait PmLog {
 /// The runtime log: an `O_DSYNC` file, so each append returns once it is on stable storage.
 /// `extra_persist_latency` is added to every durable append to model NVM slower than the disk
 /// cache (zero by default).
+///
+/// Bounded: once the file has grown past `compact_min_bytes` and twice its size after the last
+/// compaction, it is rewritten as a snapshot of what precedes the cut of [`compaction_cut`]
+/// followed by the tail after it, verbatim (written to a temporary file, synced, renamed).
 pub struct FileLog {
+    path: std::path::PathBuf,
     file: File,
     dsync: File,
     extra_persist_latency: Duration,
+    len: u64,
+    gen: u64,
+    /// (epoch, offset, whole) of every `Epoch` record.
+    markers: Vec<(u64, u64, bool)>,
+    pub compact_min_bytes: u64,
+    pub max_tail_bytes: u64,
+    compacted_len: u64,
+    pub compactions: u64,
 }
+
+/// Default for [`FileLog::compact_min_bytes`].
+pub const COMPACT_MIN_BYTES: u64 = 64 << 20;
+/// Default for [`FileLog::max_tail_bytes`].
+pub const MAX_TAIL_BYTES: u64 = 256 << 20;
 
 impl FileLog {
     pub fn open(path: &Path, extra_persist_latency: Duration) -> Result<Self, LogError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .append(true)
-            .create(true)
-            .open(path)?;
-        let dsync = OpenOptions::new()
-            .append(true)
-            .custom_flags(libc::O_DSYNC)
-            .open(path)?;
+        let (file, dsync) = Self::open_files(path)?;
         let mut me = FileLog {
+            path: path.to_path_buf(),
             file,
             dsync,
             extra_persist_latency,
+            len: 0,
+            gen: 0,
+            markers: Vec::new(),
+            compact_min_bytes: COMPACT_MIN_BYTES,
+            max_tail_bytes: MAX_TAIL_BYTES,
+            compacted_len: 0,
+            compactions: 0,
         };
-        // Cut a torn tail so new records follow the valid prefix.
-        let mut bytes = Vec::new();
-        me.file.read_to_end(&mut bytes)?;
-        let (_, valid) = decode_all(&bytes);
-        if valid < bytes.len() {
-            me.file.set_len(valid as u64)?;
-            me.file.sync_data()?;
-        }
+        me.load()?;
+        me.compacted_len = me.len;
         Ok(me)
+    }
+
+    fn open_files(path: &Path) -> Result<(File, File), LogError> {
+        let file = OpenOptions::new().read(true).append(true).create(true).open(path)?;
+        let dsync = OpenOptions::new().append(true).custom_flags(libc::O_DSYNC).open(path)?;
+        Ok((file, dsync))
+    }
+
+    /// Reads the file: cuts a torn tail so new records follow the valid prefix, indexes markers.
+    fn load(&mut self) -> Result<Vec<LogRecord>, LogError> {
+        use std::io::Seek;
+        self.file.seek(std::io::SeekFrom::Start(0))?;
+        let mut bytes = Vec::new();
+        self.file.read_to_end(&mut bytes)?;
+        let (recs, valid) = decode_all(&bytes);
+        if valid < bytes.len() {
+            self.file.set_len(valid as u64)?;
+            self.file.sync_data()?;
+        }
+        self.len = valid as u64;
+        self.markers.clear();
+        let mut pos = 0u64;
+        for r in &recs {
+            if let LogRecord::Epoch { epoch, whole } = r {
+                self.markers.push((*epoch, pos, *whole));
+            }
+            pos += encode(r).len() as u64;
+        }
+        Ok(recs)
+    }
+
+    fn encode_batch(&mut self, recs: &[LogRecord]) -> Vec<u8> {
+        let mut buf = Vec::new();
+        for r in recs {
+            if let LogRecord::Epoch { epoch, whole } = r {
+                self.markers.push((*epoch, self.len + buf.len() as u64, *whole));
+            }
+            buf.extend_from_slice(&encode(r));
+        }
+        self.len += buf.len() as u64;
+        buf
+    }
+
+    /// Bytes in the log file.
+    pub fn len_bytes(&self) -> u64 {
+        self.len
+    }
+
+    /// Reads about `max_bytes` of updates at `cursor` (see [`read_chunk`]).
+    pub fn read_chunk(&self, cursor: &LogCursor, max_bytes: usize) -> Result<LogChunk, LogError> {
+        use std::os::unix::fs::FileExt;
+        let markers: Vec<(u64, u64)> = self.markers.iter().map(|(e, o, _)| (*e, *o)).collect();
+        Ok(read_chunk(&markers, self.gen, self.len, cursor, max_bytes, |off, n| {
+            let mut buf = vec![0u8; n];
+            self.file.read_exact_at(&mut buf, off)?;
+            Ok(buf)
+        })?)
+    }
+
+    /// Compacts the log if it has grown enough (see the type's docs). Returns whether it did.
+    pub fn maybe_compact(&mut self) -> Result<bool, LogError> {
+        if self.len < self.compact_min_bytes || self.len < 2 * self.compacted_len {
+            return Ok(false);
+        }
+        self.compact()?;
+        Ok(true)
+    }
+
+    /// Rewrites the log now.
+    pub fn compact(&mut self) -> Result<(), LogError> {
+        let whole: Vec<u64> = self.markers.iter().filter(|m| m.2).map(|m| m.1).collect();
+        let cut = compaction_cut(&whole, self.len, self.max_tail_bytes);
+        let recs = self.load()?;
+        let mut head = Vec::new();
+        let mut pos = 0u64;
+        let mut tail_from = recs.len();
+        for (i, r) in recs.iter().enumerate() {
+            if pos >= cut {
+                tail_from = i;
+                break;
+            }
+            pos += encode(r).len() as u64;
+            head.push(r.clone());
+        }
+        let mut out = Vec::new();
+        for r in snapshot_records(&head).iter().chain(&recs[tail_from..]) {
+            out.extend_from_slice(&encode(r));
+        }
+        let tmp = self.path.with_extension("compact");
+        {
+            let mut f = File::create(&tmp)?;
+            f.write_all(&out)?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, &self.path)?;
+        if let Some(dir) = self.path.parent() {
+            File::open(dir)?.sync_all()?;
+        }
+        let (file, dsync) = Self::open_files(&self.path)?;
+        self.file = file;
+        self.dsync = dsync;
+        self.load()?;
+        self.gen += 1;
+        self.compacted_len = self.len;
+        self.compactions += 1;
+        Ok(())
     }
 }
 
 impl PmLog for FileLog {
     fn append_durable(&mut self, recs: &[LogRecord]) -> Result<(), LogError> {
-        let mut buf = Vec::new();
-        for r in recs {
-            buf.extend_from_slice(&encode(r));
-        }
+        let buf = self.encode_batch(recs);
         self.dsync.write_all(&buf)?;
         if !self.extra_persist_latency.is_zero() {
             std::thread::sleep(self.extra_persist_latency);
@@ -188,10 +462,7 @@ impl PmLog for FileLog {
     }
 
     fn append_lazy(&mut self, recs: &[LogRecord]) -> Result<(), LogError> {
-        let mut buf = Vec::new();
-        for r in recs {
-            buf.extend_from_slice(&encode(r));
-        }
+        let buf = self.encode_batch(recs);
         self.file.write_all(&buf)?;
         Ok(())
     }

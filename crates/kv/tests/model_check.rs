@@ -336,7 +336,7 @@ impl Check {
                         s.outstanding.retain(|_, node| *node != id);
                         return;
                     }
-                    Output::Recovered(_) => {}
+                    Output::Recovered(_) | Output::ReadLog { .. } => {}
                 }
             }
         }
