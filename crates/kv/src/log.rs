@@ -91,49 +91,122 @@ pub struct LogState {
     pub records: usize,
     /// The newest [`LogRecord::Epoch`]: the last configuration this node was complete in.
     pub last_epoch: u64,
+    /// The node id of the first `Boot` record.
+    pub boot_node: Option<u32>,
 }
 
 /// Replays records into a [`LogState`].
 pub fn rebuild(records: &[LogRecord]) -> LogState {
-    let mut puts: BTreeMap<Vec<u8>, BTreeMap<Ts, (Vec<u8>, bool)>> = BTreeMap::new();
-    let mut booted = false;
-    let mut last_epoch = 0;
+    let mut b = Rebuilder::default();
     for r in records {
+        b.push(r.clone());
+    }
+    b.finish()
+}
+
+/// Builds a [`LogState`] one record at a time (a log of any size streams through it). Per key
+/// it keeps only the versions that can still matter: a `Mark` drops every older version.
+#[derive(Default)]
+pub struct Rebuilder {
+    puts: BTreeMap<Vec<u8>, Vec<(Ts, Vec<u8>, bool)>>,
+    boot_node: Option<u32>,
+    last_epoch: u64,
+    records: usize,
+}
+
+impl Rebuilder {
+    pub fn push(&mut self, r: LogRecord) {
+        self.records += 1;
         match r {
-            LogRecord::Boot { .. } => booted = true,
-            LogRecord::Epoch { epoch, .. } => last_epoch = last_epoch.max(*epoch),
+            LogRecord::Boot { node } => {
+                self.boot_node.get_or_insert(node);
+            }
+            LogRecord::Epoch { epoch, .. } => self.last_epoch = self.last_epoch.max(epoch),
             LogRecord::Put { key, ts, value } => {
-                let e = puts.entry(key.clone()).or_default().entry(*ts).or_insert((Vec::new(), false));
-                e.0 = value.clone();
+                let v = self.puts.entry(key).or_default();
+                match v.binary_search_by_key(&ts, |e| e.0) {
+                    Ok(i) => v[i].1 = value,
+                    Err(i) => v.insert(i, (ts, value, false)),
+                }
             }
             LogRecord::Mark { key, ts } => {
                 // A mark may precede its put in the file only if the put was never made
                 // durable; such a mark refers to nothing.
-                if let Some(e) = puts.get_mut(key).and_then(|m| m.get_mut(ts)) {
-                    e.1 = true;
+                if let Some(v) = self.puts.get_mut(&key) {
+                    if let Ok(i) = v.binary_search_by_key(&ts, |e| e.0) {
+                        v[i].2 = true;
+                        v.drain(..i);
+                    }
                 }
             }
         }
     }
-    let mut st = LogState {
-        booted,
-        records: records.len(),
-        last_epoch,
-        ..Default::default()
-    };
-    for (key, versions) in puts {
-        let base = versions.iter().rev().find(|(_, (_, marked))| *marked);
-        if let Some((ts, (v, _))) = base {
-            st.base.insert(key.clone(), (*ts, v.clone()));
-        }
-        let base_ts = base.map(|(t, _)| *t).unwrap_or_default();
-        if let Some((ts, (v, marked))) = versions.iter().next_back() {
-            if !*marked && *ts > base_ts {
-                st.partially.insert(key, (*ts, v.clone()));
+
+    pub fn finish(self) -> LogState {
+        let mut st = LogState {
+            booted: self.boot_node.is_some(),
+            boot_node: self.boot_node,
+            records: self.records,
+            last_epoch: self.last_epoch,
+            ..Default::default()
+        };
+        for (key, mut versions) in self.puts {
+            let base_i = versions.iter().rposition(|e| e.2);
+            let base_ts = base_i.map(|i| versions[i].0).unwrap_or_default();
+            let newest_unmarked = versions.last().is_some_and(|e| !e.2 && e.0 > base_ts);
+            if newest_unmarked {
+                let (ts, v, _) = versions.pop().unwrap();
+                st.partially.insert(key.clone(), (ts, v));
+            }
+            if let Some(i) = base_i {
+                let (ts, v, _) = versions.swap_remove(i);
+                st.base.insert(key, (ts, v));
             }
         }
+        st
     }
-    st
+}
+
+/// Reads records from `r` until the end or the first torn or corrupt one, handing each to `f`.
+/// Returns the byte length of the valid prefix.
+pub fn stream_records(r: impl Read, mut f: impl FnMut(LogRecord, u64)) -> std::io::Result<u64> {
+    let mut r = std::io::BufReader::with_capacity(1 << 20, r);
+    let mut pos = 0u64;
+    let mut payload = Vec::new();
+    loop {
+        let mut hdr = [0u8; 8];
+        match read_full(&mut r, &mut hdr)? {
+            8 => {}
+            _ => return Ok(pos),
+        }
+        let len = u32::from_le_bytes(hdr[..4].try_into().unwrap()) as usize;
+        let crc = u32::from_le_bytes(hdr[4..].try_into().unwrap());
+        if len > MAX_RECORD_BYTES {
+            return Ok(pos);
+        }
+        payload.resize(len, 0);
+        if read_full(&mut r, &mut payload)? != len || crc32c::crc32c(&payload) != crc {
+            return Ok(pos);
+        }
+        match postcard::from_bytes::<LogRecord>(&payload) {
+            Ok(rec) => f(rec, 8 + len as u64),
+            Err(_) => return Ok(pos),
+        }
+        pos += 8 + len as u64;
+    }
+}
+
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
 }
 
 /// A request to read a node's log from a point (the reactive-log baseline, §II-C).
@@ -254,17 +327,20 @@ pub fn scan_markers(bytes: &[u8]) -> (Vec<(u64, u64)>, usize) {
 /// committed base (Put + Mark) and its Partially_persisted entry. Intermediate versions, old
 /// `Epoch` records and flags of superseded versions go.
 pub fn snapshot_records(records: &[LogRecord]) -> Vec<LogRecord> {
-    let st = rebuild(records);
+    snapshot_of(rebuild(records))
+}
+
+fn snapshot_of(st: LogState) -> Vec<LogRecord> {
     let mut out = Vec::new();
-    if let Some(b) = records.iter().find(|r| matches!(r, LogRecord::Boot { .. })) {
-        out.push(b.clone());
+    if let Some(node) = st.boot_node {
+        out.push(LogRecord::Boot { node });
     }
-    for (key, (ts, value)) in &st.base {
-        out.push(LogRecord::Put { key: key.clone(), ts: *ts, value: value.clone() });
-        out.push(LogRecord::Mark { key: key.clone(), ts: *ts });
+    for (key, (ts, value)) in st.base {
+        out.push(LogRecord::Put { key: key.clone(), ts, value });
+        out.push(LogRecord::Mark { key, ts });
     }
-    for (key, (ts, value)) in &st.partially {
-        out.push(LogRecord::Put { key: key.clone(), ts: *ts, value: value.clone() });
+    for (key, (ts, value)) in st.partially {
+        out.push(LogRecord::Put { key, ts, value });
     }
     out
 }
@@ -325,6 +401,12 @@ pub const MAX_TAIL_BYTES: u64 = 256 << 20;
 
 impl FileLog {
     pub fn open(path: &Path, extra_persist_latency: Duration) -> Result<Self, LogError> {
+        Ok(Self::open_and_rebuild(path, extra_persist_latency)?.0)
+    }
+
+    /// Opens the log and rebuilds what it holds in one streaming pass (no copy of the file in
+    /// memory: a store of any size starts within the memory of its state).
+    pub fn open_and_rebuild(path: &Path, extra_persist_latency: Duration) -> Result<(Self, LogState), LogError> {
         let (file, dsync) = Self::open_files(path)?;
         let mut me = FileLog {
             path: path.to_path_buf(),
@@ -339,38 +421,39 @@ impl FileLog {
             compacted_len: 0,
             compactions: 0,
         };
-        me.load()?;
+        let st = me.load_state()?;
         me.compacted_len = me.len;
-        Ok(me)
+        Ok((me, st))
+    }
+
+    /// Streams the file: indexes markers, cuts a torn tail, rebuilds the state.
+    fn load_state(&mut self) -> Result<LogState, LogError> {
+        use std::io::Seek;
+        self.file.seek(std::io::SeekFrom::Start(0))?;
+        let mut b = Rebuilder::default();
+        let mut markers = Vec::new();
+        let mut pos = 0u64;
+        let valid = stream_records(&self.file, |r, n| {
+            if let LogRecord::Epoch { epoch, whole } = &r {
+                markers.push((*epoch, pos, *whole));
+            }
+            pos += n;
+            b.push(r);
+        })?;
+        let total = self.file.metadata()?.len();
+        if valid < total {
+            self.file.set_len(valid)?;
+            self.file.sync_data()?;
+        }
+        self.len = valid;
+        self.markers = markers;
+        Ok(b.finish())
     }
 
     fn open_files(path: &Path) -> Result<(File, File), LogError> {
         let file = OpenOptions::new().read(true).append(true).create(true).open(path)?;
         let dsync = OpenOptions::new().append(true).custom_flags(libc::O_DSYNC).open(path)?;
         Ok((file, dsync))
-    }
-
-    /// Reads the file: cuts a torn tail so new records follow the valid prefix, indexes markers.
-    fn load(&mut self) -> Result<Vec<LogRecord>, LogError> {
-        use std::io::Seek;
-        self.file.seek(std::io::SeekFrom::Start(0))?;
-        let mut bytes = Vec::new();
-        self.file.read_to_end(&mut bytes)?;
-        let (recs, valid) = decode_all(&bytes);
-        if valid < bytes.len() {
-            self.file.set_len(valid as u64)?;
-            self.file.sync_data()?;
-        }
-        self.len = valid as u64;
-        self.markers.clear();
-        let mut pos = 0u64;
-        for r in &recs {
-            if let LogRecord::Epoch { epoch, whole } = r {
-                self.markers.push((*epoch, pos, *whole));
-            }
-            pos += encode(r).len() as u64;
-        }
-        Ok(recs)
     }
 
     fn encode_batch(&mut self, recs: &[LogRecord]) -> Vec<u8> {
@@ -383,6 +466,11 @@ impl FileLog {
         }
         self.len += buf.len() as u64;
         buf
+    }
+
+    /// Rebuilds the state from the file (a node reloading after it was removed).
+    pub fn rebuild_state(&mut self) -> Result<LogState, LogError> {
+        self.load_state()
     }
 
     /// Bytes in the log file.
@@ -410,30 +498,24 @@ impl FileLog {
         Ok(true)
     }
 
-    /// Rewrites the log now.
+    /// Rewrites the log now, streaming: the head before the cut through a [`Rebuilder`] into
+    /// its snapshot, the tail copied verbatim.
     pub fn compact(&mut self) -> Result<(), LogError> {
+        use std::io::{Seek, SeekFrom};
         let whole: Vec<u64> = self.markers.iter().filter(|m| m.2).map(|m| m.1).collect();
         let cut = compaction_cut(&whole, self.len, self.max_tail_bytes);
-        let recs = self.load()?;
-        let mut head = Vec::new();
-        let mut pos = 0u64;
-        let mut tail_from = recs.len();
-        for (i, r) in recs.iter().enumerate() {
-            if pos >= cut {
-                tail_from = i;
-                break;
-            }
-            pos += encode(r).len() as u64;
-            head.push(r.clone());
-        }
-        let mut out = Vec::new();
-        for r in snapshot_records(&head).iter().chain(&recs[tail_from..]) {
-            out.extend_from_slice(&encode(r));
-        }
+        self.file.seek(SeekFrom::Start(0))?;
+        let mut b = Rebuilder::default();
+        stream_records((&self.file).take(cut), |r, _| b.push(r))?;
         let tmp = self.path.with_extension("compact");
         {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&out)?;
+            let mut f = std::io::BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+            for r in snapshot_of(b.finish()) {
+                f.write_all(&encode(&r))?;
+            }
+            self.file.seek(SeekFrom::Start(cut))?;
+            std::io::copy(&mut (&self.file).take(self.len - cut), &mut f)?;
+            let f = f.into_inner().map_err(|e| e.into_error())?;
             f.sync_all()?;
         }
         std::fs::rename(&tmp, &self.path)?;
@@ -443,7 +525,7 @@ impl FileLog {
         let (file, dsync) = Self::open_files(&self.path)?;
         self.file = file;
         self.dsync = dsync;
-        self.load()?;
+        self.load_state()?;
         self.gen += 1;
         self.compacted_len = self.len;
         self.compactions += 1;
@@ -523,5 +605,118 @@ mod tests {
         assert_eq!(l.read_all().unwrap().len(), 2);
         l.append_durable(&[LogRecord::Boot { node: 1 }]).unwrap();
         assert_eq!(l.read_all().unwrap().len(), 3);
+    }
+
+    fn put(k: &str, v: u64, n: u32, val: &str) -> LogRecord {
+        LogRecord::Put { key: k.as_bytes().to_vec(), ts: ts(v, n), value: val.as_bytes().to_vec() }
+    }
+    fn mark(k: &str, v: u64, n: u32) -> LogRecord {
+        LogRecord::Mark { key: k.as_bytes().to_vec(), ts: ts(v, n) }
+    }
+
+    #[test]
+    fn streaming_rebuild_equals_rebuild_and_keeps_the_valid_prefix() {
+        let recs = vec![
+            LogRecord::Boot { node: 2 },
+            put("a", 1, 0, "a1"),
+            mark("a", 1, 0),
+            LogRecord::Epoch { epoch: 3, whole: true },
+            put("a", 2, 1, "a2"),
+            put("b", 1, 1, "b1"),
+            mark("b", 1, 1),
+            put("a", 3, 0, "a3"),
+            mark("a", 3, 0),
+            put("c", 1, 0, "c1"),
+        ];
+        let mut bytes: Vec<u8> = recs.iter().flat_map(encode).collect();
+        bytes.extend_from_slice(&[1, 2, 3]); // torn tail
+        let mut b = Rebuilder::default();
+        let valid = stream_records(&bytes[..], |r, _| b.push(r)).unwrap();
+        assert_eq!(valid as usize, bytes.len() - 3);
+        let st = b.finish();
+        assert_eq!(st, rebuild(&recs));
+        assert_eq!(st.base[&b"a".to_vec()].0, ts(3, 0));
+        assert_eq!(st.partially[&b"c".to_vec()].0, ts(1, 0));
+        assert_eq!((st.last_epoch, st.boot_node), (3, Some(2)));
+    }
+
+    #[test]
+    fn read_chunk_starts_one_configuration_back_and_pages() {
+        let recs = vec![
+            LogRecord::Epoch { epoch: 1, whole: true },
+            put("a", 1, 0, "x"),
+            LogRecord::Epoch { epoch: 4, whole: true },
+            put("b", 1, 0, "y"),
+            LogRecord::Epoch { epoch: 5, whole: false },
+            put("a", 2, 0, "z"),
+            put("a", 3, 0, "w"),
+        ];
+        let bytes: Vec<u8> = recs.iter().flat_map(encode).collect();
+        let (markers, valid) = scan_markers(&bytes);
+        assert_eq!(valid, bytes.len());
+        assert_eq!(markers.len(), 3);
+        let read = |c: &LogCursor, max: usize| {
+            read_chunk(&markers, 0, valid as u64, c, max, |o, n| {
+                Ok(bytes[o as usize..(o as usize + n).min(bytes.len())].to_vec())
+            })
+            .unwrap()
+        };
+        // Last complete in epoch 5: read from the record of epoch 4 (one back), redundant
+        // updates of "a" included.
+        let c = LogCursor { since_epoch: 5, gen: 0, pos: None };
+        let all = read(&c, 1 << 20);
+        assert!(all.found && all.at_end);
+        let keys: Vec<_> = all.puts.iter().map(|p| (p.0.clone(), p.1.version)).collect();
+        assert_eq!(keys, vec![(b"b".to_vec(), 1), (b"a".to_vec(), 2), (b"a".to_vec(), 3)]);
+        // Paging: one small update per read, continuing at next_pos.
+        let mut c = c;
+        let mut got = Vec::new();
+        loop {
+            let ch = read(&c, 1);
+            got.extend(ch.puts.iter().map(|p| p.1.version));
+            if ch.at_end {
+                break;
+            }
+            c.pos = Some(ch.next_pos);
+        }
+        assert_eq!(got, vec![1, 2, 3]);
+        // Genesis: epoch 1 reads from its own record; an unknown old epoch is not found.
+        assert_eq!(read(&LogCursor { since_epoch: 1, gen: 0, pos: None }, 1 << 20).puts.len(), 4);
+        let m2: Vec<(u64, u64)> = markers[1..].to_vec();
+        let r = read_chunk(&m2, 0, valid as u64, &LogCursor { since_epoch: 4, gen: 0, pos: None }, 1 << 20, |_, _| unreachable!()).unwrap();
+        assert!(!r.found);
+    }
+
+    #[test]
+    fn compaction_keeps_state_and_the_tail_from_the_second_newest_whole_epoch() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("log");
+        let mut l = FileLog::open(&p, Duration::ZERO).unwrap();
+        l.append_durable(&[LogRecord::Boot { node: 4 }, LogRecord::Epoch { epoch: 1, whole: true }]).unwrap();
+        for v in 1..=50u64 {
+            l.append_durable(&[put("k", v, 0, &"v".repeat(100)), mark("k", v, 0)]).unwrap();
+        }
+        l.append_durable(&[LogRecord::Epoch { epoch: 2, whole: true }, put("j", 1, 1, "j1"), mark("j", 1, 1)]).unwrap();
+        l.append_durable(&[LogRecord::Epoch { epoch: 3, whole: true }, put("k", 51, 1, "last")]).unwrap();
+        let before = rebuild(&l.read_all().unwrap());
+        let len_before = l.len_bytes();
+        l.compact().unwrap();
+        assert!(l.len_bytes() < len_before / 4, "{} vs {len_before}", l.len_bytes());
+        let recs = l.read_all().unwrap();
+        let after = rebuild(&recs);
+        assert_eq!(after.base, before.base);
+        assert_eq!(after.partially, before.partially);
+        assert_eq!(after.boot_node, Some(4));
+        // The reactive baseline can still serve a node last complete in epoch 3 (reads from
+        // epoch 2's record); epoch 1's record is gone.
+        let c = l.read_chunk(&LogCursor { since_epoch: 3, gen: 1, pos: None }, 1 << 20).unwrap();
+        assert!(c.found);
+        assert_eq!(c.puts.len(), 2);
+        assert!(!l.read_chunk(&LogCursor { since_epoch: 2, gen: 1, pos: None }, 1 << 20).unwrap().found);
+        // Appends continue after compaction, and a reopen sees the same.
+        l.append_durable(&[put("z", 1, 0, "z")]).unwrap();
+        let (_, st) = FileLog::open_and_rebuild(&p, Duration::ZERO).unwrap();
+        assert_eq!(st.partially[&b"z".to_vec()].0, ts(1, 0));
+        assert_eq!(st.base[&b"j".to_vec()].0, ts(1, 1));
     }
 }

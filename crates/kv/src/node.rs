@@ -166,7 +166,8 @@ struct KeyState {
     durable: Ts,
     deadline_us: u64,
     timeouts: u32,
-    coord: Option<Coord>,
+    /// Boxed: most keys have none, and every key pays for the slot.
+    coord: Option<Box<Coord>>,
     pending_p: Vec<(NodeId, Ts)>,
     waiting: VecDeque<(u64, ClientOp)>,
 }
@@ -258,16 +259,18 @@ impl NodeCore {
     /// it: as a genesis member if its log has never booted, otherwise through HEAL recovery.
     pub fn new(p: NodeParams, log: LogState) -> Self {
         let mut store = BTreeMap::new();
-        for (k, (ts, v)) in &log.base {
+        let partially = log.partially.iter().map(|(k, (ts, _))| (k.clone(), *ts)).collect();
+        let (booted, last_epoch) = (log.booted, log.last_epoch);
+        for (k, (ts, v)) in log.base {
             store.insert(
-                k.clone(),
+                k,
                 KeyState {
-                    ts: *ts,
-                    value: v.clone(),
+                    ts,
+                    value: v,
                     valid: true,
                     gdp: false,
-                    marked: *ts,
-                    durable: *ts,
+                    marked: ts,
+                    durable: ts,
                     ..Default::default()
                 },
             );
@@ -281,11 +284,11 @@ impl NodeCore {
             },
             p,
             mode: Mode::Down,
-            booted: log.booted,
+            booted,
             lease_until_us: 0,
             store,
             unsettled: BTreeSet::new(),
-            partially: log.partially.iter().map(|(k, (ts, _))| (k.clone(), *ts)).collect(),
+            partially,
             missed: Missed::default(),
             next_seq: 0,
             inflight: BTreeMap::new(),
@@ -296,7 +299,7 @@ impl NodeCore {
             persist_waits: Vec::new(),
             recent_tags: BTreeSet::new(),
             recent_order: VecDeque::new(),
-            last_epoch: log.last_epoch,
+            last_epoch,
             log_reads: BTreeMap::new(),
             out: Vec::new(),
             counters: NodeCounters::default(),
@@ -749,7 +752,7 @@ impl NodeCore {
                 k.gdp = false;
                 k.timeouts = 0;
                 k.deadline_us = u64::MAX;
-                k.coord = Some(Coord {
+                k.coord = Some(Box::new(Coord {
                     ts,
                     value: value.clone(),
                     client: Some(tag),
@@ -760,7 +763,7 @@ impl NodeCore {
                     replied: false,
                     val_c_sent: false,
                     deadline_us: now_us + self.p.inv_ack_timeout_us,
-                });
+                }));
                 self.unsettled.insert(key.clone());
                 self.persist(&key, ts, &value);
                 self.record_missed(&key, value.len());
@@ -1253,7 +1256,7 @@ impl NodeCore {
             } else {
                 // The coordinator is gone or silent: take over with its timestamp (Table III).
                 let local_p = k.durable >= ts;
-                k.coord = Some(Coord {
+                k.coord = Some(Box::new(Coord {
                     ts,
                     value: k.value.clone(),
                     client: None,
@@ -1264,7 +1267,7 @@ impl NodeCore {
                     replied: true,
                     val_c_sent: false,
                     deadline_us: now_us + self.p.inv_ack_timeout_us,
-                });
+                }));
                 self.counters.replays_started += 1;
                 let msg = PeerMsg::Inv { epoch, key: key.clone(), ts, value: k.value.clone() };
                 self.broadcast(msg);

@@ -100,7 +100,7 @@ enum Input {
 enum LogJob {
     Durable(u64, LogRecord),
     Lazy(LogRecord),
-    ReadAll(std::sync::mpsc::Sender<Vec<LogRecord>>),
+    Rebuild(std::sync::mpsc::Sender<log::LogState>),
     /// Reactive-log baseline: read the log at a cursor, after every append queued before.
     Read { to: NodeId, cursor: log::LogCursor, max_bytes: usize },
 }
@@ -143,7 +143,7 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>, stats: Arc<N
                             recs.push(r);
                         }
                         LogJob::Lazy(r) => recs.push(r),
-                        LogJob::ReadAll(reply) => reads.push(reply),
+                        LogJob::Rebuild(reply) => reads.push(reply),
                         LogJob::Read { to, cursor, max_bytes } => log_reads.push((to, cursor, max_bytes)),
                     }
                 }
@@ -162,7 +162,7 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>, stats: Arc<N
                     return;
                 }
                 for r in reads {
-                    let _ = r.send(flog.read_all().unwrap_or_default());
+                    let _ = r.send(flog.rebuild_state().unwrap_or_default());
                 }
                 // Reads see every append queued before them (they were written just above).
                 for (to, cursor, max_bytes) in log_reads {
@@ -195,8 +195,7 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>, stats: Arc<N
 /// Runs a node until the process is stopped.
 pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     std::fs::create_dir_all(&cfg.data_dir)?;
-    let mut flog = FileLog::open(&cfg.data_dir.join("pm.log"), cfg.extra_persist_latency)?;
-    let st = log::rebuild(&flog.read_all()?);
+    let (flog, st) = FileLog::open_and_rebuild(&cfg.data_dir.join("pm.log"), cfg.extra_persist_latency)?;
     tracing::info!(
         node = cfg.params.id,
         records = st.records,
@@ -308,9 +307,9 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                     Output::Reload => {
                         tracing::warn!(node = me, "removed from the configuration: reloading from the log to recover");
                         let (rtx, rrx) = std::sync::mpsc::channel();
-                        let _ = log_tx.send(LogJob::ReadAll(rtx));
-                        let recs = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
-                        core = NodeCore::new(cfg.params.clone(), log::rebuild(&recs));
+                        let _ = log_tx.send(LogJob::Rebuild(rtx));
+                        let st = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
+                        core = NodeCore::new(cfg.params.clone(), st);
                         // Durable completions of the old core are meaningless to the new one.
                     }
                     Output::Recovered(s) => {
