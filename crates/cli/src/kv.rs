@@ -189,6 +189,10 @@ pub struct CmArgs {
     /// Minimum execution with fewer nodes before a returning node is re-added.
     #[arg(long, default_value_t = 0)]
     pub efn_ms: u64,
+    /// After the CM starts, a node not heard from yet is suspected only after this long (a node
+    /// reads its whole log before it answers: raise it for large stores).
+    #[arg(long, default_value_t = 30_000)]
+    pub startup_grace_ms: u64,
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<SocketAddr>,
 }
@@ -227,6 +231,9 @@ pub struct UpArgs {
     /// Read lease passed to the CM and every node (below --failure-timeout-ms).
     #[arg(long, default_value_t = 300)]
     pub lease_ms: u64,
+    /// Startup grace passed to the CM (raise it for large stores: nodes read their logs first).
+    #[arg(long, default_value_t = 30_000)]
+    pub startup_grace_ms: u64,
 }
 
 pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
@@ -321,7 +328,7 @@ async fn cm(a: CmArgs) -> anyhow::Result<()> {
             lease_us: a.lease_ms * 1000,
             max_message_delay_us: 100_000,
             efn_min_us: a.efn_ms * 1000,
-            startup_grace_us: 30_000_000,
+            startup_grace_us: a.startup_grace_ms * 1000,
         },
         nodes,
         data_dir: a.data,
@@ -383,6 +390,7 @@ impl LocalKv {
             "--secret-file".into(), sf.clone(), "--efn-ms".into(), a.efn_ms.to_string(),
             "--failure-timeout-ms".into(), a.failure_timeout_ms.to_string(),
             "--lease-ms".into(), a.lease_ms.to_string(),
+            "--startup-grace-ms".into(), a.startup_grace_ms.to_string(),
         ];
         let metrics: Vec<Option<SocketAddr>> = {
             let ls: Vec<std::net::TcpListener> =
@@ -956,9 +964,12 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         efn_ms: 0,
         missed_updates_cap_bytes: a.missed_updates_cap_bytes,
         recovery: scheme,
-        // Generous: a loaded shared machine must not see false failures during a full copy.
-        failure_timeout_ms: 5000,
-        lease_ms: 2000,
+        // Copies stream in bounded chunks and never starve heartbeats; still generous for a
+        // loaded shared machine.
+        failure_timeout_ms: 1500,
+        lease_ms: 700,
+        // Every node reads its whole log (the store) before it answers the CM.
+        startup_grace_ms: 3_600_000,
     };
     let mut lk = LocalKv::start(&up)?;
     let rt = crate::runtime()?;
@@ -1004,6 +1015,15 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         tokio::time::sleep(warm).await;
         let kill_at = t0.elapsed();
         lk.kill9(victim)?;
+        // The EFN is the execution with fewer nodes: it starts when the CM has removed the
+        // victim (failure detection comes first).
+        let cm_log = dir.join("logs/cm.log");
+        let removed = format!("node {victim} removed");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !std::fs::read_to_string(&cm_log).unwrap_or_default().contains(&removed) {
+            anyhow::ensure!(Instant::now() < deadline, "the CM did not remove node {victim} within 60 s; see {}", cm_log.display());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         tokio::time::sleep(efn).await;
         // The Buddy's memory and Missed_updates at their fullest, just before the restart.
         let (rss, peak) = lk.pid(buddy).map(rss_bytes).unwrap_or((0, 0));

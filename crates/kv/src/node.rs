@@ -1294,7 +1294,7 @@ impl NodeCore {
             started_us: now_us,
             acked_us: 0,
             resp_us: 0,
-            deadline_us: now_us + self.p.recovery_retry_us,
+            deadline_us: now_us + self.start_retry_us(),
             outstanding: BTreeSet::new(),
             chunk_outstanding: BTreeSet::new(),
             stats: RecoveryStats {
@@ -1310,6 +1310,13 @@ impl NodeCore {
             self.send(n, PeerMsg::RecovStart { epoch });
         }
         self.on_recov_start_ack_check(now_us);
+    }
+
+    /// Recov_start is retried sooner than the other steps: a live node that has not yet adopted
+    /// the configuration re-adding us refuses it (other epoch), and learns it within a
+    /// heartbeat.
+    fn start_retry_us(&self) -> u64 {
+        self.p.recovery_retry_us.min(self.p.inv_ack_timeout_us)
     }
 
     fn on_recov_start_ack(&mut self, now_us: u64, from: NodeId) {
@@ -1572,6 +1579,7 @@ impl NodeCore {
 
     fn recovery_tick(&mut self, now_us: u64) {
         let retry = self.p.recovery_retry_us;
+        let start_retry = self.start_retry_us();
         let buddy_now = self.buddy();
         let Mode::Recovering(r) = &mut self.mode else { return };
         if now_us < r.deadline_us {
@@ -1580,6 +1588,7 @@ impl NodeCore {
         r.deadline_us = now_us + retry;
         match &mut r.phase {
             Phase::Start { acked } => {
+                r.deadline_us = now_us + start_retry;
                 let epoch = self.config.epoch;
                 let missing: Vec<NodeId> = self
                     .config
