@@ -106,9 +106,12 @@ pub fn rebuild(records: &[LogRecord]) -> LogState {
 
 /// Builds a [`LogState`] one record at a time (a log of any size streams through it). Per key
 /// it keeps only the versions that can still matter: a `Mark` drops every older version.
+/// Per key, the versions still relevant: (timestamp, value, GDP flag), oldest first.
+type Versions = Vec<(Ts, Vec<u8>, bool)>;
+
 #[derive(Default)]
 pub struct Rebuilder {
-    puts: BTreeMap<Vec<u8>, Vec<(Ts, Vec<u8>, bool)>>,
+    puts: BTreeMap<Vec<u8>, Versions>,
     boot_node: Option<u32>,
     last_epoch: u64,
     records: usize,

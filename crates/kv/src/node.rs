@@ -219,6 +219,9 @@ struct Missed {
     bytes: usize,
 }
 
+/// (key, timestamp) pairs: a Partially_persisted list, the writes of a scope.
+type KeyVersions = Vec<(Vec<u8>, Ts)>;
+
 /// One replica. See the module docs.
 #[derive(Clone)]
 pub struct NodeCore {
@@ -246,7 +249,7 @@ pub struct NodeCore {
     /// Newest `Epoch` record in the log (reactive-log baseline only).
     last_epoch: u64,
     /// Reactive-log reads in progress for recovering nodes: cursor and Partially_persisted.
-    log_reads: BTreeMap<NodeId, (LogCursor, Vec<(Vec<u8>, Ts)>)>,
+    log_reads: BTreeMap<NodeId, (LogCursor, KeyVersions)>,
     out: Vec<Output>,
     pub counters: NodeCounters,
 }
@@ -1486,9 +1489,11 @@ impl NodeCore {
                 }
             }
         }
-        let next = (!chunk.at_end).then(|| {
-            Cursor::Log(LogCursor { since_epoch: cursor.since_epoch, gen: chunk.gen, pos: Some(chunk.next_pos) })
-        });
+        let next = (!chunk.at_end).then_some(Cursor::Log(LogCursor {
+            since_epoch: cursor.since_epoch,
+            gen: chunk.gen,
+            pos: Some(chunk.next_pos),
+        }));
         self.send(to, PeerMsg::CatchUpResp { epoch, from, next, full_copy: false, entries });
     }
 
