@@ -75,6 +75,9 @@ pub enum Recovery {
     Heal,
     /// Baseline: the recoverer streams its whole store to the returning node.
     FullCopy,
+    /// Baseline (ZooKeeper-style): a peer reads its durable log from the returning node's last
+    /// configuration and streams every update since, redundant ones included.
+    ReactiveLog,
 }
 
 impl Recovery {
@@ -82,12 +85,14 @@ impl Recovery {
         match self {
             Recovery::Heal => ::kv::node::RecoveryScheme::Heal,
             Recovery::FullCopy => ::kv::node::RecoveryScheme::FullCopy,
+            Recovery::ReactiveLog => ::kv::node::RecoveryScheme::ReactiveLog,
         }
     }
     fn name(self) -> &'static str {
         match self {
             Recovery::Heal => "heal",
             Recovery::FullCopy => "full-copy",
+            Recovery::ReactiveLog => "reactive-log",
         }
     }
 }
@@ -184,6 +189,10 @@ pub struct CmArgs {
     /// Minimum execution with fewer nodes before a returning node is re-added.
     #[arg(long, default_value_t = 0)]
     pub efn_ms: u64,
+    /// After the CM starts, a node not heard from yet is suspected only after this long (a node
+    /// reads its whole log before it answers: raise it for large stores).
+    #[arg(long, default_value_t = 30_000)]
+    pub startup_grace_ms: u64,
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<SocketAddr>,
 }
@@ -222,6 +231,9 @@ pub struct UpArgs {
     /// Read lease passed to the CM and every node (below --failure-timeout-ms).
     #[arg(long, default_value_t = 300)]
     pub lease_ms: u64,
+    /// Startup grace passed to the CM (raise it for large stores: nodes read their logs first).
+    #[arg(long, default_value_t = 30_000)]
+    pub startup_grace_ms: u64,
 }
 
 pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
@@ -316,7 +328,7 @@ async fn cm(a: CmArgs) -> anyhow::Result<()> {
             lease_us: a.lease_ms * 1000,
             max_message_delay_us: 100_000,
             efn_min_us: a.efn_ms * 1000,
-            startup_grace_us: 30_000_000,
+            startup_grace_us: a.startup_grace_ms * 1000,
         },
         nodes,
         data_dir: a.data,
@@ -338,6 +350,8 @@ pub struct LocalKv {
     cm_args: Vec<String>,
     pub children: Vec<(String, Option<Child>)>,
     down_since: Vec<Option<Instant>>,
+    /// Each node's metrics endpoint (free loopback ports chosen at start).
+    pub metrics: Vec<Option<SocketAddr>>,
 }
 
 impl LocalKv {
@@ -376,10 +390,16 @@ impl LocalKv {
             "--secret-file".into(), sf.clone(), "--efn-ms".into(), a.efn_ms.to_string(),
             "--failure-timeout-ms".into(), a.failure_timeout_ms.to_string(),
             "--lease-ms".into(), a.lease_ms.to_string(),
+            "--startup-grace-ms".into(), a.startup_grace_ms.to_string(),
         ];
+        let metrics: Vec<Option<SocketAddr>> = {
+            let ls: Vec<std::net::TcpListener> =
+                (0..a.nodes).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+            ls.iter().map(|l| l.local_addr().ok()).collect()
+        };
         let node_args: Vec<Vec<String>> = (0..a.nodes)
             .map(|i| {
-                vec![
+                let mut v: Vec<String> = vec![
                     "kv".into(), "node".into(), "--protocol".into(), "leaderless".into(),
                     "--id".into(), i.to_string(), "--peers".into(), peers.clone(),
                     "--data".into(), dir.join(format!("node-{i}")).to_string_lossy().into_owned(),
@@ -388,7 +408,11 @@ impl LocalKv {
                     "--missed-updates-cap-bytes".into(), a.missed_updates_cap_bytes.to_string(),
                     "--recovery".into(), a.recovery.name().into(),
                     "--lease-ms".into(), a.lease_ms.to_string(),
-                ]
+                ];
+                if let Some(m) = metrics[i as usize] {
+                    v.extend(["--metrics".into(), m.to_string()]);
+                }
+                v
             })
             .collect();
         let mut me = LocalKv {
@@ -399,6 +423,7 @@ impl LocalKv {
             cm_args,
             children: Vec::new(),
             down_since: vec![None; a.nodes as usize],
+            metrics,
         };
         for i in 0..a.nodes as usize {
             let c = me.spawn_node(i)?;
@@ -555,15 +580,19 @@ fn up(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
 
 #[derive(Subcommand, Debug)]
 pub enum KvBench {
-    /// Recovery after a node failure (HEAL §IX): HEAL against the full-copy baseline.
+    /// Recovery after a node failure (HEAL §IX): HEAL against the full-copy and reactive-log
+    /// baselines.
     ///
     /// Each run: a group on loopback with a preloaded store (every node's log restored from the
     /// same snapshot), closed-loop clients with a YCSB-B mix (95% reads, 5% writes, uniform
     /// keys); one node is killed with SIGKILL, stays down for the EFN period, and is restarted
     /// on its log. Measured: the recovery latency the recovering node reports (from its
     /// re-admission to Recov_end, broken into Start_to_ACK / CatchUp_to_Resp / Apply_to_end),
-    /// the bytes it received, and the throughput lost from the kill until one second after the
-    /// recovery, against the throughput before the kill. HEAL and full copy alternate runs.
+    /// the bytes it received, the throughput lost from the kill until one second after the
+    /// recovery against the throughput before the kill, and a live node's resident memory
+    /// against the bytes it stores plus its Missed_updates cap. The three schemes alternate
+    /// runs on the same store, load and EFN. With --sweep: HEAL's recovery latency against the
+    /// EFN for every persistency model, and its breakdown for 3, 4 and 5 nodes (Figs. 7-8).
     Recovery(KvRecoveryArgs),
     /// YCSB A-F and the TAO-like mix through the project's driver against a local group, with
     /// latency histograms, 100 ms throughput windows and, with --kill-at-s, a node killed and
@@ -579,13 +608,13 @@ pub struct KvRecoveryArgs {
     /// A short run (under a minute) that still measures every figure.
     #[arg(long)]
     pub quick: bool,
-    /// Where the CSV of throughput windows goes [default: target/bench/kv].
+    /// Where CSVs and plots go [default: target/bench/kv].
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Nodes in the group.
     #[arg(long, default_value_t = 5)]
     pub nodes: u32,
-    /// Preloaded keys (default: 2000 with --quick, 1000000 without).
+    /// Preloaded keys (default: 2000 with --quick, 1100000 without: over 1 GiB of values).
     #[arg(long)]
     pub keys: Option<u64>,
     /// Value size of the preloaded records and of the writes.
@@ -594,12 +623,28 @@ pub struct KvRecoveryArgs {
     /// Execution with fewer nodes, in seconds (default: 2 with --quick, 60 without).
     #[arg(long)]
     pub efn_s: Option<u64>,
-    /// Runs per scheme (default: 1 with --quick, 3 without).
+    /// Runs per scheme (default: 1).
     #[arg(long)]
     pub rounds: Option<usize>,
     /// Closed-loop clients.
     #[arg(long, default_value_t = 16)]
     pub clients: usize,
+    /// Persistency model of the scheme comparison.
+    #[arg(long, default_value = "synch", value_parser = parse_model)]
+    pub model: Model,
+    /// Missed_updates cap of every node (also the memory figure's allowance).
+    #[arg(long, default_value_t = 64 << 20)]
+    pub missed_updates_cap_bytes: usize,
+    /// Instead of the scheme comparison: HEAL's recovery latency against the EFN for every
+    /// persistency model, and the 3/4/5-node breakdown.
+    #[arg(long)]
+    pub sweep: bool,
+    /// EFN periods of the sweep, in seconds (default: 1 with --quick; 1,10,60 without).
+    #[arg(long, value_delimiter = ',')]
+    pub sweep_efn_s: Option<Vec<u64>>,
+    /// Preloaded keys of the sweep (default: 2000 with --quick, 100000 without).
+    #[arg(long)]
+    pub sweep_keys: Option<u64>,
 }
 
 pub fn bench(b: KvBench, _verbose: u8) -> anyhow::Result<()> {
@@ -608,47 +653,205 @@ pub fn bench(b: KvBench, _verbose: u8) -> anyhow::Result<()> {
         KvBench::Ycsb(a) => return crate::kv_ycsb::bench(a, _verbose),
         KvBench::Zookeeper(a) => return crate::kv_zk::bench(a, _verbose),
     };
-    let keys = a.keys.unwrap_or(if a.quick { 2_000 } else { 1_000_000 });
+    if a.sweep {
+        recovery_sweep(&a)
+    } else {
+        recovery_bench(&a)
+    }
+}
+
+/// One recovery run's setting.
+#[derive(Clone, Copy, Debug)]
+struct RunSpec {
+    scheme: Recovery,
+    model: Model,
+    nodes: u32,
+    keys: u64,
+    efn: Duration,
+}
+
+fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
+    let keys = a.keys.unwrap_or(if a.quick { 2_000 } else { 1_100_000 });
     let efn = Duration::from_secs(a.efn_s.unwrap_or(if a.quick { 2 } else { 60 }));
-    let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 });
+    let rounds = a.rounds.unwrap_or(1);
     let out = bench::out_dir("kv", a.out.clone())?;
     let mut report = bench::Report::new("kv.recovery", a.quick);
-    let schemes = [Recovery::Heal, Recovery::FullCopy];
+    let schemes = [Recovery::Heal, Recovery::FullCopy, Recovery::ReactiveLog];
     let mut results: BTreeMap<&'static str, Vec<RunResult>> = BTreeMap::new();
     let mut csv_rows = Vec::new();
     for (round, v) in bench::interleaved_order(rounds, schemes.len()).into_iter().enumerate() {
         let scheme = schemes[v];
-        eprintln!("run {}/{}: {} ({} nodes, {} keys x {} B, EFN {:?})", round + 1, rounds * 2, scheme.name(), a.nodes, keys, a.value_bytes, efn);
-        let r = recovery_run(&a, scheme, keys, efn)?;
         eprintln!(
-            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms; {} entries, {} bytes); throughput lost {:.1}%",
-            r.recovery_ms, r.start_to_ack_ms, r.catchup_to_resp_ms, r.apply_to_end_ms, r.entries, r.bytes, r.throughput_lost * 100.0
+            "run {}/{}: {} ({} nodes, {} keys x {} B, EFN {:?}, model {})",
+            round + 1, rounds * schemes.len(), scheme.name(), a.nodes, keys, a.value_bytes, efn, a.model
         );
+        let spec = RunSpec { scheme, model: a.model, nodes: a.nodes, keys, efn };
+        let r = recovery_run(a, spec)?;
+        r.log();
         for (i, w) in r.windows.iter().enumerate() {
             csv_rows.push(vec![scheme.name().to_string(), round.to_string(), format!("{:.1}", i as f64 * 0.1), w.to_string()]);
         }
         results.entry(scheme.name()).or_default().push(r);
     }
     bench::write_csv(&out.join("recovery_throughput.csv"), &["scheme", "run", "t_s", "ops_in_100ms"], csv_rows)?;
+    // Fig. 7-like: throughput over time, aligned on the kill, per scheme (first run of each).
+    let series: Vec<bench::Series> = schemes
+        .iter()
+        .map(|s| {
+            let r = &results[s.name()][0];
+            let k = r.kill_window as f64;
+            bench::Series {
+                name: s.name().to_string(),
+                points: r.windows.iter().enumerate().map(|(i, w)| ((i as f64 - k) / 10.0, *w as f64 * 10.0)).collect(),
+            }
+        })
+        .collect();
+    bench::line_plot(
+        &out.join("recovery_throughput"),
+        &format!("Throughput around a node failure ({keys} keys, EFN {} s)", efn.as_secs()),
+        "time since the kill (s)",
+        "completed operations / s",
+        &series,
+        bench::Scale::Linear,
+    )?;
     let mean = |v: &[RunResult], f: &dyn Fn(&RunResult) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
-    for (name, key) in [("heal", "heal"), ("full-copy", "fullcopy")] {
-        let v = &results[name];
+    for s in schemes {
+        let key = s.figure_key();
+        let v = &results[s.name()];
         report.figure(&format!("{key}.recovery_latency_ms"), mean(v, &|r| r.recovery_ms))?;
         report.figure(&format!("{key}.start_to_ack_ms"), mean(v, &|r| r.start_to_ack_ms))?;
         report.figure(&format!("{key}.catchup_to_resp_ms"), mean(v, &|r| r.catchup_to_resp_ms))?;
         report.figure(&format!("{key}.apply_to_end_ms"), mean(v, &|r| r.apply_to_end_ms))?;
         report.figure(&format!("{key}.recovery_bytes"), mean(v, &|r| r.bytes as f64))?;
+        report.figure(&format!("{key}.recovery_entries_count"), mean(v, &|r| r.entries as f64))?;
+        report.figure(&format!("{key}.fell_back_to_full_copy_ratio"), mean(v, &|r| r.full_copy as u8 as f64))?;
         report.figure(&format!("{key}.throughput_before_ops_per_s"), mean(v, &|r| r.before_ops_per_s))?;
         report.figure(&format!("{key}.throughput_lost_ratio"), mean(v, &|r| r.throughput_lost))?;
+        report.figure(&format!("{key}.missed_updates_bytes"), mean(v, &|r| r.missed_updates_bytes as f64))?;
         report.figure(&format!("{key}.node_rss_bytes"), mean(v, &|r| r.rss_bytes as f64))?;
+        report.figure(&format!("{key}.node_peak_rss_bytes"), mean(v, &|r| r.peak_rss_bytes as f64))?;
     }
-    report.figure("store.per_node_bytes", (keys as usize * (a.value_bytes + 8)) as f64)?;
+    let stored = stored_bytes(keys, a.value_bytes);
+    report.figure("store.per_node_bytes", stored as f64)?;
+    report.figure("store.missed_updates_cap_bytes", a.missed_updates_cap_bytes as f64)?;
+    // Memory: a live node (the Buddy) at the end of the EFN, when its Missed_updates buffer is
+    // fullest, against what it stores plus the buffer's cap (target: at most 1.5).
     let h = &results["heal"];
     let f = &results["full-copy"];
+    let rl = &results["reactive-log"];
+    let allowance = (stored + a.missed_updates_cap_bytes as u64) as f64;
+    report.ratio("memory.rss_vs_stored_plus_cap", mean(h, &|r| r.rss_bytes as f64), allowance)?;
+    report.ratio("memory.peak_rss_vs_stored_plus_cap", mean(h, &|r| r.peak_rss_bytes as f64), allowance)?;
     report.ratio("fullcopy_vs_heal.recovery_latency", mean(f, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
-    report.ratio("heal_vs_fullcopy.throughput_lost", mean(h, &|r| r.throughput_lost), mean(f, &|r| r.throughput_lost))?;
+    report.ratio("reactive_vs_heal.recovery_latency", mean(rl, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
+    // Throughput lost: a zero loss is measured as one lost window's worth (0.1 s) over the
+    // span, so the ratio stays defined and conservative.
+    let floor = |v: &[RunResult]| mean(v, &|r| r.throughput_lost.max(r.lost_floor));
+    report.ratio("heal_vs_fullcopy.throughput_lost", floor(h), floor(f))?;
+    report.ratio("heal_vs_reactive.throughput_lost", floor(h), floor(rl))?;
     report.print();
     Ok(())
+}
+
+/// HEAL's recovery latency against the EFN per persistency model (Fig. 7 style), and the
+/// Start_to_ACK / CatchUp_to_Resp / Apply_to_end breakdown for 3, 4 and 5 nodes (Fig. 8).
+fn recovery_sweep(a: &KvRecoveryArgs) -> anyhow::Result<()> {
+    let keys = a.sweep_keys.unwrap_or(if a.quick { 2_000 } else { 100_000 });
+    let efns: Vec<u64> = a.sweep_efn_s.clone().unwrap_or(if a.quick { vec![1] } else { vec![1, 10, 60] });
+    anyhow::ensure!(!efns.is_empty() && efns.iter().all(|e| *e > 0), "--sweep-efn-s needs positive seconds");
+    let out = bench::out_dir("kv", a.out.clone())?;
+    let mut report = bench::Report::new("kv.recovery_sweep", a.quick);
+    let mut rows = Vec::new();
+    let mut series = Vec::new();
+    // Interleave models within each EFN so drift hits them alike.
+    let mut by_model: BTreeMap<&'static str, Vec<(f64, f64)>> = BTreeMap::new();
+    for &efn in &efns {
+        for model in Model::ALL {
+            eprintln!("sweep: {model}, EFN {efn} s, {} nodes, {keys} keys", a.nodes);
+            let spec = RunSpec { scheme: Recovery::Heal, model, nodes: a.nodes, keys, efn: Duration::from_secs(efn) };
+            let r = recovery_run(a, spec)?;
+            r.log();
+            let m = model_key(model);
+            report.figure(&format!("sweep.{m}.efn_{efn}s.recovery_latency_ms"), r.recovery_ms)?;
+            report.figure(&format!("sweep.{m}.efn_{efn}s.missed_updates_bytes"), r.missed_updates_bytes as f64)?;
+            rows.push(vec![model.name().to_string(), a.nodes.to_string(), efn.to_string(), format!("{:.3}", r.recovery_ms),
+                format!("{:.3}", r.start_to_ack_ms), format!("{:.3}", r.catchup_to_resp_ms), format!("{:.3}", r.apply_to_end_ms),
+                r.entries.to_string(), r.missed_updates_bytes.to_string()]);
+            by_model.entry(model.name()).or_default().push((efn as f64, r.recovery_ms));
+        }
+    }
+    for (name, pts) in by_model {
+        series.push(bench::Series { name: name.to_string(), points: pts });
+    }
+    bench::line_plot(
+        &out.join("recovery_vs_efn"),
+        &format!("HEAL recovery latency against EFN ({} nodes, {keys} keys)", a.nodes),
+        "EFN (s)",
+        "recovery latency (ms)",
+        &series,
+        bench::Scale::Linear,
+    )?;
+    // Breakdown for 3, 4 and 5 nodes at the middle EFN, Synch.
+    let efn = efns[efns.len() / 2];
+    let groups = ["3 nodes", "4 nodes", "5 nodes"];
+    let mut parts = [Vec::new(), Vec::new(), Vec::new()];
+    for n in [3u32, 4, 5] {
+        eprintln!("breakdown: {n} nodes, EFN {efn} s");
+        let spec = RunSpec { scheme: Recovery::Heal, model: Model::Synch, nodes: n, keys, efn: Duration::from_secs(efn) };
+        let r = recovery_run(a, spec)?;
+        r.log();
+        for (i, (name, v)) in [("start_to_ack_ms", r.start_to_ack_ms), ("catchup_to_resp_ms", r.catchup_to_resp_ms), ("apply_to_end_ms", r.apply_to_end_ms)]
+            .into_iter()
+            .enumerate()
+        {
+            report.figure(&format!("breakdown.{n}_nodes.{name}"), v)?;
+            parts[i].push(v);
+        }
+        report.figure(&format!("breakdown.{n}_nodes.recovery_latency_ms"), r.recovery_ms)?;
+        rows.push(vec!["synch".into(), n.to_string(), efn.to_string(), format!("{:.3}", r.recovery_ms),
+            format!("{:.3}", r.start_to_ack_ms), format!("{:.3}", r.catchup_to_resp_ms), format!("{:.3}", r.apply_to_end_ms),
+            r.entries.to_string(), r.missed_updates_bytes.to_string()]);
+    }
+    let [p0, p1, p2] = parts;
+    bench::bar_plot(
+        &out.join("recovery_breakdown"),
+        &format!("HEAL recovery breakdown (synch, EFN {efn} s, {keys} keys)"),
+        "replication group",
+        "ms",
+        &groups,
+        &[
+            bench::BarSeries { name: "Start_to_ACK".into(), values: p0 },
+            bench::BarSeries { name: "CatchUp_to_Resp".into(), values: p1 },
+            bench::BarSeries { name: "Apply_to_end".into(), values: p2 },
+        ],
+    )?;
+    bench::write_csv(
+        &out.join("recovery_sweep.csv"),
+        &["model", "nodes", "efn_s", "recovery_ms", "start_to_ack_ms", "catchup_to_resp_ms", "apply_to_end_ms", "entries", "missed_updates_bytes"],
+        rows,
+    )?;
+    report.print();
+    Ok(())
+}
+
+fn model_key(m: Model) -> &'static str {
+    match m {
+        Model::Synch => "synch",
+        Model::Strict => "strict",
+        Model::ReadEnforced => "read_enforced",
+        Model::Eventual => "eventual",
+        Model::Scope => "scope",
+    }
+}
+
+impl Recovery {
+    fn figure_key(self) -> &'static str {
+        match self {
+            Recovery::Heal => "heal",
+            Recovery::FullCopy => "fullcopy",
+            Recovery::ReactiveLog => "reactive",
+        }
+    }
 }
 
 struct RunResult {
@@ -658,10 +861,29 @@ struct RunResult {
     apply_to_end_ms: f64,
     entries: u64,
     bytes: u64,
+    chunks: u64,
+    full_copy: bool,
     before_ops_per_s: f64,
     throughput_lost: f64,
+    /// One 100 ms window of throughput over the measured span: the smallest loss measurable.
+    lost_floor: f64,
+    /// A live node's (the Buddy's) resident memory and peak at the end of the EFN.
     rss_bytes: u64,
+    peak_rss_bytes: u64,
+    missed_updates_bytes: u64,
     windows: Vec<u64>,
+    kill_window: usize,
+}
+
+impl RunResult {
+    fn log(&self) {
+        eprintln!(
+            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms; {} entries, {} bytes, {} chunks, full copy {}); throughput lost {:.1}%; buddy RSS {} MiB (peak {} MiB), Missed_updates {} KiB",
+            self.recovery_ms, self.start_to_ack_ms, self.catchup_to_resp_ms, self.apply_to_end_ms, self.entries, self.bytes,
+            self.chunks, self.full_copy, self.throughput_lost * 100.0, self.rss_bytes >> 20, self.peak_rss_bytes >> 20,
+            self.missed_updates_bytes >> 10
+        );
+    }
 }
 
 /// The number just before `tag` in `line`.
@@ -673,64 +895,102 @@ fn bench_key(i: u64) -> Vec<u8> {
     format!("user{i:010}").into_bytes()
 }
 
-/// Restores the same snapshot into every node's log: `keys` committed records.
-fn preload(dir: &Path, nodes: u32, keys: u64, value_bytes: usize) -> anyhow::Result<()> {
+fn stored_bytes(keys: u64, value_bytes: usize) -> u64 {
+    keys * (bench_key(0).len() + value_bytes) as u64
+}
+
+/// The snapshot every node's log starts from: `keys` committed records. Built once per size
+/// and kept next to the bench clusters (each run copies it).
+fn preload_image(work: &Path, keys: u64, value_bytes: usize) -> anyhow::Result<PathBuf> {
     use std::io::Write;
+    let path = work.join(format!("preload-{keys}x{value_bytes}.log"));
+    if path.exists() {
+        return Ok(path);
+    }
+    let tmp = path.with_extension("tmp");
+    let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
     let ts = ::kv::Ts { version: 1, node: 0 };
-    let mut image = Vec::new();
     for i in 0..keys {
         let key = bench_key(i);
         let mut value = vec![b'x'; value_bytes];
         value[..8.min(value_bytes)].copy_from_slice(&i.to_le_bytes()[..8.min(value_bytes)]);
-        image.extend_from_slice(&::kv::log::encode(&::kv::log::LogRecord::Put { key: key.clone(), ts, value }));
-        image.extend_from_slice(&::kv::log::encode(&::kv::log::LogRecord::Mark { key, ts }));
+        f.write_all(&::kv::log::encode(&::kv::log::LogRecord::Put { key: key.clone(), ts, value }))?;
+        f.write_all(&::kv::log::encode(&::kv::log::LogRecord::Mark { key, ts }))?;
     }
+    f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(path)
+}
+
+/// Restores the same snapshot into every node's log.
+fn preload(image: &Path, dir: &Path, nodes: u32) -> anyhow::Result<()> {
     for n in 0..nodes {
         let d = dir.join(format!("node-{n}"));
         std::fs::create_dir_all(&d)?;
-        let mut f = std::fs::File::create(d.join("pm.log"))?;
-        f.write_all(&image)?;
-        f.sync_all()?;
+        std::fs::copy(image, d.join("pm.log")).with_context(|| format!("copying the preloaded store to {}", d.display()))?;
     }
     Ok(())
 }
 
-fn rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
+/// (VmRSS, VmHWM) of a process, in bytes.
+fn rss_bytes(pid: u32) -> (u64, u64) {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        s.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
 }
 
-fn recovery_run(a: &KvRecoveryArgs, scheme: Recovery, keys: u64, efn: Duration) -> anyhow::Result<RunResult> {
+/// Reads a gauge from a node's metrics endpoint.
+async fn scrape_gauge(addr: SocketAddr, name: &str) -> Option<f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::time::timeout(Duration::from_secs(2), tokio::net::TcpStream::connect(addr)).await.ok()?.ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.ok()?;
+    let mut body = String::new();
+    tokio::time::timeout(Duration::from_secs(2), s.read_to_string(&mut body)).await.ok()?.ok()?;
+    body.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' ')).and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+}
+
+fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
+    let RunSpec { scheme, model, nodes, keys, efn } = spec;
     let work = std::env::current_dir()?.join("target").join("bench-clusters");
     std::fs::create_dir_all(&work)?;
+    let image = preload_image(&work, keys, a.value_bytes)?;
     let tmp = tempfile::Builder::new().prefix("understudy-kv-bench-").tempdir_in(&work)?;
     let dir = tmp.path().to_path_buf();
-    preload(&dir, a.nodes, keys, a.value_bytes)?;
+    preload(&image, &dir, nodes)?;
     let up = UpArgs {
         dir: dir.clone(),
-        nodes: a.nodes,
-        model: Model::Synch,
+        nodes,
+        model,
         port_base: 0,
         restart_after_ms: 0,
         persist_latency_us: 0,
         efn_ms: 0,
-        missed_updates_cap_bytes: 256 << 20,
+        missed_updates_cap_bytes: a.missed_updates_cap_bytes,
         recovery: scheme,
-        // Generous: a loaded shared machine must not see false failures during a full copy.
-        failure_timeout_ms: 5000,
-        lease_ms: 2000,
+        // Copies stream in bounded chunks and never starve heartbeats; still generous for a
+        // loaded shared machine.
+        failure_timeout_ms: 1500,
+        lease_ms: 700,
+        // Every node reads its whole log (the store) before it answers the CM.
+        startup_grace_ms: 3_600_000,
     };
     let mut lk = LocalKv::start(&up)?;
     let rt = crate::runtime()?;
-    let victim = (a.nodes - 1) as usize;
+    let victim = (nodes - 1) as usize;
+    // The victim's Buddy: the next node after it that is active (node 0 here).
+    let buddy = 0usize;
     let res = rt.block_on(async {
         let c = KvCluster::new(lk.file.nodes.values().copied().collect(), lk.secret.clone());
-        wait_all_serving(&lk.file, &lk.secret, Duration::from_secs(300)).await?;
+        // Every node reads its whole log before it serves: allow for a large store.
+        wait_all_serving(&lk.file, &lk.secret, Duration::from_secs(1800)).await?;
         // Load: 100 ms windows of completed operations.
         let windows: Arc<Vec<AtomicU64>> = Arc::new((0..100_000).map(|_| AtomicU64::new(0)).collect());
         let stop = Arc::new(AtomicBool::new(false));
@@ -766,22 +1026,36 @@ fn recovery_run(a: &KvRecoveryArgs, scheme: Recovery, keys: u64, efn: Duration) 
         tokio::time::sleep(warm).await;
         let kill_at = t0.elapsed();
         lk.kill9(victim)?;
+        // The EFN is the execution with fewer nodes: it starts when the CM has removed the
+        // victim (failure detection comes first).
+        let cm_log = dir.join("logs/cm.log");
+        let removed = format!("node {victim} removed");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !std::fs::read_to_string(&cm_log).unwrap_or_default().contains(&removed) {
+            anyhow::ensure!(Instant::now() < deadline, "the CM did not remove node {victim} within 60 s; see {}", cm_log.display());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         tokio::time::sleep(efn).await;
+        // The Buddy's memory and Missed_updates at their fullest, just before the restart.
+        let (rss, peak) = lk.pid(buddy).map(rss_bytes).unwrap_or((0, 0));
+        let missed = match lk.metrics.get(buddy).copied().flatten() {
+            Some(m) => scrape_gauge(m, "kv_missed_updates_bytes").await.unwrap_or(f64::NAN),
+            None => f64::NAN,
+        };
         lk.restart_node(victim)?;
         let log = dir.join(format!("logs/node-{victim}.log"));
-        let deadline = Instant::now() + Duration::from_secs(600);
+        let deadline = Instant::now() + Duration::from_secs(3600);
         let line = loop {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
             if let Some(l) = text.lines().filter(|l| l.starts_with("recovered: node")).last() {
                 break l.to_string();
             }
-            anyhow::ensure!(Instant::now() < deadline, "node {victim} did not recover within 600 s; see {}", log.display());
+            anyhow::ensure!(Instant::now() < deadline, "node {victim} did not recover within an hour; see {}", log.display());
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         let recovered_at = t0.elapsed();
         tokio::time::sleep(Duration::from_secs(1)).await;
         let end = t0.elapsed();
-        let rss = lk.pid(0).map(rss_bytes).unwrap_or(0);
         stop.store(true, Ordering::Relaxed);
         for t in tasks {
             let _ = t.await;
@@ -794,10 +1068,11 @@ fn recovery_run(a: &KvRecoveryArgs, scheme: Recovery, keys: u64, efn: Duration) 
         let expected = before_per_window * after.len() as f64;
         let got: u64 = after.iter().sum();
         let lost = if expected > 0.0 { (1.0 - got as f64 / expected).max(0.0) } else { 0.0 };
-        Ok::<_, anyhow::Error>((line, before_per_window * 10.0, lost, rss, w))
+        let floor = 1.0 / after.len().max(1) as f64;
+        Ok::<_, anyhow::Error>((line, before_per_window * 10.0, lost, floor, rss, peak, missed, w, win(kill_at)))
     });
     lk.stop();
-    let (line, before_ops_per_s, throughput_lost, rss_bytes, windows) = match res {
+    let (line, before_ops_per_s, throughput_lost, lost_floor, rss_bytes, peak_rss_bytes, missed, windows, kill_window) = match res {
         Ok(r) => r,
         Err(e) => {
             let kept = tmp.keep();
@@ -814,9 +1089,15 @@ fn recovery_run(a: &KvRecoveryArgs, scheme: Recovery, keys: u64, efn: Duration) 
         apply_to_end_ms: num("apply_to_end ") / 1000.0,
         entries: before(&line, " entries").max(0.0) as u64,
         bytes: before(&line, " bytes,").max(0.0) as u64,
+        chunks: before(&line, " chunks,").max(0.0) as u64,
+        full_copy: line.contains("full_copy true"),
         before_ops_per_s,
         throughput_lost,
+        lost_floor,
         rss_bytes,
+        peak_rss_bytes,
+        missed_updates_bytes: if missed.is_finite() { missed as u64 } else { 0 },
         windows,
+        kill_window,
     })
 }

@@ -5,7 +5,11 @@
 //! models of Table I under linearizable consistency (§II-A, §V-E), replay on timeouts and after
 //! reconfiguration (§V-F, Table III), a configuration manager with heartbeats, epochs and the EFN
 //! period (§IV, §V-A), and HEAL recovery: Missed_updates, Partially_persisted, Buddy,
-//! Recov_start / CatchUp / Recov_end, ShadowReplica (§V-B/C, Fig. 4, Table II).
+//! Recov_start / CatchUp / Recov_end, ShadowReplica (§V-B/C, Fig. 4, Table II). The catch-up is
+//! pulled one bounded chunk at a time, so the two baselines of §IX run in the same core and
+//! harness: a full copy of the store (Hermes), and the reactive log of §II-C (ZooKeeper: a peer
+//! reads its durable log from the recovering node's last configuration, redundant updates
+//! included). The log is bounded by compaction.
 //!
 //! Main types: [`node::NodeCore`] (the sans-I/O replica: inputs in, [`node::Output`]s out),
 //! [`cm::CmCore`] (the sans-I/O configuration manager), [`log`] (the emulated persistent-memory

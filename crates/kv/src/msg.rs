@@ -148,6 +148,16 @@ impl Entry {
     }
 }
 
+/// Where a catch-up stream continues.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Cursor {
+    /// HEAL (Missed_updates and Partially_persisted) or a full copy: keys after this one
+    /// (`None`: from the first).
+    Key(Option<Vec<u8>>),
+    /// Reactive log (§II-C): a point in the sender's durable log.
+    Log(crate::log::LogCursor),
+}
+
 /// Node-to-node messages. Every one carries the sender's epoch; a receiver refuses messages of
 /// any other epoch (the sender retries after it learns the current configuration).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -189,16 +199,20 @@ pub enum PeerMsg {
     },
     RecovStart { epoch: u64 },
     RecovStartAck { epoch: u64 },
-    /// Carries the recovering node's Partially_persisted list.
+    /// Carries the recovering node's Partially_persisted list; asks for the next chunk at
+    /// `cursor` (the recovering node pulls one chunk at a time, once the previous one is
+    /// applied and persisted: a copy of any size streams without flooding anyone).
     CatchUpReq {
         epoch: u64,
         partially: Vec<(Vec<u8>, Ts)>,
+        cursor: Cursor,
     },
-    /// The Buddy's answer, in chunks of at most `max_catchup_chunk_bytes`.
+    /// The Buddy's answer to the request at `from`: at most `max_catchup_chunk_bytes` of
+    /// entries, and where to continue (`None`: done).
     CatchUpResp {
         epoch: u64,
-        chunk: u32,
-        last: bool,
+        from: Cursor,
+        next: Option<Cursor>,
         full_copy: bool,
         entries: Vec<Entry>,
     },

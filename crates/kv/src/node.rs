@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::{Hash, Hasher};
 
-use crate::log::{LogRecord, LogState};
+use crate::log::{LogChunk, LogCursor, LogRecord, LogState};
 use crate::msg::*;
 
 /// Tunables of a node, with units in their names.
@@ -55,6 +55,21 @@ pub enum RecoveryScheme {
     Heal,
     /// Baseline (Hermes-style): the recoverer streams its whole store.
     FullCopy,
+    /// Baseline (ZooKeeper-style, §II-C): the recovering node sends the last configuration it
+    /// was complete in (its newest `Epoch` log record); a peer reads its durable log from that
+    /// point and streams every update, redundant ones included, until it reaches the end.
+    /// Falls back to a full copy when the peer's log no longer reaches back that far.
+    ReactiveLog,
+}
+
+impl RecoveryScheme {
+    pub fn name(self) -> &'static str {
+        match self {
+            RecoveryScheme::Heal => "heal",
+            RecoveryScheme::FullCopy => "full-copy",
+            RecoveryScheme::ReactiveLog => "reactive-log",
+        }
+    }
 }
 
 impl NodeParams {
@@ -87,6 +102,8 @@ pub struct RecoveryStats {
     pub bytes_received: u64,
     pub full_copy: bool,
     pub partially_persisted: u64,
+    /// CatchUp_req / CatchUp_resp round trips (one per chunk).
+    pub chunks: u64,
 }
 
 impl RecoveryStats {
@@ -101,8 +118,11 @@ pub enum Output {
     ToCm(HeartbeatAck),
     /// Append durably, then call [`NodeCore::on_persisted`] with `seq`.
     Persist { seq: u64, rec: LogRecord },
-    /// Append without waiting (a GDP flag).
+    /// Append without waiting (a GDP flag, an `Epoch` record).
     Mark(LogRecord),
+    /// Read the durable log at `cursor` (about `max_bytes` of updates, after every append
+    /// output so far), then call [`NodeCore::on_log_read`] with `to` and `cursor`.
+    ReadLog { to: NodeId, cursor: LogCursor, max_bytes: usize },
     Reply { tag: u64, result: ClientResult },
     /// This node was removed from the configuration: drop this core and build a new one from
     /// the log (its volatile state may be stale; it must recover like a restarted node).
@@ -146,7 +166,8 @@ struct KeyState {
     durable: Ts,
     deadline_us: u64,
     timeouts: u32,
-    coord: Option<Coord>,
+    /// Boxed: most keys have none, and every key pays for the slot.
+    coord: Option<Box<Coord>>,
     pending_p: Vec<(NodeId, Ts)>,
     waiting: VecDeque<(u64, ClientOp)>,
 }
@@ -162,7 +183,9 @@ struct PersistOp {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Phase {
     Start { acked: BTreeSet<NodeId> },
-    CatchUp { buddy: NodeId, chunks: BTreeSet<u32>, total: Option<u32> },
+    /// `requested`: CatchUp_req for `cursor` is out; otherwise it goes once the previous
+    /// chunk is durable (`Recov::chunk_outstanding`).
+    CatchUp { buddy: NodeId, cursor: Cursor, requested: bool },
     Applying,
 }
 
@@ -174,6 +197,7 @@ struct Recov {
     resp_us: u64,
     deadline_us: u64,
     outstanding: BTreeSet<u64>,
+    chunk_outstanding: BTreeSet<u64>,
     stats: RecoveryStats,
 }
 
@@ -194,6 +218,9 @@ struct Missed {
     keys: BTreeMap<Vec<u8>, usize>,
     bytes: usize,
 }
+
+/// (key, timestamp) pairs: a Partially_persisted list, the writes of a scope.
+type KeyVersions = Vec<(Vec<u8>, Ts)>;
 
 /// One replica. See the module docs.
 #[derive(Clone)]
@@ -219,6 +246,10 @@ pub struct NodeCore {
     /// Client tags seen lately: a request delivered twice must not write twice.
     recent_tags: BTreeSet<u64>,
     recent_order: VecDeque<u64>,
+    /// Newest `Epoch` record in the log (reactive-log baseline only).
+    last_epoch: u64,
+    /// Reactive-log reads in progress for recovering nodes: cursor and Partially_persisted.
+    log_reads: BTreeMap<NodeId, (LogCursor, KeyVersions)>,
     out: Vec<Output>,
     pub counters: NodeCounters,
 }
@@ -231,16 +262,18 @@ impl NodeCore {
     /// it: as a genesis member if its log has never booted, otherwise through HEAL recovery.
     pub fn new(p: NodeParams, log: LogState) -> Self {
         let mut store = BTreeMap::new();
-        for (k, (ts, v)) in &log.base {
+        let partially = log.partially.iter().map(|(k, (ts, _))| (k.clone(), *ts)).collect();
+        let (booted, last_epoch) = (log.booted, log.last_epoch);
+        for (k, (ts, v)) in log.base {
             store.insert(
-                k.clone(),
+                k,
                 KeyState {
-                    ts: *ts,
-                    value: v.clone(),
+                    ts,
+                    value: v,
                     valid: true,
                     gdp: false,
-                    marked: *ts,
-                    durable: *ts,
+                    marked: ts,
+                    durable: ts,
                     ..Default::default()
                 },
             );
@@ -254,11 +287,11 @@ impl NodeCore {
             },
             p,
             mode: Mode::Down,
-            booted: log.booted,
+            booted,
             lease_until_us: 0,
             store,
             unsettled: BTreeSet::new(),
-            partially: log.partially.iter().map(|(k, (ts, _))| (k.clone(), *ts)).collect(),
+            partially,
             missed: Missed::default(),
             next_seq: 0,
             inflight: BTreeMap::new(),
@@ -269,6 +302,8 @@ impl NodeCore {
             persist_waits: Vec::new(),
             recent_tags: BTreeSet::new(),
             recent_order: VecDeque::new(),
+            last_epoch,
+            log_reads: BTreeMap::new(),
             out: Vec::new(),
             counters: NodeCounters::default(),
         }
@@ -329,7 +364,7 @@ impl NodeCore {
         match &self.mode {
             Mode::Down => 0u8.hash(h),
             Mode::Member => 1u8.hash(h),
-            Mode::Recovering(r) => (2u8, &r.phase, &r.outstanding).hash(h),
+            Mode::Recovering(r) => (2u8, &r.phase, &r.outstanding, &r.chunk_outstanding).hash(h),
             Mode::Recovered => 3u8.hash(h),
         }
         for (key, k) in &self.store {
@@ -350,6 +385,7 @@ impl NodeCore {
             (id, &op.writes, op.client, &op.acks).hash(h);
         }
         (self.next_persist_id, &self.persist_waits, &self.recent_tags).hash(h);
+        (self.last_epoch, &self.log_reads).hash(h);
     }
     /// Volatile timestamp of `key` (default if absent), for invariant checks.
     pub fn key_ts(&self, key: &[u8]) -> Ts {
@@ -524,6 +560,16 @@ impl NodeCore {
         }
         if matches!(self.mode, Mode::Down) {
             return;
+        }
+        if self.p.recovery == RecoveryScheme::ReactiveLog
+            && matches!(self.mode, Mode::Member)
+            && active
+            && self.config.epoch > self.last_epoch
+        {
+            // The reactive baseline's log id: every update applied from now on follows it.
+            self.last_epoch = self.config.epoch;
+            let whole = !self.config.degraded();
+            self.out.push(Output::Mark(LogRecord::Epoch { epoch: self.config.epoch, whole }));
         }
         // Missed_updates: seeded with everything not yet globally durable when the group first
         // loses a node, then fed by every update applied while it runs degraded.
@@ -709,7 +755,7 @@ impl NodeCore {
                 k.gdp = false;
                 k.timeouts = 0;
                 k.deadline_us = u64::MAX;
-                k.coord = Some(Coord {
+                k.coord = Some(Box::new(Coord {
                     ts,
                     value: value.clone(),
                     client: Some(tag),
@@ -720,7 +766,7 @@ impl NodeCore {
                     replied: false,
                     val_c_sent: false,
                     deadline_us: now_us + self.p.inv_ack_timeout_us,
-                });
+                }));
                 self.unsettled.insert(key.clone());
                 self.persist(&key, ts, &value);
                 self.record_missed(&key, value.len());
@@ -1045,11 +1091,16 @@ impl NodeCore {
                         self.advance(now_us, &key);
                     }
                     _ => {
-                        // A late ACK for a write already finished here: repeat its VAL.
+                        // A late ACK for a write already finished here: repeat its VAL. The
+                        // persistency half only to an ACK_P: `gdp` may date from an earlier
+                        // epoch whose members did not include the sender (a recovering node
+                        // acking a replay), and a VAL_P must not reach a replica whose NVM does
+                        // not hold the version yet (Table IV, 3b). Its ACK_P follows once it
+                        // has persisted, and gets the VAL_P then.
                         if k.ts == ts && k.valid {
-                            let gdp = k.gdp;
+                            let p = k.gdp && p;
                             let epoch = self.config.epoch;
-                            self.send(from, PeerMsg::Val { epoch, key, ts, c: true, p: gdp });
+                            self.send(from, PeerMsg::Val { epoch, key, ts, c: true, p });
                         }
                     }
                 }
@@ -1090,14 +1141,14 @@ impl NodeCore {
                 self.send(from, PeerMsg::RecovStartAck { epoch });
             }
             PeerMsg::RecovStartAck { .. } => self.on_recov_start_ack(now_us, from),
-            PeerMsg::CatchUpReq { partially, .. } => self.on_catchup_req(from, partially),
+            PeerMsg::CatchUpReq { partially, cursor, .. } => self.on_catchup_req(from, partially, cursor),
             PeerMsg::CatchUpResp {
-                chunk,
-                last,
+                from: at,
+                next,
                 full_copy,
                 entries,
                 ..
-            } => self.on_catchup_resp(now_us, from, chunk, last, full_copy, entries),
+            } => self.on_catchup_resp(now_us, from, at, next, full_copy, entries),
             PeerMsg::RecovEnd { .. } => {
                 let others_whole = self
                     .config
@@ -1155,10 +1206,17 @@ impl NodeCore {
             self.check_persist_op(id);
         }
         let mut check_recovery = false;
+        let mut next_chunk = false;
         if let Mode::Recovering(r) = &mut self.mode {
             if r.outstanding.remove(&seq) && r.outstanding.is_empty() {
                 check_recovery = true;
             }
+            if r.chunk_outstanding.remove(&seq) && r.chunk_outstanding.is_empty() {
+                next_chunk = true;
+            }
+        }
+        if next_chunk {
+            self.request_chunk(now_us);
         }
         if check_recovery {
             self.maybe_finish_recovery(now_us);
@@ -1201,7 +1259,7 @@ impl NodeCore {
             } else {
                 // The coordinator is gone or silent: take over with its timestamp (Table III).
                 let local_p = k.durable >= ts;
-                k.coord = Some(Coord {
+                k.coord = Some(Box::new(Coord {
                     ts,
                     value: k.value.clone(),
                     client: None,
@@ -1212,7 +1270,7 @@ impl NodeCore {
                     replied: true,
                     val_c_sent: false,
                     deadline_us: now_us + self.p.inv_ack_timeout_us,
-                });
+                }));
                 self.counters.replays_started += 1;
                 let msg = PeerMsg::Inv { epoch, key: key.clone(), ts, value: k.value.clone() };
                 self.broadcast(msg);
@@ -1239,8 +1297,9 @@ impl NodeCore {
             started_us: now_us,
             acked_us: 0,
             resp_us: 0,
-            deadline_us: now_us + self.p.recovery_retry_us,
+            deadline_us: now_us + self.start_retry_us(),
             outstanding: BTreeSet::new(),
+            chunk_outstanding: BTreeSet::new(),
             stats: RecoveryStats {
                 partially_persisted: self.partially.len() as u64,
                 ..Default::default()
@@ -1254,6 +1313,13 @@ impl NodeCore {
             self.send(n, PeerMsg::RecovStart { epoch });
         }
         self.on_recov_start_ack_check(now_us);
+    }
+
+    /// Recov_start is retried sooner than the other steps: a live node that has not yet adopted
+    /// the configuration re-adding us refuses it (other epoch), and learns it within a
+    /// heartbeat.
+    fn start_retry_us(&self) -> u64 {
+        self.p.recovery_retry_us.min(self.p.inv_ack_timeout_us)
     }
 
     fn on_recov_start_ack(&mut self, now_us: u64, from: NodeId) {
@@ -1273,12 +1339,23 @@ impl NodeCore {
             .find(|c| self.config.active.contains(c))
     }
 
+    /// Where the catch-up stream starts for this group's scheme.
+    fn first_cursor(&self) -> Cursor {
+        match self.p.recovery {
+            RecoveryScheme::ReactiveLog => Cursor::Log(LogCursor {
+                since_epoch: self.last_epoch,
+                gen: 0,
+                pos: None,
+            }),
+            RecoveryScheme::Heal | RecoveryScheme::FullCopy => Cursor::Key(None),
+        }
+    }
+
     fn on_recov_start_ack_check(&mut self, now_us: u64) {
         let me = self.p.id;
         let active: Vec<NodeId> = self.config.active.iter().copied().filter(|n| *n != me).collect();
         let buddy = self.buddy();
-        let epoch = self.config.epoch;
-        let partially = self.partially.clone();
+        let cursor = self.first_cursor();
         let Mode::Recovering(r) = &mut self.mode else { return };
         let Phase::Start { acked } = &r.phase else { return };
         if !active.iter().all(|n| acked.contains(n)) {
@@ -1287,83 +1364,160 @@ impl NodeCore {
         let Some(buddy) = buddy else { return };
         r.acked_us = now_us;
         r.stats.start_to_ack_us = now_us - r.started_us;
-        r.phase = Phase::CatchUp { buddy, chunks: BTreeSet::new(), total: None };
-        r.deadline_us = now_us + self.p.recovery_retry_us;
+        r.phase = Phase::CatchUp { buddy, cursor, requested: false };
         // Step 2: CatchUp_req with the Partially_persisted list.
-        self.send(buddy, PeerMsg::CatchUpReq { epoch, partially });
+        self.request_chunk(now_us);
     }
 
-    fn on_catchup_req(&mut self, from: NodeId, partially: Vec<(Vec<u8>, Ts)>) {
+    /// Sends CatchUp_req for the current cursor unless one is out already.
+    fn request_chunk(&mut self, now_us: u64) {
+        let epoch = self.config.epoch;
+        let partially = self.partially.clone();
+        let retry = self.p.recovery_retry_us;
+        let Mode::Recovering(r) = &mut self.mode else { return };
+        let Phase::CatchUp { buddy, cursor, requested } = &mut r.phase else { return };
+        if *requested || !r.chunk_outstanding.is_empty() {
+            return;
+        }
+        *requested = true;
+        r.deadline_us = now_us + retry;
+        let (to, cursor) = (*buddy, cursor.clone());
+        self.send(to, PeerMsg::CatchUpReq { epoch, partially, cursor });
+    }
+
+    fn on_catchup_req(&mut self, from: NodeId, partially: Vec<(Vec<u8>, Ts)>, cursor: Cursor) {
         if !matches!(self.mode, Mode::Member) || !self.config.active.contains(&self.p.id) {
             return;
         }
+        if partially.len() > self.p.max_pending_client_ops.max(1 << 16) {
+            return; // not a list a crash can leave behind: refuse rather than work on it
+        }
         self.counters.catchup_served += 1;
-        let full_copy = self.missed.overflowed
-            || !self.missed.recording
-            || self.p.recovery == RecoveryScheme::FullCopy;
-        // The current version of each key is the newest update to it: Missed_updates keeps
-        // keys, the store supplies their newest values. Partially_persisted entries are judged
-        // by sending our version: R keeps its own only if ours equals it (marked committed).
-        let keys: Vec<Vec<u8>> = if full_copy {
-            self.store.keys().cloned().collect()
-        } else {
-            let mut set: BTreeSet<Vec<u8>> = self.missed.keys.keys().cloned().collect();
-            set.extend(partially.into_iter().map(|(k, _)| k));
-            set.into_iter().collect()
+        match cursor {
+            Cursor::Key(after) => {
+                let full_copy = self.missed.overflowed
+                    || !self.missed.recording
+                    || self.p.recovery != RecoveryScheme::Heal;
+                let (entries, next) = self.key_chunk(after.as_deref(), &partially, full_copy);
+                let epoch = self.config.epoch;
+                let from_c = Cursor::Key(after);
+                self.send(from, PeerMsg::CatchUpResp { epoch, from: from_c, next, full_copy, entries });
+            }
+            Cursor::Log(lc) => {
+                // Reactive: the durable log is read from the point (by the driver, off the
+                // protocol path), then answered in `on_log_read`. One read per recovering node.
+                let max_bytes = self.p.max_catchup_chunk_bytes;
+                self.log_reads.insert(from, (lc.clone(), partially));
+                self.out.push(Output::ReadLog { to: from, cursor: lc, max_bytes });
+            }
+        }
+    }
+
+    /// The next chunk after `after` of a key-ordered copy: every key of the store (a full
+    /// copy), or HEAL's Missed_updates plus the Partially_persisted keys. The current version
+    /// of each key is the newest update to it; a Partially_persisted entry is judged by
+    /// sending ours: the recovering node keeps its own only if ours equals it.
+    fn key_chunk(&self, after: Option<&[u8]>, partially: &[(Vec<u8>, Ts)], full: bool) -> (Vec<Entry>, Option<Cursor>) {
+        use std::ops::Bound;
+        let lower = match after {
+            Some(k) => Bound::Excluded(k),
+            None => Bound::Unbounded,
         };
-        let epoch = self.config.epoch;
-        let mut chunk = Vec::new();
-        let mut chunk_bytes = 0;
-        let mut n = 0u32;
-        let mut chunks = Vec::new();
-        for key in keys {
-            let Some(k) = self.store.get(&key) else { continue };
+        let mut keys: Box<dyn Iterator<Item = &[u8]>> = if full {
+            Box::new(self.store.range::<[u8], _>((lower, Bound::Unbounded)).map(|(k, _)| k.as_slice()))
+        } else {
+            let mut extra: Vec<&[u8]> = partially
+                .iter()
+                .map(|(k, _)| k.as_slice())
+                .filter(|k| after.is_none_or(|a| *k > a))
+                .collect();
+            extra.sort_unstable();
+            extra.dedup();
+            let missed = self.missed.keys.range::<[u8], _>((lower, Bound::Unbounded)).map(|(k, _)| k.as_slice());
+            Box::new(MergeKeys { a: missed.peekable(), b: extra.into_iter().peekable() })
+        };
+        let mut entries = Vec::new();
+        let mut bytes = 0;
+        for key in keys.by_ref() {
+            let Some(k) = self.store.get(key) else { continue };
             if k.ts == Ts::default() {
                 continue;
             }
-            let e = Entry { key, ts: k.ts, value: k.value.clone(), committed: k.valid };
-            chunk_bytes += e.size_bytes();
-            chunk.push(e);
-            if chunk_bytes >= self.p.max_catchup_chunk_bytes {
-                chunks.push(std::mem::take(&mut chunk));
-                chunk_bytes = 0;
+            let e = Entry { key: key.to_vec(), ts: k.ts, value: k.value.clone(), committed: k.valid };
+            bytes += e.size_bytes();
+            entries.push(e);
+            if bytes >= self.p.max_catchup_chunk_bytes {
+                let last = entries.last().map(|e| e.key.clone());
+                return (entries, Some(Cursor::Key(last)));
             }
         }
-        if !chunk.is_empty() || chunks.is_empty() {
-            chunks.push(chunk);
+        (entries, None)
+    }
+
+    /// The driver read the log for `to` (see [`Output::ReadLog`]).
+    pub fn on_log_read(&mut self, _now_us: u64, to: NodeId, cursor: LogCursor, chunk: LogChunk) {
+        match self.log_reads.get(&to) {
+            Some((c, _)) if *c == cursor => {}
+            _ => return,
         }
-        let total = chunks.len();
-        for (i, entries) in chunks.into_iter().enumerate() {
-            let last = i + 1 == total;
-            self.send(from, PeerMsg::CatchUpResp { epoch, chunk: n, last, full_copy, entries });
-            n += 1;
+        let (_, partially) = self.log_reads.remove(&to).unwrap();
+        if !matches!(self.mode, Mode::Member) || !self.config.active.contains(&self.p.id) {
+            return;
         }
+        let epoch = self.config.epoch;
+        let from = Cursor::Log(cursor.clone());
+        if !chunk.found {
+            // Our log does not reach back to where the node left: send a snapshot instead.
+            let (entries, next) = self.key_chunk(None, &[], true);
+            self.send(to, PeerMsg::CatchUpResp { epoch, from, next, full_copy: true, entries });
+            return;
+        }
+        let mut entries: Vec<Entry> = chunk
+            .puts
+            .into_iter()
+            .map(|(key, ts, value)| {
+                let committed = self.store.get(&key).is_some_and(|k| ts < k.ts || (ts == k.ts && k.valid));
+                Entry { key, ts, value, committed }
+            })
+            .collect();
+        if cursor.pos.is_none() {
+            // The first chunk also judges the Partially_persisted entries (like ZooKeeper's
+            // TRUNC of a learner's uncommitted tail).
+            for (key, _) in partially {
+                if let Some(k) = self.store.get(&key).filter(|k| k.ts != Ts::default()) {
+                    entries.push(Entry { key, ts: k.ts, value: k.value.clone(), committed: k.valid });
+                }
+            }
+        }
+        let next = (!chunk.at_end).then_some(Cursor::Log(LogCursor {
+            since_epoch: cursor.since_epoch,
+            gen: chunk.gen,
+            pos: Some(chunk.next_pos),
+        }));
+        self.send(to, PeerMsg::CatchUpResp { epoch, from, next, full_copy: false, entries });
     }
 
     fn on_catchup_resp(
         &mut self,
         now_us: u64,
         from: NodeId,
-        chunk: u32,
-        last: bool,
+        at: Cursor,
+        next: Option<Cursor>,
         full_copy: bool,
         entries: Vec<Entry>,
     ) {
         {
             let Mode::Recovering(r) = &mut self.mode else { return };
-            let Phase::CatchUp { buddy, chunks, total } = &mut r.phase else { return };
-            if *buddy != from || !chunks.insert(chunk) {
-                return;
+            let Phase::CatchUp { buddy, cursor, requested } = &mut r.phase else { return };
+            if *buddy != from || *cursor != at || !*requested {
+                return; // a duplicate, or the answer to a request we gave up on
             }
-            if last {
-                *total = Some(chunk + 1);
-            }
-            // Chunks are still coming: no retry (a retry would restart a full copy).
             r.deadline_us = now_us + self.p.recovery_retry_us;
             if r.resp_us == 0 {
                 r.resp_us = now_us;
                 r.stats.catchup_to_resp_us = now_us - r.acked_us;
             }
+            r.stats.chunks += 1;
             r.stats.full_copy |= full_copy;
             r.stats.entries_received += entries.len() as u64;
             r.stats.bytes_received += entries.iter().map(|e| e.size_bytes() as u64).sum::<u64>();
@@ -1390,12 +1544,21 @@ impl NodeCore {
         r.stats.entries_applied += applied;
         if !eventual {
             // Under Eventual the NVM copy is made in the background, off the critical path.
-            r.outstanding.extend(seqs);
+            r.outstanding.extend(seqs.iter().copied());
         }
-        let Phase::CatchUp { chunks, total, .. } = &r.phase else { return };
-        if total.is_some_and(|t| chunks.len() as u32 == t) {
-            r.phase = Phase::Applying;
-            self.maybe_finish_recovery(now_us);
+        // The next chunk is asked for once this one is durable: the copy streams at the pace
+        // of the recovering node's log, a bounded chunk at a time.
+        r.chunk_outstanding.extend(seqs);
+        let Phase::CatchUp { buddy, .. } = r.phase else { return };
+        match next {
+            None => {
+                r.phase = Phase::Applying;
+                self.maybe_finish_recovery(now_us);
+            }
+            Some(cursor) => {
+                r.phase = Phase::CatchUp { buddy, cursor, requested: false };
+                self.request_chunk(now_us);
+            }
         }
     }
 
@@ -1421,13 +1584,16 @@ impl NodeCore {
 
     fn recovery_tick(&mut self, now_us: u64) {
         let retry = self.p.recovery_retry_us;
+        let start_retry = self.start_retry_us();
+        let buddy_now = self.buddy();
         let Mode::Recovering(r) = &mut self.mode else { return };
         if now_us < r.deadline_us {
             return;
         }
         r.deadline_us = now_us + retry;
-        match &r.phase {
+        match &mut r.phase {
             Phase::Start { acked } => {
+                r.deadline_us = now_us + start_retry;
                 let epoch = self.config.epoch;
                 let missing: Vec<NodeId> = self
                     .config
@@ -1440,17 +1606,122 @@ impl NodeCore {
                     self.send(n, PeerMsg::RecovStart { epoch });
                 }
             }
-            Phase::CatchUp { .. } => {
-                // Ask again, possibly a different Buddy; already applied entries are harmless.
-                let buddy = self.buddy();
-                let epoch = self.config.epoch;
-                let partially = self.partially.clone();
-                if let (Some(b), Mode::Recovering(r)) = (buddy, &mut self.mode) {
-                    r.phase = Phase::CatchUp { buddy: b, chunks: BTreeSet::new(), total: None };
-                    self.send(b, PeerMsg::CatchUpReq { epoch, partially });
+            Phase::CatchUp { buddy, cursor, requested } => {
+                if !*requested {
+                    return; // waiting for our own log, not for the Buddy
                 }
+                // Ask again, possibly a different Buddy; already applied entries are harmless.
+                if let Some(b) = buddy_now {
+                    if b != *buddy {
+                        if let Cursor::Log(lc) = cursor {
+                            lc.pos = None; // a log position means nothing in another node's log
+                        }
+                    }
+                    *buddy = b;
+                }
+                *requested = false;
+                self.request_chunk(now_us);
             }
             Phase::Applying => {}
+        }
+    }
+}
+
+/// Merges two ascending key iterators, dropping duplicates.
+struct MergeKeys<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> {
+    a: std::iter::Peekable<A>,
+    b: std::iter::Peekable<B>,
+}
+
+impl<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> Iterator for MergeKeys<'a, A, B> {
+    type Item = &'a [u8];
+    fn next(&mut self) -> Option<&'a [u8]> {
+        match (self.a.peek(), self.b.peek()) {
+            (Some(x), Some(y)) => {
+                if x < y {
+                    self.a.next()
+                } else if y < x {
+                    self.b.next()
+                } else {
+                    self.b.next();
+                    self.a.next()
+                }
+            }
+            (Some(_), None) => self.a.next(),
+            (None, _) => self.b.next(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(epoch: u64, active: &[NodeId], recovering: &[NodeId]) -> Config {
+        Config {
+            epoch,
+            nodes: vec![0, 1, 2],
+            active: active.iter().copied().collect(),
+            recovering: recovering.iter().copied().collect(),
+        }
+    }
+
+    fn persist_all(n: &mut NodeCore, now: u64) {
+        loop {
+            let seqs: Vec<u64> = n
+                .take_outputs()
+                .into_iter()
+                .filter_map(|o| match o {
+                    Output::Persist { seq, .. } => Some(seq),
+                    _ => None,
+                })
+                .collect();
+            if seqs.is_empty() {
+                return;
+            }
+            for s in seqs {
+                n.on_persisted(now, s);
+            }
+        }
+    }
+
+    /// Regression for the model-check finding (MODEL_EAGER_TIMEOUTS=1, Strict and Eventual):
+    /// a write made globally durable in epoch 2 (members 1, 2) gets a late ACK with only
+    /// ACK_C from node 0, which came back as a recovering node in epoch 3 and has not
+    /// persisted the version. The repeated VAL must not carry VAL_P (Table IV, 3b); the
+    /// node's ACK_P, once it persisted, gets it.
+    #[test]
+    fn late_ack_c_from_recovering_node_gets_no_val_p() {
+        for model in [Model::Strict, Model::Eventual, Model::ReadEnforced] {
+            let mut n = NodeCore::new(NodeParams::new(1, model), LogState::default());
+            n.on_heartbeat(0, Heartbeat { seq: 0, config: cfg(1, &[0, 1, 2], &[]) });
+            persist_all(&mut n, 0);
+            n.on_heartbeat(1, Heartbeat { seq: 1, config: cfg(2, &[1, 2], &[]) });
+            n.take_outputs();
+            let key = b"b".to_vec();
+            n.on_client(2, 7, ClientOp::Put { key: key.clone(), value: b"v".to_vec(), scope: None });
+            persist_all(&mut n, 2);
+            let ts = Ts { version: 1, node: 1 };
+            n.on_peer(3, 2, PeerMsg::Ack { epoch: 2, key: key.clone(), ts, c: true, p: true });
+            let outs = n.take_outputs();
+            assert!(
+                outs.contains(&Output::Reply { tag: 7, result: ClientResult::Done }),
+                "{model}: write done in epoch 2: {outs:?}"
+            );
+            n.on_heartbeat(4, Heartbeat { seq: 2, config: cfg(3, &[1, 2], &[0]) });
+            n.take_outputs();
+            let val_to_0 = |outs: Vec<Output>| -> Vec<(bool, bool)> {
+                outs.into_iter()
+                    .filter_map(|o| match o {
+                        Output::Send { to: 0, msg: PeerMsg::Val { c, p, .. } } => Some((c, p)),
+                        _ => None,
+                    })
+                    .collect()
+            };
+            n.on_peer(5, 0, PeerMsg::Ack { epoch: 3, key: key.clone(), ts, c: true, p: false });
+            assert_eq!(val_to_0(n.take_outputs()), vec![(true, false)], "{model}");
+            n.on_peer(6, 0, PeerMsg::Ack { epoch: 3, key: key.clone(), ts, c: false, p: true });
+            assert_eq!(val_to_0(n.take_outputs()), vec![(true, true)], "{model}");
         }
     }
 }

@@ -94,12 +94,15 @@ enum Input {
     Hb(Heartbeat, mpsc::Sender<NetMsg>),
     Client { id: u64, op: ClientOp, reply: mpsc::Sender<NetMsg> },
     Persisted(Vec<u64>),
+    LogRead { to: NodeId, cursor: log::LogCursor, chunk: log::LogChunk },
 }
 
 enum LogJob {
     Durable(u64, LogRecord),
     Lazy(LogRecord),
-    ReadAll(std::sync::mpsc::Sender<Vec<LogRecord>>),
+    Rebuild(std::sync::mpsc::Sender<log::LogState>),
+    /// Reactive-log baseline: read the log at a cursor, after every append queued before.
+    Read { to: NodeId, cursor: log::LogCursor, max_bytes: usize },
 }
 
 /// Numbers a node exposes on its metrics endpoint.
@@ -110,11 +113,13 @@ pub struct NodeStats {
     pub keys: AtomicU64,
     pub stored_bytes: AtomicU64,
     pub missed_updates_bytes: AtomicU64,
+    pub log_bytes: AtomicU64,
+    pub log_compactions: AtomicU64,
     pub recoveries: AtomicU64,
     pub last_recovery: Mutex<Option<RecoveryStats>>,
 }
 
-fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>) -> std::sync::mpsc::Sender<LogJob> {
+fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>, stats: Arc<NodeStats>) -> std::sync::mpsc::Sender<LogJob> {
     let (tx, rx) = std::sync::mpsc::channel::<LogJob>();
     std::thread::Builder::new()
         .name("kv-log".into())
@@ -130,6 +135,7 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>) -> std::sync
                 let mut recs = Vec::new();
                 let mut seqs = Vec::new();
                 let mut reads = Vec::new();
+                let mut log_reads = Vec::new();
                 for j in batch {
                     match j {
                         LogJob::Durable(s, r) => {
@@ -137,7 +143,8 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>) -> std::sync
                             recs.push(r);
                         }
                         LogJob::Lazy(r) => recs.push(r),
-                        LogJob::ReadAll(reply) => reads.push(reply),
+                        LogJob::Rebuild(reply) => reads.push(reply),
+                        LogJob::Read { to, cursor, max_bytes } => log_reads.push((to, cursor, max_bytes)),
                     }
                 }
                 let res = if seqs.is_empty() {
@@ -155,8 +162,30 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>) -> std::sync
                     return;
                 }
                 for r in reads {
-                    let _ = r.send(flog.read_all().unwrap_or_default());
+                    let _ = r.send(flog.rebuild_state().unwrap_or_default());
                 }
+                // Reads see every append queued before them (they were written just above).
+                for (to, cursor, max_bytes) in log_reads {
+                    match flog.read_chunk(&cursor, max_bytes) {
+                        Ok(chunk) => {
+                            if inputs.blocking_send(Input::LogRead { to, cursor, chunk }).is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) => tracing::warn!("reading the log for node {to}: {e}"),
+                    }
+                }
+                match flog.maybe_compact() {
+                    Ok(true) => tracing::info!(bytes = flog.len_bytes(), "log compacted"),
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::error!("log compaction failed: {e}; stopping");
+                        eprintln!("error: persistent log compaction failed: {e}");
+                        std::process::exit(2);
+                    }
+                }
+                stats.log_bytes.store(flog.len_bytes(), Ordering::Relaxed);
+                stats.log_compactions.store(flog.compactions, Ordering::Relaxed);
             }
         })
         .expect("spawning the log thread");
@@ -166,8 +195,7 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>) -> std::sync
 /// Runs a node until the process is stopped.
 pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     std::fs::create_dir_all(&cfg.data_dir)?;
-    let mut flog = FileLog::open(&cfg.data_dir.join("pm.log"), cfg.extra_persist_latency)?;
-    let st = log::rebuild(&flog.read_all()?);
+    let (flog, st) = FileLog::open_and_rebuild(&cfg.data_dir.join("pm.log"), cfg.extra_persist_latency)?;
     tracing::info!(
         node = cfg.params.id,
         records = st.records,
@@ -178,8 +206,9 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     );
     let listener = TcpListener::bind(cfg.listen).await?;
     let (in_tx, mut in_rx) = mpsc::channel::<Input>(65_536);
-    let log_tx = spawn_log_thread(flog, in_tx.clone());
     let stats = Arc::new(NodeStats::default());
+    stats.log_bytes.store(flog.len_bytes(), Ordering::Relaxed);
+    let log_tx = spawn_log_thread(flog, in_tx.clone(), stats.clone());
 
     if let Some(m) = cfg.metrics {
         let l = TcpListener::bind(m).await?;
@@ -239,6 +268,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         core.on_client(now, tag, op);
                     }
                     Input::Persisted(seqs) => for s in seqs { core.on_persisted(now, s) },
+                    Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
                 }
             }
         }
@@ -266,6 +296,9 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                     Output::Mark(rec) => {
                         let _ = log_tx.send(LogJob::Lazy(rec));
                     }
+                    Output::ReadLog { to, cursor, max_bytes } => {
+                        let _ = log_tx.send(LogJob::Read { to, cursor, max_bytes });
+                    }
                     Output::Reply { tag, result } => {
                         if let Some((tx, id)) = replies.remove(&tag) {
                             let _ = tx.try_send(NetMsg::Resp { id, result });
@@ -274,9 +307,9 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                     Output::Reload => {
                         tracing::warn!(node = me, "removed from the configuration: reloading from the log to recover");
                         let (rtx, rrx) = std::sync::mpsc::channel();
-                        let _ = log_tx.send(LogJob::ReadAll(rtx));
-                        let recs = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
-                        core = NodeCore::new(cfg.params.clone(), log::rebuild(&recs));
+                        let _ = log_tx.send(LogJob::Rebuild(rtx));
+                        let st = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
+                        core = NodeCore::new(cfg.params.clone(), st);
                         // Durable completions of the old core are meaningless to the new one.
                     }
                     Output::Recovered(s) => {
@@ -292,8 +325,8 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             "HEAL recovery complete"
                         );
                         eprintln!(
-                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, {} entries, {} bytes, full_copy {})",
-                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.entries_received, s.bytes_received, s.full_copy
+                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, {} entries, {} bytes, {} chunks, full_copy {})",
+                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.entries_received, s.bytes_received, s.chunks, s.full_copy
                         );
                         stats.recoveries.fetch_add(1, Ordering::Relaxed);
                         *stats.last_recovery.lock().unwrap() = Some(s);
@@ -331,6 +364,8 @@ fn render_node_metrics(s: &NodeStats) -> String {
         "bytes accounted in the Missed_updates buffer",
         &[("", s.missed_updates_bytes.load(Ordering::Relaxed) as f64)],
     );
+    metric(&mut out, "kv_log_bytes", "gauge", "bytes in the persistent-memory log file", &[("", s.log_bytes.load(Ordering::Relaxed) as f64)]);
+    metric(&mut out, "kv_log_compactions_total", "counter", "log compactions", &[("", s.log_compactions.load(Ordering::Relaxed) as f64)]);
     metric(&mut out, "kv_recoveries_total", "counter", "HEAL recoveries completed", &[("", s.recoveries.load(Ordering::Relaxed) as f64)]);
     if let Some(r) = s.last_recovery.lock().unwrap().clone() {
         metric(&mut out, "kv_last_recovery_us", "gauge", "duration of the last HEAL recovery", &[("", r.total_us() as f64)]);

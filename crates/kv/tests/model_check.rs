@@ -32,10 +32,12 @@
 //! them, `MODEL_DEPTH` bounds the BFS depth (default 10; 0 = unbounded, i.e. exhaustive — far too big
 //! for CI), `MODEL_SIM_STATES` the seeded random walks (default 20000) that go deeper, through
 //! the crash, the CM's reconfigurations, HEAL and later writes; `MODEL_SEED` picks their seed.
-//! Known finding (opt-in, not in CI): with MODEL_EAGER_TIMEOUTS=1, Strict and Eventual walks hit
-//! (3b) on the *repeated* VAL that `on_peer` sends for a late ACK (`p: gdp`): a coordinator whose
-//! write finished in an earlier epoch tells a recovering node, whose ACK had `p: false`, that the
-//! version is globally durable before that node's own NVM holds it.
+//! Timeouts race with everything else in the random walks (MODEL_EAGER_TIMEOUTS=0 turns that
+//! off; =1 turns it on for the BFS too). That found a real bug, now fixed and kept as the unit
+//! test `node::tests::late_ack_c_from_recovering_node_gets_no_val_p`: Strict and Eventual hit
+//! (3b) on the *repeated* VAL that `on_peer` sent for a late ACK (`p: gdp`): a coordinator whose
+//! write finished in an earlier epoch told a recovering node, whose ACK had `p: false`, that the
+//! version was globally durable before that node's own NVM held it.
 //! `model_check_finds_skipped_acks` runs a deliberately broken core (the coordinator does not
 //! wait for ACKs) and requires the checker to find the violation.
 
@@ -334,7 +336,7 @@ impl Check {
                         s.outstanding.retain(|_, node| *node != id);
                         return;
                     }
-                    Output::Recovered(_) => {}
+                    Output::Recovered(_) | Output::ReadLog { .. } => {}
                 }
             }
         }
@@ -601,7 +603,7 @@ fn env_u(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn check(model: Model, bounds: Bounds, faulty: bool) -> Check {
+fn check(model: Model, bounds: Bounds, faulty: bool, walks: bool) -> Check {
     let crash_nodes = match std::env::var("MODEL_CRASH_NODES") {
         Ok(v) => v.split(',').filter_map(|x| x.trim().parse().ok()).collect(),
         Err(_) => vec![0],
@@ -610,7 +612,9 @@ fn check(model: Model, bounds: Bounds, faulty: bool) -> Check {
         model,
         bounds,
         faulty,
-        eager: env_u("MODEL_EAGER_TIMEOUTS", 0) == 1,
+        // Walks let timeouts race with everything by default (they found the late-ACK VAL_P
+        // bug); the exhaustive BFS keeps them quiet unless asked, to stay CI-sized.
+        eager: env_u("MODEL_EAGER_TIMEOUTS", walks as usize) == 1,
         same_key: env_u("MODEL_SAME_KEY", 0) == 1,
         crash_nodes,
     }
@@ -629,7 +633,7 @@ type Found = std::collections::HashMap<&'static str, String>;
 
 fn run(model: Model, faulty: bool, bounds: Bounds, sim_states: Option<usize>) -> (usize, usize, Found) {
     let t0 = Instant::now();
-    let m = check(model, bounds, faulty);
+    let m = check(model, bounds, faulty, sim_states.is_some());
     let b = m.clone().checker().threads(env_u("MODEL_THREADS", 1));
     let b = b.finish_when(stateright::HasDiscoveries::AnyFailures);
     let r = match sim_states {

@@ -15,7 +15,7 @@ use kv::checker::{self, Op, OpKind};
 use kv::cm::{CmCore, CmOutput, CmParams};
 use kv::log::{self, LogRecord};
 use kv::msg::*;
-use kv::node::{NodeCore, NodeParams, Output, RecoveryStats};
+use kv::node::{NodeCore, NodeParams, Output, RecoveryScheme, RecoveryStats};
 use sim::{Delivery, EventQueue, NetConfig, Network, SimDisk, SimRng};
 
 const CM: NodeId = 1000;
@@ -40,6 +40,7 @@ enum Ev {
     ClientNext(u32),
     ClientTimeout { client: u32, opno: u64 },
     Fault,
+    LogRead { node: NodeId, inc: u64, to: NodeId, cursor: log::LogCursor, chunk: log::LogChunk },
 }
 
 impl From<Delivery<Msg>> for Ev {
@@ -75,6 +76,7 @@ struct Scenario {
     partitions: bool,
     double_failures: bool,
     missed_cap_bytes: usize,
+    scheme: RecoveryScheme,
 }
 
 struct World {
@@ -104,6 +106,7 @@ fn node_params(id: NodeId, sc: &Scenario) -> NodeParams {
     p.recovery_retry_us = 20_000;
     p.missed_updates_cap_bytes = sc.missed_cap_bytes;
     p.max_catchup_chunk_bytes = 200;
+    p.recovery = sc.scheme;
     p
 }
 
@@ -225,6 +228,19 @@ impl World {
             Output::Reply { tag, result } => {
                 let client = CLIENT0 + (tag >> 32) as u32;
                 self.send(id, client, Msg::Resp { tag, result });
+            }
+            Output::ReadLog { to, cursor, max_bytes } => {
+                // The driver reads the durable image (what survives a crash), as FileLog does.
+                let n = &mut self.nodes[id as usize];
+                let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
+                let (markers, valid) = log::scan_markers(&bytes);
+                let chunk = log::read_chunk(&markers, 0, valid as u64, &cursor, max_bytes, |off, len| {
+                    Ok(bytes[off as usize..(off as usize + len).min(bytes.len())].to_vec())
+                })
+                .unwrap();
+                let inc = n.inc;
+                let lat = 50 + self.rng.range_u64(0, 3) * 100;
+                self.q.push_after(now, lat, Ev::LogRead { node: id, inc, to, cursor, chunk }).unwrap();
             }
             Output::Reload => {
                 if self.verbose {
@@ -474,6 +490,15 @@ impl World {
             Ev::ClientNext(c) => self.client_next(c),
             Ev::ClientTimeout { client, opno } => self.client_timeout(client, opno),
             Ev::Fault => self.fault(),
+            Ev::LogRead { node, inc, to, cursor, chunk } => {
+                let n = &mut self.nodes[node as usize];
+                if n.inc == inc {
+                    if let Some(core) = n.core.as_mut() {
+                        core.on_log_read(now, to, cursor, chunk);
+                    }
+                    self.drain_node(node);
+                }
+            }
         }
         // Restarts are due-time checks rather than events so a crash can be scheduled simply.
         for id in 0..self.sc.nodes {
@@ -500,7 +525,7 @@ impl World {
 }
 
 /// Runs one seed; returns a description of the first failure.
-fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize), String> {
+fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize, usize), String> {
     let mut w = World::new(seed, sc, verbose);
     while w.now < sc.run_us {
         if !w.step() {
@@ -576,7 +601,8 @@ fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize), String>
         }
         return Err(v.to_string());
     }
-    Ok((hist.len(), w.recoveries.len()))
+    let full = w.recoveries.iter().filter(|r| r.full_copy).count();
+    Ok((hist.len(), w.recoveries.len(), full))
 }
 
 fn seeds(default: u64) -> Vec<u64> {
@@ -600,6 +626,7 @@ fn scenario(model: Model, nodes: u32) -> Scenario {
         partitions: true,
         double_failures: false,
         missed_cap_bytes: 1 << 20,
+        scheme: RecoveryScheme::Heal,
     }
 }
 
@@ -607,17 +634,22 @@ fn run_many(name: &str, sc: Scenario, default_seeds: u64) {
     let verbose = std::env::var("SIM_SEED").is_ok();
     let mut ops = 0;
     let mut recoveries = 0;
+    let mut full_copies = 0;
     let seeds = seeds(default_seeds);
     for &seed in &seeds {
         match run(seed, sc, verbose) {
-            Ok((o, r)) => {
+            Ok((o, r, f)) => {
                 ops += o;
                 recoveries += r;
+                full_copies += f;
             }
             Err(e) => panic!("{name}: seed {seed} failed: {e}\nreproduce: SIM_SEED={seed} cargo test -p kv --test sim_heal {name} -- --nocapture"),
         }
     }
-    eprintln!("{name}: {} seeds, {ops} ops checked, {recoveries} HEAL recoveries", seeds.len());
+    eprintln!("{name}: {} seeds, {ops} ops checked, {recoveries} recoveries ({full_copies} by full copy)", seeds.len());
+    if sc.scheme == RecoveryScheme::ReactiveLog && seeds.len() >= 3 {
+        assert!(full_copies < recoveries, "{name}: the reactive log never served a recovery");
+    }
     assert!(recoveries > 0 || !sc.crashes || seeds.len() < 3, "{name}: no recovery exercised");
 }
 
@@ -659,6 +691,30 @@ fn missed_updates_overflow_falls_back_to_full_copy() {
     sc.missed_cap_bytes = 64; // a couple of entries
     sc.partitions = false;
     run_many("missed_updates_overflow_falls_back_to_full_copy", sc, 20);
+}
+
+/// The baselines run the same harness: the full copy and the reactive log (which falls back
+/// to a full copy when the peer's log does not reach back far enough).
+#[test]
+fn full_copy_baseline_5_nodes() {
+    let mut sc = scenario(Model::Strict, 5);
+    sc.scheme = RecoveryScheme::FullCopy;
+    run_many("full_copy_baseline_5_nodes", sc, 15);
+}
+
+#[test]
+fn reactive_log_baseline_synch_5_nodes() {
+    let mut sc = scenario(Model::Synch, 5);
+    sc.scheme = RecoveryScheme::ReactiveLog;
+    run_many("reactive_log_baseline_synch_5_nodes", sc, 20);
+}
+
+#[test]
+fn reactive_log_baseline_eventual_3_nodes() {
+    let mut sc = scenario(Model::Eventual, 3);
+    sc.scheme = RecoveryScheme::ReactiveLog;
+    sc.double_failures = false;
+    run_many("reactive_log_baseline_eventual_3_nodes", sc, 20);
 }
 
 #[test]
