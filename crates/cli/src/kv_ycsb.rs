@@ -19,10 +19,7 @@ use clap::{Args, Parser};
 
 use ::kv::msg::{ClientOp, ClientResult};
 use ::kv::runtime::KvClient;
-use ycsb::{
-    KeyFormat, KvTarget, PhaseSummary, RequestDistribution, RunConfig, Runner, TargetError,
-    WorkloadSpec,
-};
+use ycsb::{KvTarget, PhaseSummary, RunConfig, Runner, TargetError, WorkloadSpec};
 
 use crate::kv::{wait_all_serving, LocalKv, UpArgs};
 
@@ -292,25 +289,8 @@ pub struct KvYcsbArgs {
     /// Stop the run phase after this many seconds [default: 60; 10 with --quick].
     #[arg(long)]
     pub duration_s: Option<u64>,
-    /// Request distribution: uniform, zipfian (YCSB's scrambled zipfian), zipfian-plain or
-    /// latest [default: the workload's own].
-    #[arg(long)]
-    pub distribution: Option<String>,
-    /// Zipfian constant θ of the skewed distributions.
-    #[arg(long, default_value_t = 0.99)]
-    pub theta: f64,
-    /// Fields per record; a value is field-count × field-length bytes.
-    #[arg(long, default_value_t = 10)]
-    pub field_count: usize,
-    /// Bytes per field.
-    #[arg(long, default_value_t = 100)]
-    pub field_length: usize,
-    /// Fixed key size in bytes [default: YCSB's variable-length `user<number>`].
-    #[arg(long)]
-    pub key_size: Option<usize>,
-    /// Seed of every client's operation and key sequence.
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub shape: crate::ycsb::WorkloadArgs,
     /// Kill the last node with SIGKILL this many seconds into the run phase, restart it on its
     /// log after --down-s, and measure until it serves again (HEAL recovery under load).
     #[arg(long)]
@@ -341,18 +321,7 @@ fn build_spec(a: &KvYcsbArgs) -> anyhow::Result<WorkloadSpec> {
         (false, false) => 1_000_000,
     };
     spec.operation_count = Some(a.operations.unwrap_or(default_ops));
-    spec.request_distribution = match &a.distribution {
-        Some(name) => RequestDistribution::parse(name, a.theta)?,
-        None => spec.request_distribution.with_theta(a.theta),
-    };
-    spec.field_count = a.field_count;
-    spec.field_length_bytes = a.field_length;
-    spec.key_format = KeyFormat {
-        key_size_bytes: a.key_size,
-        ..spec.key_format
-    };
-    spec.validate()?;
-    Ok(spec)
+    a.shape.apply(spec)
 }
 
 /// When the failure happened, relative to the start of the run phase.
@@ -404,7 +373,7 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
     let secret = Arc::new(lk.secret.clone());
     let victim = a.nodes as usize - 1;
     let config = RunConfig {
-        seed: a.seed,
+        seed: a.shape.seed,
         max_duration: Some(Duration::from_secs_f64(duration_s)),
         // Through a failure, operations that time out are counted, not fatal.
         max_errors: if a.kill_at_s.is_some() {

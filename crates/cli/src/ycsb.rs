@@ -52,6 +52,22 @@ pub struct RedisArgs {
     /// 15 with --quick].
     #[arg(long)]
     pub duration_s: Option<u64>,
+    #[command(flatten)]
+    pub shape: WorkloadArgs,
+    /// Redis keeps an append-only file (appendonly yes).
+    #[arg(long)]
+    pub appendonly: bool,
+    /// When Redis fsyncs the append-only file (with --appendonly).
+    #[arg(long, default_value = "everysec", value_parser = ["always", "everysec", "no"])]
+    pub appendfsync: String,
+    /// The redis-server executable.
+    #[arg(long, default_value = "redis-server")]
+    pub redis_server: PathBuf,
+}
+
+/// The workload options every YCSB bench shares (`bench ycsb redis`, `bench kv ycsb`).
+#[derive(Args, Debug)]
+pub struct WorkloadArgs {
     /// Request distribution: uniform, zipfian (YCSB's scrambled zipfian), zipfian-plain or
     /// latest [default: the workload's own].
     #[arg(long)]
@@ -71,15 +87,21 @@ pub struct RedisArgs {
     /// Seed of every client's operation and key sequence.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Redis keeps an append-only file (appendonly yes).
-    #[arg(long)]
-    pub appendonly: bool,
-    /// When Redis fsyncs the append-only file (with --appendonly).
-    #[arg(long, default_value = "everysec", value_parser = ["always", "everysec", "no"])]
-    pub appendfsync: String,
-    /// The redis-server executable.
-    #[arg(long, default_value = "redis-server")]
-    pub redis_server: PathBuf,
+}
+
+impl WorkloadArgs {
+    /// Applies these options to `spec` (a named workload with its counts set) and validates it.
+    pub fn apply(&self, mut spec: WorkloadSpec) -> anyhow::Result<WorkloadSpec> {
+        spec.request_distribution = match &self.distribution {
+            Some(name) => RequestDistribution::parse(name, self.theta)?,
+            None => spec.request_distribution.with_theta(self.theta),
+        };
+        spec.field_count = self.field_count;
+        spec.field_length_bytes = self.field_length;
+        spec.key_format = KeyFormat { key_size_bytes: self.key_size, ..spec.key_format };
+        spec.validate()?;
+        Ok(spec)
+    }
 }
 
 pub fn run(cmd: YcsbBench) -> anyhow::Result<()> {
@@ -92,15 +114,7 @@ fn build_spec(a: &RedisArgs) -> anyhow::Result<WorkloadSpec> {
     let mut spec = WorkloadSpec::by_name(&a.workload)?;
     spec.record_count = a.records.unwrap_or(if a.quick { 5_000 } else { 100_000 });
     spec.operation_count = Some(a.operations.unwrap_or(if a.quick { 20_000 } else { 1_000_000 }));
-    spec.request_distribution = match &a.distribution {
-        Some(name) => RequestDistribution::parse(name, a.theta)?,
-        None => spec.request_distribution.with_theta(a.theta),
-    };
-    spec.field_count = a.field_count;
-    spec.field_length_bytes = a.field_length;
-    spec.key_format = KeyFormat { key_size_bytes: a.key_size, ..spec.key_format };
-    spec.validate()?;
-    Ok(spec)
+    a.shape.apply(spec)
 }
 
 fn redis(a: RedisArgs) -> anyhow::Result<()> {
@@ -129,7 +143,7 @@ fn redis(a: RedisArgs) -> anyhow::Result<()> {
         ..RedisServerOptions::default()
     })?;
     let options = RedisOptions { scan_index: spec.has_scans(), ..RedisOptions::default() };
-    let config = RunConfig { seed: a.seed, max_duration: Some(duration), ..RunConfig::default() };
+    let config = RunConfig { seed: a.shape.seed, max_duration: Some(duration), ..RunConfig::default() };
     eprintln!(
         "ycsb {}: redis-server pid {} on {}; {} records of {} bytes, {} operations (at most {} s), {} clients",
         spec.name,
