@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use nearlog_common::{free_port, shim_path, Kill};
+use nearlog_common::{free_port, shim_path, Kill, SQLITE_LOAD};
 
 fn daemon(args: &[&str], extra: &[&Path]) -> Kill {
     let mut c = Command::new(env!("CARGO_BIN_EXE_understudy"));
@@ -21,20 +21,6 @@ fn daemon(args: &[&str], extra: &[&Path]) -> Kill {
     Kill(c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap())
 }
 
-const LOAD: &str = r#"
-import sqlite3, sys
-db = sqlite3.connect(sys.argv[1], isolation_level=None)
-db.execute("PRAGMA journal_mode=WAL")
-db.execute("PRAGMA synchronous=FULL")
-db.execute("PRAGMA wal_autocheckpoint=0")
-db.execute("CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY, v TEXT)")
-i = 0
-for line in sys.stdin:
-    for _ in range(int(line)):
-        i += 1
-        db.execute("INSERT INTO t (id, v) VALUES (?, ?)", (i, "y" * (i % 200)))
-    print(i, flush=True)
-"#;
 
 #[test]
 fn a_peer_restart_mid_load_loses_nothing() {
@@ -60,7 +46,7 @@ fn a_peer_restart_mid_load_loses_nothing() {
         c.env("LD_PRELOAD", &so).env("UNDERSTUDY_NEARLOG_CLUSTER", &cluster).env("UNDERSTUDY_NEARLOG_PATTERNS", "*-wal");
     };
     let mut cmd = Command::new("python3");
-    cmd.arg("-c").arg(LOAD).arg(&db).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    cmd.arg("-c").arg(SQLITE_LOAD).arg(&db).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
     env(&mut cmd);
     let mut child = Kill(cmd.spawn().unwrap());
     let mut stdin = child.0.stdin.take().unwrap();

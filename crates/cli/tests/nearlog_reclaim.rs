@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use nearlog_common::{free_port, shim_path, Kill};
+use nearlog_common::{free_port, shim_path, Kill, SQLITE_LOAD};
 
 struct Cluster {
     _tmp: tempfile::TempDir,
@@ -104,20 +104,6 @@ impl Cluster {
     }
 }
 
-const LOAD: &str = r#"
-import sqlite3, sys
-db = sqlite3.connect(sys.argv[1], isolation_level=None)
-db.execute("PRAGMA journal_mode=WAL")
-db.execute("PRAGMA synchronous=FULL")
-db.execute("PRAGMA wal_autocheckpoint=0")
-db.execute("CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY, v TEXT)")
-i = 0
-for line in sys.stdin:
-    for _ in range(int(line)):
-        i += 1
-        db.execute("INSERT INTO t (id, v) VALUES (?, ?)", (i, "y" * (i % 200)))
-    print(i, flush=True)
-"#;
 
 #[test]
 fn reclaiming_a_peer_mid_load_moves_its_files_and_loses_nothing() {
@@ -128,7 +114,7 @@ fn reclaiming_a_peer_mid_load_moves_its_files_and_loses_nothing() {
     std::fs::create_dir_all(&app).unwrap();
     let db = app.join("db.sqlite");
     let mut cmd = Command::new("python3");
-    cmd.arg("-c").arg(LOAD).arg(&db).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    cmd.arg("-c").arg(SQLITE_LOAD).arg(&db).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
     c.env(&mut cmd, "*-wal");
     let mut child = Kill(cmd.spawn().unwrap());
     let mut stdin = child.0.stdin.take().unwrap();

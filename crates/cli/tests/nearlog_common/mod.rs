@@ -52,3 +52,20 @@ pub fn start_cluster(dir: &Path) -> (Kill, PathBuf) {
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
+
+/// A SQLite writer (WAL, synchronous=FULL, no automatic checkpoints): for each line `N` on
+/// stdin it inserts N rows and prints the last acknowledged row id.
+pub const SQLITE_LOAD: &str = r#"
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("PRAGMA journal_mode=WAL")
+db.execute("PRAGMA synchronous=FULL")
+db.execute("PRAGMA wal_autocheckpoint=0")
+db.execute("CREATE TABLE IF NOT EXISTS t (id INTEGER PRIMARY KEY, v TEXT)")
+i = 0
+for line in sys.stdin:
+    for _ in range(int(line)):
+        i += 1
+        db.execute("INSERT INTO t (id, v) VALUES (?, ?)", (i, "y" * (i % 200)))
+    print(i, flush=True)
+"#;
