@@ -609,7 +609,7 @@ impl FileClient {
         if peer != f.source
             || offset < f.image.len() as u64
             || offset >= f.requested
-            || offset % MAX_CHUNK_BYTES as u64 != 0
+            || !offset.is_multiple_of(MAX_CHUNK_BYTES as u64)
             || f.ahead.contains_key(&offset)
         {
             return; // a duplicate, stale or unrequested answer
