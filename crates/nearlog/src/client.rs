@@ -9,7 +9,8 @@
 //!    is on a majority, which intersects ours, and within an epoch peers apply ops strictly in
 //!    order, so the most advanced witness holds every acknowledged op. A peer that holds nothing
 //!    (e.g. restarted, memory lost) is no witness.
-//! 3. **Fetch** the source's image block by block, checking each block's CRC32C. A corrupt
+//! 3. **Fetch** the source's image in chunks, up to [`FETCH_WINDOW_CHUNKS`] requests in flight
+//!    (one round trip per window instead of per chunk), checking each block's CRC32C. A corrupt
 //!    source is excluded and step 2 repeats with the others (waiting for more answers if the
 //!    rest is no longer a majority) — never falling back to a less advanced minority.
 //! 4. **Base**: the new epoch's op 1. Peers already holding exactly the source's state keep it
@@ -27,6 +28,9 @@ use crate::proto::{Epoch, FileId, Holding, Op, PeerId, PeerReply, PeerRequest, B
 
 /// Records sent ahead of a peer's last acknowledgement before it must catch up by retransmission.
 const PIPELINE_RECORDS: u64 = 4096;
+/// Fetch requests of `MAX_CHUNK_BYTES` each in flight to the recovery source: bounds the
+/// out-of-order buffer to this many chunks while hiding the per-request latency.
+pub const FETCH_WINDOW_CHUNKS: u64 = 8;
 
 /// Limits and timers of a [`FileClient`].
 #[derive(Clone, Debug)]
@@ -61,10 +65,28 @@ pub enum Failure {
 #[derive(Debug)]
 enum Phase {
     Probing,
-    Fetching { source: PeerId, holding: Holding, image: Vec<u8> },
+    Fetching(Fetch),
     Basing { source: Option<(PeerId, Holding)>, image: Vec<u8> },
     Ready,
     Failed(Failure),
+}
+
+/// Recovery's fetch of the source's image: `image` is the verified contiguous prefix; chunks
+/// that arrived ahead of it wait in `ahead` (at most the window).
+#[derive(Debug)]
+struct Fetch {
+    source: PeerId,
+    holding: Holding,
+    image: Vec<u8>,
+    ahead: BTreeMap<u64, Vec<u8>>,
+    /// Every chunk below this offset was requested.
+    requested: u64,
+}
+
+impl Fetch {
+    fn chunk_len(&self, offset: u64) -> usize {
+        (self.holding.size - offset).min(MAX_CHUNK_BYTES as u64) as usize
+    }
 }
 
 #[derive(Debug, Default, Clone)]
@@ -312,12 +334,20 @@ impl FileClient {
         let due_at = move |last: u64| now_us.saturating_sub(last) >= after;
         match &self.phase {
             Phase::Failed(_) => {}
-            Phase::Probing | Phase::Fetching { .. } => {
-                if let Phase::Fetching { source, image, .. } = &self.phase {
-                    let (source, offset) = (*source, image.len() as u64);
+            Phase::Probing | Phase::Fetching(_) => {
+                if let Phase::Fetching(f) = &self.phase {
+                    let source = f.source;
                     if due_at(self.last_send(source)) {
+                        // No progress for a while: ask again for every chunk of the window
+                        // not received yet (late duplicates are ignored).
+                        let missing: Vec<u64> = (f.image.len() as u64..f.requested)
+                            .step_by(MAX_CHUNK_BYTES)
+                            .filter(|o| !f.ahead.contains_key(o))
+                            .collect();
                         self.touch(source);
-                        self.out.push((source, self.fetch(offset)));
+                        for o in missing {
+                            self.out.push((source, self.fetch(o)));
+                        }
                     }
                 }
                 // Peers still silent (while fetching: needed if the source turns out corrupt).
@@ -412,7 +442,7 @@ impl FileClient {
             // An old member of a pending move: it only answers probes and fetches.
             match reply {
                 PeerReply::Stale { promised, .. } if promised > self.epoch => self.fail(Failure::Fenced { promised }),
-                PeerReply::Probed { epoch, holding, .. } if epoch == self.epoch && matches!(self.phase, Phase::Probing | Phase::Fetching { .. }) => {
+                PeerReply::Probed { epoch, holding, .. } if epoch == self.epoch && matches!(self.phase, Phase::Probing | Phase::Fetching(_)) => {
                     self.probes.entry(peer).or_insert(holding);
                     if matches!(self.phase, Phase::Probing) {
                         self.choose_source();
@@ -444,7 +474,7 @@ impl FileClient {
                     }
                     return;
                 }
-                if matches!(self.phase, Phase::Probing | Phase::Fetching { .. }) {
+                if matches!(self.phase, Phase::Probing | Phase::Fetching(_)) {
                     self.probes.entry(peer).or_insert(holding);
                     if matches!(self.phase, Phase::Probing) {
                         self.choose_source();
@@ -548,18 +578,44 @@ impl FileClient {
             return;
         }
         // The claimed size is not trusted for an allocation (a lying peer could claim petabytes).
-        self.phase = Phase::Fetching { source, holding, image: Vec::with_capacity(holding.size.min(MAX_CHUNK_BYTES as u64) as usize) };
+        self.phase = Phase::Fetching(Fetch {
+            source,
+            holding,
+            image: Vec::with_capacity(holding.size.min(MAX_CHUNK_BYTES as u64) as usize),
+            ahead: BTreeMap::new(),
+            requested: 0,
+        });
         self.touch(source);
-        self.out.push((source, self.fetch(0)));
+        self.fill_fetch_window();
+    }
+
+    /// Requests chunks until [`FETCH_WINDOW_CHUNKS`] past the verified prefix are in flight.
+    fn fill_fetch_window(&mut self) {
+        let Phase::Fetching(f) = &mut self.phase else { return };
+        let limit = (f.image.len() as u64 + FETCH_WINDOW_CHUNKS * MAX_CHUNK_BYTES as u64).min(f.holding.size);
+        let mut offsets = Vec::new();
+        while f.requested < limit {
+            offsets.push(f.requested);
+            f.requested += MAX_CHUNK_BYTES as u64;
+        }
+        let source = f.source;
+        for o in offsets {
+            self.out.push((source, self.fetch(o)));
+        }
     }
 
     fn on_data(&mut self, peer: PeerId, offset: u64, data: Vec<u8>, block_crcs: Vec<u32>, got: Holding) {
-        let Phase::Fetching { source, holding, image } = &mut self.phase else { return };
-        if peer != *source || offset != image.len() as u64 {
-            return; // a duplicate or stale answer
+        let Phase::Fetching(f) = &mut self.phase else { return };
+        if peer != f.source
+            || offset < f.image.len() as u64
+            || offset >= f.requested
+            || !offset.is_multiple_of(MAX_CHUNK_BYTES as u64)
+            || f.ahead.contains_key(&offset)
+        {
+            return; // a duplicate, stale or unrequested answer
         }
-        let want_len = (holding.size - offset).min(MAX_CHUNK_BYTES as u64) as usize;
-        let blocks_ok = got == *holding
+        let want_len = f.chunk_len(offset);
+        let blocks_ok = got == f.holding
             && data.len() == want_len
             && block_crcs.len() == data.len().div_ceil(BLOCK_BYTES)
             && data.chunks(BLOCK_BYTES).zip(&block_crcs).all(|(b, &c)| crc32c::crc32c(b) == c);
@@ -570,14 +626,20 @@ impl FileClient {
             self.choose_source();
             return;
         }
-        image.extend_from_slice(&data);
-        if image.len() as u64 == holding.size {
-            let Phase::Fetching { source, holding, image } = std::mem::replace(&mut self.phase, Phase::Probing) else { unreachable!() };
-            self.start_base(Some((source, holding)), image);
+        if offset == f.image.len() as u64 {
+            f.image.extend_from_slice(&data);
+            while let Some(next) = f.ahead.remove(&(f.image.len() as u64)) {
+                f.image.extend_from_slice(&next);
+            }
         } else {
-            let next = image.len() as u64;
+            f.ahead.insert(offset, data);
+        }
+        if f.image.len() as u64 == f.holding.size {
+            let Phase::Fetching(f) = std::mem::replace(&mut self.phase, Phase::Probing) else { unreachable!() };
+            self.start_base(Some((f.source, f.holding)), f.image);
+        } else {
             self.touch(peer);
-            self.out.push((peer, self.fetch(next)));
+            self.fill_fetch_window();
         }
     }
 
@@ -633,6 +695,85 @@ mod tests {
                 c.on_reply(p, rep);
             }
         }
+    }
+
+    /// Writes `len` patterned bytes through a fresh 3-peer session; returns the content.
+    fn fill(peers: &mut [PeerCore], len: usize) -> Vec<u8> {
+        let mut c = FileClient::open(1, 1, vec![1, 2, 3], false, Vec::new(), ClientConfig::default(), 0);
+        run(&mut c, peers);
+        let content: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+        for (i, chunk) in content.chunks(MAX_CHUNK_BYTES).enumerate() {
+            c.submit(Op::write((i * MAX_CHUNK_BYTES) as u64, chunk.to_vec())).unwrap();
+            run(&mut c, peers);
+        }
+        assert_eq!(c.acked_seq(), c.last_seq());
+        content
+    }
+
+    #[test]
+    fn recovery_fetches_a_bounded_window_of_chunks_and_reassembles_them_in_any_order() {
+        let len = 11 * MAX_CHUNK_BYTES + 5000;
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
+        let content = fill(&mut peers, len);
+        let mut r = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        let mut max_in_flight = 0u64;
+        let mut fetched: BTreeSet<u64> = BTreeSet::new();
+        let mut in_flight: BTreeSet<u64> = BTreeSet::new();
+        loop {
+            let out = r.take_outgoing();
+            if out.is_empty() {
+                break;
+            }
+            let mut replies = Vec::new();
+            for (p, req) in out {
+                if let PeerRequest::Fetch { offset, .. } = req {
+                    assert!(fetched.insert(offset), "chunk {offset} fetched twice");
+                    in_flight.insert(offset);
+                }
+                replies.push((p, peers[p as usize - 1].handle(req)));
+            }
+            max_in_flight = max_in_flight.max(in_flight.len() as u64);
+            // Deliver backwards: every chunk but the first of a batch arrives ahead of the prefix.
+            for (p, rep) in replies.into_iter().rev() {
+                if let PeerReply::Data { offset, .. } = &rep {
+                    in_flight.remove(offset);
+                }
+                r.on_reply(p, rep);
+            }
+        }
+        assert!(r.is_ready());
+        assert_eq!(max_in_flight, FETCH_WINDOW_CHUNKS, "the window is used and bounded");
+        assert_eq!(fetched.len(), len.div_ceil(MAX_CHUNK_BYTES));
+        assert_eq!(r.take_recovered().unwrap(), content);
+    }
+
+    #[test]
+    fn a_corrupt_chunk_inside_the_window_excludes_the_source_and_recovery_uses_another() {
+        let len = 5 * MAX_CHUNK_BYTES;
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
+        let content = fill(&mut peers, len);
+        let mut r = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        let mut corrupted = None;
+        loop {
+            let out = r.take_outgoing();
+            if out.is_empty() {
+                break;
+            }
+            for (p, req) in out {
+                let mut rep = peers[p as usize - 1].handle(req);
+                if let PeerReply::Data { offset, data, .. } = &mut rep {
+                    if *offset == 3 * MAX_CHUNK_BYTES as u64 && corrupted.is_none() {
+                        data[17] ^= 1;
+                        corrupted = Some(p);
+                    }
+                }
+                r.on_reply(p, rep);
+            }
+        }
+        let bad = corrupted.expect("a chunk was corrupted");
+        assert!(r.is_ready());
+        assert!(r.excluded.contains(&bad));
+        assert_eq!(r.take_recovered().unwrap(), content);
     }
 
     #[test]
