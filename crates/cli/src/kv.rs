@@ -749,7 +749,7 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     let stored = stored_bytes(keys, a.value_bytes);
     report.figure("store.per_node_bytes", stored as f64)?;
     report.figure("store.missed_updates_cap_bytes", a.missed_updates_cap_bytes as f64)?;
-    report.figure("catchup_chunks_in_flight", a.catchup_chunks_in_flight as f64)?;
+    report.figure("catchup.chunks_in_flight_count", a.catchup_chunks_in_flight as f64)?;
     // Memory: a live node (the Buddy) at the end of the EFN, when its Missed_updates buffer is
     // fullest, against what it stores plus the buffer's cap (target: at most 1.5).
     let h = &results["heal"];
