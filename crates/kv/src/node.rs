@@ -250,7 +250,7 @@ pub struct NodeCore {
     persist_ops: BTreeMap<u64, PersistOp>,
     next_persist_id: u64,
     /// Scope PERSISTs of other coordinators waiting for local durability: (from, id, writes).
-    persist_waits: Vec<(NodeId, u64, Vec<(Vec<u8>, Ts)>)>,
+    persist_waits: Vec<(NodeId, u64, KeyVersions)>,
     /// Client tags seen lately: a request delivered twice must not write twice.
     recent_tags: BTreeSet<u64>,
     recent_order: VecDeque<u64>,
