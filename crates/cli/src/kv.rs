@@ -160,6 +160,10 @@ pub struct NodeArgs {
     /// Missed_updates cap; past it recovery falls back to a full copy.
     #[arg(long, default_value_t = 256 << 20)]
     pub missed_updates_cap_bytes: usize,
+    /// Recovery catch-up: received chunks allowed to be still persisting while the next is
+    /// fetched (1: strictly one chunk at a time).
+    #[arg(long, default_value_t = 4)]
+    pub catchup_chunks_in_flight: usize,
     /// Recovery scheme (the same on every node): heal, or the full-copy baseline.
     #[arg(long, value_enum, default_value = "heal")]
     pub recovery: Recovery,
@@ -222,6 +226,10 @@ pub struct UpArgs {
     /// Missed_updates cap per node.
     #[arg(long, default_value_t = 256 << 20)]
     pub missed_updates_cap_bytes: usize,
+    /// Recovery catch-up: received chunks allowed to be still persisting while the next is
+    /// fetched (1: strictly one chunk at a time).
+    #[arg(long, default_value_t = 4)]
+    pub catchup_chunks_in_flight: usize,
     /// Recovery scheme: heal, or the full-copy baseline.
     #[arg(long, value_enum, default_value = "heal")]
     pub recovery: Recovery,
@@ -301,6 +309,8 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
     p.ack_val_timeout_us = a.ack_val_timeout_ms * 1000;
     p.lease_us = a.lease_ms * 1000;
     p.missed_updates_cap_bytes = a.missed_updates_cap_bytes;
+    anyhow::ensure!(a.catchup_chunks_in_flight >= 1, "--catchup-chunks-in-flight must be at least 1");
+    p.max_catchup_chunks_in_flight = a.catchup_chunks_in_flight;
     p.recovery = a.recovery.scheme();
     let cfg = NodeConfig {
         params: p,
@@ -406,6 +416,7 @@ impl LocalKv {
                     "--secret-file".into(), sf.clone(), "--model".into(), a.model.name().into(),
                     "--persist-latency-us".into(), a.persist_latency_us.to_string(),
                     "--missed-updates-cap-bytes".into(), a.missed_updates_cap_bytes.to_string(),
+                    "--catchup-chunks-in-flight".into(), a.catchup_chunks_in_flight.to_string(),
                     "--recovery".into(), a.recovery.name().into(),
                     "--lease-ms".into(), a.lease_ms.to_string(),
                 ];
@@ -635,6 +646,10 @@ pub struct KvRecoveryArgs {
     /// Missed_updates cap of every node (also the memory figure's allowance).
     #[arg(long, default_value_t = 64 << 20)]
     pub missed_updates_cap_bytes: usize,
+    /// Recovery catch-up: received chunks allowed to be still persisting while the next is
+    /// fetched (1: strictly one chunk at a time).
+    #[arg(long, default_value_t = 4)]
+    pub catchup_chunks_in_flight: usize,
     /// Instead of the scheme comparison: HEAL's recovery latency against the EFN for every
     /// persistency model, and the 3/4/5-node breakdown.
     #[arg(long)]
@@ -734,6 +749,7 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     let stored = stored_bytes(keys, a.value_bytes);
     report.figure("store.per_node_bytes", stored as f64)?;
     report.figure("store.missed_updates_cap_bytes", a.missed_updates_cap_bytes as f64)?;
+    report.figure("catchup.chunks_in_flight_count", a.catchup_chunks_in_flight as f64)?;
     // Memory: a live node (the Buddy) at the end of the EFN, when its Missed_updates buffer is
     // fullest, against what it stores plus the buffer's cap (target: at most 1.5).
     let h = &results["heal"];
@@ -974,6 +990,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         persist_latency_us: 0,
         efn_ms: 0,
         missed_updates_cap_bytes: a.missed_updates_cap_bytes,
+        catchup_chunks_in_flight: a.catchup_chunks_in_flight,
         recovery: scheme,
         // Copies stream in bounded chunks and never starve heartbeats; still generous for a
         // loaded shared machine.

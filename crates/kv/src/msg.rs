@@ -200,8 +200,9 @@ pub enum PeerMsg {
     RecovStart { epoch: u64 },
     RecovStartAck { epoch: u64 },
     /// Carries the recovering node's Partially_persisted list; asks for the next chunk at
-    /// `cursor` (the recovering node pulls one chunk at a time, once the previous one is
-    /// applied and persisted: a copy of any size streams without flooding anyone).
+    /// `cursor`. One request is out at a time (the reply names the next cursor); the next goes
+    /// when the reply arrives, unless `max_catchup_chunks_in_flight` received chunks are still
+    /// being persisted: a copy of any size streams without flooding anyone.
     CatchUpReq {
         epoch: u64,
         partially: Vec<(Vec<u8>, Ts)>,

@@ -36,6 +36,11 @@ pub struct NodeParams {
     pub missed_updates_cap_bytes: usize,
     /// CatchUp_resp is cut into messages of at most this many bytes of entries.
     pub max_catchup_chunk_bytes: usize,
+    /// Received catch-up chunks not yet durable in our log, at most: the next CatchUp_req goes
+    /// as soon as a reply names its cursor, while fewer than this many chunks are still being
+    /// persisted (1 = strictly one chunk at a time). Bounds the recovering node's unpersisted
+    /// copy to about this many times `max_catchup_chunk_bytes`.
+    pub max_catchup_chunks_in_flight: usize,
     /// Client operations queued behind invalid keys, in total.
     pub max_pending_client_ops: usize,
     /// Writes remembered per scope until its PERSIST.
@@ -83,6 +88,7 @@ impl NodeParams {
             recovery_retry_us: 200_000,
             missed_updates_cap_bytes: 64 << 20,
             max_catchup_chunk_bytes: 1 << 20,
+            max_catchup_chunks_in_flight: 4,
             max_pending_client_ops: 10_000,
             max_scope_writes: 100_000,
             recovery: RecoveryScheme::Heal,
@@ -183,8 +189,9 @@ struct PersistOp {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Phase {
     Start { acked: BTreeSet<NodeId> },
-    /// `requested`: CatchUp_req for `cursor` is out; otherwise it goes once the previous
-    /// chunk is durable (`Recov::chunk_outstanding`).
+    /// `requested`: CatchUp_req for `cursor` is out; otherwise it goes once fewer than
+    /// `max_catchup_chunks_in_flight` received chunks are still being persisted
+    /// (`Recov::chunks_unpersisted`).
     CatchUp { buddy: NodeId, cursor: Cursor, requested: bool },
     Applying,
 }
@@ -197,7 +204,8 @@ struct Recov {
     resp_us: u64,
     deadline_us: u64,
     outstanding: BTreeSet<u64>,
-    chunk_outstanding: BTreeSet<u64>,
+    /// Per received chunk that is not yet durable, in cursor order: its log appends still out.
+    chunks_unpersisted: VecDeque<BTreeSet<u64>>,
     stats: RecoveryStats,
 }
 
@@ -242,7 +250,7 @@ pub struct NodeCore {
     persist_ops: BTreeMap<u64, PersistOp>,
     next_persist_id: u64,
     /// Scope PERSISTs of other coordinators waiting for local durability: (from, id, writes).
-    persist_waits: Vec<(NodeId, u64, Vec<(Vec<u8>, Ts)>)>,
+    persist_waits: Vec<(NodeId, u64, KeyVersions)>,
     /// Client tags seen lately: a request delivered twice must not write twice.
     recent_tags: BTreeSet<u64>,
     recent_order: VecDeque<u64>,
@@ -364,7 +372,7 @@ impl NodeCore {
         match &self.mode {
             Mode::Down => 0u8.hash(h),
             Mode::Member => 1u8.hash(h),
-            Mode::Recovering(r) => (2u8, &r.phase, &r.outstanding, &r.chunk_outstanding).hash(h),
+            Mode::Recovering(r) => (2u8, &r.phase, &r.outstanding, &r.chunks_unpersisted).hash(h),
             Mode::Recovered => 3u8.hash(h),
         }
         for (key, k) in &self.store {
@@ -1167,7 +1175,11 @@ impl NodeCore {
 
     /// A durable append finished.
     pub fn on_persisted(&mut self, now_us: u64, seq: u64) {
-        let Some((key, ts)) = self.inflight.remove(&seq) else { return };
+        let Some((key, ts)) = self.inflight.remove(&seq) else {
+            // Not a Put: the Boot record of a node recovering on its first start waits here.
+            self.recovery_persisted(now_us, seq);
+            return;
+        };
         let epoch = self.config.epoch;
         let model = self.p.model;
         if let Some(k) = self.store.get_mut(&key) {
@@ -1205,14 +1217,24 @@ impl NodeCore {
         for id in ids {
             self.check_persist_op(id);
         }
+        self.recovery_persisted(now_us, seq);
+    }
+
+    /// Log append `seq` is durable: recovery may request the next chunk or finish.
+    fn recovery_persisted(&mut self, now_us: u64, seq: u64) {
         let mut check_recovery = false;
         let mut next_chunk = false;
         if let Mode::Recovering(r) = &mut self.mode {
             if r.outstanding.remove(&seq) && r.outstanding.is_empty() {
                 check_recovery = true;
             }
-            if r.chunk_outstanding.remove(&seq) && r.chunk_outstanding.is_empty() {
-                next_chunk = true;
+            // A seq belongs to at most one chunk; a chunk that became durable frees a slot.
+            if let Some(i) = r.chunks_unpersisted.iter().position(|c| c.contains(&seq)) {
+                r.chunks_unpersisted[i].remove(&seq);
+                if r.chunks_unpersisted[i].is_empty() {
+                    r.chunks_unpersisted.remove(i);
+                    next_chunk = true;
+                }
             }
         }
         if next_chunk {
@@ -1299,7 +1321,7 @@ impl NodeCore {
             resp_us: 0,
             deadline_us: now_us + self.start_retry_us(),
             outstanding: BTreeSet::new(),
-            chunk_outstanding: BTreeSet::new(),
+            chunks_unpersisted: VecDeque::new(),
             stats: RecoveryStats {
                 partially_persisted: self.partially.len() as u64,
                 ..Default::default()
@@ -1369,16 +1391,18 @@ impl NodeCore {
         self.request_chunk(now_us);
     }
 
-    /// Sends CatchUp_req for the current cursor unless one is out already.
+    /// Sends CatchUp_req for the current cursor unless one is out already or the window of
+    /// received-but-not-durable chunks is full.
     fn request_chunk(&mut self, now_us: u64) {
         let epoch = self.config.epoch;
-        let partially = self.partially.clone();
         let retry = self.p.recovery_retry_us;
+        let window = self.p.max_catchup_chunks_in_flight.max(1);
         let Mode::Recovering(r) = &mut self.mode else { return };
         let Phase::CatchUp { buddy, cursor, requested } = &mut r.phase else { return };
-        if *requested || !r.chunk_outstanding.is_empty() {
+        if *requested || r.chunks_unpersisted.len() >= window {
             return;
         }
+        let partially = self.partially.clone();
         *requested = true;
         r.deadline_us = now_us + retry;
         let (to, cursor) = (*buddy, cursor.clone());
@@ -1546,9 +1570,14 @@ impl NodeCore {
             // Under Eventual the NVM copy is made in the background, off the critical path.
             r.outstanding.extend(seqs.iter().copied());
         }
-        // The next chunk is asked for once this one is durable: the copy streams at the pace
-        // of the recovering node's log, a bounded chunk at a time.
-        r.chunk_outstanding.extend(seqs);
+        // The next chunk is asked for right away unless `max_catchup_chunks_in_flight` chunks
+        // are still being persisted: the Buddy's read and the transfer of the next chunk overlap
+        // our log appends of this one, and the copy never runs more than the window ahead of
+        // our log. Only one request is out at a time (the Buddy names the next cursor), so
+        // chunks arrive and are applied in cursor order.
+        if !seqs.is_empty() {
+            r.chunks_unpersisted.push_back(seqs.into_iter().collect());
+        }
         let Phase::CatchUp { buddy, .. } = r.phase else { return };
         match next {
             None => {
@@ -1723,5 +1752,121 @@ mod tests {
             n.on_peer(6, 0, PeerMsg::Ack { epoch: 3, key: key.clone(), ts, c: false, p: true });
             assert_eq!(val_to_0(n.take_outputs()), vec![(true, true)], "{model}");
         }
+    }
+
+    fn entry(key: &str, version: u64) -> Entry {
+        Entry { key: key.as_bytes().to_vec(), ts: Ts { version, node: 2 }, value: b"v".to_vec(), committed: true }
+    }
+
+    fn key_cursor(after: Option<&str>) -> Cursor {
+        Cursor::Key(after.map(|a| a.as_bytes().to_vec()))
+    }
+
+    /// Node 0 returns in epoch 2 (members 1, 2) and gets both Recov_start ACKs: its Buddy is 1.
+    fn recovering_node(window: usize) -> (NodeCore, Vec<Output>) {
+        let mut p = NodeParams::new(0, Model::Strict);
+        p.max_catchup_chunks_in_flight = window;
+        let mut n = NodeCore::new(p, LogState::default());
+        n.on_heartbeat(0, Heartbeat { seq: 0, config: cfg(2, &[1, 2], &[0]) });
+        let mut outs = n.take_outputs();
+        n.on_peer(1, 1, PeerMsg::RecovStartAck { epoch: 2 });
+        n.on_peer(1, 2, PeerMsg::RecovStartAck { epoch: 2 });
+        outs.extend(n.take_outputs());
+        (n, outs)
+    }
+
+    fn catchup_reqs(outs: &[Output]) -> Vec<Cursor> {
+        outs.iter()
+            .filter_map(|o| match o {
+                Output::Send { to: 1, msg: PeerMsg::CatchUpReq { cursor, .. } } => Some(cursor.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn persists(outs: &[Output]) -> Vec<u64> {
+        outs.iter()
+            .filter_map(|o| match o {
+                Output::Persist { seq, rec: LogRecord::Put { .. } } => Some(*seq),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn sent_recov_end(outs: &[Output]) -> bool {
+        outs.iter().any(|o| matches!(o, Output::Send { msg: PeerMsg::RecovEnd { .. }, .. }))
+    }
+
+    fn resp(from: Option<&str>, next: Option<&str>, entries: Vec<Entry>) -> PeerMsg {
+        PeerMsg::CatchUpResp { epoch: 2, from: key_cursor(from), next: Some(key_cursor(next)), full_copy: false, entries }
+    }
+
+    /// With a window of 3 the next CatchUp_req goes as soon as a reply names its cursor, while
+    /// earlier chunks are still being persisted; the fourth waits for a slot; late, duplicated
+    /// and reordered replies are ignored (they never roll a key back); Recov_end waits for
+    /// every chunk to be durable.
+    #[test]
+    fn catchup_pipelines_within_window_and_ends_only_when_durable() {
+        let (mut n, outs) = recovering_node(3);
+        let boot: Vec<u64> = outs
+            .iter()
+            .filter_map(|o| match o {
+                Output::Persist { seq, rec: LogRecord::Boot { .. } } => Some(*seq),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(catchup_reqs(&outs), vec![key_cursor(None)]);
+        let mut unpersisted = Vec::new();
+        // Three chunks, none durable yet: each reply triggers the next request at once.
+        for (i, (from, next, e)) in
+            [(None, "a", entry("a", 5)), (Some("a"), "b", entry("b", 5)), (Some("b"), "c", entry("c", 5))].into_iter().enumerate()
+        {
+            n.on_peer(10 + i as u64, 1, resp(from, Some(next), vec![e]));
+            let outs = n.take_outputs();
+            let p = persists(&outs);
+            assert_eq!(p.len(), 1, "chunk {i} applied and persisted: {outs:?}");
+            unpersisted.extend(p);
+            let want = if i < 2 { vec![key_cursor(Some(next))] } else { vec![] };
+            assert_eq!(catchup_reqs(&outs), want, "chunk {i}: window of 3");
+        }
+        // A late duplicate of chunk 1 carrying an older version of "a", and a reply for a cursor
+        // not asked for, change nothing.
+        n.on_peer(20, 1, resp(None, Some("a"), vec![entry("a", 3)]));
+        n.on_peer(20, 1, resp(Some("c"), Some("d"), vec![entry("d", 1)]));
+        assert!(n.take_outputs().is_empty());
+        // Chunk 2 becomes durable first: a slot frees and the request for "c" goes.
+        n.on_persisted(21, unpersisted[1]);
+        assert_eq!(catchup_reqs(&n.take_outputs()), vec![key_cursor(Some("c"))]);
+        // Last chunk: applied; Recov_end waits for all chunks and the Boot record.
+        n.on_peer(22, 1, PeerMsg::CatchUpResp { epoch: 2, from: key_cursor(Some("c")), next: None, full_copy: false, entries: vec![entry("c", 9), entry("a", 2)] });
+        let outs = n.take_outputs();
+        assert_eq!(persists(&outs).len(), 1, "older version of a is not applied: {outs:?}");
+        unpersisted.extend(persists(&outs));
+        assert!(!sent_recov_end(&outs));
+        for s in boot.iter().chain(&unpersisted).filter(|s| **s != unpersisted[1]) {
+            assert!(!sent_recov_end(&n.take_outputs()), "Recov_end before every chunk is durable");
+            n.on_persisted(23, *s);
+        }
+        let outs = n.take_outputs();
+        assert!(sent_recov_end(&outs), "{boot:?} {unpersisted:?} {outs:?} {:?}", match &n.mode { Mode::Recovering(r) => format!("{:?} {:?} {:?}", r.phase, r.outstanding, r.chunks_unpersisted), _ => String::new() });
+        assert!(n.is_recovering() || matches!(n.mode, Mode::Recovered));
+        let a = n.store.get(b"a".as_slice()).unwrap();
+        assert_eq!(a.ts, Ts { version: 5, node: 2 }, "a is never rolled back");
+    }
+
+    /// A window of 1 is the strictly serial copy: the next chunk only once this one is durable.
+    #[test]
+    fn catchup_window_of_one_waits_for_durability() {
+        let (mut n, outs) = recovering_node(1);
+        assert_eq!(catchup_reqs(&outs), vec![key_cursor(None)]);
+        n.on_peer(10, 1, resp(None, Some("a"), vec![entry("a", 1), entry("b", 1)]));
+        let outs = n.take_outputs();
+        let seqs = persists(&outs);
+        assert_eq!(seqs.len(), 2);
+        assert!(catchup_reqs(&outs).is_empty());
+        n.on_persisted(11, seqs[0]);
+        assert!(catchup_reqs(&n.take_outputs()).is_empty(), "half a chunk durable is not enough");
+        n.on_persisted(12, seqs[1]);
+        assert_eq!(catchup_reqs(&n.take_outputs()), vec![key_cursor(Some("a"))]);
     }
 }

@@ -106,6 +106,8 @@ fn node_params(id: NodeId, sc: &Scenario) -> NodeParams {
     p.recovery_retry_us = 20_000;
     p.missed_updates_cap_bytes = sc.missed_cap_bytes;
     p.max_catchup_chunk_bytes = 200;
+    // Windows of 1 (strictly serial) to 4 chunks across the nodes of every run.
+    p.max_catchup_chunks_in_flight = 1 + id as usize % 4;
     p.recovery = sc.scheme;
     p
 }
