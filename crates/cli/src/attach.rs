@@ -275,14 +275,17 @@ fn serve(conn: &ConnArgs, a: &AttachArgs, mount_dir: &Path, state_file: &Path, l
         if a.mkfs { ", fresh ext4" } else { "" }
     );
     let _ = std::io::stdout().flush();
-    if a.helper {
-        // Our reader has gone: nothing more goes to stdout.
-        // SAFETY: dup2 onto fd 1 of an fd we own and keep open for the process's life.
+    // Whoever reads our stdout (the background `attach`, or a failover monitor that may itself
+    // be restarted) can go away after the ready line: nothing more goes to a pipe, so a later
+    // print cannot kill the helper with a broken pipe while it serves a mounted file system.
+    if a.helper || !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
         if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
             use std::os::fd::AsRawFd;
+            // SAFETY: dup2 of an open fd we own onto fd 1; fd 1 stays open after `null` drops.
             unsafe { libc::dup2(null.as_raw_fd(), 1) };
         }
-    } else {
+    }
+    if !a.helper {
         eprintln!("Ctrl-C or `understudy volume detach {}` detaches", mount_dir.display());
     }
     tracing::info!(volume = %a.name, mount = %mount_dir.display(), "attached; serving the FUSE file");

@@ -478,17 +478,7 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
     write_samples(&out, &prefix, &run, fault.as_ref())?;
     eprintln!("plots and samples in {}", out.display());
     report.print();
-    for (phase, s) in [("load", &load), ("run", &run)] {
-        anyhow::ensure!(
-            s.all_reads_checked_ok(),
-            "{phase}: {} records missing and {} values not written by the driver (first: {:?}); \
-             the figures above are not valid",
-            s.missing_count,
-            s.corrupt_count,
-            s.first_problems
-        );
-    }
-    Ok(())
+    crate::ycsb::ensure_reads_checked(&load, &run)
 }
 
 /// Mean throughput of the complete windows between `from_s` and `to_s`.

@@ -184,7 +184,13 @@ fn redis(a: RedisArgs) -> anyhow::Result<()> {
     write_samples(&out, &prefix, &run)?;
     eprintln!("plots and samples in {}", out.display());
     report.print();
-    for (phase, s) in [("load", &load), ("run", &run)] {
+    crate::ycsb::ensure_reads_checked(&load, &run)
+}
+
+/// Fails the bench (after its figures were printed) if any read found a missing record or a
+/// value the driver never wrote: such figures are not valid.
+pub fn ensure_reads_checked(load: &PhaseSummary, run: &PhaseSummary) -> anyhow::Result<()> {
+    for (phase, s) in [("load", load), ("run", run)] {
         anyhow::ensure!(
             s.all_reads_checked_ok(),
             "{phase}: {} records missing and {} values not written by the driver (first: {:?}); \
