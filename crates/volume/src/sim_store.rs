@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 
 use crate::objfmt::{self, ObjFile, HEADER_BYTES};
 use crate::shard_core::{Boot, DiskCmd, DiskErr, DiskOut};
-use crate::store::{len_after, MemObject, CLASS_DATA_BYTES, LAZY_CLASS, LAZY_SECTOR_BYTES};
+use crate::store::{claim_sectors, len_after, MemObject, CLASS_DATA_BYTES, LAZY_CLASS, LAZY_SECTOR_BYTES};
 use crate::types::*;
 
 /// Copies of objects up to this size are deferred (the real store's 64 KiB class).
@@ -267,24 +267,10 @@ impl SimStore {
         let old_len = obj.body.len() as u64;
         objfmt::apply(&mut obj, version, op).map_err(ioe)?;
         let new_len = obj.body.len() as u64;
-        let (mut start, mut end) = match op {
-            RepOp::Write { offset, data } => (*offset as u64, *offset as u64 + data.len() as u64),
-            RepOp::Zero { offset, len } => (*offset as u64, (*offset as u64 + *len as u64).min(old_len)),
-            RepOp::Put { .. } => unreachable!("a Put is never a deferred copy"),
-        };
-        if new_len > old_len {
-            // The zeroes between the old end and the write are the child's own.
-            (start, end) = (start.min(old_len), end.max(new_len));
-        }
-        let (s0, s1) = (start / LAZY_SECTOR_BYTES, end.div_ceil(LAZY_SECTOR_BYTES));
-        for s in s0..s1 {
-            base.present |= 1 << s;
-        }
-        let all = (1u64 << new_len.div_ceil(LAZY_SECTOR_BYTES)) - 1;
-        let base = (u64::from(base.present) & all != all).then_some(base);
+        let (a, b, complete) = claim_sectors(&mut base.present, old_len, new_len, op);
+        let base = (!complete).then_some(base);
         let n = name(&key);
         self.disk.truncate(&n, HEADER_BYTES + new_len).map_err(err)?;
-        let (a, b) = (s0 * LAZY_SECTOR_BYTES, (s1 * LAZY_SECTOR_BYTES).min(new_len));
         if b > a {
             self.disk.write(&n, HEADER_BYTES + a, &obj.body[a as usize..b as usize]).map_err(err)?;
         }

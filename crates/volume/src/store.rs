@@ -557,6 +557,27 @@ impl ObjFile for MemObject {
 }
 
 /// The object's length after `op`, as [`objfmt::apply`] makes it.
+/// What a child's write to a deferred copy makes its own: the written range, plus the zeroes
+/// between the old end and the write when it grows the object. Marks those sectors present in
+/// `present` and returns the byte range of whole sectors to write (clipped to the new length)
+/// and whether the copy is now complete (every sector of the object present).
+pub(crate) fn claim_sectors(present: &mut u32, old_len: u64, new_len: u64, op: &RepOp) -> (u64, u64, bool) {
+    let (mut start, mut end) = match op {
+        RepOp::Write { offset, data } => (*offset as u64, *offset as u64 + data.len() as u64),
+        RepOp::Zero { offset, len } => (*offset as u64, (*offset as u64 + *len as u64).min(old_len)),
+        RepOp::Put { .. } => unreachable!("a Put is never a deferred copy"),
+    };
+    if new_len > old_len {
+        (start, end) = (start.min(old_len), end.max(new_len));
+    }
+    let (s0, s1) = (start / LAZY_SECTOR_BYTES, end.div_ceil(LAZY_SECTOR_BYTES));
+    for s in s0..s1 {
+        *present |= 1 << s;
+    }
+    let all = (1u64 << new_len.div_ceil(LAZY_SECTOR_BYTES)) - 1;
+    (s0 * LAZY_SECTOR_BYTES, (s1 * LAZY_SECTOR_BYTES).min(new_len), u64::from(*present) & all == all)
+}
+
 pub(crate) fn len_after(len_bytes: u64, op: &RepOp) -> u64 {
     match op {
         RepOp::Put { data } => data.len() as u64,
@@ -969,24 +990,10 @@ impl Inner {
         let old_len = obj.body.len() as u64;
         objfmt::apply(&mut obj, version, op)?;
         let new_len = obj.body.len() as u64;
-        let (mut start, mut end) = match op {
-            RepOp::Write { offset, data } => (*offset as u64, *offset as u64 + data.len() as u64),
-            RepOp::Zero { offset, len } => (*offset as u64, (*offset as u64 + *len as u64).min(old_len)),
-            RepOp::Put { .. } => unreachable!("a Put is never a deferred copy"),
-        };
-        if new_len > old_len {
-            // The zeroes between the old end and the write are the child's too.
-            (start, end) = (start.min(old_len), end.max(new_len));
-        }
-        let (s0, s1) = (start / LAZY_SECTOR_BYTES, end.div_ceil(LAZY_SECTOR_BYTES));
-        for s in s0..s1 {
-            base.present |= 1 << s;
-        }
-        let all = (1u64 << new_len.div_ceil(LAZY_SECTOR_BYTES)) - 1;
-        let base = (u64::from(base.present) & all != all).then_some(base);
+        let (a, b, complete) = claim_sectors(&mut base.present, old_len, new_len, op);
+        let base = (!complete).then_some(base);
         let written = (|| {
             let f = self.open_slot(&slot)?;
-            let (a, b) = (s0 * LAZY_SECTOR_BYTES, (s1 * LAZY_SECTOR_BYTES).min(new_len));
             if b > a {
                 f.write_all_at(&obj.body[a as usize..b as usize], SLOT_HEADER_PAGE_BYTES + a)?;
             }
