@@ -8,13 +8,18 @@
 
 use crate::keys::fnv_hash64;
 
-/// Bytes of the header every value starts with; values are at least this long.
+/// Bytes of the header every value starts with.
 pub const VALUE_HEADER_BYTES: usize = 16;
+
+/// The shortest value: the header and one 8-byte body word. The first body word is a bijection
+/// of the nonce (for a given key), so any change to the nonce bytes is caught; with a shorter
+/// body a corrupted nonce could pass as another valid value.
+pub const MIN_VALUE_BYTES: usize = VALUE_HEADER_BYTES + 8;
 
 /// Why a value read back is not one the driver wrote for its key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ValueError {
-    #[error("value is {len} bytes, shorter than the {VALUE_HEADER_BYTES}-byte header")]
+    #[error("value is {len} bytes, shorter than the {MIN_VALUE_BYTES} bytes every value has")]
     TooShort { len: usize },
     #[error("value belongs to another key (fingerprint {found:#x}, expected {expected:#x})")]
     WrongKey { found: u64, expected: u64 },
@@ -49,11 +54,11 @@ fn fill_body(fingerprint: u64, nonce: u64, body: &mut [u8]) {
     }
 }
 
-/// The value of `len_bytes` (at least [`VALUE_HEADER_BYTES`]) for `key` under `nonce`.
+/// The value of `len_bytes` (at least [`MIN_VALUE_BYTES`]) for `key` under `nonce`.
 pub fn make_value(key: &[u8], nonce: u64, len_bytes: usize) -> Vec<u8> {
     assert!(
-        len_bytes >= VALUE_HEADER_BYTES,
-        "values are at least {VALUE_HEADER_BYTES} bytes"
+        len_bytes >= MIN_VALUE_BYTES,
+        "values are at least {MIN_VALUE_BYTES} bytes"
     );
     let fingerprint = key_fingerprint(key);
     let mut value = vec![0u8; len_bytes];
@@ -65,7 +70,7 @@ pub fn make_value(key: &[u8], nonce: u64, len_bytes: usize) -> Vec<u8> {
 
 /// Checks that `value` is one [`make_value`] made for `key` (any nonce, any length).
 pub fn check_value(key: &[u8], value: &[u8]) -> Result<(), ValueError> {
-    if value.len() < VALUE_HEADER_BYTES {
+    if value.len() < MIN_VALUE_BYTES {
         return Err(ValueError::TooShort { len: value.len() });
     }
     let expected = key_fingerprint(key);
@@ -98,7 +103,7 @@ mod tests {
         fn any_single_byte_change_is_caught(
             key in proptest::collection::vec(any::<u8>(), 1..40),
             nonce in any::<u64>(),
-            len in VALUE_HEADER_BYTES..300usize,
+            len in MIN_VALUE_BYTES..300usize,
             flip_at in any::<prop::sample::Index>(),
             flip in 1u8..=255,
         ) {

@@ -9,7 +9,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::choosers::{KeyChooser, RequestDistribution, Uniform, Zipfian, DEFAULT_THETA};
 use crate::keys::KeyFormat;
-use crate::value::VALUE_HEADER_BYTES;
+use crate::value::MIN_VALUE_BYTES;
 use crate::ConfigError;
 
 /// Shares of each YCSB operation (YCSB's `*proportion` properties); they must sum to 1.
@@ -273,10 +273,10 @@ impl WorkloadSpec {
                 self.key_format.capacity()
             )));
         }
-        if self.value_size_bytes() < VALUE_HEADER_BYTES {
+        if self.value_size_bytes() < MIN_VALUE_BYTES {
             return Err(ConfigError::new(format!(
-                "values of {} fields × {} bytes are shorter than the {VALUE_HEADER_BYTES}-byte \
-                 header every value carries for checking; use at least {VALUE_HEADER_BYTES} bytes",
+                "values of {} fields × {} bytes are shorter than the {MIN_VALUE_BYTES} bytes \
+                 every value needs to be checked on read; use at least {MIN_VALUE_BYTES} bytes",
                 self.field_count, self.field_length_bytes
             )));
         }
@@ -302,10 +302,10 @@ impl WorkloadSpec {
                         t.read_fraction
                     )));
                 }
-                if t.assoc_list_bytes < VALUE_HEADER_BYTES {
+                if t.assoc_list_bytes < MIN_VALUE_BYTES {
                     return Err(ConfigError::new(format!(
                         "association lists of {} bytes are shorter than the \
-                         {VALUE_HEADER_BYTES}-byte value header",
+                         {MIN_VALUE_BYTES} bytes every checked value needs",
                         t.assoc_list_bytes
                     )));
                 }
@@ -791,7 +791,7 @@ mod tests {
     fn bad_specs_are_refused_with_reasons() {
         let mut spec = WorkloadSpec::core("a").unwrap();
         spec.field_length_bytes = 1;
-        assert!(spec.validate().unwrap_err().0.contains("header"));
+        assert!(spec.validate().unwrap_err().0.contains("checked on read"));
         let mut spec = WorkloadSpec::core("a").unwrap();
         spec.mix = Mix::Ycsb(Proportions {
             read: 0.7,
