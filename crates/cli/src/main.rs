@@ -323,4 +323,65 @@ mod tests {
         }
         walk(&Cli::command(), "understudy");
     }
+
+    /// The reference of every command, as `--help` prints it, in one Markdown page.
+    fn commands_markdown() -> String {
+        fn walk(cmd: &mut clap::Command, path: &str, out: &mut String) {
+            let about = cmd.get_about().map(|a| a.to_string()).unwrap_or_default();
+            out.push_str(&format!("\n## `{path}`\n\n{about}\n\n```text\n"));
+            let help = cmd.render_long_help().to_string();
+            // Trailing spaces vary with clap's padding; they carry nothing.
+            for line in help.trim_end().lines() {
+                out.push_str(line.trim_end());
+                out.push('\n');
+            }
+            out.push_str("```\n");
+            let names: Vec<String> = cmd
+                .get_subcommands()
+                .map(|s| s.get_name().to_string())
+                .filter(|n| n != "help")
+                .collect();
+            for name in names {
+                let sub = cmd.find_subcommand_mut(&name).expect("listed subcommand");
+                walk(sub, &format!("{path} {name}"), out);
+            }
+        }
+        let mut cmd = Cli::command().term_width(100).bin_name("understudy");
+        cmd.build();
+        let mut out = String::from(
+            "# Command reference\n\nEvery `understudy` command and its options, as `--help` prints \
+             them. Generated from the CLI definition: after changing a command, run\n\
+             `UPDATE_DOCS=1 cargo test -p understudy --bin understudy commands_doc` to refresh \
+             this page.\n",
+        );
+        let mut body = String::new();
+        walk(&mut cmd, "understudy", &mut body);
+        // An index: one link per command, to its heading's anchor.
+        out.push('\n');
+        for heading in body.lines().filter_map(|l| l.strip_prefix("## `")) {
+            let path = heading.trim_end_matches('`');
+            let anchor = path.replace(' ', "-");
+            let depth = path.matches(' ').count();
+            out.push_str(&format!("{}- [`{path}`](#{anchor})\n", "  ".repeat(depth)));
+        }
+        out.push_str(&body);
+        out
+    }
+
+    /// docs/commands.md documents every command; it must match the CLI as built.
+    #[test]
+    fn commands_doc_is_current() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/commands.md");
+        let generated = commands_markdown();
+        if std::env::var_os("UPDATE_DOCS").is_some() {
+            std::fs::write(&path, &generated).expect("write docs/commands.md");
+            return;
+        }
+        let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            on_disk == generated,
+            "docs/commands.md is out of date with the CLI; refresh it with \
+             `UPDATE_DOCS=1 cargo test -p understudy --bin understudy commands_doc`"
+        );
+    }
 }
