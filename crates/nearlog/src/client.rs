@@ -109,6 +109,8 @@ struct Track {
     no_room: Option<u64>,
     /// An image sent to it allowed the peer to release its old copy (it may have).
     superseding: bool,
+    /// The Base last sent to it (resent if its ack never comes).
+    base: Option<Op>,
 }
 
 /// One open log file. Inputs: [`FileClient::on_reply`], [`FileClient::tick`], [`FileClient::submit`];
@@ -414,10 +416,13 @@ impl FileClient {
                         continue;
                     }
                     if t.applied == 0 && self.ops.front().is_none_or(|(s, _)| *s > 2) {
-                        // Its Base ack was lost and no later record is left to resend (acks are
-                        // cumulative): ask what it holds.
-                        self.tracks.get_mut(&p).unwrap().last_send_us = now_us;
-                        self.out.push((p, PeerRequest::Probe { file: self.file, epoch: self.epoch }));
+                        // Its Base (or the ack) was lost and no later record is left to resend
+                        // (acks are cumulative): the Base again, without the image (a peer that
+                        // cannot apply it answers NeedImage and is resynced).
+                        if let Some(op) = t.base.clone() {
+                            self.tracks.get_mut(&p).unwrap().last_send_us = now_us;
+                            self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq: 1, op }));
+                        }
                         continue;
                     }
                     let from = t.applied + 1;
@@ -525,7 +530,7 @@ impl FileClient {
                 if matches!(self.phase, Phase::Ready) {
                     let floor = self.ops.front().map(|(s, _)| *s - 1).unwrap_or(self.next_seq);
                     let t = self.tracks.get_mut(&peer).unwrap();
-                    if (t.lost || t.applied == 0) && t.resync.is_none() {
+                    if t.lost && t.resync.is_none() {
                         match holding {
                             Some(h) if h.epoch == self.epoch && h.seq >= floor => {
                                 t.lost = false;
@@ -842,7 +847,9 @@ impl FileClient {
                 ));
             }
         }
-        self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq: 1, op: Op::Base { from, size, image_crc } }));
+        let base = Op::Base { from, size, image_crc };
+        self.tracks.get_mut(&p).unwrap().base = Some(base.clone());
+        self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq: 1, op: base }));
     }
 }
 
