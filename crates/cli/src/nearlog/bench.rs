@@ -83,7 +83,7 @@ pub struct CommonArgs {
     /// Interleaved rounds of the setups [default: 1 with --quick, 2 otherwise].
     #[arg(long)]
     pub rounds: Option<usize>,
-    /// Seconds of one measured run [default: 1 with --quick, 8 otherwise].
+    /// Seconds of one measured run [default: 0.75 with --quick, 8 otherwise].
     #[arg(long)]
     pub secs: Option<f64>,
     /// A plain directory instead of an Understudy volume for the bulk files and the logs of
@@ -257,6 +257,7 @@ struct VolumeBed {
 
 impl Drop for VolumeBed {
     fn drop(&mut self) {
+        let t0 = Instant::now();
         if let Some(mut c) = self.attach.take() {
             // SIGTERM: the foreground attach unmounts, releases the loop device and FUSE
             // (SIGKILL, by the guard, only if it is stuck).
@@ -266,9 +267,11 @@ impl Drop for VolumeBed {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
+        let detached = t0.elapsed().as_secs_f64();
         if let Some(mut lc) = self.cluster.take() {
             lc.stop();
         }
+        eprintln!("volume detached in {detached:.1} s, cluster stopped in {:.1} s", t0.elapsed().as_secs_f64() - detached);
         let _ = &self.mount;
     }
 }
@@ -794,8 +797,12 @@ fn rocksdb_run(tb: &Testbed, bin: &Path, setup: Setup, clients: usize, secs: f64
 // ---------------------------------------------------------------------------------------------
 // `bench nearlog apps`
 
+/// Seconds of one measured run with --quick: 21 runs of the apps bench plus their start-up and a
+/// volume's attach and detach must stay within a minute on a loaded 2-core machine.
+const QUICK_SECS: f64 = 0.75;
+
 fn params(c: &CommonArgs) -> (usize, f64) {
-    (c.rounds.unwrap_or(if c.quick { 1 } else { 2 }).max(1), c.secs.unwrap_or(if c.quick { 1.0 } else { 8.0 }))
+    (c.rounds.unwrap_or(if c.quick { 1 } else { 2 }).max(1), c.secs.unwrap_or(if c.quick { QUICK_SECS } else { 8.0 }))
 }
 
 /// Records throughput and latency of every setup and the nearlog ratios; returns plot points.
@@ -1035,7 +1042,8 @@ fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
     let mb = a.log_bytes as f64 / 1e6;
     let mut csv = vec![];
     for latency in settings(c) {
-        let tb = Testbed::start(c, &rt, tmp.path(), latency, "4G")?;
+        // Quick: a smaller volume (mkfs and attach take less); 2 GiB still holds every file.
+        let tb = Testbed::start(c, &rt, tmp.path(), latency, if c.quick { "2G" } else { "4G" })?;
         let pfx = latency.prefix();
         let mut log_s = vec![];
         let mut vol_s = vec![];
@@ -1075,7 +1083,10 @@ fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
                 std::fs::create_dir_all(&wal)?;
                 let pat = format!("{}/*.log", wal.display());
                 let mut cmd = Command::new(&rocks);
-                cmd.arg("fill").arg(&db).arg(&wal).args([a.log_bytes.to_string(), "1000".to_string()]).stdout(Stdio::piped());
+                // The fill is not measured: with --quick its synced batches are larger (fewer
+                // syncs on the volume for strong); the WAL to replay is the same size.
+                let batch = if c.quick { "1024" } else { "64" };
+                cmd.arg("fill").arg(&db).arg(&wal).args([a.log_bytes.to_string(), "1000".to_string(), batch.to_string()]).stdout(Stdio::piped());
                 if s == Setup::Nearlog {
                     tb.shim_env(&mut cmd, &pat);
                 }
