@@ -92,7 +92,7 @@ impl Run {
         if std::env::var("SIM_TRACE").is_ok() {
             eprintln!("{now}: open epoch {} (floor {} of {})", self.epoch, self.floor, self.history.len());
         }
-        self.client = Some(FileClient::open(FILE, self.epoch, PEERS.iter().map(|&p| p as u32).collect(), self.initialized, Vec::new(), Self::cfg(), now));
+        self.client = Some(FileClient::open(FILE, self.epoch, PEERS.to_vec(), self.initialized, Vec::new(), Self::cfg(), now));
         self.opened_at = now;
         self.st.opens += 1;
         self.send_out(now);
@@ -314,7 +314,7 @@ fn run(seed: u64) -> Stats {
                     }
                     Msg::Rep(rep) => {
                         if let Some(c) = r.client.as_mut() {
-                            c.on_reply(d.from as u32, rep);
+                            c.on_reply(d.from, rep);
                             r.client_step(now);
                         }
                     }
