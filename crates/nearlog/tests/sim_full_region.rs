@@ -72,6 +72,8 @@ struct Run {
     floor: usize,
     /// The next ready session first truncates (the application rotates its full log).
     rotate: bool,
+    /// The current client became ready.
+    session_ready: bool,
     st: Stats,
 }
 
@@ -94,6 +96,7 @@ impl Run {
         }
         self.client = Some(FileClient::open(FILE, self.epoch, PEERS.to_vec(), self.initialized, Vec::new(), Self::cfg(), now));
         self.opened_at = now;
+        self.session_ready = false;
         self.st.opens += 1;
         self.send_out(now);
     }
@@ -138,6 +141,8 @@ impl Run {
         let Some(c) = self.client.as_mut() else { return };
         if let Some(f) = c.failure().cloned() {
             match f {
+                // A full region during recovery is the bug this test is for: the open fails.
+                Failure::RegionFull { .. } if !self.session_ready => panic!("seed {}: recovery at epoch {} failed: {f}", self.seed, self.epoch),
                 Failure::RegionFull { .. } => {
                     // ENOSPC: the application closes and reopens the log, then rotates it.
                     self.st.enospc += 1;
@@ -169,6 +174,7 @@ impl Run {
                 assert!(rec.is_empty());
             }
             self.initialized = true;
+            self.session_ready = true;
             self.history = vec![rec];
             self.keys.clear();
             self.floor = 0;
@@ -281,6 +287,7 @@ fn run(seed: u64) -> Stats {
         keys: Vec::new(),
         floor: 0,
         rotate: false,
+        session_ready: false,
         st: Stats::default(),
     };
     let end_us = 15_000_000;
