@@ -7,8 +7,10 @@
  *   bench DB WALDIR SYNC THREADS SECS VALUE_BYTES LATFILE
  *                                        THREADS writers for SECS; prints "ops seconds"; writes
  *                                        every put's latency (u32 microseconds) to LATFILE
- *   fill  DB WALDIR BYTES VALUE_BYTES    synced puts until the WAL holds BYTES, then prints
- *                                        "filled" and waits to be killed (memtable never flushed)
+ *   fill  DB WALDIR BYTES VALUE_BYTES [BATCH]
+ *                                        synced puts (BATCH per synced write, default 64) until
+ *                                        the WAL holds BYTES, then prints "filled" and waits to
+ *                                        be killed (memtable never flushed)
  *   open  DB WALDIR                      opens (recovers) the DB, prints the open's seconds and
  *                                        the number of keys
  *
@@ -153,9 +155,11 @@ int main(int argc, char **argv) {
         fclose(f);
         printf("%zu %f\n", ops, el);
         rocksdb_close(db);
-    } else if (!strcmp(mode, "fill") && argc == 6) {
+    } else if (!strcmp(mode, "fill") && (argc == 6 || argc == 7)) {
         long bytes = atol(argv[4]);
         size_t value_bytes = (size_t)atol(argv[5]);
+        unsigned long batch = argc == 7 ? strtoul(argv[6], NULL, 10) : 64;
+        if (batch == 0) batch = 64;
         rocksdb_t *db = open_db(path, wal, 1024L << 20);
         rocksdb_writeoptions_t *wo = rocksdb_writeoptions_create();
         rocksdb_writeoptions_set_sync(wo, 1);
@@ -167,7 +171,7 @@ int main(int argc, char **argv) {
             value_of(big, value_bytes, i);
             rocksdb_writebatch_put(b, key, kl, big, value_bytes);
             written += kl + value_bytes + 16;
-            if (i % 64 == 0) {
+            if (i % batch == 0) {
                 rocksdb_write(db, wo, b, &err);
                 if (err) die("write", err);
                 rocksdb_writebatch_clear(b);

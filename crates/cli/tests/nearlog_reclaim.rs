@@ -10,7 +10,8 @@
 //!   peers with room start later; writes beyond the small regions succeed (the file is
 //!   relocated) and the content comes back whole.
 //! - `a_full_region_everywhere_fails_the_write_with_enospc`: no peer has room: the write fails
-//!   with ENOSPC (never a short write) and recovery returns exactly what was acknowledged.
+//!   with ENOSPC (never a short write); `after_enospc_the_log_recovers_exactly_the_acknowledged_writes`:
+//!   recovery then returns exactly what was acknowledged.
 
 mod nearlog_common;
 
@@ -282,10 +283,10 @@ fn a_full_region_everywhere_fails_the_write_with_enospc() {
     fill_every_region(&mut c);
 }
 
+/// Recovery after ENOSPC: every region is full, so a peer whose copy is not exactly the
+/// source's state cannot stage the image beside it; it releases its old copy once a majority
+/// holds every acknowledged op without it, or waits like a dead peer while a majority re-bases.
 #[test]
-#[ignore = "known bug (issue 5 note): recovery re-bases a peer by staging a whole image beside its \
-            old copy, which does not fit in a full region, so this open fails with EIO in about \
-            1 run in 10"]
 fn after_enospc_the_log_recovers_exactly_the_acknowledged_writes() {
     let mut c = Cluster::new();
     let (log, acked) = fill_every_region(&mut c);

@@ -177,6 +177,9 @@ struct Tracked {
     resumes: u32,
 }
 
+/// Longest a batch is held back from the peers beyond a majority ([`Shim::pump`]).
+const DEFER_MAX: Duration = Duration::from_millis(1);
+
 /// Resumes or relocations one wait may go through before it gives up with EIO.
 const MAX_RESUMES_PER_WAIT: u32 = 8;
 
@@ -219,6 +222,11 @@ struct Shim {
     aliases: HashMap<c_int, c_int>,
     /// Reply buffers of the peer connections (reset with each new connection).
     readers: HashMap<PeerId, blocking::FrameReader>,
+    /// Bytes held back for the peers beyond a majority (see [`Shim::pump`]), and since when.
+    deferred: HashMap<PeerId, (Vec<u8>, Instant)>,
+    /// Per peer: when the oldest unanswered batch went out, and a moving average of the time
+    /// to its first reply (µs): the quickest majority is sent to first.
+    reply_us: HashMap<PeerId, (Option<Instant>, u64)>,
     owner_pid: u32,
     start: Instant,
 }
@@ -277,7 +285,17 @@ impl Shim {
         }
         if slot.is_none() {
             let cfg = load_config()?;
-            *slot = Some(Shim { cfg, peers: HashMap::new(), files: HashMap::new(), aliases: HashMap::new(), readers: HashMap::new(), owner_pid: pid, start: Instant::now() });
+            *slot = Some(Shim {
+                cfg,
+                peers: HashMap::new(),
+                files: HashMap::new(),
+                aliases: HashMap::new(),
+                readers: HashMap::new(),
+                deferred: HashMap::new(),
+                reply_us: HashMap::new(),
+                owner_pid: pid,
+                start: Instant::now(),
+            });
         }
         Ok(slot.as_mut().unwrap())
     }
@@ -313,6 +331,15 @@ impl Shim {
     }
 
     /// Sends every file's outgoing messages, reads replies for up to `wait`, feeds them in.
+    ///
+    /// A write needs acks from a majority, and every send to a peer costs the application's
+    /// thread a system call (on loopback, the whole TCP receive path) and the peer a wake-up on
+    /// the same few cores. So when a batch goes to three or more connected peers, the quickest
+    /// majority (by recent reply times) gets it at once and the others' bytes are held back:
+    /// they ride along with the next batch to that peer, or go out once held for
+    /// [`DEFER_MAX`] (also while a call waits: a slow majority never waits on a held-back
+    /// peer for longer), or at close. Durability is unchanged (a call returns once a majority
+    /// holds its ops); the peers beyond it lag by at most `DEFER_MAX` of records.
     fn pump(&mut self, wait: Duration) {
         let now = self.now_us();
         let mut out: Vec<(PeerId, PeerRequest)> = Vec::new();
@@ -327,17 +354,53 @@ impl Shim {
                 batches.entry(p).or_default().extend_from_slice(&frame);
             }
         }
-        for (p, buf) in batches {
-            if let Some(conn) = self.ensure_conn(p) {
-                use std::io::Write;
-                if let Err(e) = conn.write_all(&buf) {
-                    log(&format!("log peer {p}: send failed: {e}"));
-                    self.peers.get_mut(&p).unwrap().1 = None;
-                    self.readers.remove(&p);
+        let fresh: Vec<PeerId> = batches.keys().copied().collect();
+        let connected = |s: &Shim, p: &PeerId| s.peers.get(p).is_some_and(|v| v.1.is_some());
+        let mut hold: Vec<PeerId> = Vec::new();
+        if fresh.len() >= 3 && fresh.iter().all(|p| connected(self, p)) {
+            let mut by_speed = fresh.clone();
+            by_speed.sort_by_key(|p| (self.reply_us.get(p).map_or(0, |r| r.1), *p));
+            hold = by_speed.split_off(fresh.len() / 2 + 1);
+        }
+        let at = Instant::now();
+        // Held-back bytes go first on their connection (per-peer order is kept); a peer with
+        // nothing new is sent what it was held once that waited long enough.
+        for (p, (held, since)) in std::mem::take(&mut self.deferred) {
+            let due = at.duration_since(since) >= DEFER_MAX;
+            match batches.remove(&p) {
+                Some(b) if !hold.contains(&p) || due => {
+                    let mut all = held;
+                    all.extend_from_slice(&b);
+                    batches.insert(p, all);
+                    hold.retain(|&h| h != p);
+                }
+                Some(b) => {
+                    let mut all = held;
+                    all.extend_from_slice(&b);
+                    self.deferred.insert(p, (all, since));
+                }
+                None if due => {
+                    batches.insert(p, held);
+                }
+                None => {
+                    self.deferred.insert(p, (held, since));
                 }
             }
         }
-        // Wait for replies on every connected peer.
+        for p in hold {
+            if let Some(b) = batches.remove(&p) {
+                if let Some((held, _)) = self.deferred.get_mut(&p) {
+                    held.extend_from_slice(&b);
+                } else {
+                    self.deferred.insert(p, (b, at));
+                }
+            }
+        }
+        for (p, buf) in batches {
+            self.send_batch(p, &buf, at);
+        }
+        // Wait for replies on every connected peer (not past the time a held batch is due).
+        let wait = if self.deferred.is_empty() { wait } else { wait.min(DEFER_MAX) };
         let ids: Vec<PeerId> = self.peers.iter().filter(|(_, v)| v.1.is_some()).map(|(k, _)| *k).collect();
         if ids.is_empty() {
             std::thread::sleep(wait.min(Duration::from_millis(20)));
@@ -370,6 +433,14 @@ impl Shim {
                     Err(e) => lost = Some(e.to_string()),
                 }
             }
+            if !replies.is_empty() {
+                if let Some(r) = self.reply_us.get_mut(p) {
+                    if let Some(sent) = r.0.take() {
+                        let us = sent.elapsed().as_micros() as u64;
+                        r.1 = if r.1 == 0 { us } else { (r.1 * 7 + us) / 8 };
+                    }
+                }
+            }
             for rep in replies {
                 if let Some(f) = rep.file() {
                     for t in self.files.values_mut().filter(|t| t.client.file() == f) {
@@ -382,6 +453,28 @@ impl Shim {
                 self.peers.get_mut(p).unwrap().1 = None;
                 self.readers.remove(p);
             }
+        }
+    }
+
+    fn send_batch(&mut self, p: PeerId, buf: &[u8], at: Instant) {
+        if let Some(conn) = self.ensure_conn(p) {
+            use std::io::Write;
+            if let Err(e) = conn.write_all(buf) {
+                log(&format!("log peer {p}: send failed: {e}"));
+                self.peers.get_mut(&p).unwrap().1 = None;
+                self.readers.remove(&p);
+                return;
+            }
+            let r = self.reply_us.entry(p).or_insert((None, 0));
+            r.0.get_or_insert(at);
+        }
+    }
+
+    /// Sends every held-back batch now.
+    fn flush_deferred(&mut self) {
+        let at = Instant::now();
+        for (p, (buf, _)) in std::mem::take(&mut self.deferred) {
+            self.send_batch(p, &buf, at);
         }
     }
 
@@ -465,6 +558,7 @@ impl Shim {
                     self.start_resume(fd, &f)?;
                     continue;
                 }
+                self.flush_deferred();
                 return Err(f.to_string());
             }
             if t.resume.is_some() {
@@ -485,6 +579,7 @@ impl Shim {
                 }
             }
             if Instant::now() >= deadline {
+                self.flush_deferred();
                 return Err(format!("no majority of log peers within {} ms", self.cfg.deadline.as_millis()));
             }
             self.pump(Duration::from_millis(5));
@@ -876,6 +971,8 @@ fn forget_fd(fd: c_int) {
         return;
     }
     let Some(t) = shim.files.remove(&fd) else { return };
+    // The peers beyond the majority get what was held back for them before the file goes.
+    shim.flush_deferred();
     let copies: Vec<c_int> = shim.aliases.iter().filter(|(_, &p)| p == fd).map(|(&a, _)| a).collect();
     if let Some(&heir) = copies.iter().min() {
         shim.aliases.remove(&heir);
@@ -988,6 +1085,7 @@ pub unsafe fn mmap(addr: *mut c_void, len: size_t, prot: c_int, flags: c_int, fd
 /// Tells the peers of a forgotten file to free its memory (best effort: a peer that misses it
 /// holds bytes of a file nobody will open again until it restarts).
 fn drop_on_peers(shim: &mut Shim, g: &FileGrant) {
+    shim.flush_deferred();
     for p in &g.peers {
         shim.peers.entry(p.id).or_insert_with(|| (p.addr.clone(), None, Instant::now() - Duration::from_secs(1)));
         if let Some(conn) = shim.ensure_conn(p.id) {

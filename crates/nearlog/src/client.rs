@@ -31,6 +31,9 @@ const PIPELINE_RECORDS: u64 = 4096;
 /// Fetch requests of `MAX_CHUNK_BYTES` each in flight to the recovery source: bounds the
 /// out-of-order buffer to this many chunks while hiding the per-request latency.
 pub const FETCH_WINDOW_CHUNKS: u64 = 8;
+/// A peer that had no room for an image even after releasing its old copy is asked again
+/// after this many retransmission intervals (not in a tight loop of whole images).
+const NO_ROOM_RETRY_FACTOR: u64 = 10;
 
 /// Limits and timers of a [`FileClient`].
 #[derive(Clone, Debug)]
@@ -101,6 +104,13 @@ struct Track {
     want_resync: bool,
     /// Being re-based mid-session at this seq with this image.
     resync: Option<(u64, Vec<u8>)>,
+    /// The last image sent was refused for lack of room (the peer is `lost` meanwhile): ask
+    /// again at this time, or as soon as it may release its old copy if it was not allowed to.
+    no_room: Option<u64>,
+    /// An image sent to it allowed the peer to release its old copy (it may have).
+    superseding: bool,
+    /// The Base last sent to it (resent if its ack never comes).
+    base: Option<Op>,
 }
 
 /// One open log file. Inputs: [`FileClient::on_reply`], [`FileClient::tick`], [`FileClient::submit`];
@@ -359,10 +369,27 @@ impl FileClient {
                 }
             }
             Phase::Basing { .. } => {
-                for p in self.peers.clone() {
-                    let t = &self.tracks[&p];
-                    if t.applied == 0 && !t.lost && due(t) {
-                        self.send_base(p);
+                self.retry_no_room();
+                for p in self.probe_set() {
+                    let unanswered = !self.probes.contains_key(&p);
+                    match self.tracks.get(&p) {
+                        Some(t) if t.applied == 0 && !t.lost && due(t) => {
+                            self.send_base(p);
+                            // A missing answer bounds the acknowledged ops more tightly
+                            // (`acked_bound`): ask again along with the Base.
+                            if unanswered {
+                                self.out.push((p, PeerRequest::Probe { file: self.file, epoch: self.epoch }));
+                            }
+                        }
+                        Some(t) if t.lost && unanswered && due(t) => {
+                            self.touch(p);
+                            self.out.push((p, PeerRequest::Probe { file: self.file, epoch: self.epoch }));
+                        }
+                        None if unanswered && due_at(self.last_send(p)) => {
+                            self.touch(p);
+                            self.out.push((p, PeerRequest::Probe { file: self.file, epoch: self.epoch }));
+                        }
+                        _ => {}
                     }
                 }
             }
@@ -377,12 +404,25 @@ impl FileClient {
                         continue;
                     }
                     if t.lost {
+                        if t.no_room.is_some_and(|at| now_us < at) {
+                            continue; // its region was full: not before the back-off
+                        }
                         // Is it back, and with what? A peer that lost its memory wants a resync.
                         self.tracks.get_mut(&p).unwrap().last_send_us = now_us;
                         self.out.push((p, PeerRequest::Probe { file: self.file, epoch: self.epoch }));
                         continue;
                     }
                     if t.applied >= self.next_seq {
+                        continue;
+                    }
+                    if t.applied == 0 && self.ops.front().is_none_or(|(s, _)| *s > 2) {
+                        // Its Base (or the ack) was lost and no later record is left to resend
+                        // (acks are cumulative): the Base again, without the image (a peer that
+                        // cannot apply it answers NeedImage and is resynced).
+                        if let Some(op) = t.base.clone() {
+                            self.tracks.get_mut(&p).unwrap().last_send_us = now_us;
+                            self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq: 1, op }));
+                        }
                         continue;
                     }
                     let from = t.applied + 1;
@@ -417,14 +457,24 @@ impl FileClient {
     }
 
     fn send_resync(&mut self, p: PeerId) {
+        let supersede = self.may_release(p);
         let t = self.tracks.get_mut(&p).unwrap();
         let Some((seq, image)) = &t.resync else { return };
         t.last_send_us = self.now_us;
+        t.superseding |= supersede;
         let (seq, size, image_crc) = (*seq, image.len() as u64, crc32c::crc32c(image));
         for (i, chunk) in image.chunks(MAX_CHUNK_BYTES).enumerate() {
             self.out.push((
                 p,
-                PeerRequest::Stage { file: self.file, epoch: self.epoch, size, offset: (i * MAX_CHUNK_BYTES) as u64, data: chunk.to_vec() },
+                PeerRequest::Stage {
+                    file: self.file,
+                    epoch: self.epoch,
+                    seq,
+                    size,
+                    offset: (i * MAX_CHUNK_BYTES) as u64,
+                    data: chunk.to_vec(),
+                    supersede,
+                },
             ));
         }
         self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq, op: Op::Base { from: None, size, image_crc } }));
@@ -442,10 +492,12 @@ impl FileClient {
             // An old member of a pending move: it only answers probes and fetches.
             match reply {
                 PeerReply::Stale { promised, .. } if promised > self.epoch => self.fail(Failure::Fenced { promised }),
-                PeerReply::Probed { epoch, holding, .. } if epoch == self.epoch && matches!(self.phase, Phase::Probing | Phase::Fetching(_)) => {
+                PeerReply::Probed { epoch, holding, .. } if epoch == self.epoch && matches!(self.phase, Phase::Probing | Phase::Fetching(_) | Phase::Basing { .. }) => {
                     self.probes.entry(peer).or_insert(holding);
-                    if matches!(self.phase, Phase::Probing) {
-                        self.choose_source();
+                    match self.phase {
+                        Phase::Probing => self.choose_source(),
+                        Phase::Basing { .. } => self.retry_no_room(),
+                        _ => {}
                     }
                 }
                 PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
@@ -456,6 +508,21 @@ impl FileClient {
         match reply {
             PeerReply::Stale { promised, .. } if promised > self.epoch => self.fail(Failure::Fenced { promised }),
             PeerReply::RegionFull { region_bytes, used_bytes, epoch, .. } if epoch == self.epoch => {
+                let basing = matches!(self.phase, Phase::Basing { .. });
+                let now = self.now_us;
+                let backoff = self.cfg.retransmit_after_us.saturating_mul(NO_ROOM_RETRY_FACTOR).max(1);
+                let t = self.tracks.get_mut(&peer).unwrap();
+                if (basing && t.needs_image && t.applied == 0) || t.resync.is_some() {
+                    // An image did not fit: this peer is treated like a dead one while a
+                    // majority carries the file (a re-base only needs a majority), and is
+                    // brought up to date later (see `may_release`). Records do fail loudly.
+                    t.lost = true;
+                    t.resync = None;
+                    t.want_resync = false;
+                    t.no_room = Some(now + backoff);
+                    self.retry_no_room();
+                    return;
+                }
                 self.fail(Failure::RegionFull { peer, region_bytes, used_bytes })
             }
             PeerReply::Refused { reason, .. } => self.fail(Failure::Refused { peer, reason }),
@@ -474,10 +541,13 @@ impl FileClient {
                     }
                     return;
                 }
-                if matches!(self.phase, Phase::Probing | Phase::Fetching(_)) {
+                if matches!(self.phase, Phase::Probing | Phase::Fetching(_) | Phase::Basing { .. }) {
                     self.probes.entry(peer).or_insert(holding);
-                    if matches!(self.phase, Phase::Probing) {
-                        self.choose_source();
+                    match self.phase {
+                        Phase::Probing => self.choose_source(),
+                        // A late answer may show that a peer without room can release its copy.
+                        Phase::Basing { .. } => self.retry_no_room(),
+                        _ => {}
                     }
                 }
             }
@@ -489,6 +559,10 @@ impl FileClient {
                     return;
                 }
                 let basing = matches!(self.phase, Phase::Basing { .. });
+                if basing && t.lost {
+                    // Waiting for room (`retry_no_room`): a late answer to an earlier Base.
+                    return;
+                }
                 if t.applied == 0 && basing {
                     t.needs_image = true;
                     self.send_base(peer);
@@ -547,9 +621,92 @@ impl FileClient {
             // NeedImage and is resynced from the driver's copy.
             for t in self.tracks.values_mut() {
                 t.needs_image = false;
+                if t.lost && t.no_room.is_some() && t.applied == 0 {
+                    // Had no room for the image: now that a majority holds the new epoch it may
+                    // release its old copy; the driver re-bases it from the local copy.
+                    t.want_resync = true;
+                    t.no_room = None;
+                }
             }
         }
+        if matches!(self.phase, Phase::Basing { .. }) {
+            self.retry_no_room();
+        }
         let _ = self.trim();
+    }
+
+    /// Whether a majority holds complete copies of every acknowledged op without `p` — of the
+    /// grant's set and of the witness set (what the next recovery needs) — so `p` may release
+    /// its old copy to make room for an image. Never releasing otherwise is what keeps a crash
+    /// in the middle of a re-base recoverable.
+    ///
+    /// Complete: applied this epoch's Base and every acknowledged op; or, while basing, probed
+    /// at a state at least [`FileClient::acked_bound`] (e.g. after ENOSPC, peers one op behind
+    /// the source still hold every acknowledged op when all of them answered).
+    fn may_release(&self, p: PeerId) -> bool {
+        let bound = match &self.phase {
+            Phase::Basing { .. } => self.acked_bound(),
+            _ => None,
+        };
+        let complete = |q: &PeerId| {
+            let t = self.tracks.get(q);
+            // Sent an image it may release its old copy for, and not based yet: not counted
+            // (two peers must not both release on each other's account).
+            let releasing = t.is_some_and(|t| t.superseding && t.applied == 0);
+            *q != p
+                && !releasing
+                && (t.is_some_and(|t| !t.lost && t.resync.is_none() && t.applied >= 1 && t.applied >= self.acked_seq)
+                    || bound.is_some_and(|b| {
+                        !self.excluded.contains(q) && matches!(self.probes.get(q), Some(Some(h)) if (h.epoch, h.seq) >= b)
+                    }))
+        };
+        self.peers.iter().filter(|q| complete(q)).count() >= self.majority
+            && self.witness_set.iter().filter(|q| complete(q)).count() > self.witness_set.len() / 2
+    }
+
+    /// A state every acknowledged op is at or below, from the probe answers: with `k` of the
+    /// witness set's `n` members answering with a copy, every acknowledged op was applied by a
+    /// majority `m` of it, so at least `k - n + m` of the answers are at a state that holds
+    /// it (a peer only leaves a state for a newer epoch's Base, whose source held it). So the
+    /// `(k - n + m)`-th most advanced answer bounds them all; with only a majority answering it
+    /// is the most advanced one (the source).
+    fn acked_bound(&self) -> Option<(Epoch, u64)> {
+        let mut states: Vec<(Epoch, u64)> = self
+            .witness_set
+            .iter()
+            .filter(|q| !self.excluded.contains(q))
+            .filter_map(|q| self.probes.get(q).copied().flatten())
+            .map(|h| (h.epoch, h.seq))
+            .collect();
+        states.sort_unstable_by(|a, b| b.cmp(a));
+        let (k, n, m) = (states.len(), self.witness_set.len(), self.witness_set.len() / 2 + 1);
+        let idx = (k + m).checked_sub(n)?;
+        if idx == 0 || idx > k {
+            return None;
+        }
+        Some(states[idx - 1])
+    }
+
+    /// While basing: a peer whose image did not fit gets it again, allowed to release its old
+    /// copy, once that became safe (or its back-off expired).
+    fn retry_no_room(&mut self) {
+        if !matches!(self.phase, Phase::Basing { .. }) {
+            return;
+        }
+        let now = self.now_us;
+        for p in self.peers.clone() {
+            let t = &self.tracks[&p];
+            let Some(at) = t.no_room else { continue };
+            if t.applied > 0 || !t.lost {
+                continue;
+            }
+            if now >= at || (!t.superseding && self.may_release(p)) {
+                let t = self.tracks.get_mut(&p).unwrap();
+                t.lost = false;
+                t.no_room = None;
+                self.send_base(p);
+            }
+        }
     }
 
     fn choose_source(&mut self) {
@@ -647,8 +804,13 @@ impl FileClient {
         self.size = image.len() as u64;
         self.next_seq = 1;
         for (&p, t) in self.tracks.iter_mut() {
+            // A peer whose probe answer has not arrived yet (it raced the fetch) is asked to
+            // keep its copy too: the Base names the exact state, so a peer that differs answers
+            // NeedImage and gets the image then. (Sending it the image at once would stage a
+            // second copy beside one it may hold already: a full region has no room for it.)
             let same = match (source, self.probes.get(&p)) {
                 (Some((_, h)), Some(Some(ph))) => *ph == h && !self.excluded.contains(&p),
+                (Some(_), None) => !self.excluded.contains(&p),
                 _ => false,
             };
             t.needs_image = !same && !image.is_empty();
@@ -660,6 +822,7 @@ impl FileClient {
     }
 
     fn send_base(&mut self, p: PeerId) {
+        let supersede = self.may_release(p);
         let Phase::Basing { source, image } = &self.phase else { return };
         let t = self.tracks.get_mut(&p).unwrap();
         t.last_send_us = self.now_us;
@@ -667,14 +830,26 @@ impl FileClient {
         let image_crc = crc32c::crc32c(image);
         let from = if t.needs_image || image.is_empty() { None } else { source.map(|(_, h)| (h.epoch, h.seq)) };
         if t.needs_image {
+            // Sticky: once allowed, the peer may have released its copy (a lost reply).
+            t.superseding |= supersede;
             for (i, chunk) in image.chunks(MAX_CHUNK_BYTES).enumerate() {
                 self.out.push((
                     p,
-                    PeerRequest::Stage { file: self.file, epoch: self.epoch, size, offset: (i * MAX_CHUNK_BYTES) as u64, data: chunk.to_vec() },
+                    PeerRequest::Stage {
+                        file: self.file,
+                        epoch: self.epoch,
+                        seq: 1,
+                        size,
+                        offset: (i * MAX_CHUNK_BYTES) as u64,
+                        data: chunk.to_vec(),
+                        supersede,
+                    },
                 ));
             }
         }
-        self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq: 1, op: Op::Base { from, size, image_crc } }));
+        let base = Op::Base { from, size, image_crc };
+        self.tracks.get_mut(&p).unwrap().base = Some(base.clone());
+        self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq: 1, op: base }));
     }
 }
 

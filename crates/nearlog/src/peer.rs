@@ -152,7 +152,7 @@ impl PeerCore {
                 if epoch < f.promised {
                     return PeerReply::Stale { file, promised: f.promised };
                 }
-                f.promised = epoch;
+                self.used_bytes -= f.promise(epoch);
                 PeerReply::Probed { file, epoch, holding: f.committed.as_ref().map(|c| c.holding()) }
             }
             PeerRequest::Fetch { file, epoch, offset, len } => {
@@ -180,16 +180,21 @@ impl PeerCore {
                     holding: c.holding(),
                 }
             }
-            PeerRequest::Stage { file, epoch, size, offset, data } => {
-                let used = self.used_bytes;
+            PeerRequest::Stage { file, epoch, seq, size, offset, data, supersede } => {
+                let mut used = self.used_bytes;
                 let region = self.region_bytes;
                 let f = self.files.entry(file).or_default();
                 if epoch < f.promised {
                     return PeerReply::Stale { file, promised: f.promised };
                 }
                 f.promised = epoch;
+                if f.committed.as_ref().is_some_and(|c| (c.epoch, c.seq) >= (epoch, seq)) {
+                    // A late duplicate: the Base it was for is applied (it must not pin a second
+                    // image, let alone release the copy).
+                    return PeerReply::Staged { file, epoch, offset };
+                }
                 let end = offset.checked_add(data.len() as u64);
-                if end.is_none_or(|e| e > size) {
+                if end.is_none_or(|e| e > size) || size > MAX_FILE_BYTES {
                     return PeerReply::Refused { file, reason: "stage chunk beyond the image size".into() };
                 }
                 let old = match &f.staging {
@@ -198,6 +203,14 @@ impl PeerCore {
                     None => Some(0),
                 };
                 if let Some(old) = old {
+                    let mine = f.committed.as_ref().map_or(0, |c| c.image.len() as u64);
+                    if used - old + size > region && supersede && used - old - mine + size <= region {
+                        // No room beside the old copy, and the client says a majority holds
+                        // every acknowledged op without it: release it and stage in its place
+                        // (until the Base commits this peer is no witness, like a restarted one).
+                        f.committed = None;
+                        used -= mine;
+                    }
                     if used - old + size > region {
                         return PeerReply::RegionFull { file, epoch, region_bytes: region, used_bytes: used };
                     }
@@ -240,7 +253,8 @@ impl PeerCore {
         if epoch < f.promised {
             return PeerReply::Stale { file, promised: f.promised };
         }
-        f.promised = epoch;
+        self.used_bytes -= f.promise(epoch);
+        let f = self.files.get_mut(&file).unwrap();
         let ack = |c: &Option<Committed>| match c {
             Some(c) => PeerReply::Ack { file, epoch: c.epoch, applied_seq: c.seq },
             None => PeerReply::Ack { file, epoch: 0, applied_seq: 0 },
@@ -356,6 +370,21 @@ impl PeerCore {
 }
 
 impl PeerFile {
+    /// Promises `epoch`; an image staged for an older epoch can never be committed any more
+    /// and is freed (a client that crashed mid-stage must not pin region bytes). Returns the
+    /// bytes freed.
+    fn promise(&mut self, epoch: Epoch) -> u64 {
+        self.promised = self.promised.max(epoch);
+        match &self.staging {
+            Some((e, img)) if *e < epoch => {
+                let n = img.len() as u64;
+                self.staging = None;
+                n
+            }
+            _ => 0,
+        }
+    }
+
     fn bytes(&self) -> u64 {
         self.committed.as_ref().map(|c| c.image.len() as u64).unwrap_or(0)
             + self.staging.as_ref().map(|(_, i)| i.len() as u64).unwrap_or(0)

@@ -59,14 +59,19 @@ pub enum PeerRequest {
     Probe { file: FileId, epoch: Epoch },
     /// Read back committed bytes `offset..offset+len` (offset block-aligned, len ≤ MAX_CHUNK_BYTES).
     Fetch { file: FileId, epoch: Epoch, offset: u64, len: u32 },
-    /// Part of a full image for a `Base { from: None }` of `epoch` (idempotent by offset).
+    /// Part of a full image for a `Base { from: None }` at (`epoch`, `seq`) (idempotent by
+    /// offset; ignored by a peer whose copy is already at or past that state). `supersede`: the client knows a majority holds complete copies of every acknowledged op
+    /// without this peer, so if the image does not fit beside this peer's committed copy, the
+    /// peer may release that copy first (it stops being a witness until the Base commits).
     Stage {
         file: FileId,
         epoch: Epoch,
+        seq: u64,
         size: u64,
         offset: u64,
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
+        supersede: bool,
     },
     /// One replicated record: the file's epoch, its position in the epoch's op stream, the op.
     Record { file: FileId, epoch: Epoch, seq: u64, op: Op },

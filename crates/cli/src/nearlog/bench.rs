@@ -83,7 +83,7 @@ pub struct CommonArgs {
     /// Interleaved rounds of the setups [default: 1 with --quick, 2 otherwise].
     #[arg(long)]
     pub rounds: Option<usize>,
-    /// Seconds of one measured run [default: 1 with --quick, 8 otherwise].
+    /// Seconds of one measured run [default: 0.75 with --quick, 8 otherwise].
     #[arg(long)]
     pub secs: Option<f64>,
     /// A plain directory instead of an Understudy volume for the bulk files and the logs of
@@ -257,6 +257,7 @@ struct VolumeBed {
 
 impl Drop for VolumeBed {
     fn drop(&mut self) {
+        let t0 = Instant::now();
         if let Some(mut c) = self.attach.take() {
             // SIGTERM: the foreground attach unmounts, releases the loop device and FUSE
             // (SIGKILL, by the guard, only if it is stuck).
@@ -266,9 +267,11 @@ impl Drop for VolumeBed {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
+        let detached = t0.elapsed().as_secs_f64();
         if let Some(mut lc) = self.cluster.take() {
             lc.stop();
         }
+        eprintln!("volume detached in {detached:.1} s, cluster stopped in {:.1} s", t0.elapsed().as_secs_f64() - detached);
         let _ = &self.mount;
     }
 }
@@ -635,20 +638,59 @@ print(len(lat), el)
 "#;
 
 /// write(64 B) + fsync, N times; prints the median in µs and the process's peak RSS in bytes.
+/// With an echo server's port as a third argument, the same process also times N loopback TCP
+/// round trips of 64 B (send + receive, the same clock and the same interpreter around the
+/// calls), interleaved with the writes in 10 blocks so both see the same machine load, and
+/// prints their median third.
 const WRITE_FSYNC: &str = r#"
-import os, sys, time
+import os, sys, time, socket
 fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-lat = []
+n = int(sys.argv[2])
+echo = None
+if len(sys.argv) > 3:
+    echo = socket.create_connection(("127.0.0.1", int(sys.argv[3])))
+    echo.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+lat, rtt = [], []
 buf = b"r" * 64
-for i in range(int(sys.argv[2])):
-    t0 = time.perf_counter_ns()
-    os.write(fd, buf)
-    os.fsync(fd)
-    lat.append(time.perf_counter_ns() - t0)
+blocks = 10
+for b in range(blocks):
+    for i in range(n // blocks):
+        t0 = time.perf_counter_ns()
+        os.write(fd, buf)
+        os.fsync(fd)
+        lat.append(time.perf_counter_ns() - t0)
+    if echo is not None:
+        for i in range(n // blocks):
+            t0 = time.perf_counter_ns()
+            echo.sendall(buf)
+            got = 0
+            while got < 64:
+                got += len(echo.recv(64 - got))
+            rtt.append(time.perf_counter_ns() - t0)
 lat.sort()
+rtt.sort()
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
-print(lat[len(lat) // 2] / 1000.0, int(hwm) * 1024)
+print(lat[len(lat) // 2] / 1000.0, int(hwm) * 1024, rtt[len(rtt) // 2] / 1000.0 if rtt else 0)
 "#;
+
+/// A loopback echo server for 64-byte messages (the log peers' side of a round trip: a
+/// compiled process's thread with blocking I/O and TCP_NODELAY). Serves one connection.
+fn echo_server() -> anyhow::Result<(u16, std::thread::JoinHandle<()>)> {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = l.local_addr()?.port();
+    let h = std::thread::spawn(move || {
+        let Ok((mut s, _)) = l.accept() else { return };
+        let _ = s.set_nodelay(true);
+        let mut b = [0u8; 64];
+        while s.read_exact(&mut b).is_ok() {
+            if s.write_all(&b).is_err() {
+                return;
+            }
+        }
+    });
+    Ok((port, h))
+}
 
 fn python(tb: Option<(&Testbed, &str)>, script: &str, args: &[String]) -> anyhow::Result<String> {
     let mut c = Command::new("python3");
@@ -676,7 +718,7 @@ fn sqlite_run(tb: &Testbed, setup: Setup, secs: f64) -> anyhow::Result<Runs> {
     Ok(Runs { ops, secs: el, lat: rec })
 }
 
-/// Median loopback TCP round trip (64-byte ping-pong), microseconds.
+/// Median loopback TCP round trip (64-byte ping-pong) timed by a Rust client, microseconds.
 fn loopback_rtt_us(rounds: usize) -> anyhow::Result<f64> {
     use std::io::{Read, Write};
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -755,8 +797,12 @@ fn rocksdb_run(tb: &Testbed, bin: &Path, setup: Setup, clients: usize, secs: f64
 // ---------------------------------------------------------------------------------------------
 // `bench nearlog apps`
 
+/// Seconds of one measured run with --quick: 21 runs of the apps bench plus their start-up and a
+/// volume's attach and detach must stay within a minute on a loaded 2-core machine.
+const QUICK_SECS: f64 = 0.75;
+
 fn params(c: &CommonArgs) -> (usize, f64) {
-    (c.rounds.unwrap_or(if c.quick { 1 } else { 2 }).max(1), c.secs.unwrap_or(if c.quick { 1.0 } else { 8.0 }))
+    (c.rounds.unwrap_or(if c.quick { 1 } else { 2 }).max(1), c.secs.unwrap_or(if c.quick { QUICK_SECS } else { 8.0 }))
 }
 
 /// Records throughput and latency of every setup and the nearlog ratios; returns plot points.
@@ -790,27 +836,31 @@ fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
         let pfx = latency.prefix();
         let mem = PeerMemory::start(&rt, &tb.log);
 
-        let rtt = loopback_rtt_us(if c.quick { 2000 } else { 20000 })?;
-        report.figure(&format!("{pfx}loopback.rtt.latency_us_p50"), rtt)?;
-        // write+fsync of 64 B: through the shim, and to the storage (strong).
-        let n = if c.quick { 300 } else { 3000 }.to_string();
+        // The round trip timed by a compiled client (Rust, no interpreter): for reference.
+        let native_rtt = loopback_rtt_us(if c.quick { 2000 } else { 20000 })?;
+        report.figure(&format!("{pfx}loopback.rtt_native.latency_us_p50"), native_rtt)?;
+        // write+fsync of 64 B: through the shim (interleaved with loopback round trips timed
+        // the same way in the same process: the baseline of the ratio), and to the storage.
+        let n = if c.quick { 2000 } else { 10000 }.to_string();
         let wf_dir = tb.run_dir("write-fsync")?;
         let p = |name: &str| wf_dir.join(name).display().to_string();
-        let near = python(Some((&tb, "*.nlog")), WRITE_FSYNC, &[p("x.nlog"), n.clone()])?;
-        let strong = python(None, WRITE_FSYNC, &[p("y.log"), n.clone()])?;
-        // Same script with the shim loaded but no log file: the shim's own resident memory.
-        let plain_shim = python(Some((&tb, "*.nlog")), WRITE_FSYNC, &[p("z.log"), n])?;
-        let parse = |s: &str| -> anyhow::Result<(f64, f64)> {
+        let (echo_port, echo) = echo_server()?;
+        let near = python(Some((&tb, "*.nlog")), WRITE_FSYNC, &[p("x.nlog"), n.clone(), echo_port.to_string()])?;
+        let _ = echo.join();
+        let strong = python(None, WRITE_FSYNC, &[p("y.log"), if c.quick { "300".into() } else { "3000".into() }])?;
+        let parse = |s: &str| -> anyhow::Result<(f64, f64, f64)> {
             let mut it = s.split_whitespace();
-            Ok((it.next().context("output")?.parse()?, it.next().context("output")?.parse()?))
+            Ok((it.next().context("output")?.parse()?, it.next().context("output")?.parse()?, it.next().context("output")?.parse()?))
         };
-        let ((near_wf, near_rss), (strong_wf, strong_rss), (_, _shim_only_rss)) = (parse(&near)?, parse(&strong)?, parse(&plain_shim)?);
+        let ((near_wf, near_rss, rtt), (strong_wf, strong_rss, _)) = (parse(&near)?, parse(&strong)?);
+        report.figure(&format!("{pfx}loopback.rtt.latency_us_p50"), rtt)?;
         report.figure(&format!("{pfx}nearlog.write_fsync.latency_us_p50"), near_wf)?;
         report.figure(&format!("{pfx}strong.write_fsync.latency_us_p50"), strong_wf)?;
         report.ratio(&format!("{pfx}nearlog_vs_loopback_rtt.write_fsync.latency_p50"), near_wf, rtt)?;
+        report.ratio(&format!("{pfx}nearlog_vs_loopback_rtt_native.write_fsync.latency_p50"), near_wf, native_rtt)?;
         report.ratio(&format!("{pfx}nearlog_vs_strong.write_fsync.latency_p50"), near_wf, strong_wf)?;
         report.figure(&format!("{pfx}shim.write_fsync.rss_overhead_bytes"), near_rss - strong_rss)?;
-        eprintln!("[{}] loopback rtt p50 {rtt} us; write+fsync p50: nearlog {near_wf} us, strong {strong_wf} us; shim adds {:.1} MiB RSS", tb.what(), (near_rss - strong_rss) / 1048576.0);
+        eprintln!("[{}] loopback rtt p50 {rtt} us (same process and clock; {native_rtt} us timed natively); write+fsync p50: nearlog {near_wf} us, strong {strong_wf} us; shim adds {:.1} MiB RSS", tb.what(), (near_rss - strong_rss) / 1048576.0);
 
         let mut plots: BTreeMap<&str, PlotLines> = BTreeMap::new();
         let mut keep = |app: &'static str, clients: usize, runs: &BTreeMap<Setup, Runs>, csv: &mut Vec<Vec<String>>| {
@@ -992,7 +1042,8 @@ fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
     let mb = a.log_bytes as f64 / 1e6;
     let mut csv = vec![];
     for latency in settings(c) {
-        let tb = Testbed::start(c, &rt, tmp.path(), latency, "4G")?;
+        // Quick: a smaller volume (mkfs and attach take less); 2 GiB still holds every file.
+        let tb = Testbed::start(c, &rt, tmp.path(), latency, if c.quick { "2G" } else { "4G" })?;
         let pfx = latency.prefix();
         let mut log_s = vec![];
         let mut vol_s = vec![];
@@ -1032,7 +1083,10 @@ fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
                 std::fs::create_dir_all(&wal)?;
                 let pat = format!("{}/*.log", wal.display());
                 let mut cmd = Command::new(&rocks);
-                cmd.arg("fill").arg(&db).arg(&wal).args([a.log_bytes.to_string(), "1000".to_string()]).stdout(Stdio::piped());
+                // The fill is not measured: with --quick its synced batches are larger (fewer
+                // syncs on the volume for strong); the WAL to replay is the same size.
+                let batch = if c.quick { "1024" } else { "64" };
+                cmd.arg("fill").arg(&db).arg(&wal).args([a.log_bytes.to_string(), "1000".to_string(), batch.to_string()]).stdout(Stdio::piped());
                 if s == Setup::Nearlog {
                     tb.shim_env(&mut cmd, &pat);
                 }
