@@ -182,6 +182,9 @@ pub struct FrontArgs {
     pub db: PathBuf,
     #[arg(long)]
     pub port: u16,
+    /// Address to listen on (an instance's pool sets UNDERSTUDY_HOST: its namespace's address).
+    #[arg(long, env = "UNDERSTUDY_HOST", default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
     /// Write on its own every N ms (0: never), reachable or not.
     #[arg(long, default_value_t = 0)]
     pub housekeeping_ms: u64,
@@ -251,6 +254,10 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&spec.state_dir).with_context(|| format!("cannot create state_dir {}", spec.state_dir.display()))?;
     spec.state_dir = spec.state_dir.canonicalize()?;
     let target = Target::resolve(conn)?;
+    let (netns, why_not) = ::failover::netns::resolve(spec.network.namespaces)?;
+    if let Some(w) = why_not {
+        eprintln!("understudy failover: {w}");
+    }
     let rt = crate::runtime()?;
     rt.block_on(async {
         let cluster = target.connect().await?;
@@ -274,6 +281,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
                 app: spec.app.clone(),
                 mkfs_first: spec.mkfs,
                 attach_timeout: Duration::from_secs(300),
+                netns,
             },
             inputs_tx.clone(),
         )?);
@@ -295,6 +303,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
         let ready = serde_json::json!({
             "event": "ready", "endpoint": endpoint.local_addr(), "control": control_addr,
             "state_dir": spec.state_dir, "policy": spec.monitor.policy, "pid": std::process::id(),
+            "netns": netns,
         });
         println!("{ready}");
         let _ = std::io::stdout().flush();
@@ -371,6 +380,8 @@ fn sqlite_front(a: FrontArgs) -> anyhow::Result<()> {
         .arg(&a.db)
         .arg("--port")
         .arg(a.port.to_string())
+        .arg("--host")
+        .arg(a.host.to_string())
         .arg("--housekeeping-ms")
         .arg(a.housekeeping_ms.to_string())
         .arg("--wal-autocheckpoint-pages")

@@ -22,9 +22,12 @@ pub struct MariaArgs {
     /// The data directory (made with mariadb-install-db when it holds no database yet).
     #[arg(long, value_name = "DIR")]
     pub data: PathBuf,
-    /// TCP port on 127.0.0.1.
+    /// TCP port.
     #[arg(long)]
     pub port: u16,
+    /// Address to listen on (an instance's pool sets UNDERSTUDY_HOST: its namespace's address).
+    #[arg(long, env = "UNDERSTUDY_HOST", default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
     /// The unprivileged user mariadbd runs as.
     #[arg(long, default_value = "mysql")]
     pub user: String,
@@ -92,7 +95,7 @@ pub fn run(a: MariaArgs) -> anyhow::Result<()> {
         .arg(format!("--user={}", a.user))
         .arg(format!("--datadir={}", data.display()))
         .arg(format!("--port={}", a.port))
-        .arg("--bind-address=127.0.0.1")
+        .arg(format!("--bind-address={}", a.host))
         // Unix socket paths are short (108 bytes): keep it out of the deep mount path.
         .arg(format!("--socket=/tmp/understudy-mariadb-{}.sock", a.port))
         .arg(format!("--pid-file={}/mariadbd.pid", data.display()))

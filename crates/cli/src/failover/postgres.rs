@@ -22,9 +22,12 @@ pub struct PgArgs {
     /// The data directory (made with initdb when it holds no cluster yet).
     #[arg(long, value_name = "DIR")]
     pub data: PathBuf,
-    /// TCP port on 127.0.0.1 (no Unix socket is opened).
+    /// TCP port (no Unix socket is opened).
     #[arg(long)]
     pub port: u16,
+    /// Address to listen on (an instance's pool sets UNDERSTUDY_HOST: its namespace's address).
+    #[arg(long, env = "UNDERSTUDY_HOST", default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
     /// The unprivileged user postgres runs as [default: postgres if it exists, else nobody].
     #[arg(long)]
     pub user: Option<String>,
@@ -133,7 +136,7 @@ pub fn run(a: PgArgs) -> anyhow::Result<()> {
     let mut cmd = tokio::process::Command::new(bin.join("postgres"));
     cmd.arg("-D").arg(&data).args(["-p", &a.port.to_string()]);
     let settings = [
-        "listen_addresses=127.0.0.1".to_string(),
+        format!("listen_addresses={}", a.host),
         "unix_socket_directories=".into(),
         "fsync=on".into(),
         "synchronous_commit=on".into(),

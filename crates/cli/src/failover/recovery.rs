@@ -338,6 +338,8 @@ async fn cell(
             app: app_spec,
             mkfs_first: true,
             attach_timeout: Duration::from_secs(300),
+            // Recovery latency is the application's own: no network namespace needed.
+            netns: false,
         },
         tx,
     )?);
