@@ -167,6 +167,10 @@ pub struct LoadArgs {
     /// How long the final check may wait for the endpoint.
     #[arg(long, default_value_t = 60_000)]
     pub verify_timeout_ms: u64,
+    /// Print progress to stderr, `{"acked":N,"t_ms":T}`, at most every N ms (0: never). The
+    /// load stops early, then checks, on SIGTERM or Ctrl-C.
+    #[arg(long, default_value_t = 0)]
+    pub progress_ms: u64,
     /// Speak PostgreSQL (user and database `postgres`, trust) instead of the SQLite front's
     /// protocol: autocommit inserts into table `commits`.
     #[arg(long)]
@@ -254,10 +258,6 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&spec.state_dir).with_context(|| format!("cannot create state_dir {}", spec.state_dir.display()))?;
     spec.state_dir = spec.state_dir.canonicalize()?;
     let target = Target::resolve(conn)?;
-    let (netns, why_not) = ::failover::netns::resolve(spec.network.namespaces)?;
-    if let Some(w) = why_not {
-        eprintln!("understudy failover: {w}");
-    }
     let rt = crate::runtime()?;
     rt.block_on(async {
         let cluster = target.connect().await?;
@@ -267,6 +267,10 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
         cluster.volume_info(&volume).await.with_context(|| {
             format!("volume {volume:?} of the spec: create it first (`understudy volume create {volume} --size 1G`, then run with `mkfs = true`)")
         })?;
+        let (netns, why_not) = ::failover::netns::resolve(spec.network.namespaces)?;
+        if let Some(w) = why_not {
+            eprintln!("understudy failover: {w}");
+        }
         let endpoint = Arc::new(
             ::failover::endpoint::Proxy::bind(spec.endpoint.listen, None)
                 .await
@@ -347,7 +351,16 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         } else {
             ::failover::load::Target::Line
         };
-        let r = ::failover::load::run_load(a.endpoint, &target, Duration::from_millis(a.duration_ms), a.window_ms, stop).await;
+        let progress_ms = a.progress_ms;
+        let mut last_shown: Option<u64> = None;
+        let on_ack = move |n: usize, t_ms: u64| {
+            if progress_ms == 0 || last_shown.is_some_and(|l| t_ms < l + progress_ms) {
+                return;
+            }
+            last_shown = Some(t_ms);
+            eprintln!("{}", serde_json::json!({ "acked": n, "t_ms": t_ms }));
+        };
+        let r = ::failover::load::run_load_observed(a.endpoint, &target, Duration::from_millis(a.duration_ms), a.window_ms, stop, on_ack).await;
         let v = ::failover::load::verify(a.endpoint, &target, &r, Duration::from_millis(a.verify_timeout_ms)).await.map_err(anyhow::Error::msg)?;
         let ok = v.missing.is_empty() && v.unexpected.is_empty();
         let out = serde_json::json!({

@@ -128,6 +128,13 @@ pub fn run(a: PgArgs) -> anyhow::Result<()> {
     if std::fs::metadata(&data)?.uid() != uid {
         chown_tree(&data, uid, gid)?;
     }
+    // Clients come over the instance's own link (its network namespace's /30) as well as
+    // loopback: trust both, as initdb trusts loopback. Added once; it stays in the data.
+    let hba = data.join("pg_hba.conf");
+    let text = std::fs::read_to_string(&hba).with_context(|| format!("cannot read {}", hba.display()))?;
+    if !text.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["host", "all", "all", "samenet", "trust"]) {
+        std::fs::write(&hba, format!("{text}\n# understudy: clients over the instance's own link\nhost all all samenet trust\n"))?;
+    }
     let pid_file = data.join("postmaster.pid");
     if pid_file.exists() {
         eprintln!("understudy failover postgres: removing the lock file a crashed host left ({})", pid_file.display());
