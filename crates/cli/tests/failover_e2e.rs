@@ -4,7 +4,8 @@
 //! records every acknowledged commit through the endpoint, and injected faults: SIGKILL, clean
 //! stop, pause, network cut-offs that heal and that do not, a monitor crash.
 //!
-//! Every case runs the same way (`Case`): a cluster, a volume, a spec, the monitor; the load
+//! Every case runs the same way (`Case`): its own volume and spec on the cluster the cases
+//! share (started once per test binary, stopped and removed at its exit), the monitor; the load
 //! starts, the fault is injected once commits flow, the test waits for the monitor's outcome and
 //! for commits to flow again (readiness polling, no fixed sleeps), then stops the load, which
 //! reads the table through the endpoint: every acknowledged commit is there and nothing that was
@@ -31,6 +32,13 @@ fn skip() -> bool {
     // SAFETY: geteuid has no preconditions.
     assert_eq!(unsafe { libc::geteuid() }, 0, "failover tests attach volumes: they need root (or UNDERSTUDY_SKIP_FUSE_TESTS=1)");
     false
+}
+
+/// A progress line with the time since the test binary started (where the time goes, in CI logs).
+fn step(what: &str) {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let t = START.get_or_init(Instant::now).elapsed();
+    eprintln!("[{:>7.2} s] {what}", t.as_secs_f64());
 }
 
 fn free_port() -> u16 {
@@ -70,7 +78,7 @@ fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
-fn write_spec(dir: &Path, o: &Opts) -> (PathBuf, u16) {
+fn write_spec(dir: &Path, volume: &str, o: &Opts) -> (PathBuf, u16) {
     let port = free_port();
     let command = match &o.app {
         App::Postgres => strings(&[BIN, "failover", "postgres", "--data", "{mount}/pgdata", "--port", "{port}"]),
@@ -93,7 +101,7 @@ fn write_spec(dir: &Path, o: &Opts) -> (PathBuf, u16) {
         _ => serde_json::json!({ "send": "PING", "expect": "PONG", "timeout_ms": 1000 }),
     };
     let spec = serde_json::json!({
-        "volume": "db",
+        "volume": volume,
         "state_dir": dir.join("failover"),
         "mkfs": true,
         "app": { "command": command, "stop_grace_ms": 5000 },
@@ -115,35 +123,61 @@ fn write_spec(dir: &Path, o: &Opts) -> (PathBuf, u16) {
     (path, port)
 }
 
-/// The shared set-up of every case: a cluster, volume `db` (sized for the application) and a
-/// spec. Declare it before the monitor, so the monitor stops first.
+/// The cluster every case of this binary shares: started by the first case, stopped (and its
+/// directory removed) when the test binary exits, whatever the tests did.
+static CLUSTER: Mutex<Option<Arc<Up>>> = Mutex::new(None);
+
+extern "C" fn stop_cluster() {
+    let up = CLUSTER.lock().map(|mut g| g.take()).unwrap_or(None);
+    drop(up);
+}
+
+fn cluster() -> Arc<Up> {
+    let mut g = CLUSTER.lock().unwrap_or_else(|e| e.into_inner());
+    if g.is_none() {
+        let up = Up::start(4);
+        // PostgreSQL and MariaDB run unprivileged: they must reach their data on the mounts.
+        std::fs::set_permissions(up.dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        // SAFETY: registers a plain function to run at process exit; it only takes the cluster
+        // out of its mutex and drops it (stopping its processes by pid).
+        unsafe { libc::atexit(stop_cluster) };
+        *g = Some(Arc::new(up));
+    }
+    g.as_ref().unwrap().clone()
+}
+
+/// The shared set-up of every case: its own volume (named after the case, sized for the
+/// application) on the shared cluster, a spec in its own directory. Declare it before the
+/// monitor, so the monitor stops first.
 struct Case {
-    up: Up,
+    up: Arc<Up>,
+    _dir: tempfile::TempDir,
+    /// The case's volume; names are reported relative to it, as `db`, `db.fo-1`.
+    vol: String,
     spec: PathBuf,
     port: u16,
 }
 
 impl Case {
-    fn new(o: &Opts) -> Case {
-        let up = Up::start(4);
+    fn new(vol: &str, o: &Opts) -> Case {
+        let up = cluster();
         let mib = match o.app {
             App::Postgres => 256,
             App::Mariadb => 512,
             _ => 128,
         };
-        if matches!(o.app, App::Postgres | App::Mariadb) {
-            // The server runs unprivileged: it must reach its data directory on the mount.
-            std::fs::set_permissions(up.dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-        }
-        up.ok(&["volume", "create", "db", "--size", &format!("{mib}M")]);
-        let (spec, port) = write_spec(up.dir.path(), o);
-        Case { up, spec, port }
+        up.ok(&["volume", "create", vol, "--size", &format!("{mib}M")]);
+        let dir = tempfile::Builder::new().prefix("failover-case-").tempdir_in(up.dir.path()).unwrap();
+        let (spec, port) = write_spec(dir.path(), vol, o);
+        Case { up, _dir: dir, vol: vol.into(), spec, port }
     }
 
     /// Starts the monitor and waits for the first primary.
     fn monitor(&self) -> Monitor {
+        step(&format!("{}: starting the monitor", self.vol));
         let mut m = Monitor::start(&self.up, &self.spec);
         m.wait("primary_up", WAIT);
+        step(&format!("{}: primary up", self.vol));
         m
     }
 
@@ -151,9 +185,24 @@ impl Case {
         Load::start(self.port, extra)
     }
 
+    /// A volume name of this case, relative: `db` for the case's volume, `db.fo-1` for its child.
+    fn rel(&self, name: &str) -> String {
+        match name.strip_prefix(&self.vol) {
+            Some(rest) if rest.is_empty() || rest.starts_with('.') => format!("db{rest}"),
+            _ => name.to_string(),
+        }
+    }
+
+    /// This case's volumes, relative.
     fn volumes(&self) -> Vec<String> {
         let v: Value = serde_json::from_str(&self.up.ok(&["volume", "list", "--json"])).unwrap();
-        v.as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap().to_string()).collect()
+        let mine = |n: &&str| *n == self.vol || n.starts_with(&format!("{}.", self.vol));
+        v.as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).filter(mine).map(|n| self.rel(n)).collect()
+    }
+
+    /// The volume an event names, relative.
+    fn event_volume(&self, e: &Value) -> String {
+        self.rel(e["volume"].as_str().unwrap_or_else(|| panic!("no volume in {e}")))
     }
 }
 
@@ -301,7 +350,9 @@ impl Monitor {
 impl Drop for Monitor {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
+            step("stopping the monitor");
             stop_child(&mut c, Duration::from_secs(60));
+            step("monitor stopped");
         }
         if !self.cleanup {
             return;
@@ -420,10 +471,14 @@ fn check_load(v: &Value) {
 /// again, the check. Returns the outcome event and the load's verdict.
 fn fault_under_load(m: &mut Monitor, load: Load, fault: &str, ms: u64, outcomes: &[&str]) -> (Value, Value) {
     load.wait_acked(FLOWING_COMMITS, "before the fault");
+    step(&format!("inject {fault} {ms}"));
     m.inject(fault, ms);
     let outcome = m.wait_any(outcomes, WAIT);
+    step(&format!("outcome {outcome}"));
     load.wait_flowing(&format!("after {fault}: {outcome}"));
+    step("commits flow again");
     let v = load.finish();
+    step("load checked");
     assert!(v["gap_end_ms"].as_u64().unwrap() <= v["duration_ms"].as_u64().unwrap(), "throughput never resumed: {v}");
     (outcome, v)
 }
@@ -433,11 +488,11 @@ fn speculative_unclean_crash_promotes_the_backup() {
     if skip() {
         return;
     }
-    let case = Case::new(&Opts::default());
+    let case = Case::new("kill", &Opts::default());
     let mut m = case.monitor();
     let (_, ns) = m.primary_in_netns();
     let (p, _) = fault_under_load(&mut m, case.load(&[]), "kill", 0, &["promoted"]);
-    assert_eq!(p["volume"], "db.fo-1");
+    assert_eq!(case.event_volume(&p), "db.fo-1");
     // The parent is gone (promoted child in its place), and so is the old primary's namespace.
     assert_eq!(case.volumes(), vec!["db.fo-1".to_string()]);
     let (_, backup_ns) = m.primary_in_netns();
@@ -453,7 +508,7 @@ fn network_cut_that_heals_aborts_and_the_primary_stays() {
     if skip() {
         return;
     }
-    let case = Case::new(&Opts { app: App::Sqlite { housekeeping_ms: 0, backup_delay_s: 8 }, ..Opts::default() });
+    let case = Case::new("cut-heals", &Opts { app: App::Sqlite { housekeeping_ms: 0, backup_delay_s: 8 }, ..Opts::default() });
     let mut m = case.monitor();
     let (pid, ns) = m.primary_in_netns();
     let (a, _) = fault_under_load(&mut m, case.load(&[]), "cut", 2_500, &["aborted", "promoted"]);
@@ -474,7 +529,7 @@ fn network_cut_that_does_not_heal_of_a_writing_primary_rejects_collapse_then_red
         return;
     }
     // The front writes on its own every 100 ms (log rotation, GC), reachable or not.
-    let case = Case::new(&Opts { app: App::Sqlite { housekeeping_ms: 100, backup_delay_s: 0 }, reds_timeout_ms: 3_000, ..Opts::default() });
+    let case = Case::new("cut-for-good", &Opts { app: App::Sqlite { housekeeping_ms: 100, backup_delay_s: 0 }, reds_timeout_ms: 3_000, ..Opts::default() });
     let mut m = case.monitor();
     let (pid, _) = m.primary_in_netns();
     let load = case.load(&[]);
@@ -486,7 +541,7 @@ fn network_cut_that_does_not_heal_of_a_writing_primary_rejects_collapse_then_red
         assert!(case.volumes().contains(&"db".to_string()), "the parent must survive a rejected collapse");
     }
     let r = m.wait("reds_restarted", WAIT);
-    assert_eq!(r["volume"], "db");
+    assert_eq!(case.event_volume(&r), "db");
     assert!(m.seen.iter().all(|e| e["event"] != "promoted"), "{:?}", m.seen);
     assert!(!failover::pool::pid_alive(pid), "the cut-off primary is fenced (killed)");
     load.wait_flowing("after the REDS restart");
@@ -499,11 +554,11 @@ fn reds_after_clean_stop_and_speculative_after_pause() {
     if skip() {
         return;
     }
-    let case = Case::new(&Opts { policy: "reds", reds_timeout_ms: 1_500, ..Opts::default() });
+    let case = Case::new("stop-pause", &Opts { policy: "reds", reds_timeout_ms: 1_500, ..Opts::default() });
     {
         let mut m = case.monitor();
         let (r, _) = fault_under_load(&mut m, case.load(&[]), "stop", 0, &["reds_restarted"]);
-        assert_eq!(r["volume"], "db");
+        assert_eq!(case.event_volume(&r), "db");
     }
     // The same application, monitor restarted with the speculative policy: it boots the primary
     // again on the volume; a pause then either heals first (aborted, or no failover) or loses
@@ -520,22 +575,23 @@ fn bad_specs_and_never_healthy_apps_get_clear_errors() {
     if skip() {
         return;
     }
-    let up = Up::start(4);
+    let up = cluster();
+    let dir = tempfile::Builder::new().prefix("failover-case-").tempdir_in(up.dir.path()).unwrap();
     // The volume does not exist.
-    let (spec, _) = write_spec(up.dir.path(), &Opts::default());
+    let (spec, _) = write_spec(dir.path(), "bad", &Opts::default());
     let o = Command::new(BIN).args(["failover", "run"]).arg(&spec).arg("--cluster").arg(up.cluster_file()).output().unwrap();
     let err = expect_one_line_error(&o, "failover run on a missing volume");
-    assert!(err.contains("volume \"db\"") && err.contains("create it first"), "{err}");
+    assert!(err.contains("volume \"bad\"") && err.contains("create it first"), "{err}");
     // A command that does not exist.
     let bad = Opts { app: App::Command(vec!["/nonexistent/app".into()]), ..Opts::default() };
-    let (spec, _) = write_spec(up.dir.path(), &bad);
+    let (spec, _) = write_spec(dir.path(), "bad", &bad);
     let o = Command::new(BIN).args(["failover", "run"]).arg(&spec).arg("--cluster").arg(up.cluster_file()).output().unwrap();
     let err = expect_one_line_error(&o, "failover run with a bad command");
     assert!(err.contains("not found"), "{err}");
     // An application that never becomes healthy: bounded wait, a clear error, volume intact.
-    up.ok(&["volume", "create", "db", "--size", "128M"]);
+    up.ok(&["volume", "create", "bad", "--size", "128M"]);
     let never = Opts { app: App::Command(vec!["sleep".into(), "600".into()]), healthy_timeout_ms: 2_000, ..Opts::default() };
-    let (spec, _) = write_spec(up.dir.path(), &never);
+    let (spec, _) = write_spec(dir.path(), "bad", &never);
     let mut m = Monitor::start(&up, &spec);
     let g = loop {
         let e = m.events.recv_timeout(WAIT).expect("no gave_up event");
@@ -548,7 +604,8 @@ fn bad_specs_and_never_healthy_apps_get_clear_errors() {
     assert!(!status.success());
     assert!(m.namespaces().is_empty(), "the failed instance's namespace is deleted: {:?}", m.namespaces());
     let v: Value = serde_json::from_str(&up.ok(&["volume", "list", "--json"])).unwrap();
-    assert_eq!(v.as_array().unwrap().len(), 1, "{v}");
+    let names: Vec<&str> = v.as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).filter(|n| n.starts_with("bad")).collect();
+    assert_eq!(names, ["bad"], "the volume is intact, and no child was made");
 }
 
 #[test]
@@ -556,7 +613,7 @@ fn monitor_killed_mid_failover_resumes_and_promotes_once() {
     if skip() {
         return;
     }
-    let case = Case::new(&Opts::default());
+    let case = Case::new("monitor-crash", &Opts::default());
     let mut m = case.monitor();
     let load = case.load(&[]);
     load.wait_acked(FLOWING_COMMITS, "before the kill");
@@ -566,7 +623,7 @@ fn monitor_killed_mid_failover_resumes_and_promotes_once() {
     m.crash();
     let mut m = Monitor::start(&case.up, &case.spec);
     let p = m.wait("promoted", WAIT);
-    assert_eq!(p["volume"], "db.fo-1", "{p}");
+    assert_eq!(case.event_volume(&p), "db.fo-1", "{p}");
     load.wait_flowing("after the resumed failover");
     load.finish();
     assert_eq!(case.volumes(), vec!["db.fo-1".to_string()]);
@@ -584,11 +641,11 @@ fn postgres_unclean_crash_speculative_failover_keeps_every_commit() {
     if Path::new("/usr/lib/postgresql").read_dir().map_or(true, |mut d| d.next().is_none()) {
         panic!("PostgreSQL is not installed (scripts/install-deps installs postgresql)");
     }
-    let case = Case::new(&Opts { app: App::Postgres, ..Opts::default() });
+    let case = Case::new("postgres", &Opts { app: App::Postgres, ..Opts::default() });
     let mut m = case.monitor();
     m.primary_in_netns();
     let (p, v) = fault_under_load(&mut m, case.load(&["--postgres"]), "kill", 0, &["promoted"]);
-    assert_eq!(p["volume"], "db.fo-1");
+    assert_eq!(case.event_volume(&p), "db.fo-1");
     assert!(v["verdict"]["acked"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(case.volumes(), vec!["db.fo-1".to_string()]);
 }
@@ -602,9 +659,9 @@ fn mariadb_rocksdb_unclean_crash_speculative_failover_keeps_every_commit() {
         return;
     }
     assert!(Path::new("/usr/sbin/mariadbd").exists(), "MariaDB is not installed (scripts/install-deps installs mariadb-server)");
-    let case = Case::new(&Opts { app: App::Mariadb, ..Opts::default() });
+    let case = Case::new("mariadb", &Opts { app: App::Mariadb, ..Opts::default() });
     let mut m = case.monitor();
     let (p, _) = fault_under_load(&mut m, case.load(&["--mysql"]), "kill", 0, &["promoted"]);
-    assert_eq!(p["volume"], "db.fo-1");
+    assert_eq!(case.event_volume(&p), "db.fo-1");
     assert_eq!(case.volumes(), vec!["db.fo-1".to_string()]);
 }

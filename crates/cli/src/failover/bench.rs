@@ -85,7 +85,8 @@ const TRANSIENT_MS: f64 = 15_000.0;
 
 struct RunResult {
     gap_ms: f64,
-    /// Client commits/s in the 2 s before the crash and in the 2 s after service resumed.
+    /// Client commits/s in the settle time (2 s; 1 s with --quick) before the crash and after
+    /// service resumed.
     before_ops_per_s: f64,
     after_ops_per_s: f64,
     /// Time two instances were held at once (backup started → old primary released).
@@ -151,16 +152,33 @@ impl Drop for MonitorProc {
     }
 }
 
-/// The load for 8 s with no failure at all: the never-failed instance of §6.5.
-fn run_never_failed(cluster_file: &Path, dir: &Path, verbose: u8) -> anyhow::Result<RunResult> {
-    run_inner(cluster_file, dir, "speculative", 0, verbose, false, false)
+/// How long the load runs before the crash and after the outcome, and how long throughput is
+/// averaged over on each side of the outage (2 s; 1 s with `--quick`).
+#[derive(Clone, Copy)]
+struct Settle(Duration);
+
+impl Settle {
+    fn new(quick: bool) -> Settle {
+        Settle(Duration::from_secs(if quick { 1 } else { 2 }))
+    }
+
+    fn ms(self) -> u64 {
+        self.0.as_millis() as u64
+    }
 }
 
-fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool) -> anyhow::Result<RunResult> {
-    run_inner(cluster_file, dir, variant, round, verbose, tell, true)
+/// The load with no failure at all (settle, then three times as long measured): the
+/// never-failed instance of §6.5.
+fn run_never_failed(cluster_file: &Path, dir: &Path, verbose: u8, settle: Settle) -> anyhow::Result<RunResult> {
+    run_inner(cluster_file, dir, "speculative", 0, verbose, false, false, settle)
 }
 
-fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool, crash: bool) -> anyhow::Result<RunResult> {
+fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool, settle: Settle) -> anyhow::Result<RunResult> {
+    run_inner(cluster_file, dir, variant, round, verbose, tell, true, settle)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool, crash: bool, settle: Settle) -> anyhow::Result<RunResult> {
     let exe = std::env::current_exe()?;
     let vol = format!("bench-{variant}-{round}{}", if crash { "" } else { "-nofail" });
     let cli = |args: &[&str]| -> anyhow::Result<String> {
@@ -233,15 +251,15 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
             Ok((r, v))
         })
     });
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(settle.0);
     if !crash {
-        std::thread::sleep(Duration::from_secs(6));
+        std::thread::sleep(settle.0 * 3);
         let rss = peak_rss_bytes(monitor.0.id()).unwrap_or(0);
         let _ = stop_tx.send(());
         let (r, v) = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
         anyhow::ensure!(v.missing.is_empty() && v.unexpected.is_empty(), "never-failed run lost commits: {v:?}");
-        let n = r.acked.iter().filter(|(_, t)| *t >= 2_000 && *t < 8_000).count();
-        let rate = n as f64 / 6.0;
+        let n = r.acked.iter().filter(|(_, t)| *t >= settle.ms() && *t < settle.ms() * 4).count();
+        let rate = n as f64 / (settle.0.as_secs_f64() * 3.0);
         return Ok(RunResult {
             gap_ms: r.max_gap_ms as f64,
             before_ops_per_s: rate,
@@ -259,7 +277,7 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
     }
     let done = wait_event(&rx, &mut seen, &["promoted", "reds_restarted"], Duration::from_secs(300), tell)?;
     let rss = peak_rss_bytes(monitor.0.id()).unwrap_or(0);
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(settle.0);
     let _ = stop_tx.send(());
     let (r, v) = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
     anyhow::ensure!(
@@ -295,8 +313,8 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
         let n = r.acked.iter().filter(|(_, t)| *t >= from_ms && *t < to_ms).count();
         n as f64 * 1000.0 / (to_ms.saturating_sub(from_ms)).max(1) as f64
     };
-    let before = rate(r.gap_start_ms.saturating_sub(2_000), r.gap_start_ms);
-    let after = rate(r.gap_end_ms, r.gap_end_ms + 2_000);
+    let before = rate(r.gap_start_ms.saturating_sub(settle.ms()), r.gap_start_ms);
+    let after = rate(r.gap_end_ms, r.gap_end_ms + settle.ms());
     // REDS and the oracle fence before they start: no overlap. Speculative holds the backup
     // from its start until the old primary is released at promotion.
     let overlap_s = if variant == "speculative" { (t(&done) - started) / 1000.0 } else { 0.0 };
@@ -322,12 +340,13 @@ pub fn scenarios(a: BenchArgs, verbose: u8) -> anyhow::Result<()> {
     rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
     let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
+    let settle = Settle::new(a.quick);
     let mut results: Vec<Vec<RunResult>> = (0..VARIANTS.len()).map(|_| vec![]).collect();
     for (i, v) in bench::interleaved_order(rounds, VARIANTS.len()).into_iter().enumerate() {
         let round = i / VARIANTS.len();
-        results[v].push(run_one(&cluster_file, dir.path(), VARIANTS[v], round, verbose, false)?);
+        results[v].push(run_one(&cluster_file, dir.path(), VARIANTS[v], round, verbose, false, settle)?);
     }
-    let never_failed = run_never_failed(&cluster_file, dir.path(), verbose);
+    let never_failed = run_never_failed(&cluster_file, dir.path(), verbose, settle);
     let recov = never_failed.and_then(|nf| Ok((nf, recovery_inputs(&a, &cluster_file, dir.path())?)));
     lc.stop();
     let (never_failed, (short, long, recovery_source)) = recov?;
@@ -444,7 +463,8 @@ pub fn scenarios(a: BenchArgs, verbose: u8) -> anyhow::Result<()> {
             }
         })
         .collect();
-    let _ = bench::line_plot(&out.join("throughput"), "SQLite front: commits through the endpoint, SIGKILL at 2 s", "time (s)", "commits/s", &series, bench::Scale::Linear);
+    let title = format!("SQLite front: commits through the endpoint, SIGKILL at {} s", settle.0.as_secs());
+    let _ = bench::line_plot(&out.join("throughput"), &title, "time (s)", "commits/s", &series, bench::Scale::Linear);
     let rows = series.iter().flat_map(|s| s.points.iter().map(move |(x, y)| vec![s.name.clone(), format!("{x:.1}"), format!("{y:.0}")]));
     bench::write_csv(&out.join("throughput.csv"), &["policy", "time_s", "commits_per_s"], rows)?;
     eprintln!("plots and samples in {}", out.display());
@@ -463,7 +483,7 @@ pub fn demo(verbose: u8) -> anyhow::Result<()> {
     let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
     println!("  cluster up: 4 shards, 3 replicas; a client inserts rows through the endpoint, one at a time");
-    let r = run_one(&cluster_file, dir.path(), "speculative", 0, verbose, true);
+    let r = run_one(&cluster_file, dir.path(), "speculative", 0, verbose, true, Settle::new(false));
     lc.stop();
     let r = r?;
     println!("  client throughput (commits/s per {} ms; the kill is at 2 s):", r.window_ms);
