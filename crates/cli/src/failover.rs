@@ -29,9 +29,12 @@ mod mariadb;
 mod postgres;
 mod recovery;
 
-/// The failover part of `understudy demo`: SQLite failed over speculatively, as a timeline.
-pub fn demo(verbose: u8) -> anyhow::Result<()> {
-    bench::demo(verbose)
+pub use bench::DemoApp;
+
+/// The failover part of `understudy demo`: SQLite (or PostgreSQL) failed over speculatively,
+/// as a timeline.
+pub fn demo(verbose: u8, app: DemoApp) -> anyhow::Result<()> {
+    bench::demo(verbose, app)
 }
 
 /// `understudy bench failover ...`.
@@ -120,11 +123,12 @@ pub enum FailoverCmd {
     Mariadb(mariadb::MariaArgs),
     /// A real speculative failover on a throw-away cluster, as a timeline.
     ///
-    /// SQLite under load on an ext4 volume, the primary killed (SIGKILL), the backup recovering
-    /// on a super child and promoted by collapse; prints the monitor's events and the client's
-    /// throughput, plots it, and checks every acknowledged commit. Needs root, /dev/fuse,
-    /// losetup, python3.
-    Demo,
+    /// SQLite (or, with --app postgres, PostgreSQL) under load on an ext4 volume, the primary
+    /// killed (SIGKILL), the backup recovering on a super child and promoted by collapse; prints
+    /// the monitor's events and the client's throughput, plots it, and checks every
+    /// acknowledged commit. Needs root, /dev/fuse, losetup, python3 (and postgresql for
+    /// --app postgres).
+    Demo(DemoArgs),
 }
 
 #[derive(Args, Debug)]
@@ -181,6 +185,13 @@ pub struct LoadArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// The application failed over.
+    #[arg(long, value_enum, default_value_t = DemoApp::Sqlite)]
+    pub app: DemoApp,
+}
+
+#[derive(Args, Debug)]
 pub struct FrontArgs {
     #[arg(long)]
     pub db: PathBuf,
@@ -213,7 +224,7 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()>
         FailoverCmd::SqliteFront(a) => sqlite_front(a),
         FailoverCmd::Postgres(a) => postgres::run(a),
         FailoverCmd::Mariadb(a) => mariadb::run(a),
-        FailoverCmd::Demo => bench::demo(verbose),
+        FailoverCmd::Demo(a) => bench::demo(verbose, a.app),
     }
 }
 

@@ -152,6 +152,74 @@ impl Drop for MonitorProc {
     }
 }
 
+/// The application the demo fails over (the benchmark's runs use SQLite).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoApp {
+    /// The SQLite front (python3's sqlite3): works on a fresh machine.
+    #[default]
+    Sqlite,
+    /// Debian's PostgreSQL server, unmodified (needs the postgresql package).
+    Postgres,
+}
+
+impl DemoApp {
+    fn title(self) -> &'static str {
+        match self {
+            DemoApp::Sqlite => "SQLite behind its network front",
+            DemoApp::Postgres => "PostgreSQL (Debian's, unmodified)",
+        }
+    }
+
+    fn short(self) -> &'static str {
+        match self {
+            DemoApp::Sqlite => "SQLite",
+            DemoApp::Postgres => "PostgreSQL",
+        }
+    }
+
+    fn volume_size(self) -> &'static str {
+        match self {
+            DemoApp::Sqlite => "128M",
+            DemoApp::Postgres => "256M",
+        }
+    }
+
+    fn command(self, exe: &Path) -> serde_json::Value {
+        match self {
+            DemoApp::Sqlite => serde_json::json!([exe, "failover", "sqlite-front", "--db", "{mount}/app.db", "--port", "{port}"]),
+            DemoApp::Postgres => serde_json::json!([exe, "failover", "postgres", "--data", "{mount}/pgdata", "--port", "{port}"]),
+        }
+    }
+
+    fn health(self) -> serde_json::Value {
+        match self {
+            DemoApp::Sqlite => serde_json::json!({ "send": "PING", "expect": "PONG", "timeout_ms": 1000 }),
+            DemoApp::Postgres => serde_json::json!({ "postgres": {}, "send": "SELECT 1", "expect": "1", "timeout_ms": 1000 }),
+        }
+    }
+
+    fn target(self) -> ::failover::load::Target {
+        match self {
+            DemoApp::Sqlite => ::failover::load::Target::Line,
+            DemoApp::Postgres => ::failover::load::Target::Postgres(Default::default()),
+        }
+    }
+
+    /// What it needs that a fresh machine may lack, said plainly.
+    fn check_installed(self) -> anyhow::Result<()> {
+        match self {
+            DemoApp::Sqlite => {
+                ::failover::spec::find_program("python3").context("the SQLite demo needs python3 (apt-get install python3)")?;
+            }
+            DemoApp::Postgres => {
+                super::postgres::find_bin_dir()
+                    .context("PostgreSQL is not installed (apt-get install postgresql, or scripts/install-deps); `understudy demo` without --app postgres shows SQLite")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// How long the load runs before the crash and after the outcome, and how long throughput is
 /// averaged over on each side of the outage (2 s; 1 s with `--quick`).
 #[derive(Clone, Copy)]
@@ -170,15 +238,26 @@ impl Settle {
 /// The load with no failure at all (settle, then three times as long measured): the
 /// never-failed instance of §6.5.
 fn run_never_failed(cluster_file: &Path, dir: &Path, verbose: u8, settle: Settle) -> anyhow::Result<RunResult> {
-    run_inner(cluster_file, dir, "speculative", 0, verbose, false, false, settle)
-}
-
-fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool, settle: Settle) -> anyhow::Result<RunResult> {
-    run_inner(cluster_file, dir, variant, round, verbose, tell, true, settle)
+    run_inner(cluster_file, dir, "speculative", 0, verbose, false, false, settle, DemoApp::Sqlite)
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool, crash: bool, settle: Settle) -> anyhow::Result<RunResult> {
+fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool, settle: Settle, app: DemoApp) -> anyhow::Result<RunResult> {
+    run_inner(cluster_file, dir, variant, round, verbose, tell, true, settle, app)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_inner(
+    cluster_file: &Path,
+    dir: &Path,
+    variant: &str,
+    round: usize,
+    verbose: u8,
+    tell: bool,
+    crash: bool,
+    settle: Settle,
+    app: DemoApp,
+) -> anyhow::Result<RunResult> {
     let exe = std::env::current_exe()?;
     let vol = format!("bench-{variant}-{round}{}", if crash { "" } else { "-nofail" });
     let cli = |args: &[&str]| -> anyhow::Result<String> {
@@ -186,7 +265,7 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
         anyhow::ensure!(o.status.success(), "`understudy {}`: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim());
         Ok(String::from_utf8_lossy(&o.stdout).into_owned())
     };
-    cli(&["volume", "create", &vol, "--size", "128M"])?;
+    cli(&["volume", "create", &vol, "--size", app.volume_size()])?;
     let run_dir = dir.join(format!("run-{vol}"));
     std::fs::create_dir_all(&run_dir)?;
     let port = free_port()?;
@@ -195,8 +274,8 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
         "volume": vol,
         "state_dir": run_dir.join("state"),
         "mkfs": true,
-        "app": { "command": [exe, "failover", "sqlite-front", "--db", "{mount}/app.db", "--port", "{port}"] },
-        "health": { "send": "PING", "expect": "PONG", "timeout_ms": 1000 },
+        "app": { "command": app.command(&exe) },
+        "health": app.health(),
         "endpoint": { "listen": format!("127.0.0.1:{port}") },
         "monitor": {
             "policy": variant,
@@ -240,14 +319,15 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
     // The client: load through the endpoint in its own runtime.
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let endpoint: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let target = app.target();
     let load = std::thread::spawn(move || -> anyhow::Result<(::failover::load::LoadResult, ::failover::load::Verdict)> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         rt.block_on(async {
-            let r = ::failover::load::run_load(endpoint, &::failover::load::Target::Line, Duration::from_secs(600), 100, async {
+            let r = ::failover::load::run_load(endpoint, &target, Duration::from_secs(600), 100, async {
                 let _ = stop_rx.await;
             })
             .await;
-            let v = ::failover::load::verify(endpoint, &::failover::load::Target::Line, &r, Duration::from_secs(60)).await.map_err(anyhow::Error::msg)?;
+            let v = ::failover::load::verify(endpoint, &target, &r, Duration::from_secs(60)).await.map_err(anyhow::Error::msg)?;
             Ok((r, v))
         })
     });
@@ -344,7 +424,7 @@ pub fn scenarios(a: BenchArgs, verbose: u8) -> anyhow::Result<()> {
     let mut results: Vec<Vec<RunResult>> = (0..VARIANTS.len()).map(|_| vec![]).collect();
     for (i, v) in bench::interleaved_order(rounds, VARIANTS.len()).into_iter().enumerate() {
         let round = i / VARIANTS.len();
-        results[v].push(run_one(&cluster_file, dir.path(), VARIANTS[v], round, verbose, false, settle)?);
+        results[v].push(run_one(&cluster_file, dir.path(), VARIANTS[v], round, verbose, false, settle, DemoApp::Sqlite)?);
     }
     let never_failed = run_never_failed(&cluster_file, dir.path(), verbose, settle);
     let recov = never_failed.and_then(|nf| Ok((nf, recovery_inputs(&a, &cluster_file, dir.path())?)));
@@ -472,18 +552,22 @@ pub fn scenarios(a: BenchArgs, verbose: u8) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `understudy failover demo`: a real speculative failover of SQLite, as a timeline.
-pub fn demo(verbose: u8) -> anyhow::Result<()> {
+/// `understudy failover demo`: a real speculative failover of SQLite (or PostgreSQL), as a
+/// timeline.
+pub fn demo(verbose: u8, app: DemoApp) -> anyhow::Result<()> {
+    app.check_installed()?;
     let base = std::env::temp_dir();
     let dir = tempfile::Builder::new().prefix("understudy-failover-demo-").tempdir_in(&base)?;
-    println!("Understudy failover demo: SQLite behind its network front on an ext4 volume, speculative policy");
+    // PostgreSQL runs unprivileged: it must reach its data directory on the instance's mount.
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    println!("Understudy failover demo: {} on an ext4 volume, speculative policy", app.title());
     let rt = crate::runtime()?;
     let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose })?;
     rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
     let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
     println!("  cluster up: 4 shards, 3 replicas; a client inserts rows through the endpoint, one at a time");
-    let r = run_one(&cluster_file, dir.path(), "speculative", 0, verbose, true, Settle::new(false));
+    let r = run_one(&cluster_file, dir.path(), "speculative", 0, verbose, true, Settle::new(false), app);
     lc.stop();
     let r = r?;
     println!("  client throughput (commits/s per {} ms; the kill is at 2 s):", r.window_ms);
@@ -498,7 +582,8 @@ pub fn demo(verbose: u8) -> anyhow::Result<()> {
         name: "speculative".into(),
         points: r.ops_per_window.iter().enumerate().map(|(i, n)| ((i as u64 * r.window_ms) as f64 / 1000.0, *n as f64 * per_s)).collect(),
     }];
-    if let Ok([svg, _]) = bench::line_plot(&out.join("demo-throughput"), "Speculative failover of SQLite: client commits/s", "time (s)", "commits/s", &series, bench::Scale::Linear) {
+    let title = format!("Speculative failover of {}: client commits/s", app.short());
+    if let Ok([svg, _]) = bench::line_plot(&out.join("demo-throughput"), &title, "time (s)", "commits/s", &series, bench::Scale::Linear) {
         println!("  plot: {}", svg.display());
     }
     println!("demo ok: the backup was promoted, no acknowledged commit was lost, the monitor used {:.1} MiB", r.monitor_rss_bytes as f64 / 1048576.0);
