@@ -188,7 +188,7 @@ pub fn set_link(link: &NetnsLink, up: bool) -> Result<(), NetnsError> {
         // (bounded) so a healed link carries at once.
         let state = format!("/sys/class/net/{}/operstate", link.host_if);
         let deadline = std::time::Instant::now() + CARRIER_TIMEOUT;
-        while std::fs::read_to_string(&state).map_or(false, |s| s.trim() != "up") && std::time::Instant::now() < deadline {
+        while std::fs::read_to_string(&state).is_ok_and(|s| s.trim() != "up") && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         // Address resolutions left pending by the cut would hold the first packets back for
