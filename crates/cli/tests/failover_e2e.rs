@@ -628,6 +628,10 @@ fn monitor_killed_mid_failover_resumes_and_promotes_once() {
     load.finish();
     assert_eq!(case.volumes(), vec!["db.fo-1".to_string()]);
     assert_eq!(m.seen.iter().filter(|e| e["event"] == "promoted").count(), 1);
+    // Nothing of the crashed run is left: the killed primary's namespace is gone (deleted by
+    // the fence, or swept as stale when the new run started), only the new primary's remains.
+    let (_, ns) = m.primary_in_netns();
+    assert_eq!(m.namespaces(), vec![ns]);
 }
 
 /// PostgreSQL (Debian's, unmodified) under load, SIGKILL of the whole primary mid-load, a
