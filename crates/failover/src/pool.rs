@@ -390,8 +390,13 @@ impl LocalPool {
         let (ns_lock, ns) = if self.cfg.netns {
             let made = netns::lock().and_then(|l| {
                 let link = netns::create(&netns::name_for(&self.tag, &inst), &l)?;
-                let fd = netns::open(&link.name)?;
-                Ok((l, link, fd))
+                match netns::open(&link.name) {
+                    Ok(fd) => Ok((l, link, fd)),
+                    Err(e) => {
+                        let _ = netns::delete(&link.name);
+                        Err(e)
+                    }
+                }
             });
             match made {
                 Ok((l, link, fd)) => (Some(l), Some((link, fd))),
