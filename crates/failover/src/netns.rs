@@ -288,6 +288,14 @@ mod tests {
         assert_eq!(name_for(&a, "i3"), format!("usfo-{a}-i3"));
     }
 
+    #[test]
+    fn off_needs_nothing() {
+        assert_eq!(resolve(NetnsMode::Off).unwrap(), (false, None));
+        // Auto never fails: it falls back with the reason, or uses namespaces.
+        let (on, why) = resolve(NetnsMode::Auto).unwrap();
+        assert!(on != why.is_some(), "{on} {why:?}");
+    }
+
     /// A real namespace: made, reachable across its link, cut, restored, swept. Root only.
     #[test]
     fn namespace_link_cut_and_sweep() {
