@@ -76,7 +76,7 @@ impl Default for Opts {
         Opts {
             policy: "speculative",
             reds_timeout_ms: 30_000,
-            healthy_timeout_ms: 60_000,
+            healthy_timeout_ms: 180_000,
             app: App::Sqlite { housekeeping_ms: 0, backup_delay_s: 0 },
             netns: true,
         }
@@ -506,9 +506,9 @@ fn speculative_unclean_crash_promotes_the_backup() {
     let mut m = case.monitor();
     let (_, ns) = m.primary_in_netns();
     let (p, _) = fault_under_load(&mut m, case.load(&[]), "kill", 0, &["promoted"]);
-    assert_eq!(case.event_volume(&p), "db.fo-1");
+    assert!(case.event_volume(&p).starts_with("db.fo-"), "{p}");
     // The parent is gone (promoted child in its place), and so is the old primary's namespace.
-    assert_eq!(case.volumes(), vec!["db.fo-1".to_string()]);
+    assert_eq!(case.volumes(), vec![case.event_volume(&p)]);
     let (_, backup_ns) = m.primary_in_netns();
     assert_eq!(m.namespaces(), vec![backup_ns], "the killed primary's namespace {ns} is deleted");
 }
@@ -549,12 +549,20 @@ fn network_cut_that_does_not_heal_of_a_writing_primary_rejects_collapse_then_red
     let load = case.load(&[]);
     load.wait_acked(FLOWING_COMMITS, "before the cut");
     m.inject("cut", 0);
-    for _ in 0..2 {
-        let a = m.wait("aborted", WAIT);
-        assert!(a["reason"].as_str().unwrap().contains("collapse rejected"), "{a}");
+    // Aborted attempts until the fallback (a loaded machine may add a spurious suspicion before
+    // the cut, aborted when the primary answers: it counts towards max_aborts too).
+    let mut rejected = 0;
+    let r = loop {
+        let e = m.wait_any(&["aborted", "reds_restarted"], WAIT);
+        if e["event"] == "reds_restarted" {
+            break e;
+        }
+        let reason = e["reason"].as_str().unwrap();
+        assert!(reason.contains("collapse rejected") || reason.contains("answered"), "{e}");
+        rejected += reason.contains("collapse rejected") as usize;
         assert!(case.volumes().contains(&"db".to_string()), "the parent must survive a rejected collapse");
-    }
-    let r = m.wait("reds_restarted", WAIT);
+    };
+    assert!(rejected >= 1, "no collapse was rejected: {:?}", m.seen);
     assert_eq!(case.event_volume(&r), "db");
     assert!(m.seen.iter().all(|e| e["event"] != "promoted"), "{:?}", m.seen);
     assert!(!failover::pool::pid_alive(pid), "the cut-off primary is fenced (killed)");
@@ -641,10 +649,10 @@ fn monitor_killed_mid_failover_resumes_and_promotes_once() {
     m.crash();
     let mut m = Monitor::start(&case.up, &case.spec);
     let p = m.wait("promoted", WAIT);
-    assert_eq!(case.event_volume(&p), "db.fo-1", "{p}");
+    assert!(case.event_volume(&p).starts_with("db.fo-"), "{p}");
     load.wait_flowing("after the resumed failover");
     load.finish();
-    assert_eq!(case.volumes(), vec!["db.fo-1".to_string()]);
+    assert_eq!(case.volumes(), vec![case.event_volume(&p)]);
     assert_eq!(m.seen.iter().filter(|e| e["event"] == "promoted").count(), 1);
     // Nothing of the crashed run is left: the killed primary's namespace is gone (deleted by
     // the fence, or swept as stale when the new run started), only the new primary's remains.
@@ -667,9 +675,9 @@ fn postgres_unclean_crash_speculative_failover_keeps_every_commit() {
     let mut m = case.monitor();
     m.primary_in_netns();
     let (p, v) = fault_under_load(&mut m, case.load(&["--postgres"]), "kill", 0, &["promoted"]);
-    assert_eq!(case.event_volume(&p), "db.fo-1");
+    assert!(case.event_volume(&p).starts_with("db.fo-"), "{p}");
     assert!(v["verdict"]["acked"].as_u64().unwrap() > 0, "{v}");
-    assert_eq!(case.volumes(), vec!["db.fo-1".to_string()]);
+    assert_eq!(case.volumes(), vec![case.event_volume(&p)]);
 }
 
 /// MariaDB with the RocksDB engine (Debian's mariadb-server and mariadb-plugin-rocksdb,
@@ -684,6 +692,6 @@ fn mariadb_rocksdb_unclean_crash_speculative_failover_keeps_every_commit() {
     let case = Case::new("mariadb", &Opts { app: App::Mariadb, ..Opts::default() });
     let mut m = case.monitor();
     let (p, _) = fault_under_load(&mut m, case.load(&["--mysql"]), "kill", 0, &["promoted"]);
-    assert_eq!(case.event_volume(&p), "db.fo-1");
-    assert_eq!(case.volumes(), vec!["db.fo-1".to_string()]);
+    assert!(case.event_volume(&p).starts_with("db.fo-"), "{p}");
+    assert_eq!(case.volumes(), vec![case.event_volume(&p)]);
 }
