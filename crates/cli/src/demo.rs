@@ -31,6 +31,10 @@ pub struct DemoArgs {
     /// Skip the second part: a real speculative failover of SQLite (`understudy failover demo`).
     #[arg(long)]
     pub no_failover: bool,
+    /// The application of the failover part: sqlite (works on a fresh machine) or postgres
+    /// (Debian's postgresql).
+    #[arg(long, value_enum, default_value_t = crate::failover::DemoApp::Sqlite)]
+    pub app: crate::failover::DemoApp,
 }
 
 const VOLUME: &str = "app";
@@ -148,7 +152,7 @@ pub fn demo(a: DemoArgs, verbose: u8) -> anyhow::Result<()> {
         drop(rt);
         if !a.no_failover {
             println!();
-            crate::failover::demo(verbose)?;
+            crate::failover::demo(verbose, a.app)?;
         }
         Ok(())
     } else {

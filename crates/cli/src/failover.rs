@@ -29,9 +29,12 @@ mod mariadb;
 mod postgres;
 mod recovery;
 
-/// The failover part of `understudy demo`: SQLite failed over speculatively, as a timeline.
-pub fn demo(verbose: u8) -> anyhow::Result<()> {
-    bench::demo(verbose)
+pub use bench::DemoApp;
+
+/// The failover part of `understudy demo`: SQLite (or PostgreSQL) failed over speculatively,
+/// as a timeline.
+pub fn demo(verbose: u8, app: DemoApp) -> anyhow::Result<()> {
+    bench::demo(verbose, app)
 }
 
 /// `understudy bench failover ...`.
@@ -120,11 +123,12 @@ pub enum FailoverCmd {
     Mariadb(mariadb::MariaArgs),
     /// A real speculative failover on a throw-away cluster, as a timeline.
     ///
-    /// SQLite under load on an ext4 volume, the primary killed (SIGKILL), the backup recovering
-    /// on a super child and promoted by collapse; prints the monitor's events and the client's
-    /// throughput, plots it, and checks every acknowledged commit. Needs root, /dev/fuse,
-    /// losetup, python3.
-    Demo,
+    /// SQLite (or, with --app postgres, PostgreSQL) under load on an ext4 volume, the primary
+    /// killed (SIGKILL), the backup recovering on a super child and promoted by collapse; prints
+    /// the monitor's events and the client's throughput, plots it, and checks every
+    /// acknowledged commit. Needs root, /dev/fuse, losetup, python3 (and postgresql for
+    /// --app postgres).
+    Demo(DemoArgs),
 }
 
 #[derive(Args, Debug)]
@@ -167,6 +171,10 @@ pub struct LoadArgs {
     /// How long the final check may wait for the endpoint.
     #[arg(long, default_value_t = 60_000)]
     pub verify_timeout_ms: u64,
+    /// Print progress to stderr, `{"acked":N,"t_ms":T}`, at most every N ms (0: never). The
+    /// load stops early, then checks, on SIGTERM or Ctrl-C.
+    #[arg(long, default_value_t = 0)]
+    pub progress_ms: u64,
     /// Speak PostgreSQL (user and database `postgres`, trust) instead of the SQLite front's
     /// protocol: autocommit inserts into table `commits`.
     #[arg(long)]
@@ -177,11 +185,21 @@ pub struct LoadArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// The application failed over.
+    #[arg(long, value_enum, default_value_t = DemoApp::Sqlite)]
+    pub app: DemoApp,
+}
+
+#[derive(Args, Debug)]
 pub struct FrontArgs {
     #[arg(long)]
     pub db: PathBuf,
     #[arg(long)]
     pub port: u16,
+    /// Address to listen on (an instance's pool sets UNDERSTUDY_HOST: its namespace's address).
+    #[arg(long, env = "UNDERSTUDY_HOST", default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
     /// Write on its own every N ms (0: never), reachable or not.
     #[arg(long, default_value_t = 0)]
     pub housekeeping_ms: u64,
@@ -206,7 +224,7 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()>
         FailoverCmd::SqliteFront(a) => sqlite_front(a),
         FailoverCmd::Postgres(a) => postgres::run(a),
         FailoverCmd::Mariadb(a) => mariadb::run(a),
-        FailoverCmd::Demo => bench::demo(verbose),
+        FailoverCmd::Demo(a) => bench::demo(verbose, a.app),
     }
 }
 
@@ -260,6 +278,10 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
         cluster.volume_info(&volume).await.with_context(|| {
             format!("volume {volume:?} of the spec: create it first (`understudy volume create {volume} --size 1G`, then run with `mkfs = true`)")
         })?;
+        let (netns, why_not) = ::failover::netns::resolve(spec.network.namespaces)?;
+        if let Some(w) = why_not {
+            eprintln!("understudy failover: {w}");
+        }
         let endpoint = Arc::new(
             ::failover::endpoint::Proxy::bind(spec.endpoint.listen, None)
                 .await
@@ -274,6 +296,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
                 app: spec.app.clone(),
                 mkfs_first: spec.mkfs,
                 attach_timeout: Duration::from_secs(300),
+                netns,
             },
             inputs_tx.clone(),
         )?);
@@ -295,6 +318,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
         let ready = serde_json::json!({
             "event": "ready", "endpoint": endpoint.local_addr(), "control": control_addr,
             "state_dir": spec.state_dir, "policy": spec.monitor.policy, "pid": std::process::id(),
+            "netns": netns,
         });
         println!("{ready}");
         let _ = std::io::stdout().flush();
@@ -338,7 +362,16 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         } else {
             ::failover::load::Target::Line
         };
-        let r = ::failover::load::run_load(a.endpoint, &target, Duration::from_millis(a.duration_ms), a.window_ms, stop).await;
+        let progress_ms = a.progress_ms;
+        let mut last_shown: Option<u64> = None;
+        let on_ack = move |n: usize, t_ms: u64| {
+            if progress_ms == 0 || last_shown.is_some_and(|l| t_ms < l + progress_ms) {
+                return;
+            }
+            last_shown = Some(t_ms);
+            eprintln!("{}", serde_json::json!({ "acked": n, "t_ms": t_ms }));
+        };
+        let r = ::failover::load::run_load_observed(a.endpoint, &target, Duration::from_millis(a.duration_ms), a.window_ms, stop, on_ack).await;
         let v = ::failover::load::verify(a.endpoint, &target, &r, Duration::from_millis(a.verify_timeout_ms)).await.map_err(anyhow::Error::msg)?;
         let ok = v.missing.is_empty() && v.unexpected.is_empty();
         let out = serde_json::json!({
@@ -371,6 +404,8 @@ fn sqlite_front(a: FrontArgs) -> anyhow::Result<()> {
         .arg(&a.db)
         .arg("--port")
         .arg(a.port.to_string())
+        .arg("--host")
+        .arg(a.host.to_string())
         .arg("--housekeeping-ms")
         .arg(a.housekeeping_ms.to_string())
         .arg("--wal-autocheckpoint-pages")

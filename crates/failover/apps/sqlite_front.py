@@ -12,6 +12,7 @@ import argparse, signal, socketserver, sqlite3, sys, threading, time
 ap = argparse.ArgumentParser()
 ap.add_argument("--db", required=True)
 ap.add_argument("--port", type=int, required=True)
+ap.add_argument("--host", default="127.0.0.1")
 ap.add_argument("--housekeeping-ms", type=int, default=0)
 ap.add_argument("--payload-bytes", type=int, default=200)
 # Pages of WAL before an automatic checkpoint (SQLite's default 1000; 0: never): how much WAL a
@@ -90,7 +91,7 @@ def housekeeping():
             os._exit(3)
 
 
-server = Server(("127.0.0.1", args.port), Handler)
+server = Server((args.host, args.port), Handler)
 
 
 def stop(signum, frame):
@@ -100,7 +101,7 @@ def stop(signum, frame):
 signal.signal(signal.SIGTERM, stop)
 if args.housekeeping_ms > 0:
     threading.Thread(target=housekeeping, daemon=True).start()
-print(f"sqlite front: serving on 127.0.0.1:{args.port}", flush=True)
+print(f"sqlite front: serving on {args.host}:{args.port}", flush=True)
 server.serve_forever()
 with lock:
     db.close()

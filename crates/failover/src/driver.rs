@@ -40,7 +40,7 @@ pub fn now_unix_ms() -> u64 {
 pub async fn health_check(h: &HealthSpec, addr: SocketAddr, instance: InstanceId) -> bool {
     let timeout = Duration::from_millis(h.timeout_ms);
     if let Some(cmd) = &h.command {
-        let args: Vec<String> = cmd.iter().map(|a| substitute(a, Path::new(""), addr.port(), &instance.to_string())).collect();
+        let args: Vec<String> = cmd.iter().map(|a| substitute(a, Path::new(""), addr.ip(), addr.port(), &instance.to_string())).collect();
         let run = tokio::process::Command::new(&args[0])
             .args(&args[1..])
             .stdin(std::process::Stdio::null())
@@ -169,9 +169,8 @@ impl Volumes {
         }
     }
 
-    /// Discards a super child and keeps the parent: one write to the parent (its first sector,
-    /// rewritten with the bytes it holds — ext4 never uses bytes 0..1024) sets the dirty bit, so
-    /// the collapse that follows must reject.
+    /// Discards a super child and keeps the parent: the metadata service's abort request (the
+    /// child is rejected and garbage-collected; the parent keeps permission to write).
     pub async fn drop_child(&self, parent: &str, child: &str) -> Input {
         let r: anyhow::Result<()> = async {
             match self.decided(parent, child).await? {
@@ -179,13 +178,9 @@ impl Volumes {
                 Some(CollapseOutcome::Promoted) => anyhow::bail!("{child} was promoted already; it cannot be dropped"),
                 None => {}
             }
-            use blockdev::BlockDev;
-            let vol = self.cluster.open(parent).await?;
-            let sector = vol.read(0, 512).await.map_err(|e| anyhow::anyhow!("reading {parent}: {e:?}"))?;
-            vol.write(0, sector).await.map_err(|e| anyhow::anyhow!("marking {parent} written: {e:?}"))?;
-            match self.cluster.meta(MetaReq::Collapse { child: child.into() }).await? {
-                MetaResp::Collapsed { outcome: volume::types::CollapseOutcome::Rejected, .. } => Ok(()),
-                other => anyhow::bail!("dropping {child}: collapse answered {other:?}"),
+            match self.cluster.meta(MetaReq::Abort { child: child.into() }).await? {
+                MetaResp::Volume(_) => Ok(()),
+                other => anyhow::bail!("aborting {child}: unexpected answer {other:?}"),
             }
         }
         .await;
@@ -236,6 +231,8 @@ pub struct InstanceStatus {
     pub addr: Option<SocketAddr>,
     /// (application, attach helper)
     pub pids: Option<(u32, u32)>,
+    /// Its network namespace, when it runs in one.
+    pub netns: Option<crate::netns::NetnsLink>,
 }
 
 pub enum Control {
@@ -473,7 +470,7 @@ pub async fn run(
                     Control::Status(reply) => {
                         let mut instances = vec![];
                         for id in pool.instances() {
-                            instances.push(InstanceStatus { id, addr: pool.address(id), pids: pool.pids(id) });
+                            instances.push(InstanceStatus { id, addr: pool.address(id), pids: pool.pids(id), netns: pool.netns(id) });
                         }
                         let _ = reply.send(Status {
                             state: m.durable().clone(),

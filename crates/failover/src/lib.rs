@@ -11,6 +11,8 @@
 //!   TOML or JSON, validated.
 //! * [`pool`]: the instance pool trait and its local-process implementation (a process tree
 //!   per instance with its own attached volume; SIGKILL, SIGSTOP, clean stop).
+//! * [`netns`]: each instance's application in its own network namespace behind a veth pair
+//!   (Linux, root), so a network cut-off is its link going down while its disk stays attached.
 //! * [`endpoint`]: the TCP proxy clients use (the "elastic IP" of §4.3), re-pointable, severing
 //!   every connection to the old primary.
 //! * [`driver`]: the tokio runtime driver that runs the core against the real pool, endpoint and
@@ -26,6 +28,7 @@ pub mod endpoint;
 pub mod journal;
 pub mod load;
 pub mod mysql;
+pub mod netns;
 pub mod pg;
 pub mod pool;
 pub mod spec;

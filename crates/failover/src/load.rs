@@ -155,6 +155,19 @@ pub async fn run_load(
     window_ms: u64,
     stop: impl std::future::Future<Output = ()>,
 ) -> LoadResult {
+    run_load_observed(endpoint, target, duration, window_ms, stop, |_, _| {}).await
+}
+
+/// [`run_load`], calling `on_ack(acknowledged so far, ms since the start)` after every
+/// acknowledged commit (progress for whoever drives a failure from the client's view).
+pub async fn run_load_observed(
+    endpoint: SocketAddr,
+    target: &Target,
+    duration: Duration,
+    window_ms: u64,
+    stop: impl std::future::Future<Output = ()>,
+    mut on_ack: impl FnMut(usize, u64),
+) -> LoadResult {
     let start = Instant::now();
     let mut r = LoadResult { window_ms, ..Default::default() };
     let mut conn: Option<Conn> = None;
@@ -183,6 +196,7 @@ pub async fn run_load(
                 Ok(()) => {
                     let t = start.elapsed().as_millis() as u64;
                     r.acked.push((id, t));
+                    on_ack(r.acked.len(), t);
                     if t - last_ack_ms > r.max_gap_ms {
                         r.max_gap_ms = t - last_ack_ms;
                         r.gap_start_ms = last_ack_ms;

@@ -4,12 +4,16 @@
 //! containers or Kubernetes pods can implement it later). [`LocalPool`] runs each instance as its
 //! own process group, like a small host: the `understudy volume attach --foreground` helper that
 //! serves the instance's volume as ext4 at its own mount point, and the application itself. Each
-//! instance is reached through its own network link (a [`Proxy`] the pool owns), which a fault can
-//! cut; the group can be paused (SIGSTOP) or killed (SIGKILL of the whole group, with no flush:
-//! the FUSE server dies with the application, so dirty pages never reach the volume).
+//! instance is reached through its own network link, which a fault can cut: with network
+//! namespaces ([`crate::netns`]) the application runs in its own namespace behind a veth pair
+//! and a cut takes the link down (the volume, served from the host, stays attached); without,
+//! the link is a [`Proxy`] the pool owns and a cut points it nowhere. The group can be paused
+//! (SIGSTOP) or killed (SIGKILL of the whole group, with no flush: the FUSE server dies with the
+//! application, so dirty pages never reach the volume).
 
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -22,6 +26,7 @@ use tokio::sync::mpsc;
 
 use crate::core::{InstanceId, Input};
 use crate::endpoint::Proxy;
+use crate::netns::{self, NetnsLink};
 use crate::spec::{substitute, AppSpec};
 
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +71,8 @@ pub struct LocalPoolConfig {
     pub mkfs_first: bool,
     /// How long attaching may take.
     pub attach_timeout: Duration,
+    /// Each application in its own network namespace (resolved: see [`netns::resolve`]).
+    pub netns: bool,
 }
 
 /// What `instances.json` keeps of an instance, so a restarted monitor adopts the instances its
@@ -80,6 +87,9 @@ struct SavedInst {
     attach_start: u64,
     app_port: u16,
     mount: PathBuf,
+    /// Its network namespace, when it has one.
+    #[serde(default)]
+    netns: Option<NetnsLink>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize, Default, Debug)]
@@ -97,13 +107,53 @@ fn start_time(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(19)?.parse().ok()
 }
 
+/// How an instance is reached, and cut off.
+enum Link {
+    /// Host network: a proxy the pool owns in front of the application's port.
+    Proxy { proxy: Proxy, app_addr: SocketAddr },
+    /// Own namespace: the application at its namespace address, behind a veth pair.
+    Netns { link: NetnsLink, addr: SocketAddr },
+}
+
+impl Link {
+    fn address(&self) -> SocketAddr {
+        match self {
+            Link::Proxy { proxy, .. } => proxy.local_addr(),
+            Link::Netns { addr, .. } => *addr,
+        }
+    }
+
+    fn cut(&self, cut: bool) -> Result<(), String> {
+        match self {
+            Link::Proxy { proxy, app_addr } => {
+                proxy.point(if cut { None } else { Some(*app_addr) });
+                Ok(())
+            }
+            Link::Netns { link, .. } => netns::set_link(link, !cut).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Closes the way in at once (the instance is being killed or stopped).
+    fn sever(&self) {
+        if let Link::Proxy { proxy, .. } = self {
+            proxy.point(None);
+        }
+    }
+
+    fn netns(&self) -> Option<&NetnsLink> {
+        match self {
+            Link::Netns { link, .. } => Some(link),
+            Link::Proxy { .. } => None,
+        }
+    }
+}
+
 struct Inst {
     saved: SavedInst,
     pgid: i32,
     app_pid: u32,
     attach_pid: u32,
-    app_addr: SocketAddr,
-    link: Proxy,
+    link: Link,
     mount: PathBuf,
     /// Set before we kill or stop it, so the exit is not reported as a failure.
     expected_exit: Arc<AtomicBool>,
@@ -112,6 +162,8 @@ struct Inst {
 
 pub struct LocalPool {
     cfg: LocalPoolConfig,
+    /// Names this pool's namespaces (`usfo-TAG-iN`), from its state directory.
+    tag: String,
     insts: Mutex<HashMap<InstanceId, Inst>>,
     killed: Mutex<HashSet<InstanceId>>,
     events: mpsc::Sender<Input>,
@@ -152,7 +204,29 @@ impl LocalPool {
     pub fn new(cfg: LocalPoolConfig, events: mpsc::Sender<Input>) -> std::io::Result<LocalPool> {
         std::fs::create_dir_all(cfg.state_dir.join("mnt"))?;
         std::fs::create_dir_all(cfg.state_dir.join("logs"))?;
-        Ok(LocalPool { cfg, insts: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events })
+        let tag = netns::tag_for(&cfg.state_dir);
+        if cfg.netns {
+            // Namespaces crashed runs left behind (nothing lives in them any more). Those of
+            // instances a previous run of this monitor left running hold processes: kept.
+            match netns::sweep_stale(None) {
+                Ok(gone) if !gone.is_empty() => tracing::info!(?gone, "removed stale network namespaces"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!("sweeping stale network namespaces: {e}"),
+            }
+            // Tests and tools find this pool's namespaces by this tag.
+            std::fs::write(cfg.state_dir.join("netns.tag"), &tag)?;
+        }
+        Ok(LocalPool { cfg, tag, insts: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events })
+    }
+
+    /// The tag in this pool's namespace names (`usfo-TAG-iN`).
+    pub fn netns_tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// The network namespace of an instance, if it runs in one.
+    pub fn netns(&self, id: InstanceId) -> Option<NetnsLink> {
+        self.insts.lock().unwrap().get(&id).and_then(|i| i.link.netns().cloned())
     }
 
     fn saved_path(&self) -> PathBuf {
@@ -189,8 +263,14 @@ impl LocalPool {
                 tracing::info!(id = %s.id, "instance of the previous run is gone");
                 continue;
             }
-            let app_addr: SocketAddr = ([127, 0, 0, 1], s.app_port).into();
-            let Ok(link) = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await else { continue };
+            let link = match &s.netns {
+                Some(l) => Link::Netns { link: l.clone(), addr: (l.ns_addr, s.app_port).into() },
+                None => {
+                    let app_addr: SocketAddr = ([127, 0, 0, 1], s.app_port).into();
+                    let Ok(proxy) = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await else { continue };
+                    Link::Proxy { proxy, app_addr }
+                }
+            };
             let expected_exit = Arc::new(AtomicBool::new(false));
             // Not our children any more: watch them by pid.
             let (events, flag, id, pids) = (self.events.clone(), expected_exit.clone(), s.id, [s.app_pid, s.attach_pid]);
@@ -202,7 +282,7 @@ impl LocalPool {
                     let _ = events.send(Input::InstanceExited(id)).await;
                 }
             });
-            tracing::info!(id = %s.id, addr = %link.local_addr(), "adopted a running instance");
+            tracing::info!(id = %s.id, addr = %link.address(), "adopted a running instance");
             adopted.push(s.id);
             self.insts.lock().unwrap().insert(
                 s.id,
@@ -210,7 +290,6 @@ impl LocalPool {
                     pgid: s.pgid,
                     app_pid: s.app_pid,
                     attach_pid: s.attach_pid,
-                    app_addr,
                     link,
                     mount: s.mount.clone(),
                     expected_exit,
@@ -303,10 +382,34 @@ impl LocalPool {
             };
             return Err(PoolError::Attach { id, volume: volume.into(), msg: why });
         }
-        // The application, in the same process group.
+        // The application, in the same process group (and its own network namespace).
         let port = free_port().map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
         let inst = id.to_string();
-        let args: Vec<String> = self.cfg.app.command.iter().map(|a| substitute(a, &mount, port, &inst)).collect();
+        // Held from making the namespace until the application is in it, so a concurrent sweep
+        // never takes it for stale.
+        let (ns_lock, ns) = if self.cfg.netns {
+            let made = netns::lock().and_then(|l| {
+                let link = netns::create(&netns::name_for(&self.tag, &inst), &l)?;
+                match netns::open(&link.name) {
+                    Ok(fd) => Ok((l, link, fd)),
+                    Err(e) => {
+                        let _ = netns::delete(&link.name);
+                        Err(e)
+                    }
+                }
+            });
+            match made {
+                Ok((l, link, fd)) => (Some(l), Some((link, fd))),
+                Err(e) => {
+                    self.abandon(pgid, &mut attach, &mount).await;
+                    return Err(PoolError::Io { id, msg: e.to_string() });
+                }
+            }
+        } else {
+            (None, None)
+        };
+        let host: IpAddr = ns.as_ref().map_or(Ipv4Addr::LOCALHOST, |(l, _)| l.ns_addr).into();
+        let args: Vec<String> = self.cfg.app.command.iter().map(|a| substitute(a, &mount, host, port, &inst)).collect();
         let app_log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -318,6 +421,7 @@ impl LocalPool {
             .current_dir(&mount)
             .env("UNDERSTUDY_MOUNT", &mount)
             .env("UNDERSTUDY_PORT", port.to_string())
+            .env("UNDERSTUDY_HOST", host.to_string())
             .env("UNDERSTUDY_INSTANCE", &inst)
             .stdin(Stdio::null())
             .stdout(Stdio::from(app_log))
@@ -325,23 +429,40 @@ impl LocalPool {
             .process_group(pgid)
             .kill_on_drop(false);
         for (k, v) in &self.cfg.app.env {
-            app.env(k, substitute(v, &mount, port, &inst));
+            app.env(k, substitute(v, &mount, host, port, &inst));
         }
-        let mut app_child = match app.spawn() {
+        if let Some((_, fd)) = &ns {
+            let fd = fd.as_raw_fd();
+            // SAFETY: the closure runs in the forked child before exec and makes one
+            // async-signal-safe system call (setns) on a descriptor the parent keeps open.
+            unsafe {
+                app.pre_exec(move || netns::enter(fd));
+            }
+        }
+        let spawned = app.spawn();
+        drop(ns_lock);
+        let mut app_child = match spawned {
             Ok(c) => c,
             Err(e) => {
-                signal_group(pgid, libc::SIGKILL);
-                let _ = attach.wait().await;
-                let _ = self.detach(&mount).await;
+                if let Some((l, _)) = &ns {
+                    let _ = netns::delete(&l.name);
+                }
+                self.abandon(pgid, &mut attach, &mount).await;
                 return Err(PoolError::App { id, msg: format!("cannot run {:?}: {e}", args[0]) });
             }
         };
         let app_pid = app_child.id().unwrap_or(0);
-        let app_addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        let link = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr))
-            .await
-            .map_err(|e| PoolError::Io { id, msg: format!("cannot open the instance's link: {e}") })?;
-        let addr = link.local_addr();
+        let link = match ns {
+            Some((link, _fd)) => Link::Netns { addr: (link.ns_addr, port).into(), link },
+            None => {
+                let app_addr: SocketAddr = ([127, 0, 0, 1], port).into();
+                let proxy = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr))
+                    .await
+                    .map_err(|e| PoolError::Io { id, msg: format!("cannot open the instance's link: {e}") })?;
+                Link::Proxy { proxy, app_addr }
+            }
+        };
+        let addr = link.address();
         let expected_exit = Arc::new(AtomicBool::new(false));
         // Report an exit we did not cause (a crash of the app or of the attach helper).
         let events = self.events.clone();
@@ -368,10 +489,11 @@ impl LocalPool {
             attach_start: start_time(attach_pid).unwrap_or(0),
             app_port: port,
             mount: mount.clone(),
+            netns: link.netns().cloned(),
         };
         self.insts.lock().unwrap().insert(
             id,
-            Inst { saved, pgid, app_pid, attach_pid, app_addr, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
+            Inst { saved, pgid, app_pid, attach_pid, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
         );
         self.save();
         Ok(addr)
@@ -392,7 +514,7 @@ impl InstancePool for LocalPool {
         if self.killed.lock().unwrap().contains(&id) {
             return Err(PoolError::Killed(id));
         }
-        let existing = self.insts.lock().unwrap().get(&id).map(|i| (i.link.local_addr(), i.app_pid));
+        let existing = self.insts.lock().unwrap().get(&id).map(|i| (i.link.address(), i.app_pid));
         if let Some((addr, pid)) = existing {
             if pid_alive(pid) {
                 return Ok(addr);
@@ -428,7 +550,8 @@ impl InstancePool for LocalPool {
         let r = self.detach(&mount).await;
         Self::wait_gone(&[attach_pid], Duration::from_secs(30)).await;
         if let Some(i) = self.insts.lock().unwrap().remove(&id) {
-            i.link.point(None);
+            i.link.sever();
+            Self::drop_netns(&i.link);
         }
         self.save();
         r.map_err(|msg| PoolError::Io { id, msg: format!("detach after clean stop: {msg}") })
@@ -444,16 +567,31 @@ impl InstancePool for LocalPool {
     fn cut(&self, id: InstanceId, cut: bool) -> Result<(), PoolError> {
         let g = self.insts.lock().unwrap();
         let i = g.get(&id).ok_or(PoolError::Unknown(id))?;
-        i.link.point(if cut { None } else { Some(i.app_addr) });
-        Ok(())
+        i.link.cut(cut).map_err(|msg| PoolError::Io { id, msg })
     }
 
     fn address(&self, id: InstanceId) -> Option<SocketAddr> {
-        self.insts.lock().unwrap().get(&id).map(|i| i.link.local_addr())
+        self.insts.lock().unwrap().get(&id).map(|i| i.link.address())
     }
 }
 
 impl LocalPool {
+    /// Undoes a start that failed after the volume was attached.
+    async fn abandon(&self, pgid: i32, attach: &mut Child, mount: &Path) {
+        signal_group(pgid, libc::SIGKILL);
+        let _ = attach.wait().await;
+        let _ = self.detach(mount).await;
+    }
+
+    /// Deletes an instance's namespace once its processes are gone (its veth goes with it).
+    fn drop_netns(link: &Link) {
+        if let Some(l) = link.netns() {
+            if let Err(e) = netns::delete(&l.name) {
+                tracing::warn!("deleting {}: {e}", l.name);
+            }
+        }
+    }
+
     async fn kill_inner(&self, id: InstanceId) -> Result<(), PoolError> {
         let Some((pgid, pids, mount, flag)) = self
             .insts
@@ -473,13 +611,15 @@ impl LocalPool {
         // One signal for the whole group: the FUSE server dies with the app, no flush.
         signal_group(pgid, libc::SIGKILL);
         if let Some(i) = self.insts.lock().unwrap().get(&id) {
-            i.link.point(None);
+            i.link.sever();
         }
         if !Self::wait_gone(&pids, Duration::from_secs(30)).await {
             return Err(PoolError::Io { id, msg: "processes still alive 30 s after SIGKILL".into() });
         }
         self.detach(&mount).await.map_err(|msg| PoolError::Io { id, msg: format!("detach after kill: {msg}") })?;
-        self.insts.lock().unwrap().remove(&id);
+        if let Some(i) = self.insts.lock().unwrap().remove(&id) {
+            Self::drop_netns(&i.link);
+        }
         tracing::info!(%id, "instance killed and its volume detached");
         Ok(())
     }

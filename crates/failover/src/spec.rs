@@ -20,11 +20,15 @@
 //! [monitor]
 //! policy = "speculative"
 //! reds_timeout_ms = 60000
+//!
+//! [network]
+//! namespaces = "auto"    # each instance in its own network namespace: auto, on, off
 //! ```
 //!
 //! In `command`, `env` values and the health `command`: `{mount}` is the instance's mount
 //! directory, `{port}` the TCP port the application must listen on (each instance gets its own),
-//! `{instance}` the instance id.
+//! `{host}` the address it must listen on (its namespace's address, or 127.0.0.1 without
+//! namespaces; also in `UNDERSTUDY_HOST`), `{instance}` the instance id.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -49,6 +53,19 @@ pub struct Spec {
     pub endpoint: EndpointSpec,
     #[serde(default)]
     pub monitor: MonitorConfig,
+    #[serde(default)]
+    pub network: NetworkSpec,
+}
+
+/// Where instances live on the network.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkSpec {
+    /// Each instance's application in its own network namespace (Linux, root), reached over a
+    /// veth pair, so a network cut-off takes its link down while its disk stays attached.
+    /// `auto` (default): when running as root and `ip netns` works, else off with a message.
+    #[serde(default)]
+    pub namespaces: crate::netns::NetnsMode,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -222,9 +239,12 @@ pub fn find_program(p: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(p)).find(|c| exec(c))
 }
 
-/// Substitutes `{mount}`, `{port}` and `{instance}`.
-pub fn substitute(s: &str, mount: &Path, port: u16, instance: &str) -> String {
-    s.replace("{mount}", &mount.to_string_lossy()).replace("{port}", &port.to_string()).replace("{instance}", instance)
+/// Substitutes `{mount}`, `{port}`, `{host}` and `{instance}`.
+pub fn substitute(s: &str, mount: &Path, host: std::net::IpAddr, port: u16, instance: &str) -> String {
+    s.replace("{mount}", &mount.to_string_lossy())
+        .replace("{port}", &port.to_string())
+        .replace("{host}", &host.to_string())
+        .replace("{instance}", instance)
 }
 
 #[cfg(test)]
@@ -272,6 +292,7 @@ reds_timeout_ms = 5000
             (GOOD.replace("reds_timeout_ms = 5000", "reds_timeout_ms = 1"), "reds_timeout_ms"),
             (GOOD.replace("policy = \"reds\"", "policy = \"magic\""), "unknown variant"),
             (GOOD.replace("[monitor]", "[monitor]\nbogus = 1"), "unknown field"),
+            (format!("{GOOD}\n[network]\nnamespaces = \"maybe\""), "unknown variant"),
         ];
         for (text, want) in cases {
             let e = Spec::load(&write(d.path(), "b.toml", &text)).unwrap_err().to_string();

@@ -120,6 +120,10 @@ pub enum MetaReq {
     /// Creates a collocated clone of `parent` named `child` and starts tracking parent writes.
     Super { parent: String, child: String },
     Collapse { child: String },
+    /// Ends a superposition without promoting: the child is rejected and garbage-collected, the
+    /// parent keeps (or gets back) permission to write. Answers the parent's record. An error
+    /// for a volume that is not a super child, or whose collapse already promoted it.
+    Abort { child: String },
     /// The rbd-style baseline clone.
     CloneGeneral { parent: String, child: String },
     /// Jobs (GC, deletes) still running.
@@ -697,6 +701,52 @@ impl Meta {
                     })
                     .await?;
                 Ok(MetaResp::Collapsed { outcome, volume })
+            }
+            MetaReq::Abort { child } => {
+                let _c = self.control.lock().await;
+                let c = get(&self.inner.lock().await.state, &child)?;
+                let Some(parent_name) = c.super_parent.clone() else {
+                    // A promoted child lives on in its parent's table (a created volume has its own).
+                    if c.vol.parent.is_some() || c.vol.table != c.vol.id {
+                        anyhow::bail!("volume {child:?} was promoted by a collapse; a promoted child cannot be aborted");
+                    }
+                    anyhow::bail!("volume {child:?} is not a super child: nothing to abort");
+                };
+                let parent_id = c.vol.parent.expect("a super child has a parent");
+                let (table, child_id) = (c.vol.table, c.vol.id);
+                // The tracking object's own check-and-set decides: mark the superposition
+                // written, as the parent's first write would (without writing anything), so the
+                // collapse that follows must reject. A collapse that already promoted (this
+                // service crashed before recording it) answers `Promoted` instead.
+                match self.ask_tracking(table, |req, epoch| Msg::Permission { req, epoch, table, parent: parent_id }).await? {
+                    ReplyBody::Granted(_) => {}
+                    body => anyhow::bail!("tracking shard answered {body:?}"),
+                }
+                let body = self.ask_tracking(table, |req, epoch| Msg::Collapse { req, epoch, table, child: child_id }).await?;
+                let ReplyBody::Collapse(outcome) = body else { anyhow::bail!("tracking shard answered {body:?}") };
+                let promoted = outcome == CollapseOutcome::Promoted;
+                let parent = self
+                    .update(|s| {
+                        s.jobs.push(Job::Gc { table, parent: parent_id, child: child_id, promoted, child_name: Some(child.clone()) });
+                        if promoted {
+                            s.volumes.remove(&parent_name);
+                            s.volumes.get_mut(&child).unwrap().super_parent = None;
+                            Ok(None)
+                        } else {
+                            s.volumes.remove(&child);
+                            let p = s.volumes.get_mut(&parent_name);
+                            Ok(p.map(|p| {
+                                p.super_child = None;
+                                p.clone()
+                            }))
+                        }
+                    })
+                    .await?;
+                match parent {
+                    Some(p) => Ok(MetaResp::Volume(p)),
+                    None if promoted => anyhow::bail!("volume {child:?} was promoted by an earlier collapse; a promoted child cannot be aborted"),
+                    None => anyhow::bail!("the parent {parent_name:?} of {child:?} is gone"),
+                }
             }
             MetaReq::CloneGeneral { parent, child } => {
                 let _c = self.control.lock().await;

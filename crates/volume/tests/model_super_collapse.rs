@@ -1,5 +1,6 @@
-//! Property test: random sequences of parent and child I/O, `super`, `collapse` (both outcomes)
-//! and garbage collection, run on real shard cores (synchronous delivery, no faults), compared
+//! Property test: random sequences of parent and child I/O, `super`, `collapse` (both outcomes),
+//! the metadata service's abort (mark written, then collapse: always rejected) and garbage
+//! collection, run on real shard cores (synchronous delivery, no faults), compared
 //! read by read against a simple in-memory model of what each volume must hold.
 
 use std::collections::VecDeque;
@@ -103,6 +104,9 @@ enum Op {
     Read { child: bool, objno: u64, offset: u32, len: u32 },
     Super,
     Collapse,
+    /// The metadata service's abort request: `Permission` for the parent (marks the
+    /// superposition written without writing), then `Collapse`, which must reject.
+    Abort,
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
@@ -118,6 +122,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => (any::<bool>(), range).prop_map(|(child, (objno, offset, len))| Op::Read { child, objno, offset, len }),
         1 => Just(Op::Super),
         1 => Just(Op::Collapse),
+        1 => Just(Op::Abort),
     ]
 }
 
@@ -184,15 +189,20 @@ fn run(ops: Vec<Op>) {
                 m.child = Some((child, m.bytes.clone()));
                 m.dirty = false;
             }
-            Op::Collapse => {
+            Op::Collapse | Op::Abort => {
                 let Some((child, child_bytes)) = m.child.take() else {
                     let id = m.vol.id;
                     let r = c.tracking(|req, epoch| Msg::Collapse { req, epoch, table: TABLE, child: id });
                     assert!(matches!(r, Err(IoErr::CollapseRefused(_))), "collapse of a non-child: {r:?}");
                     continue;
                 };
-                let r = c.tracking(|req, epoch| Msg::Collapse { req, epoch, table: TABLE, child: child.id });
                 let parent = m.vol.id;
+                if matches!(op, Op::Abort) {
+                    let r = c.tracking(|req, epoch| Msg::Permission { req, epoch, table: TABLE, parent });
+                    assert_eq!(r, Ok(ReplyBody::Granted(true)), "abort's mark of a live superposition");
+                    m.dirty = true;
+                }
+                let r = c.tracking(|req, epoch| Msg::Collapse { req, epoch, table: TABLE, child: child.id });
                 let expect = if m.dirty { CollapseOutcome::Rejected } else { CollapseOutcome::Promoted };
                 assert_eq!(r, Ok(ReplyBody::Collapse(expect)));
                 let promoted = expect == CollapseOutcome::Promoted;
@@ -210,6 +220,10 @@ fn run(ops: Vec<Op>) {
                     m.bytes = child_bytes;
                 } else {
                     assert_eq!(c.objects_of(child.id), 0, "child objects left after GC");
+                    // The parent kept permission to write (checked again by the final read).
+                    let r = c.io(&m.vol, 0, IoOp::Write { offset: 0, data: vec![7; 512] });
+                    assert_eq!(r, Ok(ReplyBody::Done), "a parent write after a rejected collapse or an abort");
+                    m.bytes[..512].fill(7);
                 }
                 // Every object of the surviving volume is on exactly its three shards.
                 let n = c.objects_of(m.vol.id);

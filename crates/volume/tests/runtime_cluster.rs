@@ -94,6 +94,53 @@ async fn volume_io_super_collapse_and_general_clone() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The abort request: the child is rejected and collected while the parent keeps writing;
+/// aborting a non-child or a promoted child is a clear error; a repeated abort finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_rejects_the_child_and_the_parent_keeps_writing() {
+    let dir = tempdir("abort");
+    let c = start_cluster(&dir).await;
+    let mib = 1 << 20;
+    c.meta(MetaReq::Create { name: "db".into(), size_bytes: 4 * mib, object_size_bytes: 65536 }).await.unwrap();
+    let db = c.open("db").await.unwrap();
+    db.write(0, vec![1; 8192]).await.unwrap();
+    // A silent parent (collapse would promote): abort discards the child all the same.
+    c.meta(MetaReq::Super { parent: "db".into(), child: "db.a1".into() }).await.unwrap();
+    let a1 = c.open("db.a1").await.unwrap();
+    a1.write(0, vec![2; 4096]).await.unwrap();
+    let r = c.meta(MetaReq::Abort { child: "db.a1".into() }).await.unwrap();
+    assert!(matches!(&r, MetaResp::Volume(v) if v.name == "db" && v.super_child.is_none()), "{r:?}");
+    assert!(c.meta(MetaReq::Info { name: "db.a1".into() }).await.is_err(), "an aborted child is gone");
+    // The parent kept permission to write, and holds its own data, not the child's.
+    db.write(4096, vec![3; 4096]).await.unwrap();
+    assert_eq!(db.read(0, 8192).await.unwrap(), [vec![1; 4096], vec![3; 4096]].concat());
+    volume::bench_cow::wait_for_jobs(&c).await.unwrap();
+    // A repeated abort: the child no longer exists.
+    let e = c.meta(MetaReq::Abort { child: "db.a1".into() }).await.unwrap_err();
+    assert!(e.to_string().contains("no volume named"), "{e}");
+    // Not a child at all.
+    let e = c.meta(MetaReq::Abort { child: "db".into() }).await.unwrap_err();
+    assert!(e.to_string().contains("not a super child"), "{e}");
+    // A parent that wrote since super: abort too (collapse would have rejected anyway).
+    c.meta(MetaReq::Super { parent: "db".into(), child: "db.a2".into() }).await.unwrap();
+    db.write(0, vec![4; 512]).await.unwrap();
+    c.meta(MetaReq::Abort { child: "db.a2".into() }).await.unwrap();
+    db.write(512, vec![5; 512]).await.unwrap();
+    volume::bench_cow::wait_for_jobs(&c).await.unwrap();
+    // A promoted child cannot be aborted: while its garbage collection runs, the error says so.
+    c.meta(MetaReq::Super { parent: "db".into(), child: "db.p".into() }).await.unwrap();
+    let r = c.meta(MetaReq::Collapse { child: "db.p".into() }).await.unwrap();
+    assert!(matches!(r, MetaResp::Collapsed { outcome: CollapseOutcome::Promoted, .. }), "{r:?}");
+    let e = c.meta(MetaReq::Abort { child: "db.p".into() }).await.unwrap_err();
+    assert!(e.to_string().contains("was promoted"), "{e}");
+    volume::bench_cow::wait_for_jobs(&c).await.unwrap();
+    let e = c.meta(MetaReq::Abort { child: "db.p".into() }).await.unwrap_err();
+    assert!(e.to_string().contains("was promoted"), "after its garbage collection too: {e}");
+    let p = c.open("db.p").await.unwrap();
+    assert_eq!(p.read(0, 1024).await.unwrap(), [vec![4; 512], vec![5; 512]].concat(), "the promoted child holds the parent's data");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cow_benchmark_workload_completes_with_every_figure() {
     let dir = tempdir("benchcow");

@@ -5,7 +5,10 @@
 //! Every seed checks the safety property of SpecREDS §4.4 — once a child is promoted, no parent
 //! write issued after `super` returned was acknowledged, and the child's content is the parent's
 //! at `super` plus the child's own writes — plus replica agreement, no lost acknowledged write,
-//! and no leaked objects after garbage collection. A failing seed reproduces exactly:
+//! and no leaked objects after garbage collection. About a third of the seeds abort instead of
+//! collapsing, as the metadata service's abort request does (mark the superposition written,
+//! then collapse): the outcome must be a rejection, and the parent must never have a write
+//! refused. A failing seed reproduces exactly:
 //! `SIM_SEED=<n> cargo test -p volume --test sim_super_collapse -- --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -94,6 +97,8 @@ struct Client {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ControlKind {
     Super,
+    /// Abort's first step: `Permission` for the parent, then `Collapse`.
+    Abort,
     Collapse,
     Gc,
     EndSuper,
@@ -122,6 +127,10 @@ struct World {
     gc_done: bool,
     faults: bool,
     parent_keeps_writing: bool,
+    /// This seed aborts the superposition instead of collapsing it.
+    abort: bool,
+    /// Parent writes refused (by a fence): never, unless the child was promoted.
+    parent_refused: Vec<TimeUs>,
     log: Vec<String>,
     dumped: TimeUs,
 }
@@ -169,6 +178,7 @@ impl World {
             }
         }
         let parent_keeps_writing = rng.chance(0.5);
+        let abort = aborts(seed);
         let mut w = World {
             rng,
             q: EventQueue::new(1_000_000),
@@ -190,6 +200,8 @@ impl World {
             gc_done: false,
             faults: true,
             parent_keeps_writing,
+            abort,
+            parent_refused: vec![],
             log: vec![],
             dumped: 0,
         };
@@ -411,6 +423,10 @@ impl World {
                 self.log.push(format!("{now} super"));
                 self.start_control(ControlKind::Super);
             }
+            Ev::Collapse if self.abort => {
+                self.log.push(format!("{now} abort"));
+                self.start_control(ControlKind::Abort);
+            }
             Ev::Collapse => {
                 self.log.push(format!("{now} collapse"));
                 self.start_control(ControlKind::Collapse);
@@ -544,6 +560,9 @@ impl World {
                 return;
             }
             Err(IoErr::WriteRefused(_)) => {
+                if !self.clients[c].child && self.clients[c].reading.is_none() {
+                    self.parent_refused.push(now);
+                }
                 // A refused write stays unacknowledged in the history: an earlier attempt of it
                 // may have landed, so the checks treat it like any unacknowledged write.
                 self.clients[c].reading = None;
@@ -568,9 +587,10 @@ impl World {
         let epoch = self.map.epoch;
         let track = Slot { table: TABLE, objno: TRACK_OBJNO };
         match kind {
-            ControlKind::Super | ControlKind::Collapse | ControlKind::EndSuper => {
+            ControlKind::Super | ControlKind::Abort | ControlKind::Collapse | ControlKind::EndSuper => {
                 let msg = match kind {
                     ControlKind::Super => Msg::Super { req, epoch, table: TABLE, parent: PARENT, child: CHILD },
+                    ControlKind::Abort => Msg::Permission { req, epoch, table: TABLE, parent: PARENT },
                     ControlKind::Collapse => Msg::Collapse { req, epoch, table: TABLE, child: CHILD },
                     _ => Msg::EndSuper { req, epoch, table: TABLE, child: CHILD },
                 };
@@ -661,6 +681,11 @@ impl World {
                                 }
                                 let at = self.rng.range_u64(100_000, 400_000);
                                 self.q.push_after(now, at, Ev::Collapse).unwrap();
+                            }
+                            ControlKind::Abort => {
+                                let ReplyBody::Granted(g) = body else { panic!("abort's permission answered {body:?}") };
+                                self.log.push(format!("{now} abort marked the superposition written (granted {g})"));
+                                self.start_control(ControlKind::Collapse);
                             }
                             ControlKind::Collapse => {
                                 let ReplyBody::Collapse(o) = body else { panic!("collapse answered {body:?}") };
@@ -757,6 +782,12 @@ fn check_read(r: &ReadRec, writes: &[&WriteRec], initial: &BTreeSet<u64>, earlie
     }
 }
 
+/// Whether a seed aborts the superposition instead of collapsing it (from its own generator, so
+/// the other seeds' runs are unchanged).
+fn aborts(seed: u64) -> bool {
+    SimRng::new(seed ^ 0xab0b_7ab0).chance(0.3)
+}
+
 /// Runs one seed and checks it; returns the deferred copies its stores made and completed.
 fn run_seed(seed: u64) -> (u64, u64) {
     eprintln!("seed {seed}");
@@ -770,7 +801,7 @@ fn run_seed(seed: u64) -> (u64, u64) {
         assert!(w.now() < 20_000_000, "seed {seed}: no quiescence after 20 s virtual: {}\n{}", w.why_busy(), w.log.join("\n"));
         assert!(steps < 20_000_000, "seed {seed}: too many steps");
     }
-    let ctx = || format!("seed {seed} (parent keeps writing: {})\n{}", w.parent_keeps_writing, w.log.join("\n"));
+    let ctx = || format!("seed {seed} (parent keeps writing: {}, abort: {})\n{}", w.parent_keeps_writing, w.abort, w.log.join("\n"));
     assert!(w.quiet(), "seed {seed}: event queue ran dry before quiescence\n{}", ctx());
     let outcome = w.collapse_outcome.unwrap_or_else(|| panic!("no collapse outcome\n{}", ctx()));
     let (super_start, super_end) = (w.super_start_us.unwrap(), w.super_end_us.unwrap());
@@ -787,8 +818,14 @@ fn run_seed(seed: u64) -> (u64, u64) {
             );
         }
     }
-    if !w.parent_keeps_writing {
+    if w.abort {
+        assert!(!promoted, "aborted, yet the child was promoted\n{}", ctx());
+    } else if !w.parent_keeps_writing {
         assert!(promoted, "the parent stayed silent, yet collapse rejected the child\n{}", ctx());
+    }
+    if !promoted {
+        // The parent keeps permission to write through a rejection or an abort.
+        assert!(w.parent_refused.is_empty(), "not promoted, yet parent writes were refused at {:?}\n{}", w.parent_refused, ctx());
     }
 
     // Replicas agree, and nothing of the loser is left.
@@ -932,6 +969,8 @@ fn super_collapse_under_faults_many_seeds() {
         completed += c;
     }
     // The simulated store defers copies as the real one does: the partial-copy paths ran.
-    eprintln!("deferred copies: {made} made, {completed} completed over {seeds} seeds");
+    let aborted = (0..seeds).filter(|s| aborts(*s)).count();
+    eprintln!("deferred copies: {made} made, {completed} completed over {seeds} seeds ({aborted} aborted)");
+    assert!(seeds < 20 || aborted > 0, "no seed aborted");
     assert!(seeds < 20 || (made > 0 && completed > 0), "no deferred copy was made ({made}) or completed ({completed})");
 }

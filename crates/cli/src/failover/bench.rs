@@ -85,7 +85,8 @@ const TRANSIENT_MS: f64 = 15_000.0;
 
 struct RunResult {
     gap_ms: f64,
-    /// Client commits/s in the 2 s before the crash and in the 2 s after service resumed.
+    /// Client commits/s in the settle time (2 s; 1 s with --quick) before the crash and after
+    /// service resumed.
     before_ops_per_s: f64,
     after_ops_per_s: f64,
     /// Time two instances were held at once (backup started → old primary released).
@@ -151,16 +152,112 @@ impl Drop for MonitorProc {
     }
 }
 
-/// The load for 8 s with no failure at all: the never-failed instance of §6.5.
-fn run_never_failed(cluster_file: &Path, dir: &Path, verbose: u8) -> anyhow::Result<RunResult> {
-    run_inner(cluster_file, dir, "speculative", 0, verbose, false, false)
+/// The application the demo fails over (the benchmark's runs use SQLite).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoApp {
+    /// The SQLite front (python3's sqlite3): works on a fresh machine.
+    #[default]
+    Sqlite,
+    /// Debian's PostgreSQL server, unmodified (needs the postgresql package).
+    Postgres,
 }
 
-fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool) -> anyhow::Result<RunResult> {
-    run_inner(cluster_file, dir, variant, round, verbose, tell, true)
+impl DemoApp {
+    fn title(self) -> &'static str {
+        match self {
+            DemoApp::Sqlite => "SQLite behind its network front",
+            DemoApp::Postgres => "PostgreSQL (Debian's, unmodified)",
+        }
+    }
+
+    fn short(self) -> &'static str {
+        match self {
+            DemoApp::Sqlite => "SQLite",
+            DemoApp::Postgres => "PostgreSQL",
+        }
+    }
+
+    fn volume_size(self) -> &'static str {
+        match self {
+            DemoApp::Sqlite => "128M",
+            DemoApp::Postgres => "256M",
+        }
+    }
+
+    fn command(self, exe: &Path) -> serde_json::Value {
+        match self {
+            DemoApp::Sqlite => serde_json::json!([exe, "failover", "sqlite-front", "--db", "{mount}/app.db", "--port", "{port}"]),
+            DemoApp::Postgres => serde_json::json!([exe, "failover", "postgres", "--data", "{mount}/pgdata", "--port", "{port}"]),
+        }
+    }
+
+    fn health(self) -> serde_json::Value {
+        match self {
+            DemoApp::Sqlite => serde_json::json!({ "send": "PING", "expect": "PONG", "timeout_ms": 1000 }),
+            DemoApp::Postgres => serde_json::json!({ "postgres": {}, "send": "SELECT 1", "expect": "1", "timeout_ms": 1000 }),
+        }
+    }
+
+    fn target(self) -> ::failover::load::Target {
+        match self {
+            DemoApp::Sqlite => ::failover::load::Target::Line,
+            DemoApp::Postgres => ::failover::load::Target::Postgres(Default::default()),
+        }
+    }
+
+    /// What it needs that a fresh machine may lack, said plainly.
+    fn check_installed(self) -> anyhow::Result<()> {
+        match self {
+            DemoApp::Sqlite => {
+                ::failover::spec::find_program("python3").context("the SQLite demo needs python3 (apt-get install python3)")?;
+            }
+            DemoApp::Postgres => {
+                super::postgres::find_bin_dir()
+                    .context("PostgreSQL is not installed (apt-get install postgresql, or scripts/install-deps); `understudy demo` without --app postgres shows SQLite")?;
+            }
+        }
+        Ok(())
+    }
 }
 
-fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool, crash: bool) -> anyhow::Result<RunResult> {
+/// How long the load runs before the crash and after the outcome, and how long throughput is
+/// averaged over on each side of the outage (2 s; 1 s with `--quick`).
+#[derive(Clone, Copy)]
+struct Settle(Duration);
+
+impl Settle {
+    fn new(quick: bool) -> Settle {
+        Settle(Duration::from_secs(if quick { 1 } else { 2 }))
+    }
+
+    fn ms(self) -> u64 {
+        self.0.as_millis() as u64
+    }
+}
+
+/// The load with no failure at all (settle, then three times as long measured): the
+/// never-failed instance of §6.5.
+fn run_never_failed(cluster_file: &Path, dir: &Path, verbose: u8, settle: Settle) -> anyhow::Result<RunResult> {
+    run_inner(cluster_file, dir, "speculative", 0, verbose, false, false, settle, DemoApp::Sqlite)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool, settle: Settle, app: DemoApp) -> anyhow::Result<RunResult> {
+    run_inner(cluster_file, dir, variant, round, verbose, tell, true, settle, app)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_inner(
+    cluster_file: &Path,
+    dir: &Path,
+    variant: &str,
+    round: usize,
+    verbose: u8,
+    tell: bool,
+    crash: bool,
+    settle: Settle,
+    app: DemoApp,
+) -> anyhow::Result<RunResult> {
     let exe = std::env::current_exe()?;
     let vol = format!("bench-{variant}-{round}{}", if crash { "" } else { "-nofail" });
     let cli = |args: &[&str]| -> anyhow::Result<String> {
@@ -168,7 +265,7 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
         anyhow::ensure!(o.status.success(), "`understudy {}`: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim());
         Ok(String::from_utf8_lossy(&o.stdout).into_owned())
     };
-    cli(&["volume", "create", &vol, "--size", "128M"])?;
+    cli(&["volume", "create", &vol, "--size", app.volume_size()])?;
     let run_dir = dir.join(format!("run-{vol}"));
     std::fs::create_dir_all(&run_dir)?;
     let port = free_port()?;
@@ -177,8 +274,8 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
         "volume": vol,
         "state_dir": run_dir.join("state"),
         "mkfs": true,
-        "app": { "command": [exe, "failover", "sqlite-front", "--db", "{mount}/app.db", "--port", "{port}"] },
-        "health": { "send": "PING", "expect": "PONG", "timeout_ms": 1000 },
+        "app": { "command": app.command(&exe) },
+        "health": app.health(),
         "endpoint": { "listen": format!("127.0.0.1:{port}") },
         "monitor": {
             "policy": variant,
@@ -222,26 +319,27 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
     // The client: load through the endpoint in its own runtime.
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let endpoint: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    let target = app.target();
     let load = std::thread::spawn(move || -> anyhow::Result<(::failover::load::LoadResult, ::failover::load::Verdict)> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         rt.block_on(async {
-            let r = ::failover::load::run_load(endpoint, &::failover::load::Target::Line, Duration::from_secs(600), 100, async {
+            let r = ::failover::load::run_load(endpoint, &target, Duration::from_secs(600), 100, async {
                 let _ = stop_rx.await;
             })
             .await;
-            let v = ::failover::load::verify(endpoint, &::failover::load::Target::Line, &r, Duration::from_secs(60)).await.map_err(anyhow::Error::msg)?;
+            let v = ::failover::load::verify(endpoint, &target, &r, Duration::from_secs(60)).await.map_err(anyhow::Error::msg)?;
             Ok((r, v))
         })
     });
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(settle.0);
     if !crash {
-        std::thread::sleep(Duration::from_secs(6));
+        std::thread::sleep(settle.0 * 3);
         let rss = peak_rss_bytes(monitor.0.id()).unwrap_or(0);
         let _ = stop_tx.send(());
         let (r, v) = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
         anyhow::ensure!(v.missing.is_empty() && v.unexpected.is_empty(), "never-failed run lost commits: {v:?}");
-        let n = r.acked.iter().filter(|(_, t)| *t >= 2_000 && *t < 8_000).count();
-        let rate = n as f64 / 6.0;
+        let n = r.acked.iter().filter(|(_, t)| *t >= settle.ms() && *t < settle.ms() * 4).count();
+        let rate = n as f64 / (settle.0.as_secs_f64() * 3.0);
         return Ok(RunResult {
             gap_ms: r.max_gap_ms as f64,
             before_ops_per_s: rate,
@@ -259,7 +357,7 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
     }
     let done = wait_event(&rx, &mut seen, &["promoted", "reds_restarted"], Duration::from_secs(300), tell)?;
     let rss = peak_rss_bytes(monitor.0.id()).unwrap_or(0);
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(settle.0);
     let _ = stop_tx.send(());
     let (r, v) = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
     anyhow::ensure!(
@@ -295,8 +393,8 @@ fn run_inner(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbo
         let n = r.acked.iter().filter(|(_, t)| *t >= from_ms && *t < to_ms).count();
         n as f64 * 1000.0 / (to_ms.saturating_sub(from_ms)).max(1) as f64
     };
-    let before = rate(r.gap_start_ms.saturating_sub(2_000), r.gap_start_ms);
-    let after = rate(r.gap_end_ms, r.gap_end_ms + 2_000);
+    let before = rate(r.gap_start_ms.saturating_sub(settle.ms()), r.gap_start_ms);
+    let after = rate(r.gap_end_ms, r.gap_end_ms + settle.ms());
     // REDS and the oracle fence before they start: no overlap. Speculative holds the backup
     // from its start until the old primary is released at promotion.
     let overlap_s = if variant == "speculative" { (t(&done) - started) / 1000.0 } else { 0.0 };
@@ -322,12 +420,13 @@ pub fn scenarios(a: BenchArgs, verbose: u8) -> anyhow::Result<()> {
     rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
     let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
+    let settle = Settle::new(a.quick);
     let mut results: Vec<Vec<RunResult>> = (0..VARIANTS.len()).map(|_| vec![]).collect();
     for (i, v) in bench::interleaved_order(rounds, VARIANTS.len()).into_iter().enumerate() {
         let round = i / VARIANTS.len();
-        results[v].push(run_one(&cluster_file, dir.path(), VARIANTS[v], round, verbose, false)?);
+        results[v].push(run_one(&cluster_file, dir.path(), VARIANTS[v], round, verbose, false, settle, DemoApp::Sqlite)?);
     }
-    let never_failed = run_never_failed(&cluster_file, dir.path(), verbose);
+    let never_failed = run_never_failed(&cluster_file, dir.path(), verbose, settle);
     let recov = never_failed.and_then(|nf| Ok((nf, recovery_inputs(&a, &cluster_file, dir.path())?)));
     lc.stop();
     let (never_failed, (short, long, recovery_source)) = recov?;
@@ -444,7 +543,8 @@ pub fn scenarios(a: BenchArgs, verbose: u8) -> anyhow::Result<()> {
             }
         })
         .collect();
-    let _ = bench::line_plot(&out.join("throughput"), "SQLite front: commits through the endpoint, SIGKILL at 2 s", "time (s)", "commits/s", &series, bench::Scale::Linear);
+    let title = format!("SQLite front: commits through the endpoint, SIGKILL at {} s", settle.0.as_secs());
+    let _ = bench::line_plot(&out.join("throughput"), &title, "time (s)", "commits/s", &series, bench::Scale::Linear);
     let rows = series.iter().flat_map(|s| s.points.iter().map(move |(x, y)| vec![s.name.clone(), format!("{x:.1}"), format!("{y:.0}")]));
     bench::write_csv(&out.join("throughput.csv"), &["policy", "time_s", "commits_per_s"], rows)?;
     eprintln!("plots and samples in {}", out.display());
@@ -452,18 +552,22 @@ pub fn scenarios(a: BenchArgs, verbose: u8) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `understudy failover demo`: a real speculative failover of SQLite, as a timeline.
-pub fn demo(verbose: u8) -> anyhow::Result<()> {
+/// `understudy failover demo`: a real speculative failover of SQLite (or PostgreSQL), as a
+/// timeline.
+pub fn demo(verbose: u8, app: DemoApp) -> anyhow::Result<()> {
+    app.check_installed()?;
     let base = std::env::temp_dir();
     let dir = tempfile::Builder::new().prefix("understudy-failover-demo-").tempdir_in(&base)?;
-    println!("Understudy failover demo: SQLite behind its network front on an ext4 volume, speculative policy");
+    // PostgreSQL runs unprivileged: it must reach its data directory on the instance's mount.
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    println!("Understudy failover demo: {} on an ext4 volume, speculative policy", app.title());
     let rt = crate::runtime()?;
     let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose })?;
     rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
     let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
     println!("  cluster up: 4 shards, 3 replicas; a client inserts rows through the endpoint, one at a time");
-    let r = run_one(&cluster_file, dir.path(), "speculative", 0, verbose, true);
+    let r = run_one(&cluster_file, dir.path(), "speculative", 0, verbose, true, Settle::new(false), app);
     lc.stop();
     let r = r?;
     println!("  client throughput (commits/s per {} ms; the kill is at 2 s):", r.window_ms);
@@ -478,7 +582,8 @@ pub fn demo(verbose: u8) -> anyhow::Result<()> {
         name: "speculative".into(),
         points: r.ops_per_window.iter().enumerate().map(|(i, n)| ((i as u64 * r.window_ms) as f64 / 1000.0, *n as f64 * per_s)).collect(),
     }];
-    if let Ok([svg, _]) = bench::line_plot(&out.join("demo-throughput"), "Speculative failover of SQLite: client commits/s", "time (s)", "commits/s", &series, bench::Scale::Linear) {
+    let title = format!("Speculative failover of {}: client commits/s", app.short());
+    if let Ok([svg, _]) = bench::line_plot(&out.join("demo-throughput"), &title, "time (s)", "commits/s", &series, bench::Scale::Linear) {
         println!("  plot: {}", svg.display());
     }
     println!("demo ok: the backup was promoted, no acknowledged commit was lost, the monitor used {:.1} MiB", r.monitor_rss_bytes as f64 / 1048576.0);

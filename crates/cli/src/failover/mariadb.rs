@@ -9,7 +9,7 @@
 //! group, so the pool's SIGKILL of the group reaches it. Commits are flushed at commit
 //! (`rocksdb_flush_log_at_trx_commit = 1`, `innodb_flush_log_at_trx_commit = 1`).
 
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -22,9 +22,12 @@ pub struct MariaArgs {
     /// The data directory (made with mariadb-install-db when it holds no database yet).
     #[arg(long, value_name = "DIR")]
     pub data: PathBuf,
-    /// TCP port on 127.0.0.1.
+    /// TCP port.
     #[arg(long)]
     pub port: u16,
+    /// Address to listen on (an instance's pool sets UNDERSTUDY_HOST: its namespace's address).
+    #[arg(long, env = "UNDERSTUDY_HOST", default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
     /// The unprivileged user mariadbd runs as.
     #[arg(long, default_value = "mysql")]
     pub user: String,
@@ -92,12 +95,24 @@ pub fn run(a: MariaArgs) -> anyhow::Result<()> {
         .arg(format!("--user={}", a.user))
         .arg(format!("--datadir={}", data.display()))
         .arg(format!("--port={}", a.port))
-        .arg("--bind-address=127.0.0.1")
+        .arg(format!("--bind-address={}", a.host))
         // Unix socket paths are short (108 bytes): keep it out of the deep mount path.
         .arg(format!("--socket=/tmp/understudy-mariadb-{}.sock", a.port))
         .arg(format!("--pid-file={}/mariadbd.pid", data.display()))
         .arg("--innodb-flush-log-at-trx-commit=1")
         .arg("--skip-log-bin");
+    if let std::net::IpAddr::V4(v4) = a.host {
+        if !v4.is_loopback() {
+            // Clients come over the instance's own link (a /30 in its network namespace), not
+            // from localhost: let root in from that link too, as from localhost (empty password).
+            let net = std::net::Ipv4Addr::from(u32::from(v4) & !3);
+            let init = format!("/tmp/understudy-mariadb-{}-init.sql", a.port);
+            let user = format!("'root'@'{net}/255.255.255.252'");
+            std::fs::write(&init, format!("CREATE USER IF NOT EXISTS {user};\nGRANT ALL PRIVILEGES ON *.* TO {user} WITH GRANT OPTION;\n"))?;
+            std::fs::set_permissions(&init, std::fs::Permissions::from_mode(0o644))?;
+            cmd.arg(format!("--init-file={init}"));
+        }
+    }
     if !a.innodb && rocksdb_plugin() {
         cmd.arg(format!("--plugin-load-add={ROCKSDB_PLUGIN}")).arg("--default-storage-engine=ROCKSDB").arg("--rocksdb-flush-log-at-trx-commit=1");
     }

@@ -22,9 +22,12 @@ pub struct PgArgs {
     /// The data directory (made with initdb when it holds no cluster yet).
     #[arg(long, value_name = "DIR")]
     pub data: PathBuf,
-    /// TCP port on 127.0.0.1 (no Unix socket is opened).
+    /// TCP port (no Unix socket is opened).
     #[arg(long)]
     pub port: u16,
+    /// Address to listen on (an instance's pool sets UNDERSTUDY_HOST: its namespace's address).
+    #[arg(long, env = "UNDERSTUDY_HOST", default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
     /// The unprivileged user postgres runs as [default: postgres if it exists, else nobody].
     #[arg(long)]
     pub user: Option<String>,
@@ -125,6 +128,13 @@ pub fn run(a: PgArgs) -> anyhow::Result<()> {
     if std::fs::metadata(&data)?.uid() != uid {
         chown_tree(&data, uid, gid)?;
     }
+    // Clients come over the instance's own link (its network namespace's /30) as well as
+    // loopback: trust both, as initdb trusts loopback. Added once; it stays in the data.
+    let hba = data.join("pg_hba.conf");
+    let text = std::fs::read_to_string(&hba).with_context(|| format!("cannot read {}", hba.display()))?;
+    if !text.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["host", "all", "all", "samenet", "trust"]) {
+        std::fs::write(&hba, format!("{text}\n# understudy: clients over the instance's own link\nhost all all samenet trust\n"))?;
+    }
     let pid_file = data.join("postmaster.pid");
     if pid_file.exists() {
         eprintln!("understudy failover postgres: removing the lock file a crashed host left ({})", pid_file.display());
@@ -133,7 +143,7 @@ pub fn run(a: PgArgs) -> anyhow::Result<()> {
     let mut cmd = tokio::process::Command::new(bin.join("postgres"));
     cmd.arg("-D").arg(&data).args(["-p", &a.port.to_string()]);
     let settings = [
-        "listen_addresses=127.0.0.1".to_string(),
+        format!("listen_addresses={}", a.host),
         "unix_socket_directories=".into(),
         "fsync=on".into(),
         "synchronous_commit=on".into(),
