@@ -28,8 +28,18 @@ pub enum LogRecord {
     /// Written (and synced) once, when the node first joins its group: a log with `Boot` belongs
     /// to a node that was a member before and must recover before it serves again.
     Boot { node: u32 },
-    Put { key: Vec<u8>, ts: Ts, value: Vec<u8> },
-    Mark { key: Vec<u8>, ts: Ts },
+    Put {
+        #[serde(with = "serde_bytes")]
+        key: Vec<u8>,
+        ts: Ts,
+        #[serde(with = "serde_bytes")]
+        value: Vec<u8>,
+    },
+    Mark {
+        #[serde(with = "serde_bytes")]
+        key: Vec<u8>,
+        ts: Ts,
+    },
     /// The node became an active, complete member of configuration `epoch` (`whole`: no node
     /// was absent). Everything it applies later follows this record: the "log id" the
     /// reactive-log baseline reads from (§II-C, ZooKeeper's zxid), and where compaction cuts.

@@ -160,7 +160,13 @@ struct Coord {
     replied: bool,
     val_c_sent: bool,
     deadline_us: u64,
+    /// INV re-broadcasts so far: each waits twice as long as the one before (up to
+    /// `MAX_INV_BACKOFF_SHIFT` doublings), so an overloaded group is not buried under them.
+    retries: u32,
 }
+
+/// INV→ACK re-broadcasts back off exponentially up to `inv_ack_timeout_us << this`.
+pub const MAX_INV_BACKOFF_SHIFT: u32 = 4;
 
 #[derive(Clone, Debug, Default)]
 struct KeyState {
@@ -395,6 +401,17 @@ impl NodeCore {
         (self.next_persist_id, &self.persist_waits, &self.recent_tags).hash(h);
         (self.last_epoch, &self.log_reads).hash(h);
     }
+    /// The protocol state of one key, for diagnosing a failing simulation seed.
+    #[doc(hidden)]
+    pub fn debug_key(&self, key: &[u8]) -> String {
+        let Some(k) = self.store.get(key) else { return "absent".into() };
+        format!(
+            "ts {} valid {} gdp {} durable {} marked {} timeouts {} deadline {} coord {:?} pending_p {:?} waiting {} unsettled {} mode {:?}",
+            k.ts, k.valid, k.gdp, k.durable, k.marked, k.timeouts, k.deadline_us,
+            k.coord.as_ref().map(|c| (c.ts, c.client, &c.acks_c, &c.acks_p, c.local_p, c.replied, c.val_c_sent, c.deadline_us)),
+            k.pending_p, k.waiting.len(), self.unsettled.contains(key), self.mode
+        )
+    }
     /// Volatile timestamp of `key` (default if absent), for invariant checks.
     pub fn key_ts(&self, key: &[u8]) -> Ts {
         self.store.get(key).map(|k| k.ts).unwrap_or_default()
@@ -615,6 +632,7 @@ impl NodeCore {
             if let Some(c) = &mut k.coord {
                 c.acks_c.clear();
                 c.acks_p.clear();
+                c.retries = 0;
                 c.deadline_us = now_us + self.p.inv_ack_timeout_us;
                 let msg = PeerMsg::Inv {
                     epoch,
@@ -774,6 +792,7 @@ impl NodeCore {
                     replied: false,
                     val_c_sent: false,
                     deadline_us: now_us + self.p.inv_ack_timeout_us,
+                    retries: 0,
                 }));
                 self.unsettled.insert(key.clone());
                 self.persist(&key, ts, &value);
@@ -1253,15 +1272,26 @@ impl NodeCore {
         let epoch = self.config.epoch;
         let me = self.p.id;
         let keys: Vec<Vec<u8>> = self.unsettled.iter().cloned().collect();
+        let others = self.others();
+        let needs_p = self.p.model != Model::Scope;
         for key in keys {
             let Some(k) = self.store.get_mut(&key) else { continue };
             if let Some(c) = &mut k.coord {
                 if now_us >= c.deadline_us {
-                    // §V-F1: re-broadcast with the original timestamp to every follower.
-                    c.deadline_us = now_us + self.p.inv_ack_timeout_us;
+                    // §V-F1: re-send the INV with the original timestamp, to the followers
+                    // whose ACKs are missing (the others have it), backing off each time.
+                    c.retries = c.retries.saturating_add(1);
+                    c.deadline_us = now_us + (self.p.inv_ack_timeout_us << c.retries.min(MAX_INV_BACKOFF_SHIFT));
+                    let missing: Vec<NodeId> = others
+                        .iter()
+                        .copied()
+                        .filter(|n| !c.acks_c.contains(n) || (needs_p && !c.acks_p.contains(n)))
+                        .collect();
                     let msg = PeerMsg::Inv { epoch, key: key.clone(), ts: c.ts, value: c.value.clone() };
                     self.counters.inv_rebroadcasts += 1;
-                    self.broadcast(msg);
+                    for n in missing {
+                        self.out.push(Output::Send { to: n, msg: msg.clone() });
+                    }
                 }
                 continue;
             }
@@ -1292,6 +1322,7 @@ impl NodeCore {
                     replied: true,
                     val_c_sent: false,
                     deadline_us: now_us + self.p.inv_ack_timeout_us,
+                    retries: 0,
                 }));
                 self.counters.replays_started += 1;
                 let msg = PeerMsg::Inv { epoch, key: key.clone(), ts, value: k.value.clone() };
