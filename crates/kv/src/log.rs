@@ -136,7 +136,9 @@ impl Rebuilder {
             }
             LogRecord::Epoch { epoch, .. } => self.last_epoch = self.last_epoch.max(epoch),
             LogRecord::Put { key, ts, value } => {
-                let v = self.puts.entry(key).or_default();
+                // Most keys have one live version: no room for more until it is needed (a
+                // default Vec would reserve four per key, a store-sized heap of holes later).
+                let v = self.puts.entry(key).or_insert_with(|| Vec::with_capacity(1));
                 match v.binary_search_by_key(&ts, |e| e.0) {
                     Ok(i) => v[i].1 = value,
                     Err(i) => v.insert(i, (ts, value, false)),
@@ -407,6 +409,18 @@ pub struct FileLog {
     pub compactions: u64,
 }
 
+/// Hands memory freed by a large transient structure (a log rebuild or compaction) back to the
+/// OS: glibc keeps it in its heap otherwise, and a node's resident memory would stay at its
+/// peak rather than at what it stores.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel; it takes no pointers and
+    // is thread-safe (glibc locks each arena).
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Default for [`FileLog::compact_min_bytes`].
 pub const COMPACT_MIN_BYTES: u64 = 64 << 20;
 /// Default for [`FileLog::max_tail_bytes`].
@@ -461,6 +475,25 @@ impl FileLog {
         self.len = valid;
         self.markers = markers;
         Ok(b.finish())
+    }
+
+    /// Like [`Self::load_state`] for the markers and length only (after a compaction: the state
+    /// is in the node already, and rebuilding it would hold a second copy of the store).
+    fn load_markers(&mut self) -> Result<(), LogError> {
+        use std::io::Seek;
+        self.file.seek(std::io::SeekFrom::Start(0))?;
+        let mut markers = Vec::new();
+        let mut pos = 0u64;
+        let valid = stream_records(&self.file, |r, n| {
+            if let LogRecord::Epoch { epoch, whole } = &r {
+                markers.push((*epoch, pos, *whole));
+            }
+            pos += n;
+        })?;
+        self.len = valid;
+        self.markers = markers;
+        release_free_memory();
+        Ok(())
     }
 
     fn open_files(path: &Path) -> Result<(File, File), LogError> {
@@ -538,7 +571,7 @@ impl FileLog {
         let (file, dsync) = Self::open_files(&self.path)?;
         self.file = file;
         self.dsync = dsync;
-        self.load_state()?;
+        self.load_markers()?;
         self.gen += 1;
         self.compacted_len = self.len;
         self.compactions += 1;

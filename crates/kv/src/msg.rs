@@ -208,14 +208,16 @@ pub enum PeerMsg {
     },
     RecovStart { epoch: u64 },
     RecovStartAck { epoch: u64 },
-    /// Carries the recovering node's Partially_persisted list; asks for the next chunk at
-    /// `cursor`. One request is out at a time (the reply names the next cursor); the next goes
-    /// when the reply arrives, unless `max_catchup_chunks_in_flight` received chunks are still
-    /// being persisted: a copy of any size streams without flooding anyone.
+    /// Carries the recovering node's Partially_persisted list; asks for up to `chunks`
+    /// consecutive chunks from `cursor`, which the Buddy sends back to back (each reply names
+    /// the next cursor). One request is out at a time; the next goes when its last reply
+    /// arrived, for as many chunks as `max_catchup_chunks_in_flight` leaves room for beside the
+    /// chunks still being persisted: a copy of any size streams without flooding anyone.
     CatchUpReq {
         epoch: u64,
         partially: Vec<(Vec<u8>, Ts)>,
         cursor: Cursor,
+        chunks: u32,
     },
     /// The Buddy's answer to the request at `from`: at most `max_catchup_chunk_bytes` of
     /// entries, and where to continue (`None`: done).

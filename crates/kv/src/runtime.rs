@@ -261,6 +261,8 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     let start = Instant::now();
     let now_us = || start.elapsed().as_micros() as u64;
     let mut core = NodeCore::new(cfg.params.clone(), st);
+    // The rebuild's scaffolding is garbage now.
+    log::release_free_memory();
     // Bumped at every `Reload`; log completions carry it.
     let mut inc: u64 = 0;
     let mut last_now = 0u64;
@@ -359,6 +361,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         let _ = log_tx.send(LogJob::Rebuild(rtx));
                         let st = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
                         core = NodeCore::new(cfg.params.clone(), st);
+                        log::release_free_memory();
                         inc += 1;
                         // Durable completions of the old core are meaningless to the new one.
                     }
