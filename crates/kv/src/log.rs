@@ -116,8 +116,26 @@ pub fn rebuild(records: &[LogRecord]) -> LogState {
 
 /// Builds a [`LogState`] one record at a time (a log of any size streams through it). Per key
 /// it keeps only the versions that can still matter: a `Mark` drops every older version.
-/// Per key, the versions still relevant: (timestamp, value, GDP flag), oldest first.
-type Versions = Vec<(Ts, Vec<u8>, bool)>;
+/// Per key, the versions still relevant: (timestamp, value, GDP flag), oldest first. Most keys
+/// have one, kept inline: a per-key allocation would be freed after the rebuild and leave a
+/// store-sized heap of holes between the values that the node keeps.
+enum Versions {
+    One((Ts, Vec<u8>, bool)),
+    Many(Vec<(Ts, Vec<u8>, bool)>),
+}
+
+impl Versions {
+    fn many(&mut self) -> &mut Vec<(Ts, Vec<u8>, bool)> {
+        if let Versions::One(x) = self {
+            let x = std::mem::replace(x, (Ts::default(), Vec::new(), false));
+            *self = Versions::Many(vec![x]);
+        }
+        match self {
+            Versions::Many(v) => v,
+            Versions::One(_) => unreachable!(),
+        }
+    }
+}
 
 #[derive(Default)]
 pub struct Rebuilder {
@@ -138,7 +156,20 @@ impl Rebuilder {
             LogRecord::Put { key, ts, value } => {
                 // Most keys have one live version: no room for more until it is needed (a
                 // default Vec would reserve four per key, a store-sized heap of holes later).
-                let v = self.puts.entry(key).or_insert_with(|| Vec::with_capacity(1));
+                let v = match self.puts.entry(key) {
+                    std::collections::btree_map::Entry::Vacant(e) => {
+                        e.insert(Versions::One((ts, value, false)));
+                        return;
+                    }
+                    std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                };
+                if let Versions::One(x) = v {
+                    if x.0 == ts {
+                        x.1 = value;
+                        return;
+                    }
+                }
+                let v = v.many();
                 match v.binary_search_by_key(&ts, |e| e.0) {
                     Ok(i) => v[i].1 = value,
                     Err(i) => v.insert(i, (ts, value, false)),
@@ -147,7 +178,11 @@ impl Rebuilder {
             LogRecord::Mark { key, ts } => {
                 // A mark may precede its put in the file only if the put was never made
                 // durable; such a mark refers to nothing.
-                if let Some(v) = self.puts.get_mut(&key) {
+                if let Some(Versions::One(x)) = self.puts.get_mut(&key) {
+                    if x.0 == ts {
+                        x.2 = true;
+                    }
+                } else if let Some(Versions::Many(v)) = self.puts.get_mut(&key) {
                     if let Ok(i) = v.binary_search_by_key(&ts, |e| e.0) {
                         v[i].2 = true;
                         v.drain(..i);
@@ -165,7 +200,18 @@ impl Rebuilder {
             last_epoch: self.last_epoch,
             ..Default::default()
         };
-        for (key, mut versions) in self.puts {
+        for (key, versions) in self.puts {
+            let mut versions = match versions {
+                Versions::One((ts, v, marked)) => {
+                    if marked {
+                        st.base.insert(key, (ts, v));
+                    } else if ts > Ts::default() {
+                        st.partially.insert(key, (ts, v));
+                    }
+                    continue;
+                }
+                Versions::Many(v) => v,
+            };
             let base_i = versions.iter().rposition(|e| e.2);
             let base_ts = base_i.map(|i| versions[i].0).unwrap_or_default();
             let newest_unmarked = versions.last().is_some_and(|e| !e.2 && e.0 > base_ts);
