@@ -127,7 +127,7 @@ enum Versions {
 impl Versions {
     fn many(&mut self) -> &mut Vec<(Ts, Vec<u8>, bool)> {
         if let Versions::One(x) = self {
-            let x = std::mem::replace(x, (Ts::default(), Vec::new(), false));
+            let x = std::mem::take(x);
             *self = Versions::Many(vec![x]);
         }
         match self {
