@@ -475,7 +475,17 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
     if let Some(f) = &fault {
         add_fault_figures(&mut report, f, &run)?;
     }
-    write_samples(&out, &prefix, &run, fault.as_ref())?;
+    let marks: Vec<(String, f64)> = fault
+        .as_ref()
+        .map(|f| {
+            vec![
+                ("node killed".to_string(), f.kill_s),
+                ("node restarted".to_string(), f.restart_s),
+                ("node serving again".to_string(), f.serving_s),
+            ]
+        })
+        .unwrap_or_default();
+    crate::ycsb::write_samples(&out, &prefix, &run, &marks)?;
     eprintln!("plots and samples in {}", out.display());
     report.print();
     crate::ycsb::ensure_reads_checked(&load, &run)
@@ -536,82 +546,3 @@ fn add_fault_figures(
     Ok(())
 }
 
-/// The run's throughput timeline (with the failure marked) and latency CDFs, as CSV and plots.
-fn write_samples(
-    out: &Path,
-    prefix: &str,
-    run: &PhaseSummary,
-    fault: Option<&FaultTimes>,
-) -> anyhow::Result<()> {
-    let stem = prefix.replace('.', "-");
-    let window_s = run.window.as_secs_f64();
-    let timeline: Vec<(f64, f64)> = run
-        .window_ops_per_s()
-        .into_iter()
-        .enumerate()
-        .map(|(i, rate)| (i as f64 * window_s, rate))
-        .collect();
-    bench::write_csv(
-        &out.join(format!("{stem}-throughput.csv")),
-        &["window_start_s", "throughput_ops_per_s"],
-        timeline
-            .iter()
-            .map(|(t, r)| vec![format!("{t:.1}"), format!("{r:.0}")]),
-    )?;
-    let mut cdf_rows = vec![];
-    let mut cdfs = vec![];
-    for (label, stats) in &run.ops {
-        let points = stats.latency.cdf_points();
-        cdf_rows.extend(
-            points
-                .iter()
-                .map(|(us, f)| vec![label.to_string(), format!("{us}"), format!("{f:.6}")]),
-        );
-        cdfs.push(bench::Series {
-            name: label.to_string(),
-            points,
-        });
-    }
-    bench::write_csv(
-        &out.join(format!("{stem}-latency-cdf.csv")),
-        &["operation", "latency_us", "fraction"],
-        cdf_rows,
-    )?;
-    if timeline.len() >= 2 {
-        let top = timeline.iter().map(|p| p.1).fold(0.0, f64::max);
-        let mut series = vec![bench::Series {
-            name: "all operations".into(),
-            points: timeline,
-        }];
-        if let Some(f) = fault {
-            for (name, t) in [
-                ("node killed", f.kill_s),
-                ("node restarted", f.restart_s),
-                ("node serving again", f.serving_s),
-            ] {
-                series.push(bench::Series {
-                    name: format!("{name} ({t:.2} s)"),
-                    points: vec![(t, 0.0), (t, top)],
-                });
-            }
-        }
-        bench::line_plot(
-            &out.join(format!("{stem}-throughput")),
-            &format!("{prefix}: throughput per 100 ms"),
-            "time (s)",
-            "operations per second",
-            &series,
-            bench::Scale::Linear,
-        )?;
-    }
-    if !cdfs.is_empty() {
-        bench::cdf_plot(
-            &out.join(format!("{stem}-latency-cdf")),
-            &format!("{prefix}: latency"),
-            "latency (µs)",
-            &cdfs,
-            bench::Scale::Log,
-        )?;
-    }
-    Ok(())
-}

@@ -60,7 +60,7 @@ pub struct KvZkArgs {
     #[arg(long, default_value_t = 200)]
     pub write_rate: u64,
     /// Writes in flight at most; a write due while all are busy is skipped (and counted).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 256)]
     pub max_inflight: usize,
     /// Keys (znodes) written round robin.
     #[arg(long, default_value_t = 1000)]

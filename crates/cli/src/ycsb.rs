@@ -181,7 +181,7 @@ fn redis(a: RedisArgs) -> anyhow::Result<()> {
     let mut report = bench::Report::new("ycsb.redis", a.quick);
     load.add_to_report(&format!("{prefix}.load"), &mut report)?;
     run.add_to_report(&format!("{prefix}.run"), &mut report)?;
-    write_samples(&out, &prefix, &run)?;
+    write_samples(&out, &prefix, &run, &[])?;
     eprintln!("plots and samples in {}", out.display());
     report.print();
     crate::ycsb::ensure_reads_checked(&load, &run)
@@ -204,7 +204,9 @@ pub fn ensure_reads_checked(load: &PhaseSummary, run: &PhaseSummary) -> anyhow::
 }
 
 /// The run's throughput timeline and latency CDFs, as CSV and plots.
-fn write_samples(out: &Path, prefix: &str, run: &PhaseSummary) -> anyhow::Result<()> {
+/// Writes a run's throughput windows and latency CDFs (CSV and plots) under `out`. `marks`
+/// are events drawn as vertical lines on the throughput plot (label, time in seconds).
+pub(crate) fn write_samples(out: &Path, prefix: &str, run: &PhaseSummary, marks: &[(String, f64)]) -> anyhow::Result<()> {
     let stem = prefix.replace('.', "-");
     let window_s = run.window.as_secs_f64();
     let timeline: Vec<(f64, f64)> = run
@@ -227,12 +229,17 @@ fn write_samples(out: &Path, prefix: &str, run: &PhaseSummary) -> anyhow::Result
     }
     bench::write_csv(&out.join(format!("{stem}-latency-cdf.csv")), &["operation", "latency_us", "fraction"], cdf_rows)?;
     if timeline.len() >= 2 {
+        let top = timeline.iter().map(|p| p.1).fold(0.0, f64::max);
+        let mut series = vec![bench::Series { name: "all operations".into(), points: timeline }];
+        for (name, t) in marks {
+            series.push(bench::Series { name: format!("{name} ({t:.2} s)"), points: vec![(*t, 0.0), (*t, top)] });
+        }
         bench::line_plot(
             &out.join(format!("{stem}-throughput")),
             &format!("{prefix}: throughput per 100 ms"),
             "time (s)",
             "operations per second",
-            &[bench::Series { name: "all operations".into(), points: timeline }],
+            &series,
             bench::Scale::Linear,
         )?;
     }

@@ -28,8 +28,18 @@ pub enum LogRecord {
     /// Written (and synced) once, when the node first joins its group: a log with `Boot` belongs
     /// to a node that was a member before and must recover before it serves again.
     Boot { node: u32 },
-    Put { key: Vec<u8>, ts: Ts, value: Vec<u8> },
-    Mark { key: Vec<u8>, ts: Ts },
+    Put {
+        #[serde(with = "serde_bytes")]
+        key: Vec<u8>,
+        ts: Ts,
+        #[serde(with = "serde_bytes")]
+        value: Vec<u8>,
+    },
+    Mark {
+        #[serde(with = "serde_bytes")]
+        key: Vec<u8>,
+        ts: Ts,
+    },
     /// The node became an active, complete member of configuration `epoch` (`whole`: no node
     /// was absent). Everything it applies later follows this record: the "log id" the
     /// reactive-log baseline reads from (§II-C, ZooKeeper's zxid), and where compaction cuts.
@@ -106,8 +116,26 @@ pub fn rebuild(records: &[LogRecord]) -> LogState {
 
 /// Builds a [`LogState`] one record at a time (a log of any size streams through it). Per key
 /// it keeps only the versions that can still matter: a `Mark` drops every older version.
-/// Per key, the versions still relevant: (timestamp, value, GDP flag), oldest first.
-type Versions = Vec<(Ts, Vec<u8>, bool)>;
+/// Per key, the versions still relevant: (timestamp, value, GDP flag), oldest first. Most keys
+/// have one, kept inline: a per-key allocation would be freed after the rebuild and leave a
+/// store-sized heap of holes between the values that the node keeps.
+enum Versions {
+    One((Ts, Vec<u8>, bool)),
+    Many(Vec<(Ts, Vec<u8>, bool)>),
+}
+
+impl Versions {
+    fn many(&mut self) -> &mut Vec<(Ts, Vec<u8>, bool)> {
+        if let Versions::One(x) = self {
+            let x = std::mem::take(x);
+            *self = Versions::Many(vec![x]);
+        }
+        match self {
+            Versions::Many(v) => v,
+            Versions::One(_) => unreachable!(),
+        }
+    }
+}
 
 #[derive(Default)]
 pub struct Rebuilder {
@@ -126,7 +154,22 @@ impl Rebuilder {
             }
             LogRecord::Epoch { epoch, .. } => self.last_epoch = self.last_epoch.max(epoch),
             LogRecord::Put { key, ts, value } => {
-                let v = self.puts.entry(key).or_default();
+                // Most keys have one live version: no room for more until it is needed (a
+                // default Vec would reserve four per key, a store-sized heap of holes later).
+                let v = match self.puts.entry(key) {
+                    std::collections::btree_map::Entry::Vacant(e) => {
+                        e.insert(Versions::One((ts, value, false)));
+                        return;
+                    }
+                    std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                };
+                if let Versions::One(x) = v {
+                    if x.0 == ts {
+                        x.1 = value;
+                        return;
+                    }
+                }
+                let v = v.many();
                 match v.binary_search_by_key(&ts, |e| e.0) {
                     Ok(i) => v[i].1 = value,
                     Err(i) => v.insert(i, (ts, value, false)),
@@ -135,7 +178,11 @@ impl Rebuilder {
             LogRecord::Mark { key, ts } => {
                 // A mark may precede its put in the file only if the put was never made
                 // durable; such a mark refers to nothing.
-                if let Some(v) = self.puts.get_mut(&key) {
+                if let Some(Versions::One(x)) = self.puts.get_mut(&key) {
+                    if x.0 == ts {
+                        x.2 = true;
+                    }
+                } else if let Some(Versions::Many(v)) = self.puts.get_mut(&key) {
                     if let Ok(i) = v.binary_search_by_key(&ts, |e| e.0) {
                         v[i].2 = true;
                         v.drain(..i);
@@ -153,7 +200,18 @@ impl Rebuilder {
             last_epoch: self.last_epoch,
             ..Default::default()
         };
-        for (key, mut versions) in self.puts {
+        for (key, versions) in self.puts {
+            let mut versions = match versions {
+                Versions::One((ts, v, marked)) => {
+                    if marked {
+                        st.base.insert(key, (ts, v));
+                    } else if ts > Ts::default() {
+                        st.partially.insert(key, (ts, v));
+                    }
+                    continue;
+                }
+                Versions::Many(v) => v,
+            };
             let base_i = versions.iter().rposition(|e| e.2);
             let base_ts = base_i.map(|i| versions[i].0).unwrap_or_default();
             let newest_unmarked = versions.last().is_some_and(|e| !e.2 && e.0 > base_ts);
@@ -397,6 +455,18 @@ pub struct FileLog {
     pub compactions: u64,
 }
 
+/// Hands memory freed by a large transient structure (a log rebuild or compaction) back to the
+/// OS: glibc keeps it in its heap otherwise, and a node's resident memory would stay at its
+/// peak rather than at what it stores.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel; it takes no pointers and
+    // is thread-safe (glibc locks each arena).
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Default for [`FileLog::compact_min_bytes`].
 pub const COMPACT_MIN_BYTES: u64 = 64 << 20;
 /// Default for [`FileLog::max_tail_bytes`].
@@ -451,6 +521,25 @@ impl FileLog {
         self.len = valid;
         self.markers = markers;
         Ok(b.finish())
+    }
+
+    /// Like [`Self::load_state`] for the markers and length only (after a compaction: the state
+    /// is in the node already, and rebuilding it would hold a second copy of the store).
+    fn load_markers(&mut self) -> Result<(), LogError> {
+        use std::io::Seek;
+        self.file.seek(std::io::SeekFrom::Start(0))?;
+        let mut markers = Vec::new();
+        let mut pos = 0u64;
+        let valid = stream_records(&self.file, |r, n| {
+            if let LogRecord::Epoch { epoch, whole } = &r {
+                markers.push((*epoch, pos, *whole));
+            }
+            pos += n;
+        })?;
+        self.len = valid;
+        self.markers = markers;
+        release_free_memory();
+        Ok(())
     }
 
     fn open_files(path: &Path) -> Result<(File, File), LogError> {
@@ -528,7 +617,7 @@ impl FileLog {
         let (file, dsync) = Self::open_files(&self.path)?;
         self.file = file;
         self.dsync = dsync;
-        self.load_state()?;
+        self.load_markers()?;
         self.gen += 1;
         self.compacted_len = self.len;
         self.compactions += 1;

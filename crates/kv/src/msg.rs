@@ -1,5 +1,8 @@
 //! Protocol types: timestamps, persistency models, configurations and every message exchanged
 //! between nodes, the configuration manager (CM) and clients.
+//!
+//! Keys and values are (de)serialised as byte strings (`serde_bytes`): the same postcard bytes
+//! as a sequence of `u8`, copied whole rather than element by element.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -135,8 +138,10 @@ impl Config {
 /// A record version as shipped in CatchUp_resp (and full copies).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Entry {
+    #[serde(with = "serde_bytes")]
     pub key: Vec<u8>,
     pub ts: Ts,
+    #[serde(with = "serde_bytes")]
     pub value: Vec<u8>,
     /// Committed (valid) at the sender; an uncommitted entry is installed invalid and replayed.
     pub committed: bool,
@@ -164,13 +169,16 @@ pub enum Cursor {
 pub enum PeerMsg {
     Inv {
         epoch: u64,
+        #[serde(with = "serde_bytes")]
         key: Vec<u8>,
         ts: Ts,
+        #[serde(with = "serde_bytes")]
         value: Vec<u8>,
     },
     /// `c`: applied to volatile memory (ACK_C); `p`: persisted (ACK_P). Synch sends both at once.
     Ack {
         epoch: u64,
+        #[serde(with = "serde_bytes")]
         key: Vec<u8>,
         ts: Ts,
         c: bool,
@@ -179,6 +187,7 @@ pub enum PeerMsg {
     /// `c`: VAL_C (readable); `p`: VAL_P (globally durable).
     Val {
         epoch: u64,
+        #[serde(with = "serde_bytes")]
         key: Vec<u8>,
         ts: Ts,
         c: bool,
@@ -199,14 +208,16 @@ pub enum PeerMsg {
     },
     RecovStart { epoch: u64 },
     RecovStartAck { epoch: u64 },
-    /// Carries the recovering node's Partially_persisted list; asks for the next chunk at
-    /// `cursor`. One request is out at a time (the reply names the next cursor); the next goes
-    /// when the reply arrives, unless `max_catchup_chunks_in_flight` received chunks are still
-    /// being persisted: a copy of any size streams without flooding anyone.
+    /// Carries the recovering node's Partially_persisted list; asks for up to `chunks`
+    /// consecutive chunks from `cursor`, which the Buddy sends back to back (each reply names
+    /// the next cursor). One request is out at a time; the next goes when its last reply
+    /// arrived, for as many chunks as `max_catchup_chunks_in_flight` leaves room for beside the
+    /// chunks still being persisted: a copy of any size streams without flooding anyone.
     CatchUpReq {
         epoch: u64,
         partially: Vec<(Vec<u8>, Ts)>,
         cursor: Cursor,
+        chunks: u32,
     },
     /// The Buddy's answer to the request at `from`: at most `max_catchup_chunk_bytes` of
     /// entries, and where to continue (`None`: done).
@@ -269,11 +280,14 @@ pub struct HeartbeatAck {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClientOp {
     Get {
+        #[serde(with = "serde_bytes")]
         key: Vec<u8>,
     },
     /// `scope`: under the Scope model, the scope this write belongs to (per coordinator node).
     Put {
+        #[serde(with = "serde_bytes")]
         key: Vec<u8>,
+        #[serde(with = "serde_bytes")]
         value: Vec<u8>,
         scope: Option<u64>,
     },
@@ -286,7 +300,7 @@ pub enum ClientOp {
 /// The answer to a client operation.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClientResult {
-    Value(Option<Vec<u8>>),
+    Value(#[serde(with = "serde_bytes")] Option<Vec<u8>>),
     Done,
     /// This node does not serve clients now (absent, recovering, no lease): nothing was done,
     /// try another node.

@@ -160,7 +160,13 @@ struct Coord {
     replied: bool,
     val_c_sent: bool,
     deadline_us: u64,
+    /// INV re-broadcasts so far: each waits twice as long as the one before (up to
+    /// `MAX_INV_BACKOFF_SHIFT` doublings), so an overloaded group is not buried under them.
+    retries: u32,
 }
+
+/// INV→ACK re-broadcasts back off exponentially up to `inv_ack_timeout_us << this`.
+pub const MAX_INV_BACKOFF_SHIFT: u32 = 4;
 
 #[derive(Clone, Debug, Default)]
 struct KeyState {
@@ -189,10 +195,10 @@ struct PersistOp {
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Phase {
     Start { acked: BTreeSet<NodeId> },
-    /// `requested`: CatchUp_req for `cursor` is out; otherwise it goes once fewer than
-    /// `max_catchup_chunks_in_flight` received chunks are still being persisted
-    /// (`Recov::chunks_unpersisted`).
-    CatchUp { buddy: NodeId, cursor: Cursor, requested: bool },
+    /// `requested`: CatchUp_req from `cursor` is out and `expected` of its replies have not
+    /// arrived yet; otherwise one goes once fewer than `max_catchup_chunks_in_flight` received
+    /// chunks are still being persisted (`Recov::chunks_unpersisted`).
+    CatchUp { buddy: NodeId, cursor: Cursor, requested: bool, expected: u32 },
     Applying,
 }
 
@@ -246,6 +252,9 @@ pub struct NodeCore {
     next_seq: u64,
     inflight: BTreeMap<u64, (Vec<u8>, Ts)>,
     pending_client_ops: usize,
+    /// Keys with client ops queued (`KeyState::waiting` not empty): what a heartbeat re-serves,
+    /// without a walk over the whole store.
+    waiting_keys: BTreeSet<Vec<u8>>,
     scopes: BTreeMap<u64, Vec<(Vec<u8>, Ts)>>,
     persist_ops: BTreeMap<u64, PersistOp>,
     next_persist_id: u64,
@@ -256,11 +265,16 @@ pub struct NodeCore {
     recent_order: VecDeque<u64>,
     /// Newest `Epoch` record in the log (reactive-log baseline only).
     last_epoch: u64,
-    /// Reactive-log reads in progress for recovering nodes: cursor and Partially_persisted.
-    log_reads: BTreeMap<NodeId, (LogCursor, KeyVersions)>,
+    /// Reactive-log reads in progress for recovering nodes: cursor, Partially_persisted, and
+    /// the chunks still to send for the request (this one included).
+    log_reads: BTreeMap<NodeId, (LogCursor, KeyVersions, u32)>,
     out: Vec<Output>,
     pub counters: NodeCounters,
 }
+
+/// Chunks a Buddy sends for one CatchUp_req at most (a request asks for as many as the
+/// recovering node's window has room for).
+pub const MAX_CATCHUP_CHUNKS_PER_REQ: u32 = 64;
 
 /// Client tags remembered for duplicate suppression.
 pub const RECENT_CLIENT_TAGS: usize = 4096;
@@ -269,23 +283,18 @@ impl NodeCore {
     /// A node starting on what its log holds. It serves nothing until a configuration admits
     /// it: as a genesis member if its log has never booted, otherwise through HEAL recovery.
     pub fn new(p: NodeParams, log: LogState) -> Self {
-        let mut store = BTreeMap::new();
         let partially = log.partially.iter().map(|(k, (ts, _))| (k.clone(), *ts)).collect();
         let (booted, last_epoch) = (log.booted, log.last_epoch);
-        for (k, (ts, v)) in log.base {
-            store.insert(
-                k,
-                KeyState {
-                    ts,
-                    value: v,
-                    valid: true,
-                    gdp: false,
-                    marked: ts,
-                    durable: ts,
-                    ..Default::default()
-                },
-            );
-        }
+        // Built in one go from the sorted base: full tree nodes (a store-sized saving over
+        // node-by-node inserts), and the scaffolding is one large block, handed back whole.
+        let store: BTreeMap<Vec<u8>, KeyState> = log
+            .base
+            .into_iter()
+            .map(|(k, (ts, v))| {
+                let ks = KeyState { ts, value: v, valid: true, gdp: false, marked: ts, durable: ts, ..Default::default() };
+                (k, ks)
+            })
+            .collect();
         NodeCore {
             config: Config {
                 epoch: 0,
@@ -304,6 +313,7 @@ impl NodeCore {
             next_seq: 0,
             inflight: BTreeMap::new(),
             pending_client_ops: 0,
+            waiting_keys: BTreeSet::new(),
             scopes: BTreeMap::new(),
             persist_ops: BTreeMap::new(),
             next_persist_id: 0,
@@ -394,6 +404,17 @@ impl NodeCore {
         }
         (self.next_persist_id, &self.persist_waits, &self.recent_tags).hash(h);
         (self.last_epoch, &self.log_reads).hash(h);
+    }
+    /// The protocol state of one key, for diagnosing a failing simulation seed.
+    #[doc(hidden)]
+    pub fn debug_key(&self, key: &[u8]) -> String {
+        let Some(k) = self.store.get(key) else { return "absent".into() };
+        format!(
+            "ts {} valid {} gdp {} durable {} marked {} timeouts {} deadline {} coord {:?} pending_p {:?} waiting {} unsettled {} mode {:?}",
+            k.ts, k.valid, k.gdp, k.durable, k.marked, k.timeouts, k.deadline_us,
+            k.coord.as_ref().map(|c| (c.ts, c.client, &c.acks_c, &c.acks_p, c.local_p, c.replied, c.val_c_sent, c.deadline_us)),
+            k.pending_p, k.waiting.len(), self.unsettled.contains(key), self.mode
+        )
     }
     /// Volatile timestamp of `key` (default if absent), for invariant checks.
     pub fn key_ts(&self, key: &[u8]) -> Ts {
@@ -615,6 +636,7 @@ impl NodeCore {
             if let Some(c) = &mut k.coord {
                 c.acks_c.clear();
                 c.acks_p.clear();
+                c.retries = 0;
                 c.deadline_us = now_us + self.p.inv_ack_timeout_us;
                 let msg = PeerMsg::Inv {
                     epoch,
@@ -649,11 +671,12 @@ impl NodeCore {
         // Queued client ops were never started: tell their clients to go elsewhere. Writes in
         // flight get no answer (their outcome is unknown).
         let mut replies = Vec::new();
-        for k in self.store.values_mut() {
-            for (tag, _) in k.waiting.drain(..) {
-                replies.push(tag);
+        for key in std::mem::take(&mut self.waiting_keys) {
+            if let Some(k) = self.store.get_mut(&key) {
+                replies.extend(k.waiting.drain(..).map(|(tag, _)| tag));
             }
         }
+        self.pending_client_ops = 0;
         for tag in replies {
             self.out.push(Output::Reply {
                 tag,
@@ -712,6 +735,7 @@ impl NodeCore {
         } else {
             self.pending_client_ops += 1;
             self.store.get_mut(&key).unwrap().waiting.push_back((tag, op));
+            self.waiting_keys.insert(key);
         }
     }
 
@@ -774,6 +798,7 @@ impl NodeCore {
                     replied: false,
                     val_c_sent: false,
                     deadline_us: now_us + self.p.inv_ack_timeout_us,
+                    retries: 0,
                 }));
                 self.unsettled.insert(key.clone());
                 self.persist(&key, ts, &value);
@@ -799,6 +824,9 @@ impl NodeCore {
             }
             let k = self.store.get_mut(key).unwrap();
             let Some((tag, op)) = k.waiting.pop_front() else { return };
+            if k.waiting.is_empty() {
+                self.waiting_keys.remove(key);
+            }
             self.pending_client_ops -= 1;
             if !self.serving(now_us) {
                 self.reply(tag, ClientResult::NotServing);
@@ -816,12 +844,7 @@ impl NodeCore {
         if self.pending_client_ops == 0 {
             return;
         }
-        let keys: Vec<Vec<u8>> = self
-            .store
-            .iter()
-            .filter(|(_, k)| !k.waiting.is_empty())
-            .map(|(key, _)| key.clone())
-            .collect();
+        let keys: Vec<Vec<u8>> = self.waiting_keys.iter().cloned().collect();
         for key in keys {
             self.serve_waiting(now_us, &key);
         }
@@ -1149,7 +1172,7 @@ impl NodeCore {
                 self.send(from, PeerMsg::RecovStartAck { epoch });
             }
             PeerMsg::RecovStartAck { .. } => self.on_recov_start_ack(now_us, from),
-            PeerMsg::CatchUpReq { partially, cursor, .. } => self.on_catchup_req(from, partially, cursor),
+            PeerMsg::CatchUpReq { partially, cursor, chunks, .. } => self.on_catchup_req(from, partially, cursor, chunks),
             PeerMsg::CatchUpResp {
                 from: at,
                 next,
@@ -1253,15 +1276,26 @@ impl NodeCore {
         let epoch = self.config.epoch;
         let me = self.p.id;
         let keys: Vec<Vec<u8>> = self.unsettled.iter().cloned().collect();
+        let others = self.others();
+        let needs_p = self.p.model != Model::Scope;
         for key in keys {
             let Some(k) = self.store.get_mut(&key) else { continue };
             if let Some(c) = &mut k.coord {
                 if now_us >= c.deadline_us {
-                    // §V-F1: re-broadcast with the original timestamp to every follower.
-                    c.deadline_us = now_us + self.p.inv_ack_timeout_us;
+                    // §V-F1: re-send the INV with the original timestamp, to the followers
+                    // whose ACKs are missing (the others have it), backing off each time.
+                    c.retries = c.retries.saturating_add(1);
+                    c.deadline_us = now_us + (self.p.inv_ack_timeout_us << c.retries.min(MAX_INV_BACKOFF_SHIFT));
+                    let missing: Vec<NodeId> = others
+                        .iter()
+                        .copied()
+                        .filter(|n| !c.acks_c.contains(n) || (needs_p && !c.acks_p.contains(n)))
+                        .collect();
                     let msg = PeerMsg::Inv { epoch, key: key.clone(), ts: c.ts, value: c.value.clone() };
                     self.counters.inv_rebroadcasts += 1;
-                    self.broadcast(msg);
+                    for n in missing {
+                        self.out.push(Output::Send { to: n, msg: msg.clone() });
+                    }
                 }
                 continue;
             }
@@ -1292,6 +1326,7 @@ impl NodeCore {
                     replied: true,
                     val_c_sent: false,
                     deadline_us: now_us + self.p.inv_ack_timeout_us,
+                    retries: 0,
                 }));
                 self.counters.replays_started += 1;
                 let msg = PeerMsg::Inv { epoch, key: key.clone(), ts, value: k.value.clone() };
@@ -1386,7 +1421,7 @@ impl NodeCore {
         let Some(buddy) = buddy else { return };
         r.acked_us = now_us;
         r.stats.start_to_ack_us = now_us - r.started_us;
-        r.phase = Phase::CatchUp { buddy, cursor, requested: false };
+        r.phase = Phase::CatchUp { buddy, cursor, requested: false, expected: 0 };
         // Step 2: CatchUp_req with the Partially_persisted list.
         self.request_chunk(now_us);
     }
@@ -1398,18 +1433,20 @@ impl NodeCore {
         let retry = self.p.recovery_retry_us;
         let window = self.p.max_catchup_chunks_in_flight.max(1);
         let Mode::Recovering(r) = &mut self.mode else { return };
-        let Phase::CatchUp { buddy, cursor, requested } = &mut r.phase else { return };
+        let Phase::CatchUp { buddy, cursor, requested, expected } = &mut r.phase else { return };
         if *requested || r.chunks_unpersisted.len() >= window {
             return;
         }
         let partially = self.partially.clone();
+        let chunks = (window - r.chunks_unpersisted.len()) as u32;
         *requested = true;
+        *expected = chunks;
         r.deadline_us = now_us + retry;
         let (to, cursor) = (*buddy, cursor.clone());
-        self.send(to, PeerMsg::CatchUpReq { epoch, partially, cursor });
+        self.send(to, PeerMsg::CatchUpReq { epoch, partially, cursor, chunks });
     }
 
-    fn on_catchup_req(&mut self, from: NodeId, partially: Vec<(Vec<u8>, Ts)>, cursor: Cursor) {
+    fn on_catchup_req(&mut self, from: NodeId, partially: Vec<(Vec<u8>, Ts)>, cursor: Cursor, chunks: u32) {
         if !matches!(self.mode, Mode::Member) || !self.config.active.contains(&self.p.id) {
             return;
         }
@@ -1417,21 +1454,34 @@ impl NodeCore {
             return; // not a list a crash can leave behind: refuse rather than work on it
         }
         self.counters.catchup_served += 1;
+        // Never more than the largest window a node may be configured with.
+        let chunks = chunks.clamp(1, MAX_CATCHUP_CHUNKS_PER_REQ);
         match cursor {
-            Cursor::Key(after) => {
+            Cursor::Key(mut after) => {
                 let full_copy = self.missed.overflowed
                     || !self.missed.recording
                     || self.p.recovery != RecoveryScheme::Heal;
-                let (entries, next) = self.key_chunk(after.as_deref(), &partially, full_copy);
                 let epoch = self.config.epoch;
-                let from_c = Cursor::Key(after);
-                self.send(from, PeerMsg::CatchUpResp { epoch, from: from_c, next, full_copy, entries });
+                for _ in 0..chunks {
+                    let (entries, next) = self.key_chunk(after.as_deref(), &partially, full_copy);
+                    let from_c = Cursor::Key(after);
+                    let more = match &next {
+                        Some(Cursor::Key(k)) => Some(k.clone()),
+                        _ => None,
+                    };
+                    self.send(from, PeerMsg::CatchUpResp { epoch, from: from_c, next, full_copy, entries });
+                    match more {
+                        Some(k) => after = k,
+                        None => break,
+                    }
+                }
             }
             Cursor::Log(lc) => {
                 // Reactive: the durable log is read from the point (by the driver, off the
-                // protocol path), then answered in `on_log_read`. One read per recovering node.
+                // protocol path), then answered in `on_log_read`, which reads on for the rest
+                // of the request's chunks. One read per recovering node.
                 let max_bytes = self.p.max_catchup_chunk_bytes;
-                self.log_reads.insert(from, (lc.clone(), partially));
+                self.log_reads.insert(from, (lc.clone(), partially, chunks));
                 self.out.push(Output::ReadLog { to: from, cursor: lc, max_bytes });
             }
         }
@@ -1481,10 +1531,10 @@ impl NodeCore {
     /// The driver read the log for `to` (see [`Output::ReadLog`]).
     pub fn on_log_read(&mut self, _now_us: u64, to: NodeId, cursor: LogCursor, chunk: LogChunk) {
         match self.log_reads.get(&to) {
-            Some((c, _)) if *c == cursor => {}
+            Some((c, _, _)) if *c == cursor => {}
             _ => return,
         }
-        let (_, partially) = self.log_reads.remove(&to).unwrap();
+        let (_, partially, chunks_left) = self.log_reads.remove(&to).unwrap();
         if !matches!(self.mode, Mode::Member) || !self.config.active.contains(&self.p.id) {
             return;
         }
@@ -1513,12 +1563,15 @@ impl NodeCore {
                 }
             }
         }
-        let next = (!chunk.at_end).then_some(Cursor::Log(LogCursor {
-            since_epoch: cursor.since_epoch,
-            gen: chunk.gen,
-            pos: Some(chunk.next_pos),
-        }));
+        let next_lc = LogCursor { since_epoch: cursor.since_epoch, gen: chunk.gen, pos: Some(chunk.next_pos) };
+        let next = (!chunk.at_end).then_some(Cursor::Log(next_lc.clone()));
         self.send(to, PeerMsg::CatchUpResp { epoch, from, next, full_copy: false, entries });
+        if !chunk.at_end && chunks_left > 1 {
+            // The rest of the request: read on from where this chunk ended.
+            let max_bytes = self.p.max_catchup_chunk_bytes;
+            self.log_reads.insert(to, (next_lc.clone(), Vec::new(), chunks_left - 1));
+            self.out.push(Output::ReadLog { to, cursor: next_lc, max_bytes });
+        }
     }
 
     fn on_catchup_resp(
@@ -1532,10 +1585,11 @@ impl NodeCore {
     ) {
         {
             let Mode::Recovering(r) = &mut self.mode else { return };
-            let Phase::CatchUp { buddy, cursor, requested } = &mut r.phase else { return };
+            let Phase::CatchUp { buddy, cursor, requested, expected } = &mut r.phase else { return };
             if *buddy != from || *cursor != at || !*requested {
                 return; // a duplicate, or the answer to a request we gave up on
             }
+            *expected = expected.saturating_sub(1);
             r.deadline_us = now_us + self.p.recovery_retry_us;
             if r.resp_us == 0 {
                 r.resp_us = now_us;
@@ -1578,14 +1632,16 @@ impl NodeCore {
         if !seqs.is_empty() {
             r.chunks_unpersisted.push_back(seqs.into_iter().collect());
         }
-        let Phase::CatchUp { buddy, .. } = r.phase else { return };
+        let Phase::CatchUp { buddy, expected, .. } = r.phase else { return };
         match next {
             None => {
                 r.phase = Phase::Applying;
                 self.maybe_finish_recovery(now_us);
             }
             Some(cursor) => {
-                r.phase = Phase::CatchUp { buddy, cursor, requested: false };
+                // More replies of this request are on their way: wait for them, in order.
+                let requested = expected > 0;
+                r.phase = Phase::CatchUp { buddy, cursor, requested, expected };
                 self.request_chunk(now_us);
             }
         }
@@ -1635,7 +1691,7 @@ impl NodeCore {
                     self.send(n, PeerMsg::RecovStart { epoch });
                 }
             }
-            Phase::CatchUp { buddy, cursor, requested } => {
+            Phase::CatchUp { buddy, cursor, requested, .. } => {
                 if !*requested {
                     return; // waiting for our own log, not for the Buddy
                 }
@@ -1784,6 +1840,15 @@ mod tests {
             .collect()
     }
 
+    fn req_chunks(outs: &[Output]) -> Vec<u32> {
+        outs.iter()
+            .filter_map(|o| match o {
+                Output::Send { msg: PeerMsg::CatchUpReq { chunks, .. }, .. } => Some(*chunks),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn persists(outs: &[Output]) -> Vec<u64> {
         outs.iter()
             .filter_map(|o| match o {
@@ -1801,10 +1866,10 @@ mod tests {
         PeerMsg::CatchUpResp { epoch: 2, from: key_cursor(from), next: Some(key_cursor(next)), full_copy: false, entries }
     }
 
-    /// With a window of 3 the next CatchUp_req goes as soon as a reply names its cursor, while
-    /// earlier chunks are still being persisted; the fourth waits for a slot; late, duplicated
-    /// and reordered replies are ignored (they never roll a key back); Recov_end waits for
-    /// every chunk to be durable.
+    /// With a window of 3 the first CatchUp_req asks for 3 chunks, which the Buddy sends back to
+    /// back; the fourth is asked for (alone) once a slot frees; late, duplicated and reordered
+    /// replies are ignored (they never roll a key back); Recov_end waits for every chunk to be
+    /// durable.
     #[test]
     fn catchup_pipelines_within_window_and_ends_only_when_durable() {
         let (mut n, outs) = recovering_node(3);
@@ -1816,8 +1881,9 @@ mod tests {
             })
             .collect();
         assert_eq!(catchup_reqs(&outs), vec![key_cursor(None)]);
+        assert_eq!(req_chunks(&outs), vec![3], "the whole window in one request");
         let mut unpersisted = Vec::new();
-        // Three chunks, none durable yet: each reply triggers the next request at once.
+        // Three chunks of one request, none durable yet: no new request while they arrive.
         for (i, (from, next, e)) in
             [(None, "a", entry("a", 5)), (Some("a"), "b", entry("b", 5)), (Some("b"), "c", entry("c", 5))].into_iter().enumerate()
         {
@@ -1826,8 +1892,7 @@ mod tests {
             let p = persists(&outs);
             assert_eq!(p.len(), 1, "chunk {i} applied and persisted: {outs:?}");
             unpersisted.extend(p);
-            let want = if i < 2 { vec![key_cursor(Some(next))] } else { vec![] };
-            assert_eq!(catchup_reqs(&outs), want, "chunk {i}: window of 3");
+            assert_eq!(catchup_reqs(&outs), vec![], "chunk {i}: window of 3, asked for at once");
         }
         // A late duplicate of chunk 1 carrying an older version of "a", and a reply for a cursor
         // not asked for, change nothing.
@@ -1836,7 +1901,9 @@ mod tests {
         assert!(n.take_outputs().is_empty());
         // Chunk 2 becomes durable first: a slot frees and the request for "c" goes.
         n.on_persisted(21, unpersisted[1]);
-        assert_eq!(catchup_reqs(&n.take_outputs()), vec![key_cursor(Some("c"))]);
+        let outs = n.take_outputs();
+        assert_eq!(catchup_reqs(&outs), vec![key_cursor(Some("c"))]);
+        assert_eq!(req_chunks(&outs), vec![1], "one slot free");
         // Last chunk: applied; Recov_end waits for all chunks and the Boot record.
         n.on_peer(22, 1, PeerMsg::CatchUpResp { epoch: 2, from: key_cursor(Some("c")), next: None, full_copy: false, entries: vec![entry("c", 9), entry("a", 2)] });
         let outs = n.take_outputs();
@@ -1852,6 +1919,45 @@ mod tests {
         assert!(n.is_recovering() || matches!(n.mode, Mode::Recovered));
         let a = n.store.get(b"a".as_slice()).unwrap();
         assert_eq!(a.ts, Ts { version: 5, node: 2 }, "a is never rolled back");
+    }
+
+    /// A Buddy answers one CatchUp_req with up to `chunks` consecutive replies, each naming
+    /// where the next starts, the first from the request's cursor; it stops at the end.
+    #[test]
+    fn buddy_streams_the_requested_chunks_back_to_back() {
+        let mut p = NodeParams::new(1, Model::Strict);
+        p.max_catchup_chunk_bytes = 1; // one entry per chunk
+        p.recovery = RecoveryScheme::FullCopy; // every key is sent
+        let mut st = LogState::default();
+        for k in ["a", "b", "c", "d", "e"] {
+            st.base.insert(k.as_bytes().to_vec(), (Ts { version: 1, node: 0 }, b"v".to_vec()));
+        }
+        let mut n = NodeCore::new(p, st);
+        n.on_heartbeat(0, Heartbeat { seq: 0, config: cfg(2, &[1, 2], &[0]) });
+        n.take_outputs();
+        let resps = |outs: Vec<Output>| -> Vec<(Cursor, Option<Cursor>, usize)> {
+            outs.into_iter()
+                .filter_map(|o| match o {
+                    Output::Send { to: 0, msg: PeerMsg::CatchUpResp { from, next, entries, .. } } => Some((from, next, entries.len())),
+                    _ => None,
+                })
+                .collect()
+        };
+        n.on_peer(1, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(None), chunks: 3 });
+        let got = resps(n.take_outputs());
+        assert_eq!(
+            got,
+            vec![
+                (key_cursor(None), Some(key_cursor(Some("a"))), 1),
+                (key_cursor(Some("a")), Some(key_cursor(Some("b"))), 1),
+                (key_cursor(Some("b")), Some(key_cursor(Some("c"))), 1),
+            ]
+        );
+        n.on_peer(2, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(Some("c")), chunks: 5 });
+        let got = resps(n.take_outputs());
+        // d, e, then an empty last chunk (a full chunk always names a next cursor).
+        assert_eq!(got.len(), 3, "stops at the end: {got:?}");
+        assert_eq!(got[2].1, None);
     }
 
     /// A window of 1 is the strictly serial copy: the next chunk only once this one is durable.

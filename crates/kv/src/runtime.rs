@@ -32,6 +32,10 @@ pub const MAX_FRAME_BYTES: usize = 4 * 1024 * 1024;
 pub const PEER_QUEUE_MSGS: usize = 65_536;
 /// Requests a client connection may have in flight.
 pub const CLIENT_INFLIGHT_MAX: usize = 4096;
+/// Inputs (peer messages, client requests, log completions) queued for a node's core. Past it
+/// the connections' readers wait, so TCP pushes back on the senders rather than the queue
+/// adding latency without bound.
+pub const INPUT_QUEUE_MSGS: usize = 8192;
 /// Period of a node's timer checks.
 pub const NODE_TICK_MS: u64 = 5;
 
@@ -91,14 +95,16 @@ pub struct NodeConfig {
 
 enum Input {
     Peer(NodeId, PeerMsg),
-    Hb(Heartbeat, mpsc::Sender<NetMsg>),
     Client { id: u64, op: ClientOp, reply: mpsc::Sender<NetMsg> },
-    Persisted(Vec<u64>),
+    /// Durable appends as (core incarnation, seq): a core rebuilt by `Reload` numbers its
+    /// appends from 0 again, so completions of the old one's must not reach it.
+    Persisted(Vec<(u64, u64)>),
     LogRead { to: NodeId, cursor: log::LogCursor, chunk: log::LogChunk },
 }
 
 enum LogJob {
-    Durable(u64, LogRecord),
+    /// (core incarnation, seq, record).
+    Durable(u64, u64, LogRecord),
     Lazy(LogRecord),
     Rebuild(std::sync::mpsc::Sender<log::LogState>),
     /// Reactive-log baseline: read the log at a cursor, after every append queued before.
@@ -119,7 +125,7 @@ pub struct NodeStats {
     pub last_recovery: Mutex<Option<RecoveryStats>>,
 }
 
-fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>, stats: Arc<NodeStats>) -> std::sync::mpsc::Sender<LogJob> {
+fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, stats: Arc<NodeStats>) -> std::sync::mpsc::Sender<LogJob> {
     let (tx, rx) = std::sync::mpsc::channel::<LogJob>();
     std::thread::Builder::new()
         .name("kv-log".into())
@@ -138,8 +144,8 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>, stats: Arc<N
                 let mut log_reads = Vec::new();
                 for j in batch {
                     match j {
-                        LogJob::Durable(s, r) => {
-                            seqs.push(s);
+                        LogJob::Durable(inc, s, r) => {
+                            seqs.push((inc, s));
                             recs.push(r);
                         }
                         LogJob::Lazy(r) => recs.push(r),
@@ -158,7 +164,7 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>, stats: Arc<N
                     eprintln!("error: persistent log append failed: {e}");
                     std::process::exit(2);
                 }
-                if !seqs.is_empty() && inputs.blocking_send(Input::Persisted(seqs)).is_err() {
+                if !seqs.is_empty() && inputs.send(Input::Persisted(seqs)).is_err() {
                     return;
                 }
                 for r in reads {
@@ -168,7 +174,7 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::Sender<Input>, stats: Arc<N
                 for (to, cursor, max_bytes) in log_reads {
                     match flog.read_chunk(&cursor, max_bytes) {
                         Ok(chunk) => {
-                            if inputs.blocking_send(Input::LogRead { to, cursor, chunk }).is_err() {
+                            if inputs.send(Input::LogRead { to, cursor, chunk }).is_err() {
                                 return;
                             }
                         }
@@ -205,10 +211,18 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
         "node starting on its log"
     );
     let listener = TcpListener::bind(cfg.listen).await?;
-    let (in_tx, mut in_rx) = mpsc::channel::<Input>(65_536);
+    let (in_tx, mut in_rx) = mpsc::channel::<Input>(INPUT_QUEUE_MSGS);
+    // Heartbeats have their own queue, served first: a busy node must neither look dead to the
+    // CM (a false suspicion removes it, and its recovery adds load: the group can spiral into
+    // reconfigurations) nor extend its read lease from a heartbeat that sat in a queue.
+    let (hb_tx, mut hb_rx) = mpsc::channel::<(Heartbeat, mpsc::Sender<NetMsg>, Instant)>(64);
     let stats = Arc::new(NodeStats::default());
     stats.log_bytes.store(flog.len_bytes(), Ordering::Relaxed);
-    let log_tx = spawn_log_thread(flog, in_tx.clone(), stats.clone());
+    // Log completions have a queue of their own, never full: the log thread must not wait on
+    // the core (a `Reload` waits on the log thread). It holds at most one entry per append the
+    // core asked for.
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Input>();
+    let log_tx = spawn_log_thread(flog, done_tx, stats.clone());
 
     if let Some(m) = cfg.metrics {
         let l = TcpListener::bind(m).await?;
@@ -239,7 +253,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
             loop {
                 let Ok((sock, _)) = listener.accept().await else { continue };
                 let _ = sock.set_nodelay(true);
-                tokio::spawn(serve_conn(sock, secret.clone(), in_tx.clone()));
+                tokio::spawn(serve_conn(sock, secret.clone(), in_tx.clone(), hb_tx.clone()));
             }
         });
     }
@@ -247,6 +261,11 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     let start = Instant::now();
     let now_us = || start.elapsed().as_micros() as u64;
     let mut core = NodeCore::new(cfg.params.clone(), st);
+    // The rebuild's scaffolding is garbage now.
+    log::release_free_memory();
+    // Bumped at every `Reload`; log completions carry it.
+    let mut inc: u64 = 0;
+    let mut last_now = 0u64;
     let mut replies: HashMap<u64, (mpsc::Sender<NetMsg>, u64)> = HashMap::new();
     let mut next_tag: u64 = 1;
     let mut cm_tx: Option<mpsc::Sender<NetMsg>> = None;
@@ -255,19 +274,51 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tokio::select! {
-            _ = tick.tick() => core.tick(now_us()),
+            biased;
+            Some((hb, tx, at)) = hb_rx.recv() => {
+                // The lease counts from the heartbeat's arrival (never before an earlier input).
+                let at_us = (at.saturating_duration_since(start).as_micros() as u64).max(last_now);
+                last_now = at_us;
+                cm_tx = Some(tx);
+                core.on_heartbeat(at_us, hb);
+            }
+            _ = tick.tick() => {
+                last_now = now_us();
+                core.tick(last_now);
+            }
+            Some(inp) = done_rx.recv() => {
+                let now = now_us();
+                last_now = now;
+                match inp {
+                    Input::Persisted(seqs) => {
+                        for (i, s) in seqs {
+                            if i == inc {
+                                core.on_persisted(now, s);
+                            }
+                        }
+                    }
+                    Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
+                    _ => {}
+                }
+            }
             Some(inp) = in_rx.recv() => {
                 let now = now_us();
+                last_now = now;
                 match inp {
                     Input::Peer(from, m) => core.on_peer(now, from, m),
-                    Input::Hb(hb, tx) => { cm_tx = Some(tx); core.on_heartbeat(now, hb) }
                     Input::Client { id, op, reply } => {
                         let tag = next_tag;
                         next_tag += 1;
                         replies.insert(tag, (reply, id));
                         core.on_client(now, tag, op);
                     }
-                    Input::Persisted(seqs) => for s in seqs { core.on_persisted(now, s) },
+                    Input::Persisted(seqs) => {
+                        for (i, s) in seqs {
+                            if i == inc {
+                                core.on_persisted(now, s);
+                            }
+                        }
+                    }
                     Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
                 }
             }
@@ -291,7 +342,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         }
                     }
                     Output::Persist { seq, rec } => {
-                        let _ = log_tx.send(LogJob::Durable(seq, rec));
+                        let _ = log_tx.send(LogJob::Durable(inc, seq, rec));
                     }
                     Output::Mark(rec) => {
                         let _ = log_tx.send(LogJob::Lazy(rec));
@@ -310,6 +361,8 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         let _ = log_tx.send(LogJob::Rebuild(rtx));
                         let st = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
                         core = NodeCore::new(cfg.params.clone(), st);
+                        log::release_free_memory();
+                        inc += 1;
                         // Durable completions of the old core are meaningless to the new one.
                     }
                     Output::Recovered(s) => {
@@ -411,7 +464,12 @@ async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc
     }
 }
 
-async fn serve_conn(mut sock: TcpStream, secret: Vec<u8>, in_tx: mpsc::Sender<Input>) {
+async fn serve_conn(
+    mut sock: TcpStream,
+    secret: Vec<u8>,
+    in_tx: mpsc::Sender<Input>,
+    hb_tx: mpsc::Sender<(Heartbeat, mpsc::Sender<NetMsg>, Instant)>,
+) {
     if let Err(e) = wire::auth::accept(&mut sock, &secret).await {
         tracing::warn!("refused connection: {e}");
         return;
@@ -437,7 +495,12 @@ async fn serve_conn(mut sock: TcpStream, secret: Vec<u8>, in_tx: mpsc::Sender<In
         };
         let inp = match (&hello, m) {
             (Hello::Peer(from), NetMsg::Peer(pm)) => Input::Peer(*from, pm),
-            (Hello::Cm, NetMsg::Hb(hb)) => Input::Hb(hb, out_tx.clone()),
+            (Hello::Cm, NetMsg::Hb(hb)) => {
+                if hb_tx.send((hb, out_tx.clone(), Instant::now())).await.is_err() {
+                    return;
+                }
+                continue;
+            }
             (Hello::Client, NetMsg::Req { id, op }) => Input::Client { id, op, reply: out_tx.clone() },
             _ => return, // a message this kind of peer may not send: drop the connection
         };
