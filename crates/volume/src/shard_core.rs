@@ -60,6 +60,11 @@ pub enum DiskCmd {
     Rename { from: ObjKey, to: ObjKey },
     /// Replaces the shard's small state file; a higher `seq` always wins.
     SaveState { seq: u64, bytes: Vec<u8> },
+    /// A hint, not a mutation, that nobody waits for: `parent` (of `table`) just got a `super`
+    /// child, whose first write to each of the parent's objects here will need a fresh object.
+    /// The store gets that many ready ahead of the child's writes (pre-stocking, SpecREDS §5:
+    /// a COW write never waits for an allocation); `super` itself does not wait for it.
+    Prestock { table: TableId, parent: VolId },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1131,8 +1136,16 @@ impl ShardCore {
 
     fn set_entry(&mut self, parent: VolId, entry: TrackEntry) {
         // Fenced is final: a late or repeated message never unfences a parent.
-        if !matches!(self.entries.get(&parent), Some(TrackEntry::Fenced { .. })) {
+        let old = self.entries.get(&parent).copied();
+        if !matches!(old, Some(TrackEntry::Fenced { .. })) {
             self.entries.insert(parent, entry);
+            if let TrackEntry::Tracked { table, .. } = entry {
+                if old != Some(entry) {
+                    // A new super child: its copy-on-write burst is coming.
+                    let id = self.fresh_id();
+                    self.out.push(Output::Disk { id, cmd: DiskCmd::Prestock { table, parent } });
+                }
+            }
         }
     }
 
