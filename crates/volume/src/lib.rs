@@ -17,6 +17,7 @@ pub mod types;
 pub mod shard_server;
 pub mod store;
 pub mod meta;
+pub mod meta_core;
 pub mod client;
 pub mod sim_store;
 pub mod bench_cow;
