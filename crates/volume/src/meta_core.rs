@@ -799,3 +799,192 @@ pub fn pending_shards(core: &MetaCore) -> BTreeSet<ShardId> {
         _ => BTreeSet::new(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map() -> ClusterMap {
+        ClusterMap {
+            epoch: 3,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: format!("s{id}"), state: ShardState::Up, in_sync: true }).collect(),
+        }
+    }
+
+    fn core() -> MetaCore {
+        MetaCore::new(MetaCoreConfig::default(), MetaState { next_id: 1, map: map(), volumes: BTreeMap::new(), jobs: vec![] }, 100)
+    }
+
+    /// Feeds `input`; answers every save with `save_ok`; returns the other outputs.
+    fn run(c: &mut MetaCore, input: MetaInput, save_ok: bool) -> Vec<MetaOutput> {
+        let mut inputs = VecDeque::from([input]);
+        let mut outs = vec![];
+        while let Some(i) = inputs.pop_front() {
+            for o in c.handle(i) {
+                match o {
+                    MetaOutput::Save { seq, .. } => {
+                        inputs.push_back(MetaInput::Saved { seq, result: if save_ok { Ok(()) } else { Err("disk full".into()) } })
+                    }
+                    o => outs.push(o),
+                }
+            }
+        }
+        outs
+    }
+
+    fn req(c: &mut MetaCore, call: CallId, r: MetaReq, save_ok: bool) -> Vec<MetaOutput> {
+        run(c, MetaInput::Request { call, req: r }, save_ok)
+    }
+
+    fn create(name: &str) -> MetaReq {
+        MetaReq::Create { name: name.into(), size_bytes: 1 << 20, object_size_bytes: 65536 }
+    }
+
+    fn reply_of(outs: &[MetaOutput], call: CallId) -> MetaResp {
+        outs.iter()
+            .find_map(|o| match o {
+                MetaOutput::Reply { call: c, resp } if *c == call => Some(resp.clone()),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no reply to {call} in {outs:?}"))
+    }
+
+    fn sent(outs: &[MetaOutput]) -> Vec<(ShardId, Msg)> {
+        outs.iter()
+            .filter_map(|o| match o {
+                MetaOutput::Send { to, msg } => Some((*to, msg.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bad_requests_get_clear_errors_and_change_nothing() {
+        let mut c = core();
+        assert!(matches!(reply_of(&req(&mut c, 1, create("v"), true), 1), MetaResp::Volume(_)));
+        let before = c.durable().clone();
+        for (call, r, want) in [
+            (2, create("v"), "already exists"),
+            (3, create("bad name"), "volume names"),
+            (4, MetaReq::Create { name: "w".into(), size_bytes: 1000, object_size_bytes: 65536 }, "multiple of 512"),
+            (5, MetaReq::Create { name: "w".into(), size_bytes: 4096, object_size_bytes: 3000 }, "power of two"),
+            (6, MetaReq::Collapse { child: "v".into() }, "not a super child"),
+            (7, MetaReq::Collapse { child: "nope".into() }, "no volume named"),
+            (8, MetaReq::Resize { name: "v".into(), size_bytes: 512 }, "shrinking"),
+            (9, MetaReq::Super { parent: "nope".into(), child: "c".into() }, "no volume named"),
+        ] {
+            let outs = req(&mut c, call, r, true);
+            match reply_of(&outs, call) {
+                MetaResp::Err(e) => assert!(e.contains(want), "{e} should say {want}"),
+                other => panic!("{other:?}"),
+            }
+            assert!(sent(&outs).is_empty());
+        }
+        assert_eq!(c.durable(), &before);
+        assert!(c.is_idle());
+    }
+
+    #[test]
+    fn a_failed_save_reverts_and_answers_with_an_error() {
+        let mut c = core();
+        let outs = req(&mut c, 1, create("v"), false);
+        match reply_of(&outs, 1) {
+            MetaResp::Err(e) => assert!(e.contains("cannot save the metadata: disk full"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(c.durable().volumes.is_empty());
+        // Nothing was lost: the same request succeeds once the disk takes it, with the same id.
+        match reply_of(&req(&mut c, 2, create("v"), true), 2) {
+            MetaResp::Volume(v) => assert_eq!(v.vol.id, 1),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn super_records_then_asks_the_tracking_shard_and_undoes_on_refusal() {
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        let outs = req(&mut c, 2, MetaReq::Super { parent: "p".into(), child: "c".into() }, true);
+        // The child is durable before the tracking shard hears of it; no reply yet.
+        assert!(c.durable().volumes.contains_key("c"));
+        let s = sent(&outs);
+        let [(to, Msg::Super { req: r, epoch: 3, table: 1, parent: 1, child: 2 })] = s[..] else { panic!("{s:?}") };
+        assert_eq!(Some(to), map().primary(Slot { table: 1, objno: TRACK_OBJNO }));
+        // A second control request waits its turn.
+        assert!(req(&mut c, 3, MetaReq::Delete { name: "p".into() }, true).is_empty());
+        // A stale map: retried after the retry period under a new request id.
+        assert!(run(&mut c, MetaInput::ShardReply { from: to, req: r, result: Err(IoErr::StaleEpoch(4)) }, true).is_empty());
+        let outs = run(&mut c, MetaInput::Tick { now_us: 60_000, unix_ms: 0 }, true);
+        let s = sent(&outs);
+        let [(_, Msg::Super { req: r2, .. })] = s[..] else { panic!("{s:?}") };
+        assert_ne!(r2, r);
+        // A late reply to the first attempt is ignored; a refusal of the second undoes super.
+        assert!(run(&mut c, MetaInput::ShardReply { from: to, req: r, result: Ok(ReplyBody::Done) }, true).is_empty());
+        let outs = run(&mut c, MetaInput::ShardReply { from: to, req: r2, result: Err(IoErr::BadRequest("fenced".into())) }, true);
+        match reply_of(&outs, 2) {
+            MetaResp::Err(e) => assert!(e.contains("super failed") && e.contains("fenced"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(!c.durable().volumes.contains_key("c"));
+        // Then the queued delete ran: accepted, as p had no super child any more.
+        assert_eq!(reply_of(&outs, 3), MetaResp::Done);
+        assert!(c.durable().volumes.is_empty());
+        assert_eq!(c.durable().jobs, vec![Job::Delete { table: 1, owner: 1, drop_table: true }]);
+    }
+
+    #[test]
+    fn collapse_promotes_then_gc_runs_on_every_live_shard_at_one_epoch_and_ends_the_super() {
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        let outs = req(&mut c, 2, MetaReq::Super { parent: "p".into(), child: "c".into() }, true);
+        let s = sent(&outs);
+        let [(t, Msg::Super { req: r, .. })] = s[..] else { panic!("{s:?}") };
+        let outs = run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        assert!(matches!(reply_of(&outs, 2), MetaResp::Volume(v) if v.vol.parent == Some(1)));
+        let outs = req(&mut c, 3, MetaReq::Collapse { child: "c".into() }, true);
+        let s = sent(&outs);
+        let [(t, Msg::Collapse { req: r, child: 2, .. })] = s[..] else { panic!("{s:?}") };
+        let outs = run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Collapse(CollapseOutcome::Promoted)) }, true);
+        match reply_of(&outs, 3) {
+            MetaResp::Collapsed { outcome: CollapseOutcome::Promoted, volume: Some(v) } => assert_eq!(v.name, "c"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(c.durable().volumes.keys().collect::<Vec<_>>(), ["c"]);
+        // The GC job went out to every shard with the collapse's durable record.
+        let gcs: Vec<(ShardId, ReqId)> = sent(&outs)
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Gc { req, epoch: 3, parent: 1, child: 2, promoted: true, .. } => Some((to, req)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(gcs.iter().map(|g| g.0).collect::<Vec<_>>(), [1, 2, 3, 4]);
+        // Shard 4 goes down meanwhile: a new round at the new epoch, without it.
+        for &(to, req) in &gcs[..2] {
+            run(&mut c, MetaInput::ShardReply { from: to, req, result: Ok(ReplyBody::Done) }, true);
+        }
+        let mut m = map();
+        m.epoch = 4;
+        m.shards[3].state = ShardState::Down;
+        run(&mut c, MetaInput::SetMap(m), true);
+        let outs = run(&mut c, MetaInput::Tick { now_us: 1_000, unix_ms: 0 }, true);
+        let round: Vec<(ShardId, ReqId)> = sent(&outs)
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Gc { req, epoch: 4, .. } => Some((to, req)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(round.iter().map(|g| g.0).collect::<Vec<_>>(), [1, 2, 3]);
+        let mut end = vec![];
+        for (to, req) in round {
+            end.extend(sent(&run(&mut c, MetaInput::ShardReply { from: to, req, result: Ok(ReplyBody::Done) }, true)));
+        }
+        let [(t, Msg::EndSuper { req: r, child: 2, .. })] = end[..] else { panic!("{end:?}") };
+        run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        assert!(c.durable().jobs.is_empty());
+        assert_eq!(c.durable().volumes["c"].vol.parent, None, "the child no longer copies on write");
+        assert!(c.is_idle());
+    }
+}
