@@ -32,8 +32,10 @@ pub const CORE_QUEUE_INPUTS: usize = 8192;
 const TICK_INTERVAL_MS: u64 = 20;
 /// Disk commands running at once (each on a blocking thread); more wait their turn.
 pub const MAX_DISK_COMMANDS_IN_FLIGHT: usize = 64;
-/// A disk command that takes longer than this (queueing for a disk slot included) is logged:
-/// a stall of the disk or the file system shows up in the shard's log, not just as a slow I/O.
+/// A disk command that takes longer than this (queueing for a disk slot included) is counted
+/// (`understudy_shard_slow_disk_ops_total`); one whose own run took this long is logged (at most
+/// once a second): a stall of the disk or the file system shows in the shard's log, not just as
+/// a slow I/O.
 pub const SLOW_DISK_COMMAND_MS: u64 = 100;
 
 #[derive(Clone, Debug)]
@@ -76,7 +78,6 @@ impl InjectedLatency {
 }
 
 /// Counters of the driver, and the core's gauges as of the last tick.
-#[derive(Default)]
 struct Stats {
     core: std::sync::Mutex<CoreStats>,
     pool: std::sync::Mutex<crate::store::PoolStats>,
@@ -85,6 +86,9 @@ struct Stats {
     disk_ops: AtomicU64,
     disk_errors: AtomicU64,
     slow_disk_ops: AtomicU64,
+    /// When a slow disk command was last logged, in ms since `started` (0: never).
+    slow_logged_ms: AtomicU64,
+    started: Instant,
 }
 
 impl Stats {
@@ -138,7 +142,17 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
     let core = ShardCore::new(cfg, boot);
     let (tx, rx) = mpsc::channel::<CoreEvent>(CORE_QUEUE_INPUTS);
     let secret: Arc<[u8]> = opts.secret.clone().into();
-    let stats = Arc::new(Stats::default());
+    let stats = Arc::new(Stats {
+        core: Default::default(),
+        pool: Default::default(),
+        messages_in: Default::default(),
+        messages_dropped: Default::default(),
+        disk_ops: Default::default(),
+        disk_errors: Default::default(),
+        slow_disk_ops: Default::default(),
+        slow_logged_ms: Default::default(),
+        started: Instant::now(),
+    });
     if let Some(addr) = opts.metrics {
         let l = TcpListener::bind(addr).await.with_context(|| format!("cannot serve metrics on {addr}"))?;
         let (stats, id) = (stats.clone(), opts.id);
@@ -298,14 +312,24 @@ async fn core_loop(
                             .map(|(r, ran)| {
                                 let total = queued.elapsed();
                                 if total >= Duration::from_millis(SLOW_DISK_COMMAND_MS) {
-                                    stats.slow_disk_ops.fetch_add(1, Ordering::Relaxed);
-                                    tracing::info!(
-                                        shard = me,
-                                        command = what,
-                                        total_ms = total.as_millis() as u64,
-                                        ran_ms = ran.as_millis() as u64,
-                                        "slow disk command"
-                                    );
+                                    let n = stats.slow_disk_ops.fetch_add(1, Ordering::Relaxed) + 1;
+                                    // A stall of the disk itself (not a queue of our own
+                                    // commands) is logged, at most once a second.
+                                    let now_ms = stats.started.elapsed().as_millis() as u64;
+                                    let last = stats.slow_logged_ms.load(Ordering::Relaxed);
+                                    if ran >= Duration::from_millis(SLOW_DISK_COMMAND_MS)
+                                        && (last == 0 || now_ms >= last + 1000)
+                                        && stats.slow_logged_ms.compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed).is_ok()
+                                    {
+                                        tracing::info!(
+                                            shard = me,
+                                            command = what,
+                                            total_ms = total.as_millis() as u64,
+                                            ran_ms = ran.as_millis() as u64,
+                                            slow_so_far = n,
+                                            "slow disk command"
+                                        );
+                                    }
                                 }
                                 r
                             })

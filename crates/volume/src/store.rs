@@ -1978,7 +1978,8 @@ mod tests {
         };
         s.run(DiskCmd::Prestock { table: 7, parent: 1 }).unwrap();
         let st = s.pool_stats();
-        assert_eq!((st.prestocks, st.free_slots_target[1], st.free_slots_target[2]), (1, 12, 2), "{st:?}");
+        // (The parent's own writes ran the classes dry, so the targets may already be higher.)
+        assert!(st.prestocks == 1 && st.free_slots_target[1] >= 12 && st.free_slots_target[2] >= 2, "{st:?}");
         wait_until("the refill makes the pre-stocked slots", &|st| st.free_slots[1] >= 12 && st.free_slots[2] >= 2);
         // The child's first writes (deferred copies, and a whole copy of a bigger object) all
         // take ready slots: no allocation on their path.
@@ -1989,6 +1990,7 @@ mod tests {
             assert_eq!(read(&s, key(i, 2), 0, 8192)[4090..4100], [2, 2, 2, 2, 2, 2, 1, 1, 1, 1]);
         }
         assert_eq!(s.pool_stats().slow_allocations, slow, "{:?}", s.pool_stats());
+        drop(s); // stops the refill thread
         fs::remove_dir_all(&dir).unwrap();
     }
 
