@@ -1879,3 +1879,45 @@ pub fn request_id(m: &Msg) -> Option<ReqId> {
     })
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prestocks(outs: &[Output]) -> Vec<DiskCmd> {
+        outs.iter()
+            .filter_map(|o| match o {
+                Output::Disk { cmd: cmd @ DiskCmd::Prestock { .. }, .. } => Some(cmd.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_new_super_child_prestocks_slots_once_and_super_waits_only_for_the_tracking_list() {
+        let mut core = ShardCore::new(ShardConfig::new(1), Boot::default());
+        let map = ClusterMap {
+            epoch: 1,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
+        };
+        core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        let track = |req| Msg::Track { req, epoch: 1, parent: 3, entry: TrackEntry::Tracked { table: 5, child: 9 } };
+        let outs = core.handle(Input::Msg { from: Peer::Shard(2), msg: track(7) });
+        assert_eq!(prestocks(&outs), [DiskCmd::Prestock { table: 5, parent: 3 }]);
+        // The reply waits for the saved tracking list only, never for the pre-stocking.
+        let save = outs.iter().find_map(|o| match o {
+            Output::Disk { id, cmd: DiskCmd::SaveState { .. } } => Some(*id),
+            _ => None,
+        });
+        let hint = outs.iter().find_map(|o| match o {
+            Output::Disk { id, cmd: DiskCmd::Prestock { .. } } => Some(*id),
+            _ => None,
+        });
+        assert!(core.handle(Input::Disk { id: hint.unwrap(), result: Ok(DiskOut::Done) }).is_empty());
+        let outs = core.handle(Input::Disk { id: save.unwrap(), result: Ok(DiskOut::Done) });
+        assert!(outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Reply { req: 7, result: Ok(_) }, .. })), "{outs:?}");
+        // A retried super (the same child) does not stock again.
+        assert!(prestocks(&core.handle(Input::Msg { from: Peer::Shard(2), msg: track(8) })).is_empty());
+    }
+}
