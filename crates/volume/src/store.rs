@@ -84,6 +84,11 @@
 //! the maximum) whenever a write finds the class empty, and decays back after quiet seconds. A
 //! `super` followed by a write-heavy recovery is such a burst: every first write to a child
 //! object takes a slot.
+//! `super` pre-stocks: every shard that learns of a new child (the tracking list entry) sends
+//! the store a [`DiskCmd::Prestock`] hint, and the targets go up to the number of the parent's
+//! objects on this shard per class (at most the class maximum), so the child's first write to
+//! each of them finds a ready slot — no allocation on the COW path (SpecREDS §4.2.1, §5). The
+//! hint costs one pass over the in-memory index on a disk thread; `super` does not wait for it.
 //! A write that finds its class empty creates a slot itself (slow, correct); on a full disk it
 //! takes a free slot of a bigger class, or fails with [`DiskErr::NoSpace`] having changed
 //! nothing. Overwrites never need space: their blocks exist.
