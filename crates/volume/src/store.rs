@@ -607,6 +607,10 @@ struct Index {
     target: [usize; CLASSES],
     /// A write of the class found no free slot since the refill last lowered the target.
     ran_dry: [bool; CLASSES],
+    /// Slots pre-stocked for a `super` child and not yet taken: the target does not decay
+    /// below this (the child's burst may start seconds after `super`, or the refill may need
+    /// more than a decay period to make them on a busy disk).
+    reserved: [usize; CLASSES],
     /// Parent → its children that are deferred copies of it (see [`Base`]).
     lazy_children: HashMap<ObjKey, Vec<ObjKey>>,
 }
@@ -1218,7 +1222,8 @@ impl Inner {
     /// the parent's objects here takes a free slot of the class the parent object sits in (a
     /// deferred copy of a 64 KiB-class object, a whole copy of a bigger one), so the refill's
     /// target of each class goes up to the number of such parent objects (at most the class's
-    /// maximum) and the refill is woken. Costs one pass over the index, off the write path;
+    /// maximum) and the refill is woken; the target stays at least that high until the child
+    /// has taken those slots. Costs one pass over the index, off the write path;
     /// the slots are made by the refill thread, which still yields to the shard's writes once a
     /// quarter of the target is ready.
     fn prestock(&self, table: TableId, parent: VolId) {
@@ -1236,11 +1241,8 @@ impl Inner {
                 }
                 let t = want[class].min(self.pool.free_slots_max[class]);
                 idx.in_use[class] = true;
-                if t > idx.target[class] {
-                    idx.target[class] = t;
-                    // Not lowered by the next decay: the burst has not started yet.
-                    idx.ran_dry[class] = true;
-                }
+                idx.reserved[class] = idx.reserved[class].max(t);
+                idx.target[class] = idx.target[class].max(t);
             }
         }
         self.prestocks.fetch_add(1, Ordering::Relaxed);
@@ -1253,6 +1255,7 @@ impl Inner {
         {
             let mut idx = self.index.lock().unwrap();
             idx.in_use[class] = true;
+            idx.reserved[class] = idx.reserved[class].saturating_sub(1);
             if let Some(slot) = idx.free[class].pop_back() {
                 let low = idx.free[class].len() < idx.target[class];
                 drop(idx);
@@ -1358,7 +1361,7 @@ impl Inner {
                 let mut idx = self.index.lock().unwrap();
                 for class in 0..CLASSES {
                     if !std::mem::take(&mut idx.ran_dry[class]) {
-                        let base = self.pool.free_slots_target[class];
+                        let base = self.pool.free_slots_target[class].max(idx.reserved[class]);
                         let t = idx.target[class];
                         idx.target[class] = base.max(t - (t / 4).max(1).min(t));
                     }
@@ -1986,6 +1989,10 @@ mod tests {
         // (The parent's own writes ran the classes dry, so the targets may already be higher.)
         assert!(st.prestocks == 1 && st.free_slots_target[1] >= 12 && st.free_slots_target[2] >= 2, "{st:?}");
         wait_until("the refill makes the pre-stocked slots", &|st| st.free_slots[1] >= 12 && st.free_slots[2] >= 2);
+        // Quiet seconds (the child has not started writing) do not decay the target below the
+        // reservation.
+        std::thread::sleep(Duration::from_millis(2500));
+        assert!(s.pool_stats().free_slots_target[1] >= 12, "{:?}", s.pool_stats());
         // The child's first writes (deferred copies, and a whole copy of a bigger object) all
         // take ready slots: no allocation on their path.
         let slow = s.pool_stats().slow_allocations;
