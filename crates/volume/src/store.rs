@@ -1235,11 +1235,11 @@ impl Inner {
                     want[e.slot.class] += 1;
                 }
             }
-            for class in 0..CLASSES {
-                if want[class] == 0 {
+            for (class, &n) in want.iter().enumerate() {
+                if n == 0 {
                     continue;
                 }
-                let t = want[class].min(self.pool.free_slots_max[class]);
+                let t = n.min(self.pool.free_slots_max[class]);
                 idx.in_use[class] = true;
                 idx.reserved[class] = idx.reserved[class].max(t);
                 idx.target[class] = idx.target[class].max(t);
