@@ -48,6 +48,8 @@ pub struct CowOptions {
     /// Seconds per variant per round of the IOPS experiment (d), and rounds.
     pub iops_seconds: u64,
     pub iops_rounds: usize,
+    /// The most [`settle`] waits before a point (it is measured anyway after that).
+    pub settle_max_s: u64,
     /// Process ids of the shards (when they run as processes on this machine): [`settle`]
     /// watches their disk writes. Empty: no settling.
     pub shard_pids: Vec<u32>,
@@ -55,10 +57,13 @@ pub struct CowOptions {
 
 impl CowOptions {
     pub fn new(quick: bool) -> Self {
+        // Quick: 48 writes per point (six ABBA batches of eight at depth 1, four batches at
+        // depth 32), 2-second IOPS runs; the volumes are then 25 MiB each, which keeps the fill,
+        // the settling after it and the removal of the cluster's files short on a shared disk.
         if quick {
-            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 64, iops_seconds: 3, iops_rounds: 2, shard_pids: vec![] }
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 48, iops_seconds: 2, iops_rounds: 2, settle_max_s: 10, shard_pids: vec![] }
         } else {
-            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 2000, iops_seconds: 10, iops_rounds: 4, shard_pids: vec![] }
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 2000, iops_seconds: 10, iops_rounds: 4, settle_max_s: 60, shard_pids: vec![] }
         }
     }
 
@@ -66,7 +71,7 @@ impl CowOptions {
     fn objects(&self) -> u64 {
         let per_round = (WRITE_SIZES_BYTES.len() * self.batch_writes())
             .max(DEPTHS.iter().map(|&d| d * self.depth_batches(d)).sum::<usize>());
-        (per_round as u64 + 64).next_power_of_two()
+        per_round as u64 + 16
     }
 
     /// Writes per variant per point in one round; rounds repeat until `writes_per_point`.
@@ -145,8 +150,8 @@ impl Variants {
 
 /// Waits until the shards' background disk work has settled: none of them has written a byte
 /// (`write_bytes` of `/proc/PID/io`, counted when pages are dirtied) for [`SETTLE_QUIET_MS`].
-/// Gives up after [`SETTLE_MAX_S`] (the point is then measured anyway). Returns seconds waited.
-pub async fn settle(pids: &[u32]) -> f64 {
+/// Gives up after `max_s` seconds (the point is then measured anyway). Returns seconds waited.
+pub async fn settle(pids: &[u32], max_s: u64) -> f64 {
     let start = Instant::now();
     let written = || -> Option<u64> {
         pids.iter()
@@ -158,7 +163,7 @@ pub async fn settle(pids: &[u32]) -> f64 {
     };
     let Some(mut last) = written() else { return 0.0 };
     let mut quiet_since = Instant::now();
-    while quiet_since.elapsed() < Duration::from_millis(SETTLE_QUIET_MS) && start.elapsed() < Duration::from_secs(SETTLE_MAX_S) {
+    while quiet_since.elapsed() < Duration::from_millis(SETTLE_QUIET_MS) && start.elapsed() < Duration::from_secs(max_s) {
         tokio::time::sleep(Duration::from_millis(SETTLE_POLL_MS)).await;
         let now = written().unwrap_or(last);
         if now != last {
@@ -169,10 +174,9 @@ pub async fn settle(pids: &[u32]) -> f64 {
     start.elapsed().as_secs_f64()
 }
 
-/// How long the shards must not write for [`settle`], how often it looks, and its limit.
+/// How long the shards must not write for [`settle`], and how often it looks.
 const SETTLE_QUIET_MS: u64 = 300;
 const SETTLE_POLL_MS: u64 = 50;
-const SETTLE_MAX_S: u64 = 60;
 
 pub async fn wait_for_jobs(cluster: &Cluster) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -238,9 +242,18 @@ async fn iops(vol: &Volume, seconds: u64, depth: usize, seed: u64) -> anyhow::Re
     Ok(total as f64 / start.elapsed().as_secs_f64())
 }
 
+/// The filled plain volume the experiment leaves behind (every object written), for the fio
+/// comparison that follows it: a volume whose blocks exist, like fio's laid-out local file.
+#[derive(Debug, Clone)]
+pub struct PlainVolume {
+    pub name: String,
+    pub size_bytes: u64,
+}
+
 /// Runs the whole experiment and fills `report`.
-pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &mut Report) -> anyhow::Result<()> {
+pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &mut Report) -> anyhow::Result<PlainVolume> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
+    let mut phase = Instant::now();
     let objects = opts.objects();
     let size_bytes = objects * opts.object_size_bytes as u64;
     let base = format!("bench-cow-{}", std::process::id());
@@ -265,7 +278,10 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         }
     }
     progress.finish();
+    report.figure("phase.fill_s", phase.elapsed().as_secs_f64())?;
+    phase = Instant::now();
 
+    let plain_volume = PlainVolume { name: plain.clone(), size_bytes };
     let mut v = Variants { cluster: cluster.clone(), plain, base, general_base, round: 0, object_size: opts.object_size_bytes, fresh: Default::default(), vols: [None, None, None] };
     let mut by_size: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut by_depth: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
@@ -278,7 +294,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     for _ in 0..rounds {
         v.begin_round(objects, &mut rng).await?;
         for &size in &WRITE_SIZES_BYTES {
-            settle_s += settle(&opts.shard_pids).await;
+            settle_s += settle(&opts.shard_pids, opts.settle_max_s).await;
             // Small batches, ABBA across variants.
             let per_batch = 8;
             for variant in bench::interleaved_order(opts.batch_writes() / per_batch, 3) {
@@ -294,7 +310,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         progress.inc(1);
         v.begin_round(objects, &mut rng).await?;
         for &depth in &DEPTHS {
-            settle_s += settle(&opts.shard_pids).await;
+            settle_s += settle(&opts.shard_pids, opts.settle_max_s).await;
             for variant in bench::interleaved_order(opts.depth_batches(depth), 3) {
                 let targets = v.take_fresh(variant, depth)?;
                 let vol = v.vols[variant].as_ref().unwrap();
@@ -308,13 +324,16 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         progress.inc(1);
     }
     progress.finish();
+    report.figure("phase.cow_latency_s", phase.elapsed().as_secs_f64())?;
+    phase = Instant::now();
 
     // (d) parent IOPS at depth 32 with super invoked every second, against none.
     let mut iops_plain = vec![];
     let mut iops_super = vec![];
+    let mut control = ControlLatency::default();
     let mut progress = Progress::new((opts.iops_rounds * 2) as u64, "parent IOPS, super every second");
     for variant in bench::interleaved_order(opts.iops_rounds, 2) {
-        settle_s += settle(&opts.shard_pids).await;
+        settle_s += settle(&opts.shard_pids, opts.settle_max_s).await;
         let vol = cluster.open(&v.base).await?;
         let seed = rng.gen();
         if variant == 0 {
@@ -326,12 +345,14 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let cycles = supers.await??;
             iops_super.push(r?);
-            anyhow::ensure!(cycles > 0, "no super cycle completed during the IOPS run");
+            anyhow::ensure!(cycles.cycles > 0, "no super cycle completed during the IOPS run");
+            control.merge(&cycles);
         }
         progress.inc(1);
     }
     progress.finish();
     wait_for_jobs(&cluster).await?;
+    report.figure("phase.parent_iops_s", phase.elapsed().as_secs_f64())?;
 
     report.figure("settle_wait_s", settle_s)?;
 
@@ -347,6 +368,10 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     }
     let avg = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
     report.figure("plain.parent.write_4k.depth32.iops", avg(&iops_plain))?;
+    // `super` and `collapse` as the metadata service's clients see them, while the parent
+    // writes at depth 32 (so every super registers a child of a busy volume).
+    report.latency("super_every_1s.super.latency", &control.super_.summary())?;
+    report.latency("super_every_1s.collapse.latency", &control.collapse.summary())?;
     report.figure("super_every_1s.parent.write_4k.depth32.iops", avg(&iops_super))?;
     // Depth 1 of (a) and (b) measure the same thing (single 4 KiB writes to uncopied objects,
     // after the shards settled): the ratio takes the samples of both.
@@ -396,13 +421,30 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         .map(|(i, n)| Series { name: n.to_string(), points: DEPTHS.iter().map(|&d| (d as f64, mean(&by_depth, (i, d as u32)) / 1000.0)).collect() })
         .collect();
     bench::line_plot(&out.join("fig4b_cow_latency_by_depth"), "4 KiB COW write latency by writes in flight", "writes in flight", "mean latency (ms)", &depth_series, Scale::Log)?;
-    Ok(())
+    Ok(plain_volume)
+}
+
+/// Cycles of [`super_every_second`] and the latency of its control requests.
+#[derive(Default)]
+struct ControlLatency {
+    cycles: u64,
+    super_: LatencyRecorder,
+    collapse: LatencyRecorder,
+}
+
+impl ControlLatency {
+    fn merge(&mut self, o: &ControlLatency) {
+        self.cycles += o.cycles;
+        self.super_.merge(&o.super_);
+        self.collapse.merge(&o.collapse);
+    }
 }
 
 /// Every second: `super` the volume, then collapse the child a second later (the parent keeps
-/// writing, so it is rejected and discarded). Returns the cycles completed.
-async fn super_every_second(cluster: Arc<Cluster>, base: String, stop: Arc<std::sync::atomic::AtomicBool>) -> anyhow::Result<u64> {
-    let mut cycles = 0;
+/// writing, so it is rejected and discarded). Returns the cycles completed and the latencies of
+/// `super` and `collapse`.
+async fn super_every_second(cluster: Arc<Cluster>, base: String, stop: Arc<std::sync::atomic::AtomicBool>) -> anyhow::Result<ControlLatency> {
+    let mut lat = ControlLatency::default();
     let mut n = 0;
     let parent = cluster.open(&base).await?;
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -410,17 +452,20 @@ async fn super_every_second(cluster: Arc<Cluster>, base: String, stop: Arc<std::
         let child = format!("{base}.dirty-{n}");
         let t = Instant::now();
         cluster.meta(MetaReq::Super { parent: base.clone(), child: child.clone() }).await?;
+        lat.super_.record(t.elapsed());
         tokio::time::sleep(Duration::from_secs(1).saturating_sub(t.elapsed())).await;
         // The benchmark's writers may not have had a write acknowledged since `super` returned
         // (on a loaded machine `super` can take the whole second): one parent write of our own
         // makes the child dirty for sure, so the collapse below rejects it as intended.
         parent.write(0, vec![0x5a; 4096]).await.map_err(|e| anyhow::anyhow!("parent write after super failed: {e}"))?;
+        let t = Instant::now();
         match cluster.meta(MetaReq::Collapse { child: child.clone() }).await? {
             MetaResp::Collapsed { outcome: crate::types::CollapseOutcome::Rejected, .. } => {}
             other => anyhow::bail!("collapse while the parent writes must reject, got {other:?}"),
         }
+        lat.collapse.record(t.elapsed());
         wait_for_jobs(&cluster).await?;
-        cycles += 1;
+        lat.cycles += 1;
     }
-    Ok(cycles)
+    Ok(lat)
 }

@@ -6,6 +6,8 @@
 //!   garbage collection and re-replication.
 //! * [`store`]: the shard's object store in pre-allocated slot files, with deferred
 //!   (sector-wise) copy-on-write; [`sim_store`]: the same semantics on the simulator's disk.
+//! * [`meta_core`]: the metadata service's decisions as a deterministic state machine: volume
+//!   create / delete / resize, `super` and `collapse` over the tracking shard, the GC hand-off.
 //! * [`shard_server`], [`meta`], [`client`]: the tokio drivers (shard, metadata service, volume
 //!   client); [`testkit`] runs them in one process.
 //! * [`bench_cow`], [`bench_trace`]: `understudy bench volume cow` and `recovery-trace`.
@@ -17,6 +19,7 @@ pub mod types;
 pub mod shard_server;
 pub mod store;
 pub mod meta;
+pub mod meta_core;
 pub mod client;
 pub mod sim_store;
 pub mod bench_cow;

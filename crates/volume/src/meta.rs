@@ -1,6 +1,11 @@
 //! The metadata service: volumes, the cluster map, shard liveness, and the orchestration of
 //! `super`, `collapse` and garbage collection.
 //!
+//! The decisions about volumes, `super`, `collapse` and jobs are made by the deterministic
+//! [`MetaCore`](crate::meta_core::MetaCore); this module is its tokio driver (sockets, the state
+//! file, the clock) and keeps the shard links and the failure detector, which change the map
+//! through the core.
+//!
 //! Its state lives behind [`MetaStore`]; the embedded default, [`FileMetaStore`], keeps it in one
 //! JSON file replaced atomically (write, fsync, rename, fsync the directory), so a restart loses
 //! nothing. A later store can keep the same state in etcd.
@@ -10,7 +15,7 @@
 //! up once it reports that re-replication finished. Every change bumps the map's epoch and is
 //! pushed to every shard.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,8 +24,10 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, Mutex};
+use std::sync::Mutex;
+use tokio::sync::{mpsc, oneshot};
 
+use crate::meta_core::{CallId, MetaCore, MetaCoreConfig, MetaInput, MetaOutput};
 use crate::shard_server::writer_loop;
 use crate::types::*;
 
@@ -160,22 +167,29 @@ struct ShardLink {
 }
 
 struct Inner {
-    state: MetaState,
+    core: MetaCore,
     store: Box<dyn MetaStore>,
     links: HashMap<ShardId, ShardLink>,
+    /// Control requests waiting for the core's reply.
+    calls: HashMap<CallId, oneshot::Sender<MetaResp>>,
+    next_call: CallId,
+    /// The map epoch last pushed to the shards.
+    pushed_epoch: Epoch,
 }
 
-/// Shared handle of the running service.
+/// Shared handle of the running service: the driver of [`MetaCore`].
 #[derive(Clone)]
 pub struct Meta {
     inner: Arc<Mutex<Inner>>,
-    /// Serialises control operations (super, collapse, create, delete): they are rare and
-    /// simple to reason about one at a time.
-    control: Arc<Mutex<()>>,
-    pending: Arc<std::sync::Mutex<HashMap<ReqId, oneshot::Sender<Result<ReplyBody, IoErr>>>>>,
-    next_req: Arc<std::sync::atomic::AtomicU64>,
+    next_ping: Arc<std::sync::atomic::AtomicU64>,
     opts: Arc<MetaOptions>,
+    started: Instant,
 }
+
+/// Request ids of liveness pings: a range of their own, apart from the core's requests.
+const PING_REQ_BASE: u64 = 1 << 62;
+/// How often the core's clock ticks (resends, retries, deadlines).
+const META_TICK_MS: u64 = 20;
 
 fn now_unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -211,23 +225,24 @@ pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Res
             s
         }
     };
+    let pushed_epoch = state.map.epoch;
+    let core = MetaCore::new(MetaCoreConfig::default(), state, rand::random::<u64>() >> 20);
     let meta = Meta {
-        inner: Arc::new(Mutex::new(Inner { state, store: Box::new(store), links: HashMap::new() })),
-        control: Arc::new(Mutex::new(())),
-        pending: Default::default(),
-        next_req: Arc::new(1.into()),
+        inner: Arc::new(Mutex::new(Inner { core, store: Box::new(store), links: HashMap::new(), calls: HashMap::new(), next_call: 1, pushed_epoch })),
+        next_ping: Arc::new(PING_REQ_BASE.into()),
         opts: Arc::new(opts),
+        started: Instant::now(),
     };
     if let Some(addr) = meta.opts.metrics {
         let l = TcpListener::bind(addr).await.with_context(|| format!("cannot serve metrics on {addr}"))?;
         let m = meta.clone();
         tokio::spawn(wire::metrics::serve(l, move || {
             let m = m.clone();
-            async move { m.render_metrics().await }
+            async move { m.render_metrics() }
         }));
     }
     tokio::spawn(meta.clone().liveness_loop());
-    tokio::spawn(meta.clone().jobs_loop());
+    tokio::spawn(meta.clone().tick_loop());
     loop {
         let (sock, _) = listener.accept().await?;
         let _ = sock.set_nodelay(true);
@@ -240,12 +255,55 @@ pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Res
     }
 }
 
+impl Inner {
+    /// Feeds one input to the core and carries out its outputs: replies to their callers,
+    /// messages to the shards' links, saves to the store (synchronously: a save is durable, or
+    /// has failed, before the core hears of it and before anything after it goes out). Then
+    /// pushes the durable map to every shard if its epoch moved.
+    fn pump(&mut self, input: MetaInput) {
+        let mut inputs = VecDeque::from([input]);
+        while let Some(input) = inputs.pop_front() {
+            for out in self.core.handle(input) {
+                match out {
+                    MetaOutput::Reply { call, resp } => {
+                        if let Some(tx) = self.calls.remove(&call) {
+                            let _ = tx.send(resp);
+                        }
+                    }
+                    MetaOutput::Send { to, msg } => {
+                        if let Some(l) = self.links.get(&to) {
+                            let _ = l.tx.try_send(msg);
+                        }
+                    }
+                    MetaOutput::Save { seq, state } => {
+                        let result = self.store.save(&state).map_err(|e| format!("{e:#}"));
+                        inputs.push_back(MetaInput::Saved { seq, result });
+                    }
+                }
+            }
+        }
+        let map = &self.core.durable().map;
+        if map.epoch != self.pushed_epoch {
+            self.pushed_epoch = map.epoch;
+            for l in self.links.values() {
+                let _ = l.tx.try_send(Msg::Map(map.clone()));
+            }
+        }
+    }
+
+    /// Changes the cluster map through the core (saved, then pushed).
+    fn change_map(&mut self, map: ClusterMap) {
+        self.pump(MetaInput::SetMap(map));
+    }
+}
+
 impl Meta {
-    async fn render_metrics(&self) -> String {
+    fn render_metrics(&self) -> String {
         use wire::metrics::metric;
-        let g = self.inner.lock().await;
+        let g = self.inner.lock().unwrap();
+        let state = g.core.durable();
         let mut out = String::new();
-        let map = &g.state.map;
+        let map = &state.map;
         metric(&mut out, "understudy_meta_epoch", "gauge", "Cluster map epoch.", &[("", map.epoch as f64)]);
         let count = |st: ShardState| map.shards.iter().filter(|s| s.state == st).count() as f64;
         metric(
@@ -255,9 +313,32 @@ impl Meta {
             "Shards by state.",
             &[("state=\"up\"", count(ShardState::Up)), ("state=\"recovering\"", count(ShardState::Recovering)), ("state=\"down\"", count(ShardState::Down))],
         );
-        metric(&mut out, "understudy_meta_volumes", "gauge", "Volumes.", &[("", g.state.volumes.len() as f64)]);
-        metric(&mut out, "understudy_meta_jobs", "gauge", "Garbage collection and delete jobs pending.", &[("", g.state.jobs.len() as f64)]);
+        metric(&mut out, "understudy_meta_volumes", "gauge", "Volumes.", &[("", state.volumes.len() as f64)]);
+        metric(&mut out, "understudy_meta_jobs", "gauge", "Garbage collection and delete jobs pending.", &[("", state.jobs.len() as f64)]);
         out
+    }
+
+    /// One control request through the core; waits for its reply.
+    async fn call(&self, req: MetaReq) -> MetaResp {
+        let rx = {
+            let mut g = self.inner.lock().unwrap();
+            let call = g.next_call;
+            g.next_call += 1;
+            let (tx, rx) = oneshot::channel();
+            g.calls.insert(call, tx);
+            g.pump(MetaInput::Request { call, req });
+            rx
+        };
+        rx.await.unwrap_or_else(|_| MetaResp::Err("the metadata service dropped the request".into()))
+    }
+
+    async fn tick_loop(self) {
+        let mut iv = tokio::time::interval(Duration::from_millis(META_TICK_MS));
+        loop {
+            iv.tick().await;
+            let now_us = self.started.elapsed().as_micros() as u64;
+            self.inner.lock().unwrap().pump(MetaInput::Tick { now_us, unix_ms: now_unix_ms() });
+        }
     }
 
     async fn serve(self, mut sock: TcpStream) -> anyhow::Result<()> {
@@ -270,10 +351,7 @@ impl Meta {
                     Err(wire::WireError::Closed) => return Ok(()),
                     Err(e) => return Err(e.into()),
                 };
-                let resp = match self.handle(req).await {
-                    Ok(r) => r,
-                    Err(e) => MetaResp::Err(format!("{e:#}")),
-                };
+                let resp = self.call(req).await;
                 wire::write_msg(&mut sock, &resp).await?;
             },
             Hello::Shard(id) => self.shard_link(id, sock).await,
@@ -289,10 +367,10 @@ impl Meta {
         let (tx, rx) = mpsc::channel(1024);
         tokio::spawn(writer_loop(w, rx));
         {
-            let mut g = self.inner.lock().await;
+            let mut g = self.inner.lock().unwrap();
             let restarted = g.links.get(&id).is_none_or(|l| l.boot_id != boot_id);
             g.links.insert(id, ShardLink { tx: tx.clone(), boot_id, last_seen: Instant::now() });
-            let map = &mut g.state.map;
+            let mut map = g.core.durable().map.clone();
             let known = map.shards.iter().position(|s| s.id == id);
             let changed = match known {
                 None => {
@@ -319,12 +397,11 @@ impl Meta {
                 }
             };
             if changed {
-                g.state.map.epoch += 1;
-                tracing::info!(shard = id, epoch = g.state.map.epoch, "shard registered, recovering");
-                Self::persist(&mut g)?;
+                map.epoch += 1;
+                tracing::info!(shard = id, epoch = map.epoch, "shard registered, recovering");
+                g.change_map(map);
             }
-            let map = g.state.map.clone();
-            Self::push_map(&g, &map);
+            let map = g.core.durable().map.clone();
             let _ = tx.try_send(Msg::Map(map));
         }
         loop {
@@ -334,36 +411,33 @@ impl Meta {
             };
             match msg {
                 Msg::Reply { req, result } => {
-                    if let Some(l) = self.inner.lock().await.links.get_mut(&id) {
+                    let mut g = self.inner.lock().unwrap();
+                    if let Some(l) = g.links.get_mut(&id) {
                         l.last_seen = Instant::now();
                     }
-                    if let Some(w) = self.pending.lock().unwrap().remove(&req) {
-                        let _ = w.send(result);
+                    if req < PING_REQ_BASE {
+                        g.pump(MetaInput::ShardReply { from: id, req, result });
                     }
                 }
                 Msg::Recovered { shard, epoch } => {
-                    let mut g = self.inner.lock().await;
+                    let mut g = self.inner.lock().unwrap();
+                    let mut map = g.core.durable().map.clone();
                     // A shard that missed writes may lead only once every in-sync shard is up:
                     // then each of its slots had an in-sync primary it caught up from. (It
                     // repeats its report; once the others are up, the new epoch restarts its
                     // recovery and the next report counts.)
-                    let others_in_sync_up =
-                        g.state.map.shards.iter().filter(|s| s.id != shard && s.in_sync).all(|s| s.state == ShardState::Up);
-                    if g.state.map.epoch == epoch {
-                        if let Some(s) = g
-                            .state
-                            .map
+                    let others_in_sync_up = map.shards.iter().filter(|s| s.id != shard && s.in_sync).all(|s| s.state == ShardState::Up);
+                    if map.epoch == epoch {
+                        if let Some(s) = map
                             .shards
                             .iter_mut()
                             .find(|s| s.id == shard && s.state == ShardState::Recovering && (s.in_sync || others_in_sync_up))
                         {
                             s.state = ShardState::Up;
                             s.in_sync = true;
-                            g.state.map.epoch += 1;
-                            tracing::info!(shard, epoch = g.state.map.epoch, "shard recovered, up");
-                            Self::persist(&mut g)?;
-                            let map = g.state.map.clone();
-                            Self::push_map(&g, &map);
+                            map.epoch += 1;
+                            tracing::info!(shard, epoch = map.epoch, "shard recovered, up");
+                            g.change_map(map);
                         }
                     }
                 }
@@ -372,30 +446,19 @@ impl Meta {
         }
     }
 
-    fn persist(g: &mut Inner) -> anyhow::Result<()> {
-        g.store.save(&g.state)
-    }
-
-    fn push_map(g: &Inner, map: &ClusterMap) {
-        for l in g.links.values() {
-            let _ = l.tx.try_send(Msg::Map(map.clone()));
-        }
-    }
-
     async fn liveness_loop(self) {
         let mut iv = tokio::time::interval(Duration::from_millis(self.opts.ping_interval_ms));
         loop {
             iv.tick().await;
-            let mut g = self.inner.lock().await;
+            let mut g = self.inner.lock().unwrap();
             let now = Instant::now();
             let mut changed = false;
             let down_after = Duration::from_millis(self.opts.down_after_ms);
-            let ids: Vec<ShardId> = g.state.map.shards.iter().map(|s| s.id).collect();
-            for id in ids {
-                let alive = g.links.get(&id).is_some_and(|l| now.duration_since(l.last_seen) < down_after);
-                let s = g.state.map.shards.iter_mut().find(|s| s.id == id).unwrap();
+            let mut map = g.core.durable().map.clone();
+            for s in map.shards.iter_mut() {
+                let alive = g.links.get(&s.id).is_some_and(|l| now.duration_since(l.last_seen) < down_after);
                 if !alive && s.state != ShardState::Down {
-                    tracing::warn!(shard = id, "shard missed its pings: marking it down");
+                    tracing::warn!(shard = s.id, "shard missed its pings: marking it down");
                     s.state = ShardState::Down;
                     s.in_sync = false;
                     changed = true;
@@ -403,385 +466,24 @@ impl Meta {
                     // It answers again on the same link: it was stalled, not dead. It may have
                     // missed writes while down, so it re-replicates before it leads again
                     // (without this, Down was sticky until the shard process restarted).
-                    tracing::warn!(shard = id, "shard answers its pings again: marking it recovering");
+                    tracing::warn!(shard = s.id, "shard answers its pings again: marking it recovering");
                     s.state = ShardState::Recovering;
                     changed = true;
                 }
             }
             if changed {
-                g.state.map.epoch += 1;
-                if let Err(e) = Self::persist(&mut g) {
-                    tracing::error!("cannot persist metadata: {e:#}");
-                }
-                let map = g.state.map.clone();
-                Self::push_map(&g, &map);
+                map.epoch += 1;
+                g.change_map(map);
             }
             for l in g.links.values() {
-                let req = self.next_req.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let req = self.next_ping.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let _ = l.tx.try_send(Msg::Ping { req });
-            }
-        }
-    }
-
-    /// Sends a request to one shard and waits for its reply.
-    async fn ask(&self, shard: ShardId, make: impl Fn(ReqId, Epoch) -> Msg, timeout: Duration) -> Result<ReplyBody, IoErr> {
-        let req = self.next_req.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (wtx, wrx) = oneshot::channel();
-        self.pending.lock().unwrap().insert(req, wtx);
-        {
-            let g = self.inner.lock().await;
-            let Some(l) = g.links.get(&shard) else {
-                self.pending.lock().unwrap().remove(&req);
-                return Err(IoErr::NotReady);
-            };
-            let _ = l.tx.try_send(make(req, g.state.map.epoch));
-        }
-        let r = tokio::time::timeout(timeout, wrx).await;
-        self.pending.lock().unwrap().remove(&req);
-        match r {
-            Ok(Ok(result)) => result,
-            _ => Err(IoErr::NotReady),
-        }
-    }
-
-    /// Sends a request to the tracking shard of `table`, retrying across map changes.
-    async fn ask_tracking(&self, table: TableId, make: impl Fn(ReqId, Epoch) -> Msg) -> anyhow::Result<ReplyBody> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let primary = self.inner.lock().await.state.map.primary(Slot { table, objno: TRACK_OBJNO });
-            let r = match primary {
-                Some(p) => self.ask(p, &make, Duration::from_secs(5)).await,
-                None => Err(IoErr::NotReady),
-            };
-            match r {
-                Ok(body) => return Ok(body),
-                Err(e) if e.is_retryable() && Instant::now() < deadline => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => anyhow::bail!("tracking shard: {e}"),
-            }
-        }
-    }
-
-    /// Sends a request to every shard not down and waits until all of them have acknowledged it
-    /// at one epoch (shards refuse another epoch's), retrying across map changes: a shard that
-    /// was down then learns the outcome from its peers when it re-replicates.
-    async fn ask_all(&self, make: impl Fn(ReqId, Epoch) -> Msg) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let (epoch, shards): (Epoch, Vec<ShardId>) = {
-                let g = self.inner.lock().await;
-                let live = g.state.map.shards.iter().filter(|s| s.state != ShardState::Down).map(|s| s.id).collect();
-                (g.state.map.epoch, live)
-            };
-            let make = |req, _| make(req, epoch);
-            let mut all_ok = true;
-            let results = futures::future::join_all(shards.iter().map(|s| self.ask(*s, &make, Duration::from_secs(10)))).await;
-            for (s, r) in shards.iter().zip(results) {
-                if let Err(e) = r {
-                    tracing::debug!("shard {s}: {e}");
-                    all_ok = false;
-                }
-            }
-            if all_ok && self.inner.lock().await.state.map.epoch == epoch {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                anyhow::bail!("not every live shard answered");
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn jobs_loop(self) {
-        loop {
-            let job = self.inner.lock().await.state.jobs.first().cloned();
-            match job {
-                None => tokio::time::sleep(Duration::from_millis(100)).await,
-                Some(job) => match self.run_job(&job).await {
-                    Ok(()) => {
-                        let mut g = self.inner.lock().await;
-                        g.state.jobs.retain(|j| j != &job);
-                        if let Err(e) = Self::persist(&mut g) {
-                            tracing::error!("cannot persist metadata: {e:#}");
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!("job {job:?}: {e:#}; retrying");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    }
-                },
-            }
-        }
-    }
-
-    async fn run_job(&self, job: &Job) -> anyhow::Result<()> {
-        match job.clone() {
-            Job::Gc { table, parent, child, promoted, child_name } => {
-                self.ask_all(|req, epoch| Msg::Gc { req, epoch, table, parent, child, promoted }).await?;
-                self.ask_tracking(table, |req, epoch| Msg::EndSuper { req, epoch, table, child }).await?;
-                // The child holds every object now: it no longer copies on write.
-                let _c = self.control.lock().await;
-                let mut g = self.inner.lock().await;
-                if let Some(rec) = child_name.and_then(|n| g.state.volumes.get_mut(&n)) {
-                    if rec.vol.id == child {
-                        rec.vol.parent = None;
-                    }
-                }
-                Self::persist(&mut g)
-            }
-            Job::Delete { table, owner, drop_table } => {
-                self.ask_all(|req, epoch| Msg::DeleteVolume { req, epoch, table, owner, drop_table }).await
-            }
-        }
-    }
-
-    async fn update<T>(&self, f: impl FnOnce(&mut MetaState) -> anyhow::Result<T>) -> anyhow::Result<T> {
-        let mut g = self.inner.lock().await;
-        let mut next = g.state.clone();
-        let out = f(&mut next)?;
-        g.store.save(&next)?;
-        g.state = next;
-        Ok(out)
-    }
-
-    async fn handle(&self, req: MetaReq) -> anyhow::Result<MetaResp> {
-        let get = |s: &MetaState, name: &str| -> anyhow::Result<VolumeRec> {
-            s.volumes.get(name).cloned().ok_or_else(|| anyhow::anyhow!("no volume named {name:?} (see `understudy volume list`)"))
-        };
-        match req {
-            MetaReq::GetMap => Ok(MetaResp::Map(self.inner.lock().await.state.map.clone())),
-            MetaReq::List => Ok(MetaResp::Volumes(self.inner.lock().await.state.volumes.values().cloned().collect())),
-            MetaReq::Info { name } => Ok(MetaResp::Volume(get(&self.inner.lock().await.state, &name)?)),
-            MetaReq::Jobs => Ok(MetaResp::Jobs(self.inner.lock().await.state.jobs.clone())),
-            MetaReq::Create { name, size_bytes, object_size_bytes } => {
-                let _c = self.control.lock().await;
-                validate_name(&name)?;
-                anyhow::ensure!(
-                    object_size_bytes.is_power_of_two() && (4096..=MAX_OBJECT_SIZE_BYTES).contains(&object_size_bytes),
-                    "object size must be a power of two between 4 KiB and 4 MiB, not {object_size_bytes}"
-                );
-                anyhow::ensure!(size_bytes > 0 && size_bytes % 512 == 0, "size must be a positive multiple of 512 bytes");
-                let rec = self
-                    .update(|s| {
-                        anyhow::ensure!(!s.volumes.contains_key(&name), "a volume named {name:?} already exists");
-                        let id = s.next_id;
-                        s.next_id += 1;
-                        let rec = VolumeRec {
-                            name: name.clone(),
-                            vol: VolRef { id, table: id, object_size_bytes, parent: None },
-                            size_bytes,
-                            layout: Layout::Plain,
-                            super_child: None,
-                            super_parent: None,
-                            created_unix_ms: now_unix_ms(),
-                        };
-                        s.volumes.insert(name.clone(), rec.clone());
-                        Ok(rec)
-                    })
-                    .await?;
-                Ok(MetaResp::Volume(rec))
-            }
-            MetaReq::Resize { name, size_bytes } => {
-                let _c = self.control.lock().await;
-                anyhow::ensure!(size_bytes > 0 && size_bytes % 512 == 0, "size must be a positive multiple of 512 bytes");
-                let rec = self
-                    .update(|s| {
-                        let rec = s.volumes.get_mut(&name).ok_or_else(|| anyhow::anyhow!("no volume named {name:?}"))?;
-                        anyhow::ensure!(size_bytes >= rec.size_bytes, "shrinking a volume is not supported (it would discard data)");
-                        rec.size_bytes = size_bytes;
-                        Ok(rec.clone())
-                    })
-                    .await?;
-                Ok(MetaResp::Volume(rec))
-            }
-            MetaReq::Delete { name } => {
-                let _c = self.control.lock().await;
-                self.update(|s| {
-                    let rec = get(s, &name)?;
-                    anyhow::ensure!(rec.super_child.is_none(), "volume {name:?} has a super child; collapse it first");
-                    anyhow::ensure!(rec.super_parent.is_none(), "volume {name:?} is a super child; collapse it instead");
-                    anyhow::ensure!(
-                        !s.volumes.values().any(|v| matches!(&v.layout, Layout::GeneralClone { parent } if parent.id == rec.vol.id)),
-                        "volume {name:?} has general clones; delete them first"
-                    );
-                    anyhow::ensure!(rec.vol.parent.is_none(), "volume {name:?} is still being garbage-collected; retry shortly");
-                    s.volumes.remove(&name);
-                    let shares_table = s.volumes.values().any(|v| v.vol.table == rec.vol.table);
-                    s.jobs.push(Job::Delete { table: rec.vol.table, owner: rec.vol.id, drop_table: !shares_table });
-                    Ok(())
-                })
-                .await?;
-                Ok(MetaResp::Done)
-            }
-            MetaReq::Super { parent, child } => {
-                let _c = self.control.lock().await;
-                validate_name(&child)?;
-                let (p, child_id) = {
-                    let g = self.inner.lock().await;
-                    let p = get(&g.state, &parent)?;
-                    anyhow::ensure!(!g.state.volumes.contains_key(&child), "a volume named {child:?} already exists");
-                    anyhow::ensure!(p.super_child.is_none(), "volume {parent:?} already has a super child; collapse it first");
-                    anyhow::ensure!(p.super_parent.is_none(), "volume {parent:?} is itself a super child; collapse it first");
-                    anyhow::ensure!(p.vol.parent.is_none(), "volume {parent:?} is still being garbage-collected; retry shortly");
-                    anyhow::ensure!(p.layout == Layout::Plain, "super needs a plain volume");
-                    // A promoting collapse retires the parent and hands its objects to the child,
-                    // which would leave a general clone reading through to a retired volume.
-                    anyhow::ensure!(
-                        !g.state.volumes.values().any(|v| matches!(&v.layout, Layout::GeneralClone { parent: gp } if gp.id == p.vol.id)),
-                        "volume {parent:?} has general clones, which a promoting collapse would break; delete them first"
-                    );
-                    (p, g.state.next_id)
-                };
-                // Record the child first: if we crash before the tracking shard knows it, the
-                // child is an orphan that collapse reports as "not a super child".
-                let rec = self
-                    .update(|s| {
-                        s.next_id += 1;
-                        let rec = VolumeRec {
-                            name: child.clone(),
-                            vol: VolRef { id: child_id, table: p.vol.table, object_size_bytes: p.vol.object_size_bytes, parent: Some(p.vol.id) },
-                            size_bytes: p.size_bytes,
-                            layout: Layout::Plain,
-                            super_child: None,
-                            super_parent: Some(parent.clone()),
-                            created_unix_ms: now_unix_ms(),
-                        };
-                        s.volumes.insert(child.clone(), rec.clone());
-                        s.volumes.get_mut(&parent).unwrap().super_child = Some(child.clone());
-                        Ok(rec)
-                    })
-                    .await?;
-                let table = p.vol.table;
-                let parent_id = p.vol.id;
-                let r = self
-                    .ask_tracking(table, |req, epoch| Msg::Super { req, epoch, table, parent: parent_id, child: child_id })
-                    .await;
-                if let Err(e) = r {
-                    // Undo: nothing tracks the child; the parent stays as it was.
-                    self.update(|s| {
-                        s.volumes.remove(&child);
-                        if let Some(p) = s.volumes.get_mut(&parent) {
-                            p.super_child = None;
-                        }
-                        Ok(())
-                    })
-                    .await?;
-                    return Err(e.context("super failed"));
-                }
-                Ok(MetaResp::Volume(rec))
-            }
-            MetaReq::Collapse { child } => {
-                let _c = self.control.lock().await;
-                let c = get(&self.inner.lock().await.state, &child)?;
-                let Some(parent_name) = c.super_parent.clone() else {
-                    anyhow::bail!("volume {child:?} is not a super child: nothing to collapse");
-                };
-                let parent_id = c.vol.parent.expect("a super child has a parent");
-                let (table, child_id) = (c.vol.table, c.vol.id);
-                let body = self.ask_tracking(table, |req, epoch| Msg::Collapse { req, epoch, table, child: child_id }).await?;
-                let ReplyBody::Collapse(outcome) = body else { anyhow::bail!("tracking shard answered {body:?}") };
-                let promoted = outcome == CollapseOutcome::Promoted;
-                let volume = self
-                    .update(|s| {
-                        s.jobs.push(Job::Gc { table, parent: parent_id, child: child_id, promoted, child_name: Some(child.clone()) });
-                        if promoted {
-                            // The parent is gone for good; the child is the volume now.
-                            s.volumes.remove(&parent_name);
-                            let rec = s.volumes.get_mut(&child).unwrap();
-                            rec.super_parent = None;
-                            Ok(Some(rec.clone()))
-                        } else {
-                            s.volumes.remove(&child);
-                            if let Some(p) = s.volumes.get_mut(&parent_name) {
-                                p.super_child = None;
-                            }
-                            Ok(None)
-                        }
-                    })
-                    .await?;
-                Ok(MetaResp::Collapsed { outcome, volume })
-            }
-            MetaReq::Abort { child } => {
-                let _c = self.control.lock().await;
-                let c = get(&self.inner.lock().await.state, &child)?;
-                let Some(parent_name) = c.super_parent.clone() else {
-                    // A promoted child lives on in its parent's table (a created volume has its own).
-                    if c.vol.parent.is_some() || c.vol.table != c.vol.id {
-                        anyhow::bail!("volume {child:?} was promoted by a collapse; a promoted child cannot be aborted");
-                    }
-                    anyhow::bail!("volume {child:?} is not a super child: nothing to abort");
-                };
-                let parent_id = c.vol.parent.expect("a super child has a parent");
-                let (table, child_id) = (c.vol.table, c.vol.id);
-                // The tracking object's own check-and-set decides: mark the superposition
-                // written, as the parent's first write would (without writing anything), so the
-                // collapse that follows must reject. A collapse that already promoted (this
-                // service crashed before recording it) answers `Promoted` instead.
-                match self.ask_tracking(table, |req, epoch| Msg::Permission { req, epoch, table, parent: parent_id }).await? {
-                    ReplyBody::Granted(_) => {}
-                    body => anyhow::bail!("tracking shard answered {body:?}"),
-                }
-                let body = self.ask_tracking(table, |req, epoch| Msg::Collapse { req, epoch, table, child: child_id }).await?;
-                let ReplyBody::Collapse(outcome) = body else { anyhow::bail!("tracking shard answered {body:?}") };
-                let promoted = outcome == CollapseOutcome::Promoted;
-                let parent = self
-                    .update(|s| {
-                        s.jobs.push(Job::Gc { table, parent: parent_id, child: child_id, promoted, child_name: Some(child.clone()) });
-                        if promoted {
-                            s.volumes.remove(&parent_name);
-                            s.volumes.get_mut(&child).unwrap().super_parent = None;
-                            Ok(None)
-                        } else {
-                            s.volumes.remove(&child);
-                            let p = s.volumes.get_mut(&parent_name);
-                            Ok(p.map(|p| {
-                                p.super_child = None;
-                                p.clone()
-                            }))
-                        }
-                    })
-                    .await?;
-                match parent {
-                    Some(p) => Ok(MetaResp::Volume(p)),
-                    None if promoted => anyhow::bail!("volume {child:?} was promoted by an earlier collapse; a promoted child cannot be aborted"),
-                    None => anyhow::bail!("the parent {parent_name:?} of {child:?} is gone"),
-                }
-            }
-            MetaReq::CloneGeneral { parent, child } => {
-                let _c = self.control.lock().await;
-                validate_name(&child)?;
-                let rec = self
-                    .update(|s| {
-                        let p = get(s, &parent)?;
-                        anyhow::ensure!(!s.volumes.contains_key(&child), "a volume named {child:?} already exists");
-                        anyhow::ensure!(p.layout == Layout::Plain && p.vol.parent.is_none(), "general clones need a plain parent");
-                        anyhow::ensure!(p.super_child.is_none(), "volume {parent:?} has a super child; collapse it first");
-                        let id = s.next_id;
-                        s.next_id += 1;
-                        let rec = VolumeRec {
-                            name: child.clone(),
-                            vol: VolRef { id, table: id, object_size_bytes: p.vol.object_size_bytes, parent: None },
-                            size_bytes: p.size_bytes,
-                            layout: Layout::GeneralClone { parent: p.vol.clone() },
-                            super_child: None,
-                            super_parent: None,
-                            created_unix_ms: now_unix_ms(),
-                        };
-                        s.volumes.insert(child.clone(), rec.clone());
-                        Ok(rec)
-                    })
-                    .await?;
-                Ok(MetaResp::Volume(rec))
             }
         }
     }
 }
 
-fn validate_name(name: &str) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !name.is_empty() && name.len() <= 128 && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)),
-        "volume names are 1 to 128 characters of letters, digits, '-', '_' and '.', not {name:?}"
-    );
-    Ok(())
+/// Checks a volume name (letters, digits, '-', '_', '.'; 1 to 128 characters).
+pub fn validate_name(name: &str) -> anyhow::Result<()> {
+    crate::meta_core::validate_name(name).map_err(anyhow::Error::msg)
 }

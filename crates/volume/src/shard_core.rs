@@ -60,6 +60,11 @@ pub enum DiskCmd {
     Rename { from: ObjKey, to: ObjKey },
     /// Replaces the shard's small state file; a higher `seq` always wins.
     SaveState { seq: u64, bytes: Vec<u8> },
+    /// A hint, not a mutation, that nobody waits for: `parent` (of `table`) just got a `super`
+    /// child, whose first write to each of the parent's objects here will need a fresh object.
+    /// The store gets that many ready ahead of the child's writes (pre-stocking, SpecREDS §5:
+    /// a COW write never waits for an allocation); `super` itself does not wait for it.
+    Prestock { table: TableId, parent: VolId },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1131,8 +1136,16 @@ impl ShardCore {
 
     fn set_entry(&mut self, parent: VolId, entry: TrackEntry) {
         // Fenced is final: a late or repeated message never unfences a parent.
-        if !matches!(self.entries.get(&parent), Some(TrackEntry::Fenced { .. })) {
+        let old = self.entries.get(&parent).copied();
+        if !matches!(old, Some(TrackEntry::Fenced { .. })) {
             self.entries.insert(parent, entry);
+            if let TrackEntry::Tracked { table, .. } = entry {
+                if old != Some(entry) {
+                    // A new super child: its copy-on-write burst is coming.
+                    let id = self.fresh_id();
+                    self.out.push(Output::Disk { id, cmd: DiskCmd::Prestock { table, parent } });
+                }
+            }
         }
     }
 
@@ -1866,3 +1879,45 @@ pub fn request_id(m: &Msg) -> Option<ReqId> {
     })
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prestocks(outs: &[Output]) -> Vec<DiskCmd> {
+        outs.iter()
+            .filter_map(|o| match o {
+                Output::Disk { cmd: cmd @ DiskCmd::Prestock { .. }, .. } => Some(cmd.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_new_super_child_prestocks_slots_once_and_super_waits_only_for_the_tracking_list() {
+        let mut core = ShardCore::new(ShardConfig::new(1), Boot::default());
+        let map = ClusterMap {
+            epoch: 1,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
+        };
+        core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        let track = |req| Msg::Track { req, epoch: 1, parent: 3, entry: TrackEntry::Tracked { table: 5, child: 9 } };
+        let outs = core.handle(Input::Msg { from: Peer::Shard(2), msg: track(7) });
+        assert_eq!(prestocks(&outs), [DiskCmd::Prestock { table: 5, parent: 3 }]);
+        // The reply waits for the saved tracking list only, never for the pre-stocking.
+        let save = outs.iter().find_map(|o| match o {
+            Output::Disk { id, cmd: DiskCmd::SaveState { .. } } => Some(*id),
+            _ => None,
+        });
+        let hint = outs.iter().find_map(|o| match o {
+            Output::Disk { id, cmd: DiskCmd::Prestock { .. } } => Some(*id),
+            _ => None,
+        });
+        assert!(core.handle(Input::Disk { id: hint.unwrap(), result: Ok(DiskOut::Done) }).is_empty());
+        let outs = core.handle(Input::Disk { id: save.unwrap(), result: Ok(DiskOut::Done) });
+        assert!(outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Reply { req: 7, result: Ok(_) }, .. })), "{outs:?}");
+        // A retried super (the same child) does not stock again.
+        assert!(prestocks(&core.handle(Input::Msg { from: Peer::Shard(2), msg: track(8) })).is_empty());
+    }
+}

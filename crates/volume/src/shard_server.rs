@@ -32,6 +32,11 @@ pub const CORE_QUEUE_INPUTS: usize = 8192;
 const TICK_INTERVAL_MS: u64 = 20;
 /// Disk commands running at once (each on a blocking thread); more wait their turn.
 pub const MAX_DISK_COMMANDS_IN_FLIGHT: usize = 64;
+/// A disk command that takes longer than this (queueing for a disk slot included) is counted
+/// (`understudy_shard_slow_disk_ops_total`); one whose own run took this long is logged (at most
+/// once a second): a stall of the disk or the file system shows in the shard's log, not just as
+/// a slow I/O.
+pub const SLOW_DISK_COMMAND_MS: u64 = 100;
 
 #[derive(Clone, Debug)]
 pub struct ShardOptions {
@@ -64,7 +69,7 @@ pub struct InjectedLatency {
 impl InjectedLatency {
     fn for_cmd(&self, cmd: &DiskCmd) -> Duration {
         match cmd {
-            DiskCmd::Read { .. } | DiskCmd::ReadAll { .. } => Duration::ZERO,
+            DiskCmd::Read { .. } | DiskCmd::ReadAll { .. } | DiskCmd::Prestock { .. } => Duration::ZERO,
             DiskCmd::Apply { .. } | DiskCmd::Delete { .. } | DiskCmd::Rename { .. } | DiskCmd::SaveState { .. } => {
                 Duration::from_micros(self.write_us + self.flush_us)
             }
@@ -73,13 +78,17 @@ impl InjectedLatency {
 }
 
 /// Counters of the driver, and the core's gauges as of the last tick.
-#[derive(Default)]
 struct Stats {
     core: std::sync::Mutex<CoreStats>,
+    pool: std::sync::Mutex<crate::store::PoolStats>,
     messages_in: AtomicU64,
     messages_dropped: AtomicU64,
     disk_ops: AtomicU64,
     disk_errors: AtomicU64,
+    slow_disk_ops: AtomicU64,
+    /// When a slow disk command was last logged, in ms since `started` (0: never).
+    slow_logged_ms: AtomicU64,
+    started: Instant,
 }
 
 impl Stats {
@@ -97,6 +106,14 @@ impl Stats {
         metric(&mut out, "understudy_shard_messages_dropped_total", "counter", "Messages dropped because a connection queue was full.", &[(&l, g(&self.messages_dropped))]);
         metric(&mut out, "understudy_shard_disk_ops_total", "counter", "Disk commands run.", &[(&l, g(&self.disk_ops))]);
         metric(&mut out, "understudy_shard_disk_errors_total", "counter", "Disk commands that failed.", &[(&l, g(&self.disk_errors))]);
+        let p = self.pool.lock().unwrap().clone();
+        let free: Vec<(String, f64)> =
+            (0..crate::store::CLASSES).map(|c| (format!("{l},class_bytes=\"{}\"", crate::store::CLASS_DATA_BYTES[c]), p.free_slots[c] as f64)).collect();
+        let free: Vec<(&str, f64)> = free.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        metric(&mut out, "understudy_shard_free_slots", "gauge", "Ready slot files per size class.", &free);
+        metric(&mut out, "understudy_shard_slow_allocations_total", "counter", "Writes that found no ready slot and created one.", &[(&l, p.slow_allocations as f64)]);
+        metric(&mut out, "understudy_shard_prestocks_total", "counter", "Pre-stocking hints of super handled.", &[(&l, p.prestocks as f64)]);
+        metric(&mut out, "understudy_shard_slow_disk_ops_total", "counter", "Disk commands that took longer than SLOW_DISK_COMMAND_MS.", &[(&l, g(&self.slow_disk_ops))]);
         out
     }
 }
@@ -125,7 +142,17 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
     let core = ShardCore::new(cfg, boot);
     let (tx, rx) = mpsc::channel::<CoreEvent>(CORE_QUEUE_INPUTS);
     let secret: Arc<[u8]> = opts.secret.clone().into();
-    let stats = Arc::new(Stats::default());
+    let stats = Arc::new(Stats {
+        core: Default::default(),
+        pool: Default::default(),
+        messages_in: Default::default(),
+        messages_dropped: Default::default(),
+        disk_ops: Default::default(),
+        disk_errors: Default::default(),
+        slow_disk_ops: Default::default(),
+        slow_logged_ms: Default::default(),
+        started: Instant::now(),
+    });
     if let Some(addr) = opts.metrics {
         let l = TcpListener::bind(addr).await.with_context(|| format!("cannot serve metrics on {addr}"))?;
         let (stats, id) = (stats.clone(), opts.id);
@@ -213,7 +240,10 @@ async fn core_loop(
                             stats.disk_errors.fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                    Input::Tick { .. } => *stats.core.lock().unwrap() = core.stats(),
+                    Input::Tick { .. } => {
+                        *stats.core.lock().unwrap() = core.stats();
+                        *stats.pool.lock().unwrap() = store.pool_stats();
+                    }
                 }
                 core.handle(input)
             }
@@ -263,23 +293,65 @@ async fn core_loop(
                     let store = store.clone();
                     let tx = tx.clone();
                     let slots = disk_slots.clone();
+                    let stats = stats.clone();
                     tokio::spawn(async move {
+                        let queued = Instant::now();
                         let Ok(_permit) = slots.acquire_owned().await else { return };
                         let delay = injected.for_cmd(&cmd);
+                        let what = disk_cmd_kind(&cmd);
                         let result = tokio::task::spawn_blocking(move || {
+                            let started = Instant::now();
                             let r = store.run(cmd);
+                            let ran = started.elapsed();
                             if !delay.is_zero() {
                                 std::thread::sleep(delay);
                             }
-                            r
+                            (r, ran)
                         })
                             .await
+                            .map(|(r, ran)| {
+                                let total = queued.elapsed();
+                                if total >= Duration::from_millis(SLOW_DISK_COMMAND_MS) {
+                                    let n = stats.slow_disk_ops.fetch_add(1, Ordering::Relaxed) + 1;
+                                    // A stall of the disk itself (not a queue of our own
+                                    // commands) is logged, at most once a second.
+                                    let now_ms = stats.started.elapsed().as_millis() as u64;
+                                    let last = stats.slow_logged_ms.load(Ordering::Relaxed);
+                                    if ran >= Duration::from_millis(SLOW_DISK_COMMAND_MS)
+                                        && (last == 0 || now_ms >= last + 1000)
+                                        && stats.slow_logged_ms.compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed).is_ok()
+                                    {
+                                        tracing::info!(
+                                            shard = me,
+                                            command = what,
+                                            total_ms = total.as_millis() as u64,
+                                            ran_ms = ran.as_millis() as u64,
+                                            slow_so_far = n,
+                                            "slow disk command"
+                                        );
+                                    }
+                                }
+                                r
+                            })
                             .unwrap_or_else(|e| Err(crate::shard_core::DiskErr::Io(format!("disk task failed: {e}"))));
                         let _ = tx.send(CoreEvent::Input(Input::Disk { id, result })).await;
                     });
                 }
             }
         }
+    }
+}
+
+fn disk_cmd_kind(cmd: &DiskCmd) -> &'static str {
+    match cmd {
+        DiskCmd::Read { .. } => "read",
+        DiskCmd::ReadAll { .. } => "read-all",
+        DiskCmd::Apply { cow_from: Some(_), .. } => "apply-cow",
+        DiskCmd::Apply { .. } => "apply",
+        DiskCmd::Delete { .. } => "delete",
+        DiskCmd::Rename { .. } => "rename",
+        DiskCmd::SaveState { .. } => "save-state",
+        DiskCmd::Prestock { .. } => "prestock",
     }
 }
 

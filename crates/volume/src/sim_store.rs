@@ -429,6 +429,8 @@ impl SimStore {
                 *dir = true;
                 Ok(DiskOut::Done)
             }
+            // Simulated disks allocate nothing ahead: the hint changes nothing.
+            DiskCmd::Prestock { .. } => Ok(DiskOut::Done),
             DiskCmd::SaveState { seq, bytes } => {
                 if seq > self.state_seq {
                     self.disk.create("state.tmp").map_err(err)?;

@@ -84,6 +84,11 @@
 //! the maximum) whenever a write finds the class empty, and decays back after quiet seconds. A
 //! `super` followed by a write-heavy recovery is such a burst: every first write to a child
 //! object takes a slot.
+//! `super` pre-stocks: every shard that learns of a new child (the tracking list entry) sends
+//! the store a [`DiskCmd::Prestock`] hint, and the targets go up to the number of the parent's
+//! objects on this shard per class (at most the class maximum), so the child's first write to
+//! each of them finds a ready slot — no allocation on the COW path (SpecREDS §4.2.1, §5). The
+//! hint costs one pass over the in-memory index on a disk thread; `super` does not wait for it.
 //! A write that finds its class empty creates a slot itself (slow, correct); on a full disk it
 //! takes a free slot of a bigger class, or fails with [`DiskErr::NoSpace`] having changed
 //! nothing. Overwrites never need space: their blocks exist.
@@ -199,6 +204,8 @@ pub struct PoolStats {
     pub live_objects: usize,
     /// Writes that found their class empty and created a slot on the critical path.
     pub slow_allocations: u64,
+    /// `super` pre-stocking hints handled.
+    pub prestocks: u64,
 }
 
 /// One slot file and which of its two header copies holds its current header.
@@ -600,6 +607,10 @@ struct Index {
     target: [usize; CLASSES],
     /// A write of the class found no free slot since the refill last lowered the target.
     ran_dry: [bool; CLASSES],
+    /// Slots pre-stocked for a `super` child and not yet taken: the target does not decay
+    /// below this (the child's burst may start seconds after `super`, or the refill may need
+    /// more than a decay period to make them on a busy disk).
+    reserved: [usize; CLASSES],
     /// Parent → its children that are deferred copies of it (see [`Base`]).
     lazy_children: HashMap<ObjKey, Vec<ObjKey>>,
 }
@@ -644,6 +655,10 @@ struct Inner {
     /// Highest state sequence written, so an older snapshot never replaces a newer one.
     state_seq: Mutex<u64>,
     slow_allocations: AtomicU64,
+    /// When a dry pool was last logged, in µs since `opened` (0: never).
+    dry_logged_us: AtomicU64,
+    /// `Prestock` hints handled.
+    prestocks: AtomicU64,
     refill_wanted: Mutex<bool>,
     refill_cv: Condvar,
     shutdown: AtomicBool,
@@ -733,6 +748,8 @@ impl FileStore {
             next_generation: AtomicU64::new(1),
             state_seq: Mutex::new(0),
             slow_allocations: AtomicU64::new(0),
+            dry_logged_us: AtomicU64::new(0),
+            prestocks: AtomicU64::new(0),
             refill_wanted: Mutex::new(false),
             refill_cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -776,6 +793,7 @@ impl FileStore {
             free_slots_target: idx.target,
             live_objects: idx.objects.len(),
             slow_allocations: self.inner.slow_allocations.load(Ordering::Relaxed),
+            prestocks: self.inner.prestocks.load(Ordering::Relaxed),
         }
     }
 }
@@ -890,6 +908,10 @@ impl Inner {
             }
             DiskCmd::Rename { from, to } => {
                 self.rename(from, to).map_err(disk_err)?;
+                Ok(DiskOut::Done)
+            }
+            DiskCmd::Prestock { table, parent } => {
+                self.prestock(table, parent);
                 Ok(DiskOut::Done)
             }
             DiskCmd::SaveState { seq, bytes } => {
@@ -1196,12 +1218,44 @@ impl Inner {
         }
     }
 
+    /// Pre-stocking for a new `super` child of `parent`: the child's first write to each of
+    /// the parent's objects here takes a free slot of the class the parent object sits in (a
+    /// deferred copy of a 64 KiB-class object, a whole copy of a bigger one), so the refill's
+    /// target of each class goes up to the number of such parent objects (at most the class's
+    /// maximum) and the refill is woken; the target stays at least that high until the child
+    /// has taken those slots. Costs one pass over the index, off the write path;
+    /// the slots are made by the refill thread, which still yields to the shard's writes once a
+    /// quarter of the target is ready.
+    fn prestock(&self, table: TableId, parent: VolId) {
+        let mut want = [0usize; CLASSES];
+        {
+            let mut idx = self.index.lock().unwrap();
+            for (k, e) in &idx.objects {
+                if k.table == table && k.owner == parent && k.objno != TRACK_OBJNO {
+                    want[e.slot.class] += 1;
+                }
+            }
+            for (class, &n) in want.iter().enumerate() {
+                if n == 0 {
+                    continue;
+                }
+                let t = n.min(self.pool.free_slots_max[class]);
+                idx.in_use[class] = true;
+                idx.reserved[class] = idx.reserved[class].max(t);
+                idx.target[class] = idx.target[class].max(t);
+            }
+        }
+        self.prestocks.fetch_add(1, Ordering::Relaxed);
+        self.wake_refill();
+    }
+
     /// A free slot of `class`: from the pool, else created now (the slow path), else — on a
     /// full disk — a free slot of a bigger class.
     fn take_slot(&self, class: usize) -> io::Result<SlotRef> {
         {
             let mut idx = self.index.lock().unwrap();
             idx.in_use[class] = true;
+            idx.reserved[class] = idx.reserved[class].saturating_sub(1);
             if let Some(slot) = idx.free[class].pop_back() {
                 let low = idx.free[class].len() < idx.target[class];
                 drop(idx);
@@ -1218,7 +1272,15 @@ impl Inner {
             idx.ran_dry[class] = true;
         }
         self.wake_refill();
-        self.slow_allocations.fetch_add(1, Ordering::Relaxed);
+        let slow = self.slow_allocations.fetch_add(1, Ordering::Relaxed) + 1;
+        // At most one line a second: a fill of a new volume runs the pool dry on every write.
+        let now_us = (self.opened.elapsed().as_micros() as u64).max(1);
+        let logged = self.dry_logged_us.load(Ordering::Relaxed);
+        if (logged == 0 || now_us.saturating_sub(logged) >= 1_000_000)
+            && self.dry_logged_us.compare_exchange(logged, now_us, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+        {
+            tracing::info!(class = CLASS_DIR_NAMES[class], slow_allocations = slow, "slot pool ran dry: a write creates its slot itself");
+        }
         match self.create_slots(class, 1) {
             Ok(mut made) => Ok(made.pop().expect("one slot made")),
             Err(e) if is_no_space(&e) => {
@@ -1299,7 +1361,7 @@ impl Inner {
                 let mut idx = self.index.lock().unwrap();
                 for class in 0..CLASSES {
                     if !std::mem::take(&mut idx.ran_dry[class]) {
-                        let base = self.pool.free_slots_target[class];
+                        let base = self.pool.free_slots_target[class].max(idx.reserved[class]);
                         let t = idx.target[class];
                         idx.target[class] = base.max(t - (t / 4).max(1).min(t));
                     }
@@ -1896,6 +1958,51 @@ mod tests {
             s.run(DiskCmd::Delete { key: key(i, 1) }).unwrap();
         }
         wait_until("trimmed to the maximum", &|st| st.free_slots[1] == 8 && s.slot_files() == 9);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn super_prestocks_a_slot_for_every_parent_object_so_child_writes_allocate_nothing() {
+        let dir = tempdir();
+        let mut pool = PoolOptions::default();
+        pool.free_slots_target = [0, 1, 0, 0];
+        pool.free_slots_max = [0, 64, 64, 0];
+        let s = FileStore::open_with(&dir, true, pool).unwrap();
+        // The parent (owner 1): twelve 64 KiB-class objects and two 1 MiB-class ones; another
+        // volume of the table (owner 5) must not count.
+        for i in 0..12 {
+            write(&s, key(i, 1), 1, 0, vec![1; 65536]);
+        }
+        for i in 12..14 {
+            write(&s, key(i, 1), 1, 0, vec![1; 100_000]);
+        }
+        write(&s, key(20, 5), 1, 0, vec![5; 4096]);
+        let wait_until = |what: &str, done: &dyn Fn(&PoolStats) -> bool| {
+            let start = Instant::now();
+            while !done(&s.pool_stats()) {
+                assert!(start.elapsed() < Duration::from_secs(30), "{what}: {:?}", s.pool_stats());
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        };
+        s.run(DiskCmd::Prestock { table: 7, parent: 1 }).unwrap();
+        let st = s.pool_stats();
+        // (The parent's own writes ran the classes dry, so the targets may already be higher.)
+        assert!(st.prestocks == 1 && st.free_slots_target[1] >= 12 && st.free_slots_target[2] >= 2, "{st:?}");
+        wait_until("the refill makes the pre-stocked slots", &|st| st.free_slots[1] >= 12 && st.free_slots[2] >= 2);
+        // Quiet seconds (the child has not started writing) do not decay the target below the
+        // reservation.
+        std::thread::sleep(Duration::from_millis(2500));
+        assert!(s.pool_stats().free_slots_target[1] >= 12, "{:?}", s.pool_stats());
+        // The child's first writes (deferred copies, and a whole copy of a bigger object) all
+        // take ready slots: no allocation on their path.
+        let slow = s.pool_stats().slow_allocations;
+        for i in 0..14 {
+            s.run(DiskCmd::Apply { key: key(i, 2), version: v(1), op: RepOp::Write { offset: 0, data: vec![2; 4096] }, cow_from: Some(key(i, 1)) })
+                .unwrap();
+            assert_eq!(read(&s, key(i, 2), 0, 8192)[4090..4100], [2, 2, 2, 2, 2, 2, 1, 1, 1, 1]);
+        }
+        assert_eq!(s.pool_stats().slow_allocations, slow, "{:?}", s.pool_stats());
+        drop(s); // stops the refill thread
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -1,19 +1,25 @@
-//! The shard core under the deterministic simulator: parent writes racing `super` and
-//! `collapse`, shards crashing (losing and tearing unsynced writes) and restarting, partitions,
-//! message loss, duplication and reordering, and the tracking shard failing over.
+//! The shard core and the metadata core under the deterministic simulator: parent writes racing
+//! `super` and `collapse`, shards crashing (losing and tearing unsynced writes) and restarting,
+//! partitions, message loss, duplication and reordering, the tracking shard failing over, and
+//! the metadata service's state saves failing (it then reverts and the client retries).
+//!
+//! The control plane is the real [`MetaCore`]: it creates the parent volume, orchestrates
+//! `super` and `collapse` over the tracking shard and runs garbage collection; the test plays
+//! only its driver (the failure detector that changes the map, and the state file).
 //!
 //! Every seed checks the safety property of SpecREDS §4.4 — once a child is promoted, no parent
 //! write issued after `super` returned was acknowledged, and the child's content is the parent's
 //! at `super` plus the child's own writes — plus replica agreement, no lost acknowledged write,
-//! and no leaked objects after garbage collection. About a third of the seeds abort instead of
-//! collapsing, as the metadata service's abort request does (mark the superposition written,
-//! then collapse): the outcome must be a rejection, and the parent must never have a write
-//! refused. A failing seed reproduces exactly:
+//! and no leaked objects after garbage collection. About a third of the seeds send the metadata
+//! service's abort request instead of collapsing: the child must be rejected, and the parent must
+//! never have a write refused. A failing seed reproduces exactly:
 //! `SIM_SEED=<n> cargo test -p volume --test sim_super_collapse -- --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use sim::{Delivery, EventQueue, NetConfig, Network, NodeId, SimRng, TimeUs};
+use volume::meta::{MetaReq, MetaResp, MetaState};
+use volume::meta_core::{MetaCore, MetaCoreConfig, MetaInput, MetaOutput};
 use volume::shard_core::*;
 use volume::sim_store::{SimStore, Started};
 use volume::types::*;
@@ -31,9 +37,10 @@ const TABLE: TableId = 1;
 const PARENT: VolId = 1;
 const CHILD: VolId = 2;
 const CLIENTS_PER_VOLUME: usize = 3;
+const PARENT_NAME: &str = "parent";
+const CHILD_NAME: &str = "child";
 /// Longer than a few shard resend periods, as a real client's request timeout is.
 const CLIENT_TIMEOUT_US: u64 = 200_000;
-const CONTROL_TIMEOUT_US: u64 = 30_000;
 
 enum Ev {
     Deliver(Delivery<Msg>),
@@ -49,6 +56,8 @@ enum Ev {
     MarkDown(u32),
     Super,
     Collapse,
+    /// A state save of the metadata service completes (or fails).
+    MetaSaved { seq: u64, ok: bool },
     StopFaults,
 }
 
@@ -97,11 +106,9 @@ struct Client {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ControlKind {
     Super,
-    /// Abort's first step: `Permission` for the parent, then `Collapse`.
+    /// The metadata service's abort request (mark written, then collapse: always rejected).
     Abort,
     Collapse,
-    Gc,
-    EndSuper,
 }
 
 struct World {
@@ -115,12 +122,12 @@ struct World {
     reads: Vec<ReadRec>,
     next_req: u64,
     next_value: u64,
-    // Control plane, played by the test as the metadata service.
-    control: Option<(ControlKind, ReqId, TimeUs)>,
-    gc_pending: BTreeSet<u32>,
-    gc_epoch: Epoch,
-    /// Outstanding GC requests: the shard and the epoch they were sent at.
-    gc_reqs: BTreeMap<ReqId, (u32, Epoch)>,
+    /// The metadata service's core, and the control request of the test's client in flight.
+    meta: MetaCore,
+    control: Option<(ControlKind, u64)>,
+    next_call: u64,
+    /// Probability that a state save of the metadata service fails.
+    meta_save_failure: f64,
     super_start_us: Option<TimeUs>,
     super_end_us: Option<TimeUs>,
     collapse_outcome: Option<CollapseOutcome>,
@@ -133,6 +140,11 @@ struct World {
     parent_refused: Vec<TimeUs>,
     log: Vec<String>,
     dumped: TimeUs,
+}
+
+/// The metadata core's timing on the simulator's faster clock.
+fn sim_meta_config() -> MetaCoreConfig {
+    MetaCoreConfig { resend_after_us: 30_000, retry_after_us: 5_000, tracking_deadline_us: 10_000_000 }
 }
 
 fn sim_config(id: ShardId, boot: u64) -> ShardConfig {
@@ -177,8 +189,9 @@ impl World {
                 clients.push(Client { child, blocks, reading: None, active: !child, current: None, gen: 0 });
             }
         }
+        let meta_map = map.clone();
         let parent_keeps_writing = rng.chance(0.5);
-        let abort = aborts(seed);
+        let meta_save_failure = [0.0, 0.0, 0.2][rng.range_u64(0, 2) as usize];
         let mut w = World {
             rng,
             q: EventQueue::new(1_000_000),
@@ -190,21 +203,33 @@ impl World {
             reads: vec![],
             next_req: 1 << 48,
             next_value: 1,
+            meta: MetaCore::new(sim_meta_config(), MetaState { next_id: 1, map: meta_map, volumes: BTreeMap::new(), jobs: vec![] }, 1 << 56),
             control: None,
-            gc_pending: BTreeSet::new(),
-            gc_epoch: 0,
-            gc_reqs: BTreeMap::new(),
+            next_call: 1,
+            meta_save_failure,
             super_start_us: None,
             super_end_us: None,
             collapse_outcome: None,
             gc_done: false,
             faults: true,
             parent_keeps_writing,
-            abort,
+            abort: aborts(seed),
             parent_refused: vec![],
             log: vec![],
             dumped: 0,
         };
+        // The parent volume, created through the metadata core (saves succeed here): it gets
+        // the ids the clients use.
+        let outs = w.meta.handle(MetaInput::Request {
+            call: 0,
+            req: MetaReq::Create { name: PARENT_NAME.into(), size_bytes: OBJECTS * OBJECT_BYTES as u64, object_size_bytes: OBJECT_BYTES },
+        });
+        let MetaOutput::Save { seq, .. } = outs[0] else { panic!("create did not save: {outs:?}") };
+        let outs = w.meta.handle(MetaInput::Saved { seq, result: Ok(()) });
+        match &outs[..] {
+            [MetaOutput::Reply { resp: MetaResp::Volume(v), .. }] => assert_eq!((v.vol.id, v.vol.table), (PARENT, TABLE)),
+            other => panic!("create answered {other:?}"),
+        }
         w.push_map();
         w.q.push_at(0, Ev::Tick).unwrap();
         for c in 0..w.clients.len() {
@@ -256,6 +281,8 @@ impl World {
             self.map.epoch += 1;
             self.log.push(format!("{} epoch {} shard {s} {state:?}", self.now(), self.map.epoch));
             self.push_map();
+            let map = self.map.clone();
+            self.run_meta(MetaInput::SetMap(map));
         }
     }
 
@@ -316,7 +343,7 @@ impl World {
                     eprintln!("{now} msg {} -> {}: {}", d.from, d.to, &m[..m.len().min(160)]);
                 }
                 match d.to {
-                    META => self.meta_receive(d.msg),
+                    META => self.meta_receive(d.from, d.msg),
                     n if n >= CLIENT_BASE => self.client_receive((n - CLIENT_BASE) as usize, d.msg),
                     s => self.run_core(s, Input::Msg { from: Self::node_to_peer(d.from), msg: d.msg }),
                 }
@@ -335,7 +362,11 @@ impl World {
                 for s in 0..SHARDS {
                     self.run_core(s, Input::Tick { now_us: now });
                 }
-                self.control_tick();
+                // The driver's clock; and a map whose save failed is offered again (the real
+                // driver's failure detector re-derives it on its next round).
+                self.run_meta(MetaInput::Tick { now_us: now, unix_ms: 0 });
+                let map = self.map.clone();
+                self.run_meta(MetaInput::SetMap(map));
                 if now % 50_000 < 5_000 {
                     self.push_map(); // the metadata service re-sends the map with its pings
                 }
@@ -430,6 +461,13 @@ impl World {
             Ev::Collapse => {
                 self.log.push(format!("{now} collapse"));
                 self.start_control(ControlKind::Collapse);
+            }
+            Ev::MetaSaved { seq, ok } => {
+                let result = if ok { Ok(()) } else { Err("injected: no space left on the metadata disk".to_string()) };
+                if !ok {
+                    self.log.push(format!("{now} metadata save {seq} fails"));
+                }
+                self.run_meta(MetaInput::Saved { seq, result });
             }
             Ev::StopFaults => self.faults = false,
         }
@@ -574,145 +612,118 @@ impl World {
         self.schedule_client(c, pause);
     }
 
-    // ---- the metadata service's control operations --------------------------------------------
+    // ---- the metadata service: its core, driven here --------------------------------------------
+
+    fn run_meta(&mut self, input: MetaInput) {
+        let outputs = self.meta.handle(input);
+        for out in outputs {
+            match out {
+                MetaOutput::Send { to, msg } => self.send(META, to, msg),
+                MetaOutput::Save { seq, .. } => {
+                    // The state file: a save takes a while, and may fail.
+                    let ok = !self.rng.chance(self.meta_save_failure);
+                    let delay = self.rng.range_u64(100, 2_000);
+                    let now = self.now();
+                    self.q.push_after(now, delay, Ev::MetaSaved { seq, ok }).unwrap();
+                }
+                MetaOutput::Reply { call, resp } => self.meta_reply(call, resp),
+            }
+        }
+        // Garbage collection ran to its end once the core has no job left after a collapse.
+        if self.collapse_outcome.is_some() && !self.gc_done && self.meta.is_idle() {
+            let now = self.now();
+            self.gc_done = true;
+            self.log.push(format!("{now} gc done"));
+            for c in self.clients.iter_mut() {
+                c.active = false;
+            }
+        }
+    }
 
     fn start_control(&mut self, kind: ControlKind) {
-        let req = self.req();
-        self.control = Some((kind, req, self.now()));
-        self.send_control();
+        let call = self.next_call;
+        self.next_call += 1;
+        self.control = Some((kind, call));
+        let req = match kind {
+            ControlKind::Super => MetaReq::Super { parent: PARENT_NAME.into(), child: CHILD_NAME.into() },
+            ControlKind::Collapse => MetaReq::Collapse { child: CHILD_NAME.into() },
+            ControlKind::Abort => MetaReq::Abort { child: CHILD_NAME.into() },
+        };
+        self.run_meta(MetaInput::Request { call, req });
     }
 
-    fn send_control(&mut self) {
-        let Some((kind, req, _)) = self.control else { return };
-        let epoch = self.map.epoch;
-        let track = Slot { table: TABLE, objno: TRACK_OBJNO };
-        match kind {
-            ControlKind::Super | ControlKind::Abort | ControlKind::Collapse | ControlKind::EndSuper => {
-                let msg = match kind {
-                    ControlKind::Super => Msg::Super { req, epoch, table: TABLE, parent: PARENT, child: CHILD },
-                    ControlKind::Abort => Msg::Permission { req, epoch, table: TABLE, parent: PARENT },
-                    ControlKind::Collapse => Msg::Collapse { req, epoch, table: TABLE, child: CHILD },
-                    _ => Msg::EndSuper { req, epoch, table: TABLE, child: CHILD },
-                };
-                if let Some(p) = self.map.primary(track) {
-                    self.send(META, p, msg);
-                }
-            }
-            ControlKind::Gc => {
-                // Every shard not down must collect at one epoch; a shard down now learns it from
-                // its peers when it re-replicates. A map change restarts the round.
-                if self.gc_epoch != self.map.epoch {
-                    self.gc_epoch = self.map.epoch;
-                    self.gc_pending = self.map.shards.iter().filter(|s| s.state != ShardState::Down).map(|s| s.id).collect();
-                }
-                let promoted = self.collapse_outcome == Some(CollapseOutcome::Promoted);
-                for s in self.gc_pending.clone() {
-                    let r = self.req();
-                    self.gc_reqs.insert(r, (s, self.gc_epoch));
-                    self.send(META, s, Msg::Gc { req: r, epoch: self.gc_epoch, table: TABLE, parent: PARENT, child: CHILD, promoted });
-                }
-                if self.gc_pending.is_empty() {
-                    self.start_control(ControlKind::EndSuper);
-                }
-            }
-        }
-    }
-
-    fn control_tick(&mut self) {
-        if let Some((_, _, sent)) = self.control {
-            if self.now().saturating_sub(sent) >= CONTROL_TIMEOUT_US {
-                let c = self.control.as_mut().unwrap();
-                c.2 = self.q.now();
-                self.send_control();
-            }
-        }
-    }
-
-    fn meta_receive(&mut self, msg: Msg) {
+    fn meta_reply(&mut self, call: u64, resp: MetaResp) {
         let now = self.now();
+        let Some((kind, c)) = self.control else { return };
+        if c != call {
+            return;
+        }
+        self.control = None;
+        match (kind, resp) {
+            (_, MetaResp::Err(e)) if e.contains("cannot save the metadata") => {
+                // The service lost the change and said so: the client tries again.
+                self.log.push(format!("{now} {kind:?} failed ({e}); retrying"));
+                let ev = if kind == ControlKind::Super { Ev::Super } else { Ev::Collapse };
+                self.q.push_after(now, 10_000, ev).unwrap();
+            }
+            (ControlKind::Super, MetaResp::Volume(v)) => {
+                assert_eq!((v.vol.id, v.vol.parent), (CHILD, Some(PARENT)), "super made {v:?}");
+                self.super_end_us = Some(now);
+                self.log.push(format!("{now} super returned"));
+                for c in self.clients.iter_mut().filter(|c| c.child) {
+                    c.active = true;
+                }
+                for c in 0..self.clients.len() {
+                    if self.clients[c].child {
+                        self.schedule_client(c, 100);
+                    }
+                }
+                let at = self.rng.range_u64(100_000, 400_000);
+                self.q.push_after(now, at, Ev::Collapse).unwrap();
+            }
+            (ControlKind::Abort, MetaResp::Volume(v)) => {
+                assert_eq!((v.vol.id, v.super_child.as_deref()), (PARENT, None), "abort answered {v:?}");
+                self.log.push(format!("{now} abort -> parent kept"));
+                self.collapse_outcome = Some(CollapseOutcome::Rejected);
+                for c in self.clients.iter_mut().filter(|c| c.child) {
+                    c.active = false;
+                }
+            }
+            (ControlKind::Collapse, MetaResp::Collapsed { outcome: o, volume }) => {
+                self.log.push(format!("{now} collapse -> {o:?}"));
+                let promoted = o == CollapseOutcome::Promoted;
+                assert_eq!(volume.is_some(), promoted, "collapse {o:?} answered volume {volume:?}");
+                self.collapse_outcome = Some(o);
+                // The loser's clients stop; the survivor keeps going a while.
+                for c in self.clients.iter_mut() {
+                    if c.child != promoted {
+                        c.active = false;
+                    }
+                }
+            }
+            (kind, resp) => {
+                let tk = ObjKey { table: TABLE, objno: TRACK_OBJNO, owner: 0 };
+                let states: Vec<String> = self
+                    .shards
+                    .iter()
+                    .map(|s| match &s.core {
+                        Some(c) => format!("{:?} {:?}", c.objects().get(&tk), c.table_track(TABLE)),
+                        None => "down".into(),
+                    })
+                    .collect();
+                panic!("{kind:?} answered {resp:?}\n{states:#?}\nplacement {:?}\n{}", self.map.placement(tk.slot()), self.log.join("\n"))
+            }
+        }
+    }
+
+    fn meta_receive(&mut self, from: NodeId, msg: Msg) {
         match msg {
             Msg::Recovered { shard, epoch } => {
                 if self.map.epoch == epoch && self.map.state(shard) == ShardState::Recovering {
                     self.set_state(shard, ShardState::Up);
                 }
             }
-            Msg::Reply { req, result } => {
-                if let Some((s, sent_epoch)) = self.gc_reqs.remove(&req) {
-                    // Only an acknowledgement at the current round's epoch counts.
-                    if result.is_ok() && sent_epoch == self.gc_epoch && self.gc_epoch == self.map.epoch {
-                        self.gc_pending.remove(&s);
-                        if self.gc_pending.is_empty() && matches!(self.control, Some((ControlKind::Gc, ..))) {
-                            self.start_control(ControlKind::EndSuper);
-                        }
-                    }
-                    return;
-                }
-                let Some((kind, creq, _)) = self.control else { return };
-                if creq != req {
-                    return;
-                }
-                match result {
-                    Err(e) if e.is_retryable() => {} // resent by the control timer
-                    Err(e) => {
-                        let tk = ObjKey { table: TABLE, objno: TRACK_OBJNO, owner: 0 };
-                        let states: Vec<String> = self
-                            .shards
-                            .iter()
-                            .map(|s| match &s.core {
-                                Some(c) => format!("{:?} {:?}", c.objects().get(&tk), c.table_track(TABLE)),
-                                None => "down".into(),
-                            })
-                            .collect();
-                        panic!("{kind:?} failed: {e:?}\n{states:#?}\nplacement {:?}\n{}", self.map.placement(tk.slot()), self.log.join("\n"))
-                    }
-                    Ok(body) => {
-                        self.control = None;
-                        match kind {
-                            ControlKind::Super => {
-                                self.super_end_us = Some(now);
-                                self.log.push(format!("{now} super returned"));
-                                for c in self.clients.iter_mut().filter(|c| c.child) {
-                                    c.active = true;
-                                }
-                                for c in 0..self.clients.len() {
-                                    if self.clients[c].child {
-                                        self.schedule_client(c, 100);
-                                    }
-                                }
-                                let at = self.rng.range_u64(100_000, 400_000);
-                                self.q.push_after(now, at, Ev::Collapse).unwrap();
-                            }
-                            ControlKind::Abort => {
-                                let ReplyBody::Granted(g) = body else { panic!("abort's permission answered {body:?}") };
-                                self.log.push(format!("{now} abort marked the superposition written (granted {g})"));
-                                self.start_control(ControlKind::Collapse);
-                            }
-                            ControlKind::Collapse => {
-                                let ReplyBody::Collapse(o) = body else { panic!("collapse answered {body:?}") };
-                                self.log.push(format!("{now} collapse -> {o:?}"));
-                                self.collapse_outcome = Some(o);
-                                // The loser's clients stop; the survivor keeps going a while.
-                                let promoted = o == CollapseOutcome::Promoted;
-                                for c in self.clients.iter_mut() {
-                                    if c.child != promoted {
-                                        c.active = false;
-                                    }
-                                }
-                                self.gc_epoch = 0;
-                                self.start_control(ControlKind::Gc);
-                            }
-                            ControlKind::EndSuper => {
-                                self.gc_done = true;
-                                self.log.push(format!("{now} gc done"));
-                                for c in self.clients.iter_mut() {
-                                    c.active = false;
-                                }
-                            }
-                            ControlKind::Gc => {}
-                        }
-                    }
-                }
-            }
+            Msg::Reply { req, result } => self.run_meta(MetaInput::ShardReply { from, req, result }),
             _ => {}
         }
     }
@@ -727,7 +738,14 @@ impl World {
                 None => "down".into(),
             })
             .collect();
-        format!("control {:?} clients {clients:#?} shards {shards:#?} map {:?}", self.control, self.map)
+        format!(
+            "control {:?} meta idle {} jobs {:?} waiting for {:?} clients {clients:#?} shards {shards:#?} map {:?}",
+            self.control,
+            self.meta.is_idle(),
+            self.meta.durable().jobs,
+            volume::meta_core::pending_shards(&self.meta),
+            self.map
+        )
     }
 
     fn quiet(&self) -> bool {
@@ -736,6 +754,7 @@ impl World {
             && self.clients.iter().all(|c| c.current.is_none() && !c.active)
             && !self.out_of_service()
             && self.control.is_none()
+            && self.meta.is_idle()
             && self.shards.iter().all(|s| s.core.as_ref().is_some_and(|c| c.ops_in_flight() == 0 && !c.is_recovering()))
     }
 }
@@ -782,14 +801,24 @@ fn check_read(r: &ReadRec, writes: &[&WriteRec], initial: &BTreeSet<u64>, earlie
     }
 }
 
-/// Whether a seed aborts the superposition instead of collapsing it (from its own generator, so
-/// the other seeds' runs are unchanged).
+/// What one seed exercised.
+#[derive(Default)]
+struct Exercised {
+    deferred_made: u64,
+    deferred_completed: u64,
+    /// Metadata saves that failed, and control requests retried after one.
+    meta_save_failures: u64,
+    control_retries: u64,
+}
+
+/// About a third of the seeds abort instead of collapsing (from their own generator, so the
+/// other seeds' runs are unchanged).
 fn aborts(seed: u64) -> bool {
     SimRng::new(seed ^ 0xab0b_7ab0).chance(0.3)
 }
 
-/// Runs one seed and checks it; returns the deferred copies its stores made and completed.
-fn run_seed(seed: u64) -> (u64, u64) {
+/// Runs one seed and checks it.
+fn run_seed(seed: u64) -> Exercised {
     eprintln!("seed {seed}");
     let mut w = World::new(seed);
     let mut steps = 0u64;
@@ -950,9 +979,24 @@ fn run_seed(seed: u64) -> (u64, u64) {
             );
         }
     }
-    let made = w.shards.iter().map(|s| s.store.deferred_copies_made).sum();
-    let completed = w.shards.iter().map(|s| s.store.deferred_copies_completed).sum();
-    (made, completed)
+    // The metadata service ends consistent with the outcome, its jobs done.
+    let state = w.meta.durable();
+    assert!(state.jobs.is_empty(), "jobs left: {:?}\n{}", state.jobs, ctx());
+    let names: Vec<&String> = state.volumes.keys().collect();
+    if promoted {
+        assert_eq!(names, [CHILD_NAME], "{}", ctx());
+        let c = &state.volumes[CHILD_NAME];
+        assert!(c.vol.parent.is_none() && c.super_parent.is_none(), "promoted child still has a parent: {c:?}");
+    } else {
+        assert_eq!(names, [PARENT_NAME], "{}", ctx());
+        assert!(state.volumes[PARENT_NAME].super_child.is_none());
+    }
+    Exercised {
+        deferred_made: w.shards.iter().map(|s| s.store.deferred_copies_made).sum(),
+        deferred_completed: w.shards.iter().map(|s| s.store.deferred_copies_completed).sum(),
+        meta_save_failures: w.log.iter().filter(|l| l.contains("metadata save")).count() as u64,
+        control_retries: w.log.iter().filter(|l| l.contains("retrying")).count() as u64,
+    }
 }
 
 #[test]
@@ -962,15 +1006,20 @@ fn super_collapse_under_faults_many_seeds() {
         return;
     }
     let seeds: u64 = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(400);
-    let (mut made, mut completed) = (0, 0);
+    let mut total = Exercised::default();
     for seed in 0..seeds {
-        let (m, c) = run_seed(seed);
-        made += m;
-        completed += c;
+        let e = run_seed(seed);
+        total.deferred_made += e.deferred_made;
+        total.deferred_completed += e.deferred_completed;
+        total.meta_save_failures += e.meta_save_failures;
+        total.control_retries += e.control_retries;
     }
+    let (made, completed) = (total.deferred_made, total.deferred_completed);
     // The simulated store defers copies as the real one does: the partial-copy paths ran.
     let aborted = (0..seeds).filter(|s| aborts(*s)).count();
     eprintln!("deferred copies: {made} made, {completed} completed over {seeds} seeds ({aborted} aborted)");
     assert!(seeds < 20 || aborted > 0, "no seed aborted");
+    eprintln!("metadata saves failed: {}, control requests retried: {}", total.meta_save_failures, total.control_retries);
     assert!(seeds < 20 || (made > 0 && completed > 0), "no deferred copy was made ({made}) or completed ({completed})");
+    assert!(seeds < 20 || (total.meta_save_failures > 0 && total.control_retries > 0), "the metadata core's failure paths never ran");
 }

@@ -179,6 +179,7 @@ impl OldFileStore {
                 sync_dir(pt.parent().unwrap()).map_err(disk_err)?;
                 Ok(DiskOut::Done)
             }
+            DiskCmd::Prestock { .. } => Ok(DiskOut::Done),
             DiskCmd::SaveState { seq, bytes } => {
                 let mut last = self.state_seq.lock().unwrap();
                 if seq > *last {

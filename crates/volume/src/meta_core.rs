@@ -1,0 +1,1049 @@
+//! The metadata service's decisions as a deterministic state machine (no sockets, no clock, no
+//! files): volume create / delete / resize / general clone, the orchestration of `super` and
+//! `collapse` over the tracking shard (SpecREDS §4.3), and the garbage-collection hand-off after
+//! collapse (§4.3, "Deallocation with garbage collection").
+//!
+//! Inputs are control requests, shard replies, "state saved" notices and clock ticks; outputs are
+//! replies, messages to shards and state saves. [`crate::meta`] drives it with real sockets and
+//! a real file; the simulation test `sim_super_collapse` drives it over a lossy network, with
+//! crashing shards and failing saves.
+//!
+//! Durability: every change of [`MetaState`] is made durable before anything that depends on it
+//! leaves the core (a reply, the next request to a shard). The core emits [`MetaOutput::Save`]
+//! and holds those outputs until the driver reports [`MetaInput::Saved`]; one save is in flight
+//! at a time (changes made meanwhile go into the next one). If a save fails, the core goes back
+//! to the last durable state and fails what depended on the lost changes with a clear error —
+//! "bad input or a full disk loses nothing". Reads (`List`, `Info`, `GetMap`, `Jobs`) answer
+//! from the durable state.
+//!
+//! Control operations that change volumes run one at a time, in arrival order; garbage
+//! collection and delete jobs run beside them, one job at a time.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::meta::{Job, Layout, MetaReq, MetaResp, MetaState, VolumeRec};
+use crate::types::*;
+
+/// Who asked: the driver numbers its control requests and routes the reply back.
+pub type CallId = u64;
+
+/// Timing of the core's requests to shards, in µs of the driver's clock.
+#[derive(Debug, Clone)]
+pub struct MetaCoreConfig {
+    /// A request to a shard that has had no reply for this long is sent again.
+    pub resend_after_us: u64,
+    /// After a retryable refusal (stale map, not primary, not ready), wait this long.
+    pub retry_after_us: u64,
+    /// `super` / `collapse` give up on the tracking shard after this long.
+    pub tracking_deadline_us: u64,
+}
+
+impl Default for MetaCoreConfig {
+    fn default() -> Self {
+        MetaCoreConfig { resend_after_us: 5_000_000, retry_after_us: 50_000, tracking_deadline_us: 30_000_000 }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub enum MetaInput {
+    /// A control client's request.
+    Request { call: CallId, req: MetaReq },
+    /// A shard's reply to a request of the core.
+    ShardReply { from: ShardId, req: ReqId, result: Result<ReplyBody, IoErr> },
+    /// The save `seq` is durable (`Ok`) or failed.
+    Saved { seq: u64, result: Result<(), String> },
+    /// The driver's clock (`now_us`: monotonic; `unix_ms`: wall time for creation stamps).
+    Tick { now_us: u64, unix_ms: u64 },
+    /// The driver changed the cluster map (shard registration, liveness); it is saved like
+    /// every change and becomes durable — and so visible in [`MetaCore::durable`] — after.
+    SetMap(ClusterMap),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetaOutput {
+    Reply { call: CallId, resp: MetaResp },
+    Send { to: ShardId, msg: Msg },
+    /// Make `state` durable, then report [`MetaInput::Saved`] with `seq`.
+    Save { seq: u64, state: Box<MetaState> },
+}
+
+/// A request to the tracking shard of a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TrackReq {
+    Super { table: TableId, parent: VolId, child: VolId },
+    /// Abort's first step: mark the superposition written, as the parent's first write would
+    /// (without writing anything), so the collapse that follows must reject.
+    Permission { table: TableId, parent: VolId },
+    Collapse { table: TableId, child: VolId },
+    EndSuper { table: TableId, child: VolId },
+}
+
+impl TrackReq {
+    fn table(&self) -> TableId {
+        match *self {
+            TrackReq::Super { table, .. }
+            | TrackReq::Permission { table, .. }
+            | TrackReq::Collapse { table, .. }
+            | TrackReq::EndSuper { table, .. } => table,
+        }
+    }
+
+    fn msg(&self, req: ReqId, epoch: Epoch) -> Msg {
+        match *self {
+            TrackReq::Super { table, parent, child } => Msg::Super { req, epoch, table, parent, child },
+            TrackReq::Permission { table, parent } => Msg::Permission { req, epoch, table, parent },
+            TrackReq::Collapse { table, child } => Msg::Collapse { req, epoch, table, child },
+            TrackReq::EndSuper { table, child } => Msg::EndSuper { req, epoch, table, child },
+        }
+    }
+}
+
+/// One request to the tracking shard in flight: resent on silence, retried on retryable errors.
+#[derive(Debug, Clone)]
+struct TrackAsk {
+    what: TrackReq,
+    req: ReqId,
+    /// When the current attempt was sent (or, while `waiting`, when to send the next).
+    at_us: u64,
+    waiting: bool,
+    deadline_us: u64,
+}
+
+/// A request every shard not down must acknowledge at one epoch (GC, delete): a map change
+/// starts a new round, so a shard down now learns the outcome from its peers when it
+/// re-replicates.
+#[derive(Debug, Clone)]
+struct AllAsk {
+    job: Job,
+    epoch: Epoch,
+    /// Shards still to acknowledge at `epoch`, with their current request id and send time.
+    pending: BTreeMap<ShardId, (ReqId, u64)>,
+    /// A shard refused: start a new round at `retry_at_us`.
+    retry_at_us: Option<u64>,
+}
+
+#[derive(Debug)]
+enum Control {
+    /// Waiting for the save of the child's record, then asks the tracking shard.
+    SuperRecording { call: CallId, rec: VolumeRec, parent: String, track: TrackReq },
+    SuperAsking { call: CallId, rec: VolumeRec, parent: String, ask: TrackAsk },
+    /// An abort marking the superposition written; then it collapses (`abort` set).
+    AbortMarking { call: CallId, child: String, parent: String, parent_id: VolId, collapse: TrackReq, ask: TrackAsk },
+    /// `abort`: the request was an abort, which answers the parent's record (or an error if
+    /// the collapse had already promoted the child).
+    CollapseAsking { call: CallId, child: String, parent: String, parent_id: VolId, ask: TrackAsk, abort: bool },
+    /// Waiting for a save; the reply is released with it.
+    Saving,
+}
+
+#[derive(Debug)]
+enum JobRun {
+    All(AllAsk),
+    /// GC: every shard collected; the tracking shard forgets the super.
+    EndSuper { job: Job, ask: TrackAsk },
+    /// Waiting for the save that ends the job.
+    Saving,
+    /// Retry the job from its start at this time.
+    Backoff(u64),
+}
+
+/// What runs once a save is durable, or instead of it if the save fails.
+#[derive(Debug, Default)]
+struct Batch {
+    changed: bool,
+    outputs: Vec<MetaOutput>,
+    then: Vec<Then>,
+}
+
+#[derive(Debug)]
+enum Then {
+    /// Send the tracking request of a `SuperRecording` control.
+    AskSuper,
+    EndControl,
+    EndJob,
+}
+
+pub struct MetaCore {
+    cfg: MetaCoreConfig,
+    now_us: u64,
+    unix_ms: u64,
+    state: MetaState,
+    durable: MetaState,
+    save_seq: u64,
+    /// The save in flight and what waits for it.
+    saving: Option<(u64, MetaState, Batch)>,
+    /// Changes and outputs made since: the next save.
+    next: Batch,
+    control: Option<Control>,
+    queue: VecDeque<(CallId, MetaReq)>,
+    job: Option<JobRun>,
+    next_req: ReqId,
+    out: Vec<MetaOutput>,
+}
+
+impl MetaCore {
+    /// A core over `state`, which must be durable (loaded or just saved). `req_base`: the first
+    /// request id, different for every run so a late reply to an earlier run is never taken for
+    /// one of this run.
+    pub fn new(cfg: MetaCoreConfig, state: MetaState, req_base: ReqId) -> Self {
+        MetaCore {
+            cfg,
+            now_us: 0,
+            unix_ms: 0,
+            durable: state.clone(),
+            state,
+            save_seq: 0,
+            saving: None,
+            next: Batch::default(),
+            control: None,
+            queue: VecDeque::new(),
+            job: None,
+            next_req: req_base,
+            out: vec![],
+        }
+    }
+
+    /// The durable state: what replies and the cluster map as pushed to shards rest on.
+    pub fn durable(&self) -> &MetaState {
+        &self.durable
+    }
+
+    /// Whether nothing is in progress (no control operation, job, save or queued request).
+    pub fn is_idle(&self) -> bool {
+        self.control.is_none() && self.job.is_none() && self.saving.is_none() && !self.next.changed && self.queue.is_empty() && self.state.jobs.is_empty()
+    }
+
+    pub fn handle(&mut self, input: MetaInput) -> Vec<MetaOutput> {
+        match input {
+            MetaInput::Request { call, req } => self.on_request(call, req),
+            MetaInput::ShardReply { from, req, result } => self.on_reply(from, req, result),
+            MetaInput::Saved { seq, result } => self.on_saved(seq, result),
+            MetaInput::Tick { now_us, unix_ms } => {
+                self.now_us = self.now_us.max(now_us);
+                self.unix_ms = unix_ms;
+                self.on_tick();
+            }
+            MetaInput::SetMap(map) => {
+                if map != self.state.map {
+                    self.state.map = map;
+                    self.next.changed = true;
+                    if let Some(JobRun::All(a)) = &mut self.job {
+                        // A new epoch: the round restarts at it.
+                        a.pending.clear();
+                        a.retry_at_us = Some(self.now_us);
+                    }
+                }
+            }
+        }
+        self.maybe_start_job();
+        self.flush();
+        std::mem::take(&mut self.out)
+    }
+
+    // ---- saving -------------------------------------------------------------------------------
+
+    fn fresh_req(&mut self) -> ReqId {
+        self.next_req += 1;
+        self.next_req
+    }
+
+    /// Emits what is ready: outputs of an unchanged batch at once, a changed batch as a save
+    /// (when none is in flight).
+    fn flush(&mut self) {
+        if !self.next.changed {
+            let b = std::mem::take(&mut self.next);
+            self.release(b);
+            return;
+        }
+        if self.saving.is_some() {
+            return;
+        }
+        let b = std::mem::take(&mut self.next);
+        self.save_seq += 1;
+        let seq = self.save_seq;
+        self.out.push(MetaOutput::Save { seq, state: Box::new(self.state.clone()) });
+        self.saving = Some((seq, self.state.clone(), b));
+    }
+
+    fn release(&mut self, b: Batch) {
+        self.out.extend(b.outputs);
+        for t in b.then {
+            self.then(t);
+        }
+    }
+
+    fn on_saved(&mut self, seq: u64, result: Result<(), String>) {
+        let Some((s, _, _)) = &self.saving else { return };
+        if *s != seq {
+            return;
+        }
+        let (_, snapshot, batch) = self.saving.take().unwrap();
+        match result {
+            Ok(()) => {
+                self.durable = snapshot;
+                self.release(batch);
+            }
+            Err(e) => {
+                tracing::error!("cannot save the metadata: {e}");
+                // Back to the durable state: every change since is lost, and whatever depended
+                // on one fails (replies say why; jobs start again from the durable list).
+                let later = std::mem::take(&mut self.next);
+                self.state = self.durable.clone();
+                for b in [batch, later] {
+                    self.fail(b, &e);
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, b: Batch, e: &str) {
+        for o in b.outputs {
+            if let MetaOutput::Reply { call, .. } = o {
+                self.out.push(MetaOutput::Reply { call, resp: MetaResp::Err(format!("cannot save the metadata: {e}")) });
+            }
+        }
+        for t in b.then {
+            match t {
+                Then::AskSuper => {
+                    if let Some(Control::SuperRecording { call, .. }) = self.control.take() {
+                        self.out.push(MetaOutput::Reply { call, resp: MetaResp::Err(format!("super failed: cannot save the metadata: {e}")) });
+                    }
+                    self.end_control()
+                }
+                Then::EndControl => self.end_control(),
+                Then::EndJob => self.job = Some(JobRun::Backoff(self.now_us + self.cfg.retry_after_us * 10)),
+            }
+        }
+    }
+
+    fn then(&mut self, t: Then) {
+        match t {
+            Then::EndControl => self.end_control(),
+            Then::EndJob => self.job = None,
+            Then::AskSuper => {
+                if let Some(Control::SuperRecording { call, rec, parent, track }) = self.control.take() {
+                    let ask = self.track_ask(track);
+                    self.control = Some(Control::SuperAsking { call, rec, parent, ask });
+                }
+            }
+        }
+    }
+
+    /// Replies once the changes made so far are durable.
+    fn reply_after_save(&mut self, call: CallId, resp: MetaResp) {
+        self.next.outputs.push(MetaOutput::Reply { call, resp });
+    }
+
+    fn reply_now(&mut self, call: CallId, resp: MetaResp) {
+        self.out.push(MetaOutput::Reply { call, resp });
+    }
+
+    fn end_control(&mut self) {
+        self.control = None;
+        while self.control.is_none() {
+            let Some((call, req)) = self.queue.pop_front() else { break };
+            self.start_control(call, req);
+        }
+    }
+
+    // ---- requests -----------------------------------------------------------------------------
+
+    fn on_request(&mut self, call: CallId, req: MetaReq) {
+        let d = &self.durable;
+        match req {
+            MetaReq::GetMap => self.reply_now(call, MetaResp::Map(d.map.clone())),
+            MetaReq::List => self.reply_now(call, MetaResp::Volumes(d.volumes.values().cloned().collect())),
+            MetaReq::Info { name } => {
+                let r = match d.volumes.get(&name) {
+                    Some(v) => MetaResp::Volume(v.clone()),
+                    None => MetaResp::Err(no_volume(&name)),
+                };
+                self.reply_now(call, r)
+            }
+            MetaReq::Jobs => self.reply_now(call, MetaResp::Jobs(d.jobs.clone())),
+            req => {
+                if self.control.is_some() {
+                    self.queue.push_back((call, req));
+                } else {
+                    self.start_control(call, req);
+                }
+            }
+        }
+    }
+
+    fn start_control(&mut self, call: CallId, req: MetaReq) {
+        match self.decide(req) {
+            Ok(Step::Reply(resp)) => {
+                self.control = Some(Control::Saving);
+                self.next.changed = true;
+                self.reply_after_save(call, resp);
+                self.next.then.push(Then::EndControl);
+            }
+            Ok(Step::Super { rec, parent, track }) => {
+                self.control = Some(Control::SuperRecording { call, rec, parent, track });
+                self.next.changed = true;
+                self.next.then.push(Then::AskSuper);
+            }
+            Ok(Step::Collapse { child, parent, parent_id, track }) => {
+                let ask = self.track_ask(track);
+                self.control = Some(Control::CollapseAsking { call, child, parent, parent_id, ask, abort: false });
+            }
+            Ok(Step::Abort { child, parent, parent_id, mark, collapse }) => {
+                let ask = self.track_ask(mark);
+                self.control = Some(Control::AbortMarking { call, child, parent, parent_id, collapse, ask });
+            }
+            Err(e) => self.reply_now(call, MetaResp::Err(e)),
+        }
+    }
+
+    /// Validates a control request against the current state and makes its first change.
+    fn decide(&mut self, req: MetaReq) -> Result<Step, String> {
+        let s = &mut self.state;
+        let now_ms = self.unix_ms;
+        match req {
+            MetaReq::Create { name, size_bytes, object_size_bytes } => {
+                validate_name(&name)?;
+                ensure(
+                    object_size_bytes.is_power_of_two() && (4096..=MAX_OBJECT_SIZE_BYTES).contains(&object_size_bytes),
+                    format!("object size must be a power of two between 4 KiB and 4 MiB, not {object_size_bytes}"),
+                )?;
+                ensure(size_bytes > 0 && size_bytes % 512 == 0, "size must be a positive multiple of 512 bytes".into())?;
+                ensure(!s.volumes.contains_key(&name), format!("a volume named {name:?} already exists"))?;
+                let id = s.next_id;
+                s.next_id += 1;
+                let rec = VolumeRec {
+                    name: name.clone(),
+                    vol: VolRef { id, table: id, object_size_bytes, parent: None },
+                    size_bytes,
+                    layout: Layout::Plain,
+                    super_child: None,
+                    super_parent: None,
+                    created_unix_ms: now_ms,
+                };
+                s.volumes.insert(name, rec.clone());
+                Ok(Step::Reply(MetaResp::Volume(rec)))
+            }
+            MetaReq::Resize { name, size_bytes } => {
+                ensure(size_bytes > 0 && size_bytes % 512 == 0, "size must be a positive multiple of 512 bytes".into())?;
+                let rec = s.volumes.get_mut(&name).ok_or_else(|| format!("no volume named {name:?}"))?;
+                ensure(size_bytes >= rec.size_bytes, "shrinking a volume is not supported (it would discard data)".into())?;
+                rec.size_bytes = size_bytes;
+                Ok(Step::Reply(MetaResp::Volume(rec.clone())))
+            }
+            MetaReq::Delete { name } => {
+                let rec = s.volumes.get(&name).cloned().ok_or_else(|| no_volume(&name))?;
+                ensure(rec.super_child.is_none(), format!("volume {name:?} has a super child; collapse it first"))?;
+                ensure(rec.super_parent.is_none(), format!("volume {name:?} is a super child; collapse it instead"))?;
+                ensure(
+                    !s.volumes.values().any(|v| matches!(&v.layout, Layout::GeneralClone { parent } if parent.id == rec.vol.id)),
+                    format!("volume {name:?} has general clones; delete them first"),
+                )?;
+                ensure(rec.vol.parent.is_none(), format!("volume {name:?} is still being garbage-collected; retry shortly"))?;
+                s.volumes.remove(&name);
+                let shares_table = s.volumes.values().any(|v| v.vol.table == rec.vol.table);
+                s.jobs.push(Job::Delete { table: rec.vol.table, owner: rec.vol.id, drop_table: !shares_table });
+                Ok(Step::Reply(MetaResp::Done))
+            }
+            MetaReq::Super { parent, child } => {
+                validate_name(&child)?;
+                let p = s.volumes.get(&parent).cloned().ok_or_else(|| no_volume(&parent))?;
+                ensure(!s.volumes.contains_key(&child), format!("a volume named {child:?} already exists"))?;
+                ensure(p.super_child.is_none(), format!("volume {parent:?} already has a super child; collapse it first"))?;
+                ensure(p.super_parent.is_none(), format!("volume {parent:?} is itself a super child; collapse it first"))?;
+                ensure(p.vol.parent.is_none(), format!("volume {parent:?} is still being garbage-collected; retry shortly"))?;
+                ensure(p.layout == Layout::Plain, "super needs a plain volume".into())?;
+                // A promoting collapse retires the parent and hands its objects to the child,
+                // which would leave a general clone reading through to a retired volume.
+                ensure(
+                    !s.volumes.values().any(|v| matches!(&v.layout, Layout::GeneralClone { parent: gp } if gp.id == p.vol.id)),
+                    format!("volume {parent:?} has general clones, which a promoting collapse would break; delete them first"),
+                )?;
+                // Record the child first: if we crash before the tracking shard knows it, the
+                // child is an orphan that collapse reports as "not a super child".
+                let child_id = s.next_id;
+                s.next_id += 1;
+                let rec = VolumeRec {
+                    name: child.clone(),
+                    vol: VolRef { id: child_id, table: p.vol.table, object_size_bytes: p.vol.object_size_bytes, parent: Some(p.vol.id) },
+                    size_bytes: p.size_bytes,
+                    layout: Layout::Plain,
+                    super_child: None,
+                    super_parent: Some(parent.clone()),
+                    created_unix_ms: now_ms,
+                };
+                s.volumes.insert(child.clone(), rec.clone());
+                s.volumes.get_mut(&parent).expect("checked above").super_child = Some(child);
+                let track = TrackReq::Super { table: p.vol.table, parent: p.vol.id, child: child_id };
+                Ok(Step::Super { rec, parent, track })
+            }
+            MetaReq::Collapse { child } => {
+                let c = s.volumes.get(&child).cloned().ok_or_else(|| no_volume(&child))?;
+                let Some(parent) = c.super_parent.clone() else {
+                    return Err(format!("volume {child:?} is not a super child: nothing to collapse"));
+                };
+                let parent_id = c.vol.parent.ok_or_else(|| format!("super child {child:?} names no parent volume"))?;
+                let track = TrackReq::Collapse { table: c.vol.table, child: c.vol.id };
+                Ok(Step::Collapse { child, parent, parent_id, track })
+            }
+            MetaReq::Abort { child } => {
+                let c = s.volumes.get(&child).cloned().ok_or_else(|| no_volume(&child))?;
+                let Some(parent) = c.super_parent.clone() else {
+                    // A promoted child lives on in its parent's table (a created volume has its own).
+                    if c.vol.parent.is_some() || c.vol.table != c.vol.id {
+                        return Err(format!("volume {child:?} was promoted by a collapse; a promoted child cannot be aborted"));
+                    }
+                    return Err(format!("volume {child:?} is not a super child: nothing to abort"));
+                };
+                let parent_id = c.vol.parent.ok_or_else(|| format!("super child {child:?} names no parent volume"))?;
+                let mark = TrackReq::Permission { table: c.vol.table, parent: parent_id };
+                let collapse = TrackReq::Collapse { table: c.vol.table, child: c.vol.id };
+                Ok(Step::Abort { child, parent, parent_id, mark, collapse })
+            }
+            MetaReq::CloneGeneral { parent, child } => {
+                validate_name(&child)?;
+                let p = s.volumes.get(&parent).cloned().ok_or_else(|| no_volume(&parent))?;
+                ensure(!s.volumes.contains_key(&child), format!("a volume named {child:?} already exists"))?;
+                ensure(p.layout == Layout::Plain && p.vol.parent.is_none(), "general clones need a plain parent".into())?;
+                ensure(p.super_child.is_none(), format!("volume {parent:?} has a super child; collapse it first"))?;
+                let id = s.next_id;
+                s.next_id += 1;
+                let rec = VolumeRec {
+                    name: child.clone(),
+                    vol: VolRef { id, table: id, object_size_bytes: p.vol.object_size_bytes, parent: None },
+                    size_bytes: p.size_bytes,
+                    layout: Layout::GeneralClone { parent: p.vol.clone() },
+                    super_child: None,
+                    super_parent: None,
+                    created_unix_ms: now_ms,
+                };
+                s.volumes.insert(child, rec.clone());
+                Ok(Step::Reply(MetaResp::Volume(rec)))
+            }
+            MetaReq::GetMap | MetaReq::List | MetaReq::Info { .. } | MetaReq::Jobs => unreachable!("reads are answered at once"),
+        }
+    }
+
+    // ---- the tracking shard -------------------------------------------------------------------
+
+    fn track_ask(&mut self, what: TrackReq) -> TrackAsk {
+        let mut ask = TrackAsk { what, req: 0, at_us: self.now_us, waiting: false, deadline_us: self.now_us + self.cfg.tracking_deadline_us };
+        self.send_track(&mut ask);
+        ask
+    }
+
+    /// Sends (again) to the table's tracking primary, under a new request id; with no primary
+    /// up, waits a retry period.
+    fn send_track(&mut self, ask: &mut TrackAsk) {
+        ask.req = self.fresh_req();
+        ask.at_us = self.now_us;
+        let map = &self.durable.map;
+        match map.primary(Slot { table: ask.what.table(), objno: TRACK_OBJNO }) {
+            Some(p) => {
+                ask.waiting = false;
+                let msg = ask.what.msg(ask.req, map.epoch);
+                self.out.push(MetaOutput::Send { to: p, msg });
+            }
+            None => ask.waiting = true,
+        }
+    }
+
+    /// What to do with a reply (or silence) of the tracking shard: `Some(result)` ends the ask.
+    fn track_result(&mut self, ask: &mut TrackAsk, result: Result<ReplyBody, IoErr>) -> Option<Result<ReplyBody, String>> {
+        match result {
+            Ok(body) => Some(Ok(body)),
+            Err(e) if e.is_retryable() && self.now_us < ask.deadline_us => {
+                ask.waiting = true;
+                ask.at_us = self.now_us + self.cfg.retry_after_us;
+                ask.req = 0;
+                None
+            }
+            Err(e) => Some(Err(format!("tracking shard: {e}"))),
+        }
+    }
+
+    fn on_track_done(&mut self, result: Result<ReplyBody, String>) {
+        match self.control.take() {
+            Some(Control::SuperAsking { call, rec, parent, .. }) => match result {
+                Ok(_) => {
+                    self.reply_now(call, MetaResp::Volume(rec));
+                    self.end_control();
+                }
+                Err(e) => {
+                    // Undo: nothing tracks the child; the parent stays as it was.
+                    self.state.volumes.remove(&rec.name);
+                    if let Some(p) = self.state.volumes.get_mut(&parent) {
+                        p.super_child = None;
+                    }
+                    self.control = Some(Control::Saving);
+                    self.next.changed = true;
+                    self.reply_after_save(call, MetaResp::Err(format!("super failed: {e}")));
+                    self.next.then.push(Then::EndControl);
+                }
+            },
+            Some(Control::AbortMarking { call, child, parent, parent_id, collapse, .. }) => match result {
+                Ok(ReplyBody::Granted(_)) => {
+                    let ask = self.track_ask(collapse);
+                    self.control = Some(Control::CollapseAsking { call, child, parent, parent_id, ask, abort: true });
+                }
+                Ok(body) => {
+                    self.reply_now(call, MetaResp::Err(format!("tracking shard answered {body:?}")));
+                    self.end_control();
+                }
+                Err(e) => {
+                    self.reply_now(call, MetaResp::Err(e));
+                    self.end_control();
+                }
+            },
+            Some(Control::CollapseAsking { call, child, parent, parent_id, ask, abort }) => match result {
+                Ok(ReplyBody::Collapse(outcome)) => {
+                    let TrackReq::Collapse { table, child: child_id } = ask.what else { unreachable!() };
+                    let promoted = outcome == CollapseOutcome::Promoted;
+                    let s = &mut self.state;
+                    s.jobs.push(Job::Gc { table, parent: parent_id, child: child_id, promoted, child_name: Some(child.clone()) });
+                    let (volume, parent_rec) = if promoted {
+                        // The parent is gone for good; the child is the volume now.
+                        s.volumes.remove(&parent);
+                        let volume = s.volumes.get_mut(&child).map(|rec| {
+                            rec.super_parent = None;
+                            rec.clone()
+                        });
+                        (volume, None)
+                    } else {
+                        s.volumes.remove(&child);
+                        let parent_rec = s.volumes.get_mut(&parent).map(|p| {
+                            p.super_child = None;
+                            p.clone()
+                        });
+                        (None, parent_rec)
+                    };
+                    let resp = match (abort, parent_rec) {
+                        (false, _) => MetaResp::Collapsed { outcome, volume },
+                        (true, Some(p)) => MetaResp::Volume(p),
+                        // An earlier collapse promoted the child (this service crashed before
+                        // recording it): the record is completed, and the abort says so.
+                        (true, None) if promoted => MetaResp::Err(format!(
+                            "volume {child:?} was promoted by an earlier collapse; a promoted child cannot be aborted"
+                        )),
+                        (true, None) => MetaResp::Err(format!("the parent {parent:?} of {child:?} is gone")),
+                    };
+                    self.control = Some(Control::Saving);
+                    self.next.changed = true;
+                    self.reply_after_save(call, resp);
+                    self.next.then.push(Then::EndControl);
+                }
+                Ok(body) => {
+                    self.reply_now(call, MetaResp::Err(format!("tracking shard answered {body:?}")));
+                    self.end_control();
+                }
+                Err(e) => {
+                    self.reply_now(call, MetaResp::Err(e));
+                    self.end_control();
+                }
+            },
+            other => self.control = other,
+        }
+    }
+
+    // ---- jobs ---------------------------------------------------------------------------------
+
+    fn maybe_start_job(&mut self) {
+        match &self.job {
+            None => {}
+            Some(JobRun::Backoff(at)) if *at <= self.now_us => self.job = None,
+            Some(_) => return,
+        }
+        if self.job.is_some() {
+            return;
+        }
+        let Some(job) = self.durable.jobs.first().cloned() else { return };
+        // Only a job that is still listed in the current state (a failed save may have
+        // dropped it, a finished one is gone).
+        if !self.state.jobs.contains(&job) {
+            return;
+        }
+        let mut a = AllAsk { job, epoch: 0, pending: BTreeMap::new(), retry_at_us: None };
+        self.all_round(&mut a);
+        self.job = Some(JobRun::All(a));
+    }
+
+    fn all_msg(job: &Job, req: ReqId, epoch: Epoch) -> Msg {
+        match *job {
+            Job::Gc { table, parent, child, promoted, .. } => Msg::Gc { req, epoch, table, parent, child, promoted },
+            Job::Delete { table, owner, drop_table } => Msg::DeleteVolume { req, epoch, table, owner, drop_table },
+        }
+    }
+
+    /// Starts a round at the durable map's epoch: every shard not down is asked.
+    fn all_round(&mut self, a: &mut AllAsk) {
+        a.epoch = self.durable.map.epoch;
+        a.retry_at_us = None;
+        a.pending.clear();
+        let live: Vec<ShardId> = self.durable.map.shards.iter().filter(|s| s.state != ShardState::Down).map(|s| s.id).collect();
+        for s in live {
+            let req = self.fresh_req();
+            a.pending.insert(s, (req, self.now_us));
+            self.out.push(MetaOutput::Send { to: s, msg: Self::all_msg(&a.job, req, a.epoch) });
+        }
+    }
+
+    fn on_all_reply(&mut self, from: ShardId, req: ReqId, result: Result<ReplyBody, IoErr>) {
+        let Some(JobRun::All(a)) = &mut self.job else { return };
+        if a.pending.get(&from).map(|p| p.0) != Some(req) {
+            return;
+        }
+        match result {
+            Ok(_) => {
+                a.pending.remove(&from);
+            }
+            Err(e) => {
+                tracing::debug!("shard {from}: {e}");
+                a.pending.clear();
+                a.retry_at_us = Some(self.now_us + self.cfg.retry_after_us * 2);
+                return;
+            }
+        }
+        if a.pending.is_empty() && a.retry_at_us.is_none() {
+            if a.epoch != self.durable.map.epoch {
+                let mut a = match self.job.take() {
+                    Some(JobRun::All(a)) => a,
+                    _ => unreachable!(),
+                };
+                self.all_round(&mut a);
+                self.job = Some(JobRun::All(a));
+                return;
+            }
+            let Some(JobRun::All(a)) = self.job.take() else { unreachable!() };
+            match a.job {
+                Job::Gc { table, child, .. } => {
+                    let ask = self.track_ask(TrackReq::EndSuper { table, child });
+                    self.job = Some(JobRun::EndSuper { job: a.job, ask });
+                }
+                Job::Delete { .. } => self.finish_job(&a.job),
+            }
+        }
+    }
+
+    fn finish_job(&mut self, job: &Job) {
+        if let Job::Gc { child, child_name: Some(name), .. } = job {
+            // The child holds every object now: it no longer copies on write.
+            if let Some(rec) = self.state.volumes.get_mut(name) {
+                if rec.vol.id == *child {
+                    rec.vol.parent = None;
+                }
+            }
+        }
+        self.state.jobs.retain(|j| j != job);
+        self.job = Some(JobRun::Saving);
+        self.next.changed = true;
+        self.next.then.push(Then::EndJob);
+    }
+
+    // ---- replies and time ---------------------------------------------------------------------
+
+    fn on_reply(&mut self, from: ShardId, req: ReqId, result: Result<ReplyBody, IoErr>) {
+        if req == 0 {
+            return;
+        }
+        // The control operation's tracking request?
+        let ask = match &mut self.control {
+            Some(Control::SuperAsking { ask, .. } | Control::AbortMarking { ask, .. } | Control::CollapseAsking { ask, .. }) if ask.req == req => Some(ask.clone()),
+            _ => None,
+        };
+        if let Some(mut ask) = ask {
+            let done = self.track_result(&mut ask, result);
+            match done {
+                Some(r) => self.on_track_done(r),
+                None => {
+                    if let Some(Control::SuperAsking { ask: a, .. } | Control::AbortMarking { ask: a, .. } | Control::CollapseAsking { ask: a, .. }) = &mut self.control {
+                        *a = ask;
+                    }
+                }
+            }
+            return;
+        }
+        // The job's?
+        if let Some(JobRun::EndSuper { ask, .. }) = &self.job {
+            if ask.req == req {
+                let Some(JobRun::EndSuper { job, mut ask }) = self.job.take() else { unreachable!() };
+                match self.track_result(&mut ask, result) {
+                    None => self.job = Some(JobRun::EndSuper { job, ask }),
+                    Some(Ok(_)) => self.finish_job(&job),
+                    Some(Err(e)) => {
+                        tracing::warn!("job {job:?}: {e}; retrying");
+                        self.job = Some(JobRun::Backoff(self.now_us + self.cfg.retry_after_us * 10));
+                    }
+                }
+                return;
+            }
+        }
+        self.on_all_reply(from, req, result);
+    }
+
+    fn on_tick(&mut self) {
+        let now = self.now_us;
+        let resend = self.cfg.resend_after_us;
+        let due = |a: &TrackAsk| if a.waiting { now >= a.at_us } else { now >= a.at_us + resend };
+        // The control's tracking request: resend on silence, retry after a refusal, give up at
+        // the deadline.
+        let ask = match &self.control {
+            Some(Control::SuperAsking { ask, .. } | Control::AbortMarking { ask, .. } | Control::CollapseAsking { ask, .. }) if due(ask) => Some(ask.clone()),
+            _ => None,
+        };
+        if let Some(mut ask) = ask {
+            if now >= ask.deadline_us {
+                self.on_track_done(Err("tracking shard: no answer before the deadline".into()));
+            } else {
+                self.send_track(&mut ask);
+                if let Some(Control::SuperAsking { ask: a, .. } | Control::AbortMarking { ask: a, .. } | Control::CollapseAsking { ask: a, .. }) = &mut self.control {
+                    *a = ask;
+                }
+            }
+        }
+        match self.job.take() {
+            Some(JobRun::EndSuper { job, mut ask }) => {
+                if due(&ask) {
+                    if now >= ask.deadline_us {
+                        self.job = Some(JobRun::Backoff(now + self.cfg.retry_after_us * 10));
+                        return;
+                    }
+                    self.send_track(&mut ask);
+                }
+                self.job = Some(JobRun::EndSuper { job, ask });
+            }
+            Some(JobRun::All(mut a)) => {
+                let stale = a.pending.values().any(|(_, sent)| now >= sent + resend);
+                if a.retry_at_us.is_some_and(|t| now >= t) || stale || (a.epoch != self.durable.map.epoch && a.retry_at_us.is_none()) {
+                    self.all_round(&mut a);
+                }
+                self.job = Some(JobRun::All(a));
+            }
+            other => self.job = other,
+        }
+    }
+}
+
+enum Step {
+    Reply(MetaResp),
+    Super { rec: VolumeRec, parent: String, track: TrackReq },
+    Collapse { child: String, parent: String, parent_id: VolId, track: TrackReq },
+    /// Mark the superposition written (`mark`), then collapse (`collapse`), which must reject.
+    Abort { child: String, parent: String, parent_id: VolId, mark: TrackReq, collapse: TrackReq },
+}
+
+fn ensure(ok: bool, msg: String) -> Result<(), String> {
+    if ok {
+        Ok(())
+    } else {
+        Err(msg)
+    }
+}
+
+fn no_volume(name: &str) -> String {
+    format!("no volume named {name:?} (see `understudy volume list`)")
+}
+
+pub fn validate_name(name: &str) -> Result<(), String> {
+    ensure(
+        !name.is_empty() && name.len() <= 128 && name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)),
+        format!("volume names are 1 to 128 characters of letters, digits, '-', '_' and '.', not {name:?}"),
+    )
+}
+
+/// Shards a job still waits for (for diagnostics).
+pub fn pending_shards(core: &MetaCore) -> BTreeSet<ShardId> {
+    match &core.job {
+        Some(JobRun::All(a)) => a.pending.keys().copied().collect(),
+        _ => BTreeSet::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map() -> ClusterMap {
+        ClusterMap {
+            epoch: 3,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: format!("s{id}"), state: ShardState::Up, in_sync: true }).collect(),
+        }
+    }
+
+    fn core() -> MetaCore {
+        MetaCore::new(MetaCoreConfig::default(), MetaState { next_id: 1, map: map(), volumes: BTreeMap::new(), jobs: vec![] }, 100)
+    }
+
+    /// Feeds `input`; answers every save with `save_ok`; returns the other outputs.
+    fn run(c: &mut MetaCore, input: MetaInput, save_ok: bool) -> Vec<MetaOutput> {
+        let mut inputs = VecDeque::from([input]);
+        let mut outs = vec![];
+        while let Some(i) = inputs.pop_front() {
+            for o in c.handle(i) {
+                match o {
+                    MetaOutput::Save { seq, .. } => {
+                        inputs.push_back(MetaInput::Saved { seq, result: if save_ok { Ok(()) } else { Err("disk full".into()) } })
+                    }
+                    o => outs.push(o),
+                }
+            }
+        }
+        outs
+    }
+
+    fn req(c: &mut MetaCore, call: CallId, r: MetaReq, save_ok: bool) -> Vec<MetaOutput> {
+        run(c, MetaInput::Request { call, req: r }, save_ok)
+    }
+
+    fn create(name: &str) -> MetaReq {
+        MetaReq::Create { name: name.into(), size_bytes: 1 << 20, object_size_bytes: 65536 }
+    }
+
+    fn reply_of(outs: &[MetaOutput], call: CallId) -> MetaResp {
+        outs.iter()
+            .find_map(|o| match o {
+                MetaOutput::Reply { call: c, resp } if *c == call => Some(resp.clone()),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no reply to {call} in {outs:?}"))
+    }
+
+    fn sent(outs: &[MetaOutput]) -> Vec<(ShardId, Msg)> {
+        outs.iter()
+            .filter_map(|o| match o {
+                MetaOutput::Send { to, msg } => Some((*to, msg.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bad_requests_get_clear_errors_and_change_nothing() {
+        let mut c = core();
+        assert!(matches!(reply_of(&req(&mut c, 1, create("v"), true), 1), MetaResp::Volume(_)));
+        let before = c.durable().clone();
+        for (call, r, want) in [
+            (2, create("v"), "already exists"),
+            (3, create("bad name"), "volume names"),
+            (4, MetaReq::Create { name: "w".into(), size_bytes: 1000, object_size_bytes: 65536 }, "multiple of 512"),
+            (5, MetaReq::Create { name: "w".into(), size_bytes: 4096, object_size_bytes: 3000 }, "power of two"),
+            (6, MetaReq::Collapse { child: "v".into() }, "not a super child"),
+            (7, MetaReq::Collapse { child: "nope".into() }, "no volume named"),
+            (8, MetaReq::Resize { name: "v".into(), size_bytes: 512 }, "shrinking"),
+            (9, MetaReq::Super { parent: "nope".into(), child: "c".into() }, "no volume named"),
+            (10, MetaReq::Abort { child: "v".into() }, "not a super child: nothing to abort"),
+            (11, MetaReq::Abort { child: "nope".into() }, "no volume named"),
+        ] {
+            let outs = req(&mut c, call, r, true);
+            match reply_of(&outs, call) {
+                MetaResp::Err(e) => assert!(e.contains(want), "{e} should say {want}"),
+                other => panic!("{other:?}"),
+            }
+            assert!(sent(&outs).is_empty());
+        }
+        assert_eq!(c.durable(), &before);
+        assert!(c.is_idle());
+    }
+
+    #[test]
+    fn a_failed_save_reverts_and_answers_with_an_error() {
+        let mut c = core();
+        let outs = req(&mut c, 1, create("v"), false);
+        match reply_of(&outs, 1) {
+            MetaResp::Err(e) => assert!(e.contains("cannot save the metadata: disk full"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(c.durable().volumes.is_empty());
+        // Nothing was lost: the same request succeeds once the disk takes it, with the same id.
+        match reply_of(&req(&mut c, 2, create("v"), true), 2) {
+            MetaResp::Volume(v) => assert_eq!(v.vol.id, 1),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn super_records_then_asks_the_tracking_shard_and_undoes_on_refusal() {
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        let outs = req(&mut c, 2, MetaReq::Super { parent: "p".into(), child: "c".into() }, true);
+        // The child is durable before the tracking shard hears of it; no reply yet.
+        assert!(c.durable().volumes.contains_key("c"));
+        let s = sent(&outs);
+        let [(to, Msg::Super { req: r, epoch: 3, table: 1, parent: 1, child: 2 })] = s[..] else { panic!("{s:?}") };
+        assert_eq!(Some(to), map().primary(Slot { table: 1, objno: TRACK_OBJNO }));
+        // A second control request waits its turn.
+        assert!(req(&mut c, 3, MetaReq::Delete { name: "p".into() }, true).is_empty());
+        // A stale map: retried after the retry period under a new request id.
+        assert!(run(&mut c, MetaInput::ShardReply { from: to, req: r, result: Err(IoErr::StaleEpoch(4)) }, true).is_empty());
+        let outs = run(&mut c, MetaInput::Tick { now_us: 60_000, unix_ms: 0 }, true);
+        let s = sent(&outs);
+        let [(_, Msg::Super { req: r2, .. })] = s[..] else { panic!("{s:?}") };
+        assert_ne!(r2, r);
+        // A late reply to the first attempt is ignored; a refusal of the second undoes super.
+        assert!(run(&mut c, MetaInput::ShardReply { from: to, req: r, result: Ok(ReplyBody::Done) }, true).is_empty());
+        let outs = run(&mut c, MetaInput::ShardReply { from: to, req: r2, result: Err(IoErr::BadRequest("fenced".into())) }, true);
+        match reply_of(&outs, 2) {
+            MetaResp::Err(e) => assert!(e.contains("super failed") && e.contains("fenced"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(!c.durable().volumes.contains_key("c"));
+        // Then the queued delete ran: accepted, as p had no super child any more.
+        assert_eq!(reply_of(&outs, 3), MetaResp::Done);
+        assert!(c.durable().volumes.is_empty());
+        assert_eq!(c.durable().jobs, vec![Job::Delete { table: 1, owner: 1, drop_table: true }]);
+    }
+
+    #[test]
+    fn collapse_promotes_then_gc_runs_on_every_live_shard_at_one_epoch_and_ends_the_super() {
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        let outs = req(&mut c, 2, MetaReq::Super { parent: "p".into(), child: "c".into() }, true);
+        let s = sent(&outs);
+        let [(t, Msg::Super { req: r, .. })] = s[..] else { panic!("{s:?}") };
+        let outs = run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        assert!(matches!(reply_of(&outs, 2), MetaResp::Volume(v) if v.vol.parent == Some(1)));
+        let outs = req(&mut c, 3, MetaReq::Collapse { child: "c".into() }, true);
+        let s = sent(&outs);
+        let [(t, Msg::Collapse { req: r, child: 2, .. })] = s[..] else { panic!("{s:?}") };
+        let outs = run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Collapse(CollapseOutcome::Promoted)) }, true);
+        match reply_of(&outs, 3) {
+            MetaResp::Collapsed { outcome: CollapseOutcome::Promoted, volume: Some(v) } => assert_eq!(v.name, "c"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(c.durable().volumes.keys().collect::<Vec<_>>(), ["c"]);
+        // The GC job went out to every shard with the collapse's durable record.
+        let gcs: Vec<(ShardId, ReqId)> = sent(&outs)
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Gc { req, epoch: 3, parent: 1, child: 2, promoted: true, .. } => Some((to, req)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(gcs.iter().map(|g| g.0).collect::<Vec<_>>(), [1, 2, 3, 4]);
+        // Shard 4 goes down meanwhile: a new round at the new epoch, without it.
+        for &(to, req) in &gcs[..2] {
+            run(&mut c, MetaInput::ShardReply { from: to, req, result: Ok(ReplyBody::Done) }, true);
+        }
+        let mut m = map();
+        m.epoch = 4;
+        m.shards[3].state = ShardState::Down;
+        run(&mut c, MetaInput::SetMap(m), true);
+        let outs = run(&mut c, MetaInput::Tick { now_us: 1_000, unix_ms: 0 }, true);
+        let round: Vec<(ShardId, ReqId)> = sent(&outs)
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Gc { req, epoch: 4, .. } => Some((to, req)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(round.iter().map(|g| g.0).collect::<Vec<_>>(), [1, 2, 3]);
+        let mut end = vec![];
+        for (to, req) in round {
+            end.extend(sent(&run(&mut c, MetaInput::ShardReply { from: to, req, result: Ok(ReplyBody::Done) }, true)));
+        }
+        let [(t, Msg::EndSuper { req: r, child: 2, .. })] = end[..] else { panic!("{end:?}") };
+        run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        assert!(c.durable().jobs.is_empty());
+        assert_eq!(c.durable().volumes["c"].vol.parent, None, "the child no longer copies on write");
+        assert!(c.is_idle());
+    }
+}
