@@ -56,7 +56,7 @@ fn bad_arguments_get_clear_errors() {
         (vec!["--clients", "0"], "--clients must be at least 1"),
         (vec!["--distribution", "hotspot"], "unknown request distribution"),
         (vec!["--theta", "0"], "theta"),
-        (vec!["--field-length", "1"], "header"),
+        (vec!["--field-length", "1"], "checked on read"),
     ] {
         let o = Command::new(BIN)
             .args(["bench", "ycsb", "redis", "--quick"])

@@ -501,31 +501,28 @@ impl FileLog {
 
     /// Streams the file: indexes markers, cuts a torn tail, rebuilds the state.
     fn load_state(&mut self) -> Result<LogState, LogError> {
-        use std::io::Seek;
-        self.file.seek(std::io::SeekFrom::Start(0))?;
         let mut b = Rebuilder::default();
-        let mut markers = Vec::new();
-        let mut pos = 0u64;
-        let valid = stream_records(&self.file, |r, n| {
-            if let LogRecord::Epoch { epoch, whole } = &r {
-                markers.push((*epoch, pos, *whole));
-            }
-            pos += n;
-            b.push(r);
-        })?;
+        let valid = self.index_markers(|r| b.push(r))?;
         let total = self.file.metadata()?.len();
         if valid < total {
             self.file.set_len(valid)?;
             self.file.sync_data()?;
         }
         self.len = valid;
-        self.markers = markers;
         Ok(b.finish())
     }
 
     /// Like [`Self::load_state`] for the markers and length only (after a compaction: the state
     /// is in the node already, and rebuilding it would hold a second copy of the store).
     fn load_markers(&mut self) -> Result<(), LogError> {
+        self.len = self.index_markers(|_| {})?;
+        release_free_memory();
+        Ok(())
+    }
+
+    /// Reads the file from its start, indexing its epoch markers and handing every valid record
+    /// to `each`; returns the length of the valid prefix.
+    fn index_markers(&mut self, mut each: impl FnMut(LogRecord)) -> Result<u64, LogError> {
         use std::io::Seek;
         self.file.seek(std::io::SeekFrom::Start(0))?;
         let mut markers = Vec::new();
@@ -535,11 +532,10 @@ impl FileLog {
                 markers.push((*epoch, pos, *whole));
             }
             pos += n;
+            each(r);
         })?;
-        self.len = valid;
         self.markers = markers;
-        release_free_memory();
-        Ok(())
+        Ok(valid)
     }
 
     fn open_files(path: &Path) -> Result<(File, File), LogError> {

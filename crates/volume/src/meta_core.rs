@@ -585,14 +585,7 @@ impl MetaCore {
                     let ask = self.track_ask(collapse);
                     self.control = Some(Control::CollapseAsking { call, child, parent, parent_id, ask, abort: true });
                 }
-                Ok(body) => {
-                    self.reply_now(call, MetaResp::Err(format!("tracking shard answered {body:?}")));
-                    self.end_control();
-                }
-                Err(e) => {
-                    self.reply_now(call, MetaResp::Err(e));
-                    self.end_control();
-                }
+                other => self.control_failed(call, other),
             },
             Some(Control::CollapseAsking { call, child, parent, parent_id, ask, abort }) => match result {
                 Ok(ReplyBody::Collapse(outcome)) => {
@@ -631,17 +624,20 @@ impl MetaCore {
                     self.reply_after_save(call, resp);
                     self.next.then.push(Then::EndControl);
                 }
-                Ok(body) => {
-                    self.reply_now(call, MetaResp::Err(format!("tracking shard answered {body:?}")));
-                    self.end_control();
-                }
-                Err(e) => {
-                    self.reply_now(call, MetaResp::Err(e));
-                    self.end_control();
-                }
+                other => self.control_failed(call, other),
             },
             other => self.control = other,
         }
+    }
+
+    /// Ends a control operation whose tracking request failed or got an unexpected answer.
+    fn control_failed(&mut self, call: CallId, result: Result<ReplyBody, String>) {
+        let e = match result {
+            Ok(body) => format!("tracking shard answered {body:?}"),
+            Err(e) => e,
+        };
+        self.reply_now(call, MetaResp::Err(e));
+        self.end_control();
     }
 
     // ---- jobs ---------------------------------------------------------------------------------

@@ -246,6 +246,26 @@ fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose
     run_inner(cluster_file, dir, variant, round, verbose, tell, true, settle, app)
 }
 
+/// The last lines of a run's logs (the monitor's and its instances'), for an error report: a
+/// failed run is otherwise hard to diagnose once its directory is gone.
+fn logs_tail(run_dir: &Path) -> String {
+    const TAIL_LINES: usize = 15;
+    let mut files = vec![run_dir.join("monitor.err")];
+    if let Ok(rd) = std::fs::read_dir(run_dir.join("state").join("logs")) {
+        let mut logs: Vec<_> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        logs.sort();
+        files.extend(logs);
+    }
+    let mut out = String::new();
+    for f in files {
+        let Ok(text) = std::fs::read_to_string(&f) else { continue };
+        let lines: Vec<&str> = text.lines().collect();
+        let tail = &lines[lines.len().saturating_sub(TAIL_LINES)..];
+        out.push_str(&format!("\n--- {} (last {} lines)\n{}", f.display(), tail.len(), tail.join("\n")));
+    }
+    out
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_inner(
     cluster_file: &Path,
@@ -258,16 +278,33 @@ fn run_inner(
     settle: Settle,
     app: DemoApp,
 ) -> anyhow::Result<RunResult> {
-    let exe = std::env::current_exe()?;
     let vol = format!("bench-{variant}-{round}{}", if crash { "" } else { "-nofail" });
+    let run_dir = dir.join(format!("run-{vol}"));
+    run_body(cluster_file, &run_dir, &vol, variant, round, tell, crash, verbose, settle, app)
+        .map_err(|e| e.context(format!("run {vol} failed; its logs:{}", logs_tail(&run_dir))))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_body(
+    cluster_file: &Path,
+    run_dir: &Path,
+    vol: &str,
+    variant: &str,
+    round: usize,
+    tell: bool,
+    crash: bool,
+    verbose: u8,
+    settle: Settle,
+    app: DemoApp,
+) -> anyhow::Result<RunResult> {
+    let exe = std::env::current_exe()?;
     let cli = |args: &[&str]| -> anyhow::Result<String> {
         let o = Command::new(&exe).args(args).arg("--cluster").arg(cluster_file).output()?;
         anyhow::ensure!(o.status.success(), "`understudy {}`: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim());
         Ok(String::from_utf8_lossy(&o.stdout).into_owned())
     };
-    cli(&["volume", "create", &vol, "--size", app.volume_size()])?;
-    let run_dir = dir.join(format!("run-{vol}"));
-    std::fs::create_dir_all(&run_dir)?;
+    cli(&["volume", "create", vol, "--size", app.volume_size()])?;
+    std::fs::create_dir_all(run_dir)?;
     let port = free_port()?;
     let control = format!("127.0.0.1:{}", free_port()?);
     let spec = serde_json::json!({
