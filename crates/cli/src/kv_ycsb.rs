@@ -175,9 +175,21 @@ pub(crate) async fn wait_node_serving(
     secret: &[u8],
     timeout: Duration,
 ) -> anyhow::Result<Instant> {
+    Ok(wait_node_listening_then_serving(addr, secret, timeout).await?.1)
+}
+
+/// Like [`wait_node_serving`], also returning when the node first accepted a connection (it
+/// listens before it serves: the gap is its recovery as clients see it).
+pub(crate) async fn wait_node_listening_then_serving(
+    addr: SocketAddr,
+    secret: &[u8],
+    timeout: Duration,
+) -> anyhow::Result<(Instant, Instant)> {
     let start = Instant::now();
+    let mut listening = None;
     loop {
         if let Ok(mut c) = KvClient::connect(addr, secret).await {
+            let listening = *listening.get_or_insert_with(Instant::now);
             c.timeout = Duration::from_secs(1);
             loop {
                 match c
@@ -186,7 +198,7 @@ pub(crate) async fn wait_node_serving(
                     })
                     .await
                 {
-                    Ok(ClientResult::Value(_)) => return Ok(Instant::now()),
+                    Ok(ClientResult::Value(_)) => return Ok((listening, Instant::now())),
                     Ok(_) => {}
                     Err(_) => break,
                 }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 
-use ::kv::runtime::{KvClient, KvCluster};
+use ::kv::runtime::KvCluster;
 use bench::LatencyRecorder;
 use zk::{srvr, Ensemble, EnsembleOptions, ServerState, ZkClient};
 
@@ -419,41 +419,13 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
                 "cannot continue node {victim}"
             ),
         }
-        let restarted = Instant::now();
         r.restart_s = load.start.elapsed().as_secs_f64();
-        let mut listening = None;
-        'serving: loop {
-            if let Ok(mut c) = KvClient::connect(addrs[victim], &secret).await {
-                listening.get_or_insert_with(Instant::now);
-                c.timeout = Duration::from_secs(1);
-                loop {
-                    match c
-                        .call(::kv::msg::ClientOp::Get {
-                            key: b"k00000000".to_vec(),
-                        })
-                        .await
-                    {
-                        Ok(::kv::msg::ClientResult::Value(_)) => break 'serving,
-                        Ok(_) => {}
-                        Err(_) => break,
-                    }
-                    anyhow::ensure!(
-                        restarted.elapsed() < CATCHUP_TIMEOUT,
-                        "node {victim} did not serve again"
-                    );
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-            }
-            anyhow::ensure!(
-                restarted.elapsed() < CATCHUP_TIMEOUT,
-                "node {victim} did not serve again"
-            );
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        let (listening, _) =
+            crate::kv_ycsb::wait_node_listening_then_serving(addrs[victim], &secret, CATCHUP_TIMEOUT)
+                .await
+                .with_context(|| format!("node {victim} did not serve again after its restart"))?;
         r.caught_up_s = load.start.elapsed().as_secs_f64();
-        r.listen_s = listening
-            .map(|t| t.duration_since(load.start).as_secs_f64())
-            .unwrap_or(r.caught_up_s);
+        r.listen_s = listening.duration_since(load.start).as_secs_f64();
         for _ in 0..200 {
             if let Some(l) = recovery_line(&dir, victim, log_from) {
                 r.node_recovery_ms = l.total_ms;
