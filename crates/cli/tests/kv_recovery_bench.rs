@@ -2,20 +2,15 @@
 //! ratio names, from one run of HEAL, full copy and reactive log on the same store, load and EFN
 //! (no timing is asserted: the figures are the bench's to report).
 
-use std::process::Command;
+mod common;
 
 #[test]
 fn quick_recovery_bench_emits_the_three_scheme_ratios() {
     let dir = tempfile::tempdir().unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_understudy"))
-        .args(["bench", "kv", "recovery", "--quick", "--nodes", "3", "--efn-s", "1", "--clients", "4", "--out"])
-        .arg(dir.path().join("out"))
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "bench failed: {}\n{stdout}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
+    let v = common::run_bench(
+        dir.path(),
+        &["bench", "kv", "recovery", "--quick", "--nodes", "3", "--efn-s", "1", "--clients", "4"],
+    );
     assert_eq!(v["bench"], "kv.recovery");
     for r in [
         "fullcopy_vs_heal.recovery_latency",

@@ -2,6 +2,8 @@
 //! with a node killed and restarted mid-run, and its last stdout line is well-formed BENCH.md
 //! JSON with the figures it promises (no timing is asserted). Bad arguments get clear errors.
 
+mod common;
+
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_understudy");
@@ -96,10 +98,7 @@ fn quick_ycsb_with_a_kill_prints_bench_md_json() {
         assert!(out.join(file).is_file(), "{file} not written");
     }
     // The group's directory is gone.
-    let left = std::fs::read_dir(dir.path().join("target/bench-clusters"))
-        .unwrap()
-        .count();
-    assert_eq!(left, 0, "the group's directory was not removed");
+    common::assert_no_cluster_left(dir.path());
 }
 
 #[test]

@@ -3,6 +3,8 @@
 //! replica for the same EFN under the same write rate, and the last stdout line is well-formed
 //! BENCH.md JSON with both catch-up times and their ratio (no timing is asserted).
 
+mod common;
+
 use std::process::Command;
 
 #[test]
@@ -71,8 +73,5 @@ fn quick_zookeeper_comparison_prints_bench_md_json() {
     ] {
         assert!(out.join(file).is_file(), "{file} not written");
     }
-    let left = std::fs::read_dir(dir.path().join("target/bench-clusters"))
-        .unwrap()
-        .count();
-    assert_eq!(left, 0, "a cluster directory was not removed");
+    common::assert_no_cluster_left(dir.path());
 }

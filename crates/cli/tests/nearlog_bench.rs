@@ -3,9 +3,8 @@
 //! --secs). Needs root, /dev/fuse, losetup, redis-server, python3, cc and librocksdb-dev; set
 //! UNDERSTUDY_SKIP_FUSE_TESTS=1 on a machine without FUSE.
 
+mod common;
 mod nearlog_common;
-
-use std::process::Command;
 
 #[test]
 fn quick_apps_bench_emits_the_ratios() {
@@ -15,17 +14,8 @@ fn quick_apps_bench_emits_the_ratios() {
     }
     let so = nearlog_common::shim_path();
     let dir = tempfile::tempdir().unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_understudy"))
-        .args(["bench", "nearlog", "apps", "--quick", "--secs", "0.5", "--shim"])
-        .arg(&so)
-        .arg("--out")
-        .arg(dir.path().join("out"))
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "bench failed: {}\n{stdout}", String::from_utf8_lossy(&o.stderr));
-    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");
+    let so = so.to_str().expect("a UTF-8 path");
+    let v = common::run_bench(dir.path(), &["bench", "nearlog", "apps", "--quick", "--secs", "0.5", "--shim", so]);
     assert_eq!(v["bench"], "nearlog.apps");
     for r in [
         "nearlog_vs_strong.redis.c1.throughput",

@@ -338,3 +338,19 @@ impl Drop for QemuSession {
         stop_child(&mut self.child, Duration::from_secs(5));
     }
 }
+
+/// Runs `understudy ARGS --out DIR/out` in `dir`, asserts it succeeded, and returns the JSON of
+/// its last stdout line (the BENCH.md report). No figure is checked here: that is each test's.
+pub fn run_bench(dir: &Path, args: &[&str]) -> serde_json::Value {
+    let o = Command::new(BIN).args(args).arg("--out").arg(dir.join("out")).current_dir(dir).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "`understudy {}` failed: {}\n{stdout}", args.join(" "), String::from_utf8_lossy(&o.stderr));
+    let last = stdout.lines().last().expect("some stdout");
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last}"))
+}
+
+/// Asserts a bench run in `dir` removed every cluster directory it made.
+pub fn assert_no_cluster_left(dir: &Path) {
+    let left = std::fs::read_dir(dir.join("target/bench-clusters")).unwrap().count();
+    assert_eq!(left, 0, "a cluster directory was not removed");
+}
