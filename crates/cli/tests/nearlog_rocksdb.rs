@@ -3,8 +3,9 @@
 //! directory) replicated to the log peers, the SST files and the MANIFEST in a "storage"
 //! directory. Killed with SIGKILL mid-load, then restarted (1) against a stale local WAL
 //! directory (a copy taken earlier in the load) and (2) against an empty one, each time after
-//! `understudy nearlog restore` (RocksDB finds its WAL files by listing the directory); every
-//! acknowledged put must be there with its value. Needs cc and librocksdb-dev.
+//! `understudy nearlog restore` (RocksDB finds its WAL files by listing the directory), and (3)
+//! against an empty one without restore (the shim recovers the files when RocksDB lists the
+//! directory); every acknowledged put must be there with its value. Needs cc and librocksdb-dev.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -82,6 +83,11 @@ fn load_and_kill(bin: &Path, db: &Path, env: &Env, min_acked: u64, stale: Option
 }
 
 fn restore_and_check(bin: &Path, db: &Path, env: &Env) -> (u64, String) {
+    restore(env);
+    check(bin, db, env)
+}
+
+fn restore(env: &Env) {
     let out = Command::new(env!("CARGO_BIN_EXE_understudy"))
         .args(["nearlog", "restore", "--cluster"])
         .arg(&env.cluster_file)
@@ -92,13 +98,18 @@ fn restore_and_check(bin: &Path, db: &Path, env: &Env) -> (u64, String) {
         .unwrap();
     let restore_err = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(out.status.success(), "nearlog restore failed: {restore_err}");
+    assert!(restore_err.contains("recovered"), "the WAL came back from the log peers: {restore_err}");
+}
+
+/// Opens the database under the shim; returns the puts found and the shim's lines.
+fn check(bin: &Path, db: &Path, env: &Env) -> (u64, String) {
     let mut c = Command::new(bin);
     c.arg("check").arg(db).arg(&env.wal);
     env.apply(&mut c);
     let out = c.output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "check failed: {err}");
-    (String::from_utf8_lossy(&out.stdout).trim().parse().unwrap(), restore_err)
+    (String::from_utf8_lossy(&out.stdout).trim().parse().unwrap(), err.to_string())
 }
 
 #[test]
@@ -118,15 +129,22 @@ fn rocksdb_synced_wal_survives_sigkill_with_a_stale_or_empty_local_wal_directory
     let acked = load_and_kill(&bin, &db, &env, 3000, Some((&stale, 500)));
     std::fs::remove_dir_all(&wal).unwrap();
     std::fs::rename(&stale, &wal).unwrap();
-    let (n, restore_err) = restore_and_check(&bin, &db, &env);
+    let (n, _) = restore_and_check(&bin, &db, &env);
     assert!(n >= acked, "stale local WAL: {n} puts recovered, {acked} acknowledged");
-    assert!(restore_err.contains("recovered"), "the WAL came back from the log peers: {restore_err}");
 
     // (2) Empty local WAL directory (a new machine), after a second load on the same storage.
     let acked = load_and_kill(&bin, &db, &env, 3000, None);
     std::fs::remove_dir_all(&wal).unwrap();
     std::fs::create_dir_all(&wal).unwrap();
-    let (n, restore_err) = restore_and_check(&bin, &db, &env);
+    let (n, _) = restore_and_check(&bin, &db, &env);
     assert!(n >= acked, "empty local WAL: {n} puts recovered, {acked} acknowledged");
-    assert!(restore_err.contains("recovered"), "the WAL came back from the log peers: {restore_err}");
+
+    // (3) Empty again, and no `nearlog restore`: RocksDB's own listing of the WAL directory
+    // (opendir, intercepted by the shim) brings the replicated WAL files back first.
+    let acked = load_and_kill(&bin, &db, &env, 3000, None);
+    std::fs::remove_dir_all(&wal).unwrap();
+    std::fs::create_dir_all(&wal).unwrap();
+    let (n, shim_err) = check(&bin, &db, &env);
+    assert!(n >= acked, "empty local WAL without restore: {n} puts recovered, {acked} acknowledged");
+    assert!(shim_err.contains("recovered"), "the shim brought the WAL back when RocksDB listed it: {shim_err}");
 }

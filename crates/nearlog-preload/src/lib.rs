@@ -23,7 +23,8 @@
 //! child owns no log file: an inherited log fd fails with EIO there.
 //! dup/dup2/dup3/fcntl(F_DUPFD, F_DUPFD_CLOEXEC) of a log fd make another fd that replicates
 //! through the same state (closing the original keeps the copy replicating); a writable shared
-//! mmap of a log fd is refused loudly (ENODEV). Not intercepted (documented limit): writes
+//! mmap of a log fd is refused loudly (ENODEV). `opendir` of a directory recovers the
+//! replicated log files it lacks before the listing. Not intercepted (documented limit): writes
 //! through stdio streams (`fopen`: recovery only).
 
 #![allow(clippy::missing_safety_doc)]
@@ -175,6 +176,20 @@ pub unsafe extern "C" fn unlinkat(dirfd: c_int, path: *const c_char, flags: c_in
 #[no_mangle]
 pub unsafe extern "C" fn rename(from: *const c_char, to: *const c_char) -> c_int {
     shim::rename(from, to)
+}
+
+type OpendirFn = unsafe extern "C" fn(*const c_char) -> *mut c_void;
+
+/// Listing a directory recovers the replicated log files it lacks first (see
+/// `shim::before_opendir`): an application that lists its log directory at start (RocksDB)
+/// finds them on a new machine.
+#[no_mangle]
+pub unsafe extern "C" fn opendir(path: *const c_char) -> *mut c_void {
+    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    shim::before_opendir(path);
+    // SAFETY: glibc's opendir has this signature (DIR* is opaque here).
+    let f = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"opendir".as_ptr()) as usize);
+    std::mem::transmute::<usize, OpendirFn>(f)(path)
 }
 
 type StatFn = unsafe extern "C" fn(*const c_char, *mut c_void) -> c_int;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, CStr};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -103,6 +103,26 @@ fn set_tracked(fd: c_int, on: bool) {
     }
 }
 
+/// This process's id, cached: `getpid` is a system call in glibc, and every log write and
+/// fsync checks that it runs in the process that owns the shim's state. A fork's child resets
+/// it (`pthread_atfork`, registered with the state).
+static PID: AtomicU32 = AtomicU32::new(0);
+
+fn pid() -> u32 {
+    match PID.load(Ordering::Relaxed) {
+        0 => {
+            let p = std::process::id();
+            PID.store(p, Ordering::Relaxed);
+            p
+        }
+        p => p,
+    }
+}
+
+extern "C" fn forget_pid_in_child() {
+    PID.store(0, Ordering::Relaxed);
+}
+
 fn log(msg: &str) {
     let line = format!("[nearlog {}] {msg}\n", std::process::id());
     // SAFETY: writing a valid buffer to stderr with the real write.
@@ -120,7 +140,13 @@ struct Config {
     controller: String,
     secret: Vec<u8>,
     deadline: Duration,
+    /// How long a call polls for replies without sleeping (see [`Shim::wait_replies`]).
+    spin: Duration,
 }
+
+/// Default of `UNDERSTUDY_NEARLOG_SPIN_US`: a majority's replies on loopback or a LAN take
+/// tens of µs; longer waits (a slow or dead peer) block in `poll` after this.
+const DEFAULT_SPIN_US: u64 = 50;
 
 fn load_config() -> Result<Config, String> {
     let deadline_ms = match std::env::var("UNDERSTUDY_NEARLOG_DEADLINE_MS") {
@@ -136,7 +162,11 @@ fn load_config() -> Result<Config, String> {
     if secret.is_empty() {
         return Err(format!("cluster secret {secret_file} is empty"));
     }
-    Ok(Config { controller, secret, deadline: Duration::from_millis(deadline_ms) })
+    let spin_us = match std::env::var("UNDERSTUDY_NEARLOG_SPIN_US") {
+        Ok(s) => s.parse::<u64>().ok().filter(|&us| us <= 10_000).ok_or_else(|| format!("UNDERSTUDY_NEARLOG_SPIN_US={s:?} is not a number of microseconds up to 10000"))?,
+        Err(_) => DEFAULT_SPIN_US,
+    };
+    Ok(Config { controller, secret, deadline: Duration::from_millis(deadline_ms), spin: Duration::from_micros(spin_us) })
 }
 
 /// `*` matches any run of characters (including `/`), `?` one character.
@@ -273,7 +303,12 @@ fn is_log_path(abs: &str) -> bool {
 
 impl Shim {
     fn get(slot: &mut Option<Shim>) -> Result<&mut Shim, String> {
-        let pid = std::process::id();
+        static ATFORK: std::sync::Once = std::sync::Once::new();
+        // SAFETY: registers a handler that only stores to an atomic.
+        ATFORK.call_once(|| unsafe {
+            libc::pthread_atfork(None, None, Some(forget_pid_in_child));
+        });
+        let pid = pid();
         if slot.as_ref().is_some_and(|s| s.owner_pid != pid) {
             // A forked child: the parent's connections and files are not ours. Forget them
             // without closing anything (the parent still uses those sockets).
@@ -314,11 +349,11 @@ impl Shim {
     }
 
     fn ensure_conn(&mut self, peer: PeerId) -> Option<&mut TcpStream> {
-        let secret = self.cfg.secret.clone();
+        let secret = &self.cfg.secret;
         let (addr, conn, last_try) = self.peers.get_mut(&peer)?;
         if conn.is_none() && last_try.elapsed() >= Duration::from_millis(200) {
             *last_try = Instant::now();
-            match blocking::connect(addr, &secret, Duration::from_secs(2)) {
+            match blocking::connect(addr, secret, Duration::from_secs(2)) {
                 Ok(s) => {
                     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
                     *conn = Some(s);
@@ -350,9 +385,7 @@ impl Shim {
         // One buffer per peer: a batch goes out in one write.
         let mut batches: HashMap<PeerId, Vec<u8>> = HashMap::new();
         for (p, req) in out {
-            if let Ok(frame) = nearlog_frame(&req) {
-                batches.entry(p).or_default().extend_from_slice(&frame);
-            }
+            let _ = blocking::encode_into(&req, batches.entry(p).or_default());
         }
         let fresh: Vec<PeerId> = batches.keys().copied().collect();
         let connected = |s: &Shim, p: &PeerId| s.peers.get(p).is_some_and(|v| v.1.is_some());
@@ -408,9 +441,7 @@ impl Shim {
         }
         let mut fds: Vec<libc::pollfd> =
             ids.iter().map(|p| libc::pollfd { fd: self.peers[p].1.as_ref().unwrap().as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
-        // SAFETY: fds is a valid array of pollfd for the duration of the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait.as_millis() as c_int) };
-        if n <= 0 {
+        if !self.wait_replies(&mut fds, wait) {
             return;
         }
         for (i, p) in ids.iter().enumerate() {
@@ -454,6 +485,39 @@ impl Shim {
                 self.readers.remove(p);
             }
         }
+    }
+
+    /// Waits until one of `fds` is readable or `wait` passed; false if none is.
+    ///
+    /// For the first [`Config::spin`] (`UNDERSTUDY_NEARLOG_SPIN_US`, default
+    /// [`DEFAULT_SPIN_US`]) it polls without sleeping, yielding the CPU between polls: the
+    /// replies of a majority usually come within that time, and a thread that sleeps pays a
+    /// wake-up on their arrival (on a VM's vCPU an idle exit and an interrupt, the same order
+    /// as the round trip itself). The yield lets a peer queued on this CPU (loopback) run at
+    /// once instead of waiting for this thread's time slice to end. Past that, `poll` blocks: a
+    /// slow or dead peer costs at most the spin, never a busy core.
+    fn wait_replies(&self, fds: &mut [libc::pollfd], wait: Duration) -> bool {
+        let poll = |fds: &mut [libc::pollfd], ms: c_int| {
+            // SAFETY: fds is a valid array of pollfd for the duration of the call.
+            unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) > 0 }
+        };
+        let spin = self.cfg.spin.min(wait);
+        if !spin.is_zero() {
+            let until = Instant::now() + spin;
+            loop {
+                if poll(fds, 0) {
+                    return true;
+                }
+                if Instant::now() >= until {
+                    break;
+                }
+                // SAFETY: no arguments, no memory touched.
+                unsafe { libc::sched_yield() };
+            }
+        }
+        let left = wait.saturating_sub(spin);
+        // Round up: a sub-millisecond wait must still wait (poll takes milliseconds).
+        poll(fds, left.as_micros().div_ceil(1000) as c_int)
     }
 
     fn send_batch(&mut self, p: PeerId, buf: &[u8], at: Instant) {
@@ -512,7 +576,12 @@ impl Shim {
         let now = self.now_us();
         let t = self.files.get_mut(&fd).unwrap();
         t.owner_epoch = grant.epoch;
-        t.client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), true, Vec::new(), ClientConfig::default(), now);
+        // Our local copy holds every op we submitted: recovery fetches only the chunks whose
+        // block checksums differ from it (those our unacknowledged ops touched, if any).
+        let size = t.resume.as_ref().map_or(0, |r| r.1);
+        let local = read_local(t.read_fd, size).map_err(|e| format!("reading the local copy: {e}"))?;
+        t.client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), true, Vec::new(), ClientConfig::default(), now)
+            .with_local_copy(local);
         Ok(())
     }
 
@@ -530,6 +599,8 @@ impl Shim {
             return Err(format!("{} changed on the log peers while this writer was fenced (another writer?)", t.key));
         }
         let (key, epoch) = (t.key.clone(), t.client.epoch());
+        let (fetched, reused) = t.client.recovery_bytes();
+        log(&format!("{key}: resumed at epoch {epoch}: {fetched} bytes fetched from the log peers, {reused} verified from the local copy"));
         if let Err(e) = self.ctl(&CtlRequest::Initialized { key, epoch }) {
             log(&format!("after resuming: {e}"));
         }
@@ -587,9 +658,6 @@ impl Shim {
     }
 }
 
-fn nearlog_frame(req: &PeerRequest) -> Result<Vec<u8>, String> {
-    blocking::encode(req).map_err(|e| e.to_string())
-}
 
 fn read_local(fd: c_int, size: u64) -> std::io::Result<Vec<u8>> {
     let mut img = vec![0u8; size as usize];
@@ -715,6 +783,70 @@ pub unsafe fn before_fopen(path: *const c_char) -> Result<(), ()> {
     }
 }
 
+/// `opendir` (an application listing its log directory, as RocksDB does at start): the first
+/// time in this process a directory is listed, every replicated log file directly in it that
+/// has no local copy is recovered first, so a restart on a new machine or an empty directory
+/// sees its log files without `nearlog restore`. A stale local copy is left as it is here (it
+/// is made current when the application opens it for writing). Only with patterns set (an
+/// opt-in application names its files itself); a controller that cannot be asked is logged
+/// and the listing goes ahead (a listing is no log operation; the open that follows fails
+/// loudly if the configuration is bad).
+pub unsafe fn before_opendir(path: *const c_char) {
+    if path.is_null() || patterns().is_empty() {
+        return;
+    }
+    let Some(_g) = Guard::enter() else { return };
+    let Some(dir) = absolute(libc::AT_FDCWD, CStr::from_ptr(path)) else { return };
+    static LISTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    {
+        let mut listed = LISTED.lock().unwrap_or_else(|e| e.into_inner());
+        if listed.contains(&dir) {
+            return;
+        }
+        // Bounded: an application walking a large tree does not grow this without limit (a
+        // directory listed again after eviction is only checked again).
+        if listed.len() >= MAX_LISTED_DIRS {
+            listed.remove(0);
+        }
+        listed.push(dir.clone());
+    }
+    let prefix = if dir == "/" { dir.clone() } else { format!("{dir}/") };
+    let missing: Vec<String> = {
+        let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+        let shim = match Shim::get(&mut slot) {
+            Ok(s) => s,
+            Err(e) => {
+                log(&format!("opendir {dir}: nearlog is misconfigured: {e}"));
+                return;
+            }
+        };
+        match shim.ctl(&CtlRequest::Status) {
+            Ok(CtlReply::Status(st)) => st
+                .files
+                .keys()
+                .filter(|k| k.strip_prefix(&prefix).is_some_and(|name| !name.is_empty() && !name.contains('/')))
+                .filter(|k| !std::path::Path::new(k.as_str()).exists())
+                .cloned()
+                .collect(),
+            Ok(other) => {
+                log(&format!("opendir {dir}: the controller answered Status with {other:?}"));
+                return;
+            }
+            Err(e) => {
+                log(&format!("opendir {dir}: cannot list the replicated log files: {e}"));
+                return;
+            }
+        }
+    };
+    for key in missing {
+        // Logs its own failure; the application's open of that file fails loudly later.
+        let _ = recover_if_missing(&key);
+    }
+}
+
+/// Directories [`before_opendir`] remembers as checked.
+const MAX_LISTED_DIRS: usize = 1024;
+
 fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), String> {
     if fd as usize >= MAX_TRACKED_FD {
         return Err(format!("fd {fd} is beyond the shim's table of {MAX_TRACKED_FD} fds"));
@@ -728,6 +860,16 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         st.st_size as u64
     };
     let read_fd = reopen_readonly(fd)?;
+    // The local copy as it is: the start of a file never replicated, and otherwise what
+    // recovery may take verified chunks from instead of fetching them.
+    let local = match read_local(read_fd, local_size) {
+        Ok(l) => l,
+        Err(e) => {
+            // SAFETY: our own fd, not stored anywhere yet.
+            unsafe { (real().close)(read_fd) };
+            return Err(format!("reading the local copy: {e}"));
+        }
+    };
     let mut attempt = 0;
     let (grant, image) = loop {
         attempt += 1;
@@ -742,10 +884,12 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         };
         shim.learn(&grant);
         // A file that was never replicated starts from its local content (it predates the shim).
-        let initial = if grant.initialized { Vec::new() } else { read_local(read_fd, local_size).map_err(|e| e.to_string())? };
+        let initial = if grant.initialized { Vec::new() } else { local.clone() };
+        let hint = if grant.initialized { local.clone() } else { Vec::new() };
         let ids = |v: &[nearlog::proto::PeerAddr]| v.iter().map(|p| p.id).collect::<Vec<_>>();
         let now = shim.now_us();
-        let client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), grant.initialized, initial, ClientConfig::default(), now);
+        let client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), grant.initialized, initial, ClientConfig::default(), now)
+            .with_local_copy(hint);
         // A re-open after a failed attempt replaces (and keeps) the same read fd.
         if let Some(mut old) = shim.files.insert(fd, Tracked { key: key.to_string(), client, read_fd, owner_epoch: grant.epoch, resume: None, resumes: 0 }) {
             old.read_fd = -1;
@@ -772,8 +916,6 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         let _ = seq;
         shim.wait_for(fd, true, all_acked)?;
     } else {
-        let rfd = shim.files[&fd].read_fd;
-        let local = read_local(rfd, local_size).map_err(|e| e.to_string())?;
         if local != image {
             // Missing, shorter, longer (unacknowledged tail) or different: the replicas win.
             write_local_all(fd, &image, 0).map_err(|e| format!("restoring the local copy: {e}"))?;
@@ -781,7 +923,8 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
             if unsafe { (real().ftruncate)(fd, image.len() as off_t) } != 0 {
                 return Err(format!("restoring the local copy: {}", std::io::Error::last_os_error()));
             }
-            log(&format!("recovered {key}: {} bytes from the log peers (local copy had {local_size})", image.len()));
+            let (fetched, reused) = shim.files[&fd].client.recovery_bytes();
+            log(&format!("recovered {key}: {} bytes from the log peers ({fetched} fetched, {reused} verified from the local copy of {local_size})", image.len()));
         }
     }
     set_tracked(fd, true);
@@ -794,7 +937,7 @@ fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim, c_int) -> Result<T, Stri
         log(&format!("{what} on log fd {fd}: EIO: shim state is gone"));
         return Err(());
     };
-    if shim.owner_pid != std::process::id() {
+    if shim.owner_pid != pid() {
         log(&format!("{what} on log fd {fd}: EIO: a log file inherited across fork is not replicated by the child"));
         return Err(());
     }
@@ -964,7 +1107,7 @@ fn forget_fd(fd: c_int) {
     set_tracked(fd, false);
     let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
     let Some(shim) = slot.as_mut() else { return };
-    if shim.owner_pid != std::process::id() {
+    if shim.owner_pid != pid() {
         return;
     }
     if shim.aliases.remove(&fd).is_some() {

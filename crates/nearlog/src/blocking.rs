@@ -38,6 +38,15 @@ pub fn encode<M: Serialize>(msg: &M) -> Result<Vec<u8>, WireError> {
     wire::encode_frame(msg)
 }
 
+/// Appends one frame holding `msg` to `out` (the batch buffer of a connection).
+pub fn encode_into<M: Serialize>(msg: &M, out: &mut Vec<u8>) -> Result<(), WireError> {
+    let payload = postcard::to_allocvec(msg).map_err(|e| WireError::Decode(e.to_string()))?;
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
+    out.extend_from_slice(&payload);
+    Ok(())
+}
+
 pub fn send<M: Serialize>(s: &mut TcpStream, msg: &M) -> Result<(), WireError> {
     s.write_all(&wire::encode_frame(msg)?)?;
     Ok(())

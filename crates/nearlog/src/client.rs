@@ -12,7 +12,10 @@
 //! 3. **Fetch** the source's image in chunks, up to [`FETCH_WINDOW_CHUNKS`] requests in flight
 //!    (one round trip per window instead of per chunk), checking each block's CRC32C. A corrupt
 //!    source is excluded and step 2 repeats with the others (waiting for more answers if the
-//!    rest is no longer a majority) — never falling back to a less advanced minority.
+//!    rest is no longer a majority) — never falling back to a less advanced minority. With a
+//!    local copy ([`FileClient::with_local_copy`]: a resuming writer's own file, or a stale copy
+//!    on this machine) the source is first asked for its block checksums only (`Sums`); chunks
+//!    whose every block matches are taken from the local copy, only the others are fetched.
 //! 4. **Base**: the new epoch's op 1. Peers already holding exactly the source's state keep it
 //!    (`Base { from: Some(..) }`); the others are sent the image (`Stage`) first. A peer only
 //!    switches to the new epoch when the Base commits, so a half-installed peer still reports its
@@ -24,7 +27,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use crate::proto::{Epoch, FileId, Holding, Op, PeerId, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES};
+use crate::proto::{Epoch, FileId, Holding, Op, PeerId, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES, MAX_SUMS_BYTES};
 
 /// Records sent ahead of a peer's last acknowledgement before it must catch up by retransmission.
 const PIPELINE_RECORDS: u64 = 4096;
@@ -82,8 +85,14 @@ struct Fetch {
     holding: Holding,
     image: Vec<u8>,
     ahead: BTreeMap<u64, Vec<u8>>,
-    /// Every chunk below this offset was requested.
+    /// Every chunk below this offset was requested (or is taken from the local copy).
     requested: u64,
+    /// The local copy (empty: none), and the chunk offsets whose every block matches the
+    /// source's checksum (taken from it instead of fetched).
+    local: Vec<u8>,
+    local_ok: BTreeSet<u64>,
+    /// Offsets of `Sums` requests not answered yet (chunks are fetched once all are in).
+    sums_pending: BTreeSet<u64>,
 }
 
 impl Fetch {
@@ -139,6 +148,11 @@ pub struct FileClient {
     size: u64,
     recovered: Option<Vec<u8>>,
     initial: Vec<u8>,
+    /// A local copy recovery may take verified chunks from ([`FileClient::with_local_copy`]).
+    local_hint: Option<Vec<u8>>,
+    /// Recovery's bytes fetched from the source and taken from the local copy.
+    fetched_bytes: u64,
+    reused_bytes: u64,
     now_us: u64,
     out: Vec<(PeerId, PeerRequest)>,
 }
@@ -190,6 +204,9 @@ impl FileClient {
             size: 0,
             recovered: None,
             initial,
+            local_hint: None,
+            fetched_bytes: 0,
+            reused_bytes: 0,
             now_us,
             out: Vec::new(),
             peers,
@@ -198,6 +215,20 @@ impl FileClient {
             c.out.push((p, PeerRequest::Probe { file, epoch }));
         }
         c
+    }
+
+    /// Gives recovery a local copy of the file (a resuming writer's own file, or what an
+    /// earlier run left on this machine): only the chunks whose block checksums differ from the
+    /// source's are fetched. Any content is safe: a chunk is taken from it only when every one
+    /// of its blocks matches the source's CRC32C, the same check fetched bytes pass.
+    pub fn with_local_copy(mut self, local: Vec<u8>) -> FileClient {
+        self.local_hint = if local.is_empty() { None } else { Some(local) };
+        self
+    }
+
+    /// Recovery's bytes so far: (fetched from the source, taken from the local copy).
+    pub fn recovery_bytes(&self) -> (u64, u64) {
+        (self.fetched_bytes, self.reused_bytes)
     }
 
     /// Every peer recovery talks to: the new set and the old members of a pending move.
@@ -352,11 +383,15 @@ impl FileClient {
                         // not received yet (late duplicates are ignored).
                         let missing: Vec<u64> = (f.image.len() as u64..f.requested)
                             .step_by(MAX_CHUNK_BYTES)
-                            .filter(|o| !f.ahead.contains_key(o))
+                            .filter(|o| !f.ahead.contains_key(o) && !f.local_ok.contains(o))
                             .collect();
+                        let sums: Vec<u64> = f.sums_pending.iter().copied().collect();
                         self.touch(source);
                         for o in missing {
                             self.out.push((source, self.fetch(o)));
+                        }
+                        for o in sums {
+                            self.out.push((source, self.sums(o)));
                         }
                     }
                 }
@@ -484,6 +519,10 @@ impl FileClient {
         PeerRequest::Fetch { file: self.file, epoch: self.epoch, offset, len: MAX_CHUNK_BYTES as u32 }
     }
 
+    fn sums(&self, offset: u64) -> PeerRequest {
+        PeerRequest::Sums { file: self.file, epoch: self.epoch, offset, len: MAX_SUMS_BYTES }
+    }
+
     pub fn on_reply(&mut self, peer: PeerId, reply: PeerReply) {
         if !(self.tracks.contains_key(&peer) || self.extra.contains_key(&peer)) || reply.file() != Some(self.file) {
             return;
@@ -501,6 +540,7 @@ impl FileClient {
                     }
                 }
                 PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
+                PeerReply::Sums { offset, block_crcs, holding, .. } => self.on_sums(peer, offset, block_crcs, holding),
                 _ => {}
             }
             return;
@@ -552,6 +592,7 @@ impl FileClient {
                 }
             }
             PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
+            PeerReply::Sums { offset, block_crcs, holding, .. } => self.on_sums(peer, offset, block_crcs, holding),
             PeerReply::NeedImage { epoch, .. } if epoch == self.epoch => {
                 let t = self.tracks.get_mut(&peer).unwrap();
                 if t.resync.is_some() {
@@ -735,29 +776,118 @@ impl FileClient {
             return;
         }
         // The claimed size is not trusted for an allocation (a lying peer could claim petabytes).
+        let local = self.local_hint.take().unwrap_or_default();
+        let sums_pending: BTreeSet<u64> = if local.is_empty() { BTreeSet::new() } else { (0..holding.size).step_by(MAX_SUMS_BYTES as usize).collect() };
+        let sums: Vec<u64> = sums_pending.iter().copied().collect();
         self.phase = Phase::Fetching(Fetch {
             source,
             holding,
             image: Vec::with_capacity(holding.size.min(MAX_CHUNK_BYTES as u64) as usize),
             ahead: BTreeMap::new(),
             requested: 0,
+            local,
+            local_ok: BTreeSet::new(),
+            sums_pending,
         });
         self.touch(source);
+        for o in sums {
+            self.out.push((source, self.sums(o)));
+        }
         self.fill_fetch_window();
     }
 
-    /// Requests chunks until [`FETCH_WINDOW_CHUNKS`] past the verified prefix are in flight.
+    /// Requests chunks until [`FETCH_WINDOW_CHUNKS`] past the verified prefix are in flight or
+    /// waiting in `ahead` (chunks taken from the local copy do not count). Nothing while block
+    /// checksums are still awaited.
     fn fill_fetch_window(&mut self) {
         let Phase::Fetching(f) = &mut self.phase else { return };
-        let limit = (f.image.len() as u64 + FETCH_WINDOW_CHUNKS * MAX_CHUNK_BYTES as u64).min(f.holding.size);
+        if !f.sums_pending.is_empty() {
+            return;
+        }
+        let chunk = MAX_CHUNK_BYTES as u64;
+        let mut pending = (f.image.len() as u64..f.requested).step_by(MAX_CHUNK_BYTES).filter(|o| !f.local_ok.contains(o)).count() as u64;
         let mut offsets = Vec::new();
-        while f.requested < limit {
-            offsets.push(f.requested);
-            f.requested += MAX_CHUNK_BYTES as u64;
+        while pending < FETCH_WINDOW_CHUNKS && f.requested < f.holding.size {
+            if !f.local_ok.contains(&f.requested) {
+                offsets.push(f.requested);
+                pending += 1;
+            }
+            f.requested += chunk;
         }
         let source = f.source;
         for o in offsets {
             self.out.push((source, self.fetch(o)));
+        }
+    }
+
+    /// Extends the verified prefix with chunks that arrived or match the local copy; starts the
+    /// Base once the image is complete, else keeps the window full.
+    fn advance(&mut self) {
+        let Phase::Fetching(f) = &mut self.phase else { return };
+        let mut reused = 0;
+        while (f.image.len() as u64) < f.holding.size {
+            let at = f.image.len() as u64;
+            if f.local_ok.remove(&at) {
+                let n = f.chunk_len(at);
+                f.image.extend_from_slice(&f.local[at as usize..at as usize + n]);
+                reused += n as u64;
+            } else if let Some(next) = f.ahead.remove(&at) {
+                f.image.extend_from_slice(&next);
+            } else {
+                break;
+            }
+        }
+        self.reused_bytes += reused;
+        if f.image.len() as u64 == f.holding.size {
+            let Phase::Fetching(f) = std::mem::replace(&mut self.phase, Phase::Probing) else { unreachable!() };
+            self.start_base(Some((f.source, f.holding)), f.image);
+        } else {
+            self.fill_fetch_window();
+        }
+    }
+
+    /// The source is corrupt, torn or changed under us: it is no witness; choose again (the
+    /// local copy stays available to the next source).
+    fn exclude_source(&mut self, peer: PeerId) {
+        if let Phase::Fetching(f) = &mut self.phase {
+            if !f.local.is_empty() {
+                self.local_hint = Some(std::mem::take(&mut f.local));
+            }
+        }
+        self.excluded.insert(peer);
+        self.phase = Phase::Probing;
+        self.choose_source();
+    }
+
+    /// The source's block checksums for a range: chunks of the local copy that match them in
+    /// every block are taken from it; fetching starts once every range is answered.
+    fn on_sums(&mut self, peer: PeerId, offset: u64, block_crcs: Vec<u32>, got: Holding) {
+        let Phase::Fetching(f) = &mut self.phase else { return };
+        if peer != f.source || !f.sums_pending.contains(&offset) {
+            return; // a duplicate, stale or unrequested answer
+        }
+        let end = (offset + MAX_SUMS_BYTES).min(f.holding.size);
+        if got != f.holding || block_crcs.len() as u64 != (end - offset).div_ceil(BLOCK_BYTES as u64) {
+            self.exclude_source(peer);
+            return;
+        }
+        f.sums_pending.remove(&offset);
+        let size = f.holding.size as usize;
+        for at in (offset..end).step_by(MAX_CHUNK_BYTES) {
+            let first = ((at - offset) / BLOCK_BYTES as u64) as usize;
+            let blocks = f.chunk_len(at).div_ceil(BLOCK_BYTES);
+            let intact = (0..blocks).all(|i| {
+                let lo = at as usize + i * BLOCK_BYTES;
+                let hi = (lo + BLOCK_BYTES).min(size);
+                hi <= f.local.len() && crc32c::crc32c(&f.local[lo..hi]) == block_crcs[first + i]
+            });
+            if intact {
+                f.local_ok.insert(at);
+            }
+        }
+        if f.sums_pending.is_empty() {
+            self.touch(peer);
+            self.advance();
         }
     }
 
@@ -768,6 +898,7 @@ impl FileClient {
             || offset >= f.requested
             || !offset.is_multiple_of(MAX_CHUNK_BYTES as u64)
             || f.ahead.contains_key(&offset)
+            || f.local_ok.contains(&offset)
         {
             return; // a duplicate, stale or unrequested answer
         }
@@ -778,26 +909,13 @@ impl FileClient {
             && data.chunks(BLOCK_BYTES).zip(&block_crcs).all(|(b, &c)| crc32c::crc32c(b) == c);
         if !blocks_ok {
             // Corrupt, torn or changed under us: this replica is no witness; choose again.
-            self.excluded.insert(peer);
-            self.phase = Phase::Probing;
-            self.choose_source();
+            self.exclude_source(peer);
             return;
         }
-        if offset == f.image.len() as u64 {
-            f.image.extend_from_slice(&data);
-            while let Some(next) = f.ahead.remove(&(f.image.len() as u64)) {
-                f.image.extend_from_slice(&next);
-            }
-        } else {
-            f.ahead.insert(offset, data);
-        }
-        if f.image.len() as u64 == f.holding.size {
-            let Phase::Fetching(f) = std::mem::replace(&mut self.phase, Phase::Probing) else { unreachable!() };
-            self.start_base(Some((f.source, f.holding)), f.image);
-        } else {
-            self.touch(peer);
-            self.fill_fetch_window();
-        }
+        self.fetched_bytes += data.len() as u64;
+        f.ahead.insert(offset, data);
+        self.touch(peer);
+        self.advance();
     }
 
     fn start_base(&mut self, source: Option<(PeerId, Holding)>, image: Vec<u8>) {
@@ -920,6 +1038,59 @@ mod tests {
         assert_eq!(max_in_flight, FETCH_WINDOW_CHUNKS, "the window is used and bounded");
         assert_eq!(fetched.len(), len.div_ceil(MAX_CHUNK_BYTES));
         assert_eq!(r.take_recovered().unwrap(), content);
+    }
+
+    /// Recovers with `local` as the local copy; returns the content and the offsets fetched.
+    fn recover_with_local(peers: &mut [PeerCore], epoch: Epoch, local: Vec<u8>) -> (Vec<u8>, Vec<u64>, (u64, u64)) {
+        let mut r = FileClient::open(1, epoch, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0).with_local_copy(local);
+        let mut fetched = Vec::new();
+        loop {
+            let out = r.take_outgoing();
+            if out.is_empty() {
+                break;
+            }
+            for (p, req) in out {
+                if let PeerRequest::Fetch { offset, .. } = req {
+                    fetched.push(offset);
+                }
+                let rep = peers[p as usize - 1].handle(req);
+                r.on_reply(p, rep);
+            }
+        }
+        assert!(r.is_ready());
+        let bytes = r.recovery_bytes();
+        (r.take_recovered().unwrap(), fetched, bytes)
+    }
+
+    #[test]
+    fn recovery_with_a_local_copy_fetches_only_the_chunks_it_lacks() {
+        let chunk = MAX_CHUNK_BYTES;
+        let len = 6 * chunk + 5000;
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
+        let content = fill(&mut peers, len);
+        // Intact copy: nothing fetched.
+        let (got, fetched, (f, reused)) = recover_with_local(&mut peers, 2, content.clone());
+        assert_eq!(got, content);
+        assert!(fetched.is_empty(), "{fetched:?}");
+        assert_eq!((f, reused), (0, len as u64));
+        // One flipped byte in chunk 2, and the copy ends inside chunk 5: chunks 2, 5 and 6 are
+        // fetched (a copy that is longer than the source's is cut to the source's size).
+        let mut local = content.clone();
+        local[2 * chunk + 4097] ^= 1;
+        local.truncate(5 * chunk + 100);
+        let (got, fetched, (f, reused)) = recover_with_local(&mut peers, 3, local);
+        assert_eq!(got, content);
+        assert_eq!(fetched, vec![2 * chunk as u64, 5 * chunk as u64, 6 * chunk as u64]);
+        assert_eq!(f + reused, len as u64);
+        let mut longer = content.clone();
+        longer.extend_from_slice(b"unacknowledged tail");
+        let (got, fetched, _) = recover_with_local(&mut peers, 4, longer);
+        assert_eq!(got, content);
+        assert!(fetched.is_empty(), "bytes past the source's size are not compared: {fetched:?}");
+        // A copy of something else entirely: every chunk is fetched, the result is still exact.
+        let (got, fetched, _) = recover_with_local(&mut peers, 5, vec![0xee; len]);
+        assert_eq!(got, content);
+        assert_eq!(fetched.len(), len.div_ceil(chunk));
     }
 
     #[test]

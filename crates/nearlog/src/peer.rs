@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::proto::{Epoch, FileId, Holding, Op, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES};
+use crate::proto::{Epoch, FileId, Holding, Op, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES, MAX_SUMS_BYTES};
 
 #[derive(Debug, Default)]
 struct PeerFile {
@@ -179,6 +179,23 @@ impl PeerCore {
                     block_crcs: c.block_crcs[first..last].to_vec(),
                     holding: c.holding(),
                 }
+            }
+            PeerRequest::Sums { file, epoch, offset, len } => {
+                let Some(f) = self.files.get(&file) else {
+                    return PeerReply::Refused { file, reason: "unknown file".into() };
+                };
+                if epoch < f.promised {
+                    return PeerReply::Stale { file, promised: f.promised };
+                }
+                let Some(c) = f.committed.as_ref() else {
+                    return PeerReply::Refused { file, reason: "no committed copy".into() };
+                };
+                if offset % BLOCK_BYTES as u64 != 0 || len > MAX_SUMS_BYTES || offset > c.image.len() as u64 {
+                    return PeerReply::Refused { file, reason: format!("bad sums request {offset}+{len}") };
+                }
+                let first = offset as usize / BLOCK_BYTES;
+                let last = ((offset + len).min(c.image.len() as u64) as usize).div_ceil(BLOCK_BYTES);
+                PeerReply::Sums { file, offset, block_crcs: c.block_crcs[first..last.max(first)].to_vec(), holding: c.holding() }
             }
             PeerRequest::Stage { file, epoch, seq, size, offset, data, supersede } => {
                 let mut used = self.used_bytes;

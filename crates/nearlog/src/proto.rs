@@ -79,7 +79,15 @@ pub enum PeerRequest {
     Drop { file: FileId, epoch: Epoch },
     /// Liveness and space check.
     Stats,
+    /// The block checksums of committed bytes `offset..offset+len` (offset block-aligned, len ≤
+    /// [`MAX_SUMS_BYTES`]), without the bytes: a client with a local copy fetches only the
+    /// blocks whose checksums differ from it.
+    Sums { file: FileId, epoch: Epoch, offset: u64, len: u64 },
 }
+
+/// Largest range one [`PeerRequest::Sums`] covers (a multiple of `MAX_CHUNK_BYTES`; its reply
+/// holds one CRC32C per `BLOCK_BYTES`: at most 64 Ki checksums, well inside a frame).
+pub const MAX_SUMS_BYTES: u64 = 256 * 1024 * 1024;
 
 /// What a peer holds of a file, as answered to a probe.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,6 +128,8 @@ pub enum PeerReply {
     Refused { file: FileId, reason: String },
     Dropped { file: FileId },
     Stats { region_bytes: u64, used_bytes: u64, files: u64 },
+    /// Answer to [`PeerRequest::Sums`]: the CRC32C of each block from `offset` (last may be partial).
+    Sums { file: FileId, offset: u64, block_crcs: Vec<u32>, holding: Holding },
 }
 
 impl PeerReply {
@@ -133,7 +143,8 @@ impl PeerReply {
             | PeerReply::Stale { file, .. }
             | PeerReply::RegionFull { file, .. }
             | PeerReply::Refused { file, .. }
-            | PeerReply::Dropped { file } => Some(*file),
+            | PeerReply::Dropped { file }
+            | PeerReply::Sums { file, .. } => Some(*file),
             PeerReply::Stats { .. } => None,
         }
     }

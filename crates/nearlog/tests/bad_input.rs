@@ -215,8 +215,8 @@ fn start_liar(rt: &tokio::runtime::Runtime, mode: Liar) -> String {
                         (Liar::Truncated | Liar::Corrupt, PeerRequest::Record { file, epoch, seq, .. }) => PeerReply::Ack { file, epoch, applied_seq: seq + 1000 },
                         (_, PeerRequest::Record { file, .. }) => PeerReply::Ack { file, epoch: 1, applied_seq: 999 },
                         (_, PeerRequest::Stage { file, epoch, offset, .. }) => PeerReply::Staged { file, epoch, offset },
-                        
-                        (_, PeerRequest::Fetch { file, .. }) => PeerReply::Refused { file, reason: "no".into() },
+                        (Liar::Corrupt, PeerRequest::Sums { file, offset, .. }) => PeerReply::Sums { file, offset, block_crcs: vec![0xdead_beef; 3], holding: big },
+                        (_, PeerRequest::Fetch { file, .. } | PeerRequest::Sums { file, .. }) => PeerReply::Refused { file, reason: "no".into() },
                         (_, PeerRequest::Drop { file, .. }) => PeerReply::Dropped { file },
                         (_, PeerRequest::Stats) => PeerReply::Stats { region_bytes: 0, used_bytes: 0, files: 0 },
                     };

@@ -170,7 +170,15 @@ impl Run {
                         panic!("seed {}: resume refused", self.seed)
                     };
                     w.owner_epoch = g.epoch;
-                    w.client = client_for(&g, now);
+                    // The writer's local copy holds every op it submitted; sometimes it is
+                    // damaged (a flipped byte): recovery must take only verified chunks from it.
+                    let mut local = self.history.last().unwrap().clone();
+                    if !local.is_empty() && self.rng.range_u64(0, 3) == 0 {
+                        let i = self.rng.range_u64(0, local.len() as u64 - 1) as usize;
+                        local[i] ^= 0x20;
+                    }
+                    let w = self.writer.as_mut().unwrap();
+                    w.client = client_for(&g, now).with_local_copy(local);
                     w.fresh = false;
                     w.ready_seen = false;
                     self.resumes += 1;
