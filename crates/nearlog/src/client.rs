@@ -805,6 +805,8 @@ impl FileClient {
             return;
         }
         let chunk = MAX_CHUNK_BYTES as u64;
+        // Chunks taken from the local copy may have moved the prefix past what was requested.
+        f.requested = f.requested.max(f.image.len() as u64);
         let mut pending = (f.image.len() as u64..f.requested).step_by(MAX_CHUNK_BYTES).filter(|o| !f.local_ok.contains(o)).count() as u64;
         let mut offsets = Vec::new();
         while pending < FETCH_WINDOW_CHUNKS && f.requested < f.holding.size {

@@ -101,6 +101,9 @@ struct Run {
     reclaimed: Vec<PeerId>,
     recoveries: u32,
     resumes: u32,
+    /// Bytes resumed writers took from their local copy instead of fetching (and fetched).
+    reused_bytes: u64,
+    fetched_bytes: u64,
     moves: u32,
     acked_ops: u64,
     ending: bool,
@@ -192,6 +195,11 @@ impl Run {
             if let Some(rec) = w.client.take_recovered() {
                 let ops = w.resume.take();
                 let epoch = w.client.epoch();
+                if ops.is_some() {
+                    let (fetched, reused) = w.client.recovery_bytes();
+                    self.fetched_bytes += fetched;
+                    self.reused_bytes += reused;
+                }
                 self.check_recovered(if ops.is_some() { "resumed writer" } else { "opened writer" }, &rec, self.floor);
                 // The Base is on a majority of the grant's set: report it (ends a pending move).
                 let _ = self.ctl.handle(CtlRequest::Initialized { key: KEY.into(), epoch });
@@ -316,7 +324,7 @@ impl Run {
     }
 }
 
-fn run(seed: u64) -> (u32, u32, u32, u64) {
+fn run(seed: u64) -> (u32, u32, u32, u64, u64, u64) {
     let mut rng = SimRng::new(seed);
     let net_rng = rng.fork();
     let lossy = rng.chance(0.7);
@@ -347,6 +355,8 @@ fn run(seed: u64) -> (u32, u32, u32, u64) {
         reclaimed: Vec::new(),
         recoveries: 0,
         resumes: 0,
+        reused_bytes: 0,
+        fetched_bytes: 0,
         moves: 0,
         acked_ops: 0,
         ending: false,
@@ -506,7 +516,7 @@ fn run(seed: u64) -> (u32, u32, u32, u64) {
         assert!(r.ctl.files_on(*p).is_empty());
     }
     let _ = r.file();
-    (r.recoveries, r.resumes, r.moves, r.acked_ops)
+    (r.recoveries, r.resumes, r.moves, r.acked_ops, r.reused_bytes, r.fetched_bytes)
 }
 
 #[test]
@@ -517,16 +527,19 @@ fn reclaiming_peers_while_writing_loses_nothing_over_many_seeds() {
         return;
     }
     let seeds: u64 = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
-    let (mut rec, mut res, mut moves, mut acked) = (0, 0, 0, 0);
+    let (mut rec, mut res, mut moves, mut acked, mut reused, mut fetched) = (0, 0, 0, 0, 0, 0);
     for seed in 0..seeds {
-        let (a, b, c, d) = run(seed);
+        let (a, b, c, d, e, f) = run(seed);
         rec += a;
         res += b;
         moves += c;
         acked += d;
+        reused += e;
+        fetched += f;
     }
-    println!("{seeds} seeds: {rec} recoveries, {res} writer resumes, {moves} moves completed by a mover, {acked} acknowledged ops checked");
+    println!("{seeds} seeds: {rec} recoveries, {res} writer resumes ({reused} bytes taken from the local copy, {fetched} fetched), {moves} moves completed by a mover, {acked} acknowledged ops checked");
     assert!(res > 0, "some writer was fenced by a move and resumed");
+    assert!(reused > 0, "some resumed writer took verified chunks from its local copy");
 }
 
 #[test]
