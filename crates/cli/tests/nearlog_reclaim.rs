@@ -250,6 +250,8 @@ fn a_full_region_grows_onto_peers_with_room() {
     assert!(!out.iter().any(|l| l.starts_with("ERR")), "{out:?} {err}");
     assert_eq!(out.last().map(String::as_str), Some("720896"), "{out:?} {err}");
     assert!(err.contains("continuing at epoch"), "the file was relocated: {err}");
+    // The relocated writer recovered from the new set with its local copy at hand.
+    assert!(err.contains("verified from the local copy"), "the resume reports what it fetched: {err}");
     let st = c.state();
     let key = log.display().to_string();
     assert_eq!(st["files"][&key]["prev_peers"].as_array().map(|a| a.len()).unwrap_or(0), 0, "moves complete: {}", st["files"][&key]);

@@ -24,12 +24,14 @@
 //! dup/dup2/dup3/fcntl(F_DUPFD, F_DUPFD_CLOEXEC) of a log fd make another fd that replicates
 //! through the same state (closing the original keeps the copy replicating); a writable shared
 //! mmap of a log fd is refused loudly (ENODEV). `opendir` of a directory recovers the
-//! replicated log files it lacks before the listing. Not intercepted (documented limit): writes
-//! through stdio streams (`fopen`: recovery only).
+//! replicated log files it lacks before the listing. stdio: `fopen`/`fopen64` of a log file for
+//! writing, and `fdopen` of a log fd, give a stream whose writes (at `fflush` or a full buffer)
+//! replicate like `write`; `fileno` of it is a log fd (so `fsync(fileno(f))` works).
 
 #![allow(clippy::missing_safety_doc)]
 
 mod shim;
+mod stdio;
 
 use std::ffi::c_char;
 
@@ -48,23 +50,61 @@ unsafe fn real_fopen(name: &[u8], path: *const c_char, mode: *const c_char) -> *
     f(path, mode)
 }
 
-/// stdio opens (Redis reads its AOF with `fopen`): a missing log file is recovered first; the
-/// stream itself is not replicated (write log files through `open`/`write`).
+/// stdio opens: a log file opened for writing becomes a stream whose writes replicate
+/// (`stdio`); any other open of a missing log file (Redis reads its AOF with `fopen`) recovers
+/// it first.
 #[no_mangle]
 pub unsafe extern "C" fn fopen(path: *const c_char, mode: *const c_char) -> *mut libc::FILE {
-    if shim::before_fopen(path).is_err() {
-        *libc::__errno_location() = libc::EIO;
-        return std::ptr::null_mut();
+    match stdio::fopen(path, mode) {
+        stdio::Open::Pass => real_fopen(b"fopen\0", path, mode),
+        stdio::Open::Fail => std::ptr::null_mut(),
+        stdio::Open::Stream(f) => f,
     }
-    real_fopen(b"fopen\0", path, mode)
 }
 #[no_mangle]
 pub unsafe extern "C" fn fopen64(path: *const c_char, mode: *const c_char) -> *mut libc::FILE {
-    if shim::before_fopen(path).is_err() {
-        *libc::__errno_location() = libc::EIO;
-        return std::ptr::null_mut();
+    match stdio::fopen(path, mode) {
+        stdio::Open::Pass => real_fopen(b"fopen64\0", path, mode),
+        stdio::Open::Fail => std::ptr::null_mut(),
+        stdio::Open::Stream(f) => f,
     }
-    real_fopen(b"fopen64\0", path, mode)
+}
+
+type FdopenFn = unsafe extern "C" fn(c_int, *const c_char) -> *mut libc::FILE;
+type FilenoFn = unsafe extern "C" fn(*mut libc::FILE) -> c_int;
+
+/// `fdopen` of a log fd: a stream whose writes replicate.
+#[no_mangle]
+pub unsafe extern "C" fn fdopen(fd: c_int, mode: *const c_char) -> *mut libc::FILE {
+    if let Some(f) = stdio::fdopen(fd, mode) {
+        return f;
+    }
+    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let f = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"fdopen".as_ptr()) as usize);
+    // SAFETY: glibc's fdopen has this signature.
+    std::mem::transmute::<usize, FdopenFn>(f)(fd, mode)
+}
+
+/// The fd of a replicated stream (a cookie stream has none of its own), else glibc's answer.
+#[no_mangle]
+pub unsafe extern "C" fn fileno(f: *mut libc::FILE) -> c_int {
+    if let Some(fd) = stdio::stream_fd(f) {
+        return fd;
+    }
+    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let real = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"fileno".as_ptr()) as usize);
+    // SAFETY: glibc's fileno has this signature.
+    std::mem::transmute::<usize, FilenoFn>(real)(f)
+}
+#[no_mangle]
+pub unsafe extern "C" fn fileno_unlocked(f: *mut libc::FILE) -> c_int {
+    if let Some(fd) = stdio::stream_fd(f) {
+        return fd;
+    }
+    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let real = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"fileno_unlocked".as_ptr()) as usize);
+    // SAFETY: glibc's fileno_unlocked has this signature.
+    std::mem::transmute::<usize, FilenoFn>(real)(f)
 }
 
 // The C `open`/`openat` are variadic; on x86_64 and aarch64 Linux the optional `mode` argument

@@ -297,6 +297,20 @@ fn normalize(p: &str) -> String {
     format!("/{}", out.join("/"))
 }
 
+/// Whether `path` (relative to the working directory) names a log file by the patterns.
+pub unsafe fn is_log_stream_path(path: *const c_char) -> bool {
+    if path.is_null() || patterns().is_empty() {
+        return false;
+    }
+    let Some(_g) = Guard::enter() else { return false };
+    absolute(libc::AT_FDCWD, CStr::from_ptr(path)).is_some_and(|abs| is_log_path(&abs))
+}
+
+/// Whether `fd` is a replicated log fd.
+pub fn is_log_fd(fd: c_int) -> bool {
+    is_tracked(fd) && IN_SHIM.with(|g| !g.get())
+}
+
 fn is_log_path(abs: &str) -> bool {
     patterns().iter().any(|p| glob_match(p, abs))
 }
