@@ -14,6 +14,8 @@
 //!   file's peers; the call returns once a majority holds them. fsync/fdatasync/sync_file_range
 //!   then cost nothing. ftruncate is replicated; unlink and rename update the controller and
 //!   free the peers' memory.
+//! - While waiting for a majority the calling thread polls without sleeping for up to
+//!   `UNDERSTUDY_NEARLOG_SPIN_US` (default 50, at most 10000; 0 = always block in `poll`).
 //! - No majority within `UNDERSTUDY_NEARLOG_DEADLINE_MS` (default 10000): EIO. A missing or bad
 //!   configuration or an unreachable controller: EIO at open, with a line on stderr — never
 //!   silently unreplicated writes.
