@@ -584,7 +584,7 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
     let right_after = mean(kills.iter().map(|&si| m.samples[si][1].after_ops_per_s));
     report.ratio("speculative.right_after_promotion_vs_never_failed.throughput", right_after, m.never_failed_ops_per_s)?;
     report.figure("monitor.rss_peak_bytes", m.rss_bytes as f64)?;
-    report.figure("monitors.spurious_suspicions", m.spurious as f64)?;
+    report.figure("monitors.spurious_suspicions_count", m.spurious as f64)?;
     report.figure("monitor.rss_peak_mib", m.rss_bytes as f64 / 1048576.0)?;
 
     let labels: Vec<&str> = scen.iter().map(|s| s.label).collect();
