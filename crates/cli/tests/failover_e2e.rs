@@ -330,12 +330,20 @@ impl Monitor {
         (pid, ns)
     }
 
-    /// This monitor's namespaces now.
+    /// This monitor's namespaces now, but for the spare it makes ahead for the instance it
+    /// would start next (numbered `next_instance` or above).
     fn namespaces(&self) -> Vec<String> {
         let tag = std::fs::read_to_string(self.state_dir.join("netns.tag")).unwrap_or_default();
         let o = Command::new("ip").args(["netns", "list"]).output().unwrap();
         let prefix = format!("{}-{tag}-", failover::netns::PREFIX);
-        String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with(&prefix)).map(str::to_string).collect()
+        let names: Vec<String> =
+            String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with(&prefix)).map(str::to_string).collect();
+        // (A monitor that has exited makes no spare.)
+        let o = Command::new(BIN).args(["failover", "status", "--control", &self.control]).output().unwrap();
+        let status: Option<Value> = if o.status.success() { serde_json::from_slice(&o.stdout).ok() } else { None };
+        let next = status.and_then(|s| s["state"]["next_instance"].as_u64()).unwrap_or(u64::MAX);
+        let spare = |n: &String| n.rsplit_once("-i").and_then(|(_, k)| k.parse::<u64>().ok()).is_some_and(|k| k >= next);
+        names.into_iter().filter(|n| !spare(n)).collect()
     }
 
     /// SIGKILL of the monitor itself; its instances keep running.
@@ -568,6 +576,38 @@ fn network_cut_that_does_not_heal_of_a_writing_primary_rejects_collapse_then_red
     assert!(!failover::pool::pid_alive(pid), "the cut-off primary is fenced (killed)");
     load.wait_flowing("after the REDS restart");
     load.finish();
+    assert_eq!(case.volumes(), vec!["db".to_string()]);
+}
+
+/// The oracle (evaluation only) takes the shorter path it is told about: a primary that will
+/// never come back is fenced and restarted on its own volume at the first missed ping (no
+/// super, no timeout: REDS's 30 s would fail the wait); one that comes back sooner than a
+/// restart would take is waited for (no super, no restart), on the same monitor.
+#[test]
+fn oracle_restarts_at_once_when_told_never_and_waits_when_told_back_soon() {
+    if skip() {
+        return;
+    }
+    let case = Case::new("oracle", &Opts { policy: "oracle", reds_timeout_ms: 120_000, ..Opts::default() });
+    let mut m = case.monitor();
+    let (pid, _) = m.primary_in_netns();
+    m.control("hint", &["never", "1000"]);
+    let t = Instant::now();
+    let (r, _) = fault_under_load(&mut m, case.load(&[]), "kill", 0, &["reds_restarted", "promoted"]);
+    assert_eq!(r["event"], "reds_restarted", "{r}");
+    assert_eq!(case.event_volume(&r), "db", "restarted on its own volume: {r}");
+    assert!(t.elapsed() < Duration::from_secs(100), "the oracle waited for a timeout: {:?}", t.elapsed());
+    assert!(!failover::pool::pid_alive(pid), "the old primary is fenced");
+    assert!(m.seen.iter().all(|e| e["event"] != "superposed"), "the oracle never speculates: {:?}", m.seen);
+    // Told that the primary returns after 2.5 s while a restart would take a minute: it waits.
+    let (pid, ns) = m.primary_in_netns();
+    m.control("hint", &["2500", "60000"]);
+    let before = m.seen.len();
+    let (a, _) = fault_under_load(&mut m, case.load(&[]), "cut", 2_500, &["primary_answered", "reds_restarted"]);
+    assert_eq!(a["event"], "primary_answered", "{a}");
+    let after: Vec<&Value> = m.seen[before..].iter().collect();
+    assert!(after.iter().all(|e| !["superposed", "reds_timeout", "backup_started"].contains(&e["event"].as_str().unwrap_or(""))), "{after:?}");
+    assert_eq!(m.primary_in_netns(), (pid, ns), "the same primary serves on");
     assert_eq!(case.volumes(), vec!["db".to_string()]);
 }
 

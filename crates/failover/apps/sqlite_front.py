@@ -18,6 +18,10 @@ ap.add_argument("--payload-bytes", type=int, default=200)
 # Pages of WAL before an automatic checkpoint (SQLite's default 1000; 0: never): how much WAL a
 # crash can leave for recovery.
 ap.add_argument("--wal-autocheckpoint-pages", type=int, default=1000)
+# A file holding a number of milliseconds to spend after the database is open (SQLite's own
+# recovery done) and before serving: a recovery of that length (benchmarks set it per failure,
+# as Figure 6 of SpecREDS varies recovery length). Missing or empty: none.
+ap.add_argument("--startup-delay-file", default="")
 args = ap.parse_args()
 
 t0 = time.time()
@@ -30,6 +34,15 @@ db.execute("CREATE TABLE IF NOT EXISTS housekeeping(at REAL)")
 db.execute("CREATE TABLE IF NOT EXISTS fill(payload BLOB)")
 rows = db.execute("SELECT count(*) FROM commits").fetchone()[0]
 print(f"sqlite front: {args.db} open with {rows} rows in {time.time() - t0:.3f} s", flush=True)
+if args.startup_delay_file:
+    try:
+        with open(args.startup_delay_file) as f:
+            delay_ms = int(f.read().strip() or "0")
+    except (OSError, ValueError):
+        delay_ms = 0
+    if delay_ms > 0:
+        print(f"sqlite front: recovering for {delay_ms} ms more", flush=True)
+        time.sleep(delay_ms / 1000.0)
 lock = threading.Lock()
 payload = b"x" * args.payload_bytes
 

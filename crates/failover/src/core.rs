@@ -65,8 +65,13 @@ pub enum CollapseOutcome {
 #[serde(deny_unknown_fields, default)]
 pub struct MonitorConfig {
     pub policy: PolicyKind,
-    /// How often the primary (and a recovering backup) is pinged.
+    /// How often the primary is pinged.
     pub ping_interval_ms: u64,
+    /// How often an instance that is starting (a backup, a REDS restart, the first primary) is
+    /// pinged until it answers: much tighter than `ping_interval_ms`, so a recovered instance
+    /// is noticed within this much rather than a whole ping interval (a refused connection
+    /// costs next to nothing).
+    pub backup_ping_interval_ms: u64,
     /// REDS (and speculative's fallback): how long the primary must stay silent before it is
     /// fenced and restarted.
     pub reds_timeout_ms: u64,
@@ -84,11 +89,19 @@ pub struct MonitorConfig {
     pub retry_backoff_ms: u64,
 }
 
+impl MonitorConfig {
+    /// How often the driver must feed [`Input::Tick`]: often enough for both ping intervals.
+    pub fn tick_interval_ms(&self) -> u64 {
+        (self.ping_interval_ms / 2).min(self.backup_ping_interval_ms.max(1)).max(5)
+    }
+}
+
 impl Default for MonitorConfig {
     fn default() -> Self {
         MonitorConfig {
             policy: PolicyKind::Speculative,
             ping_interval_ms: 500,
+            backup_ping_interval_ms: 25,
             reds_timeout_ms: 60_000,
             speculate_after_missed_pings: 1,
             healthy_timeout_ms: 120_000,
@@ -222,6 +235,8 @@ pub struct Monitor {
     /// Pings sent and not yet answered.
     pings_in_flight: BTreeSet<InstanceId>,
     next_ping_ms: u64,
+    /// When the starting instance is pinged next (every `backup_ping_interval_ms`).
+    next_backup_ping_ms: u64,
     missed_pings: u32,
     /// When a failed action is to be re-issued.
     retry_at_ms: Option<u64>,
@@ -254,6 +269,7 @@ impl Monitor {
             d,
             pings_in_flight: BTreeSet::new(),
             next_ping_ms: now_ms,
+            next_backup_ping_ms: now_ms,
             missed_pings: 0,
             retry_at_ms: None,
             oracle: None,
@@ -392,7 +408,12 @@ impl Monitor {
                 self.pings_in_flight.remove(&id);
                 self.on_ping_failed(now_ms, id, &mut out);
             }
-            Input::InstanceStarted(_) => {}
+            // Its processes run: ask at once whether it is up (a fast start is seen at once).
+            Input::InstanceStarted(id) => {
+                if Some(id) == self.backup() && self.pings_in_flight.insert(id) {
+                    out.push(Action::Ping(id));
+                }
+            }
             Input::InstanceStartFailed { id, error } => self.on_instance_failed(now_ms, id, &error, &mut out),
             Input::InstanceExited(id) => self.on_instance_failed(now_ms, id, "exited", &mut out),
             Input::InstanceStopped(id) => self.on_stopped(now_ms, id, &mut out),
@@ -471,19 +492,22 @@ impl Monitor {
                 out.extend(self.phase_actions());
             }
         }
+        let mut targets = vec![];
         if now_ms >= self.next_ping_ms {
             self.next_ping_ms = now_ms + self.cfg.ping_interval_ms;
-            let mut targets = vec![];
             if self.primary_watched() {
                 targets.push(self.d.primary);
             }
+        }
+        if now_ms >= self.next_backup_ping_ms {
+            self.next_backup_ping_ms = now_ms + self.cfg.backup_ping_interval_ms.min(self.cfg.ping_interval_ms).max(1);
             if let Some(b) = self.backup() {
                 targets.push(b);
             }
-            for t in targets {
-                if self.pings_in_flight.insert(t) {
-                    out.push(Action::Ping(t));
-                }
+        }
+        for t in targets {
+            if self.pings_in_flight.insert(t) {
+                out.push(Action::Ping(t));
             }
         }
         // Time-outs of the current phase.

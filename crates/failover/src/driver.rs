@@ -151,15 +151,19 @@ impl Volumes {
 
     pub async fn collapse(&self, parent: &str, child: &str) -> Input {
         let r: anyhow::Result<CollapseOutcome> = async {
-            if let Some(o) = self.decided(parent, child).await? {
-                return Ok(o);
-            }
-            match self.cluster.meta(MetaReq::Collapse { child: child.into() }).await? {
-                MetaResp::Collapsed { outcome, .. } => Ok(match outcome {
+            // Straight to the collapse (it is on the failover's critical path); only when it
+            // fails is the outcome looked up: a repeated request (after a restart of the
+            // monitor, or a lost answer) finds the child promoted or gone.
+            match self.cluster.meta(MetaReq::Collapse { child: child.into() }).await {
+                Ok(MetaResp::Collapsed { outcome, .. }) => Ok(match outcome {
                     volume::types::CollapseOutcome::Promoted => CollapseOutcome::Promoted,
                     volume::types::CollapseOutcome::Rejected => CollapseOutcome::Rejected,
                 }),
-                other => anyhow::bail!("unexpected answer {other:?}"),
+                Ok(other) => anyhow::bail!("unexpected answer {other:?}"),
+                Err(e) => match self.decided(parent, child).await? {
+                    Some(o) => Ok(o),
+                    None => Err(e),
+                },
             }
         }
         .await;
@@ -457,7 +461,7 @@ pub async fn run(
     for w in first_work {
         send_work(&work_tx, &vol_tx, w).await;
     }
-    let mut tick = tokio::time::interval(Duration::from_millis((spec.monitor.ping_interval_ms / 2).max(5)));
+    let mut tick = tokio::time::interval(Duration::from_millis(spec.monitor.tick_interval_ms()));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
     loop {
@@ -505,6 +509,11 @@ pub async fn run(
         let work = dispatch(actions, &mut gave_up, &mut on_event);
         for w in work {
             send_work(&work_tx, &vol_tx, w).await;
+        }
+        // While all is well, the next instance's network namespace is made ahead (whichever
+        // policy: a backup, a REDS restart or the oracle's all start as that instance).
+        if m.durable().phase == Phase::Normal {
+            pool.prewarm(InstanceId(m.durable().next_instance));
         }
         if let Some(r) = gave_up.take() {
             pool.stop_all().await;

@@ -167,6 +167,9 @@ pub struct LocalPool {
     insts: Mutex<HashMap<InstanceId, Inst>>,
     killed: Mutex<HashSet<InstanceId>>,
     events: mpsc::Sender<Input>,
+    /// A namespace made ahead for the instance to be started next (see [`LocalPool::prewarm`]).
+    /// `None` in the link: being made.
+    spare: Arc<Mutex<Option<(InstanceId, Option<NetnsLink>)>>>,
 }
 
 fn signal_group(pgid: i32, sig: libc::c_int) {
@@ -216,7 +219,56 @@ impl LocalPool {
             // Tests and tools find this pool's namespaces by this tag.
             std::fs::write(cfg.state_dir.join("netns.tag"), &tag)?;
         }
-        Ok(LocalPool { cfg, tag, insts: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events })
+        Ok(LocalPool { cfg, tag, insts: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events, spare: Arc::default() })
+    }
+
+    /// Makes the network namespace of instance `id` (the next one the monitor will start) ahead
+    /// of time, in the background, so a failover does not wait for the `ip` commands that set
+    /// one up. Any other spare is deleted. Without namespaces, or when `id` already runs or has
+    /// its spare, nothing happens. Every decision about a spare is taken under the namespace
+    /// lock ([`netns::lock`]), so a start and a pre-make of the same instance never race; a
+    /// spare that a concurrent sweep removed is simply made again when the instance starts.
+    pub fn prewarm(&self, id: InstanceId) {
+        if !self.cfg.netns || self.insts.lock().unwrap().contains_key(&id) || self.killed.lock().unwrap().contains(&id) {
+            return;
+        }
+        let old = {
+            let mut g = self.spare.lock().unwrap();
+            if g.as_ref().is_some_and(|(s, _)| *s == id) {
+                return;
+            }
+            g.replace((id, None))
+        };
+        let name = netns::name_for(&self.tag, &id.to_string());
+        let spare = self.spare.clone();
+        tokio::task::spawn_blocking(move || {
+            let Ok(l) = netns::lock() else { return };
+            if let Some((_, Some(link))) = old {
+                let _ = netns::delete(&link.name);
+            }
+            // Still wanted? (A start of `id` may have taken over, or another id been asked for.)
+            if *spare.lock().unwrap() != Some((id, None)) {
+                return;
+            }
+            match netns::create(&name, &l) {
+                Ok(link) => *spare.lock().unwrap() = Some((id, Some(link))),
+                Err(e) => {
+                    tracing::debug!("pre-making {name}: {e}");
+                    let mut g = spare.lock().unwrap();
+                    if *g == Some((id, None)) {
+                        *g = None;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Deletes the spare namespace, if any (the pool is shutting down).
+    fn drop_spare(&self) {
+        let _l = netns::lock();
+        if let Some((_, Some(l))) = self.spare.lock().unwrap().take() {
+            let _ = netns::delete(&l.name);
+        }
     }
 
     /// The tag in this pool's namespace names (`usfo-TAG-iN`).
@@ -359,20 +411,66 @@ impl LocalPool {
             .append(true)
             .open(&attach_log)
             .map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
+        let inst = id.to_string();
+        // The namespace is made (or the spare taken) while the volume attaches, not after.
+        // Its lock is held from then until the application is in it, so a concurrent sweep
+        // never takes it for stale.
+        let ns_task = self.cfg.netns.then(|| {
+            let spare = self.spare.clone();
+            let name = netns::name_for(&self.tag, &inst);
+            tokio::task::spawn_blocking(move || -> Result<(netns::Lock, NetnsLink, std::os::fd::OwnedFd), netns::NetnsError> {
+                let l = netns::lock()?;
+                let taken = {
+                    let mut g = spare.lock().unwrap();
+                    match g.take() {
+                        Some((s, link)) if s == id => link, // a spare still being made is cancelled
+                        other => {
+                            *g = other;
+                            None
+                        }
+                    }
+                };
+                let link = match taken {
+                    Some(link) if Path::new("/run/netns").join(&link.name).exists() => link,
+                    _ => netns::create(&name, &l)?,
+                };
+                match netns::open(&link.name) {
+                    Ok(fd) => Ok((l, link, fd)),
+                    Err(e) => {
+                        let _ = netns::delete(&link.name);
+                        Err(e)
+                    }
+                }
+            })
+        });
         let mut cmd = Command::new(&self.cfg.exe);
         cmd.arg("volume").args(&self.cfg.conn_args).args(["attach", volume, "--mount"]).arg(&mount).arg("--foreground");
         if self.cfg.mkfs_first && id == InstanceId(1) {
             cmd.arg("--mkfs");
         }
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log)).process_group(0).kill_on_drop(false);
-        let mut attach: Child =
-            cmd.spawn().map_err(|e| PoolError::Attach { id, volume: volume.into(), msg: format!("cannot run {}: {e}", self.cfg.exe.display()) })?;
+        let mut attach: Child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(t) = ns_task {
+                    if let Ok(Ok((_l, link, _fd))) = t.await {
+                        let _ = netns::delete(&link.name);
+                    }
+                }
+                return Err(PoolError::Attach { id, volume: volume.into(), msg: format!("cannot run {}: {e}", self.cfg.exe.display()) });
+            }
+        };
         let attach_pid = attach.id().unwrap_or(0);
         let pgid = attach_pid as i32;
         let mut stdout = BufReader::new(attach.stdout.take().expect("piped"));
         let mut line = String::new();
         let ready = tokio::time::timeout(self.cfg.attach_timeout, stdout.read_line(&mut line)).await;
         if !matches!(ready, Ok(Ok(n)) if n > 0 && line.starts_with("attached")) {
+            if let Some(t) = ns_task {
+                if let Ok(Ok((_l, link, _fd))) = t.await {
+                    let _ = netns::delete(&link.name);
+                }
+            }
             signal_group(pgid, libc::SIGKILL);
             let _ = attach.wait().await;
             let _ = self.detach(&mount).await;
@@ -384,29 +482,15 @@ impl LocalPool {
         }
         // The application, in the same process group (and its own network namespace).
         let port = free_port().map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
-        let inst = id.to_string();
-        // Held from making the namespace until the application is in it, so a concurrent sweep
-        // never takes it for stale.
-        let (ns_lock, ns) = if self.cfg.netns {
-            let made = netns::lock().and_then(|l| {
-                let link = netns::create(&netns::name_for(&self.tag, &inst), &l)?;
-                match netns::open(&link.name) {
-                    Ok(fd) => Ok((l, link, fd)),
-                    Err(e) => {
-                        let _ = netns::delete(&link.name);
-                        Err(e)
-                    }
-                }
-            });
-            match made {
+        let (ns_lock, ns) = match ns_task {
+            Some(t) => match t.await.map_err(|e| netns::NetnsError(format!("making the namespace: {e}"))).and_then(|r| r) {
                 Ok((l, link, fd)) => (Some(l), Some((link, fd))),
                 Err(e) => {
                     self.abandon(pgid, &mut attach, &mount).await;
                     return Err(PoolError::Io { id, msg: e.to_string() });
                 }
-            }
-        } else {
-            (None, None)
+            },
+            None => (None, None),
         };
         let host: IpAddr = ns.as_ref().map_or(Ipv4Addr::LOCALHOST, |(l, _)| l.ns_addr).into();
         let args: Vec<String> = self.cfg.app.command.iter().map(|a| substitute(a, &mount, host, port, &inst)).collect();
@@ -501,6 +585,7 @@ impl LocalPool {
 
     /// Clean stop of every instance (the monitor shutting down).
     pub async fn stop_all(&self) {
+        self.drop_spare();
         for id in self.instances() {
             if let Err(e) = self.stop(id).await {
                 tracing::warn!("stopping {id}: {e}");

@@ -398,7 +398,7 @@ impl World {
             Ev::Tick { inc } => {
                 if inc == self.inc && self.monitor.is_some() {
                     self.step(None);
-                    let t = self.cfg.ping_interval_ms * MS / 2;
+                    let t = self.cfg.tick_interval_ms() * MS;
                     self.push(t, Ev::Tick { inc });
                 }
             }
@@ -519,6 +519,7 @@ fn run(seed: u64, trace: bool) -> Outcome {
     let cfg = MonitorConfig {
         policy,
         ping_interval_ms: 500,
+        backup_ping_interval_ms: *rng.pick(&[100, 250]).unwrap(),
         reds_timeout_ms: *rng.pick(&[5_000, 20_000]).unwrap(),
         speculate_after_missed_pings: 1,
         healthy_timeout_ms: 30_000,

@@ -45,9 +45,9 @@ pub struct RecoveryArgs {
     pub apps: Vec<String>,
 }
 
-pub const SMALL_WAL_BYTES: u64 = 4 << 20;
-pub const LARGE_WAL_BYTES_QUICK: u64 = 24 << 20;
-pub const LARGE_WAL_BYTES: u64 = 192 << 20;
+const SMALL_WAL_BYTES: u64 = 4 << 20;
+const LARGE_WAL_BYTES_QUICK: u64 = 24 << 20;
+const LARGE_WAL_BYTES: u64 = 192 << 20;
 /// How long an instance may take to become healthy.
 const HEALTHY_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long loading one WAL size may take at most.
@@ -276,33 +276,6 @@ impl Bench {
     async fn meta(&self, req: MetaReq) -> anyhow::Result<MetaResp> {
         self.volumes.cluster.meta(req).await
     }
-}
-
-/// Recovery latencies (ms) of one application state on the three kinds of volume.
-#[derive(Clone, Copy, Debug)]
-pub struct Latencies {
-    pub plain_ms: f64,
-    pub super_ms: f64,
-    pub general_ms: f64,
-}
-
-/// Measures one cell in a running cluster (for `bench failover scenarios`): `app` is
-/// "postgres" or "sqlite", `large` picks the large WAL, `unclean` the failure.
-pub async fn measure(cluster_file: &Path, dir: &Path, app: &str, large: bool, wal_bytes: u64, unclean: bool) -> anyhow::Result<Latencies> {
-    let app = match app {
-        "postgres" => App::Postgres,
-        "mariadb" => App::Mariadb,
-        _ => App::Sqlite,
-    };
-    let conn = crate::ConnArgs { cluster: Some(cluster_file.to_path_buf()), meta: None, secret_file: None };
-    let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
-    let conn_args = vec!["--cluster".to_string(), cluster_file.to_string_lossy().into_owned()];
-    let wal = if large { "large_wal" } else { "small_wal" };
-    let failure = if unclean { "unclean" } else { "clean" };
-    let mut samples = vec![];
-    cell(&std::env::current_exe()?, &conn_args, dir, cluster, app, wal, wal_bytes, 0, &[failure], &mut samples).await?;
-    let get = |c: &str| samples.iter().find(|s| s.clone == c).map(|s| s.app_recovery_ms).unwrap_or(f64::NAN);
-    Ok(Latencies { plain_ms: get("plain"), super_ms: get("super"), general_ms: get("general") })
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -1,0 +1,619 @@
+//! `understudy bench failover scenarios`: SpecREDS Figure 6 (§6.4) and §6.5, live.
+//!
+//! Every scenario is a real failure of a real application under a real monitor with its real
+//! timeout: the SQLite front on an ext4 volume, the load generator through the endpoint, and
+//! for each policy a failure injected into its primary — SIGKILL of the whole instance, or, for
+//! the false positive (IV), its network link cut for the transient time, after which the
+//! primary answers again. The failover latency is the client's longest time without an
+//! acknowledged commit; every failure checks that no acknowledged commit was lost and nothing
+//! never attempted appears.
+//!
+//! Monitors run side by side on one cluster (each its own volume, state and endpoint), started
+//! together: REDS with the medium timeout (scenarios I, II), REDS with the short one (III–V),
+//! speculative, oracle (told the future through its hint), and one that never fails. Each
+//! scenario runs the policies one after another, in alternating order from scenario to
+//! scenario, so the machine's noise hits them alike. Recovery length is Figure 6's variable:
+//! SQLite's own recovery plus the scenario's recovery time, which every instance started after
+//! the failure spends before serving (the bench writes it to the file the front reads), the
+//! same for every policy. With `--quick` the times are scaled down, and speculative and the
+//! oracle — which use no timeout — run scenarios I/III and II/V as one failure each.
+//!
+//! §6.5: after each speculative promotion the bench waits for garbage collection to end (the
+//! metadata service's job list empties) and reports how long that took; after scenario II's it
+//! measures the promoted instance's throughput between two windows on the never-failed
+//! instance (A B A), and again at the end (after the false positive hit the same primary). It
+//! also reports the instance-seconds the backup was held beside the primary per failure.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use serde_json::Value;
+
+use super::bench::{logs_tail, peak_rss_bytes, MonitorGuard};
+use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
+
+#[derive(Args, Debug)]
+pub struct ScenarioArgs {
+    /// A short run (times scaled down; under a minute).
+    #[arg(long)]
+    pub quick: bool,
+    /// Where plots and CSV go [default: target/bench/failover].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// The medium timeout of REDS (scenarios I, II) [default: 60000; 1500 with --quick].
+    #[arg(long, value_name = "MS")]
+    pub medium_timeout_ms: Option<u64>,
+    /// The short timeout of REDS (scenarios III–V) [default: 5000; 300 with --quick].
+    #[arg(long, value_name = "MS")]
+    pub short_timeout_ms: Option<u64>,
+    /// How long the false positive's network cut lasts (IV) [default: 15000; 1500 with --quick].
+    #[arg(long, value_name = "MS")]
+    pub transient_ms: Option<u64>,
+    /// Long recovery: time an instance spends recovering after SQLite's own recovery
+    /// (I, III, IV) [default: 30000; 2500 with --quick]. The paper's is about 70 s.
+    #[arg(long, value_name = "MS")]
+    pub long_recovery_ms: Option<u64>,
+    /// Short recovery (II, V) [default: 5000; 200 with --quick]. The paper's is about 8 s.
+    #[arg(long, value_name = "MS")]
+    pub short_recovery_ms: Option<u64>,
+}
+
+/// The primary is pinged this often (the backup while it starts: `backup_ping_interval_ms`).
+const PING_INTERVAL_MS: u64 = 200;
+/// A health check that takes longer counts as missed (a cut link drops packets: no refusal).
+/// Not shorter: on a loaded machine a shorter one misses pings of a healthy primary.
+const HEALTH_TIMEOUT_MS: u64 = 1_000;
+/// Commits acknowledged before a failure, and again after its outcome, to call the load flowing.
+const FLOWING_COMMITS: usize = 10;
+/// How long any one step may take at most.
+const STEP_TIMEOUT: Duration = Duration::from_secs(600);
+
+#[derive(Clone, Copy)]
+struct Params {
+    medium_ms: u64,
+    short_ms: u64,
+    transient_ms: u64,
+    long_rec_ms: u64,
+    short_rec_ms: u64,
+    /// Load before a failure and after service resumed (the throughput windows).
+    settle: Duration,
+    /// The §6.5 throughput windows.
+    window: Duration,
+}
+
+impl Params {
+    fn new(a: &ScenarioArgs) -> Params {
+        let q = a.quick;
+        Params {
+            medium_ms: a.medium_timeout_ms.unwrap_or(if q { 1_500 } else { 60_000 }),
+            short_ms: a.short_timeout_ms.unwrap_or(if q { 300 } else { 5_000 }),
+            transient_ms: a.transient_ms.unwrap_or(if q { 1_500 } else { 15_000 }),
+            long_rec_ms: a.long_recovery_ms.unwrap_or(if q { 2_500 } else { 30_000 }),
+            short_rec_ms: a.short_recovery_ms.unwrap_or(if q { 200 } else { 5_000 }),
+            settle: Duration::from_millis(if q { 300 } else { 1_000 }),
+            window: Duration::from_millis(if q { 1_000 } else { 4_000 }),
+        }
+    }
+}
+
+struct Scen {
+    name: &'static str,
+    label: &'static str,
+    recovery_ms: u64,
+    /// The false positive: the primary's link is cut for this long, then it answers again.
+    transient_ms: Option<u64>,
+    /// With --quick, speculative and the oracle take this earlier scenario's failure (the
+    /// same experiment for a policy without a timeout).
+    same_as: Option<usize>,
+}
+
+fn scenarios(p: &Params) -> Vec<Scen> {
+    vec![
+        Scen { name: "scenario_i_timeout_medium_long_recovery", label: "I medium long", recovery_ms: p.long_rec_ms, transient_ms: None, same_as: None },
+        Scen { name: "scenario_ii_timeout_medium_short_recovery", label: "II medium short", recovery_ms: p.short_rec_ms, transient_ms: None, same_as: None },
+        Scen { name: "scenario_iii_timeout_short_long_recovery", label: "III short long", recovery_ms: p.long_rec_ms, transient_ms: None, same_as: Some(0) },
+        Scen {
+            name: "scenario_iv_timeout_short_false_positive",
+            label: "IV short FP",
+            recovery_ms: p.long_rec_ms,
+            transient_ms: Some(p.transient_ms),
+            same_as: None,
+        },
+        Scen { name: "scenario_v_timeout_short_short_recovery", label: "V short short", recovery_ms: p.short_rec_ms, transient_ms: None, same_as: Some(1) },
+    ]
+}
+
+/// One `understudy failover run` of the bench, with its event stream.
+struct Mon {
+    name: &'static str,
+    policy: &'static str,
+    guard: MonitorGuard,
+    rx: Receiver<Value>,
+    seen: Vec<Value>,
+    control: SocketAddr,
+    endpoint: SocketAddr,
+    run_dir: PathBuf,
+    delay_file: PathBuf,
+    /// Suspicions of a primary that was not failed (missed pings on a loaded machine).
+    spurious: usize,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Mon {
+    fn start(cluster_file: &Path, dir: &Path, name: &'static str, policy: &'static str, reds_timeout_ms: u64, verbose: u8) -> anyhow::Result<Mon> {
+        let exe = std::env::current_exe()?;
+        let vol = format!("fig6-{name}");
+        let o = Command::new(&exe).args(["volume", "create", &vol, "--size", "128M", "--cluster"]).arg(cluster_file).output()?;
+        anyhow::ensure!(o.status.success(), "creating volume {vol}: {}", String::from_utf8_lossy(&o.stderr).trim());
+        let run_dir = dir.join(format!("run-{name}"));
+        std::fs::create_dir_all(&run_dir)?;
+        let delay_file = run_dir.join("recovery_delay_ms");
+        let endpoint: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let control: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+        let spec = serde_json::json!({
+            "volume": vol,
+            "state_dir": run_dir.join("state"),
+            "mkfs": true,
+            "app": { "command": [exe, "failover", "sqlite-front", "--db", "{mount}/app.db", "--port", "{port}", "--startup-delay-file", delay_file] },
+            "health": { "send": "PING", "expect": "PONG", "timeout_ms": HEALTH_TIMEOUT_MS },
+            "endpoint": { "listen": endpoint },
+            "monitor": {
+                "policy": policy,
+                "ping_interval_ms": PING_INTERVAL_MS,
+                "reds_timeout_ms": reds_timeout_ms,
+                "healthy_timeout_ms": 600_000,
+            },
+        });
+        let spec_path = run_dir.join("spec.json");
+        std::fs::write(&spec_path, serde_json::to_vec_pretty(&spec)?)?;
+        let mut cmd = Command::new(&exe);
+        cmd.args(["failover", "run"]).arg(&spec_path).args(["--control", &control.to_string(), "--cluster"]).arg(cluster_file);
+        if verbose > 0 {
+            cmd.arg(format!("-{}", "v".repeat(verbose as usize)));
+        }
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(std::fs::File::create(run_dir.join("monitor.err"))?))
+            .spawn()
+            .context("cannot start `understudy failover run`")?;
+        let out = child.stdout.take().unwrap();
+        let guard = MonitorGuard::new(child, &run_dir.join("state"), cluster_file);
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    if tx.send(v).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Mon { name, policy, guard, rx, seen: vec![], control, endpoint, run_dir, delay_file, spurious: 0 })
+    }
+
+    fn wait(&mut self, names: &[&str], timeout: Duration) -> anyhow::Result<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let e = self.rx.recv_timeout(left).map_err(|_| anyhow::anyhow!("{}: no {names:?} event within {timeout:?} (events: {:?})", self.name, self.seen))?;
+            self.seen.push(e.clone());
+            if names.iter().any(|n| e["event"] == *n) {
+                return Ok(e);
+            }
+            anyhow::ensure!(e["event"] != "gave_up", "{}: the monitor gave up: {e}", self.name);
+        }
+    }
+
+    fn control(&self, line: &str) -> anyhow::Result<String> {
+        super::control_request(self.control, line)
+    }
+
+    /// Errors of this monitor's run, with its logs.
+    fn context(&self, e: anyhow::Error) -> anyhow::Error {
+        e.context(format!("monitor {} failed; its logs:{}", self.name, logs_tail(&self.run_dir)))
+    }
+}
+
+/// The load through one endpoint in its own thread and runtime.
+struct Load {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    handle: std::thread::JoinHandle<anyhow::Result<(::failover::load::LoadResult, ::failover::load::Verdict)>>,
+    acked: Arc<AtomicUsize>,
+}
+
+impl Load {
+    fn start(endpoint: SocketAddr) -> Load {
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let acked = Arc::new(AtomicUsize::new(0));
+        let a = acked.clone();
+        let handle = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(async {
+                let target = ::failover::load::Target::Line;
+                let stop = async {
+                    let _ = stop_rx.await;
+                };
+                let r = ::failover::load::run_load_observed(endpoint, &target, STEP_TIMEOUT, 100, stop, |n, _| a.store(n, Ordering::Relaxed)).await;
+                let v = ::failover::load::verify(endpoint, &target, &r, Duration::from_secs(60)).await.map_err(anyhow::Error::msg)?;
+                Ok((r, v))
+            })
+        });
+        Load { stop: Some(stop_tx), handle, acked }
+    }
+
+    fn acked(&self) -> usize {
+        self.acked.load(Ordering::Relaxed)
+    }
+
+    fn wait_acked(&self, n: usize, what: &str) -> anyhow::Result<()> {
+        let deadline = Instant::now() + STEP_TIMEOUT;
+        while self.acked() < n {
+            anyhow::ensure!(!self.handle.is_finished(), "{what}: the load stopped");
+            anyhow::ensure!(Instant::now() < deadline, "{what}: {} of {n} commits acknowledged within {STEP_TIMEOUT:?}", self.acked());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
+    }
+
+    /// Stops the load and checks the table: every acknowledged commit, nothing else.
+    fn finish(mut self, what: &str) -> anyhow::Result<::failover::load::LoadResult> {
+        let _ = self.stop.take().map(|s| s.send(()));
+        let (r, v) = self.handle.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
+        anyhow::ensure!(v.missing.is_empty() && v.unexpected.is_empty(), "{what}: acknowledged commits lost {:?} or rows never attempted {:?}", v.missing, v.unexpected);
+        Ok(r)
+    }
+}
+
+/// Commits per second of `r` between two times (ms since its start).
+fn rate(r: &::failover::load::LoadResult, from_ms: u64, to_ms: u64) -> f64 {
+    let n = r.acked.iter().filter(|(_, t)| *t >= from_ms && *t < to_ms).count();
+    n as f64 * 1000.0 / to_ms.saturating_sub(from_ms).max(1) as f64
+}
+
+/// What one failure under one policy measured.
+#[derive(Clone, Debug)]
+struct Sample {
+    outcome: String,
+    gap_ms: f64,
+    before_ops_per_s: f64,
+    after_ops_per_s: f64,
+    /// Backup started → its first good health check, less the scenario's recovery time (the
+    /// volume's attach and SQLite's own recovery).
+    app_recovery_ms: f64,
+    /// First missed ping → backup started (speculative: super; REDS/oracle: the fence).
+    detect_to_start_ms: f64,
+    /// Backup healthy → the outcome (speculative: freeze, collapse, re-point, old primary
+    /// stopped; REDS/oracle: re-point).
+    healthy_to_outcome_ms: f64,
+    /// Time a backup ran beside the primary (speculative only).
+    extra_instance_s: f64,
+    /// When the outcome was seen.
+    outcome_at: Instant,
+    ops_per_window: Vec<u64>,
+    window_ms: u64,
+}
+
+fn t_of(events: &[Value], name: &str) -> f64 {
+    events.iter().rev().find(|e| e["event"] == name).and_then(|e| e["t_ms"].as_f64()).unwrap_or(f64::NAN)
+}
+
+/// One failure of scenario `s` under monitor `m`.
+fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
+    std::fs::write(&m.delay_file, s.recovery_ms.to_string())?;
+    if m.policy == "oracle" {
+        // The evaluator knows the future: when (if ever) the primary answers again.
+        let back = s.transient_ms.map_or("never".to_string(), |t| t.to_string());
+        m.control(&format!("hint {back} {}", s.recovery_ms))?;
+    }
+    let load = Load::start(m.endpoint);
+    load.wait_acked(FLOWING_COMMITS, "before the failure")?;
+    std::thread::sleep(p.settle);
+    // Whatever the monitor said since its last failure (a healthy primary suspected on a
+    // loaded machine) is not this failure's.
+    while let Ok(e) = m.rx.try_recv() {
+        if e["event"] == "suspected" {
+            m.spurious += 1;
+        }
+        m.seen.push(e);
+    }
+    let from = m.seen.len();
+    match s.transient_ms {
+        Some(t) => m.control(&format!("cut {t}"))?,
+        None => m.control("kill")?,
+    };
+    let outcomes: &[&str] = match (m.policy, s.transient_ms.is_some()) {
+        (_, false) => &["promoted", "reds_restarted"],
+        ("reds", true) => &["reds_restarted"],
+        ("oracle", true) => &["primary_answered"],
+        (_, true) => &["aborted", "promoted"],
+    };
+    let done = m.wait(outcomes, STEP_TIMEOUT)?;
+    let outcome_at = Instant::now();
+    let n = load.acked();
+    load.wait_acked(n + FLOWING_COMMITS, "after the outcome")?;
+    std::thread::sleep(p.settle);
+    let r = load.finish(&format!("{} {}", m.name, s.name))?;
+    let ev = &m.seen[from..];
+    let started = t_of(ev, "backup_started");
+    let healthy = t_of(ev, "backup_healthy");
+    let outcome_t = done["t_ms"].as_f64().unwrap_or(f64::NAN);
+    let extra = match m.policy {
+        "speculative" if started.is_finite() => (outcome_t - started) / 1000.0,
+        _ => 0.0,
+    };
+    let sample = Sample {
+        outcome: done["event"].as_str().unwrap_or("?").to_string(),
+        gap_ms: r.max_gap_ms as f64,
+        before_ops_per_s: rate(&r, r.gap_start_ms.saturating_sub(p.settle.as_millis() as u64), r.gap_start_ms),
+        after_ops_per_s: rate(&r, r.gap_end_ms, r.gap_end_ms + p.settle.as_millis() as u64),
+        app_recovery_ms: healthy - started - s.recovery_ms as f64,
+        detect_to_start_ms: started - t_of(ev, "suspected"),
+        healthy_to_outcome_ms: outcome_t - healthy,
+        extra_instance_s: extra,
+        outcome_at,
+        ops_per_window: r.ops_per_window.clone(),
+        window_ms: r.window_ms,
+    };
+    eprintln!(
+        "failover bench: {:<12} {:<42} {:<16} client outage {:>6.0} ms (detect→start {:>4.0}, start→healthy {:>5.0} = recovery {} + {:>4.0}, healthy→outcome {:>4.0}) {} commits",
+        m.name,
+        s.name,
+        sample.outcome,
+        sample.gap_ms,
+        sample.detect_to_start_ms,
+        healthy - started,
+        s.recovery_ms,
+        sample.app_recovery_ms,
+        sample.healthy_to_outcome_ms,
+        r.acked.len()
+    );
+    Ok(sample)
+}
+
+/// Commits/s through `m`'s endpoint over `window` (after a short warm-up).
+fn throughput(m: &Mon, window: Duration) -> anyhow::Result<f64> {
+    let load = Load::start(m.endpoint);
+    load.wait_acked(FLOWING_COMMITS, "throughput window")?;
+    let n0 = load.acked();
+    let t0 = Instant::now();
+    std::thread::sleep(window);
+    let n1 = load.acked();
+    let secs = t0.elapsed().as_secs_f64();
+    load.finish(&format!("{} throughput window", m.name))?;
+    Ok((n1 - n0) as f64 / secs)
+}
+
+/// Waits until the metadata service has no job left (garbage collection ended); returns how
+/// long that took.
+fn wait_gc_end(cluster_file: &Path) -> anyhow::Result<Duration> {
+    let t0 = Instant::now();
+    let rt = crate::runtime()?;
+    rt.block_on(async {
+        let conn = crate::ConnArgs { cluster: Some(cluster_file.to_path_buf()), meta: None, secret_file: None };
+        let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
+        loop {
+            match cluster.meta(volume::meta::MetaReq::Jobs).await? {
+                volume::meta::MetaResp::Jobs(j) if j.is_empty() => return Ok(t0.elapsed()),
+                volume::meta::MetaResp::Jobs(_) => {}
+                other => anyhow::bail!("unexpected answer to Jobs: {other:?}"),
+            }
+            anyhow::ensure!(t0.elapsed() < STEP_TIMEOUT, "garbage collection still running after {STEP_TIMEOUT:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+}
+
+fn mean(v: impl IntoIterator<Item = f64>) -> f64 {
+    let v: Vec<f64> = v.into_iter().filter(|x| x.is_finite()).collect();
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+const POLICIES: [&str; 3] = ["reds", "speculative", "oracle"];
+
+pub fn run(a: ScenarioArgs, verbose: u8) -> anyhow::Result<()> {
+    let p = Params::new(&a);
+    let scen = scenarios(&p);
+    let out = bench::out_dir("failover", a.out.clone())?;
+    let base = std::env::current_dir()?.join("target").join("bench-clusters");
+    std::fs::create_dir_all(&base)?;
+    let dir = tempfile::Builder::new().prefix("understudy-failover-").tempdir_in(&base)?;
+    let rt = crate::runtime()?;
+    let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose })?;
+    rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
+    let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
+    lc.info.save(&cluster_file)?;
+    let t0 = Instant::now();
+    let r = measure(&a, &p, &scen, &cluster_file, dir.path(), verbose);
+    lc.stop();
+    let m = r?;
+    eprintln!("failover bench: measured in {:.1} s", t0.elapsed().as_secs_f64());
+    report(&a, &p, &scen, &out, m)
+}
+
+struct Measured {
+    /// [scenario][policy]
+    samples: Vec<Vec<Sample>>,
+    rss_bytes: u64,
+    never_failed_ops_per_s: f64,
+    after_gc_ops_per_s: f64,
+    /// (speculative's primary, never-failed) at the end, after the false positive.
+    end_ops_per_s: (f64, f64),
+    gc_end_ms: f64,
+    spurious: usize,
+}
+
+fn measure(a: &ScenarioArgs, p: &Params, scen: &[Scen], cluster_file: &Path, dir: &Path, verbose: u8) -> anyhow::Result<Measured> {
+    // All monitors at once: they boot in parallel, then idle (pings only) between failures.
+    let specs: [(&str, &str, u64); 5] = [
+        ("reds_medium", "reds", p.medium_ms),
+        ("reds_short", "reds", p.short_ms),
+        ("speculative", "speculative", 600_000),
+        ("oracle", "oracle", 600_000),
+        ("never_failed", "speculative", 600_000),
+    ];
+    let mut mons = vec![];
+    for (name, policy, timeout) in specs {
+        mons.push(Mon::start(cluster_file, dir, name, policy, timeout, verbose)?);
+    }
+    for m in &mut mons {
+        if let Err(e) = m.wait(&["primary_up"], STEP_TIMEOUT) {
+            return Err(m.context(e));
+        }
+    }
+    eprintln!("failover bench: 5 monitors up; scenarios (timeouts {} / {} ms, recovery {} / {} ms, transient {} ms)", p.medium_ms, p.short_ms, p.long_rec_ms, p.short_rec_ms, p.transient_ms);
+    let mut samples: Vec<Vec<Option<Sample>>> = scen.iter().map(|_| vec![None, None, None]).collect();
+    let mut gc_ms = vec![];
+    let mut aba = None;
+    for (si, s) in scen.iter().enumerate() {
+        // Alternate the policies' order from scenario to scenario.
+        let order: Vec<usize> = if si % 2 == 0 { vec![0, 1, 2] } else { vec![2, 1, 0] };
+        for pi in order {
+            let mi = match pi {
+                0 if si < 2 => 0,
+                0 => 1,
+                1 => 2,
+                _ => 3,
+            };
+            if let (true, Some(same), true) = (a.quick, s.same_as, pi != 0) {
+                samples[si][pi] = samples[same][pi].clone();
+                continue;
+            }
+            let m = &mut mons[mi];
+            let r = run_failure(m, s, p).map_err(|e| m.context(e))?;
+            if pi == 1 && r.outcome == "promoted" {
+                // §6.5: how long after the promotion garbage collection hands the parent's
+                // objects over (no job left in the metadata service).
+                wait_gc_end(cluster_file)?;
+                gc_ms.push(r.outcome_at.elapsed().as_secs_f64() * 1000.0);
+                // Then the promoted instance's throughput between two windows of the
+                // never-failed one (A B A), after the short-recovery crash (II).
+                if si == 1 {
+                    let nf1 = throughput(&mons[4], p.window).map_err(|e| mons[4].context(e))?;
+                    let b = throughput(&mons[2], p.window).map_err(|e| mons[2].context(e))?;
+                    let nf2 = throughput(&mons[4], p.window).map_err(|e| mons[4].context(e))?;
+                    eprintln!("failover bench: after GC: never-failed {nf1:.1} / promoted {b:.1} / never-failed {nf2:.1} commits/s");
+                    aba = Some((nf1, b, nf2));
+                }
+            }
+            samples[si][pi] = Some(r);
+        }
+    }
+    // §6.5: no garbage collection left (the false positive's child too), then A B A windows.
+    let gc = wait_gc_end(cluster_file)?;
+    eprintln!("failover bench: no job left {:.0} ms after the last scenario", gc.as_secs_f64() * 1000.0);
+    // The same promoted primary once more at the end, after the false positive's cut and
+    // abort (IV) hit it, beside the never-failed one.
+    let end_spec = throughput(&mons[2], p.window).map_err(|e| mons[2].context(e))?;
+    let end_nf = throughput(&mons[4], p.window).map_err(|e| mons[4].context(e))?;
+    eprintln!("failover bench: at the end: promoted (after IV) {end_spec:.1} / never-failed {end_nf:.1} commits/s");
+    let (nf1, after, nf2) = aba.context("no speculative promotion in scenario II")?;
+    let spurious = mons.iter().map(|m| m.spurious).sum::<usize>() + mons.iter_mut().map(|m| std::iter::from_fn(|| m.rx.try_recv().ok()).filter(|e| e["event"] == "suspected").count()).sum::<usize>();
+    let rss_bytes = mons.iter().map(|m| peak_rss_bytes(m.guard.pid()).unwrap_or(0)).max().unwrap_or(0);
+    // Stop them all (instances stopped cleanly, volumes detached) before the cluster goes.
+    drop(mons);
+    Ok(Measured {
+        samples: samples.into_iter().map(|row| row.into_iter().map(|s| s.expect("every cell measured")).collect()).collect(),
+        rss_bytes,
+        never_failed_ops_per_s: (nf1 + nf2) / 2.0,
+        after_gc_ops_per_s: after,
+        end_ops_per_s: (end_spec, end_nf),
+        spurious,
+        gc_end_ms: mean(gc_ms),
+    })
+}
+
+fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) -> anyhow::Result<()> {
+    let mut report = bench::Report::new("failover.scenarios", a.quick);
+    for (k, v) in [("medium_timeout_ms", p.medium_ms), ("short_timeout_ms", p.short_ms), ("transient_ms", p.transient_ms), ("long_recovery_ms", p.long_rec_ms), ("short_recovery_ms", p.short_rec_ms)] {
+        report.figure(&format!("params.{k}"), v as f64)?;
+    }
+    let mut bars: Vec<bench::BarSeries> = POLICIES.iter().map(|p| bench::BarSeries { name: p.to_string(), values: vec![] }).collect();
+    let mut worst = 0.0f64;
+    for (si, s) in scen.iter().enumerate() {
+        for (pi, pol) in POLICIES.iter().enumerate() {
+            let x = &m.samples[si][pi];
+            report.figure(&format!("{}.{pol}.failover_latency_ms", s.name), x.gap_ms)?;
+            bars[pi].values.push(x.gap_ms / 1000.0);
+        }
+        let [reds, spec, oracle] = [0, 1, 2].map(|pi| m.samples[si][pi].gap_ms);
+        report.figure(&format!("{}.speculative.extra_instance_s", s.name), m.samples[si][1].extra_instance_s)?;
+        worst = worst.max(report.ratio(&format!("{}.speculative_vs_oracle.failover_latency", s.name), spec, oracle)?);
+        report.ratio(&format!("{}.reds_vs_speculative.failover_latency", s.name), reds, spec)?;
+    }
+    report.ratio("speculative_vs_oracle.failover_latency.worst", worst, 1.0)?;
+    // REDS with a 60 s timeout against speculative, short recovery (II): live when the medium
+    // timeout is 60 s; with other timeouts, REDS's measured restart cost after its timeout
+    // plus 60 s.
+    let (reds_ii, spec_ii) = (m.samples[1][0].gap_ms, m.samples[1][1].gap_ms);
+    report.ratio("reds_60s_vs_speculative.failover_latency", 60_000.0 + (reds_ii - p.medium_ms as f64), spec_ii)?;
+    // Where the time goes, per policy, over the failures that were crashes.
+    let kills: Vec<usize> = scen.iter().enumerate().filter(|(_, s)| s.transient_ms.is_none()).map(|(i, _)| i).collect();
+    for (pi, pol) in POLICIES.iter().enumerate() {
+        let get = |f: fn(&Sample) -> f64| mean(kills.iter().map(|&si| f(&m.samples[si][pi])));
+        report.figure(&format!("{pol}.crash.detect_to_backup_start_ms_mean"), get(|s| s.detect_to_start_ms))?;
+        report.figure(&format!("{pol}.crash.app_recovery_latency_ms_mean"), get(|s| s.app_recovery_ms))?;
+        report.figure(&format!("{pol}.crash.healthy_to_outcome_ms_mean"), get(|s| s.healthy_to_outcome_ms))?;
+        report.figure(&format!("{pol}.crash.before.throughput_ops_per_s_mean"), get(|s| s.before_ops_per_s))?;
+        report.figure(&format!("{pol}.crash.right_after.throughput_ops_per_s_mean"), get(|s| s.after_ops_per_s))?;
+    }
+    // Application recovery on the super child (speculative) against the plain volume (oracle),
+    // both from a SIGKILL, less the scenario's recovery time.
+    let rec = |pi: usize| mean(kills.iter().map(|&si| m.samples[si][pi].app_recovery_ms));
+    report.ratio("super_vs_plain.app_recovery_latency", rec(1), rec(2))?;
+    report.figure("speculative.extra_instance_time_per_failure_s_mean", mean(scen.iter().enumerate().map(|(si, _)| m.samples[si][1].extra_instance_s)))?;
+    // §6.5.
+    report.figure("never_failed.throughput_ops_per_s_mean", m.never_failed_ops_per_s)?;
+    report.figure("speculative.after_gc.throughput_ops_per_s", m.after_gc_ops_per_s)?;
+    report.figure("speculative.gc_end_after_promotion_ms_mean", m.gc_end_ms)?;
+    report.figure("speculative.end_after_false_positive.throughput_ops_per_s", m.end_ops_per_s.0)?;
+    report.figure("never_failed.end.throughput_ops_per_s", m.end_ops_per_s.1)?;
+    report.ratio("speculative.end_after_false_positive_vs_never_failed.throughput", m.end_ops_per_s.0, m.end_ops_per_s.1)?;
+    report.ratio("speculative.after_promotion_vs_never_failed.throughput", m.after_gc_ops_per_s, m.never_failed_ops_per_s)?;
+    let right_after = mean(kills.iter().map(|&si| m.samples[si][1].after_ops_per_s));
+    report.ratio("speculative.right_after_promotion_vs_never_failed.throughput", right_after, m.never_failed_ops_per_s)?;
+    report.figure("monitor.rss_peak_bytes", m.rss_bytes as f64)?;
+    report.figure("monitors.spurious_suspicions_count", m.spurious as f64)?;
+    report.figure("monitor.rss_peak_mib", m.rss_bytes as f64 / 1048576.0)?;
+
+    let labels: Vec<&str> = scen.iter().map(|s| s.label).collect();
+    let _ = bench::bar_plot(&out.join("figure6"), "End-to-end failover latency, live (SpecREDS Figure 6)", "scenario (timeout, recovery)", "seconds", &labels, &bars);
+    // The client's throughput around the crash in scenario II, per policy.
+    let series: Vec<bench::Series> = POLICIES
+        .iter()
+        .enumerate()
+        .map(|(pi, name)| {
+            let r = &m.samples[1][pi];
+            let per_s = 1000.0 / r.window_ms.max(1) as f64;
+            bench::Series {
+                name: name.to_string(),
+                points: r.ops_per_window.iter().enumerate().map(|(i, n)| ((i as u64 * r.window_ms) as f64 / 1000.0, *n as f64 * per_s)).collect(),
+            }
+        })
+        .collect();
+    let _ = bench::line_plot(&out.join("throughput"), "SQLite front: commits through the endpoint, SIGKILL (scenario II)", "time (s)", "commits/s", &series, bench::Scale::Linear);
+    let rows = series.iter().flat_map(|s| s.points.iter().map(move |(x, y)| vec![s.name.clone(), format!("{x:.1}"), format!("{y:.0}")]));
+    bench::write_csv(&out.join("throughput.csv"), &["policy", "time_s", "commits_per_s"], rows)?;
+    let samples = &m.samples;
+    let rows = scen.iter().enumerate().flat_map(|(si, s)| {
+        POLICIES.iter().enumerate().map(move |(pi, pol)| {
+            let x = &samples[si][pi];
+            vec![s.name.to_string(), pol.to_string(), x.outcome.clone(), format!("{:.0}", x.gap_ms), format!("{:.0}", x.detect_to_start_ms), format!("{:.0}", x.app_recovery_ms), format!("{:.0}", x.healthy_to_outcome_ms)]
+        })
+    });
+    bench::write_csv(&out.join("figure6.csv"), &["scenario", "policy", "outcome", "failover_latency_ms", "detect_to_start_ms", "app_recovery_ms", "healthy_to_outcome_ms"], rows)?;
+    eprintln!("plots and samples in {}", out.display());
+    report.print();
+    Ok(())
+}
