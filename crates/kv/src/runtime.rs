@@ -103,13 +103,19 @@ enum Input {
 }
 
 enum LogJob {
-    /// (core incarnation, seq, record).
-    Durable(u64, u64, LogRecord),
-    Lazy(LogRecord),
+    /// Records to append, in order, each with the (core incarnation, seq) to report once it is
+    /// durable, or `None` for a lazy append (a GDP flag, an `Epoch` record). The core's outputs
+    /// of one input go as one job: a catch-up chunk is one job, one write, one sync.
+    Append(Vec<(Option<(u64, u64)>, LogRecord)>),
     Rebuild(std::sync::mpsc::Sender<log::LogState>),
     /// Reactive-log baseline: read the log at a cursor, after every append queued before.
     Read { to: NodeId, cursor: log::LogCursor, max_bytes: usize },
 }
+
+/// The log thread writes at most about this many bytes of queued appends per write (and sync):
+/// large enough that a catch-up's many chunks cost few syncs, bounded so one write's latency
+/// stays in the tens of milliseconds.
+pub const MAX_LOG_BATCH_BYTES: usize = 32 << 20;
 
 /// Numbers a node exposes on its metrics endpoint.
 #[derive(Default)]
@@ -132,11 +138,16 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, sta
         .spawn(move || {
             while let Ok(first) = rx.recv() {
                 let mut batch = vec![first];
-                while let Ok(j) = rx.try_recv() {
+                let mut bytes = 0usize;
+                let job_bytes = |j: &LogJob| match j {
+                    LogJob::Append(v) => v.iter().map(|(_, r)| log::record_size_hint(r)).sum(),
+                    _ => 0,
+                };
+                bytes += job_bytes(&batch[0]);
+                while bytes < MAX_LOG_BATCH_BYTES {
+                    let Ok(j) = rx.try_recv() else { break };
+                    bytes += job_bytes(&j);
                     batch.push(j);
-                    if batch.len() >= 1024 {
-                        break;
-                    }
                 }
                 let mut recs = Vec::new();
                 let mut seqs = Vec::new();
@@ -144,16 +155,21 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, sta
                 let mut log_reads = Vec::new();
                 for j in batch {
                     match j {
-                        LogJob::Durable(inc, s, r) => {
-                            seqs.push((inc, s));
-                            recs.push(r);
+                        LogJob::Append(v) => {
+                            for (done, r) in v {
+                                if let Some(d) = done {
+                                    seqs.push(d);
+                                }
+                                recs.push(r);
+                            }
                         }
-                        LogJob::Lazy(r) => recs.push(r),
                         LogJob::Rebuild(reply) => reads.push(reply),
                         LogJob::Read { to, cursor, max_bytes } => log_reads.push((to, cursor, max_bytes)),
                     }
                 }
-                let res = if seqs.is_empty() {
+                let res = if recs.is_empty() {
+                    Ok(())
+                } else if seqs.is_empty() {
                     flog.append_lazy(&recs)
                 } else {
                     flog.append_durable(&recs)
@@ -291,11 +307,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                 last_now = now;
                 match inp {
                     Input::Persisted(seqs) => {
-                        for (i, s) in seqs {
-                            if i == inc {
-                                core.on_persisted(now, s);
-                            }
-                        }
+                        core.on_persisted_many(now, seqs.into_iter().filter(|(i, _)| *i == inc).map(|(_, s)| s));
                     }
                     Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
                     _ => {}
@@ -313,11 +325,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         core.on_client(now, tag, op);
                     }
                     Input::Persisted(seqs) => {
-                        for (i, s) in seqs {
-                            if i == inc {
-                                core.on_persisted(now, s);
-                            }
-                        }
+                        core.on_persisted_many(now, seqs.into_iter().filter(|(i, _)| *i == inc).map(|(_, s)| s));
                     }
                     Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
                 }
@@ -329,8 +337,30 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
             if outs.is_empty() {
                 break;
             }
+            // Consecutive appends go to the log thread as one job.
+            let mut appends: Vec<(Option<(u64, u64)>, LogRecord)> = Vec::new();
+            let flush = |appends: &mut Vec<(Option<(u64, u64)>, LogRecord)>| {
+                if !appends.is_empty() {
+                    let _ = log_tx.send(LogJob::Append(std::mem::take(appends)));
+                }
+            };
             for o in outs {
                 match o {
+                    Output::Persist { seq, rec } => {
+                        appends.push((Some((inc, seq)), rec));
+                        continue;
+                    }
+                    Output::Mark(rec) => {
+                        appends.push((None, rec));
+                        continue;
+                    }
+                    _ => {}
+                }
+                if matches!(o, Output::ReadLog { .. } | Output::Reload) {
+                    flush(&mut appends);
+                }
+                match o {
+                    Output::Persist { .. } | Output::Mark(_) => unreachable!("handled above"),
                     Output::Send { to, msg } => {
                         if let Some(tx) = peer_tx.get(&to) {
                             let _ = tx.try_send(msg);
@@ -340,12 +370,6 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         if let Some(tx) = &cm_tx {
                             let _ = tx.try_send(NetMsg::HbAck(a));
                         }
-                    }
-                    Output::Persist { seq, rec } => {
-                        let _ = log_tx.send(LogJob::Durable(inc, seq, rec));
-                    }
-                    Output::Mark(rec) => {
-                        let _ = log_tx.send(LogJob::Lazy(rec));
                     }
                     Output::ReadLog { to, cursor, max_bytes } => {
                         let _ = log_tx.send(LogJob::Read { to, cursor, max_bytes });
@@ -386,6 +410,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                     }
                 }
             }
+            flush(&mut appends);
         }
         if stats.epoch.load(Ordering::Relaxed) != core.epoch() {
             tracing::info!(
