@@ -162,7 +162,7 @@ pub struct NodeArgs {
     pub missed_updates_cap_bytes: usize,
     /// Recovery catch-up: received chunks allowed to be still persisting while the next is
     /// fetched (1: strictly one chunk at a time).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
     /// Recovery scheme (the same on every node): heal, or the full-copy baseline.
     #[arg(long, value_enum, default_value = "heal")]
@@ -228,7 +228,7 @@ pub struct UpArgs {
     pub missed_updates_cap_bytes: usize,
     /// Recovery catch-up: received chunks allowed to be still persisting while the next is
     /// fetched (1: strictly one chunk at a time).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
     /// Recovery scheme: heal, or the full-copy baseline.
     #[arg(long, value_enum, default_value = "heal")]
@@ -667,7 +667,7 @@ pub struct KvRecoveryArgs {
     pub missed_updates_cap_bytes: usize,
     /// Recovery catch-up: received chunks allowed to be still persisting while the next is
     /// fetched (1: strictly one chunk at a time).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
     /// Instead of the scheme comparison: HEAL's recovery latency against the EFN for every
     /// persistency model, and the 3/4/5-node breakdown.
@@ -761,6 +761,7 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
         report.figure(&format!("{key}.start_to_ack_ms"), mean(v, &|r| r.start_to_ack_ms))?;
         report.figure(&format!("{key}.catchup_to_resp_ms"), mean(v, &|r| r.catchup_to_resp_ms))?;
         report.figure(&format!("{key}.apply_to_end_ms"), mean(v, &|r| r.apply_to_end_ms))?;
+        report.figure(&format!("{key}.transfer_ms"), mean(v, &|r| r.transfer_ms))?;
         report.figure(&format!("{key}.recovery_bytes"), mean(v, &|r| r.bytes as f64))?;
         report.figure(&format!("{key}.recovery_entries_count"), mean(v, &|r| r.entries as f64))?;
         report.figure(&format!("{key}.fell_back_to_full_copy_ratio"), mean(v, &|r| r.full_copy as u8 as f64))?;
@@ -927,6 +928,8 @@ struct RunResult {
     start_to_ack_ms: f64,
     catchup_to_resp_ms: f64,
     apply_to_end_ms: f64,
+    /// Part of `apply_to_end_ms`: first CatchUp_resp to the last chunk's arrival.
+    transfer_ms: f64,
     entries: u64,
     bytes: u64,
     chunks: u64,
@@ -962,8 +965,8 @@ impl RunResult {
     }
     fn log(&self) {
         eprintln!(
-            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms; {} entries, {} bytes, {} chunks, full copy {}); failure-free {:.0}/{:.0} ops/s before/after, lost {:.2} s of it ({:.2} s from the restart; {:.1}% of the {:.1} s span); buddy RSS {} MiB (peak {} MiB), Missed_updates {} KiB; load average {:.2}",
-            self.recovery_ms, self.start_to_ack_ms, self.catchup_to_resp_ms, self.apply_to_end_ms, self.entries, self.bytes,
+            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms of which transfer {:.1}; {} entries, {} bytes, {} chunks, full copy {}); failure-free {:.0}/{:.0} ops/s before/after, lost {:.2} s of it ({:.2} s from the restart; {:.1}% of the {:.1} s span); buddy RSS {} MiB (peak {} MiB), Missed_updates {} KiB; load average {:.2}",
+            self.recovery_ms, self.start_to_ack_ms, self.catchup_to_resp_ms, self.apply_to_end_ms, self.transfer_ms, self.entries, self.bytes,
             self.chunks, self.full_copy, self.before_ops_per_s, self.after_ops_per_s, self.lost_s, self.recovery_lost_s,
             self.lost_fraction() * 100.0, self.span_s, self.rss_bytes >> 20, self.peak_rss_bytes >> 20,
             self.missed_updates_bytes >> 10, self.load_avg
@@ -1217,6 +1220,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         start_to_ack_ms: num("start_to_ack ") / 1000.0,
         catchup_to_resp_ms: num("catchup_to_resp ") / 1000.0,
         apply_to_end_ms: num("apply_to_end ") / 1000.0,
+        transfer_ms: num("transfer ") / 1000.0,
         entries: before(&line, " entries").max(0.0) as u64,
         bytes: before(&line, " bytes,").max(0.0) as u64,
         chunks: before(&line, " chunks,").max(0.0) as u64,

@@ -110,6 +110,9 @@ pub struct RecoveryStats {
     pub partially_persisted: u64,
     /// CatchUp_req / CatchUp_resp round trips (one per chunk).
     pub chunks: u64,
+    /// From the first CatchUp_resp to the last chunk's arrival (part of `apply_to_end_us`; the
+    /// rest is waiting for the log to make the last chunks durable).
+    pub transfer_us: u64,
 }
 
 impl RecoveryStats {
@@ -1678,6 +1681,7 @@ impl NodeCore {
         let Phase::CatchUp { buddy, expected, .. } = r.phase else { return };
         match next {
             None => {
+                r.stats.transfer_us = now_us - r.resp_us;
                 r.phase = Phase::Applying;
                 self.maybe_finish_recovery(now_us);
             }

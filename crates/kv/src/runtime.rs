@@ -402,8 +402,8 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             "HEAL recovery complete"
                         );
                         eprintln!(
-                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, {} entries, {} bytes, {} chunks, full_copy {})",
-                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.entries_received, s.bytes_received, s.chunks, s.full_copy
+                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, transfer {} us, {} entries, {} bytes, {} chunks, full_copy {})",
+                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.transfer_us, s.entries_received, s.bytes_received, s.chunks, s.full_copy
                         );
                         stats.recoveries.fetch_add(1, Ordering::Relaxed);
                         *stats.last_recovery.lock().unwrap() = Some(s);
@@ -770,21 +770,56 @@ fn refusal(r: ClientResult) -> KvError {
 }
 
 /// A client of a whole group: sends each operation to a node (round robin), and moves on to the
-/// next node when one is not serving or unreachable. Safe to share among many tasks.
+/// next node when one is not serving or unreachable. A node that was unreachable is skipped for
+/// [`UNREACHABLE_SKIP_MS`], one that refused for [`REFUSED_SKIP_MS`] (unless every node is
+/// skipped), so a dead or recovering node costs its clients one failed try, not one per
+/// round. Safe to share among many tasks.
 #[derive(Clone)]
 pub struct KvCluster {
     addrs: Vec<SocketAddr>,
     secret: Vec<u8>,
     conns: Arc<tokio::sync::Mutex<Vec<Option<KvClient>>>>,
     rr: Arc<AtomicU64>,
+    /// Per node: skip it until this many milliseconds after `born`.
+    skip_until_ms: Arc<Vec<AtomicU64>>,
+    born: Instant,
     /// Give up after this long of retrying across nodes.
     pub deadline: Duration,
 }
 
+/// How long a client skips a node it could not reach.
+pub const UNREACHABLE_SKIP_MS: u64 = 200;
+/// How long a client skips a node that refused (not serving: recovering, or without a lease).
+pub const REFUSED_SKIP_MS: u64 = 20;
+
 impl KvCluster {
     pub fn new(addrs: Vec<SocketAddr>, secret: Vec<u8>) -> Self {
         let n = addrs.len();
-        KvCluster { addrs, secret, conns: Arc::new(tokio::sync::Mutex::new(vec![None; n])), rr: Arc::new(AtomicU64::new(0)), deadline: Duration::from_secs(20) }
+        KvCluster {
+            addrs,
+            secret,
+            conns: Arc::new(tokio::sync::Mutex::new(vec![None; n])),
+            rr: Arc::new(AtomicU64::new(0)),
+            skip_until_ms: Arc::new((0..n).map(|_| AtomicU64::new(0)).collect()),
+            born: Instant::now(),
+            deadline: Duration::from_secs(20),
+        }
+    }
+
+    /// The next node in round-robin order that is not being skipped (any, if all are).
+    fn pick(&self) -> usize {
+        let n = self.addrs.len();
+        let now = self.born.elapsed().as_millis() as u64;
+        let first = self.rr.fetch_add(1, Ordering::Relaxed) as usize;
+        (0..n)
+            .map(|k| (first + k) % n)
+            .find(|&i| self.skip_until_ms[i].load(Ordering::Relaxed) <= now)
+            .unwrap_or(first % n)
+    }
+
+    fn skip(&self, i: usize, ms: u64) {
+        let until = self.born.elapsed().as_millis() as u64 + ms;
+        self.skip_until_ms[i].fetch_max(until, Ordering::Relaxed);
     }
 
     async fn conn(&self, i: usize) -> Result<KvClient, KvError> {
@@ -804,11 +839,15 @@ impl KvCluster {
     pub async fn call(&self, op: ClientOp) -> Result<ClientResult, KvError> {
         let start = Instant::now();
         let mut last;
+        let mut tries = 0usize;
         loop {
-            let i = (self.rr.fetch_add(1, Ordering::Relaxed) as usize) % self.addrs.len();
+            let i = self.pick();
             match self.conn(i).await {
                 Ok(c) => match c.call(op.clone()).await {
-                    Ok(ClientResult::NotServing) | Ok(ClientResult::Busy) => last = format!("{} not serving", self.addrs[i]),
+                    Ok(ClientResult::NotServing) | Ok(ClientResult::Busy) => {
+                        self.skip(i, REFUSED_SKIP_MS);
+                        last = format!("{} not serving", self.addrs[i]);
+                    }
                     Ok(r) => return Ok(r),
                     Err(KvError::Timeout(d)) => return Err(KvError::Timeout(d)),
                     Err(e) => {
@@ -820,14 +859,22 @@ impl KvCluster {
                         }
                         last = e.to_string();
                         self.conns.lock().await[i] = None;
+                        self.skip(i, UNREACHABLE_SKIP_MS);
                     }
                 },
-                Err(e) => last = e.to_string(),
+                Err(e) => {
+                    last = e.to_string();
+                    self.skip(i, UNREACHABLE_SKIP_MS);
+                }
             }
             if start.elapsed() > self.deadline {
                 return Err(KvError::Unavailable(last));
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            // Straight on to the next node; a pause once every node has been tried.
+            tries += 1;
+            if tries % self.addrs.len() == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
         }
     }
 
