@@ -694,11 +694,15 @@ pub struct KvClient {
 
 impl KvClient {
     pub async fn connect(addr: SocketAddr, secret: &[u8]) -> Result<Self, KvError> {
-        let mut s = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr))
-            .await
-            .map_err(|_| KvError::Unavailable(format!("connecting to {addr} timed out")))??;
-        s.set_nodelay(true)?;
-        handshake_client(&mut s, secret, Hello::Client).await?;
+        // The handshake is bounded too: whatever listens there may never answer it.
+        let s = tokio::time::timeout(Duration::from_secs(2), async {
+            let mut s = TcpStream::connect(addr).await?;
+            s.set_nodelay(true)?;
+            handshake_client(&mut s, secret, Hello::Client).await?;
+            Ok::<_, KvError>(s)
+        })
+        .await
+        .map_err(|_| KvError::Unavailable(format!("connecting to {addr} timed out")))??;
         let (mut r, mut w) = s.into_split();
         let (tx, mut rx) = mpsc::channel::<NetMsg>(CLIENT_INFLIGHT_MAX);
         let pending: Pending = Arc::new(Mutex::new(HashMap::new()));
