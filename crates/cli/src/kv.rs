@@ -1151,7 +1151,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         let deadline = Instant::now() + Duration::from_secs(3600);
         let line = loop {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if let Some(l) = text.lines().filter(|l| l.starts_with("recovered: node")).last() {
+            if let Some(l) = text.lines().rfind(|l| l.starts_with("recovered: node")) {
                 break l.to_string();
             }
             anyhow::ensure!(Instant::now() < deadline, "node {victim} did not recover within an hour; see {}", log.display());

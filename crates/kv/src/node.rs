@@ -918,7 +918,7 @@ impl NodeCore {
 
     /// Moves a coordinated write forward according to the model (Table I).
     fn advance(&mut self, now_us: u64, key: &[u8]) {
-        if !self.store.get(key).is_some_and(|k| k.coord.is_some()) {
+        if self.store.get(key).is_none_or(|k| k.coord.is_none()) {
             return;
         }
         let others = self.others();

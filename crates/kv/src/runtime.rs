@@ -876,7 +876,7 @@ impl KvCluster {
             }
             // Straight on to the next node; a pause once every node has been tried.
             tries += 1;
-            if tries % self.addrs.len() == 0 {
+            if tries.is_multiple_of(self.addrs.len()) {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
