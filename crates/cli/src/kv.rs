@@ -162,7 +162,7 @@ pub struct NodeArgs {
     pub missed_updates_cap_bytes: usize,
     /// Recovery catch-up: received chunks allowed to be still persisting while the next is
     /// fetched (1: strictly one chunk at a time).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
     /// Recovery scheme (the same on every node): heal, or the full-copy baseline.
     #[arg(long, value_enum, default_value = "heal")]
@@ -228,7 +228,7 @@ pub struct UpArgs {
     pub missed_updates_cap_bytes: usize,
     /// Recovery catch-up: received chunks allowed to be still persisting while the next is
     /// fetched (1: strictly one chunk at a time).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
     /// Recovery scheme: heal, or the full-copy baseline.
     #[arg(long, value_enum, default_value = "heal")]
@@ -634,12 +634,31 @@ pub struct KvRecoveryArgs {
     /// Execution with fewer nodes, in seconds (default: 2 with --quick, 60 without).
     #[arg(long)]
     pub efn_s: Option<u64>,
-    /// Runs per scheme (default: 1).
+    /// Runs per scheme, interleaved (default: 1 with --quick, 3 without).
     #[arg(long)]
     pub rounds: Option<usize>,
     /// Closed-loop clients.
     #[arg(long, default_value_t = 16)]
     pub clients: usize,
+    /// Key distribution of the load (YCSB-B: 95% reads, 5% updates): `zipfian` is YCSB's
+    /// scrambled zipfian with --theta, `uniform` picks every key alike.
+    #[arg(long, default_value = "zipfian", value_parser = ["zipfian", "uniform"])]
+    pub distribution: String,
+    /// Zipfian constant of the load (YCSB's default 0.99).
+    #[arg(long, default_value_t = ycsb::choosers::DEFAULT_THETA)]
+    pub theta: f64,
+    /// Updates among the load's operations, in percent (YCSB-B: 5).
+    #[arg(long, default_value_t = 5)]
+    pub write_percent: u32,
+    /// Load before the failure-free window that precedes the kill, in seconds (default: 2
+    /// with --quick, 10 without).
+    #[arg(long)]
+    pub warmup_s: Option<u64>,
+    /// Failure-free throughput windows just before the kill and just after the recovery has
+    /// settled, in seconds each (default: 2 with --quick, 5 without); their mean is the
+    /// failure-free throughput a run's loss is measured against.
+    #[arg(long)]
+    pub baseline_window_s: Option<u64>,
     /// Persistency model of the scheme comparison.
     #[arg(long, default_value = "synch", value_parser = parse_model)]
     pub model: Model,
@@ -648,7 +667,7 @@ pub struct KvRecoveryArgs {
     pub missed_updates_cap_bytes: usize,
     /// Recovery catch-up: received chunks allowed to be still persisting while the next is
     /// fetched (1: strictly one chunk at a time).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
     /// Instead of the scheme comparison: HEAL's recovery latency against the EFN for every
     /// persistency model, and the 3/4/5-node breakdown.
@@ -688,7 +707,12 @@ struct RunSpec {
 fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     let keys = a.keys.unwrap_or(if a.quick { 2_000 } else { 1_100_000 });
     let efn = Duration::from_secs(a.efn_s.unwrap_or(if a.quick { 2 } else { 60 }));
-    let rounds = a.rounds.unwrap_or(1);
+    let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 });
+    anyhow::ensure!(rounds > 0, "--rounds must be at least 1");
+    anyhow::ensure!(a.write_percent <= 100, "--write-percent is a percentage (0..=100)");
+    if a.distribution == "zipfian" {
+        ycsb::ScrambledZipfian::new(keys.max(1), a.theta).map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
     let out = bench::out_dir("kv", a.out.clone())?;
     let mut report = bench::Report::new("kv.recovery", a.quick);
     let schemes = [Recovery::Heal, Recovery::FullCopy, Recovery::ReactiveLog];
@@ -737,11 +761,29 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
         report.figure(&format!("{key}.start_to_ack_ms"), mean(v, &|r| r.start_to_ack_ms))?;
         report.figure(&format!("{key}.catchup_to_resp_ms"), mean(v, &|r| r.catchup_to_resp_ms))?;
         report.figure(&format!("{key}.apply_to_end_ms"), mean(v, &|r| r.apply_to_end_ms))?;
+        report.figure(&format!("{key}.transfer_ms"), mean(v, &|r| r.transfer_ms))?;
         report.figure(&format!("{key}.recovery_bytes"), mean(v, &|r| r.bytes as f64))?;
         report.figure(&format!("{key}.recovery_entries_count"), mean(v, &|r| r.entries as f64))?;
         report.figure(&format!("{key}.fell_back_to_full_copy_ratio"), mean(v, &|r| r.full_copy as u8 as f64))?;
         report.figure(&format!("{key}.throughput_before_ops_per_s"), mean(v, &|r| r.before_ops_per_s))?;
-        report.figure(&format!("{key}.throughput_lost_ratio"), mean(v, &|r| r.throughput_lost))?;
+        report.figure(&format!("{key}.throughput_after_ops_per_s"), mean(v, &|r| r.after_ops_per_s))?;
+        report.figure(&format!("{key}.throughput_failure_free_ops_per_s"), mean(v, &|r| r.failure_free()))?;
+        report.figure(&format!("{key}.throughput_lost_s"), mean(v, &|r| r.lost_s))?;
+        report.figure(&format!("{key}.throughput_lost_ratio"), mean(v, &|r| r.lost_fraction()))?;
+        report.figure(&format!("{key}.recovery_throughput_lost_s"), mean(v, &|r| r.recovery_lost_s))?;
+        report.figure(&format!("{key}.load_average_1m_ratio"), mean(v, &|r| r.load_avg))?;
+        // Per round, so a noisy round shows.
+        for (i, r) in v.iter().enumerate() {
+            let p = format!("{key}.round{}", i + 1);
+            report.figure(&format!("{p}.recovery_latency_ms"), r.recovery_ms)?;
+            report.figure(&format!("{p}.apply_to_end_ms"), r.apply_to_end_ms)?;
+            report.figure(&format!("{p}.recovery_entries_count"), r.entries as f64)?;
+            report.figure(&format!("{p}.throughput_before_ops_per_s"), r.before_ops_per_s)?;
+            report.figure(&format!("{p}.throughput_after_ops_per_s"), r.after_ops_per_s)?;
+            report.figure(&format!("{p}.throughput_lost_s"), r.lost_s)?;
+            report.figure(&format!("{p}.recovery_throughput_lost_s"), r.recovery_lost_s)?;
+            report.figure(&format!("{p}.load_average_1m_ratio"), r.load_avg)?;
+        }
         report.figure(&format!("{key}.missed_updates_bytes"), mean(v, &|r| r.missed_updates_bytes as f64))?;
         report.figure(&format!("{key}.node_rss_bytes"), mean(v, &|r| r.rss_bytes as f64))?;
         report.figure(&format!("{key}.node_peak_rss_bytes"), mean(v, &|r| r.peak_rss_bytes as f64))?;
@@ -760,11 +802,22 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     report.ratio("memory.peak_rss_vs_stored_plus_cap", mean(h, &|r| r.peak_rss_bytes as f64), allowance)?;
     report.ratio("fullcopy_vs_heal.recovery_latency", mean(f, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
     report.ratio("reactive_vs_heal.recovery_latency", mean(rl, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
-    // Throughput lost: a zero loss is measured as one lost window's worth (0.1 s) over the
-    // span, so the ratio stays defined and conservative.
-    let floor = |v: &[RunResult]| mean(v, &|r| r.throughput_lost.max(r.lost_floor));
-    report.ratio("heal_vs_fullcopy.throughput_lost", floor(h), floor(f))?;
-    report.ratio("heal_vs_reactive.throughput_lost", floor(h), floor(rl))?;
+    // Throughput lost: operations lost to the failure (kill to one second after the recovery)
+    // against each run's own failure-free throughput, in seconds of it: the schemes' spans
+    // differ by their recovery latency, so lost work, not a fraction of each span, compares
+    // them (as the paper's degradation over one fixed-length run does). A loss below one
+    // window (0.1 s) counts as one window, so the ratio stays defined and conservative.
+    let lost = |v: &[RunResult], f: &dyn Fn(&RunResult) -> f64| mean(v, &|r| f(r).max(0.1));
+    report.ratio("heal_vs_fullcopy.throughput_lost", lost(h, &|r| r.lost_s), lost(f, &|r| r.lost_s))?;
+    report.ratio("heal_vs_reactive.throughput_lost", lost(h, &|r| r.lost_s), lost(rl, &|r| r.lost_s))?;
+    report.ratio("heal_vs_fullcopy.recovery_throughput_lost", lost(h, &|r| r.recovery_lost_s), lost(f, &|r| r.recovery_lost_s))?;
+    report.ratio("heal_vs_reactive.recovery_throughput_lost", lost(h, &|r| r.recovery_lost_s), lost(rl, &|r| r.recovery_lost_s))?;
+    // The load, so the figures say what they were measured under.
+    report.figure("load.zipfian_theta_ratio", if a.distribution == "zipfian" { a.theta } else { 0.0 })?;
+    report.figure("load.write_percent", a.write_percent as f64)?;
+    report.figure("load.clients_count", a.clients as f64)?;
+    report.figure("load.rounds_count", rounds as f64)?;
+    report.figure("load.efn_s", efn.as_secs_f64())?;
     report.print();
     Ok(())
 }
@@ -875,14 +928,25 @@ struct RunResult {
     start_to_ack_ms: f64,
     catchup_to_resp_ms: f64,
     apply_to_end_ms: f64,
+    /// Part of `apply_to_end_ms`: first CatchUp_resp to the last chunk's arrival.
+    transfer_ms: f64,
     entries: u64,
     bytes: u64,
     chunks: u64,
     full_copy: bool,
+    /// Failure-free throughput in the windows just before the kill and just after the
+    /// recovery settled.
     before_ops_per_s: f64,
-    throughput_lost: f64,
-    /// One 100 ms window of throughput over the measured span: the smallest loss measurable.
-    lost_floor: f64,
+    after_ops_per_s: f64,
+    /// Operations lost from the kill until one second after the recovery, against the mean of
+    /// the two failure-free windows, in seconds of failure-free throughput.
+    lost_s: f64,
+    /// The same from the restart of the node (the recovery and its aftermath only).
+    recovery_lost_s: f64,
+    /// Kill to one second after the recovery, in seconds.
+    span_s: f64,
+    /// The machine's 1-minute load average when the node had recovered.
+    load_avg: f64,
     /// A live node's (the Buddy's) resident memory and peak at the end of the EFN.
     rss_bytes: u64,
     peak_rss_bytes: u64,
@@ -892,12 +956,20 @@ struct RunResult {
 }
 
 impl RunResult {
+    fn failure_free(&self) -> f64 {
+        (self.before_ops_per_s + self.after_ops_per_s) / 2.0
+    }
+    /// Lost operations as a fraction of what the span would have done failure-free.
+    fn lost_fraction(&self) -> f64 {
+        if self.span_s > 0.0 { self.lost_s / self.span_s } else { 0.0 }
+    }
     fn log(&self) {
         eprintln!(
-            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms; {} entries, {} bytes, {} chunks, full copy {}); throughput lost {:.1}%; buddy RSS {} MiB (peak {} MiB), Missed_updates {} KiB",
-            self.recovery_ms, self.start_to_ack_ms, self.catchup_to_resp_ms, self.apply_to_end_ms, self.entries, self.bytes,
-            self.chunks, self.full_copy, self.throughput_lost * 100.0, self.rss_bytes >> 20, self.peak_rss_bytes >> 20,
-            self.missed_updates_bytes >> 10
+            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms of which transfer {:.1}; {} entries, {} bytes, {} chunks, full copy {}); failure-free {:.0}/{:.0} ops/s before/after, lost {:.2} s of it ({:.2} s from the restart; {:.1}% of the {:.1} s span); buddy RSS {} MiB (peak {} MiB), Missed_updates {} KiB; load average {:.2}",
+            self.recovery_ms, self.start_to_ack_ms, self.catchup_to_resp_ms, self.apply_to_end_ms, self.transfer_ms, self.entries, self.bytes,
+            self.chunks, self.full_copy, self.before_ops_per_s, self.after_ops_per_s, self.lost_s, self.recovery_lost_s,
+            self.lost_fraction() * 100.0, self.span_s, self.rss_bytes >> 20, self.peak_rss_bytes >> 20,
+            self.missed_updates_bytes >> 10, self.load_avg
         );
     }
 }
@@ -1008,25 +1080,38 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         let c = KvCluster::new(lk.file.nodes.values().copied().collect(), lk.secret.clone());
         // Every node reads its whole log before it serves: allow for a large store.
         wait_all_serving(&lk.file, &lk.secret, Duration::from_secs(1800)).await?;
-        // Load: 100 ms windows of completed operations.
+        // Load: YCSB-B (95% reads, 5% updates by default) over the preloaded keys, closed
+        // loop; 100 ms windows of completed operations.
         let windows: Arc<Vec<AtomicU64>> = Arc::new((0..100_000).map(|_| AtomicU64::new(0)).collect());
         let stop = Arc::new(AtomicBool::new(false));
         let t0 = Instant::now();
         let mut tasks = Vec::new();
+        let zipf = (a.distribution == "zipfian")
+            .then(|| ycsb::ScrambledZipfian::new(keys, a.theta))
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         for cl in 0..a.clients {
             let c = c.clone();
             let windows = windows.clone();
             let stop = stop.clone();
             let value_bytes = a.value_bytes;
+            let zipf = zipf.clone();
+            let write_percent = a.write_percent as u64;
             tasks.push(tokio::spawn(async move {
-                let mut x: u64 = 0x9e37_79b9_7f4a_7c15 ^ (cl as u64 + 1);
+                use rand::{Rng, SeedableRng};
+                let mut rng = rand::rngs::StdRng::seed_from_u64(0x4845_414c ^ cl as u64);
+                let mut n: u64 = 0;
                 while !stop.load(Ordering::Relaxed) {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let key = bench_key(x % keys);
-                    let ok = if x % 100 < 5 {
-                        c.put(&key, &vec![b'y'; value_bytes]).await.is_ok()
+                    let keynum = match &zipf {
+                        Some(z) => z.sample(&mut rng),
+                        None => rng.gen_range(0..keys),
+                    };
+                    let key = bench_key(keynum);
+                    n += 1;
+                    let ok = if rng.gen_range(0..100) < write_percent {
+                        let mut value = vec![b'y'; value_bytes];
+                        value[..8.min(value_bytes)].copy_from_slice(&(n ^ (cl as u64) << 48).to_le_bytes()[..8.min(value_bytes)]);
+                        c.put(&key, &value).await.is_ok()
                     } else {
                         c.get(&key).await.is_ok()
                     };
@@ -1039,8 +1124,9 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
                 }
             }));
         }
-        let warm = Duration::from_secs(if a.quick { 2 } else { 5 });
-        tokio::time::sleep(warm).await;
+        let warm = Duration::from_secs(a.warmup_s.unwrap_or(if a.quick { 2 } else { 10 }));
+        let base_win = Duration::from_secs(a.baseline_window_s.unwrap_or(if a.quick { 2 } else { 5 }).max(1));
+        tokio::time::sleep(warm + base_win).await;
         let kill_at = t0.elapsed();
         lk.kill9(victim)?;
         // The EFN is the execution with fewer nodes: it starts when the CM has removed the
@@ -1059,43 +1145,73 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
             Some(m) => scrape_gauge(m, "kv_missed_updates_bytes").await.unwrap_or(f64::NAN),
             None => f64::NAN,
         };
+        let restart_at = t0.elapsed();
         lk.restart_node(victim)?;
         let log = dir.join(format!("logs/node-{victim}.log"));
         let deadline = Instant::now() + Duration::from_secs(3600);
         let line = loop {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if let Some(l) = text.lines().filter(|l| l.starts_with("recovered: node")).last() {
+            if let Some(l) = text.lines().rfind(|l| l.starts_with("recovered: node")) {
                 break l.to_string();
             }
             anyhow::ensure!(Instant::now() < deadline, "node {victim} did not recover within an hour; see {}", log.display());
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         let recovered_at = t0.elapsed();
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        let load_avg = load_average_1m();
+        // One second for the group to settle, then the failure-free window after the failure.
+        let settled_at = recovered_at + Duration::from_secs(1);
+        tokio::time::sleep_until((Instant::now() + (settled_at + base_win).saturating_sub(t0.elapsed())).into()).await;
         let end = t0.elapsed();
         stop.store(true, Ordering::Relaxed);
         for t in tasks {
             let _ = t.await;
         }
         let w: Vec<u64> = windows.iter().take((end.as_millis() / 100) as usize).map(|x| x.load(Ordering::Relaxed)).collect();
-        let win = |d: Duration| (d.as_millis() / 100) as usize;
-        let before: Vec<u64> = w[win(kill_at).saturating_sub(10)..win(kill_at)].to_vec();
-        let before_per_window = before.iter().sum::<u64>() as f64 / before.len().max(1) as f64;
-        let after = &w[win(kill_at)..w.len().min(win(recovered_at) + 10)];
-        let expected = before_per_window * after.len() as f64;
-        let got: u64 = after.iter().sum();
-        let lost = if expected > 0.0 { (1.0 - got as f64 / expected).max(0.0) } else { 0.0 };
-        let floor = 1.0 / after.len().max(1) as f64;
-        Ok::<_, anyhow::Error>((line, before_per_window * 10.0, lost, floor, rss, peak, missed, w, win(kill_at)))
+        let win = |d: Duration| ((d.as_millis() / 100) as usize).min(w.len());
+        // Failure-free throughput: the windows adjacent to this run's failure, before the kill
+        // and after the recovery has settled, so drift of the shared machine hits both alike.
+        let rate = |from: Duration, to: Duration| {
+            let s = &w[win(from)..win(to)];
+            s.iter().sum::<u64>() as f64 / s.len().max(1) as f64 * 10.0
+        };
+        let before_ops_per_s = rate(kill_at.saturating_sub(base_win), kill_at);
+        let after_ops_per_s = rate(settled_at, settled_at + base_win);
+        let base = (before_ops_per_s + after_ops_per_s) / 2.0;
+        // Operations lost from `from` until the group has settled, against the failure-free
+        // rate: in seconds of failure-free work.
+        let lost_s = |from: Duration| {
+            let span = &w[win(from)..win(settled_at)];
+            let got: u64 = span.iter().sum();
+            let expected = base * span.len() as f64 / 10.0;
+            if base > 0.0 { ((expected - got as f64) / base).max(0.0) } else { 0.0 }
+        };
+        let span_s = win(settled_at).saturating_sub(win(kill_at)) as f64 / 10.0;
+        let (lost_all, lost_recovery, kill_window) = (lost_s(kill_at), lost_s(restart_at), win(kill_at));
+        Ok::<_, anyhow::Error>(Measured {
+            line,
+            before_ops_per_s,
+            after_ops_per_s,
+            lost_s: lost_all,
+            recovery_lost_s: lost_recovery,
+            span_s,
+            load_avg,
+            rss,
+            peak,
+            missed,
+            windows: w,
+            kill_window,
+        })
     });
     lk.stop();
-    let (line, before_ops_per_s, throughput_lost, lost_floor, rss_bytes, peak_rss_bytes, missed, windows, kill_window) = match res {
+    let m = match res {
         Ok(r) => r,
         Err(e) => {
             let kept = tmp.keep();
             return Err(e.context(format!("logs kept in {}/logs", kept.display())));
         }
     };
+    let line = m.line.clone();
     let num = |tag: &str| -> f64 {
         line.split(tag).nth(1).and_then(|r| r.trim_start().split(|c: char| !(c.is_ascii_digit() || c == '.')).next()).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN)
     };
@@ -1104,17 +1220,42 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         start_to_ack_ms: num("start_to_ack ") / 1000.0,
         catchup_to_resp_ms: num("catchup_to_resp ") / 1000.0,
         apply_to_end_ms: num("apply_to_end ") / 1000.0,
+        transfer_ms: num("transfer ") / 1000.0,
         entries: before(&line, " entries").max(0.0) as u64,
         bytes: before(&line, " bytes,").max(0.0) as u64,
         chunks: before(&line, " chunks,").max(0.0) as u64,
         full_copy: line.contains("full_copy true"),
-        before_ops_per_s,
-        throughput_lost,
-        lost_floor,
-        rss_bytes,
-        peak_rss_bytes,
-        missed_updates_bytes: if missed.is_finite() { missed as u64 } else { 0 },
-        windows,
-        kill_window,
+        before_ops_per_s: m.before_ops_per_s,
+        after_ops_per_s: m.after_ops_per_s,
+        lost_s: m.lost_s,
+        recovery_lost_s: m.recovery_lost_s,
+        span_s: m.span_s,
+        load_avg: m.load_avg,
+        rss_bytes: m.rss,
+        peak_rss_bytes: m.peak,
+        missed_updates_bytes: if m.missed.is_finite() { m.missed as u64 } else { 0 },
+        windows: m.windows,
+        kill_window: m.kill_window,
     })
+}
+
+/// What one run's load measured (see [`RunResult`]).
+struct Measured {
+    line: String,
+    before_ops_per_s: f64,
+    after_ops_per_s: f64,
+    lost_s: f64,
+    recovery_lost_s: f64,
+    span_s: f64,
+    load_avg: f64,
+    rss: u64,
+    peak: u64,
+    missed: f64,
+    windows: Vec<u64>,
+    kill_window: usize,
+}
+
+/// The 1-minute load average of the machine (`/proc/loadavg`), 0 if unreadable.
+fn load_average_1m() -> f64 {
+    std::fs::read_to_string("/proc/loadavg").ok().and_then(|s| s.split_whitespace().next()?.parse().ok()).unwrap_or(0.0)
 }

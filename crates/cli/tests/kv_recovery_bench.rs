@@ -9,7 +9,10 @@ fn quick_recovery_bench_emits_the_three_scheme_ratios() {
     let dir = tempfile::tempdir().unwrap();
     let v = common::run_bench(
         dir.path(),
-        &["bench", "kv", "recovery", "--quick", "--nodes", "3", "--efn-s", "1", "--clients", "4"],
+        &[
+            "bench", "kv", "recovery", "--quick", "--nodes", "3", "--efn-s", "1", "--clients", "4", "--warmup-s", "1",
+            "--baseline-window-s", "1",
+        ],
     );
     assert_eq!(v["bench"], "kv.recovery");
     for r in [
@@ -24,6 +27,15 @@ fn quick_recovery_bench_emits_the_three_scheme_ratios() {
         let f = &v["figures"][format!("{s}.recovery_latency_ms")];
         assert!(f.as_f64().is_some_and(|x| x > 0.0), "{s}: {v}");
     }
+    // Each scheme's loss is measured against failure-free windows of its own run, per round.
+    for s in ["heal", "fullcopy", "reactive"] {
+        for f in ["throughput_failure_free_ops_per_s", "throughput_lost_s", "round1.throughput_lost_s", "round1.load_average_1m_ratio"] {
+            assert!(v["figures"][format!("{s}.{f}")].as_f64().is_some_and(|x| x.is_finite() && x >= 0.0), "{s}.{f}: {v}");
+        }
+    }
+    // The load is YCSB-B's: zipfian 0.99, 5% updates.
+    assert_eq!(v["figures"]["load.zipfian_theta_ratio"], 0.99, "{v}");
+    assert_eq!(v["figures"]["load.write_percent"], 5.0, "{v}");
     // The full copy really copied the store; HEAL and the reactive log did not.
     assert_eq!(v["figures"]["fullcopy.fell_back_to_full_copy_ratio"], 1.0, "{v}");
     assert_eq!(v["figures"]["heal.fell_back_to_full_copy_ratio"], 0.0, "{v}");

@@ -56,12 +56,22 @@ pub enum LogError {
 
 /// Encodes one record with its header.
 pub fn encode(rec: &LogRecord) -> Vec<u8> {
-    let payload = postcard::to_allocvec(rec).expect("log records always encode");
-    let mut out = Vec::with_capacity(payload.len() + 8);
-    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
-    out.extend_from_slice(&payload);
+    let mut out = Vec::new();
+    encode_into(rec, &mut out);
     out
+}
+
+/// Appends one encoded record (header included) to `out`, serializing in place: a batch of
+/// records is one buffer with one copy of each value.
+pub fn encode_into(rec: &LogRecord, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; 8]);
+    let taken = std::mem::take(out);
+    *out = postcard::to_extend(rec, taken).expect("log records always encode");
+    let payload_len = out.len() - start - 8;
+    let crc = crc32c::crc32c(&out[start + 8..]);
+    out[start..start + 4].copy_from_slice(&(payload_len as u32).to_le_bytes());
+    out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
 }
 
 /// Decodes records from a whole log image, stopping at the first incomplete or corrupt one.
@@ -423,6 +433,15 @@ pub fn compaction_cut(whole_markers: &[u64], len: u64, max_tail_bytes: u64) -> u
     }
 }
 
+/// About the encoded size of a record (for sizing buffers and batches).
+pub fn record_size_hint(r: &LogRecord) -> usize {
+    match r {
+        LogRecord::Put { key, value, .. } => key.len() + value.len() + 32,
+        LogRecord::Mark { key, .. } => key.len() + 32,
+        LogRecord::Boot { .. } | LogRecord::Epoch { .. } => 32,
+    }
+}
+
 /// Durable storage of a node's log.
 pub trait PmLog {
     /// Appends records and makes them durable before returning.
@@ -545,12 +564,12 @@ impl FileLog {
     }
 
     fn encode_batch(&mut self, recs: &[LogRecord]) -> Vec<u8> {
-        let mut buf = Vec::new();
+        let mut buf = Vec::with_capacity(recs.iter().map(record_size_hint).sum());
         for r in recs {
             if let LogRecord::Epoch { epoch, whole } = r {
                 self.markers.push((*epoch, self.len + buf.len() as u64, *whole));
             }
-            buf.extend_from_slice(&encode(r));
+            encode_into(r, &mut buf);
         }
         self.len += buf.len() as u64;
         buf

@@ -110,6 +110,9 @@ pub struct RecoveryStats {
     pub partially_persisted: u64,
     /// CatchUp_req / CatchUp_resp round trips (one per chunk).
     pub chunks: u64,
+    /// From the first CatchUp_resp to the last chunk's arrival (part of `apply_to_end_us`; the
+    /// rest is waiting for the log to make the last chunks durable).
+    pub transfer_us: u64,
 }
 
 impl RecoveryStats {
@@ -915,6 +918,9 @@ impl NodeCore {
 
     /// Moves a coordinated write forward according to the model (Table I).
     fn advance(&mut self, now_us: u64, key: &[u8]) {
+        if self.store.get(key).is_none_or(|k| k.coord.is_none()) {
+            return;
+        }
         let others = self.others();
         let model = self.p.model;
         let epoch = self.config.epoch;
@@ -1067,13 +1073,14 @@ impl NodeCore {
 
     /// Applies a version to the volatile store if it is newer. Returns whether it was.
     fn apply_newer(&mut self, now_us: u64, key: &[u8], ts: Ts, value: &[u8], valid: bool) -> bool {
-        let k = self.store.entry(key.to_vec()).or_insert_with(|| KeyState {
-            valid: true,
-            ..Default::default()
-        });
-        if ts <= k.ts {
+        // Looked up before inserting: most updates are to keys we hold (no key allocation).
+        if self.store.get(key).is_some_and(|k| ts <= k.ts) {
             return false;
         }
+        let k = match self.store.get_mut(key) {
+            Some(k) => k,
+            None => self.store.entry(key.to_vec()).or_insert_with(|| KeyState { valid: true, ..Default::default() }),
+        };
         k.ts = ts;
         k.value = value.to_vec();
         k.valid = valid;
@@ -1198,34 +1205,76 @@ impl NodeCore {
 
     /// A durable append finished.
     pub fn on_persisted(&mut self, now_us: u64, seq: u64) {
-        let Some((key, ts)) = self.inflight.remove(&seq) else {
+        self.on_persisted_many(now_us, [seq]);
+    }
+
+    /// Several durable appends finished (a group commit): the same as [`Self::on_persisted`]
+    /// for each in turn, except that the follow-ups that look at everything (scope PERSIST
+    /// waits, the recovery's next CatchUp_req) run once, after all of them.
+    pub fn on_persisted_many(&mut self, now_us: u64, seqs: impl IntoIterator<Item = u64>) {
+        let mut next_chunk = false;
+        let mut check_recovery = false;
+        let mut any_put = false;
+        for seq in seqs {
             // Not a Put: the Boot record of a node recovering on its first start waits here.
-            self.recovery_persisted(now_us, seq);
-            return;
-        };
+            if let Some((key, ts)) = self.inflight.remove(&seq) {
+                any_put = true;
+                self.put_durable(now_us, key, ts);
+            }
+            let (n, c) = self.recovery_seq_durable(seq);
+            next_chunk |= n;
+            check_recovery |= c;
+        }
+        if any_put {
+            self.after_puts_durable();
+        }
+        if next_chunk {
+            self.request_chunk(now_us);
+        }
+        if check_recovery {
+            self.maybe_finish_recovery(now_us);
+        }
+    }
+
+    /// Append `(key, ts)` is durable: owed ACK_Ps go, a coordinated write may advance.
+    fn put_durable(&mut self, now_us: u64, key: Vec<u8>, ts: Ts) {
         let epoch = self.config.epoch;
         let model = self.p.model;
-        if let Some(k) = self.store.get_mut(&key) {
-            if ts > k.durable {
-                k.durable = ts;
-            }
-            let durable = k.durable;
-            let (ready, rest): (Vec<_>, Vec<_>) =
-                k.pending_p.drain(..).partition(|(_, t)| *t <= durable);
+        let down = matches!(self.mode, Mode::Down);
+        let Some(k) = self.store.get_mut(&key) else { return };
+        if ts > k.durable {
+            k.durable = ts;
+        }
+        let durable = k.durable;
+        let mut ready = Vec::new();
+        if !k.pending_p.is_empty() {
+            let (r, rest): (Vec<_>, Vec<_>) = k.pending_p.drain(..).partition(|(_, t)| *t <= durable);
             k.pending_p = rest;
-            if let Some(c) = &mut k.coord {
+            ready = r;
+        }
+        let coord = match &mut k.coord {
+            Some(c) => {
                 if c.ts <= durable {
                     c.local_p = true;
                 }
+                true
             }
-            if !matches!(self.mode, Mode::Down) {
-                for (to, t) in ready {
-                    let c = model == Model::Synch;
-                    self.send(to, PeerMsg::Ack { epoch, key: key.clone(), ts: t, c, p: true });
-                }
+            None => false,
+        };
+        if !down {
+            for (to, t) in ready {
+                let c = model == Model::Synch;
+                self.send(to, PeerMsg::Ack { epoch, key: key.clone(), ts: t, c, p: true });
             }
+        }
+        if coord {
             self.advance(now_us, &key);
         }
+    }
+
+    /// After durable Puts: scope PERSISTs waiting for local durability, our own PERSISTs.
+    fn after_puts_durable(&mut self) {
+        let epoch = self.config.epoch;
         if !self.persist_waits.is_empty() {
             let waits = std::mem::take(&mut self.persist_waits);
             for (from, id, writes) in waits {
@@ -1236,15 +1285,17 @@ impl NodeCore {
                 }
             }
         }
-        let ids: Vec<u64> = self.persist_ops.keys().copied().collect();
-        for id in ids {
-            self.check_persist_op(id);
+        if !self.persist_ops.is_empty() {
+            let ids: Vec<u64> = self.persist_ops.keys().copied().collect();
+            for id in ids {
+                self.check_persist_op(id);
+            }
         }
-        self.recovery_persisted(now_us, seq);
     }
 
-    /// Log append `seq` is durable: recovery may request the next chunk or finish.
-    fn recovery_persisted(&mut self, now_us: u64, seq: u64) {
+    /// Log append `seq` is durable, as far as recovery is concerned. Returns (a chunk became
+    /// durable: the next may be requested, nothing is outstanding any more: recovery may end).
+    fn recovery_seq_durable(&mut self, seq: u64) -> (bool, bool) {
         let mut check_recovery = false;
         let mut next_chunk = false;
         if let Mode::Recovering(r) = &mut self.mode {
@@ -1260,12 +1311,7 @@ impl NodeCore {
                 }
             }
         }
-        if next_chunk {
-            self.request_chunk(now_us);
-        }
-        if check_recovery {
-            self.maybe_finish_recovery(now_us);
-        }
+        (next_chunk, check_recovery)
     }
 
     /// Time passes: retransmissions, replays, recovery retries.
@@ -1635,6 +1681,7 @@ impl NodeCore {
         let Phase::CatchUp { buddy, expected, .. } = r.phase else { return };
         match next {
             None => {
+                r.stats.transfer_us = now_us - r.resp_us;
                 r.phase = Phase::Applying;
                 self.maybe_finish_recovery(now_us);
             }

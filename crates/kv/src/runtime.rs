@@ -103,13 +103,19 @@ enum Input {
 }
 
 enum LogJob {
-    /// (core incarnation, seq, record).
-    Durable(u64, u64, LogRecord),
-    Lazy(LogRecord),
+    /// Records to append, in order, each with the (core incarnation, seq) to report once it is
+    /// durable, or `None` for a lazy append (a GDP flag, an `Epoch` record). The core's outputs
+    /// of one input go as one job: a catch-up chunk is one job, one write, one sync.
+    Append(Vec<(Option<(u64, u64)>, LogRecord)>),
     Rebuild(std::sync::mpsc::Sender<log::LogState>),
     /// Reactive-log baseline: read the log at a cursor, after every append queued before.
     Read { to: NodeId, cursor: log::LogCursor, max_bytes: usize },
 }
+
+/// The log thread writes at most about this many bytes of queued appends per write (and sync):
+/// large enough that a catch-up's many chunks cost few syncs, bounded so one write's latency
+/// stays in the tens of milliseconds.
+pub const MAX_LOG_BATCH_BYTES: usize = 32 << 20;
 
 /// Numbers a node exposes on its metrics endpoint.
 #[derive(Default)]
@@ -132,11 +138,16 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, sta
         .spawn(move || {
             while let Ok(first) = rx.recv() {
                 let mut batch = vec![first];
-                while let Ok(j) = rx.try_recv() {
+                let mut bytes = 0usize;
+                let job_bytes = |j: &LogJob| match j {
+                    LogJob::Append(v) => v.iter().map(|(_, r)| log::record_size_hint(r)).sum(),
+                    _ => 0,
+                };
+                bytes += job_bytes(&batch[0]);
+                while bytes < MAX_LOG_BATCH_BYTES {
+                    let Ok(j) = rx.try_recv() else { break };
+                    bytes += job_bytes(&j);
                     batch.push(j);
-                    if batch.len() >= 1024 {
-                        break;
-                    }
                 }
                 let mut recs = Vec::new();
                 let mut seqs = Vec::new();
@@ -144,16 +155,21 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, sta
                 let mut log_reads = Vec::new();
                 for j in batch {
                     match j {
-                        LogJob::Durable(inc, s, r) => {
-                            seqs.push((inc, s));
-                            recs.push(r);
+                        LogJob::Append(v) => {
+                            for (done, r) in v {
+                                if let Some(d) = done {
+                                    seqs.push(d);
+                                }
+                                recs.push(r);
+                            }
                         }
-                        LogJob::Lazy(r) => recs.push(r),
                         LogJob::Rebuild(reply) => reads.push(reply),
                         LogJob::Read { to, cursor, max_bytes } => log_reads.push((to, cursor, max_bytes)),
                     }
                 }
-                let res = if seqs.is_empty() {
+                let res = if recs.is_empty() {
+                    Ok(())
+                } else if seqs.is_empty() {
                     flog.append_lazy(&recs)
                 } else {
                     flog.append_durable(&recs)
@@ -291,11 +307,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                 last_now = now;
                 match inp {
                     Input::Persisted(seqs) => {
-                        for (i, s) in seqs {
-                            if i == inc {
-                                core.on_persisted(now, s);
-                            }
-                        }
+                        core.on_persisted_many(now, seqs.into_iter().filter(|(i, _)| *i == inc).map(|(_, s)| s));
                     }
                     Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
                     _ => {}
@@ -313,11 +325,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         core.on_client(now, tag, op);
                     }
                     Input::Persisted(seqs) => {
-                        for (i, s) in seqs {
-                            if i == inc {
-                                core.on_persisted(now, s);
-                            }
-                        }
+                        core.on_persisted_many(now, seqs.into_iter().filter(|(i, _)| *i == inc).map(|(_, s)| s));
                     }
                     Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
                 }
@@ -329,8 +337,30 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
             if outs.is_empty() {
                 break;
             }
+            // Consecutive appends go to the log thread as one job.
+            let mut appends: Vec<(Option<(u64, u64)>, LogRecord)> = Vec::new();
+            let flush = |appends: &mut Vec<(Option<(u64, u64)>, LogRecord)>| {
+                if !appends.is_empty() {
+                    let _ = log_tx.send(LogJob::Append(std::mem::take(appends)));
+                }
+            };
             for o in outs {
                 match o {
+                    Output::Persist { seq, rec } => {
+                        appends.push((Some((inc, seq)), rec));
+                        continue;
+                    }
+                    Output::Mark(rec) => {
+                        appends.push((None, rec));
+                        continue;
+                    }
+                    _ => {}
+                }
+                if matches!(o, Output::ReadLog { .. } | Output::Reload) {
+                    flush(&mut appends);
+                }
+                match o {
+                    Output::Persist { .. } | Output::Mark(_) => unreachable!("handled above"),
                     Output::Send { to, msg } => {
                         if let Some(tx) = peer_tx.get(&to) {
                             let _ = tx.try_send(msg);
@@ -340,12 +370,6 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         if let Some(tx) = &cm_tx {
                             let _ = tx.try_send(NetMsg::HbAck(a));
                         }
-                    }
-                    Output::Persist { seq, rec } => {
-                        let _ = log_tx.send(LogJob::Durable(inc, seq, rec));
-                    }
-                    Output::Mark(rec) => {
-                        let _ = log_tx.send(LogJob::Lazy(rec));
                     }
                     Output::ReadLog { to, cursor, max_bytes } => {
                         let _ = log_tx.send(LogJob::Read { to, cursor, max_bytes });
@@ -378,14 +402,15 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             "HEAL recovery complete"
                         );
                         eprintln!(
-                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, {} entries, {} bytes, {} chunks, full_copy {})",
-                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.entries_received, s.bytes_received, s.chunks, s.full_copy
+                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, transfer {} us, {} entries, {} bytes, {} chunks, full_copy {})",
+                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.transfer_us, s.entries_received, s.bytes_received, s.chunks, s.full_copy
                         );
                         stats.recoveries.fetch_add(1, Ordering::Relaxed);
                         *stats.last_recovery.lock().unwrap() = Some(s);
                     }
                 }
             }
+            flush(&mut appends);
         }
         if stats.epoch.load(Ordering::Relaxed) != core.epoch() {
             tracing::info!(
@@ -669,11 +694,15 @@ pub struct KvClient {
 
 impl KvClient {
     pub async fn connect(addr: SocketAddr, secret: &[u8]) -> Result<Self, KvError> {
-        let mut s = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr))
-            .await
-            .map_err(|_| KvError::Unavailable(format!("connecting to {addr} timed out")))??;
-        s.set_nodelay(true)?;
-        handshake_client(&mut s, secret, Hello::Client).await?;
+        // The handshake is bounded too: whatever listens there may never answer it.
+        let s = tokio::time::timeout(Duration::from_secs(2), async {
+            let mut s = TcpStream::connect(addr).await?;
+            s.set_nodelay(true)?;
+            handshake_client(&mut s, secret, Hello::Client).await?;
+            Ok::<_, KvError>(s)
+        })
+        .await
+        .map_err(|_| KvError::Unavailable(format!("connecting to {addr} timed out")))??;
         let (mut r, mut w) = s.into_split();
         let (tx, mut rx) = mpsc::channel::<NetMsg>(CLIENT_INFLIGHT_MAX);
         let pending: Pending = Arc::new(Mutex::new(HashMap::new()));
@@ -745,21 +774,56 @@ fn refusal(r: ClientResult) -> KvError {
 }
 
 /// A client of a whole group: sends each operation to a node (round robin), and moves on to the
-/// next node when one is not serving or unreachable. Safe to share among many tasks.
+/// next node when one is not serving or unreachable. A node that was unreachable is skipped for
+/// [`UNREACHABLE_SKIP_MS`], one that refused for [`REFUSED_SKIP_MS`] (unless every node is
+/// skipped), so a dead or recovering node costs its clients one failed try, not one per
+/// round. Safe to share among many tasks.
 #[derive(Clone)]
 pub struct KvCluster {
     addrs: Vec<SocketAddr>,
     secret: Vec<u8>,
     conns: Arc<tokio::sync::Mutex<Vec<Option<KvClient>>>>,
     rr: Arc<AtomicU64>,
+    /// Per node: skip it until this many milliseconds after `born`.
+    skip_until_ms: Arc<Vec<AtomicU64>>,
+    born: Instant,
     /// Give up after this long of retrying across nodes.
     pub deadline: Duration,
 }
 
+/// How long a client skips a node it could not reach.
+pub const UNREACHABLE_SKIP_MS: u64 = 200;
+/// How long a client skips a node that refused (not serving: recovering, or without a lease).
+pub const REFUSED_SKIP_MS: u64 = 20;
+
 impl KvCluster {
     pub fn new(addrs: Vec<SocketAddr>, secret: Vec<u8>) -> Self {
         let n = addrs.len();
-        KvCluster { addrs, secret, conns: Arc::new(tokio::sync::Mutex::new(vec![None; n])), rr: Arc::new(AtomicU64::new(0)), deadline: Duration::from_secs(20) }
+        KvCluster {
+            addrs,
+            secret,
+            conns: Arc::new(tokio::sync::Mutex::new(vec![None; n])),
+            rr: Arc::new(AtomicU64::new(0)),
+            skip_until_ms: Arc::new((0..n).map(|_| AtomicU64::new(0)).collect()),
+            born: Instant::now(),
+            deadline: Duration::from_secs(20),
+        }
+    }
+
+    /// The next node in round-robin order that is not being skipped (any, if all are).
+    fn pick(&self) -> usize {
+        let n = self.addrs.len();
+        let now = self.born.elapsed().as_millis() as u64;
+        let first = self.rr.fetch_add(1, Ordering::Relaxed) as usize;
+        (0..n)
+            .map(|k| (first + k) % n)
+            .find(|&i| self.skip_until_ms[i].load(Ordering::Relaxed) <= now)
+            .unwrap_or(first % n)
+    }
+
+    fn skip(&self, i: usize, ms: u64) {
+        let until = self.born.elapsed().as_millis() as u64 + ms;
+        self.skip_until_ms[i].fetch_max(until, Ordering::Relaxed);
     }
 
     async fn conn(&self, i: usize) -> Result<KvClient, KvError> {
@@ -779,11 +843,15 @@ impl KvCluster {
     pub async fn call(&self, op: ClientOp) -> Result<ClientResult, KvError> {
         let start = Instant::now();
         let mut last;
+        let mut tries = 0usize;
         loop {
-            let i = (self.rr.fetch_add(1, Ordering::Relaxed) as usize) % self.addrs.len();
+            let i = self.pick();
             match self.conn(i).await {
                 Ok(c) => match c.call(op.clone()).await {
-                    Ok(ClientResult::NotServing) | Ok(ClientResult::Busy) => last = format!("{} not serving", self.addrs[i]),
+                    Ok(ClientResult::NotServing) | Ok(ClientResult::Busy) => {
+                        self.skip(i, REFUSED_SKIP_MS);
+                        last = format!("{} not serving", self.addrs[i]);
+                    }
                     Ok(r) => return Ok(r),
                     Err(KvError::Timeout(d)) => return Err(KvError::Timeout(d)),
                     Err(e) => {
@@ -795,14 +863,22 @@ impl KvCluster {
                         }
                         last = e.to_string();
                         self.conns.lock().await[i] = None;
+                        self.skip(i, UNREACHABLE_SKIP_MS);
                     }
                 },
-                Err(e) => last = e.to_string(),
+                Err(e) => {
+                    last = e.to_string();
+                    self.skip(i, UNREACHABLE_SKIP_MS);
+                }
             }
             if start.elapsed() > self.deadline {
                 return Err(KvError::Unavailable(last));
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            // Straight on to the next node; a pause once every node has been tried.
+            tries += 1;
+            if tries.is_multiple_of(self.addrs.len()) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
         }
     }
 

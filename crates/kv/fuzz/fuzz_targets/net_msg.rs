@@ -1,0 +1,33 @@
+//! A node's network input: arbitrary bytes through the frame decoder (header, checksum, size
+//! limit) and the `NetMsg` payload decoder; whatever decodes is delivered to a real node core,
+//! a member of a 3-node group, as a peer message from each other node or as a client request.
+//! Nothing may panic.
+#![no_main]
+
+use kv::msg::{Config, Heartbeat, Model};
+use kv::node::{NodeCore, NodeParams};
+use kv::runtime::{NetMsg, MAX_FRAME_BYTES};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let framed = wire::decode_frame::<NetMsg>(data, MAX_FRAME_BYTES).ok();
+    let raw = wire::decode_payload::<NetMsg>(data).ok();
+    for m in [framed, raw].into_iter().flatten() {
+        let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
+        n.on_heartbeat(0, Heartbeat { seq: 1, config: Config::genesis(3) });
+        let _ = n.take_outputs();
+        match m {
+            NetMsg::Peer(p) => {
+                for from in [1, 2, 7] {
+                    n.on_peer(10, from, p.clone());
+                    let _ = n.take_outputs();
+                }
+            }
+            NetMsg::Req { op, .. } => n.on_client(10, 1, op),
+            NetMsg::Hb(hb) => n.on_heartbeat(10, hb),
+            NetMsg::Hello(_) | NetMsg::HbAck(_) | NetMsg::Resp { .. } => {}
+        }
+        n.tick(1_000_000);
+        let _ = n.take_outputs();
+    }
+});
