@@ -53,6 +53,10 @@ pub struct VolumeRec {
     /// For a `super` child: its parent's name until collapse.
     pub super_parent: Option<String>,
     pub created_unix_ms: u64,
+    /// A `super` child recorded before the tracking shard confirmed it: `Info` does not show
+    /// it (no client may open it yet), and a restarted metadata service finishes or undoes it.
+    #[serde(default)]
+    pub super_pending: bool,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -69,11 +73,18 @@ pub struct MetaState {
     pub map: ClusterMap,
     pub volumes: BTreeMap<String, VolumeRec>,
     pub jobs: Vec<Job>,
+    /// The last [`RECENT_COLLAPSES`] collapses as (child, parent, outcome): a collapse or abort
+    /// retried after its answer was lost (or after a restart) gets the same answer.
+    #[serde(default)]
+    pub collapsed: Vec<(String, String, CollapseOutcome)>,
 }
+
+/// Collapse outcomes [`MetaState::collapsed`] keeps.
+pub const RECENT_COLLAPSES: usize = 16;
 
 impl MetaState {
     pub fn new(replicas: u32) -> Self {
-        MetaState { next_id: 1, map: ClusterMap { epoch: 1, replicas, shards: vec![] }, volumes: BTreeMap::new(), jobs: vec![] }
+        MetaState { next_id: 1, map: ClusterMap { epoch: 1, replicas, shards: vec![] }, volumes: BTreeMap::new(), jobs: vec![], collapsed: vec![] }
     }
 }
 
