@@ -73,18 +73,11 @@ pub struct MetaState {
     pub map: ClusterMap,
     pub volumes: BTreeMap<String, VolumeRec>,
     pub jobs: Vec<Job>,
-    /// The last [`RECENT_COLLAPSES`] collapses as (child, parent, outcome): a collapse or abort
-    /// retried after its answer was lost (or after a restart) gets the same answer.
-    #[serde(default)]
-    pub collapsed: Vec<(String, String, CollapseOutcome)>,
 }
-
-/// Collapse outcomes [`MetaState::collapsed`] keeps.
-pub const RECENT_COLLAPSES: usize = 16;
 
 impl MetaState {
     pub fn new(replicas: u32) -> Self {
-        MetaState { next_id: 1, map: ClusterMap { epoch: 1, replicas, shards: vec![] }, volumes: BTreeMap::new(), jobs: vec![], collapsed: vec![] }
+        MetaState { next_id: 1, map: ClusterMap { epoch: 1, replicas, shards: vec![] }, volumes: BTreeMap::new(), jobs: vec![] }
     }
 }
 

@@ -447,7 +447,6 @@ impl MetaCore {
                 self.next.changed = true;
                 self.next.then.push(Then::AskSuper);
             }
-            Ok(Step::Answer(resp)) => self.reply_now(call, resp),
             Ok(Step::SuperAgain { rec, parent, track }) => {
                 let ask = self.track_ask(track);
                 self.control = Some(Control::SuperAsking { call, rec, parent, ask });
@@ -559,40 +558,16 @@ impl MetaCore {
                 Ok(Step::Super { rec, parent, track })
             }
             MetaReq::Collapse { child } => {
-                let recent = s.collapsed.iter().find(|(n, ..)| *n == child).map(|(.., o)| *o);
-                let c = match (s.volumes.get(&child).cloned(), recent) {
-                    (Some(c), _) if c.super_parent.is_some() => c,
-                    // A retried collapse (its answer was lost, or this service restarted): the
-                    // same answer, changing nothing.
-                    (c, Some(outcome)) => {
-                        let volume = c.filter(|_| outcome == CollapseOutcome::Promoted);
-                        return Ok(Step::Answer(MetaResp::Collapsed { outcome, volume }));
-                    }
-                    (None, None) => return Err(no_volume(&child)),
-                    (Some(_), None) => return Err(format!("volume {child:?} is not a super child: nothing to collapse")),
+                let c = s.volumes.get(&child).cloned().ok_or_else(|| no_volume(&child))?;
+                let Some(parent) = c.super_parent.clone() else {
+                    return Err(format!("volume {child:?} is not a super child: nothing to collapse"));
                 };
-                let parent = c.super_parent.clone().expect("matched above");
                 ensure(!c.super_pending, super_pending(&child))?;
                 ensure(c.vol.parent.is_some(), format!("super child {child:?} names no parent volume"))?;
                 let track = TrackReq::Collapse { table: c.vol.table, child: c.vol.id };
                 Ok(Step::Collapse { child, parent, track })
             }
             MetaReq::Abort { child } => {
-                let recent = s.collapsed.iter().find(|(n, ..)| *n == child).cloned();
-                match (s.volumes.get(&child), recent) {
-                    (Some(c), _) if c.super_parent.is_some() => {}
-                    // A retried abort (its answer was lost, or this service restarted).
-                    (_, Some((_, parent, CollapseOutcome::Rejected))) => {
-                        return match s.volumes.get(&parent) {
-                            Some(p) => Ok(Step::Answer(MetaResp::Volume(p.clone()))),
-                            None => Err(format!("the parent {parent:?} of {child:?} is gone")),
-                        };
-                    }
-                    (_, Some((_, _, CollapseOutcome::Promoted))) => {
-                        return Err(format!("volume {child:?} was promoted by a collapse; a promoted child cannot be aborted"));
-                    }
-                    _ => {}
-                }
                 let c = s.volumes.get(&child).cloned().ok_or_else(|| no_volume(&child))?;
                 let Some(parent) = c.super_parent.clone() else {
                     // A promoted child lives on in its parent's table (a created volume has its own).
@@ -767,10 +742,6 @@ impl MetaCore {
         let s = &mut self.state;
         let Some(parent_id) = s.volumes.get(child).and_then(|c| c.vol.parent) else { return (None, None) };
         s.jobs.push(Job::Gc { table, parent: parent_id, child: child_id, promoted, child_name: Some(child.to_string()) });
-        s.collapsed.retain(|(n, ..)| n != child);
-        s.collapsed.push((child.to_string(), parent.to_string(), outcome));
-        let over = s.collapsed.len().saturating_sub(crate::meta::RECENT_COLLAPSES);
-        s.collapsed.drain(..over);
         self.next.changed = true;
         if promoted {
             // The parent is gone for good; the child is the volume now.
@@ -981,8 +952,6 @@ impl MetaCore {
 
 enum Step {
     Reply(MetaResp),
-    /// An answer that changes nothing (no save).
-    Answer(MetaResp),
     Super { rec: VolumeRec, parent: String, track: TrackReq },
     /// A super retried for a child already recorded: ask the tracking shard again.
     SuperAgain { rec: VolumeRec, parent: String, track: TrackReq },
@@ -1035,7 +1004,7 @@ mod tests {
     }
 
     fn core() -> MetaCore {
-        MetaCore::new(MetaCoreConfig::default(), MetaState { next_id: 1, map: map(), volumes: BTreeMap::new(), jobs: vec![], collapsed: vec![] }, 100)
+        MetaCore::new(MetaCoreConfig::default(), MetaState { next_id: 1, map: map(), volumes: BTreeMap::new(), jobs: vec![] }, 100)
     }
 
     /// Feeds `input`; answers every save with `save_ok`; returns the other outputs.
@@ -1291,11 +1260,9 @@ mod tests {
         assert_eq!(c.durable().volumes.keys().collect::<Vec<_>>(), ["c"]);
         assert!(c.durable().volumes["c"].super_parent.is_none());
         assert!(sent(&outs).iter().any(|(_, m)| matches!(m, Msg::Gc { promoted: true, .. })), "GC starts");
-        // The client's retried collapse gets the outcome; a retried abort says it was promoted.
-        match reply_of(&req(&mut c, 4, MetaReq::Collapse { child: "c".into() }, true), 4) {
-            MetaResp::Collapsed { outcome: CollapseOutcome::Promoted, volume: Some(v) } => assert_eq!(v.name, "c"),
-            other => panic!("{other:?}"),
-        }
+        // The client's retried collapse finds the child promoted (no longer a super child), an
+        // abort says it was promoted.
+        assert!(matches!(reply_of(&req(&mut c, 4, MetaReq::Collapse { child: "c".into() }, true), 4), MetaResp::Err(e) if e.contains("not a super child")));
         assert!(matches!(reply_of(&req(&mut c, 5, MetaReq::Abort { child: "c".into() }, true), 5), MetaResp::Err(e) if e.contains("promoted")));
     }
 }

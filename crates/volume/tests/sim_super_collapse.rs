@@ -227,7 +227,7 @@ impl World {
             reads: vec![],
             next_req: 1 << 48,
             next_value: 1,
-            meta: MetaCore::new(sim_meta_config(), MetaState { next_id: 1, map: meta_map.clone(), volumes: BTreeMap::new(), jobs: vec![], collapsed: vec![] }, 1 << 56),
+            meta: MetaCore::new(sim_meta_config(), MetaState { next_id: 1, map: meta_map.clone(), volumes: BTreeMap::new(), jobs: vec![] }, 1 << 56),
             control: None,
             next_call: 1,
             meta_save_failure,
@@ -241,7 +241,7 @@ impl World {
             parent_refused: vec![],
             log: vec![],
             dumped: 0,
-            meta_disk: MetaState { next_id: 1, map: meta_map, volumes: BTreeMap::new(), jobs: vec![], collapsed: vec![] },
+            meta_disk: MetaState { next_id: 1, map: meta_map, volumes: BTreeMap::new(), jobs: vec![] },
             meta_saving: None,
             meta_gen: 0,
             meta_down: false,
@@ -742,6 +742,11 @@ impl World {
     }
 
     fn start_control(&mut self, kind: ControlKind) {
+        if self.meta_down {
+            // The service is down: the client connects once it is back.
+            self.control_lost = Some(kind);
+            return;
+        }
         let call = self.next_call;
         self.next_call += 1;
         self.control = Some((kind, call));
@@ -784,6 +789,22 @@ impl World {
                 }
                 let at = self.rng.range_u64(100_000, 400_000);
                 self.q.push_after(now, at, Ev::Collapse).unwrap();
+            }
+            (ControlKind::Collapse | ControlKind::Abort, MetaResp::Err(e))
+                if self.meta_crash_step.is_some() && ["not a super child", "no volume named", "was promoted"].iter().any(|m| e.contains(m)) =>
+            {
+                // A collapse or abort retried after the metadata service crashed: the first
+                // attempt took effect (the restarted service recorded it). The client looks the
+                // outcome up, as an operator would with `volume list`.
+                let promoted = self.meta.durable().volumes.get(CHILD_NAME).is_some_and(|c| c.super_parent.is_none());
+                let o = if promoted { CollapseOutcome::Promoted } else { CollapseOutcome::Rejected };
+                self.log.push(format!("{now} {kind:?} retried: {e}; the volumes say {o:?}"));
+                self.collapse_outcome = Some(o);
+                for c in self.clients.iter_mut() {
+                    if c.child != promoted {
+                        c.active = false;
+                    }
+                }
             }
             (ControlKind::Abort, MetaResp::Volume(v)) => {
                 assert_eq!((v.vol.id, v.super_child.as_deref()), (PARENT, None), "abort answered {v:?}");
