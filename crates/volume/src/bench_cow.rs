@@ -58,12 +58,14 @@ pub struct CowOptions {
 impl CowOptions {
     pub fn new(quick: bool) -> Self {
         // Quick: 48 writes per point (six ABBA batches of eight at depth 1, four batches at
-        // depth 32), 2-second IOPS runs; the volumes are then 25 MiB each, which keeps the fill,
+        // depth 32), four rounds of two 2-second IOPS windows; the volumes are then 25 MiB each, which keeps the fill,
         // the settling after it and the removal of the cluster's files short on a shared disk.
         if quick {
             CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 48, iops_seconds: 2, iops_rounds: 4, settle_max_s: 10, shard_pids: vec![] }
         } else {
-            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 2000, iops_seconds: 6, iops_rounds: 10, settle_max_s: 60, shard_pids: vec![] }
+            // Full: 1000 writes per point (five rounds of 200 a variant), ten 6-second IOPS
+            // rounds: ≈ 15 min on a shared 2-core machine (2000 a point took over 20 min there).
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 1000, iops_seconds: 6, iops_rounds: 10, settle_max_s: 60, shard_pids: vec![] }
         }
     }
 
@@ -93,6 +95,8 @@ struct Variants {
     cluster: Arc<Cluster>,
     plain: String,
     base: String,
+    /// The first base's name, from which children are named.
+    base_name: String,
     general_base: String,
     round: usize,
     object_size: u32,
@@ -110,8 +114,10 @@ impl Variants {
     /// Starts a round: a fresh super child and general clone of the base volume.
     async fn begin_round(&mut self, objects: u64, rng: &mut rand::rngs::StdRng) -> anyhow::Result<()> {
         self.round += 1;
-        let child = format!("{}.super-{}", self.base, self.round);
-        let general = format!("{}.general-{}", self.base, self.round);
+        // Named after the first base, not the current one (a promoted child): names stay short
+        // however many rounds run.
+        let child = format!("{}.super-{}", self.base_name, self.round);
+        let general = format!("{}.general-{}", self.base_name, self.round);
         self.meta(MetaReq::Super { parent: self.base.clone(), child: child.clone() }).await?;
         self.meta(MetaReq::CloneGeneral { parent: self.general_base.clone(), child: general.clone() }).await?;
         self.vols = [
@@ -303,7 +309,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     phase = Instant::now();
 
     let plain_volume = PlainVolume { name: plain.clone(), size_bytes };
-    let mut v = Variants { cluster: cluster.clone(), plain, base, general_base, round: 0, object_size: opts.object_size_bytes, fresh: Default::default(), vols: [None, None, None] };
+    let mut v = Variants { cluster: cluster.clone(), plain, base_name: base.clone(), base, general_base, round: 0, object_size: opts.object_size_bytes, fresh: Default::default(), vols: [None, None, None] };
     let mut by_size: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut by_depth: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut samples: Vec<Vec<String>> = vec![];
