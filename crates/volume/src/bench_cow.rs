@@ -58,12 +58,14 @@ pub struct CowOptions {
 impl CowOptions {
     pub fn new(quick: bool) -> Self {
         // Quick: 48 writes per point (six ABBA batches of eight at depth 1, four batches at
-        // depth 32), 2-second IOPS runs; the volumes are then 25 MiB each, which keeps the fill,
+        // depth 32), four rounds of two 2-second IOPS windows; the volumes are then 25 MiB each, which keeps the fill,
         // the settling after it and the removal of the cluster's files short on a shared disk.
         if quick {
-            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 48, iops_seconds: 2, iops_rounds: 2, settle_max_s: 10, shard_pids: vec![] }
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 48, iops_seconds: 2, iops_rounds: 4, settle_max_s: 10, shard_pids: vec![] }
         } else {
-            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 2000, iops_seconds: 10, iops_rounds: 4, settle_max_s: 60, shard_pids: vec![] }
+            // Full: 1000 writes per point (five rounds of 200 a variant), ten 6-second IOPS
+            // rounds: ≈ 15 min on a shared 2-core machine (2000 a point took over 20 min there).
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 1000, iops_seconds: 6, iops_rounds: 10, settle_max_s: 60, shard_pids: vec![] }
         }
     }
 
@@ -93,6 +95,8 @@ struct Variants {
     cluster: Arc<Cluster>,
     plain: String,
     base: String,
+    /// The first base's name, from which children are named.
+    base_name: String,
     general_base: String,
     round: usize,
     object_size: u32,
@@ -110,8 +114,10 @@ impl Variants {
     /// Starts a round: a fresh super child and general clone of the base volume.
     async fn begin_round(&mut self, objects: u64, rng: &mut rand::rngs::StdRng) -> anyhow::Result<()> {
         self.round += 1;
-        let child = format!("{}.super-{}", self.base, self.round);
-        let general = format!("{}.general-{}", self.base, self.round);
+        // Named after the first base, not the current one (a promoted child): names stay short
+        // however many rounds run.
+        let child = format!("{}.super-{}", self.base_name, self.round);
+        let general = format!("{}.general-{}", self.base_name, self.round);
         self.meta(MetaReq::Super { parent: self.base.clone(), child: child.clone() }).await?;
         self.meta(MetaReq::CloneGeneral { parent: self.general_base.clone(), child: general.clone() }).await?;
         self.vols = [
@@ -151,16 +157,20 @@ impl Variants {
 /// Waits until the shards' background disk work has settled: none of them has written a byte
 /// (`write_bytes` of `/proc/PID/io`, counted when pages are dirtied) for [`SETTLE_QUIET_MS`].
 /// Gives up after `max_s` seconds (the point is then measured anyway). Returns seconds waited.
+/// Bytes the processes `pids` have written to storage so far (`write_bytes` of `/proc/PID/io`),
+/// or `None` if one cannot be read.
+fn written_bytes(pids: &[u32]) -> Option<u64> {
+    pids.iter()
+        .map(|pid| {
+            let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+            io.lines().find_map(|l| l.strip_prefix("write_bytes:")).and_then(|v| v.trim().parse::<u64>().ok())
+        })
+        .sum()
+}
+
 pub async fn settle(pids: &[u32], max_s: u64) -> f64 {
     let start = Instant::now();
-    let written = || -> Option<u64> {
-        pids.iter()
-            .map(|pid| {
-                let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
-                io.lines().find_map(|l| l.strip_prefix("write_bytes:")).and_then(|v| v.trim().parse::<u64>().ok())
-            })
-            .sum()
-    };
+    let written = || written_bytes(pids);
     let Some(mut last) = written() else { return 0.0 };
     let mut quiet_since = Instant::now();
     while quiet_since.elapsed() < Duration::from_millis(SETTLE_QUIET_MS) && start.elapsed() < Duration::from_secs(max_s) {
@@ -220,26 +230,43 @@ async fn write_batches(
     Ok(lat)
 }
 
-/// Random 4 KiB writes at `depth` for `seconds`; returns completed writes per second.
-async fn iops(vol: &Volume, seconds: u64, depth: usize, seed: u64) -> anyhow::Result<f64> {
+/// What one window of the parent-IOPS experiment (d) measured.
+struct IopsWindow {
+    ops_per_s: f64,
+    /// Completions per [`TIMELINE_BUCKET_MS`] since the window's start.
+    timeline: bench::WindowedCounter,
+    latency: LatencyRecorder,
+}
+
+/// Buckets of the parent-IOPS timelines: fine enough to see the cost of one super / collapse.
+const TIMELINE_BUCKET_MS: u64 = 10;
+
+/// Random 4 KiB writes at `depth` for `seconds` from `start`; returns completed writes per
+/// second, their timeline and latencies.
+async fn iops(vol: &Volume, start: Instant, seconds: u64, depth: usize, seed: u64) -> anyhow::Result<IopsWindow> {
     let size = vol.size_bytes();
-    let start = Instant::now();
     let end = start + Duration::from_secs(seconds);
     let workers = (0..depth).map(|w| async move {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ w as u64);
-        let mut n = 0u64;
+        let mut timeline = bench::WindowedCounter::new(Duration::from_millis(TIMELINE_BUCKET_MS));
+        let mut latency = LatencyRecorder::default();
         while Instant::now() < end {
             let offset = rng.gen_range(0..size / 4096) * 4096;
+            let t = Instant::now();
             vol.write(offset, vec![0x5a; 4096]).await.map_err(|e| anyhow::anyhow!("benchmark write failed: {e}"))?;
-            n += 1;
+            latency.record(t.elapsed());
+            timeline.record(start.elapsed());
         }
-        anyhow::Ok(n)
+        anyhow::Ok((timeline, latency))
     });
-    let mut total = 0;
+    let mut timeline = bench::WindowedCounter::new(Duration::from_millis(TIMELINE_BUCKET_MS));
+    let mut latency = LatencyRecorder::default();
     for r in futures::future::join_all(workers).await {
-        total += r?;
+        let (t, l) = r?;
+        timeline.merge(&t);
+        latency.merge(&l);
     }
-    Ok(total as f64 / start.elapsed().as_secs_f64())
+    Ok(IopsWindow { ops_per_s: timeline.count() as f64 / start.elapsed().as_secs_f64(), timeline, latency })
 }
 
 /// The filled plain volume the experiment leaves behind (every object written), for the fio
@@ -282,7 +309,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     phase = Instant::now();
 
     let plain_volume = PlainVolume { name: plain.clone(), size_bytes };
-    let mut v = Variants { cluster: cluster.clone(), plain, base, general_base, round: 0, object_size: opts.object_size_bytes, fresh: Default::default(), vols: [None, None, None] };
+    let mut v = Variants { cluster: cluster.clone(), plain, base_name: base.clone(), base, general_base, round: 0, object_size: opts.object_size_bytes, fresh: Default::default(), vols: [None, None, None] };
     let mut by_size: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut by_depth: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut samples: Vec<Vec<String>> = vec![];
@@ -328,29 +355,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     phase = Instant::now();
 
     // (d) parent IOPS at depth 32 with super invoked every second, against none.
-    let mut iops_plain = vec![];
-    let mut iops_super = vec![];
-    let mut control = ControlLatency::default();
-    let mut progress = Progress::new((opts.iops_rounds * 2) as u64, "parent IOPS, super every second");
-    for variant in bench::interleaved_order(opts.iops_rounds, 2) {
-        settle_s += settle(&opts.shard_pids, opts.settle_max_s).await;
-        let vol = cluster.open(&v.base).await?;
-        let seed = rng.gen();
-        if variant == 0 {
-            iops_plain.push(iops(&vol, opts.iops_seconds, 32, seed).await?);
-        } else {
-            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let supers = tokio::spawn(super_every_second(cluster.clone(), v.base.clone(), stop.clone()));
-            let r = iops(&vol, opts.iops_seconds, 32, seed).await;
-            stop.store(true, std::sync::atomic::Ordering::Relaxed);
-            let cycles = supers.await??;
-            iops_super.push(r?);
-            anyhow::ensure!(cycles.cycles > 0, "no super cycle completed during the IOPS run");
-            control.merge(&cycles);
-        }
-        progress.inc(1);
-    }
-    progress.finish();
+    let d = parent_iops(&cluster, &v.base, opts, &mut rng, &mut settle_s, out).await?;
     wait_for_jobs(&cluster).await?;
     report.figure("phase.parent_iops_s", phase.elapsed().as_secs_f64())?;
 
@@ -366,13 +371,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
             report.latency(&format!("{name}.write_4k.depth{depth}.latency"), &by_depth[&(i, depth as u32)].summary())?;
         }
     }
-    let avg = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
-    report.figure("plain.parent.write_4k.depth32.iops", avg(&iops_plain))?;
-    // `super` and `collapse` as the metadata service's clients see them, while the parent
-    // writes at depth 32 (so every super registers a child of a busy volume).
-    report.latency("super_every_1s.super.latency", &control.super_.summary())?;
-    report.latency("super_every_1s.collapse.latency", &control.collapse.summary())?;
-    report.figure("super_every_1s.parent.write_4k.depth32.iops", avg(&iops_super))?;
+    d.report(report)?;
     // Depth 1 of (a) and (b) measure the same thing (single 4 KiB writes to uncopied objects,
     // after the shards settled): the ratio takes the samples of both.
     let both = |variant: usize| {
@@ -398,7 +397,6 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     report.ratio("super_vs_plain.write_4k.depth32.latency", mean(&by_depth, (1, 32)), mean(&by_depth, (0, 32)))?;
     report.ratio("general_vs_super.write_4k.depth32.latency", mean(&by_depth, (2, 32)), mean(&by_depth, (1, 32)))?;
     report.ratio("general_vs_super.write_4k.depth1.latency", mean(&by_size, (2, 4096)), mean(&by_size, (1, 4096)))?;
-    report.ratio("plain_vs_super_every_1s.parent.iops", avg(&iops_plain), avg(&iops_super))?;
     for (i, name) in VARIANTS.iter().enumerate() {
         report.ratio(&format!("{name}.write_4k.depth32_vs_depth1.latency"), mean(&by_depth, (i, 32)), mean(&by_depth, (i, 1)))?;
     }
@@ -424,12 +422,16 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     Ok(plain_volume)
 }
 
-/// Cycles of [`super_every_second`] and the latency of its control requests.
+/// Cycles of [`super_every_second`], the latency of its control requests, and when each step
+/// ran (offsets from the start of the IOPS window).
 #[derive(Default)]
 struct ControlLatency {
     cycles: u64,
     super_: LatencyRecorder,
     collapse: LatencyRecorder,
+    /// `(step, from, to)`: `super` (request to reply), `collapse_gc` (collapse request to the
+    /// end of garbage collection).
+    steps: Vec<(&'static str, Duration, Duration)>,
 }
 
 impl ControlLatency {
@@ -441,9 +443,9 @@ impl ControlLatency {
 }
 
 /// Every second: `super` the volume, then collapse the child a second later (the parent keeps
-/// writing, so it is rejected and discarded). Returns the cycles completed and the latencies of
-/// `super` and `collapse`.
-async fn super_every_second(cluster: Arc<Cluster>, base: String, stop: Arc<std::sync::atomic::AtomicBool>) -> anyhow::Result<ControlLatency> {
+/// writing, so it is rejected and discarded). Returns the cycles completed, the latencies of
+/// `super` and `collapse`, and when each step ran relative to `start`.
+async fn super_every_second(cluster: Arc<Cluster>, base: String, start: Instant, stop: Arc<std::sync::atomic::AtomicBool>) -> anyhow::Result<ControlLatency> {
     let mut lat = ControlLatency::default();
     let mut n = 0;
     let parent = cluster.open(&base).await?;
@@ -453,6 +455,7 @@ async fn super_every_second(cluster: Arc<Cluster>, base: String, stop: Arc<std::
         let t = Instant::now();
         cluster.meta(MetaReq::Super { parent: base.clone(), child: child.clone() }).await?;
         lat.super_.record(t.elapsed());
+        lat.steps.push(("super", t - start, start.elapsed()));
         tokio::time::sleep(Duration::from_secs(1).saturating_sub(t.elapsed())).await;
         // The benchmark's writers may not have had a write acknowledged since `super` returned
         // (on a loaded machine `super` can take the whole second): one parent write of our own
@@ -465,7 +468,184 @@ async fn super_every_second(cluster: Arc<Cluster>, base: String, stop: Arc<std::
         }
         lat.collapse.record(t.elapsed());
         wait_for_jobs(&cluster).await?;
+        lat.steps.push(("collapse_gc", t - start, start.elapsed()));
         lat.cycles += 1;
     }
     Ok(lat)
+}
+
+/// The steps of a super cycle whose cost (d) attributes, and the rest of a window.
+const STEPS: [&str; 3] = ["super", "collapse_gc", "between"];
+
+/// What the parent-IOPS experiment (d) measured: each round's two windows, and where the
+/// super windows lost writes.
+#[derive(Default)]
+struct ParentIops {
+    plain: Vec<f64>,
+    supers: Vec<f64>,
+    control: ControlLatency,
+    plain_latency: LatencyRecorder,
+    super_latency: LatencyRecorder,
+    /// Writes the super windows completed fewer than their round's plain window would have in
+    /// the same time, per step of the cycle, and the writes that window would have completed.
+    lost: [f64; 3],
+    expected: f64,
+    /// Bytes the shards wrote to storage in the plain and the super windows, and the parent
+    /// writes of those windows (0 bytes when `/proc/PID/io` cannot be read).
+    disk_bytes: [u64; 2],
+    writes: [u64; 2],
+}
+
+/// Runs (d): `opts.iops_rounds` rounds, each a plain window and a super-every-second window of
+/// `opts.iops_seconds` back to back (ABBA: every other round starts with the super window), so a
+/// round's two windows see the same machine. A round's ratio is its plain IOPS over its super
+/// IOPS; the figure is the median of the rounds' ratios, which one stall of the shared machine
+/// in one window cannot move. Writes the per-10 ms timelines and the cycle steps as CSV.
+async fn parent_iops(
+    cluster: &Arc<Cluster>,
+    base: &str,
+    opts: &CowOptions,
+    rng: &mut rand::rngs::StdRng,
+    settle_s: &mut f64,
+    out: &Path,
+) -> anyhow::Result<ParentIops> {
+    let mut d = ParentIops::default();
+    let mut timeline_rows = vec![];
+    let mut step_rows = vec![];
+    let mut progress = Progress::new((opts.iops_rounds * 2) as u64, "parent IOPS, super every second");
+    for round in 0..opts.iops_rounds {
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        let mut windows: [Option<IopsWindow>; 2] = [None, None];
+        let mut steps = vec![];
+        for variant in order {
+            *settle_s += settle(&opts.shard_pids, opts.settle_max_s).await;
+            let vol = cluster.open(base).await?;
+            let seed = rng.gen();
+            let disk_before = written_bytes(&opts.shard_pids);
+            let start = Instant::now();
+            let mut disk_after = None;
+            let w = if variant == 0 {
+                let w = iops(&vol, start, opts.iops_seconds, 32, seed).await?;
+                disk_after = written_bytes(&opts.shard_pids);
+                w
+            } else {
+                let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let supers = tokio::spawn(super_every_second(cluster.clone(), base.to_string(), start, stop.clone()));
+                let r = iops(&vol, start, opts.iops_seconds, 32, seed).await;
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                if r.is_ok() {
+                    disk_after = written_bytes(&opts.shard_pids);
+                }
+                // The cycle under way ends (its collapse and GC) before the next window.
+                let mut cycles = supers.await??;
+                let w = r?;
+                anyhow::ensure!(cycles.cycles > 0, "no super cycle completed during the IOPS run");
+                steps = std::mem::take(&mut cycles.steps);
+                d.control.merge(&cycles);
+                w
+            };
+            if let (Some(a), Some(b)) = (disk_before, disk_after) {
+                d.disk_bytes[variant] += b.saturating_sub(a);
+            }
+            d.writes[variant] += w.timeline.count();
+            for (i, rate) in w.timeline.ops_per_s().iter().enumerate() {
+                let t_ms = i as u64 * TIMELINE_BUCKET_MS;
+                timeline_rows.push(vec![round.to_string(), ["plain", "super_every_1s"][variant].into(), t_ms.to_string(), format!("{rate:.0}")]);
+            }
+            windows[variant] = Some(w);
+            progress.inc(1);
+        }
+        let [Some(plain), Some(sup)] = windows else { unreachable!("both windows ran") };
+        // Where the super window lost writes: per step, the plain window's rate over the step's
+        // time minus what the super window completed in it.
+        let bucket = Duration::from_millis(TIMELINE_BUCKET_MS);
+        let window = Duration::from_secs(opts.iops_seconds);
+        let counts = sup.timeline.ops_per_s().iter().map(|r| r * bucket.as_secs_f64()).collect::<Vec<f64>>();
+        let mut step_of = vec![2usize; window.as_millis().div_ceil(bucket.as_millis()) as usize];
+        for (name, from, to) in &steps {
+            let k = STEPS.iter().position(|s| s == name).expect("a known step");
+            // A super's permission round trips follow its reply: its step runs 100 ms longer.
+            let to = if *name == "super" { *to + Duration::from_millis(100) } else { *to };
+            let (a, b) = ((from.as_millis() / bucket.as_millis()) as usize, to.as_millis().div_ceil(bucket.as_millis()) as usize);
+            for s in step_of.iter_mut().take(b).skip(a) {
+                *s = (*s).min(k);
+            }
+            step_rows.push(vec![round.to_string(), name.to_string(), from.as_millis().to_string(), to.as_millis().to_string()]);
+        }
+        let per_bucket = plain.ops_per_s * bucket.as_secs_f64();
+        let mut lost = [0.0; 3];
+        for (i, &k) in step_of.iter().enumerate() {
+            lost[k] += per_bucket - counts.get(i).copied().unwrap_or(0.0);
+        }
+        let expected = per_bucket * step_of.len() as f64;
+        eprintln!(
+            "round {round}: plain {:.0} IOPS, super every 1 s {:.0} IOPS (plain/super {:.3}); super window lost {:.1}% in super steps, {:.1}% in collapse+GC, {:.1}% between",
+            plain.ops_per_s,
+            sup.ops_per_s,
+            plain.ops_per_s / sup.ops_per_s,
+            100.0 * lost[0] / expected,
+            100.0 * lost[1] / expected,
+            100.0 * lost[2] / expected,
+        );
+        for (t, l) in d.lost.iter_mut().zip(lost) {
+            *t += l;
+        }
+        d.expected += expected;
+        d.plain.push(plain.ops_per_s);
+        d.supers.push(sup.ops_per_s);
+        d.plain_latency.merge(&plain.latency);
+        d.super_latency.merge(&sup.latency);
+    }
+    progress.finish();
+    bench::write_csv(&out.join("parent_iops_timeline.csv"), &["round", "variant", "t_ms", "ops_per_s"], timeline_rows)?;
+    bench::write_csv(&out.join("parent_iops_steps.csv"), &["round", "step", "from_ms", "to_ms"], step_rows)?;
+    Ok(d)
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+impl ParentIops {
+    fn report(&self, report: &mut Report) -> anyhow::Result<()> {
+        let avg = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+        report.figure("plain.parent.write_4k.depth32.iops", avg(&self.plain))?;
+        report.figure("super_every_1s.parent.write_4k.depth32.iops", avg(&self.supers))?;
+        report.figure("super_every_1s.rounds.count", self.plain.len() as f64)?;
+        report.figure("super_every_1s.cycles.count", self.control.cycles as f64)?;
+        report.latency("plain.parent.write_4k.depth32.latency", &self.plain_latency.summary())?;
+        report.latency("super_every_1s.parent.write_4k.depth32.latency", &self.super_latency.summary())?;
+        // `super` and `collapse` as the metadata service's clients see them, while the parent
+        // writes at depth 32 (so every super registers a child of a busy volume).
+        report.latency("super_every_1s.super.latency", &self.control.super_.summary())?;
+        report.latency("super_every_1s.collapse.latency", &self.control.collapse.summary())?;
+        let ratios: Vec<f64> = self.plain.iter().zip(&self.supers).map(|(p, s)| p / s).collect();
+        for (i, (p, s)) in self.plain.iter().zip(&self.supers).enumerate() {
+            report.figure(&format!("plain.parent.round{i}.write_4k.depth32.iops"), *p)?;
+            report.figure(&format!("super_every_1s.parent.round{i}.write_4k.depth32.iops"), *s)?;
+            report.ratio(&format!("plain_vs_super_every_1s.parent.round{i}.iops"), *p, *s)?;
+        }
+        // The median of the rounds' ratios (each from two adjacent windows), as a ratio over 1.
+        // Plain over super, as named: above 1 the parent loses IOPS to the super cycles.
+        report.ratio("plain_vs_super_every_1s.parent.iops", median(&ratios), 1.0)?;
+        // The same the other way up (the parent's IOPS with super every second as a share of
+        // its plain IOPS), for reading "within 5%" as ≥ 0.95.
+        let inverse: Vec<f64> = ratios.iter().map(|r| 1.0 / r).collect();
+        report.ratio("super_every_1s_vs_plain.parent.iops", median(&inverse), 1.0)?;
+        for (v, name) in ["plain", "super_every_1s"].iter().enumerate() {
+            if self.writes[v] > 0 && self.disk_bytes[v] > 0 {
+                report.figure(&format!("{name}.parent.shard_disk_write_per_write_bytes"), self.disk_bytes[v] as f64 / self.writes[v] as f64)?;
+            }
+        }
+        for (k, name) in STEPS.iter().enumerate() {
+            report.figure(&format!("super_every_1s.parent.lost_writes.{name}_percent"), 100.0 * self.lost[k] / self.expected)?;
+        }
+        Ok(())
+    }
 }

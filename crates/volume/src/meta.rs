@@ -53,6 +53,10 @@ pub struct VolumeRec {
     /// For a `super` child: its parent's name until collapse.
     pub super_parent: Option<String>,
     pub created_unix_ms: u64,
+    /// A `super` child recorded before the tracking shard confirmed it: `Info` does not show
+    /// it (no client may open it yet), and a restarted metadata service finishes or undoes it.
+    #[serde(default)]
+    pub super_pending: bool,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]

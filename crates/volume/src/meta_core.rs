@@ -18,6 +18,16 @@
 //!
 //! Control operations that change volumes run one at a time, in arrival order; garbage
 //! collection and delete jobs run beside them, one job at a time.
+//!
+//! Crashes: the service may stop at any step and restart from its saved state ([`MetaCore::new`]).
+//! A `super` child is recorded *pending* before the tracking shard hears of it and made visible
+//! only once the tracking shard confirmed it; a `collapse` is decided on the tracking shard
+//! before it is recorded here. So a restart can find a pending child (the tracking shard may or
+//! may not know it) or a child whose collapse the tracking shard decided. Before serving other
+//! control requests, the restarted core *resumes* every super child: it asks the tracking shard
+//! to register it again (idempotent), which answers "tracked" (the super is finished: the child
+//! becomes visible), the collapse's outcome (the collapse is recorded and its garbage collection
+//! starts), or a refusal (a pending child is undone). No orphan child survives a restart.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -98,6 +108,14 @@ impl TrackReq {
     }
 }
 
+/// Why a tracking request ended without an answer: `refused` (the tracking shard said no, for
+/// good) or not (no answer before the deadline: it may or may not have acted).
+#[derive(Debug, Clone)]
+struct TrackErr {
+    refused: bool,
+    msg: String,
+}
+
 /// One request to the tracking shard in flight: resent on silence, retried on retryable errors.
 #[derive(Debug, Clone)]
 struct TrackAsk {
@@ -128,10 +146,13 @@ enum Control {
     SuperRecording { call: CallId, rec: VolumeRec, parent: String, track: TrackReq },
     SuperAsking { call: CallId, rec: VolumeRec, parent: String, ask: TrackAsk },
     /// An abort marking the superposition written; then it collapses (`abort` set).
-    AbortMarking { call: CallId, child: String, parent: String, parent_id: VolId, collapse: TrackReq, ask: TrackAsk },
+    AbortMarking { call: CallId, child: String, parent: String, collapse: TrackReq, ask: TrackAsk },
     /// `abort`: the request was an abort, which answers the parent's record (or an error if
     /// the collapse had already promoted the child).
-    CollapseAsking { call: CallId, child: String, parent: String, parent_id: VolId, ask: TrackAsk, abort: bool },
+    CollapseAsking { call: CallId, child: String, parent: String, ask: TrackAsk, abort: bool },
+    /// A restart (or a failed save) left this super child unconfirmed: asks the tracking shard
+    /// to register it again and finishes or undoes what was half done.
+    Resuming { child: String, parent: String, ask: TrackAsk },
     /// Waiting for a save; the reply is released with it.
     Saving,
 }
@@ -176,6 +197,8 @@ pub struct MetaCore {
     next: Batch,
     control: Option<Control>,
     queue: VecDeque<(CallId, MetaReq)>,
+    /// Super children to resume before other control requests, each not before its time.
+    resume: VecDeque<(String, u64)>,
     job: Option<JobRun>,
     next_req: ReqId,
     out: Vec<MetaOutput>,
@@ -186,7 +209,10 @@ impl MetaCore {
     /// request id, different for every run so a late reply to an earlier run is never taken for
     /// one of this run.
     pub fn new(cfg: MetaCoreConfig, state: MetaState, req_base: ReqId) -> Self {
-        MetaCore {
+        // Every super child of the saved state: its super may be half done (pending) or its
+        // collapse decided on the tracking shard but not recorded here.
+        let resume = state.volumes.values().filter(|v| v.super_parent.is_some()).map(|v| (v.name.clone(), 0)).collect();
+        let mut core = MetaCore {
             cfg,
             now_us: 0,
             unix_ms: 0,
@@ -197,10 +223,13 @@ impl MetaCore {
             next: Batch::default(),
             control: None,
             queue: VecDeque::new(),
+            resume: VecDeque::new(),
             job: None,
             next_req: req_base,
             out: vec![],
-        }
+        };
+        core.resume = resume;
+        core
     }
 
     /// The durable state: what replies and the cluster map as pushed to shards rest on.
@@ -210,7 +239,13 @@ impl MetaCore {
 
     /// Whether nothing is in progress (no control operation, job, save or queued request).
     pub fn is_idle(&self) -> bool {
-        self.control.is_none() && self.job.is_none() && self.saving.is_none() && !self.next.changed && self.queue.is_empty() && self.state.jobs.is_empty()
+        self.control.is_none()
+            && self.job.is_none()
+            && self.saving.is_none()
+            && !self.next.changed
+            && self.queue.is_empty()
+            && self.resume.is_empty()
+            && self.state.jobs.is_empty()
     }
 
     pub fn handle(&mut self, input: MetaInput) -> Vec<MetaOutput> {
@@ -234,6 +269,9 @@ impl MetaCore {
                     }
                 }
             }
+        }
+        if self.control.is_none() {
+            self.end_control();
         }
         self.maybe_start_job();
         self.flush();
@@ -338,12 +376,36 @@ impl MetaCore {
         self.out.push(MetaOutput::Reply { call, resp });
     }
 
+    /// Ends the control operation and starts the next: a super child to resume (when due),
+    /// else the next queued request.
     fn end_control(&mut self) {
         self.control = None;
+        // No control runs now, so no super is in flight: a pending child left by a failed save
+        // is resumed like one found at a restart.
+        let pending: Vec<String> = self.state.volumes.values().filter(|v| v.super_pending).map(|v| v.name.clone()).collect();
+        for name in pending {
+            if !self.resume.iter().any(|(n, _)| *n == name) {
+                self.resume.push_back((name, self.now_us + self.cfg.retry_after_us));
+            }
+        }
         while self.control.is_none() {
+            if self.resume.front().is_some_and(|(_, at)| *at <= self.now_us) {
+                let (child, _) = self.resume.pop_front().unwrap();
+                self.start_resume(child);
+                continue;
+            }
             let Some((call, req)) = self.queue.pop_front() else { break };
             self.start_control(call, req);
         }
+    }
+
+    /// Asks the tracking shard to register `child` again (see the module documentation).
+    fn start_resume(&mut self, child: String) {
+        let Some(c) = self.state.volumes.get(&child).cloned() else { return };
+        let (Some(parent), Some(parent_id)) = (c.super_parent.clone(), c.vol.parent) else { return };
+        tracing::info!(child, pending = c.super_pending, "resuming a super child");
+        let ask = self.track_ask(TrackReq::Super { table: c.vol.table, parent: parent_id, child: c.vol.id });
+        self.control = Some(Control::Resuming { child, parent, ask });
     }
 
     // ---- requests -----------------------------------------------------------------------------
@@ -355,6 +417,7 @@ impl MetaCore {
             MetaReq::List => self.reply_now(call, MetaResp::Volumes(d.volumes.values().cloned().collect())),
             MetaReq::Info { name } => {
                 let r = match d.volumes.get(&name) {
+                    Some(v) if v.super_pending => MetaResp::Err(super_pending(&name)),
                     Some(v) => MetaResp::Volume(v.clone()),
                     None => MetaResp::Err(no_volume(&name)),
                 };
@@ -384,13 +447,17 @@ impl MetaCore {
                 self.next.changed = true;
                 self.next.then.push(Then::AskSuper);
             }
-            Ok(Step::Collapse { child, parent, parent_id, track }) => {
+            Ok(Step::SuperAgain { rec, parent, track }) => {
                 let ask = self.track_ask(track);
-                self.control = Some(Control::CollapseAsking { call, child, parent, parent_id, ask, abort: false });
+                self.control = Some(Control::SuperAsking { call, rec, parent, ask });
             }
-            Ok(Step::Abort { child, parent, parent_id, mark, collapse }) => {
+            Ok(Step::Collapse { child, parent, track }) => {
+                let ask = self.track_ask(track);
+                self.control = Some(Control::CollapseAsking { call, child, parent, ask, abort: false });
+            }
+            Ok(Step::Abort { child, parent, mark, collapse }) => {
                 let ask = self.track_ask(mark);
-                self.control = Some(Control::AbortMarking { call, child, parent, parent_id, collapse, ask });
+                self.control = Some(Control::AbortMarking { call, child, parent, collapse, ask });
             }
             Err(e) => self.reply_now(call, MetaResp::Err(e)),
         }
@@ -419,6 +486,7 @@ impl MetaCore {
                     super_child: None,
                     super_parent: None,
                     created_unix_ms: now_ms,
+                    super_pending: false,
                 };
                 s.volumes.insert(name, rec.clone());
                 Ok(Step::Reply(MetaResp::Volume(rec)))
@@ -447,10 +515,22 @@ impl MetaCore {
             MetaReq::Super { parent, child } => {
                 validate_name(&child)?;
                 let p = s.volumes.get(&parent).cloned().ok_or_else(|| no_volume(&parent))?;
+                if let Some(c) = s.volumes.get(&child).filter(|c| c.super_parent.as_ref() == Some(&parent)) {
+                    // A retried super (its reply was lost, or the service restarted): ask the
+                    // tracking shard again, which is idempotent, and answer the same child.
+                    let track = TrackReq::Super { table: c.vol.table, parent: p.vol.id, child: c.vol.id };
+                    return Ok(Step::SuperAgain { rec: c.clone(), parent, track });
+                }
                 ensure(!s.volumes.contains_key(&child), format!("a volume named {child:?} already exists"))?;
                 ensure(p.super_child.is_none(), format!("volume {parent:?} already has a super child; collapse it first"))?;
                 ensure(p.super_parent.is_none(), format!("volume {parent:?} is itself a super child; collapse it first"))?;
                 ensure(p.vol.parent.is_none(), format!("volume {parent:?} is still being garbage-collected; retry shortly"))?;
+                // The tracking shard refuses a new super until the last one's garbage collection
+                // ended it: refuse here, without recording and undoing a child.
+                ensure(
+                    !s.jobs.iter().any(|j| matches!(j, Job::Gc { table, .. } if *table == p.vol.table)),
+                    format!("the last super child of {parent:?} is still being garbage-collected; retry shortly"),
+                )?;
                 ensure(p.layout == Layout::Plain, "super needs a plain volume".into())?;
                 // A promoting collapse retires the parent and hands its objects to the child,
                 // which would leave a general clone reading through to a retired volume.
@@ -458,8 +538,8 @@ impl MetaCore {
                     !s.volumes.values().any(|v| matches!(&v.layout, Layout::GeneralClone { parent: gp } if gp.id == p.vol.id)),
                     format!("volume {parent:?} has general clones, which a promoting collapse would break; delete them first"),
                 )?;
-                // Record the child first: if we crash before the tracking shard knows it, the
-                // child is an orphan that collapse reports as "not a super child".
+                // Record the child first, pending: if we crash before the tracking shard knows
+                // it, the restarted core finishes or undoes the super (see `start_resume`).
                 let child_id = s.next_id;
                 s.next_id += 1;
                 let rec = VolumeRec {
@@ -470,6 +550,7 @@ impl MetaCore {
                     super_child: None,
                     super_parent: Some(parent.clone()),
                     created_unix_ms: now_ms,
+                    super_pending: true,
                 };
                 s.volumes.insert(child.clone(), rec.clone());
                 s.volumes.get_mut(&parent).expect("checked above").super_child = Some(child);
@@ -481,9 +562,10 @@ impl MetaCore {
                 let Some(parent) = c.super_parent.clone() else {
                     return Err(format!("volume {child:?} is not a super child: nothing to collapse"));
                 };
-                let parent_id = c.vol.parent.ok_or_else(|| format!("super child {child:?} names no parent volume"))?;
+                ensure(!c.super_pending, super_pending(&child))?;
+                ensure(c.vol.parent.is_some(), format!("super child {child:?} names no parent volume"))?;
                 let track = TrackReq::Collapse { table: c.vol.table, child: c.vol.id };
-                Ok(Step::Collapse { child, parent, parent_id, track })
+                Ok(Step::Collapse { child, parent, track })
             }
             MetaReq::Abort { child } => {
                 let c = s.volumes.get(&child).cloned().ok_or_else(|| no_volume(&child))?;
@@ -494,10 +576,11 @@ impl MetaCore {
                     }
                     return Err(format!("volume {child:?} is not a super child: nothing to abort"));
                 };
+                ensure(!c.super_pending, super_pending(&child))?;
                 let parent_id = c.vol.parent.ok_or_else(|| format!("super child {child:?} names no parent volume"))?;
                 let mark = TrackReq::Permission { table: c.vol.table, parent: parent_id };
                 let collapse = TrackReq::Collapse { table: c.vol.table, child: c.vol.id };
-                Ok(Step::Abort { child, parent, parent_id, mark, collapse })
+                Ok(Step::Abort { child, parent, mark, collapse })
             }
             MetaReq::CloneGeneral { parent, child } => {
                 validate_name(&child)?;
@@ -515,6 +598,7 @@ impl MetaCore {
                     super_child: None,
                     super_parent: None,
                     created_unix_ms: now_ms,
+                    super_pending: false,
                 };
                 s.volumes.insert(child, rec.clone());
                 Ok(Step::Reply(MetaResp::Volume(rec)))
@@ -548,7 +632,7 @@ impl MetaCore {
     }
 
     /// What to do with a reply (or silence) of the tracking shard: `Some(result)` ends the ask.
-    fn track_result(&mut self, ask: &mut TrackAsk, result: Result<ReplyBody, IoErr>) -> Option<Result<ReplyBody, String>> {
+    fn track_result(&mut self, ask: &mut TrackAsk, result: Result<ReplyBody, IoErr>) -> Option<Result<ReplyBody, TrackErr>> {
         match result {
             Ok(body) => Some(Ok(body)),
             Err(e) if e.is_retryable() && self.now_us < ask.deadline_us => {
@@ -557,58 +641,47 @@ impl MetaCore {
                 ask.req = 0;
                 None
             }
-            Err(e) => Some(Err(format!("tracking shard: {e}"))),
+            Err(e) => Some(Err(TrackErr { refused: !e.is_retryable(), msg: format!("tracking shard: {e}") })),
         }
     }
 
-    fn on_track_done(&mut self, result: Result<ReplyBody, String>) {
+    fn on_track_done(&mut self, result: Result<ReplyBody, TrackErr>) {
         match self.control.take() {
-            Some(Control::SuperAsking { call, rec, parent, .. }) => match result {
-                Ok(_) => {
-                    self.reply_now(call, MetaResp::Volume(rec));
-                    self.end_control();
+            Some(Control::SuperAsking { call, rec, parent, .. }) => {
+                let resp = match self.settle_super(&rec.name, &parent, result) {
+                    Ok(rec) => MetaResp::Volume(rec),
+                    Err(e) => MetaResp::Err(e),
+                };
+                self.control = Some(Control::Saving);
+                self.reply_after_save(call, resp);
+                self.next.then.push(Then::EndControl);
+            }
+            Some(Control::Resuming { child, parent, .. }) => {
+                if let Err(TrackErr { refused: false, msg }) = &result {
+                    // The tracking shard cannot be reached yet: try again later (other control
+                    // requests run meanwhile; the child stays pending or superposed).
+                    tracing::warn!(child, "cannot resume the super child yet: {msg}");
+                    self.resume.push_back((child, self.now_us + self.cfg.retry_after_us * 20));
+                    return self.end_control();
                 }
-                Err(e) => {
-                    // Undo: nothing tracks the child; the parent stays as it was.
-                    self.state.volumes.remove(&rec.name);
-                    if let Some(p) = self.state.volumes.get_mut(&parent) {
-                        p.super_child = None;
-                    }
-                    self.control = Some(Control::Saving);
-                    self.next.changed = true;
-                    self.reply_after_save(call, MetaResp::Err(format!("super failed: {e}")));
-                    self.next.then.push(Then::EndControl);
+                if let Err(e) = self.settle_super(&child, &parent, result) {
+                    tracing::info!(child, "resumed super child: {e}");
                 }
-            },
-            Some(Control::AbortMarking { call, child, parent, parent_id, collapse, .. }) => match result {
+                self.control = Some(Control::Saving);
+                self.next.then.push(Then::EndControl);
+            }
+            Some(Control::AbortMarking { call, child, parent, collapse, .. }) => match result {
                 Ok(ReplyBody::Granted(_)) => {
                     let ask = self.track_ask(collapse);
-                    self.control = Some(Control::CollapseAsking { call, child, parent, parent_id, ask, abort: true });
+                    self.control = Some(Control::CollapseAsking { call, child, parent, ask, abort: true });
                 }
                 other => self.control_failed(call, other),
             },
-            Some(Control::CollapseAsking { call, child, parent, parent_id, ask, abort }) => match result {
+            Some(Control::CollapseAsking { call, child, parent, ask, abort, .. }) => match result {
                 Ok(ReplyBody::Collapse(outcome)) => {
                     let TrackReq::Collapse { table, child: child_id } = ask.what else { unreachable!() };
+                    let (volume, parent_rec) = self.record_collapse(&child, &parent, table, child_id, outcome);
                     let promoted = outcome == CollapseOutcome::Promoted;
-                    let s = &mut self.state;
-                    s.jobs.push(Job::Gc { table, parent: parent_id, child: child_id, promoted, child_name: Some(child.clone()) });
-                    let (volume, parent_rec) = if promoted {
-                        // The parent is gone for good; the child is the volume now.
-                        s.volumes.remove(&parent);
-                        let volume = s.volumes.get_mut(&child).map(|rec| {
-                            rec.super_parent = None;
-                            rec.clone()
-                        });
-                        (volume, None)
-                    } else {
-                        s.volumes.remove(&child);
-                        let parent_rec = s.volumes.get_mut(&parent).map(|p| {
-                            p.super_child = None;
-                            p.clone()
-                        });
-                        (None, parent_rec)
-                    };
                     let resp = match (abort, parent_rec) {
                         (false, _) => MetaResp::Collapsed { outcome, volume },
                         (true, Some(p)) => MetaResp::Volume(p),
@@ -620,7 +693,6 @@ impl MetaCore {
                         (true, None) => MetaResp::Err(format!("the parent {parent:?} of {child:?} is gone")),
                     };
                     self.control = Some(Control::Saving);
-                    self.next.changed = true;
                     self.reply_after_save(call, resp);
                     self.next.then.push(Then::EndControl);
                 }
@@ -630,11 +702,71 @@ impl MetaCore {
         }
     }
 
+    /// Applies the tracking shard's answer to a registration (first, retried or resumed) of the
+    /// super child `child` of `parent`: "tracked" confirms it (it stops being pending and is
+    /// answered); a collapse's outcome means the collapse was decided but never recorded here
+    /// (it is recorded now and its GC starts); a definite refusal undoes a pending child (nothing
+    /// tracks it) and leaves a confirmed one as it is; no answer leaves it pending, to be resumed.
+    /// Marks the state changed: the caller saves before anything depends on it.
+    fn settle_super(&mut self, child: &str, parent: &str, result: Result<ReplyBody, TrackErr>) -> Result<VolumeRec, String> {
+        self.next.changed = true;
+        let Some(c) = self.state.volumes.get(child).cloned() else { return Err(no_volume(child)) };
+        match result {
+            Ok(ReplyBody::Collapse(outcome)) => {
+                self.record_collapse(child, parent, c.vol.table, c.vol.id, outcome);
+                Err(format!("{child:?} was already collapsed ({outcome:?}) by an earlier request"))
+            }
+            Ok(_) => {
+                let rec = self.state.volumes.get_mut(child).expect("looked up above");
+                rec.super_pending = false;
+                Ok(rec.clone())
+            }
+            Err(TrackErr { refused: true, msg }) if c.super_pending => {
+                self.state.volumes.remove(child);
+                if let Some(p) = self.state.volumes.get_mut(parent) {
+                    p.super_child = None;
+                }
+                Err(format!("super failed: {msg}"))
+            }
+            Err(TrackErr { refused: true, msg }) => Err(format!("super of {child:?} was confirmed earlier; now: {msg}")),
+            Err(TrackErr { refused: false, msg }) => Err(format!(
+                "super did not complete ({msg}); {child:?} stays pending until the tracking shard answers (retry the super, or wait)"
+            )),
+        }
+    }
+
+    /// Records a collapse the tracking shard decided: the loser's records go, the GC job is
+    /// listed. Returns the promoted child's record, or the kept parent's.
+    fn record_collapse(&mut self, child: &str, parent: &str, table: TableId, child_id: VolId, outcome: CollapseOutcome) -> (Option<VolumeRec>, Option<VolumeRec>) {
+        let promoted = outcome == CollapseOutcome::Promoted;
+        let s = &mut self.state;
+        let Some(parent_id) = s.volumes.get(child).and_then(|c| c.vol.parent) else { return (None, None) };
+        s.jobs.push(Job::Gc { table, parent: parent_id, child: child_id, promoted, child_name: Some(child.to_string()) });
+        self.next.changed = true;
+        if promoted {
+            // The parent is gone for good; the child is the volume now.
+            s.volumes.remove(parent);
+            let volume = s.volumes.get_mut(child).map(|rec| {
+                rec.super_parent = None;
+                rec.super_pending = false;
+                rec.clone()
+            });
+            (volume, None)
+        } else {
+            s.volumes.remove(child);
+            let parent_rec = s.volumes.get_mut(parent).map(|p| {
+                p.super_child = None;
+                p.clone()
+            });
+            (None, parent_rec)
+        }
+    }
+
     /// Ends a control operation whose tracking request failed or got an unexpected answer.
-    fn control_failed(&mut self, call: CallId, result: Result<ReplyBody, String>) {
+    fn control_failed(&mut self, call: CallId, result: Result<ReplyBody, TrackErr>) {
         let e = match result {
             Ok(body) => format!("tracking shard answered {body:?}"),
-            Err(e) => e,
+            Err(e) => e.msg,
         };
         self.reply_now(call, MetaResp::Err(e));
         self.end_control();
@@ -742,7 +874,7 @@ impl MetaCore {
         }
         // The control operation's tracking request?
         let ask = match &mut self.control {
-            Some(Control::SuperAsking { ask, .. } | Control::AbortMarking { ask, .. } | Control::CollapseAsking { ask, .. }) if ask.req == req => Some(ask.clone()),
+            Some(Control::SuperAsking { ask, .. } | Control::AbortMarking { ask, .. } | Control::CollapseAsking { ask, .. } | Control::Resuming { ask, .. }) if ask.req == req => Some(ask.clone()),
             _ => None,
         };
         if let Some(mut ask) = ask {
@@ -750,7 +882,7 @@ impl MetaCore {
             match done {
                 Some(r) => self.on_track_done(r),
                 None => {
-                    if let Some(Control::SuperAsking { ask: a, .. } | Control::AbortMarking { ask: a, .. } | Control::CollapseAsking { ask: a, .. }) = &mut self.control {
+                    if let Some(Control::SuperAsking { ask: a, .. } | Control::AbortMarking { ask: a, .. } | Control::CollapseAsking { ask: a, .. } | Control::Resuming { ask: a, .. }) = &mut self.control {
                         *a = ask;
                     }
                 }
@@ -765,7 +897,7 @@ impl MetaCore {
                     None => self.job = Some(JobRun::EndSuper { job, ask }),
                     Some(Ok(_)) => self.finish_job(&job),
                     Some(Err(e)) => {
-                        tracing::warn!("job {job:?}: {e}; retrying");
+                        tracing::warn!("job {job:?}: {}; retrying", e.msg);
                         self.job = Some(JobRun::Backoff(self.now_us + self.cfg.retry_after_us * 10));
                     }
                 }
@@ -782,15 +914,15 @@ impl MetaCore {
         // The control's tracking request: resend on silence, retry after a refusal, give up at
         // the deadline.
         let ask = match &self.control {
-            Some(Control::SuperAsking { ask, .. } | Control::AbortMarking { ask, .. } | Control::CollapseAsking { ask, .. }) if due(ask) => Some(ask.clone()),
+            Some(Control::SuperAsking { ask, .. } | Control::AbortMarking { ask, .. } | Control::CollapseAsking { ask, .. } | Control::Resuming { ask, .. }) if due(ask) => Some(ask.clone()),
             _ => None,
         };
         if let Some(mut ask) = ask {
             if now >= ask.deadline_us {
-                self.on_track_done(Err("tracking shard: no answer before the deadline".into()));
+                self.on_track_done(Err(TrackErr { refused: false, msg: "tracking shard: no answer before the deadline".into() }));
             } else {
                 self.send_track(&mut ask);
-                if let Some(Control::SuperAsking { ask: a, .. } | Control::AbortMarking { ask: a, .. } | Control::CollapseAsking { ask: a, .. }) = &mut self.control {
+                if let Some(Control::SuperAsking { ask: a, .. } | Control::AbortMarking { ask: a, .. } | Control::CollapseAsking { ask: a, .. } | Control::Resuming { ask: a, .. }) = &mut self.control {
                     *a = ask;
                 }
             }
@@ -821,9 +953,11 @@ impl MetaCore {
 enum Step {
     Reply(MetaResp),
     Super { rec: VolumeRec, parent: String, track: TrackReq },
-    Collapse { child: String, parent: String, parent_id: VolId, track: TrackReq },
+    /// A super retried for a child already recorded: ask the tracking shard again.
+    SuperAgain { rec: VolumeRec, parent: String, track: TrackReq },
+    Collapse { child: String, parent: String, track: TrackReq },
     /// Mark the superposition written (`mark`), then collapse (`collapse`), which must reject.
-    Abort { child: String, parent: String, parent_id: VolId, mark: TrackReq, collapse: TrackReq },
+    Abort { child: String, parent: String, mark: TrackReq, collapse: TrackReq },
 }
 
 fn ensure(ok: bool, msg: String) -> Result<(), String> {
@@ -832,6 +966,10 @@ fn ensure(ok: bool, msg: String) -> Result<(), String> {
     } else {
         Err(msg)
     }
+}
+
+fn super_pending(name: &str) -> String {
+    format!("the super that makes {name:?} has not completed yet; retry shortly")
 }
 
 fn no_volume(name: &str) -> String {
@@ -1041,5 +1179,90 @@ mod tests {
         assert!(c.durable().jobs.is_empty());
         assert_eq!(c.durable().volumes["c"].vol.parent, None, "the child no longer copies on write");
         assert!(c.is_idle());
+    }
+
+    /// Registers `c` as a super child of `p` and returns the durable state as a crash after the
+    /// child's record was saved would leave it (the tracking shard not told yet).
+    fn crashed_after_recording_super() -> MetaState {
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        let outs = req(&mut c, 2, MetaReq::Super { parent: "p".into(), child: "c".into() }, true);
+        assert!(matches!(sent(&outs)[..], [(_, Msg::Super { .. })]));
+        let d = c.durable().clone();
+        assert!(d.volumes["c"].super_pending, "the child is recorded pending");
+        d
+    }
+
+    fn restart(state: MetaState) -> (MetaCore, Vec<MetaOutput>) {
+        let mut c = MetaCore::new(MetaCoreConfig::default(), state, 1_000);
+        let outs = run(&mut c, MetaInput::Tick { now_us: 1, unix_ms: 0 }, true);
+        (c, outs)
+    }
+
+    #[test]
+    fn a_pending_child_is_invisible_and_a_restart_finishes_its_super() {
+        let state = crashed_after_recording_super();
+        let (mut c, outs) = restart(state);
+        // Info refuses the pending child; a collapse of it waits behind the resume.
+        let info = req(&mut c, 5, MetaReq::Info { name: "c".into() }, true);
+        assert!(matches!(reply_of(&info, 5), MetaResp::Err(e) if e.contains("has not completed yet")));
+        let s = sent(&outs);
+        let [(t, Msg::Super { req: r, parent: 1, child: 2, .. })] = s[..] else { panic!("{s:?}") };
+        assert!(req(&mut c, 6, MetaReq::Collapse { child: "c".into() }, true).is_empty());
+        // The tracking shard registers it (or had): the super is finished.
+        let outs = run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        assert!(!c.durable().volumes["c"].super_pending);
+        // Then the queued collapse runs against a real super child.
+        let s = sent(&outs);
+        assert!(matches!(s[..], [(_, Msg::Collapse { child: 2, .. })]), "{s:?}");
+        // A retried super answers the same child.
+        let mut c2 = MetaCore::new(MetaCoreConfig::default(), c.durable().clone(), 2_000);
+        let outs = req(&mut c2, 7, MetaReq::Super { parent: "p".into(), child: "c".into() }, true);
+        let s = sent(&outs);
+        let [(t, Msg::Super { req: r, .. }), ..] = s[..] else { panic!("{s:?}") };
+        let outs = run(&mut c2, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        let s = sent(&outs);
+        if let [(t, Msg::Super { req: r, .. })] = s[..] {
+            run(&mut c2, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        }
+        assert!(c2.is_idle());
+    }
+
+    #[test]
+    fn a_restart_undoes_a_pending_child_the_tracking_shard_refuses() {
+        let (mut c, outs) = restart(crashed_after_recording_super());
+        let s = sent(&outs);
+        let [(t, Msg::Super { req: r, .. })] = s[..] else { panic!("{s:?}") };
+        run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Err(IoErr::BadRequest("fenced".into())) }, true);
+        let d = c.durable();
+        assert!(!d.volumes.contains_key("c") && d.volumes["p"].super_child.is_none(), "{d:?}");
+        assert!(c.is_idle());
+        // The parent can have a new child.
+        let outs = req(&mut c, 3, MetaReq::Super { parent: "p".into(), child: "c".into() }, true);
+        assert!(matches!(sent(&outs)[..], [(_, Msg::Super { .. })]));
+    }
+
+    #[test]
+    fn a_restart_records_a_collapse_the_tracking_shard_decided_and_retries_get_its_answer() {
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        let outs = req(&mut c, 2, MetaReq::Super { parent: "p".into(), child: "c".into() }, true);
+        let s = sent(&outs);
+        let [(t, Msg::Super { req: r, .. })] = s[..] else { panic!("{s:?}") };
+        run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        let outs = req(&mut c, 3, MetaReq::Collapse { child: "c".into() }, true);
+        assert!(matches!(sent(&outs)[..], [(_, Msg::Collapse { .. })]));
+        // Crash: the tracking shard promoted the child, this service never heard.
+        let (mut c, outs) = restart(c.durable().clone());
+        let s = sent(&outs);
+        let [(t, Msg::Super { req: r, .. })] = s[..] else { panic!("{s:?}") };
+        let outs = run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Collapse(CollapseOutcome::Promoted)) }, true);
+        assert_eq!(c.durable().volumes.keys().collect::<Vec<_>>(), ["c"]);
+        assert!(c.durable().volumes["c"].super_parent.is_none());
+        assert!(sent(&outs).iter().any(|(_, m)| matches!(m, Msg::Gc { promoted: true, .. })), "GC starts");
+        // The client's retried collapse finds the child promoted (no longer a super child), an
+        // abort says it was promoted.
+        assert!(matches!(reply_of(&req(&mut c, 4, MetaReq::Collapse { child: "c".into() }, true), 4), MetaResp::Err(e) if e.contains("not a super child")));
+        assert!(matches!(reply_of(&req(&mut c, 5, MetaReq::Abort { child: "c".into() }, true), 5), MetaResp::Err(e) if e.contains("promoted")));
     }
 }

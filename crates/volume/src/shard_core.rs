@@ -91,11 +91,16 @@ pub struct ShardConfig {
     /// First request id: differs between runs of a shard, so a reply to a request of an earlier
     /// run can never be taken for one of this run.
     pub id_base: u64,
+    /// Slot tasks of garbage collection and volume deletion this shard runs at once as a
+    /// primary (each holds its slot's lock and issues at most one disk command): background work
+    /// gets this small budget, so its deletes and renames never queue ahead of client writes in
+    /// the driver's disk queue, however many objects a collapse leaves to collect.
+    pub max_background_tasks: usize,
 }
 
 impl ShardConfig {
     pub fn new(id: ShardId) -> Self {
-        ShardConfig { id, resend_after_us: 200_000, list_page_objects: 2048, max_pulls_in_flight: 16, id_base: 0 }
+        ShardConfig { id, resend_after_us: 200_000, list_page_objects: 2048, max_pulls_in_flight: 16, id_base: 0, max_background_tasks: 4 }
     }
 }
 
@@ -201,8 +206,9 @@ enum Kind {
     },
     /// A tracking-list change at a data shard, acknowledged once saved.
     SaveEntries { reply_to: Option<(Peer, ReqId)>, parent: Option<OpId> },
-    /// A set of slot-locked tasks (GC, delete) replied to when all are done.
-    Tasks { reply_to: Option<(Peer, ReqId)>, remaining: usize, for_recovery: bool },
+    /// A set of slot-locked tasks (GC, delete) replied to when all are done. `budgeted`: its
+    /// tasks run within [`ShardConfig::max_background_tasks`].
+    Tasks { reply_to: Option<(Peer, ReqId)>, remaining: usize, for_recovery: bool, budgeted: bool },
     /// One slot-locked task.
     Task { parent: OpId, task: Task },
     /// A new primary making its replicas' copies of a slot equal to its own.
@@ -262,6 +268,9 @@ pub struct ShardCore {
     recovery: Option<Recovery>,
     /// Slots whose replicas were made equal to ours since the last map change.
     synced: HashSet<Slot>,
+    /// Budgeted background tasks waiting to start, and how many run.
+    background: VecDeque<(OpId, Task)>,
+    background_running: usize,
     next_id: u64,
     out: Vec<Output>,
 }
@@ -308,6 +317,8 @@ impl ShardCore {
             permissions: HashMap::default(),
             recovery: None,
             synced: HashSet::default(),
+            background: VecDeque::new(),
+            background_running: 0,
             next_id: 1 + cfg_id_base,
             out: Vec::new(),
         };
@@ -365,7 +376,7 @@ impl ShardCore {
                     Kind::Replica { key, .. } => format!("replica {key:?}"),
                     Kind::TrackUpdate { key, .. } => format!("track-update {key:?}"),
                     Kind::SaveEntries { .. } => "save".into(),
-                    Kind::Tasks { remaining, .. } => format!("tasks {remaining}"),
+                    Kind::Tasks { remaining, .. } => format!("tasks {remaining} (background: {} waiting, {} running)", self.background.len(), self.background_running),
                     Kind::Task { task, .. } => format!("task {task:?}").chars().take(80).collect(),
                     Kind::SlotSync { reads, .. } => format!("slot-sync reads:{}", reads.len()),
                 };
@@ -1068,6 +1079,13 @@ impl ShardCore {
                 let (p, e) = (parent, TrackEntry::Tracked { table, child });
                 return self.update_track((from, req), table, t, ReplyBody::Done, Some((p, e)));
             }
+            Some(cur) if cur.child == child && cur.parent == parent => {
+                // Super again for a child whose collapse was decided: the metadata service lost
+                // the answer (it restarted); tell it the outcome, changing nothing.
+                let outcome = if cur.phase == Phase::Promoted { CollapseOutcome::Promoted } else { CollapseOutcome::Rejected };
+                self.reply((from, req), Ok(ReplyBody::Collapse(outcome)));
+                return self.unlock(slot);
+            }
             Some(cur) => {
                 let msg = format!("volume already has a super child {} (phase {:?}); collapse it first", cur.child, cur.phase);
                 self.reply((from, req), Err(IoErr::BadRequest(msg)));
@@ -1209,7 +1227,17 @@ impl ShardCore {
             (child, None)
         };
         self.retired.insert(gone);
-        let tasks = self.led_slots(table).into_iter().map(|slot| Task::Collect { slot, from: gone, to: heir, replicate: true }).collect();
+        // Only slots that may hold an object of the loser: one here, a write in progress (it
+        // holds the lock), or replicas not made equal to ours since the map changed (a replica
+        // may hold one we do not). A rejected child that wrote little costs little to collect.
+        let tasks = self
+            .led_slots(table)
+            .into_iter()
+            .filter(|s| {
+                !self.synced.contains(s) || self.locks.contains_key(s) || self.objects.contains_key(&ObjKey { table: s.table, objno: s.objno, owner: gone })
+            })
+            .map(|slot| Task::Collect { slot, from: gone, to: heir, replicate: true })
+            .collect();
         self.start_tasks(Some((from, req)), tasks, true);
     }
 
@@ -1222,6 +1250,11 @@ impl ShardCore {
         stored.chain(writing).filter(|s| self.is_primary(*s)).collect()
     }
 
+    /// Starts `tasks`. With `save_entries` (garbage collection and volume deletion, which a
+    /// primary starts for many slots at once) the tracking list is saved too, and the tasks run
+    /// within the background budget; the rest (a replica's share of a primary's task, recovery,
+    /// which has its own bound) start at once — a replica never waits for budget, or two
+    /// primaries waiting on each other's replicas could deadlock.
     fn start_tasks(&mut self, reply_to: Option<(Peer, ReqId)>, tasks: Vec<Task>, save_entries: bool) -> OpId {
         let for_recovery = reply_to.is_none() && !save_entries;
         if for_recovery {
@@ -1229,22 +1262,50 @@ impl ShardCore {
                 r.tasks_in_flight += 1;
             }
         }
-        let parent = self.new_op(None, Kind::Tasks { reply_to, remaining: tasks.len() + save_entries as usize, for_recovery });
+        let budgeted = save_entries;
+        let parent = self.new_op(None, Kind::Tasks { reply_to, remaining: tasks.len() + save_entries as usize, for_recovery, budgeted });
         if save_entries {
             let save = self.new_op(None, Kind::SaveEntries { reply_to: None, parent: Some(parent) });
             self.save_state(save);
         }
         for task in tasks {
-            let slot = match &task {
-                Task::Delete(k) | Task::Install { key: k, .. } => k.slot(),
-                Task::Collect { slot, .. } => *slot,
-            };
-            if self.lock_or_queue(slot, Queued::Task(parent, task.clone())) {
-                self.run_task(parent, task);
+            if budgeted {
+                self.background.push_back((parent, task));
+            } else {
+                self.lock_and_run(parent, task);
             }
         }
+        self.pump_background();
         self.advance(parent);
         parent
+    }
+
+    fn lock_and_run(&mut self, parent: OpId, task: Task) {
+        let slot = match &task {
+            Task::Delete(k) | Task::Install { key: k, .. } => k.slot(),
+            Task::Collect { slot, .. } => *slot,
+        };
+        if self.lock_or_queue(slot, Queued::Task(parent, task.clone())) {
+            self.run_task(parent, task);
+        }
+    }
+
+    /// Starts waiting background tasks while the budget allows.
+    fn pump_background(&mut self) {
+        while self.background_running < self.cfg.max_background_tasks.max(1) {
+            let Some((parent, task)) = self.background.pop_front() else { return };
+            self.background_running += 1;
+            self.lock_and_run(parent, task);
+        }
+    }
+
+    /// A slot task of `parent` ended: frees its budget if it had one.
+    fn task_finished(&mut self, parent: OpId) {
+        if let Some(Op { kind: Kind::Tasks { budgeted: true, .. }, .. }) = self.ops.get(&parent) {
+            self.background_running = self.background_running.saturating_sub(1);
+        }
+        self.child_task_finished(parent);
+        self.pump_background();
     }
 
     /// Runs one task with its slot lock held.
@@ -1272,10 +1333,12 @@ impl ShardCore {
                     Some(heir) if !self.objects.contains_key(&heir) => Some(DiskCmd::Rename { from: key, to: heir }),
                     _ => Some(DiskCmd::Delete { key }),
                 };
-                let replicas = if replicate { self.live_replicas(slot) } else { vec![] };
-                if cmd.is_none() && replicas.is_empty() {
+                // Nothing of `from` here, in a slot whose replicas were made equal to ours (the
+                // check above): every change since flowed through us, so they hold none either.
+                if cmd.is_none() {
                     return self.task_done(parent, slot);
                 }
+                let replicas = if replicate { self.live_replicas(slot) } else { vec![] };
                 let op = self.new_op(Some(slot), Kind::Task { parent, task: task.clone() });
                 for r in replicas {
                     self.wait_on(op, Target::Shard(r), Msg::RepCollect { req: 0, epoch: self.epoch(), slot, from, to });
@@ -1313,7 +1376,7 @@ impl ShardCore {
 
     fn task_done(&mut self, parent: OpId, slot: Slot) {
         self.unlock(slot);
-        self.child_task_finished(parent);
+        self.task_finished(parent);
     }
 
     fn child_task_finished(&mut self, parent: OpId) {
@@ -1519,7 +1582,7 @@ impl ShardCore {
                 if let Some(slot) = op.slot {
                     self.unlock(slot);
                 }
-                return self.child_task_finished(parent);
+                return self.task_finished(parent);
             }
         }
         if let Some(slot) = op.slot {

@@ -12,7 +12,12 @@
 //! at `super` plus the child's own writes — plus replica agreement, no lost acknowledged write,
 //! and no leaked objects after garbage collection. About a third of the seeds send the metadata
 //! service's abort request instead of collapsing: the child must be rejected, and the parent must
-//! never have a write refused. A failing seed reproduces exactly:
+//! never have a write refused. About half the seeds crash the metadata service once, right after
+//! one of its outputs (a message that may or may not leave, a state save that may or may not
+//! reach the disk — it loses nothing it saved), at a step chosen by the seed: recording a super
+//! child, telling the tracking shard, collapsing, aborting, each GC step. It restarts from its
+//! saved state, must finish or undo the half-done step (no orphan child), and the test's client
+//! retries its request as a real client whose connection broke would. A failing seed reproduces exactly:
 //! `SIM_SEED=<n> cargo test -p volume --test sim_super_collapse -- --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -57,7 +62,9 @@ enum Ev {
     Super,
     Collapse,
     /// A state save of the metadata service completes (or fails).
-    MetaSaved { seq: u64, ok: bool },
+    MetaSaved { seq: u64, ok: bool, gen: u64 },
+    /// The metadata service restarts from its saved state.
+    MetaRestart,
     StopFaults,
 }
 
@@ -140,6 +147,26 @@ struct World {
     parent_refused: Vec<TimeUs>,
     log: Vec<String>,
     dumped: TimeUs,
+    /// The metadata service's state file: the last save that reached the disk.
+    meta_disk: MetaState,
+    /// The save in flight (one at a time), which reaches the disk when it completes.
+    meta_saving: Option<(u64, MetaState)>,
+    /// Incarnation of the metadata service; its outputs counted, and after which one it crashes.
+    meta_gen: u64,
+    meta_down: bool,
+    /// Outputs counted towards the crash (of the kind it waits for), and the crash: after the
+    /// n-th output of a kind (`None`: of any kind).
+    meta_outputs: u64,
+    meta_crash_after: Option<(Option<&'static str>, u64)>,
+    /// The output the crash came with (e.g. `Send Super`, `Save`), for the coverage count.
+    meta_crash_step: Option<String>,
+    /// The control request in flight when the service crashed: retried after the restart.
+    control_lost: Option<ControlKind>,
+    /// The restart found a super child recorded but not confirmed (the orphan case).
+    restarted_with_pending: bool,
+    /// The child's id, from the answer to super (a super undone at a restart and retried makes
+    /// a child with a new id).
+    child_id: VolId,
 }
 
 /// The metadata core's timing on the simulator's faster clock.
@@ -192,6 +219,7 @@ impl World {
         let meta_map = map.clone();
         let parent_keeps_writing = rng.chance(0.5);
         let meta_save_failure = [0.0, 0.0, 0.2][rng.range_u64(0, 2) as usize];
+        let meta_crash_after = meta_crash_after(seed);
         let mut w = World {
             rng,
             q: EventQueue::new(1_000_000),
@@ -203,7 +231,7 @@ impl World {
             reads: vec![],
             next_req: 1 << 48,
             next_value: 1,
-            meta: MetaCore::new(sim_meta_config(), MetaState { next_id: 1, map: meta_map, volumes: BTreeMap::new(), jobs: vec![] }, 1 << 56),
+            meta: MetaCore::new(sim_meta_config(), MetaState { next_id: 1, map: meta_map.clone(), volumes: BTreeMap::new(), jobs: vec![] }, 1 << 56),
             control: None,
             next_call: 1,
             meta_save_failure,
@@ -217,6 +245,16 @@ impl World {
             parent_refused: vec![],
             log: vec![],
             dumped: 0,
+            meta_disk: MetaState { next_id: 1, map: meta_map, volumes: BTreeMap::new(), jobs: vec![] },
+            meta_saving: None,
+            meta_gen: 0,
+            meta_down: false,
+            meta_outputs: 0,
+            meta_crash_after,
+            meta_crash_step: None,
+            control_lost: None,
+            restarted_with_pending: false,
+            child_id: CHILD,
         };
         // The parent volume, created through the metadata core (saves succeed here): it gets
         // the ids the clients use.
@@ -224,8 +262,9 @@ impl World {
             call: 0,
             req: MetaReq::Create { name: PARENT_NAME.into(), size_bytes: OBJECTS * OBJECT_BYTES as u64, object_size_bytes: OBJECT_BYTES },
         });
-        let MetaOutput::Save { seq, .. } = outs[0] else { panic!("create did not save: {outs:?}") };
-        let outs = w.meta.handle(MetaInput::Saved { seq, result: Ok(()) });
+        let MetaOutput::Save { seq, state } = &outs[0] else { panic!("create did not save: {outs:?}") };
+        w.meta_disk = (**state).clone();
+        let outs = w.meta.handle(MetaInput::Saved { seq: *seq, result: Ok(()) });
         match &outs[..] {
             [MetaOutput::Reply { resp: MetaResp::Volume(v), .. }] => assert_eq!((v.vol.id, v.vol.table), (PARENT, TABLE)),
             other => panic!("create answered {other:?}"),
@@ -334,6 +373,12 @@ impl World {
                 self.dumped = now;
                 eprintln!("DUMP {now}: {}", self.why_busy());
             }
+        }
+        if self.meta_down && matches!(ev, Ev::Restart(_) | Ev::Heal(_) | Ev::MarkDown(_)) {
+            // The failure detector and shard registration are the metadata service's: they
+            // wait for it.
+            self.q.push_after(now, 5_000, ev).unwrap();
+            return true;
         }
         match ev {
             Ev::Deliver(d) => {
@@ -450,7 +495,8 @@ impl World {
                         return true;
                     }
                 }
-                self.super_start_us = Some(now);
+                // A retried super keeps the first attempt's start: the child may date from it.
+                self.super_start_us.get_or_insert(now);
                 self.log.push(format!("{now} super"));
                 self.start_control(ControlKind::Super);
             }
@@ -462,12 +508,38 @@ impl World {
                 self.log.push(format!("{now} collapse"));
                 self.start_control(ControlKind::Collapse);
             }
-            Ev::MetaSaved { seq, ok } => {
+            Ev::MetaSaved { seq, ok, gen } => {
+                if gen != self.meta_gen {
+                    return true; // a save of the crashed incarnation: settled at the crash
+                }
                 let result = if ok { Ok(()) } else { Err("injected: no space left on the metadata disk".to_string()) };
                 if !ok {
                     self.log.push(format!("{now} metadata save {seq} fails"));
                 }
+                if let Some((s, state)) = self.meta_saving.take() {
+                    if s == seq && ok {
+                        self.meta_disk = state;
+                    }
+                }
                 self.run_meta(MetaInput::Saved { seq, result });
+            }
+            Ev::MetaRestart => {
+                self.meta_gen += 1;
+                self.meta_down = false;
+                let pending = self.meta_disk.volumes.values().filter(|v| v.super_pending).count();
+                let children = self.meta_disk.volumes.values().filter(|v| v.super_parent.is_some()).count();
+                self.log.push(format!("{now} metadata service restarts ({children} super children saved, {pending} pending)"));
+                self.restarted_with_pending |= pending > 0;
+                let base = (1 << 56) + (self.meta_gen << 44);
+                self.meta = MetaCore::new(sim_meta_config(), self.meta_disk.clone(), base);
+                let map = self.map.clone();
+                self.run_meta(MetaInput::Tick { now_us: now, unix_ms: 0 });
+                self.run_meta(MetaInput::SetMap(map));
+                if let Some(kind) = self.control_lost.take() {
+                    // The client's connection broke: it sends its request again.
+                    let ev = if kind == ControlKind::Super { Ev::Super } else { Ev::Collapse };
+                    self.q.push_after(now, self.rng.range_u64(1_000, 30_000), ev).unwrap();
+                }
             }
             Ev::StopFaults => self.faults = false,
         }
@@ -478,7 +550,7 @@ impl World {
 
     fn vol(&self, child: bool) -> VolRef {
         if child {
-            VolRef { id: CHILD, table: TABLE, object_size_bytes: OBJECT_BYTES, parent: (!self.gc_done).then_some(PARENT) }
+            VolRef { id: self.child_id, table: TABLE, object_size_bytes: OBJECT_BYTES, parent: (!self.gc_done).then_some(PARENT) }
         } else {
             VolRef { id: PARENT, table: TABLE, object_size_bytes: OBJECT_BYTES, parent: None }
         }
@@ -615,16 +687,30 @@ impl World {
     // ---- the metadata service: its core, driven here --------------------------------------------
 
     fn run_meta(&mut self, input: MetaInput) {
+        if self.meta_down {
+            return; // lost: the service is not running
+        }
         let outputs = self.meta.handle(input);
         for out in outputs {
+            if let Some((kind, n)) = self.meta_crash_after {
+                if kind.is_none_or(|k| output_step(&out) == k) {
+                    self.meta_outputs += 1;
+                    if self.meta_outputs == n {
+                        self.meta_crash_after = None;
+                        return self.crash_meta(out);
+                    }
+                }
+            }
             match out {
                 MetaOutput::Send { to, msg } => self.send(META, to, msg),
-                MetaOutput::Save { seq, .. } => {
+                MetaOutput::Save { seq, state } => {
                     // The state file: a save takes a while, and may fail.
+                    self.meta_saving = Some((seq, *state));
                     let ok = !self.rng.chance(self.meta_save_failure);
                     let delay = self.rng.range_u64(100, 2_000);
                     let now = self.now();
-                    self.q.push_after(now, delay, Ev::MetaSaved { seq, ok }).unwrap();
+                    let gen = self.meta_gen;
+                    self.q.push_after(now, delay, Ev::MetaSaved { seq, ok, gen }).unwrap();
                 }
                 MetaOutput::Reply { call, resp } => self.meta_reply(call, resp),
             }
@@ -640,7 +726,36 @@ impl World {
         }
     }
 
+    /// The metadata service crashes as `out` leaves it: a message is sent or not, a save (this
+    /// one or the one in flight) reaches the disk or not; every later output is lost.
+    fn crash_meta(&mut self, out: MetaOutput) {
+        let now = self.now();
+        let lands = self.rng.chance(0.5);
+        let step = output_step(&out).to_string();
+        self.log.push(format!("{now} metadata service crashes at its output {} ({step}, lands: {lands})", self.meta_outputs));
+        self.meta_crash_step = Some(step);
+        match out {
+            MetaOutput::Send { to, msg } if lands => self.send(META, to, msg),
+            MetaOutput::Save { state, .. } if lands => self.meta_disk = *state,
+            _ => {
+                if let Some((_, state)) = self.meta_saving.take().filter(|_| lands) {
+                    self.meta_disk = state;
+                }
+            }
+        }
+        self.meta_saving = None;
+        self.meta_down = true;
+        self.control_lost = self.control.take().map(|(kind, _)| kind);
+        let back = self.rng.range_u64(5_000, 60_000);
+        self.q.push_after(now, back, Ev::MetaRestart).unwrap();
+    }
+
     fn start_control(&mut self, kind: ControlKind) {
+        if self.meta_down {
+            // The service is down: the client connects once it is back.
+            self.control_lost = Some(kind);
+            return;
+        }
         let call = self.next_call;
         self.next_call += 1;
         self.control = Some((kind, call));
@@ -660,14 +775,17 @@ impl World {
         }
         self.control = None;
         match (kind, resp) {
-            (_, MetaResp::Err(e)) if e.contains("cannot save the metadata") => {
+            (_, MetaResp::Err(e)) if e.contains("cannot save the metadata") || e.contains("retry") => {
                 // The service lost the change and said so: the client tries again.
                 self.log.push(format!("{now} {kind:?} failed ({e}); retrying"));
                 let ev = if kind == ControlKind::Super { Ev::Super } else { Ev::Collapse };
                 self.q.push_after(now, 10_000, ev).unwrap();
             }
             (ControlKind::Super, MetaResp::Volume(v)) => {
-                assert_eq!((v.vol.id, v.vol.parent), (CHILD, Some(PARENT)), "super made {v:?}");
+                assert_eq!(v.vol.parent, Some(PARENT), "super made {v:?}");
+                assert!(!v.super_pending, "super answered a pending child: {v:?}");
+                assert!(v.vol.id == CHILD || self.meta_crash_step.is_some(), "super made {v:?}");
+                self.child_id = v.vol.id;
                 self.super_end_us = Some(now);
                 self.log.push(format!("{now} super returned"));
                 for c in self.clients.iter_mut().filter(|c| c.child) {
@@ -680,6 +798,22 @@ impl World {
                 }
                 let at = self.rng.range_u64(100_000, 400_000);
                 self.q.push_after(now, at, Ev::Collapse).unwrap();
+            }
+            (ControlKind::Collapse | ControlKind::Abort, MetaResp::Err(e))
+                if self.meta_crash_step.is_some() && ["not a super child", "no volume named", "was promoted"].iter().any(|m| e.contains(m)) =>
+            {
+                // A collapse or abort retried after the metadata service crashed: the first
+                // attempt took effect (the restarted service recorded it). The client looks the
+                // outcome up, as an operator would with `volume list`.
+                let promoted = self.meta.durable().volumes.get(CHILD_NAME).is_some_and(|c| c.super_parent.is_none());
+                let o = if promoted { CollapseOutcome::Promoted } else { CollapseOutcome::Rejected };
+                self.log.push(format!("{now} {kind:?} retried: {e}; the volumes say {o:?}"));
+                self.collapse_outcome = Some(o);
+                for c in self.clients.iter_mut() {
+                    if c.child != promoted {
+                        c.active = false;
+                    }
+                }
             }
             (ControlKind::Abort, MetaResp::Volume(v)) => {
                 assert_eq!((v.vol.id, v.super_child.as_deref()), (PARENT, None), "abort answered {v:?}");
@@ -717,6 +851,9 @@ impl World {
     }
 
     fn meta_receive(&mut self, from: NodeId, msg: Msg) {
+        if self.meta_down {
+            return;
+        }
         match msg {
             Msg::Recovered { shard, epoch } => {
                 if self.map.epoch == epoch && self.map.state(shard) == ShardState::Recovering {
@@ -751,6 +888,7 @@ impl World {
     fn quiet(&self) -> bool {
         self.gc_done
             && !self.faults
+            && !self.meta_down
             && self.clients.iter().all(|c| c.current.is_none() && !c.active)
             && !self.out_of_service()
             && self.control.is_none()
@@ -809,6 +947,9 @@ struct Exercised {
     /// Metadata saves that failed, and control requests retried after one.
     meta_save_failures: u64,
     control_retries: u64,
+    /// The output the metadata service crashed with, if it crashed.
+    meta_crash_step: Option<String>,
+    restarted_with_pending: bool,
 }
 
 /// About a third of the seeds abort instead of collapsing (from their own generator, so the
@@ -858,14 +999,14 @@ fn run_seed(seed: u64) -> Exercised {
     }
 
     // Replicas agree, and nothing of the loser is left.
-    let loser = if promoted { PARENT } else { CHILD };
-    let survivor = if promoted { CHILD } else { PARENT };
+    let survivor = if promoted { w.child_id } else { PARENT };
     let mut contents: BTreeMap<ObjKey, Vec<u8>> = BTreeMap::new();
     for s in 0..SHARDS {
         let sh = &mut w.shards[s as usize];
         let keys: Vec<ObjKey> = sh.core.as_ref().unwrap().objects().keys().copied().collect();
         for k in keys {
-            if k.owner == loser {
+            // Nothing of the loser, nor of a child undone at a restart.
+            if k.owner != survivor && k.objno != TRACK_OBJNO {
                 let held: Vec<String> = (0..SHARDS)
                     .map(|t| {
                         let keys: Vec<&ObjKey> = w.shards[t as usize].core.as_ref().unwrap().objects().keys().filter(|x| x.slot() == k.slot()).collect();
@@ -982,6 +1123,8 @@ fn run_seed(seed: u64) -> Exercised {
     // The metadata service ends consistent with the outcome, its jobs done.
     let state = w.meta.durable();
     assert!(state.jobs.is_empty(), "jobs left: {:?}\n{}", state.jobs, ctx());
+    assert!(state.volumes.values().all(|v| !v.super_pending && v.super_parent.is_none()), "a super child is left: {:?}\n{}", state.volumes, ctx());
+    assert_eq!(&w.meta_disk, state, "the state file differs from the durable state\n{}", ctx());
     let names: Vec<&String> = state.volumes.keys().collect();
     if promoted {
         assert_eq!(names, [CHILD_NAME], "{}", ctx());
@@ -996,7 +1139,44 @@ fn run_seed(seed: u64) -> Exercised {
         deferred_completed: w.shards.iter().map(|s| s.store.deferred_copies_completed).sum(),
         meta_save_failures: w.log.iter().filter(|l| l.contains("metadata save")).count() as u64,
         control_retries: w.log.iter().filter(|l| l.contains("retrying")).count() as u64,
+        meta_crash_step: w.meta_crash_step.clone(),
+        restarted_with_pending: w.restarted_with_pending,
     }
+}
+
+/// Kinds of the metadata service's outputs a crash may come with: each step of super (record,
+/// tell the tracking shard, confirm), collapse, abort (mark written, then collapse) and GC (every
+/// shard, then end the super), and the reply.
+const META_STEPS: [&str; 8] = ["save", "send Super", "send Collapse", "send Permission", "send Gc", "send EndSuper", "send other", "reply"];
+
+fn output_step(out: &MetaOutput) -> &'static str {
+    match out {
+        MetaOutput::Save { .. } => "save",
+        MetaOutput::Reply { .. } => "reply",
+        MetaOutput::Send { msg, .. } => match msg {
+            Msg::Super { .. } => "send Super",
+            Msg::Collapse { .. } => "send Collapse",
+            Msg::Permission { .. } => "send Permission",
+            Msg::Gc { .. } => "send Gc",
+            Msg::EndSuper { .. } => "send EndSuper",
+            _ => "send other",
+        },
+    }
+}
+
+/// About half the seeds crash the metadata service once: after the n-th output of a kind (or of
+/// any kind), drawn from the seed's own generator, so the other seeds' runs are unchanged.
+/// (A kind the seed never emits, e.g. an abort's mark in a collapsing seed, means no crash.)
+fn meta_crash_after(seed: u64) -> Option<(Option<&'static str>, u64)> {
+    let mut rng = SimRng::new(seed ^ 0x3e7a_c4a5);
+    if !rng.chance(0.5) {
+        return None;
+    }
+    if rng.chance(0.25) {
+        return Some((None, rng.range_u64(1, 40)));
+    }
+    let kind = META_STEPS[rng.range_u64(0, META_STEPS.len() as u64 - 1) as usize];
+    Some((Some(kind), rng.range_u64(1, 3)))
 }
 
 #[test]
@@ -1007,8 +1187,14 @@ fn super_collapse_under_faults_many_seeds() {
     }
     let seeds: u64 = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(400);
     let mut total = Exercised::default();
+    let mut crash_steps: BTreeMap<String, u64> = BTreeMap::new();
+    let mut pending_restarts = 0;
     for seed in 0..seeds {
         let e = run_seed(seed);
+        if let Some(step) = &e.meta_crash_step {
+            *crash_steps.entry(step.clone()).or_default() += 1;
+        }
+        pending_restarts += e.restarted_with_pending as u64;
         total.deferred_made += e.deferred_made;
         total.deferred_completed += e.deferred_completed;
         total.meta_save_failures += e.meta_save_failures;
@@ -1022,4 +1208,12 @@ fn super_collapse_under_faults_many_seeds() {
     eprintln!("metadata saves failed: {}, control requests retried: {}", total.meta_save_failures, total.control_retries);
     assert!(seeds < 20 || (made > 0 && completed > 0), "no deferred copy was made ({made}) or completed ({completed})");
     assert!(seeds < 20 || (total.meta_save_failures > 0 && total.control_retries > 0), "the metadata core's failure paths never ran");
+    // The metadata service crashed at every kind of step of super, collapse, abort and GC.
+    eprintln!("metadata service crashes, by the output they came with: {crash_steps:?}; restarts with a pending super child: {pending_restarts}");
+    assert!(seeds < 200 || pending_restarts > 0, "no restart found a super child recorded but not confirmed");
+    if seeds >= 200 {
+        for step in META_STEPS.iter().filter(|s| **s != "send other") {
+            assert!(crash_steps.contains_key(*step), "no seed crashed the metadata service at {step:?}: {crash_steps:?}");
+        }
+    }
 }
