@@ -199,6 +199,42 @@ fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose
 
 /// The last lines of a run's logs (the monitor's and its instances'), for an error report: a
 /// failed run is otherwise hard to diagnose once its directory is gone.
+/// Starts `understudy failover run SPEC` as a child process (stderr to `run_dir/monitor.err`) and
+/// returns its guard and the stream of its JSON event lines.
+pub(super) fn start_monitor(
+    exe: &Path,
+    spec_path: &Path,
+    run_dir: &Path,
+    control: &str,
+    cluster_file: &Path,
+    verbose: u8,
+) -> anyhow::Result<(MonitorGuard, Receiver<serde_json::Value>)> {
+    let mut cmd = Command::new(exe);
+    cmd.args(["failover", "run"]).arg(spec_path).args(["--control", control, "--cluster"]).arg(cluster_file);
+    if verbose > 0 {
+        cmd.arg(format!("-{}", "v".repeat(verbose as usize)));
+    }
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(std::fs::File::create(run_dir.join("monitor.err"))?))
+        .spawn()
+        .context("cannot start `understudy failover run`")?;
+    let out = child.stdout.take().context("the monitor's stdout")?;
+    let guard = MonitorGuard::new(child, &run_dir.join("state"), cluster_file);
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                if tx.send(v).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    Ok((guard, rx))
+}
+
 pub(super) fn logs_tail(run_dir: &Path) -> String {
     const TAIL_LINES: usize = 15;
     let mut files = vec![run_dir.join("monitor.err")];
@@ -272,29 +308,7 @@ fn run_body(
     });
     let spec_path = run_dir.join("spec.json");
     std::fs::write(&spec_path, serde_json::to_vec_pretty(&spec)?)?;
-    let mut cmd = Command::new(&exe);
-    cmd.args(["failover", "run"]).arg(&spec_path).args(["--control", &control, "--cluster"]).arg(cluster_file);
-    if verbose > 0 {
-        cmd.arg(format!("-{}", "v".repeat(verbose as usize)));
-    }
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(std::fs::File::create(run_dir.join("monitor.err"))?))
-        .spawn()
-        .context("cannot start `understudy failover run`")?;
-    let out = child.stdout.take().unwrap();
-    let monitor = MonitorGuard::new(child, &run_dir.join("state"), cluster_file);
-    let (tx, rx) = channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                if tx.send(v).is_err() {
-                    return;
-                }
-            }
-        }
-    });
+    let (monitor, rx) = start_monitor(&exe, &spec_path, &run_dir, &control, cluster_file, verbose)?;
     let mut seen = vec![];
     wait_event(&rx, &mut seen, &["primary_up"], Duration::from_secs(180), tell)?;
     let control_addr = control.parse()?;

@@ -24,12 +24,11 @@
 //! instance (A B A), and again at the end (after the false positive hit the same primary). It
 //! also reports the instance-seconds the backup was held beside the primary per failure.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -177,29 +176,7 @@ impl Mon {
         });
         let spec_path = run_dir.join("spec.json");
         std::fs::write(&spec_path, serde_json::to_vec_pretty(&spec)?)?;
-        let mut cmd = Command::new(&exe);
-        cmd.args(["failover", "run"]).arg(&spec_path).args(["--control", &control.to_string(), "--cluster"]).arg(cluster_file);
-        if verbose > 0 {
-            cmd.arg(format!("-{}", "v".repeat(verbose as usize)));
-        }
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(std::fs::File::create(run_dir.join("monitor.err"))?))
-            .spawn()
-            .context("cannot start `understudy failover run`")?;
-        let out = child.stdout.take().unwrap();
-        let guard = MonitorGuard::new(child, &run_dir.join("state"), cluster_file);
-        let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                    if tx.send(v).is_err() {
-                        return;
-                    }
-                }
-            }
-        });
+        let (guard, rx) = super::bench::start_monitor(&exe, &spec_path, &run_dir, &control.to_string(), cluster_file, verbose)?;
         Ok(Mon { name, policy, guard, rx, seen: vec![], control, endpoint, run_dir, delay_file, spurious: 0 })
     }
 
