@@ -136,6 +136,18 @@ impl PeerCore {
         self.files.get(&file).and_then(|f| f.committed.as_ref()).map(|c| c.holding())
     }
 
+    /// The committed copy of `file` a reader at `epoch` may read (Fetch and Sums), or the reply
+    /// that refuses it.
+    fn committed_for_read(&self, file: FileId, epoch: Epoch) -> Result<&Committed, PeerReply> {
+        let Some(f) = self.files.get(&file) else {
+            return Err(PeerReply::Refused { file, reason: "unknown file".into() });
+        };
+        if epoch < f.promised {
+            return Err(PeerReply::Stale { file, promised: f.promised });
+        }
+        f.committed.as_ref().ok_or_else(|| PeerReply::Refused { file, reason: "no committed copy".into() })
+    }
+
     fn full(&self, file: FileId, epoch: Epoch) -> PeerReply {
         PeerReply::RegionFull { file, epoch, region_bytes: self.region_bytes, used_bytes: self.used_bytes }
     }
@@ -156,14 +168,9 @@ impl PeerCore {
                 PeerReply::Probed { file, epoch, holding: f.committed.as_ref().map(|c| c.holding()) }
             }
             PeerRequest::Fetch { file, epoch, offset, len } => {
-                let Some(f) = self.files.get(&file) else {
-                    return PeerReply::Refused { file, reason: "unknown file".into() };
-                };
-                if epoch < f.promised {
-                    return PeerReply::Stale { file, promised: f.promised };
-                }
-                let Some(c) = f.committed.as_ref() else {
-                    return PeerReply::Refused { file, reason: "no committed copy".into() };
+                let c = match self.committed_for_read(file, epoch) {
+                    Ok(c) => c,
+                    Err(reply) => return reply,
                 };
                 if offset % BLOCK_BYTES as u64 != 0 || len as usize > MAX_CHUNK_BYTES || offset > c.image.len() as u64 {
                     return PeerReply::Refused { file, reason: format!("bad fetch {offset}+{len}") };
@@ -181,14 +188,9 @@ impl PeerCore {
                 }
             }
             PeerRequest::Sums { file, epoch, offset, len } => {
-                let Some(f) = self.files.get(&file) else {
-                    return PeerReply::Refused { file, reason: "unknown file".into() };
-                };
-                if epoch < f.promised {
-                    return PeerReply::Stale { file, promised: f.promised };
-                }
-                let Some(c) = f.committed.as_ref() else {
-                    return PeerReply::Refused { file, reason: "no committed copy".into() };
+                let c = match self.committed_for_read(file, epoch) {
+                    Ok(c) => c,
+                    Err(reply) => return reply,
                 };
                 if offset % BLOCK_BYTES as u64 != 0 || len > MAX_SUMS_BYTES || offset > c.image.len() as u64 {
                     return PeerReply::Refused { file, reason: format!("bad sums request {offset}+{len}") };
