@@ -57,7 +57,31 @@ pub struct VolumeRec {
     /// it (no client may open it yet), and a restarted metadata service finishes or undoes it.
     #[serde(default)]
     pub super_pending: bool,
+    /// A super child whose collapse was asked for but is not decided (or not recorded) yet,
+    /// because the tracking shard did not answer in time: the service keeps asking it, with
+    /// backoff, until it answers — also after a restart of the service.
+    #[serde(default)]
+    pub collapsing: bool,
 }
+
+impl VolumeRec {
+    /// A volume that is nobody's super parent or child (yet).
+    pub fn new(name: String, vol: VolRef, size_bytes: u64, layout: Layout, created_unix_ms: u64) -> Self {
+        VolumeRec { name, vol, size_bytes, layout, super_child: None, super_parent: None, created_unix_ms, super_pending: false, collapsing: false }
+    }
+}
+
+/// A decided collapse, kept so that a client that lost its connection mid-`collapse` and asks
+/// again learns the outcome instead of "not a super child".
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct CollapseRec {
+    pub child: String,
+    pub child_id: VolId,
+    pub outcome: CollapseOutcome,
+}
+
+/// How many decided collapses [`MetaState::collapsed`] remembers (the oldest go first).
+pub const MAX_COLLAPSE_RECORDS: usize = 64;
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub enum Job {
@@ -73,11 +97,19 @@ pub struct MetaState {
     pub map: ClusterMap,
     pub volumes: BTreeMap<String, VolumeRec>,
     pub jobs: Vec<Job>,
+    /// The last decided collapses, newest last (at most [`MAX_COLLAPSE_RECORDS`]).
+    #[serde(default)]
+    pub collapsed: Vec<CollapseRec>,
 }
 
 impl MetaState {
     pub fn new(replicas: u32) -> Self {
-        MetaState { next_id: 1, map: ClusterMap { epoch: 1, replicas, shards: vec![] }, volumes: BTreeMap::new(), jobs: vec![] }
+        Self::with_map(ClusterMap { epoch: 1, replicas, shards: vec![] })
+    }
+
+    /// An empty state over `map`.
+    pub fn with_map(map: ClusterMap) -> Self {
+        MetaState { next_id: 1, map, volumes: BTreeMap::new(), jobs: vec![], collapsed: vec![] }
     }
 }
 
@@ -407,6 +439,8 @@ impl Meta {
             }
             let map = g.core.durable().map.clone();
             let _ = tx.try_send(Msg::Map(map));
+            // What the core sent over a link that broke is resent on this one at once.
+            g.pump(MetaInput::LinkUp { shard: id });
         }
         loop {
             let msg: Msg = match wire::read_msg(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES).await {

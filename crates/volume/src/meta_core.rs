@@ -31,7 +31,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use crate::meta::{Job, Layout, MetaReq, MetaResp, MetaState, VolumeRec};
+use crate::meta::{CollapseRec, Job, Layout, MetaReq, MetaResp, MetaState, VolumeRec, MAX_COLLAPSE_RECORDS};
 use crate::types::*;
 
 /// Who asked: the driver numbers its control requests and routes the reply back.
@@ -44,13 +44,17 @@ pub struct MetaCoreConfig {
     pub resend_after_us: u64,
     /// After a retryable refusal (stale map, not primary, not ready), wait this long.
     pub retry_after_us: u64,
-    /// `super` / `collapse` give up on the tracking shard after this long.
+    /// `super` / `collapse` answer their caller after this long without the tracking shard's
+    /// answer (an undecided collapse goes on in the background, see [`MetaCore`]).
     pub tracking_deadline_us: u64,
+    /// The longest wait between two background attempts (resumed supers, undecided collapses);
+    /// the wait doubles from `20 × retry_after_us` up to this.
+    pub max_backoff_us: u64,
 }
 
 impl Default for MetaCoreConfig {
     fn default() -> Self {
-        MetaCoreConfig { resend_after_us: 5_000_000, retry_after_us: 50_000, tracking_deadline_us: 30_000_000 }
+        MetaCoreConfig { resend_after_us: 5_000_000, retry_after_us: 50_000, tracking_deadline_us: 30_000_000, max_backoff_us: 5_000_000 }
     }
 }
 
@@ -67,6 +71,10 @@ pub enum MetaInput {
     /// The driver changed the cluster map (shard registration, liveness); it is saved like
     /// every change and becomes durable — and so visible in [`MetaCore::durable`] — after.
     SetMap(ClusterMap),
+    /// The link to `shard` was (re)established: a request sent over the broken link may be
+    /// lost, so what waits for a shard's answer is sent again now rather than at the next
+    /// resend period (every request to a shard is idempotent).
+    LinkUp { shard: ShardId },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -150,9 +158,10 @@ enum Control {
     /// `abort`: the request was an abort, which answers the parent's record (or an error if
     /// the collapse had already promoted the child).
     CollapseAsking { call: CallId, child: String, parent: String, ask: TrackAsk, abort: bool },
-    /// A restart (or a failed save) left this super child unconfirmed: asks the tracking shard
-    /// to register it again and finishes or undoes what was half done.
-    Resuming { child: String, parent: String, ask: TrackAsk },
+    /// A restart (or a failed save) left this super child unconfirmed, or its collapse is
+    /// undecided: asks the tracking shard to register it again (and finishes or undoes what was
+    /// half done), or to collapse it again. `attempt` counts the background attempts (backoff).
+    Resuming { child: String, parent: String, ask: TrackAsk, attempt: u32 },
     /// Waiting for a save; the reply is released with it.
     Saving,
 }
@@ -197,8 +206,9 @@ pub struct MetaCore {
     next: Batch,
     control: Option<Control>,
     queue: VecDeque<(CallId, MetaReq)>,
-    /// Super children to resume before other control requests, each not before its time.
-    resume: VecDeque<(String, u64)>,
+    /// Super children to resume before other control requests, each not before its time, with
+    /// the number of attempts made so far.
+    resume: VecDeque<(String, u64, u32)>,
     job: Option<JobRun>,
     next_req: ReqId,
     out: Vec<MetaOutput>,
@@ -211,7 +221,7 @@ impl MetaCore {
     pub fn new(cfg: MetaCoreConfig, state: MetaState, req_base: ReqId) -> Self {
         // Every super child of the saved state: its super may be half done (pending) or its
         // collapse decided on the tracking shard but not recorded here.
-        let resume = state.volumes.values().filter(|v| v.super_parent.is_some()).map(|v| (v.name.clone(), 0)).collect();
+        let resume = state.volumes.values().filter(|v| v.super_parent.is_some()).map(|v| (v.name.clone(), 0, 0)).collect();
         let mut core = MetaCore {
             cfg,
             now_us: 0,
@@ -268,6 +278,11 @@ impl MetaCore {
                         a.retry_at_us = Some(self.now_us);
                     }
                 }
+            }
+            MetaInput::LinkUp { shard } => {
+                tracing::debug!(shard, "shard link up: resending what waits for an answer");
+                self.resend_now();
+                self.on_tick();
             }
         }
         if self.control.is_none() {
@@ -384,14 +399,14 @@ impl MetaCore {
         // is resumed like one found at a restart.
         let pending: Vec<String> = self.state.volumes.values().filter(|v| v.super_pending).map(|v| v.name.clone()).collect();
         for name in pending {
-            if !self.resume.iter().any(|(n, _)| *n == name) {
-                self.resume.push_back((name, self.now_us + self.cfg.retry_after_us));
+            if !self.resume.iter().any(|(n, _, _)| *n == name) {
+                self.resume.push_back((name, self.now_us + self.cfg.retry_after_us, 0));
             }
         }
         while self.control.is_none() {
-            if self.resume.front().is_some_and(|(_, at)| *at <= self.now_us) {
-                let (child, _) = self.resume.pop_front().unwrap();
-                self.start_resume(child);
+            if let Some(i) = self.resume.iter().position(|(_, at, _)| *at <= self.now_us) {
+                let (child, _, attempt) = self.resume.remove(i).unwrap();
+                self.start_resume(child, attempt);
                 continue;
             }
             let Some((call, req)) = self.queue.pop_front() else { break };
@@ -399,13 +414,41 @@ impl MetaCore {
         }
     }
 
-    /// Asks the tracking shard to register `child` again (see the module documentation).
-    fn start_resume(&mut self, child: String) {
+    /// Asks the tracking shard to register `child` again (see the module documentation), or,
+    /// if its collapse is undecided, to collapse it (again: idempotent).
+    fn start_resume(&mut self, child: String, attempt: u32) {
         let Some(c) = self.state.volumes.get(&child).cloned() else { return };
         let (Some(parent), Some(parent_id)) = (c.super_parent.clone(), c.vol.parent) else { return };
-        tracing::info!(child, pending = c.super_pending, "resuming a super child");
-        let ask = self.track_ask(TrackReq::Super { table: c.vol.table, parent: parent_id, child: c.vol.id });
-        self.control = Some(Control::Resuming { child, parent, ask });
+        tracing::info!(child, pending = c.super_pending, collapsing = c.collapsing, attempt, "resuming a super child");
+        let track = if c.collapsing {
+            TrackReq::Collapse { table: c.vol.table, child: c.vol.id }
+        } else {
+            TrackReq::Super { table: c.vol.table, parent: parent_id, child: c.vol.id }
+        };
+        let ask = self.track_ask(track);
+        self.control = Some(Control::Resuming { child, parent, ask, attempt });
+    }
+
+    /// The wait before background attempt `attempt` (0 = the first retry).
+    fn backoff_us(&self, attempt: u32) -> u64 {
+        (self.cfg.retry_after_us * 20).saturating_mul(1 << attempt.min(20)).min(self.cfg.max_backoff_us)
+    }
+
+    /// Makes every request that waits for a shard's answer due now (see [`MetaInput::LinkUp`]).
+    fn resend_now(&mut self) {
+        let now = self.now_us;
+        let due = |a: &mut TrackAsk| {
+            a.waiting = true;
+            a.at_us = now;
+        };
+        if let Some(ask) = self.control_ask() {
+            due(ask);
+        }
+        match &mut self.job {
+            Some(JobRun::EndSuper { ask, .. }) => due(ask),
+            Some(JobRun::All(a)) if !a.pending.is_empty() => a.retry_at_us = Some(now),
+            _ => {}
+        }
     }
 
     // ---- requests -----------------------------------------------------------------------------
@@ -478,16 +521,7 @@ impl MetaCore {
                 ensure(!s.volumes.contains_key(&name), format!("a volume named {name:?} already exists"))?;
                 let id = s.next_id;
                 s.next_id += 1;
-                let rec = VolumeRec {
-                    name: name.clone(),
-                    vol: VolRef { id, table: id, object_size_bytes, parent: None },
-                    size_bytes,
-                    layout: Layout::Plain,
-                    super_child: None,
-                    super_parent: None,
-                    created_unix_ms: now_ms,
-                    super_pending: false,
-                };
+                let rec = VolumeRec::new(name.clone(), VolRef { id, table: id, object_size_bytes, parent: None }, size_bytes, Layout::Plain, now_ms);
                 s.volumes.insert(name, rec.clone());
                 Ok(Step::Reply(MetaResp::Volume(rec)))
             }
@@ -542,22 +576,21 @@ impl MetaCore {
                 // it, the restarted core finishes or undoes the super (see `start_resume`).
                 let child_id = s.next_id;
                 s.next_id += 1;
-                let rec = VolumeRec {
-                    name: child.clone(),
-                    vol: VolRef { id: child_id, table: p.vol.table, object_size_bytes: p.vol.object_size_bytes, parent: Some(p.vol.id) },
-                    size_bytes: p.size_bytes,
-                    layout: Layout::Plain,
-                    super_child: None,
-                    super_parent: Some(parent.clone()),
-                    created_unix_ms: now_ms,
-                    super_pending: true,
-                };
+                let vol = VolRef { id: child_id, table: p.vol.table, object_size_bytes: p.vol.object_size_bytes, parent: Some(p.vol.id) };
+                let mut rec = VolumeRec::new(child.clone(), vol, p.size_bytes, Layout::Plain, now_ms);
+                rec.super_parent = Some(parent.clone());
+                rec.super_pending = true;
                 s.volumes.insert(child.clone(), rec.clone());
                 s.volumes.get_mut(&parent).expect("checked above").super_child = Some(child);
                 let track = TrackReq::Super { table: p.vol.table, parent: p.vol.id, child: child_id };
                 Ok(Step::Super { rec, parent, track })
             }
             MetaReq::Collapse { child } => {
+                if let Some(resp) = decided_collapse(s, &child) {
+                    // Asked again (the caller lost its connection, or its call ended before the
+                    // tracking shard answered): the decided outcome.
+                    return Ok(Step::Reply(resp));
+                }
                 let c = s.volumes.get(&child).cloned().ok_or_else(|| no_volume(&child))?;
                 let Some(parent) = c.super_parent.clone() else {
                     return Err(format!("volume {child:?} is not a super child: nothing to collapse"));
@@ -590,16 +623,8 @@ impl MetaCore {
                 ensure(p.super_child.is_none(), format!("volume {parent:?} has a super child; collapse it first"))?;
                 let id = s.next_id;
                 s.next_id += 1;
-                let rec = VolumeRec {
-                    name: child.clone(),
-                    vol: VolRef { id, table: id, object_size_bytes: p.vol.object_size_bytes, parent: None },
-                    size_bytes: p.size_bytes,
-                    layout: Layout::GeneralClone { parent: p.vol.clone() },
-                    super_child: None,
-                    super_parent: None,
-                    created_unix_ms: now_ms,
-                    super_pending: false,
-                };
+                let vol = VolRef { id, table: id, object_size_bytes: p.vol.object_size_bytes, parent: None };
+                let rec = VolumeRec::new(child.clone(), vol, p.size_bytes, Layout::GeneralClone { parent: p.vol.clone() }, now_ms);
                 s.volumes.insert(child, rec.clone());
                 Ok(Step::Reply(MetaResp::Volume(rec)))
             }
@@ -656,15 +681,33 @@ impl MetaCore {
                 self.reply_after_save(call, resp);
                 self.next.then.push(Then::EndControl);
             }
-            Some(Control::Resuming { child, parent, .. }) => {
+            Some(Control::Resuming { child, parent, ask, attempt }) => {
                 if let Err(TrackErr { refused: false, msg }) = &result {
-                    // The tracking shard cannot be reached yet: try again later (other control
-                    // requests run meanwhile; the child stays pending or superposed).
-                    tracing::warn!(child, "cannot resume the super child yet: {msg}");
-                    self.resume.push_back((child, self.now_us + self.cfg.retry_after_us * 20));
+                    // The tracking shard cannot be reached yet: try again later, backing off
+                    // (other control requests run meanwhile; the child stays pending,
+                    // superposed or collapsing).
+                    tracing::warn!(child, attempt, "cannot resume the super child yet: {msg}");
+                    let at = self.now_us + self.backoff_us(attempt);
+                    self.resume.push_back((child, at, attempt + 1));
                     return self.end_control();
                 }
-                if let Err(e) = self.settle_super(&child, &parent, result) {
+                if let TrackReq::Collapse { table, child: child_id } = ask.what {
+                    match result {
+                        Ok(ReplyBody::Collapse(outcome)) => {
+                            tracing::info!(child, ?outcome, "undecided collapse decided");
+                            self.record_collapse(&child, &parent, table, child_id, outcome);
+                        }
+                        other => {
+                            // The tracking shard will never collapse it: stop asking (a caller
+                            // may collapse it again and gets the answer).
+                            tracing::warn!(child, "collapse in the background refused: {other:?}");
+                            if let Some(rec) = self.state.volumes.get_mut(&child) {
+                                rec.collapsing = false;
+                            }
+                            self.next.changed = true;
+                        }
+                    }
+                } else if let Err(e) = self.settle_super(&child, &parent, result) {
                     tracing::info!(child, "resumed super child: {e}");
                 }
                 self.control = Some(Control::Saving);
@@ -694,6 +737,26 @@ impl MetaCore {
                     };
                     self.control = Some(Control::Saving);
                     self.reply_after_save(call, resp);
+                    self.next.then.push(Then::EndControl);
+                }
+                Err(TrackErr { refused: false, msg }) => {
+                    // No answer in time: the tracking shard may or may not have decided. The
+                    // service owns the decision from here: it keeps asking in the background
+                    // (durably, so also after a restart) and records the outcome, which a repeated
+                    // `collapse` returns.
+                    tracing::warn!(child, "collapse not decided yet ({msg}); asking again in the background");
+                    if let Some(rec) = self.state.volumes.get_mut(&child) {
+                        rec.collapsing = true;
+                    }
+                    self.next.changed = true;
+                    let at = self.now_us + self.backoff_us(0);
+                    self.resume.retain(|(n, _, _)| *n != child);
+                    self.resume.push_back((child.clone(), at, 1));
+                    let e = format!(
+                        "collapse of {child:?} is not decided yet ({msg}); the metadata service keeps asking the tracking shard — retry the collapse to learn the outcome"
+                    );
+                    self.control = Some(Control::Saving);
+                    self.reply_after_save(call, MetaResp::Err(e));
                     self.next.then.push(Then::EndControl);
                 }
                 other => self.control_failed(call, other),
@@ -742,6 +805,10 @@ impl MetaCore {
         let s = &mut self.state;
         let Some(parent_id) = s.volumes.get(child).and_then(|c| c.vol.parent) else { return (None, None) };
         s.jobs.push(Job::Gc { table, parent: parent_id, child: child_id, promoted, child_name: Some(child.to_string()) });
+        s.collapsed.retain(|r| r.child != child);
+        s.collapsed.push(CollapseRec { child: child.to_string(), child_id, outcome });
+        let excess = s.collapsed.len().saturating_sub(MAX_COLLAPSE_RECORDS);
+        s.collapsed.drain(..excess);
         self.next.changed = true;
         if promoted {
             // The parent is gone for good; the child is the volume now.
@@ -749,6 +816,7 @@ impl MetaCore {
             let volume = s.volumes.get_mut(child).map(|rec| {
                 rec.super_parent = None;
                 rec.super_pending = false;
+                rec.collapsing = false;
                 rec.clone()
             });
             (volume, None)
@@ -868,21 +936,26 @@ impl MetaCore {
 
     // ---- replies and time ---------------------------------------------------------------------
 
+    /// The control operation's request to the tracking shard, if one is in flight.
+    fn control_ask(&mut self) -> Option<&mut TrackAsk> {
+        match &mut self.control {
+            Some(Control::SuperAsking { ask, .. } | Control::AbortMarking { ask, .. } | Control::CollapseAsking { ask, .. } | Control::Resuming { ask, .. }) => Some(ask),
+            _ => None,
+        }
+    }
+
     fn on_reply(&mut self, from: ShardId, req: ReqId, result: Result<ReplyBody, IoErr>) {
         if req == 0 {
             return;
         }
         // The control operation's tracking request?
-        let ask = match &mut self.control {
-            Some(Control::SuperAsking { ask, .. } | Control::AbortMarking { ask, .. } | Control::CollapseAsking { ask, .. } | Control::Resuming { ask, .. }) if ask.req == req => Some(ask.clone()),
-            _ => None,
-        };
+        let ask = self.control_ask().filter(|a| a.req == req).cloned();
         if let Some(mut ask) = ask {
             let done = self.track_result(&mut ask, result);
             match done {
                 Some(r) => self.on_track_done(r),
                 None => {
-                    if let Some(Control::SuperAsking { ask: a, .. } | Control::AbortMarking { ask: a, .. } | Control::CollapseAsking { ask: a, .. } | Control::Resuming { ask: a, .. }) = &mut self.control {
+                    if let Some(a) = self.control_ask() {
                         *a = ask;
                     }
                 }
@@ -913,16 +986,13 @@ impl MetaCore {
         let due = |a: &TrackAsk| if a.waiting { now >= a.at_us } else { now >= a.at_us + resend };
         // The control's tracking request: resend on silence, retry after a refusal, give up at
         // the deadline.
-        let ask = match &self.control {
-            Some(Control::SuperAsking { ask, .. } | Control::AbortMarking { ask, .. } | Control::CollapseAsking { ask, .. } | Control::Resuming { ask, .. }) if due(ask) => Some(ask.clone()),
-            _ => None,
-        };
+        let ask = self.control_ask().filter(|a| due(a)).cloned();
         if let Some(mut ask) = ask {
             if now >= ask.deadline_us {
                 self.on_track_done(Err(TrackErr { refused: false, msg: "tracking shard: no answer before the deadline".into() }));
             } else {
                 self.send_track(&mut ask);
-                if let Some(Control::SuperAsking { ask: a, .. } | Control::AbortMarking { ask: a, .. } | Control::CollapseAsking { ask: a, .. } | Control::Resuming { ask: a, .. }) = &mut self.control {
+                if let Some(a) = self.control_ask() {
                     *a = ask;
                 }
             }
@@ -968,6 +1038,20 @@ fn ensure(ok: bool, msg: String) -> Result<(), String> {
     }
 }
 
+/// The answer to a repeated `collapse` of `child`, if its collapse was decided (and `child`
+/// is still the volume it promoted, or gone after a rejection).
+fn decided_collapse(s: &MetaState, child: &str) -> Option<MetaResp> {
+    let r = s.collapsed.iter().rev().find(|r| r.child == child)?;
+    let now = s.volumes.get(child);
+    match r.outcome {
+        CollapseOutcome::Promoted => {
+            let v = now.filter(|v| v.vol.id == r.child_id && v.super_parent.is_none())?;
+            Some(MetaResp::Collapsed { outcome: r.outcome, volume: Some(v.clone()) })
+        }
+        CollapseOutcome::Rejected => now.is_none().then_some(MetaResp::Collapsed { outcome: r.outcome, volume: None }),
+    }
+}
+
 fn super_pending(name: &str) -> String {
     format!("the super that makes {name:?} has not completed yet; retry shortly")
 }
@@ -1004,7 +1088,7 @@ mod tests {
     }
 
     fn core() -> MetaCore {
-        MetaCore::new(MetaCoreConfig::default(), MetaState { next_id: 1, map: map(), volumes: BTreeMap::new(), jobs: vec![] }, 100)
+        MetaCore::new(MetaCoreConfig::default(), MetaState::with_map(map()), 100)
     }
 
     /// Feeds `input`; answers every save with `save_ok`; returns the other outputs.
@@ -1260,9 +1344,86 @@ mod tests {
         assert_eq!(c.durable().volumes.keys().collect::<Vec<_>>(), ["c"]);
         assert!(c.durable().volumes["c"].super_parent.is_none());
         assert!(sent(&outs).iter().any(|(_, m)| matches!(m, Msg::Gc { promoted: true, .. })), "GC starts");
-        // The client's retried collapse finds the child promoted (no longer a super child), an
-        // abort says it was promoted.
-        assert!(matches!(reply_of(&req(&mut c, 4, MetaReq::Collapse { child: "c".into() }, true), 4), MetaResp::Err(e) if e.contains("not a super child")));
+        // The client's retried collapse learns the outcome; an abort says it was promoted.
+        assert!(matches!(reply_of(&req(&mut c, 4, MetaReq::Collapse { child: "c".into() }, true), 4), MetaResp::Collapsed { outcome: CollapseOutcome::Promoted, .. }));
         assert!(matches!(reply_of(&req(&mut c, 5, MetaReq::Abort { child: "c".into() }, true), 5), MetaResp::Err(e) if e.contains("promoted")));
+    }
+
+    /// A super child `c` of `p`, confirmed; returns the core and the collapse request sent.
+    fn superposed() -> MetaCore {
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        let s = sent(&req(&mut c, 2, MetaReq::Super { parent: "p".into(), child: "c".into() }, true));
+        let [(t, Msg::Super { req: r, .. })] = s[..] else { panic!("{s:?}") };
+        run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        c
+    }
+
+    fn collapses(outs: &[MetaOutput]) -> Vec<(ShardId, ReqId)> {
+        sent(outs)
+            .into_iter()
+            .filter_map(|(to, m)| match m {
+                Msg::Collapse { req, child: 2, .. } => Some((to, req)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn an_unanswered_collapse_goes_on_in_the_background_and_a_repeated_collapse_learns_its_outcome() {
+        let mut c = superposed();
+        let first = collapses(&req(&mut c, 3, MetaReq::Collapse { child: "c".into() }, true));
+        assert_eq!(first.len(), 1);
+        // A link that comes back up gets the request again at once, not a resend period later.
+        let again = collapses(&run(&mut c, MetaInput::LinkUp { shard: first[0].0 }, true));
+        assert_eq!(again.len(), 1);
+        assert_ne!(again[0].1, first[0].1);
+        // The tracking shard stays silent past the deadline: the caller hears "not decided yet",
+        // and the undecided collapse is recorded durably.
+        let deadline = MetaCoreConfig::default().tracking_deadline_us;
+        let outs = run(&mut c, MetaInput::Tick { now_us: deadline + 1, unix_ms: 0 }, true);
+        assert!(matches!(reply_of(&outs, 3), MetaResp::Err(e) if e.contains("not decided yet")));
+        assert!(c.durable().volumes["c"].collapsing);
+        assert!(!c.is_idle());
+        // A restart at this point asks the tracking shard to collapse (not to register) it.
+        let (_, outs) = restart(c.durable().clone());
+        assert_eq!(collapses(&outs).len(), 1, "{outs:?}");
+        // Without a caller, the service asks again with growing waits.
+        let mut asks = vec![];
+        let mut now = deadline + 1;
+        while asks.len() < 3 {
+            now += 100_000;
+            let outs = run(&mut c, MetaInput::Tick { now_us: now, unix_ms: 0 }, true);
+            asks.extend(collapses(&outs).into_iter().map(|a| (now, a)));
+            assert!(now < deadline * 4, "no background attempts: {asks:?}");
+        }
+        // Other control requests are served between the attempts.
+        let (t, r) = asks.last().unwrap().1;
+        let outs = run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Collapse(CollapseOutcome::Promoted)) }, true);
+        assert!(sent(&outs).iter().any(|(_, m)| matches!(m, Msg::Gc { promoted: true, .. })), "GC starts");
+        let d = c.durable();
+        assert_eq!(d.volumes.keys().collect::<Vec<_>>(), ["c"]);
+        assert!(!d.volumes["c"].collapsing && d.volumes["c"].super_parent.is_none());
+        // The caller asks again and learns the outcome.
+        match reply_of(&req(&mut c, 4, MetaReq::Collapse { child: "c".into() }, true), 4) {
+            MetaResp::Collapsed { outcome: CollapseOutcome::Promoted, volume: Some(v) } => assert_eq!(v.name, "c"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_collapse_asked_twice_answers_both_callers_with_the_one_outcome() {
+        let mut c = superposed();
+        let first = collapses(&req(&mut c, 3, MetaReq::Collapse { child: "c".into() }, true));
+        // The caller's connection broke; it asks again while the first is in flight.
+        assert!(req(&mut c, 4, MetaReq::Collapse { child: "c".into() }, true).is_empty());
+        let (t, r) = first[0];
+        let outs = run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Collapse(CollapseOutcome::Rejected)) }, true);
+        for call in [3, 4] {
+            assert!(matches!(reply_of(&outs, call), MetaResp::Collapsed { outcome: CollapseOutcome::Rejected, volume: None }), "{outs:?}");
+        }
+        assert_eq!(c.durable().volumes.keys().collect::<Vec<_>>(), ["p"]);
+        // A volume that never was a super child still gets the clear error.
+        assert!(matches!(reply_of(&req(&mut c, 5, MetaReq::Collapse { child: "p".into() }, true), 5), MetaResp::Err(e) if e.contains("not a super child")));
     }
 }

@@ -171,7 +171,7 @@ struct World {
 
 /// The metadata core's timing on the simulator's faster clock.
 fn sim_meta_config() -> MetaCoreConfig {
-    MetaCoreConfig { resend_after_us: 30_000, retry_after_us: 5_000, tracking_deadline_us: 10_000_000 }
+    MetaCoreConfig { resend_after_us: 30_000, retry_after_us: 5_000, tracking_deadline_us: 10_000_000, max_backoff_us: 100_000 }
 }
 
 fn sim_config(id: ShardId, boot: u64) -> ShardConfig {
@@ -231,7 +231,7 @@ impl World {
             reads: vec![],
             next_req: 1 << 48,
             next_value: 1,
-            meta: MetaCore::new(sim_meta_config(), MetaState { next_id: 1, map: meta_map.clone(), volumes: BTreeMap::new(), jobs: vec![] }, 1 << 56),
+            meta: MetaCore::new(sim_meta_config(), MetaState::with_map(meta_map.clone()), 1 << 56),
             control: None,
             next_call: 1,
             meta_save_failure,
@@ -245,7 +245,7 @@ impl World {
             parent_refused: vec![],
             log: vec![],
             dumped: 0,
-            meta_disk: MetaState { next_id: 1, map: meta_map, volumes: BTreeMap::new(), jobs: vec![] },
+            meta_disk: MetaState::with_map(meta_map),
             meta_saving: None,
             meta_gen: 0,
             meta_down: false,
