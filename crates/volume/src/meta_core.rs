@@ -834,6 +834,7 @@ impl MetaCore {
     fn control_failed(&mut self, call: CallId, result: Result<ReplyBody, TrackErr>) {
         let e = match result {
             Ok(body) => format!("tracking shard answered {body:?}"),
+            Err(TrackErr { refused: false, msg }) => format!("{msg}: no answer from the tracking shard in time; retry"),
             Err(e) => e.msg,
         };
         self.reply_now(call, MetaResp::Err(e));

@@ -65,6 +65,13 @@ enum Ev {
     MetaSaved { seq: u64, ok: bool, gen: u64 },
     /// The metadata service restarts from its saved state.
     MetaRestart,
+    /// The connection between the metadata service and a shard breaks (messages in flight on
+    /// it are lost) and is made again later.
+    MetaLinkDrop(u32),
+    MetaLinkUp(u32),
+    /// The test client's connection to the metadata service breaks while a control request is
+    /// in flight: it reconnects and sends the request again.
+    ClientDrop,
     StopFaults,
 }
 
@@ -167,11 +174,24 @@ struct World {
     /// The child's id, from the answer to super (a super undone at a restart and retried makes
     /// a child with a new id).
     child_id: VolId,
+    /// This seed's metadata core timing (some seeds have a tracking deadline shorter than the
+    /// faults, so collapses end their calls undecided and finish in the background).
+    meta_cfg: MetaCoreConfig,
+    /// Shards whose link to the metadata service is broken now.
+    meta_link_down: BTreeSet<u32>,
+    client_drops: u64,
+    link_drops: u64,
+    /// A collapse call ended "not decided yet"; the client looks again later, without pushing.
+    undecided_waiting: bool,
+    undecided_replies: u64,
+    /// Collapses the service decided on its own after the call ended undecided.
+    decided_in_background: u64,
 }
 
 /// The metadata core's timing on the simulator's faster clock.
-fn sim_meta_config() -> MetaCoreConfig {
-    MetaCoreConfig { resend_after_us: 30_000, retry_after_us: 5_000, tracking_deadline_us: 10_000_000, max_backoff_us: 100_000 }
+fn sim_meta_config(seed: u64) -> MetaCoreConfig {
+    let short = SimRng::new(seed ^ 0x5d_ead1).chance(0.3);
+    MetaCoreConfig { resend_after_us: 30_000, retry_after_us: 5_000, tracking_deadline_us: if short { 40_000 } else { 10_000_000 }, max_backoff_us: 100_000 }
 }
 
 fn sim_config(id: ShardId, boot: u64) -> ShardConfig {
@@ -231,7 +251,7 @@ impl World {
             reads: vec![],
             next_req: 1 << 48,
             next_value: 1,
-            meta: MetaCore::new(sim_meta_config(), MetaState::with_map(meta_map.clone()), 1 << 56),
+            meta: MetaCore::new(sim_meta_config(seed), MetaState::with_map(meta_map.clone()), 1 << 56),
             control: None,
             next_call: 1,
             meta_save_failure,
@@ -255,6 +275,13 @@ impl World {
             control_lost: None,
             restarted_with_pending: false,
             child_id: CHILD,
+            meta_cfg: sim_meta_config(seed),
+            meta_link_down: BTreeSet::new(),
+            client_drops: 0,
+            link_drops: 0,
+            undecided_waiting: false,
+            undecided_replies: 0,
+            decided_in_background: 0,
         };
         // The parent volume, created through the metadata core (saves succeed here): it gets
         // the ids the clients use.
@@ -288,6 +315,20 @@ impl World {
                 _ => Ev::Replace(s),
             };
             w.q.push_at(t, ev).unwrap();
+        }
+        // Broken connections, from a generator of their own: the metadata service's links to
+        // shards, and the test client's link to the service.
+        let mut plan = SimRng::new(seed ^ 0xd7_0b5e);
+        if plan.chance(0.5) {
+            for _ in 0..plan.range_u64(1, 3) {
+                let s = plan.range_u64(0, SHARDS as u64 - 1) as u32;
+                w.q.push_at(plan.range_u64(50_000, 900_000), Ev::MetaLinkDrop(s)).unwrap();
+            }
+        }
+        if plan.chance(0.5) {
+            for _ in 0..plan.range_u64(1, 3) {
+                w.q.push_at(plan.range_u64(50_000, 1_200_000), Ev::ClientDrop).unwrap();
+            }
         }
         w
     }
@@ -382,6 +423,10 @@ impl World {
         }
         match ev {
             Ev::Deliver(d) => {
+                let link = |a: NodeId, b: NodeId| if a == META { Some(b) } else if b == META { Some(a) } else { None };
+                if link(d.from, d.to).is_some_and(|s| self.meta_link_down.contains(&s)) {
+                    return true; // lost with the broken connection
+                }
                 let Some(d) = self.net.receive(d) else { return true };
                 if std::env::var("SIM_TRACE_MSG").is_ok() {
                     let m = format!("{:?}", d.msg);
@@ -500,6 +545,35 @@ impl World {
                 self.log.push(format!("{now} super"));
                 self.start_control(ControlKind::Super);
             }
+            Ev::MetaLinkDrop(s) => {
+                if self.faults && self.meta_link_down.insert(s) {
+                    self.link_drops += 1;
+                    self.log.push(format!("{now} link metadata service - shard {s} breaks"));
+                    let back = self.rng.range_u64(10_000, 200_000);
+                    self.q.push_after(now, back, Ev::MetaLinkUp(s)).unwrap();
+                }
+            }
+            Ev::MetaLinkUp(s) => {
+                self.meta_link_down.remove(&s);
+                self.log.push(format!("{now} link metadata service - shard {s} is back"));
+                self.run_meta(MetaInput::LinkUp { shard: s });
+            }
+            Ev::ClientDrop => {
+                if let Some((kind, _)) = self.control.filter(|_| !self.meta_down) {
+                    // The reply to the lost call is never read; the request goes again.
+                    self.control = None;
+                    self.client_drops += 1;
+                    self.log.push(format!("{now} the client's connection breaks during {kind:?}; it reconnects"));
+                    let ev = if kind == ControlKind::Super { Ev::Super } else { Ev::Collapse };
+                    self.q.push_after(now, self.rng.range_u64(1_000, 30_000), ev).unwrap();
+                }
+            }
+            Ev::Collapse if std::mem::take(&mut self.undecided_waiting) && self.collapse_decided() => {
+                // Nobody asked since the call ended undecided: the service decided on its own.
+                self.decided_in_background += 1;
+                self.log.push(format!("{now} the undecided collapse was decided in the background; asking for the outcome"));
+                self.q.push_after(now, 0, Ev::Collapse).unwrap();
+            }
             Ev::Collapse if self.abort => {
                 self.log.push(format!("{now} abort"));
                 self.start_control(ControlKind::Abort);
@@ -531,7 +605,7 @@ impl World {
                 self.log.push(format!("{now} metadata service restarts ({children} super children saved, {pending} pending)"));
                 self.restarted_with_pending |= pending > 0;
                 let base = (1 << 56) + (self.meta_gen << 44);
-                self.meta = MetaCore::new(sim_meta_config(), self.meta_disk.clone(), base);
+                self.meta = MetaCore::new(self.meta_cfg.clone(), self.meta_disk.clone(), base);
                 let map = self.map.clone();
                 self.run_meta(MetaInput::Tick { now_us: now, unix_ms: 0 });
                 self.run_meta(MetaInput::SetMap(map));
@@ -775,6 +849,14 @@ impl World {
         }
         self.control = None;
         match (kind, resp) {
+            (ControlKind::Collapse | ControlKind::Abort, MetaResp::Err(e)) if e.contains("not decided yet") => {
+                // The service keeps at it: look again later, without pushing.
+                self.log.push(format!("{now} {kind:?}: {e}"));
+                self.undecided_replies += 1;
+                self.undecided_waiting = true;
+                let later = self.rng.range_u64(200_000, 400_000);
+                self.q.push_after(now, later, Ev::Collapse).unwrap();
+            }
             (_, MetaResp::Err(e)) if e.contains("cannot save the metadata") || e.contains("retry") => {
                 // The service lost the change and said so: the client tries again.
                 self.log.push(format!("{now} {kind:?} failed ({e}); retrying"));
@@ -784,7 +866,7 @@ impl World {
             (ControlKind::Super, MetaResp::Volume(v)) => {
                 assert_eq!(v.vol.parent, Some(PARENT), "super made {v:?}");
                 assert!(!v.super_pending, "super answered a pending child: {v:?}");
-                assert!(v.vol.id == CHILD || self.meta_crash_step.is_some(), "super made {v:?}");
+                assert!(v.vol.id == CHILD || self.meta_crash_step.is_some() || self.client_drops > 0, "super made {v:?}");
                 self.child_id = v.vol.id;
                 self.super_end_us = Some(now);
                 self.log.push(format!("{now} super returned"));
@@ -800,7 +882,7 @@ impl World {
                 self.q.push_after(now, at, Ev::Collapse).unwrap();
             }
             (ControlKind::Collapse | ControlKind::Abort, MetaResp::Err(e))
-                if self.meta_crash_step.is_some() && ["not a super child", "no volume named", "was promoted"].iter().any(|m| e.contains(m)) =>
+                if (self.meta_crash_step.is_some() || self.client_drops > 0) && ["not a super child", "no volume named", "was promoted"].iter().any(|m| e.contains(m)) =>
             {
                 // A collapse or abort retried after the metadata service crashed: the first
                 // attempt took effect (the restarted service recorded it). The client looks the
@@ -848,6 +930,11 @@ impl World {
                 panic!("{kind:?} answered {resp:?}\n{states:#?}\nplacement {:?}\n{}", self.map.placement(tk.slot()), self.log.join("\n"))
             }
         }
+    }
+
+    /// Whether the durable state shows the collapse decided (the child gone or promoted).
+    fn collapse_decided(&self) -> bool {
+        self.meta.durable().volumes.get(CHILD_NAME).is_none_or(|c| c.super_parent.is_none())
     }
 
     fn meta_receive(&mut self, from: NodeId, msg: Msg) {
@@ -950,6 +1037,12 @@ struct Exercised {
     /// The output the metadata service crashed with, if it crashed.
     meta_crash_step: Option<String>,
     restarted_with_pending: bool,
+    /// Broken connections (client - metadata service, metadata service - shard), collapse
+    /// calls that ended undecided, and collapses decided in the background after one.
+    client_drops: u64,
+    link_drops: u64,
+    undecided_replies: u64,
+    decided_in_background: u64,
 }
 
 /// About a third of the seeds abort instead of collapsing (from their own generator, so the
@@ -1141,6 +1234,10 @@ fn run_seed(seed: u64) -> Exercised {
         control_retries: w.log.iter().filter(|l| l.contains("retrying")).count() as u64,
         meta_crash_step: w.meta_crash_step.clone(),
         restarted_with_pending: w.restarted_with_pending,
+        client_drops: w.client_drops,
+        link_drops: w.link_drops,
+        undecided_replies: w.undecided_replies,
+        decided_in_background: w.decided_in_background,
     }
 }
 
@@ -1199,6 +1296,18 @@ fn super_collapse_under_faults_many_seeds() {
         total.deferred_completed += e.deferred_completed;
         total.meta_save_failures += e.meta_save_failures;
         total.control_retries += e.control_retries;
+        total.client_drops += e.client_drops;
+        total.link_drops += e.link_drops;
+        total.undecided_replies += e.undecided_replies;
+        total.decided_in_background += e.decided_in_background;
+    }
+    eprintln!(
+        "broken connections: {} client, {} metadata service - shard; collapse calls ended undecided: {}, then decided in the background: {}",
+        total.client_drops, total.link_drops, total.undecided_replies, total.decided_in_background
+    );
+    if seeds >= 200 {
+        assert!(total.client_drops > 0 && total.link_drops > 0, "no connection broke");
+        assert!(total.decided_in_background > 0, "no undecided collapse was finished by the service on its own");
     }
     let (made, completed) = (total.deferred_made, total.deferred_completed);
     // The simulated store defers copies as the real one does: the partial-copy paths ran.
