@@ -187,6 +187,8 @@ enum VolumeCmd {
     /// promoted: the parent was not written after `super`: parent writes now fail and the child
     /// is the volume (under the child's name). rejected: the parent was written: the child is
     /// discarded and the parent goes on. Garbage collection then runs in the background.
+    /// A broken connection or an undecided collapse (tracking shard silent) is asked again for
+    /// up to two minutes; collapsing again prints the outcome already decided.
     Collapse { child: String },
     /// Make an rbd-style general clone CHILD of PARENT (the baseline super is compared with).
     ///

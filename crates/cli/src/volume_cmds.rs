@@ -10,6 +10,10 @@ use volume::meta::{Job, Layout, MetaReq, MetaResp, VolumeRec, DEFAULT_OBJECT_SIZ
 use volume::types::{CollapseOutcome, ShardState, MAX_OBJECT_SIZE_BYTES};
 
 use crate::cluster_file::Target;
+
+/// How long `volume collapse` keeps asking through broken connections and an unanswering
+/// tracking shard (the metadata service decides on its own meanwhile).
+const COLLAPSE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(120);
 use crate::size::{format_size, parse_size};
 use crate::{ConnArgs, VolumeCmd};
 
@@ -172,10 +176,10 @@ pub async fn run(conn: &ConnArgs, cmd: VolumeCmd) -> anyhow::Result<()> {
             eprintln!("super {} → {} in {ms:.1} ms; `understudy volume collapse {}` decides which survives", a.parent, v.name, v.name);
         }
         VolumeCmd::Collapse { child } => {
-            let info = c.volume_info(&child).await?;
-            let parent = info.super_parent.clone().unwrap_or_default();
+            // A repeated collapse of a rejected child finds no volume: the collapse answers.
+            let parent = c.volume_info(&child).await.ok().and_then(|i| i.super_parent).unwrap_or_else(|| "the parent".into());
             let t = Instant::now();
-            let resp = c.meta(MetaReq::Collapse { child: child.clone() }).await?;
+            let resp = c.collapse(&child, COLLAPSE_PATIENCE).await?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
             let MetaResp::Collapsed { outcome, .. } = resp else {
                 anyhow::bail!("unexpected answer from the metadata service: {resp:?}");

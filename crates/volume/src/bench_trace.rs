@@ -67,6 +67,8 @@ const RECOVERY_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long the load runs past its target before it is killed, so that the kill lands in the
 /// middle of a transaction rather than between two.
 const KILL_AFTER_TARGET: Duration = Duration::from_millis(30);
+/// The load reports its progress on stderr every this many MiB of rows.
+const LOAD_PROGRESS_MIB: u64 = 16;
 /// Name of the FUSE file the volume is exported as.
 const DISK_FILE_NAME: &str = "disk.img";
 
@@ -364,21 +366,21 @@ pub struct TraceOptions {
 impl TraceOptions {
     /// Quick: a 256 MiB volume, ≈ 30 MiB of database of which 16 MiB is WAL at the kill, four
     /// replays per variant; fits in under a minute with the cluster's start-up (≈ 40 s
-    /// measured). Full: 2 GiB, 512 MiB checkpointed + 256 MiB of WAL, four replays per variant:
-    /// the recovery replayed is the full size, the rounds are fewer so the run fits in about a
-    /// quarter of an hour on a shared 2-core machine (six rounds took ≈ 19 min there: a
-    /// 135k-operation trace, ≈ 50 s a replay, 18 replays).
+    /// measured). Full: 1 GiB, 128 MiB checkpointed + 64 MiB of WAL at the kill, three replays
+    /// per variant, sized to finish within about eight minutes on a shared 2-core machine (the
+    /// earlier 512 + 256 MiB with four rounds did not finish on a loaded one: a 135k-operation
+    /// trace took ≈ 50 s a replay, and the load itself several minutes).
     pub fn new(quick: bool) -> Self {
         const MIB: u64 = 1 << 20;
         TraceOptions {
             quick,
-            volume_size_bytes: if quick { 256 * MIB } else { 2048 * MIB },
+            volume_size_bytes: if quick { 256 * MIB } else { 1024 * MIB },
             object_size_bytes: 64 * 1024,
-            db_checkpointed_bytes: if quick { 14 * MIB } else { 512 * MIB },
-            wal_bytes: if quick { 16 * MIB } else { 256 * MIB },
+            db_checkpointed_bytes: if quick { 14 * MIB } else { 128 * MIB },
+            wal_bytes: if quick { 16 * MIB } else { 64 * MIB },
             row_bytes: 2000,
             rows_per_txn: 64,
-            replay_rounds: 4,
+            replay_rounds: if quick { 4 } else { 3 },
             work_dir: None,
         }
     }
@@ -555,11 +557,19 @@ fn load_and_kill(script: &Path, db: &Path, opts: &TraceOptions) -> anyhow::Resul
     });
     let mut outcome = LoadOutcome { rows_acked_count: 0, db_file_bytes: 0, wal_bytes: 0 };
     let mut killed = false;
+    // Progress on stderr: rows acknowledged, as bytes of blobs, against the load's target.
+    let target_mib = (opts.db_checkpointed_bytes + opts.wal_bytes) >> 20;
+    let (started, mut shown_mib) = (Instant::now(), 0);
     // Read to the end, also after the kill: lines already in the pipe are acknowledged rows.
     for line in BufReader::new(child.stdout.take().unwrap()).lines() {
         let line = line.context("reading the load's output")?;
         if let Some(n) = line.strip_prefix("acked ") {
             outcome.rows_acked_count = outcome.rows_acked_count.max(n.parse().context("load printed a bad count")?);
+            let mib = (outcome.rows_acked_count * opts.row_bytes as u64) >> 20;
+            if mib >= shown_mib + LOAD_PROGRESS_MIB {
+                shown_mib = mib;
+                eprintln!("SQLite load: {mib} MiB of rows committed (target ≈ {target_mib} MiB) after {:.0} s", started.elapsed().as_secs_f64());
+            }
         } else if let Some(sizes) = line.strip_prefix("target ") {
             let mut it = sizes.split(' ').map(|s| s.parse::<u64>().unwrap_or(0));
             outcome.db_file_bytes = it.next().unwrap_or(0);

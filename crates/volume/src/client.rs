@@ -73,6 +73,15 @@ impl Cluster {
 
     /// One control request to the metadata service.
     pub async fn meta(&self, req: MetaReq) -> anyhow::Result<MetaResp> {
+        match self.meta_raw(&req).await? {
+            MetaResp::Err(e) => anyhow::bail!(e),
+            resp => Ok(resp),
+        }
+    }
+
+    /// One request; reconnects once if the kept connection turns out broken. `Err` only for a
+    /// transport failure (the service's own errors are `MetaResp::Err`).
+    async fn meta_raw(&self, req: &MetaReq) -> anyhow::Result<MetaResp> {
         let mut g = self.meta_conn.lock().await;
         for attempt in 0..2 {
             if g.is_none() {
@@ -84,21 +93,45 @@ impl Cluster {
             }
             let sock = g.as_mut().unwrap();
             let r = async {
-                wire::write_msg(sock, &req).await?;
+                wire::write_msg(sock, req).await?;
                 wire::read_msg::<MetaResp, _>(sock, wire::MAX_FRAME_PAYLOAD_BYTES).await
             }
             .await;
             match r {
-                Ok(MetaResp::Err(e)) => anyhow::bail!(e),
                 Ok(resp) => return Ok(resp),
-                Err(e) if attempt == 0 => {
-                    tracing::debug!("metadata connection: {e}; reconnecting");
+                Err(e) => {
                     *g = None;
+                    if attempt == 1 {
+                        return Err(e.into());
+                    }
+                    tracing::debug!("metadata connection: {e}; reconnecting");
                 }
-                Err(e) => return Err(e.into()),
             }
         }
         unreachable!()
+    }
+
+    /// `collapse CHILD`, seen through: a lost connection is made again and an undecided
+    /// collapse asked again (collapse is idempotent: a repeated one answers the decided
+    /// outcome), with growing waits, for up to `patience`.
+    pub async fn collapse(&self, child: &str, patience: Duration) -> anyhow::Result<MetaResp> {
+        let started = Instant::now();
+        let mut wait = Duration::from_millis(100);
+        let req = MetaReq::Collapse { child: child.to_string() };
+        loop {
+            let why = match self.meta_raw(&req).await {
+                Ok(MetaResp::Err(e)) if e.contains("not decided yet") => e,
+                Ok(MetaResp::Err(e)) => anyhow::bail!(e),
+                Ok(resp) => return Ok(resp),
+                Err(e) => format!("{e:#}"),
+            };
+            if started.elapsed() + wait > patience {
+                anyhow::bail!("collapse of {child:?} not answered within {patience:?}: {why}");
+            }
+            tracing::warn!("collapse of {child:?}: {why}; asking again in {wait:?}");
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_secs(2));
+        }
     }
 
     pub fn meta_addr(&self) -> &str {
