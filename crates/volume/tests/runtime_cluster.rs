@@ -76,8 +76,12 @@ async fn volume_io_super_collapse_and_general_clone() {
     assert!(matches!(r, MetaResp::Collapsed { outcome: CollapseOutcome::Rejected, .. }), "{r:?}");
     assert_eq!(child.read(4096, 4096).await.unwrap(), vec![5; 4096]);
     assert!(c.meta(MetaReq::Info { name: "db.s2".into() }).await.is_err(), "a rejected child is gone");
-    // Collapse of something that is not a child is a clear error.
-    let e = c.meta(MetaReq::Collapse { child: "db.s1".into() }).await.unwrap_err();
+    // Collapsing again answers the outcome decided earlier; collapse of a volume that never
+    // was a child is a clear error.
+    let r = c.meta(MetaReq::Collapse { child: "db.s1".into() }).await.unwrap();
+    assert!(matches!(r, MetaResp::Collapsed { outcome: CollapseOutcome::Promoted, .. }), "{r:?}");
+    c.meta(MetaReq::Create { name: "lone".into(), size_bytes: mib, object_size_bytes: 65536 }).await.unwrap();
+    let e = c.meta(MetaReq::Collapse { child: "lone".into() }).await.unwrap_err();
     assert!(e.to_string().contains("not a super child"), "{e}");
     let e = c.meta(MetaReq::Info { name: "nope".into() }).await.unwrap_err();
     assert!(e.to_string().contains("no volume named"), "{e}");
