@@ -181,6 +181,9 @@ struct World {
     meta_link_down: BTreeSet<u32>,
     client_drops: u64,
     link_drops: u64,
+    /// Draws whether the client's connection breaks during a control request (its own
+    /// generator, so the rest of the seed's run is drawn as before).
+    drop_rng: SimRng,
     /// A collapse call ended "not decided yet"; the client looks again later, without pushing.
     undecided_waiting: bool,
     undecided_replies: u64,
@@ -279,6 +282,7 @@ impl World {
             meta_link_down: BTreeSet::new(),
             client_drops: 0,
             link_drops: 0,
+            drop_rng: SimRng::new(seed ^ 0xc11e_47d0),
             undecided_waiting: false,
             undecided_replies: 0,
             decided_in_background: 0,
@@ -833,6 +837,12 @@ impl World {
         let call = self.next_call;
         self.next_call += 1;
         self.control = Some((kind, call));
+        if self.faults && self.drop_rng.chance(0.2) {
+            // The connection breaks while this request is in flight (or just after its reply).
+            let after = self.drop_rng.range_u64(0, 3_000);
+            let now = self.now();
+            self.q.push_after(now, after, Ev::ClientDrop).unwrap();
+        }
         let req = match kind {
             ControlKind::Super => MetaReq::Super { parent: PARENT_NAME.into(), child: CHILD_NAME.into() },
             ControlKind::Collapse => MetaReq::Collapse { child: CHILD_NAME.into() },
