@@ -601,6 +601,9 @@ impl MetaCore {
                 Ok(Step::Collapse { child, parent, track })
             }
             MetaReq::Abort { child } => {
+                if let Some(MetaResp::Collapsed { outcome: CollapseOutcome::Rejected, .. }) = decided_collapse(s, &child) {
+                    return Err(format!("no volume named {child:?}: an earlier collapse or abort rejected it"));
+                }
                 let c = s.volumes.get(&child).cloned().ok_or_else(|| no_volume(&child))?;
                 let Some(parent) = c.super_parent.clone() else {
                     // A promoted child lives on in its parent's table (a created volume has its own).

@@ -323,7 +323,8 @@ impl World {
         // Broken connections, from a generator of their own: the metadata service's links to
         // shards, and the test client's link to the service.
         let mut plan = SimRng::new(seed ^ 0xd7_0b5e);
-        if plan.chance(0.5) {
+        let link_drops = plan.chance(0.5);
+        if link_drops && std::env::var("SIM_NO_LINK_DROPS").is_err() {
             for _ in 0..plan.range_u64(1, 3) {
                 let s = plan.range_u64(0, SHARDS as u64 - 1) as u32;
                 w.q.push_at(plan.range_u64(50_000, 900_000), Ev::MetaLinkDrop(s)).unwrap();
@@ -892,10 +893,10 @@ impl World {
                 self.q.push_after(now, at, Ev::Collapse).unwrap();
             }
             (ControlKind::Collapse | ControlKind::Abort, MetaResp::Err(e))
-                if (self.meta_crash_step.is_some() || self.client_drops > 0) && ["not a super child", "no volume named", "was promoted"].iter().any(|m| e.contains(m)) =>
+                if (self.meta_crash_step.is_some() || self.client_drops > 0 || self.undecided_replies > 0) && ["not a super child", "no volume named", "was promoted"].iter().any(|m| e.contains(m)) =>
             {
-                // A collapse or abort retried after the metadata service crashed: the first
-                // attempt took effect (the restarted service recorded it). The client looks the
+                // A collapse or abort retried after the metadata service crashed, the client's
+                // connection broke or the call ended undecided: the first attempt took effect (the restarted service recorded it). The client looks the
                 // outcome up, as an operator would with `volume list`.
                 let promoted = self.meta.durable().volumes.get(CHILD_NAME).is_some_and(|c| c.super_parent.is_none());
                 let o = if promoted { CollapseOutcome::Promoted } else { CollapseOutcome::Rejected };
