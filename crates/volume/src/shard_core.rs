@@ -1747,7 +1747,11 @@ impl ShardCore {
         self.outstanding.retain(|_, o| o.owner != Owner::Recovery);
         // Our tracking list may be stale: rebuild it from the live shards' lists.
         self.entries.clear();
-        let old_touched = self.recovery.take().map(|r| r.touched).unwrap_or_default();
+        // Objects written here by their primary during the last round are current only if that
+        // round ran at the epoch just before this one: with an epoch missed in between (say, we
+        // were marked down, and missed writes, in a map we never saw) they may be stale, and
+        // must be compared with the peers' lists like any other.
+        let old_touched = self.recovery.take().filter(|r| r.epoch + 1 == epoch).map(|r| r.touched).unwrap_or_default();
         let peers: Vec<ShardId> = self
             .map
             .as_ref()
