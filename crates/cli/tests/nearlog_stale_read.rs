@@ -10,7 +10,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
-use nearlog_common::{shim_path, start_cluster, Kill};
+use nearlog_common::{Bed, Kill};
 
 /// Appends records `start..start+n` (8 KiB each) with write + fsync, printing each number once
 /// fsync returned; then one more record per line on stdin.
@@ -88,22 +88,19 @@ fn repair_counts(stderr: &str) -> Option<(u64, u64)> {
 
 #[test]
 fn a_read_only_open_of_a_stale_local_copy_reads_every_acknowledged_write() {
-    let so = shim_path();
-    let tmp = tempfile::tempdir().unwrap();
-    let (_cluster, cluster) = start_cluster(&tmp.path().join("cluster"));
-    let app = tmp.path().join("app");
-    std::fs::create_dir_all(&app).unwrap();
-    let log = app.join("wal.log");
+    let bed = Bed::new();
+    let (so, cluster) = (&bed.so, &bed.cluster_file);
+    let log = bed.app.join("wal.log");
 
     // 400 records (3.1 MiB), then a copy of the local file as it was; 200 more records after it.
-    assert_eq!(write_records(&so, &cluster, &log, 0, 400), 399);
+    assert_eq!(write_records(so, cluster, &log, 0, 400), 399);
     let old = std::fs::read(&log).unwrap();
     assert_eq!(old, expected(400));
-    assert_eq!(write_records(&so, &cluster, &log, 400, 200), 599);
+    assert_eq!(write_records(so, cluster, &log, 400, 200), 599);
 
     // The machine's copy goes back to the older one; a new process opens it read-only.
     std::fs::write(&log, &old).unwrap();
-    let (got, err) = read_all(&so, &cluster, &log);
+    let (got, err) = read_all(so, cluster, &log);
     assert!(got == expected(600), "read {} bytes, {} acknowledged", got.len(), 600 * RECORD_BYTES);
     let (fetched, verified) = repair_counts(&err).unwrap_or_else(|| panic!("no repair logged: {err}"));
     // Chunks 0..2 (3 MiB) of the old copy match the peers' checksums: taken locally.
@@ -112,7 +109,7 @@ fn a_read_only_open_of_a_stale_local_copy_reads_every_acknowledged_write() {
     assert_eq!(std::fs::read(&log).unwrap(), expected(600), "the local copy was repaired");
 
     // Current now: read again, nothing repaired.
-    let (got, err) = read_all(&so, &cluster, &log);
+    let (got, err) = read_all(so, cluster, &log);
     assert!(got == expected(600));
     assert!(repair_counts(&err).is_none(), "a current copy is not rewritten: {err}");
 
@@ -120,22 +117,22 @@ fn a_read_only_open_of_a_stale_local_copy_reads_every_acknowledged_write() {
     let mut damaged = old.clone();
     damaged[(1 << 20) + 100..(1 << 20) + 9000].fill(0);
     std::fs::write(&log, &damaged).unwrap();
-    let (got, err) = read_all(&so, &cluster, &log);
+    let (got, err) = read_all(so, cluster, &log);
     assert!(got == expected(600), "damaged copy: read {} bytes", got.len());
     assert_eq!(repair_counts(&err).map(|c| c.1), Some(2 << 20), "chunks 0 and 2 verified locally: {err}");
 
     // A reader beside a live writer on this machine neither waits for nor fences it.
-    let mut w = shimmed(&so, &cluster, WRITER);
+    let mut w = shimmed(so, cluster, WRITER);
     w.arg(&log).arg("600").arg("1").stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
     let mut writer: Kill = Kill(w.spawn().unwrap());
     let mut acks = BufReader::new(writer.0.stdout.take().unwrap()).lines();
     assert_eq!(acks.next().unwrap().unwrap(), "600");
-    let (got, _) = read_all(&so, &cluster, &log);
+    let (got, _) = read_all(so, cluster, &log);
     assert!(got == expected(601));
     more(&mut writer.0);
     assert_eq!(acks.next().unwrap().unwrap(), "601", "the writer goes on after the read");
     drop(writer);
-    let (got, _) = read_all(&so, &cluster, &log);
+    let (got, _) = read_all(so, cluster, &log);
     assert!(got == expected(602));
 }
 

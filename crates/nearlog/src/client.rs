@@ -561,12 +561,7 @@ impl FileClient {
             match reply {
                 PeerReply::Stale { promised, .. } if promised > self.epoch => self.fail(Failure::Fenced { promised }),
                 PeerReply::Probed { epoch, holding, .. } if epoch == self.epoch && matches!(self.phase, Phase::Probing | Phase::Fetching(_) | Phase::Basing { .. }) => {
-                    self.probes.entry(peer).or_insert(holding);
-                    match self.phase {
-                        Phase::Probing => self.choose_source(),
-                        Phase::Basing { .. } => self.retry_no_room(),
-                        _ => {}
-                    }
+                    self.on_probed(peer, holding)
                 }
                 PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
                 PeerReply::Sums { offset, block_crcs, holding, .. } => self.on_sums(peer, offset, block_crcs, holding),
@@ -615,13 +610,7 @@ impl FileClient {
                     return;
                 }
                 if matches!(self.phase, Phase::Probing | Phase::Fetching(_) | Phase::Basing { .. }) {
-                    self.probes.entry(peer).or_insert(holding);
-                    match self.phase {
-                        Phase::Probing => self.choose_source(),
-                        // A late answer may show that a peer without room can release its copy.
-                        Phase::Basing { .. } => self.retry_no_room(),
-                        _ => {}
-                    }
+                    self.on_probed(peer, holding);
                 }
             }
             PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
@@ -676,6 +665,17 @@ impl FileClient {
                 }
                 self.update_acked();
             }
+            _ => {}
+        }
+    }
+
+    /// A probe answer during recovery (the first one of each peer counts).
+    fn on_probed(&mut self, peer: PeerId, holding: Option<Holding>) {
+        self.probes.entry(peer).or_insert(holding);
+        match self.phase {
+            Phase::Probing => self.choose_source(),
+            // A late answer may show that a peer without room can release its copy.
+            Phase::Basing { .. } => self.retry_no_room(),
             _ => {}
         }
     }
