@@ -78,9 +78,9 @@ fn expected(n: usize) -> Vec<u8> {
     (0..n).flat_map(record).collect()
 }
 
-/// The `(fetched, verified)` byte counts of the shim's "was stale" line.
+/// The `(fetched, verified)` byte counts of the shim's "recovered ... for reading" line.
 fn repair_counts(stderr: &str) -> Option<(u64, u64)> {
-    let line = stderr.lines().find(|l| l.contains("was stale"))?;
+    let line = stderr.lines().find(|l| l.contains("for reading"))?;
     let tail = &line[line.rfind('(')? + 1..];
     let mut nums = tail.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).map(|s| s.parse::<u64>().unwrap());
     Some((nums.next()?, nums.next()?))

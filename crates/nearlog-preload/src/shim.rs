@@ -895,7 +895,10 @@ fn verify_local_copy(shim: &mut Shim, fd: c_int, writable: bool, grant: &FileGra
     if local_size != image.len() as u64 && unsafe { (real().ftruncate)(fd, image.len() as off_t) } != 0 {
         return Err(format!("repairing the local copy: {}", std::io::Error::last_os_error()));
     }
-    log(&format!("{key}: the local copy ({local_size} bytes) was stale: now the {} bytes a majority of log peers hold ({fetched} fetched, {reused} verified locally)", image.len()));
+    log(&format!(
+        "recovered {key} for reading: its local copy ({local_size} bytes) was missing or stale; now the {} bytes a majority of log peers hold ({fetched} fetched, {reused} verified locally)",
+        image.len()
+    ));
     Ok(())
 }
 
