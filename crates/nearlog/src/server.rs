@@ -7,9 +7,12 @@
 //! the region (the block checksums are computed over what it copies).
 //!
 //! Memory beyond the bytes held is bounded by named limits: per connection an input buffer of
-//! [`READ_CHUNK_BYTES`] (grown to one frame, at most `MAX_FRAME_BYTES`, only while such a frame
-//! arrives, then shrunk back) and replies flushed at [`MAX_REPLY_BATCH_BYTES`]; at most
-//! [`MAX_PEER_CONNECTIONS`] connections; and the allocator set up by [`tune_allocator`].
+//! [`READ_CHUNK_BYTES`] and pending replies flushed at [`MAX_REPLY_BATCH_BYTES`]; a connection
+//! moving a large frame (an image chunk in, a fetched chunk out: up to `MAX_FRAME_BYTES`) grows
+//! its buffers only while it holds one of [`MAX_LARGE_FRAMES`] slots shared by all connections;
+//! at most [`MAX_PEER_CONNECTIONS`] connections; and the allocator set up by [`tune_allocator`].
+//! Worst case beyond the held bytes: 256 × (32 + 64) KiB + 4 × ~4.2 MiB ≈ 41 MiB, plus the
+//! process itself (~9 MiB).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -163,10 +166,47 @@ async fn serve_peer_conn(mut sock: TcpStream, core: Arc<Mutex<PeerCore>>, secret
 
 /// Bytes a client connection's input buffer holds (one `read` asks for what is free of it); a
 /// larger frame grows it to that frame's size until the frame is applied.
-pub const READ_CHUNK_BYTES: usize = 64 * 1024;
-/// Replies are written out once this many bytes are pending (fetch answers are up to
-/// `MAX_CHUNK_BYTES` each): bounds a connection's output buffer.
-pub const MAX_REPLY_BATCH_BYTES: usize = 1024 * 1024;
+pub const READ_CHUNK_BYTES: usize = 32 * 1024;
+/// Replies are written out once this many bytes are pending: bounds a connection's output
+/// buffer (a fetched chunk, up to `MAX_CHUNK_BYTES`, goes out on its own, under a large-frame
+/// slot).
+pub const MAX_REPLY_BATCH_BYTES: usize = 64 * 1024;
+/// Connections that may hold a large frame at once (an input buffer grown past
+/// [`READ_CHUNK_BYTES`], or a fetch being answered): each holds up to ~4.2 MiB meanwhile (the
+/// frame, the decoded request or the reply, and its encoding).
+pub const MAX_LARGE_FRAMES: usize = 4;
+/// A connection that waits this long for a large-frame slot is closed (its client reconnects
+/// and sends again).
+pub const LARGE_FRAME_WAIT_MS: u64 = 10_000;
+
+static LARGE_FRAMES: Mutex<usize> = Mutex::new(0);
+static LARGE_FRAME_FREED: std::sync::Condvar = std::sync::Condvar::new();
+
+/// One of the [`MAX_LARGE_FRAMES`] slots, given back on drop.
+struct LargeFrameSlot;
+
+impl LargeFrameSlot {
+    fn acquire() -> Result<LargeFrameSlot, wire::WireError> {
+        let deadline = std::time::Instant::now() + Duration::from_millis(LARGE_FRAME_WAIT_MS);
+        let mut used = LARGE_FRAMES.lock().unwrap_or_else(|e| e.into_inner());
+        while *used >= MAX_LARGE_FRAMES {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(wire::WireError::Io(std::io::Error::other(format!("no large-frame slot within {LARGE_FRAME_WAIT_MS} ms"))));
+            }
+            used = LARGE_FRAME_FREED.wait_timeout(used, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        *used += 1;
+        Ok(LargeFrameSlot)
+    }
+}
+
+impl Drop for LargeFrameSlot {
+    fn drop(&mut self) {
+        *LARGE_FRAMES.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        LARGE_FRAME_FREED.notify_one();
+    }
+}
 
 /// Applies every complete frame in the input buffer under one lock, then answers them all with
 /// one `write`. Per byte: the frame checksum, the record checksum, the copy into the region.
@@ -176,7 +216,10 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
     // Unparsed input is buf[start..end]: `read` fills the buffer directly (no staging copy).
     let mut buf = vec![0u8; READ_CHUNK_BYTES];
     let (mut start, mut end) = (0usize, 0usize);
-    let mut out: Vec<u8> = Vec::with_capacity(READ_CHUNK_BYTES);
+    let mut out: Vec<u8> = Vec::with_capacity(MAX_REPLY_BATCH_BYTES);
+    // Held while this connection's buffers may be larger than the above (never while waiting
+    // for it with the core locked: holders need the core to finish).
+    let mut slot: Option<LargeFrameSlot> = None;
     loop {
         let n = sock.read(&mut buf[end..])?;
         if n == 0 {
@@ -194,6 +237,10 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
                     end -= start;
                     start = 0;
                     if buf.len() < HDR + len {
+                        if slot.is_none() {
+                            drop(c.take());
+                            slot = Some(LargeFrameSlot::acquire()?);
+                        }
                         buf.resize(HDR + len, 0);
                     }
                 }
@@ -206,6 +253,15 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
             }
             let req: PeerRequest = wire::decode_payload(payload)?;
             start += HDR + len;
+            if matches!(req, PeerRequest::Fetch { .. }) && slot.is_none() {
+                // Its answer is up to a chunk: flush what is pending, answer it under a slot.
+                drop(c.take());
+                if !out.is_empty() {
+                    sock.write_all(&out)?;
+                    out.clear();
+                }
+                slot = Some(LargeFrameSlot::acquire()?);
+            }
             let rep: PeerReply = c.get_or_insert_with(|| core.lock().unwrap()).handle(req);
             crate::blocking::encode_into(&rep, &mut out)?;
             if out.len() >= MAX_REPLY_BATCH_BYTES {
@@ -229,9 +285,12 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
         if !out.is_empty() {
             sock.write_all(&out)?;
             out.clear();
-            if out.capacity() > MAX_REPLY_BATCH_BYTES {
-                out = Vec::with_capacity(READ_CHUNK_BYTES);
-            }
+        }
+        if out.capacity() > 2 * MAX_REPLY_BATCH_BYTES {
+            out = Vec::with_capacity(MAX_REPLY_BATCH_BYTES);
+        }
+        if buf.len() <= READ_CHUNK_BYTES {
+            slot = None; // both buffers are back to their small size
         }
     }
 }
@@ -272,5 +331,28 @@ pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core:
                 tracing::debug!(%from, "controller connection ended: {e}");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_frame_slots_are_bounded_and_handed_on() {
+        let held: Vec<LargeFrameSlot> = (0..MAX_LARGE_FRAMES).map(|_| LargeFrameSlot::acquire().unwrap()).collect();
+        let got = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let g = got.clone();
+        let waiter = std::thread::spawn(move || {
+            let slot = LargeFrameSlot::acquire().unwrap();
+            g.store(true, std::sync::atomic::Ordering::SeqCst);
+            drop(slot);
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!got.load(std::sync::atomic::Ordering::SeqCst), "a slot beyond the limit was handed out");
+        drop(held);
+        waiter.join().unwrap();
+        assert!(got.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(*LARGE_FRAMES.lock().unwrap(), 0);
     }
 }
