@@ -7,9 +7,14 @@
 //! `?` one; e.g. `*-wal:*.incr.aof`). The cluster comes from `UNDERSTUDY_NEARLOG_CLUSTER` (the
 //! `nearlog-cluster.json` of `understudy nearlog up`).
 //!
-//! - open/openat/creat (and 64-bit forms) of a log file: the controller grants a new epoch, the
-//!   content is recovered from a majority of peers ([`nearlog::client::FileClient`]) and written
-//!   to the local file when the local copy is missing, shorter or different.
+//! - open/openat/creat (and 64-bit forms) of a log file for writing: the controller grants a new
+//!   epoch, the content is recovered from a majority of peers ([`nearlog::client::FileClient`])
+//!   and written to the local file when the local copy is missing, shorter or different.
+//! - A read-only open (and `fopen` for reading) verifies the local copy against a majority of
+//!   peers first without taking an epoch (a live writer is not fenced): only chunks whose block
+//!   checksums differ are fetched and rewritten; a current copy costs a lookup, a probe round
+//!   and the source's checksums. A writer through the shim on this machine (an OFD lock on a
+//!   byte far past the end) keeps its local copy current, so readers there leave it alone.
 //! - write/pwrite/writev: the bytes go to the local file (page cache, no fsync) and to the
 //!   file's peers; the call returns once a majority holds them. fsync/fdatasync/sync_file_range
 //!   then cost nothing. ftruncate is replicated; unlink and rename update the controller and
@@ -53,8 +58,8 @@ unsafe fn real_fopen(name: &[u8], path: *const c_char, mode: *const c_char) -> *
 }
 
 /// stdio opens: a log file opened for writing becomes a stream whose writes replicate
-/// (`stdio`); any other open of a missing log file (Redis reads its AOF with `fopen`) recovers
-/// it first.
+/// (`stdio`); an open for reading (Redis reads its AOF with `fopen`) verifies the local copy
+/// against the peers first, like a read-only `open`.
 #[no_mangle]
 pub unsafe extern "C" fn fopen(path: *const c_char, mode: *const c_char) -> *mut libc::FILE {
     match stdio::fopen(path, mode) {
@@ -246,11 +251,11 @@ unsafe fn real_stat(name: &[u8], path: *const c_char, buf: *mut c_void) -> c_int
 /// before reading it).
 #[no_mangle]
 pub unsafe extern "C" fn stat(path: *const c_char, buf: *mut c_void) -> c_int {
-    let _ = shim::before_fopen(path);
+    let _ = shim::before_read(path, true);
     real_stat(b"stat\0", path, buf)
 }
 #[no_mangle]
 pub unsafe extern "C" fn stat64(path: *const c_char, buf: *mut c_void) -> c_int {
-    let _ = shim::before_fopen(path);
+    let _ = shim::before_read(path, true);
     real_stat(b"stat64\0", path, buf)
 }

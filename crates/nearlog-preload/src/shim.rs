@@ -396,10 +396,18 @@ impl Shim {
             t.client.tick(now);
             out.extend(t.client.take_outgoing());
         }
-        // One buffer per peer: a batch goes out in one write.
+        // One buffer per peer: a batch goes out in one write. A record goes to every peer
+        // alike (consecutive equal requests): it is encoded and checksummed once.
         let mut batches: HashMap<PeerId, Vec<u8>> = HashMap::new();
+        let mut prev: Option<PeerRequest> = None;
+        let mut frame: Vec<u8> = Vec::new();
         for (p, req) in out {
-            let _ = blocking::encode_into(&req, batches.entry(p).or_default());
+            if prev.as_ref() != Some(&req) {
+                frame.clear();
+                let _ = blocking::encode_into(&req, &mut frame);
+                prev = Some(req);
+            }
+            batches.entry(p).or_default().extend_from_slice(&frame);
         }
         let fresh: Vec<PeerId> = batches.keys().copied().collect();
         let connected = |s: &Shim, p: &PeerId| s.peers.get(p).is_some_and(|v| v.1.is_some());
@@ -674,11 +682,16 @@ impl Shim {
 
 
 fn read_local(fd: c_int, size: u64) -> std::io::Result<Vec<u8>> {
-    let mut img = vec![0u8; size as usize];
+    read_local_at(fd, 0, size as usize)
+}
+
+/// `len` bytes of the local file from `offset` (zeros past its end).
+fn read_local_at(fd: c_int, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
+    let mut img = vec![0u8; len];
     let mut done = 0;
     while done < img.len() {
         // SAFETY: reading into our own buffer within its bounds.
-        let n = unsafe { libc::pread64(fd, img[done..].as_mut_ptr() as *mut c_void, img.len() - done, done as i64) };
+        let n = unsafe { libc::pread64(fd, img[done..].as_mut_ptr() as *mut c_void, img.len() - done, (offset + done as u64) as i64) };
         if n < 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -718,10 +731,10 @@ pub unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: mod
         return (r.openat)(dirfd, path, flags, mode);
     }
     if !writable {
-        // A reader (e.g. the application's own crash recovery) of a log file whose local copy
-        // is missing gets it recovered first; an existing local copy is read as it is, so a
-        // reader never fences the writer.
-        if recover_if_missing(&abs).is_err() {
+        // A reader (e.g. the application's own crash recovery) gets a local copy verified
+        // against a majority of peers first (recovered if missing, repaired if stale), at the
+        // reader's epoch: a reader never fences the writer.
+        if sync_local_copy(&abs, false).is_err() {
             set_errno(libc::EIO);
             return -1;
         }
@@ -753,9 +766,48 @@ pub unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: mod
     }
 }
 
-/// If the log file `abs` has no local copy, recovers it from the peers (and releases it).
-fn recover_if_missing(abs: &str) -> Result<(), ()> {
-    if std::path::Path::new(abs).exists() {
+/// The byte of a log file that stands for "a writer through the shim has this file open on
+/// this machine": each such writer holds an OFD read lock on it (on its private read fd) for as
+/// long as the file is open; a reader about to repair the local copy takes a write lock on it,
+/// so it never rewrites a file a live local writer keeps current (whose writes land in the
+/// local file before they are acknowledged). Far past any real log's end, so an application's
+/// own byte-range locks do not meet it.
+const WRITER_LOCK_BYTE: i64 = i64::MAX - 1;
+
+/// Sets (`F_RDLCK`/`F_WRLCK`) or tests (`test`: `F_OFD_GETLK`) the OFD lock on
+/// [`WRITER_LOCK_BYTE`]. Ok(false): another open file description holds a conflicting lock.
+fn writer_lock(fd: c_int, kind: libc::c_short, test: bool) -> std::io::Result<bool> {
+    // SAFETY: a zeroed flock is a valid value; fcntl reads (and for GETLK writes) our struct.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = WRITER_LOCK_BYTE;
+    fl.l_len = 1;
+    let cmd = if test { libc::F_OFD_GETLK } else { libc::F_OFD_SETLK };
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, cmd, &mut fl as *mut libc::flock) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EAGAIN) | Some(libc::EACCES) => Ok(false),
+            _ => Err(e),
+        };
+    }
+    Ok(!test || fl.l_type == libc::F_UNLCK as libc::c_short)
+}
+
+/// Before log file `abs` is read without a writer in this process (a read-only `open`, `fopen`
+/// for reading; with `only_if_missing`, `stat` and directory listings): makes the local copy
+/// what a majority of peers hold — recovered if missing, repaired if stale (a machine whose
+/// file is older than the peers', or whose page cache lost unsynced data in a crash). Read at
+/// [`nearlog::proto::READ_EPOCH`] ([`FileClient::reader`]): a live writer elsewhere is not
+/// fenced. Cheap when the copy is current: one controller lookup, one probe round, the block
+/// checksums of the source, a local read; nothing written. Skipped when a writer keeps the
+/// local copy current: one in this process, or one on this machine (its lock on
+/// [`WRITER_LOCK_BYTE`]). A stale copy that cannot be repaired (no write permission) or a
+/// majority that cannot be reached: an error, logged (the open fails with EIO).
+fn sync_local_copy(abs: &str, only_if_missing: bool) -> Result<(), ()> {
+    let exists = std::path::Path::new(abs).exists();
+    if only_if_missing && exists {
         return Ok(());
     }
     let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
@@ -766,33 +818,101 @@ fn recover_if_missing(abs: &str) -> Result<(), ()> {
             return Err(());
         }
     };
-    if let Ok(CtlReply::Status(st)) = shim.ctl(&CtlRequest::Status) {
-        if !st.files.contains_key(abs) {
-            return Ok(()); // never replicated: nothing to recover, the open fails as it should
+    if exists && shim.files.values().any(|t| t.key == abs) {
+        return Ok(()); // our own writer's writes land in the local file before they are acked
+    }
+    let grant = match shim.ctl(&CtlRequest::Lookup { key: abs.to_string() }) {
+        Ok(CtlReply::Found(Some(g))) => g,
+        // Never replicated: nothing to recover (a missing file's open fails as it should).
+        Ok(CtlReply::Found(None)) => return Ok(()),
+        Ok(other) => {
+            log(&format!("open {abs}: EIO: the controller answered Lookup with {other:?}"));
+            return Err(());
         }
+        Err(e) => {
+            log(&format!("open {abs}: EIO: {e}"));
+            return Err(());
+        }
+    };
+    if !grant.initialized {
+        return Ok(()); // nothing was ever acknowledged: the local copy is all there is
     }
     let c = std::ffi::CString::new(abs).map_err(|_| ())?;
-    // SAFETY: real openat/close on a path we own; the fd is closed below.
-    let fd = unsafe { (real().openat)(libc::AT_FDCWD, c.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o644) };
+    // SAFETY: real openat on a path we own; the fd is closed below.
+    let open = |flags| unsafe { (real().openat)(libc::AT_FDCWD, c.as_ptr(), flags | libc::O_CLOEXEC, 0o644) };
+    let (fd, writable) = match open(libc::O_RDWR | libc::O_CREAT) {
+        fd if fd >= 0 => (fd, true),
+        _ => (open(libc::O_RDONLY), false), // no write permission: verify only
+    };
     if fd < 0 {
+        log(&format!("open {abs}: EIO: cannot open the local copy: {}", std::io::Error::last_os_error()));
         return Err(());
     }
-    let res = open_log(shim, fd, abs, 0);
+    let res = verify_local_copy(shim, fd, writable, &grant);
     shim.files.remove(&fd);
-    set_tracked(fd, false);
-    // SAFETY: closing the fd we opened.
+    // SAFETY: closing the fd we opened (which drops our lock).
     unsafe { (real().close)(fd) };
     res.map_err(|e| log(&format!("open {abs}: EIO: {e}")))
 }
 
-/// `fopen` (glibc opens inside without going through `open`): recovers a missing log file first.
-pub unsafe fn before_fopen(path: *const c_char) -> Result<(), ()> {
+/// [`sync_local_copy`]'s work on the local file `fd` (open for writing if `writable`).
+fn verify_local_copy(shim: &mut Shim, fd: c_int, writable: bool, grant: &FileGrant) -> Result<(), String> {
+    let key = grant.key.as_str();
+    let lock = if writable { writer_lock(fd, libc::F_WRLCK as libc::c_short, false) } else { writer_lock(fd, libc::F_WRLCK as libc::c_short, true) };
+    match lock {
+        Ok(true) => {}
+        Ok(false) => return Ok(()), // a writer on this machine keeps the local copy current
+        Err(e) => return Err(format!("locking the local copy: {e}")),
+    }
+    // SAFETY: fstat into a zeroed struct.
+    let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat64(fd, &mut st) } != 0 {
+        return Err(format!("fstat: {}", std::io::Error::last_os_error()));
+    }
+    let local_size = st.st_size as u64;
+    let local = read_local(fd, local_size).map_err(|e| format!("reading the local copy: {e}"))?;
+    shim.learn(grant);
+    let ids = |v: &[nearlog::proto::PeerAddr]| v.iter().map(|p| p.id).collect::<Vec<_>>();
+    let client = FileClient::reader(grant.file, ids(&grant.peers), ids(&grant.recover_from), ClientConfig::default(), shim.now_us()).with_local_copy(local);
+    shim.files.insert(fd, Tracked { key: key.to_string(), client, read_fd: -1, owner_epoch: 0, resume: None, resumes: 0 });
+    shim.wait_for(fd, false, |c| c.is_ready()).map_err(|e| format!("verifying the local copy against the log peers: {e}"))?;
+    let t = shim.files.get_mut(&fd).unwrap();
+    let image = t.client.take_recovered().unwrap_or_default();
+    let (fetched, reused) = t.client.recovery_bytes();
+    if fetched == 0 && image.len() as u64 == local_size {
+        return Ok(()); // every chunk matched the source's checksums: current
+    }
+    if !writable {
+        return Err(format!("the local copy ({local_size} bytes) is stale ({} bytes on the log peers) and cannot be written", image.len()));
+    }
+    for (i, want) in image.chunks(MAX_CHUNK_BYTES).enumerate() {
+        let at = (i * MAX_CHUNK_BYTES) as u64;
+        if read_local_at(fd, at, want.len()).map_err(|e| format!("reading the local copy: {e}"))? != want {
+            write_local_all(fd, want, at).map_err(|e| format!("repairing the local copy: {e}"))?;
+        }
+    }
+    // SAFETY: real ftruncate on our fd.
+    if local_size != image.len() as u64 && unsafe { (real().ftruncate)(fd, image.len() as off_t) } != 0 {
+        return Err(format!("repairing the local copy: {}", std::io::Error::last_os_error()));
+    }
+    log(&format!(
+        "recovered {key} for reading: its local copy ({local_size} bytes) was missing or stale; now the {} bytes a majority of log peers hold ({fetched} fetched, {reused} verified locally)",
+        image.len()
+    ));
+    Ok(())
+}
+
+/// A read of log file `path` that does not go through our `open`: `fopen` for reading (glibc
+/// opens inside) verifies the local copy like a read-only open; `stat` (`only_if_missing`)
+/// recovers a missing one only (an application may stat its log often; the open that
+/// follows verifies it).
+pub unsafe fn before_read(path: *const c_char, only_if_missing: bool) -> Result<(), ()> {
     if path.is_null() || patterns().is_empty() {
         return Ok(());
     }
     let Some(_g) = Guard::enter() else { return Ok(()) };
     match absolute(libc::AT_FDCWD, CStr::from_ptr(path)) {
-        Some(abs) if is_log_path(&abs) => recover_if_missing(&abs),
+        Some(abs) if is_log_path(&abs) => sync_local_copy(&abs, only_if_missing),
         _ => Ok(()),
     }
 }
@@ -854,7 +974,7 @@ pub unsafe fn before_opendir(path: *const c_char) {
     };
     for key in missing {
         // Logs its own failure; the application's open of that file fails loudly later.
-        let _ = recover_if_missing(&key);
+        let _ = sync_local_copy(&key, true);
     }
 }
 
@@ -874,6 +994,20 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         st.st_size as u64
     };
     let read_fd = reopen_readonly(fd)?;
+    // Tell readers on this machine that a writer keeps this local copy current (released when
+    // `read_fd` closes); waits while a reader repairs it.
+    let until = Instant::now() + shim.cfg.deadline;
+    loop {
+        match writer_lock(read_fd, libc::F_RDLCK as libc::c_short, false) {
+            Ok(true) => break,
+            Ok(false) if Instant::now() < until => std::thread::sleep(Duration::from_millis(1)),
+            other => {
+                // SAFETY: our own fd, not stored anywhere yet.
+                unsafe { (real().close)(read_fd) };
+                return Err(format!("a reader on this machine holds the local copy's lock: {other:?}"));
+            }
+        }
+    }
     // The local copy as it is: the start of a file never replicated, and otherwise what
     // recovery may take verified chunks from instead of fetching them.
     let local = match read_local(read_fd, local_size) {

@@ -108,7 +108,7 @@ unsafe fn wrap(fd: c_int, mode: *const c_char) -> *mut FILE {
 
 /// What `fopen` should do.
 pub enum Open {
-    /// Not a log file being written: the real `fopen` (after recovering a missing log file).
+    /// Not a log file being written: the real `fopen` (after verifying a log file's local copy).
     Pass,
     /// Fail with errno as set.
     Fail,
@@ -121,7 +121,7 @@ pub unsafe fn fopen(path: *const c_char, mode: *const c_char) -> Open {
     }
     let Some((flags, writes)) = mode_flags(CStr::from_ptr(mode).to_bytes()) else { return Open::Pass };
     if !writes || !crate::shim::is_log_stream_path(path) {
-        return match crate::shim::before_fopen(path) {
+        return match crate::shim::before_read(path, false) {
             Ok(()) => Open::Pass,
             Err(()) => {
                 *libc::__errno_location() = libc::EIO;

@@ -39,11 +39,20 @@ pub fn encode<M: Serialize>(msg: &M) -> Result<Vec<u8>, WireError> {
 }
 
 /// Appends one frame holding `msg` to `out` (the batch buffer of a connection).
+/// The payload is serialised in place (no buffer of its own per message), then the header is
+/// filled in: the same bytes as `wire::encode_frame`.
 pub fn encode_into<M: Serialize>(msg: &M, out: &mut Vec<u8>) -> Result<(), WireError> {
-    let payload = postcard::to_allocvec(msg).map_err(|e| WireError::Decode(e.to_string()))?;
-    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    out.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
-    out.extend_from_slice(&payload);
+    let start = out.len();
+    out.extend_from_slice(&[0; wire::FRAME_HEADER_BYTES]);
+    if let Err(e) = postcard::to_io(msg, &mut *out) {
+        out.truncate(start);
+        return Err(WireError::Decode(e.to_string()));
+    }
+    let body = start + wire::FRAME_HEADER_BYTES;
+    let len = (out.len() - body) as u32;
+    let crc = crc32c::crc32c(&out[body..]);
+    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+    out[start + 4..body].copy_from_slice(&crc.to_le_bytes());
     Ok(())
 }
 
@@ -79,36 +88,54 @@ pub fn call<Q: Serialize, A: DeserializeOwned>(s: &mut TcpStream, req: &Q, limit
 /// from the buffer (instead of two reads and a poll per frame).
 #[derive(Default, Debug)]
 pub struct FrameReader {
+    /// Received bytes not parsed yet are `buf[at..end]`; `read` fills `buf[end..]` directly.
     buf: Vec<u8>,
     at: usize,
-    /// Read target, zeroed once.
-    chunk: Vec<u8>,
+    end: usize,
 }
 
-/// Bytes asked for per `read`.
-const FILL_BYTES: usize = 256 * 1024;
+/// Bytes the reply buffer holds (one `read` asks for what is free of it); a larger frame grows
+/// it to that frame's size while it arrives.
+const FILL_BYTES: usize = 64 * 1024;
 
 impl FrameReader {
     /// One `read` (blocks if nothing is available). Ok(0): the peer closed the connection.
     pub fn fill(&mut self, s: &mut TcpStream) -> std::io::Result<usize> {
-        if self.at > 0 && self.at == self.buf.len() {
-            self.buf.clear();
-            self.at = 0;
-        } else if self.at > FILL_BYTES {
-            self.buf.drain(..self.at);
-            self.at = 0;
+        if self.at == self.end {
+            (self.at, self.end) = (0, 0);
+            if self.buf.len() > FILL_BYTES {
+                self.buf = Vec::new();
+            }
         }
-        if self.chunk.is_empty() {
-            self.chunk = vec![0; FILL_BYTES];
+        if self.buf.is_empty() {
+            self.buf = vec![0; FILL_BYTES];
         }
-        let n = s.read(&mut self.chunk)?;
-        self.buf.extend_from_slice(&self.chunk[..n]);
+        // Room for the whole frame that is arriving (its header says how long it is).
+        let pending = self.end - self.at;
+        let want = if pending >= wire::FRAME_HEADER_BYTES {
+            let len = u32::from_le_bytes(self.buf[self.at..self.at + 4].try_into().unwrap()) as usize;
+            wire::FRAME_HEADER_BYTES + len.min(crate::proto::MAX_FRAME_BYTES)
+        } else {
+            wire::FRAME_HEADER_BYTES
+        };
+        if self.buf.len() - self.at < want.max(pending + 1) || self.end == self.buf.len() {
+            self.buf.copy_within(self.at..self.end, 0);
+            (self.at, self.end) = (0, pending);
+            if self.buf.len() < want {
+                self.buf.resize(want, 0);
+            }
+        }
+        if self.end == self.buf.len() {
+            self.buf.resize(self.end + FILL_BYTES, 0); // never a read into no room (= closed)
+        }
+        let n = s.read(&mut self.buf[self.end..])?;
+        self.end += n;
         Ok(n)
     }
 
     /// The next complete frame in the buffer, if any.
     pub fn next<M: DeserializeOwned>(&mut self, limit: usize) -> Result<Option<M>, WireError> {
-        let rest = &self.buf[self.at..];
+        let rest = &self.buf[self.at..self.end];
         if rest.len() < wire::FRAME_HEADER_BYTES {
             return Ok(None);
         }
@@ -125,5 +152,42 @@ impl FrameReader {
         let m = wire::decode_payload(payload)?;
         self.at += wire::FRAME_HEADER_BYTES + len;
         Ok(Some(m))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_reader_reassembles_small_and_large_frames_split_anywhere() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let msgs: Vec<Vec<u8>> = [10usize, 3 * FILL_BYTES + 17, 1, FILL_BYTES - 9, 2 * FILL_BYTES, 0, 700].iter().map(|&n| (0..n).map(|i| (i % 251) as u8).collect()).collect();
+        let sent = msgs.clone();
+        let w = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let mut bytes = Vec::new();
+            for m in &sent {
+                encode_into(m, &mut bytes).unwrap();
+            }
+            // Odd-sized pieces with pauses: frames and headers arrive split.
+            for piece in bytes.chunks(40_000 - 3) {
+                s.write_all(piece).unwrap();
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+        let (mut s, _) = l.accept().unwrap();
+        let mut r = FrameReader::default();
+        let mut got: Vec<Vec<u8>> = Vec::new();
+        while got.len() < msgs.len() {
+            assert!(r.fill(&mut s).unwrap() > 0, "closed early after {} frames", got.len());
+            while let Some(m) = r.next::<Vec<u8>>(crate::proto::MAX_FRAME_BYTES).unwrap() {
+                got.push(m);
+            }
+        }
+        w.join().unwrap();
+        assert_eq!(got, msgs);
+        assert!(r.buf.len() <= FILL_BYTES + crate::proto::MAX_FRAME_BYTES);
     }
 }

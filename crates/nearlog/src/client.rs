@@ -21,13 +21,19 @@
 //!    switches to the new epoch when the Base commits, so a half-installed peer still reports its
 //!    old state. The file is ready when a majority applied the Base.
 //!
+//! A *reader* ([`FileClient::reader`]: a read-only open verifying its local copy) runs steps
+//! 1–3 at [`READ_EPOCH`], which promises nothing, so it never fences a live writer; instead of
+//! a Base it ends with the image. With a writer live elsewhere the source may change while it
+//! is read: the fetch restarts against the source's newer state (which holds every op the
+//! older one did), at most [`MAX_READ_ROUNDS`] times.
+//!
 //! Then every op gets the next `seq`; it is acknowledged once a majority applied it (acks are
 //! cumulative). Lost records are resent on `tick` from a bounded buffer; a peer that lags
 //! beyond the buffer is dropped for the rest of the session (it is re-based at the next open).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use crate::proto::{Epoch, FileId, Holding, Op, PeerId, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES, MAX_SUMS_BYTES};
+use crate::proto::{Epoch, FileId, Holding, Op, PeerId, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES, MAX_SUMS_BYTES, READ_EPOCH};
 
 /// Records sent ahead of a peer's last acknowledgement before it must catch up by retransmission.
 const PIPELINE_RECORDS: u64 = 4096;
@@ -37,6 +43,9 @@ pub const FETCH_WINDOW_CHUNKS: u64 = 8;
 /// A peer that had no room for an image even after releasing its old copy is asked again
 /// after this many retransmission intervals (not in a tight loop of whole images).
 const NO_ROOM_RETRY_FACTOR: u64 = 10;
+/// Times a reader restarts its fetch because the source changed under it (a writer elsewhere
+/// is live) before it gives up loudly ([`Failure::KeptChanging`]).
+pub const MAX_READ_ROUNDS: u32 = 16;
 
 /// Limits and timers of a [`FileClient`].
 #[derive(Clone, Debug)]
@@ -66,6 +75,8 @@ pub enum Failure {
     Refused { peer: PeerId, reason: String },
     #[error("fewer than a majority of log peers can follow this file")]
     NoMajority,
+    #[error("the log file kept changing on its peers while it was read ({rounds} rounds)")]
+    KeptChanging { rounds: u32 },
 }
 
 #[derive(Debug)]
@@ -150,6 +161,10 @@ pub struct FileClient {
     initial: Vec<u8>,
     /// A local copy recovery may take verified chunks from ([`FileClient::with_local_copy`]).
     local_hint: Option<Vec<u8>>,
+    /// A reader ([`FileClient::reader`]): recovery ends with the image, no Base; and the fetch
+    /// restarts it went through.
+    read_only: bool,
+    read_rounds: u32,
     /// Recovery's bytes fetched from the source and taken from the local copy.
     fetched_bytes: u64,
     reused_bytes: u64,
@@ -205,6 +220,8 @@ impl FileClient {
             recovered: None,
             initial,
             local_hint: None,
+            read_only: false,
+            read_rounds: 0,
             fetched_bytes: 0,
             reused_bytes: 0,
             now_us,
@@ -214,6 +231,17 @@ impl FileClient {
         for p in c.probe_set() {
             c.out.push((p, PeerRequest::Probe { file, epoch }));
         }
+        c
+    }
+
+    /// A reader of `file` (a read-only open verifying its local copy, which it gives with
+    /// [`FileClient::with_local_copy`]): finds the most advanced member of a majority of
+    /// `peers` (or of `recover_from` while a move is pending) and reads its image at
+    /// [`READ_EPOCH`] — fencing nobody, changing nothing on the peers. Ready with the image
+    /// ([`FileClient::take_recovered`]); it submits nothing.
+    pub fn reader(file: FileId, peers: Vec<PeerId>, recover_from: Vec<PeerId>, cfg: ClientConfig, now_us: u64) -> FileClient {
+        let mut c = Self::open_moving(file, READ_EPOCH, peers, recover_from, true, Vec::new(), cfg, now_us);
+        c.read_only = true;
         c
     }
 
@@ -314,6 +342,7 @@ impl FileClient {
             Phase::Failed(f) => return Err(f.clone()),
             _ => panic!("submit before the file is ready"),
         }
+        assert!(!self.read_only, "a reader submits nothing");
         self.size = match &op {
             Op::Write { offset, data, .. } => self.size.max(offset + data.len() as u64),
             Op::Truncate { size } => *size,
@@ -532,12 +561,7 @@ impl FileClient {
             match reply {
                 PeerReply::Stale { promised, .. } if promised > self.epoch => self.fail(Failure::Fenced { promised }),
                 PeerReply::Probed { epoch, holding, .. } if epoch == self.epoch && matches!(self.phase, Phase::Probing | Phase::Fetching(_) | Phase::Basing { .. }) => {
-                    self.probes.entry(peer).or_insert(holding);
-                    match self.phase {
-                        Phase::Probing => self.choose_source(),
-                        Phase::Basing { .. } => self.retry_no_room(),
-                        _ => {}
-                    }
+                    self.on_probed(peer, holding)
                 }
                 PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
                 PeerReply::Sums { offset, block_crcs, holding, .. } => self.on_sums(peer, offset, block_crcs, holding),
@@ -565,6 +589,10 @@ impl FileClient {
                 }
                 self.fail(Failure::RegionFull { peer, region_bytes, used_bytes })
             }
+            // A reader's source that dropped its copy since the probe (restarted, released):
+            // no witness any more; the reader chooses again.
+            PeerReply::Refused { .. } if self.read_only && matches!(&self.phase, Phase::Fetching(f) if f.source == peer) => self.exclude_source(peer),
+            PeerReply::Refused { .. } if self.read_only => {}
             PeerReply::Refused { reason, .. } => self.fail(Failure::Refused { peer, reason }),
             PeerReply::Probed { epoch, holding, .. } if epoch == self.epoch => {
                 if matches!(self.phase, Phase::Ready) {
@@ -582,13 +610,7 @@ impl FileClient {
                     return;
                 }
                 if matches!(self.phase, Phase::Probing | Phase::Fetching(_) | Phase::Basing { .. }) {
-                    self.probes.entry(peer).or_insert(holding);
-                    match self.phase {
-                        Phase::Probing => self.choose_source(),
-                        // A late answer may show that a peer without room can release its copy.
-                        Phase::Basing { .. } => self.retry_no_room(),
-                        _ => {}
-                    }
+                    self.on_probed(peer, holding);
                 }
             }
             PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
@@ -643,6 +665,17 @@ impl FileClient {
                 }
                 self.update_acked();
             }
+            _ => {}
+        }
+    }
+
+    /// A probe answer during recovery (the first one of each peer counts).
+    fn on_probed(&mut self, peer: PeerId, holding: Option<Holding>) {
+        self.probes.entry(peer).or_insert(holding);
+        match self.phase {
+            Phase::Probing => self.choose_source(),
+            // A late answer may show that a peer without room can release its copy.
+            Phase::Basing { .. } => self.retry_no_room(),
             _ => {}
         }
     }
@@ -771,8 +804,13 @@ impl FileClient {
             return;
         }
         let (source, holding) = *witnesses.iter().max_by_key(|(p, h)| (h.epoch, h.seq, std::cmp::Reverse(*p))).unwrap();
+        self.start_fetch(source, holding);
+    }
+
+    /// Reads `source`'s image at `holding` (block checksums first when there is a local copy).
+    fn start_fetch(&mut self, source: PeerId, holding: Holding) {
         if holding.size == 0 {
-            self.start_base(Some((source, holding)), Vec::new());
+            self.fetched(source, holding, Vec::new());
             return;
         }
         // The claimed size is not trusted for an allocation (a lying peer could claim petabytes).
@@ -842,10 +880,51 @@ impl FileClient {
         self.reused_bytes += reused;
         if f.image.len() as u64 == f.holding.size {
             let Phase::Fetching(f) = std::mem::replace(&mut self.phase, Phase::Probing) else { unreachable!() };
-            self.start_base(Some((f.source, f.holding)), f.image);
+            self.fetched(f.source, f.holding, f.image);
         } else {
             self.fill_fetch_window();
         }
+    }
+
+    /// The source's image is complete: a writer bases the new epoch on it, a reader is done.
+    fn fetched(&mut self, source: PeerId, holding: Holding, image: Vec<u8>) {
+        if self.read_only {
+            self.size = image.len() as u64;
+            self.recovered = Some(image);
+            self.phase = Phase::Ready;
+        } else {
+            self.start_base(Some((source, holding)), image);
+        }
+    }
+
+    /// A reader's source answered at state `got`: true if that answer is handled here. A
+    /// newer state means a writer elsewhere is live and the bytes gathered may mix two states:
+    /// the fetch starts over at the newer state (it holds every op the older one did; a peer
+    /// only moves forward). An older one is a late answer of an earlier round: ignored. (The
+    /// same state with another size is a corrupt answer, left to the writer's checks.)
+    fn reader_moved_on(&mut self, peer: PeerId, got: Holding) -> bool {
+        let Phase::Fetching(f) = &self.phase else { return true };
+        if peer != f.source {
+            return true; // an earlier source's late answer
+        }
+        let (was, now) = ((f.holding.epoch, f.holding.seq), (got.epoch, got.seq));
+        if now < was {
+            return true;
+        }
+        if now == was {
+            return false;
+        }
+        self.read_rounds += 1;
+        if self.read_rounds > MAX_READ_ROUNDS {
+            self.fail(Failure::KeptChanging { rounds: MAX_READ_ROUNDS });
+            return true;
+        }
+        let Phase::Fetching(f) = std::mem::replace(&mut self.phase, Phase::Probing) else { unreachable!() };
+        if !f.local.is_empty() {
+            self.local_hint = Some(f.local);
+        }
+        self.start_fetch(peer, got);
+        true
     }
 
     /// The source is corrupt, torn or changed under us: it is no witness; choose again (the
@@ -864,6 +943,9 @@ impl FileClient {
     /// The source's block checksums for a range: chunks of the local copy that match them in
     /// every block are taken from it; fetching starts once every range is answered.
     fn on_sums(&mut self, peer: PeerId, offset: u64, block_crcs: Vec<u32>, got: Holding) {
+        if self.read_only && self.reader_moved_on(peer, got) {
+            return;
+        }
         let Phase::Fetching(f) = &mut self.phase else { return };
         if peer != f.source || !f.sums_pending.contains(&offset) {
             return; // a duplicate, stale or unrequested answer
@@ -894,6 +976,9 @@ impl FileClient {
     }
 
     fn on_data(&mut self, peer: PeerId, offset: u64, data: Vec<u8>, block_crcs: Vec<u32>, got: Holding) {
+        if self.read_only && self.reader_moved_on(peer, got) {
+            return;
+        }
         let Phase::Fetching(f) = &mut self.phase else { return };
         if peer != f.source
             || offset < f.image.len() as u64
@@ -1093,6 +1178,80 @@ mod tests {
         let (got, fetched, _) = recover_with_local(&mut peers, 5, vec![0xee; len]);
         assert_eq!(got, content);
         assert_eq!(fetched.len(), len.div_ceil(chunk));
+    }
+
+    #[test]
+    fn a_reader_repairs_a_stale_copy_fences_nobody_and_follows_a_live_writer() {
+        let chunk = MAX_CHUNK_BYTES;
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
+        let mut w = FileClient::open(1, 1, vec![1, 2, 3], false, Vec::new(), ClientConfig::default(), 0);
+        run(&mut w, &mut peers);
+        let mut content: Vec<u8> = (0..3 * chunk + 100).map(|i| (i * 13 + i / 4096) as u8).collect();
+        for (i, c) in content.chunks(chunk).enumerate() {
+            w.submit(Op::write((i * chunk) as u64, c.to_vec())).unwrap();
+            run(&mut w, &mut peers);
+        }
+        // A stale local copy: the first chunk only, then an older version of the second.
+        let mut local = content[..chunk + 10].to_vec();
+        local[chunk + 3] ^= 0xff;
+        let mut r = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0).with_local_copy(local);
+        let (mut fetched, mut appended) = (Vec::new(), false);
+        loop {
+            let out = r.take_outgoing();
+            if out.is_empty() {
+                break;
+            }
+            for (p, req) in out {
+                if let PeerRequest::Fetch { offset, epoch, .. } = req {
+                    assert_eq!(epoch, READ_EPOCH);
+                    fetched.push(offset);
+                    if !appended {
+                        // The writer goes on while the reader reads: the source moves forward.
+                        appended = true;
+                        let tail = vec![0xab; 5000];
+                        w.submit(Op::write(content.len() as u64, tail.clone())).unwrap();
+                        run(&mut w, &mut peers);
+                        content.extend_from_slice(&tail);
+                    }
+                }
+                let rep = peers[p as usize - 1].handle(req);
+                r.on_reply(p, rep);
+            }
+        }
+        assert!(r.is_ready(), "{:?}", r.failure());
+        assert_eq!(r.take_recovered().unwrap(), content, "the newer state, whole");
+        assert!(!fetched.contains(&0), "the intact first chunk is taken from the local copy: {fetched:?}");
+        // The writer was not fenced: it goes on at its epoch.
+        let s = w.submit(Op::write(0, b"still mine".to_vec())).unwrap();
+        run(&mut w, &mut peers);
+        assert!(w.failure().is_none() && w.acked_seq() >= s);
+    }
+
+    #[test]
+    fn a_reader_of_a_file_that_never_stops_changing_fails_loudly() {
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
+        let mut w = FileClient::open(1, 1, vec![1, 2, 3], false, Vec::new(), ClientConfig::default(), 0);
+        run(&mut w, &mut peers);
+        w.submit(Op::write(0, vec![1; 3 * MAX_CHUNK_BYTES])).unwrap();
+        run(&mut w, &mut peers);
+        let mut r = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0);
+        let mut at = 3 * MAX_CHUNK_BYTES as u64;
+        for _ in 0..1000 {
+            let out = r.take_outgoing();
+            if out.is_empty() {
+                break;
+            }
+            for (p, req) in out {
+                // A write lands between every request and its answer.
+                w.submit(Op::write(at, vec![2; 10])).unwrap();
+                at += 10;
+                run(&mut w, &mut peers);
+                let rep = peers[p as usize - 1].handle(req);
+                r.on_reply(p, rep);
+            }
+        }
+        assert_eq!(r.failure(), Some(&Failure::KeptChanging { rounds: MAX_READ_ROUNDS }));
+        assert!(w.failure().is_none());
     }
 
     #[test]

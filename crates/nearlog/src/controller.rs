@@ -365,6 +365,7 @@ impl<S: MetaStore> ControllerCore<S> {
                 (CtlReply::Forgotten(old.map(|o| self.grant(&to, &o))), true)
             }
             CtlRequest::Status => (CtlReply::Status(self.state.clone()), false),
+            CtlRequest::Lookup { key } => (CtlReply::Found(self.state.files.get(&key).map(|m| self.grant(&key, m))), false),
         }
     }
 }

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::proto::{Epoch, FileId, Holding, Op, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES, MAX_SUMS_BYTES};
+use crate::proto::{Epoch, FileId, Holding, Op, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES, MAX_SUMS_BYTES, READ_EPOCH};
 
 #[derive(Debug, Default)]
 struct PeerFile {
@@ -137,12 +137,12 @@ impl PeerCore {
     }
 
     /// The committed copy of `file` a reader at `epoch` may read (Fetch and Sums), or the reply
-    /// that refuses it.
+    /// that refuses it. A [`READ_EPOCH`] reader is never stale (it checks the holding itself).
     fn committed_for_read(&self, file: FileId, epoch: Epoch) -> Result<&Committed, PeerReply> {
         let Some(f) = self.files.get(&file) else {
             return Err(PeerReply::Refused { file, reason: "unknown file".into() });
         };
-        if epoch < f.promised {
+        if epoch != READ_EPOCH && epoch < f.promised {
             return Err(PeerReply::Stale { file, promised: f.promised });
         }
         f.committed.as_ref().ok_or_else(|| PeerReply::Refused { file, reason: "no committed copy".into() })
@@ -159,6 +159,10 @@ impl PeerCore {
                 used_bytes: self.used_bytes,
                 files: self.files.len() as u64,
             },
+            PeerRequest::Probe { file, epoch: READ_EPOCH } => {
+                // A reader: no promise, and no state kept for a file this peer does not hold.
+                PeerReply::Probed { file, epoch: READ_EPOCH, holding: self.holding(file) }
+            }
             PeerRequest::Probe { file, epoch } => {
                 let f = self.files.entry(file).or_default();
                 if epoch < f.promised {

@@ -10,6 +10,11 @@ pub type PeerId = u32;
 /// older ones (a peer refuses records of an epoch below the highest it was probed with).
 pub type Epoch = u64;
 
+/// The epoch of a *reader* (a read-only open): `Probe`, `Fetch` and `Sums` at this epoch
+/// promise nothing and are never refused as stale, so verifying a local copy never fences a
+/// live writer. The controller hands out epochs from 1.
+pub const READ_EPOCH: Epoch = 0;
+
 /// Bytes per checksummed block of a peer's copy of a file. A peer keeps one CRC32C per block, so
 /// a replica corrupted at rest is detected when it is read back for recovery.
 pub const BLOCK_BYTES: usize = 4096;
@@ -184,6 +189,9 @@ pub enum CtlRequest {
     Rename { from: String, to: String },
     /// Peers, their space, and the files.
     Status,
+    /// Where `key` lives, without a new epoch (a reader verifying its local copy must not
+    /// fence the writer): answered [`CtlReply::Found`].
+    Lookup { key: String },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -218,6 +226,8 @@ pub enum CtlReply {
     /// Remove/Rename: the forgotten file, if any (its peers should be told to drop it).
     Forgotten(Option<FileGrant>),
     Status(crate::controller::ControllerState),
+    /// Answer to `Lookup`: the file's placement at its current epoch, or `None` (never replicated).
+    Found(Option<FileGrant>),
     Error(String),
 }
 

@@ -2,61 +2,56 @@
 //! network, with peer crashes (memory lost) and restarts, at-rest corruption of a replica, and
 //! client crashes followed by recovery under a new epoch.
 //!
+//! Beside the writer, *readers* (read-only opens verifying a local copy: a stale state of the
+//! file, sometimes with a flipped byte) come and go; they read at the reader epoch while the
+//! writer goes on.
+//!
 //! Checked after every recovery: the recovered content is exactly the content after some prefix
 //! of the ops the application issued, and that prefix contains every acknowledged op (nothing
-//! acknowledged lost, nothing invented). `SIM_SEEDS=N` runs N seeds (default 60);
-//! `SIM_SEED=S` runs one.
+//! acknowledged lost, nothing invented). A reader's content is such a state too, holding every
+//! op acknowledged before it started, and a reader never fences the writer (any failure of
+//! the writer fails the run). `SIM_SEEDS=N` runs N seeds (default 60); `SIM_SEED=S` runs one.
 
-use nearlog::client::{ClientConfig, FileClient};
+mod common;
+
+use common::{Ev, Msg};
+use nearlog::client::{ClientConfig, Failure, FileClient};
 use nearlog::peer::PeerCore;
-use nearlog::proto::{Op, PeerReply, PeerRequest};
-use sim::{Delivery, EventQueue, NetConfig, Network, NodeId, SimRng};
+use nearlog::proto::{apply_op, Op};
+use sim::{EventQueue, Network, NodeId, SimRng};
 
 const CLIENT: NodeId = 0;
+const READER: NodeId = 10;
 const PEERS: [NodeId; 3] = [1, 2, 3];
 const TICK_US: u64 = 50_000;
 const FILE: u64 = 7;
 const REGION_BYTES: u64 = 8 << 20;
 
-#[derive(Clone, Debug)]
-enum Msg {
-    Req(PeerRequest),
-    Rep(PeerReply),
-}
-
-enum Ev {
-    Deliver(Delivery<Msg>),
-    Tick,
+enum Fault {
     CrashPeer(NodeId),
     RestartPeer(NodeId),
     CorruptPeer(NodeId),
     CrashClient,
-}
-impl From<Delivery<Msg>> for Ev {
-    fn from(d: Delivery<Msg>) -> Self {
-        Ev::Deliver(d)
-    }
+    Read,
 }
 
-fn apply(image: &mut Vec<u8>, op: &Op) {
-    match op {
-        Op::Write { offset, data, .. } => {
-            let end = *offset as usize + data.len();
-            if image.len() < end {
-                image.resize(end, 0);
-            }
-            image[*offset as usize..end].copy_from_slice(data);
-        }
-        Op::Truncate { size } => image.resize(*size as usize, 0),
-        Op::Base { .. } => unreachable!(),
-    }
+/// A read-only open in progress: ops of the writer's session `session` up to history index
+/// `floor` were acknowledged when it started.
+struct Reader {
+    client: FileClient,
+    floor: usize,
+    session: u32,
+}
+
+fn cfg() -> ClientConfig {
+    ClientConfig { max_buffered_bytes: 64 * 1024, retransmit_after_us: 100_000, retransmit_batch_records: 64 }
 }
 
 struct Run {
     rng: SimRng,
     net_rng: SimRng,
     net: Network<Msg>,
-    q: EventQueue<Ev>,
+    q: EventQueue<Ev<Fault>>,
     peers: Vec<Option<PeerCore>>,
     client: Option<FileClient>,
     epoch: u64,
@@ -70,20 +65,74 @@ struct Run {
     session_images: Vec<Vec<u8>>,
     recoveries: u32,
     acked_ops: u64,
+    reader: Option<Reader>,
+    /// Reads that finished (checked), and that gave up because the file kept changing.
+    reads: u32,
+    reads_changing: u32,
 }
 
 impl Run {
     fn send_out(&mut self, now: u64) {
-        let Some(c) = self.client.as_mut() else { return };
-        for (p, req) in c.take_outgoing() {
-            self.net.send(&mut self.net_rng, &mut self.q, now, CLIENT, p, Msg::Req(req)).unwrap();
+        if let Some(c) = self.client.as_mut() {
+            common::send_out(c, CLIENT, &mut self.net, &mut self.net_rng, &mut self.q, now);
         }
+        if let Some(r) = self.reader.as_mut() {
+            common::send_out(&mut r.client, READER, &mut self.net, &mut self.net_rng, &mut self.q, now);
+        }
+    }
+
+    /// A read-only open beside the writer, with a stale local copy.
+    fn start_reader(&mut self, now: u64) {
+        let Some(c) = self.client.as_ref() else { return };
+        if self.reader.is_some() || !c.is_ready() || !self.initialized {
+            return;
+        }
+        let floor = c.acked_seq().saturating_sub(1) as usize;
+        let mut local = self.history[self.rng.range_u64(0, self.history.len() as u64 - 1) as usize].clone();
+        if !local.is_empty() && self.rng.chance(0.3) {
+            let i = self.rng.range_u64(0, local.len() as u64 - 1) as usize;
+            local[i] ^= 0x40;
+        }
+        let client = FileClient::reader(FILE, PEERS.to_vec(), Vec::new(), cfg(), now).with_local_copy(local);
+        self.reader = Some(Reader { client, floor, session: self.recoveries });
+        self.send_out(now);
+    }
+
+    /// The reader is done or failed: check what it read.
+    fn reader_step(&mut self, seed: u64) {
+        let Some(r) = self.reader.as_mut() else { return };
+        if common::trace() {
+            let d = format!("{:?}", r.client);
+            eprintln!("reader: {}", &d[..d.len().min(400)]);
+        }
+        match r.client.failure() {
+            Some(Failure::KeptChanging { .. }) => {
+                self.reads_changing += 1;
+                self.reader = None;
+                return;
+            }
+            Some(f) => panic!("seed {seed}: a reader failed: {f}"),
+            None => {}
+        }
+        if !r.client.is_ready() {
+            return;
+        }
+        let got = r.client.take_recovered().expect("a ready reader has the image");
+        assert_eq!(r.session, self.recoveries, "readers end with their writer's session");
+        assert!(
+            self.history[r.floor..].contains(&got),
+            "seed {seed}: a reader read {} bytes: not a state with every op acknowledged before it started (floor {} of {})",
+            got.len(),
+            r.floor,
+            self.history.len() - 1
+        );
+        self.reads += 1;
+        self.reader = None;
     }
 
     fn open_client(&mut self, now: u64) {
         self.epoch += 1;
-        let cfg = ClientConfig { max_buffered_bytes: 64 * 1024, retransmit_after_us: 100_000, retransmit_batch_records: 64 };
-        self.client = Some(FileClient::open(FILE, self.epoch, PEERS.to_vec(), self.initialized, Vec::new(), cfg, now));
+        self.client = Some(FileClient::open(FILE, self.epoch, PEERS.to_vec(), self.initialized, Vec::new(), cfg(), now));
         self.session_base = None;
         self.send_out(now);
     }
@@ -92,7 +141,7 @@ impl Run {
     fn on_ready(&mut self, seed: u64) {
         let c = self.client.as_mut().unwrap();
         let recovered = c.take_recovered().expect("recovered image once ready");
-        if std::env::var("SIM_TRACE").is_ok() {
+        if common::trace() {
             let d = format!("{c:?}");
             let i = d.find("probes").unwrap_or(0);
             eprintln!("ready epoch {}: {}", self.epoch, &d[i..(i + 600).min(d.len())]);
@@ -156,7 +205,7 @@ impl Run {
             }
         };
         let mut next = cur;
-        apply(&mut next, &op);
+        apply_op(&mut next, &op);
         c.submit(op).unwrap();
         assert_eq!(c.size(), next.len() as u64);
         self.history.push(next);
@@ -164,16 +213,10 @@ impl Run {
     }
 }
 
-fn run(seed: u64) -> (u32, u64) {
+fn run(seed: u64) -> (u32, u64, u32, u32) {
     let mut rng = SimRng::new(seed);
     let net_rng = rng.fork();
-    let lossy = rng.chance(0.7);
-    let net = Network::new(NetConfig {
-        drop_probability: if lossy { 0.05 } else { 0.0 },
-        duplicate_probability: if lossy { 0.05 } else { 0.0 },
-        delay_us_min: 50,
-        delay_us_max: 3_000,
-    });
+    let net: Network<Msg> = common::network(&mut rng, 0.7, 0.05, 3_000);
     let mut r = Run {
         rng,
         net_rng,
@@ -189,6 +232,9 @@ fn run(seed: u64) -> (u32, u64) {
         session_images: Vec::new(),
         recoveries: 0,
         acked_ops: 0,
+        reader: None,
+        reads: 0,
+        reads_changing: 0,
     };
     let end_us = 20_000_000;
     // Faults: at most one peer down at a time, so a majority stays reachable.
@@ -199,11 +245,17 @@ fn run(seed: u64) -> (u32, u64) {
             break;
         }
         let ev = match r.rng.range_u64(0, 9) {
-            0..=3 => Ev::CrashPeer(PEERS[r.rng.range_u64(0, 2) as usize]),
-            4 => Ev::CorruptPeer(PEERS[r.rng.range_u64(0, 2) as usize]),
-            _ => Ev::CrashClient,
+            0..=3 => Fault::CrashPeer(PEERS[r.rng.range_u64(0, 2) as usize]),
+            4 => Fault::CorruptPeer(PEERS[r.rng.range_u64(0, 2) as usize]),
+            _ => Fault::CrashClient,
         };
-        r.q.push_at(t, ev).unwrap();
+        r.q.push_at(t, Ev::Fault(ev)).unwrap();
+    }
+    // Read-only opens now and then.
+    let mut t = 0;
+    while t < end_us {
+        t += r.rng.range_u64(200_000, 1_000_000);
+        r.q.push_at(t, Ev::Fault(Fault::Read)).unwrap();
     }
     r.q.push_at(0, Ev::Tick).unwrap();
     r.open_client(0);
@@ -219,9 +271,9 @@ fn run(seed: u64) -> (u32, u64) {
             // Final round: everyone up, the client crashes once more and must recover.
             ending = true;
             if let Some(p) = down.take() {
-                r.q.push_at(now, Ev::RestartPeer(p)).unwrap();
+                r.q.push_at(now, Ev::Fault(Fault::RestartPeer(p))).unwrap();
             }
-            r.q.push_at(now + 1, Ev::CrashClient).unwrap();
+            r.q.push_at(now + 1, Ev::Fault(Fault::CrashClient)).unwrap();
         }
         match ev {
             Ev::Deliver(d) => {
@@ -230,7 +282,14 @@ fn run(seed: u64) -> (u32, u64) {
                     Msg::Req(req) => {
                         let Some(p) = r.peers[(d.to - 1) as usize].as_mut() else { continue };
                         let rep = p.handle(req);
-                        r.net.send(&mut r.net_rng, &mut r.q, now, d.to, CLIENT, Msg::Rep(rep)).unwrap();
+                        r.net.send(&mut r.net_rng, &mut r.q, now, d.to, d.from, Msg::Rep(rep)).unwrap();
+                    }
+                    Msg::Rep(rep) if d.to == READER => {
+                        if let Some(rd) = r.reader.as_mut() {
+                            rd.client.on_reply(d.from, rep);
+                            r.reader_step(seed);
+                            r.send_out(now);
+                        }
                     }
                     Msg::Rep(rep) => {
                         let Some(c) = r.client.as_mut() else { continue };
@@ -256,6 +315,9 @@ fn run(seed: u64) -> (u32, u64) {
                 if let Some(c) = r.client.as_mut() {
                     c.tick(now);
                 }
+                if let Some(rd) = r.reader.as_mut() {
+                    rd.client.tick(now);
+                }
                 r.send_out(now);
                 r.app_step(now);
                 if !(final_opened && r.client.as_ref().is_some_and(|c| c.is_ready())) {
@@ -264,7 +326,7 @@ fn run(seed: u64) -> (u32, u64) {
             }
             // Fault budget f = 1 of 3: a peer loses its memory only while the two others
             // hold the current epoch's copy, and never after a corruption (a second fault).
-            Ev::CrashPeer(p)
+            Ev::Fault(Fault::CrashPeer(p))
                 if down.is_none()
                     && !ending
                     && !corrupted
@@ -272,17 +334,17 @@ fn run(seed: u64) -> (u32, u64) {
                         r.peers[(q - 1) as usize].as_ref().and_then(|c| c.holding(FILE)).is_some_and(|h| h.epoch == r.epoch)
                     }) =>
             {
-                if std::env::var("SIM_TRACE").is_ok() {
+                if common::trace() {
                     eprintln!("{now}: crash peer {p}");
                 }
                 r.net.set_down(p, true);
                 r.peers[(p - 1) as usize] = None;
                 down = Some(p);
                 let back = r.rng.range_u64(100_000, 1_500_000);
-                r.q.push_after(now, back, Ev::RestartPeer(p)).unwrap();
+                r.q.push_after(now, back, Ev::Fault(Fault::RestartPeer(p))).unwrap();
             }
-            Ev::CrashPeer(_) => {}
-            Ev::RestartPeer(p) => {
+            Ev::Fault(Fault::CrashPeer(_)) => {}
+            Ev::Fault(Fault::RestartPeer(p)) => {
                 if down == Some(p) {
                     down = None;
                 }
@@ -291,7 +353,7 @@ fn run(seed: u64) -> (u32, u64) {
                     r.net.set_down(p, false);
                 }
             }
-            Ev::CorruptPeer(p)
+            Ev::Fault(Fault::CorruptPeer(p))
                 if !corrupted
                     && down.is_none()
                     && !ending
@@ -302,13 +364,20 @@ fn run(seed: u64) -> (u32, u64) {
                 if let Some(core) = r.peers[(p - 1) as usize].as_mut() {
                     let at = r.rng.range_u64(0, 1 << 20);
                     corrupted = core.corrupt(FILE, at);
-                    if std::env::var("SIM_TRACE").is_ok() {
+                    if common::trace() {
                         eprintln!("{now}: corrupt peer {p} at {at} -> {corrupted} holding {:?}", core.holding(FILE));
                     }
                 }
             }
-            Ev::CorruptPeer(_) => {}
-            Ev::CrashClient => {
+            Ev::Fault(Fault::CorruptPeer(_)) => {}
+            Ev::Fault(Fault::Read) => {
+                if !ending {
+                    r.start_reader(now);
+                }
+            }
+            Ev::Fault(Fault::CrashClient) => {
+                // A reader goes with its writer's session (the check needs that session's states).
+                r.reader = None;
                 let Some(c) = r.client.take() else { continue };
                 if c.is_ready() {
                     // The acked floor: ops 1..=acked_seq-1 of this session (seq 1 is the Base).
@@ -331,25 +400,28 @@ fn run(seed: u64) -> (u32, u64) {
         let dbg = format!("{c:?}");
         panic!("seed {seed}: final recovery did not finish (epoch {}); peers {holdings:?}; client {}", r.epoch, &dbg[..dbg.len().min(1500)]);
     }
-    (r.recoveries, r.acked_ops)
+    (r.recoveries, r.acked_ops, r.reads, r.reads_changing)
 }
 
 #[test]
 fn acknowledged_writes_survive_faults_over_many_seeds() {
-    if let Ok(s) = std::env::var("SIM_SEED") {
-        let s: u64 = s.parse().unwrap();
-        println!("seed {s}: {:?}", run(s));
-        return;
-    }
-    let seeds: u64 = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
-    let (mut recoveries, mut acked) = (0, 0);
-    for seed in 0..seeds {
-        let (r, a) = run(seed);
+    let (seeds, one) = common::seeds(60);
+    let (mut recoveries, mut acked, mut reads, mut changing) = (0, 0, 0, 0);
+    for &seed in &seeds {
+        let (r, a, rd, ch) = run(seed);
+        if one {
+            println!("seed {seed}: {r} recoveries, {a} acknowledged ops, {rd} reads ({ch} gave up: the file kept changing)");
+        }
         recoveries += r;
         acked += a;
+        reads += rd;
+        changing += ch;
     }
-    println!("{seeds} seeds: {recoveries} recoveries, {acked} acknowledged ops checked");
-    assert!(recoveries as u64 > seeds, "every run recovers more than once");
+    println!("{} seeds: {recoveries} recoveries, {acked} acknowledged ops checked, {reads} reads checked ({changing} gave up)", seeds.len());
+    if !one {
+        assert!(recoveries as usize > seeds.len(), "every run recovers more than once");
+        assert!(reads as usize > seeds.len(), "readers finished");
+    }
 }
 
 #[test]

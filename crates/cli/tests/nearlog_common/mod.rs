@@ -49,6 +49,27 @@ pub fn start_cluster(dir: &Path) -> (Kill, PathBuf) {
     (guard, dir.join("nearlog-cluster.json"))
 }
 
+/// What every shim test starts from: the shim, a temp dir with a running cluster, and an empty
+/// application directory `app` in it.
+pub struct Bed {
+    pub so: PathBuf,
+    pub tmp: tempfile::TempDir,
+    pub cluster_file: PathBuf,
+    pub app: PathBuf,
+    _cluster: Kill,
+}
+
+impl Bed {
+    pub fn new() -> Bed {
+        let so = shim_path();
+        let tmp = tempfile::tempdir().unwrap();
+        let (cluster, cluster_file) = start_cluster(&tmp.path().join("cluster"));
+        let app = tmp.path().join("app");
+        std::fs::create_dir_all(&app).unwrap();
+        Bed { so, tmp, cluster_file, app, _cluster: cluster }
+    }
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
