@@ -2142,6 +2142,7 @@ mod tests {
         n.pump(1);
         assert_eq!(resps(n.take_outputs()).len(), 1);
         n.pump(1);
+        assert_eq!(resps(n.take_outputs()).len(), 1);
         assert!(!n.wants_pump(), "the request's three chunks are out");
         n.on_peer(1, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(None), chunks: 3 });
         let got = resps(pumped(&mut n));
