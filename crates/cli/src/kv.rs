@@ -595,12 +595,13 @@ pub enum KvBench {
     /// baselines.
     ///
     /// Each run: a group on loopback with a preloaded store (every node's log restored from the
-    /// same snapshot), closed-loop clients with a YCSB-B mix (95% reads, 5% writes, uniform
-    /// keys); one node is killed with SIGKILL, stays down for the EFN period, and is restarted
-    /// on its log. Measured: the recovery latency the recovering node reports (from its
-    /// re-admission to Recov_end, broken into Start_to_ACK / CatchUp_to_Resp / Apply_to_end),
-    /// the bytes it received, the throughput lost from the kill until one second after the
-    /// recovery against the throughput before the kill, and a live node's resident memory
+    /// same snapshot), closed-loop clients with a YCSB-B mix (95% reads, 5% writes, zipfian
+    /// keys by default); one node is killed with SIGKILL, stays down for the EFN period, and is
+    /// restarted on its log. Measured: the recovery latency the recovering node reports (from
+    /// its re-admission to Recov_end, broken into Start_to_ACK / CatchUp_to_Resp /
+    /// Apply_to_end), the bytes it received, the work lost (failure-free rate from the windows
+    /// adjacent to the failure, minus the operations completed, in 10 ms windows) from the kill
+    /// to the end of the recovery and over the recovery alone, and a live node's resident memory
     /// against the bytes it stores plus its Missed_updates cap. The three schemes alternate
     /// runs on the same store, load and EFN. With --sweep: HEAL's recovery latency against the
     /// EFN for every persistency model, and its breakdown for 3, 4 and 5 nodes (Figs. 7-8).
