@@ -595,12 +595,13 @@ pub enum KvBench {
     /// baselines.
     ///
     /// Each run: a group on loopback with a preloaded store (every node's log restored from the
-    /// same snapshot), closed-loop clients with a YCSB-B mix (95% reads, 5% writes, uniform
-    /// keys); one node is killed with SIGKILL, stays down for the EFN period, and is restarted
-    /// on its log. Measured: the recovery latency the recovering node reports (from its
-    /// re-admission to Recov_end, broken into Start_to_ACK / CatchUp_to_Resp / Apply_to_end),
-    /// the bytes it received, the throughput lost from the kill until one second after the
-    /// recovery against the throughput before the kill, and a live node's resident memory
+    /// same snapshot), closed-loop clients with a YCSB-B mix (95% reads, 5% writes, zipfian
+    /// keys by default); one node is killed with SIGKILL, stays down for the EFN period, and is
+    /// restarted on its log. Measured: the recovery latency the recovering node reports (from
+    /// its re-admission to Recov_end, broken into Start_to_ACK / CatchUp_to_Resp /
+    /// Apply_to_end), the bytes it received, the work lost (failure-free rate from the windows
+    /// adjacent to the failure, minus the operations completed, in 10 ms windows) from the kill
+    /// to the end of the recovery and over the recovery alone, and a live node's resident memory
     /// against the bytes it stores plus its Missed_updates cap. The three schemes alternate
     /// runs on the same store, load and EFN. With --sweep: HEAL's recovery latency against the
     /// EFN for every persistency model, and its breakdown for 3, 4 and 5 nodes (Figs. 7-8).
@@ -728,20 +729,22 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
         let r = recovery_run(a, spec)?;
         r.log();
         for (i, w) in r.windows.iter().enumerate() {
-            csv_rows.push(vec![scheme.name().to_string(), round.to_string(), format!("{:.1}", i as f64 * 0.1), w.to_string()]);
+            csv_rows.push(vec![scheme.name().to_string(), round.to_string(), format!("{:.2}", (i as u64 * LOSS_WINDOW_MS) as f64 / 1000.0), w.to_string()]);
         }
         results.entry(scheme.name()).or_default().push(r);
     }
-    bench::write_csv(&out.join("recovery_throughput.csv"), &["scheme", "run", "t_s", "ops_in_100ms"], csv_rows)?;
+    bench::write_csv(&out.join("recovery_throughput.csv"), &["scheme", "run", "t_s", "ops_in_10ms"], csv_rows)?;
     // Fig. 7-like: throughput over time, aligned on the kill, per scheme (first run of each).
     let series: Vec<bench::Series> = schemes
         .iter()
         .map(|s| {
             let r = &results[s.name()][0];
-            let k = r.kill_window as f64;
+            // Plotted in 100 ms windows (ten of the measured ones), aligned on the kill.
+            let per = (100 / LOSS_WINDOW_MS) as usize;
+            let k = (r.kill_window / per) as f64;
             bench::Series {
                 name: s.name().to_string(),
-                points: r.windows.iter().enumerate().map(|(i, w)| ((i as f64 - k) / 10.0, *w as f64 * 10.0)).collect(),
+                points: r.windows.chunks(per).enumerate().map(|(i, w)| ((i as f64 - k) / 10.0, w.iter().sum::<u64>() as f64 * 10.0)).collect(),
             }
         })
         .collect();
@@ -768,9 +771,12 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
         report.figure(&format!("{key}.throughput_before_ops_per_s"), mean(v, &|r| r.before_ops_per_s))?;
         report.figure(&format!("{key}.throughput_after_ops_per_s"), mean(v, &|r| r.after_ops_per_s))?;
         report.figure(&format!("{key}.throughput_failure_free_ops_per_s"), mean(v, &|r| r.failure_free()))?;
-        report.figure(&format!("{key}.throughput_lost_s"), mean(v, &|r| r.lost_s))?;
+        report.figure(&format!("{key}.throughput_lost_ops_count"), mean(v, &|r| r.lost_ops))?;
+        report.figure(&format!("{key}.throughput_lost_s"), mean(v, &|r| r.lost_s()))?;
         report.figure(&format!("{key}.throughput_lost_ratio"), mean(v, &|r| r.lost_fraction()))?;
-        report.figure(&format!("{key}.recovery_throughput_lost_s"), mean(v, &|r| r.recovery_lost_s))?;
+        report.figure(&format!("{key}.loss_span_s"), mean(v, &|r| r.span_s))?;
+        report.figure(&format!("{key}.recovery_throughput_lost_ops_count"), mean(v, &|r| r.recovery_lost_ops))?;
+        report.figure(&format!("{key}.recovery_throughput_lost_s"), mean(v, &|r| r.recovery_lost_s()))?;
         report.figure(&format!("{key}.load_average_1m_ratio"), mean(v, &|r| r.load_avg))?;
         // Per round, so a noisy round shows.
         for (i, r) in v.iter().enumerate() {
@@ -780,8 +786,8 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
             report.figure(&format!("{p}.recovery_entries_count"), r.entries as f64)?;
             report.figure(&format!("{p}.throughput_before_ops_per_s"), r.before_ops_per_s)?;
             report.figure(&format!("{p}.throughput_after_ops_per_s"), r.after_ops_per_s)?;
-            report.figure(&format!("{p}.throughput_lost_s"), r.lost_s)?;
-            report.figure(&format!("{p}.recovery_throughput_lost_s"), r.recovery_lost_s)?;
+            report.figure(&format!("{p}.throughput_lost_ops_count"), r.lost_ops)?;
+            report.figure(&format!("{p}.recovery_throughput_lost_ops_count"), r.recovery_lost_ops)?;
             report.figure(&format!("{p}.load_average_1m_ratio"), r.load_avg)?;
         }
         report.figure(&format!("{key}.missed_updates_bytes"), mean(v, &|r| r.missed_updates_bytes as f64))?;
@@ -802,20 +808,33 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     report.ratio("memory.peak_rss_vs_stored_plus_cap", mean(h, &|r| r.peak_rss_bytes as f64), allowance)?;
     report.ratio("fullcopy_vs_heal.recovery_latency", mean(f, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
     report.ratio("reactive_vs_heal.recovery_latency", mean(rl, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
-    // Throughput lost: operations lost to the failure (kill to one second after the recovery)
-    // against each run's own failure-free throughput, in seconds of it: the schemes' spans
-    // differ by their recovery latency, so lost work, not a fraction of each span, compares
-    // them (as the paper's degradation over one fixed-length run does). A loss below one
-    // window (0.1 s) counts as one window, so the ratio stays defined and conservative.
-    let lost = |v: &[RunResult], f: &dyn Fn(&RunResult) -> f64| mean(v, &|r| f(r).max(0.1));
-    report.ratio("heal_vs_fullcopy.throughput_lost", lost(h, &|r| r.lost_s), lost(f, &|r| r.lost_s))?;
-    report.ratio("heal_vs_reactive.throughput_lost", lost(h, &|r| r.lost_s), lost(rl, &|r| r.lost_s))?;
-    report.ratio("heal_vs_fullcopy.recovery_throughput_lost", lost(h, &|r| r.recovery_lost_s), lost(f, &|r| r.recovery_lost_s))?;
-    report.ratio("heal_vs_reactive.recovery_throughput_lost", lost(h, &|r| r.recovery_lost_s), lost(rl, &|r| r.recovery_lost_s))?;
+    // Throughput lost: the work lost to the failure from the kill to the end of the recovery
+    // (failure-free rate times the span, minus what completed, in 10 ms windows), in seconds
+    // of each run's own failure-free throughput: the schemes' spans differ by their recovery
+    // latency, so lost work, not a fraction of each span, compares them (as the paper's
+    // degradation over one run of fixed length does). Also over the recovery alone.
+    let lost_ratio = |report: &mut bench::Report, name: &str, a: f64, b: f64| -> anyhow::Result<()> {
+        if b <= 0.0 {
+            eprintln!("note: {name}: the baseline lost no work ({b:.3} s), the ratio means nothing");
+        }
+        if b != 0.0 {
+            report.ratio(name, a, b)?;
+        }
+        Ok(())
+    };
+    lost_ratio(&mut report, "heal_vs_fullcopy.throughput_lost", mean(h, &|r| r.lost_s()), mean(f, &|r| r.lost_s()))?;
+    lost_ratio(&mut report, "heal_vs_reactive.throughput_lost", mean(h, &|r| r.lost_s()), mean(rl, &|r| r.lost_s()))?;
+    lost_ratio(&mut report, "heal_vs_fullcopy.recovery_throughput_lost", mean(h, &|r| r.recovery_lost_s()), mean(f, &|r| r.recovery_lost_s()))?;
+    lost_ratio(&mut report, "heal_vs_reactive.recovery_throughput_lost", mean(h, &|r| r.recovery_lost_s()), mean(rl, &|r| r.recovery_lost_s()))?;
     // The load, so the figures say what they were measured under.
     report.figure("load.zipfian_theta_ratio", if a.distribution == "zipfian" { a.theta } else { 0.0 })?;
     report.figure("load.write_percent", a.write_percent as f64)?;
     report.figure("load.clients_count", a.clients as f64)?;
+    // Closed loop: each client sends its next operation when the last is answered.
+    report.figure("load.closed_loop_ratio", 1.0)?;
+    report.figure("load.loss_window_ms", LOSS_WINDOW_MS as f64)?;
+    let all: Vec<f64> = results.values().flatten().map(|r| r.failure_free()).collect();
+    report.figure("load.failure_free_ops_per_s", all.iter().sum::<f64>() / all.len().max(1) as f64)?;
     report.figure("load.rounds_count", rounds as f64)?;
     report.figure("load.efn_s", efn.as_secs_f64())?;
     report.print();
@@ -938,12 +957,13 @@ struct RunResult {
     /// recovery settled.
     before_ops_per_s: f64,
     after_ops_per_s: f64,
-    /// Operations lost from the kill until one second after the recovery, against the mean of
-    /// the two failure-free windows, in seconds of failure-free throughput.
-    lost_s: f64,
-    /// The same from the restart of the node (the recovery and its aftermath only).
-    recovery_lost_s: f64,
-    /// Kill to one second after the recovery, in seconds.
+    /// Operations lost from the kill to the end of the recovery: the failure-free rate (the
+    /// mean of the two adjacent failure-free windows) times the span, minus the operations
+    /// completed, summed over 10 ms windows (negative where the group did more than that).
+    lost_ops: f64,
+    /// The same over the recovery alone (re-admission to Recov_end).
+    recovery_lost_ops: f64,
+    /// Kill to the end of the recovery, in seconds.
     span_s: f64,
     /// The machine's 1-minute load average when the node had recovered.
     load_avg: f64,
@@ -951,6 +971,7 @@ struct RunResult {
     rss_bytes: u64,
     peak_rss_bytes: u64,
     missed_updates_bytes: u64,
+    /// Completed operations per [`LOSS_WINDOW_MS`] window from the start of the load.
     windows: Vec<u64>,
     kill_window: usize,
 }
@@ -959,16 +980,23 @@ impl RunResult {
     fn failure_free(&self) -> f64 {
         (self.before_ops_per_s + self.after_ops_per_s) / 2.0
     }
+    /// Lost operations in seconds of failure-free throughput.
+    fn lost_s(&self) -> f64 {
+        self.lost_ops / self.failure_free().max(f64::MIN_POSITIVE)
+    }
+    fn recovery_lost_s(&self) -> f64 {
+        self.recovery_lost_ops / self.failure_free().max(f64::MIN_POSITIVE)
+    }
     /// Lost operations as a fraction of what the span would have done failure-free.
     fn lost_fraction(&self) -> f64 {
-        if self.span_s > 0.0 { self.lost_s / self.span_s } else { 0.0 }
+        if self.span_s > 0.0 { self.lost_s() / self.span_s } else { 0.0 }
     }
     fn log(&self) {
         eprintln!(
-            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms of which transfer {:.1}; {} entries, {} bytes, {} chunks, full copy {}); failure-free {:.0}/{:.0} ops/s before/after, lost {:.2} s of it ({:.2} s from the restart; {:.1}% of the {:.1} s span); buddy RSS {} MiB (peak {} MiB), Missed_updates {} KiB; load average {:.2}",
+            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms of which transfer {:.1}; {} entries, {} bytes, {} chunks, full copy {}); failure-free {:.0}/{:.0} ops/s before/after; lost kill..end of recovery {:.0} ops = {:.2} s of it ({:.1}% of the {:.1} s span), during the recovery {:.0} ops = {:.3} s; buddy RSS {} MiB (peak {} MiB), Missed_updates {} KiB; load average {:.2}",
             self.recovery_ms, self.start_to_ack_ms, self.catchup_to_resp_ms, self.apply_to_end_ms, self.transfer_ms, self.entries, self.bytes,
-            self.chunks, self.full_copy, self.before_ops_per_s, self.after_ops_per_s, self.lost_s, self.recovery_lost_s,
-            self.lost_fraction() * 100.0, self.span_s, self.rss_bytes >> 20, self.peak_rss_bytes >> 20,
+            self.chunks, self.full_copy, self.before_ops_per_s, self.after_ops_per_s, self.lost_ops, self.lost_s(),
+            self.lost_fraction() * 100.0, self.span_s, self.recovery_lost_ops, self.recovery_lost_s(), self.rss_bytes >> 20, self.peak_rss_bytes >> 20,
             self.missed_updates_bytes >> 10, self.load_avg
         );
     }
@@ -978,6 +1006,9 @@ impl RunResult {
 fn before(line: &str, tag: &str) -> f64 {
     line.split(tag).next().and_then(|h| h.rsplit(|c: char| !(c.is_ascii_digit() || c == '.')).next()).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN)
 }
+
+/// Resolution of the throughput windows the lost work is summed over.
+const LOSS_WINDOW_MS: u64 = 10;
 
 fn bench_key(i: u64) -> Vec<u8> {
     format!("user{i:010}").into_bytes()
@@ -1016,6 +1047,11 @@ fn preload(image: &Path, dir: &Path, nodes: u32) -> anyhow::Result<()> {
         let d = dir.join(format!("node-{n}"));
         std::fs::create_dir_all(&d)?;
         std::fs::copy(image, d.join("pm.log")).with_context(|| format!("copying the preloaded store to {}", d.display()))?;
+    }
+    // Durable before the run, as a node's store is: otherwise the first sync of a node's log
+    // during the run would write back its whole copy.
+    for n in 0..nodes {
+        std::fs::File::open(dir.join(format!("node-{n}/pm.log")))?.sync_all()?;
     }
     Ok(())
 }
@@ -1081,10 +1117,12 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         // Every node reads its whole log before it serves: allow for a large store.
         wait_all_serving(&lk.file, &lk.secret, Duration::from_secs(1800)).await?;
         // Load: YCSB-B (95% reads, 5% updates by default) over the preloaded keys, closed
-        // loop; 100 ms windows of completed operations.
-        let windows: Arc<Vec<AtomicU64>> = Arc::new((0..100_000).map(|_| AtomicU64::new(0)).collect());
+        // loop; completed operations counted in 10 ms windows (an hour of them at most).
+        let windows: Arc<Vec<AtomicU64>> = Arc::new((0..3_600_000 / LOSS_WINDOW_MS).map(|_| AtomicU64::new(0)).collect());
         let stop = Arc::new(AtomicBool::new(false));
         let t0 = Instant::now();
+        // The recovering node stamps the end of its recovery in wall-clock time.
+        let t0_unix = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
         let mut tasks = Vec::new();
         let zipf = (a.distribution == "zipfian")
             .then(|| ycsb::ScrambledZipfian::new(keys, a.theta))
@@ -1116,7 +1154,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
                         c.get(&key).await.is_ok()
                     };
                     if ok {
-                        let w = (t0.elapsed().as_millis() / 100) as usize;
+                        let w = (t0.elapsed().as_millis() / LOSS_WINDOW_MS as u128) as usize;
                         if w < windows.len() {
                             windows[w].fetch_add(1, Ordering::Relaxed);
                         }
@@ -1145,7 +1183,6 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
             Some(m) => scrape_gauge(m, "kv_missed_updates_bytes").await.unwrap_or(f64::NAN),
             None => f64::NAN,
         };
-        let restart_at = t0.elapsed();
         lk.restart_node(victim)?;
         let log = dir.join(format!("logs/node-{victim}.log"));
         let deadline = Instant::now() + Duration::from_secs(3600);
@@ -1157,9 +1194,16 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
             anyhow::ensure!(Instant::now() < deadline, "node {victim} did not recover within an hour; see {}", log.display());
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        let recovered_at = t0.elapsed();
+        let seen_at = t0.elapsed();
         let load_avg = load_average_1m();
-        // One second for the group to settle, then the failure-free window after the failure.
+        // The recovery's span on the load's clock: its end as the node stamped it (the log is
+        // polled every 20 ms), its start that much earlier.
+        let ended_unix_us = line.split("ended_unix_us ").nth(1).and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok());
+        let recovered_at = ended_unix_us.map(|u| Duration::from_micros(u).saturating_sub(t0_unix)).filter(|d| *d <= seen_at).unwrap_or(seen_at);
+        let total_ms = line.split(" in ").nth(1).and_then(|r| r.split(' ').next()?.parse::<f64>().ok()).unwrap_or(0.0);
+        let recovery_start = recovered_at.saturating_sub(Duration::from_secs_f64(total_ms / 1000.0));
+        // One second for the group to settle (the CM activates the node, its clients return),
+        // then the failure-free window after the failure.
         let settled_at = recovered_at + Duration::from_secs(1);
         tokio::time::sleep_until((Instant::now() + (settled_at + base_win).saturating_sub(t0.elapsed())).into()).await;
         let end = t0.elapsed();
@@ -1167,33 +1211,33 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         for t in tasks {
             let _ = t.await;
         }
-        let w: Vec<u64> = windows.iter().take((end.as_millis() / 100) as usize).map(|x| x.load(Ordering::Relaxed)).collect();
-        let win = |d: Duration| ((d.as_millis() / 100) as usize).min(w.len());
+        let w: Vec<u64> = windows.iter().take((end.as_millis() / LOSS_WINDOW_MS as u128) as usize).map(|x| x.load(Ordering::Relaxed)).collect();
+        let win = |d: Duration| ((d.as_millis() / LOSS_WINDOW_MS as u128) as usize).min(w.len());
+        let per_s = 1000.0 / LOSS_WINDOW_MS as f64;
         // Failure-free throughput: the windows adjacent to this run's failure, before the kill
         // and after the recovery has settled, so drift of the shared machine hits both alike.
         let rate = |from: Duration, to: Duration| {
             let s = &w[win(from)..win(to)];
-            s.iter().sum::<u64>() as f64 / s.len().max(1) as f64 * 10.0
+            s.iter().sum::<u64>() as f64 / s.len().max(1) as f64 * per_s
         };
         let before_ops_per_s = rate(kill_at.saturating_sub(base_win), kill_at);
         let after_ops_per_s = rate(settled_at, settled_at + base_win);
         let base = (before_ops_per_s + after_ops_per_s) / 2.0;
-        // Operations lost from `from` until the group has settled, against the failure-free
-        // rate: in seconds of failure-free work.
-        let lost_s = |from: Duration| {
-            let span = &w[win(from)..win(settled_at)];
-            let got: u64 = span.iter().sum();
-            let expected = base * span.len() as f64 / 10.0;
-            if base > 0.0 { ((expected - got as f64) / base).max(0.0) } else { 0.0 }
+        // Lost work from `from` to `to`: what the failure-free rate would have completed in
+        // those windows minus what was completed (not clipped: a window above the rate counts
+        // against the loss). The end of the recovery's window is included.
+        let lost_ops = |from: Duration, to: Duration| {
+            let span = &w[win(from)..(win(to) + 1).min(w.len())];
+            base / per_s * span.len() as f64 - span.iter().sum::<u64>() as f64
         };
-        let span_s = win(settled_at).saturating_sub(win(kill_at)) as f64 / 10.0;
-        let (lost_all, lost_recovery, kill_window) = (lost_s(kill_at), lost_s(restart_at), win(kill_at));
+        let span_s = recovered_at.saturating_sub(kill_at).as_secs_f64();
+        let (lost_all, lost_recovery, kill_window) = (lost_ops(kill_at, recovered_at), lost_ops(recovery_start, recovered_at), win(kill_at));
         Ok::<_, anyhow::Error>(Measured {
             line,
             before_ops_per_s,
             after_ops_per_s,
-            lost_s: lost_all,
-            recovery_lost_s: lost_recovery,
+            lost_ops: lost_all,
+            recovery_lost_ops: lost_recovery,
             span_s,
             load_avg,
             rss,
@@ -1227,8 +1271,8 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         full_copy: line.contains("full_copy true"),
         before_ops_per_s: m.before_ops_per_s,
         after_ops_per_s: m.after_ops_per_s,
-        lost_s: m.lost_s,
-        recovery_lost_s: m.recovery_lost_s,
+        lost_ops: m.lost_ops,
+        recovery_lost_ops: m.recovery_lost_ops,
         span_s: m.span_s,
         load_avg: m.load_avg,
         rss_bytes: m.rss,
@@ -1244,8 +1288,8 @@ struct Measured {
     line: String,
     before_ops_per_s: f64,
     after_ops_per_s: f64,
-    lost_s: f64,
-    recovery_lost_s: f64,
+    lost_ops: f64,
+    recovery_lost_ops: f64,
     span_s: f64,
     load_avg: f64,
     rss: u64,

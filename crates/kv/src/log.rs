@@ -486,6 +486,11 @@ pub fn release_free_memory() {
     }
 }
 
+/// Largest durable append written as one `O_DSYNC` write (see `FileLog::write_durable`).
+pub const DSYNC_WRITE_MAX_BYTES: usize = 256 << 10;
+/// Pieces of a larger durable append, each with its write-back started as it is written.
+pub const WRITEBACK_PIECE_BYTES: usize = 1 << 20;
+
 /// Default for [`FileLog::compact_min_bytes`].
 pub const COMPACT_MIN_BYTES: u64 = 64 << 20;
 /// Default for [`FileLog::max_tail_bytes`].
@@ -575,6 +580,33 @@ impl FileLog {
         buf
     }
 
+    /// Appends `buf` (already counted in `self.len`) and makes it durable. Up to
+    /// [`DSYNC_WRITE_MAX_BYTES`] it is one `O_DSYNC` write; a larger one goes through the page
+    /// cache in pieces whose write-back is started as each is written, then one `fdatasync`:
+    /// an `O_DSYNC` write reaches the device about one request at a time, this way many are in
+    /// flight (on this project's virtio disks, about 3x the bandwidth for a catch-up's batch).
+    fn write_durable(&mut self, buf: &[u8]) -> Result<(), LogError> {
+        use std::os::fd::AsRawFd;
+        if buf.len() <= DSYNC_WRITE_MAX_BYTES {
+            self.dsync.write_all(buf)?;
+            return Ok(());
+        }
+        let mut off = self.len - buf.len() as u64;
+        for piece in buf.chunks(WRITEBACK_PIECE_BYTES) {
+            self.file.write_all(piece)?;
+            // SAFETY: sync_file_range only takes the fd (owned by `self.file`, open) and a byte
+            // range; SYNC_FILE_RANGE_WRITE starts write-back without waiting for it. It is a
+            // hint: durability comes from the fdatasync below, so its result is not needed.
+            #[cfg(target_os = "linux")]
+            unsafe {
+                libc::sync_file_range(self.file.as_raw_fd(), off as i64, piece.len() as i64, libc::SYNC_FILE_RANGE_WRITE);
+            }
+            off += piece.len() as u64;
+        }
+        self.file.sync_data()?;
+        Ok(())
+    }
+
     /// Rebuilds the state from the file (a node reloading after it was removed).
     pub fn rebuild_state(&mut self) -> Result<LogState, LogError> {
         self.load_state()
@@ -643,7 +675,7 @@ impl FileLog {
 impl PmLog for FileLog {
     fn append_durable(&mut self, recs: &[LogRecord]) -> Result<(), LogError> {
         let buf = self.encode_batch(recs);
-        self.dsync.write_all(&buf)?;
+        self.write_durable(&buf)?;
         if !self.extra_persist_latency.is_zero() {
             std::thread::sleep(self.extra_persist_latency);
         }

@@ -127,6 +127,9 @@ pub enum Output {
     ToCm(HeartbeatAck),
     /// Append durably, then call [`NodeCore::on_persisted`] with `seq`.
     Persist { seq: u64, rec: LogRecord },
+    /// Append all of `recs` durably, in order, then call [`NodeCore::on_persisted`] with `seq`
+    /// (a catch-up chunk: one append, one completion).
+    PersistBatch { seq: u64, recs: Vec<LogRecord> },
     /// Append without waiting (a GDP flag, an `Epoch` record).
     Mark(LogRecord),
     /// Read the durable log at `cursor` (about `max_bytes` of updates, after every append
@@ -239,6 +242,17 @@ struct Missed {
 /// (key, timestamp) pairs: a Partially_persisted list, the writes of a scope.
 type KeyVersions = Vec<(Vec<u8>, Ts)>;
 
+/// The rest of a key-ordered CatchUp_req a Buddy is answering.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct KeyStream {
+    /// The next chunk starts after this key (`None`: at the first).
+    after: Option<Vec<u8>>,
+    partially: KeyVersions,
+    full_copy: bool,
+    /// Chunks still to send for the request.
+    chunks_left: u32,
+}
+
 /// One replica. See the module docs.
 #[derive(Clone)]
 pub struct NodeCore {
@@ -254,6 +268,8 @@ pub struct NodeCore {
     missed: Missed,
     next_seq: u64,
     inflight: BTreeMap<u64, (Vec<u8>, Ts)>,
+    /// Durable appends of whole catch-up chunks ([`Output::PersistBatch`]): their Puts.
+    inflight_batches: BTreeMap<u64, KeyVersions>,
     pending_client_ops: usize,
     /// Keys with client ops queued (`KeyState::waiting` not empty): what a heartbeat re-serves,
     /// without a walk over the whole store.
@@ -271,6 +287,9 @@ pub struct NodeCore {
     /// Reactive-log reads in progress for recovering nodes: cursor, Partially_persisted, and
     /// the chunks still to send for the request (this one included).
     log_reads: BTreeMap<NodeId, (LogCursor, KeyVersions, u32)>,
+    /// Key-ordered catch-up streams being served (HEAL or full copy), per recovering node: the
+    /// rest of its CatchUp_req, one chunk per [`NodeCore::pump`].
+    streams: BTreeMap<NodeId, KeyStream>,
     out: Vec<Output>,
     pub counters: NodeCounters,
 }
@@ -315,6 +334,7 @@ impl NodeCore {
             missed: Missed::default(),
             next_seq: 0,
             inflight: BTreeMap::new(),
+            inflight_batches: BTreeMap::new(),
             pending_client_ops: 0,
             waiting_keys: BTreeSet::new(),
             scopes: BTreeMap::new(),
@@ -325,6 +345,7 @@ impl NodeCore {
             recent_order: VecDeque::new(),
             last_epoch,
             log_reads: BTreeMap::new(),
+            streams: BTreeMap::new(),
             out: Vec::new(),
             counters: NodeCounters::default(),
         }
@@ -401,12 +422,12 @@ impl NodeCore {
         }
         (&self.unsettled, &self.partially).hash(h);
         (self.missed.recording, self.missed.overflowed, &self.missed.keys).hash(h);
-        (self.next_seq, &self.inflight, self.pending_client_ops, &self.scopes).hash(h);
+        (self.next_seq, &self.inflight, &self.inflight_batches, self.pending_client_ops, &self.scopes).hash(h);
         for (id, op) in &self.persist_ops {
             (id, &op.writes, op.client, &op.acks).hash(h);
         }
         (self.next_persist_id, &self.persist_waits, &self.recent_tags).hash(h);
-        (self.last_epoch, &self.log_reads).hash(h);
+        (self.last_epoch, &self.log_reads, &self.streams).hash(h);
     }
     /// The protocol state of one key, for diagnosing a failing simulation seed.
     #[doc(hidden)]
@@ -521,6 +542,8 @@ impl NodeCore {
     fn adopt(&mut self, now_us: u64, cfg: Config) {
         let me = self.p.id;
         self.config = cfg;
+        // Every configuration change restarts a recovery, which asks again.
+        self.streams.clear();
         let member = self.config.is_member(me);
         let active = self.config.active.contains(&me);
         let recovering = self.config.recovering.contains(&me);
@@ -1220,6 +1243,11 @@ impl NodeCore {
             if let Some((key, ts)) = self.inflight.remove(&seq) {
                 any_put = true;
                 self.put_durable(now_us, key, ts);
+            } else if let Some(puts) = self.inflight_batches.remove(&seq) {
+                any_put = true;
+                for (key, ts) in puts {
+                    self.put_durable(now_us, key, ts);
+                }
             }
             let (n, c) = self.recovery_seq_durable(seq);
             next_chunk |= n;
@@ -1503,24 +1531,15 @@ impl NodeCore {
         // Never more than the largest window a node may be configured with.
         let chunks = chunks.clamp(1, MAX_CATCHUP_CHUNKS_PER_REQ);
         match cursor {
-            Cursor::Key(mut after) => {
+            Cursor::Key(after) => {
                 let full_copy = self.missed.overflowed
                     || !self.missed.recording
                     || self.p.recovery != RecoveryScheme::Heal;
-                let epoch = self.config.epoch;
-                for _ in 0..chunks {
-                    let (entries, next) = self.key_chunk(after.as_deref(), &partially, full_copy);
-                    let from_c = Cursor::Key(after);
-                    let more = match &next {
-                        Some(Cursor::Key(k)) => Some(k.clone()),
-                        _ => None,
-                    };
-                    self.send(from, PeerMsg::CatchUpResp { epoch, from: from_c, next, full_copy, entries });
-                    match more {
-                        Some(k) => after = k,
-                        None => break,
-                    }
-                }
+                // The first chunk now, the rest one per `pump`: the recovering node applies and
+                // persists each while the next is read here, and our own clients are served
+                // between chunks. A new request replaces an older one (the node gave up on it).
+                self.streams.insert(from, KeyStream { after, partially, full_copy, chunks_left: chunks });
+                self.stream_chunk(from);
             }
             Cursor::Log(lc) => {
                 // Reactive: the durable log is read from the point (by the driver, off the
@@ -1531,6 +1550,44 @@ impl NodeCore {
                 self.out.push(Output::ReadLog { to: from, cursor: lc, max_bytes });
             }
         }
+    }
+
+    /// Whether [`Self::pump`] has work (catch-up chunks still to send).
+    pub fn wants_pump(&self) -> bool {
+        !self.streams.is_empty()
+    }
+
+    /// Sends the next chunk of every catch-up stream being served. A driver calls it between
+    /// inputs while [`Self::wants_pump`] (and at once when no input waits).
+    pub fn pump(&mut self, _now_us: u64) {
+        let to: Vec<NodeId> = self.streams.keys().copied().collect();
+        for n in to {
+            self.stream_chunk(n);
+        }
+    }
+
+    fn stream_chunk(&mut self, to: NodeId) {
+        if !matches!(self.mode, Mode::Member) || !self.config.active.contains(&self.p.id) {
+            self.streams.clear();
+            return;
+        }
+        let Some(st) = self.streams.get_mut(&to) else { return };
+        st.chunks_left = st.chunks_left.saturating_sub(1);
+        let st = if st.chunks_left == 0 { self.streams.remove(&to).unwrap() } else { st.clone() };
+        let (entries, next) = self.key_chunk(st.after.as_deref(), &st.partially, st.full_copy);
+        let more = match &next {
+            Some(Cursor::Key(k)) => Some(k.clone()),
+            _ => None,
+        };
+        match (more, self.streams.get_mut(&to)) {
+            (Some(k), Some(s)) => s.after = k,
+            (None, Some(_)) => {
+                self.streams.remove(&to);
+            }
+            _ => {}
+        }
+        let epoch = self.config.epoch;
+        self.send(to, PeerMsg::CatchUpResp { epoch, from: Cursor::Key(st.after), next, full_copy: st.full_copy, entries });
     }
 
     /// The next chunk after `after` of a key-ordered copy: every key of the store (a full
@@ -1647,21 +1704,30 @@ impl NodeCore {
             r.stats.bytes_received += entries.iter().map(|e| e.size_bytes() as u64).sum::<u64>();
         }
         // Step 3: apply, never resurrecting a version older than what we hold (ShadowReplica
-        // writes may have overtaken it).
+        // writes may have overtaken it). The chunk's records go to the log as one append.
         let mut applied = 0;
         let mut seqs = Vec::new();
+        let mut recs = Vec::with_capacity(entries.len() * 2);
+        let mut puts = Vec::with_capacity(entries.len());
         for e in entries {
             if e.key.is_empty() || e.key.len() > MAX_KEY_BYTES || e.value.len() > MAX_VALUE_BYTES {
                 continue;
             }
-            if self.apply_newer(now_us, &e.key, e.ts, &e.value, e.committed) {
-                applied += 1;
-                seqs.push(self.next_seq - 1);
-                if e.committed {
-                    self.mark_if_needed(&e.key);
-                    self.settle(now_us, &e.key);
+            match self.apply_catchup_entry(now_us, e, &mut recs, &mut puts) {
+                CatchUpApply::Stale => {}
+                CatchUpApply::Batched => applied += 1,
+                CatchUpApply::Alone(seq) => {
+                    applied += 1;
+                    seqs.push(seq);
                 }
             }
+        }
+        if !recs.is_empty() {
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            self.inflight_batches.insert(seq, puts);
+            self.out.push(Output::PersistBatch { seq, recs });
+            seqs.push(seq);
         }
         let eventual = self.p.model == Model::Eventual;
         let Mode::Recovering(r) = &mut self.mode else { return };
@@ -1692,6 +1758,67 @@ impl NodeCore {
                 self.request_chunk(now_us);
             }
         }
+    }
+
+    /// Applies one catch-up entry if it is newer than what we hold. A key with nothing in
+    /// flight (no coordinated write, no queued op or owed ACK_P, currently valid) — nearly every
+    /// key of a catch-up — takes one store lookup: the value is moved in, the Put (and the Mark
+    /// of a committed entry) go to `recs` for the chunk's single append, the Put to `puts` for
+    /// its completion. Any other key takes the general path of an INV plus a VAL
+    /// ([`Self::apply_newer`], [`Self::mark_if_needed`], [`Self::settle`]), with its own append.
+    fn apply_catchup_entry(&mut self, now_us: u64, e: Entry, recs: &mut Vec<LogRecord>, puts: &mut KeyVersions) -> CatchUpApply {
+        let Entry { key, ts, value, committed } = e;
+        let deadline_us = now_us + self.p.ack_val_timeout_us;
+        let quiet = |k: &KeyState| k.coord.is_none() && k.waiting.is_empty() && k.pending_p.is_empty() && k.valid;
+        let value_len = value.len();
+        let marked = match self.store.get_mut(&key) {
+            Some(k) if ts <= k.ts => return CatchUpApply::Stale,
+            Some(k) if quiet(k) => {
+                k.ts = ts;
+                k.value = value.clone();
+                k.valid = committed;
+                k.gdp = false;
+                k.timeouts = 0;
+                k.deadline_us = deadline_us;
+                // As `mark_if_needed`: a committed version gets its GDP flag.
+                let mark = committed && k.marked < ts;
+                if mark {
+                    k.marked = ts;
+                }
+                mark
+            }
+            Some(_) => {
+                self.apply_newer(now_us, &key, ts, &value, committed);
+                let seq = self.next_seq - 1; // apply_newer's append (what follows appends none)
+                if committed {
+                    self.mark_if_needed(&key);
+                    self.settle(now_us, &key);
+                }
+                return CatchUpApply::Alone(seq);
+            }
+            None => {
+                let k = KeyState {
+                    ts,
+                    value: value.clone(),
+                    valid: committed,
+                    marked: if committed { ts } else { Ts::default() },
+                    deadline_us,
+                    ..Default::default()
+                };
+                self.store.insert(key.clone(), k);
+                committed
+            }
+        };
+        if !committed {
+            self.unsettled.insert(key.clone());
+        }
+        self.record_missed(&key, value_len);
+        recs.push(LogRecord::Put { key: key.clone(), ts, value });
+        if marked {
+            recs.push(LogRecord::Mark { key: key.clone(), ts });
+        }
+        puts.push((key, ts));
+        CatchUpApply::Batched
     }
 
     fn maybe_finish_recovery(&mut self, now_us: u64) {
@@ -1759,6 +1886,16 @@ impl NodeCore {
     }
 }
 
+/// What became of one catch-up entry.
+enum CatchUpApply {
+    /// Not newer than what we hold: dropped.
+    Stale,
+    /// Applied; its records are in the chunk's batch.
+    Batched,
+    /// Applied through the general path, with an append of its own.
+    Alone(u64),
+}
+
 /// Merges two ascending key iterators, dropping duplicates.
 struct MergeKeys<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> {
     a: std::iter::Peekable<A>,
@@ -1804,7 +1941,7 @@ mod tests {
                 .take_outputs()
                 .into_iter()
                 .filter_map(|o| match o {
-                    Output::Persist { seq, .. } => Some(seq),
+                    Output::Persist { seq, .. } | Output::PersistBatch { seq, .. } => Some(seq),
                     _ => None,
                 })
                 .collect();
@@ -1899,7 +2036,7 @@ mod tests {
     fn persists(outs: &[Output]) -> Vec<u64> {
         outs.iter()
             .filter_map(|o| match o {
-                Output::Persist { seq, rec: LogRecord::Put { .. } } => Some(*seq),
+                Output::Persist { seq, rec: LogRecord::Put { .. } } | Output::PersistBatch { seq, .. } => Some(*seq),
                 _ => None,
             })
             .collect()
@@ -1990,8 +2127,25 @@ mod tests {
                 })
                 .collect()
         };
+        // The first chunk at once, the others one per pump.
+        let pumped = |n: &mut NodeCore| {
+            let mut outs = n.take_outputs();
+            while n.wants_pump() {
+                n.pump(1);
+                outs.extend(n.take_outputs());
+            }
+            outs
+        };
         n.on_peer(1, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(None), chunks: 3 });
-        let got = resps(n.take_outputs());
+        assert_eq!(resps(n.take_outputs()).len(), 1);
+        assert!(n.wants_pump());
+        n.pump(1);
+        assert_eq!(resps(n.take_outputs()).len(), 1);
+        n.pump(1);
+        assert_eq!(resps(n.take_outputs()).len(), 1);
+        assert!(!n.wants_pump(), "the request's three chunks are out");
+        n.on_peer(1, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(None), chunks: 3 });
+        let got = resps(pumped(&mut n));
         assert_eq!(
             got,
             vec![
@@ -2001,7 +2155,7 @@ mod tests {
             ]
         );
         n.on_peer(2, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(Some("c")), chunks: 5 });
-        let got = resps(n.take_outputs());
+        let got = resps(pumped(&mut n));
         // d, e, then an empty last chunk (a full chunk always names a next cursor).
         assert_eq!(got.len(), 3, "stops at the end: {got:?}");
         assert_eq!(got[2].1, None);
@@ -2015,11 +2169,16 @@ mod tests {
         n.on_peer(10, 1, resp(None, Some("a"), vec![entry("a", 1), entry("b", 1)]));
         let outs = n.take_outputs();
         let seqs = persists(&outs);
-        assert_eq!(seqs.len(), 2);
+        assert_eq!(seqs.len(), 1, "a chunk's records are one append: {outs:?}");
+        let recs = outs.iter().find_map(|o| match o {
+            Output::PersistBatch { recs, .. } => Some(recs.len()),
+            _ => None,
+        });
+        assert_eq!(recs, Some(4), "a Put and a Mark per committed entry");
         assert!(catchup_reqs(&outs).is_empty());
-        n.on_persisted(11, seqs[0]);
-        assert!(catchup_reqs(&n.take_outputs()).is_empty(), "half a chunk durable is not enough");
-        n.on_persisted(12, seqs[1]);
+        n.on_persisted(11, seqs[0] + 100);
+        assert!(catchup_reqs(&n.take_outputs()).is_empty(), "another append's completion is not enough");
+        n.on_persisted(12, seqs[0]);
         assert_eq!(catchup_reqs(&n.take_outputs()), vec![key_cursor(Some("a"))]);
     }
 }

@@ -36,6 +36,10 @@ pub const CLIENT_INFLIGHT_MAX: usize = 4096;
 /// the connections' readers wait, so TCP pushes back on the senders rather than the queue
 /// adding latency without bound.
 pub const INPUT_QUEUE_MSGS: usize = 8192;
+/// Read buffer of a node's inbound connection.
+pub const CONN_READ_BUFFER_BYTES: usize = 64 << 10;
+/// Queued frames to one connection are coalesced into writes of about this many bytes at most.
+pub const CONN_WRITE_BATCH_BYTES: usize = 1 << 20;
 /// Period of a node's timer checks.
 pub const NODE_TICK_MS: u64 = 5;
 
@@ -289,6 +293,9 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     let mut tick = tokio::time::interval(Duration::from_millis(NODE_TICK_MS));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
+        // A Buddy's catch-up stream sends one chunk per turn of this loop, between inputs, and
+        // the loop does not wait for an input while the stream has chunks left.
+        let pumping = core.wants_pump();
         tokio::select! {
             biased;
             Some((hb, tx, at)) = hb_rx.recv() => {
@@ -330,6 +337,11 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                     Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
                 }
             }
+            _ = std::future::ready(()), if pumping => {}
+        }
+        if core.wants_pump() {
+            last_now = now_us();
+            core.pump(last_now);
         }
         // Carry out outputs in order; a Reload rebuilds the core and continues with its outputs.
         loop {
@@ -350,6 +362,12 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         appends.push((Some((inc, seq)), rec));
                         continue;
                     }
+                    Output::PersistBatch { seq, recs } => {
+                        // Durable as one: the completion rides on the last record.
+                        let n = recs.len();
+                        appends.extend(recs.into_iter().enumerate().map(|(i, r)| ((i + 1 == n).then_some((inc, seq)), r)));
+                        continue;
+                    }
                     Output::Mark(rec) => {
                         appends.push((None, rec));
                         continue;
@@ -360,7 +378,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                     flush(&mut appends);
                 }
                 match o {
-                    Output::Persist { .. } | Output::Mark(_) => unreachable!("handled above"),
+                    Output::Persist { .. } | Output::PersistBatch { .. } | Output::Mark(_) => unreachable!("handled above"),
                     Output::Send { to, msg } => {
                         if let Some(tx) = peer_tx.get(&to) {
                             let _ = tx.try_send(msg);
@@ -401,8 +419,10 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             full_copy = s.full_copy,
                             "HEAL recovery complete"
                         );
+                        // Wall-clock end, so a load generator can place the recovery on its own clock.
+                        let ended_unix_us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros();
                         eprintln!(
-                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, transfer {} us, {} entries, {} bytes, {} chunks, full_copy {})",
+                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, transfer {} us, {} entries, {} bytes, {} chunks, full_copy {}, ended_unix_us {ended_unix_us})",
                             s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.transfer_us, s.entries_received, s.bytes_received, s.chunks, s.full_copy
                         );
                         stats.recoveries.fetch_add(1, Ordering::Relaxed);
@@ -472,21 +492,34 @@ async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc
         };
         backoff = Duration::from_millis(2);
         let (_r, mut w) = s.split();
-        loop {
-            let Some(m) = rx.recv().await else { return };
-            let mut buf = wire::encode_frame(&NetMsg::Peer(m)).unwrap_or_default();
-            while let Ok(m) = rx.try_recv() {
-                buf.extend_from_slice(&wire::encode_frame(&NetMsg::Peer(m)).unwrap_or_default());
-                if buf.len() > 1 << 20 {
-                    break;
-                }
-            }
-            use tokio::io::AsyncWriteExt;
-            if w.write_all(&buf).await.is_err() {
-                break;
-            }
+        if let FramesEnd::QueueClosed = write_frames(&mut w, &mut rx, NetMsg::Peer).await {
+            return;
         }
     }
+}
+
+enum FramesEnd {
+    QueueClosed,
+    WriteFailed,
+}
+
+/// Writes `rx`'s messages to `w` as frames until the queue closes or a write fails. Whatever is
+/// queued goes out in one write (up to about [`CONN_WRITE_BATCH_BYTES`]): a busy connection
+/// costs a syscall per batch, not per message.
+async fn write_frames<T, W: AsyncWrite + Unpin>(w: &mut W, rx: &mut mpsc::Receiver<T>, wrap: impl Fn(T) -> NetMsg) -> FramesEnd {
+    use tokio::io::AsyncWriteExt;
+    while let Some(m) = rx.recv().await {
+        // Encoding a NetMsg cannot fail (postcard into a Vec); the first frame is the buffer.
+        let mut buf = wire::encode_frame(&wrap(m)).unwrap_or_default();
+        while buf.len() < CONN_WRITE_BATCH_BYTES {
+            let Ok(m) = rx.try_recv() else { break };
+            buf.extend_from_slice(&wire::encode_frame(&wrap(m)).unwrap_or_default());
+        }
+        if w.write_all(&buf).await.is_err() {
+            return FramesEnd::WriteFailed;
+        }
+    }
+    FramesEnd::QueueClosed
 }
 
 async fn serve_conn(
@@ -500,15 +533,12 @@ async fn serve_conn(
         return;
     }
     let Ok(NetMsg::Hello(hello)) = wire::read_msg::<NetMsg, _>(&mut sock, MAX_FRAME_BYTES).await else { return };
-    let (mut r, mut w) = sock.into_split();
+    let (r, mut w) = sock.into_split();
+    // Buffered: a busy connection's many small frames are read a buffer at a time, not two
+    // syscalls each (a large frame still goes straight into its own buffer).
+    let mut r = tokio::io::BufReader::with_capacity(CONN_READ_BUFFER_BYTES, r);
     let (out_tx, mut out_rx) = mpsc::channel::<NetMsg>(CLIENT_INFLIGHT_MAX);
-    tokio::spawn(async move {
-        while let Some(m) = out_rx.recv().await {
-            if wire::write_msg(&mut w, &m).await.is_err() {
-                return;
-            }
-        }
-    });
+    tokio::spawn(async move { write_frames(&mut w, &mut out_rx, |m| m).await });
     loop {
         let m = match wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await {
             Ok(m) => m,
@@ -703,16 +733,11 @@ impl KvClient {
         })
         .await
         .map_err(|_| KvError::Unavailable(format!("connecting to {addr} timed out")))??;
-        let (mut r, mut w) = s.into_split();
+        let (r, mut w) = s.into_split();
+        let mut r = tokio::io::BufReader::with_capacity(CONN_READ_BUFFER_BYTES, r);
         let (tx, mut rx) = mpsc::channel::<NetMsg>(CLIENT_INFLIGHT_MAX);
         let pending: Pending = Arc::new(Mutex::new(HashMap::new()));
-        tokio::spawn(async move {
-            while let Some(m) = rx.recv().await {
-                if wire::write_msg(&mut w, &m).await.is_err() {
-                    return;
-                }
-            }
-        });
+        tokio::spawn(async move { write_frames(&mut w, &mut rx, |m| m).await });
         let p2 = pending.clone();
         tokio::spawn(async move {
             while let Ok(NetMsg::Resp { id, result }) = wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await {

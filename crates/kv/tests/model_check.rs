@@ -297,7 +297,15 @@ impl Check {
     fn drain(&self, s: &mut St, id: NodeId) {
         loop {
             let outs = match &mut s.nodes[id as usize].core {
-                Some(c) => c.take_outputs(),
+                Some(c) => {
+                    let mut outs = c.take_outputs();
+                    if outs.is_empty() && c.wants_pump() {
+                        // A Buddy's catch-up stream: the next chunk right away.
+                        c.pump(s.now);
+                        outs = c.take_outputs();
+                    }
+                    outs
+                }
                 None => return,
             };
             if outs.is_empty() {
@@ -318,6 +326,12 @@ impl Check {
                     }
                     Output::Persist { seq, rec } => {
                         s.nodes[id as usize].buffer.push_back((Some(seq), rec))
+                    }
+                    Output::PersistBatch { seq, recs } => {
+                        // Durable once its last record is: the completion rides on that one.
+                        let n = recs.len();
+                        let buf = &mut s.nodes[id as usize].buffer;
+                        buf.extend(recs.into_iter().enumerate().map(|(i, r)| ((i + 1 == n).then_some(seq), r)));
                     }
                     Output::Mark(rec) => s.nodes[id as usize].buffer.push_back((None, rec)),
                     Output::Reply { tag, result } => {

@@ -235,7 +235,12 @@ impl World {
     fn drain_node(&mut self, id: NodeId) {
         loop {
             let Some(core) = self.nodes[id as usize].core.as_mut() else { return };
-            let outs = core.take_outputs();
+            let mut outs = core.take_outputs();
+            if outs.is_empty() && core.wants_pump() {
+                // A Buddy's catch-up stream: the next chunk right away.
+                core.pump(self.now);
+                outs = core.take_outputs();
+            }
             if outs.is_empty() {
                 return;
             }
@@ -257,6 +262,18 @@ impl World {
                 let inc = n.inc;
                 let lat = 20 + self.rng.range_u64(0, 3) * 30;
                 // Completions in order: a later append never finishes before an earlier one.
+                self.q.push_after(now, lat, Ev::Persisted { node: id, inc, seq }).unwrap();
+            }
+            Output::PersistBatch { seq, recs } => {
+                let n = &mut self.nodes[id as usize];
+                let len = n.disk.len(LOG).unwrap();
+                let mut buf = Vec::new();
+                for r in &recs {
+                    log::encode_into(r, &mut buf);
+                }
+                n.disk.write(LOG, len, &buf).unwrap();
+                let inc = n.inc;
+                let lat = 20 + self.rng.range_u64(0, 3) * 30;
                 self.q.push_after(now, lat, Ev::Persisted { node: id, inc, seq }).unwrap();
             }
             Output::Mark(rec) => {
