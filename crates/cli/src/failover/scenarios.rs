@@ -345,11 +345,6 @@ fn t_of(events: &[Value], name: &str) -> f64 {
 /// One failure of scenario `s` under monitor `m`.
 fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
     std::fs::write(&m.delay_file, s.recovery_ms.to_string())?;
-    if m.policy == "oracle" {
-        // The evaluator knows the future: when (if ever) the primary answers again.
-        let back = s.transient_ms.map_or("never".to_string(), |t| t.to_string());
-        m.control(&format!("hint {back} {}", s.recovery_ms))?;
-    }
     let load = Load::start(m.endpoint);
     load.wait_acked(FLOWING_COMMITS, "before the failure")?;
     std::thread::sleep(p.settle);
@@ -378,6 +373,12 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
         m.seen.push(e);
     }
     let from = m.seen.len();
+    if m.policy == "oracle" {
+        // The evaluator knows the future: when (if ever) the primary answers again. Told just
+        // before the failure (told earlier, it would act on a healthy primary's missed ping).
+        let back = s.transient_ms.map_or("never".to_string(), |t| t.to_string());
+        m.control(&format!("hint {back} {}", s.recovery_ms))?;
+    }
     let fault_unix_ms = ::failover::driver::now_unix_ms() as f64;
     match s.transient_ms {
         Some(t) => m.control(&format!("cut {t}"))?,
@@ -400,7 +401,24 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
     let unix_of = |names: &[&str]| ev.iter().find(|e| names.iter().any(|n| e["event"] == *n)).and_then(|e| e["unix_ms"].as_f64()).unwrap_or(f64::NAN);
     let suspected_unix = unix_of(&["suspected"]);
     let back_unix = unix_of(&["promoted", "reds_restarted", "primary_answered"]);
-    let (last_ack_unix, first_ack_unix) = (load_start + r.gap_start_ms as f64, load_start + r.gap_end_ms as f64);
+    // The outage is the gap around the fault: last acknowledgement before it → first after it
+    // (not the longest gap of the run, which a stall of a loaded machine before the fault can
+    // be).
+    let fault_rel = fault_unix_ms - load_start;
+    let gap_start = r.acked.iter().map(|(_, t)| *t as f64).filter(|t| *t <= fault_rel).fold(f64::NAN, f64::max);
+    let gap_end = r.acked.iter().map(|(_, t)| *t as f64).filter(|t| *t > fault_rel).fold(f64::NAN, f64::min);
+    let (last_ack_unix, first_ack_unix) = (load_start + gap_start, load_start + gap_end);
+    if r.max_gap_ms as f64 > gap_end - gap_start {
+        eprintln!(
+            "failover bench: {} {}: the load's longest gap ({} ms, {} → {} ms) was not the failure's ({:.0} ms)",
+            m.name,
+            s.name,
+            r.max_gap_ms,
+            r.gap_start_ms,
+            r.gap_end_ms,
+            gap_end - gap_start
+        );
+    }
     let started = t_of(ev, "backup_started");
     let healthy = t_of(ev, "backup_healthy");
     let outcome_t = done["t_ms"].as_f64().unwrap_or(f64::NAN);
@@ -410,9 +428,9 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
     };
     let sample = Sample {
         outcome: done["event"].as_str().unwrap_or("?").to_string(),
-        gap_ms: r.max_gap_ms as f64,
-        before_ops_per_s: rate(&r, r.gap_start_ms.saturating_sub(p.settle.as_millis() as u64), r.gap_start_ms),
-        after_ops_per_s: rate(&r, r.gap_end_ms, r.gap_end_ms + p.settle.as_millis() as u64),
+        gap_ms: gap_end - gap_start,
+        before_ops_per_s: rate(&r, (gap_start as u64).saturating_sub(p.settle.as_millis() as u64), gap_start as u64),
+        after_ops_per_s: rate(&r, gap_end as u64, gap_end as u64 + p.settle.as_millis() as u64),
         app_recovery_ms: healthy - started - s.recovery_ms as f64,
         detect_to_start_ms: started - t_of(ev, "suspected"),
         healthy_to_outcome_ms: outcome_t - healthy,
