@@ -75,7 +75,7 @@ pub struct ScenarioArgs {
     /// collection ended [default: 15; 2 with --quick].
     #[arg(long, value_name = "N")]
     pub rounds: Option<usize>,
-    /// §6.5: length of each throughput window of those rounds [default: 2000; 1000 with --quick].
+    /// §6.5: length of each throughput window of those rounds [default: 2000; 500 with --quick].
     #[arg(long, value_name = "MS")]
     pub window_ms: Option<u64>,
 }
@@ -116,7 +116,7 @@ impl Params {
             settle: Duration::from_millis(if q { 300 } else { 1_000 }),
             // Short windows, many rounds: the machine's speed drifts over seconds (other work
             // on it), and the closer A and B are in time, the more alike that drift hits them.
-            window: Duration::from_millis(a.window_ms.unwrap_or(if q { 1_000 } else { 2_000 })),
+            window: Duration::from_millis(a.window_ms.unwrap_or(if q { 500 } else { 2_000 })),
             rounds: a.rounds.unwrap_or(if q { 2 } else { 15 }).max(1),
         }
     }
