@@ -401,12 +401,17 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
     let unix_of = |names: &[&str]| ev.iter().find(|e| names.iter().any(|n| e["event"] == *n)).and_then(|e| e["unix_ms"].as_f64()).unwrap_or(f64::NAN);
     let suspected_unix = unix_of(&["suspected"]);
     let back_unix = unix_of(&["promoted", "reds_restarted", "primary_answered"]);
-    // The outage is the gap around the fault: last acknowledgement before it → first after it
-    // (not the longest gap of the run, which a stall of a loaded machine before the fault can
-    // be).
+    // The outage is the longest gap between acknowledgements that ends after the fault (not
+    // the longest of the run, which a stall of a loaded machine before the fault can be; not
+    // merely the one around the fault's timestamp, which a request that was answered just as
+    // the fault took hold splits).
     let fault_rel = fault_unix_ms - load_start;
-    let gap_start = r.acked.iter().map(|(_, t)| *t as f64).filter(|t| *t <= fault_rel).fold(f64::NAN, f64::max);
-    let gap_end = r.acked.iter().map(|(_, t)| *t as f64).filter(|t| *t > fault_rel).fold(f64::NAN, f64::min);
+    let times: Vec<f64> = r.acked.iter().map(|(_, t)| *t as f64).collect();
+    let (gap_start, gap_end) = times
+        .windows(2)
+        .map(|w| (w[0], w[1]))
+        .filter(|(_, b)| *b > fault_rel)
+        .fold((f64::NAN, f64::NAN), |best, g| if best.0.is_nan() || g.1 - g.0 > best.1 - best.0 { g } else { best });
     let (last_ack_unix, first_ack_unix) = (load_start + gap_start, load_start + gap_end);
     if r.max_gap_ms as f64 > gap_end - gap_start {
         eprintln!(
