@@ -25,6 +25,7 @@ use crate::cluster_file::Target;
 use crate::ConnArgs;
 
 mod bench;
+mod datadir;
 mod mariadb;
 mod postgres;
 mod recovery;
@@ -352,6 +353,9 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
         let on_event = move |e: &::failover::Event| {
             let mut v = serde_json::to_value(e).unwrap();
             v["t_ms"] = serde_json::json!(start.elapsed().as_millis() as u64);
+            // Wall-clock time too, to line events up with what other processes saw (the
+            // bench's fault injections and client acknowledgements).
+            v["unix_ms"] = serde_json::json!(::failover::driver::now_unix_ms());
             println!("{v}");
             let _ = std::io::stdout().flush();
         };

@@ -4,21 +4,28 @@
 //! [`Proxy::point`] changes the target and **severs every connection made to the old target**:
 //! after a promotion the old primary can no longer answer a client from its caches, because no
 //! client path to it is left. Pointing at `None` refuses new connections (and severs the old
-//! ones): a cut network link.
+//! ones): a cut network link. A client connection that is still being connected to the target
+//! follows a re-point at once (nothing of it reached the old target yet); one the target
+//! refuses is reset at once, so the client retries rather than waits out a timeout.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Semaphore};
 
 /// Connections one proxy carries at most; more wait in the listen backlog.
 pub const MAX_CONNECTIONS: usize = 1024;
-/// How long connecting to the target may take before the client's connection is dropped.
+/// How long the proxy keeps trying to reach an unresponsive target (packets dropped: a cut
+/// link) before it resets the client's connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// One connection attempt to the target: a live target on this machine answers a SYN within
+/// microseconds, so an unanswered one is retried this often (a link that heals is used at
+/// once, not after the kernel's SYN back-off of 1 s, 3 s, ...).
+pub const CONNECT_ATTEMPT: Duration = Duration::from_millis(250);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Target {
@@ -113,32 +120,23 @@ async fn accept_loop(listener: TcpListener, rx: watch::Receiver<Target>, severed
         let severed = severed.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            let mut t = *rx.borrow_and_update();
-            if t.hold {
-                // Frozen: wait for the next target rather than refuse (a failover in progress).
-                let thawed = tokio::time::timeout(HOLD_TIMEOUT, async {
-                    while rx.changed().await.is_ok() {
-                        let now = *rx.borrow_and_update();
-                        if !now.hold {
-                            return Some(now);
-                        }
-                    }
-                    None
-                })
-                .await;
-                match thawed {
-                    Ok(Some(now)) => t = now,
-                    _ => return,
+            let mut client = client;
+            let mut early = Vec::new();
+            let (mut upstream, t) = match connect_upstream(&mut rx, &mut client, &mut early).await {
+                Ok(u) => u,
+                Err(Gone::Refused) => {
+                    reset(&client);
+                    return;
                 }
-            }
-            let Some(addr) = t.addr else { return };
-            let upstream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
-                Ok(Ok(s)) => s,
-                _ => return,
+                Err(Gone::ClientLeft) => return,
             };
             let _ = client.set_nodelay(true);
             let _ = upstream.set_nodelay(true);
-            let (mut client, mut upstream) = (client, upstream);
+            // What the client sent while it waited goes first.
+            if upstream.write_all(&early).await.is_err() {
+                reset(&client);
+                return;
+            }
             tokio::select! {
                 _ = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {}
                 _ = async {
@@ -150,15 +148,98 @@ async fn accept_loop(listener: TcpListener, rx: watch::Receiver<Target>, severed
                 } => {
                     severed.fetch_add(1, Ordering::Relaxed);
                     // Reset rather than close: the client must not take it for a clean end.
-                    // A zero linger sends RST at once; it never blocks.
-                    #[allow(deprecated)]
-                    let _ = client.set_linger(Some(Duration::ZERO));
-                    #[allow(deprecated)]
-                    let _ = upstream.set_linger(Some(Duration::ZERO));
+                    reset(&client);
+                    reset(&upstream);
                 }
             }
             let _ = client.shutdown().await;
         });
+    }
+}
+
+/// A zero linger: closing sends RST at once (never blocks), so the peer sees an error, not a
+/// clean end.
+fn reset(s: &TcpStream) {
+    #[allow(deprecated)]
+    let _ = s.set_linger(Some(Duration::ZERO));
+}
+
+/// Bytes a client may send before its connection reaches a target (a request or two); past
+/// this the proxy stops reading it until then.
+pub const MAX_EARLY_BYTES: usize = 64 << 10;
+
+/// Why a client connection gets no target.
+enum Gone {
+    /// No target, refused, unreachable, or no answer in time: reset the client.
+    Refused,
+    /// The client closed its connection while it waited (it gave up on its request): its bytes
+    /// are dropped, not sent to the next target.
+    ClientLeft,
+}
+
+/// Reads what the client sends while it waits (up to [`MAX_EARLY_BYTES`]) into `early`;
+/// resolves only when the client closes or fails.
+async fn client_leaves(client: &mut TcpStream, early: &mut Vec<u8>) {
+    let mut buf = [0u8; 4096];
+    loop {
+        if early.len() >= MAX_EARLY_BYTES {
+            return std::future::pending().await;
+        }
+        let room = (MAX_EARLY_BYTES - early.len()).min(buf.len());
+        match client.read(&mut buf[..room]).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => early.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// Connects to the current target, following the endpoint while it does: held while frozen
+/// (up to [`HOLD_TIMEOUT`]), re-aimed at once when re-pointed, retried every
+/// [`CONNECT_ATTEMPT`] while the target does not answer (up to [`CONNECT_TIMEOUT`]). A client
+/// that leaves meanwhile is let go (what it sent never reaches a target).
+async fn connect_upstream(rx: &mut watch::Receiver<Target>, client: &mut TcpStream, early: &mut Vec<u8>) -> Result<(TcpStream, Target), Gone> {
+    let mut t = *rx.borrow_and_update();
+    loop {
+        if t.hold {
+            // Frozen: wait for the next target rather than refuse (a failover in progress).
+            let thawed = async {
+                while rx.changed().await.is_ok() {
+                    let now = *rx.borrow_and_update();
+                    if !now.hold {
+                        return Some(now);
+                    }
+                }
+                None
+            };
+            t = tokio::select! {
+                r = tokio::time::timeout(HOLD_TIMEOUT, thawed) => r.ok().flatten().ok_or(Gone::Refused)?,
+                _ = client_leaves(client, early) => return Err(Gone::ClientLeft),
+            };
+        }
+        let addr = t.addr.ok_or(Gone::Refused)?;
+        let deadline = tokio::time::Instant::now() + CONNECT_TIMEOUT;
+        let changed = loop {
+            let attempt = tokio::time::timeout(CONNECT_ATTEMPT, TcpStream::connect(addr));
+            tokio::select! {
+                r = attempt => match r {
+                    Ok(Ok(s)) => return Ok((s, t)),
+                    // Refused (nothing listens: a crashed application) or unreachable: at once.
+                    Ok(Err(_)) => return Err(Gone::Refused),
+                    // No answer (packets dropped): try again with a fresh SYN, for a while.
+                    Err(_) if tokio::time::Instant::now() >= deadline => return Err(Gone::Refused),
+                    Err(_) => {}
+                },
+                c = rx.changed() => {
+                    c.map_err(|_| Gone::Refused)?;
+                    let now = *rx.borrow_and_update();
+                    if now.generation != t.generation {
+                        break now;
+                    }
+                }
+                _ = client_leaves(client, early) => return Err(Gone::ClientLeft),
+            }
+        };
+        t = changed;
     }
 }
 
@@ -213,6 +294,34 @@ mod tests {
         p.point(None);
         let mut c3 = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
         assert_eq!(ask(&mut c3, "w").await, None);
+    }
+
+    /// A connection still being connected when the endpoint is re-pointed follows it: a target
+    /// that drops SYNs (here: a listener whose backlog is full) does not hold the client until
+    /// the connect times out.
+    #[tokio::test]
+    async fn a_connect_in_progress_follows_a_re_point() {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let blackhole = sock.listen(0).unwrap();
+        let hole = blackhole.local_addr().unwrap();
+        // Fill its accept queue (never accepted): further SYNs are dropped.
+        let mut fillers = vec![];
+        for _ in 0..4 {
+            if let Ok(Ok(s)) = tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(hole)).await {
+                fillers.push(s);
+            }
+        }
+        let b = echo_server("b").await;
+        let p = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(hole)).await.unwrap();
+        let mut c = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
+        c.get_mut().write_all(b"x\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        p.point(Some(b));
+        let mut line = String::new();
+        tokio::time::timeout(Duration::from_secs(10), c.read_line(&mut line)).await.unwrap().unwrap();
+        assert_eq!(line.trim(), "b x", "the held connection reached the new target");
+        drop(fillers);
     }
 
     #[tokio::test]

@@ -45,21 +45,21 @@ enum Conn {
 async fn connect(endpoint: SocketAddr, target: &Target) -> std::io::Result<Conn> {
     match target {
         Target::Line => {
-            let s = tokio::time::timeout(REQUEST_TIMEOUT, TcpStream::connect(endpoint))
+            let s = tokio::time::timeout(SETUP_TIMEOUT, TcpStream::connect(endpoint))
                 .await
                 .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
             let _ = s.set_nodelay(true);
             Ok(Conn::Line(BufReader::new(s)))
         }
         Target::Postgres(pg) => {
-            let mut c = crate::pg::PgConn::connect(endpoint, &pg.user, &pg.database, REQUEST_TIMEOUT).await.map_err(std::io::Error::other)?;
+            let mut c = crate::pg::PgConn::connect(endpoint, &pg.user, &pg.database, SETUP_TIMEOUT).await.map_err(std::io::Error::other)?;
             c.query(&format!("CREATE TABLE IF NOT EXISTS commits(id bigint PRIMARY KEY, payload text NOT NULL DEFAULT repeat('x', {PG_PAYLOAD_BYTES}))"))
                 .await
                 .map_err(std::io::Error::other)?;
             Ok(Conn::Pg(c))
         }
         Target::Mysql(my) => {
-            let mut c = crate::mysql::MyConn::connect(endpoint, &my.user, REQUEST_TIMEOUT).await.map_err(std::io::Error::other)?;
+            let mut c = crate::mysql::MyConn::connect(endpoint, &my.user, SETUP_TIMEOUT).await.map_err(std::io::Error::other)?;
             c.query("CREATE DATABASE IF NOT EXISTS understudy").await.map_err(std::io::Error::other)?;
             c.query("CREATE TABLE IF NOT EXISTS understudy.commits(id bigint PRIMARY KEY, payload varchar(255) NOT NULL)")
                 .await
@@ -69,26 +69,29 @@ async fn connect(endpoint: SocketAddr, target: &Target) -> std::io::Result<Conn>
     }
 }
 
-/// Inserts `id`; Ok only when the commit was acknowledged.
+/// Inserts `id`; Ok only when the commit was acknowledged (within [`REQUEST_TIMEOUT`]).
 async fn insert(conn: &mut Conn, id: u64) -> std::io::Result<()> {
-    match conn {
-        Conn::Line(c) => match request(c, &format!("INSERT {id}")).await? {
-            r if r == format!("OK {id}") => Ok(()),
-            r => Err(std::io::Error::other(format!("unexpected reply {r:?}"))),
-        },
-        Conn::Pg(c) => c.query(&format!("INSERT INTO commits(id) VALUES ({id})")).await.map(|_| ()).map_err(std::io::Error::other),
-        Conn::My(c) => c
-            .query(&format!("INSERT INTO understudy.commits VALUES ({id}, REPEAT('x', {PG_PAYLOAD_BYTES}))"))
-            .await
-            .map(|_| ())
-            .map_err(std::io::Error::other),
-    }
+    let fut = async {
+        match conn {
+            Conn::Line(c) => match request(c, &format!("INSERT {id}"), REQUEST_TIMEOUT).await? {
+                r if r == format!("OK {id}") => Ok(()),
+                r => Err(std::io::Error::other(format!("unexpected reply {r:?}"))),
+            },
+            Conn::Pg(c) => c.query(&format!("INSERT INTO commits(id) VALUES ({id})")).await.map(|_| ()).map_err(std::io::Error::other),
+            Conn::My(c) => c
+                .query(&format!("INSERT INTO understudy.commits VALUES ({id}, REPEAT('x', {PG_PAYLOAD_BYTES}))"))
+                .await
+                .map(|_| ())
+                .map_err(std::io::Error::other),
+        }
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, fut).await.map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "request timed out"))?
 }
 
 async fn list(conn: &mut Conn) -> std::io::Result<BTreeSet<u64>> {
     match conn {
         Conn::Line(c) => {
-            let r = request(c, "LIST").await?;
+            let r = request(c, "LIST", SETUP_TIMEOUT).await?;
             if !r.starts_with("IDS") {
                 return Err(std::io::Error::other(format!("unexpected reply {:?}", &r[..r.len().min(100)])));
             }
@@ -105,8 +108,16 @@ async fn list(conn: &mut Conn) -> std::io::Result<BTreeSet<u64>> {
     }
 }
 
-/// How long one request may take before the connection is abandoned.
-pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one insert may take before its connection is abandoned and a new one made (with
+/// a new id). Short: a request sent into a link that went silent (a cut, a fenced primary)
+/// would otherwise keep the client away from a primary that is back, or newly promoted, for the
+/// whole timeout — the client's outage would outlast the failover. A commit on this machine
+/// takes milliseconds; one that takes longer is only retried (it may still commit: an
+/// unacknowledged id may or may not be present, never counted as acknowledged).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_millis(1_000);
+/// Connecting and setting up a session (PostgreSQL and MariaDB: log in, create the table), and
+/// reading the whole table back in [`verify`].
+pub const SETUP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pause before reconnecting after an error.
 pub const RECONNECT_PAUSE: Duration = Duration::from_millis(20);
 /// Largest reply line accepted (LIST of many ids).
@@ -131,7 +142,7 @@ pub struct LoadResult {
     pub ops_per_window: Vec<u64>,
 }
 
-async fn request(conn: &mut BufReader<TcpStream>, line: &str) -> std::io::Result<String> {
+async fn request(conn: &mut BufReader<TcpStream>, line: &str, timeout: Duration) -> std::io::Result<String> {
     let fut = async {
         conn.get_mut().write_all(format!("{line}\n").as_bytes()).await?;
         let mut reply = String::new();
@@ -144,7 +155,7 @@ async fn request(conn: &mut BufReader<TcpStream>, line: &str) -> std::io::Result
         }
         Ok(reply.trim_end().to_string())
     };
-    tokio::time::timeout(REQUEST_TIMEOUT, fut).await.map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "request timed out"))?
+    tokio::time::timeout(timeout, fut).await.map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "request timed out"))?
 }
 
 /// Inserts until `stop` resolves (or `duration` passes).

@@ -157,6 +157,7 @@ pub fn create(name: &str, _lock: &Lock) -> Result<NetnsLink, NetnsError> {
     let link = NetnsLink { name: name.into(), host_if: format!("{PREFIX}{k}h"), ns_if: format!("{PREFIX}{k}n"), host_addr, ns_addr };
     // A host veth of that name without an address (an interrupted set-up): remove it first.
     let _ = ip(&["link", "delete", &link.host_if]);
+    fence_subnet()?;
     let r = (|| {
         ip(&["netns", "add", name])?;
         ip(&["link", "add", &link.host_if, "type", "veth", "peer", "name", &link.ns_if])?;
@@ -175,6 +176,15 @@ pub fn create(name: &str, _lock: &Lock) -> Result<NetnsLink, NetnsError> {
     }
     tracing::debug!(?link, "network namespace made");
     Ok(link)
+}
+
+/// Makes the whole of [`SUBNET`] unreachable on the host (an `unreachable` route, idempotent)
+/// below the instances' own /30 routes: an address whose namespace is gone (a fenced or stopped
+/// instance) is then refused at once, instead of its packets leaving through the host's default
+/// route — to a private address that is no target of ours — and a connection hanging until it
+/// times out.
+pub fn fence_subnet() -> Result<(), NetnsError> {
+    ip(&["route", "replace", "unreachable", &format!("{}.{}.0.0/16", SUBNET[0], SUBNET[1])]).map(|_| ())
 }
 
 /// Cuts (`up = false`) or restores the instance's link: the namespace's end of the veth goes
@@ -339,5 +349,10 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         assert!(ip(&["link", "show", &link.host_if]).is_err(), "the veth went with the namespace");
+        // Its address is now unreachable on the host, not sent out of the default route.
+        let addr = std::net::SocketAddr::from((link.ns_addr, 9));
+        let e = std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(5)).expect_err("a deleted namespace answered");
+        assert_ne!(e.kind(), std::io::ErrorKind::TimedOut, "packets to a deleted namespace went somewhere: {e}");
+        assert_eq!(e.raw_os_error(), Some(libc::EHOSTUNREACH), "{e}");
     }
 }

@@ -160,6 +160,9 @@ struct Inst {
     _attach_stdout: Option<ChildStdout>,
 }
 
+/// The namespace made ahead for the instance that would start next (being made: `None`).
+type Spare = Option<(InstanceId, Option<NetnsLink>)>;
+
 pub struct LocalPool {
     cfg: LocalPoolConfig,
     /// Names this pool's namespaces (`usfo-TAG-iN`), from its state directory.
@@ -169,7 +172,7 @@ pub struct LocalPool {
     events: mpsc::Sender<Input>,
     /// A namespace made ahead for the instance to be started next (see [`LocalPool::prewarm`]).
     /// `None` in the link: being made.
-    spare: Arc<Mutex<Option<(InstanceId, Option<NetnsLink>)>>>,
+    spare: Arc<Mutex<Spare>>,
 }
 
 fn signal_group(pgid: i32, sig: libc::c_int) {

@@ -72,6 +72,10 @@ enum Fault {
     WritingWhileCut,
     /// Unreachable for good, but alive and writing: only the REDS fallback ends it.
     FailSlow,
+    /// A few short cuts that heal (a loaded machine's missed pings: false positives, aborted
+    /// when the primary answers), then a crash for good, which speculation must still fail
+    /// over at once (the false positives must not have switched it off).
+    FlakyThenCrash,
 }
 
 struct World {
@@ -108,6 +112,8 @@ struct World {
     /// A transient fault that heals the moment a collapse promotes the backup: the old primary
     /// is reachable again before the monitor has heard the outcome (the fencing window).
     heal_at_collapse: bool,
+    /// `events.len()` at each SIGKILL of a primary.
+    kills: Vec<usize>,
 }
 
 impl World {
@@ -473,6 +479,7 @@ impl World {
             Ev::KillPrimary => {
                 if let Some(id) = self.endpoint {
                     self.log(|| format!("SIGKILL {id}"));
+                    self.kills.push(self.events.len());
                     self.faulted = Some(id);
                     if let Some(i) = self.insts.get_mut(&id) {
                         i.state = IState::Dead;
@@ -515,7 +522,7 @@ struct Outcome {
 fn run(seed: u64, trace: bool) -> Outcome {
     let mut rng = SimRng::new(seed);
     let policy = *rng.pick(&[PolicyKind::Speculative, PolicyKind::Speculative, PolicyKind::Reds, PolicyKind::Oracle]).unwrap();
-    let fault = *rng.pick(&[Fault::Crash, Fault::Transient, Fault::WritingWhileCut, Fault::FailSlow]).unwrap();
+    let fault = *rng.pick(&[Fault::Crash, Fault::Transient, Fault::WritingWhileCut, Fault::FailSlow, Fault::FlakyThenCrash]).unwrap();
     let cfg = MonitorConfig {
         policy,
         ping_interval_ms: 500,
@@ -562,6 +569,7 @@ fn run(seed: u64, trace: bool) -> Outcome {
         fault,
         faulted: None,
         heal_at_collapse: false,
+        kills: vec![],
     };
     w.log(|| format!("seed {seed}: {policy:?} {fault:?} never_healthy={never_healthy} backup_crash_p={backup_crash_p} crash_p={crash_p} recovery_ms={recovery_ms:?} timeout={}", cfg.reds_timeout_ms));
     w.vols.insert("db".into(), Vol { writes: BTreeSet::new(), parent: None, child: None, dirty: false, fenced: false });
@@ -587,6 +595,15 @@ fn run(seed: u64, trace: bool) -> Outcome {
             }
         }
         Fault::FailSlow => w.push(fault_at, Ev::Cut),
+        Fault::FlakyThenCrash => {
+            let mut at = fault_at;
+            for _ in 0..rng.range_u64(3, 5) {
+                w.push(at, Ev::Cut);
+                w.push(at + rng.range_u64(400, 1_500) * MS, Ev::Heal);
+                at += rng.range_u64(recovery_ms.1 + 3_000, recovery_ms.1 + 10_000) * MS;
+            }
+            w.push(at, Ev::KillPrimary);
+        }
     }
     if policy == PolicyKind::Oracle {
         // The evaluator knows the future: tell the oracle before the failure.
@@ -594,6 +611,8 @@ fn run(seed: u64, trace: bool) -> Outcome {
             Fault::Crash | Fault::FailSlow => None,
             Fault::Transient => Some(heal_after / MS),
             Fault::WritingWhileCut => None,
+            // (Told about the crash; the short cuts before it are waited out.)
+            Fault::FlakyThenCrash => None,
         };
         w.push(fault_at - MS, Ev::Hint(Input::OracleHint { primary_back_after_ms: back, recovery_ms: recovery_ms.1 }));
     }
@@ -648,7 +667,7 @@ fn run(seed: u64, trace: bool) -> Outcome {
     }
     // Settled and serving, unless nothing can become healthy.
     let serving = w.endpoint.is_some_and(|id| w.reachable(id)) && d.phase == Phase::Normal;
-    let primary_gone_for_good = matches!(fault, Fault::Crash | Fault::FailSlow);
+    let primary_gone_for_good = matches!(fault, Fault::Crash | Fault::FailSlow | Fault::FlakyThenCrash);
     if !never_healthy && backup_crash_p < 0.5 && primary_gone_for_good {
         // A backup eventually comes up (at most a few crashes in a row are likely).
         let ok = serving || matches!(d.phase, Phase::Failed { .. });
@@ -667,6 +686,19 @@ fn run(seed: u64, trace: bool) -> Outcome {
     if fault == Fault::FailSlow && policy == PolicyKind::Speculative && !never_healthy && backup_crash_p < 0.5 {
         // The writing primary defeats every collapse: the REDS fallback must end it.
         assert!(serving || matches!(d.phase, Phase::Failed { .. }), "seed {seed}: fail-slow primary never replaced: {:?}", d.phase);
+    }
+    if fault == Fault::FlakyThenCrash && policy == PolicyKind::Speculative && !never_healthy && backup_crash_p == 0.0 {
+        // False positives before the crash must not have switched speculation off: the crash
+        // is failed over by a promotion, never by waiting out the REDS timeout.
+        let after = &w.events[*w.kills.first().expect("the primary was killed")..];
+        assert!(
+            !after.iter().any(|e| matches!(e, Event::RedsTimeout { .. } | Event::RedsRestarted { .. })),
+            "seed {seed}: fell back to REDS after false positives: {after:?}"
+        );
+        // (A monitor that crashes between a step and its notice loses the notice, not the step.)
+        if crash_p == 0.0 {
+            assert!(after.iter().any(|e| matches!(e, Event::Promoted { .. })), "seed {seed}: the crash was not failed over: {after:?}");
+        }
     }
     if trace {
         for e in &w.events {

@@ -308,7 +308,7 @@ fn run_body(
     });
     let spec_path = run_dir.join("spec.json");
     std::fs::write(&spec_path, serde_json::to_vec_pretty(&spec)?)?;
-    let (monitor, rx) = start_monitor(&exe, &spec_path, &run_dir, &control, cluster_file, verbose)?;
+    let (monitor, rx) = start_monitor(&exe, &spec_path, run_dir, &control, cluster_file, verbose)?;
     let mut seen = vec![];
     wait_event(&rx, &mut seen, &["primary_up"], Duration::from_secs(180), tell)?;
     let control_addr = control.parse()?;

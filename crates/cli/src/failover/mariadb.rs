@@ -9,7 +9,7 @@
 //! group, so the pool's SIGKILL of the group reaches it. Commits are flushed at commit
 //! (`rocksdb_flush_log_at_trx_commit = 1`, `innodb_flush_log_at_trx_commit = 1`).
 
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -47,48 +47,23 @@ pub fn rocksdb_plugin() -> bool {
     std::fs::read_dir("/usr/lib/mysql/plugin").is_ok_and(|mut d| d.any(|e| e.is_ok_and(|e| e.file_name() == ROCKSDB_PLUGIN)))
 }
 
-fn uid_gid(name: &str) -> anyhow::Result<(u32, u32)> {
-    let c = std::ffi::CString::new(name)?;
-    // SAFETY: getpwnam reads a NUL-terminated string and returns a pointer to static storage (or
-    // null), read at once.
-    let pw = unsafe { libc::getpwnam(c.as_ptr()) };
-    anyhow::ensure!(!pw.is_null(), "no user {name:?} on this machine");
-    // SAFETY: checked non-null above; plain integers.
-    Ok(unsafe { ((*pw).pw_uid, (*pw).pw_gid) })
-}
-
 pub fn run(a: MariaArgs) -> anyhow::Result<()> {
     anyhow::ensure!(std::path::Path::new(MARIADBD).exists(), "MariaDB is not installed ({MARIADBD}): apt-get install mariadb-server");
-    let (uid, gid) = uid_gid(&a.user)?;
-    let data = std::path::absolute(&a.data)?;
-    let parent = data.parent().context("--data has no parent directory")?.to_path_buf();
-    for dir in parent.ancestors() {
-        let m = std::fs::metadata(dir)?;
-        let ok = m.mode() & 0o001 != 0 || (m.uid() == uid && m.mode() & 0o100 != 0) || (m.gid() == gid && m.mode() & 0o010 != 0);
-        anyhow::ensure!(ok, "user {} cannot reach {}: {} is not searchable by it (chmod o+x)", a.user, data.display(), dir.display());
-    }
+    let (uid, gid) = super::datadir::lookup_user(&a.user)?;
+    let (data, parent) = super::datadir::reachable_by(&a.data, &a.user, uid, gid)?;
     if !data.join("mysql").exists() {
-        anyhow::ensure!(!data.exists() || std::fs::read_dir(&data)?.next().is_none(), "{} exists and holds no MariaDB database", data.display());
-        let scratch = parent.join(format!(".{}.install", data.file_name().unwrap().to_string_lossy()));
-        if scratch.exists() {
-            std::fs::remove_dir_all(&scratch)?;
-        }
-        std::fs::create_dir_all(&scratch)?;
-        std::os::unix::fs::chown(&scratch, Some(uid), Some(gid))?;
-        eprintln!("understudy failover mariadb: mariadb-install-db {} as {}", data.display(), a.user);
-        let out = std::process::Command::new("mariadb-install-db")
-            .arg(format!("--user={}", a.user))
-            .arg(format!("--datadir={}", scratch.display()))
-            .args(["--auth-root-authentication-method=normal", "--skip-test-db", "--no-defaults"])
-            .stdin(Stdio::null())
-            .output()
-            .context("cannot run mariadb-install-db")?;
-        anyhow::ensure!(out.status.success(), "mariadb-install-db failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-        if data.exists() {
-            std::fs::remove_dir(&data)?;
-        }
-        std::fs::rename(&scratch, &data)?;
-        std::fs::File::open(&parent)?.sync_all()?;
+        super::datadir::make_in_scratch(&data, &parent, "install", "MariaDB database", (uid, gid), None, |scratch| {
+            eprintln!("understudy failover mariadb: mariadb-install-db {} as {}", data.display(), a.user);
+            let out = std::process::Command::new("mariadb-install-db")
+                .arg(format!("--user={}", a.user))
+                .arg(format!("--datadir={}", scratch.display()))
+                .args(["--auth-root-authentication-method=normal", "--skip-test-db", "--no-defaults"])
+                .stdin(Stdio::null())
+                .output()
+                .context("cannot run mariadb-install-db")?;
+            anyhow::ensure!(out.status.success(), "mariadb-install-db failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+            Ok(())
+        })?;
     }
     let mut cmd = std::process::Command::new(MARIADBD);
     cmd.arg("--no-defaults")

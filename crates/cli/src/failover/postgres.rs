@@ -10,8 +10,9 @@
 //! (so the pool's SIGKILL of the group reaches every backend); SIGTERM here becomes a fast
 //! shutdown (SIGINT), which ends client sessions instead of waiting for them.
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+
+use super::datadir::lookup_user;
 use std::process::Stdio;
 
 use anyhow::Context;
@@ -61,16 +62,6 @@ pub fn find_bin_dir() -> Option<PathBuf> {
     dirs.pop().map(|(_, p)| p)
 }
 
-fn lookup_user(name: &str) -> anyhow::Result<(u32, u32)> {
-    let c = std::ffi::CString::new(name)?;
-    // SAFETY: getpwnam reads a NUL-terminated string and returns a pointer to static storage (or
-    // null), which is read at once, before any other call that could overwrite it.
-    let pw = unsafe { libc::getpwnam(c.as_ptr()) };
-    anyhow::ensure!(!pw.is_null(), "no user {name:?} on this machine");
-    // SAFETY: checked non-null above; the fields are plain integers.
-    Ok(unsafe { ((*pw).pw_uid, (*pw).pw_gid) })
-}
-
 fn chown_tree(p: &Path, uid: u32, gid: u32) -> anyhow::Result<()> {
     std::os::unix::fs::chown(p, Some(uid), Some(gid)).with_context(|| format!("chown {}", p.display()))?;
     if p.is_dir() {
@@ -90,39 +81,22 @@ pub fn run(a: PgArgs) -> anyhow::Result<()> {
     };
     let user = a.user.clone().unwrap_or_else(|| if lookup_user("postgres").is_ok() { "postgres".into() } else { "nobody".into() });
     let (uid, gid) = lookup_user(&user)?;
-    let data = std::path::absolute(&a.data)?;
-    let parent = data.parent().context("--data has no parent directory")?.to_path_buf();
-    // postgres runs as `user`: it must be able to reach the data directory.
-    for dir in parent.ancestors() {
-        let m = std::fs::metadata(dir).with_context(|| format!("{}", dir.display()))?;
-        let ok = m.mode() & 0o001 != 0 || (m.uid() == uid && m.mode() & 0o100 != 0) || (m.gid() == gid && m.mode() & 0o010 != 0);
-        anyhow::ensure!(ok, "user {user} cannot reach {}: {} is not searchable by it (chmod o+x)", data.display(), dir.display());
-    }
+    let (data, parent) = super::datadir::reachable_by(&a.data, &user, uid, gid)?;
     if !data.join("PG_VERSION").exists() {
-        anyhow::ensure!(!data.exists() || std::fs::read_dir(&data)?.next().is_none(), "{} exists and holds no PostgreSQL cluster", data.display());
-        let scratch = parent.join(format!(".{}.initdb", data.file_name().unwrap().to_string_lossy()));
-        if scratch.exists() {
-            std::fs::remove_dir_all(&scratch)?;
-        }
-        std::fs::create_dir_all(&scratch)?;
-        std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o700))?;
-        std::os::unix::fs::chown(&scratch, Some(uid), Some(gid))?;
-        eprintln!("understudy failover postgres: initdb {} as {user}", data.display());
-        let out = std::process::Command::new(bin.join("initdb"))
-            .args(["--auth=trust", "--username=postgres", "--encoding=UTF8", "--locale=C", "--no-instructions", "-D"])
-            .arg(&scratch)
-            .uid(uid)
-            .gid(gid)
-            .current_dir(&parent)
-            .stdin(Stdio::null())
-            .output()
-            .context("cannot run initdb")?;
-        anyhow::ensure!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-        if data.exists() {
-            std::fs::remove_dir(&data)?;
-        }
-        std::fs::rename(&scratch, &data)?;
-        std::fs::File::open(&parent)?.sync_all()?;
+        super::datadir::make_in_scratch(&data, &parent, "initdb", "PostgreSQL cluster", (uid, gid), Some(0o700), |scratch| {
+            eprintln!("understudy failover postgres: initdb {} as {user}", data.display());
+            let out = std::process::Command::new(bin.join("initdb"))
+                .args(["--auth=trust", "--username=postgres", "--encoding=UTF8", "--locale=C", "--no-instructions", "-D"])
+                .arg(scratch)
+                .uid(uid)
+                .gid(gid)
+                .current_dir(&parent)
+                .stdin(Stdio::null())
+                .output()
+                .context("cannot run initdb")?;
+            anyhow::ensure!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+            Ok(())
+        })?;
     }
     // Whatever made the files (a restore, another uid on another host), postgres must own them.
     if std::fs::metadata(&data)?.uid() != uid {
