@@ -555,7 +555,7 @@ impl Drop for FuseMount {
 #[derive(Debug, Clone)]
 pub struct AttachConfig {
     pub mount: MountConfig,
-    /// Run `mkfs.ext4 -q -F` on the loop device before mounting it.
+    /// Run `mkfs.ext4` (tables zeroed up front, no lazy init) on the loop device before mounting it.
     pub mkfs_ext4: bool,
     /// Directory for the FUSE mount. `None`: a fresh private (0700) directory under the
     /// system temp dir, removed by detach.
@@ -644,9 +644,13 @@ pub fn attach<D: BlockDev>(
     let loop_arg = loop_device.to_string_lossy().into_owned();
 
     if config.mkfs_ext4 {
+        // Inode tables and journal are zeroed now rather than by the kernel's ext4lazyinit
+        // thread after mount: those background writes would compete with the application's
+        // I/O for minutes, and on a primary that a monitor suspects they are writes that make
+        // `collapse` keep the primary. The cost is ~1.6% of the volume written once at mkfs.
         run_command(
             "mkfs.ext4",
-            &["-q", "-F", &loop_arg],
+            &["-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", &loop_arg],
             attached.command_timeout,
         )?;
     }
