@@ -761,11 +761,7 @@ impl Monitor {
             }
             Phase::RedsPointing { backup } if backup == id => {
                 self.d.primary = backup;
-                self.d.phase = Phase::Normal;
-                self.d.failovers += 1;
-                self.d.aborts_ms.clear();
-                self.reset_silence();
-                let failover_ms = self.detected_ms.take().map(|t| now_ms.saturating_sub(t)).unwrap_or(0);
+                let failover_ms = self.complete_failover(now_ms);
                 out.push(Action::Notify(Event::RedsRestarted { instance: backup, volume: self.d.volume.clone(), failover_ms }));
             }
             _ => {}
@@ -810,13 +806,19 @@ impl Monitor {
         let _ = now_ms;
     }
 
+    /// Back to `Normal` after a failover (REDS or promotion): counted, the replaced primary's
+    /// abort history dropped. Returns the failover's latency from detection, in ms.
+    fn complete_failover(&mut self, now_ms: u64) -> u64 {
+        self.d.phase = Phase::Normal;
+        self.d.failovers += 1;
+        self.d.aborts_ms.clear();
+        self.reset_silence();
+        self.detected_ms.take().map(|t| now_ms.saturating_sub(t)).unwrap_or(0)
+    }
+
     fn maybe_finish_promotion(&mut self, now_ms: u64, out: &mut Vec<Action>) {
         if let Phase::Promoting { backup, pointed: true, old_stopped: true, .. } = self.d.phase {
-            self.d.phase = Phase::Normal;
-            self.d.failovers += 1;
-            self.d.aborts_ms.clear();
-            self.reset_silence();
-            let failover_ms = self.detected_ms.take().map(|t| now_ms.saturating_sub(t)).unwrap_or(0);
+            let failover_ms = self.complete_failover(now_ms);
             out.push(Action::Notify(Event::Promoted { instance: backup, volume: self.d.volume.clone(), failover_ms }));
         }
     }
