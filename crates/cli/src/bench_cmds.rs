@@ -103,7 +103,9 @@ where
     let out = bench::out_dir("volume", a.out.clone())?;
     let dir = tempfile::Builder::new().prefix("understudy-bench-").tempdir_in(work_dir()?).context("cannot create a temporary directory")?;
     let rt = crate::runtime()?;
-    let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().to_path_buf(), shards: a.shards, replicas: 3.min(a.shards), port_base: 0, verbose })?;
+    let cfg = UpConfig { dir: dir.path().to_path_buf(), shards: a.shards, replicas: 3.min(a.shards), port_base: 0, verbose };
+    // Shards serve metrics: benchmarks read their store and disk counters.
+    let mut lc = LocalCluster::start_full(&cfg, &[], true)?;
     let mut report = bench::Report::new(bench_name, a.quick);
     let result = rt.block_on(async {
         let cluster = lc.wait_ready(READY_TIMEOUT, false).await?;
@@ -138,6 +140,7 @@ fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
     on_cluster(&a, "volume.cow", verbose, |cluster, info, out, dir, mut report| async move {
         let mut opts = volume::bench_cow::CowOptions::new(quick);
         opts.shard_pids = info.shards.iter().map(|s| s.pid).collect();
+        opts.shard_metrics = info.shards.iter().filter_map(|s| s.metrics.clone()).collect();
         let plain = volume::bench_cow::run(cluster.clone(), &opts, &out, &mut report).await?;
         let fio_started = std::time::Instant::now();
         // The plain volume through a real client: fio's NBD engine, 4 KiB random writes, depth 32,

@@ -34,6 +34,9 @@ pub struct ShardProc {
     pub dir: PathBuf,
     pub pid: u32,
     pub log: PathBuf,
+    /// The shard's Prometheus endpoint, if it serves one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug)]

@@ -96,6 +96,13 @@ impl LocalCluster {
     /// As [`LocalCluster::start`], with extra arguments for every shard (e.g.
     /// `--inject-write-latency-us 500` in benchmarks).
     pub fn start_with(cfg: &UpConfig, extra_shard_args: &[String]) -> anyhow::Result<LocalCluster> {
+        Self::start_full(cfg, extra_shard_args, false)
+    }
+
+    /// As [`LocalCluster::start_with`]; with `shard_metrics`, every shard also serves Prometheus
+    /// metrics on a free loopback port (`ShardProc::metrics`), for benchmarks that read its
+    /// counters.
+    pub fn start_full(cfg: &UpConfig, extra_shard_args: &[String], shard_metrics: bool) -> anyhow::Result<LocalCluster> {
         anyhow::ensure!((1..=MAX_SHARDS).contains(&cfg.shards), "--shards must be between 1 and {MAX_SHARDS}");
         anyhow::ensure!((1..=cfg.shards).contains(&cfg.replicas), "--replicas must be between 1 and the number of shards ({})", cfg.shards);
         std::fs::create_dir_all(&cfg.dir).with_context(|| format!("cannot create {}", cfg.dir.display()))?;
@@ -179,7 +186,9 @@ impl LocalCluster {
         lc.info.meta.pid = child.id();
         lc.children.push(("metadata service".into(), child));
 
+        let metrics_ports = if shard_metrics { free_ports(cfg.shards as usize)? } else { vec![] };
         for i in 1..=cfg.shards {
+            let metrics = metrics_ports.get(i as usize - 1).map(|&p| addr(p));
             let shard_dir = dir.join(format!("shard-{i}"));
             let log = logs.join(format!("shard-{i}.log"));
             let shard_addr = addr(ports[1 + i as usize]);
@@ -199,9 +208,12 @@ impl LocalCluster {
                 "--create".into(),
             ];
             args.extend(extra_shard_args.iter().cloned());
+            if let Some(m) = &metrics {
+                args.extend(["--metrics".to_string(), m.clone()]);
+            }
             args.extend(verbose_args.iter().cloned());
             let child = proc::spawn_self(&args, &log, &[])?;
-            lc.info.shards.push(ShardProc { id: i, addr: shard_addr, dir: shard_dir, pid: child.id(), log });
+            lc.info.shards.push(ShardProc { id: i, addr: shard_addr, dir: shard_dir, pid: child.id(), log, metrics });
             lc.children.push((format!("shard {i}"), child));
         }
 

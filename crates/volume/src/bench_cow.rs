@@ -53,6 +53,10 @@ pub struct CowOptions {
     /// Process ids of the shards (when they run as processes on this machine): [`settle`]
     /// watches their disk writes. Empty: no settling.
     pub shard_pids: Vec<u32>,
+    /// The shards' Prometheus endpoints (`host:port`): their store and disk counters are read
+    /// around every batch of the deep points ([`COUNTED_DEPTHS`]) and reported per variant.
+    /// Empty: no counters.
+    pub shard_metrics: Vec<String>,
 }
 
 impl CowOptions {
@@ -61,11 +65,11 @@ impl CowOptions {
         // depth 32), four rounds of two 2-second IOPS windows; the volumes are then 25 MiB each, which keeps the fill,
         // the settling after it and the removal of the cluster's files short on a shared disk.
         if quick {
-            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 48, iops_seconds: 2, iops_rounds: 4, settle_max_s: 10, shard_pids: vec![] }
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 48, iops_seconds: 2, iops_rounds: 4, settle_max_s: 10, shard_pids: vec![], shard_metrics: vec![] }
         } else {
             // Full: 1000 writes per point (five rounds of 200 a variant), ten 6-second IOPS
             // rounds: ≈ 15 min on a shared 2-core machine (2000 a point took over 20 min there).
-            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 1000, iops_seconds: 6, iops_rounds: 10, settle_max_s: 60, shard_pids: vec![] }
+            CowOptions { quick, object_size_bytes: 64 * 1024, writes_per_point: 1000, iops_seconds: 6, iops_rounds: 10, settle_max_s: 60, shard_pids: vec![], shard_metrics: vec![] }
         }
     }
 
@@ -199,6 +203,116 @@ pub async fn wait_for_jobs(cluster: &Cluster) -> anyhow::Result<()> {
     }
 }
 
+/// Depths at which the shards' counters are read around every batch (reading them costs a few
+/// loopback HTTP requests per batch, kept off the many batches of the shallow points).
+pub const COUNTED_DEPTHS: [usize; 3] = [8, 16, 32];
+
+/// The shards' metrics summed over the shards: key = metric name with its labels other than
+/// `shard` (e.g. `understudy_shard_disk_kind_ops_total{kind="apply"}`). Shards that do not
+/// answer are left out.
+async fn scrape(addrs: &[String]) -> BTreeMap<String, f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sum = BTreeMap::new();
+    for addr in addrs {
+        let body = async {
+            let mut s = tokio::net::TcpStream::connect(addr).await?;
+            s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await?;
+            let mut out = String::new();
+            s.read_to_string(&mut out).await?;
+            std::io::Result::Ok(out)
+        };
+        let Ok(Ok(text)) = tokio::time::timeout(Duration::from_secs(5), body).await else { continue };
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((name, value)) = line.rsplit_once(' ') else { continue };
+            let Ok(v) = value.parse::<f64>() else { continue };
+            let key = match name.split_once('{') {
+                Some((n, labels)) => {
+                    let rest: Vec<&str> = labels.trim_end_matches('}').split(',').filter(|l| !l.starts_with("shard=")).collect();
+                    if rest.is_empty() { n.to_string() } else { format!("{n}{{{}}}", rest.join(",")) }
+                }
+                None => name.to_string(),
+            };
+            *sum.entry(key).or_insert(0.0) += v;
+        }
+    }
+    sum
+}
+
+/// Counter deltas accumulated over a variant's batches at one depth, and the gauges' peaks.
+#[derive(Default, Clone)]
+struct CounterDeltas {
+    writes: u64,
+    delta: BTreeMap<String, f64>,
+    peak: BTreeMap<String, f64>,
+}
+
+impl CounterDeltas {
+    fn add(&mut self, before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>, writes: usize) {
+        self.writes += writes as u64;
+        for (k, a) in after {
+            if k.ends_with("_total") || k.contains("_total{") {
+                *self.delta.entry(k.clone()).or_insert(0.0) += a - before.get(k).copied().unwrap_or(0.0);
+            } else {
+                let p = self.peak.entry(k.clone()).or_insert(f64::MIN);
+                *p = p.max(*a).max(before.get(k).copied().unwrap_or(f64::MIN));
+            }
+        }
+    }
+
+    fn d(&self, k: &str) -> f64 {
+        self.delta.get(k).copied().unwrap_or(0.0)
+    }
+
+    /// Figures under `prefix`: per measured write, and mean times per operation.
+    fn report(&self, prefix: &str, report: &mut Report) -> anyhow::Result<()> {
+        if self.writes == 0 || self.delta.is_empty() {
+            return Ok(());
+        }
+        let w = self.writes as f64;
+        let per_write = [
+            ("applies", "understudy_store_applies_total"),
+            ("cow_first_writes", "understudy_store_cow_first_writes_total"),
+            ("slots_from_pool", "understudy_store_slots_from_pool_total"),
+            ("slots_created_inline", "understudy_shard_slow_allocations_total"),
+            ("fdatasyncs", "understudy_store_write_fdatasyncs_total"),
+            ("dir_fsyncs", "understudy_store_write_dir_fsyncs_total"),
+            ("refill_slots", "understudy_store_refill_slots_total"),
+            ("refill_batches", "understudy_store_refill_batches_total"),
+            ("refill_batches_while_serving", "understudy_store_refill_batches_while_serving_total"),
+            ("slow_disk_ops", "understudy_shard_slow_disk_ops_total"),
+        ];
+        for (name, key) in per_write {
+            report.figure(&format!("{prefix}.{name}_per_write"), self.d(key) / w)?;
+        }
+        let ops: f64 = self.delta.iter().filter(|(k, _)| k.starts_with("understudy_shard_disk_kind_ops_total")).map(|(_, v)| v).sum();
+        let mean = |us: f64, n: f64| if n > 0.0 { us / n } else { 0.0 };
+        report.figure(&format!("{prefix}.disk_wait_us_mean"), mean(self.d("understudy_shard_disk_wait_us_total"), ops))?;
+        for kind in ["apply", "apply-cow"] {
+            let n = self.d(&format!("understudy_shard_disk_kind_ops_total{{kind=\"{kind}\"}}"));
+            let us = self.d(&format!("understudy_shard_disk_kind_run_us_total{{kind=\"{kind}\"}}"));
+            if n > 0.0 {
+                report.figure(&format!("{prefix}.disk_run_us_mean.{}", kind.replace('-', "_")), us / n)?;
+            }
+        }
+        let cow = self.d("understudy_store_cow_first_writes_total");
+        if cow > 0.0 {
+            report.figure(&format!("{prefix}.cow_load_us_mean"), self.d("understudy_store_cow_load_us_total") / cow)?;
+            report.figure(&format!("{prefix}.cow_commit_us_mean"), self.d("understudy_store_cow_commit_us_total") / cow)?;
+        }
+        let inplace = self.d("understudy_store_in_place_writes_total");
+        if inplace > 0.0 {
+            report.figure(&format!("{prefix}.in_place_us_mean"), self.d("understudy_store_in_place_us_total") / inplace)?;
+        }
+        report.figure(&format!("{prefix}.refill_us_per_write"), self.d("understudy_store_refill_us_total") / w)?;
+        for g in ["understudy_shard_background_tasks_waiting", "understudy_shard_ops_in_flight"] {
+            if let Some(p) = self.peak.get(g) {
+                report.figure(&format!("{prefix}.{}_peak", g.trim_start_matches("understudy_shard_")), *p)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Issues `targets.len()` writes of `size` bytes in batches of `depth` concurrent writes, each to
 /// a random aligned offset of its target object; returns each write's latency.
 async fn write_batches(
@@ -314,6 +428,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
     let mut by_depth: BTreeMap<(usize, u32), LatencyRecorder> = BTreeMap::new();
     let mut samples: Vec<Vec<String>> = vec![];
     let mut settle_s = 0.0;
+    let mut counters: BTreeMap<(usize, usize), CounterDeltas> = BTreeMap::new();
 
     // (a) single COW writes of each size at depth 1, and (b) 4 KiB COW writes at each depth.
     let rounds = opts.writes_per_point.div_ceil(opts.batch_writes());
@@ -338,10 +453,17 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         v.begin_round(objects, &mut rng).await?;
         for &depth in &DEPTHS {
             settle_s += settle(&opts.shard_pids, opts.settle_max_s).await;
+            let counted = COUNTED_DEPTHS.contains(&depth) && !opts.shard_metrics.is_empty();
             for variant in bench::interleaved_order(opts.depth_batches(depth), 3) {
                 let targets = v.take_fresh(variant, depth)?;
                 let vol = v.vols[variant].as_ref().unwrap();
-                for l in write_batches(vol, v.object_size, &targets, 4096, depth, &mut rng).await? {
+                let before = if counted { Some(scrape(&opts.shard_metrics).await) } else { None };
+                let lats = write_batches(vol, v.object_size, &targets, 4096, depth, &mut rng).await?;
+                if let Some(before) = before {
+                    let after = scrape(&opts.shard_metrics).await;
+                    counters.entry((variant, depth)).or_default().add(&before, &after, lats.len());
+                }
+                for l in lats {
                     by_depth.entry((variant, depth as u32)).or_default().record(l);
                     samples.push(vec!["depth".into(), VARIANTS[variant].into(), "4096".into(), depth.to_string(), l.as_micros().to_string()]);
                 }
@@ -372,6 +494,9 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         }
     }
     d.report(report)?;
+    for ((variant, depth), c) in &counters {
+        c.report(&format!("{}.write_4k.depth{depth}.shard", VARIANTS[*variant]), report)?;
+    }
     // Depth 1 of (a) and (b) measure the same thing (single 4 KiB writes to uncopied objects,
     // after the shards settled): the ratio takes the samples of both.
     let both = |variant: usize| {

@@ -112,6 +112,9 @@ pub struct CoreStats {
     pub locked_slots: u64,
     pub recovering: bool,
     pub retired_volumes: u64,
+    /// Budgeted background tasks (GC) waiting for a turn, and running.
+    pub background_waiting: u64,
+    pub background_running: u64,
 }
 
 /// What the driver found on disk at start.
@@ -403,6 +406,8 @@ impl ShardCore {
             locked_slots: self.locks.len() as u64,
             recovering: self.is_recovering(),
             retired_volumes: self.retired.len() as u64,
+            background_waiting: self.background.len() as u64,
+            background_running: self.background_running as u64,
         }
     }
 

@@ -80,12 +80,19 @@ impl InjectedLatency {
 /// Counters of the driver, and the core's gauges as of the last tick.
 struct Stats {
     core: std::sync::Mutex<CoreStats>,
-    pool: std::sync::Mutex<crate::store::PoolStats>,
+    /// Read at each scrape (the store's counters are atomics), so a benchmark that scrapes
+    /// right after a batch of writes sees all of them.
+    store: Arc<FileStore>,
     messages_in: AtomicU64,
     messages_dropped: AtomicU64,
     disk_ops: AtomicU64,
     disk_errors: AtomicU64,
     slow_disk_ops: AtomicU64,
+    /// Time disk commands waited for a disk slot and a blocking thread, summed (µs).
+    disk_wait_us: AtomicU64,
+    /// Per kind of disk command ([`DISK_KINDS`]): commands run, and their run time summed (µs).
+    disk_kind_ops: [AtomicU64; DISK_KINDS.len()],
+    disk_kind_run_us: [AtomicU64; DISK_KINDS.len()],
     /// When a slow disk command was last logged, in ms since `started` (0: never).
     slow_logged_ms: AtomicU64,
     started: Instant,
@@ -106,7 +113,7 @@ impl Stats {
         metric(&mut out, "understudy_shard_messages_dropped_total", "counter", "Messages dropped because a connection queue was full.", &[(&l, g(&self.messages_dropped))]);
         metric(&mut out, "understudy_shard_disk_ops_total", "counter", "Disk commands run.", &[(&l, g(&self.disk_ops))]);
         metric(&mut out, "understudy_shard_disk_errors_total", "counter", "Disk commands that failed.", &[(&l, g(&self.disk_errors))]);
-        let p = self.pool.lock().unwrap().clone();
+        let p = self.store.pool_stats();
         let free: Vec<(String, f64)> =
             (0..crate::store::CLASSES).map(|c| (format!("{l},class_bytes=\"{}\"", crate::store::CLASS_DATA_BYTES[c]), p.free_slots[c] as f64)).collect();
         let free: Vec<(&str, f64)> = free.iter().map(|(k, v)| (k.as_str(), *v)).collect();
@@ -114,6 +121,34 @@ impl Stats {
         metric(&mut out, "understudy_shard_slow_allocations_total", "counter", "Writes that found no ready slot and created one.", &[(&l, p.slow_allocations as f64)]);
         metric(&mut out, "understudy_shard_prestocks_total", "counter", "Pre-stocking hints of super handled.", &[(&l, p.prestocks as f64)]);
         metric(&mut out, "understudy_shard_slow_disk_ops_total", "counter", "Disk commands that took longer than SLOW_DISK_COMMAND_MS.", &[(&l, g(&self.slow_disk_ops))]);
+        metric(&mut out, "understudy_shard_background_tasks_waiting", "gauge", "Budgeted background tasks (GC) waiting for a turn.", &[(&l, c.background_waiting as f64)]);
+        metric(&mut out, "understudy_shard_background_tasks_running", "gauge", "Budgeted background tasks (GC) running.", &[(&l, c.background_running as f64)]);
+        metric(&mut out, "understudy_shard_disk_wait_us_total", "counter", "Microseconds disk commands waited for a disk slot and a thread.", &[(&l, g(&self.disk_wait_us))]);
+        let by_kind = |a: &[AtomicU64; DISK_KINDS.len()]| -> Vec<(String, f64)> {
+            DISK_KINDS.iter().zip(a).map(|(k, v)| (format!("{l},kind=\"{k}\""), g(v))).collect()
+        };
+        let (ops, run) = (by_kind(&self.disk_kind_ops), by_kind(&self.disk_kind_run_us));
+        metric(&mut out, "understudy_shard_disk_kind_ops_total", "counter", "Disk commands run, by kind.", &ops.iter().map(|(k, v)| (k.as_str(), *v)).collect::<Vec<_>>());
+        metric(&mut out, "understudy_shard_disk_kind_run_us_total", "counter", "Microseconds disk commands ran, by kind.", &run.iter().map(|(k, v)| (k.as_str(), *v)).collect::<Vec<_>>());
+        let sc = p.counters;
+        let store: [(&str, &str, u64); 13] = [
+            ("applies", "Apply commands run.", sc.applies),
+            ("cow_first_writes", "First writes of a super child to an object (copy-on-write).", sc.cow_first_writes),
+            ("slots_from_pool", "Slots writes took from the free pool.", sc.slots_from_pool),
+            ("write_fdatasyncs", "fdatasyncs of mutating commands (not the refill's).", sc.write_fdatasyncs),
+            ("write_dir_fsyncs", "Directory fsyncs on a command's path (slots created inline).", sc.write_dir_fsyncs),
+            ("cow_load_us", "Microseconds first child writes spent reading the parent object.", sc.cow_load_us),
+            ("cow_commit_us", "Microseconds first child writes spent writing and syncing.", sc.cow_commit_us),
+            ("in_place_writes", "In-place overwrites.", sc.in_place_writes),
+            ("in_place_us", "Microseconds in-place overwrites took.", sc.in_place_us),
+            ("refill_slots", "Slots the background refill created.", sc.refill_slots),
+            ("refill_batches", "Batches of slots the refill created.", sc.refill_batches),
+            ("refill_batches_while_serving", "Refill batches started while the shard served writes.", sc.refill_batches_while_serving),
+            ("refill_us", "Microseconds the refill spent creating slots.", sc.refill_us),
+        ];
+        for (name, help, v) in store {
+            metric(&mut out, &format!("understudy_store_{name}_total"), "counter", help, &[(&l, v as f64)]);
+        }
         out
     }
 }
@@ -144,12 +179,15 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
     let secret: Arc<[u8]> = opts.secret.clone().into();
     let stats = Arc::new(Stats {
         core: Default::default(),
-        pool: Default::default(),
+        store: store.clone(),
         messages_in: Default::default(),
         messages_dropped: Default::default(),
         disk_ops: Default::default(),
         disk_errors: Default::default(),
         slow_disk_ops: Default::default(),
+        disk_wait_us: Default::default(),
+        disk_kind_ops: Default::default(),
+        disk_kind_run_us: Default::default(),
         slow_logged_ms: Default::default(),
         started: Instant::now(),
     });
@@ -242,7 +280,6 @@ async fn core_loop(
                     }
                     Input::Tick { .. } => {
                         *stats.core.lock().unwrap() = core.stats();
-                        *stats.pool.lock().unwrap() = store.pool_stats();
                     }
                 }
                 core.handle(input)
@@ -299,10 +336,15 @@ async fn core_loop(
                         let Ok(_permit) = slots.acquire_owned().await else { return };
                         let delay = injected.for_cmd(&cmd);
                         let what = disk_cmd_kind(&cmd);
+                        let kind = DISK_KINDS.iter().position(|k| *k == what).unwrap_or(0);
+                        let stats2 = stats.clone();
                         let result = tokio::task::spawn_blocking(move || {
                             let started = Instant::now();
+                            stats2.disk_wait_us.fetch_add((started - queued).as_micros() as u64, Ordering::Relaxed);
                             let r = store.run(cmd);
                             let ran = started.elapsed();
+                            stats2.disk_kind_ops[kind].fetch_add(1, Ordering::Relaxed);
+                            stats2.disk_kind_run_us[kind].fetch_add(ran.as_micros() as u64, Ordering::Relaxed);
                             if !delay.is_zero() {
                                 std::thread::sleep(delay);
                             }
@@ -341,6 +383,9 @@ async fn core_loop(
         }
     }
 }
+
+/// The kinds [`disk_cmd_kind`] names, as the metrics label them.
+pub const DISK_KINDS: [&str; 8] = ["read", "read-all", "apply-cow", "apply", "delete", "rename", "save-state", "prestock"];
 
 fn disk_cmd_kind(cmd: &DiskCmd) -> &'static str {
     match cmd {

@@ -206,6 +206,85 @@ pub struct PoolStats {
     pub slow_allocations: u64,
     /// `super` pre-stocking hints handled.
     pub prestocks: u64,
+    /// What the store did since open (monotonic counters).
+    pub counters: StoreCounters,
+}
+
+/// Counters of the store's work since open, so a benchmark can see where a write's time goes
+/// (every field monotonic; `_us` fields are summed microseconds).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreCounters {
+    /// `Apply` commands run.
+    pub applies: u64,
+    /// First writes of a `super` child to an object (a copy-on-write from its parent).
+    pub cow_first_writes: u64,
+    /// Slots writes took from the free pool (fast) — `PoolStats::slow_allocations` counts those
+    /// created on the write path.
+    pub slots_from_pool: u64,
+    /// `fdatasync`s of mutating commands (a write, delete, rename, free; not the refill's).
+    pub write_fdatasyncs: u64,
+    /// Directory fsyncs on a command's path (slot files created inline).
+    pub write_dir_fsyncs: u64,
+    /// First child writes: time reading the parent object, and time writing the child's
+    /// sectors and header and syncing them.
+    pub cow_load_us: u64,
+    pub cow_commit_us: u64,
+    /// In-place overwrites: how many, and their time applying and syncing.
+    pub in_place_writes: u64,
+    pub in_place_us: u64,
+    /// Slots the background refill created, in how many batches, how many of those batches
+    /// started while the shard was serving writes, and the refill's time creating them.
+    pub refill_slots: u64,
+    pub refill_batches: u64,
+    pub refill_batches_while_serving: u64,
+    pub refill_us: u64,
+}
+
+/// The atomic form of [`StoreCounters`].
+#[derive(Default)]
+struct Counters {
+    applies: AtomicU64,
+    cow_first_writes: AtomicU64,
+    slots_from_pool: AtomicU64,
+    write_fdatasyncs: AtomicU64,
+    write_dir_fsyncs: AtomicU64,
+    cow_load_us: AtomicU64,
+    cow_commit_us: AtomicU64,
+    in_place_writes: AtomicU64,
+    in_place_us: AtomicU64,
+    refill_slots: AtomicU64,
+    refill_batches: AtomicU64,
+    refill_batches_while_serving: AtomicU64,
+    refill_us: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self) -> StoreCounters {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StoreCounters {
+            applies: g(&self.applies),
+            cow_first_writes: g(&self.cow_first_writes),
+            slots_from_pool: g(&self.slots_from_pool),
+            write_fdatasyncs: g(&self.write_fdatasyncs),
+            write_dir_fsyncs: g(&self.write_dir_fsyncs),
+            cow_load_us: g(&self.cow_load_us),
+            cow_commit_us: g(&self.cow_commit_us),
+            in_place_writes: g(&self.in_place_writes),
+            in_place_us: g(&self.in_place_us),
+            refill_slots: g(&self.refill_slots),
+            refill_batches: g(&self.refill_batches),
+            refill_batches_while_serving: g(&self.refill_batches_while_serving),
+            refill_us: g(&self.refill_us),
+        }
+    }
+}
+
+fn add_us(a: &AtomicU64, since: std::time::Instant) {
+    a.fetch_add(since.elapsed().as_micros() as u64, Ordering::Relaxed);
+}
+
+fn inc(a: &AtomicU64) {
+    a.fetch_add(1, Ordering::Relaxed);
 }
 
 /// One slot file and which of its two header copies holds its current header.
@@ -659,6 +738,7 @@ struct Inner {
     dry_logged_us: AtomicU64,
     /// `Prestock` hints handled.
     prestocks: AtomicU64,
+    counters: Counters,
     refill_wanted: Mutex<bool>,
     refill_cv: Condvar,
     shutdown: AtomicBool,
@@ -750,6 +830,7 @@ impl FileStore {
             slow_allocations: AtomicU64::new(0),
             dry_logged_us: AtomicU64::new(0),
             prestocks: AtomicU64::new(0),
+            counters: Counters::default(),
             refill_wanted: Mutex::new(false),
             refill_cv: Condvar::new(),
             shutdown: AtomicBool::new(false),
@@ -794,6 +875,7 @@ impl FileStore {
             live_objects: idx.objects.len(),
             slow_allocations: self.inner.slow_allocations.load(Ordering::Relaxed),
             prestocks: self.inner.prestocks.load(Ordering::Relaxed),
+            counters: self.inner.counters.snapshot(),
         }
     }
 }
@@ -873,6 +955,7 @@ impl Inner {
         let copy = slot.next_copy();
         f.write_all_at(&header.encode(slot.class), copy as u64 * HEADER_COPY_BYTES as u64)?;
         f.sync_data()?;
+        inc(&self.counters.write_fdatasyncs);
         Ok(SlotRef { current_copy: copy, ..slot })
     }
 
@@ -899,6 +982,7 @@ impl Inner {
                 Ok(DiskOut::Data(buf))
             }
             DiskCmd::Apply { key, version, op, cow_from } => {
+                inc(&self.counters.applies);
                 self.apply(key, version, op, cow_from).map_err(disk_err)?;
                 Ok(DiskOut::Done)
             }
@@ -974,9 +1058,12 @@ impl Inner {
                 self.free_slot(e.slot)
             }
             None if cow_from.is_some() && lazy_fits => {
+                inc(&self.counters.cow_first_writes);
                 let src = cow_from.unwrap();
                 let pe = self.entry(&src).ok_or_else(|| not_found(&src))?;
+                let t = std::time::Instant::now();
                 let obj = self.load(&src, &pe)?;
+                add_us(&self.counters.cow_load_us, t);
                 if pe.base.is_some() {
                     // The parent is itself a deferred copy (a child promoted moments ago, not yet
                     // garbage collected): copy it whole rather than chain deferred copies.
@@ -992,6 +1079,7 @@ impl Inner {
                 let mut obj = match cow_from {
                     // Collocated copy-on-write: a local copy, no network transfer (§4.2.1).
                     Some(src) => {
+                        inc(&self.counters.cow_first_writes);
                         let pe = self.entry(&src).ok_or_else(|| not_found(&src))?;
                         self.load(&src, &pe)?
                     }
@@ -1014,6 +1102,7 @@ impl Inner {
         let new_len = obj.body.len() as u64;
         let (a, b, complete) = claim_sectors(&mut base.present, old_len, new_len, op);
         let base = (!complete).then_some(base);
+        let t = std::time::Instant::now();
         let written = (|| {
             let f = self.open_slot(&slot)?;
             if b > a {
@@ -1022,6 +1111,9 @@ impl Inner {
             let object = LiveObject { key, len_bytes: new_len, objfmt_header: obj.objfmt_header, base };
             self.commit_header(&f, slot, Some(object))
         })();
+        if fresh {
+            add_us(&self.counters.cow_commit_us, t);
+        }
         match written {
             Ok(slot) => {
                 self.index.lock().unwrap().insert(key, Entry { slot, len_bytes: new_len, base });
@@ -1111,6 +1203,8 @@ impl Inner {
 
     /// An overwrite: the data goes where it is, the header to the other copy, one fdatasync.
     fn apply_in_place(&self, key: ObjKey, e: Entry, version: Version, op: &RepOp) -> io::Result<()> {
+        let t = std::time::Instant::now();
+        inc(&self.counters.in_place_writes);
         let f = self.open_slot(&e.slot)?;
         let live = self.read_live(&f, &key, &e)?;
         let mut obj = SlotObject {
@@ -1124,6 +1218,7 @@ impl Inner {
         let object = LiveObject { key, len_bytes, objfmt_header: obj.objfmt_header, base: None };
         let slot = self.commit_header(&f, e.slot, Some(object))?;
         self.index.lock().unwrap().insert(key, Entry { slot, len_bytes, base: None });
+        add_us(&self.counters.in_place_us, t);
         Ok(())
     }
 
@@ -1257,6 +1352,7 @@ impl Inner {
             idx.in_use[class] = true;
             idx.reserved[class] = idx.reserved[class].saturating_sub(1);
             if let Some(slot) = idx.free[class].pop_back() {
+                inc(&self.counters.slots_from_pool);
                 let low = idx.free[class].len() < idx.target[class];
                 drop(idx);
                 if low {
@@ -1282,7 +1378,10 @@ impl Inner {
             tracing::info!(class = CLASS_DIR_NAMES[class], slow_allocations = slow, "slot pool ran dry: a write creates its slot itself");
         }
         match self.create_slots(class, 1) {
-            Ok(mut made) => Ok(made.pop().expect("one slot made")),
+            Ok(mut made) => {
+                inc(&self.counters.write_dir_fsyncs);
+                Ok(made.pop().expect("one slot made"))
+            }
             Err(e) if is_no_space(&e) => {
                 let mut idx = self.index.lock().unwrap();
                 (class + 1..CLASSES).find_map(|c| idx.free[c].pop_back()).ok_or(e)
@@ -1410,8 +1509,16 @@ impl Inner {
                     return false;
                 }
             }
-            match self.create_slots(class, count) {
+            inc(&self.counters.refill_batches);
+            if self.serving_writes() {
+                inc(&self.counters.refill_batches_while_serving);
+            }
+            let t = std::time::Instant::now();
+            let created = self.create_slots(class, count);
+            add_us(&self.counters.refill_us, t);
+            match created {
                 Ok(made) => {
+                    self.counters.refill_slots.fetch_add(made.len() as u64, Ordering::Relaxed);
                     let mut idx = self.index.lock().unwrap();
                     for slot in made {
                         idx.free[class].push_front(slot);
