@@ -282,7 +282,7 @@ impl CounterDeltas {
             ("slow_disk_ops", "understudy_shard_slow_disk_ops_total"),
         ];
         for (name, key) in per_write {
-            report.figure(&format!("{prefix}.{name}_per_write"), self.d(key) / w)?;
+            report.figure(&format!("{prefix}.{name}_per_write_count"), self.d(key) / w)?;
         }
         let ops: f64 = self.delta.iter().filter(|(k, _)| k.starts_with("understudy_shard_disk_kind_ops_total")).map(|(_, v)| v).sum();
         let mean = |us: f64, n: f64| if n > 0.0 { us / n } else { 0.0 };
@@ -291,7 +291,7 @@ impl CounterDeltas {
             let n = self.d(&format!("understudy_shard_disk_kind_ops_total{{kind=\"{kind}\"}}"));
             let us = self.d(&format!("understudy_shard_disk_kind_run_us_total{{kind=\"{kind}\"}}"));
             if n > 0.0 {
-                report.figure(&format!("{prefix}.disk_run_us_mean.{}", kind.replace('-', "_")), us / n)?;
+                report.figure(&format!("{prefix}.{}.disk_run_us_mean", kind.replace('-', "_")), us / n)?;
             }
         }
         let cow = self.d("understudy_store_cow_first_writes_total");
@@ -303,10 +303,10 @@ impl CounterDeltas {
         if inplace > 0.0 {
             report.figure(&format!("{prefix}.in_place_us_mean"), self.d("understudy_store_in_place_us_total") / inplace)?;
         }
-        report.figure(&format!("{prefix}.refill_us_per_write"), self.d("understudy_store_refill_us_total") / w)?;
+        report.figure(&format!("{prefix}.refill_per_write_us"), self.d("understudy_store_refill_us_total") / w)?;
         for g in ["understudy_shard_background_tasks_waiting", "understudy_shard_ops_in_flight"] {
             if let Some(p) = self.peak.get(g) {
-                report.figure(&format!("{prefix}.{}_peak", g.trim_start_matches("understudy_shard_")), *p)?;
+                report.figure(&format!("{prefix}.{}_peak_count", g.trim_start_matches("understudy_shard_")), *p)?;
             }
         }
         Ok(())
