@@ -85,10 +85,12 @@
 //! `super` followed by a write-heavy recovery is such a burst: every first write to a child
 //! object takes a slot.
 //! `super` pre-stocks: every shard that learns of a new child (the tracking list entry) sends
-//! the store a [`DiskCmd::Prestock`] hint, and the targets go up to the number of the parent's
-//! objects on this shard per class (at most the class maximum), so the child's first write to
-//! each of them finds a ready slot — no allocation on the COW path (SpecREDS §4.2.1, §5). The
-//! hint costs one pass over the in-memory index on a disk thread; `super` does not wait for it.
+//! the store a [`DiskCmd::Prestock`] hint, and the store reserves as many slots per class as the
+//! parent has objects on this shard (at most the class maximum), kept ready on top of the
+//! adaptive target and counted off only by the child's first writes, so each of them finds a
+//! ready slot — no allocation on the COW path (SpecREDS §4.2.1, §5) — even while other volumes
+//! allocate in bursts. The hint costs one pass over the in-memory index on a disk thread;
+//! `super` does not wait for it.
 //! A write that finds its class empty creates a slot itself (slow, correct); on a full disk it
 //! takes a free slot of a bigger class, or fails with [`DiskErr::NoSpace`] having changed
 //! nothing. Overwrites never need space: their blocks exist.
@@ -139,6 +141,9 @@ const REFILL_FLOOR_DIVISOR: usize = 4;
 /// A write this recent counts as the shard serving writes; a held-back refill looks again after
 /// this long.
 const REFILL_YIELD_MS: u64 = 50;
+/// A reservation of pre-stocked slots ([`Index::reserved`]) that no child first write used
+/// for this long is dropped (the child was rejected, or promoted and collected).
+const RESERVE_IDLE_MS: u64 = 60_000;
 /// Zeroes are written in pieces of at most this many bytes when a slot is created.
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
 
@@ -686,15 +691,27 @@ struct Index {
     target: [usize; CLASSES],
     /// A write of the class found no free slot since the refill last lowered the target.
     ran_dry: [bool; CLASSES],
-    /// Slots pre-stocked for a `super` child and not yet taken: the target does not decay
-    /// below this (the child's burst may start seconds after `super`, or the refill may need
-    /// more than a decay period to make them on a busy disk).
+    /// Slots pre-stocked for a `super` child and not yet taken by its first writes: kept ready
+    /// *on top of* the adaptive target, and only a child's first write counts one off. (Counting
+    /// every write off let a burst of other allocations — a general clone's copy-ups, a fill —
+    /// use up the child's stock, so at depth 32 the child's writes met a dry pool and the
+    /// refill making slots under them.) The child's burst may start seconds after `super`, or
+    /// the refill may need more than a decay period to make them on a busy disk, so the
+    /// reservation lasts until [`RESERVE_IDLE_MS`] pass without a child taking one.
     reserved: [usize; CLASSES],
+    /// When a reservation was last made or used, in µs since open.
+    reserved_touched_us: [u64; CLASSES],
     /// Parent → its children that are deferred copies of it (see [`Base`]).
     lazy_children: HashMap<ObjKey, Vec<ObjKey>>,
 }
 
 impl Index {
+    /// Free slots the refill keeps ready in a class: the adaptive target plus the slots reserved
+    /// for `super` children, at most the class maximum.
+    fn goal(&self, class: usize, max: &[usize; CLASSES]) -> usize {
+        (self.target[class] + self.reserved[class]).min(max[class])
+    }
+
     /// Enters (or replaces) an object, keeping `lazy_children` in step.
     fn insert(&mut self, key: ObjKey, e: Entry) -> Option<Entry> {
         let old = self.objects.insert(key, e);
@@ -871,7 +888,7 @@ impl FileStore {
         let idx = self.inner.index.lock().unwrap();
         PoolStats {
             free_slots: std::array::from_fn(|c| idx.free[c].len()),
-            free_slots_target: idx.target,
+            free_slots_target: std::array::from_fn(|c| idx.goal(c, &self.inner.pool.free_slots_max)),
             live_objects: idx.objects.len(),
             slow_allocations: self.inner.slow_allocations.load(Ordering::Relaxed),
             prestocks: self.inner.prestocks.load(Ordering::Relaxed),
@@ -1069,9 +1086,9 @@ impl Inner {
                     // garbage collected): copy it whole rather than chain deferred copies.
                     let mut obj = obj;
                     objfmt::apply(&mut obj, version, &op)?;
-                    return self.write_fresh(key, obj);
+                    return self.write_fresh_as(key, obj, true);
                 }
-                let slot = self.take_slot(LAZY_CLASS)?;
+                let slot = self.take_slot(LAZY_CLASS, true)?;
                 let base = Base { key: src, class: pe.slot.class, no: pe.slot.no, len_bytes: pe.len_bytes, present: 0 };
                 self.apply_lazy(key, slot, base, obj, version, &op, true)
             }
@@ -1086,7 +1103,7 @@ impl Inner {
                     None => MemObject { objfmt_header: [0; HEADER_COPY_BYTES], body: vec![] },
                 };
                 objfmt::apply(&mut obj, version, &op)?;
-                self.write_fresh(key, obj)
+                self.write_fresh_as(key, obj, cow_from.is_some())
             }
         }
     }
@@ -1245,9 +1262,14 @@ impl Inner {
     /// Writes an object built in memory into a free slot (the smallest class it fits) and enters
     /// it in the index, replacing any entry of its key (whose slot the caller then frees).
     fn write_fresh(&self, key: ObjKey, obj: MemObject) -> io::Result<()> {
+        self.write_fresh_as(key, obj, false)
+    }
+
+    /// [`Inner::write_fresh`]; `child_first_write` as for [`Inner::take_slot`].
+    fn write_fresh_as(&self, key: ObjKey, obj: MemObject, child_first_write: bool) -> io::Result<()> {
         let len_bytes = obj.body.len() as u64;
         let class = class_for(len_bytes).ok_or_else(|| invalid(format!("object {key:?} larger than 4 MiB")))?;
-        let slot = self.take_slot(class)?;
+        let slot = self.take_slot(class, child_first_write)?;
         let written = (|| {
             let f = self.open_slot(&slot)?;
             f.write_all_at(&obj.body, SLOT_HEADER_PAGE_BYTES)?;
@@ -1337,23 +1359,31 @@ impl Inner {
                 let t = n.min(self.pool.free_slots_max[class]);
                 idx.in_use[class] = true;
                 idx.reserved[class] = idx.reserved[class].max(t);
-                idx.target[class] = idx.target[class].max(t);
+                idx.reserved_touched_us[class] = self.now_us();
             }
         }
         self.prestocks.fetch_add(1, Ordering::Relaxed);
         self.wake_refill();
     }
 
+    fn now_us(&self) -> u64 {
+        (self.opened.elapsed().as_micros() as u64).max(1)
+    }
+
     /// A free slot of `class`: from the pool, else created now (the slow path), else — on a
-    /// full disk — a free slot of a bigger class.
-    fn take_slot(&self, class: usize) -> io::Result<SlotRef> {
+    /// full disk — a free slot of a bigger class. `child_first_write`: for a `super` child's
+    /// first write to an object, which uses up one reserved (pre-stocked) slot.
+    fn take_slot(&self, class: usize, child_first_write: bool) -> io::Result<SlotRef> {
         {
             let mut idx = self.index.lock().unwrap();
             idx.in_use[class] = true;
-            idx.reserved[class] = idx.reserved[class].saturating_sub(1);
+            if child_first_write && idx.reserved[class] > 0 {
+                idx.reserved[class] -= 1;
+                idx.reserved_touched_us[class] = self.now_us();
+            }
             if let Some(slot) = idx.free[class].pop_back() {
                 inc(&self.counters.slots_from_pool);
-                let low = idx.free[class].len() < idx.target[class];
+                let low = idx.free[class].len() < idx.goal(class, &self.pool.free_slots_max);
                 drop(idx);
                 if low {
                     self.wake_refill();
@@ -1458,11 +1488,15 @@ impl Inner {
             if last_decay.elapsed() >= Duration::from_millis(REFILL_PERIOD_MS) {
                 last_decay = std::time::Instant::now();
                 let mut idx = self.index.lock().unwrap();
+                let now_us = self.now_us();
                 for class in 0..CLASSES {
                     if !std::mem::take(&mut idx.ran_dry[class]) {
-                        let base = self.pool.free_slots_target[class].max(idx.reserved[class]);
+                        let base = self.pool.free_slots_target[class];
                         let t = idx.target[class];
                         idx.target[class] = base.max(t - (t / 4).max(1).min(t));
+                    }
+                    if idx.reserved[class] > 0 && now_us.saturating_sub(idx.reserved_touched_us[class]) >= RESERVE_IDLE_MS * 1000 {
+                        idx.reserved[class] = 0;
                     }
                 }
             }
@@ -1490,7 +1524,7 @@ impl Inner {
             }
             let (free, in_use, target) = {
                 let idx = self.index.lock().unwrap();
-                (idx.free[class].len(), idx.in_use[class], idx.target[class])
+                (idx.free[class].len(), idx.in_use[class], idx.goal(class, &self.pool.free_slots_max))
             };
             if !in_use || free >= target {
                 return false;
@@ -2131,7 +2165,7 @@ mod tests {
         assert_eq!(free(&s), 8);
         // Above the floor while writes are served: it holds back and says so.
         for i in 0..5 {
-            s.inner.take_slot(1).unwrap();
+            s.inner.take_slot(1, false).unwrap();
             assert_eq!(free(&s), 7 - i);
         }
         s.inner.last_write_us.store((s.inner.opened.elapsed().as_micros() as u64).max(1), Ordering::Relaxed);
