@@ -2148,6 +2148,37 @@ mod tests {
     }
 
     #[test]
+    fn only_a_childs_first_writes_use_up_its_reserved_slots() {
+        let dir = tempdir();
+        let pool = PoolOptions { free_slots_target: [0, 4, 0, 0], free_slots_max: [0, 64, 0, 0], ..quiet() };
+        let s = FileStore::open_with(&dir, true, pool).unwrap();
+        for i in 0..10 {
+            write(&s, key(i, 1), 1, 0, vec![1; 10_000]);
+        }
+        // (Each of those writes found the class dry and doubled the target: back to its base.)
+        s.inner.index.lock().unwrap().target[1] = 4;
+        let goal = |s: &FileStore| s.pool_stats().free_slots_target[1];
+        let before = goal(&s);
+        s.run(DiskCmd::Prestock { table: 7, parent: 1 }).unwrap();
+        assert_eq!(goal(&s), before + 10, "ten slots reserved on top of the adaptive target");
+        // Another volume's burst of new objects (a general clone's copy-ups) leaves the
+        // reservation whole: the refill keeps making slots for the child.
+        for i in 0..6 {
+            write(&s, key(i, 9), 1, 0, vec![1; 10_000]);
+        }
+        assert!(goal(&s) >= 10 + 4, "{:?}", s.pool_stats());
+        let reserved = |s: &FileStore| s.inner.index.lock().unwrap().reserved[1];
+        assert_eq!(reserved(&s), 10);
+        // The child's first writes count it off, one each.
+        for i in 0..3 {
+            s.run(DiskCmd::Apply { key: key(i, 2), version: v(1), op: RepOp::Write { offset: 0, data: vec![2; 4096] }, cow_from: Some(key(i, 1)) })
+                .unwrap();
+        }
+        assert_eq!(reserved(&s), 7);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn the_refill_holds_back_while_writes_are_served_but_never_below_its_floor() {
         let dir = tempdir();
         let pool = PoolOptions { free_slots_target: [0, 8, 0, 0], free_slots_max: [0, 8, 0, 0], ..quiet() };
