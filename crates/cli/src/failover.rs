@@ -25,6 +25,7 @@ use crate::cluster_file::Target;
 use crate::ConnArgs;
 
 mod bench;
+mod breakdown;
 mod datadir;
 mod mariadb;
 mod postgres;

@@ -332,6 +332,8 @@ struct Sample {
     pre_fault_ms: f64,
     detect_ms: f64,
     resume_ms: f64,
+    /// Where `app_recovery_ms` went (crashes only).
+    breakdown: Option<super::breakdown::Breakdown>,
     /// When the outcome was seen.
     outcome_at: Instant,
     ops_per_window: Vec<u64>,
@@ -426,6 +428,7 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
     }
     let started = t_of(ev, "backup_started");
     let healthy = t_of(ev, "backup_healthy");
+    let breakdown = recovery_breakdown(m, ev, s.recovery_ms as f64);
     let outcome_t = done["t_ms"].as_f64().unwrap_or(f64::NAN);
     let extra = match m.policy {
         "speculative" if started.is_finite() => (outcome_t - started) / 1000.0,
@@ -444,6 +447,7 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
         pre_fault_ms: fault_unix_ms - last_ack_unix,
         detect_ms: suspected_unix - fault_unix_ms,
         resume_ms: first_ack_unix - back_unix,
+        breakdown,
         outcome_at,
         ops_per_window: r.ops_per_window.clone(),
         window_ms: r.window_ms,
@@ -465,7 +469,22 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
         sample.healthy_to_outcome_ms,
         r.acked.len()
     );
+    if let Some(b) = &sample.breakdown {
+        eprintln!("failover bench: {:<12} {:<42} start→healthy less recovery {:.0} ms: {}", m.name, s.name, sample.app_recovery_ms, b.line());
+    }
     Ok(sample)
+}
+
+/// Where the recovery of the instance this failure started went (the instance serves now).
+fn recovery_breakdown(m: &Mon, ev: &[Value], delay_ms: f64) -> Option<super::breakdown::Breakdown> {
+    let started = ev.iter().rev().find(|e| e["event"] == "backup_started")?;
+    let healthy = ev.iter().rev().find(|e| e["event"] == "backup_healthy")?;
+    let id = started["instance"].as_u64()?;
+    let st: Value = serde_json::from_str(&m.control("status").ok()?).ok()?;
+    let inst = st["instances"].as_array()?.iter().find(|i| i["id"].as_u64() == Some(id))?;
+    let timing: ::failover::pool::StartTiming = serde_json::from_value(inst["start"].clone()).ok()?;
+    let log = m.run_dir.join("state").join("logs").join(format!("i{id}.log"));
+    super::breakdown::of(started["unix_ms"].as_f64()?, healthy["unix_ms"].as_f64()?, &timing, &log, delay_ms)
 }
 
 /// Commits/s through `m`'s endpoint over `window` (after a short warm-up).
@@ -731,6 +750,13 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
             let avg = |f: fn(&Sample) -> f64| mean(kills.iter().map(|&si| f(get(si, pi))));
             report.figure(&format!("{pol}.crash.detect_to_backup_start_ms_mean"), avg(|s| s.detect_to_start_ms))?;
             report.figure(&format!("{pol}.crash.app_recovery_latency_ms_mean"), avg(|s| s.app_recovery_ms))?;
+            // Where it went, part by part (the breakdown of every crash that has one).
+            let parts: Vec<[f64; 10]> = kills.iter().filter_map(|&si| get(si, pi).breakdown.as_ref().map(|b| b.values())).collect();
+            if !parts.is_empty() {
+                for (k, name) in super::breakdown::PARTS.iter().enumerate() {
+                    report.figure(&format!("{pol}.crash.recovery.{name}_ms_mean"), mean(parts.iter().map(|p| p[k])))?;
+                }
+            }
             report.figure(&format!("{pol}.crash.healthy_to_outcome_ms_mean"), avg(|s| s.healthy_to_outcome_ms))?;
             figure_if(&mut report, &format!("{pol}.crash.client_minus_monitor_ms_mean"), avg(|s| s.gap_ms - s.monitor_ms))?;
             report.figure(&format!("{pol}.crash.before.throughput_ops_per_s_mean"), avg(|s| s.before_ops_per_s))?;
