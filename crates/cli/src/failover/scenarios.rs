@@ -822,8 +822,8 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
         report.figure("recovery_rounds.rounds_count", ratios.len() as f64)?;
         let plain: Vec<f64> = m.recovery.iter().map(|x| x.0.app_recovery_ms).collect();
         let sup: Vec<f64> = m.recovery.iter().map(|x| x.1.app_recovery_ms).collect();
-        report.figure("recovery_rounds.plain.app_recovery_latency_ms_median", median(&plain))?;
-        report.figure("recovery_rounds.super.app_recovery_latency_ms_median", median(&sup))?;
+        report.figure("recovery_rounds.plain.app_recovery_latency_ms_p50", median(&plain))?;
+        report.figure("recovery_rounds.super.app_recovery_latency_ms_p50", median(&sup))?;
         report.ratio("recovery_rounds.super_vs_plain.app_recovery_latency.of_medians", median(&sup), median(&plain))?;
         report.ratio("super_vs_plain.app_recovery_latency", median(&ratios), 1.0)?;
         // Where the time went, per part: medians over the rounds.
@@ -833,7 +833,7 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
             for (k, name) in super::breakdown::PARTS.iter().enumerate() {
                 let v: Vec<f64> = parts.iter().map(|p| p[k]).collect();
                 if !v.is_empty() {
-                    report.figure(&format!("recovery_rounds.{kind}.{name}_ms_median"), median(&v))?;
+                    report.figure(&format!("recovery_rounds.{kind}.{name}_ms_p50"), median(&v))?;
                 }
             }
         }
