@@ -63,7 +63,7 @@ fn sqlite_times(app_log: &Path) -> Option<(f64, f64, f64)> {
     let text = std::fs::read_to_string(app_log).ok()?;
     let field = |line: &str, key: &str| -> Option<f64> {
         let rest = line.split(key).nth(1)?;
-        rest.split(|c: char| c == ' ' || c == ')').find(|w| !w.is_empty())?.parse::<f64>().ok().map(|s| s * 1000.0)
+        rest.split([' ', ')']).find(|w| !w.is_empty())?.parse::<f64>().ok().map(|s| s * 1000.0)
     };
     let open_line = text.lines().rev().find(|l| l.contains("opened_unix"))?;
     let serve_line = text.lines().rev().find(|l| l.contains("serving_unix"))?;
