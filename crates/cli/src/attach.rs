@@ -247,7 +247,9 @@ fn serve(conn: &ConnArgs, a: &AttachArgs, mount_dir: &Path, state_file: &Path, l
         use tokio::signal::unix::{signal, SignalKind};
         (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?)
     };
+    let t_open = Instant::now();
     let vol = rt.block_on(async { target.connect().await?.open(&a.name).await })?;
+    let open_time = t_open.elapsed();
     let size = vol.record().size_bytes;
     let mut cfg = fusefile::AttachConfig::new(format!("{}.img", a.name), rt.handle().clone());
     cfg.mkfs_ext4 = a.mkfs;
@@ -267,12 +269,16 @@ fn serve(conn: &ConnArgs, a: &AttachArgs, mount_dir: &Path, state_file: &Path, l
         return Err(e.context("cannot write the attach state file"));
     }
     let loop_text = state.loop_device.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+    // Where the attach went (a failover's backup waits for all of it): `open=… fuse=… ms`.
+    let steps: Vec<String> =
+        std::iter::once(("open", open_time)).chain(attached.step_times().iter().copied()).map(|(n, d)| format!("{n}={:.1}", d.as_secs_f64() * 1000.0)).collect();
     println!(
-        "{READY_PREFIX}{} ({}) at {} via {loop_text}{}",
+        "{READY_PREFIX}{} ({}) at {} via {loop_text}{} [{} ms]",
         a.name,
         crate::size::format_size(size),
         mount_dir.display(),
-        if a.mkfs { ", fresh ext4" } else { "" }
+        if a.mkfs { ", fresh ext4" } else { "" },
+        steps.join(" ")
     );
     let _ = std::io::stdout().flush();
     // Whoever reads our stdout (the background `attach`, or a failover monitor that may itself

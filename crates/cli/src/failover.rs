@@ -25,6 +25,7 @@ use crate::cluster_file::Target;
 use crate::ConnArgs;
 
 mod bench;
+mod breakdown;
 mod datadir;
 mod mariadb;
 mod postgres;
@@ -428,7 +429,10 @@ fn sqlite_front(a: FrontArgs) -> anyhow::Result<()> {
     use std::os::unix::process::CommandExt;
     let python = ::failover::spec::find_program("python3").context("python3 not found (the SQLite front runs on python3's sqlite3 module)")?;
     // exec: the front keeps this process id, so signals reach it directly.
+    // -I -S: the standard library only (no site-packages, whose .pth imports cost ~0.1 s of
+    // every start, a failover's included; no current directory — the volume — on sys.path).
     let e = std::process::Command::new(python)
+        .args(["-I", "-S"])
         .arg("-c")
         .arg(::failover::load::SQLITE_FRONT_PY)
         .arg("--db")

@@ -29,5 +29,12 @@ fn quick_scenarios_bench_emits_the_ratios() {
         assert!(v["ratios"][r].as_f64().is_some_and(|x| x.is_finite() && x > 0.0), "ratio {r} missing or not positive: {v}");
     }
     assert!(v["figures"]["monitor.rss_peak_bytes"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    // The interleaved recovery rounds behind super_vs_plain, and where a recovery went.
+    assert_eq!(v["figures"]["recovery_rounds.rounds_count"].as_f64(), Some(2.0), "{v}");
+    for kind in ["plain", "super"] {
+        let f = &v["figures"][format!("recovery_rounds.{kind}.ext4_mount_ms_p50")];
+        assert!(f.as_f64().is_some_and(|x| x.is_finite() && x >= 0.0), "{kind} breakdown missing: {v}");
+    }
+    assert!(v["figures"]["speculative.extra_instance_time_per_failure_s_mean"].as_f64().is_some_and(|x| x > 0.0), "{v}");
     assert!(dir.path().join("out/throughput.csv").exists());
 }

@@ -9,6 +9,8 @@
 # housekeeping thread writes on its own (like log rotation or GC), reachable or not.
 import argparse, signal, socketserver, sqlite3, sys, threading, time
 
+t_start = time.time()  # the interpreter is up (a bench reads these times from the log)
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--db", required=True)
 ap.add_argument("--port", type=int, required=True)
@@ -33,7 +35,8 @@ db.execute("CREATE TABLE IF NOT EXISTS commits(id INTEGER PRIMARY KEY, payload B
 db.execute("CREATE TABLE IF NOT EXISTS housekeeping(at REAL)")
 db.execute("CREATE TABLE IF NOT EXISTS fill(payload BLOB)")
 rows = db.execute("SELECT count(*) FROM commits").fetchone()[0]
-print(f"sqlite front: {args.db} open with {rows} rows in {time.time() - t0:.3f} s", flush=True)
+t_open = time.time()
+print(f"sqlite front: {args.db} open with {rows} rows in {t_open - t0:.3f} s (started_unix {t_start:.4f} opened_unix {t_open:.4f})", flush=True)
 if args.startup_delay_file:
     try:
         with open(args.startup_delay_file) as f:
@@ -114,7 +117,7 @@ def stop(signum, frame):
 signal.signal(signal.SIGTERM, stop)
 if args.housekeeping_ms > 0:
     threading.Thread(target=housekeeping, daemon=True).start()
-print(f"sqlite front: serving on {args.host}:{args.port}", flush=True)
+print(f"sqlite front: serving on {args.host}:{args.port} (serving_unix {time.time():.4f})", flush=True)
 server.serve_forever()
 with lock:
     db.close()

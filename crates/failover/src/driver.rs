@@ -237,6 +237,8 @@ pub struct InstanceStatus {
     pub pids: Option<(u32, u32)>,
     /// Its network namespace, when it runs in one.
     pub netns: Option<crate::netns::NetnsLink>,
+    /// Where its start went (attach steps, application spawned).
+    pub start: Option<crate::pool::StartTiming>,
 }
 
 pub enum Control {
@@ -474,7 +476,7 @@ pub async fn run(
                     Control::Status(reply) => {
                         let mut instances = vec![];
                         for id in pool.instances() {
-                            instances.push(InstanceStatus { id, addr: pool.address(id), pids: pool.pids(id), netns: pool.netns(id) });
+                            instances.push(InstanceStatus { id, addr: pool.address(id), pids: pool.pids(id), netns: pool.netns(id), start: pool.start_timing(id) });
                         }
                         let _ = reply.send(Status {
                             state: m.durable().clone(),

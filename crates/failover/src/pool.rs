@@ -148,7 +148,28 @@ impl Link {
     }
 }
 
+/// Where an instance's start went (wall clock, ms since the Unix epoch): the bench breaks a
+/// recovery down with it.
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, Default, PartialEq)]
+pub struct StartTiming {
+    /// `start` called (the attach helper is spawned right after).
+    pub requested_unix_ms: u64,
+    /// The helper reported the file system mounted.
+    pub attached_unix_ms: u64,
+    /// The application's process spawned.
+    pub spawned_unix_ms: u64,
+    /// The helper's own steps, in ms: volume open, FUSE mount, losetup, (mkfs,) mount.
+    pub attach_steps_ms: Vec<(String, f64)>,
+}
+
+/// The `[open=1.2 fuse=0.4 … ms]` suffix of the attach helper's ready line.
+fn parse_attach_steps(line: &str) -> Vec<(String, f64)> {
+    let Some(inner) = line.trim_end().rsplit_once('[').and_then(|(_, r)| r.strip_suffix("ms]")) else { return vec![] };
+    inner.split_whitespace().filter_map(|kv| kv.split_once('=')).filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?))).collect()
+}
+
 struct Inst {
+    timing: StartTiming,
     saved: SavedInst,
     pgid: i32,
     app_pid: u32,
@@ -342,6 +363,7 @@ impl LocalPool {
             self.insts.lock().unwrap().insert(
                 s.id,
                 Inst {
+                    timing: StartTiming::default(),
                     pgid: s.pgid,
                     app_pid: s.app_pid,
                     attach_pid: s.attach_pid,
@@ -363,6 +385,11 @@ impl LocalPool {
 
     pub fn log_file(&self, id: InstanceId) -> PathBuf {
         self.cfg.state_dir.join("logs").join(format!("{id}.log"))
+    }
+
+    /// Where the start of a running instance went (default for an adopted one).
+    pub fn start_timing(&self, id: InstanceId) -> Option<StartTiming> {
+        self.insts.lock().unwrap().get(&id).map(|i| i.timing.clone())
     }
 
     /// Process ids of an instance: (application, attach helper).
@@ -406,6 +433,7 @@ impl LocalPool {
     }
 
     async fn start_inner(&self, id: InstanceId, volume: &str) -> Result<SocketAddr, PoolError> {
+        let requested_unix_ms = crate::driver::now_unix_ms();
         let mount = self.mount_dir(id);
         std::fs::create_dir_all(&mount).map_err(|e| PoolError::Io { id, msg: format!("cannot create {}: {e}", mount.display()) })?;
         let attach_log = self.cfg.state_dir.join("logs").join(format!("{id}.attach.log"));
@@ -483,6 +511,8 @@ impl LocalPool {
             };
             return Err(PoolError::Attach { id, volume: volume.into(), msg: why });
         }
+        let attached_unix_ms = crate::driver::now_unix_ms();
+        let attach_steps_ms = parse_attach_steps(&line);
         // The application, in the same process group (and its own network namespace).
         let port = free_port().map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
         let (ns_lock, ns) = match ns_task {
@@ -539,6 +569,7 @@ impl LocalPool {
             }
         };
         let app_pid = app_child.id().unwrap_or(0);
+        let timing = StartTiming { requested_unix_ms, attached_unix_ms, spawned_unix_ms: crate::driver::now_unix_ms(), attach_steps_ms };
         let link = match ns {
             Some((link, _fd)) => Link::Netns { addr: (link.ns_addr, port).into(), link },
             None => {
@@ -580,7 +611,7 @@ impl LocalPool {
         };
         self.insts.lock().unwrap().insert(
             id,
-            Inst { saved, pgid, app_pid, attach_pid, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
+            Inst { timing, saved, pgid, app_pid, attach_pid, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
         );
         self.save();
         Ok(addr)

@@ -27,6 +27,7 @@ use ::failover::{Input, InstanceId};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use volume::meta::{MetaReq, MetaResp};
 
+use super::breakdown::Breakdown;
 use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
 
 #[derive(Args, Debug)]
@@ -88,6 +89,8 @@ struct Sample {
     wal_bytes: u64,
     app_recovery_ms: f64,
     attach_ms: f64,
+    /// Where start → healthy went.
+    parts: Option<Breakdown>,
 }
 
 fn app_spec(exe: &Path, app: App, wal_bytes: u64) -> (AppSpec, HealthSpec) {
@@ -263,14 +266,18 @@ impl Bench {
         InstanceId(self.next_id)
     }
 
-    /// Starts an instance on `vol`; returns (its address, attach ms, app recovery ms).
-    async fn recover_on(&mut self, vol: &str) -> anyhow::Result<(InstanceId, SocketAddr, f64, f64)> {
+    /// Starts an instance on `vol`; returns (its address, attach ms, app recovery ms) and where
+    /// the time went.
+    async fn recover_on(&mut self, vol: &str) -> anyhow::Result<(InstanceId, SocketAddr, f64, f64, Option<Breakdown>)> {
         let id = self.id();
         let t0 = Instant::now();
+        let asked_unix = ::failover::driver::now_unix_ms() as f64;
         let addr = self.pool.start(id, vol).await.with_context(|| format!("starting an instance on {vol}"))?;
         let started = Instant::now();
         let healthy = wait_healthy(&self.pool, &self.health, addr, id).await?;
-        Ok((id, addr, (started - t0).as_secs_f64() * 1000.0, (healthy - started).as_secs_f64() * 1000.0))
+        let healthy_unix = ::failover::driver::now_unix_ms() as f64 - healthy.elapsed().as_secs_f64() * 1000.0;
+        let b = self.pool.start_timing(id).and_then(|t| super::breakdown::of(asked_unix, healthy_unix, &t, &self.pool.log_file(id), 0.0));
+        Ok((id, addr, (started - t0).as_secs_f64() * 1000.0, (healthy - started).as_secs_f64() * 1000.0, b))
     }
 
     async fn meta(&self, req: MetaReq) -> anyhow::Result<MetaResp> {
@@ -318,7 +325,7 @@ async fn cell(
     )?);
     let mut b = Bench { pool: pool.clone(), volumes: Volumes { cluster }, health, next_id: 0 };
     let r = async {
-        let (mut primary, mut addr, _, boot_ms) = b.recover_on(&vol).await?;
+        let (mut primary, mut addr, _, boot_ms, _) = b.recover_on(&vol).await?;
         eprintln!("failover recovery bench: {} {wal}: primary up ({boot_ms:.0} ms to healthy)", app.name());
         for &failure in failures {
             let have = fill(app, addr, &pool.mount_dir(primary), wal_bytes).await?;
@@ -338,9 +345,13 @@ async fn cell(
                         b.meta(MetaReq::CloneGeneral { parent: vol.clone(), child: child.clone() }).await.context("general clone")?;
                     }
                 }
-                let (id, _, attach_ms, app_ms) = b.recover_on(&child).await?;
-                samples.push(Sample { app, wal, failure, clone: c, wal_bytes: have, app_recovery_ms: app_ms, attach_ms });
-                eprintln!("failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on {c}: attach {attach_ms:.0} ms, app recovery {app_ms:.0} ms", app.name());
+                let (id, _, attach_ms, app_ms, parts) = b.recover_on(&child).await?;
+                eprintln!(
+                    "failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on {c}: attach {attach_ms:.0} ms, app recovery {app_ms:.0} ms ({})",
+                    app.name(),
+                    parts.as_ref().map(Breakdown::line).unwrap_or_default()
+                );
+                samples.push(Sample { app, wal, failure, clone: c, wal_bytes: have, app_recovery_ms: app_ms, attach_ms, parts });
                 pool.kill(id).await?;
                 match c {
                     "super" => match b.volumes.drop_child(&vol, &child).await {
@@ -352,9 +363,13 @@ async fn cell(
                     }
                 }
             }
-            let (id, a, attach_ms, app_ms) = b.recover_on(&vol).await?;
-            samples.push(Sample { app, wal, failure, clone: "plain", wal_bytes: have, app_recovery_ms: app_ms, attach_ms });
-            eprintln!("failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on plain: attach {attach_ms:.0} ms, app recovery {app_ms:.0} ms", app.name());
+            let (id, a, attach_ms, app_ms, parts) = b.recover_on(&vol).await?;
+            eprintln!(
+                "failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on plain: attach {attach_ms:.0} ms, app recovery {app_ms:.0} ms ({})",
+                app.name(),
+                parts.as_ref().map(Breakdown::line).unwrap_or_default()
+            );
+            samples.push(Sample { app, wal, failure, clone: "plain", wal_bytes: have, app_recovery_ms: app_ms, attach_ms, parts });
             (primary, addr) = (id, a);
         }
         pool.kill(primary).await?;
@@ -448,6 +463,15 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
                 super_sum += m[1];
                 general_sum += m[2];
                 groups.push(format!("{} {} {}", app.name(), wal.trim_end_matches("_wal"), failure));
+            }
+        }
+    }
+    // Where start → healthy went, per volume kind, over every sample that has a breakdown.
+    for c in CLONES {
+        let parts: Vec<[f64; 10]> = samples.iter().filter(|s| s.clone == c).filter_map(|s| s.parts.as_ref().map(Breakdown::values)).collect();
+        if !parts.is_empty() {
+            for (k, name) in super::breakdown::PARTS.iter().enumerate() {
+                report.figure(&format!("{c}.recovery.{name}_ms_mean"), mean(parts.iter().map(|p| p[k])))?;
             }
         }
     }

@@ -78,6 +78,13 @@ pub struct ScenarioArgs {
     /// §6.5: length of each throughput window of those rounds [default: 2000; 500 with --quick].
     #[arg(long, value_name = "MS")]
     pub window_ms: Option<u64>,
+    /// §6.3 inside this bench: after the scenarios, rounds of one crash of the oracle's primary
+    /// (recovery on the plain volume) and one of speculative's (on the super child), in ABBA
+    /// order, with no added recovery time; `super_vs_plain.app_recovery_latency` is the median
+    /// of the rounds' ratios [default: 8; 2 with --quick; 0: the mean over the scenarios'
+    /// crashes instead].
+    #[arg(long, value_name = "N")]
+    pub recovery_rounds: Option<usize>,
 }
 
 /// The primary is pinged this often (the backup while it starts: `backup_ping_interval_ms`).
@@ -102,6 +109,8 @@ struct Params {
     /// The §6.5 throughput windows, and how many ABBA rounds of them.
     window: Duration,
     rounds: usize,
+    /// Interleaved crash rounds of oracle (plain) and speculative (super).
+    recovery_rounds: usize,
 }
 
 impl Params {
@@ -118,6 +127,7 @@ impl Params {
             // on it), and the closer A and B are in time, the more alike that drift hits them.
             window: Duration::from_millis(a.window_ms.unwrap_or(if q { 500 } else { 2_000 })),
             rounds: a.rounds.unwrap_or(if q { 2 } else { 15 }).max(1),
+            recovery_rounds: a.recovery_rounds.unwrap_or(if q { 2 } else { 8 }),
         }
     }
 }
@@ -332,6 +342,8 @@ struct Sample {
     pre_fault_ms: f64,
     detect_ms: f64,
     resume_ms: f64,
+    /// Where `app_recovery_ms` went (crashes only).
+    breakdown: Option<super::breakdown::Breakdown>,
     /// When the outcome was seen.
     outcome_at: Instant,
     ops_per_window: Vec<u64>,
@@ -426,6 +438,7 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
     }
     let started = t_of(ev, "backup_started");
     let healthy = t_of(ev, "backup_healthy");
+    let breakdown = recovery_breakdown(m, ev, s.recovery_ms as f64);
     let outcome_t = done["t_ms"].as_f64().unwrap_or(f64::NAN);
     let extra = match m.policy {
         "speculative" if started.is_finite() => (outcome_t - started) / 1000.0,
@@ -444,6 +457,7 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
         pre_fault_ms: fault_unix_ms - last_ack_unix,
         detect_ms: suspected_unix - fault_unix_ms,
         resume_ms: first_ack_unix - back_unix,
+        breakdown,
         outcome_at,
         ops_per_window: r.ops_per_window.clone(),
         window_ms: r.window_ms,
@@ -465,7 +479,22 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
         sample.healthy_to_outcome_ms,
         r.acked.len()
     );
+    if let Some(b) = &sample.breakdown {
+        eprintln!("failover bench: {:<12} {:<42} start→healthy less recovery {:.0} ms: {}", m.name, s.name, sample.app_recovery_ms, b.line());
+    }
     Ok(sample)
+}
+
+/// Where the recovery of the instance this failure started went (the instance serves now).
+fn recovery_breakdown(m: &Mon, ev: &[Value], delay_ms: f64) -> Option<super::breakdown::Breakdown> {
+    let started = ev.iter().rev().find(|e| e["event"] == "backup_started")?;
+    let healthy = ev.iter().rev().find(|e| e["event"] == "backup_healthy")?;
+    let id = started["instance"].as_u64()?;
+    let st: Value = serde_json::from_str(&m.control("status").ok()?).ok()?;
+    let inst = st["instances"].as_array()?.iter().find(|i| i["id"].as_u64() == Some(id))?;
+    let timing: ::failover::pool::StartTiming = serde_json::from_value(inst["start"].clone()).ok()?;
+    let log = m.run_dir.join("state").join("logs").join(format!("i{id}.log"));
+    super::breakdown::of(started["unix_ms"].as_f64()?, healthy["unix_ms"].as_f64()?, &timing, &log, delay_ms)
 }
 
 /// Commits/s through `m`'s endpoint over `window` (after a short warm-up).
@@ -567,6 +596,8 @@ struct Measured {
     end_ops_per_s: Option<(f64, f64)>,
     gc_end_ms: f64,
     spurious: usize,
+    /// The interleaved recovery rounds: per round (plain, super) samples.
+    recovery: Vec<(Sample, Sample)>,
 }
 
 fn abba(mons: &[Mon], p: &Params, after: &'static str) -> anyhow::Result<Rounds> {
@@ -666,11 +697,39 @@ fn measure(a: &ScenarioArgs, p: &Params, scen: &[Scen], chosen: &[usize], cluste
         eprintln!("failover bench: at the end: promoted (after IV) {end_spec:.1} / never-failed {end_nf:.1} commits/s");
         end_ops_per_s = Some((end_spec, end_nf));
     }
+    // §6.3 here: the same application and the same load, one crash of each volume kind per
+    // round, ABBA, so the machine's drift hits both alike.
+    let mut recovery = vec![];
+    if p.recovery_rounds > 0 {
+        let crash = Scen { name: "recovery_round", label: "recovery round", recovery_ms: 0, transient_ms: None, same_as: None };
+        let mut pending: [Vec<Sample>; 2] = [vec![], vec![]];
+        for (k, v) in bench::interleaved_order(p.recovery_rounds, 2).into_iter().enumerate() {
+            let m = &mut mons[if v == 0 { 3 } else { 2 }];
+            let r = run_failure(m, &crash, p).map_err(|e| m.context(e))?;
+            if v == 1 && r.outcome == "promoted" {
+                wait_gc_end(cluster_file)?;
+            }
+            pending[v].push(r);
+            if k % 2 == 1 {
+                let (plain, sup) = (pending[0].pop().expect("one each"), pending[1].pop().expect("one each"));
+                let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+                eprintln!(
+                    "failover bench: recovery round {}: plain {:.0} ms / super {:.0} ms: super/plain {:.3} (load {})",
+                    recovery.len() + 1,
+                    plain.app_recovery_ms,
+                    sup.app_recovery_ms,
+                    sup.app_recovery_ms / plain.app_recovery_ms,
+                    load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+                );
+                recovery.push((plain, sup));
+            }
+        }
+    }
     let spurious = mons.iter().map(|m| m.spurious).sum::<usize>() + mons.iter_mut().map(|m| std::iter::from_fn(|| m.rx.try_recv().ok()).filter(|e| e["event"] == "suspected").count()).sum::<usize>();
     let rss_bytes = mons.iter().map(|m| peak_rss_bytes(m.guard.pid()).unwrap_or(0)).max().unwrap_or(0);
     // Stop them all (instances stopped cleanly, volumes detached) before the cluster goes.
     drop(mons);
-    Ok(Measured { samples, rss_bytes, rounds, end_ops_per_s, spurious, gc_end_ms: mean(gc_ms) })
+    Ok(Measured { samples, rss_bytes, rounds, end_ops_per_s, spurious, gc_end_ms: mean(gc_ms), recovery })
 }
 
 /// A figure that may be missing (an event the monitor did not report): left out with a note
@@ -731,6 +790,13 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
             let avg = |f: fn(&Sample) -> f64| mean(kills.iter().map(|&si| f(get(si, pi))));
             report.figure(&format!("{pol}.crash.detect_to_backup_start_ms_mean"), avg(|s| s.detect_to_start_ms))?;
             report.figure(&format!("{pol}.crash.app_recovery_latency_ms_mean"), avg(|s| s.app_recovery_ms))?;
+            // Where it went, part by part (the breakdown of every crash that has one).
+            let parts: Vec<[f64; 10]> = kills.iter().filter_map(|&si| get(si, pi).breakdown.as_ref().map(|b| b.values())).collect();
+            if !parts.is_empty() {
+                for (k, name) in super::breakdown::PARTS.iter().enumerate() {
+                    report.figure(&format!("{pol}.crash.recovery.{name}_ms_mean"), mean(parts.iter().map(|p| p[k])))?;
+                }
+            }
             report.figure(&format!("{pol}.crash.healthy_to_outcome_ms_mean"), avg(|s| s.healthy_to_outcome_ms))?;
             figure_if(&mut report, &format!("{pol}.crash.client_minus_monitor_ms_mean"), avg(|s| s.gap_ms - s.monitor_ms))?;
             report.figure(&format!("{pol}.crash.before.throughput_ops_per_s_mean"), avg(|s| s.before_ops_per_s))?;
@@ -739,7 +805,38 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
         // Application recovery on the super child (speculative) against the plain volume
         // (oracle), both from a SIGKILL, less the scenario's recovery time.
         let rec = |pi: usize| mean(kills.iter().map(|&si| get(si, pi).app_recovery_ms));
-        report.ratio("super_vs_plain.app_recovery_latency", rec(1), rec(2))?;
+        if m.recovery.is_empty() {
+            report.ratio("super_vs_plain.app_recovery_latency", rec(1), rec(2))?;
+        } else {
+            report.ratio("scenarios.super_vs_plain.app_recovery_latency.of_means", rec(1), rec(2))?;
+        }
+    }
+    if !m.recovery.is_empty() {
+        // The interleaved rounds: the median of the rounds' ratios is the headline.
+        let ratios: Vec<f64> = m.recovery.iter().map(|(a, b)| b.app_recovery_ms / a.app_recovery_ms).collect();
+        for (i, ((a, b), r)) in m.recovery.iter().zip(&ratios).enumerate() {
+            report.figure(&format!("recovery_rounds.round_{}.plain.app_recovery_latency_ms", i + 1), a.app_recovery_ms)?;
+            report.figure(&format!("recovery_rounds.round_{}.super.app_recovery_latency_ms", i + 1), b.app_recovery_ms)?;
+            report.ratio(&format!("recovery_rounds.round_{}.super_vs_plain.app_recovery_latency", i + 1), *r, 1.0)?;
+        }
+        report.figure("recovery_rounds.rounds_count", ratios.len() as f64)?;
+        let plain: Vec<f64> = m.recovery.iter().map(|x| x.0.app_recovery_ms).collect();
+        let sup: Vec<f64> = m.recovery.iter().map(|x| x.1.app_recovery_ms).collect();
+        report.figure("recovery_rounds.plain.app_recovery_latency_ms_p50", median(&plain))?;
+        report.figure("recovery_rounds.super.app_recovery_latency_ms_p50", median(&sup))?;
+        report.ratio("recovery_rounds.super_vs_plain.app_recovery_latency.of_medians", median(&sup), median(&plain))?;
+        report.ratio("super_vs_plain.app_recovery_latency", median(&ratios), 1.0)?;
+        // Where the time went, per part: medians over the rounds.
+        for (kind, pick) in [("plain", 0usize), ("super", 1)] {
+            let parts: Vec<[f64; 10]> =
+                m.recovery.iter().filter_map(|x| if pick == 0 { &x.0 } else { &x.1 }.breakdown.as_ref().map(|b| b.values())).collect();
+            for (k, name) in super::breakdown::PARTS.iter().enumerate() {
+                let v: Vec<f64> = parts.iter().map(|p| p[k]).collect();
+                if !v.is_empty() {
+                    report.figure(&format!("recovery_rounds.{kind}.{name}_ms_p50"), median(&v))?;
+                }
+            }
+        }
     }
     if !run.is_empty() {
         report.figure("speculative.extra_instance_time_per_failure_s_mean", mean(run.iter().map(|&si| get(si, 1).extra_instance_s)))?;
