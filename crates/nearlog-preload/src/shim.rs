@@ -209,6 +209,11 @@ struct Tracked {
 
 /// Longest a batch is held back from the peers beyond a majority ([`Shim::pump`]).
 const DEFER_MAX: Duration = Duration::from_millis(1);
+/// Most bytes queued for one peer connection that its socket has not taken yet (an image
+/// staged to a lagging peer is up to a file's size); past it the connection is dropped.
+const MAX_QUEUED_SEND_BYTES: usize = 512 << 20;
+/// A send queue keeps at most this much capacity once drained (and drops its sent front past it).
+const SENDQ_KEEP_BYTES: usize = 1 << 20;
 
 /// Resumes or relocations one wait may go through before it gives up with EIO.
 const MAX_RESUMES_PER_WAIT: u32 = 8;
@@ -257,6 +262,11 @@ struct Shim {
     /// Per peer: when the oldest unanswered batch went out, and a moving average of the time
     /// to its first reply (µs): the quickest majority is sent to first.
     reply_us: HashMap<PeerId, (Option<Instant>, u64)>,
+    /// Per peer: bytes handed to its connection that the kernel has not taken yet, and how many
+    /// of them went out. Sends never block the application: a large transfer to one peer (the
+    /// image staged to a peer that lags after a crash, a resync) goes out as its socket drains,
+    /// during later pumps, while the majority's small records pass on their own connections.
+    sendq: HashMap<PeerId, (Vec<u8>, usize)>,
     owner_pid: u32,
     start: Instant,
 }
@@ -342,6 +352,7 @@ impl Shim {
                 readers: HashMap::new(),
                 deferred: HashMap::new(),
                 reply_us: HashMap::new(),
+                sendq: HashMap::new(),
                 owner_pid: pid,
                 start: Instant::now(),
             });
@@ -372,6 +383,7 @@ impl Shim {
                     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
                     *conn = Some(s);
                     self.readers.remove(&peer);
+                    self.sendq.remove(&peer);
                 }
                 Err(e) => log(&format!("log peer {peer} at {addr} unreachable: {e}")),
             }
@@ -461,13 +473,31 @@ impl Shim {
             std::thread::sleep(wait.min(Duration::from_millis(20)));
             return;
         }
-        let mut fds: Vec<libc::pollfd> =
-            ids.iter().map(|p| libc::pollfd { fd: self.peers[p].1.as_ref().unwrap().as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
+        // Queued output (a transfer larger than the socket takes at once) goes on as it drains.
+        for p in &ids {
+            if self.has_queued(p) {
+                self.try_send(*p);
+            }
+        }
+        let ids: Vec<PeerId> = self.peers.iter().filter(|(_, v)| v.1.is_some()).map(|(k, _)| *k).collect();
+        if ids.is_empty() {
+            return;
+        }
+        let mut fds: Vec<libc::pollfd> = ids
+            .iter()
+            .map(|p| {
+                let out = if self.has_queued(p) { libc::POLLOUT } else { 0 };
+                libc::pollfd { fd: self.peers[p].1.as_ref().unwrap().as_raw_fd(), events: libc::POLLIN | out, revents: 0 }
+            })
+            .collect();
         if !self.wait_replies(&mut fds, wait) {
             return;
         }
         for (i, p) in ids.iter().enumerate() {
-            if fds[i].revents == 0 {
+            if fds[i].revents & libc::POLLOUT != 0 {
+                self.try_send(*p);
+            }
+            if fds[i].revents & !libc::POLLOUT == 0 || self.peers.get(p).is_none_or(|v| v.1.is_none()) {
                 continue;
             }
             // One read takes every reply the kernel has; they are parsed from the buffer.
@@ -503,8 +533,7 @@ impl Shim {
             }
             if let Some(e) = lost {
                 log(&format!("log peer {p}: connection lost: {e}"));
-                self.peers.get_mut(p).unwrap().1 = None;
-                self.readers.remove(p);
+                self.drop_conn(*p);
             }
         }
     }
@@ -543,17 +572,73 @@ impl Shim {
     }
 
     fn send_batch(&mut self, p: PeerId, buf: &[u8], at: Instant) {
-        if let Some(conn) = self.ensure_conn(p) {
-            use std::io::Write;
-            if let Err(e) = conn.write_all(buf) {
-                log(&format!("log peer {p}: send failed: {e}"));
-                self.peers.get_mut(&p).unwrap().1 = None;
-                self.readers.remove(&p);
-                return;
-            }
-            let r = self.reply_us.entry(p).or_insert((None, 0));
-            r.0.get_or_insert(at);
+        if self.ensure_conn(p).is_none() {
+            return;
         }
+        let q = self.sendq.entry(p).or_default();
+        if q.0.len() - q.1 + buf.len() > MAX_QUEUED_SEND_BYTES {
+            // A peer that takes nothing for this long is as good as gone: the client's own
+            // retransmission and resync bring it back on a new connection.
+            log(&format!("log peer {p}: more than {MAX_QUEUED_SEND_BYTES} bytes not taken; dropping the connection"));
+            self.drop_conn(p);
+            return;
+        }
+        q.0.extend_from_slice(buf);
+        self.try_send(p);
+        let r = self.reply_us.entry(p).or_insert((None, 0));
+        r.0.get_or_insert(at);
+    }
+
+    /// Writes what the kernel takes of peer `p`'s queue without blocking.
+    fn try_send(&mut self, p: PeerId) {
+        let Some(fd) = self.peers.get(&p).and_then(|v| v.1.as_ref()).map(|c| c.as_raw_fd()) else { return };
+        let Some(q) = self.sendq.get_mut(&p) else { return };
+        let mut failed = None;
+        while q.1 < q.0.len() {
+            let rest = &q.0[q.1..];
+            // SAFETY: sending from our own buffer within its bounds; the fd is our connection.
+            let n = unsafe { libc::send(fd, rest.as_ptr() as *const c_void, rest.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+            if n >= 0 {
+                q.1 += n as usize;
+                continue;
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => continue,
+                Some(libc::EAGAIN) => break,
+                _ => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        if q.1 == q.0.len() {
+            q.0.clear();
+            q.1 = 0;
+            if q.0.capacity() > SENDQ_KEEP_BYTES {
+                q.0 = Vec::new();
+            }
+        } else if q.1 >= SENDQ_KEEP_BYTES && q.1 * 2 >= q.0.len() {
+            // Do not keep the sent front of a long transfer resident (moved at most once per halving).
+            q.0.drain(..q.1);
+            q.1 = 0;
+        }
+        if let Some(e) = failed {
+            log(&format!("log peer {p}: send failed: {e}"));
+            self.drop_conn(p);
+        }
+    }
+
+    fn has_queued(&self, p: &PeerId) -> bool {
+        self.sendq.get(p).is_some_and(|q| q.1 < q.0.len())
+    }
+
+    fn drop_conn(&mut self, p: PeerId) {
+        if let Some(v) = self.peers.get_mut(&p) {
+            v.1 = None;
+        }
+        self.readers.remove(&p);
+        self.sendq.remove(&p);
     }
 
     /// Sends every held-back batch now.
@@ -1010,7 +1095,7 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
     }
     // The local copy as it is: the start of a file never replicated, and otherwise what
     // recovery may take verified chunks from instead of fetching them.
-    let local = match read_local(read_fd, local_size) {
+    let mut local = match read_local(read_fd, local_size) {
         Ok(l) => l,
         Err(e) => {
             // SAFETY: our own fd, not stored anywhere yet.
@@ -1032,8 +1117,12 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         };
         shim.learn(&grant);
         // A file that was never replicated starts from its local content (it predates the shim).
-        let initial = if grant.initialized { Vec::new() } else { local.clone() };
-        let hint = if grant.initialized { local.clone() } else { Vec::new() };
+        // The local copy is moved, not copied (a WAL may be tens of MB): a retry reads it again.
+        if attempt > 1 {
+            local = read_local(read_fd, local_size).map_err(|e| format!("reading the local copy: {e}"))?;
+        }
+        let local = std::mem::take(&mut local);
+        let (initial, hint) = if grant.initialized { (Vec::new(), local) } else { (local, Vec::new()) };
         let ids = |v: &[nearlog::proto::PeerAddr]| v.iter().map(|p| p.id).collect::<Vec<_>>();
         let now = shim.now_us();
         let client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), grant.initialized, initial, ClientConfig::default(), now)
@@ -1064,7 +1153,11 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         let _ = seq;
         shim.wait_for(fd, true, all_acked)?;
     } else {
-        if local != image {
+        // Current when recovery took every chunk from the local copy (each checked against the
+        // source's block checksums) and the sizes agree; a never-replicated file starts from it.
+        let (fetched, _) = shim.files[&fd].client.recovery_bytes();
+        let current = image.len() as u64 == local_size && (!grant.initialized || fetched == 0);
+        if !current {
             // Missing, shorter, longer (unacknowledged tail) or different: the replicas win.
             write_local_all(fd, &image, 0).map_err(|e| format!("restoring the local copy: {e}"))?;
             // SAFETY: real ftruncate on our fd.

@@ -35,6 +35,16 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::proto::{Epoch, FileId, Holding, Op, PeerId, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES, MAX_SUMS_BYTES, READ_EPOCH};
 
+/// An image sent to a peer (a Stage before its Base, a resync) is not sent again until it had
+/// time to arrive at this rate, on top of `retransmit_after_us`: a peer still taking in tens of
+/// MB is not sent the whole image a second time (that doubled the transfer and the sender's
+/// queue for a lagging peer after a crash).
+const IMAGE_SEND_BYTES_PER_US: u64 = 20;
+
+fn image_send_us(bytes: usize) -> u64 {
+    bytes as u64 / IMAGE_SEND_BYTES_PER_US
+}
+
 /// Records sent ahead of a peer's last acknowledgement before it must catch up by retransmission.
 const PIPELINE_RECORDS: u64 = 4096;
 /// Fetch requests of `MAX_CHUNK_BYTES` each in flight to the recovery source: bounds the
@@ -527,6 +537,7 @@ impl FileClient {
         t.last_send_us = self.now_us;
         t.superseding |= supersede;
         let (seq, size, image_crc) = (*seq, image.len() as u64, crc32c::crc32c(image));
+        t.last_send_us = self.now_us + image_send_us(image.len());
         for (i, chunk) in image.chunks(MAX_CHUNK_BYTES).enumerate() {
             self.out.push((
                 p,
@@ -1037,6 +1048,7 @@ impl FileClient {
         if t.needs_image {
             // Sticky: once allowed, the peer may have released its copy (a lost reply).
             t.superseding |= supersede;
+            t.last_send_us = self.now_us + image_send_us(image.len());
             for (i, chunk) in image.chunks(MAX_CHUNK_BYTES).enumerate() {
                 self.out.push((
                     p,
