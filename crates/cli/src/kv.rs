@@ -821,11 +821,11 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     report.ratio("memory.peak_rss_vs_stored_plus_cap", mean(h, &|r| r.peak_rss_bytes as f64), allowance)?;
     report.ratio("fullcopy_vs_heal.recovery_latency", mean(f, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
     report.ratio("reactive_vs_heal.recovery_latency", mean(rl, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
-    // Throughput lost: the work lost to the failure from the kill to the end of the recovery
-    // (failure-free rate times the span, minus what completed, in 10 ms windows), in seconds
-    // of each run's own failure-free throughput: the schemes' spans differ by their recovery
-    // latency, so lost work, not a fraction of each span, compares them (as the paper's
-    // degradation over one run of fixed length does). Also over the recovery alone.
+    // Throughput lost: the work lost to the failure from the kill to the end of the recovery,
+    // each part against the nearest rate of its own run (see `RunResult`), in seconds of that
+    // rate: the schemes' spans differ by their recovery latency, so lost work, not a fraction
+    // of each span, compares them (as the paper's degradation over one run of fixed length
+    // does). Also over the recovery alone, the part the scheme decides.
     let lost_ratio = |report: &mut bench::Report, name: &str, a: f64, b: f64| -> anyhow::Result<()> {
         if b <= 0.0 {
             eprintln!("note: {name}: the baseline lost no work ({b:.3} s), the ratio means nothing");
