@@ -670,6 +670,9 @@ pub struct KvRecoveryArgs {
     /// fetched (1: strictly one chunk at a time).
     #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
+    /// Schemes to run (default: all three; the cross-scheme ratios need all three).
+    #[arg(long, value_delimiter = ',', value_enum)]
+    pub schemes: Option<Vec<Recovery>>,
     /// Instead of the scheme comparison: HEAL's recovery latency against the EFN for every
     /// persistency model, and the 3/4/5-node breakdown.
     #[arg(long)]
@@ -716,7 +719,11 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     }
     let out = bench::out_dir("kv", a.out.clone())?;
     let mut report = bench::Report::new("kv.recovery", a.quick);
-    let schemes = [Recovery::Heal, Recovery::FullCopy, Recovery::ReactiveLog];
+    let all = [Recovery::Heal, Recovery::FullCopy, Recovery::ReactiveLog];
+    let mut schemes: Vec<Recovery> = a.schemes.clone().unwrap_or(all.to_vec());
+    schemes.sort_by_key(|s| all.iter().position(|x| x == s));
+    schemes.dedup();
+    anyhow::ensure!(!schemes.is_empty(), "--schemes needs at least one scheme");
     let mut results: BTreeMap<&'static str, Vec<RunResult>> = BTreeMap::new();
     let mut csv_rows = Vec::new();
     for (round, v) in bench::interleaved_order(rounds, schemes.len()).into_iter().enumerate() {
@@ -757,7 +764,7 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
         bench::Scale::Linear,
     )?;
     let mean = |v: &[RunResult], f: &dyn Fn(&RunResult) -> f64| v.iter().map(f).sum::<f64>() / v.len() as f64;
-    for s in schemes {
+    for &s in &schemes {
         let key = s.figure_key();
         let v = &results[s.name()];
         report.figure(&format!("{key}.recovery_latency_ms"), mean(v, &|r| r.recovery_ms))?;
@@ -771,11 +778,11 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
         report.figure(&format!("{key}.throughput_before_ops_per_s"), mean(v, &|r| r.before_ops_per_s))?;
         report.figure(&format!("{key}.throughput_after_ops_per_s"), mean(v, &|r| r.after_ops_per_s))?;
         report.figure(&format!("{key}.throughput_failure_free_ops_per_s"), mean(v, &|r| r.failure_free()))?;
-        report.figure(&format!("{key}.throughput_lost_ops_count"), mean(v, &|r| r.lost_ops))?;
+        report.figure(&format!("{key}.throughput_efn_tail_ops_per_s"), mean(v, &|r| r.efn_tail_ops_per_s))?;
+        report.figure(&format!("{key}.failure_throughput_lost_s"), mean(v, &|r| r.failure_lost_s))?;
         report.figure(&format!("{key}.throughput_lost_s"), mean(v, &|r| r.lost_s()))?;
         report.figure(&format!("{key}.throughput_lost_ratio"), mean(v, &|r| r.lost_fraction()))?;
         report.figure(&format!("{key}.loss_span_s"), mean(v, &|r| r.span_s))?;
-        report.figure(&format!("{key}.recovery_throughput_lost_ops_count"), mean(v, &|r| r.recovery_lost_ops))?;
         report.figure(&format!("{key}.recovery_throughput_lost_s"), mean(v, &|r| r.recovery_lost_s()))?;
         report.figure(&format!("{key}.load_average_1m_ratio"), mean(v, &|r| r.load_avg))?;
         // Per round, so a noisy round shows.
@@ -786,8 +793,9 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
             report.figure(&format!("{p}.recovery_entries_count"), r.entries as f64)?;
             report.figure(&format!("{p}.throughput_before_ops_per_s"), r.before_ops_per_s)?;
             report.figure(&format!("{p}.throughput_after_ops_per_s"), r.after_ops_per_s)?;
-            report.figure(&format!("{p}.throughput_lost_ops_count"), r.lost_ops)?;
-            report.figure(&format!("{p}.recovery_throughput_lost_ops_count"), r.recovery_lost_ops)?;
+            report.figure(&format!("{p}.throughput_efn_tail_ops_per_s"), r.efn_tail_ops_per_s)?;
+            report.figure(&format!("{p}.throughput_lost_s"), r.lost_s())?;
+            report.figure(&format!("{p}.recovery_throughput_lost_s"), r.recovery_lost_s())?;
             report.figure(&format!("{p}.load_average_1m_ratio"), r.load_avg)?;
         }
         report.figure(&format!("{key}.missed_updates_bytes"), mean(v, &|r| r.missed_updates_bytes as f64))?;
@@ -798,6 +806,11 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     report.figure("store.per_node_bytes", stored as f64)?;
     report.figure("store.missed_updates_cap_bytes", a.missed_updates_cap_bytes as f64)?;
     report.figure("catchup.chunks_in_flight_count", a.catchup_chunks_in_flight as f64)?;
+    if schemes.len() < all.len() {
+        eprintln!("note: not every scheme ran: no cross-scheme ratios");
+        report.print();
+        return Ok(());
+    }
     // Memory: a live node (the Buddy) at the end of the EFN, when its Missed_updates buffer is
     // fullest, against what it stores plus the buffer's cap (target: at most 1.5).
     let h = &results["heal"];
@@ -808,11 +821,11 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     report.ratio("memory.peak_rss_vs_stored_plus_cap", mean(h, &|r| r.peak_rss_bytes as f64), allowance)?;
     report.ratio("fullcopy_vs_heal.recovery_latency", mean(f, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
     report.ratio("reactive_vs_heal.recovery_latency", mean(rl, &|r| r.recovery_ms), mean(h, &|r| r.recovery_ms))?;
-    // Throughput lost: the work lost to the failure from the kill to the end of the recovery
-    // (failure-free rate times the span, minus what completed, in 10 ms windows), in seconds
-    // of each run's own failure-free throughput: the schemes' spans differ by their recovery
-    // latency, so lost work, not a fraction of each span, compares them (as the paper's
-    // degradation over one run of fixed length does). Also over the recovery alone.
+    // Throughput lost: the work lost to the failure from the kill to the end of the recovery,
+    // each part against the nearest rate of its own run (see `RunResult`), in seconds of that
+    // rate: the schemes' spans differ by their recovery latency, so lost work, not a fraction
+    // of each span, compares them (as the paper's degradation over one run of fixed length
+    // does). Also over the recovery alone, the part the scheme decides.
     let lost_ratio = |report: &mut bench::Report, name: &str, a: f64, b: f64| -> anyhow::Result<()> {
         if b <= 0.0 {
             eprintln!("note: {name}: the baseline lost no work ({b:.3} s), the ratio means nothing");
@@ -954,15 +967,19 @@ struct RunResult {
     chunks: u64,
     full_copy: bool,
     /// Failure-free throughput in the windows just before the kill and just after the
-    /// recovery settled.
+    /// recovery settled, and the group's rate in the last window of the EFN (before the restart).
     before_ops_per_s: f64,
     after_ops_per_s: f64,
-    /// Operations lost from the kill to the end of the recovery: the failure-free rate (the
-    /// mean of the two adjacent failure-free windows) times the span, minus the operations
-    /// completed, summed over 10 ms windows (negative where the group did more than that).
-    lost_ops: f64,
-    /// The same over the recovery alone (re-admission to Recov_end).
-    recovery_lost_ops: f64,
+    efn_tail_ops_per_s: f64,
+    /// Work lost from the kill to the recovery's start (detection, EFN, the node's restart on
+    /// its log: the same for every scheme), in seconds of this run's pre-failure rate: that
+    /// rate times the span minus the operations completed, summed over 10 ms windows
+    /// (negative where the group did more).
+    failure_lost_s: f64,
+    /// The same over the recovery alone (re-admission to its end, as the node stamps it), in
+    /// seconds of the EFN-tail rate: the loss the scheme itself causes, against the rate of
+    /// the group it interrupts, measured seconds before.
+    recovery_lost_s: f64,
     /// Kill to the end of the recovery, in seconds.
     span_s: f64,
     /// The machine's 1-minute load average when the node had recovered.
@@ -980,12 +997,14 @@ impl RunResult {
     fn failure_free(&self) -> f64 {
         (self.before_ops_per_s + self.after_ops_per_s) / 2.0
     }
-    /// Lost operations in seconds of failure-free throughput.
+    /// Work lost from the kill to the end of the recovery, in seconds of the rate each part
+    /// is measured against (see the fields): drift-robust, each part against a rate of its
+    /// own run measured next to it.
     fn lost_s(&self) -> f64 {
-        self.lost_ops / self.failure_free().max(f64::MIN_POSITIVE)
+        self.failure_lost_s + self.recovery_lost_s
     }
     fn recovery_lost_s(&self) -> f64 {
-        self.recovery_lost_ops / self.failure_free().max(f64::MIN_POSITIVE)
+        self.recovery_lost_s
     }
     /// Lost operations as a fraction of what the span would have done failure-free.
     fn lost_fraction(&self) -> f64 {
@@ -993,10 +1012,10 @@ impl RunResult {
     }
     fn log(&self) {
         eprintln!(
-            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms of which transfer {:.1}; {} entries, {} bytes, {} chunks, full copy {}); failure-free {:.0}/{:.0} ops/s before/after; lost kill..end of recovery {:.0} ops = {:.2} s of it ({:.1}% of the {:.1} s span), during the recovery {:.0} ops = {:.3} s; buddy RSS {} MiB (peak {} MiB), Missed_updates {} KiB; load average {:.2}",
+            "  recovered in {:.1} ms (start_to_ack {:.1}, catchup_to_resp {:.1}, apply_to_end {:.1} ms of which transfer {:.1}; {} entries, {} bytes, {} chunks, full copy {}); failure-free {:.0}/{:.0} ops/s before/after, {:.0} ops/s at the end of the EFN; lost kill..end of recovery {:.2} s of throughput ({:.1}% of the {:.1} s span), of which during the recovery {:.3} s; buddy RSS {} MiB (peak {} MiB), Missed_updates {} KiB; load average {:.2}",
             self.recovery_ms, self.start_to_ack_ms, self.catchup_to_resp_ms, self.apply_to_end_ms, self.transfer_ms, self.entries, self.bytes,
-            self.chunks, self.full_copy, self.before_ops_per_s, self.after_ops_per_s, self.lost_ops, self.lost_s(),
-            self.lost_fraction() * 100.0, self.span_s, self.recovery_lost_ops, self.recovery_lost_s(), self.rss_bytes >> 20, self.peak_rss_bytes >> 20,
+            self.chunks, self.full_copy, self.before_ops_per_s, self.after_ops_per_s, self.efn_tail_ops_per_s, self.lost_s(),
+            self.lost_fraction() * 100.0, self.span_s, self.recovery_lost_s(), self.rss_bytes >> 20, self.peak_rss_bytes >> 20,
             self.missed_updates_bytes >> 10, self.load_avg
         );
     }
@@ -1183,6 +1202,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
             Some(m) => scrape_gauge(m, "kv_missed_updates_bytes").await.unwrap_or(f64::NAN),
             None => f64::NAN,
         };
+        let restart_at = t0.elapsed();
         lk.restart_node(victim)?;
         let log = dir.join(format!("logs/node-{victim}.log"));
         let deadline = Instant::now() + Duration::from_secs(3600);
@@ -1195,6 +1215,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         let seen_at = t0.elapsed();
+        eprintln!("  node {victim}: {line}");
         let load_avg = load_average_1m();
         // The recovery's span on the load's clock: its end as the node stamped it (the log is
         // polled every 20 ms), its start that much earlier.
@@ -1222,22 +1243,33 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         };
         let before_ops_per_s = rate(kill_at.saturating_sub(base_win), kill_at);
         let after_ops_per_s = rate(settled_at, settled_at + base_win);
-        let base = (before_ops_per_s + after_ops_per_s) / 2.0;
-        // Lost work from `from` to `to`: what the failure-free rate would have completed in
-        // those windows minus what was completed (not clipped: a window above the rate counts
-        // against the loss). The end of the recovery's window is included.
-        let lost_ops = |from: Duration, to: Duration| {
-            let span = &w[win(from)..(win(to) + 1).min(w.len())];
-            base / per_s * span.len() as f64 - span.iter().sum::<u64>() as f64
+        // The group's rate at the end of the EFN (the last window before the restart): what
+        // the surviving nodes did just before the recovery began.
+        let efn_tail_ops_per_s = rate(restart_at.saturating_sub(base_win), restart_at);
+        // Lost work from `from` to `to` against a reference rate: what that rate would have
+        // completed in those windows minus what was completed (not clipped: a window above the
+        // rate counts against the loss), in seconds of that rate. Each part of the span is
+        // measured against the rate nearest to it, within this run: the load's rate drifts
+        // by tens of percent over a minute on a shared machine (and between runs), which a
+        // single reference for a span that includes the whole EFN would count as loss.
+        let lost_s = |from: Duration, to: Duration, reference: f64| {
+            let span = &w[win(from)..win(to).min(w.len())];
+            (reference / per_s * span.len() as f64 - span.iter().sum::<u64>() as f64) / reference.max(f64::MIN_POSITIVE)
         };
         let span_s = recovered_at.saturating_sub(kill_at).as_secs_f64();
-        let (lost_all, lost_recovery, kill_window) = (lost_ops(kill_at, recovered_at), lost_ops(recovery_start, recovered_at), win(kill_at));
+        // The failure (detection, EFN, the node's restart on its log) is the same for every
+        // scheme: against the pre-failure rate. The recovery (re-admission to its end, as the
+        // node stamps it) is the scheme's own: against the EFN-tail rate.
+        let failure_lost_s = lost_s(kill_at, recovery_start, before_ops_per_s);
+        let recovery_lost_s = lost_s(recovery_start, recovered_at + Duration::from_millis(LOSS_WINDOW_MS), efn_tail_ops_per_s);
+        let kill_window = win(kill_at);
         Ok::<_, anyhow::Error>(Measured {
             line,
             before_ops_per_s,
             after_ops_per_s,
-            lost_ops: lost_all,
-            recovery_lost_ops: lost_recovery,
+            efn_tail_ops_per_s,
+            failure_lost_s,
+            recovery_lost_s,
             span_s,
             load_avg,
             rss,
@@ -1271,8 +1303,9 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         full_copy: line.contains("full_copy true"),
         before_ops_per_s: m.before_ops_per_s,
         after_ops_per_s: m.after_ops_per_s,
-        lost_ops: m.lost_ops,
-        recovery_lost_ops: m.recovery_lost_ops,
+        efn_tail_ops_per_s: m.efn_tail_ops_per_s,
+        failure_lost_s: m.failure_lost_s,
+        recovery_lost_s: m.recovery_lost_s,
         span_s: m.span_s,
         load_avg: m.load_avg,
         rss_bytes: m.rss,
@@ -1288,8 +1321,9 @@ struct Measured {
     line: String,
     before_ops_per_s: f64,
     after_ops_per_s: f64,
-    lost_ops: f64,
-    recovery_lost_ops: f64,
+    efn_tail_ops_per_s: f64,
+    failure_lost_s: f64,
+    recovery_lost_s: f64,
     span_s: f64,
     load_avg: f64,
     rss: u64,

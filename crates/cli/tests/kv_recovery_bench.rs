@@ -32,10 +32,10 @@ fn quick_recovery_bench_emits_the_three_scheme_ratios() {
     }
     // Each scheme's loss is measured against failure-free windows of its own run, per round.
     for s in ["heal", "fullcopy", "reactive"] {
-        for f in ["throughput_failure_free_ops_per_s", "round1.load_average_1m_ratio", "loss_span_s"] {
+        for f in ["throughput_failure_free_ops_per_s", "throughput_efn_tail_ops_per_s", "round1.load_average_1m_ratio", "loss_span_s"] {
             assert!(v["figures"][format!("{s}.{f}")].as_f64().is_some_and(|x| x.is_finite() && x >= 0.0), "{s}.{f}: {v}");
         }
-        for f in ["throughput_lost_s", "throughput_lost_ops_count", "round1.throughput_lost_ops_count", "recovery_throughput_lost_ops_count"] {
+        for f in ["throughput_lost_s", "failure_throughput_lost_s", "round1.throughput_lost_s", "recovery_throughput_lost_s", "round1.recovery_throughput_lost_s"] {
             assert!(v["figures"][format!("{s}.{f}")].as_f64().is_some_and(|x| x.is_finite()), "{s}.{f}: {v}");
         }
     }

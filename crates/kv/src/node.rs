@@ -113,6 +113,9 @@ pub struct RecoveryStats {
     /// From the first CatchUp_resp to the last chunk's arrival (part of `apply_to_end_us`; the
     /// rest is waiting for the log to make the last chunks durable).
     pub transfer_us: u64,
+    /// Time the next CatchUp_req waited because `max_catchup_chunks_in_flight` received chunks
+    /// were still being persisted (the log, not the Buddy, was the bottleneck).
+    pub window_stall_us: u64,
 }
 
 impl RecoveryStats {
@@ -218,6 +221,8 @@ struct Recov {
     outstanding: BTreeSet<u64>,
     /// Per received chunk that is not yet durable, in cursor order: its log appends still out.
     chunks_unpersisted: VecDeque<BTreeSet<u64>>,
+    /// Since when the next CatchUp_req has been held back by a full window.
+    stalled_since_us: Option<u64>,
     stats: RecoveryStats,
 }
 
@@ -238,6 +243,12 @@ struct Missed {
     keys: BTreeMap<Vec<u8>, usize>,
     bytes: usize,
 }
+
+/// A key of the store, held inline up to 24 bytes (YCSB's `user` + 19 digits fit): a B-tree
+/// lookup then compares keys inside its nodes instead of following a pointer per comparison to
+/// a separate allocation (on a store of a million keys, that halves the cost of a lookup, which
+/// dominates applying a catch-up), and a short key costs no allocation of its own.
+type StoreKey = smallvec::SmallVec<[u8; 24]>;
 
 /// (key, timestamp) pairs: a Partially_persisted list, the writes of a scope.
 type KeyVersions = Vec<(Vec<u8>, Ts)>;
@@ -261,7 +272,7 @@ pub struct NodeCore {
     mode: Mode,
     booted: bool,
     lease_until_us: u64,
-    store: BTreeMap<Vec<u8>, KeyState>,
+    store: BTreeMap<StoreKey, KeyState>,
     /// Keys with a coordinated write or not valid: the ones timers look at.
     unsettled: BTreeSet<Vec<u8>>,
     partially: Vec<(Vec<u8>, Ts)>,
@@ -309,12 +320,12 @@ impl NodeCore {
         let (booted, last_epoch) = (log.booted, log.last_epoch);
         // Built in one go from the sorted base: full tree nodes (a store-sized saving over
         // node-by-node inserts), and the scaffolding is one large block, handed back whole.
-        let store: BTreeMap<Vec<u8>, KeyState> = log
+        let store: BTreeMap<StoreKey, KeyState> = log
             .base
             .into_iter()
             .map(|(k, (ts, v))| {
                 let ks = KeyState { ts, value: v, valid: true, gdp: false, marked: ts, durable: ts, ..Default::default() };
-                (k, ks)
+                (StoreKey::from_slice(&k), ks)
             })
             .collect();
         NodeCore {
@@ -393,7 +404,7 @@ impl NodeCore {
         self.store
             .iter()
             .filter(|(_, k)| k.ts != Ts::default())
-            .map(|(key, k)| (key.clone(), (k.ts, k.valid, k.value.clone())))
+            .map(|(key, k)| (key.to_vec(), (k.ts, k.valid, k.value.clone())))
             .collect()
     }
     /// Hashes the protocol state for model checking (`tests/model_check.rs`): everything that
@@ -636,7 +647,7 @@ impl NodeCore {
                         .store
                         .iter()
                         .filter(|(_, k)| !k.gdp && k.ts != Ts::default())
-                        .map(|(key, k)| (key.clone(), k.value.len()))
+                        .map(|(key, k)| (key.to_vec(), k.value.len()))
                         .collect();
                     for (k, l) in seeds {
                         self.record_missed(&k, l);
@@ -658,7 +669,7 @@ impl NodeCore {
         let keys: Vec<Vec<u8>> = self.unsettled.iter().cloned().collect();
         let epoch = self.config.epoch;
         for key in keys {
-            let k = self.store.get_mut(&key).unwrap();
+            let k = self.store.get_mut(&key[..]).unwrap();
             if let Some(c) = &mut k.coord {
                 c.acks_c.clear();
                 c.acks_p.clear();
@@ -698,7 +709,7 @@ impl NodeCore {
         // flight get no answer (their outcome is unknown).
         let mut replies = Vec::new();
         for key in std::mem::take(&mut self.waiting_keys) {
-            if let Some(k) = self.store.get_mut(&key) {
+            if let Some(k) = self.store.get_mut(&key[..]) {
                 replies.extend(k.waiting.drain(..).map(|(tag, _)| tag));
             }
         }
@@ -750,7 +761,7 @@ impl NodeCore {
             ClientOp::Get { key } | ClientOp::Put { key, .. } => key.clone(),
             ClientOp::Persist { .. } => unreachable!(),
         };
-        let ready = match self.store.get(&key) {
+        let ready = match self.store.get(&key[..]) {
             None => true,
             Some(k) => k.valid && k.waiting.is_empty() && !self.coord_blocks(k),
         };
@@ -760,7 +771,7 @@ impl NodeCore {
             self.reply(tag, ClientResult::Busy);
         } else {
             self.pending_client_ops += 1;
-            self.store.get_mut(&key).unwrap().waiting.push_back((tag, op));
+            self.store.get_mut(&key[..]).unwrap().waiting.push_back((tag, op));
             self.waiting_keys.insert(key);
         }
     }
@@ -783,7 +794,7 @@ impl NodeCore {
                 self.counters.reads_served += 1;
                 let v = self
                     .store
-                    .get(&key)
+                    .get(&key[..])
                     .filter(|k| k.ts != Ts::default())
                     .map(|k| k.value.clone());
                 self.reply(tag, ClientResult::Value(v));
@@ -799,7 +810,7 @@ impl NodeCore {
                     }
                 }
                 let me = self.p.id;
-                let k = self.store.entry(key.clone()).or_insert_with(|| KeyState {
+                let k = self.store.entry(StoreKey::from_slice(&key)).or_insert_with(|| KeyState {
                     valid: true,
                     ..Default::default()
                 });
@@ -907,7 +918,7 @@ impl NodeCore {
     fn all_durable(&self, writes: &[(Vec<u8>, Ts)]) -> bool {
         writes
             .iter()
-            .all(|(k, ts)| self.store.get(k).is_some_and(|s| s.durable >= *ts))
+            .all(|(k, ts)| self.store.get(&k[..]).is_some_and(|s| s.durable >= *ts))
     }
 
     fn check_persist_op(&mut self, id: u64) {
@@ -928,7 +939,7 @@ impl NodeCore {
 
     fn apply_persist_val(&mut self, writes: &[(Vec<u8>, Ts)]) {
         for (key, ts) in writes {
-            if let Some(k) = self.store.get_mut(key) {
+            if let Some(k) = self.store.get_mut(&key[..]) {
                 if k.ts == *ts {
                     k.gdp = true;
                 }
@@ -1094,15 +1105,16 @@ impl NodeCore {
         }
     }
 
-    /// Applies a version to the volatile store if it is newer. Returns whether it was.
-    fn apply_newer(&mut self, now_us: u64, key: &[u8], ts: Ts, value: &[u8], valid: bool) -> bool {
+    /// Applies a version to the volatile store if it is newer. Returns the seq of its durable
+    /// append if it was applied.
+    fn apply_newer(&mut self, now_us: u64, key: &[u8], ts: Ts, value: &[u8], valid: bool) -> Option<u64> {
         // Looked up before inserting: most updates are to keys we hold (no key allocation).
         if self.store.get(key).is_some_and(|k| ts <= k.ts) {
-            return false;
+            return None;
         }
         let k = match self.store.get_mut(key) {
             Some(k) => k,
-            None => self.store.entry(key.to_vec()).or_insert_with(|| KeyState { valid: true, ..Default::default() }),
+            None => self.store.entry(StoreKey::from_slice(key)).or_insert_with(|| KeyState { valid: true, ..Default::default() }),
         };
         k.ts = ts;
         k.value = value.to_vec();
@@ -1117,9 +1129,9 @@ impl NodeCore {
         if !valid {
             self.unsettled.insert(key.to_vec());
         }
-        self.persist(key, ts, value);
+        let seq = self.persist(key, ts, value);
         self.record_missed(key, value.len());
-        true
+        Some(seq)
     }
 
     /// A message from another node.
@@ -1140,7 +1152,7 @@ impl NodeCore {
                 self.ack(from, &key, ts);
             }
             PeerMsg::Ack { key, ts, c, p, .. } => {
-                let Some(k) = self.store.get_mut(&key) else { return };
+                let Some(k) = self.store.get_mut(&key[..]) else { return };
                 match &mut k.coord {
                     Some(co) if co.ts == ts => {
                         if c {
@@ -1167,7 +1179,7 @@ impl NodeCore {
                 }
             }
             PeerMsg::Val { key, ts, c, p, .. } => {
-                let Some(k) = self.store.get_mut(&key) else { return };
+                let Some(k) = self.store.get_mut(&key[..]) else { return };
                 if k.ts != ts {
                     return;
                 }
@@ -1269,7 +1281,7 @@ impl NodeCore {
         let epoch = self.config.epoch;
         let model = self.p.model;
         let down = matches!(self.mode, Mode::Down);
-        let Some(k) = self.store.get_mut(&key) else { return };
+        let Some(k) = self.store.get_mut(&key[..]) else { return };
         if ts > k.durable {
             k.durable = ts;
         }
@@ -1353,7 +1365,7 @@ impl NodeCore {
         let others = self.others();
         let needs_p = self.p.model != Model::Scope;
         for key in keys {
-            let Some(k) = self.store.get_mut(&key) else { continue };
+            let Some(k) = self.store.get_mut(&key[..]) else { continue };
             if let Some(c) = &mut k.coord {
                 if now_us >= c.deadline_us {
                     // §V-F1: re-send the INV with the original timestamp, to the followers
@@ -1431,6 +1443,7 @@ impl NodeCore {
             deadline_us: now_us + self.start_retry_us(),
             outstanding: BTreeSet::new(),
             chunks_unpersisted: VecDeque::new(),
+            stalled_since_us: None,
             stats: RecoveryStats {
                 partially_persisted: self.partially.len() as u64,
                 ..Default::default()
@@ -1508,8 +1521,15 @@ impl NodeCore {
         let window = self.p.max_catchup_chunks_in_flight.max(1);
         let Mode::Recovering(r) = &mut self.mode else { return };
         let Phase::CatchUp { buddy, cursor, requested, expected } = &mut r.phase else { return };
-        if *requested || r.chunks_unpersisted.len() >= window {
+        if *requested {
             return;
+        }
+        if r.chunks_unpersisted.len() >= window {
+            r.stalled_since_us.get_or_insert(now_us);
+            return;
+        }
+        if let Some(t) = r.stalled_since_us.take() {
+            r.stats.window_stall_us += now_us.saturating_sub(t);
         }
         let partially = self.partially.clone();
         let chunks = (window - r.chunks_unpersisted.len()) as u32;
@@ -1653,7 +1673,7 @@ impl NodeCore {
             .puts
             .into_iter()
             .map(|(key, ts, value)| {
-                let committed = self.store.get(&key).is_some_and(|k| ts < k.ts || (ts == k.ts && k.valid));
+                let committed = self.store.get(&key[..]).is_some_and(|k| ts < k.ts || (ts == k.ts && k.valid));
                 Entry { key, ts, value, committed }
             })
             .collect();
@@ -1661,7 +1681,7 @@ impl NodeCore {
             // The first chunk also judges the Partially_persisted entries (like ZooKeeper's
             // TRUNC of a learner's uncommitted tail).
             for (key, _) in partially {
-                if let Some(k) = self.store.get(&key).filter(|k| k.ts != Ts::default()) {
+                if let Some(k) = self.store.get(&key[..]).filter(|k| k.ts != Ts::default()) {
                     entries.push(Entry { key, ts: k.ts, value: k.value.clone(), committed: k.valid });
                 }
             }
@@ -1771,7 +1791,7 @@ impl NodeCore {
         let deadline_us = now_us + self.p.ack_val_timeout_us;
         let quiet = |k: &KeyState| k.coord.is_none() && k.waiting.is_empty() && k.pending_p.is_empty() && k.valid;
         let value_len = value.len();
-        let marked = match self.store.get_mut(&key) {
+        let marked = match self.store.get_mut(&key[..]) {
             Some(k) if ts <= k.ts => return CatchUpApply::Stale,
             Some(k) if quiet(k) => {
                 k.ts = ts;
@@ -1788,8 +1808,10 @@ impl NodeCore {
                 mark
             }
             Some(_) => {
-                self.apply_newer(now_us, &key, ts, &value, committed);
-                let seq = self.next_seq - 1; // apply_newer's append (what follows appends none)
+                // Newer than ours (checked above), so applied; its append is the one to await.
+                let Some(seq) = self.apply_newer(now_us, &key, ts, &value, committed) else {
+                    return CatchUpApply::Stale;
+                };
                 if committed {
                     self.mark_if_needed(&key);
                     self.settle(now_us, &key);
@@ -1805,7 +1827,7 @@ impl NodeCore {
                     deadline_us,
                     ..Default::default()
                 };
-                self.store.insert(key.clone(), k);
+                self.store.insert(StoreKey::from_slice(&key), k);
                 committed
             }
         };

@@ -132,6 +132,10 @@ pub struct NodeStats {
     pub log_bytes: AtomicU64,
     pub log_compactions: AtomicU64,
     pub recoveries: AtomicU64,
+    /// Durable appends of the log thread: writes (each one sync), bytes, and time spent in them.
+    pub log_durable_writes: AtomicU64,
+    pub log_durable_bytes: AtomicU64,
+    pub log_durable_us: AtomicU64,
     pub last_recovery: Mutex<Option<RecoveryStats>>,
 }
 
@@ -176,7 +180,12 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, sta
                 } else if seqs.is_empty() {
                     flog.append_lazy(&recs)
                 } else {
-                    flog.append_durable(&recs)
+                    let (t, len0) = (Instant::now(), flog.len_bytes());
+                    let r = flog.append_durable(&recs);
+                    stats.log_durable_writes.fetch_add(1, Ordering::Relaxed);
+                    stats.log_durable_bytes.fetch_add(flog.len_bytes() - len0, Ordering::Relaxed);
+                    stats.log_durable_us.fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    r
                 };
                 if let Err(e) = res {
                     // A node that cannot persist must not acknowledge anything: stop it.
@@ -422,8 +431,9 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         // Wall-clock end, so a load generator can place the recovery on its own clock.
                         let ended_unix_us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros();
                         eprintln!(
-                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, transfer {} us, {} entries, {} bytes, {} chunks, full_copy {}, ended_unix_us {ended_unix_us})",
-                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.transfer_us, s.entries_received, s.bytes_received, s.chunks, s.full_copy
+                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, transfer {} us, {} entries, {} bytes, {} chunks, full_copy {}, ended_unix_us {ended_unix_us}; window_stall_us {}; since start: log_durable_writes {} log_durable_bytes {} log_durable_us {})",
+                            s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.transfer_us, s.entries_received, s.bytes_received, s.chunks, s.full_copy, s.window_stall_us,
+                            stats.log_durable_writes.load(Ordering::Relaxed), stats.log_durable_bytes.load(Ordering::Relaxed), stats.log_durable_us.load(Ordering::Relaxed)
                         );
                         stats.recoveries.fetch_add(1, Ordering::Relaxed);
                         *stats.last_recovery.lock().unwrap() = Some(s);
