@@ -534,7 +534,6 @@ impl FileClient {
         let supersede = self.may_release(p);
         let t = self.tracks.get_mut(&p).unwrap();
         let Some((seq, image)) = &t.resync else { return };
-        t.last_send_us = self.now_us;
         t.superseding |= supersede;
         let (seq, size, image_crc) = (*seq, image.len() as u64, crc32c::crc32c(image));
         t.last_send_us = self.now_us + image_send_us(image.len());
