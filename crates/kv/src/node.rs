@@ -702,6 +702,15 @@ impl NodeCore {
             self.broadcast(msg);
             self.check_persist_op(id);
         }
+        if matches!(self.mode, Mode::Member) && active {
+            // What a Recov_start would be answered with, sent as soon as we know: a recovering
+            // node that adopted this configuration before us would otherwise have its
+            // Recov_start refused (an epoch we do not know yet) and wait for its retry.
+            let recovering: Vec<NodeId> = self.config.recovering.iter().copied().filter(|n| *n != me).collect();
+            for n in recovering {
+                self.send(n, PeerMsg::RecovStartAck { epoch });
+            }
+        }
     }
 
     fn reload(&mut self) {
@@ -1795,7 +1804,14 @@ impl NodeCore {
             Some(k) if ts <= k.ts => return CatchUpApply::Stale,
             Some(k) if quiet(k) => {
                 k.ts = ts;
-                k.value = value.clone();
+                // The old value's buffer takes the new bytes (no allocation when it is large
+                // enough, the usual case); the received buffer goes on to the log record.
+                if k.value.capacity() >= value.len() && k.value.capacity() <= 2 * value.len() {
+                    k.value.clear();
+                    k.value.extend_from_slice(&value);
+                } else {
+                    k.value = value.clone(); // not kept oversized
+                }
                 k.valid = committed;
                 k.gdp = false;
                 k.timeouts = 0;

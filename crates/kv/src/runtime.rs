@@ -40,6 +40,10 @@ pub const INPUT_QUEUE_MSGS: usize = 8192;
 pub const CONN_READ_BUFFER_BYTES: usize = 64 << 10;
 /// Queued frames to one connection are coalesced into writes of about this many bytes at most.
 pub const CONN_WRITE_BATCH_BYTES: usize = 1 << 20;
+/// Kernel send (outbound) and receive (inbound) buffer of a connection between nodes: room for
+/// a few whole catch-up chunks, so a chunk goes out in one write rather than in many hand-offs
+/// between two busy processes (capped by `net.core.wmem_max` / `rmem_max`).
+pub const PEER_SOCKET_BUFFER_BYTES: usize = 4 << 20;
 /// Period of a node's timer checks.
 pub const NODE_TICK_MS: u64 = 5;
 
@@ -487,6 +491,7 @@ async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc
         let conn = async {
             let mut s = TcpStream::connect(addr).await?;
             s.set_nodelay(true)?;
+            set_socket_buffer(&s, libc::SO_SNDBUF, PEER_SOCKET_BUFFER_BYTES);
             handshake_client(&mut s, &secret, Hello::Peer(me)).await?;
             Ok::<_, KvError>(s)
         };
@@ -508,6 +513,27 @@ async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc
     }
 }
 
+/// Sets a socket buffer size (`SO_SNDBUF` or `SO_RCVBUF`). Best effort: a refusal only costs
+/// speed.
+fn set_socket_buffer(s: &TcpStream, opt: libc::c_int, bytes: usize) {
+    use std::os::fd::AsRawFd;
+    let v = bytes.min(libc::c_int::MAX as usize) as libc::c_int;
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from a pointer to a live local c_int;
+    // the fd is owned by `s`, which is open for the duration of the call.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            opt,
+            &v as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        tracing::debug!("setsockopt({opt}, {bytes}): {}", std::io::Error::last_os_error());
+    }
+}
+
 enum FramesEnd {
     QueueClosed,
     WriteFailed,
@@ -515,21 +541,63 @@ enum FramesEnd {
 
 /// Writes `rx`'s messages to `w` as frames until the queue closes or a write fails. Whatever is
 /// queued goes out in one write (up to about [`CONN_WRITE_BATCH_BYTES`]): a busy connection
-/// costs a syscall per batch, not per message.
+/// costs a syscall per batch, not per message. Frames are encoded straight into one reused
+/// buffer (a catch-up chunk is about a MiB: no buffer of its own, no copy into the batch).
 async fn write_frames<T, W: AsyncWrite + Unpin>(w: &mut W, rx: &mut mpsc::Receiver<T>, wrap: impl Fn(T) -> NetMsg) -> FramesEnd {
     use tokio::io::AsyncWriteExt;
+    let mut buf: Vec<u8> = Vec::new();
     while let Some(m) = rx.recv().await {
-        // Encoding a NetMsg cannot fail (postcard into a Vec); the first frame is the buffer.
-        let mut buf = wire::encode_frame(&wrap(m)).unwrap_or_default();
+        buf.clear();
+        push_frame(&mut buf, &wrap(m));
         while buf.len() < CONN_WRITE_BATCH_BYTES {
             let Ok(m) = rx.try_recv() else { break };
-            buf.extend_from_slice(&wire::encode_frame(&wrap(m)).unwrap_or_default());
+            push_frame(&mut buf, &wrap(m));
         }
         if w.write_all(&buf).await.is_err() {
             return FramesEnd::WriteFailed;
         }
+        if buf.capacity() > 2 * (CONN_WRITE_BATCH_BYTES + MAX_FRAME_BYTES) {
+            buf = Vec::new(); // an outsized batch's memory is not kept
+        }
     }
     FramesEnd::QueueClosed
+}
+
+/// Appends `msg` to `buf` as one `wire` frame (`len | crc32c | postcard`), encoded in place.
+fn push_frame(buf: &mut Vec<u8>, msg: &NetMsg) {
+    let start = buf.len();
+    buf.extend_from_slice(&[0u8; wire::FRAME_HEADER_BYTES]);
+    let taken = std::mem::take(buf);
+    // Encoding a NetMsg into a Vec cannot fail.
+    *buf = postcard::to_extend(msg, taken).expect("a NetMsg always encodes");
+    let body = start + wire::FRAME_HEADER_BYTES;
+    let crc = crc32c::crc32c(&buf[body..]);
+    let len = (buf.len() - body) as u32;
+    buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
+    buf[start + 4..body].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Reads one frame into `buf` (reused across frames: no fresh zeroed buffer per catch-up
+/// chunk) and decodes it; the same checks as [`wire::read_msg`].
+async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>, limit: usize) -> Result<NetMsg, wire::WireError> {
+    use tokio::io::AsyncReadExt;
+    let mut header = [0u8; wire::FRAME_HEADER_BYTES];
+    match r.read_exact(&mut header).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(wire::WireError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let (len, want) = wire::parse_header(&header, limit)?;
+    if buf.len() < len {
+        buf.resize(len, 0);
+    }
+    let payload = &mut buf[..len];
+    r.read_exact(payload).await?;
+    let got = crc32c::crc32c(payload);
+    if got != want {
+        return Err(wire::WireError::Checksum { got, want });
+    }
+    wire::decode_payload(payload)
 }
 
 async fn serve_conn(
@@ -543,14 +611,18 @@ async fn serve_conn(
         return;
     }
     let Ok(NetMsg::Hello(hello)) = wire::read_msg::<NetMsg, _>(&mut sock, MAX_FRAME_BYTES).await else { return };
+    if matches!(hello, Hello::Peer(_)) {
+        set_socket_buffer(&sock, libc::SO_RCVBUF, PEER_SOCKET_BUFFER_BYTES);
+    }
     let (r, mut w) = sock.into_split();
     // Buffered: a busy connection's many small frames are read a buffer at a time, not two
     // syscalls each (a large frame still goes straight into its own buffer).
     let mut r = tokio::io::BufReader::with_capacity(CONN_READ_BUFFER_BYTES, r);
     let (out_tx, mut out_rx) = mpsc::channel::<NetMsg>(CLIENT_INFLIGHT_MAX);
     tokio::spawn(async move { write_frames(&mut w, &mut out_rx, |m| m).await });
+    let mut frame = Vec::new();
     loop {
-        let m = match wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await {
+        let m = match read_frame(&mut r, &mut frame, MAX_FRAME_BYTES).await {
             Ok(m) => m,
             Err(wire::WireError::Closed) => return,
             Err(e) => {
