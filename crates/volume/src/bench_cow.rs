@@ -273,6 +273,7 @@ impl CounterDeltas {
             ("applies", "understudy_store_applies_total"),
             ("cow_first_writes", "understudy_store_cow_first_writes_total"),
             ("slots_from_pool", "understudy_store_slots_from_pool_total"),
+            ("slots_from_reserve", "understudy_store_slots_from_reserve_total"),
             ("slots_created_inline", "understudy_shard_slow_allocations_total"),
             ("fdatasyncs", "understudy_store_write_fdatasyncs_total"),
             ("dir_fsyncs", "understudy_store_write_dir_fsyncs_total"),
