@@ -1,8 +1,9 @@
 //! `understudy bench volume cow`: the disk-level experiments of SpecREDS §6.2 (Figure 4a, 4b and
 //! the dirty-bit overhead), on a running cluster.
 //!
-//! Three variants are measured in one run, interleaved batch by batch (ABBA) so machine noise
-//! hits them alike:
+//! Three variants are measured in one run, interleaved batch by batch ([`balanced_order`]: every
+//! variant follows every other equally often) so machine noise and one variant's background
+//! work hit them alike:
 //! * **plain** — in-place writes to a volume whose objects all exist;
 //! * **super** — writes to a collocated `super` child, each to an object the child has not
 //!   copied yet (a local copy on each replica, then the write);
@@ -203,6 +204,18 @@ pub async fn wait_for_jobs(cluster: &Cluster) -> anyhow::Result<()> {
     }
 }
 
+/// The order of the variants' batches at one point: `rows` rows, each one batch of every
+/// variant, taken in turn from a Williams design for three variants (both 3×3 Latin squares,
+/// one mirrored). Every variant follows every other equally often and each holds each
+/// position in a row equally often. The background work a batch leaves behind (the slot
+/// refill after a general clone's copy-ups, for one) lands on whichever batch comes next, so
+/// with plain ABBA (0 1 2 2 1 0 …) the general clone's batches were followed only by its own
+/// and by super's, never by plain's: its refill was charged to super alone.
+fn balanced_order(rows: usize) -> Vec<usize> {
+    const WILLIAMS: [[usize; 3]; 6] = [[0, 1, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0], [0, 2, 1], [1, 0, 2]];
+    (0..rows).flat_map(|r| WILLIAMS[r % WILLIAMS.len()]).collect()
+}
+
 /// Depths at which the shards' counters are read around every batch (reading them costs a few
 /// loopback HTTP requests per batch, kept off the many batches of the shallow points).
 pub const COUNTED_DEPTHS: [usize; 3] = [8, 16, 32];
@@ -273,6 +286,7 @@ impl CounterDeltas {
             ("applies", "understudy_store_applies_total"),
             ("cow_first_writes", "understudy_store_cow_first_writes_total"),
             ("slots_from_pool", "understudy_store_slots_from_pool_total"),
+            ("slots_from_reserve", "understudy_store_slots_from_reserve_total"),
             ("slots_created_inline", "understudy_shard_slow_allocations_total"),
             ("fdatasyncs", "understudy_store_write_fdatasyncs_total"),
             ("dir_fsyncs", "understudy_store_write_dir_fsyncs_total"),
@@ -437,9 +451,9 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         v.begin_round(objects, &mut rng).await?;
         for &size in &WRITE_SIZES_BYTES {
             settle_s += settle(&opts.shard_pids, opts.settle_max_s).await;
-            // Small batches, ABBA across variants.
+            // Small batches, interleaved across variants.
             let per_batch = 8;
-            for variant in bench::interleaved_order(opts.batch_writes() / per_batch, 3) {
+            for variant in balanced_order(opts.batch_writes() / per_batch) {
                 let targets = v.take_fresh(variant, per_batch)?;
                 let vol = v.vols[variant].as_ref().unwrap();
                 for l in write_batches(vol, v.object_size, &targets, size, 1, &mut rng).await? {
@@ -454,7 +468,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
         for &depth in &DEPTHS {
             settle_s += settle(&opts.shard_pids, opts.settle_max_s).await;
             let counted = COUNTED_DEPTHS.contains(&depth) && !opts.shard_metrics.is_empty();
-            for variant in bench::interleaved_order(opts.depth_batches(depth), 3) {
+            for variant in balanced_order(opts.depth_batches(depth)) {
                 let targets = v.take_fresh(variant, depth)?;
                 let vol = v.vols[variant].as_ref().unwrap();
                 let before = if counted { Some(scrape(&opts.shard_metrics).await) } else { None };
@@ -725,6 +739,35 @@ async fn parent_iops(
     bench::write_csv(&out.join("parent_iops_timeline.csv"), &["round", "variant", "t_ms", "ops_per_s"], timeline_rows)?;
     bench::write_csv(&out.join("parent_iops_steps.csv"), &["round", "step", "from_ms", "to_ms"], step_rows)?;
     Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_batch_order_lets_every_variant_follow_every_other_equally_often() {
+        let order = balanced_order(6);
+        assert_eq!(order.len(), 18);
+        let mut follows = [[0usize; 3]; 3];
+        for row in order.chunks(3) {
+            for w in row.windows(2) {
+                follows[w[0]][w[1]] += 1;
+            }
+        }
+        for (a, row) in follows.iter().enumerate() {
+            for (b, &n) in row.iter().enumerate() {
+                assert_eq!(n, if a == b { 0 } else { 2 }, "{follows:?}");
+            }
+        }
+        // Each variant once per row, and in each position of a row twice.
+        for v in 0..3 {
+            assert!(order.chunks(3).all(|r| r.iter().filter(|&&x| x == v).count() == 1));
+            for pos in 0..3 {
+                assert_eq!(order.chunks(3).filter(|r| r[pos] == v).count(), 2);
+            }
+        }
+    }
 }
 
 fn median(xs: &[f64]) -> f64 {

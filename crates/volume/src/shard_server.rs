@@ -117,7 +117,11 @@ impl Stats {
         let free: Vec<(String, f64)> =
             (0..crate::store::CLASSES).map(|c| (format!("{l},class_bytes=\"{}\"", crate::store::CLASS_DATA_BYTES[c]), p.free_slots[c] as f64)).collect();
         let free: Vec<(&str, f64)> = free.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-        metric(&mut out, "understudy_shard_free_slots", "gauge", "Ready slot files per size class.", &free);
+        metric(&mut out, "understudy_shard_free_slots", "gauge", "Ready slot files per size class (any write may take them).", &free);
+        let reserved: Vec<(String, f64)> =
+            (0..crate::store::CLASSES).map(|c| (format!("{l},class_bytes=\"{}\"", crate::store::CLASS_DATA_BYTES[c]), p.reserved_free_slots[c] as f64)).collect();
+        let reserved: Vec<(&str, f64)> = reserved.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        metric(&mut out, "understudy_shard_reserved_free_slots", "gauge", "Ready slot files set aside for super children's first writes, per size class.", &reserved);
         metric(&mut out, "understudy_shard_slow_allocations_total", "counter", "Writes that found no ready slot and created one.", &[(&l, p.slow_allocations as f64)]);
         metric(&mut out, "understudy_shard_prestocks_total", "counter", "Pre-stocking hints of super handled.", &[(&l, p.prestocks as f64)]);
         metric(&mut out, "understudy_shard_slow_disk_ops_total", "counter", "Disk commands that took longer than SLOW_DISK_COMMAND_MS.", &[(&l, g(&self.slow_disk_ops))]);
@@ -131,10 +135,11 @@ impl Stats {
         metric(&mut out, "understudy_shard_disk_kind_ops_total", "counter", "Disk commands run, by kind.", &ops.iter().map(|(k, v)| (k.as_str(), *v)).collect::<Vec<_>>());
         metric(&mut out, "understudy_shard_disk_kind_run_us_total", "counter", "Microseconds disk commands ran, by kind.", &run.iter().map(|(k, v)| (k.as_str(), *v)).collect::<Vec<_>>());
         let sc = p.counters;
-        let store: [(&str, &str, u64); 13] = [
+        let store: [(&str, &str, u64); 14] = [
             ("applies", "Apply commands run.", sc.applies),
             ("cow_first_writes", "First writes of a super child to an object (copy-on-write).", sc.cow_first_writes),
             ("slots_from_pool", "Slots writes took from the free pool.", sc.slots_from_pool),
+            ("slots_from_reserve", "Slots first child writes took from the slots set aside for them.", sc.slots_from_reserve),
             ("write_fdatasyncs", "fdatasyncs of mutating commands (not the refill's).", sc.write_fdatasyncs),
             ("write_dir_fsyncs", "Directory fsyncs on a command's path (slots created inline).", sc.write_dir_fsyncs),
             ("cow_load_us", "Microseconds first child writes spent reading the parent object.", sc.cow_load_us),

@@ -86,11 +86,13 @@
 //! object takes a slot.
 //! `super` pre-stocks: every shard that learns of a new child (the tracking list entry) sends
 //! the store a [`DiskCmd::Prestock`] hint, and the store reserves as many slots per class as the
-//! parent has objects on this shard (at most the class maximum), kept ready on top of the
-//! adaptive target and counted off only by the child's first writes, so each of them finds a
+//! parent has objects on this shard (at most [`PoolOptions::reserved_slots_max`]) in a free
+//! list of their own that only the child's first writes take from, so each of them finds a
 //! ready slot — no allocation on the COW path (SpecREDS §4.2.1, §5) — even while other volumes
-//! allocate in bursts. The hint costs one pass over the in-memory index on a disk thread;
-//! `super` does not wait for it.
+//! (a general clone's copy-ups) allocate in bursts. The reservation is stocked at once from the
+//! free slots the pool holds (moved in memory), then from slots freed later and by the refill.
+//! The hint costs one pass over the in-memory index on a disk thread; `super` does not wait
+//! for it.
 //! A write that finds its class empty creates a slot itself (slow, correct); on a full disk it
 //! takes a free slot of a bigger class, or fails with [`DiskErr::NoSpace`] having changed
 //! nothing. Overwrites never need space: their blocks exist.
@@ -184,6 +186,10 @@ pub struct PoolOptions {
     /// The refill never takes the file system's available space below this. (A write that needs
     /// a slot still creates one while there is any space.)
     pub reserve_bytes: u64,
+    /// The most slots of each class kept set aside for `super` children's first writes (see
+    /// [`Index::reserved_free`]): a child's reservation is as many slots as its parent has
+    /// objects of the class on this shard, at most this.
+    pub reserved_slots_max: [usize; CLASSES],
     /// Run the background refill thread (tests turn it off to count slots exactly).
     pub background_refill: bool,
 }
@@ -195,6 +201,8 @@ impl Default for PoolOptions {
             free_slots_target: [64, 64, 16, 4],
             free_slots_max: [1024, 1024, 64, 16],
             reserve_bytes: 64 << 20,
+            // ≈ 128 MiB, 272 MiB, 256 MiB and 256 MiB of slots at most set aside for children.
+            reserved_slots_max: [16384, 4096, 256, 64],
             background_refill: true,
         }
     }
@@ -203,9 +211,14 @@ impl Default for PoolOptions {
 /// A count of the pool, for benchmarks and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PoolStats {
+    /// Free slots any write may take.
     pub free_slots: [usize; CLASSES],
-    /// The refill's current targets.
+    /// The refill's current targets for those.
     pub free_slots_target: [usize; CLASSES],
+    /// Free slots set aside for `super` children's first writes, and how many the children are
+    /// still owed (the refill makes the difference).
+    pub reserved_free_slots: [usize; CLASSES],
+    pub reserved_slots: [usize; CLASSES],
     pub live_objects: usize,
     /// Writes that found their class empty and created a slot on the critical path.
     pub slow_allocations: u64,
@@ -226,6 +239,8 @@ pub struct StoreCounters {
     /// Slots writes took from the free pool (fast) — `PoolStats::slow_allocations` counts those
     /// created on the write path.
     pub slots_from_pool: u64,
+    /// Of those, slots a child's first write took from the slots set aside for it.
+    pub slots_from_reserve: u64,
     /// `fdatasync`s of mutating commands (a write, delete, rename, free; not the refill's).
     pub write_fdatasyncs: u64,
     /// Directory fsyncs on a command's path (slot files created inline).
@@ -251,6 +266,7 @@ struct Counters {
     applies: AtomicU64,
     cow_first_writes: AtomicU64,
     slots_from_pool: AtomicU64,
+    slots_from_reserve: AtomicU64,
     write_fdatasyncs: AtomicU64,
     write_dir_fsyncs: AtomicU64,
     cow_load_us: AtomicU64,
@@ -270,6 +286,7 @@ impl Counters {
             applies: g(&self.applies),
             cow_first_writes: g(&self.cow_first_writes),
             slots_from_pool: g(&self.slots_from_pool),
+            slots_from_reserve: g(&self.slots_from_reserve),
             write_fdatasyncs: g(&self.write_fdatasyncs),
             write_dir_fsyncs: g(&self.write_dir_fsyncs),
             cow_load_us: g(&self.cow_load_us),
@@ -691,14 +708,20 @@ struct Index {
     target: [usize; CLASSES],
     /// A write of the class found no free slot since the refill last lowered the target.
     ran_dry: [bool; CLASSES],
-    /// Slots pre-stocked for a `super` child and not yet taken by its first writes: kept ready
-    /// *on top of* the adaptive target, and only a child's first write counts one off. (Counting
-    /// every write off let a burst of other allocations — a general clone's copy-ups, a fill —
-    /// use up the child's stock, so at depth 32 the child's writes met a dry pool and the
-    /// refill making slots under them.) The child's burst may start seconds after `super`, or
-    /// the refill may need more than a decay period to make them on a busy disk, so the
+    /// Slots owed to `super` children: one per first write they may still make (per class, the
+    /// largest reservation asked for, at most [`PoolOptions::reserved_slots_max`]). Only a
+    /// child's first write counts one off. The child's burst may start seconds after `super`,
+    /// or the refill may need more than a decay period to make them on a busy disk, so the
     /// reservation lasts until [`RESERVE_IDLE_MS`] pass without a child taking one.
     reserved: [usize; CLASSES],
+    /// The ready slots of the reservation: a free list of their own, which only a child's first
+    /// write takes from (every other allocation — a general clone's copy-ups, a fill, a move —
+    /// takes from `free`). With one shared list, other bursts drained the child's stock, and at
+    /// depth 32 the child's writes met a dry pool: slots made inline (a directory fsync) and the
+    /// refill writing batches of zeroes under them. Kept at most `reserved` long; stocked first
+    /// from free slots (moved in memory: `super` pre-stocks at once whatever the pool holds),
+    /// then from freed slots and the refill.
+    reserved_free: [VecDeque<SlotRef>; CLASSES],
     /// When a reservation was last made or used, in µs since open.
     reserved_touched_us: [u64; CLASSES],
     /// Parent → its children that are deferred copies of it (see [`Base`]).
@@ -706,10 +729,38 @@ struct Index {
 }
 
 impl Index {
-    /// Free slots the refill keeps ready in a class: the adaptive target plus the slots reserved
-    /// for `super` children, at most the class maximum.
+    /// Free slots (of `free`) the refill keeps ready in a class: the adaptive target, at most
+    /// the class maximum.
     fn goal(&self, class: usize, max: &[usize; CLASSES]) -> usize {
-        (self.target[class] + self.reserved[class]).min(max[class])
+        self.target[class].min(max[class])
+    }
+
+    /// Ready slots the reservation of a class still lacks.
+    fn reserve_deficit(&self, class: usize) -> usize {
+        self.reserved[class].saturating_sub(self.reserved_free[class].len())
+    }
+
+    /// Moves free slots into the reservation while it lacks any (the most recently freed
+    /// first), and gives back to `free` any ready slots beyond what is still owed.
+    fn rebalance_reserve(&mut self, class: usize) {
+        while self.reserve_deficit(class) > 0 {
+            let Some(slot) = self.free[class].pop_back() else { break };
+            self.reserved_free[class].push_back(slot);
+        }
+        while self.reserved_free[class].len() > self.reserved[class] {
+            let slot = self.reserved_free[class].pop_front().expect("longer than zero");
+            self.free[class].push_front(slot);
+        }
+    }
+
+    /// Puts a slot that holds nothing back: into the reservation if it lacks slots, else into
+    /// the free list.
+    fn put_free(&mut self, slot: SlotRef) {
+        if self.reserve_deficit(slot.class) > 0 {
+            self.reserved_free[slot.class].push_back(slot);
+        } else {
+            self.free[slot.class].push_back(slot);
+        }
     }
 
     /// Enters (or replaces) an object, keeping `lazy_children` in step.
@@ -889,6 +940,8 @@ impl FileStore {
         PoolStats {
             free_slots: std::array::from_fn(|c| idx.free[c].len()),
             free_slots_target: std::array::from_fn(|c| idx.goal(c, &self.inner.pool.free_slots_max)),
+            reserved_free_slots: std::array::from_fn(|c| idx.reserved_free[c].len()),
+            reserved_slots: idx.reserved,
             live_objects: idx.objects.len(),
             slow_allocations: self.inner.slow_allocations.load(Ordering::Relaxed),
             prestocks: self.inner.prestocks.load(Ordering::Relaxed),
@@ -1213,7 +1266,7 @@ impl Inner {
     fn give_back(&self, slot: SlotRef) {
         if let Ok(f) = self.open_slot(&slot) {
             if let Ok(slot) = self.commit_header(&f, slot, None) {
-                self.index.lock().unwrap().free[slot.class].push_back(slot);
+                self.index.lock().unwrap().put_free(slot);
             }
         }
     }
@@ -1293,7 +1346,7 @@ impl Inner {
         let f = self.open_slot(&slot)?;
         let slot = self.commit_header(&f, slot, None)?;
         let mut idx = self.index.lock().unwrap();
-        idx.free[slot.class].push_back(slot);
+        idx.put_free(slot);
         let over = idx.free[slot.class].len() > self.pool.free_slots_max[slot.class];
         drop(idx);
         if over {
@@ -1337,12 +1390,11 @@ impl Inner {
 
     /// Pre-stocking for a new `super` child of `parent`: the child's first write to each of
     /// the parent's objects here takes a free slot of the class the parent object sits in (a
-    /// deferred copy of a 64 KiB-class object, a whole copy of a bigger one), so the refill's
-    /// target of each class goes up to the number of such parent objects (at most the class's
-    /// maximum) and the refill is woken; the target stays at least that high until the child
-    /// has taken those slots. Costs one pass over the index, off the write path;
-    /// the slots are made by the refill thread, which still yields to the shard's writes once a
-    /// quarter of the target is ready.
+    /// deferred copy of a 64 KiB-class object, a whole copy of a bigger one), so each class
+    /// reserves as many slots as there are such parent objects (at most
+    /// [`PoolOptions::reserved_slots_max`]). Free slots the pool holds move into the reservation
+    /// at once (in memory); the refill is woken to make the rest, and to restock the free list.
+    /// Costs one pass over the index, off the write path.
     fn prestock(&self, table: TableId, parent: VolId) {
         let mut want = [0usize; CLASSES];
         {
@@ -1356,10 +1408,11 @@ impl Inner {
                 if n == 0 {
                     continue;
                 }
-                let t = n.min(self.pool.free_slots_max[class]);
+                let t = n.min(self.pool.reserved_slots_max[class]);
                 idx.in_use[class] = true;
                 idx.reserved[class] = idx.reserved[class].max(t);
                 idx.reserved_touched_us[class] = self.now_us();
+                idx.rebalance_reserve(class);
             }
         }
         self.prestocks.fetch_add(1, Ordering::Relaxed);
@@ -1371,8 +1424,10 @@ impl Inner {
     }
 
     /// A free slot of `class`: from the pool, else created now (the slow path), else — on a
-    /// full disk — a free slot of a bigger class. `child_first_write`: for a `super` child's
-    /// first write to an object, which uses up one reserved (pre-stocked) slot.
+    /// full disk — a free slot of a bigger class, or one set aside for children.
+    /// `child_first_write`: for a `super` child's first write to an object, which takes a slot
+    /// of the reservation ([`Index::reserved_free`]) if there is one ready, and counts one off
+    /// the slots owed. Every other allocation leaves the reservation alone.
     fn take_slot(&self, class: usize, child_first_write: bool) -> io::Result<SlotRef> {
         {
             let mut idx = self.index.lock().unwrap();
@@ -1380,6 +1435,11 @@ impl Inner {
             if child_first_write && idx.reserved[class] > 0 {
                 idx.reserved[class] -= 1;
                 idx.reserved_touched_us[class] = self.now_us();
+                if let Some(slot) = idx.reserved_free[class].pop_back() {
+                    inc(&self.counters.slots_from_pool);
+                    inc(&self.counters.slots_from_reserve);
+                    return Ok(slot);
+                }
             }
             if let Some(slot) = idx.free[class].pop_back() {
                 inc(&self.counters.slots_from_pool);
@@ -1413,8 +1473,10 @@ impl Inner {
                 Ok(made.pop().expect("one slot made"))
             }
             Err(e) if is_no_space(&e) => {
+                // A write that can still land beats a slot kept for a child that may never
+                // write (the refill makes it again once there is space).
                 let mut idx = self.index.lock().unwrap();
-                (class + 1..CLASSES).find_map(|c| idx.free[c].pop_back()).ok_or(e)
+                (class..CLASSES).find_map(|c| idx.free[c].pop_back().or_else(|| idx.reserved_free[c].pop_back())).ok_or(e)
             }
             Err(e) => Err(e),
         }
@@ -1496,7 +1558,9 @@ impl Inner {
                         idx.target[class] = base.max(t - (t / 4).max(1).min(t));
                     }
                     if idx.reserved[class] > 0 && now_us.saturating_sub(idx.reserved_touched_us[class]) >= RESERVE_IDLE_MS * 1000 {
+                        // The ready slots go back to the free list (trimmed to its maximum).
                         idx.reserved[class] = 0;
+                        idx.rebalance_reserve(class);
                     }
                 }
             }
@@ -1522,18 +1586,22 @@ impl Inner {
             if self.shutdown.load(Ordering::SeqCst) {
                 return false;
             }
-            let (free, in_use, target) = {
+            // The free list and the reservation (slots set aside for `super` children).
+            let (free, target, reserved_free, owed, in_use) = {
                 let idx = self.index.lock().unwrap();
-                (idx.free[class].len(), idx.in_use[class], idx.goal(class, &self.pool.free_slots_max))
+                let c = class;
+                (idx.free[c].len(), idx.goal(c, &self.pool.free_slots_max), idx.reserved_free[c].len(), idx.reserved[c], idx.in_use[c])
             };
-            if !in_use || free >= target {
+            let need = target.saturating_sub(free) + owed.saturating_sub(reserved_free);
+            if !in_use || need == 0 {
                 return false;
             }
-            if free >= (target / REFILL_FLOOR_DIVISOR).max(1) && self.serving_writes() {
+            let above_floor = |have: usize, goal: usize| have >= goal || have >= (goal / REFILL_FLOOR_DIVISOR).max(1);
+            if above_floor(free, target) && above_floor(reserved_free, owed) && self.serving_writes() {
                 return true;
             }
             let batch_slots = ((REFILL_BATCH_BYTES / slot_file_bytes(class)).max(1) as usize).min(REFILL_BATCH_MAX_SLOTS);
-            let count = (target - free).min(batch_slots);
+            let count = need.min(batch_slots);
             let need_bytes = count as u64 * slot_file_bytes(class);
             match available_bytes(&self.root) {
                 Ok(avail) if avail >= self.pool.reserve_bytes + need_bytes => {}
@@ -1555,7 +1623,11 @@ impl Inner {
                     self.counters.refill_slots.fetch_add(made.len() as u64, Ordering::Relaxed);
                     let mut idx = self.index.lock().unwrap();
                     for slot in made {
-                        idx.free[class].push_front(slot);
+                        if idx.reserve_deficit(class) > 0 {
+                            idx.reserved_free[class].push_front(slot);
+                        } else {
+                            idx.free[class].push_front(slot);
+                        }
                     }
                 }
                 Err(e) => {
@@ -2127,13 +2199,12 @@ mod tests {
         };
         s.run(DiskCmd::Prestock { table: 7, parent: 1 }).unwrap();
         let st = s.pool_stats();
-        // (The parent's own writes ran the classes dry, so the targets may already be higher.)
-        assert!(st.prestocks == 1 && st.free_slots_target[1] >= 12 && st.free_slots_target[2] >= 2, "{st:?}");
-        wait_until("the refill makes the pre-stocked slots", &|st| st.free_slots[1] >= 12 && st.free_slots[2] >= 2);
-        // Quiet seconds (the child has not started writing) do not decay the target below the
-        // reservation.
+        assert!(st.prestocks == 1 && st.reserved_slots[1] == 12 && st.reserved_slots[2] == 2, "{st:?}");
+        wait_until("the refill makes the pre-stocked slots", &|st| st.reserved_free_slots[1] == 12 && st.reserved_free_slots[2] == 2);
+        // Quiet seconds (the child has not started writing) keep the reservation.
         std::thread::sleep(Duration::from_millis(2500));
-        assert!(s.pool_stats().free_slots_target[1] >= 12, "{:?}", s.pool_stats());
+        let st = s.pool_stats();
+        assert!(st.reserved_slots[1] == 12 && st.reserved_free_slots[1] == 12, "{st:?}");
         // The child's first writes (deferred copies, and a whole copy of a bigger object) all
         // take ready slots: no allocation on their path.
         let slow = s.pool_stats().slow_allocations;
@@ -2142,39 +2213,87 @@ mod tests {
                 .unwrap();
             assert_eq!(read(&s, key(i, 2), 0, 8192)[4090..4100], [2, 2, 2, 2, 2, 2, 1, 1, 1, 1]);
         }
-        assert_eq!(s.pool_stats().slow_allocations, slow, "{:?}", s.pool_stats());
+        let st = s.pool_stats();
+        assert_eq!(st.slow_allocations, slow, "{st:?}");
+        assert_eq!(st.counters.slots_from_reserve, 14, "{st:?}");
+        assert_eq!(st.reserved_slots, [0; CLASSES], "{st:?}");
         drop(s); // stops the refill thread
         fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
-    fn only_a_childs_first_writes_use_up_its_reserved_slots() {
+    fn only_a_childs_first_writes_take_its_reserved_slots() {
         let dir = tempdir();
         let pool = PoolOptions { free_slots_target: [0, 4, 0, 0], free_slots_max: [0, 64, 0, 0], ..quiet() };
         let s = FileStore::open_with(&dir, true, pool).unwrap();
+        // The parent (owner 1): ten objects of the 64 KiB class.
         for i in 0..10 {
             write(&s, key(i, 1), 1, 0, vec![1; 10_000]);
         }
-        // (Each of those writes found the class dry and doubled the target: back to its base.)
-        s.inner.index.lock().unwrap().target[1] = 4;
-        let goal = |s: &FileStore| s.pool_stats().free_slots_target[1];
-        let before = goal(&s);
-        s.run(DiskCmd::Prestock { table: 7, parent: 1 }).unwrap();
-        assert_eq!(goal(&s), before + 10, "ten slots reserved on top of the adaptive target");
-        // Another volume's burst of new objects (a general clone's copy-ups) leaves the
-        // reservation whole: the refill keeps making slots for the child.
+        // Six free slots in the pool (a burst's objects deleted).
         for i in 0..6 {
+            write(&s, key(i, 8), 1, 0, vec![1; 10_000]);
+        }
+        for i in 0..6 {
+            s.run(DiskCmd::Delete { key: key(i, 8) }).unwrap();
+        }
+        assert_eq!(s.pool_stats().free_slots[1], 6);
+        // super: ten slots owed to the child; the six free ones move into its reservation at
+        // once (no refill runs in this test).
+        s.run(DiskCmd::Prestock { table: 7, parent: 1 }).unwrap();
+        let st = s.pool_stats();
+        assert_eq!((st.reserved_slots[1], st.reserved_free_slots[1], st.free_slots[1]), (10, 6, 0), "{st:?}");
+        // Another volume's burst of new objects (a general clone's copy-ups) does not touch
+        // them: each of its writes makes its slot itself.
+        let slow = st.slow_allocations;
+        for i in 0..3 {
             write(&s, key(i, 9), 1, 0, vec![1; 10_000]);
         }
-        assert!(goal(&s) >= 10 + 4, "{:?}", s.pool_stats());
-        let reserved = |s: &FileStore| s.inner.index.lock().unwrap().reserved[1];
-        assert_eq!(reserved(&s), 10);
-        // The child's first writes count it off, one each.
+        let st = s.pool_stats();
+        assert_eq!((st.slow_allocations - slow, st.reserved_free_slots[1], st.reserved_slots[1]), (3, 6, 10), "{st:?}");
+        // A slot freed while the reservation lacks slots goes to the reservation.
+        s.run(DiskCmd::Delete { key: key(0, 9) }).unwrap();
+        let st = s.pool_stats();
+        assert_eq!((st.reserved_free_slots[1], st.free_slots[1]), (7, 0), "{st:?}");
+        // The child's first writes take reserved slots and count them off, one each.
+        let slow = st.slow_allocations;
         for i in 0..3 {
             s.run(DiskCmd::Apply { key: key(i, 2), version: v(1), op: RepOp::Write { offset: 0, data: vec![2; 4096] }, cow_from: Some(key(i, 1)) })
                 .unwrap();
         }
-        assert_eq!(reserved(&s), 7);
+        let st = s.pool_stats();
+        assert_eq!((st.reserved_slots[1], st.reserved_free_slots[1]), (7, 4), "{st:?}");
+        assert_eq!((st.counters.slots_from_reserve, st.slow_allocations), (3, slow), "{st:?}");
+        // Overwrites of the child's objects take no slot at all.
+        s.run(DiskCmd::Apply { key: key(0, 2), version: v(2), op: RepOp::Write { offset: 0, data: vec![3; 4096] }, cow_from: None }).unwrap();
+        assert_eq!(s.pool_stats().reserved_slots[1], 7);
+        // A second, smaller reservation does not add to the first.
+        s.run(DiskCmd::Prestock { table: 7, parent: 9 }).unwrap();
+        assert_eq!(s.pool_stats().reserved_slots[1], 7);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_refill_stocks_the_reservation_and_the_free_list_apart() {
+        let dir = tempdir();
+        let pool = PoolOptions { free_slots_target: [0, 3, 0, 0], free_slots_max: [0, 8, 0, 0], reserved_slots_max: [0, 5, 0, 0], ..quiet() };
+        let s = FileStore::open_with(&dir, true, pool).unwrap();
+        for i in 0..9 {
+            write(&s, key(i, 1), 1, 0, vec![1; 10_000]);
+        }
+        s.inner.index.lock().unwrap().target[1] = 3;
+        // Nine parent objects, but at most five slots reserved.
+        s.run(DiskCmd::Prestock { table: 7, parent: 1 }).unwrap();
+        assert_eq!(s.pool_stats().reserved_slots[1], 5);
+        assert!(!s.inner.refill(1));
+        let st = s.pool_stats();
+        assert_eq!((st.reserved_free_slots[1], st.free_slots[1]), (5, 3), "{st:?}");
+        // Other writes drain the free list only.
+        for i in 0..3 {
+            write(&s, key(i, 9), 1, 0, vec![1; 10_000]);
+        }
+        let st = s.pool_stats();
+        assert_eq!((st.reserved_free_slots[1], st.free_slots[1]), (5, 0), "{st:?}");
         fs::remove_dir_all(&dir).unwrap();
     }
 
