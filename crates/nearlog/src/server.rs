@@ -272,9 +272,8 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
                 PeerReply::Ack { file, epoch, .. } => Some((*file, *epoch)),
                 _ => None,
             };
-            match (ack_of, last_ack) {
-                (Some(k), Some((lk, at))) if k == lk && at <= out.len() => out.truncate(at),
-                _ => {}
+            if let Some((_, at)) = last_ack.filter(|(k, _)| Some(*k) == ack_of) {
+                out.truncate(at);
             }
             let at = out.len();
             crate::blocking::encode_into(&rep, &mut out)?;
