@@ -215,6 +215,55 @@ const MAX_QUEUED_SEND_BYTES: usize = 512 << 20;
 /// A send queue keeps at most this much capacity once drained (and drops its sent front past it).
 const SENDQ_KEEP_BYTES: usize = 1 << 20;
 
+/// Counters of the write path, printed to stderr every [`STATS_EVERY_WRITES`] replicated writes
+/// when `UNDERSTUDY_NEARLOG_STATS=1` (where a write's time goes: system calls, polls, waits).
+mod stats {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    pub static WRITES: AtomicU64 = AtomicU64::new(0);
+    pub static BYTES: AtomicU64 = AtomicU64::new(0);
+    /// Wall time inside `replicate` (local write excluded), ns.
+    pub static REPLICATE_NS: AtomicU64 = AtomicU64::new(0);
+    /// Wall time from the sends of a pump to a reply being readable, ns.
+    pub static WAIT_NS: AtomicU64 = AtomicU64::new(0);
+    /// Wall time of a pump's sends, ns.
+    pub static SEND_NS: AtomicU64 = AtomicU64::new(0);
+    pub static PUMPS: AtomicU64 = AtomicU64::new(0);
+    pub static POLLS: AtomicU64 = AtomicU64::new(0);
+    pub static YIELDS: AtomicU64 = AtomicU64::new(0);
+    pub static BLOCKING_POLLS: AtomicU64 = AtomicU64::new(0);
+    pub static SENDS: AtomicU64 = AtomicU64::new(0);
+    pub static READS: AtomicU64 = AtomicU64::new(0);
+    pub static REPLIES: AtomicU64 = AtomicU64::new(0);
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Relaxed);
+    }
+    pub fn enabled() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("UNDERSTUDY_NEARLOG_STATS").is_ok_and(|v| v == "1"))
+    }
+    pub fn line() -> String {
+        let w = WRITES.load(Relaxed).max(1) as f64;
+        let per = |c: &AtomicU64| c.load(Relaxed) as f64 / w;
+        format!(
+            "stats: {} writes, {:.0} B/write; per write: replicate {:.1} us, sends {:.1} us, wait {:.1} us, pumps {:.2}, polls {:.2} (blocking {:.3}), yields {:.2}, sends {:.2}, reads {:.2}, replies {:.2}",
+            WRITES.load(Relaxed),
+            per(&BYTES),
+            per(&REPLICATE_NS) / 1000.0,
+            per(&SEND_NS) / 1000.0,
+            per(&WAIT_NS) / 1000.0,
+            per(&PUMPS),
+            per(&POLLS),
+            per(&BLOCKING_POLLS),
+            per(&YIELDS),
+            per(&SENDS),
+            per(&READS),
+            per(&REPLIES)
+        )
+    }
+}
+/// See [`stats`].
+const STATS_EVERY_WRITES: u64 = 2_000;
+
 /// Resumes or relocations one wait may go through before it gives up with EIO.
 const MAX_RESUMES_PER_WAIT: u32 = 8;
 
@@ -402,6 +451,7 @@ impl Shim {
     /// peer for longer), or at close. Durability is unchanged (a call returns once a majority
     /// holds its ops); the peers beyond it lag by at most `DEFER_MAX` of records.
     fn pump(&mut self, wait: Duration) {
+        stats::add(&stats::PUMPS, 1);
         let now = self.now_us();
         let mut out: Vec<(PeerId, PeerRequest)> = Vec::new();
         for t in self.files.values_mut() {
@@ -463,9 +513,11 @@ impl Shim {
                 }
             }
         }
+        let sending = Instant::now();
         for (p, buf) in batches {
             self.send_batch(p, &buf, at);
         }
+        stats::add(&stats::SEND_NS, sending.elapsed().as_nanos() as u64);
         // Wait for replies on every connected peer (not past the time a held batch is due).
         let wait = if self.deferred.is_empty() { wait } else { wait.min(DEFER_MAX) };
         let ids: Vec<PeerId> = self.peers.iter().filter(|(_, v)| v.1.is_some()).map(|(k, _)| *k).collect();
@@ -490,7 +542,10 @@ impl Shim {
                 libc::pollfd { fd: self.peers[p].1.as_ref().unwrap().as_raw_fd(), events: libc::POLLIN | out, revents: 0 }
             })
             .collect();
-        if !self.wait_replies(&mut fds, wait) {
+        let waited = Instant::now();
+        let got = self.wait_replies(&mut fds, wait);
+        stats::add(&stats::WAIT_NS, waited.elapsed().as_nanos() as u64);
+        if !got {
             return;
         }
         for (i, p) in ids.iter().enumerate() {
@@ -504,6 +559,7 @@ impl Shim {
             let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
             let reader = self.readers.entry(*p).or_default();
             let mut replies = Vec::new();
+            stats::add(&stats::READS, 1);
             let mut lost = match reader.fill(conn) {
                 Ok(0) => Some("connection closed".to_string()),
                 Ok(_) => None,
@@ -524,6 +580,7 @@ impl Shim {
                     }
                 }
             }
+            stats::add(&stats::REPLIES, replies.len() as u64);
             for rep in replies {
                 if let Some(f) = rep.file() {
                     for t in self.files.values_mut().filter(|t| t.client.file() == f) {
@@ -549,6 +606,10 @@ impl Shim {
     /// slow or dead peer costs at most the spin, never a busy core.
     fn wait_replies(&self, fds: &mut [libc::pollfd], wait: Duration) -> bool {
         let poll = |fds: &mut [libc::pollfd], ms: c_int| {
+            stats::add(&stats::POLLS, 1);
+            if ms != 0 {
+                stats::add(&stats::BLOCKING_POLLS, 1);
+            }
             // SAFETY: fds is a valid array of pollfd for the duration of the call.
             unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) > 0 }
         };
@@ -562,6 +623,7 @@ impl Shim {
                 if Instant::now() >= until {
                     break;
                 }
+                stats::add(&stats::YIELDS, 1);
                 // SAFETY: no arguments, no memory touched.
                 unsafe { libc::sched_yield() };
             }
@@ -598,6 +660,7 @@ impl Shim {
             let rest = &q.0[q.1..];
             // SAFETY: sending from our own buffer within its bounds; the fd is our connection.
             let n = unsafe { libc::send(fd, rest.as_ptr() as *const c_void, rest.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+            stats::add(&stats::SENDS, 1);
             if n >= 0 {
                 q.1 += n as usize;
                 continue;
@@ -955,16 +1018,30 @@ fn verify_local_copy(shim: &mut Shim, fd: c_int, writable: bool, grant: &FileGra
         return Err(format!("fstat: {}", std::io::Error::last_os_error()));
     }
     let local_size = st.st_size as u64;
-    let local = read_local(fd, local_size).map_err(|e| format!("reading the local copy: {e}"))?;
     shim.learn(grant);
     let ids = |v: &[nearlog::proto::PeerAddr]| v.iter().map(|p| p.id).collect::<Vec<_>>();
-    let client = FileClient::reader(grant.file, ids(&grant.peers), ids(&grant.recover_from), ClientConfig::default(), shim.now_us()).with_local_copy(local);
+    let client = FileClient::reader(grant.file, ids(&grant.peers), ids(&grant.recover_from), ClientConfig::default(), shim.now_us());
+    // A copy this process made current (recovered or verified) and nobody changed since: the
+    // peers are only asked whether a majority's most advanced copy is still that state (no
+    // local read, no checksums: RocksDB lists its WAL directory, which recovers the WAL, then
+    // opens the WAL to read it, at once).
+    // (Only where a copy found stale can be rewritten: without the local bytes at hand, a
+    // state that moved on is fetched whole and compared while repairing.)
+    let client = match known_copy(key, grant.file, &st).filter(|_| writable) {
+        Some(h) => client.with_known_state(h),
+        None => client.with_local_copy(read_local(fd, local_size).map_err(|e| format!("reading the local copy: {e}"))?),
+    };
     shim.files.insert(fd, Tracked { key: key.to_string(), client, read_fd: -1, owner_epoch: 0, resume: None, resumes: 0 });
     shim.wait_for(fd, false, |c| c.is_ready()).map_err(|e| format!("verifying the local copy against the log peers: {e}"))?;
     let t = shim.files.get_mut(&fd).unwrap();
+    let state = t.client.read_state();
+    if t.client.matched_known() {
+        return Ok(());
+    }
     let image = t.client.take_recovered().unwrap_or_default();
     let (fetched, reused) = t.client.recovery_bytes();
     if fetched == 0 && image.len() as u64 == local_size {
+        remember_copy(key, grant.file, fd, state);
         return Ok(()); // every chunk matched the source's checksums: current
     }
     if !writable {
@@ -984,7 +1061,41 @@ fn verify_local_copy(shim: &mut Shim, fd: c_int, writable: bool, grant: &FileGra
         "recovered {key} for reading: its local copy ({local_size} bytes) was missing or stale; now the {} bytes a majority of log peers hold ({fetched} fetched, {reused} verified locally)",
         image.len()
     ));
+    remember_copy(key, grant.file, fd, state);
     Ok(())
+}
+
+/// Local copies this process made current for reading: key, file id, the state their content
+/// is, and the file's identity and change times right after ([`verify_local_copy`]).
+type KnownCopy = (String, nearlog::proto::FileId, nearlog::proto::Holding, [i64; 6]);
+static KNOWN_COPIES: Mutex<Vec<KnownCopy>> = Mutex::new(Vec::new());
+/// Copies [`KNOWN_COPIES`] remembers (oldest forgotten first: it only saves a re-check).
+const MAX_KNOWN_COPIES: usize = 64;
+
+/// What must be unchanged for a remembered copy to still be that state: any write to the
+/// file (through the shim or not), a truncate or a replacement changes one of these.
+fn identity(st: &libc::stat64) -> [i64; 6] {
+    [st.st_dev as i64, st.st_ino as i64, st.st_size, st.st_mtime, st.st_mtime_nsec, st.st_ctime_nsec]
+}
+
+fn known_copy(key: &str, file: nearlog::proto::FileId, st: &libc::stat64) -> Option<nearlog::proto::Holding> {
+    let known = KNOWN_COPIES.lock().unwrap_or_else(|e| e.into_inner());
+    known.iter().find(|(k, f, _, id)| k == key && *f == file && *id == identity(st)).map(|(_, _, h, _)| *h)
+}
+
+fn remember_copy(key: &str, file: nearlog::proto::FileId, fd: c_int, state: Option<nearlog::proto::Holding>) {
+    let Some(h) = state else { return };
+    // SAFETY: fstat into a zeroed struct.
+    let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat64(fd, &mut st) } != 0 || st.st_size as u64 != h.size {
+        return;
+    }
+    let mut known = KNOWN_COPIES.lock().unwrap_or_else(|e| e.into_inner());
+    known.retain(|(k, _, _, _)| k != key);
+    if known.len() >= MAX_KNOWN_COPIES {
+        known.remove(0);
+    }
+    known.push((key.to_string(), file, h, identity(&st)));
 }
 
 /// A read of log file `path` that does not go through our `open`: `fopen` for reading (glibc
@@ -1190,11 +1301,24 @@ fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim, c_int) -> Result<T, Stri
 
 /// Replicates `data` written at `offset` and waits for a majority.
 fn replicate(shim: &mut Shim, fd: c_int, offset: u64, data: &[u8]) -> Result<(), String> {
+    let t0 = Instant::now();
+    let now = shim.now_us();
     let t = shim.files.get_mut(&fd).ok_or("not a log fd")?;
+    // The client's clock before the submit: a peer that had every record starts its
+    // retransmission timer now, not at an ack long ago (which resent the record at once).
+    t.client.tick(now);
     for (i, chunk) in data.chunks(MAX_CHUNK_BYTES).enumerate() {
         t.client.submit(Op::write(offset + (i * MAX_CHUNK_BYTES) as u64, chunk.to_vec())).map_err(|e| e.to_string())?;
     }
-    shim.wait_for(fd, true, all_acked)
+    let r = shim.wait_for(fd, true, all_acked);
+    if stats::enabled() {
+        stats::add(&stats::REPLICATE_NS, Instant::now().duration_since(t0).as_nanos() as u64);
+        stats::add(&stats::BYTES, data.len() as u64);
+        if stats::WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % STATS_EVERY_WRITES == STATS_EVERY_WRITES - 1 {
+            log(&stats::line());
+        }
+    }
+    r
 }
 
 /// Every op submitted so far is on a majority (calls are synchronous: this is "ours is").

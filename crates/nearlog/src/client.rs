@@ -175,6 +175,14 @@ pub struct FileClient {
     /// restarts it went through.
     read_only: bool,
     read_rounds: u32,
+    /// A reader's caller holds exactly the image of this state (it wrote it from an earlier
+    /// read in the same process and the file is unchanged since): if a majority's most
+    /// advanced copy is still this state, nothing is fetched or compared.
+    known: Option<Holding>,
+    /// The state a reader's image is (set when it is ready).
+    read_state: Option<Holding>,
+    /// The reader's source was at the `known` state (no image: the caller's copy is current).
+    matched_known: bool,
     /// Recovery's bytes fetched from the source and taken from the local copy.
     fetched_bytes: u64,
     reused_bytes: u64,
@@ -232,6 +240,9 @@ impl FileClient {
             local_hint: None,
             read_only: false,
             read_rounds: 0,
+            known: None,
+            read_state: None,
+            matched_known: false,
             fetched_bytes: 0,
             reused_bytes: 0,
             now_us,
@@ -262,6 +273,24 @@ impl FileClient {
     pub fn with_local_copy(mut self, local: Vec<u8>) -> FileClient {
         self.local_hint = if local.is_empty() { None } else { Some(local) };
         self
+    }
+
+    /// A reader whose caller's copy is exactly the image of state `h` (see `known`): when the
+    /// most advanced copy of a majority is still `h`, the reader is ready at once, without
+    /// fetching anything ([`FileClient::matched_known`]); otherwise it reads as usual.
+    pub fn with_known_state(mut self, h: Holding) -> FileClient {
+        self.known = Some(h);
+        self
+    }
+
+    /// A ready reader found the source at the state given to [`FileClient::with_known_state`].
+    pub fn matched_known(&self) -> bool {
+        self.matched_known
+    }
+
+    /// The state a ready reader's image (or the caller's matching copy) is.
+    pub fn read_state(&self) -> Option<Holding> {
+        self.read_state
     }
 
     /// Recovery's bytes so far: (fetched from the source, taken from the local copy).
@@ -361,7 +390,13 @@ impl FileClient {
         self.next_seq += 1;
         let seq = self.next_seq;
         self.ops_bytes += op.payload_bytes();
+        let now = self.now_us;
         for (&p, t) in self.tracks.iter_mut() {
+            if !t.lost && t.applied + 1 == seq {
+                // It had everything: its retransmission timer starts now (not at its last ack,
+                // which may be long ago after an idle spell: that resent this record at once).
+                t.last_send_us = now;
+            }
             // Peers far behind get their records, in order, from the retransmission instead.
             if !t.lost && t.applied + PIPELINE_RECORDS >= seq {
                 self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq, op: op.clone() }));
@@ -814,6 +849,14 @@ impl FileClient {
             return;
         }
         let (source, holding) = *witnesses.iter().max_by_key(|(p, h)| (h.epoch, h.seq, std::cmp::Reverse(*p))).unwrap();
+        if self.read_only && self.known == Some(holding) {
+            // The caller's copy is this very state: nothing to fetch or compare.
+            self.size = holding.size;
+            self.read_state = Some(holding);
+            self.matched_known = true;
+            self.phase = Phase::Ready;
+            return;
+        }
         self.start_fetch(source, holding);
     }
 
@@ -900,6 +943,7 @@ impl FileClient {
     fn fetched(&mut self, source: PeerId, holding: Holding, image: Vec<u8>) {
         if self.read_only {
             self.size = image.len() as u64;
+            self.read_state = Some(holding);
             self.recovered = Some(image);
             self.phase = Phase::Ready;
         } else {
@@ -1236,6 +1280,44 @@ mod tests {
         let s = w.submit(Op::write(0, b"still mine".to_vec())).unwrap();
         run(&mut w, &mut peers);
         assert!(w.failure().is_none() && w.acked_seq() >= s);
+    }
+
+    #[test]
+    fn a_reader_with_a_known_current_copy_fetches_nothing_and_a_moved_state_is_read_whole() {
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
+        let content = fill(&mut peers, 2 * MAX_CHUNK_BYTES + 77);
+        let mut r = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0);
+        run(&mut r, &mut peers);
+        assert_eq!(r.take_recovered().unwrap(), content);
+        let state = r.read_state().unwrap();
+        // Same state: ready from the probes alone.
+        let mut again = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0).with_known_state(state);
+        let mut asked = Vec::new();
+        loop {
+            let out = again.take_outgoing();
+            if out.is_empty() {
+                break;
+            }
+            for (p, req) in out {
+                asked.push(req.clone());
+                let rep = peers[p as usize - 1].handle(req);
+                again.on_reply(p, rep);
+            }
+        }
+        assert!(again.is_ready() && again.matched_known(), "{:?}", again.failure());
+        assert!(asked.iter().all(|q| matches!(q, PeerRequest::Probe { .. })), "only probes: {asked:?}");
+        assert_eq!(again.read_state(), Some(state));
+        // The file moved on (a writer appended): the known state no longer matches.
+        let mut w = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        run(&mut w, &mut peers);
+        let mut now = w.take_recovered().unwrap();
+        w.submit(Op::write(now.len() as u64, b"more".to_vec())).unwrap();
+        run(&mut w, &mut peers);
+        now.extend_from_slice(b"more");
+        let mut moved = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0).with_known_state(state);
+        run(&mut moved, &mut peers);
+        assert!(moved.is_ready() && !moved.matched_known());
+        assert_eq!(moved.take_recovered().unwrap(), now);
     }
 
     #[test]

@@ -220,6 +220,8 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
     // Held while this connection's buffers may be larger than the above (never while waiting
     // for it with the core locked: holders need the core to finish).
     let mut slot: Option<LargeFrameSlot> = None;
+    // The last reply in `out`, if an Ack: its (file, epoch) and where its frame starts.
+    let mut last_ack: Option<((crate::proto::FileId, crate::proto::Epoch), usize)> = None;
     loop {
         let n = sock.read(&mut buf[end..])?;
         if n == 0 {
@@ -259,15 +261,28 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
                 if !out.is_empty() {
                     sock.write_all(&out)?;
                     out.clear();
+                    last_ack = None;
                 }
                 slot = Some(LargeFrameSlot::acquire()?);
             }
             let rep: PeerReply = c.get_or_insert_with(|| core.lock().unwrap()).handle(req);
+            // Acks are cumulative: an Ack that follows one for the same file and epoch replaces
+            // it (a batch of records costs the client one ack to decode, not one per record).
+            let ack_of = match &rep {
+                PeerReply::Ack { file, epoch, .. } => Some((*file, *epoch)),
+                _ => None,
+            };
+            if let Some((_, at)) = last_ack.filter(|(k, _)| Some(*k) == ack_of) {
+                out.truncate(at);
+            }
+            let at = out.len();
             crate::blocking::encode_into(&rep, &mut out)?;
+            last_ack = ack_of.map(|k| (k, at));
             if out.len() >= MAX_REPLY_BATCH_BYTES {
                 c = None; // other connections go on while this one writes
                 sock.write_all(&out)?;
                 out.clear();
+                last_ack = None;
             }
         }
         drop(c);
@@ -286,6 +301,7 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
             sock.write_all(&out)?;
             out.clear();
         }
+        last_ack = None;
         if out.capacity() > 2 * MAX_REPLY_BATCH_BYTES {
             out = Vec::with_capacity(MAX_REPLY_BATCH_BYTES);
         }

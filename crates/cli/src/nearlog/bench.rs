@@ -99,6 +99,12 @@ pub struct CommonArgs {
 pub struct AppsBenchArgs {
     #[command(flatten)]
     pub common: CommonArgs,
+    /// Applications to run (comma-separated; a subset leaves the others' figures out).
+    #[arg(long, value_delimiter = ',', default_value = "redis,sqlite,rocksdb")]
+    pub apps: Vec<String>,
+    /// Client counts of Redis and RocksDB (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,50")]
+    pub clients: Vec<usize>,
 }
 
 #[derive(Args, Debug)]
@@ -824,6 +830,10 @@ type PlotLines = BTreeMap<Setup, Vec<(f64, f64)>>;
 
 fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
     let c = &a.common;
+    for app in &a.apps {
+        anyhow::ensure!(["redis", "sqlite", "rocksdb"].contains(&app.as_str()), "--apps: unknown application {app:?} (redis, sqlite, rocksdb)");
+    }
+    anyhow::ensure!(a.clients.iter().all(|&n| n >= 1), "--clients: every count must be at least 1");
     let out = bench::out_dir("nearlog", c.out.clone())?;
     let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(std::env::current_dir()?)?;
     let rocks = build_rocksdb_load(tmp.path())?;
@@ -878,15 +888,18 @@ fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
                 ]);
             }
         };
-        for clients in [1usize, 8, 50] {
+        let run = |app: &str| a.apps.iter().any(|x| x == app);
+        for &clients in a.clients.iter().filter(|_| run("redis")) {
             let runs = interleaved(rounds, |s| redis_run(&tb, s, clients, secs))?;
             record_runs(&mut report, pfx, "redis", clients, &runs, &tb)?;
             keep("redis", clients, &runs, &mut csv);
         }
-        let runs = interleaved(rounds, |s| sqlite_run(&tb, s, secs))?;
-        record_runs(&mut report, pfx, "sqlite", 1, &runs, &tb)?;
-        keep("sqlite", 1, &runs, &mut csv);
-        for clients in [1usize, 8, 50] {
+        if run("sqlite") {
+            let runs = interleaved(rounds, |s| sqlite_run(&tb, s, secs))?;
+            record_runs(&mut report, pfx, "sqlite", 1, &runs, &tb)?;
+            keep("sqlite", 1, &runs, &mut csv);
+        }
+        for &clients in a.clients.iter().filter(|_| run("rocksdb")) {
             let runs = interleaved(rounds, |s| rocksdb_run(&tb, &rocks, s, clients, secs))?;
             record_runs(&mut report, pfx, "rocksdb", clients, &runs, &tb)?;
             keep("rocksdb", clients, &runs, &mut csv);
