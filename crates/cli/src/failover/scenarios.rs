@@ -504,7 +504,14 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params, trace: Option<&[String]>) -> a
         r.acked.len()
     );
     if let Some(b) = &sample.breakdown {
-        eprintln!("failover bench: {:<12} {:<42} start→healthy less recovery {:.0} ms: {}", m.name, s.name, sample.app_recovery_ms, b.line());
+        eprintln!(
+            "failover bench: {:<12} {:<42} start→healthy less recovery {:.0} ms ({} rows at open): {}",
+            m.name,
+            s.name,
+            sample.app_recovery_ms,
+            sample.table_rows,
+            b.line()
+        );
     }
     if let (Some(w), Some(tr)) = (&sample.shard_work, &trace) {
         for (phase, pw) in super::shardtrace::PHASES.iter().zip(w) {
