@@ -910,8 +910,8 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
         }
         report.figure("recovery_rounds.rounds_count", ratios.len() as f64)?;
         let rows = |pick: usize| median(&m.recovery.iter().map(|x| if pick == 0 { x.0.table_rows } else { x.1.table_rows }).collect::<Vec<_>>());
-        report.figure("recovery_rounds.plain.table_rows_p50", rows(0))?;
-        report.figure("recovery_rounds.super.table_rows_p50", rows(1))?;
+        report.figure("recovery_rounds.plain.table_rows_count_p50", rows(0))?;
+        report.figure("recovery_rounds.super.table_rows_count_p50", rows(1))?;
         let plain: Vec<f64> = m.recovery.iter().map(|x| x.0.app_recovery_ms).collect();
         let sup: Vec<f64> = m.recovery.iter().map(|x| x.1.app_recovery_ms).collect();
         report.figure("recovery_rounds.plain.app_recovery_latency_ms_p50", median(&plain))?;

@@ -188,26 +188,26 @@ impl PhaseWork {
         }
     }
 
-    /// (name, value) pairs, for figures and lines.
+    /// (name with its unit, value) pairs, for figures.
     pub fn fields(&self) -> [(&'static str, f64); 17] {
         [
-            ("cow_first_writes", self.cow_first_writes),
+            ("cow_first_writes_count", self.cow_first_writes),
             ("cow_load_us", self.cow_load_us),
             ("cow_commit_us", self.cow_commit_us),
-            ("in_place_writes", self.in_place_writes),
+            ("in_place_writes_count", self.in_place_writes),
             ("in_place_us", self.in_place_us),
-            ("reads", self.reads),
+            ("reads_count", self.reads),
             ("read_us", self.read_us),
-            ("applies", self.applies),
+            ("applies_count", self.applies),
             ("apply_us", self.apply_us),
-            ("apply_cow", self.apply_cow),
+            ("apply_cow_count", self.apply_cow),
             ("apply_cow_us", self.apply_cow_us),
-            ("slots_inline", self.slots_inline),
-            ("refill_slots", self.refill_slots),
+            ("slots_inline_count", self.slots_inline),
+            ("refill_slots_count", self.refill_slots),
             ("refill_us", self.refill_us),
-            ("fdatasyncs", self.fdatasyncs),
+            ("fdatasyncs_count", self.fdatasyncs),
             ("disk_wait_us", self.disk_wait_us),
-            ("slow_disk_ops", self.slow_disk_ops),
+            ("slow_disk_ops_count", self.slow_disk_ops),
         ]
     }
 
@@ -256,5 +256,11 @@ mod tests {
         assert_eq!(d(15.0, 25.0) + d(25.0, 35.0), d(15.0, 35.0));
         assert_eq!(d(0.0, 100.0), 8.0);
         assert!((tr.resolution_ms() - 10.0).abs() < 1e-9);
+        // Every field makes a valid figure name, alone and with a statistic.
+        for (n, _) in PhaseWork::default().fields() {
+            for name in [format!("a.shards.{n}"), format!("a.shards.recovery.{n}_p50")] {
+                assert!(bench::check_figure_name(&name).is_ok(), "{name}");
+            }
+        }
     }
 }
