@@ -652,7 +652,10 @@ struct Measured {
 /// so a drift of the machine's speed (other work on it) hits both alike. With the shards'
 /// metrics, their counters over the measured windows tell whether the promoted volume still
 /// does copy-on-write work (first writes of a child) while measured.
-fn side_by_side(nf: &Mon, promoted: &Mon, windows: usize, window: Duration, shard_metrics: &[String]) -> anyhow::Result<(Vec<(f64, f64)>, Option<super::shardtrace::PhaseWork>)> {
+/// Per window (never-failed, promoted) commits/s, and the shards' work over the windows.
+type SideBySide = (Vec<(f64, f64)>, Option<super::shardtrace::PhaseWork>);
+
+fn side_by_side(nf: &Mon, promoted: &Mon, windows: usize, window: Duration, shard_metrics: &[String]) -> anyhow::Result<SideBySide> {
     let (la, lb) = (Load::start(nf.endpoint), Load::start(promoted.endpoint));
     la.wait_acked(FLOWING_COMMITS, "never-failed throughput").map_err(|e| nf.context(e))?;
     lb.wait_acked(FLOWING_COMMITS, "promoted throughput").map_err(|e| promoted.context(e))?;
