@@ -31,6 +31,7 @@ mod mariadb;
 mod postgres;
 mod recovery;
 mod scenarios;
+mod shardtrace;
 
 pub use bench::DemoApp;
 

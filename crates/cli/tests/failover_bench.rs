@@ -35,6 +35,12 @@ fn quick_scenarios_bench_emits_the_ratios() {
         let f = &v["figures"][format!("recovery_rounds.{kind}.ext4_mount_ms_p50")];
         assert!(f.as_f64().is_some_and(|x| x.is_finite() && x >= 0.0), "{kind} breakdown missing: {v}");
     }
+    // The shards' counters traced over those recoveries, the tables' sizes at open, and the
+    // §6.5 windows run side by side.
+    for f in ["recovery_rounds.super.shards.recovery.cow_first_writes_count_p50", "recovery_rounds.plain.shards.app_open.reads_count_p50", "recovery_rounds.plain.table_rows_count_p50"] {
+        assert!(v["figures"][f].as_f64().is_some_and(|x| x.is_finite() && x >= 0.0), "{f} missing: {v}");
+    }
+    assert_eq!(v["figures"]["after_promotion.rounds_count"].as_f64(), Some(4.0), "{v}");
     assert!(v["figures"]["speculative.extra_instance_time_per_failure_s_mean"].as_f64().is_some_and(|x| x > 0.0), "{v}");
     assert!(dir.path().join("out/throughput.csv").exists());
 }

@@ -103,6 +103,25 @@ pub fn of(asked_unix_ms: f64, healthy_unix_ms: f64, t: &StartTiming, app_log: &P
     Some(b)
 }
 
+/// Rows the SQLite front found at its last open (`open with N rows`), from its log.
+pub fn sqlite_rows(app_log: &Path) -> Option<f64> {
+    let text = std::fs::read_to_string(app_log).ok()?;
+    let line = text.lines().rev().find(|l| l.contains("opened_unix"))?;
+    line.split(" open with ").nth(1)?.split_whitespace().next()?.parse().ok()
+}
+
+/// The wall-clock bounds (unix ms) of a start's phases, for cutting the shards' counters:
+/// asked, attached (volume open, FUSE, `losetup`, ext4 `mount`), the interpreter up (spawn,
+/// boot), SQLite open (its recovery and table setup; the bench's delay excluded), healthy.
+/// `None` without the SQLite front's times.
+pub fn phase_bounds(asked_unix_ms: f64, healthy_unix_ms: f64, t: &StartTiming, app_log: &Path, delay_ms: f64) -> Option<[f64; 5]> {
+    if t.requested_unix_ms == 0 {
+        return None;
+    }
+    let (started, _opened, serving) = sqlite_times(app_log)?;
+    Some([asked_unix_ms.min(t.requested_unix_ms as f64), t.attached_unix_ms as f64, started, serving - delay_ms, healthy_unix_ms])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,5 +148,8 @@ mod tests {
         assert!((sum - (180.0 - 100.0)).abs() < 1e-6, "{b:?}");
         assert!((b.app_boot_ms - 18.0).abs() < 1e-6 && (b.app_open_ms - 15.0).abs() < 1e-6 && (b.serve_to_healthy_ms - 15.0).abs() < 1e-6, "{b:?}");
         assert!((b.attach_rest_ms - 5.0).abs() < 1e-6);
+        assert_eq!(sqlite_rows(&log), Some(3.0));
+        let pb = phase_bounds(1_000_000.0, 1_000_180.0, &t, &log, 100.0).unwrap();
+        assert!(pb.windows(2).all(|w| w[0] <= w[1]), "{pb:?}");
     }
 }

@@ -25,9 +25,10 @@
 //! §6.5: after each speculative promotion the bench waits for garbage collection to end (the
 //! metadata service's job list empties) and reports how long that took; after scenario II's
 //! (or the first, when II is not run) it compares the promoted instance's throughput with the
-//! never-failed one's in interleaved rounds of windows (A B B A), reporting every round and
-//! their median; and once more at the end (after the false positive hit the same primary). It
-//! also reports the instance-seconds the backup was held beside the primary per failure.
+//! never-failed one's, both under the same load at the same time, window by window after a
+//! warm-up, reporting every window and their median; and once more at the end (after the false
+//! positive hit the same primary). It also reports the instance-seconds the backup was held
+//! beside the primary per failure.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -71,11 +72,12 @@ pub struct ScenarioArgs {
     /// Run only these scenarios, e.g. `--scenario II` or `--scenario I,II` (I–V) [default: all].
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     pub scenario: Vec<String>,
-    /// §6.5: interleaved rounds (never-failed, promoted, promoted, never-failed) after garbage
-    /// collection ended [default: 15; 2 with --quick].
+    /// §6.5: windows in which the never-failed and the promoted instance run the same load side
+    /// by side (after garbage collection ended and a warm-up window) [default: 30; 4 with
+    /// --quick].
     #[arg(long, value_name = "N")]
     pub rounds: Option<usize>,
-    /// §6.5: length of each throughput window of those rounds [default: 2000; 500 with --quick].
+    /// §6.5: length of each of those windows [default: 2000; 500 with --quick].
     #[arg(long, value_name = "MS")]
     pub window_ms: Option<u64>,
     /// §6.3 inside this bench: after the scenarios, rounds of one crash of the oracle's primary
@@ -85,6 +87,11 @@ pub struct ScenarioArgs {
     /// crashes instead].
     #[arg(long, value_name = "N")]
     pub recovery_rounds: Option<usize>,
+    /// During the recovery rounds, scrape every shard's counters this often and cut them at
+    /// the recovery's phases (child first writes, in-place writes, reads, refill; 0: off)
+    /// [default: 20].
+    #[arg(long, value_name = "MS")]
+    pub counter_interval_ms: Option<u64>,
 }
 
 /// The primary is pinged this often (the backup while it starts: `backup_ping_interval_ms`).
@@ -111,6 +118,8 @@ struct Params {
     rounds: usize,
     /// Interleaved crash rounds of oracle (plain) and speculative (super).
     recovery_rounds: usize,
+    /// Scrape interval of the shards' counters during those rounds (None: off).
+    counter_interval: Option<Duration>,
 }
 
 impl Params {
@@ -126,8 +135,9 @@ impl Params {
             // Short windows, many rounds: the machine's speed drifts over seconds (other work
             // on it), and the closer A and B are in time, the more alike that drift hits them.
             window: Duration::from_millis(a.window_ms.unwrap_or(if q { 500 } else { 2_000 })),
-            rounds: a.rounds.unwrap_or(if q { 2 } else { 15 }).max(1),
+            rounds: a.rounds.unwrap_or(if q { 4 } else { 30 }).max(1),
             recovery_rounds: a.recovery_rounds.unwrap_or(if q { 2 } else { 8 }),
+            counter_interval: Some(a.counter_interval_ms.unwrap_or(20)).filter(|&ms| ms > 0).map(Duration::from_millis),
         }
     }
 }
@@ -344,6 +354,11 @@ struct Sample {
     resume_ms: f64,
     /// Where `app_recovery_ms` went (crashes only).
     breakdown: Option<super::breakdown::Breakdown>,
+    /// What the shards did in each phase of that recovery ([`super::shardtrace::PHASES`]),
+    /// when traced.
+    shard_work: Option<Vec<super::shardtrace::PhaseWork>>,
+    /// Rows the recovered instance's SQLite table held when it opened (its open scans them).
+    table_rows: f64,
     /// When the outcome was seen.
     outcome_at: Instant,
     ops_per_window: Vec<u64>,
@@ -354,8 +369,9 @@ fn t_of(events: &[Value], name: &str) -> f64 {
     events.iter().rev().find(|e| e["event"] == name).and_then(|e| e["t_ms"].as_f64()).unwrap_or(f64::NAN)
 }
 
-/// One failure of scenario `s` under monitor `m`.
-fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
+/// One failure of scenario `s` under monitor `m`; with `trace` (the shards' metrics
+/// addresses), the shards' counters are traced around it.
+fn run_failure(m: &mut Mon, s: &Scen, p: &Params, trace: Option<&[String]>) -> anyhow::Result<Sample> {
     std::fs::write(&m.delay_file, s.recovery_ms.to_string())?;
     let load = Load::start(m.endpoint);
     load.wait_acked(FLOWING_COMMITS, "before the failure")?;
@@ -391,6 +407,7 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
         let back = s.transient_ms.map_or("never".to_string(), |t| t.to_string());
         m.control(&format!("hint {back} {}", s.recovery_ms))?;
     }
+    let tracer = trace.zip(p.counter_interval).map(|(a, i)| super::shardtrace::Tracer::start(a.to_vec(), i));
     let fault_unix_ms = ::failover::driver::now_unix_ms() as f64;
     match s.transient_ms {
         Some(t) => m.control(&format!("cut {t}"))?,
@@ -404,6 +421,7 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
     };
     let done = m.wait(outcomes, STEP_TIMEOUT)?;
     let outcome_at = Instant::now();
+    let trace = tracer.map(|t| t.finish());
     let n = load.acked();
     load.wait_acked(n + FLOWING_COMMITS, "after the outcome")?;
     std::thread::sleep(p.settle);
@@ -439,6 +457,10 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
     let started = t_of(ev, "backup_started");
     let healthy = t_of(ev, "backup_healthy");
     let breakdown = recovery_breakdown(m, ev, s.recovery_ms as f64);
+    let shard_work = trace.as_ref().and_then(|tr| {
+        let b = recovery_bounds(m, ev, s.recovery_ms as f64)?;
+        Some(b.windows(2).map(|w| super::shardtrace::PhaseWork::of(&tr.delta(w[0], w[1]))).collect::<Vec<_>>())
+    });
     let outcome_t = done["t_ms"].as_f64().unwrap_or(f64::NAN);
     let extra = match m.policy {
         "speculative" if started.is_finite() => (outcome_t - started) / 1000.0,
@@ -458,6 +480,8 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
         detect_ms: suspected_unix - fault_unix_ms,
         resume_ms: first_ack_unix - back_unix,
         breakdown,
+        shard_work,
+        table_rows: recovered_rows(m, ev).unwrap_or(f64::NAN),
         outcome_at,
         ops_per_window: r.ops_per_window.clone(),
         window_ms: r.window_ms,
@@ -480,7 +504,19 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<Sample> {
         r.acked.len()
     );
     if let Some(b) = &sample.breakdown {
-        eprintln!("failover bench: {:<12} {:<42} start→healthy less recovery {:.0} ms: {}", m.name, s.name, sample.app_recovery_ms, b.line());
+        eprintln!(
+            "failover bench: {:<12} {:<42} start→healthy less recovery {:.0} ms ({} rows at open): {}",
+            m.name,
+            s.name,
+            sample.app_recovery_ms,
+            sample.table_rows,
+            b.line()
+        );
+    }
+    if let (Some(w), Some(tr)) = (&sample.shard_work, &trace) {
+        for (phase, pw) in super::shardtrace::PHASES.iter().zip(w) {
+            eprintln!("failover bench: {:<12} shards during {phase:<8} (±{:.0} ms): {}", m.name, tr.resolution_ms(), pw.line());
+        }
     }
     Ok(sample)
 }
@@ -497,17 +533,22 @@ fn recovery_breakdown(m: &Mon, ev: &[Value], delay_ms: f64) -> Option<super::bre
     super::breakdown::of(started["unix_ms"].as_f64()?, healthy["unix_ms"].as_f64()?, &timing, &log, delay_ms)
 }
 
-/// Commits/s through `m`'s endpoint over `window` (after a short warm-up).
-fn throughput(m: &Mon, window: Duration) -> anyhow::Result<f64> {
-    let load = Load::start(m.endpoint);
-    load.wait_acked(FLOWING_COMMITS, "throughput window")?;
-    let n0 = load.acked();
-    let t0 = Instant::now();
-    std::thread::sleep(window);
-    let n1 = load.acked();
-    let secs = t0.elapsed().as_secs_f64();
-    load.finish(&format!("{} throughput window", m.name))?;
-    Ok((n1 - n0) as f64 / secs)
+/// Rows the SQLite front of the instance this failure started found at its open.
+fn recovered_rows(m: &Mon, ev: &[Value]) -> Option<f64> {
+    let id = ev.iter().rev().find(|e| e["event"] == "backup_started")?["instance"].as_u64()?;
+    super::breakdown::sqlite_rows(&m.run_dir.join("state").join("logs").join(format!("i{id}.log")))
+}
+
+/// The phase bounds of the recovery this failure started ([`super::breakdown::phase_bounds`]).
+fn recovery_bounds(m: &Mon, ev: &[Value], delay_ms: f64) -> Option<[f64; 5]> {
+    let started = ev.iter().rev().find(|e| e["event"] == "backup_started")?;
+    let healthy = ev.iter().rev().find(|e| e["event"] == "backup_healthy")?;
+    let id = started["instance"].as_u64()?;
+    let st: Value = serde_json::from_str(&m.control("status").ok()?).ok()?;
+    let inst = st["instances"].as_array()?.iter().find(|i| i["id"].as_u64() == Some(id))?;
+    let timing: ::failover::pool::StartTiming = serde_json::from_value(inst["start"].clone()).ok()?;
+    let log = m.run_dir.join("state").join("logs").join(format!("i{id}.log"));
+    super::breakdown::phase_bounds(started["unix_ms"].as_f64()?, healthy["unix_ms"].as_f64()?, &timing, &log, delay_ms)
 }
 
 /// Waits until the metadata service has no job left (garbage collection ended); returns how
@@ -560,12 +601,14 @@ pub fn run(a: ScenarioArgs, verbose: u8) -> anyhow::Result<()> {
     std::fs::create_dir_all(&base)?;
     let dir = tempfile::Builder::new().prefix("understudy-failover-").tempdir_in(&base)?;
     let rt = crate::runtime()?;
-    let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose })?;
+    // Shards serve their metrics, for the recovery rounds' counter trace.
+    let mut lc = LocalCluster::start_full(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose }, &[], true)?;
     rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
     let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
     let t0 = Instant::now();
-    let r = measure(&a, &p, &scen, &chosen, &cluster_file, dir.path(), verbose);
+    let shard_metrics: Vec<String> = lc.info.shards.iter().filter_map(|s| s.metrics.clone()).collect();
+    let r = measure(&a, &p, &scen, &chosen, &cluster_file, &shard_metrics, dir.path(), verbose);
     lc.stop();
     let m = r?;
     eprintln!("failover bench: measured in {:.1} s", t0.elapsed().as_secs_f64());
@@ -575,10 +618,12 @@ pub fn run(a: ScenarioArgs, verbose: u8) -> anyhow::Result<()> {
 /// §6.5 after garbage collection ended: rounds of windows on the never-failed instance (A) and
 /// the promoted one (B), A B B A, so a drift of the machine's speed hits both alike.
 struct Rounds {
-    /// Per round: (A mean, B mean) in commits/s.
+    /// Per window: (A, B) in commits/s over the same interval.
     rounds: Vec<(f64, f64)>,
     /// The scenario whose promotion it follows.
     after: &'static str,
+    /// The shards' work over the measured windows (both volumes).
+    work: Option<super::shardtrace::PhaseWork>,
 }
 
 impl Rounds {
@@ -600,38 +645,81 @@ struct Measured {
     recovery: Vec<(Sample, Sample)>,
 }
 
-fn abba(mons: &[Mon], p: &Params, after: &'static str) -> anyhow::Result<Rounds> {
-    let (nf, promoted) = (&mons[4], &mons[2]);
-    let mut rounds = vec![];
-    for r in 0..p.rounds {
-        let w = |m: &Mon| throughput(m, p.window).map_err(|e| m.context(e));
-        let a1 = w(nf)?;
-        let b1 = w(promoted)?;
-        let b2 = w(promoted)?;
-        let a2 = w(nf)?;
-        let (a, b) = ((a1 + a2) / 2.0, (b1 + b2) / 2.0);
-        let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-        eprintln!(
-            "failover bench: §6.5 round {}: never-failed {a1:.1} / promoted {b1:.1} / promoted {b2:.1} / never-failed {a2:.1} commits/s: promoted/never-failed {:.3} (load {})",
-            r + 1,
-            b / a,
-            load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
-        );
-        rounds.push((a, b));
+/// §6.5 after garbage collection ended: the never-failed instance (A) and the promoted one
+/// (B) under the same load at the same time — one closed-loop client each, both started and
+/// warmed up (their first commits and one window discarded) before the first window — then
+/// `rounds` consecutive windows, each giving both rates over the same wall-clock interval,
+/// so a drift of the machine's speed (other work on it) hits both alike. With the shards'
+/// metrics, their counters over the measured windows tell whether the promoted volume still
+/// does copy-on-write work (first writes of a child) while measured.
+/// Per window (never-failed, promoted) commits/s, and the shards' work over the windows.
+type SideBySide = (Vec<(f64, f64)>, Option<super::shardtrace::PhaseWork>);
+
+fn side_by_side(nf: &Mon, promoted: &Mon, windows: usize, window: Duration, shard_metrics: &[String]) -> anyhow::Result<SideBySide> {
+    let (la, lb) = (Load::start(nf.endpoint), Load::start(promoted.endpoint));
+    la.wait_acked(FLOWING_COMMITS, "never-failed throughput").map_err(|e| nf.context(e))?;
+    lb.wait_acked(FLOWING_COMMITS, "promoted throughput").map_err(|e| promoted.context(e))?;
+    std::thread::sleep(window);
+    let before = super::shardtrace::scrape(shard_metrics);
+    let mut out = vec![];
+    for _ in 0..windows {
+        let (a0, b0, t0) = (la.acked(), lb.acked(), Instant::now());
+        std::thread::sleep(window);
+        let (a1, b1, secs) = (la.acked(), lb.acked(), t0.elapsed().as_secs_f64());
+        out.push(((a1 - a0) as f64 / secs, (b1 - b0) as f64 / secs));
     }
-    Ok(Rounds { rounds, after })
+    let after = super::shardtrace::scrape(shard_metrics);
+    la.finish(&format!("{} throughput windows", nf.name)).map_err(|e| nf.context(e))?;
+    lb.finish(&format!("{} throughput windows", promoted.name)).map_err(|e| promoted.context(e))?;
+    let work = before.zip(after).map(|(b, a)| {
+        let d: super::shardtrace::Counters = a.iter().filter(|(k, _)| k.contains("_total")).map(|(k, v)| (k.clone(), v - b.get(k).copied().unwrap_or(0.0))).collect();
+        super::shardtrace::PhaseWork::of(&d)
+    });
+    Ok((out, work))
 }
 
-fn measure(a: &ScenarioArgs, p: &Params, scen: &[Scen], chosen: &[usize], cluster_file: &Path, dir: &Path, verbose: u8) -> anyhow::Result<Measured> {
+fn abba(mons: &[Mon], p: &Params, after: &'static str, shard_metrics: &[String]) -> anyhow::Result<Rounds> {
+    let (nf, promoted) = (&mons[4], &mons[2]);
+    let (rounds, work) = side_by_side(nf, promoted, p.rounds, p.window, shard_metrics)?;
+    for (r, (a, b)) in rounds.iter().enumerate() {
+        eprintln!("failover bench: §6.5 window {}: never-failed {a:.1} / promoted {b:.1} commits/s side by side: promoted/never-failed {:.3}", r + 1, b / a);
+    }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    eprintln!("failover bench: §6.5 load {}", load.split_whitespace().take(3).collect::<Vec<_>>().join(" "));
+    if let Some(w) = &work {
+        eprintln!("failover bench: §6.5 shards while measured: {}", w.line());
+    }
+    Ok(Rounds { rounds, after, work })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    a: &ScenarioArgs,
+    p: &Params,
+    scen: &[Scen],
+    chosen: &[usize],
+    cluster_file: &Path,
+    shard_metrics: &[String],
+    dir: &Path,
+    verbose: u8,
+) -> anyhow::Result<Measured> {
     // All monitors at once: they boot in parallel, then idle (pings only) between failures.
     // Speculative falls back to REDS with the medium timeout (after repeated aborts, §4.4).
-    let specs: [(&str, &str, u64); 5] = [
+    // The recovery rounds (§6.3 here) get a pair of their own, started with the others: the
+    // same fresh table on both volumes and the same load from then on. (On the scenarios'
+    // speculative and oracle monitors the tables differed — the §6.5 windows add thousands of
+    // rows to the promoted one — and SQLite's open scans the table: a longer open that was
+    // the table's, not the clone's.)
+    let mut specs: Vec<(&'static str, &'static str, u64)> = vec![
         ("reds_medium", "reds", p.medium_ms),
         ("reds_short", "reds", p.short_ms),
         ("speculative", "speculative", p.medium_ms),
         ("oracle", "oracle", 600_000),
         ("never_failed", "speculative", 600_000),
     ];
+    if p.recovery_rounds > 0 {
+        specs.extend([("rec_plain", "oracle", 600_000), ("rec_super", "speculative", 600_000)]);
+    }
     let mut mons = vec![];
     for (name, policy, timeout) in specs {
         mons.push(Mon::start(cluster_file, dir, name, policy, timeout, verbose)?);
@@ -642,7 +730,8 @@ fn measure(a: &ScenarioArgs, p: &Params, scen: &[Scen], chosen: &[usize], cluste
         }
     }
     eprintln!(
-        "failover bench: 5 monitors up; scenarios {:?} (timeouts {} / {} ms, recovery {} / {} ms, transient {} ms)",
+        "failover bench: {} monitors up; scenarios {:?} (timeouts {} / {} ms, recovery {} / {} ms, transient {} ms)",
+        mons.len(),
         chosen.iter().map(|&i| scen[i].label).collect::<Vec<_>>(),
         p.medium_ms,
         p.short_ms,
@@ -673,14 +762,14 @@ fn measure(a: &ScenarioArgs, p: &Params, scen: &[Scen], chosen: &[usize], cluste
                 }
             }
             let m = &mut mons[mi];
-            let r = run_failure(m, s, p).map_err(|e| m.context(e))?;
+            let r = run_failure(m, s, p, None).map_err(|e| m.context(e))?;
             if pi == 1 && r.outcome == "promoted" {
                 // §6.5: how long after the promotion garbage collection hands the parent's
                 // objects over (no job left in the metadata service).
                 wait_gc_end(cluster_file)?;
                 gc_ms.push(r.outcome_at.elapsed().as_secs_f64() * 1000.0);
                 if rounds.is_none() && rounds_after.is_none_or(|x| x == si) {
-                    rounds = Some(abba(&mons, p, s.name)?);
+                    rounds = Some(abba(&mons, p, s.name, shard_metrics)?);
                 }
             }
             samples[si][pi] = Some(r);
@@ -692,8 +781,9 @@ fn measure(a: &ScenarioArgs, p: &Params, scen: &[Scen], chosen: &[usize], cluste
     if chosen.contains(&3) && rounds.is_some() {
         let gc = wait_gc_end(cluster_file)?;
         eprintln!("failover bench: no job left {:.0} ms after the last scenario", gc.as_secs_f64() * 1000.0);
-        let end_spec = throughput(&mons[2], p.window).map_err(|e| mons[2].context(e))?;
-        let end_nf = throughput(&mons[4], p.window).map_err(|e| mons[4].context(e))?;
+        let (w, _) = side_by_side(&mons[4], &mons[2], 2, p.window, shard_metrics)?;
+        let end_nf = mean(w.iter().map(|x| x.0));
+        let end_spec = mean(w.iter().map(|x| x.1));
         eprintln!("failover bench: at the end: promoted (after IV) {end_spec:.1} / never-failed {end_nf:.1} commits/s");
         end_ops_per_s = Some((end_spec, end_nf));
     }
@@ -704,8 +794,8 @@ fn measure(a: &ScenarioArgs, p: &Params, scen: &[Scen], chosen: &[usize], cluste
         let crash = Scen { name: "recovery_round", label: "recovery round", recovery_ms: 0, transient_ms: None, same_as: None };
         let mut pending: [Vec<Sample>; 2] = [vec![], vec![]];
         for (k, v) in bench::interleaved_order(p.recovery_rounds, 2).into_iter().enumerate() {
-            let m = &mut mons[if v == 0 { 3 } else { 2 }];
-            let r = run_failure(m, &crash, p).map_err(|e| m.context(e))?;
+            let m = &mut mons[if v == 0 { 5 } else { 6 }];
+            let r = run_failure(m, &crash, p, Some(shard_metrics)).map_err(|e| m.context(e))?;
             if v == 1 && r.outcome == "promoted" {
                 wait_gc_end(cluster_file)?;
             }
@@ -714,10 +804,12 @@ fn measure(a: &ScenarioArgs, p: &Params, scen: &[Scen], chosen: &[usize], cluste
                 let (plain, sup) = (pending[0].pop().expect("one each"), pending[1].pop().expect("one each"));
                 let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
                 eprintln!(
-                    "failover bench: recovery round {}: plain {:.0} ms / super {:.0} ms: super/plain {:.3} (load {})",
+                    "failover bench: recovery round {}: plain {:.0} ms ({} rows) / super {:.0} ms ({} rows): super/plain {:.3} (load {})",
                     recovery.len() + 1,
                     plain.app_recovery_ms,
+                    plain.table_rows,
                     sup.app_recovery_ms,
+                    sup.table_rows,
                     sup.app_recovery_ms / plain.app_recovery_ms,
                     load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
                 );
@@ -820,6 +912,9 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
             report.ratio(&format!("recovery_rounds.round_{}.super_vs_plain.app_recovery_latency", i + 1), *r, 1.0)?;
         }
         report.figure("recovery_rounds.rounds_count", ratios.len() as f64)?;
+        let rows = |pick: usize| median(&m.recovery.iter().map(|x| if pick == 0 { x.0.table_rows } else { x.1.table_rows }).collect::<Vec<_>>());
+        report.figure("recovery_rounds.plain.table_rows_count_p50", rows(0))?;
+        report.figure("recovery_rounds.super.table_rows_count_p50", rows(1))?;
         let plain: Vec<f64> = m.recovery.iter().map(|x| x.0.app_recovery_ms).collect();
         let sup: Vec<f64> = m.recovery.iter().map(|x| x.1.app_recovery_ms).collect();
         report.figure("recovery_rounds.plain.app_recovery_latency_ms_p50", median(&plain))?;
@@ -834,6 +929,22 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
                 let v: Vec<f64> = parts.iter().map(|p| p[k]).collect();
                 if !v.is_empty() {
                     report.figure(&format!("recovery_rounds.{kind}.{name}_ms_p50"), median(&v))?;
+                }
+            }
+            // What the shards did (every replica's work), per phase and over the whole
+            // recovery: medians over the rounds.
+            let works: Vec<&Vec<super::shardtrace::PhaseWork>> =
+                m.recovery.iter().filter_map(|x| if pick == 0 { &x.0 } else { &x.1 }.shard_work.as_ref()).collect();
+            if !works.is_empty() {
+                report.figure(&format!("recovery_rounds.{kind}.shards.traced_count"), works.len() as f64)?;
+                let field_names = super::shardtrace::PhaseWork::default().fields().map(|(n, _)| n);
+                for (fi, fname) in field_names.iter().enumerate() {
+                    let whole: Vec<f64> = works.iter().map(|w| w.iter().map(|pw| pw.fields()[fi].1).sum()).collect();
+                    report.figure(&format!("recovery_rounds.{kind}.shards.recovery.{fname}_p50"), median(&whole))?;
+                    for (ph, phase) in super::shardtrace::PHASES.iter().enumerate() {
+                        let v: Vec<f64> = works.iter().filter_map(|w| w.get(ph)).map(|pw| pw.fields()[fi].1).collect();
+                        report.figure(&format!("recovery_rounds.{kind}.shards.{phase}.{fname}_p50"), median(&v))?;
+                    }
                 }
             }
         }
@@ -853,6 +964,11 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
         report.figure("never_failed.throughput_ops_per_s_mean", mean(r.rounds.iter().map(|x| x.0)))?;
         report.figure("speculative.after_gc.throughput_ops_per_s_mean", mean(r.rounds.iter().map(|x| x.1)))?;
         report.figure("after_promotion.rounds_count", ratios.len() as f64)?;
+        if let Some(w) = &r.work {
+            for (name, v) in w.fields() {
+                report.figure(&format!("after_promotion.shards.{name}"), v)?;
+            }
+        }
         // The name, and the one the earlier runs used.
         let med = median(&ratios);
         report.ratio("after_promotion_vs_never_failed", med, 1.0)?;
