@@ -523,14 +523,31 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params, trace: Option<&[String]>) -> a
 
 /// Where the recovery of the instance this failure started went (the instance serves now).
 fn recovery_breakdown(m: &Mon, ev: &[Value], delay_ms: f64) -> Option<super::breakdown::Breakdown> {
+    let r = last_recovery(m, ev)?;
+    super::breakdown::of(r.started_ms, r.healthy_ms, &r.timing, &r.log, delay_ms)
+}
+
+/// The last backup start this failure made: when it started and became healthy (unix ms), the
+/// pool's timing of its start, and its log file.
+struct LastRecovery {
+    started_ms: f64,
+    healthy_ms: f64,
+    timing: ::failover::pool::StartTiming,
+    log: PathBuf,
+}
+
+fn last_recovery(m: &Mon, ev: &[Value]) -> Option<LastRecovery> {
     let started = ev.iter().rev().find(|e| e["event"] == "backup_started")?;
     let healthy = ev.iter().rev().find(|e| e["event"] == "backup_healthy")?;
     let id = started["instance"].as_u64()?;
     let st: Value = serde_json::from_str(&m.control("status").ok()?).ok()?;
     let inst = st["instances"].as_array()?.iter().find(|i| i["id"].as_u64() == Some(id))?;
-    let timing: ::failover::pool::StartTiming = serde_json::from_value(inst["start"].clone()).ok()?;
-    let log = m.run_dir.join("state").join("logs").join(format!("i{id}.log"));
-    super::breakdown::of(started["unix_ms"].as_f64()?, healthy["unix_ms"].as_f64()?, &timing, &log, delay_ms)
+    Some(LastRecovery {
+        started_ms: started["unix_ms"].as_f64()?,
+        healthy_ms: healthy["unix_ms"].as_f64()?,
+        timing: serde_json::from_value(inst["start"].clone()).ok()?,
+        log: m.run_dir.join("state").join("logs").join(format!("i{id}.log")),
+    })
 }
 
 /// Rows the SQLite front of the instance this failure started found at its open.
@@ -541,14 +558,8 @@ fn recovered_rows(m: &Mon, ev: &[Value]) -> Option<f64> {
 
 /// The phase bounds of the recovery this failure started ([`super::breakdown::phase_bounds`]).
 fn recovery_bounds(m: &Mon, ev: &[Value], delay_ms: f64) -> Option<[f64; 5]> {
-    let started = ev.iter().rev().find(|e| e["event"] == "backup_started")?;
-    let healthy = ev.iter().rev().find(|e| e["event"] == "backup_healthy")?;
-    let id = started["instance"].as_u64()?;
-    let st: Value = serde_json::from_str(&m.control("status").ok()?).ok()?;
-    let inst = st["instances"].as_array()?.iter().find(|i| i["id"].as_u64() == Some(id))?;
-    let timing: ::failover::pool::StartTiming = serde_json::from_value(inst["start"].clone()).ok()?;
-    let log = m.run_dir.join("state").join("logs").join(format!("i{id}.log"));
-    super::breakdown::phase_bounds(started["unix_ms"].as_f64()?, healthy["unix_ms"].as_f64()?, &timing, &log, delay_ms)
+    let r = last_recovery(m, ev)?;
+    super::breakdown::phase_bounds(r.started_ms, r.healthy_ms, &r.timing, &r.log, delay_ms)
 }
 
 /// Waits until the metadata service has no job left (garbage collection ended); returns how
