@@ -810,6 +810,16 @@ impl Shim {
             } else if done(&t.client) {
                 return Ok(());
             }
+            if t.client.wants_image() {
+                // Basing on a known local copy, and a peer lacks that state: it needs the bytes.
+                let size = t.client.size();
+                match read_local(t.read_fd, size) {
+                    Ok(img) if img.len() as u64 == size => t.client.supply_image(img),
+                    Ok(img) => return Err(format!("the local copy is {} bytes, not the {size} it was known to hold", img.len())),
+                    Err(e) => return Err(format!("cannot read the local copy for a peer that lacks it: {e}")),
+                }
+                continue;
+            }
             if let Some(peer) = t.client.wants_resync() {
                 // A peer lost this file (restarted): re-base it from our local copy.
                 log(&format!("log peer {peer} lost file {} (epoch {}): resyncing it from the local copy", t.key, t.client.epoch()));
@@ -1181,14 +1191,12 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
     if fd as usize >= MAX_TRACKED_FD {
         return Err(format!("fd {fd} is beyond the shim's table of {MAX_TRACKED_FD} fds"));
     }
-    let local_size = {
-        // SAFETY: fstat into a zeroed struct.
-        let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
-        if unsafe { libc::fstat64(fd, &mut st) } != 0 {
-            return Err(format!("fstat: {}", std::io::Error::last_os_error()));
-        }
-        st.st_size as u64
-    };
+    // SAFETY: fstat into a zeroed struct.
+    let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat64(fd, &mut st) } != 0 {
+        return Err(format!("fstat: {}", std::io::Error::last_os_error()));
+    }
+    let local_size = st.st_size as u64;
     let read_fd = reopen_readonly(fd)?;
     // Tell readers on this machine that a writer keeps this local copy current (released when
     // `read_fd` closes); waits while a reader repairs it.
@@ -1204,16 +1212,6 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
             }
         }
     }
-    // The local copy as it is: the start of a file never replicated, and otherwise what
-    // recovery may take verified chunks from instead of fetching them.
-    let mut local = match read_local(read_fd, local_size) {
-        Ok(l) => l,
-        Err(e) => {
-            // SAFETY: our own fd, not stored anywhere yet.
-            unsafe { (real().close)(read_fd) };
-            return Err(format!("reading the local copy: {e}"));
-        }
-    };
     let mut attempt = 0;
     let (grant, image) = loop {
         attempt += 1;
@@ -1227,17 +1225,31 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
             }
         };
         shim.learn(&grant);
-        // A file that was never replicated starts from its local content (it predates the shim).
-        // The local copy is moved, not copied (a WAL may be tens of MB): a retry reads it again.
-        if attempt > 1 {
-            local = read_local(read_fd, local_size).map_err(|e| format!("reading the local copy: {e}"))?;
-        }
-        let local = std::mem::take(&mut local);
+        // A copy this process made current (a writer closed it with every write acknowledged,
+        // or it was recovered or verified for reading) and unchanged since: not read at all;
+        // recovery only checks that a majority's most advanced copy is still that state.
+        let known = if grant.initialized { known_copy(key, grant.file, &st) } else { None };
+        // Otherwise the local copy as it is: the start of a file never replicated, and what
+        // recovery may take verified chunks from instead of fetching them.
+        let local = match known {
+            Some(_) => Vec::new(),
+            None => match read_local(read_fd, local_size) {
+                Ok(l) => l,
+                Err(e) => {
+                    // SAFETY: our own fd, not stored anywhere yet.
+                    unsafe { (real().close)(read_fd) };
+                    return Err(format!("reading the local copy: {e}"));
+                }
+            },
+        };
         let (initial, hint) = if grant.initialized { (Vec::new(), local) } else { (local, Vec::new()) };
         let ids = |v: &[nearlog::proto::PeerAddr]| v.iter().map(|p| p.id).collect::<Vec<_>>();
         let now = shim.now_us();
-        let client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), grant.initialized, initial, ClientConfig::default(), now)
+        let mut client = FileClient::open_moving(grant.file, grant.epoch, ids(&grant.peers), ids(&grant.recover_from), grant.initialized, initial, ClientConfig::default(), now)
             .with_local_copy(hint);
+        if let Some(h) = known {
+            client = client.with_known_state(h);
+        }
         // A re-open after a failed attempt replaces (and keeps) the same read fd.
         if let Some(mut old) = shim.files.insert(fd, Tracked { key: key.to_string(), client, read_fd, owner_epoch: grant.epoch, resume: None, resumes: 0 }) {
             old.read_fd = -1;
@@ -1267,7 +1279,7 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
         // Current when recovery took every chunk from the local copy (each checked against the
         // source's block checksums) and the sizes agree; a never-replicated file starts from it.
         let (fetched, _) = shim.files[&fd].client.recovery_bytes();
-        let current = image.len() as u64 == local_size && (!grant.initialized || fetched == 0);
+        let current = shim.files[&fd].client.matched_known() || (image.len() as u64 == local_size && (!grant.initialized || fetched == 0));
         if !current {
             // Missing, shorter, longer (unacknowledged tail) or different: the replicas win.
             write_local_all(fd, &image, 0).map_err(|e| format!("restoring the local copy: {e}"))?;
@@ -1481,6 +1493,12 @@ fn forget_fd(fd: c_int) {
     let Some(t) = shim.files.remove(&fd) else { return };
     // The peers beyond the majority get what was held back for them before the file goes.
     shim.flush_deferred();
+    if t.resume.is_none() && t.client.failure().is_none() && t.read_fd >= 0 {
+        // Every write reached the local copy before it was acknowledged: the copy is exactly
+        // the state a majority holds. A writer open of it in this process skips reading it
+        // unless the file changed since (identity) or a client elsewhere moved the state on.
+        remember_copy(&t.key, t.client.file(), t.read_fd, t.client.committed_state());
+    }
     let copies: Vec<c_int> = shim.aliases.iter().filter(|(_, &p)| p == fd).map(|(&a, _)| a).collect();
     if let Some(&heir) = copies.iter().min() {
         shim.aliases.remove(&heir);

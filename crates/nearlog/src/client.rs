@@ -181,8 +181,11 @@ pub struct FileClient {
     known: Option<Holding>,
     /// The state a reader's image is (set when it is ready).
     read_state: Option<Holding>,
-    /// The reader's source was at the `known` state (no image: the caller's copy is current).
+    /// The source was at the `known` state (no image: the caller's copy is current).
     matched_known: bool,
+    /// Basing on the `known` state without its bytes (the caller's copy is the image): only a
+    /// peer that needs the image makes the driver read it ([`FileClient::wants_image`]).
+    image_elided: bool,
     /// Recovery's bytes fetched from the source and taken from the local copy.
     fetched_bytes: u64,
     reused_bytes: u64,
@@ -243,6 +246,7 @@ impl FileClient {
             known: None,
             read_state: None,
             matched_known: false,
+            image_elided: false,
             fetched_bytes: 0,
             reused_bytes: 0,
             now_us,
@@ -275,17 +279,48 @@ impl FileClient {
         self
     }
 
-    /// A reader whose caller's copy is exactly the image of state `h` (see `known`): when the
-    /// most advanced copy of a majority is still `h`, the reader is ready at once, without
-    /// fetching anything ([`FileClient::matched_known`]); otherwise it reads as usual.
+    /// A client whose caller's copy is exactly the image of state `h` (see `known`): when the
+    /// most advanced copy of a majority is still `h`, nothing is fetched or compared
+    /// ([`FileClient::matched_known`]): a reader is ready at once; a writer bases its epoch on
+    /// `h` without holding the bytes, and asks for them ([`FileClient::wants_image`]) only if a
+    /// peer needs the image. Otherwise recovery goes on as usual (without a local copy to
+    /// take chunks from: the caller gives none).
     pub fn with_known_state(mut self, h: Holding) -> FileClient {
         self.known = Some(h);
         self
     }
 
-    /// A ready reader found the source at the state given to [`FileClient::with_known_state`].
+    /// Recovery found the source at the state given to [`FileClient::with_known_state`].
     pub fn matched_known(&self) -> bool {
         self.matched_known
+    }
+
+    /// A writer basing on a known state without its bytes needs them now (a peer lacks that
+    /// state): the driver reads its local copy ([`FileClient::size`] bytes) and gives it to
+    /// [`FileClient::supply_image`].
+    pub fn wants_image(&self) -> bool {
+        self.image_elided && matches!(self.phase, Phase::Basing { .. }) && self.tracks.values().any(|t| t.needs_image)
+    }
+
+    /// The image of the known state (see [`FileClient::wants_image`]): the peers that need it
+    /// are sent it.
+    pub fn supply_image(&mut self, image: Vec<u8>) {
+        assert!(self.wants_image(), "supply_image only when asked");
+        assert_eq!(image.len() as u64, self.size, "the known state's image must have its size");
+        let Phase::Basing { image: slot, .. } = &mut self.phase else { unreachable!() };
+        *slot = image;
+        self.image_elided = false;
+        let need: Vec<PeerId> = self.tracks.iter().filter(|(_, t)| t.needs_image && !t.lost).map(|(&p, _)| p).collect();
+        for p in need {
+            self.send_base(p);
+        }
+    }
+
+    /// A writer's state once every submitted op is on a majority: what the most advanced copy
+    /// of a majority is until another client opens the file (a caller that keeps the content
+    /// may give it to [`FileClient::with_known_state`] of a later open).
+    pub fn committed_state(&self) -> Option<Holding> {
+        (!self.read_only && self.is_ready() && self.acked_seq >= self.next_seq).then_some(Holding { epoch: self.epoch, seq: self.next_seq, size: self.size })
     }
 
     /// The state a ready reader's image (or the caller's matching copy) is.
@@ -734,7 +769,8 @@ impl FileClient {
         }
         if matches!(self.phase, Phase::Basing { .. }) && self.acked_seq >= 1 {
             let Phase::Basing { image, .. } = std::mem::replace(&mut self.phase, Phase::Ready) else { unreachable!() };
-            self.recovered = Some(image);
+            // Elided: the caller's copy is the content (`matched_known`), there is nothing to give.
+            self.recovered = if std::mem::take(&mut self.image_elided) { None } else { Some(image) };
             // Peers that have not taken the Base yet keep getting records: a slow peer applies
             // them in order after its Base; one that needs the (now dropped) image answers
             // NeedImage and is resynced from the driver's copy.
@@ -849,12 +885,17 @@ impl FileClient {
             return;
         }
         let (source, holding) = *witnesses.iter().max_by_key(|(p, h)| (h.epoch, h.seq, std::cmp::Reverse(*p))).unwrap();
-        if self.read_only && self.known == Some(holding) {
+        if self.known == Some(holding) {
             // The caller's copy is this very state: nothing to fetch or compare.
-            self.size = holding.size;
-            self.read_state = Some(holding);
             self.matched_known = true;
-            self.phase = Phase::Ready;
+            if self.read_only {
+                self.size = holding.size;
+                self.read_state = Some(holding);
+                self.phase = Phase::Ready;
+            } else {
+                self.image_elided = true;
+                self.start_base_sized(Some((source, holding)), Vec::new(), holding.size);
+            }
             return;
         }
         self.start_fetch(source, holding);
@@ -1060,7 +1101,13 @@ impl FileClient {
     }
 
     fn start_base(&mut self, source: Option<(PeerId, Holding)>, image: Vec<u8>) {
-        self.size = image.len() as u64;
+        let size = image.len() as u64;
+        self.start_base_sized(source, image, size);
+    }
+
+    /// Bases the new epoch on `image` of `size` bytes (`image` is empty while elided).
+    fn start_base_sized(&mut self, source: Option<(PeerId, Holding)>, image: Vec<u8>, size: u64) {
+        self.size = size;
         self.next_seq = 1;
         for (&p, t) in self.tracks.iter_mut() {
             // A peer whose probe answer has not arrived yet (it raced the fetch) is asked to
@@ -1072,7 +1119,7 @@ impl FileClient {
                 (Some(_), None) => !self.excluded.contains(&p),
                 _ => false,
             };
-            t.needs_image = !same && !image.is_empty();
+            t.needs_image = !same && size > 0;
         }
         self.phase = Phase::Basing { source, image };
         for p in self.peers.clone() {
@@ -1084,10 +1131,15 @@ impl FileClient {
         let supersede = self.may_release(p);
         let Phase::Basing { source, image } = &self.phase else { return };
         let t = self.tracks.get_mut(&p).unwrap();
+        if t.needs_image && self.image_elided {
+            return; // sent once the driver gives the image (`wants_image`)
+        }
         t.last_send_us = self.now_us;
-        let size = image.len() as u64;
+        let size = self.size;
+        // Peers keeping `from` do not check it (their copy is that state); it is the image's
+        // checksum wherever the image is sent.
         let image_crc = crc32c::crc32c(image);
-        let from = if t.needs_image || image.is_empty() { None } else { source.map(|(_, h)| (h.epoch, h.seq)) };
+        let from = if t.needs_image || size == 0 { None } else { source.map(|(_, h)| (h.epoch, h.seq)) };
         if t.needs_image {
             // Sticky: once allowed, the peer may have released its copy (a lost reply).
             t.superseding |= supersede;
@@ -1318,6 +1370,74 @@ mod tests {
         run(&mut moved, &mut peers);
         assert!(moved.is_ready() && !moved.matched_known());
         assert_eq!(moved.take_recovered().unwrap(), now);
+    }
+
+    /// Delivers everything, giving the local copy `local` whenever the client asks for it.
+    fn run_with_copy(c: &mut FileClient, peers: &mut [PeerCore], local: &[u8], asked: &mut Vec<PeerRequest>) {
+        loop {
+            if c.wants_image() {
+                c.supply_image(local.to_vec());
+            }
+            if let Some(p) = c.wants_resync() {
+                c.resync(p, local.to_vec());
+            }
+            let out = c.take_outgoing();
+            if out.is_empty() {
+                return;
+            }
+            for (p, req) in out {
+                asked.push(req.clone());
+                let rep = peers[p as usize - 1].handle(req);
+                c.on_reply(p, rep);
+            }
+        }
+    }
+
+    #[test]
+    fn a_writer_with_a_known_current_copy_bases_without_the_bytes_and_reads_them_only_for_a_peer_that_lacks_them() {
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
+        let mut w = FileClient::open(1, 1, vec![1, 2, 3], false, Vec::new(), ClientConfig::default(), 0);
+        run(&mut w, &mut peers);
+        let mut content: Vec<u8> = (0..2 * MAX_CHUNK_BYTES + 77).map(|i| (i * 13) as u8).collect();
+        w.submit(Op::write(0, content.clone())).unwrap();
+        run(&mut w, &mut peers);
+        let state = w.committed_state().unwrap();
+        assert_eq!(state.size, content.len() as u64);
+        // Every peer holds that state: probes and Bases only, no bytes either way.
+        let mut again = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0).with_known_state(state);
+        let mut asked = Vec::new();
+        run_with_copy(&mut again, &mut peers, &[], &mut asked);
+        assert!(again.is_ready() && again.matched_known(), "{:?}", again.failure());
+        assert!(asked.iter().all(|q| matches!(q, PeerRequest::Probe { .. } | PeerRequest::Record { op: Op::Base { from: Some(_), .. }, .. })), "{asked:?}");
+        assert_eq!(again.take_recovered(), None, "the caller's copy is the content");
+        assert_eq!(again.size(), content.len() as u64);
+        again.submit(Op::write(content.len() as u64, b"tail".to_vec())).unwrap();
+        run(&mut again, &mut peers);
+        content.extend_from_slice(b"tail");
+        let state = again.committed_state().unwrap();
+        // Peer 3 lost its memory: the bytes are read once, for it alone, and it ends up current.
+        peers[2] = PeerCore::new(64 << 20);
+        let mut third = FileClient::open(1, 3, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0).with_known_state(state);
+        let mut asked = Vec::new();
+        run_with_copy(&mut third, &mut peers, &content, &mut asked);
+        assert!(third.is_ready() && third.matched_known(), "{:?}", third.failure());
+        assert!(asked.iter().all(|q| !matches!(q, PeerRequest::Fetch { .. } | PeerRequest::Sums { .. })), "nothing fetched");
+        assert!(asked.iter().any(|q| matches!(q, PeerRequest::Stage { .. })), "the image went to peer 3");
+        assert!(third.fully_replicated());
+        // A later plain recovery reads exactly the content from any majority, peer 3 included.
+        let mut check = FileClient::open(1, 4, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        peers[0] = PeerCore::new(64 << 20);
+        run(&mut check, &mut peers);
+        assert_eq!(check.take_recovered().unwrap(), content);
+        // A known state that is not the peers' (another writer moved on): recovered as usual.
+        let mut stale = FileClient::open(1, 5, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0).with_known_state(state);
+        check.submit(Op::write(0, b"X".to_vec())).unwrap();
+        run(&mut check, &mut peers);
+        run_with_copy(&mut stale, &mut peers, &[], &mut Vec::new());
+        assert!(stale.is_ready() && !stale.matched_known());
+        let mut want = content.clone();
+        want[0] = b'X';
+        assert_eq!(stale.take_recovered().unwrap(), want);
     }
 
     #[test]

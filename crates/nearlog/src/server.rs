@@ -208,6 +208,14 @@ impl Drop for LargeFrameSlot {
     }
 }
 
+/// Whether a batch of records of one file is answered with one cumulative ack (`batch`, the
+/// default) or one ack per record (`each`): `UNDERSTUDY_NEARLOG_PEER_ACKS`, read once at start.
+/// Either way the acks of a batch go out in one `write` as soon as the batch is applied.
+fn coalesce_acks() -> bool {
+    static POLICY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *POLICY.get_or_init(|| !matches!(std::env::var("UNDERSTUDY_NEARLOG_PEER_ACKS").as_deref(), Ok("each")))
+}
+
 /// Applies every complete frame in the input buffer under one lock, then answers them all with
 /// one `write`. Per byte: the frame checksum, the record checksum, the copy into the region.
 fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Result<(), wire::WireError> {
@@ -272,7 +280,7 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
                 PeerReply::Ack { file, epoch, .. } => Some((*file, *epoch)),
                 _ => None,
             };
-            if let Some((_, at)) = last_ack.filter(|(k, _)| Some(*k) == ack_of) {
+            if let Some((_, at)) = last_ack.filter(|(k, _)| Some(*k) == ack_of && coalesce_acks()) {
                 out.truncate(at);
             }
             let at = out.len();
