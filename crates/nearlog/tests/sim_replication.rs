@@ -69,6 +69,15 @@ struct Run {
     /// Reads that finished (checked), and that gave up because the file kept changing.
     reads: u32,
     reads_changing: u32,
+    /// A writer that closed with every op acknowledged: its state and local copy, given to the
+    /// next open as known (that open reads the copy only if a peer lacks the state).
+    known: Option<(nearlog::proto::Holding, Vec<u8>)>,
+    /// Opens that found the known state and took the local copy as the content.
+    known_opens: u32,
+    /// A clean close under way: no new ops; the close happens once every op is acknowledged.
+    closing: bool,
+    /// The close queued by `closing` is clean (its copy is current).
+    clean: bool,
 }
 
 impl Run {
@@ -132,7 +141,11 @@ impl Run {
 
     fn open_client(&mut self, now: u64) {
         self.epoch += 1;
-        self.client = Some(FileClient::open(FILE, self.epoch, PEERS.to_vec(), self.initialized, Vec::new(), cfg(), now));
+        let mut c = FileClient::open(FILE, self.epoch, PEERS.to_vec(), self.initialized, Vec::new(), cfg(), now);
+        if let Some((h, _)) = &self.known {
+            c = c.with_known_state(*h);
+        }
+        self.client = Some(c);
         self.session_base = None;
         self.send_out(now);
     }
@@ -140,7 +153,16 @@ impl Run {
     /// The client became ready: check the recovered content and start a new session history.
     fn on_ready(&mut self, seed: u64) {
         let c = self.client.as_mut().unwrap();
-        let recovered = c.take_recovered().expect("recovered image once ready");
+        let recovered = match &self.known {
+            Some((_, img)) if c.matched_known() => {
+                // The bytes are there only if a peer lacked the state (then they are the copy).
+                assert!(c.take_recovered().is_none_or(|r| r == *img), "a known open gives back its own copy or nothing");
+                self.known_opens += 1;
+                img.clone()
+            }
+            _ => c.take_recovered().expect("recovered image once ready"),
+        };
+        self.known = None;
         if common::trace() {
             let d = format!("{c:?}");
             let i = d.find("probes").unwrap_or(0);
@@ -176,7 +198,7 @@ impl Run {
 
     fn app_step(&mut self, now: u64) {
         let Some(c) = self.client.as_mut() else { return };
-        if !c.is_ready() || c.failure().is_some() {
+        if !c.is_ready() || c.failure().is_some() || self.closing {
             return;
         }
         // Up to 4 ops outstanding (as a multi-threaded application might have).
@@ -213,7 +235,7 @@ impl Run {
     }
 }
 
-fn run(seed: u64) -> (u32, u64, u32, u32) {
+fn run(seed: u64) -> (u32, u64, u32, u32, u32) {
     let mut rng = SimRng::new(seed);
     let net_rng = rng.fork();
     let net: Network<Msg> = common::network(&mut rng, 0.7, 0.05, 3_000);
@@ -235,6 +257,10 @@ fn run(seed: u64) -> (u32, u64, u32, u32) {
         reader: None,
         reads: 0,
         reads_changing: 0,
+        known: None,
+        known_opens: 0,
+        closing: false,
+        clean: false,
     };
     let end_us = 20_000_000;
     // Faults: at most one peer down at a time, so a majority stays reachable.
@@ -302,9 +328,17 @@ fn run(seed: u64) -> (u32, u64, u32, u32) {
                         if let Some(f) = c.failure() {
                             panic!("seed {seed}: client failed: {f}");
                         }
+                        if c.wants_image() {
+                            let img = r.known.as_ref().expect("only a known open asks for its image").1.clone();
+                            c.supply_image(img);
+                        }
                         if let Some(p) = c.wants_resync() {
                             let img = r.history.last().unwrap().clone();
                             c.resync(p, img);
+                        }
+                        if r.closing && !r.clean && c.committed_state().is_some() {
+                            r.clean = true; // still closing: no new op before the close
+                            r.q.push_at(now, Ev::Fault(Fault::CrashClient)).unwrap();
                         }
                         r.send_out(now);
                         r.app_step(now);
@@ -376,6 +410,13 @@ fn run(seed: u64) -> (u32, u64, u32, u32) {
                 }
             }
             Ev::Fault(Fault::CrashClient) => {
+                if !ending && !r.closing && !r.clean && r.client.as_ref().is_some_and(|c| c.is_ready()) && r.rng.chance(0.5) {
+                    // A clean close instead: the application stops writing and closes once every
+                    // op is acknowledged (its local copy is then the majority's state).
+                    r.closing = true;
+                    continue;
+                }
+                r.closing = false;
                 // A reader goes with its writer's session (the check needs that session's states).
                 r.reader = None;
                 let Some(c) = r.client.take() else { continue };
@@ -386,6 +427,14 @@ fn run(seed: u64) -> (u32, u64, u32, u32) {
                     r.acked_floor = acked_ops;
                     r.history.truncate(c.last_seq() as usize); // base + submitted ops
                 }
+                if common::trace() {
+                    eprintln!("{now}: client crash clean={} state {:?}", r.clean, c.committed_state());
+                }
+                r.known = match c.committed_state() {
+                    Some(h) if std::mem::take(&mut r.clean) => Some((h, r.history.last().unwrap().clone())),
+                    _ => None,
+                };
+                r.clean = false;
                 final_opened = ending;
                 r.open_client(now + 1);
             }
@@ -400,27 +449,29 @@ fn run(seed: u64) -> (u32, u64, u32, u32) {
         let dbg = format!("{c:?}");
         panic!("seed {seed}: final recovery did not finish (epoch {}); peers {holdings:?}; client {}", r.epoch, &dbg[..dbg.len().min(1500)]);
     }
-    (r.recoveries, r.acked_ops, r.reads, r.reads_changing)
+    (r.recoveries, r.acked_ops, r.reads, r.reads_changing, r.known_opens)
 }
 
 #[test]
 fn acknowledged_writes_survive_faults_over_many_seeds() {
     let (seeds, one) = common::seeds(60);
-    let (mut recoveries, mut acked, mut reads, mut changing) = (0, 0, 0, 0);
+    let (mut recoveries, mut acked, mut reads, mut changing, mut known) = (0, 0, 0, 0, 0);
     for &seed in &seeds {
-        let (r, a, rd, ch) = run(seed);
+        let (r, a, rd, ch, k) = run(seed);
         if one {
-            println!("seed {seed}: {r} recoveries, {a} acknowledged ops, {rd} reads ({ch} gave up: the file kept changing)");
+            println!("seed {seed}: {r} recoveries ({k} from a known local copy), {a} acknowledged ops, {rd} reads ({ch} gave up: the file kept changing)");
         }
         recoveries += r;
         acked += a;
         reads += rd;
         changing += ch;
+        known += k;
     }
-    println!("{} seeds: {recoveries} recoveries, {acked} acknowledged ops checked, {reads} reads checked ({changing} gave up)", seeds.len());
+    println!("{} seeds: {recoveries} recoveries ({known} from a known local copy), {acked} acknowledged ops checked, {reads} reads checked ({changing} gave up)", seeds.len());
     if !one {
         assert!(recoveries as usize > seeds.len(), "every run recovers more than once");
         assert!(reads as usize > seeds.len(), "readers finished");
+        assert!(known > 0, "some opens used a known local copy");
     }
 }
 
