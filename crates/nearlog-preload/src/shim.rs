@@ -1090,7 +1090,63 @@ fn identity(st: &libc::stat64) -> [i64; 6] {
 
 fn known_copy(key: &str, file: nearlog::proto::FileId, st: &libc::stat64) -> Option<nearlog::proto::Holding> {
     let known = KNOWN_COPIES.lock().unwrap_or_else(|e| e.into_inner());
-    known.iter().find(|(k, f, _, id)| k == key && *f == file && *id == identity(st)).map(|(_, _, h, _)| *h)
+    if let Some(h) = known.iter().find(|(k, f, _, id)| k == key && *f == file && *id == identity(st)).map(|(_, _, h, _)| *h) {
+        return Some(h);
+    }
+    drop(known);
+    let (k, f, h, id) = known_on_this_boot(key)?;
+    (k == key && f == file && id == identity(st)).then_some(h)
+}
+
+/// Where remembered copies outlive the process (`nearlog restore`'s helper, then the
+/// application): a directory of this user's on tmpfs, so a record never outlives the page
+/// cache it vouches for — after a machine crash unsynced local writes may be gone while the
+/// file's size and times survived, and the records are gone with the reboot. None when there
+/// is no such directory that is ours alone (then only this process remembers).
+fn known_dir() -> Option<&'static str> {
+    static DIR: OnceLock<Option<String>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        // SAFETY: no arguments.
+        let uid = unsafe { libc::geteuid() };
+        let dir = format!("/dev/shm/understudy-nearlog-{uid}");
+        let c = std::ffi::CString::new(dir.clone()).ok()?;
+        // SAFETY: a valid path; mkdir fails harmlessly if it exists.
+        unsafe { libc::mkdir(c.as_ptr(), 0o700) };
+        // SAFETY: lstat into a zeroed struct.
+        let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
+        let ok = unsafe { libc::lstat64(c.as_ptr(), &mut st) } == 0
+            && st.st_mode & libc::S_IFMT == libc::S_IFDIR
+            && st.st_uid == uid
+            && st.st_mode & 0o077 == 0;
+        ok.then_some(dir)
+    })
+    .as_deref()
+}
+
+fn known_path(key: &str) -> Option<String> {
+    // FNV-1a of the key names the record; the record holds the key (a collision is a miss).
+    let h = key.bytes().fold(0xcbf29ce484222325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+    Some(format!("{}/{h:016x}", known_dir()?))
+}
+
+fn known_on_this_boot(key: &str) -> Option<KnownCopy> {
+    let text = std::fs::read_to_string(known_path(key)?).ok()?;
+    let (k, rest) = text.split_once('\n')?;
+    let n: Vec<u64> = rest.split_whitespace().map(|v| v.parse::<i64>().map(|v| v as u64)).collect::<Result<_, _>>().ok()?;
+    let [file, epoch, seq, size, i0, i1, i2, i3, i4, i5] = n[..] else { return None };
+    let id = [i0 as i64, i1 as i64, i2 as i64, i3 as i64, i4 as i64, i5 as i64];
+    Some((k.to_string(), file, nearlog::proto::Holding { epoch, seq, size }, id))
+}
+
+fn remember_on_this_boot(c: &KnownCopy) {
+    let Some(path) = known_path(&c.0) else { return };
+    let (k, f, h, id) = c;
+    let text = format!("{k}\n{f} {} {} {} {} {} {} {} {} {}\n", h.epoch, h.seq, h.size, id[0], id[1], id[2], id[3], id[4], id[5]);
+    // Replaced atomically: a reader sees the old record or the new one.
+    let tmp = format!("{path}.{}", pid());
+    if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, &path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
 }
 
 fn remember_copy(key: &str, file: nearlog::proto::FileId, fd: c_int, state: Option<nearlog::proto::Holding>) {
@@ -1105,7 +1161,9 @@ fn remember_copy(key: &str, file: nearlog::proto::FileId, fd: c_int, state: Opti
     if known.len() >= MAX_KNOWN_COPIES {
         known.remove(0);
     }
-    known.push((key.to_string(), file, h, identity(&st)));
+    let c = (key.to_string(), file, h, identity(&st));
+    remember_on_this_boot(&c);
+    known.push(c);
 }
 
 /// A read of log file `path` that does not go through our `open`: `fopen` for reading (glibc
@@ -1645,6 +1703,11 @@ fn forget(from: &str, to: Option<&str>) {
         return;
     }
     let Ok(shim) = Shim::get(&mut slot) else { return };
+    for k in std::iter::once(from).chain(to) {
+        if let Some(p) = known_path(k) {
+            let _ = std::fs::remove_file(p);
+        }
+    }
     let req = match to {
         None => CtlRequest::Remove { key: from.to_string() },
         Some(to) => CtlRequest::Rename { from: from.to_string(), to: to.to_string() },
