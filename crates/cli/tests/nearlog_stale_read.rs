@@ -30,6 +30,7 @@ i = start + n
 for _ in sys.stdin:
     put(i)
     i += 1
+os.close(fd)
 "#;
 
 const READER: &str = r#"
@@ -140,4 +141,61 @@ fn more(c: &mut Child) {
     let stdin = c.stdin.as_mut().unwrap();
     stdin.write_all(b"\n").unwrap();
     stdin.flush().unwrap();
+}
+
+/// Opens the log for appending, appends 10 bytes with fsync, closes; prints the bytes the
+/// process read (`rchar`) during the open alone.
+const APPENDER: &str = r#"
+import os, sys
+def rchar():
+    return int([l for l in open("/proc/self/io") if l.startswith("rchar")][0].split()[1])
+a = rchar()
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)
+b = rchar()
+os.write(fd, b"x" * 10)
+os.fsync(fd)
+os.close(fd)
+print(b - a)
+"#;
+
+fn append_read_bytes(so: &Path, cluster: &Path, log: &Path) -> u64 {
+    let out = shimmed(so, cluster, APPENDER).arg(log).output().unwrap();
+    assert!(out.status.success(), "appender failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap().trim().parse().unwrap()
+}
+
+#[test]
+fn a_writer_open_of_a_copy_a_writer_closed_current_reads_none_of_it() {
+    let bed = Bed::new();
+    let (so, cluster) = (&bed.so, &bed.cluster_file);
+    let log = bed.app.join("wal.log");
+    assert_eq!(write_records(so, cluster, &log, 0, 400), 399);
+    let size = 400 * RECORD_BYTES as u64;
+
+    // The writer closed with every write acknowledged: the next writer (another process) takes
+    // the local copy as the peers' state without reading it.
+    let read = append_read_bytes(so, cluster, &log);
+    assert!(read < 1 << 20, "a known-current copy of {size} bytes was read at open ({read} bytes)");
+    let mut want = expected(400);
+    want.extend_from_slice(&[b'x'; 10]);
+    assert!(read_all(so, cluster, &log).0 == want);
+
+    // Rewritten outside the shim (same bytes, but nothing vouches for them now): read and
+    // checked against the peers at open.
+    std::fs::write(&log, std::fs::read(&log).unwrap()).unwrap();
+    let read = append_read_bytes(so, cluster, &log);
+    assert!(read >= size, "a copy changed behind the shim's back must be read at open ({read} bytes)");
+    want.extend_from_slice(&[b'x'; 10]);
+
+    // Damaged behind the shim's back (zeros where a crash lost dirty pages, same size):
+    // repaired from the peers at the writer's open, whatever was remembered.
+    let mut damaged = std::fs::read(&log).unwrap();
+    damaged[4096..8192].fill(0);
+    std::fs::write(&log, &damaged).unwrap();
+    let read = append_read_bytes(so, cluster, &log);
+    want.extend_from_slice(&[b'x'; 10]);
+    let got = std::fs::read(&log).unwrap();
+    let diff = got.iter().zip(&want).position(|(a, b)| a != b);
+    assert!(got == want, "the writer's open repaired the local copy: {} bytes, {} wanted, first difference at {diff:?}; {read} read at open", got.len(), want.len());
+    assert!(read_all(so, cluster, &log).0 == want);
 }

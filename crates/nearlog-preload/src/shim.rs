@@ -142,6 +142,9 @@ struct Config {
     deadline: Duration,
     /// How long a call polls for replies without sleeping (see [`Shim::wait_replies`]).
     spin: Duration,
+    /// Longest a batch is held back from the peers beyond a majority ([`Shim::pump`]):
+    /// `UNDERSTUDY_NEARLOG_DEFER_US`, default [`DEFAULT_DEFER_US`].
+    defer: Duration,
 }
 
 /// Default of `UNDERSTUDY_NEARLOG_SPIN_US`: a majority's replies on loopback or a LAN take
@@ -166,7 +169,11 @@ fn load_config() -> Result<Config, String> {
         Ok(s) => s.parse::<u64>().ok().filter(|&us| us <= 10_000).ok_or_else(|| format!("UNDERSTUDY_NEARLOG_SPIN_US={s:?} is not a number of microseconds up to 10000"))?,
         Err(_) => DEFAULT_SPIN_US,
     };
-    Ok(Config { controller, secret, deadline: Duration::from_millis(deadline_ms), spin: Duration::from_micros(spin_us) })
+    let defer_us = match std::env::var("UNDERSTUDY_NEARLOG_DEFER_US") {
+        Ok(s) => s.parse::<u64>().ok().filter(|&us| us <= MAX_DEFER_US).ok_or_else(|| format!("UNDERSTUDY_NEARLOG_DEFER_US={s:?} is not a number of microseconds up to {MAX_DEFER_US}"))?,
+        Err(_) => DEFAULT_DEFER_US,
+    };
+    Ok(Config { controller, secret, deadline: Duration::from_millis(deadline_ms), spin: Duration::from_micros(spin_us), defer: Duration::from_micros(defer_us) })
 }
 
 /// `*` matches any run of characters (including `/`), `?` one character.
@@ -207,8 +214,10 @@ struct Tracked {
     resumes: u32,
 }
 
-/// Longest a batch is held back from the peers beyond a majority ([`Shim::pump`]).
-const DEFER_MAX: Duration = Duration::from_millis(1);
+/// Default of `UNDERSTUDY_NEARLOG_DEFER_US` ([`Config::defer`]).
+const DEFAULT_DEFER_US: u64 = 1_000;
+/// Largest `UNDERSTUDY_NEARLOG_DEFER_US`: how far the peers beyond the majority may lag.
+const MAX_DEFER_US: u64 = 100_000;
 /// Most bytes queued for one peer connection that its socket has not taken yet (an image
 /// staged to a lagging peer is up to a file's size); past it the connection is dropped.
 const MAX_QUEUED_SEND_BYTES: usize = 512 << 20;
@@ -447,9 +456,9 @@ impl Shim {
     /// the same few cores. So when a batch goes to three or more connected peers, the quickest
     /// majority (by recent reply times) gets it at once and the others' bytes are held back:
     /// they ride along with the next batch to that peer, or go out once held for
-    /// [`DEFER_MAX`] (also while a call waits: a slow majority never waits on a held-back
+    /// [`Config::defer`] (also while a call waits: a slow majority never waits on a held-back
     /// peer for longer), or at close. Durability is unchanged (a call returns once a majority
-    /// holds its ops); the peers beyond it lag by at most `DEFER_MAX` of records.
+    /// holds its ops); the peers beyond it lag by at most `defer` of records.
     fn pump(&mut self, wait: Duration) {
         stats::add(&stats::PUMPS, 1);
         let now = self.now_us();
@@ -483,7 +492,7 @@ impl Shim {
         // Held-back bytes go first on their connection (per-peer order is kept); a peer with
         // nothing new is sent what it was held once that waited long enough.
         for (p, (held, since)) in std::mem::take(&mut self.deferred) {
-            let due = at.duration_since(since) >= DEFER_MAX;
+            let due = at.duration_since(since) >= self.cfg.defer;
             match batches.remove(&p) {
                 Some(b) if !hold.contains(&p) || due => {
                     let mut all = held;
@@ -519,7 +528,7 @@ impl Shim {
         }
         stats::add(&stats::SEND_NS, sending.elapsed().as_nanos() as u64);
         // Wait for replies on every connected peer (not past the time a held batch is due).
-        let wait = if self.deferred.is_empty() { wait } else { wait.min(DEFER_MAX) };
+        let wait = if self.deferred.is_empty() { wait } else { wait.min(self.cfg.defer) };
         let ids: Vec<PeerId> = self.peers.iter().filter(|(_, v)| v.1.is_some()).map(|(k, _)| *k).collect();
         if ids.is_empty() {
             std::thread::sleep(wait.min(Duration::from_millis(20)));
@@ -862,6 +871,29 @@ fn read_local_at(fd: c_int, offset: u64, len: usize) -> std::io::Result<Vec<u8>>
 }
 
 fn write_local_all(fd: c_int, data: &[u8], offset: u64) -> std::io::Result<()> {
+    // On Linux pwrite on an O_APPEND fd appends whatever the offset (a repair of an
+    // application's append-only log fd, Redis's AOF, would land at the end, then be truncated
+    // away): the flag is off while the bytes go to their offsets.
+    // SAFETY: fcntl on our caller's fd with integer arguments.
+    let flags = unsafe { libc::syscall(libc::SYS_fcntl, fd, libc::F_GETFL) } as c_int;
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if flags & libc::O_APPEND != 0 {
+        // SAFETY: as above.
+        if unsafe { libc::syscall(libc::SYS_fcntl, fd, libc::F_SETFL, flags & !libc::O_APPEND) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    let r = write_at_all(fd, data, offset);
+    if flags & libc::O_APPEND != 0 {
+        // SAFETY: as above (restores the application's flags).
+        unsafe { libc::syscall(libc::SYS_fcntl, fd, libc::F_SETFL, flags) };
+    }
+    r
+}
+
+fn write_at_all(fd: c_int, data: &[u8], offset: u64) -> std::io::Result<()> {
     let mut done = 0;
     while done < data.len() {
         // SAFETY: writing from our own buffer within its bounds with the real pwrite.
@@ -1079,6 +1111,8 @@ fn verify_local_copy(shim: &mut Shim, fd: c_int, writable: bool, grant: &FileGra
 /// is, and the file's identity and change times right after ([`verify_local_copy`]).
 type KnownCopy = (String, nearlog::proto::FileId, nearlog::proto::Holding, [i64; 6]);
 static KNOWN_COPIES: Mutex<Vec<KnownCopy>> = Mutex::new(Vec::new());
+/// Longest [`remember_copy`] waits for the file-time clock to tick past the copy's change time.
+const MAX_TICK_WAIT_MS: u32 = 20;
 /// Copies [`KNOWN_COPIES`] remembers (oldest forgotten first: it only saves a re-check).
 const MAX_KNOWN_COPIES: usize = 64;
 
@@ -1155,6 +1189,24 @@ fn remember_copy(key: &str, file: nearlog::proto::FileId, fd: c_int, state: Opti
     let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
     if unsafe { libc::fstat64(fd, &mut st) } != 0 || st.st_size as u64 != h.size {
         return;
+    }
+    // File times come from a coarse clock: a change within the same tick as the last one
+    // leaves them as they are. Remembered only once that tick is over (waiting a tick at
+    // most, a few ms), so any later change moves the change time.
+    let changed = (st.st_ctime as i64, st.st_ctime_nsec as i64);
+    let coarse_now = || {
+        // SAFETY: clock_gettime into a zeroed struct.
+        let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+        unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) };
+        (ts.tv_sec as i64, ts.tv_nsec as i64)
+    };
+    let mut waited = 0;
+    while coarse_now() <= changed {
+        if waited >= MAX_TICK_WAIT_MS {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+        waited += 1;
     }
     let mut known = KNOWN_COPIES.lock().unwrap_or_else(|e| e.into_inner());
     known.retain(|(k, _, _, _)| k != key);
