@@ -1216,6 +1216,11 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         };
         let seen_at = t0.elapsed();
         eprintln!("  node {victim}: {line}");
+        // The Buddy's side of the catch-up (its chunk building, encoding and socket writes).
+        let buddy_log = std::fs::read_to_string(dir.join(format!("logs/node-{buddy}.log"))).unwrap_or_default();
+        if let Some(l) = buddy_log.lines().rfind(|l| l.starts_with("catch-up served:")) {
+            eprintln!("  node {buddy}: {l}");
+        }
         let load_avg = load_average_1m();
         // The recovery's span on the load's clock: its end as the node stamped it (the log is
         // polled every 20 ms), its start that much earlier.

@@ -116,6 +116,10 @@ pub struct RecoveryStats {
     /// Time the next CatchUp_req waited because `max_catchup_chunks_in_flight` received chunks
     /// were still being persisted (the log, not the Buddy, was the bottleneck).
     pub window_stall_us: u64,
+    /// CatchUp_req messages sent, and the time from each to its first reply, summed (the
+    /// Buddy's queue, its chunk building and the network: what the recovering node waited for).
+    pub requests: u64,
+    pub request_wait_us: u64,
 }
 
 impl RecoveryStats {
@@ -223,6 +227,8 @@ struct Recov {
     chunks_unpersisted: VecDeque<BTreeSet<u64>>,
     /// Since when the next CatchUp_req has been held back by a full window.
     stalled_since_us: Option<u64>,
+    /// When the last CatchUp_req went, while its first reply has not arrived (statistics only).
+    request_sent_us: Option<u64>,
     stats: RecoveryStats,
 }
 
@@ -1453,6 +1459,7 @@ impl NodeCore {
             outstanding: BTreeSet::new(),
             chunks_unpersisted: VecDeque::new(),
             stalled_since_us: None,
+            request_sent_us: None,
             stats: RecoveryStats {
                 partially_persisted: self.partially.len() as u64,
                 ..Default::default()
@@ -1545,6 +1552,8 @@ impl NodeCore {
         *requested = true;
         *expected = chunks;
         r.deadline_us = now_us + retry;
+        r.stats.requests += 1;
+        r.request_sent_us = Some(now_us);
         let (to, cursor) = (*buddy, cursor.clone());
         self.send(to, PeerMsg::CatchUpReq { epoch, partially, cursor, chunks });
     }
@@ -1728,6 +1737,9 @@ impl NodeCore {
                 r.stats.catchup_to_resp_us = now_us - r.acked_us;
             }
             r.stats.chunks += 1;
+            if let Some(t) = r.request_sent_us.take() {
+                r.stats.request_wait_us += now_us.saturating_sub(t);
+            }
             r.stats.full_copy |= full_copy;
             r.stats.entries_received += entries.len() as u64;
             r.stats.bytes_received += entries.iter().map(|e| e.size_bytes() as u64).sum::<u64>();

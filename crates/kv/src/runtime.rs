@@ -102,7 +102,8 @@ pub struct NodeConfig {
 }
 
 enum Input {
-    Peer(NodeId, PeerMsg),
+    /// A peer's message and when its frame had been decoded.
+    Peer(NodeId, PeerMsg, Instant),
     Client { id: u64, op: ClientOp, reply: mpsc::Sender<NetMsg> },
     /// Durable appends as (core incarnation, seq): a core rebuilt by `Reload` numbers its
     /// appends from 0 again, so completions of the old one's must not reach it.
@@ -140,7 +141,29 @@ pub struct NodeStats {
     pub log_durable_writes: AtomicU64,
     pub log_durable_bytes: AtomicU64,
     pub log_durable_us: AtomicU64,
+    /// Part of `log_durable_us`: encoding the records into the write buffer.
+    pub log_encode_us: AtomicU64,
     pub last_recovery: Mutex<Option<RecoveryStats>>,
+    /// Catch-up phases, microseconds summed since start (where a catch-up's time goes). On the
+    /// recovering node: checksumming and decoding CatchUp_resp frames, their wait in the input
+    /// queue, the core applying them (with handing the chunk's append to the log thread), and
+    /// the node loop waiting for any input while recovering.
+    pub catchup_decode_us: AtomicU64,
+    pub catchup_queue_us: AtomicU64,
+    pub catchup_apply_us: AtomicU64,
+    /// Handling log completions while recovering (each applied entry's durable version).
+    pub catchup_persisted_us: AtomicU64,
+    pub recovering_idle_us: AtomicU64,
+    /// On a Buddy: building chunks (the core's store walk and value copies), encoding their
+    /// frames, and writing them to the socket, and the chunks sent.
+    pub catchup_build_us: AtomicU64,
+    pub catchup_encode_us: AtomicU64,
+    pub catchup_write_us: AtomicU64,
+    pub catchup_chunks_sent: AtomicU64,
+}
+
+fn add_us(c: &AtomicU64, since: Instant) {
+    c.fetch_add(since.elapsed().as_micros() as u64, Ordering::Relaxed);
 }
 
 fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, stats: Arc<NodeStats>) -> std::sync::mpsc::Sender<LogJob> {
@@ -184,8 +207,9 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, sta
                 } else if seqs.is_empty() {
                     flog.append_lazy(&recs)
                 } else {
-                    let (t, len0) = (Instant::now(), flog.len_bytes());
+                    let (t, len0, enc0) = (Instant::now(), flog.len_bytes(), flog.encode_us);
                     let r = flog.append_durable(&recs);
+                    stats.log_encode_us.fetch_add(flog.encode_us - enc0, Ordering::Relaxed);
                     stats.log_durable_writes.fetch_add(1, Ordering::Relaxed);
                     stats.log_durable_bytes.fetch_add(flog.len_bytes() - len0, Ordering::Relaxed);
                     stats.log_durable_us.fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
@@ -275,18 +299,19 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
         }
         let (tx, rx) = mpsc::channel(PEER_QUEUE_MSGS);
         peer_tx.insert(id, tx);
-        tokio::spawn(peer_writer(me, addr, cfg.secret.clone(), rx));
+        tokio::spawn(peer_writer(me, addr, cfg.secret.clone(), rx, stats.clone()));
     }
 
     // Inbound connections.
     {
         let secret = cfg.secret.clone();
         let in_tx = in_tx.clone();
+        let stats = stats.clone();
         tokio::spawn(async move {
             loop {
                 let Ok((sock, _)) = listener.accept().await else { continue };
                 let _ = sock.set_nodelay(true);
-                tokio::spawn(serve_conn(sock, secret.clone(), in_tx.clone(), hb_tx.clone()));
+                tokio::spawn(serve_conn(sock, secret.clone(), in_tx.clone(), hb_tx.clone(), stats.clone()));
             }
         });
     }
@@ -309,9 +334,14 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
         // A Buddy's catch-up stream sends one chunk per turn of this loop, between inputs, and
         // the loop does not wait for an input while the stream has chunks left.
         let pumping = core.wants_pump();
+        let recovering = core.is_recovering();
+        let waited = Instant::now();
         tokio::select! {
             biased;
             Some((hb, tx, at)) = hb_rx.recv() => {
+                if recovering {
+                    add_us(&stats.recovering_idle_us, waited);
+                }
                 // The lease counts from the heartbeat's arrival (never before an earlier input).
                 let at_us = (at.saturating_duration_since(start).as_micros() as u64).max(last_now);
                 last_now = at_us;
@@ -319,25 +349,53 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                 core.on_heartbeat(at_us, hb);
             }
             _ = tick.tick() => {
+                if recovering {
+                    add_us(&stats.recovering_idle_us, waited);
+                }
                 last_now = now_us();
                 core.tick(last_now);
             }
             Some(inp) = done_rx.recv() => {
+                if recovering {
+                    add_us(&stats.recovering_idle_us, waited);
+                }
                 let now = now_us();
                 last_now = now;
                 match inp {
                     Input::Persisted(seqs) => {
+                        let t = Instant::now();
                         core.on_persisted_many(now, seqs.into_iter().filter(|(i, _)| *i == inc).map(|(_, s)| s));
+                        if recovering {
+                            add_us(&stats.catchup_persisted_us, t);
+                        }
                     }
                     Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
                     _ => {}
                 }
             }
             Some(inp) = in_rx.recv() => {
+                if recovering {
+                    add_us(&stats.recovering_idle_us, waited);
+                }
                 let now = now_us();
                 last_now = now;
                 match inp {
-                    Input::Peer(from, m) => core.on_peer(now, from, m),
+                    Input::Peer(from, m, decoded) => {
+                        // Timed phases of a catch-up (see `NodeStats`).
+                        let t = Instant::now();
+                        let phase = match &m {
+                            PeerMsg::CatchUpResp { .. } => {
+                                stats.catchup_queue_us.fetch_add(t.saturating_duration_since(decoded).as_micros() as u64, Ordering::Relaxed);
+                                Some(&stats.catchup_apply_us)
+                            }
+                            PeerMsg::CatchUpReq { .. } => Some(&stats.catchup_build_us),
+                            _ => None,
+                        };
+                        core.on_peer(now, from, m);
+                        if let Some(p) = phase {
+                            add_us(p, t);
+                        }
+                    }
                     Input::Client { id, op, reply } => {
                         let tag = next_tag;
                         next_tag += 1;
@@ -354,7 +412,19 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
         }
         if core.wants_pump() {
             last_now = now_us();
+            let t = Instant::now();
             core.pump(last_now);
+            add_us(&stats.catchup_build_us, t);
+            if !core.wants_pump() {
+                // The Buddy's side of the catch-up, for the recovery's breakdown.
+                eprintln!(
+                    "catch-up served: node {me} since start: chunks_sent {} build_us {} encode_us {} write_us {}",
+                    stats.catchup_chunks_sent.load(Ordering::Relaxed),
+                    stats.catchup_build_us.load(Ordering::Relaxed),
+                    stats.catchup_encode_us.load(Ordering::Relaxed),
+                    stats.catchup_write_us.load(Ordering::Relaxed)
+                );
+            }
         }
         // Carry out outputs in order; a Reload rebuilds the core and continues with its outputs.
         loop {
@@ -434,10 +504,13 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         );
                         // Wall-clock end, so a load generator can place the recovery on its own clock.
                         let ended_unix_us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros();
+                        let ld = |c: &AtomicU64| c.load(Ordering::Relaxed);
                         eprintln!(
-                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, transfer {} us, {} entries, {} bytes, {} chunks, full_copy {}, ended_unix_us {ended_unix_us}; window_stall_us {}; since start: log_durable_writes {} log_durable_bytes {} log_durable_us {})",
+                            "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, transfer {} us, {} entries, {} bytes, {} chunks, full_copy {}, ended_unix_us {ended_unix_us}; window_stall_us {} requests {} request_wait_us {}; since start: log_durable_writes {} log_durable_bytes {} log_durable_us {} log_encode_us {} decode_us {} queue_us {} apply_us {} persisted_us {} idle_us {})",
                             s.total_us() as f64 / 1000.0, s.start_to_ack_us, s.catchup_to_resp_us, s.apply_to_end_us, s.transfer_us, s.entries_received, s.bytes_received, s.chunks, s.full_copy, s.window_stall_us,
-                            stats.log_durable_writes.load(Ordering::Relaxed), stats.log_durable_bytes.load(Ordering::Relaxed), stats.log_durable_us.load(Ordering::Relaxed)
+                            s.requests, s.request_wait_us,
+                            ld(&stats.log_durable_writes), ld(&stats.log_durable_bytes), ld(&stats.log_durable_us), ld(&stats.log_encode_us),
+                            ld(&stats.catchup_decode_us), ld(&stats.catchup_queue_us), ld(&stats.catchup_apply_us), ld(&stats.catchup_persisted_us), ld(&stats.recovering_idle_us)
                         );
                         stats.recoveries.fetch_add(1, Ordering::Relaxed);
                         *stats.last_recovery.lock().unwrap() = Some(s);
@@ -485,7 +558,7 @@ fn render_node_metrics(s: &NodeStats) -> String {
     out
 }
 
-async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc::Receiver<PeerMsg>) {
+async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc::Receiver<PeerMsg>, stats: Arc<NodeStats>) {
     let mut backoff = Duration::from_millis(2);
     loop {
         let conn = async {
@@ -507,7 +580,7 @@ async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc
         };
         backoff = Duration::from_millis(2);
         let (_r, mut w) = s.split();
-        if let FramesEnd::QueueClosed = write_frames(&mut w, &mut rx, NetMsg::Peer).await {
+        if let FramesEnd::QueueClosed = write_frames(&mut w, &mut rx, NetMsg::Peer, Some(&stats)).await {
             return;
         }
     }
@@ -543,18 +616,44 @@ enum FramesEnd {
 /// queued goes out in one write (up to about [`CONN_WRITE_BATCH_BYTES`]): a busy connection
 /// costs a syscall per batch, not per message. Frames are encoded straight into one reused
 /// buffer (a catch-up chunk is about a MiB: no buffer of its own, no copy into the batch).
-async fn write_frames<T, W: AsyncWrite + Unpin>(w: &mut W, rx: &mut mpsc::Receiver<T>, wrap: impl Fn(T) -> NetMsg) -> FramesEnd {
+async fn write_frames<T, W: AsyncWrite + Unpin>(
+    w: &mut W,
+    rx: &mut mpsc::Receiver<T>,
+    wrap: impl Fn(T) -> NetMsg,
+    stats: Option<&NodeStats>,
+) -> FramesEnd {
     use tokio::io::AsyncWriteExt;
     let mut buf: Vec<u8> = Vec::new();
+    // Catch-up chunks are timed (encode, write) for the recovery's breakdown.
+    let mut chunks = 0u64;
+    let push = |buf: &mut Vec<u8>, m: NetMsg| -> u64 {
+        match stats {
+            Some(s) if matches!(m, NetMsg::Peer(PeerMsg::CatchUpResp { .. })) => {
+                let t = Instant::now();
+                push_frame(buf, &m);
+                add_us(&s.catchup_encode_us, t);
+                1
+            }
+            _ => {
+                push_frame(buf, &m);
+                0
+            }
+        }
+    };
     while let Some(m) = rx.recv().await {
         buf.clear();
-        push_frame(&mut buf, &wrap(m));
+        chunks += push(&mut buf, wrap(m));
         while buf.len() < CONN_WRITE_BATCH_BYTES {
             let Ok(m) = rx.try_recv() else { break };
-            push_frame(&mut buf, &wrap(m));
+            chunks += push(&mut buf, wrap(m));
         }
+        let t = Instant::now();
         if w.write_all(&buf).await.is_err() {
             return FramesEnd::WriteFailed;
+        }
+        if let Some(s) = stats.filter(|_| chunks > 0) {
+            add_us(&s.catchup_write_us, t);
+            s.catchup_chunks_sent.fetch_add(std::mem::take(&mut chunks), Ordering::Relaxed);
         }
         if buf.capacity() > 2 * (CONN_WRITE_BATCH_BYTES + MAX_FRAME_BYTES) {
             buf = Vec::new(); // an outsized batch's memory is not kept
@@ -579,7 +678,12 @@ fn push_frame(buf: &mut Vec<u8>, msg: &NetMsg) {
 
 /// Reads one frame into `buf` (reused across frames: no fresh zeroed buffer per catch-up
 /// chunk) and decodes it; the same checks as [`wire::read_msg`].
-async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>, limit: usize) -> Result<NetMsg, wire::WireError> {
+async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+    limit: usize,
+    decode_us: Option<&AtomicU64>,
+) -> Result<NetMsg, wire::WireError> {
     use tokio::io::AsyncReadExt;
     let mut header = [0u8; wire::FRAME_HEADER_BYTES];
     match r.read_exact(&mut header).await {
@@ -593,11 +697,16 @@ async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, buf: &mut Vec<u8>, limit: u
     }
     let payload = &mut buf[..len];
     r.read_exact(payload).await?;
+    let t = Instant::now();
     let got = crc32c::crc32c(payload);
     if got != want {
         return Err(wire::WireError::Checksum { got, want });
     }
-    wire::decode_payload(payload)
+    let m = wire::decode_payload(payload);
+    if let (Some(c), Ok(NetMsg::Peer(PeerMsg::CatchUpResp { .. }))) = (decode_us, &m) {
+        add_us(c, t);
+    }
+    m
 }
 
 async fn serve_conn(
@@ -605,6 +714,7 @@ async fn serve_conn(
     secret: Vec<u8>,
     in_tx: mpsc::Sender<Input>,
     hb_tx: mpsc::Sender<(Heartbeat, mpsc::Sender<NetMsg>, Instant)>,
+    stats: Arc<NodeStats>,
 ) {
     if let Err(e) = wire::auth::accept(&mut sock, &secret).await {
         tracing::warn!("refused connection: {e}");
@@ -619,10 +729,11 @@ async fn serve_conn(
     // syscalls each (a large frame still goes straight into its own buffer).
     let mut r = tokio::io::BufReader::with_capacity(CONN_READ_BUFFER_BYTES, r);
     let (out_tx, mut out_rx) = mpsc::channel::<NetMsg>(CLIENT_INFLIGHT_MAX);
-    tokio::spawn(async move { write_frames(&mut w, &mut out_rx, |m| m).await });
+    tokio::spawn(async move { write_frames(&mut w, &mut out_rx, |m| m, None).await });
     let mut frame = Vec::new();
+    let decode_us = matches!(hello, Hello::Peer(_)).then_some(&stats.catchup_decode_us);
     loop {
-        let m = match read_frame(&mut r, &mut frame, MAX_FRAME_BYTES).await {
+        let m = match read_frame(&mut r, &mut frame, MAX_FRAME_BYTES, decode_us).await {
             Ok(m) => m,
             Err(wire::WireError::Closed) => return,
             Err(e) => {
@@ -631,7 +742,7 @@ async fn serve_conn(
             }
         };
         let inp = match (&hello, m) {
-            (Hello::Peer(from), NetMsg::Peer(pm)) => Input::Peer(*from, pm),
+            (Hello::Peer(from), NetMsg::Peer(pm)) => Input::Peer(*from, pm, Instant::now()),
             (Hello::Cm, NetMsg::Hb(hb)) => {
                 if hb_tx.send((hb, out_tx.clone(), Instant::now())).await.is_err() {
                     return;
@@ -819,7 +930,7 @@ impl KvClient {
         let mut r = tokio::io::BufReader::with_capacity(CONN_READ_BUFFER_BYTES, r);
         let (tx, mut rx) = mpsc::channel::<NetMsg>(CLIENT_INFLIGHT_MAX);
         let pending: Pending = Arc::new(Mutex::new(HashMap::new()));
-        tokio::spawn(async move { write_frames(&mut w, &mut rx, |m| m).await });
+        tokio::spawn(async move { write_frames(&mut w, &mut rx, |m| m, None).await });
         let p2 = pending.clone();
         tokio::spawn(async move {
             while let Ok(NetMsg::Resp { id, result }) = wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await {
