@@ -664,6 +664,68 @@ impl ObjFile for MemObject {
     }
 }
 
+/// What [`Inner::apply_lazy`] applies a write to: the whole object in memory, or only the
+/// sectors a small write touches.
+enum LazySource {
+    Whole(MemObject),
+    Window(Window),
+}
+
+/// Some whole sectors of an object, `start` bytes into it, and its header: enough for
+/// [`objfmt::apply`] of a write inside them ([`objfmt::small_write_fits`]), which reads and
+/// writes only the written range and the header. Anything else is refused with an error.
+struct Window {
+    objfmt_header: [u8; HEADER_COPY_BYTES],
+    len_bytes: u64,
+    start: u64,
+    bytes: Vec<u8>,
+}
+
+impl Window {
+    fn range(&self, at: u64, len: usize) -> io::Result<std::ops::Range<usize>> {
+        match at.checked_sub(self.start) {
+            Some(x) if x as usize + len <= self.bytes.len() => Ok(x as usize..x as usize + len),
+            _ => Err(io::Error::other("deferred copy: access outside the sectors read")),
+        }
+    }
+}
+
+impl ObjFile for Window {
+    fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        if offset < HEADER_BYTES {
+            let n = buf.len().min(HEADER_COPY_BYTES - offset as usize);
+            buf[..n].copy_from_slice(&self.objfmt_header[offset as usize..offset as usize + n]);
+            return Ok(n);
+        }
+        let r = self.range(offset - HEADER_BYTES, buf.len())?;
+        buf.copy_from_slice(&self.bytes[r]);
+        Ok(buf.len())
+    }
+
+    fn write_at(&mut self, data: &[u8], offset: u64) -> io::Result<()> {
+        let Some(at) = body_write_offset(&mut self.objfmt_header, data, offset)? else { return Ok(()) };
+        let r = self.range(at, data.len())?;
+        self.bytes[r].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn len(&mut self) -> io::Result<u64> {
+        Ok(HEADER_BYTES + self.len_bytes)
+    }
+
+    fn set_len(&mut self, _len: u64) -> io::Result<()> {
+        Err(io::Error::other("deferred copy: a window cannot change length"))
+    }
+
+    fn zero_range(&mut self, _offset: u64, _len: u64) -> io::Result<()> {
+        Err(io::Error::other("deferred copy: a window takes writes only"))
+    }
+
+    fn crc_range(&mut self, _offset: u64, _len: u64) -> io::Result<u32> {
+        Err(io::Error::other("deferred copy: a window has not every byte of a block"))
+    }
+}
+
 /// The object's length after `op`, as [`objfmt::apply`] makes it.
 /// What a child's write to a deferred copy makes its own: the written range, plus the zeroes
 /// between the old end and the write when it grows the object. Marks those sectors present in
@@ -1103,7 +1165,7 @@ impl Inner {
         let lazy_fits = len_bytes <= CLASS_DATA_BYTES[LAZY_CLASS] && !matches!(op, RepOp::Put { .. });
         match existing {
             Some(e) if e.base.is_some() && lazy_fits && e.slot.class == LAZY_CLASS => {
-                let obj = self.load(&key, &e)?;
+                let obj = self.lazy_source(&key, &e, &op)?;
                 self.apply_lazy(key, e.slot, e.base.unwrap(), obj, version, &op, false)
             }
             Some(e) if e.base.is_some() && !matches!(op, RepOp::Put { .. }) => {
@@ -1132,15 +1194,16 @@ impl Inner {
                 let src = cow_from.unwrap();
                 let pe = self.entry(&src).ok_or_else(|| not_found(&src))?;
                 let t = std::time::Instant::now();
-                let obj = self.load(&src, &pe)?;
-                add_us(&self.counters.cow_load_us, t);
                 if pe.base.is_some() {
                     // The parent is itself a deferred copy (a child promoted moments ago, not yet
                     // garbage collected): copy it whole rather than chain deferred copies.
-                    let mut obj = obj;
+                    let mut obj = self.load(&src, &pe)?;
+                    add_us(&self.counters.cow_load_us, t);
                     objfmt::apply(&mut obj, version, &op)?;
                     return self.write_fresh_as(key, obj, true);
                 }
+                let obj = self.lazy_source(&src, &pe, &op)?;
+                add_us(&self.counters.cow_load_us, t);
                 let slot = self.take_slot(LAZY_CLASS, true)?;
                 let base = Base { key: src, class: pe.slot.class, no: pe.slot.no, len_bytes: pe.len_bytes, present: 0 };
                 self.apply_lazy(key, slot, base, obj, version, &op, true)
@@ -1166,19 +1229,30 @@ impl Inner {
     /// touches, then the header with the sectors now present, one fdatasync. Once every sector
     /// is present the copy is complete and the header drops the base.
     #[allow(clippy::too_many_arguments)]
-    fn apply_lazy(&self, key: ObjKey, slot: SlotRef, mut base: Base, mut obj: MemObject, version: Version, op: &RepOp, fresh: bool) -> io::Result<()> {
-        let old_len = obj.body.len() as u64;
-        objfmt::apply(&mut obj, version, op)?;
-        let new_len = obj.body.len() as u64;
+    fn apply_lazy(&self, key: ObjKey, slot: SlotRef, mut base: Base, obj: LazySource, version: Version, op: &RepOp, fresh: bool) -> io::Result<()> {
+        // The bytes the sectors to write start from, from `from` bytes into the object.
+        let (old_len, new_len, objfmt_header, from, bytes) = match obj {
+            LazySource::Whole(mut obj) => {
+                let old_len = obj.body.len() as u64;
+                objfmt::apply(&mut obj, version, op)?;
+                (old_len, obj.body.len() as u64, obj.objfmt_header, 0, obj.body)
+            }
+            LazySource::Window(mut w) => {
+                objfmt::apply(&mut w, version, op)?;
+                (w.len_bytes, w.len_bytes, w.objfmt_header, w.start, w.bytes)
+            }
+        };
         let (a, b, complete) = claim_sectors(&mut base.present, old_len, new_len, op);
         let base = (!complete).then_some(base);
         let t = std::time::Instant::now();
         let written = (|| {
             let f = self.open_slot(&slot)?;
             if b > a {
-                f.write_all_at(&obj.body[a as usize..b as usize], SLOT_HEADER_PAGE_BYTES + a)?;
+                let range = a.checked_sub(from).zip(b.checked_sub(from)).filter(|(_, e)| *e as usize <= bytes.len());
+                let Some((x, y)) = range else { return Err(io::Error::other("deferred copy: sectors outside the bytes read")) };
+                f.write_all_at(&bytes[x as usize..y as usize], SLOT_HEADER_PAGE_BYTES + a)?;
             }
-            let object = LiveObject { key, len_bytes: new_len, objfmt_header: obj.objfmt_header, base };
+            let object = LiveObject { key, len_bytes: new_len, objfmt_header, base };
             self.commit_header(&f, slot, Some(object))
         })();
         if fresh {
@@ -1196,6 +1270,27 @@ impl Inner {
                 Err(e)
             }
         }
+    }
+
+    /// What a write to a deferred copy (new or not) starts from. A write inside the object's
+    /// bytes and one checksum block ([`objfmt::small_write_fits`]) needs only the whole sectors
+    /// it touches and the header: the checksum is updated from the bytes it replaces. Before,
+    /// every child first write read and checksummed the whole 64 KiB parent object. Any other
+    /// write gets the whole object.
+    fn lazy_source(&self, key: &ObjKey, e: &Entry, op: &RepOp) -> io::Result<LazySource> {
+        if let RepOp::Write { offset, data } = op {
+            let f = self.open_slot(&e.slot)?;
+            let live = self.read_live(&f, key, e)?;
+            let (offset, len) = (*offset as u64, data.len() as u64);
+            if objfmt::Header::decode(&live.objfmt_header).is_some_and(|h| objfmt::small_write_fits(&h, e.len_bytes, offset, len)) {
+                let start = offset / LAZY_SECTOR_BYTES * LAZY_SECTOR_BYTES;
+                let stop = ((offset + len).div_ceil(LAZY_SECTOR_BYTES) * LAZY_SECTOR_BYTES).min(e.len_bytes);
+                let mut bytes = vec![0u8; (stop - start) as usize];
+                self.read_body_at(&f, e, &mut bytes, start)?;
+                return Ok(LazySource::Window(Window { objfmt_header: live.objfmt_header, len_bytes: e.len_bytes, start, bytes }));
+            }
+        }
+        Ok(LazySource::Whole(self.load(key, e)?))
     }
 
     /// Makes a deferred copy whole: writes its merged bytes into its slot and a header without
