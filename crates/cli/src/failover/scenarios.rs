@@ -829,6 +829,18 @@ fn measure(
         for (l, m) in loads.into_iter().zip(pair) {
             l.finish(&format!("{} warm-up", m.name)).map_err(|e| m.context(e))?;
         }
+        // The warm-up's own journal transactions are still in the journal (jbd2 moves its
+        // tail lazily): the first round would replay them. A freeze checkpoints the journal
+        // (FIFREEZE → jbd2_journal_flush), as a round's replay would have; both alike.
+        for m in pair {
+            let st: Value = serde_json::from_str(&m.control("status")?)?;
+            let id = st["state"]["primary"].as_u64().with_context(|| format!("{}: no primary in {st}", m.name))?;
+            let dir = m.run_dir.join("state").join("mnt").join(format!("i{id}"));
+            for flag in ["--freeze", "--unfreeze"] {
+                let o = Command::new("fsfreeze").arg(flag).arg(&dir).output().with_context(|| "cannot run fsfreeze")?;
+                anyhow::ensure!(o.status.success(), "fsfreeze {flag} {}: {}", dir.display(), String::from_utf8_lossy(&o.stderr).trim());
+            }
+        }
         warmup_s = t.elapsed().as_secs_f64();
         eprintln!("failover bench: recovery rounds' warm-up: {} commits on each of rec_plain and rec_super in {warmup_s:.1} s", p.recovery_warmup_commits);
     }
