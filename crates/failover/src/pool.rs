@@ -186,6 +186,9 @@ struct Inst {
     _attach_stdout: Option<ChildStdout>,
 }
 
+/// Making (or taking the spare) namespace of a start, beside its attach.
+type NsTask = tokio::task::JoinHandle<Result<(netns::Lock, NetnsLink, std::os::fd::OwnedFd), netns::NetnsError>>;
+
 /// The namespace made ahead for the instance that would start next (being made: `None`).
 type Spare = Option<(InstanceId, Option<NetnsLink>)>;
 
@@ -234,7 +237,7 @@ fn mount_source(dir: &Path) -> Option<String> {
     };
     let d = dir.to_string_lossy();
     // Fields: id parent major:minor root mount-point options ... - fstype source super-options.
-    text.lines().filter(|l| l.split(' ').nth(4) == Some(d.as_ref())).last().and_then(|l| l.split(" - ").nth(1)?.split(' ').nth(1).map(str::to_string))
+    text.lines().rev().find(|l| l.split(' ').nth(4) == Some(d.as_ref())).and_then(|l| l.split(" - ").nth(1)?.split(' ').nth(1).map(str::to_string))
 }
 
 /// Live `volume attach` helpers whose `--mount` is `mount`.
@@ -618,7 +621,7 @@ impl LocalPool {
         mount: PathBuf,
         pgid: i32,
         attach_log: PathBuf,
-        ns_task: Option<tokio::task::JoinHandle<Result<(netns::Lock, NetnsLink, std::os::fd::OwnedFd), netns::NetnsError>>>,
+        ns_task: Option<NsTask>,
         requested_unix_ms: u64,
     ) -> Result<SocketAddr, PoolError> {
         let attach_pid = pgid as u32;
