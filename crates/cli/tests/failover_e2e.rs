@@ -408,8 +408,14 @@ impl Monitor {
                         assert_eq!(v["netns"], self.netns, "network namespaces as the spec says: {v}");
                     }
                 }
-                Err(_) => panic!(
-                    "no {names:?} event within {timeout:?}; events: {:?}\nmonitor stderr:\n{}",
+                Err(e) => panic!(
+                    "no {names:?} event within {timeout:?} ({}); events: {:?}\nmonitor stderr:\n{}",
+                    match e {
+                        std::sync::mpsc::RecvTimeoutError::Timeout => "timed out".to_string(),
+                        std::sync::mpsc::RecvTimeoutError::Disconnected => {
+                            format!("the monitor closed its stdout: exit {:?}", self.child.as_mut().map(|c| c.try_wait()))
+                        }
+                    },
                     self.seen,
                     std::fs::read_to_string(&self.stderr).unwrap_or_default()
                 ),
