@@ -161,6 +161,11 @@ fn cluster() -> Arc<Up> {
 struct Case {
     up: Arc<Up>,
     _dir: tempfile::TempDir,
+    /// The case's directory, canonical (as the kernel names mounts under it).
+    root: PathBuf,
+    /// Every attach helper of this case seen running: the FUSE files behind loop devices are
+    /// named after them (`$TMPDIR/understudy-fusefile-PID-N`).
+    helpers: Mutex<std::collections::BTreeSet<u32>>,
     /// The case's volume; names are reported relative to it, as `db`, `db.fo-1`.
     vol: String,
     spec: PathBuf,
@@ -178,7 +183,79 @@ impl Case {
         up.ok(&["volume", "create", vol, "--size", &format!("{mib}M")]);
         let dir = tempfile::Builder::new().prefix("failover-case-").tempdir_in(up.dir.path()).unwrap();
         let (spec, port) = write_spec(dir.path(), vol, o);
-        Case { up, _dir: dir, vol: vol.into(), spec, port }
+        let root = dir.path().canonicalize().unwrap();
+        Case { up, _dir: dir, root, helpers: Mutex::default(), vol: vol.into(), spec, port }
+    }
+
+    /// Processes whose command line names this case's directory (its instances' attach
+    /// helpers and applications, its monitor): (pid, command line).
+    fn processes(&self) -> Vec<(u32, String)> {
+        let me = std::process::id();
+        let root = self.root.to_string_lossy().into_owned();
+        let mut v = vec![];
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let cmd = String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).unwrap_or_default()).replace('\0', " ");
+            if pid != me && cmd.contains(&root) && failover::pool::pid_alive(pid) {
+                v.push((pid, cmd.trim().to_string()));
+            }
+        }
+        v
+    }
+
+    /// Notes this case's attach helpers now running (for [`Case::leftovers`]).
+    fn observe(&self) {
+        let helpers: Vec<u32> = self.processes().into_iter().filter(|(_, c)| c.contains(" attach ")).map(|(p, _)| p).collect();
+        self.helpers.lock().unwrap().extend(helpers);
+    }
+
+    /// Mount points under this case's directory, deepest last.
+    fn mounts(&self) -> Vec<String> {
+        let root = self.root.to_string_lossy().into_owned();
+        let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        text.lines().filter_map(|l| l.split(' ').nth(4)).filter(|m| m.starts_with(&root)).map(str::to_string).collect()
+    }
+
+    /// Loop devices and FUSE mounts of this case's attach helpers: (loop device or "fuse",
+    /// backing file or mount point).
+    fn fuse_stacks(&self) -> Vec<(String, String)> {
+        let prefixes: Vec<String> = self
+            .helpers
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|p| std::env::temp_dir().join(format!("understudy-fusefile-{p}-")).to_string_lossy().into_owned())
+            .collect();
+        let ours = |path: &str| prefixes.iter().any(|p| path.starts_with(p.as_str()));
+        let mut v = vec![];
+        for e in std::fs::read_dir("/sys/block").into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+                if ours(b.trim()) {
+                    v.push((format!("/dev/{name}"), b.trim().to_string()));
+                }
+            }
+        }
+        let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        v.extend(text.lines().filter_map(|l| l.split(' ').nth(4)).filter(|m| ours(m)).map(|m| ("fuse".to_string(), m.to_string())));
+        v
+    }
+
+    /// Everything of this case still on the host: processes, mounts, loop devices.
+    fn leftovers(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.processes().into_iter().map(|(p, c)| format!("process {p}: {c}")).collect();
+        v.extend(self.mounts().into_iter().map(|m| format!("mount {m}")));
+        v.extend(self.fuse_stacks().into_iter().map(|(d, f)| format!("{d} {f}")));
+        v
+    }
+
+    /// Checks that the stopped monitor left nothing behind (call after [`Monitor::stop_only`]).
+    fn assert_nothing_left(&self) {
+        let left = self.leftovers();
+        if !left.is_empty() {
+            eprintln!("--- monitor stderr:\n{}", std::fs::read_to_string(self.spec.with_file_name("monitor.err")).unwrap_or_default());
+        }
+        assert!(left.is_empty(), "left behind after the monitor stopped: {left:#?}");
     }
 
     /// Starts the monitor and waits for the first primary.
@@ -187,6 +264,7 @@ impl Case {
         let mut m = Monitor::start(&self.up, &self.spec);
         m.wait("primary_up", WAIT);
         step(&format!("{}: primary up", self.vol));
+        self.observe();
         m
     }
 
@@ -212,6 +290,46 @@ impl Case {
     /// The volume an event names, relative.
     fn event_volume(&self, e: &Value) -> String {
         self.rel(e["volume"].as_str().unwrap_or_else(|| panic!("no volume in {e}")))
+    }
+}
+
+/// Whatever a case left (a failed test, a leak): its processes' groups SIGKILLed, then its
+/// mounts, loop devices and FUSE mounts taken down — so one case cannot hold the next one's
+/// loop devices or mount points.
+impl Drop for Case {
+    fn drop(&mut self) {
+        let procs = self.processes();
+        if procs.is_empty() && self.mounts().is_empty() && self.fuse_stacks().is_empty() {
+            return;
+        }
+        self.observe();
+        for (pid, _) in &procs {
+            // SAFETY: kill(2) of a process (and the group it leads) of this case; no memory involved.
+            unsafe {
+                libc::kill(-(*pid as i32), libc::SIGKILL);
+                libc::kill(*pid as i32, libc::SIGKILL);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while procs.iter().any(|(p, _)| failover::pool::pid_alive(*p)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let quiet = |args: &[&str]| {
+            let _ = Command::new(args[0]).args(&args[1..]).stdout(Stdio::null()).stderr(Stdio::null()).status();
+        };
+        for m in self.mounts().iter().rev() {
+            quiet(&["umount", "-l", m]);
+        }
+        for (dev, what) in self.fuse_stacks() {
+            if dev == "fuse" {
+                quiet(&["umount", "-l", &what]);
+            } else {
+                quiet(&["losetup", "-d", &dev]);
+            }
+        }
+        for (_, what) in self.fuse_stacks().into_iter().filter(|(d, _)| d == "fuse") {
+            quiet(&["umount", "-l", &what]);
+        }
     }
 }
 
@@ -290,8 +408,14 @@ impl Monitor {
                         assert_eq!(v["netns"], self.netns, "network namespaces as the spec says: {v}");
                     }
                 }
-                Err(_) => panic!(
-                    "no {names:?} event within {timeout:?}; events: {:?}\nmonitor stderr:\n{}",
+                Err(e) => panic!(
+                    "no {names:?} event within {timeout:?} ({}); events: {:?}\nmonitor stderr:\n{}",
+                    match e {
+                        std::sync::mpsc::RecvTimeoutError::Timeout => "timed out".to_string(),
+                        std::sync::mpsc::RecvTimeoutError::Disconnected => {
+                            format!("the monitor closed its stdout: exit {:?}", self.child.as_mut().map(|c| c.try_wait()))
+                        }
+                    },
                     self.seen,
                     std::fs::read_to_string(&self.stderr).unwrap_or_default()
                 ),
@@ -344,6 +468,15 @@ impl Monitor {
         let next = status.and_then(|s| s["state"]["next_instance"].as_u64()).unwrap_or(u64::MAX);
         let spare = |n: &String| n.rsplit_once("-i").and_then(|(_, k)| k.parse::<u64>().ok()).is_some_and(|k| k >= next);
         names.into_iter().filter(|n| !spare(n)).collect()
+    }
+
+    /// Stops the monitor (SIGTERM: it stops its instances) without the clean-up of `drop`, so
+    /// the test sees what the monitor itself left.
+    fn stop_only(mut self) {
+        if let Some(mut c) = self.child.take() {
+            stop_child(&mut c, Duration::from_secs(60));
+        }
+        self.cleanup = false;
     }
 
     /// SIGKILL of the monitor itself; its instances keep running.
@@ -519,6 +652,9 @@ fn speculative_unclean_crash_promotes_the_backup() {
     assert_eq!(case.volumes(), vec![case.event_volume(&p)]);
     let (_, backup_ns) = m.primary_in_netns();
     assert_eq!(m.namespaces(), vec![backup_ns], "the killed primary's namespace {ns} is deleted");
+    case.observe();
+    m.stop_only();
+    case.assert_nothing_left();
 }
 
 /// A network cut-off that heals before the backup is up (its recovery is long): a false
@@ -717,10 +853,13 @@ fn monitor_killed_mid_failover_resumes_and_promotes_once() {
     load.wait_acked(FLOWING_COMMITS, "before the kill");
     m.inject("kill", 0);
     m.wait("backup_started", WAIT);
+    case.observe();
     // The monitor dies in the middle of the failover (its journal says: recovering on db.fo-1).
     m.crash();
+    case.observe();
     let mut m = Monitor::start(&case.up, &case.spec);
     let p = m.wait("promoted", WAIT);
+    case.observe();
     assert!(case.event_volume(&p).starts_with("db.fo-"), "{p}");
     load.wait_flowing("after the resumed failover");
     load.finish();
@@ -730,6 +869,11 @@ fn monitor_killed_mid_failover_resumes_and_promotes_once() {
     // the fence, or swept as stale when the new run started), only the new primary's remains.
     let (_, ns) = m.primary_in_netns();
     assert_eq!(m.namespaces(), vec![ns]);
+    // Stopped, the resumed monitor leaves nothing of either run: no attach helper or
+    // application, no mount under the case's directory, no loop device or FUSE mount of any
+    // helper seen (the crashed run's included).
+    m.stop_only();
+    case.assert_nothing_left();
 }
 
 /// PostgreSQL (Debian's, unmodified) under load, SIGKILL of the whole primary mid-load, a

@@ -96,6 +96,11 @@ struct SavedInst {
 struct SavedPool {
     instances: Vec<SavedInst>,
     killed: Vec<InstanceId>,
+    /// Starts under way: the attach helper runs (its pid and process group are known) but the
+    /// instance is not serving yet. A monitor that crashed here leaves a helper nobody adopts;
+    /// the next run reaps it (group SIGKILL, then umount / `losetup -d` / FUSE unmount).
+    #[serde(default)]
+    starting: Vec<SavedInst>,
 }
 
 /// Start time of a process (clock ticks since boot, /proc/PID/stat field 22): with the pid, it
@@ -181,6 +186,9 @@ struct Inst {
     _attach_stdout: Option<ChildStdout>,
 }
 
+/// Making (or taking the spare) namespace of a start, beside its attach.
+type NsTask = tokio::task::JoinHandle<Result<(netns::Lock, NetnsLink, std::os::fd::OwnedFd), netns::NetnsError>>;
+
 /// The namespace made ahead for the instance that would start next (being made: `None`).
 type Spare = Option<(InstanceId, Option<NetnsLink>)>;
 
@@ -189,6 +197,8 @@ pub struct LocalPool {
     /// Names this pool's namespaces (`usfo-TAG-iN`), from its state directory.
     tag: String,
     insts: Mutex<HashMap<InstanceId, Inst>>,
+    /// Starts under way (see [`SavedPool::starting`]).
+    starting: Mutex<HashMap<InstanceId, SavedInst>>,
     killed: Mutex<HashSet<InstanceId>>,
     events: mpsc::Sender<Input>,
     /// A namespace made ahead for the instance to be started next (see [`LocalPool::prewarm`]).
@@ -214,6 +224,65 @@ pub fn pid_alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => stat.rsplit_once(')').map(|(_, rest)| !rest.trim_start().starts_with('Z')).unwrap_or(true),
         Err(_) => false,
+    }
+}
+
+/// The source (device) of the file system mounted at `dir`, if `dir` is a mount point.
+fn mount_source(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    // Canonical like the kernel's (the parent only: a dead FUSE mount must not be stat'ed).
+    let dir = match (dir.parent().and_then(|p| p.canonicalize().ok()), dir.file_name()) {
+        (Some(p), Some(n)) => p.join(n),
+        _ => dir.to_path_buf(),
+    };
+    let d = dir.to_string_lossy();
+    // Fields: id parent major:minor root mount-point options ... - fstype source super-options.
+    text.lines().rev().find(|l| l.split(' ').nth(4) == Some(d.as_ref())).and_then(|l| l.split(" - ").nth(1)?.split(' ').nth(1).map(str::to_string))
+}
+
+/// Live `volume attach` helpers whose `--mount` is `mount`.
+fn helpers_of(mount: &Path) -> Vec<u32> {
+    let want = mount.as_os_str().as_encoded_bytes();
+    let mut v = vec![];
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+        let is_helper = args.contains(&&b"attach"[..]) && args.windows(2).any(|w| w[0] == b"--mount" && w[1] == want);
+        if is_helper && pid_alive(pid) {
+            v.push(pid);
+        }
+    }
+    v
+}
+
+/// The loop devices and the FUSE mount an attach helper (`pid`) made and left behind when it
+/// was killed half-way (before it wrote its state: `volume detach` knows nothing of them):
+/// its FUSE files are `$TMPDIR/understudy-fusefile-PID-N/*` (fusefile's private directory).
+async fn remove_fuse_stacks(pid: u32) {
+    let prefix = std::env::temp_dir().join(format!("understudy-fusefile-{pid}-")).to_string_lossy().into_owned();
+    for e in std::fs::read_dir("/sys/block").into_iter().flatten().flatten() {
+        let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) else { continue };
+        if b.trim().starts_with(&prefix) {
+            let dev = Path::new("/dev").join(e.file_name());
+            tracing::info!(dev = %dev.display(), backing = b.trim(), "detaching a loop device of a dead attach helper");
+            run_logged("losetup", &["-d".as_ref(), dev.as_os_str()]).await;
+        }
+    }
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let dirs: Vec<String> = text.lines().filter_map(|l| l.split(' ').nth(4)).filter(|m| m.starts_with(&prefix)).map(str::to_string).collect();
+    for d in dirs {
+        run_logged("umount", &["-l".as_ref(), d.as_ref()]).await;
+        let _ = std::fs::remove_dir(&d);
+    }
+}
+
+/// Runs a clean-up command; a failure is logged (the caller goes on with the next step).
+async fn run_logged(prog: &str, args: &[&std::ffi::OsStr]) {
+    match Command::new(prog).args(args).stdin(Stdio::null()).output().await {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => tracing::warn!("{prog} {args:?}: {}", String::from_utf8_lossy(&o.stderr).trim()),
+        Err(e) => tracing::warn!("cannot run {prog}: {e}"),
     }
 }
 
@@ -243,7 +312,7 @@ impl LocalPool {
             // Tests and tools find this pool's namespaces by this tag.
             std::fs::write(cfg.state_dir.join("netns.tag"), &tag)?;
         }
-        Ok(LocalPool { cfg, tag, insts: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events, spare: Arc::default() })
+        Ok(LocalPool { cfg, tag, insts: Mutex::new(HashMap::new()), starting: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events, spare: Arc::default() })
     }
 
     /// Makes the network namespace of instance `id` (the next one the monitor will start) ahead
@@ -314,6 +383,7 @@ impl LocalPool {
         let saved = SavedPool {
             instances: self.insts.lock().unwrap().values().map(|i| i.saved.clone()).collect(),
             killed: self.killed.lock().unwrap().iter().copied().collect(),
+            starting: self.starting.lock().unwrap().values().cloned().collect(),
         };
         let path = self.saved_path();
         let tmp = path.with_extension("tmp");
@@ -332,11 +402,18 @@ impl LocalPool {
             return vec![];
         };
         self.killed.lock().unwrap().extend(saved.killed.iter().copied());
+        for s in &saved.starting {
+            tracing::info!(id = %s.id, attach_pid = s.attach_pid, "reaping a start the previous run left half-way");
+            self.reap(s).await;
+        }
         let mut adopted = vec![];
         for s in saved.instances {
             let alive = start_time(s.app_pid) == Some(s.app_start) && start_time(s.attach_pid) == Some(s.attach_start);
             if !alive {
-                tracing::info!(id = %s.id, "instance of the previous run is gone");
+                // One may be gone and the other not (an app that crashed beside a live helper
+                // holding the mount): nothing of it may stay.
+                tracing::info!(id = %s.id, "instance of the previous run is gone; reaping what is left of it");
+                self.reap(&s).await;
                 continue;
             }
             let link = match &s.netns {
@@ -374,6 +451,23 @@ impl LocalPool {
                     saved: s,
                 },
             );
+        }
+        // A helper this run has no record of (the previous one crashed between spawning it
+        // and recording it): found by its `--mount` argument, reaped like the others.
+        let ours: HashSet<PathBuf> = self.insts.lock().unwrap().values().map(|i| i.mount.clone()).collect();
+        for d in std::fs::read_dir(self.cfg.state_dir.join("mnt")).into_iter().flatten().flatten() {
+            let mount = d.path();
+            if ours.contains(&mount) {
+                continue;
+            }
+            for pid in helpers_of(&mount) {
+                tracing::info!(mount = %mount.display(), pid, "reaping an attach helper the previous run left unrecorded");
+                signal_group(pid as i32, libc::SIGKILL);
+                signal_pid(pid, libc::SIGKILL);
+                Self::wait_gone(&[pid], Duration::from_secs(30)).await;
+                remove_fuse_stacks(pid).await;
+            }
+            self.unmount_all(&mount).await;
         }
         self.save();
         adopted
@@ -480,7 +574,7 @@ impl LocalPool {
             cmd.arg("--mkfs");
         }
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log)).process_group(0).kill_on_drop(false);
-        let mut attach: Child = match cmd.spawn() {
+        let attach: Child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
                 if let Some(t) = ns_task {
@@ -493,6 +587,45 @@ impl LocalPool {
         };
         let attach_pid = attach.id().unwrap_or(0);
         let pgid = attach_pid as i32;
+        // Durable before we wait for it: a crash of this monitor from here on leaves a record
+        // the next run reaps (see `adopt`).
+        self.starting.lock().unwrap().insert(
+            id,
+            SavedInst {
+                id,
+                pgid,
+                app_pid: 0,
+                app_start: 0,
+                attach_pid,
+                attach_start: start_time(attach_pid).unwrap_or(0),
+                app_port: 0,
+                mount: mount.clone(),
+                netns: None,
+            },
+        );
+        self.save();
+        let r = self.start_attached(id, volume, attach, mount, pgid, attach_log, ns_task, requested_unix_ms).await;
+        self.starting.lock().unwrap().remove(&id);
+        self.save();
+        r
+    }
+
+    /// The rest of a start once the attach helper runs: wait for its mount, then the
+    /// application. Every error path takes down what was made.
+    #[allow(clippy::too_many_arguments)]
+    async fn start_attached(
+        &self,
+        id: InstanceId,
+        volume: &str,
+        mut attach: Child,
+        mount: PathBuf,
+        pgid: i32,
+        attach_log: PathBuf,
+        ns_task: Option<NsTask>,
+        requested_unix_ms: u64,
+    ) -> Result<SocketAddr, PoolError> {
+        let attach_pid = pgid as u32;
+        let inst = id.to_string();
         let mut stdout = BufReader::new(attach.stdout.take().expect("piped"));
         let mut line = String::new();
         let ready = tokio::time::timeout(self.cfg.attach_timeout, stdout.read_line(&mut line)).await;
@@ -504,7 +637,7 @@ impl LocalPool {
             }
             signal_group(pgid, libc::SIGKILL);
             let _ = attach.wait().await;
-            let _ = self.detach(&mount).await;
+            self.unmount_all(&mount).await;
             let why = match ready {
                 Err(_) => format!("not attached within {:?}", self.cfg.attach_timeout),
                 _ => tail(&attach_log, 3),
@@ -574,9 +707,14 @@ impl LocalPool {
             Some((link, _fd)) => Link::Netns { addr: (link.ns_addr, port).into(), link },
             None => {
                 let app_addr: SocketAddr = ([127, 0, 0, 1], port).into();
-                let proxy = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr))
-                    .await
-                    .map_err(|e| PoolError::Io { id, msg: format!("cannot open the instance's link: {e}") })?;
+                let proxy = match Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await {
+                    Ok(p) => p,
+                    Err(e) => {
+                        self.abandon(pgid, &mut attach, &mount).await;
+                        let _ = app_child.wait().await;
+                        return Err(PoolError::Io { id, msg: format!("cannot open the instance's link: {e}") });
+                    }
+                };
                 Link::Proxy { proxy, app_addr }
             }
         };
@@ -699,7 +837,54 @@ impl LocalPool {
     async fn abandon(&self, pgid: i32, attach: &mut Child, mount: &Path) {
         signal_group(pgid, libc::SIGKILL);
         let _ = attach.wait().await;
+        self.unmount_all(mount).await;
+    }
+
+    /// Takes down what a previous run of the monitor left of an instance it no longer
+    /// serves: its process group (SIGKILL, only if the helper is still the process that was
+    /// recorded: pids are reused), then everything mounted for it.
+    async fn reap(&self, s: &SavedInst) {
+        let mut pids = vec![];
+        if s.attach_pid != 0 && start_time(s.attach_pid) == Some(s.attach_start) {
+            signal_group(s.pgid, libc::SIGKILL);
+            pids.push(s.attach_pid);
+        }
+        if s.app_pid != 0 && start_time(s.app_pid) == Some(s.app_start) {
+            signal_group(s.pgid, libc::SIGKILL);
+            signal_pid(s.app_pid, libc::SIGKILL);
+            pids.push(s.app_pid);
+        }
+        if !Self::wait_gone(&pids, Duration::from_secs(30)).await {
+            tracing::warn!(id = %s.id, "processes of the previous run still alive 30 s after SIGKILL");
+        }
+        self.unmount_all(&s.mount).await;
+        if s.attach_pid != 0 {
+            remove_fuse_stacks(s.attach_pid).await;
+        }
+        if let Some(l) = &s.netns {
+            let _ = netns::delete(&l.name);
+        }
+    }
+
+    /// `volume detach` of an instance's mount point, and when that leaves something (a helper
+    /// killed before it wrote its state file: no record of the stack), the stack found from
+    /// the kernel: ext4 mount → its loop device → the FUSE file behind it → the FUSE mount.
+    async fn unmount_all(&self, mount: &Path) {
         let _ = self.detach(mount).await;
+        let Some(dev) = mount_source(mount) else { return };
+        let backing = dev
+            .strip_prefix("/dev/")
+            .and_then(|name| std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).ok())
+            .map(|b| PathBuf::from(b.trim()));
+        tracing::info!(mount = %mount.display(), %dev, "unmounting what a dead attach helper left");
+        run_logged("umount", &["-l".as_ref(), mount.as_os_str()]).await;
+        if let Some(b) = backing {
+            run_logged("losetup", &["-d".as_ref(), dev.as_ref()]).await;
+            if let Some(fuse_dir) = b.parent().filter(|d| mount_source(d).is_some()) {
+                run_logged("umount", &["-l".as_ref(), fuse_dir.as_os_str()]).await;
+                let _ = std::fs::remove_dir(fuse_dir);
+            }
+        }
     }
 
     /// Deletes an instance's namespace once its processes are gone (its veth goes with it).

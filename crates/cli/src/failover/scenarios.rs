@@ -92,6 +92,13 @@ pub struct ScenarioArgs {
     /// [default: 20].
     #[arg(long, value_name = "MS")]
     pub counter_interval_ms: Option<u64>,
+    /// Before the recovery rounds, commits on both of their instances at once, so SQLite's WAL
+    /// has reached its full size (1000 pages) and is reused: while it still grows, every
+    /// commit's fsync is an ext4 journal transaction (~5 blocks), and a crash leaves hundreds
+    /// of them for the next mount to replay through the volume; once it is reused, a commit
+    /// adds none. 0: no warm-up (a fresh database's growth is measured) [default: 1200].
+    #[arg(long, value_name = "N")]
+    pub recovery_warmup_commits: Option<usize>,
 }
 
 /// The primary is pinged this often (the backup while it starts: `backup_ping_interval_ms`).
@@ -120,6 +127,8 @@ struct Params {
     recovery_rounds: usize,
     /// Scrape interval of the shards' counters during those rounds (None: off).
     counter_interval: Option<Duration>,
+    /// Commits on both recovery-round instances before the rounds.
+    recovery_warmup_commits: usize,
 }
 
 impl Params {
@@ -138,6 +147,7 @@ impl Params {
             rounds: a.rounds.unwrap_or(if q { 4 } else { 30 }).max(1),
             recovery_rounds: a.recovery_rounds.unwrap_or(if q { 2 } else { 8 }),
             counter_interval: Some(a.counter_interval_ms.unwrap_or(20)).filter(|&ms| ms > 0).map(Duration::from_millis),
+            recovery_warmup_commits: a.recovery_warmup_commits.unwrap_or(1200),
         }
     }
 }
@@ -654,6 +664,8 @@ struct Measured {
     spurious: usize,
     /// The interleaved recovery rounds: per round (plain, super) samples.
     recovery: Vec<(Sample, Sample)>,
+    /// Seconds the recovery rounds' warm-up took (0: none).
+    warmup_s: f64,
 }
 
 /// §6.5 after garbage collection ended: the never-failed instance (A) and the promoted one
@@ -801,6 +813,37 @@ fn measure(
     // §6.3 here: the same application and the same load, one crash of each volume kind per
     // round, ABBA, so the machine's drift hits both alike.
     let mut recovery = vec![];
+    let mut warmup_s = 0.0;
+    if p.recovery_rounds > 0 && p.recovery_warmup_commits > 0 {
+        // Both fresh databases to their steady state, side by side: until SQLite's WAL is
+        // full-size and reused, each commit grows it and its fsync commits an ext4 journal
+        // transaction, so a crash leaves ~5 journal blocks per commit since the last mount for
+        // the next mount to replay (measured: ~1000 shard reads and 0.6–1 s of ext4 mount per
+        // round on fresh volumes, 60 ms once the WAL is reused).
+        let t = Instant::now();
+        let pair = &mons[5..7];
+        let loads: Vec<Load> = pair.iter().map(|m| Load::start(m.endpoint)).collect();
+        for (l, m) in loads.iter().zip(pair) {
+            l.wait_acked(p.recovery_warmup_commits, "recovery rounds' warm-up").map_err(|e| m.context(e))?;
+        }
+        for (l, m) in loads.into_iter().zip(pair) {
+            l.finish(&format!("{} warm-up", m.name)).map_err(|e| m.context(e))?;
+        }
+        // The warm-up's own journal transactions are still in the journal (jbd2 moves its
+        // tail lazily): the first round would replay them. A freeze checkpoints the journal
+        // (FIFREEZE → jbd2_journal_flush), as a round's replay would have; both alike.
+        for m in pair {
+            let st: Value = serde_json::from_str(&m.control("status")?)?;
+            let id = st["state"]["primary"].as_u64().with_context(|| format!("{}: no primary in {st}", m.name))?;
+            let dir = m.run_dir.join("state").join("mnt").join(format!("i{id}"));
+            for flag in ["--freeze", "--unfreeze"] {
+                let o = Command::new("fsfreeze").arg(flag).arg(&dir).output().with_context(|| "cannot run fsfreeze")?;
+                anyhow::ensure!(o.status.success(), "fsfreeze {flag} {}: {}", dir.display(), String::from_utf8_lossy(&o.stderr).trim());
+            }
+        }
+        warmup_s = t.elapsed().as_secs_f64();
+        eprintln!("failover bench: recovery rounds' warm-up: {} commits on each of rec_plain and rec_super in {warmup_s:.1} s", p.recovery_warmup_commits);
+    }
     if p.recovery_rounds > 0 {
         let crash = Scen { name: "recovery_round", label: "recovery round", recovery_ms: 0, transient_ms: None, same_as: None };
         let mut pending: [Vec<Sample>; 2] = [vec![], vec![]];
@@ -832,7 +875,7 @@ fn measure(
     let rss_bytes = mons.iter().map(|m| peak_rss_bytes(m.guard.pid()).unwrap_or(0)).max().unwrap_or(0);
     // Stop them all (instances stopped cleanly, volumes detached) before the cluster goes.
     drop(mons);
-    Ok(Measured { samples, rss_bytes, rounds, end_ops_per_s, spurious, gc_end_ms: mean(gc_ms), recovery })
+    Ok(Measured { samples, rss_bytes, rounds, end_ops_per_s, spurious, gc_end_ms: mean(gc_ms), recovery, warmup_s })
 }
 
 /// A figure that may be missing (an event the monitor did not report): left out with a note
@@ -923,6 +966,8 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
             report.ratio(&format!("recovery_rounds.round_{}.super_vs_plain.app_recovery_latency", i + 1), *r, 1.0)?;
         }
         report.figure("recovery_rounds.rounds_count", ratios.len() as f64)?;
+        report.figure("recovery_rounds.warmup_commits_count", p.recovery_warmup_commits as f64)?;
+        report.figure("recovery_rounds.warmup_s", m.warmup_s)?;
         let rows = |pick: usize| median(&m.recovery.iter().map(|x| if pick == 0 { x.0.table_rows } else { x.1.table_rows }).collect::<Vec<_>>());
         report.figure("recovery_rounds.plain.table_rows_count_p50", rows(0))?;
         report.figure("recovery_rounds.super.table_rows_count_p50", rows(1))?;
