@@ -185,20 +185,8 @@ pub fn crc_after_overwrite(crc: u32, old: &[u8], new: &[u8], after: u64) -> u32 
 fn zero_operators() -> &'static [[u32; 32]; 64] {
     static OPS: std::sync::OnceLock<Box<[[u32; 32]; 64]>> = std::sync::OnceLock::new();
     OPS.get_or_init(|| {
-        fn times(m: &[u32; 32], mut v: u32) -> u32 {
-            let mut sum = 0;
-            let mut i = 0;
-            while v != 0 {
-                if v & 1 == 1 {
-                    sum ^= m[i];
-                }
-                v >>= 1;
-                i += 1;
-            }
-            sum
-        }
         fn square(m: &[u32; 32]) -> [u32; 32] {
-            std::array::from_fn(|i| times(m, m[i]))
+            std::array::from_fn(|i| gf2_times(m, m[i]))
         }
         // One zero bit (the reflected CRC32C polynomial), then squared to one zero byte.
         let mut op: [u32; 32] = std::array::from_fn(|i| if i == 0 { 0x82F6_3B78 } else { 1 << (i - 1) });
@@ -222,20 +210,24 @@ fn crc_shift_zeroes(mut v: u32, n: u64) -> u32 {
             break;
         }
         if (n >> k) & 1 == 1 {
-            let mut sum = 0;
-            let mut x = v;
-            let mut i = 0;
-            while x != 0 {
-                if x & 1 == 1 {
-                    sum ^= m[i];
-                }
-                x >>= 1;
-                i += 1;
-            }
-            v = sum;
+            v = gf2_times(m, v);
         }
     }
     v
+}
+
+/// The 32×32 GF(2) matrix `m` (one column per bit) times the vector `v`.
+fn gf2_times(m: &[u32; 32], mut v: u32) -> u32 {
+    let mut sum = 0;
+    let mut i = 0;
+    while v != 0 {
+        if v & 1 == 1 {
+            sum ^= m[i];
+        }
+        v >>= 1;
+        i += 1;
+    }
+    sum
 }
 
 /// The object's version if its bytes match its checksums, else [`SUSPECT`].
