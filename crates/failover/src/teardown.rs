@@ -262,3 +262,31 @@ fn take_down(helper: u32, mount: Option<&Path>, ours: bool) -> Result<(), String
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_are_bounded_and_report_why() {
+        assert_eq!(run_bounded("sh", &["-c", "echo hi"], Duration::from_secs(10)).unwrap(), "hi\n");
+        let e = run_bounded("sh", &["-c", "echo nope >&2; exit 3"], Duration::from_secs(10)).unwrap_err();
+        assert!(e.contains("nope") && e.contains('3'), "{e}");
+        assert!(run_bounded("/nonexistent/cmd", &[], Duration::from_secs(1)).unwrap_err().contains("cannot run"));
+        // A command that does not finish is killed and reported at its deadline.
+        let t = Instant::now();
+        let e = run_bounded("sleep", &["30"], Duration::from_millis(200)).unwrap_err();
+        assert!(e.contains("did not finish"), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+
+    /// Nothing to take down for a helper that never mounted anything: no error, no signal.
+    #[test]
+    fn a_helper_with_nothing_mounted_is_a_no_op() {
+        // A pid that no process has (pid_max is at most 2^22).
+        let pid = (1 << 22) + 7;
+        assert!(fuse_mounts(pid).is_empty() && loops(pid).is_empty());
+        take_down_dead_helper(pid, None).unwrap();
+        assert_eq!(abort_fuse(pid).unwrap(), 0);
+    }
+}
