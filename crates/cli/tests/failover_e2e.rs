@@ -879,6 +879,27 @@ fn reds_after_clean_stop_and_speculative_after_pause() {
     eprintln!("pause outcome: {outcome}");
 }
 
+/// A primary paused for good (the whole host frozen: the application and the server of its
+/// disk) under REDS: the fence takes its volume down without waiting on the frozen server and
+/// without killing that server while a loop device still reads from it (FUSE connection
+/// aborted, loop released, helper killed last). Every acknowledged commit survives, and the
+/// stopped monitor leaves no process, mount or loop device behind.
+#[test]
+fn reds_fences_a_primary_paused_for_good() {
+    if skip() {
+        return;
+    }
+    let case = Case::new("paused", &Opts { policy: "reds", reds_timeout_ms: 1_500, ..Opts::default() });
+    let mut m = case.monitor();
+    let (pid, _) = m.primary_in_netns();
+    let (r, _) = fault_under_load(&mut m, case.load(&[]), "pause", 0, &["reds_restarted"]);
+    assert_eq!(case.event_volume(&r), "db");
+    assert!(!failover::pool::pid_alive(pid), "the paused primary is fenced (killed)");
+    case.observe();
+    m.stop_only();
+    case.assert_nothing_left();
+}
+
 #[test]
 fn bad_specs_and_never_healthy_apps_get_clear_errors() {
     if skip() {
