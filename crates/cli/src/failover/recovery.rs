@@ -236,6 +236,12 @@ async fn fill(app: App, addr: SocketAddr, mount: &Path, wal_bytes: u64) -> anyho
             let s = tokio::net::TcpStream::connect(addr).await?;
             let mut s = BufReader::new(s);
             let wal = mount.join("app.db-wal");
+            // Start from an empty WAL (a checkpoint that truncates it), so the WAL to recover
+            // is what follows: the file would otherwise keep an earlier round's size.
+            s.get_mut().write_all(b"CHECKPOINT\n").await?;
+            let mut line = String::new();
+            s.read_line(&mut line).await?;
+            anyhow::ensure!(line.starts_with("CHECKPOINTED"), "the SQLite front answered {line:?} to CHECKPOINT");
             loop {
                 let have = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
                 if have >= wal_bytes {
