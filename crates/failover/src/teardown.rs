@@ -38,26 +38,30 @@ pub fn run_bounded(prog: &str, args: &[&str], timeout: Duration) -> Result<Strin
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot run {prog}: {e}"))?;
+    // Read both pipes while it runs: output larger than a pipe's buffer would otherwise stall
+    // the command until its deadline.
+    let drain = |p: Option<Box<dyn std::io::Read + Send>>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut v = vec![];
+            if let Some(mut p) = p {
+                let _ = p.read_to_end(&mut v);
+            }
+            let _ = tx.send(String::from_utf8_lossy(&v).into_owned());
+        });
+        rx
+    };
+    let out = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn std::io::Read + Send>));
+    let err = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn std::io::Read + Send>));
     let deadline = Instant::now() + timeout;
     loop {
         match child.try_wait() {
             Ok(Some(status)) => {
-                let mut out = String::new();
-                let mut err = String::new();
-                use std::io::Read;
-                // The command has exited: its pipes end (unless it left a child holding them,
-                // which none of these commands do).
-                if let Some(mut o) = child.stdout.take() {
-                    let _ = o.read_to_string(&mut out);
-                }
-                if let Some(mut e) = child.stderr.take() {
-                    let _ = e.read_to_string(&mut err);
-                }
-                return if status.success() {
-                    Ok(out)
-                } else {
-                    Err(format!("{what}: {status}: {}", err.trim()))
-                };
+                // The command has exited, so its pipes end — unless it left a child holding
+                // them: then what was read so far is not waited for beyond a second.
+                let grace = Duration::from_secs(1);
+                let (out, err) = (out.recv_timeout(grace).unwrap_or_default(), err.recv_timeout(grace).unwrap_or_default());
+                return if status.success() { Ok(out) } else { Err(format!("{what}: {status}: {}", err.trim())) };
             }
             Ok(None) if Instant::now() >= deadline => {
                 let _ = child.kill();
@@ -273,6 +277,9 @@ mod tests {
         let e = run_bounded("sh", &["-c", "echo nope >&2; exit 3"], Duration::from_secs(10)).unwrap_err();
         assert!(e.contains("nope") && e.contains('3'), "{e}");
         assert!(run_bounded("/nonexistent/cmd", &[], Duration::from_secs(1)).unwrap_err().contains("cannot run"));
+        // More output than a pipe holds does not stall the command.
+        let big = run_bounded("sh", &["-c", "head -c 1000000 /dev/zero | tr '\\0' x"], Duration::from_secs(20)).unwrap();
+        assert_eq!(big.len(), 1_000_000);
         // A command that does not finish is killed and reported at its deadline.
         let t = Instant::now();
         let e = run_bounded("sleep", &["30"], Duration::from_millis(200)).unwrap_err();
