@@ -316,12 +316,9 @@ fn serve(conn: &ConnArgs, a: &AttachArgs, mount_dir: &Path, state_file: &Path, l
     }
 }
 
+/// A clean-up command with a deadline: a wedged `umount` or `losetup` is reported, not waited on.
 fn run_quiet(program: &str, args: &[&str]) -> Result<(), String> {
-    match Command::new(program).args(args).stdin(Stdio::null()).output() {
-        Ok(o) if o.status.success() => Ok(()),
-        Ok(o) => Err(format!("`{program} {}`: {}", args.join(" "), String::from_utf8_lossy(&o.stderr).trim())),
-        Err(e) => Err(format!("cannot run {program}: {e}")),
-    }
+    failover::teardown::run_bounded(program, args, failover::teardown::COMMAND_TIMEOUT).map(|_| ())
 }
 
 pub fn detach(a: DetachArgs) -> anyhow::Result<()> {

@@ -4,9 +4,14 @@
 
 mod common;
 
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use common::BIN;
+
+/// The quick run takes about 1.5 minutes on a loaded 2-core machine.
+const BENCH_TIMEOUT: Duration = Duration::from_secs(600);
 
 #[test]
 fn quick_scenarios_bench_emits_the_ratios() {
@@ -15,12 +20,39 @@ fn quick_scenarios_bench_emits_the_ratios() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let o = Command::new(BIN)
+    let mut c = Command::new(BIN)
         .args(["bench", "failover", "scenarios", "--quick", "--out"])
         .arg(dir.path().join("out"))
         .current_dir(dir.path())
-        .output()
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    // Bounded: a bench that hangs fails the test (and is stopped: it cleans up on SIGTERM).
+    let (mut out, mut err) = (c.stdout.take().unwrap(), c.stderr.take().unwrap());
+    let out = std::thread::spawn(move || {
+        let mut v = vec![];
+        let _ = out.read_to_end(&mut v);
+        v
+    });
+    let err = std::thread::spawn(move || {
+        let mut v = vec![];
+        let _ = err.read_to_end(&mut v);
+        v
+    });
+    let deadline = Instant::now() + BENCH_TIMEOUT;
+    let status = loop {
+        if let Some(s) = c.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            common::stop_child(&mut c, Duration::from_secs(60));
+            panic!("the quick scenarios bench did not finish within {BENCH_TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let o = std::process::Output { status, stdout: out.join().unwrap(), stderr: err.join().unwrap() };
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "bench failed: {}\n{stdout}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).expect("last line is JSON");

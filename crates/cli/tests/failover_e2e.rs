@@ -47,6 +47,48 @@ fn free_port() -> u16 {
 
 /// How long a case waits for anything at most (generous: CI machines are slow and shared).
 const WAIT: Duration = Duration::from_secs(180);
+/// How long one CLI command (`failover status`, `volume list`, `ip …`) may take.
+const COMMAND_WAIT: Duration = Duration::from_secs(60);
+
+/// Runs `cmd` to its end within `timeout`; `None` (the command killed) when it does not finish.
+/// Never panics: usable from `Drop`.
+fn run_within(mut cmd: Command, timeout: Duration) -> Option<std::process::Output> {
+    let mut c = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().ok()?;
+    let (mut out, mut err) = (c.stdout.take()?, c.stderr.take()?);
+    let o = std::thread::spawn(move || {
+        let mut v = vec![];
+        let _ = out.read_to_end(&mut v);
+        v
+    });
+    let e = std::thread::spawn(move || {
+        let mut v = vec![];
+        let _ = err.read_to_end(&mut v);
+        v
+    });
+    let deadline = Instant::now() + timeout;
+    loop {
+        match c.try_wait() {
+            Ok(Some(status)) => return Some(std::process::Output { status, stdout: o.join().ok()?, stderr: e.join().ok()? }),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            _ => {
+                let _ = c.kill();
+                return None;
+            }
+        }
+    }
+}
+
+/// [`run_within`] that fails the test, saying what did not finish.
+fn output_within(cmd: Command, timeout: Duration) -> std::process::Output {
+    let what = format!("{cmd:?}");
+    run_within(cmd, timeout).unwrap_or_else(|| panic!("{what} did not finish within {timeout:?}"))
+}
+
+fn command(prog: &str, args: &[&str]) -> Command {
+    let mut c = Command::new(prog);
+    c.args(args);
+    c
+}
 /// Commits acknowledged before a fault, and again after the outcome, to call the load flowing.
 const FLOWING_COMMITS: usize = 20;
 
@@ -282,7 +324,11 @@ impl Case {
 
     /// This case's volumes, relative.
     fn volumes(&self) -> Vec<String> {
-        let v: Value = serde_json::from_str(&self.up.ok(&["volume", "list", "--json"])).unwrap();
+        let mut c = command(BIN, &["volume", "list", "--json", "--cluster"]);
+        c.arg(self.up.cluster_file());
+        let o = output_within(c, COMMAND_WAIT);
+        assert!(o.status.success(), "volume list: {}", String::from_utf8_lossy(&o.stderr));
+        let v: Value = serde_json::from_slice(&o.stdout).unwrap();
         let mine = |n: &&str| *n == self.vol || n.starts_with(&format!("{}.", self.vol));
         v.as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).filter(mine).map(|n| self.rel(n)).collect()
     }
@@ -293,9 +339,11 @@ impl Case {
     }
 }
 
-/// Whatever a case left (a failed test, a leak): its processes' groups SIGKILLed, then its
-/// mounts, loop devices and FUSE mounts taken down — so one case cannot hold the next one's
-/// loop devices or mount points.
+/// Whatever a case left (a failed test, a leak), taken down in the order that cannot wedge
+/// the kernel: its processes but the attach helpers SIGKILLed (with their groups), its mounts
+/// lazily unmounted, then each helper's stack ([`failover::teardown`]: FUSE connection aborted,
+/// loop devices detached and released, the helper killed last) — so one case cannot hold the
+/// next one's loop devices or mount points. Every command has a deadline.
 impl Drop for Case {
     fn drop(&mut self) {
         let procs = self.processes();
@@ -303,32 +351,25 @@ impl Drop for Case {
             return;
         }
         self.observe();
-        for (pid, _) in &procs {
-            // SAFETY: kill(2) of a process (and the group it leads) of this case; no memory involved.
-            unsafe {
-                libc::kill(-(*pid as i32), libc::SIGKILL);
-                libc::kill(*pid as i32, libc::SIGKILL);
-            }
+        let is_helper = |c: &str| c.contains(" attach ");
+        let others: Vec<u32> = procs.iter().filter(|(_, c)| !is_helper(c)).map(|(p, _)| *p).collect();
+        for pid in &others {
+            failover::teardown::signal(-(*pid as i32), libc::SIGKILL);
+            failover::teardown::signal(*pid as i32, libc::SIGKILL);
         }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while procs.iter().any(|(p, _)| failover::pool::pid_alive(*p)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let quiet = |args: &[&str]| {
-            let _ = Command::new(args[0]).args(&args[1..]).stdout(Stdio::null()).stderr(Stdio::null()).status();
-        };
+        failover::teardown::wait_gone(&others, Duration::from_secs(10));
         for m in self.mounts().iter().rev() {
-            quiet(&["umount", "-l", m]);
-        }
-        for (dev, what) in self.fuse_stacks() {
-            if dev == "fuse" {
-                quiet(&["umount", "-l", &what]);
-            } else {
-                quiet(&["losetup", "-d", &dev]);
+            if let Err(e) = failover::teardown::run_bounded("umount", &["-l", m], failover::teardown::COMMAND_TIMEOUT) {
+                eprintln!("case clean-up: {e}");
             }
         }
-        for (_, what) in self.fuse_stacks().into_iter().filter(|(d, _)| d == "fuse") {
-            quiet(&["umount", "-l", &what]);
+        let helpers: Vec<u32> = self.helpers.lock().unwrap().iter().copied().collect();
+        for h in helpers {
+            let live = procs.iter().any(|(p, c)| *p == h && is_helper(c));
+            let r = if live { failover::teardown::take_down_helper(h, None) } else { failover::teardown::take_down_dead_helper(h, None) };
+            if let Err(e) = r {
+                eprintln!("case clean-up of helper {h}: {e}");
+            }
         }
     }
 }
@@ -427,9 +468,26 @@ impl Monitor {
         self.wait_any(&[name], timeout)
     }
 
+    /// Waits until the monitor is at rest (`status`'s `settled`: the primary serves, nothing
+    /// suspected or under way): what a test checks after an outcome must not race the rest of
+    /// the failover (a kill still detaching, a child still being dropped).
+    fn wait_settled(&self) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let s = self.status();
+            if s["settled"] == true {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "the monitor did not settle within {WAIT:?}: {s}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// `understudy failover CMD --control ADDR ARGS`; returns stdout.
     fn control(&self, cmd: &str, args: &[&str]) -> String {
-        let o = Command::new(BIN).args(["failover", cmd, "--control", &self.control]).args(args).output().unwrap();
+        let mut c = command(BIN, &["failover", cmd, "--control", &self.control]);
+        c.args(args);
+        let o = output_within(c, COMMAND_WAIT);
         assert!(o.status.success(), "failover {cmd} {args:?}: {}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
@@ -449,7 +507,7 @@ impl Monitor {
         let inst = s["instances"].as_array().unwrap().iter().find(|i| &i["id"] == primary).unwrap_or_else(|| panic!("primary not running: {s}"));
         let pid = inst["pids"][0].as_u64().unwrap() as u32;
         let ns = inst["netns"]["name"].as_str().unwrap_or_else(|| panic!("the primary has no network namespace: {s}")).to_string();
-        let o = Command::new("ip").args(["netns", "identify", &pid.to_string()]).output().unwrap();
+        let o = output_within(command("ip", &["netns", "identify", &pid.to_string()]), COMMAND_WAIT);
         assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), ns, "the application (pid {pid}) lives in its namespace");
         (pid, ns)
     }
@@ -458,12 +516,12 @@ impl Monitor {
     /// would start next (numbered `next_instance` or above).
     fn namespaces(&self) -> Vec<String> {
         let tag = std::fs::read_to_string(self.state_dir.join("netns.tag")).unwrap_or_default();
-        let o = Command::new("ip").args(["netns", "list"]).output().unwrap();
+        let o = output_within(command("ip", &["netns", "list"]), COMMAND_WAIT);
         let prefix = format!("{}-{tag}-", failover::netns::PREFIX);
         let names: Vec<String> =
             String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with(&prefix)).map(str::to_string).collect();
         // (A monitor that has exited makes no spare.)
-        let o = Command::new(BIN).args(["failover", "status", "--control", &self.control]).output().unwrap();
+        let o = output_within(command(BIN, &["failover", "status", "--control", &self.control]), COMMAND_WAIT);
         let status: Option<Value> = if o.status.success() { serde_json::from_slice(&o.stdout).ok() } else { None };
         let next = status.and_then(|s| s["state"]["next_instance"].as_u64()).unwrap_or(u64::MAX);
         let spare = |n: &String| n.rsplit_once("-i").and_then(|(_, k)| k.parse::<u64>().ok()).is_some_and(|k| k >= next);
@@ -522,14 +580,11 @@ impl Drop for Monitor {
         }
         if let Ok(dirs) = std::fs::read_dir(self.state_dir.join("mnt")) {
             for d in dirs.flatten() {
-                let _ = Command::new(BIN)
-                    .args(["volume", "detach"])
-                    .arg(d.path())
-                    .arg("--cluster")
-                    .arg(&self.cluster)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status();
+                let mut c = command(BIN, &["volume", "detach"]);
+                c.arg(d.path()).arg("--cluster").arg(&self.cluster);
+                if run_within(c, Duration::from_secs(150)).is_none() {
+                    eprintln!("`volume detach {}` did not finish", d.path().display());
+                }
             }
         }
         if std::thread::panicking() {
@@ -596,9 +651,26 @@ impl Load {
         let mut c = self.child.take().unwrap();
         // SAFETY: kill(2) of our own child; no memory involved.
         unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let mut stdout = String::new();
-        c.stdout.take().unwrap().read_to_string(&mut stdout).unwrap();
-        let status = c.wait().unwrap();
+        let mut out = c.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = out.read_to_string(&mut s);
+            s
+        });
+        // It checks the table through the endpoint: bounded, then it is killed.
+        let deadline = Instant::now() + WAIT;
+        let status = loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                panic!("the load did not finish its check within {WAIT:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let stdout = reader.join().unwrap();
         let v: Value = serde_json::from_str(stdout.lines().last().unwrap_or("null")).unwrap_or_else(|_| panic!("load printed no JSON: {stdout}"));
         assert!(status.success(), "the load check failed: {v}");
         check_load(&v);
@@ -634,6 +706,7 @@ fn fault_under_load(m: &mut Monitor, load: Load, fault: &str, ms: u64, outcomes:
     step("commits flow again");
     let v = load.finish();
     step("load checked");
+    m.wait_settled();
     assert!(v["gap_end_ms"].as_u64().unwrap() <= v["duration_ms"].as_u64().unwrap(), "throughput never resumed: {v}");
     (outcome, v)
 }
@@ -712,6 +785,7 @@ fn network_cut_that_does_not_heal_of_a_writing_primary_rejects_collapse_then_red
     assert!(!failover::pool::pid_alive(pid), "the cut-off primary is fenced (killed)");
     load.wait_flowing("after the REDS restart");
     load.finish();
+    m.wait_settled();
     assert_eq!(case.volumes(), vec!["db".to_string()]);
 }
 
@@ -739,6 +813,7 @@ fn false_positives_do_not_switch_speculation_off() {
                 break;
             }
         }
+        m.wait_settled();
         assert_eq!(m.primary_in_netns().0, pid, "the same primary serves on");
     }
     let before = m.seen.len();
@@ -804,6 +879,27 @@ fn reds_after_clean_stop_and_speculative_after_pause() {
     eprintln!("pause outcome: {outcome}");
 }
 
+/// A primary paused for good (the whole host frozen: the application and the server of its
+/// disk) under REDS: the fence takes its volume down without waiting on the frozen server and
+/// without killing that server while a loop device still reads from it (FUSE connection
+/// aborted, loop released, helper killed last). Every acknowledged commit survives, and the
+/// stopped monitor leaves no process, mount or loop device behind.
+#[test]
+fn reds_fences_a_primary_paused_for_good() {
+    if skip() {
+        return;
+    }
+    let case = Case::new("paused", &Opts { policy: "reds", reds_timeout_ms: 1_500, ..Opts::default() });
+    let mut m = case.monitor();
+    let (pid, _) = m.primary_in_netns();
+    let (r, _) = fault_under_load(&mut m, case.load(&[]), "pause", 0, &["reds_restarted"]);
+    assert_eq!(case.event_volume(&r), "db");
+    assert!(!failover::pool::pid_alive(pid), "the paused primary is fenced (killed)");
+    case.observe();
+    m.stop_only();
+    case.assert_nothing_left();
+}
+
 #[test]
 fn bad_specs_and_never_healthy_apps_get_clear_errors() {
     if skip() {
@@ -813,13 +909,17 @@ fn bad_specs_and_never_healthy_apps_get_clear_errors() {
     let dir = tempfile::Builder::new().prefix("failover-case-").tempdir_in(up.dir.path()).unwrap();
     // The volume does not exist.
     let (spec, _) = write_spec(dir.path(), "bad", &Opts::default());
-    let o = Command::new(BIN).args(["failover", "run"]).arg(&spec).arg("--cluster").arg(up.cluster_file()).output().unwrap();
+    let mut c = command(BIN, &["failover", "run"]);
+    c.arg(&spec).arg("--cluster").arg(up.cluster_file());
+    let o = output_within(c, COMMAND_WAIT);
     let err = expect_one_line_error(&o, "failover run on a missing volume");
     assert!(err.contains("volume \"bad\"") && err.contains("create it first"), "{err}");
     // A command that does not exist.
     let bad = Opts { app: App::Command(vec!["/nonexistent/app".into()]), ..Opts::default() };
     let (spec, _) = write_spec(dir.path(), "bad", &bad);
-    let o = Command::new(BIN).args(["failover", "run"]).arg(&spec).arg("--cluster").arg(up.cluster_file()).output().unwrap();
+    let mut c = command(BIN, &["failover", "run"]);
+    c.arg(&spec).arg("--cluster").arg(up.cluster_file());
+    let o = output_within(c, COMMAND_WAIT);
     let err = expect_one_line_error(&o, "failover run with a bad command");
     assert!(err.contains("not found"), "{err}");
     // An application that never becomes healthy: bounded wait, a clear error, volume intact.
@@ -863,6 +963,7 @@ fn monitor_killed_mid_failover_resumes_and_promotes_once() {
     assert!(case.event_volume(&p).starts_with("db.fo-"), "{p}");
     load.wait_flowing("after the resumed failover");
     load.finish();
+    m.wait_settled();
     assert_eq!(case.volumes(), vec![case.event_volume(&p)]);
     assert_eq!(m.seen.iter().filter(|e| e["event"] == "promoted").count(), 1);
     // Nothing of the crashed run is left: the killed primary's namespace is gone (deleted by

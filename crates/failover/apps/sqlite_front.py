@@ -5,6 +5,7 @@
 #   LIST          -> "IDS <id>,<id>,..."
 #   COUNT         -> "COUNT <rows>"
 #   FILL <n> <b>  -> "FILLED <n>"        (n rows of b bytes in one transaction: WAL to recover)
+#   CHECKPOINT    -> "CHECKPOINTED"      (the WAL copied into the database and truncated)
 # WAL mode with synchronous=FULL: a commit is fsynced before it is acknowledged. The optional
 # housekeeping thread writes on its own (like log rotation or GC), reachable or not.
 import argparse, signal, socketserver, sqlite3, sys, threading, time
@@ -71,6 +72,9 @@ class Handler(socketserver.StreamRequestHandler):
                         db.executemany("INSERT INTO fill VALUES(?)", ((b"f" * b,) for _ in range(n)))
                         db.execute("COMMIT")
                         reply = f"FILLED {n}"
+                    elif cmd == "CHECKPOINT":
+                        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                        reply = "CHECKPOINTED"
                     elif cmd == "LIST":
                         ids = [str(r[0]) for r in db.execute("SELECT id FROM commits ORDER BY id")]
                         reply = "IDS " + ",".join(ids)

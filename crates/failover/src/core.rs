@@ -193,6 +193,9 @@ pub enum Input {
     InstanceExited(InstanceId),
     /// A `KillInstance` finished: processes gone, volume detached.
     InstanceStopped(InstanceId),
+    /// A `KillInstance` did not finish (a process that would not die, a volume that would not
+    /// detach): the fence is not done, so it is issued again after `retry_backoff_ms`.
+    KillFailed { id: InstanceId, error: String },
     EndpointPointed(InstanceId),
     /// The endpoint could not be re-pointed (retried).
     EndpointFailed { id: InstanceId, error: String },
@@ -327,6 +330,13 @@ impl Monitor {
         &self.d
     }
 
+    /// Whether the monitor is at rest: the primary serves and answers (no failover, no
+    /// suspicion) and no failed step waits for its retry. Tests wait for this before they
+    /// look at what a failover left, instead of polling a monitor still finishing it.
+    pub fn settled(&self) -> bool {
+        self.d.phase == Phase::Normal && self.retry_at_ms.is_none() && self.d.silent_since_ms.is_none()
+    }
+
     pub fn config(&self) -> &MonitorConfig {
         &self.cfg
     }
@@ -440,7 +450,7 @@ impl Monitor {
             Input::InstanceExited(id) => self.on_instance_failed(now_ms, id, "exited", &mut out),
             Input::InstanceStopped(id) => self.on_stopped(now_ms, id, &mut out),
             Input::EndpointPointed(id) => self.on_pointed(now_ms, id, &mut out),
-            Input::EndpointFailed { .. } | Input::CollapseFailed { .. } | Input::DropFailed { .. } => {
+            Input::EndpointFailed { .. } | Input::CollapseFailed { .. } | Input::DropFailed { .. } | Input::KillFailed { .. } => {
                 self.retry_at_ms = Some(now_ms + self.cfg.retry_backoff_ms);
             }
             Input::SuperDone { child } => {
@@ -961,6 +971,36 @@ mod tests {
         assert!(!a.iter().any(|x| matches!(x, Action::PointEndpoint(_))), "{a:?}");
         let a = m.handle(3_000, Input::PingOk(InstanceId(2)));
         assert!(a.contains(&Action::PointEndpoint(InstanceId(2))), "{a:?}");
+    }
+
+    /// A kill that fails (a process that would not die, a volume that would not detach) is
+    /// not taken as done: the promotion waits, and the kill is issued again after the backoff
+    /// until it succeeds.
+    #[test]
+    fn a_failed_kill_is_retried_and_the_promotion_waits_for_it() {
+        let cfg = MonitorConfig { retry_backoff_ms: 500, ..MonitorConfig::default() };
+        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        boot(&mut m, 0);
+        assert!(m.settled());
+        m.handle(1_000, Input::PingFailed(InstanceId(1)));
+        assert!(!m.settled());
+        m.handle(1_010, Input::SuperDone { child: "db.fo-1".into() });
+        m.handle(1_020, Input::PingOk(InstanceId(2)));
+        let a = m.handle(1_030, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
+        assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
+        m.handle(1_040, Input::EndpointPointed(InstanceId(2)));
+        let a = m.handle(1_050, Input::KillFailed { id: InstanceId(1), error: "still alive".into() });
+        assert!(a.is_empty(), "{a:?}");
+        assert!(!m.settled(), "a fence still to do");
+        // Not before the backoff.
+        let a = m.handle(1_300, Input::Tick);
+        assert!(!a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
+        let a = m.handle(1_600, Input::Tick);
+        assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
+        assert!(!matches!(m.durable().phase, Phase::Normal));
+        let a = m.handle(1_700, Input::InstanceStopped(InstanceId(1)));
+        assert!(matches!(&a[..], [Action::Notify(Event::Promoted { .. })]), "{a:?}");
+        assert!(m.settled());
     }
 
     #[test]

@@ -223,6 +223,9 @@ impl std::str::FromStr for FaultKind {
 
 #[derive(Serialize, Debug, Clone)]
 pub struct Status {
+    /// At rest: the primary serves, nothing suspected, no operation queued or running, no
+    /// retry pending ([`Monitor::settled`]). What tests wait for before looking around.
+    pub settled: bool,
     pub state: Durable,
     pub endpoint: SocketAddr,
     pub endpoint_target: Option<SocketAddr>,
@@ -357,8 +360,11 @@ pub async fn run(
 
     let (work_tx, mut work_rx) = mpsc::channel::<Work>(WORK_QUEUE);
     let (vol_tx, mut vol_rx) = mpsc::channel::<Work>(WORK_QUEUE);
+    // Operations queued or running on the workers (for `Status::settled`).
+    let busy = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     // Pool worker: instances and the endpoint, one operation at a time.
     {
+        let busy = busy.clone();
         let pool = pool.clone();
         let tx = inputs_tx.clone();
         tokio::spawn(async move {
@@ -372,14 +378,13 @@ pub async fn run(
                         Ok(()) => Input::InstanceStopped(id),
                         Err(e) => {
                             tracing::error!("kill {id}: {e}");
-                            // Retry later: a fence must not be skipped.
-                            tokio::time::sleep(Duration::from_millis(500)).await;
-                            let _ = tx.send(Input::Tick).await;
-                            continue;
+                            // The core retries it: a fence must not be skipped.
+                            Input::KillFailed { id, error: e.to_string() }
                         }
                     },
                     _ => unreachable!(),
                 };
+                busy.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                 if tx.send(input).await.is_err() {
                     return;
                 }
@@ -388,6 +393,7 @@ pub async fn run(
     }
     // Volume worker.
     {
+        let busy = busy.clone();
         let volumes = Volumes { cluster };
         let tx = inputs_tx.clone();
         tokio::spawn(async move {
@@ -398,6 +404,7 @@ pub async fn run(
                     Work::Drop(p, c) => volumes.drop_child(&p, &c).await,
                     _ => unreachable!(),
                 };
+                busy.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                 if tx.send(input).await.is_err() {
                     return;
                 }
@@ -461,6 +468,7 @@ pub async fn run(
     };
     let first_work = dispatch(first, &mut gave_up, &mut on_event);
     for w in first_work {
+        busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         send_work(&work_tx, &vol_tx, w).await;
     }
     let mut tick = tokio::time::interval(Duration::from_millis(spec.monitor.tick_interval_ms()));
@@ -479,6 +487,7 @@ pub async fn run(
                             instances.push(InstanceStatus { id, addr: pool.address(id), pids: pool.pids(id), netns: pool.netns(id), start: pool.start_timing(id) });
                         }
                         let _ = reply.send(Status {
+                            settled: m.settled() && busy.load(std::sync::atomic::Ordering::SeqCst) == 0,
                             state: m.durable().clone(),
                             endpoint: endpoint.local_addr(),
                             endpoint_target: endpoint.target(),
@@ -487,8 +496,11 @@ pub async fn run(
                         continue;
                     }
                     Control::Fault { kind, duration_ms, reply } => {
-                        let r = inject(&pool, m.durable().primary, kind, duration_ms).await;
-                        let _ = reply.send(r);
+                        // Off the loop: a crash waits for the instance's other operations.
+                        let (pool, primary) = (pool.clone(), m.durable().primary);
+                        tokio::spawn(async move {
+                            let _ = reply.send(inject(&pool, primary, kind, duration_ms).await);
+                        });
                         continue;
                     }
                     Control::Hint { primary_back_after_ms, recovery_ms } => Input::OracleHint { primary_back_after_ms, recovery_ms },
@@ -510,6 +522,7 @@ pub async fn run(
         }
         let work = dispatch(actions, &mut gave_up, &mut on_event);
         for w in work {
+            busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             send_work(&work_tx, &vol_tx, w).await;
         }
         // While all is well, the next instance's network namespace is made ahead (whichever
@@ -543,12 +556,10 @@ async fn inject(pool: &Arc<LocalPool>, primary: InstanceId, kind: FaultKind, dur
     }
     match kind {
         FaultKind::Kill => {
-            // Not through the pool's kill: that would fence and detach, which is the monitor's
-            // job. A crash is just the signal.
-            let (_app, attach) = pool.pids(primary).ok_or("no pids")?;
-            // The attach helper leads the instance's process group: one signal for all of it.
-            // SAFETY: kill(2) on a process group we started; no memory involved.
-            unsafe { libc::kill(-(attach as i32), libc::SIGKILL) };
+            // Not the pool's kill: detaching is the monitor's job (its fence). A crash is the
+            // disk cut off (the helper's FUSE connection aborted: nothing more reaches the
+            // volume) and the application SIGKILLed.
+            pool.crash(primary).await.map_err(|e| e.to_string())?;
         }
         FaultKind::Stop => {
             let pool = pool.clone();

@@ -13,6 +13,9 @@
 //!   per instance with its own attached volume; SIGKILL, SIGSTOP, clean stop).
 //! * [`netns`]: each instance's application in its own network namespace behind a veth pair
 //!   (Linux, root), so a network cut-off is its link going down while its disk stays attached.
+//! * [`teardown`]: an instance's volume stack (ext4 → loop → FUSE) taken down in the order
+//!   that cannot wedge the kernel (FUSE connection aborted, loop released, helper killed last),
+//!   every command with a deadline.
 //! * [`endpoint`]: the TCP proxy clients use (the "elastic IP" of §4.3), re-pointable, severing
 //!   every connection to the old primary.
 //! * [`driver`]: the tokio runtime driver that runs the core against the real pool, endpoint and
@@ -32,5 +35,6 @@ pub mod netns;
 pub mod pg;
 pub mod pool;
 pub mod spec;
+pub mod teardown;
 
 pub use crate::core::{Action, CollapseOutcome, Durable, Event, Input, InstanceId, Monitor, MonitorConfig, Phase, PolicyKind};

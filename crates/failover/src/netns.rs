@@ -15,7 +15,7 @@
 
 use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -58,17 +58,13 @@ pub struct NetnsLink {
 #[error("network namespace: {0}")]
 pub struct NetnsError(pub String);
 
+/// Deadline of one `ip` command.
+pub const IP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long [`lock`] waits for another holder at most.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(60);
+
 fn ip(args: &[&str]) -> Result<String, NetnsError> {
-    let out = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| NetnsError(format!("cannot run `ip` (iproute2): {e}")))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(NetnsError(format!("`ip {}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim())))
-    }
+    crate::teardown::run_bounded("ip", args, IP_TIMEOUT).map_err(NetnsError)
 }
 
 /// Held while namespaces are made or swept (an exclusive `flock` on [`LOCK_FILE`]).
@@ -81,13 +77,22 @@ pub fn lock() -> Result<Lock, NetnsError> {
         .write(true)
         .open(LOCK_FILE)
         .map_err(|e| NetnsError(format!("cannot open {LOCK_FILE}: {e}")))?;
-    // SAFETY: flock(2) on a file descriptor we own; it blocks until the lock is ours and is
-    // released when the file is closed.
-    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
-    if r != 0 {
-        return Err(NetnsError(format!("cannot lock {LOCK_FILE}: {}", std::io::Error::last_os_error())));
+    // Polled, not blocking: a holder that is stuck is reported, not waited on for ever.
+    let deadline = Instant::now() + LOCK_TIMEOUT;
+    loop {
+        // SAFETY: flock(2) on a file descriptor we own; released when the file is closed.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(Lock(f));
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(NetnsError(format!("cannot lock {LOCK_FILE}: {e}")));
+        }
+        if Instant::now() >= deadline {
+            return Err(NetnsError(format!("{LOCK_FILE} still held by another process after {LOCK_TIMEOUT:?}")));
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
-    Ok(Lock(f))
 }
 
 /// Whether namespaces can be used here; the error says why not.
@@ -97,6 +102,9 @@ pub fn available() -> Result<(), NetnsError> {
         return Err(NetnsError("not running as root".into()));
     }
     let probe = format!("{PREFIX}-probe-{}", std::process::id());
+    // Under the lock: the probe namespace has no process in it, and a concurrent sweep (another
+    // monitor starting) would take it for stale and delete it half-way through the probe.
+    let _l = lock()?;
     ip(&["netns", "add", &probe])?;
     let r = ip(&["-n", &probe, "link", "set", "lo", "up"]);
     ip(&["netns", "delete", &probe])?;
@@ -304,6 +312,37 @@ mod tests {
         // Auto never fails: it falls back with the reason, or uses namespaces.
         let (on, why) = resolve(NetnsMode::Auto).unwrap();
         assert!(on != why.is_some(), "{on} {why:?}");
+    }
+
+    /// `available` probes with a namespace nothing lives in; a sweep at the same time (another
+    /// monitor starting) used to take it for stale and delete it half-way through the probe,
+    /// and the probe then reported namespaces unusable. Root only.
+    #[test]
+    fn probes_survive_concurrent_sweeps() {
+        if available().is_err() {
+            eprintln!("skipped: network namespaces are not available here");
+            return;
+        }
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let sweeps = std::sync::Arc::new(AtomicUsize::new(0));
+        let sweeper = {
+            let (stop, sweeps) = (stop.clone(), sweeps.clone());
+            // Sweeps only probe namespaces ("usfo-probe-…"), so other tests' are left alone.
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    sweep_stale(Some("probe")).expect("sweep");
+                    sweeps.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        };
+        let r: Vec<_> = (0..15).map(|_| available()).collect();
+        stop.store(true, Ordering::SeqCst);
+        sweeper.join().unwrap();
+        assert!(sweeps.load(Ordering::SeqCst) > 0);
+        for e in r {
+            e.expect("a probe raced a sweep");
+        }
     }
 
     /// A real namespace: made, reachable across its link, cut, restored, swept. Root only.

@@ -27,6 +27,7 @@ use tokio::sync::mpsc;
 use crate::core::{InstanceId, Input};
 use crate::endpoint::Proxy;
 use crate::netns::{self, NetnsLink};
+use crate::teardown;
 use crate::spec::{substitute, AppSpec};
 
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +88,10 @@ struct SavedInst {
     attach_start: u64,
     app_port: u16,
     mount: PathBuf,
+    /// The application's own process group (0 in records of runs that kept the application
+    /// in the helper's group).
+    #[serde(default)]
+    app_pgid: i32,
     /// Its network namespace, when it has one.
     #[serde(default)]
     netns: Option<NetnsLink>,
@@ -178,6 +183,8 @@ struct Inst {
     saved: SavedInst,
     pgid: i32,
     app_pid: u32,
+    /// The application's own process group.
+    app_pgid: i32,
     attach_pid: u32,
     link: Link,
     mount: PathBuf,
@@ -204,6 +211,9 @@ pub struct LocalPool {
     /// A namespace made ahead for the instance to be started next (see [`LocalPool::prewarm`]).
     /// `None` in the link: being made.
     spare: Arc<Mutex<Spare>>,
+    /// One lock per instance: its start, kill, stop and crash never overlap (a fault injected
+    /// while the monitor fences the same instance, say).
+    ops: Mutex<HashMap<InstanceId, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 fn signal_group(pgid: i32, sig: libc::c_int) {
@@ -256,35 +266,24 @@ fn helpers_of(mount: &Path) -> Vec<u32> {
     v
 }
 
-/// The loop devices and the FUSE mount an attach helper (`pid`) made and left behind when it
-/// was killed half-way (before it wrote its state: `volume detach` knows nothing of them):
-/// its FUSE files are `$TMPDIR/understudy-fusefile-PID-N/*` (fusefile's private directory).
-async fn remove_fuse_stacks(pid: u32) {
-    let prefix = std::env::temp_dir().join(format!("understudy-fusefile-{pid}-")).to_string_lossy().into_owned();
-    for e in std::fs::read_dir("/sys/block").into_iter().flatten().flatten() {
-        let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) else { continue };
-        if b.trim().starts_with(&prefix) {
-            let dev = Path::new("/dev").join(e.file_name());
-            tracing::info!(dev = %dev.display(), backing = b.trim(), "detaching a loop device of a dead attach helper");
-            run_logged("losetup", &["-d".as_ref(), dev.as_os_str()]).await;
-        }
-    }
-    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let dirs: Vec<String> = text.lines().filter_map(|l| l.split(' ').nth(4)).filter(|m| m.starts_with(&prefix)).map(str::to_string).collect();
-    for d in dirs {
-        run_logged("umount", &["-l".as_ref(), d.as_ref()]).await;
-        let _ = std::fs::remove_dir(&d);
+/// Runs a clean-up command with a deadline ([`teardown::run_bounded`]); a failure (a wedged
+/// `losetup` or `umount` included) is logged and the caller goes on with the next step.
+async fn run_logged(prog: &str, args: &[&std::ffi::OsStr]) {
+    let (prog, args): (String, Vec<String>) = (prog.to_string(), args.iter().map(|a| a.to_string_lossy().into_owned()).collect());
+    let r = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        teardown::run_bounded(&prog, &args, teardown::COMMAND_TIMEOUT)
+    })
+    .await;
+    match r {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!("{e}"),
+        Err(e) => tracing::warn!("clean-up command panicked: {e}"),
     }
 }
 
-/// Runs a clean-up command; a failure is logged (the caller goes on with the next step).
-async fn run_logged(prog: &str, args: &[&std::ffi::OsStr]) {
-    match Command::new(prog).args(args).stdin(Stdio::null()).output().await {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => tracing::warn!("{prog} {args:?}: {}", String::from_utf8_lossy(&o.stderr).trim()),
-        Err(e) => tracing::warn!("cannot run {prog}: {e}"),
-    }
-}
+/// Deadline of `understudy volume detach` (the helper's own detach waits up to 120 s).
+const DETACH_TIMEOUT: Duration = Duration::from_secs(150);
 
 fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
@@ -312,7 +311,7 @@ impl LocalPool {
             // Tests and tools find this pool's namespaces by this tag.
             std::fs::write(cfg.state_dir.join("netns.tag"), &tag)?;
         }
-        Ok(LocalPool { cfg, tag, insts: Mutex::new(HashMap::new()), starting: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events, spare: Arc::default() })
+        Ok(LocalPool { cfg, tag, insts: Mutex::new(HashMap::new()), starting: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events, spare: Arc::default(), ops: Mutex::default() })
     }
 
     /// Makes the network namespace of instance `id` (the next one the monitor will start) ahead
@@ -443,6 +442,7 @@ impl LocalPool {
                     timing: StartTiming::default(),
                     pgid: s.pgid,
                     app_pid: s.app_pid,
+                    app_pgid: if s.app_pgid != 0 { s.app_pgid } else { s.pgid },
                     attach_pid: s.attach_pid,
                     link,
                     mount: s.mount.clone(),
@@ -462,10 +462,13 @@ impl LocalPool {
             }
             for pid in helpers_of(&mount) {
                 tracing::info!(mount = %mount.display(), pid, "reaping an attach helper the previous run left unrecorded");
-                signal_group(pid as i32, libc::SIGKILL);
-                signal_pid(pid, libc::SIGKILL);
-                Self::wait_gone(&[pid], Duration::from_secs(30)).await;
-                remove_fuse_stacks(pid).await;
+                // Its application (found by the mount it runs in) first, then the stack.
+                for app in procs_in(&mount) {
+                    signal_pid(app, libc::SIGKILL);
+                }
+                if let Err(e) = take_down(pid, true, &mount).await {
+                    tracing::error!(pid, "reaping an unrecorded attach helper: {e}");
+                }
             }
             self.unmount_all(&mount).await;
         }
@@ -498,14 +501,17 @@ impl LocalPool {
     }
 
     async fn detach(&self, mount: &Path) -> Result<(), String> {
-        let out = Command::new(&self.cfg.exe)
+        let run = Command::new(&self.cfg.exe)
             .arg("volume")
             .args(&self.cfg.conn_args)
             .arg("detach")
             .arg(mount)
             .stdin(Stdio::null())
-            .output()
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(DETACH_TIMEOUT, run)
             .await
+            .map_err(|_| format!("`volume detach {}` did not finish within {DETACH_TIMEOUT:?}", mount.display()))?
             .map_err(|e| format!("cannot run {}: {e}", self.cfg.exe.display()))?;
         let err = String::from_utf8_lossy(&out.stderr);
         if out.status.success() || err.contains("nothing is attached") {
@@ -600,6 +606,7 @@ impl LocalPool {
                 attach_start: start_time(attach_pid).unwrap_or(0),
                 app_port: 0,
                 mount: mount.clone(),
+                app_pgid: 0,
                 netns: None,
             },
         );
@@ -635,9 +642,7 @@ impl LocalPool {
                     let _ = netns::delete(&link.name);
                 }
             }
-            signal_group(pgid, libc::SIGKILL);
-            let _ = attach.wait().await;
-            self.unmount_all(&mount).await;
+            self.abandon(pgid, &mut attach, &mount).await;
             let why = match ready {
                 Err(_) => format!("not attached within {:?}", self.cfg.attach_timeout),
                 _ => tail(&attach_log, 3),
@@ -676,7 +681,9 @@ impl LocalPool {
             .stdin(Stdio::null())
             .stdout(Stdio::from(app_log))
             .stderr(Stdio::from(app_err))
-            .process_group(pgid)
+            // Its own process group: the application can be killed as a whole without the
+            // helper, which must outlive the loop device that reads its FUSE file.
+            .process_group(0)
             .kill_on_drop(false);
         for (k, v) in &self.cfg.app.env {
             app.env(k, substitute(v, &mount, host, port, &inst));
@@ -710,8 +717,9 @@ impl LocalPool {
                 let proxy = match Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await {
                     Ok(p) => p,
                     Err(e) => {
+                        signal_group(app_pid as i32, libc::SIGKILL);
+                        let _ = tokio::time::timeout(teardown::EXIT_TIMEOUT, app_child.wait()).await;
                         self.abandon(pgid, &mut attach, &mount).await;
-                        let _ = app_child.wait().await;
                         return Err(PoolError::Io { id, msg: format!("cannot open the instance's link: {e}") });
                     }
                 };
@@ -736,9 +744,11 @@ impl LocalPool {
             let _ = attach.wait().await;
         });
         tracing::info!(%id, volume, %addr, app_pid, attach_pid, "instance started");
+        let app_pgid = app_pid as i32;
         let saved = SavedInst {
             id,
             pgid,
+            app_pgid,
             app_pid,
             app_start: start_time(app_pid).unwrap_or(0),
             attach_pid,
@@ -749,7 +759,7 @@ impl LocalPool {
         };
         self.insts.lock().unwrap().insert(
             id,
-            Inst { timing, saved, pgid, app_pid, attach_pid, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
+            Inst { timing, saved, pgid, app_pid, app_pgid, attach_pid, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
         );
         self.save();
         Ok(addr)
@@ -768,6 +778,8 @@ impl LocalPool {
 
 impl InstancePool for LocalPool {
     async fn start(&self, id: InstanceId, volume: &str) -> Result<SocketAddr, PoolError> {
+        let lock = self.op_lock(id);
+        let _g = lock.lock().await;
         if self.killed.lock().unwrap().contains(&id) {
             return Err(PoolError::Killed(id));
         }
@@ -783,6 +795,8 @@ impl InstancePool for LocalPool {
     }
 
     async fn kill(&self, id: InstanceId) -> Result<(), PoolError> {
+        let lock = self.op_lock(id);
+        let _g = lock.lock().await;
         self.killed.lock().unwrap().insert(id);
         self.save();
         let r = self.kill_inner(id).await;
@@ -791,21 +805,29 @@ impl InstancePool for LocalPool {
     }
 
     async fn stop(&self, id: InstanceId) -> Result<(), PoolError> {
-        let Some((app_pid, attach_pid, mount, flag)) =
-            self.insts.lock().unwrap().get(&id).map(|i| (i.app_pid, i.attach_pid, i.mount.clone(), i.expected_exit.clone()))
+        let lock = self.op_lock(id);
+        let _g = lock.lock().await;
+        let Some((pgid, app_pgid, app_pid, attach_pid, mount, flag)) =
+            self.insts.lock().unwrap().get(&id).map(|i| (i.pgid, i.app_pgid, i.app_pid, i.attach_pid, i.mount.clone(), i.expected_exit.clone()))
         else {
             return Ok(());
         };
         flag.store(true, Ordering::SeqCst);
-        signal_pid(app_pid, libc::SIGCONT);
+        signal_group(pgid, libc::SIGCONT);
+        signal_group(app_pgid, libc::SIGCONT);
         signal_pid(app_pid, libc::SIGTERM);
         if !Self::wait_gone(&[app_pid], Duration::from_millis(self.cfg.app.stop_grace_ms)).await {
+            signal_group(app_pgid, libc::SIGKILL);
             signal_pid(app_pid, libc::SIGKILL);
-            Self::wait_gone(&[app_pid], Duration::from_secs(10)).await;
+            Self::wait_gone(&[app_pid], teardown::EXIT_TIMEOUT).await;
         }
-        signal_pid(attach_pid, libc::SIGCONT);
-        let r = self.detach(&mount).await;
-        Self::wait_gone(&[attach_pid], Duration::from_secs(30)).await;
+        // The helper unmounts (a clean unmount: everything flushed) and exits.
+        let mut r = self.detach(&mount).await;
+        if !Self::wait_gone(&[attach_pid], teardown::EXIT_TIMEOUT).await {
+            // It did not: take the stack down from here, the helper last.
+            let t = take_down(attach_pid, true, &mount).await;
+            r = r.and(t);
+        }
         if let Some(i) = self.insts.lock().unwrap().remove(&id) {
             i.link.sever();
             Self::drop_netns(&i.link);
@@ -817,7 +839,10 @@ impl InstancePool for LocalPool {
     fn pause(&self, id: InstanceId, paused: bool) -> Result<(), PoolError> {
         let g = self.insts.lock().unwrap();
         let i = g.get(&id).ok_or(PoolError::Unknown(id))?;
-        signal_group(i.pgid, if paused { libc::SIGSTOP } else { libc::SIGCONT });
+        // The whole host: the application and the server of its disk.
+        let sig = if paused { libc::SIGSTOP } else { libc::SIGCONT };
+        signal_group(i.app_pgid, sig);
+        signal_group(i.pgid, sig);
         Ok(())
     }
 
@@ -833,34 +858,38 @@ impl InstancePool for LocalPool {
 }
 
 impl LocalPool {
-    /// Undoes a start that failed after the volume was attached.
+    /// Undoes a start that failed once the attach helper ran (attached or not): the volume
+    /// stack taken down in the order that cannot hang ([`teardown::take_down_helper`]).
     async fn abandon(&self, pgid: i32, attach: &mut Child, mount: &Path) {
-        signal_group(pgid, libc::SIGKILL);
-        let _ = attach.wait().await;
+        match take_down(pgid as u32, true, mount).await {
+            Ok(()) => {
+                let _ = tokio::time::timeout(teardown::EXIT_TIMEOUT, attach.wait()).await;
+            }
+            Err(e) => tracing::error!(helper = pgid, "abandoning a failed start: {e}"),
+        }
         self.unmount_all(mount).await;
     }
 
     /// Takes down what a previous run of the monitor left of an instance it no longer
-    /// serves: its process group (SIGKILL, only if the helper is still the process that was
-    /// recorded: pids are reused), then everything mounted for it.
+    /// serves: its application (SIGKILL, only if still the process that was recorded: pids
+    /// are reused), then its volume stack, the helper last ([`teardown::take_down_helper`]).
     async fn reap(&self, s: &SavedInst) {
-        let mut pids = vec![];
-        if s.attach_pid != 0 && start_time(s.attach_pid) == Some(s.attach_start) {
-            signal_group(s.pgid, libc::SIGKILL);
-            pids.push(s.attach_pid);
-        }
         if s.app_pid != 0 && start_time(s.app_pid) == Some(s.app_start) {
-            signal_group(s.pgid, libc::SIGKILL);
+            if s.app_pgid != 0 {
+                signal_group(s.app_pgid, libc::SIGKILL);
+            }
             signal_pid(s.app_pid, libc::SIGKILL);
-            pids.push(s.app_pid);
+            if !Self::wait_gone(&[s.app_pid], teardown::EXIT_TIMEOUT).await {
+                tracing::warn!(id = %s.id, "application of the previous run still alive after SIGKILL");
+            }
         }
-        if !Self::wait_gone(&pids, Duration::from_secs(30)).await {
-            tracing::warn!(id = %s.id, "processes of the previous run still alive 30 s after SIGKILL");
+        let ours = s.attach_pid != 0 && start_time(s.attach_pid) == Some(s.attach_start);
+        if s.attach_pid != 0 {
+            if let Err(e) = take_down(s.attach_pid, ours, &s.mount).await {
+                tracing::error!(id = %s.id, "reaping the previous run's instance: {e}");
+            }
         }
         self.unmount_all(&s.mount).await;
-        if s.attach_pid != 0 {
-            remove_fuse_stacks(s.attach_pid).await;
-        }
         if let Some(l) = &s.netns {
             let _ = netns::delete(&l.name);
         }
@@ -896,13 +925,18 @@ impl LocalPool {
         }
     }
 
+    /// Fences and kills an instance as a crash would, then detaches its volume: its FUSE
+    /// connection aborted first (nothing it leaves in the page cache reaches the volume), the
+    /// application's group SIGKILLed, the stack taken down with the helper last
+    /// ([`teardown::take_down_helper`]). An error (a loop device that does not let go) leaves
+    /// the instance recorded: the core retries the kill.
     async fn kill_inner(&self, id: InstanceId) -> Result<(), PoolError> {
-        let Some((pgid, pids, mount, flag)) = self
+        let Some((pgid, app_pgid, app_pid, attach_pid, mount, flag)) = self
             .insts
             .lock()
             .unwrap()
             .get(&id)
-            .map(|i| (i.pgid, [i.app_pid, i.attach_pid], i.mount.clone(), i.expected_exit.clone()))
+            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.attach_pid, i.mount.clone(), i.expected_exit.clone()))
         else {
             // Unknown (never started here, or already gone): make sure nothing is mounted.
             let mount = self.mount_dir(id);
@@ -912,19 +946,81 @@ impl LocalPool {
             return Ok(());
         };
         flag.store(true, Ordering::SeqCst);
-        // One signal for the whole group: the FUSE server dies with the app, no flush.
-        signal_group(pgid, libc::SIGKILL);
         if let Some(i) = self.insts.lock().unwrap().get(&id) {
             i.link.sever();
         }
-        if !Self::wait_gone(&pids, Duration::from_secs(30)).await {
-            return Err(PoolError::Io { id, msg: "processes still alive 30 s after SIGKILL".into() });
+        // A paused helper must run again to let its stack go.
+        signal_group(pgid, libc::SIGCONT);
+        self.fence_and_kill_app(id, attach_pid, app_pgid, app_pid).await?;
+        take_down(attach_pid, true, &mount).await.map_err(|msg| PoolError::Io { id, msg: format!("taking the volume down after the kill: {msg}") })?;
+        // Its state file: the helper is gone, so `detach` only removes what is left of it.
+        if let Err(e) = self.detach(&mount).await {
+            tracing::warn!(%id, "detach after kill: {e}");
         }
-        self.detach(&mount).await.map_err(|msg| PoolError::Io { id, msg: format!("detach after kill: {msg}") })?;
         if let Some(i) = self.insts.lock().unwrap().remove(&id) {
             Self::drop_netns(&i.link);
         }
         tracing::info!(%id, "instance killed and its volume detached");
         Ok(())
     }
+
+    /// The crash itself: the helper's FUSE connection aborted (the instance's disk is gone:
+    /// nothing more reaches the volume), then SIGKILL of the application's process group.
+    async fn fence_and_kill_app(&self, id: InstanceId, attach_pid: u32, app_pgid: i32, app_pid: u32) -> Result<(), PoolError> {
+        match tokio::task::spawn_blocking(move || teardown::abort_fuse(attach_pid)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(%id, "fencing the volume: {e}; killing without the fence"),
+            Err(e) => tracing::warn!(%id, "fencing the volume: {e}"),
+        }
+        signal_group(app_pgid, libc::SIGKILL);
+        signal_pid(app_pid, libc::SIGKILL);
+        if !Self::wait_gone(&[app_pid], teardown::EXIT_TIMEOUT).await {
+            return Err(PoolError::Io { id, msg: format!("application (pid {app_pid}) still alive {:?} after SIGKILL", teardown::EXIT_TIMEOUT) });
+        }
+        Ok(())
+    }
+
+    /// Fault injection: the instance crashes as a host would (its disk fenced, its application
+    /// SIGKILLed, no flush). The helper stays, fenced, until the monitor kills the instance.
+    pub async fn crash(&self, id: InstanceId) -> Result<(), PoolError> {
+        let lock = self.op_lock(id);
+        let _g = lock.lock().await;
+        let (pgid, app_pgid, app_pid, attach_pid) =
+            self.insts.lock().unwrap().get(&id).map(|i| (i.pgid, i.app_pgid, i.app_pid, i.attach_pid)).ok_or(PoolError::Unknown(id))?;
+        signal_group(pgid, libc::SIGCONT);
+        self.fence_and_kill_app(id, attach_pid, app_pgid, app_pid).await
+    }
+
+    /// The lock that serialises operations (start, kill, stop, crash) on one instance.
+    fn op_lock(&self, id: InstanceId) -> Arc<tokio::sync::Mutex<()>> {
+        self.ops.lock().unwrap().entry(id).or_default().clone()
+    }
+}
+
+/// [`teardown::take_down_helper`] off the runtime. `ours`: the pid is still the helper
+/// recorded (else it is neither fenced nor signalled).
+async fn take_down(helper: u32, ours: bool, mount: &Path) -> Result<(), String> {
+    let mount = mount.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        if ours {
+            teardown::take_down_helper(helper, Some(&mount))
+        } else {
+            teardown::take_down_dead_helper(helper, Some(&mount))
+        }
+    })
+    .await
+    .map_err(|e| format!("take-down panicked: {e}"))?
+}
+
+/// Processes whose working directory is `mount` (an instance's application and its children).
+fn procs_in(mount: &Path) -> Vec<u32> {
+    let mut v = vec![];
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        if std::fs::read_link(e.path().join("cwd")).is_ok_and(|c| c == mount) {
+            v.push(pid);
+        }
+    }
+    v
+
 }

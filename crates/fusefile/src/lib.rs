@@ -827,7 +827,11 @@ fn run_command(program: &str, args: &[&str], timeout: Duration) -> Result<String
             Ok(Some(status)) => break status,
             Ok(None) if start.elapsed() > timeout => {
                 let _ = child.kill();
-                let _ = child.wait();
+                // Not waited on for ever: a command stuck in the kernel (D state) never dies.
+                let grace = Instant::now() + Duration::from_secs(1);
+                while matches!(child.try_wait(), Ok(None)) && Instant::now() < grace {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
                 return Err(fail(format!("timed out after {timeout:?}; killed")));
             }
             // Short polls: `mount` and `losetup` sit on a failover's critical path.

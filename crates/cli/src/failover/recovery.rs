@@ -3,14 +3,15 @@
 //! RocksDB, clean and unclean failures, a small and a large WAL.
 //!
 //! Instances run through the same [`LocalPool`] the monitor uses (its volume attached as ext4
-//! through FUSE and a loop device, the application in the instance's process group), in this
-//! process. Per application and WAL size one volume: a primary on it is loaded until the WAL
-//! since its last checkpoint reaches the size, then fails (SIGKILL of the whole group: no flush;
-//! or a clean stop); the application is then started on a super child, on a general clone (in
-//! alternating order over rounds) and last on the volume itself (which changes it), each from
-//! the very same crashed state; each is timed from the moment its process starts (the volume is
-//! attached by then) to its first good health check. The plain restart becomes the primary for
-//! the next failure.
+//! through FUSE and a loop device), in this process. Per application and WAL size one volume
+//! and one primary; then, per failure kind (`--failure kill|clean`), ABBA-interleaved crash
+//! rounds: each loads the primary until the WAL since its last checkpoint reaches the size,
+//! fails it (a kill: disk fenced, application SIGKILLed, no flush; or a clean stop), recovers a
+//! general clone of that state (full runs), then recovers the round's kind — a restart on the
+//! volume itself (plain) or a backup on a super child that is then promoted by collapse, as a
+//! speculative failover does — which becomes the next round's primary. Each is timed from the
+//! moment its process starts (the volume is attached by then) to its first good health check;
+//! a cell's figure is the median of its rounds.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -32,22 +33,27 @@ use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
 
 #[derive(Args, Debug)]
 pub struct RecoveryArgs {
-    /// A short run: one round, a large WAL of 24 MiB instead of 192 MiB.
+    /// A short run: one AB pair of crash rounds per failure, the small WAL only, no general
+    /// clone.
     #[arg(long)]
     pub quick: bool,
     /// Where plots and CSV go [default: target/bench/failover].
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
-    /// Rounds of each cell [default: 1 with --quick, else 2].
+    /// ABBA pairs of crash rounds (plain, super) per application, WAL size and failure
+    /// [default: 1 with --quick, else 2].
     #[arg(long)]
     pub rounds: Option<usize>,
+    /// Only these failures: `kill` (SIGKILL, no flush) or `clean` (shutdown and unmount)
+    /// [default: both].
+    #[arg(long = "failure", value_name = "FAILURE")]
+    pub failures: Vec<String>,
     /// Only these applications (postgres, sqlite, mariadb) [default: all three].
     #[arg(long = "app", value_name = "APP")]
     pub apps: Vec<String>,
 }
 
 const SMALL_WAL_BYTES: u64 = 4 << 20;
-const LARGE_WAL_BYTES_QUICK: u64 = 24 << 20;
 const LARGE_WAL_BYTES: u64 = 192 << 20;
 /// How long an instance may take to become healthy.
 const HEALTHY_TIMEOUT: Duration = Duration::from_secs(600);
@@ -230,6 +236,12 @@ async fn fill(app: App, addr: SocketAddr, mount: &Path, wal_bytes: u64) -> anyho
             let s = tokio::net::TcpStream::connect(addr).await?;
             let mut s = BufReader::new(s);
             let wal = mount.join("app.db-wal");
+            // Start from an empty WAL (a checkpoint that truncates it), so the WAL to recover
+            // is what follows: the file would otherwise keep an earlier round's size.
+            s.get_mut().write_all(b"CHECKPOINT\n").await?;
+            let mut line = String::new();
+            s.read_line(&mut line).await?;
+            anyhow::ensure!(line.starts_with("CHECKPOINTED"), "the SQLite front answered {line:?} to CHECKPOINT");
             loop {
                 let have = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
                 if have >= wal_bytes {
@@ -285,6 +297,15 @@ impl Bench {
     }
 }
 
+/// One application and WAL size on its own volume: a primary booted once, then for each failure
+/// kind `rounds` ABBA pairs of crash rounds (plain, super, super, plain, …). Every round loads
+/// the primary to the same WAL size and fails it; with `general`, a general clone of the failed
+/// state is recovered first (the same for both kinds); then the round's kind recovers: a restart
+/// on the volume itself (plain), or a backup on a super child that is then collapsed —
+/// promoted, as in a speculative failover — and carries on as the volume. Either way the
+/// recovered instance is the next round's primary. Alternating the kinds over rounds cancels the
+/// machine's drift (a neighbour's build, a warming cache) instead of always favouring the one
+/// measured second.
 #[allow(clippy::too_many_arguments)]
 async fn cell(
     exe: &Path,
@@ -294,11 +315,12 @@ async fn cell(
     app: App,
     wal: &'static str,
     wal_bytes: u64,
-    round: usize,
+    rounds: usize,
     failures: &[&'static str],
+    general: bool,
     samples: &mut Vec<Sample>,
 ) -> anyhow::Result<()> {
-    let vol = format!("rec-{}-{wal}-{round}-{}", app.name(), failures.join("-"));
+    let vol = format!("rec-{}-{wal}", app.name());
     // MariaDB's InnoDB alone takes ~110 MiB (system tablespace, 96 MiB redo log).
     let size = 512 * 1024 * 1024 + wal_bytes * 4;
     match cluster.meta(MetaReq::Create { name: vol.clone(), size_bytes: size.next_multiple_of(4 << 20), object_size_bytes: volume::meta::DEFAULT_OBJECT_SIZE_BYTES }).await {
@@ -325,52 +347,62 @@ async fn cell(
     )?);
     let mut b = Bench { pool: pool.clone(), volumes: Volumes { cluster }, health, next_id: 0 };
     let r = async {
-        let (mut primary, mut addr, _, boot_ms, _) = b.recover_on(&vol).await?;
+        // The volume the primary runs on (after a promotion: the promoted child).
+        let mut cur = vol.clone();
+        let (mut primary, mut addr, _, boot_ms, _) = b.recover_on(&cur).await?;
         eprintln!("failover recovery bench: {} {wal}: primary up ({boot_ms:.0} ms to healthy)", app.name());
+        // One crash round not recorded: the first recovery after a fresh database is much
+        // slower (seen: 2-3x for PostgreSQL), and would count against whichever kind the
+        // ABBA order happens to put first.
+        fill(app, addr, &pool.mount_dir(primary), wal_bytes).await?;
+        pool.kill(primary).await?;
+        let (id, a, _, warm_ms, _) = b.recover_on(&cur).await?;
+        eprintln!("failover recovery bench: {} {wal}: warm-up crash round ({warm_ms:.0} ms to healthy, not recorded)", app.name());
+        (primary, addr) = (id, a);
+        let mut n = 0;
         for &failure in failures {
-            let have = fill(app, addr, &pool.mount_dir(primary), wal_bytes).await?;
-            match failure {
-                "unclean" => pool.kill(primary).await?,
-                _ => pool.stop(primary).await?,
-            }
-            let clones: [&str; 2] = if round.is_multiple_of(2) { ["super", "general"] } else { ["general", "super"] };
-            for c in clones {
-                let child = format!("{vol}.{c}-{failure}");
-                match c {
-                    "super" => match b.volumes.super_(&vol, &child).await {
+            for kind in bench::interleaved_order(rounds, 2) {
+                n += 1;
+                let have = fill(app, addr, &pool.mount_dir(primary), wal_bytes).await?;
+                match failure {
+                    "unclean" => pool.kill(primary).await?,
+                    _ => pool.stop(primary).await?,
+                }
+                let mut record = |clone: &'static str, attach_ms: f64, app_ms: f64, parts: Option<Breakdown>| {
+                    eprintln!(
+                        "failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on {clone}: attach {attach_ms:.0} ms, app recovery {app_ms:.0} ms ({})",
+                        app.name(),
+                        parts.as_ref().map(Breakdown::line).unwrap_or_default()
+                    );
+                    samples.push(Sample { app, wal, failure, clone, wal_bytes: have, app_recovery_ms: app_ms, attach_ms, parts });
+                };
+                if general {
+                    let child = format!("{vol}.general-{n}");
+                    b.meta(MetaReq::CloneGeneral { parent: cur.clone(), child: child.clone() }).await.context("general clone")?;
+                    let (id, _, attach_ms, app_ms, parts) = b.recover_on(&child).await?;
+                    record("general", attach_ms, app_ms, parts);
+                    pool.kill(id).await?;
+                    b.meta(MetaReq::Delete { name: child.clone() }).await.context("deleting the general clone")?;
+                }
+                if kind == 0 {
+                    let (id, a, attach_ms, app_ms, parts) = b.recover_on(&cur).await?;
+                    record("plain", attach_ms, app_ms, parts);
+                    (primary, addr) = (id, a);
+                } else {
+                    let child = format!("{vol}.super-{n}");
+                    match b.volumes.super_(&cur, &child).await {
                         Input::SuperDone { .. } => {}
-                        other => anyhow::bail!("super of {vol}: {other:?}"),
-                    },
-                    _ => {
-                        b.meta(MetaReq::CloneGeneral { parent: vol.clone(), child: child.clone() }).await.context("general clone")?;
+                        other => anyhow::bail!("super of {cur}: {other:?}"),
                     }
-                }
-                let (id, _, attach_ms, app_ms, parts) = b.recover_on(&child).await?;
-                eprintln!(
-                    "failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on {c}: attach {attach_ms:.0} ms, app recovery {app_ms:.0} ms ({})",
-                    app.name(),
-                    parts.as_ref().map(Breakdown::line).unwrap_or_default()
-                );
-                samples.push(Sample { app, wal, failure, clone: c, wal_bytes: have, app_recovery_ms: app_ms, attach_ms, parts });
-                pool.kill(id).await?;
-                match c {
-                    "super" => match b.volumes.drop_child(&vol, &child).await {
-                        Input::ChildDropped { .. } => {}
-                        other => anyhow::bail!("dropping {child}: {other:?}"),
-                    },
-                    _ => {
-                        b.meta(MetaReq::Delete { name: child.clone() }).await.context("deleting the general clone")?;
+                    let (id, a, attach_ms, app_ms, parts) = b.recover_on(&child).await?;
+                    record("super", attach_ms, app_ms, parts);
+                    match b.volumes.collapse(&cur, &child).await {
+                        Input::CollapseDone { outcome: ::failover::CollapseOutcome::Promoted, .. } => {}
+                        other => anyhow::bail!("collapse of {child} into {cur}: {other:?}"),
                     }
+                    (primary, addr, cur) = (id, a, child);
                 }
             }
-            let (id, a, attach_ms, app_ms, parts) = b.recover_on(&vol).await?;
-            eprintln!(
-                "failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on plain: attach {attach_ms:.0} ms, app recovery {app_ms:.0} ms ({})",
-                app.name(),
-                parts.as_ref().map(Breakdown::line).unwrap_or_default()
-            );
-            samples.push(Sample { app, wal, failure, clone: "plain", wal_bytes: have, app_recovery_ms: app_ms, attach_ms, parts });
-            (primary, addr) = (id, a);
         }
         pool.kill(primary).await?;
         anyhow::Ok(())
@@ -407,7 +439,18 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
     if apps.contains(&App::Postgres) {
         anyhow::ensure!(super::postgres::find_bin_dir().is_some(), "PostgreSQL is not installed (apt-get install postgresql)");
     }
-    let large = if a.quick { LARGE_WAL_BYTES_QUICK } else { LARGE_WAL_BYTES };
+    let mut failures = vec![];
+    for f in if a.failures.is_empty() { vec!["kill".to_string(), "clean".to_string()] } else { a.failures.clone() } {
+        let f = match f.as_str() {
+            "kill" => "unclean",
+            "clean" => "clean",
+            other => anyhow::bail!("unknown failure {other:?} (kill or clean)"),
+        };
+        if !failures.contains(&f) {
+            failures.push(f);
+        }
+    }
+    let wals: Vec<(&'static str, u64)> = if a.quick { vec![("small_wal", SMALL_WAL_BYTES)] } else { vec![("small_wal", SMALL_WAL_BYTES), ("large_wal", LARGE_WAL_BYTES)] };
     let out = bench::out_dir("failover", a.out.clone())?;
     let base = std::env::current_dir()?.join("target").join("bench-clusters");
     std::fs::create_dir_all(&base)?;
@@ -425,11 +468,9 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
     let r = rt.block_on(async {
         let conn = crate::ConnArgs { cluster: Some(cluster_file.clone()), meta: None, secret_file: None };
         let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
-        for round in 0..rounds {
-            for &app in &apps {
-                for (wal, bytes) in [("small_wal", SMALL_WAL_BYTES), ("large_wal", large)] {
-                    cell(&exe, &conn_args, dir.path(), cluster.clone(), app, wal, bytes, round, &FAILURES, &mut samples).await?;
-                }
+        for &app in &apps {
+            for &(wal, bytes) in &wals {
+                cell(&exe, &conn_args, dir.path(), cluster.clone(), app, wal, bytes, rounds, &failures, !a.quick, &mut samples).await?;
             }
         }
         anyhow::Ok(())
@@ -439,7 +480,18 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
 
     let mut report = bench::Report::new("failover.recovery", a.quick);
     let mut groups = vec![];
-    let mut bars: Vec<bench::BarSeries> = CLONES.iter().map(|c| bench::BarSeries { name: c.to_string(), values: vec![] }).collect();
+    // The general clone only where it was measured (not with --quick).
+    let clones: Vec<&str> = CLONES.iter().copied().filter(|c| samples.iter().any(|s| s.clone == *c)).collect();
+    let mut bars: Vec<bench::BarSeries> = clones.iter().map(|c| bench::BarSeries { name: c.to_string(), values: vec![] }).collect();
+    // Per cell, the median over its crash rounds: a disturbed round does not make the figure.
+    let median = |mut v: Vec<f64>| -> f64 {
+        v.sort_by(f64::total_cmp);
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+        }
+    };
     let (mut super_sum, mut plain_sum, mut general_sum) = (0.0, 0.0, 0.0);
     for &app in &apps {
         for wal in ["small_wal", "large_wal"] {
@@ -452,16 +504,26 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
                 report.figure(&format!("{prefix}.wal_bytes_mean"), mean(cell.iter().map(|s| s.wal_bytes as f64)))?;
                 let mut m = [0.0; 3];
                 for (i, c) in CLONES.iter().enumerate() {
-                    m[i] = mean(cell.iter().filter(|s| s.clone == *c).map(|s| s.app_recovery_ms));
-                    report.figure(&format!("{prefix}.{c}.app_recovery_latency_ms_mean"), m[i])?;
-                    report.figure(&format!("{prefix}.{c}.attach_latency_ms_mean"), mean(cell.iter().filter(|s| s.clone == *c).map(|s| s.attach_ms)))?;
-                    bars[i].values.push(m[i] / 1000.0);
+                    let of = |f: fn(&Sample) -> f64| cell.iter().filter(|s| s.clone == *c).map(|s| f(s)).collect::<Vec<f64>>();
+                    if of(|s| s.app_recovery_ms).is_empty() {
+                        continue;
+                    }
+                    m[i] = median(of(|s| s.app_recovery_ms));
+                    report.figure(&format!("{prefix}.{c}.app_recovery_latency_ms_mean"), mean(of(|s| s.app_recovery_ms).into_iter()))?;
+                    report.figure(&format!("{prefix}.{c}.app_recovery_latency_ms_p50"), m[i])?;
+                    report.figure(&format!("{prefix}.{c}.rounds_count"), of(|s| s.app_recovery_ms).len() as f64)?;
+                    report.figure(&format!("{prefix}.{c}.attach_latency_ms_mean"), mean(of(|s| s.attach_ms).into_iter()))?;
+                    if let Some(k) = clones.iter().position(|x| x == c) {
+                        bars[k].values.push(m[i] / 1000.0);
+                    }
                 }
                 report.ratio(&format!("{prefix}.super_vs_plain.app_recovery_latency"), m[1], m[0])?;
-                report.ratio(&format!("{prefix}.general_vs_plain.app_recovery_latency"), m[2], m[0])?;
                 plain_sum += m[0];
                 super_sum += m[1];
-                general_sum += m[2];
+                if clones.contains(&"general") {
+                    report.ratio(&format!("{prefix}.general_vs_plain.app_recovery_latency"), m[2], m[0])?;
+                    general_sum += m[2];
+                }
                 groups.push(format!("{} {} {}", app.name(), wal.trim_end_matches("_wal"), failure));
             }
         }
@@ -475,9 +537,12 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
             }
         }
     }
-    // Over every cell: total recovery time on super (general) against the plain volume.
+    // Over every cell: total (of the cells' medians) recovery time on super (general) against
+    // the plain volume.
     report.ratio("super_vs_plain.app_recovery_latency", super_sum, plain_sum)?;
-    report.ratio("general_vs_plain.app_recovery_latency", general_sum, plain_sum)?;
+    if clones.contains(&"general") {
+        report.ratio("general_vs_plain.app_recovery_latency", general_sum, plain_sum)?;
+    }
     let group_refs: Vec<&str> = groups.iter().map(String::as_str).collect();
     let _ = bench::bar_plot(&out.join("recovery"), "Application recovery latency (SpecREDS §6.3)", "application, WAL, failure", "seconds", &group_refs, &bars);
     let rows = samples.iter().map(|s| {

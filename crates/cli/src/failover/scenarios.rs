@@ -836,10 +836,12 @@ fn measure(
             let st: Value = serde_json::from_str(&m.control("status")?)?;
             let id = st["state"]["primary"].as_u64().with_context(|| format!("{}: no primary in {st}", m.name))?;
             let dir = m.run_dir.join("state").join("mnt").join(format!("i{id}"));
-            for flag in ["--freeze", "--unfreeze"] {
-                let o = Command::new("fsfreeze").arg(flag).arg(&dir).output().with_context(|| "cannot run fsfreeze")?;
-                anyhow::ensure!(o.status.success(), "fsfreeze {flag} {}: {}", dir.display(), String::from_utf8_lossy(&o.stderr).trim());
-            }
+            // Both bounded, and the thaw tried even when the freeze failed: a file system left
+            // frozen would hang its application for good.
+            let dir_arg = dir.to_string_lossy();
+            let frozen = ::failover::teardown::run_bounded("fsfreeze", &["--freeze", &dir_arg], ::failover::teardown::COMMAND_TIMEOUT);
+            let thawed = ::failover::teardown::run_bounded("fsfreeze", &["--unfreeze", &dir_arg], ::failover::teardown::COMMAND_TIMEOUT);
+            frozen.and(thawed).map_err(|e| anyhow::anyhow!("checkpointing the journal of {}: {e}", dir.display()))?;
         }
         warmup_s = t.elapsed().as_secs_f64();
         eprintln!("failover bench: recovery rounds' warm-up: {} commits on each of rec_plain and rec_super in {warmup_s:.1} s", p.recovery_warmup_commits);
