@@ -270,6 +270,10 @@ pub struct FileClient {
     read_state: Option<Holding>,
     /// The source was at the `known` state (no image: the caller's copy is current).
     matched_known: bool,
+    /// The source is not at the `known` state: the recovery source and its state, while the
+    /// driver reads its local copy ([`FileClient::wants_local_copy`]) so that only the chunks
+    /// that differ from it are fetched.
+    local_wanted: Option<(PeerId, Holding)>,
     /// Basing on the `known` state without its bytes (the caller's copy is the image): only a
     /// peer that needs the image makes the driver read it ([`FileClient::wants_image`]).
     image_elided: bool,
@@ -335,6 +339,7 @@ impl FileClient {
             known: None,
             read_state: None,
             matched_known: false,
+            local_wanted: None,
             image_elided: false,
             fetched_bytes: 0,
             reused_bytes: 0,
@@ -378,6 +383,23 @@ impl FileClient {
     pub fn with_known_state(mut self, h: Holding) -> FileClient {
         self.known = Some(h);
         self
+    }
+
+    /// Recovery found the source past the state given to [`FileClient::with_known_state`] (a
+    /// writer elsewhere moved it on): the driver reads its local copy (mostly the same bytes)
+    /// and gives it to [`FileClient::supply_local_copy`].
+    pub fn wants_local_copy(&self) -> bool {
+        self.local_wanted.is_some() && matches!(self.phase, Phase::Probing)
+    }
+
+    /// The local copy asked for by [`FileClient::wants_local_copy`] (any content is safe: a
+    /// chunk is only taken from it when its block checksums match the source's).
+    pub fn supply_local_copy(&mut self, local: Vec<u8>) {
+        let Some((source, holding)) = self.local_wanted.take() else { return };
+        if !local.is_empty() {
+            self.local_hint = Some(local);
+        }
+        self.start_fetch(source, holding);
     }
 
     /// Recovery found the source at the state given to [`FileClient::with_known_state`].
@@ -1044,6 +1066,11 @@ impl FileClient {
             }
             return;
         }
+        if self.known.is_some() && self.local_hint.is_none() {
+            // The known copy is not current: compare it rather than fetch everything.
+            self.local_wanted = Some((source, holding));
+            return;
+        }
         self.start_fetch(source, holding);
     }
 
@@ -1470,7 +1497,7 @@ mod tests {
     }
 
     #[test]
-    fn a_reader_with_a_known_current_copy_fetches_nothing_and_a_moved_state_is_read_whole() {
+    fn a_reader_with_a_known_current_copy_fetches_nothing_and_a_moved_state_fetches_only_what_differs() {
         let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
         let content = fill(&mut peers, 2 * MAX_CHUNK_BYTES + 77);
         let mut r = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0);
@@ -1501,9 +1528,12 @@ mod tests {
         w.submit(Op::write(now.len() as u64, b"more".to_vec())).unwrap();
         run(&mut w, &mut peers);
         now.extend_from_slice(b"more");
+        // The local copy is read and compared: only the last chunk (where the append is) is fetched.
         let mut moved = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0).with_known_state(state);
-        run(&mut moved, &mut peers);
+        run_with_copy(&mut moved, &mut peers, &content, &mut Vec::new());
         assert!(moved.is_ready() && !moved.matched_known());
+        let last = (now.len() - 1) / MAX_CHUNK_BYTES * MAX_CHUNK_BYTES;
+        assert_eq!(moved.recovery_bytes(), ((now.len() - last) as u64, last as u64));
         assert_eq!(moved.take_recovered().unwrap(), now);
     }
 
@@ -1512,6 +1542,9 @@ mod tests {
         loop {
             if c.wants_image() {
                 c.supply_image(local.to_vec());
+            }
+            if c.wants_local_copy() {
+                c.supply_local_copy(local.to_vec());
             }
             if let Some(p) = c.wants_resync() {
                 c.resync(p, local.to_vec());
@@ -1564,12 +1597,14 @@ mod tests {
         peers[0] = PeerCore::new(64 << 20);
         run(&mut check, &mut peers);
         assert_eq!(check.take_recovered().unwrap(), content);
-        // A known state that is not the peers' (another writer moved on): recovered as usual.
+        // A known state that is not the peers' (another writer moved on): the local copy is
+        // read and compared; only the chunk that differs is fetched.
         let mut stale = FileClient::open(1, 5, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0).with_known_state(state);
         check.submit(Op::write(0, b"X".to_vec())).unwrap();
         run(&mut check, &mut peers);
-        run_with_copy(&mut stale, &mut peers, &[], &mut Vec::new());
+        run_with_copy(&mut stale, &mut peers, &content, &mut Vec::new());
         assert!(stale.is_ready() && !stale.matched_known());
+        assert_eq!(stale.recovery_bytes(), (MAX_CHUNK_BYTES as u64, content.len() as u64 - MAX_CHUNK_BYTES as u64));
         let mut want = content.clone();
         want[0] = b'X';
         assert_eq!(stale.take_recovered().unwrap(), want);

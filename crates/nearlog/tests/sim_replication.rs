@@ -332,6 +332,11 @@ fn run(seed: u64) -> (u32, u64, u32, u32, u32) {
                             let img = r.known.as_ref().expect("only a known open asks for its image").1.clone();
                             c.supply_image(img);
                         }
+                        if c.wants_local_copy() {
+                            // The known copy is not current: recovery compares it, fetching the rest.
+                            let img = r.known.as_ref().expect("only a known open asks for its copy").1.clone();
+                            c.supply_local_copy(img);
+                        }
                         if let Some(p) = c.wants_resync() {
                             let img = r.history.last().unwrap().clone();
                             c.resync(p, img);
