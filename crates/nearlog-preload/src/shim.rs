@@ -1699,6 +1699,10 @@ fn forget_fd(fd: c_int) {
     let Some(t) = shim.files.remove(&fd) else { return };
     // The peers beyond the majority get what was held back for them before the file goes.
     shim.flush_deferred();
+    let sent = t.client.image_bytes();
+    if sent != Default::default() {
+        log(&format!("{}: images sent to lagging log peers: {} bytes whole, {} bytes as patches of {} bytes of images", t.key, sent.whole, sent.patch, sent.patched_images));
+    }
     if t.resume.is_none() && t.client.failure().is_none() && t.read_fd >= 0 {
         // Every write reached the local copy before it was acknowledged: the copy is exactly
         // the state a majority holds. A writer open of it in this process skips reading it
