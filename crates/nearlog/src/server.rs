@@ -217,11 +217,12 @@ fn coalesce_acks() -> bool {
 }
 
 /// How long a connection thread polls for the next request without sleeping after answering a
-/// batch: `UNDERSTUDY_NEARLOG_PEER_SPIN_US` (default 0: block in `read` at once; at most
-/// 1000), read once at start. A writer that writes back to back sends its next record within a
-/// few µs of our ack; a thread that is still running takes it without the wake-up a sleeping
-/// one pays (on a VM an idle exit and an interrupt: the same order as the round trip), at the
-/// cost of that much CPU per batch.
+/// batch, when the previous two batches came within that time of each other:
+/// `UNDERSTUDY_NEARLOG_PEER_SPIN_US` (default 0: block in `read` at once; at most 1000), read
+/// once at start. A writer that writes back to back sends its next record within a few µs of
+/// our ack; a thread that is still running takes it without the wake-up a sleeping one pays
+/// (on a VM an idle exit and an interrupt: the same order as the round trip), at the cost of
+/// up to that much CPU per batch.
 fn peer_spin() -> Duration {
     static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *SPIN.get_or_init(|| {
@@ -260,8 +261,11 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
     // The last reply in `out`, if an Ack: its (file, epoch) and where its frame starts.
     let mut last_ack: Option<((crate::proto::FileId, crate::proto::Epoch), usize)> = None;
     let spin = peer_spin();
+    // When the last two batches arrived: a connection spins only while its client writes back
+    // to back (the gap between them within the spin), so an idle or slow one costs no CPU.
+    let mut arrivals = [std::time::Instant::now() - Duration::from_secs(1); 2];
     loop {
-        if !spin.is_zero() && start == end {
+        if !spin.is_zero() && start == end && arrivals[1].duration_since(arrivals[0]) <= spin {
             spin_for_input(&sock, spin);
         }
         let n = match sock.read(&mut buf[end..]) {
@@ -272,6 +276,9 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
             return Err(wire::WireError::Closed);
         }
         end += n;
+        if !spin.is_zero() {
+            arrivals = [arrivals[1], std::time::Instant::now()];
+        }
         let mut c = None;
         while end - start >= HDR {
             let header: [u8; HDR] = buf[start..start + HDR].try_into().unwrap();
