@@ -263,7 +263,8 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
     let spin = peer_spin();
     // When the last two batches arrived: a connection spins only while its client writes back
     // to back (the gap between them within the spin), so an idle or slow one costs no CPU.
-    let mut arrivals = [std::time::Instant::now() - Duration::from_secs(1); 2];
+    let t0 = std::time::Instant::now();
+    let mut arrivals = [t0, t0 + Duration::from_secs(1)];
     loop {
         if !spin.is_zero() && start == end && arrivals[1].duration_since(arrivals[0]) <= spin {
             spin_for_input(&sock, spin);
