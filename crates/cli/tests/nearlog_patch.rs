@@ -102,6 +102,7 @@ fn a_peer_that_falls_behind_is_patched_with_what_it_lacks() {
     let err = std::fs::read_to_string(&stderr_path).unwrap();
     let line = err.lines().find(|l| l.contains("images sent to lagging log peers")).unwrap_or_else(|| panic!("no image line: {err}"));
     let n: Vec<u64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    eprintln!("{line}");
     let [whole, patch, patched] = n[n.len() - 3..] else { panic!("{line}") };
     assert_eq!(whole, 0, "patched, not sent whole: {line}");
     assert!(patched as usize >= 24 << 20 && patch > 0 && patch < patched / 2, "only what it lacked: {line}");
