@@ -23,6 +23,7 @@ fn quick_apps_bench_emits_the_ratios() {
         "nearlog_vs_weak.redis.c50.throughput",
         "nearlog_vs_strong.sqlite.c1.throughput",
         "nearlog_vs_loopback_rtt.write_fsync.latency_p50",
+        "nearlog_vs_loopback_rtt_c.write_fsync_c.latency_p50",
         "nearlog_vs_strong.rocksdb.c1.throughput",
     ] {
         assert!(v["ratios"][r].as_f64().is_some_and(|x| x.is_finite() && x > 0.0), "ratio {r} missing or not positive: {v}");

@@ -73,3 +73,28 @@ fn writes_through_fd_copies_replicate_and_shared_mmap_is_refused() {
     let want: Vec<u8> = b"ABCDEF".iter().flat_map(|&c| std::iter::repeat_n(c, 100)).collect();
     assert_eq!(String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&want));
 }
+
+/// A log file the application never closes (Redis keeps its AOF open until it exits) is
+/// remembered as a known copy at exit, with the state of its last write: the next run's writer
+/// open does not read it again.
+#[test]
+fn a_log_left_open_is_remembered_at_exit() {
+    let bed = nearlog_common::Bed::new();
+    let log = bed.app.join("open-at-exit.log");
+    let prog = "import os, sys\nfd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)\nos.write(fd, b'x' * 1234)\nos.fsync(fd)\n";
+    let mut cmd = Command::new("python3");
+    cmd.arg("-c").arg(prog).arg(&log);
+    cmd.env("LD_PRELOAD", &bed.so).env("UNDERSTUDY_NEARLOG_CLUSTER", &bed.cluster_file).env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log");
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // SAFETY: no arguments.
+    let dir = format!("/dev/shm/understudy-nearlog-{}", unsafe { libc::geteuid() });
+    let key = log.to_str().unwrap();
+    let record = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{dir}: {e}"))
+        .filter_map(|e| std::fs::read_to_string(e.unwrap().path()).ok())
+        .find(|t| t.lines().next() == Some(key))
+        .unwrap_or_else(|| panic!("no record of {key} in {dir}"));
+    let size: u64 = record.lines().nth(1).unwrap().split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert_eq!(size, 1234, "the record is the state after the last write: {record}");
+}

@@ -21,6 +21,10 @@
 //!   free the peers' memory.
 //! - While waiting for a majority the calling thread polls without sleeping for up to
 //!   `UNDERSTUDY_NEARLOG_SPIN_US` (default 50, at most 10000; 0 = always block in `poll`).
+//! - Local copies known to be current (closed with every write acknowledged, or still open at
+//!   process exit, or made current by a recovery) are remembered on tmpfs, at most
+//!   `UNDERSTUDY_NEARLOG_KNOWN_MAX_RECORDS` (default 1024) records and
+//!   `UNDERSTUDY_NEARLOG_KNOWN_MAX_BYTES` (default 1 MiB), the oldest removed first.
 //! - No majority within `UNDERSTUDY_NEARLOG_DEADLINE_MS` (default 10000): EIO. A missing or bad
 //!   configuration or an unreachable controller: EIO at open, with a line on stderr — never
 //!   silently unreplicated writes.

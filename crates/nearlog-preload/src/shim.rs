@@ -819,6 +819,15 @@ impl Shim {
             } else if done(&t.client) {
                 return Ok(());
             }
+            if t.client.wants_local_copy() {
+                // A known copy that is no longer current: only the chunks that differ are fetched.
+                let fd_r = if t.read_fd >= 0 { t.read_fd } else { fd };
+                // SAFETY: fstat into a zeroed struct.
+                let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
+                let local = if unsafe { libc::fstat64(fd_r, &mut st) } == 0 { read_local(fd_r, st.st_size as u64).unwrap_or_default() } else { Vec::new() };
+                t.client.supply_local_copy(local);
+                continue;
+            }
             if t.client.wants_image() {
                 // Basing on a known local copy, and a peer lacks that state: it needs the bytes.
                 let size = t.client.size();
@@ -860,7 +869,11 @@ fn read_local_at(fd: c_int, offset: u64, len: usize) -> std::io::Result<Vec<u8>>
         // SAFETY: reading into our own buffer within its bounds.
         let n = unsafe { libc::pread64(fd, img[done..].as_mut_ptr() as *mut c_void, img.len() - done, (offset + done as u64) as i64) };
         if n < 0 {
-            return Err(std::io::Error::last_os_error());
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue; // a signal to the application: not a failed read
+            }
+            return Err(e);
         }
         if n == 0 {
             break; // shorter than replicated: the rest reads as zeros
@@ -899,7 +912,11 @@ fn write_at_all(fd: c_int, data: &[u8], offset: u64) -> std::io::Result<()> {
         // SAFETY: writing from our own buffer within its bounds with the real pwrite.
         let n = unsafe { (real().pwrite)(fd, data[done..].as_ptr() as *const c_void, data.len() - done, (offset + done as u64) as off_t) };
         if n < 0 {
-            return Err(std::io::Error::last_os_error());
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue; // a signal to the application: not a failed write
+            }
+            return Err(e);
         }
         done += n as usize;
     }
@@ -1067,8 +1084,8 @@ fn verify_local_copy(shim: &mut Shim, fd: c_int, writable: bool, grant: &FileGra
     // peers are only asked whether a majority's most advanced copy is still that state (no
     // local read, no checksums: RocksDB lists its WAL directory, which recovers the WAL, then
     // opens the WAL to read it, at once).
-    // (Only where a copy found stale can be rewritten: without the local bytes at hand, a
-    // state that moved on is fetched whole and compared while repairing.)
+    // (Only where a copy found stale can be rewritten. A state that moved on is compared
+    // with the local bytes: only the chunks that differ are fetched.)
     let client = match known_copy(key, grant.file, &st).filter(|_| writable) {
         Some(h) => client.with_known_state(h),
         None => client.with_local_copy(read_local(fd, local_size).map_err(|e| format!("reading the local copy: {e}"))?),
@@ -1172,10 +1189,59 @@ fn known_on_this_boot(key: &str) -> Option<KnownCopy> {
     Some((k.to_string(), file, nearlog::proto::Holding { epoch, seq, size }, id))
 }
 
+/// Default of `UNDERSTUDY_NEARLOG_KNOWN_MAX_RECORDS`: records kept on tmpfs (each names one log
+/// file; the oldest are removed first — a missing record only costs a re-check of its copy).
+const DEFAULT_KNOWN_MAX_RECORDS: usize = 1024;
+/// Default of `UNDERSTUDY_NEARLOG_KNOWN_MAX_BYTES`: bytes of tmpfs (memory) the records may take.
+const DEFAULT_KNOWN_MAX_BYTES: u64 = 1 << 20;
+
+/// The bounds on tmpfs records: (count, bytes), from the environment (read once).
+fn known_bounds() -> (usize, u64) {
+    static B: OnceLock<(usize, u64)> = OnceLock::new();
+    *B.get_or_init(|| {
+        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+        (env("UNDERSTUDY_NEARLOG_KNOWN_MAX_RECORDS").map_or(DEFAULT_KNOWN_MAX_RECORDS, |n| n as usize), env("UNDERSTUDY_NEARLOG_KNOWN_MAX_BYTES").unwrap_or(DEFAULT_KNOWN_MAX_BYTES))
+    })
+}
+
+/// Removes the oldest records until one of `incoming` bytes fits the bounds beside the rest
+/// (keys are many when an application names its logs by number: they must not pile up in
+/// memory until a reboot). False if it cannot fit at all.
+fn make_room_for_record(dir: &str, keep: &str, incoming: u64, (max_records, max_bytes): (usize, u64)) -> bool {
+    if max_records == 0 || incoming > max_bytes {
+        return false;
+    }
+    let Ok(rd) = std::fs::read_dir(dir) else { return true };
+    let mut records: Vec<(std::time::SystemTime, u64, std::path::PathBuf)> = rd
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().to_str() != Some(keep))
+        .filter_map(|e| {
+            let m = e.metadata().ok()?;
+            m.is_file().then(|| (m.modified().unwrap_or(std::time::UNIX_EPOCH), m.len(), e.path()))
+        })
+        .collect();
+    records.sort();
+    let mut bytes: u64 = records.iter().map(|r| r.1).sum();
+    let mut count = records.len();
+    for (_, len, path) in records {
+        if count < max_records && bytes + incoming <= max_bytes {
+            break;
+        }
+        let _ = std::fs::remove_file(path);
+        count -= 1;
+        bytes -= len;
+    }
+    true
+}
+
 fn remember_on_this_boot(c: &KnownCopy) {
     let Some(path) = known_path(&c.0) else { return };
     let (k, f, h, id) = c;
     let text = format!("{k}\n{f} {} {} {} {} {} {} {} {} {}\n", h.epoch, h.seq, h.size, id[0], id[1], id[2], id[3], id[4], id[5]);
+    if !make_room_for_record(known_dir().unwrap_or_default(), &path, text.len() as u64, known_bounds()) {
+        let _ = std::fs::remove_file(&path); // an older record of this key is no longer true
+        return;
+    }
     // Replaced atomically: a reader sees the old record or the new one.
     let tmp = format!("{path}.{}", pid());
     if std::fs::write(&tmp, text).is_ok() && std::fs::rename(&tmp, &path).is_err() {
@@ -1590,6 +1656,36 @@ pub unsafe fn close(fd: c_int) -> c_int {
 /// The shim's bookkeeping when `fd` stops naming a log file (close, or dup2/dup3 over it):
 /// writes were acknowledged synchronously, so nothing is pending; if copies of the fd remain,
 /// one of them takes over the replication state.
+/// At process exit (`exit`, a return from `main`; not SIGKILL): the peers beyond the majority get
+/// what was held back for them, and every log file whose writes were all acknowledged is
+/// remembered as a known copy (as a close would), so the next run's writer open does not re-read
+/// an application's log it never closed (Redis keeps its AOF open until it exits).
+extern "C" fn at_exit() {
+    let Some(_g) = Guard::enter() else { return };
+    // Never wait at exit: a thread that holds the state (exit from another thread mid-write)
+    // keeps it; nothing is remembered then.
+    let Ok(mut slot) = SHIM.try_lock() else { return };
+    let Some(shim) = slot.as_mut() else { return };
+    if shim.owner_pid != pid() {
+        return;
+    }
+    shim.flush_deferred();
+    let done: Vec<(String, nearlog::proto::FileId, c_int, Option<nearlog::proto::Holding>)> = shim
+        .files
+        .values()
+        .filter(|t| t.resume.is_none() && t.client.failure().is_none() && t.read_fd >= 0)
+        .map(|t| (t.key.clone(), t.client.file(), t.read_fd, t.client.committed_state()))
+        .collect();
+    drop(slot);
+    for (key, file, fd, state) in done {
+        remember_copy(&key, file, fd, state);
+    }
+}
+
+#[used]
+#[link_section = ".fini_array"]
+static AT_EXIT: extern "C" fn() = at_exit;
+
 fn forget_fd(fd: c_int) {
     set_tracked(fd, false);
     let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
@@ -1603,6 +1699,10 @@ fn forget_fd(fd: c_int) {
     let Some(t) = shim.files.remove(&fd) else { return };
     // The peers beyond the majority get what was held back for them before the file goes.
     shim.flush_deferred();
+    let sent = t.client.image_bytes();
+    if sent != Default::default() {
+        log(&format!("{}: images sent to lagging log peers: {} bytes whole, {} bytes as patches of {} bytes of images", t.key, sent.whole, sent.patch, sent.patched_images));
+    }
     if t.resume.is_none() && t.client.failure().is_none() && t.read_fd >= 0 {
         // Every write reached the local copy before it was acknowledged: the copy is exactly
         // the state a majority holds. A writer open of it in this process skips reading it
@@ -1801,5 +1901,35 @@ mod tests {
         assert!(!glob_match("*.log", "/d/x.logs"));
         assert!(glob_match("/d/?.log", "/d/a.log"));
         assert_eq!(normalize("/a/./b/../c//d"), "/a/c/d");
+    }
+
+    #[test]
+    fn known_copy_records_stay_within_their_bounds_oldest_removed_first() {
+        let dir = std::env::temp_dir().join(format!("nearlog-known-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let d = dir.to_str().unwrap();
+        let names: Vec<String> = (0..6).map(|i| format!("{d}/r{i}")).collect();
+        for (i, n) in names.iter().enumerate() {
+            assert!(make_room_for_record(d, n, 100, (4, 1000)));
+            std::fs::write(n, vec![b'x'; 100]).unwrap();
+            // Distinct modification times, oldest first.
+            let t = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000 + i as u64);
+            std::fs::File::options().write(true).open(n).unwrap().set_modified(t).unwrap();
+        }
+        let left = |d: &std::path::Path| {
+            let mut v: Vec<String> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(left(&dir), ["r2", "r3", "r4", "r5"], "at most 4 records, the oldest went");
+        // A byte bound: 250 bytes hold two records of 100 beside a new one of 50.
+        assert!(make_room_for_record(d, &format!("{d}/new"), 50, (10, 250)));
+        assert_eq!(left(&dir), ["r4", "r5"]);
+        // Rewriting a key's own record does not count that record; one larger than the bound does not fit.
+        assert!(make_room_for_record(d, &names[5], 100, (2, 250)));
+        assert_eq!(left(&dir), ["r4", "r5"]);
+        assert!(!make_room_for_record(d, &format!("{d}/huge"), 300, (10, 250)));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -128,7 +128,13 @@ impl FrameReader {
         if self.end == self.buf.len() {
             self.buf.resize(self.end + FILL_BYTES, 0); // never a read into no room (= closed)
         }
-        let n = s.read(&mut self.buf[self.end..])?;
+        // A signal to the application (SIGCHLD, a timer) is no reason to drop the connection.
+        let n = loop {
+            match s.read(&mut self.buf[self.end..]) {
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                r => break r?,
+            }
+        };
         self.end += n;
         Ok(n)
     }

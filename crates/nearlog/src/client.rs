@@ -66,11 +66,15 @@ pub struct ClientConfig {
     pub retransmit_after_us: u64,
     /// Records resent to one peer per retransmission.
     pub retransmit_batch_records: usize,
+    /// An image at least this large is sent to a peer that holds an older copy as a patch (its
+    /// block checksums first, then only the blocks that differ); smaller ones go whole (the
+    /// extra round trip would cost more than the bytes).
+    pub patch_min_bytes: usize,
 }
 
 impl Default for ClientConfig {
     fn default() -> Self {
-        ClientConfig { max_buffered_bytes: 16 * 1024 * 1024, retransmit_after_us: 200_000, retransmit_batch_records: 256 }
+        ClientConfig { max_buffered_bytes: 16 * 1024 * 1024, retransmit_after_us: 200_000, retransmit_batch_records: 256, patch_min_bytes: 256 * 1024 }
     }
 }
 
@@ -141,6 +145,89 @@ struct Track {
     superseding: bool,
     /// The Base last sent to it (resent if its ack never comes).
     base: Option<Op>,
+    /// Patching (see [`push_image`]): the checksums of its copy were asked, not answered yet.
+    patch_wait: bool,
+    /// The block checksums of its committed copy, for the next image sent to it.
+    peer_sums: Option<Vec<u32>>,
+    /// The last image sent to it was a patch (a NeedImage answer: it did not apply).
+    patched: bool,
+    /// Send it whole images (it holds no copy, a patch did not apply, or it had no room).
+    no_patch: bool,
+    /// Its last answer said it holds no copy of the file (restarted): nothing to patch.
+    empty: bool,
+}
+
+/// Payload bytes of images sent to peers: whole, and as patches (only differing blocks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ImageBytes {
+    pub whole: u64,
+    pub patch: u64,
+    /// Bytes of the images that were patched (what whole images would have cost).
+    pub patched_images: u64,
+}
+
+/// What [`push_image`] needs of its [`FileClient`] (the image itself lives in the client's phase
+/// or in a track, so the client cannot be borrowed whole).
+struct ImageTo<'a> {
+    file: FileId,
+    epoch: Epoch,
+    now_us: u64,
+    patch_min_bytes: usize,
+    out: &'a mut Vec<(PeerId, PeerRequest)>,
+    sent: &'a mut ImageBytes,
+}
+
+/// Sends peer `p` the image of a `Base { from: None }` at `seq` (the caller sends the Base after
+/// it when this returns true). A peer that may hold an older copy is patched: it is first asked
+/// for its copy's block checksums (returns false: called again when they arrive, see
+/// [`FileClient::on_reply`]), then sent `StageCopy` and only the blocks whose checksums differ.
+/// A peer without a copy (`NoCopy`), or whose patched image did not check (`NeedImage`), gets
+/// whole images from then on.
+fn push_image(to: ImageTo<'_>, p: PeerId, t: &mut Track, seq: u64, image: &[u8], supersede: bool) -> bool {
+    let (file, epoch) = (to.file, to.epoch);
+    let size = image.len() as u64;
+    if !t.no_patch && !t.empty && image.len() >= to.patch_min_bytes && size <= MAX_SUMS_BYTES {
+        let Some(sums) = t.peer_sums.take() else {
+            t.patch_wait = true;
+            t.last_send_us = to.now_us;
+            to.out.push((p, PeerRequest::Sums { file, epoch, offset: 0, len: MAX_SUMS_BYTES }));
+            return false;
+        };
+        t.patch_wait = false;
+        t.patched = true;
+        to.out.push((p, PeerRequest::StageCopy { file, epoch, seq, size }));
+        let blocks = image.len().div_ceil(BLOCK_BYTES);
+        let block = |b: usize| &image[b * BLOCK_BYTES..((b + 1) * BLOCK_BYTES).min(image.len())];
+        let mut sent = 0u64;
+        let mut run: Option<usize> = None;
+        for b in 0..=blocks {
+            let differs = b < blocks && sums.get(b) != Some(&crc32c::crc32c(block(b)));
+            if differs {
+                run.get_or_insert(b);
+                continue;
+            }
+            let Some(first) = run.take() else { continue };
+            let (lo, hi) = (first * BLOCK_BYTES, (b * BLOCK_BYTES).min(image.len()));
+            for at in (lo..hi).step_by(MAX_CHUNK_BYTES) {
+                let data = image[at..(at + MAX_CHUNK_BYTES).min(hi)].to_vec();
+                sent += data.len() as u64;
+                to.out.push((p, PeerRequest::Stage { file, epoch, seq, size, offset: at as u64, data, supersede: false }));
+            }
+        }
+        to.sent.patch += sent;
+        to.sent.patched_images += size;
+        t.last_send_us = to.now_us + image_send_us(sent as usize);
+        return true;
+    }
+    t.patched = false;
+    // Sticky: once allowed, the peer may have released its copy (a lost reply).
+    t.superseding |= supersede;
+    t.last_send_us = to.now_us + image_send_us(image.len());
+    to.sent.whole += size;
+    for (i, chunk) in image.chunks(MAX_CHUNK_BYTES).enumerate() {
+        to.out.push((p, PeerRequest::Stage { file, epoch, seq, size, offset: (i * MAX_CHUNK_BYTES) as u64, data: chunk.to_vec(), supersede }));
+    }
+    true
 }
 
 /// One open log file. Inputs: [`FileClient::on_reply`], [`FileClient::tick`], [`FileClient::submit`];
@@ -183,12 +270,18 @@ pub struct FileClient {
     read_state: Option<Holding>,
     /// The source was at the `known` state (no image: the caller's copy is current).
     matched_known: bool,
+    /// The source is not at the `known` state: the recovery source and its state, while the
+    /// driver reads its local copy ([`FileClient::wants_local_copy`]) so that only the chunks
+    /// that differ from it are fetched.
+    local_wanted: Option<(PeerId, Holding)>,
     /// Basing on the `known` state without its bytes (the caller's copy is the image): only a
     /// peer that needs the image makes the driver read it ([`FileClient::wants_image`]).
     image_elided: bool,
     /// Recovery's bytes fetched from the source and taken from the local copy.
     fetched_bytes: u64,
     reused_bytes: u64,
+    /// Images sent to peers (Bases that needed one, resyncs).
+    image_bytes: ImageBytes,
     now_us: u64,
     out: Vec<(PeerId, PeerRequest)>,
 }
@@ -246,9 +339,11 @@ impl FileClient {
             known: None,
             read_state: None,
             matched_known: false,
+            local_wanted: None,
             image_elided: false,
             fetched_bytes: 0,
             reused_bytes: 0,
+            image_bytes: ImageBytes::default(),
             now_us,
             out: Vec::new(),
             peers,
@@ -288,6 +383,23 @@ impl FileClient {
     pub fn with_known_state(mut self, h: Holding) -> FileClient {
         self.known = Some(h);
         self
+    }
+
+    /// Recovery found the source past the state given to [`FileClient::with_known_state`] (a
+    /// writer elsewhere moved it on): the driver reads its local copy (mostly the same bytes)
+    /// and gives it to [`FileClient::supply_local_copy`].
+    pub fn wants_local_copy(&self) -> bool {
+        self.local_wanted.is_some() && matches!(self.phase, Phase::Probing)
+    }
+
+    /// The local copy asked for by [`FileClient::wants_local_copy`] (any content is safe: a
+    /// chunk is only taken from it when its block checksums match the source's).
+    pub fn supply_local_copy(&mut self, local: Vec<u8>) {
+        let Some((source, holding)) = self.local_wanted.take() else { return };
+        if !local.is_empty() {
+            self.local_hint = Some(local);
+        }
+        self.start_fetch(source, holding);
     }
 
     /// Recovery found the source at the state given to [`FileClient::with_known_state`].
@@ -331,6 +443,11 @@ impl FileClient {
     /// Recovery's bytes so far: (fetched from the source, taken from the local copy).
     pub fn recovery_bytes(&self) -> (u64, u64) {
         (self.fetched_bytes, self.reused_bytes)
+    }
+
+    /// Payload bytes of the images sent to peers so far, whole and patched.
+    pub fn image_bytes(&self) -> ImageBytes {
+        self.image_bytes
     }
 
     /// Every peer recovery talks to: the new set and the old members of a pending move.
@@ -603,25 +720,29 @@ impl FileClient {
     fn send_resync(&mut self, p: PeerId) {
         let supersede = self.may_release(p);
         let t = self.tracks.get_mut(&p).unwrap();
-        let Some((seq, image)) = &t.resync else { return };
-        t.superseding |= supersede;
-        let (seq, size, image_crc) = (*seq, image.len() as u64, crc32c::crc32c(image));
-        t.last_send_us = self.now_us + image_send_us(image.len());
-        for (i, chunk) in image.chunks(MAX_CHUNK_BYTES).enumerate() {
-            self.out.push((
-                p,
-                PeerRequest::Stage {
-                    file: self.file,
-                    epoch: self.epoch,
-                    seq,
-                    size,
-                    offset: (i * MAX_CHUNK_BYTES) as u64,
-                    data: chunk.to_vec(),
-                    supersede,
-                },
-            ));
+        let Some((seq, image)) = t.resync.take() else { return };
+        let to = ImageTo { file: self.file, epoch: self.epoch, now_us: self.now_us, patch_min_bytes: self.cfg.patch_min_bytes, out: &mut self.out, sent: &mut self.image_bytes };
+        let ready = push_image(to, p, t, seq, &image, supersede);
+        let (size, image_crc) = (image.len() as u64, crc32c::crc32c(&image));
+        t.resync = Some((seq, image));
+        if ready {
+            self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq, op: Op::Base { from: None, size, image_crc } }));
         }
-        self.out.push((p, PeerRequest::Record { file: self.file, epoch: self.epoch, seq, op: Op::Base { from: None, size, image_crc } }));
+    }
+
+    /// Sends `p` its image again (its checksums arrived, or a patch cannot be made).
+    fn resend_image(&mut self, p: PeerId) {
+        if self.tracks[&p].resync.is_some() {
+            self.send_resync(p);
+        } else if matches!(self.phase, Phase::Basing { .. }) {
+            self.send_base(p);
+        } else if matches!(self.phase, Phase::Ready) {
+            // Its epoch's image went with the Base: it is resynced from the driver's copy.
+            let t = self.tracks.get_mut(&p).unwrap();
+            if t.applied == 0 {
+                (t.lost, t.want_resync) = (true, true);
+            }
+        }
     }
 
     fn fetch(&self, offset: u64) -> PeerRequest {
@@ -645,9 +766,36 @@ impl FileClient {
                 }
                 PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
                 PeerReply::Sums { offset, block_crcs, holding, .. } => self.on_sums(peer, offset, block_crcs, holding),
+                PeerReply::NoCopy { .. } if matches!(&self.phase, Phase::Fetching(f) if f.source == peer) => self.exclude_source(peer),
                 _ => {}
             }
             return;
+        }
+        if self.tracks[&peer].patch_wait {
+            // Answers to the checksums asked for a patch ([`push_image`]).
+            match reply {
+                PeerReply::Sums { offset: 0, block_crcs, holding, .. } => {
+                    let t = self.tracks.get_mut(&peer).unwrap();
+                    t.patch_wait = false;
+                    if block_crcs.len() as u64 == holding.size.min(MAX_SUMS_BYTES).div_ceil(BLOCK_BYTES as u64) {
+                        t.peer_sums = Some(block_crcs);
+                    } else {
+                        t.no_patch = true; // a malformed answer: no patching for it
+                    }
+                    self.resend_image(peer);
+                    return;
+                }
+                PeerReply::NoCopy { .. } => {
+                    let t = self.tracks.get_mut(&peer).unwrap();
+                    t.patch_wait = false;
+                    t.no_patch = true;
+                    self.resend_image(peer);
+                    return;
+                }
+                // A late answer to a Base sent before the patch began: the patch's Base follows.
+                PeerReply::NeedImage { .. } => return,
+                _ => {}
+            }
         }
         match reply {
             PeerReply::Stale { promised, .. } if promised > self.epoch => self.fail(Failure::Fenced { promised }),
@@ -656,7 +804,10 @@ impl FileClient {
                 let now = self.now_us;
                 let backoff = self.cfg.retransmit_after_us.saturating_mul(NO_ROOM_RETRY_FACTOR).max(1);
                 let t = self.tracks.get_mut(&peer).unwrap();
-                if (basing && t.needs_image && t.applied == 0) || t.resync.is_some() {
+                // Before its Base a peer's only op that takes room is an image (Stage or
+                // StageCopy: records of the epoch wait for the Base), also one answered after the
+                // majority made the file ready.
+                if (basing && t.needs_image) || t.applied == 0 || t.resync.is_some() {
                     // An image did not fit: this peer is treated like a dead one while a
                     // majority carries the file (a re-base only needs a majority), and is
                     // brought up to date later (see `may_release`). Records do fail loudly.
@@ -664,6 +815,8 @@ impl FileClient {
                     t.resync = None;
                     t.want_resync = false;
                     t.no_room = Some(now + backoff);
+                    // Next time whole, allowed to release its copy if safe (a patch keeps it).
+                    (t.no_patch, t.patch_wait, t.peer_sums) = (true, false, None);
                     self.retry_no_room();
                     return;
                 }
@@ -679,6 +832,7 @@ impl FileClient {
                     let floor = self.ops.front().map(|(s, _)| *s - 1).unwrap_or(self.next_seq);
                     let t = self.tracks.get_mut(&peer).unwrap();
                     if t.lost && t.resync.is_none() {
+                        t.empty = holding.is_none();
                         match holding {
                             Some(h) if h.epoch == self.epoch && h.seq >= floor => {
                                 t.lost = false;
@@ -695,8 +849,14 @@ impl FileClient {
             }
             PeerReply::Data { offset, data, block_crcs, holding, .. } => self.on_data(peer, offset, data, block_crcs, holding),
             PeerReply::Sums { offset, block_crcs, holding, .. } => self.on_sums(peer, offset, block_crcs, holding),
+            // The recovery source lost its copy since its probe (restarted, released): no witness.
+            PeerReply::NoCopy { .. } if matches!(&self.phase, Phase::Fetching(f) if f.source == peer) => self.exclude_source(peer),
             PeerReply::NeedImage { epoch, .. } if epoch == self.epoch => {
+                let probed_empty = matches!(self.probes.get(&peer), Some(None));
                 let t = self.tracks.get_mut(&peer).unwrap();
+                if std::mem::take(&mut t.patched) {
+                    t.no_patch = true; // the patched image did not check: whole from now on
+                }
                 if t.resync.is_some() {
                     self.send_resync(peer);
                     return;
@@ -710,9 +870,11 @@ impl FileClient {
                     t.needs_image = true;
                     self.send_base(peer);
                 } else if t.applied == 0 && matches!(self.phase, Phase::Ready) {
-                    // The image is gone: the driver resyncs it from its local copy.
+                    // The image is gone: the driver resyncs it from its local copy (whole if
+                    // recovery found it without a copy).
                     t.lost = true;
                     t.want_resync = true;
+                    t.empty = probed_empty;
                 }
             }
             PeerReply::Ack { epoch, applied_seq, .. } => {
@@ -721,6 +883,7 @@ impl FileClient {
                     let t = self.tracks.get_mut(&peer).unwrap();
                     if ready && t.resync.is_none() {
                         // Alive but without this epoch's state (restarted: memory lost).
+                        t.empty = epoch == 0;
                         t.lost = true;
                         t.want_resync = true;
                     }
@@ -776,6 +939,11 @@ impl FileClient {
             // NeedImage and is resynced from the driver's copy.
             for t in self.tracks.values_mut() {
                 t.needs_image = false;
+                if t.patch_wait && t.applied == 0 {
+                    // Its Base waited for its checksums, and the image is gone with the phase:
+                    // it is resynced (patched) from the driver's copy.
+                    (t.lost, t.want_resync) = (true, true);
+                }
                 if t.lost && t.no_room.is_some() && t.applied == 0 {
                     // Had no room for the image: now that a majority holds the new epoch it may
                     // release its old copy; the driver re-bases it from the local copy.
@@ -896,6 +1064,11 @@ impl FileClient {
                 self.image_elided = true;
                 self.start_base_sized(Some((source, holding)), Vec::new(), holding.size);
             }
+            return;
+        }
+        if self.known.is_some() && self.local_hint.is_none() {
+            // The known copy is not current: compare it rather than fetch everything.
+            self.local_wanted = Some((source, holding));
             return;
         }
         self.start_fetch(source, holding);
@@ -1131,6 +1304,7 @@ impl FileClient {
         let supersede = self.may_release(p);
         let Phase::Basing { source, image } = &self.phase else { return };
         let t = self.tracks.get_mut(&p).unwrap();
+        t.empty = matches!(self.probes.get(&p), Some(None));
         if t.needs_image && self.image_elided {
             return; // sent once the driver gives the image (`wants_image`)
         }
@@ -1141,22 +1315,9 @@ impl FileClient {
         let image_crc = crc32c::crc32c(image);
         let from = if t.needs_image || size == 0 { None } else { source.map(|(_, h)| (h.epoch, h.seq)) };
         if t.needs_image {
-            // Sticky: once allowed, the peer may have released its copy (a lost reply).
-            t.superseding |= supersede;
-            t.last_send_us = self.now_us + image_send_us(image.len());
-            for (i, chunk) in image.chunks(MAX_CHUNK_BYTES).enumerate() {
-                self.out.push((
-                    p,
-                    PeerRequest::Stage {
-                        file: self.file,
-                        epoch: self.epoch,
-                        seq: 1,
-                        size,
-                        offset: (i * MAX_CHUNK_BYTES) as u64,
-                        data: chunk.to_vec(),
-                        supersede,
-                    },
-                ));
+            let to = ImageTo { file: self.file, epoch: self.epoch, now_us: self.now_us, patch_min_bytes: self.cfg.patch_min_bytes, out: &mut self.out, sent: &mut self.image_bytes };
+            if !push_image(to, p, t, 1, image, supersede) {
+                return; // the Base follows the patch, once the peer's checksums are in
             }
         }
         let base = Op::Base { from, size, image_crc };
@@ -1169,6 +1330,7 @@ impl FileClient {
 mod tests {
     use super::*;
     use crate::peer::PeerCore;
+    use crate::proto::apply_op;
 
     /// Delivers every outgoing message to its peer and every reply back, until quiet.
     fn run(c: &mut FileClient, peers: &mut [PeerCore]) {
@@ -1335,7 +1497,7 @@ mod tests {
     }
 
     #[test]
-    fn a_reader_with_a_known_current_copy_fetches_nothing_and_a_moved_state_is_read_whole() {
+    fn a_reader_with_a_known_current_copy_fetches_nothing_and_a_moved_state_fetches_only_what_differs() {
         let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
         let content = fill(&mut peers, 2 * MAX_CHUNK_BYTES + 77);
         let mut r = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0);
@@ -1366,9 +1528,12 @@ mod tests {
         w.submit(Op::write(now.len() as u64, b"more".to_vec())).unwrap();
         run(&mut w, &mut peers);
         now.extend_from_slice(b"more");
+        // The local copy is read and compared: only the last chunk (where the append is) is fetched.
         let mut moved = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0).with_known_state(state);
-        run(&mut moved, &mut peers);
+        run_with_copy(&mut moved, &mut peers, &content, &mut Vec::new());
         assert!(moved.is_ready() && !moved.matched_known());
+        let last = (now.len() - 1) / MAX_CHUNK_BYTES * MAX_CHUNK_BYTES;
+        assert_eq!(moved.recovery_bytes(), ((now.len() - last) as u64, last as u64));
         assert_eq!(moved.take_recovered().unwrap(), now);
     }
 
@@ -1377,6 +1542,9 @@ mod tests {
         loop {
             if c.wants_image() {
                 c.supply_image(local.to_vec());
+            }
+            if c.wants_local_copy() {
+                c.supply_local_copy(local.to_vec());
             }
             if let Some(p) = c.wants_resync() {
                 c.resync(p, local.to_vec());
@@ -1429,15 +1597,122 @@ mod tests {
         peers[0] = PeerCore::new(64 << 20);
         run(&mut check, &mut peers);
         assert_eq!(check.take_recovered().unwrap(), content);
-        // A known state that is not the peers' (another writer moved on): recovered as usual.
+        // A known state that is not the peers' (another writer moved on): the local copy is
+        // read and compared; only the chunk that differs is fetched.
         let mut stale = FileClient::open(1, 5, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0).with_known_state(state);
         check.submit(Op::write(0, b"X".to_vec())).unwrap();
         run(&mut check, &mut peers);
-        run_with_copy(&mut stale, &mut peers, &[], &mut Vec::new());
+        run_with_copy(&mut stale, &mut peers, &content, &mut Vec::new());
         assert!(stale.is_ready() && !stale.matched_known());
+        assert_eq!(stale.recovery_bytes(), (MAX_CHUNK_BYTES as u64, content.len() as u64 - MAX_CHUNK_BYTES as u64));
         let mut want = content.clone();
         want[0] = b'X';
         assert_eq!(stale.take_recovered().unwrap(), want);
+    }
+
+    /// Like `run`, but messages to the peers in `cut` are lost; wanted resyncs are served with
+    /// `local` (the writer's copy).
+    fn run_cut(c: &mut FileClient, peers: &mut [PeerCore], cut: &[PeerId], local: &[u8]) {
+        loop {
+            if let Some(p) = c.wants_resync() {
+                c.resync(p, local[..c.size() as usize].to_vec());
+            }
+            let out = c.take_outgoing();
+            if out.is_empty() {
+                return;
+            }
+            for (p, req) in out {
+                if !cut.contains(&p) {
+                    let rep = peers[p as usize - 1].handle(req);
+                    c.on_reply(p, rep);
+                }
+            }
+        }
+    }
+
+    fn image_of(peers: &mut [PeerCore], p: usize) -> Vec<u8> {
+        let h = peers[p].holding(1).unwrap();
+        let mut img = Vec::new();
+        while (img.len() as u64) < h.size {
+            match peers[p].handle(PeerRequest::Fetch { file: 1, epoch: READ_EPOCH, offset: img.len() as u64, len: MAX_CHUNK_BYTES as u32 }) {
+                PeerReply::Data { data, .. } => img.extend_from_slice(&data),
+                r => panic!("{r:?}"),
+            }
+        }
+        img
+    }
+
+    #[test]
+    fn a_lagging_peer_is_patched_with_the_blocks_it_lacks_and_an_empty_one_gets_the_whole_image() {
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
+        let mut content = fill(&mut peers, 3 * MAX_CHUNK_BYTES + 1000);
+        // Epoch 2 without peer 3: a block in the middle rewritten, 100 kB appended.
+        let mut w = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        run_cut(&mut w, &mut peers, &[3], &content);
+        assert!(w.is_ready(), "{:?}", w.failure());
+        for op in [Op::write(1_500_000, vec![9; 10]), Op::write(content.len() as u64, vec![7; 100_000])] {
+            apply_op(&mut content, &op);
+            w.submit(op).unwrap();
+            run_cut(&mut w, &mut peers, &[3], &content);
+        }
+        assert_eq!(w.acked_seq(), w.last_seq());
+        // Epoch 3 over all three: peer 3, at epoch 1, is patched, not sent 3 MB.
+        let mut w = FileClient::open(1, 3, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        run_cut(&mut w, &mut peers, &[], &content);
+        assert!(w.fully_replicated(), "{:?}", w.failure());
+        let sent = w.image_bytes();
+        assert_eq!(sent.whole, 0, "{sent:?}");
+        assert_eq!(sent.patched_images, content.len() as u64);
+        assert!(sent.patch >= 100_000 && sent.patch <= 100_000 + 3 * BLOCK_BYTES as u64, "{sent:?}");
+        assert_eq!(image_of(&mut peers, 2), content);
+        // Mid-epoch: peer 3 falls behind the retransmit buffer (lost), then answers again at its
+        // old state: resynced by a patch of what it missed.
+        let cfg = ClientConfig { max_buffered_bytes: 64 * 1024, ..ClientConfig::default() };
+        let mut w = FileClient::open(1, 4, vec![1, 2, 3], true, Vec::new(), cfg, 0);
+        run_cut(&mut w, &mut peers, &[], &content);
+        for i in 0..4u64 {
+            let op = Op::write(content.len() as u64, vec![i as u8 + 1; 40_000]);
+            apply_op(&mut content, &op);
+            w.submit(op).unwrap();
+            run_cut(&mut w, &mut peers, &[3], &content);
+        }
+        assert!(!w.fully_replicated());
+        w.tick(10_000_000);
+        run_cut(&mut w, &mut peers, &[], &content);
+        assert!(w.fully_replicated(), "{:?}", w.failure());
+        let sent = w.image_bytes();
+        assert_eq!(sent.whole, 0, "{sent:?}");
+        assert!(sent.patch >= 160_000 && sent.patch <= 160_000 + 2 * BLOCK_BYTES as u64, "{sent:?}");
+        assert_eq!(image_of(&mut peers, 2), content);
+        // A peer that lost its memory holds nothing to patch: the whole image, no checksums asked.
+        peers[2] = PeerCore::new(64 << 20);
+        let mut w = FileClient::open(1, 5, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        run_cut(&mut w, &mut peers, &[], &content);
+        assert!(w.fully_replicated(), "{:?}", w.failure());
+        assert_eq!(w.image_bytes(), ImageBytes { whole: content.len() as u64, patch: 0, patched_images: 0 });
+        assert_eq!(image_of(&mut peers, 2), content);
+    }
+
+    #[test]
+    fn a_patch_that_does_not_check_falls_back_to_the_whole_image() {
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(64 << 20)).collect();
+        let mut content = fill(&mut peers, MAX_CHUNK_BYTES);
+        let mut w = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        run_cut(&mut w, &mut peers, &[3], &content);
+        let op = Op::write(content.len() as u64, vec![5; 5000]);
+        apply_op(&mut content, &op);
+        w.submit(op).unwrap();
+        run_cut(&mut w, &mut peers, &[3], &content);
+        // Peer 3's copy is corrupted at rest: its checksums still claim the old bytes, so the
+        // patch leaves the bad byte in place; the Base's image checksum catches it.
+        assert!(peers[2].corrupt(1, 12345));
+        let mut w = FileClient::open(1, 3, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        run_cut(&mut w, &mut peers, &[], &content);
+        assert!(w.fully_replicated(), "{:?}", w.failure());
+        let sent = w.image_bytes();
+        assert_eq!(sent.whole, content.len() as u64, "{sent:?}");
+        assert!(sent.patch > 0, "{sent:?}");
+        assert_eq!(image_of(&mut peers, 2), content);
     }
 
     #[test]

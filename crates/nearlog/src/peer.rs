@@ -140,12 +140,12 @@ impl PeerCore {
     /// that refuses it. A [`READ_EPOCH`] reader is never stale (it checks the holding itself).
     fn committed_for_read(&self, file: FileId, epoch: Epoch) -> Result<&Committed, PeerReply> {
         let Some(f) = self.files.get(&file) else {
-            return Err(PeerReply::Refused { file, reason: "unknown file".into() });
+            return Err(PeerReply::NoCopy { file, epoch });
         };
         if epoch != READ_EPOCH && epoch < f.promised {
             return Err(PeerReply::Stale { file, promised: f.promised });
         }
-        f.committed.as_ref().ok_or_else(|| PeerReply::Refused { file, reason: "no committed copy".into() })
+        f.committed.as_ref().ok_or(PeerReply::NoCopy { file, epoch })
     }
 
     fn full(&self, file: FileId, epoch: Epoch) -> PeerReply {
@@ -243,6 +243,34 @@ impl PeerCore {
                 let img = &mut self.files.get_mut(&file).unwrap().staging.as_mut().unwrap().1;
                 img[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
                 PeerReply::Staged { file, epoch, offset }
+            }
+            PeerRequest::StageCopy { file, epoch, seq, size } => {
+                if size > MAX_FILE_BYTES {
+                    return PeerReply::Refused { file, reason: format!("size beyond {MAX_FILE_BYTES} bytes") };
+                }
+                let region = self.region_bytes;
+                let used = self.used_bytes;
+                let f = self.files.entry(file).or_default();
+                if epoch < f.promised {
+                    return PeerReply::Stale { file, promised: f.promised };
+                }
+                f.promised = epoch;
+                let Some(c) = &f.committed else { return PeerReply::NoCopy { file, epoch } };
+                if (c.epoch, c.seq) >= (epoch, seq) {
+                    return PeerReply::Staged { file, epoch, offset: 0 }; // a late duplicate
+                }
+                // Never releases the copy (it is the patch's base): no room beside it is refused.
+                let old = f.staging.as_ref().map_or(0, |(_, i)| i.len() as u64);
+                if used - old + size > region {
+                    return PeerReply::RegionFull { file, epoch, region_bytes: region, used_bytes: used };
+                }
+                let keep = c.image.len().min(size as usize);
+                let mut img = Vec::with_capacity(size as usize);
+                img.extend_from_slice(&c.image[..keep]);
+                img.resize(size as usize, 0);
+                f.staging = Some((epoch, img));
+                self.used_bytes = used - old + size;
+                PeerReply::Staged { file, epoch, offset: 0 }
             }
             PeerRequest::Drop { file, epoch } => {
                 if let Some(f) = self.files.get(&file) {
@@ -466,6 +494,36 @@ mod tests {
         assert_eq!(p.handle(PeerRequest::Record { file: 1, epoch: 2, seq: 1, op: adopt }), PeerReply::Ack { file: 1, epoch: 2, applied_seq: 1 });
         assert_eq!(p.handle(PeerRequest::Drop { file: 1, epoch: 2 }), PeerReply::Dropped { file: 1 });
         assert_eq!(p.used_bytes(), 0);
+    }
+
+    #[test]
+    fn stage_copy_starts_from_the_committed_copy_and_a_peer_without_one_says_so() {
+        let mut p = PeerCore::new(1 << 20);
+        assert_eq!(p.handle(PeerRequest::StageCopy { file: 1, epoch: 1, seq: 1, size: 10 }), PeerReply::NoCopy { file: 1, epoch: 1 });
+        assert_eq!(p.handle(PeerRequest::Sums { file: 1, epoch: 1, offset: 0, len: 10 }), PeerReply::NoCopy { file: 1, epoch: 1 });
+        base_empty(&mut p, 1, 1);
+        p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, b"abcdef".to_vec()) });
+        // Epoch 2's image: "abXdef" + "gh"; the patch sends only what differs.
+        let want = b"abXdefgh".to_vec();
+        assert_eq!(p.handle(PeerRequest::StageCopy { file: 1, epoch: 2, seq: 1, size: 8 }), PeerReply::Staged { file: 1, epoch: 2, offset: 0 });
+        assert_eq!(p.used_bytes(), 6 + 8, "the staged image is counted beside the copy");
+        for (offset, data) in [(2u64, b"X".to_vec()), (6, b"gh".to_vec())] {
+            let r = p.handle(PeerRequest::Stage { file: 1, epoch: 2, seq: 1, size: 8, offset, data, supersede: false });
+            assert!(matches!(r, PeerReply::Staged { .. }), "{r:?}");
+        }
+        let base = Op::Base { from: None, size: 8, image_crc: crc32c::crc32c(&want) };
+        assert_eq!(p.handle(PeerRequest::Record { file: 1, epoch: 2, seq: 1, op: base }), PeerReply::Ack { file: 1, epoch: 2, applied_seq: 1 });
+        assert_eq!(p.used_bytes(), 8);
+        match p.handle(PeerRequest::Fetch { file: 1, epoch: 2, offset: 0, len: 100 }) {
+            PeerReply::Data { data, .. } => assert_eq!(data, want),
+            r => panic!("{r:?}"),
+        }
+        // No room beside the copy: refused (a patch never releases its base).
+        let mut small = PeerCore::new(10);
+        base_empty(&mut small, 1, 1);
+        small.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, vec![1; 6]) });
+        assert!(matches!(small.handle(PeerRequest::StageCopy { file: 1, epoch: 2, seq: 1, size: 6 }), PeerReply::RegionFull { .. }));
+        assert_eq!(small.holding(1).map(|h| h.size), Some(6));
     }
 
     #[test]

@@ -88,6 +88,13 @@ pub enum PeerRequest {
     /// [`MAX_SUMS_BYTES`]), without the bytes: a client with a local copy fetches only the
     /// blocks whose checksums differ from it.
     Sums { file: FileId, epoch: Epoch, offset: u64, len: u64 },
+    /// Starts the staged image for a `Base { from: None }` at (`epoch`, `seq`) from this peer's
+    /// committed copy, cut or zero-extended to `size`: the `Stage` chunks that follow carry only
+    /// the blocks where the image differs from it (the client compared the copy's `Sums`), so a
+    /// peer that lags behind is patched instead of sent the whole image. The Base's `image_crc`
+    /// still checks the result (a mismatch answers `NeedImage`: the client sends it whole).
+    /// Answered `Staged`, or `NoCopy` without a committed copy.
+    StageCopy { file: FileId, epoch: Epoch, seq: u64, size: u64 },
 }
 
 /// Largest range one [`PeerRequest::Sums`] covers (a multiple of `MAX_CHUNK_BYTES`; its reply
@@ -135,6 +142,9 @@ pub enum PeerReply {
     Stats { region_bytes: u64, used_bytes: u64, files: u64 },
     /// Answer to [`PeerRequest::Sums`]: the CRC32C of each block from `offset` (last may be partial).
     Sums { file: FileId, offset: u64, block_crcs: Vec<u32>, holding: Holding },
+    /// Answer to `Fetch`, `Sums` or `StageCopy` of a file this peer holds no committed copy of
+    /// (never had one, dropped it, or restarted): no witness, nothing to patch.
+    NoCopy { file: FileId, epoch: Epoch },
 }
 
 impl PeerReply {
@@ -149,7 +159,8 @@ impl PeerReply {
             | PeerReply::RegionFull { file, .. }
             | PeerReply::Refused { file, .. }
             | PeerReply::Dropped { file }
-            | PeerReply::Sums { file, .. } => Some(*file),
+            | PeerReply::Sums { file, .. }
+            | PeerReply::NoCopy { file, .. } => Some(*file),
             PeerReply::Stats { .. } => None,
         }
     }

@@ -216,6 +216,36 @@ fn coalesce_acks() -> bool {
     *POLICY.get_or_init(|| !matches!(std::env::var("UNDERSTUDY_NEARLOG_PEER_ACKS").as_deref(), Ok("each")))
 }
 
+/// How long a connection thread polls for the next request without sleeping after answering a
+/// batch, when the previous two batches came within that time of each other:
+/// `UNDERSTUDY_NEARLOG_PEER_SPIN_US` (default 0: block in `read` at once; at most 1000), read
+/// once at start. A writer that writes back to back sends its next record within a few µs of
+/// our ack; a thread that is still running takes it without the wake-up a sleeping one pays
+/// (on a VM an idle exit and an interrupt: the same order as the round trip), at the cost of
+/// up to that much CPU per batch.
+fn peer_spin() -> Duration {
+    static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let us = std::env::var("UNDERSTUDY_NEARLOG_PEER_SPIN_US").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        Duration::from_micros(us.min(1000))
+    })
+}
+
+/// Polls `sock` for input without sleeping (yielding the CPU between polls) for up to `spin`.
+fn spin_for_input(sock: &std::net::TcpStream, spin: Duration) {
+    use std::os::fd::AsRawFd;
+    let until = std::time::Instant::now() + spin;
+    let mut fd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    loop {
+        // SAFETY: one valid pollfd, no timeout.
+        if unsafe { libc::poll(&mut fd, 1, 0) } != 0 || std::time::Instant::now() >= until {
+            return;
+        }
+        // SAFETY: no arguments.
+        unsafe { libc::sched_yield() };
+    }
+}
+
 /// Applies every complete frame in the input buffer under one lock, then answers them all with
 /// one `write`. Per byte: the frame checksum, the record checksum, the copy into the region.
 fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Result<(), wire::WireError> {
@@ -230,12 +260,26 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
     let mut slot: Option<LargeFrameSlot> = None;
     // The last reply in `out`, if an Ack: its (file, epoch) and where its frame starts.
     let mut last_ack: Option<((crate::proto::FileId, crate::proto::Epoch), usize)> = None;
+    let spin = peer_spin();
+    // When the last two batches arrived: a connection spins only while its client writes back
+    // to back (the gap between them within the spin), so an idle or slow one costs no CPU.
+    let t0 = std::time::Instant::now();
+    let mut arrivals = [t0, t0 + Duration::from_secs(1)];
     loop {
-        let n = sock.read(&mut buf[end..])?;
+        if !spin.is_zero() && start == end && arrivals[1].duration_since(arrivals[0]) <= spin {
+            spin_for_input(&sock, spin);
+        }
+        let n = match sock.read(&mut buf[end..]) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue, // a signal: read again
+            r => r?,
+        };
         if n == 0 {
             return Err(wire::WireError::Closed);
         }
         end += n;
+        if !spin.is_zero() {
+            arrivals = [arrivals[1], std::time::Instant::now()];
+        }
         let mut c = None;
         while end - start >= HDR {
             let header: [u8; HDR] = buf[start..start + HDR].try_into().unwrap();

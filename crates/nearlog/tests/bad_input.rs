@@ -215,6 +215,7 @@ fn start_liar(rt: &tokio::runtime::Runtime, mode: Liar) -> String {
                         (Liar::Truncated | Liar::Corrupt, PeerRequest::Record { file, epoch, seq, .. }) => PeerReply::Ack { file, epoch, applied_seq: seq + 1000 },
                         (_, PeerRequest::Record { file, .. }) => PeerReply::Ack { file, epoch: 1, applied_seq: 999 },
                         (_, PeerRequest::Stage { file, epoch, offset, .. }) => PeerReply::Staged { file, epoch, offset },
+                        (_, PeerRequest::StageCopy { file, epoch, .. }) => PeerReply::Staged { file, epoch, offset: 0 },
                         (Liar::Corrupt, PeerRequest::Sums { file, offset, .. }) => PeerReply::Sums { file, offset, block_crcs: vec![0xdead_beef; 3], holding: big },
                         (_, PeerRequest::Fetch { file, .. } | PeerRequest::Sums { file, .. }) => PeerReply::Refused { file, reason: "no".into() },
                         (_, PeerRequest::Drop { file, .. }) => PeerReply::Dropped { file },

@@ -69,7 +69,7 @@ struct Run {
 
 impl Run {
     fn cfg() -> ClientConfig {
-        ClientConfig { max_buffered_bytes: 48 * 1024, retransmit_after_us: 100_000, retransmit_batch_records: 32 }
+        ClientConfig { max_buffered_bytes: 48 * 1024, retransmit_after_us: 100_000, retransmit_batch_records: 32, patch_min_bytes: 1024 }
     }
 
     fn send_out(&mut self, now: u64) {

@@ -42,7 +42,7 @@ enum Fault {
 }
 
 fn cfg() -> ClientConfig {
-    ClientConfig { max_buffered_bytes: 64 * 1024, retransmit_after_us: 100_000, retransmit_batch_records: 64 }
+    ClientConfig { max_buffered_bytes: 64 * 1024, retransmit_after_us: 100_000, retransmit_batch_records: 64, patch_min_bytes: 1024 }
 }
 
 fn ids(v: &[nearlog::proto::PeerAddr]) -> Vec<PeerId> {

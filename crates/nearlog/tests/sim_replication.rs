@@ -44,7 +44,7 @@ struct Reader {
 }
 
 fn cfg() -> ClientConfig {
-    ClientConfig { max_buffered_bytes: 64 * 1024, retransmit_after_us: 100_000, retransmit_batch_records: 64 }
+    ClientConfig { max_buffered_bytes: 64 * 1024, retransmit_after_us: 100_000, retransmit_batch_records: 64, patch_min_bytes: 1024 }
 }
 
 struct Run {
@@ -74,6 +74,8 @@ struct Run {
     known: Option<(nearlog::proto::Holding, Vec<u8>)>,
     /// Opens that found the known state and took the local copy as the content.
     known_opens: u32,
+    /// Sessions that patched a lagging peer (sent only the blocks it lacked).
+    patching_sessions: u32,
     /// A clean close under way: no new ops; the close happens once every op is acknowledged.
     closing: bool,
     /// The close queued by `closing` is clean (its copy is current).
@@ -140,6 +142,9 @@ impl Run {
     }
 
     fn open_client(&mut self, now: u64) {
+        if self.client.as_ref().is_some_and(|c| c.image_bytes().patch > 0) {
+            self.patching_sessions += 1;
+        }
         self.epoch += 1;
         let mut c = FileClient::open(FILE, self.epoch, PEERS.to_vec(), self.initialized, Vec::new(), cfg(), now);
         if let Some((h, _)) = &self.known {
@@ -235,7 +240,7 @@ impl Run {
     }
 }
 
-fn run(seed: u64) -> (u32, u64, u32, u32, u32) {
+fn run(seed: u64) -> (u32, u64, u32, u32, u32, u32) {
     let mut rng = SimRng::new(seed);
     let net_rng = rng.fork();
     let net: Network<Msg> = common::network(&mut rng, 0.7, 0.05, 3_000);
@@ -259,6 +264,7 @@ fn run(seed: u64) -> (u32, u64, u32, u32, u32) {
         reads_changing: 0,
         known: None,
         known_opens: 0,
+        patching_sessions: 0,
         closing: false,
         clean: false,
     };
@@ -331,6 +337,11 @@ fn run(seed: u64) -> (u32, u64, u32, u32, u32) {
                         if c.wants_image() {
                             let img = r.known.as_ref().expect("only a known open asks for its image").1.clone();
                             c.supply_image(img);
+                        }
+                        if c.wants_local_copy() {
+                            // The known copy is not current: recovery compares it, fetching the rest.
+                            let img = r.known.as_ref().expect("only a known open asks for its copy").1.clone();
+                            c.supply_local_copy(img);
                         }
                         if let Some(p) = c.wants_resync() {
                             let img = r.history.last().unwrap().clone();
@@ -449,15 +460,16 @@ fn run(seed: u64) -> (u32, u64, u32, u32, u32) {
         let dbg = format!("{c:?}");
         panic!("seed {seed}: final recovery did not finish (epoch {}); peers {holdings:?}; client {}", r.epoch, &dbg[..dbg.len().min(1500)]);
     }
-    (r.recoveries, r.acked_ops, r.reads, r.reads_changing, r.known_opens)
+    let patching = r.patching_sessions + u32::from(c.image_bytes().patch > 0);
+    (r.recoveries, r.acked_ops, r.reads, r.reads_changing, r.known_opens, patching)
 }
 
 #[test]
 fn acknowledged_writes_survive_faults_over_many_seeds() {
     let (seeds, one) = common::seeds(60);
-    let (mut recoveries, mut acked, mut reads, mut changing, mut known) = (0, 0, 0, 0, 0);
+    let (mut recoveries, mut acked, mut reads, mut changing, mut known, mut patching) = (0, 0, 0, 0, 0, 0);
     for &seed in &seeds {
-        let (r, a, rd, ch, k) = run(seed);
+        let (r, a, rd, ch, k, p) = run(seed);
         if one {
             println!("seed {seed}: {r} recoveries ({k} from a known local copy), {a} acknowledged ops, {rd} reads ({ch} gave up: the file kept changing)");
         }
@@ -466,12 +478,14 @@ fn acknowledged_writes_survive_faults_over_many_seeds() {
         reads += rd;
         changing += ch;
         known += k;
+        patching += p;
     }
-    println!("{} seeds: {recoveries} recoveries ({known} from a known local copy), {acked} acknowledged ops checked, {reads} reads checked ({changing} gave up)", seeds.len());
+    println!("{} seeds: {recoveries} recoveries ({known} from a known local copy), {acked} acknowledged ops checked, {reads} reads checked ({changing} gave up), {patching} sessions patched a lagging peer", seeds.len());
     if !one {
         assert!(recoveries as usize > seeds.len(), "every run recovers more than once");
         assert!(reads as usize > seeds.len(), "readers finished");
         assert!(known > 0, "some opens used a known local copy");
+        assert!(patching > 0, "some lagging peers were patched");
     }
 }
 

@@ -679,6 +679,62 @@ hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split(
 print(lat[len(lat) // 2] / 1000.0, int(hwm) * 1024, rtt[len(rtt) // 2] / 1000.0 if rtt else 0)
 "#;
 
+/// The same measurement as [`WRITE_FSYNC`] by a compiled program (no interpreter around either
+/// call): write(64 B) + fsync and a 64-byte loopback round trip, N each, interleaved in 10
+/// blocks, one clock; prints both medians in µs. Args: path, N, echo port.
+const WRITE_FSYNC_C: &str = r#"
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+static long long now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec; }
+static int cmp(const void *a, const void *b) { long long x = *(const long long *)a, y = *(const long long *)b; return (x > y) - (x < y); }
+int main(int argc, char **argv) {
+    if (argc < 4) return 2;
+    int fd = open(argv[1], O_WRONLY | O_CREAT | O_APPEND, 0644), n = atoi(argv[2]), one = 1;
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET; a.sin_port = htons(atoi(argv[3])); a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd < 0 || s < 0 || connect(s, (struct sockaddr *)&a, sizeof a) != 0) { perror("setup"); return 1; }
+    setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    long long *wf = calloc(n, sizeof *wf), *rtt = calloc(n, sizeof *rtt);
+    char buf[64] = {'r'};
+    int k = 0, j = 0, blocks = 10;
+    for (int b = 0; b < blocks; b++) {
+        for (int i = 0; i < n / blocks; i++) {
+            long long t0 = now_ns();
+            if (write(fd, buf, 64) != 64 || fsync(fd) != 0) { perror("write+fsync"); return 1; }
+            wf[k++] = now_ns() - t0;
+        }
+        for (int i = 0; i < n / blocks; i++) {
+            long long t0 = now_ns();
+            if (send(s, buf, 64, 0) != 64) { perror("send"); return 1; }
+            for (int got = 0; got < 64;) { ssize_t r = recv(s, buf + got, 64 - got, 0); if (r <= 0) { perror("recv"); return 1; } got += r; }
+            rtt[j++] = now_ns() - t0;
+        }
+    }
+    qsort(wf, k, sizeof *wf, cmp);
+    qsort(rtt, j, sizeof *rtt, cmp);
+    printf("%.2f %.2f\n", wf[k / 2] / 1000.0, rtt[j / 2] / 1000.0);
+    return 0;
+}
+"#;
+
+/// Compiles [`WRITE_FSYNC_C`] into `dir`.
+fn build_write_fsync_c(dir: &Path) -> anyhow::Result<PathBuf> {
+    let src = dir.join("write_fsync.c");
+    let bin = dir.join("write_fsync");
+    std::fs::write(&src, WRITE_FSYNC_C)?;
+    let out = Command::new("cc").args(["-O2", "-o"]).arg(&bin).arg(&src).output().context("cannot run cc (Debian package gcc)")?;
+    anyhow::ensure!(out.status.success(), "compiling the write+fsync timer failed: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(bin)
+}
+
 /// A loopback echo server for 64-byte messages (the log peers' side of a round trip: a
 /// compiled process's thread with blocking I/O and TCP_NODELAY). Serves one connection.
 fn echo_server() -> anyhow::Result<(u16, std::thread::JoinHandle<()>)> {
@@ -837,6 +893,7 @@ fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
     let out = bench::out_dir("nearlog", c.out.clone())?;
     let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(std::env::current_dir()?)?;
     let rocks = build_rocksdb_load(tmp.path())?;
+    let wf_c = build_write_fsync_c(tmp.path())?;
     let rt = crate::runtime()?;
     let (rounds, secs) = params(c);
     let mut report = bench::Report::new("nearlog.apps", c.quick);
@@ -870,6 +927,21 @@ fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
         report.ratio(&format!("{pfx}nearlog_vs_loopback_rtt_native.write_fsync.latency_p50"), near_wf, native_rtt)?;
         report.ratio(&format!("{pfx}nearlog_vs_strong.write_fsync.latency_p50"), near_wf, strong_wf)?;
         report.figure(&format!("{pfx}shim.write_fsync.rss_overhead_bytes"), near_rss - strong_rss)?;
+        // The same, timed by a compiled program: write+fsync against a round trip, both native.
+        let (echo_port, echo) = echo_server()?;
+        let mut cmd = Command::new(&wf_c);
+        cmd.arg(p("z.nlog")).arg(&n).arg(echo_port.to_string());
+        tb.shim_env(&mut cmd, "*.nlog");
+        let timed = cmd.output().context("cannot run the write+fsync timer")?;
+        let _ = echo.join();
+        anyhow::ensure!(timed.status.success(), "write+fsync timer failed: {}", String::from_utf8_lossy(&timed.stderr));
+        let line = String::from_utf8_lossy(&timed.stdout).to_string();
+        let mut it = line.split_whitespace();
+        let (c_wf, c_rtt): (f64, f64) = (it.next().context("timer output")?.parse()?, it.next().context("timer output")?.parse()?);
+        report.figure(&format!("{pfx}nearlog.write_fsync_c.latency_us_p50"), c_wf)?;
+        report.figure(&format!("{pfx}loopback.rtt_c.latency_us_p50"), c_rtt)?;
+        report.ratio(&format!("{pfx}nearlog_vs_loopback_rtt_c.write_fsync_c.latency_p50"), c_wf, c_rtt)?;
+        eprintln!("[{}] timed by a compiled program: write+fsync p50 {c_wf} us, loopback rtt p50 {c_rtt} us", tb.what());
         eprintln!("[{}] loopback rtt p50 {rtt} us (same process and clock; {native_rtt} us timed natively); write+fsync p50: nearlog {near_wf} us, strong {strong_wf} us; shim adds {:.1} MiB RSS", tb.what(), (near_rss - strong_rss) / 1048576.0);
 
         let mut plots: BTreeMap<&str, PlotLines> = BTreeMap::new();
