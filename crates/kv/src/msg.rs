@@ -200,14 +200,21 @@ pub enum PeerMsg {
         writes: Vec<(Vec<u8>, Ts)>,
     },
     /// [ACK_P]sc.
-    PersistAck { epoch: u64, id: u64 },
+    PersistAck {
+        epoch: u64,
+        id: u64,
+    },
     /// [VAL_P]sc.
     PersistVal {
         epoch: u64,
         writes: Vec<(Vec<u8>, Ts)>,
     },
-    RecovStart { epoch: u64 },
-    RecovStartAck { epoch: u64 },
+    RecovStart {
+        epoch: u64,
+    },
+    RecovStartAck {
+        epoch: u64,
+    },
     /// Carries the recovering node's Partially_persisted list; asks for up to `chunks`
     /// consecutive chunks from `cursor`, which the Buddy sends back to back (each reply names
     /// the next cursor). One request is out at a time; the next goes when its last reply
@@ -228,7 +235,9 @@ pub enum PeerMsg {
         full_copy: bool,
         entries: Vec<Entry>,
     },
-    RecovEnd { epoch: u64 },
+    RecovEnd {
+        epoch: u64,
+    },
 }
 
 impl PeerMsg {
@@ -292,9 +301,7 @@ pub enum ClientOp {
         scope: Option<u64>,
     },
     /// [PERSIST]sc: answered once every write of the scope coordinated here is durable everywhere.
-    Persist {
-        scope: u64,
-    },
+    Persist { scope: u64 },
 }
 
 /// The answer to a client operation.

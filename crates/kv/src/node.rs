@@ -130,19 +130,35 @@ impl RecoveryStats {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Output {
-    Send { to: NodeId, msg: PeerMsg },
+    Send {
+        to: NodeId,
+        msg: PeerMsg,
+    },
     ToCm(HeartbeatAck),
     /// Append durably, then call [`NodeCore::on_persisted`] with `seq`.
-    Persist { seq: u64, rec: LogRecord },
+    Persist {
+        seq: u64,
+        rec: LogRecord,
+    },
     /// Append all of `recs` durably, in order, then call [`NodeCore::on_persisted`] with `seq`
     /// (a catch-up chunk: one append, one completion).
-    PersistBatch { seq: u64, recs: Vec<LogRecord> },
+    PersistBatch {
+        seq: u64,
+        recs: Vec<LogRecord>,
+    },
     /// Append without waiting (a GDP flag, an `Epoch` record).
     Mark(LogRecord),
     /// Read the durable log at `cursor` (about `max_bytes` of updates, after every append
     /// output so far), then call [`NodeCore::on_log_read`] with `to` and `cursor`.
-    ReadLog { to: NodeId, cursor: LogCursor, max_bytes: usize },
-    Reply { tag: u64, result: ClientResult },
+    ReadLog {
+        to: NodeId,
+        cursor: LogCursor,
+        max_bytes: usize,
+    },
+    Reply {
+        tag: u64,
+        result: ClientResult,
+    },
     /// This node was removed from the configuration: drop this core and build a new one from
     /// the log (its volatile state may be stale; it must recover like a restarted node).
     Reload,
@@ -207,11 +223,18 @@ struct PersistOp {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Phase {
-    Start { acked: BTreeSet<NodeId> },
+    Start {
+        acked: BTreeSet<NodeId>,
+    },
     /// `requested`: CatchUp_req from `cursor` is out and `expected` of its replies have not
     /// arrived yet; otherwise one goes once fewer than `max_catchup_chunks_in_flight` received
     /// chunks are still being persisted (`Recov::chunks_unpersisted`).
-    CatchUp { buddy: NodeId, cursor: Cursor, requested: bool, expected: u32 },
+    CatchUp {
+        buddy: NodeId,
+        cursor: Cursor,
+        requested: bool,
+        expected: u32,
+    },
     Applying,
 }
 
@@ -322,7 +345,11 @@ impl NodeCore {
     /// A node starting on what its log holds. It serves nothing until a configuration admits
     /// it: as a genesis member if its log has never booted, otherwise through HEAL recovery.
     pub fn new(p: NodeParams, log: LogState) -> Self {
-        let partially = log.partially.iter().map(|(k, (ts, _))| (k.clone(), *ts)).collect();
+        let partially = log
+            .partially
+            .iter()
+            .map(|(k, (ts, _))| (k.clone(), *ts))
+            .collect();
         let (booted, last_epoch) = (log.booted, log.last_epoch);
         // Built in one go from the sorted base: full tree nodes (a store-sized saving over
         // node-by-node inserts), and the scaffolding is one large block, handed back whole.
@@ -330,7 +357,15 @@ impl NodeCore {
             .base
             .into_iter()
             .map(|(k, (ts, v))| {
-                let ks = KeyState { ts, value: v, valid: true, gdp: false, marked: ts, durable: ts, ..Default::default() };
+                let ks = KeyState {
+                    ts,
+                    value: v,
+                    valid: true,
+                    gdp: false,
+                    marked: ts,
+                    durable: ts,
+                    ..Default::default()
+                };
                 (StoreKey::from_slice(&k), ks)
             })
             .collect();
@@ -427,19 +462,48 @@ impl NodeCore {
             Mode::Recovered => 3u8.hash(h),
         }
         for (key, k) in &self.store {
-            (key, k.ts, &k.value, k.valid, k.gdp, k.marked, k.durable, k.timeouts.min(2)).hash(h);
+            (
+                key,
+                k.ts,
+                &k.value,
+                k.valid,
+                k.gdp,
+                k.marked,
+                k.durable,
+                k.timeouts.min(2),
+            )
+                .hash(h);
             match &k.coord {
                 None => 0u8.hash(h),
                 Some(co) => {
-                    (1u8, co.ts, &co.value, co.client, co.scope, &co.acks_c, &co.acks_p).hash(h);
+                    (
+                        1u8, co.ts, &co.value, co.client, co.scope, &co.acks_c, &co.acks_p,
+                    )
+                        .hash(h);
                     (co.local_p, co.replied, co.val_c_sent).hash(h);
                 }
             }
-            (&k.pending_p, k.waiting.iter().map(|(t, _)| *t).collect::<Vec<_>>()).hash(h);
+            (
+                &k.pending_p,
+                k.waiting.iter().map(|(t, _)| *t).collect::<Vec<_>>(),
+            )
+                .hash(h);
         }
         (&self.unsettled, &self.partially).hash(h);
-        (self.missed.recording, self.missed.overflowed, &self.missed.keys).hash(h);
-        (self.next_seq, &self.inflight, &self.inflight_batches, self.pending_client_ops, &self.scopes).hash(h);
+        (
+            self.missed.recording,
+            self.missed.overflowed,
+            &self.missed.keys,
+        )
+            .hash(h);
+        (
+            self.next_seq,
+            &self.inflight,
+            &self.inflight_batches,
+            self.pending_client_ops,
+            &self.scopes,
+        )
+            .hash(h);
         for (id, op) in &self.persist_ops {
             (id, &op.writes, op.client, &op.acks).hash(h);
         }
@@ -449,7 +513,9 @@ impl NodeCore {
     /// The protocol state of one key, for diagnosing a failing simulation seed.
     #[doc(hidden)]
     pub fn debug_key(&self, key: &[u8]) -> String {
-        let Some(k) = self.store.get(key) else { return "absent".into() };
+        let Some(k) = self.store.get(key) else {
+            return "absent".into();
+        };
         format!(
             "ts {} valid {} gdp {} durable {} marked {} timeouts {} deadline {} coord {:?} pending_p {:?} waiting {} unsettled {} mode {:?}",
             k.ts, k.valid, k.gdp, k.durable, k.marked, k.timeouts, k.deadline_us,
@@ -463,7 +529,10 @@ impl NodeCore {
     }
     /// Bytes of keys and values held.
     pub fn stored_bytes(&self) -> usize {
-        self.store.iter().map(|(k, s)| k.len() + s.value.len()).sum()
+        self.store
+            .iter()
+            .map(|(k, s)| k.len() + s.value.len())
+            .sum()
     }
 
     fn others(&self) -> Vec<NodeId> {
@@ -522,7 +591,9 @@ impl NodeCore {
 
     /// Sets the GDP flag of the current version in the log once it is committed or durable.
     fn mark_if_needed(&mut self, key: &[u8]) {
-        let Some(k) = self.store.get_mut(key) else { return };
+        let Some(k) = self.store.get_mut(key) else {
+            return;
+        };
         if (k.valid || k.gdp) && k.marked < k.ts && k.ts != Ts::default() {
             k.marked = k.ts;
             let ts = k.ts;
@@ -641,7 +712,10 @@ impl NodeCore {
             // The reactive baseline's log id: every update applied from now on follows it.
             self.last_epoch = self.config.epoch;
             let whole = !self.config.degraded();
-            self.out.push(Output::Mark(LogRecord::Epoch { epoch: self.config.epoch, whole }));
+            self.out.push(Output::Mark(LogRecord::Epoch {
+                epoch: self.config.epoch,
+                whole,
+            }));
         }
         // Missed_updates: seeded with everything not yet globally durable when the group first
         // loses a node, then fed by every update applied while it runs degraded.
@@ -712,7 +786,13 @@ impl NodeCore {
             // What a Recov_start would be answered with, sent as soon as we know: a recovering
             // node that adopted this configuration before us would otherwise have its
             // Recov_start refused (an epoch we do not know yet) and wait for its retry.
-            let recovering: Vec<NodeId> = self.config.recovering.iter().copied().filter(|n| *n != me).collect();
+            let recovering: Vec<NodeId> = self
+                .config
+                .recovering
+                .iter()
+                .copied()
+                .filter(|n| *n != me)
+                .collect();
             for n in recovering {
                 self.send(n, PeerMsg::RecovStartAck { epoch });
             }
@@ -759,9 +839,12 @@ impl NodeCore {
             ClientOp::Persist { .. } => false,
         };
         if bad {
-            self.reply(tag, ClientResult::Invalid(format!(
+            self.reply(
+                tag,
+                ClientResult::Invalid(format!(
                 "key must be 1..={MAX_KEY_BYTES} bytes and value at most {MAX_VALUE_BYTES} bytes"
-            )));
+            )),
+            );
             return;
         }
         if !self.serving(now_us) {
@@ -786,7 +869,11 @@ impl NodeCore {
             self.reply(tag, ClientResult::Busy);
         } else {
             self.pending_client_ops += 1;
-            self.store.get_mut(&key[..]).unwrap().waiting.push_back((tag, op));
+            self.store
+                .get_mut(&key[..])
+                .unwrap()
+                .waiting
+                .push_back((tag, op));
             self.waiting_keys.insert(key);
         }
     }
@@ -825,10 +912,13 @@ impl NodeCore {
                     }
                 }
                 let me = self.p.id;
-                let k = self.store.entry(StoreKey::from_slice(&key)).or_insert_with(|| KeyState {
-                    valid: true,
-                    ..Default::default()
-                });
+                let k = self
+                    .store
+                    .entry(StoreKey::from_slice(&key))
+                    .or_insert_with(|| KeyState {
+                        valid: true,
+                        ..Default::default()
+                    });
                 let ts = Ts {
                     version: k.ts.version + 1,
                     node: me,
@@ -843,7 +933,11 @@ impl NodeCore {
                     ts,
                     value: value.clone(),
                     client: Some(tag),
-                    scope: if self.p.model == Model::Scope { scope } else { None },
+                    scope: if self.p.model == Model::Scope {
+                        scope
+                    } else {
+                        None
+                    },
                     acks_c: BTreeSet::new(),
                     acks_p: BTreeSet::new(),
                     local_p: false,
@@ -870,12 +964,16 @@ impl NodeCore {
 
     fn serve_waiting(&mut self, now_us: u64, key: &[u8]) {
         loop {
-            let Some(k) = self.store.get_mut(key) else { return };
+            let Some(k) = self.store.get_mut(key) else {
+                return;
+            };
             if !k.valid || self.coord_blocks_key(key) {
                 return;
             }
             let k = self.store.get_mut(key).unwrap();
-            let Some((tag, op)) = k.waiting.pop_front() else { return };
+            let Some((tag, op)) = k.waiting.pop_front() else {
+                return;
+            };
             if k.waiting.is_empty() {
                 self.waiting_keys.remove(key);
             }
@@ -937,7 +1035,9 @@ impl NodeCore {
     }
 
     fn check_persist_op(&mut self, id: u64) {
-        let Some(op) = self.persist_ops.get(&id) else { return };
+        let Some(op) = self.persist_ops.get(&id) else {
+            return;
+        };
         let others = self.others();
         if !others.iter().all(|n| op.acks.contains(n)) || !self.all_durable(&op.writes) {
             return;
@@ -973,7 +1073,9 @@ impl NodeCore {
         let others = self.others();
         let model = self.p.model;
         let epoch = self.config.epoch;
-        let Some(k) = self.store.get_mut(key) else { return };
+        let Some(k) = self.store.get_mut(key) else {
+            return;
+        };
         let Some(c) = &mut k.coord else { return };
         let skip = self.p.fault_skip_ack_wait;
         let all_c = skip || others.iter().all(|n| c.acks_c.contains(n));
@@ -1099,22 +1201,58 @@ impl NodeCore {
         match model {
             Model::Synch => {
                 if durable {
-                    self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: true });
+                    self.send(
+                        to,
+                        PeerMsg::Ack {
+                            epoch,
+                            key: key.to_vec(),
+                            ts,
+                            c: true,
+                            p: true,
+                        },
+                    );
                 } else if !k.pending_p.contains(&(to, ts)) {
                     k.pending_p.push((to, ts));
                 }
             }
             Model::Scope => {
-                self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: false });
+                self.send(
+                    to,
+                    PeerMsg::Ack {
+                        epoch,
+                        key: key.to_vec(),
+                        ts,
+                        c: true,
+                        p: false,
+                    },
+                );
             }
             _ => {
                 if durable {
-                    self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: true });
+                    self.send(
+                        to,
+                        PeerMsg::Ack {
+                            epoch,
+                            key: key.to_vec(),
+                            ts,
+                            c: true,
+                            p: true,
+                        },
+                    );
                 } else {
                     if !k.pending_p.contains(&(to, ts)) {
                         k.pending_p.push((to, ts));
                     }
-                    self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: false });
+                    self.send(
+                        to,
+                        PeerMsg::Ack {
+                            epoch,
+                            key: key.to_vec(),
+                            ts,
+                            c: true,
+                            p: false,
+                        },
+                    );
                 }
             }
         }
@@ -1122,14 +1260,27 @@ impl NodeCore {
 
     /// Applies a version to the volatile store if it is newer. Returns the seq of its durable
     /// append if it was applied.
-    fn apply_newer(&mut self, now_us: u64, key: &[u8], ts: Ts, value: &[u8], valid: bool) -> Option<u64> {
+    fn apply_newer(
+        &mut self,
+        now_us: u64,
+        key: &[u8],
+        ts: Ts,
+        value: &[u8],
+        valid: bool,
+    ) -> Option<u64> {
         // Looked up before inserting: most updates are to keys we hold (no key allocation).
         if self.store.get(key).is_some_and(|k| ts <= k.ts) {
             return None;
         }
         let k = match self.store.get_mut(key) {
             Some(k) => k,
-            None => self.store.entry(StoreKey::from_slice(key)).or_insert_with(|| KeyState { valid: true, ..Default::default() }),
+            None => self
+                .store
+                .entry(StoreKey::from_slice(key))
+                .or_insert_with(|| KeyState {
+                    valid: true,
+                    ..Default::default()
+                }),
         };
         k.ts = ts;
         k.value = value.to_vec();
@@ -1167,7 +1318,9 @@ impl NodeCore {
                 self.ack(from, &key, ts);
             }
             PeerMsg::Ack { key, ts, c, p, .. } => {
-                let Some(k) = self.store.get_mut(&key[..]) else { return };
+                let Some(k) = self.store.get_mut(&key[..]) else {
+                    return;
+                };
                 match &mut k.coord {
                     Some(co) if co.ts == ts => {
                         if c {
@@ -1188,13 +1341,24 @@ impl NodeCore {
                         if k.ts == ts && k.valid {
                             let p = k.gdp && p;
                             let epoch = self.config.epoch;
-                            self.send(from, PeerMsg::Val { epoch, key, ts, c: true, p });
+                            self.send(
+                                from,
+                                PeerMsg::Val {
+                                    epoch,
+                                    key,
+                                    ts,
+                                    c: true,
+                                    p,
+                                },
+                            );
                         }
                     }
                 }
             }
             PeerMsg::Val { key, ts, c, p, .. } => {
-                let Some(k) = self.store.get_mut(&key[..]) else { return };
+                let Some(k) = self.store.get_mut(&key[..]) else {
+                    return;
+                };
                 if k.ts != ts {
                     return;
                 }
@@ -1212,7 +1376,10 @@ impl NodeCore {
                     let epoch = self.config.epoch;
                     self.send(from, PeerMsg::PersistAck { epoch, id });
                 } else if self.persist_waits.len() < self.p.max_pending_client_ops
-                    && !self.persist_waits.iter().any(|(f, i, _)| *f == from && *i == id)
+                    && !self
+                        .persist_waits
+                        .iter()
+                        .any(|(f, i, _)| *f == from && *i == id)
                 {
                     self.persist_waits.push((from, id, writes));
                 }
@@ -1229,7 +1396,12 @@ impl NodeCore {
                 self.send(from, PeerMsg::RecovStartAck { epoch });
             }
             PeerMsg::RecovStartAck { .. } => self.on_recov_start_ack(now_us, from),
-            PeerMsg::CatchUpReq { partially, cursor, chunks, .. } => self.on_catchup_req(from, partially, cursor, chunks),
+            PeerMsg::CatchUpReq {
+                partially,
+                cursor,
+                chunks,
+                ..
+            } => self.on_catchup_req(from, partially, cursor, chunks),
             PeerMsg::CatchUpResp {
                 from: at,
                 next,
@@ -1296,14 +1468,17 @@ impl NodeCore {
         let epoch = self.config.epoch;
         let model = self.p.model;
         let down = matches!(self.mode, Mode::Down);
-        let Some(k) = self.store.get_mut(&key[..]) else { return };
+        let Some(k) = self.store.get_mut(&key[..]) else {
+            return;
+        };
         if ts > k.durable {
             k.durable = ts;
         }
         let durable = k.durable;
         let mut ready = Vec::new();
         if !k.pending_p.is_empty() {
-            let (r, rest): (Vec<_>, Vec<_>) = k.pending_p.drain(..).partition(|(_, t)| *t <= durable);
+            let (r, rest): (Vec<_>, Vec<_>) =
+                k.pending_p.drain(..).partition(|(_, t)| *t <= durable);
             k.pending_p = rest;
             ready = r;
         }
@@ -1319,7 +1494,16 @@ impl NodeCore {
         if !down {
             for (to, t) in ready {
                 let c = model == Model::Synch;
-                self.send(to, PeerMsg::Ack { epoch, key: key.clone(), ts: t, c, p: true });
+                self.send(
+                    to,
+                    PeerMsg::Ack {
+                        epoch,
+                        key: key.clone(),
+                        ts: t,
+                        c,
+                        p: true,
+                    },
+                );
             }
         }
         if coord {
@@ -1380,22 +1564,33 @@ impl NodeCore {
         let others = self.others();
         let needs_p = self.p.model != Model::Scope;
         for key in keys {
-            let Some(k) = self.store.get_mut(&key[..]) else { continue };
+            let Some(k) = self.store.get_mut(&key[..]) else {
+                continue;
+            };
             if let Some(c) = &mut k.coord {
                 if now_us >= c.deadline_us {
                     // §V-F1: re-send the INV with the original timestamp, to the followers
                     // whose ACKs are missing (the others have it), backing off each time.
                     c.retries = c.retries.saturating_add(1);
-                    c.deadline_us = now_us + (self.p.inv_ack_timeout_us << c.retries.min(MAX_INV_BACKOFF_SHIFT));
+                    c.deadline_us = now_us
+                        + (self.p.inv_ack_timeout_us << c.retries.min(MAX_INV_BACKOFF_SHIFT));
                     let missing: Vec<NodeId> = others
                         .iter()
                         .copied()
                         .filter(|n| !c.acks_c.contains(n) || (needs_p && !c.acks_p.contains(n)))
                         .collect();
-                    let msg = PeerMsg::Inv { epoch, key: key.clone(), ts: c.ts, value: c.value.clone() };
+                    let msg = PeerMsg::Inv {
+                        epoch,
+                        key: key.clone(),
+                        ts: c.ts,
+                        value: c.value.clone(),
+                    };
                     self.counters.inv_rebroadcasts += 1;
                     for n in missing {
-                        self.out.push(Output::Send { to: n, msg: msg.clone() });
+                        self.out.push(Output::Send {
+                            to: n,
+                            msg: msg.clone(),
+                        });
                     }
                 }
                 continue;
@@ -1430,7 +1625,12 @@ impl NodeCore {
                     retries: 0,
                 }));
                 self.counters.replays_started += 1;
-                let msg = PeerMsg::Inv { epoch, key: key.clone(), ts, value: k.value.clone() };
+                let msg = PeerMsg::Inv {
+                    epoch,
+                    key: key.clone(),
+                    ts,
+                    value: k.value.clone(),
+                };
                 self.broadcast(msg);
                 self.advance(now_us, &key);
             }
@@ -1440,7 +1640,11 @@ impl NodeCore {
             let op = self.persist_ops.get_mut(&id).unwrap();
             if now_us >= op.deadline_us {
                 op.deadline_us = now_us + self.p.inv_ack_timeout_us;
-                let msg = PeerMsg::PersistReq { epoch, id, writes: op.writes.clone() };
+                let msg = PeerMsg::PersistReq {
+                    epoch,
+                    id,
+                    writes: op.writes.clone(),
+                };
                 self.broadcast(msg);
             }
         }
@@ -1451,7 +1655,9 @@ impl NodeCore {
 
     fn start_recovery(&mut self, now_us: u64) {
         let r = Recov {
-            phase: Phase::Start { acked: BTreeSet::new() },
+            phase: Phase::Start {
+                acked: BTreeSet::new(),
+            },
             started_us: now_us,
             acked_us: 0,
             resp_us: 0,
@@ -1468,7 +1674,13 @@ impl NodeCore {
         self.mode = Mode::Recovering(Box::new(r));
         let epoch = self.config.epoch;
         // Step 1: Recov_start to every active node.
-        let active: Vec<NodeId> = self.config.active.iter().copied().filter(|n| *n != self.p.id).collect();
+        let active: Vec<NodeId> = self
+            .config
+            .active
+            .iter()
+            .copied()
+            .filter(|n| *n != self.p.id)
+            .collect();
         for n in active {
             self.send(n, PeerMsg::RecovStart { epoch });
         }
@@ -1513,18 +1725,33 @@ impl NodeCore {
 
     fn on_recov_start_ack_check(&mut self, now_us: u64) {
         let me = self.p.id;
-        let active: Vec<NodeId> = self.config.active.iter().copied().filter(|n| *n != me).collect();
+        let active: Vec<NodeId> = self
+            .config
+            .active
+            .iter()
+            .copied()
+            .filter(|n| *n != me)
+            .collect();
         let buddy = self.buddy();
         let cursor = self.first_cursor();
-        let Mode::Recovering(r) = &mut self.mode else { return };
-        let Phase::Start { acked } = &r.phase else { return };
+        let Mode::Recovering(r) = &mut self.mode else {
+            return;
+        };
+        let Phase::Start { acked } = &r.phase else {
+            return;
+        };
         if !active.iter().all(|n| acked.contains(n)) {
             return;
         }
         let Some(buddy) = buddy else { return };
         r.acked_us = now_us;
         r.stats.start_to_ack_us = now_us - r.started_us;
-        r.phase = Phase::CatchUp { buddy, cursor, requested: false, expected: 0 };
+        r.phase = Phase::CatchUp {
+            buddy,
+            cursor,
+            requested: false,
+            expected: 0,
+        };
         // Step 2: CatchUp_req with the Partially_persisted list.
         self.request_chunk(now_us);
     }
@@ -1535,8 +1762,18 @@ impl NodeCore {
         let epoch = self.config.epoch;
         let retry = self.p.recovery_retry_us;
         let window = self.p.max_catchup_chunks_in_flight.max(1);
-        let Mode::Recovering(r) = &mut self.mode else { return };
-        let Phase::CatchUp { buddy, cursor, requested, expected } = &mut r.phase else { return };
+        let Mode::Recovering(r) = &mut self.mode else {
+            return;
+        };
+        let Phase::CatchUp {
+            buddy,
+            cursor,
+            requested,
+            expected,
+        } = &mut r.phase
+        else {
+            return;
+        };
         if *requested {
             return;
         }
@@ -1555,10 +1792,24 @@ impl NodeCore {
         r.stats.requests += 1;
         r.request_sent_us = Some(now_us);
         let (to, cursor) = (*buddy, cursor.clone());
-        self.send(to, PeerMsg::CatchUpReq { epoch, partially, cursor, chunks });
+        self.send(
+            to,
+            PeerMsg::CatchUpReq {
+                epoch,
+                partially,
+                cursor,
+                chunks,
+            },
+        );
     }
 
-    fn on_catchup_req(&mut self, from: NodeId, partially: Vec<(Vec<u8>, Ts)>, cursor: Cursor, chunks: u32) {
+    fn on_catchup_req(
+        &mut self,
+        from: NodeId,
+        partially: Vec<(Vec<u8>, Ts)>,
+        cursor: Cursor,
+        chunks: u32,
+    ) {
         if !matches!(self.mode, Mode::Member) || !self.config.active.contains(&self.p.id) {
             return;
         }
@@ -1576,7 +1827,15 @@ impl NodeCore {
                 // The first chunk now, the rest one per `pump`: the recovering node applies and
                 // persists each while the next is read here, and our own clients are served
                 // between chunks. A new request replaces an older one (the node gave up on it).
-                self.streams.insert(from, KeyStream { after, partially, full_copy, chunks_left: chunks });
+                self.streams.insert(
+                    from,
+                    KeyStream {
+                        after,
+                        partially,
+                        full_copy,
+                        chunks_left: chunks,
+                    },
+                );
                 self.stream_chunk(from);
             }
             Cursor::Log(lc) => {
@@ -1585,7 +1844,11 @@ impl NodeCore {
                 // of the request's chunks. One read per recovering node.
                 let max_bytes = self.p.max_catchup_chunk_bytes;
                 self.log_reads.insert(from, (lc.clone(), partially, chunks));
-                self.out.push(Output::ReadLog { to: from, cursor: lc, max_bytes });
+                self.out.push(Output::ReadLog {
+                    to: from,
+                    cursor: lc,
+                    max_bytes,
+                });
             }
         }
     }
@@ -1609,9 +1872,15 @@ impl NodeCore {
             self.streams.clear();
             return;
         }
-        let Some(st) = self.streams.get_mut(&to) else { return };
+        let Some(st) = self.streams.get_mut(&to) else {
+            return;
+        };
         st.chunks_left = st.chunks_left.saturating_sub(1);
-        let st = if st.chunks_left == 0 { self.streams.remove(&to).unwrap() } else { st.clone() };
+        let st = if st.chunks_left == 0 {
+            self.streams.remove(&to).unwrap()
+        } else {
+            st.clone()
+        };
         let (entries, next) = self.key_chunk(st.after.as_deref(), &st.partially, st.full_copy);
         let more = match &next {
             Some(Cursor::Key(k)) => Some(k.clone()),
@@ -1625,21 +1894,39 @@ impl NodeCore {
             _ => {}
         }
         let epoch = self.config.epoch;
-        self.send(to, PeerMsg::CatchUpResp { epoch, from: Cursor::Key(st.after), next, full_copy: st.full_copy, entries });
+        self.send(
+            to,
+            PeerMsg::CatchUpResp {
+                epoch,
+                from: Cursor::Key(st.after),
+                next,
+                full_copy: st.full_copy,
+                entries,
+            },
+        );
     }
 
     /// The next chunk after `after` of a key-ordered copy: every key of the store (a full
     /// copy), or HEAL's Missed_updates plus the Partially_persisted keys. The current version
     /// of each key is the newest update to it; a Partially_persisted entry is judged by
     /// sending ours: the recovering node keeps its own only if ours equals it.
-    fn key_chunk(&self, after: Option<&[u8]>, partially: &[(Vec<u8>, Ts)], full: bool) -> (Vec<Entry>, Option<Cursor>) {
+    fn key_chunk(
+        &self,
+        after: Option<&[u8]>,
+        partially: &[(Vec<u8>, Ts)],
+        full: bool,
+    ) -> (Vec<Entry>, Option<Cursor>) {
         use std::ops::Bound;
         let lower = match after {
             Some(k) => Bound::Excluded(k),
             None => Bound::Unbounded,
         };
         let mut keys: Box<dyn Iterator<Item = &[u8]>> = if full {
-            Box::new(self.store.range::<[u8], _>((lower, Bound::Unbounded)).map(|(k, _)| k.as_slice()))
+            Box::new(
+                self.store
+                    .range::<[u8], _>((lower, Bound::Unbounded))
+                    .map(|(k, _)| k.as_slice()),
+            )
         } else {
             let mut extra: Vec<&[u8]> = partially
                 .iter()
@@ -1648,17 +1935,31 @@ impl NodeCore {
                 .collect();
             extra.sort_unstable();
             extra.dedup();
-            let missed = self.missed.keys.range::<[u8], _>((lower, Bound::Unbounded)).map(|(k, _)| k.as_slice());
-            Box::new(MergeKeys { a: missed.peekable(), b: extra.into_iter().peekable() })
+            let missed = self
+                .missed
+                .keys
+                .range::<[u8], _>((lower, Bound::Unbounded))
+                .map(|(k, _)| k.as_slice());
+            Box::new(MergeKeys {
+                a: missed.peekable(),
+                b: extra.into_iter().peekable(),
+            })
         };
         let mut entries = Vec::new();
         let mut bytes = 0;
         for key in keys.by_ref() {
-            let Some(k) = self.store.get(key) else { continue };
+            let Some(k) = self.store.get(key) else {
+                continue;
+            };
             if k.ts == Ts::default() {
                 continue;
             }
-            let e = Entry { key: key.to_vec(), ts: k.ts, value: k.value.clone(), committed: k.valid };
+            let e = Entry {
+                key: key.to_vec(),
+                ts: k.ts,
+                value: k.value.clone(),
+                committed: k.valid,
+            };
             bytes += e.size_bytes();
             entries.push(e);
             if bytes >= self.p.max_catchup_chunk_bytes {
@@ -1684,15 +1985,32 @@ impl NodeCore {
         if !chunk.found {
             // Our log does not reach back to where the node left: send a snapshot instead.
             let (entries, next) = self.key_chunk(None, &[], true);
-            self.send(to, PeerMsg::CatchUpResp { epoch, from, next, full_copy: true, entries });
+            self.send(
+                to,
+                PeerMsg::CatchUpResp {
+                    epoch,
+                    from,
+                    next,
+                    full_copy: true,
+                    entries,
+                },
+            );
             return;
         }
         let mut entries: Vec<Entry> = chunk
             .puts
             .into_iter()
             .map(|(key, ts, value)| {
-                let committed = self.store.get(&key[..]).is_some_and(|k| ts < k.ts || (ts == k.ts && k.valid));
-                Entry { key, ts, value, committed }
+                let committed = self
+                    .store
+                    .get(&key[..])
+                    .is_some_and(|k| ts < k.ts || (ts == k.ts && k.valid));
+                Entry {
+                    key,
+                    ts,
+                    value,
+                    committed,
+                }
             })
             .collect();
         if cursor.pos.is_none() {
@@ -1700,18 +2018,41 @@ impl NodeCore {
             // TRUNC of a learner's uncommitted tail).
             for (key, _) in partially {
                 if let Some(k) = self.store.get(&key[..]).filter(|k| k.ts != Ts::default()) {
-                    entries.push(Entry { key, ts: k.ts, value: k.value.clone(), committed: k.valid });
+                    entries.push(Entry {
+                        key,
+                        ts: k.ts,
+                        value: k.value.clone(),
+                        committed: k.valid,
+                    });
                 }
             }
         }
-        let next_lc = LogCursor { since_epoch: cursor.since_epoch, gen: chunk.gen, pos: Some(chunk.next_pos) };
+        let next_lc = LogCursor {
+            since_epoch: cursor.since_epoch,
+            gen: chunk.gen,
+            pos: Some(chunk.next_pos),
+        };
         let next = (!chunk.at_end).then_some(Cursor::Log(next_lc.clone()));
-        self.send(to, PeerMsg::CatchUpResp { epoch, from, next, full_copy: false, entries });
+        self.send(
+            to,
+            PeerMsg::CatchUpResp {
+                epoch,
+                from,
+                next,
+                full_copy: false,
+                entries,
+            },
+        );
         if !chunk.at_end && chunks_left > 1 {
             // The rest of the request: read on from where this chunk ended.
             let max_bytes = self.p.max_catchup_chunk_bytes;
-            self.log_reads.insert(to, (next_lc.clone(), Vec::new(), chunks_left - 1));
-            self.out.push(Output::ReadLog { to, cursor: next_lc, max_bytes });
+            self.log_reads
+                .insert(to, (next_lc.clone(), Vec::new(), chunks_left - 1));
+            self.out.push(Output::ReadLog {
+                to,
+                cursor: next_lc,
+                max_bytes,
+            });
         }
     }
 
@@ -1725,8 +2066,18 @@ impl NodeCore {
         entries: Vec<Entry>,
     ) {
         {
-            let Mode::Recovering(r) = &mut self.mode else { return };
-            let Phase::CatchUp { buddy, cursor, requested, expected } = &mut r.phase else { return };
+            let Mode::Recovering(r) = &mut self.mode else {
+                return;
+            };
+            let Phase::CatchUp {
+                buddy,
+                cursor,
+                requested,
+                expected,
+            } = &mut r.phase
+            else {
+                return;
+            };
             if *buddy != from || *cursor != at || !*requested {
                 return; // a duplicate, or the answer to a request we gave up on
             }
@@ -1771,7 +2122,9 @@ impl NodeCore {
             seqs.push(seq);
         }
         let eventual = self.p.model == Model::Eventual;
-        let Mode::Recovering(r) = &mut self.mode else { return };
+        let Mode::Recovering(r) = &mut self.mode else {
+            return;
+        };
         r.stats.entries_applied += applied;
         if !eventual {
             // Under Eventual the NVM copy is made in the background, off the critical path.
@@ -1785,7 +2138,12 @@ impl NodeCore {
         if !seqs.is_empty() {
             r.chunks_unpersisted.push_back(seqs.into_iter().collect());
         }
-        let Phase::CatchUp { buddy, expected, .. } = r.phase else { return };
+        let Phase::CatchUp {
+            buddy, expected, ..
+        } = r.phase
+        else {
+            return;
+        };
         match next {
             None => {
                 r.stats.transfer_us = now_us - r.resp_us;
@@ -1795,7 +2153,12 @@ impl NodeCore {
             Some(cursor) => {
                 // More replies of this request are on their way: wait for them, in order.
                 let requested = expected > 0;
-                r.phase = Phase::CatchUp { buddy, cursor, requested, expected };
+                r.phase = Phase::CatchUp {
+                    buddy,
+                    cursor,
+                    requested,
+                    expected,
+                };
                 self.request_chunk(now_us);
             }
         }
@@ -1807,10 +2170,23 @@ impl NodeCore {
     /// of a committed entry) go to `recs` for the chunk's single append, the Put to `puts` for
     /// its completion. Any other key takes the general path of an INV plus a VAL
     /// ([`Self::apply_newer`], [`Self::mark_if_needed`], [`Self::settle`]), with its own append.
-    fn apply_catchup_entry(&mut self, now_us: u64, e: Entry, recs: &mut Vec<LogRecord>, puts: &mut KeyVersions) -> CatchUpApply {
-        let Entry { key, ts, value, committed } = e;
+    fn apply_catchup_entry(
+        &mut self,
+        now_us: u64,
+        e: Entry,
+        recs: &mut Vec<LogRecord>,
+        puts: &mut KeyVersions,
+    ) -> CatchUpApply {
+        let Entry {
+            key,
+            ts,
+            value,
+            committed,
+        } = e;
         let deadline_us = now_us + self.p.ack_val_timeout_us;
-        let quiet = |k: &KeyState| k.coord.is_none() && k.waiting.is_empty() && k.pending_p.is_empty() && k.valid;
+        let quiet = |k: &KeyState| {
+            k.coord.is_none() && k.waiting.is_empty() && k.pending_p.is_empty() && k.valid
+        };
         let value_len = value.len();
         let marked = match self.store.get_mut(&key[..]) {
             Some(k) if ts <= k.ts => return CatchUpApply::Stale,
@@ -1863,16 +2239,25 @@ impl NodeCore {
             self.unsettled.insert(key.clone());
         }
         self.record_missed(&key, value_len);
-        recs.push(LogRecord::Put { key: key.clone(), ts, value });
+        recs.push(LogRecord::Put {
+            key: key.clone(),
+            ts,
+            value,
+        });
         if marked {
-            recs.push(LogRecord::Mark { key: key.clone(), ts });
+            recs.push(LogRecord::Mark {
+                key: key.clone(),
+                ts,
+            });
         }
         puts.push((key, ts));
         CatchUpApply::Batched
     }
 
     fn maybe_finish_recovery(&mut self, now_us: u64) {
-        let Mode::Recovering(r) = &mut self.mode else { return };
+        let Mode::Recovering(r) = &mut self.mode else {
+            return;
+        };
         if r.phase != Phase::Applying || !r.outstanding.is_empty() {
             return;
         }
@@ -1895,7 +2280,9 @@ impl NodeCore {
         let retry = self.p.recovery_retry_us;
         let start_retry = self.start_retry_us();
         let buddy_now = self.buddy();
-        let Mode::Recovering(r) = &mut self.mode else { return };
+        let Mode::Recovering(r) = &mut self.mode else {
+            return;
+        };
         if now_us < r.deadline_us {
             return;
         }
@@ -1915,7 +2302,12 @@ impl NodeCore {
                     self.send(n, PeerMsg::RecovStart { epoch });
                 }
             }
-            Phase::CatchUp { buddy, cursor, requested, .. } => {
+            Phase::CatchUp {
+                buddy,
+                cursor,
+                requested,
+                ..
+            } => {
                 if !*requested {
                     return; // waiting for our own log, not for the Buddy
                 }
@@ -1952,7 +2344,9 @@ struct MergeKeys<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>>
     b: std::iter::Peekable<B>,
 }
 
-impl<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> Iterator for MergeKeys<'a, A, B> {
+impl<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> Iterator
+    for MergeKeys<'a, A, B>
+{
     type Item = &'a [u8];
     fn next(&mut self) -> Option<&'a [u8]> {
         match (self.a.peek(), self.b.peek()) {
@@ -2013,39 +2407,109 @@ mod tests {
     fn late_ack_c_from_recovering_node_gets_no_val_p() {
         for model in [Model::Strict, Model::Eventual, Model::ReadEnforced] {
             let mut n = NodeCore::new(NodeParams::new(1, model), LogState::default());
-            n.on_heartbeat(0, Heartbeat { seq: 0, config: cfg(1, &[0, 1, 2], &[]) });
+            n.on_heartbeat(
+                0,
+                Heartbeat {
+                    seq: 0,
+                    config: cfg(1, &[0, 1, 2], &[]),
+                },
+            );
             persist_all(&mut n, 0);
-            n.on_heartbeat(1, Heartbeat { seq: 1, config: cfg(2, &[1, 2], &[]) });
+            n.on_heartbeat(
+                1,
+                Heartbeat {
+                    seq: 1,
+                    config: cfg(2, &[1, 2], &[]),
+                },
+            );
             n.take_outputs();
             let key = b"b".to_vec();
-            n.on_client(2, 7, ClientOp::Put { key: key.clone(), value: b"v".to_vec(), scope: None });
+            n.on_client(
+                2,
+                7,
+                ClientOp::Put {
+                    key: key.clone(),
+                    value: b"v".to_vec(),
+                    scope: None,
+                },
+            );
             persist_all(&mut n, 2);
-            let ts = Ts { version: 1, node: 1 };
-            n.on_peer(3, 2, PeerMsg::Ack { epoch: 2, key: key.clone(), ts, c: true, p: true });
+            let ts = Ts {
+                version: 1,
+                node: 1,
+            };
+            n.on_peer(
+                3,
+                2,
+                PeerMsg::Ack {
+                    epoch: 2,
+                    key: key.clone(),
+                    ts,
+                    c: true,
+                    p: true,
+                },
+            );
             let outs = n.take_outputs();
             assert!(
-                outs.contains(&Output::Reply { tag: 7, result: ClientResult::Done }),
+                outs.contains(&Output::Reply {
+                    tag: 7,
+                    result: ClientResult::Done
+                }),
                 "{model}: write done in epoch 2: {outs:?}"
             );
-            n.on_heartbeat(4, Heartbeat { seq: 2, config: cfg(3, &[1, 2], &[0]) });
+            n.on_heartbeat(
+                4,
+                Heartbeat {
+                    seq: 2,
+                    config: cfg(3, &[1, 2], &[0]),
+                },
+            );
             n.take_outputs();
             let val_to_0 = |outs: Vec<Output>| -> Vec<(bool, bool)> {
                 outs.into_iter()
                     .filter_map(|o| match o {
-                        Output::Send { to: 0, msg: PeerMsg::Val { c, p, .. } } => Some((c, p)),
+                        Output::Send {
+                            to: 0,
+                            msg: PeerMsg::Val { c, p, .. },
+                        } => Some((c, p)),
                         _ => None,
                     })
                     .collect()
             };
-            n.on_peer(5, 0, PeerMsg::Ack { epoch: 3, key: key.clone(), ts, c: true, p: false });
+            n.on_peer(
+                5,
+                0,
+                PeerMsg::Ack {
+                    epoch: 3,
+                    key: key.clone(),
+                    ts,
+                    c: true,
+                    p: false,
+                },
+            );
             assert_eq!(val_to_0(n.take_outputs()), vec![(true, false)], "{model}");
-            n.on_peer(6, 0, PeerMsg::Ack { epoch: 3, key: key.clone(), ts, c: false, p: true });
+            n.on_peer(
+                6,
+                0,
+                PeerMsg::Ack {
+                    epoch: 3,
+                    key: key.clone(),
+                    ts,
+                    c: false,
+                    p: true,
+                },
+            );
             assert_eq!(val_to_0(n.take_outputs()), vec![(true, true)], "{model}");
         }
     }
 
     fn entry(key: &str, version: u64) -> Entry {
-        Entry { key: key.as_bytes().to_vec(), ts: Ts { version, node: 2 }, value: b"v".to_vec(), committed: true }
+        Entry {
+            key: key.as_bytes().to_vec(),
+            ts: Ts { version, node: 2 },
+            value: b"v".to_vec(),
+            committed: true,
+        }
     }
 
     fn key_cursor(after: Option<&str>) -> Cursor {
@@ -2057,7 +2521,13 @@ mod tests {
         let mut p = NodeParams::new(0, Model::Strict);
         p.max_catchup_chunks_in_flight = window;
         let mut n = NodeCore::new(p, LogState::default());
-        n.on_heartbeat(0, Heartbeat { seq: 0, config: cfg(2, &[1, 2], &[0]) });
+        n.on_heartbeat(
+            0,
+            Heartbeat {
+                seq: 0,
+                config: cfg(2, &[1, 2], &[0]),
+            },
+        );
         let mut outs = n.take_outputs();
         n.on_peer(1, 1, PeerMsg::RecovStartAck { epoch: 2 });
         n.on_peer(1, 2, PeerMsg::RecovStartAck { epoch: 2 });
@@ -2068,7 +2538,10 @@ mod tests {
     fn catchup_reqs(outs: &[Output]) -> Vec<Cursor> {
         outs.iter()
             .filter_map(|o| match o {
-                Output::Send { to: 1, msg: PeerMsg::CatchUpReq { cursor, .. } } => Some(cursor.clone()),
+                Output::Send {
+                    to: 1,
+                    msg: PeerMsg::CatchUpReq { cursor, .. },
+                } => Some(cursor.clone()),
                 _ => None,
             })
             .collect()
@@ -2077,7 +2550,10 @@ mod tests {
     fn req_chunks(outs: &[Output]) -> Vec<u32> {
         outs.iter()
             .filter_map(|o| match o {
-                Output::Send { msg: PeerMsg::CatchUpReq { chunks, .. }, .. } => Some(*chunks),
+                Output::Send {
+                    msg: PeerMsg::CatchUpReq { chunks, .. },
+                    ..
+                } => Some(*chunks),
                 _ => None,
             })
             .collect()
@@ -2086,18 +2562,36 @@ mod tests {
     fn persists(outs: &[Output]) -> Vec<u64> {
         outs.iter()
             .filter_map(|o| match o {
-                Output::Persist { seq, rec: LogRecord::Put { .. } } | Output::PersistBatch { seq, .. } => Some(*seq),
+                Output::Persist {
+                    seq,
+                    rec: LogRecord::Put { .. },
+                }
+                | Output::PersistBatch { seq, .. } => Some(*seq),
                 _ => None,
             })
             .collect()
     }
 
     fn sent_recov_end(outs: &[Output]) -> bool {
-        outs.iter().any(|o| matches!(o, Output::Send { msg: PeerMsg::RecovEnd { .. }, .. }))
+        outs.iter().any(|o| {
+            matches!(
+                o,
+                Output::Send {
+                    msg: PeerMsg::RecovEnd { .. },
+                    ..
+                }
+            )
+        })
     }
 
     fn resp(from: Option<&str>, next: Option<&str>, entries: Vec<Entry>) -> PeerMsg {
-        PeerMsg::CatchUpResp { epoch: 2, from: key_cursor(from), next: Some(key_cursor(next)), full_copy: false, entries }
+        PeerMsg::CatchUpResp {
+            epoch: 2,
+            from: key_cursor(from),
+            next: Some(key_cursor(next)),
+            full_copy: false,
+            entries,
+        }
     }
 
     /// With a window of 3 the first CatchUp_req asks for 3 chunks, which the Buddy sends back to
@@ -2110,23 +2604,39 @@ mod tests {
         let boot: Vec<u64> = outs
             .iter()
             .filter_map(|o| match o {
-                Output::Persist { seq, rec: LogRecord::Boot { .. } } => Some(*seq),
+                Output::Persist {
+                    seq,
+                    rec: LogRecord::Boot { .. },
+                } => Some(*seq),
                 _ => None,
             })
             .collect();
         assert_eq!(catchup_reqs(&outs), vec![key_cursor(None)]);
-        assert_eq!(req_chunks(&outs), vec![3], "the whole window in one request");
+        assert_eq!(
+            req_chunks(&outs),
+            vec![3],
+            "the whole window in one request"
+        );
         let mut unpersisted = Vec::new();
         // Three chunks of one request, none durable yet: no new request while they arrive.
-        for (i, (from, next, e)) in
-            [(None, "a", entry("a", 5)), (Some("a"), "b", entry("b", 5)), (Some("b"), "c", entry("c", 5))].into_iter().enumerate()
+        for (i, (from, next, e)) in [
+            (None, "a", entry("a", 5)),
+            (Some("a"), "b", entry("b", 5)),
+            (Some("b"), "c", entry("c", 5)),
+        ]
+        .into_iter()
+        .enumerate()
         {
             n.on_peer(10 + i as u64, 1, resp(from, Some(next), vec![e]));
             let outs = n.take_outputs();
             let p = persists(&outs);
             assert_eq!(p.len(), 1, "chunk {i} applied and persisted: {outs:?}");
             unpersisted.extend(p);
-            assert_eq!(catchup_reqs(&outs), vec![], "chunk {i}: window of 3, asked for at once");
+            assert_eq!(
+                catchup_reqs(&outs),
+                vec![],
+                "chunk {i}: window of 3, asked for at once"
+            );
         }
         // A late duplicate of chunk 1 carrying an older version of "a", and a reply for a cursor
         // not asked for, change nothing.
@@ -2139,20 +2649,58 @@ mod tests {
         assert_eq!(catchup_reqs(&outs), vec![key_cursor(Some("c"))]);
         assert_eq!(req_chunks(&outs), vec![1], "one slot free");
         // Last chunk: applied; Recov_end waits for all chunks and the Boot record.
-        n.on_peer(22, 1, PeerMsg::CatchUpResp { epoch: 2, from: key_cursor(Some("c")), next: None, full_copy: false, entries: vec![entry("c", 9), entry("a", 2)] });
+        n.on_peer(
+            22,
+            1,
+            PeerMsg::CatchUpResp {
+                epoch: 2,
+                from: key_cursor(Some("c")),
+                next: None,
+                full_copy: false,
+                entries: vec![entry("c", 9), entry("a", 2)],
+            },
+        );
         let outs = n.take_outputs();
-        assert_eq!(persists(&outs).len(), 1, "older version of a is not applied: {outs:?}");
+        assert_eq!(
+            persists(&outs).len(),
+            1,
+            "older version of a is not applied: {outs:?}"
+        );
         unpersisted.extend(persists(&outs));
         assert!(!sent_recov_end(&outs));
-        for s in boot.iter().chain(&unpersisted).filter(|s| **s != unpersisted[1]) {
-            assert!(!sent_recov_end(&n.take_outputs()), "Recov_end before every chunk is durable");
+        for s in boot
+            .iter()
+            .chain(&unpersisted)
+            .filter(|s| **s != unpersisted[1])
+        {
+            assert!(
+                !sent_recov_end(&n.take_outputs()),
+                "Recov_end before every chunk is durable"
+            );
             n.on_persisted(23, *s);
         }
         let outs = n.take_outputs();
-        assert!(sent_recov_end(&outs), "{boot:?} {unpersisted:?} {outs:?} {:?}", match &n.mode { Mode::Recovering(r) => format!("{:?} {:?} {:?}", r.phase, r.outstanding, r.chunks_unpersisted), _ => String::new() });
+        assert!(
+            sent_recov_end(&outs),
+            "{boot:?} {unpersisted:?} {outs:?} {:?}",
+            match &n.mode {
+                Mode::Recovering(r) => format!(
+                    "{:?} {:?} {:?}",
+                    r.phase, r.outstanding, r.chunks_unpersisted
+                ),
+                _ => String::new(),
+            }
+        );
         assert!(n.is_recovering() || matches!(n.mode, Mode::Recovered));
         let a = n.store.get(b"a".as_slice()).unwrap();
-        assert_eq!(a.ts, Ts { version: 5, node: 2 }, "a is never rolled back");
+        assert_eq!(
+            a.ts,
+            Ts {
+                version: 5,
+                node: 2
+            },
+            "a is never rolled back"
+        );
     }
 
     /// A Buddy answers one CatchUp_req with up to `chunks` consecutive replies, each naming
@@ -2164,15 +2712,39 @@ mod tests {
         p.recovery = RecoveryScheme::FullCopy; // every key is sent
         let mut st = LogState::default();
         for k in ["a", "b", "c", "d", "e"] {
-            st.base.insert(k.as_bytes().to_vec(), (Ts { version: 1, node: 0 }, b"v".to_vec()));
+            st.base.insert(
+                k.as_bytes().to_vec(),
+                (
+                    Ts {
+                        version: 1,
+                        node: 0,
+                    },
+                    b"v".to_vec(),
+                ),
+            );
         }
         let mut n = NodeCore::new(p, st);
-        n.on_heartbeat(0, Heartbeat { seq: 0, config: cfg(2, &[1, 2], &[0]) });
+        n.on_heartbeat(
+            0,
+            Heartbeat {
+                seq: 0,
+                config: cfg(2, &[1, 2], &[0]),
+            },
+        );
         n.take_outputs();
         let resps = |outs: Vec<Output>| -> Vec<(Cursor, Option<Cursor>, usize)> {
             outs.into_iter()
                 .filter_map(|o| match o {
-                    Output::Send { to: 0, msg: PeerMsg::CatchUpResp { from, next, entries, .. } } => Some((from, next, entries.len())),
+                    Output::Send {
+                        to: 0,
+                        msg:
+                            PeerMsg::CatchUpResp {
+                                from,
+                                next,
+                                entries,
+                                ..
+                            },
+                    } => Some((from, next, entries.len())),
                     _ => None,
                 })
                 .collect()
@@ -2186,7 +2758,16 @@ mod tests {
             }
             outs
         };
-        n.on_peer(1, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(None), chunks: 3 });
+        n.on_peer(
+            1,
+            0,
+            PeerMsg::CatchUpReq {
+                epoch: 2,
+                partially: vec![],
+                cursor: key_cursor(None),
+                chunks: 3,
+            },
+        );
         assert_eq!(resps(n.take_outputs()).len(), 1);
         assert!(n.wants_pump());
         n.pump(1);
@@ -2194,7 +2775,16 @@ mod tests {
         n.pump(1);
         assert_eq!(resps(n.take_outputs()).len(), 1);
         assert!(!n.wants_pump(), "the request's three chunks are out");
-        n.on_peer(1, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(None), chunks: 3 });
+        n.on_peer(
+            1,
+            0,
+            PeerMsg::CatchUpReq {
+                epoch: 2,
+                partially: vec![],
+                cursor: key_cursor(None),
+                chunks: 3,
+            },
+        );
         let got = resps(pumped(&mut n));
         assert_eq!(
             got,
@@ -2204,7 +2794,16 @@ mod tests {
                 (key_cursor(Some("b")), Some(key_cursor(Some("c"))), 1),
             ]
         );
-        n.on_peer(2, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(Some("c")), chunks: 5 });
+        n.on_peer(
+            2,
+            0,
+            PeerMsg::CatchUpReq {
+                epoch: 2,
+                partially: vec![],
+                cursor: key_cursor(Some("c")),
+                chunks: 5,
+            },
+        );
         let got = resps(pumped(&mut n));
         // d, e, then an empty last chunk (a full chunk always names a next cursor).
         assert_eq!(got.len(), 3, "stops at the end: {got:?}");
@@ -2216,7 +2815,11 @@ mod tests {
     fn catchup_window_of_one_waits_for_durability() {
         let (mut n, outs) = recovering_node(1);
         assert_eq!(catchup_reqs(&outs), vec![key_cursor(None)]);
-        n.on_peer(10, 1, resp(None, Some("a"), vec![entry("a", 1), entry("b", 1)]));
+        n.on_peer(
+            10,
+            1,
+            resp(None, Some("a"), vec![entry("a", 1), entry("b", 1)]),
+        );
         let outs = n.take_outputs();
         let seqs = persists(&outs);
         assert_eq!(seqs.len(), 1, "a chunk's records are one append: {outs:?}");
@@ -2227,7 +2830,10 @@ mod tests {
         assert_eq!(recs, Some(4), "a Put and a Mark per committed entry");
         assert!(catchup_reqs(&outs).is_empty());
         n.on_persisted(11, seqs[0] + 100);
-        assert!(catchup_reqs(&n.take_outputs()).is_empty(), "another append's completion is not enough");
+        assert!(
+            catchup_reqs(&n.take_outputs()).is_empty(),
+            "another append's completion is not enough"
+        );
         n.on_persisted(12, seqs[0]);
         assert_eq!(catchup_reqs(&n.take_outputs()), vec![key_cursor(Some("a"))]);
     }
