@@ -22,7 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::cm::{CmCore, CmOutput, CmParams};
-use crate::log::{self, FileLog, LogRecord, PmLog};
+use crate::log::{self, Append, FileLog, LogRecord};
 use crate::msg::*;
 use crate::node::{NodeCore, NodeParams, Output, RecoveryStats};
 
@@ -124,10 +124,10 @@ enum Input {
 }
 
 enum LogJob {
-    /// Records to append, in order, each with the (core incarnation, seq) to report once it is
-    /// durable, or `None` for a lazy append (a GDP flag, an `Epoch` record). The core's outputs
-    /// of one input go as one job: a catch-up chunk is one job, one write, one sync.
-    Append(Vec<(Option<(u64, u64)>, LogRecord)>),
+    /// Appends, in order, each with the (core incarnation, seq) to report once it is durable,
+    /// or `None` for a lazy append (a GDP flag, an `Epoch` record). The core's outputs of one
+    /// input go as one job; a catch-up chunk is one append, encoded here, off the core's thread.
+    Append(Vec<(Option<(u64, u64)>, Append)>),
     Rebuild(std::sync::mpsc::Sender<log::LogState>),
     /// Reactive-log baseline: read the log at a cursor, after every append queued before.
     Read {
@@ -195,7 +195,7 @@ fn spawn_log_thread(
                 let mut batch = vec![first];
                 let mut bytes = 0usize;
                 let job_bytes = |j: &LogJob| match j {
-                    LogJob::Append(v) => v.iter().map(|(_, r)| log::record_size_hint(r)).sum(),
+                    LogJob::Append(v) => v.iter().map(|(_, r)| r.size_hint()).sum(),
                     _ => 0,
                 };
                 bytes += job_bytes(&batch[0]);
@@ -229,10 +229,10 @@ fn spawn_log_thread(
                 let res = if recs.is_empty() {
                     Ok(())
                 } else if seqs.is_empty() {
-                    flog.append_lazy(&recs)
+                    flog.append_items_lazy(&recs)
                 } else {
                     let (t, len0, enc0) = (Instant::now(), flog.len_bytes(), flog.encode_us);
-                    let r = flog.append_durable(&recs);
+                    let r = flog.append_items_durable(&recs);
                     stats
                         .log_encode_us
                         .fetch_add(flog.encode_us - enc0, Ordering::Relaxed);
@@ -474,8 +474,8 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                 break;
             }
             // Consecutive appends go to the log thread as one job.
-            let mut appends: Vec<(Option<(u64, u64)>, LogRecord)> = Vec::new();
-            let flush = |appends: &mut Vec<(Option<(u64, u64)>, LogRecord)>| {
+            let mut appends: Vec<(Option<(u64, u64)>, Append)> = Vec::new();
+            let flush = |appends: &mut Vec<(Option<(u64, u64)>, Append)>| {
                 if !appends.is_empty() {
                     let _ = log_tx.send(LogJob::Append(std::mem::take(appends)));
                 }
@@ -483,21 +483,15 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
             for o in outs {
                 match o {
                     Output::Persist { seq, rec } => {
-                        appends.push((Some((inc, seq)), rec));
+                        appends.push((Some((inc, seq)), Append::Rec(rec)));
                         continue;
                     }
-                    Output::PersistBatch { seq, recs } => {
-                        // Durable as one: the completion rides on the last record.
-                        let n = recs.len();
-                        appends.extend(
-                            recs.into_iter()
-                                .enumerate()
-                                .map(|(i, r)| ((i + 1 == n).then_some((inc, seq)), r)),
-                        );
+                    Output::PersistChunk { seq, puts } => {
+                        appends.push((Some((inc, seq)), Append::Chunk(puts)));
                         continue;
                     }
                     Output::Mark(rec) => {
-                        appends.push((None, rec));
+                        appends.push((None, Append::Rec(rec)));
                         continue;
                     }
                     _ => {}
@@ -506,7 +500,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                     flush(&mut appends);
                 }
                 match o {
-                    Output::Persist { .. } | Output::PersistBatch { .. } | Output::Mark(_) => {
+                    Output::Persist { .. } | Output::PersistChunk { .. } | Output::Mark(_) => {
                         unreachable!("handled above")
                     }
                     Output::Send { to, msg } => {

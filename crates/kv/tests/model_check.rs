@@ -366,8 +366,9 @@ impl Check {
                     Output::Persist { seq, rec } => {
                         s.nodes[id as usize].buffer.push_back((Some(seq), rec))
                     }
-                    Output::PersistBatch { seq, recs } => {
+                    Output::PersistChunk { seq, puts } => {
                         // Durable once its last record is: the completion rides on that one.
+                        let recs = puts.records();
                         let n = recs.len();
                         let buf = &mut s.nodes[id as usize].buffer;
                         buf.extend(

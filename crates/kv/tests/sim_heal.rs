@@ -304,13 +304,11 @@ impl World {
                     .push_after(now, lat, Ev::Persisted { node: id, inc, seq })
                     .unwrap();
             }
-            Output::PersistBatch { seq, recs } => {
+            Output::PersistChunk { seq, puts } => {
                 let n = &mut self.nodes[id as usize];
                 let len = n.disk.len(LOG).unwrap();
                 let mut buf = Vec::new();
-                for r in &recs {
-                    log::encode_into(r, &mut buf);
-                }
+                puts.encode_into(&mut buf);
                 n.disk.write(LOG, len, &buf).unwrap();
                 let inc = n.inc;
                 let lat = 20 + self.rng.range_u64(0, 3) * 30;
