@@ -130,6 +130,19 @@ impl ChunkPuts {
         out
     }
 
+    /// Whether `key` is among the applied entries of a chunk in key order (binary search).
+    pub fn contains_sorted(&self, key: &[u8]) -> bool {
+        self.applied
+            .binary_search_by(|&at| {
+                self.chunk
+                    .entry_at(at as usize)
+                    .map(|(e, _)| e.key)
+                    .unwrap_or_default()
+                    .cmp(key)
+            })
+            .is_ok()
+    }
+
     pub fn size_hint(&self) -> usize {
         // Every applied entry's bytes are at most the chunk's.
         self.chunk.len_bytes() + self.applied.len() * 64

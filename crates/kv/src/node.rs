@@ -274,7 +274,9 @@ enum Mode {
 struct Missed {
     recording: bool,
     overflowed: bool,
-    keys: BTreeMap<Vec<u8>, usize>,
+    /// Key to accounted size, in key order (a Buddy's chunks walk it in order), keys inline
+    /// like the store's: recording a key already in the buffer allocates nothing.
+    keys: BTreeMap<StoreKey, usize>,
     bytes: usize,
 }
 
@@ -331,8 +333,14 @@ pub struct NodeCore {
     missed: Missed,
     next_seq: u64,
     inflight: BTreeMap<u64, (Vec<u8>, Ts)>,
-    /// Durable appends of whole catch-up chunks ([`Output::PersistChunk`]): their Puts.
-    inflight_batches: BTreeMap<u64, ChunkPuts>,
+    /// Durable appends of whole catch-up chunks ([`Output::PersistChunk`]): their Puts, and
+    /// whether the chunk is key-ordered. The keys of a key-ordered chunk take `durable` when
+    /// applied and are not looked up again when it completes: until then [`Self::chunk_pending`]
+    /// finds them here (a binary search per chunk) and their durability is not relied on.
+    inflight_batches: BTreeMap<u64, (ChunkPuts, bool)>,
+    /// Keys whose durability was asked for while a pending key-ordered chunk held them: what
+    /// the chunk's completion looks at (owed ACK_Ps, a replay's local persist).
+    durable_watch: BTreeSet<Vec<u8>>,
     pending_client_ops: usize,
     /// Keys with client ops queued (`KeyState::waiting` not empty): what a heartbeat re-serves,
     /// without a walk over the whole store.
@@ -411,6 +419,7 @@ impl NodeCore {
             next_seq: 0,
             inflight: BTreeMap::new(),
             inflight_batches: BTreeMap::new(),
+            durable_watch: BTreeSet::new(),
             pending_client_ops: 0,
             waiting_keys: BTreeSet::new(),
             scopes: BTreeMap::new(),
@@ -525,6 +534,7 @@ impl NodeCore {
             self.next_seq,
             &self.inflight,
             &self.inflight_batches,
+            &self.durable_watch,
             self.pending_client_ops,
             &self.scopes,
         )
@@ -609,7 +619,13 @@ impl NodeCore {
             return;
         }
         let size = key.len() + value_len + 24;
-        let old = self.missed.keys.insert(key.to_vec(), size).unwrap_or(0);
+        let old = match self.missed.keys.get_mut(key) {
+            Some(old) => std::mem::replace(old, size),
+            None => {
+                self.missed.keys.insert(StoreKey::from_slice(key), size);
+                0
+            }
+        };
         self.missed.bytes = self.missed.bytes + size - old;
         if self.missed.bytes > self.p.missed_updates_cap_bytes {
             // Past the cap the buffer is useless: drop it, the Buddy will send a full copy.
@@ -1060,9 +1076,9 @@ impl NodeCore {
     }
 
     fn all_durable(&self, writes: &[(Vec<u8>, Ts)]) -> bool {
-        writes
-            .iter()
-            .all(|(k, ts)| self.store.get(&k[..]).is_some_and(|s| s.durable >= *ts))
+        writes.iter().all(|(k, ts)| {
+            self.store.get(&k[..]).is_some_and(|s| s.durable >= *ts) && !self.chunk_pending(k)
+        })
     }
 
     fn check_persist_op(&mut self, id: u64) {
@@ -1227,8 +1243,12 @@ impl NodeCore {
     fn ack(&mut self, to: NodeId, key: &[u8], ts: Ts) {
         let model = self.p.model;
         let epoch = self.config.epoch;
+        let pending = self.chunk_pending(key);
+        if pending {
+            self.durable_watch.insert(key.to_vec());
+        }
         let k = self.store.get_mut(key).unwrap();
-        let durable = k.durable >= ts;
+        let durable = k.durable >= ts && !pending;
         match model {
             Model::Synch => {
                 if durable {
@@ -1473,24 +1493,46 @@ impl NodeCore {
         let mut next_chunk = false;
         let mut check_recovery = false;
         let mut any_put = false;
+        let mut chunk_done = false;
         for seq in seqs {
             // Not a Put: the Boot record of a node recovering on its first start waits here.
             if let Some((key, ts)) = self.inflight.remove(&seq) {
                 any_put = true;
                 self.put_durable(now_us, &key, ts);
-            } else if let Some(puts) = self.inflight_batches.remove(&seq) {
+            } else if let Some((puts, sorted)) = self.inflight_batches.remove(&seq) {
                 any_put = true;
-                for &at in &puts.applied {
-                    let (e, _) = puts
-                        .chunk
-                        .entry_at(at as usize)
-                        .expect("applied offsets come from a validated chunk");
-                    self.put_durable(now_us, e.key, e.ts);
+                if sorted {
+                    // Its keys took `durable` when applied; only the ones someone asked about
+                    // need a look.
+                    chunk_done = true;
+                } else {
+                    for &at in &puts.applied {
+                        let (e, _) = puts
+                            .chunk
+                            .entry_at(at as usize)
+                            .expect("applied offsets come from a validated chunk");
+                        self.put_durable(now_us, e.key, e.ts);
+                    }
                 }
             }
             let (n, c) = self.recovery_seq_durable(seq);
             next_chunk |= n;
             check_recovery |= c;
+        }
+        if chunk_done && !self.durable_watch.is_empty() {
+            let watched: Vec<Vec<u8>> = self
+                .durable_watch
+                .iter()
+                .filter(|k| !self.chunk_pending(k))
+                .cloned()
+                .collect();
+            for key in watched {
+                self.durable_watch.remove(&key);
+                let durable = self.store.get(&key[..]).map(|k| k.durable);
+                if let Some(d) = durable {
+                    self.put_durable(now_us, &key, d);
+                }
+            }
         }
         if any_put {
             self.after_puts_durable();
@@ -1503,18 +1545,31 @@ impl NodeCore {
         }
     }
 
+    /// Whether a key-ordered catch-up chunk applied to `key` is not durable yet (then the key's
+    /// `durable` is not: see `inflight_batches`).
+    fn chunk_pending(&self, key: &[u8]) -> bool {
+        self.inflight_batches
+            .values()
+            .any(|(puts, sorted)| *sorted && puts.contains_sorted(key))
+    }
+
     /// Append `(key, ts)` is durable: owed ACK_Ps go, a coordinated write may advance.
     fn put_durable(&mut self, now_us: u64, key: &[u8], ts: Ts) {
         let epoch = self.config.epoch;
         let model = self.p.model;
         let down = matches!(self.mode, Mode::Down);
+        let pending = self.chunk_pending(key);
+        if pending {
+            self.durable_watch.insert(key.to_vec());
+        }
         let Some(k) = self.store.get_mut(key) else {
             return;
         };
         if ts > k.durable {
             k.durable = ts;
         }
-        let durable = k.durable;
+        // While a pending chunk holds the key, only this append is known durable.
+        let durable = if pending { ts } else { k.durable };
         let mut ready = Vec::new();
         if !k.pending_p.is_empty() {
             let (r, rest): (Vec<_>, Vec<_>) =
@@ -1604,6 +1659,7 @@ impl NodeCore {
         let others = self.others();
         let needs_p = self.p.model != Model::Scope;
         for key in keys {
+            let pending = self.chunk_pending(&key);
             let Some(k) = self.store.get_mut(&key[..]) else {
                 continue;
             };
@@ -1650,7 +1706,10 @@ impl NodeCore {
                 self.ack(coord, &key, ts);
             } else {
                 // The coordinator is gone or silent: take over with its timestamp (Table III).
-                let local_p = k.durable >= ts;
+                let local_p = k.durable >= ts && !pending;
+                if pending {
+                    self.durable_watch.insert(key.clone());
+                }
                 k.coord = Some(Box::new(Coord {
                     ts,
                     value: k.value.clone(),
@@ -2242,13 +2301,15 @@ impl NodeCore {
         // writes may have overtaken it). The chunk's records go to the log as one append,
         // encoded from the chunk's own bytes by the log's thread.
         let entries = Arc::new(entries);
+        // A key stream's chunk is in key order (each key once): see `inflight_batches`.
+        let sorted = matches!(at, Cursor::Key(_));
         let (mut received, mut applied_n) = (0u64, 0u64);
         let mut seqs = Vec::new();
         let mut applied = Vec::new();
         for item in entries.iter() {
             let Ok((at, e)) = item else { break }; // validated above
             received += 1;
-            match self.apply_catchup_entry(now_us, e) {
+            match self.apply_catchup_entry(now_us, e, sorted) {
                 CatchUpApply::Stale => {}
                 CatchUpApply::Batched => {
                     applied_n += 1;
@@ -2267,7 +2328,7 @@ impl NodeCore {
                 chunk: entries,
                 applied,
             };
-            self.inflight_batches.insert(seq, puts.clone());
+            self.inflight_batches.insert(seq, (puts.clone(), sorted));
             self.out.push(Output::PersistChunk { seq, puts });
             seqs.push(seq);
         }
@@ -2310,7 +2371,7 @@ impl NodeCore {
     /// chunk's single append, encoded from the chunk. Any other key takes the general path of
     /// an INV plus a VAL ([`Self::apply_newer`], [`Self::mark_if_needed`], [`Self::settle`]),
     /// with its own append.
-    fn apply_catchup_entry(&mut self, now_us: u64, e: EntryRef<'_>) -> CatchUpApply {
+    fn apply_catchup_entry(&mut self, now_us: u64, e: EntryRef<'_>, sorted: bool) -> CatchUpApply {
         let EntryRef {
             key,
             ts,
@@ -2342,6 +2403,9 @@ impl NodeCore {
                 if committed {
                     k.marked = ts;
                 }
+                if sorted {
+                    k.durable = ts;
+                }
             }
             Some(_) => {
                 // Newer than ours (checked above), so applied; its append is the one to await.
@@ -2360,6 +2424,7 @@ impl NodeCore {
                     value: value.to_vec(),
                     valid: committed,
                     marked: if committed { ts } else { Ts::default() },
+                    durable: if sorted { ts } else { Ts::default() },
                     deadline_us,
                     ..Default::default()
                 };
@@ -3047,6 +3112,78 @@ mod tests {
         );
         n.on_persisted(12, seqs[0]);
         assert_eq!(credits(&n.take_outputs()), vec![(st, 1)]);
+    }
+
+    /// A key of a key-ordered chunk takes its durable version when applied, without a second
+    /// lookup when the chunk completes, so until then nothing may rely on it: an INV of that
+    /// version gets its ACK_P only once the chunk is durable, while a newer version's own
+    /// append is enough for its ACK_P.
+    #[test]
+    fn pending_chunk_defers_ack_p_until_durable() {
+        let (mut n, outs) = recovering_node(4);
+        let st = catchup_reqs(&outs)[0].1;
+        n.on_peer(
+            10,
+            1,
+            resp(st, None, Some("b"), vec![entry("a", 5), entry("b", 5)]),
+        );
+        let chunk_seq = persists(&n.take_outputs())[0];
+        let ack_ps = |outs: &[Output]| -> Vec<(Vec<u8>, Ts)> {
+            outs.iter()
+                .filter_map(|o| match o {
+                    Output::Send {
+                        to: 2,
+                        msg:
+                            PeerMsg::Ack {
+                                key, ts, p: true, ..
+                            },
+                    } => Some((key.clone(), *ts)),
+                    _ => None,
+                })
+                .collect()
+        };
+        // A replay of a's version by node 2: the chunk holding it is not durable yet.
+        let v5 = Ts {
+            version: 5,
+            node: 2,
+        };
+        n.on_peer(
+            11,
+            2,
+            PeerMsg::Inv {
+                epoch: 2,
+                key: b"a".to_vec(),
+                ts: v5,
+                value: b"v".to_vec(),
+            },
+        );
+        let outs = n.take_outputs();
+        assert!(
+            ack_ps(&outs).is_empty(),
+            "no ACK_P before the chunk is durable: {outs:?}"
+        );
+        // A newer version of b: its own append makes it durable, chunk or not.
+        let v6 = Ts {
+            version: 6,
+            node: 2,
+        };
+        n.on_peer(
+            12,
+            2,
+            PeerMsg::Inv {
+                epoch: 2,
+                key: b"b".to_vec(),
+                ts: v6,
+                value: b"w".to_vec(),
+            },
+        );
+        let b_seq = persists(&n.take_outputs())[0];
+        n.on_persisted(13, b_seq);
+        assert_eq!(ack_ps(&n.take_outputs()), vec![(b"b".to_vec(), v6)]);
+        // The chunk completes: a's owed ACK_P goes.
+        n.on_persisted(14, chunk_seq);
+        assert_eq!(ack_ps(&n.take_outputs()), vec![(b"a".to_vec(), v5)]);
+        assert!(n.durable_watch.is_empty());
     }
 
     /// A Buddy and a recovering node wired together, with a log that completes one append only
