@@ -130,16 +130,24 @@ impl ChunkPuts {
         out
     }
 
-    /// Whether `key` is among the applied entries of a chunk in key order (binary search).
-    pub fn contains_sorted(&self, key: &[u8]) -> bool {
-        self.applied
-            .binary_search_by(|&at| {
-                self.chunk
-                    .entry_at(at as usize)
-                    .map(|(e, _)| e.key)
-                    .unwrap_or_default()
-                    .cmp(key)
-            })
+    fn key_at(&self, at: u32) -> &[u8] {
+        self.chunk
+            .entry_at(at as usize)
+            .map(|(e, _)| e.key)
+            .expect("applied offsets come from a validated chunk")
+    }
+
+    /// The applied offsets in key order (a chunk of a log stream is in log order).
+    pub fn key_index(&self) -> Vec<u32> {
+        let mut index = self.applied.clone();
+        index.sort_by(|a, b| self.key_at(*a).cmp(self.key_at(*b)));
+        index
+    }
+
+    /// Whether `key` is among the applied entries, given their offsets in key order.
+    pub fn index_contains(&self, index: &[u32], key: &[u8]) -> bool {
+        index
+            .binary_search_by(|&at| self.key_at(at).cmp(key))
             .is_ok()
     }
 

@@ -334,12 +334,12 @@ pub struct NodeCore {
     next_seq: u64,
     inflight: BTreeMap<u64, (Vec<u8>, Ts)>,
     /// Durable appends of whole catch-up chunks ([`Output::PersistChunk`]): their Puts, and
-    /// whether the chunk is key-ordered. The keys of a key-ordered chunk take `durable` when
-    /// applied and are not looked up again when it completes: until then [`Self::chunk_pending`]
-    /// finds them here (a binary search per chunk) and their durability is not relied on.
-    inflight_batches: BTreeMap<u64, (ChunkPuts, bool)>,
-    /// Keys whose durability was asked for while a pending key-ordered chunk held them: what
-    /// the chunk's completion looks at (owed ACK_Ps, a replay's local persist).
+    /// their offsets in key order. A chunk's keys take `durable` when applied and are not
+    /// looked up again when it completes: until then [`Self::chunk_pending`] finds them here (a
+    /// binary search per chunk) and their durability is not relied on.
+    inflight_batches: BTreeMap<u64, (ChunkPuts, Vec<u32>)>,
+    /// Keys whose durability was asked for while a pending chunk held them: what the chunk's
+    /// completion looks at (owed ACK_Ps, a replay's local persist).
     durable_watch: BTreeSet<Vec<u8>>,
     pending_client_ops: usize,
     /// Keys with client ops queued (`KeyState::waiting` not empty): what a heartbeat re-serves,
@@ -1499,21 +1499,11 @@ impl NodeCore {
             if let Some((key, ts)) = self.inflight.remove(&seq) {
                 any_put = true;
                 self.put_durable(now_us, &key, ts);
-            } else if let Some((puts, sorted)) = self.inflight_batches.remove(&seq) {
+            } else if self.inflight_batches.remove(&seq).is_some() {
+                // Its keys took `durable` when applied; only the ones someone asked about
+                // need a look.
                 any_put = true;
-                if sorted {
-                    // Its keys took `durable` when applied; only the ones someone asked about
-                    // need a look.
-                    chunk_done = true;
-                } else {
-                    for &at in &puts.applied {
-                        let (e, _) = puts
-                            .chunk
-                            .entry_at(at as usize)
-                            .expect("applied offsets come from a validated chunk");
-                        self.put_durable(now_us, e.key, e.ts);
-                    }
-                }
+                chunk_done = true;
             }
             let (n, c) = self.recovery_seq_durable(seq);
             next_chunk |= n;
@@ -1545,12 +1535,12 @@ impl NodeCore {
         }
     }
 
-    /// Whether a key-ordered catch-up chunk applied to `key` is not durable yet (then the key's
-    /// `durable` is not: see `inflight_batches`).
+    /// Whether a catch-up chunk applied to `key` is not durable yet (then the key's `durable`
+    /// is not: see `inflight_batches`).
     fn chunk_pending(&self, key: &[u8]) -> bool {
         self.inflight_batches
             .values()
-            .any(|(puts, sorted)| *sorted && puts.contains_sorted(key))
+            .any(|(puts, index)| puts.index_contains(index, key))
     }
 
     /// Append `(key, ts)` is durable: owed ACK_Ps go, a coordinated write may advance.
@@ -2301,7 +2291,7 @@ impl NodeCore {
         // writes may have overtaken it). The chunk's records go to the log as one append,
         // encoded from the chunk's own bytes by the log's thread.
         let entries = Arc::new(entries);
-        // A key stream's chunk is in key order (each key once): see `inflight_batches`.
+        // A key stream's chunk is in key order already (each key once); a log stream's is not.
         let sorted = matches!(at, Cursor::Key(_));
         let (mut received, mut applied_n) = (0u64, 0u64);
         let mut seqs = Vec::new();
@@ -2309,7 +2299,7 @@ impl NodeCore {
         for item in entries.iter() {
             let Ok((at, e)) = item else { break }; // validated above
             received += 1;
-            match self.apply_catchup_entry(now_us, e, sorted) {
+            match self.apply_catchup_entry(now_us, e) {
                 CatchUpApply::Stale => {}
                 CatchUpApply::Batched => {
                     applied_n += 1;
@@ -2328,7 +2318,12 @@ impl NodeCore {
                 chunk: entries,
                 applied,
             };
-            self.inflight_batches.insert(seq, (puts.clone(), sorted));
+            let index = if sorted {
+                puts.applied.clone()
+            } else {
+                puts.key_index()
+            };
+            self.inflight_batches.insert(seq, (puts.clone(), index));
             self.out.push(Output::PersistChunk { seq, puts });
             seqs.push(seq);
         }
@@ -2371,7 +2366,7 @@ impl NodeCore {
     /// chunk's single append, encoded from the chunk. Any other key takes the general path of
     /// an INV plus a VAL ([`Self::apply_newer`], [`Self::mark_if_needed`], [`Self::settle`]),
     /// with its own append.
-    fn apply_catchup_entry(&mut self, now_us: u64, e: EntryRef<'_>, sorted: bool) -> CatchUpApply {
+    fn apply_catchup_entry(&mut self, now_us: u64, e: EntryRef<'_>) -> CatchUpApply {
         let EntryRef {
             key,
             ts,
@@ -2403,9 +2398,8 @@ impl NodeCore {
                 if committed {
                     k.marked = ts;
                 }
-                if sorted {
-                    k.durable = ts;
-                }
+                // Durable once the chunk is (see `inflight_batches`).
+                k.durable = ts;
             }
             Some(_) => {
                 // Newer than ours (checked above), so applied; its append is the one to await.
@@ -2424,7 +2418,7 @@ impl NodeCore {
                     value: value.to_vec(),
                     valid: committed,
                     marked: if committed { ts } else { Ts::default() },
-                    durable: if sorted { ts } else { Ts::default() },
+                    durable: ts,
                     deadline_us,
                     ..Default::default()
                 };
