@@ -2016,6 +2016,11 @@ impl NodeCore {
         }
     }
 
+    /// Whether a key-ordered catch-up stream is open here (possibly waiting for credit).
+    pub fn serves_catchup(&self) -> bool {
+        !self.streams.is_empty()
+    }
+
     /// Whether [`Self::pump`] has work (catch-up chunks credited and not sent yet).
     pub fn wants_pump(&self) -> bool {
         self.streams.values().any(|st| st.credits > 0)

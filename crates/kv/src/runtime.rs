@@ -456,8 +456,9 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
             let t = Instant::now();
             core.pump(last_now);
             add_us(&stats.catchup_build_us, t);
-            if !core.wants_pump() {
-                // The Buddy's side of the catch-up, for the recovery's breakdown.
+            if !core.serves_catchup() {
+                // The Buddy's side of the catch-up (its last chunk is out), for the recovery's
+                // breakdown.
                 eprintln!(
                     "catch-up served: node {me} since start: chunks_sent {} build_us {} encode_us {} write_us {}",
                     stats.catchup_chunks_sent.load(Ordering::Relaxed),
