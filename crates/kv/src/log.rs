@@ -1073,7 +1073,7 @@ mod tests {
 
     #[test]
     fn read_chunk_starts_one_configuration_back_and_pages() {
-        let recs = vec![
+        let recs = [
             LogRecord::Epoch {
                 epoch: 1,
                 whole: true,

@@ -2899,7 +2899,7 @@ mod tests {
             resp(st + 7, Some("c"), Some("d"), vec![entry("d", 1)]),
         );
         assert!(n.take_outputs().is_empty());
-        assert!(n.store.get(b"d".as_slice()).is_none());
+        assert!(!n.store.contains_key(b"d".as_slice()));
         // Chunk 2 becomes durable first: a slot frees and a credit of 1 goes at once.
         n.on_persisted(21, unpersisted[1]);
         let outs = n.take_outputs();

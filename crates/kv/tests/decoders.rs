@@ -18,7 +18,7 @@ proptest! {
 
     #[test]
     fn log_reader_keeps_the_valid_prefix(cut in 0usize..200, flip in 0usize..200) {
-        let recs = vec![
+        let recs = [
             LogRecord::Boot { node: 1 },
             LogRecord::Put { key: b"a".to_vec(), ts: Ts { version: 1, node: 1 }, value: vec![7; 50] },
             LogRecord::Mark { key: b"a".to_vec(), ts: Ts { version: 1, node: 1 } },

@@ -18,6 +18,9 @@ use kv::msg::*;
 use kv::node::{NodeCore, NodeParams, Output, RecoveryScheme, RecoveryStats};
 use sim::{Delivery, EventQueue, NetConfig, Network, SimDisk, SimRng};
 
+/// A replica's volatile state: per key, its timestamp, validity and value.
+type Snapshot = BTreeMap<Vec<u8>, (Ts, bool, Vec<u8>)>;
+
 const CM: NodeId = 1000;
 const CLIENT0: NodeId = 2000;
 const TICK_US: u64 = 1_000;
@@ -832,7 +835,7 @@ fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize, usize), 
         return Err("no op answered during the liveness probe".into());
     }
     // Table IV 2a: every replica holds the same version of every key.
-    let snaps: Vec<BTreeMap<Vec<u8>, (Ts, bool, Vec<u8>)>> = w
+    let snaps: Vec<Snapshot> = w
         .nodes
         .iter()
         .map(|n| n.core.as_ref().unwrap().snapshot())
