@@ -160,8 +160,8 @@ pub struct NodeArgs {
     /// Missed_updates cap; past it recovery falls back to a full copy.
     #[arg(long, default_value_t = 256 << 20)]
     pub missed_updates_cap_bytes: usize,
-    /// Recovery catch-up: received chunks allowed to be still persisting while the next is
-    /// fetched (1: strictly one chunk at a time).
+    /// Recovery catch-up window, in chunks: credited to the Buddy plus received and still
+    /// persisting (1: strictly one chunk at a time; at most 64).
     #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
     /// Recovery scheme (the same on every node): heal, or the full-copy baseline.
@@ -226,8 +226,8 @@ pub struct UpArgs {
     /// Missed_updates cap per node.
     #[arg(long, default_value_t = 256 << 20)]
     pub missed_updates_cap_bytes: usize,
-    /// Recovery catch-up: received chunks allowed to be still persisting while the next is
-    /// fetched (1: strictly one chunk at a time).
+    /// Recovery catch-up window, in chunks: credited to the Buddy plus received and still
+    /// persisting (1: strictly one chunk at a time; at most 64).
     #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
     /// Recovery scheme: heal, or the full-copy baseline.
@@ -666,8 +666,8 @@ pub struct KvRecoveryArgs {
     /// Missed_updates cap of every node (also the memory figure's allowance).
     #[arg(long, default_value_t = 64 << 20)]
     pub missed_updates_cap_bytes: usize,
-    /// Recovery catch-up: received chunks allowed to be still persisting while the next is
-    /// fetched (1: strictly one chunk at a time).
+    /// Recovery catch-up window, in chunks: credited to the Buddy plus received and still
+    /// persisting (1: strictly one chunk at a time; at most 64).
     #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
     /// Schemes to run (default: all three; the cross-scheme ratios need all three).

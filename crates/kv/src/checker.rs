@@ -88,7 +88,12 @@ fn check_register(key: &[u8], ops: &[&Op]) -> Result<(), Violation> {
     }
     let completed = ops.iter().filter(|o| o.ret_us.is_some()).count();
     let n = ops.len();
-    let mut s = Search { ops, val, seen: HashSet::new(), completed };
+    let mut s = Search {
+        ops,
+        val,
+        seen: HashSet::new(),
+        completed,
+    };
     let mut done = vec![0u64; n.div_ceil(64)];
     match s.dfs(&mut done, 0, 0) {
         Some(true) => Ok(()),
@@ -164,7 +169,13 @@ mod tests {
     use super::*;
 
     fn put(c: u64, call: u64, ret: Option<u64>, v: &str) -> Op {
-        Op { client: c, key: b"k".to_vec(), call_us: call, ret_us: ret, kind: OpKind::Put(v.into()) }
+        Op {
+            client: c,
+            key: b"k".to_vec(),
+            call_us: call,
+            ret_us: ret,
+            kind: OpKind::Put(v.into()),
+        }
     }
     fn get(c: u64, call: u64, ret: u64, v: Option<&str>) -> Op {
         Op {
@@ -178,18 +189,34 @@ mod tests {
 
     #[test]
     fn accepts_sequential_and_concurrent_histories() {
-        let h = vec![get(1, 0, 1, None), put(1, 2, Some(3), "a"), get(2, 4, 5, Some("a"))];
+        let h = vec![
+            get(1, 0, 1, None),
+            put(1, 2, Some(3), "a"),
+            get(2, 4, 5, Some("a")),
+        ];
         check(&h).unwrap();
         // A read concurrent with a write may see either value.
-        let h = vec![put(1, 0, Some(10), "a"), get(2, 1, 2, Some("a")), get(3, 3, 4, Some("a"))];
+        let h = vec![
+            put(1, 0, Some(10), "a"),
+            get(2, 1, 2, Some("a")),
+            get(3, 3, 4, Some("a")),
+        ];
         check(&h).unwrap();
-        let h = vec![put(1, 0, Some(10), "a"), get(2, 1, 2, None), get(3, 3, 4, Some("a"))];
+        let h = vec![
+            put(1, 0, Some(10), "a"),
+            get(2, 1, 2, None),
+            get(3, 3, 4, Some("a")),
+        ];
         check(&h).unwrap();
     }
 
     #[test]
     fn rejects_stale_read_after_acknowledged_write() {
-        let h = vec![put(1, 0, Some(1), "a"), put(1, 2, Some(3), "b"), get(2, 4, 5, Some("a"))];
+        let h = vec![
+            put(1, 0, Some(1), "a"),
+            put(1, 2, Some(3), "b"),
+            get(2, 4, 5, Some("a")),
+        ];
         assert!(check(&h).is_err());
     }
 
@@ -212,9 +239,17 @@ mod tests {
         let h = vec![put(1, 0, Some(1), "a"), get(2, 5, 6, None)];
         assert!(check(&h).is_err());
         // A write that never returned may be seen or not.
-        let h = vec![put(1, 0, None, "a"), get(2, 5, 6, None), get(2, 7, 8, Some("a"))];
+        let h = vec![
+            put(1, 0, None, "a"),
+            get(2, 5, 6, None),
+            get(2, 7, 8, Some("a")),
+        ];
         check(&h).unwrap();
-        let h = vec![put(1, 0, None, "a"), get(2, 5, 6, Some("a")), get(2, 7, 8, None)];
+        let h = vec![
+            put(1, 0, None, "a"),
+            get(2, 5, 6, Some("a")),
+            get(2, 7, 8, None),
+        ];
         assert!(check(&h).is_err());
     }
 }

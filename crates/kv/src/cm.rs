@@ -48,7 +48,10 @@ impl Default for CmParams {
 pub enum CmOutput {
     /// Make this configuration durable before carrying out later outputs.
     Persist(Config),
-    Send { to: NodeId, hb: Heartbeat },
+    Send {
+        to: NodeId,
+        hb: Heartbeat,
+    },
     /// A human-readable note for logs.
     Note(String),
 }
@@ -80,7 +83,12 @@ impl CmCore {
         let last_heard_us = config
             .nodes
             .iter()
-            .map(|n| (*n, now_us + p.startup_grace_us.saturating_sub(p.failure_timeout_us)))
+            .map(|n| {
+                (
+                    *n,
+                    now_us + p.startup_grace_us.saturating_sub(p.failure_timeout_us),
+                )
+            })
             .collect();
         let removed_at_us = config
             .nodes
@@ -211,7 +219,10 @@ impl CmCore {
                 self.last_sent_us.insert(n, now_us);
                 self.out.push(CmOutput::Send {
                     to: n,
-                    hb: Heartbeat { seq: self.seq, config: self.config.clone() },
+                    hb: Heartbeat {
+                        seq: self.seq,
+                        config: self.config.clone(),
+                    },
                 });
             }
         }

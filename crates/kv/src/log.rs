@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::msg::Ts;
+use crate::msg::{Chunk, Ts};
 
 /// Largest record accepted when reading a log back (a maximal key and value plus framing).
 pub const MAX_RECORD_BYTES: usize = crate::msg::MAX_VALUE_BYTES + crate::msg::MAX_KEY_BYTES + 64;
@@ -64,6 +64,10 @@ pub fn encode(rec: &LogRecord) -> Vec<u8> {
 /// Appends one encoded record (header included) to `out`, serializing in place: a batch of
 /// records is one buffer with one copy of each value.
 pub fn encode_into(rec: &LogRecord, out: &mut Vec<u8>) {
+    encode_framed(rec, out)
+}
+
+fn encode_framed<T: Serialize>(rec: &T, out: &mut Vec<u8>) {
     let start = out.len();
     out.extend_from_slice(&[0u8; 8]);
     let taken = std::mem::take(out);
@@ -72,6 +76,128 @@ pub fn encode_into(rec: &LogRecord, out: &mut Vec<u8>) {
     let crc = crc32c::crc32c(&out[start + 8..]);
     out[start..start + 4].copy_from_slice(&(payload_len as u32).to_le_bytes());
     out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// [`LogRecord`]'s `Put` and `Mark` borrowing their bytes: the same variants in the same order,
+/// so the same encoding (checked by a test), written without owning a copy of the entry.
+#[derive(Serialize)]
+enum LogRecordRef<'a> {
+    #[allow(dead_code)] // only its place matters: it keeps the variant numbers of `LogRecord`
+    Boot { node: u32 },
+    Put {
+        #[serde(with = "serde_bytes")]
+        key: &'a [u8],
+        ts: Ts,
+        #[serde(with = "serde_bytes")]
+        value: &'a [u8],
+    },
+    Mark {
+        #[serde(with = "serde_bytes")]
+        key: &'a [u8],
+        ts: Ts,
+    },
+}
+
+/// A catch-up chunk's durable records: for each applied entry (its byte offset in the chunk) a
+/// `Put`, and a `Mark` (its GDP flag) if it is committed, encoded straight from the chunk.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ChunkPuts {
+    pub chunk: std::sync::Arc<Chunk>,
+    pub applied: Vec<u32>,
+}
+
+impl ChunkPuts {
+    /// The records, owned (tests and the simulator's bookkeeping).
+    pub fn records(&self) -> Vec<LogRecord> {
+        let mut out = Vec::new();
+        for &at in &self.applied {
+            let (e, _) = self
+                .chunk
+                .entry_at(at as usize)
+                .expect("applied offsets come from a validated chunk");
+            out.push(LogRecord::Put {
+                key: e.key.to_vec(),
+                ts: e.ts,
+                value: e.value.to_vec(),
+            });
+            if e.committed {
+                out.push(LogRecord::Mark {
+                    key: e.key.to_vec(),
+                    ts: e.ts,
+                });
+            }
+        }
+        out
+    }
+
+    fn key_at(&self, at: u32) -> &[u8] {
+        self.chunk
+            .entry_at(at as usize)
+            .map(|(e, _)| e.key)
+            .expect("applied offsets come from a validated chunk")
+    }
+
+    /// The applied offsets in key order (a chunk of a log stream is in log order).
+    pub fn key_index(&self) -> Vec<u32> {
+        let mut index = self.applied.clone();
+        index.sort_by(|a, b| self.key_at(*a).cmp(self.key_at(*b)));
+        index
+    }
+
+    /// Whether `key` is among the applied entries, given their offsets in key order.
+    pub fn index_contains(&self, index: &[u32], key: &[u8]) -> bool {
+        index
+            .binary_search_by(|&at| self.key_at(at).cmp(key))
+            .is_ok()
+    }
+
+    pub fn size_hint(&self) -> usize {
+        // Every applied entry's bytes are at most the chunk's.
+        self.chunk.len_bytes() + self.applied.len() * 64
+    }
+
+    /// Appends the encoded records to `out`.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        for &at in &self.applied {
+            let (e, _) = self
+                .chunk
+                .entry_at(at as usize)
+                .expect("applied offsets come from a validated chunk");
+            encode_framed(
+                &LogRecordRef::Put {
+                    key: e.key,
+                    ts: e.ts,
+                    value: e.value,
+                },
+                out,
+            );
+            if e.committed {
+                encode_framed(
+                    &LogRecordRef::Mark {
+                        key: e.key,
+                        ts: e.ts,
+                    },
+                    out,
+                );
+            }
+        }
+    }
+}
+
+/// One durable append: a record, or a catch-up chunk's records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Append {
+    Rec(LogRecord),
+    Chunk(ChunkPuts),
+}
+
+impl Append {
+    pub fn size_hint(&self) -> usize {
+        match self {
+            Append::Rec(r) => record_size_hint(r),
+            Append::Chunk(c) => c.size_hint(),
+        }
+    }
 }
 
 /// Decodes records from a whole log image, stopping at the first incomplete or corrupt one.
@@ -336,9 +462,17 @@ pub fn read_chunk(
         _ => start_offset(markers, cursor.since_epoch),
     };
     let Some(mut pos) = start else {
-        return Ok(LogChunk { found: false, gen, ..Default::default() });
+        return Ok(LogChunk {
+            found: false,
+            gen,
+            ..Default::default()
+        });
     };
-    let mut out = LogChunk { found: true, gen, ..Default::default() };
+    let mut out = LogChunk {
+        found: true,
+        gen,
+        ..Default::default()
+    };
     let mut bytes_out = 0usize;
     while pos < len && bytes_out < max_bytes {
         let want = ((len - pos) as usize).min(max_bytes.max(MAX_RECORD_BYTES + 8));
@@ -385,7 +519,9 @@ pub fn scan_markers(bytes: &[u8]) -> (Vec<(u64, u64)>, usize) {
         if len > MAX_RECORD_BYTES || pos + 8 + len > bytes.len() {
             break;
         }
-        let Some(rec) = decode_one(&bytes[pos..pos + 8 + len]) else { break };
+        let Some(rec) = decode_one(&bytes[pos..pos + 8 + len]) else {
+            break;
+        };
         if let LogRecord::Epoch { epoch, .. } = rec {
             markers.push((epoch, pos as u64));
         }
@@ -407,7 +543,11 @@ fn snapshot_of(st: LogState) -> Vec<LogRecord> {
         out.push(LogRecord::Boot { node });
     }
     for (key, (ts, value)) in st.base {
-        out.push(LogRecord::Put { key: key.clone(), ts, value });
+        out.push(LogRecord::Put {
+            key: key.clone(),
+            ts,
+            value,
+        });
         out.push(LogRecord::Mark { key, ts });
     }
     for (key, (ts, value)) in st.partially {
@@ -511,7 +651,10 @@ impl FileLog {
 
     /// Opens the log and rebuilds what it holds in one streaming pass (no copy of the file in
     /// memory: a store of any size starts within the memory of its state).
-    pub fn open_and_rebuild(path: &Path, extra_persist_latency: Duration) -> Result<(Self, LogState), LogError> {
+    pub fn open_and_rebuild(
+        path: &Path,
+        extra_persist_latency: Duration,
+    ) -> Result<(Self, LogState), LogError> {
         let (file, dsync) = Self::open_files(path)?;
         let mut me = FileLog {
             path: path.to_path_buf(),
@@ -573,8 +716,15 @@ impl FileLog {
     }
 
     fn open_files(path: &Path) -> Result<(File, File), LogError> {
-        let file = OpenOptions::new().read(true).append(true).create(true).open(path)?;
-        let dsync = OpenOptions::new().append(true).custom_flags(libc::O_DSYNC).open(path)?;
+        let file = OpenOptions::new()
+            .read(true)
+            .append(true)
+            .create(true)
+            .open(path)?;
+        let dsync = OpenOptions::new()
+            .append(true)
+            .custom_flags(libc::O_DSYNC)
+            .open(path)?;
         Ok((file, dsync))
     }
 
@@ -585,12 +735,57 @@ impl FileLog {
         buf.reserve(recs.iter().map(record_size_hint).sum());
         for r in recs {
             if let LogRecord::Epoch { epoch, whole } = r {
-                self.markers.push((*epoch, self.len + buf.len() as u64, *whole));
+                self.markers
+                    .push((*epoch, self.len + buf.len() as u64, *whole));
             }
             encode_into(r, &mut buf);
         }
         self.len += buf.len() as u64;
         buf
+    }
+
+    /// Encodes records and catch-up chunks into the reused buffer (see [`Self::encode_batch`]).
+    fn encode_items(&mut self, items: &[Append]) -> Vec<u8> {
+        let mut buf = std::mem::take(&mut self.enc);
+        buf.clear();
+        buf.reserve(items.iter().map(Append::size_hint).sum());
+        for it in items {
+            match it {
+                Append::Rec(r) => {
+                    if let LogRecord::Epoch { epoch, whole } = r {
+                        self.markers
+                            .push((*epoch, self.len + buf.len() as u64, *whole));
+                    }
+                    encode_into(r, &mut buf);
+                }
+                Append::Chunk(c) => c.encode_into(&mut buf),
+            }
+        }
+        self.len += buf.len() as u64;
+        buf
+    }
+
+    /// Appends records and catch-up chunks and makes them durable (as
+    /// [`PmLog::append_durable`]).
+    pub fn append_items_durable(&mut self, items: &[Append]) -> Result<(), LogError> {
+        let t = std::time::Instant::now();
+        let buf = self.encode_items(items);
+        self.encode_us += t.elapsed().as_micros() as u64;
+        let r = self.write_durable(&buf);
+        self.keep_buffer(buf);
+        r?;
+        if !self.extra_persist_latency.is_zero() {
+            std::thread::sleep(self.extra_persist_latency);
+        }
+        Ok(())
+    }
+
+    /// Appends without waiting for durability (as [`PmLog::append_lazy`]).
+    pub fn append_items_lazy(&mut self, items: &[Append]) -> Result<(), LogError> {
+        let buf = self.encode_items(items);
+        let r = self.file.write_all(&buf);
+        self.keep_buffer(buf);
+        Ok(r?)
     }
 
     fn keep_buffer(&mut self, buf: Vec<u8>) {
@@ -618,7 +813,12 @@ impl FileLog {
             // hint: durability comes from the fdatasync below, so its result is not needed.
             #[cfg(target_os = "linux")]
             unsafe {
-                libc::sync_file_range(self.file.as_raw_fd(), off as i64, piece.len() as i64, libc::SYNC_FILE_RANGE_WRITE);
+                libc::sync_file_range(
+                    self.file.as_raw_fd(),
+                    off as i64,
+                    piece.len() as i64,
+                    libc::SYNC_FILE_RANGE_WRITE,
+                );
             }
             off += piece.len() as u64;
         }
@@ -640,11 +840,18 @@ impl FileLog {
     pub fn read_chunk(&self, cursor: &LogCursor, max_bytes: usize) -> Result<LogChunk, LogError> {
         use std::os::unix::fs::FileExt;
         let markers: Vec<(u64, u64)> = self.markers.iter().map(|(e, o, _)| (*e, *o)).collect();
-        Ok(read_chunk(&markers, self.gen, self.len, cursor, max_bytes, |off, n| {
-            let mut buf = vec![0u8; n];
-            self.file.read_exact_at(&mut buf, off)?;
-            Ok(buf)
-        })?)
+        Ok(read_chunk(
+            &markers,
+            self.gen,
+            self.len,
+            cursor,
+            max_bytes,
+            |off, n| {
+                let mut buf = vec![0u8; n];
+                self.file.read_exact_at(&mut buf, off)?;
+                Ok(buf)
+            },
+        )?)
     }
 
     /// Compacts the log if it has grown enough (see the type's docs). Returns whether it did.
@@ -726,7 +933,10 @@ mod tests {
     use super::*;
 
     fn ts(v: u64, n: u32) -> Ts {
-        Ts { version: v, node: n }
+        Ts {
+            version: v,
+            node: n,
+        }
     }
 
     #[test]
@@ -734,9 +944,20 @@ mod tests {
         let k = b"k".to_vec();
         let recs = vec![
             LogRecord::Boot { node: 0 },
-            LogRecord::Put { key: k.clone(), ts: ts(1, 0), value: b"a".to_vec() },
-            LogRecord::Mark { key: k.clone(), ts: ts(1, 0) },
-            LogRecord::Put { key: k.clone(), ts: ts(2, 1), value: b"b".to_vec() },
+            LogRecord::Put {
+                key: k.clone(),
+                ts: ts(1, 0),
+                value: b"a".to_vec(),
+            },
+            LogRecord::Mark {
+                key: k.clone(),
+                ts: ts(1, 0),
+            },
+            LogRecord::Put {
+                key: k.clone(),
+                ts: ts(2, 1),
+                value: b"b".to_vec(),
+            },
         ];
         let st = rebuild(&recs);
         assert!(st.booted);
@@ -744,10 +965,38 @@ mod tests {
         assert_eq!(st.partially[&k], (ts(2, 1), b"b".to_vec()));
     }
 
+    /// A chunk's records, encoded from its borrowed bytes, are byte for byte the owned
+    /// records' encoding (and decode back to them): the log cannot tell the two paths apart.
+    #[test]
+    fn chunk_records_encode_as_owned_records() {
+        let mut c = Chunk::default();
+        c.push(b"a", ts(3, 1), &[1; 300], true);
+        c.push(b"bb", ts(4, 2), b"", false);
+        c.push(&[b'k'; 24], ts(u64::MAX, u32::MAX), &[9; 5], true);
+        let offs: Vec<u32> = c.iter().map(|r| r.unwrap().0 as u32).collect();
+        // The second entry was stale: not applied, not logged.
+        let cp = ChunkPuts {
+            chunk: std::sync::Arc::new(c),
+            applied: vec![offs[0], offs[2]],
+        };
+        let mut got = Vec::new();
+        cp.encode_into(&mut got);
+        let want: Vec<u8> = cp.records().iter().flat_map(encode).collect();
+        assert_eq!(got, want);
+        let (recs, valid) = decode_all(&got);
+        assert_eq!(valid, got.len());
+        assert_eq!(recs, cp.records());
+        assert_eq!(recs.len(), 4, "a Put and a Mark per committed entry");
+        assert!(cp.size_hint() >= got.len());
+    }
+
     #[test]
     fn decode_stops_at_torn_tail() {
         let mut bytes = encode(&LogRecord::Boot { node: 3 });
-        let second = encode(&LogRecord::Mark { key: b"x".to_vec(), ts: ts(1, 1) });
+        let second = encode(&LogRecord::Mark {
+            key: b"x".to_vec(),
+            ts: ts(1, 1),
+        });
         bytes.extend_from_slice(&second[..second.len() - 1]);
         let (recs, valid) = decode_all(&bytes);
         assert_eq!(recs.len(), 1);
@@ -761,9 +1010,18 @@ mod tests {
         {
             let mut l = FileLog::open(&p, Duration::ZERO).unwrap();
             l.append_durable(&[LogRecord::Boot { node: 1 }]).unwrap();
-            l.append_lazy(&[LogRecord::Mark { key: b"a".to_vec(), ts: ts(1, 1) }]).unwrap();
+            l.append_lazy(&[LogRecord::Mark {
+                key: b"a".to_vec(),
+                ts: ts(1, 1),
+            }])
+            .unwrap();
         }
-        std::fs::OpenOptions::new().append(true).open(&p).unwrap().write_all(&[9, 9, 9]).unwrap();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&p)
+            .unwrap()
+            .write_all(&[9, 9, 9])
+            .unwrap();
         let mut l = FileLog::open(&p, Duration::ZERO).unwrap();
         assert_eq!(l.read_all().unwrap().len(), 2);
         l.append_durable(&[LogRecord::Boot { node: 1 }]).unwrap();
@@ -771,10 +1029,17 @@ mod tests {
     }
 
     fn put(k: &str, v: u64, n: u32, val: &str) -> LogRecord {
-        LogRecord::Put { key: k.as_bytes().to_vec(), ts: ts(v, n), value: val.as_bytes().to_vec() }
+        LogRecord::Put {
+            key: k.as_bytes().to_vec(),
+            ts: ts(v, n),
+            value: val.as_bytes().to_vec(),
+        }
     }
     fn mark(k: &str, v: u64, n: u32) -> LogRecord {
-        LogRecord::Mark { key: k.as_bytes().to_vec(), ts: ts(v, n) }
+        LogRecord::Mark {
+            key: k.as_bytes().to_vec(),
+            ts: ts(v, n),
+        }
     }
 
     #[test]
@@ -783,7 +1048,10 @@ mod tests {
             LogRecord::Boot { node: 2 },
             put("a", 1, 0, "a1"),
             mark("a", 1, 0),
-            LogRecord::Epoch { epoch: 3, whole: true },
+            LogRecord::Epoch {
+                epoch: 3,
+                whole: true,
+            },
             put("a", 2, 1, "a2"),
             put("b", 1, 1, "b1"),
             mark("b", 1, 1),
@@ -805,12 +1073,21 @@ mod tests {
 
     #[test]
     fn read_chunk_starts_one_configuration_back_and_pages() {
-        let recs = vec![
-            LogRecord::Epoch { epoch: 1, whole: true },
+        let recs = [
+            LogRecord::Epoch {
+                epoch: 1,
+                whole: true,
+            },
             put("a", 1, 0, "x"),
-            LogRecord::Epoch { epoch: 4, whole: true },
+            LogRecord::Epoch {
+                epoch: 4,
+                whole: true,
+            },
             put("b", 1, 0, "y"),
-            LogRecord::Epoch { epoch: 5, whole: false },
+            LogRecord::Epoch {
+                epoch: 5,
+                whole: false,
+            },
             put("a", 2, 0, "z"),
             put("a", 3, 0, "w"),
         ];
@@ -826,11 +1103,22 @@ mod tests {
         };
         // Last complete in epoch 5: read from the record of epoch 4 (one back), redundant
         // updates of "a" included.
-        let c = LogCursor { since_epoch: 5, gen: 0, pos: None };
+        let c = LogCursor {
+            since_epoch: 5,
+            gen: 0,
+            pos: None,
+        };
         let all = read(&c, 1 << 20);
         assert!(all.found && all.at_end);
-        let keys: Vec<_> = all.puts.iter().map(|p| (p.0.clone(), p.1.version)).collect();
-        assert_eq!(keys, vec![(b"b".to_vec(), 1), (b"a".to_vec(), 2), (b"a".to_vec(), 3)]);
+        let keys: Vec<_> = all
+            .puts
+            .iter()
+            .map(|p| (p.0.clone(), p.1.version))
+            .collect();
+        assert_eq!(
+            keys,
+            vec![(b"b".to_vec(), 1), (b"a".to_vec(), 2), (b"a".to_vec(), 3)]
+        );
         // Paging: one small update per read, continuing at next_pos.
         let mut c = c;
         let mut got = Vec::new();
@@ -844,9 +1132,33 @@ mod tests {
         }
         assert_eq!(got, vec![1, 2, 3]);
         // Genesis: epoch 1 reads from its own record; an unknown old epoch is not found.
-        assert_eq!(read(&LogCursor { since_epoch: 1, gen: 0, pos: None }, 1 << 20).puts.len(), 4);
+        assert_eq!(
+            read(
+                &LogCursor {
+                    since_epoch: 1,
+                    gen: 0,
+                    pos: None
+                },
+                1 << 20
+            )
+            .puts
+            .len(),
+            4
+        );
         let m2: Vec<(u64, u64)> = markers[1..].to_vec();
-        let r = read_chunk(&m2, 0, valid as u64, &LogCursor { since_epoch: 4, gen: 0, pos: None }, 1 << 20, |_, _| unreachable!()).unwrap();
+        let r = read_chunk(
+            &m2,
+            0,
+            valid as u64,
+            &LogCursor {
+                since_epoch: 4,
+                gen: 0,
+                pos: None,
+            },
+            1 << 20,
+            |_, _| unreachable!(),
+        )
+        .unwrap();
         assert!(!r.found);
     }
 
@@ -855,16 +1167,43 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("log");
         let mut l = FileLog::open(&p, Duration::ZERO).unwrap();
-        l.append_durable(&[LogRecord::Boot { node: 4 }, LogRecord::Epoch { epoch: 1, whole: true }]).unwrap();
+        l.append_durable(&[
+            LogRecord::Boot { node: 4 },
+            LogRecord::Epoch {
+                epoch: 1,
+                whole: true,
+            },
+        ])
+        .unwrap();
         for v in 1..=50u64 {
-            l.append_durable(&[put("k", v, 0, &"v".repeat(100)), mark("k", v, 0)]).unwrap();
+            l.append_durable(&[put("k", v, 0, &"v".repeat(100)), mark("k", v, 0)])
+                .unwrap();
         }
-        l.append_durable(&[LogRecord::Epoch { epoch: 2, whole: true }, put("j", 1, 1, "j1"), mark("j", 1, 1)]).unwrap();
-        l.append_durable(&[LogRecord::Epoch { epoch: 3, whole: true }, put("k", 51, 1, "last")]).unwrap();
+        l.append_durable(&[
+            LogRecord::Epoch {
+                epoch: 2,
+                whole: true,
+            },
+            put("j", 1, 1, "j1"),
+            mark("j", 1, 1),
+        ])
+        .unwrap();
+        l.append_durable(&[
+            LogRecord::Epoch {
+                epoch: 3,
+                whole: true,
+            },
+            put("k", 51, 1, "last"),
+        ])
+        .unwrap();
         let before = rebuild(&l.read_all().unwrap());
         let len_before = l.len_bytes();
         l.compact().unwrap();
-        assert!(l.len_bytes() < len_before / 4, "{} vs {len_before}", l.len_bytes());
+        assert!(
+            l.len_bytes() < len_before / 4,
+            "{} vs {len_before}",
+            l.len_bytes()
+        );
         let recs = l.read_all().unwrap();
         let after = rebuild(&recs);
         assert_eq!(after.base, before.base);
@@ -872,10 +1211,30 @@ mod tests {
         assert_eq!(after.boot_node, Some(4));
         // The reactive baseline can still serve a node last complete in epoch 3 (reads from
         // epoch 2's record); epoch 1's record is gone.
-        let c = l.read_chunk(&LogCursor { since_epoch: 3, gen: 1, pos: None }, 1 << 20).unwrap();
+        let c = l
+            .read_chunk(
+                &LogCursor {
+                    since_epoch: 3,
+                    gen: 1,
+                    pos: None,
+                },
+                1 << 20,
+            )
+            .unwrap();
         assert!(c.found);
         assert_eq!(c.puts.len(), 2);
-        assert!(!l.read_chunk(&LogCursor { since_epoch: 2, gen: 1, pos: None }, 1 << 20).unwrap().found);
+        assert!(
+            !l.read_chunk(
+                &LogCursor {
+                    since_epoch: 2,
+                    gen: 1,
+                    pos: None
+                },
+                1 << 20
+            )
+            .unwrap()
+            .found
+        );
         // Appends continue after compaction, and a reopen sees the same.
         l.append_durable(&[put("z", 1, 0, "z")]).unwrap();
         let (_, st) = FileLog::open_and_rebuild(&p, Duration::ZERO).unwrap();

@@ -135,7 +135,7 @@ impl Config {
     }
 }
 
-/// A record version as shipped in CatchUp_resp (and full copies).
+/// A record version (what a [`Chunk`] holds, owned).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Entry {
     #[serde(with = "serde_bytes")]
@@ -150,6 +150,153 @@ pub struct Entry {
 impl Entry {
     pub fn size_bytes(&self) -> usize {
         self.key.len() + self.value.len() + 24
+    }
+}
+
+/// A record version borrowed from a [`Chunk`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EntryRef<'a> {
+    pub key: &'a [u8],
+    pub ts: Ts,
+    pub value: &'a [u8],
+    pub committed: bool,
+}
+
+impl EntryRef<'_> {
+    pub fn to_entry(&self) -> Entry {
+        Entry {
+            key: self.key.to_vec(),
+            ts: self.ts,
+            value: self.value.to_vec(),
+            committed: self.committed,
+        }
+    }
+}
+
+/// Bytes of a [`Chunk`] entry's fixed fields: key length, version, node, flags, value length.
+pub const CHUNK_ENTRY_HEADER_BYTES: usize = 2 + 8 + 4 + 1 + 4;
+
+/// The entries of one CatchUp_resp packed into one byte string, so a chunk is built with one
+/// allocation (a store lookup and a copy per entry), travels as one frame with one checksum,
+/// and is applied and logged from borrowed slices (no allocation per entry on either side).
+/// Per entry: `key_len: u16 LE | key | version: u64 LE | node: u32 LE | flags: u8 (bit 0:
+/// committed) | value_len: u32 LE | value`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Chunk(#[serde(with = "serde_bytes")] Vec<u8>);
+
+/// A malformed [`Chunk`] (from a peer: the chunk is dropped whole).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("malformed catch-up chunk at byte {at}: {what}")]
+pub struct ChunkError {
+    pub at: usize,
+    pub what: &'static str,
+}
+
+impl Chunk {
+    pub fn with_capacity(bytes: usize) -> Self {
+        Chunk(Vec::with_capacity(bytes))
+    }
+
+    pub fn from_entries<'a>(entries: impl IntoIterator<Item = &'a Entry>) -> Self {
+        let mut c = Chunk::default();
+        for e in entries {
+            c.push(&e.key, e.ts, &e.value, e.committed);
+        }
+        c
+    }
+
+    /// Appends an entry. Keys and values are bounded by [`MAX_KEY_BYTES`] and
+    /// [`MAX_VALUE_BYTES`] everywhere they enter a node, so their lengths fit the fields.
+    pub fn push(&mut self, key: &[u8], ts: Ts, value: &[u8], committed: bool) {
+        debug_assert!(key.len() <= u16::MAX as usize && value.len() <= u32::MAX as usize);
+        let b = &mut self.0;
+        b.reserve(CHUNK_ENTRY_HEADER_BYTES + key.len() + value.len());
+        b.extend_from_slice(&(key.len() as u16).to_le_bytes());
+        b.extend_from_slice(key);
+        b.extend_from_slice(&ts.version.to_le_bytes());
+        b.extend_from_slice(&ts.node.to_le_bytes());
+        b.push(committed as u8);
+        b.extend_from_slice(&(value.len() as u32).to_le_bytes());
+        b.extend_from_slice(value);
+    }
+
+    pub fn len_bytes(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The entry at byte `at` and where the next starts.
+    pub fn entry_at(&self, at: usize) -> Result<(EntryRef<'_>, usize), ChunkError> {
+        let b = &self.0;
+        let err = |what| ChunkError { at, what };
+        let take = |pos: usize, n: usize| -> Result<&[u8], ChunkError> {
+            b.get(pos..pos.checked_add(n).ok_or(err("length overflow"))?)
+                .ok_or(err("truncated entry"))
+        };
+        let klen = u16::from_le_bytes(take(at, 2)?.try_into().unwrap()) as usize;
+        let key = take(at + 2, klen)?;
+        let mut pos = at + 2 + klen;
+        let f = take(pos, 8 + 4 + 1 + 4)?;
+        let version = u64::from_le_bytes(f[0..8].try_into().unwrap());
+        let node = u32::from_le_bytes(f[8..12].try_into().unwrap());
+        let flags = f[12];
+        let vlen = u32::from_le_bytes(f[13..17].try_into().unwrap()) as usize;
+        pos += 17;
+        if flags > 1 {
+            return Err(err("unknown flags"));
+        }
+        if key.is_empty() || key.len() > MAX_KEY_BYTES || vlen > MAX_VALUE_BYTES {
+            return Err(err("key or value out of bounds"));
+        }
+        let value = take(pos, vlen)?;
+        Ok((
+            EntryRef {
+                key,
+                ts: Ts { version, node },
+                value,
+                committed: flags == 1,
+            },
+            pos + vlen,
+        ))
+    }
+
+    /// Checks every entry; returns how many there are.
+    pub fn validate(&self) -> Result<usize, ChunkError> {
+        let (mut at, mut n) = (0, 0);
+        while at < self.0.len() {
+            at = self.entry_at(at)?.1;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// The entries with their byte offsets, stopping at the first malformed one.
+    pub fn iter(&self) -> impl Iterator<Item = Result<(usize, EntryRef<'_>), ChunkError>> + '_ {
+        let mut at = 0;
+        let mut failed = false;
+        std::iter::from_fn(move || {
+            if failed || at >= self.0.len() {
+                return None;
+            }
+            match self.entry_at(at) {
+                Ok((e, next)) => {
+                    let here = at;
+                    at = next;
+                    Some(Ok((here, e)))
+                }
+                Err(e) => {
+                    failed = true;
+                    Some(Err(e))
+                }
+            }
+        })
+    }
+
+    pub fn to_entries(&self) -> Result<Vec<Entry>, ChunkError> {
+        self.iter().map(|r| r.map(|(_, e)| e.to_entry())).collect()
     }
 }
 
@@ -200,35 +347,54 @@ pub enum PeerMsg {
         writes: Vec<(Vec<u8>, Ts)>,
     },
     /// [ACK_P]sc.
-    PersistAck { epoch: u64, id: u64 },
+    PersistAck {
+        epoch: u64,
+        id: u64,
+    },
     /// [VAL_P]sc.
     PersistVal {
         epoch: u64,
         writes: Vec<(Vec<u8>, Ts)>,
     },
-    RecovStart { epoch: u64 },
-    RecovStartAck { epoch: u64 },
-    /// Carries the recovering node's Partially_persisted list; asks for up to `chunks`
-    /// consecutive chunks from `cursor`, which the Buddy sends back to back (each reply names
-    /// the next cursor). One request is out at a time; the next goes when its last reply
-    /// arrived, for as many chunks as `max_catchup_chunks_in_flight` leaves room for beside the
-    /// chunks still being persisted: a copy of any size streams without flooding anyone.
+    RecovStart {
+        epoch: u64,
+    },
+    RecovStartAck {
+        epoch: u64,
+    },
+    /// Opens catch-up stream `stream` at `cursor` with `chunks` credits, carrying the
+    /// recovering node's Partially_persisted list. The Buddy sends one chunk per credit, back to
+    /// back (each reply names the next cursor), and keeps the stream open at zero credit;
+    /// [`PeerMsg::CatchUpCredit`] grants more, one per chunk the recovering node has made
+    /// durable, before the granted ones run out: the Buddy never waits for a round trip, and
+    /// the copy never runs more than the window ahead of the recovering node's log. A new
+    /// request replaces the stream (a retry, possibly to a new Buddy).
     CatchUpReq {
         epoch: u64,
+        stream: u64,
         partially: Vec<(Vec<u8>, Ts)>,
         cursor: Cursor,
         chunks: u32,
     },
-    /// The Buddy's answer to the request at `from`: at most `max_catchup_chunk_bytes` of
-    /// entries, and where to continue (`None`: done).
+    /// More credit for an open stream (ignored for any other stream).
+    CatchUpCredit {
+        epoch: u64,
+        stream: u64,
+        chunks: u32,
+    },
+    /// One chunk of stream `stream`, starting at `from`: at most about
+    /// `max_catchup_chunk_bytes` of entries, and where the next starts (`None`: done).
     CatchUpResp {
         epoch: u64,
+        stream: u64,
         from: Cursor,
         next: Option<Cursor>,
         full_copy: bool,
-        entries: Vec<Entry>,
+        entries: Chunk,
     },
-    RecovEnd { epoch: u64 },
+    RecovEnd {
+        epoch: u64,
+    },
 }
 
 impl PeerMsg {
@@ -243,6 +409,7 @@ impl PeerMsg {
             | PeerMsg::RecovStart { epoch }
             | PeerMsg::RecovStartAck { epoch }
             | PeerMsg::CatchUpReq { epoch, .. }
+            | PeerMsg::CatchUpCredit { epoch, .. }
             | PeerMsg::CatchUpResp { epoch, .. }
             | PeerMsg::RecovEnd { epoch } => *epoch,
         }
@@ -292,9 +459,7 @@ pub enum ClientOp {
         scope: Option<u64>,
     },
     /// [PERSIST]sc: answered once every write of the scope coordinated here is durable everywhere.
-    Persist {
-        scope: u64,
-    },
+    Persist { scope: u64 },
 }
 
 /// The answer to a client operation.

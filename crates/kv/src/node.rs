@@ -15,7 +15,9 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::{Hash, Hasher};
 
-use crate::log::{LogChunk, LogCursor, LogRecord, LogState};
+use std::sync::Arc;
+
+use crate::log::{ChunkPuts, LogChunk, LogCursor, LogRecord, LogState};
 use crate::msg::*;
 
 /// Tunables of a node, with units in their names.
@@ -36,10 +38,10 @@ pub struct NodeParams {
     pub missed_updates_cap_bytes: usize,
     /// CatchUp_resp is cut into messages of at most this many bytes of entries.
     pub max_catchup_chunk_bytes: usize,
-    /// Received catch-up chunks not yet durable in our log, at most: the next CatchUp_req goes
-    /// as soon as a reply names its cursor, while fewer than this many chunks are still being
-    /// persisted (1 = strictly one chunk at a time). Bounds the recovering node's unpersisted
-    /// copy to about this many times `max_catchup_chunk_bytes`.
+    /// The catch-up window, in chunks: granted to the Buddy (credits) and received but not yet
+    /// durable in our log, together, at most (1 = strictly one chunk at a time; at most
+    /// [`MAX_CATCHUP_CHUNKS_PER_REQ`]). Bounds the recovering node's unpersisted copy to about
+    /// this many times `max_catchup_chunk_bytes`.
     pub max_catchup_chunks_in_flight: usize,
     /// Client operations queued behind invalid keys, in total.
     pub max_pending_client_ops: usize,
@@ -108,16 +110,17 @@ pub struct RecoveryStats {
     pub bytes_received: u64,
     pub full_copy: bool,
     pub partially_persisted: u64,
-    /// CatchUp_req / CatchUp_resp round trips (one per chunk).
+    /// CatchUp_resp chunks received.
     pub chunks: u64,
     /// From the first CatchUp_resp to the last chunk's arrival (part of `apply_to_end_us`; the
     /// rest is waiting for the log to make the last chunks durable).
     pub transfer_us: u64,
-    /// Time the next CatchUp_req waited because `max_catchup_chunks_in_flight` received chunks
-    /// were still being persisted (the log, not the Buddy, was the bottleneck).
+    /// Time the Buddy had no credit because the whole window was received chunks still being
+    /// persisted (the log, not the Buddy, was the bottleneck).
     pub window_stall_us: u64,
-    /// CatchUp_req messages sent, and the time from each to its first reply, summed (the
-    /// Buddy's queue, its chunk building and the network: what the recovering node waited for).
+    /// CatchUp_req and CatchUp_credit messages sent, and the time from each that found the
+    /// Buddy without credit to the next chunk, summed (the Buddy's queue, its chunk building and
+    /// the network: what the recovering node waited for).
     pub requests: u64,
     pub request_wait_us: u64,
 }
@@ -130,19 +133,35 @@ impl RecoveryStats {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Output {
-    Send { to: NodeId, msg: PeerMsg },
+    Send {
+        to: NodeId,
+        msg: PeerMsg,
+    },
     ToCm(HeartbeatAck),
     /// Append durably, then call [`NodeCore::on_persisted`] with `seq`.
-    Persist { seq: u64, rec: LogRecord },
-    /// Append all of `recs` durably, in order, then call [`NodeCore::on_persisted`] with `seq`
-    /// (a catch-up chunk: one append, one completion).
-    PersistBatch { seq: u64, recs: Vec<LogRecord> },
+    Persist {
+        seq: u64,
+        rec: LogRecord,
+    },
+    /// Append a catch-up chunk's records durably, in order, then call
+    /// [`NodeCore::on_persisted`] with `seq` (one append, one completion per chunk).
+    PersistChunk {
+        seq: u64,
+        puts: ChunkPuts,
+    },
     /// Append without waiting (a GDP flag, an `Epoch` record).
     Mark(LogRecord),
     /// Read the durable log at `cursor` (about `max_bytes` of updates, after every append
     /// output so far), then call [`NodeCore::on_log_read`] with `to` and `cursor`.
-    ReadLog { to: NodeId, cursor: LogCursor, max_bytes: usize },
-    Reply { tag: u64, result: ClientResult },
+    ReadLog {
+        to: NodeId,
+        cursor: LogCursor,
+        max_bytes: usize,
+    },
+    Reply {
+        tag: u64,
+        result: ClientResult,
+    },
     /// This node was removed from the configuration: drop this core and build a new one from
     /// the log (its volatile state may be stale; it must recover like a restarted node).
     Reload,
@@ -207,11 +226,20 @@ struct PersistOp {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Phase {
-    Start { acked: BTreeSet<NodeId> },
-    /// `requested`: CatchUp_req from `cursor` is out and `expected` of its replies have not
-    /// arrived yet; otherwise one goes once fewer than `max_catchup_chunks_in_flight` received
-    /// chunks are still being persisted (`Recov::chunks_unpersisted`).
-    CatchUp { buddy: NodeId, cursor: Cursor, requested: bool, expected: u32 },
+    Start {
+        acked: BTreeSet<NodeId>,
+    },
+    /// Stream `stream` from `buddy` is open (`open`; otherwise one is opened once the window
+    /// has room) and its next chunk starts at `cursor`; `granted` chunks are credited to the
+    /// Buddy and not received yet. `granted` plus the received chunks still being persisted
+    /// (`Recov::chunks_unpersisted`) never exceed the window.
+    CatchUp {
+        buddy: NodeId,
+        stream: u64,
+        cursor: Cursor,
+        open: bool,
+        granted: u32,
+    },
     Applying,
 }
 
@@ -225,9 +253,9 @@ struct Recov {
     outstanding: BTreeSet<u64>,
     /// Per received chunk that is not yet durable, in cursor order: its log appends still out.
     chunks_unpersisted: VecDeque<BTreeSet<u64>>,
-    /// Since when the next CatchUp_req has been held back by a full window.
+    /// Since when the Buddy has had no credit because of a full window (statistics only).
     stalled_since_us: Option<u64>,
-    /// When the last CatchUp_req went, while its first reply has not arrived (statistics only).
+    /// When credit went to a Buddy that had none, until its next chunk (statistics only).
     request_sent_us: Option<u64>,
     stats: RecoveryStats,
 }
@@ -246,9 +274,14 @@ enum Mode {
 struct Missed {
     recording: bool,
     overflowed: bool,
-    keys: BTreeMap<Vec<u8>, usize>,
+    /// Key to accounted size, in key order (a Buddy's chunks walk it in order), keys inline
+    /// like the store's: recording a key already in the buffer allocates nothing.
+    keys: BTreeMap<StoreKey, usize>,
     bytes: usize,
 }
+
+/// A Buddy's chunk buffer is allocated up front up to this size (a larger chunk grows).
+const MAX_CHUNK_PREALLOC_BYTES: usize = 4 << 20;
 
 /// A key of the store, held inline up to 24 bytes (YCSB's `user` + 19 digits fit): a B-tree
 /// lookup then compares keys inside its nodes instead of following a pointer per comparison to
@@ -259,15 +292,30 @@ type StoreKey = smallvec::SmallVec<[u8; 24]>;
 /// (key, timestamp) pairs: a Partially_persisted list, the writes of a scope.
 type KeyVersions = Vec<(Vec<u8>, Ts)>;
 
-/// The rest of a key-ordered CatchUp_req a Buddy is answering.
+/// A key-ordered catch-up stream a Buddy serves (HEAL or full copy).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct KeyStream {
+    stream: u64,
     /// The next chunk starts after this key (`None`: at the first).
     after: Option<Vec<u8>>,
     partially: KeyVersions,
     full_copy: bool,
-    /// Chunks still to send for the request.
-    chunks_left: u32,
+    /// Chunks the recovering node has granted and not been sent yet.
+    credits: u32,
+}
+
+/// A reactive-log catch-up stream a Buddy serves: the log is read by the driver, one chunk per
+/// [`Output::ReadLog`], one read at a time.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct LogStream {
+    stream: u64,
+    /// Where the next read starts (the one in progress, if `reading`).
+    cursor: LogCursor,
+    /// Judged with the first chunk (taken then).
+    partially: KeyVersions,
+    /// Chunks granted and not sent yet (the one being read included).
+    credits: u32,
+    reading: bool,
 }
 
 /// One replica. See the module docs.
@@ -285,8 +333,14 @@ pub struct NodeCore {
     missed: Missed,
     next_seq: u64,
     inflight: BTreeMap<u64, (Vec<u8>, Ts)>,
-    /// Durable appends of whole catch-up chunks ([`Output::PersistBatch`]): their Puts.
-    inflight_batches: BTreeMap<u64, KeyVersions>,
+    /// Durable appends of whole catch-up chunks ([`Output::PersistChunk`]): their Puts, and
+    /// their offsets in key order. A chunk's keys take `durable` when applied and are not
+    /// looked up again when it completes: until then [`Self::chunk_pending`] finds them here (a
+    /// binary search per chunk) and their durability is not relied on.
+    inflight_batches: BTreeMap<u64, (ChunkPuts, Vec<u32>)>,
+    /// Keys whose durability was asked for while a pending chunk held them: what the chunk's
+    /// completion looks at (owed ACK_Ps, a replay's local persist).
+    durable_watch: BTreeSet<Vec<u8>>,
     pending_client_ops: usize,
     /// Keys with client ops queued (`KeyState::waiting` not empty): what a heartbeat re-serves,
     /// without a walk over the whole store.
@@ -301,18 +355,19 @@ pub struct NodeCore {
     recent_order: VecDeque<u64>,
     /// Newest `Epoch` record in the log (reactive-log baseline only).
     last_epoch: u64,
-    /// Reactive-log reads in progress for recovering nodes: cursor, Partially_persisted, and
-    /// the chunks still to send for the request (this one included).
-    log_reads: BTreeMap<NodeId, (LogCursor, KeyVersions, u32)>,
-    /// Key-ordered catch-up streams being served (HEAL or full copy), per recovering node: the
-    /// rest of its CatchUp_req, one chunk per [`NodeCore::pump`].
+    /// Reactive-log catch-up streams being served, per recovering node.
+    log_reads: BTreeMap<NodeId, LogStream>,
+    /// Key-ordered catch-up streams being served (HEAL or full copy), per recovering node: one
+    /// chunk per credit, one per [`NodeCore::pump`].
     streams: BTreeMap<NodeId, KeyStream>,
+    /// Id of the next catch-up stream this node opens as a recovering node.
+    next_stream: u64,
     out: Vec<Output>,
     pub counters: NodeCounters,
 }
 
-/// Chunks a Buddy sends for one CatchUp_req at most (a request asks for as many as the
-/// recovering node's window has room for).
+/// Credits a Buddy holds for one stream at most, and the largest catch-up window (a request or
+/// credit grants as many as the recovering node's window has room for).
 pub const MAX_CATCHUP_CHUNKS_PER_REQ: u32 = 64;
 
 /// Client tags remembered for duplicate suppression.
@@ -322,7 +377,11 @@ impl NodeCore {
     /// A node starting on what its log holds. It serves nothing until a configuration admits
     /// it: as a genesis member if its log has never booted, otherwise through HEAL recovery.
     pub fn new(p: NodeParams, log: LogState) -> Self {
-        let partially = log.partially.iter().map(|(k, (ts, _))| (k.clone(), *ts)).collect();
+        let partially = log
+            .partially
+            .iter()
+            .map(|(k, (ts, _))| (k.clone(), *ts))
+            .collect();
         let (booted, last_epoch) = (log.booted, log.last_epoch);
         // Built in one go from the sorted base: full tree nodes (a store-sized saving over
         // node-by-node inserts), and the scaffolding is one large block, handed back whole.
@@ -330,7 +389,15 @@ impl NodeCore {
             .base
             .into_iter()
             .map(|(k, (ts, v))| {
-                let ks = KeyState { ts, value: v, valid: true, gdp: false, marked: ts, durable: ts, ..Default::default() };
+                let ks = KeyState {
+                    ts,
+                    value: v,
+                    valid: true,
+                    gdp: false,
+                    marked: ts,
+                    durable: ts,
+                    ..Default::default()
+                };
                 (StoreKey::from_slice(&k), ks)
             })
             .collect();
@@ -352,6 +419,7 @@ impl NodeCore {
             next_seq: 0,
             inflight: BTreeMap::new(),
             inflight_batches: BTreeMap::new(),
+            durable_watch: BTreeSet::new(),
             pending_client_ops: 0,
             waiting_keys: BTreeSet::new(),
             scopes: BTreeMap::new(),
@@ -363,6 +431,7 @@ impl NodeCore {
             last_epoch,
             log_reads: BTreeMap::new(),
             streams: BTreeMap::new(),
+            next_stream: 1,
             out: Vec::new(),
             counters: NodeCounters::default(),
         }
@@ -427,29 +496,67 @@ impl NodeCore {
             Mode::Recovered => 3u8.hash(h),
         }
         for (key, k) in &self.store {
-            (key, k.ts, &k.value, k.valid, k.gdp, k.marked, k.durable, k.timeouts.min(2)).hash(h);
+            (
+                key,
+                k.ts,
+                &k.value,
+                k.valid,
+                k.gdp,
+                k.marked,
+                k.durable,
+                k.timeouts.min(2),
+            )
+                .hash(h);
             match &k.coord {
                 None => 0u8.hash(h),
                 Some(co) => {
-                    (1u8, co.ts, &co.value, co.client, co.scope, &co.acks_c, &co.acks_p).hash(h);
+                    (
+                        1u8, co.ts, &co.value, co.client, co.scope, &co.acks_c, &co.acks_p,
+                    )
+                        .hash(h);
                     (co.local_p, co.replied, co.val_c_sent).hash(h);
                 }
             }
-            (&k.pending_p, k.waiting.iter().map(|(t, _)| *t).collect::<Vec<_>>()).hash(h);
+            (
+                &k.pending_p,
+                k.waiting.iter().map(|(t, _)| *t).collect::<Vec<_>>(),
+            )
+                .hash(h);
         }
         (&self.unsettled, &self.partially).hash(h);
-        (self.missed.recording, self.missed.overflowed, &self.missed.keys).hash(h);
-        (self.next_seq, &self.inflight, &self.inflight_batches, self.pending_client_ops, &self.scopes).hash(h);
+        (
+            self.missed.recording,
+            self.missed.overflowed,
+            &self.missed.keys,
+        )
+            .hash(h);
+        (
+            self.next_seq,
+            &self.inflight,
+            &self.inflight_batches,
+            &self.durable_watch,
+            self.pending_client_ops,
+            &self.scopes,
+        )
+            .hash(h);
         for (id, op) in &self.persist_ops {
             (id, &op.writes, op.client, &op.acks).hash(h);
         }
         (self.next_persist_id, &self.persist_waits, &self.recent_tags).hash(h);
-        (self.last_epoch, &self.log_reads, &self.streams).hash(h);
+        (
+            self.last_epoch,
+            &self.log_reads,
+            &self.streams,
+            self.next_stream,
+        )
+            .hash(h);
     }
     /// The protocol state of one key, for diagnosing a failing simulation seed.
     #[doc(hidden)]
     pub fn debug_key(&self, key: &[u8]) -> String {
-        let Some(k) = self.store.get(key) else { return "absent".into() };
+        let Some(k) = self.store.get(key) else {
+            return "absent".into();
+        };
         format!(
             "ts {} valid {} gdp {} durable {} marked {} timeouts {} deadline {} coord {:?} pending_p {:?} waiting {} unsettled {} mode {:?}",
             k.ts, k.valid, k.gdp, k.durable, k.marked, k.timeouts, k.deadline_us,
@@ -463,7 +570,10 @@ impl NodeCore {
     }
     /// Bytes of keys and values held.
     pub fn stored_bytes(&self) -> usize {
-        self.store.iter().map(|(k, s)| k.len() + s.value.len()).sum()
+        self.store
+            .iter()
+            .map(|(k, s)| k.len() + s.value.len())
+            .sum()
     }
 
     fn others(&self) -> Vec<NodeId> {
@@ -509,7 +619,13 @@ impl NodeCore {
             return;
         }
         let size = key.len() + value_len + 24;
-        let old = self.missed.keys.insert(key.to_vec(), size).unwrap_or(0);
+        let old = match self.missed.keys.get_mut(key) {
+            Some(old) => std::mem::replace(old, size),
+            None => {
+                self.missed.keys.insert(StoreKey::from_slice(key), size);
+                0
+            }
+        };
         self.missed.bytes = self.missed.bytes + size - old;
         if self.missed.bytes > self.p.missed_updates_cap_bytes {
             // Past the cap the buffer is useless: drop it, the Buddy will send a full copy.
@@ -522,7 +638,9 @@ impl NodeCore {
 
     /// Sets the GDP flag of the current version in the log once it is committed or durable.
     fn mark_if_needed(&mut self, key: &[u8]) {
-        let Some(k) = self.store.get_mut(key) else { return };
+        let Some(k) = self.store.get_mut(key) else {
+            return;
+        };
         if (k.valid || k.gdp) && k.marked < k.ts && k.ts != Ts::default() {
             k.marked = k.ts;
             let ts = k.ts;
@@ -641,7 +759,10 @@ impl NodeCore {
             // The reactive baseline's log id: every update applied from now on follows it.
             self.last_epoch = self.config.epoch;
             let whole = !self.config.degraded();
-            self.out.push(Output::Mark(LogRecord::Epoch { epoch: self.config.epoch, whole }));
+            self.out.push(Output::Mark(LogRecord::Epoch {
+                epoch: self.config.epoch,
+                whole,
+            }));
         }
         // Missed_updates: seeded with everything not yet globally durable when the group first
         // loses a node, then fed by every update applied while it runs degraded.
@@ -712,7 +833,13 @@ impl NodeCore {
             // What a Recov_start would be answered with, sent as soon as we know: a recovering
             // node that adopted this configuration before us would otherwise have its
             // Recov_start refused (an epoch we do not know yet) and wait for its retry.
-            let recovering: Vec<NodeId> = self.config.recovering.iter().copied().filter(|n| *n != me).collect();
+            let recovering: Vec<NodeId> = self
+                .config
+                .recovering
+                .iter()
+                .copied()
+                .filter(|n| *n != me)
+                .collect();
             for n in recovering {
                 self.send(n, PeerMsg::RecovStartAck { epoch });
             }
@@ -759,9 +886,12 @@ impl NodeCore {
             ClientOp::Persist { .. } => false,
         };
         if bad {
-            self.reply(tag, ClientResult::Invalid(format!(
+            self.reply(
+                tag,
+                ClientResult::Invalid(format!(
                 "key must be 1..={MAX_KEY_BYTES} bytes and value at most {MAX_VALUE_BYTES} bytes"
-            )));
+            )),
+            );
             return;
         }
         if !self.serving(now_us) {
@@ -786,7 +916,11 @@ impl NodeCore {
             self.reply(tag, ClientResult::Busy);
         } else {
             self.pending_client_ops += 1;
-            self.store.get_mut(&key[..]).unwrap().waiting.push_back((tag, op));
+            self.store
+                .get_mut(&key[..])
+                .unwrap()
+                .waiting
+                .push_back((tag, op));
             self.waiting_keys.insert(key);
         }
     }
@@ -825,10 +959,13 @@ impl NodeCore {
                     }
                 }
                 let me = self.p.id;
-                let k = self.store.entry(StoreKey::from_slice(&key)).or_insert_with(|| KeyState {
-                    valid: true,
-                    ..Default::default()
-                });
+                let k = self
+                    .store
+                    .entry(StoreKey::from_slice(&key))
+                    .or_insert_with(|| KeyState {
+                        valid: true,
+                        ..Default::default()
+                    });
                 let ts = Ts {
                     version: k.ts.version + 1,
                     node: me,
@@ -843,7 +980,11 @@ impl NodeCore {
                     ts,
                     value: value.clone(),
                     client: Some(tag),
-                    scope: if self.p.model == Model::Scope { scope } else { None },
+                    scope: if self.p.model == Model::Scope {
+                        scope
+                    } else {
+                        None
+                    },
                     acks_c: BTreeSet::new(),
                     acks_p: BTreeSet::new(),
                     local_p: false,
@@ -870,12 +1011,16 @@ impl NodeCore {
 
     fn serve_waiting(&mut self, now_us: u64, key: &[u8]) {
         loop {
-            let Some(k) = self.store.get_mut(key) else { return };
+            let Some(k) = self.store.get_mut(key) else {
+                return;
+            };
             if !k.valid || self.coord_blocks_key(key) {
                 return;
             }
             let k = self.store.get_mut(key).unwrap();
-            let Some((tag, op)) = k.waiting.pop_front() else { return };
+            let Some((tag, op)) = k.waiting.pop_front() else {
+                return;
+            };
             if k.waiting.is_empty() {
                 self.waiting_keys.remove(key);
             }
@@ -931,13 +1076,15 @@ impl NodeCore {
     }
 
     fn all_durable(&self, writes: &[(Vec<u8>, Ts)]) -> bool {
-        writes
-            .iter()
-            .all(|(k, ts)| self.store.get(&k[..]).is_some_and(|s| s.durable >= *ts))
+        writes.iter().all(|(k, ts)| {
+            self.store.get(&k[..]).is_some_and(|s| s.durable >= *ts) && !self.chunk_pending(k)
+        })
     }
 
     fn check_persist_op(&mut self, id: u64) {
-        let Some(op) = self.persist_ops.get(&id) else { return };
+        let Some(op) = self.persist_ops.get(&id) else {
+            return;
+        };
         let others = self.others();
         if !others.iter().all(|n| op.acks.contains(n)) || !self.all_durable(&op.writes) {
             return;
@@ -973,7 +1120,9 @@ impl NodeCore {
         let others = self.others();
         let model = self.p.model;
         let epoch = self.config.epoch;
-        let Some(k) = self.store.get_mut(key) else { return };
+        let Some(k) = self.store.get_mut(key) else {
+            return;
+        };
         let Some(c) = &mut k.coord else { return };
         let skip = self.p.fault_skip_ack_wait;
         let all_c = skip || others.iter().all(|n| c.acks_c.contains(n));
@@ -1094,27 +1243,67 @@ impl NodeCore {
     fn ack(&mut self, to: NodeId, key: &[u8], ts: Ts) {
         let model = self.p.model;
         let epoch = self.config.epoch;
+        let pending = self.chunk_pending(key);
+        if pending {
+            self.durable_watch.insert(key.to_vec());
+        }
         let k = self.store.get_mut(key).unwrap();
-        let durable = k.durable >= ts;
+        let durable = k.durable >= ts && !pending;
         match model {
             Model::Synch => {
                 if durable {
-                    self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: true });
+                    self.send(
+                        to,
+                        PeerMsg::Ack {
+                            epoch,
+                            key: key.to_vec(),
+                            ts,
+                            c: true,
+                            p: true,
+                        },
+                    );
                 } else if !k.pending_p.contains(&(to, ts)) {
                     k.pending_p.push((to, ts));
                 }
             }
             Model::Scope => {
-                self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: false });
+                self.send(
+                    to,
+                    PeerMsg::Ack {
+                        epoch,
+                        key: key.to_vec(),
+                        ts,
+                        c: true,
+                        p: false,
+                    },
+                );
             }
             _ => {
                 if durable {
-                    self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: true });
+                    self.send(
+                        to,
+                        PeerMsg::Ack {
+                            epoch,
+                            key: key.to_vec(),
+                            ts,
+                            c: true,
+                            p: true,
+                        },
+                    );
                 } else {
                     if !k.pending_p.contains(&(to, ts)) {
                         k.pending_p.push((to, ts));
                     }
-                    self.send(to, PeerMsg::Ack { epoch, key: key.to_vec(), ts, c: true, p: false });
+                    self.send(
+                        to,
+                        PeerMsg::Ack {
+                            epoch,
+                            key: key.to_vec(),
+                            ts,
+                            c: true,
+                            p: false,
+                        },
+                    );
                 }
             }
         }
@@ -1122,14 +1311,27 @@ impl NodeCore {
 
     /// Applies a version to the volatile store if it is newer. Returns the seq of its durable
     /// append if it was applied.
-    fn apply_newer(&mut self, now_us: u64, key: &[u8], ts: Ts, value: &[u8], valid: bool) -> Option<u64> {
+    fn apply_newer(
+        &mut self,
+        now_us: u64,
+        key: &[u8],
+        ts: Ts,
+        value: &[u8],
+        valid: bool,
+    ) -> Option<u64> {
         // Looked up before inserting: most updates are to keys we hold (no key allocation).
         if self.store.get(key).is_some_and(|k| ts <= k.ts) {
             return None;
         }
         let k = match self.store.get_mut(key) {
             Some(k) => k,
-            None => self.store.entry(StoreKey::from_slice(key)).or_insert_with(|| KeyState { valid: true, ..Default::default() }),
+            None => self
+                .store
+                .entry(StoreKey::from_slice(key))
+                .or_insert_with(|| KeyState {
+                    valid: true,
+                    ..Default::default()
+                }),
         };
         k.ts = ts;
         k.value = value.to_vec();
@@ -1167,7 +1369,9 @@ impl NodeCore {
                 self.ack(from, &key, ts);
             }
             PeerMsg::Ack { key, ts, c, p, .. } => {
-                let Some(k) = self.store.get_mut(&key[..]) else { return };
+                let Some(k) = self.store.get_mut(&key[..]) else {
+                    return;
+                };
                 match &mut k.coord {
                     Some(co) if co.ts == ts => {
                         if c {
@@ -1188,13 +1392,24 @@ impl NodeCore {
                         if k.ts == ts && k.valid {
                             let p = k.gdp && p;
                             let epoch = self.config.epoch;
-                            self.send(from, PeerMsg::Val { epoch, key, ts, c: true, p });
+                            self.send(
+                                from,
+                                PeerMsg::Val {
+                                    epoch,
+                                    key,
+                                    ts,
+                                    c: true,
+                                    p,
+                                },
+                            );
                         }
                     }
                 }
             }
             PeerMsg::Val { key, ts, c, p, .. } => {
-                let Some(k) = self.store.get_mut(&key[..]) else { return };
+                let Some(k) = self.store.get_mut(&key[..]) else {
+                    return;
+                };
                 if k.ts != ts {
                     return;
                 }
@@ -1212,7 +1427,10 @@ impl NodeCore {
                     let epoch = self.config.epoch;
                     self.send(from, PeerMsg::PersistAck { epoch, id });
                 } else if self.persist_waits.len() < self.p.max_pending_client_ops
-                    && !self.persist_waits.iter().any(|(f, i, _)| *f == from && *i == id)
+                    && !self
+                        .persist_waits
+                        .iter()
+                        .any(|(f, i, _)| *f == from && *i == id)
                 {
                     self.persist_waits.push((from, id, writes));
                 }
@@ -1229,14 +1447,24 @@ impl NodeCore {
                 self.send(from, PeerMsg::RecovStartAck { epoch });
             }
             PeerMsg::RecovStartAck { .. } => self.on_recov_start_ack(now_us, from),
-            PeerMsg::CatchUpReq { partially, cursor, chunks, .. } => self.on_catchup_req(from, partially, cursor, chunks),
+            PeerMsg::CatchUpReq {
+                stream,
+                partially,
+                cursor,
+                chunks,
+                ..
+            } => self.on_catchup_req(from, stream, partially, cursor, chunks),
+            PeerMsg::CatchUpCredit { stream, chunks, .. } => {
+                self.on_catchup_credit(from, stream, chunks)
+            }
             PeerMsg::CatchUpResp {
+                stream,
                 from: at,
                 next,
                 full_copy,
                 entries,
                 ..
-            } => self.on_catchup_resp(now_us, from, at, next, full_copy, entries),
+            } => self.on_catchup_resp(now_us, from, stream, at, next, full_copy, entries),
             PeerMsg::RecovEnd { .. } => {
                 let others_whole = self
                     .config
@@ -1265,45 +1493,77 @@ impl NodeCore {
         let mut next_chunk = false;
         let mut check_recovery = false;
         let mut any_put = false;
+        let mut chunk_done = false;
         for seq in seqs {
             // Not a Put: the Boot record of a node recovering on its first start waits here.
             if let Some((key, ts)) = self.inflight.remove(&seq) {
                 any_put = true;
-                self.put_durable(now_us, key, ts);
-            } else if let Some(puts) = self.inflight_batches.remove(&seq) {
+                self.put_durable(now_us, &key, ts);
+            } else if self.inflight_batches.remove(&seq).is_some() {
+                // Its keys took `durable` when applied; only the ones someone asked about
+                // need a look.
                 any_put = true;
-                for (key, ts) in puts {
-                    self.put_durable(now_us, key, ts);
-                }
+                chunk_done = true;
             }
             let (n, c) = self.recovery_seq_durable(seq);
             next_chunk |= n;
             check_recovery |= c;
         }
+        if chunk_done && !self.durable_watch.is_empty() {
+            let watched: Vec<Vec<u8>> = self
+                .durable_watch
+                .iter()
+                .filter(|k| !self.chunk_pending(k))
+                .cloned()
+                .collect();
+            for key in watched {
+                self.durable_watch.remove(&key);
+                let durable = self.store.get(&key[..]).map(|k| k.durable);
+                if let Some(d) = durable {
+                    self.put_durable(now_us, &key, d);
+                }
+            }
+        }
         if any_put {
             self.after_puts_durable();
         }
         if next_chunk {
-            self.request_chunk(now_us);
+            self.grant_credit(now_us);
         }
         if check_recovery {
             self.maybe_finish_recovery(now_us);
         }
     }
 
+    /// Whether a catch-up chunk applied to `key` is not durable yet (then the key's `durable`
+    /// is not: see `inflight_batches`).
+    fn chunk_pending(&self, key: &[u8]) -> bool {
+        self.inflight_batches
+            .values()
+            .any(|(puts, index)| puts.index_contains(index, key))
+    }
+
     /// Append `(key, ts)` is durable: owed ACK_Ps go, a coordinated write may advance.
-    fn put_durable(&mut self, now_us: u64, key: Vec<u8>, ts: Ts) {
+    fn put_durable(&mut self, now_us: u64, key: &[u8], ts: Ts) {
         let epoch = self.config.epoch;
         let model = self.p.model;
         let down = matches!(self.mode, Mode::Down);
-        let Some(k) = self.store.get_mut(&key[..]) else { return };
+        let pending = self.chunk_pending(key);
+        if pending {
+            self.durable_watch.insert(key.to_vec());
+        }
+        let Some(k) = self.store.get_mut(key) else {
+            return;
+        };
         if ts > k.durable {
             k.durable = ts;
         }
-        let durable = k.durable;
+        // While a pending chunk holds the key, only this append is known durable.
+        let durable = if pending { ts } else { k.durable };
         let mut ready = Vec::new();
         if !k.pending_p.is_empty() {
-            let (r, rest): (Vec<_>, Vec<_>) = k.pending_p.drain(..).partition(|(_, t)| *t <= durable);
+            let (r, rest): (Vec<_>, Vec<_>) =
+                k.pending_p.drain(..).partition(|(_, t)| *t <= durable);
             k.pending_p = rest;
             ready = r;
         }
@@ -1319,11 +1579,20 @@ impl NodeCore {
         if !down {
             for (to, t) in ready {
                 let c = model == Model::Synch;
-                self.send(to, PeerMsg::Ack { epoch, key: key.clone(), ts: t, c, p: true });
+                self.send(
+                    to,
+                    PeerMsg::Ack {
+                        epoch,
+                        key: key.to_vec(),
+                        ts: t,
+                        c,
+                        p: true,
+                    },
+                );
             }
         }
         if coord {
-            self.advance(now_us, &key);
+            self.advance(now_us, key);
         }
     }
 
@@ -1380,22 +1649,34 @@ impl NodeCore {
         let others = self.others();
         let needs_p = self.p.model != Model::Scope;
         for key in keys {
-            let Some(k) = self.store.get_mut(&key[..]) else { continue };
+            let pending = self.chunk_pending(&key);
+            let Some(k) = self.store.get_mut(&key[..]) else {
+                continue;
+            };
             if let Some(c) = &mut k.coord {
                 if now_us >= c.deadline_us {
                     // §V-F1: re-send the INV with the original timestamp, to the followers
                     // whose ACKs are missing (the others have it), backing off each time.
                     c.retries = c.retries.saturating_add(1);
-                    c.deadline_us = now_us + (self.p.inv_ack_timeout_us << c.retries.min(MAX_INV_BACKOFF_SHIFT));
+                    c.deadline_us = now_us
+                        + (self.p.inv_ack_timeout_us << c.retries.min(MAX_INV_BACKOFF_SHIFT));
                     let missing: Vec<NodeId> = others
                         .iter()
                         .copied()
                         .filter(|n| !c.acks_c.contains(n) || (needs_p && !c.acks_p.contains(n)))
                         .collect();
-                    let msg = PeerMsg::Inv { epoch, key: key.clone(), ts: c.ts, value: c.value.clone() };
+                    let msg = PeerMsg::Inv {
+                        epoch,
+                        key: key.clone(),
+                        ts: c.ts,
+                        value: c.value.clone(),
+                    };
                     self.counters.inv_rebroadcasts += 1;
                     for n in missing {
-                        self.out.push(Output::Send { to: n, msg: msg.clone() });
+                        self.out.push(Output::Send {
+                            to: n,
+                            msg: msg.clone(),
+                        });
                     }
                 }
                 continue;
@@ -1415,7 +1696,10 @@ impl NodeCore {
                 self.ack(coord, &key, ts);
             } else {
                 // The coordinator is gone or silent: take over with its timestamp (Table III).
-                let local_p = k.durable >= ts;
+                let local_p = k.durable >= ts && !pending;
+                if pending {
+                    self.durable_watch.insert(key.clone());
+                }
                 k.coord = Some(Box::new(Coord {
                     ts,
                     value: k.value.clone(),
@@ -1430,7 +1714,12 @@ impl NodeCore {
                     retries: 0,
                 }));
                 self.counters.replays_started += 1;
-                let msg = PeerMsg::Inv { epoch, key: key.clone(), ts, value: k.value.clone() };
+                let msg = PeerMsg::Inv {
+                    epoch,
+                    key: key.clone(),
+                    ts,
+                    value: k.value.clone(),
+                };
                 self.broadcast(msg);
                 self.advance(now_us, &key);
             }
@@ -1440,7 +1729,11 @@ impl NodeCore {
             let op = self.persist_ops.get_mut(&id).unwrap();
             if now_us >= op.deadline_us {
                 op.deadline_us = now_us + self.p.inv_ack_timeout_us;
-                let msg = PeerMsg::PersistReq { epoch, id, writes: op.writes.clone() };
+                let msg = PeerMsg::PersistReq {
+                    epoch,
+                    id,
+                    writes: op.writes.clone(),
+                };
                 self.broadcast(msg);
             }
         }
@@ -1451,7 +1744,9 @@ impl NodeCore {
 
     fn start_recovery(&mut self, now_us: u64) {
         let r = Recov {
-            phase: Phase::Start { acked: BTreeSet::new() },
+            phase: Phase::Start {
+                acked: BTreeSet::new(),
+            },
             started_us: now_us,
             acked_us: 0,
             resp_us: 0,
@@ -1468,7 +1763,13 @@ impl NodeCore {
         self.mode = Mode::Recovering(Box::new(r));
         let epoch = self.config.epoch;
         // Step 1: Recov_start to every active node.
-        let active: Vec<NodeId> = self.config.active.iter().copied().filter(|n| *n != self.p.id).collect();
+        let active: Vec<NodeId> = self
+            .config
+            .active
+            .iter()
+            .copied()
+            .filter(|n| *n != self.p.id)
+            .collect();
         for n in active {
             self.send(n, PeerMsg::RecovStart { epoch });
         }
@@ -1513,52 +1814,121 @@ impl NodeCore {
 
     fn on_recov_start_ack_check(&mut self, now_us: u64) {
         let me = self.p.id;
-        let active: Vec<NodeId> = self.config.active.iter().copied().filter(|n| *n != me).collect();
+        let active: Vec<NodeId> = self
+            .config
+            .active
+            .iter()
+            .copied()
+            .filter(|n| *n != me)
+            .collect();
         let buddy = self.buddy();
         let cursor = self.first_cursor();
-        let Mode::Recovering(r) = &mut self.mode else { return };
-        let Phase::Start { acked } = &r.phase else { return };
+        let Mode::Recovering(r) = &mut self.mode else {
+            return;
+        };
+        let Phase::Start { acked } = &r.phase else {
+            return;
+        };
         if !active.iter().all(|n| acked.contains(n)) {
             return;
         }
         let Some(buddy) = buddy else { return };
         r.acked_us = now_us;
         r.stats.start_to_ack_us = now_us - r.started_us;
-        r.phase = Phase::CatchUp { buddy, cursor, requested: false, expected: 0 };
+        r.phase = Phase::CatchUp {
+            buddy,
+            stream: 0,
+            cursor,
+            open: false,
+            granted: 0,
+        };
         // Step 2: CatchUp_req with the Partially_persisted list.
-        self.request_chunk(now_us);
+        self.grant_credit(now_us);
     }
 
-    /// Sends CatchUp_req for the current cursor unless one is out already or the window of
-    /// received-but-not-durable chunks is full.
-    fn request_chunk(&mut self, now_us: u64) {
+    /// The catch-up window in chunks (see [`NodeParams::max_catchup_chunks_in_flight`]).
+    fn window_chunks(&self) -> u32 {
+        (self.p.max_catchup_chunks_in_flight as u32).clamp(1, MAX_CATCHUP_CHUNKS_PER_REQ)
+    }
+
+    /// Gives the Buddy as much of the window as is free: opens the stream (CatchUp_req) if it
+    /// is not open, or sends CatchUp_credit. Credit goes in batches of a quarter of the window
+    /// while the Buddy still holds some (fewer messages), at once when it holds none.
+    fn grant_credit(&mut self, now_us: u64) {
         let epoch = self.config.epoch;
         let retry = self.p.recovery_retry_us;
-        let window = self.p.max_catchup_chunks_in_flight.max(1);
-        let Mode::Recovering(r) = &mut self.mode else { return };
-        let Phase::CatchUp { buddy, cursor, requested, expected } = &mut r.phase else { return };
-        if *requested {
+        let window = self.window_chunks();
+        let Mode::Recovering(r) = &mut self.mode else {
+            return;
+        };
+        let Phase::CatchUp {
+            buddy,
+            stream,
+            cursor,
+            open,
+            granted,
+        } = &mut r.phase
+        else {
+            return;
+        };
+        let used = *granted + r.chunks_unpersisted.len() as u32;
+        let free = window.saturating_sub(used);
+        if free == 0 {
+            if *granted == 0 {
+                r.stalled_since_us.get_or_insert(now_us);
+            }
             return;
         }
-        if r.chunks_unpersisted.len() >= window {
-            r.stalled_since_us.get_or_insert(now_us);
+        if *open && *granted > 0 && free < (window / 4).max(1) {
             return;
         }
         if let Some(t) = r.stalled_since_us.take() {
             r.stats.window_stall_us += now_us.saturating_sub(t);
         }
-        let partially = self.partially.clone();
-        let chunks = (window - r.chunks_unpersisted.len()) as u32;
-        *requested = true;
-        *expected = chunks;
+        if *granted == 0 {
+            r.request_sent_us = Some(now_us);
+        }
+        *granted += free;
         r.deadline_us = now_us + retry;
         r.stats.requests += 1;
-        r.request_sent_us = Some(now_us);
-        let (to, cursor) = (*buddy, cursor.clone());
-        self.send(to, PeerMsg::CatchUpReq { epoch, partially, cursor, chunks });
+        let to = *buddy;
+        if *open {
+            let stream = *stream;
+            self.send(
+                to,
+                PeerMsg::CatchUpCredit {
+                    epoch,
+                    stream,
+                    chunks: free,
+                },
+            );
+        } else {
+            *open = true;
+            *stream = self.next_stream;
+            self.next_stream += 1;
+            let (stream, cursor) = (*stream, cursor.clone());
+            let partially = self.partially.clone();
+            self.send(
+                to,
+                PeerMsg::CatchUpReq {
+                    epoch,
+                    stream,
+                    partially,
+                    cursor,
+                    chunks: free,
+                },
+            );
+        }
     }
 
-    fn on_catchup_req(&mut self, from: NodeId, partially: Vec<(Vec<u8>, Ts)>, cursor: Cursor, chunks: u32) {
+    fn on_catchup_req(
+        &mut self,
+        from: NodeId,
+        stream: u64,
+        partially: Vec<(Vec<u8>, Ts)>,
+        cursor: Cursor,
+        chunks: u32,
+    ) {
         if !matches!(self.mode, Mode::Member) || !self.config.active.contains(&self.p.id) {
             return;
         }
@@ -1567,7 +1937,10 @@ impl NodeCore {
         }
         self.counters.catchup_served += 1;
         // Never more than the largest window a node may be configured with.
-        let chunks = chunks.clamp(1, MAX_CATCHUP_CHUNKS_PER_REQ);
+        let credits = chunks.clamp(1, MAX_CATCHUP_CHUNKS_PER_REQ);
+        // A new request replaces any stream of the node (it gave up on it).
+        self.streams.remove(&from);
+        self.log_reads.remove(&from);
         match cursor {
             Cursor::Key(after) => {
                 let full_copy = self.missed.overflowed
@@ -1575,30 +1948,93 @@ impl NodeCore {
                     || self.p.recovery != RecoveryScheme::Heal;
                 // The first chunk now, the rest one per `pump`: the recovering node applies and
                 // persists each while the next is read here, and our own clients are served
-                // between chunks. A new request replaces an older one (the node gave up on it).
-                self.streams.insert(from, KeyStream { after, partially, full_copy, chunks_left: chunks });
+                // between chunks.
+                self.streams.insert(
+                    from,
+                    KeyStream {
+                        stream,
+                        after,
+                        partially,
+                        full_copy,
+                        credits,
+                    },
+                );
                 self.stream_chunk(from);
             }
             Cursor::Log(lc) => {
                 // Reactive: the durable log is read from the point (by the driver, off the
-                // protocol path), then answered in `on_log_read`, which reads on for the rest
-                // of the request's chunks. One read per recovering node.
+                // protocol path), then answered in `on_log_read`, which reads on while the
+                // stream has credit. One read at a time per recovering node.
                 let max_bytes = self.p.max_catchup_chunk_bytes;
-                self.log_reads.insert(from, (lc.clone(), partially, chunks));
-                self.out.push(Output::ReadLog { to: from, cursor: lc, max_bytes });
+                self.log_reads.insert(
+                    from,
+                    LogStream {
+                        stream,
+                        cursor: lc.clone(),
+                        partially,
+                        credits,
+                        reading: true,
+                    },
+                );
+                self.out.push(Output::ReadLog {
+                    to: from,
+                    cursor: lc,
+                    max_bytes,
+                });
             }
         }
     }
 
-    /// Whether [`Self::pump`] has work (catch-up chunks still to send).
-    pub fn wants_pump(&self) -> bool {
+    /// More credit for the stream `stream` of node `from`, if it is the one being served.
+    fn on_catchup_credit(&mut self, from: NodeId, stream: u64, chunks: u32) {
+        if let Some(st) = self.streams.get_mut(&from).filter(|st| st.stream == stream) {
+            st.credits = st
+                .credits
+                .saturating_add(chunks)
+                .min(MAX_CATCHUP_CHUNKS_PER_REQ);
+            return;
+        }
+        let max_bytes = self.p.max_catchup_chunk_bytes;
+        if let Some(ls) = self
+            .log_reads
+            .get_mut(&from)
+            .filter(|ls| ls.stream == stream)
+        {
+            ls.credits = ls
+                .credits
+                .saturating_add(chunks)
+                .min(MAX_CATCHUP_CHUNKS_PER_REQ);
+            if !ls.reading && ls.credits > 0 {
+                ls.reading = true;
+                let cursor = ls.cursor.clone();
+                self.out.push(Output::ReadLog {
+                    to: from,
+                    cursor,
+                    max_bytes,
+                });
+            }
+        }
+    }
+
+    /// Whether a key-ordered catch-up stream is open here (possibly waiting for credit).
+    pub fn serves_catchup(&self) -> bool {
         !self.streams.is_empty()
     }
 
-    /// Sends the next chunk of every catch-up stream being served. A driver calls it between
+    /// Whether [`Self::pump`] has work (catch-up chunks credited and not sent yet).
+    pub fn wants_pump(&self) -> bool {
+        self.streams.values().any(|st| st.credits > 0)
+    }
+
+    /// Sends the next chunk of every catch-up stream that has credit. A driver calls it between
     /// inputs while [`Self::wants_pump`] (and at once when no input waits).
     pub fn pump(&mut self, _now_us: u64) {
-        let to: Vec<NodeId> = self.streams.keys().copied().collect();
+        let to: Vec<NodeId> = self
+            .streams
+            .iter()
+            .filter(|(_, st)| st.credits > 0)
+            .map(|(n, _)| *n)
+            .collect();
         for n in to {
             self.stream_chunk(n);
         }
@@ -1609,37 +2045,70 @@ impl NodeCore {
             self.streams.clear();
             return;
         }
-        let Some(st) = self.streams.get_mut(&to) else { return };
-        st.chunks_left = st.chunks_left.saturating_sub(1);
-        let st = if st.chunks_left == 0 { self.streams.remove(&to).unwrap() } else { st.clone() };
-        let (entries, next) = self.key_chunk(st.after.as_deref(), &st.partially, st.full_copy);
-        let more = match &next {
-            Some(Cursor::Key(k)) => Some(k.clone()),
-            _ => None,
+        let Some(st) = self.streams.get(&to) else {
+            return;
         };
-        match (more, self.streams.get_mut(&to)) {
-            (Some(k), Some(s)) => s.after = k,
-            (None, Some(_)) => {
-                self.streams.remove(&to);
-            }
-            _ => {}
+        if st.credits == 0 {
+            return;
         }
+        let (entries, next) = self.key_chunk(st.after.as_deref(), &st.partially, st.full_copy);
+        let st = self.streams.get_mut(&to).unwrap();
+        st.credits -= 1;
+        let (stream, full_copy) = (st.stream, st.full_copy);
+        let from = Cursor::Key(match &next {
+            Some(Cursor::Key(k)) => std::mem::replace(&mut st.after, k.clone()),
+            _ => self.streams.remove(&to).unwrap().after, // the last chunk: the stream ends
+        });
         let epoch = self.config.epoch;
-        self.send(to, PeerMsg::CatchUpResp { epoch, from: Cursor::Key(st.after), next, full_copy: st.full_copy, entries });
+        self.send(
+            to,
+            PeerMsg::CatchUpResp {
+                epoch,
+                stream,
+                from,
+                next,
+                full_copy,
+                entries,
+            },
+        );
     }
 
     /// The next chunk after `after` of a key-ordered copy: every key of the store (a full
     /// copy), or HEAL's Missed_updates plus the Partially_persisted keys. The current version
     /// of each key is the newest update to it; a Partially_persisted entry is judged by
-    /// sending ours: the recovering node keeps its own only if ours equals it.
-    fn key_chunk(&self, after: Option<&[u8]>, partially: &[(Vec<u8>, Ts)], full: bool) -> (Vec<Entry>, Option<Cursor>) {
+    /// sending ours: the recovering node keeps its own only if ours equals it. Built straight
+    /// into the chunk's bytes: a store lookup and a copy per entry, one allocation per chunk.
+    fn key_chunk(
+        &self,
+        after: Option<&[u8]>,
+        partially: &[(Vec<u8>, Ts)],
+        full: bool,
+    ) -> (Chunk, Option<Cursor>) {
         use std::ops::Bound;
         let lower = match after {
             Some(k) => Bound::Excluded(k),
             None => Bound::Unbounded,
         };
-        let mut keys: Box<dyn Iterator<Item = &[u8]>> = if full {
-            Box::new(self.store.range::<[u8], _>((lower, Bound::Unbounded)).map(|(k, _)| k.as_slice()))
+        let max_bytes = self.p.max_catchup_chunk_bytes;
+        let mut chunk = Chunk::with_capacity(
+            max_bytes.min(MAX_CHUNK_PREALLOC_BYTES) + CHUNK_ENTRY_HEADER_BYTES + MAX_KEY_BYTES,
+        );
+        let mut add = |key: &[u8], k: &KeyState| -> bool {
+            if k.ts != Ts::default() {
+                chunk.push(key, k.ts, &k.value, k.valid);
+            }
+            chunk.len_bytes() >= max_bytes
+        };
+        let last = if full {
+            // The store in key order: no lookup per entry.
+            let mut last = None;
+            for (key, k) in self.store.range::<[u8], _>((lower, Bound::Unbounded)) {
+                if add(key, k) {
+                    last = Some(key.to_vec());
+                    break;
+                }
+            }
+            last
         } else {
             let mut extra: Vec<&[u8]> = partially
                 .iter()
@@ -1648,89 +2117,169 @@ impl NodeCore {
                 .collect();
             extra.sort_unstable();
             extra.dedup();
-            let missed = self.missed.keys.range::<[u8], _>((lower, Bound::Unbounded)).map(|(k, _)| k.as_slice());
-            Box::new(MergeKeys { a: missed.peekable(), b: extra.into_iter().peekable() })
+            let missed = self
+                .missed
+                .keys
+                .range::<[u8], _>((lower, Bound::Unbounded))
+                .map(|(k, _)| k.as_slice());
+            let mut last = None;
+            for key in (MergeKeys {
+                a: missed.peekable(),
+                b: extra.into_iter().peekable(),
+            }) {
+                let Some(k) = self.store.get(key) else {
+                    continue;
+                };
+                if add(key, k) {
+                    last = Some(key.to_vec());
+                    break;
+                }
+            }
+            last
         };
-        let mut entries = Vec::new();
-        let mut bytes = 0;
-        for key in keys.by_ref() {
-            let Some(k) = self.store.get(key) else { continue };
-            if k.ts == Ts::default() {
-                continue;
-            }
-            let e = Entry { key: key.to_vec(), ts: k.ts, value: k.value.clone(), committed: k.valid };
-            bytes += e.size_bytes();
-            entries.push(e);
-            if bytes >= self.p.max_catchup_chunk_bytes {
-                let last = entries.last().map(|e| e.key.clone());
-                return (entries, Some(Cursor::Key(last)));
-            }
-        }
-        (entries, None)
+        (chunk, last.map(|k| Cursor::Key(Some(k))))
     }
 
     /// The driver read the log for `to` (see [`Output::ReadLog`]).
     pub fn on_log_read(&mut self, _now_us: u64, to: NodeId, cursor: LogCursor, chunk: LogChunk) {
         match self.log_reads.get(&to) {
-            Some((c, _, _)) if *c == cursor => {}
+            Some(ls) if ls.reading && ls.cursor == cursor => {}
             _ => return,
         }
-        let (_, partially, chunks_left) = self.log_reads.remove(&to).unwrap();
         if !matches!(self.mode, Mode::Member) || !self.config.active.contains(&self.p.id) {
+            self.log_reads.remove(&to);
             return;
         }
+        let ls = self.log_reads.get_mut(&to).unwrap();
+        ls.reading = false;
+        ls.credits = ls.credits.saturating_sub(1);
+        let (stream, credits) = (ls.stream, ls.credits);
+        let partially = std::mem::take(&mut ls.partially);
         let epoch = self.config.epoch;
         let from = Cursor::Log(cursor.clone());
         if !chunk.found {
-            // Our log does not reach back to where the node left: send a snapshot instead.
+            // Our log does not reach back to where the node left: send a snapshot instead, on
+            // as a key stream with the credit left.
+            self.log_reads.remove(&to);
             let (entries, next) = self.key_chunk(None, &[], true);
-            self.send(to, PeerMsg::CatchUpResp { epoch, from, next, full_copy: true, entries });
+            if let Some(Cursor::Key(after)) = &next {
+                self.streams.insert(
+                    to,
+                    KeyStream {
+                        stream,
+                        after: after.clone(),
+                        partially: Vec::new(),
+                        full_copy: true,
+                        credits,
+                    },
+                );
+            }
+            self.send(
+                to,
+                PeerMsg::CatchUpResp {
+                    epoch,
+                    stream,
+                    from,
+                    next,
+                    full_copy: true,
+                    entries,
+                },
+            );
             return;
         }
-        let mut entries: Vec<Entry> = chunk
-            .puts
-            .into_iter()
-            .map(|(key, ts, value)| {
-                let committed = self.store.get(&key[..]).is_some_and(|k| ts < k.ts || (ts == k.ts && k.valid));
-                Entry { key, ts, value, committed }
-            })
-            .collect();
+        let mut entries = Chunk::with_capacity(
+            chunk
+                .puts
+                .iter()
+                .map(|(k, _, v)| k.len() + v.len() + CHUNK_ENTRY_HEADER_BYTES)
+                .sum(),
+        );
+        for (key, ts, value) in &chunk.puts {
+            let committed = self
+                .store
+                .get(&key[..])
+                .is_some_and(|k| *ts < k.ts || (*ts == k.ts && k.valid));
+            entries.push(key, *ts, value, committed);
+        }
         if cursor.pos.is_none() {
             // The first chunk also judges the Partially_persisted entries (like ZooKeeper's
             // TRUNC of a learner's uncommitted tail).
             for (key, _) in partially {
                 if let Some(k) = self.store.get(&key[..]).filter(|k| k.ts != Ts::default()) {
-                    entries.push(Entry { key, ts: k.ts, value: k.value.clone(), committed: k.valid });
+                    entries.push(&key, k.ts, &k.value, k.valid);
                 }
             }
         }
-        let next_lc = LogCursor { since_epoch: cursor.since_epoch, gen: chunk.gen, pos: Some(chunk.next_pos) };
+        let next_lc = LogCursor {
+            since_epoch: cursor.since_epoch,
+            gen: chunk.gen,
+            pos: Some(chunk.next_pos),
+        };
         let next = (!chunk.at_end).then_some(Cursor::Log(next_lc.clone()));
-        self.send(to, PeerMsg::CatchUpResp { epoch, from, next, full_copy: false, entries });
-        if !chunk.at_end && chunks_left > 1 {
-            // The rest of the request: read on from where this chunk ended.
+        self.send(
+            to,
+            PeerMsg::CatchUpResp {
+                epoch,
+                stream,
+                from,
+                next,
+                full_copy: false,
+                entries,
+            },
+        );
+        if chunk.at_end {
+            self.log_reads.remove(&to);
+            return;
+        }
+        let ls = self.log_reads.get_mut(&to).unwrap();
+        ls.cursor = next_lc.clone();
+        if credits > 0 {
+            // Read on from where this chunk ended.
+            ls.reading = true;
             let max_bytes = self.p.max_catchup_chunk_bytes;
-            self.log_reads.insert(to, (next_lc.clone(), Vec::new(), chunks_left - 1));
-            self.out.push(Output::ReadLog { to, cursor: next_lc, max_bytes });
+            self.out.push(Output::ReadLog {
+                to,
+                cursor: next_lc,
+                max_bytes,
+            });
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn on_catchup_resp(
         &mut self,
         now_us: u64,
         from: NodeId,
+        stream: u64,
         at: Cursor,
         next: Option<Cursor>,
         full_copy: bool,
-        entries: Vec<Entry>,
+        entries: Chunk,
     ) {
         {
-            let Mode::Recovering(r) = &mut self.mode else { return };
-            let Phase::CatchUp { buddy, cursor, requested, expected } = &mut r.phase else { return };
-            if *buddy != from || *cursor != at || !*requested {
-                return; // a duplicate, or the answer to a request we gave up on
+            let Mode::Recovering(r) = &mut self.mode else {
+                return;
+            };
+            let Phase::CatchUp {
+                buddy,
+                stream: open_stream,
+                cursor,
+                open,
+                granted,
+            } = &mut r.phase
+            else {
+                return;
+            };
+            if *buddy != from || *open_stream != stream || !*open || *cursor != at || *granted == 0
+            {
+                return; // a duplicate, out of order, or of a stream we gave up on
             }
-            *expected = expected.saturating_sub(1);
+            if let Err(e) = entries.validate() {
+                // Dropped whole, as if lost: the stream stalls and is asked for again.
+                tracing::warn!(from, "refusing a catch-up chunk: {e}");
+                return;
+            }
+            *granted -= 1;
             r.deadline_us = now_us + self.p.recovery_retry_us;
             if r.resp_us == 0 {
                 r.resp_us = now_us;
@@ -1741,138 +2290,157 @@ impl NodeCore {
                 r.stats.request_wait_us += now_us.saturating_sub(t);
             }
             r.stats.full_copy |= full_copy;
-            r.stats.entries_received += entries.len() as u64;
-            r.stats.bytes_received += entries.iter().map(|e| e.size_bytes() as u64).sum::<u64>();
+            r.stats.bytes_received += entries.len_bytes() as u64;
         }
         // Step 3: apply, never resurrecting a version older than what we hold (ShadowReplica
-        // writes may have overtaken it). The chunk's records go to the log as one append.
-        let mut applied = 0;
+        // writes may have overtaken it). The chunk's records go to the log as one append,
+        // encoded from the chunk's own bytes by the log's thread.
+        let entries = Arc::new(entries);
+        // A key stream's chunk is in key order already (each key once); a log stream's is not.
+        let sorted = matches!(at, Cursor::Key(_));
+        let (mut received, mut applied_n) = (0u64, 0u64);
         let mut seqs = Vec::new();
-        let mut recs = Vec::with_capacity(entries.len() * 2);
-        let mut puts = Vec::with_capacity(entries.len());
-        for e in entries {
-            if e.key.is_empty() || e.key.len() > MAX_KEY_BYTES || e.value.len() > MAX_VALUE_BYTES {
-                continue;
-            }
-            match self.apply_catchup_entry(now_us, e, &mut recs, &mut puts) {
+        let mut applied = Vec::new();
+        for item in entries.iter() {
+            let Ok((at, e)) = item else { break }; // validated above
+            received += 1;
+            match self.apply_catchup_entry(now_us, e) {
                 CatchUpApply::Stale => {}
-                CatchUpApply::Batched => applied += 1,
+                CatchUpApply::Batched => {
+                    applied_n += 1;
+                    applied.push(at as u32);
+                }
                 CatchUpApply::Alone(seq) => {
-                    applied += 1;
+                    applied_n += 1;
                     seqs.push(seq);
                 }
             }
         }
-        if !recs.is_empty() {
+        if !applied.is_empty() {
             let seq = self.next_seq;
             self.next_seq += 1;
-            self.inflight_batches.insert(seq, puts);
-            self.out.push(Output::PersistBatch { seq, recs });
+            let puts = ChunkPuts {
+                chunk: entries,
+                applied,
+            };
+            let index = if sorted {
+                puts.applied.clone()
+            } else {
+                puts.key_index()
+            };
+            self.inflight_batches.insert(seq, (puts.clone(), index));
+            self.out.push(Output::PersistChunk { seq, puts });
             seqs.push(seq);
         }
         let eventual = self.p.model == Model::Eventual;
-        let Mode::Recovering(r) = &mut self.mode else { return };
-        r.stats.entries_applied += applied;
+        let Mode::Recovering(r) = &mut self.mode else {
+            return;
+        };
+        r.stats.entries_received += received;
+        r.stats.entries_applied += applied_n;
         if !eventual {
             // Under Eventual the NVM copy is made in the background, off the critical path.
             r.outstanding.extend(seqs.iter().copied());
         }
-        // The next chunk is asked for right away unless `max_catchup_chunks_in_flight` chunks
-        // are still being persisted: the Buddy's read and the transfer of the next chunk overlap
-        // our log appends of this one, and the copy never runs more than the window ahead of
-        // our log. Only one request is out at a time (the Buddy names the next cursor), so
-        // chunks arrive and are applied in cursor order.
+        // The chunk holds its window slot until it is durable: the Buddy's reads and the
+        // transfer of the next chunks overlap our log appends of this one, and the copy never
+        // runs more than the window ahead of our log.
         if !seqs.is_empty() {
             r.chunks_unpersisted.push_back(seqs.into_iter().collect());
         }
-        let Phase::CatchUp { buddy, expected, .. } = r.phase else { return };
+        let Phase::CatchUp { cursor, .. } = &mut r.phase else {
+            return;
+        };
         match next {
             None => {
                 r.stats.transfer_us = now_us - r.resp_us;
                 r.phase = Phase::Applying;
                 self.maybe_finish_recovery(now_us);
             }
-            Some(cursor) => {
-                // More replies of this request are on their way: wait for them, in order.
-                let requested = expected > 0;
-                r.phase = Phase::CatchUp { buddy, cursor, requested, expected };
-                self.request_chunk(now_us);
+            Some(n) => {
+                *cursor = n;
+                self.grant_credit(now_us);
             }
         }
     }
 
     /// Applies one catch-up entry if it is newer than what we hold. A key with nothing in
     /// flight (no coordinated write, no queued op or owed ACK_P, currently valid) — nearly every
-    /// key of a catch-up — takes one store lookup: the value is moved in, the Put (and the Mark
-    /// of a committed entry) go to `recs` for the chunk's single append, the Put to `puts` for
-    /// its completion. Any other key takes the general path of an INV plus a VAL
-    /// ([`Self::apply_newer`], [`Self::mark_if_needed`], [`Self::settle`]), with its own append.
-    fn apply_catchup_entry(&mut self, now_us: u64, e: Entry, recs: &mut Vec<LogRecord>, puts: &mut KeyVersions) -> CatchUpApply {
-        let Entry { key, ts, value, committed } = e;
+    /// key of a catch-up — takes one store lookup and no allocation: the value is copied into
+    /// the held buffer, and the entry's Put (and the Mark of a committed entry) go to the
+    /// chunk's single append, encoded from the chunk. Any other key takes the general path of
+    /// an INV plus a VAL ([`Self::apply_newer`], [`Self::mark_if_needed`], [`Self::settle`]),
+    /// with its own append.
+    fn apply_catchup_entry(&mut self, now_us: u64, e: EntryRef<'_>) -> CatchUpApply {
+        let EntryRef {
+            key,
+            ts,
+            value,
+            committed,
+        } = e;
         let deadline_us = now_us + self.p.ack_val_timeout_us;
-        let quiet = |k: &KeyState| k.coord.is_none() && k.waiting.is_empty() && k.pending_p.is_empty() && k.valid;
-        let value_len = value.len();
-        let marked = match self.store.get_mut(&key[..]) {
+        let quiet = |k: &KeyState| {
+            k.coord.is_none() && k.waiting.is_empty() && k.pending_p.is_empty() && k.valid
+        };
+        match self.store.get_mut(key) {
             Some(k) if ts <= k.ts => return CatchUpApply::Stale,
             Some(k) if quiet(k) => {
                 k.ts = ts;
                 // The old value's buffer takes the new bytes (no allocation when it is large
-                // enough, the usual case); the received buffer goes on to the log record.
+                // enough, the usual case), unless it would be kept oversized.
                 if k.value.capacity() >= value.len() && k.value.capacity() <= 2 * value.len() {
                     k.value.clear();
-                    k.value.extend_from_slice(&value);
+                    k.value.extend_from_slice(value);
                 } else {
-                    k.value = value.clone(); // not kept oversized
+                    k.value = value.to_vec();
                 }
                 k.valid = committed;
                 k.gdp = false;
                 k.timeouts = 0;
                 k.deadline_us = deadline_us;
-                // As `mark_if_needed`: a committed version gets its GDP flag.
-                let mark = committed && k.marked < ts;
-                if mark {
+                // As `mark_if_needed`: a committed version gets its GDP flag (`marked` is at
+                // most the old version, older than this one).
+                if committed {
                     k.marked = ts;
                 }
-                mark
+                // Durable once the chunk is (see `inflight_batches`).
+                k.durable = ts;
             }
             Some(_) => {
                 // Newer than ours (checked above), so applied; its append is the one to await.
-                let Some(seq) = self.apply_newer(now_us, &key, ts, &value, committed) else {
+                let Some(seq) = self.apply_newer(now_us, key, ts, value, committed) else {
                     return CatchUpApply::Stale;
                 };
                 if committed {
-                    self.mark_if_needed(&key);
-                    self.settle(now_us, &key);
+                    self.mark_if_needed(key);
+                    self.settle(now_us, key);
                 }
                 return CatchUpApply::Alone(seq);
             }
             None => {
                 let k = KeyState {
                     ts,
-                    value: value.clone(),
+                    value: value.to_vec(),
                     valid: committed,
                     marked: if committed { ts } else { Ts::default() },
+                    durable: ts,
                     deadline_us,
                     ..Default::default()
                 };
-                self.store.insert(StoreKey::from_slice(&key), k);
-                committed
+                self.store.insert(StoreKey::from_slice(key), k);
             }
-        };
+        }
         if !committed {
-            self.unsettled.insert(key.clone());
+            self.unsettled.insert(key.to_vec());
         }
-        self.record_missed(&key, value_len);
-        recs.push(LogRecord::Put { key: key.clone(), ts, value });
-        if marked {
-            recs.push(LogRecord::Mark { key: key.clone(), ts });
-        }
-        puts.push((key, ts));
+        self.record_missed(key, value.len());
         CatchUpApply::Batched
     }
 
     fn maybe_finish_recovery(&mut self, now_us: u64) {
-        let Mode::Recovering(r) = &mut self.mode else { return };
+        let Mode::Recovering(r) = &mut self.mode else {
+            return;
+        };
         if r.phase != Phase::Applying || !r.outstanding.is_empty() {
             return;
         }
@@ -1895,7 +2463,9 @@ impl NodeCore {
         let retry = self.p.recovery_retry_us;
         let start_retry = self.start_retry_us();
         let buddy_now = self.buddy();
-        let Mode::Recovering(r) = &mut self.mode else { return };
+        let Mode::Recovering(r) = &mut self.mode else {
+            return;
+        };
         if now_us < r.deadline_us {
             return;
         }
@@ -1915,11 +2485,19 @@ impl NodeCore {
                     self.send(n, PeerMsg::RecovStart { epoch });
                 }
             }
-            Phase::CatchUp { buddy, cursor, requested, .. } => {
-                if !*requested {
+            Phase::CatchUp {
+                buddy,
+                cursor,
+                open,
+                granted,
+                ..
+            } => {
+                if *granted == 0 {
                     return; // waiting for our own log, not for the Buddy
                 }
-                // Ask again, possibly a different Buddy; already applied entries are harmless.
+                // No chunk for a while: open a new stream where we are, possibly from a
+                // different Buddy (a dead one's stream is gone); already applied entries are
+                // harmless. Credit of the old stream is void.
                 if let Some(b) = buddy_now {
                     if b != *buddy {
                         if let Cursor::Log(lc) = cursor {
@@ -1928,8 +2506,9 @@ impl NodeCore {
                     }
                     *buddy = b;
                 }
-                *requested = false;
-                self.request_chunk(now_us);
+                *open = false;
+                *granted = 0;
+                self.grant_credit(now_us);
             }
             Phase::Applying => {}
         }
@@ -1952,7 +2531,9 @@ struct MergeKeys<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>>
     b: std::iter::Peekable<B>,
 }
 
-impl<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> Iterator for MergeKeys<'a, A, B> {
+impl<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> Iterator
+    for MergeKeys<'a, A, B>
+{
     type Item = &'a [u8];
     fn next(&mut self) -> Option<&'a [u8]> {
         match (self.a.peek(), self.b.peek()) {
@@ -1991,7 +2572,7 @@ mod tests {
                 .take_outputs()
                 .into_iter()
                 .filter_map(|o| match o {
-                    Output::Persist { seq, .. } | Output::PersistBatch { seq, .. } => Some(seq),
+                    Output::Persist { seq, .. } | Output::PersistChunk { seq, .. } => Some(seq),
                     _ => None,
                 })
                 .collect();
@@ -2013,39 +2594,109 @@ mod tests {
     fn late_ack_c_from_recovering_node_gets_no_val_p() {
         for model in [Model::Strict, Model::Eventual, Model::ReadEnforced] {
             let mut n = NodeCore::new(NodeParams::new(1, model), LogState::default());
-            n.on_heartbeat(0, Heartbeat { seq: 0, config: cfg(1, &[0, 1, 2], &[]) });
+            n.on_heartbeat(
+                0,
+                Heartbeat {
+                    seq: 0,
+                    config: cfg(1, &[0, 1, 2], &[]),
+                },
+            );
             persist_all(&mut n, 0);
-            n.on_heartbeat(1, Heartbeat { seq: 1, config: cfg(2, &[1, 2], &[]) });
+            n.on_heartbeat(
+                1,
+                Heartbeat {
+                    seq: 1,
+                    config: cfg(2, &[1, 2], &[]),
+                },
+            );
             n.take_outputs();
             let key = b"b".to_vec();
-            n.on_client(2, 7, ClientOp::Put { key: key.clone(), value: b"v".to_vec(), scope: None });
+            n.on_client(
+                2,
+                7,
+                ClientOp::Put {
+                    key: key.clone(),
+                    value: b"v".to_vec(),
+                    scope: None,
+                },
+            );
             persist_all(&mut n, 2);
-            let ts = Ts { version: 1, node: 1 };
-            n.on_peer(3, 2, PeerMsg::Ack { epoch: 2, key: key.clone(), ts, c: true, p: true });
+            let ts = Ts {
+                version: 1,
+                node: 1,
+            };
+            n.on_peer(
+                3,
+                2,
+                PeerMsg::Ack {
+                    epoch: 2,
+                    key: key.clone(),
+                    ts,
+                    c: true,
+                    p: true,
+                },
+            );
             let outs = n.take_outputs();
             assert!(
-                outs.contains(&Output::Reply { tag: 7, result: ClientResult::Done }),
+                outs.contains(&Output::Reply {
+                    tag: 7,
+                    result: ClientResult::Done
+                }),
                 "{model}: write done in epoch 2: {outs:?}"
             );
-            n.on_heartbeat(4, Heartbeat { seq: 2, config: cfg(3, &[1, 2], &[0]) });
+            n.on_heartbeat(
+                4,
+                Heartbeat {
+                    seq: 2,
+                    config: cfg(3, &[1, 2], &[0]),
+                },
+            );
             n.take_outputs();
             let val_to_0 = |outs: Vec<Output>| -> Vec<(bool, bool)> {
                 outs.into_iter()
                     .filter_map(|o| match o {
-                        Output::Send { to: 0, msg: PeerMsg::Val { c, p, .. } } => Some((c, p)),
+                        Output::Send {
+                            to: 0,
+                            msg: PeerMsg::Val { c, p, .. },
+                        } => Some((c, p)),
                         _ => None,
                     })
                     .collect()
             };
-            n.on_peer(5, 0, PeerMsg::Ack { epoch: 3, key: key.clone(), ts, c: true, p: false });
+            n.on_peer(
+                5,
+                0,
+                PeerMsg::Ack {
+                    epoch: 3,
+                    key: key.clone(),
+                    ts,
+                    c: true,
+                    p: false,
+                },
+            );
             assert_eq!(val_to_0(n.take_outputs()), vec![(true, false)], "{model}");
-            n.on_peer(6, 0, PeerMsg::Ack { epoch: 3, key: key.clone(), ts, c: false, p: true });
+            n.on_peer(
+                6,
+                0,
+                PeerMsg::Ack {
+                    epoch: 3,
+                    key: key.clone(),
+                    ts,
+                    c: false,
+                    p: true,
+                },
+            );
             assert_eq!(val_to_0(n.take_outputs()), vec![(true, true)], "{model}");
         }
     }
 
     fn entry(key: &str, version: u64) -> Entry {
-        Entry { key: key.as_bytes().to_vec(), ts: Ts { version, node: 2 }, value: b"v".to_vec(), committed: true }
+        Entry {
+            key: key.as_bytes().to_vec(),
+            ts: Ts { version, node: 2 },
+            value: b"v".to_vec(),
+            committed: true,
+        }
     }
 
     fn key_cursor(after: Option<&str>) -> Cursor {
@@ -2057,7 +2708,13 @@ mod tests {
         let mut p = NodeParams::new(0, Model::Strict);
         p.max_catchup_chunks_in_flight = window;
         let mut n = NodeCore::new(p, LogState::default());
-        n.on_heartbeat(0, Heartbeat { seq: 0, config: cfg(2, &[1, 2], &[0]) });
+        n.on_heartbeat(
+            0,
+            Heartbeat {
+                seq: 0,
+                config: cfg(2, &[1, 2], &[0]),
+            },
+        );
         let mut outs = n.take_outputs();
         n.on_peer(1, 1, PeerMsg::RecovStartAck { epoch: 2 });
         n.on_peer(1, 2, PeerMsg::RecovStartAck { epoch: 2 });
@@ -2065,19 +2722,33 @@ mod tests {
         (n, outs)
     }
 
-    fn catchup_reqs(outs: &[Output]) -> Vec<Cursor> {
+    /// (to, stream, cursor, chunks) of every CatchUp_req.
+    fn catchup_reqs(outs: &[Output]) -> Vec<(NodeId, u64, Cursor, u32)> {
         outs.iter()
             .filter_map(|o| match o {
-                Output::Send { to: 1, msg: PeerMsg::CatchUpReq { cursor, .. } } => Some(cursor.clone()),
+                Output::Send {
+                    to,
+                    msg:
+                        PeerMsg::CatchUpReq {
+                            stream,
+                            cursor,
+                            chunks,
+                            ..
+                        },
+                } => Some((*to, *stream, cursor.clone(), *chunks)),
                 _ => None,
             })
             .collect()
     }
 
-    fn req_chunks(outs: &[Output]) -> Vec<u32> {
+    /// (stream, chunks) of every CatchUp_credit.
+    fn credits(outs: &[Output]) -> Vec<(u64, u32)> {
         outs.iter()
             .filter_map(|o| match o {
-                Output::Send { msg: PeerMsg::CatchUpReq { chunks, .. }, .. } => Some(*chunks),
+                Output::Send {
+                    msg: PeerMsg::CatchUpCredit { stream, chunks, .. },
+                    ..
+                } => Some((*stream, *chunks)),
                 _ => None,
             })
             .collect()
@@ -2086,98 +2757,256 @@ mod tests {
     fn persists(outs: &[Output]) -> Vec<u64> {
         outs.iter()
             .filter_map(|o| match o {
-                Output::Persist { seq, rec: LogRecord::Put { .. } } | Output::PersistBatch { seq, .. } => Some(*seq),
+                Output::Persist {
+                    seq,
+                    rec: LogRecord::Put { .. },
+                }
+                | Output::PersistChunk { seq, .. } => Some(*seq),
                 _ => None,
             })
             .collect()
     }
 
     fn sent_recov_end(outs: &[Output]) -> bool {
-        outs.iter().any(|o| matches!(o, Output::Send { msg: PeerMsg::RecovEnd { .. }, .. }))
+        outs.iter().any(|o| {
+            matches!(
+                o,
+                Output::Send {
+                    msg: PeerMsg::RecovEnd { .. },
+                    ..
+                }
+            )
+        })
     }
 
-    fn resp(from: Option<&str>, next: Option<&str>, entries: Vec<Entry>) -> PeerMsg {
-        PeerMsg::CatchUpResp { epoch: 2, from: key_cursor(from), next: Some(key_cursor(next)), full_copy: false, entries }
+    fn resp(stream: u64, from: Option<&str>, next: Option<&str>, entries: Vec<Entry>) -> PeerMsg {
+        PeerMsg::CatchUpResp {
+            epoch: 2,
+            stream,
+            from: key_cursor(from),
+            next: next.map(|n| key_cursor(Some(n))),
+            full_copy: false,
+            entries: Chunk::from_entries(&entries),
+        }
     }
 
-    /// With a window of 3 the first CatchUp_req asks for 3 chunks, which the Buddy sends back to
-    /// back; the fourth is asked for (alone) once a slot frees; late, duplicated and reordered
-    /// replies are ignored (they never roll a key back); Recov_end waits for every chunk to be
-    /// durable.
+    /// The chunk format: what is pushed comes back, in order, with its offsets; truncated,
+    /// oversized or flagged-wrong bytes are refused, never a panic.
+    #[test]
+    fn chunk_round_trips_and_refuses_malformed_bytes() {
+        let es = vec![
+            entry("a", 1),
+            Entry {
+                key: vec![7; MAX_KEY_BYTES],
+                ts: Ts {
+                    version: u64::MAX,
+                    node: 9,
+                },
+                value: vec![1; 3000],
+                committed: false,
+            },
+            entry("c", 3),
+        ];
+        let c = Chunk::from_entries(&es);
+        assert_eq!(c.validate(), Ok(3));
+        assert_eq!(c.to_entries().unwrap(), es);
+        let offs: Vec<usize> = c.iter().map(|r| r.unwrap().0).collect();
+        assert_eq!(offs[0], 0);
+        assert_eq!(c.entry_at(offs[2]).unwrap().0.to_entry(), es[2]);
+        let bytes = postcard::to_allocvec(&c).unwrap();
+        assert_eq!(postcard::from_bytes::<Chunk>(&bytes).unwrap(), c);
+        let raw = |b: Vec<u8>| -> Chunk {
+            postcard::from_bytes(&postcard::to_allocvec(&serde_bytes::ByteBuf::from(b)).unwrap())
+                .unwrap()
+        };
+        let good: Vec<u8> = postcard::from_bytes::<serde_bytes::ByteBuf>(&bytes)
+            .unwrap()
+            .into_vec();
+        for cut in 1..good.len() {
+            let r = raw(good[..cut].to_vec()).validate();
+            assert!(r.is_err() || offs.contains(&cut), "cut at {cut}: {r:?}");
+        }
+        let mut flags = good.clone();
+        flags[2 + 1 + 12] = 2; // the first entry's flags
+        assert!(raw(flags).validate().is_err());
+        let mut empty_key = good.clone();
+        empty_key[0] = 0;
+        assert!(raw(empty_key).validate().is_err());
+        let mut huge: Vec<u8> = Vec::new();
+        huge.extend_from_slice(&1u16.to_le_bytes());
+        huge.push(b'k');
+        huge.extend_from_slice(&[0; 13]);
+        huge.extend_from_slice(&(MAX_VALUE_BYTES as u32 + 1).to_le_bytes());
+        assert!(raw(huge).validate().is_err());
+    }
+
+    /// A window of 3: the stream opens with 3 credits; chunks arrive back to back; a chunk
+    /// made durable frees a slot and, the Buddy holding no credit, a credit of 1 goes at once
+    /// (no new request: no round trip); late, duplicated, reordered and other streams' replies
+    /// are ignored (they never roll a key back); Recov_end waits for every chunk to be durable.
     #[test]
     fn catchup_pipelines_within_window_and_ends_only_when_durable() {
         let (mut n, outs) = recovering_node(3);
         let boot: Vec<u64> = outs
             .iter()
             .filter_map(|o| match o {
-                Output::Persist { seq, rec: LogRecord::Boot { .. } } => Some(*seq),
+                Output::Persist {
+                    seq,
+                    rec: LogRecord::Boot { .. },
+                } => Some(*seq),
                 _ => None,
             })
             .collect();
-        assert_eq!(catchup_reqs(&outs), vec![key_cursor(None)]);
-        assert_eq!(req_chunks(&outs), vec![3], "the whole window in one request");
+        let reqs = catchup_reqs(&outs);
+        assert_eq!(reqs.len(), 1);
+        let (to, st, cursor, chunks) = reqs[0].clone();
+        assert_eq!(
+            (to, cursor, chunks),
+            (1, key_cursor(None), 3),
+            "the whole window in one request"
+        );
         let mut unpersisted = Vec::new();
-        // Three chunks of one request, none durable yet: no new request while they arrive.
-        for (i, (from, next, e)) in
-            [(None, "a", entry("a", 5)), (Some("a"), "b", entry("b", 5)), (Some("b"), "c", entry("c", 5))].into_iter().enumerate()
+        for (i, (from, next, e)) in [
+            (None, "a", entry("a", 5)),
+            (Some("a"), "b", entry("b", 5)),
+            (Some("b"), "c", entry("c", 5)),
+        ]
+        .into_iter()
+        .enumerate()
         {
-            n.on_peer(10 + i as u64, 1, resp(from, Some(next), vec![e]));
+            n.on_peer(10 + i as u64, 1, resp(st, from, Some(next), vec![e]));
             let outs = n.take_outputs();
             let p = persists(&outs);
             assert_eq!(p.len(), 1, "chunk {i} applied and persisted: {outs:?}");
             unpersisted.extend(p);
-            assert_eq!(catchup_reqs(&outs), vec![], "chunk {i}: window of 3, asked for at once");
+            assert!(
+                catchup_reqs(&outs).is_empty() && credits(&outs).is_empty(),
+                "chunk {i}: window full"
+            );
         }
-        // A late duplicate of chunk 1 carrying an older version of "a", and a reply for a cursor
-        // not asked for, change nothing.
-        n.on_peer(20, 1, resp(None, Some("a"), vec![entry("a", 3)]));
-        n.on_peer(20, 1, resp(Some("c"), Some("d"), vec![entry("d", 1)]));
+        // A late duplicate of chunk 1 carrying an older version of "a", a reply for a cursor
+        // not asked for, a chunk of another stream and a fourth chunk past the credit change
+        // nothing.
+        n.on_peer(20, 1, resp(st, None, Some("a"), vec![entry("a", 3)]));
+        n.on_peer(
+            20,
+            1,
+            resp(st, Some("c"), Some("d"), vec![entry("d", 1)]).clone(),
+        );
+        n.on_peer(
+            20,
+            1,
+            resp(st + 7, Some("c"), Some("d"), vec![entry("d", 1)]),
+        );
         assert!(n.take_outputs().is_empty());
-        // Chunk 2 becomes durable first: a slot frees and the request for "c" goes.
+        assert!(!n.store.contains_key(b"d".as_slice()));
+        // Chunk 2 becomes durable first: a slot frees and a credit of 1 goes at once.
         n.on_persisted(21, unpersisted[1]);
         let outs = n.take_outputs();
-        assert_eq!(catchup_reqs(&outs), vec![key_cursor(Some("c"))]);
-        assert_eq!(req_chunks(&outs), vec![1], "one slot free");
+        assert!(
+            catchup_reqs(&outs).is_empty(),
+            "the stream stays open: {outs:?}"
+        );
+        assert_eq!(credits(&outs), vec![(st, 1)]);
         // Last chunk: applied; Recov_end waits for all chunks and the Boot record.
-        n.on_peer(22, 1, PeerMsg::CatchUpResp { epoch: 2, from: key_cursor(Some("c")), next: None, full_copy: false, entries: vec![entry("c", 9), entry("a", 2)] });
+        n.on_peer(
+            22,
+            1,
+            PeerMsg::CatchUpResp {
+                epoch: 2,
+                stream: st,
+                from: key_cursor(Some("c")),
+                next: None,
+                full_copy: false,
+                entries: Chunk::from_entries(&[entry("c", 9), entry("a", 2)]),
+            },
+        );
         let outs = n.take_outputs();
-        assert_eq!(persists(&outs).len(), 1, "older version of a is not applied: {outs:?}");
+        assert_eq!(
+            persists(&outs).len(),
+            1,
+            "older version of a is not applied: {outs:?}"
+        );
         unpersisted.extend(persists(&outs));
         assert!(!sent_recov_end(&outs));
-        for s in boot.iter().chain(&unpersisted).filter(|s| **s != unpersisted[1]) {
-            assert!(!sent_recov_end(&n.take_outputs()), "Recov_end before every chunk is durable");
+        for s in boot
+            .iter()
+            .chain(&unpersisted)
+            .filter(|s| **s != unpersisted[1])
+        {
+            assert!(
+                !sent_recov_end(&n.take_outputs()),
+                "Recov_end before every chunk is durable"
+            );
             n.on_persisted(23, *s);
         }
         let outs = n.take_outputs();
-        assert!(sent_recov_end(&outs), "{boot:?} {unpersisted:?} {outs:?} {:?}", match &n.mode { Mode::Recovering(r) => format!("{:?} {:?} {:?}", r.phase, r.outstanding, r.chunks_unpersisted), _ => String::new() });
+        assert!(sent_recov_end(&outs), "{boot:?} {unpersisted:?} {outs:?}");
         assert!(n.is_recovering() || matches!(n.mode, Mode::Recovered));
         let a = n.store.get(b"a".as_slice()).unwrap();
-        assert_eq!(a.ts, Ts { version: 5, node: 2 }, "a is never rolled back");
+        assert_eq!(
+            a.ts,
+            Ts {
+                version: 5,
+                node: 2
+            },
+            "a is never rolled back"
+        );
     }
 
-    /// A Buddy answers one CatchUp_req with up to `chunks` consecutive replies, each naming
-    /// where the next starts, the first from the request's cursor; it stops at the end.
-    #[test]
-    fn buddy_streams_the_requested_chunks_back_to_back() {
+    fn full_copy_buddy(keys: usize, chunk_bytes: usize) -> NodeCore {
         let mut p = NodeParams::new(1, Model::Strict);
-        p.max_catchup_chunk_bytes = 1; // one entry per chunk
+        p.max_catchup_chunk_bytes = chunk_bytes;
         p.recovery = RecoveryScheme::FullCopy; // every key is sent
         let mut st = LogState::default();
-        for k in ["a", "b", "c", "d", "e"] {
-            st.base.insert(k.as_bytes().to_vec(), (Ts { version: 1, node: 0 }, b"v".to_vec()));
+        for i in 0..keys {
+            st.base.insert(
+                format!("k{i:04}").into_bytes(),
+                (
+                    Ts {
+                        version: 1,
+                        node: 1,
+                    },
+                    vec![i as u8; 10],
+                ),
+            );
         }
         let mut n = NodeCore::new(p, st);
-        n.on_heartbeat(0, Heartbeat { seq: 0, config: cfg(2, &[1, 2], &[0]) });
+        n.on_heartbeat(
+            0,
+            Heartbeat {
+                seq: 0,
+                config: cfg(2, &[1, 2], &[0]),
+            },
+        );
         n.take_outputs();
-        let resps = |outs: Vec<Output>| -> Vec<(Cursor, Option<Cursor>, usize)> {
+        n
+    }
+
+    /// A Buddy sends one chunk per credit, back to back, each naming where the next starts;
+    /// with no credit left the stream waits (open) for CatchUp_credit; credit for another
+    /// stream is ignored; a new request replaces the stream; it ends at the end.
+    #[test]
+    fn buddy_streams_one_chunk_per_credit() {
+        let mut n = full_copy_buddy(5, 1); // one entry per chunk: k0000..k0004
+        let resps = |outs: Vec<Output>| -> Vec<(u64, Cursor, Option<Cursor>, usize)> {
             outs.into_iter()
                 .filter_map(|o| match o {
-                    Output::Send { to: 0, msg: PeerMsg::CatchUpResp { from, next, entries, .. } } => Some((from, next, entries.len())),
+                    Output::Send {
+                        to: 0,
+                        msg:
+                            PeerMsg::CatchUpResp {
+                                stream,
+                                from,
+                                next,
+                                entries,
+                                ..
+                            },
+                    } => Some((stream, from, next, entries.validate().unwrap())),
                     _ => None,
                 })
                 .collect()
         };
-        // The first chunk at once, the others one per pump.
         let pumped = |n: &mut NodeCore| {
             let mut outs = n.take_outputs();
             while n.wants_pump() {
@@ -2186,49 +3015,366 @@ mod tests {
             }
             outs
         };
-        n.on_peer(1, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(None), chunks: 3 });
-        assert_eq!(resps(n.take_outputs()).len(), 1);
-        assert!(n.wants_pump());
-        n.pump(1);
-        assert_eq!(resps(n.take_outputs()).len(), 1);
-        n.pump(1);
-        assert_eq!(resps(n.take_outputs()).len(), 1);
-        assert!(!n.wants_pump(), "the request's three chunks are out");
-        n.on_peer(1, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(None), chunks: 3 });
-        let got = resps(pumped(&mut n));
-        assert_eq!(
-            got,
-            vec![
-                (key_cursor(None), Some(key_cursor(Some("a"))), 1),
-                (key_cursor(Some("a")), Some(key_cursor(Some("b"))), 1),
-                (key_cursor(Some("b")), Some(key_cursor(Some("c"))), 1),
-            ]
+        let k = |i: usize| key_cursor(Some(&format!("k{i:04}")));
+        n.on_peer(
+            1,
+            0,
+            PeerMsg::CatchUpReq {
+                epoch: 2,
+                stream: 4,
+                partially: vec![],
+                cursor: key_cursor(None),
+                chunks: 2,
+            },
         );
-        n.on_peer(2, 0, PeerMsg::CatchUpReq { epoch: 2, partially: vec![], cursor: key_cursor(Some("c")), chunks: 5 });
+        assert_eq!(resps(n.take_outputs()).len(), 1, "the first chunk at once");
+        assert!(n.wants_pump());
+        assert_eq!(resps(pumped(&mut n)), vec![(4, k(0), Some(k(1)), 1)]);
+        assert!(!n.wants_pump(), "no credit left");
+        n.on_peer(
+            2,
+            0,
+            PeerMsg::CatchUpCredit {
+                epoch: 2,
+                stream: 3,
+                chunks: 5,
+            },
+        );
+        assert!(!n.wants_pump(), "credit of another stream");
+        n.on_peer(
+            2,
+            0,
+            PeerMsg::CatchUpCredit {
+                epoch: 2,
+                stream: 4,
+                chunks: 2,
+            },
+        );
+        assert_eq!(
+            resps(pumped(&mut n)),
+            vec![(4, k(1), Some(k(2)), 1), (4, k(2), Some(k(3)), 1)]
+        );
+        // A retry from k(1) replaces the stream.
+        n.on_peer(
+            3,
+            0,
+            PeerMsg::CatchUpReq {
+                epoch: 2,
+                stream: 5,
+                partially: vec![],
+                cursor: k(1),
+                chunks: 9,
+            },
+        );
         let got = resps(pumped(&mut n));
-        // d, e, then an empty last chunk (a full chunk always names a next cursor).
-        assert_eq!(got.len(), 3, "stops at the end: {got:?}");
-        assert_eq!(got[2].1, None);
+        // k0002, k0003, k0004, then an empty last chunk (a full chunk always names a next).
+        assert_eq!(got.len(), 4, "stops at the end: {got:?}");
+        assert!(got.iter().all(|g| g.0 == 5));
+        assert_eq!(got[3].2, None);
+        assert!(n.streams.is_empty(), "the ended stream is dropped");
+        n.on_peer(
+            4,
+            0,
+            PeerMsg::CatchUpCredit {
+                epoch: 2,
+                stream: 5,
+                chunks: 2,
+            },
+        );
+        assert!(!n.wants_pump() && n.take_outputs().is_empty());
     }
 
     /// A window of 1 is the strictly serial copy: the next chunk only once this one is durable.
     #[test]
     fn catchup_window_of_one_waits_for_durability() {
         let (mut n, outs) = recovering_node(1);
-        assert_eq!(catchup_reqs(&outs), vec![key_cursor(None)]);
-        n.on_peer(10, 1, resp(None, Some("a"), vec![entry("a", 1), entry("b", 1)]));
+        let st = catchup_reqs(&outs)[0].1;
+        assert_eq!(catchup_reqs(&outs)[0].3, 1);
+        n.on_peer(
+            10,
+            1,
+            resp(st, None, Some("a"), vec![entry("a", 1), entry("b", 1)]),
+        );
         let outs = n.take_outputs();
         let seqs = persists(&outs);
         assert_eq!(seqs.len(), 1, "a chunk's records are one append: {outs:?}");
         let recs = outs.iter().find_map(|o| match o {
-            Output::PersistBatch { recs, .. } => Some(recs.len()),
+            Output::PersistChunk { puts, .. } => Some(puts.records().len()),
             _ => None,
         });
         assert_eq!(recs, Some(4), "a Put and a Mark per committed entry");
-        assert!(catchup_reqs(&outs).is_empty());
+        assert!(credits(&outs).is_empty());
         n.on_persisted(11, seqs[0] + 100);
-        assert!(catchup_reqs(&n.take_outputs()).is_empty(), "another append's completion is not enough");
+        assert!(
+            credits(&n.take_outputs()).is_empty(),
+            "another append's completion is not enough"
+        );
         n.on_persisted(12, seqs[0]);
-        assert_eq!(catchup_reqs(&n.take_outputs()), vec![key_cursor(Some("a"))]);
+        assert_eq!(credits(&n.take_outputs()), vec![(st, 1)]);
+    }
+
+    /// A key of a key-ordered chunk takes its durable version when applied, without a second
+    /// lookup when the chunk completes, so until then nothing may rely on it: an INV of that
+    /// version gets its ACK_P only once the chunk is durable, while a newer version's own
+    /// append is enough for its ACK_P.
+    #[test]
+    fn pending_chunk_defers_ack_p_until_durable() {
+        let (mut n, outs) = recovering_node(4);
+        let st = catchup_reqs(&outs)[0].1;
+        n.on_peer(
+            10,
+            1,
+            resp(st, None, Some("b"), vec![entry("a", 5), entry("b", 5)]),
+        );
+        let chunk_seq = persists(&n.take_outputs())[0];
+        let ack_ps = |outs: &[Output]| -> Vec<(Vec<u8>, Ts)> {
+            outs.iter()
+                .filter_map(|o| match o {
+                    Output::Send {
+                        to: 2,
+                        msg:
+                            PeerMsg::Ack {
+                                key, ts, p: true, ..
+                            },
+                    } => Some((key.clone(), *ts)),
+                    _ => None,
+                })
+                .collect()
+        };
+        // A replay of a's version by node 2: the chunk holding it is not durable yet.
+        let v5 = Ts {
+            version: 5,
+            node: 2,
+        };
+        n.on_peer(
+            11,
+            2,
+            PeerMsg::Inv {
+                epoch: 2,
+                key: b"a".to_vec(),
+                ts: v5,
+                value: b"v".to_vec(),
+            },
+        );
+        let outs = n.take_outputs();
+        assert!(
+            ack_ps(&outs).is_empty(),
+            "no ACK_P before the chunk is durable: {outs:?}"
+        );
+        // A newer version of b: its own append makes it durable, chunk or not.
+        let v6 = Ts {
+            version: 6,
+            node: 2,
+        };
+        n.on_peer(
+            12,
+            2,
+            PeerMsg::Inv {
+                epoch: 2,
+                key: b"b".to_vec(),
+                ts: v6,
+                value: b"w".to_vec(),
+            },
+        );
+        let b_seq = persists(&n.take_outputs())[0];
+        n.on_persisted(13, b_seq);
+        assert_eq!(ack_ps(&n.take_outputs()), vec![(b"b".to_vec(), v6)]);
+        // The chunk completes: a's owed ACK_P goes.
+        n.on_persisted(14, chunk_seq);
+        assert_eq!(ack_ps(&n.take_outputs()), vec![(b"a".to_vec(), v5)]);
+        assert!(n.durable_watch.is_empty());
+    }
+
+    /// A Buddy and a recovering node wired together, with a log that completes one append only
+    /// every few steps (a slow receiver): the Buddy is never sent more than the window ahead
+    /// of the log (chunks in flight plus received-not-durable never exceed it), the stream is
+    /// opened once and fed by credits, and the whole store arrives.
+    #[test]
+    fn credit_flow_with_a_slow_receiver() {
+        const KEYS: usize = 400;
+        let window = 4usize;
+        let mut buddy = full_copy_buddy(KEYS, 100); // about 3 entries per chunk
+        let (mut rec, outs) = recovering_node(window);
+        let mut to_buddy: VecDeque<PeerMsg> = VecDeque::new();
+        let mut to_rec: VecDeque<PeerMsg> = VecDeque::new();
+        let mut log: VecDeque<u64> = VecDeque::new();
+        let (mut reqs, mut credit_msgs, mut ended) = (0, 0, false);
+        let mut route = |outs: Vec<Output>,
+                         to_buddy: &mut VecDeque<PeerMsg>,
+                         log: &mut VecDeque<u64>,
+                         ended: &mut bool| {
+            for o in outs {
+                match o {
+                    Output::Send { to: 1, msg } => {
+                        match &msg {
+                            PeerMsg::CatchUpReq { .. } => reqs += 1,
+                            PeerMsg::CatchUpCredit { .. } => credit_msgs += 1,
+                            PeerMsg::RecovEnd { .. } => *ended = true,
+                            _ => {}
+                        }
+                        to_buddy.push_back(msg);
+                    }
+                    Output::Persist { seq, .. } | Output::PersistChunk { seq, .. } => {
+                        log.push_back(seq)
+                    }
+                    _ => {}
+                }
+            }
+        };
+        route(outs, &mut to_buddy, &mut log, &mut ended);
+        let mut now = 10;
+        for step in 0..100_000 {
+            now += 1;
+            if let Some(m) = to_buddy.pop_front() {
+                buddy.on_peer(now, 0, m);
+            }
+            if buddy.wants_pump() {
+                buddy.pump(now);
+            }
+            for o in buddy.take_outputs() {
+                if let Output::Send { to: 0, msg } = o {
+                    to_rec.push_back(msg);
+                }
+            }
+            if let Some(m) = to_rec.pop_front() {
+                rec.on_peer(now, 1, m);
+            }
+            // The log: one append completes every 7th step.
+            if step % 7 == 0 {
+                if let Some(seq) = log.pop_front() {
+                    rec.on_persisted(now, seq);
+                }
+            }
+            route(rec.take_outputs(), &mut to_buddy, &mut log, &mut ended);
+            let in_flight = to_rec
+                .iter()
+                .filter(|m| matches!(m, PeerMsg::CatchUpResp { .. }))
+                .count();
+            let unpersisted = match &rec.mode {
+                Mode::Recovering(r) => r.chunks_unpersisted.len(),
+                _ => 0,
+            };
+            assert!(in_flight + unpersisted <= window, "step {step}: {in_flight} chunks in flight and {unpersisted} not durable, window {window}");
+            if ended {
+                break;
+            }
+        }
+        assert!(ended, "the catch-up finished");
+        assert_eq!(reqs, 1, "one stream, opened once: credits, not round trips");
+        assert!(credit_msgs > 10, "fed by credits: {credit_msgs}");
+        for i in 0..KEYS {
+            let k = format!("k{i:04}");
+            assert_eq!(
+                rec.key_ts(k.as_bytes()),
+                Ts {
+                    version: 1,
+                    node: 1
+                },
+                "{k}"
+            );
+        }
+    }
+
+    /// A Buddy that dies mid-stream: no chunk comes for `recovery_retry_us` while credit is
+    /// out, so the recovering node opens a new stream where it is (late chunks of the old one
+    /// are ignored); once the CM removes the dead Buddy, recovery restarts with the next one,
+    /// which completes it.
+    #[test]
+    fn buddy_dying_mid_stream_is_replaced() {
+        let window = 4;
+        let (mut rec, outs) = recovering_node(window);
+        let (_, st, _, _) = catchup_reqs(&outs)[0].clone();
+        rec.on_peer(
+            10,
+            1,
+            resp(st, None, Some("k0000"), vec![entry("k0000", 1)]),
+        );
+        let outs = rec.take_outputs();
+        let s0 = persists(&outs);
+        rec.on_persisted(11, s0[0]);
+        rec.take_outputs();
+        // Buddy 1 falls silent. Before the retry timeout nothing happens; after it, a new
+        // stream from where we are.
+        let retry = rec.p.recovery_retry_us;
+        rec.tick(12 + retry / 2);
+        assert!(catchup_reqs(&rec.take_outputs()).is_empty());
+        rec.tick(12 + retry);
+        let reqs = catchup_reqs(&rec.take_outputs());
+        assert_eq!(reqs.len(), 1);
+        let (to, st2, cursor, chunks) = reqs[0].clone();
+        assert!(st2 != st);
+        assert_eq!(
+            (to, cursor, chunks),
+            (1, key_cursor(Some("k0000")), window as u32)
+        );
+        // A late chunk of the dead stream is ignored.
+        rec.on_peer(
+            13 + retry,
+            1,
+            resp(st, Some("k0000"), Some("k0001"), vec![entry("k0001", 1)]),
+        );
+        assert!(rec.take_outputs().is_empty());
+        // The CM removes node 1: recovery restarts (§VI) with Buddy 2, which streams its store.
+        rec.on_heartbeat(
+            20 + retry,
+            Heartbeat {
+                seq: 1,
+                config: Config {
+                    epoch: 3,
+                    nodes: vec![0, 1, 2],
+                    active: [2].into(),
+                    recovering: [0].into(),
+                },
+            },
+        );
+        rec.take_outputs();
+        rec.on_peer(21 + retry, 2, PeerMsg::RecovStartAck { epoch: 3 });
+        let reqs = catchup_reqs(&rec.take_outputs());
+        assert_eq!(reqs.len(), 1);
+        let (to, st3, _, _) = reqs[0].clone();
+        assert_eq!(to, 2, "the next active node is the Buddy");
+        let chunk = Chunk::from_entries(&[entry("k0000", 1), entry("k0001", 2)]);
+        rec.on_peer(
+            22 + retry,
+            2,
+            PeerMsg::CatchUpResp {
+                epoch: 3,
+                stream: st3,
+                from: key_cursor(None),
+                next: None,
+                full_copy: true,
+                entries: chunk,
+            },
+        );
+        let mut outs = rec.take_outputs();
+        for _ in 0..10 {
+            for s in outs
+                .iter()
+                .filter_map(|o| match o {
+                    Output::Persist { seq, .. } | Output::PersistChunk { seq, .. } => Some(*seq),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+            {
+                rec.on_persisted(23 + retry, s);
+            }
+            let more = rec.take_outputs();
+            if sent_recov_end(&more) {
+                outs = more;
+                break;
+            }
+            outs = more;
+        }
+        assert!(
+            sent_recov_end(&outs),
+            "recovery completed through the new Buddy"
+        );
+        assert_eq!(
+            rec.key_ts(b"k0001"),
+            Ts {
+                version: 2,
+                node: 2
+            }
+        );
     }
 }

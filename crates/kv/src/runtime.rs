@@ -22,7 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::cm::{CmCore, CmOutput, CmParams};
-use crate::log::{self, FileLog, LogRecord, PmLog};
+use crate::log::{self, Append, FileLog, LogRecord};
 use crate::msg::*;
 use crate::node::{NodeCore, NodeParams, Output, RecoveryStats};
 
@@ -80,7 +80,11 @@ pub enum KvError {
     Timeout(Duration),
 }
 
-async fn handshake_client<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8], hello: Hello) -> Result<(), KvError> {
+async fn handshake_client<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    secret: &[u8],
+    hello: Hello,
+) -> Result<(), KvError> {
     wire::auth::connect(s, secret).await?;
     wire::write_msg(s, &NetMsg::Hello(hello)).await?;
     Ok(())
@@ -104,21 +108,33 @@ pub struct NodeConfig {
 enum Input {
     /// A peer's message and when its frame had been decoded.
     Peer(NodeId, PeerMsg, Instant),
-    Client { id: u64, op: ClientOp, reply: mpsc::Sender<NetMsg> },
+    Client {
+        id: u64,
+        op: ClientOp,
+        reply: mpsc::Sender<NetMsg>,
+    },
     /// Durable appends as (core incarnation, seq): a core rebuilt by `Reload` numbers its
     /// appends from 0 again, so completions of the old one's must not reach it.
     Persisted(Vec<(u64, u64)>),
-    LogRead { to: NodeId, cursor: log::LogCursor, chunk: log::LogChunk },
+    LogRead {
+        to: NodeId,
+        cursor: log::LogCursor,
+        chunk: log::LogChunk,
+    },
 }
 
 enum LogJob {
-    /// Records to append, in order, each with the (core incarnation, seq) to report once it is
-    /// durable, or `None` for a lazy append (a GDP flag, an `Epoch` record). The core's outputs
-    /// of one input go as one job: a catch-up chunk is one job, one write, one sync.
-    Append(Vec<(Option<(u64, u64)>, LogRecord)>),
+    /// Appends, in order, each with the (core incarnation, seq) to report once it is durable,
+    /// or `None` for a lazy append (a GDP flag, an `Epoch` record). The core's outputs of one
+    /// input go as one job; a catch-up chunk is one append, encoded here, off the core's thread.
+    Append(Vec<(Option<(u64, u64)>, Append)>),
     Rebuild(std::sync::mpsc::Sender<log::LogState>),
     /// Reactive-log baseline: read the log at a cursor, after every append queued before.
-    Read { to: NodeId, cursor: log::LogCursor, max_bytes: usize },
+    Read {
+        to: NodeId,
+        cursor: log::LogCursor,
+        max_bytes: usize,
+    },
 }
 
 /// The log thread writes at most about this many bytes of queued appends per write (and sync):
@@ -166,7 +182,11 @@ fn add_us(c: &AtomicU64, since: Instant) {
     c.fetch_add(since.elapsed().as_micros() as u64, Ordering::Relaxed);
 }
 
-fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, stats: Arc<NodeStats>) -> std::sync::mpsc::Sender<LogJob> {
+fn spawn_log_thread(
+    mut flog: FileLog,
+    inputs: mpsc::UnboundedSender<Input>,
+    stats: Arc<NodeStats>,
+) -> std::sync::mpsc::Sender<LogJob> {
     let (tx, rx) = std::sync::mpsc::channel::<LogJob>();
     std::thread::Builder::new()
         .name("kv-log".into())
@@ -175,7 +195,7 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, sta
                 let mut batch = vec![first];
                 let mut bytes = 0usize;
                 let job_bytes = |j: &LogJob| match j {
-                    LogJob::Append(v) => v.iter().map(|(_, r)| log::record_size_hint(r)).sum(),
+                    LogJob::Append(v) => v.iter().map(|(_, r)| r.size_hint()).sum(),
                     _ => 0,
                 };
                 bytes += job_bytes(&batch[0]);
@@ -199,20 +219,30 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, sta
                             }
                         }
                         LogJob::Rebuild(reply) => reads.push(reply),
-                        LogJob::Read { to, cursor, max_bytes } => log_reads.push((to, cursor, max_bytes)),
+                        LogJob::Read {
+                            to,
+                            cursor,
+                            max_bytes,
+                        } => log_reads.push((to, cursor, max_bytes)),
                     }
                 }
                 let res = if recs.is_empty() {
                     Ok(())
                 } else if seqs.is_empty() {
-                    flog.append_lazy(&recs)
+                    flog.append_items_lazy(&recs)
                 } else {
                     let (t, len0, enc0) = (Instant::now(), flog.len_bytes(), flog.encode_us);
-                    let r = flog.append_durable(&recs);
-                    stats.log_encode_us.fetch_add(flog.encode_us - enc0, Ordering::Relaxed);
+                    let r = flog.append_items_durable(&recs);
+                    stats
+                        .log_encode_us
+                        .fetch_add(flog.encode_us - enc0, Ordering::Relaxed);
                     stats.log_durable_writes.fetch_add(1, Ordering::Relaxed);
-                    stats.log_durable_bytes.fetch_add(flog.len_bytes() - len0, Ordering::Relaxed);
-                    stats.log_durable_us.fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    stats
+                        .log_durable_bytes
+                        .fetch_add(flog.len_bytes() - len0, Ordering::Relaxed);
+                    stats
+                        .log_durable_us
+                        .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
                     r
                 };
                 if let Err(e) = res {
@@ -248,7 +278,9 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, sta
                     }
                 }
                 stats.log_bytes.store(flog.len_bytes(), Ordering::Relaxed);
-                stats.log_compactions.store(flog.compactions, Ordering::Relaxed);
+                stats
+                    .log_compactions
+                    .store(flog.compactions, Ordering::Relaxed);
             }
         })
         .expect("spawning the log thread");
@@ -258,7 +290,8 @@ fn spawn_log_thread(mut flog: FileLog, inputs: mpsc::UnboundedSender<Input>, sta
 /// Runs a node until the process is stopped.
 pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     std::fs::create_dir_all(&cfg.data_dir)?;
-    let (flog, st) = FileLog::open_and_rebuild(&cfg.data_dir.join("pm.log"), cfg.extra_persist_latency)?;
+    let (flog, st) =
+        FileLog::open_and_rebuild(&cfg.data_dir.join("pm.log"), cfg.extra_persist_latency)?;
     tracing::info!(
         node = cfg.params.id,
         records = st.records,
@@ -309,9 +342,17 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
         let stats = stats.clone();
         tokio::spawn(async move {
             loop {
-                let Ok((sock, _)) = listener.accept().await else { continue };
+                let Ok((sock, _)) = listener.accept().await else {
+                    continue;
+                };
                 let _ = sock.set_nodelay(true);
-                tokio::spawn(serve_conn(sock, secret.clone(), in_tx.clone(), hb_tx.clone(), stats.clone()));
+                tokio::spawn(serve_conn(
+                    sock,
+                    secret.clone(),
+                    in_tx.clone(),
+                    hb_tx.clone(),
+                    stats.clone(),
+                ));
             }
         });
     }
@@ -415,8 +456,9 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
             let t = Instant::now();
             core.pump(last_now);
             add_us(&stats.catchup_build_us, t);
-            if !core.wants_pump() {
-                // The Buddy's side of the catch-up, for the recovery's breakdown.
+            if !core.serves_catchup() {
+                // The Buddy's side of the catch-up (its last chunk is out), for the recovery's
+                // breakdown.
                 eprintln!(
                     "catch-up served: node {me} since start: chunks_sent {} build_us {} encode_us {} write_us {}",
                     stats.catchup_chunks_sent.load(Ordering::Relaxed),
@@ -433,8 +475,8 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                 break;
             }
             // Consecutive appends go to the log thread as one job.
-            let mut appends: Vec<(Option<(u64, u64)>, LogRecord)> = Vec::new();
-            let flush = |appends: &mut Vec<(Option<(u64, u64)>, LogRecord)>| {
+            let mut appends: Vec<(Option<(u64, u64)>, Append)> = Vec::new();
+            let flush = |appends: &mut Vec<(Option<(u64, u64)>, Append)>| {
                 if !appends.is_empty() {
                     let _ = log_tx.send(LogJob::Append(std::mem::take(appends)));
                 }
@@ -442,17 +484,15 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
             for o in outs {
                 match o {
                     Output::Persist { seq, rec } => {
-                        appends.push((Some((inc, seq)), rec));
+                        appends.push((Some((inc, seq)), Append::Rec(rec)));
                         continue;
                     }
-                    Output::PersistBatch { seq, recs } => {
-                        // Durable as one: the completion rides on the last record.
-                        let n = recs.len();
-                        appends.extend(recs.into_iter().enumerate().map(|(i, r)| ((i + 1 == n).then_some((inc, seq)), r)));
+                    Output::PersistChunk { seq, puts } => {
+                        appends.push((Some((inc, seq)), Append::Chunk(puts)));
                         continue;
                     }
                     Output::Mark(rec) => {
-                        appends.push((None, rec));
+                        appends.push((None, Append::Rec(rec)));
                         continue;
                     }
                     _ => {}
@@ -461,7 +501,9 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                     flush(&mut appends);
                 }
                 match o {
-                    Output::Persist { .. } | Output::PersistBatch { .. } | Output::Mark(_) => unreachable!("handled above"),
+                    Output::Persist { .. } | Output::PersistChunk { .. } | Output::Mark(_) => {
+                        unreachable!("handled above")
+                    }
                     Output::Send { to, msg } => {
                         if let Some(tx) = peer_tx.get(&to) {
                             let _ = tx.try_send(msg);
@@ -472,8 +514,16 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             let _ = tx.try_send(NetMsg::HbAck(a));
                         }
                     }
-                    Output::ReadLog { to, cursor, max_bytes } => {
-                        let _ = log_tx.send(LogJob::Read { to, cursor, max_bytes });
+                    Output::ReadLog {
+                        to,
+                        cursor,
+                        max_bytes,
+                    } => {
+                        let _ = log_tx.send(LogJob::Read {
+                            to,
+                            cursor,
+                            max_bytes,
+                        });
                     }
                     Output::Reply { tag, result } => {
                         if let Some((tx, id)) = replies.remove(&tag) {
@@ -481,7 +531,10 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         }
                     }
                     Output::Reload => {
-                        tracing::warn!(node = me, "removed from the configuration: reloading from the log to recover");
+                        tracing::warn!(
+                            node = me,
+                            "removed from the configuration: reloading from the log to recover"
+                        );
                         let (rtx, rrx) = std::sync::mpsc::channel();
                         let _ = log_tx.send(LogJob::Rebuild(rtx));
                         let st = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
@@ -503,7 +556,10 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             "HEAL recovery complete"
                         );
                         // Wall-clock end, so a load generator can place the recovery on its own clock.
-                        let ended_unix_us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_micros();
+                        let ended_unix_us = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .unwrap_or_default()
+                            .as_micros();
                         let ld = |c: &AtomicU64| c.load(Ordering::Relaxed);
                         eprintln!(
                             "recovered: node {me} in {:.3} ms (start_to_ack {} us, catchup_to_resp {} us, apply_to_end {} us, transfer {} us, {} entries, {} bytes, {} chunks, full_copy {}, ended_unix_us {ended_unix_us}; window_stall_us {} requests {} request_wait_us {}; since start: log_durable_writes {} log_durable_bytes {} log_durable_us {} log_encode_us {} decode_us {} queue_us {} apply_us {} persisted_us {} idle_us {})",
@@ -530,18 +586,40 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
             );
         }
         stats.epoch.store(core.epoch(), Ordering::Relaxed);
-        stats.serving.store(core.serving(now_us()) as u64, Ordering::Relaxed);
+        stats
+            .serving
+            .store(core.serving(now_us()) as u64, Ordering::Relaxed);
         stats.keys.store(core.keys() as u64, Ordering::Relaxed);
-        stats.missed_updates_bytes.store(core.missed_updates_bytes() as u64, Ordering::Relaxed);
+        stats
+            .missed_updates_bytes
+            .store(core.missed_updates_bytes() as u64, Ordering::Relaxed);
     }
 }
 
 fn render_node_metrics(s: &NodeStats) -> String {
     use wire::metrics::metric;
     let mut out = String::new();
-    metric(&mut out, "kv_epoch", "gauge", "configuration epoch", &[("", s.epoch.load(Ordering::Relaxed) as f64)]);
-    metric(&mut out, "kv_serving", "gauge", "1 if serving clients", &[("", s.serving.load(Ordering::Relaxed) as f64)]);
-    metric(&mut out, "kv_keys", "gauge", "keys held", &[("", s.keys.load(Ordering::Relaxed) as f64)]);
+    metric(
+        &mut out,
+        "kv_epoch",
+        "gauge",
+        "configuration epoch",
+        &[("", s.epoch.load(Ordering::Relaxed) as f64)],
+    );
+    metric(
+        &mut out,
+        "kv_serving",
+        "gauge",
+        "1 if serving clients",
+        &[("", s.serving.load(Ordering::Relaxed) as f64)],
+    );
+    metric(
+        &mut out,
+        "kv_keys",
+        "gauge",
+        "keys held",
+        &[("", s.keys.load(Ordering::Relaxed) as f64)],
+    );
     metric(
         &mut out,
         "kv_missed_updates_bytes",
@@ -549,16 +627,46 @@ fn render_node_metrics(s: &NodeStats) -> String {
         "bytes accounted in the Missed_updates buffer",
         &[("", s.missed_updates_bytes.load(Ordering::Relaxed) as f64)],
     );
-    metric(&mut out, "kv_log_bytes", "gauge", "bytes in the persistent-memory log file", &[("", s.log_bytes.load(Ordering::Relaxed) as f64)]);
-    metric(&mut out, "kv_log_compactions_total", "counter", "log compactions", &[("", s.log_compactions.load(Ordering::Relaxed) as f64)]);
-    metric(&mut out, "kv_recoveries_total", "counter", "HEAL recoveries completed", &[("", s.recoveries.load(Ordering::Relaxed) as f64)]);
+    metric(
+        &mut out,
+        "kv_log_bytes",
+        "gauge",
+        "bytes in the persistent-memory log file",
+        &[("", s.log_bytes.load(Ordering::Relaxed) as f64)],
+    );
+    metric(
+        &mut out,
+        "kv_log_compactions_total",
+        "counter",
+        "log compactions",
+        &[("", s.log_compactions.load(Ordering::Relaxed) as f64)],
+    );
+    metric(
+        &mut out,
+        "kv_recoveries_total",
+        "counter",
+        "HEAL recoveries completed",
+        &[("", s.recoveries.load(Ordering::Relaxed) as f64)],
+    );
     if let Some(r) = s.last_recovery.lock().unwrap().clone() {
-        metric(&mut out, "kv_last_recovery_us", "gauge", "duration of the last HEAL recovery", &[("", r.total_us() as f64)]);
+        metric(
+            &mut out,
+            "kv_last_recovery_us",
+            "gauge",
+            "duration of the last HEAL recovery",
+            &[("", r.total_us() as f64)],
+        );
     }
     out
 }
 
-async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc::Receiver<PeerMsg>, stats: Arc<NodeStats>) {
+async fn peer_writer(
+    me: NodeId,
+    addr: SocketAddr,
+    secret: Vec<u8>,
+    mut rx: mpsc::Receiver<PeerMsg>,
+    stats: Arc<NodeStats>,
+) {
     let mut backoff = Duration::from_millis(2);
     loop {
         let conn = async {
@@ -580,7 +688,9 @@ async fn peer_writer(me: NodeId, addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc
         };
         backoff = Duration::from_millis(2);
         let (_r, mut w) = s.split();
-        if let FramesEnd::QueueClosed = write_frames(&mut w, &mut rx, NetMsg::Peer, Some(&stats)).await {
+        if let FramesEnd::QueueClosed =
+            write_frames(&mut w, &mut rx, NetMsg::Peer, Some(&stats)).await
+        {
             return;
         }
     }
@@ -603,7 +713,10 @@ fn set_socket_buffer(s: &TcpStream, opt: libc::c_int, bytes: usize) {
         )
     };
     if r != 0 {
-        tracing::debug!("setsockopt({opt}, {bytes}): {}", std::io::Error::last_os_error());
+        tracing::debug!(
+            "setsockopt({opt}, {bytes}): {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 
@@ -653,7 +766,8 @@ async fn write_frames<T, W: AsyncWrite + Unpin>(
         }
         if let Some(s) = stats.filter(|_| chunks > 0) {
             add_us(&s.catchup_write_us, t);
-            s.catchup_chunks_sent.fetch_add(std::mem::take(&mut chunks), Ordering::Relaxed);
+            s.catchup_chunks_sent
+                .fetch_add(std::mem::take(&mut chunks), Ordering::Relaxed);
         }
         if buf.capacity() > 2 * (CONN_WRITE_BATCH_BYTES + MAX_FRAME_BYTES) {
             buf = Vec::new(); // an outsized batch's memory is not kept
@@ -688,7 +802,9 @@ async fn read_frame<R: AsyncRead + Unpin>(
     let mut header = [0u8; wire::FRAME_HEADER_BYTES];
     match r.read_exact(&mut header).await {
         Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(wire::WireError::Closed),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            return Err(wire::WireError::Closed)
+        }
         Err(e) => return Err(e.into()),
     }
     let (len, want) = wire::parse_header(&header, limit)?;
@@ -720,7 +836,10 @@ async fn serve_conn(
         tracing::warn!("refused connection: {e}");
         return;
     }
-    let Ok(NetMsg::Hello(hello)) = wire::read_msg::<NetMsg, _>(&mut sock, MAX_FRAME_BYTES).await else { return };
+    let Ok(NetMsg::Hello(hello)) = wire::read_msg::<NetMsg, _>(&mut sock, MAX_FRAME_BYTES).await
+    else {
+        return;
+    };
     if matches!(hello, Hello::Peer(_)) {
         set_socket_buffer(&sock, libc::SO_RCVBUF, PEER_SOCKET_BUFFER_BYTES);
     }
@@ -744,12 +863,20 @@ async fn serve_conn(
         let inp = match (&hello, m) {
             (Hello::Peer(from), NetMsg::Peer(pm)) => Input::Peer(*from, pm, Instant::now()),
             (Hello::Cm, NetMsg::Hb(hb)) => {
-                if hb_tx.send((hb, out_tx.clone(), Instant::now())).await.is_err() {
+                if hb_tx
+                    .send((hb, out_tx.clone(), Instant::now()))
+                    .await
+                    .is_err()
+                {
                     return;
                 }
                 continue;
             }
-            (Hello::Client, NetMsg::Req { id, op }) => Input::Client { id, op, reply: out_tx.clone() },
+            (Hello::Client, NetMsg::Req { id, op }) => Input::Client {
+                id,
+                op,
+                reply: out_tx.clone(),
+            },
             _ => return, // a message this kind of peer may not send: drop the connection
         };
         if in_tx.send(inp).await.is_err() {
@@ -776,12 +903,15 @@ fn load_cm_state(path: &Path) -> Result<Option<Config>, KvError> {
             // The state file holds one record: a Put whose value is the postcard configuration.
             for r in recs {
                 if let LogRecord::Put { value, .. } = r {
-                    return postcard::from_bytes(&value)
-                        .map(Some)
-                        .map_err(|e| KvError::Refused(format!("corrupt CM state {}: {e}", path.display())));
+                    return postcard::from_bytes(&value).map(Some).map_err(|e| {
+                        KvError::Refused(format!("corrupt CM state {}: {e}", path.display()))
+                    });
                 }
             }
-            Err(KvError::Refused(format!("corrupt CM state {}: no record", path.display())))
+            Err(KvError::Refused(format!(
+                "corrupt CM state {}: no record",
+                path.display()
+            )))
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e.into()),
@@ -790,7 +920,11 @@ fn load_cm_state(path: &Path) -> Result<Option<Config>, KvError> {
 
 fn save_cm_state(path: &Path, c: &Config) -> Result<(), KvError> {
     use std::io::Write;
-    let rec = LogRecord::Put { key: b"config".to_vec(), ts: Ts::default(), value: postcard::to_allocvec(c).expect("config encodes") };
+    let rec = LogRecord::Put {
+        key: b"config".to_vec(),
+        ts: Ts::default(),
+        value: postcard::to_allocvec(c).expect("config encodes"),
+    };
     let tmp = path.with_extension("tmp");
     let mut f = std::fs::File::create(&tmp)?;
     f.write_all(&log::encode(&rec))?;
@@ -808,11 +942,19 @@ pub async fn run_cm(cfg: CmConfig) -> Result<(), KvError> {
     let state_path = cfg.data_dir.join("cm.state");
     let durable = load_cm_state(&state_path)?;
     if let Some(c) = &durable {
-        tracing::info!(epoch = c.epoch, "CM restarting from its durable configuration");
+        tracing::info!(
+            epoch = c.epoch,
+            "CM restarting from its durable configuration"
+        );
     }
     let start = Instant::now();
     let now_us = || start.elapsed().as_micros() as u64;
-    let mut cm = CmCore::new(cfg.params.clone(), durable, cfg.nodes.len() as u32, now_us());
+    let mut cm = CmCore::new(
+        cfg.params.clone(),
+        durable,
+        cfg.nodes.len() as u32,
+        now_us(),
+    );
     let (ack_tx, mut ack_rx) = mpsc::channel::<HeartbeatAck>(65_536);
     let mut hb_tx: HashMap<NodeId, mpsc::Sender<Heartbeat>> = HashMap::new();
     for (&id, &addr) in &cfg.nodes {
@@ -828,12 +970,20 @@ pub async fn run_cm(cfg: CmConfig) -> Result<(), KvError> {
             let e = epoch.load(Ordering::Relaxed);
             async move {
                 let mut out = String::new();
-                wire::metrics::metric(&mut out, "kv_cm_epoch", "gauge", "configuration epoch", &[("", e as f64)]);
+                wire::metrics::metric(
+                    &mut out,
+                    "kv_cm_epoch",
+                    "gauge",
+                    "configuration epoch",
+                    &[("", e as f64)],
+                );
                 out
             }
         }));
     }
-    let mut tick = tokio::time::interval(Duration::from_micros(cfg.params.heartbeat_interval_us.max(1000)));
+    let mut tick = tokio::time::interval(Duration::from_micros(
+        cfg.params.heartbeat_interval_us.max(1000),
+    ));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tokio::select! {
@@ -860,7 +1010,12 @@ pub async fn run_cm(cfg: CmConfig) -> Result<(), KvError> {
     }
 }
 
-async fn cm_link(addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc::Receiver<Heartbeat>, acks: mpsc::Sender<HeartbeatAck>) {
+async fn cm_link(
+    addr: SocketAddr,
+    secret: Vec<u8>,
+    mut rx: mpsc::Receiver<Heartbeat>,
+    acks: mpsc::Sender<HeartbeatAck>,
+) {
     loop {
         let conn = async {
             let mut s = TcpStream::connect(addr).await?;
@@ -879,7 +1034,9 @@ async fn cm_link(addr: SocketAddr, secret: Vec<u8>, mut rx: mpsc::Receiver<Heart
         let (mut r, mut w) = s.into_split();
         let acks2 = acks.clone();
         let reader = tokio::spawn(async move {
-            while let Ok(NetMsg::HbAck(a)) = wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await {
+            while let Ok(NetMsg::HbAck(a)) =
+                wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await
+            {
                 if acks2.send(a).await.is_err() {
                     return;
                 }
@@ -933,7 +1090,9 @@ impl KvClient {
         tokio::spawn(async move { write_frames(&mut w, &mut rx, |m| m, None).await });
         let p2 = pending.clone();
         tokio::spawn(async move {
-            while let Ok(NetMsg::Resp { id, result }) = wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await {
+            while let Ok(NetMsg::Resp { id, result }) =
+                wire::read_msg::<NetMsg, _>(&mut r, MAX_FRAME_BYTES).await
+            {
                 if let Some(tx) = p2.lock().unwrap().remove(&id) {
                     let _ = tx.send(result);
                 }
@@ -941,7 +1100,13 @@ impl KvClient {
             // Connection gone: fail everything still waiting.
             p2.lock().unwrap().clear();
         });
-        Ok(KvClient { tx, pending, next: Arc::new(AtomicU64::new(1)), addr, timeout: Duration::from_secs(5) })
+        Ok(KvClient {
+            tx,
+            pending,
+            next: Arc::new(AtomicU64::new(1)),
+            addr,
+            timeout: Duration::from_secs(5),
+        })
     }
 
     /// Sends one operation and waits for its answer.
@@ -951,11 +1116,17 @@ impl KvClient {
         self.pending.lock().unwrap().insert(id, tx);
         if self.tx.send(NetMsg::Req { id, op }).await.is_err() {
             self.pending.lock().unwrap().remove(&id);
-            return Err(KvError::Unavailable(format!("connection to {} closed", self.addr)));
+            return Err(KvError::Unavailable(format!(
+                "connection to {} closed",
+                self.addr
+            )));
         }
         match tokio::time::timeout(self.timeout, rx).await {
             Ok(Ok(r)) => Ok(r),
-            Ok(Err(_)) => Err(KvError::Unavailable(format!("connection to {} lost", self.addr))),
+            Ok(Err(_)) => Err(KvError::Unavailable(format!(
+                "connection to {} lost",
+                self.addr
+            ))),
             Err(_) => {
                 self.pending.lock().unwrap().remove(&id);
                 Err(KvError::Timeout(self.timeout))
@@ -971,7 +1142,14 @@ impl KvClient {
     }
 
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
-        match self.call(ClientOp::Put { key: key.to_vec(), value: value.to_vec(), scope: None }).await? {
+        match self
+            .call(ClientOp::Put {
+                key: key.to_vec(),
+                value: value.to_vec(),
+                scope: None,
+            })
+            .await?
+        {
             ClientResult::Done => Ok(()),
             other => Err(refusal(other)),
         }
@@ -1076,7 +1254,9 @@ impl KvCluster {
                         // The request may have reached the node if it was a write; only
                         // connection-level failures before sending are safe to retry, and those
                         // show up as Unavailable from `send` — treat a lost connection as unknown.
-                        if matches!(op, ClientOp::Put { .. }) && matches!(e, KvError::Unavailable(ref s) if s.contains("lost")) {
+                        if matches!(op, ClientOp::Put { .. })
+                            && matches!(e, KvError::Unavailable(ref s) if s.contains("lost"))
+                        {
                             return Err(e);
                         }
                         last = e.to_string();
@@ -1108,7 +1288,14 @@ impl KvCluster {
     }
 
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
-        match self.call(ClientOp::Put { key: key.to_vec(), value: value.to_vec(), scope: None }).await? {
+        match self
+            .call(ClientOp::Put {
+                key: key.to_vec(),
+                value: value.to_vec(),
+                scope: None,
+            })
+            .await?
+        {
             ClientResult::Done => Ok(()),
             other => Err(refusal(other)),
         }

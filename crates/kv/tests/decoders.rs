@@ -18,7 +18,7 @@ proptest! {
 
     #[test]
     fn log_reader_keeps_the_valid_prefix(cut in 0usize..200, flip in 0usize..200) {
-        let recs = vec![
+        let recs = [
             LogRecord::Boot { node: 1 },
             LogRecord::Put { key: b"a".to_vec(), ts: Ts { version: 1, node: 1 }, value: vec![7; 50] },
             LogRecord::Mark { key: b"a".to_vec(), ts: Ts { version: 1, node: 1 } },
@@ -45,18 +45,51 @@ proptest! {
 #[test]
 fn malformed_client_requests_are_refused_without_effect() {
     let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
-    n.on_heartbeat(0, Heartbeat { seq: 1, config: Config::genesis(1) });
+    n.on_heartbeat(
+        0,
+        Heartbeat {
+            seq: 1,
+            config: Config::genesis(1),
+        },
+    );
     let _ = n.take_outputs();
     for (tag, op) in [
-        (1, ClientOp::Put { key: vec![], value: b"x".to_vec(), scope: None }),
-        (2, ClientOp::Put { key: vec![b'k'; MAX_KEY_BYTES + 1], value: b"x".to_vec(), scope: None }),
-        (3, ClientOp::Put { key: b"k".to_vec(), value: vec![0; MAX_VALUE_BYTES + 1], scope: None }),
+        (
+            1,
+            ClientOp::Put {
+                key: vec![],
+                value: b"x".to_vec(),
+                scope: None,
+            },
+        ),
+        (
+            2,
+            ClientOp::Put {
+                key: vec![b'k'; MAX_KEY_BYTES + 1],
+                value: b"x".to_vec(),
+                scope: None,
+            },
+        ),
+        (
+            3,
+            ClientOp::Put {
+                key: b"k".to_vec(),
+                value: vec![0; MAX_VALUE_BYTES + 1],
+                scope: None,
+            },
+        ),
         (4, ClientOp::Get { key: vec![] }),
     ] {
         n.on_client(1, tag, op);
         let outs = n.take_outputs();
         assert!(
-            matches!(outs.as_slice(), [Output::Reply { result: ClientResult::Invalid(_), .. }]),
+            matches!(
+                outs.as_slice(),
+                [Output::Reply {
+                    result: ClientResult::Invalid(_),
+                    ..
+                }]
+            ),
             "request {tag}: {outs:?}"
         );
     }
@@ -66,9 +99,27 @@ fn malformed_client_requests_are_refused_without_effect() {
 #[test]
 fn messages_of_another_epoch_are_refused() {
     let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
-    n.on_heartbeat(0, Heartbeat { seq: 1, config: Config::genesis(2) });
+    n.on_heartbeat(
+        0,
+        Heartbeat {
+            seq: 1,
+            config: Config::genesis(2),
+        },
+    );
     let _ = n.take_outputs();
-    n.on_peer(1, 1, PeerMsg::Inv { epoch: 7, key: b"k".to_vec(), ts: Ts { version: 1, node: 1 }, value: b"v".to_vec() });
+    n.on_peer(
+        1,
+        1,
+        PeerMsg::Inv {
+            epoch: 7,
+            key: b"k".to_vec(),
+            ts: Ts {
+                version: 1,
+                node: 1,
+            },
+            value: b"v".to_vec(),
+        },
+    );
     assert!(n.take_outputs().is_empty());
     assert_eq!(n.counters.refused_epoch, 1);
     assert_eq!(n.keys(), 0);

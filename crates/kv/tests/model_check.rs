@@ -104,7 +104,11 @@ impl NodeSt {
     /// The committed version in NVM: the newest entry with its GDP flag set (what a restart
     /// takes as its base; a newer unflagged entry is Partially_persisted, judged by HEAL).
     fn nvm_committed_ts(&self, key: &[u8]) -> Ts {
-        log::rebuild(&self.nvm).base.get(key).map(|(t, _)| *t).unwrap_or_default()
+        log::rebuild(&self.nvm)
+            .base
+            .get(key)
+            .map(|(t, _)| *t)
+            .unwrap_or_default()
     }
     /// A live member (not restarted-and-waiting) in configuration `epoch`.
     fn live_in(&self, epoch: u64) -> Option<&NodeCore> {
@@ -149,9 +153,27 @@ impl Hash for St {
             }
             (&n.nvm, &n.buffer, n.recovered).hash(h);
         }
-        (&self.net, self.cm_epoch, &self.cm_active, &self.cm_recovering).hash(h);
-        (self.next_tag, &self.outstanding, self.writes_done, self.crashes).hash(h);
-        (self.drops, self.persists, self.done_after_heal, &self.violation).hash(h);
+        (
+            &self.net,
+            self.cm_epoch,
+            &self.cm_active,
+            &self.cm_recovering,
+        )
+            .hash(h);
+        (
+            self.next_tag,
+            &self.outstanding,
+            self.writes_done,
+            self.crashes,
+        )
+            .hash(h);
+        (
+            self.drops,
+            self.persists,
+            self.done_after_heal,
+            &self.violation,
+        )
+            .hash(h);
     }
 }
 
@@ -170,7 +192,11 @@ impl Eq for St {}
 
 impl fmt::Debug for St {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "cm epoch {} active {:?} recovering {:?}", self.cm_epoch, self.cm_active, self.cm_recovering)?;
+        writeln!(
+            f,
+            "cm epoch {} active {:?} recovering {:?}",
+            self.cm_epoch, self.cm_active, self.cm_recovering
+        )?;
         for (i, n) in self.nodes.iter().enumerate() {
             match &n.core {
                 None => writeln!(f, "  node {i}: CRASHED")?,
@@ -190,7 +216,12 @@ impl fmt::Debug for St {
                 }
             }
         }
-        writeln!(f, "  net {} msgs, outstanding {:?}", self.net.len(), self.outstanding)?;
+        writeln!(
+            f,
+            "  net {} msgs, outstanding {:?}",
+            self.net.len(),
+            self.outstanding
+        )?;
         if let Some(v) = &self.violation {
             writeln!(f, "  VIOLATION: {v}")?;
         }
@@ -264,7 +295,13 @@ impl Check {
     /// Table IV (2b)/(3b) at the moment node `from` sends `msg` to `to`.
     fn check_val(&self, s: &St, from: NodeId, to: NodeId, msg: &PeerMsg) -> Option<String> {
         let (epoch, items, c, p): (u64, Vec<(Vec<u8>, Ts)>, bool, bool) = match msg {
-            PeerMsg::Val { epoch, key, ts, c, p } => (*epoch, vec![(key.clone(), *ts)], *c, *p),
+            PeerMsg::Val {
+                epoch,
+                key,
+                ts,
+                c,
+                p,
+            } => (*epoch, vec![(key.clone(), *ts)], *c, *p),
             PeerMsg::PersistVal { epoch, writes } => (*epoch, writes.clone(), false, true),
             _ => return None,
         };
@@ -273,7 +310,9 @@ impl Check {
             let ok = |t: Ts| if newest == ts { t == ts } else { t >= ts };
             for id in [from, to] {
                 let n = &s.nodes[id as usize];
-                let Some(core) = n.live_in(epoch) else { continue };
+                let Some(core) = n.live_in(epoch) else {
+                    continue;
+                };
                 if c && !ok(core.key_ts(&key)) {
                     return Some(format!(
                         "(2b) node {from} sends VAL_C {}{ts} to {to}: node {id} volatile ts {}",
@@ -327,11 +366,16 @@ impl Check {
                     Output::Persist { seq, rec } => {
                         s.nodes[id as usize].buffer.push_back((Some(seq), rec))
                     }
-                    Output::PersistBatch { seq, recs } => {
+                    Output::PersistChunk { seq, puts } => {
                         // Durable once its last record is: the completion rides on that one.
+                        let recs = puts.records();
                         let n = recs.len();
                         let buf = &mut s.nodes[id as usize].buffer;
-                        buf.extend(recs.into_iter().enumerate().map(|(i, r)| ((i + 1 == n).then_some(seq), r)));
+                        buf.extend(
+                            recs.into_iter()
+                                .enumerate()
+                                .map(|(i, r)| ((i + 1 == n).then_some(seq), r)),
+                        );
                     }
                     Output::Mark(rec) => s.nodes[id as usize].buffer.push_back((None, rec)),
                     Output::Reply { tag, result } => {
@@ -357,7 +401,9 @@ impl Check {
     }
 
     fn tick_would_act(&self, s: &St, id: NodeId) -> bool {
-        let Some(c) = &s.nodes[id as usize].core else { return false };
+        let Some(c) = &s.nodes[id as usize].core else {
+            return false;
+        };
         let mut c2 = c.clone();
         c2.tick(s.now + JUMP_US);
         if !c2.take_outputs().is_empty() {
@@ -372,11 +418,20 @@ impl Check {
     }
 
     fn terminal_ok(&self, s: &St) -> Result<(), String> {
-        if let Some((tag, node)) = s.outstanding.iter().find(|(_, n)| s.nodes[**n as usize].core.is_some()) {
-            return Err(format!("deadlock: client op {tag} at live node {node} never answered"));
+        if let Some((tag, node)) = s
+            .outstanding
+            .iter()
+            .find(|(_, n)| s.nodes[**n as usize].core.is_some())
+        {
+            return Err(format!(
+                "deadlock: client op {tag} at live node {node} never answered"
+            ));
         }
         if s.cm_active.len() != N as usize {
-            return Err(format!("deadlock: only {:?} active, recovering {:?}", s.cm_active, s.cm_recovering));
+            return Err(format!(
+                "deadlock: only {:?} active, recovering {:?}",
+                s.cm_active, s.cm_recovering
+            ));
         }
         for key in KEYS {
             let mut vol = BTreeSet::new();
@@ -390,10 +445,16 @@ impl Check {
                 }
             }
             if vol.len() > 1 {
-                return Err(format!("(2a) volatile ts differ for {}: {vol:?}", key[0] as char));
+                return Err(format!(
+                    "(2a) volatile ts differ for {}: {vol:?}",
+                    key[0] as char
+                ));
             }
             if nvm.len() > 1 {
-                return Err(format!("(3a) NVM ts differ for {}: {nvm:?}", key[0] as char));
+                return Err(format!(
+                    "(3a) NVM ts differ for {}: {nvm:?}",
+                    key[0] as char
+                ));
             }
         }
         Ok(())
@@ -432,12 +493,22 @@ impl SrModel for Check {
         let cfg = self.cm_config(&s);
         for id in 0..N {
             let c = s.nodes[id as usize].core.as_mut().unwrap();
-            c.on_heartbeat(0, Heartbeat { seq: 0, config: cfg.clone() });
+            c.on_heartbeat(
+                0,
+                Heartbeat {
+                    seq: 0,
+                    config: cfg.clone(),
+                },
+            );
             self.drain(&mut s, id);
             while let Some((seq, rec)) = s.nodes[id as usize].buffer.pop_front() {
                 s.nodes[id as usize].nvm.push(rec);
                 if let Some(seq) = seq {
-                    s.nodes[id as usize].core.as_mut().unwrap().on_persisted(0, seq);
+                    s.nodes[id as usize]
+                        .core
+                        .as_mut()
+                        .unwrap()
+                        .on_persisted(0, seq);
                     self.drain(&mut s, id);
                 }
             }
@@ -459,11 +530,19 @@ impl SrModel for Check {
                         // of both keys by two coordinators (MODEL_SAME_KEY=1: all to key "a").
                         let w = s.writes_done as u32;
                         if w < b.writes as u32 && w % N == id {
-                            let k = if self.same_key { 0 } else { w as usize % KEYS.len() };
+                            let k = if self.same_key {
+                                0
+                            } else {
+                                w as usize % KEYS.len()
+                            };
                             a.push(Action::Put(id, k));
                         }
                         // PERSIST of scope 0 at node 0, which coordinates the first write.
-                        if self.model == Model::Scope && id == 0 && s.persists < b.persists && s.writes_done > 0 {
+                        if self.model == Model::Scope
+                            && id == 0
+                            && s.persists < b.persists
+                            && s.writes_done > 0
+                        {
                             a.push(Action::Persist(id));
                         }
                     }
@@ -476,7 +555,8 @@ impl SrModel for Check {
                     // Timeouts fire only once the system is quiet (no message in flight, no NVM
                     // write pending: both are far faster than protocol timers), i.e. after a loss
                     // or a crash, unless MODEL_EAGER_TIMEOUTS=1 lets them race with the rest.
-                    if (self.eager || (s.net.is_empty() && s.nodes.iter().all(|n| n.buffer.is_empty())))
+                    if (self.eager
+                        || (s.net.is_empty() && s.nodes.iter().all(|n| n.buffer.is_empty())))
                         && self.tick_would_act(s, id)
                     {
                         a.push(Action::Timeout(id));
@@ -522,8 +602,15 @@ impl SrModel for Check {
                 s.writes_done += 1;
                 s.outstanding.insert(tag, id);
                 let scope = (self.model == Model::Scope).then_some(0);
-                let op = ClientOp::Put { key: KEYS[k].to_vec(), value: vec![tag as u8], scope };
-                s.nodes[id as usize].core.as_mut()?.on_client(s.now, tag, op);
+                let op = ClientOp::Put {
+                    key: KEYS[k].to_vec(),
+                    value: vec![tag as u8],
+                    scope,
+                };
+                s.nodes[id as usize]
+                    .core
+                    .as_mut()?
+                    .on_client(s.now, tag, op);
                 self.drain(&mut s, id);
             }
             Action::Persist(id) => {
@@ -531,7 +618,11 @@ impl SrModel for Check {
                 s.next_tag += 1;
                 s.persists += 1;
                 s.outstanding.insert(tag, id);
-                s.nodes[id as usize].core.as_mut()?.on_client(s.now, tag, ClientOp::Persist { scope: 0 });
+                s.nodes[id as usize].core.as_mut()?.on_client(
+                    s.now,
+                    tag,
+                    ClientOp::Persist { scope: 0 },
+                );
                 self.drain(&mut s, id);
             }
             Action::Deliver(f, t, m) => {
@@ -561,7 +652,10 @@ impl SrModel for Check {
             }
             Action::Heartbeat(id) => {
                 let config = self.cm_config(&s);
-                s.nodes[id as usize].core.as_mut()?.on_heartbeat(s.now, Heartbeat { seq: 0, config });
+                s.nodes[id as usize]
+                    .core
+                    .as_mut()?
+                    .on_heartbeat(s.now, Heartbeat { seq: 0, config });
                 self.drain(&mut s, id);
             }
             Action::Crash(id) => {
@@ -576,7 +670,10 @@ impl SrModel for Check {
                 let n = &mut s.nodes[id as usize];
                 n.core = Some(NodeCore::new(self.params(id), log::rebuild(&n.nvm)));
                 let config = self.cm_config(&s);
-                s.nodes[id as usize].core.as_mut()?.on_heartbeat(s.now, Heartbeat { seq: 0, config });
+                s.nodes[id as usize]
+                    .core
+                    .as_mut()?
+                    .on_heartbeat(s.now, Heartbeat { seq: 0, config });
                 self.drain(&mut s, id);
             }
             Action::CmRemove(id) => {
@@ -600,21 +697,30 @@ impl SrModel for Check {
 
     fn properties(&self) -> Vec<Property<Self>> {
         vec![
-            Property::always("Table IV (2b)/(3b): VAL only when replicas agree", |_, s: &St| {
-                s.violation.is_none()
+            Property::always(
+                "Table IV (2b)/(3b): VAL only when replicas agree",
+                |_, s: &St| s.violation.is_none(),
+            ),
+            Property::always(
+                "Table IV (1)/(2a)/(3a): quiescent states are complete",
+                |m: &Check, s: &St| {
+                    let mut a = Vec::new();
+                    m.actions(s, &mut a);
+                    !a.is_empty() || s.violation.is_some() || m.terminal_ok(s).is_ok()
+                },
+            ),
+            Property::sometimes(SOMETIMES, |_, s: &St| {
+                s.done_after_heal && s.cm_active.len() == N as usize
             }),
-            Property::always("Table IV (1)/(2a)/(3a): quiescent states are complete", |m: &Check, s: &St| {
-                let mut a = Vec::new();
-                m.actions(s, &mut a);
-                !a.is_empty() || s.violation.is_some() || m.terminal_ok(s).is_ok()
-            }),
-            Property::sometimes(SOMETIMES, |_, s: &St| s.done_after_heal && s.cm_active.len() == N as usize),
         ]
     }
 }
 
 fn env_u(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn check(model: Model, bounds: Bounds, faulty: bool, walks: bool) -> Check {
@@ -645,7 +751,12 @@ fn bounds() -> Bounds {
 
 type Found = std::collections::HashMap<&'static str, String>;
 
-fn run(model: Model, faulty: bool, bounds: Bounds, sim_states: Option<usize>) -> (usize, usize, Found) {
+fn run(
+    model: Model,
+    faulty: bool,
+    bounds: Bounds,
+    sim_states: Option<usize>,
+) -> (usize, usize, Found) {
     let t0 = Instant::now();
     let m = check(model, bounds, faulty, sim_states.is_some());
     let b = m.clone().checker().threads(env_u("MODEL_THREADS", 1));
@@ -654,19 +765,30 @@ fn run(model: Model, faulty: bool, bounds: Bounds, sim_states: Option<usize>) ->
         None => {
             // The broken variant needs only a few steps: fixed depth, whatever MODEL_DEPTH says.
             let depth = if faulty { 12 } else { env_u("MODEL_DEPTH", 10) };
-            let b = if depth > 0 { b.target_max_depth(depth) } else { b };
+            let b = if depth > 0 {
+                b.target_max_depth(depth)
+            } else {
+                b
+            };
             summarize(&m, b.spawn_bfs().join())
         }
         Some(n) => {
             // Random walks to the end (seeded: a failure reproduces), past the BFS depth.
             let seed = env_u("MODEL_SEED", 1) as u64;
             let b = b.target_state_count(n);
-            summarize(&m, b.spawn_simulation(seed, stateright::UniformChooser).join())
+            summarize(
+                &m,
+                b.spawn_simulation(seed, stateright::UniformChooser).join(),
+            )
         }
     };
     eprintln!(
         "model {model} faulty={faulty} {bounds:?} {}: {} states ({} unique), max depth {}, {:.1?}",
-        if sim_states.is_some() { "random walks" } else { "BFS" },
+        if sim_states.is_some() {
+            "random walks"
+        } else {
+            "BFS"
+        },
         r.0,
         r.1,
         r.2,
@@ -692,10 +814,21 @@ fn summarize(m: &Check, c: impl Checker<Check>) -> (usize, usize, usize, Found) 
                     o => format!("{o:?}"),
                 })
                 .collect();
-            (name, format!("last state:\n{last:?}{why}\nsteps:\n  {}", steps.join("\n  ")))
+            (
+                name,
+                format!(
+                    "last state:\n{last:?}{why}\nsteps:\n  {}",
+                    steps.join("\n  ")
+                ),
+            )
         })
         .collect();
-    (c.state_count(), c.unique_state_count(), c.max_depth(), found)
+    (
+        c.state_count(),
+        c.unique_state_count(),
+        c.max_depth(),
+        found,
+    )
 }
 
 fn check_model(model: Model) {
@@ -708,7 +841,12 @@ fn check_model(model: Model) {
     }
     // ...and seeded random walks to quiescence, through the crash, the CM's reconfigurations,
     // HEAL and later writes.
-    let (_, unique, found) = run(model, false, bounds(), Some(env_u("MODEL_SIM_STATES", 20_000)));
+    let (_, unique, found) = run(
+        model,
+        false,
+        bounds(),
+        Some(env_u("MODEL_SIM_STATES", 20_000)),
+    );
     for (name, why) in &found {
         if *name != SOMETIMES {
             panic!("model {model}: property {name:?} violated (random walks): {why}");
@@ -744,7 +882,12 @@ fn model_check_scope() {
 /// The checker must catch a coordinator that does not wait for ACKs.
 #[test]
 fn model_check_finds_skipped_acks() {
-    let b = Bounds { writes: 1, crashes: 0, drops: 0, persists: 0 };
+    let b = Bounds {
+        writes: 1,
+        crashes: 0,
+        drops: 0,
+        persists: 0,
+    };
     for model in [Model::Synch, Model::Eventual] {
         let (_, _, found) = run(model, true, b, None);
         let why = found
@@ -753,5 +896,3 @@ fn model_check_finds_skipped_acks() {
         assert!(why.contains("(2b)") || why.contains("(3b)"), "{why}");
     }
 }
-
-

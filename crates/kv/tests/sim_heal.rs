@@ -18,6 +18,9 @@ use kv::msg::*;
 use kv::node::{NodeCore, NodeParams, Output, RecoveryScheme, RecoveryStats};
 use sim::{Delivery, EventQueue, NetConfig, Network, SimDisk, SimRng};
 
+/// A replica's volatile state: per key, its timestamp, validity and value.
+type Snapshot = BTreeMap<Vec<u8>, (Ts, bool, Vec<u8>)>;
+
 const CM: NodeId = 1000;
 const CLIENT0: NodeId = 2000;
 const TICK_US: u64 = 1_000;
@@ -42,14 +45,35 @@ enum Ev {
     /// nothing, so only the peer links stay lossy there.
     Direct(Delivery<Msg>),
     /// A message that waited in its node's input queue (see `Scenario::service_us`).
-    Process { d: Delivery<Msg>, inc: u64 },
-    Persisted { node: NodeId, inc: u64, seq: u64 },
-    Tick { node: NodeId, inc: u64 },
-    CmTick { inc: u64 },
+    Process {
+        d: Delivery<Msg>,
+        inc: u64,
+    },
+    Persisted {
+        node: NodeId,
+        inc: u64,
+        seq: u64,
+    },
+    Tick {
+        node: NodeId,
+        inc: u64,
+    },
+    CmTick {
+        inc: u64,
+    },
     ClientNext(u32),
-    ClientTimeout { client: u32, opno: u64 },
+    ClientTimeout {
+        client: u32,
+        opno: u64,
+    },
     Fault,
-    LogRead { node: NodeId, inc: u64, to: NodeId, cursor: log::LogCursor, chunk: log::LogChunk },
+    LogRead {
+        node: NodeId,
+        inc: u64,
+        to: NodeId,
+        cursor: log::LogCursor,
+        chunk: log::LogChunk,
+    },
 }
 
 impl From<Delivery<Msg>> for Ev {
@@ -169,15 +193,26 @@ impl World {
             disk.create(LOG).unwrap();
             disk.sync_dir().unwrap();
             let core = NodeCore::new(node_params(id, &sc), log::LogState::default());
-            nodes.push(SimNode { core: Some(core), disk, inc: 0, down_until: None, busy_until: 0 });
+            nodes.push(SimNode {
+                core: Some(core),
+                disk,
+                inc: 0,
+                down_until: None,
+                busy_until: 0,
+            });
             q.push_at(0, Ev::Tick { node: id, inc: 0 }).unwrap();
         }
         let cm = CmCore::new(cm_params(), None, sc.nodes, 0);
         q.push_at(0, Ev::CmTick { inc: 0 }).unwrap();
         let clients = (0..sc.clients)
             .map(|c| {
-                q.push_at(20_000 + c as u64 * 100, Ev::ClientNext(c)).unwrap();
-                Client { opno: 0, inflight: None, puts: 0 }
+                q.push_at(20_000 + c as u64 * 100, Ev::ClientNext(c))
+                    .unwrap();
+                Client {
+                    opno: 0,
+                    inflight: None,
+                    puts: 0,
+                }
             })
             .collect();
         if sc.crashes || sc.partitions {
@@ -212,10 +247,14 @@ impl World {
         let now = self.now;
         if self.probe_until.is_some() && (from >= CLIENT0 || to >= CLIENT0) {
             let d = self.net_rng.range_u64(50, 1_000);
-            self.q.push_after(now, d, Ev::Direct(Delivery { from, to, msg })).unwrap();
+            self.q
+                .push_after(now, d, Ev::Direct(Delivery { from, to, msg }))
+                .unwrap();
             return;
         }
-        self.net.send(&mut self.net_rng, &mut self.q, now, from, to, msg).unwrap();
+        self.net
+            .send(&mut self.net_rng, &mut self.q, now, from, to, msg)
+            .unwrap();
     }
 
     fn drain_cm(&mut self) {
@@ -234,7 +273,9 @@ impl World {
 
     fn drain_node(&mut self, id: NodeId) {
         loop {
-            let Some(core) = self.nodes[id as usize].core.as_mut() else { return };
+            let Some(core) = self.nodes[id as usize].core.as_mut() else {
+                return;
+            };
             let mut outs = core.take_outputs();
             if outs.is_empty() && core.wants_pump() {
                 // A Buddy's catch-up stream: the next chunk right away.
@@ -262,19 +303,21 @@ impl World {
                 let inc = n.inc;
                 let lat = 20 + self.rng.range_u64(0, 3) * 30;
                 // Completions in order: a later append never finishes before an earlier one.
-                self.q.push_after(now, lat, Ev::Persisted { node: id, inc, seq }).unwrap();
+                self.q
+                    .push_after(now, lat, Ev::Persisted { node: id, inc, seq })
+                    .unwrap();
             }
-            Output::PersistBatch { seq, recs } => {
+            Output::PersistChunk { seq, puts } => {
                 let n = &mut self.nodes[id as usize];
                 let len = n.disk.len(LOG).unwrap();
                 let mut buf = Vec::new();
-                for r in &recs {
-                    log::encode_into(r, &mut buf);
-                }
+                puts.encode_into(&mut buf);
                 n.disk.write(LOG, len, &buf).unwrap();
                 let inc = n.inc;
                 let lat = 20 + self.rng.range_u64(0, 3) * 30;
-                self.q.push_after(now, lat, Ev::Persisted { node: id, inc, seq }).unwrap();
+                self.q
+                    .push_after(now, lat, Ev::Persisted { node: id, inc, seq })
+                    .unwrap();
             }
             Output::Mark(rec) => {
                 let n = &mut self.nodes[id as usize];
@@ -285,18 +328,35 @@ impl World {
                 let client = CLIENT0 + (tag >> 32) as u32;
                 self.send(id, client, Msg::Resp { tag, result });
             }
-            Output::ReadLog { to, cursor, max_bytes } => {
+            Output::ReadLog {
+                to,
+                cursor,
+                max_bytes,
+            } => {
                 // The driver reads the durable image (what survives a crash), as FileLog does.
                 let n = &mut self.nodes[id as usize];
                 let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
                 let (markers, valid) = log::scan_markers(&bytes);
-                let chunk = log::read_chunk(&markers, 0, valid as u64, &cursor, max_bytes, |off, len| {
-                    Ok(bytes[off as usize..(off as usize + len).min(bytes.len())].to_vec())
-                })
-                .unwrap();
+                let chunk =
+                    log::read_chunk(&markers, 0, valid as u64, &cursor, max_bytes, |off, len| {
+                        Ok(bytes[off as usize..(off as usize + len).min(bytes.len())].to_vec())
+                    })
+                    .unwrap();
                 let inc = n.inc;
                 let lat = 50 + self.rng.range_u64(0, 3) * 100;
-                self.q.push_after(now, lat, Ev::LogRead { node: id, inc, to, cursor, chunk }).unwrap();
+                self.q
+                    .push_after(
+                        now,
+                        lat,
+                        Ev::LogRead {
+                            node: id,
+                            inc,
+                            to,
+                            cursor,
+                            chunk,
+                        },
+                    )
+                    .unwrap();
             }
             Output::Reload => {
                 if self.verbose {
@@ -308,7 +368,9 @@ impl World {
                 let st = log::rebuild(&log::decode_all(&bytes).0);
                 n.core = Some(NodeCore::new(node_params(id, &self.sc), st));
                 let inc = n.inc;
-                self.q.push_after(now, TICK_US, Ev::Tick { node: id, inc }).unwrap();
+                self.q
+                    .push_after(now, TICK_US, Ev::Tick { node: id, inc })
+                    .unwrap();
             }
             Output::Recovered(stats) => {
                 if self.verbose {
@@ -356,7 +418,9 @@ impl World {
         n.core = Some(NodeCore::new(node_params(id, &self.sc), st));
         self.net.set_down(id, false);
         let inc = n.inc;
-        self.q.push_after(now, TICK_US, Ev::Tick { node: id, inc }).unwrap();
+        self.q
+            .push_after(now, TICK_US, Ev::Tick { node: id, inc })
+            .unwrap();
     }
 
     fn fault(&mut self) {
@@ -403,7 +467,10 @@ impl World {
     }
 
     fn client_next(&mut self, c: u32) {
-        if !self.faults_on && self.now > self.sc.run_us && self.probe_until.is_none_or(|t| self.now > t) {
+        if !self.faults_on
+            && self.now > self.sc.run_us
+            && self.probe_until.is_none_or(|t| self.now > t)
+        {
             return; // load stops with the faults, and runs again only during the probe
         }
         let cl = &mut self.clients[c as usize];
@@ -421,34 +488,58 @@ impl World {
             let cl = &mut self.clients[c as usize];
             cl.puts += 1;
             let v = format!("c{c}-{}", cl.puts).into_bytes();
-            (ClientOp::Put { key: key.clone(), value: v.clone(), scope: Some(c as u64) }, OpKind::Put(v))
+            (
+                ClientOp::Put {
+                    key: key.clone(),
+                    value: v.clone(),
+                    scope: Some(c as u64),
+                },
+                OpKind::Put(v),
+            )
         } else {
             (ClientOp::Persist { scope: c as u64 }, OpKind::Get(None))
         };
         let idx = self.history.len();
         let record = !matches!(op, ClientOp::Persist { .. });
         if record {
-            self.history.push(Op { client: c as u64, key, call_us: self.now, ret_us: None, kind });
+            self.history.push(Op {
+                client: c as u64,
+                key,
+                call_us: self.now,
+                ret_us: None,
+                kind,
+            });
         }
         let cl = &mut self.clients[c as usize];
         cl.inflight = Some((opno, if record { idx } else { usize::MAX }));
         let tag = ((c as u64) << 32) | opno;
         if self.verbose && self.probe_until.is_some() {
-            eprintln!("{:>9} probe: client {c} op {opno} -> node {node} {op:?}", self.now);
+            eprintln!(
+                "{:>9} probe: client {c} op {opno} -> node {node} {op:?}",
+                self.now
+            );
         }
         self.send(CLIENT0 + c, node, Msg::Req { tag, op });
         let now = self.now;
         // The probe looks for ops that never finish, not for slow ones (a few lost messages in a
         // row back the INV re-sends off past the scenario's timeout).
-        let timeout = if self.probe_until.is_some() { self.sc.client_timeout_us.max(PROBE_OP_TIMEOUT_US) } else { self.sc.client_timeout_us };
-        self.q.push_after(now, timeout, Ev::ClientTimeout { client: c, opno }).unwrap();
+        let timeout = if self.probe_until.is_some() {
+            self.sc.client_timeout_us.max(PROBE_OP_TIMEOUT_US)
+        } else {
+            self.sc.client_timeout_us
+        };
+        self.q
+            .push_after(now, timeout, Ev::ClientTimeout { client: c, opno })
+            .unwrap();
     }
 
     fn client_resp(&mut self, c: u32, tag: u64, result: ClientResult) {
         let opno = tag & 0xffff_ffff;
         let now = self.now;
         let cl = &mut self.clients[c as usize];
-        let Some((cur, idx)) = cl.inflight else { return };
+        let Some((cur, idx)) = cl.inflight else {
+            return;
+        };
         if cur != opno {
             return;
         }
@@ -495,67 +586,81 @@ impl World {
     fn deliver(&mut self, d: Delivery<Msg>) {
         let now = self.now;
         if d.to == CM {
-                    if let Msg::HbAck(a) = d.msg {
-                        self.cm.on_ack(now, a);
-                        self.drain_cm();
-                    }
-                } else if d.to >= CLIENT0 {
-                    if let Msg::Resp { tag, result } = d.msg {
-                        if self.verbose && std::env::var("SIM_TRACE").is_ok() {
-                            eprintln!("{now:>9} c{} <- n{} op {} {:?}", d.to - CLIENT0, d.from, tag & 0xffffffff, result);
-                        }
-                        self.client_resp(d.to - CLIENT0, tag, result);
-                    }
-                } else {
-                    let id = d.to;
-                    let n = &mut self.nodes[id as usize];
-                    if n.core.is_none() {
-                        return;
-                    }
-                    // A node serves its input queue one message at a time, `service_us` each
-                    // (heartbeats first, as the runtime does, unless `hb_priority` is off).
-                    let priority = self.sc.hb_priority && matches!(d.msg, Msg::Hb(_));
-                    if self.sc.service_us > 0 && !priority {
-                        let start = now.max(n.busy_until);
-                        n.busy_until = start + self.sc.service_us;
-                        if start > now {
-                            let inc = n.inc;
-                            self.q.push_at(start, Ev::Process { d, inc }).unwrap();
-                            return;
-                        }
-                    }
-                    self.process(d);
+            if let Msg::HbAck(a) = d.msg {
+                self.cm.on_ack(now, a);
+                self.drain_cm();
+            }
+        } else if d.to >= CLIENT0 {
+            if let Msg::Resp { tag, result } = d.msg {
+                if self.verbose && std::env::var("SIM_TRACE").is_ok() {
+                    eprintln!(
+                        "{now:>9} c{} <- n{} op {} {:?}",
+                        d.to - CLIENT0,
+                        d.from,
+                        tag & 0xffffffff,
+                        result
+                    );
+                }
+                self.client_resp(d.to - CLIENT0, tag, result);
+            }
+        } else {
+            let id = d.to;
+            let n = &mut self.nodes[id as usize];
+            if n.core.is_none() {
+                return;
+            }
+            // A node serves its input queue one message at a time, `service_us` each
+            // (heartbeats first, as the runtime does, unless `hb_priority` is off).
+            let priority = self.sc.hb_priority && matches!(d.msg, Msg::Hb(_));
+            if self.sc.service_us > 0 && !priority {
+                let start = now.max(n.busy_until);
+                n.busy_until = start + self.sc.service_us;
+                if start > now {
+                    let inc = n.inc;
+                    self.q.push_at(start, Ev::Process { d, inc }).unwrap();
+                    return;
                 }
             }
+            self.process(d);
+        }
+    }
 
     fn process(&mut self, d: Delivery<Msg>) {
         let now = self.now;
-                {
-                    let id = d.to;
-                    let Some(core) = self.nodes[id as usize].core.as_mut() else { return };
-                    if self.verbose && std::env::var("SIM_TRACE").is_ok() {
-                        match &d.msg {
-                            Msg::Hb(_) => {}
-                            Msg::Peer(m) => eprintln!("{now:>9} n{} <- n{} e{} {:?}", id, d.from, core.epoch(), m),
-                            m => eprintln!("{now:>9} n{} <- {} {:?}", id, d.from, m),
-                        }
+        {
+            let id = d.to;
+            let Some(core) = self.nodes[id as usize].core.as_mut() else {
+                return;
+            };
+            if self.verbose && std::env::var("SIM_TRACE").is_ok() {
+                match &d.msg {
+                    Msg::Hb(_) => {}
+                    Msg::Peer(m) => {
+                        eprintln!("{now:>9} n{} <- n{} e{} {:?}", id, d.from, core.epoch(), m)
                     }
-                    match d.msg {
-                        Msg::Peer(m) => core.on_peer(now, d.from, m),
-                        Msg::Hb(hb) => core.on_heartbeat(now, hb),
-                        Msg::Req { tag, op } => core.on_client(now, tag, op),
-                        _ => {}
-                    }
-                    self.drain_node(id);
+                    m => eprintln!("{now:>9} n{} <- {} {:?}", id, d.from, m),
                 }
             }
+            match d.msg {
+                Msg::Peer(m) => core.on_peer(now, d.from, m),
+                Msg::Hb(hb) => core.on_heartbeat(now, hb),
+                Msg::Req { tag, op } => core.on_client(now, tag, op),
+                _ => {}
+            }
+            self.drain_node(id);
+        }
+    }
 
     fn step(&mut self) -> bool {
-        let Some((now, ev)) = self.q.pop() else { return false };
+        let Some((now, ev)) = self.q.pop() else {
+            return false;
+        };
         self.now = now;
         match ev {
             Ev::Deliver(d) => {
-                let Some(d) = self.net.receive(d) else { return true };
+                let Some(d) = self.net.receive(d) else {
+                    return true;
+                };
                 self.deliver(d);
             }
             Ev::Direct(d) => self.deliver(d),
@@ -581,7 +686,9 @@ impl World {
                         core.tick(now);
                     }
                     self.drain_node(node);
-                    self.q.push_after(now, TICK_US, Ev::Tick { node, inc }).unwrap();
+                    self.q
+                        .push_after(now, TICK_US, Ev::Tick { node, inc })
+                        .unwrap();
                 }
             }
             Ev::CmTick { inc } => {
@@ -594,7 +701,13 @@ impl World {
             Ev::ClientNext(c) => self.client_next(c),
             Ev::ClientTimeout { client, opno } => self.client_timeout(client, opno),
             Ev::Fault => self.fault(),
-            Ev::LogRead { node, inc, to, cursor, chunk } => {
+            Ev::LogRead {
+                node,
+                inc,
+                to,
+                cursor,
+                chunk,
+            } => {
                 let n = &mut self.nodes[node as usize];
                 if n.inc == inc {
                     if let Some(core) = n.core.as_mut() {
@@ -667,7 +780,10 @@ fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize, usize), 
                     ),
                 })
                 .collect();
-            return Err(format!("no convergence 5 s after faults stopped: cm {:?}; nodes {st:?}", w.cm.config()));
+            return Err(format!(
+                "no convergence 5 s after faults stopped: cm {:?}; nodes {st:?}",
+                w.cm.config()
+            ));
         }
     }
     // Liveness: with every node back, load runs again without faults; every op must be
@@ -686,7 +802,10 @@ fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize, usize), 
             break;
         }
         if w.now > deadline {
-            return Err(format!("no convergence after the liveness probe; {} ops stuck", w.probe_stuck.len()));
+            return Err(format!(
+                "no convergence after the liveness probe; {} ops stuck",
+                w.probe_stuck.len()
+            ));
         }
     }
     if !w.probe_stuck.is_empty() && verbose {
@@ -716,8 +835,11 @@ fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize, usize), 
         return Err("no op answered during the liveness probe".into());
     }
     // Table IV 2a: every replica holds the same version of every key.
-    let snaps: Vec<BTreeMap<Vec<u8>, (Ts, bool, Vec<u8>)>> =
-        w.nodes.iter().map(|n| n.core.as_ref().unwrap().snapshot()).collect();
+    let snaps: Vec<Snapshot> = w
+        .nodes
+        .iter()
+        .map(|n| n.core.as_ref().unwrap().snapshot())
+        .collect();
     for (i, s) in snaps.iter().enumerate().skip(1) {
         if s != &snaps[0] {
             let keys: BTreeSet<_> = s.keys().chain(snaps[0].keys()).collect();
@@ -726,8 +848,11 @@ fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize, usize), 
                     return Err(format!(
                         "replicas differ on {:?}: node 0 {:?} node {i} {:?}",
                         String::from_utf8_lossy(k),
-                        snaps[0].get(k).map(|x| (x.0, String::from_utf8_lossy(&x.2).to_string())),
-                        s.get(k).map(|x| (x.0, String::from_utf8_lossy(&x.2).to_string()))
+                        snaps[0]
+                            .get(k)
+                            .map(|x| (x.0, String::from_utf8_lossy(&x.2).to_string())),
+                        s.get(k)
+                            .map(|x| (x.0, String::from_utf8_lossy(&x.2).to_string()))
                     ));
                 }
             }
@@ -738,9 +863,19 @@ fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize, usize), 
     for k in 0..sc.keys {
         let key = format!("k{k}").into_bytes();
         let v = snaps[0].get(&key).map(|x| x.2.clone());
-        w.history.push(Op { client: 9999, key, call_us: now, ret_us: Some(now + 1), kind: OpKind::Get(v) });
+        w.history.push(Op {
+            client: 9999,
+            key,
+            call_us: now,
+            ret_us: Some(now + 1),
+            kind: OpKind::Get(v),
+        });
     }
-    let hist: Vec<Op> = w.history.into_iter().filter(|o| o.ret_us != Some(u64::MAX)).collect();
+    let hist: Vec<Op> = w
+        .history
+        .into_iter()
+        .filter(|o| o.ret_us != Some(u64::MAX))
+        .collect();
     if !sc.check_history {
         let full = w.recoveries.iter().filter(|r| r.full_copy).count();
         return Ok((hist.len(), w.recoveries.len(), full));
@@ -748,8 +883,19 @@ fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize, usize), 
     if let Err(v) = checker::check(&hist) {
         if verbose {
             for o in hist.iter().filter(|o| o.key == v.key) {
-                eprintln!("  c{} {:>9}..{:<9} {:?}", o.client, o.call_us, o.ret_us.map(|r| r.to_string()).unwrap_or("pending".into()),
-                    match &o.kind { OpKind::Put(x) => format!("put {}", String::from_utf8_lossy(x)), OpKind::Get(x) => format!("get {:?}", x.as_ref().map(|x| String::from_utf8_lossy(x).to_string())) });
+                eprintln!(
+                    "  c{} {:>9}..{:<9} {:?}",
+                    o.client,
+                    o.call_us,
+                    o.ret_us.map(|r| r.to_string()).unwrap_or("pending".into()),
+                    match &o.kind {
+                        OpKind::Put(x) => format!("put {}", String::from_utf8_lossy(x)),
+                        OpKind::Get(x) => format!(
+                            "get {:?}",
+                            x.as_ref().map(|x| String::from_utf8_lossy(x).to_string())
+                        ),
+                    }
+                );
             }
         }
         return Err(v.to_string());
@@ -762,7 +908,10 @@ fn seeds(default: u64) -> Vec<u64> {
     if let Ok(s) = std::env::var("SIM_SEED") {
         return vec![s.parse().expect("SIM_SEED is a number")];
     }
-    let n = std::env::var("SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(default);
+    let n = std::env::var("SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default);
     (0..n).collect()
 }
 
@@ -804,11 +953,20 @@ fn run_many(name: &str, sc: Scenario, default_seeds: u64) {
             Err(e) => panic!("{name}: seed {seed} failed: {e}\nreproduce: SIM_SEED={seed} cargo test -p kv --test sim_heal {name} -- --nocapture"),
         }
     }
-    eprintln!("{name}: {} seeds, {ops} ops checked, {recoveries} recoveries ({full_copies} by full copy)", seeds.len());
+    eprintln!(
+        "{name}: {} seeds, {ops} ops checked, {recoveries} recoveries ({full_copies} by full copy)",
+        seeds.len()
+    );
     if sc.scheme == RecoveryScheme::ReactiveLog && seeds.len() >= 3 {
-        assert!(full_copies < recoveries, "{name}: the reactive log never served a recovery");
+        assert!(
+            full_copies < recoveries,
+            "{name}: the reactive log never served a recovery"
+        );
     }
-    assert!(recoveries > 0 || !sc.crashes || seeds.len() < 3, "{name}: no recovery exercised");
+    assert!(
+        recoveries > 0 || !sc.crashes || seeds.len() < 3,
+        "{name}: no recovery exercised"
+    );
 }
 
 #[test]
@@ -823,7 +981,11 @@ fn strict_5_nodes() {
 
 #[test]
 fn read_enforced_4_nodes() {
-    run_many("read_enforced_4_nodes", scenario(Model::ReadEnforced, 4), 30);
+    run_many(
+        "read_enforced_4_nodes",
+        scenario(Model::ReadEnforced, 4),
+        30,
+    );
 }
 
 #[test]
@@ -929,24 +1091,46 @@ fn checker_rejects_a_corrupted_real_history() {
     let mut w = World::new(7, sc, false);
     while w.now < 200_000 && w.step() {}
     // Refused ops never happened; ops without an answer (a lost request or reply) stay pending.
-    let mut hist: Vec<Op> = w.history.into_iter().filter(|o| o.ret_us != Some(u64::MAX)).collect();
+    let mut hist: Vec<Op> = w
+        .history
+        .into_iter()
+        .filter(|o| o.ret_us != Some(u64::MAX))
+        .collect();
     checker::check(&hist).expect("real history is linearizable");
     // Make a late read return the very first value written to its key.
     let (first_put_key, first_val) = hist
         .iter()
-        .find_map(|o| match &o.kind { OpKind::Put(v) if o.ret_us.is_some() => Some((o.key.clone(), v.clone())), _ => None })
+        .find_map(|o| match &o.kind {
+            OpKind::Put(v) if o.ret_us.is_some() => Some((o.key.clone(), v.clone())),
+            _ => None,
+        })
         .unwrap();
     let later_put = hist
         .iter()
-        .rposition(|o| o.key == first_put_key && matches!(o.kind, OpKind::Put(_)) && o.ret_us.is_some())
+        .rposition(|o| {
+            o.key == first_put_key && matches!(o.kind, OpKind::Put(_)) && o.ret_us.is_some()
+        })
         .unwrap();
     let t = hist[later_put].ret_us.unwrap() + 1;
     let _ = LogRecord::Boot { node: 0 };
-    if hist.iter().filter(|o| o.key == first_put_key && matches!(o.kind, OpKind::Put(_))).count() > 1 {
-        hist.push(Op { client: 77, key: first_put_key, call_us: t, ret_us: Some(t + 1), kind: OpKind::Get(Some(first_val)) });
-        assert!(checker::check(&hist).is_err(), "a stale read after a newer acknowledged write must be rejected");
+    if hist
+        .iter()
+        .filter(|o| o.key == first_put_key && matches!(o.kind, OpKind::Put(_)))
+        .count()
+        > 1
+    {
+        hist.push(Op {
+            client: 77,
+            key: first_put_key,
+            call_us: t,
+            ret_us: Some(t + 1),
+            kind: OpKind::Get(Some(first_val)),
+        });
+        assert!(
+            checker::check(&hist).is_err(),
+            "a stale read after a newer acknowledged write must be rejected"
+        );
     } else {
         panic!("run too short to have two writes to one key");
     }
 }
-
