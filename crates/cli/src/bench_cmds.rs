@@ -192,7 +192,7 @@ fn peak_rss_bytes(pid: u32) -> Option<u64> {
 /// Runs fio's 4 KiB random-write job with `args` for `seconds`; returns its write IOPS.
 fn fio_iops(args: &[&str], seconds: u64) -> anyhow::Result<f64> {
     let out = std::process::Command::new("fio")
-        .args(["--name=bench", "--rw=randwrite", "--bs=4k", "--time_based", &format!("--runtime={seconds}"), "--output-format=json"])
+        .args(["--name=bench", "--rw=randwrite", "--bs=4k", "--time_based", &format!("--runtime={seconds}"), "--output-format=json", "--verify_state_save=0"])
         .args(args)
         .output()
         .context("cannot run fio (install it: apt-get install fio)")?;
