@@ -52,13 +52,17 @@ pub struct ShardOptions {
     pub metrics: Option<SocketAddr>,
     /// Latency added to disk commands, to stand for a slower (cloud) disk in benchmarks.
     pub injected: InjectedLatency,
+    /// The store's write-ahead journal ring, in bytes; `None`: no journal (every write syncs
+    /// its own slot file). See [`crate::store::PoolOptions::journal_capacity_bytes`].
+    pub journal_bytes: Option<u64>,
 }
 
 /// Latency a shard adds to its disk commands before their completion reaches the core (so before
 /// it acks), to make this machine's disk look like a cloud disk (e.g. EBS gp3: about 0.5 ms per
-/// write, 1 ms per flush). Every mutating command of the store both writes and fdatasyncs (the
-/// volume has no volatile cache: an ack means durable), so it pays `write_us + flush_us`; reads pay
-/// nothing. The delay is slept on the blocking thread that ran the command, so commands in flight
+/// write, 1 ms per flush). Every mutating command of the store both writes and makes its write
+/// durable (the volume has no volatile cache: an ack means durable; with the journal the flush is
+/// shared, but the model charges each command as if it were its own), so it pays
+/// `write_us + flush_us`; reads pay nothing. The delay is slept on the blocking thread that ran the command, so commands in flight
 /// overlap as they would on a real disk with a queue.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct InjectedLatency {
@@ -154,6 +158,20 @@ impl Stats {
         for (name, help, v) in store {
             metric(&mut out, &format!("understudy_store_{name}_total"), "counter", help, &[(&l, v as f64)]);
         }
+        if let Some(j) = self.store.journal_stats() {
+            let journal: [(&str, &str, u64); 7] = [
+                ("records", "Records appended to the journal (one per durable slot write).", j.records),
+                ("record_bytes", "Payload bytes appended to the journal.", j.record_bytes),
+                ("syncs", "fdatasyncs of the journal (each acknowledges every record before it).", j.syncs),
+                ("checkpoints", "Checkpoints (slot files synced, journal space freed).", j.checkpoints),
+                ("checkpoint_files_synced", "Slot files checkpoints synced.", j.checkpoint_files_synced),
+                ("checkpoint_us", "Microseconds checkpoints took.", j.checkpoint_us),
+                ("full_waits", "Appends that waited for a checkpoint to free journal space.", j.full_waits),
+            ];
+            for (name, help, v) in journal {
+                metric(&mut out, &format!("understudy_journal_{name}_total"), "counter", help, &[(&l, v as f64)]);
+            }
+        }
         out
     }
 }
@@ -168,7 +186,8 @@ enum CoreEvent {
 
 /// Runs a shard until the process is stopped.
 pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
-    let store = Arc::new(FileStore::open(&opts.data_dir, opts.create).map_err(anyhow::Error::msg)?);
+    let pool = crate::store::PoolOptions { journal_capacity_bytes: opts.journal_bytes, ..Default::default() };
+    let store = Arc::new(FileStore::open_with(&opts.data_dir, opts.create, pool).map_err(anyhow::Error::msg)?);
     let boot = {
         let s = store.clone();
         tokio::task::spawn_blocking(move || s.boot()).await?.context("reading the shard's objects")?

@@ -37,6 +37,7 @@ pub async fn start_in_process(dir: &Path, shards: u32, secret: &[u8]) -> anyhow:
             create: true,
             metrics: None,
             injected: Default::default(),
+            journal_bytes: Some(crate::store::DEFAULT_JOURNAL_BYTES),
         };
         tokio::spawn(crate::shard_server::run_shard(opts));
     }
