@@ -66,7 +66,7 @@ const HEADER_COPY_BYTES: u64 = 512;
 const JHEADER_MAGIC: u32 = 0x554a_4831; // "UJH1"
 const RECORD_MAGIC: u32 = 0x554a_5231; // "UJR1"
 pub const RECORD_HEADER_BYTES: u64 = 32;
-const KIND_DATA: u32 = 1;
+pub(crate) const KIND_DATA: u32 = 1;
 const KIND_SKIP: u32 = 2;
 /// The smallest ring the store makes: a record may take half of it (so a 4 MiB object and its
 /// header fit).
@@ -125,7 +125,7 @@ fn place(head: u64, len: u64, capacity: u64) -> (u64, bool) {
     }
 }
 
-fn record_header(kind: u32, boot: u64, lsn: u64, payload: &[u8]) -> [u8; RECORD_HEADER_BYTES as usize] {
+pub(crate) fn record_header(kind: u32, boot: u64, lsn: u64, payload: &[u8]) -> [u8; RECORD_HEADER_BYTES as usize] {
     let mut h = [0u8; RECORD_HEADER_BYTES as usize];
     h[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
     h[4..8].copy_from_slice(&kind.to_le_bytes());
@@ -457,6 +457,11 @@ impl<F: JournalFile> Replay<F> {
 
     pub fn capacity(&self) -> u64 {
         self.header.capacity
+    }
+
+    /// Where the valid records end: the LSN, and the boot number they carry.
+    pub(crate) fn end(&self) -> (u64, u64) {
+        (self.end, self.header.boot)
     }
 }
 
