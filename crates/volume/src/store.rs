@@ -53,10 +53,15 @@
 //!
 //! # Crash safety
 //!
-//! * **One durable step per command.** A write puts the data, then the new header, then calls
-//!   `fdatasync` once. After a power loss any mix of old and new bytes and header fails the block
-//!   checksums, and [`FileStore::boot`] reports the object [`objfmt::SUSPECT`] so it is
-//!   re-replicated — the property the one-file-per-object store had.
+//! * **One durable step per command.** A write puts the data, then the new header, then makes
+//!   them durable once: with the [`crate::journal`] on (the default), by one record holding
+//!   those bytes and a journal `fdatasync` shared with every command waiting (group commit; the
+//!   slot file itself is synced by a later checkpoint, and replayed from the record after a
+//!   crash before it); with it off, by the slot file's own `fdatasync`. After a power loss
+//!   during a command that was never acknowledged, any mix of old and new bytes and header
+//!   fails the block checksums, and [`FileStore::boot`] reports the object
+//!   [`objfmt::SUSPECT`] so it is re-replicated — the property the one-file-per-object store
+//!   had.
 //! * **The key is never lost with a torn header.** Each header write goes to the copy that does
 //!   *not* hold the current header, with a generation higher than any before it (one counter for
 //!   the store, restored at open as the highest generation found plus one). At open the valid
