@@ -19,8 +19,8 @@
 //! the COW children of a batch are deleted after it, untimed, as garbage collection does after
 //! `collapse`, so slots are recycled; 0: they are kept, so every COW write needs a never-used
 //! slot and the refill must keep up), `STORE_BENCH_STORES` (`new,old,raw` by default; `new` is
-//! the slot store with its default journal, `nojournal` the slot store syncing every slot file
-//! itself, `raw` the device floor, see [`RawFiles`]).
+//! the slot store as shards run it by default (every write syncs its slot file), `journal` the
+//! slot store with its write-ahead journal (group commit), `raw` the device floor, see [`RawFiles`]).
 
 #[path = "store_bench/old_file_store.rs"]
 mod old_file_store;
@@ -137,8 +137,8 @@ impl Store {
                 s.boot().unwrap();
                 Store::New(s)
             }
-            "nojournal" => {
-                let pool = volume::store::PoolOptions { journal_capacity_bytes: None, ..Default::default() };
+            "journal" => {
+                let pool = volume::store::PoolOptions { journal_capacity_bytes: Some(volume::store::DEFAULT_JOURNAL_BYTES), ..Default::default() };
                 let s = FileStore::open_with(dir, true, pool).unwrap();
                 s.boot().unwrap();
                 Store::New(s)
@@ -149,7 +149,7 @@ impl Store {
                 Store::Old(s)
             }
             "raw" => Store::Raw(RawFiles::open(dir)),
-            k => panic!("unknown store {k} (new, nojournal, old or raw)"),
+            k => panic!("unknown store {k} (new, journal, old or raw)"),
         }
     }
 
