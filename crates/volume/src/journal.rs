@@ -188,7 +188,7 @@ impl<F: JournalFile> Journal<F> {
     /// Writes a new, empty journal of `capacity` ring bytes to `file` (zeroes, then the header,
     /// synced).
     pub fn format(file: &F, capacity: u64) -> io::Result<()> {
-        if capacity < MIN_RING_BYTES || capacity % 8 != 0 {
+        if capacity < MIN_RING_BYTES || !capacity.is_multiple_of(8) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("journal capacity {capacity} bytes: at least {MIN_RING_BYTES} and a multiple of 8")));
         }
         let zeroes = vec![0u8; 1 << 20];
@@ -214,7 +214,7 @@ impl<F: JournalFile> Journal<F> {
             .flatten()
             .max_by_key(|h| h.seq)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "the journal has no valid header"))?;
-        if header.capacity < MIN_RING_BYTES || header.capacity % 8 != 0 {
+        if header.capacity < MIN_RING_BYTES || !header.capacity.is_multiple_of(8) {
             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("the journal's header names a bad capacity ({})", header.capacity)));
         }
         let mut payloads = vec![];

@@ -1058,16 +1058,18 @@ fn apply_records(root: &Path, payloads: &[Vec<u8>]) -> io::Result<()> {
     let mut files: HashMap<u64, Option<File>> = HashMap::new();
     for p in payloads {
         for (key, offset, len, data) in decode_writes(p)? {
-            if !files.contains_key(&key) {
-                let (class, no) = slot_of_key(key);
-                let f = match OpenOptions::new().read(true).write(true).open(slot_path_in(root, class, no)) {
-                    Ok(f) => Some(f),
-                    Err(e) if e.kind() == ErrorKind::NotFound => None,
-                    Err(e) => return Err(e),
-                };
-                files.insert(key, f);
-            }
-            let Some(f) = &files[&key] else { continue };
+            let f = match files.entry(key) {
+                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    let (class, no) = slot_of_key(key);
+                    v.insert(match OpenOptions::new().read(true).write(true).open(slot_path_in(root, class, no)) {
+                        Ok(f) => Some(f),
+                        Err(e) if e.kind() == ErrorKind::NotFound => None,
+                        Err(e) => return Err(e),
+                    })
+                }
+            };
+            let Some(f) = f else { continue };
             match data {
                 Some(d) => f.write_all_at(d, offset)?,
                 None => write_zeroes_at(f, offset, len)?,
