@@ -219,7 +219,11 @@ pub struct PoolOptions {
 /// --quick` ABBA rounds (on, off, off, on; load 5–24) put plain depth-1 latency at 1072 / 1628
 /// µs with it and 737 / 1121 µs without, depth-32 at 9709 / 7079 against 6363 / 7198 µs. A
 /// cluster write's time there goes mostly to CPU scheduling (2 cores for 4 shards, client and
-/// NBD server), not to device flushes.
+/// NBD server), not to device flushes. A second ABBA round after disk commands went straight
+/// to blocking threads (load 4–23) came out the other way: plain depth-1 718 / 982 µs with the
+/// journal against 1248 / 2223 without, depth-32 7031 / 8235 against 9161 / 11498, fio depth-32
+/// 3738 / 3267 against 3359 / 2985 IOPS. Mixed results on a loaded machine: the default stays
+/// off until an idle-machine ABBA decides.
 pub const DEFAULT_JOURNAL_BYTES: u64 = 32 << 20;
 /// The journal's file, in the shard's data directory.
 const JOURNAL_FILE: &str = "journal";
