@@ -73,9 +73,9 @@ pub struct ShardArgs {
     pub inject_flush_latency_us: u64,
     /// Write-ahead journal: `on` acknowledges writes by one shared fdatasync of a journal file
     /// (group commit) and syncs the slot files in the background; `off` syncs every write's own
-    /// slot file (the default: on this project's 2-core machines with one virtual disk the
-    /// journal measured no faster). A journal left by an earlier run is replayed at start
-    /// either way.
+    /// slot file (the default, until an idle-machine A/B decides: on this project's loaded
+    /// 2-core machines the results were mixed). A journal left by an earlier run is replayed at
+    /// start either way.
     #[arg(long, value_enum, value_name = "ON|OFF", default_value_t = OnOff::Off)]
     pub journal: OnOff,
     /// Size of the journal file (written with zeroes when it is made).
