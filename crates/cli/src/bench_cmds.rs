@@ -78,6 +78,9 @@ pub struct CommonArgs {
     /// Keep the cluster's data directory (for inspecting logs).
     #[arg(long)]
     pub keep: bool,
+    /// The shards' write-ahead journal (`understudy shard --journal`) [default: the shard's].
+    #[arg(long, value_enum, value_name = "ON|OFF")]
+    pub shard_journal: Option<crate::daemons::OnOff>,
 }
 
 pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
@@ -105,8 +108,12 @@ where
     let rt = crate::runtime()?;
     let cfg = UpConfig { dir: dir.path().to_path_buf(), shards: a.shards, replicas: 3.min(a.shards), port_base: 0, verbose };
     // Shards serve metrics: benchmarks read their store and disk counters.
-    let mut lc = LocalCluster::start_full(&cfg, &[], true)?;
+    let shard_args: Vec<String> = a.shard_journal.iter().flat_map(|j| ["--journal".to_string(), j.as_arg().to_string()]).collect();
+    let mut lc = LocalCluster::start_full(&cfg, &shard_args, true)?;
     let mut report = bench::Report::new(bench_name, a.quick);
+    if let Some(j) = a.shard_journal {
+        eprintln!("shards' journal: {}", j.as_arg());
+    }
     let result = rt.block_on(async {
         let cluster = lc.wait_ready(READY_TIMEOUT, false).await?;
         report.figure("phase.cluster_start_s", started.elapsed().as_secs_f64())?;
@@ -192,7 +199,7 @@ fn peak_rss_bytes(pid: u32) -> Option<u64> {
 /// Runs fio's 4 KiB random-write job with `args` for `seconds`; returns its write IOPS.
 fn fio_iops(args: &[&str], seconds: u64) -> anyhow::Result<f64> {
     let out = std::process::Command::new("fio")
-        .args(["--name=bench", "--rw=randwrite", "--bs=4k", "--time_based", &format!("--runtime={seconds}"), "--output-format=json"])
+        .args(["--name=bench", "--rw=randwrite", "--bs=4k", "--time_based", &format!("--runtime={seconds}"), "--output-format=json", "--verify_state_save=0"])
         .args(args)
         .output()
         .context("cannot run fio (install it: apt-get install fio)")?;

@@ -325,7 +325,7 @@ pub fn parse_fio_writes(stdout: &[u8]) -> anyhow::Result<FioWrites> {
 /// Runs one fio job (4 KiB writes) with `args`; `ceph_conf` is set as `CEPH_CONF` for the rbd engine.
 fn fio(args: &[String], ceph_conf: &Path) -> anyhow::Result<FioWrites> {
     let out = Command::new("fio")
-        .args(["--name=bench", "--bs=4k", "--output-format=json", "--lat_percentiles=1", "--randrepeat=0"])
+        .args(["--name=bench", "--bs=4k", "--output-format=json", "--lat_percentiles=1", "--randrepeat=0", "--verify_state_save=0"])
         .args(args)
         .env("CEPH_CONF", ceph_conf)
         .stdin(Stdio::null())

@@ -294,6 +294,12 @@ impl CounterDeltas {
             ("refill_batches", "understudy_store_refill_batches_total"),
             ("refill_batches_while_serving", "understudy_store_refill_batches_while_serving_total"),
             ("slow_disk_ops", "understudy_shard_slow_disk_ops_total"),
+            // With the shards' journal on (zero without): records, the shared syncs that made
+            // them durable, and the slot files checkpoints synced later.
+            ("journal_records", "understudy_journal_records_total"),
+            ("journal_syncs", "understudy_journal_syncs_total"),
+            ("journal_checkpoint_files_synced", "understudy_journal_checkpoint_files_synced_total"),
+            ("journal_full_waits", "understudy_journal_full_waits_total"),
         ];
         for (name, key) in per_write {
             report.figure(&format!("{prefix}.{name}_per_write_count"), self.d(key) / w)?;

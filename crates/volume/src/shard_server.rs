@@ -52,13 +52,17 @@ pub struct ShardOptions {
     pub metrics: Option<SocketAddr>,
     /// Latency added to disk commands, to stand for a slower (cloud) disk in benchmarks.
     pub injected: InjectedLatency,
+    /// The store's write-ahead journal ring, in bytes; `None`: no journal (every write syncs
+    /// its own slot file). See [`crate::store::PoolOptions::journal_capacity_bytes`].
+    pub journal_bytes: Option<u64>,
 }
 
 /// Latency a shard adds to its disk commands before their completion reaches the core (so before
 /// it acks), to make this machine's disk look like a cloud disk (e.g. EBS gp3: about 0.5 ms per
-/// write, 1 ms per flush). Every mutating command of the store both writes and fdatasyncs (the
-/// volume has no volatile cache: an ack means durable), so it pays `write_us + flush_us`; reads pay
-/// nothing. The delay is slept on the blocking thread that ran the command, so commands in flight
+/// write, 1 ms per flush). Every mutating command of the store both writes and makes its write
+/// durable (the volume has no volatile cache: an ack means durable; with the journal the flush is
+/// shared, but the model charges each command as if it were its own), so it pays
+/// `write_us + flush_us`; reads pay nothing. The delay is slept on the blocking thread that ran the command, so commands in flight
 /// overlap as they would on a real disk with a queue.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct InjectedLatency {
@@ -154,6 +158,20 @@ impl Stats {
         for (name, help, v) in store {
             metric(&mut out, &format!("understudy_store_{name}_total"), "counter", help, &[(&l, v as f64)]);
         }
+        if let Some(j) = self.store.journal_stats() {
+            let journal: [(&str, &str, u64); 7] = [
+                ("records", "Records appended to the journal (one per durable slot write).", j.records),
+                ("record_bytes", "Payload bytes appended to the journal.", j.record_bytes),
+                ("syncs", "fdatasyncs of the journal (each acknowledges every record before it).", j.syncs),
+                ("checkpoints", "Checkpoints (slot files synced, journal space freed).", j.checkpoints),
+                ("checkpoint_files_synced", "Slot files checkpoints synced.", j.checkpoint_files_synced),
+                ("checkpoint_us", "Microseconds checkpoints took.", j.checkpoint_us),
+                ("full_waits", "Appends that waited for a checkpoint to free journal space.", j.full_waits),
+            ];
+            for (name, help, v) in journal {
+                metric(&mut out, &format!("understudy_journal_{name}_total"), "counter", help, &[(&l, v as f64)]);
+            }
+        }
         out
     }
 }
@@ -168,7 +186,8 @@ enum CoreEvent {
 
 /// Runs a shard until the process is stopped.
 pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
-    let store = Arc::new(FileStore::open(&opts.data_dir, opts.create).map_err(anyhow::Error::msg)?);
+    let pool = crate::store::PoolOptions { journal_capacity_bytes: opts.journal_bytes, ..Default::default() };
+    let store = Arc::new(FileStore::open_with(&opts.data_dir, opts.create, pool).map_err(anyhow::Error::msg)?);
     let boot = {
         let s = store.clone();
         tokio::task::spawn_blocking(move || s.boot()).await?.context("reading the shard's objects")?
@@ -332,60 +351,92 @@ async fn core_loop(
                     }
                 }
                 Output::Disk { id, cmd } => {
-                    let store = store.clone();
-                    let tx = tx.clone();
-                    let slots = disk_slots.clone();
-                    let stats = stats.clone();
-                    tokio::spawn(async move {
-                        let queued = Instant::now();
-                        let Ok(_permit) = slots.acquire_owned().await else { return };
-                        let delay = injected.for_cmd(&cmd);
-                        let what = disk_cmd_kind(&cmd);
-                        let kind = DISK_KINDS.iter().position(|k| *k == what).unwrap_or(0);
-                        let stats2 = stats.clone();
-                        let result = tokio::task::spawn_blocking(move || {
-                            let started = Instant::now();
-                            stats2.disk_wait_us.fetch_add((started - queued).as_micros() as u64, Ordering::Relaxed);
-                            let r = store.run(cmd);
-                            let ran = started.elapsed();
-                            stats2.disk_kind_ops[kind].fetch_add(1, Ordering::Relaxed);
-                            stats2.disk_kind_run_us[kind].fetch_add(ran.as_micros() as u64, Ordering::Relaxed);
-                            if !delay.is_zero() {
-                                std::thread::sleep(delay);
-                            }
-                            (r, ran)
-                        })
-                            .await
-                            .map(|(r, ran)| {
-                                let total = queued.elapsed();
-                                if total >= Duration::from_millis(SLOW_DISK_COMMAND_MS) {
-                                    let n = stats.slow_disk_ops.fetch_add(1, Ordering::Relaxed) + 1;
-                                    // A stall of the disk itself (not a queue of our own
-                                    // commands) is logged, at most once a second.
-                                    let now_ms = stats.started.elapsed().as_millis() as u64;
-                                    let last = stats.slow_logged_ms.load(Ordering::Relaxed);
-                                    if ran >= Duration::from_millis(SLOW_DISK_COMMAND_MS)
-                                        && (last == 0 || now_ms >= last + 1000)
-                                        && stats.slow_logged_ms.compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed).is_ok()
-                                    {
-                                        tracing::info!(
-                                            shard = me,
-                                            command = what,
-                                            total_ms = total.as_millis() as u64,
-                                            ran_ms = ran.as_millis() as u64,
-                                            slow_so_far = n,
-                                            "slow disk command"
-                                        );
-                                    }
+                    let job = DiskJob { id, cmd, queued: Instant::now(), store: store.clone(), tx: tx.clone(), stats: stats.clone(), injected, me };
+                    match disk_slots.clone().try_acquire_owned() {
+                        // The common case: straight onto a blocking thread, which hands the
+                        // result back to this loop itself (two async task hops fewer on every
+                        // write's path than waiting for the slot and the thread in a task).
+                        Ok(permit) => {
+                            tokio::task::spawn_blocking(move || {
+                                let (id, result, tx) = job.run();
+                                drop(permit);
+                                let _ = tx.blocking_send(CoreEvent::Input(Input::Disk { id, result }));
+                            });
+                        }
+                        Err(_) => {
+                            let slots = disk_slots.clone();
+                            tokio::spawn(async move {
+                                let Ok(permit) = slots.acquire_owned().await else { return };
+                                let done = tokio::task::spawn_blocking(move || {
+                                    let r = job.run();
+                                    drop(permit);
+                                    r
+                                })
+                                .await;
+                                if let Ok((id, result, tx)) = done {
+                                    let _ = tx.send(CoreEvent::Input(Input::Disk { id, result })).await;
                                 }
-                                r
-                            })
-                            .unwrap_or_else(|e| Err(crate::shard_core::DiskErr::Io(format!("disk task failed: {e}"))));
-                        let _ = tx.send(CoreEvent::Input(Input::Disk { id, result })).await;
-                    });
+                            });
+                        }
+                    }
                 }
             }
         }
+    }
+}
+
+/// A disk command on its way to a blocking thread.
+struct DiskJob {
+    id: u64,
+    cmd: DiskCmd,
+    queued: Instant,
+    store: Arc<FileStore>,
+    tx: mpsc::Sender<CoreEvent>,
+    stats: Arc<Stats>,
+    injected: InjectedLatency,
+    me: ShardId,
+}
+
+impl DiskJob {
+    /// Runs the command (blocking) and keeps the counters; returns what the core gets back.
+    fn run(self) -> (u64, Result<crate::shard_core::DiskOut, crate::shard_core::DiskErr>, mpsc::Sender<CoreEvent>) {
+        let DiskJob { id, cmd, queued, store, tx, stats, injected, me } = self;
+        let delay = injected.for_cmd(&cmd);
+        let what = disk_cmd_kind(&cmd);
+        let kind = DISK_KINDS.iter().position(|k| *k == what).unwrap_or(0);
+        let started = Instant::now();
+        stats.disk_wait_us.fetch_add((started - queued).as_micros() as u64, Ordering::Relaxed);
+        // A panic in the store fails this command (as a failed disk task did), not the shard.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.run(cmd)))
+            .unwrap_or_else(|_| Err(crate::shard_core::DiskErr::Io("disk command panicked".into())));
+        let ran = started.elapsed();
+        stats.disk_kind_ops[kind].fetch_add(1, Ordering::Relaxed);
+        stats.disk_kind_run_us[kind].fetch_add(ran.as_micros() as u64, Ordering::Relaxed);
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
+        let total = queued.elapsed();
+        if total >= Duration::from_millis(SLOW_DISK_COMMAND_MS) {
+            let n = stats.slow_disk_ops.fetch_add(1, Ordering::Relaxed) + 1;
+            // A stall of the disk itself (not a queue of our own commands) is logged, at most
+            // once a second.
+            let now_ms = stats.started.elapsed().as_millis() as u64;
+            let last = stats.slow_logged_ms.load(Ordering::Relaxed);
+            if ran >= Duration::from_millis(SLOW_DISK_COMMAND_MS)
+                && (last == 0 || now_ms >= last + 1000)
+                && stats.slow_logged_ms.compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed).is_ok()
+            {
+                tracing::info!(
+                    shard = me,
+                    command = what,
+                    total_ms = total.as_millis() as u64,
+                    ran_ms = ran.as_millis() as u64,
+                    slow_so_far = n,
+                    "slow disk command"
+                );
+            }
+        }
+        (id, result, tx)
     }
 }
 

@@ -37,6 +37,9 @@ pub async fn start_in_process(dir: &Path, shards: u32, secret: &[u8]) -> anyhow:
             create: true,
             metrics: None,
             injected: Default::default(),
+            // On here (off by default in `understudy shard`): the in-process cluster tests
+            // cover the journal's path, the CLI tests the default one.
+            journal_bytes: Some(crate::store::DEFAULT_JOURNAL_BYTES),
         };
         tokio::spawn(crate::shard_server::run_shard(opts));
     }

@@ -18,8 +18,9 @@
 //! `STORE_BENCH_BATCH` (operations per batch, default 100), `STORE_BENCH_RECYCLE` (1, default:
 //! the COW children of a batch are deleted after it, untimed, as garbage collection does after
 //! `collapse`, so slots are recycled; 0: they are kept, so every COW write needs a never-used
-//! slot and the refill must keep up), `STORE_BENCH_STORES` (`new,old,raw` by default; `raw` is
-//! the device floor, see [`RawFiles`]).
+//! slot and the refill must keep up), `STORE_BENCH_STORES` (`new,old,raw` by default; `new` is
+//! the slot store as shards run it by default (every write syncs its slot file), `journal` the
+//! slot store with its write-ahead journal (group commit), `raw` the device floor, see [`RawFiles`]).
 
 #[path = "store_bench/old_file_store.rs"]
 mod old_file_store;
@@ -136,13 +137,19 @@ impl Store {
                 s.boot().unwrap();
                 Store::New(s)
             }
+            "journal" => {
+                let pool = volume::store::PoolOptions { journal_capacity_bytes: Some(volume::store::DEFAULT_JOURNAL_BYTES), ..Default::default() };
+                let s = FileStore::open_with(dir, true, pool).unwrap();
+                s.boot().unwrap();
+                Store::New(s)
+            }
             "old" => {
                 let s = old_file_store::OldFileStore::open(dir, true).unwrap();
                 s.boot().unwrap();
                 Store::Old(s)
             }
             "raw" => Store::Raw(RawFiles::open(dir)),
-            k => panic!("unknown store {k} (new, old or raw)"),
+            k => panic!("unknown store {k} (new, journal, old or raw)"),
         }
     }
 
@@ -318,6 +325,9 @@ fn store_latency() {
             );
             if let Store::New(s) = &bench.store {
                 println!("{:>6} {:?}", bench.name, s.pool_stats());
+                if let Some(j) = s.journal_stats() {
+                    println!("{:>6} {:?}", bench.name, j);
+                }
             }
         }
     }
