@@ -7,20 +7,10 @@
 mod nearlog_common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nearlog_common::{free_port, shim_path, Kill};
-
-fn daemon(args: &[&str], extra: &[&Path]) -> Kill {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_understudy"));
-    c.args(args);
-    for p in extra {
-        c.arg(p);
-    }
-    Kill(c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap())
-}
+use nearlog_common::{shim_path, Kill, Split};
 
 /// For each line `N` on stdin: appends N KiB in 64 KiB writes (the i-th write's bytes are
 /// `i % 251`) and prints the size; `c`: closes the file and exits.
@@ -46,20 +36,9 @@ fn expected(size: usize) -> Vec<u8> {
 #[test]
 fn a_peer_that_falls_behind_is_patched_with_what_it_lacks() {
     let so = shim_path();
-    let tmp = tempfile::tempdir().unwrap();
-    let ctl_dir = tmp.path().join("ctl");
-    std::fs::create_dir_all(&ctl_dir).unwrap();
-    let secret = ctl_dir.join("secret");
-    std::fs::write(&secret, "patch-secret").unwrap();
-    let ctl_addr = format!("127.0.0.1:{}", free_port());
-    let _ctl = daemon(&["nearlog", "controller", "--listen", &ctl_addr, "--secret-file"], &[&secret, Path::new("--dir"), &ctl_dir]);
-    let peer_addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
-    let mut peers: Vec<Kill> = peer_addrs.iter().map(|a| daemon(&["nearlog", "peer", "--listen", a, "--controller", &ctl_addr, "--secret-file"], &[&secret])).collect();
-    std::thread::sleep(Duration::from_millis(1500)); // registration
-    let cluster = tmp.path().join("cluster.json");
-    std::fs::write(&cluster, format!(r#"{{"controller":"{ctl_addr}","secret_file":"{}","peers":[]}}"#, secret.display())).unwrap();
-    let app = tmp.path().join("app");
-    std::fs::create_dir_all(&app).unwrap();
+    let mut split = Split::start("patch-secret");
+    let mut peers = std::mem::take(&mut split.peers);
+    let (tmp, cluster, app) = (&split.tmp, &split.cluster, &split.app);
     let log = app.join("x.log");
     let stderr_path = tmp.path().join("writer.err");
     let env = |c: &mut Command| {

@@ -6,41 +6,17 @@
 mod nearlog_common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use nearlog_common::{free_port, shim_path, Kill, SQLITE_LOAD};
-
-fn daemon(args: &[&str], extra: &[&Path]) -> Kill {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_understudy"));
-    c.args(args);
-    for p in extra {
-        c.arg(p);
-    }
-    Kill(c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap())
-}
-
+use nearlog_common::{shim_path, Kill, Split, SQLITE_LOAD};
 
 #[test]
 fn a_peer_restart_mid_load_loses_nothing() {
     let so = shim_path();
-    let tmp = tempfile::tempdir().unwrap();
-    let ctl_dir = tmp.path().join("ctl");
-    std::fs::create_dir_all(&ctl_dir).unwrap();
-    let secret = ctl_dir.join("secret");
-    std::fs::write(&secret, "peer-restart-secret").unwrap();
-    let ctl_addr = format!("127.0.0.1:{}", free_port());
-    let _ctl = daemon(&["nearlog", "controller", "--listen", &ctl_addr, "--secret-file"], &[&secret, Path::new("--dir"), &ctl_dir]);
-    let peer_addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
-    let peer = |a: &str| daemon(&["nearlog", "peer", "--listen", a, "--controller", &ctl_addr, "--secret-file"], &[&secret]);
-    let mut peers: Vec<Kill> = peer_addrs.iter().map(|a| peer(a)).collect();
-    std::thread::sleep(Duration::from_millis(1500)); // registration
-    let cluster = tmp.path().join("cluster.json");
-    std::fs::write(&cluster, format!(r#"{{"controller":"{ctl_addr}","secret_file":"{}","peers":[]}}"#, secret.display())).unwrap();
-
-    let app = tmp.path().join("app");
-    std::fs::create_dir_all(&app).unwrap();
+    let mut split = Split::start("peer-restart-secret");
+    let mut peers = std::mem::take(&mut split.peers);
+    let (tmp, cluster, app) = (&split.tmp, &split.cluster, &split.app);
     let db = app.join("db.sqlite");
     let env = |c: &mut Command| {
         c.env("LD_PRELOAD", &so).env("UNDERSTUDY_NEARLOG_CLUSTER", &cluster).env("UNDERSTUDY_NEARLOG_PATTERNS", "*-wal");
@@ -60,7 +36,7 @@ fn a_peer_restart_mid_load_loses_nothing() {
     drop(peers.remove(0));
     step(100);
     // It comes back empty and is re-based; then peer 1 dies: writes still need peer 0's copy.
-    peers.insert(0, peer(&peer_addrs[0]));
+    peers.insert(0, split.peer(0));
     std::thread::sleep(Duration::from_millis(1500));
     step(100);
     drop(peers.remove(1));

@@ -70,6 +70,56 @@ impl Bed {
     }
 }
 
+/// `understudy ARGS EXTRA...` in the background, its output dropped; killed on drop.
+pub fn daemon(args: &[&str], extra: &[&Path]) -> Kill {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_understudy"));
+    c.args(args);
+    for p in extra {
+        c.arg(p);
+    }
+    Kill(c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap())
+}
+
+/// A nearlog cluster of separate processes, so a test can stop or kill one peer: an
+/// `understudy nearlog controller` and three `understudy nearlog peer`s sharing a secret, in a
+/// temp dir that also holds `cluster.json` (what the shim reads) and an empty `app` directory.
+pub struct Split {
+    pub tmp: tempfile::TempDir,
+    pub secret: PathBuf,
+    pub ctl_addr: String,
+    pub cluster: PathBuf,
+    pub app: PathBuf,
+    pub peer_addrs: Vec<String>,
+    pub peers: Vec<Kill>,
+    _ctl: Kill,
+}
+
+impl Split {
+    pub fn start(secret_text: &str) -> Split {
+        let tmp = tempfile::tempdir().unwrap();
+        let ctl_dir = tmp.path().join("ctl");
+        std::fs::create_dir_all(&ctl_dir).unwrap();
+        let secret = ctl_dir.join("secret");
+        std::fs::write(&secret, secret_text).unwrap();
+        let ctl_addr = format!("127.0.0.1:{}", free_port());
+        let ctl = daemon(&["nearlog", "controller", "--listen", &ctl_addr, "--secret-file"], &[&secret, Path::new("--dir"), &ctl_dir]);
+        let peer_addrs: Vec<String> = (0..3).map(|_| format!("127.0.0.1:{}", free_port())).collect();
+        let cluster = tmp.path().join("cluster.json");
+        std::fs::write(&cluster, format!(r#"{{"controller":"{ctl_addr}","secret_file":"{}","peers":[]}}"#, secret.display())).unwrap();
+        let app = tmp.path().join("app");
+        std::fs::create_dir_all(&app).unwrap();
+        let mut split = Split { tmp, secret, ctl_addr, cluster, app, peer_addrs, peers: Vec::new(), _ctl: ctl };
+        split.peers = (0..3).map(|i| split.peer(i)).collect();
+        std::thread::sleep(std::time::Duration::from_millis(1500)); // registration
+        split
+    }
+
+    /// Starts (or restarts, empty) peer `i` on its address.
+    pub fn peer(&self, i: usize) -> Kill {
+        daemon(&["nearlog", "peer", "--listen", &self.peer_addrs[i], "--controller", &self.ctl_addr, "--secret-file"], &[&self.secret])
+    }
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
