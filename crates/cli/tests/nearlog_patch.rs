@@ -10,7 +10,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nearlog_common::{shim_path, Kill, Split};
+use nearlog_common::{shim_path, Kill, Split, CAT};
 
 /// For each line `N` on stdin: appends N KiB in 64 KiB writes (the i-th write's bytes are
 /// `i % 251`) and prints the size; `c`: closes the file and exits.
@@ -90,7 +90,7 @@ fn a_peer_that_falls_behind_is_patched_with_what_it_lacks() {
     drop(peers.remove(0));
     std::fs::remove_file(&log).unwrap();
     let mut cmd = Command::new("python3");
-    cmd.arg("-c").arg("import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read())").arg(&log);
+    cmd.arg("-c").arg(CAT).arg(&log);
     env(&mut cmd);
     let out = cmd.output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use nearlog_common::{free_port, shim_path, Kill, SQLITE_LOAD};
+use nearlog_common::{free_port, shim_path, Kill, CAT, SQLITE_LOAD};
 
 struct Cluster {
     _tmp: tempfile::TempDir,
@@ -216,7 +216,7 @@ fn append(c: &Cluster, path: &Path, chunk: usize, count: usize) -> (Vec<String>,
 fn recovered_content(c: &Cluster, path: &Path) -> Vec<u8> {
     std::fs::remove_file(path).unwrap();
     let mut cmd = Command::new("python3");
-    cmd.arg("-c").arg("import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read())").arg(path);
+    cmd.arg("-c").arg(CAT).arg(path);
     c.env(&mut cmd, "*.log");
     let out = cmd.output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

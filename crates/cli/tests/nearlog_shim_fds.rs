@@ -9,7 +9,7 @@ mod nearlog_common;
 
 use std::process::Command;
 
-use nearlog_common::{shim_path, start_cluster};
+use nearlog_common::{shim_path, start_cluster, CAT};
 
 const PROG: &str = r#"
 import os, sys, mmap, fcntl
@@ -66,7 +66,7 @@ fn writes_through_fd_copies_replicate_and_shared_mmap_is_refused() {
 
     std::fs::remove_file(&log).unwrap();
     let mut cmd = Command::new("python3");
-    cmd.arg("-c").arg("import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read())").arg(&log);
+    cmd.arg("-c").arg(CAT).arg(&log);
     env(&mut cmd);
     let out = cmd.output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -768,8 +768,17 @@ impl FileLog {
     /// Appends records and catch-up chunks and makes them durable (as
     /// [`PmLog::append_durable`]).
     pub fn append_items_durable(&mut self, items: &[Append]) -> Result<(), LogError> {
+        self.persist_encoded(|log| log.encode_items(items))
+    }
+
+    /// Encodes (timed into `encode_us`), writes durably, keeps the buffer for the next batch,
+    /// then adds the configured extra persist latency.
+    fn persist_encoded(
+        &mut self,
+        encode: impl FnOnce(&mut Self) -> Vec<u8>,
+    ) -> Result<(), LogError> {
         let t = std::time::Instant::now();
-        let buf = self.encode_items(items);
+        let buf = encode(self);
         self.encode_us += t.elapsed().as_micros() as u64;
         let r = self.write_durable(&buf);
         self.keep_buffer(buf);
@@ -900,16 +909,7 @@ impl FileLog {
 
 impl PmLog for FileLog {
     fn append_durable(&mut self, recs: &[LogRecord]) -> Result<(), LogError> {
-        let t = std::time::Instant::now();
-        let buf = self.encode_batch(recs);
-        self.encode_us += t.elapsed().as_micros() as u64;
-        let r = self.write_durable(&buf);
-        self.keep_buffer(buf);
-        r?;
-        if !self.extra_persist_latency.is_zero() {
-            std::thread::sleep(self.extra_persist_latency);
-        }
-        Ok(())
+        self.persist_encoded(|log| log.encode_batch(recs))
     }
 
     fn append_lazy(&mut self, recs: &[LogRecord]) -> Result<(), LogError> {

@@ -1249,63 +1249,30 @@ impl NodeCore {
         }
         let k = self.store.get_mut(key).unwrap();
         let durable = k.durable >= ts && !pending;
+        let msg = |p: bool| PeerMsg::Ack {
+            epoch,
+            key: key.to_vec(),
+            ts,
+            c: true,
+            p,
+        };
+        // Synch: one ACK carrying both halves, once durable. Scope: the consistency half only.
+        // The others: the consistency half now, the persistency half once durable.
+        let mut out = None;
         match model {
-            Model::Synch => {
-                if durable {
-                    self.send(
-                        to,
-                        PeerMsg::Ack {
-                            epoch,
-                            key: key.to_vec(),
-                            ts,
-                            c: true,
-                            p: true,
-                        },
-                    );
-                } else if !k.pending_p.contains(&(to, ts)) {
+            Model::Scope => out = Some(msg(false)),
+            _ if durable => out = Some(msg(true)),
+            _ => {
+                if !k.pending_p.contains(&(to, ts)) {
                     k.pending_p.push((to, ts));
                 }
-            }
-            Model::Scope => {
-                self.send(
-                    to,
-                    PeerMsg::Ack {
-                        epoch,
-                        key: key.to_vec(),
-                        ts,
-                        c: true,
-                        p: false,
-                    },
-                );
-            }
-            _ => {
-                if durable {
-                    self.send(
-                        to,
-                        PeerMsg::Ack {
-                            epoch,
-                            key: key.to_vec(),
-                            ts,
-                            c: true,
-                            p: true,
-                        },
-                    );
-                } else {
-                    if !k.pending_p.contains(&(to, ts)) {
-                        k.pending_p.push((to, ts));
-                    }
-                    self.send(
-                        to,
-                        PeerMsg::Ack {
-                            epoch,
-                            key: key.to_vec(),
-                            ts,
-                            c: true,
-                            p: false,
-                        },
-                    );
+                if model != Model::Synch {
+                    out = Some(msg(false));
                 }
             }
+        }
+        if let Some(m) = out {
+            self.send(to, m);
         }
     }
 

@@ -120,6 +120,10 @@ impl Split {
     }
 }
 
+/// A python3 program that copies the file named by its argument to stdout: run under the shim,
+/// it reads a log file through the shim (and so recovers it from the peers if it is missing).
+pub const CAT: &str = "import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read())";
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
