@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use nearlog_common::{free_port, shim_path, Kill, CAT, SQLITE_LOAD};
+use nearlog_common::{free_port, recover_through_shim, shim_path, Kill, SQLITE_LOAD};
 
 struct Cluster {
     _tmp: tempfile::TempDir,
@@ -214,13 +214,7 @@ fn append(c: &Cluster, path: &Path, chunk: usize, count: usize) -> (Vec<String>,
 
 /// Reads the log on an empty directory (recovered from the peers) and checks its content.
 fn recovered_content(c: &Cluster, path: &Path) -> Vec<u8> {
-    std::fs::remove_file(path).unwrap();
-    let mut cmd = Command::new("python3");
-    cmd.arg("-c").arg(CAT).arg(path);
-    c.env(&mut cmd, "*.log");
-    let out = cmd.output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    out.stdout
+    recover_through_shim(path, |cmd| c.env(cmd, "*.log"))
 }
 
 fn expected(chunk: usize, count: usize) -> Vec<u8> {

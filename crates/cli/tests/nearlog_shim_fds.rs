@@ -9,7 +9,7 @@ mod nearlog_common;
 
 use std::process::Command;
 
-use nearlog_common::{shim_path, start_cluster, CAT};
+use nearlog_common::{recover_through_shim, shim_path, start_cluster};
 
 const PROG: &str = r#"
 import os, sys, mmap, fcntl
@@ -64,14 +64,9 @@ fn writes_through_fd_copies_replicate_and_shared_mmap_is_refused() {
     assert!(stdout.contains("SIZE 600"), "{stdout}");
     assert_eq!(std::fs::read(app.join("fds.log.other")).unwrap(), b"not-a-log");
 
-    std::fs::remove_file(&log).unwrap();
-    let mut cmd = Command::new("python3");
-    cmd.arg("-c").arg(CAT).arg(&log);
-    env(&mut cmd);
-    let out = cmd.output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let recovered = recover_through_shim(&log, env);
     let want: Vec<u8> = b"ABCDEF".iter().flat_map(|&c| std::iter::repeat_n(c, 100)).collect();
-    assert_eq!(String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&want));
+    assert_eq!(String::from_utf8_lossy(&recovered), String::from_utf8_lossy(&want));
 }
 
 /// A log file the application never closes (Redis keeps its AOF open until it exits) is

@@ -120,9 +120,17 @@ impl Split {
     }
 }
 
-/// A python3 program that copies the file named by its argument to stdout: run under the shim,
-/// it reads a log file through the shim (and so recovers it from the peers if it is missing).
-pub const CAT: &str = "import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read())";
+/// Removes the local copy of `log`, then reads it back through the shim (python3 under `env`,
+/// which sets LD_PRELOAD and the cluster): the bytes the log peers recovered.
+pub fn recover_through_shim(log: &Path, env: impl Fn(&mut Command)) -> Vec<u8> {
+    std::fs::remove_file(log).unwrap();
+    let mut cmd = Command::new("python3");
+    cmd.arg("-c").arg("import sys; sys.stdout.buffer.write(open(sys.argv[1], 'rb').read())").arg(log);
+    env(&mut cmd);
+    let out = cmd.output().unwrap();
+    assert!(out.status.success(), "reading {} back through the shim: {}", log.display(), String::from_utf8_lossy(&out.stderr));
+    out.stdout
+}
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
