@@ -7,7 +7,9 @@
 //! node; clients dial any node and may keep many requests in flight on one connection.
 //!
 //! Persistence runs on a dedicated thread owning the [`FileLog`]: appends are taken in order and
-//! batched, one `O_DSYNC` write per batch (group commit), then each durable append is reported.
+//! batched (group commit), each batch one `O_DSYNC` write, or, when it is large or a sync is in
+//! flight, written and synced by a second thread while the next batch is written (see
+//! `Syncer`); each durable append is reported in order.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -153,7 +155,8 @@ pub struct NodeStats {
     pub log_bytes: AtomicU64,
     pub log_compactions: AtomicU64,
     pub recoveries: AtomicU64,
-    /// Durable appends of the log thread: writes (each one sync), bytes, and time spent in them.
+    /// Durable appends: syncs (an `O_DSYNC` write or an `fdatasync` of the syncer), bytes, and
+    /// time spent writing and syncing them (the log thread's and the syncer's, summed).
     pub log_durable_writes: AtomicU64,
     pub log_durable_bytes: AtomicU64,
     pub log_durable_us: AtomicU64,
@@ -182,12 +185,88 @@ fn add_us(c: &AtomicU64, since: Instant) {
     c.fetch_add(since.elapsed().as_micros() as u64, Ordering::Relaxed);
 }
 
+/// Sync jobs queued for the log's syncer thread at most (the log thread waits past it).
+pub const LOG_SYNC_QUEUE_JOBS: usize = 1024;
+
+/// The second half of a pipelined group commit: appends the log thread has written (and
+/// started the write-back of) are made durable here, with one `fdatasync` for every job
+/// queued by then, and reported in order, while the log thread encodes and writes the next
+/// ones. Without it the log thread would wait for each sync (several milliseconds of device
+/// flush) before writing what arrived meanwhile, which paced a catch-up's durable log.
+struct Syncer {
+    tx: std::sync::mpsc::SyncSender<(std::fs::File, Vec<(u64, u64)>)>,
+    /// Jobs sent and not yet reported.
+    pending: Arc<(Mutex<usize>, std::sync::Condvar)>,
+}
+
+impl Syncer {
+    fn spawn(inputs: mpsc::UnboundedSender<Input>, stats: Arc<NodeStats>, extra: Duration) -> Self {
+        let (tx, rx) =
+            std::sync::mpsc::sync_channel::<(std::fs::File, Vec<(u64, u64)>)>(LOG_SYNC_QUEUE_JOBS);
+        let pending = Arc::new((Mutex::new(0usize), std::sync::Condvar::new()));
+        let p = pending.clone();
+        std::thread::Builder::new()
+            .name("kv-log-sync".into())
+            .spawn(move || {
+                // Ends when the log thread drops the sender.
+                while let Ok((mut file, mut seqs)) = rx.recv() {
+                    let mut jobs = 1;
+                    // Every queued job was written before it was queued: one sync covers all.
+                    while let Ok((f, s)) = rx.try_recv() {
+                        file = f;
+                        seqs.extend(s);
+                        jobs += 1;
+                    }
+                    let t = Instant::now();
+                    if let Err(e) = file.sync_data() {
+                        // A node that cannot persist must not acknowledge anything: stop it.
+                        tracing::error!("log sync failed: {e}; stopping");
+                        eprintln!("error: persistent log sync failed: {e}");
+                        std::process::exit(2);
+                    }
+                    if !extra.is_zero() {
+                        std::thread::sleep(extra);
+                    }
+                    stats.log_durable_writes.fetch_add(1, Ordering::Relaxed);
+                    add_us(&stats.log_durable_us, t);
+                    let _ = inputs.send(Input::Persisted(seqs));
+                    let (n, cv) = &*p;
+                    *n.lock().unwrap() -= jobs;
+                    cv.notify_all();
+                }
+            })
+            .expect("spawning the log sync thread");
+        Syncer { tx, pending }
+    }
+
+    fn idle(&self) -> bool {
+        *self.pending.0.lock().unwrap() == 0
+    }
+
+    fn send(&self, file: std::fs::File, seqs: Vec<(u64, u64)>) {
+        *self.pending.0.lock().unwrap() += 1;
+        if self.tx.send((file, seqs)).is_err() {
+            *self.pending.0.lock().unwrap() -= 1;
+        }
+    }
+
+    /// Waits until every job sent is durable and reported.
+    fn drain(&self) {
+        let (n, cv) = &*self.pending;
+        let mut n = n.lock().unwrap();
+        while *n > 0 {
+            n = cv.wait(n).unwrap();
+        }
+    }
+}
+
 fn spawn_log_thread(
     mut flog: FileLog,
     inputs: mpsc::UnboundedSender<Input>,
     stats: Arc<NodeStats>,
 ) -> std::sync::mpsc::Sender<LogJob> {
     let (tx, rx) = std::sync::mpsc::channel::<LogJob>();
+    let syncer = Syncer::spawn(inputs.clone(), stats.clone(), flog.extra_persist_latency());
     std::thread::Builder::new()
         .name("kv-log".into())
         .spawn(move || {
@@ -226,23 +305,31 @@ fn spawn_log_thread(
                         } => log_reads.push((to, cursor, max_bytes)),
                     }
                 }
+                // A small batch with nothing being synced is one `O_DSYNC` write, here (the
+                // shortest wait); any other durable batch is written and handed to the syncer
+                // (behind what it is syncing: completions stay in log order).
+                let alone = syncer.idle() && bytes <= log::DSYNC_WRITE_MAX_BYTES;
                 let res = if recs.is_empty() {
                     Ok(())
                 } else if seqs.is_empty() {
                     flog.append_items_lazy(&recs)
                 } else {
                     let (t, len0, enc0) = (Instant::now(), flog.len_bytes(), flog.encode_us);
-                    let r = flog.append_items_durable(&recs);
+                    let r = if alone {
+                        flog.append_items_durable(&recs)
+                    } else {
+                        flog.append_items_written(&recs)
+                    };
                     stats
                         .log_encode_us
                         .fetch_add(flog.encode_us - enc0, Ordering::Relaxed);
-                    stats.log_durable_writes.fetch_add(1, Ordering::Relaxed);
                     stats
                         .log_durable_bytes
                         .fetch_add(flog.len_bytes() - len0, Ordering::Relaxed);
-                    stats
-                        .log_durable_us
-                        .fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    if alone {
+                        stats.log_durable_writes.fetch_add(1, Ordering::Relaxed);
+                    }
+                    add_us(&stats.log_durable_us, t);
                     r
                 };
                 if let Err(e) = res {
@@ -251,8 +338,26 @@ fn spawn_log_thread(
                     eprintln!("error: persistent log append failed: {e}");
                     std::process::exit(2);
                 }
-                if !seqs.is_empty() && inputs.send(Input::Persisted(seqs)).is_err() {
-                    return;
+                if !seqs.is_empty() {
+                    if alone {
+                        if inputs.send(Input::Persisted(seqs)).is_err() {
+                            return;
+                        }
+                    } else {
+                        match flog.sync_handle() {
+                            Ok(f) => syncer.send(f, seqs),
+                            Err(e) => {
+                                tracing::error!("log sync handle: {e}; stopping");
+                                eprintln!("error: persistent log sync handle: {e}");
+                                std::process::exit(2);
+                            }
+                        }
+                    }
+                }
+                // Rebuilds, reads and compaction see a log whose appends are all durable (a
+                // compaction replaces the file the syncer's handles refer to).
+                if !reads.is_empty() || !log_reads.is_empty() || flog.wants_compaction() {
+                    syncer.drain();
                 }
                 for r in reads {
                     let _ = r.send(flog.rebuild_state().unwrap_or_default());
