@@ -354,9 +354,12 @@ fn spawn_log_thread(
                         }
                     }
                 }
-                // Rebuilds, reads and compaction see a log whose appends are all durable (a
-                // compaction replaces the file the syncer's handles refer to).
-                if !reads.is_empty() || !log_reads.is_empty() || flog.wants_compaction() {
+                // A rebuild and a compaction see a log whose appends are all durable (and a
+                // compaction replaces the file the syncer's handles refer to). A log read of
+                // the reactive baseline does not wait for the sync: it reads every append
+                // written before it (from the page cache), and what it sends is judged
+                // against the store, not against this log's durability.
+                if !reads.is_empty() || flog.wants_compaction() {
                     syncer.drain();
                 }
                 for r in reads {
