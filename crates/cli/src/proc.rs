@@ -49,6 +49,36 @@ pub fn signal(pid: u32, sig: libc::c_int) -> bool {
     unsafe { libc::kill(pid as libc::pid_t, sig) == 0 }
 }
 
+/// SIGKILLs every process of process group `pgid` and waits, at most `timeout`, until none is
+/// left alive (zombies hold no mount: their cwd and files are released at exit). Returns whether
+/// the group is gone.
+pub fn kill_group(pgid: u32, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        // SAFETY: kill(2) has no memory-safety preconditions; a negative pid names a group.
+        unsafe { libc::kill(-(pgid as libc::pid_t), libc::SIGKILL) };
+        if !group_alive(pgid) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Whether any live (non-zombie) process is in process group `pgid`.
+fn group_alive(pgid: u32) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return false };
+    dir.filter_map(Result::ok).filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit())).any(|e| {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { return false };
+        // After the parenthesised command name: state, ppid, pgrp.
+        let mut f = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace()).into_iter().flatten();
+        let state = f.next();
+        state != Some("Z") && f.nth(1).and_then(|g| g.parse::<u32>().ok()) == Some(pgid)
+    })
+}
+
 /// Whether a process with this pid exists (and is not a zombie).
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
