@@ -708,13 +708,18 @@ print(len(lat), el)
 /// interpreter around either call) with one clock, N each, interleaved in 10 blocks so both see
 /// the same machine load. The round trip's other end is a child process the program forks (a
 /// process of its own with a blocking read/write loop and TCP_NODELAY, as a log peer's
-/// connection thread). Args: path, N, and `rtt` to time round trips too. Prints both medians in
-/// µs (the round trip's 0 without `rtt`) and the process's peak RSS in bytes.
+/// connection thread); its reply is waited for as the shim waits for acks (polled without
+/// sleeping, yielding, for `UNDERSTUDY_NEARLOG_SPIN_US`, default 50 µs, then blocking), so the
+/// client's own wake-up is left out of both alike. Args: path, N, and `rtt` to time round trips
+/// too. Prints both medians in µs (the round trip's 0 without `rtt`) and the process's peak RSS
+/// in bytes.
 const WRITE_FSYNC_C: &str = r#"
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -751,6 +756,7 @@ int main(int argc, char **argv) {
         setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     }
     long long *wf = calloc(n, sizeof *wf), *rtt = calloc(n, sizeof *rtt);
+    long long spin_ns = getenv("UNDERSTUDY_NEARLOG_SPIN_US") ? atoll(getenv("UNDERSTUDY_NEARLOG_SPIN_US")) * 1000 : 50000;
     char buf[64] = {'r'};
     int k = 0, j = 0, blocks = 10;
     for (int b = 0; b < blocks; b++) {
@@ -762,6 +768,8 @@ int main(int argc, char **argv) {
         for (int i = 0; s >= 0 && i < n / blocks; i++) {
             long long t0 = now_ns();
             if (send(s, buf, 64, 0) != 64) { perror("send"); return 1; }
+            struct pollfd p = {s, POLLIN, 0};
+            while (poll(&p, 1, 0) == 0 && now_ns() < t0 + spin_ns) sched_yield();
             for (int got = 0; got < 64;) { ssize_t r = recv(s, buf + got, 64 - got, 0); if (r <= 0) { perror("recv"); return 1; } got += r; }
             rtt[j++] = now_ns() - t0;
         }
@@ -910,11 +918,11 @@ fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
         let mem = PeerMemory::start(&rt, &tb.log);
 
         // write+fsync of 64 B through the shim against a loopback round trip of 64 B to another
-        // process, both timed by one compiled program, interleaved. Where the scheduler puts the
-        // two ends of a round trip decides its cost (same vCPU: a direct switch, ~14 us here;
-        // different vCPUs: a cross-CPU wake-up each way, 35-60 us at load, and it holds for a
-        // process's life), the peers' alike: so the timer runs TIMER_RUNS times (fresh
-        // processes) and the run with the median ratio is reported.
+        // process, both timed by one compiled program, interleaved, the reply awaited as the
+        // shim awaits acks. Where the scheduler puts the two ends decides a round trip's cost
+        // (same vCPU: a direct switch, ~14 us here; different vCPUs: a cross-CPU wake-up, 35-60 us
+        // at load, often for a process's life), the peers' alike: so the timer runs TIMER_RUNS
+        // times (fresh processes) and the run with the median ratio is reported.
         let n = if c.quick { 1000 } else { 4000 };
         let wf_dir = tb.run_dir("write-fsync")?;
         let timer = |file: &str, n: usize, shim: bool| -> anyhow::Result<(f64, f64, f64)> {
@@ -1293,4 +1301,30 @@ fn read_direct_s(path: &Path) -> anyhow::Result<f64> {
         pos += n as u64;
     }
     Ok(t0.elapsed().as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What an application forked (as Redis forks its AOF rewrite) dies with it.
+    #[test]
+    fn an_applications_children_die_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("child.pid");
+        let mut c = app_command("sh");
+        c.arg("-c").arg(format!("sleep 600 & echo $! > {}; wait", pidfile.display()));
+        let app = KillOnDrop(c.spawn().unwrap());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let child = loop {
+            if let Some(p) = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse::<u32>().ok()) {
+                break p;
+            }
+            assert!(Instant::now() < deadline, "the shell did not start its child");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(crate::proc::alive(child));
+        drop(app);
+        assert!(!crate::proc::alive(child), "the application's child {child} outlived it");
+    }
 }
