@@ -23,25 +23,30 @@ pub fn spawn_self(args: &[String], log: &Path, env: &[(&str, String)]) -> anyhow
         .open(log)
         .with_context(|| format!("cannot open log file {}", log.display()))?;
     let err = out.try_clone()?;
-    let parent = std::process::id() as libc::pid_t;
     let mut cmd = Command::new(exe);
     cmd.args(args).stdin(Stdio::null()).stdout(Stdio::from(out)).stderr(Stdio::from(err));
     for (k, v) in env {
         cmd.env(k, v);
     }
+    own_group_dying_with_parent(&mut cmd, libc::SIGTERM);
+    cmd.spawn().with_context(|| format!("cannot start `understudy {}`", args.join(" ")))
+}
+
+/// Makes `cmd`'s process lead a process group of its own, with `sig` as its parent-death signal.
+pub fn own_group_dying_with_parent(cmd: &mut Command, sig: libc::c_int) {
+    let parent = std::process::id() as libc::pid_t;
     // SAFETY: only async-signal-safe calls (setpgid, prctl, getppid, kill) between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             libc::setpgid(0, 0);
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, sig as libc::c_ulong, 0, 0, 0);
             // The parent may have died before prctl: then nobody would stop us.
             if libc::getppid() != parent {
-                libc::kill(libc::getpid(), libc::SIGTERM);
+                libc::kill(libc::getpid(), sig);
             }
             Ok(())
         });
     }
-    cmd.spawn().with_context(|| format!("cannot start `understudy {}`", args.join(" ")))
 }
 
 pub fn signal(pid: u32, sig: libc::c_int) -> bool {

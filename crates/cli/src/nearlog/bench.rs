@@ -223,20 +223,8 @@ const APP_RUN_TIMEOUT: Duration = Duration::from_secs(900);
 /// in its own process group (killed as a whole by [`KillOnDrop`]), with SIGKILL as its
 /// parent-death signal (a terminal's Ctrl-C no longer reaches it through the bench's group).
 fn app_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
-    use std::os::unix::process::CommandExt;
-    let parent = std::process::id() as libc::pid_t;
     let mut c = Command::new(program);
-    // SAFETY: only async-signal-safe calls (setpgid, prctl, getppid, kill) between fork and exec.
-    unsafe {
-        c.pre_exec(move || {
-            libc::setpgid(0, 0);
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
-            if libc::getppid() != parent {
-                libc::kill(libc::getpid(), libc::SIGKILL);
-            }
-            Ok(())
-        });
-    }
+    crate::proc::own_group_dying_with_parent(&mut c, libc::SIGKILL);
     c
 }
 
