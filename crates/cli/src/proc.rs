@@ -23,30 +23,65 @@ pub fn spawn_self(args: &[String], log: &Path, env: &[(&str, String)]) -> anyhow
         .open(log)
         .with_context(|| format!("cannot open log file {}", log.display()))?;
     let err = out.try_clone()?;
-    let parent = std::process::id() as libc::pid_t;
     let mut cmd = Command::new(exe);
     cmd.args(args).stdin(Stdio::null()).stdout(Stdio::from(out)).stderr(Stdio::from(err));
     for (k, v) in env {
         cmd.env(k, v);
     }
+    own_group_dying_with_parent(&mut cmd, libc::SIGTERM);
+    cmd.spawn().with_context(|| format!("cannot start `understudy {}`", args.join(" ")))
+}
+
+/// Makes `cmd`'s process lead a process group of its own, with `sig` as its parent-death signal.
+pub fn own_group_dying_with_parent(cmd: &mut Command, sig: libc::c_int) {
+    let parent = std::process::id() as libc::pid_t;
     // SAFETY: only async-signal-safe calls (setpgid, prctl, getppid, kill) between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             libc::setpgid(0, 0);
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, sig as libc::c_ulong, 0, 0, 0);
             // The parent may have died before prctl: then nobody would stop us.
             if libc::getppid() != parent {
-                libc::kill(libc::getpid(), libc::SIGTERM);
+                libc::kill(libc::getpid(), sig);
             }
             Ok(())
         });
     }
-    cmd.spawn().with_context(|| format!("cannot start `understudy {}`", args.join(" ")))
 }
 
 pub fn signal(pid: u32, sig: libc::c_int) -> bool {
     // SAFETY: kill(2) has no memory-safety preconditions.
     unsafe { libc::kill(pid as libc::pid_t, sig) == 0 }
+}
+
+/// SIGKILLs every process of process group `pgid` and waits, at most `timeout`, until none is
+/// left alive (zombies hold no mount: their cwd and files are released at exit). Returns whether
+/// the group is gone.
+pub fn kill_group(pgid: u32, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        // SAFETY: kill(2) has no memory-safety preconditions; a negative pid names a group.
+        unsafe { libc::kill(-(pgid as libc::pid_t), libc::SIGKILL) };
+        if !group_alive(pgid) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Whether any live (non-zombie) process is in process group `pgid`.
+fn group_alive(pgid: u32) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return false };
+    dir.filter_map(Result::ok).filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit())).any(|e| {
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { return false };
+        // After the parenthesised command name: state, ppid, pgrp.
+        let mut f = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace()).into_iter().flatten();
+        let state = f.next();
+        state != Some("Z") && f.nth(1).and_then(|g| g.parse::<u32>().ok()) == Some(pgid)
+    })
 }
 
 /// Whether a process with this pid exists (and is not a zombie).
