@@ -994,13 +994,15 @@ fn backups_that_always_crash_give_up_with_the_volume_intact() {
     let status = m.exit_status(Duration::from_secs(60)).expect("the monitor did not exit after giving up");
     assert!(!status.success());
     assert_eq!(case.volumes(), vec!["db".to_string()], "the volume is intact and no child is left");
-    // The application fixed, the monitor restarted: it boots on the volume again.
+    // The application fixed, the monitor restarted: it kills the instance it gave up on
+    // (gone already) and restarts on the volume, as REDS does.
     let mut spec: Value = serde_json::from_slice(&std::fs::read(&case.spec).unwrap()).unwrap();
     spec["app"]["command"] = sqlite_after("", 0).into();
     spec["mkfs"] = false.into();
     std::fs::write(&case.spec, serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
-    let mut m = case.monitor();
-    m.wait("primary_up", WAIT);
+    let mut m = Monitor::start(&case.up, &case.spec);
+    let r = m.wait("reds_restarted", WAIT);
+    assert_eq!(case.event_volume(&r), "db", "{r}");
     load.wait_flowing("after the restart on the fixed application");
     load.finish();
     m.wait_settled();
