@@ -360,8 +360,12 @@ async fn cell(
     samples: &mut Vec<Sample>,
 ) -> anyhow::Result<()> {
     let vol = format!("rec-{}-{wal}", app.name());
-    // MariaDB's InnoDB alone takes ~110 MiB (system tablespace, 96 MiB redo log).
-    let size = 512 * 1024 * 1024 + wal_bytes * 4;
+    // MariaDB's InnoDB alone takes ~110 MiB (system tablespace, 96 MiB redo log). Every crash
+    // round (and the warm-up) leaves about a WAL's worth of rows in the table, and the WAL
+    // itself is kept up to PostgreSQL's max_wal_size (2.5 WALs): a full run of the large WAL
+    // filled a volume sized for 4 WALs ("No space left on device"). Thin: unused size is free.
+    let crash_rounds = 1 + 2 * rounds * failures.len();
+    let size = 512 * 1024 * 1024 + wal_bytes * (4 + crash_rounds as u64);
     match cluster.meta(MetaReq::Create { name: vol.clone(), size_bytes: size.next_multiple_of(4 << 20), object_size_bytes: volume::meta::DEFAULT_OBJECT_SIZE_BYTES }).await {
         Ok(_) => {}
         Err(e) => anyhow::bail!("creating volume {vol}: {e:#}"),
