@@ -98,6 +98,9 @@ enum App {
     /// `backup_delay_s`: every instance but the first sleeps that long before starting (a long
     /// recovery on the backup, as in Figure 6's false-positive scenario).
     Sqlite { housekeeping_ms: u64, backup_delay_s: u64 },
+    /// The SQLite front, but every instance other than these is SIGKILLed 1 s into its start
+    /// (a backup that crashes during recovery).
+    SqliteCrashingExcept(&'static [&'static str]),
     Postgres,
     Mariadb,
     Command(Vec<String>),
@@ -138,12 +141,9 @@ fn write_spec(dir: &Path, volume: &str, o: &Opts) -> (PathBuf, u16) {
         App::Sqlite { housekeeping_ms, backup_delay_s: 0 } => {
             strings(&[BIN, "failover", "sqlite-front", "--db", "{mount}/app.db", "--port", "{port}", "--housekeeping-ms", &housekeeping_ms.to_string()])
         }
-        App::Sqlite { housekeeping_ms, backup_delay_s } => {
-            let script = format!(
-                "[ \"$UNDERSTUDY_INSTANCE\" = i1 ] || sleep {backup_delay_s}; \
-                 exec \"$0\" failover sqlite-front --db \"$UNDERSTUDY_MOUNT/app.db\" --port \"$UNDERSTUDY_PORT\" --housekeeping-ms {housekeeping_ms}"
-            );
-            strings(&["sh", "-c", &script, BIN])
+        App::Sqlite { housekeeping_ms, backup_delay_s } => sqlite_after(&format!("[ \"$UNDERSTUDY_INSTANCE\" = i1 ] || sleep {backup_delay_s};"), *housekeeping_ms),
+        App::SqliteCrashingExcept(healthy) => {
+            sqlite_after(&format!("case \"$UNDERSTUDY_INSTANCE\" in {}) ;; *) sleep 1; kill -9 $$;; esac;", healthy.join("|")), 0)
         }
     };
     let health = match &o.app {
@@ -172,6 +172,15 @@ fn write_spec(dir: &Path, volume: &str, o: &Opts) -> (PathBuf, u16) {
     let path = dir.join("spec.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
     (path, port)
+}
+
+/// The SQLite front started by a shell that first runs `prelude` (which sees the instance as
+/// `$UNDERSTUDY_INSTANCE`).
+fn sqlite_after(prelude: &str, housekeeping_ms: u64) -> Vec<String> {
+    let script = format!(
+        "{prelude} exec \"$0\" failover sqlite-front --db \"$UNDERSTUDY_MOUNT/app.db\" --port \"$UNDERSTUDY_PORT\" --housekeeping-ms {housekeeping_ms}"
+    );
+    strings(&["sh", "-c", &script, BIN])
 }
 
 /// The cluster every case of this binary shares: started by the first case, stopped (and its
@@ -940,6 +949,64 @@ fn bad_specs_and_never_healthy_apps_get_clear_errors() {
     let v: Value = serde_json::from_str(&up.ok(&["volume", "list", "--json"])).unwrap();
     let names: Vec<&str> = v.as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).filter(|n| n.starts_with("bad")).collect();
     assert_eq!(names, ["bad"], "the volume is intact, and no child was made");
+}
+
+/// A backup that crashes during its recovery (SIGKILLed 1 s into its start) is killed and
+/// started again on the same child (`max_backup_starts` 2 here): the second backup is promoted
+/// and every acknowledged commit is kept.
+#[test]
+fn backup_crashing_during_recovery_is_restarted_and_promoted() {
+    if skip() {
+        return;
+    }
+    let case = Case::new("backup-crash", &Opts { app: App::SqliteCrashingExcept(&["i1", "i3"]), ..Opts::default() });
+    let mut m = case.monitor();
+    let (p, _) = fault_under_load(&mut m, case.load(&[]), "kill", 0, &["promoted"]);
+    let backups: Vec<&Value> = m.seen.iter().filter(|e| e["event"] == "backup_started").collect();
+    assert_eq!(backups.len(), 2, "one backup crashed, one more started: {:?}", m.seen);
+    assert_eq!(backups[0]["volume"], backups[1]["volume"], "both on the same child: {backups:?}");
+    assert_eq!(p["instance"], backups[1]["instance"], "the second backup is promoted: {p}");
+    assert!(m.seen.iter().all(|e| e["event"] != "aborted"), "{:?}", m.seen);
+    assert_eq!(case.volumes(), vec![case.event_volume(&p)]);
+}
+
+/// Every backup crashes during recovery: each speculation is aborted after `max_backup_starts`
+/// (the child dropped, the parent kept), after `max_aborts` the monitor falls back to REDS,
+/// whose restarts on the volume crash too, and it gives up with a clear error — the volume
+/// intact, no child left. Restarted once the application is fixed, the monitor boots on the
+/// volume again and every commit acknowledged before the crash is there.
+#[test]
+fn backups_that_always_crash_give_up_with_the_volume_intact() {
+    if skip() {
+        return;
+    }
+    let case = Case::new("backups-crash", &Opts { app: App::SqliteCrashingExcept(&["i1"]), reds_timeout_ms: 2_000, ..Opts::default() });
+    let mut m = case.monitor();
+    let load = case.load(&[]);
+    load.wait_acked(FLOWING_COMMITS, "before the kill");
+    m.inject("kill", 0);
+    let g = m.wait("gave_up", WAIT);
+    assert!(g["reason"].as_str().unwrap().contains(&format!("volume {} is intact", case.vol)), "{g}");
+    let aborted: Vec<&Value> = m.seen.iter().filter(|e| e["event"] == "aborted").collect();
+    assert!(aborted.iter().filter(|e| e["reason"].as_str().unwrap().contains("failed 2 times")).count() >= 2, "{:?}", m.seen);
+    assert!(m.seen.iter().any(|e| e["event"] == "reds_timeout"), "{:?}", m.seen);
+    assert!(m.seen.iter().all(|e| e["event"] != "promoted"), "{:?}", m.seen);
+    let status = m.exit_status(Duration::from_secs(60)).expect("the monitor did not exit after giving up");
+    assert!(!status.success());
+    assert_eq!(case.volumes(), vec!["db".to_string()], "the volume is intact and no child is left");
+    // The application fixed, the monitor restarted: it kills the instance it gave up on
+    // (gone already) and restarts on the volume, as REDS does.
+    let mut spec: Value = serde_json::from_slice(&std::fs::read(&case.spec).unwrap()).unwrap();
+    spec["app"]["command"] = sqlite_after("", 0).into();
+    spec["mkfs"] = false.into();
+    std::fs::write(&case.spec, serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
+    let mut m = Monitor::start(&case.up, &case.spec);
+    let r = m.wait("reds_restarted", WAIT);
+    assert_eq!(case.event_volume(&r), "db", "{r}");
+    load.wait_flowing("after the restart on the fixed application");
+    load.finish();
+    m.wait_settled();
+    assert_eq!(case.volumes(), vec!["db".to_string()]);
 }
 
 #[test]

@@ -150,8 +150,13 @@ pub enum Phase {
     /// REDS: the backup is healthy; re-point the endpoint.
     RedsPointing { backup: InstanceId },
     /// Nothing more to try (an application that never becomes healthy): needs an operator.
-    /// The volume is intact.
-    Failed { reason: String },
+    /// The volume is intact. `last`: the instance started last (killed on giving up; killed
+    /// again by a restarted monitor before it starts one, in case that kill never ran).
+    Failed {
+        reason: String,
+        #[serde(default)]
+        last: Option<InstanceId>,
+    },
 }
 
 /// Journals written before `Phase::Aborting::counts` existed counted every abort.
@@ -298,6 +303,16 @@ impl Monitor {
             detected_ms: None,
         };
         let mut m = m;
+        // A monitor that gave up stopped its instances (the old primary fenced first):
+        // restarted, its cause fixed one hopes, it starts the application again on its volume
+        // rather than sit without a primary — after killing the instance it started last, as
+        // REDS does, should the crash have cut in before that kill.
+        if let Phase::Failed { last, .. } = m.d.phase {
+            match last {
+                Some(old) => m.d.phase = Phase::RedsFencing { old },
+                None => m.boot_again(now_ms),
+            }
+        }
         m.detected_ms = m.d.silent_since_ms;
         let mut acts = vec![];
         // The endpoint lives in the monitor's process: a restarted monitor points it again at
@@ -319,11 +334,16 @@ impl Monitor {
     /// taken for failed. Mid-failover phases stay as they are and resume.
     pub fn shutdown(&mut self, now_ms: u64) {
         if self.d.phase == Phase::Normal {
-            let id = self.new_instance();
-            self.d.primary = id;
-            self.d.silent_since_ms = None;
-            self.d.phase = Phase::Booting { instance: id, since_ms: now_ms, healthy: false };
+            self.boot_again(now_ms);
         }
+    }
+
+    /// A new primary instance is to boot on the volume (no instance runs).
+    fn boot_again(&mut self, now_ms: u64) {
+        let id = self.new_instance();
+        self.d.primary = id;
+        self.d.silent_since_ms = None;
+        self.d.phase = Phase::Booting { instance: id, since_ms: now_ms, healthy: false };
     }
 
     pub fn durable(&self) -> &Durable {
@@ -548,8 +568,7 @@ impl Monitor {
         match self.d.phase.clone() {
             Phase::Booting { instance, since_ms, healthy: false } if now_ms.saturating_sub(since_ms) > healthy_timeout => {
                 let reason = format!("instance {instance} did not become healthy within {healthy_timeout} ms");
-                out.push(Action::KillInstance(instance));
-                self.fail(reason, out);
+                self.fail(reason, instance, out);
             }
             Phase::Recovering { backup, since_ms, stopping: false, .. } if now_ms.saturating_sub(since_ms) > healthy_timeout => {
                 self.on_instance_failed(now_ms, backup, &format!("not healthy within {healthy_timeout} ms"), out);
@@ -564,9 +583,11 @@ impl Monitor {
         }
     }
 
-    fn fail(&mut self, reason: String, out: &mut Vec<Action>) {
+    /// Gives up: `last` (the instance started last) is being killed.
+    fn fail(&mut self, reason: String, last: InstanceId, out: &mut Vec<Action>) {
         tracing::error!("{reason}");
-        self.d.phase = Phase::Failed { reason: reason.clone() };
+        out.push(Action::KillInstance(last));
+        self.d.phase = Phase::Failed { reason: reason.clone(), last: Some(last) };
         out.push(Action::Notify(Event::GaveUp { reason }));
     }
 
@@ -693,8 +714,7 @@ impl Monitor {
     fn on_instance_failed(&mut self, now_ms: u64, id: InstanceId, why: &str, out: &mut Vec<Action>) {
         match self.d.phase.clone() {
             Phase::Booting { instance, healthy: false, .. } if instance == id => {
-                out.push(Action::KillInstance(instance));
-                self.fail(format!("the first instance failed to start: {why}"), out);
+                self.fail(format!("the first instance failed to start: {why}"), instance, out);
             }
             Phase::Recovering { child, backup, attempt, since_ms, stopping: false } if backup == id => {
                 if attempt >= self.cfg.max_backup_starts {
@@ -713,8 +733,7 @@ impl Monitor {
             }
             Phase::RedsStarting { old, backup, attempt, since_ms, stopping: false } if backup == id => {
                 if attempt >= self.cfg.max_backup_starts {
-                    out.push(Action::KillInstance(backup));
-                    self.fail(format!("REDS restart failed {attempt} times (last: {why}); volume {} is intact", self.d.volume), out);
+                    self.fail(format!("REDS restart failed {attempt} times (last: {why}); volume {} is intact", self.d.volume), backup, out);
                 } else {
                     self.d.phase = Phase::RedsStarting { old, backup, attempt, since_ms, stopping: true };
                     out.extend(self.phase_actions());
@@ -857,6 +876,27 @@ mod tests {
         assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1))]);
         m.handle(now, Input::EndpointPointed(InstanceId(1)));
         assert_eq!(m.durable().phase, Phase::Normal);
+    }
+
+    #[test]
+    fn a_monitor_restarted_after_giving_up_boots_on_its_volume_again() {
+        let cfg = MonitorConfig { healthy_timeout_ms: 1_000, ..MonitorConfig::default() };
+        let (mut m, _) = Monitor::new(cfg.clone(), "db".into(), 0);
+        let a = m.handle(2_000, Input::Tick);
+        assert!(a.iter().any(|a| matches!(a, Action::Notify(Event::GaveUp { .. }))), "{a:?}");
+        assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
+        // Restarted: the instance it gave up on is killed again (that kill may never have
+        // run), and only once it is stopped is one started on the volume.
+        let (mut m, a) = Monitor::recover(cfg.clone(), m.durable().clone(), 3_000);
+        assert_eq!(a, vec![Action::FreezeEndpoint, Action::KillInstance(InstanceId(1))]);
+        let a = m.handle(3_100, Input::InstanceStopped(InstanceId(1)));
+        assert!(a.contains(&Action::StartInstance { id: InstanceId(2), volume: "db".into() }), "{a:?}");
+        // A journal from before `last` was recorded: no instance to kill, a plain boot.
+        let mut d = m.durable().clone();
+        d.phase = serde_json::from_str(r#"{"Failed":{"reason":"old"}}"#).unwrap();
+        let (m, a) = Monitor::recover(cfg, d, 4_000);
+        assert_eq!(a, vec![Action::StartInstance { id: InstanceId(3), volume: "db".into() }]);
+        assert_eq!(m.durable().phase, Phase::Booting { instance: InstanceId(3), since_ms: 4_000, healthy: false });
     }
 
     #[test]

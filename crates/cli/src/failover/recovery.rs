@@ -11,7 +11,8 @@
 //! volume itself (plain) or a backup on a super child that is then promoted by collapse, as a
 //! speculative failover does — which becomes the next round's primary. Each is timed from the
 //! moment its process starts (the volume is attached by then) to its first good health check;
-//! a cell's figure is the median of its rounds.
+//! a cell's figure is the median of its rounds. Every recovery prints what the shards did
+//! meanwhile (child first writes, in-place writes, reads: their counters before and after).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -97,6 +98,17 @@ struct Sample {
     attach_ms: f64,
     /// Where start → healthy went.
     parts: Option<Breakdown>,
+}
+
+/// One instance recovered: where it serves, its times, where they went.
+struct Recovered {
+    id: InstanceId,
+    addr: SocketAddr,
+    attach_ms: f64,
+    app_ms: f64,
+    parts: Option<Breakdown>,
+    /// What the shards did from the start to the first good health check.
+    work: Option<super::shardtrace::PhaseWork>,
 }
 
 fn app_spec(exe: &Path, app: App, wal_bytes: u64) -> (AppSpec, HealthSpec) {
@@ -270,6 +282,8 @@ struct Bench {
     volumes: Volumes,
     health: HealthSpec,
     next_id: u64,
+    /// The shards' metrics addresses (their counters around each recovery).
+    shard_metrics: Vec<String>,
 }
 
 impl Bench {
@@ -278,18 +292,41 @@ impl Bench {
         InstanceId(self.next_id)
     }
 
-    /// Starts an instance on `vol`; returns (its address, attach ms, app recovery ms) and where
-    /// the time went.
-    async fn recover_on(&mut self, vol: &str) -> anyhow::Result<(InstanceId, SocketAddr, f64, f64, Option<Breakdown>)> {
+    /// The shards' counters now (blocking scrapes, off the runtime's threads).
+    async fn counters(&self) -> Option<super::shardtrace::Counters> {
+        let addrs = self.shard_metrics.clone();
+        tokio::task::spawn_blocking(move || super::shardtrace::scrape(&addrs)).await.ok().flatten()
+    }
+
+    /// Starts an instance on `vol` and waits for its first good health check.
+    async fn recover_on(&mut self, vol: &str) -> anyhow::Result<Recovered> {
         let id = self.id();
+        let before = self.counters().await;
         let t0 = Instant::now();
         let asked_unix = ::failover::driver::now_unix_ms() as f64;
         let addr = self.pool.start(id, vol).await.with_context(|| format!("starting an instance on {vol}"))?;
         let started = Instant::now();
         let healthy = wait_healthy(&self.pool, &self.health, addr, id).await?;
         let healthy_unix = ::failover::driver::now_unix_ms() as f64 - healthy.elapsed().as_secs_f64() * 1000.0;
-        let b = self.pool.start_timing(id).and_then(|t| super::breakdown::of(asked_unix, healthy_unix, &t, &self.pool.log_file(id), 0.0));
-        Ok((id, addr, (started - t0).as_secs_f64() * 1000.0, (healthy - started).as_secs_f64() * 1000.0, b))
+        let parts = self.pool.start_timing(id).and_then(|t| super::breakdown::of(asked_unix, healthy_unix, &t, &self.pool.log_file(id), 0.0));
+        let work = before.zip(self.counters().await).map(|(b, a)| super::shardtrace::work_between(&b, &a));
+        Ok(Recovered { id, addr, attach_ms: (started - t0).as_secs_f64() * 1000.0, app_ms: (healthy - started).as_secs_f64() * 1000.0, parts, work })
+    }
+
+    /// Waits until the metadata service has no job left: a promotion's garbage collection
+    /// (the parent's objects handed to the child) is over before the next round loads the
+    /// volume, so no round pays for the previous one's.
+    async fn wait_gc_end(&self) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        loop {
+            match self.meta(MetaReq::Jobs).await? {
+                MetaResp::Jobs(j) if j.is_empty() => return Ok(()),
+                MetaResp::Jobs(_) => {}
+                other => anyhow::bail!("unexpected answer to Jobs: {other:?}"),
+            }
+            anyhow::ensure!(t0.elapsed() < FILL_TIMEOUT, "garbage collection still running after {FILL_TIMEOUT:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     async fn meta(&self, req: MetaReq) -> anyhow::Result<MetaResp> {
@@ -302,7 +339,8 @@ impl Bench {
 /// the primary to the same WAL size and fails it; with `general`, a general clone of the failed
 /// state is recovered first (the same for both kinds); then the round's kind recovers: a restart
 /// on the volume itself (plain), or a backup on a super child that is then collapsed —
-/// promoted, as in a speculative failover — and carries on as the volume. Either way the
+/// promoted, as in a speculative failover — and carries on as the volume once its garbage
+/// collection has ended (so the next round does not pay for this one's). Either way the
 /// recovered instance is the next round's primary. Alternating the kinds over rounds cancels the
 /// machine's drift (a neighbour's build, a warming cache) instead of always favouring the one
 /// measured second.
@@ -312,6 +350,7 @@ async fn cell(
     conn_args: &[String],
     dir: &Path,
     cluster: Arc<volume::client::Cluster>,
+    shard_metrics: &[String],
     app: App,
     wal: &'static str,
     wal_bytes: u64,
@@ -321,8 +360,12 @@ async fn cell(
     samples: &mut Vec<Sample>,
 ) -> anyhow::Result<()> {
     let vol = format!("rec-{}-{wal}", app.name());
-    // MariaDB's InnoDB alone takes ~110 MiB (system tablespace, 96 MiB redo log).
-    let size = 512 * 1024 * 1024 + wal_bytes * 4;
+    // MariaDB's InnoDB alone takes ~110 MiB (system tablespace, 96 MiB redo log). Every crash
+    // round (and the warm-up) leaves about a WAL's worth of rows in the table, and the WAL
+    // itself is kept up to PostgreSQL's max_wal_size (2.5 WALs): a full run of the large WAL
+    // filled a volume sized for 4 WALs ("No space left on device"). Thin: unused size is free.
+    let crash_rounds = 1 + 2 * rounds * failures.len();
+    let size = 512 * 1024 * 1024 + wal_bytes * (4 + crash_rounds as u64);
     match cluster.meta(MetaReq::Create { name: vol.clone(), size_bytes: size.next_multiple_of(4 << 20), object_size_bytes: volume::meta::DEFAULT_OBJECT_SIZE_BYTES }).await {
         Ok(_) => {}
         Err(e) => anyhow::bail!("creating volume {vol}: {e:#}"),
@@ -345,20 +388,21 @@ async fn cell(
         },
         tx,
     )?);
-    let mut b = Bench { pool: pool.clone(), volumes: Volumes { cluster }, health, next_id: 0 };
+    let mut b = Bench { pool: pool.clone(), volumes: Volumes { cluster }, health, next_id: 0, shard_metrics: shard_metrics.to_vec() };
     let r = async {
         // The volume the primary runs on (after a promotion: the promoted child).
         let mut cur = vol.clone();
-        let (mut primary, mut addr, _, boot_ms, _) = b.recover_on(&cur).await?;
-        eprintln!("failover recovery bench: {} {wal}: primary up ({boot_ms:.0} ms to healthy)", app.name());
+        let r = b.recover_on(&cur).await?;
+        let (mut primary, mut addr) = (r.id, r.addr);
+        eprintln!("failover recovery bench: {} {wal}: primary up ({:.0} ms to healthy)", app.name(), r.app_ms);
         // One crash round not recorded: the first recovery after a fresh database is much
         // slower (seen: 2-3x for PostgreSQL), and would count against whichever kind the
         // ABBA order happens to put first.
         fill(app, addr, &pool.mount_dir(primary), wal_bytes).await?;
         pool.kill(primary).await?;
-        let (id, a, _, warm_ms, _) = b.recover_on(&cur).await?;
-        eprintln!("failover recovery bench: {} {wal}: warm-up crash round ({warm_ms:.0} ms to healthy, not recorded)", app.name());
-        (primary, addr) = (id, a);
+        let r = b.recover_on(&cur).await?;
+        eprintln!("failover recovery bench: {} {wal}: warm-up crash round ({:.0} ms to healthy, not recorded)", app.name(), r.app_ms);
+        (primary, addr) = (r.id, r.addr);
         let mut n = 0;
         for &failure in failures {
             for kind in bench::interleaved_order(rounds, 2) {
@@ -368,39 +412,47 @@ async fn cell(
                     "unclean" => pool.kill(primary).await?,
                     _ => pool.stop(primary).await?,
                 }
-                let mut record = |clone: &'static str, attach_ms: f64, app_ms: f64, parts: Option<Breakdown>| {
+                let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+                let load: String = load.split_whitespace().next().unwrap_or("?").into();
+                let mut record = |clone: &'static str, r: Recovered| {
                     eprintln!(
-                        "failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on {clone}: attach {attach_ms:.0} ms, app recovery {app_ms:.0} ms ({})",
+                        "failover recovery bench: {} {wal} WAL ({have} bytes) {failure} on {clone}: attach {:.0} ms, app recovery {:.0} ms (load {load}; {}); shards: {}",
                         app.name(),
-                        parts.as_ref().map(Breakdown::line).unwrap_or_default()
+                        r.attach_ms,
+                        r.app_ms,
+                        r.parts.as_ref().map(Breakdown::line).unwrap_or_default(),
+                        r.work.as_ref().map(super::shardtrace::PhaseWork::line).unwrap_or_else(|| "no counters".into()),
                     );
-                    samples.push(Sample { app, wal, failure, clone, wal_bytes: have, app_recovery_ms: app_ms, attach_ms, parts });
+                    samples.push(Sample { app, wal, failure, clone, wal_bytes: have, app_recovery_ms: r.app_ms, attach_ms: r.attach_ms, parts: r.parts });
                 };
                 if general {
                     let child = format!("{vol}.general-{n}");
                     b.meta(MetaReq::CloneGeneral { parent: cur.clone(), child: child.clone() }).await.context("general clone")?;
-                    let (id, _, attach_ms, app_ms, parts) = b.recover_on(&child).await?;
-                    record("general", attach_ms, app_ms, parts);
+                    let r = b.recover_on(&child).await?;
+                    let id = r.id;
+                    record("general", r);
                     pool.kill(id).await?;
                     b.meta(MetaReq::Delete { name: child.clone() }).await.context("deleting the general clone")?;
                 }
                 if kind == 0 {
-                    let (id, a, attach_ms, app_ms, parts) = b.recover_on(&cur).await?;
-                    record("plain", attach_ms, app_ms, parts);
-                    (primary, addr) = (id, a);
+                    let r = b.recover_on(&cur).await?;
+                    (primary, addr) = (r.id, r.addr);
+                    record("plain", r);
                 } else {
                     let child = format!("{vol}.super-{n}");
                     match b.volumes.super_(&cur, &child).await {
                         Input::SuperDone { .. } => {}
                         other => anyhow::bail!("super of {cur}: {other:?}"),
                     }
-                    let (id, a, attach_ms, app_ms, parts) = b.recover_on(&child).await?;
-                    record("super", attach_ms, app_ms, parts);
+                    let r = b.recover_on(&child).await?;
+                    (primary, addr) = (r.id, r.addr);
+                    record("super", r);
                     match b.volumes.collapse(&cur, &child).await {
                         Input::CollapseDone { outcome: ::failover::CollapseOutcome::Promoted, .. } => {}
                         other => anyhow::bail!("collapse of {child} into {cur}: {other:?}"),
                     }
-                    (primary, addr, cur) = (id, a, child);
+                    cur = child;
+                    b.wait_gc_end().await?;
                 }
             }
         }
@@ -458,19 +510,21 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
     // postgres runs unprivileged: it must reach its data directory under here.
     std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     let rt = crate::runtime()?;
-    let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose })?;
+    // Shards serve their metrics: their counters around each recovery.
+    let mut lc = LocalCluster::start_full(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose }, &[], true)?;
     rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
     let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
     let exe = std::env::current_exe()?;
     let conn_args = vec!["--cluster".to_string(), cluster_file.to_string_lossy().into_owned()];
+    let shard_metrics: Vec<String> = lc.info.shards.iter().filter_map(|s| s.metrics.clone()).collect();
     let mut samples = vec![];
     let r = rt.block_on(async {
         let conn = crate::ConnArgs { cluster: Some(cluster_file.clone()), meta: None, secret_file: None };
         let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
         for &app in &apps {
             for &(wal, bytes) in &wals {
-                cell(&exe, &conn_args, dir.path(), cluster.clone(), app, wal, bytes, rounds, &failures, !a.quick, &mut samples).await?;
+                cell(&exe, &conn_args, dir.path(), cluster.clone(), &shard_metrics, app, wal, bytes, rounds, &failures, !a.quick, &mut samples).await?;
             }
         }
         anyhow::Ok(())

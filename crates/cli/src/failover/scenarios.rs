@@ -694,10 +694,7 @@ fn side_by_side(nf: &Mon, promoted: &Mon, windows: usize, window: Duration, shar
     let after = super::shardtrace::scrape(shard_metrics);
     la.finish(&format!("{} throughput windows", nf.name)).map_err(|e| nf.context(e))?;
     lb.finish(&format!("{} throughput windows", promoted.name)).map_err(|e| promoted.context(e))?;
-    let work = before.zip(after).map(|(b, a)| {
-        let d: super::shardtrace::Counters = a.iter().filter(|(k, _)| k.contains("_total")).map(|(k, v)| (k.clone(), v - b.get(k).copied().unwrap_or(0.0))).collect();
-        super::shardtrace::PhaseWork::of(&d)
-    });
+    let work = before.zip(after).map(|(b, a)| super::shardtrace::work_between(&b, &a));
     Ok((out, work))
 }
 

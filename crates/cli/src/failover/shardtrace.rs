@@ -69,6 +69,12 @@ pub fn scrape(addrs: &[String]) -> Option<Counters> {
     Some(sum)
 }
 
+/// What the shards did between two scrapes (their counters' increase).
+pub fn work_between(before: &Counters, after: &Counters) -> PhaseWork {
+    let d: Counters = after.iter().filter(|(k, _)| k.contains("_total")).map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0))).collect();
+    PhaseWork::of(&d)
+}
+
 /// A running trace; [`Tracer::finish`] stops it.
 pub struct Tracer {
     stop: Arc<AtomicBool>,
