@@ -55,10 +55,12 @@
 //!
 //! * **One durable step per command.** A write puts the data, then the new header, then makes
 //!   them durable once: with the [`crate::journal`] on (off by default), by one record holding
-//!   those bytes and a journal `fdatasync` shared with every command waiting (group commit; the
+//!   those bytes and a journal `fdatasync` shared with every command waiting (group commit),
+//!   written *ahead*: the bytes reach the slot file only after the record is durable (the
 //!   slot file itself is synced by a later checkpoint, and replayed from the record after a
-//!   crash before it); with it off, by the slot file's own `fdatasync`. After a power loss
-//!   during a command that was never acknowledged, any mix of old and new bytes and header
+//!   crash before it), so a power loss leaves each command either whole after replay or not
+//!   begun; with it off, by the slot file's own `fdatasync`. Without the journal, after a power
+//!   loss during a command that was never acknowledged, any mix of old and new bytes and header
 //!   fails the block checksums, and [`FileStore::boot`] reports the object
 //!   [`objfmt::SUSPECT`] so it is re-replicated — the property the one-file-per-object store
 //!   had.
@@ -198,9 +200,10 @@ pub struct PoolOptions {
     pub reserved_slots_max: [usize; CLASSES],
     /// Run the background refill thread (tests turn it off to count slots exactly).
     pub background_refill: bool,
-    /// Ring bytes of the write-ahead journal ([`crate::journal`]): mutating commands write
-    /// their slot bytes to the page cache and are acknowledged by a shared `fdatasync` of the
-    /// journal (group commit); a background checkpoint syncs the slot files they dirtied.
+    /// Ring bytes of the write-ahead journal ([`crate::journal`]): a mutating command's record
+    /// is made durable by a shared `fdatasync` of the journal (group commit), then its bytes go
+    /// to the slot file (page cache) and it is acknowledged; a background checkpoint syncs the
+    /// slot files they dirtied.
     /// `None`: every command `fdatasync`s its own slot file. A journal left by an earlier run is
     /// replayed at open either way.
     pub journal_capacity_bytes: Option<u64>,
@@ -573,7 +576,7 @@ impl ObjFile for SlotObject<'_> {
         }
         let at = offset - HEADER_BYTES;
         let n = (buf.len() as u64).min(self.len_bytes.saturating_sub(at)) as usize;
-        let got = read_full_at(&self.file.f, &mut buf[..n], SLOT_HEADER_PAGE_BYTES + at)?;
+        let got = self.file.read_at(&mut buf[..n], SLOT_HEADER_PAGE_BYTES + at)?;
         // A slot file is never short; if one were, its missing bytes read as zeroes (and fail
         // the checksums).
         buf[got..n].fill(0);
@@ -628,6 +631,7 @@ impl ObjFile for SlotObject<'_> {
         file.seek(SeekFrom::Start(SLOT_HEADER_PAGE_BYTES + at))?;
         file.take(n).read_to_end(&mut buf)?;
         buf.resize(n as usize, 0);
+        self.file.overlay_pending(&mut buf, SLOT_HEADER_PAGE_BYTES + at)?;
         Ok(crc32c::crc32c(&buf))
     }
 }
@@ -921,31 +925,69 @@ pub struct FileStore {
     checkpoint_thread: Option<JoinHandle<()>>,
 }
 
-/// A slot file opened for a mutating command. With the journal on, every byte written through
-/// it is also kept, to go into the command's journal record ([`Inner::make_durable`]).
+/// A slot file opened for a mutating command. With the journal on, the command's writes are
+/// held back as its journal record's payload and reach the file only once that record is
+/// durable ([`Inner::make_durable`]: write-ahead); reads through it see them meanwhile.
 struct SlotWriter {
     f: File,
     slot: SlotRef,
-    /// The record payload so far ([`encode_write`] entries), if journaling.
-    log: Option<std::cell::RefCell<Vec<u8>>>,
+    /// The writes held back so far ([`encode_write`] entries), if journaling.
+    pending: Option<std::cell::RefCell<Vec<u8>>>,
 }
 
 impl SlotWriter {
     fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
-        self.f.write_all_at(data, offset)?;
-        if let Some(log) = &self.log {
-            encode_write(&mut log.borrow_mut(), self.slot.class, self.slot.no, offset, data.len() as u64, Some(data));
+        match &self.pending {
+            Some(p) => encode_write(&mut p.borrow_mut(), self.slot.class, self.slot.no, offset, data.len() as u64, Some(data)),
+            None => self.f.write_all_at(data, offset)?,
         }
         Ok(())
     }
 
     fn write_zeroes_at(&self, offset: u64, len: u64) -> io::Result<()> {
-        write_zeroes_at(&self.f, offset, len)?;
-        if let Some(log) = &self.log {
-            encode_write(&mut log.borrow_mut(), self.slot.class, self.slot.no, offset, len, None);
+        match &self.pending {
+            Some(p) => encode_write(&mut p.borrow_mut(), self.slot.class, self.slot.no, offset, len, None),
+            None => write_zeroes_at(&self.f, offset, len)?,
         }
         Ok(())
     }
+
+    /// Reads the file from `offset` as this command's writes so far left it.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let got = read_full_at(&self.f, buf, offset)?;
+        self.overlay_pending(buf, offset)?;
+        Ok(got)
+    }
+
+    /// Copies the held-back writes that overlap `buf` (read from `offset`) into it, in order.
+    fn overlay_pending(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let Some(p) = &self.pending else { return Ok(()) };
+        let p = p.borrow();
+        let end = offset + buf.len() as u64;
+        for (_, at, len, data) in decode_writes(&p)? {
+            let (from, to) = (at.max(offset), (at + len).min(end));
+            if from >= to {
+                continue;
+            }
+            let dst = &mut buf[(from - offset) as usize..(to - offset) as usize];
+            match data {
+                Some(d) => dst.copy_from_slice(&d[(from - at) as usize..(to - at) as usize]),
+                None => dst.fill(0),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes a journal record's writes (all to `f`, the slot file of their key) to the file.
+fn write_record(f: &File, payload: &[u8]) -> io::Result<()> {
+    for (_, offset, len, data) in decode_writes(payload)? {
+        match data {
+            Some(d) => f.write_all_at(d, offset)?,
+            None => write_zeroes_at(f, offset, len)?,
+        }
+    }
+    Ok(())
 }
 
 /// The journal's key for a slot file.
@@ -1370,13 +1412,13 @@ impl Inner {
         Ok(SlotRef { current_copy: copy, ..slot })
     }
 
-    /// Makes what `w` wrote durable: one journal record (group commit), or the slot file's own
-    /// `fdatasync`.
+    /// Makes what `w` wrote durable: one journal record (group commit) and then the writes
+    /// themselves (write-ahead), or the slot file's own `fdatasync`.
     fn make_durable(&self, w: &SlotWriter) -> io::Result<()> {
-        match (&self.journal, &w.log) {
-            (Some(j), Some(log)) => {
-                let payload = std::mem::take(&mut *log.borrow_mut());
-                j.commit(&payload, &[slot_key(w.slot.class, w.slot.no)])
+        match (&self.journal, &w.pending) {
+            (Some(j), Some(pending)) => {
+                let payload = std::mem::take(&mut *pending.borrow_mut());
+                j.commit_then(&payload, &[slot_key(w.slot.class, w.slot.no)], || write_record(&w.f, &payload))
             }
             _ => {
                 w.f.sync_data()?;
@@ -1388,8 +1430,8 @@ impl Inner {
 
     /// Opens a slot file for a mutating command (see [`SlotWriter`]).
     fn writer(&self, slot: &SlotRef) -> io::Result<SlotWriter> {
-        let log = self.journal.as_ref().map(|_| std::cell::RefCell::new(Vec::new()));
-        Ok(SlotWriter { f: self.open_slot(slot)?, slot: *slot, log })
+        let pending = self.journal.as_ref().map(|_| std::cell::RefCell::new(Vec::new()));
+        Ok(SlotWriter { f: self.open_slot(slot)?, slot: *slot, pending })
     }
 
     fn run(&self, cmd: DiskCmd) -> Result<DiskOut, DiskErr> {
@@ -2190,7 +2232,7 @@ impl Inner {
                 objfmt::verify(&mut self.load(&key, &e)?)?
             } else {
                 // Read only: no journal record.
-                let w = SlotWriter { f: self.open_slot(&e.slot)?, slot: e.slot, log: None };
+                let w = SlotWriter { f: self.open_slot(&e.slot)?, slot: e.slot, pending: None };
                 let live = self.read_live(&w.f, &key, &e)?;
                 objfmt::verify(&mut SlotObject {
                     file: &w,
@@ -2323,15 +2365,10 @@ mod tests {
     /// records still cover is then overwritten with garbage — as if those writes never reached
     /// the slot files — and a torn record is put at the journal's end. Reopened, the store must
     /// hold every acknowledged write (and at most the one unacknowledged write per object that
-    /// was in flight), with no object suspect, and keep working.
-    ///
-    /// Ignored: it fails about one run in six (an object comes back suspect), because the journal
-    /// is written after the slot bytes, not before: the bytes of a write in flight at the kill
-    /// stay in the slot file while its record never reached the journal, so replay cannot make
-    /// the object whole again (it is re-replicated, as without the journal). The journal is off
-    /// by default until its record is written first.
+    /// was in flight), with no object suspect, and keep working. It failed about one run in six
+    /// while the journal was write-behind (a write in flight at the kill had bytes in its slot
+    /// and no record to redo them).
     #[test]
-    #[ignore = "the journal is write-behind: a write in flight at a power loss can leave its object suspect (see above)"]
     fn a_shard_store_killed_mid_burst_keeps_every_acknowledged_write() {
         let dir = tempdir();
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
