@@ -71,11 +71,12 @@ pub struct ShardArgs {
     /// acknowledged write is flushed; about 1000 for EBS gp3).
     #[arg(long, value_name = "US", default_value_t = 0)]
     pub inject_flush_latency_us: u64,
-    /// Write-ahead journal: `on` acknowledges writes by one shared fdatasync of a journal file
-    /// (group commit) and syncs the slot files in the background; `off` syncs every write's own
-    /// slot file (the default, until an idle-machine A/B decides: on this project's loaded
-    /// 2-core machines the results were mixed). A journal left by an earlier run is replayed at
-    /// start either way.
+    /// Write-ahead journal: `on` makes each write's record durable by one fdatasync of a journal
+    /// file shared with the writes waiting (group commit), then writes the slot file, which a
+    /// background checkpoint syncs; `off` writes each write's slot pages back and shares one
+    /// device flush among the writes waiting (the default: on this project's loaded 2-core
+    /// machines the journal's A/B runs were mixed, its depth-32 latency worse). A journal left
+    /// by an earlier run is replayed at start either way.
     #[arg(long, value_enum, value_name = "ON|OFF", default_value_t = OnOff::Off)]
     pub journal: OnOff,
     /// Size of the journal file (written with zeroes when it is made).

@@ -236,6 +236,15 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
 
+/// The runtime of a storage shard and of the NBD server: one thread for the async work (their
+/// disk commands run on blocking threads all the same). A local cluster runs several of these
+/// processes on a few cores; with a worker thread per core each, every message handed between
+/// tasks could wake another worker thread, and thread wakeups and switches were the biggest
+/// CPU cost per write in a profile of 4 KiB writes at depth 32.
+fn io_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Meta(a) => {
@@ -244,11 +253,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Shard(a) => {
             init_logging(cli.verbose, "info");
-            runtime()?.block_on(daemons::shard(a))
+            io_runtime()?.block_on(daemons::shard(a))
         }
         Cmd::Nbd(a) => {
             init_logging(cli.verbose, "info");
-            runtime()?.block_on(daemons::nbd(a))
+            io_runtime()?.block_on(daemons::nbd(a))
         }
         Cmd::Up(a) => {
             init_logging(cli.verbose, "info");

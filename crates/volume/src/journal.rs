@@ -1,11 +1,19 @@
 //! A shard's write-ahead journal: group commit for the slot store ([`crate::store`]).
 //!
 //! Without it every mutating command pays its own `fdatasync` of its own slot file, so 32 writes
-//! in flight are 32 device flushes. With it a command writes its slot bytes to the page cache,
-//! appends one checksummed record holding those bytes (a physical redo record) to this journal,
-//! and waits until a journal `fdatasync` covers the record. Whoever finds no sync running starts
-//! one for every record appended so far; the rest wait for it (group commit), so one device flush
-//! acknowledges many writes.
+//! in flight are 32 device flushes. With it a command appends one checksummed record holding the
+//! bytes it is about to write (a physical redo record) to this journal, waits until a journal
+//! `fdatasync` covers the record, and only then writes those bytes to its slot file (the page
+//! cache) ([`Journal::commit_then`]). Whoever finds no sync running starts one for every record
+//! appended so far; the rest wait for it (group commit), so one device flush acknowledges many
+//! writes.
+//!
+//! Write-ahead, strictly: no slot byte is written before its record is durable, so after a
+//! power loss every changed slot byte is either covered by a durable record (replay redoes the
+//! whole command) or was never written (the object's old state, durable before, stands intact
+//! and its block checksums still match). Written after the record, a command in flight could
+//! leave some of its bytes in a slot with no record to redo them: the object failed its
+//! checksums and came back suspect.
 //!
 //! # Layout
 //!
@@ -31,13 +39,16 @@
 //! # Checkpoint
 //!
 //! Journal space is reused only after a checkpoint: it takes the LSN `P` of the head and the set
-//! of keys (slot files) records dirtied since the last checkpoint, has the caller write back
+//! of keys (slot files) records dirtied since the last checkpoint, waits until every record
+//! below `P` has been applied to its files (a command between its durable record and its slot
+//! writes is not in the page cache yet: moving the tail past it would forget an acknowledged
+//! write), has the caller write back
 //! each of those files — only those, never the whole file system, which the shards share — and
 //! then writes `tail = P` into the header and syncs it (that `fdatasync`'s device flush also
 //! makes the caller's written-back files durable, see `store`). Appenders that find the ring full wait
 //! for it (bounded by the checkpoint's own progress).
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::io;
 use std::sync::{Condvar, Mutex};
 
@@ -156,6 +167,9 @@ struct State {
     checkpointing: bool,
     /// Keys (files) records dirtied since the last checkpoint began.
     dirty: HashSet<u64>,
+    /// Start LSNs of records appended by [`Journal::commit_then`] whose bytes are not in the
+    /// caller's files yet (at most one per command in flight).
+    unapplied: BTreeSet<u64>,
     /// A failed sync: the journal is unusable until the shard restarts (what made it to disk is
     /// unknown, so nothing more may be acknowledged).
     failed: Option<String>,
@@ -257,15 +271,42 @@ impl<F: JournalFile> Journal<F> {
         Ok(Replay { file, header, end: lsn, payloads })
     }
 
-    /// Appends a record and returns once it is durable. `keys` are the files the caller wrote
-    /// the record's bytes to (already, in the page cache): the next checkpoint syncs them.
+    /// Appends a record and returns once it is durable. `keys` are the files the record's
+    /// bytes go to: the next checkpoint syncs them.
+    #[cfg(test)]
     pub fn commit(&self, payload: &[u8], keys: &[u64]) -> io::Result<()> {
-        let end = self.append(payload, keys)?;
-        self.wait_durable(end)
+        self.commit_then(payload, keys, || Ok(()))
+    }
+
+    /// Write-ahead: appends a record, waits until it is durable, and only then runs `apply`,
+    /// which writes the record's bytes to the caller's files (`keys`; the next checkpoint syncs
+    /// them). A checkpoint never frees the record before `apply` returned. If `apply` fails the
+    /// journal stops accepting records (the durable record would be redone at the next open,
+    /// but this run's files miss its bytes).
+    pub fn commit_then(&self, payload: &[u8], keys: &[u64], apply: impl FnOnce() -> io::Result<()>) -> io::Result<()> {
+        let (start, end) = self.append_record(payload, keys, true)?;
+        let result = self.wait_durable(end).and_then(|()| apply().inspect_err(|e| self.fail(format!("a slot write after its journal record failed: {e}"))));
+        self.st.lock().unwrap().unapplied.remove(&start);
+        self.cv.notify_all();
+        result
+    }
+
+    fn fail(&self, why: String) {
+        let mut st = self.st.lock().unwrap();
+        st.failed.get_or_insert(why);
+        drop(st);
+        self.cv.notify_all();
     }
 
     /// Appends a record (to the page cache); returns the LSN its durability waits for.
+    #[cfg(test)]
     pub fn append(&self, payload: &[u8], keys: &[u64]) -> io::Result<u64> {
+        self.append_record(payload, keys, false).map(|(_, end)| end)
+    }
+
+    /// Appends a record; returns its start and end LSNs. `pin`: it counts as unapplied (no
+    /// checkpoint moves past it) until [`Journal::commit_then`] removes it.
+    fn append_record(&self, payload: &[u8], keys: &[u64], pin: bool) -> io::Result<(u64, u64)> {
         let len = payload.len() as u64;
         let mut st = self.st.lock().unwrap();
         let capacity = st.header.capacity;
@@ -308,6 +349,9 @@ impl<F: JournalFile> Journal<F> {
         }
         st.head = at + buf.len() as u64;
         st.dirty.extend(keys.iter().copied());
+        if pin {
+            st.unapplied.insert(at);
+        }
         let end = st.head;
         let wake_checkpointer = end - st.header.tail > capacity / CHECKPOINT_AT_DIVISOR && !st.checkpointing;
         drop(st);
@@ -319,7 +363,7 @@ impl<F: JournalFile> Journal<F> {
         if wake_checkpointer {
             self.cv.notify_all();
         }
-        Ok(end)
+        Ok((at, end))
     }
 
     /// Waits until every record below `end` is durable (group commit): a record a running sync
@@ -389,6 +433,7 @@ impl<F: JournalFile> Journal<F> {
         };
         let n = dirty.len() as u64;
         let result = (|| {
+            self.wait_applied_below(p)?;
             sync_keys(&dirty)?;
             header.seq += 1;
             header.tail = p;
@@ -417,6 +462,23 @@ impl<F: JournalFile> Journal<F> {
             s.checkpoint_us += started.elapsed().as_micros() as u64;
         }
         result
+    }
+
+    /// Waits until every record starting below `p` has been applied to its files (each is a
+    /// command between its durable record and its page-cache writes: a short wait, bounded by
+    /// the sync it waits for; a failed journal ends it).
+    fn wait_applied_below(&self, p: u64) -> io::Result<()> {
+        let mut st = self.st.lock().unwrap();
+        while st.unapplied.first().is_some_and(|&lsn| lsn < p) {
+            if let Some(e) = &st.failed {
+                return Err(io::Error::other(e.clone()));
+            }
+            st = self.cv.wait(st).unwrap();
+        }
+        match &st.failed {
+            Some(e) => Err(io::Error::other(e.clone())),
+            None => Ok(()),
+        }
     }
 
     pub fn stats(&self) -> JournalStats {
@@ -461,6 +523,7 @@ impl<F: JournalFile> Replay<F> {
                 sync_target: self.end,
                 checkpointing: false,
                 dirty: HashSet::new(),
+                unapplied: BTreeSet::new(),
                 failed: None,
             }),
             cv: Condvar::new(),
@@ -717,6 +780,48 @@ mod tests {
         j.commit(&payload(7, 1000), &[]).unwrap();
         let replay = Journal::open(j.file).unwrap();
         assert_eq!(replay.payloads, vec![payload(7, 1000)]);
+    }
+
+    /// A checkpoint never frees a durable record whose bytes are not in the caller's files yet
+    /// (the tail moving past it would forget an acknowledged write at a power loss).
+    #[test]
+    fn a_checkpoint_waits_until_a_durable_record_is_applied() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{mpsc, Arc};
+        let file = CrashFile::default();
+        Journal::format(&file, RING).unwrap();
+        let j = Arc::new(Journal::open(file).unwrap().finish().unwrap());
+        let applied = Arc::new(AtomicBool::new(false));
+        let (applying_tx, applying_rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let writer = {
+            let (j, applied) = (j.clone(), applied.clone());
+            std::thread::spawn(move || {
+                j.commit_then(&payload(1, 100), &[1], || {
+                    applying_tx.send(()).unwrap();
+                    go_rx.recv().unwrap();
+                    applied.store(true, Ordering::SeqCst);
+                    Ok(())
+                })
+            })
+        };
+        applying_rx.recv().unwrap();
+        let checkpointer = {
+            let (j, applied) = (j.clone(), applied.clone());
+            std::thread::spawn(move || {
+                j.checkpoint(|keys| {
+                    assert!(applied.load(Ordering::SeqCst), "the checkpoint synced the files before the record's bytes were in them");
+                    assert!(keys.contains(&1));
+                    Ok(())
+                })
+            })
+        };
+        // Give the checkpoint time to (wrongly) go ahead before the bytes are applied.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        go_tx.send(()).unwrap();
+        writer.join().unwrap().unwrap();
+        checkpointer.join().unwrap().unwrap();
+        assert_eq!(j.used_bytes(), 0);
     }
 
     #[test]
