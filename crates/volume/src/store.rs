@@ -928,26 +928,19 @@ struct Inner {
 
 /// Device flushes shared by concurrent writes: group commit without a journal. A command writes
 /// its slot bytes back to the device (`sync_file_range`, no flush) and then needs a device flush
-/// that starts after that: whoever finds none running runs one; the others wait for it, or for
-/// the next one if theirs began too early. One flush then acknowledges every write waiting.
-///
-/// The flush is an `fdatasync` of [`FLUSH_FILE`], a file written once when made and never
-/// again: it has nothing to write, so the call is the device flush alone (ext4 and XFS issue
-/// one for every `fsync`). A per-write `fdatasync` of the slot file cost more on this project's
-/// ext4 (mounted without a journal): the pages, then the inode block (its mtime changed) as a
-/// synchronous write of its own, then the flush — three device round trips per write.
+/// that starts after that: whoever finds none running runs one (an `fdatasync` of its own slot
+/// file, which finds nothing left to write and flushes the device's write cache); the others
+/// wait for it, or for the next one if theirs began too early. One flush then acknowledges
+/// every write waiting, instead of one `fdatasync` (and one flush) per write.
 ///
 /// That a flush through one file covers another file's completed writes holds because writing
-/// a slot changes no file-system metadata the data needs (every block of it was written when it
-/// was made, and its size never changes): the journal's checkpoint relies on the same.
+/// a slot changes no file-system metadata (every block of it was written when it was made, and
+/// its size never changes): the journal's checkpoint relies on the same.
+#[derive(Default)]
 struct Flusher {
-    file: File,
     st: Mutex<FlushState>,
     cv: Condvar,
 }
-
-/// The file whose `fdatasync` flushes the device for [`Flusher`], in the data directory.
-const FLUSH_FILE: &str = "flush";
 
 #[derive(Default)]
 struct FlushState {
@@ -961,26 +954,10 @@ struct FlushState {
 }
 
 impl Flusher {
-    /// Opens (making it durably if missing) the data directory's flush file.
-    fn open(root: &Path) -> io::Result<Flusher> {
-        let path = root.join(FLUSH_FILE);
-        let file = match OpenOptions::new().read(true).write(true).open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == ErrorKind::NotFound => {
-                let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path)?;
-                f.write_all_at(&[0u8; 4096], 0)?;
-                f.sync_all()?;
-                sync_dir(root)?;
-                f
-            }
-            Err(e) => return Err(e),
-        };
-        Ok(Flusher { file, st: Mutex::default(), cv: Condvar::new() })
-    }
-
-    /// Returns once a device flush that started after this call ended (the caller's writes
-    /// were written back before). Returns whether this caller ran it.
-    fn flush(&self) -> io::Result<bool> {
+    /// Returns once a device flush that started after this call ended (`own`: the caller's
+    /// file, written back already, synced if the caller runs the flush). Returns whether this
+    /// caller ran it.
+    fn flush(&self, own: &File) -> io::Result<bool> {
         let mut st = self.st.lock().unwrap();
         let want = st.started + 1;
         loop {
@@ -995,7 +972,7 @@ impl Flusher {
             st.started += 1;
             let me = st.started;
             drop(st);
-            let r = self.file.sync_data();
+            let r = own.sync_data();
             st = self.st.lock().unwrap();
             st.running = false;
             st.ended = me;
@@ -1299,7 +1276,7 @@ impl FileStore {
             last_write_us: AtomicU64::new(0),
             opened: std::time::Instant::now(),
             journal: None,
-            flusher: Flusher::open(root).map_err(|e| format!("cannot make the flush file in {}: {e}", root.display()))?,
+            flusher: Flusher::default(),
         };
         inner.make_dirs().map_err(|e| format!("{} is not a usable shard data directory: {e}", root.display()))?;
         // Before the slot headers are read: the journal's records bring the slots up to date.
@@ -1515,7 +1492,7 @@ impl Inner {
             }
             _ => {
                 wait_writeback(&w.f)?;
-                if self.flusher.flush()? {
+                if self.flusher.flush(&w.f)? {
                     inc(&self.counters.write_fdatasyncs);
                 }
                 Ok(())
