@@ -59,9 +59,7 @@
 //!   written *ahead*: the bytes reach the slot file only after the record is durable (the
 //!   slot file itself is synced by a later checkpoint, and replayed from the record after a
 //!   crash before it), so a power loss leaves each command either whole after replay or not
-//!   begun; with it off, by writing the slot's pages back and a device flush that starts
-//!   after that, shared with every command waiting ([`Flusher`]: group commit without a
-//!   journal; one `fdatasync` then acknowledges many writes). Without the journal, after a power
+//!   begun; with it off, by the slot file's own `fdatasync`. Without the journal, after a power
 //!   loss during a command that was never acknowledged, any mix of old and new bytes and header
 //!   fails the block checksums, and [`FileStore::boot`] reports the object
 //!   [`objfmt::SUSPECT`] so it is re-replicated — the property the one-file-per-object store
@@ -922,69 +920,6 @@ struct Inner {
     opened: std::time::Instant,
     /// The write-ahead journal, if on.
     journal: Option<Journal<File>>,
-    /// Without the journal: the device flushes writes share.
-    flusher: Flusher,
-}
-
-/// Device flushes shared by concurrent writes: group commit without a journal. A command writes
-/// its slot bytes back to the device (`sync_file_range`, no flush) and then needs a device flush
-/// that starts after that: whoever finds none running runs one (an `fdatasync` of its own slot
-/// file, which finds nothing left to write and flushes the device's write cache); the others
-/// wait for it, or for the next one if theirs began too early. One flush then acknowledges
-/// every write waiting, instead of one `fdatasync` (and one flush) per write.
-///
-/// That a flush through one file covers another file's completed writes holds because writing
-/// a slot changes no file-system metadata (every block of it was written when it was made, and
-/// its size never changes): the journal's checkpoint relies on the same.
-#[derive(Default)]
-struct Flusher {
-    st: Mutex<FlushState>,
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct FlushState {
-    /// Flushes started so far (the number of the last one).
-    started: u64,
-    /// The last flush that ended, and the last that ended well.
-    ended: u64,
-    ended_ok: u64,
-    running: bool,
-    last_error: String,
-}
-
-impl Flusher {
-    /// Returns once a device flush that started after this call ended (`own`: the caller's
-    /// file, written back already, synced if the caller runs the flush). Returns whether this
-    /// caller ran it.
-    fn flush(&self, own: &File) -> io::Result<bool> {
-        let mut st = self.st.lock().unwrap();
-        let want = st.started + 1;
-        loop {
-            if st.ended >= want {
-                return if st.ended_ok >= want { Ok(false) } else { Err(io::Error::other(st.last_error.clone())) };
-            }
-            if st.running {
-                st = self.cv.wait(st).unwrap();
-                continue;
-            }
-            st.running = true;
-            st.started += 1;
-            let me = st.started;
-            drop(st);
-            let r = own.sync_data();
-            st = self.st.lock().unwrap();
-            st.running = false;
-            st.ended = me;
-            match &r {
-                Ok(()) => st.ended_ok = me,
-                Err(e) => st.last_error = format!("fdatasync failed: {e}"),
-            }
-            drop(st);
-            self.cv.notify_all();
-            return r.map(|()| true);
-        }
-    }
 }
 
 pub struct FileStore {
@@ -1276,7 +1211,6 @@ impl FileStore {
             last_write_us: AtomicU64::new(0),
             opened: std::time::Instant::now(),
             journal: None,
-            flusher: Flusher::default(),
         };
         inner.make_dirs().map_err(|e| format!("{} is not a usable shard data directory: {e}", root.display()))?;
         // Before the slot headers are read: the journal's records bring the slots up to date.
@@ -1482,8 +1416,7 @@ impl Inner {
     }
 
     /// Makes what `w` wrote durable: one journal record (group commit) and then the writes
-    /// themselves (write-ahead); or, without the journal, the slot's writeback and a device
-    /// flush shared with every command waiting ([`Flusher`]).
+    /// themselves (write-ahead), or the slot file's own `fdatasync`.
     fn make_durable(&self, w: &SlotWriter) -> io::Result<()> {
         match (&self.journal, &w.pending) {
             (Some(j), Some(pending)) => {
@@ -1491,10 +1424,8 @@ impl Inner {
                 j.commit_then(&payload, &[slot_key(w.slot.class, w.slot.no)], || write_record(&w.f, &payload))
             }
             _ => {
-                wait_writeback(&w.f)?;
-                if self.flusher.flush(&w.f)? {
-                    inc(&self.counters.write_fdatasyncs);
-                }
+                w.f.sync_data()?;
+                inc(&self.counters.write_fdatasyncs);
                 Ok(())
             }
         }
