@@ -950,7 +950,7 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
     let mut general_bars = bench::BarSeries { name: "speculative on general clone (composed)".into(), values: vec![] };
     for &(si, g, composed) in &general {
         let s = &scen[si];
-        report.figure(&format!("{}.speculative.backup_start_to_healthy_ms", s.name), get(si, 1).app_recovery_ms + s.recovery_ms as f64)?;
+        figure_if(&mut report, &format!("{}.speculative.backup_start_to_healthy_ms", s.name), get(si, 1).app_recovery_ms + s.recovery_ms as f64)?;
         report.figure(&format!("{}.speculative_general_composed.backup_start_to_healthy_ms", s.name), g)?;
         report.figure(&format!("{}.speculative_general_composed.failover_latency_ms", s.name), composed)?;
         report.ratio(&format!("speculative_general_vs_speculative.failover_latency.{}", s.name), composed, get(si, 1).gap_ms)?;
@@ -1311,5 +1311,47 @@ fn composed_general_ms(x: &Sample, recovery_ms: u64, general_ms: f64, healthy_to
         x.pre_fault_ms + healthy + healthy_to_outcome_ms + x.resume_ms
     } else {
         x.gap_ms
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(outcome: &str, gap_ms: f64, app_recovery_ms: f64) -> Sample {
+        Sample {
+            outcome: outcome.into(),
+            gap_ms,
+            before_ops_per_s: 0.0,
+            after_ops_per_s: 0.0,
+            app_recovery_ms,
+            detect_to_start_ms: 50.0,
+            healthy_to_outcome_ms: 30.0,
+            extra_instance_s: 0.0,
+            monitor_ms: gap_ms - 300.0,
+            pre_fault_ms: 10.0,
+            detect_ms: 200.0,
+            resume_ms: 90.0,
+            breakdown: None,
+            shard_work: None,
+            table_rows: 0.0,
+            outcome_at: Instant::now(),
+            ops_per_window: vec![],
+            window_ms: 100,
+        }
+    }
+
+    #[test]
+    fn the_composed_general_clone_outage_replaces_only_the_backups_recovery() {
+        // Promoted: 5000 ms outage of which start → healthy was 2000 + 400; the general
+        // clone's backup took 3100.
+        let x = sample("promoted", 5_000.0, 400.0);
+        assert_eq!(composed_general_ms(&x, 2_000, 3_100.0, 30.0), 5_000.0 - 2_400.0 + 3_100.0);
+        // A false positive speculative aborted: the primary answered 200 + 14_700 ms after
+        // the fault. A backup healthy later than that changes nothing; one healthy sooner is
+        // promoted (speculative's healthy → outcome, then the client's wait).
+        let fp = sample("aborted", 15_000.0, f64::NAN);
+        assert_eq!(composed_general_ms(&fp, 30_000, 31_000.0, 30.0), 15_000.0);
+        assert_eq!(composed_general_ms(&fp, 1_000, 1_500.0, 30.0), 10.0 + 200.0 + 50.0 + 1_500.0 + 30.0 + 90.0);
     }
 }
