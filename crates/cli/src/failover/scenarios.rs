@@ -668,9 +668,10 @@ struct Measured {
     recovery: Vec<(Sample, Sample)>,
     /// Seconds the recovery rounds' warm-up took (0: none).
     warmup_s: f64,
-    /// Per scenario: a backup's start → healthy on a general clone of the twin's crashed
-    /// volume (ms), for the composed speculative-on-the-general-clone figure.
-    general_ms: Vec<Option<f64>>,
+    /// Per scenario: backups' start → healthy (general clone, super child) on clones of the
+    /// same crashed volume of the twin (ms), for the composed speculative-on-the-general-clone
+    /// figure.
+    general_ms: Vec<Option<(f64, f64)>>,
 }
 
 /// §6.5 after garbage collection ended: the never-failed instance (A) and the promoted one
@@ -769,7 +770,7 @@ fn measure(
     let mut samples: Vec<Vec<Option<Sample>>> = scen.iter().map(|_| vec![None, None, None]).collect();
     let twin_i = mons.len() - 1;
     let mut twin = GeneralTwin::new(cluster_file, dir, &mons[twin_i])?;
-    let mut general_ms: Vec<Option<f64>> = scen.iter().map(|_| None).collect();
+    let mut general_ms: Vec<Option<(f64, f64)>> = scen.iter().map(|_| None).collect();
     let mut gc_ms = vec![];
     let mut rounds = None;
     // §6.5 follows scenario II's promotion, or the first one when II is not run.
@@ -810,7 +811,7 @@ fn measure(
                 // Right after speculative's failure: its twin's crash, recovered on a
                 // general clone.
                 let m = &mut mons[twin_i];
-                general_ms[si] = Some(twin.measure(m, s, p).map_err(|e| m.context(e))?);
+                general_ms[si] = Some(twin.measure(m, s, p, k % 2 == 0).map_err(|e| m.context(e))?);
             }
         }
     }
@@ -943,17 +944,19 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
     }
     // Speculative on the general clone: composed (see [`GeneralTwin`]), never a live failover.
     let spec_h2o = mean(run.iter().filter(|&&si| get(si, 1).outcome == "promoted").map(|&si| get(si, 1).healthy_to_outcome_ms));
-    let general: Vec<(usize, f64, f64)> = run
-        .iter()
-        .filter_map(|&si| m.general_ms[si].map(|g| (si, g, composed_general_ms(get(si, 1), scen[si].recovery_ms, g, spec_h2o))))
-        .collect();
+    let general: Vec<(usize, (f64, f64), f64)> =
+        run.iter().filter_map(|&si| m.general_ms[si].map(|g| (si, g, composed_general_ms(get(si, 1), g, spec_h2o)))).collect();
     let mut general_bars = bench::BarSeries { name: "speculative on general clone (composed)".into(), values: vec![] };
-    for &(si, g, composed) in &general {
+    for &(si, (g, sup), composed) in &general {
         let s = &scen[si];
         figure_if(&mut report, &format!("{}.speculative.backup_start_to_healthy_ms", s.name), get(si, 1).app_recovery_ms + s.recovery_ms as f64)?;
-        report.figure(&format!("{}.speculative_general_composed.backup_start_to_healthy_ms", s.name), g)?;
-        report.figure(&format!("{}.speculative_general_composed.failover_latency_ms", s.name), composed)?;
-        report.ratio(&format!("speculative_general_vs_speculative.failover_latency.{}", s.name), composed, get(si, 1).gap_ms)?;
+        report.figure(&format!("{}.general_twin.general.backup_start_to_healthy_ms", s.name), g)?;
+        report.figure(&format!("{}.general_twin.super.backup_start_to_healthy_ms", s.name), sup)?;
+        report.ratio(&format!("{}.general_twin.general_vs_super.backup_start_to_healthy", s.name), g, sup)?;
+        figure_if(&mut report, &format!("{}.speculative_general_composed.failover_latency_ms", s.name), composed)?;
+        if composed.is_finite() {
+            report.ratio(&format!("speculative_general_vs_speculative.failover_latency.{}", s.name), composed, get(si, 1).gap_ms)?;
+        }
         general_bars.values.push(composed / 1000.0);
     }
     if general.len() == run.len() && !run.is_empty() {
@@ -1120,7 +1123,7 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
             ]
         })
     });
-    let rows = rows.chain(general.iter().map(|&(si, g, composed)| {
+    let rows = rows.chain(general.iter().map(|&(si, (g, _), composed)| {
         let x = get(si, 1);
         vec![
             scen[si].name.to_string(),
@@ -1219,9 +1222,11 @@ impl GeneralTwin {
         Ok(GeneralTwin { rt, pool, volumes, health, next_id: 100 })
     }
 
-    /// One crash of the twin's primary under load, and a backup's start → healthy (ms) on a
-    /// general clone of the crashed volume.
-    fn measure(&mut self, twin: &mut Mon, s: &Scen, p: &Params) -> anyhow::Result<f64> {
+    /// One crash of the twin's primary under load; then a backup on a general clone of the
+    /// crashed volume and one on a super child of it (aborted afterwards: the parent is
+    /// kept), one after the other from the same crashed state, in the order `general_first`
+    /// says. Returns their start → healthy (general, super) in ms.
+    fn measure(&mut self, twin: &mut Mon, s: &Scen, p: &Params, general_first: bool) -> anyhow::Result<(f64, f64)> {
         std::fs::write(&twin.delay_file, s.recovery_ms.to_string())?;
         let load = Load::start(twin.endpoint);
         load.wait_acked(FLOWING_COMMITS, "twin before the crash")?;
@@ -1230,19 +1235,66 @@ impl GeneralTwin {
             twin.seen.push(e);
         }
         // The twin's monitor waits (its primary "comes back" long after any recovery): the
-        // crashed volume stays as the crash left it while its general clone recovers.
+        // crashed volume stays as the crash left it while its clones recover.
         twin.control("hint 600000 1000000000")?;
         twin.control("kill")?;
         let st: Value = serde_json::from_str(&twin.control("status")?)?;
         let parent = st["state"]["volume"].as_str().context("twin: no volume in its status")?.to_string();
+        let mut r = (f64::NAN, f64::NAN);
+        let mut err = None;
+        for general in if general_first { [true, false] } else { [false, true] } {
+            match self.recover_on_clone(&parent, general) {
+                Ok(ms) if general => r.0 = ms,
+                Ok(ms) => r.1 = ms,
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            }
+        }
+        // The twin's monitor restarts its primary on the volume (REDS), once it noticed.
+        twin.wait(&["suspected"], STEP_TIMEOUT)?;
+        twin.control("hint never 0")?;
+        twin.wait(&["reds_restarted"], STEP_TIMEOUT)?;
+        let n = load.acked();
+        load.wait_acked(n + FLOWING_COMMITS, "twin after its restart")?;
+        load.finish(&format!("{} {}", twin.name, s.name))?;
+        if let Some(e) = err {
+            return Err(e);
+        }
+        let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        eprintln!(
+            "failover bench: {:<12} {:<42} backups on clones of the same crashed volume, start→healthy: general {:.0} ms, super {:.0} ms (recovery {} ms each; {} first; load {})",
+            twin.name,
+            s.name,
+            r.0,
+            r.1,
+            s.recovery_ms,
+            if general_first { "general" } else { "super" },
+            load.split_whitespace().next().unwrap_or("?")
+        );
+        Ok(r)
+    }
+
+    /// A backup on a general clone (or a super child) of `parent`, timed from its start to
+    /// its first good health check; then killed and its clone deleted (the child aborted).
+    fn recover_on_clone(&mut self, parent: &str, general: bool) -> anyhow::Result<f64> {
         self.next_id += 1;
-        let (id, child) = (::failover::InstanceId(self.next_id), format!("{parent}.general-{}", self.next_id));
+        let kind = if general { "general" } else { "super" };
+        let (id, child) = (::failover::InstanceId(self.next_id), format!("{parent}.{kind}-{}", self.next_id));
         let (pool, volumes, health) = (self.pool.clone(), &self.volumes, &self.health);
-        let r = self.rt.block_on(async {
-            match volumes.cluster.meta(volume::meta::MetaReq::CloneGeneral { parent: parent.clone(), child: child.clone() }).await {
-                Ok(volume::meta::MetaResp::Volume(_)) => {}
-                Ok(other) => anyhow::bail!("general clone of {parent}: unexpected answer {other:?}"),
-                Err(e) => anyhow::bail!("general clone of {parent}: {e:#}"),
+        self.rt.block_on(async {
+            if general {
+                match volumes.cluster.meta(volume::meta::MetaReq::CloneGeneral { parent: parent.into(), child: child.clone() }).await {
+                    Ok(volume::meta::MetaResp::Volume(_)) => {}
+                    Ok(other) => anyhow::bail!("general clone of {parent}: unexpected answer {other:?}"),
+                    Err(e) => anyhow::bail!("general clone of {parent}: {e:#}"),
+                }
+            } else {
+                match volumes.super_(parent, &child).await {
+                    ::failover::Input::SuperDone { .. } => {}
+                    other => anyhow::bail!("super of {parent}: {other:?}"),
+                }
             }
             let t0 = Instant::now();
             let r = async {
@@ -1260,22 +1312,19 @@ impl GeneralTwin {
             .await;
             // Whatever happened: the instance gone and its volume detached before the clone goes.
             let killed = pool.kill(id).await;
-            let deleted = volumes.cluster.meta(volume::meta::MetaReq::Delete { name: child.clone() }).await;
+            let gone = if general {
+                volumes.cluster.meta(volume::meta::MetaReq::Delete { name: child.clone() }).await.map(|_| ())
+            } else {
+                match volumes.drop_child(parent, &child).await {
+                    ::failover::Input::ChildDropped { .. } => Ok(()),
+                    other => Err(anyhow::anyhow!("{other:?}")),
+                }
+            };
             let ms = r?;
             killed.with_context(|| format!("stopping the instance on {child}"))?;
-            deleted.with_context(|| format!("deleting {child}"))?;
+            gone.with_context(|| format!("deleting {child}"))?;
             anyhow::Ok(ms)
-        });
-        // The twin's monitor restarts its primary on the volume (REDS), once it noticed.
-        twin.wait(&["suspected"], STEP_TIMEOUT)?;
-        twin.control("hint never 0")?;
-        twin.wait(&["reds_restarted"], STEP_TIMEOUT)?;
-        let n = load.acked();
-        load.wait_acked(n + FLOWING_COMMITS, "twin after its restart")?;
-        load.finish(&format!("{} {}", twin.name, s.name))?;
-        let ms = r?;
-        eprintln!("failover bench: {:<12} {:<42} backup on a general clone of the crashed volume: start→healthy {ms:.0} ms (recovery {} + {:.0})", twin.name, s.name, s.recovery_ms, ms - s.recovery_ms as f64);
-        Ok(ms)
+        })
     }
 }
 
@@ -1290,22 +1339,24 @@ impl Drop for GeneralTwin {
     }
 }
 
-/// Speculative on the general clone, composed from speculative's live failure `x` and a
-/// backup's start → healthy on a general clone (`general_ms`, the scenario's recovery time
-/// included): the same detection, the same start of the backup, the same steps after it is
-/// healthy (speculative's collapse, re-point and fence stand in for the general clone's fence
-/// and re-point) and the same wait for the client's next commit; only the backup's recovery
-/// differs. For a false positive that speculative aborted, the general clone's backup would
-/// have been promoted only had it been healthy before the primary answered again
-/// (`healthy_to_outcome_ms`: speculative's, from its crashes).
-fn composed_general_ms(x: &Sample, recovery_ms: u64, general_ms: f64, healthy_to_outcome_ms: f64) -> f64 {
-    let spec_start_to_healthy = x.app_recovery_ms + recovery_ms as f64;
+/// Speculative on the general clone, composed from speculative's live failure `x` and the
+/// twin's backups on clones of one crashed volume (`twin`: start → healthy on the general
+/// clone and on the super child, the scenario's recovery time included in both): the same
+/// detection, the same start of the backup, the same steps after it is healthy (speculative's
+/// collapse, re-point and fence stand in for the general clone's fence and re-point) and the
+/// same wait for the client's next commit; only the backup's recovery differs, by what the
+/// general clone took more than the super child from the same crashed state. For a false
+/// positive that speculative aborted (no recovery of its own to adjust), the general clone's
+/// backup would have been promoted only had it been healthy (the twin's start → healthy) before
+/// the primary answered again (`healthy_to_outcome_ms`: speculative's, from its crashes).
+fn composed_general_ms(x: &Sample, twin: (f64, f64), healthy_to_outcome_ms: f64) -> f64 {
+    let (general, sup) = twin;
     if x.outcome == "promoted" {
-        return x.gap_ms - spec_start_to_healthy + general_ms;
+        return x.gap_ms + (general - sup);
     }
     // From the fault: when the general clone's backup would have been healthy, and when the
     // primary answered again.
-    let healthy = x.detect_ms + x.detect_to_start_ms + general_ms;
+    let healthy = x.detect_ms + x.detect_to_start_ms + general;
     let back = x.detect_ms + x.monitor_ms;
     if healthy < back {
         x.pre_fault_ms + healthy + healthy_to_outcome_ms + x.resume_ms
@@ -1343,15 +1394,15 @@ mod tests {
 
     #[test]
     fn the_composed_general_clone_outage_replaces_only_the_backups_recovery() {
-        // Promoted: 5000 ms outage of which start → healthy was 2000 + 400; the general
-        // clone's backup took 3100.
+        // Promoted: 5000 ms outage; from the twin's crashed volume the general clone's backup
+        // took 700 ms more than the super child's.
         let x = sample("promoted", 5_000.0, 400.0);
-        assert_eq!(composed_general_ms(&x, 2_000, 3_100.0, 30.0), 5_000.0 - 2_400.0 + 3_100.0);
+        assert_eq!(composed_general_ms(&x, (3_100.0, 2_400.0), 30.0), 5_700.0);
         // A false positive speculative aborted: the primary answered 200 + 14_700 ms after
         // the fault. A backup healthy later than that changes nothing; one healthy sooner is
         // promoted (speculative's healthy → outcome, then the client's wait).
         let fp = sample("aborted", 15_000.0, f64::NAN);
-        assert_eq!(composed_general_ms(&fp, 30_000, 31_000.0, 30.0), 15_000.0);
-        assert_eq!(composed_general_ms(&fp, 1_000, 1_500.0, 30.0), 10.0 + 200.0 + 50.0 + 1_500.0 + 30.0 + 90.0);
+        assert_eq!(composed_general_ms(&fp, (31_000.0, 30_900.0), 30.0), 15_000.0);
+        assert_eq!(composed_general_ms(&fp, (1_500.0, 1_400.0), 30.0), 10.0 + 200.0 + 50.0 + 1_500.0 + 30.0 + 90.0);
     }
 }
