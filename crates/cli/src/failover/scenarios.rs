@@ -29,6 +29,9 @@
 //! warm-up, reporting every window and their median; and once more at the end (after the false
 //! positive hit the same primary). It also reports the instance-seconds the backup was held
 //! beside the primary per failure.
+//!
+//! Speculative on the general clone (Figure 6's rbd-clone bars) is composed, never live: see
+//! [`GeneralTwin`] and [`composed_general_ms`].
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
