@@ -55,8 +55,13 @@ pub enum FailoverBench {
     /// checks that no acknowledged commit was lost. Recovery length is the scenario's recovery
     /// time (after SQLite's own) spent by every instance started after the failure. After the
     /// speculative promotions, garbage collection is waited for and the promoted instance's
-    /// throughput compared with a never-failed one's. Also the monitor's peak RSS. Times are
-    /// scaled down with --quick. Needs root, /dev/fuse, losetup, python3, iproute2.
+    /// throughput compared with a never-failed one's. Also the monitor's peak RSS. Speculative
+    /// on a general clone (Figure 6's rbd-clone bars) is composed, not live (the monitor
+    /// speculates on super only): after each speculative failure a twin primary is crashed
+    /// the same way and backups are started on a general clone and on a super child of its
+    /// crashed volume; speculative's live outage plus their difference is reported as
+    /// `speculative_general_composed`. Times are scaled down with --quick. Needs root,
+    /// /dev/fuse, losetup, python3, iproute2.
     Scenarios(scenarios::ScenarioArgs),
     /// Application recovery latency on the plain volume, a super clone and a general clone
     /// (SpecREDS §6.3), for PostgreSQL, SQLite and MariaDB (RocksDB), after clean and unclean

@@ -74,5 +74,15 @@ fn quick_scenarios_bench_emits_the_ratios() {
     }
     assert_eq!(v["figures"]["after_promotion.rounds_count"].as_f64(), Some(4.0), "{v}");
     assert!(v["figures"]["speculative.extra_instance_time_per_failure_s_mean"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    // Speculative on the general clone (composed) in every scenario, with the twin's two
+    // recoveries of one crashed volume it is composed from.
+    for s in ["i_timeout_medium_long_recovery", "ii_timeout_medium_short_recovery", "iii_timeout_short_long_recovery", "iv_timeout_short_false_positive", "v_timeout_short_short_recovery"] {
+        let r = format!("speculative_general_vs_speculative.failover_latency.scenario_{s}");
+        assert!(v["ratios"][&r].as_f64().is_some_and(|x| x.is_finite() && x > 0.0), "ratio {r} missing: {v}");
+        for kind in ["general", "super"] {
+            let f = format!("scenario_{s}.general_twin.{kind}.backup_start_to_healthy_ms");
+            assert!(v["figures"][&f].as_f64().is_some_and(|x| x.is_finite() && x > 0.0), "{f} missing: {v}");
+        }
+    }
     assert!(dir.path().join("out/throughput.csv").exists());
 }

@@ -29,6 +29,9 @@
 //! warm-up, reporting every window and their median; and once more at the end (after the false
 //! positive hit the same primary). It also reports the instance-seconds the backup was held
 //! beside the primary per failure.
+//!
+//! Speculative on the general clone (Figure 6's rbd-clone bars) is composed, never live: see
+//! [`GeneralTwin`] and [`composed_general_ms`].
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -41,6 +44,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use serde_json::Value;
+
+use ::failover::pool::InstancePool;
 
 use super::bench::{logs_tail, peak_rss_bytes, MonitorGuard};
 use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
@@ -666,6 +671,10 @@ struct Measured {
     recovery: Vec<(Sample, Sample)>,
     /// Seconds the recovery rounds' warm-up took (0: none).
     warmup_s: f64,
+    /// Per scenario: backups' start → healthy (general clone, super child) on clones of the
+    /// same crashed volume of the twin (ms), for the composed speculative-on-the-general-clone
+    /// figure.
+    general_ms: Vec<Option<(f64, f64)>>,
 }
 
 /// §6.5 after garbage collection ended: the never-failed instance (A) and the promoted one
@@ -740,6 +749,8 @@ fn measure(
     if p.recovery_rounds > 0 {
         specs.extend([("rec_plain", "oracle", 600_000), ("rec_super", "speculative", 600_000)]);
     }
+    // Speculative's twin for the composed general-clone figure ([`GeneralTwin`]): last.
+    specs.push(("general_twin", "oracle", 600_000));
     let mut mons = vec![];
     for (name, policy, timeout) in specs {
         mons.push(Mon::start(cluster_file, dir, name, policy, timeout, verbose)?);
@@ -760,6 +771,9 @@ fn measure(
         p.transient_ms
     );
     let mut samples: Vec<Vec<Option<Sample>>> = scen.iter().map(|_| vec![None, None, None]).collect();
+    let twin_i = mons.len() - 1;
+    let mut twin = GeneralTwin::new(cluster_file, dir, &mons[twin_i])?;
+    let mut general_ms: Vec<Option<(f64, f64)>> = scen.iter().map(|_| None).collect();
     let mut gc_ms = vec![];
     let mut rounds = None;
     // §6.5 follows scenario II's promotion, or the first one when II is not run.
@@ -778,6 +792,9 @@ fn measure(
             if let (true, Some(same), true) = (a.quick, s.same_as, pi != 0) {
                 if let Some(x) = samples[same][pi].clone() {
                     samples[si][pi] = Some(x);
+                    if pi == 1 {
+                        general_ms[si] = general_ms[same];
+                    }
                     continue;
                 }
             }
@@ -793,8 +810,15 @@ fn measure(
                 }
             }
             samples[si][pi] = Some(r);
+            if pi == 1 {
+                // Right after speculative's failure: its twin's crash, recovered on a
+                // general clone.
+                let m = &mut mons[twin_i];
+                general_ms[si] = Some(twin.measure(m, s, p, k % 2 == 0).map_err(|e| m.context(e))?);
+            }
         }
     }
+    drop(twin);
     // The same promoted primary once more at the end, after the false positive's cut and
     // abort (IV) hit it, beside the never-failed one — once no garbage collection is left.
     let mut end_ops_per_s = None;
@@ -874,7 +898,7 @@ fn measure(
     let rss_bytes = mons.iter().map(|m| peak_rss_bytes(m.guard.pid()).unwrap_or(0)).max().unwrap_or(0);
     // Stop them all (instances stopped cleanly, volumes detached) before the cluster goes.
     drop(mons);
-    Ok(Measured { samples, rss_bytes, rounds, end_ops_per_s, spurious, gc_end_ms: mean(gc_ms), recovery, warmup_s })
+    Ok(Measured { samples, rss_bytes, rounds, end_ops_per_s, spurious, gc_end_ms: mean(gc_ms), recovery, warmup_s, general_ms })
 }
 
 /// A figure that may be missing (an event the monitor did not report): left out with a note
@@ -920,6 +944,26 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
     }
     if !run.is_empty() {
         report.ratio("speculative_vs_oracle.failover_latency.worst", worst, 1.0)?;
+    }
+    // Speculative on the general clone: composed (see [`GeneralTwin`]), never a live failover.
+    let spec_h2o = mean(run.iter().filter(|&&si| get(si, 1).outcome == "promoted").map(|&si| get(si, 1).healthy_to_outcome_ms));
+    let general: Vec<(usize, (f64, f64), f64)> =
+        run.iter().filter_map(|&si| m.general_ms[si].map(|g| (si, g, composed_general_ms(get(si, 1), g, spec_h2o)))).collect();
+    let mut general_bars = bench::BarSeries { name: "speculative on general clone (composed)".into(), values: vec![] };
+    for &(si, (g, sup), composed) in &general {
+        let s = &scen[si];
+        figure_if(&mut report, &format!("{}.speculative.backup_start_to_healthy_ms", s.name), get(si, 1).app_recovery_ms + s.recovery_ms as f64)?;
+        report.figure(&format!("{}.general_twin.general.backup_start_to_healthy_ms", s.name), g)?;
+        report.figure(&format!("{}.general_twin.super.backup_start_to_healthy_ms", s.name), sup)?;
+        report.ratio(&format!("{}.general_twin.general_vs_super.backup_start_to_healthy", s.name), g, sup)?;
+        figure_if(&mut report, &format!("{}.speculative_general_composed.failover_latency_ms", s.name), composed)?;
+        if composed.is_finite() {
+            report.ratio(&format!("speculative_general_vs_speculative.failover_latency.{}", s.name), composed, get(si, 1).gap_ms)?;
+        }
+        general_bars.values.push(composed / 1000.0);
+    }
+    if general.len() == run.len() && !run.is_empty() {
+        bars.push(general_bars);
     }
     // REDS with a 60 s timeout against speculative, short recovery (II): live when the medium
     // timeout is 60 s; with other timeouts, REDS's measured restart cost after its timeout
@@ -1044,7 +1088,7 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
     report.figure("monitor.rss_peak_mib", m.rss_bytes as f64 / 1048576.0)?;
 
     let labels: Vec<&str> = run.iter().map(|&si| scen[si].label).collect();
-    let _ = bench::bar_plot(&out.join("figure6"), "End-to-end failover latency, live (SpecREDS Figure 6)", "scenario (timeout, recovery)", "seconds", &labels, &bars);
+    let _ = bench::bar_plot(&out.join("figure6"), "End-to-end failover latency, live (general clone: composed) (SpecREDS Figure 6)", "scenario (timeout, recovery)", "seconds", &labels, &bars);
     // The client's throughput around the crash, per policy: scenario II (or the first run).
     if let Some(&tsi) = run.iter().find(|&&si| si == 1).or(run.first()) {
         let series: Vec<bench::Series> = POLICIES
@@ -1082,6 +1126,22 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
             ]
         })
     });
+    let rows = rows.chain(general.iter().map(|&(si, (g, _), composed)| {
+        let x = get(si, 1);
+        vec![
+            scen[si].name.to_string(),
+            "speculative_general_composed".to_string(),
+            "composed".to_string(),
+            format!("{composed:.0}"),
+            String::new(),
+            format!("{:.0}", x.pre_fault_ms),
+            format!("{:.0}", x.detect_ms),
+            format!("{:.0}", x.resume_ms),
+            format!("{:.0}", x.detect_to_start_ms),
+            format!("{:.0}", g - scen[si].recovery_ms as f64),
+            String::new(),
+        ]
+    }));
     bench::write_csv(
         &out.join("figure6.csv"),
         &[
@@ -1102,4 +1162,250 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
     eprintln!("plots and samples in {}", out.display());
     report.print();
     Ok(())
+}
+
+/// Speculative on the general clone (Figure 6's SpecREDS (rbd-clone)), **composed**, as the
+/// paper itself composed Figure 6 from §6.3's recovery latencies: the monitor speculates on
+/// `super` only (a general clone has no collapse, so no safe promotion while the primary may
+/// still write the parent its clone reads through to). Per scenario, a twin of speculative's
+/// primary (the same application, the same load, the same scenario's recovery time, its own
+/// oracle monitor told to wait) is crashed the same way; a backup is then started on a
+/// general clone of that crashed volume by this process's own instance pool and timed from
+/// its start (attach included) to its first good health check — as the monitor times a
+/// backup. The composed outage is speculative's live one with its backup's start → healthy
+/// replaced by that (see [`composed_general_ms`]). The clone's instance is then killed, the
+/// clone deleted, and the twin's monitor restarts its primary on the volume (REDS).
+struct GeneralTwin {
+    rt: tokio::runtime::Runtime,
+    pool: Arc<::failover::pool::LocalPool>,
+    volumes: ::failover::driver::Volumes,
+    health: ::failover::spec::HealthSpec,
+    next_id: u64,
+}
+
+impl GeneralTwin {
+    fn new(cluster_file: &Path, dir: &Path, twin: &Mon) -> anyhow::Result<GeneralTwin> {
+        let rt = crate::runtime()?;
+        let exe = std::env::current_exe()?;
+        let command: Vec<String> = [
+            exe.to_string_lossy().as_ref(),
+            "failover",
+            "sqlite-front",
+            "--db",
+            "{mount}/app.db",
+            "--port",
+            "{port}",
+            "--startup-delay-file",
+            twin.delay_file.to_string_lossy().as_ref(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let (pool, volumes) = rt.block_on(async {
+            let conn = crate::ConnArgs { cluster: Some(cluster_file.to_path_buf()), meta: None, secret_file: None };
+            let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<::failover::Input>(64);
+            // Its instances exit because this bench kills them: nothing to act on.
+            tokio::spawn(async move { while rx.recv().await.is_some() {} });
+            let pool = ::failover::pool::LocalPool::new(
+                ::failover::pool::LocalPoolConfig {
+                    exe: exe.clone(),
+                    conn_args: vec!["--cluster".into(), cluster_file.to_string_lossy().into_owned()],
+                    state_dir: dir.join("general-twin"),
+                    app: ::failover::spec::AppSpec { command, env: Default::default(), stop_grace_ms: 10_000 },
+                    mkfs_first: false,
+                    attach_timeout: STEP_TIMEOUT,
+                    netns: false,
+                },
+                tx,
+            )?;
+            anyhow::Ok((Arc::new(pool), ::failover::driver::Volumes { cluster }))
+        })?;
+        let health = ::failover::spec::HealthSpec { send: Some("PING".into()), expect: Some("PONG".into()), command: None, postgres: None, mysql: None, timeout_ms: HEALTH_TIMEOUT_MS };
+        Ok(GeneralTwin { rt, pool, volumes, health, next_id: 100 })
+    }
+
+    /// One crash of the twin's primary under load; then a backup on a general clone of the
+    /// crashed volume and one on a super child of it (aborted afterwards: the parent is
+    /// kept), one after the other from the same crashed state, in the order `general_first`
+    /// says. Returns their start → healthy (general, super) in ms.
+    fn measure(&mut self, twin: &mut Mon, s: &Scen, p: &Params, general_first: bool) -> anyhow::Result<(f64, f64)> {
+        std::fs::write(&twin.delay_file, s.recovery_ms.to_string())?;
+        let load = Load::start(twin.endpoint);
+        load.wait_acked(FLOWING_COMMITS, "twin before the crash")?;
+        std::thread::sleep(p.settle);
+        while let Ok(e) = twin.rx.try_recv() {
+            twin.seen.push(e);
+        }
+        // The twin's monitor waits (its primary "comes back" long after any recovery): the
+        // crashed volume stays as the crash left it while its clones recover.
+        twin.control("hint 600000 1000000000")?;
+        twin.control("kill")?;
+        let st: Value = serde_json::from_str(&twin.control("status")?)?;
+        let parent = st["state"]["volume"].as_str().context("twin: no volume in its status")?.to_string();
+        let mut r = (f64::NAN, f64::NAN);
+        let mut err = None;
+        for general in if general_first { [true, false] } else { [false, true] } {
+            match self.recover_on_clone(&parent, general) {
+                Ok(ms) if general => r.0 = ms,
+                Ok(ms) => r.1 = ms,
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            }
+        }
+        // The twin's monitor restarts its primary on the volume (REDS), once it noticed.
+        twin.wait(&["suspected"], STEP_TIMEOUT)?;
+        twin.control("hint never 0")?;
+        twin.wait(&["reds_restarted"], STEP_TIMEOUT)?;
+        let n = load.acked();
+        load.wait_acked(n + FLOWING_COMMITS, "twin after its restart")?;
+        load.finish(&format!("{} {}", twin.name, s.name))?;
+        if let Some(e) = err {
+            return Err(e);
+        }
+        let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+        eprintln!(
+            "failover bench: {:<12} {:<42} backups on clones of the same crashed volume, start→healthy: general {:.0} ms, super {:.0} ms (recovery {} ms each; {} first; load {})",
+            twin.name,
+            s.name,
+            r.0,
+            r.1,
+            s.recovery_ms,
+            if general_first { "general" } else { "super" },
+            load.split_whitespace().next().unwrap_or("?")
+        );
+        Ok(r)
+    }
+
+    /// A backup on a general clone (or a super child) of `parent`, timed from its start to
+    /// its first good health check; then killed and its clone deleted (the child aborted).
+    fn recover_on_clone(&mut self, parent: &str, general: bool) -> anyhow::Result<f64> {
+        self.next_id += 1;
+        let kind = if general { "general" } else { "super" };
+        let (id, child) = (::failover::InstanceId(self.next_id), format!("{parent}.{kind}-{}", self.next_id));
+        let (pool, volumes, health) = (self.pool.clone(), &self.volumes, &self.health);
+        self.rt.block_on(async {
+            if general {
+                match volumes.cluster.meta(volume::meta::MetaReq::CloneGeneral { parent: parent.into(), child: child.clone() }).await {
+                    Ok(volume::meta::MetaResp::Volume(_)) => {}
+                    Ok(other) => anyhow::bail!("general clone of {parent}: unexpected answer {other:?}"),
+                    Err(e) => anyhow::bail!("general clone of {parent}: {e:#}"),
+                }
+            } else {
+                match volumes.super_(parent, &child).await {
+                    ::failover::Input::SuperDone { .. } => {}
+                    other => anyhow::bail!("super of {parent}: {other:?}"),
+                }
+            }
+            let t0 = Instant::now();
+            let r = async {
+                let addr = pool.start(id, &child).await.with_context(|| format!("starting an instance on {child}"))?;
+                loop {
+                    if ::failover::driver::health_check(health, addr, id).await {
+                        return anyhow::Ok(t0.elapsed().as_secs_f64() * 1000.0);
+                    }
+                    anyhow::ensure!(pool.pids(id).is_some_and(|(app, _)| ::failover::pool::pid_alive(app)), "the instance on {child} exited before it was healthy");
+                    anyhow::ensure!(t0.elapsed() < STEP_TIMEOUT, "the instance on {child} not healthy within {STEP_TIMEOUT:?}");
+                    // The monitor pings a starting backup this often.
+                    tokio::time::sleep(Duration::from_millis(25)).await;
+                }
+            }
+            .await;
+            // Whatever happened: the instance gone and its volume detached before the clone goes.
+            let killed = pool.kill(id).await;
+            let gone = if general {
+                volumes.cluster.meta(volume::meta::MetaReq::Delete { name: child.clone() }).await.map(|_| ())
+            } else {
+                match volumes.drop_child(parent, &child).await {
+                    ::failover::Input::ChildDropped { .. } => Ok(()),
+                    other => Err(anyhow::anyhow!("{other:?}")),
+                }
+            };
+            let ms = r?;
+            killed.with_context(|| format!("stopping the instance on {child}"))?;
+            gone.with_context(|| format!("deleting {child}"))?;
+            anyhow::Ok(ms)
+        })
+    }
+}
+
+impl Drop for GeneralTwin {
+    fn drop(&mut self) {
+        let pool = self.pool.clone();
+        self.rt.block_on(async move {
+            for id in pool.instances() {
+                let _ = pool.kill(id).await;
+            }
+        });
+    }
+}
+
+/// Speculative on the general clone, composed from speculative's live failure `x` and the
+/// twin's backups on clones of one crashed volume (`twin`: start → healthy on the general
+/// clone and on the super child, the scenario's recovery time included in both): the same
+/// detection, the same start of the backup, the same steps after it is healthy (speculative's
+/// collapse, re-point and fence stand in for the general clone's fence and re-point) and the
+/// same wait for the client's next commit; only the backup's recovery differs, by what the
+/// general clone took more than the super child from the same crashed state. For a false
+/// positive that speculative aborted (no recovery of its own to adjust), the general clone's
+/// backup would have been promoted only had it been healthy (the twin's start → healthy) before
+/// the primary answered again (`healthy_to_outcome_ms`: speculative's, from its crashes).
+fn composed_general_ms(x: &Sample, twin: (f64, f64), healthy_to_outcome_ms: f64) -> f64 {
+    let (general, sup) = twin;
+    if x.outcome == "promoted" {
+        return x.gap_ms + (general - sup);
+    }
+    // From the fault: when the general clone's backup would have been healthy, and when the
+    // primary answered again.
+    let healthy = x.detect_ms + x.detect_to_start_ms + general;
+    let back = x.detect_ms + x.monitor_ms;
+    if healthy < back {
+        x.pre_fault_ms + healthy + healthy_to_outcome_ms + x.resume_ms
+    } else {
+        x.gap_ms
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(outcome: &str, gap_ms: f64, app_recovery_ms: f64) -> Sample {
+        Sample {
+            outcome: outcome.into(),
+            gap_ms,
+            before_ops_per_s: 0.0,
+            after_ops_per_s: 0.0,
+            app_recovery_ms,
+            detect_to_start_ms: 50.0,
+            healthy_to_outcome_ms: 30.0,
+            extra_instance_s: 0.0,
+            monitor_ms: gap_ms - 300.0,
+            pre_fault_ms: 10.0,
+            detect_ms: 200.0,
+            resume_ms: 90.0,
+            breakdown: None,
+            shard_work: None,
+            table_rows: 0.0,
+            outcome_at: Instant::now(),
+            ops_per_window: vec![],
+            window_ms: 100,
+        }
+    }
+
+    #[test]
+    fn the_composed_general_clone_outage_replaces_only_the_backups_recovery() {
+        // Promoted: 5000 ms outage; from the twin's crashed volume the general clone's backup
+        // took 700 ms more than the super child's.
+        let x = sample("promoted", 5_000.0, 400.0);
+        assert_eq!(composed_general_ms(&x, (3_100.0, 2_400.0), 30.0), 5_700.0);
+        // A false positive speculative aborted: the primary answered 200 + 14_700 ms after
+        // the fault. A backup healthy later than that changes nothing; one healthy sooner is
+        // promoted (speculative's healthy → outcome, then the client's wait).
+        let fp = sample("aborted", 15_000.0, f64::NAN);
+        assert_eq!(composed_general_ms(&fp, (31_000.0, 30_900.0), 30.0), 15_000.0);
+        assert_eq!(composed_general_ms(&fp, (1_500.0, 1_400.0), 30.0), 10.0 + 200.0 + 50.0 + 1_500.0 + 30.0 + 90.0);
+    }
 }
