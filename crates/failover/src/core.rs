@@ -307,11 +307,10 @@ impl Monitor {
         // restarted, its cause fixed one hopes, it starts the application again on its volume
         // rather than sit without a primary — after killing the instance it started last, as
         // REDS does, should the crash have cut in before that kill.
-        if let Phase::Failed { last, .. } = m.d.phase {
-            match last {
-                Some(old) => m.d.phase = Phase::RedsFencing { old },
-                None => m.boot_again(now_ms),
-            }
+        // A journal from before `last` was recorded names no instance to kill, so one may still
+        // run: that monitor stays given up (two instances must never share the volume).
+        if let Phase::Failed { last: Some(old), .. } = m.d.phase {
+            m.d.phase = Phase::RedsFencing { old };
         }
         m.detected_ms = m.d.silent_since_ms;
         let mut acts = vec![];
@@ -891,12 +890,13 @@ mod tests {
         assert_eq!(a, vec![Action::FreezeEndpoint, Action::KillInstance(InstanceId(1))]);
         let a = m.handle(3_100, Input::InstanceStopped(InstanceId(1)));
         assert!(a.contains(&Action::StartInstance { id: InstanceId(2), volume: "db".into() }), "{a:?}");
-        // A journal from before `last` was recorded: no instance to kill, a plain boot.
+        // A journal from before `last` was recorded: the instance it gave up on is unknown and
+        // may still run, so nothing is started.
         let mut d = m.durable().clone();
         d.phase = serde_json::from_str(r#"{"Failed":{"reason":"old"}}"#).unwrap();
         let (m, a) = Monitor::recover(cfg, d, 4_000);
-        assert_eq!(a, vec![Action::StartInstance { id: InstanceId(3), volume: "db".into() }]);
-        assert_eq!(m.durable().phase, Phase::Booting { instance: InstanceId(3), since_ms: 4_000, healthy: false });
+        assert!(!a.iter().any(|a| matches!(a, Action::StartInstance { .. })), "{a:?}");
+        assert!(matches!(m.durable().phase, Phase::Failed { last: None, .. }), "{:?}", m.durable().phase);
     }
 
     #[test]
