@@ -73,9 +73,9 @@ pub struct ShardArgs {
     pub inject_flush_latency_us: u64,
     /// Write-ahead journal: `on` makes each write's record durable by one fdatasync of a journal
     /// file shared with the writes waiting (group commit), then writes the slot file, which a
-    /// background checkpoint syncs; `off` writes each write's slot pages back and shares one
-    /// device flush among the writes waiting (the default: on this project's loaded 2-core
-    /// machines the journal's A/B runs were mixed, its depth-32 latency worse). A journal left
+    /// background checkpoint syncs; `off` makes each write durable by its slot file's own
+    /// fdatasync (the default: on this project's loaded 2-core machines the journal's A/B runs
+    /// were mixed, its depth-32 latency worse). A journal left
     /// by an earlier run is replayed at start either way.
     #[arg(long, value_enum, value_name = "ON|OFF", default_value_t = OnOff::Off)]
     pub journal: OnOff,

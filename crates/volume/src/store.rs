@@ -226,8 +226,8 @@ pub struct PoolOptions {
 /// to blocking threads (load 4–23) came out the other way: plain depth-1 718 / 982 µs with the
 /// journal against 1248 / 2223 without, depth-32 7031 / 8235 against 9161 / 11498, fio depth-32
 /// 3738 / 3267 against 3359 / 2985 IOPS. Mixed results on a loaded machine: the default stays
-/// off until an idle-machine ABBA decides. With the journal write-ahead and (off) the shared
-/// device flush, ABAB at load 25–30 (2026-11-26 19:26–19:30): the journal won fio depth-32
+/// off until an idle-machine ABBA decides. With the journal write-ahead and (off) a shared
+/// device flush since reverted, ABAB at load 25–30 (2026-11-26 19:26–19:30): the journal won fio depth-32
 /// IOPS over NBD (1932 / 3168 against 1122 / 2118) and parent IOPS (2760 against 1500) but its
 /// depth-32 COW latency means were 78 / 131 ms against 8.5 / 14 ms (stalls): still off.
 pub const DEFAULT_JOURNAL_BYTES: u64 = 32 << 20;
