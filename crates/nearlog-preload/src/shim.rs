@@ -151,13 +151,6 @@ struct Config {
 /// tens of µs; longer waits (a slow or dead peer) block in `poll` after this.
 const DEFAULT_SPIN_US: u64 = 50;
 
-/// How long a writer does not spin after a `sched_yield` of its spin took longer than the whole
-/// spin: other threads were runnable on its CPU (the application's own clients, its peers, a
-/// neighbour). A yield there puts the writer behind all of them (EEVDF moves its deadline a
-/// slice on), while a thread blocked in `poll` is woken with priority when the acks arrive:
-/// measured at Redis 50 clients, load 10-13, nearlog/weak 0.40-0.71 spinning, 1.00-1.56 not.
-const CONTENDED_NO_SPIN: Duration = Duration::from_millis(500);
-
 fn load_config() -> Result<Config, String> {
     let deadline_ms = match std::env::var("UNDERSTUDY_NEARLOG_DEADLINE_MS") {
         Ok(s) => s.parse::<u64>().map_err(|_| format!("UNDERSTUDY_NEARLOG_DEADLINE_MS={s:?} is not a number of milliseconds"))?,
@@ -250,8 +243,6 @@ mod stats {
     pub static SENDS: AtomicU64 = AtomicU64::new(0);
     pub static READS: AtomicU64 = AtomicU64::new(0);
     pub static REPLIES: AtomicU64 = AtomicU64::new(0);
-    /// Yields longer than the spin (spinning then stops for a while).
-    pub static CONTENDED: AtomicU64 = AtomicU64::new(0);
     pub fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Relaxed);
     }
@@ -263,7 +254,7 @@ mod stats {
         let w = WRITES.load(Relaxed).max(1) as f64;
         let per = |c: &AtomicU64| c.load(Relaxed) as f64 / w;
         format!(
-            "stats: {} writes, {:.0} B/write; per write: replicate {:.1} us, sends {:.1} us, wait {:.1} us, pumps {:.2}, polls {:.2} (blocking {:.3}), yields {:.2} ({} contended in all), sends {:.2}, reads {:.2}, replies {:.2}",
+            "stats: {} writes, {:.0} B/write; per write: replicate {:.1} us, sends {:.1} us, wait {:.1} us, pumps {:.2}, polls {:.2} (blocking {:.3}), yields {:.2}, sends {:.2}, reads {:.2}, replies {:.2}",
             WRITES.load(Relaxed),
             per(&BYTES),
             per(&REPLICATE_NS) / 1000.0,
@@ -273,7 +264,6 @@ mod stats {
             per(&POLLS),
             per(&BLOCKING_POLLS),
             per(&YIELDS),
-            CONTENDED.load(Relaxed),
             per(&SENDS),
             per(&READS),
             per(&REPLIES)
@@ -335,8 +325,6 @@ struct Shim {
     /// image staged to a peer that lags after a crash, a resync) goes out as its socket drains,
     /// during later pumps, while the majority's small records pass on their own connections.
     sendq: HashMap<PeerId, (Vec<u8>, usize)>,
-    /// No spinning before this (the CPU was contended: [`CONTENDED_NO_SPIN`]).
-    no_spin_until: Option<Instant>,
     owner_pid: u32,
     start: Instant,
 }
@@ -423,7 +411,6 @@ impl Shim {
                 deferred: HashMap::new(),
                 reply_us: HashMap::new(),
                 sendq: HashMap::new(),
-                no_spin_until: None,
                 owner_pid: pid,
                 start: Instant::now(),
             });
@@ -625,10 +612,8 @@ impl Shim {
     /// wake-up on their arrival (on a VM's vCPU an idle exit and an interrupt, the same order
     /// as the round trip itself). The yield lets a peer queued on this CPU (loopback) run at
     /// once instead of waiting for this thread's time slice to end. Past that, `poll` blocks: a
-    /// slow or dead peer costs at most the spin, never a busy core. A yield that takes longer
-    /// than the spin means a contended CPU: the writer then blocks at once for
-    /// [`CONTENDED_NO_SPIN`].
-    fn wait_replies(&mut self, fds: &mut [libc::pollfd], wait: Duration) -> bool {
+    /// slow or dead peer costs at most the spin, never a busy core.
+    fn wait_replies(&self, fds: &mut [libc::pollfd], wait: Duration) -> bool {
         let poll = |fds: &mut [libc::pollfd], ms: c_int| {
             stats::add(&stats::POLLS, 1);
             if ms != 0 {
@@ -637,32 +622,22 @@ impl Shim {
             // SAFETY: fds is a valid array of pollfd for the duration of the call.
             unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) > 0 }
         };
-        let mut spin = self.cfg.spin.min(wait);
-        let started = Instant::now();
-        if self.no_spin_until.is_some_and(|t| started < t) {
-            spin = Duration::ZERO;
-        }
+        let spin = self.cfg.spin.min(wait);
         if !spin.is_zero() {
-            let until = started + spin;
+            let until = Instant::now() + spin;
             loop {
                 if poll(fds, 0) {
                     return true;
                 }
-                let now = Instant::now();
-                if now >= until {
+                if Instant::now() >= until {
                     break;
                 }
                 stats::add(&stats::YIELDS, 1);
                 // SAFETY: no arguments, no memory touched.
                 unsafe { libc::sched_yield() };
-                if now.elapsed() > self.cfg.spin {
-                    stats::add(&stats::CONTENDED, 1);
-                    self.no_spin_until = Some(Instant::now() + CONTENDED_NO_SPIN);
-                    break;
-                }
             }
         }
-        let left = wait.saturating_sub(started.elapsed());
+        let left = wait.saturating_sub(spin);
         // Round up: a sub-millisecond wait must still wait (poll takes milliseconds).
         poll(fds, left.as_micros().div_ceil(1000) as c_int)
     }

@@ -700,8 +700,7 @@ print(len(lat), el)
 /// the same machine load. The round trip's other end is a child process the program forks (a
 /// process of its own with a blocking read/write loop and TCP_NODELAY, as a log peer's
 /// connection thread); its reply is waited for as the shim waits for acks (polled without
-/// sleeping, yielding, for `UNDERSTUDY_NEARLOG_SPIN_US`, default 50 µs, then blocking; no spin
-/// for 500 ms after a yield that took longer than the spin), so the
+/// sleeping, yielding, for `UNDERSTUDY_NEARLOG_SPIN_US`, default 50 µs, then blocking), so the
 /// client's own wake-up is left out of both alike. Args: path, N, and `rtt` to time round trips
 /// too. Prints both medians in µs (the round trip's 0 without `rtt`) and the process's peak RSS
 /// in bytes.
@@ -749,7 +748,6 @@ int main(int argc, char **argv) {
     }
     long long *wf = calloc(n, sizeof *wf), *rtt = calloc(n, sizeof *rtt);
     long long spin_ns = getenv("UNDERSTUDY_NEARLOG_SPIN_US") ? atoll(getenv("UNDERSTUDY_NEARLOG_SPIN_US")) * 1000 : 50000;
-    long long calm_ns = 0; /* no spin before: a yield took longer than the spin (contended CPU) */
     char buf[64] = {'r'};
     int k = 0, j = 0, blocks = 10;
     for (int b = 0; b < blocks; b++) {
@@ -762,11 +760,7 @@ int main(int argc, char **argv) {
             long long t0 = now_ns();
             if (send(s, buf, 64, 0) != 64) { perror("send"); return 1; }
             struct pollfd p = {s, POLLIN, 0};
-            while (t0 >= calm_ns && poll(&p, 1, 0) == 0 && now_ns() < t0 + spin_ns) {
-                long long y = now_ns();
-                sched_yield();
-                if (now_ns() - y > spin_ns) { calm_ns = now_ns() + 500000000LL; break; }
-            }
+            while (poll(&p, 1, 0) == 0 && now_ns() < t0 + spin_ns) sched_yield();
             for (int got = 0; got < 64;) { ssize_t r = recv(s, buf + got, 64 - got, 0); if (r <= 0) { perror("recv"); return 1; } got += r; }
             rtt[j++] = now_ns() - t0;
         }
