@@ -223,15 +223,15 @@ fn coalesce_acks() -> bool {
     *POLICY.get_or_init(|| !matches!(std::env::var("UNDERSTUDY_NEARLOG_PEER_ACKS").as_deref(), Ok("each")))
 }
 
-/// Whether connection threads run as SCHED_BATCH (`UNDERSTUDY_NEARLOG_PEER_SCHED`: `batch`, the
-/// default, or `normal`), read once at start. A batch thread woken by a record does not preempt
-/// the writer on its CPU: the writer's send to the next peer of its majority goes out at once,
-/// instead of after this peer's turn (the writer, back in the run queue, may wait behind every
-/// other runnable thread there). Measured (ABBA, 4 pairs, load 7-13, plain directory): Redis 50
-/// clients 0.935x weak against 0.851x (mean), write+fsync p50 33.1-42.2 us against 36.2-41.8.
+/// Whether connection threads run as SCHED_BATCH (`UNDERSTUDY_NEARLOG_PEER_SCHED=batch`; default
+/// `normal`), read once at start. A batch thread woken by a record does not preempt the writer
+/// on its CPU, so the writer's send to the next peer of its majority goes out at once. Measured
+/// (ABBA, 5 pairs of `bench nearlog apps --quick --apps redis --clients 1,50`, load 15-18):
+/// write+fsync p50 33.4-34.4 us against 34.8-37.0 us normal, but Redis c1 5.8-12.5k ops/s
+/// against 8.3-16.3k and Redis c50 0.61-0.88x weak against 0.76-1.05x: not the default.
 fn batch_sched() -> bool {
     static POLICY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *POLICY.get_or_init(|| !matches!(std::env::var("UNDERSTUDY_NEARLOG_PEER_SCHED").as_deref(), Ok("normal")))
+    *POLICY.get_or_init(|| matches!(std::env::var("UNDERSTUDY_NEARLOG_PEER_SCHED").as_deref(), Ok("batch")))
 }
 
 /// How long a connection thread polls for the next request without sleeping after answering a
