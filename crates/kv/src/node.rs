@@ -319,6 +319,8 @@ struct KeyStream {
     full_copy: bool,
     /// Chunks the recovering node has granted and not been sent yet.
     credits: u32,
+    /// Bytes of entries the next chunk holds at most (see [`FIRST_CATCHUP_CHUNK_BYTES`]).
+    chunk_bytes: usize,
 }
 
 /// A reactive-log catch-up stream a Buddy serves: the log is read by the driver, one chunk per
@@ -333,6 +335,8 @@ struct LogStream {
     /// Chunks granted and not sent yet (the one being read included).
     credits: u32,
     reading: bool,
+    /// Bytes the next read asks for (see [`FIRST_CATCHUP_CHUNK_BYTES`]).
+    chunk_bytes: usize,
 }
 
 /// One replica. See the module docs.
@@ -386,6 +390,12 @@ pub struct NodeCore {
 /// Credits a Buddy holds for one stream at most, and the largest catch-up window (a request or
 /// credit grants as many as the recovering node's window has room for).
 pub const MAX_CATCHUP_CHUNKS_PER_REQ: u32 = 64;
+
+/// A catch-up stream's first chunk holds at most this many bytes of entries, and each next one
+/// twice as many as the one before, up to `max_catchup_chunk_bytes`: the recovering node starts
+/// applying and persisting after a short build and transfer instead of a whole chunk's, and
+/// the later, larger chunks keep the per-chunk costs low.
+pub const FIRST_CATCHUP_CHUNK_BYTES: usize = 64 << 10;
 
 /// Client tags remembered for duplicate suppression.
 pub const RECENT_CLIENT_TAGS: usize = 4096;
@@ -1842,6 +1852,11 @@ impl NodeCore {
         self.grant_credit(now_us);
     }
 
+    /// Bytes of a catch-up stream's first chunk (see [`FIRST_CATCHUP_CHUNK_BYTES`]).
+    fn first_chunk_bytes(&self) -> usize {
+        FIRST_CATCHUP_CHUNK_BYTES.min(self.p.max_catchup_chunk_bytes)
+    }
+
     /// The catch-up window in chunks (see [`NodeParams::max_catchup_chunks_in_flight`]).
     fn window_chunks(&self) -> u32 {
         (self.p.max_catchup_chunks_in_flight as u32).clamp(1, MAX_CATCHUP_CHUNKS_PER_REQ)
@@ -1932,6 +1947,7 @@ impl NodeCore {
             return; // not a list a crash can leave behind: refuse rather than work on it
         }
         self.counters.catchup_served += 1;
+        let chunk_bytes = self.first_chunk_bytes();
         // Never more than the largest window a node may be configured with.
         let credits = chunks.clamp(1, MAX_CATCHUP_CHUNKS_PER_REQ);
         // A new request replaces any stream of the node (it gave up on it).
@@ -1953,6 +1969,7 @@ impl NodeCore {
                         partially,
                         full_copy,
                         credits,
+                        chunk_bytes,
                     },
                 );
                 self.stream_chunk(from);
@@ -1961,7 +1978,6 @@ impl NodeCore {
                 // Reactive: the durable log is read from the point (by the driver, off the
                 // protocol path), then answered in `on_log_read`, which reads on while the
                 // stream has credit. One read at a time per recovering node.
-                let max_bytes = self.p.max_catchup_chunk_bytes;
                 self.log_reads.insert(
                     from,
                     LogStream {
@@ -1970,12 +1986,13 @@ impl NodeCore {
                         partially,
                         credits,
                         reading: true,
+                        chunk_bytes,
                     },
                 );
                 self.out.push(Output::ReadLog {
                     to: from,
                     cursor: lc,
-                    max_bytes,
+                    max_bytes: chunk_bytes,
                 });
             }
         }
@@ -1990,7 +2007,6 @@ impl NodeCore {
                 .min(MAX_CATCHUP_CHUNKS_PER_REQ);
             return;
         }
-        let max_bytes = self.p.max_catchup_chunk_bytes;
         if let Some(ls) = self
             .log_reads
             .get_mut(&from)
@@ -2006,7 +2022,7 @@ impl NodeCore {
                 self.out.push(Output::ReadLog {
                     to: from,
                     cursor,
-                    max_bytes,
+                    max_bytes: ls.chunk_bytes,
                 });
             }
         }
@@ -2047,9 +2063,16 @@ impl NodeCore {
         if st.credits == 0 {
             return;
         }
-        let (entries, next) = self.key_chunk(st.after.as_deref(), &st.partially, st.full_copy);
+        let (entries, next) = self.key_chunk(
+            st.after.as_deref(),
+            &st.partially,
+            st.full_copy,
+            st.chunk_bytes,
+        );
+        let max_chunk = self.p.max_catchup_chunk_bytes;
         let st = self.streams.get_mut(&to).unwrap();
         st.credits -= 1;
+        st.chunk_bytes = (st.chunk_bytes * 2).min(max_chunk);
         let (stream, full_copy) = (st.stream, st.full_copy);
         let from = Cursor::Key(match &next {
             Some(Cursor::Key(k)) => std::mem::replace(&mut st.after, k.clone()),
@@ -2080,13 +2103,13 @@ impl NodeCore {
         after: Option<&[u8]>,
         partially: &[(Vec<u8>, Ts)],
         full: bool,
+        max_bytes: usize,
     ) -> (Chunk, Option<Cursor>) {
         use std::ops::Bound;
         let lower = match after {
             Some(k) => Bound::Excluded(k),
             None => Bound::Unbounded,
         };
-        let max_bytes = self.p.max_catchup_chunk_bytes;
         let mut chunk = Chunk::with_capacity(
             max_bytes.min(MAX_CHUNK_PREALLOC_BYTES) + CHUNK_ENTRY_HEADER_BYTES + MAX_KEY_BYTES,
         );
@@ -2161,9 +2184,12 @@ impl NodeCore {
             self.log_reads.remove(&to);
             return;
         }
+        let max_chunk = self.p.max_catchup_chunk_bytes;
         let ls = self.log_reads.get_mut(&to).unwrap();
         ls.reading = false;
         ls.credits = ls.credits.saturating_sub(1);
+        let chunk_bytes = ls.chunk_bytes;
+        ls.chunk_bytes = (chunk_bytes * 2).min(max_chunk);
         let (stream, credits) = (ls.stream, ls.credits);
         let partially = std::mem::take(&mut ls.partially);
         let epoch = self.config.epoch;
@@ -2172,7 +2198,7 @@ impl NodeCore {
             // Our log does not reach back to where the node left: send a snapshot instead, on
             // as a key stream with the credit left.
             self.log_reads.remove(&to);
-            let (entries, next) = self.key_chunk(None, &[], true);
+            let (entries, next) = self.key_chunk(None, &[], true, chunk_bytes);
             if let Some(Cursor::Key(after)) = &next {
                 self.streams.insert(
                     to,
@@ -2182,6 +2208,7 @@ impl NodeCore {
                         partially: Vec::new(),
                         full_copy: true,
                         credits,
+                        chunk_bytes: (chunk_bytes * 2).min(max_chunk),
                     },
                 );
             }
@@ -2247,7 +2274,7 @@ impl NodeCore {
         if credits > 0 {
             // Read on from where this chunk ended.
             ls.reading = true;
-            let max_bytes = self.p.max_catchup_chunk_bytes;
+            let max_bytes = ls.chunk_bytes;
             self.out.push(Output::ReadLog {
                 to,
                 cursor: next_lc,
@@ -3000,6 +3027,59 @@ mod tests {
         );
         n.take_outputs();
         n
+    }
+
+    /// A stream's chunks start at [`FIRST_CATCHUP_CHUNK_BYTES`] and double up to the
+    /// configured size, and the stream still carries every key once, in order.
+    #[test]
+    fn catchup_chunks_ramp_up_to_the_configured_size() {
+        let max = 4 * FIRST_CATCHUP_CHUNK_BYTES;
+        let keys = 1000; // 10-byte values: ~28 KiB of entries per 1000 keys
+        let mut n = full_copy_buddy(keys, max);
+        // Bigger values, so the store spans several chunks.
+        for k in n.store.values_mut() {
+            k.value = vec![7; 1000];
+        }
+        n.on_peer(
+            1,
+            0,
+            PeerMsg::CatchUpReq {
+                epoch: 2,
+                stream: 1,
+                partially: vec![],
+                cursor: key_cursor(None),
+                chunks: 64,
+            },
+        );
+        let mut outs = n.take_outputs();
+        while n.wants_pump() {
+            n.pump(1);
+            outs.extend(n.take_outputs());
+        }
+        let chunks: Vec<Chunk> = outs
+            .into_iter()
+            .filter_map(|o| match o {
+                Output::Send {
+                    msg: PeerMsg::CatchUpResp { entries, .. },
+                    ..
+                } => Some(entries),
+                _ => None,
+            })
+            .collect();
+        let sizes: Vec<usize> = chunks.iter().map(|c| c.len_bytes()).collect();
+        let entry = 1000 + 5 + CHUNK_ENTRY_HEADER_BYTES; // one entry past the limit at most
+        for (i, s) in sizes.iter().enumerate().take(3) {
+            let limit = FIRST_CATCHUP_CHUNK_BYTES << i;
+            assert!(*s >= limit && *s < limit + entry, "chunk {i}: {sizes:?}");
+        }
+        assert!(sizes[3] >= max && sizes[3] < max + entry, "{sizes:?}");
+        let got: Vec<Vec<u8>> = chunks
+            .iter()
+            .flat_map(|c| c.to_entries().unwrap())
+            .map(|e| e.key)
+            .collect();
+        let want: Vec<Vec<u8>> = (0..keys).map(|i| format!("k{i:04}").into_bytes()).collect();
+        assert_eq!(got, want);
     }
 
     /// A Buddy sends one chunk per credit, back to back, each naming where the next starts;
