@@ -282,8 +282,8 @@ struct Missed {
 
 /// The newest update of a key in Missed_updates: the store's version of the key, kept here
 /// too (recorded wherever the store's version changes) so that a Buddy builds its chunks from
-/// the buffer alone, without a lookup in the store per key — on a store of a million keys
-/// that lookup was most of a chunk's build. Its bytes count against the buffer's cap.
+/// the buffer alone, without a lookup in the store per key (on a store of a million keys, a
+/// large part of a chunk's build). Its bytes count against the buffer's cap.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 struct MissedUpdate {
     ts: Ts,
