@@ -228,10 +228,20 @@ fn check_interrupted() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `timeout --kill-after=5 TIMEOUT_S PROG`, told SIGTERM if the bench dies (it passes the
+/// signal on to PROG: a client of a Ceph killed with the bench would otherwise hang until its
+/// timeout).
+fn timeout_cmd(prog: &str, timeout_s: u64) -> Command {
+    let mut cmd = Command::new("timeout");
+    cmd.args(["--kill-after=5", &timeout_s.to_string(), prog]);
+    // (timeout puts itself in a process group of its own anyway.)
+    crate::proc::own_group_dying_with_parent(&mut cmd, libc::SIGTERM);
+    cmd
+}
+
 /// Runs `prog args` under coreutils' `timeout`; returns stdout, or the error with stderr.
 fn run_tool(prog: &str, args: &[&str], timeout_s: u64) -> anyhow::Result<String> {
-    let out = Command::new("timeout")
-        .args(["--kill-after=5", &timeout_s.to_string(), prog])
+    let out = timeout_cmd(prog, timeout_s)
         .args(args)
         .stdin(Stdio::null())
         .output()
@@ -412,8 +422,7 @@ pub fn parse_fio_writes(stdout: &[u8]) -> anyhow::Result<FioWrites> {
 
 /// Runs one fio job (4 KiB writes) with `args`; `ceph_conf` is set as `CEPH_CONF` for the rbd engine.
 fn fio(args: &[String], ceph_conf: &Path) -> anyhow::Result<FioWrites> {
-    let out = Command::new("timeout")
-        .args(["--kill-after=5", &FIO_TIMEOUT_S.to_string(), "fio"])
+    let out = timeout_cmd("fio", FIO_TIMEOUT_S)
         .args(["--name=bench", "--bs=4k", "--output-format=json", "--lat_percentiles=1", "--randrepeat=0", "--verify_state_save=0"])
         .args(args)
         .env("CEPH_CONF", ceph_conf)
