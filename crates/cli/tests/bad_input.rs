@@ -27,6 +27,9 @@ fn bad_input_gets_clear_errors() {
         (vec!["volume", "super", "vol", "--child", "vol"], "already exists"),
         (vec!["volume", "clone-general", "nope", "c"], "no volume named \"nope\""),
         (vec!["volume", "detach", "/nonexistent-mount-dir"], "nothing is attached"),
+        // Refused before any cluster or Ceph daemon starts (Ceph need not be installed).
+        (vec!["bench", "volume", "ceph", "--replicas", "5"], "--replicas must be between 1 and --shards (4)"),
+        (vec!["bench", "volume", "ceph", "--replicas", "0"], "--replicas must be between 1 and --shards (4)"),
     ];
     for (args, expect) in &cases {
         let err = up.fails(args);
