@@ -55,13 +55,14 @@ pub enum VolumeBench {
     RecoveryTrace(CommonArgs),
     /// Understudy beside a real single-node Ceph 16.2 (rbd and rbd clone), measured with fio.
     ///
-    /// Starts ceph-mon and ceph-osd (BlueStore on a file, one replica) in a temporary directory,
-    /// then measures 4 KiB random-write latency at depth 1 and IOPS at depth 32 on an rbd image
+    /// Starts ceph-mon and one ceph-osd per replica (each BlueStore on a file of its own; pool
+    /// size 3 and min_size 2 by default, Ceph's defaults, beside Understudy's 3 replicas) in a
+    /// temporary directory, then measures 4 KiB random-write latency at depth 1 and IOPS at depth 32 on an rbd image
     /// (64 KiB and 4 MiB objects), an rbd clone (every write a copy-up), Understudy's plain
     /// volume and its super child — fio's rbd engine for Ceph, its NBD engine for Understudy,
     /// variants interleaved. Needs Debian's ceph-mon, ceph-osd and ceph-common (not installed
     /// by scripts/install-deps): apt-get install --no-install-recommends ceph-mon ceph-osd ceph-common.
-    Ceph(CommonArgs),
+    Ceph(crate::ceph_bench::CephArgs),
 }
 
 #[derive(Args, Debug)]
@@ -83,6 +84,13 @@ pub struct CommonArgs {
     pub shard_journal: Option<crate::daemons::OnOff>,
 }
 
+impl CommonArgs {
+    /// Replicas of the throw-away cluster: `up`'s default, or one per shard if fewer shards.
+    pub fn default_replicas(&self) -> u32 {
+        crate::up::DEFAULT_REPLICAS.min(self.shards)
+    }
+}
+
 pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Volume(VolumeBench::Cow(a)) => volume_cow(a, verbose),
@@ -95,9 +103,9 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
     }
 }
 
-/// Runs `body` on a throw-away local cluster, then adds the peak resident memory of the shards
-/// and of this client and prints the report.
-pub(crate) fn on_cluster<F, Fut>(a: &CommonArgs, bench_name: &str, verbose: u8, body: F) -> anyhow::Result<()>
+/// Runs `body` on a throw-away local cluster of `replicas` copies per object, then adds the peak
+/// resident memory of the shards and of this client and prints the report.
+pub(crate) fn on_cluster<F, Fut>(a: &CommonArgs, replicas: u32, bench_name: &str, verbose: u8, body: F) -> anyhow::Result<()>
 where
     F: FnOnce(Arc<Cluster>, ClusterInfo, PathBuf, PathBuf, bench::Report) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<bench::Report>>,
@@ -106,7 +114,7 @@ where
     let out = bench::out_dir("volume", a.out.clone())?;
     let dir = tempfile::Builder::new().prefix("understudy-bench-").tempdir_in(work_dir()?).context("cannot create a temporary directory")?;
     let rt = crate::runtime()?;
-    let cfg = UpConfig { dir: dir.path().to_path_buf(), shards: a.shards, replicas: 3.min(a.shards), port_base: 0, verbose };
+    let cfg = UpConfig { dir: dir.path().to_path_buf(), shards: a.shards, replicas, port_base: 0, verbose };
     // Shards serve metrics: benchmarks read their store and disk counters.
     let shard_args: Vec<String> = a.shard_journal.iter().flat_map(|j| ["--journal".to_string(), j.as_arg().to_string()]).collect();
     let mut lc = LocalCluster::start_full(&cfg, &shard_args, true)?;
@@ -144,7 +152,7 @@ where
 
 fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
     let quick = a.quick;
-    on_cluster(&a, "volume.cow", verbose, |cluster, info, out, dir, mut report| async move {
+    on_cluster(&a, a.default_replicas(), "volume.cow", verbose, |cluster, info, out, dir, mut report| async move {
         let mut opts = volume::bench_cow::CowOptions::new(quick);
         opts.shard_pids = info.shards.iter().map(|s| s.pid).collect();
         opts.shard_metrics = info.shards.iter().filter_map(|s| s.metrics.clone()).collect();
@@ -175,7 +183,7 @@ fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
 
 fn volume_recovery_trace(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
     let quick = a.quick;
-    on_cluster(&a, "volume.recovery_trace", verbose, |cluster, _info, out, _dir, mut report| async move {
+    on_cluster(&a, a.default_replicas(), "volume.recovery_trace", verbose, |cluster, _info, out, _dir, mut report| async move {
         volume::bench_trace::run(cluster, quick, &out, &mut report).await?;
         Ok(report)
     })

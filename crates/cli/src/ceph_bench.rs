@@ -1,16 +1,21 @@
 //! `understudy bench volume ceph`: Understudy's volume beside a real single-node Ceph cluster.
 //!
 //! Brings up Ceph from Debian's packages without scripts and without touching `/etc/ceph`: one
-//! `ceph-mon` and one `ceph-osd` (BlueStore on a sparse file) under a temporary directory with
-//! their own conf file, generated cephx keyring and a free loopback port; no `ceph-mgr` (pools,
-//! images, snapshots and clones do not need one). Then fio — the same client on both systems —
-//! measures 4 KiB random writes at depth 1 (latency) and depth 32 (IOPS) on an rbd image, an rbd
-//! clone whose writes each hit an object not yet copied up, Understudy's plain volume and its
-//! `super` child, variants interleaved round by round. Every Ceph process is killed by PID when
-//! [`CephCluster`] is dropped, also on error.
+//! `ceph-mon` and one `ceph-osd` per replica (each BlueStore on a sparse file of its own; pool
+//! size = replicas, min_size as Ceph's default, replicas placed on distinct OSDs of the one
+//! host) under a temporary directory with their own conf file, generated cephx keyring and a
+//! free loopback port; no `ceph-mgr` (pools, images, snapshots and clones do not need one).
+//! Understudy's cluster keeps the same number of replicas. Then fio — the same client on both
+//! systems — measures 4 KiB random writes at depth 1 (latency) and depth 32 (IOPS) on an rbd
+//! image, an rbd clone whose writes each hit an object not yet copied up, Understudy's plain
+//! volume and its `super` child, variants interleaved round by round. Every Ceph process is
+//! killed by PID when [`CephCluster`] is dropped, also on error and after Ctrl-C (the first
+//! SIGINT or SIGTERM ends the run at the next step); the daemons run in their own process
+//! group with SIGKILL as their parent-death signal, so they do not outlive a killed bench.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, ensure, Context};
@@ -18,6 +23,17 @@ use base64::Engine as _;
 use rand::RngCore;
 
 use crate::bench_cmds::CommonArgs;
+
+#[derive(clap::Args, Debug)]
+pub struct CephArgs {
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// Copies of every object on both systems: Ceph runs this many OSDs with pool size this
+    /// (min_size as Ceph's default: size - size/2), Understudy's cluster this many replicas. 1 is
+    /// the comparison made before: one OSD, pool size 1
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub replicas: u32,
+}
 
 /// Debian packages the Ceph side needs (`ceph-mgr` and `rbd-nbd` are not used).
 pub const CEPH_PACKAGES: &str = "ceph-mon ceph-osd ceph-common";
@@ -31,12 +47,15 @@ const OSD_BLOCK_BYTES: u64 = 12 << 30;
 /// ceph-osd's memory target (its minimum is 896 MiB).
 const OSD_MEMORY_TARGET_BYTES: u64 = 1 << 30;
 const CEPH_CMD_TIMEOUT_S: u64 = 120;
+/// Bound on one fio job (the longest, a full run's clone at depth 1 on a loaded machine, takes
+/// well under a minute).
+const FIO_TIMEOUT_S: u64 = 600;
 const OSD_UP_TIMEOUT: Duration = Duration::from_secs(180);
 const POOL: &str = "understudy-bench";
 
 /// One cephx entity of the generated keyring.
 pub struct KeyringEntry {
-    pub entity: &'static str,
+    pub entity: String,
     pub key: String,
     pub caps: &'static [(&'static str, &'static str)],
 }
@@ -55,14 +74,17 @@ pub fn cephx_key(secret: [u8; 16], created_secs: u32) -> String {
 }
 
 /// The keyring for the mon's mkfs; the mon imports every entity in it with its caps, so the
-/// admin client and osd.0 need no further `ceph auth` calls.
-pub fn keyring_entries(mut random: impl FnMut() -> [u8; 16], created_secs: u32) -> Vec<KeyringEntry> {
-    let mut entry = |entity, caps| KeyringEntry { entity, key: cephx_key(random(), created_secs), caps };
-    vec![
-        entry("mon.", &[("mon", "allow *")]),
-        entry("client.admin", &[("mon", "allow *"), ("osd", "allow *"), ("mgr", "allow *"), ("mds", "allow *")]),
-        entry("osd.0", &[("mon", "allow profile osd"), ("mgr", "allow profile osd"), ("osd", "allow *")]),
-    ]
+/// admin client and the OSDs (`osd.0` .. `osd.{osds-1}`) need no further `ceph auth` calls.
+pub fn keyring_entries(mut random: impl FnMut() -> [u8; 16], created_secs: u32, osds: u32) -> Vec<KeyringEntry> {
+    let mut entry = |entity: String, caps| KeyringEntry { entity, key: cephx_key(random(), created_secs), caps };
+    let mut entries = vec![
+        entry("mon.".into(), &[("mon", "allow *")]),
+        entry("client.admin".into(), &[("mon", "allow *"), ("osd", "allow *"), ("mgr", "allow *"), ("mds", "allow *")]),
+    ];
+    for id in 0..osds {
+        entries.push(entry(format!("osd.{id}"), &[("mon", "allow profile osd"), ("mgr", "allow profile osd"), ("osd", "allow *")]));
+    }
+    entries
 }
 
 pub fn render_keyring(entries: &[KeyringEntry]) -> String {
@@ -84,9 +106,17 @@ pub fn uuid_v4(mut b: [u8; 16]) -> String {
     format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
 }
 
-/// The cluster's conf file: everything under `dir`, loopback only, one replica.
-pub fn render_conf(fsid: &str, mon_port: u16, dir: &Path) -> String {
+/// Ceph's default min_size for a pool of `size` replicas (`osd_pool_default_min_size` 0 means
+/// this): writes go on while a majority of the copies is up.
+pub fn ceph_min_size(size: u32) -> u32 {
+    size - size / 2
+}
+
+/// The cluster's conf file: everything under `dir`, loopback only, pools of `replicas` copies on
+/// distinct OSDs of the one host (CRUSH chooses leaves of type 0, OSDs, not hosts).
+pub fn render_conf(fsid: &str, mon_port: u16, dir: &Path, replicas: u32) -> String {
     let d = dir.display();
+    let min_size = ceph_min_size(replicas);
     format!(
         "[global]
 fsid = {fsid}
@@ -111,8 +141,8 @@ bluestore_block_size = {OSD_BLOCK_BYTES}
 bluestore_block_db_create = false
 bluestore_block_wal_create = false
 osd_memory_target = {OSD_MEMORY_TARGET_BYTES}
-osd_pool_default_size = 1
-osd_pool_default_min_size = 1
+osd_pool_default_size = {replicas}
+osd_pool_default_min_size = {min_size}
 osd_pool_default_pg_num = 16
 osd_pool_default_pgp_num = 16
 osd_pool_default_pg_autoscale_mode = off
@@ -141,7 +171,8 @@ rbd_cache = false
 pub struct CephCluster {
     pub dir: PathBuf,
     pub conf: PathBuf,
-    children: Vec<(&'static str, Child)>,
+    /// (name, process): "mon.a", "osd.0", ...
+    children: Vec<(String, Child)>,
 }
 
 impl Drop for CephCluster {
@@ -167,14 +198,55 @@ fn random16() -> [u8; 16] {
     b
 }
 
+/// Set by the first SIGINT or SIGTERM during the bench; checked after every external command.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+    let msg = b"\ninterrupted: stopping Ceph and the cluster after the current step (again to quit at once)\n";
+    // SAFETY: write(2) is async-signal-safe; the buffer is a static byte string.
+    unsafe { libc::write(2, msg.as_ptr().cast(), msg.len()) };
+}
+
+/// From now on the first SIGINT or SIGTERM only sets [`INTERRUPTED`] (so the bench stops its
+/// daemons and removes its directory); a second one has the default effect.
+fn catch_interrupts() {
+    // SAFETY: the handler only stores an atomic and calls write(2), both async-signal-safe.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_interrupt as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        sa.sa_flags = libc::SA_RESETHAND | libc::SA_RESTART;
+        libc::sigemptyset(&mut sa.sa_mask);
+        for sig in [libc::SIGINT, libc::SIGTERM] {
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+fn check_interrupted() -> anyhow::Result<()> {
+    ensure!(!INTERRUPTED.load(Ordering::SeqCst), "interrupted");
+    Ok(())
+}
+
+/// `timeout --kill-after=5 TIMEOUT_S PROG`, told SIGTERM if the bench dies (it passes the
+/// signal on to PROG: a client of a Ceph killed with the bench would otherwise hang until its
+/// timeout).
+fn timeout_cmd(prog: &str, timeout_s: u64) -> Command {
+    let mut cmd = Command::new("timeout");
+    cmd.args(["--kill-after=5", &timeout_s.to_string(), prog]);
+    // (timeout puts itself in a process group of its own anyway.)
+    crate::proc::own_group_dying_with_parent(&mut cmd, libc::SIGTERM);
+    cmd
+}
+
 /// Runs `prog args` under coreutils' `timeout`; returns stdout, or the error with stderr.
 fn run_tool(prog: &str, args: &[&str], timeout_s: u64) -> anyhow::Result<String> {
-    let out = Command::new("timeout")
-        .args(["--kill-after=5", &timeout_s.to_string(), prog])
+    let out = timeout_cmd(prog, timeout_s)
         .args(args)
         .stdin(Stdio::null())
         .output()
         .with_context(|| format!("cannot run {prog}"))?;
+    check_interrupted()?;
     if !out.status.success() {
         bail!(
             "`{prog} {}` failed ({}{}): {}",
@@ -197,8 +269,9 @@ fn missing_packages() -> Vec<&'static str> {
 }
 
 impl CephCluster {
-    /// Starts ceph-mon and ceph-osd under `dir` (created) and creates the benchmark pool.
-    pub fn start(dir: &Path) -> anyhow::Result<CephCluster> {
+    /// Starts ceph-mon and `osds` ceph-osds under `dir` (created) and creates the benchmark
+    /// pool with `osds` replicas.
+    pub fn start(dir: &Path, osds: u32) -> anyhow::Result<CephCluster> {
         let mut missing = missing_packages();
         missing.dedup();
         if !missing.is_empty() {
@@ -207,15 +280,16 @@ impl CephCluster {
                 missing.join(", ")
             );
         }
-        for sub in ["run", "log", "crash", "osd-0"] {
-            std::fs::create_dir_all(dir.join(sub)).with_context(|| format!("cannot create {}", dir.join(sub).display()))?;
+        ensure!(osds >= 1, "Ceph needs at least one OSD");
+        for sub in ["run", "log", "crash"].into_iter().map(String::from).chain((0..osds).map(|id| format!("osd-{id}"))) {
+            std::fs::create_dir_all(dir.join(&sub)).with_context(|| format!("cannot create {}", dir.join(&sub).display()))?;
         }
         let fsid = uuid_v4(random16());
         let port = free_port()?;
         let conf = dir.join("ceph.conf");
-        std::fs::write(&conf, render_conf(&fsid, port, dir))?;
+        std::fs::write(&conf, render_conf(&fsid, port, dir, osds))?;
         let created = SystemTime::now().duration_since(UNIX_EPOCH)?.as_secs() as u32;
-        std::fs::write(dir.join("keyring"), render_keyring(&keyring_entries(random16, created)))?;
+        std::fs::write(dir.join("keyring"), render_keyring(&keyring_entries(random16, created, osds)))?;
         let mut c = CephCluster { dir: dir.to_path_buf(), conf, children: Vec::new() };
         let conf_s = c.conf.display().to_string();
 
@@ -225,23 +299,41 @@ impl CephCluster {
         run_tool("monmaptool", &["--create", "--fsid", &fsid, "--addv", "a", &addr, &monmap], 60)?;
         let keyring = dir.join("keyring").display().to_string();
         run_tool("ceph-mon", &["-c", &conf_s, "--mkfs", "-i", "a", "--monmap", &monmap, "--keyring", &keyring], 60)?;
-        c.spawn("ceph-mon", &["-c", &conf_s, "-f", "-i", "a"])?;
+        c.spawn("mon.a", "ceph-mon", &["-c", &conf_s, "-f", "-i", "a"])?;
         c.ceph(&["mon", "stat"]).context("ceph-mon did not answer")?;
 
-        // OSD 0: register its UUID, mkfs (creates the BlueStore block file), start, wait for up.
-        let osd_uuid = uuid_v4(random16());
-        let id = c.ceph(&["osd", "new", &osd_uuid])?;
-        ensure!(id.trim() == "0", "`ceph osd new` gave id {:?}, expected 0", id.trim());
-        run_tool("ceph-osd", &["-c", &conf_s, "-i", "0", "--mkfs", "--osd-uuid", &osd_uuid], 300)?;
-        c.spawn("ceph-osd", &["-c", &conf_s, "-f", "-i", "0"])?;
+        // OSDs: register each UUID, mkfs them all at once (each creates its BlueStore block
+        // file), start them, wait until all are up.
+        let mut uuids = Vec::new();
+        for expected in 0..osds {
+            let uuid = uuid_v4(random16());
+            let id = c.ceph(&["osd", "new", &uuid])?;
+            ensure!(id.trim() == expected.to_string(), "`ceph osd new` gave id {:?}, expected {expected}", id.trim());
+            uuids.push(uuid);
+        }
+        std::thread::scope(|s| {
+            let mkfs: Vec<_> = uuids
+                .iter()
+                .enumerate()
+                .map(|(id, uuid)| {
+                    let (conf_s, id) = (&conf_s, id.to_string());
+                    s.spawn(move || run_tool("ceph-osd", &["-c", conf_s, "-i", &id, "--mkfs", "--osd-uuid", uuid], 300))
+                })
+                .collect();
+            mkfs.into_iter().try_for_each(|h| h.join().expect("ceph-osd --mkfs thread panicked").map(|_| ()))
+        })?;
+        for id in 0..osds {
+            let id = id.to_string();
+            c.spawn(&format!("osd.{id}"), "ceph-osd", &["-c", &conf_s, "-f", "-i", &id])?;
+        }
         let deadline = Instant::now() + OSD_UP_TIMEOUT;
         loop {
             let stat: serde_json::Value = serde_json::from_str(&c.ceph(&["osd", "stat", "-f", "json"])?).context("`ceph osd stat` JSON")?;
-            if stat["num_up_osds"].as_u64() == Some(1) {
+            if stat["num_up_osds"].as_u64() == Some(osds as u64) {
                 break;
             }
             c.check_alive()?;
-            ensure!(Instant::now() < deadline, "ceph-osd did not come up within {OSD_UP_TIMEOUT:?}; see {}", dir.join("log").display());
+            ensure!(Instant::now() < deadline, "the ceph-osds did not all come up within {OSD_UP_TIMEOUT:?}; see {}", dir.join("log").display());
             std::thread::sleep(Duration::from_millis(500));
         }
         c.ceph(&["osd", "pool", "create", POOL, "16", "16", "replicated"])?;
@@ -249,16 +341,21 @@ impl CephCluster {
         Ok(c)
     }
 
-    fn spawn(&mut self, prog: &'static str, args: &[&str]) -> anyhow::Result<()> {
-        let log = std::fs::File::create(self.dir.join("log").join(format!("{prog}.stderr")))?;
-        let child = Command::new(prog)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("cannot start {prog}"))?;
-        self.children.push((prog, child));
+    /// The benchmark pool's `size` or `min_size`, as the monitor has it.
+    pub fn pool_value(&self, key: &str) -> anyhow::Result<u64> {
+        let v: serde_json::Value = serde_json::from_str(&self.ceph(&["osd", "pool", "get", POOL, key, "-f", "json"])?).context("`ceph osd pool get` JSON")?;
+        v[key].as_u64().with_context(|| format!("`ceph osd pool get {POOL} {key}` gave no number: {v}"))
+    }
+
+    /// Starts a daemon in its own process group (a terminal's Ctrl-C reaches only the bench,
+    /// which stops it) that the kernel SIGKILLs if the bench dies first.
+    fn spawn(&mut self, name: &str, prog: &str, args: &[&str]) -> anyhow::Result<()> {
+        let log = std::fs::File::create(self.dir.join("log").join(format!("{name}.stderr")))?;
+        let mut cmd = Command::new(prog);
+        cmd.args(args).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+        crate::proc::own_group_dying_with_parent(&mut cmd, libc::SIGKILL);
+        let child = cmd.spawn().with_context(|| format!("cannot start {prog}"))?;
+        self.children.push((name.to_string(), child));
         Ok(())
     }
 
@@ -287,8 +384,9 @@ impl CephCluster {
         run_tool("rbd", &all, CEPH_CMD_TIMEOUT_S)
     }
 
-    pub fn pid(&self, prog: &str) -> Option<u32> {
-        self.children.iter().find(|(n, _)| *n == prog).map(|(_, c)| c.id())
+    /// PIDs of the daemons whose names start with `prefix` ("mon.", "osd.").
+    pub fn pids(&self, prefix: &str) -> Vec<u32> {
+        self.children.iter().filter(|(n, _)| n.starts_with(prefix)).map(|(_, c)| c.id()).collect()
     }
 }
 
@@ -324,14 +422,15 @@ pub fn parse_fio_writes(stdout: &[u8]) -> anyhow::Result<FioWrites> {
 
 /// Runs one fio job (4 KiB writes) with `args`; `ceph_conf` is set as `CEPH_CONF` for the rbd engine.
 fn fio(args: &[String], ceph_conf: &Path) -> anyhow::Result<FioWrites> {
-    let out = Command::new("fio")
+    let out = timeout_cmd("fio", FIO_TIMEOUT_S)
         .args(["--name=bench", "--bs=4k", "--output-format=json", "--lat_percentiles=1", "--randrepeat=0", "--verify_state_save=0"])
         .args(args)
         .env("CEPH_CONF", ceph_conf)
         .stdin(Stdio::null())
         .output()
         .context("cannot run fio (install it: apt-get install fio)")?;
-    ensure!(out.status.success(), "fio {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    check_interrupted()?;
+    ensure!(out.status.success(), "fio {} failed ({}): {}", args.join(" "), out.status, String::from_utf8_lossy(&out.stderr).trim());
     parse_fio_writes(&out.stdout)
 }
 
@@ -440,18 +539,27 @@ fn peak_rss_bytes(pid: u32) -> Option<u64> {
     Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
 }
 
-pub fn run(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
-    // Fail before starting anything when Ceph is missing.
+pub fn run(a: CephArgs, verbose: u8) -> anyhow::Result<()> {
+    // Fail before starting anything on bad options or when Ceph is missing.
+    let replicas = a.replicas;
+    ensure!((1..=a.common.shards).contains(&replicas), "--replicas must be between 1 and --shards ({})", a.common.shards);
     let missing = missing_packages();
     if !missing.is_empty() {
         bail!("this benchmark needs Ceph (missing {}); install it with:\n  apt-get install -y --no-install-recommends {CEPH_PACKAGES}", missing.join(", "));
     }
-    let quick = a.quick;
-    crate::bench_cmds::on_cluster(&a, "volume.ceph", verbose, |cluster, info, _out, dir, mut report| async move {
+    let quick = a.common.quick;
+    catch_interrupts();
+    crate::bench_cmds::on_cluster(&a.common, replicas, "volume.ceph", verbose, |cluster, info, _out, dir, mut report| async move {
+        check_interrupted()?;
         let plan = Plan::new(quick);
         let region = plan.clone_region_bytes();
-        eprintln!("starting ceph-mon and ceph-osd in {}", dir.join("ceph").display());
-        let ceph = CephCluster::start(&dir.join("ceph"))?;
+        let started = Instant::now();
+        eprintln!("starting ceph-mon and {replicas} ceph-osd in {}", dir.join("ceph").display());
+        let ceph = CephCluster::start(&dir.join("ceph"), replicas)?;
+        let (size, min_size) = (ceph.pool_value("size")?, ceph.pool_value("min_size")?);
+        ensure!(size == replicas as u64, "Ceph's pool has size {size}, not {replicas}");
+        eprintln!("ceph ready in {:.1} s: {replicas} OSDs, pool size {size}, min_size {min_size}", started.elapsed().as_secs_f64());
+        report.figure("phase.ceph_start_s", started.elapsed().as_secs_f64())?;
         let conf = ceph.conf.clone();
         let obj = format!("{}K", OBJECT_SIZE_BYTES >> 10);
         let plain_mib = (PLAIN_REGION_BYTES >> 20).to_string();
@@ -465,6 +573,7 @@ pub fn run(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
         cluster.meta(create("parent", region)).await?;
         let nbd = |name: &str| Target::Nbd(format!("nbd://{}/{name}", info.nbd.addr));
         eprintln!("pre-writing images ({} MiB plain, {} MiB parent on each system)", plain_mib, region_mib);
+        let prefill_started = Instant::now();
         for t in [Target::Rbd("plain".into()), Target::Rbd("plain4m".into()), Target::Rbd("parent".into()), nbd("plain"), nbd("parent")] {
             let bytes = if matches!(&t, Target::Rbd(n) | Target::Nbd(n) if n.ends_with("parent")) { region } else { PLAIN_REGION_BYTES };
             prefill(&t, bytes, &conf)?;
@@ -473,6 +582,7 @@ pub fn run(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
         ceph.rbd(&["snap", "protect", "parent@base"])?;
         ceph.rbd(&["clone", &format!("{POOL}/parent@base"), &format!("{POOL}/child")])?;
         cluster.meta(volume::meta::MetaReq::Super { parent: "parent".into(), child: "child".into() }).await?;
+        report.figure("phase.prefill_s", prefill_started.elapsed().as_secs_f64())?;
 
         let variant = |name, target, clone| Variant { name, target, clone, next_object: 0, depth1: vec![], depth32: vec![] };
         let mut variants = vec![
@@ -491,6 +601,7 @@ pub fn run(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
         }
 
         let mut d1 = std::collections::BTreeMap::new();
+        let mut d1_p50 = std::collections::BTreeMap::new();
         let mut d32 = std::collections::BTreeMap::new();
         for v in &variants {
             let r1 = combine(&v.depth1).context("no depth-1 runs")?;
@@ -502,6 +613,7 @@ pub fn run(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
             report.figure(&format!("{}.write_4k.depth32.iops", v.name), iops(&r32))?;
             report.figure(&format!("{}.write_4k.depth32.latency_us_mean", v.name), r32.lat_mean_us)?;
             d1.insert(v.name, r1.lat_mean_us);
+            d1_p50.insert(v.name, r1.lat_p50_us);
             d32.insert(v.name, iops(&r32));
         }
         report.ratio("understudy_vs_rbd.write_4k.depth1.latency", d1["plain"], d1["rbd"])?;
@@ -510,12 +622,18 @@ pub fn run(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
         report.ratio("super_vs_rbd_clone.write_4k.depth32.iops", d32["super"], d32["rbd_clone"])?;
         report.ratio("understudy_vs_rbd_4m.write_4k.depth1.latency", d1["plain"], d1["rbd_4m"])?;
         report.ratio("understudy_vs_rbd_4m.write_4k.depth32.iops", d32["plain"], d32["rbd_4m"])?;
+        // The means above take every stall of a loaded 2-core machine; the medians do not.
+        report.ratio("understudy_vs_rbd.write_4k.depth1.latency_p50", d1_p50["plain"], d1_p50["rbd"])?;
+        report.ratio("super_vs_rbd_clone.write_4k.depth1.latency_p50", d1_p50["super"], d1_p50["rbd_clone"])?;
         report.figure("understudy.replicas_count", info.replicas as f64)?;
-        report.figure("ceph.replicas_count", 1.0)?;
+        report.figure("ceph.replicas_count", size as f64)?;
+        report.figure("ceph.min_size_count", min_size as f64)?;
+        report.figure("ceph.osds_count", replicas as f64)?;
         report.figure("object_size_bytes", OBJECT_SIZE_BYTES as f64)?;
-        for prog in ["ceph-osd", "ceph-mon"] {
-            if let Some(rss) = ceph.pid(prog).and_then(peak_rss_bytes) {
-                report.figure(&format!("{}.rss_peak_bytes", prog.replace('-', "_")), rss as f64)?;
+        // The largest daemon of each kind (as shard.rss_peak_bytes is the largest shard).
+        for (prefix, name) in [("osd.", "ceph_osd"), ("mon.", "ceph_mon")] {
+            if let Some(rss) = ceph.pids(prefix).into_iter().filter_map(peak_rss_bytes).max() {
+                report.figure(&format!("{name}.rss_peak_bytes"), rss as f64)?;
             }
         }
         drop(ceph);
@@ -549,18 +667,33 @@ mod tests {
                 [n; 16]
             },
             1,
+            3,
         );
         let keys: std::collections::HashSet<_> = entries.iter().map(|e| e.key.clone()).collect();
-        assert_eq!(keys.len(), 3, "every entity gets its own secret");
+        assert_eq!(keys.len(), 5, "every entity gets its own secret");
         let ring = render_keyring(&entries);
-        for section in ["[mon.]", "[client.admin]", "[osd.0]", "caps mon = \"allow profile osd\""] {
+        for section in ["[mon.]", "[client.admin]", "[osd.0]", "[osd.1]", "[osd.2]", "caps mon = \"allow profile osd\""] {
             assert!(ring.contains(section), "{section} missing from\n{ring}");
         }
-        let conf = render_conf("f", 4242, Path::new("/tmp/x"));
+        assert!(!ring.contains("[osd.3]"));
+        let conf = render_conf("f", 4242, Path::new("/tmp/x"), 3);
         assert!(conf.contains("mon_host = [v2:127.0.0.1:4242]"));
+        // Every OSD gets its own data directory and block file.
+        assert!(conf.contains("osd_data = /tmp/x/osd-$id\n"));
         assert!(conf.contains("bluestore_block_path = /tmp/x/osd-$id-block.img"));
-        assert!(conf.contains("osd_pool_default_size = 1"));
+        // Ceph's defaults for a replicated pool; copies on distinct OSDs of the one host.
+        assert!(conf.contains("osd_pool_default_size = 3\n"));
+        assert!(conf.contains("osd_pool_default_min_size = 2\n"));
+        assert!(conf.contains("osd_crush_chooseleaf_type = 0\n"));
         assert!(!conf.contains("/etc/ceph"));
+        let one = render_conf("f", 4242, Path::new("/tmp/x"), 1);
+        assert!(one.contains("osd_pool_default_size = 1\n") && one.contains("osd_pool_default_min_size = 1\n"));
+        assert!(one.contains("mon_allow_pool_size_one = true"));
+    }
+
+    #[test]
+    fn min_size_is_cephs_default() {
+        assert_eq!([1, 2, 3, 4, 5].map(ceph_min_size), [1, 1, 2, 2, 3]);
     }
 
     #[test]

@@ -32,6 +32,12 @@ fn bad_input_gets_clear_errors() {
         let err = up.fails(args);
         assert!(err.contains(expect), "`understudy {}`: expected {expect:?} in {err:?}", args.join(" "));
     }
+    // Refused before any cluster or Ceph daemon starts (Ceph need not be installed).
+    for replicas in ["0", "5"] {
+        let o = Command::new(BIN).args(["bench", "volume", "ceph", "--replicas", replicas]).stdin(Stdio::null()).output().unwrap();
+        let err = expect_one_line_error(&o, "bench volume ceph --replicas");
+        assert!(err.contains("--replicas must be between 1 and --shards (4)"), "{err}");
+    }
     // Unparsable sizes are refused by the argument parser, with the reason.
     let o = up.cli(&["volume", "create", "x", "--size", "12Q"]);
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("is not a size"));
