@@ -414,13 +414,15 @@ async fn core_loop(
 /// when the shard is otherwise idle (no disk command running, no event waiting), as at I/O
 /// depth 1, where the two thread hand-offs (to a blocking thread and back) are a large part of
 /// a write's latency. A busy shard keeps its disk commands in parallel on blocking threads.
-/// Only small, bounded commands qualify (a read, an object write without copy-on-write), and
+/// Only small, bounded commands qualify (a read, an object write of at most 64 KiB), and
 /// never with injected latency (it would sleep this thread) or a journal (an append may wait for
 /// a checkpoint run elsewhere).
 fn runs_inline(job: &DiskJob, disk_slots: &tokio::sync::Semaphore, rx: &mpsc::Receiver<CoreEvent>) -> bool {
     let small = match &job.cmd {
         DiskCmd::Read { len, .. } => *len as usize <= INLINE_MAX_BYTES,
-        DiskCmd::Apply { op, cow_from: None, .. } => match op {
+        // A child's first write counts too (it copies only the parent sectors it touches), so
+        // super and plain volumes get the same path at depth 1.
+        DiskCmd::Apply { op, .. } => match op {
             RepOp::Put { data } | RepOp::Write { data, .. } => data.len() <= INLINE_MAX_BYTES,
             RepOp::Zero { .. } => false,
         },
