@@ -289,7 +289,16 @@ async fn core_loop(
     let mut peers: HashMap<ShardId, mpsc::Sender<Msg>> = HashMap::new();
     let mut meta: Option<mpsc::Sender<Msg>> = None;
     let disk_slots = Arc::new(tokio::sync::Semaphore::new(MAX_DISK_COMMANDS_IN_FLIGHT));
-    while let Some(ev) = rx.recv().await {
+    // Results of disk commands run on this thread ([`runs_inline`]), handled before new events.
+    let mut done_here: Option<CoreEvent> = None;
+    loop {
+        let ev = match done_here.take() {
+            Some(ev) => ev,
+            None => match rx.recv().await {
+                Some(ev) => ev,
+                None => return,
+            },
+        };
         let outputs = match ev {
             CoreEvent::Input(input) => {
                 match &input {
@@ -325,6 +334,7 @@ async fn core_loop(
                 continue;
             }
         };
+        let mut inline: Option<DiskJob> = None;
         for out in outputs {
             match out {
                 Output::Send { to: Peer::Client(c), msg } => {
@@ -352,6 +362,10 @@ async fn core_loop(
                 }
                 Output::Disk { id, cmd } => {
                     let job = DiskJob { id, cmd, queued: Instant::now(), store: store.clone(), tx: tx.clone(), stats: stats.clone(), injected, me };
+                    if inline.is_none() && runs_inline(&job, &disk_slots, &rx) {
+                        inline = Some(job);
+                        continue;
+                    }
                     match disk_slots.clone().try_acquire_owned() {
                         // The common case: straight onto a blocking thread, which hands the
                         // result back to this loop itself (two async task hops fewer on every
@@ -360,7 +374,11 @@ async fn core_loop(
                             tokio::task::spawn_blocking(move || {
                                 let (id, result, tx) = job.run();
                                 drop(permit);
-                                let _ = tx.blocking_send(CoreEvent::Input(Input::Disk { id, result }));
+                                // Rarely full: `try_send` spares the common case `blocking_send`'s
+                                // park-and-enter machinery.
+                                if let Err(mpsc::error::TrySendError::Full(ev)) = tx.try_send(CoreEvent::Input(Input::Disk { id, result })) {
+                                    let _ = tx.blocking_send(ev);
+                                }
                             });
                         }
                         Err(_) => {
@@ -382,8 +400,42 @@ async fn core_loop(
                 }
             }
         }
+        if let Some(job) = inline {
+            // Let the writer tasks send what this batch queued (a primary's replication
+            // messages) before this thread blocks on the disk.
+            tokio::task::yield_now().await;
+            let (id, result, _) = job.run();
+            done_here = Some(CoreEvent::Input(Input::Disk { id, result }));
+        }
     }
 }
+
+/// Whether a disk command runs on the core's own thread rather than a blocking thread: only
+/// when the shard is otherwise idle (no disk command running, no event waiting), as at I/O
+/// depth 1, where the two thread hand-offs (to a blocking thread and back) are a large part of
+/// a write's latency. A busy shard keeps its disk commands in parallel on blocking threads.
+/// Only small, bounded commands qualify (a read, an object write of at most 64 KiB), and
+/// never with injected latency (it would sleep this thread) or a journal (an append may wait for
+/// a checkpoint run elsewhere).
+fn runs_inline(job: &DiskJob, disk_slots: &tokio::sync::Semaphore, rx: &mpsc::Receiver<CoreEvent>) -> bool {
+    let small = match &job.cmd {
+        DiskCmd::Read { len, .. } => *len as usize <= INLINE_MAX_BYTES,
+        // A child's first write counts too (it copies only the parent sectors it touches), so
+        // super and plain volumes get the same path at depth 1.
+        DiskCmd::Apply { op, .. } => match op {
+            RepOp::Put { data } | RepOp::Write { data, .. } => data.len() <= INLINE_MAX_BYTES,
+            RepOp::Zero { .. } => false,
+        },
+        _ => false,
+    };
+    small
+        && job.injected == InjectedLatency::default()
+        && !job.store.has_journal()
+        && disk_slots.available_permits() == MAX_DISK_COMMANDS_IN_FLIGHT && rx.is_empty()
+}
+
+/// Largest payload of a disk command [`runs_inline`] lets run on the core's thread.
+const INLINE_MAX_BYTES: usize = 64 * 1024;
 
 /// A disk command on its way to a blocking thread.
 struct DiskJob {

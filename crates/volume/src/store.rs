@@ -1245,6 +1245,10 @@ impl FileStore {
     }
 
     /// The journal's counters, if it is on.
+    pub fn has_journal(&self) -> bool {
+        self.inner.journal.is_some()
+    }
+
     pub fn journal_stats(&self) -> Option<JournalStats> {
         self.inner.journal.as_ref().map(|j| j.stats())
     }
