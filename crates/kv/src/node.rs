@@ -274,27 +274,10 @@ enum Mode {
 struct Missed {
     recording: bool,
     overflowed: bool,
-    /// Key to its newest update, in key order (a Buddy's chunks walk it in order), keys inline
+    /// Key to accounted size, in key order (a Buddy's chunks walk it in order), keys inline
     /// like the store's: recording a key already in the buffer allocates nothing.
-    keys: BTreeMap<StoreKey, MissedUpdate>,
+    keys: BTreeMap<StoreKey, usize>,
     bytes: usize,
-}
-
-/// The newest update of a key in Missed_updates: the store's version of the key, kept here
-/// too (recorded wherever the store's version changes) so that a Buddy builds its chunks from
-/// the buffer alone, without a lookup in the store per key (on a store of a million keys, a
-/// large part of a chunk's build). Its bytes count against the buffer's cap.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-struct MissedUpdate {
-    ts: Ts,
-    value: Vec<u8>,
-}
-
-impl MissedUpdate {
-    /// Bytes accounted against the Missed_updates cap.
-    fn size(key_len: usize, value_len: usize) -> usize {
-        key_len + value_len + 24
-    }
 }
 
 /// A Buddy's chunk buffer is allocated up front up to this size (a larger chunk grows).
@@ -319,8 +302,6 @@ struct KeyStream {
     full_copy: bool,
     /// Chunks the recovering node has granted and not been sent yet.
     credits: u32,
-    /// Bytes of entries the next chunk holds at most (see [`FIRST_CATCHUP_CHUNK_BYTES`]).
-    chunk_bytes: usize,
 }
 
 /// A reactive-log catch-up stream a Buddy serves: the log is read by the driver, one chunk per
@@ -335,8 +316,6 @@ struct LogStream {
     /// Chunks granted and not sent yet (the one being read included).
     credits: u32,
     reading: bool,
-    /// Bytes the next read asks for (see [`FIRST_CATCHUP_CHUNK_BYTES`]).
-    chunk_bytes: usize,
 }
 
 /// One replica. See the module docs.
@@ -390,12 +369,6 @@ pub struct NodeCore {
 /// Credits a Buddy holds for one stream at most, and the largest catch-up window (a request or
 /// credit grants as many as the recovering node's window has room for).
 pub const MAX_CATCHUP_CHUNKS_PER_REQ: u32 = 64;
-
-/// A catch-up stream's first chunk holds at most this many bytes of entries, and each next one
-/// twice as many as the one before, up to `max_catchup_chunk_bytes`: the recovering node starts
-/// applying and persisting after a short build and transfer instead of a whole chunk's, and
-/// the later, larger chunks keep the per-chunk costs low.
-pub const FIRST_CATCHUP_CHUNK_BYTES: usize = 64 << 10;
 
 /// Client tags remembered for duplicate suppression.
 pub const RECENT_CLIENT_TAGS: usize = 4096;
@@ -641,27 +614,15 @@ impl NodeCore {
         }
     }
 
-    /// Records that `key` now has version `ts` with `value` in the store (called wherever the
-    /// store's version of a key changes).
-    fn record_missed(&mut self, key: &[u8], ts: Ts, value: &[u8]) {
+    fn record_missed(&mut self, key: &[u8], value_len: usize) {
         if !self.missed.recording || self.missed.overflowed {
             return;
         }
-        let size = MissedUpdate::size(key.len(), value.len());
+        let size = key.len() + value_len + 24;
         let old = match self.missed.keys.get_mut(key) {
-            Some(m) => {
-                let old = MissedUpdate::size(key.len(), m.value.len());
-                m.ts = ts;
-                m.value.clear();
-                m.value.extend_from_slice(value);
-                old
-            }
+            Some(old) => std::mem::replace(old, size),
             None => {
-                let m = MissedUpdate {
-                    ts,
-                    value: value.to_vec(),
-                };
-                self.missed.keys.insert(StoreKey::from_slice(key), m);
+                self.missed.keys.insert(StoreKey::from_slice(key), size);
                 0
             }
         };
@@ -809,14 +770,14 @@ impl NodeCore {
             if self.config.degraded() {
                 if !self.missed.recording {
                     self.missed.recording = true;
-                    let seeds: Vec<(Vec<u8>, Ts, Vec<u8>)> = self
+                    let seeds: Vec<(Vec<u8>, usize)> = self
                         .store
                         .iter()
                         .filter(|(_, k)| !k.gdp && k.ts != Ts::default())
-                        .map(|(key, k)| (key.to_vec(), k.ts, k.value.clone()))
+                        .map(|(key, k)| (key.to_vec(), k.value.len()))
                         .collect();
-                    for (k, ts, v) in seeds {
-                        self.record_missed(&k, ts, &v);
+                    for (k, l) in seeds {
+                        self.record_missed(&k, l);
                     }
                 }
             } else {
@@ -1034,7 +995,7 @@ impl NodeCore {
                 }));
                 self.unsettled.insert(key.clone());
                 self.persist(&key, ts, &value);
-                self.record_missed(&key, ts, &value);
+                self.record_missed(&key, value.len());
                 let msg = PeerMsg::Inv {
                     epoch: self.config.epoch,
                     key: key.clone(),
@@ -1353,7 +1314,7 @@ impl NodeCore {
             self.unsettled.insert(key.to_vec());
         }
         let seq = self.persist(key, ts, value);
-        self.record_missed(key, ts, value);
+        self.record_missed(key, value.len());
         Some(seq)
     }
 
@@ -1852,11 +1813,6 @@ impl NodeCore {
         self.grant_credit(now_us);
     }
 
-    /// Bytes of a catch-up stream's first chunk (see [`FIRST_CATCHUP_CHUNK_BYTES`]).
-    fn first_chunk_bytes(&self) -> usize {
-        FIRST_CATCHUP_CHUNK_BYTES.min(self.p.max_catchup_chunk_bytes)
-    }
-
     /// The catch-up window in chunks (see [`NodeParams::max_catchup_chunks_in_flight`]).
     fn window_chunks(&self) -> u32 {
         (self.p.max_catchup_chunks_in_flight as u32).clamp(1, MAX_CATCHUP_CHUNKS_PER_REQ)
@@ -1947,7 +1903,6 @@ impl NodeCore {
             return; // not a list a crash can leave behind: refuse rather than work on it
         }
         self.counters.catchup_served += 1;
-        let chunk_bytes = self.first_chunk_bytes();
         // Never more than the largest window a node may be configured with.
         let credits = chunks.clamp(1, MAX_CATCHUP_CHUNKS_PER_REQ);
         // A new request replaces any stream of the node (it gave up on it).
@@ -1969,7 +1924,6 @@ impl NodeCore {
                         partially,
                         full_copy,
                         credits,
-                        chunk_bytes,
                     },
                 );
                 self.stream_chunk(from);
@@ -1978,6 +1932,7 @@ impl NodeCore {
                 // Reactive: the durable log is read from the point (by the driver, off the
                 // protocol path), then answered in `on_log_read`, which reads on while the
                 // stream has credit. One read at a time per recovering node.
+                let max_bytes = self.p.max_catchup_chunk_bytes;
                 self.log_reads.insert(
                     from,
                     LogStream {
@@ -1986,13 +1941,12 @@ impl NodeCore {
                         partially,
                         credits,
                         reading: true,
-                        chunk_bytes,
                     },
                 );
                 self.out.push(Output::ReadLog {
                     to: from,
                     cursor: lc,
-                    max_bytes: chunk_bytes,
+                    max_bytes,
                 });
             }
         }
@@ -2007,6 +1961,7 @@ impl NodeCore {
                 .min(MAX_CATCHUP_CHUNKS_PER_REQ);
             return;
         }
+        let max_bytes = self.p.max_catchup_chunk_bytes;
         if let Some(ls) = self
             .log_reads
             .get_mut(&from)
@@ -2022,7 +1977,7 @@ impl NodeCore {
                 self.out.push(Output::ReadLog {
                     to: from,
                     cursor,
-                    max_bytes: ls.chunk_bytes,
+                    max_bytes,
                 });
             }
         }
@@ -2063,16 +2018,9 @@ impl NodeCore {
         if st.credits == 0 {
             return;
         }
-        let (entries, next) = self.key_chunk(
-            st.after.as_deref(),
-            &st.partially,
-            st.full_copy,
-            st.chunk_bytes,
-        );
-        let max_chunk = self.p.max_catchup_chunk_bytes;
+        let (entries, next) = self.key_chunk(st.after.as_deref(), &st.partially, st.full_copy);
         let st = self.streams.get_mut(&to).unwrap();
         st.credits -= 1;
-        st.chunk_bytes = (st.chunk_bytes * 2).min(max_chunk);
         let (stream, full_copy) = (st.stream, st.full_copy);
         let from = Cursor::Key(match &next {
             Some(Cursor::Key(k)) => std::mem::replace(&mut st.after, k.clone()),
@@ -2096,26 +2044,25 @@ impl NodeCore {
     /// copy), or HEAL's Missed_updates plus the Partially_persisted keys. The current version
     /// of each key is the newest update to it; a Partially_persisted entry is judged by
     /// sending ours: the recovering node keeps its own only if ours equals it. Built straight
-    /// into the chunk's bytes: a copy per entry (HEAL's from the buffer, with a store lookup
-    /// only for keys with a write in flight), one allocation per chunk.
+    /// into the chunk's bytes: a store lookup and a copy per entry, one allocation per chunk.
     fn key_chunk(
         &self,
         after: Option<&[u8]>,
         partially: &[(Vec<u8>, Ts)],
         full: bool,
-        max_bytes: usize,
     ) -> (Chunk, Option<Cursor>) {
         use std::ops::Bound;
         let lower = match after {
             Some(k) => Bound::Excluded(k),
             None => Bound::Unbounded,
         };
+        let max_bytes = self.p.max_catchup_chunk_bytes;
         let mut chunk = Chunk::with_capacity(
             max_bytes.min(MAX_CHUNK_PREALLOC_BYTES) + CHUNK_ENTRY_HEADER_BYTES + MAX_KEY_BYTES,
         );
-        let mut add = |key: &[u8], ts: Ts, value: &[u8], valid: bool| -> bool {
-            if ts != Ts::default() {
-                chunk.push(key, ts, value, valid);
+        let mut add = |key: &[u8], k: &KeyState| -> bool {
+            if k.ts != Ts::default() {
+                chunk.push(key, k.ts, &k.value, k.valid);
             }
             chunk.len_bytes() >= max_bytes
         };
@@ -2123,7 +2070,7 @@ impl NodeCore {
             // The store in key order: no lookup per entry.
             let mut last = None;
             for (key, k) in self.store.range::<[u8], _>((lower, Bound::Unbounded)) {
-                if add(key, k.ts, &k.value, k.valid) {
+                if add(key, k) {
                     last = Some(key.to_vec());
                     break;
                 }
@@ -2141,30 +2088,16 @@ impl NodeCore {
                 .missed
                 .keys
                 .range::<[u8], _>((lower, Bound::Unbounded))
-                .map(|(k, m)| (k.as_slice(), m));
+                .map(|(k, _)| k.as_slice());
             let mut last = None;
-            for (key, m) in (MergeKeys {
+            for key in (MergeKeys {
                 a: missed.peekable(),
                 b: extra.into_iter().peekable(),
             }) {
-                // A buffered key with nothing unsettled is valid (an invalid key is always
-                // unsettled) at the buffer's version: no store lookup. A write in flight, or a
-                // Partially_persisted key the buffer lacks, is read from the store.
-                let (ts, value, valid) = match m {
-                    Some(m) if !self.unsettled.contains(key) => {
-                        debug_assert_eq!(
-                            self.store.get(key).map(|k| (k.ts, &k.value[..], k.valid)),
-                            Some((m.ts, &m.value[..], true)),
-                            "Missed_updates out of step with the store"
-                        );
-                        (m.ts, &m.value[..], true)
-                    }
-                    _ => match self.store.get(key) {
-                        Some(k) => (k.ts, &k.value[..], k.valid),
-                        None => continue,
-                    },
+                let Some(k) = self.store.get(key) else {
+                    continue;
                 };
-                if add(key, ts, value, valid) {
+                if add(key, k) {
                     last = Some(key.to_vec());
                     break;
                 }
@@ -2184,12 +2117,9 @@ impl NodeCore {
             self.log_reads.remove(&to);
             return;
         }
-        let max_chunk = self.p.max_catchup_chunk_bytes;
         let ls = self.log_reads.get_mut(&to).unwrap();
         ls.reading = false;
         ls.credits = ls.credits.saturating_sub(1);
-        let chunk_bytes = ls.chunk_bytes;
-        ls.chunk_bytes = (chunk_bytes * 2).min(max_chunk);
         let (stream, credits) = (ls.stream, ls.credits);
         let partially = std::mem::take(&mut ls.partially);
         let epoch = self.config.epoch;
@@ -2198,7 +2128,7 @@ impl NodeCore {
             // Our log does not reach back to where the node left: send a snapshot instead, on
             // as a key stream with the credit left.
             self.log_reads.remove(&to);
-            let (entries, next) = self.key_chunk(None, &[], true, chunk_bytes);
+            let (entries, next) = self.key_chunk(None, &[], true);
             if let Some(Cursor::Key(after)) = &next {
                 self.streams.insert(
                     to,
@@ -2208,7 +2138,6 @@ impl NodeCore {
                         partially: Vec::new(),
                         full_copy: true,
                         credits,
-                        chunk_bytes: (chunk_bytes * 2).min(max_chunk),
                     },
                 );
             }
@@ -2274,7 +2203,7 @@ impl NodeCore {
         if credits > 0 {
             // Read on from where this chunk ended.
             ls.reading = true;
-            let max_bytes = ls.chunk_bytes;
+            let max_bytes = self.p.max_catchup_chunk_bytes;
             self.out.push(Output::ReadLog {
                 to,
                 cursor: next_lc,
@@ -2471,7 +2400,7 @@ impl NodeCore {
         if !committed {
             self.unsettled.insert(key.to_vec());
         }
-        self.record_missed(key, ts, value);
+        self.record_missed(key, value.len());
         CatchUpApply::Batched
     }
 
@@ -2563,38 +2492,30 @@ enum CatchUpApply {
     Alone(u64),
 }
 
-/// Merges the Missed_updates buffer's keys (ascending, with their updates) with other
-/// ascending keys, each key once (with its update if the buffer has it).
-struct MergeKeys<'a, A, B>
-where
-    A: Iterator<Item = (&'a [u8], &'a MissedUpdate)>,
-    B: Iterator<Item = &'a [u8]>,
-{
+/// Merges two ascending key iterators, dropping duplicates.
+struct MergeKeys<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> {
     a: std::iter::Peekable<A>,
     b: std::iter::Peekable<B>,
 }
 
-impl<'a, A, B> Iterator for MergeKeys<'a, A, B>
-where
-    A: Iterator<Item = (&'a [u8], &'a MissedUpdate)>,
-    B: Iterator<Item = &'a [u8]>,
+impl<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> Iterator
+    for MergeKeys<'a, A, B>
 {
-    type Item = (&'a [u8], Option<&'a MissedUpdate>);
-    fn next(&mut self) -> Option<Self::Item> {
-        let a = |x: Option<(&'a [u8], &'a MissedUpdate)>| x.map(|(k, m)| (k, Some(m)));
+    type Item = &'a [u8];
+    fn next(&mut self) -> Option<&'a [u8]> {
         match (self.a.peek(), self.b.peek()) {
-            (Some((x, _)), Some(y)) => {
+            (Some(x), Some(y)) => {
                 if x < y {
-                    a(self.a.next())
+                    self.a.next()
                 } else if y < x {
-                    self.b.next().map(|k| (k, None))
+                    self.b.next()
                 } else {
                     self.b.next();
-                    a(self.a.next())
+                    self.a.next()
                 }
             }
-            (Some(_), None) => a(self.a.next()),
-            (None, _) => self.b.next().map(|k| (k, None)),
+            (Some(_), None) => self.a.next(),
+            (None, _) => self.b.next(),
         }
     }
 }
@@ -3027,59 +2948,6 @@ mod tests {
         );
         n.take_outputs();
         n
-    }
-
-    /// A stream's chunks start at [`FIRST_CATCHUP_CHUNK_BYTES`] and double up to the
-    /// configured size, and the stream still carries every key once, in order.
-    #[test]
-    fn catchup_chunks_ramp_up_to_the_configured_size() {
-        let max = 4 * FIRST_CATCHUP_CHUNK_BYTES;
-        let keys = 1000; // 10-byte values: ~28 KiB of entries per 1000 keys
-        let mut n = full_copy_buddy(keys, max);
-        // Bigger values, so the store spans several chunks.
-        for k in n.store.values_mut() {
-            k.value = vec![7; 1000];
-        }
-        n.on_peer(
-            1,
-            0,
-            PeerMsg::CatchUpReq {
-                epoch: 2,
-                stream: 1,
-                partially: vec![],
-                cursor: key_cursor(None),
-                chunks: 64,
-            },
-        );
-        let mut outs = n.take_outputs();
-        while n.wants_pump() {
-            n.pump(1);
-            outs.extend(n.take_outputs());
-        }
-        let chunks: Vec<Chunk> = outs
-            .into_iter()
-            .filter_map(|o| match o {
-                Output::Send {
-                    msg: PeerMsg::CatchUpResp { entries, .. },
-                    ..
-                } => Some(entries),
-                _ => None,
-            })
-            .collect();
-        let sizes: Vec<usize> = chunks.iter().map(|c| c.len_bytes()).collect();
-        let entry = 1000 + 5 + CHUNK_ENTRY_HEADER_BYTES; // one entry past the limit at most
-        for (i, s) in sizes.iter().enumerate().take(3) {
-            let limit = FIRST_CATCHUP_CHUNK_BYTES << i;
-            assert!(*s >= limit && *s < limit + entry, "chunk {i}: {sizes:?}");
-        }
-        assert!(sizes[3] >= max && sizes[3] < max + entry, "{sizes:?}");
-        let got: Vec<Vec<u8>> = chunks
-            .iter()
-            .flat_map(|c| c.to_entries().unwrap())
-            .map(|e| e.key)
-            .collect();
-        let want: Vec<Vec<u8>> = (0..keys).map(|i| format!("k{i:04}").into_bytes()).collect();
-        assert_eq!(got, want);
     }
 
     /// A Buddy sends one chunk per credit, back to back, each naming where the next starts;
