@@ -7,7 +7,7 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use blockdev::{BlockDev, DevResult, MemDev};
 use fusefile::{attach, detach, mount_with, AttachConfig, MountConfig};
@@ -115,8 +115,17 @@ fn run(cmd: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The tests of this file run one at a time: a test that forks (mkfs, mount, losetup) while
+/// another unmounts its FUSE file system lends the child, between fork and exec, a copy of the
+/// other's open file, and the unmount then fails with EBUSY.
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn one_file_maps_reads_writes_fsync_and_fallocate_to_the_device() {
+    let _serial = serial();
     if !fuse_available() {
         return;
     }
@@ -220,6 +229,7 @@ fn one_file_maps_reads_writes_fsync_and_fallocate_to_the_device() {
 
 #[test]
 fn attach_ext4_write_fsync_remount_read_back_detach() {
+    let _serial = serial();
     if !fuse_available() {
         return;
     }
@@ -328,6 +338,7 @@ fn attach_ext4_write_fsync_remount_read_back_detach() {
 
 #[test]
 fn several_reads_are_in_flight_at_once() {
+    let _serial = serial();
     if !fuse_available() {
         return;
     }
@@ -370,6 +381,7 @@ fn several_reads_are_in_flight_at_once() {
 
 #[test]
 fn failed_attach_undoes_its_steps_and_says_which_failed() {
+    let _serial = serial();
     if !fuse_available() {
         return;
     }
