@@ -47,6 +47,14 @@ fn quick_recovery_bench_emits_the_three_scheme_ratios() {
     assert_eq!(v["figures"]["fullcopy.fell_back_to_full_copy_ratio"], 1.0, "{v}");
     assert_eq!(v["figures"]["heal.fell_back_to_full_copy_ratio"], 0.0, "{v}");
     assert_eq!(v["figures"]["reactive.fell_back_to_full_copy_ratio"], 0.0, "{v}");
+    // The baselines make durable everything they receive (the full copy's new node the whole
+    // store, the reactive log every redundant update): their logs take at least the bytes of
+    // the entries received (a record is an entry plus its framing).
+    for s in ["fullcopy", "reactive"] {
+        let received = v["figures"][format!("{s}.recovery_bytes")].as_f64().unwrap();
+        let logged = v["figures"][format!("{s}.recovery_log_durable_bytes")].as_f64().unwrap();
+        assert!(received > 0.0 && logged >= received, "{s}: {logged} logged of {received} received: {v}");
+    }
     assert!(dir.path().join("out/recovery_throughput.csv").exists());
     assert!(dir.path().join("out/recovery_throughput.svg").exists());
 }

@@ -98,8 +98,10 @@ enum LogRecordRef<'a> {
     },
 }
 
-/// A catch-up chunk's durable records: for each applied entry (its byte offset in the chunk) a
-/// `Put`, and a `Mark` (its GDP flag) if it is committed, encoded straight from the chunk.
+/// A catch-up chunk's durable records: for each entry the node logs (its byte offset in the
+/// chunk: the applied ones, and under the baselines the stale ones too) a `Put`, and a `Mark`
+/// (its GDP flag) if it is committed, encoded straight from the chunk. An older version logged
+/// after a newer one is harmless: a rebuild orders a key's versions by timestamp.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ChunkPuts {
     pub chunk: std::sync::Arc<Chunk>,
@@ -928,7 +930,16 @@ impl FileLog {
             let f = f.into_inner().map_err(|e| e.into_error())?;
             f.sync_all()?;
         }
-        std::fs::rename(&tmp, &self.path)?;
+        self.install(&tmp)?;
+        self.compacted_len = self.len;
+        self.compactions += 1;
+        Ok(())
+    }
+
+    /// Puts the synced file `tmp` in the log's place (renamed, the directory synced: a crash
+    /// leaves the old log or the new one) and reopens it as a new generation.
+    fn install(&mut self, tmp: &Path) -> Result<(), LogError> {
+        std::fs::rename(tmp, &self.path)?;
         if let Some(dir) = self.path.parent() {
             File::open(dir)?.sync_all()?;
         }
@@ -937,9 +948,31 @@ impl FileLog {
         self.dsync = dsync;
         self.load_markers()?;
         self.gen += 1;
-        self.compacted_len = self.len;
-        self.compactions += 1;
         Ok(())
+    }
+
+    /// Replaces the log with one holding only `Boot { node }` (written to a temporary file,
+    /// synced, renamed: a crash leaves the old log or the new one) and returns the state that
+    /// log holds. The full-copy baseline's returning node starts this way: the state of the
+    /// art replaces a failed node with a new one that receives the whole store (HEAL §III, §IX;
+    /// Hermes). The whole store then arrives as one record per key, a snapshot already, so
+    /// compaction waits until the log is twice the size it was.
+    pub fn reset_as_new_node(&mut self, node: u32) -> Result<LogState, LogError> {
+        let old_len = self.len;
+        let tmp = self.path.with_extension("new");
+        {
+            let mut f = File::create(&tmp)?;
+            f.write_all(&encode(&LogRecord::Boot { node }))?;
+            f.sync_all()?;
+        }
+        self.install(&tmp)?;
+        self.compacted_len = old_len.max(self.len);
+        Ok(LogState {
+            booted: true,
+            boot_node: Some(node),
+            records: 1,
+            ..Default::default()
+        })
     }
 }
 
@@ -1062,6 +1095,38 @@ mod tests {
         assert_eq!(l.read_all().unwrap().len(), 2);
         l.append_durable(&[LogRecord::Boot { node: 1 }]).unwrap();
         assert_eq!(l.read_all().unwrap().len(), 3);
+    }
+
+    /// The full-copy baseline's new node: the old records are gone (reopened too), the log
+    /// holds its Boot record, appends follow it, and compaction waits for twice the old size.
+    #[test]
+    fn reset_as_new_node_keeps_only_boot() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("log");
+        let put = |v: u64| LogRecord::Put {
+            key: b"a".to_vec(),
+            ts: ts(v, 1),
+            value: vec![7; 100],
+        };
+        let mut l = FileLog::open(&p, Duration::ZERO).unwrap();
+        l.append_durable(&[LogRecord::Boot { node: 2 }, put(1)])
+            .unwrap();
+        let old_len = l.len_bytes();
+        let st = l.reset_as_new_node(2).unwrap();
+        assert!(st.booted && st.base.is_empty() && st.partially.is_empty());
+        assert_eq!(l.read_all().unwrap(), vec![LogRecord::Boot { node: 2 }]);
+        l.compact_min_bytes = 0;
+        assert!(
+            !l.wants_compaction(),
+            "a new node's log is not compacted at once"
+        );
+        l.append_durable(&[put(2)]).unwrap();
+        drop(l);
+        let (l, st) = FileLog::open_and_rebuild(&p, Duration::ZERO).unwrap();
+        assert!(st.booted);
+        assert_eq!(st.partially[&b"a".to_vec()].0, ts(2, 1));
+        assert!(l.len_bytes() < old_len + 200);
+        assert!(!p.with_extension("new").exists());
     }
 
     #[test]

@@ -60,11 +60,14 @@ pub struct NodeParams {
 pub enum RecoveryScheme {
     /// HEAL: the Buddy sends its Missed_updates (newest per key) and judges Partially_persisted.
     Heal,
-    /// Baseline (Hermes-style): the recoverer streams its whole store.
+    /// Baseline (Hermes-style): the recoverer streams its whole store to a new node (the
+    /// drivers give the returning node an empty log: `FileLog::reset_as_new_node`), which makes
+    /// every entry it receives durable.
     FullCopy,
     /// Baseline (ZooKeeper-style, §II-C): the recovering node sends the last configuration it
     /// was complete in (its newest `Epoch` log record); a peer reads its durable log from that
-    /// point and streams every update, redundant ones included, until it reaches the end.
+    /// point and streams every update, redundant ones included, until it reaches the end; the
+    /// recovering node makes every one durable, as a ZooKeeper follower logs each transaction.
     /// Falls back to a full copy when the peer's log no longer reaches back that far.
     ReactiveLog,
 }
@@ -2265,6 +2268,11 @@ impl NodeCore {
         let entries = Arc::new(entries);
         // A key stream's chunk is in key order already (each key once); a log stream's is not.
         let sorted = matches!(at, Cursor::Key(_));
+        // The baselines make every entry they receive durable, redundant ones included: the
+        // full copy's new node takes the whole store into its NVM, and ZooKeeper's follower
+        // appends every transaction of the leader's log it is sent (§II-C, §IX-D). HEAL's
+        // entries carry no redundancy, and its own full-copy fallback keeps the node's state.
+        let log_every_entry = self.p.recovery != RecoveryScheme::Heal;
         let (mut received, mut applied_n) = (0u64, 0u64);
         let mut seqs = Vec::new();
         let mut applied = Vec::new();
@@ -2272,7 +2280,11 @@ impl NodeCore {
             let Ok((at, e)) = item else { break }; // validated above
             received += 1;
             match self.apply_catchup_entry(now_us, e) {
-                CatchUpApply::Stale => {}
+                CatchUpApply::Stale => {
+                    if log_every_entry {
+                        applied.push(at as u32);
+                    }
+                }
                 CatchUpApply::Batched => {
                     applied_n += 1;
                     applied.push(at as u32);
@@ -2672,9 +2684,18 @@ mod tests {
 
     /// Node 0 returns in epoch 2 (members 1, 2) and gets both Recov_start ACKs: its Buddy is 1.
     fn recovering_node(window: usize) -> (NodeCore, Vec<Output>) {
+        recovering_node_with(window, RecoveryScheme::Heal, LogState::default())
+    }
+
+    fn recovering_node_with(
+        window: usize,
+        scheme: RecoveryScheme,
+        st: LogState,
+    ) -> (NodeCore, Vec<Output>) {
         let mut p = NodeParams::new(0, Model::Strict);
         p.max_catchup_chunks_in_flight = window;
-        let mut n = NodeCore::new(p, LogState::default());
+        p.recovery = scheme;
+        let mut n = NodeCore::new(p, st);
         n.on_heartbeat(
             0,
             Heartbeat {
@@ -2919,6 +2940,77 @@ mod tests {
             },
             "a is never rolled back"
         );
+    }
+
+    /// HEAL logs only the entries it applies; the baselines log every entry they receive,
+    /// redundant ones included (the stale one is still not applied).
+    #[test]
+    fn baselines_log_redundant_entries_heal_does_not() {
+        for (scheme, logged) in [
+            (RecoveryScheme::Heal, 1),
+            (RecoveryScheme::FullCopy, 2),
+            (RecoveryScheme::ReactiveLog, 2),
+        ] {
+            let mut st = LogState::default();
+            st.base.insert(
+                b"a".to_vec(),
+                (
+                    Ts {
+                        version: 5,
+                        node: 2,
+                    },
+                    b"new".to_vec(),
+                ),
+            );
+            let (mut n, outs) = recovering_node_with(1, scheme, st);
+            let (_, stream, cursor, _) = catchup_reqs(&outs)[0].clone();
+            let Cursor::Key(None) = cursor else {
+                // The reactive node asks for a log stream: answer it with the same entries.
+                n.on_peer(
+                    10,
+                    1,
+                    PeerMsg::CatchUpResp {
+                        epoch: 2,
+                        stream,
+                        from: cursor,
+                        next: None,
+                        full_copy: false,
+                        entries: Chunk::from_entries(&[entry("a", 3), entry("b", 4)]),
+                    },
+                );
+                check_logged(&mut n, scheme, logged);
+                continue;
+            };
+            n.on_peer(
+                10,
+                1,
+                resp(stream, None, None, vec![entry("a", 3), entry("b", 4)]),
+            );
+            check_logged(&mut n, scheme, logged);
+        }
+    }
+
+    fn check_logged(n: &mut NodeCore, scheme: RecoveryScheme, logged: usize) {
+        let outs = n.take_outputs();
+        let puts: usize = outs
+            .iter()
+            .filter_map(|o| match o {
+                Output::PersistChunk { puts, .. } => Some(
+                    puts.records()
+                        .iter()
+                        .filter(|r| matches!(r, LogRecord::Put { .. }))
+                        .count(),
+                ),
+                _ => None,
+            })
+            .sum();
+        assert_eq!(puts, logged, "{scheme:?}: {outs:?}");
+        assert_eq!(
+            n.store.get(b"a".as_slice()).unwrap().ts.version,
+            5,
+            "{scheme:?}: the stale entry is not applied"
+        );
+        assert_eq!(n.store.get(b"b".as_slice()).unwrap().ts.version, 4);
     }
 
     fn full_copy_buddy(keys: usize, chunk_bytes: usize) -> NodeCore {

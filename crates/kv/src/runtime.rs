@@ -26,7 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::cm::{CmCore, CmOutput, CmParams};
 use crate::log::{self, Append, FileLog, LogRecord};
 use crate::msg::*;
-use crate::node::{NodeCore, NodeParams, Output, RecoveryStats};
+use crate::node::{NodeCore, NodeParams, Output, RecoveryScheme, RecoveryStats};
 
 /// Largest frame a node or client accepts (a CatchUp_resp chunk or a maximal value, plus room).
 pub const MAX_FRAME_BYTES: usize = 4 * 1024 * 1024;
@@ -130,7 +130,9 @@ enum LogJob {
     /// or `None` for a lazy append (a GDP flag, an `Epoch` record). The core's outputs of one
     /// input go as one job; a catch-up chunk is one append, encoded here, off the core's thread.
     Append(Vec<(Option<(u64, u64)>, Append)>),
-    Rebuild(std::sync::mpsc::Sender<log::LogState>),
+    /// Rebuild the state from the log; with `Some(node)`, replace the log with a new node's
+    /// first (the full-copy baseline: [`FileLog::reset_as_new_node`]).
+    Rebuild(std::sync::mpsc::Sender<log::LogState>, Option<NodeId>),
     /// Reactive-log baseline: read the log at a cursor, after every append queued before.
     Read {
         to: NodeId,
@@ -297,7 +299,7 @@ fn spawn_log_thread(
                                 recs.push(r);
                             }
                         }
-                        LogJob::Rebuild(reply) => reads.push(reply),
+                        LogJob::Rebuild(reply, as_new) => reads.push((reply, as_new)),
                         LogJob::Read {
                             to,
                             cursor,
@@ -362,8 +364,22 @@ fn spawn_log_thread(
                 if !reads.is_empty() || flog.wants_compaction() {
                     syncer.drain();
                 }
-                for r in reads {
-                    let _ = r.send(flog.rebuild_state().unwrap_or_default());
+                for (r, as_new) in reads {
+                    let st = match as_new {
+                        Some(node) => flog.reset_as_new_node(node),
+                        None => flog.rebuild_state(),
+                    };
+                    match st {
+                        Ok(st) => {
+                            let _ = r.send(st);
+                        }
+                        Err(e) => {
+                            // A default state would make the node a fresh member: stop it.
+                            tracing::error!("rebuilding the log: {e}; stopping");
+                            eprintln!("error: rebuilding the persistent log failed: {e}");
+                            std::process::exit(2);
+                        }
+                    }
                 }
                 // Reads see every append queued before them (they were written just above).
                 for (to, cursor, max_bytes) in log_reads {
@@ -398,8 +414,18 @@ fn spawn_log_thread(
 /// Runs a node until the process is stopped.
 pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     std::fs::create_dir_all(&cfg.data_dir)?;
-    let (flog, st) =
+    let (mut flog, mut st) =
         FileLog::open_and_rebuild(&cfg.data_dir.join("pm.log"), cfg.extra_persist_latency)?;
+    if cfg.params.recovery == RecoveryScheme::FullCopy && st.booted {
+        tracing::info!(
+            node = cfg.params.id,
+            keys = st.base.len() + st.partially.len(),
+            "full-copy baseline: the returning node's durable state is dropped (a new node \
+             replaces it and receives the whole store)"
+        );
+        drop(st);
+        st = flog.reset_as_new_node(cfg.params.id)?;
+    }
     tracing::info!(
         node = cfg.params.id,
         records = st.records,
@@ -644,7 +670,9 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             "removed from the configuration: reloading from the log to recover"
                         );
                         let (rtx, rrx) = std::sync::mpsc::channel();
-                        let _ = log_tx.send(LogJob::Rebuild(rtx));
+                        let as_new =
+                            (cfg.params.recovery == RecoveryScheme::FullCopy).then_some(me);
+                        let _ = log_tx.send(LogJob::Rebuild(rtx, as_new));
                         let st = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
                         core = NodeCore::new(cfg.params.clone(), st);
                         log::release_free_memory();

@@ -165,6 +165,29 @@ fn node_params(id: NodeId, sc: &Scenario) -> NodeParams {
     p
 }
 
+/// As the runtime does (`FileLog::reset_as_new_node`): under the full-copy baseline a returning
+/// node is a new node, its log holding only its `Boot` record.
+fn as_new_node_if_full_copy(
+    sc: &Scenario,
+    id: NodeId,
+    disk: &mut sim::SimDisk,
+    st: log::LogState,
+) -> log::LogState {
+    if sc.scheme != RecoveryScheme::FullCopy || !st.booted {
+        return st;
+    }
+    let boot = log::encode(&log::LogRecord::Boot { node: id });
+    disk.truncate(LOG, 0).unwrap();
+    disk.write(LOG, 0, &boot).unwrap();
+    disk.sync(LOG).unwrap();
+    log::LogState {
+        booted: true,
+        boot_node: Some(id),
+        records: 1,
+        ..Default::default()
+    }
+}
+
 fn cm_params() -> CmParams {
     CmParams {
         heartbeat_interval_us: 4_000,
@@ -366,6 +389,7 @@ impl World {
                 n.inc += 1;
                 let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
                 let st = log::rebuild(&log::decode_all(&bytes).0);
+                let st = as_new_node_if_full_copy(&self.sc, id, &mut n.disk, st);
                 n.core = Some(NodeCore::new(node_params(id, &self.sc), st));
                 let inc = n.inc;
                 self.q
@@ -406,7 +430,7 @@ impl World {
             n.disk.truncate(LOG, valid as u64).unwrap();
             n.disk.sync(LOG).unwrap();
         }
-        let st = log::rebuild(&recs);
+        let st = as_new_node_if_full_copy(&self.sc, id, &mut n.disk, log::rebuild(&recs));
         if self.verbose {
             eprintln!(
                 "{now:>9} restart node {id}: {} records, {} base keys, {} partially persisted",
