@@ -277,10 +277,27 @@ enum Mode {
 struct Missed {
     recording: bool,
     overflowed: bool,
-    /// Key to accounted size, in key order (a Buddy's chunks walk it in order), keys inline
+    /// Key to its newest update, in key order (a Buddy's chunks walk it in order), keys inline
     /// like the store's: recording a key already in the buffer allocates nothing.
-    keys: BTreeMap<StoreKey, usize>,
+    keys: BTreeMap<StoreKey, MissedUpdate>,
     bytes: usize,
+}
+
+/// The newest update of a key in Missed_updates: the store's version of the key, kept here
+/// too (recorded wherever the store's version changes) so that a Buddy builds its chunks from
+/// the buffer alone, without a lookup in the store per key (on a store of a million keys, a
+/// large part of a chunk's build). Its bytes count against the buffer's cap.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+struct MissedUpdate {
+    ts: Ts,
+    value: Vec<u8>,
+}
+
+impl MissedUpdate {
+    /// Bytes accounted against the Missed_updates cap.
+    fn size(key_len: usize, value_len: usize) -> usize {
+        key_len + value_len + 24
+    }
 }
 
 /// A Buddy's chunk buffer is allocated up front up to this size (a larger chunk grows).
@@ -617,15 +634,27 @@ impl NodeCore {
         }
     }
 
-    fn record_missed(&mut self, key: &[u8], value_len: usize) {
+    /// Records that `key` now has version `ts` with `value` in the store (called wherever the
+    /// store's version of a key changes).
+    fn record_missed(&mut self, key: &[u8], ts: Ts, value: &[u8]) {
         if !self.missed.recording || self.missed.overflowed {
             return;
         }
-        let size = key.len() + value_len + 24;
+        let size = MissedUpdate::size(key.len(), value.len());
         let old = match self.missed.keys.get_mut(key) {
-            Some(old) => std::mem::replace(old, size),
+            Some(m) => {
+                let old = MissedUpdate::size(key.len(), m.value.len());
+                m.ts = ts;
+                m.value.clear();
+                m.value.extend_from_slice(value);
+                old
+            }
             None => {
-                self.missed.keys.insert(StoreKey::from_slice(key), size);
+                let m = MissedUpdate {
+                    ts,
+                    value: value.to_vec(),
+                };
+                self.missed.keys.insert(StoreKey::from_slice(key), m);
                 0
             }
         };
@@ -773,14 +802,14 @@ impl NodeCore {
             if self.config.degraded() {
                 if !self.missed.recording {
                     self.missed.recording = true;
-                    let seeds: Vec<(Vec<u8>, usize)> = self
+                    let seeds: Vec<(Vec<u8>, Ts, Vec<u8>)> = self
                         .store
                         .iter()
                         .filter(|(_, k)| !k.gdp && k.ts != Ts::default())
-                        .map(|(key, k)| (key.to_vec(), k.value.len()))
+                        .map(|(key, k)| (key.to_vec(), k.ts, k.value.clone()))
                         .collect();
-                    for (k, l) in seeds {
-                        self.record_missed(&k, l);
+                    for (k, ts, v) in seeds {
+                        self.record_missed(&k, ts, &v);
                     }
                 }
             } else {
@@ -998,7 +1027,7 @@ impl NodeCore {
                 }));
                 self.unsettled.insert(key.clone());
                 self.persist(&key, ts, &value);
-                self.record_missed(&key, value.len());
+                self.record_missed(&key, ts, &value);
                 let msg = PeerMsg::Inv {
                     epoch: self.config.epoch,
                     key: key.clone(),
@@ -1317,7 +1346,7 @@ impl NodeCore {
             self.unsettled.insert(key.to_vec());
         }
         let seq = self.persist(key, ts, value);
-        self.record_missed(key, value.len());
+        self.record_missed(key, ts, value);
         Some(seq)
     }
 
@@ -2047,7 +2076,8 @@ impl NodeCore {
     /// copy), or HEAL's Missed_updates plus the Partially_persisted keys. The current version
     /// of each key is the newest update to it; a Partially_persisted entry is judged by
     /// sending ours: the recovering node keeps its own only if ours equals it. Built straight
-    /// into the chunk's bytes: a store lookup and a copy per entry, one allocation per chunk.
+    /// into the chunk's bytes: a copy per entry (HEAL's from the buffer, with a store lookup
+    /// only for keys with a write in flight), one allocation per chunk.
     fn key_chunk(
         &self,
         after: Option<&[u8]>,
@@ -2063,9 +2093,9 @@ impl NodeCore {
         let mut chunk = Chunk::with_capacity(
             max_bytes.min(MAX_CHUNK_PREALLOC_BYTES) + CHUNK_ENTRY_HEADER_BYTES + MAX_KEY_BYTES,
         );
-        let mut add = |key: &[u8], k: &KeyState| -> bool {
-            if k.ts != Ts::default() {
-                chunk.push(key, k.ts, &k.value, k.valid);
+        let mut add = |key: &[u8], ts: Ts, value: &[u8], valid: bool| -> bool {
+            if ts != Ts::default() {
+                chunk.push(key, ts, value, valid);
             }
             chunk.len_bytes() >= max_bytes
         };
@@ -2073,7 +2103,7 @@ impl NodeCore {
             // The store in key order: no lookup per entry.
             let mut last = None;
             for (key, k) in self.store.range::<[u8], _>((lower, Bound::Unbounded)) {
-                if add(key, k) {
+                if add(key, k.ts, &k.value, k.valid) {
                     last = Some(key.to_vec());
                     break;
                 }
@@ -2091,16 +2121,30 @@ impl NodeCore {
                 .missed
                 .keys
                 .range::<[u8], _>((lower, Bound::Unbounded))
-                .map(|(k, _)| k.as_slice());
+                .map(|(k, m)| (k.as_slice(), m));
             let mut last = None;
-            for key in (MergeKeys {
+            for (key, m) in (MergeKeys {
                 a: missed.peekable(),
                 b: extra.into_iter().peekable(),
             }) {
-                let Some(k) = self.store.get(key) else {
-                    continue;
+                // A buffered key with nothing unsettled is valid (an invalid key is always
+                // unsettled) at the buffer's version: no store lookup. A write in flight, or a
+                // Partially_persisted key the buffer lacks, is read from the store.
+                let (ts, value, valid) = match m {
+                    Some(m) if !self.unsettled.contains(key) => {
+                        debug_assert_eq!(
+                            self.store.get(key).map(|k| (k.ts, &k.value[..], k.valid)),
+                            Some((m.ts, &m.value[..], true)),
+                            "Missed_updates out of step with the store"
+                        );
+                        (m.ts, &m.value[..], true)
+                    }
+                    _ => match self.store.get(key) {
+                        Some(k) => (k.ts, &k.value[..], k.valid),
+                        None => continue,
+                    },
                 };
-                if add(key, k) {
+                if add(key, ts, value, valid) {
                     last = Some(key.to_vec());
                     break;
                 }
@@ -2412,7 +2456,7 @@ impl NodeCore {
         if !committed {
             self.unsettled.insert(key.to_vec());
         }
-        self.record_missed(key, value.len());
+        self.record_missed(key, ts, value);
         CatchUpApply::Batched
     }
 
@@ -2504,30 +2548,38 @@ enum CatchUpApply {
     Alone(u64),
 }
 
-/// Merges two ascending key iterators, dropping duplicates.
-struct MergeKeys<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> {
+/// Merges the Missed_updates buffer's keys (ascending, with their updates) with other
+/// ascending keys, each key once (with its update if the buffer has it).
+struct MergeKeys<'a, A, B>
+where
+    A: Iterator<Item = (&'a [u8], &'a MissedUpdate)>,
+    B: Iterator<Item = &'a [u8]>,
+{
     a: std::iter::Peekable<A>,
     b: std::iter::Peekable<B>,
 }
 
-impl<'a, A: Iterator<Item = &'a [u8]>, B: Iterator<Item = &'a [u8]>> Iterator
-    for MergeKeys<'a, A, B>
+impl<'a, A, B> Iterator for MergeKeys<'a, A, B>
+where
+    A: Iterator<Item = (&'a [u8], &'a MissedUpdate)>,
+    B: Iterator<Item = &'a [u8]>,
 {
-    type Item = &'a [u8];
-    fn next(&mut self) -> Option<&'a [u8]> {
+    type Item = (&'a [u8], Option<&'a MissedUpdate>);
+    fn next(&mut self) -> Option<Self::Item> {
+        let a = |x: Option<(&'a [u8], &'a MissedUpdate)>| x.map(|(k, m)| (k, Some(m)));
         match (self.a.peek(), self.b.peek()) {
-            (Some(x), Some(y)) => {
+            (Some((x, _)), Some(y)) => {
                 if x < y {
-                    self.a.next()
+                    a(self.a.next())
                 } else if y < x {
-                    self.b.next()
+                    self.b.next().map(|k| (k, None))
                 } else {
                     self.b.next();
-                    self.a.next()
+                    a(self.a.next())
                 }
             }
-            (Some(_), None) => self.a.next(),
-            (None, _) => self.b.next(),
+            (Some(_), None) => a(self.a.next()),
+            (None, _) => self.b.next().map(|k| (k, None)),
         }
     }
 }
