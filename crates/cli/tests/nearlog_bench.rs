@@ -15,7 +15,7 @@ fn quick_apps_bench_emits_the_ratios() {
     let so = nearlog_common::shim_path();
     let dir = tempfile::tempdir().unwrap();
     let so = so.to_str().expect("a UTF-8 path");
-    let v = common::run_bench(dir.path(), &["bench", "nearlog", "apps", "--quick", "--secs", "0.5", "--shim", so]);
+    let v = common::run_bench(dir.path(), &["bench", "nearlog", "apps", "--quick", "--secs", "0.5", "--redis-benchmark", "--shim", so]);
     assert_eq!(v["bench"], "nearlog.apps");
     // Nothing the bench started (Redis's AOF-rewrite child included) is left with its cwd on the
     // volume, and the volume's mount is gone.
@@ -36,6 +36,7 @@ fn quick_apps_bench_emits_the_ratios() {
         "nearlog_vs_strong.sqlite.c1.throughput",
         "nearlog_vs_loopback_rtt.write_fsync.latency_p50",
         "nearlog_vs_strong.rocksdb.c1.throughput",
+        "nearlog_vs_weak.redis_benchmark.c50.throughput",
     ] {
         assert!(v["ratios"][r].as_f64().is_some_and(|x| x.is_finite() && x > 0.0), "ratio {r} missing or not positive: {v}");
     }

@@ -106,6 +106,14 @@ pub struct AppsBenchArgs {
     /// Client counts of Redis and RocksDB (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,8,50")]
     pub clients: Vec<usize>,
+    /// Also drive Redis at 50 or more clients with `redis-benchmark` (Debian's redis-tools: one
+    /// thread, the clients' connections on one epoll loop, SET of 100 B to random keys) and report
+    /// `redis_benchmark.*` figures and ratios beside the built-in load's. The built-in load (one
+    /// OS thread per client, blocking round trips) takes most of a core on a 2-core machine that
+    /// Redis and the log peers share; redis-benchmark's one thread takes far less, as a load from
+    /// other machines would.
+    #[arg(long)]
+    pub redis_benchmark: bool,
 }
 
 #[derive(Args, Debug)]
@@ -669,6 +677,46 @@ fn redis_run(tb: &Testbed, setup: Setup, clients: usize, secs: f64) -> anyhow::R
     Ok(out)
 }
 
+/// Commands Redis on `port` processed so far (`INFO stats`).
+fn redis_commands(probe: &mut Resp) -> anyhow::Result<u64> {
+    use std::io::{Read, Write};
+    probe.w.write_all(b"*2\r\n$4\r\nINFO\r\n$5\r\nstats\r\n")?;
+    let mut line = String::new();
+    probe.r.read_line(&mut line)?;
+    let len: usize = line.trim_end().strip_prefix('$').and_then(|n| n.parse().ok()).with_context(|| format!("INFO answered {line:?}"))?;
+    let mut body = vec![0u8; len + 2];
+    probe.r.read_exact(&mut body)?;
+    let text = String::from_utf8_lossy(&body);
+    let n = text.lines().find_map(|l| l.strip_prefix("total_commands_processed:")).context("INFO stats without total_commands_processed")?;
+    Ok(n.trim().parse()?)
+}
+
+/// Redis at `clients` connections driven by `redis-benchmark` (SET, 100 B values, random keys)
+/// for `secs`: the throughput is Redis's own count of commands over that window, after a short
+/// warm-up (redis-benchmark reports only at its end). No latencies: the run is cut off.
+fn redis_benchmark_run(tb: &Testbed, setup: Setup, clients: usize, secs: f64) -> anyhow::Result<Runs> {
+    let dir = tb.run_dir(&format!("redis-benchmark-{}-c{clients}", setup.name()))?;
+    let (server, port) = start_redis(tb, setup, &dir)?;
+    let mut probe = Resp::connect(port)?;
+    let mut c = app_command("redis-benchmark");
+    c.args(["-h", "127.0.0.1", "-p", &port.to_string(), "-c", &clients.to_string(), "-t", "set", "-d", "100", "-r", "100000000", "-n", "2000000000", "-q"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let load = KillOnDrop(c.spawn().context("cannot start redis-benchmark (Debian package redis-tools)")?);
+    std::thread::sleep(REDIS_BENCHMARK_WARMUP);
+    let (c0, t0) = (redis_commands(&mut probe)?, Instant::now());
+    std::thread::sleep(Duration::from_secs_f64(secs));
+    let (c1, el) = (redis_commands(&mut probe)?, t0.elapsed().as_secs_f64());
+    drop(load);
+    drop(server);
+    tb.remove_run_dir(&dir, setup, REDIS_LOGS)?;
+    // The probe's own INFO is one of the commands counted.
+    Ok(Runs { ops: c1.saturating_sub(c0 + 1), secs: el, ..Runs::default() })
+}
+
+/// redis-benchmark's connections are made and its first requests answered before the window.
+const REDIS_BENCHMARK_WARMUP: Duration = Duration::from_millis(200);
+
 // ---------------------------------------------------------------------------------------------
 // SQLite and the write+fsync probe (python3)
 
@@ -887,6 +935,11 @@ fn record_runs(report: &mut bench::Report, pfx: &str, app: &str, clients: usize,
         report.latency(&format!("{name}.write.latency"), &r.lat.summary())?;
         eprintln!("[{}] {app} {} c{clients}: {:.0} ops/s, p50 {} us, p99 {} us", tb.what(), s.name(), r.ops_per_s(), r.lat.percentile_us(50.0), r.lat.percentile_us(99.0));
     }
+    record_ratios(report, pfx, app, clients, runs, tb)
+}
+
+/// The nearlog ratios against strong and weak, from the median round.
+fn record_ratios(report: &mut bench::Report, pfx: &str, app: &str, clients: usize, runs: &BTreeMap<Setup, Runs>, tb: &Testbed) -> anyhow::Result<()> {
     for other in [Setup::Strong, Setup::Weak] {
         let (near, base, each) = median_round(&runs[&Setup::Nearlog], &runs[&other]);
         let name = format!("nearlog_vs_{}.{app}.c{clients}.throughput", other.name());
@@ -896,6 +949,15 @@ fn record_runs(report: &mut bench::Report, pfx: &str, app: &str, clients: usize,
         }
     }
     Ok(())
+}
+
+/// Throughputs and the nearlog ratios (median round) of runs without latencies.
+fn record_throughputs(report: &mut bench::Report, pfx: &str, app: &str, clients: usize, runs: &BTreeMap<Setup, Runs>, tb: &Testbed) -> anyhow::Result<()> {
+    for (s, r) in runs {
+        report.figure(&format!("{pfx}{app}.{}.c{clients}.throughput_ops_per_s", s.name()), r.ops_per_s())?;
+        eprintln!("[{}] {app} {} c{clients}: {:.0} ops/s", tb.what(), s.name(), r.ops_per_s());
+    }
+    record_ratios(report, pfx, app, clients, runs, tb)
 }
 
 /// The ops/s of `a` and `b` in the round whose ratio a/b is the median (the lower middle one
@@ -993,6 +1055,10 @@ fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
             let runs = interleaved(rounds, |s| redis_run(&tb, s, clients, secs))?;
             record_runs(&mut report, pfx, "redis", clients, &runs, &tb)?;
             keep("redis", clients, &runs, &mut csv);
+            if a.redis_benchmark && clients >= CONTENDED_CLIENTS {
+                let runs = interleaved(rounds, |s| redis_benchmark_run(&tb, s, clients, secs))?;
+                record_throughputs(&mut report, pfx, "redis_benchmark", clients, &runs, &tb)?;
+            }
         }
         if run("sqlite") {
             let runs = interleaved(rounds, |s| sqlite_run(&tb, s, secs))?;
