@@ -83,6 +83,13 @@ impl RecoveryScheme {
 }
 
 impl NodeParams {
+    /// Whether a node that was a member before (`booted`) returns as a new node with an empty
+    /// log: the full-copy baseline's returning node (see [`RecoveryScheme::FullCopy`]). The
+    /// drivers replace its log with one holding only its `Boot` record before the core starts.
+    pub fn returns_as_new_node(&self, booted: bool) -> bool {
+        booted && self.recovery == RecoveryScheme::FullCopy
+    }
+
     pub fn new(id: NodeId, model: Model) -> Self {
         NodeParams {
             id,

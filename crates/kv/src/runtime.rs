@@ -26,7 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::cm::{CmCore, CmOutput, CmParams};
 use crate::log::{self, Append, FileLog, LogRecord};
 use crate::msg::*;
-use crate::node::{NodeCore, NodeParams, Output, RecoveryScheme, RecoveryStats};
+use crate::node::{NodeCore, NodeParams, Output, RecoveryStats};
 
 /// Largest frame a node or client accepts (a CatchUp_resp chunk or a maximal value, plus room).
 pub const MAX_FRAME_BYTES: usize = 4 * 1024 * 1024;
@@ -416,7 +416,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     std::fs::create_dir_all(&cfg.data_dir)?;
     let (mut flog, mut st) =
         FileLog::open_and_rebuild(&cfg.data_dir.join("pm.log"), cfg.extra_persist_latency)?;
-    if cfg.params.recovery == RecoveryScheme::FullCopy && st.booted {
+    if cfg.params.returns_as_new_node(st.booted) {
         tracing::info!(
             node = cfg.params.id,
             keys = st.base.len() + st.partially.len(),
@@ -670,8 +670,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             "removed from the configuration: reloading from the log to recover"
                         );
                         let (rtx, rrx) = std::sync::mpsc::channel();
-                        let as_new =
-                            (cfg.params.recovery == RecoveryScheme::FullCopy).then_some(me);
+                        let as_new = cfg.params.returns_as_new_node(true).then_some(me);
                         let _ = log_tx.send(LogJob::Rebuild(rtx, as_new));
                         let st = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
                         core = NodeCore::new(cfg.params.clone(), st);

@@ -173,7 +173,7 @@ fn as_new_node_if_full_copy(
     disk: &mut sim::SimDisk,
     st: log::LogState,
 ) -> log::LogState {
-    if sc.scheme != RecoveryScheme::FullCopy || !st.booted {
+    if !node_params(id, sc).returns_as_new_node(st.booted) {
         return st;
     }
     let boot = log::encode(&log::LogRecord::Boot { node: id });
