@@ -243,6 +243,19 @@ pub struct LogState {
     pub boot_node: Option<u32>,
 }
 
+impl LogState {
+    /// What a log holding only `Boot { node }` holds: a member with nothing stored (the
+    /// full-copy baseline's returning node, see [`FileLog::reset_as_new_node`]).
+    pub fn new_node(node: u32) -> Self {
+        LogState {
+            booted: true,
+            boot_node: Some(node),
+            records: 1,
+            ..Default::default()
+        }
+    }
+}
+
 /// Replays records into a [`LogState`].
 pub fn rebuild(records: &[LogRecord]) -> LogState {
     let mut b = Rebuilder::default();
@@ -967,12 +980,7 @@ impl FileLog {
         }
         self.install(&tmp)?;
         self.compacted_len = old_len.max(self.len);
-        Ok(LogState {
-            booted: true,
-            boot_node: Some(node),
-            records: 1,
-            ..Default::default()
-        })
+        Ok(LogState::new_node(node))
     }
 }
 
@@ -1113,7 +1121,12 @@ mod tests {
             .unwrap();
         let old_len = l.len_bytes();
         let st = l.reset_as_new_node(2).unwrap();
-        assert!(st.booted && st.base.is_empty() && st.partially.is_empty());
+        assert_eq!(st, LogState::new_node(2));
+        assert_eq!(
+            rebuild(&l.read_all().unwrap()),
+            st,
+            "what the new log holds"
+        );
         assert_eq!(l.read_all().unwrap(), vec![LogRecord::Boot { node: 2 }]);
         l.compact_min_bytes = 0;
         assert!(

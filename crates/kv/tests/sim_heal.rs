@@ -180,12 +180,7 @@ fn as_new_node_if_full_copy(
     disk.truncate(LOG, 0).unwrap();
     disk.write(LOG, 0, &boot).unwrap();
     disk.sync(LOG).unwrap();
-    log::LogState {
-        booted: true,
-        boot_node: Some(id),
-        records: 1,
-        ..Default::default()
-    }
+    log::LogState::new_node(id)
 }
 
 fn cm_params() -> CmParams {
