@@ -633,7 +633,8 @@ pub struct KvRecoveryArgs {
     /// Nodes in the group.
     #[arg(long, default_value_t = 5)]
     pub nodes: u32,
-    /// Preloaded keys (default: 2000 with --quick, 1100000 without: over 1 GiB of values).
+    /// Preloaded keys (default: 2000 with --quick, 1100000 without: over 1 GiB of values per
+    /// node). Larger stores are refused when the nodes would not fit in the machine's memory.
     #[arg(long)]
     pub keys: Option<u64>,
     /// Value size of the preloaded records and of the writes.
@@ -724,6 +725,7 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     if a.distribution == "zipfian" {
         ycsb::ScrambledZipfian::new(keys.max(1), a.theta).map_err(|e| anyhow::anyhow!("{e}"))?;
     }
+    check_memory_for_store(a.nodes, keys, a.value_bytes, a.missed_updates_cap_bytes as u64)?;
     let out = bench::out_dir("kv", a.out.clone())?;
     let mut report = bench::Report::new("kv.recovery", a.quick);
     let all = [Recovery::Heal, Recovery::FullCopy, Recovery::ReactiveLog];
@@ -1044,6 +1046,29 @@ fn bench_key(i: u64) -> Vec<u8> {
     format!("user{i:010}").into_bytes()
 }
 
+/// Refuses a store the machine cannot hold on every node at once (each node may reach 1.5x
+/// what it stores plus its Missed_updates cap, the memory target), before minutes of preloading
+/// end in the kernel killing a node.
+fn check_memory_for_store(nodes: u32, keys: u64, value_bytes: usize, cap_bytes: u64) -> anyhow::Result<()> {
+    let Some(available) = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+    }) else {
+        return Ok(()); // not Linux: nothing to check against
+    };
+    let per_node = stored_bytes(keys, value_bytes) as f64 * 1.5 + cap_bytes as f64;
+    let need = per_node * nodes as f64;
+    if need > available as f64 {
+        let fits = ((available as f64 / nodes as f64 - cap_bytes as f64).max(0.0) / 1.5 / (bench_key(0).len() + value_bytes) as f64) as u64;
+        anyhow::bail!(
+            "{nodes} nodes holding {keys} keys of {value_bytes} B need up to {:.1} GiB of memory (1.5x the store plus the Missed_updates cap, per node); {:.1} GiB is available: pass --keys {fits} or less",
+            need / (1u64 << 30) as f64,
+            available as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(())
+}
+
 fn stored_bytes(keys: u64, value_bytes: usize) -> u64 {
     keys * (bench_key(0).len() + value_bytes) as u64
 }
@@ -1109,15 +1134,40 @@ async fn scrape_gauge(addr: SocketAddr, name: &str) -> Option<f64> {
     body.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' ')).and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
 }
 
+const BENCH_CLUSTER_PREFIX: &str = "understudy-kv-bench-";
+/// The pid of the bench a cluster directory belongs to.
+const BENCH_OWNER_FILE: &str = "bench.pid";
+
+/// Removes the cluster directories of benches that are gone (interrupted or killed: a run's
+/// directory is removed when it ends, but not when the bench dies), each several GiB of logs.
+fn remove_abandoned_clusters(work: &Path) {
+    let Ok(entries) = std::fs::read_dir(work) else { return };
+    for e in entries.flatten() {
+        let path = e.path();
+        if !e.file_name().to_string_lossy().starts_with(BENCH_CLUSTER_PREFIX) {
+            continue;
+        }
+        let owner = std::fs::read_to_string(path.join(BENCH_OWNER_FILE)).ok().and_then(|s| s.trim().parse::<u32>().ok());
+        // A directory without an owner is being set up, or was left by an older bench: only a
+        // dead owner's is removed.
+        if owner.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+            eprintln!("removing {} (left by an interrupted bench)", path.display());
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
+}
+
 fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use std::sync::Arc;
     let RunSpec { scheme, model, nodes, keys, efn } = spec;
     let work = std::env::current_dir()?.join("target").join("bench-clusters");
     std::fs::create_dir_all(&work)?;
+    remove_abandoned_clusters(&work);
     let image = preload_image(&work, keys, a.value_bytes)?;
-    let tmp = tempfile::Builder::new().prefix("understudy-kv-bench-").tempdir_in(&work)?;
+    let tmp = tempfile::Builder::new().prefix(BENCH_CLUSTER_PREFIX).tempdir_in(&work)?;
     let dir = tmp.path().to_path_buf();
+    std::fs::write(dir.join(BENCH_OWNER_FILE), std::process::id().to_string())?;
     preload(&image, &dir, nodes)?;
     let up = UpArgs {
         dir: dir.clone(),
@@ -1353,4 +1403,32 @@ struct Measured {
 /// The 1-minute load average of the machine (`/proc/loadavg`), 0 if unreadable.
 fn load_average_1m() -> f64 {
     std::fs::read_to_string("/proc/loadavg").ok().and_then(|s| s.split_whitespace().next()?.parse().ok()).unwrap_or(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_clusters_of_dead_benches_are_removed() {
+        let work = tempfile::tempdir().unwrap();
+        let mk = |name: &str, owner: Option<u32>| {
+            let d = work.path().join(name);
+            std::fs::create_dir_all(d.join("node-0")).unwrap();
+            if let Some(pid) = owner {
+                std::fs::write(d.join(BENCH_OWNER_FILE), pid.to_string()).unwrap();
+            }
+            d
+        };
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = child.id();
+        child.wait().unwrap();
+        let dead = mk(&format!("{BENCH_CLUSTER_PREFIX}dead"), Some(dead_pid));
+        let live = mk(&format!("{BENCH_CLUSTER_PREFIX}live"), Some(std::process::id()));
+        let unowned = mk(&format!("{BENCH_CLUSTER_PREFIX}new"), None);
+        let other = mk("something-else", Some(dead_pid));
+        remove_abandoned_clusters(work.path());
+        assert!(!dead.exists());
+        assert!(live.exists() && unowned.exists() && other.exists());
+    }
 }

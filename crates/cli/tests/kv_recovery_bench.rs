@@ -58,3 +58,17 @@ fn quick_recovery_bench_emits_the_three_scheme_ratios() {
     assert!(dir.path().join("out/recovery_throughput.csv").exists());
     assert!(dir.path().join("out/recovery_throughput.svg").exists());
 }
+
+#[test]
+fn a_store_larger_than_the_memory_is_refused_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_understudy"))
+        .args(["bench", "kv", "recovery", "--keys", "100000000000", "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("GiB of memory") && err.contains("pass --keys"), "{err}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written");
+}

@@ -12,6 +12,7 @@
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
+use std::ops::ControlFlow;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::Duration;
@@ -382,6 +383,46 @@ impl Rebuilder {
 /// Reads records from `r` until the end or the first torn or corrupt one, handing each to `f`.
 /// Returns the byte length of the valid prefix.
 pub fn stream_records(r: impl Read, mut f: impl FnMut(LogRecord, u64)) -> std::io::Result<u64> {
+    stream_payloads(r, |payload, n| {
+        match postcard::from_bytes::<LogRecord>(payload) {
+            Ok(rec) => {
+                f(rec, n);
+                ControlFlow::Continue(())
+            }
+            Err(_) => ControlFlow::Break(false),
+        }
+    })
+}
+
+/// Whether the valid records of `r` include a `Boot` (the node was a member before), found
+/// without decoding any other record.
+pub fn holds_boot(r: impl Read) -> std::io::Result<bool> {
+    let mut found = false;
+    stream_payloads(r, |payload, _| {
+        // A record's first byte is its variant (`Boot` is the first).
+        if payload.first() != Some(&0) {
+            return ControlFlow::Continue(());
+        }
+        match postcard::from_bytes::<LogRecord>(payload) {
+            Ok(LogRecord::Boot { .. }) => {
+                found = true;
+                ControlFlow::Break(true)
+            }
+            Ok(_) => ControlFlow::Continue(()),
+            Err(_) => ControlFlow::Break(false),
+        }
+    })?;
+    Ok(found)
+}
+
+/// Reads framed payloads (length and checksum checked) from `r`, handing each with its framed
+/// length to `f`, until the end, a torn or corrupt frame, or `f` breaks: `Break(true)` counts
+/// the payload as valid, `Break(false)` ends the valid prefix before it. Returns the byte
+/// length of the valid prefix read.
+fn stream_payloads(
+    r: impl Read,
+    mut f: impl FnMut(&[u8], u64) -> ControlFlow<bool>,
+) -> std::io::Result<u64> {
     let mut r = std::io::BufReader::with_capacity(1 << 20, r);
     let mut pos = 0u64;
     let mut payload = Vec::new();
@@ -400,11 +441,11 @@ pub fn stream_records(r: impl Read, mut f: impl FnMut(LogRecord, u64)) -> std::i
         if read_full(&mut r, &mut payload)? != len || crc32c::crc32c(&payload) != crc {
             return Ok(pos);
         }
-        match postcard::from_bytes::<LogRecord>(&payload) {
-            Ok(rec) => f(rec, 8 + len as u64),
-            Err(_) => return Ok(pos),
+        let n = 8 + len as u64;
+        match f(&payload, n) {
+            ControlFlow::Continue(()) => pos += n,
+            ControlFlow::Break(valid) => return Ok(pos + if valid { n } else { 0 }),
         }
-        pos += 8 + len as u64;
     }
 }
 
@@ -637,6 +678,24 @@ pub struct FileLog {
 /// Capacity of the log's encode buffer kept between appends (a larger one is freed after use).
 pub const ENCODE_BUFFER_KEEP_BYTES: usize = 8 << 20;
 
+/// Free heap memory glibc keeps at the top of each arena instead of returning it (see
+/// [`keep_transient_buffers`]): a catch-up's window of chunks, with room to spare.
+pub const MALLOC_KEEP_FREE_BYTES: usize = 32 << 20;
+
+/// Keeps the memory of freed megabyte-sized buffers (catch-up chunks, decoded frames) in the
+/// process for the next ones. By default glibc serves them with fresh `mmap`s or trims its heap
+/// down after each is freed, so every chunk of a catch-up touched fresh pages: a page fault per
+/// 4 KiB, about half a millisecond per MiB on this kind of VM, several times the copy itself.
+/// Bounded: at most [`MALLOC_KEEP_FREE_BYTES`] stays free at the top of an arena.
+pub fn keep_transient_buffers() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; it takes no pointers.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MALLOC_KEEP_FREE_BYTES as i32);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, MALLOC_KEEP_FREE_BYTES as i32);
+    }
+}
+
 /// Hands memory freed by a large transient structure (a log rebuild or compaction) back to the
 /// OS: glibc keeps it in its heap otherwise, and a node's resident memory would stay at its
 /// peak rather than at what it stores.
@@ -670,8 +729,42 @@ impl FileLog {
         path: &Path,
         extra_persist_latency: Duration,
     ) -> Result<(Self, LogState), LogError> {
+        let mut me = Self::open_unread(path, extra_persist_latency)?;
+        let st = me.load_state()?;
+        me.compacted_len = me.len;
+        Ok((me, st))
+    }
+
+    /// Opens the log at `path` for a node that returns as a new one, replacing it as
+    /// [`Self::reset_as_new_node`] does, without rebuilding the state it drops (the whole
+    /// store: seconds of parsing and a second copy of the store in memory at the restart).
+    pub fn open_as_new_node(
+        path: &Path,
+        extra_persist_latency: Duration,
+        node: u32,
+    ) -> Result<(Self, LogState), LogError> {
+        let mut me = Self::open_unread(path, extra_persist_latency)?;
+        // Only the compaction threshold uses the old length (see `reset_as_new_node`).
+        me.len = me.file.metadata()?.len();
+        let st = me.reset_as_new_node(node)?;
+        Ok((me, st))
+    }
+
+    /// Whether the log at `path` says its node was a member before (holds a `Boot` record),
+    /// read without rebuilding anything; false if there is no log.
+    pub fn was_booted(path: &Path) -> Result<bool, LogError> {
+        let file = match File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+            Err(e) => return Err(e.into()),
+        };
+        Ok(holds_boot(&file)?)
+    }
+
+    /// The log at `path`, opened, its contents not read yet.
+    fn open_unread(path: &Path, extra_persist_latency: Duration) -> Result<Self, LogError> {
         let (file, dsync) = Self::open_files(path)?;
-        let mut me = FileLog {
+        Ok(FileLog {
             path: path.to_path_buf(),
             file,
             dsync,
@@ -685,10 +778,7 @@ impl FileLog {
             compactions: 0,
             encode_us: 0,
             enc: Vec::new(),
-        };
-        let st = me.load_state()?;
-        me.compacted_len = me.len;
-        Ok((me, st))
+        })
     }
 
     /// Streams the file: indexes markers, cuts a torn tail, rebuilds the state.
@@ -727,7 +817,22 @@ impl FileLog {
             each(r);
         })?;
         self.markers = markers;
+        self.drop_cached_pages();
         Ok(valid)
+    }
+
+    /// Asks the kernel to drop the file's cached pages once it has been read whole (at a
+    /// rebuild): the node holds the state in memory and reads the log again only at its next
+    /// rebuild, while a store-sized log kept in the page cache crowds the memory every node's
+    /// appends need (with several nodes on one machine, a catch-up's log writes then wait on
+    /// page reclaim). Dirty pages are not dropped (their write-back is only started).
+    fn drop_cached_pages(&self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: posix_fadvise takes the fd (owned by `self.file`, open) and a byte range (0, 0:
+        // the whole file); it is advice and changes no data.
+        unsafe {
+            libc::posix_fadvise(self.file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+        }
     }
 
     fn open_files(path: &Path) -> Result<(File, File), LogError> {
@@ -1140,6 +1245,56 @@ mod tests {
         assert_eq!(st.partially[&b"a".to_vec()].0, ts(2, 1));
         assert!(l.len_bytes() < old_len + 200);
         assert!(!p.with_extension("new").exists());
+    }
+
+    #[test]
+    fn a_returning_node_is_found_booted_and_reset_without_a_rebuild() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("log");
+        assert!(!FileLog::was_booted(&p).unwrap(), "no log: never a member");
+        let puts: Vec<LogRecord> = (0..50u64)
+            .map(|i| LogRecord::Put {
+                key: i.to_be_bytes().to_vec(),
+                ts: ts(1, 0),
+                value: vec![i as u8; 300],
+            })
+            .collect();
+        // A preloaded store: records but no `Boot`.
+        let mut l = FileLog::open(&p, Duration::ZERO).unwrap();
+        l.append_durable(&puts).unwrap();
+        drop(l);
+        assert!(!FileLog::was_booted(&p).unwrap());
+        // A `Boot` cut by a crash (its last byte lost) is not in the valid prefix: not booted,
+        // as the rebuild sees it.
+        let boot = encode(&LogRecord::Boot { node: 3 });
+        let len = std::fs::metadata(&p).unwrap().len();
+        let mut f = OpenOptions::new().append(true).open(&p).unwrap();
+        f.write_all(&boot[..boot.len() - 1]).unwrap();
+        drop(f);
+        assert!(!FileLog::was_booted(&p).unwrap());
+        assert!(
+            !FileLog::open_and_rebuild(&p, Duration::ZERO)
+                .unwrap()
+                .1
+                .booted
+        );
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().len(),
+            len,
+            "the torn tail is cut"
+        );
+        // Whole, after the store: booted, and the returning node starts as a new one.
+        let mut l = FileLog::open(&p, Duration::ZERO).unwrap();
+        l.append_durable(&[LogRecord::Boot { node: 3 }, puts[0].clone()])
+            .unwrap();
+        drop(l);
+        assert!(FileLog::was_booted(&p).unwrap());
+        let (mut l, st) = FileLog::open_as_new_node(&p, Duration::ZERO, 3).unwrap();
+        assert_eq!(st, LogState::new_node(3));
+        assert_eq!(l.read_all().unwrap(), vec![LogRecord::Boot { node: 3 }]);
+        drop(l);
+        let (_, again) = FileLog::open_and_rebuild(&p, Duration::ZERO).unwrap();
+        assert_eq!(again, st, "what the new log rebuilds to");
     }
 
     #[test]

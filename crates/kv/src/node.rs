@@ -87,7 +87,14 @@ impl NodeParams {
     /// log: the full-copy baseline's returning node (see [`RecoveryScheme::FullCopy`]). The
     /// drivers replace its log with one holding only its `Boot` record before the core starts.
     pub fn returns_as_new_node(&self, booted: bool) -> bool {
-        booted && self.recovery == RecoveryScheme::FullCopy
+        booted && self.drops_state_on_return()
+    }
+
+    /// Whether this group's returning nodes drop their durable state (the full-copy
+    /// baseline): only then do the drivers need to know, before rebuilding a node's log,
+    /// whether it was a member.
+    pub fn drops_state_on_return(&self) -> bool {
+        self.recovery == RecoveryScheme::FullCopy
     }
 
     pub fn new(id: NodeId, model: Model) -> Self {

@@ -414,18 +414,19 @@ fn spawn_log_thread(
 /// Runs a node until the process is stopped.
 pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     std::fs::create_dir_all(&cfg.data_dir)?;
-    let (mut flog, mut st) =
-        FileLog::open_and_rebuild(&cfg.data_dir.join("pm.log"), cfg.extra_persist_latency)?;
-    if cfg.params.returns_as_new_node(st.booted) {
+    let path = cfg.data_dir.join("pm.log");
+    let (flog, st) = if cfg.params.drops_state_on_return()
+        && cfg.params.returns_as_new_node(FileLog::was_booted(&path)?)
+    {
         tracing::info!(
             node = cfg.params.id,
-            keys = st.base.len() + st.partially.len(),
             "full-copy baseline: the returning node's durable state is dropped (a new node \
              replaces it and receives the whole store)"
         );
-        drop(st);
-        st = flog.reset_as_new_node(cfg.params.id)?;
-    }
+        FileLog::open_as_new_node(&path, cfg.extra_persist_latency, cfg.params.id)?
+    } else {
+        FileLog::open_and_rebuild(&path, cfg.extra_persist_latency)?
+    };
     tracing::info!(
         node = cfg.params.id,
         records = st.records,
@@ -494,8 +495,11 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     let start = Instant::now();
     let now_us = || start.elapsed().as_micros() as u64;
     let mut core = NodeCore::new(cfg.params.clone(), st);
-    // The rebuild's scaffolding is garbage now.
+    // The rebuild's scaffolding is garbage now; from here on, freed chunk-sized buffers stay
+    // in the process for the next ones (after the rebuild, whose large transient buffers
+    // must go back to the OS).
     log::release_free_memory();
+    log::keep_transient_buffers();
     // Bumped at every `Reload`; log completions carry it.
     let mut inc: u64 = 0;
     let mut last_now = 0u64;
