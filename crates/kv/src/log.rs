@@ -785,6 +785,7 @@ impl FileLog {
     fn load_state(&mut self) -> Result<LogState, LogError> {
         let mut b = Rebuilder::default();
         let valid = self.index_markers(|r| b.push(r))?;
+        self.drop_cached_pages();
         let total = self.file.metadata()?.len();
         if valid < total {
             self.file.set_len(valid)?;
@@ -817,15 +818,15 @@ impl FileLog {
             each(r);
         })?;
         self.markers = markers;
-        self.drop_cached_pages();
         Ok(valid)
     }
 
-    /// Asks the kernel to drop the file's cached pages once it has been read whole (at a
-    /// rebuild): the node holds the state in memory and reads the log again only at its next
-    /// rebuild, while a store-sized log kept in the page cache crowds the memory every node's
-    /// appends need (with several nodes on one machine, a catch-up's log writes then wait on
-    /// page reclaim). Dirty pages are not dropped (their write-back is only started).
+    /// Asks the kernel to drop the file's cached pages once a rebuild has read it whole: the
+    /// node now holds the state in memory (a reactive-log catch-up it serves reads what it
+    /// appends later, still cached), while a store-sized log kept in the page cache crowds the
+    /// memory every node's appends need (with several nodes on one machine, a catch-up's log
+    /// writes then wait on page reclaim). Dirty pages are not dropped (their write-back is only
+    /// started). Not after a compaction, whose new file holds the tail a reactive read needs.
     fn drop_cached_pages(&self) {
         use std::os::fd::AsRawFd;
         // SAFETY: posix_fadvise takes the fd (owned by `self.file`, open) and a byte range (0, 0:
