@@ -1046,22 +1046,33 @@ fn bench_key(i: u64) -> Vec<u8> {
     format!("user{i:010}").into_bytes()
 }
 
-/// Refuses a store the machine cannot hold on every node at once (each node may reach 1.5x
-/// what it stores plus its Missed_updates cap, the memory target), before minutes of preloading
-/// end in the kernel killing a node.
+/// The memory target: a node's resident memory stays within this many times the bytes it
+/// stores, plus its Missed_updates cap.
+const NODE_MEMORY_PER_STORED_BYTE: f64 = 1.5;
+
+/// Refuses a store the machine cannot hold on every node at once (each node may reach the
+/// memory target), before minutes of preloading end in the kernel killing a node.
 fn check_memory_for_store(nodes: u32, keys: u64, value_bytes: usize, cap_bytes: u64) -> anyhow::Result<()> {
-    let Some(available) = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
         let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
         line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
-    }) else {
-        return Ok(()); // not Linux: nothing to check against
-    };
-    let per_node = stored_bytes(keys, value_bytes) as f64 * 1.5 + cap_bytes as f64;
+    });
+    match available {
+        Some(bytes) => store_fits_in_memory(nodes, keys, value_bytes, cap_bytes, bytes),
+        None => Ok(()), // not Linux: nothing to check against
+    }
+}
+
+/// [`check_memory_for_store`] against `available` bytes; the error names the largest `--keys`
+/// that fits.
+fn store_fits_in_memory(nodes: u32, keys: u64, value_bytes: usize, cap_bytes: u64, available: u64) -> anyhow::Result<()> {
+    let per_node = stored_bytes(keys, value_bytes) as f64 * NODE_MEMORY_PER_STORED_BYTE + cap_bytes as f64;
     let need = per_node * nodes as f64;
     if need > available as f64 {
-        let fits = ((available as f64 / nodes as f64 - cap_bytes as f64).max(0.0) / 1.5 / (bench_key(0).len() + value_bytes) as f64) as u64;
+        let per_key = stored_bytes(1, value_bytes) as f64 * NODE_MEMORY_PER_STORED_BYTE;
+        let fits = ((available as f64 / nodes as f64 - cap_bytes as f64).max(0.0) / per_key) as u64;
         anyhow::bail!(
-            "{nodes} nodes holding {keys} keys of {value_bytes} B need up to {:.1} GiB of memory (1.5x the store plus the Missed_updates cap, per node); {:.1} GiB is available: pass --keys {fits} or less",
+            "{nodes} nodes holding {keys} keys of {value_bytes} B need up to {:.1} GiB of memory ({NODE_MEMORY_PER_STORED_BYTE}x the store plus the Missed_updates cap, per node); {:.1} GiB is available: pass --keys {fits} or less",
             need / (1u64 << 30) as f64,
             available as f64 / (1u64 << 30) as f64
         );
@@ -1408,6 +1419,22 @@ fn load_average_1m() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_store_is_refused_past_the_memory_and_the_error_names_what_fits() {
+        let gib = 1u64 << 30;
+        let cap = 64 << 20;
+        // 1.1 M keys: 1.14 GB per node, 1.77 GB with the target's allowance and the cap.
+        assert!(store_fits_in_memory(5, 1_100_000, 1000, cap, 20 * gib).is_ok());
+        let err = store_fits_in_memory(5, 1_100_000, 1000, cap, 8 * gib).unwrap_err().to_string();
+        let fits: u64 = err.rsplit("--keys ").next().unwrap().split_whitespace().next().unwrap().parse().unwrap();
+        assert!(fits < 1_100_000 && fits > 900_000, "{err}");
+        assert!(store_fits_in_memory(5, fits, 1000, cap, 8 * gib).is_ok(), "the named size fits: {err}");
+        assert!(store_fits_in_memory(5, fits + 1000, 1000, cap, 8 * gib).is_err());
+        // Not even an empty store fits: zero keys named, never a negative count.
+        let err = store_fits_in_memory(5, 10, 1000, cap, 100 << 20).unwrap_err().to_string();
+        assert!(err.contains("--keys 0 "), "{err}");
+    }
 
     #[test]
     fn only_clusters_of_dead_benches_are_removed() {

@@ -61,14 +61,31 @@ fn quick_recovery_bench_emits_the_three_scheme_ratios() {
 
 #[test]
 fn a_store_larger_than_the_memory_is_refused_before_any_work() {
+    // Run in a directory of its own and killed after a while: without the check the bench
+    // would start writing a preload image of that size (under `target/` of its directory).
     let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_understudy"))
-        .args(["bench", "kv", "recovery", "--keys", "100000000000", "--out"])
-        .arg(dir.path())
-        .output()
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_understudy"))
+        .args(["bench", "kv", "recovery", "--keys", "100000000000", "--out", "out"])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("the bench did not refuse the store: it was still running");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(!status.success());
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
     assert!(err.contains("GiB of memory") && err.contains("pass --keys"), "{err}");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written");
 }
