@@ -181,8 +181,47 @@ pub const CHUNK_ENTRY_HEADER_BYTES: usize = 2 + 8 + 4 + 1 + 4;
 /// and is applied and logged from borrowed slices (no allocation per entry on either side).
 /// Per entry: `key_len: u16 LE | key | version: u64 LE | node: u32 LE | flags: u8 (bit 0:
 /// committed) | value_len: u32 LE | value`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Chunk(#[serde(with = "serde_bytes")] Vec<u8>);
+///
+/// A received chunk may keep the whole frame it arrived in ([`Chunk::in_frame`]): its entries
+/// are `buf[start..]`, taken from the socket's read buffer without a copy.
+#[derive(Clone, Default)]
+pub struct Chunk {
+    buf: Vec<u8>,
+    start: usize,
+}
+
+impl std::fmt::Debug for Chunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Chunk").field(&self.bytes()).finish()
+    }
+}
+
+impl PartialEq for Chunk {
+    fn eq(&self, other: &Self) -> bool {
+        self.bytes() == other.bytes()
+    }
+}
+
+impl Eq for Chunk {}
+
+impl std::hash::Hash for Chunk {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.bytes().hash(h)
+    }
+}
+
+impl Serialize for Chunk {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(self.bytes())
+    }
+}
+
+impl<'de> Deserialize<'de> for Chunk {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let buf = serde_bytes::ByteBuf::deserialize(d)?.into_vec();
+        Ok(Chunk { buf, start: 0 })
+    }
+}
 
 /// A malformed [`Chunk`] (from a peer: the chunk is dropped whole).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -194,7 +233,25 @@ pub struct ChunkError {
 
 impl Chunk {
     pub fn with_capacity(bytes: usize) -> Self {
-        Chunk(Vec::with_capacity(bytes))
+        Chunk {
+            buf: Vec::with_capacity(bytes),
+            start: 0,
+        }
+    }
+
+    /// The chunk whose entries are `frame[start..end]`, keeping the frame's buffer.
+    pub fn in_frame(mut frame: Vec<u8>, start: usize, end: usize) -> Self {
+        assert!(
+            start <= end && end <= frame.len(),
+            "a chunk lies within its frame"
+        );
+        frame.truncate(end);
+        Chunk { buf: frame, start }
+    }
+
+    /// The entries' bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf[self.start..]
     }
 
     pub fn from_entries<'a>(entries: impl IntoIterator<Item = &'a Entry>) -> Self {
@@ -209,7 +266,7 @@ impl Chunk {
     /// [`MAX_VALUE_BYTES`] everywhere they enter a node, so their lengths fit the fields.
     pub fn push(&mut self, key: &[u8], ts: Ts, value: &[u8], committed: bool) {
         debug_assert!(key.len() <= u16::MAX as usize && value.len() <= u32::MAX as usize);
-        let b = &mut self.0;
+        let b = &mut self.buf;
         b.reserve(CHUNK_ENTRY_HEADER_BYTES + key.len() + value.len());
         b.extend_from_slice(&(key.len() as u16).to_le_bytes());
         b.extend_from_slice(key);
@@ -221,16 +278,16 @@ impl Chunk {
     }
 
     pub fn len_bytes(&self) -> usize {
-        self.0.len()
+        self.bytes().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.bytes().is_empty()
     }
 
     /// The entry at byte `at` and where the next starts.
     pub fn entry_at(&self, at: usize) -> Result<(EntryRef<'_>, usize), ChunkError> {
-        let b = &self.0;
+        let b = self.bytes();
         let err = |what| ChunkError { at, what };
         let take = |pos: usize, n: usize| -> Result<&[u8], ChunkError> {
             b.get(pos..pos.checked_add(n).ok_or(err("length overflow"))?)
@@ -266,7 +323,7 @@ impl Chunk {
     /// Checks every entry; returns how many there are.
     pub fn validate(&self) -> Result<usize, ChunkError> {
         let (mut at, mut n) = (0, 0);
-        while at < self.0.len() {
+        while at < self.len_bytes() {
             at = self.entry_at(at)?.1;
             n += 1;
         }
@@ -278,7 +335,7 @@ impl Chunk {
         let mut at = 0;
         let mut failed = false;
         std::iter::from_fn(move || {
-            if failed || at >= self.0.len() {
+            if failed || at >= self.len_bytes() {
                 return None;
             }
             match self.entry_at(at) {

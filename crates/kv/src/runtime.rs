@@ -929,8 +929,10 @@ fn push_frame(buf: &mut Vec<u8>, msg: &NetMsg) {
     buf[start + 4..body].copy_from_slice(&crc.to_le_bytes());
 }
 
-/// Reads one frame into `buf` (reused across frames: no fresh zeroed buffer per catch-up
-/// chunk) and decodes it; the same checks as [`wire::read_msg`].
+/// Reads one frame into `buf` (its spare capacity: not zeroed first) and decodes it; the same
+/// checks as [`wire::read_msg`]. A catch-up chunk keeps the frame's buffer (see
+/// [`decode_catchup_resp`]), so the next frame gets a new one; any other frame leaves it for
+/// reuse.
 async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
     buf: &mut Vec<u8>,
@@ -947,21 +949,95 @@ async fn read_frame<R: AsyncRead + Unpin>(
         Err(e) => return Err(e.into()),
     }
     let (len, want) = wire::parse_header(&header, limit)?;
-    if buf.len() < len {
-        buf.resize(len, 0);
+    buf.clear();
+    buf.reserve(len);
+    while buf.len() < len {
+        let missing = (len - buf.len()) as u64;
+        if (&mut *r).take(missing).read_buf(buf).await? == 0 {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+        }
     }
-    let payload = &mut buf[..len];
-    r.read_exact(payload).await?;
     let t = Instant::now();
-    let got = crc32c::crc32c(payload);
+    let got = crc32c::crc32c(buf);
     if got != want {
         return Err(wire::WireError::Checksum { got, want });
     }
-    let m = wire::decode_payload(payload);
-    if let (Some(c), Ok(NetMsg::Peer(PeerMsg::CatchUpResp { .. }))) = (decode_us, &m) {
-        add_us(c, t);
+    if let Some(m) = decode_catchup_resp(buf) {
+        if let Some(c) = decode_us {
+            add_us(c, t);
+        }
+        return m;
     }
-    m
+    wire::decode_payload(buf)
+}
+
+/// Decodes a frame's payload as a node's connection does: a catch-up chunk takes `payload`'s
+/// buffer ([`decode_catchup_resp`]), any other message is decoded from it.
+pub fn decode_net_payload(payload: &mut Vec<u8>) -> Result<NetMsg, wire::WireError> {
+    decode_catchup_resp(payload).unwrap_or_else(|| wire::decode_payload(payload))
+}
+
+/// A `CatchUpResp`'s fields in the order `PeerMsg::CatchUpResp` encodes them, its entries
+/// borrowed from the frame (checked against the real message by a test).
+#[derive(Deserialize)]
+struct CatchUpRespHead<'a> {
+    epoch: u64,
+    stream: u64,
+    from: Cursor,
+    next: Option<Cursor>,
+    full_copy: bool,
+    entries: &'a [u8],
+}
+
+/// The first two bytes of every encoded `NetMsg::Peer(PeerMsg::CatchUpResp { .. })`: the
+/// variant indices (postcard varints, one byte each below 128).
+fn catchup_resp_prefix() -> [u8; 2] {
+    static PREFIX: std::sync::OnceLock<[u8; 2]> = std::sync::OnceLock::new();
+    *PREFIX.get_or_init(|| {
+        let sample = NetMsg::Peer(PeerMsg::CatchUpResp {
+            epoch: 0,
+            stream: 0,
+            from: Cursor::Key(None),
+            next: None,
+            full_copy: false,
+            entries: Chunk::default(),
+        });
+        let b = postcard::to_stdvec(&sample).expect("a NetMsg always encodes");
+        assert!(b[0] < 0x80 && b[1] < 0x80, "variant indices of one byte");
+        [b[0], b[1]]
+    })
+}
+
+/// Decodes the payload `frame` if it is a catch-up chunk (`None` otherwise), taking `frame`'s
+/// buffer as the chunk's instead of copying a MiB of entries out of it: on a recovering node
+/// that copy, into fresh memory, cost as much CPU as the rest of the frame's handling.
+fn decode_catchup_resp(frame: &mut Vec<u8>) -> Option<Result<NetMsg, wire::WireError>> {
+    if !frame.starts_with(&catchup_resp_prefix()) {
+        return None;
+    }
+    let head: CatchUpRespHead<'_> = match postcard::from_bytes(&frame[2..]) {
+        Ok(h) => h,
+        Err(e) => return Some(Err(wire::WireError::Decode(e.to_string()))),
+    };
+    let start = head.entries.as_ptr() as usize - frame.as_ptr() as usize;
+    let end = start + head.entries.len();
+    let CatchUpRespHead {
+        epoch,
+        stream,
+        from,
+        next,
+        full_copy,
+        ..
+    } = head;
+    let entries = Chunk::in_frame(std::mem::take(frame), start, end);
+    Some(Ok(NetMsg::Peer(PeerMsg::CatchUpResp {
+        epoch,
+        stream,
+        from,
+        next,
+        full_copy,
+        entries,
+    })))
 }
 
 async fn serve_conn(

@@ -40,6 +40,86 @@ proptest! {
     fn net_decoder_survives_garbage(bytes in proptest::collection::vec(any::<u8>(), 0..2048)) {
         let _ = wire::decode_payload::<NetMsg>(&bytes);
     }
+
+    /// A node's connections decode catch-up chunks without copying them out of the frame;
+    /// on any input, and on inputs that start like a chunk, that path agrees with the plain
+    /// decoder.
+    #[test]
+    fn chunk_decoder_agrees_with_the_plain_one(
+        bytes in proptest::collection::vec(any::<u8>(), 0..2048),
+        like_a_chunk in any::<bool>(),
+    ) {
+        let mut bytes = bytes;
+        if like_a_chunk {
+            let mut v = postcard::to_stdvec(&catchup_resp(1, Chunk::default())).unwrap();
+            v.truncate(2);
+            v.extend_from_slice(&bytes);
+            bytes = v;
+        }
+        let plain = wire::decode_payload::<NetMsg>(&bytes);
+        let taken = kv::runtime::decode_net_payload(&mut bytes.clone());
+        prop_assert_eq!(format!("{plain:?}"), format!("{taken:?}"));
+    }
+}
+
+fn catchup_resp(stream: u64, entries: Chunk) -> NetMsg {
+    NetMsg::Peer(PeerMsg::CatchUpResp {
+        epoch: 7,
+        stream,
+        from: Cursor::Key(Some(b"user12".to_vec())),
+        next: Some(Cursor::Key(Some(b"user99".to_vec()))),
+        full_copy: true,
+        entries,
+    })
+}
+
+/// A catch-up chunk decoded in place of its frame is the message that was sent: every field,
+/// every entry, and the frame's buffer is taken (not copied) as the chunk's.
+#[test]
+fn a_chunk_is_decoded_in_its_frame() {
+    let entries: Vec<Entry> = (0..50u64)
+        .map(|i| Entry {
+            key: format!("user{i}").into_bytes(),
+            ts: Ts {
+                version: i + 1,
+                node: 2,
+            },
+            value: vec![i as u8; 100 + i as usize],
+            committed: i % 3 != 0,
+        })
+        .collect();
+    for chunk in [Chunk::from_entries(&entries), Chunk::default()] {
+        let sent = catchup_resp(3, chunk.clone());
+        let mut frame = postcard::to_stdvec(&sent).unwrap();
+        let at = frame.as_ptr();
+        let got = kv::runtime::decode_net_payload(&mut frame).unwrap();
+        assert!(frame.is_empty(), "the buffer went to the chunk");
+        assert_eq!(format!("{got:?}"), format!("{sent:?}"));
+        let NetMsg::Peer(PeerMsg::CatchUpResp {
+            entries: got_chunk, ..
+        }) = got
+        else {
+            panic!("not a chunk: {got:?}");
+        };
+        assert_eq!(got_chunk, chunk);
+        assert_eq!(
+            got_chunk.to_entries().unwrap().len(),
+            chunk.to_entries().unwrap().len()
+        );
+        if !chunk.is_empty() {
+            assert!(
+                std::ptr::eq(got_chunk.bytes().as_ptr_range().end, unsafe {
+                    at.add(postcard::to_stdvec(&sent).unwrap().len())
+                }),
+                "entries read in place"
+            );
+        }
+    }
+    // Any other message leaves the buffer for the next frame.
+    let mut frame = postcard::to_stdvec(&NetMsg::Peer(PeerMsg::RecovEnd { epoch: 4 })).unwrap();
+    let got = kv::runtime::decode_net_payload(&mut frame).unwrap();
+    assert!(matches!(got, NetMsg::Peer(PeerMsg::RecovEnd { epoch: 4 })));
+    assert!(!frame.is_empty());
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! A node's network input: arbitrary bytes through the frame decoder (header, checksum, size
-//! limit) and the `NetMsg` payload decoder; whatever decodes is delivered to a real node core,
-//! a member of a 3-node group, as a peer message from each other node or as a client request.
+//! limit) and the `NetMsg` payload decoders (plain, and a connection's in-place one); whatever
+//! decodes is delivered to a real node core, a member of a 3-node group, as a peer message
+//! from each other node or as a client request.
 //! Nothing may panic.
 #![no_main]
 
@@ -12,7 +13,9 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     let framed = wire::decode_frame::<NetMsg>(data, MAX_FRAME_BYTES).ok();
     let raw = wire::decode_payload::<NetMsg>(data).ok();
-    for m in [framed, raw].into_iter().flatten() {
+    // As a node's connection decodes a payload (a catch-up chunk taken in place).
+    let in_place = kv::runtime::decode_net_payload(&mut data.to_vec()).ok();
+    for m in [framed, raw, in_place].into_iter().flatten() {
         let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
         n.on_heartbeat(0, Heartbeat { seq: 1, config: Config::genesis(3) });
         let _ = n.take_outputs();
