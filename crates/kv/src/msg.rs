@@ -246,6 +246,10 @@ impl Chunk {
             "a chunk lies within its frame"
         );
         frame.truncate(end);
+        if frame.capacity() > 2 * end + 4096 {
+            // A buffer grown by an earlier, larger frame: not held for as long as the chunk.
+            frame.shrink_to_fit();
+        }
         Chunk { buf: frame, start }
     }
 
