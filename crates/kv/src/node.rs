@@ -2139,8 +2139,7 @@ impl NodeCore {
         let last = if full {
             // The store in key order: no lookup per entry.
             let mut last = None;
-            let store = self.store.range::<[u8], _>((lower, Bound::Unbounded));
-            for (key, k) in Prefetched::new(store, |(_, k)| &k.value) {
+            for (key, k) in self.store.range::<[u8], _>((lower, Bound::Unbounded)) {
                 if add(key, k.ts, &k.value, k.valid) {
                     last = Some(key.to_vec());
                     break;
@@ -2160,7 +2159,6 @@ impl NodeCore {
                 .keys
                 .range::<[u8], _>((lower, Bound::Unbounded))
                 .map(|(k, m)| (k.as_slice(), m));
-            let missed = Prefetched::new(missed, |(_, m)| &m.value);
             let mut last = None;
             for (key, m) in (MergeKeys {
                 a: missed.peekable(),
@@ -2588,61 +2586,6 @@ enum CatchUpApply {
     Batched,
     /// Applied through the general path, with an append of its own.
     Alone(u64),
-}
-
-/// Entries of a Buddy's chunk whose values are asked of memory this many entries ahead of
-/// their copy.
-const PREFETCH_AHEAD_ENTRIES: usize = 4;
-
-/// Yields `inner`'s items, each after the memory of its value was asked for
-/// [`PREFETCH_AHEAD_ENTRIES`] items earlier. A chunk's values are separate allocations, mostly
-/// long untouched (a Buddy's Missed_updates fills over the whole EFN): copied one after the
-/// other, each waits for memory in turn, and the copy ran at a fraction of the memory's speed
-/// (on the Buddy, most of a chunk's build). Asked ahead, their loads overlap.
-struct Prefetched<I: Iterator> {
-    inner: I,
-    ahead: VecDeque<I::Item>,
-    value: fn(&I::Item) -> &[u8],
-}
-
-impl<I: Iterator> Prefetched<I> {
-    fn new(inner: I, value: fn(&I::Item) -> &[u8]) -> Self {
-        Prefetched {
-            inner,
-            ahead: VecDeque::with_capacity(PREFETCH_AHEAD_ENTRIES + 1),
-            value,
-        }
-    }
-}
-
-impl<I: Iterator> Iterator for Prefetched<I> {
-    type Item = I::Item;
-    fn next(&mut self) -> Option<I::Item> {
-        while self.ahead.len() <= PREFETCH_AHEAD_ENTRIES {
-            let Some(item) = self.inner.next() else { break };
-            prefetch((self.value)(&item));
-            self.ahead.push_back(item);
-        }
-        self.ahead.pop_front()
-    }
-}
-
-/// Asks for `bytes` to be brought into the cache, without waiting for it.
-#[inline]
-fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for offset in (0..bytes.len()).step_by(64) {
-        // SAFETY: a prefetch never faults and changes no state a program can see; the
-        // address lies within `bytes`.
-        #[allow(unused_unsafe)]
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                bytes.as_ptr().add(offset) as *const i8,
-            );
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
 }
 
 /// Merges the Missed_updates buffer's keys (ascending, with their updates) with other
