@@ -3255,8 +3255,9 @@ mod tests {
         };
         n.on_peer(1, 0, req(1));
         let got = sizes(&mut n);
-        assert_eq!(got.len(), 4, "{got:?}"); // 9999 entries: 340 KB
-                                             // A chunk closes with the entry that reaches its limit.
+        // 9999 entries, 340 KB: 64 KiB, then 128 KiB chunks. A chunk closes with the entry
+        // that reaches its limit.
+        assert_eq!(got.len(), 4, "{got:?}");
         for (i, limit) in [1, 2, 2].into_iter().enumerate() {
             let limit = limit * FIRST_CATCHUP_CHUNK_BYTES;
             assert!(

