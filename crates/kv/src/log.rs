@@ -9,7 +9,7 @@
 //! with `O_DSYNC`, an optional extra latency per persist to model slower NVM). The simulation
 //! tests implement it over `sim::SimDisk`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::ops::ControlFlow;
@@ -481,10 +481,21 @@ pub struct LogChunk {
     pub found: bool,
     pub gen: u64,
     /// Every update in log order from the point, redundant ones included.
-    pub puts: Vec<(Vec<u8>, Ts, Vec<u8>)>,
+    pub puts: Vec<LogPut>,
     pub next_pos: u64,
     /// The read reached the end of the log.
     pub at_end: bool,
+}
+
+/// One update read from a log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LogPut {
+    pub key: Vec<u8>,
+    pub ts: Ts,
+    pub value: Vec<u8>,
+    /// The log holds this version's `Mark` within the same read: it is committed. False says
+    /// nothing (the flag may be later in the log, or lost): the reader judges it otherwise.
+    pub marked: bool,
 }
 
 /// Where a read for `since_epoch` starts: the newest `Epoch` record of an *earlier*
@@ -530,7 +541,12 @@ pub fn read_chunk(
         ..Default::default()
     };
     let mut bytes_out = 0usize;
-    while pos < len && bytes_out < max_bytes {
+    // Where each (key, version) read so far sits in `out.puts`: a `Mark` after its `Put`
+    // (written lazily, usually a few records later) flags it committed without the reader
+    // asking its store, as ZooKeeper's leader knows a transaction committed from its log.
+    let mut unmarked: HashMap<(Vec<u8>, Ts), usize> = HashMap::new();
+    let mut torn = false;
+    'read: while pos < len && bytes_out < max_bytes {
         let want = ((len - pos) as usize).min(max_bytes.max(MAX_RECORD_BYTES + 8));
         let buf = read_at(pos, want)?;
         let mut at = 0usize;
@@ -541,14 +557,28 @@ pub fn read_chunk(
             }
             let Some(rec) = decode_one(&buf[at..at + 8 + n]) else {
                 // A corrupt record inside the valid length cannot be: stop as at a torn tail.
-                out.next_pos = pos + at as u64;
-                out.at_end = true;
-                return Ok(out);
+                pos += at as u64;
+                torn = true;
+                break 'read;
             };
             at += 8 + n;
-            if let LogRecord::Put { key, ts, value } = rec {
-                bytes_out += key.len() + value.len() + 24;
-                out.puts.push((key, ts, value));
+            match rec {
+                LogRecord::Put { key, ts, value } => {
+                    bytes_out += key.len() + value.len() + 24;
+                    unmarked.insert((key.clone(), ts), out.puts.len());
+                    out.puts.push(LogPut {
+                        key,
+                        ts,
+                        value,
+                        marked: false,
+                    });
+                }
+                LogRecord::Mark { key, ts } => {
+                    if let Some(i) = unmarked.remove(&(key, ts)) {
+                        out.puts[i].marked = true;
+                    }
+                }
+                LogRecord::Boot { .. } | LogRecord::Epoch { .. } => {}
             }
         }
         if at == 0 {
@@ -557,7 +587,7 @@ pub fn read_chunk(
         pos += at as u64;
     }
     out.next_pos = pos;
-    out.at_end = pos >= len;
+    out.at_end = torn || pos >= len;
     Ok(out)
 }
 
@@ -1383,6 +1413,59 @@ mod tests {
     }
 
     #[test]
+    fn read_chunk_flags_the_puts_the_log_marks() {
+        let recs = [
+            LogRecord::Epoch {
+                epoch: 1,
+                whole: true,
+            },
+            put("a", 1, 0, "a1"),
+            put("b", 1, 0, "b1"),
+            mark("a", 1, 0),
+            put("a", 2, 0, "a2"),
+            mark("b", 2, 0), // another version's flag marks nothing here
+            put("c", 1, 0, "c1"),
+            mark("c", 1, 0),
+        ];
+        let bytes: Vec<u8> = recs.iter().flat_map(encode).collect();
+        let (markers, valid) = scan_markers(&bytes);
+        let read = |max: usize| {
+            read_chunk(
+                &markers,
+                0,
+                valid as u64,
+                &LogCursor {
+                    since_epoch: 1,
+                    gen: 0,
+                    pos: None,
+                },
+                max,
+                |o, n| Ok(bytes[o as usize..(o as usize + n).min(bytes.len())].to_vec()),
+            )
+            .unwrap()
+        };
+        let flags = |c: &LogChunk| -> Vec<(Vec<u8>, u64, bool)> {
+            c.puts
+                .iter()
+                .map(|p| (p.key.clone(), p.ts.version, p.marked))
+                .collect()
+        };
+        let all = read(1 << 20);
+        assert_eq!(
+            flags(&all),
+            vec![
+                (b"a".to_vec(), 1, true),
+                (b"b".to_vec(), 1, false),
+                (b"a".to_vec(), 2, false),
+                (b"c".to_vec(), 1, true),
+            ]
+        );
+        // A read that ends before a Put's flag leaves it unmarked (its reader asks the store).
+        let first = read(1);
+        assert_eq!(flags(&first), vec![(b"a".to_vec(), 1, false)]);
+    }
+
+    #[test]
     fn read_chunk_starts_one_configuration_back_and_pages() {
         let recs = [
             LogRecord::Epoch {
@@ -1424,7 +1507,7 @@ mod tests {
         let keys: Vec<_> = all
             .puts
             .iter()
-            .map(|p| (p.0.clone(), p.1.version))
+            .map(|p| (p.key.clone(), p.ts.version))
             .collect();
         assert_eq!(
             keys,
@@ -1435,7 +1518,7 @@ mod tests {
         let mut got = Vec::new();
         loop {
             let ch = read(&c, 1);
-            got.extend(ch.puts.iter().map(|p| p.1.version));
+            got.extend(ch.puts.iter().map(|p| p.ts.version));
             if ch.at_end {
                 break;
             }

@@ -2245,15 +2245,18 @@ impl NodeCore {
             chunk
                 .puts
                 .iter()
-                .map(|(k, _, v)| k.len() + v.len() + CHUNK_ENTRY_HEADER_BYTES)
+                .map(|p| p.key.len() + p.value.len() + CHUNK_ENTRY_HEADER_BYTES)
                 .sum(),
         );
-        for (key, ts, value) in &chunk.puts {
-            let committed = self
-                .store
-                .get(&key[..])
-                .is_some_and(|k| *ts < k.ts || (*ts == k.ts && k.valid));
-            entries.push(key, *ts, value, committed);
+        for p in &chunk.puts {
+            // The log's own flag says committed; an entry whose flag is past this read (or
+            // lost) is judged by the store: committed if a newer version or it, valid, is held.
+            let committed = p.marked
+                || self
+                    .store
+                    .get(&p.key[..])
+                    .is_some_and(|k| p.ts < k.ts || (p.ts == k.ts && k.valid));
+            entries.push(&p.key, p.ts, &p.value, committed);
         }
         if cursor.pos.is_none() {
             // The first chunk also judges the Partially_persisted entries (like ZooKeeper's
