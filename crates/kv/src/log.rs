@@ -79,23 +79,28 @@ fn encode_framed<T: Serialize>(rec: &T, out: &mut Vec<u8>) {
     out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
 }
 
-/// [`LogRecord`]'s `Put` and `Mark` borrowing their bytes: the same variants in the same order,
-/// so the same encoding (checked by a test), written without owning a copy of the entry.
-#[derive(Serialize)]
+/// [`LogRecord`] borrowing its bytes: the same variants in the same order, so the same
+/// encoding (checked by a test), written and read without owning a copy of the entry.
+#[derive(Serialize, Deserialize)]
 enum LogRecordRef<'a> {
-    #[allow(dead_code)] // only its place matters: it keeps the variant numbers of `LogRecord`
-    Boot { node: u32 },
+    Boot {
+        node: u32,
+    },
     Put {
-        #[serde(with = "serde_bytes")]
+        #[serde(with = "serde_bytes", borrow)]
         key: &'a [u8],
         ts: Ts,
-        #[serde(with = "serde_bytes")]
+        #[serde(with = "serde_bytes", borrow)]
         value: &'a [u8],
     },
     Mark {
-        #[serde(with = "serde_bytes")]
+        #[serde(with = "serde_bytes", borrow)]
         key: &'a [u8],
         ts: Ts,
+    },
+    Epoch {
+        epoch: u64,
+        whole: bool,
     },
 }
 
@@ -480,22 +485,15 @@ pub struct LogChunk {
     /// log cannot serve this node and recovery falls back to a full copy.
     pub found: bool,
     pub gen: u64,
-    /// Every update in log order from the point, redundant ones included.
-    pub puts: Vec<LogPut>,
+    /// Every update in log order from the point, redundant ones included, packed as a
+    /// catch-up chunk: committed where the log holds the version's `Mark` within this read.
+    pub entries: Chunk,
+    /// Byte offsets in `entries` of the updates whose `Mark` was not in the read (it may be
+    /// later in the log, or lost): the reader judges them.
+    pub unmarked: Vec<u32>,
     pub next_pos: u64,
     /// The read reached the end of the log.
     pub at_end: bool,
-}
-
-/// One update read from a log.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LogPut {
-    pub key: Vec<u8>,
-    pub ts: Ts,
-    pub value: Vec<u8>,
-    /// The log holds this version's `Mark` within the same read: it is committed. False says
-    /// nothing (the flag may be later in the log, or lost): the reader judges it otherwise.
-    pub marked: bool,
 }
 
 /// Where a read for `since_epoch` starts: the newest `Epoch` record of an *earlier*
@@ -540,22 +538,31 @@ pub fn read_chunk(
         gen,
         ..Default::default()
     };
-    let mut bytes_out = 0usize;
-    // Where each (key, version) read so far sits in `out.puts`: a `Mark` after its `Put`
-    // (written lazily, usually a few records later) flags it committed without the reader
-    // asking its store, as ZooKeeper's leader knows a transaction committed from its log.
-    let mut unmarked: HashMap<(Vec<u8>, Ts), usize> = HashMap::new();
+    // Where each (key, version) read so far and not yet flagged sits in `out.entries`: a
+    // `Mark` after its `Put` (written lazily, usually a few records later) flags it committed
+    // without the reader asking its store, as ZooKeeper's leader knows a transaction committed
+    // from its log.
+    // Keyed by a hash of the pair, checked against the entry (no allocation per record); a
+    // collision only leaves an entry unmarked, for its reader to judge.
+    let mut unmarked: HashMap<u64, u32> = HashMap::new();
+    let version_hash = |key: &[u8], ts: Ts| {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        key.hash(&mut h);
+        ts.hash(&mut h);
+        h.finish()
+    };
     let mut torn = false;
-    'read: while pos < len && bytes_out < max_bytes {
+    'read: while pos < len && out.entries.len_bytes() < max_bytes {
         let want = ((len - pos) as usize).min(max_bytes.max(MAX_RECORD_BYTES + 8));
         let buf = read_at(pos, want)?;
         let mut at = 0usize;
-        while at + 8 <= buf.len() && bytes_out < max_bytes {
+        while at + 8 <= buf.len() && out.entries.len_bytes() < max_bytes {
             let n = u32::from_le_bytes(buf[at..at + 4].try_into().unwrap()) as usize;
             if at + 8 + n > buf.len() {
                 break;
             }
-            let Some(rec) = decode_one(&buf[at..at + 8 + n]) else {
+            let Some(rec) = decode_one_ref(&buf[at..at + 8 + n]) else {
                 // A corrupt record inside the valid length cannot be: stop as at a torn tail.
                 pos += at as u64;
                 torn = true;
@@ -563,22 +570,26 @@ pub fn read_chunk(
             };
             at += 8 + n;
             match rec {
-                LogRecord::Put { key, ts, value } => {
-                    bytes_out += key.len() + value.len() + 24;
-                    unmarked.insert((key.clone(), ts), out.puts.len());
-                    out.puts.push(LogPut {
-                        key,
-                        ts,
-                        value,
-                        marked: false,
-                    });
+                LogRecordRef::Put { key, ts, value } => {
+                    let offset = out.entries.len_bytes() as u32;
+                    unmarked.insert(version_hash(key, ts), offset);
+                    out.entries.push(key, ts, value, false);
                 }
-                LogRecord::Mark { key, ts } => {
-                    if let Some(i) = unmarked.remove(&(key, ts)) {
-                        out.puts[i].marked = true;
+                LogRecordRef::Mark { key, ts } => {
+                    let h = version_hash(key, ts);
+                    let Some(&offset) = unmarked.get(&h) else {
+                        continue;
+                    };
+                    let (e, _) = out
+                        .entries
+                        .entry_at(offset as usize)
+                        .expect("offsets of entries pushed here");
+                    if e.key == key && e.ts == ts {
+                        unmarked.remove(&h);
+                        out.entries.set_committed(offset as usize);
                     }
                 }
-                LogRecord::Boot { .. } | LogRecord::Epoch { .. } => {}
+                LogRecordRef::Boot { .. } | LogRecordRef::Epoch { .. } => {}
             }
         }
         if at == 0 {
@@ -586,9 +597,22 @@ pub fn read_chunk(
         }
         pos += at as u64;
     }
+    out.unmarked = unmarked.into_values().collect();
+    out.unmarked.sort_unstable();
     out.next_pos = pos;
     out.at_end = torn || pos >= len;
     Ok(out)
+}
+
+/// One framed record (header included), checked and decoded with its bytes borrowed.
+fn decode_one_ref(b: &[u8]) -> Option<LogRecordRef<'_>> {
+    let len = u32::from_le_bytes(b.get(..4)?.try_into().unwrap()) as usize;
+    let crc = u32::from_le_bytes(b.get(4..8)?.try_into().unwrap());
+    let payload = b.get(8..)?;
+    if len > MAX_RECORD_BYTES || payload.len() != len || crc32c::crc32c(payload) != crc {
+        return None;
+    }
+    postcard::from_bytes(payload).ok()
 }
 
 fn decode_one(b: &[u8]) -> Option<LogRecord> {
@@ -738,6 +762,38 @@ pub fn release_free_memory() {
     unsafe {
         libc::malloc_trim(0);
     }
+}
+
+/// Reads `n` bytes at `off` into a new buffer without zeroing it first (a reactive-log read is
+/// a MiB at a time, and zeroing it was a few percent of the reading thread's time).
+fn read_exact_at_uninit(file: &File, off: u64, n: usize) -> std::io::Result<Vec<u8>> {
+    use std::os::fd::AsRawFd;
+    let mut buf: Vec<u8> = Vec::with_capacity(n);
+    while buf.len() < n {
+        let done = buf.len();
+        // SAFETY: pread writes at most `n - done` bytes into the spare capacity starting at
+        // `done` (allocated above), and only the bytes it reports written are counted in.
+        let got = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                buf.as_mut_ptr().add(done).cast(),
+                n - done,
+                (off + done as u64) as libc::off_t,
+            )
+        };
+        match got {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            g if g < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            // SAFETY: the first `done + g` bytes are now initialized (see above).
+            g => unsafe { buf.set_len(done + g as usize) },
+        }
+    }
+    Ok(buf)
 }
 
 /// Largest durable append written as one `O_DSYNC` write (see `FileLog::write_durable`).
@@ -1036,7 +1092,6 @@ impl FileLog {
 
     /// Reads about `max_bytes` of updates at `cursor` (see [`read_chunk`]).
     pub fn read_chunk(&self, cursor: &LogCursor, max_bytes: usize) -> Result<LogChunk, LogError> {
-        use std::os::unix::fs::FileExt;
         let markers: Vec<(u64, u64)> = self.markers.iter().map(|(e, o, _)| (*e, *o)).collect();
         Ok(read_chunk(
             &markers,
@@ -1044,11 +1099,7 @@ impl FileLog {
             self.len,
             cursor,
             max_bytes,
-            |off, n| {
-                let mut buf = vec![0u8; n];
-                self.file.read_exact_at(&mut buf, off)?;
-                Ok(buf)
-            },
+            |off, n| read_exact_at_uninit(&self.file, off, n),
         )?)
     }
 
@@ -1203,6 +1254,42 @@ mod tests {
         assert_eq!(recs, cp.records());
         assert_eq!(recs.len(), 4, "a Put and a Mark per committed entry");
         assert!(cp.size_hint() >= got.len());
+    }
+
+    /// The borrowed decoder (a reactive-log read) reads every variant as the owned one, and
+    /// refuses a record whose checksum or length is off.
+    #[test]
+    fn borrowed_decoder_reads_the_owned_records() {
+        let recs = [
+            LogRecord::Boot { node: 7 },
+            put("key", 9, 2, "value"),
+            mark("key", 9, 2),
+            LogRecord::Epoch {
+                epoch: 4,
+                whole: false,
+            },
+        ];
+        for r in &recs {
+            let b = encode(r);
+            let owned = match decode_one_ref(&b).expect("decodes") {
+                LogRecordRef::Boot { node } => LogRecord::Boot { node },
+                LogRecordRef::Put { key, ts, value } => LogRecord::Put {
+                    key: key.to_vec(),
+                    ts,
+                    value: value.to_vec(),
+                },
+                LogRecordRef::Mark { key, ts } => LogRecord::Mark {
+                    key: key.to_vec(),
+                    ts,
+                },
+                LogRecordRef::Epoch { epoch, whole } => LogRecord::Epoch { epoch, whole },
+            };
+            assert_eq!(&owned, r);
+            let mut bad = b.clone();
+            *bad.last_mut().unwrap() ^= 1;
+            assert!(decode_one_ref(&bad).is_none(), "checksum");
+            assert!(decode_one_ref(&b[..b.len() - 1]).is_none(), "length");
+        }
     }
 
     #[test]
@@ -1412,6 +1499,17 @@ mod tests {
         assert_eq!((st.last_epoch, st.boot_node), (3, Some(2)));
     }
 
+    /// A log read's updates: (key, version, flagged committed).
+    fn read_puts(c: &LogChunk) -> Vec<(Vec<u8>, u64, bool)> {
+        c.entries
+            .iter()
+            .map(|e| {
+                let (_, e) = e.unwrap();
+                (e.key.to_vec(), e.ts.version, e.committed)
+            })
+            .collect()
+    }
+
     #[test]
     fn read_chunk_flags_the_puts_the_log_marks() {
         let recs = [
@@ -1444,15 +1542,9 @@ mod tests {
             )
             .unwrap()
         };
-        let flags = |c: &LogChunk| -> Vec<(Vec<u8>, u64, bool)> {
-            c.puts
-                .iter()
-                .map(|p| (p.key.clone(), p.ts.version, p.marked))
-                .collect()
-        };
         let all = read(1 << 20);
         assert_eq!(
-            flags(&all),
+            read_puts(&all),
             vec![
                 (b"a".to_vec(), 1, true),
                 (b"b".to_vec(), 1, false),
@@ -1462,7 +1554,11 @@ mod tests {
         );
         // A read that ends before a Put's flag leaves it unmarked (its reader asks the store).
         let first = read(1);
-        assert_eq!(flags(&first), vec![(b"a".to_vec(), 1, false)]);
+        assert_eq!(read_puts(&first), vec![(b"a".to_vec(), 1, false)]);
+        // The unflagged entries are listed for the reader, by offset.
+        let offsets: Vec<u32> = all.entries.iter().map(|e| e.unwrap().0 as u32).collect();
+        assert_eq!(all.unmarked, vec![offsets[1], offsets[2]]);
+        assert_eq!(first.unmarked, vec![0]);
     }
 
     #[test]
@@ -1504,11 +1600,7 @@ mod tests {
         };
         let all = read(&c, 1 << 20);
         assert!(all.found && all.at_end);
-        let keys: Vec<_> = all
-            .puts
-            .iter()
-            .map(|p| (p.key.clone(), p.ts.version))
-            .collect();
+        let keys: Vec<_> = read_puts(&all).into_iter().map(|p| (p.0, p.1)).collect();
         assert_eq!(
             keys,
             vec![(b"b".to_vec(), 1), (b"a".to_vec(), 2), (b"a".to_vec(), 3)]
@@ -1518,7 +1610,7 @@ mod tests {
         let mut got = Vec::new();
         loop {
             let ch = read(&c, 1);
-            got.extend(ch.puts.iter().map(|p| p.ts.version));
+            got.extend(read_puts(&ch).into_iter().map(|p| p.1));
             if ch.at_end {
                 break;
             }
@@ -1535,9 +1627,9 @@ mod tests {
                 },
                 1 << 20
             )
-            .puts
-            .len(),
-            4
+            .entries
+            .validate(),
+            Ok(4)
         );
         let m2: Vec<(u64, u64)> = markers[1..].to_vec();
         let r = read_chunk(
@@ -1616,7 +1708,7 @@ mod tests {
             )
             .unwrap();
         assert!(c.found);
-        assert_eq!(c.puts.len(), 2);
+        assert_eq!(c.entries.validate(), Ok(2));
         assert!(
             !l.read_chunk(
                 &LogCursor {

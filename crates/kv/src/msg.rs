@@ -324,6 +324,14 @@ impl Chunk {
         ))
     }
 
+    /// Sets the committed flag of the entry at byte `at`, an offset [`Chunk::push`] or
+    /// [`Chunk::iter`] gave (anything else is a bug: panics).
+    pub fn set_committed(&mut self, at: usize) {
+        let (e, _) = self.entry_at(at).expect("an entry's offset");
+        let flags = self.start + at + 2 + e.key.len() + 8 + 4;
+        self.buf[flags] = 1;
+    }
+
     /// Checks every entry; returns how many there are.
     pub fn validate(&self) -> Result<usize, ChunkError> {
         let (mut at, mut n) = (0, 0);

@@ -2241,22 +2241,26 @@ impl NodeCore {
             );
             return;
         }
-        let mut entries = Chunk::with_capacity(
-            chunk
-                .puts
-                .iter()
-                .map(|p| p.key.len() + p.value.len() + CHUNK_ENTRY_HEADER_BYTES)
-                .sum(),
-        );
-        for p in &chunk.puts {
-            // The log's own flag says committed; an entry whose flag is past this read (or
-            // lost) is judged by the store: committed if a newer version or it, valid, is held.
-            let committed = p.marked
-                || self
-                    .store
-                    .get(&p.key[..])
-                    .is_some_and(|k| p.ts < k.ts || (p.ts == k.ts && k.valid));
-            entries.push(&p.key, p.ts, &p.value, committed);
+        let LogChunk {
+            mut entries,
+            unmarked,
+            gen,
+            next_pos,
+            at_end,
+            ..
+        } = chunk;
+        for at in unmarked {
+            // The log's flag was past this read (or lost): committed if the store holds a
+            // newer version, or this one valid.
+            let at = at as usize;
+            let (e, _) = entries.entry_at(at).expect("offsets the log read gave");
+            let committed = self
+                .store
+                .get(e.key)
+                .is_some_and(|k| e.ts < k.ts || (e.ts == k.ts && k.valid));
+            if committed {
+                entries.set_committed(at);
+            }
         }
         if cursor.pos.is_none() {
             // The first chunk also judges the Partially_persisted entries (like ZooKeeper's
@@ -2269,10 +2273,10 @@ impl NodeCore {
         }
         let next_lc = LogCursor {
             since_epoch: cursor.since_epoch,
-            gen: chunk.gen,
-            pos: Some(chunk.next_pos),
+            gen,
+            pos: Some(next_pos),
         };
-        let next = (!chunk.at_end).then_some(Cursor::Log(next_lc.clone()));
+        let next = (!at_end).then_some(Cursor::Log(next_lc.clone()));
         self.send(
             to,
             PeerMsg::CatchUpResp {
@@ -2284,7 +2288,7 @@ impl NodeCore {
                 entries,
             },
         );
-        if chunk.at_end {
+        if at_end {
             self.log_reads.remove(&to);
             return;
         }
