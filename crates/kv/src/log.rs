@@ -541,10 +541,11 @@ pub fn read_chunk(
     // Where each (key, version) read so far and not yet flagged sits in `out.entries`: a
     // `Mark` after its `Put` (written lazily, usually a few records later) flags it committed
     // without the reader asking its store, as ZooKeeper's leader knows a transaction committed
-    // from its log.
-    // Keyed by a hash of the pair, checked against the entry (no allocation per record); a
-    // collision only leaves an entry unmarked, for its reader to judge.
+    // from its log. Keyed by a hash of the pair, checked against the entry (no allocation per
+    // record); an entry displaced by another of the same hash (a collision, or the same
+    // version logged twice) goes to `displaced`, for the reader to judge.
     let mut unmarked: HashMap<u64, u32> = HashMap::new();
+    let mut displaced = Vec::new();
     let version_hash = |key: &[u8], ts: Ts| {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -572,7 +573,7 @@ pub fn read_chunk(
             match rec {
                 LogRecordRef::Put { key, ts, value } => {
                     let offset = out.entries.len_bytes() as u32;
-                    unmarked.insert(version_hash(key, ts), offset);
+                    displaced.extend(unmarked.insert(version_hash(key, ts), offset));
                     out.entries.push(key, ts, value, false);
                 }
                 LogRecordRef::Mark { key, ts } => {
@@ -597,7 +598,7 @@ pub fn read_chunk(
         }
         pos += at as u64;
     }
-    out.unmarked = unmarked.into_values().collect();
+    out.unmarked = unmarked.into_values().chain(displaced).collect();
     out.unmarked.sort_unstable();
     out.next_pos = pos;
     out.at_end = torn || pos >= len;
@@ -1559,6 +1560,35 @@ mod tests {
         let offsets: Vec<u32> = all.entries.iter().map(|e| e.unwrap().0 as u32).collect();
         assert_eq!(all.unmarked, vec![offsets[1], offsets[2]]);
         assert_eq!(first.unmarked, vec![0]);
+
+        // The same version logged twice: its flag marks one copy, the other is listed.
+        let recs = [
+            LogRecord::Epoch {
+                epoch: 1,
+                whole: true,
+            },
+            put("a", 1, 0, "a1"),
+            put("a", 1, 0, "a1"),
+            mark("a", 1, 0),
+        ];
+        let bytes: Vec<u8> = recs.iter().flat_map(encode).collect();
+        let c = read_chunk(
+            &scan_markers(&bytes).0,
+            0,
+            bytes.len() as u64,
+            &LogCursor {
+                since_epoch: 1,
+                gen: 0,
+                pos: None,
+            },
+            1 << 20,
+            |o, n| Ok(bytes[o as usize..o as usize + n].to_vec()),
+        )
+        .unwrap();
+        let offsets: Vec<u32> = c.entries.iter().map(|e| e.unwrap().0 as u32).collect();
+        let flags: Vec<bool> = read_puts(&c).iter().map(|p| p.2).collect();
+        assert_eq!(flags, vec![false, true]);
+        assert_eq!(c.unmarked, vec![offsets[0]]);
     }
 
     #[test]
