@@ -616,11 +616,6 @@ fn decode_one_ref(b: &[u8]) -> Option<LogRecordRef<'_>> {
     postcard::from_bytes(payload).ok()
 }
 
-fn decode_one(b: &[u8]) -> Option<LogRecord> {
-    let (recs, used) = decode_all(b);
-    (used == b.len() && recs.len() == 1).then(|| recs.into_iter().next().unwrap())
-}
-
 /// Offsets of the `Epoch` records in a log image, and the byte length of its valid prefix.
 pub fn scan_markers(bytes: &[u8]) -> (Vec<(u64, u64)>, usize) {
     let mut markers = Vec::new();
@@ -630,10 +625,10 @@ pub fn scan_markers(bytes: &[u8]) -> (Vec<(u64, u64)>, usize) {
         if len > MAX_RECORD_BYTES || pos + 8 + len > bytes.len() {
             break;
         }
-        let Some(rec) = decode_one(&bytes[pos..pos + 8 + len]) else {
+        let Some(rec) = decode_one_ref(&bytes[pos..pos + 8 + len]) else {
             break;
         };
-        if let LogRecord::Epoch { epoch, .. } = rec {
+        if let LogRecordRef::Epoch { epoch, .. } = rec {
             markers.push((epoch, pos as u64));
         }
         pos += 8 + len;
@@ -1500,6 +1495,15 @@ mod tests {
         assert_eq!((st.last_epoch, st.boot_node), (3, Some(2)));
     }
 
+    /// Reads about `max` bytes of updates at `cursor` from the log image `bytes`.
+    fn read_image(bytes: &[u8], cursor: &LogCursor, max: usize) -> LogChunk {
+        let (markers, valid) = scan_markers(bytes);
+        read_chunk(&markers, 0, valid as u64, cursor, max, |o, n| {
+            Ok(bytes[o as usize..(o as usize + n).min(bytes.len())].to_vec())
+        })
+        .unwrap()
+    }
+
     /// A log read's updates: (key, version, flagged committed).
     fn read_puts(c: &LogChunk) -> Vec<(Vec<u8>, u64, bool)> {
         c.entries
@@ -1527,22 +1531,12 @@ mod tests {
             mark("c", 1, 0),
         ];
         let bytes: Vec<u8> = recs.iter().flat_map(encode).collect();
-        let (markers, valid) = scan_markers(&bytes);
-        let read = |max: usize| {
-            read_chunk(
-                &markers,
-                0,
-                valid as u64,
-                &LogCursor {
-                    since_epoch: 1,
-                    gen: 0,
-                    pos: None,
-                },
-                max,
-                |o, n| Ok(bytes[o as usize..(o as usize + n).min(bytes.len())].to_vec()),
-            )
-            .unwrap()
+        let from_start = LogCursor {
+            since_epoch: 1,
+            gen: 0,
+            pos: None,
         };
+        let read = |max: usize| read_image(&bytes, &from_start, max);
         let all = read(1 << 20);
         assert_eq!(
             read_puts(&all),
@@ -1572,19 +1566,7 @@ mod tests {
             mark("a", 1, 0),
         ];
         let bytes: Vec<u8> = recs.iter().flat_map(encode).collect();
-        let c = read_chunk(
-            &scan_markers(&bytes).0,
-            0,
-            bytes.len() as u64,
-            &LogCursor {
-                since_epoch: 1,
-                gen: 0,
-                pos: None,
-            },
-            1 << 20,
-            |o, n| Ok(bytes[o as usize..o as usize + n].to_vec()),
-        )
-        .unwrap();
+        let c = read_image(&bytes, &from_start, 1 << 20);
         let offsets: Vec<u32> = c.entries.iter().map(|e| e.unwrap().0 as u32).collect();
         let flags: Vec<bool> = read_puts(&c).iter().map(|p| p.2).collect();
         assert_eq!(flags, vec![false, true]);
@@ -1615,12 +1597,7 @@ mod tests {
         let (markers, valid) = scan_markers(&bytes);
         assert_eq!(valid, bytes.len());
         assert_eq!(markers.len(), 3);
-        let read = |c: &LogCursor, max: usize| {
-            read_chunk(&markers, 0, valid as u64, c, max, |o, n| {
-                Ok(bytes[o as usize..(o as usize + n).min(bytes.len())].to_vec())
-            })
-            .unwrap()
-        };
+        let read = |c: &LogCursor, max: usize| read_image(&bytes, c, max);
         // Last complete in epoch 5: read from the record of epoch 4 (one back), redundant
         // updates of "a" included.
         let c = LogCursor {
