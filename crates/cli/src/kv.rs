@@ -1280,7 +1280,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         let deadline = Instant::now() + Duration::from_secs(3600);
         let line = loop {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if let Some(l) = text.lines().rfind(|l| l.starts_with("recovered: node")) {
+            if let Some(l) = crate::kv_ycsb::complete_lines(&text).lines().rfind(|l| l.starts_with("recovered: node")) {
                 break l.to_string();
             }
             anyhow::ensure!(Instant::now() < deadline, "node {victim} did not recover within an hour; see {}", log.display());
@@ -1290,7 +1290,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         eprintln!("  node {victim}: {line}");
         // The Buddy's side of the catch-up (its chunk building, encoding and socket writes).
         let buddy_log = std::fs::read_to_string(dir.join(format!("logs/node-{buddy}.log"))).unwrap_or_default();
-        if let Some(l) = buddy_log.lines().rfind(|l| l.starts_with("catch-up served:")) {
+        if let Some(l) = crate::kv_ycsb::complete_lines(&buddy_log).lines().rfind(|l| l.starts_with("catch-up served:")) {
             eprintln!("  node {buddy}: {l}");
         }
         let load_avg = load_average_1m();
@@ -1434,6 +1434,16 @@ mod tests {
         // Not even an empty store fits: zero keys named, never a negative count.
         let err = store_fits_in_memory(5, 10, 1000, cap, 100 << 20).unwrap_err().to_string();
         assert!(err.contains("--keys 0 "), "{err}");
+    }
+
+    #[test]
+    fn a_half_written_log_line_is_not_read() {
+        use crate::kv_ycsb::complete_lines;
+        let text = "a\nrecovered: node 2 in 1.0 ms (full_copy ";
+        assert_eq!(complete_lines(text), "a\n");
+        assert_eq!(complete_lines("no newline yet"), "");
+        assert_eq!(complete_lines("x\ny\n"), "x\ny\n");
+        assert!(!complete_lines(text).lines().any(|l| l.starts_with("recovered: node")));
     }
 
     #[test]

@@ -227,11 +227,17 @@ pub(crate) struct RecoveryLine {
     pub apply_to_end_us: Option<f64>,
 }
 
+/// The complete lines of a log read while its node may still be writing: up to the last newline
+/// (a node writes a long line to stderr in several pieces, so a reader can catch half of one).
+pub(crate) fn complete_lines(text: &str) -> &str {
+    &text[..text.rfind('\n').map_or(0, |i| i + 1)]
+}
+
 /// The last recovery line of node `i`'s log in group directory `dir` after byte `from`.
 pub(crate) fn recovery_line(dir: &Path, i: usize, from: u64) -> Option<RecoveryLine> {
     let text = std::fs::read(dir.join(format!("logs/node-{i}.log"))).ok()?;
     let text = String::from_utf8_lossy(text.get(from as usize..)?);
-    let line = text.lines().rfind(|l| l.starts_with("recovered: node"))?;
+    let line = complete_lines(&text).lines().rfind(|l| l.starts_with("recovered: node"))?;
     let num = |tag: &str| -> Option<f64> {
         let rest = line.split(tag).nth(1)?.trim_start();
         rest.split(|c: char| !(c.is_ascii_digit() || c == '.'))
