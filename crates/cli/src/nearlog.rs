@@ -47,6 +47,76 @@ pub enum NearlogCmd {
     /// the peer reports that it holds nothing. Application writers fenced by a move continue
     /// at a newer epoch after a short pause. Needs one peer beyond each file's replica count.
     Reclaim(ReclaimArgs),
+    /// Re-seed log files whose peers lost them from their local copies (after every peer of a
+    /// file restarted: a peer keeps files in memory only).
+    ///
+    /// Opening such a file fails at once with "the log peers lost this file": no majority can
+    /// vouch for its acknowledged writes, and only the local copy on this machine is left. If
+    /// you accept what that copy holds (it has every write the application made here, unless
+    /// this machine crashed and lost unsynced data), this command makes it the file's content:
+    /// it checks that the peers did lose the file (refused if a majority still holds it, or if
+    /// they do not answer, unless --force), places the file on live peers at a new epoch
+    /// (older writers are fenced; old copies are never read again) and writes the local copy to
+    /// a majority of them. Run it before the application opens the file, never while it runs.
+    Reseed(ReseedArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ReseedArgs {
+    /// The log files to re-seed (their local copies; the path the application opens).
+    #[arg(required = true)]
+    pub paths: Vec<PathBuf>,
+    /// The cluster file (`nearlog-cluster.json` of `nearlog up`, or one written by hand).
+    #[arg(long, env = "UNDERSTUDY_NEARLOG_CLUSTER")]
+    pub cluster: PathBuf,
+    /// Re-seed even if the peers still hold the file or do not answer (their content is
+    /// replaced by the local copy).
+    #[arg(long)]
+    pub force: bool,
+    /// Give up (exit non-zero) if a file is not re-seeded within this many seconds.
+    #[arg(long, default_value_t = 60)]
+    pub timeout_secs: u64,
+}
+
+/// `path` made absolute and normalised the way the shim names log files (`.` and `..`
+/// resolved lexically, symlinks kept): the file's key at the controller.
+fn log_key(path: &Path) -> anyhow::Result<String> {
+    use std::path::Component;
+    let abs = if path.is_absolute() { path.to_path_buf() } else { std::env::current_dir()?.join(path) };
+    let mut out = PathBuf::from("/");
+    for c in abs.components() {
+        match c {
+            Component::Normal(n) => out.push(n),
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+        }
+    }
+    out.into_os_string().into_string().map_err(|p| anyhow::anyhow!("{} is not UTF-8", PathBuf::from(p).display()))
+}
+
+async fn reseed(a: ReseedArgs) -> anyhow::Result<()> {
+    let cf: NearlogClusterFile = serde_json::from_slice(&std::fs::read(&a.cluster).with_context(|| format!("cannot read {}", a.cluster.display()))?)
+        .with_context(|| format!("{} is not a nearlog cluster file", a.cluster.display()))?;
+    let secret = read_secret(&cf.secret_file)?;
+    let mut failed = 0;
+    for path in a.paths {
+        let key = log_key(&path)?;
+        anyhow::ensure!(path.is_file(), "{} has no local copy here (nothing to re-seed from)", path.display());
+        let (controller, secret, force, k) = (cf.controller.clone(), secret.clone(), a.force, key.clone());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.timeout_secs);
+        let done = tokio::task::spawn_blocking(move || ::nearlog::reseed::reseed(&controller, &secret, &k, || std::fs::read(&path), force, deadline)).await?;
+        match done {
+            Ok(r) => println!("re-seeded {key}: {} bytes from the local copy, on log peers {:?} at epoch {}", r.bytes, r.peers, r.epoch),
+            Err(e) => {
+                eprintln!("cannot re-seed {key}: {e}");
+                failed += 1;
+            }
+        }
+    }
+    anyhow::ensure!(failed == 0, "{failed} file(s) not re-seeded");
+    Ok(())
 }
 
 #[derive(Args, Debug)]
@@ -154,6 +224,11 @@ pub struct PeerArgs {
     /// File holding the cluster secret.
     #[arg(long)]
     pub secret_file: PathBuf,
+    /// Keep the id the controller gives this peer in FILE (created if missing): restarted, the
+    /// peer comes back as the same peer (its memory empty), also at another address, instead
+    /// of a new one beside a dead one.
+    #[arg(long)]
+    pub id_file: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -217,7 +292,7 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             let addr = l.local_addr()?.to_string();
             println!("nearlog peer listening on {addr}, region {} bytes", a.region_bytes);
             tokio::select! {
-                r = ::nearlog::server::run_peer(l, addr, a.controller, secret, a.region_bytes) => r?,
+                r = ::nearlog::server::run_peer_as(l, addr, a.controller, secret, a.region_bytes, a.id_file) => r?,
                 _ = tokio::signal::ctrl_c() => {}
             }
             Ok(())
@@ -259,26 +334,45 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             let secret_file = dir.join("secret");
             let secret = ensure_secret(&secret_file)?;
             let core = ControllerCore::open(JsonFileStore::new(&dir))?;
-            let cl = tokio::net::TcpListener::bind(("127.0.0.1", a.port)).await?;
+            let cluster = dir.join("nearlog-cluster.json");
+            // A restart on the same DIR comes back at the addresses of the last run where they
+            // are free (an application still running keeps reaching them), else at new ones.
+            let last: Option<NearlogClusterFile> = std::fs::read(&cluster).ok().and_then(|b| serde_json::from_slice(&b).ok());
+            let cl = match (a.port, &last) {
+                (0, Some(last)) => match tokio::net::TcpListener::bind(last.controller.as_str()).await {
+                    Ok(l) => l,
+                    Err(_) => tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?,
+                },
+                (port, _) => tokio::net::TcpListener::bind(("127.0.0.1", port)).await?,
+            };
             let controller = cl.local_addr()?.to_string();
             tokio::spawn(::nearlog::server::run_controller(cl, core, secret.clone()));
             let mut peers = Vec::new();
-            for _ in 0..3 {
-                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            for i in 0..3 {
+                let before = last.as_ref().and_then(|c| c.peers.get(i));
+                let l = match before {
+                    Some(b) => match tokio::net::TcpListener::bind(b.as_str()).await {
+                        Ok(l) => l,
+                        Err(_) => tokio::net::TcpListener::bind("127.0.0.1:0").await?,
+                    },
+                    None => tokio::net::TcpListener::bind("127.0.0.1:0").await?,
+                };
                 let addr = l.local_addr()?.to_string();
                 peers.push(addr.clone());
-                tokio::spawn(::nearlog::server::run_peer(l, addr, controller.clone(), secret.clone(), a.region_bytes));
+                // Each peer keeps its id in DIR: restarted, the controller knows it as the same
+                // peer (memory empty) rather than a fourth one beside a dead one.
+                let id_file = dir.join(format!("nearlog-peer-{i}.id"));
+                tokio::spawn(::nearlog::server::run_peer_as(l, addr, controller.clone(), secret.clone(), a.region_bytes, Some(id_file)));
             }
             // Wait until the 3 peers registered.
             for _ in 0..100 {
                 if let Ok(::nearlog::proto::CtlReply::Status(s)) = ::nearlog::server::ctl_call(&controller, &secret, &::nearlog::proto::CtlRequest::Status).await {
-                    if peers.iter().all(|p| s.peers.values().any(|i| &i.addr == p)) {
+                    if peers.iter().all(|p| s.peers.values().any(|i| &i.addr == p && i.live)) {
                         break;
                     }
                 }
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             }
-            let cluster = dir.join("nearlog-cluster.json");
             let cf = NearlogClusterFile { controller: controller.clone(), secret_file, peers: peers.clone() };
             let tmp = dir.join("nearlog-cluster.json.tmp");
             std::fs::write(&tmp, serde_json::to_vec_pretty(&cf)?)?;
@@ -293,6 +387,7 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             Ok(())
         }
         NearlogCmd::Restore(a) => restore(a).await,
+        NearlogCmd::Reseed(a) => reseed(a).await,
         NearlogCmd::OpenLogs { paths } => open_logs(&paths),
     }
 }

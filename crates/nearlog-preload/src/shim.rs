@@ -792,7 +792,11 @@ impl Shim {
 
     fn learn(&mut self, g: &FileGrant) {
         for p in g.peers.iter().chain(&g.recover_from) {
-            self.peers.entry(p.id).or_insert_with(|| (p.addr.clone(), None, Instant::now() - Duration::from_secs(1)));
+            let e = self.peers.entry(p.id).or_insert_with(|| (p.addr.clone(), None, Instant::now() - Duration::from_secs(1)));
+            if e.0 != p.addr {
+                // The peer restarted at another address (it kept its id): reconnect there.
+                *e = (p.addr.clone(), None, Instant::now() - Duration::from_secs(1));
+            }
         }
     }
 

@@ -89,6 +89,16 @@ pub enum Failure {
     Refused { peer: PeerId, reason: String },
     #[error("fewer than a majority of log peers can follow this file")]
     NoMajority,
+    /// More than a minority of the peers that must witness recovery answered that they hold no
+    /// copy (restarted: their memory is gone; or their copy was corrupt): no majority can ever
+    /// vouch for what was acknowledged, so waiting is pointless. Only the operator can decide
+    /// that the local copy is the truth (`understudy nearlog reseed`).
+    #[error(
+        "the log peers lost this file: {without_copy} of the {peers} peers that held it answered that they hold no copy (restarted: a log peer keeps files in memory only), \
+         so no majority can vouch for its acknowledged writes; if the local copy holds what you want, re-seed the peers from it with \
+         `understudy nearlog reseed --cluster CLUSTER_FILE PATH` (run it before the application opens the file)"
+    )]
+    Lost { without_copy: usize, peers: usize },
     #[error("the log file kept changing on its peers while it was read ({rounds} rounds)")]
     KeptChanging { rounds: u32 },
 }
@@ -1046,6 +1056,14 @@ impl FileClient {
             }
             return;
         }
+        // Peers that answered without a copy (or whose copy proved corrupt) stay no witness for
+        // this epoch: they promised it, so no older writer can give them one now, and a newer
+        // opener fences us anyway. Once too many did, no majority of witnesses can come.
+        let without_copy = self.witness_set.iter().filter(|p| matches!(self.probes.get(p), Some(None)) || self.excluded.contains(p)).count();
+        if self.witness_set.len() - without_copy < witness_majority {
+            self.fail(Failure::Lost { without_copy, peers: self.witness_set.len() });
+            return;
+        }
         if witnesses.iter().filter(|(p, _)| in_set(p)).count() < witness_majority {
             // Wait: a peer may still answer or come back; the driver's deadline turns a lasting
             // lack of witnesses into EIO. Never recover from fewer than a majority. (A new
@@ -1822,5 +1840,44 @@ mod tests {
         }
         assert!(r.is_ready());
         assert_eq!(r.take_recovered().unwrap(), b"abcdef\0\0\0\0".to_vec());
+    }
+
+    #[test]
+    fn a_file_whose_peers_lost_it_fails_at_once_as_lost_and_a_minority_loss_recovers() {
+        // Peers 2 and 3 restarted (memory empty); peer 1 still has a copy that may lack
+        // acknowledged writes (they were on a majority, which a lone copy need not be part of).
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(1 << 20)).collect();
+        let content = fill(&mut peers, 5000);
+        peers[1] = PeerCore::new(1 << 20);
+        peers[2] = PeerCore::new(1 << 20);
+        let mut w = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        run(&mut w, &mut peers);
+        assert_eq!(w.failure(), Some(&Failure::Lost { without_copy: 2, peers: 3 }), "no waiting for a majority that cannot come");
+        assert!(w.failure().unwrap().to_string().contains("nearlog reseed"), "the error names the way out");
+        // A reader (fencing nobody) concludes the same.
+        let mut r = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0);
+        run(&mut r, &mut peers);
+        assert!(matches!(r.failure(), Some(Failure::Lost { .. })), "{:?}", r.failure());
+        // Only one peer lost it: a majority of witnesses remains, recovery goes on.
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(1 << 20)).collect();
+        let content2 = fill(&mut peers, 5000);
+        assert_eq!(content, content2);
+        peers[0] = PeerCore::new(1 << 20);
+        let mut w = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        run(&mut w, &mut peers);
+        assert!(w.is_ready(), "{:?}", w.failure());
+        assert_eq!(w.take_recovered().unwrap(), content);
+        // One empty answer and one silent peer: still waiting (the silent one may come back).
+        let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(1 << 20)).collect();
+        fill(&mut peers, 5000);
+        peers[0] = PeerCore::new(1 << 20);
+        let mut w = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
+        for (p, req) in w.take_outgoing() {
+            if p != 2 {
+                let rep = peers[p as usize - 1].handle(req);
+                w.on_reply(p, rep);
+            }
+        }
+        assert!(w.failure().is_none() && !w.is_ready());
     }
 }

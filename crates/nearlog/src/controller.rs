@@ -19,6 +19,10 @@ pub struct PeerInfo {
     /// Being reclaimed: no new placements; its files move to other peers.
     #[serde(default)]
     pub draining: bool,
+    /// Registered or heartbeated since this controller started (soft state: cleared when the
+    /// state is loaded): placements prefer live peers, and a re-seed uses only live ones.
+    #[serde(default)]
+    pub live: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,7 +159,11 @@ pub struct ControllerCore<S: MetaStore> {
 
 impl<S: MetaStore> ControllerCore<S> {
     pub fn open(mut store: S) -> Result<ControllerCore<S>, StoreError> {
-        let state = store.load()?.unwrap_or(ControllerState { next_peer: 1, next_file: 1, ..Default::default() });
+        let mut state = store.load()?.unwrap_or(ControllerState { next_peer: 1, next_file: 1, ..Default::default() });
+        // Nobody has reported to this controller yet.
+        for p in state.peers.values_mut() {
+            p.live = false;
+        }
         Ok(ControllerCore { state, store })
     }
 
@@ -200,20 +208,29 @@ impl<S: MetaStore> ControllerCore<S> {
             }
         };
         match req {
-            CtlRequest::RegisterPeer { addr, region_bytes } => {
+            CtlRequest::RegisterPeer { addr, region_bytes, known_as } => {
                 if addr.is_empty() || addr.len() > 256 {
                     return (CtlReply::Error("peer address must be 1..=256 bytes".into()), false);
                 }
-                if let Some((&id, p)) = s.peers.iter_mut().find(|(_, p)| p.addr == addr) {
-                    // The same peer restarted: its memory is gone; its files stay placed on it
-                    // (recovery never counts a peer without a copy as a witness).
+                // The same peer restarted (its identity file names an id we know, or, without
+                // one, it came back at the same address): its memory is gone; it keeps its id,
+                // and its files stay placed on it (recovery never counts a peer without a copy
+                // as a witness). A returning peer at a new address takes the new one.
+                let returning = match known_as {
+                    Some(id) if s.peers.contains_key(&id) => Some(id),
+                    _ => s.peers.iter().find(|(_, p)| p.addr == addr).map(|(&id, _)| id),
+                };
+                if let Some(id) = returning {
+                    let p = s.peers.get_mut(&id).unwrap();
+                    p.addr = addr;
                     p.region_bytes = region_bytes;
                     p.used_bytes = 0;
+                    p.live = true;
                     return (CtlReply::Registered { peer: id }, true);
                 }
                 let id = s.next_peer;
                 s.next_peer += 1;
-                s.peers.insert(id, PeerInfo { addr, region_bytes, used_bytes: 0, draining: false });
+                s.peers.insert(id, PeerInfo { addr, region_bytes, used_bytes: 0, draining: false, live: true });
                 (CtlReply::Registered { peer: id }, true)
             }
             CtlRequest::PeerHeartbeat { peer, used_bytes, files } => {
@@ -223,8 +240,9 @@ impl<S: MetaStore> ControllerCore<S> {
                 let Some(p) = s.peers.get_mut(&peer) else {
                     return (CtlReply::Error(format!("unknown peer {peer}: register first")), false);
                 };
-                // Not persisted: free space is soft state, refreshed by every heartbeat.
+                // Not persisted: free space and liveness are soft state, refreshed by every heartbeat.
                 p.used_bytes = used_bytes;
+                p.live = true;
                 let draining = p.draining;
                 // A file the peer holds but no placement (current or pending-move) names it for
                 // is garbage: removed, renamed over, moved away, or a Drop that never arrived.
@@ -320,14 +338,19 @@ impl<S: MetaStore> ControllerCore<S> {
                     if (s.peers.len() as u32) < replicas {
                         return (CtlReply::Error(format!("{replicas} log peers needed, {} registered", s.peers.len())), false);
                     }
-                    // Placement: the peers with the most free space (ties: lowest id).
-                    let mut by_free: Vec<(PeerId, u64)> =
-                        s.peers.iter().filter(|(_, p)| !p.draining).map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes))).collect();
+                    // Placement: live peers first (one that has not reported since we started
+                    // may be gone for good), then the most free space (ties: lowest id).
+                    let mut by_free: Vec<(PeerId, u64, bool)> = s
+                        .peers
+                        .iter()
+                        .filter(|(_, p)| !p.draining)
+                        .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes), p.live))
+                        .collect();
                     if (by_free.len() as u32) < replicas {
                         return (CtlReply::Error(format!("{replicas} log peers needed, {} not being reclaimed", by_free.len())), false);
                     }
-                    by_free.sort_by_key(|&(id, free)| (std::cmp::Reverse(free), id));
-                    let peers = by_free.iter().take(replicas as usize).map(|&(id, _)| id).collect();
+                    by_free.sort_by_key(|&(id, free, live)| (!live, std::cmp::Reverse(free), id));
+                    let peers = by_free.iter().take(replicas as usize).map(|&(id, _, _)| id).collect();
                     let file = s.next_file;
                     s.next_file += 1;
                     s.files.insert(key.clone(), FileMeta { file, epoch: 0, peers, initialized: false, prev_peers: Vec::new(), placed_at: 0, owner_epoch: 0 });
@@ -366,6 +389,36 @@ impl<S: MetaStore> ControllerCore<S> {
             }
             CtlRequest::Status => (CtlReply::Status(self.state.clone()), false),
             CtlRequest::Lookup { key } => (CtlReply::Found(self.state.files.get(&key).map(|m| self.grant(&key, m))), false),
+            CtlRequest::Reseed { key } => {
+                let Some(m) = s.files.get(&key) else { return (CtlReply::Error(format!("unknown file {key}")), false) };
+                let usable = |id: &PeerId| s.peers.get(id).is_some_and(|p| p.live && !p.draining);
+                // Its current peers where they are live (a restarted peer keeps its id), the
+                // rest from the live peers with the most free space (ties: lowest id).
+                let mut peers: Vec<PeerId> = m.peers.iter().copied().filter(usable).collect();
+                let mut others: Vec<(PeerId, u64)> = s
+                    .peers
+                    .iter()
+                    .filter(|(id, _)| usable(id) && !peers.contains(id))
+                    .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
+                    .collect();
+                others.sort_by_key(|&(id, free)| (std::cmp::Reverse(free), id));
+                let want = m.peers.len();
+                peers.extend(others.iter().map(|&(id, _)| id).take(want.saturating_sub(peers.len())));
+                if peers.len() < want {
+                    let live = s.peers.values().filter(|p| p.live && !p.draining).count();
+                    return (CtlReply::Error(format!("re-seeding {key} needs {want} live log peers, {live} are up (start more peers, then try again)")), false);
+                }
+                let m = s.files.get_mut(&key).unwrap();
+                m.epoch += 1;
+                m.owner_epoch = m.epoch;
+                m.peers = peers;
+                // The old set's copies are gone or not wanted: nothing to recover from, no move.
+                m.prev_peers.clear();
+                m.placed_at = m.epoch;
+                m.initialized = false;
+                let m = m.clone();
+                (CtlReply::Granted(self.grant(&key, &m)), true)
+            }
         }
     }
 }
@@ -383,7 +436,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut c = ctl(dir.path());
         for (i, region) in [(1, 100), (2, 300), (3, 200), (4, 50)] {
-            let r = c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: region });
+            let r = c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: region, known_as: None });
             assert_eq!(r, CtlReply::Registered { peer: i });
         }
         let CtlReply::Granted(g) = c.handle(CtlRequest::Open { key: "/a.log".into(), replicas: 3 }) else { panic!() };
@@ -404,7 +457,7 @@ mod tests {
     fn reclaim_moves_files_resume_and_relocate_and_heartbeats_release() {
         let mut c = ControllerCore::open(MemStore::default()).unwrap();
         for i in 1..=4 {
-            c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: 1000 });
+            c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: 1000, known_as: None });
         }
         let CtlReply::Granted(g) = c.handle(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
         assert_eq!(g.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![1, 2, 3]);
@@ -429,7 +482,7 @@ mod tests {
         assert!(matches!(c.handle(CtlRequest::Resume { key: "k".into(), epoch: 1 }), CtlReply::Error(_)), "an old owner cannot resume");
         // No new placement on a draining peer; a relocation needs a peer with room outside the set.
         assert!(matches!(c.handle(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }), CtlReply::Error(_)));
-        c.handle(CtlRequest::RegisterPeer { addr: "p5".into(), region_bytes: 1000 });
+        c.handle(CtlRequest::RegisterPeer { addr: "p5".into(), region_bytes: 1000, known_as: None });
         let CtlReply::Granted(r) = c.handle(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }) else { panic!() };
         assert_eq!(r.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![4, 5, 3]);
         assert_eq!(r.recover_from.iter().map(|p| p.id).collect::<Vec<_>>(), vec![4, 2, 3]);
@@ -440,11 +493,47 @@ mod tests {
     }
 
     #[test]
+    fn a_returning_peer_keeps_its_id_and_a_reseed_places_on_live_peers_at_a_new_epoch() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = ctl(dir.path());
+        for i in 1..=3 {
+            assert_eq!(c.handle(CtlRequest::RegisterPeer { addr: format!("a{i}"), region_bytes: 1000, known_as: None }), CtlReply::Registered { peer: i });
+        }
+        let CtlReply::Granted(g) = c.handle(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
+        assert_eq!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: g.epoch }), CtlReply::Ok);
+        // The controller restarts: nobody is live until they report.
+        drop(c);
+        let mut c = ctl(dir.path());
+        assert!(c.state().peers.values().all(|p| !p.live));
+        // Peers 1 and 2 come back at new addresses with their ids; an unknown id is a new peer.
+        assert_eq!(c.handle(CtlRequest::RegisterPeer { addr: "b1".into(), region_bytes: 1000, known_as: Some(1) }), CtlReply::Registered { peer: 1 });
+        assert_eq!(c.handle(CtlRequest::RegisterPeer { addr: "b2".into(), region_bytes: 1000, known_as: Some(2) }), CtlReply::Registered { peer: 2 });
+        assert_eq!(c.handle(CtlRequest::RegisterPeer { addr: "b4".into(), region_bytes: 1000, known_as: Some(9) }), CtlReply::Registered { peer: 4 });
+        assert_eq!(c.state().peers.len(), 4);
+        assert_eq!(c.state().peers[&1].addr, "b1");
+        // Re-seed: the live ones of its peers kept, the dead one (3) replaced by a live one.
+        let CtlReply::Granted(r) = c.handle(CtlRequest::Reseed { key: "k".into() }) else { panic!() };
+        assert_eq!(r.peers.iter().map(|p| (p.id, p.addr.as_str())).collect::<Vec<_>>(), vec![(1, "b1"), (2, "b2"), (4, "b4")]);
+        assert!(r.epoch > g.epoch && !r.initialized && r.recover_from.is_empty());
+        assert!(matches!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: g.epoch }), CtlReply::Error(_)), "old epochs are stale");
+        assert_eq!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: r.epoch }), CtlReply::Ok);
+        assert!(c.state().files["k"].initialized);
+        assert!(matches!(c.handle(CtlRequest::Reseed { key: "nope".into() }), CtlReply::Error(_)));
+        // Too few live peers: refused, nothing changed.
+        drop(c);
+        let mut c = ctl(dir.path());
+        c.handle(CtlRequest::RegisterPeer { addr: "b1".into(), region_bytes: 1000, known_as: Some(1) });
+        let before = c.state().clone();
+        assert!(matches!(c.handle(CtlRequest::Reseed { key: "k".into() }), CtlReply::Error(e) if e.contains("live")));
+        assert_eq!(c.state(), &before);
+    }
+
+    #[test]
     fn bad_requests_are_refused_and_failed_saves_roll_back() {
         let mut c = ControllerCore::open(MemStore::default()).unwrap();
         assert!(matches!(c.handle(CtlRequest::Open { key: "k".into(), replicas: 3 }), CtlReply::Error(_)), "no peers");
         assert!(matches!(c.handle(CtlRequest::Open { key: "".into(), replicas: 1 }), CtlReply::Error(_)));
-        c.handle(CtlRequest::RegisterPeer { addr: "p".into(), region_bytes: 1 });
+        c.handle(CtlRequest::RegisterPeer { addr: "p".into(), region_bytes: 1, known_as: None });
         c.store.fail_saves = true;
         assert!(matches!(c.handle(CtlRequest::Open { key: "k".into(), replicas: 1 }), CtlReply::Error(_)));
         assert!(c.state().files.is_empty());

@@ -13,6 +13,8 @@
 //!
 //! - [`mover`]: taking a peer's memory back — files re-placed by the controller are moved to
 //!   their new set at a new epoch (a fenced application writer resumes on its own).
+//! - [`reseed`]: a file whose peers all lost it (restarted) re-seeded from its local copy
+//!   once the operator accepts that copy.
 //!
 //! Messages are in [`proto`], framed by the `wire` crate. [`blocking`] is the std-only client
 //! transport (what the LD_PRELOAD shim uses: no tokio inside applications); `server` (feature
@@ -24,5 +26,6 @@ pub mod controller;
 pub mod mover;
 pub mod peer;
 pub mod proto;
+pub mod reseed;
 #[cfg(feature = "server")]
 pub mod server;

@@ -169,8 +169,11 @@ impl PeerReply {
 /// Anyone -> controller.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CtlRequest {
-    /// A peer announces itself (same `addr` again = the same peer restarted, memory lost).
-    RegisterPeer { addr: String, region_bytes: u64 },
+    /// A peer announces itself. `known_as`: the id it was given before (kept in its identity
+    /// file): the same peer restarted, memory lost, maybe at another address; the controller
+    /// keeps that id (and the files placed on it) instead of registering a new peer. Without
+    /// it, the same `addr` again is taken as the same peer restarted.
+    RegisterPeer { addr: String, region_bytes: u64, known_as: Option<PeerId> },
     /// A peer's periodic report of the bytes and files it holds; answered with
     /// [`CtlReply::Heartbeat`] (files to release, whether the peer is being reclaimed).
     PeerHeartbeat { peer: PeerId, used_bytes: u64, files: Vec<FileId> },
@@ -203,6 +206,12 @@ pub enum CtlRequest {
     /// Where `key` lives, without a new epoch (a reader verifying its local copy must not
     /// fence the writer): answered [`CtlReply::Found`].
     Lookup { key: String },
+    /// The operator accepts the local copy of `key` as its content (its peers lost it, see
+    /// `client::Failure::Lost`): the file is placed on live peers (those that registered or
+    /// heartbeated since the controller started; its current ones where they are live), gets a
+    /// new epoch (fencing every older writer and reader state) and is marked not initialized,
+    /// so the opener this grant goes to bases the epoch on its local copy. Answered `Granted`.
+    Reseed { key: String },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -30,8 +30,26 @@ pub const HEARTBEAT_INTERVAL_MS: u64 = 1000;
 /// Serves a log peer on `listener` until the task is dropped; registers with the controller at
 /// `controller` (retrying until it answers) and heartbeats its used bytes.
 pub async fn run_peer(listener: TcpListener, advertise: String, controller: String, secret: Arc<Vec<u8>>, region_bytes: u64) -> std::io::Result<()> {
+    run_peer_as(listener, advertise, controller, secret, region_bytes, None).await
+}
+
+/// [`run_peer`] with an identity file: the id the controller gave this peer is kept in
+/// `identity` and sent with every registration, so a restarted peer (memory empty) is known
+/// as the same peer — even at another address — instead of a new one beside a dead one.
+pub async fn run_peer_as(
+    listener: TcpListener,
+    advertise: String,
+    controller: String,
+    secret: Arc<Vec<u8>>,
+    region_bytes: u64,
+    identity: Option<std::path::PathBuf>,
+) -> std::io::Result<()> {
     tune_allocator();
     let core = Arc::new(Mutex::new(PeerCore::new(region_bytes)));
+    let mut known_as = match &identity {
+        Some(path) => read_peer_id(path)?,
+        None => None,
+    };
     {
         let core = core.clone();
         let secret = secret.clone();
@@ -48,12 +66,19 @@ pub async fn run_peer(listener: TcpListener, advertise: String, controller: Stri
                     (c.used_bytes(), files)
                 };
                 let req = match peer_id {
-                    None => CtlRequest::RegisterPeer { addr: advertise.clone(), region_bytes },
+                    None => CtlRequest::RegisterPeer { addr: advertise.clone(), region_bytes, known_as },
                     Some(peer) => CtlRequest::PeerHeartbeat { peer, used_bytes: used, files },
                 };
                 match ctl_call(&controller, &secret, &req).await {
                     Ok(CtlReply::Registered { peer }) => {
-                        tracing::info!(peer, %advertise, "registered with the controller");
+                        tracing::info!(peer, %advertise, returning = known_as == Some(peer), "registered with the controller");
+                        if let Some(path) = identity.as_deref().filter(|_| known_as != Some(peer)) {
+                            // Kept before we serve as this id: a restart must come back as it.
+                            match write_peer_id(path, peer) {
+                                Ok(()) => known_as = Some(peer),
+                                Err(e) => tracing::warn!("cannot keep peer id {peer} in {}: {e}", path.display()),
+                            }
+                        }
                         peer_id = Some(peer)
                     }
                     Ok(CtlReply::Heartbeat { release, draining }) => {
@@ -93,6 +118,29 @@ pub async fn run_peer(listener: TcpListener, advertise: String, controller: Stri
             }
         });
     }
+}
+
+/// The id kept in a peer's identity file (`None`: no file yet, a new peer).
+pub fn read_peer_id(path: &std::path::Path) -> std::io::Result<Option<crate::proto::PeerId>> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => s.trim().parse().map(Some).map_err(|e| std::io::Error::other(format!("peer identity file {} is corrupt ({e}): {s:?}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(std::io::Error::new(e.kind(), format!("cannot read peer identity file {}: {e}", path.display()))),
+    }
+}
+
+/// Replaces a peer's identity file atomically (write temp, fsync, rename, fsync dir).
+pub fn write_peer_id(path: &std::path::Path, id: crate::proto::PeerId) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(format!("{id}\n").as_bytes())?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 /// glibc's mmap threshold in a peer process: every allocation of at least this many bytes

@@ -316,7 +316,7 @@ fn run(seed: u64) -> (u32, u32, u32, u64, u64, u64) {
     let net: Network<Msg> = common::network(&mut rng, 0.7, 0.05, 3_000);
     let mut ctl = ControllerCore::open(MemStore::default()).unwrap();
     for i in 1..=NPEERS {
-        assert_eq!(ctl.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: REGION_BYTES }), CtlReply::Registered { peer: i });
+        assert_eq!(ctl.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: REGION_BYTES, known_as: None }), CtlReply::Registered { peer: i });
     }
     let mut r = Run {
         seed,
@@ -457,7 +457,7 @@ fn run(seed: u64) -> (u32, u32, u32, u64, u64, u64) {
                 if r.peers[(p - 1) as usize].is_none() {
                     r.peers[(p - 1) as usize] = Some(PeerCore::new(REGION_BYTES));
                     r.net.set_down(p as NodeId, false);
-                    let _ = r.ctl.handle(CtlRequest::RegisterPeer { addr: format!("p{p}"), region_bytes: REGION_BYTES });
+                    let _ = r.ctl.handle(CtlRequest::RegisterPeer { addr: format!("p{p}"), region_bytes: REGION_BYTES, known_as: None });
                 }
             }
             Ev::Fault(Fault::CrashMover) => {

@@ -10,7 +10,7 @@ use nearlog::proto::CtlRequest;
 fuzz_target!(|data: &[u8]| {
     let mut c = ControllerCore::open(MemStore::default()).unwrap();
     for i in 0..4 {
-        c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: 1 << 20 });
+        c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: 1 << 20, known_as: None });
     }
     c.handle(CtlRequest::Open { key: "/a.log".into(), replicas: 3 });
     let mut rest = data;
