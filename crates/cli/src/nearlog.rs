@@ -26,6 +26,11 @@ pub enum NearlogCmd {
     ///
     /// Writes DIR/nearlog-cluster.json (controller address, secret file) for the shim:
     /// `UNDERSTUDY_NEARLOG_CLUSTER=DIR/nearlog-cluster.json LD_PRELOAD=libnearlog_preload.so APP`.
+    ///
+    /// Restarted on the same DIR, the peers come back as the same peers (ids kept in
+    /// DIR/nearlog-peer-N.id) and, where the ports are free, the controller and peers at their
+    /// previous addresses. Their memory is empty: a file written before cannot be opened until
+    /// `nearlog reseed` writes its local copy back to them.
     Up(UpArgs),
     /// Restore the local copies of every log file the cluster holds under DIR, before an
     /// application starts there (a new machine, or a stale local directory).

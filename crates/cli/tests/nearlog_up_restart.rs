@@ -9,8 +9,9 @@
 
 mod nearlog_common;
 
+use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nearlog_common::{recover_through_shim, shim_path, start_cluster, Kill};
@@ -23,6 +24,19 @@ for i in range(int(sys.argv[2])):
     assert os.write(fd, bytes([i % 251]) * 1000) == 1000
     os.fsync(fd)
 os.close(fd)
+"#;
+
+/// For each line `N` on stdin: appends N chunks as [`WRITE`] does, then prints the file size.
+const WRITER: &str = r#"
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+i = 0
+for line in sys.stdin:
+    for _ in range(int(line)):
+        assert os.write(fd, bytes([i % 251]) * 1000) == 1000
+        os.fsync(fd)
+        i += 1
+    print(os.fstat(fd).st_size, flush=True)
 "#;
 
 /// The shim's deadline in this test: the failure mode (waiting for a majority that cannot
@@ -81,6 +95,7 @@ fn restarting_nearlog_up_keeps_peer_ids_and_a_lost_file_is_reseeded_from_its_loc
     let out = r.output().unwrap();
     let took = t.elapsed();
     let err = String::from_utf8_lossy(&out.stderr).to_string();
+    eprintln!("reopen after the restart: {:?} after {took:?}: {err}", out.status);
 
     let after = controller_peers(&dir);
     let ids = |v: &[(u64, String)]| v.iter().map(|(id, _)| *id).collect::<Vec<_>>();
@@ -116,4 +131,49 @@ fn restarting_nearlog_up_keeps_peer_ids_and_a_lost_file_is_reseeded_from_its_loc
     let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(!out.status.success(), "reseed of a file the peers hold must be refused: {said}");
     assert!(said.contains("--force"), "{said}");
+}
+
+/// An application that keeps its log file open across a restart of `nearlog up` goes on
+/// writing: the cluster comes back at the same addresses with the same peer ids, the writer
+/// re-bases the emptied peers from its local copy (it holds every op it submitted), and the
+/// peers then hold every acknowledged byte.
+#[test]
+fn a_writer_running_across_a_restart_of_nearlog_up_keeps_writing() {
+    let so = shim_path();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cluster");
+    let app = tmp.path().join("app");
+    std::fs::create_dir_all(&app).unwrap();
+    let log = app.join("w.log");
+    let (up, cluster) = start_cluster(&dir);
+    let env = |c: &mut Command| {
+        c.env("LD_PRELOAD", &so)
+            .env("UNDERSTUDY_NEARLOG_CLUSTER", &cluster)
+            .env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log")
+            .env("UNDERSTUDY_NEARLOG_DEADLINE_MS", DEADLINE_MS.to_string());
+    };
+    let mut w = Command::new("python3");
+    w.arg("-c").arg(WRITER).arg(&log).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    env(&mut w);
+    let mut child = Kill(w.spawn().unwrap());
+    let mut stdin = child.0.stdin.take().unwrap();
+    let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
+    let mut step = |n: u32| -> u64 {
+        writeln!(stdin, "{n}").unwrap();
+        lines.next().expect("the writer died").unwrap().trim().parse().unwrap()
+    };
+    assert_eq!(step(20), 20_000);
+    let before = std::fs::read_to_string(&cluster).unwrap();
+    stop(up);
+    let (_up, _) = start_cluster(&dir);
+    let after = std::fs::read_to_string(&cluster).unwrap();
+    assert_eq!(after, before, "the controller and the peers are back at their addresses");
+    assert_eq!(controller_peers(&dir).len(), 3);
+    let t = Instant::now();
+    assert_eq!(step(20), 40_000);
+    assert!(t.elapsed() < Duration::from_millis(DEADLINE_MS / 2), "writes resumed only after {:?}", t.elapsed());
+    drop(child);
+    let want: Vec<u8> = (0..40u8).flat_map(|i| vec![i; 1000]).collect();
+    let got = recover_through_shim(&log, env);
+    assert!(got == want, "the peers hold {} bytes, not the 40000 acknowledged", got.len());
 }

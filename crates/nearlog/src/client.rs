@@ -94,7 +94,7 @@ pub enum Failure {
     /// vouch for what was acknowledged, so waiting is pointless. Only the operator can decide
     /// that the local copy is the truth (`understudy nearlog reseed`).
     #[error(
-        "the log peers lost this file: {without_copy} of the {peers} peers that held it answered that they hold no copy (restarted: a log peer keeps files in memory only), \
+        "the log peers lost this file: at least {without_copy} of its {peers} log peers hold no copy of it (restarted: a log peer keeps files in memory only), \
          so no majority can vouch for its acknowledged writes; if the local copy holds what you want, re-seed the peers from it with \
          `understudy nearlog reseed --cluster CLUSTER_FILE PATH` (run it before the application opens the file)"
     )]
