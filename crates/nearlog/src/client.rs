@@ -1056,10 +1056,23 @@ impl FileClient {
             }
             return;
         }
-        // Peers that answered without a copy (or whose copy proved corrupt) stay no witness for
-        // this epoch: they promised it, so no older writer can give them one now, and a newer
-        // opener fences us anyway. Once too many did, no majority of witnesses can come.
-        let without_copy = self.witness_set.iter().filter(|p| matches!(self.probes.get(p), Some(None)) || self.excluded.contains(p)).count();
+        // A writer: peers that answered without a copy (or whose copy proved unusable) stay no
+        // witness for this epoch — they promised it, so no older writer can give them one now,
+        // and a newer opener fences us anyway. Once too many did, no majority of witnesses can
+        // come: fail now, not at the driver's deadline. A reader promises nothing, so a live
+        // writer may still re-base a peer that answered empty (or give a source that moved on a
+        // new copy): it concludes the file is lost only when every peer answered without one.
+        let empty = |p: &&PeerId| matches!(self.probes.get(*p), Some(None));
+        let without_copy = if self.read_only {
+            let n = self.witness_set.iter().filter(empty).count();
+            if n == self.witness_set.len() {
+                n
+            } else {
+                0
+            }
+        } else {
+            self.witness_set.iter().filter(|p| empty(p) || self.excluded.contains(*p)).count()
+        };
         if self.witness_set.len() - without_copy < witness_majority {
             self.fail(Failure::Lost { without_copy, peers: self.witness_set.len() });
             return;
@@ -1854,10 +1867,15 @@ mod tests {
         run(&mut w, &mut peers);
         assert_eq!(w.failure(), Some(&Failure::Lost { without_copy: 2, peers: 3 }), "no waiting for a majority that cannot come");
         assert!(w.failure().unwrap().to_string().contains("nearlog reseed"), "the error names the way out");
-        // A reader (fencing nobody) concludes the same.
+        // A reader promises nothing (a live writer may still re-base the empty peers): it
+        // waits while one peer holds a copy, and concludes the file is lost once none does.
         let mut r = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0);
         run(&mut r, &mut peers);
-        assert!(matches!(r.failure(), Some(Failure::Lost { .. })), "{:?}", r.failure());
+        assert!(r.failure().is_none() && !r.is_ready());
+        peers[0] = PeerCore::new(1 << 20);
+        let mut r = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0);
+        run(&mut r, &mut peers);
+        assert_eq!(r.failure(), Some(&Failure::Lost { without_copy: 3, peers: 3 }));
         // Only one peer lost it: a majority of witnesses remains, recovery goes on.
         let mut peers: Vec<PeerCore> = (0..3).map(|_| PeerCore::new(1 << 20)).collect();
         let content2 = fill(&mut peers, 5000);
