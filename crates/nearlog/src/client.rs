@@ -8,7 +8,9 @@
 //!    epoch, then longest op prefix) is the source: any write acknowledged in an earlier epoch
 //!    is on a majority, which intersects ours, and within an epoch peers apply ops strictly in
 //!    order, so the most advanced witness holds every acknowledged op. A peer that holds nothing
-//!    (e.g. restarted, memory lost) is no witness.
+//!    (e.g. restarted, memory lost) is no witness; once so many answered that no majority of
+//!    witnesses can be left (a reader: once every peer did), recovery fails at once
+//!    ([`Failure::Lost`]: only the operator can accept the local copy, `nearlog reseed`).
 //! 3. **Fetch** the source's image in chunks, up to [`FETCH_WINDOW_CHUNKS`] requests in flight
 //!    (one round trip per window instead of per chunk), checking each block's CRC32C. A corrupt
 //!    source is excluded and step 2 repeats with the others (waiting for more answers if the
