@@ -1,8 +1,9 @@
 //! Deterministic simulation of a whole replication group: the real `NodeCore`s and `CmCore`
 //! over `sim::Network` (loss, duplication, reordering, partitions) and `sim::SimDisk` (crashes
 //! lose or tear unsynced log writes), with closed-loop clients whose histories are checked for
-//! linearizability. Crashes, restarts (recovery through HEAL), partitions and CM restarts are
-//! injected at random; at the end every node must have recovered, every replica must hold the
+//! linearizability. Crashes, restarts (recovery through HEAL), partitions, CM restarts and
+//! pauses (a process stopped, as by `SIGSTOP` or a loaded machine: its inputs queue while
+//! virtual time runs) are injected at random; at the end every node must have recovered, every replica must hold the
 //! same timestamp for every key (Table IV, 2a), and the final state must be consistent with the
 //! history (no acknowledged write lost).
 //!
@@ -67,6 +68,8 @@ enum Ev {
         opno: u64,
     },
     Fault,
+    /// A paused process (node or CM) runs again.
+    Resume(NodeId),
     LogRead {
         node: NodeId,
         inc: u64,
@@ -125,6 +128,8 @@ struct Scenario {
     service_us: u64,
     /// Heartbeats skip the input queue (the runtime's separate heartbeat queue).
     hb_priority: bool,
+    /// Pause the CM, one node, or every node at once, for up to several failure timeouts.
+    pauses: bool,
 }
 
 struct World {
@@ -149,6 +154,10 @@ struct World {
     probe_until: Option<u64>,
     probe_stuck: Vec<(u32, u64)>,
     probe_done: u64,
+    /// Paused processes (nodes and the CM), each with the events of its own (timers, disk
+    /// completions, queued inputs) that came due while it was paused, in order. Messages
+    /// over the network wait in `net` (`Network::pause`).
+    paused: BTreeMap<NodeId, Vec<Ev>>,
 }
 
 fn node_params(id: NodeId, sc: &Scenario) -> NodeParams {
@@ -233,7 +242,7 @@ impl World {
                 }
             })
             .collect();
-        if sc.crashes || sc.partitions {
+        if sc.crashes || sc.partitions || sc.pauses {
             q.push_at(50_000, Ev::Fault).unwrap();
         }
         let mut w = World {
@@ -256,6 +265,7 @@ impl World {
             probe_until: None,
             probe_stuck: Vec::new(),
             probe_done: 0,
+            paused: BTreeMap::new(),
         };
         w.drain_cm();
         w
@@ -447,14 +457,24 @@ impl World {
             return;
         }
         let now = self.now;
+        if self.sc.pauses && self.rng.chance(0.5) {
+            self.pause_some();
+            let next = self.rng.range_u64(20_000, 150_000);
+            self.q.push_after(now, next, Ev::Fault).unwrap();
+            return;
+        }
         let down: Vec<NodeId> = (0..self.sc.nodes)
-            .filter(|i| self.nodes[*i as usize].down_until.is_some() || self.isolated.contains(i))
+            .filter(|i| {
+                self.nodes[*i as usize].down_until.is_some()
+                    || self.isolated.contains(i)
+                    || self.paused.contains_key(i)
+            })
             .collect();
         let max_down = if self.sc.double_failures { 2 } else { 1 };
         let r = self.rng.range_u64(0, 9);
         if r < 4 && self.sc.crashes && down.len() < max_down {
             let id = self.rng.range_u64(0, self.sc.nodes as u64 - 1) as NodeId;
-            if self.nodes[id as usize].down_until.is_none() {
+            if self.nodes[id as usize].down_until.is_none() && !self.paused.contains_key(&id) {
                 let d = self.rng.range_u64(5_000, 200_000);
                 self.crash(id, d);
             }
@@ -471,7 +491,7 @@ impl World {
             }
             self.net.heal_all();
             self.isolated.clear();
-        } else if self.sc.crashes {
+        } else if self.sc.crashes && !self.paused.contains_key(&CM) {
             // The CM restarts from its durable configuration.
             if self.verbose {
                 eprintln!("{now:>9} CM restarts");
@@ -483,6 +503,67 @@ impl World {
         }
         let next = self.rng.range_u64(20_000, 150_000);
         self.q.push_after(now, next, Ev::Fault).unwrap();
+    }
+
+    /// Pauses the CM, one node, or every node at once (a stall of the whole machine but the
+    /// CM), for 2 ms to 5 failure timeouts.
+    fn pause_some(&mut self) {
+        let now = self.now;
+        let d = self.rng.range_u64(2_000, 5 * cm_params().failure_timeout_us);
+        let r = self.rng.range_u64(0, 9);
+        let who: Vec<NodeId> = if r < 4 {
+            vec![CM]
+        } else if r < 8 {
+            vec![self.rng.range_u64(0, self.sc.nodes as u64 - 1) as NodeId]
+        } else {
+            (0..self.sc.nodes).collect()
+        };
+        for id in who {
+            let down = id != CM && self.nodes[id as usize].down_until.is_some();
+            if down || self.paused.contains_key(&id) {
+                continue;
+            }
+            if self.verbose {
+                eprintln!("{now:>9} pause {} for {d} us", name(id));
+            }
+            self.paused.insert(id, Vec::new());
+            self.net.pause(id);
+            self.q.push_after(now, d, Ev::Resume(id)).unwrap();
+        }
+    }
+
+    /// Runs a paused process again: what came due while it was paused is handled now, its
+    /// timers and its queued network input in an order left to chance (both are ready at once,
+    /// as for a `select!` over a timer and a socket).
+    fn resume(&mut self, id: NodeId) {
+        let Some(local) = self.paused.remove(&id) else {
+            return;
+        };
+        let now = self.now;
+        if self.verbose {
+            eprintln!("{now:>9} resume {}", name(id));
+        }
+        let held: Vec<Ev> = self.net.resume(id).into_iter().map(Ev::Direct).collect();
+        let (first, second) = if self.rng.chance(0.5) {
+            (local, held)
+        } else {
+            (held, local)
+        };
+        for ev in first.into_iter().chain(second) {
+            self.q.push_at(now, ev).unwrap();
+        }
+    }
+
+    /// The process an event runs in, if it is a node or the CM (clients never pause).
+    fn target(ev: &Ev) -> Option<NodeId> {
+        match ev {
+            Ev::Direct(d) | Ev::Process { d, .. } => Some(d.to),
+            Ev::Persisted { node, .. } | Ev::Tick { node, .. } | Ev::LogRead { node, .. } => {
+                Some(*node)
+            }
+            Ev::CmTick { .. } => Some(CM),
+            _ => None,
+        }
     }
 
     fn client_next(&mut self, c: u32) {
@@ -675,7 +756,14 @@ impl World {
             return false;
         };
         self.now = now;
+        if let Some(t) = Self::target(&ev) {
+            if let Some(held) = self.paused.get_mut(&t) {
+                held.push(ev);
+                return true;
+            }
+        }
         match ev {
+            Ev::Resume(id) => self.resume(id),
             Ev::Deliver(d) => {
                 let Some(d) = self.net.receive(d) else {
                     return true;
@@ -771,6 +859,10 @@ fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize, usize), 
     // Stop faults, bring everyone back, let the group settle.
     w.faults_on = false;
     w.net.heal_all();
+    let paused: Vec<NodeId> = w.paused.keys().copied().collect();
+    for id in paused {
+        w.resume(id);
+    }
     let deadline = w.now + 5_000_000 + sc.client_timeout_us;
     for id in 0..sc.nodes {
         if w.nodes[id as usize].down_until.is_some() {
@@ -953,6 +1045,15 @@ fn scenario(model: Model, nodes: u32) -> Scenario {
         check_history: true,
         service_us: 0,
         hb_priority: true,
+        pauses: false,
+    }
+}
+
+fn name(id: NodeId) -> String {
+    if id == CM {
+        "CM".into()
+    } else {
+        format!("node {id}")
     }
 }
 
@@ -1089,6 +1190,33 @@ fn overloaded_nodes_keep_serving() {
     // 1 ms per message: far past what 48 clients ask of the group, as in the real report.
     sc.service_us = 1_000;
     run_many("overloaded_nodes_keep_serving", sc, 4);
+}
+
+/// Issue 22 §2: a CM paused past the failure timeout (SIGSTOP, or descheduled on a loaded
+/// machine) woke up, suspected every node at once and removed all but one; the survivor, still
+/// suspected, got no heartbeat again, so it never learnt a configuration after the pause and
+/// never acknowledged a Recov_start: the returning nodes never finished recovering and no
+/// operation succeeded again. Here the CM, single nodes and every node at once are paused for up
+/// to five failure timeouts (inputs queue, virtual time runs), with no other fault. Liveness:
+/// within 5 s of virtual time after the last fault the group is whole again, then every client
+/// op of the probe is answered within 1 s (`PROBE_OP_TIMEOUT_US`).
+#[test]
+fn pauses_of_cm_and_nodes_keep_the_group_live() {
+    let mut sc = scenario(Model::Synch, 5);
+    sc.crashes = false;
+    sc.partitions = false;
+    sc.pauses = true;
+    run_many("pauses_of_cm_and_nodes_keep_the_group_live", sc, 40);
+}
+
+/// Pauses together with every other fault (crashes, partitions, CM restarts), three models.
+#[test]
+fn pauses_with_crashes_and_partitions() {
+    for (model, nodes) in [(Model::Synch, 5), (Model::Strict, 3), (Model::Scope, 4)] {
+        let mut sc = scenario(model, nodes);
+        sc.pauses = true;
+        run_many("pauses_with_crashes_and_partitions", sc, 15);
+    }
 }
 
 #[test]
