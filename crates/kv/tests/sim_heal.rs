@@ -474,7 +474,18 @@ impl World {
         let r = self.rng.range_u64(0, 9);
         if r < 4 && self.sc.crashes && down.len() < max_down {
             let id = self.rng.range_u64(0, self.sc.nodes as u64 - 1) as NodeId;
-            if self.nodes[id as usize].down_until.is_none() && !self.paused.contains_key(&id) {
+            // Never the last active node the CM counts on (every other active node suspected,
+            // e.g. after every node was paused): its log alone holds the group's state, and
+            // losing it is a failure of the whole group, beyond what HEAL recovers from.
+            let cfg = self.cm.config();
+            let last = !cfg
+                .active
+                .iter()
+                .any(|n| *n != id && !self.cm.suspects().contains(n));
+            if self.nodes[id as usize].down_until.is_none()
+                && !self.paused.contains_key(&id)
+                && !last
+            {
                 let d = self.rng.range_u64(5_000, 200_000);
                 self.crash(id, d);
             }
