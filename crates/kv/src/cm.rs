@@ -2,10 +2,12 @@
 //! detection by timeout, reconfiguration with a new epoch, the EFN period, and re-adding a
 //! restarted node as a recovering ShadowReplica, then as active once it reports HEAL done.
 //!
-//! Leases: a node serves reads only within `lease_us` of a heartbeat it received. Before the CM
-//! publishes a configuration without a suspected node it stops heartbeating it and waits until
-//! any lease that node could still hold has run out (`lease_us + max_message_delay_us` after the
-//! last heartbeat sent to it), so a cut-off node never serves a stale read.
+//! Leases: a node serves reads only within `lease_us` of sending the ack that the CM's last
+//! heartbeat echoes ([`Heartbeat::lease_ref`]: the lease starts before the heartbeat was sent,
+//! however late the node reads it). Before the CM publishes a configuration without a suspected
+//! node it stops heartbeating it and waits until any lease that node could still hold has run
+//! out (`lease_us + max_message_delay_us` after the last heartbeat sent to it), so a cut-off or
+//! stopped node never serves a stale read.
 //!
 //! The configuration is durable: [`CmOutput::Persist`] comes before any heartbeat carrying it,
 //! and the driver must make it durable before carrying out the outputs that follow.
@@ -82,6 +84,8 @@ pub struct CmCore {
     /// `last_heard_us` stays, so the longest silent is still known).
     not_suspected_before: BTreeMap<NodeId, u64>,
     last_sent_us: BTreeMap<NodeId, u64>,
+    /// Per node, the `lease_ref` of the newest ack received: echoed in its heartbeats.
+    lease_refs: BTreeMap<NodeId, u64>,
     suspects: BTreeSet<NodeId>,
     removed_at_us: BTreeMap<NodeId, u64>,
     next_hb_us: u64,
@@ -122,6 +126,7 @@ impl CmCore {
             last_heard_us,
             not_suspected_before: BTreeMap::new(),
             last_sent_us: BTreeMap::new(),
+            lease_refs: BTreeMap::new(),
             suspects: BTreeSet::new(),
             removed_at_us,
             next_hb_us: now_us,
@@ -201,6 +206,8 @@ impl CmCore {
         }
         self.last_heard_us.insert(n, self.listened_us);
         self.not_suspected_before.remove(&n);
+        // The newest received, not the largest: a restarted node's refs start over elsewhere.
+        self.lease_refs.insert(n, ack.lease_ref);
         match ack.status {
             NodeStatus::WantsJoin => {
                 if self.config.active.len() == 1 && self.config.active.contains(&n) {
@@ -329,6 +336,7 @@ impl CmCore {
                     hb: Heartbeat {
                         seq: self.seq,
                         config: self.config.clone(),
+                        lease_ref: self.lease_refs.get(&n).copied().unwrap_or(0),
                     },
                 });
             }
@@ -359,6 +367,7 @@ mod tests {
             epoch,
             seq: 0,
             status: NodeStatus::Member,
+            lease_ref: 0,
         }
     }
 
@@ -503,6 +512,7 @@ mod tests {
                     epoch: e,
                     seq: 0,
                     status: NodeStatus::WantsJoin,
+                    lease_ref: 0,
                 },
             );
         }

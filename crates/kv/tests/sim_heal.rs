@@ -174,6 +174,14 @@ fn node_params(id: NodeId, sc: &Scenario) -> NodeParams {
     p
 }
 
+/// `node_params` for the core of incarnation `inc` of node `id`: its acks' lease refs start
+/// above every earlier incarnation's, as the runtime's do (it starts them at the wall clock).
+fn core_params(id: NodeId, sc: &Scenario, inc: u64) -> NodeParams {
+    let mut p = node_params(id, sc);
+    p.first_lease_ref = (inc + 1) << 32;
+    p
+}
+
 /// As the runtime does (`FileLog::reset_as_new_node`): under the full-copy baseline a returning
 /// node is a new node, its log holding only its `Boot` record.
 fn as_new_node_if_full_copy(
@@ -219,7 +227,7 @@ impl World {
             let mut disk = SimDisk::new();
             disk.create(LOG).unwrap();
             disk.sync_dir().unwrap();
-            let core = NodeCore::new(node_params(id, &sc), log::LogState::default());
+            let core = NodeCore::new(core_params(id, &sc, 0), log::LogState::default());
             nodes.push(SimNode {
                 core: Some(core),
                 disk,
@@ -395,7 +403,7 @@ impl World {
                 let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
                 let st = log::rebuild(&log::decode_all(&bytes).0);
                 let st = as_new_node_if_full_copy(&self.sc, id, &mut n.disk, st);
-                n.core = Some(NodeCore::new(node_params(id, &self.sc), st));
+                n.core = Some(NodeCore::new(core_params(id, &self.sc, n.inc), st));
                 let inc = n.inc;
                 self.q
                     .push_after(now, TICK_US, Ev::Tick { node: id, inc })
@@ -444,7 +452,7 @@ impl World {
                 st.partially.len()
             );
         }
-        n.core = Some(NodeCore::new(node_params(id, &self.sc), st));
+        n.core = Some(NodeCore::new(core_params(id, &self.sc, n.inc), st));
         self.net.set_down(id, false);
         let inc = n.inc;
         self.q
@@ -545,9 +553,10 @@ impl World {
         }
     }
 
-    /// Runs a paused process again: what came due while it was paused is handled now, its
-    /// timers and its queued network input in an order left to chance (both are ready at once,
-    /// as for a `select!` over a timer and a socket).
+    /// Runs a paused process again: what came due while it was paused is handled now. As in
+    /// the runtime, each connection (one per sender) keeps its order, but the connections and
+    /// the process's own timers are served in an order left to chance (all are ready at once,
+    /// each read by its own task).
     fn resume(&mut self, id: NodeId) {
         let Some(local) = self.paused.remove(&id) else {
             return;
@@ -556,14 +565,23 @@ impl World {
         if self.verbose {
             eprintln!("{now:>9} resume {}", name(id));
         }
-        let held: Vec<Ev> = self.net.resume(id).into_iter().map(Ev::Direct).collect();
-        let (first, second) = if self.rng.chance(0.5) {
-            (local, held)
-        } else {
-            (held, local)
-        };
-        for ev in first.into_iter().chain(second) {
-            self.q.push_at(now, ev).unwrap();
+        let mut streams: BTreeMap<Option<NodeId>, std::collections::VecDeque<Ev>> = BTreeMap::new();
+        streams.insert(None, local.into());
+        for d in self.net.resume(id) {
+            streams
+                .entry(Some(d.from))
+                .or_default()
+                .push_back(Ev::Direct(d));
+        }
+        streams.retain(|_, s| !s.is_empty());
+        while !streams.is_empty() {
+            let k = self.rng.range_u64(0, streams.len() as u64 - 1) as usize;
+            let key = *streams.keys().nth(k).unwrap();
+            let s = streams.get_mut(&key).unwrap();
+            self.q.push_at(now, s.pop_front().unwrap()).unwrap();
+            if s.is_empty() {
+                streams.remove(&key);
+            }
         }
     }
 
