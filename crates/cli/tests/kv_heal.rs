@@ -33,12 +33,16 @@ impl Drop for Up {
 }
 
 fn start(dir: &Path, nodes: u32) -> Up {
+    // A killed node is back (and reported WantsJoin) within the restart delay, long before the
+    // failure timeout: a generous timeout and lease cost nothing here, and keep a heavily loaded
+    // machine from false suspicions that would restart the recovery.
+    start_with(dir, nodes, &["--failure-timeout-ms", "2000", "--lease-ms", "800"])
+}
+
+fn start_with(dir: &Path, nodes: u32, extra: &[&str]) -> Up {
     let child = Command::new(env!("CARGO_BIN_EXE_understudy"))
-        // A killed node is back (and reported WantsJoin) within the restart delay, long before
-        // the failure timeout: a generous timeout and lease cost nothing here, and keep a
-        // heavily loaded machine from false suspicions that would restart the recovery.
         .args(["kv", "up", "--dir", dir.to_str().unwrap(), "--nodes", &nodes.to_string(), "--port-base", "0", "--restart-after-ms", "300"])
-        .args(["--failure-timeout-ms", "2000", "--lease-ms", "800"])
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.with_extension("up.log")).unwrap())
         .spawn()
@@ -183,4 +187,94 @@ async fn kill9_under_load_recovers_via_heal_5_nodes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill9_under_load_recovers_via_heal_3_nodes() {
     kill9_recover(3, 0).await;
+}
+
+/// After `SIGCONT` the CM has stopped for [`CM_PAUSE`], writes are acknowledged again (50 of
+/// them) within this bound. Expected: tens of milliseconds (the CM's first heartbeats give the
+/// nodes their leases back); the unfixed CM never got there (issue 22 §2: it removed four nodes
+/// and the group served nothing again).
+const RESUME_BOUND: Duration = Duration::from_secs(3);
+/// Three times `kv up`'s default failure timeout (500 ms), five times its lease (300 ms).
+const CM_PAUSE: Duration = Duration::from_millis(1500);
+
+/// Issue 22 §2: `kv up` (5 nodes, synch, its default failure timeout and lease) under a write
+/// load; the CM is stopped with SIGSTOP for 1.5 s, then continued. Operations resume within
+/// [`RESUME_BOUND`] and go on being served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cm_stopped_past_the_failure_timeout_does_not_wedge_the_group() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let _serial = SERIAL.lock().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("kv");
+    let up = start_with(&dir, 5, &["--model", "synch"]);
+    let (c, _f, _secret) = cluster(&up.dir).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.put(b"warmup", b"1").await.is_err() {
+        assert!(Instant::now() < deadline, "group never served");
+    }
+    let ok = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for t in 0..4 {
+        let (c, ok, stop) = (c.clone(), ok.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let (key, val) = (format!("t{t}-k{}", n % 40), format!("t{t}-v{n}"));
+                if c.put(key.as_bytes(), val.as_bytes()).await.is_ok() {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ok.load(Ordering::Relaxed) < 50 {
+        assert!(Instant::now() < deadline, "no load before the pause");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let cm = pid_of(&up.dir, "cm") as i32;
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(cm, libc::SIGSTOP) }, 0);
+    tokio::time::sleep(CM_PAUSE).await;
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(cm, libc::SIGCONT) }, 0);
+    let woke = Instant::now();
+    let base = ok.load(Ordering::Relaxed);
+    let mut first = None;
+    let cm_log = || std::fs::read_to_string(up.dir.join("logs/cm.log")).unwrap_or_default();
+    loop {
+        let done = ok.load(Ordering::Relaxed) - base;
+        if done > 0 && first.is_none() {
+            first = Some(woke.elapsed());
+        }
+        if done >= 50 {
+            break;
+        }
+        assert!(
+            woke.elapsed() < RESUME_BOUND,
+            "{done} writes acknowledged in the {RESUME_BOUND:?} after the CM was continued; its log:\n{}",
+            cm_log()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let resumed = woke.elapsed();
+    // Not a blip before a wedge: the group goes on serving.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let later = ok.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let last_second = ok.load(Ordering::Relaxed) - later;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let log = cm_log();
+    let removed = log.lines().filter(|l| l.starts_with("cm:") && l.contains("removed")).count();
+    eprintln!(
+        "CM stopped {CM_PAUSE:?}: first write acknowledged {:?} after SIGCONT, 50 after {resumed:?}; \
+         {last_second} writes in the last second; {removed} nodes removed",
+        first.unwrap()
+    );
+    assert!(last_second >= 20, "the group stopped serving after the pause: {last_second} writes in 1 s; CM log:\n{log}");
+    drop(up);
 }

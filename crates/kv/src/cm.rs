@@ -2,13 +2,27 @@
 //! detection by timeout, reconfiguration with a new epoch, the EFN period, and re-adding a
 //! restarted node as a recovering ShadowReplica, then as active once it reports HEAL done.
 //!
-//! Leases: a node serves reads only within `lease_us` of a heartbeat it received. Before the CM
-//! publishes a configuration without a suspected node it stops heartbeating it and waits until
-//! any lease that node could still hold has run out (`lease_us + max_message_delay_us` after the
-//! last heartbeat sent to it), so a cut-off node never serves a stale read.
+//! Leases: a node serves reads only within `lease_us` of sending the ack that the CM's last
+//! heartbeat echoes ([`Heartbeat::lease_ref`]: the lease starts before the heartbeat was sent,
+//! however late the node reads it). Before the CM publishes a configuration without a suspected
+//! node it stops heartbeating it and waits until any lease that node could still hold has run
+//! out (`lease_us + max_message_delay_us` after the last heartbeat sent to it), so a cut-off or
+//! stopped node never serves a stale read.
 //!
 //! The configuration is durable: [`CmOutput::Persist`] comes before any heartbeat carrying it,
 //! and the driver must make it durable before carrying out the outputs that follow.
+//!
+//! Silence is measured only while the CM listens. A CM that was not running (stopped by
+//! `SIGSTOP`, descheduled on a loaded machine) heard nothing during that gap, and the acks the
+//! nodes sent meanwhile still wait in its input queue: counting the gap as the nodes' silence
+//! made a CM paused past the failure timeout suspect every node at once on waking (issue 22
+//! §2). So failure detection runs on a *listening clock* that advances with the CM's own loop
+//! (its ticks and inputs) but by at most [`CmCore::max_counted_gap_us`] per turn. And one
+//! tick's evidence never removes a majority of the active nodes: when it would, the silent
+//! nodes get one more failure timeout of listening first (a CM cut off from everyone sees the
+//! same silence as a group that lost most of its nodes, and the first is far likelier).
+//! Leases are not affected: they run in real time on the nodes, and the wait for a suspect's
+//! lease stays in real time.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -59,8 +73,19 @@ pub enum CmOutput {
 pub struct CmCore {
     p: CmParams,
     config: Config,
+    /// The listening clock (see the module docs): microseconds the CM has been running.
+    listened_us: u64,
+    /// Real time of the CM's last turn (a tick or an input).
+    last_turn_us: u64,
+    /// Per node, the listening clock when the CM last heard from it.
     last_heard_us: BTreeMap<NodeId, u64>,
+    /// Silent nodes given one more failure timeout because a majority of the active nodes was
+    /// silent with them: the listening clock before which each is not suspected (its
+    /// `last_heard_us` stays, so the longest silent is still known).
+    not_suspected_before: BTreeMap<NodeId, u64>,
     last_sent_us: BTreeMap<NodeId, u64>,
+    /// Per node, the `lease_ref` of the newest ack received: echoed in its heartbeats.
+    lease_refs: BTreeMap<NodeId, u64>,
     suspects: BTreeSet<NodeId>,
     removed_at_us: BTreeMap<NodeId, u64>,
     next_hb_us: u64,
@@ -80,15 +105,12 @@ impl CmCore {
                 c
             }
         };
+        // The listening clock starts at 0: a node not heard yet is silent from then on, once
+        // the grace (less the failure timeout) has passed.
         let last_heard_us = config
             .nodes
             .iter()
-            .map(|n| {
-                (
-                    *n,
-                    now_us + p.startup_grace_us.saturating_sub(p.failure_timeout_us),
-                )
-            })
+            .map(|n| (*n, p.startup_grace_us.saturating_sub(p.failure_timeout_us)))
             .collect();
         let removed_at_us = config
             .nodes
@@ -99,8 +121,12 @@ impl CmCore {
         CmCore {
             p,
             config,
+            listened_us: 0,
+            last_turn_us: now_us,
             last_heard_us,
+            not_suspected_before: BTreeMap::new(),
             last_sent_us: BTreeMap::new(),
+            lease_refs: BTreeMap::new(),
             suspects: BTreeSet::new(),
             removed_at_us,
             next_hb_us: now_us,
@@ -113,8 +139,40 @@ impl CmCore {
         &self.config
     }
 
+    /// Members suspected failed, each to be removed once its lease has run out.
+    pub fn suspects(&self) -> &BTreeSet<NodeId> {
+        &self.suspects
+    }
+
     pub fn take_outputs(&mut self) -> Vec<CmOutput> {
         std::mem::take(&mut self.out)
+    }
+
+    /// The most one turn of the CM's loop adds to the listening clock: twice the heartbeat
+    /// interval (a tick a little late counts in full), or an eighth of the failure timeout if
+    /// more (a loaded machine's scheduling delays of some milliseconds count too, while one
+    /// stall never costs a node more than an eighth of its timeout).
+    pub fn max_counted_gap_us(&self) -> u64 {
+        (2 * self.p.heartbeat_interval_us).max(self.p.failure_timeout_us / 8)
+    }
+
+    /// The listening clock: how long the CM has been running and able to hear the nodes.
+    pub fn listened_us(&self) -> u64 {
+        self.listened_us
+    }
+
+    /// Called at every turn of the CM's loop: advances the listening clock.
+    fn turn(&mut self, now_us: u64) {
+        let gap = now_us.saturating_sub(self.last_turn_us);
+        self.last_turn_us = self.last_turn_us.max(now_us);
+        let counted = gap.min(self.max_counted_gap_us());
+        if gap >= self.p.failure_timeout_us / 2 {
+            self.out.push(CmOutput::Note(format!(
+                "the CM did not run for {} ms: that time is not counted as the nodes' silence",
+                gap / 1000
+            )));
+        }
+        self.listened_us += counted;
     }
 
     fn publish(&mut self, now_us: u64, why: String) {
@@ -137,6 +195,7 @@ impl CmCore {
     }
 
     pub fn on_ack(&mut self, now_us: u64, ack: HeartbeatAck) {
+        self.turn(now_us);
         let n = ack.node;
         if !self.config.nodes.contains(&n) {
             return;
@@ -145,7 +204,10 @@ impl CmCore {
             // Once suspected, a node comes back only through recovery.
             return;
         }
-        self.last_heard_us.insert(n, now_us);
+        self.last_heard_us.insert(n, self.listened_us);
+        self.not_suspected_before.remove(&n);
+        // The newest received, not the largest: a restarted node's refs start over elsewhere.
+        self.lease_refs.insert(n, ack.lease_ref);
         match ack.status {
             NodeStatus::WantsJoin => {
                 if self.config.active.len() == 1 && self.config.active.contains(&n) {
@@ -178,17 +240,61 @@ impl CmCore {
         }
     }
 
+    /// True if `n` is the only active node: it is never removed (nobody could recover from the
+    /// others), so it is never suspected either (suspicion stops its heartbeats, and a node
+    /// without heartbeats learns no configuration and holds no lease).
+    fn last_active(&self, n: NodeId) -> bool {
+        self.config.active.len() == 1 && self.config.active.contains(&n)
+    }
+
     pub fn tick(&mut self, now_us: u64) {
-        // Failure detection.
-        let members: Vec<NodeId> = self.config.members().collect();
-        for n in members {
-            let heard = self.last_heard_us.get(&n).copied().unwrap_or(0);
-            if !self.suspects.contains(&n) && now_us >= heard + self.p.failure_timeout_us {
-                self.suspects.insert(n);
-                self.out.push(CmOutput::Note(format!("node {n} suspected")));
+        self.turn(now_us);
+        // Failure detection, on the listening clock.
+        let listened = self.listened_us;
+        let quiet: Vec<NodeId> = self
+            .config
+            .members()
+            .filter(|n| !self.suspects.contains(n) && !self.last_active(*n))
+            .filter(|n| {
+                let heard = self.last_heard_us.get(n).copied().unwrap_or(0);
+                listened >= heard + self.p.failure_timeout_us
+            })
+            .collect();
+        let active = self.config.active.len();
+        let quiet_active = self
+            .config
+            .active
+            .iter()
+            .filter(|n| self.suspects.contains(n) || quiet.contains(n))
+            .count();
+        let mass = active > 1 && 2 * quiet_active > active;
+        let mut deferred = Vec::new();
+        for n in quiet {
+            match self.not_suspected_before.get(&n).copied() {
+                Some(t) if listened < t => continue,
+                None if mass => {
+                    // A majority of the active nodes silent: more likely the CM's own trouble
+                    // than theirs. One more failure timeout of listening before suspecting.
+                    let t = listened + self.p.failure_timeout_us;
+                    self.not_suspected_before.insert(n, t);
+                    deferred.push(n);
+                }
+                _ => {
+                    self.not_suspected_before.remove(&n);
+                    self.suspects.insert(n);
+                    self.out.push(CmOutput::Note(format!("node {n} suspected")));
+                }
             }
         }
-        let ready: Vec<NodeId> = self
+        if !deferred.is_empty() {
+            self.out.push(CmOutput::Note(format!(
+                "nodes {deferred:?} silent with {quiet_active} of {active} active nodes: \
+                 listening one more failure timeout before suspecting them"
+            )));
+        }
+        // Suspects whose lease has run out, the longest silent first: if one must be kept (the
+        // last active node), it is the one heard from last.
+        let mut ready: Vec<NodeId> = self
             .suspects
             .iter()
             .copied()
@@ -197,9 +303,17 @@ impl CmCore {
                 now_us >= sent + self.p.lease_us + self.p.max_message_delay_us
             })
             .collect();
+        ready.sort_by_key(|n| (self.last_heard_us.get(n).copied().unwrap_or(0), *n));
         for n in ready {
-            if self.config.active.len() == 1 && self.config.active.contains(&n) {
-                // Never remove the last active node: nobody could recover from the others.
+            if self.last_active(n) {
+                // Kept: it must not stay suspected, or it would get no heartbeat again (no lease,
+                // no new configuration: it could neither serve nor let anyone recover, and its
+                // acks would be ignored). It starts afresh.
+                self.suspects.remove(&n);
+                self.last_heard_us.insert(n, self.listened_us);
+                self.out.push(CmOutput::Note(format!(
+                    "node {n} no longer suspected: it is the last active node"
+                )));
                 continue;
             }
             if self.config.is_member(n) {
@@ -222,9 +336,196 @@ impl CmCore {
                     hb: Heartbeat {
                         seq: self.seq,
                         config: self.config.clone(),
+                        lease_ref: self.lease_refs.get(&n).copied().unwrap_or(0),
                     },
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const N: u32 = 5;
+
+    fn params() -> CmParams {
+        CmParams {
+            heartbeat_interval_us: 10_000,
+            failure_timeout_us: 500_000,
+            lease_us: 300_000,
+            max_message_delay_us: 100_000,
+            efn_min_us: 0,
+            startup_grace_us: 1_000_000,
+        }
+    }
+
+    fn ack(node: NodeId, epoch: u64) -> HeartbeatAck {
+        HeartbeatAck {
+            node,
+            epoch,
+            seq: 0,
+            status: NodeStatus::Member,
+            lease_ref: 0,
+        }
+    }
+
+    /// Runs the CM from `from` to `to` (exclusive) in 10 ms turns; the nodes of `alive` answer
+    /// every turn. Returns the heartbeats sent, per node, and the notes.
+    fn run(
+        cm: &mut CmCore,
+        from: u64,
+        to: u64,
+        alive: &[NodeId],
+    ) -> (BTreeMap<NodeId, usize>, Vec<String>) {
+        let mut sent = BTreeMap::new();
+        let mut notes = Vec::new();
+        let mut t = from;
+        while t < to {
+            cm.tick(t);
+            let epoch = cm.config().epoch;
+            for n in alive {
+                cm.on_ack(t, ack(*n, epoch));
+            }
+            for o in cm.take_outputs() {
+                match o {
+                    CmOutput::Send { to, .. } => *sent.entry(to).or_default() += 1,
+                    CmOutput::Note(n) => notes.push(n),
+                    CmOutput::Persist(_) => {}
+                }
+            }
+            t += 10_000;
+        }
+        (sent, notes)
+    }
+
+    fn notes(cm: &mut CmCore) -> Vec<String> {
+        cm.take_outputs()
+            .into_iter()
+            .filter_map(|o| match o {
+                CmOutput::Note(n) => Some(n),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Issue 22 §2: stopped for 0.6 s (longer than the failure timeout) the CM woke up, took its
+    /// own silence for the nodes', suspected all five and removed four.
+    #[test]
+    fn a_paused_cm_does_not_take_its_own_silence_for_the_nodes() {
+        let all: Vec<NodeId> = (0..N).collect();
+        for pause_us in [600_000, 1_500_000, 30_000_000] {
+            let mut cm = CmCore::new(params(), None, N, 0);
+            run(&mut cm, 0, 2_000_000, &all);
+            assert_eq!(cm.config().epoch, 1);
+            // The pause: no turn at all. On waking the tick comes before the queued acks.
+            let woke = 2_000_000 + pause_us;
+            cm.tick(woke);
+            let n = notes(&mut cm);
+            assert!(
+                !n.iter()
+                    .any(|n| n.contains("suspected") || n.contains("removed")),
+                "paused {pause_us} us: {n:?}"
+            );
+            assert!(n.iter().any(|n| n.contains("did not run")), "{n:?}");
+            let (_, n) = run(&mut cm, woke + 10_000, woke + 3_000_000, &all);
+            assert_eq!(cm.config().epoch, 1, "paused {pause_us} us: {n:?}");
+        }
+    }
+
+    /// A CM descheduled again and again (a loaded machine): every 0.6 s it runs once, its tick
+    /// first, then the acks that waited. Its stalls are not the nodes' silence.
+    #[test]
+    fn repeated_stalls_of_the_cm_are_not_the_nodes_silence() {
+        let all: Vec<NodeId> = (0..N).collect();
+        let mut cm = CmCore::new(params(), None, N, 0);
+        run(&mut cm, 0, 2_000_000, &all);
+        let mut t = 2_000_000;
+        for _ in 0..10 {
+            t += 600_000;
+            cm.tick(t);
+            let epoch = cm.config().epoch;
+            for n in &all {
+                cm.on_ack(t + 1, ack(*n, epoch));
+            }
+        }
+        let n = notes(&mut cm);
+        assert!(!n.iter().any(|n| n.contains("suspected")), "{n:?}");
+        assert_eq!(cm.config().epoch, 1);
+    }
+
+    /// One crashed node is still suspected after one failure timeout and removed once its lease
+    /// has run out.
+    #[test]
+    fn a_silent_node_is_removed_after_its_timeout_and_lease() {
+        let mut cm = CmCore::new(params(), None, N, 0);
+        run(&mut cm, 0, 2_000_000, &[0, 1, 2, 3, 4]);
+        let (sent, n) = run(&mut cm, 2_000_000, 2_480_000, &[0, 1, 2, 3]);
+        assert!(n.is_empty(), "{n:?}");
+        assert!(sent[&4] > 0);
+        run(&mut cm, 2_540_000, 3_000_000, &[0, 1, 2, 3]);
+        assert_eq!(cm.config().active, [0, 1, 2, 3].into());
+    }
+
+    /// A majority of the active nodes silent on one tick's evidence is listened to for one
+    /// more failure timeout; still silent then, it is removed, all but the last active node,
+    /// which is kept heartbeated (no lease, no configuration and no recovery otherwise).
+    #[test]
+    fn majority_silence_is_confirmed_and_the_last_active_node_keeps_its_heartbeats() {
+        let mut cm = CmCore::new(params(), None, N, 0);
+        run(&mut cm, 0, 2_000_000, &[0, 1, 2, 3, 4]);
+        // Nodes 0, 1, 2 stop answering at 2.0 s: not suspected at 2.5 s...
+        let (_, n) = run(&mut cm, 2_000_000, 2_600_000, &[3, 4]);
+        assert!(!n.iter().any(|n| n.contains("suspected")), "{n:?}");
+        assert!(
+            n.iter().any(|n| n.contains("one more failure timeout")),
+            "{n:?}"
+        );
+        assert_eq!(cm.config().epoch, 1);
+        // ...but after one more timeout (and their leases) they are removed.
+        run(&mut cm, 2_600_000, 3_600_000, &[3, 4]);
+        assert_eq!(cm.config().active, [3, 4].into());
+
+        // Now everyone falls silent: 3 and 4 (a majority of the active) are confirmed, then 3
+        // (heard from no later than 4) is removed and 4 is kept.
+        let mut cm = CmCore::new(params(), None, N, 0);
+        run(&mut cm, 0, 2_000_000, &[0, 1, 2, 3, 4]);
+        run(&mut cm, 2_000_000, 2_010_000, &[4]);
+        let (_, n) = run(&mut cm, 2_010_000, 4_000_000, &[]);
+        assert_eq!(cm.config().active, [4].into(), "{n:?}");
+        let (sent, n) = run(&mut cm, 4_000_000, 5_000_000, &[]);
+        assert_eq!(
+            sent.get(&4),
+            Some(&100),
+            "the last active node is heartbeated: {n:?}"
+        );
+        // It answers: the group goes on (the others rejoin through recovery).
+        let mut t = 5_000_000;
+        cm.tick(t);
+        let e = cm.config().epoch;
+        for n in 0..4 {
+            cm.on_ack(
+                t,
+                HeartbeatAck {
+                    node: n,
+                    epoch: e,
+                    seq: 0,
+                    status: NodeStatus::WantsJoin,
+                    lease_ref: 0,
+                },
+            );
+        }
+        cm.on_ack(t, ack(4, e));
+        assert_eq!(cm.config().recovering, [0, 1, 2, 3].into());
+        for _ in 0..100 {
+            t += 10_000;
+            cm.tick(t);
+            cm.on_ack(t, ack(4, cm.config().epoch));
+        }
+        assert_eq!(cm.config().active, [4].into());
+        assert!(!notes(&mut cm)
+            .iter()
+            .any(|n| n.contains("node 4 suspected")));
     }
 }

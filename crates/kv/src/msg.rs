@@ -490,6 +490,11 @@ impl PeerMsg {
 pub struct Heartbeat {
     pub seq: u64,
     pub config: Config,
+    /// The `lease_ref` of the newest ack the CM had received from this node when it sent this
+    /// heartbeat (0: none). The node's lease counts from when it sent that ack, a time known to
+    /// come before this heartbeat was sent, however late the heartbeat is read (a node stopped
+    /// by `SIGSTOP` reads a backlog of old heartbeats when it is continued).
+    pub lease_ref: u64,
 }
 
 /// What a node tells the CM about itself.
@@ -510,6 +515,9 @@ pub struct HeartbeatAck {
     pub epoch: u64,
     pub seq: u64,
     pub status: NodeStatus,
+    /// Names this ack for the node (unique across its restarts): the CM echoes it in its next
+    /// heartbeats ([`Heartbeat::lease_ref`]).
+    pub lease_ref: u64,
 }
 
 /// A client operation.

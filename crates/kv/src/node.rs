@@ -29,9 +29,15 @@ pub struct NodeParams {
     pub inv_ack_timeout_us: u64,
     /// Follower: after this long invalid, resend the ACK; after twice as long, replay the write.
     pub ack_val_timeout_us: u64,
-    /// Reads and new writes are served only within this long after the CM's last heartbeat
-    /// naming this node active; the CM waits longer than this before removing a silent node.
+    /// Reads and new writes are served only within this long after this node sent the ack that
+    /// the CM's last heartbeat naming it active echoes ([`Heartbeat::lease_ref`]); the CM waits
+    /// longer than this after its last heartbeat before removing a silent node.
     pub lease_us: u64,
+    /// The `lease_ref` of this core's first ack; each next ack takes the next number. A driver
+    /// starting a core (a restart, or a reload after removal) must give it a value above every
+    /// ref an earlier core of this node issued, or the CM's echo of an old ack could anchor the
+    /// new core's lease: the runtime uses the wall clock in microseconds.
+    pub first_lease_ref: u64,
     /// Recovery steps (Recov_start, CatchUp_req) are retried after this long without progress.
     pub recovery_retry_us: u64,
     /// Missed_updates cap: past it the buffer is dropped and recovery falls back to full copy.
@@ -104,6 +110,7 @@ impl NodeParams {
             inv_ack_timeout_us: 20_000,
             ack_val_timeout_us: 40_000,
             lease_us: 200_000,
+            first_lease_ref: 1,
             recovery_retry_us: 200_000,
             missed_updates_cap_bytes: 64 << 20,
             max_catchup_chunk_bytes: 1 << 20,
@@ -364,6 +371,12 @@ pub struct NodeCore {
     mode: Mode,
     booted: bool,
     lease_until_us: u64,
+    /// The ref the next ack to the CM takes.
+    next_lease_ref: u64,
+    /// Acks sent to the CM lately, oldest first: (lease_ref, when sent). An echoed ref found
+    /// here anchors the lease; entries older than a lease anchor nothing and are dropped, and at
+    /// most [`MAX_LEASE_REFS`] are kept.
+    lease_refs: VecDeque<(u64, u64)>,
     store: BTreeMap<StoreKey, KeyState>,
     /// Keys with a coordinated write or not valid: the ones timers look at.
     unsettled: BTreeSet<Vec<u8>>,
@@ -424,6 +437,10 @@ fn catchup_chunk_bytes(max_bytes: usize, sent: u32) -> usize {
 /// Client tags remembered for duplicate suppression.
 pub const RECENT_CLIENT_TAGS: usize = 4096;
 
+/// Acks to the CM remembered for lease anchoring (one per heartbeat: 1,024 cover a lease of
+/// some seconds at the paper's 4 ms heartbeat).
+pub const MAX_LEASE_REFS: usize = 1024;
+
 impl NodeCore {
     /// A node starting on what its log holds. It serves nothing until a configuration admits
     /// it: as a genesis member if its log has never booted, otherwise through HEAL recovery.
@@ -434,6 +451,7 @@ impl NodeCore {
             .map(|(k, (ts, _))| (k.clone(), *ts))
             .collect();
         let (booted, last_epoch) = (log.booted, log.last_epoch);
+        let next_lease_ref = p.first_lease_ref.max(1);
         // Built in one go from the sorted base: full tree nodes (a store-sized saving over
         // node-by-node inserts), and the scaffolding is one large block, handed back whole.
         let store: BTreeMap<StoreKey, KeyState> = log
@@ -463,6 +481,8 @@ impl NodeCore {
             mode: Mode::Down,
             booted,
             lease_until_us: 0,
+            next_lease_ref,
+            lease_refs: VecDeque::new(),
             store,
             unsettled: BTreeSet::new(),
             partially,
@@ -723,18 +743,55 @@ impl NodeCore {
             self.adopt(now_us, hb.config.clone());
         }
         if hb.config.epoch == self.config.epoch && self.config.is_member(me) {
-            self.lease_until_us = now_us + self.p.lease_us;
+            // The lease counts from when we sent the ack this heartbeat echoes, not from now:
+            // the CM sent the heartbeat after it got that ack, and waits out a lease from its
+            // last heartbeat before removing us, so the lease ends in time even if this
+            // heartbeat waited in our socket while we were stopped.
+            if let Some(sent) = self.lease_anchor(hb.lease_ref) {
+                self.lease_until_us = self.lease_until_us.max(sent + self.p.lease_us);
+            }
         }
         let ack = HeartbeatAck {
             node: me,
             epoch: self.config.epoch,
             seq: hb.seq,
             status: self.status(),
+            lease_ref: self.next_ack_ref(now_us),
         };
         self.out.push(Output::ToCm(ack));
         if matches!(self.mode, Mode::Member) {
             self.serve_all_waiting(now_us);
         }
+    }
+
+    /// When we sent the ack named `lease_ref`, if it is one of this core's recent acks.
+    fn lease_anchor(&self, lease_ref: u64) -> Option<u64> {
+        let i = self
+            .lease_refs
+            .binary_search_by_key(&lease_ref, |(r, _)| *r)
+            .ok()?;
+        Some(self.lease_refs[i].1)
+    }
+
+    /// The ref of an ack sent now, remembered for [`Self::lease_anchor`].
+    fn next_ack_ref(&mut self, now_us: u64) -> u64 {
+        let r = self.next_lease_ref;
+        self.next_lease_ref += 1;
+        while self.lease_refs.len() >= MAX_LEASE_REFS
+            || self
+                .lease_refs
+                .front()
+                .is_some_and(|(_, t)| t + self.p.lease_us < now_us)
+        {
+            self.lease_refs.pop_front();
+        }
+        self.lease_refs.push_back((r, now_us));
+        r
+    }
+
+    /// The ref of this core's newest ack (0: none yet): what a CM that got it echoes.
+    pub fn last_lease_ref(&self) -> u64 {
+        self.lease_refs.back().map_or(0, |(r, _)| *r)
     }
 
     fn adopt(&mut self, now_us: u64, cfg: Config) {
@@ -2521,11 +2578,13 @@ impl NodeCore {
         let epoch = self.config.epoch;
         self.broadcast(PeerMsg::RecovEnd { epoch });
         self.out.push(Output::Recovered(stats));
+        let lease_ref = self.next_ack_ref(now_us);
         self.out.push(Output::ToCm(HeartbeatAck {
             node: self.p.id,
             epoch,
             seq: 0,
             status: NodeStatus::Recovered,
+            lease_ref,
         }));
     }
 
@@ -2663,6 +2722,47 @@ mod tests {
         }
     }
 
+    /// Issue 22 §2 (found by the simulator's node pauses): a node stopped past its lease read,
+    /// when continued, the heartbeats that had waited in its socket and took a lease from now,
+    /// while the CM had already removed it and the others had written without it: it served
+    /// stale reads until the heartbeat of the new configuration came through. The lease counts
+    /// from when the node sent the ack the heartbeat echoes.
+    #[test]
+    fn a_heartbeat_read_late_gives_no_lease_past_its_echo() {
+        let lease = NodeParams::new(0, Model::Synch).lease_us;
+        let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), LogState::default());
+        let config = cfg(1, &[0, 1, 2], &[]);
+        let hb = |seq, lease_ref| Heartbeat {
+            seq,
+            config: config.clone(),
+            lease_ref,
+        };
+        n.on_heartbeat(0, hb(0, 0));
+        persist_all(&mut n, 0);
+        assert!(!n.serving(1), "no ack echoed yet: no lease");
+        let first = n.last_lease_ref();
+        n.on_heartbeat(1_000, hb(1, first));
+        assert!(
+            n.serving(2_000) && !n.serving(lease),
+            "lease from the ack at 0"
+        );
+        // Stopped from 2 ms to 10 leases; the heartbeat sent at 3 ms is read on waking.
+        let second = n.last_lease_ref();
+        let woke = 10 * lease;
+        n.on_heartbeat(woke, hb(2, second));
+        assert!(!n.serving(woke), "a heartbeat read late extends nothing");
+        // A fresh heartbeat, echoing the ack sent on waking, gives the lease back.
+        let third = n.last_lease_ref();
+        n.on_heartbeat(woke + 1_000, hb(3, third));
+        assert!(n.serving(woke + 2_000));
+        // An echo of an ack this core never sent (an earlier core's) anchors nothing.
+        let mut m = NodeCore::new(NodeParams::new(0, Model::Synch), LogState::default());
+        m.on_heartbeat(0, hb(0, 0));
+        persist_all(&mut m, 0);
+        m.on_heartbeat(1_000, hb(1, first + 1_000));
+        assert!(!m.serving(2_000));
+    }
+
     /// Regression for the model-check finding (MODEL_EAGER_TIMEOUTS=1, Strict and Eventual):
     /// a write made globally durable in epoch 2 (members 1, 2) gets a late ACK with only
     /// ACK_C from node 0, which came back as a recovering node in epoch 3 and has not
@@ -2677,6 +2777,7 @@ mod tests {
                 Heartbeat {
                     seq: 0,
                     config: cfg(1, &[0, 1, 2], &[]),
+                    lease_ref: n.last_lease_ref(),
                 },
             );
             persist_all(&mut n, 0);
@@ -2685,6 +2786,7 @@ mod tests {
                 Heartbeat {
                     seq: 1,
                     config: cfg(2, &[1, 2], &[]),
+                    lease_ref: n.last_lease_ref(),
                 },
             );
             n.take_outputs();
@@ -2727,6 +2829,7 @@ mod tests {
                 Heartbeat {
                     seq: 2,
                     config: cfg(3, &[1, 2], &[0]),
+                    lease_ref: n.last_lease_ref(),
                 },
             );
             n.take_outputs();
@@ -2800,6 +2903,7 @@ mod tests {
             Heartbeat {
                 seq: 0,
                 config: cfg(2, &[1, 2], &[0]),
+                lease_ref: n.last_lease_ref(),
             },
         );
         let mut outs = n.take_outputs();
@@ -3123,6 +3227,7 @@ mod tests {
             Heartbeat {
                 seq: 0,
                 config: cfg(2, &[1, 2], &[0]),
+                lease_ref: n.last_lease_ref(),
             },
         );
         n.take_outputs();
@@ -3528,6 +3633,7 @@ mod tests {
                     active: [2].into(),
                     recovering: [0].into(),
                 },
+                lease_ref: rec.last_lease_ref(),
             },
         );
         rec.take_outputs();

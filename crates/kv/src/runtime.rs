@@ -494,7 +494,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
 
     let start = Instant::now();
     let now_us = || start.elapsed().as_micros() as u64;
-    let mut core = NodeCore::new(cfg.params.clone(), st);
+    let mut core = NodeCore::new(with_fresh_lease_refs(&cfg.params), st);
     // The rebuild's scaffolding is garbage now; from here on, freed chunk-sized buffers stay
     // in the process for the next ones (after the rebuild, whose large transient buffers
     // must go back to the OS).
@@ -677,7 +677,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         let as_new = cfg.params.returns_as_new_node(true).then_some(me);
                         let _ = log_tx.send(LogJob::Rebuild(rtx, as_new));
                         let st = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
-                        core = NodeCore::new(cfg.params.clone(), st);
+                        core = NodeCore::new(with_fresh_lease_refs(&cfg.params), st);
                         log::release_free_memory();
                         inc += 1;
                         // Durable completions of the old core are meaningless to the new one.
@@ -1043,6 +1043,17 @@ fn decode_catchup_resp(frame: &mut Vec<u8>) -> Option<Result<NetMsg, wire::WireE
         full_copy,
         entries,
     })))
+}
+
+/// `p` for a new core: its acks' lease refs start at the wall clock in microseconds, above every
+/// ref an earlier core of this node issued (at most one per heartbeat, far fewer than one per
+/// microsecond), so the CM's echo of an old core's ack anchors nothing in the new one.
+fn with_fresh_lease_refs(p: &NodeParams) -> NodeParams {
+    let mut p = p.clone();
+    p.first_lease_ref = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_micros() as u64);
+    p
 }
 
 async fn serve_conn(

@@ -135,13 +135,17 @@ fn a_chunk_is_decoded_in_its_frame() {
 #[test]
 fn malformed_client_requests_are_refused_without_effect() {
     let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
-    n.on_heartbeat(
-        0,
-        Heartbeat {
-            seq: 1,
-            config: Config::genesis(1),
-        },
-    );
+    // Twice: the second heartbeat echoes the first's ack, which anchors the lease.
+    for seq in 1..=2 {
+        n.on_heartbeat(
+            0,
+            Heartbeat {
+                seq,
+                config: Config::genesis(1),
+                lease_ref: n.last_lease_ref(),
+            },
+        );
+    }
     let _ = n.take_outputs();
     for (tag, op) in [
         (
@@ -189,13 +193,17 @@ fn malformed_client_requests_are_refused_without_effect() {
 #[test]
 fn messages_of_another_epoch_are_refused() {
     let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
-    n.on_heartbeat(
-        0,
-        Heartbeat {
-            seq: 1,
-            config: Config::genesis(2),
-        },
-    );
+    // Twice: the second heartbeat echoes the first's ack, which anchors the lease.
+    for seq in 1..=2 {
+        n.on_heartbeat(
+            0,
+            Heartbeat {
+                seq,
+                config: Config::genesis(2),
+                lease_ref: n.last_lease_ref(),
+            },
+        );
+    }
     let _ = n.take_outputs();
     n.on_peer(
         1,

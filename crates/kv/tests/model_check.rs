@@ -493,13 +493,17 @@ impl SrModel for Check {
         let cfg = self.cm_config(&s);
         for id in 0..N {
             let c = s.nodes[id as usize].core.as_mut().unwrap();
-            c.on_heartbeat(
-                0,
-                Heartbeat {
-                    seq: 0,
-                    config: cfg.clone(),
-                },
-            );
+            // Twice: the second heartbeat echoes the first's ack, which anchors the lease.
+            for seq in 0..2 {
+                c.on_heartbeat(
+                    0,
+                    Heartbeat {
+                        seq,
+                        config: cfg.clone(),
+                        lease_ref: c.last_lease_ref(),
+                    },
+                );
+            }
             self.drain(&mut s, id);
             while let Some((seq, rec)) = s.nodes[id as usize].buffer.pop_front() {
                 s.nodes[id as usize].nvm.push(rec);
@@ -652,10 +656,17 @@ impl SrModel for Check {
             }
             Action::Heartbeat(id) => {
                 let config = self.cm_config(&s);
-                s.nodes[id as usize]
-                    .core
-                    .as_mut()?
-                    .on_heartbeat(s.now, Heartbeat { seq: 0, config });
+                let c = s.nodes[id as usize].core.as_mut()?;
+                // The CM echoes the node's newest ack (leases are not modelled).
+                let lease_ref = c.last_lease_ref();
+                c.on_heartbeat(
+                    s.now,
+                    Heartbeat {
+                        seq: 0,
+                        config,
+                        lease_ref,
+                    },
+                );
                 self.drain(&mut s, id);
             }
             Action::Crash(id) => {
@@ -670,10 +681,17 @@ impl SrModel for Check {
                 let n = &mut s.nodes[id as usize];
                 n.core = Some(NodeCore::new(self.params(id), log::rebuild(&n.nvm)));
                 let config = self.cm_config(&s);
-                s.nodes[id as usize]
-                    .core
-                    .as_mut()?
-                    .on_heartbeat(s.now, Heartbeat { seq: 0, config });
+                let c = s.nodes[id as usize].core.as_mut()?;
+                // The CM echoes the node's newest ack (leases are not modelled).
+                let lease_ref = c.last_lease_ref();
+                c.on_heartbeat(
+                    s.now,
+                    Heartbeat {
+                        seq: 0,
+                        config,
+                        lease_ref,
+                    },
+                );
                 self.drain(&mut s, id);
             }
             Action::CmRemove(id) => {

@@ -1,8 +1,9 @@
 //! Deterministic simulation of a whole replication group: the real `NodeCore`s and `CmCore`
 //! over `sim::Network` (loss, duplication, reordering, partitions) and `sim::SimDisk` (crashes
 //! lose or tear unsynced log writes), with closed-loop clients whose histories are checked for
-//! linearizability. Crashes, restarts (recovery through HEAL), partitions and CM restarts are
-//! injected at random; at the end every node must have recovered, every replica must hold the
+//! linearizability. Crashes, restarts (recovery through HEAL), partitions, CM restarts and
+//! pauses (a process stopped, as by `SIGSTOP` or a loaded machine: its inputs queue while
+//! virtual time runs) are injected at random; at the end every node must have recovered, every replica must hold the
 //! same timestamp for every key (Table IV, 2a), and the final state must be consistent with the
 //! history (no acknowledged write lost).
 //!
@@ -67,6 +68,8 @@ enum Ev {
         opno: u64,
     },
     Fault,
+    /// A paused process (node or CM) runs again.
+    Resume(NodeId),
     LogRead {
         node: NodeId,
         inc: u64,
@@ -125,6 +128,8 @@ struct Scenario {
     service_us: u64,
     /// Heartbeats skip the input queue (the runtime's separate heartbeat queue).
     hb_priority: bool,
+    /// Pause the CM, one node, or every node at once, for up to several failure timeouts.
+    pauses: bool,
 }
 
 struct World {
@@ -149,6 +154,10 @@ struct World {
     probe_until: Option<u64>,
     probe_stuck: Vec<(u32, u64)>,
     probe_done: u64,
+    /// Paused processes (nodes and the CM), each with the events of its own (timers, disk
+    /// completions, queued inputs) that came due while it was paused, in order. Messages
+    /// over the network wait in `net` (`Network::pause`).
+    paused: BTreeMap<NodeId, Vec<Ev>>,
 }
 
 fn node_params(id: NodeId, sc: &Scenario) -> NodeParams {
@@ -162,6 +171,14 @@ fn node_params(id: NodeId, sc: &Scenario) -> NodeParams {
     // Windows of 1 (strictly serial) to 4 chunks across the nodes of every run.
     p.max_catchup_chunks_in_flight = 1 + id as usize % 4;
     p.recovery = sc.scheme;
+    p
+}
+
+/// `node_params` for the core of incarnation `inc` of node `id`: its acks' lease refs start
+/// above every earlier incarnation's, as the runtime's do (it starts them at the wall clock).
+fn core_params(id: NodeId, sc: &Scenario, inc: u64) -> NodeParams {
+    let mut p = node_params(id, sc);
+    p.first_lease_ref = (inc + 1) << 32;
     p
 }
 
@@ -210,7 +227,7 @@ impl World {
             let mut disk = SimDisk::new();
             disk.create(LOG).unwrap();
             disk.sync_dir().unwrap();
-            let core = NodeCore::new(node_params(id, &sc), log::LogState::default());
+            let core = NodeCore::new(core_params(id, &sc, 0), log::LogState::default());
             nodes.push(SimNode {
                 core: Some(core),
                 disk,
@@ -233,7 +250,7 @@ impl World {
                 }
             })
             .collect();
-        if sc.crashes || sc.partitions {
+        if sc.crashes || sc.partitions || sc.pauses {
             q.push_at(50_000, Ev::Fault).unwrap();
         }
         let mut w = World {
@@ -256,6 +273,7 @@ impl World {
             probe_until: None,
             probe_stuck: Vec::new(),
             probe_done: 0,
+            paused: BTreeMap::new(),
         };
         w.drain_cm();
         w
@@ -385,7 +403,7 @@ impl World {
                 let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
                 let st = log::rebuild(&log::decode_all(&bytes).0);
                 let st = as_new_node_if_full_copy(&self.sc, id, &mut n.disk, st);
-                n.core = Some(NodeCore::new(node_params(id, &self.sc), st));
+                n.core = Some(NodeCore::new(core_params(id, &self.sc, n.inc), st));
                 let inc = n.inc;
                 self.q
                     .push_after(now, TICK_US, Ev::Tick { node: id, inc })
@@ -434,7 +452,7 @@ impl World {
                 st.partially.len()
             );
         }
-        n.core = Some(NodeCore::new(node_params(id, &self.sc), st));
+        n.core = Some(NodeCore::new(core_params(id, &self.sc, n.inc), st));
         self.net.set_down(id, false);
         let inc = n.inc;
         self.q
@@ -447,14 +465,35 @@ impl World {
             return;
         }
         let now = self.now;
+        if self.sc.pauses && self.rng.chance(0.5) {
+            self.pause_some();
+            let next = self.rng.range_u64(20_000, 150_000);
+            self.q.push_after(now, next, Ev::Fault).unwrap();
+            return;
+        }
         let down: Vec<NodeId> = (0..self.sc.nodes)
-            .filter(|i| self.nodes[*i as usize].down_until.is_some() || self.isolated.contains(i))
+            .filter(|i| {
+                self.nodes[*i as usize].down_until.is_some()
+                    || self.isolated.contains(i)
+                    || self.paused.contains_key(i)
+            })
             .collect();
         let max_down = if self.sc.double_failures { 2 } else { 1 };
         let r = self.rng.range_u64(0, 9);
         if r < 4 && self.sc.crashes && down.len() < max_down {
             let id = self.rng.range_u64(0, self.sc.nodes as u64 - 1) as NodeId;
-            if self.nodes[id as usize].down_until.is_none() {
+            // Never the last active node the CM counts on (every other active node suspected,
+            // e.g. after every node was paused): its log alone holds the group's state, and
+            // losing it is a failure of the whole group, beyond what HEAL recovers from.
+            let cfg = self.cm.config();
+            let last = !cfg
+                .active
+                .iter()
+                .any(|n| *n != id && !self.cm.suspects().contains(n));
+            if self.nodes[id as usize].down_until.is_none()
+                && !self.paused.contains_key(&id)
+                && !last
+            {
                 let d = self.rng.range_u64(5_000, 200_000);
                 self.crash(id, d);
             }
@@ -471,7 +510,7 @@ impl World {
             }
             self.net.heal_all();
             self.isolated.clear();
-        } else if self.sc.crashes {
+        } else if self.sc.crashes && !self.paused.contains_key(&CM) {
             // The CM restarts from its durable configuration.
             if self.verbose {
                 eprintln!("{now:>9} CM restarts");
@@ -483,6 +522,79 @@ impl World {
         }
         let next = self.rng.range_u64(20_000, 150_000);
         self.q.push_after(now, next, Ev::Fault).unwrap();
+    }
+
+    /// Pauses the CM, one node, or every node at once (a stall of the whole machine but the
+    /// CM), for 2 ms to 5 failure timeouts.
+    fn pause_some(&mut self) {
+        let now = self.now;
+        let d = self
+            .rng
+            .range_u64(2_000, 5 * cm_params().failure_timeout_us);
+        let r = self.rng.range_u64(0, 9);
+        let who: Vec<NodeId> = if r < 4 {
+            vec![CM]
+        } else if r < 8 {
+            vec![self.rng.range_u64(0, self.sc.nodes as u64 - 1) as NodeId]
+        } else {
+            (0..self.sc.nodes).collect()
+        };
+        for id in who {
+            let down = id != CM && self.nodes[id as usize].down_until.is_some();
+            if down || self.paused.contains_key(&id) {
+                continue;
+            }
+            if self.verbose {
+                eprintln!("{now:>9} pause {} for {d} us", name(id));
+            }
+            self.paused.insert(id, Vec::new());
+            self.net.pause(id);
+            self.q.push_after(now, d, Ev::Resume(id)).unwrap();
+        }
+    }
+
+    /// Runs a paused process again: what came due while it was paused is handled now. As in
+    /// the runtime, each connection (one per sender) keeps its order, but the connections and
+    /// the process's own timers are served in an order left to chance (all are ready at once,
+    /// each read by its own task).
+    fn resume(&mut self, id: NodeId) {
+        let Some(local) = self.paused.remove(&id) else {
+            return;
+        };
+        let now = self.now;
+        if self.verbose {
+            eprintln!("{now:>9} resume {}", name(id));
+        }
+        let mut streams: BTreeMap<Option<NodeId>, std::collections::VecDeque<Ev>> = BTreeMap::new();
+        streams.insert(None, local.into());
+        for d in self.net.resume(id) {
+            streams
+                .entry(Some(d.from))
+                .or_default()
+                .push_back(Ev::Direct(d));
+        }
+        streams.retain(|_, s| !s.is_empty());
+        while !streams.is_empty() {
+            let k = self.rng.range_u64(0, streams.len() as u64 - 1) as usize;
+            let key = *streams.keys().nth(k).unwrap();
+            let s = streams.get_mut(&key).unwrap();
+            self.q.push_at(now, s.pop_front().unwrap()).unwrap();
+            if s.is_empty() {
+                streams.remove(&key);
+            }
+        }
+    }
+
+    /// The process an event runs in, if it is a node or the CM (clients never pause).
+    fn target(ev: &Ev) -> Option<NodeId> {
+        match ev {
+            Ev::Direct(d) | Ev::Process { d, .. } => Some(d.to),
+            Ev::Persisted { node, .. } | Ev::Tick { node, .. } | Ev::LogRead { node, .. } => {
+                Some(*node)
+            }
+            Ev::CmTick { .. } => Some(CM),
+            _ => None,
+        }
     }
 
     fn client_next(&mut self, c: u32) {
@@ -675,7 +787,14 @@ impl World {
             return false;
         };
         self.now = now;
+        if let Some(t) = Self::target(&ev) {
+            if let Some(held) = self.paused.get_mut(&t) {
+                held.push(ev);
+                return true;
+            }
+        }
         match ev {
+            Ev::Resume(id) => self.resume(id),
             Ev::Deliver(d) => {
                 let Some(d) = self.net.receive(d) else {
                     return true;
@@ -747,7 +866,9 @@ impl World {
 
     fn all_settled(&self) -> bool {
         let cfg = self.cm.config();
-        if cfg.active.len() != self.sc.nodes as usize {
+        // A suspect is about to be removed (a node paused until the faults stopped): its
+        // writes in flight then go unanswered, as on a real node that reloads.
+        if cfg.active.len() != self.sc.nodes as usize || !self.cm.suspects().is_empty() {
             return false;
         }
         self.nodes.iter().all(|n| {
@@ -771,6 +892,10 @@ fn run(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, usize, usize), 
     // Stop faults, bring everyone back, let the group settle.
     w.faults_on = false;
     w.net.heal_all();
+    let paused: Vec<NodeId> = w.paused.keys().copied().collect();
+    for id in paused {
+        w.resume(id);
+    }
     let deadline = w.now + 5_000_000 + sc.client_timeout_us;
     for id in 0..sc.nodes {
         if w.nodes[id as usize].down_until.is_some() {
@@ -953,6 +1078,15 @@ fn scenario(model: Model, nodes: u32) -> Scenario {
         check_history: true,
         service_us: 0,
         hb_priority: true,
+        pauses: false,
+    }
+}
+
+fn name(id: NodeId) -> String {
+    if id == CM {
+        "CM".into()
+    } else {
+        format!("node {id}")
     }
 }
 
@@ -1089,6 +1223,33 @@ fn overloaded_nodes_keep_serving() {
     // 1 ms per message: far past what 48 clients ask of the group, as in the real report.
     sc.service_us = 1_000;
     run_many("overloaded_nodes_keep_serving", sc, 4);
+}
+
+/// Issue 22 §2: a CM paused past the failure timeout (SIGSTOP, or descheduled on a loaded
+/// machine) woke up, suspected every node at once and removed all but one; the survivor, still
+/// suspected, got no heartbeat again, so it never learnt a configuration after the pause and
+/// never acknowledged a Recov_start: the returning nodes never finished recovering and no
+/// operation succeeded again. Here the CM, single nodes and every node at once are paused for up
+/// to five failure timeouts (inputs queue, virtual time runs), with no other fault. Liveness:
+/// within 5 s of virtual time after the last fault the group is whole again, then every client
+/// op of the probe is answered within 1 s (`PROBE_OP_TIMEOUT_US`).
+#[test]
+fn pauses_of_cm_and_nodes_keep_the_group_live() {
+    let mut sc = scenario(Model::Synch, 5);
+    sc.crashes = false;
+    sc.partitions = false;
+    sc.pauses = true;
+    run_many("pauses_of_cm_and_nodes_keep_the_group_live", sc, 40);
+}
+
+/// Pauses together with every other fault (crashes, partitions, CM restarts), three models.
+#[test]
+fn pauses_with_crashes_and_partitions() {
+    for (model, nodes) in [(Model::Synch, 5), (Model::Strict, 3), (Model::Scope, 4)] {
+        let mut sc = scenario(model, nodes);
+        sc.pauses = true;
+        run_many("pauses_with_crashes_and_partitions", sc, 15);
+    }
 }
 
 #[test]

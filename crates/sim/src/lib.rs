@@ -8,7 +8,8 @@
 //!
 //! - [`SimRng`]: seeded ChaCha8 randomness; [`SimRng::fork`] gives each component its own stream.
 //! - [`EventQueue`] and [`TimeUs`]: virtual time; a bounded queue ordered by (time, insertion).
-//! - [`Network`]: drops, duplicates, delays/reorders and partitions messages between [`NodeId`]s.
+//! - [`Network`]: drops, duplicates, delays/reorders and partitions messages between [`NodeId`]s,
+//!   and holds the messages of a paused node (stopped, not crashed) until it resumes.
 //! - [`SimDisk`]: files with a page cache, `sync`/`sync_dir`, and power-loss `crash` that loses
 //!   or tears unsynced writes; capacity and injected I/O errors.
 //!

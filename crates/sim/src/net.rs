@@ -1,7 +1,7 @@
 //! [`Network`]: a simulated message network that drops, duplicates, delays (hence reorders) and
 //! partitions messages between nodes.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::marker::PhantomData;
 
 use crate::rng::SimRng;
@@ -47,6 +47,9 @@ pub struct NetStats {
     pub dropped_cut: u64,
     /// Lost because the sender was down at send time or the receiver at delivery time.
     pub dropped_down: u64,
+    /// Copies that reached a paused destination and were held for it (each is also counted
+    /// `delivered` once [`Network::resume`] hands it over).
+    pub held: u64,
 }
 
 impl NetStats {
@@ -74,11 +77,20 @@ impl NetStats {
 /// Partitions are checked at send time (a message already in flight when a link is cut still
 /// arrives); "down" is checked both when sending (from) and when delivering (to). A node's
 /// messages to itself are never cut.
+///
+/// A *paused* node (a process stopped by `SIGSTOP`, or descheduled on a loaded machine) is
+/// alive but runs no code: messages that reach it wait in its input queue (the kernel's socket
+/// buffers), virtual time runs on, and [`resume`](Network::resume) hands them all over, in
+/// arrival order, for the harness to deliver at the resume time. The harness must hold the
+/// paused node's own timers and disk completions likewise, and must not run its core (a paused
+/// node sends nothing: [`send`](Network::send) panics if it tries).
 pub struct Network<M> {
     config: NetConfig,
     cuts: BTreeSet<(NodeId, NodeId)>,
     isolated: BTreeSet<NodeId>,
     down: BTreeSet<NodeId>,
+    /// Paused nodes, each with the messages that reached it while paused, in arrival order.
+    paused: BTreeMap<NodeId, Vec<Delivery<M>>>,
     stats: NetStats,
     _msg: PhantomData<fn(M) -> M>,
 }
@@ -104,6 +116,7 @@ impl<M: Clone> Network<M> {
             cuts: BTreeSet::new(),
             isolated: BTreeSet::new(),
             down: BTreeSet::new(),
+            paused: BTreeMap::new(),
             stats: NetStats::default(),
             _msg: PhantomData,
         }
@@ -121,6 +134,10 @@ impl<M: Clone> Network<M> {
         to: NodeId,
         msg: M,
     ) -> Result<(), QueueFull> {
+        assert!(
+            !self.is_paused(from),
+            "node {from} sent a message while paused: a paused process runs no code (harness bug)"
+        );
         self.stats.sent += 1;
         if self.is_down(from) {
             self.stats.dropped_down += 1;
@@ -153,14 +170,38 @@ impl<M: Clone> Network<M> {
     }
 
     /// Call with each delivery popped from the queue: returns it if the destination is up (and
-    /// counts it delivered), or `None` if the destination is down (counted dropped).
+    /// counts it delivered), or `None` if the destination is down (counted dropped) or paused
+    /// (held until [`resume`](Network::resume)).
     pub fn receive(&mut self, delivery: Delivery<M>) -> Option<Delivery<M>> {
         if self.is_down(delivery.to) {
             self.stats.dropped_down += 1;
             return None;
         }
+        if let Some(held) = self.paused.get_mut(&delivery.to) {
+            self.stats.held += 1;
+            held.push(delivery);
+            return None;
+        }
         self.stats.delivered += 1;
         Some(delivery)
+    }
+
+    /// Pauses `node`: from now on messages that reach it are held (see the type's docs).
+    /// Pausing a paused node changes nothing.
+    pub fn pause(&mut self, node: NodeId) {
+        self.paused.entry(node).or_default();
+    }
+
+    /// Resumes `node`: returns the messages held for it, in arrival order, each counted
+    /// delivered; the harness delivers them now. Empty if `node` was not paused.
+    pub fn resume(&mut self, node: NodeId) -> Vec<Delivery<M>> {
+        let held = self.paused.remove(&node).unwrap_or_default();
+        self.stats.delivered += held.len() as u64;
+        held
+    }
+
+    pub fn is_paused(&self, node: NodeId) -> bool {
+        self.paused.contains_key(&node)
     }
 
     /// Cuts the link `a -> b` (one direction).
@@ -317,6 +358,43 @@ mod tests {
         assert_eq!(net.stats().dropped_down, 2);
         net.set_down(1, false);
         assert_eq!(run(&mut net, 5, 3).len(), 3);
+    }
+
+    #[test]
+    fn paused_node_gets_its_messages_in_order_on_resume() {
+        let mut net: Network<u32> = Network::new(config(0.0, 0.0));
+        let mut rng = SimRng::new(3);
+        let mut queue: EventQueue<Delivery<u32>> = EventQueue::new(64);
+        net.pause(1);
+        for i in 0..10 {
+            net.send(&mut rng, &mut queue, i, 0, 1, i as u32).unwrap();
+        }
+        let mut arrival = Vec::new();
+        while let Some((_, d)) = queue.pop() {
+            arrival.push(d.msg);
+            assert_eq!(net.receive(d), None, "held while paused");
+        }
+        assert!(net.is_paused(1));
+        assert_eq!((net.stats().held, net.stats().in_flight()), (10, 10));
+        let got: Vec<u32> = net.resume(1).into_iter().map(|d| d.msg).collect();
+        assert_eq!(got, arrival, "handed over in arrival order");
+        assert!(!net.is_paused(1) && net.resume(1).is_empty());
+        assert_eq!((net.stats().delivered, net.stats().in_flight()), (10, 0));
+        // Messages from the paused node's peers to others are unaffected.
+        net.pause(1);
+        let now = queue.now();
+        net.send(&mut rng, &mut queue, now, 0, 2, 99).unwrap();
+        let (_, d) = queue.pop().unwrap();
+        assert_eq!(net.receive(d).map(|d| d.msg), Some(99));
+    }
+
+    #[test]
+    #[should_panic(expected = "while paused")]
+    fn a_paused_node_cannot_send() {
+        let mut net: Network<u32> = Network::new(config(0.0, 0.0));
+        let mut queue: EventQueue<Delivery<u32>> = EventQueue::new(4);
+        net.pause(0);
+        let _ = net.send(&mut SimRng::new(1), &mut queue, 0, 0, 1, 1);
     }
 
     #[test]

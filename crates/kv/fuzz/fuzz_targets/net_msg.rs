@@ -17,7 +17,9 @@ fuzz_target!(|data: &[u8]| {
     let in_place = kv::runtime::decode_net_payload(&mut data.to_vec()).ok();
     for m in [framed, raw, in_place].into_iter().flatten() {
         let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
-        n.on_heartbeat(0, Heartbeat { seq: 1, config: Config::genesis(3) });
+        n.on_heartbeat(0, Heartbeat { seq: 1, config: Config::genesis(3), lease_ref: 0 });
+        let lease_ref = n.last_lease_ref();
+        n.on_heartbeat(0, Heartbeat { seq: 2, config: Config::genesis(3), lease_ref });
         let _ = n.take_outputs();
         match m {
             NetMsg::Peer(p) => {
