@@ -192,7 +192,16 @@ pub async fn nbd(a: NbdArgs) -> anyhow::Result<()> {
                 Err(e) => return Err(e),
             }
         };
-        let server = Arc::new(nbd::Server::new(ClusterExports::new(cluster)));
+        let config = nbd::ServerConfig {
+            // The process's connection limit (UNDERSTUDY_MAX_CONNECTIONS, capped by the
+            // descriptor limit), as every daemon's.
+            max_connections: wire::listen::ConnLimit::process().max() as u32,
+            // A handshake is milliseconds of work plus opening the volume through the metadata
+            // service: twice the authentication deadline of the other daemons' ports.
+            handshake_timeout_ms: 2 * wire::listen::AUTH_DEADLINE.as_millis() as u64,
+            ..nbd::ServerConfig::default()
+        };
+        let server = Arc::new(nbd::Server::with_config(ClusterExports::new(cluster), config));
         tracing::info!(listen = %a.listen, unix = ?a.unix, "NBD server ready: nbd://{}/<volume>", a.listen);
         match unix {
             Some(u) => {

@@ -271,10 +271,10 @@ enum Work {
 /// Serves control requests (one line each) on `listener`: `status`, `kill`, `stop`,
 /// `pause MS`, `cut MS`, `hint BACK_MS|never RECOVERY_MS`.
 pub async fn serve_control(listener: TcpListener, tx: mpsc::Sender<Control>) {
-    loop {
-        let Ok((s, _)) = listener.accept().await else { continue };
+    // Accept errors are waited out with backoff (retrying at once spins a core).
+    wire::listen::serve(listener, "failover control port", move |s, _| {
         let tx = tx.clone();
-        tokio::spawn(async move {
+        async move {
             let (r, mut w) = s.into_split();
             let mut lines = BufReader::new(r.take(MAX_CONTROL_LINE_BYTES as u64 * 16)).lines();
             while let Ok(Some(line)) = lines.next_line().await {
@@ -287,8 +287,9 @@ pub async fn serve_control(listener: TcpListener, tx: mpsc::Sender<Control>) {
                     return;
                 }
             }
-        });
-    }
+        }
+    })
+    .await
 }
 
 use tokio::io::AsyncReadExt;

@@ -15,9 +15,10 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 
-/// Connections one proxy carries at most; more wait in the listen backlog.
+/// Connections one proxy carries at most (also at most half the process's connection limit:
+/// each takes two descriptors, the client's and the target's); more are closed at once.
 pub const MAX_CONNECTIONS: usize = 1024;
 /// How long the proxy keeps trying to reach an unresponsive target (packets dropped: a cut
 /// link) before it resets the client's connection.
@@ -104,18 +105,16 @@ impl Drop for Proxy {
     }
 }
 
+fn proxy_limit() -> wire::listen::ConnLimit {
+    wire::listen::ConnLimit::new(MAX_CONNECTIONS.min(wire::listen::ConnLimit::process().max() / 2))
+}
+
 async fn accept_loop(listener: TcpListener, rx: watch::Receiver<Target>, severed: Arc<AtomicU64>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    // Accept errors are waited out with backoff; connections over the limit are closed at once.
+    let listener = wire::listen::Listener::new(listener, "failover endpoint", proxy_limit());
     loop {
-        let Ok(permit) = slots.clone().acquire_owned().await else { return };
-        let (client, _) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!("proxy accept: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+        let admitted = listener.accept().await;
+        let (client, permit) = (admitted.stream, admitted.permit);
         let mut rx = rx.clone();
         let severed = severed.clone();
         tokio::spawn(async move {

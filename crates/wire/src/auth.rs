@@ -28,8 +28,17 @@ fn equal_ct(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Server side of the handshake: returns once the client proved it knows `secret`.
+/// Server side of the handshake: returns once the client proved it knows `secret`. Fails if
+/// the client has not within [`crate::listen::AUTH_DEADLINE`]: a connection that never
+/// authenticates must not hold a server's descriptor and connection slot for long.
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]) -> Result<(), WireError> {
+    let deadline = crate::listen::AUTH_DEADLINE;
+    tokio::time::timeout(deadline, accept_inner(s, secret))
+        .await
+        .map_err(|_| WireError::Auth(format!("no authentication within {deadline:?}")))?
+}
+
+async fn accept_inner<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]) -> Result<(), WireError> {
     let server_nonce: [u8; NONCE_BYTES] = rand::random();
     let mut hello = Vec::with_capacity(8 + 4 + NONCE_BYTES);
     hello.extend_from_slice(MAGIC);
