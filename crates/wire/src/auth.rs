@@ -118,6 +118,15 @@ mod tests {
         r2.unwrap();
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_never_answers_is_dropped_at_the_deadline() {
+        let (mut a, _silent) = tokio::io::duplex(1024);
+        let t0 = tokio::time::Instant::now();
+        let r = accept(&mut a, b"s3cret").await;
+        assert!(matches!(r, Err(WireError::Auth(_))), "{r:?}");
+        assert_eq!(t0.elapsed(), crate::listen::AUTH_DEADLINE);
+    }
+
     #[tokio::test]
     async fn wrong_secret_fails_both_ways() {
         let (mut a, mut b) = tokio::io::duplex(1024);
