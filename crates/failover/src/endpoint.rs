@@ -276,6 +276,38 @@ mod tests {
         }
     }
 
+    /// More clients than the proxy's limit: the excess is closed at once (not left waiting in
+    /// the backlog), the admitted ones are served, and a client after the flood is served.
+    #[tokio::test]
+    async fn a_flood_past_the_limit_is_refused_early_and_survived() {
+        // Both ends of every connection are in this process (up to 4 descriptors each).
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: valid pointers to an rlimit.
+        unsafe {
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+        let a = echo_server("a").await;
+        let p = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(a)).await.unwrap();
+        let limit = proxy_limit().max();
+        let mut flood = Vec::new();
+        for _ in 0..limit + 20 {
+            flood.push(TcpStream::connect(p.local_addr()).await.unwrap());
+        }
+        let last = flood.last_mut().unwrap();
+        let mut b = [0u8; 1];
+        let r = tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read(last, &mut b)).await;
+        assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "a connection past the limit of {limit} was not closed at once: {r:?}");
+        let mut first = BufReader::new(flood.remove(0));
+        assert_eq!(ask(&mut first, "in").await.as_deref(), Some("a in"));
+        drop(flood);
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut c = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
+        assert_eq!(ask(&mut c, "after").await.as_deref(), Some("a after"));
+    }
+
     #[tokio::test]
     async fn repoint_severs_old_connections() {
         let a = echo_server("a").await;

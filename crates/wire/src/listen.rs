@@ -185,6 +185,7 @@ impl<A: Acceptor> Listener<A> {
                 Ok((stream, peer)) => {
                     if failures > 0 {
                         tracing::warn!("{}: accepting again after {failures} failed attempts", self.what);
+                        (failures, backoff_ms) = (0, 0);
                     }
                     let Some(permit) = self.limit.try_admit() else {
                         drop(stream); // closed at once: the excess never holds a descriptor
