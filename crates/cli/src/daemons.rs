@@ -114,6 +114,11 @@ pub struct NbdArgs {
     /// Also serve on this Unix socket (a stale socket file is replaced).
     #[arg(long, value_name = "PATH")]
     pub unix: Option<PathBuf>,
+    /// Bytes of WRITE payloads being received at once, across all connections (at least the
+    /// 32 MiB largest request); a connection waits for room before reading its payload, so
+    /// clients stalled mid-write cannot make the server hold more.
+    #[arg(long, value_name = "BYTES", default_value_t = nbd::ServerConfig::default().max_incomplete_request_bytes)]
+    pub max_incomplete_request_bytes: u32,
 }
 
 /// Runs `fut` until it ends or a stop signal arrives.
@@ -192,7 +197,17 @@ pub async fn nbd(a: NbdArgs) -> anyhow::Result<()> {
                 Err(e) => return Err(e),
             }
         };
-        let server = Arc::new(nbd::Server::new(ClusterExports::new(cluster)));
+        let config = nbd::ServerConfig {
+            // The process's connection limit (UNDERSTUDY_MAX_CONNECTIONS, capped by the
+            // descriptor limit), as every daemon's.
+            max_connections: wire::listen::ConnLimit::process().max() as u32,
+            // A handshake is milliseconds of work plus opening the volume through the metadata
+            // service: twice the authentication deadline of the other daemons' ports.
+            handshake_timeout_ms: 2 * wire::listen::AUTH_DEADLINE.as_millis() as u64,
+            max_incomplete_request_bytes: a.max_incomplete_request_bytes,
+            ..nbd::ServerConfig::default()
+        };
+        let server = Arc::new(nbd::Server::with_config(ClusterExports::new(cluster), config));
         tracing::info!(listen = %a.listen, unix = ?a.unix, "NBD server ready: nbd://{}/<volume>", a.listen);
         match unix {
             Some(u) => {

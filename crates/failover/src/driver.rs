@@ -271,13 +271,15 @@ enum Work {
 /// Serves control requests (one line each) on `listener`: `status`, `kill`, `stop`,
 /// `pause MS`, `cut MS`, `hint BACK_MS|never RECOVERY_MS`.
 pub async fn serve_control(listener: TcpListener, tx: mpsc::Sender<Control>) {
-    loop {
-        let Ok((s, _)) = listener.accept().await else { continue };
+    // Accept errors are waited out with backoff (retrying at once spins a core).
+    wire::listen::serve(listener, "failover control port", move |s, _| {
         let tx = tx.clone();
-        tokio::spawn(async move {
+        async move {
             let (r, mut w) = s.into_split();
             let mut lines = BufReader::new(r.take(MAX_CONTROL_LINE_BYTES as u64 * 16)).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
+            // The port has no secret; the tools send their line at once: a connection that
+            // sends no request within the authentication deadline of the other ports is closed.
+            while let Ok(Ok(Some(line))) = tokio::time::timeout(wire::listen::AUTH_DEADLINE, lines.next_line()).await {
                 let reply = control_request(&tx, line.trim()).await;
                 let text = match reply {
                     Ok(t) => format!("ok {t}\n"),
@@ -287,8 +289,9 @@ pub async fn serve_control(listener: TcpListener, tx: mpsc::Sender<Control>) {
                     return;
                 }
             }
-        });
-    }
+        }
+    })
+    .await
 }
 
 use tokio::io::AsyncReadExt;
@@ -591,4 +594,39 @@ async fn inject(pool: &Arc<LocalPool>, primary: InstanceId, kind: FaultKind, dur
         }
     }
     Ok(format!("{kind:?} injected into primary {primary}"))
+}
+
+#[cfg(test)]
+mod control_port_tests {
+    use super::*;
+    use std::time::Instant;
+    use tokio::io::AsyncBufReadExt;
+
+    /// A flood of idle connections neither stops the control port nor stays open past the
+    /// deadline; a real request is answered afterwards.
+    #[tokio::test]
+    async fn control_port_survives_a_flood_and_closes_idle_connections() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, mut rx) = mpsc::channel::<Control>(64);
+        tokio::spawn(serve_control(l, tx));
+        tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        let mut flood = Vec::new();
+        for _ in 0..300 {
+            flood.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        drop(flood);
+        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (r, mut w) = s.into_split();
+        w.write_all(b"hint 10 20\n").await.unwrap();
+        let mut line = String::new();
+        tokio::time::timeout(std::time::Duration::from_secs(10), BufReader::new(r).read_line(&mut line)).await.unwrap().unwrap();
+        assert_eq!(line.trim(), "ok hint taken");
+
+        let t0 = Instant::now();
+        let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(wire::listen::AUTH_DEADLINE * 3, idle.read(&mut b)).await;
+        assert!(matches!(n, Ok(Ok(0)) | Ok(Err(_))), "an idle control connection stayed open for {:?}", t0.elapsed());
+    }
 }

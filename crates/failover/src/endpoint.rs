@@ -15,9 +15,10 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 
-/// Connections one proxy carries at most; more wait in the listen backlog.
+/// Connections one proxy carries at most (also at most half the process's connection limit:
+/// each takes two descriptors, the client's and the target's); more are closed at once.
 pub const MAX_CONNECTIONS: usize = 1024;
 /// How long the proxy keeps trying to reach an unresponsive target (packets dropped: a cut
 /// link) before it resets the client's connection.
@@ -104,18 +105,16 @@ impl Drop for Proxy {
     }
 }
 
+fn proxy_limit() -> wire::listen::ConnLimit {
+    wire::listen::ConnLimit::new(MAX_CONNECTIONS.min(wire::listen::ConnLimit::process().max() / 2))
+}
+
 async fn accept_loop(listener: TcpListener, rx: watch::Receiver<Target>, severed: Arc<AtomicU64>) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    // Accept errors are waited out with backoff; connections over the limit are closed at once.
+    let listener = wire::listen::Listener::new(listener, "failover endpoint", proxy_limit());
     loop {
-        let Ok(permit) = slots.clone().acquire_owned().await else { return };
-        let (client, _) = match listener.accept().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!("proxy accept: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
+        let admitted = listener.accept().await;
+        let (client, permit) = (admitted.stream, admitted.permit);
         let mut rx = rx.clone();
         let severed = severed.clone();
         tokio::spawn(async move {
@@ -275,6 +274,38 @@ mod tests {
             Ok(n) if n > 0 => Some(line.trim().to_string()),
             _ => None,
         }
+    }
+
+    /// More clients than the proxy's limit: the excess is closed at once (not left waiting in
+    /// the backlog), the admitted ones are served, and a client after the flood is served.
+    #[tokio::test]
+    async fn a_flood_past_the_limit_is_refused_early_and_survived() {
+        // Both ends of every connection are in this process (up to 4 descriptors each).
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: valid pointers to an rlimit.
+        unsafe {
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+        let a = echo_server("a").await;
+        let p = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(a)).await.unwrap();
+        let limit = proxy_limit().max();
+        let mut flood = Vec::new();
+        for _ in 0..limit + 20 {
+            flood.push(TcpStream::connect(p.local_addr()).await.unwrap());
+        }
+        let last = flood.last_mut().unwrap();
+        let mut b = [0u8; 1];
+        let r = tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read(last, &mut b)).await;
+        assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "a connection past the limit of {limit} was not closed at once: {r:?}");
+        let mut first = BufReader::new(flood.remove(0));
+        assert_eq!(ask(&mut first, "in").await.as_deref(), Some("a in"));
+        drop(flood);
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut c = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
+        assert_eq!(ask(&mut c, "after").await.as_deref(), Some("a after"));
     }
 
     #[tokio::test]

@@ -475,21 +475,21 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
         let secret = cfg.secret.clone();
         let in_tx = in_tx.clone();
         let stats = stats.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((sock, _)) = listener.accept().await else {
-                    continue;
-                };
-                let _ = sock.set_nodelay(true);
-                tokio::spawn(serve_conn(
+        // Accept errors (out of descriptors) are waited out with backoff: retrying at once
+        // spun a core while the limit was exceeded.
+        tokio::spawn(wire::listen::serve(
+            listener,
+            format!("kv node {me}"),
+            move |sock, _| {
+                serve_conn(
                     sock,
                     secret.clone(),
                     in_tx.clone(),
                     hb_tx.clone(),
                     stats.clone(),
-                ));
-            }
-        });
+                )
+            },
+        ));
     }
 
     let start = Instant::now();

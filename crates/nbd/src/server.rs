@@ -8,7 +8,7 @@ use blockdev::{BlockDev, DevError};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use crate::exports::Exports;
 use crate::proto::*;
@@ -33,8 +33,18 @@ pub struct ServerConfig {
     pub max_options_per_handshake: u32,
     /// Time a client has to finish the handshake.
     pub handshake_timeout_ms: u64,
-    /// Connections served at once; further ones are accepted and closed at once.
+    /// Connections served at once (TCP and Unix together); further ones are accepted and
+    /// closed at once.
     pub max_connections: u32,
+    /// Bytes of WRITE payloads being received at once, across all connections: a payload is
+    /// read into memory only once its bytes fit, else the connection waits (backpressure: the
+    /// bytes stay in the client's socket). Without it, clients that each send the header of a
+    /// large write and part of its payload make the server hold all of them. Raised to at
+    /// least `max_request_bytes`.
+    pub max_incomplete_request_bytes: u32,
+    /// Time a WRITE's payload has to arrive once the server started reading it: a client
+    /// stalled mid-payload holds part of `max_incomplete_request_bytes`, so it is cut off.
+    pub request_payload_timeout_ms: u64,
     /// Preferred block size advertised in NBD_INFO_BLOCK_SIZE (the minimum advertised is 1).
     pub preferred_block_bytes: u32,
 }
@@ -49,7 +59,10 @@ impl Default for ServerConfig {
             max_option_bytes: 64 << 10,
             max_options_per_handshake: 256,
             handshake_timeout_ms: 30_000,
-            max_connections: 1024,
+            // Below the usual descriptor limit of 1024 (see wire::listen).
+            max_connections: wire::listen::DEFAULT_MAX_CONNECTIONS as u32,
+            max_incomplete_request_bytes: 64 << 20,
+            request_payload_timeout_ms: 30_000,
             preferred_block_bytes: 4096,
         }
     }
@@ -76,7 +89,10 @@ impl From<ParseError> for ConnError {
 pub struct Server<E: Exports> {
     exports: E,
     config: ServerConfig,
-    connections: Arc<Semaphore>,
+    /// Shared by the TCP and Unix listeners.
+    connections: wire::listen::ConnLimit,
+    /// `max_incomplete_request_bytes`, one permit per byte.
+    incomplete_bytes: Arc<Semaphore>,
 }
 
 /// Serves `exports` on a TCP listener with default limits, until the returned future is
@@ -90,8 +106,6 @@ pub async fn serve_unix<E: Exports>(listener: UnixListener, exports: E) -> io::R
     Arc::new(Server::new(exports)).serve_unix(listener).await
 }
 
-/// Pause after a failed accept (e.g. out of file descriptors) before trying again.
-const ACCEPT_RETRY_DELAY_MS: u64 = 100;
 /// Bytes read at a time while discarding a refused write payload.
 const DISCARD_CHUNK_BYTES: usize = 64 << 10;
 /// Read buffer of a connection.
@@ -113,11 +127,16 @@ impl<E: Exports> Server<E> {
         config.max_discard_payload_bytes = config
             .max_discard_payload_bytes
             .max(config.max_request_bytes);
-        let connections = Arc::new(Semaphore::new(config.max_connections as usize));
+        config.max_incomplete_request_bytes = config
+            .max_incomplete_request_bytes
+            .max(config.max_request_bytes);
+        let connections = wire::listen::ConnLimit::new(config.max_connections as usize);
+        let incomplete_bytes = Arc::new(Semaphore::new(config.max_incomplete_request_bytes as usize));
         Server {
             exports,
             config,
             connections,
+            incomplete_bytes,
         }
     }
 
@@ -125,54 +144,35 @@ impl<E: Exports> Server<E> {
         &self.config
     }
 
-    /// Accepts TCP connections forever, serving each on its own task.
+    /// Accepts TCP connections forever, serving each on its own task. Accept errors (e.g. out
+    /// of file descriptors) are logged and waited out; connections over `max_connections` are
+    /// closed at once (see `wire::listen`).
     pub async fn serve_tcp(self: Arc<Self>, listener: TcpListener) -> io::Result<()> {
-        loop {
-            match listener.accept().await {
-                Ok((stream, peer)) => {
-                    let _ = stream.set_nodelay(true);
-                    self.spawn_connection(stream, peer.to_string());
-                }
-                Err(e) => {
-                    warn!("nbd: accept failed: {e}; retrying");
-                    tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_DELAY_MS)).await;
-                }
-            }
-        }
+        self.serve(listener, "NBD server").await
     }
 
     /// Accepts Unix socket connections forever, serving each on its own task.
     pub async fn serve_unix(self: Arc<Self>, listener: UnixListener) -> io::Result<()> {
-        loop {
-            match listener.accept().await {
-                Ok((stream, _)) => self.spawn_connection(stream, "unix".to_string()),
-                Err(e) => {
-                    warn!("nbd: accept failed: {e}; retrying");
-                    tokio::time::sleep(Duration::from_millis(ACCEPT_RETRY_DELAY_MS)).await;
-                }
-            }
-        }
+        self.serve(listener, "NBD server (unix socket)").await
     }
 
-    fn spawn_connection<S>(self: &Arc<Self>, stream: S, peer: String)
+    async fn serve<A>(self: Arc<Self>, listener: A, what: &str) -> io::Result<()>
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+        A: wire::listen::Acceptor,
+        A::Stream: AsyncRead + AsyncWrite + Unpin,
     {
-        let Ok(slot) = self.connections.clone().try_acquire_owned() else {
-            warn!(
-                "nbd: refusing connection from {peer}: {} connections already (max_connections)",
-                self.config.max_connections
-            );
-            return; // dropping the stream closes it
-        };
-        let server = self.clone();
-        tokio::spawn(async move {
-            match server.serve_connection(stream).await {
-                Ok(()) => debug!("nbd: connection from {peer} closed"),
-                Err(e) => info!("nbd: connection from {peer} ended: {e}"),
-            }
-            drop(slot);
-        });
+        let listener = wire::listen::Listener::new(listener, what, self.connections.clone());
+        loop {
+            let c = listener.accept().await;
+            let server = self.clone();
+            tokio::spawn(async move {
+                match server.serve_connection(c.stream).await {
+                    Ok(()) => debug!("nbd: connection from {} closed", c.peer),
+                    Err(e) => info!("nbd: connection from {} ended: {e}", c.peer),
+                }
+                drop(c.permit);
+            });
+        }
     }
 
     /// Serves one connection (any byte stream) to its end.
@@ -405,9 +405,7 @@ impl<E: Exports> Server<E> {
                             None
                         };
                         let payload = if let Command::Write { length_bytes, .. } = command {
-                            let mut data = vec![0u8; length_bytes as usize];
-                            reader.read_exact(&mut data).await?;
-                            data
+                            self.read_payload(&mut reader, length_bytes).await?
                         } else {
                             Vec::new()
                         };
@@ -446,6 +444,22 @@ impl<E: Exports> Server<E> {
                 Err(e)
             }
         }
+    }
+}
+
+impl<E: Exports> Server<E> {
+    /// Reads a WRITE payload of `len` bytes within the server-wide budget of bytes held for
+    /// incomplete requests (waiting for room first) and the payload timeout.
+    async fn read_payload<R: AsyncRead + Unpin>(&self, reader: &mut R, len: u32) -> Result<Vec<u8>, ConnError> {
+        // Held only while the payload is being received: once complete, the request's bytes
+        // count against the connection's own in-flight limit.
+        let _budget = self.incomplete_bytes.acquire_many(len).await.expect("never closed");
+        let timeout_ms = self.config.request_payload_timeout_ms;
+        let mut data = vec![0u8; len as usize];
+        tokio::time::timeout(Duration::from_millis(timeout_ms), reader.read_exact(&mut data))
+            .await
+            .map_err(|_| ConnError::Protocol(format!("a {len}-byte WRITE payload did not arrive within {timeout_ms} ms")))??;
+        Ok(data)
     }
 }
 

@@ -108,16 +108,20 @@ pub async fn run_peer_as(
             }
         });
     }
-    loop {
-        let (sock, from) = listener.accept().await?;
+    // Accept errors (out of descriptors) are logged and waited out: the listener outlives
+    // any flood of connections.
+    let what = format!("nearlog peer {}", listener.local_addr().map(|a| a.to_string()).unwrap_or_default());
+    wire::listen::serve(listener, what, move |sock, from| {
         let core = core.clone();
         let secret = secret.clone();
-        tokio::spawn(async move {
+        async move {
             if let Err(e) = serve_peer_conn(sock, core, &secret).await {
                 tracing::debug!(%from, "peer connection ended: {e}");
             }
-        });
-    }
+        }
+    })
+    .await;
+    Ok(()) // not reached: the accept loop runs until the task is dropped
 }
 
 /// The id kept in a peer's identity file (`None`: no file yet, a new peer).
@@ -443,13 +447,12 @@ pub async fn ctl_call(addr: &str, secret: &[u8], req: &CtlRequest) -> Result<Ctl
 /// Serves the controller on `listener` until the task is dropped.
 pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core: ControllerCore<S>, secret: Arc<Vec<u8>>) -> std::io::Result<()> {
     let core = Arc::new(Mutex::new(core));
-    loop {
-        let (mut sock, from) = listener.accept().await?;
+    let what = format!("nearlog controller {}", listener.local_addr().map(|a| a.to_string()).unwrap_or_default());
+    wire::listen::serve(listener, what, move |mut sock, from| {
         let core = core.clone();
         let secret = secret.clone();
-        tokio::spawn(async move {
+        async move {
             let res: Result<(), wire::WireError> = async {
-                sock.set_nodelay(true)?;
                 wire::auth::accept(&mut sock, &secret).await?;
                 loop {
                     let req: CtlRequest = wire::read_msg(&mut sock, MAX_FRAME_BYTES).await?;
@@ -464,8 +467,10 @@ pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core:
             if let Err(e) = res {
                 tracing::debug!(%from, "controller connection ended: {e}");
             }
-        });
-    }
+        }
+    })
+    .await;
+    Ok(()) // not reached: the accept loop runs until the task is dropped
 }
 
 #[cfg(test)]

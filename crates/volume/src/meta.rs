@@ -279,16 +279,18 @@ pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Res
     }
     tokio::spawn(meta.clone().liveness_loop());
     tokio::spawn(meta.clone().tick_loop());
-    loop {
-        let (sock, _) = listener.accept().await?;
-        let _ = sock.set_nodelay(true);
+    // Accept errors (out of descriptors) are waited out, never fatal: one client must not be
+    // able to stop the metadata service.
+    wire::listen::serve(listener, "metadata service", move |sock, _| {
         let m = meta.clone();
-        tokio::spawn(async move {
+        async move {
             if let Err(e) = m.serve(sock).await {
                 tracing::debug!("metadata connection: {e:#}");
             }
-        });
-    }
+        }
+    })
+    .await;
+    Ok(()) // not reached: the accept loop runs until the task is dropped
 }
 
 impl Inner {
@@ -378,7 +380,8 @@ impl Meta {
     }
 
     async fn serve(self, mut sock: TcpStream) -> anyhow::Result<()> {
-        tokio::time::timeout(Duration::from_secs(5), wire::auth::accept(&mut sock, &self.opts.secret)).await??;
+        // Fails after wire::listen::AUTH_DEADLINE.
+        wire::auth::accept(&mut sock, &self.opts.secret).await?;
         let hello: Hello = wire::read_msg(&mut sock, 1024).await?;
         match hello {
             Hello::Client => loop {

@@ -228,16 +228,11 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
     {
         let tx = tx.clone();
         let secret = secret.clone();
-        tokio::spawn(async move {
-            let mut next_conn = 1u64;
-            loop {
-                let Ok((sock, _)) = listener.accept().await else { continue };
-                let _ = sock.set_nodelay(true);
-                let conn = next_conn;
-                next_conn += 1;
-                tokio::spawn(serve_conn(sock, conn, tx.clone(), secret.clone()));
-            }
-        });
+        let next_conn = std::sync::atomic::AtomicU64::new(1);
+        tokio::spawn(wire::listen::serve(listener, format!("shard {}", opts.id), move |sock, _| {
+            let conn = next_conn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            serve_conn(sock, conn, tx.clone(), secret.clone())
+        }));
     }
     // Keep a control link to the metadata service.
     {

@@ -28,8 +28,17 @@ fn equal_ct(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Server side of the handshake: returns once the client proved it knows `secret`.
+/// Server side of the handshake: returns once the client proved it knows `secret`. Fails if
+/// the client has not within [`crate::listen::AUTH_DEADLINE`]: a connection that never
+/// authenticates must not hold a server's descriptor and connection slot for long.
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]) -> Result<(), WireError> {
+    let deadline = crate::listen::AUTH_DEADLINE;
+    tokio::time::timeout(deadline, accept_inner(s, secret))
+        .await
+        .map_err(|_| WireError::Auth(format!("no authentication within {deadline:?}")))?
+}
+
+async fn accept_inner<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]) -> Result<(), WireError> {
     let server_nonce: [u8; NONCE_BYTES] = rand::random();
     let mut hello = Vec::with_capacity(8 + 4 + NONCE_BYTES);
     hello.extend_from_slice(MAGIC);
@@ -107,6 +116,15 @@ mod tests {
         let (r1, r2) = tokio::join!(accept(&mut a, b"s3cret"), connect(&mut b, b"s3cret"));
         r1.unwrap();
         r2.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_never_answers_is_dropped_at_the_deadline() {
+        let (mut a, _silent) = tokio::io::duplex(1024);
+        let t0 = tokio::time::Instant::now();
+        let r = accept(&mut a, b"s3cret").await;
+        assert!(matches!(r, Err(WireError::Auth(_))), "{r:?}");
+        assert_eq!(t0.elapsed(), crate::listen::AUTH_DEADLINE);
     }
 
     #[tokio::test]

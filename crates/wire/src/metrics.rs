@@ -19,10 +19,9 @@ where
     F: Fn() -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = String> + Send,
 {
-    loop {
-        let Ok((mut sock, _)) = listener.accept().await else { continue };
+    crate::listen::serve(listener, "metrics endpoint", move |mut sock, _| {
         let render = render.clone();
-        tokio::spawn(async move {
+        async move {
             let mut buf = vec![0u8; MAX_REQUEST_BYTES];
             let mut n = 0;
             let read = async {
@@ -52,8 +51,9 @@ where
                 body.len()
             );
             let _ = sock.write_all(resp.as_bytes()).await;
-        });
-    }
+        }
+    })
+    .await
 }
 
 /// Appends one metric (with its HELP and TYPE lines) to a Prometheus text body.
