@@ -4,7 +4,7 @@
 //! log with Unix-epoch timestamps) while the test SIGKILLs a shard, waits for the map to mark it
 //! down, restarts it on its data directory and waits for it to be up again, three times. Every
 //! write is classed by the event it met (a death: in flight between the kill and the restart; a
-//! return: started after the restart, up to the next kill) and both classes are bounded by [`STALL_BOUND`], far below the client's
+//! return: started after the restart and done before the next kill) and both classes are bounded by [`STALL_BOUND`], far below the client's
 //! 3 s request timeout, which a request lost toward a dead or returning shard used to wait out.
 //! Detection of a killed shard (kill to `Down` in the map) is bounded too: a killed process's
 //! control link closes at once, and death must not stall writes for longer than its detection.
@@ -129,11 +129,15 @@ fn a_shard_death_or_return_stalls_no_write_for_long() {
     let mut failures = vec![];
     for (i, &(t_kill, t_down, t_restart, t_up, detection)) in events.iter().enumerate() {
         let t_next = events.get(i + 1).map_or(t_end, |e| e.0);
-        // A write belongs to the event it started in; one in flight at the kill, to the death.
+        // A write belongs to the event it started in, except that one still in flight at a
+        // kill belongs to that death.
         let death: Vec<Write> =
             writes.iter().copied().filter(|w| w.overlaps(t_kill, t_restart) && w.start_ms() < t_restart as f64).collect();
-        let ret: Vec<Write> =
-            writes.iter().copied().filter(|w| w.start_ms() >= t_restart as f64 && w.start_ms() < t_next as f64).collect();
+        let ret: Vec<Write> = writes
+            .iter()
+            .copied()
+            .filter(|w| w.start_ms() >= t_restart as f64 && (i + 1 == events.len() || w.end_ms < t_next))
+            .collect();
         let (dn, dp99, dmax) = stats(&death);
         let (rn, rp99, rmax) = stats(&ret);
         eprintln!(

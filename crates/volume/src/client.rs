@@ -266,9 +266,14 @@ impl Cluster {
                 Ok(body) => return Ok(body),
                 Err(e) if e.is_retryable() => {
                     last_err = e;
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(200));
+                    // A newer map (the shard refused our epoch, or one of its shards changed
+                    // state) is tried at once; only a retry that would go to the same place
+                    // waits, with growing pauses (bounded), for the cluster to move on.
                     let _ = self.refresh_map(map.epoch).await;
+                    if self.map().epoch == map.epoch {
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_millis(200));
+                    }
                 }
                 Err(e) => return Err(e),
             }
