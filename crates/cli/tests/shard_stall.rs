@@ -146,7 +146,9 @@ fn a_shard_death_or_return_stalls_no_write_for_long() {
             t_down - t_kill,
             t_up - t_restart
         );
-        assert!(dn > 0 && rn > 0, "cycle {i}: no write during the death or the return");
+        if dn == 0 || rn == 0 {
+            failures.push(format!("cycle {i}: no write completed around the death ({dn}) or the return ({rn}): all stalled"));
+        }
         if detection > DETECTION_BOUND {
             failures.push(format!("cycle {i}: the killed shard was marked down after {detection:?} > {DETECTION_BOUND:?}"));
         }
