@@ -26,6 +26,10 @@ use crate::types::*;
 
 /// How long one request may wait for its reply before it is retried.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
+/// A request without a reply for this long looks at the cluster map again (asking the
+/// metadata service for a newer one), and goes to the new primary if its shard was marked
+/// down meanwhile: a stopped shard then stalls writes no longer than its detection plus this.
+pub const MAP_CHECK_INTERVAL: Duration = Duration::from_millis(250);
 /// Object requests one client keeps in flight at most; a bigger I/O waits for room, so a huge
 /// write cannot flood the shards (and their failure detector) with work.
 pub const MAX_OBJECT_IOS_IN_FLIGHT: usize = 128;
@@ -254,11 +258,31 @@ impl Cluster {
                     conn.forget(req);
                     return Err(IoErr::NotReady);
                 }
-                match tokio::time::timeout(REQUEST_TIMEOUT, wrx).await {
-                    Ok(Ok(r)) => r,
-                    _ => {
-                        conn.forget(req);
-                        Err(IoErr::NotReady)
+                let sent = Instant::now();
+                let mut wrx = wrx;
+                loop {
+                    match tokio::time::timeout(MAP_CHECK_INTERVAL, &mut wrx).await {
+                        Ok(Ok(r)) => return r,
+                        // The connection's reader dropped the waiter without an answer.
+                        Ok(Err(_)) => return Err(IoErr::NotReady),
+                        Err(_) if sent.elapsed() >= REQUEST_TIMEOUT => {
+                            conn.forget(req);
+                            return Err(IoErr::NotReady);
+                        }
+                        Err(_) => {
+                            // No answer yet: a shard that stopped (paused, cut off) answers
+                            // nothing and its connection stays open, so only the map tells
+                            // that it was marked down. Once it does, the request goes to the
+                            // new primary now, not after the rest of REQUEST_TIMEOUT (were
+                            // the stopped shard to run it still, its replicas, on the new
+                            // epoch, refuse it: as after a timeout).
+                            let _ = self.refresh_map(map.epoch).await;
+                            let now = self.map();
+                            if now.epoch > map.epoch && now.primary(slot) != Some(p) {
+                                conn.forget(req);
+                                return Err(IoErr::StaleEpoch(now.epoch));
+                            }
+                        }
                     }
                 }
             };
