@@ -58,7 +58,8 @@ enum Cmd {
     ///
     /// Keeps its state in DIR/meta.json (replaced atomically on every change), listens for
     /// shards and control clients on ADDR, pings every shard and marks one down after
-    /// --down-after-ms without an answer. Stops on SIGTERM or Ctrl-C.
+    /// --down-after-ms without an answer, or at once when its link closes (a killed shard).
+    /// Stops on SIGTERM or Ctrl-C.
     Meta(daemons::MetaArgs),
     /// Run a storage shard.
     ///

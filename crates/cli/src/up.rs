@@ -307,7 +307,12 @@ impl LocalCluster {
             return vec![];
         }
         self.stopped = true;
-        let out = proc::stop_children(&mut self.children, proc::STOP_GRACE);
+        // The metadata service first (it was started first): a shard that stopped before it
+        // would be marked down and out of sync the moment its link closed, and the next start
+        // could no longer tell a shard that was stale from the ones that were in sync.
+        let first = self.children.len().min(1);
+        let mut out = proc::stop_children(&mut self.children[..first], proc::STOP_GRACE);
+        out.extend(proc::stop_children(&mut self.children[first..], proc::STOP_GRACE));
         let _ = std::fs::remove_file(&self.lock_file);
         let _ = std::fs::remove_file(&self.info.nbd.unix_socket);
         out

@@ -26,20 +26,51 @@ use crate::types::*;
 
 /// How long one request may wait for its reply before it is retried.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
+/// A request without a reply for this long looks at the cluster map again (asking the
+/// metadata service for a newer one), and goes to the new primary if its shard was marked
+/// down meanwhile: a stopped shard then stalls writes no longer than its detection plus this.
+pub const MAP_CHECK_INTERVAL: Duration = Duration::from_millis(250);
 /// Object requests one client keeps in flight at most; a bigger I/O waits for room, so a huge
 /// write cannot flood the shards (and their failure detector) with work.
 pub const MAX_OBJECT_IOS_IN_FLIGHT: usize = 128;
 
 type Waiter = oneshot::Sender<Result<ReplyBody, IoErr>>;
 
+/// Requests of one connection waiting for their replies. `closed` is set, under the same lock,
+/// when the connection's reader sees EOF or an error: from then on no request may wait on it
+/// (nothing would ever answer it; it used to sit there until [`REQUEST_TIMEOUT`]).
+#[derive(Default)]
+struct Pending {
+    waiters: HashMap<ReqId, Waiter>,
+    closed: bool,
+}
+
 struct ShardConn {
     tx: mpsc::Sender<Msg>,
-    pending: Arc<StdMutex<HashMap<ReqId, Waiter>>>,
+    pending: Arc<StdMutex<Pending>>,
 }
 
 impl ShardConn {
+    /// A connection is dead as soon as its reader has seen it end, not only once a write to it
+    /// fails: the write half of a socket whose peer died keeps accepting bytes until the
+    /// peer's reset comes back, and a shard that died (or died and came back at the same
+    /// address) answers nothing on it.
     fn is_closed(&self) -> bool {
-        self.tx.is_closed()
+        self.tx.is_closed() || self.pending.lock().unwrap().closed
+    }
+
+    /// Registers a waiter for `req`; `false` if the connection has already ended.
+    fn wait_for(&self, req: ReqId, w: Waiter) -> bool {
+        let mut p = self.pending.lock().unwrap();
+        if p.closed {
+            return false;
+        }
+        p.waiters.insert(req, w);
+        true
+    }
+
+    fn forget(&self, req: ReqId) {
+        self.pending.lock().unwrap().waiters.remove(&req);
     }
 }
 
@@ -178,18 +209,25 @@ impl Cluster {
         let sock = dial(addr, &self.secret, &Hello::Client).await?;
         let (r, w) = sock.into_split();
         let (tx, rx) = mpsc::channel(CONN_QUEUE_MSGS);
-        let pending: Arc<StdMutex<HashMap<ReqId, Waiter>>> = Default::default();
-        tokio::spawn(writer_loop(w, rx));
+        let pending: Arc<StdMutex<Pending>> = Default::default();
+        let writer = tokio::spawn(writer_loop(w, rx));
         let p = pending.clone();
         tokio::spawn(async move {
             let mut r = tokio::io::BufReader::with_capacity(256 * 1024, r);
             while let Ok(Msg::Reply { req, result }) = wire::read_msg::<Msg, _>(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES).await {
-                if let Some(w) = p.lock().unwrap().remove(&req) {
+                if let Some(w) = p.lock().unwrap().waiters.remove(&req) {
                     let _ = w.send(result);
                 }
             }
-            // Connection gone: everyone waiting retries.
-            for (_, w) in p.lock().unwrap().drain() {
+            // Connection gone (the shard died or closed it): everyone waiting retries at once,
+            // and no later request waits on it; the writer stops, so the next request dials.
+            writer.abort();
+            let waiters = {
+                let mut g = p.lock().unwrap();
+                g.closed = true;
+                std::mem::take(&mut g.waiters)
+            };
+            for (_, w) in waiters {
                 let _ = w.send(Err(IoErr::NotReady));
             }
         });
@@ -212,17 +250,39 @@ impl Cluster {
                 let conn = self.conn(p, map.addr(p).unwrap_or_default()).await.map_err(|_| IoErr::NotReady)?;
                 let req = self.next_req.fetch_add(1, Ordering::Relaxed);
                 let (wtx, wrx) = oneshot::channel();
-                conn.pending.lock().unwrap().insert(req, wtx);
-                let msg = Msg::Io { req, epoch: map.epoch, vol: vol.clone(), objno, op: op.clone() };
-                if conn.tx.send(msg).await.is_err() {
-                    conn.pending.lock().unwrap().remove(&req);
+                if !conn.wait_for(req, wtx) {
                     return Err(IoErr::NotReady);
                 }
-                match tokio::time::timeout(REQUEST_TIMEOUT, wrx).await {
-                    Ok(Ok(r)) => r,
-                    _ => {
-                        conn.pending.lock().unwrap().remove(&req);
-                        Err(IoErr::NotReady)
+                let msg = Msg::Io { req, epoch: map.epoch, vol: vol.clone(), objno, op: op.clone() };
+                if conn.tx.send(msg).await.is_err() {
+                    conn.forget(req);
+                    return Err(IoErr::NotReady);
+                }
+                let sent = Instant::now();
+                let mut wrx = wrx;
+                loop {
+                    match tokio::time::timeout(MAP_CHECK_INTERVAL, &mut wrx).await {
+                        Ok(Ok(r)) => return r,
+                        // The connection's reader dropped the waiter without an answer.
+                        Ok(Err(_)) => return Err(IoErr::NotReady),
+                        Err(_) if sent.elapsed() >= REQUEST_TIMEOUT => {
+                            conn.forget(req);
+                            return Err(IoErr::NotReady);
+                        }
+                        Err(_) => {
+                            // No answer yet: a shard that stopped (paused, cut off) answers
+                            // nothing and its connection stays open, so only the map tells
+                            // that it was marked down. Once it does, the request goes to the
+                            // new primary now, not after the rest of REQUEST_TIMEOUT (were
+                            // the stopped shard to run it still, its replicas, on the new
+                            // epoch, refuse it: as after a timeout).
+                            let _ = self.refresh_map(map.epoch).await;
+                            let now = self.map();
+                            if now.epoch > map.epoch && now.primary(slot) != Some(p) {
+                                conn.forget(req);
+                                return Err(IoErr::StaleEpoch(now.epoch));
+                            }
+                        }
                     }
                 }
             };
@@ -230,9 +290,14 @@ impl Cluster {
                 Ok(body) => return Ok(body),
                 Err(e) if e.is_retryable() => {
                     last_err = e;
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(200));
+                    // A newer map (the shard refused our epoch, or one of its shards changed
+                    // state) is tried at once; only a retry that would go to the same place
+                    // waits, with growing pauses (bounded), for the cluster to move on.
                     let _ = self.refresh_map(map.epoch).await;
+                    if self.map().epoch == map.epoch {
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_millis(200));
+                    }
                 }
                 Err(e) => return Err(e),
             }

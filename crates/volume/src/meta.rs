@@ -11,7 +11,8 @@
 //! nothing. A later store can keep the same state in etcd.
 //!
 //! Shards open a control link to this service and register; the service pings them, marks one
-//! down after `down_after_ms` without an answer, marks a restarted shard recovering, and marks it
+//! down after `down_after_ms` without an answer or at once when its link ends (a killed shard's
+//! kernel closes it), marks a restarted shard recovering, and marks it
 //! up once it reports that re-replication finished. Every change bumps the map's epoch and is
 //! pushed to every shard.
 
@@ -333,6 +334,18 @@ impl Inner {
     fn change_map(&mut self, map: ClusterMap) {
         self.pump(MetaInput::SetMap(map));
     }
+
+    /// Marks one shard down (and no longer in sync: writes go on without it), if it is not.
+    fn mark_down(&mut self, id: ShardId, why: &str) {
+        let mut map = self.core.durable().map.clone();
+        if let Some(s) = map.shards.iter_mut().find(|s| s.id == id && s.state != ShardState::Down) {
+            tracing::warn!(shard = id, "shard down: {why}");
+            s.state = ShardState::Down;
+            s.in_sync = false;
+            map.epoch += 1;
+            self.change_map(map);
+        }
+    }
 }
 
 impl Meta {
@@ -448,7 +461,20 @@ impl Meta {
         loop {
             let msg: Msg = match wire::read_msg(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES).await {
                 Ok(m) => m,
-                Err(_) => return Ok(()),
+                Err(e) => {
+                    // The link ended: the shard's process died (its kernel closed the socket)
+                    // or it dropped the link. Either way it is down now, not only once it has
+                    // missed `down_after_ms` of pings: every write to one of its slots waits
+                    // for the map to say so. (A shard that merely lost the link registers
+                    // again within a moment and recovers, as a restarted one does.) A link
+                    // already replaced by a newer registration changes nothing.
+                    let mut g = self.inner.lock().unwrap();
+                    if g.links.get(&id).is_some_and(|l| l.tx.same_channel(&tx)) {
+                        g.links.remove(&id);
+                        g.mark_down(id, &format!("its control link ended ({e})"));
+                    }
+                    return Ok(());
+                }
             };
             match msg {
                 Msg::Reply { req, result } => {

@@ -79,6 +79,10 @@ pub enum DiskErr {
     Io(String),
 }
 
+/// How soon a request a peer answered "not ready" (it does not hold our map epoch yet) is sent
+/// again, in µs: a map push reaches every shard within a few ms, and a write waits for it.
+pub const RETRY_SOON_US: u64 = 20_000;
+
 #[derive(Debug, Clone)]
 pub struct ShardConfig {
     pub id: ShardId,
@@ -1483,7 +1487,13 @@ impl ShardCore {
     }
 
     fn on_reply(&mut self, req: ReqId, result: Result<ReplyBody, IoErr>) {
-        let Some(o) = self.outstanding.get(&req) else { return };
+        let Some(o) = self.outstanding.get_mut(&req) else { return };
+        if matches!(result, Err(IoErr::NotReady)) && matches!(o.owner, Owner::Op(_) | Owner::Recovery) {
+            // The peer does not hold our map yet (a shard that just came back, or one the push
+            // of a new map has not reached): it will within moments, so ask again after
+            // RETRY_SOON_US rather than a whole resend period, which a write waits out.
+            o.sent_us = self.now_us.saturating_sub(self.cfg.resend_after_us.saturating_sub(RETRY_SOON_US));
+        }
         match o.owner {
             Owner::Permission(parent) => {
                 if self.on_permission_reply(parent, result) {

@@ -544,9 +544,16 @@ async fn peer_link(
     match dial(&addr, &secret, &Hello::Shard(me)).await {
         Ok(sock) => {
             let (r, w) = sock.into_split();
-            let reader = tokio::spawn(read_loop(r, Peer::Shard(peer), tx.clone()));
-            writer_loop(w, rx).await;
-            reader.abort();
+            // The link ends when either half does: a peer that died closes our read half at
+            // once, while writes to it may still succeed until its reset comes back, and what
+            // they carry is lost. Ending here lets the next message dial afresh (the peer may
+            // be back already) instead of going into a dead socket; what was in flight is
+            // resent by the core's timer.
+            let mut reader = tokio::spawn(read_loop(r, Peer::Shard(peer), tx.clone()));
+            tokio::select! {
+                _ = writer_loop(w, rx) => reader.abort(),
+                _ = &mut reader => {}
+            }
         }
         Err(e) => tracing::debug!("link to shard {peer} at {addr}: {e:#}"),
     }
