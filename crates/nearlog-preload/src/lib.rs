@@ -41,6 +41,7 @@
 
 #![allow(clippy::missing_safety_doc)]
 
+mod forklock;
 mod shim;
 mod stdio;
 
@@ -90,10 +91,8 @@ pub unsafe extern "C" fn fdopen(fd: c_int, mode: *const c_char) -> *mut libc::FI
     if let Some(f) = stdio::fdopen(fd, mode) {
         return f;
     }
-    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let f = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"fdopen".as_ptr()) as usize);
     // SAFETY: glibc's fdopen has this signature.
-    std::mem::transmute::<usize, FdopenFn>(f)(fd, mode)
+    std::mem::transmute::<usize, FdopenFn>(shim::real().fdopen)(fd, mode)
 }
 
 /// The fd of a replicated stream (a cookie stream has none of its own), else glibc's answer.
@@ -102,20 +101,16 @@ pub unsafe extern "C" fn fileno(f: *mut libc::FILE) -> c_int {
     if let Some(fd) = stdio::stream_fd(f) {
         return fd;
     }
-    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let real = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"fileno".as_ptr()) as usize);
     // SAFETY: glibc's fileno has this signature.
-    std::mem::transmute::<usize, FilenoFn>(real)(f)
+    std::mem::transmute::<usize, FilenoFn>(shim::real().fileno)(f)
 }
 #[no_mangle]
 pub unsafe extern "C" fn fileno_unlocked(f: *mut libc::FILE) -> c_int {
     if let Some(fd) = stdio::stream_fd(f) {
         return fd;
     }
-    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let real = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"fileno_unlocked".as_ptr()) as usize);
     // SAFETY: glibc's fileno_unlocked has this signature.
-    std::mem::transmute::<usize, FilenoFn>(real)(f)
+    std::mem::transmute::<usize, FilenoFn>(shim::real().fileno_unlocked)(f)
 }
 
 // The C `open`/`openat` are variadic; on x86_64 and aarch64 Linux the optional `mode` argument
@@ -236,11 +231,9 @@ type OpendirFn = unsafe extern "C" fn(*const c_char) -> *mut c_void;
 /// finds them on a new machine.
 #[no_mangle]
 pub unsafe extern "C" fn opendir(path: *const c_char) -> *mut c_void {
-    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     shim::before_opendir(path);
     // SAFETY: glibc's opendir has this signature (DIR* is opaque here).
-    let f = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"opendir".as_ptr()) as usize);
-    std::mem::transmute::<usize, OpendirFn>(f)(path)
+    std::mem::transmute::<usize, OpendirFn>(shim::real().opendir)(path)
 }
 
 type StatFn = unsafe extern "C" fn(*const c_char, *mut c_void) -> c_int;

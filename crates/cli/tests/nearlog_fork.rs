@@ -1,0 +1,236 @@
+//! Fork, vfork/posix_spawn and exec under the nearlog shim (issue 22 §1).
+//!
+//! A C program under the shim runs threads that hammer its entry points (open, write, fsync,
+//! close, rename, unlink on log and non-log paths) while the main thread forks 200 times; each
+//! child calls into the shim (rename, open/write/close of a non-log file, close of an inherited
+//! log fd, a write to one that must fail with EIO, sometimes a log file of its own) and
+//! `_exit`s. A child that does not exit within a few seconds is a deadlock on a lock it
+//! inherited held (the parent's other threads are gone in the child). The same program also
+//! `posix_spawn`s and `vfork`+`exec`s while the threads run, and the parent's log file is then
+//! recovered on an empty directory: nothing a child did (close, dup2 over an inherited log fd)
+//! made the parent's own writes go unreplicated.
+
+mod nearlog_common;
+
+use std::process::Command;
+
+use nearlog_common::{recover_through_shim, Bed};
+
+const PROG: &str = r#"
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+extern char **environ;
+static const char *dir;
+static volatile int stop;
+
+static void path(char *out, const char *fmt, long a, long b) {
+    char name[128];
+    snprintf(name, sizeof name, fmt, a, b);
+    snprintf(out, 512, "%s/%s", dir, name);
+}
+
+/* One hammering thread: a log file opened, written, fsynced, closed, renamed, unlinked; a
+   non-log file likewise; over and over until `stop`. */
+static void *hammer(void *arg) {
+    long t = (long)arg;
+    char buf[200], a[512], b[512];
+    memset(buf, 'a' + t, sizeof buf);
+    for (long i = 0; !stop; i++) {
+        path(a, "t%ld-%ld.log", t, i % 4);
+        path(b, "t%ld-%ld-renamed.log", t, i % 4);
+        int fd = open(a, O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (fd < 0) { fprintf(stderr, "thread %ld: open %s: %s\n", t, a, strerror(errno)); exit(20); }
+        for (int k = 0; k < 3; k++)
+            if (write(fd, buf, sizeof buf) != sizeof buf) { fprintf(stderr, "thread %ld: write: %s\n", t, strerror(errno)); exit(21); }
+        if (fsync(fd) != 0) { fprintf(stderr, "thread %ld: fsync: %s\n", t, strerror(errno)); exit(22); }
+        if (close(fd) != 0) { fprintf(stderr, "thread %ld: close: %s\n", t, strerror(errno)); exit(23); }
+        if (rename(a, b) != 0) { fprintf(stderr, "thread %ld: rename: %s\n", t, strerror(errno)); exit(24); }
+        if (unlink(b) != 0) { fprintf(stderr, "thread %ld: unlink: %s\n", t, strerror(errno)); exit(25); }
+        path(a, "t%ld-%ld.tmp", t, i % 4);
+        path(b, "t%ld-%ld.dat", t, i % 4);
+        fd = open(a, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd < 0 || write(fd, buf, sizeof buf) != sizeof buf || fsync(fd) != 0 || close(fd) != 0 || rename(a, b) != 0) {
+            fprintf(stderr, "thread %ld: non-log file: %s\n", t, strerror(errno)); exit(26);
+        }
+    }
+    return NULL;
+}
+
+/* What a forked child does (Redis's rewrite child: writes a temp file and renames it). Exit
+   codes name what went wrong. */
+static void child(int n, int logfd) {
+    char a[512], b[512];
+    path(a, "child-%ld.tmp", n, 0);
+    path(b, "child-%ld.rdb", n, 0);
+    int fd = open(a, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0 || write(fd, "child", 5) != 5 || fsync(fd) != 0 || close(fd) != 0) _exit(2);
+    if (rename(a, b) != 0 || unlink(b) != 0) _exit(3);
+    /* A log fd inherited from the parent is not the child's to replicate: EIO, clearly. */
+    errno = 0;
+    if (write(logfd, "x", 1) != -1 || errno != EIO) _exit(4);
+    if (fsync(logfd) != -1 || errno != EIO) _exit(5);
+    if (close(logfd) != 0) _exit(6);
+    /* Its fd number, reused for a plain file, is a plain fd again. */
+    fd = open(a, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0 || write(fd, "again", 5) != 5 || close(fd) != 0 || unlink(a) != 0) _exit(7);
+    if (n % 20 == 0) {
+        /* A log file of the child's own replicates through the child's own connections. */
+        path(a, "child-%ld.log", n, 0);
+        fd = open(a, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd < 0) _exit(8);
+        if (write(fd, "mine", 4) != 4 || fsync(fd) != 0 || close(fd) != 0) _exit(9);
+        if (unlink(a) != 0) _exit(10);
+    }
+    _exit(0);
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* Waits for `pid` up to `secs`; a child still running then is reported and killed. */
+static int reap(pid_t pid, double secs, const char *what, int n) {
+    double until = now() + secs;
+    int st;
+    for (;;) {
+        pid_t r = waitpid(pid, &st, WNOHANG);
+        if (r == pid) break;
+        if (r < 0) { perror("waitpid"); return 1; }
+        if (now() > until) {
+            printf("HUNG %s %d: pid %d did not exit within %.0f s\n", what, n, pid, secs);
+            fflush(stdout);
+            kill(pid, SIGKILL);
+            waitpid(pid, &st, 0);
+            return 1;
+        }
+        usleep(200);
+    }
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        printf("FAILED %s %d: status %d (exit %d)\n", what, n, st, WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+        return 1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    dir = argv[1];
+    int forks = atoi(argv[2]);
+    char logp[512];
+    path(logp, "main.log", 0, 0);
+    int logfd = open(logp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (logfd < 0) { perror("open main.log"); return 30; }
+    pthread_t th[4];
+    for (long t = 0; t < 4; t++) pthread_create(&th[t], NULL, hammer, (void *)t);
+    int bad = 0;
+    long written = 0;
+    for (int n = 0; n < forks; n++) {
+        char line[64];
+        int len = snprintf(line, sizeof line, "record %06d\n", n);
+        if (write(logfd, line, len) != len) { perror("write main.log"); return 31; }
+        written += len;
+        pid_t pid = fork();
+        if (pid < 0) { perror("fork"); return 32; }
+        if (pid == 0) child(n, logfd);
+        bad += reap(pid, 5.0, "fork child", n);
+        if (bad >= 3) break; /* a deadlock is plain by now: fail fast */
+        if (n % 50 == 0) {
+            /* posix_spawn (glibc: clone(CLONE_VM|CLONE_VFORK), no fork handlers) with a file
+               action that closes the inherited log fd, then vfork + dup2 over the log fd
+               + exec: neither may touch the parent's state (the parent's log fd must go on
+               replicating). */
+            posix_spawn_file_actions_t fa;
+            posix_spawn_file_actions_init(&fa);
+            posix_spawn_file_actions_addclose(&fa, logfd);
+            char *sargv[] = {"true", NULL};
+            pid_t sp;
+            if (posix_spawnp(&sp, "true", &fa, NULL, sargv, environ) != 0) { perror("posix_spawn"); return 33; }
+            posix_spawn_file_actions_destroy(&fa);
+            bad += reap(sp, 5.0, "posix_spawn child", n);
+            int devnull = open("/dev/null", O_WRONLY);
+            pid_t vp = vfork();
+            if (vp == 0) {
+                dup2(devnull, logfd);
+                close(devnull);
+                execlp("true", "true", (char *)NULL);
+                _exit(127);
+            }
+            close(devnull);
+            bad += reap(vp, 5.0, "vfork child", n);
+        }
+    }
+    stop = 1;
+    for (int t = 0; t < 4; t++) pthread_join(th[t], NULL);
+    const char *end = "end\n";
+    if (write(logfd, end, 4) != 4 || fsync(logfd) != 0) { perror("write main.log after the forks"); return 34; }
+    written += 4;
+    if (close(logfd) != 0) { perror("close main.log"); return 35; }
+    printf("DONE forks=%d bad=%d written=%ld\n", forks, bad, written);
+    return bad ? 1 : 0;
+}
+"#;
+
+/// Compiles PROG into `dir` (cc is part of the Rust toolchain's prerequisites).
+fn compile(dir: &std::path::Path) -> std::path::PathBuf {
+    let src = dir.join("forker.c");
+    let bin = dir.join("forker");
+    std::fs::write(&src, PROG).unwrap();
+    let out = Command::new("cc").args(["-O1", "-pthread", "-o"]).arg(&bin).arg(&src).output().expect("cc");
+    assert!(out.status.success(), "cc: {}", String::from_utf8_lossy(&out.stderr));
+    bin
+}
+
+#[test]
+fn forks_while_threads_are_inside_the_shim_never_hang_a_child() {
+    let bed = Bed::new();
+    let bin = compile(bed.tmp.path());
+    let forks = 200;
+    let mut cmd = Command::new(&bin);
+    cmd.arg(&bed.app).arg(forks.to_string());
+    let env = |c: &mut Command| {
+        c.env("LD_PRELOAD", &bed.so).env("UNDERSTUDY_NEARLOG_CLUSTER", &bed.cluster_file).env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log");
+    };
+    env(&mut cmd);
+    // Its own process group: a hung child is killed with it whatever happens to this test.
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let pgid = child.id() as i32;
+    struct Group(i32);
+    impl Drop for Group {
+        fn drop(&mut self) {
+            // SAFETY: signals our own process group (the forker and whatever it left).
+            unsafe { libc::kill(-self.0, libc::SIGKILL) };
+        }
+    }
+    let _group = Group(pgid);
+    let start = std::time::Instant::now();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let tail: String = stderr.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+    assert!(out.status.success(), "forker failed ({:?}) after {:?}:\n{stdout}\nstderr (last lines):\n{tail}", out.status, start.elapsed());
+    assert!(stdout.contains(&format!("DONE forks={forks} bad=0")), "{stdout}\n{tail}");
+    eprintln!("{forks} forks under the shim: {:?}", start.elapsed());
+
+    // Every record the parent wrote between the forks (and after its children closed or
+    // replaced their inherited copies of its log fd) reached the log peers.
+    let recovered = recover_through_shim(&bed.app.join("main.log"), env);
+    let mut want = String::new();
+    for n in 0..forks {
+        want += &format!("record {n:06}\n");
+    }
+    want += "end\n";
+    assert_eq!(String::from_utf8_lossy(&recovered), want);
+}
