@@ -125,59 +125,71 @@ static int reap(pid_t pid, double secs, const char *what, int n) {
     return 0;
 }
 
+static int records;
+
+/* The parent's own log record number `records`, through `fd` (the log fd or a copy). */
+static void record(int fd) {
+    char line[64];
+    int len = snprintf(line, sizeof line, "record %06d\n", records++);
+    if (write(fd, line, len) != len) { perror("write main.log"); exit(31); }
+}
+
 int main(int argc, char **argv) {
     dir = argv[1];
-    int forks = atoi(argv[2]);
+    int forks = atoi(argv[2]), spawns = atoi(argv[3]);
     char logp[512];
     path(logp, "main.log", 0, 0);
+    /* No O_CLOEXEC asked, and a dup2 copy (which POSIX makes inheritable): what does an exec'd
+       program get? */
     int logfd = open(logp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (logfd < 0) { perror("open main.log"); return 30; }
+    int copy = dup2(logfd, 40);
+    if (copy != 40) { perror("dup2 of the log fd"); return 36; }
     pthread_t th[4];
     for (long t = 0; t < 4; t++) pthread_create(&th[t], NULL, hammer, (void *)t);
     int bad = 0;
-    long written = 0;
+    char fds[2][16];
+    snprintf(fds[0], sizeof fds[0], "%d", logfd);
+    snprintf(fds[1], sizeof fds[1], "%d", copy);
+    for (int n = 0; n < spawns; n++) {
+        record(n % 2 ? copy : logfd);
+        /* posix_spawn from this threaded program (glibc: clone(CLONE_VM|CLONE_VFORK), no fork
+           handlers, no interposed calls in the child) of a shell that reports which of the
+           log fds it inherited across the exec. */
+        char *sargv[] = {"sh", "-c", "for f in \"$@\"; do if [ -e /proc/self/fd/$f ]; then echo EXEC-SEES-FD-$f; else echo EXEC-LACKS-FD-$f; fi; done", "sh", fds[0], fds[1], NULL};
+        pid_t sp;
+        fflush(stdout);
+        if (posix_spawnp(&sp, "sh", NULL, NULL, sargv, environ) != 0) { perror("posix_spawn"); return 33; }
+        bad += reap(sp, 5.0, "posix_spawn child", n);
+        /* vfork (shared memory, its own fd table) + dup2 over the log fd + close + exec: the
+           child's fd table changes, the parent's log fds must go on replicating. */
+        int devnull = open("/dev/null", O_WRONLY);
+        pid_t vp = vfork();
+        if (vp == 0) {
+            dup2(devnull, logfd);
+            close(copy);
+            close(devnull);
+            execlp("true", "true", (char *)NULL);
+            _exit(127);
+        }
+        close(devnull);
+        bad += reap(vp, 5.0, "vfork child", n);
+    }
     for (int n = 0; n < forks; n++) {
-        char line[64];
-        int len = snprintf(line, sizeof line, "record %06d\n", n);
-        if (write(logfd, line, len) != len) { perror("write main.log"); return 31; }
-        written += len;
+        record(logfd);
         pid_t pid = fork();
         if (pid < 0) { perror("fork"); return 32; }
         if (pid == 0) child(n, logfd);
         bad += reap(pid, 5.0, "fork child", n);
         if (bad >= 3) break; /* a deadlock is plain by now: fail fast */
-        if (n % 50 == 0) {
-            /* posix_spawn (glibc: clone(CLONE_VM|CLONE_VFORK), no fork handlers) with a file
-               action that closes the inherited log fd, then vfork + dup2 over the log fd
-               + exec: neither may touch the parent's state (the parent's log fd must go on
-               replicating). */
-            posix_spawn_file_actions_t fa;
-            posix_spawn_file_actions_init(&fa);
-            posix_spawn_file_actions_addclose(&fa, logfd);
-            char *sargv[] = {"true", NULL};
-            pid_t sp;
-            if (posix_spawnp(&sp, "true", &fa, NULL, sargv, environ) != 0) { perror("posix_spawn"); return 33; }
-            posix_spawn_file_actions_destroy(&fa);
-            bad += reap(sp, 5.0, "posix_spawn child", n);
-            int devnull = open("/dev/null", O_WRONLY);
-            pid_t vp = vfork();
-            if (vp == 0) {
-                dup2(devnull, logfd);
-                close(devnull);
-                execlp("true", "true", (char *)NULL);
-                _exit(127);
-            }
-            close(devnull);
-            bad += reap(vp, 5.0, "vfork child", n);
-        }
     }
     stop = 1;
     for (int t = 0; t < 4; t++) pthread_join(th[t], NULL);
+    record(copy);
     const char *end = "end\n";
     if (write(logfd, end, 4) != 4 || fsync(logfd) != 0) { perror("write main.log after the forks"); return 34; }
-    written += 4;
-    if (close(logfd) != 0) { perror("close main.log"); return 35; }
-    printf("DONE forks=%d bad=%d written=%ld\n", forks, bad, written);
+    if (close(copy) != 0 || close(logfd) != 0) { perror("close main.log"); return 35; }
+    printf("DONE forks=%d spawns=%d bad=%d records=%d\n", forks, spawns, bad, records);
     return bad ? 1 : 0;
 }
 "#;
@@ -192,13 +204,14 @@ fn compile(dir: &std::path::Path) -> std::path::PathBuf {
     bin
 }
 
-#[test]
-fn forks_while_threads_are_inside_the_shim_never_hang_a_child() {
+/// Runs the program under the shim with `forks` forks and `spawns` rounds of posix_spawn and
+/// vfork+exec; checks it ended well and that every record it wrote is on the log peers.
+/// Returns its stdout.
+fn run(forks: usize, spawns: usize) -> String {
     let bed = Bed::new();
     let bin = compile(bed.tmp.path());
-    let forks = 200;
     let mut cmd = Command::new(&bin);
-    cmd.arg(&bed.app).arg(forks.to_string());
+    cmd.arg(&bed.app).arg(forks.to_string()).arg(spawns.to_string());
     let env = |c: &mut Command| {
         c.env("LD_PRELOAD", &bed.so).env("UNDERSTUDY_NEARLOG_CLUSTER", &bed.cluster_file).env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log");
     };
@@ -206,31 +219,49 @@ fn forks_while_threads_are_inside_the_shim_never_hang_a_child() {
     // Its own process group: a hung child is killed with it whatever happens to this test.
     std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
     let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
-    let pgid = child.id() as i32;
     struct Group(i32);
     impl Drop for Group {
         fn drop(&mut self) {
-            // SAFETY: signals our own process group (the forker and whatever it left).
+            // SAFETY: signals our own process group (the program and whatever it left).
             unsafe { libc::kill(-self.0, libc::SIGKILL) };
         }
     }
-    let _group = Group(pgid);
+    let _group = Group(child.id() as i32);
     let start = std::time::Instant::now();
     let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     let stderr = String::from_utf8_lossy(&out.stderr);
     let tail: String = stderr.lines().rev().take(20).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
-    assert!(out.status.success(), "forker failed ({:?}) after {:?}:\n{stdout}\nstderr (last lines):\n{tail}", out.status, start.elapsed());
-    assert!(stdout.contains(&format!("DONE forks={forks} bad=0")), "{stdout}\n{tail}");
-    eprintln!("{forks} forks under the shim: {:?}", start.elapsed());
+    assert!(out.status.success(), "program failed ({:?}) after {:?}:\n{stdout}\nstderr (last lines):\n{tail}", out.status, start.elapsed());
+    let done = stdout.lines().find(|l| l.starts_with("DONE ")).unwrap_or_else(|| panic!("{stdout}\n{tail}"));
+    assert!(done.contains(&format!("forks={forks} spawns={spawns} bad=0 ")), "{stdout}\n{tail}");
+    let records: usize = done.rsplit_once("records=").unwrap().1.parse().unwrap();
+    eprintln!("{forks} forks, {spawns} spawns under the shim: {:?}", start.elapsed());
 
-    // Every record the parent wrote between the forks (and after its children closed or
-    // replaced their inherited copies of its log fd) reached the log peers.
+    // Every record the parent wrote (while its children closed or replaced their copies of its
+    // log fds) reached the log peers.
     let recovered = recover_through_shim(&bed.app.join("main.log"), env);
     let mut want = String::new();
-    for n in 0..forks {
+    for n in 0..records {
         want += &format!("record {n:06}\n");
     }
     want += "end\n";
     assert_eq!(String::from_utf8_lossy(&recovered), want);
+    stdout
+}
+
+#[test]
+fn forks_while_threads_are_inside_the_shim_never_hang_a_child() {
+    run(200, 1);
+}
+
+/// A log fd does not cross exec (it is close-on-exec, also a dup2 copy the application made
+/// inheritable): an exec'd program has no shim state for it, and what it wrote there would be
+/// in no peer's copy. A vfork child's dup2 over the log fd and close of its copy before exec
+/// leave the parent's log fds replicating.
+#[test]
+fn vfork_posix_spawn_and_exec_leave_the_parents_log_fds_alone() {
+    let stdout = run(0, 5);
+    assert!(!stdout.contains("EXEC-SEES"), "an exec'd program inherited a log fd:\n{stdout}");
+    assert_eq!(stdout.matches("EXEC-LACKS-FD").count(), 10, "{stdout}");
 }
