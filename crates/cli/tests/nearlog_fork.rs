@@ -265,3 +265,124 @@ fn vfork_posix_spawn_and_exec_leave_the_parents_log_fds_alone() {
     assert!(!stdout.contains("EXEC-SEES"), "an exec'd program inherited a log fd:\n{stdout}");
     assert_eq!(stdout.matches("EXEC-LACKS-FD").count(), 10, "{stdout}");
 }
+
+/// A program whose SIGALRM handler (every 300 µs) writes a record to the same log file its main
+/// thread writes to, and a byte to a pipe. The handler often interrupts the main thread inside
+/// the shim, which holds the state's lock: the handler's write must neither wait for it (a
+/// deadlock with itself) nor pass through unreplicated; it fails with EIO, clearly. A write to
+/// a non-log fd from the handler takes no lock and succeeds.
+const SIG_PROG: &str = r#"
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+static int logfd, pipefd[2];
+static volatile sig_atomic_t sig_ok, sig_eio, sig_other, pipe_bad;
+
+/* "sig NNNNNN\n" without stdio (async-signal-safe). */
+static int fmt(char *out, const char *tag, int n) {
+    int len = 0;
+    for (const char *t = tag; *t; t++) out[len++] = *t;
+    out[len++] = ' ';
+    for (int d = 100000; d; d /= 10) out[len++] = '0' + (n / d) % 10;
+    out[len++] = '\n';
+    return len;
+}
+
+static void on_alarm(int sig) {
+    (void)sig;
+    int saved = errno;
+    char line[32];
+    int len = fmt(line, "sig", sig_ok);
+    ssize_t r = write(logfd, line, len);
+    if (r == len) sig_ok++;
+    else if (r < 0 && errno == EIO) sig_eio++;
+    else sig_other++;
+    if (write(pipefd[1], "x", 1) != 1) pipe_bad++;
+    errno = saved;
+}
+
+int main(int argc, char **argv) {
+    int n = atoi(argv[2]);
+    logfd = open(argv[1], O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0644);
+    if (logfd < 0 || pipe(pipefd) != 0) { perror("open"); return 2; }
+    fcntl(pipefd[1], F_SETFL, O_NONBLOCK);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_alarm;
+    sa.sa_flags = SA_RESTART;
+    sigaction(SIGALRM, &sa, NULL);
+    struct itimerval it = {{0, 300}, {0, 300}};
+    setitimer(ITIMER_REAL, &it, NULL);
+    char line[32];
+    for (int i = 0; i < n; i++) {
+        /* Drain the pipe now and then (the handler's bytes) without blocking. */
+        if (i % 256 == 0) { char b[4096]; fcntl(pipefd[0], F_SETFL, O_NONBLOCK); while (read(pipefd[0], b, sizeof b) > 0) {} }
+        int len = fmt(line, "main", i);
+        if (write(logfd, line, len) != len) { perror("main write"); return 3; }
+    }
+    struct itimerval off = {{0, 0}, {0, 0}};
+    setitimer(ITIMER_REAL, &off, NULL);
+    if (fsync(logfd) != 0 || close(logfd) != 0) { perror("fsync/close"); return 4; }
+    printf("DONE main=%d sig_ok=%d sig_eio=%d sig_other=%d pipe_bad=%d\n", n, (int)sig_ok, (int)sig_eio, (int)sig_other, (int)pipe_bad);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_signal_handler_writing_a_log_fd_during_a_log_write_fails_clearly_and_loses_nothing() {
+    let bed = Bed::new();
+    let src = bed.tmp.path().join("sig.c");
+    let bin = bed.tmp.path().join("sig");
+    std::fs::write(&src, SIG_PROG).unwrap();
+    let out = Command::new("cc").args(["-O1", "-o"]).arg(&bin).arg(&src).output().expect("cc");
+    assert!(out.status.success(), "cc: {}", String::from_utf8_lossy(&out.stderr));
+    let log = bed.app.join("sig.log");
+    let env = |c: &mut Command| {
+        c.env("LD_PRELOAD", &bed.so).env("UNDERSTUDY_NEARLOG_CLUSTER", &bed.cluster_file).env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log");
+    };
+    let main_records = 3000;
+    let mut cmd = Command::new(&bin);
+    cmd.arg(&log).arg(main_records.to_string());
+    env(&mut cmd);
+    let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    // A deadlock (the handler waiting for the lock its own thread holds) never ends: bounded.
+    let out = match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+        Ok(out) => out.unwrap(),
+        Err(_) => {
+            // SAFETY: signals the program this test started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("the program did not finish within 60 s (a signal handler deadlocked in the shim?)");
+        }
+    };
+    let (stdout, stderr, status) = (String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string(), out.status);
+    let tail: String = stderr.lines().rev().take(10).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+    assert!(status.success(), "{status:?}\n{stdout}\n{tail}");
+    let done = stdout.lines().find(|l| l.starts_with("DONE ")).unwrap_or_else(|| panic!("{stdout}\n{tail}"));
+    let field = |k: &str| -> usize { done.split_whitespace().find_map(|f| f.strip_prefix(&format!("{k}="))).unwrap().parse().unwrap() };
+    eprintln!("{done}");
+    assert_eq!(field("sig_other"), 0, "a handler's log write failed otherwise than EIO: {done}\n{tail}");
+    assert_eq!(field("pipe_bad"), 0, "a handler's write to a pipe failed: {done}");
+    assert!(field("sig_ok") + field("sig_eio") > 0, "no signal arrived during the run: {done}");
+
+    // Every write that returned success, from the main loop or the handler, is on the peers,
+    // and nothing else is.
+    let recovered = String::from_utf8_lossy(&recover_through_shim(&log, env)).to_string();
+    let mut got: Vec<&str> = recovered.lines().collect();
+    got.sort();
+    let mut want: Vec<String> = (0..main_records).map(|i| format!("main {i:06}")).chain((0..field("sig_ok")).map(|i| format!("sig {i:06}"))).collect();
+    want.sort();
+    assert_eq!(got.len(), want.len(), "{done}: recovered {} lines, {} acknowledged", got.len(), want.len());
+    assert!(got.iter().zip(&want).all(|(g, w)| g == w), "{done}: the recovered log differs from what was acknowledged");
+}

@@ -275,11 +275,15 @@ extern "C" fn after_fork_child() {
 /// A call on a log fd from a signal handler that interrupted this same thread inside the shim:
 /// the interrupted frame holds the state's lock, so waiting for it would never end, and passing
 /// the call through would leave bytes in the log file that no peer holds. It fails with EIO.
-/// The line is a constant: nothing is allocated in a signal handler.
+/// The line is a constant, written once per process (a handler may run thousands of times a
+/// second): nothing is allocated in a signal handler.
 fn reentrant_log_call() {
-    const MSG: &[u8] = b"[nearlog] a log fd used from a signal handler that interrupted the shim on the same thread: EIO\n";
-    // SAFETY: a constant buffer to stderr with the real write.
-    unsafe { (real().write)(2, MSG.as_ptr() as *const c_void, MSG.len()) };
+    static SAID: AtomicBool = AtomicBool::new(false);
+    const MSG: &[u8] = b"[nearlog] a log fd used from a signal handler that interrupted the shim on the same thread: EIO (said once per process)\n";
+    if !SAID.swap(true, Ordering::Relaxed) {
+        // SAFETY: a constant buffer to stderr with the real write.
+        unsafe { (real().write)(2, MSG.as_ptr() as *const c_void, MSG.len()) };
+    }
     set_errno(libc::EIO);
 }
 
