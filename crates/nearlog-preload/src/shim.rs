@@ -181,6 +181,22 @@ fn in_vfork_child() -> bool {
     p != 0 && unsafe { libc::getpid() } as u32 != p
 }
 
+/// A child made without fork's handlers (vfork, `clone`, a raw fork system call) never uses
+/// the state it finds in memory — its parent's, shared (vfork) or a copy whose sockets the
+/// parent goes on using, whose lock may be held for good. A log operation there fails (EIO),
+/// said once on stderr. Costs one `getpid` per log operation (a replicated write costs tens of
+/// µs).
+fn foreign_child(what: &str) -> bool {
+    if !in_vfork_child() {
+        return false;
+    }
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        log(&format!("{what}: EIO: in a child made without fork's handlers (vfork, clone): the shim's state is its parent's (such a child may only exec or _exit)"));
+    }
+    true
+}
+
 /// Runs at load (`.init_array`: before `main`, before the application has threads): the pid,
 /// glibc's functions, the patterns, and the fork handlers. Whatever is initialised lazily
 /// later ([`known_dir`], [`known_bounds`], [`stats::enabled`]) the prepare handler finishes
@@ -1115,6 +1131,10 @@ pub unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: mod
     if !opted_in && !is_log_path(&abs) {
         return (r.openat)(dirfd, path, flags, mode);
     }
+    if foreign_child(&format!("open {abs}")) {
+        set_errno(libc::EIO);
+        return -1;
+    }
     if !writable {
         // A reader (e.g. the application's own crash recovery) gets a local copy verified
         // against a majority of peers first (recovered if missing, repaired if stale), at the
@@ -1195,6 +1215,9 @@ fn sync_local_copy(abs: &str, only_if_missing: bool) -> Result<(), ()> {
     let exists = std::path::Path::new(abs).exists();
     if only_if_missing && exists {
         return Ok(());
+    }
+    if foreign_child(&format!("reading {abs}")) {
+        return Err(());
     }
     let mut slot = lock_state();
     let shim = match Shim::get(&mut slot) {
@@ -1492,6 +1515,9 @@ pub unsafe fn before_opendir(path: *const c_char) {
     }
     let Some(_g) = Guard::enter() else { return };
     let Some(dir) = absolute(libc::AT_FDCWD, CStr::from_ptr(path)) else { return };
+    if in_vfork_child() {
+        return; // a listing is no log operation: it goes ahead without the recovery
+    }
     {
         let mut listed = LISTED.lock();
         if listed.contains(&dir) {
@@ -1654,6 +1680,9 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
 fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim, c_int) -> Result<T, String>, what: &str) -> Result<T, ()> {
     if INHERITED.has(fd) {
         log(&format!("{what} on log fd {fd}: EIO: a log file inherited across fork is not replicated by the child (it is its parent's)"));
+        return Err(());
+    }
+    if foreign_child(&format!("{what} on log fd {fd}")) {
         return Err(());
     }
     let mut slot = lock_state();
@@ -2073,6 +2102,9 @@ fn forget(from: &str, to: Option<&str>) {
     let (from_log, to_log) = (is_log_path(from), to.is_some_and(is_log_path));
     if !from_log && !to_log && !UNPATTERNED_KEYS.load(Ordering::Relaxed) {
         return;
+    }
+    if foreign_child(&format!("{} of {from}: not reported to the controller", if to.is_some() { "rename" } else { "unlink" })) {
+        return; // the file system's change is done; the controller's entry stays as it was
     }
     if to.is_some() && from_log && !to_log {
         UNPATTERNED_KEYS.store(true, Ordering::Relaxed); // a log file renamed out of the patterns
