@@ -51,8 +51,12 @@
 //!   bitmap and take none; rename and unlink of paths no pattern names take none either (once
 //!   the process opened a file with `O_NCL`, or renamed a log file to a name outside the
 //!   patterns, every rename and unlink is reported to the controller, as opt-in names are the
-//!   controller's to know). glibc's functions are resolved and the patterns read at load,
-//!   before `main`; other lazily initialised settings are finished by the fork prepare handler.
+//!   controller's to know). Every shim lock is taken inside the thread's reentrancy guard, so
+//!   a thread never waits for a lock it holds itself (see signal handlers). glibc's functions
+//!   are resolved and the patterns read at load, before `main`; other lazily initialised
+//!   settings are finished by the fork prepare handler. The shim's own dependencies take no
+//!   lock of their own on these paths (the nearlog client is sans-I/O; std's sockets, files and
+//!   clock take none; std's environment lock is only ever read).
 //! - **fork.** `pthread_atfork` handlers: prepare takes the three short locks in a fixed order
 //!   (streams, known copies, listed directories), parent and child release them, so the child
 //!   inherits them free and consistent. The replication state's lock is not taken (a fork

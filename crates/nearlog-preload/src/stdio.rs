@@ -35,6 +35,9 @@ pub fn stream_fd(f: *mut FILE) -> Option<c_int> {
     if COUNT.load(Ordering::Relaxed) == 0 {
         return None;
     }
+    // Inside the shim's guard, like every shim lock: a signal handler that interrupts this
+    // thread here (or a fork from one) then never waits for the lock this thread holds.
+    let _g = crate::shim::enter()?;
     STREAMS.lock().as_ref()?.get(&(f as usize)).copied()
 }
 
@@ -108,16 +111,26 @@ unsafe extern "C" fn cookie_seek(c: *mut c_void, off: *mut off64_t, whence: c_in
 unsafe extern "C" fn cookie_close(c: *mut c_void) -> c_int {
     // SAFETY: the box made in `wrap`, freed once (glibc calls close once per stream).
     let fd = *Box::from_raw(c as *mut c_int);
-    if let Some(m) = STREAMS.lock().as_mut() {
-        let before = m.len();
-        m.retain(|_, v| *v != fd);
-        COUNT.fetch_sub(before - m.len(), Ordering::Relaxed);
+    // Inside the shim's guard, like every shim lock (see `stream_fd`). From a signal handler
+    // that interrupted the shim the entry stays (a stale entry only names a closed fd).
+    if let Some(_g) = crate::shim::enter() {
+        if let Some(m) = STREAMS.lock().as_mut() {
+            let before = m.len();
+            m.retain(|_, v| *v != fd);
+            COUNT.fetch_sub(before - m.len(), Ordering::Relaxed);
+        }
     }
     crate::shim::close(fd)
 }
 
 /// A stream over `fd` whose writes go through the shim. On failure the fd is left open.
 unsafe fn wrap(fd: c_int, mode: *const c_char) -> *mut FILE {
+    // Inside the shim's guard, like every shim lock (see `stream_fd`); from a signal handler
+    // that interrupted the shim (an fopen there) the table cannot be updated: EIO.
+    let Some(_g) = crate::shim::enter() else {
+        *libc::__errno_location() = libc::EIO;
+        return std::ptr::null_mut();
+    };
     let cookie = Box::into_raw(Box::new(fd)) as *mut c_void;
     let funcs = CookieIoFunctions { read: Some(cookie_read), write: Some(cookie_write), seek: Some(cookie_seek), close: Some(cookie_close) };
     // SAFETY: a valid mode string and cookie; glibc keeps the functions for the stream's life.
