@@ -1,4 +1,5 @@
-//! Fork, vfork/posix_spawn and exec under the nearlog shim (issue 22 §1).
+//! Fork, vfork/posix_spawn, exec and signal handlers under the nearlog shim, and the lock-free
+//! path of everything that is no log file (issue 22 §1).
 //!
 //! A C program under the shim runs threads that hammer its entry points (open, write, fsync,
 //! close, rename, unlink on log and non-log paths) while the main thread forks 200 times; each
@@ -385,4 +386,93 @@ fn a_signal_handler_writing_a_log_fd_during_a_log_write_fails_clearly_and_loses_
     want.sort();
     assert_eq!(got.len(), want.len(), "{done}: recovered {} lines, {} acknowledged", got.len(), want.len());
     assert!(got.iter().zip(&want).all(|(g, w)| g == w), "{done}: the recovered log differs from what was acknowledged");
+}
+
+/// A Python program: a log write that cannot reach a majority (the test stopped two of the three
+/// peers) holds the shim's state for up to the deadline on one thread, while the main thread
+/// creates, writes, renames and unlinks files that are no log files, timing each round.
+const STALL_PROG: &str = r#"
+import os, sys, threading, time
+d = sys.argv[1]
+fd = os.open(d + "/stall.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+os.write(fd, b"before\n")
+print("OPENED", flush=True)
+sys.stdin.readline()
+result = []
+def stalled():
+    t = time.monotonic()
+    try:
+        os.write(fd, b"stalled\n")
+        result.append("ok")
+    except OSError as e:
+        result.append("errno %d" % e.errno)
+    result.append("%.0f" % ((time.monotonic() - t) * 1000))
+w = threading.Thread(target=stalled)
+w.start()
+time.sleep(0.5)
+worst = 0.0
+for i in range(50):
+    t = time.monotonic()
+    a, b = "%s/plain-%d.tmp" % (d, i), "%s/plain-%d.dat" % (d, i)
+    f = os.open(a, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(f, b"x" * 100)
+    os.close(f)
+    os.rename(a, b)
+    os.unlink(b)
+    worst = max(worst, time.monotonic() - t)
+busy = w.is_alive()
+w.join()
+print("WORST_MS %.0f WRITER_BUSY_MEANWHILE %s WRITER %s" % (worst * 1000, busy, " ".join(result)), flush=True)
+"#;
+
+/// Calls on paths and fds that are no log files take no shim lock: a log write stalled for want
+/// of a majority (holding the replication state up to its deadline) does not hold up a rename or
+/// unlink of a plain file on another thread.
+#[test]
+fn plain_files_do_not_wait_behind_a_stalled_log_write() {
+    use std::io::{BufRead, BufReader, Write};
+    let split = nearlog_common::Split::start("stall-secret");
+    let so = nearlog_common::shim_path();
+    let deadline_ms = 5000;
+    let mut child = nearlog_common::Kill(
+        Command::new("python3")
+            .arg("-c")
+            .arg(STALL_PROG)
+            .arg(&split.app)
+            .env("LD_PRELOAD", &so)
+            .env("UNDERSTUDY_NEARLOG_CLUSTER", &split.cluster)
+            .env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log")
+            .env("UNDERSTUDY_NEARLOG_DEADLINE_MS", deadline_ms.to_string())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "OPENED");
+    // Two of three peers stopped: no write can reach a majority until its deadline.
+    let stopped: Vec<i32> = split.peers[..2].iter().map(|p| p.0.id() as i32).collect();
+    struct Cont(Vec<i32>);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            for &p in &self.0 {
+                // SAFETY: resumes a peer this test stopped.
+                unsafe { libc::kill(p, libc::SIGCONT) };
+            }
+        }
+    }
+    for &p in &stopped {
+        // SAFETY: stops a peer this test started.
+        unsafe { libc::kill(p, libc::SIGSTOP) };
+    }
+    let _cont = Cont(stopped);
+    child.0.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let line = lines.next().expect("the program ended early").unwrap();
+    eprintln!("{line}");
+    let worst: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    // Far below the stalled write's deadline (what a plain rename waited before), generous for a
+    // loaded machine (a round is well under 10 ms).
+    assert!(worst < 1000, "a plain file's open/write/rename/unlink round took {worst} ms behind a log write stalled for {deadline_ms} ms: {line}");
+    assert!(line.contains("WRITER_BUSY_MEANWHILE True"), "the log write was not stalled while the plain files were handled: {line}");
+    assert!(line.contains(&format!("WRITER errno {}", libc::EIO)), "the stalled log write ends with EIO at its deadline: {line}");
 }
