@@ -27,12 +27,16 @@ const PROG: &str = r#"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 extern char **environ;
 static const char *dir;
+static int ctl_port;
 static volatile int stop;
 
 static void path(char *out, const char *fmt, long a, long b) {
@@ -72,6 +76,14 @@ static void *hammer(void *arg) {
    codes name what went wrong. */
 static void child(int n, int logfd) {
     char a[512], b[512];
+    /* The parent's connections to its log peers are not the child's: closed at the fork. (A
+       controller connection another thread had open at that moment may be copied: not
+       counted.) */
+    for (int fd = 0; fd < 1024; fd++) {
+        struct sockaddr_in sa;
+        socklen_t len = sizeof sa;
+        if (getpeername(fd, (struct sockaddr *)&sa, &len) == 0 && sa.sin_family == AF_INET && ntohs(sa.sin_port) != ctl_port) _exit(11);
+    }
     path(a, "child-%ld.tmp", n, 0);
     path(b, "child-%ld.rdb", n, 0);
     int fd = open(a, O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -138,6 +150,7 @@ static void record(int fd) {
 int main(int argc, char **argv) {
     dir = argv[1];
     int forks = atoi(argv[2]), spawns = atoi(argv[3]);
+    ctl_port = atoi(argv[4]);
     char logp[512];
     path(logp, "main.log", 0, 0);
     /* No O_CLOEXEC asked, and a dup2 copy (which POSIX makes inheritable): what does an exec'd
@@ -212,7 +225,9 @@ fn run(forks: usize, spawns: usize) -> String {
     let bed = Bed::new();
     let bin = compile(bed.tmp.path());
     let mut cmd = Command::new(&bin);
-    cmd.arg(&bed.app).arg(forks.to_string()).arg(spawns.to_string());
+    let cluster: serde_json::Value = serde_json::from_slice(&std::fs::read(&bed.cluster_file).unwrap()).unwrap();
+    let ctl_port = cluster["controller"].as_str().unwrap().rsplit_once(':').unwrap().1.to_string();
+    cmd.arg(&bed.app).arg(forks.to_string()).arg(spawns.to_string()).arg(ctl_port);
     let env = |c: &mut Command| {
         c.env("LD_PRELOAD", &bed.so).env("UNDERSTUDY_NEARLOG_CLUSTER", &bed.cluster_file).env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log");
     };

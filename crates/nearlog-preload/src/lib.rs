@@ -69,7 +69,8 @@
 //!   forgets it, a dup of it is inherited too; none of it takes a lock. rename/unlink of a
 //!   log file in the child reach the controller on the child's own connection. (Redis's
 //!   rewrite and BGSAVE children write a temp file and rename it: none of that is a log file.)
-//!   The parent's peer connections stay open in the child, unused, until it execs or exits.
+//!   The child closes its copies of the parent state's own fds (peer connections, and the
+//!   read fds whose lock tells local readers that a writer keeps the copy current).
 //! - **vfork / posix_spawn.** glibc's `posix_spawn` child calls the system calls directly
 //!   (no interposed function runs there); its exec drops every log fd (below) — except one
 //!   `posix_spawn_file_actions_adddup2` copies onto another number, which the shim never sees.

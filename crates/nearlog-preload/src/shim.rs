@@ -153,6 +153,19 @@ static INHERITED: FdSet = FdSet::new();
 /// ([`lock_state`]). [`ANY_PENDING`] saves every other holder the scan.
 static PENDING_FORGET: FdSet = FdSet::new();
 static ANY_PENDING: AtomicBool = AtomicBool::new(false);
+/// The replication state's own long-lived fds: peer connections and the read fds of log files
+/// (set once open, cleared before closing, so a set bit always names one of them). A fork child
+/// closes its copies ([`after_fork_child`]): the parent's connections are not the child's to
+/// keep open (a peer would not see the parent go while a child lives), and a read fd's lock on
+/// [`WRITER_LOCK_BYTE`] says "a writer on this machine keeps this local copy current", which
+/// must end with that writer, not with its longest-lived child.
+static OWN_FDS: FdSet = FdSet::new();
+
+/// Closes one of the state's own fds ([`OWN_FDS`]).
+unsafe fn close_own(fd: c_int) {
+    OWN_FDS.set(fd, false);
+    (real().close)(fd);
+}
 
 fn is_tracked(fd: c_int) -> bool {
     TRACKED.has(fd)
@@ -263,8 +276,8 @@ extern "C" fn after_fork_parent() {
 /// with no replication state: a log file it opens gets its own epoch and its own connections,
 /// made lazily on first use; the log fds it inherited fail writes with EIO ([`INHERITED`]).
 /// The parent's state is left unread (another thread may have been changing it) and its memory
-/// stays in the child's copy of the heap; the parent's peer connections stay open in the child
-/// until it execs (they are close-on-exec) or exits — the parent goes on using them.
+/// stays in the child's copy of the heap; the child's copies of that state's fds (peer
+/// connections, read fds) are closed ([`OWN_FDS`]); the parent goes on using its own.
 extern "C" fn after_fork_child() {
     // SAFETY: no arguments.
     PID.store(unsafe { libc::getpid() } as u32, Ordering::Relaxed);
@@ -276,6 +289,14 @@ extern "C" fn after_fork_child() {
             INHERITED.0[w].fetch_or(t, Ordering::Relaxed);
         }
         PENDING_FORGET.0[w].store(0, Ordering::Relaxed);
+        let mut own = OWN_FDS.0[w].swap(0, Ordering::Relaxed);
+        while own != 0 {
+            let fd = w * 64 + own.trailing_zeros() as usize;
+            own &= own - 1;
+            // SAFETY: the system call itself (no interposed close): the child's copy of one of
+            // the parent state's fds.
+            unsafe { libc::syscall(libc::SYS_close, fd) };
+        }
     }
     ANY_PENDING.store(false, Ordering::Relaxed);
     if HELD_FOR_FORK.with(|h| h.replace(false)) {
@@ -485,7 +506,7 @@ impl Drop for Tracked {
     fn drop(&mut self) {
         if self.read_fd >= 0 {
             // SAFETY: our own fd, closed once.
-            unsafe { (real().close)(self.read_fd) };
+            unsafe { close_own(self.read_fd) };
         }
     }
 }
@@ -498,6 +519,7 @@ fn reopen_readonly(fd: c_int) -> Result<c_int, String> {
     if r < 0 {
         return Err(format!("cannot reopen fd {fd} for reading: {}", std::io::Error::last_os_error()));
     }
+    OWN_FDS.set(r, true);
     Ok(r)
 }
 
@@ -638,6 +660,7 @@ impl Shim {
             match blocking::connect(addr, secret, Duration::from_secs(2)) {
                 Ok(s) => {
                     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                    OWN_FDS.set(s.as_raw_fd(), true);
                     *conn = Some(s);
                     self.readers.remove(&peer);
                     self.sendq.remove(&peer);
@@ -906,6 +929,9 @@ impl Shim {
 
     fn drop_conn(&mut self, p: PeerId) {
         if let Some(v) = self.peers.get_mut(&p) {
+            if let Some(c) = &v.1 {
+                OWN_FDS.set(c.as_raw_fd(), false); // before the close: see OWN_FDS
+            }
             v.1 = None;
         }
         self.readers.remove(&p);
@@ -1596,7 +1622,7 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
             Ok(false) if Instant::now() < until => std::thread::sleep(Duration::from_millis(1)),
             other => {
                 // SAFETY: our own fd, not stored anywhere yet.
-                unsafe { (real().close)(read_fd) };
+                unsafe { close_own(read_fd) };
                 return Err(format!("a reader on this machine holds the local copy's lock: {other:?}"));
             }
         }
@@ -1609,7 +1635,7 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
             Ok(_) => return Err("controller answered Open with something else".into()),
             Err(e) => {
                 // SAFETY: our own fd, not stored anywhere yet.
-                unsafe { (real().close)(read_fd) };
+                unsafe { close_own(read_fd) };
                 return Err(e);
             }
         };
@@ -1626,7 +1652,7 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
                 Ok(l) => l,
                 Err(e) => {
                     // SAFETY: our own fd, not stored anywhere yet.
-                    unsafe { (real().close)(read_fd) };
+                    unsafe { close_own(read_fd) };
                     return Err(format!("reading the local copy: {e}"));
                 }
             },
