@@ -51,7 +51,10 @@
 //!   bitmap and take none; rename and unlink of paths no pattern names take none either (once
 //!   the process opened a file with `O_NCL`, or renamed a log file to a name outside the
 //!   patterns, every rename and unlink is reported to the controller, as opt-in names are the
-//!   controller's to know). Every shim lock is taken inside the thread's reentrancy guard, so
+//!   controller's to know). open, stat and fopen of such paths only match the patterns. The one
+//!   exception: the first `opendir` of each directory in a process asks the controller which
+//!   log files it should hold (under the state's lock; see above). Every shim lock is taken
+//!   inside the thread's reentrancy guard, so
 //!   a thread never waits for a lock it holds itself (see signal handlers). glibc's functions
 //!   are resolved and the patterns read at load, before `main`; other lazily initialised
 //!   settings are finished by the fork prepare handler. The shim's own dependencies take no
