@@ -5,8 +5,9 @@
 //! close, rename, unlink on log and non-log paths) while the main thread forks 200 times; each
 //! child calls into the shim (rename, open/write/close of a non-log file, close of an inherited
 //! log fd, a write to one that must fail with EIO, sometimes a log file of its own) and
-//! `_exit`s. A child that does not exit within a few seconds is a deadlock on a lock it
-//! inherited held (the parent's other threads are gone in the child). The same program also
+//! `_exit`s. A child that does not exit within 10 s (it takes milliseconds) is a deadlock on a
+//! lock it inherited held (the parent's other threads are gone in the child); a child also
+//! checks it holds none of the parent's peer connections. The same program also
 //! `posix_spawn`s and `vfork`+`exec`s while the threads run, and the parent's log file is then
 //! recovered on an empty directory: nothing a child did (close, dup2 over an inherited log fd)
 //! made the parent's own writes go unreplicated.
@@ -194,7 +195,7 @@ int main(int argc, char **argv) {
         pid_t pid = fork();
         if (pid < 0) { perror("fork"); return 32; }
         if (pid == 0) child(n, logfd);
-        bad += reap(pid, 5.0, "fork child", n);
+        bad += reap(pid, 10.0, "fork child", n);
         if (bad >= 3) break; /* a deadlock is plain by now: fail fast */
     }
     stop = 1;
