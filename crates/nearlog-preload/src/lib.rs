@@ -30,17 +30,79 @@
 //!   silently unreplicated writes.
 //!
 //! No tokio: std blocking sockets and `poll(2)`, driven by the calling thread under one lock.
-//! Reentrancy (the shim's own I/O) passes through via a thread-local guard. After `fork` the
-//! child owns no log file: an inherited log fd fails with EIO there.
+//! Reentrancy (the shim's own I/O) passes through via a thread-local guard.
 //! dup/dup2/dup3/fcntl(F_DUPFD, F_DUPFD_CLOEXEC) of a log fd make another fd that replicates
 //! through the same state (closing the original keeps the copy replicating); a writable shared
 //! mmap of a log fd is refused loudly (ENODEV). `opendir` of a directory recovers the
 //! replicated log files it lacks before the listing. stdio: `fopen`/`fopen64` of a log file for
 //! writing, and `fdopen` of a log fd, give a stream whose writes (at `fflush` or a full buffer)
 //! replicate like `write`; `fileno` of it is a log fd (so `fsync(fileno(f))` works).
+//!
+//! # Processes, locks and signals
+//!
+//! A log fd belongs to the process that opened it. The rules below keep every call of a
+//! process that forks, spawns, execs or handles signals from waiting on a lock nobody will
+//! release, and keep every acknowledged write on the peers.
+//!
+//! - **Locks.** The shim takes four locks, all `ForkLock`s (`forklock.rs`): the replication state
+//!   (held across round trips to the peers), stdio's stream table, the known copies and the
+//!   listed directories (each held for microseconds, never across network I/O). Calls on fds
+//!   that are not log fds (write, close, fsync, ftruncate, dup, fcntl, mmap) test a lock-free
+//!   bitmap and take none; rename and unlink of paths no pattern names take none either (once
+//!   the process opened a file with `O_NCL`, or renamed a log file to a name outside the
+//!   patterns, every rename and unlink is reported to the controller, as opt-in names are the
+//!   controller's to know). open, stat and fopen of such paths only match the patterns. The one
+//!   exception: the first `opendir` of each directory in a process asks the controller which
+//!   log files it should hold (under the state's lock; see above). Every shim lock is taken
+//!   inside the thread's reentrancy guard, so
+//!   a thread never waits for a lock it holds itself (see signal handlers). glibc's functions
+//!   are resolved and the patterns read at load, before `main`; other lazily initialised
+//!   settings are finished by the fork prepare handler. The shim's own dependencies take no
+//!   lock of their own on these paths (the nearlog client is sans-I/O; std's sockets, files and
+//!   clock take none; std's environment lock is only ever read).
+//! - **fork.** `pthread_atfork` handlers: prepare takes the three short locks in a fixed order
+//!   (streams, known copies, listed directories), parent and child release them, so the child
+//!   inherits them free and consistent. The replication state's lock is not taken (a fork
+//!   would wait up to `UNDERSTUDY_NEARLOG_DEADLINE_MS` behind a slow write): the child handler
+//!   replaces that state with an empty one (no allocation, no reading of the old, which another
+//!   thread may have been changing). So the child starts with no replication state: a log file
+//!   it opens itself gets its own epoch and its own connections, made lazily; a log fd it
+//!   inherited is its parent's: write, writev, pwrite, fsync, fdatasync, sync_file_range and
+//!   ftruncate on it fail with EIO (with a line on stderr), close (or dup2 over it) just
+//!   forgets it, a dup of it is inherited too; none of it takes a lock. rename/unlink of a
+//!   log file in the child reach the controller on the child's own connection. (Redis's
+//!   rewrite and BGSAVE children write a temp file and rename it: none of that is a log file.)
+//!   The child closes its copies of the parent state's own fds (peer connections, and the
+//!   read fds whose lock tells local readers that a writer keeps the copy current).
+//! - **vfork / posix_spawn.** glibc's `posix_spawn` child calls the system calls directly
+//!   (no interposed function runs there); its exec drops every log fd (below) — except one
+//!   `posix_spawn_file_actions_adddup2` copies onto another number, which the shim never sees.
+//!   A `vfork` child shares the parent's memory but has its own fd table: close, dup2, dup3,
+//!   dup and F_DUPFD there leave the parent's bookkeeping alone (told by `getpid` differing
+//!   from the pid the shim keeps), so the parent's log fds go on replicating. Any child made
+//!   without fork's handlers (vfork, `clone`, a raw fork system call) never uses the state it
+//!   finds in memory: a log write, sync, truncate or open there fails with EIO, and a rename
+//!   or unlink of a log file is done but not reported to the controller (logged) — POSIX
+//!   allows a vfork child only exec and `_exit`.
+//! - **exec.** Log fds are close-on-exec: the shim opens them with `O_CLOEXEC` and sets it on
+//!   every copy (also a dup2/dup3 copy POSIX would make inheritable), and keeps it when
+//!   `fcntl(F_SETFD)` would clear it (logged). An exec'd program has no shim state for such an
+//!   fd and its writes would be in no peer's copy (the next writer open would discard them as
+//!   an unacknowledged tail), so it does not get one: its use of that fd number fails EBADF.
+//!   The shim's own sockets and read fds are close-on-exec too.
+//! - **Signal handlers.** The lock-free paths above serve a handler that writes to a pipe or
+//!   socket, closes a non-log fd, and so on. A handler that uses a log fd while its own thread
+//!   was interrupted inside the shim (which holds the state's lock) cannot wait for that lock
+//!   and must not write unreplicated: write/writev/fsync/ftruncate fail with EIO (a constant
+//!   line on stderr, once per process), a dup of a log fd fails with EIO, and a close (or dup2
+//!   over a log fd) takes effect at once while the state forgets the fd when its lock is next
+//!   taken. A handler on a thread not inside the shim waits for the lock like any thread.
+//!   Resolving a path (open, stat, rename, unlink with patterns set) allocates, so a handler
+//!   that interrupts `malloc` and calls those may still deadlock in the allocator.
 
 #![allow(clippy::missing_safety_doc)]
 
+mod forklock;
 mod shim;
 mod stdio;
 
@@ -90,10 +152,8 @@ pub unsafe extern "C" fn fdopen(fd: c_int, mode: *const c_char) -> *mut libc::FI
     if let Some(f) = stdio::fdopen(fd, mode) {
         return f;
     }
-    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let f = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"fdopen".as_ptr()) as usize);
     // SAFETY: glibc's fdopen has this signature.
-    std::mem::transmute::<usize, FdopenFn>(f)(fd, mode)
+    std::mem::transmute::<usize, FdopenFn>(shim::real().fdopen)(fd, mode)
 }
 
 /// The fd of a replicated stream (a cookie stream has none of its own), else glibc's answer.
@@ -102,20 +162,16 @@ pub unsafe extern "C" fn fileno(f: *mut libc::FILE) -> c_int {
     if let Some(fd) = stdio::stream_fd(f) {
         return fd;
     }
-    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let real = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"fileno".as_ptr()) as usize);
     // SAFETY: glibc's fileno has this signature.
-    std::mem::transmute::<usize, FilenoFn>(real)(f)
+    std::mem::transmute::<usize, FilenoFn>(shim::real().fileno)(f)
 }
 #[no_mangle]
 pub unsafe extern "C" fn fileno_unlocked(f: *mut libc::FILE) -> c_int {
     if let Some(fd) = stdio::stream_fd(f) {
         return fd;
     }
-    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let real = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"fileno_unlocked".as_ptr()) as usize);
     // SAFETY: glibc's fileno_unlocked has this signature.
-    std::mem::transmute::<usize, FilenoFn>(real)(f)
+    std::mem::transmute::<usize, FilenoFn>(shim::real().fileno_unlocked)(f)
 }
 
 // The C `open`/`openat` are variadic; on x86_64 and aarch64 Linux the optional `mode` argument
@@ -236,11 +292,9 @@ type OpendirFn = unsafe extern "C" fn(*const c_char) -> *mut c_void;
 /// finds them on a new machine.
 #[no_mangle]
 pub unsafe extern "C" fn opendir(path: *const c_char) -> *mut c_void {
-    static REAL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     shim::before_opendir(path);
     // SAFETY: glibc's opendir has this signature (DIR* is opaque here).
-    let f = *REAL.get_or_init(|| libc::dlsym(libc::RTLD_NEXT, c"opendir".as_ptr()) as usize);
-    std::mem::transmute::<usize, OpendirFn>(f)(path)
+    std::mem::transmute::<usize, OpendirFn>(shim::real().opendir)(path)
 }
 
 type StatFn = unsafe extern "C" fn(*const c_char, *mut c_void) -> c_int;

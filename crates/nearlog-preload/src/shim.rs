@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::ffi::{c_char, CStr};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use libc::{c_int, c_void, iovec, mode_t, off_t, size_t, ssize_t};
@@ -14,6 +14,7 @@ use nearlog::blocking;
 use nearlog::client::{ClientConfig, Failure, FileClient};
 use nearlog::proto::{CtlReply, CtlRequest, FileGrant, Op, PeerId, PeerReply, PeerRequest, MAX_CHUNK_BYTES, MAX_FRAME_BYTES};
 
+use crate::forklock::ForkLock;
 use crate::O_NCL;
 
 type OpenAtFn = unsafe extern "C" fn(c_int, *const c_char, c_int, mode_t) -> c_int;
@@ -26,7 +27,7 @@ type TruncFn = unsafe extern "C" fn(c_int, off_t) -> c_int;
 type UnlinkAtFn = unsafe extern "C" fn(c_int, *const c_char, c_int) -> c_int;
 type RenameFn = unsafe extern "C" fn(*const c_char, *const c_char) -> c_int;
 
-struct Real {
+pub(crate) struct Real {
     openat: OpenAtFn,
     write: WriteFn,
     pwrite: PwriteFn,
@@ -38,9 +39,21 @@ struct Real {
     close: FdFn,
     unlinkat: UnlinkAtFn,
     rename: RenameFn,
+    dup: FdFn,
+    dup2: Dup2Fn,
+    dup3: Dup3Fn,
+    fcntl: FcntlFn,
+    fcntl64: FcntlFn,
+    /// The stdio and directory functions `lib.rs` wraps (opaque pointers: cast there).
+    pub fdopen: usize,
+    pub fileno: usize,
+    pub fileno_unlocked: usize,
+    pub opendir: usize,
 }
 
-fn real() -> &'static Real {
+/// glibc's own functions, resolved once: at load ([`init_at_load`], before `main`, one thread),
+/// so no thread can be half-way through resolving them when another forks.
+pub(crate) fn real() -> &'static Real {
     static REAL: OnceLock<Real> = OnceLock::new();
     REAL.get_or_init(|| {
         // SAFETY: dlsym(RTLD_NEXT) returns glibc's own definitions of these well-known symbols,
@@ -63,6 +76,15 @@ fn real() -> &'static Real {
                 close: std::mem::transmute::<*mut c_void, FdFn>(sym(b"close\0")),
                 unlinkat: std::mem::transmute::<*mut c_void, UnlinkAtFn>(sym(b"unlinkat\0")),
                 rename: std::mem::transmute::<*mut c_void, RenameFn>(sym(b"rename\0")),
+                dup: std::mem::transmute::<*mut c_void, FdFn>(sym(b"dup\0")),
+                dup2: std::mem::transmute::<*mut c_void, Dup2Fn>(sym(b"dup2\0")),
+                dup3: std::mem::transmute::<*mut c_void, Dup3Fn>(sym(b"dup3\0")),
+                fcntl: std::mem::transmute::<*mut c_void, FcntlFn>(sym(b"fcntl\0")),
+                fcntl64: std::mem::transmute::<*mut c_void, FcntlFn>(sym(b"fcntl64\0")),
+                fdopen: sym(b"fdopen\0") as usize,
+                fileno: sym(b"fileno\0") as usize,
+                fileno_unlocked: sym(b"fileno_unlocked\0") as usize,
+                opendir: sym(b"opendir\0") as usize,
             }
         }
     })
@@ -73,7 +95,15 @@ thread_local! {
     static IN_SHIM: Cell<bool> = const { Cell::new(false) };
 }
 
-struct Guard;
+pub(crate) struct Guard;
+
+/// Enters the shim's reentrancy guard (None: this thread is already inside the shim). Every
+/// shim lock is taken inside it, so a signal handler, or a fork from one, on a thread that
+/// holds a shim lock never waits for that lock.
+pub(crate) fn enter() -> Option<Guard> {
+    Guard::enter()
+}
+
 impl Guard {
     /// None if we are already inside the shim (reentrant call: pass through).
     fn enter() -> Option<Guard> {
@@ -86,41 +116,227 @@ impl Drop for Guard {
     }
 }
 
-/// Bitmap of fds that are log files (fast path for every other write). Fds above the bitmap
-/// are never tracked: a log open that gets one fails with EIO rather than going unreplicated.
-const MAX_TRACKED_FD: usize = 65536;
-static TRACKED: [AtomicU64; MAX_TRACKED_FD / 64] = [const { AtomicU64::new(0) }; MAX_TRACKED_FD / 64];
+/// A set of fds as a bitmap of atomics: read and changed without a lock (async-signal-safe).
+struct FdSet([AtomicU64; MAX_TRACKED_FD / 64]);
 
-fn is_tracked(fd: c_int) -> bool {
-    fd >= 0 && (fd as usize) < MAX_TRACKED_FD && TRACKED[fd as usize / 64].load(Ordering::Relaxed) & (1 << (fd % 64)) != 0
-}
-fn set_tracked(fd: c_int, on: bool) {
-    let bit = 1u64 << (fd % 64);
-    if on {
-        TRACKED[fd as usize / 64].fetch_or(bit, Ordering::Relaxed);
-    } else {
-        TRACKED[fd as usize / 64].fetch_and(!bit, Ordering::Relaxed);
+impl FdSet {
+    const fn new() -> FdSet {
+        FdSet([const { AtomicU64::new(0) }; MAX_TRACKED_FD / 64])
+    }
+    fn has(&self, fd: c_int) -> bool {
+        fd >= 0 && (fd as usize) < MAX_TRACKED_FD && self.0[fd as usize / 64].load(Ordering::Relaxed) & (1 << (fd % 64)) != 0
+    }
+    fn set(&self, fd: c_int, on: bool) {
+        if fd < 0 || fd as usize >= MAX_TRACKED_FD {
+            return;
+        }
+        let bit = 1u64 << (fd % 64);
+        if on {
+            self.0[fd as usize / 64].fetch_or(bit, Ordering::Relaxed);
+        } else {
+            self.0[fd as usize / 64].fetch_and(!bit, Ordering::Relaxed);
+        }
     }
 }
 
-/// This process's id, cached: `getpid` is a system call in glibc, and every log write and
-/// fsync checks that it runs in the process that owns the shim's state. A fork's child resets
-/// it (`pthread_atfork`, registered with the state).
+/// Fds beyond the bitmaps are never tracked: a log open that gets one fails with EIO rather
+/// than going unreplicated.
+const MAX_TRACKED_FD: usize = 65536;
+/// Fds that are log files (the fast path for every other fd takes no lock).
+static TRACKED: FdSet = FdSet::new();
+/// In a fork child: the log fds it inherited (a subset of [`TRACKED`], set by
+/// [`after_fork_child`]). They are the parent's to replicate, not the child's: a write, sync or
+/// truncate on one fails with EIO, a close only clears its bits; no lock either way.
+static INHERITED: FdSet = FdSet::new();
+/// Log fds closed (or replaced by dup2) from a signal handler that interrupted its own thread
+/// inside the shim, which holds the state's lock: the next holder of the lock forgets them
+/// ([`lock_state`]). [`ANY_PENDING`] saves every other holder the scan.
+static PENDING_FORGET: FdSet = FdSet::new();
+static ANY_PENDING: AtomicBool = AtomicBool::new(false);
+/// The replication state's own long-lived fds: peer connections and the read fds of log files
+/// (set once open, cleared before closing, so a set bit always names one of them). A fork child
+/// closes its copies ([`after_fork_child`]): the parent's connections are not the child's to
+/// keep open (a peer would not see the parent go while a child lives), and a read fd's lock on
+/// [`WRITER_LOCK_BYTE`] says "a writer on this machine keeps this local copy current", which
+/// must end with that writer, not with its longest-lived child.
+static OWN_FDS: FdSet = FdSet::new();
+
+/// Closes one of the state's own fds ([`OWN_FDS`]).
+unsafe fn close_own(fd: c_int) {
+    OWN_FDS.set(fd, false);
+    (real().close)(fd);
+}
+
+fn is_tracked(fd: c_int) -> bool {
+    TRACKED.has(fd)
+}
+fn set_tracked(fd: c_int, on: bool) {
+    TRACKED.set(fd, on)
+}
+
+/// The controller may know log files by names no pattern matches: set once this process opens
+/// a file with [`O_NCL`] or renames a log file to a name outside the patterns. Until then a
+/// rename or unlink of a path the patterns do not name is none of the shim's business: it
+/// passes through without a lock or a controller round trip.
+static UNPATTERNED_KEYS: AtomicBool = AtomicBool::new(false);
+
+/// This process's id, kept without a system call: set at load ([`init_at_load`]) and by the
+/// fork child handler. A `vfork` child (no fork handlers run; it shares its parent's memory)
+/// still finds its parent's id here: that is how [`in_vfork_child`] tells.
 static PID: AtomicU32 = AtomicU32::new(0);
 
 fn pid() -> u32 {
     match PID.load(Ordering::Relaxed) {
-        0 => {
-            let p = std::process::id();
-            PID.store(p, Ordering::Relaxed);
-            p
-        }
+        0 => std::process::id(), // not loaded through `init_at_load` (the rlib in unit tests)
         p => p,
     }
 }
 
-extern "C" fn forget_pid_in_child() {
-    PID.store(0, Ordering::Relaxed);
+/// True in a `vfork` (or other `CLONE_VM`) child before it execs: it shares the parent's
+/// memory (bitmaps, state, locks) but has its own fd table, so a close or dup there must not
+/// touch the parent's bookkeeping. One `getpid` system call (about 0.2 µs here), only on the
+/// paths of log fds and log paths, never on the fast path of other fds.
+fn in_vfork_child() -> bool {
+    let p = PID.load(Ordering::Relaxed);
+    // SAFETY: no arguments (glibc does not cache the pid: this is the kernel's answer).
+    p != 0 && unsafe { libc::getpid() } as u32 != p
+}
+
+/// A child made without fork's handlers (vfork, `clone`, a raw fork system call) never uses
+/// the state it finds in memory — its parent's, shared (vfork) or a copy whose sockets the
+/// parent goes on using, whose lock may be held for good. A log operation there fails (EIO),
+/// said once on stderr. Costs one `getpid` per log operation (a replicated write costs tens of
+/// µs).
+fn foreign_child(what: &str) -> bool {
+    if !in_vfork_child() {
+        return false;
+    }
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        log(&format!("{what}: EIO: in a child made without fork's handlers (vfork, clone): the shim's state is its parent's (such a child may only exec or _exit)"));
+    }
+    true
+}
+
+/// Runs at load (`.init_array`: before `main`, before the application has threads): the pid,
+/// glibc's functions, the patterns, and the fork handlers. Whatever is initialised lazily
+/// later ([`known_dir`], [`known_bounds`], [`stats::enabled`]) the prepare handler finishes
+/// before a fork, so a child never waits on an initialisation begun by a thread it lacks.
+extern "C" fn init_at_load() {
+    PID.store(std::process::id(), Ordering::Relaxed);
+    let _ = real();
+    let _ = patterns();
+    // SAFETY: registers three handlers that only use atomics, ForkLocks and system calls.
+    unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_parent), Some(after_fork_child)) };
+}
+
+#[used]
+#[link_section = ".init_array"]
+static INIT_AT_LOAD: extern "C" fn() = init_at_load;
+
+thread_local! {
+    /// Set by [`before_fork`] on the forking thread when it took the short locks (the parent
+    /// and child handlers run on that thread and release them).
+    static HELD_FOR_FORK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The fork prepare handler. The short locks (stdio's stream table, the known copies, the
+/// listed directories; held for microseconds to a few tmpfs operations, never across network
+/// I/O) are taken in this fixed order, so the child inherits them consistent and free. The
+/// state's lock [`SHIM`] is not: it is held across replication round trips (up to
+/// `UNDERSTUDY_NEARLOG_DEADLINE_MS`), and a fork must not wait for those; the child replaces
+/// that state instead. A fork from a signal handler that interrupted this thread inside the
+/// shim takes nothing (this thread may hold any of them): the child then resets every one.
+extern "C" fn before_fork() {
+    if IN_SHIM.with(|g| g.get()) {
+        return;
+    }
+    let _ = known_dir();
+    let _ = known_bounds();
+    let _ = stats::enabled();
+    crate::stdio::lock_for_fork();
+    KNOWN_COPIES.lock_raw();
+    LISTED.lock_raw();
+    HELD_FOR_FORK.with(|h| h.set(true));
+}
+
+extern "C" fn after_fork_parent() {
+    if HELD_FOR_FORK.with(|h| h.replace(false)) {
+        // SAFETY: taken by `before_fork` on this thread.
+        unsafe {
+            LISTED.unlock_raw();
+            KNOWN_COPIES.unlock_raw();
+            crate::stdio::unlock_after_fork();
+        }
+    }
+}
+
+/// The fork child handler (one thread; async-signal-safe: atomics and stores, no allocation —
+/// it may run before the allocator's own child handler, jemalloc's in Redis). The child starts
+/// with no replication state: a log file it opens gets its own epoch and its own connections,
+/// made lazily on first use; the log fds it inherited fail writes with EIO ([`INHERITED`]).
+/// The parent's state is left unread (another thread may have been changing it) and its memory
+/// stays in the child's copy of the heap; the child's copies of that state's fds (peer
+/// connections, read fds) are closed ([`OWN_FDS`]); the parent goes on using its own.
+extern "C" fn after_fork_child() {
+    // SAFETY: no arguments.
+    PID.store(unsafe { libc::getpid() } as u32, Ordering::Relaxed);
+    // SAFETY: the child side of fork: this is the only thread.
+    unsafe { SHIM.reset_in_child(None) };
+    for w in 0..MAX_TRACKED_FD / 64 {
+        let t = TRACKED.0[w].load(Ordering::Relaxed);
+        if t != 0 {
+            INHERITED.0[w].fetch_or(t, Ordering::Relaxed);
+        }
+        PENDING_FORGET.0[w].store(0, Ordering::Relaxed);
+        let mut own = OWN_FDS.0[w].swap(0, Ordering::Relaxed);
+        while own != 0 {
+            let fd = w * 64 + own.trailing_zeros() as usize;
+            own &= own - 1;
+            // SAFETY: the system call itself (no interposed close): the child's copy of one of
+            // the parent state's fds.
+            unsafe { libc::syscall(libc::SYS_close, fd) };
+        }
+    }
+    ANY_PENDING.store(false, Ordering::Relaxed);
+    if HELD_FOR_FORK.with(|h| h.replace(false)) {
+        // SAFETY: taken by `before_fork` on the thread that forked, which this one is.
+        unsafe {
+            LISTED.unlock_raw();
+            KNOWN_COPIES.unlock_raw();
+            crate::stdio::unlock_after_fork();
+        }
+    } else {
+        // SAFETY: as above. The tables may be half-changed: they start empty (they only save
+        // re-checks; a stream made before the fork still writes through its own functions).
+        unsafe {
+            LISTED.reset_in_child(Vec::new());
+            KNOWN_COPIES.reset_in_child(Vec::new());
+            crate::stdio::reset_in_child();
+        }
+    }
+}
+
+/// A call on a log fd from a signal handler that interrupted this same thread inside the shim:
+/// the interrupted frame holds the state's lock, so waiting for it would never end, and passing
+/// the call through would leave bytes in the log file that no peer holds. It fails with EIO.
+/// The line is a constant, written once per process (a handler may run thousands of times a
+/// second): nothing is allocated in a signal handler.
+fn reentrant_log_call() {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    const MSG: &[u8] = b"[nearlog] a log fd used from a signal handler that interrupted the shim on the same thread: EIO (said once per process)\n";
+    if !SAID.swap(true, Ordering::Relaxed) {
+        // SAFETY: a constant buffer to stderr with the real write.
+        unsafe { (real().write)(2, MSG.as_ptr() as *const c_void, MSG.len()) };
+    }
+    set_errno(libc::EIO);
+}
+
+/// Sets close-on-exec on a log fd: a log fd belongs to the process that opened it (see the
+/// crate doc); an exec'd program would write to it with no shim state behind it.
+fn set_cloexec(fd: c_int) {
+    // SAFETY: fcntl on an fd with integer arguments (the raw call: no interposed fcntl).
+    unsafe { libc::syscall(libc::SYS_fcntl, fd, libc::F_SETFD, libc::FD_CLOEXEC) };
 }
 
 fn log(msg: &str) {
@@ -290,7 +506,7 @@ impl Drop for Tracked {
     fn drop(&mut self) {
         if self.read_fd >= 0 {
             // SAFETY: our own fd, closed once.
-            unsafe { (real().close)(self.read_fd) };
+            unsafe { close_own(self.read_fd) };
         }
     }
 }
@@ -303,6 +519,7 @@ fn reopen_readonly(fd: c_int) -> Result<c_int, String> {
     if r < 0 {
         return Err(format!("cannot reopen fd {fd} for reading: {}", std::io::Error::last_os_error()));
     }
+    OWN_FDS.set(r, true);
     Ok(r)
 }
 
@@ -325,11 +542,31 @@ struct Shim {
     /// image staged to a peer that lags after a crash, a resync) goes out as its socket drains,
     /// during later pumps, while the majority's small records pass on their own connections.
     sendq: HashMap<PeerId, (Vec<u8>, usize)>,
-    owner_pid: u32,
     start: Instant,
 }
 
-static SHIM: Mutex<Option<Shim>> = Mutex::new(None);
+/// The replication state: one lock, held across replication round trips. A fork's child
+/// replaces it ([`after_fork_child`]). Take it with [`lock_state`].
+static SHIM: ForkLock<Option<Shim>> = ForkLock::new(None);
+
+/// Locks the state, first forgetting the log fds a signal handler closed meanwhile
+/// ([`PENDING_FORGET`]).
+fn lock_state() -> crate::forklock::ForkGuard<'static, Option<Shim>> {
+    let mut slot = SHIM.lock();
+    if ANY_PENDING.swap(false, Ordering::Acquire) {
+        for w in 0..MAX_TRACKED_FD / 64 {
+            let mut bits = PENDING_FORGET.0[w].swap(0, Ordering::Acquire);
+            while bits != 0 {
+                let fd = (w * 64 + bits.trailing_zeros() as usize) as c_int;
+                bits &= bits - 1;
+                if let Some(shim) = slot.as_mut() {
+                    forget_locked(shim, fd);
+                }
+            }
+        }
+    }
+    slot
+}
 /// Config errors are reported once per process, then every log open fails.
 static PATTERNS: OnceLock<Vec<String>> = OnceLock::new();
 
@@ -385,21 +622,6 @@ fn is_log_path(abs: &str) -> bool {
 
 impl Shim {
     fn get(slot: &mut Option<Shim>) -> Result<&mut Shim, String> {
-        static ATFORK: std::sync::Once = std::sync::Once::new();
-        // SAFETY: registers a handler that only stores to an atomic.
-        ATFORK.call_once(|| unsafe {
-            libc::pthread_atfork(None, None, Some(forget_pid_in_child));
-        });
-        let pid = pid();
-        if slot.as_ref().is_some_and(|s| s.owner_pid != pid) {
-            // A forked child: the parent's connections and files are not ours. Forget them
-            // without closing anything (the parent still uses those sockets).
-            let old = slot.take().unwrap();
-            for (_, (_, conn, _)) in old.peers {
-                std::mem::forget(conn);
-            }
-            std::mem::forget(old.files);
-        }
         if slot.is_none() {
             let cfg = load_config()?;
             *slot = Some(Shim {
@@ -411,7 +633,6 @@ impl Shim {
                 deferred: HashMap::new(),
                 reply_us: HashMap::new(),
                 sendq: HashMap::new(),
-                owner_pid: pid,
                 start: Instant::now(),
             });
         }
@@ -439,6 +660,7 @@ impl Shim {
             match blocking::connect(addr, secret, Duration::from_secs(2)) {
                 Ok(s) => {
                     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                    OWN_FDS.set(s.as_raw_fd(), true);
                     *conn = Some(s);
                     self.readers.remove(&peer);
                     self.sendq.remove(&peer);
@@ -707,6 +929,9 @@ impl Shim {
 
     fn drop_conn(&mut self, p: PeerId) {
         if let Some(v) = self.peers.get_mut(&p) {
+            if let Some(c) = &v.1 {
+                OWN_FDS.set(c.as_raw_fd(), false); // before the close: see OWN_FDS
+            }
             v.1 = None;
         }
         self.readers.remove(&p);
@@ -932,6 +1157,9 @@ pub unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: mod
     let Some(_g) = Guard::enter() else { return (r.openat)(dirfd, path, flags & !O_NCL, mode) };
     let opted_in = flags & O_NCL != 0;
     let flags = flags & !O_NCL;
+    if opted_in {
+        UNPATTERNED_KEYS.store(true, Ordering::Relaxed);
+    }
     let writable = flags & (libc::O_WRONLY | libc::O_RDWR) != 0;
     if path.is_null() || (!opted_in && patterns().is_empty()) {
         return (r.openat)(dirfd, path, flags, mode);
@@ -940,6 +1168,10 @@ pub unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: mod
     let Some(abs) = absolute(dirfd, cpath) else { return (r.openat)(dirfd, path, flags, mode) };
     if !opted_in && !is_log_path(&abs) {
         return (r.openat)(dirfd, path, flags, mode);
+    }
+    if foreign_child(&format!("open {abs}")) {
+        set_errno(libc::EIO);
+        return -1;
     }
     if !writable {
         // A reader (e.g. the application's own crash recovery) gets a local copy verified
@@ -951,7 +1183,7 @@ pub unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: mod
         }
         return (r.openat)(dirfd, path, flags, mode);
     }
-    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    let mut slot = lock_state();
     let shim = match Shim::get(&mut slot) {
         Ok(s) => s,
         Err(e) => {
@@ -960,7 +1192,8 @@ pub unsafe fn open_at(dirfd: c_int, path: *const c_char, flags: c_int, mode: mod
             return -1;
         }
     };
-    let fd = (r.openat)(dirfd, path, flags, mode);
+    // Close-on-exec whatever the application asked (see the crate doc).
+    let fd = (r.openat)(dirfd, path, flags | libc::O_CLOEXEC, mode);
     if fd < 0 {
         return fd;
     }
@@ -1021,7 +1254,10 @@ fn sync_local_copy(abs: &str, only_if_missing: bool) -> Result<(), ()> {
     if only_if_missing && exists {
         return Ok(());
     }
-    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    if foreign_child(&format!("reading {abs}")) {
+        return Err(());
+    }
+    let mut slot = lock_state();
     let shim = match Shim::get(&mut slot) {
         Ok(s) => s,
         Err(e) => {
@@ -1131,7 +1367,7 @@ fn verify_local_copy(shim: &mut Shim, fd: c_int, writable: bool, grant: &FileGra
 /// Local copies this process made current for reading: key, file id, the state their content
 /// is, and the file's identity and change times right after ([`verify_local_copy`]).
 type KnownCopy = (String, nearlog::proto::FileId, nearlog::proto::Holding, [i64; 6]);
-static KNOWN_COPIES: Mutex<Vec<KnownCopy>> = Mutex::new(Vec::new());
+static KNOWN_COPIES: ForkLock<Vec<KnownCopy>> = ForkLock::new(Vec::new());
 /// Longest [`remember_copy`] waits for the file-time clock to tick past the copy's change time.
 const MAX_TICK_WAIT_MS: u32 = 20;
 /// Copies [`KNOWN_COPIES`] remembers (oldest forgotten first: it only saves a re-check).
@@ -1144,7 +1380,7 @@ fn identity(st: &libc::stat64) -> [i64; 6] {
 }
 
 fn known_copy(key: &str, file: nearlog::proto::FileId, st: &libc::stat64) -> Option<nearlog::proto::Holding> {
-    let known = KNOWN_COPIES.lock().unwrap_or_else(|e| e.into_inner());
+    let known = KNOWN_COPIES.lock();
     if let Some(h) = known.iter().find(|(k, f, _, id)| k == key && *f == file && *id == identity(st)).map(|(_, _, h, _)| *h) {
         return Some(h);
     }
@@ -1278,7 +1514,7 @@ fn remember_copy(key: &str, file: nearlog::proto::FileId, fd: c_int, state: Opti
         std::thread::sleep(Duration::from_millis(1));
         waited += 1;
     }
-    let mut known = KNOWN_COPIES.lock().unwrap_or_else(|e| e.into_inner());
+    let mut known = KNOWN_COPIES.lock();
     known.retain(|(k, _, _, _)| k != key);
     if known.len() >= MAX_KNOWN_COPIES {
         known.remove(0);
@@ -1317,9 +1553,11 @@ pub unsafe fn before_opendir(path: *const c_char) {
     }
     let Some(_g) = Guard::enter() else { return };
     let Some(dir) = absolute(libc::AT_FDCWD, CStr::from_ptr(path)) else { return };
-    static LISTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    if in_vfork_child() {
+        return; // a listing is no log operation: it goes ahead without the recovery
+    }
     {
-        let mut listed = LISTED.lock().unwrap_or_else(|e| e.into_inner());
+        let mut listed = LISTED.lock();
         if listed.contains(&dir) {
             return;
         }
@@ -1332,7 +1570,7 @@ pub unsafe fn before_opendir(path: *const c_char) {
     }
     let prefix = if dir == "/" { dir.clone() } else { format!("{dir}/") };
     let missing: Vec<String> = {
-        let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = lock_state();
         let shim = match Shim::get(&mut slot) {
             Ok(s) => s,
             Err(e) => {
@@ -1366,6 +1604,7 @@ pub unsafe fn before_opendir(path: *const c_char) {
 
 /// Directories [`before_opendir`] remembers as checked.
 const MAX_LISTED_DIRS: usize = 1024;
+static LISTED: ForkLock<Vec<String>> = ForkLock::new(Vec::new());
 
 fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), String> {
     if fd as usize >= MAX_TRACKED_FD {
@@ -1387,7 +1626,7 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
             Ok(false) if Instant::now() < until => std::thread::sleep(Duration::from_millis(1)),
             other => {
                 // SAFETY: our own fd, not stored anywhere yet.
-                unsafe { (real().close)(read_fd) };
+                unsafe { close_own(read_fd) };
                 return Err(format!("a reader on this machine holds the local copy's lock: {other:?}"));
             }
         }
@@ -1400,7 +1639,7 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
             Ok(_) => return Err("controller answered Open with something else".into()),
             Err(e) => {
                 // SAFETY: our own fd, not stored anywhere yet.
-                unsafe { (real().close)(read_fd) };
+                unsafe { close_own(read_fd) };
                 return Err(e);
             }
         };
@@ -1417,7 +1656,7 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
                 Ok(l) => l,
                 Err(e) => {
                     // SAFETY: our own fd, not stored anywhere yet.
-                    unsafe { (real().close)(read_fd) };
+                    unsafe { close_own(read_fd) };
                     return Err(format!("reading the local copy: {e}"));
                 }
             },
@@ -1471,20 +1710,24 @@ fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> Result<(), S
             log(&format!("recovered {key}: {} bytes from the log peers ({fetched} fetched, {reused} verified from the local copy of {local_size})", image.len()));
         }
     }
+    INHERITED.set(fd, false);
     set_tracked(fd, true);
     Ok(())
 }
 
 fn with_tracked<T>(fd: c_int, f: impl FnOnce(&mut Shim, c_int) -> Result<T, String>, what: &str) -> Result<T, ()> {
-    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    if INHERITED.has(fd) {
+        log(&format!("{what} on log fd {fd}: EIO: a log file inherited across fork is not replicated by the child (it is its parent's)"));
+        return Err(());
+    }
+    if foreign_child(&format!("{what} on log fd {fd}")) {
+        return Err(());
+    }
+    let mut slot = lock_state();
     let Some(shim) = slot.as_mut() else {
         log(&format!("{what} on log fd {fd}: EIO: shim state is gone"));
         return Err(());
     };
-    if shim.owner_pid != pid() {
-        log(&format!("{what} on log fd {fd}: EIO: a log file inherited across fork is not replicated by the child"));
-        return Err(());
-    }
     let primary = *shim.aliases.get(&fd).unwrap_or(&fd);
     f(shim, primary).map_err(|e| {
         log(&format!("{what} on log fd {fd}: EIO: {e}"));
@@ -1527,10 +1770,8 @@ pub unsafe fn write(fd: c_int, buf: *const c_void, n: size_t, off: Option<off_t>
         };
     }
     let Some(_g) = Guard::enter() else {
-        return match off {
-            None => (r.write)(fd, buf, n),
-            Some(o) => (r.pwrite)(fd, buf, n, o),
-        };
+        reentrant_log_call();
+        return -1;
     };
     let res = with_tracked(
         fd,
@@ -1564,7 +1805,10 @@ pub unsafe fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
     if !is_tracked(fd) || cnt <= 0 {
         return (r.writev)(fd, iov, cnt);
     }
-    let Some(_g) = Guard::enter() else { return (r.writev)(fd, iov, cnt) };
+    let Some(_g) = Guard::enter() else {
+        reentrant_log_call();
+        return -1;
+    };
     let res = with_tracked(
         fd,
         |shim, pfd| {
@@ -1599,7 +1843,10 @@ pub unsafe fn sync(fd: c_int, kind: SyncKind) -> c_int {
     let r = real();
     if is_tracked(fd) {
         // Every acknowledged write is already on a majority of peers: durable without a flush.
-        let Some(_g) = Guard::enter() else { return 0 };
+        let Some(_g) = Guard::enter() else {
+            reentrant_log_call();
+            return -1;
+        };
         let failed = with_tracked(fd, |shim, pfd| Ok(shim.files.get(&pfd).and_then(|t| t.client.failure().cloned())), "fsync");
         return match failed {
             Ok(None) => 0,
@@ -1626,7 +1873,10 @@ pub unsafe fn ftruncate(fd: c_int, len: off_t) -> c_int {
     if !is_tracked(fd) || len < 0 {
         return (r.ftruncate)(fd, len);
     }
-    let Some(_g) = Guard::enter() else { return (r.ftruncate)(fd, len) };
+    let Some(_g) = Guard::enter() else {
+        reentrant_log_call();
+        return -1;
+    };
     let res = with_tracked(
         fd,
         |shim, pfd| {
@@ -1648,13 +1898,33 @@ pub unsafe fn ftruncate(fd: c_int, len: off_t) -> c_int {
 }
 
 pub unsafe fn close(fd: c_int) -> c_int {
-    let r = real();
     if is_tracked(fd) {
-        if let Some(_g) = Guard::enter() {
-            forget_fd(fd);
+        fd_going(fd);
+    }
+    (real().close)(fd)
+}
+
+/// Log fd `fd` is about to leave this process's fd table (close, or dup2/dup3 over it).
+fn fd_going(fd: c_int) {
+    if in_vfork_child() {
+        return; // the bookkeeping is the parent's (shared memory); the fd table is the child's
+    }
+    if INHERITED.has(fd) {
+        // A fork child's copy of its parent's log fd: nothing of it is the child's.
+        INHERITED.set(fd, false);
+        set_tracked(fd, false);
+        return;
+    }
+    match Guard::enter() {
+        Some(_g) => forget_fd(fd),
+        None => {
+            // A signal handler on a thread inside the shim (which holds the state's lock):
+            // the fd stops being a log fd now, its state is forgotten by the lock's next holder.
+            set_tracked(fd, false);
+            PENDING_FORGET.set(fd, true);
+            ANY_PENDING.store(true, Ordering::Release);
         }
     }
-    (r.close)(fd)
 }
 
 /// The shim's bookkeeping when `fd` stops naming a log file (close, or dup2/dup3 over it):
@@ -1666,13 +1936,13 @@ pub unsafe fn close(fd: c_int) -> c_int {
 /// an application's log it never closed (Redis keeps its AOF open until it exits).
 extern "C" fn at_exit() {
     let Some(_g) = Guard::enter() else { return };
+    if in_vfork_child() {
+        return; // exit (not _exit) in a vfork child: the state is its parent's
+    }
     // Never wait at exit: a thread that holds the state (exit from another thread mid-write)
     // keeps it; nothing is remembered then.
-    let Ok(mut slot) = SHIM.try_lock() else { return };
+    let Some(mut slot) = SHIM.try_lock() else { return };
     let Some(shim) = slot.as_mut() else { return };
-    if shim.owner_pid != pid() {
-        return;
-    }
     shim.flush_deferred();
     let done: Vec<(String, nearlog::proto::FileId, c_int, Option<nearlog::proto::Holding>)> = shim
         .files
@@ -1692,11 +1962,14 @@ static AT_EXIT: extern "C" fn() = at_exit;
 
 fn forget_fd(fd: c_int) {
     set_tracked(fd, false);
-    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(shim) = slot.as_mut() else { return };
-    if shim.owner_pid != pid() {
-        return;
+    let mut slot = lock_state();
+    if let Some(shim) = slot.as_mut() {
+        forget_locked(shim, fd);
     }
+}
+
+/// [`forget_fd`]'s work, with the state locked.
+fn forget_locked(shim: &mut Shim, fd: c_int) {
     if shim.aliases.remove(&fd).is_some() {
         return;
     }
@@ -1723,9 +1996,9 @@ fn forget_fd(fd: c_int) {
     }
 }
 
-/// After a successful dup of log fd `old` into `new`: `new` replicates too. A copy beyond the
-/// fd table cannot be tracked: it is closed and the call fails (EMFILE) rather than letting
-/// writes through it go unreplicated.
+/// After a successful dup of log fd `old` into `new`: `new` replicates too, and like every log
+/// fd it is close-on-exec. A copy beyond the fd table cannot be tracked: it is closed and the
+/// call fails (EMFILE) rather than letting writes through it go unreplicated.
 fn track_copy(old: c_int, new: c_int) -> c_int {
     if new as usize >= MAX_TRACKED_FD {
         log(&format!("dup of log fd {old}: EMFILE: fd {new} is beyond the shim's table of {MAX_TRACKED_FD} fds"));
@@ -1734,7 +2007,24 @@ fn track_copy(old: c_int, new: c_int) -> c_int {
         set_errno(libc::EMFILE);
         return -1;
     }
-    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
+    set_cloexec(new);
+    if in_vfork_child() {
+        return new; // the copy is in the child's table only; it goes at the exec
+    }
+    if INHERITED.has(old) {
+        INHERITED.set(new, true);
+        set_tracked(new, true);
+        return new;
+    }
+    let Some(_g) = Guard::enter() else {
+        // A signal handler that interrupted the shim on this thread: the copy cannot join the
+        // state now, and an untracked copy would write unreplicated.
+        // SAFETY: closing the fd the dup just made.
+        unsafe { (real().close)(new) };
+        reentrant_log_call();
+        return -1;
+    };
+    let mut slot = lock_state();
     if let Some(shim) = slot.as_mut() {
         let primary = *shim.aliases.get(&old).unwrap_or(&old);
         shim.aliases.insert(new, primary);
@@ -1747,45 +2037,32 @@ type FcntlFn = unsafe extern "C" fn(c_int, c_int, ...) -> c_int;
 type Dup2Fn = unsafe extern "C" fn(c_int, c_int) -> c_int;
 type Dup3Fn = unsafe extern "C" fn(c_int, c_int, c_int) -> c_int;
 
-unsafe fn sym<T>(name: &[u8]) -> T {
-    let p = libc::dlsym(libc::RTLD_NEXT, name.as_ptr() as *const c_char);
-    assert!(!p.is_null(), "nearlog shim: libc symbol missing");
-    std::mem::transmute_copy::<*mut c_void, T>(&p)
-}
-
 pub unsafe fn dup(old: c_int) -> c_int {
-    static REAL: OnceLock<FdFn> = OnceLock::new();
-    // SAFETY: glibc's dup has this signature.
-    let r = (REAL.get_or_init(|| sym(b"dup\0")))(old);
+    let r = (real().dup)(old);
     if r < 0 || !is_tracked(old) {
         return r;
     }
-    let Some(_g) = Guard::enter() else { return r };
     track_copy(old, r)
 }
 
 pub unsafe fn dup3(old: c_int, new: c_int, flags: c_int, three: bool) -> c_int {
-    static REAL2: OnceLock<Dup2Fn> = OnceLock::new();
-    static REAL3: OnceLock<Dup3Fn> = OnceLock::new();
     let call = || {
-        // SAFETY: glibc's dup2/dup3 have these signatures.
         if three {
-            (REAL3.get_or_init(|| sym(b"dup3\0")))(old, new, flags)
+            (real().dup3)(old, new, flags)
         } else {
-            (REAL2.get_or_init(|| sym(b"dup2\0")))(old, new)
+            (real().dup2)(old, new)
         }
     };
     if old == new || !(is_tracked(old) || is_tracked(new)) {
         return call();
     }
-    let Some(_g) = Guard::enter() else { return call() };
     let r = call();
     if r < 0 {
         return r;
     }
     // `new` was closed by the call if it was open: forget it first, then track the copy.
     if is_tracked(new) {
-        forget_fd(new);
+        fd_going(new);
     }
     if is_tracked(old) {
         return track_copy(old, new);
@@ -1794,16 +2071,22 @@ pub unsafe fn dup3(old: c_int, new: c_int, flags: c_int, three: bool) -> c_int {
 }
 
 pub unsafe fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong, name: &'static [u8]) -> c_int {
-    static REAL: OnceLock<FcntlFn> = OnceLock::new();
-    static REAL64: OnceLock<FcntlFn> = OnceLock::new();
-    // SAFETY: glibc's fcntl/fcntl64 are variadic with one optional integer-or-pointer argument,
-    // passed here in the same register it arrived in.
-    let f = if name == b"fcntl64\0" { REAL64.get_or_init(|| sym(b"fcntl64\0")) } else { REAL.get_or_init(|| sym(b"fcntl\0")) };
+    // glibc's fcntl/fcntl64 are variadic with one optional integer-or-pointer argument, passed
+    // here in the same register it arrived in.
+    let f = if name == b"fcntl64\0" { real().fcntl64 } else { real().fcntl };
+    let mut arg = arg;
+    if cmd == libc::F_SETFD && arg & libc::FD_CLOEXEC as libc::c_ulong == 0 && is_tracked(fd) {
+        // A log fd stays close-on-exec (see the crate doc): an exec'd program has no shim state
+        // for it, and what it wrote would be in no peer's copy.
+        if let Some(_g) = Guard::enter() {
+            log(&format!("fcntl(F_SETFD) clearing close-on-exec on log fd {fd}: kept close-on-exec (a log fd does not cross exec)"));
+        }
+        arg |= libc::FD_CLOEXEC as libc::c_ulong;
+    }
     let r = f(fd, cmd, arg);
     if r < 0 || !(cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC) || !is_tracked(fd) {
         return r;
     }
-    let Some(_g) = Guard::enter() else { return r };
     track_copy(fd, r)
 }
 
@@ -1838,7 +2121,7 @@ fn drop_on_peers(shim: &mut Shim, g: &FileGrant) {
 pub unsafe fn unlink_at(dirfd: c_int, path: *const c_char, flags: c_int) -> c_int {
     let r = real();
     let Some(_g) = Guard::enter() else { return (r.unlinkat)(dirfd, path, flags) };
-    if path.is_null() || patterns().is_empty() && SHIM.lock().map(|s| s.is_none()).unwrap_or(true) {
+    if path.is_null() || patterns().is_empty() && !UNPATTERNED_KEYS.load(Ordering::Relaxed) {
         return (r.unlinkat)(dirfd, path, flags);
     }
     let rc = (r.unlinkat)(dirfd, path, flags);
@@ -1851,13 +2134,20 @@ pub unsafe fn unlink_at(dirfd: c_int, path: *const c_char, flags: c_int) -> c_in
     rc
 }
 
-/// Updates the controller after an unlink (`to == None`) or rename of `from`.
+/// Updates the controller after an unlink (`to == None`) or rename of `from`. Paths that are
+/// no log file's pass without a lock ([`UNPATTERNED_KEYS`]).
 fn forget(from: &str, to: Option<&str>) {
-    let mut slot = SHIM.lock().unwrap_or_else(|e| e.into_inner());
-    let matched = is_log_path(from) || to.is_some_and(is_log_path);
-    if !matched && slot.is_none() {
+    let (from_log, to_log) = (is_log_path(from), to.is_some_and(is_log_path));
+    if !from_log && !to_log && !UNPATTERNED_KEYS.load(Ordering::Relaxed) {
         return;
     }
+    if foreign_child(&format!("{} of {from}: not reported to the controller", if to.is_some() { "rename" } else { "unlink" })) {
+        return; // the file system's change is done; the controller's entry stays as it was
+    }
+    if to.is_some() && from_log && !to_log {
+        UNPATTERNED_KEYS.store(true, Ordering::Relaxed); // a log file renamed out of the patterns
+    }
+    let mut slot = lock_state();
     let Ok(shim) = Shim::get(&mut slot) else { return };
     for k in std::iter::once(from).chain(to) {
         if let Some(p) = known_path(k) {

@@ -8,7 +8,8 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, CStr};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+
+use crate::forklock::ForkLock;
 
 use libc::{c_int, c_void, off64_t, size_t, ssize_t, FILE};
 
@@ -25,7 +26,8 @@ extern "C" {
 }
 
 /// Streams made here -> their fd (for `fileno`). `COUNT` lets every other `fileno` skip the lock.
-static STREAMS: Mutex<Option<HashMap<usize, c_int>>> = Mutex::new(None);
+/// One of the shim's short locks: the fork handlers take it first ([`lock_for_fork`]).
+static STREAMS: ForkLock<Option<HashMap<usize, c_int>>> = ForkLock::new(None);
 static COUNT: AtomicUsize = AtomicUsize::new(0);
 
 /// The fd behind a stream made here, if it is one.
@@ -33,7 +35,33 @@ pub fn stream_fd(f: *mut FILE) -> Option<c_int> {
     if COUNT.load(Ordering::Relaxed) == 0 {
         return None;
     }
-    STREAMS.lock().unwrap_or_else(|e| e.into_inner()).as_ref()?.get(&(f as usize)).copied()
+    // Inside the shim's guard, like every shim lock: a signal handler that interrupts this
+    // thread here (or a fork from one) then never waits for the lock this thread holds.
+    let _g = crate::shim::enter()?;
+    STREAMS.lock().as_ref()?.get(&(f as usize)).copied()
+}
+
+/// The fork prepare handler's part: see `shim::before_fork` (the fixed order of the locks).
+pub fn lock_for_fork() {
+    STREAMS.lock_raw();
+}
+
+/// Releases what [`lock_for_fork`] took (the parent, or the child, after fork).
+///
+/// # Safety
+/// Only after [`lock_for_fork`] on this thread.
+pub unsafe fn unlock_after_fork() {
+    STREAMS.unlock_raw();
+}
+
+/// In a fork child whose fork did not take the lock (a fork from a signal handler inside the
+/// shim): an empty table (`fileno` of an older stream then answers glibc's -1).
+///
+/// # Safety
+/// Only in the fork child handler.
+pub unsafe fn reset_in_child() {
+    STREAMS.reset_in_child(None);
+    COUNT.store(0, Ordering::Relaxed);
 }
 
 /// `open` flags of an `fopen` mode, and whether it writes.
@@ -83,16 +111,26 @@ unsafe extern "C" fn cookie_seek(c: *mut c_void, off: *mut off64_t, whence: c_in
 unsafe extern "C" fn cookie_close(c: *mut c_void) -> c_int {
     // SAFETY: the box made in `wrap`, freed once (glibc calls close once per stream).
     let fd = *Box::from_raw(c as *mut c_int);
-    if let Some(m) = STREAMS.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
-        let before = m.len();
-        m.retain(|_, v| *v != fd);
-        COUNT.fetch_sub(before - m.len(), Ordering::Relaxed);
+    // Inside the shim's guard, like every shim lock (see `stream_fd`). From a signal handler
+    // that interrupted the shim the entry stays (a stale entry only names a closed fd).
+    if let Some(_g) = crate::shim::enter() {
+        if let Some(m) = STREAMS.lock().as_mut() {
+            let before = m.len();
+            m.retain(|_, v| *v != fd);
+            COUNT.fetch_sub(before - m.len(), Ordering::Relaxed);
+        }
     }
     crate::shim::close(fd)
 }
 
 /// A stream over `fd` whose writes go through the shim. On failure the fd is left open.
 unsafe fn wrap(fd: c_int, mode: *const c_char) -> *mut FILE {
+    // Inside the shim's guard, like every shim lock (see `stream_fd`); from a signal handler
+    // that interrupted the shim (an fopen there) the table cannot be updated: EIO.
+    let Some(_g) = crate::shim::enter() else {
+        *libc::__errno_location() = libc::EIO;
+        return std::ptr::null_mut();
+    };
     let cookie = Box::into_raw(Box::new(fd)) as *mut c_void;
     let funcs = CookieIoFunctions { read: Some(cookie_read), write: Some(cookie_write), seek: Some(cookie_seek), close: Some(cookie_close) };
     // SAFETY: a valid mode string and cookie; glibc keeps the functions for the stream's life.
@@ -101,7 +139,7 @@ unsafe fn wrap(fd: c_int, mode: *const c_char) -> *mut FILE {
         drop(Box::from_raw(cookie as *mut c_int));
         return f;
     }
-    STREAMS.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(HashMap::new).insert(f as usize, fd);
+    STREAMS.lock().get_or_insert_with(HashMap::new).insert(f as usize, fd);
     COUNT.fetch_add(1, Ordering::Relaxed);
     f
 }
