@@ -80,6 +80,12 @@ pub struct Cluster {
     map: RwLock<Arc<ClusterMap>>,
     conns: Mutex<HashMap<ShardId, Arc<ShardConn>>>,
     meta_conn: Mutex<Option<TcpStream>>,
+    /// One map fetch at a time: every request waiting on a silent shard looks at the map each
+    /// [`MAP_CHECK_INTERVAL`], and up to [`MAX_OBJECT_IOS_IN_FLIGHT`] of them may wait at once;
+    /// those that queue behind a fetch take its answer instead of asking again.
+    map_fetch: Mutex<()>,
+    /// Map fetches finished so far (tells a queued caller that one ended while it waited).
+    map_fetches_done: AtomicU64,
     next_req: AtomicU64,
     in_flight: tokio::sync::Semaphore,
     /// Give up on an I/O after this long without success.
@@ -94,6 +100,8 @@ impl Cluster {
             map: RwLock::new(Arc::new(ClusterMap { epoch: 0, replicas: 0, shards: vec![] })),
             conns: Mutex::new(HashMap::new()),
             meta_conn: Mutex::new(None),
+            map_fetch: Mutex::new(()),
+            map_fetches_done: AtomicU64::new(0),
             next_req: AtomicU64::new(1),
             in_flight: tokio::sync::Semaphore::new(MAX_OBJECT_IOS_IN_FLIGHT),
             io_timeout: Duration::from_secs(30),
@@ -178,7 +186,16 @@ impl Cluster {
         if self.map().epoch > seen_epoch {
             return Ok(());
         }
-        if let MetaResp::Map(m) = self.meta(MetaReq::GetMap).await? {
+        let done_before = self.map_fetches_done.load(Ordering::Acquire);
+        let _one_fetch = self.map_fetch.lock().await;
+        if self.map_fetches_done.load(Ordering::Acquire) != done_before || self.map().epoch > seen_epoch {
+            // A fetch ended while this caller queued: its map is as good as a second one, and
+            // a caller that still finds it too old asks again on its next retry.
+            return Ok(());
+        }
+        let fetched = self.meta(MetaReq::GetMap).await;
+        self.map_fetches_done.fetch_add(1, Ordering::Release);
+        if let MetaResp::Map(m) = fetched? {
             let mut g = self.map.write().unwrap();
             if m.epoch > g.epoch {
                 *g = Arc::new(m);
