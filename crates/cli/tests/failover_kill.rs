@@ -1,0 +1,223 @@
+//! The pool's kill of an instance (a dead host) leaves nothing of it alive: PostgreSQL under
+//! load, started as a failover instance through the pool (attach helper + application), is
+//! killed; every process the instance had — the backends too, which PostgreSQL puts each in a
+//! session of its own, out of the instance's process group — is gone within a short bound, and
+//! the volume's loop device is detached. Needs root, /dev/fuse, losetup, mkfs.ext4 and
+//! PostgreSQL; set UNDERSTUDY_SKIP_FUSE_TESTS=1 on a machine without them.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use failover::pool::{InstancePool, LocalPool, LocalPoolConfig};
+use failover::InstanceId;
+
+fn skip() -> bool {
+    if std::env::var_os("UNDERSTUDY_SKIP_FUSE_TESTS").is_some() {
+        eprintln!("skipped: UNDERSTUDY_SKIP_FUSE_TESTS is set");
+        return true;
+    }
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "failover tests attach volumes: they need root (or UNDERSTUDY_SKIP_FUSE_TESTS=1)");
+    false
+}
+
+/// How long anything may take at most on a loaded machine (attach, mkfs, initdb, a kill).
+const WAIT: Duration = Duration::from_secs(120);
+/// How soon after the pool's kill returns no process of the instance may remain. A SIGKILLed
+/// process is gone in milliseconds; the bug left backends alive for good.
+const GONE_WITHIN: Duration = Duration::from_secs(2);
+
+/// (pid, parent pid, command line) of every process.
+fn process_table() -> Vec<(u32, u32, String)> {
+    let mut v = vec![];
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        let Some(ppid) = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse().ok()) else { continue };
+        let cmd = String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).unwrap_or_default()).replace('\0', " ");
+        v.push((pid, ppid, cmd.trim().to_string()));
+    }
+    v
+}
+
+/// `root` and all its descendants now (by parent pid, as /proc shows them): pid → command line.
+fn tree(root: u32) -> BTreeMap<u32, String> {
+    let table = process_table();
+    let mut found: BTreeMap<u32, String> = BTreeMap::new();
+    if let Some((_, _, c)) = table.iter().find(|(p, _, _)| *p == root) {
+        found.insert(root, c.clone());
+    }
+    loop {
+        let before = found.len();
+        for (p, pp, c) in &table {
+            if found.contains_key(pp) && !found.contains_key(p) {
+                found.insert(*p, c.clone());
+            }
+        }
+        if found.len() == before {
+            return found;
+        }
+    }
+}
+
+/// Loop devices whose backing file is a FUSE file of attach helper `pid`.
+fn loops_of(pid: u32) -> Vec<String> {
+    failover::teardown::loops(pid).iter().map(|p| p.display().to_string()).collect()
+}
+
+/// Whatever the test left (it failed half-way): every process it saw SIGKILLed by pid, then
+/// the helper's stack taken down in the order that cannot wedge the kernel.
+struct Guard {
+    pids: Vec<u32>,
+    helper: u32,
+    mount: PathBuf,
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        for p in &self.pids {
+            if *p != self.helper && failover::pool::pid_alive(*p) {
+                failover::teardown::signal(*p as i32, libc::SIGKILL);
+            }
+        }
+        failover::teardown::wait_gone(&self.pids.iter().copied().filter(|p| *p != self.helper).collect::<Vec<_>>(), Duration::from_secs(10));
+        if self.helper != 0 {
+            let r = if failover::pool::pid_alive(self.helper) {
+                failover::teardown::take_down_helper(self.helper, Some(&self.mount))
+            } else {
+                failover::teardown::take_down_dead_helper(self.helper, Some(&self.mount))
+            };
+            if let Err(e) = r {
+                eprintln!("clean-up of helper {}: {e}", self.helper);
+            }
+        }
+    }
+}
+
+async fn pg(addr: std::net::SocketAddr) -> failover::pg::PgConn {
+    failover::pg::PgConn::connect(addr, "postgres", "postgres", Duration::from_secs(10)).await.expect("connect to postgres")
+}
+
+/// Waits until postgres at `addr` answers a query.
+async fn wait_ready(addr: std::net::SocketAddr, log: &Path) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Ok(mut c) = failover::pg::PgConn::connect(addr, "postgres", "postgres", Duration::from_secs(2)).await {
+            if c.query("SELECT 1").await.is_ok() {
+                return;
+            }
+        }
+        assert!(Instant::now() < deadline, "postgres not ready within {WAIT:?}: {}", std::fs::read_to_string(log).unwrap_or_default());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[test]
+fn killing_a_postgres_instance_under_load_leaves_no_process_and_detaches_its_loop() {
+    if skip() {
+        return;
+    }
+    let up = Up::start(3);
+    // PostgreSQL runs unprivileged: it must reach its data on the mount under this directory.
+    std::fs::set_permissions(up.dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    up.ok(&["volume", "create", "pgkill", "--size", "256M"]);
+    let state = tempfile::Builder::new().prefix("failover-kill-").tempdir_in(up.dir.path()).unwrap();
+    let state_dir = state.path().canonicalize().unwrap();
+    let app = failover::spec::AppSpec {
+        command: [BIN, "failover", "postgres", "--data", "{mount}/pgdata", "--port", "{port}"].iter().map(|s| s.to_string()).collect(),
+        env: Default::default(),
+        stop_grace_ms: 5000,
+    };
+    let cfg = LocalPoolConfig {
+        exe: BIN.into(),
+        conn_args: vec!["--cluster".into(), up.cluster_file().to_string_lossy().into_owned()],
+        state_dir: state_dir.clone(),
+        app,
+        mkfs_first: true,
+        attach_timeout: WAIT,
+        netns: false,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (tx, _rx) = tokio::sync::mpsc::channel(64);
+    let id = InstanceId(1);
+    let mut guard = Guard { pids: vec![], helper: 0, mount: state_dir.join("mnt").join(id.to_string()) };
+    rt.block_on(async {
+        let pool = LocalPool::new(cfg, tx).unwrap();
+        let t = Instant::now();
+        let addr = tokio::time::timeout(WAIT, pool.start(id, "pgkill")).await.expect("start within WAIT").expect("start");
+        let (app_pid, helper) = pool.pids(id).unwrap();
+        guard.helper = helper;
+        wait_ready(addr, &pool.log_file(id)).await;
+        eprintln!("instance up in {:?}", t.elapsed());
+
+        // Load: a table, writers committing in a busy loop, one writer inside a long open
+        // transaction, one backend sleeping in a long query, one busy in another.
+        let mut c = pg(addr).await;
+        c.query("CREATE TABLE t (id bigserial PRIMARY KEY, v text)").await.unwrap();
+        let commits = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut tasks = vec![];
+        for w in 0..4 {
+            let commits = commits.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut c = pg(addr).await;
+                while c.query(&format!("INSERT INTO t (v) VALUES ('writer {w}')")).await.is_ok() {
+                    commits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }));
+        }
+        tasks.push(tokio::spawn(async move {
+            let mut c = pg(addr).await;
+            let _ = c.query("BEGIN").await;
+            let _ = c.query("INSERT INTO t (v) SELECT 'bulk' FROM generate_series(1, 1000)").await;
+            let _ = c.query("SELECT pg_sleep(60)").await;
+        }));
+        tasks.push(tokio::spawn(async move {
+            let mut c = pg(addr).await;
+            let _ = c.query("SELECT pg_sleep(60)").await;
+        }));
+        // A long query that never looks whether its postmaster lives (a backend notices the
+        // postmaster's death only where it waits: a busy loop runs on with ppid 1).
+        tasks.push(tokio::spawn(async move {
+            let mut c = pg(addr).await;
+            let _ = c.query("DO $$ DECLARE i bigint := 0; BEGIN WHILE i < 100000000000 LOOP i := i + 1; END LOOP; END $$").await;
+        }));
+        let deadline = Instant::now() + WAIT;
+        while commits.load(std::sync::atomic::Ordering::Relaxed) < 50 {
+            assert!(Instant::now() < deadline, "the load did not commit 50 rows within {WAIT:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Every process of the instance now: the application's tree, backends included.
+        let before = tree(app_pid);
+        guard.pids = before.keys().copied().collect();
+        let backends = before.values().filter(|c| c.contains("postgres: postgres postgres")).count();
+        eprintln!("instance processes before the kill ({} commits): {before:#?}", commits.load(std::sync::atomic::Ordering::Relaxed));
+        assert!(backends >= 7, "expected 7 client backends under load, saw {backends}: {before:#?}");
+        assert!(!loops_of(helper).is_empty(), "the volume is attached through a loop device");
+
+        let t = Instant::now();
+        let killed = tokio::time::timeout(WAIT, pool.kill(id)).await.expect("kill within WAIT");
+        eprintln!("pool kill took {:?}: {killed:?}", t.elapsed());
+        let t = Instant::now();
+        let mut left: Vec<(u32, String)>;
+        loop {
+            left = before.iter().filter(|(p, _)| failover::pool::pid_alive(**p)).map(|(p, c)| (*p, c.clone())).collect();
+            if left.is_empty() || t.elapsed() > GONE_WITHIN {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(left.is_empty(), "{} processes of the killed instance still alive {GONE_WITHIN:?} after the kill returned: {left:#?}", left.len());
+        killed.expect("the pool's kill succeeds");
+        assert!(!failover::pool::pid_alive(helper), "the attach helper is gone after the kill");
+        assert!(loops_of(helper).is_empty(), "loop devices still attached after the kill: {:?}", loops_of(helper));
+        assert!(!failover::teardown::is_mountpoint(&guard.mount), "{} still mounted after the kill", guard.mount.display());
+        for t in tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+        }
+    });
+    drop(guard);
+}
