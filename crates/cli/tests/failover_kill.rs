@@ -21,7 +21,11 @@ fn skip() -> bool {
         return true;
     }
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "failover tests attach volumes: they need root (or UNDERSTUDY_SKIP_FUSE_TESTS=1)");
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "failover tests attach volumes: they need root (or UNDERSTUDY_SKIP_FUSE_TESTS=1)"
+    );
     false
 }
 
@@ -35,10 +39,21 @@ const GONE_WITHIN: Duration = Duration::from_secs(2);
 fn process_table() -> Vec<(u32, u32, String)> {
     let mut v = vec![];
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
-        let Some(ppid) = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse().ok()) else { continue };
-        let cmd = String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).unwrap_or_default()).replace('\0', " ");
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        let Some(ppid) = stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse().ok())
+        else {
+            continue;
+        };
+        let cmd =
+            String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).unwrap_or_default())
+                .replace('\0', " ");
         v.push((pid, ppid, cmd.trim().to_string()));
     }
     v
@@ -66,7 +81,10 @@ fn tree(root: u32) -> BTreeMap<u32, String> {
 
 /// Loop devices whose backing file is a FUSE file of attach helper `pid`.
 fn loops_of(pid: u32) -> Vec<String> {
-    failover::teardown::loops(pid).iter().map(|p| p.display().to_string()).collect()
+    failover::teardown::loops(pid)
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect()
 }
 
 /// Whatever the test left (it failed half-way): every process it saw SIGKILLed by pid, then
@@ -84,7 +102,15 @@ impl Drop for Guard {
                 failover::teardown::signal(*p as i32, libc::SIGKILL);
             }
         }
-        failover::teardown::wait_gone(&self.pids.iter().copied().filter(|p| *p != self.helper).collect::<Vec<_>>(), Duration::from_secs(10));
+        failover::teardown::wait_gone(
+            &self
+                .pids
+                .iter()
+                .copied()
+                .filter(|p| *p != self.helper)
+                .collect::<Vec<_>>(),
+            Duration::from_secs(10),
+        );
         if self.helper != 0 {
             let r = if failover::pool::pid_alive(self.helper) {
                 failover::teardown::take_down_helper(self.helper, Some(&self.mount))
@@ -99,19 +125,28 @@ impl Drop for Guard {
 }
 
 async fn pg(addr: std::net::SocketAddr) -> failover::pg::PgConn {
-    failover::pg::PgConn::connect(addr, "postgres", "postgres", Duration::from_secs(10)).await.expect("connect to postgres")
+    failover::pg::PgConn::connect(addr, "postgres", "postgres", Duration::from_secs(10))
+        .await
+        .expect("connect to postgres")
 }
 
 /// Waits until postgres at `addr` answers a query.
 async fn wait_ready(addr: std::net::SocketAddr, log: &Path) {
     let deadline = Instant::now() + WAIT;
     loop {
-        if let Ok(mut c) = failover::pg::PgConn::connect(addr, "postgres", "postgres", Duration::from_secs(2)).await {
+        if let Ok(mut c) =
+            failover::pg::PgConn::connect(addr, "postgres", "postgres", Duration::from_secs(2))
+                .await
+        {
             if c.query("SELECT 1").await.is_ok() {
                 return;
             }
         }
-        assert!(Instant::now() < deadline, "postgres not ready within {WAIT:?}: {}", std::fs::read_to_string(log).unwrap_or_default());
+        assert!(
+            Instant::now() < deadline,
+            "postgres not ready within {WAIT:?}: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -123,28 +158,57 @@ fn killing_a_postgres_instance_under_load_leaves_no_process_and_detaches_its_loo
     }
     let up = Up::start(3);
     // PostgreSQL runs unprivileged: it must reach its data on the mount under this directory.
-    std::fs::set_permissions(up.dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(
+        up.dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
     up.ok(&["volume", "create", "pgkill", "--size", "256M"]);
-    let state = tempfile::Builder::new().prefix("failover-kill-").tempdir_in(up.dir.path()).unwrap();
+    let state = tempfile::Builder::new()
+        .prefix("failover-kill-")
+        .tempdir_in(up.dir.path())
+        .unwrap();
     let state_dir = state.path().canonicalize().unwrap();
     let app = failover::spec::AppSpec {
-        command: [BIN, "failover", "postgres", "--data", "{mount}/pgdata", "--port", "{port}"].iter().map(|s| s.to_string()).collect(),
+        command: [
+            BIN,
+            "failover",
+            "postgres",
+            "--data",
+            "{mount}/pgdata",
+            "--port",
+            "{port}",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect(),
         env: Default::default(),
         stop_grace_ms: 5000,
     };
     let cfg = LocalPoolConfig {
         exe: BIN.into(),
-        conn_args: vec!["--cluster".into(), up.cluster_file().to_string_lossy().into_owned()],
+        conn_args: vec![
+            "--cluster".into(),
+            up.cluster_file().to_string_lossy().into_owned(),
+        ],
         state_dir: state_dir.clone(),
         app,
         mkfs_first: true,
         attach_timeout: WAIT,
         netns: false,
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     let (tx, _rx) = tokio::sync::mpsc::channel(64);
     let id = InstanceId(1);
-    let mut guard = Guard { pids: vec![], helper: 0, mount: state_dir.join("mnt").join(id.to_string()) };
+    let mut guard = Guard {
+        pids: vec![],
+        helper: 0,
+        mount: state_dir.join("mnt").join(id.to_string()),
+    };
     rt.block_on(async {
         let pool = LocalPool::new(cfg, tx).unwrap();
         let t = Instant::now();
@@ -196,7 +260,8 @@ fn killing_a_postgres_instance_under_load_leaves_no_process_and_detaches_its_loo
         let backends = before.values().filter(|c| c.contains("postgres: postgres postgres")).count();
         eprintln!("instance processes before the kill ({} commits): {before:#?}", commits.load(std::sync::atomic::Ordering::Relaxed));
         assert!(backends >= 7, "expected 7 client backends under load, saw {backends}: {before:#?}");
-        assert!(!loops_of(helper).is_empty(), "the volume is attached through a loop device");
+        let devices = loops_of(helper);
+        assert!(!devices.is_empty(), "the volume is attached through a loop device");
 
         let t = Instant::now();
         let killed = tokio::time::timeout(WAIT, pool.kill(id)).await.expect("kill within WAIT");
@@ -213,11 +278,128 @@ fn killing_a_postgres_instance_under_load_leaves_no_process_and_detaches_its_loo
         assert!(left.is_empty(), "{} processes of the killed instance still alive {GONE_WITHIN:?} after the kill returned: {left:#?}", left.len());
         killed.expect("the pool's kill succeeds");
         assert!(!failover::pool::pid_alive(helper), "the attach helper is gone after the kill");
-        assert!(loops_of(helper).is_empty(), "loop devices still attached after the kill: {:?}", loops_of(helper));
+        // By device, not by backing file: its path changes once the FUSE mount behind it goes.
+        let attached: Vec<&String> = devices.iter().filter(|d| Path::new(&format!("/sys/block/{}/loop/backing_file", d.trim_start_matches("/dev/"))).exists()).collect();
+        assert!(attached.is_empty(), "loop devices still attached after the kill: {attached:?}");
         assert!(!failover::teardown::is_mountpoint(&guard.mount), "{} still mounted after the kill", guard.mount.display());
         for t in tasks {
             let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
         }
     });
     drop(guard);
+}
+
+/// `volume detach` after its helper died (killed with its disk fenced, as the pool kills an
+/// instance) while a process still holds the file system: `losetup -d` of a held loop device
+/// only marks it for autoclear and succeeds, so detach must wait until the device is released
+/// (or fail) — not report "detached" with the device still attached.
+#[test]
+fn detach_after_a_dead_helper_returns_only_once_the_loop_device_is_released() {
+    if skip() {
+        return;
+    }
+    let up = Up::start(3);
+    up.ok(&["volume", "create", "held", "--size", "64M"]);
+    let mnt = up.dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mnt = mnt.canonicalize().unwrap();
+    let m = mnt.to_string_lossy().into_owned();
+    let out = up.ok(&["volume", "attach", "held", "--mount", &m, "--mkfs"]);
+    assert!(out.starts_with("attached held"), "{out}");
+    let helper = process_table()
+        .into_iter()
+        .find(|(_, _, c)| c.contains(" attach ") && c.contains(&format!("--mount {m}")))
+        .map(|(p, _, _)| p)
+        .expect("the attach helper runs");
+    // A process working in the file system holds it (and so the loop device) after any unmount.
+    let mut holder = std::process::Command::new("sleep")
+        .arg("300")
+        .current_dir(&mnt)
+        .spawn()
+        .unwrap();
+    let mut guard = Guard {
+        pids: vec![holder.id()],
+        helper,
+        mount: mnt.clone(),
+    };
+    let dev = loops_of(helper);
+    assert_eq!(dev.len(), 1, "one loop device: {dev:?}");
+    let sys = format!("/sys/block/{}/loop", dev[0].trim_start_matches("/dev/"));
+    let autoclear = format!("{sys}/autoclear");
+    // Attached while sysfs shows its backing file (whose path changes once the FUSE mount
+    // behind it is unmounted, so it is not matched by name).
+    let attached = || {
+        std::fs::read_to_string(format!("{sys}/backing_file"))
+            .ok()
+            .map(|b| format!("{} -> {}", dev[0], b.trim()))
+    };
+    // The helper dies as the pool's kill leaves it: its FUSE connection aborted first.
+    failover::teardown::abort_fuse(helper).unwrap();
+    failover::teardown::signal(helper as i32, libc::SIGKILL);
+    assert!(failover::teardown::wait_gone(
+        &[helper],
+        Duration::from_secs(10)
+    ));
+
+    let mut detach = std::process::Command::new(BIN);
+    detach
+        .args(["volume", "--cluster"])
+        .arg(up.cluster_file())
+        .args(["detach", &m]);
+    let mut detach = detach
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Detach asks for the device to go (`losetup -d`: autoclear set); the holder keeps it a
+    // while longer (HELD_AFTER_LOSETUP), then lets go. A detach that returns meanwhile must
+    // not have claimed success.
+    const HELD_AFTER_LOSETUP: Duration = Duration::from_secs(2);
+    let deadline = Instant::now() + WAIT;
+    let mut asked = None;
+    let mut exited_while_held = None;
+    loop {
+        if let Some(st) = detach.try_wait().unwrap() {
+            exited_while_held = Some(st);
+            break;
+        }
+        if asked.is_none() && std::fs::read_to_string(&autoclear).is_ok_and(|a| a.trim() == "1") {
+            asked = Some(Instant::now());
+        }
+        if asked.is_some_and(|t| t.elapsed() > HELD_AFTER_LOSETUP) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "detach did not run losetup -d within {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let left = attached();
+    eprintln!("detach exited while held: {exited_while_held:?}; loop device then: {left:?}");
+    if let Some(st) = exited_while_held {
+        assert!(
+            !st.success() || left.is_none(),
+            "`volume detach` exited {st} while {left:?} stays attached (held by pid {})",
+            holder.id()
+        );
+    }
+    let _ = holder.kill();
+    let _ = holder.wait();
+    let out = detach.wait_with_output().unwrap();
+    let left = attached();
+    assert!(
+        out.status.success(),
+        "detach failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        left.is_none(),
+        "`volume detach` succeeded with {left:?} still attached"
+    );
+    assert!(
+        !failover::teardown::is_mountpoint(&mnt),
+        "{m} still mounted"
+    );
+    guard.pids.clear();
 }
