@@ -9,10 +9,13 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use failover::pool::{InstancePool, LocalPool, LocalPoolConfig};
+use failover::unit::Containment;
 use failover::InstanceId;
 
 fn skip() -> bool {
@@ -151,6 +154,154 @@ async fn wait_ready(addr: std::net::SocketAddr, log: &Path) {
     }
 }
 
+/// Starts instance `id` of `pool` on `volume` (PostgreSQL), loads it, kills it through the
+/// pool and checks that no process it had is left and that its loop device is detached.
+async fn kill_under_load(pool: &LocalPool, id: InstanceId, volume: &str, guard: &mut Guard) {
+    eprintln!("{id}: {}", pool.containment().describe());
+    let t = Instant::now();
+    let addr = tokio::time::timeout(WAIT, pool.start(id, volume))
+        .await
+        .expect("start within WAIT")
+        .expect("start");
+    let (app_pid, helper) = pool.pids(id).unwrap();
+    guard.helper = helper;
+    wait_ready(addr, &pool.log_file(id)).await;
+    eprintln!("{id} up in {:?}", t.elapsed());
+
+    // Load: a table, writers committing in a busy loop, one writer inside a long open
+    // transaction, one backend sleeping in a long query, one busy in another.
+    let mut c = pg(addr).await;
+    c.query("CREATE TABLE IF NOT EXISTS t (id bigserial PRIMARY KEY, v text)")
+        .await
+        .unwrap();
+    let commits = Arc::new(AtomicU64::new(0));
+    let mut tasks = vec![];
+    for w in 0..4 {
+        let commits = commits.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut c = pg(addr).await;
+            while c
+                .query(&format!("INSERT INTO t (v) VALUES ('writer {w}')"))
+                .await
+                .is_ok()
+            {
+                commits.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    tasks.push(tokio::spawn(async move {
+        let mut c = pg(addr).await;
+        let _ = c.query("BEGIN").await;
+        let _ = c
+            .query("INSERT INTO t (v) SELECT 'bulk' FROM generate_series(1, 1000)")
+            .await;
+        let _ = c.query("SELECT pg_sleep(60)").await;
+    }));
+    tasks.push(tokio::spawn(async move {
+        let mut c = pg(addr).await;
+        let _ = c.query("SELECT pg_sleep(60)").await;
+    }));
+    // A long query that never looks whether its postmaster lives (a backend notices the
+    // postmaster's death only where it waits: a busy loop runs on with ppid 1).
+    tasks.push(tokio::spawn(async move {
+        let mut c = pg(addr).await;
+        let _ = c.query("DO $$ DECLARE i bigint := 0; BEGIN WHILE i < 100000000000 LOOP i := i + 1; END LOOP; END $$").await;
+    }));
+    let deadline = Instant::now() + WAIT;
+    while commits.load(Ordering::Relaxed) < 50 {
+        assert!(
+            Instant::now() < deadline,
+            "the load did not commit 50 rows within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Every process of the instance now: the application's tree, backends included.
+    let before = tree(app_pid);
+    guard.pids = before.keys().copied().collect();
+    let backends = before
+        .values()
+        .filter(|c| c.contains("postgres: postgres postgres"))
+        .count();
+    eprintln!(
+        "{id}: processes before the kill ({} commits): {before:#?}",
+        commits.load(Ordering::Relaxed)
+    );
+    assert!(
+        backends >= 7,
+        "expected 7 client backends under load, saw {backends}: {before:#?}"
+    );
+    let devices = loops_of(helper);
+    assert!(
+        !devices.is_empty(),
+        "the volume is attached through a loop device"
+    );
+
+    let t = Instant::now();
+    let killed = tokio::time::timeout(WAIT, pool.kill(id))
+        .await
+        .expect("kill within WAIT");
+    eprintln!("{id}: pool kill took {:?}: {killed:?}", t.elapsed());
+    let t = Instant::now();
+    let mut left: Vec<(u32, String)>;
+    loop {
+        left = before
+            .iter()
+            .filter(|(p, _)| failover::pool::pid_alive(**p))
+            .map(|(p, c)| (*p, c.clone()))
+            .collect();
+        if left.is_empty() || t.elapsed() > GONE_WITHIN {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        left.is_empty(),
+        "{} processes of the killed instance still alive {GONE_WITHIN:?} after the kill returned: {left:#?}",
+        left.len()
+    );
+    killed.expect("the pool's kill succeeds");
+    assert!(
+        !failover::pool::pid_alive(helper),
+        "the attach helper is gone after the kill"
+    );
+    // By device, not by backing file: its path changes once the FUSE mount behind it goes.
+    let attached: Vec<&String> = devices
+        .iter()
+        .filter(|d| {
+            Path::new(&format!(
+                "/sys/block/{}/loop/backing_file",
+                d.trim_start_matches("/dev/")
+            ))
+            .exists()
+        })
+        .collect();
+    assert!(
+        attached.is_empty(),
+        "loop devices still attached after the kill: {attached:?}"
+    );
+    assert!(
+        !failover::teardown::is_mountpoint(&guard.mount),
+        "{} still mounted after the kill",
+        guard.mount.display()
+    );
+    if let Containment::Cgroup(base) = pool.containment() {
+        let groups: Vec<String> = std::fs::read_dir(base)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(pool.netns_tag()))
+            .collect();
+        assert!(groups.is_empty(), "cgroups left after the kill: {groups:?}");
+    }
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+    }
+    guard.pids.clear();
+}
+
+/// PostgreSQL under load killed through the pool: first with the containment this machine
+/// offers (a cgroup each where cgroup2 is usable), then, on the same volume, with the fallback
+/// (the process tree frozen and killed).
 #[test]
 fn killing_a_postgres_instance_under_load_leaves_no_process_and_detaches_its_loop() {
     if skip() {
@@ -164,129 +315,60 @@ fn killing_a_postgres_instance_under_load_leaves_no_process_and_detaches_its_loo
     )
     .unwrap();
     up.ok(&["volume", "create", "pgkill", "--size", "256M"]);
-    let state = tempfile::Builder::new()
-        .prefix("failover-kill-")
-        .tempdir_in(up.dir.path())
-        .unwrap();
-    let state_dir = state.path().canonicalize().unwrap();
-    let app = failover::spec::AppSpec {
-        command: [
-            BIN,
-            "failover",
-            "postgres",
-            "--data",
-            "{mount}/pgdata",
-            "--port",
-            "{port}",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect(),
-        env: Default::default(),
-        stop_grace_ms: 5000,
-    };
-    let cfg = LocalPoolConfig {
-        exe: BIN.into(),
-        conn_args: vec![
-            "--cluster".into(),
-            up.cluster_file().to_string_lossy().into_owned(),
-        ],
-        state_dir: state_dir.clone(),
-        app,
-        mkfs_first: true,
-        attach_timeout: WAIT,
-        netns: false,
-    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let (tx, _rx) = tokio::sync::mpsc::channel(64);
-    let id = InstanceId(1);
-    let mut guard = Guard {
-        pids: vec![],
-        helper: 0,
-        mount: state_dir.join("mnt").join(id.to_string()),
-    };
-    rt.block_on(async {
-        let pool = LocalPool::new(cfg, tx).unwrap();
-        let t = Instant::now();
-        let addr = tokio::time::timeout(WAIT, pool.start(id, "pgkill")).await.expect("start within WAIT").expect("start");
-        let (app_pid, helper) = pool.pids(id).unwrap();
-        guard.helper = helper;
-        wait_ready(addr, &pool.log_file(id)).await;
-        eprintln!("instance up in {:?}", t.elapsed());
-
-        // Load: a table, writers committing in a busy loop, one writer inside a long open
-        // transaction, one backend sleeping in a long query, one busy in another.
-        let mut c = pg(addr).await;
-        c.query("CREATE TABLE t (id bigserial PRIMARY KEY, v text)").await.unwrap();
-        let commits = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let mut tasks = vec![];
-        for w in 0..4 {
-            let commits = commits.clone();
-            tasks.push(tokio::spawn(async move {
-                let mut c = pg(addr).await;
-                while c.query(&format!("INSERT INTO t (v) VALUES ('writer {w}')")).await.is_ok() {
-                    commits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-            }));
-        }
-        tasks.push(tokio::spawn(async move {
-            let mut c = pg(addr).await;
-            let _ = c.query("BEGIN").await;
-            let _ = c.query("INSERT INTO t (v) SELECT 'bulk' FROM generate_series(1, 1000)").await;
-            let _ = c.query("SELECT pg_sleep(60)").await;
-        }));
-        tasks.push(tokio::spawn(async move {
-            let mut c = pg(addr).await;
-            let _ = c.query("SELECT pg_sleep(60)").await;
-        }));
-        // A long query that never looks whether its postmaster lives (a backend notices the
-        // postmaster's death only where it waits: a busy loop runs on with ppid 1).
-        tasks.push(tokio::spawn(async move {
-            let mut c = pg(addr).await;
-            let _ = c.query("DO $$ DECLARE i bigint := 0; BEGIN WHILE i < 100000000000 LOOP i := i + 1; END LOOP; END $$").await;
-        }));
-        let deadline = Instant::now() + WAIT;
-        while commits.load(std::sync::atomic::Ordering::Relaxed) < 50 {
-            assert!(Instant::now() < deadline, "the load did not commit 50 rows within {WAIT:?}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        // Every process of the instance now: the application's tree, backends included.
-        let before = tree(app_pid);
-        guard.pids = before.keys().copied().collect();
-        let backends = before.values().filter(|c| c.contains("postgres: postgres postgres")).count();
-        eprintln!("instance processes before the kill ({} commits): {before:#?}", commits.load(std::sync::atomic::Ordering::Relaxed));
-        assert!(backends >= 7, "expected 7 client backends under load, saw {backends}: {before:#?}");
-        let devices = loops_of(helper);
-        assert!(!devices.is_empty(), "the volume is attached through a loop device");
-
-        let t = Instant::now();
-        let killed = tokio::time::timeout(WAIT, pool.kill(id)).await.expect("kill within WAIT");
-        eprintln!("pool kill took {:?}: {killed:?}", t.elapsed());
-        let t = Instant::now();
-        let mut left: Vec<(u32, String)>;
-        loop {
-            left = before.iter().filter(|(p, _)| failover::pool::pid_alive(**p)).map(|(p, c)| (*p, c.clone())).collect();
-            if left.is_empty() || t.elapsed() > GONE_WITHIN {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert!(left.is_empty(), "{} processes of the killed instance still alive {GONE_WITHIN:?} after the kill returned: {left:#?}", left.len());
-        killed.expect("the pool's kill succeeds");
-        assert!(!failover::pool::pid_alive(helper), "the attach helper is gone after the kill");
-        // By device, not by backing file: its path changes once the FUSE mount behind it goes.
-        let attached: Vec<&String> = devices.iter().filter(|d| Path::new(&format!("/sys/block/{}/loop/backing_file", d.trim_start_matches("/dev/"))).exists()).collect();
-        assert!(attached.is_empty(), "loop devices still attached after the kill: {attached:?}");
-        assert!(!failover::teardown::is_mountpoint(&guard.mount), "{} still mounted after the kill", guard.mount.display());
-        for t in tasks {
-            let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
-        }
-    });
-    drop(guard);
+    let tree_fallback = Containment::Tree("the test asks for the fallback".into());
+    for (id, containment) in [
+        (InstanceId(1), Containment::detect()),
+        (InstanceId(2), tree_fallback),
+    ] {
+        let state = tempfile::Builder::new()
+            .prefix("failover-kill-")
+            .tempdir_in(up.dir.path())
+            .unwrap();
+        let state_dir = state.path().canonicalize().unwrap();
+        let cfg = LocalPoolConfig {
+            exe: BIN.into(),
+            conn_args: vec![
+                "--cluster".into(),
+                up.cluster_file().to_string_lossy().into_owned(),
+            ],
+            state_dir: state_dir.clone(),
+            app: failover::spec::AppSpec {
+                command: [
+                    BIN,
+                    "failover",
+                    "postgres",
+                    "--data",
+                    "{mount}/pgdata",
+                    "--port",
+                    "{port}",
+                ]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+                env: Default::default(),
+                stop_grace_ms: 5000,
+            },
+            // The first instance makes the file system; the second finds PostgreSQL's data.
+            mkfs_first: true,
+            attach_timeout: WAIT,
+            netns: false,
+        };
+        let (tx, _rx) = tokio::sync::mpsc::channel(64);
+        let mut guard = Guard {
+            pids: vec![],
+            helper: 0,
+            mount: state_dir.join("mnt").join(id.to_string()),
+        };
+        rt.block_on(async {
+            let pool = LocalPool::with_containment(cfg, tx, containment).unwrap();
+            kill_under_load(&pool, id, "pgkill", &mut guard).await;
+        });
+    }
 }
 
 /// `volume detach` after its helper died (killed with its disk fenced, as the pool kills an

@@ -305,6 +305,12 @@ fn tail(path: &Path, lines: usize) -> String {
 
 impl LocalPool {
     pub fn new(cfg: LocalPoolConfig, events: mpsc::Sender<Input>) -> std::io::Result<LocalPool> {
+        Self::with_containment(cfg, events, Containment::detect())
+    }
+
+    /// [`LocalPool::new`] with the given way of killing applications whole (tests use the
+    /// fallback on a machine that has cgroup2).
+    pub fn with_containment(cfg: LocalPoolConfig, events: mpsc::Sender<Input>, containment: Containment) -> std::io::Result<LocalPool> {
         std::fs::create_dir_all(cfg.state_dir.join("mnt"))?;
         std::fs::create_dir_all(cfg.state_dir.join("logs"))?;
         let tag = netns::tag_for(&cfg.state_dir);
@@ -319,7 +325,6 @@ impl LocalPool {
             // Tests and tools find this pool's namespaces by this tag.
             std::fs::write(cfg.state_dir.join("netns.tag"), &tag)?;
         }
-        let containment = Containment::detect();
         match &containment {
             Containment::Cgroup(_) => tracing::info!("{}", containment.describe()),
             Containment::Tree(_) => tracing::warn!("{}", containment.describe()),
