@@ -784,7 +784,7 @@ impl LocalPool {
                 let proxy = match Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await {
                     Ok(p) => p,
                     Err(e) => {
-                        if let Err(e) = kill_app(cgroup.clone(), app_pid as i32, app_pid).await {
+                        if let Err(e) = kill_app(cgroup.clone(), app_pid as i32, app_pid, start_time(app_pid).unwrap_or(0)).await {
                             tracing::error!(%id, "{e}");
                         }
                         let _ = tokio::time::timeout(teardown::EXIT_TIMEOUT, app_child.wait()).await;
@@ -876,12 +876,12 @@ impl InstancePool for LocalPool {
     async fn stop(&self, id: InstanceId) -> Result<(), PoolError> {
         let lock = self.op_lock(id);
         let _g = lock.lock().await;
-        let Some((pgid, app_pgid, app_pid, attach_pid, mount, flag, cgroup)) = self
+        let Some((pgid, app_pgid, app_pid, app_start, attach_pid, mount, flag, cgroup)) = self
             .insts
             .lock()
             .unwrap()
             .get(&id)
-            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.attach_pid, i.mount.clone(), i.expected_exit.clone(), i.cgroup.clone()))
+            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.saved.app_start, i.attach_pid, i.mount.clone(), i.expected_exit.clone(), i.cgroup.clone()))
         else {
             return Ok(());
         };
@@ -895,7 +895,7 @@ impl InstancePool for LocalPool {
         Self::wait_gone(&[app_pid], Duration::from_millis(self.cfg.app.stop_grace_ms)).await;
         // Whatever is left of the application (all of it after the grace, or a process it
         // left behind) dies now: nothing may hold the file system the helper unmounts.
-        let killed = kill_app(cgroup, app_pgid, app_pid).await;
+        let killed = kill_app(cgroup, app_pgid, app_pid, app_start).await;
         // The helper unmounts (a clean unmount: everything flushed) and exits.
         let mut r = killed.and(self.detach(&mount).await);
         if !Self::wait_gone(&[attach_pid], teardown::EXIT_TIMEOUT).await {
@@ -1017,12 +1017,12 @@ impl LocalPool {
     /// ([`teardown::take_down_helper`]). An error (a loop device that does not let go) leaves
     /// the instance recorded: the core retries the kill.
     async fn kill_inner(&self, id: InstanceId) -> Result<(), PoolError> {
-        let Some((pgid, app_pgid, app_pid, attach_pid, mount, flag, cgroup)) = self
+        let Some((pgid, app_pgid, app_pid, app_start, attach_pid, mount, flag, cgroup)) = self
             .insts
             .lock()
             .unwrap()
             .get(&id)
-            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.attach_pid, i.mount.clone(), i.expected_exit.clone(), i.cgroup.clone()))
+            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.saved.app_start, i.attach_pid, i.mount.clone(), i.expected_exit.clone(), i.cgroup.clone()))
         else {
             // Unknown (never started here, or already gone): make sure nothing is mounted.
             let mount = self.mount_dir(id);
@@ -1037,7 +1037,7 @@ impl LocalPool {
         }
         // A paused helper must run again to let its stack go.
         signal_group(pgid, libc::SIGCONT);
-        self.fence_and_kill_app(id, attach_pid, cgroup, app_pgid, app_pid).await?;
+        self.fence_and_kill_app(id, attach_pid, cgroup, app_pgid, app_pid, app_start).await?;
         take_down(attach_pid, true, &mount).await.map_err(|msg| PoolError::Io { id, msg: format!("taking the volume down after the kill: {msg}") })?;
         // Its state file: the helper is gone, so `detach` only removes what is left of it.
         if let Err(e) = self.detach(&mount).await {
@@ -1053,13 +1053,13 @@ impl LocalPool {
     /// The crash itself: the helper's FUSE connection aborted (the instance's disk is gone:
     /// nothing more reaches the volume), then every process of the application SIGKILLed
     /// ([`kill_app`]), waited for until none is left.
-    async fn fence_and_kill_app(&self, id: InstanceId, attach_pid: u32, cgroup: Option<PathBuf>, app_pgid: i32, app_pid: u32) -> Result<(), PoolError> {
+    async fn fence_and_kill_app(&self, id: InstanceId, attach_pid: u32, cgroup: Option<PathBuf>, app_pgid: i32, app_pid: u32, app_start: u64) -> Result<(), PoolError> {
         match tokio::task::spawn_blocking(move || teardown::abort_fuse(attach_pid)).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => tracing::warn!(%id, "fencing the volume: {e}; killing without the fence"),
             Err(e) => tracing::warn!(%id, "fencing the volume: {e}"),
         }
-        kill_app(cgroup, app_pgid, app_pid).await.map_err(|msg| PoolError::Io { id, msg })?;
+        kill_app(cgroup, app_pgid, app_pid, app_start).await.map_err(|msg| PoolError::Io { id, msg })?;
         if !Self::wait_gone(&[app_pid], teardown::EXIT_TIMEOUT).await {
             return Err(PoolError::Io { id, msg: format!("application (pid {app_pid}) still alive {:?} after SIGKILL", teardown::EXIT_TIMEOUT) });
         }
@@ -1071,10 +1071,15 @@ impl LocalPool {
     pub async fn crash(&self, id: InstanceId) -> Result<(), PoolError> {
         let lock = self.op_lock(id);
         let _g = lock.lock().await;
-        let (pgid, app_pgid, app_pid, attach_pid, cgroup) =
-            self.insts.lock().unwrap().get(&id).map(|i| (i.pgid, i.app_pgid, i.app_pid, i.attach_pid, i.cgroup.clone())).ok_or(PoolError::Unknown(id))?;
+        let (pgid, app_pgid, app_pid, app_start, attach_pid, cgroup) = self
+            .insts
+            .lock()
+            .unwrap()
+            .get(&id)
+            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.saved.app_start, i.attach_pid, i.cgroup.clone()))
+            .ok_or(PoolError::Unknown(id))?;
         signal_group(pgid, libc::SIGCONT);
-        self.fence_and_kill_app(id, attach_pid, cgroup, app_pgid, app_pid).await
+        self.fence_and_kill_app(id, attach_pid, cgroup, app_pgid, app_pid, app_start).await
     }
 
     /// The lock that serialises operations (start, kill, stop, crash) on one instance.
@@ -1087,22 +1092,23 @@ impl LocalPool {
 /// until empty, removed), which holds the application and all it started. Without one, its
 /// process group (what the tree walk may miss: a member reparented to init) and its process
 /// tree, frozen and killed.
-async fn kill_app(cgroup: Option<PathBuf>, app_pgid: i32, app_pid: u32) -> Result<(), String> {
+/// `app_start`: the application's start time ([`start_time`]); without a cgroup nothing is
+/// signalled unless `app_pid` is still that process (once reaped, its pid and group id may be
+/// another process's).
+async fn kill_app(cgroup: Option<PathBuf>, app_pgid: i32, app_pid: u32, app_start: u64) -> Result<(), String> {
     tokio::task::spawn_blocking(move || match &cgroup {
         Some(d) => unit::kill_group(d, unit::KILL_TIMEOUT),
-        None => {
-            // Only if the application lives: once reaped, its pid (and group id) may be
-            // another process's.
-            let group = app_pgid > 0 && pid_alive(app_pid);
-            if group {
+        None if app_pid != 0 && pid_alive(app_pid) && start_time(app_pid) == Some(app_start) => {
+            if app_pgid > 0 {
                 signal_group(app_pgid, libc::SIGSTOP);
             }
             let r = unit::kill_tree(app_pid, unit::KILL_TIMEOUT);
-            if group {
+            if app_pgid > 0 {
                 signal_group(app_pgid, libc::SIGKILL);
             }
             r
         }
+        None => Ok(()),
     })
     .await
     .map_err(|e| format!("killing the application panicked: {e}"))?

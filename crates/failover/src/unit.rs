@@ -58,7 +58,10 @@ impl Containment {
             return Containment::Tree("no cgroup2 file system is mounted".into());
         };
         let base = mount.join(BASE);
-        let probe = base.join(format!("probe-{}", std::process::id()));
+        // Unique in the machine (pid) and in this process (two pools may probe at once).
+        static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let probe = base.join(format!("probe-{}-{n}", std::process::id()));
         let r = (|| -> Result<(), String> {
             match std::fs::create_dir(&base) {
                 Ok(()) => {}
