@@ -389,14 +389,19 @@ pub fn detach(a: DetachArgs) -> anyhow::Result<()> {
                     while loop_reads(&name, f) && Instant::now() < deadline {
                         std::thread::sleep(Duration::from_millis(20));
                     }
-                    if loop_reads(&name, f) {
-                        problems.push(format!(
-                            "{} still attached {LOOP_RELEASE_TIMEOUT:?} after `losetup -d`: something holds it open (a process with files on {}? check `fuser -m {}`)",
-                            l.display(),
-                            mount_dir.display(),
-                            l.display()
-                        ));
-                    }
+                    // Not released: the FUSE file it reads and the state stay, so that
+                    // `detach` run again (once the holder is gone) finishes the job.
+                    anyhow::ensure!(
+                        !loop_reads(&name, f),
+                        "the attach helper (pid {}) had died; {} is still attached {LOOP_RELEASE_TIMEOUT:?} after `losetup -d`: \
+                         something holds it open (a process with files on {}? check `fuser -m {}`); it is released when that \
+                         lets go; run detach again then{}",
+                        state.pid,
+                        l.display(),
+                        mount_dir.display(),
+                        l.display(),
+                        if problems.is_empty() { String::new() } else { format!(" (also: {})", problems.join("; ")) }
+                    );
                 }
             }
         }

@@ -373,10 +373,11 @@ fn killing_a_postgres_instance_under_load_leaves_no_process_and_detaches_its_loo
 
 /// `volume detach` after its helper died (killed with its disk fenced, as the pool kills an
 /// instance) while a process still holds the file system: `losetup -d` of a held loop device
-/// only marks it for autoclear and succeeds, so detach must wait until the device is released
-/// (or fail) — not report "detached" with the device still attached.
+/// only marks it for autoclear and succeeds, so detach must wait until the device is released,
+/// or fail saying why and leave what a second detach needs — not report "detached" with the
+/// device still attached.
 #[test]
-fn detach_after_a_dead_helper_returns_only_once_the_loop_device_is_released() {
+fn detach_after_a_dead_helper_succeeds_only_once_the_loop_device_is_released() {
     if skip() {
         return;
     }
@@ -407,7 +408,6 @@ fn detach_after_a_dead_helper_returns_only_once_the_loop_device_is_released() {
     let dev = loops_of(helper);
     assert_eq!(dev.len(), 1, "one loop device: {dev:?}");
     let sys = format!("/sys/block/{}/loop", dev[0].trim_start_matches("/dev/"));
-    let autoclear = format!("{sys}/autoclear");
     // Attached while sysfs shows its backing file (whose path changes once the FUSE mount
     // behind it is unmounted, so it is not matched by name).
     let attached = || {
@@ -423,52 +423,63 @@ fn detach_after_a_dead_helper_returns_only_once_the_loop_device_is_released() {
         Duration::from_secs(10)
     ));
 
-    let mut detach = std::process::Command::new(BIN);
-    detach
-        .args(["volume", "--cluster"])
-        .arg(up.cluster_file())
-        .args(["detach", &m]);
-    let mut detach = detach
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Detach asks for the device to go (`losetup -d`: autoclear set); the holder keeps it a
-    // while longer (HELD_AFTER_LOSETUP), then lets go. A detach that returns meanwhile must
-    // not have claimed success.
-    const HELD_AFTER_LOSETUP: Duration = Duration::from_secs(2);
-    let deadline = Instant::now() + WAIT;
-    let mut asked = None;
-    let mut exited_while_held = None;
-    loop {
-        if let Some(st) = detach.try_wait().unwrap() {
-            exited_while_held = Some(st);
-            break;
-        }
-        if asked.is_none() && std::fs::read_to_string(&autoclear).is_ok_and(|a| a.trim() == "1") {
-            asked = Some(Instant::now());
-        }
-        if asked.is_some_and(|t| t.elapsed() > HELD_AFTER_LOSETUP) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "detach did not run losetup -d within {WAIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let detach = || {
+        let mut c = std::process::Command::new(BIN);
+        c.args(["volume", "--cluster"])
+            .arg(up.cluster_file())
+            .args(["detach", &m])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c.spawn().unwrap()
+    };
+    let finish = |c: std::process::Child| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(c.wait_with_output().unwrap()));
+        rx.recv_timeout(WAIT).expect("detach finishes within WAIT")
+    };
+
+    // While the holder holds the device, detach cannot succeed: it says why and keeps what
+    // it needs to finish later.
+    let t = Instant::now();
+    let out = finish(detach());
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
     let left = attached();
-    eprintln!("detach exited while held: {exited_while_held:?}; loop device then: {left:?}");
-    if let Some(st) = exited_while_held {
-        assert!(
-            !st.success() || left.is_none(),
-            "`volume detach` exited {st} while {left:?} stays attached (held by pid {})",
-            holder.id()
-        );
+    eprintln!(
+        "detach while held: {} after {:?}: {}; loop device then: {left:?}",
+        out.status,
+        t.elapsed(),
+        err.trim()
+    );
+    assert!(
+        !out.status.success(),
+        "`volume detach` exited {} while {left:?} stays attached (held by pid {})",
+        out.status,
+        holder.id()
+    );
+    assert!(
+        left.is_some() && err.contains("still attached") && err.contains("run detach again"),
+        "{err}"
+    );
+
+    // Run again, it waits; the holder lets go meanwhile (HELD, after detach started): it
+    // succeeds once the device is released, and not before.
+    const HELD: Duration = Duration::from_secs(2);
+    let mut again = detach();
+    let t = Instant::now();
+    while t.elapsed() < HELD {
+        if let Some(st) = again.try_wait().unwrap() {
+            let left = attached();
+            assert!(
+                !st.success() || left.is_none(),
+                "`volume detach` exited {st} while {left:?} stays attached"
+            );
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
     let _ = holder.kill();
     let _ = holder.wait();
-    let out = detach.wait_with_output().unwrap();
+    let out = finish(again);
     let left = attached();
     assert!(
         out.status.success(),
@@ -483,5 +494,7 @@ fn detach_after_a_dead_helper_returns_only_once_the_loop_device_is_released() {
         !failover::teardown::is_mountpoint(&mnt),
         "{m} still mounted"
     );
+    let err = up.fails(&["volume", "detach", &m]);
+    assert!(err.contains("nothing is attached"), "{err}");
     guard.pids.clear();
 }
