@@ -335,6 +335,8 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
             },
             inputs_tx.clone(),
         )?);
+        // Which way a killed instance dies whole (its cgroup, or its process tree): said once.
+        eprintln!("understudy failover: {}", pool.containment().describe());
         let adopted = pool.adopt().await;
         if !adopted.is_empty() {
             eprintln!("understudy failover: adopted the instances left running by the previous run: {adopted:?}");

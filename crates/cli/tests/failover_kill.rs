@@ -62,6 +62,27 @@ fn process_table() -> Vec<(u32, u32, String)> {
     v
 }
 
+/// CPU time process `pid` has used (utime + stime, clock ticks: /proc/PID/stat fields 14-15).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let f: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or("", |(_, r)| r)
+        .split_whitespace()
+        .collect();
+    // After the command: state is field 3, so utime (14) and stime (15) are 11 and 12 here.
+    f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+        + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+}
+
+/// After a pause, how long the test lets it take hold; then how long it watches that nothing
+/// runs, and how much CPU a process may still use meanwhile (clock ticks, usually 10 ms each:
+/// a process finishing the I/O it was blocked in before it freezes). The busy backend alone
+/// uses tens of ticks in PAUSE_WATCH when it runs, even on a loaded machine.
+const PAUSE_SETTLE: Duration = Duration::from_millis(300);
+const PAUSE_WATCH: Duration = Duration::from_millis(1000);
+const PAUSED_TICKS: u64 = 2;
+
 /// `root` and all its descendants now (by parent pid, as /proc shows them): pid → command line.
 fn tree(root: u32) -> BTreeMap<u32, String> {
     let table = process_table();
@@ -90,16 +111,23 @@ fn loops_of(pid: u32) -> Vec<String> {
         .collect()
 }
 
-/// Whatever the test left (it failed half-way): every process it saw SIGKILLed by pid, then
-/// the helper's stack taken down in the order that cannot wedge the kernel.
+/// Whatever the test left (it failed half-way): the instance's cgroup killed and removed,
+/// every process it saw SIGKILLed by pid, then the helper's stack taken down in the order that
+/// cannot wedge the kernel.
 struct Guard {
     pids: Vec<u32>,
     helper: u32,
     mount: PathBuf,
+    group: Option<PathBuf>,
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
+        if let Some(g) = &self.group {
+            if let Err(e) = failover::unit::kill_group(g, failover::unit::KILL_TIMEOUT) {
+                eprintln!("clean-up: {e}");
+            }
+        }
         for p in &self.pids {
             if *p != self.helper && failover::pool::pid_alive(*p) {
                 failover::teardown::signal(*p as i32, libc::SIGKILL);
@@ -230,10 +258,37 @@ async fn kill_under_load(pool: &LocalPool, id: InstanceId, volume: &str, guard: 
         backends >= 7,
         "expected 7 client backends under load, saw {backends}: {before:#?}"
     );
+    // With a cgroup, every one of them is in the instance's group.
+    if let Some(g) = pool.group_dir(id) {
+        let members = failover::unit::members(&g);
+        let outside: Vec<&u32> = before.keys().filter(|p| !members.contains(p)).collect();
+        assert!(
+            outside.is_empty(),
+            "{id}: processes outside {}: {outside:?}",
+            g.display()
+        );
+    }
     let devices = loops_of(helper);
     assert!(
         !devices.is_empty(),
         "the volume is attached through a loop device"
+    );
+
+    // Paused first (a host that stopped answering): no process of it runs — the busy backend
+    // included — while it is paused (one blocked in I/O stays blocked: its disk's server is
+    // stopped too). Then killed so, paused.
+    pool.pause(id, true).unwrap();
+    tokio::time::sleep(PAUSE_SETTLE).await;
+    let cpu_before: Vec<(u32, u64)> = before.keys().map(|p| (*p, cpu_ticks(*p))).collect();
+    tokio::time::sleep(PAUSE_WATCH).await;
+    let ran: Vec<(u32, u64, &String)> = cpu_before
+        .iter()
+        .map(|(p, t)| (*p, cpu_ticks(*p).saturating_sub(*t), &before[p]))
+        .filter(|(_, d, _)| *d > PAUSED_TICKS)
+        .collect();
+    assert!(
+        ran.is_empty(),
+        "{id}: processes ran while the instance was paused (pid, clock ticks in {PAUSE_WATCH:?}, command): {ran:#?}"
     );
 
     let t = Instant::now();
@@ -363,9 +418,11 @@ fn killing_a_postgres_instance_under_load_leaves_no_process_and_detaches_its_loo
             pids: vec![],
             helper: 0,
             mount: state_dir.join("mnt").join(id.to_string()),
+            group: None,
         };
         rt.block_on(async {
             let pool = LocalPool::with_containment(cfg, tx, containment).unwrap();
+            guard.group = pool.group_dir(id);
             kill_under_load(&pool, id, "pgkill", &mut guard).await;
         });
     }
@@ -404,6 +461,7 @@ fn detach_after_a_dead_helper_succeeds_only_once_the_loop_device_is_released() {
         pids: vec![holder.id()],
         helper,
         mount: mnt.clone(),
+        group: None,
     };
     let dev = loops_of(helper);
     assert_eq!(dev.len(), 1, "one loop device: {dev:?}");

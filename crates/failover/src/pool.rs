@@ -353,7 +353,7 @@ impl LocalPool {
     }
 
     /// Instance `id`'s cgroup, if this pool uses cgroups.
-    fn group_dir(&self, id: InstanceId) -> Option<PathBuf> {
+    pub fn group_dir(&self, id: InstanceId) -> Option<PathBuf> {
         match &self.containment {
             Containment::Cgroup(base) => Some(base.join(self.group_name(id))),
             Containment::Tree(_) => None,
@@ -916,10 +916,13 @@ impl InstancePool for LocalPool {
         let i = g.get(&id).ok_or(PoolError::Unknown(id))?;
         // The whole host: the application (every process of it: its group frozen) and the
         // server of its disk.
-        if let Some(d) = &i.cgroup {
-            unit::freeze_group(d, paused).map_err(|msg| PoolError::Io { id, msg })?;
-        }
         let sig = if paused { libc::SIGSTOP } else { libc::SIGCONT };
+        match &i.cgroup {
+            Some(d) => unit::freeze_group(d, paused).map_err(|msg| PoolError::Io { id, msg })?,
+            // Without one, its process tree (while the application is the recorded process).
+            None if start_time(i.app_pid) == Some(i.saved.app_start) => unit::tree(i.app_pid).into_iter().for_each(|p| signal_pid(p, sig)),
+            None => {}
+        }
         signal_group(i.app_pgid, sig);
         signal_group(i.pgid, sig);
         Ok(())
