@@ -72,15 +72,22 @@ impl Containment {
             std::fs::create_dir(&probe)
                 .map_err(|e| format!("cannot create {}: {e}", probe.display()))?;
             let has_kill = probe.join("cgroup.kill").exists();
-            let _ = std::fs::remove_dir(&probe);
-            if has_kill {
-                Ok(())
+            // A process must be able to move itself in (permissions, a delegated hierarchy):
+            // a short-lived one tries, as an application will at its spawn.
+            let moved = if has_kill {
+                probe_entry(&probe)
             } else {
-                Err(format!(
+                Ok(())
+            };
+            // Its process has exited (waited for): the group is empty, and goes.
+            let _ = kill_group(&probe, Duration::from_secs(5));
+            if !has_kill {
+                return Err(format!(
                     "{} has no cgroup.kill (Linux older than 5.14)",
                     mount.display()
-                ))
+                ));
             }
+            moved
         })();
         match r {
             Ok(()) => Containment::Cgroup(base),
@@ -117,6 +124,36 @@ impl Containment {
             dir,
             procs: procs.into(),
         }))
+    }
+}
+
+/// Runs `true` entering the group at `dir` at its spawn, as [`Group::enter_at_spawn`] does.
+fn probe_entry(dir: &Path) -> Result<(), String> {
+    use std::os::unix::process::CommandExt;
+    let procs = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("cgroup.procs"))
+        .map_err(|e| format!("cannot open {}/cgroup.procs: {e}", dir.display()))?;
+    let fd = procs.as_raw_fd();
+    let mut cmd = std::process::Command::new("true");
+    cmd.stdin(std::process::Stdio::null());
+    // SAFETY: as in `enter_at_spawn`: one write(2) on a descriptor the parent keeps open.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::write(fd, b"0".as_ptr().cast(), 1) == 1 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let status = cmd
+        .status()
+        .map_err(|e| format!("a process cannot enter a group in {}: {e}", dir.display()))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("probing {}: `true` exited {status}", dir.display()))
     }
 }
 
