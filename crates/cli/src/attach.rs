@@ -321,6 +321,14 @@ fn run_quiet(program: &str, args: &[&str]) -> Result<(), String> {
     failover::teardown::run_bounded(program, args, failover::teardown::COMMAND_TIMEOUT).map(|_| ())
 }
 
+/// How long `detach` waits for the kernel to release a loop device after `losetup -d`.
+const LOOP_RELEASE_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Whether loop device `name` (`loop3`) is still attached to `file`.
+fn loop_reads(name: &str, file: &Path) -> bool {
+    std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).is_ok_and(|b| b.trim() == file.to_string_lossy())
+}
+
 pub fn detach(a: DetachArgs) -> anyhow::Result<()> {
     let mount_dir = a.dir.canonicalize().unwrap_or_else(|_| abs(&a.dir));
     let (state_file, _) = state_paths(&mount_dir)?;
@@ -370,10 +378,31 @@ pub fn detach(a: DetachArgs) -> anyhow::Result<()> {
     }
     if let (Some(l), Some(f)) = (&state.loop_device, &state.fuse_file) {
         let name = l.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let backing = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).unwrap_or_default();
-        if backing.trim() == f.to_string_lossy() {
-            if let Err(e) = run_quiet("losetup", &["-d", &l.to_string_lossy()]) {
-                problems.push(e);
+        if loop_reads(&name, f) {
+            // `losetup -d` of a device still held (a lazily unmounted file system that a
+            // process keeps open) only sets autoclear and succeeds: the device goes when its
+            // last holder lets go. Detached means released, so wait for that, bounded.
+            match run_quiet("losetup", &["-d", &l.to_string_lossy()]) {
+                Err(e) => problems.push(e),
+                Ok(()) => {
+                    let deadline = Instant::now() + LOOP_RELEASE_TIMEOUT;
+                    while loop_reads(&name, f) && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    // Not released: the FUSE file it reads and the state stay, so that
+                    // `detach` run again (once the holder is gone) finishes the job.
+                    anyhow::ensure!(
+                        !loop_reads(&name, f),
+                        "the attach helper (pid {}) had died; {} is still attached {LOOP_RELEASE_TIMEOUT:?} after `losetup -d`: \
+                         something holds it open (a process with files on {}? check `fuser -m {}`); it is released when that \
+                         lets go; run detach again then{}",
+                        state.pid,
+                        l.display(),
+                        mount_dir.display(),
+                        l.display(),
+                        if problems.is_empty() { String::new() } else { format!(" (also: {})", problems.join("; ")) }
+                    );
+                }
             }
         }
     }

@@ -100,9 +100,10 @@ pub enum FailoverCmd {
     Run(RunArgs),
     /// Inject a fault into the current primary of a running monitor: kill, stop, pause MS, cut MS.
     ///
-    /// kill: SIGKILL of the whole instance (application and volume server, no flush); stop:
-    /// clean shutdown and unmount; pause: SIGSTOP for MS milliseconds (0: for good); cut: its
-    /// network link cut for MS milliseconds (0: for good).
+    /// kill: SIGKILL of the whole instance (every process of its application, and its volume
+    /// server; no flush); stop: clean shutdown and unmount; pause: the whole instance stopped
+    /// (its application frozen, its volume server SIGSTOPped) for MS milliseconds (0: for good);
+    /// cut: its network link cut for MS milliseconds (0: for good).
     Inject(InjectArgs),
     /// Show a running monitor's state (JSON).
     Status(ControlArgs),
@@ -335,6 +336,8 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
             },
             inputs_tx.clone(),
         )?);
+        // Which way a killed instance dies whole (its cgroup, or its process tree): said once.
+        eprintln!("understudy failover: {}", pool.containment().describe());
         let adopted = pool.adopt().await;
         if !adopted.is_empty() {
             eprintln!("understudy failover: adopted the instances left running by the previous run: {adopted:?}");

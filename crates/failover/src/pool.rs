@@ -7,9 +7,12 @@
 //! instance is reached through its own network link, which a fault can cut: with network
 //! namespaces ([`crate::netns`]) the application runs in its own namespace behind a veth pair
 //! and a cut takes the link down (the volume, served from the host, stays attached); without,
-//! the link is a [`Proxy`] the pool owns and a cut points it nowhere. The group can be paused
-//! (SIGSTOP) or killed (SIGKILL of the whole group, with no flush: the FUSE server dies with the
-//! application, so dirty pages never reach the volume).
+//! the link is a [`Proxy`] the pool owns and a cut points it nowhere. The application runs as a
+//! unit that dies whole ([`crate::unit`]: its own cgroup, or its process tree without cgroup2),
+//! since a process group is not one (PostgreSQL starts every backend in a session of its own).
+//! An instance can be paused (its application's group frozen, the helper SIGSTOPped) or killed
+//! (its disk fenced, every process of its application SIGKILLed, with no flush: dirty pages
+//! never reach the volume).
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -28,6 +31,7 @@ use crate::core::{InstanceId, Input};
 use crate::endpoint::Proxy;
 use crate::netns::{self, NetnsLink};
 use crate::teardown;
+use crate::unit::{self, Containment};
 use crate::spec::{substitute, AppSpec};
 
 #[derive(Debug, thiserror::Error)]
@@ -179,6 +183,8 @@ fn parse_attach_steps(line: &str) -> Vec<(String, f64)> {
 }
 
 struct Inst {
+    /// The application's cgroup (see [`crate::unit`]); `None` without cgroup2.
+    cgroup: Option<PathBuf>,
     timing: StartTiming,
     saved: SavedInst,
     pgid: i32,
@@ -214,6 +220,8 @@ pub struct LocalPool {
     /// One lock per instance: its start, kill, stop and crash never overlap (a fault injected
     /// while the monitor fences the same instance, say).
     ops: Mutex<HashMap<InstanceId, Arc<tokio::sync::Mutex<()>>>>,
+    /// How applications are contained and killed whole (a cgroup each, or their process tree).
+    containment: Containment,
 }
 
 fn signal_group(pgid: i32, sig: libc::c_int) {
@@ -297,6 +305,12 @@ fn tail(path: &Path, lines: usize) -> String {
 
 impl LocalPool {
     pub fn new(cfg: LocalPoolConfig, events: mpsc::Sender<Input>) -> std::io::Result<LocalPool> {
+        Self::with_containment(cfg, events, Containment::detect())
+    }
+
+    /// [`LocalPool::new`] with the given way of killing applications whole (tests use the
+    /// fallback on a machine that has cgroup2).
+    pub fn with_containment(cfg: LocalPoolConfig, events: mpsc::Sender<Input>, containment: Containment) -> std::io::Result<LocalPool> {
         std::fs::create_dir_all(cfg.state_dir.join("mnt"))?;
         std::fs::create_dir_all(cfg.state_dir.join("logs"))?;
         let tag = netns::tag_for(&cfg.state_dir);
@@ -311,7 +325,39 @@ impl LocalPool {
             // Tests and tools find this pool's namespaces by this tag.
             std::fs::write(cfg.state_dir.join("netns.tag"), &tag)?;
         }
-        Ok(LocalPool { cfg, tag, insts: Mutex::new(HashMap::new()), starting: Mutex::new(HashMap::new()), killed: Mutex::new(HashSet::new()), events, spare: Arc::default(), ops: Mutex::default() })
+        match &containment {
+            Containment::Cgroup(_) => tracing::info!("{}", containment.describe()),
+            Containment::Tree(_) => tracing::warn!("{}", containment.describe()),
+        }
+        Ok(LocalPool {
+            cfg,
+            tag,
+            insts: Mutex::new(HashMap::new()),
+            starting: Mutex::new(HashMap::new()),
+            killed: Mutex::new(HashSet::new()),
+            events,
+            spare: Arc::default(),
+            ops: Mutex::default(),
+            containment,
+        })
+    }
+
+    /// How this pool kills an instance's application whole.
+    pub fn containment(&self) -> &Containment {
+        &self.containment
+    }
+
+    /// The name of instance `id`'s cgroup: fixed, so a run finds what a crashed one left.
+    fn group_name(&self, id: InstanceId) -> String {
+        format!("{}-{id}", self.tag)
+    }
+
+    /// Instance `id`'s cgroup, if this pool uses cgroups.
+    pub fn group_dir(&self, id: InstanceId) -> Option<PathBuf> {
+        match &self.containment {
+            Containment::Cgroup(base) => Some(base.join(self.group_name(id))),
+            Containment::Tree(_) => None,
+        }
     }
 
     /// Makes the network namespace of instance `id` (the next one the monitor will start) ahead
@@ -439,6 +485,7 @@ impl LocalPool {
             self.insts.lock().unwrap().insert(
                 s.id,
                 Inst {
+                    cgroup: self.group_dir(s.id).filter(|d| d.exists()),
                     timing: StartTiming::default(),
                     pgid: s.pgid,
                     app_pid: s.app_pid,
@@ -696,11 +743,31 @@ impl LocalPool {
                 app.pre_exec(move || netns::enter(fd));
             }
         }
+        // Its own cgroup, entered before exec: every process it ever starts is in it, however
+        // it daemonizes, and the kill reaches them all.
+        let group = match self.containment.create(&self.group_name(id)) {
+            Ok(g) => g,
+            Err(msg) => {
+                drop(ns_lock);
+                if let Some((l, _)) = &ns {
+                    let _ = netns::delete(&l.name);
+                }
+                self.abandon(pgid, &mut attach, &mount).await;
+                return Err(PoolError::App { id, msg });
+            }
+        };
+        if let Some(g) = &group {
+            g.enter_at_spawn(&mut app);
+        }
         let spawned = app.spawn();
         drop(ns_lock);
+        let cgroup = group.map(|g| g.dir);
         let mut app_child = match spawned {
             Ok(c) => c,
             Err(e) => {
+                if let Some(d) = &cgroup {
+                    let _ = unit::kill_group(d, unit::KILL_TIMEOUT);
+                }
                 if let Some((l, _)) = &ns {
                     let _ = netns::delete(&l.name);
                 }
@@ -717,7 +784,9 @@ impl LocalPool {
                 let proxy = match Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await {
                     Ok(p) => p,
                     Err(e) => {
-                        signal_group(app_pid as i32, libc::SIGKILL);
+                        if let Err(e) = kill_app(cgroup.clone(), app_pid as i32, app_pid, start_time(app_pid).unwrap_or(0)).await {
+                            tracing::error!(%id, "{e}");
+                        }
                         let _ = tokio::time::timeout(teardown::EXIT_TIMEOUT, app_child.wait()).await;
                         self.abandon(pgid, &mut attach, &mount).await;
                         return Err(PoolError::Io { id, msg: format!("cannot open the instance's link: {e}") });
@@ -759,7 +828,7 @@ impl LocalPool {
         };
         self.insts.lock().unwrap().insert(
             id,
-            Inst { timing, saved, pgid, app_pid, app_pgid, attach_pid, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
+            Inst { cgroup, timing, saved, pgid, app_pid, app_pgid, attach_pid, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
         );
         self.save();
         Ok(addr)
@@ -807,22 +876,28 @@ impl InstancePool for LocalPool {
     async fn stop(&self, id: InstanceId) -> Result<(), PoolError> {
         let lock = self.op_lock(id);
         let _g = lock.lock().await;
-        let Some((pgid, app_pgid, app_pid, attach_pid, mount, flag)) =
-            self.insts.lock().unwrap().get(&id).map(|i| (i.pgid, i.app_pgid, i.app_pid, i.attach_pid, i.mount.clone(), i.expected_exit.clone()))
+        let Some((pgid, app_pgid, app_pid, app_start, attach_pid, mount, flag, cgroup)) = self
+            .insts
+            .lock()
+            .unwrap()
+            .get(&id)
+            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.saved.app_start, i.attach_pid, i.mount.clone(), i.expected_exit.clone(), i.cgroup.clone()))
         else {
             return Ok(());
         };
         flag.store(true, Ordering::SeqCst);
+        if let Some(d) = &cgroup {
+            let _ = unit::freeze_group(d, false);
+        }
         signal_group(pgid, libc::SIGCONT);
         signal_group(app_pgid, libc::SIGCONT);
         signal_pid(app_pid, libc::SIGTERM);
-        if !Self::wait_gone(&[app_pid], Duration::from_millis(self.cfg.app.stop_grace_ms)).await {
-            signal_group(app_pgid, libc::SIGKILL);
-            signal_pid(app_pid, libc::SIGKILL);
-            Self::wait_gone(&[app_pid], teardown::EXIT_TIMEOUT).await;
-        }
+        Self::wait_gone(&[app_pid], Duration::from_millis(self.cfg.app.stop_grace_ms)).await;
+        // Whatever is left of the application (all of it after the grace, or a process it
+        // left behind) dies now: nothing may hold the file system the helper unmounts.
+        let killed = kill_app(cgroup, app_pgid, app_pid, app_start).await;
         // The helper unmounts (a clean unmount: everything flushed) and exits.
-        let mut r = self.detach(&mount).await;
+        let mut r = killed.and(self.detach(&mount).await);
         if !Self::wait_gone(&[attach_pid], teardown::EXIT_TIMEOUT).await {
             // It did not: take the stack down from here, the helper last.
             let t = take_down(attach_pid, true, &mount).await;
@@ -839,8 +914,15 @@ impl InstancePool for LocalPool {
     fn pause(&self, id: InstanceId, paused: bool) -> Result<(), PoolError> {
         let g = self.insts.lock().unwrap();
         let i = g.get(&id).ok_or(PoolError::Unknown(id))?;
-        // The whole host: the application and the server of its disk.
+        // The whole host: the application (every process of it: its group frozen) and the
+        // server of its disk.
         let sig = if paused { libc::SIGSTOP } else { libc::SIGCONT };
+        match &i.cgroup {
+            Some(d) => unit::freeze_group(d, paused).map_err(|msg| PoolError::Io { id, msg })?,
+            // Without one, its process tree (while the application is the recorded process).
+            None if start_time(i.app_pid) == Some(i.saved.app_start) => unit::tree(i.app_pid).into_iter().for_each(|p| signal_pid(p, sig)),
+            None => {}
+        }
         signal_group(i.app_pgid, sig);
         signal_group(i.pgid, sig);
         Ok(())
@@ -874,6 +956,13 @@ impl LocalPool {
     /// serves: its application (SIGKILL, only if still the process that was recorded: pids
     /// are reused), then its volume stack, the helper last ([`teardown::take_down_helper`]).
     async fn reap(&self, s: &SavedInst) {
+        // Its cgroup holds every process of its application, whatever its pids are now.
+        if let Some(d) = self.group_dir(s.id) {
+            let r = tokio::task::spawn_blocking(move || unit::kill_group(&d, unit::KILL_TIMEOUT)).await;
+            if let Ok(Err(e)) = r {
+                tracing::warn!(id = %s.id, "{e}");
+            }
+        }
         if s.app_pid != 0 && start_time(s.app_pid) == Some(s.app_start) {
             if s.app_pgid != 0 {
                 signal_group(s.app_pgid, libc::SIGKILL);
@@ -931,12 +1020,12 @@ impl LocalPool {
     /// ([`teardown::take_down_helper`]). An error (a loop device that does not let go) leaves
     /// the instance recorded: the core retries the kill.
     async fn kill_inner(&self, id: InstanceId) -> Result<(), PoolError> {
-        let Some((pgid, app_pgid, app_pid, attach_pid, mount, flag)) = self
+        let Some((pgid, app_pgid, app_pid, app_start, attach_pid, mount, flag, cgroup)) = self
             .insts
             .lock()
             .unwrap()
             .get(&id)
-            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.attach_pid, i.mount.clone(), i.expected_exit.clone()))
+            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.saved.app_start, i.attach_pid, i.mount.clone(), i.expected_exit.clone(), i.cgroup.clone()))
         else {
             // Unknown (never started here, or already gone): make sure nothing is mounted.
             let mount = self.mount_dir(id);
@@ -951,7 +1040,7 @@ impl LocalPool {
         }
         // A paused helper must run again to let its stack go.
         signal_group(pgid, libc::SIGCONT);
-        self.fence_and_kill_app(id, attach_pid, app_pgid, app_pid).await?;
+        self.fence_and_kill_app(id, attach_pid, cgroup, app_pgid, app_pid, app_start).await?;
         take_down(attach_pid, true, &mount).await.map_err(|msg| PoolError::Io { id, msg: format!("taking the volume down after the kill: {msg}") })?;
         // Its state file: the helper is gone, so `detach` only removes what is left of it.
         if let Err(e) = self.detach(&mount).await {
@@ -965,15 +1054,15 @@ impl LocalPool {
     }
 
     /// The crash itself: the helper's FUSE connection aborted (the instance's disk is gone:
-    /// nothing more reaches the volume), then SIGKILL of the application's process group.
-    async fn fence_and_kill_app(&self, id: InstanceId, attach_pid: u32, app_pgid: i32, app_pid: u32) -> Result<(), PoolError> {
+    /// nothing more reaches the volume), then every process of the application SIGKILLed
+    /// ([`kill_app`]), waited for until none is left.
+    async fn fence_and_kill_app(&self, id: InstanceId, attach_pid: u32, cgroup: Option<PathBuf>, app_pgid: i32, app_pid: u32, app_start: u64) -> Result<(), PoolError> {
         match tokio::task::spawn_blocking(move || teardown::abort_fuse(attach_pid)).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => tracing::warn!(%id, "fencing the volume: {e}; killing without the fence"),
             Err(e) => tracing::warn!(%id, "fencing the volume: {e}"),
         }
-        signal_group(app_pgid, libc::SIGKILL);
-        signal_pid(app_pid, libc::SIGKILL);
+        kill_app(cgroup, app_pgid, app_pid, app_start).await.map_err(|msg| PoolError::Io { id, msg })?;
         if !Self::wait_gone(&[app_pid], teardown::EXIT_TIMEOUT).await {
             return Err(PoolError::Io { id, msg: format!("application (pid {app_pid}) still alive {:?} after SIGKILL", teardown::EXIT_TIMEOUT) });
         }
@@ -985,16 +1074,47 @@ impl LocalPool {
     pub async fn crash(&self, id: InstanceId) -> Result<(), PoolError> {
         let lock = self.op_lock(id);
         let _g = lock.lock().await;
-        let (pgid, app_pgid, app_pid, attach_pid) =
-            self.insts.lock().unwrap().get(&id).map(|i| (i.pgid, i.app_pgid, i.app_pid, i.attach_pid)).ok_or(PoolError::Unknown(id))?;
+        let (pgid, app_pgid, app_pid, app_start, attach_pid, cgroup) = self
+            .insts
+            .lock()
+            .unwrap()
+            .get(&id)
+            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.saved.app_start, i.attach_pid, i.cgroup.clone()))
+            .ok_or(PoolError::Unknown(id))?;
         signal_group(pgid, libc::SIGCONT);
-        self.fence_and_kill_app(id, attach_pid, app_pgid, app_pid).await
+        self.fence_and_kill_app(id, attach_pid, cgroup, app_pgid, app_pid, app_start).await
     }
 
     /// The lock that serialises operations (start, kill, stop, crash) on one instance.
     fn op_lock(&self, id: InstanceId) -> Arc<tokio::sync::Mutex<()>> {
         self.ops.lock().unwrap().entry(id).or_default().clone()
     }
+}
+
+/// Kills every process of an application, off the runtime: its cgroup (`cgroup.kill`, waited
+/// until empty, removed), which holds the application and all it started. Without one, its
+/// process group (what the tree walk may miss: a member reparented to init) and its process
+/// tree, frozen and killed.
+/// `app_start`: the application's start time ([`start_time`]); without a cgroup nothing is
+/// signalled unless `app_pid` is still that process (once reaped, its pid and group id may be
+/// another process's).
+async fn kill_app(cgroup: Option<PathBuf>, app_pgid: i32, app_pid: u32, app_start: u64) -> Result<(), String> {
+    tokio::task::spawn_blocking(move || match &cgroup {
+        Some(d) => unit::kill_group(d, unit::KILL_TIMEOUT),
+        None if app_pid != 0 && pid_alive(app_pid) && start_time(app_pid) == Some(app_start) => {
+            if app_pgid > 0 {
+                signal_group(app_pgid, libc::SIGSTOP);
+            }
+            let r = unit::kill_tree(app_pid, unit::KILL_TIMEOUT);
+            if app_pgid > 0 {
+                signal_group(app_pgid, libc::SIGKILL);
+            }
+            r
+        }
+        None => Ok(()),
+    })
+    .await
+    .map_err(|e| format!("killing the application panicked: {e}"))?
 }
 
 /// [`teardown::take_down_helper`] off the runtime. `ours`: the pid is still the helper

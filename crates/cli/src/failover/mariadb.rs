@@ -5,8 +5,9 @@
 //! The data directory lives on the instance's volume. On the first start it is made with
 //! `mariadb-install-db` (root with an empty password on loopback only) into a scratch directory
 //! renamed into place, so a crash during it leaves nothing half made. `mariadbd` drops to the
-//! `mysql` user itself and shuts down cleanly on SIGTERM; it stays in the instance's process
-//! group, so the pool's SIGKILL of the group reaches it. Commits are flushed at commit
+//! `mysql` user itself and shuts down cleanly on SIGTERM; like every process the instance's
+//! application starts, it is in the application's cgroup, which the pool's kill empties
+//! ([`failover::unit`]). Commits are flushed at commit
 //! (`rocksdb_flush_log_at_trx_commit = 1`, `innodb_flush_log_at_trx_commit = 1`).
 
 use std::os::unix::fs::PermissionsExt;

@@ -6,9 +6,13 @@
 //! that is renamed into place, so a crash during initdb leaves nothing half made. Every start
 //! removes a left-over `postmaster.pid`: the instance owns its volume, so a lock file there was
 //! left by a host that crashed (and on a super child, by the primary whose disk it copies).
-//! `postgres` runs as an unprivileged user (it refuses root), in the instance's process group
-//! (so the pool's SIGKILL of the group reaches every backend); SIGTERM here becomes a fast
-//! shutdown (SIGINT), which ends client sessions instead of waiting for them.
+//! `postgres` runs as an unprivileged user (it refuses root). The postmaster starts every child
+//! (each backend, the checkpointer, the WAL writer) in a session of its own, so a SIGKILL of the
+//! instance's process group does not reach them: a backend notices its postmaster's death only
+//! where it waits, and one in a long query runs on, holding files on the volume. The pool kills
+//! the application's cgroup instead, which holds every process it started
+//! ([`failover::unit`]). SIGTERM here becomes a fast shutdown (SIGINT), which ends client
+//! sessions instead of waiting for them.
 
 use std::path::{Path, PathBuf};
 
