@@ -58,21 +58,36 @@ fn stop(mut up: Kill) {
     drop(up);
 }
 
-#[test]
-fn restarting_nearlog_up_keeps_peer_ids_and_a_lost_file_is_reseeded_from_its_local_copy() {
-    let so = shim_path();
+/// A `nearlog up` cluster in a fresh directory and an application directory holding `log_name`.
+struct Setup {
+    _tmp: tempfile::TempDir,
+    dir: std::path::PathBuf,
+    log: std::path::PathBuf,
+    up: Kill,
+    cluster: std::path::PathBuf,
+}
+
+fn setup(log_name: &str) -> Setup {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("cluster");
     let app = tmp.path().join("app");
     std::fs::create_dir_all(&app).unwrap();
-    let log = app.join("x.log");
     let (up, cluster) = start_cluster(&dir);
-    let env = |c: &mut Command| {
-        c.env("LD_PRELOAD", &so)
-            .env("UNDERSTUDY_NEARLOG_CLUSTER", &cluster)
-            .env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log")
-            .env("UNDERSTUDY_NEARLOG_DEADLINE_MS", DEADLINE_MS.to_string());
-    };
+    Setup { log: app.join(log_name), dir, up, cluster, _tmp: tmp }
+}
+
+/// Runs `c` under the shim, its log files the `*.log` ones, with the test's deadline.
+fn under_shim(c: &mut Command, cluster: &Path) {
+    c.env("LD_PRELOAD", shim_path())
+        .env("UNDERSTUDY_NEARLOG_CLUSTER", cluster)
+        .env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log")
+        .env("UNDERSTUDY_NEARLOG_DEADLINE_MS", DEADLINE_MS.to_string());
+}
+
+#[test]
+fn restarting_nearlog_up_keeps_peer_ids_and_a_lost_file_is_reseeded_from_its_local_copy() {
+    let Setup { _tmp, dir, log, up, cluster } = setup("x.log");
+    let env = |c: &mut Command| under_shim(c, &cluster);
     let mut w = Command::new("python3");
     w.arg("-c").arg(WRITE).arg(&log).arg("50");
     env(&mut w);
@@ -139,19 +154,8 @@ fn restarting_nearlog_up_keeps_peer_ids_and_a_lost_file_is_reseeded_from_its_loc
 /// peers then hold every acknowledged byte.
 #[test]
 fn a_writer_running_across_a_restart_of_nearlog_up_keeps_writing() {
-    let so = shim_path();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("cluster");
-    let app = tmp.path().join("app");
-    std::fs::create_dir_all(&app).unwrap();
-    let log = app.join("w.log");
-    let (up, cluster) = start_cluster(&dir);
-    let env = |c: &mut Command| {
-        c.env("LD_PRELOAD", &so)
-            .env("UNDERSTUDY_NEARLOG_CLUSTER", &cluster)
-            .env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log")
-            .env("UNDERSTUDY_NEARLOG_DEADLINE_MS", DEADLINE_MS.to_string());
-    };
+    let Setup { _tmp, dir, log, up, cluster } = setup("w.log");
+    let env = |c: &mut Command| under_shim(c, &cluster);
     let mut w = Command::new("python3");
     w.arg("-c").arg(WRITER).arg(&log).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
     env(&mut w);
