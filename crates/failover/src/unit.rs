@@ -139,13 +139,7 @@ fn probe_entry(dir: &Path) -> Result<(), String> {
     cmd.stdin(std::process::Stdio::null());
     // SAFETY: as in `enter_at_spawn`: one write(2) on a descriptor the parent keeps open.
     unsafe {
-        cmd.pre_exec(move || {
-            if libc::write(fd, b"0".as_ptr().cast(), 1) == 1 {
-                Ok(())
-            } else {
-                Err(std::io::Error::last_os_error())
-            }
-        });
+        cmd.pre_exec(move || enter_own_group(fd));
     }
     let status = cmd
         .status()
@@ -154,6 +148,18 @@ fn probe_entry(dir: &Path) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!("probing {}: `true` exited {status}", dir.display()))
+    }
+}
+
+/// In a forked child before exec: moves the calling process into the group whose
+/// `cgroup.procs` is open on `procs_fd` (writing `0` means "myself"). One write(2): safe to call
+/// between fork and exec, where the child must not allocate or take locks.
+fn enter_own_group(procs_fd: std::os::fd::RawFd) -> std::io::Result<()> {
+    // SAFETY: writes one byte from a static buffer to a descriptor the caller keeps open.
+    if unsafe { libc::write(procs_fd, b"0".as_ptr().cast(), 1) } == 1 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -173,13 +179,7 @@ impl Group {
         // async-signal-safe system call (write) on a descriptor the parent keeps open until the
         // spawn returns (the group outlives the call).
         unsafe {
-            cmd.pre_exec(move || {
-                if libc::write(fd, b"0".as_ptr().cast(), 1) == 1 {
-                    Ok(())
-                } else {
-                    Err(std::io::Error::last_os_error())
-                }
-            });
+            cmd.pre_exec(move || enter_own_group(fd));
         }
     }
 }
