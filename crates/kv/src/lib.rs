@@ -1,6 +1,7 @@
 //! Leaderless replicated key-value store with HEAL online incremental recovery.
 //!
-//! Implements the HEAL paper (`003_5773a350e342dcf8.txt`): the Hermes-style INV / ACK / VAL write
+//! Implements the HEAL paper ("HEAL: Online Incremental Recovery for Leaderless Distributed
+//! Systems Across Persistency Models"): the Hermes-style INV / ACK / VAL write
 //! protocol with per-key Lamport timestamps ⟨version, node_id⟩ (§II-B), the five persistency
 //! models of Table I under linearizable consistency (§II-A, §V-E), replay on timeouts and after
 //! reconfiguration (§V-F, Table III), a configuration manager with heartbeats, epochs and the EFN

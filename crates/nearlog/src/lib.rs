@@ -1,4 +1,4 @@
-//! Near-compute log (SplitFT, `../shared/papers/002_3644580a083ea1d1.txt`): an application's
+//! Near-compute log (SplitFT, its "Near-Compute Log" slides): an application's
 //! small synchronous log writes are replicated to spare memory lent by *log peers* and
 //! acknowledged once a majority holds them; bulk files go to disaggregated storage untouched.
 //!
