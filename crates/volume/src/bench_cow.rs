@@ -149,7 +149,7 @@ impl Variants {
         }
         self.base = child;
         self.meta(MetaReq::Delete { name: general }).await?;
-        wait_for_jobs(&self.cluster).await
+        self.cluster.wait_for_jobs().await
     }
 
     fn take_fresh(&mut self, variant: usize, n: usize) -> anyhow::Result<Vec<u64>> {
@@ -192,17 +192,6 @@ pub async fn settle(pids: &[u32], max_s: u64) -> f64 {
 /// How long the shards must not write for [`settle`], and how often it looks.
 const SETTLE_QUIET_MS: u64 = 300;
 const SETTLE_POLL_MS: u64 = 50;
-
-pub async fn wait_for_jobs(cluster: &Cluster) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        match cluster.meta(MetaReq::Jobs).await? {
-            MetaResp::Jobs(j) if j.is_empty() => return Ok(()),
-            _ if Instant::now() > deadline => anyhow::bail!("garbage collection did not finish in 120 s"),
-            _ => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    }
-}
 
 /// The order of the variants' batches at one point: `rows` rows, each one batch of every
 /// variant, taken in turn from a Williams design for three variants (both 3×3 Latin squares,
@@ -498,7 +487,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
 
     // (d) parent IOPS at depth 32 with super invoked every second, against none.
     let d = parent_iops(&cluster, &v.base, opts, &mut rng, &mut settle_s, out).await?;
-    wait_for_jobs(&cluster).await?;
+    cluster.wait_for_jobs().await?;
     report.figure("phase.parent_iops_s", phase.elapsed().as_secs_f64())?;
 
     report.figure("settle_wait_s", settle_s)?;
@@ -612,7 +601,7 @@ async fn super_every_second(cluster: Arc<Cluster>, base: String, start: Instant,
             other => anyhow::bail!("collapse while the parent writes must reject, got {other:?}"),
         }
         lat.collapse.record(t.elapsed());
-        wait_for_jobs(&cluster).await?;
+        cluster.wait_for_jobs().await?;
         lat.steps.push(("collapse_gc", t - start, start.elapsed()));
         lat.cycles += 1;
     }

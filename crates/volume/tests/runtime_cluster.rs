@@ -62,7 +62,7 @@ async fn volume_io_super_collapse_and_general_clone() {
         Err(DevError::WriteRefused(_)) => {}
         other => panic!("a write to the promoted-away parent must be refused, got {other:?}"),
     }
-    volume::bench_cow::wait_for_jobs(&c).await.unwrap();
+    c.wait_for_jobs().await.unwrap();
     let child = c.open("db.s1").await.unwrap();
     assert_eq!(child.read(40_000, 100).await.unwrap(), vec![9; 100]);
     same(&child.read(50_000, 1000).await.unwrap(), &data[20_000..21_000], "read");
@@ -118,7 +118,7 @@ async fn abort_rejects_the_child_and_the_parent_keeps_writing() {
     // The parent kept permission to write, and holds its own data, not the child's.
     db.write(4096, vec![3; 4096]).await.unwrap();
     assert_eq!(db.read(0, 8192).await.unwrap(), [vec![1; 4096], vec![3; 4096]].concat());
-    volume::bench_cow::wait_for_jobs(&c).await.unwrap();
+    c.wait_for_jobs().await.unwrap();
     // A repeated abort: the child no longer exists.
     let e = c.meta(MetaReq::Abort { child: "db.a1".into() }).await.unwrap_err();
     assert!(e.to_string().contains("no volume named"), "{e}");
@@ -130,14 +130,14 @@ async fn abort_rejects_the_child_and_the_parent_keeps_writing() {
     db.write(0, vec![4; 512]).await.unwrap();
     c.meta(MetaReq::Abort { child: "db.a2".into() }).await.unwrap();
     db.write(512, vec![5; 512]).await.unwrap();
-    volume::bench_cow::wait_for_jobs(&c).await.unwrap();
+    c.wait_for_jobs().await.unwrap();
     // A promoted child cannot be aborted: while its garbage collection runs, the error says so.
     c.meta(MetaReq::Super { parent: "db".into(), child: "db.p".into() }).await.unwrap();
     let r = c.meta(MetaReq::Collapse { child: "db.p".into() }).await.unwrap();
     assert!(matches!(r, MetaResp::Collapsed { outcome: CollapseOutcome::Promoted, .. }), "{r:?}");
     let e = c.meta(MetaReq::Abort { child: "db.p".into() }).await.unwrap_err();
     assert!(e.to_string().contains("was promoted"), "{e}");
-    volume::bench_cow::wait_for_jobs(&c).await.unwrap();
+    c.wait_for_jobs().await.unwrap();
     let e = c.meta(MetaReq::Abort { child: "db.p".into() }).await.unwrap_err();
     assert!(e.to_string().contains("was promoted"), "after its garbage collection too: {e}");
     let p = c.open("db.p").await.unwrap();
