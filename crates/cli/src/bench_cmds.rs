@@ -153,10 +153,10 @@ where
 fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
     let quick = a.quick;
     on_cluster(&a, a.default_replicas(), "volume.cow", verbose, |cluster, info, out, dir, mut report| async move {
-        let mut opts = volume::bench_cow::CowOptions::new(quick);
+        let mut opts = eval::volume::cow::CowOptions::new(quick);
         opts.shard_pids = info.shards.iter().map(|s| s.pid).collect();
         opts.shard_metrics = info.shards.iter().filter_map(|s| s.metrics.clone()).collect();
-        let plain = volume::bench_cow::run(cluster.clone(), &opts, &out, &mut report).await?;
+        let plain = eval::volume::cow::run(cluster.clone(), &opts, &out, &mut report).await?;
         let fio_started = std::time::Instant::now();
         // The plain volume through a real client: fio's NBD engine, 4 KiB random writes, depth 32,
         // on the benchmark's filled plain volume (every object exists, as every block of fio's
@@ -184,7 +184,7 @@ fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
 fn volume_recovery_trace(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
     let quick = a.quick;
     on_cluster(&a, a.default_replicas(), "volume.recovery_trace", verbose, |cluster, _info, out, _dir, mut report| async move {
-        volume::bench_trace::run(cluster, quick, &out, &mut report).await?;
+        eval::volume::recovery_trace::run(cluster, quick, &out, &mut report).await?;
         Ok(report)
     })
 }

@@ -49,9 +49,9 @@ use anyhow::Context;
 use bench::{LatencyRecorder, Progress, Report, Scale, Series};
 use blockdev::{BlockDev, DevResult};
 
-use crate::client::{Cluster, Volume};
-use crate::meta::{MetaReq, MetaResp};
-use crate::types::CollapseOutcome;
+use volume::client::{Cluster, Volume};
+use volume::meta::{MetaReq, MetaResp};
+use volume::types::CollapseOutcome;
 
 /// Most operations a [`TracingDev`] keeps (≈ 48 MB at most); past it, operations are counted in
 /// [`Trace::ops_dropped`] and not recorded, and the run says so.

@@ -33,8 +33,8 @@ use blockdev::BlockDev;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use crate::client::{Cluster, Volume};
-use crate::meta::{MetaReq, MetaResp};
+use volume::client::{Cluster, Volume};
+use volume::meta::{MetaReq, MetaResp};
 
 pub const WRITE_SIZES_BYTES: [u32; 5] = [4096, 8192, 16384, 32768, 65536];
 pub const DEPTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
@@ -144,7 +144,7 @@ impl Variants {
         let general = self.vols[2].as_ref().unwrap().record().name.clone();
         self.vols = [None, None, None];
         match self.meta(MetaReq::Collapse { child: child.clone() }).await? {
-            MetaResp::Collapsed { outcome: crate::types::CollapseOutcome::Promoted, .. } => {}
+            MetaResp::Collapsed { outcome: volume::types::CollapseOutcome::Promoted, .. } => {}
             other => anyhow::bail!("collapse of {child} with a silent parent did not promote: {other:?}"),
         }
         self.base = child;
@@ -597,7 +597,7 @@ async fn super_every_second(cluster: Arc<Cluster>, base: String, start: Instant,
         parent.write(0, vec![0x5a; 4096]).await.map_err(|e| anyhow::anyhow!("parent write after super failed: {e}"))?;
         let t = Instant::now();
         match cluster.meta(MetaReq::Collapse { child: child.clone() }).await? {
-            MetaResp::Collapsed { outcome: crate::types::CollapseOutcome::Rejected, .. } => {}
+            MetaResp::Collapsed { outcome: volume::types::CollapseOutcome::Rejected, .. } => {}
             other => anyhow::bail!("collapse while the parent writes must reject, got {other:?}"),
         }
         lat.collapse.record(t.elapsed());
