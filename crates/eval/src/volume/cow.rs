@@ -736,9 +736,66 @@ async fn parent_iops(
     Ok(d)
 }
 
+/// The plain volume through real clients, after [`run`] on a cluster that serves NBD at
+/// `nbd_addr`: fio's NBD engine against fio on a local file in `dir`, 4 KiB random writes at
+/// depth 32, into `report` (`plain.fio_nbd.*`, `local_file.fio_fdatasync.*`, their ratio).
+pub fn fio_figures(plain: &PlainVolume, nbd_addr: &str, dir: &Path, quick: bool, report: &mut Report) -> anyhow::Result<()> {
+    let fio_started = Instant::now();
+    // The plain volume through a real client: fio's NBD engine, 4 KiB random writes, depth 32,
+    // on the benchmark's filled plain volume (every object exists, as every block of fio's
+    // laid-out local file below does).
+    let seconds = if quick { 2 } else { 10 };
+    let size = format!("--size={}", plain.size_bytes);
+    let uri = format!("nbd://{}/{}", nbd_addr, plain.name);
+    let nbd_iops = fio_iops(&["--ioengine=nbd", &format!("--uri={uri}"), "--iodepth=32", &size], seconds)?;
+    report.figure("plain.fio_nbd.write_4k.depth32.iops", nbd_iops)?;
+    // fio on a local file of the same size in the same directory, every write followed by
+    // fdatasync.
+    let file = dir.join("fio-local.dat");
+    let local_iops = fio_iops(
+        &["--ioengine=psync", &format!("--filename={}", file.display()), "--fdatasync=1", "--numjobs=32", &size, "--group_reporting"],
+        seconds,
+    )?;
+    report.figure("local_file.fio_fdatasync.write_4k.depth32.iops", local_iops)?;
+    report.ratio("local_file_vs_plain.fio.write_4k.depth32.iops", local_iops, nbd_iops)?;
+    report.figure("phase.fio_s", fio_started.elapsed().as_secs_f64())?;
+    eprintln!("fio runs: done in {:.1} s", fio_started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Runs fio's 4 KiB random-write job with `args` for `seconds`; returns its write IOPS.
+fn fio_iops(args: &[&str], seconds: u64) -> anyhow::Result<f64> {
+    let out = std::process::Command::new("fio")
+        .args(["--name=bench", "--rw=randwrite", "--bs=4k", "--time_based", &format!("--runtime={seconds}"), "--output-format=json", "--verify_state_save=0"])
+        .args(args)
+        .output()
+        .context("cannot run fio (install it: apt-get install fio)")?;
+    anyhow::ensure!(out.status.success(), "fio failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    parse_fio_write_iops(&out.stdout)
+}
+
+fn parse_fio_write_iops(stdout: &[u8]) -> anyhow::Result<f64> {
+    // fio may print notes before the JSON document.
+    let text = String::from_utf8_lossy(stdout);
+    let start = text.find('{').context("fio printed no JSON")?;
+    let v: serde_json::Value = serde_json::from_str(&text[start..]).context("fio's JSON output")?;
+    let jobs = v["jobs"].as_array().context("fio's JSON has no jobs")?;
+    let iops: f64 = jobs.iter().filter_map(|j| j["write"]["iops"].as_f64()).sum();
+    anyhow::ensure!(iops > 0.0, "fio measured no writes");
+    Ok(iops)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fio_json_is_parsed_after_notes() {
+        let out = b"note: something\n{\"jobs\": [{\"write\": {\"iops\": 1200.5}}, {\"write\": {\"iops\": 10}}]}";
+        assert_eq!(parse_fio_write_iops(out).unwrap(), 1210.5);
+        assert!(parse_fio_write_iops(b"{\"jobs\": [{\"write\": {\"iops\": 0}}]}").is_err());
+        assert!(parse_fio_write_iops(b"garbage").is_err());
+    }
 
     #[test]
     fn the_batch_order_lets_every_variant_follow_every_other_equally_often() {
