@@ -153,30 +153,11 @@ where
 fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
     let quick = a.quick;
     on_cluster(&a, a.default_replicas(), "volume.cow", verbose, |cluster, info, out, dir, mut report| async move {
-        let mut opts = volume::bench_cow::CowOptions::new(quick);
+        let mut opts = eval::volume::cow::CowOptions::new(quick);
         opts.shard_pids = info.shards.iter().map(|s| s.pid).collect();
         opts.shard_metrics = info.shards.iter().filter_map(|s| s.metrics.clone()).collect();
-        let plain = volume::bench_cow::run(cluster.clone(), &opts, &out, &mut report).await?;
-        let fio_started = std::time::Instant::now();
-        // The plain volume through a real client: fio's NBD engine, 4 KiB random writes, depth 32,
-        // on the benchmark's filled plain volume (every object exists, as every block of fio's
-        // laid-out local file below does).
-        let seconds = if quick { 2 } else { 10 };
-        let size = format!("--size={}", plain.size_bytes);
-        let uri = format!("nbd://{}/{}", info.nbd.addr, plain.name);
-        let nbd_iops = fio_iops(&["--ioengine=nbd", &format!("--uri={uri}"), "--iodepth=32", &size], seconds)?;
-        report.figure("plain.fio_nbd.write_4k.depth32.iops", nbd_iops)?;
-        // fio on a local file of the same size in the same directory, every write followed by
-        // fdatasync.
-        let file = dir.join("fio-local.dat");
-        let local_iops = fio_iops(
-            &["--ioengine=psync", &format!("--filename={}", file.display()), "--fdatasync=1", "--numjobs=32", &size, "--group_reporting"],
-            seconds,
-        )?;
-        report.figure("local_file.fio_fdatasync.write_4k.depth32.iops", local_iops)?;
-        report.ratio("local_file_vs_plain.fio.write_4k.depth32.iops", local_iops, nbd_iops)?;
-        report.figure("phase.fio_s", fio_started.elapsed().as_secs_f64())?;
-        eprintln!("fio runs: done in {:.1} s", fio_started.elapsed().as_secs_f64());
+        let plain = eval::volume::cow::run(cluster.clone(), &opts, &out, &mut report).await?;
+        eval::volume::cow::fio_figures(&plain, &info.nbd.addr, &dir, quick, &mut report)?;
         Ok(report)
     })
 }
@@ -184,7 +165,7 @@ fn volume_cow(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
 fn volume_recovery_trace(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
     let quick = a.quick;
     on_cluster(&a, a.default_replicas(), "volume.recovery_trace", verbose, |cluster, _info, out, _dir, mut report| async move {
-        volume::bench_trace::run(cluster, quick, &out, &mut report).await?;
+        eval::volume::recovery_trace::run(cluster, quick, &out, &mut report).await?;
         Ok(report)
     })
 }
@@ -202,39 +183,4 @@ fn peak_rss_bytes(pid: u32) -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
-}
-
-/// Runs fio's 4 KiB random-write job with `args` for `seconds`; returns its write IOPS.
-fn fio_iops(args: &[&str], seconds: u64) -> anyhow::Result<f64> {
-    let out = std::process::Command::new("fio")
-        .args(["--name=bench", "--rw=randwrite", "--bs=4k", "--time_based", &format!("--runtime={seconds}"), "--output-format=json", "--verify_state_save=0"])
-        .args(args)
-        .output()
-        .context("cannot run fio (install it: apt-get install fio)")?;
-    anyhow::ensure!(out.status.success(), "fio failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-    parse_fio_write_iops(&out.stdout)
-}
-
-fn parse_fio_write_iops(stdout: &[u8]) -> anyhow::Result<f64> {
-    // fio may print notes before the JSON document.
-    let text = String::from_utf8_lossy(stdout);
-    let start = text.find('{').context("fio printed no JSON")?;
-    let v: serde_json::Value = serde_json::from_str(&text[start..]).context("fio's JSON output")?;
-    let jobs = v["jobs"].as_array().context("fio's JSON has no jobs")?;
-    let iops: f64 = jobs.iter().filter_map(|j| j["write"]["iops"].as_f64()).sum();
-    anyhow::ensure!(iops > 0.0, "fio measured no writes");
-    Ok(iops)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fio_json_is_parsed_after_notes() {
-        let out = b"note: something\n{\"jobs\": [{\"write\": {\"iops\": 1200.5}}, {\"write\": {\"iops\": 10}}]}";
-        assert_eq!(parse_fio_write_iops(out).unwrap(), 1210.5);
-        assert!(parse_fio_write_iops(b"{\"jobs\": [{\"write\": {\"iops\": 0}}]}").is_err());
-        assert!(parse_fio_write_iops(b"garbage").is_err());
-    }
 }

@@ -173,6 +173,20 @@ impl Cluster {
         }
     }
 
+    /// Waits until the metadata service has no background job left (garbage collection after
+    /// `collapse`, `abort` or `delete`), polling every 20 ms (cheap: one small request) for up to
+    /// 120 s (the longest a benchmark's or test's collection has been seen to need, with room).
+    pub async fn wait_for_jobs(&self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            match self.meta(MetaReq::Jobs).await? {
+                MetaResp::Jobs(j) if j.is_empty() => return Ok(()),
+                _ if Instant::now() > deadline => anyhow::bail!("garbage collection did not finish in 120 s"),
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    }
+
     pub fn meta_addr(&self) -> &str {
         &self.meta_addr
     }

@@ -10,7 +10,6 @@
 //!   create / delete / resize, `super` and `collapse` over the tracking shard, the GC hand-off.
 //! * [`shard_server`], [`meta`], [`client`]: the tokio drivers (shard, metadata service, volume
 //!   client); [`testkit`] runs them in one process.
-//! * [`bench_cow`], [`bench_trace`]: `understudy bench volume cow` and `recovery-trace`.
 //! * [`fuzzing`]: hostile protocol input for the cargo-fuzz targets (`crates/volume/fuzz`) and
 //!   the property tests.
 
@@ -23,8 +22,6 @@ pub mod meta;
 pub mod meta_core;
 pub mod client;
 pub mod sim_store;
-pub mod bench_cow;
-pub mod bench_trace;
 pub mod objfmt;
 pub mod testkit;
 pub mod fuzzing;

@@ -49,10 +49,9 @@ use anyhow::Context;
 use bench::{LatencyRecorder, Progress, Report, Scale, Series};
 use blockdev::{BlockDev, DevResult};
 
-use crate::bench_cow::wait_for_jobs;
-use crate::client::{Cluster, Volume};
-use crate::meta::{MetaReq, MetaResp};
-use crate::types::CollapseOutcome;
+use volume::client::{Cluster, Volume};
+use volume::meta::{MetaReq, MetaResp};
+use volume::types::CollapseOutcome;
 
 /// Most operations a [`TracingDev`] keeps (≈ 48 MB at most); past it, operations are counted in
 /// [`Trace::ops_dropped`] and not recorded, and the run says so.
@@ -799,7 +798,7 @@ pub async fn replay(cluster: Arc<Cluster>, volume: &str, trace: &Trace, rounds: 
     for (step, &variant) in order.iter().enumerate() {
         let round = step / VARIANTS.len();
         // Garbage collection of the previous child must not run under this replay.
-        wait_for_jobs(&cluster).await?;
+        cluster.wait_for_jobs().await?;
         let target = match variant {
             0 => base.clone(),
             1 => {
@@ -837,7 +836,7 @@ pub async fn replay(cluster: Arc<Cluster>, volume: &str, trace: &Trace, rounds: 
         }
         progress.inc(1);
     }
-    wait_for_jobs(&cluster).await?;
+    cluster.wait_for_jobs().await?;
     progress.finish();
     Ok((result, base))
 }
@@ -940,7 +939,7 @@ pub async fn run_with(cluster: Arc<Cluster>, opts: &TraceOptions, out: &Path, re
     let (replayed, final_volume) = replay(cluster.clone(), &recording.volume, &recording.trace, opts.replay_rounds).await?;
     report_figures(&recording, &replayed, opts.replay_rounds, out, report)?;
     meta_ok(&cluster, MetaReq::Delete { name: final_volume }).await?;
-    wait_for_jobs(&cluster).await?;
+    cluster.wait_for_jobs().await?;
     Ok(recording)
 }
 

@@ -33,8 +33,8 @@ use blockdev::BlockDev;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use crate::client::{Cluster, Volume};
-use crate::meta::{MetaReq, MetaResp};
+use volume::client::{Cluster, Volume};
+use volume::meta::{MetaReq, MetaResp};
 
 pub const WRITE_SIZES_BYTES: [u32; 5] = [4096, 8192, 16384, 32768, 65536];
 pub const DEPTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
@@ -144,12 +144,12 @@ impl Variants {
         let general = self.vols[2].as_ref().unwrap().record().name.clone();
         self.vols = [None, None, None];
         match self.meta(MetaReq::Collapse { child: child.clone() }).await? {
-            MetaResp::Collapsed { outcome: crate::types::CollapseOutcome::Promoted, .. } => {}
+            MetaResp::Collapsed { outcome: volume::types::CollapseOutcome::Promoted, .. } => {}
             other => anyhow::bail!("collapse of {child} with a silent parent did not promote: {other:?}"),
         }
         self.base = child;
         self.meta(MetaReq::Delete { name: general }).await?;
-        wait_for_jobs(&self.cluster).await
+        self.cluster.wait_for_jobs().await
     }
 
     fn take_fresh(&mut self, variant: usize, n: usize) -> anyhow::Result<Vec<u64>> {
@@ -192,17 +192,6 @@ pub async fn settle(pids: &[u32], max_s: u64) -> f64 {
 /// How long the shards must not write for [`settle`], and how often it looks.
 const SETTLE_QUIET_MS: u64 = 300;
 const SETTLE_POLL_MS: u64 = 50;
-
-pub async fn wait_for_jobs(cluster: &Cluster) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        match cluster.meta(MetaReq::Jobs).await? {
-            MetaResp::Jobs(j) if j.is_empty() => return Ok(()),
-            _ if Instant::now() > deadline => anyhow::bail!("garbage collection did not finish in 120 s"),
-            _ => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    }
-}
 
 /// The order of the variants' batches at one point: `rows` rows, each one batch of every
 /// variant, taken in turn from a Williams design for three variants (both 3×3 Latin squares,
@@ -498,7 +487,7 @@ pub async fn run(cluster: Arc<Cluster>, opts: &CowOptions, out: &Path, report: &
 
     // (d) parent IOPS at depth 32 with super invoked every second, against none.
     let d = parent_iops(&cluster, &v.base, opts, &mut rng, &mut settle_s, out).await?;
-    wait_for_jobs(&cluster).await?;
+    cluster.wait_for_jobs().await?;
     report.figure("phase.parent_iops_s", phase.elapsed().as_secs_f64())?;
 
     report.figure("settle_wait_s", settle_s)?;
@@ -608,11 +597,11 @@ async fn super_every_second(cluster: Arc<Cluster>, base: String, start: Instant,
         parent.write(0, vec![0x5a; 4096]).await.map_err(|e| anyhow::anyhow!("parent write after super failed: {e}"))?;
         let t = Instant::now();
         match cluster.meta(MetaReq::Collapse { child: child.clone() }).await? {
-            MetaResp::Collapsed { outcome: crate::types::CollapseOutcome::Rejected, .. } => {}
+            MetaResp::Collapsed { outcome: volume::types::CollapseOutcome::Rejected, .. } => {}
             other => anyhow::bail!("collapse while the parent writes must reject, got {other:?}"),
         }
         lat.collapse.record(t.elapsed());
-        wait_for_jobs(&cluster).await?;
+        cluster.wait_for_jobs().await?;
         lat.steps.push(("collapse_gc", t - start, start.elapsed()));
         lat.cycles += 1;
     }
@@ -747,9 +736,66 @@ async fn parent_iops(
     Ok(d)
 }
 
+/// The plain volume through real clients, after [`run`] on a cluster that serves NBD at
+/// `nbd_addr`: fio's NBD engine against fio on a local file in `dir`, 4 KiB random writes at
+/// depth 32, into `report` (`plain.fio_nbd.*`, `local_file.fio_fdatasync.*`, their ratio).
+pub fn fio_figures(plain: &PlainVolume, nbd_addr: &str, dir: &Path, quick: bool, report: &mut Report) -> anyhow::Result<()> {
+    let fio_started = Instant::now();
+    // The plain volume through a real client: fio's NBD engine, 4 KiB random writes, depth 32,
+    // on the benchmark's filled plain volume (every object exists, as every block of fio's
+    // laid-out local file below does).
+    let seconds = if quick { 2 } else { 10 };
+    let size = format!("--size={}", plain.size_bytes);
+    let uri = format!("nbd://{}/{}", nbd_addr, plain.name);
+    let nbd_iops = fio_iops(&["--ioengine=nbd", &format!("--uri={uri}"), "--iodepth=32", &size], seconds)?;
+    report.figure("plain.fio_nbd.write_4k.depth32.iops", nbd_iops)?;
+    // fio on a local file of the same size in the same directory, every write followed by
+    // fdatasync.
+    let file = dir.join("fio-local.dat");
+    let local_iops = fio_iops(
+        &["--ioengine=psync", &format!("--filename={}", file.display()), "--fdatasync=1", "--numjobs=32", &size, "--group_reporting"],
+        seconds,
+    )?;
+    report.figure("local_file.fio_fdatasync.write_4k.depth32.iops", local_iops)?;
+    report.ratio("local_file_vs_plain.fio.write_4k.depth32.iops", local_iops, nbd_iops)?;
+    report.figure("phase.fio_s", fio_started.elapsed().as_secs_f64())?;
+    eprintln!("fio runs: done in {:.1} s", fio_started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Runs fio's 4 KiB random-write job with `args` for `seconds`; returns its write IOPS.
+fn fio_iops(args: &[&str], seconds: u64) -> anyhow::Result<f64> {
+    let out = std::process::Command::new("fio")
+        .args(["--name=bench", "--rw=randwrite", "--bs=4k", "--time_based", &format!("--runtime={seconds}"), "--output-format=json", "--verify_state_save=0"])
+        .args(args)
+        .output()
+        .context("cannot run fio (install it: apt-get install fio)")?;
+    anyhow::ensure!(out.status.success(), "fio failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    parse_fio_write_iops(&out.stdout)
+}
+
+fn parse_fio_write_iops(stdout: &[u8]) -> anyhow::Result<f64> {
+    // fio may print notes before the JSON document.
+    let text = String::from_utf8_lossy(stdout);
+    let start = text.find('{').context("fio printed no JSON")?;
+    let v: serde_json::Value = serde_json::from_str(&text[start..]).context("fio's JSON output")?;
+    let jobs = v["jobs"].as_array().context("fio's JSON has no jobs")?;
+    let iops: f64 = jobs.iter().filter_map(|j| j["write"]["iops"].as_f64()).sum();
+    anyhow::ensure!(iops > 0.0, "fio measured no writes");
+    Ok(iops)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fio_json_is_parsed_after_notes() {
+        let out = b"note: something\n{\"jobs\": [{\"write\": {\"iops\": 1200.5}}, {\"write\": {\"iops\": 10}}]}";
+        assert_eq!(parse_fio_write_iops(out).unwrap(), 1210.5);
+        assert!(parse_fio_write_iops(b"{\"jobs\": [{\"write\": {\"iops\": 0}}]}").is_err());
+        assert!(parse_fio_write_iops(b"garbage").is_err());
+    }
 
     #[test]
     fn the_batch_order_lets_every_variant_follow_every_other_equally_often() {

@@ -12,7 +12,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use volume::bench_trace::{OpKind, TraceOptions, VARIANTS};
+use eval::volume::recovery_trace::{OpKind, TraceOptions, VARIANTS};
 use volume::client::Cluster;
 use volume::meta::{MetaReq, MetaResp};
 
@@ -65,7 +65,7 @@ async fn sqlite_recovery_trace_is_recorded_and_replayed() {
         ..TraceOptions::new(true)
     };
     let mut report = bench::Report::new("volume.recovery_trace", true);
-    let recording = volume::bench_trace::run_with(cluster.clone(), &opts, &out, &mut report).await.unwrap();
+    let recording = eval::volume::recovery_trace::run_with(cluster.clone(), &opts, &out, &mut report).await.unwrap();
 
     // The application's recovery was sound.
     assert_eq!(recording.integrity, "ok");
@@ -82,7 +82,7 @@ async fn sqlite_recovery_trace_is_recorded_and_replayed() {
     assert!(trace.count(OpKind::Read) > 0 && trace.count(OpKind::Write) > 0, "reads {} writes {}", trace.count(OpKind::Read), trace.count(OpKind::Write));
     assert_eq!(trace.ops_dropped, 0);
     assert_eq!(trace.ops_failed, 0);
-    let saved = volume::bench_trace::Trace::load_csv(&out.join("recovery_trace.csv")).unwrap();
+    let saved = eval::volume::recovery_trace::Trace::load_csv(&out.join("recovery_trace.csv")).unwrap();
     assert_eq!(saved.ops, trace.ops);
 
     // The report has every figure and ratio, with operation counts matching the trace.

@@ -1,12 +1,12 @@
-//! The COW benchmark workload (`bench_cow`, SpecREDS §6.2 Figure 4a/4b) through the whole stack
+//! The COW benchmark workload (`eval::volume::cow`, SpecREDS §6.2 Figure 4a/4b) through the whole stack
 //! — a metadata service and four shards on loopback with real files, three replicas — at a size
-//! between the smoke test in `runtime_cluster.rs` and the full run, to see how the shard's object
+//! between the smoke test in `volume_cow.rs` and the full run, to see how the shard's object
 //! store shows in the `super_vs_plain` ratios. Prints the report's JSON line.
 //!
 //! Ignored by default (a measurement). Run in release:
 //!
 //! ```text
-//! CARGO_TARGET_DIR=/work/target-store cargo test --release -p volume --test stack_cow_bench \
+//! CARGO_TARGET_DIR=/work/target-store cargo test --release -p eval --test stack_cow_bench \
 //!     -- --ignored --nocapture
 //! ```
 //!
@@ -34,10 +34,10 @@ async fn stack_cow_latency() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::create_dir_all(dir.join("out")).unwrap();
     let c = start_cluster(&dir).await;
-    let mut opts = volume::bench_cow::CowOptions::new(true);
+    let mut opts = eval::volume::cow::CowOptions::new(true);
     opts.writes_per_point = std::env::var("STACK_BENCH_WRITES").ok().and_then(|v| v.parse().ok()).unwrap_or(400);
     let mut report = bench::Report::new("volume.cow", true);
-    volume::bench_cow::run(c, &opts, &dir.join("out"), &mut report).await.unwrap();
+    eval::volume::cow::run(c, &opts, &dir.join("out"), &mut report).await.unwrap();
     println!("{}", report.to_json_line());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,0 +1,11 @@
+//! The paper experiments, one module per experiment, behind `understudy bench …`: each runs its
+//! workload against a cluster it is handed and fills a [`bench::Report`] (figures, ratios, plots,
+//! CSV samples). Starting the clusters and outside systems stays with the caller.
+//!
+//! * [`volume::cow`]: `bench volume cow`, SpecREDS §6.2 Figure 4a/4b (write latency of plain,
+//!   `super` and general-clone volumes by size and depth) and the dirty-bit overhead.
+//! * [`volume::recovery_trace`]: `bench volume recovery-trace`, SpecREDS §6.2 "Performance on real
+//!   recovery workloads" (Figure 4c reads, 4d writes): SQLite's crash recovery recorded on a
+//!   volume and replayed on plain, `super` and general-clone volumes.
+
+pub mod volume;
