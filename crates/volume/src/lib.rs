@@ -6,6 +6,7 @@
 //!   garbage collection and re-replication.
 //! * [`store`]: the shard's object store in pre-allocated slot files, with deferred
 //!   (sector-wise) copy-on-write, and its write-ahead [`journal`] (group commit); [`sim_store`]: the same semantics on the simulator's disk.
+//! * [`proto`]: the metadata service's state and control messages (core and driver import it).
 //! * [`meta_core`]: the metadata service's decisions as a deterministic state machine: volume
 //!   create / delete / resize, `super` and `collapse` over the tracking shard, the GC hand-off.
 //! * [`shard_server`], [`meta`], [`client`]: the tokio drivers (shard, metadata service, volume
@@ -19,6 +20,7 @@ pub mod types;
 pub mod shard_server;
 pub mod store;
 pub mod journal;
+pub mod proto;
 pub mod meta;
 pub mod meta_core;
 pub mod client;
