@@ -9,6 +9,8 @@
 //! * [`proto`]: the metadata service's state and control messages (core and driver import it).
 //! * [`meta_core`]: the metadata service's decisions as a deterministic state machine: volume
 //!   create / delete / resize, `super` and `collapse` over the tracking shard, the GC hand-off.
+//! * [`membership`]: shard membership as a deterministic state machine: the failure detector,
+//!   down / recovering / up, and when a returning shard may lead again.
 //! * [`shard_server`], [`meta`], [`client`]: the tokio drivers (shard, metadata service, volume
 //!   client); [`testkit`] runs them in one process.
 //! * [`bench_cow`], [`bench_trace`]: `understudy bench volume cow` and `recovery-trace`.
@@ -23,6 +25,7 @@ pub mod journal;
 pub mod proto;
 pub mod meta;
 pub mod meta_core;
+pub mod membership;
 pub mod client;
 pub mod sim_store;
 pub mod bench_cow;
