@@ -14,9 +14,14 @@
 //!   (it was stalled, not dead), is marked **recovering**: it may have missed writes while down
 //!   and re-replicates before it leads.
 //! * A recovering shard becomes **up** (and in sync) when it reports, at the map's current epoch,
-//!   that it caught up — if it was in sync already, or once every in-sync shard is up: then each
-//!   of its slots had an in-sync primary it caught up from. (It repeats its report; once the
-//!   others are up, the new epoch restarts its recovery and the next report counts.)
+//!   that it caught up — if it was in sync already, or once every shard that may hold writes it
+//!   missed is up: every in-sync shard, and every shard marked down *after* it (writes went on
+//!   on that one while this one was down; its own in-sync flag was cleared when it went down
+//!   too). Then each of its slots had a primary holding every acknowledged write to catch up
+//!   from. (It repeats its report; once the others are up, the new epoch restarts its recovery
+//!   and the next report counts.) The order of going down is a strict order, so shards waiting
+//!   on each other always make progress; a fresh disk holds nothing and waits for the others.
+//!   The order is kept in memory: after a restart of the service only the in-sync flags count.
 //! * After a restart of the metadata service nobody is known alive: every shard is marked down,
 //!   keeping its in-sync flag, so a stale shard cannot win a whole-cluster restart
 //!   ([`mark_all_down_after_restart`]).
@@ -89,6 +94,11 @@ pub struct Membership {
     out: Vec<MemberOutput>,
     /// The map as of the last invariant check.
     checked: ClusterMap,
+    /// When each shard was last marked down (a sequence number), for the rule of who may lead:
+    /// a shard marked down later may hold writes an earlier one missed. Absent: not known to
+    /// hold anything the others lack (never marked down here, or a fresh disk).
+    down_order: BTreeMap<ShardId, u64>,
+    next_down: u64,
 }
 
 /// After a restart of the metadata service nobody is known alive: none leads until it registers
@@ -110,7 +120,7 @@ impl Membership {
     /// A core over `map`, with no shard linked yet: every shard in `map` must be down (see
     /// [`mark_all_down_after_restart`]) until it registers.
     pub fn new(cfg: MembershipConfig, map: ClusterMap, now_us: u64) -> Self {
-        let m = Membership { cfg, checked: map.clone(), map, links: BTreeMap::new(), listened_us: 0, last_input_us: now_us, out: vec![] };
+        let m = Membership { cfg, checked: map.clone(), map, links: BTreeMap::new(), listened_us: 0, last_input_us: now_us, out: vec![], down_order: BTreeMap::new(), next_down: 1 };
         #[cfg(debug_assertions)]
         m.check_invariants();
         m
@@ -119,7 +129,7 @@ impl Membership {
     /// A core over a cluster already running (a simulation's start): each of `links` — (shard,
     /// link, boot id) — is registered and counts as heard now.
     pub fn linked(cfg: MembershipConfig, map: ClusterMap, now_us: u64, links: &[(ShardId, LinkId, u64)]) -> Self {
-        let mut m = Membership { cfg, checked: map.clone(), map, links: BTreeMap::new(), listened_us: 0, last_input_us: now_us, out: vec![] };
+        let mut m = Membership { cfg, checked: map.clone(), map, links: BTreeMap::new(), listened_us: 0, last_input_us: now_us, out: vec![], down_order: BTreeMap::new(), next_down: 1 };
         for &(shard, id, boot_id) in links {
             m.links.insert(shard, Link { id, boot_id, last_heard_us: 0 });
         }
@@ -195,11 +205,15 @@ impl Membership {
                 let s = &mut self.map.shards[i];
                 let mut changed = s.addr != addr;
                 s.addr = addr;
-                if fresh && s.in_sync {
+                if fresh {
                     // A new disk under an old id holds nothing it used to: it re-replicates
-                    // (a fresh disk comes with a new process, so it is recovering below anyway).
-                    s.in_sync = false;
-                    changed = true;
+                    // (a fresh disk comes with a new process, so it is recovering below anyway),
+                    // and it holds no write another shard missed.
+                    self.down_order.remove(&id);
+                    if s.in_sync {
+                        s.in_sync = false;
+                        changed = true;
+                    }
                 }
                 // A restarted shard may have missed writes and lost unsynced ones: it
                 // re-replicates before it may lead again.
@@ -219,6 +233,8 @@ impl Membership {
         if let Some(s) = self.map.shards.iter_mut().find(|s| s.id == id && s.state != ShardState::Down) {
             s.state = ShardState::Down;
             s.in_sync = false;
+            self.down_order.insert(id, self.next_down);
+            self.next_down += 1;
             self.changed(format!("shard {id} down: {why}"));
         }
     }
@@ -227,12 +243,13 @@ impl Membership {
         if self.map.epoch != epoch {
             return;
         }
-        let others_in_sync_up = self.map.shards.iter().filter(|s| s.id != shard && s.in_sync).all(|s| s.state == ShardState::Up);
-        if let Some(s) =
-            self.map.shards.iter_mut().find(|s| s.id == shard && s.state == ShardState::Recovering && (s.in_sync || others_in_sync_up))
-        {
+        let mine = self.down_order.get(&shard).copied().unwrap_or(0);
+        let may_hold_missed_writes = |s: &ShardInfo| s.in_sync || self.down_order.get(&s.id).is_some_and(|&d| d > mine);
+        let others_up = self.map.shards.iter().filter(|s| s.id != shard && may_hold_missed_writes(s)).all(|s| s.state == ShardState::Up);
+        if let Some(s) = self.map.shards.iter_mut().find(|s| s.id == shard && s.state == ShardState::Recovering && (s.in_sync || others_up)) {
             s.state = ShardState::Up;
             s.in_sync = true;
+            self.down_order.remove(&shard);
             self.changed(format!("shard {shard} recovered, up"));
         }
     }
@@ -245,6 +262,8 @@ impl Membership {
                 why.push(format!("shard {} missed its pings: down", s.id));
                 s.state = ShardState::Down;
                 s.in_sync = false;
+                self.down_order.insert(s.id, self.next_down);
+                self.next_down += 1;
             } else if alive && s.state == ShardState::Down {
                 // It answers again on the same link: it was stalled, not dead. It may have
                 // missed writes while down, so it re-replicates before it leads again.
@@ -402,6 +421,43 @@ mod tests {
         let mut m = cluster();
         m.handle(10, MemberInput::LinkOpened { shard: 2, link: 3, addr: "s2".into(), boot_id: 99, fresh: true });
         assert_eq!((m.map().state(2), m.map().shards[2].in_sync), (ShardState::Recovering, false));
+    }
+
+    /// Found by the simulation once it ran this core (seed 106): shard 0 stalls and is marked
+    /// down (writes go on on shards 1 and 2), then the links of 1 and 2 break and they are
+    /// marked down too — not in sync either. Shard 0 answers again and reports it caught up:
+    /// with no in-sync shard left, "every in-sync shard is up" held vacuously and the stale
+    /// shard led, losing the writes that only 1 and 2 hold.
+    #[test]
+    fn a_stale_shard_does_not_lead_while_shards_that_went_down_after_it_are_away() {
+        let mut m = cluster();
+        run(&mut m, PING, DOWN_AFTER + 2 * PING, &[1, 2]);
+        assert_eq!(m.map().state(0), ShardState::Down);
+        let t = DOWN_AFTER + 3 * PING;
+        m.handle(t, MemberInput::LinkClosed { shard: 1, link: 1, why: "broke".into() });
+        m.handle(t, MemberInput::LinkClosed { shard: 2, link: 2, why: "broke".into() });
+        run(&mut m, t + PING, t + 3 * PING, &[0]);
+        assert_eq!(m.map().state(0), ShardState::Recovering);
+        let e = m.map().epoch;
+        m.handle(t + 4 * PING, MemberInput::Recovered { shard: 0, epoch: e });
+        assert_eq!(m.map().state(0), ShardState::Recovering, "a stale shard leads while the shards holding its missed writes are away: {:?}", m.map());
+        // 1 and 2 return; 2 went down last and may lead first, then 1, then 0.
+        for s in [1, 2] {
+            m.handle(t + 5 * PING, MemberInput::LinkOpened { shard: s, link: 10 + s as u64, addr: format!("s{s}"), boot_id: s as u64, fresh: false });
+        }
+        let e = m.map().epoch;
+        m.handle(t + 6 * PING, MemberInput::Recovered { shard: 1, epoch: e });
+        m.handle(t + 6 * PING, MemberInput::Recovered { shard: 0, epoch: e });
+        assert_eq!((m.map().state(0), m.map().state(1)), (ShardState::Recovering, ShardState::Recovering));
+        m.handle(t + 6 * PING, MemberInput::Recovered { shard: 2, epoch: e });
+        assert_eq!(m.map().state(2), ShardState::Up);
+        let e = m.map().epoch;
+        m.handle(t + 7 * PING, MemberInput::Recovered { shard: 0, epoch: e });
+        assert_eq!(m.map().state(0), ShardState::Recovering, "shard 1 went down after shard 0 and is not up yet");
+        m.handle(t + 7 * PING, MemberInput::Recovered { shard: 1, epoch: e });
+        let e = m.map().epoch;
+        m.handle(t + 8 * PING, MemberInput::Recovered { shard: 0, epoch: e });
+        assert!(m.map().shards.iter().all(|s| s.state == ShardState::Up && s.in_sync), "{:?}", m.map());
     }
 
     /// Issue 22 §2 in the volume service: a metadata service stopped past `down_after` (SIGSTOP,
