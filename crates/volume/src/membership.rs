@@ -57,9 +57,19 @@ pub struct MembershipConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MemberInput {
     /// A shard registered over a new control link.
-    LinkOpened { shard: ShardId, link: LinkId, addr: String, boot_id: u64, fresh: bool },
+    LinkOpened {
+        shard: ShardId,
+        link: LinkId,
+        addr: String,
+        boot_id: u64,
+        fresh: bool,
+    },
     /// A control link ended (the shard died, or dropped the link); `why` is for the log.
-    LinkClosed { shard: ShardId, link: LinkId, why: String },
+    LinkClosed {
+        shard: ShardId,
+        link: LinkId,
+        why: String,
+    },
     /// An answer (to a ping or anything else) arrived from the shard.
     Heard { shard: ShardId },
     /// The shard reports it caught up at `epoch`.
@@ -106,7 +116,11 @@ pub struct Membership {
 /// whole-cluster restart). Returns whether the map changed (its epoch is then bumped).
 pub fn mark_all_down_after_restart(map: &mut ClusterMap) -> bool {
     let mut changed = false;
-    for sh in map.shards.iter_mut().filter(|sh| sh.state != ShardState::Down) {
+    for sh in map
+        .shards
+        .iter_mut()
+        .filter(|sh| sh.state != ShardState::Down)
+    {
         sh.state = ShardState::Down;
         changed = true;
     }
@@ -120,7 +134,17 @@ impl Membership {
     /// A core over `map`, with no shard linked yet: every shard in `map` must be down (see
     /// [`mark_all_down_after_restart`]) until it registers.
     pub fn new(cfg: MembershipConfig, map: ClusterMap, now_us: u64) -> Self {
-        let m = Membership { cfg, checked: map.clone(), map, links: BTreeMap::new(), listened_us: 0, last_input_us: now_us, out: vec![], down_order: BTreeMap::new(), next_down: 1 };
+        let m = Membership {
+            cfg,
+            checked: map.clone(),
+            map,
+            links: BTreeMap::new(),
+            listened_us: 0,
+            last_input_us: now_us,
+            out: vec![],
+            down_order: BTreeMap::new(),
+            next_down: 1,
+        };
         #[cfg(debug_assertions)]
         m.check_invariants();
         m
@@ -128,10 +152,32 @@ impl Membership {
 
     /// A core over a cluster already running (a simulation's start): each of `links` — (shard,
     /// link, boot id) — is registered and counts as heard now.
-    pub fn linked(cfg: MembershipConfig, map: ClusterMap, now_us: u64, links: &[(ShardId, LinkId, u64)]) -> Self {
-        let mut m = Membership { cfg, checked: map.clone(), map, links: BTreeMap::new(), listened_us: 0, last_input_us: now_us, out: vec![], down_order: BTreeMap::new(), next_down: 1 };
+    pub fn linked(
+        cfg: MembershipConfig,
+        map: ClusterMap,
+        now_us: u64,
+        links: &[(ShardId, LinkId, u64)],
+    ) -> Self {
+        let mut m = Membership {
+            cfg,
+            checked: map.clone(),
+            map,
+            links: BTreeMap::new(),
+            listened_us: 0,
+            last_input_us: now_us,
+            out: vec![],
+            down_order: BTreeMap::new(),
+            next_down: 1,
+        };
         for &(shard, id, boot_id) in links {
-            m.links.insert(shard, Link { id, boot_id, last_heard_us: 0 });
+            m.links.insert(
+                shard,
+                Link {
+                    id,
+                    boot_id,
+                    last_heard_us: 0,
+                },
+            );
         }
         #[cfg(debug_assertions)]
         m.check_invariants();
@@ -165,7 +211,13 @@ impl Membership {
         self.last_input_us = self.last_input_us.max(now_us);
         self.listened_us += gap.min(self.max_counted_gap_us());
         match input {
-            MemberInput::LinkOpened { shard, link, addr, boot_id, fresh } => self.on_link_opened(shard, link, addr, boot_id, fresh),
+            MemberInput::LinkOpened {
+                shard,
+                link,
+                addr,
+                boot_id,
+                fresh,
+            } => self.on_link_opened(shard, link, addr, boot_id, fresh),
             MemberInput::LinkClosed { shard, link, why } => {
                 if self.links.get(&shard).is_some_and(|l| l.id == link) {
                     self.links.remove(&shard);
@@ -189,15 +241,37 @@ impl Membership {
 
     fn changed(&mut self, why: String) {
         self.map.epoch += 1;
-        self.out.push(MemberOutput::SetMap { map: self.map.clone(), why });
+        self.out.push(MemberOutput::SetMap {
+            map: self.map.clone(),
+            why,
+        });
     }
 
-    fn on_link_opened(&mut self, id: ShardId, link: LinkId, addr: String, boot_id: u64, fresh: bool) {
+    fn on_link_opened(
+        &mut self,
+        id: ShardId,
+        link: LinkId,
+        addr: String,
+        boot_id: u64,
+        fresh: bool,
+    ) {
         let restarted = self.links.get(&id).is_none_or(|l| l.boot_id != boot_id);
-        self.links.insert(id, Link { id: link, boot_id, last_heard_us: self.listened_us });
+        self.links.insert(
+            id,
+            Link {
+                id: link,
+                boot_id,
+                last_heard_us: self.listened_us,
+            },
+        );
         let changed = match self.map.shards.iter().position(|s| s.id == id) {
             None => {
-                self.map.shards.push(ShardInfo { id, addr, state: ShardState::Recovering, in_sync: false });
+                self.map.shards.push(ShardInfo {
+                    id,
+                    addr,
+                    state: ShardState::Recovering,
+                    in_sync: false,
+                });
                 self.map.shards.sort_by_key(|s| s.id);
                 true
             }
@@ -217,7 +291,10 @@ impl Membership {
                 }
                 // A restarted shard may have missed writes and lost unsynced ones: it
                 // re-replicates before it may lead again.
-                if restarted || s.state == ShardState::Down || (s.state == ShardState::Up && !s.in_sync) {
+                if restarted
+                    || s.state == ShardState::Down
+                    || (s.state == ShardState::Up && !s.in_sync)
+                {
                     changed |= s.state != ShardState::Recovering;
                     s.state = ShardState::Recovering;
                 }
@@ -230,7 +307,12 @@ impl Membership {
     }
 
     fn mark_down(&mut self, id: ShardId, why: &str) {
-        if let Some(s) = self.map.shards.iter_mut().find(|s| s.id == id && s.state != ShardState::Down) {
+        if let Some(s) = self
+            .map
+            .shards
+            .iter_mut()
+            .find(|s| s.id == id && s.state != ShardState::Down)
+        {
             s.state = ShardState::Down;
             s.in_sync = false;
             self.down_order.insert(id, self.next_down);
@@ -244,9 +326,17 @@ impl Membership {
             return;
         }
         let mine = self.down_order.get(&shard).copied().unwrap_or(0);
-        let may_hold_missed_writes = |s: &ShardInfo| s.in_sync || self.down_order.get(&s.id).is_some_and(|&d| d > mine);
-        let others_up = self.map.shards.iter().filter(|s| s.id != shard && may_hold_missed_writes(s)).all(|s| s.state == ShardState::Up);
-        if let Some(s) = self.map.shards.iter_mut().find(|s| s.id == shard && s.state == ShardState::Recovering && (s.in_sync || others_up)) {
+        let may_hold_missed_writes =
+            |s: &ShardInfo| s.in_sync || self.down_order.get(&s.id).is_some_and(|&d| d > mine);
+        let others_up = self
+            .map
+            .shards
+            .iter()
+            .filter(|s| s.id != shard && may_hold_missed_writes(s))
+            .all(|s| s.state == ShardState::Up);
+        if let Some(s) = self.map.shards.iter_mut().find(|s| {
+            s.id == shard && s.state == ShardState::Recovering && (s.in_sync || others_up)
+        }) {
             s.state = ShardState::Up;
             s.in_sync = true;
             self.down_order.remove(&shard);
@@ -257,7 +347,10 @@ impl Membership {
     fn on_tick(&mut self) {
         let mut why = vec![];
         for s in self.map.shards.iter_mut() {
-            let alive = self.links.get(&s.id).is_some_and(|l| self.listened_us - l.last_heard_us < self.cfg.down_after_us);
+            let alive = self
+                .links
+                .get(&s.id)
+                .is_some_and(|l| self.listened_us - l.last_heard_us < self.cfg.down_after_us);
             if !alive && s.state != ShardState::Down {
                 why.push(format!("shard {} missed its pings: down", s.id));
                 s.state = ShardState::Down;
@@ -267,7 +360,10 @@ impl Membership {
             } else if alive && s.state == ShardState::Down {
                 // It answers again on the same link: it was stalled, not dead. It may have
                 // missed writes while down, so it re-replicates before it leads again.
-                why.push(format!("shard {} answers its pings again: recovering", s.id));
+                why.push(format!(
+                    "shard {} answers its pings again: recovering",
+                    s.id
+                ));
                 s.state = ShardState::Recovering;
             }
         }
@@ -283,17 +379,46 @@ impl Membership {
     /// builds.
     pub fn check_invariants(&self) {
         let (old, new) = (&self.checked, &self.map);
-        assert!(new.epoch >= old.epoch, "the map's epoch went back from {} to {}", old.epoch, new.epoch);
-        assert!(new.epoch > old.epoch || new.shards == old.shards, "the map changed without a new epoch: {old:?} -> {new:?}");
-        assert!(new.shards.windows(2).all(|w| w[0].id < w[1].id), "shards not sorted by id, or twice: {new:?}");
+        assert!(
+            new.epoch >= old.epoch,
+            "the map's epoch went back from {} to {}",
+            old.epoch,
+            new.epoch
+        );
+        assert!(
+            new.epoch > old.epoch || new.shards == old.shards,
+            "the map changed without a new epoch: {old:?} -> {new:?}"
+        );
+        assert!(
+            new.shards.windows(2).all(|w| w[0].id < w[1].id),
+            "shards not sorted by id, or twice: {new:?}"
+        );
         for s in &new.shards {
-            assert!(self.links.contains_key(&s.id) || s.state == ShardState::Down, "shard {} has no control link, yet is {:?}", s.id, s.state);
-            assert!(s.state != ShardState::Up || s.in_sync, "shard {} is up (may lead) but not in sync: {new:?}", s.id);
+            assert!(
+                self.links.contains_key(&s.id) || s.state == ShardState::Down,
+                "shard {} has no control link, yet is {:?}",
+                s.id,
+                s.state
+            );
+            assert!(
+                s.state != ShardState::Up || s.in_sync,
+                "shard {} is up (may lead) but not in sync: {new:?}",
+                s.id
+            );
             if old.state(s.id) == ShardState::Down && old.shards.iter().any(|o| o.id == s.id) {
-                assert!(s.state != ShardState::Up, "shard {} went from down to up without recovering", s.id);
+                assert!(
+                    s.state != ShardState::Up,
+                    "shard {} went from down to up without recovering",
+                    s.id
+                );
             }
         }
-        assert!(self.links.keys().all(|id| new.shards.iter().any(|s| s.id == *id)), "a linked shard is not in the map");
+        assert!(
+            self.links
+                .keys()
+                .all(|id| new.shards.iter().any(|s| s.id == *id)),
+            "a linked shard is not in the map"
+        );
     }
 }
 
@@ -305,21 +430,42 @@ mod tests {
     const DOWN_AFTER: u64 = 3_000_000;
 
     fn cfg() -> MembershipConfig {
-        MembershipConfig { ping_interval_us: PING, down_after_us: DOWN_AFTER }
+        MembershipConfig {
+            ping_interval_us: PING,
+            down_after_us: DOWN_AFTER,
+        }
     }
 
     fn up(id: ShardId) -> ShardInfo {
-        ShardInfo { id, addr: format!("s{id}"), state: ShardState::Up, in_sync: true }
+        ShardInfo {
+            id,
+            addr: format!("s{id}"),
+            state: ShardState::Up,
+            in_sync: true,
+        }
     }
 
     /// Three shards up, each on link `id` with boot id `id`, at time 0.
     fn cluster() -> Membership {
-        let map = ClusterMap { epoch: 7, replicas: 3, shards: (0..3).map(up).collect() };
+        let map = ClusterMap {
+            epoch: 7,
+            replicas: 3,
+            shards: (0..3).map(up).collect(),
+        };
         Membership::linked(cfg(), map, 0, &[(0, 0, 0), (1, 1, 1), (2, 2, 2)])
     }
 
     fn maps(m: &mut Membership) -> Vec<ClusterMap> {
-        m.take_outputs().into_iter().filter_map(|o| if let MemberOutput::SetMap { map, .. } = o { Some(map) } else { None }).collect()
+        m.take_outputs()
+            .into_iter()
+            .filter_map(|o| {
+                if let MemberOutput::SetMap { map, .. } = o {
+                    Some(map)
+                } else {
+                    None
+                }
+            })
+            .collect()
     }
 
     /// Ticks at the ping interval from `from` up to `to`; `answer` says which shards answer.
@@ -337,25 +483,62 @@ mod tests {
     #[test]
     fn a_killed_shard_is_down_at_once_and_a_silent_one_within_the_timeout() {
         let mut m = cluster();
-        m.handle(50, MemberInput::LinkClosed { shard: 1, link: 1, why: "reset".into() });
+        m.handle(
+            50,
+            MemberInput::LinkClosed {
+                shard: 1,
+                link: 1,
+                why: "reset".into(),
+            },
+        );
         let ms = maps(&mut m);
         assert_eq!(ms.len(), 1);
-        assert_eq!((ms[0].epoch, ms[0].state(1), ms[0].shards[1].in_sync), (8, ShardState::Down, false));
+        assert_eq!(
+            (ms[0].epoch, ms[0].state(1), ms[0].shards[1].in_sync),
+            (8, ShardState::Down, false)
+        );
 
         // Shard 2 stops answering (stalled, link open): down after DOWN_AFTER, not before.
         run(&mut m, PING, DOWN_AFTER - PING, &[0]);
-        assert_eq!(m.map().state(2), ShardState::Up, "marked down before its timeout");
+        assert_eq!(
+            m.map().state(2),
+            ShardState::Up,
+            "marked down before its timeout"
+        );
         run(&mut m, DOWN_AFTER, DOWN_AFTER + 2 * PING, &[0]);
-        assert_eq!(m.map().state(2), ShardState::Down, "not marked down within its timeout");
+        assert_eq!(
+            m.map().state(2),
+            ShardState::Down,
+            "not marked down within its timeout"
+        );
         assert_eq!(m.map().state(0), ShardState::Up);
     }
 
     #[test]
     fn the_end_of_a_replaced_link_changes_nothing() {
         let mut m = cluster();
-        m.handle(10, MemberInput::LinkOpened { shard: 1, link: 9, addr: "s1".into(), boot_id: 1, fresh: false });
-        assert!(maps(&mut m).is_empty(), "a new link of the same process changes nothing");
-        m.handle(20, MemberInput::LinkClosed { shard: 1, link: 1, why: "old".into() });
+        m.handle(
+            10,
+            MemberInput::LinkOpened {
+                shard: 1,
+                link: 9,
+                addr: "s1".into(),
+                boot_id: 1,
+                fresh: false,
+            },
+        );
+        assert!(
+            maps(&mut m).is_empty(),
+            "a new link of the same process changes nothing"
+        );
+        m.handle(
+            20,
+            MemberInput::LinkClosed {
+                shard: 1,
+                link: 1,
+                why: "old".into(),
+            },
+        );
         assert!(maps(&mut m).is_empty());
         assert_eq!(m.map().state(1), ShardState::Up);
     }
@@ -363,17 +546,42 @@ mod tests {
     #[test]
     fn a_returning_shard_recovers_and_is_up_only_once_in_sync() {
         let mut m = cluster();
-        m.handle(10, MemberInput::LinkClosed { shard: 1, link: 1, why: "killed".into() });
-        m.handle(20, MemberInput::LinkOpened { shard: 1, link: 5, addr: "s1".into(), boot_id: 77, fresh: false });
+        m.handle(
+            10,
+            MemberInput::LinkClosed {
+                shard: 1,
+                link: 1,
+                why: "killed".into(),
+            },
+        );
+        m.handle(
+            20,
+            MemberInput::LinkOpened {
+                shard: 1,
+                link: 5,
+                addr: "s1".into(),
+                boot_id: 77,
+                fresh: false,
+            },
+        );
         let ms = maps(&mut m);
         assert_eq!(ms.last().unwrap().state(1), ShardState::Recovering);
         let epoch = m.map().epoch;
         // A report at an old epoch does not count; nor do pings answered.
-        m.handle(30, MemberInput::Recovered { shard: 1, epoch: epoch - 1 });
+        m.handle(
+            30,
+            MemberInput::Recovered {
+                shard: 1,
+                epoch: epoch - 1,
+            },
+        );
         run(&mut m, 40, 40 + 5 * PING, &[0, 1, 2]);
         assert_eq!(m.map().state(1), ShardState::Recovering);
         m.handle(1_000_000, MemberInput::Recovered { shard: 1, epoch });
-        assert_eq!((m.map().state(1), m.map().shards[1].in_sync, m.map().epoch), (ShardState::Up, true, epoch + 1));
+        assert_eq!(
+            (m.map().state(1), m.map().shards[1].in_sync, m.map().epoch),
+            (ShardState::Up, true, epoch + 1)
+        );
     }
 
     #[test]
@@ -381,8 +589,16 @@ mod tests {
         let mut m = cluster();
         run(&mut m, PING, DOWN_AFTER + 2 * PING, &[0, 1]);
         assert_eq!(m.map().state(2), ShardState::Down);
-        run(&mut m, DOWN_AFTER + 3 * PING, DOWN_AFTER + 5 * PING, &[0, 1, 2]);
-        assert_eq!((m.map().state(2), m.map().shards[2].in_sync), (ShardState::Recovering, false));
+        run(
+            &mut m,
+            DOWN_AFTER + 3 * PING,
+            DOWN_AFTER + 5 * PING,
+            &[0, 1, 2],
+        );
+        assert_eq!(
+            (m.map().state(2), m.map().shards[2].in_sync),
+            (ShardState::Recovering, false)
+        );
     }
 
     #[test]
@@ -390,37 +606,88 @@ mod tests {
         let mut m = cluster();
         // Shard 1 dies (not in sync any more), then the service restarts: everyone down, 0 and
         // 2 still in sync.
-        m.handle(10, MemberInput::LinkClosed { shard: 1, link: 1, why: "killed".into() });
+        m.handle(
+            10,
+            MemberInput::LinkClosed {
+                shard: 1,
+                link: 1,
+                why: "killed".into(),
+            },
+        );
         let mut map = m.map().clone();
         assert!(mark_all_down_after_restart(&mut map));
         assert!(map.shards.iter().all(|s| s.state == ShardState::Down));
-        assert_eq!(map.shards.iter().map(|s| s.in_sync).collect::<Vec<_>>(), [true, false, true]);
+        assert_eq!(
+            map.shards.iter().map(|s| s.in_sync).collect::<Vec<_>>(),
+            [true, false, true]
+        );
         let mut m = Membership::new(cfg(), map, 0);
         for (s, link) in [(1, 11), (0, 10)] {
-            m.handle(100, MemberInput::LinkOpened { shard: s, link, addr: format!("s{s}"), boot_id: link, fresh: false });
+            m.handle(
+                100,
+                MemberInput::LinkOpened {
+                    shard: s,
+                    link,
+                    addr: format!("s{s}"),
+                    boot_id: link,
+                    fresh: false,
+                },
+            );
         }
         // The stale shard reports first: shard 2 (in sync) is not up, so it may not lead.
         let e = m.map().epoch;
         m.handle(200, MemberInput::Recovered { shard: 1, epoch: e });
-        assert_eq!(m.map().state(1), ShardState::Recovering, "a stale shard led while an in-sync one was away");
+        assert_eq!(
+            m.map().state(1),
+            ShardState::Recovering,
+            "a stale shard led while an in-sync one was away"
+        );
         // The in-sync shard 0 may lead at once; then shard 2 returns and recovers.
         m.handle(300, MemberInput::Recovered { shard: 0, epoch: e });
         assert_eq!(m.map().state(0), ShardState::Up);
-        m.handle(400, MemberInput::LinkOpened { shard: 2, link: 12, addr: "s2".into(), boot_id: 12, fresh: false });
+        m.handle(
+            400,
+            MemberInput::LinkOpened {
+                shard: 2,
+                link: 12,
+                addr: "s2".into(),
+                boot_id: 12,
+                fresh: false,
+            },
+        );
         let e = m.map().epoch;
         m.handle(500, MemberInput::Recovered { shard: 1, epoch: e });
-        assert_eq!(m.map().state(1), ShardState::Recovering, "shard 2 is in sync and only recovering");
+        assert_eq!(
+            m.map().state(1),
+            ShardState::Recovering,
+            "shard 2 is in sync and only recovering"
+        );
         m.handle(600, MemberInput::Recovered { shard: 2, epoch: e });
         let e = m.map().epoch;
         m.handle(700, MemberInput::Recovered { shard: 1, epoch: e });
-        assert_eq!((m.map().state(1), m.map().shards[1].in_sync), (ShardState::Up, true));
+        assert_eq!(
+            (m.map().state(1), m.map().shards[1].in_sync),
+            (ShardState::Up, true)
+        );
     }
 
     #[test]
     fn a_fresh_disk_under_an_old_id_is_not_in_sync() {
         let mut m = cluster();
-        m.handle(10, MemberInput::LinkOpened { shard: 2, link: 3, addr: "s2".into(), boot_id: 99, fresh: true });
-        assert_eq!((m.map().state(2), m.map().shards[2].in_sync), (ShardState::Recovering, false));
+        m.handle(
+            10,
+            MemberInput::LinkOpened {
+                shard: 2,
+                link: 3,
+                addr: "s2".into(),
+                boot_id: 99,
+                fresh: true,
+            },
+        );
+        assert_eq!(
+            (m.map().state(2), m.map().shards[2].in_sync),
+            (ShardState::Recovering, false)
+        );
     }
 
     /// Found by the simulation once it ran this core (seed 106): shard 0 stalls and is marked
@@ -434,30 +701,72 @@ mod tests {
         run(&mut m, PING, DOWN_AFTER + 2 * PING, &[1, 2]);
         assert_eq!(m.map().state(0), ShardState::Down);
         let t = DOWN_AFTER + 3 * PING;
-        m.handle(t, MemberInput::LinkClosed { shard: 1, link: 1, why: "broke".into() });
-        m.handle(t, MemberInput::LinkClosed { shard: 2, link: 2, why: "broke".into() });
+        m.handle(
+            t,
+            MemberInput::LinkClosed {
+                shard: 1,
+                link: 1,
+                why: "broke".into(),
+            },
+        );
+        m.handle(
+            t,
+            MemberInput::LinkClosed {
+                shard: 2,
+                link: 2,
+                why: "broke".into(),
+            },
+        );
         run(&mut m, t + PING, t + 3 * PING, &[0]);
         assert_eq!(m.map().state(0), ShardState::Recovering);
         let e = m.map().epoch;
         m.handle(t + 4 * PING, MemberInput::Recovered { shard: 0, epoch: e });
-        assert_eq!(m.map().state(0), ShardState::Recovering, "a stale shard leads while the shards holding its missed writes are away: {:?}", m.map());
+        assert_eq!(
+            m.map().state(0),
+            ShardState::Recovering,
+            "a stale shard leads while the shards holding its missed writes are away: {:?}",
+            m.map()
+        );
         // 1 and 2 return; 2 went down last and may lead first, then 1, then 0.
         for s in [1, 2] {
-            m.handle(t + 5 * PING, MemberInput::LinkOpened { shard: s, link: 10 + s as u64, addr: format!("s{s}"), boot_id: s as u64, fresh: false });
+            m.handle(
+                t + 5 * PING,
+                MemberInput::LinkOpened {
+                    shard: s,
+                    link: 10 + s as u64,
+                    addr: format!("s{s}"),
+                    boot_id: s as u64,
+                    fresh: false,
+                },
+            );
         }
         let e = m.map().epoch;
         m.handle(t + 6 * PING, MemberInput::Recovered { shard: 1, epoch: e });
         m.handle(t + 6 * PING, MemberInput::Recovered { shard: 0, epoch: e });
-        assert_eq!((m.map().state(0), m.map().state(1)), (ShardState::Recovering, ShardState::Recovering));
+        assert_eq!(
+            (m.map().state(0), m.map().state(1)),
+            (ShardState::Recovering, ShardState::Recovering)
+        );
         m.handle(t + 6 * PING, MemberInput::Recovered { shard: 2, epoch: e });
         assert_eq!(m.map().state(2), ShardState::Up);
         let e = m.map().epoch;
         m.handle(t + 7 * PING, MemberInput::Recovered { shard: 0, epoch: e });
-        assert_eq!(m.map().state(0), ShardState::Recovering, "shard 1 went down after shard 0 and is not up yet");
+        assert_eq!(
+            m.map().state(0),
+            ShardState::Recovering,
+            "shard 1 went down after shard 0 and is not up yet"
+        );
         m.handle(t + 7 * PING, MemberInput::Recovered { shard: 1, epoch: e });
         let e = m.map().epoch;
         m.handle(t + 8 * PING, MemberInput::Recovered { shard: 0, epoch: e });
-        assert!(m.map().shards.iter().all(|s| s.state == ShardState::Up && s.in_sync), "{:?}", m.map());
+        assert!(
+            m.map()
+                .shards
+                .iter()
+                .all(|s| s.state == ShardState::Up && s.in_sync),
+            "{:?}",
+            m.map()
+        );
     }
 
     /// Issue 22 §2 in the volume service: a metadata service stopped past `down_after` (SIGSTOP,
@@ -472,7 +781,11 @@ mod tests {
             let woke = 2_000_000 + pause_us;
             m.handle(woke, MemberInput::Tick);
             assert_eq!(
-                m.map().shards.iter().filter(|s| s.state != ShardState::Up).count(),
+                m.map()
+                    .shards
+                    .iter()
+                    .filter(|s| s.state != ShardState::Up)
+                    .count(),
                 0,
                 "paused {pause_us} us: {:?}",
                 m.map()
@@ -481,7 +794,12 @@ mod tests {
             assert_eq!(m.map().epoch, 7, "paused {pause_us} us: {:?}", m.map());
             // A shard that really stays silent is still marked down, within its timeout of
             // listening.
-            run(&mut m, woke + 6 * PING, woke + DOWN_AFTER + 8 * PING, &[0, 1]);
+            run(
+                &mut m,
+                woke + 6 * PING,
+                woke + DOWN_AFTER + 8 * PING,
+                &[0, 1],
+            );
             assert_eq!(m.map().state(2), ShardState::Down, "paused {pause_us} us");
         }
     }
