@@ -54,3 +54,42 @@ fn whole_cluster_restart_after_a_shard_missed_writes() {
     up.restart();
     qemu_ok(&up.uri("r"), &["read -P 0xbb 0 2M"]);
 }
+
+/// Issue 22 §2 in the volume service: a metadata service stopped past `--down-after-ms` (3 s;
+/// SIGSTOP here, a loaded machine in practice) took its own silence for the shards' and marked
+/// every shard down — and not in sync — at once on waking, before reading the answers waiting in
+/// its sockets. Now silence counts only while the service runs: on waking nothing changes.
+#[test]
+fn a_paused_metadata_service_marks_no_shard_down_on_waking() {
+    let up = Up::start(3);
+    for id in 1..=3 {
+        up.wait_shard(id, "Up", Duration::from_secs(60));
+    }
+    let epoch = || -> u64 {
+        let v: serde_json::Value = serde_json::from_str(&up.ok(&["status", "--json"])).unwrap();
+        v["map"]["epoch"].as_u64().unwrap()
+    };
+    let before = epoch();
+    let meta = up.info["meta"]["pid"].as_u64().unwrap() as i32;
+    /// Continues the metadata service even if the test fails while it is stopped.
+    struct Cont(i32);
+    impl Drop for Cont {
+        fn drop(&mut self) {
+            // SAFETY: kill(2) has no memory-safety preconditions.
+            unsafe { libc::kill(self.0, libc::SIGCONT) };
+        }
+    }
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(meta, libc::SIGSTOP) }, 0);
+    let cont = Cont(meta);
+    std::thread::sleep(Duration::from_millis(4_500));
+    drop(cont);
+    // Every shard answers its pings throughout: none may be marked down, now or later.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let states = up.shard_states();
+        assert!(states.iter().all(|(_, s)| s == "Up"), "after a 4.5 s pause of the metadata service: {states:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(epoch(), before, "the map changed across the pause of the metadata service");
+}

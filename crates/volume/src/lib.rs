@@ -6,8 +6,11 @@
 //!   garbage collection and re-replication.
 //! * [`store`]: the shard's object store in pre-allocated slot files, with deferred
 //!   (sector-wise) copy-on-write, and its write-ahead [`journal`] (group commit); [`sim_store`]: the same semantics on the simulator's disk.
+//! * [`proto`]: the metadata service's state and control messages (core and driver import it).
 //! * [`meta_core`]: the metadata service's decisions as a deterministic state machine: volume
 //!   create / delete / resize, `super` and `collapse` over the tracking shard, the GC hand-off.
+//! * [`membership`]: shard membership as a deterministic state machine: the failure detector,
+//!   down / recovering / up, and when a returning shard may lead again.
 //! * [`shard_server`], [`meta`], [`client`]: the tokio drivers (shard, metadata service, volume
 //!   client); [`testkit`] runs them in one process.
 //! * [`fuzzing`]: hostile protocol input for the cargo-fuzz targets (`crates/volume/fuzz`) and
@@ -18,8 +21,10 @@ pub mod types;
 pub mod shard_server;
 pub mod store;
 pub mod journal;
+pub mod proto;
 pub mod meta;
 pub mod meta_core;
+pub mod membership;
 pub mod client;
 pub mod sim_store;
 pub mod objfmt;

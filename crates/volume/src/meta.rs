@@ -2,117 +2,40 @@
 //! `super`, `collapse` and garbage collection.
 //!
 //! The decisions about volumes, `super`, `collapse` and jobs are made by the deterministic
-//! [`MetaCore`](crate::meta_core::MetaCore); this module is its tokio driver (sockets, the state
-//! file, the clock) and keeps the shard links and the failure detector, which change the map
-//! through the core.
+//! [`MetaCore`](crate::meta_core::MetaCore), those about shard membership (down, recovering, up,
+//! when a returning shard may lead) by the deterministic [`Membership`]; this module is their
+//! tokio driver (sockets, the state file, the clock): it feeds the membership core the shards'
+//! links, answers and reports, and hands its map changes to the metadata core to save.
 //!
 //! Its state lives behind [`MetaStore`]; the embedded default, [`FileMetaStore`], keeps it in one
 //! JSON file replaced atomically (write, fsync, rename, fsync the directory), so a restart loses
 //! nothing. A later store can keep the same state in etcd.
 //!
 //! Shards open a control link to this service and register; the service pings them, marks one
-//! down after `down_after_ms` without an answer or at once when its link ends (a killed shard's
-//! kernel closes it), marks a restarted shard recovering, and marks it
-//! up once it reports that re-replication finished. Every change bumps the map's epoch and is
-//! pushed to every shard.
+//! down after `down_after_ms` without an answer (counted only while the service runs) or at once
+//! when its link ends (a killed shard's kernel closes it), marks a restarted shard recovering,
+//! and marks it up once it reports that re-replication finished (see [`crate::membership`]).
+//! Every change bumps the map's epoch and is pushed to every shard.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
 use std::sync::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::membership::{mark_all_down_after_restart, LinkId, MemberInput, MemberOutput, Membership, MembershipConfig};
 use crate::meta_core::{CallId, MetaCore, MetaCoreConfig, MetaInput, MetaOutput};
 use crate::shard_server::writer_loop;
 use crate::types::*;
 
-pub const DEFAULT_OBJECT_SIZE_BYTES: u32 = 64 * 1024;
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub enum Layout {
-    /// A plain volume, or a collocated `super` child (then `VolRef::parent` is set until GC ends).
-    Plain,
-    /// The rbd-style general clone baseline: own table, copy-up from the parent across the
-    /// network, an object-map update per copied object.
-    GeneralClone { parent: VolRef },
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub struct VolumeRec {
-    pub name: String,
-    pub vol: VolRef,
-    pub size_bytes: u64,
-    pub layout: Layout,
-    /// Name of this volume's `super` child while the superposition lasts.
-    pub super_child: Option<String>,
-    /// For a `super` child: its parent's name until collapse.
-    pub super_parent: Option<String>,
-    pub created_unix_ms: u64,
-    /// A `super` child recorded before the tracking shard confirmed it: `Info` does not show
-    /// it (no client may open it yet), and a restarted metadata service finishes or undoes it.
-    #[serde(default)]
-    pub super_pending: bool,
-    /// A super child whose collapse was asked for but is not decided (or not recorded) yet,
-    /// because the tracking shard did not answer in time: the service keeps asking it, with
-    /// backoff, until it answers — also after a restart of the service.
-    #[serde(default)]
-    pub collapsing: bool,
-}
-
-impl VolumeRec {
-    /// A volume that is nobody's super parent or child (yet).
-    pub fn new(name: String, vol: VolRef, size_bytes: u64, layout: Layout, created_unix_ms: u64) -> Self {
-        VolumeRec { name, vol, size_bytes, layout, super_child: None, super_parent: None, created_unix_ms, super_pending: false, collapsing: false }
-    }
-}
-
-/// A decided collapse, kept so that a client that lost its connection mid-`collapse` and asks
-/// again learns the outcome instead of "not a super child".
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub struct CollapseRec {
-    pub child: String,
-    pub child_id: VolId,
-    pub outcome: CollapseOutcome,
-}
-
-/// How many decided collapses [`MetaState::collapsed`] remembers (the oldest go first).
-pub const MAX_COLLAPSE_RECORDS: usize = 64;
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub enum Job {
-    /// Garbage collection after collapse, then clearing the tracking object.
-    Gc { table: TableId, parent: VolId, child: VolId, promoted: bool, child_name: Option<String> },
-    /// Deleting a volume's objects.
-    Delete { table: TableId, owner: VolId, drop_table: bool },
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub struct MetaState {
-    pub next_id: u64,
-    pub map: ClusterMap,
-    pub volumes: BTreeMap<String, VolumeRec>,
-    pub jobs: Vec<Job>,
-    /// The last decided collapses, newest last (at most [`MAX_COLLAPSE_RECORDS`]).
-    #[serde(default)]
-    pub collapsed: Vec<CollapseRec>,
-}
-
-impl MetaState {
-    pub fn new(replicas: u32) -> Self {
-        Self::with_map(ClusterMap { epoch: 1, replicas, shards: vec![] })
-    }
-
-    /// An empty state over `map`.
-    pub fn with_map(map: ClusterMap) -> Self {
-        MetaState { next_id: 1, map, volumes: BTreeMap::new(), jobs: vec![], collapsed: vec![] }
-    }
-}
+pub use crate::proto::{
+    CollapseRec, Job, Layout, MetaReq, MetaResp, MetaState, VolumeRec, DEFAULT_OBJECT_SIZE_BYTES, MAX_COLLAPSE_RECORDS,
+};
 
 /// Where the metadata service keeps its state.
 pub trait MetaStore: Send + Sync + 'static {
@@ -152,39 +75,6 @@ impl MetaStore for FileMetaStore {
     }
 }
 
-/// Requests of control clients (the CLI, volume clients, the NBD server).
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub enum MetaReq {
-    GetMap,
-    Create { name: String, size_bytes: u64, object_size_bytes: u32 },
-    Delete { name: String },
-    List,
-    Info { name: String },
-    Resize { name: String, size_bytes: u64 },
-    /// Creates a collocated clone of `parent` named `child` and starts tracking parent writes.
-    Super { parent: String, child: String },
-    Collapse { child: String },
-    /// Ends a superposition without promoting: the child is rejected and garbage-collected, the
-    /// parent keeps (or gets back) permission to write. Answers the parent's record. An error
-    /// for a volume that is not a super child, or whose collapse already promoted it.
-    Abort { child: String },
-    /// The rbd-style baseline clone.
-    CloneGeneral { parent: String, child: String },
-    /// Jobs (GC, deletes) still running.
-    Jobs,
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub enum MetaResp {
-    Map(ClusterMap),
-    Volume(VolumeRec),
-    Volumes(Vec<VolumeRec>),
-    Collapsed { outcome: CollapseOutcome, volume: Option<VolumeRec> },
-    Jobs(Vec<Job>),
-    Done,
-    Err(String),
-}
-
 #[derive(Clone, Debug)]
 pub struct MetaOptions {
     pub listen: SocketAddr,
@@ -199,12 +89,16 @@ pub struct MetaOptions {
 
 struct ShardLink {
     tx: mpsc::Sender<Msg>,
-    boot_id: u64,
-    last_seen: Instant,
+    /// This registration's number (the membership core's [`LinkId`]).
+    link: LinkId,
 }
 
 struct Inner {
     core: MetaCore,
+    members: Membership,
+    next_link: LinkId,
+    /// The next liveness ping's request id (from [`PING_REQ_BASE`] up).
+    next_ping: u64,
     store: Box<dyn MetaStore>,
     links: HashMap<ShardId, ShardLink>,
     /// Control requests waiting for the core's reply.
@@ -218,7 +112,6 @@ struct Inner {
 #[derive(Clone)]
 pub struct Meta {
     inner: Arc<Mutex<Inner>>,
-    next_ping: Arc<std::sync::atomic::AtomicU64>,
     opts: Arc<MetaOptions>,
     started: Instant,
 }
@@ -242,16 +135,7 @@ pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Res
     let store = FileMetaStore::new(&opts.dir)?;
     let state = match store.load()? {
         Some(mut s) => {
-            // After our own restart we do not know which shards live: none leads until it
-            // registers again. Marked down here, not by the failure detector, so each keeps its
-            // in-sync flag (a stale shard must not win a whole-cluster restart).
-            let mut changed = false;
-            for sh in s.map.shards.iter_mut().filter(|sh| sh.state != ShardState::Down) {
-                sh.state = ShardState::Down;
-                changed = true;
-            }
-            if changed {
-                s.map.epoch += 1;
+            if mark_all_down_after_restart(&mut s.map) {
                 store.save(&s)?;
             }
             s
@@ -263,13 +147,21 @@ pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Res
         }
     };
     let pushed_epoch = state.map.epoch;
+    let member_cfg = MembershipConfig { ping_interval_us: opts.ping_interval_ms * 1000, down_after_us: opts.down_after_ms * 1000 };
+    let members = Membership::new(member_cfg, state.map.clone(), 0);
     let core = MetaCore::new(MetaCoreConfig::default(), state, rand::random::<u64>() >> 20);
-    let meta = Meta {
-        inner: Arc::new(Mutex::new(Inner { core, store: Box::new(store), links: HashMap::new(), calls: HashMap::new(), next_call: 1, pushed_epoch })),
-        next_ping: Arc::new(PING_REQ_BASE.into()),
-        opts: Arc::new(opts),
-        started: Instant::now(),
+    let inner = Inner {
+        core,
+        members,
+        next_link: 1,
+        next_ping: PING_REQ_BASE,
+        store: Box::new(store),
+        links: HashMap::new(),
+        calls: HashMap::new(),
+        next_call: 1,
+        pushed_epoch,
     };
+    let meta = Meta { inner: Arc::new(Mutex::new(inner)), opts: Arc::new(opts), started: Instant::now() };
     if let Some(addr) = meta.opts.metrics {
         let l = TcpListener::bind(addr).await.with_context(|| format!("cannot serve metrics on {addr}"))?;
         let m = meta.clone();
@@ -330,20 +222,24 @@ impl Inner {
         }
     }
 
-    /// Changes the cluster map through the core (saved, then pushed).
-    fn change_map(&mut self, map: ClusterMap) {
-        self.pump(MetaInput::SetMap(map));
-    }
-
-    /// Marks one shard down (and no longer in sync: writes go on without it), if it is not.
-    fn mark_down(&mut self, id: ShardId, why: &str) {
-        let mut map = self.core.durable().map.clone();
-        if let Some(s) = map.shards.iter_mut().find(|s| s.id == id && s.state != ShardState::Down) {
-            tracing::warn!(shard = id, "shard down: {why}");
-            s.state = ShardState::Down;
-            s.in_sync = false;
-            map.epoch += 1;
-            self.change_map(map);
+    /// Feeds one input to the membership core and carries out its outputs: a changed map goes
+    /// to the metadata core (saved, then pushed), pings go out over the links.
+    fn member(&mut self, now_us: u64, input: MemberInput) {
+        self.members.handle(now_us, input);
+        for out in self.members.take_outputs() {
+            match out {
+                MemberOutput::SetMap { map, why } => {
+                    tracing::warn!(epoch = map.epoch, "cluster map: {why}");
+                    self.pump(MetaInput::SetMap(map));
+                }
+                MemberOutput::Ping { shard } => {
+                    let req = self.next_ping;
+                    self.next_ping += 1;
+                    if let Some(l) = self.links.get(&shard) {
+                        let _ = l.tx.try_send(Msg::Ping { req });
+                    }
+                }
+            }
         }
     }
 }
@@ -367,6 +263,11 @@ impl Meta {
         metric(&mut out, "understudy_meta_volumes", "gauge", "Volumes.", &[("", state.volumes.len() as f64)]);
         metric(&mut out, "understudy_meta_jobs", "gauge", "Garbage collection and delete jobs pending.", &[("", state.jobs.len() as f64)]);
         out
+    }
+
+    /// The driver's monotonic clock, µs.
+    fn now_us(&self) -> u64 {
+        self.started.elapsed().as_micros() as u64
     }
 
     /// One control request through the core; waits for its reply.
@@ -418,46 +319,18 @@ impl Meta {
         anyhow::ensure!(shard == id, "shard link says {id} but registers {shard}");
         let (tx, rx) = mpsc::channel(1024);
         tokio::spawn(writer_loop(w, rx));
-        {
+        let link = {
             let mut g = self.inner.lock().unwrap();
-            let restarted = g.links.get(&id).is_none_or(|l| l.boot_id != boot_id);
-            g.links.insert(id, ShardLink { tx: tx.clone(), boot_id, last_seen: Instant::now() });
-            let mut map = g.core.durable().map.clone();
-            let known = map.shards.iter().position(|s| s.id == id);
-            let changed = match known {
-                None => {
-                    map.shards.push(ShardInfo { id, addr: addr.clone(), state: ShardState::Recovering, in_sync: false });
-                    map.shards.sort_by_key(|s| s.id);
-                    true
-                }
-                Some(i) => {
-                    let s = &mut map.shards[i];
-                    let mut changed = s.addr != addr;
-                    s.addr = addr.clone();
-                    if fresh && s.in_sync {
-                        // A new disk under an old id holds nothing it used to.
-                        s.in_sync = false;
-                        changed = true;
-                    }
-                    // A restarted shard may have missed writes and lost unsynced ones: it
-                    // re-replicates before it may lead again.
-                    if restarted || s.state == ShardState::Down {
-                        changed |= s.state != ShardState::Recovering;
-                        s.state = ShardState::Recovering;
-                    }
-                    changed
-                }
-            };
-            if changed {
-                map.epoch += 1;
-                tracing::info!(shard = id, epoch = map.epoch, "shard registered, recovering");
-                g.change_map(map);
-            }
+            let link = g.next_link;
+            g.next_link += 1;
+            g.links.insert(id, ShardLink { tx: tx.clone(), link });
+            g.member(self.now_us(), MemberInput::LinkOpened { shard: id, link, addr: addr.clone(), boot_id, fresh });
             let map = g.core.durable().map.clone();
             let _ = tx.try_send(Msg::Map(map));
             // What the core sent over a link that broke is resent on this one at once.
             g.pump(MetaInput::LinkUp { shard: id });
-        }
+            link
+        };
         loop {
             let msg: Msg = match wire::read_msg(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES).await {
                 Ok(m) => m,
@@ -469,83 +342,40 @@ impl Meta {
                     // again within a moment and recovers, as a restarted one does.) A link
                     // already replaced by a newer registration changes nothing.
                     let mut g = self.inner.lock().unwrap();
-                    if g.links.get(&id).is_some_and(|l| l.tx.same_channel(&tx)) {
+                    if g.links.get(&id).is_some_and(|l| l.link == link) {
                         g.links.remove(&id);
-                        g.mark_down(id, &format!("its control link ended ({e})"));
                     }
+                    g.member(self.now_us(), MemberInput::LinkClosed { shard: id, link, why: e.to_string() });
                     return Ok(());
                 }
             };
             match msg {
                 Msg::Reply { req, result } => {
                     let mut g = self.inner.lock().unwrap();
-                    if let Some(l) = g.links.get_mut(&id) {
-                        l.last_seen = Instant::now();
-                    }
+                    g.member(self.now_us(), MemberInput::Heard { shard: id });
                     if req < PING_REQ_BASE {
                         g.pump(MetaInput::ShardReply { from: id, req, result });
                     }
                 }
                 Msg::Recovered { shard, epoch } => {
-                    let mut g = self.inner.lock().unwrap();
-                    let mut map = g.core.durable().map.clone();
-                    // A shard that missed writes may lead only once every in-sync shard is up:
-                    // then each of its slots had an in-sync primary it caught up from. (It
-                    // repeats its report; once the others are up, the new epoch restarts its
-                    // recovery and the next report counts.)
-                    let others_in_sync_up = map.shards.iter().filter(|s| s.id != shard && s.in_sync).all(|s| s.state == ShardState::Up);
-                    if map.epoch == epoch {
-                        if let Some(s) = map
-                            .shards
-                            .iter_mut()
-                            .find(|s| s.id == shard && s.state == ShardState::Recovering && (s.in_sync || others_in_sync_up))
-                        {
-                            s.state = ShardState::Up;
-                            s.in_sync = true;
-                            map.epoch += 1;
-                            tracing::info!(shard, epoch = map.epoch, "shard recovered, up");
-                            g.change_map(map);
-                        }
-                    }
+                    self.inner.lock().unwrap().member(self.now_us(), MemberInput::Recovered { shard, epoch });
                 }
                 other => tracing::warn!("unexpected message from shard {id}: {other:?}"),
             }
         }
     }
 
+    /// The membership core's clock: it checks silences and pings every shard at each tick.
     async fn liveness_loop(self) {
         let mut iv = tokio::time::interval(Duration::from_millis(self.opts.ping_interval_ms));
         loop {
             iv.tick().await;
             let mut g = self.inner.lock().unwrap();
-            let now = Instant::now();
-            let mut changed = false;
-            let down_after = Duration::from_millis(self.opts.down_after_ms);
-            let mut map = g.core.durable().map.clone();
-            for s in map.shards.iter_mut() {
-                let alive = g.links.get(&s.id).is_some_and(|l| now.duration_since(l.last_seen) < down_after);
-                if !alive && s.state != ShardState::Down {
-                    tracing::warn!(shard = s.id, "shard missed its pings: marking it down");
-                    s.state = ShardState::Down;
-                    s.in_sync = false;
-                    changed = true;
-                } else if alive && s.state == ShardState::Down {
-                    // It answers again on the same link: it was stalled, not dead. It may have
-                    // missed writes while down, so it re-replicates before it leads again
-                    // (without this, Down was sticky until the shard process restarted).
-                    tracing::warn!(shard = s.id, "shard answers its pings again: marking it recovering");
-                    s.state = ShardState::Recovering;
-                    changed = true;
-                }
-            }
-            if changed {
-                map.epoch += 1;
-                g.change_map(map);
-            }
-            for l in g.links.values() {
-                let req = self.next_ping.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let _ = l.tx.try_send(Msg::Ping { req });
-            }
+            g.member(self.now_us(), MemberInput::Tick);
+            // A map change whose save failed (the metadata core went back to its durable
+            // state) is offered again.
+            let map = g.members.map().clone();
+            g.pump(MetaInput::SetMap(map));
         }
     }
 }

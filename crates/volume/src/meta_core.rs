@@ -31,7 +31,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use crate::meta::{CollapseRec, Job, Layout, MetaReq, MetaResp, MetaState, VolumeRec, MAX_COLLAPSE_RECORDS};
+use crate::proto::{CollapseRec, Job, Layout, MetaReq, MetaResp, MetaState, VolumeRec, MAX_COLLAPSE_RECORDS};
 use crate::types::*;
 
 /// Who asked: the driver numbers its control requests and routes the reply back.
