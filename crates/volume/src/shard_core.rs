@@ -2070,4 +2070,17 @@ mod tests {
         // A retried super (the same child) does not stock again.
         assert!(prestocks(&core.handle(Input::Msg { from: Peer::Shard(2), msg: track(8) })).is_empty());
     }
+
+    /// The invariant checks can fail: a core whose state breaks one panics naming it.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let mut core = ShardCore::new(ShardConfig::new(1), Boot::default());
+        core.check_invariants();
+        let slot = Slot { table: 5, objno: 0 };
+        // An operation on a slot whose lock nobody holds.
+        core.new_op(Some(slot), Kind::SaveEntries { reply_to: None, parent: None });
+        let e = std::panic::catch_unwind(|| core.check_invariants()).unwrap_err();
+        let msg = e.downcast_ref::<String>().unwrap();
+        assert!(msg.contains("an operation on a slot holds its lock"), "{msg}");
+    }
 }
