@@ -932,6 +932,49 @@ impl NodeCore {
         }
     }
 
+    /// The checks that walk the whole store (O(keys)): too dear after every input of a real
+    /// node, run by the simulation (a few keys) after every step. Also runs
+    /// [`Self::check_invariants`].
+    pub fn check_invariants_deep(&self) {
+        self.check_invariants();
+        let me = self.p.id;
+        let broken = |what: &str, state: String| -> ! {
+            panic!("node {me}: invariant `{what}` broken: {state}")
+        };
+        for (key, k) in &self.store {
+            // Timers look only at unsettled keys: a key with a coordinated write, or invalid,
+            // must be one, or nothing would ever retry or replay it.
+            if (k.coord.is_some() || !k.valid) && !self.unsettled.contains(&key[..]) {
+                broken(
+                    "a key with a coordinated write or not valid is unsettled",
+                    self.debug_key(key),
+                );
+            }
+            // A heartbeat re-serves only waiting_keys: a key with queued ops must be one.
+            if !k.waiting.is_empty() && !self.waiting_keys.contains(&key[..]) {
+                broken(
+                    "a key with queued client ops is in waiting_keys",
+                    self.debug_key(key),
+                );
+            }
+        }
+        // Missed_updates accounts exactly the updates it holds.
+        if !self.missed.overflowed {
+            let bytes: usize = self
+                .missed
+                .keys
+                .iter()
+                .map(|(k, u)| MissedUpdate::size(k.len(), u.value.len()))
+                .sum();
+            if bytes != self.missed.bytes {
+                broken(
+                    "Missed_updates bytes account its updates",
+                    format!("counted {} held {bytes}", self.missed.bytes),
+                );
+            }
+        }
+    }
+
     fn mode_name(&self) -> &'static str {
         match &self.mode {
             Mode::Down => "Down",

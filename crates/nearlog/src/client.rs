@@ -625,6 +625,17 @@ impl FileClient {
         }
     }
 
+    /// The checks that walk the retransmission buffer (O(buffered ops)): too dear after every
+    /// input of a writer, run by the simulations after every step. Also runs
+    /// [`Self::check_invariants`].
+    pub fn check_invariants_deep(&self) {
+        self.check_invariants();
+        let bytes: usize = self.ops.iter().map(|(_, op)| op.payload_bytes()).sum();
+        if bytes != self.ops_bytes {
+            panic!("file client {}: invariant `ops_bytes accounts the buffered records` broken: counted {} held {bytes}", self.file, self.ops_bytes);
+        }
+    }
+
     /// Replicates one op; returns its seq (wait until `acked_seq() >= seq`). Only when ready.
     pub fn submit(&mut self, op: Op) -> Result<u64, Failure> {
         #[cfg(debug_assertions)]

@@ -290,7 +290,7 @@ fn run(seed: u64) -> Stats {
             p.check_invariants();
         }
         if let Some(c) = &r.client {
-            c.check_invariants();
+            c.check_invariants_deep();
         }
         if now > end_us && !ending {
             // Final round: every peer reachable, one more crash and open must recover.

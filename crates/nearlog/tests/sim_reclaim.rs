@@ -367,10 +367,10 @@ fn run(seed: u64) -> (u32, u32, u32, u64, u64, u64) {
             p.check_invariants();
         }
         if let Some(w) = &r.writer {
-            w.client.check_invariants();
+            w.client.check_invariants_deep();
         }
         if let Some(m) = &r.mover {
-            m.client.check_invariants();
+            m.client.check_invariants_deep();
         }
         if now > end_us + 60_000_000 {
             break;

@@ -301,10 +301,10 @@ fn run(seed: u64) -> (u32, u64, u32, u32, u32, u32) {
             p.check_invariants();
         }
         if let Some(c) = &r.client {
-            c.check_invariants();
+            c.check_invariants_deep();
         }
         if let Some(rd) = &r.reader {
-            rd.client.check_invariants();
+            rd.client.check_invariants_deep();
         }
         if now > end_us + 60_000_000 {
             break; // liveness: the final recovery had a virtual minute; reported below
