@@ -529,7 +529,9 @@ impl Monitor {
         out
     }
 
-    fn check_invariants(&self) {
+    /// Panics if the monitor's state breaks one of its invariants; `handle` runs it after every
+    /// input, in all builds (the state is a few fields).
+    pub fn check_invariants(&self) {
         assert!(self.d.primary.0 < self.d.next_instance, "primary id was allocated");
         assert!(self.d.aborts_ms.len() <= self.cfg.max_aborts.max(1) as usize, "abort history is bounded");
         if let Phase::Promoting { backup, old, .. } = &self.d.phase {

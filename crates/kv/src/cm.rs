@@ -195,6 +195,21 @@ impl CmCore {
     }
 
     pub fn on_ack(&mut self, now_us: u64, ack: HeartbeatAck) {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.config.epoch;
+        self.on_ack_input(now_us, ack);
+        #[cfg(debug_assertions)]
+        {
+            assert!(
+                self.config.epoch >= epoch_before,
+                "CM: invariant `the epoch never decreases` broken: {epoch_before} -> {}",
+                self.config.epoch
+            );
+            self.check_invariants();
+        }
+    }
+
+    fn on_ack_input(&mut self, now_us: u64, ack: HeartbeatAck) {
         self.turn(now_us);
         let n = ack.node;
         if !self.config.nodes.contains(&n) {
@@ -240,6 +255,42 @@ impl CmCore {
         }
     }
 
+    /// Panics, naming the invariant and the state, if the CM's state breaks a rule the module
+    /// doc states. O(nodes). Run after every input in debug builds and after every step of the
+    /// simulation.
+    pub fn check_invariants(&self) {
+        let c = &self.config;
+        let broken = |what: &str| -> ! {
+            panic!(
+                "CM: invariant `{what}` broken: {c:?}, suspects {:?}, deferred {:?}",
+                self.suspects, self.not_suspected_before
+            )
+        };
+        if !c.active.is_disjoint(&c.recovering) {
+            broken("a recovering node is not in the active set");
+        }
+        if c.active
+            .iter()
+            .chain(&c.recovering)
+            .any(|n| !c.nodes.contains(n))
+        {
+            broken("active and recovering nodes are nodes of the group");
+        }
+        if !c.nodes.is_empty() && c.active.is_empty() {
+            broken("the last active node is never removed");
+        }
+        if self.suspects.iter().any(|n| !c.is_member(*n)) {
+            broken("suspects are members (a removed node is no longer suspected)");
+        }
+        if self
+            .suspects
+            .iter()
+            .any(|n| self.not_suspected_before.contains_key(n))
+        {
+            broken("a suspect is not also deferred");
+        }
+    }
+
     /// True if `n` is the only active node: it is never removed (nobody could recover from the
     /// others), so it is never suspected either (suspicion stops its heartbeats, and a node
     /// without heartbeats learns no configuration and holds no lease).
@@ -248,6 +299,21 @@ impl CmCore {
     }
 
     pub fn tick(&mut self, now_us: u64) {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.config.epoch;
+        self.tick_input(now_us);
+        #[cfg(debug_assertions)]
+        {
+            assert!(
+                self.config.epoch >= epoch_before,
+                "CM: invariant `the epoch never decreases` broken: {epoch_before} -> {}",
+                self.config.epoch
+            );
+            self.check_invariants();
+        }
+    }
+
+    fn tick_input(&mut self, now_us: u64) {
         self.turn(now_us);
         // Failure detection, on the listening clock.
         let listened = self.listened_us;
@@ -527,5 +593,19 @@ mod tests {
         assert!(!notes(&mut cm)
             .iter()
             .any(|n| n.contains("node 4 suspected")));
+    }
+
+    /// The invariant checks can fail: a CM whose state breaks one panics naming it.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let mut cm = CmCore::new(params(), None, N, 0);
+        cm.check_invariants();
+        cm.config.recovering.insert(1); // node 1 both active and recovering
+        let e = std::panic::catch_unwind(|| cm.check_invariants()).unwrap_err();
+        let msg = e.downcast_ref::<String>().unwrap();
+        assert!(
+            msg.contains("a recovering node is not in the active set"),
+            "{msg}"
+        );
     }
 }

@@ -736,8 +736,264 @@ impl NodeCore {
 
     // ---------------------------------------------------------------- configuration
 
+    /// After every input in debug builds: the epoch never decreases, and the invariants hold.
+    #[cfg(debug_assertions)]
+    fn check_after_input(&self, epoch_before: u64) {
+        assert!(
+            self.config.epoch >= epoch_before,
+            "node {}: invariant `the configuration epoch never decreases` broken: {epoch_before} -> {}",
+            self.p.id,
+            self.config.epoch
+        );
+        self.check_invariants();
+    }
+
+    /// Panics, naming the invariant and the state, if the node's state breaks a rule the module
+    /// and field docs state. Cheap: O(keys with queued client ops + unsettled keys + in-flight
+    /// appends), never a walk over the store. Run after every input in debug builds and after
+    /// every step of the simulation.
+    pub fn check_invariants(&self) {
+        let me = self.p.id;
+        let broken = |what: &str, state: String| -> ! {
+            panic!("node {me}: invariant `{what}` broken: {state}")
+        };
+        // Membership: a node serves as a member only while the configuration lists it as a
+        // member that is not recovering; a recovering node is not in the active set.
+        let (member, active, recovering) = (
+            self.config.is_member(me),
+            self.config.active.contains(&me),
+            self.config.recovering.contains(&me),
+        );
+        match &self.mode {
+            Mode::Member if !member || recovering => broken(
+                "a Member node is a member of its configuration, not recovering",
+                format!("{:?}", self.config),
+            ),
+            Mode::Recovering(_) | Mode::Recovered if !member || active => broken(
+                "a recovering node is a member and not active",
+                format!("{:?} in {:?}", self.mode_name(), self.config),
+            ),
+            _ => {}
+        }
+        // Leases: no lease without an ack it counts from; refs strictly increase (looked up by
+        // binary search); at most MAX_LEASE_REFS remembered.
+        if self.lease_refs.len() > MAX_LEASE_REFS {
+            broken(
+                "lease refs within MAX_LEASE_REFS",
+                format!("{}", self.lease_refs.len()),
+            );
+        }
+        if self
+            .lease_refs
+            .iter()
+            .zip(self.lease_refs.iter().skip(1))
+            .any(|(a, b)| a.0 >= b.0)
+        {
+            broken(
+                "lease refs strictly increase",
+                format!("{:?}", self.lease_refs),
+            );
+        }
+        if self
+            .lease_refs
+            .back()
+            .is_some_and(|(r, _)| *r >= self.next_lease_ref)
+        {
+            broken(
+                "lease refs are below the next one",
+                format!(
+                    "next {} refs {:?}",
+                    self.next_lease_ref,
+                    self.lease_refs.back()
+                ),
+            );
+        }
+        // Client operations: queued ones within max_pending_client_ops, each on a key listed in
+        // waiting_keys; duplicate suppression within RECENT_CLIENT_TAGS.
+        if self.pending_client_ops > self.p.max_pending_client_ops.max(1) {
+            broken(
+                "queued client ops within max_pending_client_ops",
+                format!(
+                    "{} > {}",
+                    self.pending_client_ops, self.p.max_pending_client_ops
+                ),
+            );
+        }
+        let queued: usize = self
+            .waiting_keys
+            .iter()
+            .map(|k| self.store.get(&k[..]).map_or(0, |ks| ks.waiting.len()))
+            .sum();
+        if queued != self.pending_client_ops {
+            broken(
+                "pending_client_ops counts the ops queued on waiting_keys",
+                format!("counted {} queued {queued}", self.pending_client_ops),
+            );
+        }
+        if self.recent_tags.len() != self.recent_order.len()
+            || self.recent_order.len() > RECENT_CLIENT_TAGS
+        {
+            broken(
+                "recent client tags within RECENT_CLIENT_TAGS, set and order alike",
+                format!(
+                    "set {} order {}",
+                    self.recent_tags.len(),
+                    self.recent_order.len()
+                ),
+            );
+        }
+        // Unsettled keys (those timers look at) are keys of the store.
+        if let Some(k) = self
+            .unsettled
+            .iter()
+            .find(|k| !self.store.contains_key(&k[..]))
+        {
+            broken(
+                "unsettled keys are in the store",
+                format!("{:?}", String::from_utf8_lossy(k)),
+            );
+        }
+        // Scopes hold at most max_scope_writes writes each.
+        if let Some((id, w)) = self
+            .scopes
+            .iter()
+            .find(|(_, w)| w.len() > self.p.max_scope_writes.max(1))
+        {
+            broken(
+                "scope writes within max_scope_writes",
+                format!("scope {id}: {}", w.len()),
+            );
+        }
+        // Log appends in flight were issued (seqs below the next).
+        if let Some(seq) = self
+            .inflight
+            .keys()
+            .chain(self.inflight_batches.keys())
+            .find(|s| **s >= self.next_seq)
+        {
+            broken(
+                "appends in flight were issued",
+                format!("seq {seq}, next {}", self.next_seq),
+            );
+        }
+        // Missed_updates: an overflowed buffer is dropped; otherwise it stays within its cap;
+        // it holds nothing unless recording.
+        let m = &self.missed;
+        if m.overflowed && (m.bytes != 0 || !m.keys.is_empty()) {
+            broken(
+                "an overflowed Missed_updates buffer is empty",
+                format!("{} bytes, {} keys", m.bytes, m.keys.len()),
+            );
+        }
+        if m.bytes > self.p.missed_updates_cap_bytes {
+            broken(
+                "Missed_updates within missed_updates_cap_bytes",
+                format!("{} > {}", m.bytes, self.p.missed_updates_cap_bytes),
+            );
+        }
+        if !m.recording && !m.keys.is_empty() {
+            broken(
+                "Missed_updates holds updates only while recording",
+                format!("{} keys", m.keys.len()),
+            );
+        }
+        // Catch-up: the window (chunks granted plus received and not yet durable) never exceeds
+        // max_catchup_chunks_in_flight; a Buddy holds at most MAX_CATCHUP_CHUNKS_PER_REQ credits.
+        if let Mode::Recovering(r) = &self.mode {
+            if let Phase::CatchUp { granted, .. } = &r.phase {
+                let used = *granted as usize + r.chunks_unpersisted.len();
+                if used > self.window_chunks() as usize {
+                    broken(
+                        "catch-up window within max_catchup_chunks_in_flight",
+                        format!(
+                            "granted {granted} + unpersisted {} > {}",
+                            r.chunks_unpersisted.len(),
+                            self.window_chunks()
+                        ),
+                    );
+                }
+            }
+        }
+        for (to, st) in &self.streams {
+            if st.credits > MAX_CATCHUP_CHUNKS_PER_REQ {
+                broken(
+                    "a Buddy's credits within MAX_CATCHUP_CHUNKS_PER_REQ",
+                    format!("stream to {to}: {}", st.credits),
+                );
+            }
+        }
+        for (to, st) in &self.log_reads {
+            if st.credits > MAX_CATCHUP_CHUNKS_PER_REQ {
+                broken(
+                    "a Buddy's credits within MAX_CATCHUP_CHUNKS_PER_REQ",
+                    format!("log stream to {to}: {}", st.credits),
+                );
+            }
+        }
+    }
+
+    /// The checks that walk the whole store (O(keys)): too dear after every input of a real
+    /// node, run by the simulation (a few keys) after every step. Also runs
+    /// [`Self::check_invariants`].
+    pub fn check_invariants_deep(&self) {
+        self.check_invariants();
+        let me = self.p.id;
+        let broken = |what: &str, state: String| -> ! {
+            panic!("node {me}: invariant `{what}` broken: {state}")
+        };
+        for (key, k) in &self.store {
+            // Timers look only at unsettled keys: a key with a coordinated write, or invalid,
+            // must be one, or nothing would ever retry or replay it.
+            if (k.coord.is_some() || !k.valid) && !self.unsettled.contains(&key[..]) {
+                broken(
+                    "a key with a coordinated write or not valid is unsettled",
+                    self.debug_key(key),
+                );
+            }
+            // A heartbeat re-serves only waiting_keys: a key with queued ops must be one.
+            if !k.waiting.is_empty() && !self.waiting_keys.contains(&key[..]) {
+                broken(
+                    "a key with queued client ops is in waiting_keys",
+                    self.debug_key(key),
+                );
+            }
+        }
+        // Missed_updates accounts exactly the updates it holds.
+        if !self.missed.overflowed {
+            let bytes: usize = self
+                .missed
+                .keys
+                .iter()
+                .map(|(k, u)| MissedUpdate::size(k.len(), u.value.len()))
+                .sum();
+            if bytes != self.missed.bytes {
+                broken(
+                    "Missed_updates bytes account its updates",
+                    format!("counted {} held {bytes}", self.missed.bytes),
+                );
+            }
+        }
+    }
+
+    fn mode_name(&self) -> &'static str {
+        match &self.mode {
+            Mode::Down => "Down",
+            Mode::Member => "Member",
+            Mode::Recovering(_) => "Recovering",
+            Mode::Recovered => "Recovered",
+        }
+    }
+
     /// A heartbeat from the CM carrying its configuration.
     pub fn on_heartbeat(&mut self, now_us: u64, hb: Heartbeat) {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.config.epoch;
+        self.on_heartbeat_input(now_us, hb);
+        #[cfg(debug_assertions)]
+        self.check_after_input(epoch_before);
+    }
+
+    fn on_heartbeat_input(&mut self, now_us: u64, hb: Heartbeat) {
         let me = self.p.id;
         if hb.config.epoch > self.config.epoch {
             self.adopt(now_us, hb.config.clone());
@@ -990,6 +1246,14 @@ impl NodeCore {
 
     /// A client operation; the answer comes as [`Output::Reply`] with the same `tag`.
     pub fn on_client(&mut self, now_us: u64, tag: u64, op: ClientOp) {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.config.epoch;
+        self.on_client_input(now_us, tag, op);
+        #[cfg(debug_assertions)]
+        self.check_after_input(epoch_before);
+    }
+
+    fn on_client_input(&mut self, now_us: u64, tag: u64, op: ClientOp) {
         if !self.recent_tags.insert(tag) {
             return; // a duplicate delivery of a request already taken
         }
@@ -1440,6 +1704,14 @@ impl NodeCore {
 
     /// A message from another node.
     pub fn on_peer(&mut self, now_us: u64, from: NodeId, msg: PeerMsg) {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.config.epoch;
+        self.on_peer_input(now_us, from, msg);
+        #[cfg(debug_assertions)]
+        self.check_after_input(epoch_before);
+    }
+
+    fn on_peer_input(&mut self, now_us: u64, from: NodeId, msg: PeerMsg) {
         if msg.epoch() != self.config.epoch {
             self.counters.refused_epoch += 1;
             return;
@@ -1577,6 +1849,14 @@ impl NodeCore {
     /// for each in turn, except that the follow-ups that look at everything (scope PERSIST
     /// waits, the recovery's next CatchUp_req) run once, after all of them.
     pub fn on_persisted_many(&mut self, now_us: u64, seqs: impl IntoIterator<Item = u64>) {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.config.epoch;
+        self.on_persisted_many_input(now_us, seqs);
+        #[cfg(debug_assertions)]
+        self.check_after_input(epoch_before);
+    }
+
+    fn on_persisted_many_input(&mut self, now_us: u64, seqs: impl IntoIterator<Item = u64>) {
         let mut next_chunk = false;
         let mut check_recovery = false;
         let mut any_put = false;
@@ -1727,6 +2007,14 @@ impl NodeCore {
 
     /// Time passes: retransmissions, replays, recovery retries.
     pub fn tick(&mut self, now_us: u64) {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.config.epoch;
+        self.tick_input(now_us);
+        #[cfg(debug_assertions)]
+        self.check_after_input(epoch_before);
+    }
+
+    fn tick_input(&mut self, now_us: u64) {
         if matches!(self.mode, Mode::Down) {
             return;
         }
@@ -2119,6 +2407,14 @@ impl NodeCore {
     /// Sends the next chunk of every catch-up stream that has credit. A driver calls it between
     /// inputs while [`Self::wants_pump`] (and at once when no input waits).
     pub fn pump(&mut self, _now_us: u64) {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.config.epoch;
+        self.pump_input(_now_us);
+        #[cfg(debug_assertions)]
+        self.check_after_input(epoch_before);
+    }
+
+    fn pump_input(&mut self, _now_us: u64) {
         let to: Vec<NodeId> = self
             .streams
             .iter()
@@ -2250,6 +2546,14 @@ impl NodeCore {
 
     /// The driver read the log for `to` (see [`Output::ReadLog`]).
     pub fn on_log_read(&mut self, _now_us: u64, to: NodeId, cursor: LogCursor, chunk: LogChunk) {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.config.epoch;
+        self.on_log_read_input(_now_us, to, cursor, chunk);
+        #[cfg(debug_assertions)]
+        self.check_after_input(epoch_before);
+    }
+
+    fn on_log_read_input(&mut self, _now_us: u64, to: NodeId, cursor: LogCursor, chunk: LogChunk) {
         match self.log_reads.get(&to) {
             Some(ls) if ls.reading && ls.cursor == cursor => {}
             _ => return,
@@ -3684,6 +3988,29 @@ mod tests {
                 version: 2,
                 node: 2
             }
+        );
+    }
+
+    /// The invariant checks can fail: a core whose state breaks one panics naming it.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), LogState::default());
+        n.check_invariants();
+        n.pending_client_ops = 3; // counted, yet no op queued on any key
+        let e = std::panic::catch_unwind(|| n.check_invariants()).unwrap_err();
+        let msg = e.downcast_ref::<String>().unwrap();
+        assert!(
+            msg.contains("pending_client_ops counts the ops queued"),
+            "{msg}"
+        );
+        let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), LogState::default());
+        n.config = cfg(2, &[1, 2], &[0]);
+        n.mode = Mode::Member; // a Member the configuration lists as recovering
+        let e = std::panic::catch_unwind(|| n.check_invariants()).unwrap_err();
+        let msg = e.downcast_ref::<String>().unwrap();
+        assert!(
+            msg.contains("a Member node is a member of its configuration"),
+            "{msg}"
         );
     }
 }

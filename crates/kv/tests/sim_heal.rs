@@ -294,6 +294,8 @@ impl World {
     }
 
     fn drain_cm(&mut self) {
+        // In all builds (the core checks itself after every input in debug builds only).
+        self.cm.check_invariants();
         for o in self.cm.take_outputs() {
             match o {
                 CmOutput::Persist(c) => self.cm_durable = Some(c),
@@ -312,6 +314,9 @@ impl World {
             let Some(core) = self.nodes[id as usize].core.as_mut() else {
                 return;
             };
+            // In all builds (the core checks itself after every input in debug builds only),
+            // and the checks that walk the store (a few keys here).
+            core.check_invariants_deep();
             let mut outs = core.take_outputs();
             if outs.is_empty() && core.wants_pump() {
                 // A Buddy's catch-up stream: the next chunk right away.

@@ -407,6 +407,14 @@ impl FileClient {
     /// The local copy asked for by [`FileClient::wants_local_copy`] (any content is safe: a
     /// chunk is only taken from it when its block checksums match the source's).
     pub fn supply_local_copy(&mut self, local: Vec<u8>) {
+        #[cfg(debug_assertions)]
+        let before = self.progress();
+        self.supply_local_copy_input(local);
+        #[cfg(debug_assertions)]
+        self.check_after_input(before);
+    }
+
+    fn supply_local_copy_input(&mut self, local: Vec<u8>) {
         let Some((source, holding)) = self.local_wanted.take() else { return };
         if !local.is_empty() {
             self.local_hint = Some(local);
@@ -429,6 +437,14 @@ impl FileClient {
     /// The image of the known state (see [`FileClient::wants_image`]): the peers that need it
     /// are sent it.
     pub fn supply_image(&mut self, image: Vec<u8>) {
+        #[cfg(debug_assertions)]
+        let before = self.progress();
+        self.supply_image_input(image);
+        #[cfg(debug_assertions)]
+        self.check_after_input(before);
+    }
+
+    fn supply_image_input(&mut self, image: Vec<u8>) {
         assert!(self.wants_image(), "supply_image only when asked");
         assert_eq!(image.len() as u64, self.size, "the known state's image must have its size");
         let Phase::Basing { image: slot, .. } = &mut self.phase else { unreachable!() };
@@ -538,8 +554,99 @@ impl FileClient {
         }
     }
 
+    /// What must only move forward between inputs: the acknowledged seq, and failure (terminal).
+    #[cfg(debug_assertions)]
+    fn progress(&self) -> (u64, bool) {
+        (self.acked_seq, matches!(self.phase, Phase::Failed(_)))
+    }
+
+    /// After every input in debug builds: acknowledgement never goes back, a failure is final,
+    /// and the invariants hold.
+    #[cfg(debug_assertions)]
+    fn check_after_input(&self, (acked, failed): (u64, bool)) {
+        if self.acked_seq < acked {
+            panic!("file client {}: invariant `the acknowledged seq never decreases` broken: {acked} -> {}", self.file, self.acked_seq);
+        }
+        if failed && !matches!(self.phase, Phase::Failed(_)) {
+            panic!("file client {}: invariant `a failure is final` broken: now {:?}", self.file, self.phase_name());
+        }
+        self.check_invariants();
+    }
+
+    fn phase_name(&self) -> &'static str {
+        match &self.phase {
+            Phase::Probing => "Probing",
+            Phase::Fetching(_) => "Fetching",
+            Phase::Basing { .. } => "Basing",
+            Phase::Ready => "Ready",
+            Phase::Failed(_) => "Failed",
+        }
+    }
+
+    /// Panics, naming the invariant and the state, if the client's state breaks a rule the
+    /// module doc states. O(peers + fetch window), never O(buffered records or bytes). Run after
+    /// every input in debug builds and after every step of the simulations.
+    pub fn check_invariants(&self) {
+        let broken = |what: &str, state: String| -> ! {
+            panic!("file client {} (epoch {}, {}): invariant `{what}` broken: {state}", self.file, self.epoch, self.phase_name())
+        };
+        // A majority of the file's peers; one track per peer.
+        if self.majority != self.peers.len() / 2 + 1 || self.tracks.len() != self.peers.len() || self.peers.iter().any(|p| !self.tracks.contains_key(p)) {
+            broken("one track per peer, majority of the peers", format!("peers {:?}, tracks {:?}, majority {}", self.peers, self.tracks.keys(), self.majority));
+        }
+        // Nothing is acknowledged that was not submitted, and peers apply only what was sent.
+        if self.acked_seq > self.next_seq {
+            broken("acknowledged ops were submitted", format!("acked {} next {}", self.acked_seq, self.next_seq));
+        }
+        if let Some((p, t)) = self.tracks.iter().find(|(_, t)| t.applied > self.next_seq) {
+            broken("a peer applied only ops that were submitted", format!("peer {p} applied {}, next {}", t.applied, self.next_seq));
+        }
+        // Ready (a writer): its Base is on a majority.
+        if matches!(self.phase, Phase::Ready) && !self.read_only && self.acked_seq < 1 {
+            broken("a ready writer's Base is on a majority", format!("acked {}", self.acked_seq));
+        }
+        // The retransmission buffer holds a contiguous run of ops ending at the last submitted.
+        if let (Some((first, _)), Some((last, _))) = (self.ops.front(), self.ops.back()) {
+            if *last != self.next_seq || last - first + 1 != self.ops.len() as u64 {
+                broken("buffered ops are contiguous up to the last submitted", format!("{first}..={last} ({} ops), next {}", self.ops.len(), self.next_seq));
+            }
+        }
+        if self.read_only && !self.ops.is_empty() {
+            broken("a reader submits nothing", format!("{} ops", self.ops.len()));
+        }
+        // The fetch: a verified prefix of the source's image, at most FETCH_WINDOW_CHUNKS ahead.
+        if let Phase::Fetching(f) = &self.phase {
+            if f.image.len() as u64 > f.holding.size || f.ahead.len() as u64 > FETCH_WINDOW_CHUNKS {
+                broken("the fetch holds a prefix of the image and at most FETCH_WINDOW_CHUNKS ahead", format!("{} of {} bytes, {} ahead", f.image.len(), f.holding.size, f.ahead.len()));
+            }
+        }
+        if self.read_rounds > MAX_READ_ROUNDS + 1 {
+            broken("a reader restarts at most MAX_READ_ROUNDS times", format!("{} rounds", self.read_rounds));
+        }
+    }
+
+    /// The checks that walk the retransmission buffer (O(buffered ops)): too dear after every
+    /// input of a writer, run by the simulations after every step. Also runs
+    /// [`Self::check_invariants`].
+    pub fn check_invariants_deep(&self) {
+        self.check_invariants();
+        let bytes: usize = self.ops.iter().map(|(_, op)| op.payload_bytes()).sum();
+        if bytes != self.ops_bytes {
+            panic!("file client {}: invariant `ops_bytes accounts the buffered records` broken: counted {} held {bytes}", self.file, self.ops_bytes);
+        }
+    }
+
     /// Replicates one op; returns its seq (wait until `acked_seq() >= seq`). Only when ready.
     pub fn submit(&mut self, op: Op) -> Result<u64, Failure> {
+        #[cfg(debug_assertions)]
+        let before = self.progress();
+        let r = self.submit_input(op);
+        #[cfg(debug_assertions)]
+        self.check_after_input(before);
+        r
+    }
+
+    fn submit_input(&mut self, op: Op) -> Result<u64, Failure> {
         match &self.phase {
             Phase::Ready => {}
             Phase::Failed(f) => return Err(f.clone()),
@@ -607,6 +714,14 @@ impl FileClient {
 
     /// Advances the clock; resends what was not acknowledged in time.
     pub fn tick(&mut self, now_us: u64) {
+        #[cfg(debug_assertions)]
+        let before = self.progress();
+        self.tick_input(now_us);
+        #[cfg(debug_assertions)]
+        self.check_after_input(before);
+    }
+
+    fn tick_input(&mut self, now_us: u64) {
         self.now_us = now_us;
         let after = self.cfg.retransmit_after_us;
         let due = move |t: &Track| now_us.saturating_sub(t.last_send_us) >= after;
@@ -721,6 +836,14 @@ impl FileClient {
     /// Re-bases `peer` mid-session: `image` must be the file's content after every op submitted
     /// so far (the driver reads its local copy). Later records reach it by retransmission.
     pub fn resync(&mut self, peer: PeerId, image: Vec<u8>) {
+        #[cfg(debug_assertions)]
+        let before = self.progress();
+        self.resync_input(peer, image);
+        #[cfg(debug_assertions)]
+        self.check_after_input(before);
+    }
+
+    fn resync_input(&mut self, peer: PeerId, image: Vec<u8>) {
         assert!(matches!(self.phase, Phase::Ready), "resync only when ready");
         assert_eq!(image.len() as u64, self.size, "resync image must have the replicated size");
         let t = self.tracks.get_mut(&peer).unwrap();
@@ -766,6 +889,14 @@ impl FileClient {
     }
 
     pub fn on_reply(&mut self, peer: PeerId, reply: PeerReply) {
+        #[cfg(debug_assertions)]
+        let before = self.progress();
+        self.on_reply_input(peer, reply);
+        #[cfg(debug_assertions)]
+        self.check_after_input(before);
+    }
+
+    fn on_reply_input(&mut self, peer: PeerId, reply: PeerReply) {
         if !(self.tracks.contains_key(&peer) || self.extra.contains_key(&peer)) || reply.file() != Some(self.file) {
             return;
         }
@@ -1899,5 +2030,16 @@ mod tests {
             }
         }
         assert!(w.failure().is_none() && !w.is_ready());
+    }
+
+    /// The invariant checks can fail: a client whose state breaks one panics naming it.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let mut c = FileClient::open(1, 1, vec![1, 2, 3], false, Vec::new(), ClientConfig::default(), 0);
+        c.check_invariants();
+        c.acked_seq = 5; // acknowledged, yet never submitted
+        let e = std::panic::catch_unwind(|| c.check_invariants()).unwrap_err();
+        let msg = e.downcast_ref::<String>().unwrap();
+        assert!(msg.contains("acknowledged ops were submitted"), "{msg}");
     }
 }

@@ -195,7 +195,49 @@ impl<S: MetaStore> ControllerCore<S> {
                 return CtlReply::Error(format!("cannot persist controller state: {e}"));
             }
         }
+        #[cfg(debug_assertions)]
+        {
+            // An epoch is never handed out twice: a file's epoch never goes back.
+            let old: BTreeMap<FileId, Epoch> = before.files.values().map(|m| (m.file, m.epoch)).collect();
+            for (key, m) in &self.state.files {
+                if old.get(&m.file).is_some_and(|e| m.epoch < *e) {
+                    panic!("controller: invariant `a file's epoch never decreases` broken: {key} (file {}) went from epoch {} to {}", m.file, old[&m.file], m.epoch);
+                }
+            }
+            self.check_invariants();
+        }
         reply
+    }
+
+    /// Panics, naming the invariant and the state, if the controller's state breaks a rule the
+    /// module doc states. O(files × replicas): the state is small and `handle` already clones it
+    /// whole. Run after every request in debug builds and after every step of the simulations.
+    pub fn check_invariants(&self) {
+        let s = &self.state;
+        let broken = |what: &str, state: String| -> ! { panic!("controller: invariant `{what}` broken: {state}") };
+        // Ids are handed out once: every id in use is below the next.
+        if let Some(p) = s.peers.keys().find(|p| **p >= s.next_peer) {
+            broken("peer ids are below next_peer", format!("peer {p}, next {}", s.next_peer));
+        }
+        let mut ids = BTreeMap::new();
+        for (key, m) in &s.files {
+            if m.file >= s.next_file {
+                broken("file ids are below next_file", format!("{key}: file {}, next {}", m.file, s.next_file));
+            }
+            if let Some(other) = ids.insert(m.file, key) {
+                broken("one key per file id", format!("file {} under {other} and {key}", m.file));
+            }
+            // The writer's epoch and the placement's are epochs handed out for this file.
+            if m.owner_epoch > m.epoch || m.placed_at > m.epoch {
+                broken("owner_epoch and placed_at are at most the file's epoch", format!("{key}: {m:?}"));
+            }
+            // A placement names each peer once.
+            for set in [&m.peers, &m.prev_peers] {
+                if (1..set.len()).any(|i| set[..i].contains(&set[i])) {
+                    broken("a placement names each peer once", format!("{key}: {m:?}"));
+                }
+            }
+        }
     }
 
     fn apply(&mut self, req: CtlRequest) -> (CtlReply, bool) {
@@ -537,5 +579,17 @@ mod tests {
         c.store.fail_saves = true;
         assert!(matches!(c.handle(CtlRequest::Open { key: "k".into(), replicas: 1 }), CtlReply::Error(_)));
         assert!(c.state().files.is_empty());
+    }
+
+    /// The invariant checks can fail: a controller whose state breaks one panics naming it.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let mut c = ControllerCore::open(MemStore::default()).unwrap();
+        c.check_invariants();
+        c.state.next_file = 0; // an id in use at or above the next one handed out
+        c.state.files.insert("k".into(), FileMeta { file: 0, epoch: 1, peers: vec![], initialized: false, prev_peers: vec![], placed_at: 0, owner_epoch: 1 });
+        let e = std::panic::catch_unwind(|| c.check_invariants()).unwrap_err();
+        let msg = e.downcast_ref::<String>().unwrap();
+        assert!(msg.contains("file ids are below next_file"), "{msg}");
     }
 }

@@ -285,6 +285,13 @@ fn run(seed: u64) -> Stats {
     let mut cut: Option<NodeId> = None;
     let mut ending = false;
     while let Some((now, ev)) = r.q.pop() {
+        // Every core checks its invariants after every step, in all builds.
+        for p in &r.peers {
+            p.check_invariants();
+        }
+        if let Some(c) = &r.client {
+            c.check_invariants_deep();
+        }
         if now > end_us && !ending {
             // Final round: every peer reachable, one more crash and open must recover.
             ending = true;

@@ -361,6 +361,17 @@ fn run(seed: u64) -> (u32, u32, u32, u64, u64, u64) {
     r.open_writer(0);
     let mut final_opened = false;
     while let Some((now, ev)) = r.q.pop() {
+        // Every core checks its invariants after every step, in all builds.
+        r.ctl.check_invariants();
+        for p in r.peers.iter().flatten() {
+            p.check_invariants();
+        }
+        if let Some(w) = &r.writer {
+            w.client.check_invariants_deep();
+        }
+        if let Some(m) = &r.mover {
+            m.client.check_invariants_deep();
+        }
         if now > end_us + 60_000_000 {
             break;
         }

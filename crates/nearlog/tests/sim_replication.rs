@@ -296,6 +296,16 @@ fn run(seed: u64) -> (u32, u64, u32, u32, u32, u32) {
     let mut ending = false;
     let mut final_opened = false;
     while let Some((now, ev)) = r.q.pop() {
+        // Every core checks its invariants after every step, in all builds.
+        for p in r.peers.iter().flatten() {
+            p.check_invariants();
+        }
+        if let Some(c) = &r.client {
+            c.check_invariants_deep();
+        }
+        if let Some(rd) = &r.reader {
+            rd.client.check_invariants_deep();
+        }
         if now > end_us + 60_000_000 {
             break; // liveness: the final recovery had a virtual minute; reported below
         }

@@ -421,12 +421,80 @@ impl ShardCore {
 
     /// Feeds one input and returns the outputs it produced.
     pub fn handle(&mut self, input: Input) -> Vec<Output> {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.epoch();
         match input {
             Input::Msg { from, msg } => self.on_msg(from, msg),
             Input::Disk { id, result } => self.on_disk(id, result),
             Input::Tick { now_us } => self.on_tick(now_us),
         }
+        #[cfg(debug_assertions)]
+        {
+            assert!(self.epoch() >= epoch_before, "shard {}: invariant `the map epoch never decreases` broken: {epoch_before} -> {}", self.cfg.id, self.epoch());
+            self.check_invariants();
+        }
         std::mem::take(&mut self.out)
+    }
+
+    /// Panics, naming the invariant and the state, if the core's state breaks one of the rules
+    /// the module doc states. Cheap: O(operations in flight + locked slots + tracking state),
+    /// never O(objects stored). Run after every input in debug builds and after every step of
+    /// the simulation.
+    pub fn check_invariants(&self) {
+        let me = self.cfg.id;
+        let broken = |what: &str, state: String| -> ! { panic!("shard {me}: invariant `{what}` broken: {state}") };
+        // Every operation on one slot is serialised by the slot lock: an operation bound to a
+        // slot holds its lock, and no two operations hold one slot.
+        let mut holders: HashMap<Slot, OpId> = HashMap::default();
+        for (id, op) in &self.ops {
+            if let Some(slot) = op.slot {
+                if !self.locks.contains_key(&slot) {
+                    broken("an operation on a slot holds its lock", format!("op {id} on {slot:?} without the lock; {}", self.debug_ops()));
+                }
+                if let Some(other) = holders.insert(slot, *id) {
+                    broken("one operation at a time per slot", format!("ops {other} and {id} both hold {slot:?}; {}", self.debug_ops()));
+                }
+            }
+            // What an operation waits for is tracked: each disk command it waits for is owned by
+            // it, each request it waits for is outstanding on its behalf.
+            for d in &op.disk {
+                if self.disk_owner.get(d) != Some(id) {
+                    broken("an operation's disk commands are owned by it", format!("op {id} waits for disk {d}, owned by {:?}", self.disk_owner.get(d)));
+                }
+            }
+            for r in &op.waits {
+                if self.outstanding.get(r).map(|o| o.owner) != Some(Owner::Op(*id)) {
+                    broken("an operation's requests are outstanding for it", format!("op {id} waits for {r:?}, outstanding for {:?}", self.outstanding.get(r).map(|o| o.owner)));
+                }
+            }
+        }
+        // A write waiting for permission is queued on exactly that parent's request.
+        for (parent, p) in &self.permissions {
+            for w in &p.waiters {
+                match self.ops.get(w).map(|o| &o.kind) {
+                    Some(Kind::Write { waiting_permission: true, .. }) => {}
+                    other => broken("a permission waiter is a write waiting for permission", format!("parent {parent}: waiter {w} is {other:?}")),
+                }
+            }
+        }
+        // Named limits.
+        if self.background_running > self.cfg.max_background_tasks.max(1) {
+            broken("background tasks within max_background_tasks", format!("{} running, limit {}", self.background_running, self.cfg.max_background_tasks));
+        }
+        if let Some(r) = &self.recovery {
+            if r.pulls_in_flight > self.cfg.max_pulls_in_flight {
+                broken("recovery pulls within max_pulls_in_flight", format!("{} in flight, limit {}", r.pulls_in_flight, self.cfg.max_pulls_in_flight));
+            }
+            if r.epoch > self.epoch() {
+                broken("recovery runs at an epoch we hold", format!("recovery at {}, map at {}", r.epoch, self.epoch()));
+            }
+        }
+        // Slots synced since the last map change are slots we lead in this map.
+        for slot in &self.synced {
+            if !self.is_primary(*slot) {
+                broken("synced slots are slots we lead", format!("{slot:?} synced, primary {:?}", self.map.as_ref().and_then(|m| m.primary(*slot))));
+            }
+        }
     }
 
     fn fresh_id(&mut self) -> u64 {
@@ -2001,5 +2069,18 @@ mod tests {
         assert!(outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Reply { req: 7, result: Ok(_) }, .. })), "{outs:?}");
         // A retried super (the same child) does not stock again.
         assert!(prestocks(&core.handle(Input::Msg { from: Peer::Shard(2), msg: track(8) })).is_empty());
+    }
+
+    /// The invariant checks can fail: a core whose state breaks one panics naming it.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let mut core = ShardCore::new(ShardConfig::new(1), Boot::default());
+        core.check_invariants();
+        let slot = Slot { table: 5, objno: 0 };
+        // An operation on a slot whose lock nobody holds.
+        core.new_op(Some(slot), Kind::SaveEntries { reply_to: None, parent: None });
+        let e = std::panic::catch_unwind(|| core.check_invariants()).unwrap_err();
+        let msg = e.downcast_ref::<String>().unwrap();
+        assert!(msg.contains("an operation on a slot holds its lock"), "{msg}");
     }
 }

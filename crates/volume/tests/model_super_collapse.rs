@@ -52,7 +52,9 @@ impl Cluster {
             let mut inputs = VecDeque::from([Input::Msg { from, msg }]);
             while let Some(input) = inputs.pop_front() {
                 let (core, store) = &mut self.shards[to as usize];
-                for out in core.handle(input) {
+                let outs = core.handle(input);
+                core.check_invariants();
+                for out in outs {
                     match out {
                         Output::Send { to: Peer::Shard(s), msg } => queue.push_back((Peer::Shard(to), s, msg)),
                         Output::Send { to: _, msg: Msg::Reply { req: r, result } } if r == req => reply = Some(result),

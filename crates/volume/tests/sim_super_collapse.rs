@@ -444,6 +444,13 @@ impl World {
     fn run_core(&mut self, s: u32, input: Input) {
         let Some(core) = self.shards[s as usize].core.as_mut() else { return };
         let outputs = core.handle(input);
+        // In all builds (the core checks itself after every input in debug builds only).
+        core.check_invariants();
+        // Kept here, not in the core: the core takes a tracking object from its primary as
+        // given, so only an honest cluster keeps this.
+        if let Some(TrackState { phase: Phase::Promoted, allow_write: true, .. }) = core.table_track(TABLE).and_then(|t| t.current.as_ref()) {
+            panic!("shard {s}: a promoted child's parent still allows writes: {:?}", core.table_track(TABLE));
+        }
         for out in outputs {
             match out {
                 Output::Send { to, msg } => {
