@@ -194,19 +194,23 @@ impl CmCore {
         self.publish(now_us, format!("node {n} removed ({why})"));
     }
 
+    /// After an input (debug builds): the epoch did not go back, and every invariant holds.
+    #[cfg(debug_assertions)]
+    fn check_after_input(&self, epoch_before: u64) {
+        assert!(
+            self.config.epoch >= epoch_before,
+            "CM: invariant `the epoch never decreases` broken: {epoch_before} -> {}",
+            self.config.epoch
+        );
+        self.check_invariants();
+    }
+
     pub fn on_ack(&mut self, now_us: u64, ack: HeartbeatAck) {
         #[cfg(debug_assertions)]
         let epoch_before = self.config.epoch;
         self.on_ack_input(now_us, ack);
         #[cfg(debug_assertions)]
-        {
-            assert!(
-                self.config.epoch >= epoch_before,
-                "CM: invariant `the epoch never decreases` broken: {epoch_before} -> {}",
-                self.config.epoch
-            );
-            self.check_invariants();
-        }
+        self.check_after_input(epoch_before);
     }
 
     fn on_ack_input(&mut self, now_us: u64, ack: HeartbeatAck) {
@@ -303,14 +307,7 @@ impl CmCore {
         let epoch_before = self.config.epoch;
         self.tick_input(now_us);
         #[cfg(debug_assertions)]
-        {
-            assert!(
-                self.config.epoch >= epoch_before,
-                "CM: invariant `the epoch never decreases` broken: {epoch_before} -> {}",
-                self.config.epoch
-            );
-            self.check_invariants();
-        }
+        self.check_after_input(epoch_before);
     }
 
     fn tick_input(&mut self, now_us: u64) {
