@@ -489,10 +489,22 @@ impl ShardCore {
                 broken("recovery runs at an epoch we hold", format!("recovery at {}, map at {}", r.epoch, self.epoch()));
             }
         }
+    }
+
+    /// [`Self::check_invariants`] and those whose check walks every slot this shard synced:
+    /// one placement computation per slot, thousands per input once a shard has synced its
+    /// slots — after every input of a real shard that made a debug build's `mkfs` on a volume
+    /// CPU-bound for minutes. The simulations and the model test call this one after every step.
+    pub fn check_invariants_deep(&self) {
+        self.check_invariants();
         // Slots synced since the last map change are slots we lead in this map.
         for slot in &self.synced {
             if !self.is_primary(*slot) {
-                broken("synced slots are slots we lead", format!("{slot:?} synced, primary {:?}", self.map.as_ref().and_then(|m| m.primary(*slot))));
+                panic!(
+                    "shard {}: invariant `synced slots are slots we lead` broken: {slot:?} synced, primary {:?}",
+                    self.cfg.id,
+                    self.map.as_ref().and_then(|m| m.primary(*slot))
+                );
             }
         }
     }

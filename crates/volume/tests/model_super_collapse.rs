@@ -53,7 +53,7 @@ impl Cluster {
             while let Some(input) = inputs.pop_front() {
                 let (core, store) = &mut self.shards[to as usize];
                 let outs = core.handle(input);
-                core.check_invariants();
+                core.check_invariants_deep();
                 for out in outs {
                     match out {
                         Output::Send { to: Peer::Shard(s), msg } => queue.push_back((Peer::Shard(to), s, msg)),

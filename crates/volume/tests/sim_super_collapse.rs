@@ -445,7 +445,7 @@ impl World {
         let Some(core) = self.shards[s as usize].core.as_mut() else { return };
         let outputs = core.handle(input);
         // In all builds (the core checks itself after every input in debug builds only).
-        core.check_invariants();
+        core.check_invariants_deep();
         // Kept here, not in the core: the core takes a tracking object from its primary as
         // given, so only an honest cluster keeps this.
         if let Some(TrackState { phase: Phase::Promoted, allow_write: true, .. }) = core.table_track(TABLE).and_then(|t| t.current.as_ref()) {
