@@ -466,8 +466,11 @@ fn plain_files_do_not_wait_behind_a_stalled_log_write() {
     );
     let mut lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
     assert_eq!(lines.next().unwrap().unwrap(), "OPENED");
-    // Two of three peers stopped: no write can reach a majority until its deadline.
-    let stopped: Vec<i32> = split.peers[..2].iter().map(|p| p.0.id() as i32).collect();
+    // Two of the file's three peers stopped: no write can reach a majority until its deadline.
+    let key = split.app.join("stall.log").canonicalize().unwrap().to_string_lossy().into_owned();
+    let holders = split.peers_of(&key);
+    assert_eq!(holders.len(), 3, "the log file is placed on the cluster's 3 peers: {}", split.controller_state());
+    let stopped: Vec<i32> = holders[..2].iter().map(|&i| split.peers[i].0.id() as i32).collect();
     struct Cont(Vec<i32>);
     impl Drop for Cont {
         fn drop(&mut self) {
@@ -489,6 +492,11 @@ fn plain_files_do_not_wait_behind_a_stalled_log_write() {
     // Far below the stalled write's deadline (what a plain rename waited before), generous for a
     // loaded machine (a round is well under 10 ms).
     assert!(worst < 1000, "a plain file's open/write/rename/unlink round took {worst} ms behind a log write stalled for {deadline_ms} ms: {line}");
-    assert!(line.contains("WRITER_BUSY_MEANWHILE True"), "the log write was not stalled while the plain files were handled: {line}");
+    assert!(
+        line.contains("WRITER_BUSY_MEANWHILE True"),
+        "the log write was not stalled while the plain files were handled: {line}; stopped peers {holders:?} (pids {:?}) of the controller's state {}",
+        _cont.0,
+        split.controller_state()
+    );
     assert!(line.contains(&format!("WRITER errno {}", libc::EIO)), "the stalled log write ends with EIO at its deadline: {line}");
 }

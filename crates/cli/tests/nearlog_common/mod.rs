@@ -110,8 +110,33 @@ impl Split {
         std::fs::create_dir_all(&app).unwrap();
         let mut split = Split { tmp, secret, ctl_addr, cluster, app, peer_addrs, peers: Vec::new(), _ctl: ctl };
         split.peers = (0..3).map(|i| split.peer(i)).collect();
-        std::thread::sleep(std::time::Duration::from_millis(1500)); // registration
+        // Registration: until the controller's state lists every peer (a fixed sleep was too
+        // short on a loaded machine).
+        let t = std::time::Instant::now();
+        while split.controller_state()["peers"].as_object().map_or(0, |p| p.len()) < 3 {
+            assert!(t.elapsed() < std::time::Duration::from_secs(30), "3 log peers did not register within 30 s: {}", split.controller_state());
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
         split
+    }
+
+    /// The controller's persisted state (peers and file placements), `null` before its first
+    /// write.
+    pub fn controller_state(&self) -> serde_json::Value {
+        std::fs::read(self.tmp.path().join("ctl").join("nearlog-controller.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or(serde_json::Value::Null)
+    }
+
+    /// Indices (into `peers`) of the peers the controller placed the file `key` on.
+    pub fn peers_of(&self, key: &str) -> Vec<usize> {
+        let st = self.controller_state();
+        let ids = st["files"][key]["peers"].as_array().cloned().unwrap_or_default();
+        ids.iter()
+            .filter_map(|id| st["peers"][id.to_string()]["addr"].as_str().map(str::to_string))
+            .filter_map(|addr| self.peer_addrs.iter().position(|a| *a == addr))
+            .collect()
     }
 
     /// Starts (or restarts, empty) peer `i` on its address.
