@@ -876,12 +876,7 @@ impl InstancePool for LocalPool {
     async fn stop(&self, id: InstanceId) -> Result<(), PoolError> {
         let lock = self.op_lock(id);
         let _g = lock.lock().await;
-        let Some((pgid, app_pgid, app_pid, app_start, attach_pid, mount, flag, cgroup)) = self
-            .insts
-            .lock()
-            .unwrap()
-            .get(&id)
-            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.saved.app_start, i.attach_pid, i.mount.clone(), i.expected_exit.clone(), i.cgroup.clone()))
+        let Some((pgid, app_pgid, app_pid, app_start, attach_pid, mount, flag, cgroup)) = self.teardown_handles(id)
         else {
             return Ok(());
         };
@@ -1020,12 +1015,7 @@ impl LocalPool {
     /// ([`teardown::take_down_helper`]). An error (a loop device that does not let go) leaves
     /// the instance recorded: the core retries the kill.
     async fn kill_inner(&self, id: InstanceId) -> Result<(), PoolError> {
-        let Some((pgid, app_pgid, app_pid, app_start, attach_pid, mount, flag, cgroup)) = self
-            .insts
-            .lock()
-            .unwrap()
-            .get(&id)
-            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.saved.app_start, i.attach_pid, i.mount.clone(), i.expected_exit.clone(), i.cgroup.clone()))
+        let Some((pgid, app_pgid, app_pid, app_start, attach_pid, mount, flag, cgroup)) = self.teardown_handles(id)
         else {
             // Unknown (never started here, or already gone): make sure nothing is mounted.
             let mount = self.mount_dir(id);
@@ -1086,6 +1076,18 @@ impl LocalPool {
     }
 
     /// The lock that serialises operations (start, kill, stop, crash) on one instance.
+    /// What a stop or a kill of instance `id` needs, copied out of the table (whose lock is not
+    /// held across their awaits): process group, the application's group, pid and start time,
+    /// the attach helper's pid, the mount, the expected-exit flag and the cgroup.
+    #[allow(clippy::type_complexity)]
+    fn teardown_handles(&self, id: InstanceId) -> Option<(i32, i32, u32, u64, u32, PathBuf, Arc<AtomicBool>, Option<PathBuf>)> {
+        self.insts
+            .lock()
+            .unwrap()
+            .get(&id)
+            .map(|i| (i.pgid, i.app_pgid, i.app_pid, i.saved.app_start, i.attach_pid, i.mount.clone(), i.expected_exit.clone(), i.cgroup.clone()))
+    }
+
     fn op_lock(&self, id: InstanceId) -> Arc<tokio::sync::Mutex<()>> {
         self.ops.lock().unwrap().entry(id).or_default().clone()
     }
