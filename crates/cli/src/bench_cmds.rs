@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use volume::client::Cluster;
+use volume::driver::client::Cluster;
 
 use crate::cluster_file::ClusterInfo;
 

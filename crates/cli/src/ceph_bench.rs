@@ -568,7 +568,7 @@ pub fn run(a: CephArgs, verbose: u8) -> anyhow::Result<()> {
         ceph.rbd(&["create", "--size", &plain_mib, "--object-size", "4M", "plain4m"])?;
         ceph.rbd(&["create", "--size", &region_mib, "--object-size", &obj, "parent"])?;
         // Understudy: the same three volumes (it needs no 4 MiB-object twin).
-        let create = |name: &str, size_bytes: u64| volume::meta::MetaReq::Create { name: name.into(), size_bytes, object_size_bytes: OBJECT_SIZE_BYTES as u32 };
+        let create = |name: &str, size_bytes: u64| volume::driver::meta::MetaReq::Create { name: name.into(), size_bytes, object_size_bytes: OBJECT_SIZE_BYTES as u32 };
         cluster.meta(create("plain", PLAIN_REGION_BYTES)).await?;
         cluster.meta(create("parent", region)).await?;
         let nbd = |name: &str| Target::Nbd(format!("nbd://{}/{name}", info.nbd.addr));
@@ -581,7 +581,7 @@ pub fn run(a: CephArgs, verbose: u8) -> anyhow::Result<()> {
         ceph.rbd(&["snap", "create", "parent@base"])?;
         ceph.rbd(&["snap", "protect", "parent@base"])?;
         ceph.rbd(&["clone", &format!("{POOL}/parent@base"), &format!("{POOL}/child")])?;
-        cluster.meta(volume::meta::MetaReq::Super { parent: "parent".into(), child: "child".into() }).await?;
+        cluster.meta(volume::driver::meta::MetaReq::Super { parent: "parent".into(), child: "child".into() }).await?;
         report.figure("phase.prefill_s", prefill_started.elapsed().as_secs_f64())?;
 
         let variant = |name, target, clone| Variant { name, target, clone, next_object: 0, depth1: vec![], depth32: vec![] };

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
-use volume::client::Cluster;
+use volume::driver::client::Cluster;
 
 use crate::ConnArgs;
 

@@ -136,7 +136,7 @@ pub async fn meta(a: MetaArgs) -> anyhow::Result<()> {
     let secret = read_secret(&a.secret_file)?;
     anyhow::ensure!(a.ping_interval_ms > 0 && a.down_after_ms > a.ping_interval_ms, "--down-after-ms must exceed --ping-interval-ms");
     tracing::info!(listen = %a.listen, dir = %a.dir.display(), "metadata service starting");
-    let opts = volume::meta::MetaOptions {
+    let opts = volume::driver::meta::MetaOptions {
         listen: a.listen,
         dir: a.dir,
         replicas: a.replicas,
@@ -145,13 +145,13 @@ pub async fn meta(a: MetaArgs) -> anyhow::Result<()> {
         down_after_ms: a.down_after_ms,
         metrics: a.metrics,
     };
-    until_signal("metadata service", volume::meta::run_meta(opts)).await
+    until_signal("metadata service", volume::driver::meta::run_meta(opts)).await
 }
 
 pub async fn shard(a: ShardArgs) -> anyhow::Result<()> {
     let secret = read_secret(&a.secret_file)?;
     tracing::info!(id = a.id, listen = %a.listen, dir = %a.dir.display(), meta = %a.meta, "shard starting");
-    let opts = volume::shard_server::ShardOptions {
+    let opts = volume::driver::shard::ShardOptions {
         id: a.id,
         listen: a.listen,
         advertise: a.advertise,
@@ -160,10 +160,10 @@ pub async fn shard(a: ShardArgs) -> anyhow::Result<()> {
         secret,
         create: a.create,
         metrics: a.metrics,
-        injected: volume::shard_server::InjectedLatency { write_us: a.inject_write_latency_us, flush_us: a.inject_flush_latency_us },
+        injected: volume::driver::shard::InjectedLatency { write_us: a.inject_write_latency_us, flush_us: a.inject_flush_latency_us },
         journal_bytes: (a.journal == OnOff::On).then_some(a.journal_mib << 20),
     };
-    until_signal("shard", volume::shard_server::run_shard(opts)).await
+    until_signal("shard", volume::driver::shard::run_shard(opts)).await
 }
 
 /// How long the NBD server keeps trying to reach the metadata service at start.

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use volume::client::Cluster;
-use volume::meta::{MetaReq, MetaResp};
+use volume::driver::client::Cluster;
+use volume::driver::meta::{MetaReq, MetaResp};
 use volume::types::CollapseOutcome;
 
 use crate::qemu::{self, Session};

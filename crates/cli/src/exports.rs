@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use volume::client::{Cluster, Volume};
-use volume::meta::{MetaReq, MetaResp};
+use volume::driver::client::{Cluster, Volume};
+use volume::driver::meta::{MetaReq, MetaResp};
 
 /// Exports every volume of a cluster under its name. Each NBD connection that selects a name
 /// opens the volume afresh through the metadata service, so it sees the volume's current size

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use volume::client::Cluster;
+use volume::driver::client::Cluster;
 use volume::types::ShardState;
 
 use crate::cluster_file::{self, ClusterInfo, NbdProc, ProcInfo, ShardProc, CLUSTER_FILE, SECRET_FILE};

@@ -5,8 +5,8 @@
 use std::time::Instant;
 
 use clap::Args;
-use volume::client::Cluster;
-use volume::meta::{Job, Layout, MetaReq, MetaResp, VolumeRec, DEFAULT_OBJECT_SIZE_BYTES};
+use volume::driver::client::Cluster;
+use volume::driver::meta::{Job, Layout, MetaReq, MetaResp, VolumeRec, DEFAULT_OBJECT_SIZE_BYTES};
 use volume::types::{CollapseOutcome, ShardState, MAX_OBJECT_SIZE_BYTES};
 
 use crate::cluster_file::Target;

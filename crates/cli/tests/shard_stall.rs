@@ -229,8 +229,8 @@ impl Drop for FioGuard {
 /// times it against the moment the map showed the shard down.
 #[test]
 fn a_write_toward_a_stopped_shard_goes_on_once_the_shard_is_marked_down() {
-    use volume::client::Cluster;
-    use volume::meta::{MetaReq, MetaResp};
+    use volume::driver::client::Cluster;
+    use volume::driver::meta::{MetaReq, MetaResp};
     use volume::types::{IoOp, ShardState, Slot};
 
     let up = Up::start(4);

@@ -9,7 +9,7 @@ use common::*;
 
 /// A session opened on a `super` child before it was promoted keeps the child's `VolRef` with
 /// `parent: Some(old parent)`. The shard's write path only consults its tracking entries when
-/// `vol.parent.is_none()` (shard_core.rs, `start_write`), so after the promoted volume gets a
+/// `vol.parent.is_none()` (`volume::core::shard`, `start_write`), so after the promoted volume gets a
 /// super child of its own, writes through that session are never tracked: the dirty bit stays
 /// clear and `collapse` promotes the new child although its parent was written after `super`.
 #[test]
@@ -40,7 +40,7 @@ fn stale_child_session_writes_are_tracked() {
 /// A shard that missed writes while down restarts its re-replication whenever the map changes
 /// (here: the other shards coming up one after another after a whole-cluster restart). Pull
 /// replies of the abandoned round still arrive and decrement the new round's `pulls_in_flight`
-/// (shard_core.rs, `on_recovery_reply`): "attempt to subtract with overflow" in debug builds
+/// (`volume::core::shard`, `on_recovery_reply`): "attempt to subtract with overflow" in debug builds
 /// (the shard exits), a wrapped counter that stalls re-replication in release builds.
 #[test]
 fn whole_cluster_restart_after_a_shard_missed_writes() {

@@ -13,8 +13,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use eval::volume::recovery_trace::{OpKind, TraceOptions, VARIANTS};
-use volume::client::Cluster;
-use volume::meta::{MetaReq, MetaResp};
+use volume::driver::client::Cluster;
+use volume::driver::meta::{MetaReq, MetaResp};
 
 const SECRET: &[u8] = b"test-secret";
 const MIB: u64 = 1 << 20;

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use volume::client::Cluster;
+use volume::driver::client::Cluster;
 
 const SECRET: &[u8] = b"test-secret";
 

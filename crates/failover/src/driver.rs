@@ -16,8 +16,8 @@ use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
-use volume::client::Cluster;
-use volume::meta::{MetaReq, MetaResp};
+use volume::driver::client::Cluster;
+use volume::driver::meta::{MetaReq, MetaResp};
 
 use crate::core::*;
 use crate::endpoint::Proxy;
@@ -108,7 +108,7 @@ pub struct Volumes {
 }
 
 impl Volumes {
-    async fn info(&self, name: &str) -> anyhow::Result<Option<volume::meta::VolumeRec>> {
+    async fn info(&self, name: &str) -> anyhow::Result<Option<volume::driver::meta::VolumeRec>> {
         match self.cluster.meta(MetaReq::Info { name: name.to_string() }).await {
             Ok(MetaResp::Volume(v)) => Ok(Some(v)),
             Ok(other) => anyhow::bail!("unexpected answer {other:?}"),

@@ -4,8 +4,8 @@
 //! [`CoreHarness`] feeds them to a real [`ShardCore`] over the simulated store, running every
 //! disk command it asks for. Nothing here may panic on any input; a panic is a bug of the shard.
 
-use crate::meta::MetaReq;
-use crate::shard_core::{request_id, Boot, Input, Output, Peer, ShardConfig, ShardCore};
+use crate::driver::meta::MetaReq;
+use crate::core::shard::{request_id, Boot, Input, Output, Peer, ShardConfig, ShardCore};
 use crate::sim_store::SimStore;
 use crate::types::*;
 

@@ -1,7 +1,7 @@
 //! The metadata service's protocol: its persistent state ([`MetaState`]: volumes, the cluster
 //! map, jobs) and the control requests and replies ([`MetaReq`], [`MetaResp`]). The
-//! deterministic core ([`crate::meta_core`]) and the tokio driver
-//! ([`crate::meta`]) both import it, never each other's internals.
+//! deterministic core ([`crate::core::meta`]) and the tokio driver
+//! ([`crate::driver::meta`]) both import it, never each other's internals.
 
 use std::collections::BTreeMap;
 

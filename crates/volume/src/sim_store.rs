@@ -1,5 +1,5 @@
 //! The shard's object store on the simulator's disk, for the simulation tests: one file per
-//! object in the format of [`crate::objfmt`] (version and block checksums), with the same
+//! object in the format of [`crate::store::objfmt`] (version and block checksums), with the same
 //! semantics as the real [`crate::store::FileStore`] (which keeps objects in pre-allocated slot
 //! files instead; both apply mutations through `objfmt::apply`). The disk crashes, loses unsynced
 //! writes and tears them.
@@ -19,8 +19,8 @@ use sim::{DiskError, SimDisk};
 
 use std::collections::BTreeMap;
 
-use crate::objfmt::{self, ObjFile, HEADER_BYTES};
-use crate::shard_core::{Boot, DiskCmd, DiskErr, DiskOut};
+use crate::store::objfmt::{self, ObjFile, HEADER_BYTES};
+use crate::core::shard::{Boot, DiskCmd, DiskErr, DiskOut};
 use crate::store::{claim_sectors, len_after, MemObject, CLASS_DATA_BYTES, LAZY_CLASS, LAZY_SECTOR_BYTES};
 use crate::types::*;
 

@@ -6,9 +6,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::client::Cluster;
-use crate::meta::{MetaOptions, MetaReq, MetaResp};
-use crate::shard_server::ShardOptions;
+use crate::driver::client::Cluster;
+use crate::driver::meta::{MetaOptions, MetaReq, MetaResp};
+use crate::driver::shard::ShardOptions;
 use crate::types::ShardState;
 
 /// Starts the services as tasks of the current tokio runtime and returns a client once every
@@ -25,7 +25,7 @@ pub async fn start_in_process(dir: &Path, shards: u32, secret: &[u8]) -> anyhow:
         down_after_ms: 3000,
         metrics: None,
     };
-    tokio::spawn(crate::meta::serve_meta(listener, opts));
+    tokio::spawn(crate::driver::meta::serve_meta(listener, opts));
     for id in 0..shards {
         let opts = ShardOptions {
             id,
@@ -41,7 +41,7 @@ pub async fn start_in_process(dir: &Path, shards: u32, secret: &[u8]) -> anyhow:
             // cover the journal's path, the CLI tests the default one.
             journal_bytes: Some(crate::store::DEFAULT_JOURNAL_BYTES),
         };
-        tokio::spawn(crate::shard_server::run_shard(opts));
+        tokio::spawn(crate::driver::shard::run_shard(opts));
     }
     let cluster = Cluster::connect(&meta_addr, secret).await?;
     for _ in 0..400 {

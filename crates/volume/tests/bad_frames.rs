@@ -16,10 +16,10 @@ use blockdev::BlockDev;
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use volume::client::{Cluster, Volume};
+use volume::driver::client::{Cluster, Volume};
 use volume::fuzzing::{Bytes, CoreHarness};
-use volume::meta::{MetaReq, MetaResp};
-use volume::shard_core::request_id;
+use volume::driver::meta::{MetaReq, MetaResp};
+use volume::core::shard::request_id;
 use volume::types::{Hello, Msg};
 
 const SECRET: &[u8] = b"bad-frames-secret";

@@ -6,7 +6,7 @@
 use std::collections::VecDeque;
 
 use proptest::prelude::*;
-use volume::shard_core::*;
+use volume::core::shard::*;
 use volume::sim_store::SimStore;
 use volume::types::*;
 

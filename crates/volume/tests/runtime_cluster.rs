@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use blockdev::{BlockDev, DevError};
-use volume::client::Cluster;
-use volume::meta::{MetaReq, MetaResp};
+use volume::driver::client::Cluster;
+use volume::driver::meta::{MetaReq, MetaResp};
 use volume::types::CollapseOutcome;
 
 const SECRET: &[u8] = b"test-secret";

@@ -26,10 +26,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use sim::{Delivery, EventQueue, NetConfig, Network, NodeId, SimRng, TimeUs};
-use volume::membership::{LinkId, MemberInput, MemberOutput, Membership, MembershipConfig};
-use volume::meta::{MetaReq, MetaResp, MetaState};
-use volume::meta_core::{MetaCore, MetaCoreConfig, MetaInput, MetaOutput};
-use volume::shard_core::*;
+use volume::core::membership::{LinkId, MemberInput, MemberOutput, Membership, MembershipConfig};
+use volume::driver::meta::{MetaReq, MetaResp, MetaState};
+use volume::core::meta::{MetaCore, MetaCoreConfig, MetaInput, MetaOutput};
+use volume::core::shard::*;
 use volume::sim_store::{SimStore, Started};
 use volume::types::*;
 
@@ -1058,7 +1058,7 @@ impl World {
             self.control,
             self.meta.is_idle(),
             self.meta.durable().jobs,
-            volume::meta_core::pending_shards(&self.meta),
+            volume::core::meta::pending_shards(&self.meta),
             self.map
         )
     }

@@ -30,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
-use volume::shard_core::{DiskCmd, DiskErr, DiskOut};
+use volume::core::shard::{DiskCmd, DiskErr, DiskOut};
 use volume::store::FileStore;
 use volume::types::{ObjKey, RepOp, Version};
 

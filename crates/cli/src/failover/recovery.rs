@@ -27,7 +27,7 @@ use ::failover::pool::{InstancePool, LocalPool, LocalPoolConfig};
 use ::failover::spec::{AppSpec, HealthSpec, PgTarget};
 use ::failover::{Input, InstanceId};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use volume::meta::{MetaReq, MetaResp};
+use volume::driver::meta::{MetaReq, MetaResp};
 
 use super::breakdown::Breakdown;
 use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
@@ -349,7 +349,7 @@ async fn cell(
     exe: &Path,
     conn_args: &[String],
     dir: &Path,
-    cluster: Arc<volume::client::Cluster>,
+    cluster: Arc<volume::driver::client::Cluster>,
     shard_metrics: &[String],
     app: App,
     wal: &'static str,
@@ -366,7 +366,7 @@ async fn cell(
     // filled a volume sized for 4 WALs ("No space left on device"). Thin: unused size is free.
     let crash_rounds = 1 + 2 * rounds * failures.len();
     let size = 512 * 1024 * 1024 + wal_bytes * (4 + crash_rounds as u64);
-    match cluster.meta(MetaReq::Create { name: vol.clone(), size_bytes: size.next_multiple_of(4 << 20), object_size_bytes: volume::meta::DEFAULT_OBJECT_SIZE_BYTES }).await {
+    match cluster.meta(MetaReq::Create { name: vol.clone(), size_bytes: size.next_multiple_of(4 << 20), object_size_bytes: volume::driver::meta::DEFAULT_OBJECT_SIZE_BYTES }).await {
         Ok(_) => {}
         Err(e) => anyhow::bail!("creating volume {vol}: {e:#}"),
     }

@@ -586,9 +586,9 @@ fn wait_gc_end(cluster_file: &Path) -> anyhow::Result<Duration> {
         let conn = crate::ConnArgs { cluster: Some(cluster_file.to_path_buf()), meta: None, secret_file: None };
         let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
         loop {
-            match cluster.meta(volume::meta::MetaReq::Jobs).await? {
-                volume::meta::MetaResp::Jobs(j) if j.is_empty() => return Ok(t0.elapsed()),
-                volume::meta::MetaResp::Jobs(_) => {}
+            match cluster.meta(volume::driver::meta::MetaReq::Jobs).await? {
+                volume::driver::meta::MetaResp::Jobs(j) if j.is_empty() => return Ok(t0.elapsed()),
+                volume::driver::meta::MetaResp::Jobs(_) => {}
                 other => anyhow::bail!("unexpected answer to Jobs: {other:?}"),
             }
             anyhow::ensure!(t0.elapsed() < STEP_TIMEOUT, "garbage collection still running after {STEP_TIMEOUT:?}");
@@ -1288,8 +1288,8 @@ impl GeneralTwin {
         let (pool, volumes, health) = (self.pool.clone(), &self.volumes, &self.health);
         self.rt.block_on(async {
             if general {
-                match volumes.cluster.meta(volume::meta::MetaReq::CloneGeneral { parent: parent.into(), child: child.clone() }).await {
-                    Ok(volume::meta::MetaResp::Volume(_)) => {}
+                match volumes.cluster.meta(volume::driver::meta::MetaReq::CloneGeneral { parent: parent.into(), child: child.clone() }).await {
+                    Ok(volume::driver::meta::MetaResp::Volume(_)) => {}
                     Ok(other) => anyhow::bail!("general clone of {parent}: unexpected answer {other:?}"),
                     Err(e) => anyhow::bail!("general clone of {parent}: {e:#}"),
                 }
@@ -1316,7 +1316,7 @@ impl GeneralTwin {
             // Whatever happened: the instance gone and its volume detached before the clone goes.
             let killed = pool.kill(id).await;
             let gone = if general {
-                volumes.cluster.meta(volume::meta::MetaReq::Delete { name: child.clone() }).await.map(|_| ())
+                volumes.cluster.meta(volume::driver::meta::MetaReq::Delete { name: child.clone() }).await.map(|_| ())
             } else {
                 match volumes.drop_child(parent, &child).await {
                     ::failover::Input::ChildDropped { .. } => Ok(()),

@@ -33,8 +33,8 @@ use blockdev::BlockDev;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use volume::client::{Cluster, Volume};
-use volume::meta::{MetaReq, MetaResp};
+use volume::driver::client::{Cluster, Volume};
+use volume::driver::meta::{MetaReq, MetaResp};
 
 pub const WRITE_SIZES_BYTES: [u32; 5] = [4096, 8192, 16384, 32768, 65536];
 pub const DEPTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];

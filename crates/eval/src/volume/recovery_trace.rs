@@ -49,8 +49,8 @@ use anyhow::Context;
 use bench::{LatencyRecorder, Progress, Report, Scale, Series};
 use blockdev::{BlockDev, DevResult};
 
-use volume::client::{Cluster, Volume};
-use volume::meta::{MetaReq, MetaResp};
+use volume::driver::client::{Cluster, Volume};
+use volume::driver::meta::{MetaReq, MetaResp};
 use volume::types::CollapseOutcome;
 
 /// Most operations a [`TracingDev`] keeps (≈ 48 MB at most); past it, operations are counted in

@@ -5,7 +5,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use volume::fuzzing::Bytes;
-use volume::meta::{MetaReq, MetaResp};
+use volume::driver::meta::{MetaReq, MetaResp};
 use volume::types::{Hello, Msg};
 
 fuzz_target!(|data: &[u8]| {

@@ -1,11 +1,11 @@
 //! The one-file-per-object store as it was before slot files (commit 1bd5212,
-//! crates/volume/src/store.rs), kept here only so the benchmark can compare both on the same
+//! crates/volume/src/store/mod.rs), kept here only so the benchmark can compare both on the same
 //! disk at the same moment.
 //!
 //! Original description: one file per object, durable on return.
 //!
 //! Layout under the data directory:
-//! `objects/<table>/<objno>.<owner>` (hex), each file in the format of [`volume::objfmt`]
+//! `objects/<table>/<objno>.<owner>` (hex), each file in the format of [`volume::store::objfmt`]
 //! (a header with the version and block checksums, then the bytes), and `state` (the shard's
 //! tracking list, replaced atomically). Every mutation is followed by
 //! `fdatasync`, and creations, renames and deletions by an `fsync` of the directory, before it is
@@ -20,8 +20,8 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use volume::objfmt::{self, ObjFile, HEADER_BYTES};
-use volume::shard_core::{Boot, DiskCmd, DiskErr, DiskOut};
+use volume::store::objfmt::{self, ObjFile, HEADER_BYTES};
+use volume::core::shard::{Boot, DiskCmd, DiskErr, DiskOut};
 use volume::types::*;
 
 /// A real object file.

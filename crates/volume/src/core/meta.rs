@@ -4,7 +4,7 @@
 //! collapse (§4.3, "Deallocation with garbage collection").
 //!
 //! Inputs are control requests, shard replies, "state saved" notices and clock ticks; outputs are
-//! replies, messages to shards and state saves. [`crate::meta`] drives it with real sockets and
+//! replies, messages to shards and state saves. [`crate::driver::meta`] drives it with real sockets and
 //! a real file; the simulation test `sim_super_collapse` drives it over a lossy network, with
 //! crashing shards and failing saves.
 //!

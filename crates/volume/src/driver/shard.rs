@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use wire::metrics::metric;
 
-use crate::shard_core::{CoreStats, DiskCmd, Input, Output, Peer, ShardConfig, ShardCore};
+use crate::core::shard::{CoreStats, DiskCmd, Input, Output, Peer, ShardConfig, ShardCore};
 use crate::store::FileStore;
 use crate::types::*;
 
@@ -446,7 +446,7 @@ struct DiskJob {
 
 impl DiskJob {
     /// Runs the command (blocking) and keeps the counters; returns what the core gets back.
-    fn run(self) -> (u64, Result<crate::shard_core::DiskOut, crate::shard_core::DiskErr>, mpsc::Sender<CoreEvent>) {
+    fn run(self) -> (u64, Result<crate::core::shard::DiskOut, crate::core::shard::DiskErr>, mpsc::Sender<CoreEvent>) {
         let DiskJob { id, cmd, queued, store, tx, stats, injected, me } = self;
         let delay = injected.for_cmd(&cmd);
         let what = disk_cmd_kind(&cmd);
@@ -455,7 +455,7 @@ impl DiskJob {
         stats.disk_wait_us.fetch_add((started - queued).as_micros() as u64, Ordering::Relaxed);
         // A panic in the store fails this command (as a failed disk task did), not the shard.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.run(cmd)))
-            .unwrap_or_else(|_| Err(crate::shard_core::DiskErr::Io("disk command panicked".into())));
+            .unwrap_or_else(|_| Err(crate::core::shard::DiskErr::Io("disk command panicked".into())));
         let ran = started.elapsed();
         stats.disk_kind_ops[kind].fetch_add(1, Ordering::Relaxed);
         stats.disk_kind_run_us[kind].fetch_add(ran.as_micros() as u64, Ordering::Relaxed);

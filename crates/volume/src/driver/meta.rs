@@ -2,7 +2,7 @@
 //! `super`, `collapse` and garbage collection.
 //!
 //! The decisions about volumes, `super`, `collapse` and jobs are made by the deterministic
-//! [`MetaCore`](crate::meta_core::MetaCore), those about shard membership (down, recovering, up,
+//! [`MetaCore`](crate::core::meta::MetaCore), those about shard membership (down, recovering, up,
 //! when a returning shard may lead) by the deterministic [`Membership`]; this module is their
 //! tokio driver (sockets, the state file, the clock): it feeds the membership core the shards'
 //! links, answers and reports, and hands its map changes to the metadata core to save.
@@ -14,7 +14,7 @@
 //! Shards open a control link to this service and register; the service pings them, marks one
 //! down after `down_after_ms` without an answer (counted only while the service runs) or at once
 //! when its link ends (a killed shard's kernel closes it), marks a restarted shard recovering,
-//! and marks it up once it reports that re-replication finished (see [`crate::membership`]).
+//! and marks it up once it reports that re-replication finished (see [`crate::core::membership`]).
 //! Every change bumps the map's epoch and is pushed to every shard.
 
 use std::collections::{HashMap, VecDeque};
@@ -28,9 +28,9 @@ use tokio::net::{TcpListener, TcpStream};
 use std::sync::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::membership::{mark_all_down_after_restart, LinkId, MemberInput, MemberOutput, Membership, MembershipConfig};
-use crate::meta_core::{CallId, MetaCore, MetaCoreConfig, MetaInput, MetaOutput};
-use crate::shard_server::writer_loop;
+use crate::core::membership::{mark_all_down_after_restart, LinkId, MemberInput, MemberOutput, Membership, MembershipConfig};
+use crate::core::meta::{CallId, MetaCore, MetaCoreConfig, MetaInput, MetaOutput};
+use crate::driver::shard::writer_loop;
 use crate::types::*;
 
 pub use crate::proto::{
@@ -382,5 +382,5 @@ impl Meta {
 
 /// Checks a volume name (letters, digits, '-', '_', '.'; 1 to 128 characters).
 pub fn validate_name(name: &str) -> anyhow::Result<()> {
-    crate::meta_core::validate_name(name).map_err(anyhow::Error::msg)
+    crate::core::meta::validate_name(name).map_err(anyhow::Error::msg)
 }

@@ -37,7 +37,7 @@
 //! A slot file is a 4 KiB header page followed by the class's data bytes. The header page holds
 //! two copies of the slot header, in sectors 0 and 1; the rest is unused so the object's bytes
 //! start page aligned (a 4 KiB write dirties one data page, not two half pages). On ext4 the
-//! 4 KiB page costs nothing over the 512-byte header of [`crate::objfmt`]: a file's size is
+//! 4 KiB page costs nothing over the 512-byte header of [`crate::store::objfmt`]: a file's size is
 //! rounded up to whole 4 KiB blocks anyway. One header copy (512 bytes, one sector) is:
 //!
 //! * bytes `0..280`: the [`objfmt::Header`] of the object: its version and the CRC32C of every
@@ -54,7 +54,7 @@
 //! # Crash safety
 //!
 //! * **One durable step per command.** A write puts the data, then the new header, then makes
-//!   them durable once: with the [`crate::journal`] on (off by default), by one record holding
+//!   them durable once: with the [`crate::store::journal`] on (off by default), by one record holding
 //!   those bytes and a journal `fdatasync` shared with every command waiting (group commit),
 //!   written *ahead*: the bytes reach the slot file only after the record is durable (the
 //!   slot file itself is synced by a later checkpoint, and replayed from the record after a
@@ -104,6 +104,9 @@
 //! takes a free slot of a bigger class, or fails with [`DiskErr::NoSpace`] having changed
 //! nothing. Overwrites never need space: their blocks exist.
 
+pub mod journal;
+pub mod objfmt;
+
 use std::collections::{HashMap, VecDeque};
 use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
@@ -117,9 +120,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::journal::{Journal, JournalStats};
-use crate::objfmt::{self, ObjFile, CRC_BLOCK_BYTES, HEADER_BYTES, MAX_CRC_BLOCKS};
-use crate::shard_core::{Boot, DiskCmd, DiskErr, DiskOut};
+use journal::{Journal, JournalStats};
+use objfmt::{ObjFile, CRC_BLOCK_BYTES, HEADER_BYTES, MAX_CRC_BLOCKS};
+use crate::core::shard::{Boot, DiskCmd, DiskErr, DiskOut};
 use crate::types::*;
 
 /// Number of slot size classes.
@@ -200,7 +203,7 @@ pub struct PoolOptions {
     pub reserved_slots_max: [usize; CLASSES],
     /// Run the background refill thread (tests turn it off to count slots exactly).
     pub background_refill: bool,
-    /// Ring bytes of the write-ahead journal ([`crate::journal`]): a mutating command's record
+    /// Ring bytes of the write-ahead journal ([`crate::store::journal`]): a mutating command's record
     /// is made durable by a shared `fdatasync` of the journal (group commit), then its bytes go
     /// to the slot file (page cache) and it is acknowledged; a background checkpoint syncs the
     /// slot files they dirtied.
@@ -2293,7 +2296,7 @@ mod tests {
 
     /// No background refill: slot counts are exact.
     fn quiet() -> PoolOptions {
-        PoolOptions { background_refill: false, journal_capacity_bytes: Some(crate::journal::MIN_CAPACITY_BYTES), ..PoolOptions::default() }
+        PoolOptions { background_refill: false, journal_capacity_bytes: Some(crate::store::journal::MIN_CAPACITY_BYTES), ..PoolOptions::default() }
     }
 
     fn no_journal() -> PoolOptions {
@@ -2421,7 +2424,7 @@ mod tests {
 
         // The power loss: what the journal covers never reached the slot files.
         let f = OpenOptions::new().read(true).write(true).open(&journal).unwrap();
-        let replay = crate::journal::Journal::open(f).unwrap();
+        let replay = crate::store::journal::Journal::open(f).unwrap();
         assert!(!replay.payloads.is_empty(), "the journal held no records at the kill");
         for p in &replay.payloads {
             for (key, offset, len, _) in decode_writes(p).unwrap() {
@@ -2434,11 +2437,11 @@ mod tests {
         // A torn last record: a whole header, half its payload.
         let ((end, boot), cap) = (replay.end(), replay.capacity());
         let payload = vec![0x5a; 4096];
-        let mut torn = crate::journal::record_header(crate::journal::KIND_DATA, boot, end, &payload).to_vec();
+        let mut torn = crate::store::journal::record_header(crate::store::journal::KIND_DATA, boot, end, &payload).to_vec();
         torn.extend_from_slice(&payload[..2048]);
         let jf = OpenOptions::new().write(true).open(&journal).unwrap();
         if cap - end % cap >= torn.len() as u64 {
-            jf.write_all_at(&torn, crate::journal::HEADER_PAGE_BYTES + end % cap).unwrap();
+            jf.write_all_at(&torn, crate::store::journal::HEADER_PAGE_BYTES + end % cap).unwrap();
         }
         drop((replay, jf));
 

@@ -20,8 +20,8 @@ use blockdev::{BlockDev, DevError, DevResult};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Mutex};
 
-use crate::meta::{Layout, MetaReq, MetaResp, VolumeRec};
-use crate::shard_server::{dial, writer_loop, CONN_QUEUE_MSGS};
+use crate::driver::meta::{Layout, MetaReq, MetaResp, VolumeRec};
+use crate::driver::shard::{dial, writer_loop, CONN_QUEUE_MSGS};
 use crate::types::*;
 
 /// How long one request may wait for its reply before it is retried.

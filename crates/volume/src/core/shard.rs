@@ -1,7 +1,7 @@
 //! The storage shard as a deterministic state machine (no I/O, no clock, no threads).
 //!
 //! Inputs are messages, completed disk commands and clock ticks; outputs are messages to send and
-//! disk commands to run. The tokio driver (`shard_server`) and the simulation tests run the same
+//! disk commands to run. The tokio driver (`crate::driver::shard`) and the simulation tests run the same
 //! core. What it implements (SpecREDS §4.2–4.3, §5):
 //!
 //! * primary-copy replication: the acting primary of a slot applies a write locally and on every
