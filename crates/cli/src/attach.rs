@@ -50,6 +50,8 @@ pub struct AttachArgs {
     /// Internal: run as the background helper of `attach`.
     #[arg(long, hide = true)]
     pub helper: bool,
+    #[command(flatten)]
+    pub conn: crate::VolumeConn,
 }
 
 #[derive(Args, Debug)]

@@ -49,14 +49,14 @@ pub struct NbdProc {
     pub log: PathBuf,
 }
 
-/// Everything a client (or a person) needs to use a cluster started by `understudy up`.
+/// Everything a client (or a person) needs to use a cluster started by `understudy volume up`.
 #[derive(Serialize, Deserialize, Clone, Debug)]
 pub struct ClusterInfo {
     pub dir: PathBuf,
     pub secret_file: PathBuf,
     pub replicas: u32,
     pub port_base: u16,
-    /// Pid of the `understudy up` process that supervises the others.
+    /// Pid of the `understudy volume up` process that supervises the others.
     pub up_pid: u32,
     pub meta: ProcInfo,
     pub nbd: NbdProc,
@@ -66,7 +66,7 @@ pub struct ClusterInfo {
 impl ClusterInfo {
     pub fn load(path: &Path) -> anyhow::Result<ClusterInfo> {
         let bytes = std::fs::read(path).with_context(|| format!("cannot read cluster file {}", path.display()))?;
-        serde_json::from_slice(&bytes).with_context(|| format!("{} is not a cluster file written by `understudy up`", path.display()))
+        serde_json::from_slice(&bytes).with_context(|| format!("{} is not a cluster file written by `understudy volume up`", path.display()))
     }
 
     /// Writes atomically (temp file, fsync, rename).
@@ -137,7 +137,7 @@ impl Target {
             Some(ClusterInfo::load(&path)?)
         } else {
             anyhow::bail!(
-                "no cluster file at {}: start a cluster with `understudy up`, or pass --cluster FILE \
+                "no cluster file at {}: start a cluster with `understudy volume up`, or pass --cluster FILE \
                  (or $UNDERSTUDY_CLUSTER, or --meta ADDR --secret-file FILE)",
                 path.display()
             );
@@ -169,7 +169,7 @@ pub async fn connect(meta_addr: &str, secret: &[u8]) -> anyhow::Result<Arc<Clust
             let hint = if text.contains("secret") {
                 " (wrong cluster secret? check --secret-file or the cluster file)"
             } else if text.contains("refused") || text.contains("timed out") {
-                " (is `understudy up` or `understudy meta` running?)"
+                " (is `understudy volume up` or `understudy volume meta` running?)"
             } else {
                 ""
             };

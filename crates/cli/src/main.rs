@@ -33,13 +33,20 @@ use std::path::PathBuf;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 
-/// Cheap high availability for storage: replicated block volumes with instant `super` clones
-/// and atomic `collapse`.
+/// Cheap high availability for storage: four systems in one binary.
 ///
-/// Start a local cluster with `understudy up`, then create volumes and attach them over NBD
-/// (`qemu-io -f raw nbd://127.0.0.1:7701/NAME`) or as a mounted ext4 file system
+/// `volume`: replicated block volumes with instant `super` clones and atomic `collapse`
+/// (SpecREDS); `failover`: a monitor that recovers an application speculatively on a `super`
+/// child while its primary may still come back (SpecREDS); `nearlog`: small synchronous log
+/// writes replicated to spare memory on log peers, through an LD_PRELOAD shim (SplitFT); `kv`: a
+/// leaderless replicated key-value store with online incremental recovery (HEAL). The witness KV
+/// (CANDStore) is not built yet.
+///
+/// Start a local volume cluster with `understudy volume up`, then create volumes and attach them
+/// over NBD (`qemu-io -f raw nbd://127.0.0.1:7701/NAME`) or as a mounted ext4 file system
 /// (`understudy volume attach NAME --mount DIR --mkfs`). `understudy demo` shows super and
-/// collapse end to end with nothing to set up.
+/// collapse end to end with nothing to set up; `understudy bench AREA EXPERIMENT` reproduces
+/// the papers' experiments.
 ///
 /// Logs go to stderr; RUST_LOG (e.g. RUST_LOG=volume=debug) overrides -v.
 #[derive(Parser, Debug)]
@@ -54,6 +61,150 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
+    /// Replicated block volumes (SpecREDS): the daemons, a local cluster, and the client commands.
+    ///
+    /// `up` starts a whole local cluster; `meta`, `shard` and `nbd` run its daemons one by one.
+    /// The client commands (status, create, list, super, collapse, attach, …) find the cluster
+    /// through --cluster (default ./understudy-data/cluster.json, or $UNDERSTUDY_CLUSTER),
+    /// written by `understudy volume up`; --meta and --secret-file point at any other cluster.
+    /// The connection options go after the command (`volume create NAME --cluster FILE`) or
+    /// before it (`volume --cluster FILE create NAME`).
+    Volume {
+        #[command(flatten)]
+        conn: VolumeConn,
+        #[command(subcommand)]
+        cmd: VolumeCmd,
+    },
+    /// Speculative failover of an application on a volume: monitor, instance pool, endpoint.
+    ///
+    /// `failover run SPEC` runs an application instance on a volume behind a stable client
+    /// endpoint and fails it over (REDS, speculative or oracle policy) when its health check
+    /// fails; `inject` and `status` talk to a running monitor; `load` and `sqlite-front` are
+    /// the bundled test application and its client.
+    Failover {
+        #[command(flatten)]
+        conn: ConnArgs,
+        #[command(subcommand)]
+        cmd: failover::FailoverCmd,
+    },
+    /// Near-compute log (SplitFT): log peers, controller, a local cluster for the LD_PRELOAD shim.
+    #[command(subcommand)]
+    Nearlog(nearlog::NearlogCmd),
+    /// Leaderless replicated key-value store with HEAL recovery: node, cm, up, get, put.
+    #[command(subcommand)]
+    Kv(kv::KvCmd),
+    /// Super and collapse, both ways, on a throw-away local cluster, as a timeline.
+    ///
+    /// Brings up a cluster in a fresh temporary directory, creates a volume and writes to it
+    /// with qemu-io over NBD, runs `super`, writes to the child as a recovering application
+    /// would while the parent stays silent, and collapses: the child is promoted (checked by
+    /// reading it back; a parent write now fails). Then a second round where the parent keeps
+    /// writing after `super`: collapse rejects the child and the parent keeps its writes.
+    /// Cleans everything up; exits 0 only if every check held. Needs qemu-io (qemu-utils).
+    Demo(demo::DemoArgs),
+    /// Benchmarks, each on a throw-away local cluster; the last line of stdout is JSON.
+    ///
+    /// `--quick` finishes in about a minute and still measures every figure; without it the
+    /// run reproduces the paper's experiment at the largest size this machine allows.
+    #[command(subcommand)]
+    Bench(bench_cmds::BenchCmd),
+    // The volume commands that were top-level before the tree had one branch per system; kept,
+    // hidden, so scripts keep working. Each is exactly its `volume …` namesake.
+    /// Same as `understudy volume meta`.
+    #[command(hide = true)]
+    Meta(daemons::MetaArgs),
+    /// Same as `understudy volume shard`.
+    #[command(hide = true)]
+    Shard(daemons::ShardArgs),
+    /// Same as `understudy volume nbd`.
+    #[command(hide = true)]
+    Nbd(daemons::NbdArgs),
+    /// Same as `understudy volume up`.
+    #[command(hide = true)]
+    Up(up::UpArgs),
+    /// Same as `understudy volume status`.
+    #[command(hide = true)]
+    Status {
+        #[command(flatten)]
+        conn: ConnArgs,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// How client commands find the cluster.
+#[derive(Args, Debug, Clone)]
+pub struct ConnArgs {
+    /// The cluster file written by `understudy volume up`.
+    #[arg(long, global = true, env = "UNDERSTUDY_CLUSTER", value_name = "FILE")]
+    pub cluster: Option<PathBuf>,
+    /// Address of the metadata service (instead of the one in the cluster file).
+    #[arg(long, global = true, value_name = "ADDR")]
+    pub meta: Option<String>,
+    /// File holding the cluster secret (instead of the one in the cluster file).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
+}
+
+/// How a volume client command finds the cluster: the same options as [`ConnArgs`], given to one
+/// command (not global: the daemons under `volume` have their own `--meta` and `--secret-file`).
+#[derive(Args, Debug, Clone, Default)]
+pub struct VolumeConn {
+    /// The cluster file written by `understudy volume up`.
+    #[arg(long, env = "UNDERSTUDY_CLUSTER", value_name = "FILE")]
+    pub cluster: Option<PathBuf>,
+    /// Address of the metadata service (instead of the one in the cluster file).
+    #[arg(long, value_name = "ADDR")]
+    pub meta: Option<String>,
+    /// File holding the cluster secret (instead of the one in the cluster file).
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
+}
+
+impl VolumeConn {
+    /// The options given after the command, each falling back to the one given before it
+    /// (`volume --cluster F create …`).
+    fn over(&self, before: &VolumeConn) -> ConnArgs {
+        ConnArgs {
+            cluster: self.cluster.clone().or_else(|| before.cluster.clone()),
+            meta: self.meta.clone().or_else(|| before.meta.clone()),
+            secret_file: self.secret_file.clone().or_else(|| before.secret_file.clone()),
+        }
+    }
+}
+
+impl VolumeCmd {
+    /// The connection options of a client command (the daemons, `up` and `detach` have none).
+    fn conn(&self) -> Option<&VolumeConn> {
+        match self {
+            VolumeCmd::Up(_) | VolumeCmd::Meta(_) | VolumeCmd::Shard(_) | VolumeCmd::Nbd(_) | VolumeCmd::Detach(_) => None,
+            VolumeCmd::Status { conn, .. }
+            | VolumeCmd::List { conn, .. }
+            | VolumeCmd::Info { conn, .. }
+            | VolumeCmd::Delete { conn, .. }
+            | VolumeCmd::Collapse { conn, .. }
+            | VolumeCmd::CloneGeneral { conn, .. } => Some(conn),
+            VolumeCmd::Create(a) => Some(&a.conn),
+            VolumeCmd::Resize(a) => Some(&a.conn),
+            VolumeCmd::Super(a) => Some(&a.conn),
+            VolumeCmd::Attach(a) => Some(&a.conn),
+        }
+    }
+}
+
+#[derive(Subcommand, Debug)]
+enum VolumeCmd {
+    /// Start a local cluster on loopback (metadata service, shards, NBD server) and stay in the
+    /// foreground until Ctrl-C.
+    ///
+    /// From nothing it creates DIR, a random cluster secret (DIR/secret, mode 0600), one data
+    /// directory per process and their logs under DIR/logs/; it waits until every shard is up,
+    /// prints the endpoints and writes them to DIR/cluster.json, which the client commands
+    /// read. Running it again on the same DIR reuses the data, the secret and the ports.
+    /// Ports: metadata PORT_BASE, NBD PORT_BASE+1, shards PORT_BASE+2 onwards (--port-base 0
+    /// picks free ports).
+    Up(up::UpArgs),
     /// Run the metadata service (volumes, cluster map, super/collapse orchestration).
     ///
     /// Keeps its state in DIR/meta.json (replaced atomically on every change), listens for
@@ -74,86 +225,14 @@ enum Cmd {
     /// `nbd+unix:///VOLUME?socket=PATH` with --unix). Each connection opens the volume through
     /// the metadata service; writes to a parent fenced by `collapse` fail with EPERM.
     Nbd(daemons::NbdArgs),
-    /// Start a local cluster on loopback (metadata service, shards, NBD server) and stay in the
-    /// foreground until Ctrl-C.
-    ///
-    /// From nothing it creates DIR, a random cluster secret (DIR/secret, mode 0600), one data
-    /// directory per process and their logs under DIR/logs/; it waits until every shard is up,
-    /// prints the endpoints and writes them to DIR/cluster.json, which the client commands
-    /// read. Running it again on the same DIR reuses the data, the secret and the ports.
-    /// Ports: metadata PORT_BASE, NBD PORT_BASE+1, shards PORT_BASE+2 onwards (--port-base 0
-    /// picks free ports).
-    Up(up::UpArgs),
-    /// Create, list, clone, super, collapse, attach volumes.
-    ///
-    /// Every volume command finds the cluster through --cluster (default
-    /// ./understudy-data/cluster.json, or $UNDERSTUDY_CLUSTER), written by `understudy up`;
-    /// --meta and --secret-file point at any other cluster.
-    Volume {
-        #[command(flatten)]
-        conn: ConnArgs,
-        #[command(subcommand)]
-        cmd: VolumeCmd,
-    },
     /// Show the cluster map (shards, their states, the epoch) and the jobs in progress.
     Status {
         #[command(flatten)]
-        conn: ConnArgs,
+        conn: VolumeConn,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
-    /// Super and collapse, both ways, on a throw-away local cluster, as a timeline.
-    ///
-    /// Brings up a cluster in a fresh temporary directory, creates a volume and writes to it
-    /// with qemu-io over NBD, runs `super`, writes to the child as a recovering application
-    /// would while the parent stays silent, and collapses: the child is promoted (checked by
-    /// reading it back; a parent write now fails). Then a second round where the parent keeps
-    /// writing after `super`: collapse rejects the child and the parent keeps its writes.
-    /// Cleans everything up; exits 0 only if every check held. Needs qemu-io (qemu-utils).
-    Demo(demo::DemoArgs),
-    /// Speculative failover of an application on a volume: monitor, instance pool, endpoint.
-    ///
-    /// `failover run SPEC` runs an application instance on a volume behind a stable client
-    /// endpoint and fails it over (REDS, speculative or oracle policy) when its health check
-    /// fails; `inject` and `status` talk to a running monitor; `load` and `sqlite-front` are
-    /// the bundled test application and its client.
-    Failover {
-        #[command(flatten)]
-        conn: ConnArgs,
-        #[command(subcommand)]
-        cmd: failover::FailoverCmd,
-    },
-    /// Benchmarks, each on a throw-away local cluster; the last line of stdout is JSON.
-    ///
-    /// `--quick` finishes in about a minute and still measures every figure; without it the
-    /// run reproduces the paper's experiment at the largest size this machine allows.
-    #[command(subcommand)]
-    Bench(bench_cmds::BenchCmd),
-    /// Leaderless replicated key-value store with HEAL recovery: node, cm, up, get, put.
-    #[command(subcommand)]
-    Kv(kv::KvCmd),
-    /// Near-compute log (SplitFT): log peers, controller, a local cluster for the LD_PRELOAD shim.
-    #[command(subcommand)]
-    Nearlog(nearlog::NearlogCmd),
-}
-
-/// How client commands find the cluster.
-#[derive(Args, Debug, Clone)]
-pub struct ConnArgs {
-    /// The cluster file written by `understudy up`.
-    #[arg(long, global = true, env = "UNDERSTUDY_CLUSTER", value_name = "FILE")]
-    pub cluster: Option<PathBuf>,
-    /// Address of the metadata service (instead of the one in the cluster file).
-    #[arg(long, global = true, value_name = "ADDR")]
-    pub meta: Option<String>,
-    /// File holding the cluster secret (instead of the one in the cluster file).
-    #[arg(long, global = true, value_name = "FILE")]
-    pub secret_file: Option<PathBuf>,
-}
-
-#[derive(Subcommand, Debug)]
-enum VolumeCmd {
     /// Create a volume.
     ///
     /// Sizes take binary units: 512, 4K, 64KiB, 1G, 1.5T (K = 1024). A volume is thin: no
@@ -161,6 +240,8 @@ enum VolumeCmd {
     Create(volume_cmds::CreateArgs),
     /// List volumes.
     List {
+        #[command(flatten)]
+        conn: VolumeConn,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -168,12 +249,18 @@ enum VolumeCmd {
     /// Show one volume: size, object size, id, table, super parent or child.
     Info {
         name: String,
+        #[command(flatten)]
+        conn: VolumeConn,
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
     /// Delete a volume and (asynchronously) every object of it.
-    Delete { name: String },
+    Delete {
+        name: String,
+        #[command(flatten)]
+        conn: VolumeConn,
+    },
     /// Grow a volume (shrinking is refused: it would discard data).
     Resize(volume_cmds::ResizeArgs),
     /// Make an instant collocated copy-on-write child of PARENT; prints the child's name.
@@ -190,12 +277,21 @@ enum VolumeCmd {
     /// discarded and the parent goes on. Garbage collection then runs in the background.
     /// A broken connection or an undecided collapse (tracking shard silent) is asked again for
     /// up to two minutes; collapsing again prints the outcome already decided.
-    Collapse { child: String },
+    Collapse {
+        child: String,
+        #[command(flatten)]
+        conn: VolumeConn,
+    },
     /// Make an rbd-style general clone CHILD of PARENT (the baseline super is compared with).
     ///
     /// The child gets its own allocation table: objects placed independently of the parent's,
     /// copy-up across the network and an object-map update per copied object.
-    CloneGeneral { parent: String, child: String },
+    CloneGeneral {
+        parent: String,
+        child: String,
+        #[command(flatten)]
+        conn: VolumeConn,
+    },
     /// Attach a volume as a mounted file system: FUSE file → loop device → [mkfs.ext4] → mount.
     ///
     /// By default a background helper process serves the FUSE file (its pid and log are kept
@@ -248,39 +344,14 @@ fn io_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
-        Cmd::Meta(a) => {
-            init_logging(cli.verbose, "info");
-            runtime()?.block_on(daemons::meta(a))
-        }
-        Cmd::Shard(a) => {
-            init_logging(cli.verbose, "info");
-            io_runtime()?.block_on(daemons::shard(a))
-        }
-        Cmd::Nbd(a) => {
-            init_logging(cli.verbose, "info");
-            io_runtime()?.block_on(daemons::nbd(a))
-        }
-        Cmd::Up(a) => {
-            init_logging(cli.verbose, "info");
-            up::up(a, cli.verbose)
-        }
-        Cmd::Volume { conn, cmd } => {
-            let foreground_attach = matches!(&cmd, VolumeCmd::Attach(a) if a.foreground || a.helper);
-            if !foreground_attach {
-                restore_sigpipe();
-            }
-            // fuser warns about every xattr it does not implement: keep its errors only.
-            init_logging(cli.verbose, if foreground_attach { "info,fuser=error" } else { "warn" });
-            match cmd {
-                VolumeCmd::Attach(a) => attach::attach(&conn, a, cli.verbose),
-                VolumeCmd::Detach(a) => attach::detach(a),
-                cmd => runtime()?.block_on(volume_cmds::run(&conn, cmd)),
-            }
-        }
+        Cmd::Volume { conn, cmd } => run_volume(&conn, cmd, cli.verbose),
+        Cmd::Meta(a) => run_volume(&VolumeConn::default(), VolumeCmd::Meta(a), cli.verbose),
+        Cmd::Shard(a) => run_volume(&VolumeConn::default(), VolumeCmd::Shard(a), cli.verbose),
+        Cmd::Nbd(a) => run_volume(&VolumeConn::default(), VolumeCmd::Nbd(a), cli.verbose),
+        Cmd::Up(a) => run_volume(&VolumeConn::default(), VolumeCmd::Up(a), cli.verbose),
         Cmd::Status { conn, json } => {
-            restore_sigpipe();
-            init_logging(cli.verbose, "warn");
-            runtime()?.block_on(volume_cmds::status(&conn, json))
+            let conn = VolumeConn { cluster: conn.cluster, meta: conn.meta, secret_file: conn.secret_file };
+            run_volume(&VolumeConn::default(), VolumeCmd::Status { conn, json }, cli.verbose)
         }
         Cmd::Demo(a) => {
             init_logging(cli.verbose, "warn");
@@ -299,6 +370,47 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             bench_cmds::run(cmd, cli.verbose)
         }
         Cmd::Kv(cmd) => kv::run(cmd, cli.verbose),
+    }
+}
+
+/// `understudy volume …`; `before` holds the connection options given before the command.
+fn run_volume(before: &VolumeConn, cmd: VolumeCmd, verbose: u8) -> anyhow::Result<()> {
+    let conn = cmd.conn().map(|c| c.over(before)).unwrap_or_else(|| VolumeConn::default().over(before));
+    match cmd {
+        VolumeCmd::Meta(a) => {
+            init_logging(verbose, "info");
+            runtime()?.block_on(daemons::meta(a))
+        }
+        VolumeCmd::Shard(a) => {
+            init_logging(verbose, "info");
+            io_runtime()?.block_on(daemons::shard(a))
+        }
+        VolumeCmd::Nbd(a) => {
+            init_logging(verbose, "info");
+            io_runtime()?.block_on(daemons::nbd(a))
+        }
+        VolumeCmd::Up(a) => {
+            init_logging(verbose, "info");
+            up::up(a, verbose)
+        }
+        VolumeCmd::Status { json, .. } => {
+            restore_sigpipe();
+            init_logging(verbose, "warn");
+            runtime()?.block_on(volume_cmds::status(&conn, json))
+        }
+        cmd => {
+            let foreground_attach = matches!(&cmd, VolumeCmd::Attach(a) if a.foreground || a.helper);
+            if !foreground_attach {
+                restore_sigpipe();
+            }
+            // fuser warns about every xattr it does not implement: keep its errors only.
+            init_logging(verbose, if foreground_attach { "info,fuser=error" } else { "warn" });
+            match cmd {
+                VolumeCmd::Attach(a) => attach::attach(&conn, a, verbose),
+                VolumeCmd::Detach(a) => attach::detach(a),
+                cmd => runtime()?.block_on(volume_cmds::run(&conn, cmd)),
+            }
+        }
     }
 }
 
@@ -336,6 +448,61 @@ mod tests {
         walk(&Cli::command(), "understudy");
     }
 
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("understudy").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?} does not parse: {e}"))
+    }
+
+    /// The old top-level volume commands are hidden aliases: each parses to exactly what its
+    /// `volume …` namesake parses to, and none is listed in the help.
+    #[test]
+    fn old_top_level_volume_commands_are_hidden_aliases() {
+        let cases: [&[&str]; 5] = [
+            &["meta", "--dir", "d", "--secret-file", "s", "--listen", "127.0.0.1:1"],
+            &["shard", "--id", "3", "--dir", "d", "--listen", "127.0.0.1:2", "--meta", "127.0.0.1:1", "--secret-file", "s", "--create"],
+            &["nbd", "--meta", "127.0.0.1:1", "--secret-file", "s"],
+            &["up", "--dir", "d", "--shards", "4"],
+            &["status", "--cluster", "c.json", "--json"],
+        ];
+        for old in cases {
+            let new: Vec<&str> = std::iter::once("volume").chain(old.iter().copied()).collect();
+            let (Cli { cmd: old_cmd, .. }, Cli { cmd: new_cmd, .. }) = (parse(old), parse(&new));
+            let Cmd::Volume { cmd: new_cmd, .. } = new_cmd else { panic!("{new:?} is not a volume command") };
+            let old_text = format!("{old_cmd:?}");
+            let new_text = format!("{new_cmd:?}").replace("VolumeConn", "ConnArgs");
+            assert_eq!(old_text, new_text, "`{}` and `{}` differ", old.join(" "), new.join(" "));
+        }
+        let help = Cli::command().render_help().to_string();
+        for hidden in ["meta", "shard", "nbd", "up", "status"] {
+            assert!(!help.lines().any(|l| l.trim_start().starts_with(&format!("{hidden} "))), "`{hidden}` is listed:\n{help}");
+        }
+    }
+
+    /// A volume client command takes the connection options after its name or before it; after
+    /// wins, and each option falls back on its own.
+    #[test]
+    fn volume_connection_options_go_before_or_after_the_command() {
+        let conn_of = |args: &[&str]| match parse(args).cmd {
+            Cmd::Volume { conn, cmd } => cmd.conn().cloned().unwrap_or_default().over(&conn),
+            other => panic!("{other:?}"),
+        };
+        let after = conn_of(&["volume", "create", "v", "--size", "1M", "--cluster", "a.json"]);
+        assert_eq!(after.cluster.as_deref(), Some(std::path::Path::new("a.json")));
+        let before = conn_of(&["volume", "--cluster", "b.json", "create", "v", "--size", "1M"]);
+        assert_eq!(before.cluster.as_deref(), Some(std::path::Path::new("b.json")));
+        let both = conn_of(&["volume", "--cluster", "b.json", "--meta", "m:1", "collapse", "c", "--cluster", "a.json"]);
+        assert_eq!(both.cluster.as_deref(), Some(std::path::Path::new("a.json")));
+        assert_eq!(both.meta.as_deref(), Some("m:1"));
+        // A daemon's own --meta is the daemon's, not a connection option.
+        match parse(&["volume", "nbd", "--meta", "127.0.0.1:9", "--secret-file", "s"]).cmd {
+            Cmd::Volume { conn, cmd: VolumeCmd::Nbd(a) } => {
+                assert_eq!(a.meta, "127.0.0.1:9");
+                assert!(conn.meta.is_none());
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     /// The reference of every command, as `--help` prints it, in one Markdown page.
     fn commands_markdown() -> String {
         fn walk(cmd: &mut clap::Command, path: &str, out: &mut String) {
@@ -348,8 +515,11 @@ mod tests {
                 out.push('\n');
             }
             out.push_str("```\n");
+            // Hidden commands (the old top-level volume commands) are aliases: documented once,
+            // in the page's opening, not as a second copy of their `volume …` sections.
             let names: Vec<String> = cmd
                 .get_subcommands()
+                .filter(|s| !s.is_hide_set())
                 .map(|s| s.get_name().to_string())
                 .filter(|n| n != "help")
                 .collect();
@@ -364,7 +534,9 @@ mod tests {
             "# Command reference\n\nEvery `understudy` command and its options, as `--help` prints \
              them. Generated from the CLI definition: after changing a command, run\n\
              `UPDATE_DOCS=1 cargo test -p understudy --bin understudy commands_doc` to refresh \
-             this page.\n",
+             this page.\n\n\
+             `understudy meta`, `shard`, `nbd`, `up` and `status` still work as before, unlisted: each \
+             is exactly its `understudy volume …` namesake.\n",
         );
         let mut body = String::new();
         walk(&mut cmd, "understudy", &mut body);

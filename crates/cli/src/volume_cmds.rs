@@ -35,6 +35,8 @@ pub struct CreateArgs {
     /// databases].
     #[arg(long, value_parser = parse_size_arg)]
     pub object_size: Option<u64>,
+    #[command(flatten)]
+    pub conn: crate::VolumeConn,
 }
 
 #[derive(Args, Debug)]
@@ -43,6 +45,8 @@ pub struct ResizeArgs {
     /// New size (e.g. 2G); not smaller than the current one.
     #[arg(long, value_parser = parse_size_arg)]
     pub size: u64,
+    #[command(flatten)]
+    pub conn: crate::VolumeConn,
 }
 
 #[derive(Args, Debug)]
@@ -51,6 +55,8 @@ pub struct SuperArgs {
     /// Name of the child [default: PARENT.super-N, the smallest unused N].
     #[arg(long)]
     pub child: Option<String>,
+    #[command(flatten)]
+    pub conn: crate::VolumeConn,
 }
 
 fn check_size(size: u64) -> anyhow::Result<()> {
@@ -118,7 +124,7 @@ pub async fn run(conn: &ConnArgs, cmd: VolumeCmd) -> anyhow::Result<()> {
                 );
             }
         }
-        VolumeCmd::List { json } => {
+        VolumeCmd::List { json, .. } => {
             let vs = volumes(&c).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&vs)?);
@@ -139,7 +145,7 @@ pub async fn run(conn: &ConnArgs, cmd: VolumeCmd) -> anyhow::Result<()> {
                 }
             }
         }
-        VolumeCmd::Info { name, json } => {
+        VolumeCmd::Info { name, json, .. } => {
             let v = c.volume_info(&name).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&v)?);
@@ -155,7 +161,7 @@ pub async fn run(conn: &ConnArgs, cmd: VolumeCmd) -> anyhow::Result<()> {
                 }
             }
         }
-        VolumeCmd::Delete { name } => {
+        VolumeCmd::Delete { name, .. } => {
             c.meta(MetaReq::Delete { name: name.clone() }).await?;
             println!("deleted {name} (its objects are removed in the background)");
         }
@@ -175,7 +181,7 @@ pub async fn run(conn: &ConnArgs, cmd: VolumeCmd) -> anyhow::Result<()> {
             println!("{}", v.name);
             eprintln!("super {} → {} in {ms:.1} ms; `understudy volume collapse {}` decides which survives", a.parent, v.name, v.name);
         }
-        VolumeCmd::Collapse { child } => {
+        VolumeCmd::Collapse { child, .. } => {
             // A repeated collapse of a rejected child finds no volume: the collapse answers.
             let parent = c.volume_info(&child).await.ok().and_then(|i| i.super_parent).unwrap_or_else(|| "the parent".into());
             let t = Instant::now();
@@ -195,12 +201,18 @@ pub async fn run(conn: &ConnArgs, cmd: VolumeCmd) -> anyhow::Result<()> {
                 }
             }
         }
-        VolumeCmd::CloneGeneral { parent, child } => {
+        VolumeCmd::CloneGeneral { parent, child, .. } => {
             let v = expect_volume(c.meta(MetaReq::CloneGeneral { parent: parent.clone(), child: child.clone() }).await?)?;
             println!("{}", v.name);
             eprintln!("general clone {parent} → {} (the rbd-style baseline)", v.name);
         }
-        VolumeCmd::Attach(_) | VolumeCmd::Detach(_) => unreachable!("handled in main"),
+        VolumeCmd::Attach(_)
+        | VolumeCmd::Detach(_)
+        | VolumeCmd::Up(_)
+        | VolumeCmd::Meta(_)
+        | VolumeCmd::Shard(_)
+        | VolumeCmd::Nbd(_)
+        | VolumeCmd::Status { .. } => unreachable!("handled in main (run_volume)"),
     }
     Ok(())
 }
