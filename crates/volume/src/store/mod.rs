@@ -104,23 +104,20 @@
 //! takes a free slot of a bigger class, or fails with [`DiskErr::NoSpace`] having changed
 //! nothing. Overwrites never need space: their blocks exist.
 
+pub mod files;
 pub mod journal;
 pub mod objfmt;
 
 use std::collections::{HashMap, VecDeque};
-use std::ffi::CString;
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, ErrorKind, Read, Seek, SeekFrom, Write};
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::FileExt;
-use std::os::unix::io::AsRawFd;
+use std::io::{self, ErrorKind};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use journal::{Journal, JournalStats};
+pub use files::{RealFs, SimFs, SlotFile, StoreFs};
+use journal::{Journal, JournalFile, JournalStats};
 use objfmt::{ObjFile, CRC_BLOCK_BYTES, HEADER_BYTES, MAX_CRC_BLOCKS};
 use crate::core::shard::{Boot, DiskCmd, DiskErr, DiskOut};
 use crate::types::*;
@@ -303,6 +300,10 @@ pub struct StoreCounters {
     pub refill_batches: u64,
     pub refill_batches_while_serving: u64,
     pub refill_us: u64,
+    /// First child writes that made a deferred copy, and deferred copies completed (so a test
+    /// can see the partial-copy paths ran).
+    pub deferred_copies_made: u64,
+    pub deferred_copies_completed: u64,
 }
 
 /// The atomic form of [`StoreCounters`].
@@ -322,6 +323,8 @@ struct Counters {
     refill_batches: AtomicU64,
     refill_batches_while_serving: AtomicU64,
     refill_us: AtomicU64,
+    deferred_copies_made: AtomicU64,
+    deferred_copies_completed: AtomicU64,
 }
 
 impl Counters {
@@ -342,6 +345,8 @@ impl Counters {
             refill_batches: g(&self.refill_batches),
             refill_batches_while_serving: g(&self.refill_batches_while_serving),
             refill_us: g(&self.refill_us),
+            deferred_copies_made: g(&self.deferred_copies_made),
+            deferred_copies_completed: g(&self.deferred_copies_completed),
         }
     }
 }
@@ -519,7 +524,7 @@ fn current_header(page: &[u8], class: usize) -> Option<(u8, SlotHeader)> {
 }
 
 /// Reads into `buf` from `offset`; returns how many bytes the file has there.
-fn read_full_at(f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+fn read_full_at<F: JournalFile>(f: &F, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     let mut done = 0;
     while done < buf.len() {
         match f.read_at(&mut buf[done..], offset + done as u64) {
@@ -532,7 +537,7 @@ fn read_full_at(f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     Ok(done)
 }
 
-fn write_zeroes_at(f: &File, mut offset: u64, mut len: u64) -> io::Result<()> {
+fn write_zeroes_at<F: JournalFile>(f: &F, mut offset: u64, mut len: u64) -> io::Result<()> {
     let zeroes = vec![0u8; (len as usize).min(ZERO_CHUNK_BYTES)];
     while len > 0 {
         let n = len.min(zeroes.len() as u64);
@@ -552,14 +557,14 @@ fn invalid(msg: String) -> io::Error {
 /// size; growing the object zeroes the stale bytes it takes in; shrinking it (`Put`) only lowers
 /// the length — nothing is truncated or deallocated, so no metadata changes. The new objfmt
 /// header is kept here; the store writes it into the slot header.
-struct SlotObject<'a> {
-    file: &'a SlotWriter,
+struct SlotObject<'a, F: SlotFile> {
+    file: &'a SlotWriter<F>,
     objfmt_header: [u8; HEADER_COPY_BYTES],
     len_bytes: u64,
     capacity_bytes: u64,
 }
 
-impl SlotObject<'_> {
+impl<F: SlotFile> SlotObject<'_, F> {
     fn grow_to(&mut self, len_bytes: u64) -> io::Result<()> {
         if len_bytes > self.capacity_bytes {
             return Err(invalid(format!("object of {len_bytes} bytes does not fit its {} byte slot", self.capacity_bytes)));
@@ -572,7 +577,7 @@ impl SlotObject<'_> {
     }
 }
 
-impl ObjFile for SlotObject<'_> {
+impl<F: SlotFile> ObjFile for SlotObject<'_, F> {
     fn read_at(&mut self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         if offset < HEADER_BYTES {
             // objfmt reads its header whole, at offset 0.
@@ -632,10 +637,7 @@ impl ObjFile for SlotObject<'_> {
         // rather than a zeroed buffer (one pass over the block fewer).
         let at = offset.saturating_sub(HEADER_BYTES).min(self.len_bytes);
         let n = len.min(self.len_bytes - at);
-        let mut buf = Vec::with_capacity(n as usize);
-        let mut file = &self.file.f;
-        file.seek(SeekFrom::Start(SLOT_HEADER_PAGE_BYTES + at))?;
-        file.take(n).read_to_end(&mut buf)?;
+        let mut buf = self.file.f.read_vec(SLOT_HEADER_PAGE_BYTES + at, n)?;
         buf.resize(n as usize, 0);
         self.file.overlay_pending(&mut buf, SLOT_HEADER_PAGE_BYTES + at)?;
         Ok(crc32c::crc32c(&buf))
@@ -901,7 +903,9 @@ impl Index {
     }
 }
 
-struct Inner {
+struct Inner<D: StoreFs> {
+    /// The file system the store's files are on.
+    fs: D,
     root: PathBuf,
     pool: PoolOptions,
     index: Mutex<Index>,
@@ -922,11 +926,12 @@ struct Inner {
     last_write_us: AtomicU64,
     opened: std::time::Instant,
     /// The write-ahead journal, if on.
-    journal: Option<Journal<File>>,
+    journal: Option<Journal<D::File>>,
 }
 
-pub struct FileStore {
-    inner: Arc<Inner>,
+/// The store, on the real file system unless a test gives it another ([`StoreFs`]).
+pub struct FileStore<D: StoreFs = RealFs> {
+    inner: Arc<Inner<D>>,
     refill_thread: Option<JoinHandle<()>>,
     checkpoint_thread: Option<JoinHandle<()>>,
 }
@@ -934,14 +939,14 @@ pub struct FileStore {
 /// A slot file opened for a mutating command. With the journal on, the command's writes are
 /// held back as its journal record's payload and reach the file only once that record is
 /// durable ([`Inner::make_durable`]: write-ahead); reads through it see them meanwhile.
-struct SlotWriter {
-    f: File,
+struct SlotWriter<F> {
+    f: F,
     slot: SlotRef,
     /// The writes held back so far ([`encode_write`] entries), if journaling.
     pending: Option<std::cell::RefCell<Vec<u8>>>,
 }
 
-impl SlotWriter {
+impl<F: SlotFile> SlotWriter<F> {
     fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
         match &self.pending {
             Some(p) => encode_write(&mut p.borrow_mut(), self.slot.class, self.slot.no, offset, data.len() as u64, Some(data)),
@@ -986,7 +991,7 @@ impl SlotWriter {
 }
 
 /// Writes a journal record's writes (all to `f`, the slot file of their key) to the file.
-fn write_record(f: &File, payload: &[u8]) -> io::Result<()> {
+fn write_record<F: JournalFile>(f: &F, payload: &[u8]) -> io::Result<()> {
     for (_, offset, len, data) in decode_writes(payload)? {
         match data {
             Some(d) => f.write_all_at(d, offset)?,
@@ -1069,24 +1074,24 @@ fn slot_path_in(root: &Path, class: usize, no: u64) -> PathBuf {
 /// Opens the journal at `root` (replaying whatever an earlier run left in it onto the slot
 /// files, made durable before the journal forgets it), or creates one of `capacity` bytes; with
 /// `capacity` `None`, a journal left behind is replayed and removed.
-fn open_journal(root: &Path, capacity: Option<u64>) -> io::Result<Option<Journal<File>>> {
+fn open_journal<D: StoreFs>(fs: &D, root: &Path, capacity: Option<u64>) -> io::Result<Option<Journal<D::File>>> {
     let path = root.join(JOURNAL_FILE);
     let mut journal = None;
-    match OpenOptions::new().read(true).write(true).open(&path) {
+    match fs.open(&path) {
         Ok(f) => {
             let replay = Journal::open(f)?;
             if !replay.payloads.is_empty() {
                 tracing::info!(records = replay.payloads.len(), "replaying the journal");
             }
-            apply_records(root, &replay.payloads)?;
+            apply_records(fs, root, &replay.payloads)?;
             let cap = replay.capacity();
             let j = replay.finish()?;
             if capacity == Some(cap) {
                 journal = Some(j);
             } else {
                 drop(j);
-                fs::remove_file(&path)?;
-                sync_dir(root)?;
+                fs.remove_file(&path)?;
+                fs.sync_dir(root)?;
             }
         }
         Err(e) if e.kind() == ErrorKind::NotFound => {}
@@ -1095,10 +1100,10 @@ fn open_journal(root: &Path, capacity: Option<u64>) -> io::Result<Option<Journal
     if let (None, Some(cap)) = (&journal, capacity) {
         // Made whole under another name first: a crash mid-way leaves no journal half made.
         let tmp = root.join("journal.tmp");
-        let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp)?;
+        let f = fs.create_truncate(&tmp)?;
         Journal::format(&f, cap)?;
-        fs::rename(&tmp, &path)?;
-        sync_dir(root)?;
+        fs.rename(&tmp, &path)?;
+        fs.sync_dir(root)?;
         journal = Some(Journal::open(f)?.finish()?);
     }
     Ok(journal)
@@ -1106,15 +1111,15 @@ fn open_journal(root: &Path, capacity: Option<u64>) -> io::Result<Option<Journal
 
 /// Redoes journal records' writes on the slot files, in order, and syncs the files. A file
 /// that is gone was a free slot the trim removed (after syncing it): nothing to restore.
-fn apply_records(root: &Path, payloads: &[Vec<u8>]) -> io::Result<()> {
-    let mut files: HashMap<u64, Option<File>> = HashMap::new();
+fn apply_records<D: StoreFs>(fs: &D, root: &Path, payloads: &[Vec<u8>]) -> io::Result<()> {
+    let mut files: HashMap<u64, Option<D::File>> = HashMap::new();
     for p in payloads {
         for (key, offset, len, data) in decode_writes(p)? {
             let f = match files.entry(key) {
                 std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
                 std::collections::hash_map::Entry::Vacant(v) => {
                     let (class, no) = slot_of_key(key);
-                    v.insert(match OpenOptions::new().read(true).write(true).open(slot_path_in(root, class, no)) {
+                    v.insert(match fs.open(&slot_path_in(root, class, no)) {
                         Ok(f) => Some(f),
                         Err(e) if e.kind() == ErrorKind::NotFound => None,
                         Err(e) => return Err(e),
@@ -1129,57 +1134,12 @@ fn apply_records(root: &Path, payloads: &[Vec<u8>]) -> io::Result<()> {
         }
     }
     for f in files.values().flatten() {
-        start_writeback(f);
+        f.start_writeback();
     }
-    files.values().flatten().try_for_each(|f| f.sync_data())
+    files.values().flatten().try_for_each(|f| f.sync())
 }
 
-fn sync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir)?.sync_all()
-}
-
-/// Bytes of the file system holding `path` that an unprivileged writer may still use.
-fn available_bytes(path: &Path) -> io::Result<u64> {
-    let c = CString::new(path.as_os_str().as_bytes()).map_err(|e| invalid(e.to_string()))?;
-    // SAFETY: `c` is a valid NUL-terminated path; `st` is plain data the call fills in.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: both pointers are valid for the duration of the call.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
-}
-
-/// Starts writeback of a file's dirty pages without waiting, so a batch of new slot files is
-/// allocated in one journal transaction and the `fdatasync`s that follow share its commit.
-fn start_writeback(f: &File) {
-    // SAFETY: sync_file_range on a valid open descriptor with plain integer arguments; failure
-    // only loses the optimisation (the fdatasync after it is what makes the file durable).
-    unsafe {
-        libc::sync_file_range(f.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE);
-    }
-}
-
-/// Writes back a file's dirty pages and waits until the device has them (in its write cache:
-/// a flush must follow for durability), without the device flush of `fdatasync`.
-fn wait_writeback(f: &File) -> io::Result<()> {
-    let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
-    // SAFETY: sync_file_range on a valid open descriptor with plain integer arguments.
-    if unsafe { libc::sync_file_range(f.as_raw_fd(), 0, 0, flags) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Whether the file has a hole before `len` (its blocks were never written: a slot file whose
-/// creation a crash interrupted). File systems without hole reporting say "no".
-fn has_hole(f: &File, len: u64) -> bool {
-    // SAFETY: lseek on a valid open descriptor with plain integer arguments.
-    let at = unsafe { libc::lseek(f.as_raw_fd(), 0, libc::SEEK_HOLE) };
-    at >= 0 && (at as u64) < len
-}
-
-impl FileStore {
+impl FileStore<RealFs> {
     /// Opens (creating if asked) a shard data directory, with the default pool.
     pub fn open(root: &Path, create: bool) -> Result<Self, String> {
         Self::open_with(root, create, PoolOptions::default())
@@ -1189,16 +1149,24 @@ impl FileStore {
     /// lists (checksums of the objects' bytes are checked by [`FileStore::boot`]), imports
     /// objects of the older one-file-per-object layout, and starts the refill.
     pub fn open_with(root: &Path, create: bool, pool: PoolOptions) -> Result<Self, String> {
-        if !root.exists() {
+        Self::open_on(RealFs, root, create, pool)
+    }
+}
+
+impl<D: StoreFs> FileStore<D> {
+    /// [`FileStore::open_with`] on the file system `fs` (the simulation's disk in tests).
+    pub fn open_on(fs: D, root: &Path, create: bool, pool: PoolOptions) -> Result<Self, String> {
+        if !fs.exists(root) {
             if !create {
                 return Err(format!(
                     "data directory {} does not exist (pass --create to make a new shard)",
                     root.display()
                 ));
             }
-            fs::create_dir_all(root).map_err(|e| format!("cannot create {}: {e}", root.display()))?;
+            fs.create_dir_all(root).map_err(|e| format!("cannot create {}: {e}", root.display()))?;
         }
         let mut inner = Inner {
+            fs,
             root: root.to_path_buf(),
             pool,
             index: Mutex::new(Index::default()),
@@ -1217,7 +1185,7 @@ impl FileStore {
         };
         inner.make_dirs().map_err(|e| format!("{} is not a usable shard data directory: {e}", root.display()))?;
         // Before the slot headers are read: the journal's records bring the slots up to date.
-        inner.journal = open_journal(root, inner.pool.journal_capacity_bytes)
+        inner.journal = open_journal(&inner.fs, root, inner.pool.journal_capacity_bytes)
             .map_err(|e| format!("cannot open the journal of {}: {e}", root.display()))?;
         inner.scan().map_err(|e| format!("cannot read the slots of {}: {e}", root.display()))?;
         inner
@@ -1288,7 +1256,7 @@ impl FileStore {
     }
 }
 
-impl Drop for FileStore {
+impl<D: StoreFs> Drop for FileStore<D> {
     fn drop(&mut self) {
         self.inner.shutdown.store(true, Ordering::SeqCst);
         self.inner.wake_refill();
@@ -1304,7 +1272,7 @@ impl Drop for FileStore {
     }
 }
 
-impl Inner {
+impl<D: StoreFs> Inner<D> {
     fn slots_dir(&self) -> PathBuf {
         self.root.join("slots")
     }
@@ -1334,9 +1302,9 @@ impl Inner {
             let mut files = Vec::with_capacity(keys.len());
             for &k in keys {
                 let (class, no) = slot_of_key(k);
-                match File::open(self.slot_path(class, no)) {
+                match self.fs.open_read(&self.slot_path(class, no)) {
                     Ok(f) => {
-                        start_writeback(&f);
+                        f.start_writeback();
                         files.push(f);
                     }
                     // Removed by the trim, which synced it first.
@@ -1344,7 +1312,7 @@ impl Inner {
                     Err(e) => return Err(e),
                 }
             }
-            files.iter().try_for_each(wait_writeback)
+            files.iter().try_for_each(|f| f.wait_writeback())
         })
     }
 
@@ -1367,18 +1335,18 @@ impl Inner {
         }
     }
 
-    fn open_slot(&self, slot: &SlotRef) -> io::Result<File> {
-        OpenOptions::new().read(true).write(true).open(self.slot_path(slot.class, slot.no))
+    fn open_slot(&self, slot: &SlotRef) -> io::Result<D::File> {
+        self.fs.open(&self.slot_path(slot.class, slot.no))
     }
 
     fn make_dirs(&self) -> io::Result<()> {
-        let fresh = !self.slots_dir().is_dir();
+        let fresh = !self.fs.is_dir(&self.slots_dir());
         for class in 0..CLASSES {
-            fs::create_dir_all(self.class_dir(class))?;
+            self.fs.create_dir_all(&self.class_dir(class))?;
         }
         if fresh {
-            sync_dir(&self.slots_dir())?;
-            sync_dir(&self.root)?;
+            self.fs.sync_dir(&self.slots_dir())?;
+            self.fs.sync_dir(&self.root)?;
         }
         Ok(())
     }
@@ -1392,14 +1360,14 @@ impl Inner {
     }
 
     /// Reads a slot's header page and returns its current header.
-    fn read_header(&self, f: &File, class: usize) -> io::Result<Option<(u8, SlotHeader)>> {
+    fn read_header(&self, f: &D::File, class: usize) -> io::Result<Option<(u8, SlotHeader)>> {
         let mut page = [0u8; 2 * HEADER_COPY_BYTES];
         read_full_at(f, &mut page, 0)?;
         Ok(current_header(&page, class))
     }
 
     /// The live header of an object's slot (the index said it is there).
-    fn read_live(&self, f: &File, key: &ObjKey, e: &Entry) -> io::Result<LiveObject> {
+    fn read_live(&self, f: &D::File, key: &ObjKey, e: &Entry) -> io::Result<LiveObject> {
         let mut sector = [0u8; HEADER_COPY_BYTES];
         read_full_at(f, &mut sector, e.slot.current_copy as u64 * HEADER_COPY_BYTES as u64)?;
         match SlotHeader::decode(&sector, e.slot.class) {
@@ -1414,7 +1382,7 @@ impl Inner {
     /// Writes a new header into the slot's other copy and makes the slot durable (its data
     /// written before, and the header, in one `fdatasync`). Returns the slot with the copy now
     /// current.
-    fn commit_header(&self, w: &SlotWriter, slot: SlotRef, object: Option<LiveObject>) -> io::Result<SlotRef> {
+    fn commit_header(&self, w: &SlotWriter<D::File>, slot: SlotRef, object: Option<LiveObject>) -> io::Result<SlotRef> {
         let header = SlotHeader { generation: self.generation(), object };
         let copy = slot.next_copy();
         w.write_all_at(&header.encode(slot.class), copy as u64 * HEADER_COPY_BYTES as u64)?;
@@ -1424,14 +1392,14 @@ impl Inner {
 
     /// Makes what `w` wrote durable: one journal record (group commit) and then the writes
     /// themselves (write-ahead), or the slot file's own `fdatasync`.
-    fn make_durable(&self, w: &SlotWriter) -> io::Result<()> {
+    fn make_durable(&self, w: &SlotWriter<D::File>) -> io::Result<()> {
         match (&self.journal, &w.pending) {
             (Some(j), Some(pending)) => {
                 let payload = std::mem::take(&mut *pending.borrow_mut());
                 j.commit_then(&payload, &[slot_key(w.slot.class, w.slot.no)], || write_record(&w.f, &payload))
             }
             _ => {
-                w.f.sync_data()?;
+                w.f.sync()?;
                 inc(&self.counters.write_fdatasyncs);
                 Ok(())
             }
@@ -1439,7 +1407,7 @@ impl Inner {
     }
 
     /// Opens a slot file for a mutating command (see [`SlotWriter`]).
-    fn writer(&self, slot: &SlotRef) -> io::Result<SlotWriter> {
+    fn writer(&self, slot: &SlotRef) -> io::Result<SlotWriter<D::File>> {
         let pending = self.journal.as_ref().map(|_| std::cell::RefCell::new(Vec::new()));
         Ok(SlotWriter { f: self.open_slot(slot)?, slot: *slot, pending })
     }
@@ -1487,11 +1455,11 @@ impl Inner {
                 let mut last = self.state_seq.lock().unwrap();
                 if seq > *last {
                     let tmp = self.root.join("state.tmp");
-                    let mut f = File::create(&tmp).map_err(disk_err)?;
-                    f.write_all(&bytes).map_err(disk_err)?;
-                    f.sync_data().map_err(disk_err)?;
-                    fs::rename(&tmp, self.root.join("state")).map_err(disk_err)?;
-                    sync_dir(&self.root).map_err(disk_err)?;
+                    let f = self.fs.create_truncate(&tmp).map_err(disk_err)?;
+                    f.write_all_at(&bytes, 0).map_err(disk_err)?;
+                    f.sync().map_err(disk_err)?;
+                    self.fs.rename(&tmp, &self.root.join("state")).map_err(disk_err)?;
+                    self.fs.sync_dir(&self.root).map_err(disk_err)?;
                     *last = seq;
                 }
                 Ok(DiskOut::Done)
@@ -1613,6 +1581,9 @@ impl Inner {
         }
         match written {
             Ok(slot) => {
+                if fresh {
+                    inc(&self.counters.deferred_copies_made);
+                }
                 self.index.lock().unwrap().insert(key, Entry { slot, len_bytes: new_len, base });
                 Ok(())
             }
@@ -1659,6 +1630,7 @@ impl Inner {
         let object = LiveObject { key, len_bytes: e.len_bytes, objfmt_header: obj.objfmt_header, base: None };
         let slot = self.commit_header(&w, e.slot, Some(object))?;
         self.index.lock().unwrap().insert(key, Entry { slot, len_bytes: e.len_bytes, base: None });
+        inc(&self.counters.deferred_copies_completed);
         Ok(())
     }
 
@@ -1675,7 +1647,7 @@ impl Inner {
     /// copy takes the sectors it does not hold from its parent's slot — or zeroes, should that
     /// slot no longer hold the parent (which the invariant of [`Base`] rules out; the block
     /// checksums would then mark the object suspect at boot).
-    fn read_body_at(&self, f: &File, e: &Entry, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    fn read_body_at(&self, f: &D::File, e: &Entry, buf: &mut [u8], offset: u64) -> io::Result<()> {
         let Some(base) = e.base else {
             let got = read_full_at(f, buf, SLOT_HEADER_PAGE_BYTES + offset)?;
             buf[got..].fill(0);
@@ -1744,16 +1716,13 @@ impl Inner {
     fn load(&self, key: &ObjKey, e: &Entry) -> io::Result<MemObject> {
         let f = self.open_slot(&e.slot)?;
         let live = self.read_live(&f, key, e)?;
-        // Read into uninitialised capacity (`read_to_end` does not zero it first): on the
-        // copy-on-write path every pass over the object's bytes shows in the latency.
         let body = if e.base.is_some() {
             let mut body = vec![0u8; e.len_bytes as usize];
             self.read_body_at(&f, e, &mut body, 0)?;
             body
         } else {
-            let mut body = Vec::with_capacity(e.len_bytes as usize);
-            (&f).seek(SeekFrom::Start(SLOT_HEADER_PAGE_BYTES))?;
-            (&f).take(e.len_bytes).read_to_end(&mut body)?;
+            // Read into uninitialised capacity ([`SlotFile::read_vec`]).
+            let mut body = f.read_vec(SLOT_HEADER_PAGE_BYTES, e.len_bytes)?;
             body.resize(e.len_bytes as usize, 0); // a short slot file: missing bytes read as zeroes
             body
         };
@@ -1941,29 +1910,29 @@ impl Inner {
         };
         let mut page = vec![0u8; SLOT_HEADER_PAGE_BYTES as usize];
         page[..HEADER_COPY_BYTES].copy_from_slice(&SlotHeader { generation: 0, object: None }.encode(class));
-        let mut made: Vec<(PathBuf, File)> = Vec::with_capacity(count);
+        let mut made: Vec<(PathBuf, D::File)> = Vec::with_capacity(count);
         let result = (|| {
             for no in first_no..first_no + count as u64 {
                 let path = self.slot_path(class, no);
-                let f = OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
+                let f = self.fs.create_new(&path)?;
                 made.push((path, f));
                 let f = &made.last().unwrap().1;
                 f.write_all_at(&page, 0)?;
                 write_zeroes_at(f, SLOT_HEADER_PAGE_BYTES, CLASS_DATA_BYTES[class])?;
             }
             for (_, f) in &made {
-                start_writeback(f);
+                f.start_writeback();
             }
             for (_, f) in &made {
-                f.sync_data()?;
+                f.sync()?;
             }
-            sync_dir(&self.class_dir(class))
+            self.fs.sync_dir(&self.class_dir(class))
         })();
         match result {
             Ok(()) => Ok((first_no..first_no + count as u64).map(|no| SlotRef { class, no, current_copy: 0 }).collect()),
             Err(e) => {
                 for (path, _) in &made {
-                    let _ = fs::remove_file(path);
+                    let _ = self.fs.remove_file(path);
                 }
                 Err(e)
             }
@@ -2051,7 +2020,7 @@ impl Inner {
             let batch_slots = ((REFILL_BATCH_BYTES / slot_file_bytes(class)).max(1) as usize).min(REFILL_BATCH_MAX_SLOTS);
             let count = need.min(batch_slots);
             let need_bytes = count as u64 * slot_file_bytes(class);
-            match available_bytes(&self.root) {
+            match self.fs.available_bytes(&self.root) {
                 Ok(avail) if avail >= self.pool.reserve_bytes + need_bytes => {}
                 Ok(_) => return false, // the disk is nearly full: leave its space to writes
                 Err(e) => {
@@ -2098,13 +2067,13 @@ impl Inner {
             if self.journal.is_some() {
                 // Its free header may so far be durable only in the journal: were the removal
                 // lost in a crash, the file would come back with whatever it held before.
-                if let Err(e) = File::open(self.slot_path(slot.class, slot.no)).and_then(|f| f.sync_data()) {
+                if let Err(e) = self.fs.open_read(&self.slot_path(slot.class, slot.no)).and_then(|f| f.sync()) {
                     tracing::warn!("cannot sync free slot {} before deleting it: {e}", self.slot_path(slot.class, slot.no).display());
                     self.index.lock().unwrap().free[class].push_front(slot);
                     continue;
                 }
             }
-            if let Err(e) = fs::remove_file(self.slot_path(slot.class, slot.no)) {
+            if let Err(e) = self.fs.remove_file(&self.slot_path(slot.class, slot.no)) {
                 tracing::warn!("cannot delete free slot {}: {e}", self.slot_path(slot.class, slot.no).display());
             }
         }
@@ -2119,16 +2088,15 @@ impl Inner {
         let mut losers = vec![];
         for class in 0..CLASSES {
             let mut free = vec![];
-            for dirent in fs::read_dir(self.class_dir(class))? {
-                let dirent = dirent?;
-                let Some(no) = dirent.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) else {
-                    tracing::warn!("ignoring {} (not a slot file)", dirent.path().display());
+            for (file_name, path) in self.fs.read_dir(&self.class_dir(class))? {
+                let Ok(no) = file_name.parse::<u64>() else {
+                    tracing::warn!("ignoring {} (not a slot file)", path.display());
                     continue;
                 };
                 idx.next_slot_no[class] = idx.next_slot_no[class].max(no + 1);
                 idx.in_use[class] = true;
-                let f = OpenOptions::new().read(true).write(true).open(dirent.path())?;
-                let file_bytes = f.metadata()?.len();
+                let f = self.fs.open(&path)?;
+                let file_bytes = f.len()?;
                 let current = self.read_header(&f, class)?;
                 let slot = SlotRef { class, no, current_copy: current.as_ref().map_or(1, |(c, _)| *c) };
                 match current {
@@ -2136,12 +2104,12 @@ impl Inner {
                         max_generation = max_generation.max(generation);
                         if file_bytes < slot_file_bytes(class) {
                             // Never written so; keep the object (its checksums will judge it).
-                            tracing::warn!("slot {} is short; extending it", dirent.path().display());
+                            tracing::warn!("slot {} is short; extending it", path.display());
                             // With zeroes written, not a hole: every block of a slot file stays
                             // allocated, so writing it never changes metadata (the checkpoint
                             // relies on that).
                             write_zeroes_at(&f, file_bytes, slot_file_bytes(class) - file_bytes)?;
-                            f.sync_data()?;
+                            f.sync()?;
                         }
                         // Two slots claim one key after a crash in the middle of a move or of a
                         // rename onto an existing key: the higher generation is the newer.
@@ -2156,9 +2124,9 @@ impl Inner {
                         }
                     }
                     header => {
-                        if file_bytes != slot_file_bytes(class) || has_hole(&f, file_bytes) {
+                        if file_bytes != slot_file_bytes(class) || f.has_hole(file_bytes) {
                             // A creation a crash interrupted: it never held an object.
-                            fs::remove_file(dirent.path())?;
+                            self.fs.remove_file(&path)?;
                             continue;
                         }
                         if let Some((_, h)) = header {
@@ -2171,7 +2139,11 @@ impl Inner {
             free.sort_by_key(|s| std::cmp::Reverse(s.no));
             idx.free[class] = free.into();
         }
-        for (k, (_, e)) in claims {
+        // In key order, so the index (its lists of deferred children) does not depend on the
+        // hash map's order: a simulation seed replays the same store operations.
+        let mut claims: Vec<(ObjKey, Entry)> = claims.into_iter().map(|(k, (_, e))| (k, e)).collect();
+        claims.sort_by_key(|(k, _)| *k);
+        for (k, e) in claims {
             idx.insert(k, e);
         }
         self.next_generation.store(max_generation + 1, Ordering::Relaxed);
@@ -2189,15 +2161,12 @@ impl Inner {
     /// again and open's duplicate rule keeps the newer slot.
     fn import_one_file_per_object_layout(&self) -> io::Result<()> {
         let old = self.root.join("objects");
-        if !old.is_dir() {
+        if !self.fs.is_dir(&old) {
             return Ok(());
         }
-        for t in fs::read_dir(&old)? {
-            let t = t?;
-            let Ok(table) = u64::from_str_radix(&t.file_name().to_string_lossy(), 16) else { continue };
-            for o in fs::read_dir(t.path())? {
-                let o = o?;
-                let name = o.file_name().to_string_lossy().to_string();
+        for (table_name, table_path) in self.fs.read_dir(&old)? {
+            let Ok(table) = u64::from_str_radix(&table_name, 16) else { continue };
+            for (name, path) in self.fs.read_dir(&table_path)? {
                 let key = name.split_once('.').and_then(|(objno, owner)| {
                     Some(ObjKey {
                         table,
@@ -2206,10 +2175,10 @@ impl Inner {
                     })
                 });
                 if let Some(key) = key {
-                    let f = File::open(o.path())?;
-                    let body_bytes = f.metadata()?.len().saturating_sub(HEADER_BYTES);
+                    let f = self.fs.open_read(&path)?;
+                    let body_bytes = f.len()?.saturating_sub(HEADER_BYTES);
                     if body_bytes > MAX_OBJECT_SIZE_BYTES as u64 {
-                        tracing::warn!("{} is larger than any object: left in place", o.path().display());
+                        tracing::warn!("{} is larger than any object: left in place", path.display());
                         continue;
                     }
                     let mut objfmt_header = [0u8; HEADER_COPY_BYTES];
@@ -2223,12 +2192,12 @@ impl Inner {
                     self.write_fresh(key, MemObject { objfmt_header, body })?;
                 }
                 // Objects imported, and leftover temporaries of an interrupted copy.
-                fs::remove_file(o.path())?;
+                self.fs.remove_file(&path)?;
             }
-            fs::remove_dir(t.path())?;
+            self.fs.remove_dir(&table_path)?;
         }
-        fs::remove_dir(&old)?;
-        sync_dir(&self.root)
+        self.fs.remove_dir(&old)?;
+        self.fs.sync_dir(&self.root)
     }
 
     fn boot(&self) -> io::Result<Boot> {
@@ -2259,7 +2228,7 @@ impl Inner {
                 boot.track_objects.push((key, self.load(&key, &e)?.body));
             }
         }
-        match fs::read(self.root.join("state")) {
+        match self.fs.read(&self.root.join("state")) {
             Ok(b) => boot.state = Some(b),
             Err(e) if e.kind() == ErrorKind::NotFound => {}
             Err(e) => return Err(e),
@@ -2269,7 +2238,7 @@ impl Inner {
 }
 
 #[cfg(test)]
-impl FileStore {
+impl FileStore<RealFs> {
     /// The class and file of the slot holding `key`.
     fn slot_of(&self, key: &ObjKey) -> Option<(usize, PathBuf)> {
         let e = self.inner.entry(key)?;
@@ -2277,13 +2246,15 @@ impl FileStore {
     }
 
     fn slot_files(&self) -> usize {
-        (0..CLASSES).map(|c| fs::read_dir(self.inner.class_dir(c)).unwrap().count()).sum()
+        (0..CLASSES).map(|c| std::fs::read_dir(self.inner.class_dir(c)).unwrap().count()).sum()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::{self, File, OpenOptions};
+    use std::io::Write;
     use std::time::Instant;
 
     fn key(objno: u64, owner: u64) -> ObjKey {
