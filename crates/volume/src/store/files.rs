@@ -260,6 +260,11 @@ impl SimFs {
         self.lock().power_left = Some(ops);
     }
 
+    /// Whether an armed power cut has been reached (operations fail).
+    pub fn power_is_cut(&self) -> bool {
+        self.lock().power_left == Some(0)
+    }
+
     /// Runs `f` on the disk itself (for tests: capacity, injected errors, listings).
     pub fn with_disk<T>(&self, f: impl FnOnce(&mut SimDisk) -> T) -> T {
         f(&mut self.lock().disk)
