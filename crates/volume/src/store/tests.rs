@@ -179,6 +179,123 @@ fn a_shard_store_killed_mid_burst_keeps_every_acknowledged_write() {
     fs::remove_dir_all(&dir).unwrap();
 }
 
+/// What a power-cut test finds after the crash: each object's version and bytes.
+type Found = HashMap<ObjKey, (Version, Vec<u8>)>;
+type Check = Box<dyn Fn(&Found) -> Result<(), String>>;
+
+/// One command cut short: the acknowledged commands before it, the command, and what must
+/// hold after the crash.
+struct CutScenario {
+    name: &'static str,
+    setup: Vec<DiskCmd>,
+    cmd: DiskCmd,
+    checks: Vec<Check>,
+}
+
+fn patched(base: &[u8], at: usize, data: &[u8]) -> Vec<u8> {
+    let mut b = base.to_vec();
+    b.resize(b.len().max(at + data.len()), 0);
+    b[at..at + data.len()].copy_from_slice(data);
+    b
+}
+
+fn wr(k: ObjKey, seq: u64, offset: u32, data: Vec<u8>, cow_from: Option<ObjKey>) -> DiskCmd {
+    DiskCmd::Apply { key: k, version: v(seq), op: RepOp::Write { offset, data }, cow_from }
+}
+
+/// `k` holds exactly `bytes` at `ver`.
+fn intact(k: ObjKey, ver: Version, bytes: Vec<u8>) -> Check {
+    Box::new(move |found: &Found| match found.get(&k) {
+        Some((v, b)) if *v == ver && *b == bytes => Ok(()),
+        other => Err(format!("{k:?} should be intact at {ver:?}, is {:?}", other.map(|(v, b)| (v, b.len())))),
+    })
+}
+
+/// `k` is as before the command (`old`, `None`: absent), as after it, or suspect.
+fn old_new_or_suspect(k: ObjKey, old: Option<(Version, Vec<u8>)>, new: (Version, Vec<u8>)) -> Check {
+    Box::new(move |found: &Found| match (found.get(&k), &old) {
+        (Some((v, _)), _) if *v == objfmt::SUSPECT => Ok(()),
+        (Some(x), _) if *x == new => Ok(()),
+        (Some(x), Some(o)) if x == o => Ok(()),
+        (None, None) => Ok(()),
+        (x, _) => Err(format!("{k:?} is neither old, new nor suspect: {:?}", x.map(|(v, b)| (v, b.len())))),
+    })
+}
+
+/// `k` is gone, or intact at `ver`.
+fn gone_or_intact(k: ObjKey, ver: Version, bytes: Vec<u8>) -> Check {
+    let intact = intact(k, ver, bytes);
+    Box::new(move |found: &Found| if found.contains_key(&k) { intact(found) } else { Ok(()) })
+}
+
+/// A rename of `from` to `to` (which did not exist) happened whole or not at all.
+fn renamed_or_not(from: ObjKey, to: ObjKey, ver: Version, bytes: Vec<u8>) -> Check {
+    let (was, is) = (intact(from, ver, bytes.clone()), intact(to, ver, bytes));
+    Box::new(move |found: &Found| match (found.contains_key(&from), found.contains_key(&to)) {
+        (true, false) => was(found),
+        (false, true) => is(found),
+        both => Err(format!("the rename left (from, to) = {both:?}")),
+    })
+}
+
+fn power_cut_scenarios() -> Vec<CutScenario> {
+    let (p, c, q, small) = (key(1, 1), key(1, 2), key(1, 3), key(2, 1));
+    let p0: Vec<u8> = (0..16384u32).map(|i| (i % 251) as u8).collect();
+    let c1 = patched(&p0, 0, &[0xcc; 2048]);
+    let make_p = wr(p, 1, 0, p0.clone(), None);
+    let make_c = wr(c, 2, 0, vec![0xcc; 2048], Some(p));
+    vec![
+        CutScenario {
+            name: "overwrite in place",
+            setup: vec![make_p.clone()],
+            cmd: wr(p, 2, 4096, vec![0xbb; 4096], None),
+            checks: vec![old_new_or_suspect(p, Some((v(1), p0.clone())), (v(2), patched(&p0, 4096, &[0xbb; 4096])))],
+        },
+        CutScenario {
+            name: "move to a bigger class",
+            setup: vec![wr(small, 1, 0, vec![5; 2048], None), make_p.clone()],
+            cmd: wr(small, 2, 8192, vec![6; 4096], None),
+            checks: vec![
+                old_new_or_suspect(small, Some((v(1), vec![5; 2048])), (v(2), patched(&[5; 2048], 8192, &[6; 4096]))),
+                intact(p, v(1), p0.clone()),
+            ],
+        },
+        CutScenario {
+            name: "delete",
+            setup: vec![make_p.clone(), wr(small, 1, 0, vec![5; 2048], None)],
+            cmd: DiskCmd::Delete { key: p },
+            checks: vec![gone_or_intact(p, v(1), p0.clone()), intact(small, v(1), vec![5; 2048])],
+        },
+        CutScenario {
+            name: "rename",
+            setup: vec![make_p.clone()],
+            cmd: DiskCmd::Rename { from: p, to: q },
+            checks: vec![renamed_or_not(p, q, v(1), p0.clone())],
+        },
+        CutScenario {
+            name: "a child's first write (a deferred copy)",
+            setup: vec![make_p.clone()],
+            cmd: make_c.clone(),
+            checks: vec![intact(p, v(1), p0.clone()), old_new_or_suspect(c, None, (v(2), c1.clone()))],
+        },
+        CutScenario {
+            name: "a parent write completes its deferred child first",
+            setup: vec![make_p.clone(), make_c.clone()],
+            cmd: wr(p, 3, 8192, vec![0xdd; 4096], None),
+            checks: vec![
+                intact(c, v(2), c1.clone()),
+                old_new_or_suspect(p, Some((v(1), p0.clone())), (v(3), patched(&p0, 8192, &[0xdd; 4096]))),
+            ],
+        },
+        CutScenario {
+            name: "a parent delete completes its deferred child first",
+            setup: vec![make_p, make_c],
+            cmd: DiskCmd::Delete { key: p },
+            checks: vec![intact(c, v(2), c1), gone_or_intact(p, v(1), p0)],
+        },
+    ]
+}
+
 /// The store's crash rules on the simulator's disk, at every point of a command: the power
 /// is cut after each possible number of the command's disk operations, the disk crashes
 /// (losing or tearing what was not synced, several ways each), and the store reopens. An
@@ -187,135 +304,35 @@ fn a_shard_store_killed_mid_burst_keeps_every_acknowledged_write() {
 /// old state or the new; a deferred copy's bytes survive every change to its parent.
 #[test]
 fn a_power_cut_anywhere_in_a_command_keeps_the_stores_crash_rules() {
-    let (p, c, q, small) = (key(1, 1), key(1, 2), key(1, 3), key(2, 1));
-    let p0: Vec<u8> = (0..16384u32).map(|i| (i % 251) as u8).collect();
-    let patch = |base: &[u8], at: usize, data: &[u8]| {
-        let mut b = base.to_vec();
-        b.resize(b.len().max(at + data.len()), 0);
-        b[at..at + data.len()].copy_from_slice(data);
-        b
-    };
-    let wr = |k: ObjKey, seq: u64, offset: u32, data: Vec<u8>, cow_from: Option<ObjKey>| DiskCmd::Apply {
-        key: k,
-        version: v(seq),
-        op: RepOp::Write { offset, data },
-        cow_from,
-    };
-    let c1 = patch(&p0, 0, &[0xcc; 2048]);
-    // (name, acknowledged setup, the command cut short, the check after the crash)
-    type Check = Box<dyn Fn(&HashMap<ObjKey, (Version, Vec<u8>)>) -> Result<(), String>>;
-    let intact = |k: ObjKey, ver: Version, bytes: Vec<u8>| {
-        move |objs: &HashMap<ObjKey, (Version, Vec<u8>)>| match objs.get(&k) {
-            Some((v, b)) if *v == ver && *b == bytes => Ok(()),
-            other => Err(format!("{k:?} should be intact at {ver:?}, is {:?}", other.map(|(v, b)| (v, b.len())))),
-        }
-    };
-    let old_new_or_suspect = |k: ObjKey, old: Option<(Version, Vec<u8>)>, new: (Version, Vec<u8>)| {
-        move |objs: &HashMap<ObjKey, (Version, Vec<u8>)>| match (objs.get(&k), &old) {
-            (Some((v, _)), _) if *v == objfmt::SUSPECT => Ok(()),
-            (Some(x), _) if *x == new => Ok(()),
-            (Some(x), Some(o)) if x == o => Ok(()),
-            (None, None) => Ok(()),
-            (x, _) => Err(format!("{k:?} is neither old, new nor suspect: {:?}", x.map(|(v, b)| (v, b.len())))),
-        }
-    };
-    let scenarios: Vec<(&str, Vec<DiskCmd>, DiskCmd, Vec<Check>)> = vec![
-        (
-            "overwrite in place",
-            vec![wr(p, 1, 0, p0.clone(), None)],
-            wr(p, 2, 4096, vec![0xbb; 4096], None),
-            vec![Box::new(old_new_or_suspect(p, Some((v(1), p0.clone())), (v(2), patch(&p0, 4096, &[0xbb; 4096]))))],
-        ),
-        (
-            "move to a bigger class",
-            vec![wr(small, 1, 0, vec![5; 2048], None), wr(p, 1, 0, p0.clone(), None)],
-            wr(small, 2, 8192, vec![6; 4096], None),
-            vec![
-                Box::new(old_new_or_suspect(small, Some((v(1), vec![5; 2048])), (v(2), patch(&[5; 2048], 8192, &[6; 4096])))),
-                Box::new(intact(p, v(1), p0.clone())),
-            ],
-        ),
-        (
-            "delete",
-            vec![wr(p, 1, 0, p0.clone(), None), wr(small, 1, 0, vec![5; 2048], None)],
-            DiskCmd::Delete { key: p },
-            vec![
-                Box::new({
-                    let p0 = p0.clone();
-                    move |o: &HashMap<ObjKey, (Version, Vec<u8>)>| match o.get(&p) {
-                        None => Ok(()),
-                        Some(_) => intact(p, v(1), p0.clone())(o),
-                    }
-                }),
-                Box::new(intact(small, v(1), vec![5; 2048])),
-            ],
-        ),
-        (
-            "rename",
-            vec![wr(p, 1, 0, p0.clone(), None)],
-            DiskCmd::Rename { from: p, to: q },
-            vec![Box::new({
-                let p0 = p0.clone();
-                move |o: &HashMap<ObjKey, (Version, Vec<u8>)>| match (o.contains_key(&p), o.contains_key(&q)) {
-                    (true, false) => intact(p, v(1), p0.clone())(o),
-                    (false, true) => intact(q, v(1), p0.clone())(o),
-                    both => Err(format!("rename left (from, to) = {both:?}")),
-                }
-            })],
-        ),
-        (
-            "a child's first write (a deferred copy)",
-            vec![wr(p, 1, 0, p0.clone(), None)],
-            wr(c, 2, 0, vec![0xcc; 2048], Some(p)),
-            vec![Box::new(intact(p, v(1), p0.clone())), Box::new(old_new_or_suspect(c, None, (v(2), c1.clone())))],
-        ),
-        (
-            "a parent write completes its deferred child first",
-            vec![wr(p, 1, 0, p0.clone(), None), wr(c, 2, 0, vec![0xcc; 2048], Some(p))],
-            wr(p, 3, 8192, vec![0xdd; 4096], None),
-            vec![
-                Box::new(intact(c, v(2), c1.clone())),
-                Box::new(old_new_or_suspect(p, Some((v(1), p0.clone())), (v(3), patch(&p0, 8192, &[0xdd; 4096])))),
-            ],
-        ),
-        (
-            "a parent delete completes its deferred child first",
-            vec![wr(p, 1, 0, p0.clone(), None), wr(c, 2, 0, vec![0xcc; 2048], Some(p))],
-            DiskCmd::Delete { key: p },
-            vec![Box::new(intact(c, v(2), c1.clone()))],
-        ),
-    ];
     let mut crashes = 0;
-    for (name, setup, cmd, checks) in &scenarios {
+    for sc in power_cut_scenarios() {
         for cut_after in 0.. {
             let mut cut = false;
             for seed in 0..4 {
                 let fs = SimFs::new();
                 let store = FileStore::simulated(fs.clone()).unwrap();
-                for s in setup {
-                    store.run(s.clone()).unwrap();
+                for cmd in &sc.setup {
+                    store.run(cmd.clone()).unwrap();
                 }
                 fs.cut_power_after(cut_after);
-                let _ = store.run(cmd.clone());
+                let _ = store.run(sc.cmd.clone());
                 cut = fs.power_is_cut();
                 drop(store);
                 fs.crash(&mut sim::SimRng::new(seed));
                 crashes += 1;
-                let store = FileStore::simulated(fs.clone()).unwrap_or_else(|e| panic!("{name}, cut after {cut_after}: open: {e}"));
-                let boot = store.boot().unwrap_or_else(|e| panic!("{name}, cut after {cut_after}: boot: {e}"));
-                let objs: HashMap<ObjKey, (Version, Vec<u8>)> = boot
-                    .objects
-                    .iter()
-                    .map(|(k, ver)| {
-                        let DiskOut::Data(b) = store.run(DiskCmd::ReadAll { key: *k }).unwrap() else { panic!() };
-                        (*k, (*ver, b))
-                    })
-                    .collect();
-                for check in checks {
-                    check(&objs).unwrap_or_else(|e| panic!("{name}, power cut after {cut_after} operations, crash seed {seed}: {e}"));
+                let at = format!("{}, power cut after {cut_after} operations, crash seed {seed}", sc.name);
+                let store = FileStore::simulated(fs.clone()).unwrap_or_else(|e| panic!("{at}: open: {e}"));
+                let boot = store.boot().unwrap_or_else(|e| panic!("{at}: boot: {e}"));
+                let read = |k: &ObjKey| match store.run(DiskCmd::ReadAll { key: *k }) {
+                    Ok(DiskOut::Data(b)) => b,
+                    other => panic!("{at}: {k:?} booted but reads {other:?}"),
+                };
+                let found: Found = boot.objects.iter().map(|(k, ver)| (*k, (*ver, read(k)))).collect();
+                for check in &sc.checks {
+                    check(&found).unwrap_or_else(|e| panic!("{at}: {e}"));
                 }
                 // The store goes on working after its recovery.
-                store.run(wr(key(9, 9), 1, 0, vec![1; 100], None)).unwrap_or_else(|e| panic!("{name}: a write after recovery: {e:?}"));
+                store.run(wr(key(9, 9), 1, 0, vec![1; 100], None)).unwrap_or_else(|e| panic!("{at}: a write after recovery: {e:?}"));
             }
             if !cut {
                 break; // the command ran whole: every point of it was cut
