@@ -25,7 +25,7 @@ use std::io::{self, ErrorKind, Read, Seek, SeekFrom};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use sim::{DiskError, SimDisk, SimRng};
 
@@ -211,6 +211,9 @@ struct SimFsState {
     dirs: BTreeSet<String>,
     /// I/O operations left before the power cut, if one is armed.
     power_left: Option<u64>,
+    /// The names of the open files: a rename renames them too, as an open descriptor follows
+    /// its inode (the journal is formatted under a temporary name and used after the rename).
+    open_names: Vec<Weak<Mutex<String>>>,
 }
 
 impl SimFsState {
@@ -271,35 +274,55 @@ impl SimFs {
     }
 }
 
-/// An open file on a [`SimFs`]: the disk's file of that name.
+/// An open file on a [`SimFs`]: the disk's file of that name (following renames).
 pub struct SimFile {
     fs: SimFs,
-    name: String,
+    name: Arc<Mutex<String>>,
+}
+
+impl SimFs {
+    fn handle(&self, s: &mut SimFsState, name: String) -> SimFile {
+        let name = Arc::new(Mutex::new(name));
+        s.open_names.retain(|w| w.strong_count() > 0);
+        s.open_names.push(Arc::downgrade(&name));
+        SimFile { fs: self.clone(), name }
+    }
+}
+
+impl SimFile {
+    fn name(&self) -> String {
+        self.name.lock().unwrap().clone()
+    }
 }
 
 impl JournalFile for SimFile {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        let d = self.fs.lock().io()?.read(&self.name, offset, buf.len() as u64).map_err(sim_err)?;
+        let name = self.name();
+        let d = self.fs.lock().io()?.read(&name, offset, buf.len() as u64).map_err(sim_err)?;
         buf[..d.len()].copy_from_slice(&d);
         Ok(d.len())
     }
 
     fn write_all_at(&self, data: &[u8], offset: u64) -> io::Result<()> {
-        self.fs.lock().io()?.write(&self.name, offset, data).map_err(sim_err)
+        let name = self.name();
+        self.fs.lock().io()?.write(&name, offset, data).map_err(sim_err)
     }
 
     fn sync(&self) -> io::Result<()> {
-        self.fs.lock().io()?.sync(&self.name).map_err(sim_err)
+        let name = self.name();
+        self.fs.lock().io()?.sync(&name).map_err(sim_err)
     }
 }
 
 impl SlotFile for SimFile {
     fn len(&self) -> io::Result<u64> {
-        self.fs.lock().disk.len(&self.name).map_err(sim_err)
+        let name = self.name();
+        self.fs.lock().disk.len(&name).map_err(sim_err)
     }
 
     fn read_vec(&self, offset: u64, len: u64) -> io::Result<Vec<u8>> {
-        self.fs.lock().io()?.read(&self.name, offset, len).map_err(sim_err)
+        let name = self.name();
+        self.fs.lock().io()?.read(&name, offset, len).map_err(sim_err)
     }
 
     fn has_hole(&self, _len: u64) -> bool {
@@ -371,7 +394,7 @@ impl StoreFs for SimFs {
         if !s.disk.exists(&n) {
             return Err(io::Error::new(ErrorKind::NotFound, format!("{n} not found")));
         }
-        Ok(SimFile { fs: self.clone(), name: n })
+        Ok(self.handle(&mut s, n))
     }
 
     fn open_read(&self, path: &Path) -> io::Result<SimFile> {
@@ -385,7 +408,7 @@ impl StoreFs for SimFs {
             return Err(io::Error::new(ErrorKind::AlreadyExists, format!("{n} exists")));
         }
         s.io()?.create(&n).map_err(sim_err)?;
-        Ok(SimFile { fs: self.clone(), name: n })
+        Ok(self.handle(&mut s, n))
     }
 
     fn create_truncate(&self, path: &Path) -> io::Result<SimFile> {
@@ -394,7 +417,7 @@ impl StoreFs for SimFs {
         let disk = s.io()?;
         disk.create(&n).map_err(sim_err)?;
         disk.truncate(&n, 0).map_err(sim_err)?;
-        Ok(SimFile { fs: self.clone(), name: n })
+        Ok(self.handle(&mut s, n))
     }
 
     fn remove_file(&self, path: &Path) -> io::Result<()> {
@@ -409,7 +432,16 @@ impl StoreFs for SimFs {
     }
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        self.lock().io()?.rename(&name(from), &name(to)).map_err(sim_err)
+        let (from, to) = (name(from), name(to));
+        let mut s = self.lock();
+        s.io()?.rename(&from, &to).map_err(sim_err)?;
+        for open in s.open_names.iter().filter_map(Weak::upgrade) {
+            let mut n = open.lock().unwrap();
+            if *n == from {
+                *n = to.clone();
+            }
+        }
+        Ok(())
     }
 
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
