@@ -281,6 +281,11 @@ impl SimDisk {
         self.capacity_bytes = capacity_bytes;
     }
 
+    /// The limit set by [`set_capacity_bytes`](Self::set_capacity_bytes).
+    pub fn capacity_bytes(&self) -> Option<u64> {
+        self.capacity_bytes
+    }
+
     /// The next `count` operations that do I/O (create, write, read, truncate, delete, rename,
     /// sync, sync_dir) fail with [`DiskError::Io`] and change nothing; `len`, `exists`, `list` are
     /// unaffected. For random errors, call `fail_next_ops(1)` when `rng.chance(p)` in the harness.

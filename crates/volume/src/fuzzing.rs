@@ -1,12 +1,12 @@
 //! Hostile input for the network decoders, shared by the cargo-fuzz targets (`crates/volume/fuzz`)
 //! and the property tests: [`Bytes`] turns arbitrary bytes into protocol messages (so a fuzzer
 //! explores what a shard does with well-formed but hostile requests, not only postcard), and
-//! [`CoreHarness`] feeds them to a real [`ShardCore`] over the simulated store, running every
+//! [`CoreHarness`] feeds them to a real [`ShardCore`] over the real store on the simulator's disk, running every
 //! disk command it asks for. Nothing here may panic on any input; a panic is a bug of the shard.
 
 use crate::driver::meta::MetaReq;
 use crate::core::shard::{request_id, Boot, Input, Output, Peer, ShardConfig, ShardCore};
-use crate::sim_store::SimStore;
+use crate::store::{FileStore, SimFs};
 use crate::types::*;
 
 /// Reads values from fuzzer bytes; past the end every read is zero, so any input is a script.
@@ -283,11 +283,11 @@ impl<'a> Bytes<'a> {
 /// itself a finding, but must not hang the fuzzer).
 const MAX_STEPS_PER_MESSAGE: usize = 10_000;
 
-/// A shard core (shard 1 of three, all up) over the simulated store, driven to quiescence after
+/// A shard core (shard 1 of three, all up) over the store on the simulator's disk, driven to quiescence after
 /// every message: disk commands run at once, sends are recorded and dropped.
 pub struct CoreHarness {
     pub core: ShardCore,
-    pub store: SimStore,
+    pub store: FileStore<SimFs>,
     now_us: u64,
     /// Request ids of the last messages the shard sent (replies may answer them).
     pub recent_reqs: Vec<ReqId>,
@@ -305,7 +305,7 @@ impl CoreHarness {
     pub fn new() -> Self {
         let mut h = CoreHarness {
             core: ShardCore::new(ShardConfig::new(1), Boot::default()),
-            store: SimStore::default(),
+            store: FileStore::simulated(SimFs::new()).expect("a store on an empty simulated disk opens"),
             now_us: 0,
             recent_reqs: vec![],
             client_replies: vec![],
@@ -326,8 +326,7 @@ impl CoreHarness {
             let Some(out) = pending.pop() else { break };
             match out {
                 Output::Disk { id, cmd } => {
-                    let started = self.store.start(cmd);
-                    let result = self.store.finish(started);
+                    let result = self.store.run(cmd);
                     pending.extend(self.core.handle(Input::Disk { id, result }));
                 }
                 Output::Send { to, msg } => {
@@ -351,8 +350,7 @@ impl CoreHarness {
         // Resends after the tick are sends only; any disk command they start runs next time.
         for out in ticks {
             if let Output::Disk { id, cmd } = out {
-                let started = self.store.start(cmd);
-                let result = self.store.finish(started);
+                let result = self.store.run(cmd);
                 let _ = self.core.handle(Input::Disk { id, result });
             }
         }

@@ -15,7 +15,8 @@
 //!   detector, down / recovering / up, and when a returning shard may lead again.
 //! * [`store`]: the shard's object store in pre-allocated slot files, with deferred
 //!   (sector-wise) copy-on-write, its on-disk format ([`store::objfmt`]) and its write-ahead
-//!   [`store::journal`] (group commit); [`sim_store`]: the same semantics on the simulator's disk.
+//!   [`store::journal`] (group commit), on a real file system or the simulator's disk
+//!   ([`store::files`]: the simulations run the real store).
 //! * [`driver::shard`], [`driver::meta`], [`driver::client`]: the tokio drivers (shard,
 //!   metadata service, volume client); [`testkit`] runs them in one process.
 //! * [`fuzzing`]: hostile protocol input for the cargo-fuzz targets (`crates/volume/fuzz`) and
@@ -26,6 +27,5 @@ pub mod proto;
 pub mod core;
 pub mod driver;
 pub mod store;
-pub mod sim_store;
 pub mod testkit;
 pub mod fuzzing;

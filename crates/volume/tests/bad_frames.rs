@@ -237,7 +237,7 @@ fn hostile_frames_get_an_error_or_a_close_and_others_keep_being_served() {
 proptest! {
     #![proptest_config(ProptestConfig { cases: cases(40) * 10, failure_persistence: None, ..ProptestConfig::default() })]
 
-    /// The fuzz target's scripts against the sans-I/O shard core (over the simulated store):
+    /// The fuzz target's scripts against the sans-I/O shard core (over the store on the simulator's disk):
     /// no panic, and every message survives the wire round trip exactly.
     #[test]
     fn hostile_message_scripts_never_panic_the_shard_core(bytes in proptest::collection::vec(any::<u8>(), 0..2000)) {

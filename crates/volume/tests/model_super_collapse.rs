@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use proptest::prelude::*;
 use volume::core::shard::*;
-use volume::sim_store::SimStore;
+use volume::store::{FileStore, SimFs};
 use volume::types::*;
 
 const SHARDS: u32 = 4;
@@ -17,7 +17,7 @@ const TABLE: TableId = 9;
 const CLIENT: u64 = 1;
 
 struct Cluster {
-    shards: Vec<(ShardCore, SimStore)>,
+    shards: Vec<(ShardCore, FileStore<SimFs>)>,
     map: ClusterMap,
     next_req: u64,
 }
@@ -33,8 +33,9 @@ impl Cluster {
             replicas: 3,
             shards: (0..SHARDS).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
         };
-        let mut shards: Vec<(ShardCore, SimStore)> =
-            (0..SHARDS).map(|id| (ShardCore::new(ShardConfig::new(id), Boot::default()), SimStore::default())).collect();
+        let mut shards: Vec<(ShardCore, FileStore<SimFs>)> = (0..SHARDS)
+            .map(|id| (ShardCore::new(ShardConfig::new(id), Boot::default()), FileStore::simulated(SimFs::new()).unwrap()))
+            .collect();
         for (core, _) in shards.iter_mut() {
             assert!(core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Map(map.clone()) }).is_empty());
         }
@@ -60,8 +61,7 @@ impl Cluster {
                         Output::Send { to: _, msg: Msg::Reply { req: r, result } } if r == req => reply = Some(result),
                         Output::Send { .. } => {}
                         Output::Disk { id, cmd } => {
-                            let started = store.start(cmd);
-                            let result = store.finish(started);
+                            let result = store.run(cmd);
                             inputs.push_back(Input::Disk { id, result });
                         }
                     }

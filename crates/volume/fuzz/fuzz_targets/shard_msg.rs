@@ -1,6 +1,7 @@
 //! The shard's network input: arbitrary bytes through every decoder a shard connection uses
 //! (frame header and checksum, `Hello`, `Msg`), then the same bytes as a script of well-formed
-//! but hostile messages fed to a real shard core over the simulated store. Nothing may panic.
+//! but hostile messages fed to a real shard core over the store on the simulator's disk.
+//! Nothing may panic.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

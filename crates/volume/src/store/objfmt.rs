@@ -1,4 +1,4 @@
-//! The on-disk format of one object, shared by the real and the simulated store.
+//! The on-disk format of one object (its header inside a slot header; see [`super`]).
 //!
 //! An object file is a 512-byte header followed by the object's bytes (sparse: unwritten ranges
 //! read as zeroes). The header holds the object's [`Version`] and a CRC32C of every 64 KiB block
