@@ -8,7 +8,7 @@
 //! `nearlog-cluster.json` of `understudy nearlog up`).
 //!
 //! - open/openat/creat (and 64-bit forms) of a log file for writing: the controller grants a new
-//!   epoch, the content is recovered from a majority of peers ([`nearlog::client::FileClient`])
+//!   epoch, the content is recovered from a majority of peers ([`nearlog::core::file_client::FileClient`])
 //!   and written to the local file when the local copy is missing, shorter or different.
 //! - A read-only open (and `fopen` for reading) verifies the local copy against a majority of
 //!   peers first without taking an epoch (a live writer is not fenced): only chunks whose block

@@ -10,8 +10,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use libc::{c_int, c_void, iovec, mode_t, off_t, size_t, ssize_t};
-use nearlog::blocking;
-use nearlog::client::{ClientConfig, Failure, FileClient};
+use nearlog::driver::blocking;
+use nearlog::core::file_client::{ClientConfig, Failure, FileClient};
 use nearlog::proto::{CtlReply, CtlRequest, FileGrant, Op, PeerId, PeerReply, PeerRequest, MAX_CHUNK_BYTES, MAX_FRAME_BYTES};
 
 use crate::forklock::ForkLock;

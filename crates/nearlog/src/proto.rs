@@ -245,7 +245,7 @@ pub enum CtlReply {
     Granted(FileGrant),
     /// Remove/Rename: the forgotten file, if any (its peers should be told to drop it).
     Forgotten(Option<FileGrant>),
-    Status(crate::controller::ControllerState),
+    Status(crate::core::controller::ControllerState),
     /// Answer to `Lookup`: the file's placement at its current epoch, or `None` (never replicated).
     Found(Option<FileGrant>),
     Error(String),

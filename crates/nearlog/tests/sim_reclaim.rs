@@ -18,9 +18,9 @@
 mod common;
 
 use common::{Ev, Msg};
-use nearlog::client::{ClientConfig, Failure, FileClient};
-use nearlog::controller::{ControllerCore, MemStore};
-use nearlog::peer::PeerCore;
+use nearlog::core::file_client::{ClientConfig, Failure, FileClient};
+use nearlog::core::controller::{ControllerCore, MemStore};
+use nearlog::core::peer::PeerCore;
 use nearlog::proto::{apply_op, CtlReply, CtlRequest, FileGrant, Op, PeerId};
 use sim::{EventQueue, Network, NodeId, SimRng};
 

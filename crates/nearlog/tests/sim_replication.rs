@@ -15,8 +15,8 @@
 mod common;
 
 use common::{Ev, Msg};
-use nearlog::client::{ClientConfig, Failure, FileClient};
-use nearlog::peer::PeerCore;
+use nearlog::core::file_client::{ClientConfig, Failure, FileClient};
+use nearlog::core::peer::PeerCore;
 use nearlog::proto::{apply_op, Op};
 use sim::{EventQueue, Network, NodeId, SimRng};
 

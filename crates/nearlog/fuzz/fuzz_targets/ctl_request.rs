@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nearlog::controller::{ControllerCore, MemStore};
+use nearlog::core::controller::{ControllerCore, MemStore};
 use nearlog::proto::CtlRequest;
 
 fuzz_target!(|data: &[u8]| {

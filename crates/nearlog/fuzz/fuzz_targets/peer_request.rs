@@ -5,8 +5,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nearlog::client::{ClientConfig, FileClient};
-use nearlog::peer::PeerCore;
+use nearlog::core::file_client::{ClientConfig, FileClient};
+use nearlog::core::peer::PeerCore;
 use nearlog::proto::{PeerReply, PeerRequest, MAX_FRAME_BYTES};
 
 const REGION_BYTES: u64 = 1 << 20;

@@ -3,7 +3,7 @@
 //! and the seeds to run (`SIM_SEEDS=N` runs N seeds, `SIM_SEED=S` only S).
 #![allow(dead_code)]
 
-use nearlog::client::FileClient;
+use nearlog::core::file_client::FileClient;
 use nearlog::proto::{PeerReply, PeerRequest};
 use sim::{Delivery, EventQueue, NetConfig, Network, NodeId, SimRng};
 

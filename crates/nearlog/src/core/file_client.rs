@@ -1493,7 +1493,7 @@ impl FileClient {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::peer::PeerCore;
+    use crate::core::peer::PeerCore;
     use crate::proto::apply_op;
 
     /// Delivers every outgoing message to its peer and every reply back, until quiet.

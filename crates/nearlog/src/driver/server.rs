@@ -20,8 +20,8 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::controller::{ControllerCore, MetaStore};
-use crate::peer::PeerCore;
+use crate::core::controller::{ControllerCore, MetaStore};
+use crate::core::peer::PeerCore;
 use crate::proto::{CtlReply, CtlRequest, PeerReply, PeerRequest, MAX_FRAME_BYTES};
 
 /// How often a peer reports its used bytes to the controller.
@@ -62,7 +62,7 @@ pub async fn run_peer_as(
                     let mut files = c.files();
                     // The controller accepts a bounded list; the rest is reported next time
                     // after these are released.
-                    files.truncate(crate::controller::MAX_HEARTBEAT_FILES);
+                    files.truncate(crate::core::controller::MAX_HEARTBEAT_FILES);
                     (c.used_bytes(), files)
                 };
                 let req = match peer_id {
@@ -398,7 +398,7 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
                 out.truncate(at);
             }
             let at = out.len();
-            crate::blocking::encode_into(&rep, &mut out)?;
+            crate::driver::blocking::encode_into(&rep, &mut out)?;
             last_ack = ack_of.map(|k| (k, at));
             if out.len() >= MAX_REPLY_BATCH_BYTES {
                 c = None; // other connections go on while this one writes

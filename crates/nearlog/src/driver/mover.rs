@@ -12,8 +12,8 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use crate::blocking;
-use crate::client::{ClientConfig, Failure, FileClient};
+use crate::driver::blocking;
+use crate::core::file_client::{ClientConfig, Failure, FileClient};
 use crate::proto::{CtlReply, CtlRequest, FileGrant, PeerId, PeerReply, MAX_FRAME_BYTES};
 
 /// One controller request over a fresh authenticated connection.
