@@ -7,7 +7,8 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
-use ::nearlog::core::controller::{ControllerCore, JsonFileStore};
+use ::nearlog::core::controller::ControllerCore;
+use ::nearlog::store::JsonFileStore;
 
 #[derive(Subcommand, Debug)]
 pub enum NearlogCmd {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use libc::{c_int, c_void, iovec, mode_t, off_t, size_t, ssize_t};
 use nearlog::driver::blocking;
-use nearlog::core::file_client::{ClientConfig, Failure, FileClient};
+use nearlog::core::file_client::{ClientConfig, Failure, FileClient, Input};
 use nearlog::proto::{CtlReply, CtlRequest, FileGrant, Op, PeerId, PeerReply, PeerRequest, MAX_CHUNK_BYTES, MAX_FRAME_BYTES};
 
 use crate::forklock::ForkLock;
@@ -686,8 +686,8 @@ impl Shim {
         let now = self.now_us();
         let mut out: Vec<(PeerId, PeerRequest)> = Vec::new();
         for t in self.files.values_mut() {
-            t.client.tick(now);
-            out.extend(t.client.take_outgoing());
+            t.client.handle(Input::Tick { now_us: now });
+            out.extend(t.client.take_outputs());
         }
         // One buffer per peer: a batch goes out in one write. A record goes to every peer
         // alike (consecutive equal requests): it is encoded and checksummed once.
@@ -815,7 +815,7 @@ impl Shim {
             for rep in replies {
                 if let Some(f) = rep.file() {
                     for t in self.files.values_mut().filter(|t| t.client.file() == f) {
-                        t.client.on_reply(*p, rep.clone());
+                        t.client.handle(Input::Reply { peer: *p, reply: rep.clone() });
                     }
                 }
             }
@@ -1054,14 +1054,14 @@ impl Shim {
                 // SAFETY: fstat into a zeroed struct.
                 let mut st: libc::stat64 = unsafe { std::mem::zeroed() };
                 let local = if unsafe { libc::fstat64(fd_r, &mut st) } == 0 { read_local(fd_r, st.st_size as u64).unwrap_or_default() } else { Vec::new() };
-                t.client.supply_local_copy(local);
+                t.client.handle(Input::LocalCopy(local));
                 continue;
             }
             if t.client.wants_image() {
                 // Basing on a known local copy, and a peer lacks that state: it needs the bytes.
                 let size = t.client.size();
                 match read_local(t.read_fd, size) {
-                    Ok(img) if img.len() as u64 == size => t.client.supply_image(img),
+                    Ok(img) if img.len() as u64 == size => t.client.handle(Input::Image(img)),
                     Ok(img) => return Err(format!("the local copy is {} bytes, not the {size} it was known to hold", img.len())),
                     Err(e) => return Err(format!("cannot read the local copy for a peer that lacks it: {e}")),
                 }
@@ -1072,7 +1072,7 @@ impl Shim {
                 log(&format!("log peer {peer} lost file {} (epoch {}): resyncing it from the local copy", t.key, t.client.epoch()));
                 let size = t.client.size();
                 match read_local(t.read_fd, size) {
-                    Ok(img) => t.client.resync(peer, img),
+                    Ok(img) => t.client.handle(Input::Resync { peer, image: img }),
                     Err(e) => return Err(format!("cannot read the local copy to resync peer {peer}: {e}")),
                 }
             }
@@ -1741,7 +1741,7 @@ fn replicate(shim: &mut Shim, fd: c_int, offset: u64, data: &[u8]) -> Result<(),
     let t = shim.files.get_mut(&fd).ok_or("not a log fd")?;
     // The client's clock before the submit: a peer that had every record starts its
     // retransmission timer now, not at an ack long ago (which resent the record at once).
-    t.client.tick(now);
+    t.client.handle(Input::Tick { now_us: now });
     for (i, chunk) in data.chunks(MAX_CHUNK_BYTES).enumerate() {
         t.client.submit(Op::write(offset + (i * MAX_CHUNK_BYTES) as u64, chunk.to_vec())).map_err(|e| e.to_string())?;
     }

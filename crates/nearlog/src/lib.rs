@@ -3,7 +3,9 @@
 //! acknowledged once a majority holds them; bulk files go to disaggregated storage untouched.
 //!
 //! The crate has the shape every system crate has: messages in [`proto`], deterministic state
-//! machines in [`core`], the drivers (sockets, files, clocks) in [`driver`].
+//! machines in [`core`], the drivers (sockets, files, clocks) in [`driver`], and where the
+//! controller's state is kept in [`store`]. Cores and drivers import the messages from [`proto`],
+//! never each other.
 //!
 //! Sans-I/O cores (the slides' "NCL library", "log peer" and "controller"):
 //! - [`core::file_client::FileClient`]: one open log file — recovery from the most advanced
@@ -13,7 +15,7 @@
 //! - [`core::peer::PeerCore`]: a bounded lent region of file images with per-block CRC32C; a
 //!   full region refuses loudly, never writes short.
 //! - [`core::controller::ControllerCore`]: peers, free space, placement, epochs, persisted
-//!   through [`core::controller::MetaStore`] (JSON file by default).
+//!   through [`store::MetaStore`] (JSON file by default).
 //!
 //! Drivers:
 //! - [`driver::mover`]: taking a peer's memory back — files re-placed by the controller are
@@ -28,3 +30,4 @@
 pub mod core;
 pub mod driver;
 pub mod proto;
+pub mod store;

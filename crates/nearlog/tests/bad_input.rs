@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use nearlog::driver::blocking;
 use nearlog::core::file_client::{ClientConfig, FileClient};
-use nearlog::core::controller::{ControllerCore, MemStore};
+use nearlog::core::controller::ControllerCore;
+use nearlog::store::MemStore;
 use nearlog::driver::mover::Driver;
 use nearlog::proto::{CtlReply, CtlRequest, FileGrant, Holding, Op, PeerAddr, PeerReply, PeerRequest, MAX_FRAME_BYTES};
 use proptest::prelude::*;

@@ -4,127 +4,9 @@
 //! (in particular an epoch is never handed out twice).
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
-use crate::proto::{CtlReply, CtlRequest, Epoch, FileGrant, FileId, PeerAddr, PeerId};
-
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PeerInfo {
-    pub addr: String,
-    pub region_bytes: u64,
-    pub used_bytes: u64,
-    /// Being reclaimed: no new placements; its files move to other peers.
-    #[serde(default)]
-    pub draining: bool,
-    /// Registered or heartbeated since this controller started (soft state: cleared when the
-    /// state is loaded): placements prefer live peers, and a re-seed uses only live ones.
-    #[serde(default)]
-    pub live: bool,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileMeta {
-    pub file: FileId,
-    pub epoch: Epoch,
-    pub peers: Vec<PeerId>,
-    pub initialized: bool,
-    /// A pending move (reclaim or full region): the set the last committed epoch ran on, whose
-    /// majority must witness recovery until a Base commits on `peers`. Empty: no move pending.
-    #[serde(default)]
-    pub prev_peers: Vec<PeerId>,
-    /// The epoch `peers` was last changed at: only a Base of a later epoch (granted with this
-    /// set) completes the move.
-    #[serde(default)]
-    pub placed_at: Epoch,
-    /// The epoch of the application writer (last `Open`, `Resume` or `Relocate`); a mover's
-    /// epoch does not change it, so the writer it fenced may resume.
-    #[serde(default)]
-    pub owner_epoch: Epoch,
-}
-
-/// Everything the controller knows; persisted whole (it is small: a few bytes per file).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ControllerState {
-    pub peers: BTreeMap<PeerId, PeerInfo>,
-    pub files: BTreeMap<String, FileMeta>,
-    pub next_peer: PeerId,
-    pub next_file: FileId,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("controller state I/O on {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
-    #[error("controller state file {path} is corrupt: {reason}")]
-    Corrupt { path: PathBuf, reason: String },
-}
-
-/// Durable home of the controller state (a local JSON file by default; etcd could implement it).
-pub trait MetaStore: Send {
-    fn load(&mut self) -> Result<Option<ControllerState>, StoreError>;
-    fn save(&mut self, state: &ControllerState) -> Result<(), StoreError>;
-}
-
-/// `DIR/nearlog-controller.json`, replaced atomically (write temp, fsync, rename, fsync dir).
-pub struct JsonFileStore {
-    dir: PathBuf,
-}
-
-impl JsonFileStore {
-    pub fn new(dir: &Path) -> JsonFileStore {
-        JsonFileStore { dir: dir.to_path_buf() }
-    }
-    pub fn path(&self) -> PathBuf {
-        self.dir.join("nearlog-controller.json")
-    }
-}
-
-impl MetaStore for JsonFileStore {
-    fn load(&mut self) -> Result<Option<ControllerState>, StoreError> {
-        let path = self.path();
-        match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| StoreError::Corrupt { path, reason: e.to_string() }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(StoreError::Io { path, source }),
-        }
-    }
-
-    fn save(&mut self, state: &ControllerState) -> Result<(), StoreError> {
-        let path = self.path();
-        let tmp = self.dir.join("nearlog-controller.json.tmp");
-        let io = |source| StoreError::Io { path: path.clone(), source };
-        let bytes = serde_json::to_vec_pretty(state).expect("state serialises");
-        let mut f = std::fs::File::create(&tmp).map_err(io)?;
-        f.write_all(&bytes).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        std::fs::rename(&tmp, &path).map_err(io)?;
-        std::fs::File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io)?;
-        Ok(())
-    }
-}
-
-/// In-memory store (simulation and tests); `fail_saves` makes every save fail.
-#[derive(Default)]
-pub struct MemStore {
-    pub saved: Option<ControllerState>,
-    pub fail_saves: bool,
-}
-
-impl MetaStore for MemStore {
-    fn load(&mut self) -> Result<Option<ControllerState>, StoreError> {
-        Ok(self.saved.clone())
-    }
-    fn save(&mut self, state: &ControllerState) -> Result<(), StoreError> {
-        if self.fail_saves {
-            return Err(StoreError::Io { path: "mem".into(), source: std::io::Error::other("injected") });
-        }
-        self.saved = Some(state.clone());
-        Ok(())
-    }
-}
+use crate::proto::{ControllerState, CtlReply, CtlRequest, Epoch, FileGrant, FileId, FileMeta, PeerAddr, PeerId, PeerInfo};
+use crate::store::{MetaStore, StoreError};
 
 /// Longest file key accepted (a path).
 pub const MAX_KEY_BYTES: usize = 4096;
@@ -152,9 +34,15 @@ fn replace_peer(m: &mut FileMeta, from: PeerId, to: PeerId) {
     m.placed_at = m.epoch;
 }
 
+/// The controller: requests through [`ControllerCore::handle`], replies from
+/// [`ControllerCore::take_outputs`], [`ControllerCore::check_invariants`] after every request in
+/// debug builds. It has no clock and no timer (a peer's liveness is "registered or heartbeated
+/// since this controller started", not a timeout), so time is no input and `handle` takes none.
 pub struct ControllerCore<S: MetaStore> {
     state: ControllerState,
     store: S,
+    /// Replies not yet taken by the driver (one per request).
+    out: Vec<CtlReply>,
 }
 
 impl<S: MetaStore> ControllerCore<S> {
@@ -164,7 +52,7 @@ impl<S: MetaStore> ControllerCore<S> {
         for p in state.peers.values_mut() {
             p.live = false;
         }
-        Ok(ControllerCore { state, store })
+        Ok(ControllerCore { state, store, out: Vec::new() })
     }
 
     pub fn state(&self) -> &ControllerState {
@@ -184,9 +72,28 @@ impl<S: MetaStore> ControllerCore<S> {
     }
 
 
-    /// Applies one request; a change is persisted before the reply (on a failed save the
-    /// in-memory state is rolled back and the request fails).
-    pub fn handle(&mut self, req: CtlRequest) -> CtlReply {
+    /// Applies one request (its reply waits in [`ControllerCore::take_outputs`]); a change is
+    /// persisted before the reply (on a failed save the in-memory state is rolled back and the
+    /// request fails). In debug builds, then: a file's epoch never went back, and
+    /// [`ControllerCore::check_invariants`].
+    pub fn handle(&mut self, req: CtlRequest) {
+        let reply = self.handle_input(req);
+        self.out.push(reply);
+    }
+
+    /// The replies made since the last call, in request order.
+    pub fn take_outputs(&mut self) -> Vec<CtlReply> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// `handle(req)` and the one reply it made: what a server (or a simulation) does with each
+    /// request it reads.
+    pub fn reply_to(&mut self, req: CtlRequest) -> CtlReply {
+        self.handle(req);
+        self.out.pop().expect("a request gets one reply")
+    }
+
+    fn handle_input(&mut self, req: CtlRequest) -> CtlReply {
         let before = self.state.clone();
         let (reply, changed) = self.apply(req);
         if changed {
@@ -468,6 +375,8 @@ impl<S: MetaStore> ControllerCore<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::{JsonFileStore, MemStore};
+    use std::path::Path;
 
     fn ctl(dir: &Path) -> ControllerCore<JsonFileStore> {
         ControllerCore::open(JsonFileStore::new(dir)).unwrap()
@@ -478,20 +387,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut c = ctl(dir.path());
         for (i, region) in [(1, 100), (2, 300), (3, 200), (4, 50)] {
-            let r = c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: region, known_as: None });
+            let r = c.reply_to(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: region, known_as: None });
             assert_eq!(r, CtlReply::Registered { peer: i });
         }
-        let CtlReply::Granted(g) = c.handle(CtlRequest::Open { key: "/a.log".into(), replicas: 3 }) else { panic!() };
+        let CtlReply::Granted(g) = c.reply_to(CtlRequest::Open { key: "/a.log".into(), replicas: 3 }) else { panic!() };
         assert_eq!((g.epoch, g.initialized), (1, false));
         assert_eq!(g.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![2, 3, 1], "most free space first");
-        assert_eq!(c.handle(CtlRequest::Initialized { key: "/a.log".into(), epoch: 1 }), CtlReply::Ok);
+        assert_eq!(c.reply_to(CtlRequest::Initialized { key: "/a.log".into(), epoch: 1 }), CtlReply::Ok);
         drop(c);
         let mut c = ctl(dir.path());
-        let CtlReply::Granted(g2) = c.handle(CtlRequest::Open { key: "/a.log".into(), replicas: 3 }) else { panic!() };
+        let CtlReply::Granted(g2) = c.reply_to(CtlRequest::Open { key: "/a.log".into(), replicas: 3 }) else { panic!() };
         assert_eq!((g2.file, g2.epoch, g2.initialized), (g.file, 2, true));
-        assert!(matches!(c.handle(CtlRequest::Initialized { key: "/a.log".into(), epoch: 1 }), CtlReply::Error(_)));
-        let CtlReply::Forgotten(None) = c.handle(CtlRequest::Rename { from: "/a.log".into(), to: "/b.log".into() }) else { panic!() };
-        let CtlReply::Forgotten(Some(f)) = c.handle(CtlRequest::Remove { key: "/b.log".into() }) else { panic!() };
+        assert!(matches!(c.reply_to(CtlRequest::Initialized { key: "/a.log".into(), epoch: 1 }), CtlReply::Error(_)));
+        let CtlReply::Forgotten(None) = c.reply_to(CtlRequest::Rename { from: "/a.log".into(), to: "/b.log".into() }) else { panic!() };
+        let CtlReply::Forgotten(Some(f)) = c.reply_to(CtlRequest::Remove { key: "/b.log".into() }) else { panic!() };
         assert_eq!(f.file, g.file);
     }
 
@@ -499,38 +408,38 @@ mod tests {
     fn reclaim_moves_files_resume_and_relocate_and_heartbeats_release() {
         let mut c = ControllerCore::open(MemStore::default()).unwrap();
         for i in 1..=4 {
-            c.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: 1000, known_as: None });
+            c.reply_to(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: 1000, known_as: None });
         }
-        let CtlReply::Granted(g) = c.handle(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
+        let CtlReply::Granted(g) = c.reply_to(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
         assert_eq!(g.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![1, 2, 3]);
-        c.handle(CtlRequest::Initialized { key: "k".into(), epoch: 1 });
+        c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: 1 });
         // Reclaim peer 1: placed on 4; the old set stays the recovery set.
-        let CtlReply::Reclaiming { pending } = c.handle(CtlRequest::Reclaim { peer: 1 }) else { panic!() };
+        let CtlReply::Reclaiming { pending } = c.reply_to(CtlRequest::Reclaim { peer: 1 }) else { panic!() };
         assert_eq!(pending, vec!["k".to_string()]);
         let m = c.state().files["k"].clone();
         assert_eq!((m.peers.clone(), m.prev_peers.clone()), (vec![4, 2, 3], vec![1, 2, 3]));
         // Peer 1 keeps the file while the move is pending.
-        let hb = |c: &mut ControllerCore<MemStore>, peer| c.handle(CtlRequest::PeerHeartbeat { peer, used_bytes: 10, files: vec![m.file, 99] });
+        let hb = |c: &mut ControllerCore<MemStore>, peer| c.reply_to(CtlRequest::PeerHeartbeat { peer, used_bytes: 10, files: vec![m.file, 99] });
         assert_eq!(hb(&mut c, 1), CtlReply::Heartbeat { release: vec![99], draining: true });
         // A mover's epoch does not take ownership; the fenced writer (owner epoch 1) resumes.
-        let CtlReply::Granted(mv) = c.handle(CtlRequest::Move { key: "k".into() }) else { panic!() };
+        let CtlReply::Granted(mv) = c.reply_to(CtlRequest::Move { key: "k".into() }) else { panic!() };
         assert_eq!((mv.epoch, mv.recover_from.len()), (2, 3));
-        let CtlReply::Granted(w) = c.handle(CtlRequest::Resume { key: "k".into(), epoch: 1 }) else { panic!() };
+        let CtlReply::Granted(w) = c.reply_to(CtlRequest::Resume { key: "k".into(), epoch: 1 }) else { panic!() };
         assert_eq!(w.epoch, 3);
-        assert!(matches!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: 2 }), CtlReply::Error(_)), "the mover's epoch is stale");
-        assert_eq!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: 3 }), CtlReply::Ok);
+        assert!(matches!(c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: 2 }), CtlReply::Error(_)), "the mover's epoch is stale");
+        assert_eq!(c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: 3 }), CtlReply::Ok);
         assert!(c.state().files["k"].prev_peers.is_empty(), "move done");
         assert_eq!(hb(&mut c, 1), CtlReply::Heartbeat { release: vec![m.file, 99], draining: true });
-        assert!(matches!(c.handle(CtlRequest::Resume { key: "k".into(), epoch: 1 }), CtlReply::Error(_)), "an old owner cannot resume");
+        assert!(matches!(c.reply_to(CtlRequest::Resume { key: "k".into(), epoch: 1 }), CtlReply::Error(_)), "an old owner cannot resume");
         // No new placement on a draining peer; a relocation needs a peer with room outside the set.
-        assert!(matches!(c.handle(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }), CtlReply::Error(_)));
-        c.handle(CtlRequest::RegisterPeer { addr: "p5".into(), region_bytes: 1000, known_as: None });
-        let CtlReply::Granted(r) = c.handle(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }) else { panic!() };
+        assert!(matches!(c.reply_to(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }), CtlReply::Error(_)));
+        c.reply_to(CtlRequest::RegisterPeer { addr: "p5".into(), region_bytes: 1000, known_as: None });
+        let CtlReply::Granted(r) = c.reply_to(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }) else { panic!() };
         assert_eq!(r.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![4, 5, 3]);
         assert_eq!(r.recover_from.iter().map(|p| p.id).collect::<Vec<_>>(), vec![4, 2, 3]);
         // Reclaiming with no peer left to take the file fails and changes nothing.
         let before = c.state().clone();
-        assert!(matches!(c.handle(CtlRequest::Reclaim { peer: 3 }), CtlReply::Error(_)));
+        assert!(matches!(c.reply_to(CtlRequest::Reclaim { peer: 3 }), CtlReply::Error(_)));
         assert_eq!(c.state(), &before);
     }
 
@@ -539,45 +448,45 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut c = ctl(dir.path());
         for i in 1..=3 {
-            assert_eq!(c.handle(CtlRequest::RegisterPeer { addr: format!("a{i}"), region_bytes: 1000, known_as: None }), CtlReply::Registered { peer: i });
+            assert_eq!(c.reply_to(CtlRequest::RegisterPeer { addr: format!("a{i}"), region_bytes: 1000, known_as: None }), CtlReply::Registered { peer: i });
         }
-        let CtlReply::Granted(g) = c.handle(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
-        assert_eq!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: g.epoch }), CtlReply::Ok);
+        let CtlReply::Granted(g) = c.reply_to(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
+        assert_eq!(c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: g.epoch }), CtlReply::Ok);
         // The controller restarts: nobody is live until they report.
         drop(c);
         let mut c = ctl(dir.path());
         assert!(c.state().peers.values().all(|p| !p.live));
         // Peers 1 and 2 come back at new addresses with their ids; an unknown id is a new peer.
-        assert_eq!(c.handle(CtlRequest::RegisterPeer { addr: "b1".into(), region_bytes: 1000, known_as: Some(1) }), CtlReply::Registered { peer: 1 });
-        assert_eq!(c.handle(CtlRequest::RegisterPeer { addr: "b2".into(), region_bytes: 1000, known_as: Some(2) }), CtlReply::Registered { peer: 2 });
-        assert_eq!(c.handle(CtlRequest::RegisterPeer { addr: "b4".into(), region_bytes: 1000, known_as: Some(9) }), CtlReply::Registered { peer: 4 });
+        assert_eq!(c.reply_to(CtlRequest::RegisterPeer { addr: "b1".into(), region_bytes: 1000, known_as: Some(1) }), CtlReply::Registered { peer: 1 });
+        assert_eq!(c.reply_to(CtlRequest::RegisterPeer { addr: "b2".into(), region_bytes: 1000, known_as: Some(2) }), CtlReply::Registered { peer: 2 });
+        assert_eq!(c.reply_to(CtlRequest::RegisterPeer { addr: "b4".into(), region_bytes: 1000, known_as: Some(9) }), CtlReply::Registered { peer: 4 });
         assert_eq!(c.state().peers.len(), 4);
         assert_eq!(c.state().peers[&1].addr, "b1");
         // Re-seed: the live ones of its peers kept, the dead one (3) replaced by a live one.
-        let CtlReply::Granted(r) = c.handle(CtlRequest::Reseed { key: "k".into() }) else { panic!() };
+        let CtlReply::Granted(r) = c.reply_to(CtlRequest::Reseed { key: "k".into() }) else { panic!() };
         assert_eq!(r.peers.iter().map(|p| (p.id, p.addr.as_str())).collect::<Vec<_>>(), vec![(1, "b1"), (2, "b2"), (4, "b4")]);
         assert!(r.epoch > g.epoch && !r.initialized && r.recover_from.is_empty());
-        assert!(matches!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: g.epoch }), CtlReply::Error(_)), "old epochs are stale");
-        assert_eq!(c.handle(CtlRequest::Initialized { key: "k".into(), epoch: r.epoch }), CtlReply::Ok);
+        assert!(matches!(c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: g.epoch }), CtlReply::Error(_)), "old epochs are stale");
+        assert_eq!(c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: r.epoch }), CtlReply::Ok);
         assert!(c.state().files["k"].initialized);
-        assert!(matches!(c.handle(CtlRequest::Reseed { key: "nope".into() }), CtlReply::Error(_)));
+        assert!(matches!(c.reply_to(CtlRequest::Reseed { key: "nope".into() }), CtlReply::Error(_)));
         // Too few live peers: refused, nothing changed.
         drop(c);
         let mut c = ctl(dir.path());
-        c.handle(CtlRequest::RegisterPeer { addr: "b1".into(), region_bytes: 1000, known_as: Some(1) });
+        c.reply_to(CtlRequest::RegisterPeer { addr: "b1".into(), region_bytes: 1000, known_as: Some(1) });
         let before = c.state().clone();
-        assert!(matches!(c.handle(CtlRequest::Reseed { key: "k".into() }), CtlReply::Error(e) if e.contains("live")));
+        assert!(matches!(c.reply_to(CtlRequest::Reseed { key: "k".into() }), CtlReply::Error(e) if e.contains("live")));
         assert_eq!(c.state(), &before);
     }
 
     #[test]
     fn bad_requests_are_refused_and_failed_saves_roll_back() {
         let mut c = ControllerCore::open(MemStore::default()).unwrap();
-        assert!(matches!(c.handle(CtlRequest::Open { key: "k".into(), replicas: 3 }), CtlReply::Error(_)), "no peers");
-        assert!(matches!(c.handle(CtlRequest::Open { key: "".into(), replicas: 1 }), CtlReply::Error(_)));
-        c.handle(CtlRequest::RegisterPeer { addr: "p".into(), region_bytes: 1, known_as: None });
+        assert!(matches!(c.reply_to(CtlRequest::Open { key: "k".into(), replicas: 3 }), CtlReply::Error(_)), "no peers");
+        assert!(matches!(c.reply_to(CtlRequest::Open { key: "".into(), replicas: 1 }), CtlReply::Error(_)));
+        c.reply_to(CtlRequest::RegisterPeer { addr: "p".into(), region_bytes: 1, known_as: None });
         c.store.fail_saves = true;
-        assert!(matches!(c.handle(CtlRequest::Open { key: "k".into(), replicas: 1 }), CtlReply::Error(_)));
+        assert!(matches!(c.reply_to(CtlRequest::Open { key: "k".into(), replicas: 1 }), CtlReply::Error(_)));
         assert!(c.state().files.is_empty());
     }
 

@@ -20,8 +20,9 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::core::controller::{ControllerCore, MetaStore};
-use crate::core::peer::PeerCore;
+use crate::core::controller::ControllerCore;
+use crate::store::MetaStore;
+use crate::core::peer::{PeerCore, PeerInput};
 use crate::proto::{CtlReply, CtlRequest, PeerReply, PeerRequest, MAX_FRAME_BYTES};
 
 /// How often a peer reports its used bytes to the controller.
@@ -84,13 +85,15 @@ pub async fn run_peer_as(
                     Ok(CtlReply::Heartbeat { release, draining }) => {
                         let mut c = core.lock().unwrap();
                         for f in release {
-                            let freed = c.release(f);
+                            let used = c.used_bytes();
+                            c.handle(PeerInput::Release(f));
+                            let freed = used - c.used_bytes();
                             tracing::info!(file = f, freed, "released a file placed elsewhere");
                         }
                         if draining && !returned && c.used_bytes() == 0 {
                             // Reclaimed: every file moved away. The region goes back to the host
                             // (its buffers are freed; no new file is placed here).
-                            c.set_region_bytes(0);
+                            c.handle(PeerInput::SetRegionBytes(0));
                             returned = true;
                             tracing::info!(%advertise, "reclaimed: lent region returned");
                             println!("nearlog peer {advertise}: reclaimed, lent region returned");
@@ -387,7 +390,7 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
                 }
                 slot = Some(LargeFrameSlot::acquire()?);
             }
-            let rep: PeerReply = c.get_or_insert_with(|| core.lock().unwrap()).handle(req);
+            let rep: PeerReply = c.get_or_insert_with(|| core.lock().unwrap()).reply_to(req);
             // Acks are cumulative: an Ack that follows one for the same file and epoch replaces
             // it (a batch of records costs the client one ack to decode, not one per record).
             let ack_of = match &rep {
@@ -458,7 +461,7 @@ pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core:
                     let req: CtlRequest = wire::read_msg(&mut sock, MAX_FRAME_BYTES).await?;
                     tracing::debug!(?req, "controller request");
                     // The core persists (fsync) inside the lock: changes are serialised.
-                    let rep = core.lock().unwrap().handle(req);
+                    let rep = core.lock().unwrap().reply_to(req);
                     wire::write_msg(&mut sock, &rep).await?;
                     sock.flush().await?;
                 }
