@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::proto::{ControllerState, CtlReply, CtlRequest, Epoch, FileGrant, FileId, FileMeta, PeerAddr, PeerId, PeerInfo};
+use crate::proto::{ControllerState, CtlReply, CtlRequest, FileGrant, FileId, FileMeta, PeerAddr, PeerId, PeerInfo};
 use crate::store::{MetaStore, StoreError};
 
 /// Longest file key accepted (a path).
@@ -105,7 +105,7 @@ impl<S: MetaStore> ControllerCore<S> {
         #[cfg(debug_assertions)]
         {
             // An epoch is never handed out twice: a file's epoch never goes back.
-            let old: BTreeMap<FileId, Epoch> = before.files.values().map(|m| (m.file, m.epoch)).collect();
+            let old: BTreeMap<FileId, crate::proto::Epoch> = before.files.values().map(|m| (m.file, m.epoch)).collect();
             for (key, m) in &self.state.files {
                 if old.get(&m.file).is_some_and(|e| m.epoch < *e) {
                     panic!("controller: invariant `a file's epoch never decreases` broken: {key} (file {}) went from epoch {} to {}", m.file, old[&m.file], m.epoch);
