@@ -241,20 +241,7 @@ pub(super) fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> R
     }
     let local_size = st.st_size as u64;
     let read_fd = reopen_readonly(fd)?;
-    // Tell readers on this machine that a writer keeps this local copy current (released when
-    // `read_fd` closes); waits while a reader repairs it.
-    let until = Instant::now() + shim.cfg.deadline;
-    loop {
-        match writer_lock(read_fd, libc::F_RDLCK as libc::c_short, false) {
-            Ok(true) => break,
-            Ok(false) if Instant::now() < until => std::thread::sleep(Duration::from_millis(1)),
-            other => {
-                // SAFETY: our own fd, not stored anywhere yet.
-                unsafe { close_own(read_fd) };
-                return Err(format!("a reader on this machine holds the local copy's lock: {other:?}"));
-            }
-        }
-    }
+    lock_as_writer(read_fd, shim.cfg.deadline)?;
     let mut attempt = 0;
     let (grant, image) = loop {
         attempt += 1;
@@ -319,22 +306,48 @@ pub(super) fn open_log(shim: &mut Shim, fd: c_int, key: &str, flags: c_int) -> R
         let _ = seq;
         shim.wait_for(fd, true, all_acked)?;
     } else {
-        // Current when recovery took every chunk from the local copy (each checked against the
-        // source's block checksums) and the sizes agree; a never-replicated file starts from it.
-        let (fetched, _) = shim.files[&fd].client.recovery_bytes();
-        let current = shim.files[&fd].client.matched_known() || (image.len() as u64 == local_size && (!grant.initialized || fetched == 0));
-        if !current {
-            // Missing, shorter, longer (unacknowledged tail) or different: the replicas win.
-            write_local_all(fd, &image, 0).map_err(|e| format!("restoring the local copy: {e}"))?;
-            // SAFETY: real ftruncate on our fd.
-            if unsafe { (real().ftruncate)(fd, image.len() as off_t) } != 0 {
-                return Err(format!("restoring the local copy: {}", std::io::Error::last_os_error()));
-            }
-            let (fetched, reused) = shim.files[&fd].client.recovery_bytes();
-            log(&format!("recovered {key}: {} bytes from the log peers ({fetched} fetched, {reused} verified from the local copy of {local_size})", image.len()));
-        }
+        make_local_copy_current(shim, fd, key, &grant, &image, local_size)?;
     }
     INHERITED.set(fd, false);
     set_tracked(fd, true);
+    Ok(())
+}
+
+/// Tells readers on this machine that a writer keeps this local copy current (a read lock on
+/// [`WRITER_LOCK_BYTE`] of `read_fd`, released when it closes); waits while a reader repairs
+/// the copy, up to `deadline`. On failure `read_fd` is closed.
+fn lock_as_writer(read_fd: c_int, deadline: Duration) -> Result<(), String> {
+    let until = Instant::now() + deadline;
+    loop {
+        match writer_lock(read_fd, libc::F_RDLCK as libc::c_short, false) {
+            Ok(true) => break,
+            Ok(false) if Instant::now() < until => std::thread::sleep(Duration::from_millis(1)),
+            other => {
+                // SAFETY: our own fd, not stored anywhere yet.
+                unsafe { close_own(read_fd) };
+                return Err(format!("a reader on this machine holds the local copy's lock: {other:?}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// After a writer's recovery: the local file is made the recovered image unless it already
+/// is (the replicas win over a missing, shorter, longer or different copy).
+fn make_local_copy_current(shim: &mut Shim, fd: c_int, key: &str, grant: &FileGrant, image: &[u8], local_size: u64) -> Result<(), String> {
+    // Current when recovery took every chunk from the local copy (each checked against the
+    // source's block checksums) and the sizes agree; a never-replicated file starts from it.
+    let (fetched, _) = shim.files[&fd].client.recovery_bytes();
+    let current = shim.files[&fd].client.matched_known() || (image.len() as u64 == local_size && (!grant.initialized || fetched == 0));
+    if !current {
+        // Missing, shorter, longer (unacknowledged tail) or different: the replicas win.
+        write_local_all(fd, image, 0).map_err(|e| format!("restoring the local copy: {e}"))?;
+        // SAFETY: real ftruncate on our fd.
+        if unsafe { (real().ftruncate)(fd, image.len() as off_t) } != 0 {
+            return Err(format!("restoring the local copy: {}", std::io::Error::last_os_error()));
+        }
+        let (fetched, reused) = shim.files[&fd].client.recovery_bytes();
+        log(&format!("recovered {key}: {} bytes from the log peers ({fetched} fetched, {reused} verified from the local copy of {local_size})", image.len()));
+    }
     Ok(())
 }

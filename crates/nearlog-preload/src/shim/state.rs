@@ -220,67 +220,9 @@ impl Shim {
     /// holds its ops); the peers beyond it lag by at most `defer` of records.
     pub(super) fn pump(&mut self, wait: Duration) {
         stats::add(&stats::PUMPS, 1);
-        let now = self.now_us();
-        let mut out: Vec<(PeerId, PeerRequest)> = Vec::new();
-        for t in self.files.values_mut() {
-            t.client.handle(Input::Tick { now_us: now });
-            out.extend(t.client.take_outputs());
-        }
-        // One buffer per peer: a batch goes out in one write. A record goes to every peer
-        // alike (consecutive equal requests): it is encoded and checksummed once.
-        let mut batches: HashMap<PeerId, Vec<u8>> = HashMap::new();
-        let mut prev: Option<PeerRequest> = None;
-        let mut frame: Vec<u8> = Vec::new();
-        for (p, req) in out {
-            if prev.as_ref() != Some(&req) {
-                frame.clear();
-                let _ = blocking::encode_into(&req, &mut frame);
-                prev = Some(req);
-            }
-            batches.entry(p).or_default().extend_from_slice(&frame);
-        }
-        let fresh: Vec<PeerId> = batches.keys().copied().collect();
-        let connected = |s: &Shim, p: &PeerId| s.peers.get(p).is_some_and(|v| v.1.is_some());
-        let mut hold: Vec<PeerId> = Vec::new();
-        if fresh.len() >= 3 && fresh.iter().all(|p| connected(self, p)) {
-            let mut by_speed = fresh.clone();
-            by_speed.sort_by_key(|p| (self.reply_us.get(p).map_or(0, |r| r.1), *p));
-            hold = by_speed.split_off(fresh.len() / 2 + 1);
-        }
+        let mut batches = self.collect_batches();
         let at = Instant::now();
-        // Held-back bytes go first on their connection (per-peer order is kept); a peer with
-        // nothing new is sent what it was held once that waited long enough.
-        for (p, (held, since)) in std::mem::take(&mut self.deferred) {
-            let due = at.duration_since(since) >= self.cfg.defer;
-            match batches.remove(&p) {
-                Some(b) if !hold.contains(&p) || due => {
-                    let mut all = held;
-                    all.extend_from_slice(&b);
-                    batches.insert(p, all);
-                    hold.retain(|&h| h != p);
-                }
-                Some(b) => {
-                    let mut all = held;
-                    all.extend_from_slice(&b);
-                    self.deferred.insert(p, (all, since));
-                }
-                None if due => {
-                    batches.insert(p, held);
-                }
-                None => {
-                    self.deferred.insert(p, (held, since));
-                }
-            }
-        }
-        for p in hold {
-            if let Some(b) = batches.remove(&p) {
-                if let Some((held, _)) = self.deferred.get_mut(&p) {
-                    held.extend_from_slice(&b);
-                } else {
-                    self.deferred.insert(p, (b, at));
-                }
-            }
-        }
+        self.defer_slow_peers(&mut batches, at);
         let sending = Instant::now();
         for (p, buf) in batches {
             self.send_batch(p, &buf, at);
@@ -323,43 +265,120 @@ impl Shim {
             if fds[i].revents & !libc::POLLOUT == 0 || self.peers.get(p).is_none_or(|v| v.1.is_none()) {
                 continue;
             }
-            // One read takes every reply the kernel has; they are parsed from the buffer.
-            let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
-            let reader = self.readers.entry(*p).or_default();
-            let mut replies = Vec::new();
-            stats::add(&stats::READS, 1);
-            let mut lost = match reader.fill(conn) {
-                Ok(0) => Some("connection closed".to_string()),
-                Ok(_) => None,
-                Err(e) => Some(e.to_string()),
-            };
-            while lost.is_none() {
-                match reader.next::<PeerReply>(MAX_FRAME_BYTES) {
-                    Ok(Some(rep)) => replies.push(rep),
-                    Ok(None) => break,
-                    Err(e) => lost = Some(e.to_string()),
+            self.receive_from(*p);
+        }
+    }
+
+    /// Ticks every file's client and encodes what they have to send: one buffer per peer, so a
+    /// batch goes out in one write.
+    fn collect_batches(&mut self) -> HashMap<PeerId, Vec<u8>> {
+        let now = self.now_us();
+        let mut out: Vec<(PeerId, PeerRequest)> = Vec::new();
+        for t in self.files.values_mut() {
+            t.client.handle(Input::Tick { now_us: now });
+            out.extend(t.client.take_outputs());
+        }
+        // A record goes to every peer alike (consecutive equal requests): it is encoded and
+        // checksummed once.
+        let mut batches: HashMap<PeerId, Vec<u8>> = HashMap::new();
+        let mut prev: Option<PeerRequest> = None;
+        let mut frame: Vec<u8> = Vec::new();
+        for (p, req) in out {
+            if prev.as_ref() != Some(&req) {
+                frame.clear();
+                let _ = blocking::encode_into(&req, &mut frame);
+                prev = Some(req);
+            }
+            batches.entry(p).or_default().extend_from_slice(&frame);
+        }
+        batches
+    }
+
+    /// With three or more connected peers to send to, the slowest beyond a majority are held
+    /// back (in `deferred`) until a batch of theirs waited `cfg.defer`.
+    fn defer_slow_peers(&mut self, batches: &mut HashMap<PeerId, Vec<u8>>, at: Instant) {
+        let fresh: Vec<PeerId> = batches.keys().copied().collect();
+        let connected = |s: &Shim, p: &PeerId| s.peers.get(p).is_some_and(|v| v.1.is_some());
+        let mut hold: Vec<PeerId> = Vec::new();
+        if fresh.len() >= 3 && fresh.iter().all(|p| connected(self, p)) {
+            let mut by_speed = fresh.clone();
+            by_speed.sort_by_key(|p| (self.reply_us.get(p).map_or(0, |r| r.1), *p));
+            hold = by_speed.split_off(fresh.len() / 2 + 1);
+        }
+        // Held-back bytes go first on their connection (per-peer order is kept); a peer with
+        // nothing new is sent what it was held once that waited long enough.
+        for (p, (held, since)) in std::mem::take(&mut self.deferred) {
+            let due = at.duration_since(since) >= self.cfg.defer;
+            match batches.remove(&p) {
+                Some(b) if !hold.contains(&p) || due => {
+                    let mut all = held;
+                    all.extend_from_slice(&b);
+                    batches.insert(p, all);
+                    hold.retain(|&h| h != p);
+                }
+                Some(b) => {
+                    let mut all = held;
+                    all.extend_from_slice(&b);
+                    self.deferred.insert(p, (all, since));
+                }
+                None if due => {
+                    batches.insert(p, held);
+                }
+                None => {
+                    self.deferred.insert(p, (held, since));
                 }
             }
-            if !replies.is_empty() {
-                if let Some(r) = self.reply_us.get_mut(p) {
-                    if let Some(sent) = r.0.take() {
-                        let us = sent.elapsed().as_micros() as u64;
-                        r.1 = if r.1 == 0 { us } else { (r.1 * 7 + us) / 8 };
-                    }
+        }
+        for p in hold {
+            if let Some(b) = batches.remove(&p) {
+                if let Some((held, _)) = self.deferred.get_mut(&p) {
+                    held.extend_from_slice(&b);
+                } else {
+                    self.deferred.insert(p, (b, at));
                 }
             }
-            stats::add(&stats::REPLIES, replies.len() as u64);
-            for rep in replies {
-                if let Some(f) = rep.file() {
-                    for t in self.files.values_mut().filter(|t| t.client.file() == f) {
-                        t.client.handle(Input::Reply { peer: *p, reply: rep.clone() });
-                    }
+        }
+    }
+
+    /// Reads every reply one peer's connection has and gives each to the files' clients; a
+    /// closed or broken connection is dropped.
+    fn receive_from(&mut self, p: PeerId) {
+        // One read takes every reply the kernel has; they are parsed from the buffer.
+        let conn = self.peers.get_mut(&p).unwrap().1.as_mut().unwrap();
+        let reader = self.readers.entry(p).or_default();
+        let mut replies = Vec::new();
+        stats::add(&stats::READS, 1);
+        let mut lost = match reader.fill(conn) {
+            Ok(0) => Some("connection closed".to_string()),
+            Ok(_) => None,
+            Err(e) => Some(e.to_string()),
+        };
+        while lost.is_none() {
+            match reader.next::<PeerReply>(MAX_FRAME_BYTES) {
+                Ok(Some(rep)) => replies.push(rep),
+                Ok(None) => break,
+                Err(e) => lost = Some(e.to_string()),
+            }
+        }
+        if !replies.is_empty() {
+            if let Some(r) = self.reply_us.get_mut(&p) {
+                if let Some(sent) = r.0.take() {
+                    let us = sent.elapsed().as_micros() as u64;
+                    r.1 = if r.1 == 0 { us } else { (r.1 * 7 + us) / 8 };
                 }
             }
-            if let Some(e) = lost {
-                log(&format!("log peer {p}: connection lost: {e}"));
-                self.drop_conn(*p);
+        }
+        stats::add(&stats::REPLIES, replies.len() as u64);
+        for rep in replies {
+            if let Some(f) = rep.file() {
+                for t in self.files.values_mut().filter(|t| t.client.file() == f) {
+                    t.client.handle(Input::Reply { peer: p, reply: rep.clone() });
+                }
             }
+        }
+        if let Some(e) = lost {
+            log(&format!("log peer {p}: connection lost: {e}"));
+            self.drop_conn(p);
         }
     }
 
