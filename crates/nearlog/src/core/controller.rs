@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::proto::{ControllerState, CtlReply, CtlRequest, FileGrant, FileId, FileMeta, PeerAddr, PeerId, PeerInfo};
+use crate::proto::{ControllerState, CtlReply, CtlRequest, Epoch, FileGrant, FileId, FileMeta, PeerAddr, PeerId, PeerInfo};
 use crate::store::{MetaStore, StoreError};
 
 /// Longest file key accepted (a path).
@@ -14,6 +14,15 @@ pub const MAX_KEY_BYTES: usize = 4096;
 pub const MAX_REPLICAS: u32 = 7;
 /// Most file ids one peer heartbeat may list.
 pub const MAX_HEARTBEAT_FILES: usize = 100_000;
+
+/// A file key is a path: 1..=MAX_KEY_BYTES bytes.
+fn check_key(k: &str) -> Result<(), String> {
+    if k.is_empty() || k.len() > MAX_KEY_BYTES {
+        Err(format!("file key must be 1..={MAX_KEY_BYTES} bytes"))
+    } else {
+        Ok(())
+    }
+}
 
 /// The peer with the most free space (ties: lowest id) not already holding `m`.
 fn pick_peer(free: &BTreeMap<PeerId, u64>, m: &FileMeta) -> Option<PeerId> {
@@ -105,7 +114,7 @@ impl<S: MetaStore> ControllerCore<S> {
         #[cfg(debug_assertions)]
         {
             // An epoch is never handed out twice: a file's epoch never goes back.
-            let old: BTreeMap<FileId, crate::proto::Epoch> = before.files.values().map(|m| (m.file, m.epoch)).collect();
+            let old: BTreeMap<FileId, Epoch> = before.files.values().map(|m| (m.file, m.epoch)).collect();
             for (key, m) in &self.state.files {
                 if old.get(&m.file).is_some_and(|e| m.epoch < *e) {
                     panic!("controller: invariant `a file's epoch never decreases` broken: {key} (file {}) went from epoch {} to {}", m.file, old[&m.file], m.epoch);
@@ -147,92 +156,14 @@ impl<S: MetaStore> ControllerCore<S> {
         }
     }
 
+    /// One request's reply, and whether the state changed (then `handle_input` persists it).
+    /// One arm per request; the requests with decisions of their own have a method each.
     fn apply(&mut self, req: CtlRequest) -> (CtlReply, bool) {
         let s = &mut self.state;
-        let check_key = |k: &str| -> Result<(), String> {
-            if k.is_empty() || k.len() > MAX_KEY_BYTES {
-                Err(format!("file key must be 1..={MAX_KEY_BYTES} bytes"))
-            } else {
-                Ok(())
-            }
-        };
         match req {
-            CtlRequest::RegisterPeer { addr, region_bytes, known_as } => {
-                if addr.is_empty() || addr.len() > 256 {
-                    return (CtlReply::Error("peer address must be 1..=256 bytes".into()), false);
-                }
-                // The same peer restarted (its identity file names an id we know, or, without
-                // one, it came back at the same address): its memory is gone; it keeps its id,
-                // and its files stay placed on it (recovery never counts a peer without a copy
-                // as a witness). A returning peer at a new address takes the new one.
-                let returning = match known_as {
-                    Some(id) if s.peers.contains_key(&id) => Some(id),
-                    _ => s.peers.iter().find(|(_, p)| p.addr == addr).map(|(&id, _)| id),
-                };
-                if let Some(id) = returning {
-                    let p = s.peers.get_mut(&id).unwrap();
-                    p.addr = addr;
-                    p.region_bytes = region_bytes;
-                    p.used_bytes = 0;
-                    p.live = true;
-                    return (CtlReply::Registered { peer: id }, true);
-                }
-                let id = s.next_peer;
-                s.next_peer += 1;
-                s.peers.insert(id, PeerInfo { addr, region_bytes, used_bytes: 0, draining: false, live: true });
-                (CtlReply::Registered { peer: id }, true)
-            }
-            CtlRequest::PeerHeartbeat { peer, used_bytes, files } => {
-                if files.len() > MAX_HEARTBEAT_FILES {
-                    return (CtlReply::Error(format!("heartbeat lists more than {MAX_HEARTBEAT_FILES} files")), false);
-                }
-                let Some(p) = s.peers.get_mut(&peer) else {
-                    return (CtlReply::Error(format!("unknown peer {peer}: register first")), false);
-                };
-                // Not persisted: free space and liveness are soft state, refreshed by every heartbeat.
-                p.used_bytes = used_bytes;
-                p.live = true;
-                let draining = p.draining;
-                // A file the peer holds but no placement (current or pending-move) names it for
-                // is garbage: removed, renamed over, moved away, or a Drop that never arrived.
-                let placed: BTreeMap<FileId, &FileMeta> = s.files.values().map(|m| (m.file, m)).collect();
-                let release = files
-                    .into_iter()
-                    .filter(|f| placed.get(f).is_none_or(|m| !m.peers.contains(&peer) && !m.prev_peers.contains(&peer)))
-                    .collect();
-                (CtlReply::Heartbeat { release, draining }, false)
-            }
-            CtlRequest::Reclaim { peer } => {
-                if !s.peers.contains_key(&peer) {
-                    return (CtlReply::Error(format!("unknown peer {peer}")), false);
-                }
-                let mut changed = !s.peers[&peer].draining;
-                // Plan every move before changing anything: all or nothing.
-                let mut free: BTreeMap<PeerId, u64> = s
-                    .peers
-                    .iter()
-                    .filter(|(&id, p)| id != peer && !p.draining)
-                    .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
-                    .collect();
-                let mut plan = Vec::new();
-                for (key, m) in s.files.iter().filter(|(_, m)| m.peers.contains(&peer)) {
-                    let Some(to) = pick_peer(&free, m) else {
-                        return (CtlReply::Error(format!("no other log peer can take {key} (start another peer, then reclaim again)")), false);
-                    };
-                    // Count the file's size against the chosen peer (approximated by the
-                    // reclaimed peer's whole use: we do not know per-file sizes here).
-                    *free.get_mut(&to).unwrap() = free[&to].saturating_sub(1);
-                    plan.push((key.clone(), to));
-                }
-                s.peers.get_mut(&peer).unwrap().draining = true;
-                for (key, to) in plan {
-                    let m = s.files.get_mut(&key).unwrap();
-                    replace_peer(m, peer, to);
-                    changed = true;
-                }
-                let pending = s.files.iter().filter(|(_, m)| m.prev_peers.contains(&peer)).map(|(k, _)| k.clone()).collect();
-                (CtlReply::Reclaiming { pending }, changed)
-            }
+            CtlRequest::RegisterPeer { addr, region_bytes, known_as } => self.register_peer(addr, region_bytes, known_as),
+            CtlRequest::PeerHeartbeat { peer, used_bytes, files } => self.peer_heartbeat(peer, used_bytes, files),
+            CtlRequest::Reclaim { peer } => self.reclaim(peer),
             CtlRequest::Move { key } => match s.files.get_mut(&key) {
                 Some(m) if !m.prev_peers.is_empty() => {
                     m.epoch += 1;
@@ -252,64 +183,8 @@ impl<S: MetaStore> ControllerCore<S> {
                 Some(m) => (CtlReply::Error(format!("{key} was opened by another writer (epoch {}) since epoch {epoch}", m.owner_epoch)), false),
                 None => (CtlReply::Error(format!("unknown file {key}")), false),
             },
-            CtlRequest::Relocate { key, epoch, full } => {
-                let free: BTreeMap<PeerId, u64> = s
-                    .peers
-                    .iter()
-                    .filter(|(&id, p)| id != full && !p.draining)
-                    .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
-                    .collect();
-                match s.files.get_mut(&key) {
-                    Some(m) if m.owner_epoch == epoch => {
-                        if m.peers.contains(&full) {
-                            let Some(to) = pick_peer(&free, m) else {
-                                return (CtlReply::Error(format!("no log peer has room for {key}: every region is full")), false);
-                            };
-                            replace_peer(m, full, to);
-                        }
-                        m.epoch += 1;
-                        m.owner_epoch = m.epoch;
-                        let m = m.clone();
-                        (CtlReply::Granted(self.grant(&key, &m)), true)
-                    }
-                    Some(m) => (CtlReply::Error(format!("{key} was opened by another writer (epoch {}) since epoch {epoch}", m.owner_epoch)), false),
-                    None => (CtlReply::Error(format!("unknown file {key}")), false),
-                }
-            }
-            CtlRequest::Open { key, replicas } => {
-                if let Err(e) = check_key(&key) {
-                    return (CtlReply::Error(e), false);
-                }
-                if replicas == 0 || replicas > MAX_REPLICAS {
-                    return (CtlReply::Error(format!("replicas must be 1..={MAX_REPLICAS}")), false);
-                }
-                if !s.files.contains_key(&key) {
-                    if (s.peers.len() as u32) < replicas {
-                        return (CtlReply::Error(format!("{replicas} log peers needed, {} registered", s.peers.len())), false);
-                    }
-                    // Placement: live peers first (one that has not reported since we started
-                    // may be gone for good), then the most free space (ties: lowest id).
-                    let mut by_free: Vec<(PeerId, u64, bool)> = s
-                        .peers
-                        .iter()
-                        .filter(|(_, p)| !p.draining)
-                        .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes), p.live))
-                        .collect();
-                    if (by_free.len() as u32) < replicas {
-                        return (CtlReply::Error(format!("{replicas} log peers needed, {} not being reclaimed", by_free.len())), false);
-                    }
-                    by_free.sort_by_key(|&(id, free, live)| (!live, std::cmp::Reverse(free), id));
-                    let peers = by_free.iter().take(replicas as usize).map(|&(id, _, _)| id).collect();
-                    let file = s.next_file;
-                    s.next_file += 1;
-                    s.files.insert(key.clone(), FileMeta { file, epoch: 0, peers, initialized: false, prev_peers: Vec::new(), placed_at: 0, owner_epoch: 0 });
-                }
-                let m = s.files.get_mut(&key).unwrap();
-                m.epoch += 1;
-                m.owner_epoch = m.epoch;
-                let m = m.clone();
-                (CtlReply::Granted(self.grant(&key, &m)), true)
-            }
+            CtlRequest::Relocate { key, epoch, full } => self.relocate(key, epoch, full),
+            CtlRequest::Open { key, replicas } => self.open_file(key, replicas),
             CtlRequest::Initialized { key, epoch } => match s.files.get_mut(&key) {
                 Some(m) if m.epoch == epoch => {
                     let mut changed = !m.initialized;
@@ -338,37 +213,190 @@ impl<S: MetaStore> ControllerCore<S> {
             }
             CtlRequest::Status => (CtlReply::Status(self.state.clone()), false),
             CtlRequest::Lookup { key } => (CtlReply::Found(self.state.files.get(&key).map(|m| self.grant(&key, m))), false),
-            CtlRequest::Reseed { key } => {
-                let Some(m) = s.files.get(&key) else { return (CtlReply::Error(format!("unknown file {key}")), false) };
-                let usable = |id: &PeerId| s.peers.get(id).is_some_and(|p| p.live && !p.draining);
-                // Its current peers where they are live (a restarted peer keeps its id), the
-                // rest from the live peers with the most free space (ties: lowest id).
-                let mut peers: Vec<PeerId> = m.peers.iter().copied().filter(usable).collect();
-                let mut others: Vec<(PeerId, u64)> = s
-                    .peers
-                    .iter()
-                    .filter(|(id, _)| usable(id) && !peers.contains(id))
-                    .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
-                    .collect();
-                others.sort_by_key(|&(id, free)| (std::cmp::Reverse(free), id));
-                let want = m.peers.len();
-                peers.extend(others.iter().map(|&(id, _)| id).take(want.saturating_sub(peers.len())));
-                if peers.len() < want {
-                    let live = s.peers.values().filter(|p| p.live && !p.draining).count();
-                    return (CtlReply::Error(format!("re-seeding {key} needs {want} live log peers, {live} are up (start more peers, then try again)")), false);
+            CtlRequest::Reseed { key } => self.reseed(key),
+        }
+    }
+
+    /// A peer registers: a new id, or its old one if it is the same peer restarted.
+    fn register_peer(&mut self, addr: String, region_bytes: u64, known_as: Option<PeerId>) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        if addr.is_empty() || addr.len() > 256 {
+            return (CtlReply::Error("peer address must be 1..=256 bytes".into()), false);
+        }
+        // The same peer restarted (its identity file names an id we know, or, without
+        // one, it came back at the same address): its memory is gone; it keeps its id,
+        // and its files stay placed on it (recovery never counts a peer without a copy
+        // as a witness). A returning peer at a new address takes the new one.
+        let returning = match known_as {
+            Some(id) if s.peers.contains_key(&id) => Some(id),
+            _ => s.peers.iter().find(|(_, p)| p.addr == addr).map(|(&id, _)| id),
+        };
+        if let Some(id) = returning {
+            let p = s.peers.get_mut(&id).unwrap();
+            p.addr = addr;
+            p.region_bytes = region_bytes;
+            p.used_bytes = 0;
+            p.live = true;
+            return (CtlReply::Registered { peer: id }, true);
+        }
+        let id = s.next_peer;
+        s.next_peer += 1;
+        s.peers.insert(id, PeerInfo { addr, region_bytes, used_bytes: 0, draining: false, live: true });
+        (CtlReply::Registered { peer: id }, true)
+    }
+
+    /// A peer's heartbeat: refreshes its soft state, and names the files it may free.
+    fn peer_heartbeat(&mut self, peer: PeerId, used_bytes: u64, files: Vec<FileId>) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        if files.len() > MAX_HEARTBEAT_FILES {
+            return (CtlReply::Error(format!("heartbeat lists more than {MAX_HEARTBEAT_FILES} files")), false);
+        }
+        let Some(p) = s.peers.get_mut(&peer) else {
+            return (CtlReply::Error(format!("unknown peer {peer}: register first")), false);
+        };
+        // Not persisted: free space and liveness are soft state, refreshed by every heartbeat.
+        p.used_bytes = used_bytes;
+        p.live = true;
+        let draining = p.draining;
+        // A file the peer holds but no placement (current or pending-move) names it for
+        // is garbage: removed, renamed over, moved away, or a Drop that never arrived.
+        let placed: BTreeMap<FileId, &FileMeta> = s.files.values().map(|m| (m.file, m)).collect();
+        let release = files
+            .into_iter()
+            .filter(|f| placed.get(f).is_none_or(|m| !m.peers.contains(&peer) && !m.prev_peers.contains(&peer)))
+            .collect();
+        (CtlReply::Heartbeat { release, draining }, false)
+    }
+
+    /// Plans and records the move of every file off `peer` (all or nothing).
+    fn reclaim(&mut self, peer: PeerId) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        if !s.peers.contains_key(&peer) {
+            return (CtlReply::Error(format!("unknown peer {peer}")), false);
+        }
+        let mut changed = !s.peers[&peer].draining;
+        // Plan every move before changing anything: all or nothing.
+        let mut free: BTreeMap<PeerId, u64> = s
+            .peers
+            .iter()
+            .filter(|(&id, p)| id != peer && !p.draining)
+            .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
+            .collect();
+        let mut plan = Vec::new();
+        for (key, m) in s.files.iter().filter(|(_, m)| m.peers.contains(&peer)) {
+            let Some(to) = pick_peer(&free, m) else {
+                return (CtlReply::Error(format!("no other log peer can take {key} (start another peer, then reclaim again)")), false);
+            };
+            // Count the file's size against the chosen peer (approximated by the
+            // reclaimed peer's whole use: we do not know per-file sizes here).
+            *free.get_mut(&to).unwrap() = free[&to].saturating_sub(1);
+            plan.push((key.clone(), to));
+        }
+        s.peers.get_mut(&peer).unwrap().draining = true;
+        for (key, to) in plan {
+            let m = s.files.get_mut(&key).unwrap();
+            replace_peer(m, peer, to);
+            changed = true;
+        }
+        let pending = s.files.iter().filter(|(_, m)| m.prev_peers.contains(&peer)).map(|(k, _)| k.clone()).collect();
+        (CtlReply::Reclaiming { pending }, changed)
+    }
+
+    /// The writer at `epoch` met a full region on `full`: the file grows onto a peer with room.
+    fn relocate(&mut self, key: String, epoch: Epoch, full: PeerId) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        let free: BTreeMap<PeerId, u64> = s
+            .peers
+            .iter()
+            .filter(|(&id, p)| id != full && !p.draining)
+            .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
+            .collect();
+        match s.files.get_mut(&key) {
+            Some(m) if m.owner_epoch == epoch => {
+                if m.peers.contains(&full) {
+                    let Some(to) = pick_peer(&free, m) else {
+                        return (CtlReply::Error(format!("no log peer has room for {key}: every region is full")), false);
+                    };
+                    replace_peer(m, full, to);
                 }
-                let m = s.files.get_mut(&key).unwrap();
                 m.epoch += 1;
                 m.owner_epoch = m.epoch;
-                m.peers = peers;
-                // The old set's copies are gone or not wanted: nothing to recover from, no move.
-                m.prev_peers.clear();
-                m.placed_at = m.epoch;
-                m.initialized = false;
                 let m = m.clone();
                 (CtlReply::Granted(self.grant(&key, &m)), true)
             }
+            Some(m) => (CtlReply::Error(format!("{key} was opened by another writer (epoch {}) since epoch {epoch}", m.owner_epoch)), false),
+            None => (CtlReply::Error(format!("unknown file {key}")), false),
         }
+    }
+
+    /// An open: placement on first open, a new epoch every time.
+    fn open_file(&mut self, key: String, replicas: u32) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        if let Err(e) = check_key(&key) {
+            return (CtlReply::Error(e), false);
+        }
+        if replicas == 0 || replicas > MAX_REPLICAS {
+            return (CtlReply::Error(format!("replicas must be 1..={MAX_REPLICAS}")), false);
+        }
+        if !s.files.contains_key(&key) {
+            if (s.peers.len() as u32) < replicas {
+                return (CtlReply::Error(format!("{replicas} log peers needed, {} registered", s.peers.len())), false);
+            }
+            // Placement: live peers first (one that has not reported since we started
+            // may be gone for good), then the most free space (ties: lowest id).
+            let mut by_free: Vec<(PeerId, u64, bool)> = s
+                .peers
+                .iter()
+                .filter(|(_, p)| !p.draining)
+                .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes), p.live))
+                .collect();
+            if (by_free.len() as u32) < replicas {
+                return (CtlReply::Error(format!("{replicas} log peers needed, {} not being reclaimed", by_free.len())), false);
+            }
+            by_free.sort_by_key(|&(id, free, live)| (!live, std::cmp::Reverse(free), id));
+            let peers = by_free.iter().take(replicas as usize).map(|&(id, _, _)| id).collect();
+            let file = s.next_file;
+            s.next_file += 1;
+            s.files.insert(key.clone(), FileMeta { file, epoch: 0, peers, initialized: false, prev_peers: Vec::new(), placed_at: 0, owner_epoch: 0 });
+        }
+        let m = s.files.get_mut(&key).unwrap();
+        m.epoch += 1;
+        m.owner_epoch = m.epoch;
+        let m = m.clone();
+        (CtlReply::Granted(self.grant(&key, &m)), true)
+    }
+
+    /// The operator accepts the local copy: the file is placed on live peers at a new epoch.
+    fn reseed(&mut self, key: String) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        let Some(m) = s.files.get(&key) else { return (CtlReply::Error(format!("unknown file {key}")), false) };
+        let usable = |id: &PeerId| s.peers.get(id).is_some_and(|p| p.live && !p.draining);
+        // Its current peers where they are live (a restarted peer keeps its id), the
+        // rest from the live peers with the most free space (ties: lowest id).
+        let mut peers: Vec<PeerId> = m.peers.iter().copied().filter(usable).collect();
+        let mut others: Vec<(PeerId, u64)> = s
+            .peers
+            .iter()
+            .filter(|(id, _)| usable(id) && !peers.contains(id))
+            .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
+            .collect();
+        others.sort_by_key(|&(id, free)| (std::cmp::Reverse(free), id));
+        let want = m.peers.len();
+        peers.extend(others.iter().map(|&(id, _)| id).take(want.saturating_sub(peers.len())));
+        if peers.len() < want {
+            let live = s.peers.values().filter(|p| p.live && !p.draining).count();
+            return (CtlReply::Error(format!("re-seeding {key} needs {want} live log peers, {live} are up (start more peers, then try again)")), false);
+        }
+        let m = s.files.get_mut(&key).unwrap();
+        m.epoch += 1;
+        m.owner_epoch = m.epoch;
+        m.peers = peers;
+        // The old set's copies are gone or not wanted: nothing to recover from, no move.
+        m.prev_peers.clear();
+        m.placed_at = m.epoch;
+        m.initialized = false;
+        let m = m.clone();
+        (CtlReply::Granted(self.grant(&key, &m)), true)
     }
 }
 
