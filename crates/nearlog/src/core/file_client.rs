@@ -908,6 +908,9 @@ impl FileClient {
         PeerRequest::Sums { file: self.file, epoch: self.epoch, offset, len: MAX_SUMS_BYTES }
     }
 
+    /// One reply from a peer. Over 100 lines on purpose: one arm per reply kind, each a few
+    /// lines of the same recovery/replication state machine (split into one function per
+    /// kind, the protocol's answer to each reply would be spread over a dozen functions).
     fn on_reply_input(&mut self, peer: PeerId, reply: PeerReply) {
         if !(self.tracks.contains_key(&peer) || self.extra.contains_key(&peer)) || reply.file() != Some(self.file) {
             return;

@@ -223,6 +223,8 @@ impl PeerCore {
         }
     }
 
+    /// One request's reply. Over 100 lines on purpose: one arm per request kind (records have
+    /// their own [`PeerCore::record`]); each arm is the peer's whole answer to that request.
     fn handle_input(&mut self, req: PeerRequest) -> PeerReply {
         match req {
             PeerRequest::Stats => PeerReply::Stats {
@@ -357,6 +359,10 @@ impl PeerCore {
         }
     }
 
+    /// Applies one record. Over 100 lines on purpose: the checks (checksum, fencing, order,
+    /// room) and the apply of each op kind (Base from a copy or a staged image, Write,
+    /// Truncate) read as one sequence whose order is the safety argument (nothing is applied
+    /// short, nothing at a fenced epoch).
     fn record(&mut self, file: FileId, epoch: Epoch, seq: u64, op: Op) -> PeerReply {
         if let Op::Write { data, crc, offset } = &op {
             if crc32c::crc32c(data) != *crc {
