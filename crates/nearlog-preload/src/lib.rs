@@ -44,7 +44,8 @@
 //! process that forks, spawns, execs or handles signals from waiting on a lock nobody will
 //! release, and keep every acknowledged write on the peers.
 //!
-//! - **Locks.** The shim takes four locks, all `ForkLock`s (`forklock.rs`): the replication state
+//! - **Locks.** The shim takes four locks, all `ForkLock`s (`forklock.rs`; the guard, the bitmaps
+//!   and the fork handlers are in `shim/process.rs`): the replication state
 //!   (held across round trips to the peers), stdio's stream table, the known copies and the
 //!   listed directories (each held for microseconds, never across network I/O). Calls on fds
 //!   that are not log fds (write, close, fsync, ftruncate, dup, fcntl, mmap) test a lock-free
