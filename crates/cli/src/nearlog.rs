@@ -7,7 +7,8 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
-use ::nearlog::controller::{ControllerCore, JsonFileStore};
+use ::nearlog::core::controller::ControllerCore;
+use ::nearlog::store::JsonFileStore;
 
 #[derive(Subcommand, Debug)]
 pub enum NearlogCmd {
@@ -111,7 +112,7 @@ async fn reseed(a: ReseedArgs) -> anyhow::Result<()> {
         anyhow::ensure!(path.is_file(), "{} has no local copy here (nothing to re-seed from)", path.display());
         let (controller, secret, force, k) = (cf.controller.clone(), secret.clone(), a.force, key.clone());
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.timeout_secs);
-        let done = tokio::task::spawn_blocking(move || ::nearlog::reseed::reseed(&controller, &secret, &k, || std::fs::read(&path), force, deadline)).await?;
+        let done = tokio::task::spawn_blocking(move || ::nearlog::driver::reseed::reseed(&controller, &secret, &k, || std::fs::read(&path), force, deadline)).await?;
         match done {
             Ok(r) => println!("re-seeded {key}: {} bytes from the local copy, on log peers {:?} at epoch {}", r.bytes, r.peers, r.epoch),
             Err(e) => {
@@ -155,7 +156,7 @@ async fn restore(a: RestoreArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&a.dir).with_context(|| format!("cannot create {}", a.dir.display()))?;
     let dir = std::fs::canonicalize(&a.dir)?;
     let prefix = format!("{}/", dir.display());
-    let st = match ::nearlog::server::ctl_call(&cf.controller, &secret, &::nearlog::proto::CtlRequest::Status).await {
+    let st = match ::nearlog::driver::server::ctl_call(&cf.controller, &secret, &::nearlog::proto::CtlRequest::Status).await {
         Ok(::nearlog::proto::CtlReply::Status(s)) => s,
         Ok(other) => anyhow::bail!("controller {} answered Status with {other:?}", cf.controller),
         Err(e) => anyhow::bail!("controller {} unreachable: {e}", cf.controller),
@@ -297,7 +298,7 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             let addr = l.local_addr()?.to_string();
             println!("nearlog peer listening on {addr}, region {} bytes", a.region_bytes);
             tokio::select! {
-                r = ::nearlog::server::run_peer_as(l, addr, a.controller, secret, a.region_bytes, a.id_file) => r?,
+                r = ::nearlog::driver::server::run_peer_as(l, addr, a.controller, secret, a.region_bytes, a.id_file) => r?,
                 _ = tokio::signal::ctrl_c() => {}
             }
             Ok(())
@@ -309,7 +310,7 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             let l = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
             println!("nearlog controller listening on {}", l.local_addr()?);
             tokio::select! {
-                r = ::nearlog::server::run_controller(l, core, secret) => r?,
+                r = ::nearlog::driver::server::run_controller(l, core, secret) => r?,
                 _ = tokio::signal::ctrl_c() => {}
             }
             Ok(())
@@ -319,7 +320,7 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             let moved = tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<String>> {
                 let peer = match a.peer.parse::<::nearlog::proto::PeerId>() {
                     Ok(id) => id,
-                    Err(_) => match ::nearlog::mover::ctl_call(&a.controller, &secret, &::nearlog::proto::CtlRequest::Status).map_err(anyhow::Error::msg)? {
+                    Err(_) => match ::nearlog::driver::mover::ctl_call(&a.controller, &secret, &::nearlog::proto::CtlRequest::Status).map_err(anyhow::Error::msg)? {
                         ::nearlog::proto::CtlReply::Status(st) => {
                             *st.peers.iter().find(|(_, p)| p.addr == a.peer).with_context(|| format!("no peer at {}", a.peer))?.0
                         }
@@ -327,7 +328,7 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
                     },
                 };
                 let deadline = std::time::Instant::now() + std::time::Duration::from_secs(a.timeout_secs);
-                ::nearlog::mover::reclaim(&a.controller, &secret, peer, deadline).map_err(anyhow::Error::msg)
+                ::nearlog::driver::mover::reclaim(&a.controller, &secret, peer, deadline).map_err(anyhow::Error::msg)
             })
             .await??;
             println!("reclaimed: {} file(s) moved: {moved:?}", moved.len());
@@ -351,7 +352,7 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
                 (port, _) => tokio::net::TcpListener::bind(("127.0.0.1", port)).await?,
             };
             let controller = cl.local_addr()?.to_string();
-            tokio::spawn(::nearlog::server::run_controller(cl, core, secret.clone()));
+            tokio::spawn(::nearlog::driver::server::run_controller(cl, core, secret.clone()));
             let mut peers = Vec::new();
             for i in 0..3 {
                 let before = last.as_ref().and_then(|c| c.peers.get(i));
@@ -367,11 +368,11 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
                 // Each peer keeps its id in DIR: restarted, the controller knows it as the same
                 // peer (memory empty) rather than a fourth one beside a dead one.
                 let id_file = dir.join(format!("nearlog-peer-{i}.id"));
-                tokio::spawn(::nearlog::server::run_peer_as(l, addr, controller.clone(), secret.clone(), a.region_bytes, Some(id_file)));
+                tokio::spawn(::nearlog::driver::server::run_peer_as(l, addr, controller.clone(), secret.clone(), a.region_bytes, Some(id_file)));
             }
             // Wait until the 3 peers registered.
             for _ in 0..100 {
-                if let Ok(::nearlog::proto::CtlReply::Status(s)) = ::nearlog::server::ctl_call(&controller, &secret, &::nearlog::proto::CtlRequest::Status).await {
+                if let Ok(::nearlog::proto::CtlReply::Status(s)) = ::nearlog::driver::server::ctl_call(&controller, &secret, &::nearlog::proto::CtlRequest::Status).await {
                     if peers.iter().all(|p| s.peers.values().any(|i| &i.addr == p && i.live)) {
                         break;
                     }

@@ -174,17 +174,17 @@ fn nearlog_up_survives_a_connection_flood() {
     assert!(alive(pid), "nearlog up died in the flood");
 
     // A good client: open a log file (controller) and write it on a majority of its peers.
-    use nearlog::client::{ClientConfig, FileClient};
+    use nearlog::core::file_client::{ClientConfig, FileClient};
     use nearlog::proto::{CtlReply, CtlRequest, Op};
     let deadline = Instant::now() + Duration::from_secs(20);
     let g = loop {
-        match nearlog::mover::ctl_call(&controller, &secret, &CtlRequest::Open { key: "flooded.log".into(), replicas: 3 }) {
+        match nearlog::driver::mover::ctl_call(&controller, &secret, &CtlRequest::Open { key: "flooded.log".into(), replicas: 3 }) {
             Ok(CtlReply::Granted(g)) => break g,
             other => assert!(Instant::now() < deadline, "the controller does not serve after the flood: {other:?}"),
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    let mut d = nearlog::mover::Driver::new(&secret);
+    let mut d = nearlog::driver::mover::Driver::new(&secret);
     d.learn(&g);
     let ids: Vec<_> = g.peers.iter().map(|p| p.id).collect();
     let mut c = FileClient::open(g.file, g.epoch, ids, g.initialized, Vec::new(), ClientConfig::default(), d.now_us());

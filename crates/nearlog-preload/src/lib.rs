@@ -8,7 +8,7 @@
 //! `nearlog-cluster.json` of `understudy nearlog up`).
 //!
 //! - open/openat/creat (and 64-bit forms) of a log file for writing: the controller grants a new
-//!   epoch, the content is recovered from a majority of peers ([`nearlog::client::FileClient`])
+//!   epoch, the content is recovered from a majority of peers ([`nearlog::core::file_client::FileClient`])
 //!   and written to the local file when the local copy is missing, shorter or different.
 //! - A read-only open (and `fopen` for reading) verifies the local copy against a majority of
 //!   peers first without taking an epoch (a live writer is not fenced): only chunks whose block
@@ -44,7 +44,8 @@
 //! process that forks, spawns, execs or handles signals from waiting on a lock nobody will
 //! release, and keep every acknowledged write on the peers.
 //!
-//! - **Locks.** The shim takes four locks, all `ForkLock`s (`forklock.rs`): the replication state
+//! - **Locks.** The shim takes four locks, all `ForkLock`s (`forklock.rs`; the guard, the bitmaps
+//!   and the fork handlers are in `shim/process.rs`): the replication state
 //!   (held across round trips to the peers), stdio's stream table, the known copies and the
 //!   listed directories (each held for microseconds, never across network I/O). Calls on fds
 //!   that are not log fds (write, close, fsync, ftruncate, dup, fcntl, mmap) test a lock-free

@@ -41,7 +41,7 @@ pub fn stream_fd(f: *mut FILE) -> Option<c_int> {
     STREAMS.lock().as_ref()?.get(&(f as usize)).copied()
 }
 
-/// The fork prepare handler's part: see `shim::before_fork` (the fixed order of the locks).
+/// The fork prepare handler's part: see `shim::process::before_fork` (the fixed order of the locks).
 pub fn lock_for_fork() {
     STREAMS.lock_raw();
 }

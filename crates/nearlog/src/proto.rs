@@ -1,5 +1,7 @@
 //! Wire messages between clients, log peers and the controller (postcard inside `wire` frames).
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// A log file's cluster-wide id, given by the controller.
@@ -245,10 +247,56 @@ pub enum CtlReply {
     Granted(FileGrant),
     /// Remove/Rename: the forgotten file, if any (its peers should be told to drop it).
     Forgotten(Option<FileGrant>),
-    Status(crate::controller::ControllerState),
+    Status(ControllerState),
     /// Answer to `Lookup`: the file's placement at its current epoch, or `None` (never replicated).
     Found(Option<FileGrant>),
     Error(String),
+}
+
+// The controller's state: what it persists (through `store::MetaStore`) and what `Status`
+// answers. Here, not in `core::controller`, so that the messages depend on no core.
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerInfo {
+    pub addr: String,
+    pub region_bytes: u64,
+    pub used_bytes: u64,
+    /// Being reclaimed: no new placements; its files move to other peers.
+    #[serde(default)]
+    pub draining: bool,
+    /// Registered or heartbeated since this controller started (soft state: cleared when the
+    /// state is loaded): placements prefer live peers, and a re-seed uses only live ones.
+    #[serde(default)]
+    pub live: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileMeta {
+    pub file: FileId,
+    pub epoch: Epoch,
+    pub peers: Vec<PeerId>,
+    pub initialized: bool,
+    /// A pending move (reclaim or full region): the set the last committed epoch ran on, whose
+    /// majority must witness recovery until a Base commits on `peers`. Empty: no move pending.
+    #[serde(default)]
+    pub prev_peers: Vec<PeerId>,
+    /// The epoch `peers` was last changed at: only a Base of a later epoch (granted with this
+    /// set) completes the move.
+    #[serde(default)]
+    pub placed_at: Epoch,
+    /// The epoch of the application writer (last `Open`, `Resume` or `Relocate`); a mover's
+    /// epoch does not change it, so the writer it fenced may resume.
+    #[serde(default)]
+    pub owner_epoch: Epoch,
+}
+
+/// Everything the controller knows; persisted whole (it is small: a few bytes per file).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControllerState {
+    pub peers: BTreeMap<PeerId, PeerInfo>,
+    pub files: BTreeMap<String, FileMeta>,
+    pub next_peer: PeerId,
+    pub next_file: FileId,
 }
 
 /// Applies `op` to a file image (what a peer's copy and the local file go through).

@@ -15,10 +15,11 @@ use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nearlog::blocking;
-use nearlog::client::{ClientConfig, FileClient};
-use nearlog::controller::{ControllerCore, MemStore};
-use nearlog::mover::Driver;
+use nearlog::driver::blocking;
+use nearlog::core::file_client::{ClientConfig, FileClient};
+use nearlog::core::controller::ControllerCore;
+use nearlog::store::MemStore;
+use nearlog::driver::mover::Driver;
 use nearlog::proto::{CtlReply, CtlRequest, FileGrant, Holding, Op, PeerAddr, PeerReply, PeerRequest, MAX_FRAME_BYTES};
 use proptest::prelude::*;
 
@@ -40,11 +41,11 @@ fn start(npeers: usize) -> Daemons {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let secret = Arc::new(SECRET.to_vec());
     let (cl, controller) = bind(&rt);
-    rt.spawn(nearlog::server::run_controller(cl, ControllerCore::open(MemStore::default()).unwrap(), secret.clone()));
+    rt.spawn(nearlog::driver::server::run_controller(cl, ControllerCore::open(MemStore::default()).unwrap(), secret.clone()));
     let mut peers = Vec::new();
     for _ in 0..npeers {
         let (l, a) = bind(&rt);
-        rt.spawn(nearlog::server::run_peer(l, a.clone(), controller.clone(), secret.clone(), 16 << 20));
+        rt.spawn(nearlog::driver::server::run_peer(l, a.clone(), controller.clone(), secret.clone(), 16 << 20));
         peers.push(a);
     }
     Daemons { rt, controller, peers }

@@ -15,8 +15,8 @@
 mod common;
 
 use common::{Ev, Msg};
-use nearlog::client::{ClientConfig, Failure, FileClient};
-use nearlog::peer::PeerCore;
+use nearlog::core::file_client::{ClientConfig, Failure, FileClient, Input};
+use nearlog::core::peer::PeerCore;
 use nearlog::proto::{apply_op, Op, PeerReply, PeerRequest, MAX_CHUNK_BYTES};
 use sim::{EventQueue, Network, NodeId, SimRng};
 
@@ -93,7 +93,7 @@ impl Run {
     /// The peer's committed image (read without side effects: a fetch at the highest epoch).
     fn image(&mut self, i: usize) -> Option<Vec<u8>> {
         self.peers[i].holding(FILE)?;
-        match self.peers[i].handle(PeerRequest::Fetch { file: FILE, epoch: u64::MAX, offset: 0, len: MAX_CHUNK_BYTES as u32 }) {
+        match self.peers[i].reply_to(PeerRequest::Fetch { file: FILE, epoch: u64::MAX, offset: 0, len: MAX_CHUNK_BYTES as u32 }) {
             PeerReply::Data { data, .. } => Some(data),
             _ => None,
         }
@@ -170,7 +170,7 @@ impl Run {
         }
         if let Some(p) = c.wants_resync() {
             let img = self.history.last().unwrap().clone();
-            c.resync(p, img);
+            c.handle(Input::Resync { peer: p, image: img });
         }
         self.floor = self.floor.max(c.acked_seq().saturating_sub(1) as usize);
         self.send_out(now);
@@ -234,7 +234,7 @@ impl Run {
             String::new()
         };
         let before = self.peers[i].holding(FILE);
-        let rep = self.peers[i].handle(req);
+        let rep = self.peers[i].reply_to(req);
         if trace && !desc.starts_with("Record") {
             eprintln!("peer {p}: {desc}: {before:?} -> {:?} used {} reply {:?}", self.peers[i].holding(FILE), self.peers[i].used_bytes(), match &rep { PeerReply::Data { .. } => "data".to_string(), r => format!("{r:?}") });
         }
@@ -311,7 +311,7 @@ fn run(seed: u64) -> Stats {
                     }
                     Msg::Rep(rep) => {
                         if let Some(c) = r.client.as_mut() {
-                            c.on_reply(d.from, rep);
+                            c.handle(Input::Reply { peer: d.from, reply: rep });
                             r.client_step(now);
                         }
                     }
@@ -319,7 +319,7 @@ fn run(seed: u64) -> Stats {
             }
             Ev::Tick => {
                 if let Some(c) = r.client.as_mut() {
-                    c.tick(now);
+                    c.handle(Input::Tick { now_us: now });
                 }
                 r.client_step(now);
                 if !ending {

@@ -18,9 +18,10 @@
 mod common;
 
 use common::{Ev, Msg};
-use nearlog::client::{ClientConfig, Failure, FileClient};
-use nearlog::controller::{ControllerCore, MemStore};
-use nearlog::peer::PeerCore;
+use nearlog::core::file_client::{ClientConfig, Failure, FileClient, Input};
+use nearlog::core::controller::ControllerCore;
+use nearlog::store::MemStore;
+use nearlog::core::peer::{PeerCore, PeerInput};
 use nearlog::proto::{apply_op, CtlReply, CtlRequest, FileGrant, Op, PeerId};
 use sim::{EventQueue, Network, NodeId, SimRng};
 
@@ -118,7 +119,7 @@ impl Run {
     }
 
     fn open_writer(&mut self, now: u64) {
-        let CtlReply::Granted(g) = self.ctl.handle(CtlRequest::Open { key: KEY.into(), replicas: 3 }) else { panic!("seed {}: open refused", self.seed) };
+        let CtlReply::Granted(g) = self.ctl.reply_to(CtlRequest::Open { key: KEY.into(), replicas: 3 }) else { panic!("seed {}: open refused", self.seed) };
         self.writer = Some(Writer { client: client_for(&g, now), owner_epoch: g.epoch, resume: None, fresh: true, ready_seen: false });
         self.send_out(now);
     }
@@ -155,7 +156,7 @@ impl Run {
                         w.resume = Some(w.client.unacked_ops());
                     }
                     let w = self.writer.as_mut().unwrap();
-                    let CtlReply::Granted(g) = self.ctl.handle(CtlRequest::Resume { key: KEY.into(), epoch: w.owner_epoch }) else {
+                    let CtlReply::Granted(g) = self.ctl.reply_to(CtlRequest::Resume { key: KEY.into(), epoch: w.owner_epoch }) else {
                         panic!("seed {}: resume refused", self.seed)
                     };
                     w.owner_epoch = g.epoch;
@@ -188,7 +189,7 @@ impl Run {
                 }
                 self.check_recovered(if ops.is_some() { "resumed writer" } else { "opened writer" }, &rec, self.floor);
                 // The Base is on a majority of the grant's set: report it (ends a pending move).
-                let _ = self.ctl.handle(CtlRequest::Initialized { key: KEY.into(), epoch });
+                let _ = self.ctl.reply_to(CtlRequest::Initialized { key: KEY.into(), epoch });
                 self.recoveries += 1;
                 self.session += 1;
                 let mut hist = vec![rec.clone()];
@@ -211,7 +212,7 @@ impl Run {
         if let Some(w) = self.writer.as_mut() {
             if let Some(p) = w.client.wants_resync() {
                 let img = self.history.last().unwrap().clone();
-                w.client.resync(p, img);
+                w.client.handle(Input::Resync { peer: p, image: img });
                 self.send_out(now);
             }
         }
@@ -248,7 +249,7 @@ impl Run {
         let pending = self.ctl.state().files.get(KEY).is_some_and(|m| !m.prev_peers.is_empty());
         if self.mover.is_none() {
             if pending && !self.ending {
-                let CtlReply::Granted(g) = self.ctl.handle(CtlRequest::Move { key: KEY.into() }) else { panic!("seed {}: move refused", self.seed) };
+                let CtlReply::Granted(g) = self.ctl.reply_to(CtlRequest::Move { key: KEY.into() }) else { panic!("seed {}: move refused", self.seed) };
                 self.mover = Some(Mover { client: client_for(&g, now), session: self.session, floor: self.writer_floor(), reported: false });
                 self.send_out(now);
             }
@@ -268,7 +269,7 @@ impl Run {
             let m = self.mover.as_mut().unwrap();
             let epoch = m.client.epoch();
             m.reported = true;
-            if self.ctl.handle(CtlRequest::Initialized { key: KEY.into(), epoch }) == CtlReply::Ok {
+            if self.ctl.reply_to(CtlRequest::Initialized { key: KEY.into(), epoch }) == CtlReply::Ok {
                 self.moves += 1;
             }
         }
@@ -290,9 +291,9 @@ impl Run {
         for p in 1..=NPEERS {
             let Some(core) = self.peers[(p - 1) as usize].as_ref() else { continue };
             let req = CtlRequest::PeerHeartbeat { peer: p, used_bytes: core.used_bytes(), files: core.files() };
-            if let CtlReply::Heartbeat { release, .. } = self.ctl.handle(req) {
+            if let CtlReply::Heartbeat { release, .. } = self.ctl.reply_to(req) {
                 for f in release {
-                    self.peer(p).unwrap().release(f);
+                    self.peer(p).unwrap().handle(PeerInput::Release(f));
                 }
             }
         }
@@ -316,7 +317,7 @@ fn run(seed: u64) -> (u32, u32, u32, u64, u64, u64) {
     let net: Network<Msg> = common::network(&mut rng, 0.7, 0.05, 3_000);
     let mut ctl = ControllerCore::open(MemStore::default()).unwrap();
     for i in 1..=NPEERS {
-        assert_eq!(ctl.handle(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: REGION_BYTES, known_as: None }), CtlReply::Registered { peer: i });
+        assert_eq!(ctl.reply_to(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: REGION_BYTES, known_as: None }), CtlReply::Registered { peer: i });
     }
     let mut r = Run {
         seed,
@@ -389,19 +390,19 @@ fn run(seed: u64) -> (u32, u32, u32, u64, u64, u64) {
                 match d.msg {
                     Msg::Req(req) => {
                         let Some(p) = r.peer(d.to as PeerId) else { continue };
-                        let rep = p.handle(req);
+                        let rep = p.reply_to(req);
                         r.net.send(&mut r.net_rng, &mut r.q, now, d.to, d.from, Msg::Rep(rep)).unwrap();
                     }
                     Msg::Rep(rep) if d.to == WRITER => {
                         if let Some(w) = r.writer.as_mut() {
-                            w.client.on_reply(d.from as PeerId, rep);
+                            w.client.handle(Input::Reply { peer: d.from as PeerId, reply: rep });
                             r.send_out(now);
                             r.writer_step(now);
                         }
                     }
                     Msg::Rep(rep) => {
                         if let Some(m) = r.mover.as_mut() {
-                            m.client.on_reply(d.from as PeerId, rep);
+                            m.client.handle(Input::Reply { peer: d.from as PeerId, reply: rep });
                             r.send_out(now);
                             r.mover_step(now);
                         }
@@ -410,10 +411,10 @@ fn run(seed: u64) -> (u32, u32, u32, u64, u64, u64) {
             }
             Ev::Tick => {
                 if let Some(w) = r.writer.as_mut() {
-                    w.client.tick(now);
+                    w.client.handle(Input::Tick { now_us: now });
                 }
                 if let Some(m) = r.mover.as_mut() {
-                    m.client.tick(now);
+                    m.client.handle(Input::Tick { now_us: now });
                 }
                 r.send_out(now);
                 r.writer_step(now);
@@ -443,7 +444,7 @@ fn run(seed: u64) -> (u32, u32, u32, u64, u64, u64) {
                     continue;
                 }
                 let p = m.peers[r.rng.range_u64(0, m.peers.len() as u64 - 1) as usize];
-                match r.ctl.handle(CtlRequest::Reclaim { peer: p }) {
+                match r.ctl.reply_to(CtlRequest::Reclaim { peer: p }) {
                     CtlReply::Reclaiming { .. } => r.reclaimed.push(p),
                     other => panic!("seed {seed}: reclaim of {p} refused: {other:?}"),
                 }
@@ -468,7 +469,7 @@ fn run(seed: u64) -> (u32, u32, u32, u64, u64, u64) {
                 if r.peers[(p - 1) as usize].is_none() {
                     r.peers[(p - 1) as usize] = Some(PeerCore::new(REGION_BYTES));
                     r.net.set_down(p as NodeId, false);
-                    let _ = r.ctl.handle(CtlRequest::RegisterPeer { addr: format!("p{p}"), region_bytes: REGION_BYTES, known_as: None });
+                    let _ = r.ctl.reply_to(CtlRequest::RegisterPeer { addr: format!("p{p}"), region_bytes: REGION_BYTES, known_as: None });
                 }
             }
             Ev::Fault(Fault::CrashMover) => {

@@ -15,8 +15,8 @@
 mod common;
 
 use common::{Ev, Msg};
-use nearlog::client::{ClientConfig, Failure, FileClient};
-use nearlog::peer::PeerCore;
+use nearlog::core::file_client::{ClientConfig, Failure, FileClient, Input};
+use nearlog::core::peer::PeerCore;
 use nearlog::proto::{apply_op, Op};
 use sim::{EventQueue, Network, NodeId, SimRng};
 
@@ -323,12 +323,12 @@ fn run(seed: u64) -> (u32, u64, u32, u32, u32, u32) {
                 match d.msg {
                     Msg::Req(req) => {
                         let Some(p) = r.peers[(d.to - 1) as usize].as_mut() else { continue };
-                        let rep = p.handle(req);
+                        let rep = p.reply_to(req);
                         r.net.send(&mut r.net_rng, &mut r.q, now, d.to, d.from, Msg::Rep(rep)).unwrap();
                     }
                     Msg::Rep(rep) if d.to == READER => {
                         if let Some(rd) = r.reader.as_mut() {
-                            rd.client.on_reply(d.from, rep);
+                            rd.client.handle(Input::Reply { peer: d.from, reply: rep });
                             r.reader_step(seed);
                             r.send_out(now);
                         }
@@ -336,7 +336,7 @@ fn run(seed: u64) -> (u32, u64, u32, u32, u32, u32) {
                     Msg::Rep(rep) => {
                         let Some(c) = r.client.as_mut() else { continue };
                         let was_ready = c.is_ready();
-                        c.on_reply(d.from, rep);
+                        c.handle(Input::Reply { peer: d.from, reply: rep });
                         if !was_ready && c.is_ready() {
                             r.on_ready(seed);
                         }
@@ -346,16 +346,16 @@ fn run(seed: u64) -> (u32, u64, u32, u32, u32, u32) {
                         }
                         if c.wants_image() {
                             let img = r.known.as_ref().expect("only a known open asks for its image").1.clone();
-                            c.supply_image(img);
+                            c.handle(Input::Image(img));
                         }
                         if c.wants_local_copy() {
                             // The known copy is not current: recovery compares it, fetching the rest.
                             let img = r.known.as_ref().expect("only a known open asks for its copy").1.clone();
-                            c.supply_local_copy(img);
+                            c.handle(Input::LocalCopy(img));
                         }
                         if let Some(p) = c.wants_resync() {
                             let img = r.history.last().unwrap().clone();
-                            c.resync(p, img);
+                            c.handle(Input::Resync { peer: p, image: img });
                         }
                         if r.closing && !r.clean && c.committed_state().is_some() {
                             r.clean = true; // still closing: no new op before the close
@@ -368,10 +368,10 @@ fn run(seed: u64) -> (u32, u64, u32, u32, u32, u32) {
             }
             Ev::Tick => {
                 if let Some(c) = r.client.as_mut() {
-                    c.tick(now);
+                    c.handle(Input::Tick { now_us: now });
                 }
                 if let Some(rd) = r.reader.as_mut() {
-                    rd.client.tick(now);
+                    rd.client.handle(Input::Tick { now_us: now });
                 }
                 r.send_out(now);
                 r.app_step(now);

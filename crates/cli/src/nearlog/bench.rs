@@ -398,7 +398,7 @@ fn start_logbed(rt: &tokio::runtime::Runtime, dir: &Path, region_bytes: u64) -> 
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        if let Ok(::nearlog::proto::CtlReply::Status(s)) = rt.block_on(::nearlog::server::ctl_call(&controller_addr, &secret, &::nearlog::proto::CtlRequest::Status)) {
+        if let Ok(::nearlog::proto::CtlReply::Status(s)) = rt.block_on(::nearlog::driver::server::ctl_call(&controller_addr, &secret, &::nearlog::proto::CtlRequest::Status)) {
             if peers.iter().all(|(_, a)| s.peers.values().any(|i| &i.addr == a)) {
                 break;
             }
@@ -430,7 +430,7 @@ impl PeerMemory {
             let (mut over, mut held_max) = (f64::MIN, 0f64);
             while !s2.load(std::sync::atomic::Ordering::Relaxed) {
                 if let Ok(Ok(::nearlog::proto::CtlReply::Status(s))) = handle
-                    .block_on(async { tokio::time::timeout(Duration::from_secs(2), ::nearlog::server::ctl_call(&addr, &secret, &::nearlog::proto::CtlRequest::Status)).await })
+                    .block_on(async { tokio::time::timeout(Duration::from_secs(2), ::nearlog::driver::server::ctl_call(&addr, &secret, &::nearlog::proto::CtlRequest::Status)).await })
                 {
                     for (pid, a) in &pids {
                         let held = s.peers.values().find(|i| &i.addr == a).map(|i| i.used_bytes as f64).unwrap_or(0.0);

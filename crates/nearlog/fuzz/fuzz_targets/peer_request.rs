@@ -5,8 +5,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nearlog::client::{ClientConfig, FileClient};
-use nearlog::peer::PeerCore;
+use nearlog::core::file_client::{ClientConfig, FileClient, Input};
+use nearlog::core::peer::PeerCore;
 use nearlog::proto::{PeerReply, PeerRequest, MAX_FRAME_BYTES};
 
 const REGION_BYTES: u64 = 1 << 20;
@@ -25,13 +25,13 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         if let Ok(req) = wire::decode_payload::<PeerRequest>(piece) {
-            let _ = peer.handle(req);
+            let _ = peer.reply_to(req);
             assert!(peer.used_bytes() <= REGION_BYTES, "peer exceeded its region");
         }
         if let Ok(rep) = wire::decode_payload::<PeerReply>(piece) {
-            client.on_reply(1 + (n % 3) as u32, rep);
-            client.tick(n as u64 * 1000);
-            let _ = client.take_outgoing();
+            client.handle(Input::Reply { peer: 1 + (n % 3) as u32, reply: rep });
+            client.handle(Input::Tick { now_us: n as u64 * 1000 });
+            let _ = client.take_outputs();
         }
     }
 });

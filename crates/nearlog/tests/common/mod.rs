@@ -3,7 +3,7 @@
 //! and the seeds to run (`SIM_SEEDS=N` runs N seeds, `SIM_SEED=S` only S).
 #![allow(dead_code)]
 
-use nearlog::client::FileClient;
+use nearlog::core::file_client::FileClient;
 use nearlog::proto::{PeerReply, PeerRequest};
 use sim::{Delivery, EventQueue, NetConfig, Network, NodeId, SimRng};
 
@@ -40,7 +40,7 @@ pub fn network(rng: &mut SimRng, lossy_chance: f64, loss: f64, delay_us_max: u64
 
 /// Sends everything `c` has to say from node `from` (peer `p` is node `p`).
 pub fn send_out<F>(c: &mut FileClient, from: NodeId, net: &mut Network<Msg>, net_rng: &mut SimRng, q: &mut EventQueue<Ev<F>>, now: u64) {
-    for (p, req) in c.take_outgoing() {
+    for (p, req) in c.take_outputs() {
         net.send(net_rng, q, now, from, p as NodeId, Msg::Req(req)).unwrap();
     }
 }

@@ -12,8 +12,8 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use crate::blocking;
-use crate::client::{ClientConfig, Failure, FileClient};
+use crate::driver::blocking;
+use crate::core::file_client::{ClientConfig, Failure, FileClient, Input};
 use crate::proto::{CtlReply, CtlRequest, FileGrant, PeerId, PeerReply, MAX_FRAME_BYTES};
 
 /// One controller request over a fresh authenticated connection.
@@ -70,9 +70,9 @@ impl Driver {
 
     /// Sends the client's outgoing messages (one write per peer), reads replies for up to `wait`.
     pub fn pump(&mut self, c: &mut FileClient, wait: Duration) {
-        c.tick(self.now_us());
+        c.handle(Input::Tick { now_us: self.now_us() });
         let mut batches: HashMap<PeerId, Vec<u8>> = HashMap::new();
-        for (p, req) in c.take_outgoing() {
+        for (p, req) in c.take_outputs() {
             if let Ok(f) = blocking::encode(&req) {
                 batches.entry(p).or_default().extend_from_slice(&f);
             }
@@ -101,7 +101,7 @@ impl Driver {
             loop {
                 let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
                 match blocking::recv::<PeerReply>(conn, MAX_FRAME_BYTES) {
-                    Ok(rep) => c.on_reply(*p, rep),
+                    Ok(rep) => c.handle(Input::Reply { peer: *p, reply: rep }),
                     Err(_) => {
                         self.peers.get_mut(p).unwrap().1 = None;
                         break;

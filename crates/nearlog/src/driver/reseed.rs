@@ -16,8 +16,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::client::{ClientConfig, Failure, FileClient};
-use crate::mover::{ctl_call, Driver};
+use crate::core::file_client::{ClientConfig, Failure, FileClient};
+use crate::driver::mover::{ctl_call, Driver};
 use crate::proto::{CtlReply, CtlRequest, Epoch, PeerAddr, PeerId};
 
 /// How long the check that the peers lost a file waits for them: a peer that does not answer

@@ -10,6 +10,19 @@ use std::collections::BTreeMap;
 
 use crate::proto::{Epoch, FileId, Holding, Op, PeerReply, PeerRequest, BLOCK_BYTES, MAX_CHUNK_BYTES, MAX_SUMS_BYTES, READ_EPOCH};
 
+/// An input to a [`PeerCore`] ([`PeerCore::handle`]). A peer has no clock and no timer (it is
+/// passive: it only answers), so time is no input and `handle` takes none.
+#[derive(Debug)]
+pub enum PeerInput {
+    /// A client's request; answered with exactly one [`PeerReply`] in [`PeerCore::take_outputs`].
+    Request(PeerRequest),
+    /// Free everything held for the file (the controller placed it elsewhere or forgot it).
+    Release(FileId),
+    /// Shrink (or grow) the lent region. Shrinking below the bytes in use only refuses growth
+    /// from now on; the driver shrinks to 0 once the controller moved every file away.
+    SetRegionBytes(u64),
+}
+
 #[derive(Debug, Default)]
 struct PeerFile {
     /// Highest epoch probed or written: anything below is refused (fencing).
@@ -71,15 +84,19 @@ pub const MAX_FILE_BYTES: u64 = 1 << 40;
 
 /// A log peer's state. Feed it requests with [`PeerCore::handle`]; it returns the reply.
 #[derive(Debug)]
+/// One log peer's lent region: inputs through [`PeerCore::handle`], replies from
+/// [`PeerCore::take_outputs`], [`PeerCore::check_invariants`] after every input in debug builds.
 pub struct PeerCore {
     region_bytes: u64,
     used_bytes: u64,
     files: BTreeMap<FileId, PeerFile>,
+    /// Replies not yet taken by the driver (one per request).
+    out: Vec<PeerReply>,
 }
 
 impl PeerCore {
     pub fn new(region_bytes: u64) -> PeerCore {
-        PeerCore { region_bytes, used_bytes: 0, files: BTreeMap::new() }
+        PeerCore { region_bytes, used_bytes: 0, files: BTreeMap::new(), out: Vec::new() }
     }
 
     pub fn region_bytes(&self) -> u64 {
@@ -99,26 +116,16 @@ impl PeerCore {
         self.files.keys().copied().collect()
     }
 
-    /// Frees everything held for `file` (the controller placed it elsewhere or forgot it).
-    /// Returns the bytes freed.
-    pub fn release(&mut self, file: FileId) -> u64 {
-        let freed = match self.files.remove(&file) {
+    /// Frees everything held for `file`; returns the bytes freed.
+    fn release(&mut self, file: FileId) -> u64 {
+        match self.files.remove(&file) {
             Some(f) => {
                 let b = f.bytes();
                 self.used_bytes -= b;
                 b
             }
             None => 0,
-        };
-        #[cfg(debug_assertions)]
-        self.check_invariants();
-        freed
-    }
-
-    /// Shrinks (or grows) the lent region. Shrinking below the bytes in use only refuses
-    /// growth from now on; the caller shrinks to 0 once the controller moved every file away.
-    pub fn set_region_bytes(&mut self, region_bytes: u64) {
-        self.region_bytes = region_bytes;
+        }
     }
 
     /// Test hook: flips one byte of a file's committed image without fixing its checksum (a
@@ -155,11 +162,33 @@ impl PeerCore {
         PeerReply::RegionFull { file, epoch, region_bytes: self.region_bytes, used_bytes: self.used_bytes }
     }
 
-    pub fn handle(&mut self, req: PeerRequest) -> PeerReply {
-        let reply = self.handle_input(req);
+    /// Applies one input (a request's reply waits in [`PeerCore::take_outputs`]), then, in
+    /// debug builds, [`PeerCore::check_invariants`].
+    pub fn handle(&mut self, input: PeerInput) {
+        match input {
+            PeerInput::Request(req) => {
+                let reply = self.handle_input(req);
+                self.out.push(reply);
+            }
+            PeerInput::Release(file) => {
+                self.release(file);
+            }
+            PeerInput::SetRegionBytes(region_bytes) => self.region_bytes = region_bytes,
+        }
         #[cfg(debug_assertions)]
         self.check_invariants();
-        reply
+    }
+
+    /// The replies made since the last call, in request order.
+    pub fn take_outputs(&mut self) -> Vec<PeerReply> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// `handle(PeerInput::Request(req))` and the one reply it made: what a server (or a
+    /// simulation) does with each request it reads.
+    pub fn reply_to(&mut self, req: PeerRequest) -> PeerReply {
+        self.handle(PeerInput::Request(req));
+        self.out.pop().expect("a request gets one reply")
     }
 
     /// Panics, naming the invariant and the state, if the peer's state breaks a rule the module
@@ -194,6 +223,8 @@ impl PeerCore {
         }
     }
 
+    /// One request's reply. Over 100 lines on purpose: one arm per request kind (records have
+    /// their own [`PeerCore::record`]); each arm is the peer's whole answer to that request.
     fn handle_input(&mut self, req: PeerRequest) -> PeerReply {
         match req {
             PeerRequest::Stats => PeerReply::Stats {
@@ -328,6 +359,10 @@ impl PeerCore {
         }
     }
 
+    /// Applies one record. Over 100 lines on purpose: the checks (checksum, fencing, order,
+    /// room) and the apply of each op kind (Base from a copy or a staged image, Write,
+    /// Truncate) read as one sequence whose order is the safety argument (nothing is applied
+    /// short, nothing at a fenced epoch).
     fn record(&mut self, file: FileId, epoch: Epoch, seq: u64, op: Op) -> PeerReply {
         if let Op::Write { data, crc, offset } = &op {
             if crc32c::crc32c(data) != *crc {
@@ -489,7 +524,7 @@ mod tests {
     use super::*;
 
     fn base_empty(p: &mut PeerCore, file: FileId, epoch: Epoch) {
-        let r = p.handle(PeerRequest::Record { file, epoch, seq: 1, op: Op::Base { from: None, size: 0, image_crc: crc32c::crc32c(&[]) } });
+        let r = p.reply_to(PeerRequest::Record { file, epoch, seq: 1, op: Op::Base { from: None, size: 0, image_crc: crc32c::crc32c(&[]) } });
         assert_eq!(r, PeerReply::Ack { file, epoch, applied_seq: 1 });
     }
 
@@ -498,14 +533,14 @@ mod tests {
         let mut p = PeerCore::new(1 << 20);
         base_empty(&mut p, 1, 1);
         let w = |seq, off, d: &[u8]| PeerRequest::Record { file: 1, epoch: 1, seq, op: Op::write(off, d.to_vec()) };
-        assert_eq!(p.handle(w(3, 5, b"zz")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 1 }, "gap waits");
-        assert_eq!(p.handle(w(2, 0, b"hello")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 2 });
-        assert_eq!(p.handle(w(2, 0, b"hello")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 2 }, "dup");
-        assert_eq!(p.handle(w(3, 5, b"zz")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 3 });
+        assert_eq!(p.reply_to(w(3, 5, b"zz")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 1 }, "gap waits");
+        assert_eq!(p.reply_to(w(2, 0, b"hello")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 2 });
+        assert_eq!(p.reply_to(w(2, 0, b"hello")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 2 }, "dup");
+        assert_eq!(p.reply_to(w(3, 5, b"zz")), PeerReply::Ack { file: 1, epoch: 1, applied_seq: 3 });
         assert_eq!(p.used_bytes(), 7);
         let tr = PeerRequest::Record { file: 1, epoch: 1, seq: 4, op: Op::Truncate { size: 10 } };
-        p.handle(tr);
-        match p.handle(PeerRequest::Fetch { file: 1, epoch: 1, offset: 0, len: 100 }) {
+        p.reply_to(tr);
+        match p.reply_to(PeerRequest::Fetch { file: 1, epoch: 1, offset: 0, len: 100 }) {
             PeerReply::Data { data, block_crcs, .. } => {
                 assert_eq!(data, b"hellozz\0\0\0");
                 assert_eq!(block_crcs, vec![crc32c::crc32c(&data)]);
@@ -518,7 +553,7 @@ mod tests {
     fn full_region_refuses_and_applies_nothing() {
         let mut p = PeerCore::new(8);
         base_empty(&mut p, 1, 1);
-        let r = p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, vec![1; 9]) });
+        let r = p.reply_to(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, vec![1; 9]) });
         assert!(matches!(r, PeerReply::RegionFull { .. }), "{r:?}");
         assert_eq!(p.holding(1).unwrap().size, 0);
         assert_eq!(p.used_bytes(), 0);
@@ -528,43 +563,43 @@ mod tests {
     fn newer_epoch_fences_older_writer_and_drop_frees() {
         let mut p = PeerCore::new(1 << 20);
         base_empty(&mut p, 1, 1);
-        p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, vec![7; 100]) });
-        assert!(matches!(p.handle(PeerRequest::Probe { file: 1, epoch: 2 }), PeerReply::Probed { holding: Some(Holding { epoch: 1, seq: 2, size: 100 }), .. }));
-        let r = p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 3, op: Op::write(0, vec![1]) });
+        p.reply_to(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, vec![7; 100]) });
+        assert!(matches!(p.reply_to(PeerRequest::Probe { file: 1, epoch: 2 }), PeerReply::Probed { holding: Some(Holding { epoch: 1, seq: 2, size: 100 }), .. }));
+        let r = p.reply_to(PeerRequest::Record { file: 1, epoch: 1, seq: 3, op: Op::write(0, vec![1]) });
         assert_eq!(r, PeerReply::Stale { file: 1, promised: 2 });
         let adopt = Op::Base { from: Some((1, 2)), size: 100, image_crc: 0 };
-        assert_eq!(p.handle(PeerRequest::Record { file: 1, epoch: 2, seq: 1, op: adopt }), PeerReply::Ack { file: 1, epoch: 2, applied_seq: 1 });
-        assert_eq!(p.handle(PeerRequest::Drop { file: 1, epoch: 2 }), PeerReply::Dropped { file: 1 });
+        assert_eq!(p.reply_to(PeerRequest::Record { file: 1, epoch: 2, seq: 1, op: adopt }), PeerReply::Ack { file: 1, epoch: 2, applied_seq: 1 });
+        assert_eq!(p.reply_to(PeerRequest::Drop { file: 1, epoch: 2 }), PeerReply::Dropped { file: 1 });
         assert_eq!(p.used_bytes(), 0);
     }
 
     #[test]
     fn stage_copy_starts_from_the_committed_copy_and_a_peer_without_one_says_so() {
         let mut p = PeerCore::new(1 << 20);
-        assert_eq!(p.handle(PeerRequest::StageCopy { file: 1, epoch: 1, seq: 1, size: 10 }), PeerReply::NoCopy { file: 1, epoch: 1 });
-        assert_eq!(p.handle(PeerRequest::Sums { file: 1, epoch: 1, offset: 0, len: 10 }), PeerReply::NoCopy { file: 1, epoch: 1 });
+        assert_eq!(p.reply_to(PeerRequest::StageCopy { file: 1, epoch: 1, seq: 1, size: 10 }), PeerReply::NoCopy { file: 1, epoch: 1 });
+        assert_eq!(p.reply_to(PeerRequest::Sums { file: 1, epoch: 1, offset: 0, len: 10 }), PeerReply::NoCopy { file: 1, epoch: 1 });
         base_empty(&mut p, 1, 1);
-        p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, b"abcdef".to_vec()) });
+        p.reply_to(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, b"abcdef".to_vec()) });
         // Epoch 2's image: "abXdef" + "gh"; the patch sends only what differs.
         let want = b"abXdefgh".to_vec();
-        assert_eq!(p.handle(PeerRequest::StageCopy { file: 1, epoch: 2, seq: 1, size: 8 }), PeerReply::Staged { file: 1, epoch: 2, offset: 0 });
+        assert_eq!(p.reply_to(PeerRequest::StageCopy { file: 1, epoch: 2, seq: 1, size: 8 }), PeerReply::Staged { file: 1, epoch: 2, offset: 0 });
         assert_eq!(p.used_bytes(), 6 + 8, "the staged image is counted beside the copy");
         for (offset, data) in [(2u64, b"X".to_vec()), (6, b"gh".to_vec())] {
-            let r = p.handle(PeerRequest::Stage { file: 1, epoch: 2, seq: 1, size: 8, offset, data, supersede: false });
+            let r = p.reply_to(PeerRequest::Stage { file: 1, epoch: 2, seq: 1, size: 8, offset, data, supersede: false });
             assert!(matches!(r, PeerReply::Staged { .. }), "{r:?}");
         }
         let base = Op::Base { from: None, size: 8, image_crc: crc32c::crc32c(&want) };
-        assert_eq!(p.handle(PeerRequest::Record { file: 1, epoch: 2, seq: 1, op: base }), PeerReply::Ack { file: 1, epoch: 2, applied_seq: 1 });
+        assert_eq!(p.reply_to(PeerRequest::Record { file: 1, epoch: 2, seq: 1, op: base }), PeerReply::Ack { file: 1, epoch: 2, applied_seq: 1 });
         assert_eq!(p.used_bytes(), 8);
-        match p.handle(PeerRequest::Fetch { file: 1, epoch: 2, offset: 0, len: 100 }) {
+        match p.reply_to(PeerRequest::Fetch { file: 1, epoch: 2, offset: 0, len: 100 }) {
             PeerReply::Data { data, .. } => assert_eq!(data, want),
             r => panic!("{r:?}"),
         }
         // No room beside the copy: refused (a patch never releases its base).
         let mut small = PeerCore::new(10);
         base_empty(&mut small, 1, 1);
-        small.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, vec![1; 6]) });
-        assert!(matches!(small.handle(PeerRequest::StageCopy { file: 1, epoch: 2, seq: 1, size: 6 }), PeerReply::RegionFull { .. }));
+        small.reply_to(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op: Op::write(0, vec![1; 6]) });
+        assert!(matches!(small.reply_to(PeerRequest::StageCopy { file: 1, epoch: 2, seq: 1, size: 6 }), PeerReply::RegionFull { .. }));
         assert_eq!(small.holding(1).map(|h| h.size), Some(6));
     }
 
@@ -573,7 +608,7 @@ mod tests {
         let mut p = PeerCore::new(1 << 20);
         base_empty(&mut p, 1, 1);
         let op = Op::Write { offset: 0, data: vec![1, 2, 3], crc: 0 };
-        assert!(matches!(p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op }), PeerReply::Refused { .. }));
+        assert!(matches!(p.reply_to(PeerRequest::Record { file: 1, epoch: 1, seq: 2, op }), PeerReply::Refused { .. }));
     }
 }
 
@@ -584,12 +619,12 @@ mod corruption_tests {
     #[test]
     fn corruption_at_rest_is_never_sealed_by_later_ops() {
         let mut p = PeerCore::new(1 << 20);
-        let r = p.handle(PeerRequest::Record { file: 1, epoch: 1, seq: 1, op: Op::Base { from: None, size: 0, image_crc: crc32c::crc32c(&[]) } });
+        let r = p.reply_to(PeerRequest::Record { file: 1, epoch: 1, seq: 1, op: Op::Base { from: None, size: 0, image_crc: crc32c::crc32c(&[]) } });
         assert!(matches!(r, PeerReply::Ack { applied_seq: 1, .. }));
         let mut seq = 1;
         let mut w = |p: &mut PeerCore, op: Op| {
             seq += 1;
-            p.handle(PeerRequest::Record { file: 1, epoch: 1, seq, op })
+            p.reply_to(PeerRequest::Record { file: 1, epoch: 1, seq, op })
         };
         w(&mut p, Op::write(0, vec![1; 6094]));
         assert!(p.corrupt(1, 4867));

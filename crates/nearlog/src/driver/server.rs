@@ -20,8 +20,9 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::controller::{ControllerCore, MetaStore};
-use crate::peer::PeerCore;
+use crate::core::controller::ControllerCore;
+use crate::store::MetaStore;
+use crate::core::peer::{PeerCore, PeerInput};
 use crate::proto::{CtlReply, CtlRequest, PeerReply, PeerRequest, MAX_FRAME_BYTES};
 
 /// How often a peer reports its used bytes to the controller.
@@ -62,7 +63,7 @@ pub async fn run_peer_as(
                     let mut files = c.files();
                     // The controller accepts a bounded list; the rest is reported next time
                     // after these are released.
-                    files.truncate(crate::controller::MAX_HEARTBEAT_FILES);
+                    files.truncate(crate::core::controller::MAX_HEARTBEAT_FILES);
                     (c.used_bytes(), files)
                 };
                 let req = match peer_id {
@@ -84,13 +85,15 @@ pub async fn run_peer_as(
                     Ok(CtlReply::Heartbeat { release, draining }) => {
                         let mut c = core.lock().unwrap();
                         for f in release {
-                            let freed = c.release(f);
+                            let used = c.used_bytes();
+                            c.handle(PeerInput::Release(f));
+                            let freed = used - c.used_bytes();
                             tracing::info!(file = f, freed, "released a file placed elsewhere");
                         }
                         if draining && !returned && c.used_bytes() == 0 {
                             // Reclaimed: every file moved away. The region goes back to the host
                             // (its buffers are freed; no new file is placed here).
-                            c.set_region_bytes(0);
+                            c.handle(PeerInput::SetRegionBytes(0));
                             returned = true;
                             tracing::info!(%advertise, "reclaimed: lent region returned");
                             println!("nearlog peer {advertise}: reclaimed, lent region returned");
@@ -318,6 +321,8 @@ fn spin_for_input(sock: &std::net::TcpStream, spin: Duration) {
 
 /// Applies every complete frame in the input buffer under one lock, then answers them all with
 /// one `write`. Per byte: the frame checksum, the record checksum, the copy into the region.
+/// Over 100 lines on purpose: the read buffer, the core's lock held across a batch, the large
+/// frame slot and the coalesced acks are one loop whose state crosses iterations.
 fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Result<(), wire::WireError> {
     use std::io::{Read, Write};
     const HDR: usize = wire::FRAME_HEADER_BYTES;
@@ -387,7 +392,7 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
                 }
                 slot = Some(LargeFrameSlot::acquire()?);
             }
-            let rep: PeerReply = c.get_or_insert_with(|| core.lock().unwrap()).handle(req);
+            let rep: PeerReply = c.get_or_insert_with(|| core.lock().unwrap()).reply_to(req);
             // Acks are cumulative: an Ack that follows one for the same file and epoch replaces
             // it (a batch of records costs the client one ack to decode, not one per record).
             let ack_of = match &rep {
@@ -398,7 +403,7 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
                 out.truncate(at);
             }
             let at = out.len();
-            crate::blocking::encode_into(&rep, &mut out)?;
+            crate::driver::blocking::encode_into(&rep, &mut out)?;
             last_ack = ack_of.map(|k| (k, at));
             if out.len() >= MAX_REPLY_BATCH_BYTES {
                 c = None; // other connections go on while this one writes
@@ -458,7 +463,7 @@ pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core:
                     let req: CtlRequest = wire::read_msg(&mut sock, MAX_FRAME_BYTES).await?;
                     tracing::debug!(?req, "controller request");
                     // The core persists (fsync) inside the lock: changes are serialised.
-                    let rep = core.lock().unwrap().handle(req);
+                    let rep = core.lock().unwrap().reply_to(req);
                     wire::write_msg(&mut sock, &rep).await?;
                     sock.flush().await?;
                 }

@@ -30,7 +30,7 @@
 //! older one did), at most [`MAX_READ_ROUNDS`] times.
 //!
 //! Then every op gets the next `seq`; it is acknowledged once a majority applied it (acks are
-//! cumulative). Lost records are resent on `tick` from a bounded buffer; a peer that lags
+//! cumulative). Lost records are resent on `Input::Tick` from a bounded buffer; a peer that lags
 //! beyond the buffer is dropped for the rest of the session (it is re-based at the next open).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -192,7 +192,7 @@ struct ImageTo<'a> {
 /// Sends peer `p` the image of a `Base { from: None }` at `seq` (the caller sends the Base after
 /// it when this returns true). A peer that may hold an older copy is patched: it is first asked
 /// for its copy's block checksums (returns false: called again when they arrive, see
-/// [`FileClient::on_reply`]), then sent `StageCopy` and only the blocks whose checksums differ.
+/// `Input::Reply`), then sent `StageCopy` and only the blocks whose checksums differ.
 /// A peer without a copy (`NoCopy`), or whose patched image did not check (`NeedImage`), gets
 /// whole images from then on.
 fn push_image(to: ImageTo<'_>, p: PeerId, t: &mut Track, seq: u64, image: &[u8], supersede: bool) -> bool {
@@ -242,8 +242,36 @@ fn push_image(to: ImageTo<'_>, p: PeerId, t: &mut Track, seq: u64, image: &[u8],
     true
 }
 
-/// One open log file. Inputs: [`FileClient::on_reply`], [`FileClient::tick`], [`FileClient::submit`];
-/// outputs: [`FileClient::take_outgoing`].
+/// An input to a [`FileClient`] ([`FileClient::handle`]).
+///
+/// Time is an input (`Tick`), not an argument of every call: the client's clock moves only when
+/// the driver ticks it, and a reply or a submit is stamped with the last tick. That is how the
+/// drivers (the shim, the mover) and the simulations have always run the client (a tick before
+/// each round of sends), so their traces stay exactly what they were.
+#[derive(Debug)]
+pub enum Input {
+    /// The driver's clock (µs, monotonic): resends what was not acknowledged in time.
+    Tick { now_us: u64 },
+    /// A peer's reply to one of the client's requests (any order, duplicates and strays are
+    /// ignored).
+    Reply { peer: PeerId, reply: PeerReply },
+    /// Replicate one op (only when ready; [`FileClient::submit`] also returns its seq). A
+    /// failed client ignores it.
+    Submit(Op),
+    /// The local copy asked for by [`FileClient::wants_local_copy`].
+    LocalCopy(Vec<u8>),
+    /// The known state's image asked for by [`FileClient::wants_image`].
+    Image(Vec<u8>),
+    /// The current image for the peer named by [`FileClient::wants_resync`].
+    Resync { peer: PeerId, image: Vec<u8> },
+}
+
+/// The client's only output: a request to send to a peer ([`FileClient::take_outputs`]).
+pub type Output = (PeerId, PeerRequest);
+
+/// One open log file: inputs through [`FileClient::handle`], outputs from
+/// [`FileClient::take_outputs`], [`FileClient::check_invariants`] after every input in debug
+/// builds.
 #[derive(Debug)]
 pub struct FileClient {
     file: FileId,
@@ -399,21 +427,13 @@ impl FileClient {
 
     /// Recovery found the source past the state given to [`FileClient::with_known_state`] (a
     /// writer elsewhere moved it on): the driver reads its local copy (mostly the same bytes)
-    /// and gives it to [`FileClient::supply_local_copy`].
+    /// and gives it to `Input::LocalCopy`.
     pub fn wants_local_copy(&self) -> bool {
         self.local_wanted.is_some() && matches!(self.phase, Phase::Probing)
     }
 
     /// The local copy asked for by [`FileClient::wants_local_copy`] (any content is safe: a
     /// chunk is only taken from it when its block checksums match the source's).
-    pub fn supply_local_copy(&mut self, local: Vec<u8>) {
-        #[cfg(debug_assertions)]
-        let before = self.progress();
-        self.supply_local_copy_input(local);
-        #[cfg(debug_assertions)]
-        self.check_after_input(before);
-    }
-
     fn supply_local_copy_input(&mut self, local: Vec<u8>) {
         let Some((source, holding)) = self.local_wanted.take() else { return };
         if !local.is_empty() {
@@ -429,21 +449,13 @@ impl FileClient {
 
     /// A writer basing on a known state without its bytes needs them now (a peer lacks that
     /// state): the driver reads its local copy ([`FileClient::size`] bytes) and gives it to
-    /// [`FileClient::supply_image`].
+    /// `Input::Image`.
     pub fn wants_image(&self) -> bool {
         self.image_elided && matches!(self.phase, Phase::Basing { .. }) && self.tracks.values().any(|t| t.needs_image)
     }
 
     /// The image of the known state (see [`FileClient::wants_image`]): the peers that need it
     /// are sent it.
-    pub fn supply_image(&mut self, image: Vec<u8>) {
-        #[cfg(debug_assertions)]
-        let before = self.progress();
-        self.supply_image_input(image);
-        #[cfg(debug_assertions)]
-        self.check_after_input(before);
-    }
-
     fn supply_image_input(&mut self, image: Vec<u8>) {
         assert!(self.wants_image(), "supply_image only when asked");
         assert_eq!(image.len() as u64, self.size, "the known state's image must have its size");
@@ -536,7 +548,8 @@ impl FileClient {
     pub fn take_recovered(&mut self) -> Option<Vec<u8>> {
         self.recovered.take()
     }
-    pub fn take_outgoing(&mut self) -> Vec<(PeerId, PeerRequest)> {
+    /// The requests to send since the last call ([`Output`]: the client's only output).
+    pub fn take_outputs(&mut self) -> Vec<Output> {
         std::mem::take(&mut self.out)
     }
     /// Every peer of the set applied every submitted op (a new member is fully up to date).
@@ -636,14 +649,37 @@ impl FileClient {
         }
     }
 
-    /// Replicates one op; returns its seq (wait until `acked_seq() >= seq`). Only when ready.
-    pub fn submit(&mut self, op: Op) -> Result<u64, Failure> {
+    /// Applies one input; the requests it makes wait in [`FileClient::take_outputs`]. In debug
+    /// builds every input is followed by the invariant checks (acknowledgement never goes back,
+    /// a failure is final, [`FileClient::check_invariants`]).
+    pub fn handle(&mut self, input: Input) {
         #[cfg(debug_assertions)]
         let before = self.progress();
-        let r = self.submit_input(op);
+        match input {
+            Input::Tick { now_us } => self.tick_input(now_us),
+            Input::Reply { peer, reply } => self.on_reply_input(peer, reply),
+            Input::Submit(op) => {
+                // A failed client refuses (`submit` reports it); nothing changed.
+                let _ = self.submit_input(op);
+            }
+            Input::LocalCopy(local) => self.supply_local_copy_input(local),
+            Input::Image(image) => self.supply_image_input(image),
+            Input::Resync { peer, image } => self.resync_input(peer, image),
+        }
         #[cfg(debug_assertions)]
         self.check_after_input(before);
-        r
+    }
+
+    /// `handle(Input::Submit(op))`, returning the op's seq (wait until `acked_seq() >= seq`),
+    /// or the failure that refused it.
+    pub fn submit(&mut self, op: Op) -> Result<u64, Failure> {
+        // `handle(Submit)` of a failed client changes nothing; a ready one takes the next seq
+        // (trimming the buffer never fails it).
+        if let Some(f) = self.failure() {
+            return Err(f.clone());
+        }
+        self.handle(Input::Submit(op));
+        Ok(self.next_seq)
     }
 
     fn submit_input(&mut self, op: Op) -> Result<u64, Failure> {
@@ -713,14 +749,6 @@ impl FileClient {
     }
 
     /// Advances the clock; resends what was not acknowledged in time.
-    pub fn tick(&mut self, now_us: u64) {
-        #[cfg(debug_assertions)]
-        let before = self.progress();
-        self.tick_input(now_us);
-        #[cfg(debug_assertions)]
-        self.check_after_input(before);
-    }
-
     fn tick_input(&mut self, now_us: u64) {
         self.now_us = now_us;
         let after = self.cfg.retransmit_after_us;
@@ -825,7 +853,7 @@ impl FileClient {
     }
 
     /// A peer that is alive but lost this file's state (restarted, or fell behind the buffer),
-    /// if any: the driver answers with [`FileClient::resync`] and the current image.
+    /// if any: the driver answers with `Input::Resync` and the current image.
     pub fn wants_resync(&self) -> Option<PeerId> {
         if !matches!(self.phase, Phase::Ready) {
             return None;
@@ -835,14 +863,6 @@ impl FileClient {
 
     /// Re-bases `peer` mid-session: `image` must be the file's content after every op submitted
     /// so far (the driver reads its local copy). Later records reach it by retransmission.
-    pub fn resync(&mut self, peer: PeerId, image: Vec<u8>) {
-        #[cfg(debug_assertions)]
-        let before = self.progress();
-        self.resync_input(peer, image);
-        #[cfg(debug_assertions)]
-        self.check_after_input(before);
-    }
-
     fn resync_input(&mut self, peer: PeerId, image: Vec<u8>) {
         assert!(matches!(self.phase, Phase::Ready), "resync only when ready");
         assert_eq!(image.len() as u64, self.size, "resync image must have the replicated size");
@@ -888,14 +908,9 @@ impl FileClient {
         PeerRequest::Sums { file: self.file, epoch: self.epoch, offset, len: MAX_SUMS_BYTES }
     }
 
-    pub fn on_reply(&mut self, peer: PeerId, reply: PeerReply) {
-        #[cfg(debug_assertions)]
-        let before = self.progress();
-        self.on_reply_input(peer, reply);
-        #[cfg(debug_assertions)]
-        self.check_after_input(before);
-    }
-
+    /// One reply from a peer. Over 100 lines on purpose: one arm per reply kind, each a few
+    /// lines of the same recovery/replication state machine (split into one function per
+    /// kind, the protocol's answer to each reply would be spread over a dozen functions).
     fn on_reply_input(&mut self, peer: PeerId, reply: PeerReply) {
         if !(self.tracks.contains_key(&peer) || self.extra.contains_key(&peer)) || reply.file() != Some(self.file) {
             return;
@@ -1493,19 +1508,19 @@ impl FileClient {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::peer::PeerCore;
+    use crate::core::peer::PeerCore;
     use crate::proto::apply_op;
 
     /// Delivers every outgoing message to its peer and every reply back, until quiet.
     fn run(c: &mut FileClient, peers: &mut [PeerCore]) {
         loop {
-            let out = c.take_outgoing();
+            let out = c.take_outputs();
             if out.is_empty() {
                 return;
             }
             for (p, req) in out {
-                let rep = peers[p as usize - 1].handle(req);
-                c.on_reply(p, rep);
+                let rep = peers[p as usize - 1].reply_to(req);
+                c.handle(Input::Reply { peer: p, reply: rep });
             }
         }
     }
@@ -1533,7 +1548,7 @@ mod tests {
         let mut fetched: BTreeSet<u64> = BTreeSet::new();
         let mut in_flight: BTreeSet<u64> = BTreeSet::new();
         loop {
-            let out = r.take_outgoing();
+            let out = r.take_outputs();
             if out.is_empty() {
                 break;
             }
@@ -1543,7 +1558,7 @@ mod tests {
                     assert!(fetched.insert(offset), "chunk {offset} fetched twice");
                     in_flight.insert(offset);
                 }
-                replies.push((p, peers[p as usize - 1].handle(req)));
+                replies.push((p, peers[p as usize - 1].reply_to(req)));
             }
             max_in_flight = max_in_flight.max(in_flight.len() as u64);
             // Deliver backwards: every chunk but the first of a batch arrives ahead of the prefix.
@@ -1551,7 +1566,7 @@ mod tests {
                 if let PeerReply::Data { offset, .. } = &rep {
                     in_flight.remove(offset);
                 }
-                r.on_reply(p, rep);
+                r.handle(Input::Reply { peer: p, reply: rep });
             }
         }
         assert!(r.is_ready());
@@ -1565,7 +1580,7 @@ mod tests {
         let mut r = FileClient::open(1, epoch, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0).with_local_copy(local);
         let mut fetched = Vec::new();
         loop {
-            let out = r.take_outgoing();
+            let out = r.take_outputs();
             if out.is_empty() {
                 break;
             }
@@ -1573,8 +1588,8 @@ mod tests {
                 if let PeerRequest::Fetch { offset, .. } = req {
                     fetched.push(offset);
                 }
-                let rep = peers[p as usize - 1].handle(req);
-                r.on_reply(p, rep);
+                let rep = peers[p as usize - 1].reply_to(req);
+                r.handle(Input::Reply { peer: p, reply: rep });
             }
         }
         assert!(r.is_ready());
@@ -1630,7 +1645,7 @@ mod tests {
         let mut r = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0).with_local_copy(local);
         let (mut fetched, mut appended) = (Vec::new(), false);
         loop {
-            let out = r.take_outgoing();
+            let out = r.take_outputs();
             if out.is_empty() {
                 break;
             }
@@ -1647,8 +1662,8 @@ mod tests {
                         content.extend_from_slice(&tail);
                     }
                 }
-                let rep = peers[p as usize - 1].handle(req);
-                r.on_reply(p, rep);
+                let rep = peers[p as usize - 1].reply_to(req);
+                r.handle(Input::Reply { peer: p, reply: rep });
             }
         }
         assert!(r.is_ready(), "{:?}", r.failure());
@@ -1672,14 +1687,14 @@ mod tests {
         let mut again = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0).with_known_state(state);
         let mut asked = Vec::new();
         loop {
-            let out = again.take_outgoing();
+            let out = again.take_outputs();
             if out.is_empty() {
                 break;
             }
             for (p, req) in out {
                 asked.push(req.clone());
-                let rep = peers[p as usize - 1].handle(req);
-                again.on_reply(p, rep);
+                let rep = peers[p as usize - 1].reply_to(req);
+                again.handle(Input::Reply { peer: p, reply: rep });
             }
         }
         assert!(again.is_ready() && again.matched_known(), "{:?}", again.failure());
@@ -1705,22 +1720,22 @@ mod tests {
     fn run_with_copy(c: &mut FileClient, peers: &mut [PeerCore], local: &[u8], asked: &mut Vec<PeerRequest>) {
         loop {
             if c.wants_image() {
-                c.supply_image(local.to_vec());
+                c.handle(Input::Image(local.to_vec()));
             }
             if c.wants_local_copy() {
-                c.supply_local_copy(local.to_vec());
+                c.handle(Input::LocalCopy(local.to_vec()));
             }
             if let Some(p) = c.wants_resync() {
-                c.resync(p, local.to_vec());
+                c.handle(Input::Resync { peer: p, image: local.to_vec() });
             }
-            let out = c.take_outgoing();
+            let out = c.take_outputs();
             if out.is_empty() {
                 return;
             }
             for (p, req) in out {
                 asked.push(req.clone());
-                let rep = peers[p as usize - 1].handle(req);
-                c.on_reply(p, rep);
+                let rep = peers[p as usize - 1].reply_to(req);
+                c.handle(Input::Reply { peer: p, reply: rep });
             }
         }
     }
@@ -1779,16 +1794,16 @@ mod tests {
     fn run_cut(c: &mut FileClient, peers: &mut [PeerCore], cut: &[PeerId], local: &[u8]) {
         loop {
             if let Some(p) = c.wants_resync() {
-                c.resync(p, local[..c.size() as usize].to_vec());
+                c.handle(Input::Resync { peer: p, image: local[..c.size() as usize].to_vec() });
             }
-            let out = c.take_outgoing();
+            let out = c.take_outputs();
             if out.is_empty() {
                 return;
             }
             for (p, req) in out {
                 if !cut.contains(&p) {
-                    let rep = peers[p as usize - 1].handle(req);
-                    c.on_reply(p, rep);
+                    let rep = peers[p as usize - 1].reply_to(req);
+                    c.handle(Input::Reply { peer: p, reply: rep });
                 }
             }
         }
@@ -1798,7 +1813,7 @@ mod tests {
         let h = peers[p].holding(1).unwrap();
         let mut img = Vec::new();
         while (img.len() as u64) < h.size {
-            match peers[p].handle(PeerRequest::Fetch { file: 1, epoch: READ_EPOCH, offset: img.len() as u64, len: MAX_CHUNK_BYTES as u32 }) {
+            match peers[p].reply_to(PeerRequest::Fetch { file: 1, epoch: READ_EPOCH, offset: img.len() as u64, len: MAX_CHUNK_BYTES as u32 }) {
                 PeerReply::Data { data, .. } => img.extend_from_slice(&data),
                 r => panic!("{r:?}"),
             }
@@ -1841,7 +1856,7 @@ mod tests {
             run_cut(&mut w, &mut peers, &[3], &content);
         }
         assert!(!w.fully_replicated());
-        w.tick(10_000_000);
+        w.handle(Input::Tick { now_us: 10_000_000 });
         run_cut(&mut w, &mut peers, &[], &content);
         assert!(w.fully_replicated(), "{:?}", w.failure());
         let sent = w.image_bytes();
@@ -1889,7 +1904,7 @@ mod tests {
         let mut r = FileClient::reader(1, vec![1, 2, 3], Vec::new(), ClientConfig::default(), 0);
         let mut at = 3 * MAX_CHUNK_BYTES as u64;
         for _ in 0..1000 {
-            let out = r.take_outgoing();
+            let out = r.take_outputs();
             if out.is_empty() {
                 break;
             }
@@ -1898,8 +1913,8 @@ mod tests {
                 w.submit(Op::write(at, vec![2; 10])).unwrap();
                 at += 10;
                 run(&mut w, &mut peers);
-                let rep = peers[p as usize - 1].handle(req);
-                r.on_reply(p, rep);
+                let rep = peers[p as usize - 1].reply_to(req);
+                r.handle(Input::Reply { peer: p, reply: rep });
             }
         }
         assert_eq!(r.failure(), Some(&Failure::KeptChanging { rounds: MAX_READ_ROUNDS }));
@@ -1914,19 +1929,19 @@ mod tests {
         let mut r = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
         let mut corrupted = None;
         loop {
-            let out = r.take_outgoing();
+            let out = r.take_outputs();
             if out.is_empty() {
                 break;
             }
             for (p, req) in out {
-                let mut rep = peers[p as usize - 1].handle(req);
+                let mut rep = peers[p as usize - 1].reply_to(req);
                 if let PeerReply::Data { offset, data, .. } = &mut rep {
                     if *offset == 3 * MAX_CHUNK_BYTES as u64 && corrupted.is_none() {
                         data[17] ^= 1;
                         corrupted = Some(p);
                     }
                 }
-                r.on_reply(p, rep);
+                r.handle(Input::Reply { peer: p, reply: rep });
             }
         }
         let bad = corrupted.expect("a chunk was corrupted");
@@ -1962,10 +1977,10 @@ mod tests {
         // Only peers 1 and 2 get the next ops (peer 3 lags): acknowledged by a majority.
         let s1 = c.submit(Op::write(3, b"def".to_vec())).unwrap();
         let s2 = c.submit(Op::Truncate { size: 10 }).unwrap();
-        for (p, req) in c.take_outgoing() {
+        for (p, req) in c.take_outputs() {
             if p != 3 {
-                let rep = peers[p as usize - 1].handle(req);
-                c.on_reply(p, rep);
+                let rep = peers[p as usize - 1].reply_to(req);
+                c.handle(Input::Reply { peer: p, reply: rep });
             }
         }
         assert!(c.acked_seq() >= s2 && s2 > s1);
@@ -1973,14 +1988,14 @@ mod tests {
         // Recovery hears from peer 3 (behind) and peer 2 (ahead) only.
         let mut r = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
         loop {
-            let out = r.take_outgoing();
+            let out = r.take_outputs();
             if out.is_empty() {
                 break;
             }
             for (p, req) in out {
                 if p != 1 {
-                    let rep = peers[p as usize - 1].handle(req);
-                    r.on_reply(p, rep);
+                    let rep = peers[p as usize - 1].reply_to(req);
+                    r.handle(Input::Reply { peer: p, reply: rep });
                 }
             }
         }
@@ -2023,10 +2038,10 @@ mod tests {
         fill(&mut peers, 5000);
         peers[0] = PeerCore::new(1 << 20);
         let mut w = FileClient::open(1, 2, vec![1, 2, 3], true, Vec::new(), ClientConfig::default(), 0);
-        for (p, req) in w.take_outgoing() {
+        for (p, req) in w.take_outputs() {
             if p != 2 {
-                let rep = peers[p as usize - 1].handle(req);
-                w.on_reply(p, rep);
+                let rep = peers[p as usize - 1].reply_to(req);
+                w.handle(Input::Reply { peer: p, reply: rep });
             }
         }
         assert!(w.failure().is_none() && !w.is_ready());

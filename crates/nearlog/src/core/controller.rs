@@ -1,0 +1,532 @@
+//! [`ControllerCore`]: the nearlog metadata (SplitFT's controller): log peers and their free
+//! space, which file lives on which peers, and each file's epoch. Every change is persisted
+//! through a [`MetaStore`] *before* it is answered, so a controller restart loses nothing
+//! (in particular an epoch is never handed out twice).
+
+use std::collections::BTreeMap;
+
+use crate::proto::{ControllerState, CtlReply, CtlRequest, Epoch, FileGrant, FileId, FileMeta, PeerAddr, PeerId, PeerInfo};
+use crate::store::{MetaStore, StoreError};
+
+/// Longest file key accepted (a path).
+pub const MAX_KEY_BYTES: usize = 4096;
+/// Most replicas a file may ask for.
+pub const MAX_REPLICAS: u32 = 7;
+/// Most file ids one peer heartbeat may list.
+pub const MAX_HEARTBEAT_FILES: usize = 100_000;
+
+/// A file key is a path: 1..=MAX_KEY_BYTES bytes.
+fn check_key(k: &str) -> Result<(), String> {
+    if k.is_empty() || k.len() > MAX_KEY_BYTES {
+        Err(format!("file key must be 1..={MAX_KEY_BYTES} bytes"))
+    } else {
+        Ok(())
+    }
+}
+
+/// The peer with the most free space (ties: lowest id) not already holding `m`.
+fn pick_peer(free: &BTreeMap<PeerId, u64>, m: &FileMeta) -> Option<PeerId> {
+    free.iter().filter(|(id, _)| !m.peers.contains(id) && !m.prev_peers.contains(id)).max_by_key(|(&id, &f)| (f, std::cmp::Reverse(id))).map(|(&id, _)| id)
+}
+
+/// Places `m` on `to` instead of `from`; the set the last committed epoch ran on stays the
+/// recovery set until a Base commits on the new one.
+fn replace_peer(m: &mut FileMeta, from: PeerId, to: PeerId) {
+    if m.prev_peers.is_empty() {
+        m.prev_peers = m.peers.clone();
+    }
+    for p in m.peers.iter_mut() {
+        if *p == from {
+            *p = to;
+        }
+    }
+    m.placed_at = m.epoch;
+}
+
+/// The controller: requests through [`ControllerCore::handle`], replies from
+/// [`ControllerCore::take_outputs`], [`ControllerCore::check_invariants`] after every request in
+/// debug builds. It has no clock and no timer (a peer's liveness is "registered or heartbeated
+/// since this controller started", not a timeout), so time is no input and `handle` takes none.
+pub struct ControllerCore<S: MetaStore> {
+    state: ControllerState,
+    store: S,
+    /// Replies not yet taken by the driver (one per request).
+    out: Vec<CtlReply>,
+}
+
+impl<S: MetaStore> ControllerCore<S> {
+    pub fn open(mut store: S) -> Result<ControllerCore<S>, StoreError> {
+        let mut state = store.load()?.unwrap_or(ControllerState { next_peer: 1, next_file: 1, ..Default::default() });
+        // Nobody has reported to this controller yet.
+        for p in state.peers.values_mut() {
+            p.live = false;
+        }
+        Ok(ControllerCore { state, store, out: Vec::new() })
+    }
+
+    pub fn state(&self) -> &ControllerState {
+        &self.state
+    }
+
+    fn grant(&self, key: &str, m: &FileMeta) -> FileGrant {
+        let addrs = |ids: &[PeerId]| -> Vec<PeerAddr> {
+            ids.iter().map(|&id| PeerAddr { id, addr: self.state.peers.get(&id).map(|p| p.addr.clone()).unwrap_or_default() }).collect()
+        };
+        FileGrant { key: key.to_string(), file: m.file, epoch: m.epoch, initialized: m.initialized, peers: addrs(&m.peers), recover_from: addrs(&m.prev_peers) }
+    }
+
+    /// Keys of the files whose placement or pending move involves `peer`.
+    pub fn files_on(&self, peer: PeerId) -> Vec<String> {
+        self.state.files.iter().filter(|(_, m)| m.peers.contains(&peer) || m.prev_peers.contains(&peer)).map(|(k, _)| k.clone()).collect()
+    }
+
+
+    /// Applies one request (its reply waits in [`ControllerCore::take_outputs`]); a change is
+    /// persisted before the reply (on a failed save the in-memory state is rolled back and the
+    /// request fails). In debug builds, then: a file's epoch never went back, and
+    /// [`ControllerCore::check_invariants`].
+    pub fn handle(&mut self, req: CtlRequest) {
+        let reply = self.handle_input(req);
+        self.out.push(reply);
+    }
+
+    /// The replies made since the last call, in request order.
+    pub fn take_outputs(&mut self) -> Vec<CtlReply> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// `handle(req)` and the one reply it made: what a server (or a simulation) does with each
+    /// request it reads.
+    pub fn reply_to(&mut self, req: CtlRequest) -> CtlReply {
+        self.handle(req);
+        self.out.pop().expect("a request gets one reply")
+    }
+
+    fn handle_input(&mut self, req: CtlRequest) -> CtlReply {
+        let before = self.state.clone();
+        let (reply, changed) = self.apply(req);
+        if changed {
+            if let Err(e) = self.store.save(&self.state) {
+                self.state = before;
+                return CtlReply::Error(format!("cannot persist controller state: {e}"));
+            }
+        }
+        #[cfg(debug_assertions)]
+        {
+            // An epoch is never handed out twice: a file's epoch never goes back.
+            let old: BTreeMap<FileId, Epoch> = before.files.values().map(|m| (m.file, m.epoch)).collect();
+            for (key, m) in &self.state.files {
+                if old.get(&m.file).is_some_and(|e| m.epoch < *e) {
+                    panic!("controller: invariant `a file's epoch never decreases` broken: {key} (file {}) went from epoch {} to {}", m.file, old[&m.file], m.epoch);
+                }
+            }
+            self.check_invariants();
+        }
+        reply
+    }
+
+    /// Panics, naming the invariant and the state, if the controller's state breaks a rule the
+    /// module doc states. O(files × replicas): the state is small and `handle` already clones it
+    /// whole. Run after every request in debug builds and after every step of the simulations.
+    pub fn check_invariants(&self) {
+        let s = &self.state;
+        let broken = |what: &str, state: String| -> ! { panic!("controller: invariant `{what}` broken: {state}") };
+        // Ids are handed out once: every id in use is below the next.
+        if let Some(p) = s.peers.keys().find(|p| **p >= s.next_peer) {
+            broken("peer ids are below next_peer", format!("peer {p}, next {}", s.next_peer));
+        }
+        let mut ids = BTreeMap::new();
+        for (key, m) in &s.files {
+            if m.file >= s.next_file {
+                broken("file ids are below next_file", format!("{key}: file {}, next {}", m.file, s.next_file));
+            }
+            if let Some(other) = ids.insert(m.file, key) {
+                broken("one key per file id", format!("file {} under {other} and {key}", m.file));
+            }
+            // The writer's epoch and the placement's are epochs handed out for this file.
+            if m.owner_epoch > m.epoch || m.placed_at > m.epoch {
+                broken("owner_epoch and placed_at are at most the file's epoch", format!("{key}: {m:?}"));
+            }
+            // A placement names each peer once.
+            for set in [&m.peers, &m.prev_peers] {
+                if (1..set.len()).any(|i| set[..i].contains(&set[i])) {
+                    broken("a placement names each peer once", format!("{key}: {m:?}"));
+                }
+            }
+        }
+    }
+
+    /// One request's reply, and whether the state changed (then `handle_input` persists it).
+    /// One arm per request; the requests with decisions of their own have a method each.
+    fn apply(&mut self, req: CtlRequest) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        match req {
+            CtlRequest::RegisterPeer { addr, region_bytes, known_as } => self.register_peer(addr, region_bytes, known_as),
+            CtlRequest::PeerHeartbeat { peer, used_bytes, files } => self.peer_heartbeat(peer, used_bytes, files),
+            CtlRequest::Reclaim { peer } => self.reclaim(peer),
+            CtlRequest::Move { key } => match s.files.get_mut(&key) {
+                Some(m) if !m.prev_peers.is_empty() => {
+                    m.epoch += 1;
+                    let m = m.clone();
+                    (CtlReply::Granted(self.grant(&key, &m)), true)
+                }
+                Some(_) => (CtlReply::Error(format!("{key} has no pending move")), false),
+                None => (CtlReply::Error(format!("unknown file {key}")), false),
+            },
+            CtlRequest::Resume { key, epoch } => match s.files.get_mut(&key) {
+                Some(m) if m.owner_epoch == epoch => {
+                    m.epoch += 1;
+                    m.owner_epoch = m.epoch;
+                    let m = m.clone();
+                    (CtlReply::Granted(self.grant(&key, &m)), true)
+                }
+                Some(m) => (CtlReply::Error(format!("{key} was opened by another writer (epoch {}) since epoch {epoch}", m.owner_epoch)), false),
+                None => (CtlReply::Error(format!("unknown file {key}")), false),
+            },
+            CtlRequest::Relocate { key, epoch, full } => self.relocate(key, epoch, full),
+            CtlRequest::Open { key, replicas } => self.open_file(key, replicas),
+            CtlRequest::Initialized { key, epoch } => match s.files.get_mut(&key) {
+                Some(m) if m.epoch == epoch => {
+                    let mut changed = !m.initialized;
+                    m.initialized = true;
+                    if epoch > m.placed_at && !m.prev_peers.is_empty() {
+                        // The Base committed on a majority of the new set: the move is done.
+                        m.prev_peers.clear();
+                        changed = true;
+                    }
+                    (CtlReply::Ok, changed)
+                }
+                Some(m) => (CtlReply::Error(format!("epoch {epoch} is stale (file is at {})", m.epoch)), false),
+                None => (CtlReply::Error(format!("unknown file {key}")), false),
+            },
+            CtlRequest::Remove { key } => match s.files.remove(&key) {
+                Some(m) => (CtlReply::Forgotten(Some(self.grant(&key, &m))), true),
+                None => (CtlReply::Forgotten(None), false),
+            },
+            CtlRequest::Rename { from, to } => {
+                if let Err(e) = check_key(&to) {
+                    return (CtlReply::Error(e), false);
+                }
+                let Some(m) = s.files.remove(&from) else { return (CtlReply::Forgotten(None), false) };
+                let old = s.files.insert(to.clone(), m);
+                (CtlReply::Forgotten(old.map(|o| self.grant(&to, &o))), true)
+            }
+            CtlRequest::Status => (CtlReply::Status(self.state.clone()), false),
+            CtlRequest::Lookup { key } => (CtlReply::Found(self.state.files.get(&key).map(|m| self.grant(&key, m))), false),
+            CtlRequest::Reseed { key } => self.reseed(key),
+        }
+    }
+
+    /// A peer registers: a new id, or its old one if it is the same peer restarted.
+    fn register_peer(&mut self, addr: String, region_bytes: u64, known_as: Option<PeerId>) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        if addr.is_empty() || addr.len() > 256 {
+            return (CtlReply::Error("peer address must be 1..=256 bytes".into()), false);
+        }
+        // The same peer restarted (its identity file names an id we know, or, without
+        // one, it came back at the same address): its memory is gone; it keeps its id,
+        // and its files stay placed on it (recovery never counts a peer without a copy
+        // as a witness). A returning peer at a new address takes the new one.
+        let returning = match known_as {
+            Some(id) if s.peers.contains_key(&id) => Some(id),
+            _ => s.peers.iter().find(|(_, p)| p.addr == addr).map(|(&id, _)| id),
+        };
+        if let Some(id) = returning {
+            let p = s.peers.get_mut(&id).unwrap();
+            p.addr = addr;
+            p.region_bytes = region_bytes;
+            p.used_bytes = 0;
+            p.live = true;
+            return (CtlReply::Registered { peer: id }, true);
+        }
+        let id = s.next_peer;
+        s.next_peer += 1;
+        s.peers.insert(id, PeerInfo { addr, region_bytes, used_bytes: 0, draining: false, live: true });
+        (CtlReply::Registered { peer: id }, true)
+    }
+
+    /// A peer's heartbeat: refreshes its soft state, and names the files it may free.
+    fn peer_heartbeat(&mut self, peer: PeerId, used_bytes: u64, files: Vec<FileId>) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        if files.len() > MAX_HEARTBEAT_FILES {
+            return (CtlReply::Error(format!("heartbeat lists more than {MAX_HEARTBEAT_FILES} files")), false);
+        }
+        let Some(p) = s.peers.get_mut(&peer) else {
+            return (CtlReply::Error(format!("unknown peer {peer}: register first")), false);
+        };
+        // Not persisted: free space and liveness are soft state, refreshed by every heartbeat.
+        p.used_bytes = used_bytes;
+        p.live = true;
+        let draining = p.draining;
+        // A file the peer holds but no placement (current or pending-move) names it for
+        // is garbage: removed, renamed over, moved away, or a Drop that never arrived.
+        let placed: BTreeMap<FileId, &FileMeta> = s.files.values().map(|m| (m.file, m)).collect();
+        let release = files
+            .into_iter()
+            .filter(|f| placed.get(f).is_none_or(|m| !m.peers.contains(&peer) && !m.prev_peers.contains(&peer)))
+            .collect();
+        (CtlReply::Heartbeat { release, draining }, false)
+    }
+
+    /// Plans and records the move of every file off `peer` (all or nothing).
+    fn reclaim(&mut self, peer: PeerId) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        if !s.peers.contains_key(&peer) {
+            return (CtlReply::Error(format!("unknown peer {peer}")), false);
+        }
+        let mut changed = !s.peers[&peer].draining;
+        // Plan every move before changing anything: all or nothing.
+        let mut free: BTreeMap<PeerId, u64> = s
+            .peers
+            .iter()
+            .filter(|(&id, p)| id != peer && !p.draining)
+            .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
+            .collect();
+        let mut plan = Vec::new();
+        for (key, m) in s.files.iter().filter(|(_, m)| m.peers.contains(&peer)) {
+            let Some(to) = pick_peer(&free, m) else {
+                return (CtlReply::Error(format!("no other log peer can take {key} (start another peer, then reclaim again)")), false);
+            };
+            // Count the file's size against the chosen peer (approximated by the
+            // reclaimed peer's whole use: we do not know per-file sizes here).
+            *free.get_mut(&to).unwrap() = free[&to].saturating_sub(1);
+            plan.push((key.clone(), to));
+        }
+        s.peers.get_mut(&peer).unwrap().draining = true;
+        for (key, to) in plan {
+            let m = s.files.get_mut(&key).unwrap();
+            replace_peer(m, peer, to);
+            changed = true;
+        }
+        let pending = s.files.iter().filter(|(_, m)| m.prev_peers.contains(&peer)).map(|(k, _)| k.clone()).collect();
+        (CtlReply::Reclaiming { pending }, changed)
+    }
+
+    /// The writer at `epoch` met a full region on `full`: the file grows onto a peer with room.
+    fn relocate(&mut self, key: String, epoch: Epoch, full: PeerId) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        let free: BTreeMap<PeerId, u64> = s
+            .peers
+            .iter()
+            .filter(|(&id, p)| id != full && !p.draining)
+            .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
+            .collect();
+        match s.files.get_mut(&key) {
+            Some(m) if m.owner_epoch == epoch => {
+                if m.peers.contains(&full) {
+                    let Some(to) = pick_peer(&free, m) else {
+                        return (CtlReply::Error(format!("no log peer has room for {key}: every region is full")), false);
+                    };
+                    replace_peer(m, full, to);
+                }
+                m.epoch += 1;
+                m.owner_epoch = m.epoch;
+                let m = m.clone();
+                (CtlReply::Granted(self.grant(&key, &m)), true)
+            }
+            Some(m) => (CtlReply::Error(format!("{key} was opened by another writer (epoch {}) since epoch {epoch}", m.owner_epoch)), false),
+            None => (CtlReply::Error(format!("unknown file {key}")), false),
+        }
+    }
+
+    /// An open: placement on first open, a new epoch every time.
+    fn open_file(&mut self, key: String, replicas: u32) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        if let Err(e) = check_key(&key) {
+            return (CtlReply::Error(e), false);
+        }
+        if replicas == 0 || replicas > MAX_REPLICAS {
+            return (CtlReply::Error(format!("replicas must be 1..={MAX_REPLICAS}")), false);
+        }
+        if !s.files.contains_key(&key) {
+            if (s.peers.len() as u32) < replicas {
+                return (CtlReply::Error(format!("{replicas} log peers needed, {} registered", s.peers.len())), false);
+            }
+            // Placement: live peers first (one that has not reported since we started
+            // may be gone for good), then the most free space (ties: lowest id).
+            let mut by_free: Vec<(PeerId, u64, bool)> = s
+                .peers
+                .iter()
+                .filter(|(_, p)| !p.draining)
+                .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes), p.live))
+                .collect();
+            if (by_free.len() as u32) < replicas {
+                return (CtlReply::Error(format!("{replicas} log peers needed, {} not being reclaimed", by_free.len())), false);
+            }
+            by_free.sort_by_key(|&(id, free, live)| (!live, std::cmp::Reverse(free), id));
+            let peers = by_free.iter().take(replicas as usize).map(|&(id, _, _)| id).collect();
+            let file = s.next_file;
+            s.next_file += 1;
+            s.files.insert(key.clone(), FileMeta { file, epoch: 0, peers, initialized: false, prev_peers: Vec::new(), placed_at: 0, owner_epoch: 0 });
+        }
+        let m = s.files.get_mut(&key).unwrap();
+        m.epoch += 1;
+        m.owner_epoch = m.epoch;
+        let m = m.clone();
+        (CtlReply::Granted(self.grant(&key, &m)), true)
+    }
+
+    /// The operator accepts the local copy: the file is placed on live peers at a new epoch.
+    fn reseed(&mut self, key: String) -> (CtlReply, bool) {
+        let s = &mut self.state;
+        let Some(m) = s.files.get(&key) else { return (CtlReply::Error(format!("unknown file {key}")), false) };
+        let usable = |id: &PeerId| s.peers.get(id).is_some_and(|p| p.live && !p.draining);
+        // Its current peers where they are live (a restarted peer keeps its id), the
+        // rest from the live peers with the most free space (ties: lowest id).
+        let mut peers: Vec<PeerId> = m.peers.iter().copied().filter(usable).collect();
+        let mut others: Vec<(PeerId, u64)> = s
+            .peers
+            .iter()
+            .filter(|(id, _)| usable(id) && !peers.contains(id))
+            .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
+            .collect();
+        others.sort_by_key(|&(id, free)| (std::cmp::Reverse(free), id));
+        let want = m.peers.len();
+        peers.extend(others.iter().map(|&(id, _)| id).take(want.saturating_sub(peers.len())));
+        if peers.len() < want {
+            let live = s.peers.values().filter(|p| p.live && !p.draining).count();
+            return (CtlReply::Error(format!("re-seeding {key} needs {want} live log peers, {live} are up (start more peers, then try again)")), false);
+        }
+        let m = s.files.get_mut(&key).unwrap();
+        m.epoch += 1;
+        m.owner_epoch = m.epoch;
+        m.peers = peers;
+        // The old set's copies are gone or not wanted: nothing to recover from, no move.
+        m.prev_peers.clear();
+        m.placed_at = m.epoch;
+        m.initialized = false;
+        let m = m.clone();
+        (CtlReply::Granted(self.grant(&key, &m)), true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{JsonFileStore, MemStore};
+    use std::path::Path;
+
+    fn ctl(dir: &Path) -> ControllerCore<JsonFileStore> {
+        ControllerCore::open(JsonFileStore::new(dir)).unwrap()
+    }
+
+    #[test]
+    fn placement_epochs_and_restart_lose_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = ctl(dir.path());
+        for (i, region) in [(1, 100), (2, 300), (3, 200), (4, 50)] {
+            let r = c.reply_to(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: region, known_as: None });
+            assert_eq!(r, CtlReply::Registered { peer: i });
+        }
+        let CtlReply::Granted(g) = c.reply_to(CtlRequest::Open { key: "/a.log".into(), replicas: 3 }) else { panic!() };
+        assert_eq!((g.epoch, g.initialized), (1, false));
+        assert_eq!(g.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![2, 3, 1], "most free space first");
+        assert_eq!(c.reply_to(CtlRequest::Initialized { key: "/a.log".into(), epoch: 1 }), CtlReply::Ok);
+        drop(c);
+        let mut c = ctl(dir.path());
+        let CtlReply::Granted(g2) = c.reply_to(CtlRequest::Open { key: "/a.log".into(), replicas: 3 }) else { panic!() };
+        assert_eq!((g2.file, g2.epoch, g2.initialized), (g.file, 2, true));
+        assert!(matches!(c.reply_to(CtlRequest::Initialized { key: "/a.log".into(), epoch: 1 }), CtlReply::Error(_)));
+        let CtlReply::Forgotten(None) = c.reply_to(CtlRequest::Rename { from: "/a.log".into(), to: "/b.log".into() }) else { panic!() };
+        let CtlReply::Forgotten(Some(f)) = c.reply_to(CtlRequest::Remove { key: "/b.log".into() }) else { panic!() };
+        assert_eq!(f.file, g.file);
+    }
+
+    #[test]
+    fn reclaim_moves_files_resume_and_relocate_and_heartbeats_release() {
+        let mut c = ControllerCore::open(MemStore::default()).unwrap();
+        for i in 1..=4 {
+            c.reply_to(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: 1000, known_as: None });
+        }
+        let CtlReply::Granted(g) = c.reply_to(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
+        assert_eq!(g.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![1, 2, 3]);
+        c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: 1 });
+        // Reclaim peer 1: placed on 4; the old set stays the recovery set.
+        let CtlReply::Reclaiming { pending } = c.reply_to(CtlRequest::Reclaim { peer: 1 }) else { panic!() };
+        assert_eq!(pending, vec!["k".to_string()]);
+        let m = c.state().files["k"].clone();
+        assert_eq!((m.peers.clone(), m.prev_peers.clone()), (vec![4, 2, 3], vec![1, 2, 3]));
+        // Peer 1 keeps the file while the move is pending.
+        let hb = |c: &mut ControllerCore<MemStore>, peer| c.reply_to(CtlRequest::PeerHeartbeat { peer, used_bytes: 10, files: vec![m.file, 99] });
+        assert_eq!(hb(&mut c, 1), CtlReply::Heartbeat { release: vec![99], draining: true });
+        // A mover's epoch does not take ownership; the fenced writer (owner epoch 1) resumes.
+        let CtlReply::Granted(mv) = c.reply_to(CtlRequest::Move { key: "k".into() }) else { panic!() };
+        assert_eq!((mv.epoch, mv.recover_from.len()), (2, 3));
+        let CtlReply::Granted(w) = c.reply_to(CtlRequest::Resume { key: "k".into(), epoch: 1 }) else { panic!() };
+        assert_eq!(w.epoch, 3);
+        assert!(matches!(c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: 2 }), CtlReply::Error(_)), "the mover's epoch is stale");
+        assert_eq!(c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: 3 }), CtlReply::Ok);
+        assert!(c.state().files["k"].prev_peers.is_empty(), "move done");
+        assert_eq!(hb(&mut c, 1), CtlReply::Heartbeat { release: vec![m.file, 99], draining: true });
+        assert!(matches!(c.reply_to(CtlRequest::Resume { key: "k".into(), epoch: 1 }), CtlReply::Error(_)), "an old owner cannot resume");
+        // No new placement on a draining peer; a relocation needs a peer with room outside the set.
+        assert!(matches!(c.reply_to(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }), CtlReply::Error(_)));
+        c.reply_to(CtlRequest::RegisterPeer { addr: "p5".into(), region_bytes: 1000, known_as: None });
+        let CtlReply::Granted(r) = c.reply_to(CtlRequest::Relocate { key: "k".into(), epoch: 3, full: 2 }) else { panic!() };
+        assert_eq!(r.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![4, 5, 3]);
+        assert_eq!(r.recover_from.iter().map(|p| p.id).collect::<Vec<_>>(), vec![4, 2, 3]);
+        // Reclaiming with no peer left to take the file fails and changes nothing.
+        let before = c.state().clone();
+        assert!(matches!(c.reply_to(CtlRequest::Reclaim { peer: 3 }), CtlReply::Error(_)));
+        assert_eq!(c.state(), &before);
+    }
+
+    #[test]
+    fn a_returning_peer_keeps_its_id_and_a_reseed_places_on_live_peers_at_a_new_epoch() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = ctl(dir.path());
+        for i in 1..=3 {
+            assert_eq!(c.reply_to(CtlRequest::RegisterPeer { addr: format!("a{i}"), region_bytes: 1000, known_as: None }), CtlReply::Registered { peer: i });
+        }
+        let CtlReply::Granted(g) = c.reply_to(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
+        assert_eq!(c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: g.epoch }), CtlReply::Ok);
+        // The controller restarts: nobody is live until they report.
+        drop(c);
+        let mut c = ctl(dir.path());
+        assert!(c.state().peers.values().all(|p| !p.live));
+        // Peers 1 and 2 come back at new addresses with their ids; an unknown id is a new peer.
+        assert_eq!(c.reply_to(CtlRequest::RegisterPeer { addr: "b1".into(), region_bytes: 1000, known_as: Some(1) }), CtlReply::Registered { peer: 1 });
+        assert_eq!(c.reply_to(CtlRequest::RegisterPeer { addr: "b2".into(), region_bytes: 1000, known_as: Some(2) }), CtlReply::Registered { peer: 2 });
+        assert_eq!(c.reply_to(CtlRequest::RegisterPeer { addr: "b4".into(), region_bytes: 1000, known_as: Some(9) }), CtlReply::Registered { peer: 4 });
+        assert_eq!(c.state().peers.len(), 4);
+        assert_eq!(c.state().peers[&1].addr, "b1");
+        // Re-seed: the live ones of its peers kept, the dead one (3) replaced by a live one.
+        let CtlReply::Granted(r) = c.reply_to(CtlRequest::Reseed { key: "k".into() }) else { panic!() };
+        assert_eq!(r.peers.iter().map(|p| (p.id, p.addr.as_str())).collect::<Vec<_>>(), vec![(1, "b1"), (2, "b2"), (4, "b4")]);
+        assert!(r.epoch > g.epoch && !r.initialized && r.recover_from.is_empty());
+        assert!(matches!(c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: g.epoch }), CtlReply::Error(_)), "old epochs are stale");
+        assert_eq!(c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: r.epoch }), CtlReply::Ok);
+        assert!(c.state().files["k"].initialized);
+        assert!(matches!(c.reply_to(CtlRequest::Reseed { key: "nope".into() }), CtlReply::Error(_)));
+        // Too few live peers: refused, nothing changed.
+        drop(c);
+        let mut c = ctl(dir.path());
+        c.reply_to(CtlRequest::RegisterPeer { addr: "b1".into(), region_bytes: 1000, known_as: Some(1) });
+        let before = c.state().clone();
+        assert!(matches!(c.reply_to(CtlRequest::Reseed { key: "k".into() }), CtlReply::Error(e) if e.contains("live")));
+        assert_eq!(c.state(), &before);
+    }
+
+    #[test]
+    fn bad_requests_are_refused_and_failed_saves_roll_back() {
+        let mut c = ControllerCore::open(MemStore::default()).unwrap();
+        assert!(matches!(c.reply_to(CtlRequest::Open { key: "k".into(), replicas: 3 }), CtlReply::Error(_)), "no peers");
+        assert!(matches!(c.reply_to(CtlRequest::Open { key: "".into(), replicas: 1 }), CtlReply::Error(_)));
+        c.reply_to(CtlRequest::RegisterPeer { addr: "p".into(), region_bytes: 1, known_as: None });
+        c.store.fail_saves = true;
+        assert!(matches!(c.reply_to(CtlRequest::Open { key: "k".into(), replicas: 1 }), CtlReply::Error(_)));
+        assert!(c.state().files.is_empty());
+    }
+
+    /// The invariant checks can fail: a controller whose state breaks one panics naming it.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let mut c = ControllerCore::open(MemStore::default()).unwrap();
+        c.check_invariants();
+        c.state.next_file = 0; // an id in use at or above the next one handed out
+        c.state.files.insert("k".into(), FileMeta { file: 0, epoch: 1, peers: vec![], initialized: false, prev_peers: vec![], placed_at: 0, owner_epoch: 1 });
+        let e = std::panic::catch_unwind(|| c.check_invariants()).unwrap_err();
+        let msg = e.downcast_ref::<String>().unwrap();
+        assert!(msg.contains("file ids are below next_file"), "{msg}");
+    }
+}
