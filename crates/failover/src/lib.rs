@@ -13,10 +13,10 @@
 //!   per instance with its own attached volume; SIGKILL, SIGSTOP, clean stop).
 //! * [`netns`]: each instance's application in its own network namespace behind a veth pair
 //!   (Linux, root), so a network cut-off is its link going down while its disk stays attached.
-//! * [`teardown`]: an instance's volume stack (ext4 → loop → FUSE) taken down in the order
+//! * [`pool::teardown`]: an instance's volume stack (ext4 → loop → FUSE) taken down in the order
 //!   that cannot wedge the kernel (FUSE connection aborted, loop released, helper killed last),
 //!   every command with a deadline.
-//! * [`unit`]: an instance's application as a unit that dies whole (a cgroup v2 group per
+//! * [`pool::unit`]: an instance's application as a unit that dies whole (a cgroup v2 group per
 //!   application, killed with `cgroup.kill`; without cgroup2, a freeze-and-kill of its process
 //!   tree): a process group is not one (PostgreSQL puts every backend in its own session).
 //! * [`endpoint`]: the TCP proxy clients use (the "elastic IP" of §4.3), re-pointable, severing
@@ -38,7 +38,5 @@ pub mod netns;
 pub mod pg;
 pub mod pool;
 pub mod spec;
-pub mod teardown;
-pub mod unit;
 
 pub use crate::core::{Action, CollapseOutcome, Durable, Event, Input, InstanceId, Monitor, MonitorConfig, Phase, PolicyKind};

@@ -860,8 +860,8 @@ fn measure(
             // Both bounded, and the thaw tried even when the freeze failed: a file system left
             // frozen would hang its application for good.
             let dir_arg = dir.to_string_lossy();
-            let frozen = ::failover::teardown::run_bounded("fsfreeze", &["--freeze", &dir_arg], ::failover::teardown::COMMAND_TIMEOUT);
-            let thawed = ::failover::teardown::run_bounded("fsfreeze", &["--unfreeze", &dir_arg], ::failover::teardown::COMMAND_TIMEOUT);
+            let frozen = ::failover::pool::teardown::run_bounded("fsfreeze", &["--freeze", &dir_arg], ::failover::pool::teardown::COMMAND_TIMEOUT);
+            let thawed = ::failover::pool::teardown::run_bounded("fsfreeze", &["--unfreeze", &dir_arg], ::failover::pool::teardown::COMMAND_TIMEOUT);
             frozen.and(thawed).map_err(|e| anyhow::anyhow!("checkpointing the journal of {}: {e}", dir.display()))?;
         }
         warmup_s = t.elapsed().as_secs_f64();

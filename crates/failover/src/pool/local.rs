@@ -8,7 +8,7 @@
 //! namespaces ([`crate::netns`]) the application runs in its own namespace behind a veth pair
 //! and a cut takes the link down (the volume, served from the host, stays attached); without,
 //! the link is a [`Proxy`] the pool owns and a cut points it nowhere. The application runs as a
-//! unit that dies whole ([`crate::unit`]: its own cgroup, or its process tree without cgroup2),
+//! unit that dies whole ([`crate::pool::unit`]: its own cgroup, or its process tree without cgroup2),
 //! since a process group is not one (PostgreSQL starts every backend in a session of its own).
 //! An instance can be paused (its application's group frozen, the helper SIGSTOPped) or killed
 //! (its disk fenced, every process of its application SIGKILLed, with no flush: dirty pages
@@ -30,8 +30,8 @@ use tokio::sync::mpsc;
 use crate::core::{InstanceId, Input};
 use crate::endpoint::Proxy;
 use crate::netns::{self, NetnsLink};
-use crate::teardown;
-use crate::unit::{self, Containment};
+use crate::pool::teardown;
+use crate::pool::unit::{self, Containment};
 use crate::spec::{substitute, AppSpec};
 
 #[derive(Debug, thiserror::Error)]
@@ -183,7 +183,7 @@ fn parse_attach_steps(line: &str) -> Vec<(String, f64)> {
 }
 
 struct Inst {
-    /// The application's cgroup (see [`crate::unit`]); `None` without cgroup2.
+    /// The application's cgroup (see [`crate::pool::unit`]); `None` without cgroup2.
     cgroup: Option<PathBuf>,
     timing: StartTiming,
     saved: SavedInst,

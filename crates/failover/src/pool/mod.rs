@@ -1,0 +1,7 @@
+//! The instance pool (§4.1) and the parts that run and take down an instance's processes.
+
+mod local;
+pub mod teardown;
+pub mod unit;
+
+pub use local::*;
