@@ -363,10 +363,10 @@ impl Drop for Case {
         let is_helper = |c: &str| c.contains(" attach ");
         let others: Vec<u32> = procs.iter().filter(|(_, c)| !is_helper(c)).map(|(p, _)| *p).collect();
         for pid in &others {
-            failover::pool::teardown::signal(-(*pid as i32), libc::SIGKILL);
-            failover::pool::teardown::signal(*pid as i32, libc::SIGKILL);
+            failover::pool::process::signal(-(*pid as i32), libc::SIGKILL);
+            failover::pool::process::signal(*pid as i32, libc::SIGKILL);
         }
-        failover::pool::teardown::wait_gone(&others, Duration::from_secs(10));
+        failover::pool::process::wait_gone(&others, Duration::from_secs(10));
         for m in self.mounts().iter().rev() {
             if let Err(e) = failover::pool::teardown::run_bounded("umount", &["-l", m], failover::pool::teardown::COMMAND_TIMEOUT) {
                 eprintln!("case clean-up: {e}");

@@ -130,10 +130,10 @@ impl Drop for Guard {
         }
         for p in &self.pids {
             if *p != self.helper && failover::pool::pid_alive(*p) {
-                failover::pool::teardown::signal(*p as i32, libc::SIGKILL);
+                failover::pool::process::signal(*p as i32, libc::SIGKILL);
             }
         }
-        failover::pool::teardown::wait_gone(
+        failover::pool::process::wait_gone(
             &self
                 .pids
                 .iter()
@@ -475,8 +475,8 @@ fn detach_after_a_dead_helper_succeeds_only_once_the_loop_device_is_released() {
     };
     // The helper dies as the pool's kill leaves it: its FUSE connection aborted first.
     failover::pool::teardown::abort_fuse(helper).unwrap();
-    failover::pool::teardown::signal(helper as i32, libc::SIGKILL);
-    assert!(failover::pool::teardown::wait_gone(
+    failover::pool::process::signal(helper as i32, libc::SIGKILL);
+    assert!(failover::pool::process::wait_gone(
         &[helper],
         Duration::from_secs(10)
     ));

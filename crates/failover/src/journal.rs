@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::{Durable, MonitorConfig};
+use crate::proto::{Durable, MonitorConfig};
 
 /// What is written: the state plus the configuration it was made under, so a restart with a
 /// different spec is noticed.
@@ -63,7 +63,8 @@ impl FileJournal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::{Monitor, MonitorConfig};
+    use crate::core::Monitor;
+    use crate::proto::MonitorConfig;
 
     #[test]
     fn round_trip_and_corrupt_file() {

@@ -37,6 +37,8 @@ pub mod mysql;
 pub mod netns;
 pub mod pg;
 pub mod pool;
+pub mod proto;
 pub mod spec;
 
-pub use crate::core::{Action, CollapseOutcome, Durable, Event, Input, InstanceId, Monitor, MonitorConfig, Phase, PolicyKind};
+pub use crate::core::Monitor;
+pub use crate::proto::{Action, CollapseOutcome, Durable, Event, Input, InstanceId, MonitorConfig, Phase, PolicyKind};

@@ -16,7 +16,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use failover::core::*;
+use failover::core::Monitor;
+use failover::proto::*;
 use sim::{EventQueue, SimRng, TimeUs};
 
 const MS: u64 = 1_000;

@@ -298,7 +298,7 @@ impl Load {
         let handle = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(async {
-                su.store(::failover::driver::now_unix_ms(), Ordering::Relaxed);
+                su.store(::failover::proto::now_unix_ms(), Ordering::Relaxed);
                 let target = ::failover::load::Target::Line;
                 let stop = async {
                     let _ = stop_rx.await;
@@ -423,7 +423,7 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params, trace: Option<&[String]>) -> a
         m.control(&format!("hint {back} {}", s.recovery_ms))?;
     }
     let tracer = trace.zip(p.counter_interval).map(|(a, i)| super::shardtrace::Tracer::start(a.to_vec(), i));
-    let fault_unix_ms = ::failover::driver::now_unix_ms() as f64;
+    let fault_unix_ms = ::failover::proto::now_unix_ms() as f64;
     match s.transient_ms {
         Some(t) => m.control(&format!("cut {t}"))?,
         None => m.control("kill")?,

@@ -19,10 +19,11 @@ use tokio::sync::{mpsc, oneshot};
 use volume::driver::client::Cluster;
 use volume::driver::meta::{MetaReq, MetaResp};
 
-use crate::core::*;
+use crate::core::Monitor;
 use crate::endpoint::Proxy;
 use crate::journal::{FileJournal, Record};
 use crate::pool::{InstancePool, LocalPool};
+use crate::proto::*;
 use crate::spec::{substitute, HealthSpec, Spec};
 
 /// Inputs waiting for the monitor loop at most.
@@ -31,10 +32,6 @@ pub const INPUT_QUEUE: usize = 1024;
 pub const WORK_QUEUE: usize = 256;
 /// Longest control request line.
 pub const MAX_CONTROL_LINE_BYTES: usize = 4096;
-
-pub fn now_unix_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-}
 
 /// One health check of an instance at `addr` (its network link).
 pub async fn health_check(h: &HealthSpec, addr: SocketAddr, instance: InstanceId) -> bool {

@@ -27,9 +27,10 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
 use tokio::sync::mpsc;
 
-use crate::core::{InstanceId, Input};
+use crate::proto::{now_unix_ms, InstanceId, Input};
 use crate::endpoint::Proxy;
 use crate::netns::{self, NetnsLink};
+use crate::pool::process::{self, pid_alive, start_time};
 use crate::pool::teardown;
 use crate::pool::unit::{self, Containment};
 use crate::spec::{substitute, AppSpec};
@@ -110,15 +111,6 @@ struct SavedPool {
     /// the next run reaps it (group SIGKILL, then umount / `losetup -d` / FUSE unmount).
     #[serde(default)]
     starting: Vec<SavedInst>,
-}
-
-/// Start time of a process (clock ticks since boot, /proc/PID/stat field 22): with the pid, it
-/// names one process even after pid reuse.
-fn start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let (_, rest) = stat.rsplit_once(')')?;
-    // Fields after the command: state is field 3, so starttime (22) is index 19 here.
-    rest.split_whitespace().nth(19)?.parse().ok()
 }
 
 /// How an instance is reached, and cut off.
@@ -224,25 +216,13 @@ pub struct LocalPool {
     containment: Containment,
 }
 
+/// Signals process group `pgid`.
 fn signal_group(pgid: i32, sig: libc::c_int) {
-    // SAFETY: kill(2) with a negative pid signals a process group; no memory is involved.
-    unsafe {
-        libc::kill(-pgid, sig);
-    }
+    process::signal(-pgid, sig)
 }
 
 fn signal_pid(pid: u32, sig: libc::c_int) {
-    // SAFETY: as above, for one process.
-    unsafe {
-        libc::kill(pid as libc::pid_t, sig);
-    }
-}
-
-pub fn pid_alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat.rsplit_once(')').map(|(_, rest)| !rest.trim_start().starts_with('Z')).unwrap_or(true),
-        Err(_) => false,
-    }
+    process::signal(pid as libc::pid_t, sig)
 }
 
 /// The source (device) of the file system mounted at `dir`, if `dir` is a mount point.
@@ -580,7 +560,7 @@ impl LocalPool {
     }
 
     async fn start_inner(&self, id: InstanceId, volume: &str) -> Result<SocketAddr, PoolError> {
-        let requested_unix_ms = crate::driver::now_unix_ms();
+        let requested_unix_ms = now_unix_ms();
         let mount = self.mount_dir(id);
         std::fs::create_dir_all(&mount).map_err(|e| PoolError::Io { id, msg: format!("cannot create {}: {e}", mount.display()) })?;
         let attach_log = self.cfg.state_dir.join("logs").join(format!("{id}.attach.log"));
@@ -696,7 +676,7 @@ impl LocalPool {
             };
             return Err(PoolError::Attach { id, volume: volume.into(), msg: why });
         }
-        let attached_unix_ms = crate::driver::now_unix_ms();
+        let attached_unix_ms = now_unix_ms();
         let attach_steps_ms = parse_attach_steps(&line);
         // The application, in the same process group (and its own network namespace).
         let port = free_port().map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
@@ -776,7 +756,7 @@ impl LocalPool {
             }
         };
         let app_pid = app_child.id().unwrap_or(0);
-        let timing = StartTiming { requested_unix_ms, attached_unix_ms, spawned_unix_ms: crate::driver::now_unix_ms(), attach_steps_ms };
+        let timing = StartTiming { requested_unix_ms, attached_unix_ms, spawned_unix_ms: now_unix_ms(), attach_steps_ms };
         let link = match ns {
             Some((link, _fd)) => Link::Netns { addr: (link.ns_addr, port).into(), link },
             None => {
