@@ -1,16 +1,21 @@
 //! The failure monitor's decision logic as a deterministic state machine (sans-I/O).
 //!
-//! [`Monitor::handle`] takes the time and one [`Input`] (a ping result, an instance event, the
-//! result of a volume operation, a timer tick) and returns [`Action`]s for the driver to carry
-//! out. The part of the state that must survive a restart of the monitor is [`Durable`]; the
-//! driver persists it (see [`crate::journal`]) **after every `handle` and before executing the
-//! actions it returned**, so every irreversible step (super, collapse, re-pointing the endpoint,
+//! The core API every Understudy core has: [`Monitor::handle`] takes the time (`now_ms`, the
+//! caller's clock: wall-clock ms in the runtime, virtual time in the simulation) and one
+//! [`Input`] (a ping result, an instance event, the result of a volume operation, a timer tick);
+//! [`Monitor::take_outputs`] hands over the [`Action`]s for the driver to carry out;
+//! [`Monitor::check_invariants`] runs after every input. The messages and the persisted state
+//! live in [`crate::proto`], which the drivers import too. The part of the state that must
+//! survive a restart of the monitor is [`Durable`]; the driver persists it (see
+//! [`crate::journal`]) **after every `handle` and before executing the actions it took**, so every irreversible step (super, collapse, re-pointing the endpoint,
 //! killing an instance) is recorded as intended before it happens. After a restart,
 //! [`Monitor::recover`] re-issues the actions of the recorded phase; every action is idempotent
 //! in the drivers (a second `Collapse` of the same child reports the outcome already decided),
 //! so a restart never promotes twice and never loses a decision.
 //!
-//! Safety rules the core keeps (and the simulation checks):
+//! Safety rules the core keeps (the simulation checks them from outside, and
+//! [`Monitor::check_invariants`] asserts them from inside: the actions of each input, and the
+//! volume, which changes only at a promotion):
 //! * the parent volume is only ever given up through a `Collapse` that answered `Promoted`;
 //!   aborting drops the *child* (`DropChild`), never the parent;
 //! * the endpoint is re-pointed to a backup only after its child was promoted (speculative) or
@@ -37,11 +42,19 @@ pub struct Monitor {
     oracle: Option<(Option<u64>, u64)>,
     /// When the failure was first noticed, for the `failover_ms` of events.
     detected_ms: Option<u64>,
+    /// Actions issued and not yet taken by [`Monitor::take_outputs`], oldest first. At most
+    /// a handful per input; the driver takes them after every input.
+    out: Vec<Action>,
+    /// The actions of the last input start here in `out` (what `check_invariants` checks).
+    last_input_out: usize,
+    /// `Durable::volume` before the last input: it may change only by a promotion.
+    volume_before: String,
 }
 
 impl Monitor {
-    /// A fresh monitor that starts the first primary on `volume`.
-    pub fn new(cfg: MonitorConfig, volume: String, now_ms: u64) -> (Monitor, Vec<Action>) {
+    /// A fresh monitor that starts the first primary on `volume` (its first actions are in
+    /// [`Monitor::take_outputs`]).
+    pub fn new(cfg: MonitorConfig, volume: String, now_ms: u64) -> Monitor {
         let first = InstanceId(1);
         let d = Durable {
             volume,
@@ -56,10 +69,12 @@ impl Monitor {
         Monitor::recover(cfg, d, now_ms)
     }
 
-    /// A monitor restarted from its persisted state: re-issues what the phase needs.
-    pub fn recover(cfg: MonitorConfig, d: Durable, now_ms: u64) -> (Monitor, Vec<Action>) {
+    /// A monitor restarted from its persisted state: re-issues what the phase needs (in
+    /// [`Monitor::take_outputs`]).
+    pub fn recover(cfg: MonitorConfig, d: Durable, now_ms: u64) -> Monitor {
         let m = Monitor {
             cfg,
+            volume_before: d.volume.clone(),
             d,
             pings_in_flight: BTreeSet::new(),
             next_ping_ms: now_ms,
@@ -68,6 +83,8 @@ impl Monitor {
             retry_at_ms: None,
             oracle: None,
             detected_ms: None,
+            out: vec![],
+            last_input_out: 0,
         };
         let mut m = m;
         // A monitor that gave up stopped its instances (the old primary fenced first):
@@ -92,13 +109,15 @@ impl Monitor {
             acts.push(Action::PointEndpoint(m.d.primary));
         }
         acts.extend(m.phase_actions());
-        (m, acts)
+        m.out = acts;
+        m.check_invariants();
+        m
     }
 
-    /// The monitor is shutting down and has stopped every instance cleanly: a primary that was
-    /// serving is to be started again (on the same volume) by the next run, rather than
-    /// taken for failed. Mid-failover phases stay as they are and resume.
-    pub fn shutdown(&mut self, now_ms: u64) {
+    /// [`Input::Shutdown`]: a primary that was serving is to be started again (on the same
+    /// volume) by the next run, rather than taken for failed. Mid-failover phases stay as they
+    /// are and resume.
+    fn on_shutdown(&mut self, now_ms: u64) {
         if self.d.phase == Phase::Normal {
             self.boot_again(now_ms);
         }
@@ -214,10 +233,14 @@ impl Monitor {
         matches!(self.d.phase, Phase::Normal | Phase::Supering { .. } | Phase::Recovering { .. } | Phase::Collapsing { .. } | Phase::Aborting { .. })
     }
 
-    pub fn handle(&mut self, now_ms: u64, input: Input) -> Vec<Action> {
+    /// Takes one input at time `now_ms`; the actions it calls for are added to
+    /// [`Monitor::take_outputs`]. Checks the invariants afterwards.
+    pub fn handle(&mut self, now_ms: u64, input: Input) {
         let mut out = vec![];
+        self.volume_before = self.d.volume.clone();
         match input {
             Input::Tick => self.on_tick(now_ms, &mut out),
+            Input::Shutdown => self.on_shutdown(now_ms),
             Input::PingOk(id) => {
                 self.pings_in_flight.remove(&id);
                 self.on_ping_ok(now_ms, id, &mut out);
@@ -292,17 +315,83 @@ impl Monitor {
                 }
             }
         }
+        self.last_input_out = self.out.len();
+        self.out.extend(out);
         self.check_invariants();
-        out
     }
 
-    /// Panics if the monitor's state breaks one of its invariants; `handle` runs it after every
-    /// input, in all builds (the state is a few fields).
+    /// The actions issued since the last call, oldest first: the driver carries them out in
+    /// this order (after persisting [`Monitor::durable`]).
+    pub fn take_outputs(&mut self) -> Vec<Action> {
+        self.last_input_out = 0;
+        std::mem::take(&mut self.out)
+    }
+
+    /// Panics if the monitor's state, or the actions of its last input, break one of its
+    /// invariants (the safety rules of the module doc among them); `handle` runs it after every
+    /// input, in all builds (the state is a few fields, the actions a handful).
     pub fn check_invariants(&self) {
-        assert!(self.d.primary.0 < self.d.next_instance, "primary id was allocated");
-        assert!(self.d.aborts_ms.len() <= self.cfg.max_aborts.max(1) as usize, "abort history is bounded");
-        if let Phase::Promoting { backup, old, .. } = &self.d.phase {
-            assert_ne!(backup, old);
+        let d = &self.d;
+        assert!(d.primary.0 < d.next_instance, "primary id was allocated");
+        assert!(d.aborts_ms.len() <= self.cfg.max_aborts.max(1) as usize, "abort history is bounded");
+        // The volume changes hands only through a collapse that answered `Promoted`: the input
+        // that changed it left the monitor promoting the child that is now the volume.
+        assert!(
+            d.volume == self.volume_before || matches!(d.phase, Phase::Promoting { .. }),
+            "volume changed from {} to {} outside a promotion (phase {:?})",
+            self.volume_before,
+            d.volume,
+            d.phase
+        );
+        let allocated = |id: &InstanceId| id.0 < d.next_instance;
+        // One superposition at a time: the phase names at most one child, of this volume.
+        let own_child = |c: &str| c.strip_prefix(&d.volume).and_then(|r| r.strip_prefix(".fo-")).and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n < d.next_child);
+        match &d.phase {
+            Phase::Booting { instance, .. } => assert_eq!(*instance, d.primary, "the booting instance is the primary"),
+            Phase::Normal | Phase::Failed { .. } => {}
+            Phase::Supering { child } => assert!(own_child(child), "super child {child} of {}", d.volume),
+            Phase::Recovering { child, backup, attempt, .. } => {
+                assert!(own_child(child), "recovering on {child}, not a child of {}", d.volume);
+                assert!(allocated(backup) && *backup != d.primary, "backup {backup} (primary {})", d.primary);
+                assert!(*attempt >= 1, "attempt {attempt}");
+            }
+            Phase::Collapsing { child, backup } => {
+                assert!(own_child(child), "collapsing {child}, not a child of {}", d.volume);
+                assert!(allocated(backup) && *backup != d.primary, "backup {backup} (primary {})", d.primary);
+            }
+            Phase::Promoting { backup, old, .. } => {
+                assert_ne!(backup, old);
+                assert_eq!(*backup, d.primary, "the promoted backup is the primary");
+            }
+            Phase::Aborting { backup, .. } => {
+                if let Some(b) = backup {
+                    assert!(allocated(b) && *b != d.primary, "aborted backup {b} (primary {})", d.primary);
+                }
+            }
+            Phase::RedsFencing { old } => assert!(allocated(old)),
+            Phase::RedsStarting { old, backup, attempt, .. } => {
+                assert!(allocated(backup) && backup != old, "REDS backup {backup} of {old}");
+                assert!(*attempt >= 1, "attempt {attempt}");
+            }
+            Phase::RedsPointing { backup } => assert!(allocated(backup) && *backup != d.primary, "REDS backup {backup}"),
+        }
+        for a in &self.out[self.last_input_out..] {
+            match a {
+                // Clients reach a new instance only once it may serve: it is the primary (a
+                // promotion made it so, or it boots), or REDS restarted it after the fence.
+                Action::PointEndpoint(id) => assert!(
+                    *id == d.primary || matches!(d.phase, Phase::RedsPointing { backup } if backup == *id),
+                    "endpoint pointed at {id}, neither the primary {} nor a fenced REDS restart ({:?})",
+                    d.primary,
+                    d.phase
+                ),
+                // The parent is never dropped nor collapsed away: only a child is.
+                Action::DropChild { parent, child } | Action::Collapse { parent, child } | Action::Super { parent, child } => {
+                    assert!(*parent == self.volume_before && *child != *parent, "{a:?} on volume {}", self.volume_before)
+                }
+                Action::StartInstance { id, .. } | Action::KillInstance(id) | Action::Ping(id) => assert!(allocated(id), "{a:?}"),
+                Action::FreezeEndpoint | Action::Notify(_) => {}
+            }
         }
     }
 
@@ -639,61 +728,117 @@ impl Monitor {
 mod tests {
     use super::*;
 
+    /// One input, and the actions it called for.
+    fn step(m: &mut Monitor, now_ms: u64, input: Input) -> Vec<Action> {
+        m.handle(now_ms, input);
+        m.take_outputs()
+    }
+
+    /// A fresh monitor and its first actions.
+    fn start(cfg: MonitorConfig, volume: String, now_ms: u64) -> (Monitor, Vec<Action>) {
+        let mut m = Monitor::new(cfg, volume, now_ms);
+        let a = m.take_outputs();
+        (m, a)
+    }
+
+    /// A monitor restarted from `d`, and the actions it re-issues.
+    fn restart(cfg: MonitorConfig, d: Durable, now_ms: u64) -> (Monitor, Vec<Action>) {
+        let mut m = Monitor::recover(cfg, d, now_ms);
+        let a = m.take_outputs();
+        (m, a)
+    }
+
     fn boot(m: &mut Monitor, now: u64) {
-        let a = m.handle(now, Input::PingOk(InstanceId(1)));
+        let a = step(m, now, Input::PingOk(InstanceId(1)));
         assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1))]);
-        m.handle(now, Input::EndpointPointed(InstanceId(1)));
+        step(m, now, Input::EndpointPointed(InstanceId(1)));
         assert_eq!(m.durable().phase, Phase::Normal);
+    }
+
+    /// Each invariant `check_invariants` states fails on a state (or an action) that breaks it,
+    /// and names what broke.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let (mut m, _) = start(MonitorConfig::default(), "db".into(), 0);
+        boot(&mut m, 0);
+        step(&mut m, 1_000, Input::PingFailed(InstanceId(1)));
+        step(&mut m, 1_010, Input::SuperDone { child: "db.fo-1".into() });
+        m.check_invariants();
+        let broken = |what: &str, f: &dyn Fn(&mut Monitor)| {
+            let mut b = m.clone();
+            f(&mut b);
+            let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.check_invariants())).expect_err(what);
+            let msg = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+            assert!(msg.contains(what), "{what:?} not in {msg:?}");
+        };
+        broken("outside a promotion", &|b| b.d.volume = "db.fo-1".into());
+        broken("not a child of db", &|b| {
+            if let Phase::Recovering { child, .. } = &mut b.d.phase {
+                *child = "other.fo-1".into();
+            }
+        });
+        broken("backup i1", &|b| {
+            if let Phase::Recovering { backup, .. } = &mut b.d.phase {
+                *backup = InstanceId(1);
+            }
+        });
+        broken("endpoint pointed at i2", &|b| b.out.push(Action::PointEndpoint(InstanceId(2))));
+        broken("on volume db", &|b| b.out.push(Action::DropChild { parent: "db".into(), child: "db".into() }));
+        broken("on volume db", &|b| b.out.push(Action::Collapse { parent: "db.fo-1".into(), child: "db.fo-2".into() }));
+        broken("StartInstance", &|b| b.out.push(Action::StartInstance { id: InstanceId(9), volume: "db".into() }));
+        broken("the promoted backup is the primary", &|b| {
+            b.d.phase = Phase::Promoting { backup: InstanceId(2), old: InstanceId(1), pointed: false, old_stopped: false }
+        });
     }
 
     #[test]
     fn a_monitor_restarted_after_giving_up_boots_on_its_volume_again() {
         let cfg = MonitorConfig { healthy_timeout_ms: 1_000, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg.clone(), "db".into(), 0);
-        let a = m.handle(2_000, Input::Tick);
+        let (mut m, _) = start(cfg.clone(), "db".into(), 0);
+        let a = step(&mut m, 2_000, Input::Tick);
         assert!(a.iter().any(|a| matches!(a, Action::Notify(Event::GaveUp { .. }))), "{a:?}");
         assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
         // Restarted: the instance it gave up on is killed again (that kill may never have
         // run), and only once it is stopped is one started on the volume.
-        let (mut m, a) = Monitor::recover(cfg.clone(), m.durable().clone(), 3_000);
+        let (mut m, a) = restart(cfg.clone(), m.durable().clone(), 3_000);
         assert_eq!(a, vec![Action::FreezeEndpoint, Action::KillInstance(InstanceId(1))]);
-        let a = m.handle(3_100, Input::InstanceStopped(InstanceId(1)));
+        let a = step(&mut m, 3_100, Input::InstanceStopped(InstanceId(1)));
         assert!(a.contains(&Action::StartInstance { id: InstanceId(2), volume: "db".into() }), "{a:?}");
         // A journal from before `last` was recorded: the instance it gave up on is unknown and
         // may still run, so nothing is started.
         let mut d = m.durable().clone();
         d.phase = serde_json::from_str(r#"{"Failed":{"reason":"old"}}"#).unwrap();
-        let (m, a) = Monitor::recover(cfg, d, 4_000);
+        let (m, a) = restart(cfg, d, 4_000);
         assert!(!a.iter().any(|a| matches!(a, Action::StartInstance { .. })), "{a:?}");
         assert!(matches!(m.durable().phase, Phase::Failed { last: None, .. }), "{:?}", m.durable().phase);
     }
 
     #[test]
     fn restart_mid_failover_keeps_the_detection_time_and_promotes_once() {
-        let (mut m, _) = Monitor::new(MonitorConfig::default(), "db".into(), 0);
+        let (mut m, _) = start(MonitorConfig::default(), "db".into(), 0);
         boot(&mut m, 100);
-        let a = m.handle(1_000, Input::PingFailed(InstanceId(1)));
+        let a = step(&mut m, 1_000, Input::PingFailed(InstanceId(1)));
         assert!(a.contains(&Action::Super { parent: "db".into(), child: "db.fo-1".into() }), "{a:?}");
-        m.handle(1_010, Input::SuperDone { child: "db.fo-1".into() });
+        step(&mut m, 1_010, Input::SuperDone { child: "db.fo-1".into() });
         // Crash: recover from the durable state only.
         let d = m.durable().clone();
         assert_eq!(d.silent_since_ms, Some(1_000));
-        let (mut m, a) = Monitor::recover(MonitorConfig::default(), d, 2_000);
+        let (mut m, a) = restart(MonitorConfig::default(), d, 2_000);
         // The endpoint (lost with the monitor) points at the primary again while it may serve.
         assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1)), Action::StartInstance { id: InstanceId(2), volume: "db.fo-1".into() }]);
-        m.handle(2_100, Input::PingFailed(InstanceId(1)));
-        let a = m.handle(3_000, Input::PingOk(InstanceId(2)));
+        step(&mut m, 2_100, Input::PingFailed(InstanceId(1)));
+        let a = step(&mut m, 3_000, Input::PingOk(InstanceId(2)));
         assert!(a.contains(&Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }), "{a:?}");
         // Crash again before the answer: the collapse is asked again (idempotent in drivers).
-        let (mut m, a) = Monitor::recover(MonitorConfig::default(), m.durable().clone(), 3_100);
+        let (mut m, a) = restart(MonitorConfig::default(), m.durable().clone(), 3_100);
         // Frozen first: no client reaches the old primary between the collapse and the re-point.
         assert_eq!(a, vec![Action::FreezeEndpoint, Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }]);
-        let a = m.handle(3_200, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
+        let a = step(&mut m, 3_200, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
         assert_eq!(a, vec![Action::PointEndpoint(InstanceId(2)), Action::KillInstance(InstanceId(1))]);
         // A late duplicate answer changes nothing.
-        assert!(m.handle(3_250, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted }).is_empty());
-        m.handle(3_300, Input::EndpointPointed(InstanceId(2)));
-        let a = m.handle(3_400, Input::InstanceStopped(InstanceId(1)));
+        assert!(step(&mut m, 3_250, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted }).is_empty());
+        step(&mut m, 3_300, Input::EndpointPointed(InstanceId(2)));
+        let a = step(&mut m, 3_400, Input::InstanceStopped(InstanceId(1)));
         assert_eq!(
             a,
             vec![Action::Notify(Event::Promoted { instance: InstanceId(2), volume: "db.fo-1".into(), failover_ms: 2_400 })]
@@ -712,26 +857,26 @@ mod tests {
     #[test]
     fn primaries_that_answered_again_do_not_switch_speculation_off() {
         let cfg = MonitorConfig { max_aborts: 3, reds_timeout_ms: 600_000, abort_window_ms: 600_000, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        let (mut m, _) = start(cfg, "db".into(), 0);
         boot(&mut m, 0);
         let mut t = 1_000;
         for n in 1..=5u64 {
             let child = format!("db.fo-{n}");
             let backup = InstanceId(n + 1);
-            let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+            let a = step(&mut m, t, Input::PingFailed(InstanceId(1)));
             assert!(a.contains(&Action::Super { parent: "db".into(), child: child.clone() }), "suspicion {n}: {a:?}");
-            m.handle(t + 10, Input::SuperDone { child: child.clone() });
+            step(&mut m, t + 10, Input::SuperDone { child: child.clone() });
             // The primary answers again while the backup recovers: abort.
-            let a = m.handle(t + 500, Input::PingOk(InstanceId(1)));
+            let a = step(&mut m, t + 500, Input::PingOk(InstanceId(1)));
             assert!(a.contains(&Action::KillInstance(backup)), "{a:?}");
-            m.handle(t + 510, Input::InstanceStopped(backup));
-            let a = m.handle(t + 520, Input::ChildDropped { child: child.clone() });
+            step(&mut m, t + 510, Input::InstanceStopped(backup));
+            let a = step(&mut m, t + 520, Input::ChildDropped { child: child.clone() });
             assert!(matches!(&a[..], [Action::Notify(Event::Aborted { .. })]), "{a:?}");
             t += 10_000;
         }
         assert!(m.durable().aborts_ms.is_empty(), "{:?}", m.durable().aborts_ms);
         // Now it crashes: speculation, at the first missed ping.
-        let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+        let a = step(&mut m, t, Input::PingFailed(InstanceId(1)));
         assert!(a.contains(&Action::Super { parent: "db".into(), child: "db.fo-6".into() }), "{a:?}");
     }
 
@@ -740,24 +885,24 @@ mod tests {
     #[test]
     fn a_failover_clears_the_abort_history() {
         let cfg = MonitorConfig { max_aborts: 2, reds_timeout_ms: 5_000, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        let (mut m, _) = start(cfg, "db".into(), 0);
         boot(&mut m, 0);
         let child = "db.fo-1".to_string();
-        m.handle(1_000, Input::PingFailed(InstanceId(1)));
-        m.handle(1_010, Input::SuperDone { child: child.clone() });
-        m.handle(1_020, Input::PingOk(InstanceId(2)));
-        m.handle(1_030, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
-        m.handle(1_040, Input::InstanceStopped(InstanceId(2)));
+        step(&mut m, 1_000, Input::PingFailed(InstanceId(1)));
+        step(&mut m, 1_010, Input::SuperDone { child: child.clone() });
+        step(&mut m, 1_020, Input::PingOk(InstanceId(2)));
+        step(&mut m, 1_030, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
+        step(&mut m, 1_040, Input::InstanceStopped(InstanceId(2)));
         assert_eq!(m.durable().aborts_ms.len(), 1);
         // The primary answers, then a REDS-style failover happens another way: here a second
         // speculation that promotes.
-        m.handle(2_000, Input::PingOk(InstanceId(1)));
-        m.handle(3_000, Input::PingFailed(InstanceId(1)));
-        m.handle(3_010, Input::SuperDone { child: "db.fo-2".into() });
-        m.handle(3_020, Input::PingOk(InstanceId(3)));
-        m.handle(3_030, Input::CollapseDone { child: "db.fo-2".into(), outcome: CollapseOutcome::Promoted });
-        m.handle(3_040, Input::EndpointPointed(InstanceId(3)));
-        let a = m.handle(3_050, Input::InstanceStopped(InstanceId(1)));
+        step(&mut m, 2_000, Input::PingOk(InstanceId(1)));
+        step(&mut m, 3_000, Input::PingFailed(InstanceId(1)));
+        step(&mut m, 3_010, Input::SuperDone { child: "db.fo-2".into() });
+        step(&mut m, 3_020, Input::PingOk(InstanceId(3)));
+        step(&mut m, 3_030, Input::CollapseDone { child: "db.fo-2".into(), outcome: CollapseOutcome::Promoted });
+        step(&mut m, 3_040, Input::EndpointPointed(InstanceId(3)));
+        let a = step(&mut m, 3_050, Input::InstanceStopped(InstanceId(1)));
         assert!(matches!(&a[..], [Action::Notify(Event::Promoted { .. })]), "{a:?}");
         assert!(m.durable().aborts_ms.is_empty());
     }
@@ -768,17 +913,17 @@ mod tests {
     #[test]
     fn reds_freezes_the_endpoint_from_the_fence_to_the_re_point() {
         let cfg = MonitorConfig { policy: PolicyKind::Reds, reds_timeout_ms: 1_000, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        let (mut m, _) = start(cfg, "db".into(), 0);
         boot(&mut m, 0);
-        m.handle(1_000, Input::PingFailed(InstanceId(1)));
-        let a = m.handle(2_100, Input::Tick);
+        step(&mut m, 1_000, Input::PingFailed(InstanceId(1)));
+        let a = step(&mut m, 2_100, Input::Tick);
         let freeze = a.iter().position(|x| *x == Action::FreezeEndpoint).expect("frozen");
         let kill = a.iter().position(|x| *x == Action::KillInstance(InstanceId(1))).expect("fenced");
         assert!(freeze < kill, "{a:?}");
-        let a = m.handle(2_200, Input::InstanceStopped(InstanceId(1)));
+        let a = step(&mut m, 2_200, Input::InstanceStopped(InstanceId(1)));
         assert!(a.contains(&Action::StartInstance { id: InstanceId(2), volume: "db".into() }), "{a:?}");
         assert!(!a.iter().any(|x| matches!(x, Action::PointEndpoint(_))), "{a:?}");
-        let a = m.handle(3_000, Input::PingOk(InstanceId(2)));
+        let a = step(&mut m, 3_000, Input::PingOk(InstanceId(2)));
         assert!(a.contains(&Action::PointEndpoint(InstanceId(2))), "{a:?}");
     }
 
@@ -788,26 +933,26 @@ mod tests {
     #[test]
     fn a_failed_kill_is_retried_and_the_promotion_waits_for_it() {
         let cfg = MonitorConfig { retry_backoff_ms: 500, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        let (mut m, _) = start(cfg, "db".into(), 0);
         boot(&mut m, 0);
         assert!(m.settled());
-        m.handle(1_000, Input::PingFailed(InstanceId(1)));
+        step(&mut m, 1_000, Input::PingFailed(InstanceId(1)));
         assert!(!m.settled());
-        m.handle(1_010, Input::SuperDone { child: "db.fo-1".into() });
-        m.handle(1_020, Input::PingOk(InstanceId(2)));
-        let a = m.handle(1_030, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
+        step(&mut m, 1_010, Input::SuperDone { child: "db.fo-1".into() });
+        step(&mut m, 1_020, Input::PingOk(InstanceId(2)));
+        let a = step(&mut m, 1_030, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
         assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
-        m.handle(1_040, Input::EndpointPointed(InstanceId(2)));
-        let a = m.handle(1_050, Input::KillFailed { id: InstanceId(1), error: "still alive".into() });
+        step(&mut m, 1_040, Input::EndpointPointed(InstanceId(2)));
+        let a = step(&mut m, 1_050, Input::KillFailed { id: InstanceId(1), error: "still alive".into() });
         assert!(a.is_empty(), "{a:?}");
         assert!(!m.settled(), "a fence still to do");
         // Not before the backoff.
-        let a = m.handle(1_300, Input::Tick);
+        let a = step(&mut m, 1_300, Input::Tick);
         assert!(!a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
-        let a = m.handle(1_600, Input::Tick);
+        let a = step(&mut m, 1_600, Input::Tick);
         assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
         assert!(!matches!(m.durable().phase, Phase::Normal));
-        let a = m.handle(1_700, Input::InstanceStopped(InstanceId(1)));
+        let a = step(&mut m, 1_700, Input::InstanceStopped(InstanceId(1)));
         assert!(matches!(&a[..], [Action::Notify(Event::Promoted { .. })]), "{a:?}");
         assert!(m.settled());
     }
@@ -815,30 +960,30 @@ mod tests {
     #[test]
     fn rejected_collapse_keeps_the_parent_and_falls_back_to_reds() {
         let cfg = MonitorConfig { max_aborts: 2, reds_timeout_ms: 10_000, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        let (mut m, _) = start(cfg, "db".into(), 0);
         boot(&mut m, 0);
         let mut t = 1_000;
         for n in 1..=2u64 {
             let child = format!("db.fo-{n}");
             let backup = InstanceId(n + 1);
-            let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+            let a = step(&mut m, t, Input::PingFailed(InstanceId(1)));
             assert!(a.contains(&Action::Super { parent: "db".into(), child: child.clone() }), "{a:?}");
-            m.handle(t + 10, Input::SuperDone { child: child.clone() });
-            m.handle(t + 20, Input::PingOk(backup));
-            let a = m.handle(t + 30, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
+            step(&mut m, t + 10, Input::SuperDone { child: child.clone() });
+            step(&mut m, t + 20, Input::PingOk(backup));
+            let a = step(&mut m, t + 30, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
             // The endpoint thaws back to the primary; the rejected child is gone already: no drop.
             assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1)), Action::KillInstance(backup)]);
-            let a = m.handle(t + 40, Input::InstanceStopped(backup));
+            let a = step(&mut m, t + 40, Input::InstanceStopped(backup));
             assert!(matches!(&a[..], [Action::Notify(Event::Aborted { .. })]), "{a:?}");
             assert_eq!(m.durable().volume, "db");
             t += 1_000;
         }
         // Two aborts: no more speculation; the REDS timeout (from the first silence) decides.
-        let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+        let a = step(&mut m, t, Input::PingFailed(InstanceId(1)));
         assert!(!a.iter().any(|a| matches!(a, Action::Super { .. })), "{a:?}");
-        let a = m.handle(11_000, Input::Tick);
+        let a = step(&mut m, 11_000, Input::Tick);
         assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
-        let a = m.handle(11_100, Input::InstanceStopped(InstanceId(1)));
+        let a = step(&mut m, 11_100, Input::InstanceStopped(InstanceId(1)));
         assert!(a.contains(&Action::StartInstance { id: InstanceId(4), volume: "db".into() }), "{a:?}");
     }
 }

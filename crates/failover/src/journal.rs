@@ -71,7 +71,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let j = FileJournal::new(&dir.path().join("monitor.json"));
         assert!(j.load().unwrap().is_none());
-        let (m, _) = Monitor::new(MonitorConfig::default(), "db".into(), 0);
+        let m = Monitor::new(MonitorConfig::default(), "db".into(), 0);
         let r = Record { config: m.config().clone(), state: m.durable().clone() };
         j.save(&r).unwrap();
         assert_eq!(j.load().unwrap(), Some(r));

@@ -181,6 +181,8 @@ pub struct Durable {
 pub enum Input {
     /// Timer; the driver calls it at least every `ping_interval_ms`.
     Tick,
+    /// The driver is shutting down and has stopped every instance cleanly.
+    Shutdown,
     PingOk(InstanceId),
     PingFailed(InstanceId),
     InstanceStarted(InstanceId),

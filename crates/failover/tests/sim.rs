@@ -145,10 +145,11 @@ impl World {
     fn step(&mut self, input: Option<Input>) {
         let Some(m) = self.monitor.as_mut() else { return };
         let now = self.q.now() / MS;
-        let actions = match input {
-            Some(i) => m.handle(now, i),
-            None => m.handle(now, Input::Tick),
-        };
+        m.handle(now, input.unwrap_or(Input::Tick));
+        // (`handle` checked the invariants already; a simulation step checks them, whatever
+        // a build's `handle` does.)
+        m.check_invariants();
+        let actions = m.take_outputs();
         self.persisted = Some(m.durable().clone());
         self.run_actions(actions);
     }
@@ -500,7 +501,8 @@ impl World {
             Ev::MonitorRestart => {
                 let d = self.persisted.clone().expect("persisted before any action");
                 self.log(|| format!("monitor restarts in {:?}", d.phase));
-                let (m, acts) = Monitor::recover(self.cfg.clone(), d, self.now_ms());
+                let mut m = Monitor::recover(self.cfg.clone(), d, self.now_ms());
+                let acts = m.take_outputs();
                 self.monitor = Some(m);
                 let inc = self.inc;
                 self.push(0, Ev::Tick { inc });
@@ -574,7 +576,8 @@ fn run(seed: u64, trace: bool) -> Outcome {
     };
     w.log(|| format!("seed {seed}: {policy:?} {fault:?} never_healthy={never_healthy} backup_crash_p={backup_crash_p} crash_p={crash_p} recovery_ms={recovery_ms:?} timeout={}", cfg.reds_timeout_ms));
     w.vols.insert("db".into(), Vol { writes: BTreeSet::new(), parent: None, child: None, dirty: false, fenced: false });
-    let (m, acts) = Monitor::new(cfg.clone(), "db".into(), 0);
+    let mut m = Monitor::new(cfg.clone(), "db".into(), 0);
+    let acts = m.take_outputs();
     w.persisted = Some(m.durable().clone());
     w.monitor = Some(m);
     w.run_actions(acts);

@@ -345,7 +345,7 @@ pub async fn run(
     let Parts { cluster, pool, mut inputs, inputs_tx, endpoint, mut control } = parts;
     let journal = FileJournal::new(&spec.state_dir.join("monitor.json"));
     let now = now_unix_ms();
-    let (mut m, first) = match journal.load()? {
+    let mut m = match journal.load()? {
         Some(rec) => {
             if rec.config != spec.monitor {
                 tracing::warn!("the spec's monitor settings differ from the journal's; using the spec's");
@@ -355,6 +355,7 @@ pub async fn run(
         }
         None => Monitor::new(spec.monitor.clone(), spec.volume.clone(), now),
     };
+    let first = m.take_outputs();
     let mut saved = m.durable().clone();
     journal.save(&Record { config: spec.monitor.clone(), state: saved.clone() })?;
 
@@ -510,7 +511,8 @@ pub async fn run(
         if !matches!(input, Input::Tick) {
             tracing::debug!(?input, "input");
         }
-        let actions = m.handle(now_unix_ms(), input);
+        m.handle(now_unix_ms(), input);
+        let actions = m.take_outputs();
         if *m.durable() != saved {
             saved = m.durable().clone();
             journal.save(&Record { config: spec.monitor.clone(), state: saved.clone() })?;
@@ -536,7 +538,8 @@ pub async fn run(
         }
     }
     pool.stop_all().await;
-    m.shutdown(now_unix_ms());
+    // (Shutting down issues no action: the instances are stopped already.)
+    m.handle(now_unix_ms(), Input::Shutdown);
     journal.save(&Record { config: spec.monitor.clone(), state: m.durable().clone() })?;
     Ok(m.durable().clone())
 }
