@@ -22,7 +22,9 @@
 //! * [`endpoint`]: the TCP proxy clients use (the "elastic IP" of §4.3), re-pointable, severing
 //!   every connection to the old primary.
 //! * [`driver`]: the tokio runtime driver that runs the core against the real pool, endpoint and
-//!   volume service.
+//!   volume service; its control port injects faults.
+//! * [`health`]: the health probes the monitor's pings run (a command, a PostgreSQL or MySQL
+//!   query, a line over TCP).
 //! * [`load`]: the load generator (SQLite front or PostgreSQL): records every acknowledged
 //!   commit and the client-side throughput timeline, then checks the table.
 //! * [`pg`], [`mysql`]: tiny PostgreSQL and MySQL/MariaDB protocol clients (no password, text
@@ -31,6 +33,7 @@
 pub mod core;
 pub mod driver;
 pub mod endpoint;
+pub mod health;
 pub mod journal;
 pub mod load;
 pub mod mysql;

@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use ::failover::driver::{health_check, Volumes};
+use ::failover::driver::Volumes;
+use ::failover::health::health_check;
 use ::failover::pg::PgConn;
 use ::failover::pool::{InstancePool, LocalPool, LocalPoolConfig};
 use ::failover::spec::{AppSpec, HealthSpec, PgTarget};

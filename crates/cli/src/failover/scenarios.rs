@@ -1303,7 +1303,7 @@ impl GeneralTwin {
             let r = async {
                 let addr = pool.start(id, &child).await.with_context(|| format!("starting an instance on {child}"))?;
                 loop {
-                    if ::failover::driver::health_check(health, addr, id).await {
+                    if ::failover::health::health_check(health, addr, id).await {
                         return anyhow::Ok(t0.elapsed().as_secs_f64() * 1000.0);
                     }
                     anyhow::ensure!(pool.pids(id).is_some_and(|(app, _)| ::failover::pool::pid_alive(app)), "the instance on {child} exited before it was healthy");
