@@ -1,30 +1,31 @@
-//! The instance pool (§4.1): where application instances run.
-//!
-//! [`InstancePool`] is what the monitor's driver needs from any pool (local processes today;
-//! containers or Kubernetes pods can implement it later). [`LocalPool`] runs each instance as its
-//! own process group, like a small host: the `understudy volume attach --foreground` helper that
-//! serves the instance's volume as ext4 at its own mount point, and the application itself. Each
-//! instance is reached through its own network link, which a fault can cut: with network
-//! namespaces ([`crate::netns`]) the application runs in its own namespace behind a veth pair
-//! and a cut takes the link down (the volume, served from the host, stays attached); without,
-//! the link is a [`Proxy`] the pool owns and a cut points it nowhere. The application runs as a
-//! unit that dies whole ([`crate::pool::unit`]: its own cgroup, or its process tree without cgroup2),
+//! [`LocalPool`]: the instance pool of local processes. Each instance runs as its own process
+//! group, like a small host: the `understudy volume attach --foreground` helper that serves the
+//! instance's volume as ext4 at its own mount point, and the application itself. Each instance
+//! is reached through its own network link, which a fault can cut: with network namespaces
+//! ([`crate::netns`]) the application runs in its own namespace behind a veth pair and a cut
+//! takes the link down (the volume, served from the host, stays attached); without, the link is
+//! a [`Proxy`] the pool owns and a cut points it nowhere. The application runs as a unit that
+//! dies whole ([`crate::pool::unit`]: its own cgroup, or its process tree without cgroup2),
 //! since a process group is not one (PostgreSQL starts every backend in a session of its own).
 //! An instance can be paused (its application's group frozen, the helper SIGSTOPped) or killed
 //! (its disk fenced, every process of its application SIGKILLed, with no flush: dirty pages
 //! never reach the volume).
+//!
+//! Starting an instance is in [`start`]; adopting or reaping what a previous run of the monitor
+//! left, in [`adopt`]; stopping, killing and the instance table, here.
+
+mod adopt;
+mod start;
 
 use std::collections::{HashMap, HashSet};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::os::fd::AsRawFd;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, ChildStdout, Command};
+use tokio::process::{ChildStdout, Command};
 use tokio::sync::mpsc;
 
 use crate::proto::{now_unix_ms, InstanceId, Input};
@@ -33,36 +34,9 @@ use crate::netns::{self, NetnsLink};
 use crate::pool::process::{self, pid_alive, start_time};
 use crate::pool::teardown;
 use crate::pool::unit::{self, Containment};
-use crate::spec::{substitute, AppSpec};
+use crate::spec::AppSpec;
 
-#[derive(Debug, thiserror::Error)]
-pub enum PoolError {
-    #[error("instance {0} was killed; ids are never reused")]
-    Killed(InstanceId),
-    #[error("no instance {0}")]
-    Unknown(InstanceId),
-    #[error("attaching volume {volume} for instance {id} failed: {msg}")]
-    Attach { id: InstanceId, volume: String, msg: String },
-    #[error("starting the application of instance {id} failed: {msg}")]
-    App { id: InstanceId, msg: String },
-    #[error("instance {id}: {msg}")]
-    Io { id: InstanceId, msg: String },
-}
-
-/// What the monitor's driver needs from a pool. Every operation is idempotent.
-pub trait InstancePool: Send + Sync + 'static {
-    /// Starts instance `id` on `volume` (or reports the running one); returns its address.
-    fn start(&self, id: InstanceId, volume: &str) -> impl std::future::Future<Output = Result<SocketAddr, PoolError>> + Send;
-    /// Kills the whole instance at once and detaches its volume (fencing). Final for `id`.
-    fn kill(&self, id: InstanceId) -> impl std::future::Future<Output = Result<(), PoolError>> + Send;
-    /// Stops the application cleanly (SIGTERM, wait), then detaches the volume (unmount).
-    fn stop(&self, id: InstanceId) -> impl std::future::Future<Output = Result<(), PoolError>> + Send;
-    /// SIGSTOP / SIGCONT of the whole instance.
-    fn pause(&self, id: InstanceId, paused: bool) -> Result<(), PoolError>;
-    /// Cuts (or restores) the instance's network link: connections severed, new ones refused.
-    fn cut(&self, id: InstanceId, cut: bool) -> Result<(), PoolError>;
-    fn address(&self, id: InstanceId) -> Option<SocketAddr>;
-}
+use super::{InstancePool, PoolError, StartTiming};
 
 #[derive(Clone, Debug)]
 pub struct LocalPoolConfig {
@@ -154,26 +128,6 @@ impl Link {
     }
 }
 
-/// Where an instance's start went (wall clock, ms since the Unix epoch): the bench breaks a
-/// recovery down with it.
-#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, Default, PartialEq)]
-pub struct StartTiming {
-    /// `start` called (the attach helper is spawned right after).
-    pub requested_unix_ms: u64,
-    /// The helper reported the file system mounted.
-    pub attached_unix_ms: u64,
-    /// The application's process spawned.
-    pub spawned_unix_ms: u64,
-    /// The helper's own steps, in ms: volume open, FUSE mount, losetup, (mkfs,) mount.
-    pub attach_steps_ms: Vec<(String, f64)>,
-}
-
-/// The `[open=1.2 fuse=0.4 … ms]` suffix of the attach helper's ready line.
-fn parse_attach_steps(line: &str) -> Vec<(String, f64)> {
-    let Some(inner) = line.trim_end().rsplit_once('[').and_then(|(_, r)| r.strip_suffix("ms]")) else { return vec![] };
-    inner.split_whitespace().filter_map(|kv| kv.split_once('=')).filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?))).collect()
-}
-
 struct Inst {
     /// The application's cgroup (see [`crate::pool::unit`]); `None` without cgroup2.
     cgroup: Option<PathBuf>,
@@ -190,9 +144,6 @@ struct Inst {
     expected_exit: Arc<AtomicBool>,
     _attach_stdout: Option<ChildStdout>,
 }
-
-/// Making (or taking the spare) namespace of a start, beside its attach.
-type NsTask = tokio::task::JoinHandle<Result<(netns::Lock, NetnsLink, std::os::fd::OwnedFd), netns::NetnsError>>;
 
 /// The namespace made ahead for the instance that would start next (being made: `None`).
 type Spare = Option<(InstanceId, Option<NetnsLink>)>;
@@ -225,63 +176,8 @@ fn signal_pid(pid: u32, sig: libc::c_int) {
     process::signal(pid as libc::pid_t, sig)
 }
 
-/// The source (device) of the file system mounted at `dir`, if `dir` is a mount point.
-fn mount_source(dir: &Path) -> Option<String> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    // Canonical like the kernel's (the parent only: a dead FUSE mount must not be stat'ed).
-    let dir = match (dir.parent().and_then(|p| p.canonicalize().ok()), dir.file_name()) {
-        (Some(p), Some(n)) => p.join(n),
-        _ => dir.to_path_buf(),
-    };
-    let d = dir.to_string_lossy();
-    // Fields: id parent major:minor root mount-point options ... - fstype source super-options.
-    text.lines().rev().find(|l| l.split(' ').nth(4) == Some(d.as_ref())).and_then(|l| l.split(" - ").nth(1)?.split(' ').nth(1).map(str::to_string))
-}
-
-/// Live `volume attach` helpers whose `--mount` is `mount`.
-fn helpers_of(mount: &Path) -> Vec<u32> {
-    let want = mount.as_os_str().as_encoded_bytes();
-    let mut v = vec![];
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-        let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
-        let is_helper = args.contains(&&b"attach"[..]) && args.windows(2).any(|w| w[0] == b"--mount" && w[1] == want);
-        if is_helper && pid_alive(pid) {
-            v.push(pid);
-        }
-    }
-    v
-}
-
-/// Runs a clean-up command with a deadline ([`teardown::run_bounded`]); a failure (a wedged
-/// `losetup` or `umount` included) is logged and the caller goes on with the next step.
-async fn run_logged(prog: &str, args: &[&std::ffi::OsStr]) {
-    let (prog, args): (String, Vec<String>) = (prog.to_string(), args.iter().map(|a| a.to_string_lossy().into_owned()).collect());
-    let r = tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        teardown::run_bounded(&prog, &args, teardown::COMMAND_TIMEOUT)
-    })
-    .await;
-    match r {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => tracing::warn!("{e}"),
-        Err(e) => tracing::warn!("clean-up command panicked: {e}"),
-    }
-}
-
 /// Deadline of `understudy volume detach` (the helper's own detach waits up to 120 s).
 const DETACH_TIMEOUT: Duration = Duration::from_secs(150);
-
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn tail(path: &Path, lines: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join(" | ")
-}
 
 impl LocalPool {
     pub fn new(cfg: LocalPoolConfig, events: mpsc::Sender<Input>) -> std::io::Result<LocalPool> {
@@ -418,91 +314,6 @@ impl LocalPool {
         }
     }
 
-    /// Adopts the instances a previous run of the monitor left running (same processes, same
-    /// start times); returns their ids. Call once, before the monitor starts.
-    pub async fn adopt(&self) -> Vec<InstanceId> {
-        let Ok(bytes) = std::fs::read(self.saved_path()) else { return vec![] };
-        let Ok(saved) = serde_json::from_slice::<SavedPool>(&bytes) else {
-            tracing::warn!("ignoring unreadable {}", self.saved_path().display());
-            return vec![];
-        };
-        self.killed.lock().unwrap().extend(saved.killed.iter().copied());
-        for s in &saved.starting {
-            tracing::info!(id = %s.id, attach_pid = s.attach_pid, "reaping a start the previous run left half-way");
-            self.reap(s).await;
-        }
-        let mut adopted = vec![];
-        for s in saved.instances {
-            let alive = start_time(s.app_pid) == Some(s.app_start) && start_time(s.attach_pid) == Some(s.attach_start);
-            if !alive {
-                // One may be gone and the other not (an app that crashed beside a live helper
-                // holding the mount): nothing of it may stay.
-                tracing::info!(id = %s.id, "instance of the previous run is gone; reaping what is left of it");
-                self.reap(&s).await;
-                continue;
-            }
-            let link = match &s.netns {
-                Some(l) => Link::Netns { link: l.clone(), addr: (l.ns_addr, s.app_port).into() },
-                None => {
-                    let app_addr: SocketAddr = ([127, 0, 0, 1], s.app_port).into();
-                    let Ok(proxy) = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await else { continue };
-                    Link::Proxy { proxy, app_addr }
-                }
-            };
-            let expected_exit = Arc::new(AtomicBool::new(false));
-            // Not our children any more: watch them by pid.
-            let (events, flag, id, pids) = (self.events.clone(), expected_exit.clone(), s.id, [s.app_pid, s.attach_pid]);
-            tokio::spawn(async move {
-                while pids.iter().all(|p| pid_alive(*p)) {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                if !flag.load(Ordering::SeqCst) {
-                    let _ = events.send(Input::InstanceExited(id)).await;
-                }
-            });
-            tracing::info!(id = %s.id, addr = %link.address(), "adopted a running instance");
-            adopted.push(s.id);
-            self.insts.lock().unwrap().insert(
-                s.id,
-                Inst {
-                    cgroup: self.group_dir(s.id).filter(|d| d.exists()),
-                    timing: StartTiming::default(),
-                    pgid: s.pgid,
-                    app_pid: s.app_pid,
-                    app_pgid: if s.app_pgid != 0 { s.app_pgid } else { s.pgid },
-                    attach_pid: s.attach_pid,
-                    link,
-                    mount: s.mount.clone(),
-                    expected_exit,
-                    _attach_stdout: None,
-                    saved: s,
-                },
-            );
-        }
-        // A helper this run has no record of (the previous one crashed between spawning it
-        // and recording it): found by its `--mount` argument, reaped like the others.
-        let ours: HashSet<PathBuf> = self.insts.lock().unwrap().values().map(|i| i.mount.clone()).collect();
-        for d in std::fs::read_dir(self.cfg.state_dir.join("mnt")).into_iter().flatten().flatten() {
-            let mount = d.path();
-            if ours.contains(&mount) {
-                continue;
-            }
-            for pid in helpers_of(&mount) {
-                tracing::info!(mount = %mount.display(), pid, "reaping an attach helper the previous run left unrecorded");
-                // Its application (found by the mount it runs in) first, then the stack.
-                for app in procs_in(&mount) {
-                    signal_pid(app, libc::SIGKILL);
-                }
-                if let Err(e) = take_down(pid, true, &mount).await {
-                    tracing::error!(pid, "reaping an unrecorded attach helper: {e}");
-                }
-            }
-            self.unmount_all(&mount).await;
-        }
-        self.save();
-        adopted
-    }
-
     pub fn mount_dir(&self, id: InstanceId) -> PathBuf {
         self.cfg.state_dir.join("mnt").join(id.to_string())
     }
@@ -557,261 +368,6 @@ impl LocalPool {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         true
-    }
-
-    async fn start_inner(&self, id: InstanceId, volume: &str) -> Result<SocketAddr, PoolError> {
-        let requested_unix_ms = now_unix_ms();
-        let mount = self.mount_dir(id);
-        std::fs::create_dir_all(&mount).map_err(|e| PoolError::Io { id, msg: format!("cannot create {}: {e}", mount.display()) })?;
-        let attach_log = self.cfg.state_dir.join("logs").join(format!("{id}.attach.log"));
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&attach_log)
-            .map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
-        let inst = id.to_string();
-        // The namespace is made (or the spare taken) while the volume attaches, not after.
-        // Its lock is held from then until the application is in it, so a concurrent sweep
-        // never takes it for stale.
-        let ns_task = self.cfg.netns.then(|| {
-            let spare = self.spare.clone();
-            let name = netns::name_for(&self.tag, &inst);
-            tokio::task::spawn_blocking(move || -> Result<(netns::Lock, NetnsLink, std::os::fd::OwnedFd), netns::NetnsError> {
-                let l = netns::lock()?;
-                let taken = {
-                    let mut g = spare.lock().unwrap();
-                    match g.take() {
-                        Some((s, link)) if s == id => link, // a spare still being made is cancelled
-                        other => {
-                            *g = other;
-                            None
-                        }
-                    }
-                };
-                let link = match taken {
-                    Some(link) if Path::new("/run/netns").join(&link.name).exists() => link,
-                    _ => netns::create(&name, &l)?,
-                };
-                match netns::open(&link.name) {
-                    Ok(fd) => Ok((l, link, fd)),
-                    Err(e) => {
-                        let _ = netns::delete(&link.name);
-                        Err(e)
-                    }
-                }
-            })
-        });
-        let mut cmd = Command::new(&self.cfg.exe);
-        cmd.arg("volume").args(&self.cfg.conn_args).args(["attach", volume, "--mount"]).arg(&mount).arg("--foreground");
-        if self.cfg.mkfs_first && id == InstanceId(1) {
-            cmd.arg("--mkfs");
-        }
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log)).process_group(0).kill_on_drop(false);
-        let attach: Child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                if let Some(t) = ns_task {
-                    if let Ok(Ok((_l, link, _fd))) = t.await {
-                        let _ = netns::delete(&link.name);
-                    }
-                }
-                return Err(PoolError::Attach { id, volume: volume.into(), msg: format!("cannot run {}: {e}", self.cfg.exe.display()) });
-            }
-        };
-        let attach_pid = attach.id().unwrap_or(0);
-        let pgid = attach_pid as i32;
-        // Durable before we wait for it: a crash of this monitor from here on leaves a record
-        // the next run reaps (see `adopt`).
-        self.starting.lock().unwrap().insert(
-            id,
-            SavedInst {
-                id,
-                pgid,
-                app_pid: 0,
-                app_start: 0,
-                attach_pid,
-                attach_start: start_time(attach_pid).unwrap_or(0),
-                app_port: 0,
-                mount: mount.clone(),
-                app_pgid: 0,
-                netns: None,
-            },
-        );
-        self.save();
-        let r = self.start_attached(id, volume, attach, mount, pgid, attach_log, ns_task, requested_unix_ms).await;
-        self.starting.lock().unwrap().remove(&id);
-        self.save();
-        r
-    }
-
-    /// The rest of a start once the attach helper runs: wait for its mount, then the
-    /// application. Every error path takes down what was made.
-    #[allow(clippy::too_many_arguments)]
-    async fn start_attached(
-        &self,
-        id: InstanceId,
-        volume: &str,
-        mut attach: Child,
-        mount: PathBuf,
-        pgid: i32,
-        attach_log: PathBuf,
-        ns_task: Option<NsTask>,
-        requested_unix_ms: u64,
-    ) -> Result<SocketAddr, PoolError> {
-        let attach_pid = pgid as u32;
-        let inst = id.to_string();
-        let mut stdout = BufReader::new(attach.stdout.take().expect("piped"));
-        let mut line = String::new();
-        let ready = tokio::time::timeout(self.cfg.attach_timeout, stdout.read_line(&mut line)).await;
-        if !matches!(ready, Ok(Ok(n)) if n > 0 && line.starts_with("attached")) {
-            if let Some(t) = ns_task {
-                if let Ok(Ok((_l, link, _fd))) = t.await {
-                    let _ = netns::delete(&link.name);
-                }
-            }
-            self.abandon(pgid, &mut attach, &mount).await;
-            let why = match ready {
-                Err(_) => format!("not attached within {:?}", self.cfg.attach_timeout),
-                _ => tail(&attach_log, 3),
-            };
-            return Err(PoolError::Attach { id, volume: volume.into(), msg: why });
-        }
-        let attached_unix_ms = now_unix_ms();
-        let attach_steps_ms = parse_attach_steps(&line);
-        // The application, in the same process group (and its own network namespace).
-        let port = free_port().map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
-        let (ns_lock, ns) = match ns_task {
-            Some(t) => match t.await.map_err(|e| netns::NetnsError(format!("making the namespace: {e}"))).and_then(|r| r) {
-                Ok((l, link, fd)) => (Some(l), Some((link, fd))),
-                Err(e) => {
-                    self.abandon(pgid, &mut attach, &mount).await;
-                    return Err(PoolError::Io { id, msg: e.to_string() });
-                }
-            },
-            None => (None, None),
-        };
-        let host: IpAddr = ns.as_ref().map_or(Ipv4Addr::LOCALHOST, |(l, _)| l.ns_addr).into();
-        let args: Vec<String> = self.cfg.app.command.iter().map(|a| substitute(a, &mount, host, port, &inst)).collect();
-        let app_log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log_file(id))
-            .map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
-        let app_err = app_log.try_clone().map_err(|e| PoolError::Io { id, msg: e.to_string() })?;
-        let mut app = Command::new(&args[0]);
-        app.args(&args[1..])
-            .current_dir(&mount)
-            .env("UNDERSTUDY_MOUNT", &mount)
-            .env("UNDERSTUDY_PORT", port.to_string())
-            .env("UNDERSTUDY_HOST", host.to_string())
-            .env("UNDERSTUDY_INSTANCE", &inst)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(app_log))
-            .stderr(Stdio::from(app_err))
-            // Its own process group: the application can be killed as a whole without the
-            // helper, which must outlive the loop device that reads its FUSE file.
-            .process_group(0)
-            .kill_on_drop(false);
-        for (k, v) in &self.cfg.app.env {
-            app.env(k, substitute(v, &mount, host, port, &inst));
-        }
-        if let Some((_, fd)) = &ns {
-            let fd = fd.as_raw_fd();
-            // SAFETY: the closure runs in the forked child before exec and makes one
-            // async-signal-safe system call (setns) on a descriptor the parent keeps open.
-            unsafe {
-                app.pre_exec(move || netns::enter(fd));
-            }
-        }
-        // Its own cgroup, entered before exec: every process it ever starts is in it, however
-        // it daemonizes, and the kill reaches them all.
-        let group = match self.containment.create(&self.group_name(id)) {
-            Ok(g) => g,
-            Err(msg) => {
-                drop(ns_lock);
-                if let Some((l, _)) = &ns {
-                    let _ = netns::delete(&l.name);
-                }
-                self.abandon(pgid, &mut attach, &mount).await;
-                return Err(PoolError::App { id, msg });
-            }
-        };
-        if let Some(g) = &group {
-            g.enter_at_spawn(&mut app);
-        }
-        let spawned = app.spawn();
-        drop(ns_lock);
-        let cgroup = group.map(|g| g.dir);
-        let mut app_child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                if let Some(d) = &cgroup {
-                    let _ = unit::kill_group(d, unit::KILL_TIMEOUT);
-                }
-                if let Some((l, _)) = &ns {
-                    let _ = netns::delete(&l.name);
-                }
-                self.abandon(pgid, &mut attach, &mount).await;
-                return Err(PoolError::App { id, msg: format!("cannot run {:?}: {e}", args[0]) });
-            }
-        };
-        let app_pid = app_child.id().unwrap_or(0);
-        let timing = StartTiming { requested_unix_ms, attached_unix_ms, spawned_unix_ms: now_unix_ms(), attach_steps_ms };
-        let link = match ns {
-            Some((link, _fd)) => Link::Netns { addr: (link.ns_addr, port).into(), link },
-            None => {
-                let app_addr: SocketAddr = ([127, 0, 0, 1], port).into();
-                let proxy = match Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await {
-                    Ok(p) => p,
-                    Err(e) => {
-                        if let Err(e) = kill_app(cgroup.clone(), app_pid as i32, app_pid, start_time(app_pid).unwrap_or(0)).await {
-                            tracing::error!(%id, "{e}");
-                        }
-                        let _ = tokio::time::timeout(teardown::EXIT_TIMEOUT, app_child.wait()).await;
-                        self.abandon(pgid, &mut attach, &mount).await;
-                        return Err(PoolError::Io { id, msg: format!("cannot open the instance's link: {e}") });
-                    }
-                };
-                Link::Proxy { proxy, app_addr }
-            }
-        };
-        let addr = link.address();
-        let expected_exit = Arc::new(AtomicBool::new(false));
-        // Report an exit we did not cause (a crash of the app or of the attach helper).
-        let events = self.events.clone();
-        let flag = expected_exit.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = app_child.wait() => {}
-                _ = attach.wait() => {}
-            }
-            if !flag.load(Ordering::SeqCst) {
-                let _ = events.send(Input::InstanceExited(id)).await;
-            }
-            // Reap whichever is left once it is killed.
-            let _ = app_child.wait().await;
-            let _ = attach.wait().await;
-        });
-        tracing::info!(%id, volume, %addr, app_pid, attach_pid, "instance started");
-        let app_pgid = app_pid as i32;
-        let saved = SavedInst {
-            id,
-            pgid,
-            app_pgid,
-            app_pid,
-            app_start: start_time(app_pid).unwrap_or(0),
-            attach_pid,
-            attach_start: start_time(attach_pid).unwrap_or(0),
-            app_port: port,
-            mount: mount.clone(),
-            netns: link.netns().cloned(),
-        };
-        self.insts.lock().unwrap().insert(
-            id,
-            Inst { cgroup, timing, saved, pgid, app_pid, app_pgid, attach_pid, link, mount, expected_exit, _attach_stdout: Some(stdout.into_inner()) },
-        );
-        self.save();
-        Ok(addr)
     }
 
     /// Clean stop of every instance (the monitor shutting down).
@@ -915,71 +471,6 @@ impl InstancePool for LocalPool {
 }
 
 impl LocalPool {
-    /// Undoes a start that failed once the attach helper ran (attached or not): the volume
-    /// stack taken down in the order that cannot hang ([`teardown::take_down_helper`]).
-    async fn abandon(&self, pgid: i32, attach: &mut Child, mount: &Path) {
-        match take_down(pgid as u32, true, mount).await {
-            Ok(()) => {
-                let _ = tokio::time::timeout(teardown::EXIT_TIMEOUT, attach.wait()).await;
-            }
-            Err(e) => tracing::error!(helper = pgid, "abandoning a failed start: {e}"),
-        }
-        self.unmount_all(mount).await;
-    }
-
-    /// Takes down what a previous run of the monitor left of an instance it no longer
-    /// serves: its application (SIGKILL, only if still the process that was recorded: pids
-    /// are reused), then its volume stack, the helper last ([`teardown::take_down_helper`]).
-    async fn reap(&self, s: &SavedInst) {
-        // Its cgroup holds every process of its application, whatever its pids are now.
-        if let Some(d) = self.group_dir(s.id) {
-            let r = tokio::task::spawn_blocking(move || unit::kill_group(&d, unit::KILL_TIMEOUT)).await;
-            if let Ok(Err(e)) = r {
-                tracing::warn!(id = %s.id, "{e}");
-            }
-        }
-        if s.app_pid != 0 && start_time(s.app_pid) == Some(s.app_start) {
-            if s.app_pgid != 0 {
-                signal_group(s.app_pgid, libc::SIGKILL);
-            }
-            signal_pid(s.app_pid, libc::SIGKILL);
-            if !Self::wait_gone(&[s.app_pid], teardown::EXIT_TIMEOUT).await {
-                tracing::warn!(id = %s.id, "application of the previous run still alive after SIGKILL");
-            }
-        }
-        let ours = s.attach_pid != 0 && start_time(s.attach_pid) == Some(s.attach_start);
-        if s.attach_pid != 0 {
-            if let Err(e) = take_down(s.attach_pid, ours, &s.mount).await {
-                tracing::error!(id = %s.id, "reaping the previous run's instance: {e}");
-            }
-        }
-        self.unmount_all(&s.mount).await;
-        if let Some(l) = &s.netns {
-            let _ = netns::delete(&l.name);
-        }
-    }
-
-    /// `volume detach` of an instance's mount point, and when that leaves something (a helper
-    /// killed before it wrote its state file: no record of the stack), the stack found from
-    /// the kernel: ext4 mount → its loop device → the FUSE file behind it → the FUSE mount.
-    async fn unmount_all(&self, mount: &Path) {
-        let _ = self.detach(mount).await;
-        let Some(dev) = mount_source(mount) else { return };
-        let backing = dev
-            .strip_prefix("/dev/")
-            .and_then(|name| std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file")).ok())
-            .map(|b| PathBuf::from(b.trim()));
-        tracing::info!(mount = %mount.display(), %dev, "unmounting what a dead attach helper left");
-        run_logged("umount", &["-l".as_ref(), mount.as_os_str()]).await;
-        if let Some(b) = backing {
-            run_logged("losetup", &["-d".as_ref(), dev.as_ref()]).await;
-            if let Some(fuse_dir) = b.parent().filter(|d| mount_source(d).is_some()) {
-                run_logged("umount", &["-l".as_ref(), fuse_dir.as_os_str()]).await;
-                let _ = std::fs::remove_dir(fuse_dir);
-            }
-        }
-    }
-
     /// Deletes an instance's namespace once its processes are gone (its veth goes with it).
     fn drop_netns(link: &Link) {
         if let Some(l) = link.netns() {
@@ -1114,15 +605,3 @@ async fn take_down(helper: u32, ours: bool, mount: &Path) -> Result<(), String> 
     .map_err(|e| format!("take-down panicked: {e}"))?
 }
 
-/// Processes whose working directory is `mount` (an instance's application and its children).
-fn procs_in(mount: &Path) -> Vec<u32> {
-    let mut v = vec![];
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-        if std::fs::read_link(e.path().join("cwd")).is_ok_and(|c| c == mount) {
-            v.push(pid);
-        }
-    }
-    v
-
-}
