@@ -262,43 +262,8 @@ impl Monitor {
             Input::EndpointFailed { .. } | Input::CollapseFailed { .. } | Input::DropFailed { .. } | Input::KillFailed { .. } => {
                 self.retry_at_ms = Some(now_ms + self.cfg.retry_backoff_ms);
             }
-            Input::SuperDone { child } => {
-                if let Phase::Supering { child: c } = &self.d.phase {
-                    if *c == child {
-                        let backup = self.new_instance();
-                        self.d.phase = Phase::Recovering { child: child.clone(), backup, attempt: 1, since_ms: now_ms, stopping: false };
-                        out.push(Action::Notify(Event::Superposed { parent: self.d.volume.clone(), child: child.clone() }));
-                        out.push(Action::StartInstance { id: backup, volume: child.clone() });
-                        out.push(Action::Notify(Event::BackupStarted { instance: backup, volume: child }));
-                    }
-                }
-            }
-            Input::SuperFailed { child, error, existing_child } => {
-                if let Phase::Supering { child: c } = &self.d.phase {
-                    if *c == child {
-                        match existing_child {
-                            // A superposition left by an earlier attempt: drop it first.
-                            Some(stale) if stale != child => {
-                                self.d.phase = Phase::Aborting {
-                                    child: stale,
-                                    backup: None,
-                                    backup_stopped: true,
-                                    child_dropped: false,
-                                    reason: format!("stale super child found: {error}"),
-                                    counts: false,
-                                };
-                                out.extend(self.phase_actions());
-                            }
-                            _ => {
-                                // Storage unavailable for now: a new attempt on the next silence.
-                                self.d.phase = Phase::Normal;
-                                self.retry_at_ms = Some(now_ms + self.cfg.retry_backoff_ms);
-                                out.push(Action::Notify(Event::Aborted { child, reason: format!("super failed: {error}") }));
-                            }
-                        }
-                    }
-                }
-            }
+            Input::SuperDone { child } => self.on_super_done(now_ms, child, &mut out),
+            Input::SuperFailed { child, error, existing_child } => self.on_super_failed(now_ms, child, error, existing_child, &mut out),
             Input::CollapseDone { child, outcome } => self.on_collapse(now_ms, child, outcome, &mut out),
             Input::ChildDropped { child } => {
                 if let Phase::Aborting { child: c, child_dropped, .. } = &mut self.d.phase {
@@ -658,6 +623,45 @@ impl Monitor {
         self.d.silent_since_ms = None;
         self.missed_pings = 0;
         self.pings_in_flight.clear();
+    }
+
+    fn on_super_done(&mut self, now_ms: u64, child: String, out: &mut Vec<Action>) {
+        if let Phase::Supering { child: c } = &self.d.phase {
+            if *c == child {
+                let backup = self.new_instance();
+                self.d.phase = Phase::Recovering { child: child.clone(), backup, attempt: 1, since_ms: now_ms, stopping: false };
+                out.push(Action::Notify(Event::Superposed { parent: self.d.volume.clone(), child: child.clone() }));
+                out.push(Action::StartInstance { id: backup, volume: child.clone() });
+                out.push(Action::Notify(Event::BackupStarted { instance: backup, volume: child }));
+            }
+        }
+    }
+
+    fn on_super_failed(&mut self, now_ms: u64, child: String, error: String, existing_child: Option<String>, out: &mut Vec<Action>) {
+        if let Phase::Supering { child: c } = &self.d.phase {
+            if *c == child {
+                match existing_child {
+                    // A superposition left by an earlier attempt: drop it first.
+                    Some(stale) if stale != child => {
+                        self.d.phase = Phase::Aborting {
+                            child: stale,
+                            backup: None,
+                            backup_stopped: true,
+                            child_dropped: false,
+                            reason: format!("stale super child found: {error}"),
+                            counts: false,
+                        };
+                        out.extend(self.phase_actions());
+                    }
+                    _ => {
+                        // Storage unavailable for now: a new attempt on the next silence.
+                        self.d.phase = Phase::Normal;
+                        self.retry_at_ms = Some(now_ms + self.cfg.retry_backoff_ms);
+                        out.push(Action::Notify(Event::Aborted { child, reason: format!("super failed: {error}") }));
+                    }
+                }
+            }
+        }
     }
 
     fn on_collapse(&mut self, now_ms: u64, child: String, outcome: CollapseOutcome, out: &mut Vec<Action>) {

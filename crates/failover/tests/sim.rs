@@ -395,6 +395,8 @@ impl World {
         }
     }
 
+    /// One event of the world (about 115 lines on purpose: one match over every kind of
+    /// event, the world's state machine, reads best whole).
     fn handle(&mut self, ev: Ev) {
         match ev {
             Ev::Deliver { inc, input } => {
