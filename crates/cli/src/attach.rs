@@ -320,7 +320,7 @@ fn serve(conn: &ConnArgs, a: &AttachArgs, mount_dir: &Path, state_file: &Path, l
 
 /// A clean-up command with a deadline: a wedged `umount` or `losetup` is reported, not waited on.
 fn run_quiet(program: &str, args: &[&str]) -> Result<(), String> {
-    failover::teardown::run_bounded(program, args, failover::teardown::COMMAND_TIMEOUT).map(|_| ())
+    failover::pool::teardown::run_bounded(program, args, failover::pool::teardown::COMMAND_TIMEOUT).map(|_| ())
 }
 
 /// How long `detach` waits for the kernel to release a loop device after `losetup -d`.

@@ -365,7 +365,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
             v["t_ms"] = serde_json::json!(start.elapsed().as_millis() as u64);
             // Wall-clock time too, to line events up with what other processes saw (the
             // bench's fault injections and client acknowledgements).
-            v["unix_ms"] = serde_json::json!(::failover::driver::now_unix_ms());
+            v["unix_ms"] = serde_json::json!(::failover::proto::now_unix_ms());
             println!("{v}");
             let _ = std::io::stdout().flush();
         };

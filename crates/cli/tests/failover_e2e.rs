@@ -350,7 +350,7 @@ impl Case {
 
 /// Whatever a case left (a failed test, a leak), taken down in the order that cannot wedge
 /// the kernel: its processes but the attach helpers SIGKILLed (with their groups), its mounts
-/// lazily unmounted, then each helper's stack ([`failover::teardown`]: FUSE connection aborted,
+/// lazily unmounted, then each helper's stack ([`failover::pool::teardown`]: FUSE connection aborted,
 /// loop devices detached and released, the helper killed last) — so one case cannot hold the
 /// next one's loop devices or mount points. Every command has a deadline.
 impl Drop for Case {
@@ -363,19 +363,19 @@ impl Drop for Case {
         let is_helper = |c: &str| c.contains(" attach ");
         let others: Vec<u32> = procs.iter().filter(|(_, c)| !is_helper(c)).map(|(p, _)| *p).collect();
         for pid in &others {
-            failover::teardown::signal(-(*pid as i32), libc::SIGKILL);
-            failover::teardown::signal(*pid as i32, libc::SIGKILL);
+            failover::pool::process::signal(-(*pid as i32), libc::SIGKILL);
+            failover::pool::process::signal(*pid as i32, libc::SIGKILL);
         }
-        failover::teardown::wait_gone(&others, Duration::from_secs(10));
+        failover::pool::process::wait_gone(&others, Duration::from_secs(10));
         for m in self.mounts().iter().rev() {
-            if let Err(e) = failover::teardown::run_bounded("umount", &["-l", m], failover::teardown::COMMAND_TIMEOUT) {
+            if let Err(e) = failover::pool::teardown::run_bounded("umount", &["-l", m], failover::pool::teardown::COMMAND_TIMEOUT) {
                 eprintln!("case clean-up: {e}");
             }
         }
         let helpers: Vec<u32> = self.helpers.lock().unwrap().iter().copied().collect();
         for h in helpers {
             let live = procs.iter().any(|(p, c)| *p == h && is_helper(c));
-            let r = if live { failover::teardown::take_down_helper(h, None) } else { failover::teardown::take_down_dead_helper(h, None) };
+            let r = if live { failover::pool::teardown::take_down_helper(h, None) } else { failover::pool::teardown::take_down_dead_helper(h, None) };
             if let Err(e) = r {
                 eprintln!("case clean-up of helper {h}: {e}");
             }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use failover::pool::{InstancePool, LocalPool, LocalPoolConfig};
-use failover::unit::Containment;
+use failover::pool::unit::Containment;
 use failover::InstanceId;
 
 fn skip() -> bool {
@@ -105,7 +105,7 @@ fn tree(root: u32) -> BTreeMap<u32, String> {
 
 /// Loop devices whose backing file is a FUSE file of attach helper `pid`.
 fn loops_of(pid: u32) -> Vec<String> {
-    failover::teardown::loops(pid)
+    failover::pool::teardown::loops(pid)
         .iter()
         .map(|p| p.display().to_string())
         .collect()
@@ -124,16 +124,16 @@ struct Guard {
 impl Drop for Guard {
     fn drop(&mut self) {
         if let Some(g) = &self.group {
-            if let Err(e) = failover::unit::kill_group(g, failover::unit::KILL_TIMEOUT) {
+            if let Err(e) = failover::pool::unit::kill_group(g, failover::pool::unit::KILL_TIMEOUT) {
                 eprintln!("clean-up: {e}");
             }
         }
         for p in &self.pids {
             if *p != self.helper && failover::pool::pid_alive(*p) {
-                failover::teardown::signal(*p as i32, libc::SIGKILL);
+                failover::pool::process::signal(*p as i32, libc::SIGKILL);
             }
         }
-        failover::teardown::wait_gone(
+        failover::pool::process::wait_gone(
             &self
                 .pids
                 .iter()
@@ -144,9 +144,9 @@ impl Drop for Guard {
         );
         if self.helper != 0 {
             let r = if failover::pool::pid_alive(self.helper) {
-                failover::teardown::take_down_helper(self.helper, Some(&self.mount))
+                failover::pool::teardown::take_down_helper(self.helper, Some(&self.mount))
             } else {
-                failover::teardown::take_down_dead_helper(self.helper, Some(&self.mount))
+                failover::pool::teardown::take_down_dead_helper(self.helper, Some(&self.mount))
             };
             if let Err(e) = r {
                 eprintln!("clean-up of helper {}: {e}", self.helper);
@@ -260,7 +260,7 @@ async fn kill_under_load(pool: &LocalPool, id: InstanceId, volume: &str, guard: 
     );
     // With a cgroup, every one of them is in the instance's group.
     if let Some(g) = pool.group_dir(id) {
-        let members = failover::unit::members(&g);
+        let members = failover::pool::unit::members(&g);
         let outside: Vec<&u32> = before.keys().filter(|p| !members.contains(p)).collect();
         assert!(
             outside.is_empty(),
@@ -335,7 +335,7 @@ async fn kill_under_load(pool: &LocalPool, id: InstanceId, volume: &str, guard: 
         "loop devices still attached after the kill: {attached:?}"
     );
     assert!(
-        !failover::teardown::is_mountpoint(&guard.mount),
+        !failover::pool::teardown::is_mountpoint(&guard.mount),
         "{} still mounted after the kill",
         guard.mount.display()
     );
@@ -474,9 +474,9 @@ fn detach_after_a_dead_helper_succeeds_only_once_the_loop_device_is_released() {
             .map(|b| format!("{} -> {}", dev[0], b.trim()))
     };
     // The helper dies as the pool's kill leaves it: its FUSE connection aborted first.
-    failover::teardown::abort_fuse(helper).unwrap();
-    failover::teardown::signal(helper as i32, libc::SIGKILL);
-    assert!(failover::teardown::wait_gone(
+    failover::pool::teardown::abort_fuse(helper).unwrap();
+    failover::pool::process::signal(helper as i32, libc::SIGKILL);
+    assert!(failover::pool::process::wait_gone(
         &[helper],
         Duration::from_secs(10)
     ));
@@ -549,7 +549,7 @@ fn detach_after_a_dead_helper_succeeds_only_once_the_loop_device_is_released() {
         "`volume detach` succeeded with {left:?} still attached"
     );
     assert!(
-        !failover::teardown::is_mountpoint(&mnt),
+        !failover::pool::teardown::is_mountpoint(&mnt),
         "{m} still mounted"
     );
     let err = up.fails(&["volume", "detach", &m]);

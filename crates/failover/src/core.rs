@@ -1,16 +1,21 @@
 //! The failure monitor's decision logic as a deterministic state machine (sans-I/O).
 //!
-//! [`Monitor::handle`] takes the time and one [`Input`] (a ping result, an instance event, the
-//! result of a volume operation, a timer tick) and returns [`Action`]s for the driver to carry
-//! out. The part of the state that must survive a restart of the monitor is [`Durable`]; the
-//! driver persists it (see [`crate::journal`]) **after every `handle` and before executing the
-//! actions it returned**, so every irreversible step (super, collapse, re-pointing the endpoint,
+//! The core API every Understudy core has: [`Monitor::handle`] takes the time (`now_ms`, the
+//! caller's clock: wall-clock ms in the runtime, virtual time in the simulation) and one
+//! [`Input`] (a ping result, an instance event, the result of a volume operation, a timer tick);
+//! [`Monitor::take_outputs`] hands over the [`Action`]s for the driver to carry out;
+//! [`Monitor::check_invariants`] runs after every input. The messages and the persisted state
+//! live in [`crate::proto`], which the drivers import too. The part of the state that must
+//! survive a restart of the monitor is [`Durable`]; the driver persists it (see
+//! [`crate::journal`]) **after every `handle` and before executing the actions it took**, so every irreversible step (super, collapse, re-pointing the endpoint,
 //! killing an instance) is recorded as intended before it happens. After a restart,
 //! [`Monitor::recover`] re-issues the actions of the recorded phase; every action is idempotent
 //! in the drivers (a second `Collapse` of the same child reports the outcome already decided),
 //! so a restart never promotes twice and never loses a decision.
 //!
-//! Safety rules the core keeps (and the simulation checks):
+//! Safety rules the core keeps (the simulation checks them from outside, and
+//! [`Monitor::check_invariants`] asserts them from inside: the actions of each input, and the
+//! volume, which changes only at a promotion):
 //! * the parent volume is only ever given up through a `Collapse` that answered `Promoted`;
 //!   aborting drops the *child* (`DropChild`), never the parent;
 //! * the endpoint is re-pointed to a backup only after its child was promoted (speculative) or
@@ -19,240 +24,7 @@
 
 use std::collections::BTreeSet;
 
-use serde::{Deserialize, Serialize};
-
-/// An application instance, numbered by the monitor (never reused).
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct InstanceId(pub u64);
-
-impl std::fmt::Display for InstanceId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "i{}", self.0)
-    }
-}
-
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum PolicyKind {
-    /// Recovery from disaggregated storage: wait a timeout, fence, restart on the same volume.
-    Reds,
-    /// Speculative recovery (§3, §4.1): super + backup at the first missed ping, collapse.
-    Speculative,
-    /// Evaluation only: told the future by [`Input::OracleHint`], takes the shorter path.
-    Oracle,
-}
-
-impl std::str::FromStr for PolicyKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "reds" => Ok(PolicyKind::Reds),
-            "speculative" => Ok(PolicyKind::Speculative),
-            "oracle" => Ok(PolicyKind::Oracle),
-            _ => Err(format!("unknown policy {s:?} (reds, speculative or oracle)")),
-        }
-    }
-}
-
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CollapseOutcome {
-    Promoted,
-    Rejected,
-}
-
-/// Timing and limits of the monitor.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-#[serde(deny_unknown_fields, default)]
-pub struct MonitorConfig {
-    pub policy: PolicyKind,
-    /// How often the primary is pinged.
-    pub ping_interval_ms: u64,
-    /// How often an instance that is starting (a backup, a REDS restart, the first primary) is
-    /// pinged until it answers: much tighter than `ping_interval_ms`, so a recovered instance
-    /// is noticed within this much rather than a whole ping interval (a refused connection
-    /// costs next to nothing).
-    pub backup_ping_interval_ms: u64,
-    /// REDS (and speculative's fallback): how long the primary must stay silent before it is
-    /// fenced and restarted.
-    pub reds_timeout_ms: u64,
-    /// Speculative: consecutive missed pings before `super` (the paper: the first one).
-    pub speculate_after_missed_pings: u32,
-    /// How long a started instance has to answer its first ping before it counts as failed.
-    pub healthy_timeout_ms: u64,
-    /// Starts of a backup (speculative: on one child) before the attempt is given up.
-    pub max_backup_starts: u32,
-    /// Speculative falls back to REDS after this many aborted attempts within `abort_window_ms`
-    /// (fail-slow primaries, §4.4).
-    pub max_aborts: u32,
-    pub abort_window_ms: u64,
-    /// Wait after a failed volume operation or endpoint change before retrying it.
-    pub retry_backoff_ms: u64,
-}
-
-impl MonitorConfig {
-    /// How often the driver must feed [`Input::Tick`]: often enough for both ping intervals.
-    pub fn tick_interval_ms(&self) -> u64 {
-        (self.ping_interval_ms / 2).min(self.backup_ping_interval_ms.max(1)).max(5)
-    }
-}
-
-impl Default for MonitorConfig {
-    fn default() -> Self {
-        MonitorConfig {
-            policy: PolicyKind::Speculative,
-            ping_interval_ms: 500,
-            backup_ping_interval_ms: 25,
-            reds_timeout_ms: 60_000,
-            speculate_after_missed_pings: 1,
-            healthy_timeout_ms: 120_000,
-            max_backup_starts: 3,
-            max_aborts: 3,
-            abort_window_ms: 600_000,
-            retry_backoff_ms: 500,
-        }
-    }
-}
-
-/// Where the monitor is in a failover; persisted.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub enum Phase {
-    /// Starting the first primary (on `Durable::volume`); once healthy, point the endpoint.
-    Booting { instance: InstanceId, since_ms: u64, healthy: bool },
-    /// The primary serves; pings watch it.
-    Normal,
-    /// Speculative: `super` of the volume into `child` requested.
-    Supering { child: String },
-    /// Speculative: a backup recovers on `child` (restarted up to `max_backup_starts` times).
-    Recovering { child: String, backup: InstanceId, attempt: u32, since_ms: u64, stopping: bool },
-    /// Speculative: the backup is healthy; `collapse` requested.
-    Collapsing { child: String, backup: InstanceId },
-    /// Speculative: the child was promoted. Re-point the endpoint, kill the old primary.
-    Promoting { backup: InstanceId, old: InstanceId, pointed: bool, old_stopped: bool },
-    /// Speculative attempt given up: stop the backup (if any), drop the child (unless collapse
-    /// already discarded it). The primary and its volume are untouched. `counts`: whether the
-    /// attempt counts towards the REDS fallback (`max_aborts`): it does when speculation failed
-    /// while the primary stayed silent (a rejected collapse: a primary that writes but does not
-    /// answer, §4.4; a backup that cannot recover), not when the primary simply answered again
-    /// (a false positive that healed: nothing for a timeout to force).
-    Aborting {
-        child: String,
-        backup: Option<InstanceId>,
-        backup_stopped: bool,
-        child_dropped: bool,
-        reason: String,
-        #[serde(default = "counts_by_default")]
-        counts: bool,
-    },
-    /// REDS: fence the old primary (kill it, detach its volume), then restart on the volume.
-    RedsFencing { old: InstanceId },
-    /// REDS: a new instance recovers on the very volume.
-    RedsStarting { old: InstanceId, backup: InstanceId, attempt: u32, since_ms: u64, stopping: bool },
-    /// REDS: the backup is healthy; re-point the endpoint.
-    RedsPointing { backup: InstanceId },
-    /// Nothing more to try (an application that never becomes healthy): needs an operator.
-    /// The volume is intact. `last`: the instance started last (killed on giving up; killed
-    /// again by a restarted monitor before it starts one, in case that kill never ran).
-    Failed {
-        reason: String,
-        #[serde(default)]
-        last: Option<InstanceId>,
-    },
-}
-
-/// Journals written before `Phase::Aborting::counts` existed counted every abort.
-fn counts_by_default() -> bool {
-    true
-}
-
-/// The monitor's persistent state.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub struct Durable {
-    /// The volume of the current primary (after a promotion: the promoted child's name).
-    pub volume: String,
-    /// The instance the endpoint points at (or is to point at).
-    pub primary: InstanceId,
-    pub next_instance: u64,
-    /// Numbers the children: `VOLUME.fo-N`.
-    pub next_child: u64,
-    pub phase: Phase,
-    /// Times (ms) of recent aborted speculative attempts of the current primary that count
-    /// towards the REDS fallback, newest last, at most `max_aborts`. Cleared by a failover
-    /// (the history is the replaced primary's).
-    pub aborts_ms: Vec<u64>,
-    /// Completed failovers.
-    pub failovers: u64,
-    /// Start of the primary's current silence (first missed ping). Durable so that the REDS
-    /// timeout runs on across restarts of the monitor instead of starting over each time.
-    pub silent_since_ms: Option<u64>,
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub enum Input {
-    /// Timer; the driver calls it at least every `ping_interval_ms`.
-    Tick,
-    PingOk(InstanceId),
-    PingFailed(InstanceId),
-    InstanceStarted(InstanceId),
-    InstanceStartFailed { id: InstanceId, error: String },
-    /// The instance's processes exited on their own.
-    InstanceExited(InstanceId),
-    /// A `KillInstance` finished: processes gone, volume detached.
-    InstanceStopped(InstanceId),
-    /// A `KillInstance` did not finish (a process that would not die, a volume that would not
-    /// detach): the fence is not done, so it is issued again after `retry_backoff_ms`.
-    KillFailed { id: InstanceId, error: String },
-    EndpointPointed(InstanceId),
-    /// The endpoint could not be re-pointed (retried).
-    EndpointFailed { id: InstanceId, error: String },
-    SuperDone { child: String },
-    /// `super` failed; `existing_child` is set when the parent already has a (stale) child.
-    SuperFailed { child: String, error: String, existing_child: Option<String> },
-    CollapseDone { child: String, outcome: CollapseOutcome },
-    CollapseFailed { child: String, error: String },
-    ChildDropped { child: String },
-    DropFailed { child: String, error: String },
-    /// Oracle only: what will happen to the current failure, told by the evaluator.
-    /// `primary_back_after_ms`: the primary answers again that long after it was first missed
-    /// (None: never); `recovery_ms`: how long a restart on the volume takes.
-    OracleHint { primary_back_after_ms: Option<u64>, recovery_ms: u64 },
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-pub enum Action {
-    Ping(InstanceId),
-    StartInstance { id: InstanceId, volume: String },
-    /// SIGKILL the whole instance and detach its volume (fencing); answered by `InstanceStopped`.
-    KillInstance(InstanceId),
-    PointEndpoint(InstanceId),
-    /// Stop forwarding: sever every client connection and hold new ones until the next
-    /// `PointEndpoint`. Issued (and carried out at once, in order) before every `Collapse`, so
-    /// between a promoting collapse and the re-point no client can reach the old primary
-    /// (§4.3); not answered.
-    FreezeEndpoint,
-    Super { parent: String, child: String },
-    Collapse { parent: String, child: String },
-    /// Discard a super child without promoting it (the parent is kept).
-    DropChild { parent: String, child: String },
-    Notify(Event),
-}
-
-/// What the monitor tells its operator (the CLI prints these as JSON lines).
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
-#[serde(tag = "event", rename_all = "snake_case")]
-pub enum Event {
-    PrimaryUp { instance: InstanceId, volume: String },
-    Suspected { instance: InstanceId },
-    Superposed { parent: String, child: String },
-    BackupStarted { instance: InstanceId, volume: String },
-    BackupHealthy { instance: InstanceId },
-    Promoted { instance: InstanceId, volume: String, failover_ms: u64 },
-    Aborted { child: String, reason: String },
-    RedsTimeout { instance: InstanceId },
-    RedsRestarted { instance: InstanceId, volume: String, failover_ms: u64 },
-    /// The primary answers again after a silence, without a failover.
-    PrimaryAnswered { instance: InstanceId, silent_ms: u64 },
-    GaveUp { reason: String },
-}
+use crate::proto::*;
 
 /// The monitor core: [`Durable`] plus what may be forgotten on a restart.
 #[derive(Clone, Debug)]
@@ -270,11 +42,19 @@ pub struct Monitor {
     oracle: Option<(Option<u64>, u64)>,
     /// When the failure was first noticed, for the `failover_ms` of events.
     detected_ms: Option<u64>,
+    /// Actions issued and not yet taken by [`Monitor::take_outputs`], oldest first. At most
+    /// a handful per input; the driver takes them after every input.
+    out: Vec<Action>,
+    /// The actions of the last input start here in `out` (what `check_invariants` checks).
+    last_input_out: usize,
+    /// `Durable::volume` before the last input: it may change only by a promotion.
+    volume_before: String,
 }
 
 impl Monitor {
-    /// A fresh monitor that starts the first primary on `volume`.
-    pub fn new(cfg: MonitorConfig, volume: String, now_ms: u64) -> (Monitor, Vec<Action>) {
+    /// A fresh monitor that starts the first primary on `volume` (its first actions are in
+    /// [`Monitor::take_outputs`]).
+    pub fn new(cfg: MonitorConfig, volume: String, now_ms: u64) -> Monitor {
         let first = InstanceId(1);
         let d = Durable {
             volume,
@@ -289,10 +69,12 @@ impl Monitor {
         Monitor::recover(cfg, d, now_ms)
     }
 
-    /// A monitor restarted from its persisted state: re-issues what the phase needs.
-    pub fn recover(cfg: MonitorConfig, d: Durable, now_ms: u64) -> (Monitor, Vec<Action>) {
+    /// A monitor restarted from its persisted state: re-issues what the phase needs (in
+    /// [`Monitor::take_outputs`]).
+    pub fn recover(cfg: MonitorConfig, d: Durable, now_ms: u64) -> Monitor {
         let m = Monitor {
             cfg,
+            volume_before: d.volume.clone(),
             d,
             pings_in_flight: BTreeSet::new(),
             next_ping_ms: now_ms,
@@ -301,6 +83,8 @@ impl Monitor {
             retry_at_ms: None,
             oracle: None,
             detected_ms: None,
+            out: vec![],
+            last_input_out: 0,
         };
         let mut m = m;
         // A monitor that gave up stopped its instances (the old primary fenced first):
@@ -325,13 +109,15 @@ impl Monitor {
             acts.push(Action::PointEndpoint(m.d.primary));
         }
         acts.extend(m.phase_actions());
-        (m, acts)
+        m.out = acts;
+        m.check_invariants();
+        m
     }
 
-    /// The monitor is shutting down and has stopped every instance cleanly: a primary that was
-    /// serving is to be started again (on the same volume) by the next run, rather than
-    /// taken for failed. Mid-failover phases stay as they are and resume.
-    pub fn shutdown(&mut self, now_ms: u64) {
+    /// [`Input::Shutdown`]: a primary that was serving is to be started again (on the same
+    /// volume) by the next run, rather than taken for failed. Mid-failover phases stay as they
+    /// are and resume.
+    fn on_shutdown(&mut self, now_ms: u64) {
         if self.d.phase == Phase::Normal {
             self.boot_again(now_ms);
         }
@@ -447,10 +233,14 @@ impl Monitor {
         matches!(self.d.phase, Phase::Normal | Phase::Supering { .. } | Phase::Recovering { .. } | Phase::Collapsing { .. } | Phase::Aborting { .. })
     }
 
-    pub fn handle(&mut self, now_ms: u64, input: Input) -> Vec<Action> {
+    /// Takes one input at time `now_ms`; the actions it calls for are added to
+    /// [`Monitor::take_outputs`]. Checks the invariants afterwards.
+    pub fn handle(&mut self, now_ms: u64, input: Input) {
         let mut out = vec![];
+        self.volume_before = self.d.volume.clone();
         match input {
             Input::Tick => self.on_tick(now_ms, &mut out),
+            Input::Shutdown => self.on_shutdown(now_ms),
             Input::PingOk(id) => {
                 self.pings_in_flight.remove(&id);
                 self.on_ping_ok(now_ms, id, &mut out);
@@ -472,43 +262,8 @@ impl Monitor {
             Input::EndpointFailed { .. } | Input::CollapseFailed { .. } | Input::DropFailed { .. } | Input::KillFailed { .. } => {
                 self.retry_at_ms = Some(now_ms + self.cfg.retry_backoff_ms);
             }
-            Input::SuperDone { child } => {
-                if let Phase::Supering { child: c } = &self.d.phase {
-                    if *c == child {
-                        let backup = self.new_instance();
-                        self.d.phase = Phase::Recovering { child: child.clone(), backup, attempt: 1, since_ms: now_ms, stopping: false };
-                        out.push(Action::Notify(Event::Superposed { parent: self.d.volume.clone(), child: child.clone() }));
-                        out.push(Action::StartInstance { id: backup, volume: child.clone() });
-                        out.push(Action::Notify(Event::BackupStarted { instance: backup, volume: child }));
-                    }
-                }
-            }
-            Input::SuperFailed { child, error, existing_child } => {
-                if let Phase::Supering { child: c } = &self.d.phase {
-                    if *c == child {
-                        match existing_child {
-                            // A superposition left by an earlier attempt: drop it first.
-                            Some(stale) if stale != child => {
-                                self.d.phase = Phase::Aborting {
-                                    child: stale,
-                                    backup: None,
-                                    backup_stopped: true,
-                                    child_dropped: false,
-                                    reason: format!("stale super child found: {error}"),
-                                    counts: false,
-                                };
-                                out.extend(self.phase_actions());
-                            }
-                            _ => {
-                                // Storage unavailable for now: a new attempt on the next silence.
-                                self.d.phase = Phase::Normal;
-                                self.retry_at_ms = Some(now_ms + self.cfg.retry_backoff_ms);
-                                out.push(Action::Notify(Event::Aborted { child, reason: format!("super failed: {error}") }));
-                            }
-                        }
-                    }
-                }
-            }
+            Input::SuperDone { child } => self.on_super_done(now_ms, child, &mut out),
+            Input::SuperFailed { child, error, existing_child } => self.on_super_failed(now_ms, child, error, existing_child, &mut out),
             Input::CollapseDone { child, outcome } => self.on_collapse(now_ms, child, outcome, &mut out),
             Input::ChildDropped { child } => {
                 if let Phase::Aborting { child: c, child_dropped, .. } = &mut self.d.phase {
@@ -525,17 +280,83 @@ impl Monitor {
                 }
             }
         }
+        self.last_input_out = self.out.len();
+        self.out.extend(out);
         self.check_invariants();
-        out
     }
 
-    /// Panics if the monitor's state breaks one of its invariants; `handle` runs it after every
-    /// input, in all builds (the state is a few fields).
+    /// The actions issued since the last call, oldest first: the driver carries them out in
+    /// this order (after persisting [`Monitor::durable`]).
+    pub fn take_outputs(&mut self) -> Vec<Action> {
+        self.last_input_out = 0;
+        std::mem::take(&mut self.out)
+    }
+
+    /// Panics if the monitor's state, or the actions of its last input, break one of its
+    /// invariants (the safety rules of the module doc among them); `handle` runs it after every
+    /// input, in all builds (the state is a few fields, the actions a handful).
     pub fn check_invariants(&self) {
-        assert!(self.d.primary.0 < self.d.next_instance, "primary id was allocated");
-        assert!(self.d.aborts_ms.len() <= self.cfg.max_aborts.max(1) as usize, "abort history is bounded");
-        if let Phase::Promoting { backup, old, .. } = &self.d.phase {
-            assert_ne!(backup, old);
+        let d = &self.d;
+        assert!(d.primary.0 < d.next_instance, "primary id was allocated");
+        assert!(d.aborts_ms.len() <= self.cfg.max_aborts.max(1) as usize, "abort history is bounded");
+        // The volume changes hands only through a collapse that answered `Promoted`: the input
+        // that changed it left the monitor promoting the child that is now the volume.
+        assert!(
+            d.volume == self.volume_before || matches!(d.phase, Phase::Promoting { .. }),
+            "volume changed from {} to {} outside a promotion (phase {:?})",
+            self.volume_before,
+            d.volume,
+            d.phase
+        );
+        let allocated = |id: &InstanceId| id.0 < d.next_instance;
+        // One superposition at a time: the phase names at most one child, of this volume.
+        let own_child = |c: &str| c.strip_prefix(&d.volume).and_then(|r| r.strip_prefix(".fo-")).and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n < d.next_child);
+        match &d.phase {
+            Phase::Booting { instance, .. } => assert_eq!(*instance, d.primary, "the booting instance is the primary"),
+            Phase::Normal | Phase::Failed { .. } => {}
+            Phase::Supering { child } => assert!(own_child(child), "super child {child} of {}", d.volume),
+            Phase::Recovering { child, backup, attempt, .. } => {
+                assert!(own_child(child), "recovering on {child}, not a child of {}", d.volume);
+                assert!(allocated(backup) && *backup != d.primary, "backup {backup} (primary {})", d.primary);
+                assert!(*attempt >= 1, "attempt {attempt}");
+            }
+            Phase::Collapsing { child, backup } => {
+                assert!(own_child(child), "collapsing {child}, not a child of {}", d.volume);
+                assert!(allocated(backup) && *backup != d.primary, "backup {backup} (primary {})", d.primary);
+            }
+            Phase::Promoting { backup, old, .. } => {
+                assert_ne!(backup, old);
+                assert_eq!(*backup, d.primary, "the promoted backup is the primary");
+            }
+            Phase::Aborting { backup, .. } => {
+                if let Some(b) = backup {
+                    assert!(allocated(b) && *b != d.primary, "aborted backup {b} (primary {})", d.primary);
+                }
+            }
+            Phase::RedsFencing { old } => assert!(allocated(old)),
+            Phase::RedsStarting { old, backup, attempt, .. } => {
+                assert!(allocated(backup) && backup != old, "REDS backup {backup} of {old}");
+                assert!(*attempt >= 1, "attempt {attempt}");
+            }
+            Phase::RedsPointing { backup } => assert!(allocated(backup) && *backup != d.primary, "REDS backup {backup}"),
+        }
+        for a in &self.out[self.last_input_out..] {
+            match a {
+                // Clients reach a new instance only once it may serve: it is the primary (a
+                // promotion made it so, or it boots), or REDS restarted it after the fence.
+                Action::PointEndpoint(id) => assert!(
+                    *id == d.primary || matches!(d.phase, Phase::RedsPointing { backup } if backup == *id),
+                    "endpoint pointed at {id}, neither the primary {} nor a fenced REDS restart ({:?})",
+                    d.primary,
+                    d.phase
+                ),
+                // The parent is never dropped nor collapsed away: only a child is.
+                Action::DropChild { parent, child } | Action::Collapse { parent, child } | Action::Super { parent, child } => {
+                    assert!(*parent == self.volume_before && *child != *parent, "{a:?} on volume {}", self.volume_before)
+                }
+                Action::StartInstance { id, .. } | Action::KillInstance(id) | Action::Ping(id) => assert!(allocated(id), "{a:?}"),
+                Action::FreezeEndpoint | Action::Notify(_) => {}
+            }
         }
     }
 
@@ -804,6 +625,45 @@ impl Monitor {
         self.pings_in_flight.clear();
     }
 
+    fn on_super_done(&mut self, now_ms: u64, child: String, out: &mut Vec<Action>) {
+        if let Phase::Supering { child: c } = &self.d.phase {
+            if *c == child {
+                let backup = self.new_instance();
+                self.d.phase = Phase::Recovering { child: child.clone(), backup, attempt: 1, since_ms: now_ms, stopping: false };
+                out.push(Action::Notify(Event::Superposed { parent: self.d.volume.clone(), child: child.clone() }));
+                out.push(Action::StartInstance { id: backup, volume: child.clone() });
+                out.push(Action::Notify(Event::BackupStarted { instance: backup, volume: child }));
+            }
+        }
+    }
+
+    fn on_super_failed(&mut self, now_ms: u64, child: String, error: String, existing_child: Option<String>, out: &mut Vec<Action>) {
+        if let Phase::Supering { child: c } = &self.d.phase {
+            if *c == child {
+                match existing_child {
+                    // A superposition left by an earlier attempt: drop it first.
+                    Some(stale) if stale != child => {
+                        self.d.phase = Phase::Aborting {
+                            child: stale,
+                            backup: None,
+                            backup_stopped: true,
+                            child_dropped: false,
+                            reason: format!("stale super child found: {error}"),
+                            counts: false,
+                        };
+                        out.extend(self.phase_actions());
+                    }
+                    _ => {
+                        // Storage unavailable for now: a new attempt on the next silence.
+                        self.d.phase = Phase::Normal;
+                        self.retry_at_ms = Some(now_ms + self.cfg.retry_backoff_ms);
+                        out.push(Action::Notify(Event::Aborted { child, reason: format!("super failed: {error}") }));
+                    }
+                }
+            }
+        }
+    }
+
     fn on_collapse(&mut self, now_ms: u64, child: String, outcome: CollapseOutcome, out: &mut Vec<Action>) {
         let Phase::Collapsing { child: c, backup } = self.d.phase.clone() else { return };
         if c != child {
@@ -872,61 +732,117 @@ impl Monitor {
 mod tests {
     use super::*;
 
+    /// One input, and the actions it called for.
+    fn step(m: &mut Monitor, now_ms: u64, input: Input) -> Vec<Action> {
+        m.handle(now_ms, input);
+        m.take_outputs()
+    }
+
+    /// A fresh monitor and its first actions.
+    fn start(cfg: MonitorConfig, volume: String, now_ms: u64) -> (Monitor, Vec<Action>) {
+        let mut m = Monitor::new(cfg, volume, now_ms);
+        let a = m.take_outputs();
+        (m, a)
+    }
+
+    /// A monitor restarted from `d`, and the actions it re-issues.
+    fn restart(cfg: MonitorConfig, d: Durable, now_ms: u64) -> (Monitor, Vec<Action>) {
+        let mut m = Monitor::recover(cfg, d, now_ms);
+        let a = m.take_outputs();
+        (m, a)
+    }
+
     fn boot(m: &mut Monitor, now: u64) {
-        let a = m.handle(now, Input::PingOk(InstanceId(1)));
+        let a = step(m, now, Input::PingOk(InstanceId(1)));
         assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1))]);
-        m.handle(now, Input::EndpointPointed(InstanceId(1)));
+        step(m, now, Input::EndpointPointed(InstanceId(1)));
         assert_eq!(m.durable().phase, Phase::Normal);
+    }
+
+    /// Each invariant `check_invariants` states fails on a state (or an action) that breaks it,
+    /// and names what broke.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let (mut m, _) = start(MonitorConfig::default(), "db".into(), 0);
+        boot(&mut m, 0);
+        step(&mut m, 1_000, Input::PingFailed(InstanceId(1)));
+        step(&mut m, 1_010, Input::SuperDone { child: "db.fo-1".into() });
+        m.check_invariants();
+        let broken = |what: &str, f: &dyn Fn(&mut Monitor)| {
+            let mut b = m.clone();
+            f(&mut b);
+            let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.check_invariants())).expect_err(what);
+            let msg = e.downcast_ref::<String>().cloned().or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+            assert!(msg.contains(what), "{what:?} not in {msg:?}");
+        };
+        broken("outside a promotion", &|b| b.d.volume = "db.fo-1".into());
+        broken("not a child of db", &|b| {
+            if let Phase::Recovering { child, .. } = &mut b.d.phase {
+                *child = "other.fo-1".into();
+            }
+        });
+        broken("backup i1", &|b| {
+            if let Phase::Recovering { backup, .. } = &mut b.d.phase {
+                *backup = InstanceId(1);
+            }
+        });
+        broken("endpoint pointed at i2", &|b| b.out.push(Action::PointEndpoint(InstanceId(2))));
+        broken("on volume db", &|b| b.out.push(Action::DropChild { parent: "db".into(), child: "db".into() }));
+        broken("on volume db", &|b| b.out.push(Action::Collapse { parent: "db.fo-1".into(), child: "db.fo-2".into() }));
+        broken("StartInstance", &|b| b.out.push(Action::StartInstance { id: InstanceId(9), volume: "db".into() }));
+        broken("the promoted backup is the primary", &|b| {
+            b.d.phase = Phase::Promoting { backup: InstanceId(2), old: InstanceId(1), pointed: false, old_stopped: false }
+        });
     }
 
     #[test]
     fn a_monitor_restarted_after_giving_up_boots_on_its_volume_again() {
         let cfg = MonitorConfig { healthy_timeout_ms: 1_000, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg.clone(), "db".into(), 0);
-        let a = m.handle(2_000, Input::Tick);
+        let (mut m, _) = start(cfg.clone(), "db".into(), 0);
+        let a = step(&mut m, 2_000, Input::Tick);
         assert!(a.iter().any(|a| matches!(a, Action::Notify(Event::GaveUp { .. }))), "{a:?}");
         assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
         // Restarted: the instance it gave up on is killed again (that kill may never have
         // run), and only once it is stopped is one started on the volume.
-        let (mut m, a) = Monitor::recover(cfg.clone(), m.durable().clone(), 3_000);
+        let (mut m, a) = restart(cfg.clone(), m.durable().clone(), 3_000);
         assert_eq!(a, vec![Action::FreezeEndpoint, Action::KillInstance(InstanceId(1))]);
-        let a = m.handle(3_100, Input::InstanceStopped(InstanceId(1)));
+        let a = step(&mut m, 3_100, Input::InstanceStopped(InstanceId(1)));
         assert!(a.contains(&Action::StartInstance { id: InstanceId(2), volume: "db".into() }), "{a:?}");
         // A journal from before `last` was recorded: the instance it gave up on is unknown and
         // may still run, so nothing is started.
         let mut d = m.durable().clone();
         d.phase = serde_json::from_str(r#"{"Failed":{"reason":"old"}}"#).unwrap();
-        let (m, a) = Monitor::recover(cfg, d, 4_000);
+        let (m, a) = restart(cfg, d, 4_000);
         assert!(!a.iter().any(|a| matches!(a, Action::StartInstance { .. })), "{a:?}");
         assert!(matches!(m.durable().phase, Phase::Failed { last: None, .. }), "{:?}", m.durable().phase);
     }
 
     #[test]
     fn restart_mid_failover_keeps_the_detection_time_and_promotes_once() {
-        let (mut m, _) = Monitor::new(MonitorConfig::default(), "db".into(), 0);
+        let (mut m, _) = start(MonitorConfig::default(), "db".into(), 0);
         boot(&mut m, 100);
-        let a = m.handle(1_000, Input::PingFailed(InstanceId(1)));
+        let a = step(&mut m, 1_000, Input::PingFailed(InstanceId(1)));
         assert!(a.contains(&Action::Super { parent: "db".into(), child: "db.fo-1".into() }), "{a:?}");
-        m.handle(1_010, Input::SuperDone { child: "db.fo-1".into() });
+        step(&mut m, 1_010, Input::SuperDone { child: "db.fo-1".into() });
         // Crash: recover from the durable state only.
         let d = m.durable().clone();
         assert_eq!(d.silent_since_ms, Some(1_000));
-        let (mut m, a) = Monitor::recover(MonitorConfig::default(), d, 2_000);
+        let (mut m, a) = restart(MonitorConfig::default(), d, 2_000);
         // The endpoint (lost with the monitor) points at the primary again while it may serve.
         assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1)), Action::StartInstance { id: InstanceId(2), volume: "db.fo-1".into() }]);
-        m.handle(2_100, Input::PingFailed(InstanceId(1)));
-        let a = m.handle(3_000, Input::PingOk(InstanceId(2)));
+        step(&mut m, 2_100, Input::PingFailed(InstanceId(1)));
+        let a = step(&mut m, 3_000, Input::PingOk(InstanceId(2)));
         assert!(a.contains(&Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }), "{a:?}");
         // Crash again before the answer: the collapse is asked again (idempotent in drivers).
-        let (mut m, a) = Monitor::recover(MonitorConfig::default(), m.durable().clone(), 3_100);
+        let (mut m, a) = restart(MonitorConfig::default(), m.durable().clone(), 3_100);
         // Frozen first: no client reaches the old primary between the collapse and the re-point.
         assert_eq!(a, vec![Action::FreezeEndpoint, Action::Collapse { parent: "db".into(), child: "db.fo-1".into() }]);
-        let a = m.handle(3_200, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
+        let a = step(&mut m, 3_200, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
         assert_eq!(a, vec![Action::PointEndpoint(InstanceId(2)), Action::KillInstance(InstanceId(1))]);
         // A late duplicate answer changes nothing.
-        assert!(m.handle(3_250, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted }).is_empty());
-        m.handle(3_300, Input::EndpointPointed(InstanceId(2)));
-        let a = m.handle(3_400, Input::InstanceStopped(InstanceId(1)));
+        assert!(step(&mut m, 3_250, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted }).is_empty());
+        step(&mut m, 3_300, Input::EndpointPointed(InstanceId(2)));
+        let a = step(&mut m, 3_400, Input::InstanceStopped(InstanceId(1)));
         assert_eq!(
             a,
             vec![Action::Notify(Event::Promoted { instance: InstanceId(2), volume: "db.fo-1".into(), failover_ms: 2_400 })]
@@ -945,26 +861,26 @@ mod tests {
     #[test]
     fn primaries_that_answered_again_do_not_switch_speculation_off() {
         let cfg = MonitorConfig { max_aborts: 3, reds_timeout_ms: 600_000, abort_window_ms: 600_000, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        let (mut m, _) = start(cfg, "db".into(), 0);
         boot(&mut m, 0);
         let mut t = 1_000;
         for n in 1..=5u64 {
             let child = format!("db.fo-{n}");
             let backup = InstanceId(n + 1);
-            let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+            let a = step(&mut m, t, Input::PingFailed(InstanceId(1)));
             assert!(a.contains(&Action::Super { parent: "db".into(), child: child.clone() }), "suspicion {n}: {a:?}");
-            m.handle(t + 10, Input::SuperDone { child: child.clone() });
+            step(&mut m, t + 10, Input::SuperDone { child: child.clone() });
             // The primary answers again while the backup recovers: abort.
-            let a = m.handle(t + 500, Input::PingOk(InstanceId(1)));
+            let a = step(&mut m, t + 500, Input::PingOk(InstanceId(1)));
             assert!(a.contains(&Action::KillInstance(backup)), "{a:?}");
-            m.handle(t + 510, Input::InstanceStopped(backup));
-            let a = m.handle(t + 520, Input::ChildDropped { child: child.clone() });
+            step(&mut m, t + 510, Input::InstanceStopped(backup));
+            let a = step(&mut m, t + 520, Input::ChildDropped { child: child.clone() });
             assert!(matches!(&a[..], [Action::Notify(Event::Aborted { .. })]), "{a:?}");
             t += 10_000;
         }
         assert!(m.durable().aborts_ms.is_empty(), "{:?}", m.durable().aborts_ms);
         // Now it crashes: speculation, at the first missed ping.
-        let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+        let a = step(&mut m, t, Input::PingFailed(InstanceId(1)));
         assert!(a.contains(&Action::Super { parent: "db".into(), child: "db.fo-6".into() }), "{a:?}");
     }
 
@@ -973,24 +889,24 @@ mod tests {
     #[test]
     fn a_failover_clears_the_abort_history() {
         let cfg = MonitorConfig { max_aborts: 2, reds_timeout_ms: 5_000, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        let (mut m, _) = start(cfg, "db".into(), 0);
         boot(&mut m, 0);
         let child = "db.fo-1".to_string();
-        m.handle(1_000, Input::PingFailed(InstanceId(1)));
-        m.handle(1_010, Input::SuperDone { child: child.clone() });
-        m.handle(1_020, Input::PingOk(InstanceId(2)));
-        m.handle(1_030, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
-        m.handle(1_040, Input::InstanceStopped(InstanceId(2)));
+        step(&mut m, 1_000, Input::PingFailed(InstanceId(1)));
+        step(&mut m, 1_010, Input::SuperDone { child: child.clone() });
+        step(&mut m, 1_020, Input::PingOk(InstanceId(2)));
+        step(&mut m, 1_030, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
+        step(&mut m, 1_040, Input::InstanceStopped(InstanceId(2)));
         assert_eq!(m.durable().aborts_ms.len(), 1);
         // The primary answers, then a REDS-style failover happens another way: here a second
         // speculation that promotes.
-        m.handle(2_000, Input::PingOk(InstanceId(1)));
-        m.handle(3_000, Input::PingFailed(InstanceId(1)));
-        m.handle(3_010, Input::SuperDone { child: "db.fo-2".into() });
-        m.handle(3_020, Input::PingOk(InstanceId(3)));
-        m.handle(3_030, Input::CollapseDone { child: "db.fo-2".into(), outcome: CollapseOutcome::Promoted });
-        m.handle(3_040, Input::EndpointPointed(InstanceId(3)));
-        let a = m.handle(3_050, Input::InstanceStopped(InstanceId(1)));
+        step(&mut m, 2_000, Input::PingOk(InstanceId(1)));
+        step(&mut m, 3_000, Input::PingFailed(InstanceId(1)));
+        step(&mut m, 3_010, Input::SuperDone { child: "db.fo-2".into() });
+        step(&mut m, 3_020, Input::PingOk(InstanceId(3)));
+        step(&mut m, 3_030, Input::CollapseDone { child: "db.fo-2".into(), outcome: CollapseOutcome::Promoted });
+        step(&mut m, 3_040, Input::EndpointPointed(InstanceId(3)));
+        let a = step(&mut m, 3_050, Input::InstanceStopped(InstanceId(1)));
         assert!(matches!(&a[..], [Action::Notify(Event::Promoted { .. })]), "{a:?}");
         assert!(m.durable().aborts_ms.is_empty());
     }
@@ -1001,17 +917,17 @@ mod tests {
     #[test]
     fn reds_freezes_the_endpoint_from_the_fence_to_the_re_point() {
         let cfg = MonitorConfig { policy: PolicyKind::Reds, reds_timeout_ms: 1_000, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        let (mut m, _) = start(cfg, "db".into(), 0);
         boot(&mut m, 0);
-        m.handle(1_000, Input::PingFailed(InstanceId(1)));
-        let a = m.handle(2_100, Input::Tick);
+        step(&mut m, 1_000, Input::PingFailed(InstanceId(1)));
+        let a = step(&mut m, 2_100, Input::Tick);
         let freeze = a.iter().position(|x| *x == Action::FreezeEndpoint).expect("frozen");
         let kill = a.iter().position(|x| *x == Action::KillInstance(InstanceId(1))).expect("fenced");
         assert!(freeze < kill, "{a:?}");
-        let a = m.handle(2_200, Input::InstanceStopped(InstanceId(1)));
+        let a = step(&mut m, 2_200, Input::InstanceStopped(InstanceId(1)));
         assert!(a.contains(&Action::StartInstance { id: InstanceId(2), volume: "db".into() }), "{a:?}");
         assert!(!a.iter().any(|x| matches!(x, Action::PointEndpoint(_))), "{a:?}");
-        let a = m.handle(3_000, Input::PingOk(InstanceId(2)));
+        let a = step(&mut m, 3_000, Input::PingOk(InstanceId(2)));
         assert!(a.contains(&Action::PointEndpoint(InstanceId(2))), "{a:?}");
     }
 
@@ -1021,26 +937,26 @@ mod tests {
     #[test]
     fn a_failed_kill_is_retried_and_the_promotion_waits_for_it() {
         let cfg = MonitorConfig { retry_backoff_ms: 500, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        let (mut m, _) = start(cfg, "db".into(), 0);
         boot(&mut m, 0);
         assert!(m.settled());
-        m.handle(1_000, Input::PingFailed(InstanceId(1)));
+        step(&mut m, 1_000, Input::PingFailed(InstanceId(1)));
         assert!(!m.settled());
-        m.handle(1_010, Input::SuperDone { child: "db.fo-1".into() });
-        m.handle(1_020, Input::PingOk(InstanceId(2)));
-        let a = m.handle(1_030, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
+        step(&mut m, 1_010, Input::SuperDone { child: "db.fo-1".into() });
+        step(&mut m, 1_020, Input::PingOk(InstanceId(2)));
+        let a = step(&mut m, 1_030, Input::CollapseDone { child: "db.fo-1".into(), outcome: CollapseOutcome::Promoted });
         assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
-        m.handle(1_040, Input::EndpointPointed(InstanceId(2)));
-        let a = m.handle(1_050, Input::KillFailed { id: InstanceId(1), error: "still alive".into() });
+        step(&mut m, 1_040, Input::EndpointPointed(InstanceId(2)));
+        let a = step(&mut m, 1_050, Input::KillFailed { id: InstanceId(1), error: "still alive".into() });
         assert!(a.is_empty(), "{a:?}");
         assert!(!m.settled(), "a fence still to do");
         // Not before the backoff.
-        let a = m.handle(1_300, Input::Tick);
+        let a = step(&mut m, 1_300, Input::Tick);
         assert!(!a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
-        let a = m.handle(1_600, Input::Tick);
+        let a = step(&mut m, 1_600, Input::Tick);
         assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
         assert!(!matches!(m.durable().phase, Phase::Normal));
-        let a = m.handle(1_700, Input::InstanceStopped(InstanceId(1)));
+        let a = step(&mut m, 1_700, Input::InstanceStopped(InstanceId(1)));
         assert!(matches!(&a[..], [Action::Notify(Event::Promoted { .. })]), "{a:?}");
         assert!(m.settled());
     }
@@ -1048,30 +964,30 @@ mod tests {
     #[test]
     fn rejected_collapse_keeps_the_parent_and_falls_back_to_reds() {
         let cfg = MonitorConfig { max_aborts: 2, reds_timeout_ms: 10_000, ..MonitorConfig::default() };
-        let (mut m, _) = Monitor::new(cfg, "db".into(), 0);
+        let (mut m, _) = start(cfg, "db".into(), 0);
         boot(&mut m, 0);
         let mut t = 1_000;
         for n in 1..=2u64 {
             let child = format!("db.fo-{n}");
             let backup = InstanceId(n + 1);
-            let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+            let a = step(&mut m, t, Input::PingFailed(InstanceId(1)));
             assert!(a.contains(&Action::Super { parent: "db".into(), child: child.clone() }), "{a:?}");
-            m.handle(t + 10, Input::SuperDone { child: child.clone() });
-            m.handle(t + 20, Input::PingOk(backup));
-            let a = m.handle(t + 30, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
+            step(&mut m, t + 10, Input::SuperDone { child: child.clone() });
+            step(&mut m, t + 20, Input::PingOk(backup));
+            let a = step(&mut m, t + 30, Input::CollapseDone { child: child.clone(), outcome: CollapseOutcome::Rejected });
             // The endpoint thaws back to the primary; the rejected child is gone already: no drop.
             assert_eq!(a, vec![Action::PointEndpoint(InstanceId(1)), Action::KillInstance(backup)]);
-            let a = m.handle(t + 40, Input::InstanceStopped(backup));
+            let a = step(&mut m, t + 40, Input::InstanceStopped(backup));
             assert!(matches!(&a[..], [Action::Notify(Event::Aborted { .. })]), "{a:?}");
             assert_eq!(m.durable().volume, "db");
             t += 1_000;
         }
         // Two aborts: no more speculation; the REDS timeout (from the first silence) decides.
-        let a = m.handle(t, Input::PingFailed(InstanceId(1)));
+        let a = step(&mut m, t, Input::PingFailed(InstanceId(1)));
         assert!(!a.iter().any(|a| matches!(a, Action::Super { .. })), "{a:?}");
-        let a = m.handle(11_000, Input::Tick);
+        let a = step(&mut m, 11_000, Input::Tick);
         assert!(a.contains(&Action::KillInstance(InstanceId(1))), "{a:?}");
-        let a = m.handle(11_100, Input::InstanceStopped(InstanceId(1)));
+        let a = step(&mut m, 11_100, Input::InstanceStopped(InstanceId(1)));
         assert!(a.contains(&Action::StartInstance { id: InstanceId(4), volume: "db".into() }), "{a:?}");
     }
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::{Durable, MonitorConfig};
+use crate::proto::{Durable, MonitorConfig};
 
 /// What is written: the state plus the configuration it was made under, so a restart with a
 /// different spec is noticed.
@@ -63,14 +63,15 @@ impl FileJournal {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::{Monitor, MonitorConfig};
+    use crate::core::Monitor;
+    use crate::proto::MonitorConfig;
 
     #[test]
     fn round_trip_and_corrupt_file() {
         let dir = tempfile::tempdir().unwrap();
         let j = FileJournal::new(&dir.path().join("monitor.json"));
         assert!(j.load().unwrap().is_none());
-        let (m, _) = Monitor::new(MonitorConfig::default(), "db".into(), 0);
+        let m = Monitor::new(MonitorConfig::default(), "db".into(), 0);
         let r = Record { config: m.config().clone(), state: m.durable().clone() };
         j.save(&r).unwrap();
         assert_eq!(j.load().unwrap(), Some(r));

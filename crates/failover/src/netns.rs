@@ -64,7 +64,7 @@ pub const IP_TIMEOUT: Duration = Duration::from_secs(10);
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn ip(args: &[&str]) -> Result<String, NetnsError> {
-    crate::teardown::run_bounded("ip", args, IP_TIMEOUT).map_err(NetnsError)
+    crate::pool::teardown::run_bounded("ip", args, IP_TIMEOUT).map_err(NetnsError)
 }
 
 /// Held while namespaces are made or swept (an exclusive `flock` on [`LOCK_FILE`]).

@@ -16,7 +16,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use failover::core::*;
+use failover::core::Monitor;
+use failover::proto::*;
 use sim::{EventQueue, SimRng, TimeUs};
 
 const MS: u64 = 1_000;
@@ -144,10 +145,11 @@ impl World {
     fn step(&mut self, input: Option<Input>) {
         let Some(m) = self.monitor.as_mut() else { return };
         let now = self.q.now() / MS;
-        let actions = match input {
-            Some(i) => m.handle(now, i),
-            None => m.handle(now, Input::Tick),
-        };
+        m.handle(now, input.unwrap_or(Input::Tick));
+        // (`handle` checked the invariants already; a simulation step checks them, whatever
+        // a build's `handle` does.)
+        m.check_invariants();
+        let actions = m.take_outputs();
         self.persisted = Some(m.durable().clone());
         self.run_actions(actions);
     }
@@ -393,6 +395,8 @@ impl World {
         }
     }
 
+    /// One event of the world (about 115 lines on purpose: one match over every kind of
+    /// event, the world's state machine, reads best whole).
     fn handle(&mut self, ev: Ev) {
         match ev {
             Ev::Deliver { inc, input } => {
@@ -499,7 +503,8 @@ impl World {
             Ev::MonitorRestart => {
                 let d = self.persisted.clone().expect("persisted before any action");
                 self.log(|| format!("monitor restarts in {:?}", d.phase));
-                let (m, acts) = Monitor::recover(self.cfg.clone(), d, self.now_ms());
+                let mut m = Monitor::recover(self.cfg.clone(), d, self.now_ms());
+                let acts = m.take_outputs();
                 self.monitor = Some(m);
                 let inc = self.inc;
                 self.push(0, Ev::Tick { inc });
@@ -519,8 +524,19 @@ struct Outcome {
     policy: PolicyKind,
 }
 
+/// One seeded run: a world and its faults drawn from `seed`, run to the end, checked.
 fn run(seed: u64, trace: bool) -> Outcome {
     let mut rng = SimRng::new(seed);
+    let mut w = new_world(seed, trace, &mut rng);
+    schedule_faults(&mut w, &mut rng);
+    // As drawn: the end of the run turns the monitor's crashes off.
+    let crash_p = w.crash_p;
+    run_to_the_end(&mut w);
+    check_the_end(&w, seed, crash_p)
+}
+
+/// The world of a run, its monitor booting: the policy, the fault and the timings drawn.
+fn new_world(seed: u64, trace: bool, rng: &mut SimRng) -> World {
     let policy = *rng.pick(&[PolicyKind::Speculative, PolicyKind::Speculative, PolicyKind::Reds, PolicyKind::Oracle]).unwrap();
     let fault = *rng.pick(&[Fault::Crash, Fault::Transient, Fault::WritingWhileCut, Fault::FailSlow, Fault::FlakyThenCrash]).unwrap();
     let cfg = MonitorConfig {
@@ -573,12 +589,20 @@ fn run(seed: u64, trace: bool) -> Outcome {
     };
     w.log(|| format!("seed {seed}: {policy:?} {fault:?} never_healthy={never_healthy} backup_crash_p={backup_crash_p} crash_p={crash_p} recovery_ms={recovery_ms:?} timeout={}", cfg.reds_timeout_ms));
     w.vols.insert("db".into(), Vol { writes: BTreeSet::new(), parent: None, child: None, dirty: false, fenced: false });
-    let (m, acts) = Monitor::new(cfg.clone(), "db".into(), 0);
+    let mut m = Monitor::new(cfg.clone(), "db".into(), 0);
+    let acts = m.take_outputs();
     w.persisted = Some(m.durable().clone());
     w.monitor = Some(m);
     w.run_actions(acts);
     w.push(0, Ev::Tick { inc: 0 });
     w.push(100 * MS, Ev::Client);
+    w
+}
+
+/// The run's fault (and the oracle's hint about it), a second failure in some runs, and
+/// crashes of the monitor when the run has them.
+fn schedule_faults(w: &mut World, rng: &mut SimRng) {
+    let (fault, policy, recovery_ms, crash_p) = (w.fault, w.cfg.policy, w.recovery_ms, w.crash_p);
     let fault_at = rng.range_u64(5_000, 10_000) * MS;
     let heal_after = rng.range_u64(1_000, 40_000) * MS;
     match fault {
@@ -627,6 +651,11 @@ fn run(seed: u64, trace: bool) -> Outcome {
             w.push(at, Ev::MonitorCrash);
         }
     }
+}
+
+/// Runs the events for 400 s of virtual time; then, with monitor crashes off, restarts a
+/// crashed monitor and gives it 200 s more to settle.
+fn run_to_the_end(w: &mut World) {
     let end = 400_000 * MS;
     while let Some(t) = w.q.peek_time() {
         if t > end {
@@ -657,6 +686,13 @@ fn run(seed: u64, trace: bool) -> Outcome {
             }
         }
     }
+}
+
+/// The end-of-run checks: nothing fenced without a promotion; serving (or given up, where the
+/// run allows it); a crash after false positives failed over by a promotion.
+fn check_the_end(w: &World, seed: u64, crash_p: f64) -> Outcome {
+    let (fault, policy, never_healthy, backup_crash_p) = (w.fault, w.cfg.policy, w.never_healthy, w.backup_crash_p);
+    let trace = w.trace;
     let m = w.monitor.as_ref().unwrap();
     let d = m.durable().clone();
     // A fenced volume only ever comes from a promotion.

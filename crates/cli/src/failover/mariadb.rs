@@ -7,7 +7,7 @@
 //! renamed into place, so a crash during it leaves nothing half made. `mariadbd` drops to the
 //! `mysql` user itself and shuts down cleanly on SIGTERM; like every process the instance's
 //! application starts, it is in the application's cgroup, which the pool's kill empties
-//! ([`failover::unit`]). Commits are flushed at commit
+//! ([`failover::pool::unit`]). Commits are flushed at commit
 //! (`rocksdb_flush_log_at_trx_commit = 1`, `innodb_flush_log_at_trx_commit = 1`).
 
 use std::os::unix::fs::PermissionsExt;

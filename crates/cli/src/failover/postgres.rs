@@ -11,7 +11,7 @@
 //! instance's process group does not reach them: a backend notices its postmaster's death only
 //! where it waits, and one in a long query runs on, holding files on the volume. The pool kills
 //! the application's cgroup instead, which holds every process it started
-//! ([`failover::unit`]). SIGTERM here becomes a fast shutdown (SIGINT), which ends client
+//! ([`failover::pool::unit`]). SIGTERM here becomes a fast shutdown (SIGINT), which ends client
 //! sessions instead of waiting for them.
 
 use std::path::{Path, PathBuf};

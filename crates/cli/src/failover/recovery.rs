@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
-use ::failover::driver::{health_check, Volumes};
+use ::failover::driver::Volumes;
+use ::failover::health::health_check;
 use ::failover::pg::PgConn;
 use ::failover::pool::{InstancePool, LocalPool, LocalPoolConfig};
 use ::failover::spec::{AppSpec, HealthSpec, PgTarget};
@@ -303,11 +304,11 @@ impl Bench {
         let id = self.id();
         let before = self.counters().await;
         let t0 = Instant::now();
-        let asked_unix = ::failover::driver::now_unix_ms() as f64;
+        let asked_unix = ::failover::proto::now_unix_ms() as f64;
         let addr = self.pool.start(id, vol).await.with_context(|| format!("starting an instance on {vol}"))?;
         let started = Instant::now();
         let healthy = wait_healthy(&self.pool, &self.health, addr, id).await?;
-        let healthy_unix = ::failover::driver::now_unix_ms() as f64 - healthy.elapsed().as_secs_f64() * 1000.0;
+        let healthy_unix = ::failover::proto::now_unix_ms() as f64 - healthy.elapsed().as_secs_f64() * 1000.0;
         let parts = self.pool.start_timing(id).and_then(|t| super::breakdown::of(asked_unix, healthy_unix, &t, &self.pool.log_file(id), 0.0));
         let work = before.zip(self.counters().await).map(|(b, a)| super::shardtrace::work_between(&b, &a));
         Ok(Recovered { id, addr, attach_ms: (started - t0).as_secs_f64() * 1000.0, app_ms: (healthy - started).as_secs_f64() * 1000.0, parts, work })

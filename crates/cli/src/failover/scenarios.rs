@@ -298,7 +298,7 @@ impl Load {
         let handle = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(async {
-                su.store(::failover::driver::now_unix_ms(), Ordering::Relaxed);
+                su.store(::failover::proto::now_unix_ms(), Ordering::Relaxed);
                 let target = ::failover::load::Target::Line;
                 let stop = async {
                     let _ = stop_rx.await;
@@ -423,7 +423,7 @@ fn run_failure(m: &mut Mon, s: &Scen, p: &Params, trace: Option<&[String]>) -> a
         m.control(&format!("hint {back} {}", s.recovery_ms))?;
     }
     let tracer = trace.zip(p.counter_interval).map(|(a, i)| super::shardtrace::Tracer::start(a.to_vec(), i));
-    let fault_unix_ms = ::failover::driver::now_unix_ms() as f64;
+    let fault_unix_ms = ::failover::proto::now_unix_ms() as f64;
     match s.transient_ms {
         Some(t) => m.control(&format!("cut {t}"))?,
         None => m.control("kill")?,
@@ -860,8 +860,8 @@ fn measure(
             // Both bounded, and the thaw tried even when the freeze failed: a file system left
             // frozen would hang its application for good.
             let dir_arg = dir.to_string_lossy();
-            let frozen = ::failover::teardown::run_bounded("fsfreeze", &["--freeze", &dir_arg], ::failover::teardown::COMMAND_TIMEOUT);
-            let thawed = ::failover::teardown::run_bounded("fsfreeze", &["--unfreeze", &dir_arg], ::failover::teardown::COMMAND_TIMEOUT);
+            let frozen = ::failover::pool::teardown::run_bounded("fsfreeze", &["--freeze", &dir_arg], ::failover::pool::teardown::COMMAND_TIMEOUT);
+            let thawed = ::failover::pool::teardown::run_bounded("fsfreeze", &["--unfreeze", &dir_arg], ::failover::pool::teardown::COMMAND_TIMEOUT);
             frozen.and(thawed).map_err(|e| anyhow::anyhow!("checkpointing the journal of {}: {e}", dir.display()))?;
         }
         warmup_s = t.elapsed().as_secs_f64();
@@ -1303,7 +1303,7 @@ impl GeneralTwin {
             let r = async {
                 let addr = pool.start(id, &child).await.with_context(|| format!("starting an instance on {child}"))?;
                 loop {
-                    if ::failover::driver::health_check(health, addr, id).await {
+                    if ::failover::health::health_check(health, addr, id).await {
                         return anyhow::Ok(t0.elapsed().as_secs_f64() * 1000.0);
                     }
                     anyhow::ensure!(pool.pids(id).is_some_and(|(app, _)| ::failover::pool::pid_alive(app)), "the instance on {child} exited before it was healthy");

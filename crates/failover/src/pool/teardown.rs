@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::process::{pid_alive, signal, wait_gone};
+
 /// Deadline of each clean-up command (`umount`, `losetup`, `mount`).
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long the kernel gets to release a loop device after `losetup -d`.
@@ -167,29 +169,6 @@ pub fn is_mountpoint(dir: &Path) -> bool {
         .any(|l| l.split(' ').nth(4) == Some(d.as_ref()))
 }
 
-pub fn signal(pid: i32, sig: libc::c_int) {
-    // SAFETY: kill(2) has no memory-safety preconditions (negative pid: a process group).
-    unsafe {
-        libc::kill(pid, sig);
-    }
-}
-
-pub fn alive(pid: u32) -> bool {
-    crate::pool::pid_alive(pid)
-}
-
-/// Waits until none of `pids` is alive; false at the deadline.
-pub fn wait_gone(pids: &[u32], timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while pids.iter().any(|p| alive(*p)) {
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    true
-}
-
 /// Takes down what attach helper `helper` serves, as a crash: its FUSE connection aborted, the
 /// file system at `mount` (if any) lazily unmounted, its loop devices detached and released,
 /// then the helper's process group SIGKILLed and its FUSE directories unmounted. The
@@ -207,7 +186,7 @@ pub fn take_down_dead_helper(helper: u32, mount: Option<&Path>) -> Result<(), St
 }
 
 fn take_down(helper: u32, mount: Option<&Path>, ours: bool) -> Result<(), String> {
-    let alive = |p| ours && alive(p);
+    let alive = |p| ours && pid_alive(p);
     let mut problems = vec![];
     if alive(helper) {
         // Go on without the fence if it fails: the unmount then flushes, which is slower

@@ -28,6 +28,8 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::process::pid_alive;
+
 /// The directory under the cgroup2 mount that holds the instances' groups.
 const BASE: &str = "understudy";
 
@@ -316,11 +318,9 @@ fn descendants(table: &[(u32, u32)], roots: BTreeSet<u32>) -> BTreeSet<u32> {
     }
 }
 
+/// [`super::process::signal`] of one process.
 fn signal(pid: u32, sig: libc::c_int) {
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    unsafe {
-        libc::kill(pid as libc::pid_t, sig);
-    }
+    super::process::signal(pid as libc::pid_t, sig)
 }
 
 /// The fallback kill: the tree of `root` SIGSTOPped until no new process appears in it (a
@@ -350,7 +350,7 @@ pub fn kill_tree(root: u32, timeout: Duration) -> Result<(), String> {
         let left: Vec<u32> = seen
             .iter()
             .copied()
-            .filter(|p| crate::pool::pid_alive(*p))
+            .filter(|p| pid_alive(*p))
             .collect();
         if left.is_empty() {
             return Ok(());
@@ -361,7 +361,7 @@ pub fn kill_tree(root: u32, timeout: Duration) -> Result<(), String> {
             ));
         }
         std::thread::sleep(Duration::from_millis(10));
-        seen.retain(|p| crate::pool::pid_alive(*p));
+        seen.retain(|p| pid_alive(*p));
     }
 }
 
@@ -418,7 +418,7 @@ mod tests {
             let _ = child.wait().await;
             let left: Vec<u32> = pids
                 .into_iter()
-                .filter(|p| crate::pool::pid_alive(*p))
+                .filter(|p| pid_alive(*p))
                 .collect();
             assert!(left.is_empty(), "alive after the group's kill: {left:?}");
         });
@@ -446,7 +446,7 @@ mod tests {
         let _ = child.wait();
         let left: Vec<u32> = pids
             .into_iter()
-            .filter(|p| crate::pool::pid_alive(*p))
+            .filter(|p| pid_alive(*p))
             .collect();
         assert!(left.is_empty(), "alive after the tree's kill: {left:?}");
     }

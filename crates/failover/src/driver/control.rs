@@ -1,0 +1,225 @@
+//! The monitor's control port (one request per line: `status`, a fault to inject into the
+//! primary, an oracle hint) and the fault injection itself (tests, benchmarks, the demo).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::core::Monitor;
+use crate::endpoint::Proxy;
+use crate::pool::{InstancePool, LocalPool};
+use crate::proto::{Durable, InstanceId};
+
+/// Longest control request line.
+pub const MAX_CONTROL_LINE_BYTES: usize = 4096;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// SIGKILL of the whole instance (no flush).
+    Kill,
+    /// Clean stop: SIGTERM, wait, unmount.
+    Stop,
+    /// SIGSTOP for the duration (0: until resumed by hand... here: for good).
+    Pause,
+    /// Network link cut for the duration (0: for good).
+    Cut,
+}
+
+impl std::str::FromStr for FaultKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "kill" => FaultKind::Kill,
+            "stop" => FaultKind::Stop,
+            "pause" => FaultKind::Pause,
+            "cut" => FaultKind::Cut,
+            _ => return Err(format!("unknown fault {s:?} (kill, stop, pause, cut)")),
+        })
+    }
+}
+
+#[derive(Serialize, Debug, Clone)]
+pub struct Status {
+    /// At rest: the primary serves, nothing suspected, no operation queued or running, no
+    /// retry pending ([`Monitor::settled`]). What tests wait for before looking around.
+    pub settled: bool,
+    pub state: Durable,
+    pub endpoint: SocketAddr,
+    pub endpoint_target: Option<SocketAddr>,
+    pub instances: Vec<InstanceStatus>,
+}
+
+#[derive(Serialize, Debug, Clone)]
+pub struct InstanceStatus {
+    pub id: InstanceId,
+    pub addr: Option<SocketAddr>,
+    /// (application, attach helper)
+    pub pids: Option<(u32, u32)>,
+    /// Its network namespace, when it runs in one.
+    pub netns: Option<crate::netns::NetnsLink>,
+    /// Where its start went (attach steps, application spawned).
+    pub start: Option<crate::pool::StartTiming>,
+}
+
+pub enum Control {
+    Fault { kind: FaultKind, duration_ms: u64, reply: oneshot::Sender<Result<String, String>> },
+    Status(oneshot::Sender<Status>),
+    Hint { primary_back_after_ms: Option<u64>, recovery_ms: u64 },
+}
+
+/// The answer to `status`: the monitor's state, the endpoint, the instances. `busy`: the
+/// operations queued or running on the workers.
+pub(super) fn status(m: &Monitor, pool: &LocalPool, endpoint: &Proxy, busy: usize) -> Status {
+    let mut instances = vec![];
+    for id in pool.instances() {
+        instances.push(InstanceStatus { id, addr: pool.address(id), pids: pool.pids(id), netns: pool.netns(id), start: pool.start_timing(id) });
+    }
+    Status {
+        settled: m.settled() && busy == 0,
+        state: m.durable().clone(),
+        endpoint: endpoint.local_addr(),
+        endpoint_target: endpoint.target(),
+        instances,
+    }
+}
+
+/// Serves control requests (one line each) on `listener`: `status`, `kill`, `stop`,
+/// `pause MS`, `cut MS`, `hint BACK_MS|never RECOVERY_MS`.
+pub async fn serve_control(listener: TcpListener, tx: mpsc::Sender<Control>) {
+    // Accept errors are waited out with backoff (retrying at once spins a core).
+    wire::listen::serve(listener, "failover control port", move |s, _| {
+        let tx = tx.clone();
+        async move {
+            let (r, mut w) = s.into_split();
+            let mut lines = BufReader::new(r.take(MAX_CONTROL_LINE_BYTES as u64 * 16)).lines();
+            // The port has no secret; the tools send their line at once: a connection that
+            // sends no request within the authentication deadline of the other ports is closed.
+            while let Ok(Ok(Some(line))) = tokio::time::timeout(wire::listen::AUTH_DEADLINE, lines.next_line()).await {
+                let reply = control_request(&tx, line.trim()).await;
+                let text = match reply {
+                    Ok(t) => format!("ok {t}\n"),
+                    Err(e) => format!("error {e}\n"),
+                };
+                if w.write_all(text.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+        }
+    })
+    .await
+}
+
+async fn control_request(tx: &mpsc::Sender<Control>, line: &str) -> Result<String, String> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let ms = |i: usize| -> Result<u64, String> {
+        words.get(i).map(|w| w.parse::<u64>().map_err(|_| format!("{w:?} is not a number of milliseconds"))).unwrap_or(Ok(0))
+    };
+    match words.first().copied() {
+        Some("status") => {
+            let (otx, orx) = oneshot::channel();
+            tx.send(Control::Status(otx)).await.map_err(|_| "monitor stopped".to_string())?;
+            let s = orx.await.map_err(|_| "monitor stopped".to_string())?;
+            Ok(serde_json::to_string(&s).unwrap())
+        }
+        Some("hint") => {
+            let back = match words.get(1) {
+                Some(&"never") => None,
+                _ => Some(ms(1)?),
+            };
+            tx.send(Control::Hint { primary_back_after_ms: back, recovery_ms: ms(2)? }).await.map_err(|_| "monitor stopped".to_string())?;
+            Ok("hint taken".into())
+        }
+        Some(f) => {
+            let kind: FaultKind = f.parse()?;
+            let (otx, orx) = oneshot::channel();
+            tx.send(Control::Fault { kind, duration_ms: ms(1)?, reply: otx }).await.map_err(|_| "monitor stopped".to_string())?;
+            orx.await.map_err(|_| "monitor stopped".to_string())?
+        }
+        None => Err("empty request".into()),
+    }
+}
+
+/// Injects a fault into the current primary (tests, benchmarks, the demo).
+pub(super) async fn inject(pool: &Arc<LocalPool>, primary: InstanceId, kind: FaultKind, duration_ms: u64) -> Result<String, String> {
+    if pool.address(primary).is_none() {
+        return Err(format!("primary {primary} is not running"));
+    }
+    match kind {
+        FaultKind::Kill => {
+            // Not the pool's kill: detaching is the monitor's job (its fence). A crash is the
+            // disk cut off (the helper's FUSE connection aborted: nothing more reaches the
+            // volume) and the application SIGKILLed.
+            pool.crash(primary).await.map_err(|e| e.to_string())?;
+        }
+        FaultKind::Stop => {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                if let Err(e) = pool.stop(primary).await {
+                    tracing::warn!("clean stop of {primary}: {e}");
+                }
+            });
+        }
+        FaultKind::Pause | FaultKind::Cut => {
+            let set = |on: bool| match kind {
+                FaultKind::Pause => pool.pause(primary, on),
+                _ => pool.cut(primary, on),
+            };
+            set(true).map_err(|e| e.to_string())?;
+            if duration_ms > 0 {
+                let pool = pool.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(duration_ms)).await;
+                    let r = match kind {
+                        FaultKind::Pause => pool.pause(primary, false),
+                        _ => pool.cut(primary, false),
+                    };
+                    if let Err(e) = r {
+                        tracing::info!("healing {primary}: {e}");
+                    }
+                });
+            }
+        }
+    }
+    Ok(format!("{kind:?} injected into primary {primary}"))
+}
+
+#[cfg(test)]
+mod control_port_tests {
+    use super::*;
+    use std::time::Instant;
+    use tokio::io::AsyncBufReadExt;
+
+    /// A flood of idle connections neither stops the control port nor stays open past the
+    /// deadline; a real request is answered afterwards.
+    #[tokio::test]
+    async fn control_port_survives_a_flood_and_closes_idle_connections() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, mut rx) = mpsc::channel::<Control>(64);
+        tokio::spawn(serve_control(l, tx));
+        tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        let mut flood = Vec::new();
+        for _ in 0..300 {
+            flood.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        drop(flood);
+        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (r, mut w) = s.into_split();
+        w.write_all(b"hint 10 20\n").await.unwrap();
+        let mut line = String::new();
+        tokio::time::timeout(std::time::Duration::from_secs(10), BufReader::new(r).read_line(&mut line)).await.unwrap().unwrap();
+        assert_eq!(line.trim(), "ok hint taken");
+
+        let t0 = Instant::now();
+        let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(wire::listen::AUTH_DEADLINE * 3, idle.read(&mut b)).await;
+        assert!(matches!(n, Ok(Ok(0)) | Ok(Err(_))), "an idle control connection stayed open for {:?}", t0.elapsed());
+    }
+}
