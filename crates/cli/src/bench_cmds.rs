@@ -9,12 +9,12 @@ use std::time::Instant;
 
 use volume::driver::client::Cluster;
 
-use crate::cluster_file::ClusterInfo;
+use testbed::cluster_file::ClusterInfo;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
-use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
+use testbed::volume::{LocalCluster, UpConfig, READY_TIMEOUT};
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCmd {
@@ -87,7 +87,7 @@ pub struct CommonArgs {
 impl CommonArgs {
     /// Replicas of the throw-away cluster: `up`'s default, or one per shard if fewer shards.
     pub fn default_replicas(&self) -> u32 {
-        crate::up::DEFAULT_REPLICAS.min(self.shards)
+        testbed::volume::DEFAULT_REPLICAS.min(self.shards)
     }
 }
 

@@ -235,7 +235,7 @@ fn timeout_cmd(prog: &str, timeout_s: u64) -> Command {
     let mut cmd = Command::new("timeout");
     cmd.args(["--kill-after=5", &timeout_s.to_string(), prog]);
     // (timeout puts itself in a process group of its own anyway.)
-    crate::proc::own_group_dying_with_parent(&mut cmd, libc::SIGTERM);
+    testbed::proc::own_group_dying_with_parent(&mut cmd, libc::SIGTERM);
     cmd
 }
 
@@ -353,7 +353,7 @@ impl CephCluster {
         let log = std::fs::File::create(self.dir.join("log").join(format!("{name}.stderr")))?;
         let mut cmd = Command::new(prog);
         cmd.args(args).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
-        crate::proc::own_group_dying_with_parent(&mut cmd, libc::SIGKILL);
+        testbed::proc::own_group_dying_with_parent(&mut cmd, libc::SIGKILL);
         let child = cmd.spawn().with_context(|| format!("cannot start {prog}"))?;
         self.children.push((name.to_string(), child));
         Ok(())

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 
-use crate::cluster_file::read_secret;
+use testbed::cluster_file::read_secret;
 use crate::exports::ClusterExports;
-use crate::proc::shutdown_signal;
+use testbed::proc::shutdown_signal;
 
 #[derive(Args, Debug)]
 pub struct MetaArgs {
@@ -188,7 +188,7 @@ pub async fn nbd(a: NbdArgs) -> anyhow::Result<()> {
         // The metadata service may still be starting.
         let deadline = Instant::now() + NBD_META_WAIT;
         let cluster = loop {
-            match crate::cluster_file::connect(&a.meta, &secret).await {
+            match testbed::cluster_file::connect(&a.meta, &secret).await {
                 Ok(c) => break c,
                 Err(e) if Instant::now() < deadline && !format!("{e:#}").contains("secret") => {
                     tracing::info!("waiting for the metadata service: {e:#}");

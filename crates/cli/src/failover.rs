@@ -21,7 +21,6 @@ use ::failover::pool::{LocalPool, LocalPoolConfig};
 use ::failover::spec::Spec;
 use tokio::sync::mpsc;
 
-use crate::cluster_file::Target;
 use crate::ConnArgs;
 
 mod bench;
@@ -294,7 +293,7 @@ fn conn_args(conn: &ConnArgs) -> Vec<String> {
         v.extend(["--secret-file".to_string(), abs(s)]);
     }
     if conn.cluster.is_none() && (conn.meta.is_none() || conn.secret_file.is_none()) {
-        let default = Path::new(crate::cluster_file::DEFAULT_DIR).join(crate::cluster_file::CLUSTER_FILE);
+        let default = Path::new(testbed::cluster_file::DEFAULT_DIR).join(testbed::cluster_file::CLUSTER_FILE);
         v.extend(["--cluster".to_string(), abs(&default)]);
     }
     v
@@ -304,7 +303,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
     let mut spec = Spec::load(&a.spec)?;
     std::fs::create_dir_all(&spec.state_dir).with_context(|| format!("cannot create state_dir {}", spec.state_dir.display()))?;
     spec.state_dir = spec.state_dir.canonicalize()?;
-    let target = Target::resolve(conn)?;
+    let target = conn.target()?;
     let rt = crate::runtime()?;
     rt.block_on(async {
         let cluster = target.connect().await?;
@@ -370,7 +369,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
             let _ = std::io::stdout().flush();
         };
         let shutdown = async {
-            let sig = crate::proc::shutdown_signal().await;
+            let sig = testbed::proc::shutdown_signal().await;
             eprintln!("understudy failover: {sig} received: stopping every instance");
         };
         let r = ::failover::driver::run(
@@ -394,7 +393,7 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
     let rt = crate::runtime()?;
     rt.block_on(async {
         let stop = async {
-            crate::proc::shutdown_signal().await;
+            testbed::proc::shutdown_signal().await;
         };
         let target = if a.postgres {
             ::failover::load::Target::Postgres(Default::default())

@@ -21,8 +21,8 @@ use ::kv::node::NodeParams;
 use ::kv::runtime::{CmConfig, KvCluster, KvClusterFile, NodeConfig};
 use ::kv::Model;
 
-use crate::cluster_file;
-use crate::proc;
+use testbed::cluster_file;
+use testbed::proc;
 
 pub const CLUSTER_FILE: &str = "kv-cluster.json";
 pub const PIDS_FILE: &str = "pids";

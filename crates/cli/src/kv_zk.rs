@@ -406,7 +406,7 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
         match p.fault {
             Fault::Kill => lk.kill9(victim)?,
             Fault::Stop => anyhow::ensure!(
-                crate::proc::signal(pid, libc::SIGSTOP),
+                testbed::proc::signal(pid, libc::SIGSTOP),
                 "cannot stop node {victim}"
             ),
         }
@@ -415,7 +415,7 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
         match p.fault {
             Fault::Kill => lk.restart_node(victim)?,
             Fault::Stop => anyhow::ensure!(
-                crate::proc::signal(pid, libc::SIGCONT),
+                testbed::proc::signal(pid, libc::SIGCONT),
                 "cannot continue node {victim}"
             ),
         }

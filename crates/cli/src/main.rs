@@ -13,7 +13,6 @@
 mod attach;
 mod bench_cmds;
 mod ceph_bench;
-mod cluster_file;
 mod daemons;
 mod demo;
 mod exports;
@@ -22,7 +21,6 @@ mod kv;
 mod kv_ycsb;
 mod kv_zk;
 mod nearlog;
-mod proc;
 mod qemu;
 mod size;
 mod up;
@@ -150,6 +148,13 @@ pub struct ConnArgs {
     /// File holding the cluster secret (instead of the one in the cluster file).
     #[arg(long, global = true, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
+}
+
+impl ConnArgs {
+    /// The cluster these options name (see [`testbed::cluster_file::Target::resolve`]).
+    pub fn target(&self) -> anyhow::Result<testbed::cluster_file::Target> {
+        testbed::cluster_file::Target::resolve(self.cluster.as_deref(), self.meta.as_deref(), self.secret_file.as_deref())
+    }
 }
 
 #[derive(Subcommand, Debug)]

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
+use testbed::volume::{LocalCluster, UpConfig, READY_TIMEOUT};
 
 const PING_INTERVAL_MS: u64 = 200;
 /// The REDS timeout of a demo run with the REDS policy.
@@ -86,7 +86,7 @@ impl MonitorGuard {
 
 impl Drop for MonitorGuard {
     fn drop(&mut self) {
-        crate::proc::signal(self.child.id(), libc::SIGTERM);
+        testbed::proc::signal(self.child.id(), libc::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(60);
         while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
@@ -385,7 +385,7 @@ pub fn demo(verbose: u8, app: DemoApp) -> anyhow::Result<()> {
     let rt = crate::runtime()?;
     let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose })?;
     rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
-    let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
+    let cluster_file = lc.info.dir.join(testbed::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
     println!("  cluster up: 4 shards, 3 replicas; a client inserts rows through the endpoint, one at a time");
     let r = run_one(&cluster_file, dir.path(), "speculative", 0, verbose, true, Settle::new(false), app);

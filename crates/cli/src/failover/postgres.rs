@@ -151,8 +151,8 @@ pub fn run(a: PgArgs) -> anyhow::Result<()> {
                     eprintln!("understudy failover postgres: stopped cleanly");
                     return Ok(());
                 }
-                _ = term.recv() => { crate::proc::signal(pid, libc::SIGINT); }
-                _ = int.recv() => { crate::proc::signal(pid, libc::SIGINT); }
+                _ = term.recv() => { testbed::proc::signal(pid, libc::SIGINT); }
+                _ = int.recv() => { testbed::proc::signal(pid, libc::SIGINT); }
             }
         }
     })

@@ -31,7 +31,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 
 use super::{default_shim, read_secret, NearlogClusterFile};
-use crate::up::{LocalCluster, UpConfig};
+use testbed::volume::{LocalCluster, UpConfig};
 
 #[derive(Subcommand, Debug)]
 pub enum NearlogBench {
@@ -215,7 +215,7 @@ impl Drop for KillOnDrop {
     fn drop(&mut self) {
         let pid = self.0.id();
         // SAFETY: getpgid(2) has no memory-safety preconditions; the child is not reaped yet.
-        if unsafe { libc::getpgid(pid as libc::pid_t) } == pid as libc::pid_t && !crate::proc::kill_group(pid, APP_KILL_TIMEOUT) {
+        if unsafe { libc::getpgid(pid as libc::pid_t) } == pid as libc::pid_t && !testbed::proc::kill_group(pid, APP_KILL_TIMEOUT) {
             eprintln!("warning: process group {pid} still has live processes {} s after SIGKILL", APP_KILL_TIMEOUT.as_secs());
         }
         let _ = self.0.kill();
@@ -233,7 +233,7 @@ const APP_RUN_TIMEOUT: Duration = Duration::from_secs(900);
 /// parent-death signal (a terminal's Ctrl-C no longer reaches it through the bench's group).
 fn app_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut c = Command::new(program);
-    crate::proc::own_group_dying_with_parent(&mut c, libc::SIGKILL);
+    testbed::proc::own_group_dying_with_parent(&mut c, libc::SIGKILL);
     c
 }
 
@@ -325,7 +325,7 @@ impl Drop for VolumeBed {
         if let Some(mut c) = self.attach.take() {
             // SIGTERM: the foreground attach unmounts, releases the loop device and FUSE
             // (SIGKILL, by the guard, only if it is stuck).
-            crate::proc::signal(c.0.id(), libc::SIGTERM);
+            testbed::proc::signal(c.0.id(), libc::SIGTERM);
             let deadline = Instant::now() + Duration::from_secs(120);
             while matches!(c.0.try_wait(), Ok(None)) && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(50));
@@ -343,8 +343,8 @@ impl Drop for VolumeBed {
 fn start_volume(rt: &tokio::runtime::Runtime, dir: &Path, latency: Latency, size: &str) -> anyhow::Result<VolumeBed> {
     let cfg = UpConfig { dir: dir.join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose: 0 };
     let mut lc = LocalCluster::start_with(&cfg, &latency.shard_args())?;
-    rt.block_on(lc.wait_ready(crate::up::READY_TIMEOUT, false))?;
-    let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
+    rt.block_on(lc.wait_ready(testbed::volume::READY_TIMEOUT, false))?;
+    let cluster_file = lc.info.dir.join(testbed::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
     let out = Command::new(std::env::current_exe()?)
         .arg("volume")
@@ -1404,8 +1404,8 @@ mod tests {
             assert!(Instant::now() < deadline, "the shell did not start its child");
             std::thread::sleep(Duration::from_millis(10));
         };
-        assert!(crate::proc::alive(child));
+        assert!(testbed::proc::alive(child));
         drop(app);
-        assert!(!crate::proc::alive(child), "the application's child {child} outlived it");
+        assert!(!testbed::proc::alive(child), "the application's child {child} outlived it");
     }
 }

@@ -1,5 +1,7 @@
-//! Child processes and signals: starting the same binary as a daemon with its output in a log
-//! file, stopping processes by pid (SIGTERM, wait, SIGKILL), and waiting for Ctrl-C / SIGTERM.
+//! Child processes and signals, the one process helper of the workspace: starting the same
+//! binary as a daemon with its output in a log file, whether a process is alive, its resident
+//! memory (now and peak), stopping processes by pid (SIGTERM, wait, SIGKILL) or by process group,
+//! and waiting for Ctrl-C / SIGTERM.
 
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -93,6 +95,36 @@ pub fn alive(pid: u32) -> bool {
     }
 }
 
+/// A field of `/proc/PID/status` given in KiB (`VmRSS:`, `VmHWM:`), in bytes; None if the process
+/// or the field is not there.
+fn status_kib_field_bytes(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+}
+
+/// Resident set size of a process now (VmRSS), in bytes; None if it is gone.
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    status_kib_field_bytes(pid, "VmRSS:")
+}
+
+/// Peak resident set size of a process (VmHWM), in bytes; None if it is gone.
+pub fn peak_rss_bytes(pid: u32) -> Option<u64> {
+    status_kib_field_bytes(pid, "VmHWM:")
+}
+
+/// Waits until none of `pids` is alive; false at the deadline.
+pub fn wait_gone(pids: &[u32], timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while pids.iter().any(|p| alive(*p)) {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
 /// Stops children: SIGTERM to all, wait up to `grace`, SIGKILL the rest, reap all.
 /// Returns each child's description and exit status text.
 pub fn stop_children(children: &mut [(String, Child)], grace: Duration) -> Vec<(String, String)> {
@@ -161,5 +193,28 @@ pub async fn shutdown_signal() -> &'static str {
     tokio::select! {
         _ = term.recv() => "SIGTERM",
         _ = int.recv() => "SIGINT",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The helper reads this very process: alive, a resident set above zero and a peak at least
+    /// as large; a reaped child is neither alive nor measured.
+    #[test]
+    fn alive_and_rss_of_real_processes() {
+        let me = std::process::id();
+        assert!(alive(me));
+        let rss = rss_bytes(me).expect("own VmRSS");
+        let peak = peak_rss_bytes(me).expect("own VmHWM");
+        assert!(rss > 0 && peak >= rss, "rss {rss} peak {peak}");
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id();
+        assert!(alive(pid));
+        assert!(signal(pid, libc::SIGKILL));
+        child.wait().unwrap();
+        assert!(wait_gone(&[pid], Duration::from_secs(5)));
+        assert!(!alive(pid) && rss_bytes(pid).is_none() && peak_rss_bytes(pid).is_none());
     }
 }

@@ -1,0 +1,15 @@
+//! The test bed: local clusters of Understudy's own daemons and the real outside systems the
+//! benchmarks compare against, each started as real processes and stopped by PID.
+//!
+//! * [`volume`]: a local volume cluster (metadata service, shards, NBD server), what
+//!   `understudy up` runs, with its [`cluster_file`] (`cluster.json` and the secret);
+//! * [`proc`]: the one process helper: start this binary as a daemon, alive, RSS and peak RSS,
+//!   signal, group kill, stop and wait.
+//!
+//! The daemons are `understudy` subcommands: the clusters re-execute the running executable
+//! ([`proc::spawn_self`]), so the caller is the `understudy` binary. Used by `eval` (the paper experiments), the demo and the end-to-end
+//! tests alike.
+
+pub mod cluster_file;
+pub mod proc;
+pub mod volume;
