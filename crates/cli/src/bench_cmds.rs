@@ -12,6 +12,7 @@ use volume::driver::client::Cluster;
 use testbed::cluster_file::ClusterInfo;
 
 use anyhow::Context;
+use testbed::proc::peak_rss_bytes;
 use clap::{Args, Subcommand};
 
 use testbed::volume::{LocalCluster, UpConfig, READY_TIMEOUT};
@@ -177,10 +178,3 @@ fn work_dir() -> anyhow::Result<PathBuf> {
     Ok(d)
 }
 
-/// Peak resident set size of a process (VmHWM), in bytes.
-fn peak_rss_bytes(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}

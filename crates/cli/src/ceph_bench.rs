@@ -533,12 +533,6 @@ fn iops(r: &FioWrites) -> f64 {
     r.ios as f64 * 1e3 / r.runtime_ms as f64
 }
 
-fn peak_rss_bytes(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
-}
-
 pub fn run(a: CephArgs, verbose: u8) -> anyhow::Result<()> {
     // Fail before starting anything on bad options or when Ceph is missing.
     let replicas = a.replicas;
@@ -632,7 +626,7 @@ pub fn run(a: CephArgs, verbose: u8) -> anyhow::Result<()> {
         report.figure("object_size_bytes", OBJECT_SIZE_BYTES as f64)?;
         // The largest daemon of each kind (as shard.rss_peak_bytes is the largest shard).
         for (prefix, name) in [("osd.", "ceph_osd"), ("mon.", "ceph_mon")] {
-            if let Some(rss) = ceph.pids(prefix).into_iter().filter_map(peak_rss_bytes).max() {
+            if let Some(rss) = ceph.pids(prefix).into_iter().filter_map(testbed::proc::peak_rss_bytes).max() {
                 report.figure(&format!("{name}.rss_peak_bytes"), rss as f64)?;
             }
         }

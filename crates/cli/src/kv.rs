@@ -1122,19 +1122,6 @@ fn preload(image: &Path, dir: &Path, nodes: u32) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// (VmRSS, VmHWM) of a process, in bytes.
-fn rss_bytes(pid: u32) -> (u64, u64) {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        s.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-            .map(|kb| kb * 1024)
-            .unwrap_or(0)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
-
 /// Reads a gauge from a node's metrics endpoint.
 async fn scrape_gauge(addr: SocketAddr, name: &str) -> Option<f64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -1269,7 +1256,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         }
         tokio::time::sleep(efn).await;
         // The Buddy's memory and Missed_updates at their fullest, just before the restart.
-        let (rss, peak) = lk.pid(buddy).map(rss_bytes).unwrap_or((0, 0));
+        let (rss, peak) = lk.pid(buddy).map(|p| (proc::rss_bytes(p).unwrap_or(0), proc::peak_rss_bytes(p).unwrap_or(0))).unwrap_or((0, 0));
         let missed = match lk.metrics.get(buddy).copied().flatten() {
             Some(m) => scrape_gauge(m, "kv_missed_updates_bytes").await.unwrap_or(f64::NAN),
             None => f64::NAN,

@@ -260,18 +260,6 @@ pub(crate) fn log_len(dir: &Path, i: usize) -> u64 {
         .unwrap_or(0)
 }
 
-pub(crate) fn rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
-}
-
 // ------------------------------------------------------------------------------ benchmark
 
 #[derive(Args, Debug)]
@@ -475,7 +463,7 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
         );
         anyhow::Ok((load, run, fault))
     });
-    let rss = lk.pid(0).map(rss_bytes).unwrap_or(0);
+    let rss = lk.pid(0).and_then(testbed::proc::rss_bytes).unwrap_or(0);
     lk.stop();
     let (load, run, fault) = match result {
         Ok(r) => r,

@@ -27,12 +27,6 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-pub(super) fn peak_rss_bytes(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
-}
-
 fn narrate(e: &serde_json::Value) {
     let mut fields = e.as_object().cloned().unwrap_or_default();
     let t = fields.remove("t_ms").and_then(|v| v.as_f64()).unwrap_or(0.0);
@@ -337,7 +331,7 @@ fn run_body(
         println!("  {:>9} demo: SIGKILL of the whole primary (application and its volume server)", "");
     }
     let done = wait_event(&rx, &mut seen, &["promoted", "reds_restarted"], Duration::from_secs(300), tell)?;
-    let rss = peak_rss_bytes(monitor.pid()).unwrap_or(0);
+    let rss = testbed::proc::peak_rss_bytes(monitor.pid()).unwrap_or(0);
     std::thread::sleep(settle.0);
     let _ = stop_tx.send(());
     let (r, v) = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;

@@ -47,7 +47,8 @@ use serde_json::Value;
 
 use ::failover::pool::InstancePool;
 
-use super::bench::{logs_tail, peak_rss_bytes, MonitorGuard};
+use super::bench::{logs_tail, MonitorGuard};
+use testbed::proc::peak_rss_bytes;
 use testbed::volume::{LocalCluster, UpConfig, READY_TIMEOUT};
 
 #[derive(Args, Debug)]

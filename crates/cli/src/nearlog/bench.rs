@@ -264,13 +264,6 @@ fn output_bounded(c: &mut Command) -> anyhow::Result<std::process::Output> {
     Ok(std::process::Output { status, stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() })
 }
 
-fn rss_bytes(pid: u32, field: &str) -> Option<f64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = s.lines().find(|l| l.starts_with(field))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024.0)
-}
-
 /// Spawns this executable with `args`, stdout piped, and waits for a stdout line starting with
 /// `ready_prefix`; returns the child and that line. Later output is drained.
 fn spawn_until(args: &[&str], extra: &[&Path], ready_prefix: &str, timeout: Duration) -> anyhow::Result<(KillOnDrop, String)> {
@@ -434,7 +427,7 @@ impl PeerMemory {
                 {
                     for (pid, a) in &pids {
                         let held = s.peers.values().find(|i| &i.addr == a).map(|i| i.used_bytes as f64).unwrap_or(0.0);
-                        if let Some(rss) = rss_bytes(*pid, "VmRSS:") {
+                        if let Some(rss) = testbed::proc::rss_bytes(*pid).map(|b| b as f64) {
                             over = over.max(rss - held);
                             held_max = held_max.max(held);
                         }
@@ -451,7 +444,7 @@ impl PeerMemory {
     fn finish(mut self, lb: &LogBed, pfx: &str, report: &mut bench::Report) -> anyhow::Result<()> {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let (over, held) = self.thread.take().unwrap().join().map_err(|_| anyhow::anyhow!("memory sampler panicked"))?;
-        let hwm = lb.peers.iter().filter_map(|(p, _)| rss_bytes(p.0.id(), "VmHWM:")).fold(0f64, f64::max);
+        let hwm = lb.peers.iter().filter_map(|(p, _)| testbed::proc::peak_rss_bytes(p.0.id()).map(|b| b as f64)).fold(0f64, f64::max);
         report.figure(&format!("{pfx}peer.peak_rss_bytes"), hwm)?;
         report.figure(&format!("{pfx}peer.region_bytes"), lb.region_bytes as f64)?;
         report.figure(&format!("{pfx}peer.peak_rss_over_region_bytes"), hwm - lb.region_bytes as f64)?;
@@ -460,7 +453,7 @@ impl PeerMemory {
             report.figure(&format!("{pfx}peer.held_bytes_max"), held)?;
         }
         eprintln!("peers: peak RSS {:.1} MiB, region {:.0} MiB, RSS beyond held bytes at most {:.1} MiB", hwm / 1048576.0, lb.region_bytes as f64 / 1048576.0, over / 1048576.0);
-        if let Some(r) = rss_bytes(lb.controller.0.id(), "VmHWM:") {
+        if let Some(r) = testbed::proc::peak_rss_bytes(lb.controller.0.id()).map(|b| b as f64) {
             report.figure(&format!("{pfx}controller.peak_rss_bytes"), r)?;
         }
         Ok(())
