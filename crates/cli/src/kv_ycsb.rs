@@ -21,7 +21,7 @@ use ::kv::msg::{ClientOp, ClientResult};
 use ::kv::runtime::KvClient;
 use ycsb::{KvTarget, PhaseSummary, RunConfig, Runner, TargetError, WorkloadSpec};
 
-use crate::kv::{wait_all_serving, LocalKv, UpArgs};
+use testbed::kv::{wait_all_serving, LocalKv, UpArgs};
 
 // ------------------------------------------------------------------------------ target
 

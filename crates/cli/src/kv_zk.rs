@@ -29,7 +29,7 @@ use ::kv::runtime::KvCluster;
 use bench::LatencyRecorder;
 use zk::{srvr, Ensemble, EnsembleOptions, ServerState, ZkClient};
 
-use crate::kv::{wait_all_serving, LocalKv};
+use testbed::kv::{wait_all_serving, LocalKv};
 use crate::kv_ycsb::{bench_dir, log_len, recovery_line, up_args};
 
 /// Throughput windows.

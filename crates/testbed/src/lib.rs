@@ -3,6 +3,8 @@
 //!
 //! * [`volume`]: a local volume cluster (metadata service, shards, NBD server), what
 //!   `understudy up` runs, with its [`cluster_file`] (`cluster.json` and the secret);
+//! * [`kv`]: a local leaderless KV group (nodes and configuration manager), what `understudy kv up`
+//!   runs;
 //! * [`proc`]: the one process helper: start this binary as a daemon, alive, RSS and peak RSS,
 //!   signal, group kill, stop and wait.
 //!
@@ -11,5 +13,6 @@
 //! tests alike.
 
 pub mod cluster_file;
+pub mod kv;
 pub mod proc;
 pub mod volume;
