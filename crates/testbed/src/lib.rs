@@ -5,6 +5,8 @@
 //!   `understudy up` runs, with its [`cluster_file`] (`cluster.json` and the secret);
 //! * [`kv`]: a local leaderless KV group (nodes and configuration manager), what `understudy kv up`
 //!   runs;
+//! * [`nearlog`]: a near-compute log cluster (controller and 3 peers), what `understudy nearlog up`
+//!   runs;
 //! * [`proc`]: the one process helper: start this binary as a daemon, alive, RSS and peak RSS,
 //!   signal, group kill, stop and wait.
 //!
@@ -14,5 +16,6 @@
 
 pub mod cluster_file;
 pub mod kv;
+pub mod nearlog;
 pub mod proc;
 pub mod volume;

@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 
-use super::{default_shim, read_secret, NearlogClusterFile};
+use super::default_shim;
+use testbed::nearlog::{read_secret, NearlogClusterFile};
 use testbed::volume::{LocalCluster, UpConfig};
 
 #[derive(Subcommand, Debug)]
