@@ -25,9 +25,6 @@ use crate::ConnArgs;
 
 mod bench;
 mod breakdown;
-mod datadir;
-mod mariadb;
-mod postgres;
 mod recovery;
 mod scenarios;
 mod shardtrace;
@@ -127,7 +124,7 @@ pub enum FailoverCmd {
     /// For a spec's `app.command`: `["understudy", "failover", "postgres", "--data",
     /// "{mount}/pgdata", "--port", "{port}"]`, with `[health] postgres = {}` (a read-only
     /// `SELECT 1`). SIGTERM is a fast shutdown.
-    Postgres(postgres::PgArgs),
+    Postgres(testbed::postgres::PgArgs),
     /// MariaDB (Debian's, unmodified; RocksDB engine when mariadb-plugin-rocksdb is installed)
     /// as an instance's application: mariadb-install-db on first start, then `mariadbd` on
     /// 127.0.0.1:PORT.
@@ -135,7 +132,7 @@ pub enum FailoverCmd {
     /// For a spec's `app.command`: `["understudy", "failover", "mariadb", "--data",
     /// "{mount}/mysql", "--port", "{port}"]`, with `[health] mysql = {}` (a read-only
     /// `SELECT 1`).
-    Mariadb(mariadb::MariaArgs),
+    Mariadb(testbed::mariadb::MariaArgs),
     /// A real speculative failover on a throw-away cluster, as a timeline.
     ///
     /// SQLite (or, with --app postgres, PostgreSQL) under load on an ext4 volume, the primary
@@ -257,8 +254,8 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()>
         }
         FailoverCmd::Load(a) => load(a),
         FailoverCmd::SqliteFront(a) => sqlite_front(a),
-        FailoverCmd::Postgres(a) => postgres::run(a),
-        FailoverCmd::Mariadb(a) => mariadb::run(a),
+        FailoverCmd::Postgres(a) => testbed::postgres::run(a),
+        FailoverCmd::Mariadb(a) => testbed::mariadb::run(a),
         FailoverCmd::Demo(a) => bench::demo(verbose, a.app),
     }
 }

@@ -7,6 +7,8 @@
 //!   runs;
 //! * [`nearlog`]: a near-compute log cluster (controller and 3 peers), what `understudy nearlog up`
 //!   runs;
+//! * [`postgres`], [`mariadb`]: Debian's unmodified PostgreSQL and MariaDB servers run as a
+//!   failover instance's application (`understudy failover postgres|mariadb`);
 //! * [`proc`]: the one process helper: start this binary as a daemon, alive, RSS and peak RSS,
 //!   signal, group kill, stop and wait.
 //!
@@ -15,7 +17,10 @@
 //! tests alike.
 
 pub mod cluster_file;
+mod datadir;
 pub mod kv;
+pub mod mariadb;
 pub mod nearlog;
+pub mod postgres;
 pub mod proc;
 pub mod volume;

@@ -167,7 +167,7 @@ impl DemoApp {
                 ::failover::spec::find_program("python3").context("the SQLite demo needs python3 (apt-get install python3)")?;
             }
             DemoApp::Postgres => {
-                super::postgres::find_bin_dir()
+                testbed::postgres::find_bin_dir()
                     .context("PostgreSQL is not installed (apt-get install postgresql, or scripts/install-deps); `understudy demo` without --app postgres shows SQLite")?;
             }
         }

@@ -489,7 +489,7 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
         anyhow::ensure!(Path::new("/usr/sbin/mariadbd").exists(), "MariaDB is not installed (apt-get install mariadb-server mariadb-plugin-rocksdb)");
     }
     if apps.contains(&App::Postgres) {
-        anyhow::ensure!(super::postgres::find_bin_dir().is_some(), "PostgreSQL is not installed (apt-get install postgresql)");
+        anyhow::ensure!(testbed::postgres::find_bin_dir().is_some(), "PostgreSQL is not installed (apt-get install postgresql)");
     }
     let mut failures = vec![];
     for f in if a.failures.is_empty() { vec!["kill".to_string(), "clean".to_string()] } else { a.failures.clone() } {
