@@ -3,12 +3,14 @@
 //!
 //! * [`volume`]: a local volume cluster (metadata service, shards, NBD server), what
 //!   `understudy up` runs, with its [`cluster_file`] (`cluster.json` and the secret);
+//! * [`failover`]: a failover monitor process and its clean-up guard;
 //! * [`kv`]: a local leaderless KV group (nodes and configuration manager), what `understudy kv up`
 //!   runs;
 //! * [`nearlog`]: a near-compute log cluster (controller and 3 peers), what `understudy nearlog up`
 //!   runs;
 //! * [`postgres`], [`mariadb`]: Debian's unmodified PostgreSQL and MariaDB servers run as a
 //!   failover instance's application (`understudy failover postgres|mariadb`);
+//! * [`sqlite_front`]: the SQLite front, failover's bundled test application;
 //! * [`proc`]: the one process helper: start this binary as a daemon, alive, RSS and peak RSS,
 //!   signal, group kill, stop and wait.
 //!
@@ -18,9 +20,11 @@
 
 pub mod cluster_file;
 mod datadir;
+pub mod failover;
 pub mod kv;
 pub mod mariadb;
 pub mod nearlog;
 pub mod postgres;
+pub mod sqlite_front;
 pub mod proc;
 pub mod volume;

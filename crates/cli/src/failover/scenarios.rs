@@ -47,7 +47,7 @@ use serde_json::Value;
 
 use ::failover::pool::InstancePool;
 
-use super::bench::{logs_tail, MonitorGuard};
+use testbed::failover::{logs_tail, MonitorGuard};
 use testbed::proc::peak_rss_bytes;
 use testbed::volume::{LocalCluster, UpConfig, READY_TIMEOUT};
 
@@ -253,7 +253,7 @@ impl Mon {
         });
         let spec_path = run_dir.join("spec.json");
         std::fs::write(&spec_path, serde_json::to_vec_pretty(&spec)?)?;
-        let (guard, rx) = super::bench::start_monitor(&exe, &spec_path, &run_dir, &control.to_string(), cluster_file, verbose)?;
+        let (guard, rx) = testbed::failover::start_monitor(&exe, &spec_path, &run_dir, &control.to_string(), cluster_file, verbose)?;
         Ok(Mon { name, policy, guard, rx, seen: vec![], control, endpoint, run_dir, delay_file, spurious: 0 })
     }
 
