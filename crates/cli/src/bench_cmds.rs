@@ -24,7 +24,7 @@ pub enum BenchCmd {
     Volume(VolumeBench),
     /// YCSB workloads through the project's own driver (crate ycsb).
     #[command(subcommand)]
-    Ycsb(crate::ycsb::YcsbBench),
+    Ycsb(eval::ycsb::YcsbBench),
     /// Benchmarks of speculative failover (SpecREDS §6.3–6.5).
     #[command(subcommand)]
     Failover(crate::failover::FailoverBench),
@@ -96,7 +96,7 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Volume(VolumeBench::Cow(a)) => volume_cow(a, verbose),
         BenchCmd::Volume(VolumeBench::RecoveryTrace(a)) => volume_recovery_trace(a, verbose),
-        BenchCmd::Ycsb(cmd) => crate::ycsb::run(cmd),
+        BenchCmd::Ycsb(cmd) => eval::ycsb::run(cmd),
         BenchCmd::Failover(b) => crate::failover::bench(b, verbose),
         BenchCmd::Kv(b) => crate::kv::bench(b, verbose),
         BenchCmd::Nearlog(b) => crate::nearlog::bench(b, verbose),

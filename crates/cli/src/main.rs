@@ -25,7 +25,6 @@ mod qemu;
 mod size;
 mod up;
 mod volume_cmds;
-mod ycsb;
 
 use std::path::PathBuf;
 

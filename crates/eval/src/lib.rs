@@ -7,5 +7,16 @@
 //! * [`volume::recovery_trace`]: `bench volume recovery-trace`, SpecREDS §6.2 "Performance on real
 //!   recovery workloads" (Figure 4c reads, 4d writes): SQLite's crash recovery recorded on a
 //!   volume and replayed on plain, `super` and general-clone volumes.
+//! * [`ycsb`]: `bench ycsb redis`, YCSB workloads through the project's own driver against a
+//!   real redis-server.
+//!
+//! The experiments' options are clap definitions beside them (`understudy bench …` flattens
+//! them), so a flag and what it changes live in one file.
 
 pub mod volume;
+pub mod ycsb;
+
+/// The tokio runtime an experiment drives its clients on (as the CLI's client commands).
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
