@@ -18,8 +18,6 @@ mod demo;
 mod exports;
 mod failover;
 mod kv;
-mod kv_ycsb;
-mod kv_zk;
 mod nearlog;
 mod qemu;
 mod size;

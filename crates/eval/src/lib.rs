@@ -7,12 +7,15 @@
 //! * [`volume::recovery_trace`]: `bench volume recovery-trace`, SpecREDS §6.2 "Performance on real
 //!   recovery workloads" (Figure 4c reads, 4d writes): SQLite's crash recovery recorded on a
 //!   volume and replayed on plain, `super` and general-clone volumes.
+//! * [`kv::recovery`], [`kv::ycsb`], [`kv::zookeeper`]: `bench kv recovery|ycsb|zookeeper`, HEAL §IX
+//!   (recovery latency and lost work against the baselines, Figs. 7-9).
 //! * [`ycsb`]: `bench ycsb redis`, YCSB workloads through the project's own driver against a
 //!   real redis-server.
 //!
 //! The experiments' options are clap definitions beside them (`understudy bench …` flattens
 //! them), so a flag and what it changes live in one file.
 
+pub mod kv;
 pub mod volume;
 pub mod ycsb;
 

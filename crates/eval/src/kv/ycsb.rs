@@ -296,7 +296,7 @@ pub struct KvYcsbArgs {
     #[arg(long)]
     pub duration_s: Option<u64>,
     #[command(flatten)]
-    pub shape: eval::ycsb::WorkloadArgs,
+    pub shape: crate::ycsb::WorkloadArgs,
     /// Kill the last node with SIGKILL this many seconds into the run phase, restart it on its
     /// log after --down-s, and measure until it serves again (HEAL recovery under load).
     #[arg(long)]
@@ -491,10 +491,10 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
             ]
         })
         .unwrap_or_default();
-    eval::ycsb::write_samples(&out, &prefix, &run, &marks)?;
+    crate::ycsb::write_samples(&out, &prefix, &run, &marks)?;
     eprintln!("plots and samples in {}", out.display());
     report.print();
-    eval::ycsb::ensure_reads_checked(&load, &run)
+    crate::ycsb::ensure_reads_checked(&load, &run)
 }
 
 /// Mean throughput of the complete windows between `from_s` and `to_s`.
