@@ -8,7 +8,7 @@
 //! * `sqlite-front`: the SQLite front itself (python3 + the sqlite3 module);
 //! * `postgres`: Debian's PostgreSQL server as an instance's application.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,18 +23,12 @@ use tokio::sync::mpsc;
 
 use crate::ConnArgs;
 
-mod bench;
-mod breakdown;
-mod recovery;
-mod scenarios;
-mod shardtrace;
-
-pub use bench::DemoApp;
+pub use eval::failover::demo::DemoApp;
 
 /// The failover part of `understudy demo`: SQLite (or PostgreSQL) failed over speculatively,
 /// as a timeline.
 pub fn demo(verbose: u8, app: DemoApp) -> anyhow::Result<()> {
-    bench::demo(verbose, app)
+    eval::failover::demo::demo(verbose, app)
 }
 
 /// `understudy bench failover ...`.
@@ -58,7 +52,7 @@ pub enum FailoverBench {
     /// crashed volume; speculative's live outage plus their difference is reported as
     /// `speculative_general_composed`. Times are scaled down with --quick. Needs root,
     /// /dev/fuse, losetup, python3, iproute2.
-    Scenarios(scenarios::ScenarioArgs),
+    Scenarios(eval::failover::scenarios::ScenarioArgs),
     /// Application recovery latency on the plain volume, a super clone and a general clone
     /// (SpecREDS §6.3), for PostgreSQL, SQLite and MariaDB (RocksDB), after clean and unclean
     /// failures, with a small and a large WAL left to recover.
@@ -70,13 +64,13 @@ pub enum FailoverBench {
     /// instance, or a clean stop) and the application started on a super child, on a general
     /// clone and on the volume itself, each timed from its start to its first good health check.
     /// Needs root, /dev/fuse, losetup, python3, PostgreSQL, MariaDB.
-    Recovery(recovery::RecoveryArgs),
+    Recovery(eval::failover::recovery::RecoveryArgs),
 }
 
 pub fn bench(b: FailoverBench, verbose: u8) -> anyhow::Result<()> {
     match b {
-        FailoverBench::Scenarios(a) => scenarios::run(a, verbose),
-        FailoverBench::Recovery(a) => recovery::run(a, verbose),
+        FailoverBench::Scenarios(a) => eval::failover::scenarios::run(a, verbose),
+        FailoverBench::Recovery(a) => eval::failover::recovery::run(a, verbose),
     }
 }
 
@@ -218,43 +212,28 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()>
     match cmd {
         FailoverCmd::Run(a) => run_monitor(conn, a),
         FailoverCmd::Inject(a) => {
-            let reply = control_request(a.c.control, &format!("{} {}", a.fault, a.duration_ms))?;
+            let reply = testbed::failover::control_request(a.c.control, &format!("{} {}", a.fault, a.duration_ms))?;
             println!("{reply}");
             Ok(())
         }
         FailoverCmd::Status(a) => {
-            println!("{}", control_request(a.control, "status")?);
+            println!("{}", testbed::failover::control_request(a.control, "status")?);
             Ok(())
         }
         FailoverCmd::Hint(a) => {
             anyhow::ensure!(a.back == "never" || a.back.parse::<u64>().is_ok(), "BACK must be `never` or milliseconds, not {:?}", a.back);
-            println!("{}", control_request(a.c.control, &format!("hint {} {}", a.back, a.recovery_ms))?);
+            println!("{}", testbed::failover::control_request(a.c.control, &format!("hint {} {}", a.back, a.recovery_ms))?);
             Ok(())
         }
         FailoverCmd::Load(a) => load(a),
         FailoverCmd::SqliteFront(a) => testbed::sqlite_front::run(a),
         FailoverCmd::Postgres(a) => testbed::postgres::run(a),
         FailoverCmd::Mariadb(a) => testbed::mariadb::run(a),
-        FailoverCmd::Demo(a) => bench::demo(verbose, a.app),
+        FailoverCmd::Demo(a) => eval::failover::demo::demo(verbose, a.app),
     }
 }
 
 /// One request to a monitor's control address; returns the text after `ok`.
-pub fn control_request(addr: SocketAddr, line: &str) -> anyhow::Result<String> {
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-        .with_context(|| format!("cannot reach the monitor's control address {addr}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(60)))?;
-    s.write_all(format!("{line}\n").as_bytes())?;
-    let mut reply = String::new();
-    BufReader::new(s).read_line(&mut reply)?;
-    let reply = reply.trim_end();
-    match reply.split_once(' ') {
-        Some(("ok", rest)) => Ok(rest.to_string()),
-        Some(("error", e)) => anyhow::bail!("{e}"),
-        _ => anyhow::bail!("unexpected answer from the monitor: {reply:?}"),
-    }
-}
-
 /// Arguments that let `understudy volume attach/detach` find the same cluster.
 fn conn_args(conn: &ConnArgs) -> Vec<String> {
     let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()).to_string_lossy().into_owned();

@@ -7,6 +7,8 @@
 //! * [`volume::recovery_trace`]: `bench volume recovery-trace`, SpecREDS §6.2 "Performance on real
 //!   recovery workloads" (Figure 4c reads, 4d writes): SQLite's crash recovery recorded on a
 //!   volume and replayed on plain, `super` and general-clone volumes.
+//! * [`failover::recovery`], [`failover::scenarios`]: `bench failover recovery|scenarios`, SpecREDS
+//!   §6.3 (application recovery on plain, super and general clone) and §6.4-6.5 (Figure 6).
 //! * [`kv::recovery`], [`kv::ycsb`], [`kv::zookeeper`]: `bench kv recovery|ycsb|zookeeper`, HEAL §IX
 //!   (recovery latency and lost work against the baselines, Figs. 7-9).
 //! * [`ycsb`]: `bench ycsb redis`, YCSB workloads through the project's own driver against a
@@ -15,6 +17,7 @@
 //! The experiments' options are clap definitions beside them (`understudy bench …` flattens
 //! them), so a flag and what it changes live in one file.
 
+pub mod failover;
 pub mod kv;
 pub mod volume;
 pub mod ycsb;

@@ -1,7 +1,9 @@
 //! The failover monitor as a child process (`understudy failover run SPEC`), started and stopped
-//! by PID: used by the failover benchmarks and the demo.
+//! by PID, and a client of its control address: used by the failover benchmarks, the demo and
+//! `understudy failover inject|status|hint`.
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc::{channel, Receiver};
@@ -113,4 +115,21 @@ pub fn logs_tail(run_dir: &Path) -> String {
         out.push_str(&format!("\n--- {} (last {} lines)\n{}", f.display(), tail.len(), tail.join("\n")));
     }
     out
+}
+
+/// Sends one line to a running monitor's control address and returns its `ok` answer (an
+/// `error` answer becomes the error).
+pub fn control_request(addr: SocketAddr, line: &str) -> anyhow::Result<String> {
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+        .with_context(|| format!("cannot reach the monitor's control address {addr}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    s.write_all(format!("{line}\n").as_bytes())?;
+    let mut reply = String::new();
+    BufReader::new(s).read_line(&mut reply)?;
+    let reply = reply.trim_end();
+    match reply.split_once(' ') {
+        Some(("ok", rest)) => Ok(rest.to_string()),
+        Some(("error", e)) => anyhow::bail!("{e}"),
+        _ => anyhow::bail!("unexpected answer from the monitor: {reply:?}"),
+    }
 }

@@ -271,7 +271,7 @@ impl Mon {
     }
 
     fn control(&self, line: &str) -> anyhow::Result<String> {
-        super::control_request(self.control, line)
+        testbed::failover::control_request(self.control, line)
     }
 
     /// Errors of this monitor's run, with its logs.

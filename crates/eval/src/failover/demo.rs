@@ -200,7 +200,7 @@ fn run_body(
     let control_addr = control.parse()?;
     if variant == "oracle" {
         // The evaluator knows the future: the primary will never come back.
-        super::control_request(control_addr, "hint never 0")?;
+        testbed::failover::control_request(control_addr, "hint never 0")?;
     }
     // The client: load through the endpoint in its own runtime.
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -218,7 +218,7 @@ fn run_body(
         })
     });
     std::thread::sleep(settle.0);
-    super::control_request(control_addr, "kill")?;
+    testbed::failover::control_request(control_addr, "kill")?;
     if tell {
         println!("  {:>9} demo: SIGKILL of the whole primary (application and its volume server)", "");
     }
