@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 
 use ::nearlog::controller::{ControllerCore, JsonFileStore};
-use testbed::nearlog::{ensure_secret, read_secret, NearlogClusterFile};
+use testbed::nearlog::{default_shim, ensure_secret, read_secret, NearlogClusterFile};
 
 #[derive(Subcommand, Debug)]
 pub enum NearlogCmd {
@@ -138,10 +138,6 @@ pub struct RestoreArgs {
 
 /// The opt-in open flag of the shim (`nearlog_preload::O_NCL`).
 const O_NCL: libc::c_int = 0o40000000;
-
-pub fn default_shim() -> anyhow::Result<PathBuf> {
-    Ok(std::env::current_exe()?.parent().context("executable has no directory")?.join("libnearlog_preload.so"))
-}
 
 async fn restore(a: RestoreArgs) -> anyhow::Result<()> {
     let shim = match a.shim {
@@ -323,6 +319,5 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
     }
 }
 
-mod bench;
-pub use bench::{bench, NearlogBench};
+pub use eval::nearlog::{bench, NearlogBench};
 

@@ -11,6 +11,8 @@
 //!   §6.3 (application recovery on plain, super and general clone) and §6.4-6.5 (Figure 6).
 //! * [`kv::recovery`], [`kv::ycsb`], [`kv::zookeeper`]: `bench kv recovery|ycsb|zookeeper`, HEAL §IX
 //!   (recovery latency and lost work against the baselines, Figs. 7-9).
+//! * [`nearlog`]: `bench nearlog apps|ycsb|recovery`, SplitFT (Redis, SQLite and RocksDB with
+//!   strong, weak and near-compute logs; log recovery from the peers).
 //! * [`ycsb`]: `bench ycsb redis`, YCSB workloads through the project's own driver against a
 //!   real redis-server.
 //!
@@ -19,6 +21,7 @@
 
 pub mod failover;
 pub mod kv;
+pub mod nearlog;
 pub mod volume;
 pub mod ycsb;
 

@@ -10,6 +10,7 @@
 //!   runs;
 //! * [`postgres`], [`mariadb`]: Debian's unmodified PostgreSQL and MariaDB servers run as a
 //!   failover instance's application (`understudy failover postgres|mariadb`);
+//! * [`rocksdb`]: the RocksDB load program (C, compiled on demand);
 //! * [`sqlite_front`]: the SQLite front, failover's bundled test application;
 //! * [`proc`]: the one process helper: start this binary as a daemon, alive, RSS and peak RSS,
 //!   signal, group kill, stop and wait.
@@ -27,4 +28,5 @@ pub mod nearlog;
 pub mod postgres;
 pub mod sqlite_front;
 pub mod proc;
+pub mod rocksdb;
 pub mod volume;

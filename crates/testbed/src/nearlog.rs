@@ -34,6 +34,11 @@ pub fn ensure_secret(path: &Path) -> anyhow::Result<Arc<Vec<u8>>> {
     read_secret(path)
 }
 
+/// The LD_PRELOAD shim next to this executable (where `cargo build -p nearlog-preload` puts it).
+pub fn default_shim() -> anyhow::Result<PathBuf> {
+    Ok(std::env::current_exe()?.parent().context("executable has no directory")?.join("libnearlog_preload.so"))
+}
+
 /// A running `nearlog up` cluster: its tasks live on the caller's tokio runtime.
 pub struct NearlogUp {
     pub controller: String,

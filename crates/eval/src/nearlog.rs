@@ -30,8 +30,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 
-use super::default_shim;
-use testbed::nearlog::{read_secret, NearlogClusterFile};
+use testbed::nearlog::{default_shim, read_secret, NearlogClusterFile};
 use testbed::volume::{LocalCluster, UpConfig};
 
 #[derive(Subcommand, Debug)]
@@ -859,26 +858,9 @@ fn sqlite_run(tb: &Testbed, setup: Setup, secs: f64) -> anyhow::Result<Runs> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// RocksDB (a small C program against Debian's librocksdb)
+// RocksDB (a small C program against Debian's librocksdb: testbed::rocksdb)
 
-/// The load program's source; also used by the crash test.
-pub const ROCKSDB_LOAD_C: &str = include_str!("../nearlog_rocksdb.c");
-
-/// Compiles the RocksDB load program into `dir` (needs cc and librocksdb-dev).
-pub fn build_rocksdb_load(dir: &Path) -> anyhow::Result<PathBuf> {
-    let src = dir.join("nearlog_rocksdb.c");
-    let bin = dir.join("nearlog_rocksdb");
-    std::fs::write(&src, ROCKSDB_LOAD_C)?;
-    let out = Command::new("cc")
-        .args(["-O2", "-o"])
-        .arg(&bin)
-        .arg(&src)
-        .args(["-lrocksdb", "-lpthread"])
-        .output()
-        .context("cannot run cc (Debian package gcc)")?;
-    anyhow::ensure!(out.status.success(), "compiling the RocksDB load program failed (Debian package librocksdb-dev?): {}", String::from_utf8_lossy(&out.stderr));
-    Ok(bin)
-}
+use testbed::rocksdb::build_rocksdb_load;
 
 fn rocksdb_run(tb: &Testbed, bin: &Path, setup: Setup, clients: usize, secs: f64) -> anyhow::Result<Runs> {
     let dir = tb.run_dir(&format!("rocksdb-{}-c{clients}", setup.name()))?;
