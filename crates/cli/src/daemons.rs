@@ -10,6 +10,7 @@ use clap::Args;
 
 use testbed::cluster_file::read_secret;
 use crate::exports::ClusterExports;
+use testbed::volume::OnOff;
 use testbed::proc::shutdown_signal;
 
 #[derive(Args, Debug)]
@@ -82,22 +83,6 @@ pub struct ShardArgs {
     /// Size of the journal file (written with zeroes when it is made).
     #[arg(long, value_name = "MIB", default_value_t = volume::store::DEFAULT_JOURNAL_BYTES >> 20, value_parser = clap::value_parser!(u64).range(16..=4096))]
     pub journal_mib: u64,
-}
-
-/// A feature switch on the command line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum OnOff {
-    On,
-    Off,
-}
-
-impl OnOff {
-    pub fn as_arg(self) -> &'static str {
-        match self {
-            OnOff::On => "on",
-            OnOff::Off => "off",
-        }
-    }
 }
 
 #[derive(Args, Debug)]

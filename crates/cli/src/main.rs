@@ -12,7 +12,6 @@
 
 mod attach;
 mod bench_cmds;
-mod ceph_bench;
 mod daemons;
 mod demo;
 mod exports;

@@ -1,6 +1,6 @@
-//! The paper experiments, one module per experiment, behind `understudy bench …`: each runs its
-//! workload against a cluster it is handed and fills a [`bench::Report`] (figures, ratios, plots,
-//! CSV samples). Starting the clusters and outside systems stays with the caller.
+//! The paper experiments, one module per experiment, behind `understudy bench …`: each starts
+//! its throw-away clusters and outside systems through `testbed`, runs its workload and fills a
+//! [`bench::Report`] (figures, ratios, plots, CSV samples), printed as the last line of stdout.
 //!
 //! * [`volume::cow`]: `bench volume cow`, SpecREDS §6.2 Figure 4a/4b (write latency of plain,
 //!   `super` and general-clone volumes by size and depth) and the dirty-bit overhead.
@@ -13,6 +13,8 @@
 //!   (recovery latency and lost work against the baselines, Figs. 7-9).
 //! * [`nearlog`]: `bench nearlog apps|ycsb|recovery`, SplitFT (Redis, SQLite and RocksDB with
 //!   strong, weak and near-compute logs; log recovery from the peers).
+//! * [`volume::ceph`]: `bench volume ceph`, Understudy beside a real single-node Ceph (rbd, rbd
+//!   clone) measured with fio.
 //! * [`ycsb`]: `bench ycsb redis`, YCSB workloads through the project's own driver against a
 //!   real redis-server.
 //!

@@ -28,6 +28,22 @@ pub const DEFAULT_PORT_BASE: u16 = 7700;
 pub const READY_TIMEOUT: Duration = Duration::from_secs(90);
 const MAX_SHARDS: u32 = 64;
 
+/// A feature switch on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+impl OnOff {
+    pub fn as_arg(self) -> &'static str {
+        match self {
+            OnOff::On => "on",
+            OnOff::Off => "off",
+        }
+    }
+}
+
 /// What to start.
 #[derive(Clone, Debug)]
 pub struct UpConfig {

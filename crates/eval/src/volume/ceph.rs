@@ -22,7 +22,7 @@ use anyhow::{bail, ensure, Context};
 use base64::Engine as _;
 use rand::RngCore;
 
-use crate::bench_cmds::CommonArgs;
+use super::CommonArgs;
 
 #[derive(clap::Args, Debug)]
 pub struct CephArgs {
@@ -543,7 +543,7 @@ pub fn run(a: CephArgs, verbose: u8) -> anyhow::Result<()> {
     }
     let quick = a.common.quick;
     catch_interrupts();
-    crate::bench_cmds::on_cluster(&a.common, replicas, "volume.ceph", verbose, |cluster, info, _out, dir, mut report| async move {
+    super::on_cluster(&a.common, replicas, "volume.ceph", verbose, |cluster, info, _out, dir, mut report| async move {
         check_interrupted()?;
         let plan = Plan::new(quick);
         let region = plan.clone_region_bytes();
