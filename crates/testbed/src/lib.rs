@@ -3,6 +3,7 @@
 //!
 //! * [`volume`]: a local volume cluster (metadata service, shards, NBD server), what
 //!   `understudy up` runs, with its [`cluster_file`] (`cluster.json` and the secret);
+//! * [`ceph`]: a real single-node Ceph (ceph-mon, one ceph-osd per replica) from Debian's packages;
 //! * [`failover`]: a failover monitor process and its clean-up guard;
 //! * [`kv`]: a local leaderless KV group (nodes and configuration manager), what `understudy kv up`
 //!   runs;
@@ -19,6 +20,7 @@
 //! ([`proc::spawn_self`]), so the caller is the `understudy` binary. Used by `eval` (the paper experiments), the demo and the end-to-end
 //! tests alike.
 
+pub mod ceph;
 pub mod cluster_file;
 mod datadir;
 pub mod failover;
