@@ -19,6 +19,9 @@
 //! order). Figures of `local` carry no prefix (`nearlog_vs_strong.redis.c1.throughput`); figures
 //! of `cloud` are prefixed `cloud_disk.`. Every figure names the client count (`cN`). Setups are
 //! measured in interleaved rounds (ABBA, BENCH.md) within each application and client count.
+//!
+//! This file holds what the three experiments share (their options, the testbed, the setups and
+//! each application's load); [`apps`], [`ycsb`] and [`recovery`] are the experiments.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -32,6 +35,10 @@ use clap::{Args, Subcommand, ValueEnum};
 
 use testbed::nearlog::{default_shim, read_secret, NearlogClusterFile};
 use testbed::volume::{LocalCluster, UpConfig};
+
+pub mod apps;
+pub mod recovery;
+pub mod ycsb;
 
 #[derive(Subcommand, Debug)]
 pub enum NearlogBench {
@@ -142,9 +149,9 @@ pub struct RecoveryBenchArgs {
 
 pub fn bench(b: NearlogBench, _verbose: u8) -> anyhow::Result<()> {
     match b {
-        NearlogBench::Apps(a) => apps(a),
-        NearlogBench::Ycsb(a) => ycsb(a),
-        NearlogBench::Recovery(a) => recovery(a),
+        NearlogBench::Apps(a) => apps::run(a),
+        NearlogBench::Ycsb(a) => ycsb::run(a),
+        NearlogBench::Recovery(a) => recovery::run(a),
     }
 }
 
@@ -886,7 +893,7 @@ fn rocksdb_run(tb: &Testbed, bin: &Path, setup: Setup, clients: usize, secs: f64
 }
 
 // ---------------------------------------------------------------------------------------------
-// `bench nearlog apps`
+// What the experiments share: run lengths and rounds, and how runs become figures
 
 /// Seconds of one measured run with --quick: 21 runs of the apps bench plus their start-up and a
 /// volume's attach and detach must stay within a minute on a loaded 2-core machine.
@@ -949,416 +956,6 @@ fn median_round(a: &Runs, b: &Runs) -> (f64, f64, Vec<String>) {
 
 /// (throughput, mean latency) points per setup, one per client count.
 type PlotLines = BTreeMap<Setup, Vec<(f64, f64)>>;
-
-fn apps(a: AppsBenchArgs) -> anyhow::Result<()> {
-    let c = &a.common;
-    for app in &a.apps {
-        anyhow::ensure!(["redis", "sqlite", "rocksdb"].contains(&app.as_str()), "--apps: unknown application {app:?} (redis, sqlite, rocksdb)");
-    }
-    anyhow::ensure!(a.clients.iter().all(|&n| n >= 1), "--clients: every count must be at least 1");
-    let out = bench::out_dir("nearlog", c.out.clone())?;
-    let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(std::env::current_dir()?)?;
-    let rocks = build_rocksdb_load(tmp.path())?;
-    let wf_c = build_write_fsync_c(tmp.path())?;
-    let rt = crate::runtime()?;
-    let (rounds, secs) = params(c);
-    let mut report = bench::Report::new("nearlog.apps", c.quick);
-    let mut csv: Vec<Vec<String>> = vec![];
-    for latency in settings(c) {
-        let tb = Testbed::start(c, &rt, tmp.path(), latency, if c.quick { "2G" } else { "8G" })?;
-        let pfx = latency.prefix();
-        let mem = PeerMemory::start(&rt, &tb.log);
-
-        // write+fsync of 64 B through the shim against a loopback round trip of 64 B to another
-        // process, both timed by one compiled program, interleaved, the reply awaited as the
-        // shim awaits acks. Where the scheduler puts the two ends decides a round trip's cost
-        // (same vCPU: a direct switch, ~14 us here; different vCPUs: a cross-CPU wake-up, 35-60 us
-        // at load, often for a process's life), the peers' alike: so the timer runs TIMER_RUNS
-        // times (fresh processes) and the run with the median ratio is reported.
-        let n = if c.quick { 1000 } else { 4000 };
-        let wf_dir = tb.run_dir("write-fsync")?;
-        let timer = |file: &str, n: usize, shim: bool| -> anyhow::Result<(f64, f64, f64)> {
-            let mut cmd = app_command(&wf_c);
-            cmd.arg(wf_dir.join(file)).arg(n.to_string());
-            if shim {
-                cmd.arg("rtt");
-                tb.shim_env(&mut cmd, "*.nlog");
-            }
-            let out = output_bounded(&mut cmd).context("cannot run the write+fsync timer")?;
-            anyhow::ensure!(out.status.success(), "write+fsync timer failed: {}", String::from_utf8_lossy(&out.stderr));
-            let line = String::from_utf8_lossy(&out.stdout).to_string();
-            let v: Vec<f64> = line.split_whitespace().map(str::parse).collect::<Result<_, _>>().context("timer output")?;
-            anyhow::ensure!(v.len() == 3 && (!shim || v[1] > 0.0), "timer output: {line}");
-            Ok((v[0], v[1], v[2]))
-        };
-        let mut timed = (0..TIMER_RUNS).map(|i| timer(&format!("x{i}.nlog"), n, true)).collect::<anyhow::Result<Vec<_>>>()?;
-        let each: Vec<String> = timed.iter().map(|(wf, rtt, _)| format!("{wf}/{rtt}")).collect();
-        timed.sort_by(|a, b| (a.0 / a.1).total_cmp(&(b.0 / b.1)));
-        let (near_wf, rtt, near_rss) = timed[TIMER_RUNS / 2];
-        let (strong_wf, _, strong_rss) = timer("y.log", if c.quick { 300 } else { 3000 }, false)?;
-        report.figure(&format!("{pfx}loopback.rtt.latency_us_p50"), rtt)?;
-        report.figure(&format!("{pfx}nearlog.write_fsync.latency_us_p50"), near_wf)?;
-        report.figure(&format!("{pfx}strong.write_fsync.latency_us_p50"), strong_wf)?;
-        report.ratio(&format!("{pfx}nearlog_vs_loopback_rtt.write_fsync.latency_p50"), near_wf, rtt)?;
-        report.ratio(&format!("{pfx}nearlog_vs_strong.write_fsync.latency_p50"), near_wf, strong_wf)?;
-        report.figure(&format!("{pfx}shim.write_fsync.rss_overhead_bytes"), near_rss - strong_rss)?;
-        eprintln!(
-            "[{}] write+fsync p50 nearlog {near_wf} us against a loopback round trip p50 {rtt} us (the median of {TIMER_RUNS} runs by ratio; each run's nearlog/rtt in us: {}); strong write+fsync p50 {strong_wf} us; shim adds {:.1} MiB RSS",
-            tb.what(),
-            each.join(", "),
-            (near_rss - strong_rss) / 1048576.0
-        );
-
-        let mut plots: BTreeMap<&str, PlotLines> = BTreeMap::new();
-        let mut keep = |app: &'static str, clients: usize, runs: &BTreeMap<Setup, Runs>, csv: &mut Vec<Vec<String>>| {
-            for (s, r) in runs {
-                plots.entry(app).or_default().entry(*s).or_default().push((r.ops_per_s(), r.lat.mean_us()));
-                csv.push(vec![
-                    latency.name().into(),
-                    app.into(),
-                    s.name().into(),
-                    clients.to_string(),
-                    format!("{:.1}", r.ops_per_s()),
-                    format!("{:.1}", r.lat.mean_us()),
-                    r.lat.percentile_us(50.0).to_string(),
-                    r.lat.percentile_us(99.0).to_string(),
-                ]);
-            }
-        };
-        let run = |app: &str| a.apps.iter().any(|x| x == app);
-        for &clients in a.clients.iter().filter(|_| run("redis")) {
-            let rounds = if clients >= CONTENDED_CLIENTS { rounds.max(CONTENDED_ROUNDS) } else { rounds };
-            let runs = interleaved(rounds, |s| redis_run(&tb, s, clients, secs))?;
-            record_runs(&mut report, pfx, "redis", clients, &runs, &tb)?;
-            keep("redis", clients, &runs, &mut csv);
-            if a.redis_benchmark && clients >= CONTENDED_CLIENTS {
-                let runs = interleaved(rounds, |s| redis_benchmark_run(&tb, s, clients, secs))?;
-                record_throughputs(&mut report, pfx, "redis_benchmark", clients, &runs, &tb)?;
-            }
-        }
-        if run("sqlite") {
-            let runs = interleaved(rounds, |s| sqlite_run(&tb, s, secs))?;
-            record_runs(&mut report, pfx, "sqlite", 1, &runs, &tb)?;
-            keep("sqlite", 1, &runs, &mut csv);
-        }
-        for &clients in a.clients.iter().filter(|_| run("rocksdb")) {
-            let runs = interleaved(rounds, |s| rocksdb_run(&tb, &rocks, s, clients, secs))?;
-            record_runs(&mut report, pfx, "rocksdb", clients, &runs, &tb)?;
-            keep("rocksdb", clients, &runs, &mut csv);
-        }
-        mem.finish(&tb.log, pfx, &mut report)?;
-        for (app, series) in plots {
-            let series: Vec<bench::Series> = series.into_iter().map(|(s, points)| bench::Series { name: s.name().into(), points }).collect();
-            bench::line_plot(
-                &out.join(format!("{app}-latency-vs-throughput-{}", latency.name())),
-                &format!("{app} inserts, {} (points: 1, 8, 50 clients)", tb.what()),
-                "throughput (ops/s)",
-                "mean latency (µs)",
-                &series,
-                bench::Scale::Log,
-            )?;
-        }
-    }
-    bench::write_csv(&out.join("apps.csv"), &["latency", "app", "setup", "clients", "ops_per_s", "mean_us", "p50_us", "p99_us"], csv)?;
-    eprintln!("plots and samples in {}", out.display());
-    report.print();
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------
-// `bench nearlog ycsb`
-
-fn ycsb(a: YcsbBenchArgs) -> anyhow::Result<()> {
-    use ycsb::redis::{RedisOptions, RedisTarget};
-    use ycsb::{RunConfig, Runner, WorkloadSpec};
-    let c = &a.common;
-    anyhow::ensure!(a.clients >= 1, "--clients must be at least 1");
-    let out = bench::out_dir("nearlog", c.out.clone())?;
-    let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(std::env::current_dir()?)?;
-    let rt = crate::runtime()?;
-    let (rounds, secs) = params(c);
-    let records = a.records.unwrap_or(if c.quick { 2000 } else { 20000 });
-    let mut report = bench::Report::new("nearlog.ycsb", c.quick);
-    let mut csv = vec![];
-    for latency in settings(c) {
-        let tb = Testbed::start(c, &rt, tmp.path(), latency, if c.quick { "2G" } else { "8G" })?;
-        let pfx = latency.prefix();
-        let mut bars: BTreeMap<Setup, Vec<f64>> = BTreeMap::new();
-        let mut names = vec![];
-        for w in a.workloads.split(',').map(str::trim).filter(|w| !w.is_empty()) {
-            let mut spec = WorkloadSpec::by_name(w)?;
-            spec.record_count = records;
-            spec.operation_count = None;
-            spec.validate()?;
-            let wname = spec.name.clone();
-            names.push(wname.clone());
-            let mut problems = vec![];
-            let runs = interleaved(rounds, |s| {
-                let dir = tb.run_dir(&format!("ycsb-{}", s.name()))?;
-                let (server, port) = start_redis(&tb, s, &dir)?;
-                let mut ctl = Resp::connect(port)?;
-                // Load unmeasured and unsynced; then the setup's own durability for the run.
-                ctl.cmd(&[b"CONFIG", b"SET", b"appendfsync", b"no"])?;
-                let runner = Runner::new(spec.clone())?;
-                let options = RedisOptions { scan_index: spec.has_scans(), ..RedisOptions::default() };
-                let config = RunConfig { seed: 1, max_duration: Some(Duration::from_secs_f64(secs)), ..RunConfig::default() };
-                let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
-                let clients = a.clients;
-                let (targets, _load) = rt.block_on(async {
-                    let mut targets = Vec::with_capacity(clients);
-                    for _ in 0..clients {
-                        targets.push(RedisTarget::connect(addr, options.clone()).await?);
-                    }
-                    anyhow::Ok(runner.load(targets, &config).await?)
-                })?;
-                let fsync: &[u8] = if s == Setup::Weak { b"no" } else { b"always" };
-                let r = ctl.cmd(&[b"CONFIG", b"SET", b"appendfsync", fsync])?;
-                anyhow::ensure!(r == "+OK", "CONFIG SET appendfsync answered {r}");
-                let (_, run) = rt.block_on(runner.run(targets, &config))?;
-                if !run.all_reads_checked_ok() {
-                    problems.push(format!("{} {}: {} missing, {} corrupt: {:?}", wname, s.name(), run.missing_count, run.corrupt_count, run.first_problems));
-                }
-                drop(server);
-                tb.remove_run_dir(&dir, s, REDIS_LOGS)?;
-                Ok(Runs { ops: run.completed_ops(), secs: run.elapsed.as_secs_f64(), lat: run.all_latency(), ..Runs::default() })
-            })?;
-            anyhow::ensure!(problems.is_empty(), "reads returned values the driver never wrote: {problems:?}");
-            for (s, r) in &runs {
-                let name = format!("{pfx}redis.ycsb_{wname}.{}.c{}", s.name(), a.clients);
-                report.figure(&format!("{name}.throughput_ops_per_s"), r.ops_per_s())?;
-                report.latency(&format!("{name}.op.latency"), &r.lat.summary())?;
-                bars.entry(*s).or_default().push(r.ops_per_s());
-                csv.push(vec![latency.name().into(), wname.clone(), s.name().into(), a.clients.to_string(), format!("{:.1}", r.ops_per_s()), r.lat.percentile_us(50.0).to_string(), r.lat.percentile_us(99.0).to_string()]);
-                eprintln!("[{}] ycsb {wname} {} c{}: {:.0} ops/s, p99 {} us", tb.what(), s.name(), a.clients, r.ops_per_s(), r.lat.percentile_us(99.0));
-            }
-            let t = |s: Setup| runs[&s].ops_per_s();
-            report.ratio(&format!("{pfx}nearlog_vs_strong.redis.ycsb_{wname}.c{}.throughput", a.clients), t(Setup::Nearlog), t(Setup::Strong))?;
-            report.ratio(&format!("{pfx}nearlog_vs_weak.redis.ycsb_{wname}.c{}.throughput", a.clients), t(Setup::Nearlog), t(Setup::Weak))?;
-        }
-        let series: Vec<bench::BarSeries> = bars.into_iter().map(|(s, values)| bench::BarSeries { name: s.name().into(), values }).collect();
-        bench::bar_plot(
-            &out.join(format!("redis-ycsb-throughput-{}", latency.name())),
-            &format!("Redis YCSB throughput, {} clients, {}", a.clients, tb.what()),
-            "workload",
-            "throughput (ops/s)",
-            &names.iter().map(String::as_str).collect::<Vec<_>>(),
-            &series,
-        )?;
-    }
-    bench::write_csv(&out.join("ycsb.csv"), &["latency", "workload", "setup", "clients", "ops_per_s", "p50_us", "p99_us"], csv)?;
-    eprintln!("plots and samples in {}", out.display());
-    report.print();
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------
-// `bench nearlog recovery`
-
-/// Writes N bytes to a log file in 64 KiB appends (each replicated), then exits.
-const LOG_WRITE: &str = r#"
-import os, sys
-fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-n = int(sys.argv[2])
-chunk = bytes(range(256)) * 256
-done = 0
-while done < n:
-    k = min(len(chunk), n - done)
-    os.write(fd, chunk[:k])
-    done += k
-os.fsync(fd)
-os.close(fd)
-"#;
-
-/// Opens a log file read-only (the shim recovers a missing one first), reads it all; prints the open's
-/// and the read's seconds and the size.
-const LOG_OPEN: &str = r#"
-import os, sys, time
-t0 = time.perf_counter()
-fd = os.open(sys.argv[1], os.O_RDONLY)
-t1 = time.perf_counter()
-n = 0
-while True:
-    b = os.read(fd, 1 << 20)
-    if not b:
-        break
-    n += len(b)
-t2 = time.perf_counter()
-print(t1 - t0, t2 - t1, n)
-"#;
-
-fn recovery(a: RecoveryBenchArgs) -> anyhow::Result<()> {
-    let c = &a.common;
-    let out = bench::out_dir("nearlog", c.out.clone())?;
-    let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(std::env::current_dir()?)?;
-    let rocks = build_rocksdb_load(tmp.path())?;
-    let rt = crate::runtime()?;
-    let rounds = c.rounds.unwrap_or(if c.quick { 1 } else { 3 }).max(1);
-    let mut report = bench::Report::new("nearlog.recovery", c.quick);
-    let mb = a.log_bytes as f64 / 1e6;
-    let mut csv = vec![];
-    for latency in settings(c) {
-        // Quick: a smaller volume (mkfs and attach take less); 2 GiB still holds every file.
-        let tb = Testbed::start(c, &rt, tmp.path(), latency, if c.quick { "2G" } else { "4G" })?;
-        let pfx = latency.prefix();
-        let mut log_s = vec![];
-        let mut vol_s = vec![];
-        let mut rocks_near = vec![];
-        let mut rocks_strong = vec![];
-        let mut rocks_opendir = vec![];
-        for round in 0..rounds {
-            // (1) The log alone: written through the shim, local copy lost, recovered at open.
-            let dir = tb.run_dir("log")?;
-            let local = tmp.path().join(format!("local-{}", latency.name()));
-            let _ = std::fs::remove_dir_all(&local);
-            std::fs::create_dir_all(&local)?;
-            let f = local.join("app.nlog").display().to_string();
-            python(Some((&tb, "*.nlog")), LOG_WRITE, &[f.clone(), a.log_bytes.to_string()])?;
-            std::fs::remove_file(&f)?;
-            let line = python(Some((&tb, "*.nlog")), LOG_OPEN, std::slice::from_ref(&f))?;
-            let v: Vec<f64> = line.split_whitespace().map(|x| x.parse().unwrap_or(f64::NAN)).collect();
-            anyhow::ensure!(v.len() == 3 && v[2] as u64 == a.log_bytes, "recovered {line} instead of {} bytes", a.log_bytes);
-            // Unlink through the shim frees the peers' memory for the next round.
-            python(Some((&tb, "*.nlog")), "import os,sys; os.unlink(sys.argv[1])", &[f])?;
-            // (2) The same bytes read from the volume, cold: written through the volume client
-            // path (the file system on the volume), then read with O_DIRECT.
-            let vf = dir.join("bulk.bin");
-            python(None, LOG_WRITE, &[vf.display().to_string(), a.log_bytes.to_string()])?;
-            let read_s = read_direct_s(&vf)?;
-            let _ = std::fs::remove_dir_all(&dir);
-            eprintln!("[{}] round {round}: {mb:.0} MB log recovered from the peers in {:.3} s (+ read {:.3} s); read from storage (O_DIRECT) in {read_s:.3} s", tb.what(), v[0], v[1]);
-            log_s.push(v[0]);
-            vol_s.push(read_s);
-
-            // (3) RocksDB with a WAL of that size: restart time, nearlog (empty local WAL
-            // directory, restored from the peers: by `nearlog restore` first, or by the shim
-            // when RocksDB lists the directory) vs strong (WAL on the storage).
-            for (s, restore) in [(Setup::Nearlog, true), (Setup::Nearlog, false), (Setup::Strong, false)] {
-                let d = tb.run_dir(&format!("rocks-rec-{}", s.name()))?;
-                let db = d.join("db");
-                let wal = if s == Setup::Nearlog { local.join("wal") } else { d.join("wal") };
-                let _ = std::fs::remove_dir_all(&wal);
-                std::fs::create_dir_all(&wal)?;
-                let pat = format!("{}/*.log", wal.display());
-                let mut cmd = app_command(&rocks);
-                // The fill is not measured: with --quick its synced batches are larger (fewer
-                // syncs on the volume for strong); the WAL to replay is the same size.
-                let batch = if c.quick { "1024" } else { "64" };
-                cmd.arg("fill").arg(&db).arg(&wal).args([a.log_bytes.to_string(), "1000".to_string(), batch.to_string()]).stdout(Stdio::piped());
-                if s == Setup::Nearlog {
-                    tb.shim_env(&mut cmd, &pat);
-                }
-                let mut child = KillOnDrop(cmd.spawn()?);
-                let mut l = String::new();
-                BufReader::new(child.0.stdout.take().unwrap()).read_line(&mut l)?;
-                anyhow::ensure!(l.trim() == "filled", "RocksDB fill failed");
-                drop(child); // SIGKILL
-                // A restart elsewhere reads the storage cold: drop this machine's cached pages
-                // of the (synced, so clean) files.
-                drop_cached(&db);
-                drop_cached(&wal);
-                let t0 = Instant::now();
-                if s == Setup::Nearlog {
-                    std::fs::remove_dir_all(&wal)?;
-                    std::fs::create_dir_all(&wal)?;
-                }
-                if restore {
-                    let o = Command::new(std::env::current_exe()?)
-                        .args(["nearlog", "restore", "--cluster"])
-                        .arg(&tb.log.cluster_file)
-                        .arg("--shim")
-                        .arg(&tb.shim)
-                        .arg(&wal)
-                        .output()?;
-                    anyhow::ensure!(o.status.success(), "nearlog restore: {}", String::from_utf8_lossy(&o.stderr));
-                }
-                let mut cmd = app_command(&rocks);
-                cmd.arg("open").arg(&db).arg(&wal);
-                if s == Setup::Nearlog {
-                    tb.shim_env(&mut cmd, &pat);
-                }
-                let o = output_bounded(&mut cmd)?;
-                anyhow::ensure!(o.status.success(), "RocksDB reopen: {}", String::from_utf8_lossy(&o.stderr));
-                let total = t0.elapsed().as_secs_f64();
-                let how = match (s, restore) {
-                    (Setup::Nearlog, true) => "nearlog (restore, then open)",
-                    (Setup::Nearlog, false) => "nearlog (open alone)",
-                    _ => s.name(),
-                };
-                eprintln!("[{}] round {round}: RocksDB {how} restart with a {mb:.0} MB WAL: {total:.3} s ({})", tb.what(), String::from_utf8_lossy(&o.stdout).trim());
-                if s == Setup::Nearlog && !restore {
-                    rocks_opendir.push(total);
-                } else if s == Setup::Nearlog {
-                    rocks_near.push(total);
-                } else {
-                    rocks_strong.push(total);
-                }
-                tb.remove_run_dir(&wal, s, &pat)?;
-                let _ = std::fs::remove_dir_all(&d);
-            }
-        }
-        let med = |v: &mut Vec<f64>| {
-            v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            v[v.len() / 2]
-        };
-        let (l, r, rn, rs) = (med(&mut log_s), med(&mut vol_s), med(&mut rocks_near), med(&mut rocks_strong));
-        let ro = med(&mut rocks_opendir);
-        let size = format!("{}mb", mb.round());
-        report.figure(&format!("{pfx}nearlog.log_{size}.recovery_s"), l)?;
-        report.figure(&format!("{pfx}volume.read_{size}.duration_s"), r)?;
-        report.ratio(&format!("{pfx}nearlog_recovery_vs_volume_read.log_{size}.duration"), l, r)?;
-        report.figure(&format!("{pfx}rocksdb.nearlog.wal_{size}.restart_s"), rn)?;
-        report.figure(&format!("{pfx}rocksdb.strong.wal_{size}.restart_s"), rs)?;
-        report.ratio(&format!("{pfx}nearlog_vs_strong.rocksdb.wal_{size}.restart"), rn, rs)?;
-        // Without `nearlog restore`: the shim recovers the WAL when RocksDB lists its directory.
-        report.figure(&format!("{pfx}rocksdb.nearlog_open_alone.wal_{size}.restart_s"), ro)?;
-        report.ratio(&format!("{pfx}nearlog_open_alone_vs_strong.rocksdb.wal_{size}.restart"), ro, rs)?;
-        csv.push(vec![latency.name().into(), format!("{l:.4}"), format!("{r:.4}"), format!("{rn:.4}"), format!("{rs:.4}"), format!("{ro:.4}")]);
-        bench::bar_plot(
-            &out.join(format!("recovery-60mb-{}", latency.name())),
-            &format!("Recovery with {mb:.0} MB of log, {}", tb.what()),
-            "",
-            "seconds",
-            &["log from peers vs read from volume", "RocksDB restart"],
-            &[bench::BarSeries { name: "nearlog".into(), values: vec![l, rn] }, bench::BarSeries { name: "volume / strong".into(), values: vec![r, rs] }],
-        )?;
-    }
-    bench::write_csv(&out.join("recovery.csv"), &["latency", "nearlog_log_s", "volume_read_s", "rocksdb_nearlog_s", "rocksdb_strong_s", "rocksdb_nearlog_open_alone_s"], csv)?;
-    report.print();
-    Ok(())
-}
-
-/// Drops the page cache of every file directly in `dir` (POSIX_FADV_DONTNEED; clean pages only).
-fn drop_cached(dir: &Path) {
-    use std::os::fd::AsRawFd;
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        if let Ok(f) = std::fs::File::open(e.path()) {
-            // SAFETY: fadvise on an fd we own; it only drops clean cached pages.
-            unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        }
-    }
-}
-
-/// Reads a file with O_DIRECT (1 MiB requests, past the page cache); seconds.
-fn read_direct_s(path: &Path) -> anyhow::Result<f64> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)?;
-    const CHUNK: usize = 1 << 20;
-    // O_DIRECT needs an aligned buffer: over-allocate and align by hand.
-    let mut raw = vec![0u8; CHUNK + 4096];
-    let off = raw.as_ptr().align_offset(4096);
-    let buf = &mut raw[off..off + CHUNK];
-    let t0 = Instant::now();
-    let mut pos = 0u64;
-    loop {
-        use std::os::unix::fs::FileExt;
-        let n = f.read_at(buf, pos)?;
-        if n == 0 {
-            break;
-        }
-        pos += n as u64;
-    }
-    Ok(t0.elapsed().as_secs_f64())
-}
 
 #[cfg(test)]
 mod tests {
