@@ -6,7 +6,7 @@
 //! [`HealTarget`] is the `ycsb::KvTarget` of the KV store: each closed-loop client has its own
 //! connection to one node, which coordinates its writes (leaderless: any node does), and moves
 //! to the next node when its node refuses (not serving, e.g. recovering) or is unreachable.
-//! Also home to the helpers the ZooKeeper comparison (`kv_zk.rs`) shares: starting a group
+//! Also home to the helpers the ZooKeeper comparison ([`super::zookeeper`]) shares: starting a group
 //! through `kv up`'s own argument parser, and timing a restarted node until it serves.
 
 use std::net::SocketAddr;
