@@ -26,15 +26,16 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 
-use testbed::nearlog::{default_shim, read_secret, NearlogClusterFile};
-use testbed::volume::{LocalCluster, UpConfig};
+use testbed::nearlog::{default_shim, start_log_cluster, LogCluster};
+use testbed::proc::{app_command, KillOnDrop};
+use testbed::volume::{start_attached, AttachedVolume};
 
 pub mod apps;
 pub mod recovery;
@@ -213,203 +214,13 @@ fn settings(c: &CommonArgs) -> Vec<Latency> {
     }
 }
 
-/// A child process killed (SIGKILL) and reaped on drop; an application started by
-/// [`app_command`] leads its own process group, and the whole group is killed (bounded wait), so
-/// what it forked (Redis's `redis-aof-rewrite`, whose cwd is on the volume) does not keep the
-/// volume's mount and loop device busy after the bench.
-struct KillOnDrop(Child);
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let pid = self.0.id();
-        // SAFETY: getpgid(2) has no memory-safety preconditions; the child is not reaped yet.
-        if unsafe { libc::getpgid(pid as libc::pid_t) } == pid as libc::pid_t && !testbed::proc::kill_group(pid, APP_KILL_TIMEOUT) {
-            eprintln!("warning: process group {pid} still has live processes {} s after SIGKILL", APP_KILL_TIMEOUT.as_secs());
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// How long killing an application's process group may take before the bench warns.
-const APP_KILL_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest an application run to completion ([`output_bounded`]) may take.
 const APP_RUN_TIMEOUT: Duration = Duration::from_secs(900);
-
-/// A command for an application (Redis, SQLite's python, the RocksDB and write+fsync programs):
-/// in its own process group (killed as a whole by [`KillOnDrop`]), with SIGKILL as its
-/// parent-death signal (a terminal's Ctrl-C no longer reaches it through the bench's group).
-fn app_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
-    let mut c = Command::new(program);
-    testbed::proc::own_group_dying_with_parent(&mut c, libc::SIGKILL);
-    c
-}
 
 /// Runs an [`app_command`] to completion with its output captured, killing its process group
 /// if it takes longer than [`APP_RUN_TIMEOUT`].
 fn output_bounded(c: &mut Command) -> anyhow::Result<std::process::Output> {
-    use std::io::Read;
-    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = KillOnDrop(c.spawn()?);
-    let read_all = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut b = vec![];
-            let _ = r.read_to_end(&mut b);
-            b
-        })
-    };
-    let out = read_all(Box::new(child.0.stdout.take().unwrap()));
-    let err = read_all(Box::new(child.0.stderr.take().unwrap()));
-    let deadline = Instant::now() + APP_RUN_TIMEOUT;
-    let status = loop {
-        if let Some(st) = child.0.try_wait()? {
-            break st;
-        }
-        anyhow::ensure!(Instant::now() < deadline, "{:?} still running after {} s: killed", c.get_program(), APP_RUN_TIMEOUT.as_secs());
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    drop(child); // its group: anything it left behind
-    Ok(std::process::Output { status, stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() })
-}
-
-/// Spawns this executable with `args`, stdout piped, and waits for a stdout line starting with
-/// `ready_prefix`; returns the child and that line. Later output is drained.
-fn spawn_until(args: &[&str], extra: &[&Path], ready_prefix: &str, timeout: Duration) -> anyhow::Result<(KillOnDrop, String)> {
-    let mut c = Command::new(std::env::current_exe()?);
-    c.args(args).args(extra).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = KillOnDrop(c.spawn().with_context(|| format!("cannot start `understudy {}`", args.join(" ")))?);
-    let stdout = child.0.stdout.take().unwrap();
-    let stderr = child.0.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let prefix = ready_prefix.to_string();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if !sent && l.starts_with(&prefix) {
-                let _ = tx.send(l);
-                sent = true;
-            }
-        }
-    });
-    let err_tail = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
-    {
-        let err_tail = err_tail.clone();
-        std::thread::spawn(move || {
-            for l in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut t = err_tail.lock().unwrap();
-                t.push(l);
-                if t.len() > 20 {
-                    t.remove(0);
-                }
-            }
-        });
-    }
-    match rx.recv_timeout(timeout) {
-        Ok(line) => Ok((child, line)),
-        Err(_) => {
-            let tail = err_tail.lock().unwrap().join("\n");
-            anyhow::bail!("`understudy {}` did not become ready: {tail}", args.join(" "))
-        }
-    }
-}
-
-/// The volume side: a local cluster and one volume attached as ext4.
-struct VolumeBed {
-    attach: Option<KillOnDrop>,
-    mount: PathBuf,
-    cluster: Option<LocalCluster>,
-}
-
-impl Drop for VolumeBed {
-    fn drop(&mut self) {
-        let t0 = Instant::now();
-        if let Some(mut c) = self.attach.take() {
-            // SIGTERM: the foreground attach unmounts, releases the loop device and FUSE
-            // (SIGKILL, by the guard, only if it is stuck).
-            testbed::proc::signal(c.0.id(), libc::SIGTERM);
-            let deadline = Instant::now() + Duration::from_secs(120);
-            while matches!(c.0.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        }
-        let detached = t0.elapsed().as_secs_f64();
-        if let Some(mut lc) = self.cluster.take() {
-            lc.stop();
-        }
-        eprintln!("volume detached in {detached:.1} s, cluster stopped in {:.1} s", t0.elapsed().as_secs_f64() - detached);
-        let _ = &self.mount;
-    }
-}
-
-fn start_volume(rt: &tokio::runtime::Runtime, dir: &Path, latency: Latency, size: &str) -> anyhow::Result<VolumeBed> {
-    let cfg = UpConfig { dir: dir.join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose: 0 };
-    let mut lc = LocalCluster::start_with(&cfg, &latency.shard_args())?;
-    rt.block_on(lc.wait_ready(testbed::volume::READY_TIMEOUT, false))?;
-    let cluster_file = lc.info.dir.join(testbed::cluster_file::CLUSTER_FILE);
-    lc.info.save(&cluster_file)?;
-    let out = Command::new(std::env::current_exe()?)
-        .arg("volume")
-        .arg("--cluster")
-        .arg(&cluster_file)
-        .args(["create", "bulk", "--size", size])
-        .output()?;
-    anyhow::ensure!(out.status.success(), "volume create: {}", String::from_utf8_lossy(&out.stderr));
-    let mount = dir.join("mnt");
-    std::fs::create_dir_all(&mount)?;
-    let mut bed = VolumeBed { attach: None, mount: mount.clone(), cluster: Some(lc) };
-    let (child, line) = spawn_until(
-        &["volume", "--cluster", &cluster_file.to_string_lossy(), "attach", "bulk", "--mount", &mount.to_string_lossy(), "--mkfs", "--foreground"],
-        &[],
-        "attached ",
-        Duration::from_secs(300),
-    )?;
-    eprintln!("{line}");
-    bed.attach = Some(child);
-    Ok(bed)
-}
-
-/// The nearlog side: a controller and 3 peers, each its own process.
-struct LogBed {
-    controller: KillOnDrop,
-    peers: Vec<(KillOnDrop, String)>,
-    cluster_file: PathBuf,
-    controller_addr: String,
-    secret: std::sync::Arc<Vec<u8>>,
-    region_bytes: u64,
-}
-
-fn start_logbed(rt: &tokio::runtime::Runtime, dir: &Path, region_bytes: u64) -> anyhow::Result<LogBed> {
-    std::fs::create_dir_all(dir)?;
-    let dir = dir.canonicalize()?;
-    let (controller, line) = spawn_until(&["nearlog", "controller", "--listen", "127.0.0.1:0", "--dir"], &[&dir], "nearlog controller listening on ", Duration::from_secs(30))?;
-    let controller_addr = line.trim_start_matches("nearlog controller listening on ").trim().to_string();
-    let secret_file = dir.join("secret");
-    let secret = read_secret(&secret_file)?;
-    let mut peers = vec![];
-    for _ in 0..3 {
-        let region = region_bytes.to_string();
-        let (p, line) = spawn_until(
-            &["nearlog", "peer", "--listen", "127.0.0.1:0", "--controller", &controller_addr, "--region-bytes", &region, "--secret-file"],
-            &[&secret_file],
-            "nearlog peer listening on ",
-            Duration::from_secs(30),
-        )?;
-        let addr = line.trim_start_matches("nearlog peer listening on ").split(',').next().unwrap_or("").to_string();
-        peers.push((p, addr));
-    }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(::nearlog::proto::CtlReply::Status(s)) = rt.block_on(::nearlog::server::ctl_call(&controller_addr, &secret, &::nearlog::proto::CtlRequest::Status)) {
-            if peers.iter().all(|(_, a)| s.peers.values().any(|i| &i.addr == a)) {
-                break;
-            }
-        }
-        anyhow::ensure!(Instant::now() < deadline, "the log peers did not register with the controller");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let cluster_file = dir.join("nearlog-cluster.json");
-    let cf = NearlogClusterFile { controller: controller_addr.clone(), secret_file, peers: peers.iter().map(|(_, a)| a.clone()).collect() };
-    std::fs::write(&cluster_file, serde_json::to_vec_pretty(&cf)?)?;
-    Ok(LogBed { controller, peers, cluster_file, controller_addr, secret, region_bytes })
+    testbed::proc::output_bounded(c, APP_RUN_TIMEOUT)
 }
 
 /// Samples each peer's resident memory against the bytes it holds (as heartbeated to the
@@ -420,7 +231,7 @@ struct PeerMemory {
 }
 
 impl PeerMemory {
-    fn start(rt: &tokio::runtime::Runtime, lb: &LogBed) -> PeerMemory {
+    fn start(rt: &tokio::runtime::Runtime, lb: &LogCluster) -> PeerMemory {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let pids: Vec<(u32, String)> = lb.peers.iter().map(|(p, a)| (p.0.id(), a.clone())).collect();
         let (addr, secret, handle) = (lb.controller_addr.clone(), lb.secret.clone(), rt.handle().clone());
@@ -448,7 +259,7 @@ impl PeerMemory {
     }
 
     /// Peer memory figures: peak RSS, lent region, RSS beyond the bytes held.
-    fn finish(mut self, lb: &LogBed, pfx: &str, report: &mut bench::Report) -> anyhow::Result<()> {
+    fn finish(mut self, lb: &LogCluster, pfx: &str, report: &mut bench::Report) -> anyhow::Result<()> {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let (over, held) = self.thread.take().unwrap().join().map_err(|_| anyhow::anyhow!("memory sampler panicked"))?;
         let hwm = lb.peers.iter().filter_map(|(p, _)| testbed::proc::peak_rss_bytes(p.0.id()).map(|b| b as f64)).fold(0f64, f64::max);
@@ -473,9 +284,9 @@ struct Testbed {
     /// Where applications keep their files (on the volume's ext4, or the plain directory).
     storage: PathBuf,
     shim: PathBuf,
-    log: LogBed,
+    log: LogCluster,
     // Dropped after `log` (fields drop in order): the volume outlives the peers.
-    _volume: Option<VolumeBed>,
+    _volume: Option<AttachedVolume>,
 }
 
 impl Testbed {
@@ -497,13 +308,13 @@ impl Testbed {
             }
             None => {
                 eprintln!("[{}] starting a 4-shard cluster and attaching a {volume_size} volume as ext4", latency.name());
-                let v = start_volume(rt, &dir, latency, volume_size)?;
+                let v = start_attached(rt, &dir, &latency.shard_args(), volume_size)?;
                 let s = v.mount.join("storage");
                 std::fs::create_dir_all(&s)?;
                 (Some(v), s)
             }
         };
-        let log = start_logbed(rt, &dir.join("nearlog"), c.region_bytes)?;
+        let log = start_log_cluster(rt, &dir.join("nearlog"), c.region_bytes)?;
         Ok(Testbed { latency, storage, shim, log, _volume: volume })
     }
 
@@ -956,29 +767,3 @@ fn median_round(a: &Runs, b: &Runs) -> (f64, f64, Vec<String>) {
 
 /// (throughput, mean latency) points per setup, one per client count.
 type PlotLines = BTreeMap<Setup, Vec<(f64, f64)>>;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// What an application forked (as Redis forks its AOF rewrite) dies with it.
-    #[test]
-    fn an_applications_children_die_with_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let pidfile = dir.path().join("child.pid");
-        let mut c = app_command("sh");
-        c.arg("-c").arg(format!("sleep 600 & echo $! > {}; wait", pidfile.display()));
-        let app = KillOnDrop(c.spawn().unwrap());
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let child = loop {
-            if let Some(p) = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse::<u32>().ok()) {
-                break p;
-            }
-            assert!(Instant::now() < deadline, "the shell did not start its child");
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        assert!(testbed::proc::alive(child));
-        drop(app);
-        assert!(!testbed::proc::alive(child), "the application's child {child} outlived it");
-    }
-}

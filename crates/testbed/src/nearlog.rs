@@ -4,7 +4,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use std::time::{Duration, Instant};
+
 use anyhow::Context;
+
+use crate::proc::{spawn_self_until, KillOnDrop};
 use ::nearlog::controller::{ControllerCore, JsonFileStore};
 
 /// The cluster file the shim reads (`UNDERSTUDY_NEARLOG_CLUSTER`).
@@ -100,4 +104,53 @@ pub async fn up(dir: &Path, region_bytes: u64, port: u16) -> anyhow::Result<Near
     std::fs::write(&tmp, serde_json::to_vec_pretty(&cf)?)?;
     std::fs::rename(&tmp, &cluster)?;
     Ok(NearlogUp { controller, peers, cluster_file: cluster })
+}
+
+/// A controller and 3 log peers, each its own process (`understudy nearlog controller|peer`), so
+/// each peer's memory can be measured alone; killed with their process groups when dropped.
+pub struct LogCluster {
+    pub controller: KillOnDrop,
+    pub peers: Vec<(KillOnDrop, String)>,
+    /// `DIR/nearlog-cluster.json`, for the shim.
+    pub cluster_file: PathBuf,
+    pub controller_addr: String,
+    pub secret: std::sync::Arc<Vec<u8>>,
+    /// Bytes each peer lends.
+    pub region_bytes: u64,
+}
+
+/// Starts a [`LogCluster`] with its state in `dir`; returns once the peers registered.
+pub fn start_log_cluster(rt: &tokio::runtime::Runtime, dir: &Path, region_bytes: u64) -> anyhow::Result<LogCluster> {
+    std::fs::create_dir_all(dir)?;
+    let dir = dir.canonicalize()?;
+    let (controller, line) = spawn_self_until(&["nearlog", "controller", "--listen", "127.0.0.1:0", "--dir"], &[&dir], "nearlog controller listening on ", Duration::from_secs(30))?;
+    let controller_addr = line.trim_start_matches("nearlog controller listening on ").trim().to_string();
+    let secret_file = dir.join("secret");
+    let secret = read_secret(&secret_file)?;
+    let mut peers = vec![];
+    for _ in 0..3 {
+        let region = region_bytes.to_string();
+        let (p, line) = spawn_self_until(
+            &["nearlog", "peer", "--listen", "127.0.0.1:0", "--controller", &controller_addr, "--region-bytes", &region, "--secret-file"],
+            &[&secret_file],
+            "nearlog peer listening on ",
+            Duration::from_secs(30),
+        )?;
+        let addr = line.trim_start_matches("nearlog peer listening on ").split(',').next().unwrap_or("").to_string();
+        peers.push((p, addr));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(::nearlog::proto::CtlReply::Status(s)) = rt.block_on(::nearlog::server::ctl_call(&controller_addr, &secret, &::nearlog::proto::CtlRequest::Status)) {
+            if peers.iter().all(|(_, a)| s.peers.values().any(|i| &i.addr == a)) {
+                break;
+            }
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the log peers did not register with the controller");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let cluster_file = dir.join("nearlog-cluster.json");
+    let cf = NearlogClusterFile { controller: controller_addr.clone(), secret_file, peers: peers.iter().map(|(_, a)| a.clone()).collect() };
+    std::fs::write(&cluster_file, serde_json::to_vec_pretty(&cf)?)?;
+    Ok(LogCluster { controller, peers, cluster_file, controller_addr, secret, region_bytes })
 }

@@ -3,6 +3,7 @@
 //! memory (now and peak), stopping processes by pid (SIGTERM, wait, SIGKILL) or by process group,
 //! and waiting for Ctrl-C / SIGTERM.
 
+use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -196,6 +197,103 @@ pub async fn shutdown_signal() -> &'static str {
     }
 }
 
+/// How long killing an application's process group may take before [`KillOnDrop`] warns.
+pub const GROUP_KILL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A child process killed (SIGKILL) and reaped on drop; an application started by
+/// [`app_command`] leads its own process group, and the whole group is killed (bounded wait), so
+/// what it forked (Redis's `redis-aof-rewrite`, whose cwd is on the volume) does not keep the
+/// volume's mount and loop device busy after the bench.
+pub struct KillOnDrop(pub Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let pid = self.0.id();
+        // SAFETY: getpgid(2) has no memory-safety preconditions; the child is not reaped yet.
+        if unsafe { libc::getpgid(pid as libc::pid_t) } == pid as libc::pid_t && !kill_group(pid, GROUP_KILL_TIMEOUT) {
+            eprintln!("warning: process group {pid} still has live processes {} s after SIGKILL", GROUP_KILL_TIMEOUT.as_secs());
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A command for an application (Redis, SQLite's python, the RocksDB and write+fsync programs):
+/// in its own process group (killed as a whole by [`KillOnDrop`]), with SIGKILL as its
+/// parent-death signal (a terminal's Ctrl-C no longer reaches it through the bench's group).
+pub fn app_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut c = Command::new(program);
+    own_group_dying_with_parent(&mut c, libc::SIGKILL);
+    c
+}
+
+/// Runs an [`app_command`] to completion with its output captured, killing its process group
+/// if it takes longer than `timeout`.
+pub fn output_bounded(c: &mut Command, timeout: Duration) -> anyhow::Result<std::process::Output> {
+    use std::io::Read;
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = KillOnDrop(c.spawn()?);
+    let read_all = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut b = vec![];
+            let _ = r.read_to_end(&mut b);
+            b
+        })
+    };
+    let out = read_all(Box::new(child.0.stdout.take().unwrap()));
+    let err = read_all(Box::new(child.0.stderr.take().unwrap()));
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(st) = child.0.try_wait()? {
+            break st;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{:?} still running after {} s: killed", c.get_program(), timeout.as_secs());
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    drop(child); // its group: anything it left behind
+    Ok(std::process::Output { status, stdout: out.join().unwrap_or_default(), stderr: err.join().unwrap_or_default() })
+}
+
+/// Spawns this executable with `args`, stdout piped, and waits for a stdout line starting with
+/// `ready_prefix`; returns the child and that line. Later output is drained.
+pub fn spawn_self_until(args: &[&str], extra: &[&Path], ready_prefix: &str, timeout: Duration) -> anyhow::Result<(KillOnDrop, String)> {
+    let mut c = Command::new(std::env::current_exe()?);
+    c.args(args).args(extra).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = KillOnDrop(c.spawn().with_context(|| format!("cannot start `understudy {}`", args.join(" ")))?);
+    let stdout = child.0.stdout.take().unwrap();
+    let stderr = child.0.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let prefix = ready_prefix.to_string();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if !sent && l.starts_with(&prefix) {
+                let _ = tx.send(l);
+                sent = true;
+            }
+        }
+    });
+    let err_tail = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    {
+        let err_tail = err_tail.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut t = err_tail.lock().unwrap();
+                t.push(l);
+                if t.len() > 20 {
+                    t.remove(0);
+                }
+            }
+        });
+    }
+    match rx.recv_timeout(timeout) {
+        Ok(line) => Ok((child, line)),
+        Err(_) => {
+            let tail = err_tail.lock().unwrap().join("\n");
+            anyhow::bail!("`understudy {}` did not become ready: {tail}", args.join(" "))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,5 +314,26 @@ mod tests {
         child.wait().unwrap();
         assert!(wait_gone(&[pid], Duration::from_secs(5)));
         assert!(!alive(pid) && rss_bytes(pid).is_none() && peak_rss_bytes(pid).is_none());
+    }
+
+    /// What an application forked (as Redis forks its AOF rewrite) dies with it.
+    #[test]
+    fn an_applications_children_die_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("child.pid");
+        let mut c = app_command("sh");
+        c.arg("-c").arg(format!("sleep 600 & echo $! > {}; wait", pidfile.display()));
+        let app = KillOnDrop(c.spawn().unwrap());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let child = loop {
+            if let Some(p) = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse::<u32>().ok()) {
+                break p;
+            }
+            assert!(Instant::now() < deadline, "the shell did not start its child");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(alive(child));
+        drop(app);
+        assert!(!alive(child), "the application's child {child} outlived it");
     }
 }

@@ -10,7 +10,7 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::Child;
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -321,4 +321,63 @@ impl Drop for LocalCluster {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// A local cluster (4 shards, 3 replicas) with one volume attached as ext4 by a foreground
+/// `understudy volume attach` (FUSE, loop device, mkfs.ext4); dropped, it detaches (SIGTERM to
+/// the attach) and stops the cluster.
+pub struct AttachedVolume {
+    attach: Option<crate::proc::KillOnDrop>,
+    pub mount: PathBuf,
+    cluster: Option<LocalCluster>,
+}
+
+impl Drop for AttachedVolume {
+    fn drop(&mut self) {
+        let t0 = Instant::now();
+        if let Some(mut c) = self.attach.take() {
+            // SIGTERM: the foreground attach unmounts, releases the loop device and FUSE
+            // (SIGKILL, by the guard, only if it is stuck).
+            proc::signal(c.0.id(), libc::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while matches!(c.0.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        let detached = t0.elapsed().as_secs_f64();
+        if let Some(mut lc) = self.cluster.take() {
+            lc.stop();
+        }
+        eprintln!("volume detached in {detached:.1} s, cluster stopped in {:.1} s", t0.elapsed().as_secs_f64() - detached);
+        let _ = &self.mount;
+    }
+}
+
+/// Starts an [`AttachedVolume`] of `size` (as `volume create --size`) under `dir`, every shard
+/// started with `extra_shard_args`, mounted at `dir/mnt`.
+pub fn start_attached(rt: &tokio::runtime::Runtime, dir: &Path, extra_shard_args: &[String], size: &str) -> anyhow::Result<AttachedVolume> {
+    let cfg = UpConfig { dir: dir.join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose: 0 };
+    let mut lc = LocalCluster::start_with(&cfg, extra_shard_args)?;
+    rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
+    let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
+    lc.info.save(&cluster_file)?;
+    let out = Command::new(std::env::current_exe()?)
+        .arg("volume")
+        .arg("--cluster")
+        .arg(&cluster_file)
+        .args(["create", "bulk", "--size", size])
+        .output()?;
+    anyhow::ensure!(out.status.success(), "volume create: {}", String::from_utf8_lossy(&out.stderr));
+    let mount = dir.join("mnt");
+    std::fs::create_dir_all(&mount)?;
+    let mut bed = AttachedVolume { attach: None, mount: mount.clone(), cluster: Some(lc) };
+    let (child, line) = crate::proc::spawn_self_until(
+        &["volume", "--cluster", &cluster_file.to_string_lossy(), "attach", "bulk", "--mount", &mount.to_string_lossy(), "--mkfs", "--foreground"],
+        &[],
+        "attached ",
+        Duration::from_secs(300),
+    )?;
+    eprintln!("{line}");
+    bed.attach = Some(child);
+    Ok(bed)
 }
