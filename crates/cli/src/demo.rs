@@ -16,7 +16,7 @@ use volume::driver::client::Cluster;
 use volume::driver::meta::{MetaReq, MetaResp};
 use volume::types::CollapseOutcome;
 
-use crate::qemu::{self, Session};
+use testbed::qemu::{self, Session};
 use crate::size::format_size;
 use testbed::volume::{LocalCluster, UpConfig, READY_TIMEOUT};
 

@@ -18,7 +18,6 @@ mod exports;
 mod failover;
 mod kv;
 mod nearlog;
-mod qemu;
 mod size;
 mod up;
 mod volume_cmds;
