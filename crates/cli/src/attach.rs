@@ -30,8 +30,7 @@ use anyhow::Context;
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
-use crate::cluster_file::Target;
-use crate::proc;
+use testbed::proc;
 use crate::ConnArgs;
 
 #[derive(Args, Debug)]
@@ -166,7 +165,7 @@ pub fn attach(conn: &ConnArgs, a: AttachArgs, verbose: u8) -> anyhow::Result<()>
     }
     check_free(&mount_dir, &state_file)?;
     // Fail fast on a wrong cluster or volume name, before starting anything.
-    let target = Target::resolve(conn)?;
+    let target = conn.target()?;
     let rt = crate::runtime()?;
     rt.block_on(async { target.connect().await?.volume_info(&a.name).await })?;
 
@@ -183,7 +182,7 @@ pub fn attach(conn: &ConnArgs, a: AttachArgs, verbose: u8) -> anyhow::Result<()>
     }
     if conn.cluster.is_none() && (conn.meta.is_none() || conn.secret_file.is_none()) {
         // The default cluster file is relative to this directory; the helper runs from /.
-        let default = Path::new(crate::cluster_file::DEFAULT_DIR).join(crate::cluster_file::CLUSTER_FILE);
+        let default = Path::new(testbed::cluster_file::DEFAULT_DIR).join(testbed::cluster_file::CLUSTER_FILE);
         args.extend(["--cluster".into(), abs(&default).into_os_string()]);
     }
     args.extend(["attach".into(), a.name.clone().into(), "--mount".into(), mount_dir.clone().into_os_string(), "--helper".into()]);
@@ -241,7 +240,7 @@ pub fn attach(conn: &ConnArgs, a: AttachArgs, verbose: u8) -> anyhow::Result<()>
 /// The foreground attach: attach, serve until a stop signal, detach.
 fn serve(conn: &ConnArgs, a: &AttachArgs, mount_dir: &Path, state_file: &Path, log_file: &Path) -> anyhow::Result<()> {
     check_free(mount_dir, state_file)?;
-    let target = Target::resolve(conn)?;
+    let target = conn.target()?;
     let rt = crate::runtime()?;
     // Catch SIGTERM/SIGINT from now on, so a `detach` never kills us half-way.
     let (mut term, mut int) = {

@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 
-use crate::cluster_file::read_secret;
+use testbed::cluster_file::read_secret;
 use crate::exports::ClusterExports;
-use crate::proc::shutdown_signal;
+use testbed::volume::OnOff;
+use testbed::proc::shutdown_signal;
 
 #[derive(Args, Debug)]
 pub struct MetaArgs {
@@ -82,22 +83,6 @@ pub struct ShardArgs {
     /// Size of the journal file (written with zeroes when it is made).
     #[arg(long, value_name = "MIB", default_value_t = volume::store::DEFAULT_JOURNAL_BYTES >> 20, value_parser = clap::value_parser!(u64).range(16..=4096))]
     pub journal_mib: u64,
-}
-
-/// A feature switch on the command line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum OnOff {
-    On,
-    Off,
-}
-
-impl OnOff {
-    pub fn as_arg(self) -> &'static str {
-        match self {
-            OnOff::On => "on",
-            OnOff::Off => "off",
-        }
-    }
 }
 
 #[derive(Args, Debug)]
@@ -188,7 +173,7 @@ pub async fn nbd(a: NbdArgs) -> anyhow::Result<()> {
         // The metadata service may still be starting.
         let deadline = Instant::now() + NBD_META_WAIT;
         let cluster = loop {
-            match crate::cluster_file::connect(&a.meta, &secret).await {
+            match testbed::cluster_file::connect(&a.meta, &secret).await {
                 Ok(c) => break c,
                 Err(e) if Instant::now() < deadline && !format!("{e:#}").contains("secret") => {
                     tracing::info!("waiting for the metadata service: {e:#}");

@@ -16,9 +16,9 @@ use volume::driver::client::Cluster;
 use volume::driver::meta::{MetaReq, MetaResp};
 use volume::types::CollapseOutcome;
 
-use crate::qemu::{self, Session};
+use testbed::qemu::{self, Session};
 use crate::size::format_size;
-use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
+use testbed::volume::{LocalCluster, UpConfig, READY_TIMEOUT};
 
 #[derive(Args, Debug)]
 pub struct DemoArgs {
@@ -113,10 +113,10 @@ pub fn demo(a: DemoArgs, verbose: u8) -> anyhow::Result<()> {
             std::iter::once(lc.info.meta.pid).chain(lc.info.shards.iter().map(|s| s.pid)).chain(std::iter::once(lc.info.nbd.pid)).collect();
         let (d, keep) = (dir_path.clone(), a.keep);
         rt.spawn(async move {
-            let sig = crate::proc::shutdown_signal().await;
+            let sig = testbed::proc::shutdown_signal().await;
             eprintln!("demo: {sig} received, stopping");
             for p in &pids {
-                crate::proc::signal(*p, libc::SIGTERM);
+                testbed::proc::signal(*p, libc::SIGTERM);
             }
             std::thread::sleep(Duration::from_millis(500));
             if !keep {
@@ -178,7 +178,7 @@ fn script(
     tl: &mut Timeline,
     rt: &tokio::runtime::Runtime,
     c: &Arc<Cluster>,
-    info: &crate::cluster_file::ClusterInfo,
+    info: &testbed::cluster_file::ClusterInfo,
 ) -> anyhow::Result<()> {
     let uri = |v: &str| info.nbd_uri(v);
 

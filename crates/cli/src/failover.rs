@@ -8,7 +8,7 @@
 //! * `sqlite-front`: the SQLite front itself (python3 + the sqlite3 module);
 //! * `postgres`: Debian's PostgreSQL server as an instance's application.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,24 +21,14 @@ use ::failover::pool::{LocalPool, LocalPoolConfig};
 use ::failover::spec::Spec;
 use tokio::sync::mpsc;
 
-use crate::cluster_file::Target;
 use crate::ConnArgs;
 
-mod bench;
-mod breakdown;
-mod datadir;
-mod mariadb;
-mod postgres;
-mod recovery;
-mod scenarios;
-mod shardtrace;
-
-pub use bench::DemoApp;
+pub use eval::failover::demo::DemoApp;
 
 /// The failover part of `understudy demo`: SQLite (or PostgreSQL) failed over speculatively,
 /// as a timeline.
 pub fn demo(verbose: u8, app: DemoApp) -> anyhow::Result<()> {
-    bench::demo(verbose, app)
+    eval::failover::demo::demo(verbose, app)
 }
 
 /// `understudy bench failover ...`.
@@ -62,7 +52,7 @@ pub enum FailoverBench {
     /// crashed volume; speculative's live outage plus their difference is reported as
     /// `speculative_general_composed`. Times are scaled down with --quick. Needs root,
     /// /dev/fuse, losetup, python3, iproute2.
-    Scenarios(scenarios::ScenarioArgs),
+    Scenarios(eval::failover::scenarios::ScenarioArgs),
     /// Application recovery latency on the plain volume, a super clone and a general clone
     /// (SpecREDS §6.3), for PostgreSQL, SQLite and MariaDB (RocksDB), after clean and unclean
     /// failures, with a small and a large WAL left to recover.
@@ -74,13 +64,13 @@ pub enum FailoverBench {
     /// instance, or a clean stop) and the application started on a super child, on a general
     /// clone and on the volume itself, each timed from its start to its first good health check.
     /// Needs root, /dev/fuse, losetup, python3, PostgreSQL, MariaDB.
-    Recovery(recovery::RecoveryArgs),
+    Recovery(eval::failover::recovery::RecoveryArgs),
 }
 
 pub fn bench(b: FailoverBench, verbose: u8) -> anyhow::Result<()> {
     match b {
-        FailoverBench::Scenarios(a) => scenarios::run(a, verbose),
-        FailoverBench::Recovery(a) => recovery::run(a, verbose),
+        FailoverBench::Scenarios(a) => eval::failover::scenarios::run(a, verbose),
+        FailoverBench::Recovery(a) => eval::failover::recovery::run(a, verbose),
     }
 }
 
@@ -121,14 +111,14 @@ pub enum FailoverCmd {
     /// and nothing never attempted. Prints JSON; exits 1 if the check fails.
     Load(LoadArgs),
     /// The SQLite front: SQLite (WAL, synchronous=FULL) behind a one-line-per-request TCP server.
-    SqliteFront(FrontArgs),
+    SqliteFront(testbed::sqlite_front::FrontArgs),
     /// PostgreSQL (Debian's, unmodified) as an instance's application: initdb on first start,
     /// then `postgres` as an unprivileged user on 127.0.0.1:PORT.
     ///
     /// For a spec's `app.command`: `["understudy", "failover", "postgres", "--data",
     /// "{mount}/pgdata", "--port", "{port}"]`, with `[health] postgres = {}` (a read-only
     /// `SELECT 1`). SIGTERM is a fast shutdown.
-    Postgres(postgres::PgArgs),
+    Postgres(testbed::postgres::PgArgs),
     /// MariaDB (Debian's, unmodified; RocksDB engine when mariadb-plugin-rocksdb is installed)
     /// as an instance's application: mariadb-install-db on first start, then `mariadbd` on
     /// 127.0.0.1:PORT.
@@ -136,7 +126,7 @@ pub enum FailoverCmd {
     /// For a spec's `app.command`: `["understudy", "failover", "mariadb", "--data",
     /// "{mount}/mysql", "--port", "{port}"]`, with `[health] mysql = {}` (a read-only
     /// `SELECT 1`).
-    Mariadb(mariadb::MariaArgs),
+    Mariadb(testbed::mariadb::MariaArgs),
     /// A real speculative failover on a throw-away cluster, as a timeline.
     ///
     /// SQLite (or, with --app postgres, PostgreSQL) under load on an ext4 volume, the primary
@@ -218,68 +208,32 @@ pub struct DemoArgs {
     pub app: DemoApp,
 }
 
-#[derive(Args, Debug)]
-pub struct FrontArgs {
-    #[arg(long)]
-    pub db: PathBuf,
-    #[arg(long)]
-    pub port: u16,
-    /// Address to listen on (an instance's pool sets UNDERSTUDY_HOST: its namespace's address).
-    #[arg(long, env = "UNDERSTUDY_HOST", default_value = "127.0.0.1")]
-    pub host: std::net::IpAddr,
-    /// Write on its own every N ms (0: never), reachable or not.
-    #[arg(long, default_value_t = 0)]
-    pub housekeeping_ms: u64,
-    /// WAL pages before SQLite checkpoints on its own (0: never): how much WAL a crash leaves.
-    #[arg(long, default_value_t = 1000)]
-    pub wal_autocheckpoint_pages: u64,
-    /// A file with a number of milliseconds to spend after opening the database and before
-    /// serving (a recovery of that length; benchmarks vary it per failure). Missing: none.
-    #[arg(long, value_name = "FILE")]
-    pub startup_delay_file: Option<PathBuf>,
-}
-
 pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()> {
     match cmd {
         FailoverCmd::Run(a) => run_monitor(conn, a),
         FailoverCmd::Inject(a) => {
-            let reply = control_request(a.c.control, &format!("{} {}", a.fault, a.duration_ms))?;
+            let reply = testbed::failover::control_request(a.c.control, &format!("{} {}", a.fault, a.duration_ms))?;
             println!("{reply}");
             Ok(())
         }
         FailoverCmd::Status(a) => {
-            println!("{}", control_request(a.control, "status")?);
+            println!("{}", testbed::failover::control_request(a.control, "status")?);
             Ok(())
         }
         FailoverCmd::Hint(a) => {
             anyhow::ensure!(a.back == "never" || a.back.parse::<u64>().is_ok(), "BACK must be `never` or milliseconds, not {:?}", a.back);
-            println!("{}", control_request(a.c.control, &format!("hint {} {}", a.back, a.recovery_ms))?);
+            println!("{}", testbed::failover::control_request(a.c.control, &format!("hint {} {}", a.back, a.recovery_ms))?);
             Ok(())
         }
         FailoverCmd::Load(a) => load(a),
-        FailoverCmd::SqliteFront(a) => sqlite_front(a),
-        FailoverCmd::Postgres(a) => postgres::run(a),
-        FailoverCmd::Mariadb(a) => mariadb::run(a),
-        FailoverCmd::Demo(a) => bench::demo(verbose, a.app),
+        FailoverCmd::SqliteFront(a) => testbed::sqlite_front::run(a),
+        FailoverCmd::Postgres(a) => testbed::postgres::run(a),
+        FailoverCmd::Mariadb(a) => testbed::mariadb::run(a),
+        FailoverCmd::Demo(a) => eval::failover::demo::demo(verbose, a.app),
     }
 }
 
 /// One request to a monitor's control address; returns the text after `ok`.
-pub fn control_request(addr: SocketAddr, line: &str) -> anyhow::Result<String> {
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-        .with_context(|| format!("cannot reach the monitor's control address {addr}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(60)))?;
-    s.write_all(format!("{line}\n").as_bytes())?;
-    let mut reply = String::new();
-    BufReader::new(s).read_line(&mut reply)?;
-    let reply = reply.trim_end();
-    match reply.split_once(' ') {
-        Some(("ok", rest)) => Ok(rest.to_string()),
-        Some(("error", e)) => anyhow::bail!("{e}"),
-        _ => anyhow::bail!("unexpected answer from the monitor: {reply:?}"),
-    }
-}
-
 /// Arguments that let `understudy volume attach/detach` find the same cluster.
 fn conn_args(conn: &ConnArgs) -> Vec<String> {
     let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()).to_string_lossy().into_owned();
@@ -294,7 +248,7 @@ fn conn_args(conn: &ConnArgs) -> Vec<String> {
         v.extend(["--secret-file".to_string(), abs(s)]);
     }
     if conn.cluster.is_none() && (conn.meta.is_none() || conn.secret_file.is_none()) {
-        let default = Path::new(crate::cluster_file::DEFAULT_DIR).join(crate::cluster_file::CLUSTER_FILE);
+        let default = Path::new(testbed::cluster_file::DEFAULT_DIR).join(testbed::cluster_file::CLUSTER_FILE);
         v.extend(["--cluster".to_string(), abs(&default)]);
     }
     v
@@ -304,7 +258,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
     let mut spec = Spec::load(&a.spec)?;
     std::fs::create_dir_all(&spec.state_dir).with_context(|| format!("cannot create state_dir {}", spec.state_dir.display()))?;
     spec.state_dir = spec.state_dir.canonicalize()?;
-    let target = Target::resolve(conn)?;
+    let target = conn.target()?;
     let rt = crate::runtime()?;
     rt.block_on(async {
         let cluster = target.connect().await?;
@@ -370,7 +324,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
             let _ = std::io::stdout().flush();
         };
         let shutdown = async {
-            let sig = crate::proc::shutdown_signal().await;
+            let sig = testbed::proc::shutdown_signal().await;
             eprintln!("understudy failover: {sig} received: stopping every instance");
         };
         let r = ::failover::driver::run(
@@ -394,7 +348,7 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
     let rt = crate::runtime()?;
     rt.block_on(async {
         let stop = async {
-            crate::proc::shutdown_signal().await;
+            testbed::proc::shutdown_signal().await;
         };
         let target = if a.postgres {
             ::failover::load::Target::Postgres(Default::default())
@@ -432,30 +386,4 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         anyhow::ensure!(ok, "acknowledged commits missing {:?} or unexpected rows {:?}", v.missing, v.unexpected);
         Ok(())
     })
-}
-
-fn sqlite_front(a: FrontArgs) -> anyhow::Result<()> {
-    use std::os::unix::process::CommandExt;
-    let python = ::failover::spec::find_program("python3").context("python3 not found (the SQLite front runs on python3's sqlite3 module)")?;
-    // exec: the front keeps this process id, so signals reach it directly.
-    // -I -S: the standard library only (no site-packages, whose .pth imports cost ~0.1 s of
-    // every start, a failover's included; no current directory — the volume — on sys.path).
-    let e = std::process::Command::new(python)
-        .args(["-I", "-S"])
-        .arg("-c")
-        .arg(::failover::load::SQLITE_FRONT_PY)
-        .arg("--db")
-        .arg(&a.db)
-        .arg("--port")
-        .arg(a.port.to_string())
-        .arg("--host")
-        .arg(a.host.to_string())
-        .arg("--housekeeping-ms")
-        .arg(a.housekeeping_ms.to_string())
-        .arg("--wal-autocheckpoint-pages")
-        .arg(a.wal_autocheckpoint_pages.to_string())
-        .arg("--startup-delay-file")
-        .arg(a.startup_delay_file.unwrap_or_default())
-        .exec();
-    Err(anyhow::Error::from(e).context("cannot start python3"))
 }

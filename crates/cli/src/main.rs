@@ -12,22 +12,15 @@
 
 mod attach;
 mod bench_cmds;
-mod ceph_bench;
-mod cluster_file;
 mod daemons;
 mod demo;
 mod exports;
 mod failover;
 mod kv;
-mod kv_ycsb;
-mod kv_zk;
 mod nearlog;
-mod proc;
-mod qemu;
 mod size;
 mod up;
 mod volume_cmds;
-mod ycsb;
 
 use std::path::PathBuf;
 
@@ -145,6 +138,13 @@ pub struct ConnArgs {
     /// File holding the cluster secret (instead of the one in the cluster file).
     #[arg(long, global = true, value_name = "FILE")]
     pub secret_file: Option<PathBuf>,
+}
+
+impl ConnArgs {
+    /// The cluster these options name (see [`testbed::cluster_file::Target::resolve`]).
+    pub fn target(&self) -> anyhow::Result<testbed::cluster_file::Target> {
+        testbed::cluster_file::Target::resolve(self.cluster.as_deref(), self.meta.as_deref(), self.secret_file.as_deref())
+    }
 }
 
 /// How a volume client command finds the cluster: the same options as [`ConnArgs`], given to one

@@ -2,13 +2,13 @@
 //! local controller + 3 peers for trying the LD_PRELOAD shim.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 
 use ::nearlog::core::controller::ControllerCore;
 use ::nearlog::store::JsonFileStore;
+use testbed::nearlog::{default_shim, ensure_secret, read_secret, NearlogClusterFile};
 
 #[derive(Subcommand, Debug)]
 pub enum NearlogCmd {
@@ -140,10 +140,6 @@ pub struct RestoreArgs {
 /// The opt-in open flag of the shim (`nearlog_preload::O_NCL`).
 const O_NCL: libc::c_int = 0o40000000;
 
-pub fn default_shim() -> anyhow::Result<PathBuf> {
-    Ok(std::env::current_exe()?.parent().context("executable has no directory")?.join("libnearlog_preload.so"))
-}
-
 async fn restore(a: RestoreArgs) -> anyhow::Result<()> {
     let shim = match a.shim {
         Some(s) => s,
@@ -263,33 +259,6 @@ pub struct UpArgs {
     pub port: u16,
 }
 
-/// The cluster file the shim reads (`UNDERSTUDY_NEARLOG_CLUSTER`).
-#[derive(serde::Serialize, serde::Deserialize, Debug)]
-pub struct NearlogClusterFile {
-    pub controller: String,
-    pub secret_file: PathBuf,
-    pub peers: Vec<String>,
-}
-
-pub fn read_secret(path: &Path) -> anyhow::Result<Arc<Vec<u8>>> {
-    let s = std::fs::read(path).with_context(|| format!("cannot read the cluster secret {}", path.display()))?;
-    let s: Vec<u8> = s.trim_ascii().to_vec();
-    anyhow::ensure!(!s.is_empty(), "cluster secret file {} is empty", path.display());
-    Ok(Arc::new(s))
-}
-
-pub fn ensure_secret(path: &Path) -> anyhow::Result<Arc<Vec<u8>>> {
-    if !path.exists() {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let hex: String = (0..32).map(|_| format!("{:02x}", rand::random::<u8>())).collect();
-        let mut f = std::fs::OpenOptions::new().create_new(true).write(true).mode(0o600).open(path)?;
-        f.write_all(hex.as_bytes())?;
-        f.sync_all()?;
-    }
-    read_secret(path)
-}
-
 pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
     match cmd {
         NearlogCmd::Peer(a) => {
@@ -335,59 +304,12 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             Ok(())
         }
         NearlogCmd::Up(a) => {
-            std::fs::create_dir_all(&a.dir).with_context(|| format!("cannot create {}", a.dir.display()))?;
-            let dir = std::fs::canonicalize(&a.dir)?;
-            let secret_file = dir.join("secret");
-            let secret = ensure_secret(&secret_file)?;
-            let core = ControllerCore::open(JsonFileStore::new(&dir))?;
-            let cluster = dir.join("nearlog-cluster.json");
-            // A restart on the same DIR comes back at the addresses of the last run where they
-            // are free (an application still running keeps reaching them), else at new ones.
-            let last: Option<NearlogClusterFile> = std::fs::read(&cluster).ok().and_then(|b| serde_json::from_slice(&b).ok());
-            let cl = match (a.port, &last) {
-                (0, Some(last)) => match tokio::net::TcpListener::bind(last.controller.as_str()).await {
-                    Ok(l) => l,
-                    Err(_) => tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?,
-                },
-                (port, _) => tokio::net::TcpListener::bind(("127.0.0.1", port)).await?,
-            };
-            let controller = cl.local_addr()?.to_string();
-            tokio::spawn(::nearlog::driver::server::run_controller(cl, core, secret.clone()));
-            let mut peers = Vec::new();
-            for i in 0..3 {
-                let before = last.as_ref().and_then(|c| c.peers.get(i));
-                let l = match before {
-                    Some(b) => match tokio::net::TcpListener::bind(b.as_str()).await {
-                        Ok(l) => l,
-                        Err(_) => tokio::net::TcpListener::bind("127.0.0.1:0").await?,
-                    },
-                    None => tokio::net::TcpListener::bind("127.0.0.1:0").await?,
-                };
-                let addr = l.local_addr()?.to_string();
-                peers.push(addr.clone());
-                // Each peer keeps its id in DIR: restarted, the controller knows it as the same
-                // peer (memory empty) rather than a fourth one beside a dead one.
-                let id_file = dir.join(format!("nearlog-peer-{i}.id"));
-                tokio::spawn(::nearlog::driver::server::run_peer_as(l, addr, controller.clone(), secret.clone(), a.region_bytes, Some(id_file)));
-            }
-            // Wait until the 3 peers registered.
-            for _ in 0..100 {
-                if let Ok(::nearlog::proto::CtlReply::Status(s)) = ::nearlog::driver::server::ctl_call(&controller, &secret, &::nearlog::proto::CtlRequest::Status).await {
-                    if peers.iter().all(|p| s.peers.values().any(|i| &i.addr == p && i.live)) {
-                        break;
-                    }
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-            let cf = NearlogClusterFile { controller: controller.clone(), secret_file, peers: peers.clone() };
-            let tmp = dir.join("nearlog-cluster.json.tmp");
-            std::fs::write(&tmp, serde_json::to_vec_pretty(&cf)?)?;
-            std::fs::rename(&tmp, &cluster)?;
-            println!("nearlog controller {controller}");
-            for p in &peers {
+            let up = testbed::nearlog::up(&a.dir, a.region_bytes, a.port).await?;
+            println!("nearlog controller {}", up.controller);
+            for p in &up.peers {
                 println!("nearlog peer {p}");
             }
-            println!("cluster file {}", cluster.display());
+            println!("cluster file {}", up.cluster_file.display());
             println!("ready");
             tokio::signal::ctrl_c().await?;
             Ok(())
@@ -398,6 +320,5 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
     }
 }
 
-mod bench;
-pub use bench::{bench, NearlogBench};
+pub use eval::nearlog::{bench, NearlogBench};
 

@@ -9,7 +9,6 @@ use volume::driver::client::Cluster;
 use volume::driver::meta::{Job, Layout, MetaReq, MetaResp, VolumeRec, DEFAULT_OBJECT_SIZE_BYTES};
 use volume::types::{CollapseOutcome, ShardState, MAX_OBJECT_SIZE_BYTES};
 
-use crate::cluster_file::Target;
 
 /// How long `volume collapse` keeps asking through broken connections and an unanswering
 /// tracking shard (the metadata service decides on its own meanwhile).
@@ -101,7 +100,7 @@ pub fn default_child_name(parent: &str, existing: &[VolumeRec]) -> String {
 }
 
 pub async fn run(conn: &ConnArgs, cmd: VolumeCmd) -> anyhow::Result<()> {
-    let target = Target::resolve(conn)?;
+    let target = conn.target()?;
     let c = target.connect().await?;
     match cmd {
         VolumeCmd::Create(a) => {
@@ -229,7 +228,7 @@ fn job_text(j: &Job) -> String {
 }
 
 pub async fn status(conn: &ConnArgs, json: bool) -> anyhow::Result<()> {
-    let target = Target::resolve(conn)?;
+    let target = conn.target()?;
     let c = target.connect().await?;
     c.refresh_map(c.map().epoch).await?;
     let map = c.map();

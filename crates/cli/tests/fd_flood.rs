@@ -18,6 +18,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use testbed::proc::alive;
 
 /// Descriptor limit given to every daemon (the usual default is 1024; lower keeps it quick).
 const FD_LIMIT: u64 = 256;
@@ -44,11 +45,6 @@ fn raise_own_fd_limit() {
         lim.rlim_cur = lim.rlim_max;
         libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
     }
-}
-
-fn alive(pid: u32) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    !stat.is_empty() && !stat.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
 }
 
 /// utime + stime of a process, in clock ticks.

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 mod nearlog_common;
 use nearlog_common::{shim_path, start_cluster, Kill};
 
-const LOAD_C: &str = include_str!("../src/nearlog_rocksdb.c");
+const LOAD_C: &str = include_str!("../../testbed/src/nearlog_rocksdb.c");
 
 fn build_load(dir: &Path) -> PathBuf {
     let src = dir.join("load.c");

@@ -9,6 +9,8 @@ use std::process::{Child, ChildStdin, Command, Output, Stdio};
 use std::sync::mpsc::{channel, Receiver};
 use std::time::{Duration, Instant};
 
+use testbed::proc::{alive, signal};
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_understudy");
 const UP_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -17,18 +19,10 @@ pub fn require_qemu() {
     assert!(ok, "these tests need qemu-io and qemu-img: apt-get install qemu-utils");
 }
 
-fn signal(pid: u32, sig: i32) {
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    unsafe {
-        libc::kill(pid as i32, sig);
-    }
-}
-
+/// A live (not zombie) `understudy` process.
 fn is_understudy(pid: u32) -> bool {
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let zombie = stat.rsplit_once(')').is_some_and(|(_, r)| r.trim_start().starts_with('Z'));
-    !zombie && String::from_utf8_lossy(&cmdline).contains("understudy")
+    alive(pid) && String::from_utf8_lossy(&cmdline).contains("understudy")
 }
 
 /// Stops a child: SIGTERM, up to `grace`, then SIGKILL; always reaps it.

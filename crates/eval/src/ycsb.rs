@@ -184,7 +184,7 @@ fn redis(a: RedisArgs) -> anyhow::Result<()> {
     write_samples(&out, &prefix, &run, &[])?;
     eprintln!("plots and samples in {}", out.display());
     report.print();
-    crate::ycsb::ensure_reads_checked(&load, &run)
+    ensure_reads_checked(&load, &run)
 }
 
 /// Fails the bench (after its figures were printed) if any read found a missing record or a
@@ -206,7 +206,7 @@ pub fn ensure_reads_checked(load: &PhaseSummary, run: &PhaseSummary) -> anyhow::
 /// The run's throughput timeline and latency CDFs, as CSV and plots.
 /// Writes a run's throughput windows and latency CDFs (CSV and plots) under `out`. `marks`
 /// are events drawn as vertical lines on the throughput plot (label, time in seconds).
-pub(crate) fn write_samples(out: &Path, prefix: &str, run: &PhaseSummary, marks: &[(String, f64)]) -> anyhow::Result<()> {
+pub fn write_samples(out: &Path, prefix: &str, run: &PhaseSummary, marks: &[(String, f64)]) -> anyhow::Result<()> {
     let stem = prefix.replace('.', "-");
     let window_s = run.window.as_secs_f64();
     let timeline: Vec<(f64, f64)> = run

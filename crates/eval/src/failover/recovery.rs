@@ -31,7 +31,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use volume::driver::meta::{MetaReq, MetaResp};
 
 use super::breakdown::Breakdown;
-use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
+use testbed::volume::{LocalCluster, UpConfig, READY_TIMEOUT};
 
 #[derive(Args, Debug)]
 pub struct RecoveryArgs {
@@ -490,7 +490,7 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
         anyhow::ensure!(Path::new("/usr/sbin/mariadbd").exists(), "MariaDB is not installed (apt-get install mariadb-server mariadb-plugin-rocksdb)");
     }
     if apps.contains(&App::Postgres) {
-        anyhow::ensure!(super::postgres::find_bin_dir().is_some(), "PostgreSQL is not installed (apt-get install postgresql)");
+        anyhow::ensure!(testbed::postgres::find_bin_dir().is_some(), "PostgreSQL is not installed (apt-get install postgresql)");
     }
     let mut failures = vec![];
     for f in if a.failures.is_empty() { vec!["kill".to_string(), "clean".to_string()] } else { a.failures.clone() } {
@@ -514,15 +514,14 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
     // Shards serve their metrics: their counters around each recovery.
     let mut lc = LocalCluster::start_full(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose }, &[], true)?;
     rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
-    let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
+    let cluster_file = lc.info.dir.join(testbed::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
     let exe = std::env::current_exe()?;
     let conn_args = vec!["--cluster".to_string(), cluster_file.to_string_lossy().into_owned()];
     let shard_metrics: Vec<String> = lc.info.shards.iter().filter_map(|s| s.metrics.clone()).collect();
     let mut samples = vec![];
     let r = rt.block_on(async {
-        let conn = crate::ConnArgs { cluster: Some(cluster_file.clone()), meta: None, secret_file: None };
-        let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
+        let cluster = testbed::cluster_file::Target::resolve(Some(&cluster_file), None, None)?.connect().await?;
         for &app in &apps {
             for &(wal, bytes) in &wals {
                 cell(&exe, &conn_args, dir.path(), cluster.clone(), &shard_metrics, app, wal, bytes, rounds, &failures, !a.quick, &mut samples).await?;

@@ -16,7 +16,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::datadir::lookup_user;
+use crate::datadir::lookup_user;
 use std::process::Stdio;
 
 use anyhow::Context;
@@ -85,9 +85,9 @@ pub fn run(a: PgArgs) -> anyhow::Result<()> {
     };
     let user = a.user.clone().unwrap_or_else(|| if lookup_user("postgres").is_ok() { "postgres".into() } else { "nobody".into() });
     let (uid, gid) = lookup_user(&user)?;
-    let (data, parent) = super::datadir::reachable_by(&a.data, &user, uid, gid)?;
+    let (data, parent) = crate::datadir::reachable_by(&a.data, &user, uid, gid)?;
     if !data.join("PG_VERSION").exists() {
-        super::datadir::make_in_scratch(&data, &parent, "initdb", "PostgreSQL cluster", (uid, gid), Some(0o700), |scratch| {
+        crate::datadir::make_in_scratch(&data, &parent, "initdb", "PostgreSQL cluster", (uid, gid), Some(0o700), |scratch| {
             eprintln!("understudy failover postgres: initdb {} as {user}", data.display());
             let out = std::process::Command::new(bin.join("initdb"))
                 .args(["--auth=trust", "--username=postgres", "--encoding=UTF8", "--locale=C", "--no-instructions", "-D"])
@@ -136,7 +136,7 @@ pub fn run(a: PgArgs) -> anyhow::Result<()> {
         cmd.arg("-c").arg(s);
     }
     cmd.uid(uid).gid(gid).current_dir(&data).stdin(Stdio::null()).kill_on_drop(false);
-    let rt = crate::runtime()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         use tokio::signal::unix::{signal, SignalKind};
         let mut child = cmd.spawn().context("cannot start postgres")?;

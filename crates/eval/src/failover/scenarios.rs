@@ -47,8 +47,9 @@ use serde_json::Value;
 
 use ::failover::pool::InstancePool;
 
-use super::bench::{logs_tail, peak_rss_bytes, MonitorGuard};
-use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
+use testbed::failover::{logs_tail, MonitorGuard};
+use testbed::proc::peak_rss_bytes;
+use testbed::volume::{LocalCluster, UpConfig, READY_TIMEOUT};
 
 #[derive(Args, Debug)]
 pub struct ScenarioArgs {
@@ -252,7 +253,7 @@ impl Mon {
         });
         let spec_path = run_dir.join("spec.json");
         std::fs::write(&spec_path, serde_json::to_vec_pretty(&spec)?)?;
-        let (guard, rx) = super::bench::start_monitor(&exe, &spec_path, &run_dir, &control.to_string(), cluster_file, verbose)?;
+        let (guard, rx) = testbed::failover::start_monitor(&exe, &spec_path, &run_dir, &control.to_string(), cluster_file, verbose)?;
         Ok(Mon { name, policy, guard, rx, seen: vec![], control, endpoint, run_dir, delay_file, spurious: 0 })
     }
 
@@ -270,7 +271,7 @@ impl Mon {
     }
 
     fn control(&self, line: &str) -> anyhow::Result<String> {
-        super::control_request(self.control, line)
+        testbed::failover::control_request(self.control, line)
     }
 
     /// Errors of this monitor's run, with its logs.
@@ -583,8 +584,7 @@ fn wait_gc_end(cluster_file: &Path) -> anyhow::Result<Duration> {
     let t0 = Instant::now();
     let rt = crate::runtime()?;
     rt.block_on(async {
-        let conn = crate::ConnArgs { cluster: Some(cluster_file.to_path_buf()), meta: None, secret_file: None };
-        let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
+        let cluster = testbed::cluster_file::Target::resolve(Some(&cluster_file), None, None)?.connect().await?;
         loop {
             match cluster.meta(volume::driver::meta::MetaReq::Jobs).await? {
                 volume::driver::meta::MetaResp::Jobs(j) if j.is_empty() => return Ok(t0.elapsed()),
@@ -630,7 +630,7 @@ pub fn run(a: ScenarioArgs, verbose: u8) -> anyhow::Result<()> {
     // Shards serve their metrics, for the recovery rounds' counter trace.
     let mut lc = LocalCluster::start_full(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose }, &[], true)?;
     rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
-    let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
+    let cluster_file = lc.info.dir.join(testbed::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
     let t0 = Instant::now();
     let shard_metrics: Vec<String> = lc.info.shards.iter().filter_map(|s| s.metrics.clone()).collect();
@@ -1202,8 +1202,7 @@ impl GeneralTwin {
         .map(|s| s.to_string())
         .collect();
         let (pool, volumes) = rt.block_on(async {
-            let conn = crate::ConnArgs { cluster: Some(cluster_file.to_path_buf()), meta: None, secret_file: None };
-            let cluster = crate::cluster_file::Target::resolve(&conn)?.connect().await?;
+            let cluster = testbed::cluster_file::Target::resolve(Some(&cluster_file), None, None)?.connect().await?;
             let (tx, mut rx) = tokio::sync::mpsc::channel::<::failover::Input>(64);
             // Its instances exit because this bench kills them: nothing to act on.
             tokio::spawn(async move { while rx.recv().await.is_some() {} });

@@ -29,8 +29,8 @@ use ::kv::runtime::KvCluster;
 use bench::LatencyRecorder;
 use zk::{srvr, Ensemble, EnsembleOptions, ServerState, ZkClient};
 
-use crate::kv::{wait_all_serving, LocalKv};
-use crate::kv_ycsb::{bench_dir, log_len, recovery_line, up_args};
+use testbed::kv::{wait_all_serving, LocalKv};
+use super::ycsb::{bench_dir, log_len, recovery_line, up_args};
 
 /// Throughput windows.
 const WINDOW: Duration = Duration::from_millis(100);
@@ -406,7 +406,7 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
         match p.fault {
             Fault::Kill => lk.kill9(victim)?,
             Fault::Stop => anyhow::ensure!(
-                crate::proc::signal(pid, libc::SIGSTOP),
+                testbed::proc::signal(pid, libc::SIGSTOP),
                 "cannot stop node {victim}"
             ),
         }
@@ -415,13 +415,13 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
         match p.fault {
             Fault::Kill => lk.restart_node(victim)?,
             Fault::Stop => anyhow::ensure!(
-                crate::proc::signal(pid, libc::SIGCONT),
+                testbed::proc::signal(pid, libc::SIGCONT),
                 "cannot continue node {victim}"
             ),
         }
         r.restart_s = load.start.elapsed().as_secs_f64();
         let (listening, _) =
-            crate::kv_ycsb::wait_node_listening_then_serving(addrs[victim], &secret, CATCHUP_TIMEOUT)
+            super::ycsb::wait_node_listening_then_serving(addrs[victim], &secret, CATCHUP_TIMEOUT)
                 .await
                 .with_context(|| format!("node {victim} did not serve again after its restart"))?;
         r.caught_up_s = load.start.elapsed().as_secs_f64();

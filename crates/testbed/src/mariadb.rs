@@ -50,10 +50,10 @@ pub fn rocksdb_plugin() -> bool {
 
 pub fn run(a: MariaArgs) -> anyhow::Result<()> {
     anyhow::ensure!(std::path::Path::new(MARIADBD).exists(), "MariaDB is not installed ({MARIADBD}): apt-get install mariadb-server");
-    let (uid, gid) = super::datadir::lookup_user(&a.user)?;
-    let (data, parent) = super::datadir::reachable_by(&a.data, &a.user, uid, gid)?;
+    let (uid, gid) = crate::datadir::lookup_user(&a.user)?;
+    let (data, parent) = crate::datadir::reachable_by(&a.data, &a.user, uid, gid)?;
     if !data.join("mysql").exists() {
-        super::datadir::make_in_scratch(&data, &parent, "install", "MariaDB database", (uid, gid), None, |scratch| {
+        crate::datadir::make_in_scratch(&data, &parent, "install", "MariaDB database", (uid, gid), None, |scratch| {
             eprintln!("understudy failover mariadb: mariadb-install-db {} as {}", data.display(), a.user);
             let out = std::process::Command::new("mariadb-install-db")
                 .arg(format!("--user={}", a.user))

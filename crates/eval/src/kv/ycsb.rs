@@ -6,7 +6,7 @@
 //! [`HealTarget`] is the `ycsb::KvTarget` of the KV store: each closed-loop client has its own
 //! connection to one node, which coordinates its writes (leaderless: any node does), and moves
 //! to the next node when its node refuses (not serving, e.g. recovering) or is unreachable.
-//! Also home to the helpers the ZooKeeper comparison (`kv_zk.rs`) shares: starting a group
+//! Also home to the helpers the ZooKeeper comparison ([`super::zookeeper`]) shares: starting a group
 //! through `kv up`'s own argument parser, and timing a restarted node until it serves.
 
 use std::net::SocketAddr;
@@ -21,7 +21,7 @@ use ::kv::msg::{ClientOp, ClientResult};
 use ::kv::runtime::KvClient;
 use ycsb::{KvTarget, PhaseSummary, RunConfig, Runner, TargetError, WorkloadSpec};
 
-use crate::kv::{wait_all_serving, LocalKv, UpArgs};
+use testbed::kv::{wait_all_serving, LocalKv, UpArgs};
 
 // ------------------------------------------------------------------------------ target
 
@@ -260,18 +260,6 @@ pub(crate) fn log_len(dir: &Path, i: usize) -> u64 {
         .unwrap_or(0)
 }
 
-pub(crate) fn rss_bytes(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map(|kb| kb * 1024)
-        .unwrap_or(0)
-}
-
 // ------------------------------------------------------------------------------ benchmark
 
 #[derive(Args, Debug)]
@@ -475,7 +463,7 @@ pub fn bench(a: KvYcsbArgs, _verbose: u8) -> anyhow::Result<()> {
         );
         anyhow::Ok((load, run, fault))
     });
-    let rss = lk.pid(0).map(rss_bytes).unwrap_or(0);
+    let rss = lk.pid(0).and_then(testbed::proc::rss_bytes).unwrap_or(0);
     lk.stop();
     let (load, run, fault) = match result {
         Ok(r) => r,

@@ -10,8 +10,6 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use volume::driver::client::Cluster;
 
-use crate::ConnArgs;
-
 pub const DEFAULT_DIR: &str = "./understudy-data";
 pub const CLUSTER_FILE: &str = "cluster.json";
 pub const SECRET_FILE: &str = "secret";
@@ -128,10 +126,12 @@ pub struct Target {
 }
 
 impl Target {
-    pub fn resolve(conn: &ConnArgs) -> anyhow::Result<Target> {
-        let explicit = conn.cluster.is_some();
-        let path = conn.cluster.clone().unwrap_or_else(|| Path::new(DEFAULT_DIR).join(CLUSTER_FILE));
-        let info = if conn.meta.is_some() && conn.secret_file.is_some() && !explicit {
+    /// From the client options: the cluster file (`--cluster`), else the default one, unless
+    /// both the metadata address (`--meta`) and the secret file (`--secret-file`) are given.
+    pub fn resolve(cluster: Option<&Path>, meta: Option<&str>, secret_file: Option<&Path>) -> anyhow::Result<Target> {
+        let explicit = cluster.is_some();
+        let path = cluster.map(Path::to_path_buf).unwrap_or_else(|| Path::new(DEFAULT_DIR).join(CLUSTER_FILE));
+        let info = if meta.is_some() && secret_file.is_some() && !explicit {
             None
         } else if path.exists() || explicit {
             Some(ClusterInfo::load(&path)?)
@@ -142,13 +142,13 @@ impl Target {
                 path.display()
             );
         };
-        let meta_addr = match (&conn.meta, &info) {
-            (Some(m), _) => m.clone(),
+        let meta_addr = match (meta, &info) {
+            (Some(m), _) => m.to_string(),
             (None, Some(i)) => i.meta.addr.clone(),
             (None, None) => unreachable!(),
         };
-        let secret_file = match (&conn.secret_file, &info) {
-            (Some(f), _) => f.clone(),
+        let secret_file = match (secret_file, &info) {
+            (Some(f), _) => f.to_path_buf(),
             (None, Some(i)) => i.secret_file.clone(),
             (None, None) => unreachable!(),
         };

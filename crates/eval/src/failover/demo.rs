@@ -1,17 +1,15 @@
 //! The failover part of `understudy demo`: a real speculative failover of SQLite (or
-//! PostgreSQL) under load, as a timeline; and what the benches share with it: the monitor as a
-//! child process with a guard that cleans up after it ([`MonitorGuard`]), its peak RSS and its
-//! logs' tails for an error report.
+//! PostgreSQL) under load, as a timeline. The monitor runs as a child process behind
+//! [`testbed::failover::MonitorGuard`], which cleans up after it.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::mpsc::{channel, Receiver};
+use std::path::Path;
+use std::process::Command;
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-
-use crate::up::{LocalCluster, UpConfig, READY_TIMEOUT};
+use testbed::failover::{logs_tail, start_monitor};
+use testbed::volume::{LocalCluster, UpConfig, READY_TIMEOUT};
 
 const PING_INTERVAL_MS: u64 = 200;
 /// The REDS timeout of a demo run with the REDS policy.
@@ -25,12 +23,6 @@ struct RunResult {
 
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-pub(super) fn peak_rss_bytes(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
 }
 
 fn narrate(e: &serde_json::Value) {
@@ -60,56 +52,6 @@ fn wait_event(
             return Ok(e);
         }
         anyhow::ensure!(e["event"] != "gave_up", "the monitor gave up: {e}");
-    }
-}
-
-/// The monitor process of a run: stopped on every path out of it (SIGTERM: it stops its
-/// instances cleanly), then whatever it left is cleaned up — a monitor that crashed or hung
-/// leaves processes, network namespaces, mounts and loop devices: its namespaces (by its tag)
-/// are destroyed with everything in them, and every mount point under `state_dir/mnt` is
-/// detached (`volume detach` unmounts, frees the loop device and the FUSE file).
-pub(super) struct MonitorGuard {
-    child: std::process::Child,
-    state_dir: PathBuf,
-    cluster_file: PathBuf,
-}
-
-impl MonitorGuard {
-    pub(super) fn new(child: std::process::Child, state_dir: &Path, cluster_file: &Path) -> MonitorGuard {
-        MonitorGuard { child, state_dir: state_dir.to_path_buf(), cluster_file: cluster_file.to_path_buf() }
-    }
-
-    pub(super) fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for MonitorGuard {
-    fn drop(&mut self) {
-        crate::proc::signal(self.child.id(), libc::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if let Ok(tag) = std::fs::read_to_string(self.state_dir.join("netns.tag")) {
-            let gone = ::failover::netns::destroy_all(tag.trim());
-            if !gone.is_empty() {
-                eprintln!("failover bench: removed network namespaces left behind: {gone:?}");
-            }
-        }
-        let exe = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("understudy"));
-        if let Ok(dirs) = std::fs::read_dir(self.state_dir.join("mnt")) {
-            for d in dirs.flatten() {
-                let o = Command::new(&exe).args(["volume", "detach"]).arg(d.path()).arg("--cluster").arg(&self.cluster_file).stdin(Stdio::null()).output();
-                if let Ok(o) = o {
-                    if o.status.success() {
-                        eprintln!("failover bench: detached {} left behind", d.path().display());
-                    }
-                }
-            }
-        }
     }
 }
 
@@ -173,7 +115,7 @@ impl DemoApp {
                 ::failover::spec::find_program("python3").context("the SQLite demo needs python3 (apt-get install python3)")?;
             }
             DemoApp::Postgres => {
-                super::postgres::find_bin_dir()
+                testbed::postgres::find_bin_dir()
                     .context("PostgreSQL is not installed (apt-get install postgresql, or scripts/install-deps); `understudy demo` without --app postgres shows SQLite")?;
             }
         }
@@ -195,62 +137,6 @@ impl Settle {
 #[allow(clippy::too_many_arguments)]
 fn run_one(cluster_file: &Path, dir: &Path, variant: &str, round: usize, verbose: u8, tell: bool, settle: Settle, app: DemoApp) -> anyhow::Result<RunResult> {
     run_inner(cluster_file, dir, variant, round, verbose, tell, settle, app)
-}
-
-/// The last lines of a run's logs (the monitor's and its instances'), for an error report: a
-/// failed run is otherwise hard to diagnose once its directory is gone.
-/// Starts `understudy failover run SPEC` as a child process (stderr to `run_dir/monitor.err`) and
-/// returns its guard and the stream of its JSON event lines.
-pub(super) fn start_monitor(
-    exe: &Path,
-    spec_path: &Path,
-    run_dir: &Path,
-    control: &str,
-    cluster_file: &Path,
-    verbose: u8,
-) -> anyhow::Result<(MonitorGuard, Receiver<serde_json::Value>)> {
-    let mut cmd = Command::new(exe);
-    cmd.args(["failover", "run"]).arg(spec_path).args(["--control", control, "--cluster"]).arg(cluster_file);
-    if verbose > 0 {
-        cmd.arg(format!("-{}", "v".repeat(verbose as usize)));
-    }
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::from(std::fs::File::create(run_dir.join("monitor.err"))?))
-        .spawn()
-        .context("cannot start `understudy failover run`")?;
-    let out = child.stdout.take().context("the monitor's stdout")?;
-    let guard = MonitorGuard::new(child, &run_dir.join("state"), cluster_file);
-    let (tx, rx) = channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                if tx.send(v).is_err() {
-                    return;
-                }
-            }
-        }
-    });
-    Ok((guard, rx))
-}
-
-pub(super) fn logs_tail(run_dir: &Path) -> String {
-    const TAIL_LINES: usize = 15;
-    let mut files = vec![run_dir.join("monitor.err")];
-    if let Ok(rd) = std::fs::read_dir(run_dir.join("state").join("logs")) {
-        let mut logs: Vec<_> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
-        logs.sort();
-        files.extend(logs);
-    }
-    let mut out = String::new();
-    for f in files {
-        let Ok(text) = std::fs::read_to_string(&f) else { continue };
-        let lines: Vec<&str> = text.lines().collect();
-        let tail = &lines[lines.len().saturating_sub(TAIL_LINES)..];
-        out.push_str(&format!("\n--- {} (last {} lines)\n{}", f.display(), tail.len(), tail.join("\n")));
-    }
-    out
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -314,7 +200,7 @@ fn run_body(
     let control_addr = control.parse()?;
     if variant == "oracle" {
         // The evaluator knows the future: the primary will never come back.
-        super::control_request(control_addr, "hint never 0")?;
+        testbed::failover::control_request(control_addr, "hint never 0")?;
     }
     // The client: load through the endpoint in its own runtime.
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -332,12 +218,12 @@ fn run_body(
         })
     });
     std::thread::sleep(settle.0);
-    super::control_request(control_addr, "kill")?;
+    testbed::failover::control_request(control_addr, "kill")?;
     if tell {
         println!("  {:>9} demo: SIGKILL of the whole primary (application and its volume server)", "");
     }
     let done = wait_event(&rx, &mut seen, &["promoted", "reds_restarted"], Duration::from_secs(300), tell)?;
-    let rss = peak_rss_bytes(monitor.pid()).unwrap_or(0);
+    let rss = testbed::proc::peak_rss_bytes(monitor.pid()).unwrap_or(0);
     std::thread::sleep(settle.0);
     let _ = stop_tx.send(());
     let (r, v) = load.join().map_err(|_| anyhow::anyhow!("the load thread panicked"))??;
@@ -385,7 +271,7 @@ pub fn demo(verbose: u8, app: DemoApp) -> anyhow::Result<()> {
     let rt = crate::runtime()?;
     let mut lc = LocalCluster::start(&UpConfig { dir: dir.path().join("cluster"), shards: 4, replicas: 3, port_base: 0, verbose })?;
     rt.block_on(lc.wait_ready(READY_TIMEOUT, false))?;
-    let cluster_file = lc.info.dir.join(crate::cluster_file::CLUSTER_FILE);
+    let cluster_file = lc.info.dir.join(testbed::cluster_file::CLUSTER_FILE);
     lc.info.save(&cluster_file)?;
     println!("  cluster up: 4 shards, 3 replicas; a client inserts rows through the endpoint, one at a time");
     let r = run_one(&cluster_file, dir.path(), "speculative", 0, verbose, true, Settle::new(false), app);

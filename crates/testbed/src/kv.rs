@@ -1,0 +1,309 @@
+//! A local leaderless KV group (HEAL): the nodes and the configuration manager as child
+//! processes of this one, restarted when they exit if asked to; what `understudy kv up` runs and
+//! what the KV benchmarks start.
+//!
+//! Layout of DIR: `secret`, `kv-cluster.json`, `pids`, `cm/`, `node-N/`, `logs/{cm,node-N}.log`.
+//! The group's options ([`UpArgs`]) are a clap definition here because both `kv up` and the
+//! benchmarks' pass-through node arguments (`--kv-arg`) parse them.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+
+use ::kv::runtime::KvClusterFile;
+use ::kv::Model;
+
+use crate::cluster_file;
+use crate::proc;
+
+pub const CLUSTER_FILE: &str = "kv-cluster.json";
+pub const PIDS_FILE: &str = "pids";
+pub const DEFAULT_DIR: &str = "understudy-kv";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Recovery {
+    /// HEAL online incremental recovery.
+    Heal,
+    /// Baseline (Hermes-style): the returning node drops its log, as a new node replacing the
+    /// failed one, and the recoverer streams it the whole store, all made durable.
+    FullCopy,
+    /// Baseline (ZooKeeper-style): a peer reads its durable log from the returning node's last
+    /// configuration and streams every update since, redundant ones included; the returning
+    /// node makes every one durable.
+    ReactiveLog,
+}
+
+impl Recovery {
+    /// The value of `--recovery` that selects this scheme.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recovery::Heal => "heal",
+            Recovery::FullCopy => "full-copy",
+            Recovery::ReactiveLog => "reactive-log",
+        }
+    }
+}
+
+pub fn parse_model(s: &str) -> Result<Model, String> {
+    s.parse()
+}
+
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// Data directory of the whole group.
+    #[arg(long, default_value = DEFAULT_DIR, value_name = "DIR")]
+    pub dir: PathBuf,
+    /// Nodes in the replication group (3, 4 or 5 in the paper).
+    #[arg(long, default_value_t = 5)]
+    pub nodes: u32,
+    #[arg(long, default_value = "synch", value_parser = parse_model)]
+    pub model: Model,
+    /// Nodes listen on PORT_BASE.. (0: free ports chosen at start, kept in DIR/kv-cluster.json).
+    #[arg(long, default_value_t = 7800)]
+    pub port_base: u16,
+    /// Restart a node that exited after this long (0: leave it down).
+    #[arg(long, default_value_t = 1000)]
+    pub restart_after_ms: u64,
+    /// Extra latency per durable append (microseconds), passed to every node.
+    #[arg(long, default_value_t = 0)]
+    pub persist_latency_us: u64,
+    /// Minimum EFN before a returning node is re-added (passed to the CM).
+    #[arg(long, default_value_t = 0)]
+    pub efn_ms: u64,
+    /// Missed_updates cap per node.
+    #[arg(long, default_value_t = 256 << 20)]
+    pub missed_updates_cap_bytes: usize,
+    /// Recovery catch-up window, in chunks: credited to the Buddy plus received and still
+    /// persisting (1: strictly one chunk at a time; at most 64).
+    #[arg(long, default_value_t = 16)]
+    pub catchup_chunks_in_flight: usize,
+    /// Recovery scheme: heal, or a baseline.
+    #[arg(long, value_enum, default_value = "heal")]
+    pub recovery: Recovery,
+    /// Failure detection timeout passed to the CM (raise it on a loaded machine).
+    #[arg(long, default_value_t = 500)]
+    pub failure_timeout_ms: u64,
+    /// Read lease passed to the CM and every node (below --failure-timeout-ms).
+    #[arg(long, default_value_t = 300)]
+    pub lease_ms: u64,
+    /// Startup grace passed to the CM (raise it for large stores: nodes read their logs first).
+    #[arg(long, default_value_t = 30_000)]
+    pub startup_grace_ms: u64,
+}
+
+pub fn load_cluster(path: &Path) -> anyhow::Result<(KvClusterFile, Vec<u8>)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read {} (start a group with `understudy kv up`, or pass --cluster)", path.display()))?;
+    let f: KvClusterFile = serde_json::from_str(&text).with_context(|| format!("{} is not a kv cluster file", path.display()))?;
+    let secret = cluster_file::read_secret(&f.secret_file)?;
+    Ok((f, secret))
+}
+
+/// A local group of child processes (what `kv up` runs; also used by the benchmark).
+pub struct LocalKv {
+    pub dir: PathBuf,
+    pub file: KvClusterFile,
+    pub secret: Vec<u8>,
+    node_args: Vec<Vec<String>>,
+    cm_args: Vec<String>,
+    pub children: Vec<(String, Option<Child>)>,
+    down_since: Vec<Option<Instant>>,
+    /// Each node's metrics endpoint (free loopback ports chosen at start).
+    pub metrics: Vec<Option<SocketAddr>>,
+}
+
+impl LocalKv {
+    pub fn start(a: &UpArgs) -> anyhow::Result<LocalKv> {
+        anyhow::ensure!((2..=16).contains(&a.nodes), "--nodes must be between 2 and 16");
+        anyhow::ensure!(a.lease_ms < a.failure_timeout_ms, "--lease-ms must be below --failure-timeout-ms");
+        let dir = a.dir.clone();
+        std::fs::create_dir_all(dir.join("logs")).with_context(|| format!("cannot create {}", dir.display()))?;
+        let secret_file = dir.join("secret");
+        cluster_file::ensure_secret(&secret_file)?;
+        let secret = cluster_file::read_secret(&secret_file)?;
+        let cf = dir.join(CLUSTER_FILE);
+        // Reuse the ports of an earlier run on the same DIR.
+        let nodes: BTreeMap<u32, SocketAddr> = match load_cluster(&cf) {
+            Ok((f, _)) if f.nodes.len() == a.nodes as usize => f.nodes,
+            _ => {
+                let ports: Vec<u16> = if a.port_base == 0 {
+                    let ls: Vec<std::net::TcpListener> =
+                        (0..a.nodes).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+                    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
+                } else {
+                    (0..a.nodes as u16).map(|i| a.port_base + i).collect()
+                };
+                (0..a.nodes).map(|i| (i, SocketAddr::from(([127, 0, 0, 1], ports[i as usize])))).collect()
+            }
+        };
+        let file = KvClusterFile { model: a.model.to_string(), nodes: nodes.clone(), secret_file: secret_file.canonicalize()? };
+        let tmp = cf.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(&file)?)?;
+        std::fs::rename(&tmp, &cf)?;
+        let peers: String = nodes.iter().map(|(i, a)| format!("{i}={a}")).collect::<Vec<_>>().join(",");
+        let sf = secret_file.to_string_lossy().into_owned();
+        let cm_args = vec![
+            "kv".into(), "cm".into(), "--nodes".into(), peers.clone(),
+            "--data".into(), dir.join("cm").to_string_lossy().into_owned(),
+            "--secret-file".into(), sf.clone(), "--efn-ms".into(), a.efn_ms.to_string(),
+            "--failure-timeout-ms".into(), a.failure_timeout_ms.to_string(),
+            "--lease-ms".into(), a.lease_ms.to_string(),
+            "--startup-grace-ms".into(), a.startup_grace_ms.to_string(),
+        ];
+        let metrics: Vec<Option<SocketAddr>> = {
+            let ls: Vec<std::net::TcpListener> =
+                (0..a.nodes).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+            ls.iter().map(|l| l.local_addr().ok()).collect()
+        };
+        let node_args: Vec<Vec<String>> = (0..a.nodes)
+            .map(|i| {
+                let mut v: Vec<String> = vec![
+                    "kv".into(), "node".into(), "--protocol".into(), "leaderless".into(),
+                    "--id".into(), i.to_string(), "--peers".into(), peers.clone(),
+                    "--data".into(), dir.join(format!("node-{i}")).to_string_lossy().into_owned(),
+                    "--secret-file".into(), sf.clone(), "--model".into(), a.model.name().into(),
+                    "--persist-latency-us".into(), a.persist_latency_us.to_string(),
+                    "--missed-updates-cap-bytes".into(), a.missed_updates_cap_bytes.to_string(),
+                    "--catchup-chunks-in-flight".into(), a.catchup_chunks_in_flight.to_string(),
+                    "--recovery".into(), a.recovery.name().into(),
+                    "--lease-ms".into(), a.lease_ms.to_string(),
+                ];
+                if let Some(m) = metrics[i as usize] {
+                    v.extend(["--metrics".into(), m.to_string()]);
+                }
+                v
+            })
+            .collect();
+        let mut me = LocalKv {
+            dir: dir.clone(),
+            file,
+            secret,
+            node_args,
+            cm_args,
+            children: Vec::new(),
+            down_since: vec![None; a.nodes as usize],
+            metrics,
+        };
+        for i in 0..a.nodes as usize {
+            let c = me.spawn_node(i)?;
+            me.children.push((format!("node-{i}"), Some(c)));
+        }
+        let cm = proc::spawn_self(&me.cm_args, &dir.join("logs/cm.log"), &[])?;
+        me.children.push(("cm".into(), Some(cm)));
+        me.write_pids()?;
+        Ok(me)
+    }
+
+    /// Restarts node `i` now if it is not running.
+    pub fn restart_node(&mut self, i: usize) -> anyhow::Result<()> {
+        if let Some(c) = &mut self.children[i].1 {
+            if let Ok(None) = c.try_wait() {
+                return Ok(());
+            }
+        }
+        let c = self.spawn_node(i)?;
+        self.children[i].1 = Some(c);
+        self.down_since[i] = None;
+        self.write_pids()
+    }
+
+    /// Kills node `i` with SIGKILL and reaps it.
+    pub fn kill9(&mut self, i: usize) -> anyhow::Result<()> {
+        if let Some(mut c) = self.children[i].1.take() {
+            c.kill()?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.children[i].1.as_ref().map(|c| c.id())
+    }
+
+    fn spawn_node(&self, i: usize) -> anyhow::Result<Child> {
+        proc::spawn_self(&self.node_args[i], &self.dir.join(format!("logs/node-{i}.log")), &[])
+    }
+
+    pub fn write_pids(&self) -> anyhow::Result<()> {
+        let text: String = self
+            .children
+            .iter()
+            .filter_map(|(n, c)| c.as_ref().map(|c| format!("{n} {}\n", c.id())))
+            .collect();
+        let p = self.dir.join(PIDS_FILE);
+        std::fs::write(p.with_extension("tmp"), text)?;
+        std::fs::rename(p.with_extension("tmp"), p)?;
+        Ok(())
+    }
+
+    /// Reaps exited nodes and restarts those down for `restart_after`. Returns notes.
+    pub fn supervise(&mut self, restart_after: Option<Duration>) -> anyhow::Result<Vec<String>> {
+        let mut notes = Vec::new();
+        let n = self.node_args.len();
+        for i in 0..n {
+            if let Some(c) = &mut self.children[i].1 {
+                if let Ok(Some(st)) = c.try_wait() {
+                    notes.push(format!("node-{i} exited ({})", proc::describe_status(st)));
+                    self.children[i].1 = None;
+                    self.down_since[i] = Some(Instant::now());
+                }
+            }
+            if let (None, Some(t), Some(after)) = (&self.children[i].1, self.down_since[i], restart_after) {
+                if t.elapsed() >= after {
+                    let c = self.spawn_node(i)?;
+                    notes.push(format!("node-{i} restarted on its log (pid {})", c.id()));
+                    self.children[i].1 = Some(c);
+                    self.down_since[i] = None;
+                    self.write_pids()?;
+                }
+            }
+        }
+        if let Some(c) = &mut self.children[n].1 {
+            if let Ok(Some(st)) = c.try_wait() {
+                notes.push(format!("cm exited ({}); restarting it on its durable state", proc::describe_status(st)));
+                self.children[n].1 = Some(proc::spawn_self(&self.cm_args, &self.dir.join("logs/cm.log"), &[])?);
+                self.write_pids()?;
+            }
+        }
+        Ok(notes)
+    }
+
+    pub fn stop(&mut self) {
+        let mut live: Vec<(String, Child)> =
+            self.children.iter_mut().filter_map(|(n, c)| c.take().map(|c| (n.clone(), c))).collect();
+        proc::stop_children(&mut live, Duration::from_secs(5));
+    }
+}
+
+impl Drop for LocalKv {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Waits until every node serves a read itself (all nodes active, none recovering).
+pub async fn wait_all_serving(file: &KvClusterFile, secret: &[u8], timeout: Duration) -> anyhow::Result<Duration> {
+    use ::kv::msg::{ClientOp, ClientResult};
+    let start = Instant::now();
+    for addr in file.nodes.values() {
+        loop {
+            let ok = match ::kv::runtime::KvClient::connect(*addr, secret).await {
+                Ok(c) => matches!(c.call(ClientOp::Get { key: b"__understudy_ready".to_vec() }).await, Ok(ClientResult::Value(_))),
+                Err(_) => false,
+            };
+            if ok {
+                break;
+            }
+            if start.elapsed() > timeout {
+                bail!("node {addr} did not start serving within {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(start.elapsed())
+}
