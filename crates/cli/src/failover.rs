@@ -67,7 +67,7 @@ pub enum FailoverBench {
     Recovery(eval::failover::recovery::RecoveryArgs),
 }
 
-pub fn bench(b: FailoverBench, verbose: u8) -> anyhow::Result<()> {
+pub fn bench(b: FailoverBench, verbose: u8) -> anyhow::Result<bench::Report> {
     match b {
         FailoverBench::Scenarios(a) => eval::failover::scenarios::run(a, verbose),
         FailoverBench::Recovery(a) => eval::failover::recovery::run(a, verbose),

@@ -148,7 +148,7 @@ pub struct RecoveryBenchArgs {
     pub log_bytes: u64,
 }
 
-pub fn bench(b: NearlogBench, _verbose: u8) -> anyhow::Result<()> {
+pub fn bench(b: NearlogBench, _verbose: u8) -> anyhow::Result<bench::Report> {
     match b {
         NearlogBench::Apps(a) => apps::run(a),
         NearlogBench::Ycsb(a) => ycsb::run(a),

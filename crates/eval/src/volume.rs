@@ -45,8 +45,8 @@ impl CommonArgs {
 
 
 /// Runs `body` on a throw-away local cluster of `replicas` copies per object, then adds the peak
-/// resident memory of the shards and of this client and prints the report.
-pub fn on_cluster<F, Fut>(a: &CommonArgs, replicas: u32, bench_name: &str, verbose: u8, body: F) -> anyhow::Result<()>
+/// resident memory of the shards and of this client to its report.
+pub fn on_cluster<F, Fut>(a: &CommonArgs, replicas: u32, bench_name: &str, verbose: u8, body: F) -> anyhow::Result<bench::Report>
 where
     F: FnOnce(Arc<Cluster>, ClusterInfo, PathBuf, PathBuf, bench::Report) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<bench::Report>>,
@@ -87,12 +87,11 @@ where
         report.figure("client.rss_peak_bytes", rss as f64)?;
     }
     eprintln!("plots and samples in {}", out.display());
-    report.print();
-    Ok(())
+    Ok(report)
 }
 
 /// `bench volume cow` on a throw-away cluster.
-pub fn cow_main(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
+pub fn cow_main(a: CommonArgs, verbose: u8) -> anyhow::Result<bench::Report> {
     let quick = a.quick;
     on_cluster(&a, a.default_replicas(), "volume.cow", verbose, |cluster, info, out, dir, mut report| async move {
         let mut opts = cow::CowOptions::new(quick);
@@ -105,7 +104,7 @@ pub fn cow_main(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
 }
 
 /// `bench volume recovery-trace` on a throw-away cluster.
-pub fn recovery_trace_main(a: CommonArgs, verbose: u8) -> anyhow::Result<()> {
+pub fn recovery_trace_main(a: CommonArgs, verbose: u8) -> anyhow::Result<bench::Report> {
     let quick = a.quick;
     on_cluster(&a, a.default_replicas(), "volume.recovery_trace", verbose, |cluster, _info, out, _dir, mut report| async move {
         recovery_trace::run(cluster, quick, &out, &mut report).await?;

@@ -474,7 +474,7 @@ fn mean(v: impl Iterator<Item = f64>) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
 }
 
-pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
+pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<bench::Report> {
     let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 2 }).max(1);
     let mut apps = vec![];
     let all = ["postgres", "sqlite", "mariadb"].map(String::from).to_vec();
@@ -604,6 +604,5 @@ pub fn run(a: RecoveryArgs, verbose: u8) -> anyhow::Result<()> {
     });
     bench::write_csv(&out.join("recovery.csv"), &["app", "wal", "failure", "volume", "wal_bytes", "attach_ms", "app_recovery_ms"], rows)?;
     eprintln!("plots and samples in {}", out.display());
-    report.print();
-    Ok(())
+    Ok(report)
 }

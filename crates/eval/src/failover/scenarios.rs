@@ -618,7 +618,7 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
-pub fn run(a: ScenarioArgs, verbose: u8) -> anyhow::Result<()> {
+pub fn run(a: ScenarioArgs, verbose: u8) -> anyhow::Result<bench::Report> {
     let p = Params::new(&a);
     let scen = scenarios(&p);
     let chosen = selected(&a.scenario)?;
@@ -912,7 +912,7 @@ fn figure_if(report: &mut bench::Report, name: &str, v: f64) -> anyhow::Result<(
     Ok(())
 }
 
-fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) -> anyhow::Result<()> {
+fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) -> anyhow::Result<bench::Report> {
     let mut report = bench::Report::new("failover.scenarios", a.quick);
     for (k, v) in [("medium_timeout_ms", p.medium_ms), ("short_timeout_ms", p.short_ms), ("transient_ms", p.transient_ms), ("long_recovery_ms", p.long_rec_ms), ("short_recovery_ms", p.short_rec_ms)] {
         report.figure(&format!("params.{k}"), v as f64)?;
@@ -1160,8 +1160,7 @@ fn report(a: &ScenarioArgs, p: &Params, scen: &[Scen], out: &Path, m: Measured) 
         rows,
     )?;
     eprintln!("plots and samples in {}", out.display());
-    report.print();
-    Ok(())
+    Ok(report)
 }
 
 /// Speculative on the general clone (Figure 6's SpecREDS (rbd-clone)), **composed**, as the

@@ -4,7 +4,7 @@
 
 use super::*;
 
-pub fn run(a: AppsBenchArgs) -> anyhow::Result<()> {
+pub fn run(a: AppsBenchArgs) -> anyhow::Result<bench::Report> {
     let c = &a.common;
     for app in &a.apps {
         anyhow::ensure!(["redis", "sqlite", "rocksdb"].contains(&app.as_str()), "--apps: unknown application {app:?} (redis, sqlite, rocksdb)");
@@ -115,6 +115,5 @@ pub fn run(a: AppsBenchArgs) -> anyhow::Result<()> {
     }
     bench::write_csv(&out.join("apps.csv"), &["latency", "app", "setup", "clients", "ops_per_s", "mean_us", "p50_us", "p99_us"], csv)?;
     eprintln!("plots and samples in {}", out.display());
-    report.print();
-    Ok(())
+    Ok(report)
 }

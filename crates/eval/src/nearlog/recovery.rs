@@ -35,7 +35,7 @@ t2 = time.perf_counter()
 print(t1 - t0, t2 - t1, n)
 "#;
 
-pub fn run(a: RecoveryBenchArgs) -> anyhow::Result<()> {
+pub fn run(a: RecoveryBenchArgs) -> anyhow::Result<bench::Report> {
     let c = &a.common;
     let out = bench::out_dir("nearlog", c.out.clone())?;
     let tmp = tempfile::Builder::new().prefix("nearlog-bench-").tempdir_in(std::env::current_dir()?)?;
@@ -172,8 +172,7 @@ pub fn run(a: RecoveryBenchArgs) -> anyhow::Result<()> {
         )?;
     }
     bench::write_csv(&out.join("recovery.csv"), &["latency", "nearlog_log_s", "volume_read_s", "rocksdb_nearlog_s", "rocksdb_strong_s", "rocksdb_nearlog_open_alone_s"], csv)?;
-    report.print();
-    Ok(())
+    Ok(report)
 }
 
 /// Drops the page cache of every file directly in `dir` (POSIX_FADV_DONTNEED; clean pages only).

@@ -3,7 +3,7 @@
 
 use super::*;
 
-pub fn run(a: YcsbBenchArgs) -> anyhow::Result<()> {
+pub fn run(a: YcsbBenchArgs) -> anyhow::Result<bench::Report> {
     use ::ycsb::redis::{RedisOptions, RedisTarget};
     use ::ycsb::{RunConfig, Runner, WorkloadSpec};
     let c = &a.common;
@@ -82,6 +82,5 @@ pub fn run(a: YcsbBenchArgs) -> anyhow::Result<()> {
     }
     bench::write_csv(&out.join("ycsb.csv"), &["latency", "workload", "setup", "clients", "ops_per_s", "p50_us", "p99_us"], csv)?;
     eprintln!("plots and samples in {}", out.display());
-    report.print();
-    Ok(())
+    Ok(report)
 }

@@ -180,7 +180,7 @@ fn iops(r: &FioWrites) -> f64 {
     r.ios as f64 * 1e3 / r.runtime_ms as f64
 }
 
-pub fn run(a: CephArgs, verbose: u8) -> anyhow::Result<()> {
+pub fn run(a: CephArgs, verbose: u8) -> anyhow::Result<bench::Report> {
     // Fail before starting anything on bad options or when Ceph is missing.
     let replicas = a.replicas;
     ensure!((1..=a.common.shards).contains(&replicas), "--replicas must be between 1 and --shards ({})", a.common.shards);
