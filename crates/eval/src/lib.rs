@@ -22,6 +22,7 @@
 //! them), so a flag and what it changes live in one file.
 
 pub mod failover;
+pub mod fio;
 pub mod kv;
 pub mod nearlog;
 pub mod volume;

@@ -15,6 +15,7 @@ use std::time::Instant;
 use anyhow::{bail, ensure, Context};
 
 use super::CommonArgs;
+use crate::fio::FioWrites;
 use testbed::ceph::{catch_interrupts, check_interrupted, missing_packages, timeout_cmd, CephCluster, CEPH_PACKAGES, POOL};
 
 #[derive(clap::Args, Debug)]
@@ -37,36 +38,6 @@ const PLAIN_REGION_BYTES: u64 = 256 << 20;
 /// well under a minute).
 const FIO_TIMEOUT_S: u64 = 600;
 
-/// What one fio job measured for its writes.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct FioWrites {
-    pub ios: u64,
-    pub runtime_ms: u64,
-    pub lat_mean_us: f64,
-    pub lat_p50_us: f64,
-    pub lat_p99_us: f64,
-}
-
-/// Parses fio's `--output-format=json --lat_percentiles=1` output (notes before the JSON are
-/// skipped): the first job's write count, run time and total (submission to completion) latency.
-pub fn parse_fio_writes(stdout: &[u8]) -> anyhow::Result<FioWrites> {
-    let text = String::from_utf8_lossy(stdout);
-    let start = text.find('{').context("fio printed no JSON")?;
-    let v: serde_json::Value = serde_json::from_str(&text[start..]).context("fio's JSON output")?;
-    let w = &v["jobs"][0]["write"];
-    let ios = w["total_ios"].as_u64().context("fio's JSON has no write.total_ios")?;
-    ensure!(ios > 0, "fio measured no writes");
-    let lat = &w["lat_ns"];
-    let pct = |p: &str| lat["percentile"][p].as_f64().map(|ns| ns / 1e3).with_context(|| format!("fio's JSON has no write.lat_ns percentile {p}"));
-    Ok(FioWrites {
-        ios,
-        runtime_ms: w["runtime"].as_u64().context("fio's JSON has no write.runtime")?.max(1),
-        lat_mean_us: lat["mean"].as_f64().context("fio's JSON has no write.lat_ns.mean")? / 1e3,
-        lat_p50_us: pct("50.000000")?,
-        lat_p99_us: pct("99.000000")?,
-    })
-}
-
 /// Runs one fio job (4 KiB writes) with `args`; `ceph_conf` is set as `CEPH_CONF` for the rbd engine.
 fn fio(args: &[String], ceph_conf: &Path) -> anyhow::Result<FioWrites> {
     let out = timeout_cmd("fio", FIO_TIMEOUT_S)
@@ -78,7 +49,7 @@ fn fio(args: &[String], ceph_conf: &Path) -> anyhow::Result<FioWrites> {
         .context("cannot run fio (install it: apt-get install fio)")?;
     check_interrupted()?;
     ensure!(out.status.success(), "fio {} failed ({}): {}", args.join(" "), out.status, String::from_utf8_lossy(&out.stderr).trim());
-    parse_fio_writes(&out.stdout)
+    crate::fio::first_job_writes(&out.stdout)
 }
 
 /// Where fio writes: an rbd image through librbd or an Understudy volume through NBD.
@@ -291,15 +262,15 @@ mod tests {
         let json = br#"fio: note
 {"jobs": [{"write": {"total_ios": 100, "runtime": 2000, "iops": 50.0,
   "lat_ns": {"mean": 2000000.0, "percentile": {"50.000000": 1900000, "99.000000": 5000000}}}}]}"#;
-        let r = parse_fio_writes(json).unwrap();
+        let r = crate::fio::first_job_writes(json).unwrap();
         assert_eq!(r, FioWrites { ios: 100, runtime_ms: 2000, lat_mean_us: 2000.0, lat_p50_us: 1900.0, lat_p99_us: 5000.0 });
         let s = FioWrites { ios: 300, runtime_ms: 1000, lat_mean_us: 1000.0, lat_p50_us: 900.0, lat_p99_us: 3000.0 };
         let c = combine(&[r, s]).unwrap();
         assert_eq!(c.ios, 400);
         assert_eq!(c.lat_mean_us, 1250.0);
         assert_eq!(iops(&c), 400.0 / 3.0);
-        assert!(parse_fio_writes(br#"{"jobs": [{"write": {"total_ios": 0}}]}"#).is_err());
-        assert!(parse_fio_writes(b"no json").is_err());
+        assert!(crate::fio::first_job_writes(br#"{"jobs": [{"write": {"total_ios": 0}}]}"#).is_err());
+        assert!(crate::fio::first_job_writes(b"no json").is_err());
         assert!(combine(&[]).is_none());
     }
 }

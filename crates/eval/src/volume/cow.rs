@@ -771,31 +771,13 @@ fn fio_iops(args: &[&str], seconds: u64) -> anyhow::Result<f64> {
         .output()
         .context("cannot run fio (install it: apt-get install fio)")?;
     anyhow::ensure!(out.status.success(), "fio failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-    parse_fio_write_iops(&out.stdout)
+    crate::fio::write_iops(&out.stdout)
 }
 
-fn parse_fio_write_iops(stdout: &[u8]) -> anyhow::Result<f64> {
-    // fio may print notes before the JSON document.
-    let text = String::from_utf8_lossy(stdout);
-    let start = text.find('{').context("fio printed no JSON")?;
-    let v: serde_json::Value = serde_json::from_str(&text[start..]).context("fio's JSON output")?;
-    let jobs = v["jobs"].as_array().context("fio's JSON has no jobs")?;
-    let iops: f64 = jobs.iter().filter_map(|j| j["write"]["iops"].as_f64()).sum();
-    anyhow::ensure!(iops > 0.0, "fio measured no writes");
-    Ok(iops)
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fio_json_is_parsed_after_notes() {
-        let out = b"note: something\n{\"jobs\": [{\"write\": {\"iops\": 1200.5}}, {\"write\": {\"iops\": 10}}]}";
-        assert_eq!(parse_fio_write_iops(out).unwrap(), 1210.5);
-        assert!(parse_fio_write_iops(b"{\"jobs\": [{\"write\": {\"iops\": 0}}]}").is_err());
-        assert!(parse_fio_write_iops(b"garbage").is_err());
-    }
 
     #[test]
     fn the_batch_order_lets_every_variant_follow_every_other_equally_often() {
