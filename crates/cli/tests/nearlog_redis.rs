@@ -1,5 +1,5 @@
 //! Redis (appendonly yes, appendfsync always) under the nearlog LD_PRELOAD shim: loaded with
-//! SETs through a tiny RESP client, killed with SIGKILL mid-load, restarted against an empty
+//! SETs through the project's blocking RESP client, killed with SIGKILL mid-load, restarted against an empty
 //! local directory into which only the bulk files (manifest, base RDB) are copied back from
 //! "storage"; every acknowledged SET must be there. And Redis's own forks under the shim
 //! (BGREWRITEAOF, BGSAVE) while clients write: every one completes, and afterwards every
@@ -7,76 +7,57 @@
 
 mod nearlog_common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nearlog_common::{free_port, shim_path, start_cluster, Kill};
+use ycsb::redis::{BlockingClient, Reply};
 
-struct Resp {
-    w: TcpStream,
-    r: BufReader<TcpStream>,
-}
+/// Redis's replies as the text this test compares, over the project's one blocking RESP client
+/// (`ycsb::redis::BlockingClient`).
+struct Resp(BlockingClient);
 
 impl Resp {
     fn connect(port: u16) -> Resp {
-        let start = Instant::now();
-        loop {
-            match TcpStream::connect(("127.0.0.1", port)) {
-                Ok(s) => return Resp { r: BufReader::new(s.try_clone().unwrap()), w: s },
-                Err(_) if start.elapsed() < Duration::from_secs(30) => std::thread::sleep(Duration::from_millis(50)),
-                Err(e) => panic!("redis not reachable: {e}"),
-            }
-        }
+        Resp(BlockingClient::connect(("127.0.0.1", port), Duration::from_secs(30)).unwrap_or_else(|e| panic!("redis not reachable: {e}")))
     }
     fn send(&mut self, args: &[&str]) {
-        let mut m = format!("*{}\r\n", args.len());
-        for a in args {
-            m += &format!("${}\r\n{a}\r\n", a.len());
-        }
-        self.w.write_all(m.as_bytes()).unwrap();
+        let args: Vec<&[u8]> = args.iter().map(|a| a.as_bytes()).collect();
+        self.0.send(&args).unwrap();
     }
     /// A bulk-string reply (None: nil).
     fn bulk(&mut self) -> Option<String> {
-        let mut line = String::new();
-        self.r.read_line(&mut line).unwrap();
-        let n: i64 = line.strip_prefix('$').unwrap_or_else(|| panic!("not a bulk string: {line:?}")).trim().parse().unwrap();
-        if n < 0 {
-            return None;
+        match self.0.reply().unwrap() {
+            Reply::Bulk(b) => b.map(|v| String::from_utf8(v).unwrap()),
+            other => panic!("not a bulk string: {other:?}"),
         }
-        let mut v = vec![0u8; n as usize + 2];
-        std::io::Read::read_exact(&mut self.r, &mut v).unwrap();
-        v.truncate(n as usize);
-        Some(String::from_utf8(v).unwrap())
     }
     fn mget(&mut self, keys: &[String]) -> Vec<Option<String>> {
         let args: Vec<&str> = std::iter::once("MGET").chain(keys.iter().map(|k| k.as_str())).collect();
         self.send(&args);
-        let mut line = String::new();
-        self.r.read_line(&mut line).unwrap();
-        let n: usize = line.strip_prefix('*').unwrap_or_else(|| panic!("not an array: {line:?}")).trim().parse().unwrap();
-        (0..n).map(|_| self.bulk()).collect()
+        match self.0.reply().unwrap() {
+            Reply::Array(Some(items)) => items
+                .into_iter()
+                .map(|i| match i {
+                    Reply::Bulk(b) => b.map(|v| String::from_utf8(v).unwrap()),
+                    other => panic!("not a bulk string: {other:?}"),
+                })
+                .collect(),
+            other => panic!("not an array: {other:?}"),
+        }
     }
+    /// A reply as redis-cli's raw text: `+OK`, `-ERR …`, `:1`, a bulk string's value, `(nil)`.
     fn cmd(&mut self, args: &[&str]) -> String {
-        let mut m = format!("*{}\r\n", args.len());
-        for a in args {
-            m += &format!("${}\r\n{a}\r\n", a.len());
+        self.send(args);
+        match self.0.reply().unwrap() {
+            Reply::Simple(s) => format!("+{s}"),
+            Reply::Error(e) => format!("-{e}"),
+            Reply::Integer(i) => format!(":{i}"),
+            Reply::Bulk(Some(v)) => String::from_utf8_lossy(&v).into_owned(),
+            Reply::Bulk(None) => "(nil)".into(),
+            other => format!("{other:?}"),
         }
-        self.w.write_all(m.as_bytes()).unwrap();
-        let mut line = String::new();
-        self.r.read_line(&mut line).unwrap();
-        if let Some(n) = line.strip_prefix('$') {
-            let n: i64 = n.trim().parse().unwrap();
-            if n < 0 {
-                return "(nil)".into();
-            }
-            let mut v = String::new();
-            self.r.read_line(&mut v).unwrap();
-            return v.trim_end().to_string();
-        }
-        line.trim_end().to_string()
     }
 }
 
@@ -242,7 +223,7 @@ fn redis_aof_always_survives_sigkill_and_an_empty_local_directory() {
         acked = i;
     }
     // SIGKILL mid-load: one more SET in flight.
-    c.w.write_all(b"*3\r\n$3\r\nSET\r\n$5\r\nlastx\r\n$1\r\n1\r\n").unwrap();
+    c.send(&["SET", "lastx", "1"]);
     unsafe { libc::kill(server.0.id() as i32, libc::SIGKILL) };
     let _ = server.0.wait();
     drop(server);

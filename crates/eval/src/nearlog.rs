@@ -34,6 +34,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 
 use testbed::nearlog::{default_shim, start_log_cluster, LogCluster};
+use ::ycsb::redis::{BlockingClient, Reply};
 use testbed::proc::{app_command, KillOnDrop};
 use testbed::volume::{start_attached, AttachedVolume};
 
@@ -394,39 +395,15 @@ fn read_lat_file(path: &Path) -> anyhow::Result<bench::LatencyRecorder> {
 // ---------------------------------------------------------------------------------------------
 // Redis
 
-/// A minimal blocking RESP client (SET/PING/CONFIG), enough for the insert load.
-struct Resp {
-    w: std::net::TcpStream,
-    r: BufReader<std::net::TcpStream>,
+/// Redis on `port` through the one blocking RESP client (`ycsb::redis`), waiting up to 30 s
+/// for it to accept.
+fn redis_client(port: u16) -> anyhow::Result<BlockingClient> {
+    BlockingClient::connect(("127.0.0.1", port), Duration::from_secs(30)).with_context(|| format!("redis on port {port} not reachable"))
 }
 
-impl Resp {
-    fn connect(port: u16) -> anyhow::Result<Resp> {
-        let start = Instant::now();
-        loop {
-            match std::net::TcpStream::connect(("127.0.0.1", port)) {
-                Ok(s) => {
-                    s.set_nodelay(true)?;
-                    return Ok(Resp { r: BufReader::new(s.try_clone()?), w: s });
-                }
-                Err(_) if start.elapsed() < Duration::from_secs(30) => std::thread::sleep(Duration::from_millis(20)),
-                Err(e) => anyhow::bail!("redis on port {port} not reachable: {e}"),
-            }
-        }
-    }
-    fn cmd(&mut self, args: &[&[u8]]) -> anyhow::Result<String> {
-        use std::io::Write;
-        let mut m = format!("*{}\r\n", args.len()).into_bytes();
-        for a in args {
-            m.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-            m.extend_from_slice(a);
-            m.extend_from_slice(b"\r\n");
-        }
-        self.w.write_all(&m)?;
-        let mut line = String::new();
-        self.r.read_line(&mut line)?;
-        Ok(line.trim_end().to_string())
-    }
+/// Whether a reply is `+OK`.
+fn is_ok(r: &Reply) -> bool {
+    matches!(r, Reply::Simple(s) if s == "OK")
 }
 
 const REDIS_LOGS: &str = "*.incr.aof";
@@ -445,8 +422,8 @@ fn start_redis(tb: &Testbed, setup: Setup, dir: &Path) -> anyhow::Result<(KillOn
         tb.shim_env(&mut c, REDIS_LOGS);
     }
     let server = KillOnDrop(c.spawn().context("cannot start redis-server (Debian package redis-server)")?);
-    let mut probe = Resp::connect(port)?;
-    while probe.cmd(&[b"PING"])?.starts_with("-LOADING") {
+    let mut probe = redis_client(port)?;
+    while matches!(probe.call(&[b"PING"])?, Reply::Error(e) if e.starts_with("LOADING")) {
         std::thread::sleep(Duration::from_millis(20));
     }
     Ok((server, port))
@@ -460,14 +437,14 @@ fn redis_run(tb: &Testbed, setup: Setup, clients: usize, secs: f64) -> anyhow::R
         .map(|t| {
             std::thread::spawn(move || -> anyhow::Result<(u64, bench::LatencyRecorder)> {
                 let value = vec![b'v'; 100];
-                let mut c = Resp::connect(port)?;
+                let mut c = redis_client(port)?;
                 let mut rec = bench::LatencyRecorder::new();
                 let mut n = 0u64;
                 while Instant::now() < deadline {
                     let key = format!("k{t}:{n}");
                     let t0 = Instant::now();
-                    let r = c.cmd(&[b"SET", key.as_bytes(), &value])?;
-                    anyhow::ensure!(r == "+OK", "SET answered {r}");
+                    let r = c.call(&[b"SET", key.as_bytes(), &value])?;
+                    anyhow::ensure!(is_ok(&r), "SET answered {r:?}");
                     rec.record(t0.elapsed());
                     n += 1;
                 }
@@ -489,14 +466,11 @@ fn redis_run(tb: &Testbed, setup: Setup, clients: usize, secs: f64) -> anyhow::R
 }
 
 /// Commands Redis on `port` processed so far (`INFO stats`).
-fn redis_commands(probe: &mut Resp) -> anyhow::Result<u64> {
-    use std::io::{Read, Write};
-    probe.w.write_all(b"*2\r\n$4\r\nINFO\r\n$5\r\nstats\r\n")?;
-    let mut line = String::new();
-    probe.r.read_line(&mut line)?;
-    let len: usize = line.trim_end().strip_prefix('$').and_then(|n| n.parse().ok()).with_context(|| format!("INFO answered {line:?}"))?;
-    let mut body = vec![0u8; len + 2];
-    probe.r.read_exact(&mut body)?;
+fn redis_commands(probe: &mut BlockingClient) -> anyhow::Result<u64> {
+    let body = match probe.call(&[b"INFO", b"stats"])? {
+        Reply::Bulk(Some(body)) => body,
+        other => anyhow::bail!("INFO answered {other:?}"),
+    };
     let text = String::from_utf8_lossy(&body);
     let n = text.lines().find_map(|l| l.strip_prefix("total_commands_processed:")).context("INFO stats without total_commands_processed")?;
     Ok(n.trim().parse()?)
@@ -508,7 +482,7 @@ fn redis_commands(probe: &mut Resp) -> anyhow::Result<u64> {
 fn redis_benchmark_run(tb: &Testbed, setup: Setup, clients: usize, secs: f64) -> anyhow::Result<Runs> {
     let dir = tb.run_dir(&format!("redis-benchmark-{}-c{clients}", setup.name()))?;
     let (server, port) = start_redis(tb, setup, &dir)?;
-    let mut probe = Resp::connect(port)?;
+    let mut probe = redis_client(port)?;
     let mut c = app_command("redis-benchmark");
     c.args(["-h", "127.0.0.1", "-p", &port.to_string(), "-c", &clients.to_string(), "-t", "set", "-d", "100", "-r", "100000000", "-n", "2000000000", "-q"])
         .stdout(Stdio::null())

@@ -31,9 +31,10 @@ pub fn run(a: YcsbBenchArgs) -> anyhow::Result<bench::Report> {
             let runs = interleaved(rounds, |s| {
                 let dir = tb.run_dir(&format!("ycsb-{}", s.name()))?;
                 let (server, port) = start_redis(&tb, s, &dir)?;
-                let mut ctl = Resp::connect(port)?;
+                let mut ctl = redis_client(port)?;
                 // Load unmeasured and unsynced; then the setup's own durability for the run.
-                ctl.cmd(&[b"CONFIG", b"SET", b"appendfsync", b"no"])?;
+                let r = ctl.call(&[b"CONFIG", b"SET", b"appendfsync", b"no"])?;
+                anyhow::ensure!(is_ok(&r), "CONFIG SET appendfsync answered {r:?}");
                 let runner = Runner::new(spec.clone())?;
                 let options = RedisOptions { scan_index: spec.has_scans(), ..RedisOptions::default() };
                 let config = RunConfig { seed: 1, max_duration: Some(Duration::from_secs_f64(secs)), ..RunConfig::default() };
@@ -47,8 +48,8 @@ pub fn run(a: YcsbBenchArgs) -> anyhow::Result<bench::Report> {
                     anyhow::Ok(runner.load(targets, &config).await?)
                 })?;
                 let fsync: &[u8] = if s == Setup::Weak { b"no" } else { b"always" };
-                let r = ctl.cmd(&[b"CONFIG", b"SET", b"appendfsync", fsync])?;
-                anyhow::ensure!(r == "+OK", "CONFIG SET appendfsync answered {r}");
+                let r = ctl.call(&[b"CONFIG", b"SET", b"appendfsync", fsync])?;
+                anyhow::ensure!(is_ok(&r), "CONFIG SET appendfsync answered {r:?}");
                 let (_, run) = rt.block_on(runner.run(targets, &config))?;
                 if !run.all_reads_checked_ok() {
                     problems.push(format!("{} {}: {} missing, {} corrupt: {:?}", wname, s.name(), run.missing_count, run.corrupt_count, run.first_problems));

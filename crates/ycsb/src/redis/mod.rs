@@ -12,12 +12,16 @@
 //! - After a connection error or timeout the connection is dropped (its reply stream is no
 //!   longer in step) and the next operation connects again.
 //!
+//! [`BlockingClient`] is the same protocol over std TCP, for one-thread-per-client loads.
+//!
 //! [`RedisServer`] starts a private `redis-server` (Debian's package) on a free loopback port in
 //! a temporary directory, for tests and benchmarks, and kills it by pid when dropped.
 
+mod blocking;
 mod resp;
 mod server;
 
+pub use blocking::BlockingClient;
 pub use resp::{encode_command, parse_reply, Limits, ProtocolError, Reply};
 pub use server::{AppendFsync, RedisServer, RedisServerOptions, ServerError};
 
