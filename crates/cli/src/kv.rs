@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
 
-use ::kv::cm::CmParams;
-use ::kv::node::NodeParams;
-use ::kv::runtime::{CmConfig, KvCluster, KvClusterFile, NodeConfig};
+use ::kv::leaderless::core::cm::CmParams;
+use ::kv::leaderless::core::node::NodeParams;
+use ::kv::leaderless::driver::{CmConfig, KvCluster, KvClusterFile, NodeConfig};
 use ::kv::Model;
 
 use crate::cluster_file;
@@ -83,11 +83,11 @@ pub enum Recovery {
 }
 
 impl Recovery {
-    fn scheme(self) -> ::kv::node::RecoveryScheme {
+    fn scheme(self) -> ::kv::leaderless::core::node::RecoveryScheme {
         match self {
-            Recovery::Heal => ::kv::node::RecoveryScheme::Heal,
-            Recovery::FullCopy => ::kv::node::RecoveryScheme::FullCopy,
-            Recovery::ReactiveLog => ::kv::node::RecoveryScheme::ReactiveLog,
+            Recovery::Heal => ::kv::leaderless::core::node::RecoveryScheme::Heal,
+            Recovery::FullCopy => ::kv::leaderless::core::node::RecoveryScheme::FullCopy,
+            Recovery::ReactiveLog => ::kv::leaderless::core::node::RecoveryScheme::ReactiveLog,
         }
     }
     fn name(self) -> &'static str {
@@ -324,7 +324,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
         metrics: a.metrics,
     };
     tokio::select! {
-        r = ::kv::runtime::run_node(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
+        r = ::kv::leaderless::driver::run_node(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
         s = proc::shutdown_signal() => { tracing::info!("{s}: stopping"); Ok(()) }
     }
 }
@@ -348,7 +348,7 @@ async fn cm(a: CmArgs) -> anyhow::Result<()> {
         metrics: a.metrics,
     };
     tokio::select! {
-        r = ::kv::runtime::run_cm(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
+        r = ::kv::leaderless::driver::run_cm(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
         s = proc::shutdown_signal() => { tracing::info!("{s}: stopping"); Ok(()) }
     }
 }
@@ -537,11 +537,11 @@ impl Drop for LocalKv {
 
 /// Waits until every node serves a read itself (all nodes active, none recovering).
 pub async fn wait_all_serving(file: &KvClusterFile, secret: &[u8], timeout: Duration) -> anyhow::Result<Duration> {
-    use ::kv::msg::{ClientOp, ClientResult};
+    use ::kv::leaderless::proto::{ClientOp, ClientResult};
     let start = Instant::now();
     for addr in file.nodes.values() {
         loop {
-            let ok = match ::kv::runtime::KvClient::connect(*addr, secret).await {
+            let ok = match ::kv::leaderless::driver::KvClient::connect(*addr, secret).await {
                 Ok(c) => matches!(c.call(ClientOp::Get { key: b"__understudy_ready".to_vec() }).await, Ok(ClientResult::Value(_))),
                 Err(_) => false,
             };
@@ -1099,8 +1099,8 @@ fn preload_image(work: &Path, keys: u64, value_bytes: usize) -> anyhow::Result<P
         let key = bench_key(i);
         let mut value = vec![b'x'; value_bytes];
         value[..8.min(value_bytes)].copy_from_slice(&i.to_le_bytes()[..8.min(value_bytes)]);
-        f.write_all(&::kv::log::encode(&::kv::log::LogRecord::Put { key: key.clone(), ts, value }))?;
-        f.write_all(&::kv::log::encode(&::kv::log::LogRecord::Mark { key, ts }))?;
+        f.write_all(&::kv::pmlog::encode(&::kv::pmlog::LogRecord::Put { key: key.clone(), ts, value }))?;
+        f.write_all(&::kv::pmlog::encode(&::kv::pmlog::LogRecord::Mark { key, ts }))?;
     }
     f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
     std::fs::rename(&tmp, &path)?;

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Args, Parser};
 
-use ::kv::msg::{ClientOp, ClientResult};
-use ::kv::runtime::KvClient;
+use ::kv::leaderless::proto::{ClientOp, ClientResult};
+use ::kv::leaderless::driver::KvClient;
 use ycsb::{KvTarget, PhaseSummary, RunConfig, Runner, TargetError, WorkloadSpec};
 
 use crate::kv::{wait_all_serving, LocalKv, UpArgs};

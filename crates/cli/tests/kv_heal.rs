@@ -8,8 +8,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kv::msg::{ClientOp, ClientResult};
-use kv::runtime::{KvClient, KvCluster, KvClusterFile};
+use kv::leaderless::proto::{ClientOp, ClientResult};
+use kv::leaderless::driver::{KvClient, KvCluster, KvClusterFile};
 
 struct Up {
     child: Child,

@@ -19,10 +19,7 @@
 //! (tokio drivers: node server, CM server, async client).
 
 pub mod checker;
-pub mod cm;
-pub mod log;
-pub mod msg;
-pub mod node;
-pub mod runtime;
+pub mod leaderless;
+pub mod pmlog;
 
-pub use msg::{Model, NodeId, Ts};
+pub use leaderless::proto::{Model, NodeId, Ts};

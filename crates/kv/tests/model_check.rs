@@ -46,9 +46,9 @@ use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::time::Instant;
 
-use kv::log::{self, LogRecord};
-use kv::msg::*;
-use kv::node::{NodeCore, NodeParams, Output};
+use kv::pmlog::{self, LogRecord};
+use kv::leaderless::proto::*;
+use kv::leaderless::core::node::{NodeCore, NodeParams, Output};
 use stateright::{Checker, Model as SrModel, Property};
 
 const N: u32 = 3;
@@ -104,7 +104,7 @@ impl NodeSt {
     /// The committed version in NVM: the newest entry with its GDP flag set (what a restart
     /// takes as its base; a newer unflagged entry is Partially_persisted, judged by HEAL).
     fn nvm_committed_ts(&self, key: &[u8]) -> Ts {
-        log::rebuild(&self.nvm)
+        pmlog::rebuild(&self.nvm)
             .base
             .get(key)
             .map(|(t, _)| *t)
@@ -389,7 +389,7 @@ impl Check {
                         let n = &mut s.nodes[id as usize];
                         let buf: Vec<_> = n.buffer.drain(..).map(|(_, r)| r).collect();
                         n.nvm.extend(buf);
-                        n.core = Some(NodeCore::new(self.params(id), log::rebuild(&n.nvm)));
+                        n.core = Some(NodeCore::new(self.params(id), pmlog::rebuild(&n.nvm)));
                         n.recovered = false;
                         s.outstanding.retain(|_, node| *node != id);
                         return;
@@ -469,7 +469,7 @@ impl SrModel for Check {
         let mut s = St {
             nodes: (0..N)
                 .map(|id| NodeSt {
-                    core: Some(NodeCore::new(self.params(id), log::LogState::default())),
+                    core: Some(NodeCore::new(self.params(id), pmlog::LogState::default())),
                     nvm: Vec::new(),
                     buffer: VecDeque::new(),
                     recovered: false,
@@ -679,7 +679,7 @@ impl SrModel for Check {
             }
             Action::Restart(id) => {
                 let n = &mut s.nodes[id as usize];
-                n.core = Some(NodeCore::new(self.params(id), log::rebuild(&n.nvm)));
+                n.core = Some(NodeCore::new(self.params(id), pmlog::rebuild(&n.nvm)));
                 let config = self.cm_config(&s);
                 let c = s.nodes[id as usize].core.as_mut()?;
                 // The CM echoes the node's newest ack (leases are not modelled).

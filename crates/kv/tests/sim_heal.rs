@@ -13,10 +13,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kv::checker::{self, Op, OpKind};
-use kv::cm::{CmCore, CmOutput, CmParams};
-use kv::log::{self, LogRecord};
-use kv::msg::*;
-use kv::node::{NodeCore, NodeParams, Output, RecoveryScheme, RecoveryStats};
+use kv::leaderless::core::cm::{CmCore, CmOutput, CmParams};
+use kv::pmlog::{self, LogRecord};
+use kv::leaderless::proto::*;
+use kv::leaderless::core::node::{NodeCore, NodeParams, Output, RecoveryScheme, RecoveryStats};
 use sim::{Delivery, EventQueue, NetConfig, Network, SimDisk, SimRng};
 
 /// A replica's volatile state: per key, its timestamp, validity and value.
@@ -74,8 +74,8 @@ enum Ev {
         node: NodeId,
         inc: u64,
         to: NodeId,
-        cursor: log::LogCursor,
-        chunk: log::LogChunk,
+        cursor: pmlog::LogCursor,
+        chunk: pmlog::LogChunk,
     },
 }
 
@@ -188,16 +188,16 @@ fn as_new_node_if_full_copy(
     sc: &Scenario,
     id: NodeId,
     disk: &mut sim::SimDisk,
-    st: log::LogState,
-) -> log::LogState {
+    st: pmlog::LogState,
+) -> pmlog::LogState {
     if !node_params(id, sc).returns_as_new_node(st.booted) {
         return st;
     }
-    let boot = log::encode(&log::LogRecord::Boot { node: id });
+    let boot = pmlog::encode(&pmlog::LogRecord::Boot { node: id });
     disk.truncate(LOG, 0).unwrap();
     disk.write(LOG, 0, &boot).unwrap();
     disk.sync(LOG).unwrap();
-    log::LogState::new_node(id)
+    pmlog::LogState::new_node(id)
 }
 
 fn cm_params() -> CmParams {
@@ -227,7 +227,7 @@ impl World {
             let mut disk = SimDisk::new();
             disk.create(LOG).unwrap();
             disk.sync_dir().unwrap();
-            let core = NodeCore::new(core_params(id, &sc, 0), log::LogState::default());
+            let core = NodeCore::new(core_params(id, &sc, 0), pmlog::LogState::default());
             nodes.push(SimNode {
                 core: Some(core),
                 disk,
@@ -340,7 +340,7 @@ impl World {
             Output::Persist { seq, rec } => {
                 let n = &mut self.nodes[id as usize];
                 let len = n.disk.len(LOG).unwrap();
-                n.disk.write(LOG, len, &log::encode(&rec)).unwrap();
+                n.disk.write(LOG, len, &pmlog::encode(&rec)).unwrap();
                 let inc = n.inc;
                 let lat = 20 + self.rng.range_u64(0, 3) * 30;
                 // Completions in order: a later append never finishes before an earlier one.
@@ -363,7 +363,7 @@ impl World {
             Output::Mark(rec) => {
                 let n = &mut self.nodes[id as usize];
                 let len = n.disk.len(LOG).unwrap();
-                n.disk.write(LOG, len, &log::encode(&rec)).unwrap();
+                n.disk.write(LOG, len, &pmlog::encode(&rec)).unwrap();
             }
             Output::Reply { tag, result } => {
                 let client = CLIENT0 + (tag >> 32) as u32;
@@ -377,9 +377,9 @@ impl World {
                 // The driver reads the durable image (what survives a crash), as FileLog does.
                 let n = &mut self.nodes[id as usize];
                 let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
-                let (markers, valid) = log::scan_markers(&bytes);
+                let (markers, valid) = pmlog::scan_markers(&bytes);
                 let chunk =
-                    log::read_chunk(&markers, 0, valid as u64, &cursor, max_bytes, |off, len| {
+                    pmlog::read_chunk(&markers, 0, valid as u64, &cursor, max_bytes, |off, len| {
                         Ok(bytes[off as usize..(off as usize + len).min(bytes.len())].to_vec())
                     })
                     .unwrap();
@@ -406,7 +406,7 @@ impl World {
                 let n = &mut self.nodes[id as usize];
                 n.inc += 1;
                 let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
-                let st = log::rebuild(&log::decode_all(&bytes).0);
+                let st = pmlog::rebuild(&pmlog::decode_all(&bytes).0);
                 let st = as_new_node_if_full_copy(&self.sc, id, &mut n.disk, st);
                 n.core = Some(NodeCore::new(core_params(id, &self.sc, n.inc), st));
                 let inc = n.inc;
@@ -442,13 +442,13 @@ impl World {
         let n = &mut self.nodes[id as usize];
         n.down_until = None;
         let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
-        let (recs, valid) = log::decode_all(&bytes);
+        let (recs, valid) = pmlog::decode_all(&bytes);
         // As FileLog::open does: cut a torn tail so new records follow the valid prefix.
         if valid < bytes.len() {
             n.disk.truncate(LOG, valid as u64).unwrap();
             n.disk.sync(LOG).unwrap();
         }
-        let st = as_new_node_if_full_copy(&self.sc, id, &mut n.disk, log::rebuild(&recs));
+        let st = as_new_node_if_full_copy(&self.sc, id, &mut n.disk, pmlog::rebuild(&recs));
         if self.verbose {
             eprintln!(
                 "{now:>9} restart node {id}: {} records, {} base keys, {} partially persisted",

@@ -5,16 +5,16 @@
 //! Nothing may panic.
 #![no_main]
 
-use kv::msg::{Config, Heartbeat, Model};
-use kv::node::{NodeCore, NodeParams};
-use kv::runtime::{NetMsg, MAX_FRAME_BYTES};
+use kv::leaderless::proto::{Config, Heartbeat, Model};
+use kv::leaderless::core::node::{NodeCore, NodeParams};
+use kv::leaderless::driver::{NetMsg, MAX_FRAME_BYTES};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let framed = wire::decode_frame::<NetMsg>(data, MAX_FRAME_BYTES).ok();
     let raw = wire::decode_payload::<NetMsg>(data).ok();
     // As a node's connection decodes a payload (a catch-up chunk taken in place).
-    let in_place = kv::runtime::decode_net_payload(&mut data.to_vec()).ok();
+    let in_place = kv::leaderless::driver::decode_net_payload(&mut data.to_vec()).ok();
     for m in [framed, raw, in_place].into_iter().flatten() {
         let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
         n.on_heartbeat(0, Heartbeat { seq: 1, config: Config::genesis(3), lease_ref: 0 });

@@ -17,8 +17,8 @@ use std::hash::{Hash, Hasher};
 
 use std::sync::Arc;
 
-use crate::log::{ChunkPuts, LogChunk, LogCursor, LogRecord, LogState};
-use crate::msg::*;
+use crate::pmlog::{ChunkPuts, LogChunk, LogCursor, LogRecord, LogState};
+use crate::leaderless::proto::*;
 
 /// Tunables of a node, with units in their names.
 #[derive(Clone, Debug)]

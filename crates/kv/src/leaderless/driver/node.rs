@@ -23,10 +23,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::cm::{CmCore, CmOutput, CmParams};
-use crate::log::{self, Append, FileLog, LogRecord};
-use crate::msg::*;
-use crate::node::{NodeCore, NodeParams, Output, RecoveryStats};
+use crate::leaderless::core::cm::{CmCore, CmOutput, CmParams};
+use crate::pmlog::{self, Append, FileLog, LogRecord};
+use crate::leaderless::proto::*;
+use crate::leaderless::core::node::{NodeCore, NodeParams, Output, RecoveryStats};
 
 /// Largest frame a node or client accepts (a CatchUp_resp chunk or a maximal value, plus room).
 pub const MAX_FRAME_BYTES: usize = 4 * 1024 * 1024;
@@ -73,7 +73,7 @@ pub enum KvError {
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
     #[error("log error: {0}")]
-    Log(#[from] log::LogError),
+    Log(#[from] pmlog::LogError),
     #[error("no node answered: {0}")]
     Unavailable(String),
     #[error("request refused: {0}")]
@@ -120,8 +120,8 @@ enum Input {
     Persisted(Vec<(u64, u64)>),
     LogRead {
         to: NodeId,
-        cursor: log::LogCursor,
-        chunk: log::LogChunk,
+        cursor: pmlog::LogCursor,
+        chunk: pmlog::LogChunk,
     },
 }
 
@@ -132,11 +132,11 @@ enum LogJob {
     Append(Vec<(Option<(u64, u64)>, Append)>),
     /// Rebuild the state from the log; with `Some(node)`, replace the log with a new node's
     /// first (the full-copy baseline: [`FileLog::reset_as_new_node`]).
-    Rebuild(std::sync::mpsc::Sender<log::LogState>, Option<NodeId>),
+    Rebuild(std::sync::mpsc::Sender<pmlog::LogState>, Option<NodeId>),
     /// Reactive-log baseline: read the log at a cursor, after every append queued before.
     Read {
         to: NodeId,
-        cursor: log::LogCursor,
+        cursor: pmlog::LogCursor,
         max_bytes: usize,
     },
 }
@@ -310,7 +310,7 @@ fn spawn_log_thread(
                 // A small batch with nothing being synced is one `O_DSYNC` write, here (the
                 // shortest wait); any other durable batch is written and handed to the syncer
                 // (behind what it is syncing: completions stay in log order).
-                let alone = syncer.idle() && bytes <= log::DSYNC_WRITE_MAX_BYTES;
+                let alone = syncer.idle() && bytes <= pmlog::DSYNC_WRITE_MAX_BYTES;
                 let res = if recs.is_empty() {
                     Ok(())
                 } else if seqs.is_empty() {
@@ -498,8 +498,8 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     // The rebuild's scaffolding is garbage now; from here on, freed chunk-sized buffers stay
     // in the process for the next ones (after the rebuild, whose large transient buffers
     // must go back to the OS).
-    log::release_free_memory();
-    log::keep_transient_buffers();
+    pmlog::release_free_memory();
+    pmlog::keep_transient_buffers();
     // Bumped at every `Reload`; log completions carry it.
     let mut inc: u64 = 0;
     let mut last_now = 0u64;
@@ -678,7 +678,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         let _ = log_tx.send(LogJob::Rebuild(rtx, as_new));
                         let st = tokio::task::block_in_place(|| rrx.recv()).unwrap_or_default();
                         core = NodeCore::new(with_fresh_lease_refs(&cfg.params), st);
-                        log::release_free_memory();
+                        pmlog::release_free_memory();
                         inc += 1;
                         // Durable completions of the old core are meaningless to the new one.
                     }
@@ -1130,7 +1130,7 @@ pub struct CmConfig {
 fn load_cm_state(path: &Path) -> Result<Option<Config>, KvError> {
     match std::fs::read(path) {
         Ok(b) => {
-            let (recs, _) = log::decode_all(&b);
+            let (recs, _) = pmlog::decode_all(&b);
             // The state file holds one record: a Put whose value is the postcard configuration.
             for r in recs {
                 if let LogRecord::Put { value, .. } = r {
@@ -1158,7 +1158,7 @@ fn save_cm_state(path: &Path, c: &Config) -> Result<(), KvError> {
     };
     let tmp = path.with_extension("tmp");
     let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&log::encode(&rec))?;
+    f.write_all(&pmlog::encode(&rec))?;
     f.sync_all()?;
     std::fs::rename(&tmp, path)?;
     if let Some(dir) = path.parent() {

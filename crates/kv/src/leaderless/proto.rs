@@ -376,7 +376,7 @@ pub enum Cursor {
     /// (`None`: from the first).
     Key(Option<Vec<u8>>),
     /// Reactive log (§II-C): a point in the sender's durable log.
-    Log(crate::log::LogCursor),
+    Log(crate::pmlog::LogCursor),
 }
 
 /// Node-to-node messages. Every one carries the sender's epoch; a receiver refuses messages of

@@ -19,10 +19,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::msg::{Chunk, Ts};
+use crate::leaderless::proto::{Chunk, Ts};
 
 /// Largest record accepted when reading a log back (a maximal key and value plus framing).
-pub const MAX_RECORD_BYTES: usize = crate::msg::MAX_VALUE_BYTES + crate::msg::MAX_KEY_BYTES + 64;
+pub const MAX_RECORD_BYTES: usize = crate::leaderless::proto::MAX_VALUE_BYTES + crate::leaderless::proto::MAX_KEY_BYTES + 64;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum LogRecord {

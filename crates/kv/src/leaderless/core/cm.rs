@@ -26,7 +26,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::msg::*;
+use crate::leaderless::proto::*;
 
 #[derive(Clone, Debug)]
 pub struct CmParams {

@@ -1,0 +1,6 @@
+//! The tokio drivers of HEAL: the node server, the configuration manager's server and the
+//! async clients.
+
+pub mod node;
+
+pub use node::*;
