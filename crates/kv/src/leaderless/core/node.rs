@@ -26,7 +26,10 @@ mod catchup;
 mod invariants;
 mod persist;
 mod recovery;
+mod table1;
 mod write;
+
+use table1::{FollowerAck, Stage};
 
 /// Tunables of a node, with units in their names.
 #[derive(Clone, Debug)]
@@ -1131,7 +1134,7 @@ impl NodeCore {
         let me = self.p.id;
         let keys: Vec<Vec<u8>> = self.unsettled.iter().cloned().collect();
         let others = self.others();
-        let needs_p = self.p.model != Model::Scope;
+        let needs_p = table1::rules(self.p.model).waits_for_ack_p();
         for key in keys {
             let pending = self.chunk_pending(&key);
             let Some(k) = self.store.get_mut(&key[..]) else {

@@ -35,7 +35,7 @@ impl NodeCore {
     }
 
     pub(super) fn start_persist(&mut self, now_us: u64, tag: u64, scope: u64) {
-        if self.p.model != Model::Scope {
+        if !table1::rules(self.p.model).scoped_persist {
             // Every other model makes writes durable on its own schedule: nothing to wait for
             // beyond what each write's answer already promised.
             self.reply(tag, ClientResult::Done);
@@ -190,7 +190,7 @@ impl NodeCore {
         };
         if !down {
             for (to, t) in ready {
-                let c = model == Model::Synch;
+                let c = table1::rules(model).follower_ack == FollowerAck::Combined;
                 self.send(
                     to,
                     PeerMsg::Ack {

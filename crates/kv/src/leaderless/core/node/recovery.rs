@@ -314,13 +314,13 @@ impl NodeCore {
             self.out.push(Output::PersistChunk { seq, puts });
             seqs.push(seq);
         }
-        let eventual = self.p.model == Model::Eventual;
+        let background = table1::rules(self.p.model).background_persist;
         let Mode::Recovering(r) = &mut self.mode else {
             return;
         };
         r.stats.entries_received += received;
         r.stats.entries_applied += applied_n;
-        if !eventual {
+        if !background {
             // Under Eventual the NVM copy is made in the background, off the critical path.
             r.outstanding.extend(seqs.iter().copied());
         }

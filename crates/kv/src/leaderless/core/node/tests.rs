@@ -1,4 +1,3 @@
-
 use super::*;
 
 fn cfg(epoch: u64, active: &[NodeId], recovering: &[NodeId]) -> Config {

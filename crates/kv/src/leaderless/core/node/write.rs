@@ -85,7 +85,7 @@ impl NodeCore {
                 self.reply(tag, ClientResult::Value(v));
             }
             ClientOp::Put { key, value, scope } => {
-                if self.p.model == Model::Scope {
+                if table1::rules(self.p.model).scoped_persist {
                     if let Some(s) = scope {
                         let n = self.scopes.get(&s).map_or(0, |v| v.len());
                         if n >= self.p.max_scope_writes {
@@ -116,7 +116,7 @@ impl NodeCore {
                     ts,
                     value: value.clone(),
                     client: Some(tag),
-                    scope: if self.p.model == Model::Scope {
+                    scope: if table1::rules(self.p.model).scoped_persist {
                         scope
                     } else {
                         None
@@ -204,65 +204,30 @@ impl NodeCore {
         let mut validate = false;
         let mut gdp = false;
         let mut done = false;
-        match model {
-            Model::Synch => {
-                if all_c && all_p {
-                    reply = c.client.take();
-                    vals.push((true, true));
-                    validate = true;
-                    gdp = true;
-                    done = true;
-                }
+        for step in table1::rules(model).steps {
+            let reached = match step.at {
+                Stage::AllAckC => all_c,
+                Stage::AllAckCP => all_c && all_p,
+            };
+            // A step that does not end the write fires once: until its reply or VAL_C is out.
+            let first =
+                (step.reply && !c.replied) || (step.val.is_some_and(|v| v.0) && !c.val_c_sent);
+            if !reached || !(step.done || first) {
+                continue;
             }
-            Model::Strict => {
-                if all_c && !c.val_c_sent {
+            if step.reply {
+                c.replied = true;
+                reply = c.client.take();
+            }
+            if let Some((val_c, val_p)) = step.val {
+                if val_c {
                     c.val_c_sent = true;
-                    vals.push((true, false));
                     validate = true;
                 }
-                if all_c && all_p {
-                    reply = c.client.take();
-                    vals.push((false, true));
-                    gdp = true;
-                    done = true;
-                }
+                gdp |= val_p;
+                vals.push((val_c, val_p));
             }
-            Model::ReadEnforced => {
-                if all_c && !c.replied {
-                    c.replied = true;
-                    reply = c.client.take();
-                }
-                if all_c && all_p {
-                    vals.push((true, true));
-                    validate = true;
-                    gdp = true;
-                    done = true;
-                }
-            }
-            Model::Eventual => {
-                if all_c && !c.val_c_sent {
-                    c.val_c_sent = true;
-                    c.replied = true;
-                    reply = c.client.take();
-                    vals.push((true, false));
-                    validate = true;
-                }
-                if all_c && all_p {
-                    vals.push((false, true));
-                    gdp = true;
-                    done = true;
-                }
-            }
-            Model::Scope => {
-                if all_c {
-                    c.val_c_sent = true;
-                    c.replied = true;
-                    reply = c.client.take();
-                    vals.push((true, false));
-                    validate = true;
-                    done = true;
-                }
-            }
+            done |= step.done;
         }
         let scope = c.scope;
         if done {
@@ -330,14 +295,14 @@ impl NodeCore {
         // Synch: one ACK carrying both halves, once durable. Scope: the consistency half only.
         // The others: the consistency half now, the persistency half once durable.
         let mut out = None;
-        match model {
-            Model::Scope => out = Some(msg(false)),
+        match table1::rules(model).follower_ack {
+            FollowerAck::ConsistencyOnly => out = Some(msg(false)),
             _ if durable => out = Some(msg(true)),
-            _ => {
+            ack => {
                 if !k.pending_p.contains(&(to, ts)) {
                     k.pending_p.push((to, ts));
                 }
-                if model != Model::Synch {
+                if ack != FollowerAck::Combined {
                     out = Some(msg(false));
                 }
             }
