@@ -2,10 +2,10 @@
 //! panic, and a node core fed malformed client requests answers with an error and changes
 //! nothing.
 
-use kv::pmlog::{self, LogRecord};
-use kv::leaderless::proto::*;
-use kv::leaderless::core::node::{NodeCore, NodeParams, Output};
+use kv::leaderless::core::node::{NodeCore, NodeInput, NodeParams, Output};
 use kv::leaderless::driver::NetMsg;
+use kv::leaderless::proto::*;
+use kv::pmlog::{self, LogRecord};
 use proptest::prelude::*;
 
 proptest! {
@@ -137,13 +137,13 @@ fn malformed_client_requests_are_refused_without_effect() {
     let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
     // Twice: the second heartbeat echoes the first's ack, which anchors the lease.
     for seq in 1..=2 {
-        n.on_heartbeat(
+        n.handle(
             0,
-            Heartbeat {
+            NodeInput::Heartbeat(Heartbeat {
                 seq,
                 config: Config::genesis(1),
                 lease_ref: n.last_lease_ref(),
-            },
+            }),
         );
     }
     let _ = n.take_outputs();
@@ -174,7 +174,7 @@ fn malformed_client_requests_are_refused_without_effect() {
         ),
         (4, ClientOp::Get { key: vec![] }),
     ] {
-        n.on_client(1, tag, op);
+        n.handle(1, NodeInput::Client { tag, op });
         let outs = n.take_outputs();
         assert!(
             matches!(
@@ -195,27 +195,29 @@ fn messages_of_another_epoch_are_refused() {
     let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
     // Twice: the second heartbeat echoes the first's ack, which anchors the lease.
     for seq in 1..=2 {
-        n.on_heartbeat(
+        n.handle(
             0,
-            Heartbeat {
+            NodeInput::Heartbeat(Heartbeat {
                 seq,
                 config: Config::genesis(2),
                 lease_ref: n.last_lease_ref(),
-            },
+            }),
         );
     }
     let _ = n.take_outputs();
-    n.on_peer(
+    n.handle(
         1,
-        1,
-        PeerMsg::Inv {
-            epoch: 7,
-            key: b"k".to_vec(),
-            ts: Ts {
-                version: 1,
-                node: 1,
+        NodeInput::Peer {
+            from: 1,
+            msg: PeerMsg::Inv {
+                epoch: 7,
+                key: b"k".to_vec(),
+                ts: Ts {
+                    version: 1,
+                    node: 1,
+                },
+                value: b"v".to_vec(),
             },
-            value: b"v".to_vec(),
         },
     );
     assert!(n.take_outputs().is_empty());

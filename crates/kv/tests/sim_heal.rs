@@ -13,10 +13,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kv::checker::{self, Op, OpKind};
-use kv::leaderless::core::cm::{CmCore, CmOutput, CmParams};
-use kv::pmlog::{self, LogRecord};
+use kv::leaderless::core::cm::{CmCore, CmInput, CmOutput, CmParams};
+use kv::leaderless::core::node::{
+    NodeCore, NodeInput, NodeParams, Output, RecoveryScheme, RecoveryStats,
+};
 use kv::leaderless::proto::*;
-use kv::leaderless::core::node::{NodeCore, NodeParams, Output, RecoveryScheme, RecoveryStats};
+use kv::pmlog::{self, LogRecord};
 use sim::{Delivery, EventQueue, NetConfig, Network, SimDisk, SimRng};
 
 /// A replica's volatile state: per key, its timestamp, validity and value.
@@ -320,7 +322,7 @@ impl World {
             let mut outs = core.take_outputs();
             if outs.is_empty() && core.wants_pump() {
                 // A Buddy's catch-up stream: the next chunk right away.
-                core.pump(self.now);
+                core.handle(self.now, NodeInput::Pump);
                 outs = core.take_outputs();
             }
             if outs.is_empty() {
@@ -723,7 +725,7 @@ impl World {
         let now = self.now;
         if d.to == CM {
             if let Msg::HbAck(a) = d.msg {
-                self.cm.on_ack(now, a);
+                self.cm.handle(now, CmInput::Ack(a));
                 self.drain_cm();
             }
         } else if d.to >= CLIENT0 {
@@ -778,9 +780,15 @@ impl World {
                 }
             }
             match d.msg {
-                Msg::Peer(m) => core.on_peer(now, d.from, m),
-                Msg::Hb(hb) => core.on_heartbeat(now, hb),
-                Msg::Req { tag, op } => core.on_client(now, tag, op),
+                Msg::Peer(m) => core.handle(
+                    now,
+                    NodeInput::Peer {
+                        from: d.from,
+                        msg: m,
+                    },
+                ),
+                Msg::Hb(hb) => core.handle(now, NodeInput::Heartbeat(hb)),
+                Msg::Req { tag, op } => core.handle(now, NodeInput::Client { tag, op }),
                 _ => {}
             }
             self.drain_node(id);
@@ -817,7 +825,7 @@ impl World {
                 if n.inc == inc {
                     n.disk.sync(LOG).unwrap();
                     if let Some(core) = n.core.as_mut() {
-                        core.on_persisted(now, seq);
+                        core.handle(now, NodeInput::Persisted(vec![seq]));
                     }
                     self.drain_node(node);
                 }
@@ -826,7 +834,7 @@ impl World {
                 let n = &mut self.nodes[node as usize];
                 if n.inc == inc {
                     if let Some(core) = n.core.as_mut() {
-                        core.tick(now);
+                        core.handle(now, NodeInput::Tick);
                     }
                     self.drain_node(node);
                     self.q
@@ -836,7 +844,7 @@ impl World {
             }
             Ev::CmTick { inc } => {
                 if inc == self.cm_inc {
-                    self.cm.tick(now);
+                    self.cm.handle(now, CmInput::Tick);
                     self.drain_cm();
                     self.q.push_after(now, 1_000, Ev::CmTick { inc }).unwrap();
                 }
@@ -854,7 +862,7 @@ impl World {
                 let n = &mut self.nodes[node as usize];
                 if n.inc == inc {
                     if let Some(core) = n.core.as_mut() {
-                        core.on_log_read(now, to, cursor, chunk);
+                        core.handle(now, NodeInput::LogRead { to, cursor, chunk });
                     }
                     self.drain_node(node);
                 }

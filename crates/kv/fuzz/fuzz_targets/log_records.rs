@@ -5,7 +5,7 @@
 
 use kv::pmlog;
 use kv::leaderless::proto::Model;
-use kv::leaderless::core::node::{NodeCore, NodeParams};
+use kv::leaderless::core::node::{NodeCore, NodeInput, NodeParams};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -18,6 +18,6 @@ fuzz_target!(|data: &[u8]| {
     let _ = pmlog::scan_markers(data);
     let st = pmlog::rebuild(&recs);
     let mut core = NodeCore::new(NodeParams::new(0, Model::Synch), st);
-    core.tick(1_000_000);
+    core.handle(1_000_000, NodeInput::Tick);
     let _ = core.take_outputs();
 });

@@ -2,10 +2,19 @@
 //! §V-E), replays (§V-F, Table III) and the HEAL recovery of Fig. 4 (§V-C), as one deterministic
 //! state machine.
 //!
-//! Inputs: [`NodeCore::on_peer`], [`NodeCore::on_heartbeat`] (the CM's configuration),
-//! [`NodeCore::on_client`], [`NodeCore::on_persisted`] (a durable append finished) and
-//! [`NodeCore::tick`] (time passes). Outputs, drained with [`NodeCore::take_outputs`], must be
-//! carried out in order: [`Output::Persist`] and [`Output::Mark`] go to the same log, in order.
+//! One entry point, [`NodeCore::handle`]`(now_us, `[`NodeInput`]`)`: a peer's message, the CM's
+//! heartbeat (the configuration), a client's operation, durable appends finished, a log read
+//! done, a tick (time passes), a pump (send credited catch-up chunks). Outputs, drained with
+//! [`NodeCore::take_outputs`], must be carried out in order: [`Output::Persist`] and
+//! [`Output::Mark`] go to the same log, in order. [`NodeCore::check_invariants`] runs after every
+//! input in debug builds; [`NodeCore::check_invariants_deep`] (a walk over the store) only in
+//! the simulation and the model check.
+//!
+//! One state machine, its methods in files by concern: `write` (the write path), `table1` (the
+//! five persistency models as data), `persist` (log appends, GDP marks, Scope's PERSIST),
+//! `recovery` (the recovering node's side of HEAL), `catchup` (the Buddy's streaming),
+//! `baselines` (reactive log and full copy), `invariants`; configuration, timers and message
+//! dispatch stay here.
 //!
 //! Per key a node keeps the newest timestamp and value it has applied, whether that version is
 //! *valid* (committed: readable), whether it is *gdp* (globally durable, known from ACK_P / VAL_P),
@@ -166,6 +175,33 @@ impl RecoveryStats {
     }
 }
 
+/// Everything that can happen to a node: the input of [`NodeCore::handle`].
+#[derive(Clone, Debug)]
+pub enum NodeInput {
+    /// A client operation; the answer comes as [`Output::Reply`] with the same `tag`.
+    Client { tag: u64, op: ClientOp },
+    /// A message from another node.
+    Peer { from: NodeId, msg: PeerMsg },
+    /// A heartbeat from the CM carrying its configuration.
+    Heartbeat(Heartbeat),
+    /// Durable appends finished ([`Output::Persist`] / [`Output::PersistChunk`] seqs; several
+    /// for a group commit): the same as one input per seq, except that the follow-ups that
+    /// look at everything (scope PERSIST waits, the recovery's next CatchUp_req) run once, after
+    /// all of them.
+    Persisted(Vec<u64>),
+    /// Time passes: retransmissions, replays, recovery retries.
+    Tick,
+    /// Send the next chunk of every catch-up stream that has credit. A driver gives it between
+    /// inputs while [`NodeCore::wants_pump`] (and at once when no input waits).
+    Pump,
+    /// The driver read the log for `to` (see [`Output::ReadLog`]).
+    LogRead {
+        to: NodeId,
+        cursor: LogCursor,
+        chunk: LogChunk,
+    },
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Output {
     Send {
@@ -173,13 +209,13 @@ pub enum Output {
         msg: PeerMsg,
     },
     ToCm(HeartbeatAck),
-    /// Append durably, then call [`NodeCore::on_persisted`] with `seq`.
+    /// Append durably, then give [`NodeInput::Persisted`] with `seq`.
     Persist {
         seq: u64,
         rec: LogRecord,
     },
     /// Append a catch-up chunk's records durably, in order, then call
-    /// [`NodeCore::on_persisted`] with `seq` (one append, one completion per chunk).
+    /// [`NodeInput::Persisted`] with `seq` (one append, one completion per chunk).
     PersistChunk {
         seq: u64,
         puts: ChunkPuts,
@@ -187,7 +223,7 @@ pub enum Output {
     /// Append without waiting (a GDP flag, an `Epoch` record).
     Mark(LogRecord),
     /// Read the durable log at `cursor` (about `max_bytes` of updates, after every append
-    /// output so far), then call [`NodeCore::on_log_read`] with `to` and `cursor`.
+    /// output so far), then give [`NodeInput::LogRead`] with `to` and `cursor`.
     ReadLog {
         to: NodeId,
         cursor: LogCursor,
@@ -420,7 +456,7 @@ pub struct NodeCore {
     /// Reactive-log catch-up streams being served, per recovering node.
     log_reads: BTreeMap<NodeId, LogStream>,
     /// Key-ordered catch-up streams being served (HEAL or full copy), per recovering node: one
-    /// chunk per credit, one per [`NodeCore::pump`].
+    /// chunk per credit, one per [`NodeInput::Pump`].
     streams: BTreeMap<NodeId, KeyStream>,
     /// Id of the next catch-up stream this node opens as a recovering node.
     next_stream: u64,
@@ -531,6 +567,28 @@ impl NodeCore {
     pub fn config(&self) -> &Config {
         &self.config
     }
+    /// The one entry point: an input at time `now_us` (the driver's clock, in µs; time is a
+    /// parameter rather than an input of its own because every input needs it — leases,
+    /// deadlines — and [`NodeInput::Tick`] says only that time passed). Outputs accumulate for
+    /// [`Self::take_outputs`]; in debug builds the invariants are checked after every input.
+    pub fn handle(&mut self, now_us: u64, input: NodeInput) {
+        #[cfg(debug_assertions)]
+        let epoch_before = self.config.epoch;
+        match input {
+            NodeInput::Client { tag, op } => self.on_client_input(now_us, tag, op),
+            NodeInput::Peer { from, msg } => self.on_peer_input(now_us, from, msg),
+            NodeInput::Heartbeat(hb) => self.on_heartbeat_input(now_us, hb),
+            NodeInput::Persisted(seqs) => self.on_persisted_many_input(now_us, seqs),
+            NodeInput::Tick => self.tick_input(now_us),
+            NodeInput::Pump => self.pump_input(now_us),
+            NodeInput::LogRead { to, cursor, chunk } => {
+                self.on_log_read_input(now_us, to, cursor, chunk)
+            }
+        }
+        #[cfg(debug_assertions)]
+        self.check_after_input(epoch_before);
+    }
+
     pub fn take_outputs(&mut self) -> Vec<Output> {
         std::mem::take(&mut self.out)
     }
@@ -690,15 +748,6 @@ impl NodeCore {
             Mode::Recovering(_) => "Recovering",
             Mode::Recovered => "Recovered",
         }
-    }
-
-    /// A heartbeat from the CM carrying its configuration.
-    pub fn on_heartbeat(&mut self, now_us: u64, hb: Heartbeat) {
-        #[cfg(debug_assertions)]
-        let epoch_before = self.config.epoch;
-        self.on_heartbeat_input(now_us, hb);
-        #[cfg(debug_assertions)]
-        self.check_after_input(epoch_before);
     }
 
     fn on_heartbeat_input(&mut self, now_us: u64, hb: Heartbeat) {
@@ -952,25 +1001,7 @@ impl NodeCore {
 
     // ---------------------------------------------------------------- clients
 
-    /// A client operation; the answer comes as [`Output::Reply`] with the same `tag`.
-    pub fn on_client(&mut self, now_us: u64, tag: u64, op: ClientOp) {
-        #[cfg(debug_assertions)]
-        let epoch_before = self.config.epoch;
-        self.on_client_input(now_us, tag, op);
-        #[cfg(debug_assertions)]
-        self.check_after_input(epoch_before);
-    }
-
     // ---------------------------------------------------------------- write protocol
-
-    /// A message from another node.
-    pub fn on_peer(&mut self, now_us: u64, from: NodeId, msg: PeerMsg) {
-        #[cfg(debug_assertions)]
-        let epoch_before = self.config.epoch;
-        self.on_peer_input(now_us, from, msg);
-        #[cfg(debug_assertions)]
-        self.check_after_input(epoch_before);
-    }
 
     fn on_peer_input(&mut self, now_us: u64, from: NodeId, msg: PeerMsg) {
         if msg.epoch() != self.config.epoch {
@@ -1101,31 +1132,6 @@ impl NodeCore {
         }
     }
 
-    /// A durable append finished.
-    pub fn on_persisted(&mut self, now_us: u64, seq: u64) {
-        self.on_persisted_many(now_us, [seq]);
-    }
-
-    /// Several durable appends finished (a group commit): the same as [`Self::on_persisted`]
-    /// for each in turn, except that the follow-ups that look at everything (scope PERSIST
-    /// waits, the recovery's next CatchUp_req) run once, after all of them.
-    pub fn on_persisted_many(&mut self, now_us: u64, seqs: impl IntoIterator<Item = u64>) {
-        #[cfg(debug_assertions)]
-        let epoch_before = self.config.epoch;
-        self.on_persisted_many_input(now_us, seqs);
-        #[cfg(debug_assertions)]
-        self.check_after_input(epoch_before);
-    }
-
-    /// Time passes: retransmissions, replays, recovery retries.
-    pub fn tick(&mut self, now_us: u64) {
-        #[cfg(debug_assertions)]
-        let epoch_before = self.config.epoch;
-        self.tick_input(now_us);
-        #[cfg(debug_assertions)]
-        self.check_after_input(epoch_before);
-    }
-
     fn tick_input(&mut self, now_us: u64) {
         if matches!(self.mode, Mode::Down) {
             return;
@@ -1228,25 +1234,6 @@ impl NodeCore {
     }
 
     // ---------------------------------------------------------------- HEAL recovery
-
-    /// Sends the next chunk of every catch-up stream that has credit. A driver calls it between
-    /// inputs while [`Self::wants_pump`] (and at once when no input waits).
-    pub fn pump(&mut self, _now_us: u64) {
-        #[cfg(debug_assertions)]
-        let epoch_before = self.config.epoch;
-        self.pump_input(_now_us);
-        #[cfg(debug_assertions)]
-        self.check_after_input(epoch_before);
-    }
-
-    /// The driver read the log for `to` (see [`Output::ReadLog`]).
-    pub fn on_log_read(&mut self, _now_us: u64, to: NodeId, cursor: LogCursor, chunk: LogChunk) {
-        #[cfg(debug_assertions)]
-        let epoch_before = self.config.epoch;
-        self.on_log_read_input(_now_us, to, cursor, chunk);
-        #[cfg(debug_assertions)]
-        self.check_after_input(epoch_before);
-    }
 }
 
 #[cfg(test)]

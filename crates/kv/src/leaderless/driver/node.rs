@@ -23,10 +23,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::leaderless::core::cm::{CmCore, CmOutput, CmParams};
-use crate::pmlog::{self, Append, FileLog, LogRecord};
+use crate::leaderless::core::cm::{CmCore, CmInput, CmOutput, CmParams};
+use crate::leaderless::core::node::{NodeCore, NodeInput, NodeParams, Output, RecoveryStats};
 use crate::leaderless::proto::*;
-use crate::leaderless::core::node::{NodeCore, NodeParams, Output, RecoveryStats};
+use crate::pmlog::{self, Append, FileLog, LogRecord};
 
 /// Largest frame a node or client accepts (a CatchUp_resp chunk or a maximal value, plus room).
 pub const MAX_FRAME_BYTES: usize = 4 * 1024 * 1024;
@@ -525,14 +525,14 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                 let at_us = (at.saturating_duration_since(start).as_micros() as u64).max(last_now);
                 last_now = at_us;
                 cm_tx = Some(tx);
-                core.on_heartbeat(at_us, hb);
+                core.handle(at_us, NodeInput::Heartbeat(hb));
             }
             _ = tick.tick() => {
                 if recovering {
                     add_us(&stats.recovering_idle_us, waited);
                 }
                 last_now = now_us();
-                core.tick(last_now);
+                core.handle(last_now, NodeInput::Tick);
             }
             Some(inp) = done_rx.recv() => {
                 if recovering {
@@ -543,12 +543,12 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                 match inp {
                     Input::Persisted(seqs) => {
                         let t = Instant::now();
-                        core.on_persisted_many(now, seqs.into_iter().filter(|(i, _)| *i == inc).map(|(_, s)| s));
+                        core.handle(now, NodeInput::Persisted(seqs.into_iter().filter(|(i, _)| *i == inc).map(|(_, s)| s).collect()));
                         if recovering {
                             add_us(&stats.catchup_persisted_us, t);
                         }
                     }
-                    Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
+                    Input::LogRead { to, cursor, chunk } => core.handle(now, NodeInput::LogRead { to, cursor, chunk }),
                     _ => {}
                 }
             }
@@ -570,7 +570,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             PeerMsg::CatchUpReq { .. } => Some(&stats.catchup_build_us),
                             _ => None,
                         };
-                        core.on_peer(now, from, m);
+                        core.handle(now, NodeInput::Peer { from, msg: m });
                         if let Some(p) = phase {
                             add_us(p, t);
                         }
@@ -579,12 +579,12 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                         let tag = next_tag;
                         next_tag += 1;
                         replies.insert(tag, (reply, id));
-                        core.on_client(now, tag, op);
+                        core.handle(now, NodeInput::Client { tag, op });
                     }
                     Input::Persisted(seqs) => {
-                        core.on_persisted_many(now, seqs.into_iter().filter(|(i, _)| *i == inc).map(|(_, s)| s));
+                        core.handle(now, NodeInput::Persisted(seqs.into_iter().filter(|(i, _)| *i == inc).map(|(_, s)| s).collect()));
                     }
-                    Input::LogRead { to, cursor, chunk } => core.on_log_read(now, to, cursor, chunk),
+                    Input::LogRead { to, cursor, chunk } => core.handle(now, NodeInput::LogRead { to, cursor, chunk }),
                 }
             }
             _ = std::future::ready(()), if pumping => {}
@@ -592,7 +592,7 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
         if core.wants_pump() {
             last_now = now_us();
             let t = Instant::now();
-            core.pump(last_now);
+            core.handle(last_now, NodeInput::Pump);
             add_us(&stats.catchup_build_us, t);
             if !core.serves_catchup() {
                 // The Buddy's side of the catch-up (its last chunk is out), for the recovery's
@@ -1218,8 +1218,8 @@ pub async fn run_cm(cfg: CmConfig) -> Result<(), KvError> {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         tokio::select! {
-            _ = tick.tick() => cm.tick(now_us()),
-            Some(a) = ack_rx.recv() => cm.on_ack(now_us(), a),
+            _ = tick.tick() => cm.handle(now_us(), CmInput::Tick),
+            Some(a) = ack_rx.recv() => cm.handle(now_us(), CmInput::Ack(a)),
         }
         for o in cm.take_outputs() {
             match o {

@@ -108,7 +108,7 @@ impl NodeCore {
         !self.streams.is_empty()
     }
 
-    /// Whether [`Self::pump`] has work (catch-up chunks credited and not sent yet).
+    /// Whether [`NodeInput::Pump`] has work (catch-up chunks credited and not sent yet).
     pub fn wants_pump(&self) -> bool {
         self.streams.values().any(|st| st.credits > 0)
     }

@@ -23,7 +23,7 @@ fn persist_all(n: &mut NodeCore, now: u64) {
             return;
         }
         for s in seqs {
-            n.on_persisted(now, s);
+            n.handle(now, NodeInput::Persisted(vec![s]));
         }
     }
 }
@@ -43,11 +43,11 @@ fn a_heartbeat_read_late_gives_no_lease_past_its_echo() {
         config: config.clone(),
         lease_ref,
     };
-    n.on_heartbeat(0, hb(0, 0));
+    n.handle(0, NodeInput::Heartbeat(hb(0, 0)));
     persist_all(&mut n, 0);
     assert!(!n.serving(1), "no ack echoed yet: no lease");
     let first = n.last_lease_ref();
-    n.on_heartbeat(1_000, hb(1, first));
+    n.handle(1_000, NodeInput::Heartbeat(hb(1, first)));
     assert!(
         n.serving(2_000) && !n.serving(lease),
         "lease from the ack at 0"
@@ -55,17 +55,17 @@ fn a_heartbeat_read_late_gives_no_lease_past_its_echo() {
     // Stopped from 2 ms to 10 leases; the heartbeat sent at 3 ms is read on waking.
     let second = n.last_lease_ref();
     let woke = 10 * lease;
-    n.on_heartbeat(woke, hb(2, second));
+    n.handle(woke, NodeInput::Heartbeat(hb(2, second)));
     assert!(!n.serving(woke), "a heartbeat read late extends nothing");
     // A fresh heartbeat, echoing the ack sent on waking, gives the lease back.
     let third = n.last_lease_ref();
-    n.on_heartbeat(woke + 1_000, hb(3, third));
+    n.handle(woke + 1_000, NodeInput::Heartbeat(hb(3, third)));
     assert!(n.serving(woke + 2_000));
     // An echo of an ack this core never sent (an earlier core's) anchors nothing.
     let mut m = NodeCore::new(NodeParams::new(0, Model::Synch), LogState::default());
-    m.on_heartbeat(0, hb(0, 0));
+    m.handle(0, NodeInput::Heartbeat(hb(0, 0)));
     persist_all(&mut m, 0);
-    m.on_heartbeat(1_000, hb(1, first + 1_000));
+    m.handle(1_000, NodeInput::Heartbeat(hb(1, first + 1_000)));
     assert!(!m.serving(2_000));
 }
 
@@ -78,32 +78,34 @@ fn a_heartbeat_read_late_gives_no_lease_past_its_echo() {
 fn late_ack_c_from_recovering_node_gets_no_val_p() {
     for model in [Model::Strict, Model::Eventual, Model::ReadEnforced] {
         let mut n = NodeCore::new(NodeParams::new(1, model), LogState::default());
-        n.on_heartbeat(
+        n.handle(
             0,
-            Heartbeat {
+            NodeInput::Heartbeat(Heartbeat {
                 seq: 0,
                 config: cfg(1, &[0, 1, 2], &[]),
                 lease_ref: n.last_lease_ref(),
-            },
+            }),
         );
         persist_all(&mut n, 0);
-        n.on_heartbeat(
+        n.handle(
             1,
-            Heartbeat {
+            NodeInput::Heartbeat(Heartbeat {
                 seq: 1,
                 config: cfg(2, &[1, 2], &[]),
                 lease_ref: n.last_lease_ref(),
-            },
+            }),
         );
         n.take_outputs();
         let key = b"b".to_vec();
-        n.on_client(
+        n.handle(
             2,
-            7,
-            ClientOp::Put {
-                key: key.clone(),
-                value: b"v".to_vec(),
-                scope: None,
+            NodeInput::Client {
+                tag: 7,
+                op: ClientOp::Put {
+                    key: key.clone(),
+                    value: b"v".to_vec(),
+                    scope: None,
+                },
             },
         );
         persist_all(&mut n, 2);
@@ -111,15 +113,17 @@ fn late_ack_c_from_recovering_node_gets_no_val_p() {
             version: 1,
             node: 1,
         };
-        n.on_peer(
+        n.handle(
             3,
-            2,
-            PeerMsg::Ack {
-                epoch: 2,
-                key: key.clone(),
-                ts,
-                c: true,
-                p: true,
+            NodeInput::Peer {
+                from: 2,
+                msg: PeerMsg::Ack {
+                    epoch: 2,
+                    key: key.clone(),
+                    ts,
+                    c: true,
+                    p: true,
+                },
             },
         );
         let outs = n.take_outputs();
@@ -130,13 +134,13 @@ fn late_ack_c_from_recovering_node_gets_no_val_p() {
             }),
             "{model}: write done in epoch 2: {outs:?}"
         );
-        n.on_heartbeat(
+        n.handle(
             4,
-            Heartbeat {
+            NodeInput::Heartbeat(Heartbeat {
                 seq: 2,
                 config: cfg(3, &[1, 2], &[0]),
                 lease_ref: n.last_lease_ref(),
-            },
+            }),
         );
         n.take_outputs();
         let val_to_0 = |outs: Vec<Output>| -> Vec<(bool, bool)> {
@@ -150,27 +154,31 @@ fn late_ack_c_from_recovering_node_gets_no_val_p() {
                 })
                 .collect()
         };
-        n.on_peer(
+        n.handle(
             5,
-            0,
-            PeerMsg::Ack {
-                epoch: 3,
-                key: key.clone(),
-                ts,
-                c: true,
-                p: false,
+            NodeInput::Peer {
+                from: 0,
+                msg: PeerMsg::Ack {
+                    epoch: 3,
+                    key: key.clone(),
+                    ts,
+                    c: true,
+                    p: false,
+                },
             },
         );
         assert_eq!(val_to_0(n.take_outputs()), vec![(true, false)], "{model}");
-        n.on_peer(
+        n.handle(
             6,
-            0,
-            PeerMsg::Ack {
-                epoch: 3,
-                key: key.clone(),
-                ts,
-                c: false,
-                p: true,
+            NodeInput::Peer {
+                from: 0,
+                msg: PeerMsg::Ack {
+                    epoch: 3,
+                    key: key.clone(),
+                    ts,
+                    c: false,
+                    p: true,
+                },
             },
         );
         assert_eq!(val_to_0(n.take_outputs()), vec![(true, true)], "{model}");
@@ -204,17 +212,29 @@ fn recovering_node_with(
     p.max_catchup_chunks_in_flight = window;
     p.recovery = scheme;
     let mut n = NodeCore::new(p, st);
-    n.on_heartbeat(
+    n.handle(
         0,
-        Heartbeat {
+        NodeInput::Heartbeat(Heartbeat {
             seq: 0,
             config: cfg(2, &[1, 2], &[0]),
             lease_ref: n.last_lease_ref(),
-        },
+        }),
     );
     let mut outs = n.take_outputs();
-    n.on_peer(1, 1, PeerMsg::RecovStartAck { epoch: 2 });
-    n.on_peer(1, 2, PeerMsg::RecovStartAck { epoch: 2 });
+    n.handle(
+        1,
+        NodeInput::Peer {
+            from: 1,
+            msg: PeerMsg::RecovStartAck { epoch: 2 },
+        },
+    );
+    n.handle(
+        1,
+        NodeInput::Peer {
+            from: 2,
+            msg: PeerMsg::RecovStartAck { epoch: 2 },
+        },
+    );
     outs.extend(n.take_outputs());
     (n, outs)
 }
@@ -371,7 +391,13 @@ fn catchup_pipelines_within_window_and_ends_only_when_durable() {
     .into_iter()
     .enumerate()
     {
-        n.on_peer(10 + i as u64, 1, resp(st, from, Some(next), vec![e]));
+        n.handle(
+            10 + i as u64,
+            NodeInput::Peer {
+                from: 1,
+                msg: resp(st, from, Some(next), vec![e]),
+            },
+        );
         let outs = n.take_outputs();
         let p = persists(&outs);
         assert_eq!(p.len(), 1, "chunk {i} applied and persisted: {outs:?}");
@@ -384,21 +410,31 @@ fn catchup_pipelines_within_window_and_ends_only_when_durable() {
     // A late duplicate of chunk 1 carrying an older version of "a", a reply for a cursor
     // not asked for, a chunk of another stream and a fourth chunk past the credit change
     // nothing.
-    n.on_peer(20, 1, resp(st, None, Some("a"), vec![entry("a", 3)]));
-    n.on_peer(
+    n.handle(
         20,
-        1,
-        resp(st, Some("c"), Some("d"), vec![entry("d", 1)]).clone(),
+        NodeInput::Peer {
+            from: 1,
+            msg: resp(st, None, Some("a"), vec![entry("a", 3)]),
+        },
     );
-    n.on_peer(
+    n.handle(
         20,
-        1,
-        resp(st + 7, Some("c"), Some("d"), vec![entry("d", 1)]),
+        NodeInput::Peer {
+            from: 1,
+            msg: resp(st, Some("c"), Some("d"), vec![entry("d", 1)]).clone(),
+        },
+    );
+    n.handle(
+        20,
+        NodeInput::Peer {
+            from: 1,
+            msg: resp(st + 7, Some("c"), Some("d"), vec![entry("d", 1)]),
+        },
     );
     assert!(n.take_outputs().is_empty());
     assert!(!n.store.contains_key(b"d".as_slice()));
     // Chunk 2 becomes durable first: a slot frees and a credit of 1 goes at once.
-    n.on_persisted(21, unpersisted[1]);
+    n.handle(21, NodeInput::Persisted(vec![unpersisted[1]]));
     let outs = n.take_outputs();
     assert!(
         catchup_reqs(&outs).is_empty(),
@@ -406,16 +442,18 @@ fn catchup_pipelines_within_window_and_ends_only_when_durable() {
     );
     assert_eq!(credits(&outs), vec![(st, 1)]);
     // Last chunk: applied; Recov_end waits for all chunks and the Boot record.
-    n.on_peer(
+    n.handle(
         22,
-        1,
-        PeerMsg::CatchUpResp {
-            epoch: 2,
-            stream: st,
-            from: key_cursor(Some("c")),
-            next: None,
-            full_copy: false,
-            entries: Chunk::from_entries(&[entry("c", 9), entry("a", 2)]),
+        NodeInput::Peer {
+            from: 1,
+            msg: PeerMsg::CatchUpResp {
+                epoch: 2,
+                stream: st,
+                from: key_cursor(Some("c")),
+                next: None,
+                full_copy: false,
+                entries: Chunk::from_entries(&[entry("c", 9), entry("a", 2)]),
+            },
         },
     );
     let outs = n.take_outputs();
@@ -435,7 +473,7 @@ fn catchup_pipelines_within_window_and_ends_only_when_durable() {
             !sent_recov_end(&n.take_outputs()),
             "Recov_end before every chunk is durable"
         );
-        n.on_persisted(23, *s);
+        n.handle(23, NodeInput::Persisted(vec![*s]));
     }
     let outs = n.take_outputs();
     assert!(sent_recov_end(&outs), "{boot:?} {unpersisted:?} {outs:?}");
@@ -475,16 +513,18 @@ fn baselines_log_redundant_entries_heal_does_not() {
         // A key stream for HEAL and the full copy, a log stream for the reactive log: the
         // same entries answer either, the older "a" redundant.
         let (_, stream, cursor, _) = catchup_reqs(&outs)[0].clone();
-        n.on_peer(
+        n.handle(
             10,
-            1,
-            PeerMsg::CatchUpResp {
-                epoch: 2,
-                stream,
-                from: cursor,
-                next: None,
-                full_copy: false,
-                entries: Chunk::from_entries(&[entry("a", 3), entry("b", 4)]),
+            NodeInput::Peer {
+                from: 1,
+                msg: PeerMsg::CatchUpResp {
+                    epoch: 2,
+                    stream,
+                    from: cursor,
+                    next: None,
+                    full_copy: false,
+                    entries: Chunk::from_entries(&[entry("a", 3), entry("b", 4)]),
+                },
             },
         );
         let outs = n.take_outputs();
@@ -528,13 +568,13 @@ fn full_copy_buddy(keys: usize, chunk_bytes: usize) -> NodeCore {
         );
     }
     let mut n = NodeCore::new(p, st);
-    n.on_heartbeat(
+    n.handle(
         0,
-        Heartbeat {
+        NodeInput::Heartbeat(Heartbeat {
             seq: 0,
             config: cfg(2, &[1, 2], &[0]),
             lease_ref: n.last_lease_ref(),
-        },
+        }),
     );
     n.take_outputs();
     n
@@ -567,44 +607,50 @@ fn buddy_streams_one_chunk_per_credit() {
     let pumped = |n: &mut NodeCore| {
         let mut outs = n.take_outputs();
         while n.wants_pump() {
-            n.pump(1);
+            n.handle(1, NodeInput::Pump);
             outs.extend(n.take_outputs());
         }
         outs
     };
     let k = |i: usize| key_cursor(Some(&format!("k{i:04}")));
-    n.on_peer(
+    n.handle(
         1,
-        0,
-        PeerMsg::CatchUpReq {
-            epoch: 2,
-            stream: 4,
-            partially: vec![],
-            cursor: key_cursor(None),
-            chunks: 2,
+        NodeInput::Peer {
+            from: 0,
+            msg: PeerMsg::CatchUpReq {
+                epoch: 2,
+                stream: 4,
+                partially: vec![],
+                cursor: key_cursor(None),
+                chunks: 2,
+            },
         },
     );
     assert_eq!(resps(n.take_outputs()).len(), 1, "the first chunk at once");
     assert!(n.wants_pump());
     assert_eq!(resps(pumped(&mut n)), vec![(4, k(0), Some(k(1)), 1)]);
     assert!(!n.wants_pump(), "no credit left");
-    n.on_peer(
+    n.handle(
         2,
-        0,
-        PeerMsg::CatchUpCredit {
-            epoch: 2,
-            stream: 3,
-            chunks: 5,
+        NodeInput::Peer {
+            from: 0,
+            msg: PeerMsg::CatchUpCredit {
+                epoch: 2,
+                stream: 3,
+                chunks: 5,
+            },
         },
     );
     assert!(!n.wants_pump(), "credit of another stream");
-    n.on_peer(
+    n.handle(
         2,
-        0,
-        PeerMsg::CatchUpCredit {
-            epoch: 2,
-            stream: 4,
-            chunks: 2,
+        NodeInput::Peer {
+            from: 0,
+            msg: PeerMsg::CatchUpCredit {
+                epoch: 2,
+                stream: 4,
+                chunks: 2,
+            },
         },
     );
     assert_eq!(
@@ -612,15 +658,17 @@ fn buddy_streams_one_chunk_per_credit() {
         vec![(4, k(1), Some(k(2)), 1), (4, k(2), Some(k(3)), 1)]
     );
     // A retry from k(1) replaces the stream.
-    n.on_peer(
+    n.handle(
         3,
-        0,
-        PeerMsg::CatchUpReq {
-            epoch: 2,
-            stream: 5,
-            partially: vec![],
-            cursor: k(1),
-            chunks: 9,
+        NodeInput::Peer {
+            from: 0,
+            msg: PeerMsg::CatchUpReq {
+                epoch: 2,
+                stream: 5,
+                partially: vec![],
+                cursor: k(1),
+                chunks: 9,
+            },
         },
     );
     let got = resps(pumped(&mut n));
@@ -629,13 +677,15 @@ fn buddy_streams_one_chunk_per_credit() {
     assert!(got.iter().all(|g| g.0 == 5));
     assert_eq!(got[3].2, None);
     assert!(n.streams.is_empty(), "the ended stream is dropped");
-    n.on_peer(
+    n.handle(
         4,
-        0,
-        PeerMsg::CatchUpCredit {
-            epoch: 2,
-            stream: 5,
-            chunks: 2,
+        NodeInput::Peer {
+            from: 0,
+            msg: PeerMsg::CatchUpCredit {
+                epoch: 2,
+                stream: 5,
+                chunks: 2,
+            },
         },
     );
     assert!(!n.wants_pump() && n.take_outputs().is_empty());
@@ -651,7 +701,7 @@ fn catchup_chunks_ramp_up_to_the_configured_size() {
     let sizes = |n: &mut NodeCore| -> Vec<usize> {
         let mut outs = n.take_outputs();
         while n.wants_pump() {
-            n.pump(1);
+            n.handle(1, NodeInput::Pump);
             outs.extend(n.take_outputs());
         }
         outs.into_iter()
@@ -671,7 +721,13 @@ fn catchup_chunks_ramp_up_to_the_configured_size() {
         cursor: key_cursor(None),
         chunks: 5,
     };
-    n.on_peer(1, 0, req(1));
+    n.handle(
+        1,
+        NodeInput::Peer {
+            from: 0,
+            msg: req(1),
+        },
+    );
     let got = sizes(&mut n);
     // 9999 entries, 340 KB: 64 KiB, then 128 KiB chunks. A chunk closes with the entry
     // that reaches its limit.
@@ -684,7 +740,13 @@ fn catchup_chunks_ramp_up_to_the_configured_size() {
             got[i]
         );
     }
-    n.on_peer(2, 0, req(2));
+    n.handle(
+        2,
+        NodeInput::Peer {
+            from: 0,
+            msg: req(2),
+        },
+    );
     let again = sizes(&mut n);
     assert_eq!(again[0], got[0], "a new stream starts small again");
     assert_eq!(
@@ -704,10 +766,12 @@ fn catchup_window_of_one_waits_for_durability() {
     let (mut n, outs) = recovering_node(1);
     let st = catchup_reqs(&outs)[0].1;
     assert_eq!(catchup_reqs(&outs)[0].3, 1);
-    n.on_peer(
+    n.handle(
         10,
-        1,
-        resp(st, None, Some("a"), vec![entry("a", 1), entry("b", 1)]),
+        NodeInput::Peer {
+            from: 1,
+            msg: resp(st, None, Some("a"), vec![entry("a", 1), entry("b", 1)]),
+        },
     );
     let outs = n.take_outputs();
     let seqs = persists(&outs);
@@ -718,12 +782,12 @@ fn catchup_window_of_one_waits_for_durability() {
     });
     assert_eq!(recs, Some(4), "a Put and a Mark per committed entry");
     assert!(credits(&outs).is_empty());
-    n.on_persisted(11, seqs[0] + 100);
+    n.handle(11, NodeInput::Persisted(vec![seqs[0] + 100]));
     assert!(
         credits(&n.take_outputs()).is_empty(),
         "another append's completion is not enough"
     );
-    n.on_persisted(12, seqs[0]);
+    n.handle(12, NodeInput::Persisted(vec![seqs[0]]));
     assert_eq!(credits(&n.take_outputs()), vec![(st, 1)]);
 }
 
@@ -735,10 +799,12 @@ fn catchup_window_of_one_waits_for_durability() {
 fn pending_chunk_defers_ack_p_until_durable() {
     let (mut n, outs) = recovering_node(4);
     let st = catchup_reqs(&outs)[0].1;
-    n.on_peer(
+    n.handle(
         10,
-        1,
-        resp(st, None, Some("b"), vec![entry("a", 5), entry("b", 5)]),
+        NodeInput::Peer {
+            from: 1,
+            msg: resp(st, None, Some("b"), vec![entry("a", 5), entry("b", 5)]),
+        },
     );
     let chunk_seq = persists(&n.take_outputs())[0];
     let ack_ps = |outs: &[Output]| -> Vec<(Vec<u8>, Ts)> {
@@ -760,14 +826,16 @@ fn pending_chunk_defers_ack_p_until_durable() {
         version: 5,
         node: 2,
     };
-    n.on_peer(
+    n.handle(
         11,
-        2,
-        PeerMsg::Inv {
-            epoch: 2,
-            key: b"a".to_vec(),
-            ts: v5,
-            value: b"v".to_vec(),
+        NodeInput::Peer {
+            from: 2,
+            msg: PeerMsg::Inv {
+                epoch: 2,
+                key: b"a".to_vec(),
+                ts: v5,
+                value: b"v".to_vec(),
+            },
         },
     );
     let outs = n.take_outputs();
@@ -780,21 +848,23 @@ fn pending_chunk_defers_ack_p_until_durable() {
         version: 6,
         node: 2,
     };
-    n.on_peer(
+    n.handle(
         12,
-        2,
-        PeerMsg::Inv {
-            epoch: 2,
-            key: b"b".to_vec(),
-            ts: v6,
-            value: b"w".to_vec(),
+        NodeInput::Peer {
+            from: 2,
+            msg: PeerMsg::Inv {
+                epoch: 2,
+                key: b"b".to_vec(),
+                ts: v6,
+                value: b"w".to_vec(),
+            },
         },
     );
     let b_seq = persists(&n.take_outputs())[0];
-    n.on_persisted(13, b_seq);
+    n.handle(13, NodeInput::Persisted(vec![b_seq]));
     assert_eq!(ack_ps(&n.take_outputs()), vec![(b"b".to_vec(), v6)]);
     // The chunk completes: a's owed ACK_P goes.
-    n.on_persisted(14, chunk_seq);
+    n.handle(14, NodeInput::Persisted(vec![chunk_seq]));
     assert_eq!(ack_ps(&n.take_outputs()), vec![(b"a".to_vec(), v5)]);
     assert!(n.durable_watch.is_empty());
 }
@@ -840,10 +910,10 @@ fn credit_flow_with_a_slow_receiver() {
     for step in 0..100_000 {
         now += 1;
         if let Some(m) = to_buddy.pop_front() {
-            buddy.on_peer(now, 0, m);
+            buddy.handle(now, NodeInput::Peer { from: 0, msg: m });
         }
         if buddy.wants_pump() {
-            buddy.pump(now);
+            buddy.handle(now, NodeInput::Pump);
         }
         for o in buddy.take_outputs() {
             if let Output::Send { to: 0, msg } = o {
@@ -851,12 +921,12 @@ fn credit_flow_with_a_slow_receiver() {
             }
         }
         if let Some(m) = to_rec.pop_front() {
-            rec.on_peer(now, 1, m);
+            rec.handle(now, NodeInput::Peer { from: 1, msg: m });
         }
         // The log: one append completes every 7th step.
         if step % 7 == 0 {
             if let Some(seq) = log.pop_front() {
-                rec.on_persisted(now, seq);
+                rec.handle(now, NodeInput::Persisted(vec![seq]));
             }
         }
         route(rec.take_outputs(), &mut to_buddy, &mut log, &mut ended);
@@ -898,21 +968,23 @@ fn buddy_dying_mid_stream_is_replaced() {
     let window = 4;
     let (mut rec, outs) = recovering_node(window);
     let (_, st, _, _) = catchup_reqs(&outs)[0].clone();
-    rec.on_peer(
+    rec.handle(
         10,
-        1,
-        resp(st, None, Some("k0000"), vec![entry("k0000", 1)]),
+        NodeInput::Peer {
+            from: 1,
+            msg: resp(st, None, Some("k0000"), vec![entry("k0000", 1)]),
+        },
     );
     let outs = rec.take_outputs();
     let s0 = persists(&outs);
-    rec.on_persisted(11, s0[0]);
+    rec.handle(11, NodeInput::Persisted(vec![s0[0]]));
     rec.take_outputs();
     // Buddy 1 falls silent. Before the retry timeout nothing happens; after it, a new
     // stream from where we are.
     let retry = rec.p.recovery_retry_us;
-    rec.tick(12 + retry / 2);
+    rec.handle(12 + retry / 2, NodeInput::Tick);
     assert!(catchup_reqs(&rec.take_outputs()).is_empty());
-    rec.tick(12 + retry);
+    rec.handle(12 + retry, NodeInput::Tick);
     let reqs = catchup_reqs(&rec.take_outputs());
     assert_eq!(reqs.len(), 1);
     let (to, st2, cursor, chunks) = reqs[0].clone();
@@ -922,16 +994,18 @@ fn buddy_dying_mid_stream_is_replaced() {
         (1, key_cursor(Some("k0000")), window as u32)
     );
     // A late chunk of the dead stream is ignored.
-    rec.on_peer(
+    rec.handle(
         13 + retry,
-        1,
-        resp(st, Some("k0000"), Some("k0001"), vec![entry("k0001", 1)]),
+        NodeInput::Peer {
+            from: 1,
+            msg: resp(st, Some("k0000"), Some("k0001"), vec![entry("k0001", 1)]),
+        },
     );
     assert!(rec.take_outputs().is_empty());
     // The CM removes node 1: recovery restarts (§VI) with Buddy 2, which streams its store.
-    rec.on_heartbeat(
+    rec.handle(
         20 + retry,
-        Heartbeat {
+        NodeInput::Heartbeat(Heartbeat {
             seq: 1,
             config: Config {
                 epoch: 3,
@@ -940,25 +1014,33 @@ fn buddy_dying_mid_stream_is_replaced() {
                 recovering: [0].into(),
             },
             lease_ref: rec.last_lease_ref(),
-        },
+        }),
     );
     rec.take_outputs();
-    rec.on_peer(21 + retry, 2, PeerMsg::RecovStartAck { epoch: 3 });
+    rec.handle(
+        21 + retry,
+        NodeInput::Peer {
+            from: 2,
+            msg: PeerMsg::RecovStartAck { epoch: 3 },
+        },
+    );
     let reqs = catchup_reqs(&rec.take_outputs());
     assert_eq!(reqs.len(), 1);
     let (to, st3, _, _) = reqs[0].clone();
     assert_eq!(to, 2, "the next active node is the Buddy");
     let chunk = Chunk::from_entries(&[entry("k0000", 1), entry("k0001", 2)]);
-    rec.on_peer(
+    rec.handle(
         22 + retry,
-        2,
-        PeerMsg::CatchUpResp {
-            epoch: 3,
-            stream: st3,
-            from: key_cursor(None),
-            next: None,
-            full_copy: true,
-            entries: chunk,
+        NodeInput::Peer {
+            from: 2,
+            msg: PeerMsg::CatchUpResp {
+                epoch: 3,
+                stream: st3,
+                from: key_cursor(None),
+                next: None,
+                full_copy: true,
+                entries: chunk,
+            },
         },
     );
     let mut outs = rec.take_outputs();
@@ -971,7 +1053,7 @@ fn buddy_dying_mid_stream_is_replaced() {
             })
             .collect::<Vec<_>>()
         {
-            rec.on_persisted(23 + retry, s);
+            rec.handle(23 + retry, NodeInput::Persisted(vec![s]));
         }
         let more = rec.take_outputs();
         if sent_recov_end(&more) {
