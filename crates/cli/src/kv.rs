@@ -172,6 +172,10 @@ pub struct NodeArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<SocketAddr>,
+    /// Append structured events (one versioned JSON object per line; today one per completed
+    /// recovery, with its breakdown) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub events: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -322,6 +326,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
         secret,
         extra_persist_latency: Duration::from_micros(a.persist_latency_us),
         metrics: a.metrics,
+        events: a.events,
     };
     tokio::select! {
         r = ::kv::leaderless::driver::run_node(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
@@ -425,6 +430,7 @@ impl LocalKv {
                 if let Some(m) = metrics[i as usize] {
                     v.extend(["--metrics".into(), m.to_string()]);
                 }
+                v.extend(["--events".into(), events_path(&dir, i as usize).to_string_lossy().into_owned()]);
                 v
             })
             .collect();
@@ -1034,11 +1040,6 @@ impl RunResult {
     }
 }
 
-/// The number just before `tag` in `line`.
-fn before(line: &str, tag: &str) -> f64 {
-    line.split(tag).next().and_then(|h| h.rsplit(|c: char| !(c.is_ascii_digit() || c == '.')).next()).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN)
-}
-
 /// Resolution of the throughput windows the lost work is summed over.
 const LOSS_WINDOW_MS: u64 = 10;
 
@@ -1275,19 +1276,21 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
             None => f64::NAN,
         };
         let restart_at = t0.elapsed();
+        let events = events_path(&dir, victim);
+        let events_from = std::fs::metadata(&events).map(|m| m.len()).unwrap_or(0);
         lk.restart_node(victim)?;
         let log = dir.join(format!("logs/node-{victim}.log"));
         let deadline = Instant::now() + Duration::from_secs(3600);
-        let line = loop {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if let Some(l) = crate::kv_ycsb::complete_lines(&text).lines().rfind(|l| l.starts_with("recovered: node")) {
-                break l.to_string();
+        // The node reports its recovery as a structured event (not a log line to scrape).
+        let rec = loop {
+            if let Some(r) = last_recovery(&events, events_from)? {
+                break r;
             }
             anyhow::ensure!(Instant::now() < deadline, "node {victim} did not recover within an hour; see {}", log.display());
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         let seen_at = t0.elapsed();
-        eprintln!("  node {victim}: {line}");
+        eprintln!("  node {victim}: recovered in {:.3} ms: {:?}", rec.total_us as f64 / 1000.0, rec.stats);
         // The Buddy's side of the catch-up (its chunk building, encoding and socket writes).
         let buddy_log = std::fs::read_to_string(dir.join(format!("logs/node-{buddy}.log"))).unwrap_or_default();
         if let Some(l) = crate::kv_ycsb::complete_lines(&buddy_log).lines().rfind(|l| l.starts_with("catch-up served:")) {
@@ -1296,10 +1299,8 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         let load_avg = load_average_1m();
         // The recovery's span on the load's clock: its end as the node stamped it (the log is
         // polled every 20 ms), its start that much earlier.
-        let ended_unix_us = line.split("ended_unix_us ").nth(1).and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok());
-        let recovered_at = ended_unix_us.map(|u| Duration::from_micros(u).saturating_sub(t0_unix)).filter(|d| *d <= seen_at).unwrap_or(seen_at);
-        let total_ms = line.split(" in ").nth(1).and_then(|r| r.split(' ').next()?.parse::<f64>().ok()).unwrap_or(0.0);
-        let recovery_start = recovered_at.saturating_sub(Duration::from_secs_f64(total_ms / 1000.0));
+        let recovered_at = Some(Duration::from_micros(rec.ended_unix_us).saturating_sub(t0_unix)).filter(|d| *d <= seen_at).unwrap_or(seen_at);
+        let recovery_start = recovered_at.saturating_sub(Duration::from_micros(rec.total_us));
         // One second for the group to settle (the CM activates the node, its clients return),
         // then the failure-free window after the failure.
         let settled_at = recovered_at + Duration::from_secs(1);
@@ -1341,7 +1342,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         let recovery_lost_s = lost_s(recovery_start, recovered_at + Duration::from_millis(LOSS_WINDOW_MS), efn_tail_ops_per_s);
         let kill_window = win(kill_at);
         Ok::<_, anyhow::Error>(Measured {
-            line,
+            rec,
             before_ops_per_s,
             after_ops_per_s,
             efn_tail_ops_per_s,
@@ -1364,21 +1365,18 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
             return Err(e.context(format!("logs kept in {}/logs", kept.display())));
         }
     };
-    let line = m.line.clone();
-    let num = |tag: &str| -> f64 {
-        line.split(tag).nth(1).and_then(|r| r.trim_start().split(|c: char| !(c.is_ascii_digit() || c == '.')).next()).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN)
-    };
+    let (r, ms) = (&m.rec.stats, |us: u64| us as f64 / 1000.0);
     Ok(RunResult {
-        recovery_ms: num(" in "),
-        start_to_ack_ms: num("start_to_ack ") / 1000.0,
-        catchup_to_resp_ms: num("catchup_to_resp ") / 1000.0,
-        apply_to_end_ms: num("apply_to_end ") / 1000.0,
-        transfer_ms: num("transfer ") / 1000.0,
-        entries: before(&line, " entries").max(0.0) as u64,
-        bytes: before(&line, " bytes,").max(0.0) as u64,
-        chunks: before(&line, " chunks,").max(0.0) as u64,
-        full_copy: line.contains("full_copy true"),
-        log_durable_bytes: num("log_durable_bytes "),
+        recovery_ms: ms(m.rec.total_us),
+        start_to_ack_ms: ms(r.start_to_ack_us),
+        catchup_to_resp_ms: ms(r.catchup_to_resp_us),
+        apply_to_end_ms: ms(r.apply_to_end_us),
+        transfer_ms: ms(r.transfer_us),
+        entries: r.entries_received,
+        bytes: r.bytes_received,
+        chunks: r.chunks,
+        full_copy: r.full_copy,
+        log_durable_bytes: m.rec.log_durable_bytes as f64,
         before_ops_per_s: m.before_ops_per_s,
         after_ops_per_s: m.after_ops_per_s,
         efn_tail_ops_per_s: m.efn_tail_ops_per_s,
@@ -1394,9 +1392,34 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
     })
 }
 
+/// Node `i`'s events file in group directory `dir` (see `kv node --events`).
+pub(crate) fn events_path(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("logs/node-{i}.events"))
+}
+
+/// A recovery as its node reported it (the `recovered` event).
+#[derive(Clone, Debug)]
+pub(crate) struct Recovered {
+    pub total_us: u64,
+    pub ended_unix_us: u64,
+    pub stats: ::kv::leaderless::core::node::RecoveryStats,
+    /// The node's log bytes made durable since its process started.
+    pub log_durable_bytes: u64,
+}
+
+/// The last recovery in the events file `path` after byte `from`, if one was reported.
+pub(crate) fn last_recovery(path: &Path, from: u64) -> anyhow::Result<Option<Recovered>> {
+    use ::kv::leaderless::driver::events::{read_events, Event};
+    Ok(read_events(path, from)?.into_iter().rev().find_map(|l| match l.event {
+        Event::Recovered { total_us, ended_unix_us, stats, since_start, .. } => {
+            Some(Recovered { total_us, ended_unix_us, stats, log_durable_bytes: since_start.log_durable_bytes })
+        }
+    }))
+}
+
 /// What one run's load measured (see [`RunResult`]).
 struct Measured {
-    line: String,
+    rec: Recovered,
     before_ops_per_s: f64,
     after_ops_per_s: f64,
     efn_tail_ops_per_s: f64,

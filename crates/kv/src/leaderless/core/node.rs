@@ -144,7 +144,8 @@ impl NodeParams {
 }
 
 /// Timing of one HEAL recovery (the breakdown of Fig. 8), in microseconds of the driver's clock.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct RecoveryStats {
     pub start_to_ack_us: u64,
     pub catchup_to_resp_us: u64,

@@ -23,6 +23,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
+use super::events::{Event, EventLog, SinceStart};
 use crate::leaderless::core::cm::{CmCore, CmInput, CmOutput, CmParams};
 use crate::leaderless::core::node::{NodeCore, NodeInput, NodeParams, Output, RecoveryStats};
 use crate::leaderless::proto::*;
@@ -105,6 +106,8 @@ pub struct NodeConfig {
     pub secret: Vec<u8>,
     pub extra_persist_latency: Duration,
     pub metrics: Option<SocketAddr>,
+    /// Where to append structured events (one JSON line each; see [`super::events`]).
+    pub events: Option<PathBuf>,
 }
 
 enum Input {
@@ -414,6 +417,7 @@ fn spawn_log_thread(
 /// Runs a node until the process is stopped.
 pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
     std::fs::create_dir_all(&cfg.data_dir)?;
+    let mut events = EventLog::open(cfg.events.as_deref())?;
     let path = cfg.data_dir.join("pm.log");
     let (flog, st) = if cfg.params.drops_state_on_return()
         && cfg.params.returns_as_new_node(FileLog::was_booted(&path)?)
@@ -707,6 +711,23 @@ pub async fn run_node(cfg: NodeConfig) -> Result<(), KvError> {
                             ld(&stats.log_durable_writes), ld(&stats.log_durable_bytes), ld(&stats.log_durable_us), ld(&stats.log_encode_us),
                             ld(&stats.catchup_decode_us), ld(&stats.catchup_queue_us), ld(&stats.catchup_apply_us), ld(&stats.catchup_persisted_us), ld(&stats.recovering_idle_us)
                         );
+                        events.append(Event::Recovered {
+                            node: me,
+                            total_us: s.total_us(),
+                            ended_unix_us: ended_unix_us as u64,
+                            stats: s.clone(),
+                            since_start: SinceStart {
+                                log_durable_writes: ld(&stats.log_durable_writes),
+                                log_durable_bytes: ld(&stats.log_durable_bytes),
+                                log_durable_us: ld(&stats.log_durable_us),
+                                log_encode_us: ld(&stats.log_encode_us),
+                                catchup_decode_us: ld(&stats.catchup_decode_us),
+                                catchup_queue_us: ld(&stats.catchup_queue_us),
+                                catchup_apply_us: ld(&stats.catchup_apply_us),
+                                catchup_persisted_us: ld(&stats.catchup_persisted_us),
+                                recovering_idle_us: ld(&stats.recovering_idle_us),
+                            },
+                        });
                         stats.recoveries.fetch_add(1, Ordering::Relaxed);
                         *stats.last_recovery.lock().unwrap() = Some(s);
                     }
