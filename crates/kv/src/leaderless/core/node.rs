@@ -885,6 +885,14 @@ impl NodeCore {
         if matches!(self.mode, Mode::Down) {
             return;
         }
+        self.adopt_buffers();
+        self.restart_in_flight(now_us);
+    }
+
+    /// After adopting a configuration: the reactive baseline's epoch record, and the
+    /// Missed_updates buffer started, kept or dropped.
+    fn adopt_buffers(&mut self) {
+        let active = self.config.active.contains(&self.p.id);
         if self.p.recovery == RecoveryScheme::ReactiveLog
             && matches!(self.mode, Mode::Member)
             && active
@@ -926,6 +934,13 @@ impl NodeCore {
             self.missed.keys.clear();
             self.missed.bytes = 0;
         }
+    }
+
+    /// After adopting a configuration: in-flight writes and PERSISTs restart with the new
+    /// membership, and recovering nodes get our Recov_start answer at once.
+    fn restart_in_flight(&mut self, now_us: u64) {
+        let me = self.p.id;
+        let active = self.config.active.contains(&me);
         // In-flight writes and PERSISTs restart with the new membership (same timestamps).
         let keys: Vec<Vec<u8>> = self.unsettled.iter().cloned().collect();
         let epoch = self.config.epoch;
@@ -1000,10 +1015,11 @@ impl NodeCore {
         self.out.push(Output::Reload);
     }
 
-    // ---------------------------------------------------------------- clients
+    // ---------------------------------------------------------------- peer messages
 
-    // ---------------------------------------------------------------- write protocol
-
+    /// A message from another node, dispatched by kind. One arm per message of the protocol,
+    /// so the whole of what a node does on receipt reads in one place (long on purpose, like
+    /// raft.go's `Step`); the work of each arm lives in the files by concern.
     fn on_peer_input(&mut self, now_us: u64, from: NodeId, msg: PeerMsg) {
         if msg.epoch() != self.config.epoch {
             self.counters.refused_epoch += 1;
@@ -1233,8 +1249,6 @@ impl NodeCore {
         }
         self.recovery_tick(now_us);
     }
-
-    // ---------------------------------------------------------------- HEAL recovery
 }
 
 #[cfg(test)]

@@ -110,6 +110,9 @@ impl Syncer {
     }
 }
 
+/// Starts the log thread over `flog`; returns its job queue. The thread's loop (about 140
+/// lines) is one batch's life: gather queued jobs up to [`MAX_LOG_BATCH_BYTES`], encode, write
+/// (or hand to the [`Syncer`]), report; kept in one place because every step shares the batch.
 pub(super) fn spawn_log_thread(
     mut flog: FileLog,
     inputs: mpsc::UnboundedSender<Input>,

@@ -6,6 +6,10 @@
 use super::*;
 
 impl NodeCore {
+    /// The reactive baseline's Buddy read its log for `to`: the read becomes the next
+    /// CatchUp_resp (or, when the log does not reach back far enough, a snapshot stream). One
+    /// pass kept whole (about 120 lines): the steps share the chunk being built, the stream's
+    /// cursor and the first chunk's Partially_persisted judgement.
     pub(super) fn on_log_read_input(
         &mut self,
         _now_us: u64,
@@ -124,5 +128,24 @@ impl NodeCore {
                 max_bytes,
             });
         }
+    }
+
+    /// The full-copy baseline's chunk (Hermes): the store in key order from `lower`, no lookup
+    /// per entry, each version given to `add` until it says the chunk is full. Returns the last
+    /// key taken when the chunk filled (the stream goes on after it), `None` at the store's end.
+    pub(super) fn full_copy_chunk(
+        &self,
+        lower: std::ops::Bound<&[u8]>,
+        add: &mut impl FnMut(&[u8], Ts, &[u8], bool) -> bool,
+    ) -> Option<Vec<u8>> {
+        for (key, k) in self
+            .store
+            .range::<[u8], _>((lower, std::ops::Bound::Unbounded))
+        {
+            if add(key, k.ts, &k.value, k.valid) {
+                return Some(key.to_vec());
+            }
+        }
+        None
     }
 }

@@ -189,15 +189,7 @@ impl NodeCore {
             chunk.len_bytes() >= max_bytes
         };
         let last = if full {
-            // The store in key order: no lookup per entry.
-            let mut last = None;
-            for (key, k) in self.store.range::<[u8], _>((lower, Bound::Unbounded)) {
-                if add(key, k.ts, &k.value, k.valid) {
-                    last = Some(key.to_vec());
-                    break;
-                }
-            }
-            last
+            self.full_copy_chunk(lower, &mut add)
         } else {
             let mut extra: Vec<&[u8]> = partially
                 .iter()

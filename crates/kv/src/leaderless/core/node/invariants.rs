@@ -19,7 +19,8 @@ impl NodeCore {
     /// Panics, naming the invariant and the state, if the node's state breaks a rule the module
     /// and field docs state. Cheap: O(keys with queued client ops + unsettled keys + in-flight
     /// appends), never a walk over the store. Run after every input in debug builds and after
-    /// every step of the simulation.
+    /// every step of the simulation. Long on purpose: a flat list of independent checks, each
+    /// naming its rule (splitting it would only scatter the list).
     pub fn check_invariants(&self) {
         let me = self.p.id;
         let broken = |what: &str, state: String| -> ! {

@@ -218,6 +218,10 @@ impl NodeCore {
         }
     }
 
+    /// A catch-up chunk from the Buddy (HEAL §V-C, Fig. 4 steps 2-3): checked against the
+    /// stream, applied without resurrecting older versions, logged as one append, and the
+    /// window moved on. Kept whole (about 125 lines): its numbered steps share the chunk's
+    /// batch and the stream's state.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn on_catchup_resp(
         &mut self,
