@@ -6,10 +6,11 @@
 //! Nodes dial each other (one outbound connection per peer, reconnecting); the CM dials every
 //! node; clients dial any node and may keep many requests in flight on one connection.
 //!
-//! Persistence runs on a dedicated thread owning the [`FileLog`]: appends are taken in order and
-//! batched (group commit), each batch one `O_DSYNC` write, or, when it is large or a sync is in
-//! flight, written and synced by a second thread while the next batch is written (see
-//! `Syncer`); each durable append is reported in order.
+//! Persistence runs on a dedicated thread owning the [`FileLog`](crate::pmlog::FileLog)
+//! ([`log_thread`]): appends are taken in order and batched (group commit), each batch one
+//! `O_DSYNC` write, or, when it is large or a sync is in flight, written and synced by a second
+//! thread while the next batch is written; each durable append is reported in order. A node
+//! reports its recoveries as structured [`events`].
 
 pub mod client;
 pub mod cm;
