@@ -15,9 +15,9 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
 
-use ::kv::cm::CmParams;
-use ::kv::node::NodeParams;
-use ::kv::runtime::{CmConfig, KvCluster, NodeConfig};
+use ::kv::leaderless::core::cm::CmParams;
+use ::kv::leaderless::core::node::NodeParams;
+use ::kv::leaderless::driver::{CmConfig, KvCluster, NodeConfig};
 use ::kv::Model;
 
 use testbed::cluster_file;
@@ -68,11 +68,11 @@ pub enum Protocol {
 
 
 /// The node's recovery scheme for a `--recovery` choice.
-fn scheme(r: Recovery) -> ::kv::node::RecoveryScheme {
+fn scheme(r: Recovery) -> ::kv::leaderless::core::node::RecoveryScheme {
     match r {
-        Recovery::Heal => ::kv::node::RecoveryScheme::Heal,
-        Recovery::FullCopy => ::kv::node::RecoveryScheme::FullCopy,
-        Recovery::ReactiveLog => ::kv::node::RecoveryScheme::ReactiveLog,
+        Recovery::Heal => ::kv::leaderless::core::node::RecoveryScheme::Heal,
+        Recovery::FullCopy => ::kv::leaderless::core::node::RecoveryScheme::FullCopy,
+        Recovery::ReactiveLog => ::kv::leaderless::core::node::RecoveryScheme::ReactiveLog,
     }
 }
 
@@ -146,6 +146,10 @@ pub struct NodeArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<SocketAddr>,
+    /// Append structured events (one versioned JSON object per line; today one per completed
+    /// recovery, with its breakdown) to this file.
+    #[arg(long, value_name = "FILE")]
+    pub events: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -247,9 +251,10 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
         secret,
         extra_persist_latency: Duration::from_micros(a.persist_latency_us),
         metrics: a.metrics,
+        events: a.events,
     };
     tokio::select! {
-        r = ::kv::runtime::run_node(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
+        r = ::kv::leaderless::driver::run_node(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
         s = proc::shutdown_signal() => { tracing::info!("{s}: stopping"); Ok(()) }
     }
 }
@@ -273,7 +278,7 @@ async fn cm(a: CmArgs) -> anyhow::Result<()> {
         metrics: a.metrics,
     };
     tokio::select! {
-        r = ::kv::runtime::run_cm(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
+        r = ::kv::leaderless::driver::run_cm(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
         s = proc::shutdown_signal() => { tracing::info!("{s}: stopping"); Ok(()) }
     }
 }

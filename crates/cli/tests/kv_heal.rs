@@ -8,8 +8,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kv::msg::{ClientOp, ClientResult};
-use kv::runtime::{KvClient, KvCluster, KvClusterFile};
+use kv::leaderless::proto::{ClientOp, ClientResult};
+use kv::leaderless::driver::events::Event;
+use kv::leaderless::driver::{KvClient, KvCluster, KvClusterFile};
 
 struct Up {
     child: Child,
@@ -122,15 +123,18 @@ async fn kill9_recover(nodes: u32, victim: u32) {
     assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
     // The restarted node recovers through HEAL while the load goes on.
     let log = up.dir.join(format!("logs/node-{victim}.log"));
+    // The node reports its recovery as a structured event on the file `kv up` names for it.
+    let events = up.dir.join(format!("logs/node-{victim}.events"));
     let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        if text.contains("recovered: node") {
-            break;
+    let recovered = loop {
+        let got = kv::leaderless::driver::events::read_events(&events, 0).expect("the events file reads");
+        if let Some(e) = got.into_iter().find(|e| matches!(e.event, Event::Recovered { node, .. } if node == victim)) {
+            break e;
         }
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
         assert!(Instant::now() < deadline, "node {victim} did not recover; its log:\n{text}");
         tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    };
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut total = 0;
@@ -173,9 +177,7 @@ async fn kill9_recover(nodes: u32, victim: u32) {
         };
         assert!(ok(&via_victim), "{key} on recovered node {victim}: read {via_victim:?}, last acknowledged {last:?}");
     }
-    let log_text = std::fs::read_to_string(&log).unwrap();
-    let line = log_text.lines().find(|l| l.contains("recovered: node")).unwrap();
-    eprintln!("{nodes} nodes, {total} writes acknowledged, {} keys checked; {line}", acked.len());
+    eprintln!("{nodes} nodes, {total} writes acknowledged, {} keys checked; {recovered:?}", acked.len());
     drop(up);
 }
 

@@ -68,6 +68,8 @@ fn quick_ycsb_with_a_kill_prints_bench_md_json() {
         "heal.b.c4.run.update.latency_us_p999",
         "kill.restart_to_serving_ms",
         "kill.at_s",
+        // From the restarted node's `recovered` event (written before it can serve again).
+        "kill.heal.recovery_latency_ms",
     ] {
         let v = figures
             .get(name)

@@ -12,17 +12,18 @@
 //! reads its durable log from the recovering node's last configuration, redundant updates
 //! included). The log is bounded by compaction.
 //!
-//! Main types: [`node::NodeCore`] (the sans-I/O replica: inputs in, [`node::Output`]s out),
-//! [`cm::CmCore`] (the sans-I/O configuration manager), [`log`] (the emulated persistent-memory
-//! log with a per-entry GDP/commit flag, and its file implementation), [`checker`] (a
-//! Porcupine/Knossos-style linearizability checker for per-key registers), and [`runtime`]
-//! (tokio drivers: node server, CM server, async client).
+//! Layout: [`pmlog`] (the emulated persistent-memory log with a per-entry GDP/commit flag, its
+//! file implementation and the record format both KVs share), [`leaderless`] (HEAL:
+//! [`leaderless::proto`] the messages, [`leaderless::core`] the sans-I/O cores —
+//! [`leaderless::core::node::NodeCore`] the replica, [`leaderless::core::cm::CmCore`] the
+//! configuration manager, each `handle(now_us, input)` / `take_outputs()` /
+//! `check_invariants()` — and [`leaderless::driver`] the tokio drivers: node server, CM server,
+//! async clients, structured events), and [`checker`] (a Porcupine/Knossos-style
+//! linearizability checker for per-key registers). The witness KV (CANDStore) will sit beside
+//! `leaderless` as `witness`, on the same `pmlog`.
 
 pub mod checker;
-pub mod cm;
-pub mod log;
-pub mod msg;
-pub mod node;
-pub mod runtime;
+pub mod leaderless;
+pub mod pmlog;
 
-pub use msg::{Model, NodeId, Ts};
+pub use leaderless::proto::{Model, NodeId, Ts};

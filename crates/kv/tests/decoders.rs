@@ -2,18 +2,18 @@
 //! panic, and a node core fed malformed client requests answers with an error and changes
 //! nothing.
 
-use kv::log::{self, LogRecord};
-use kv::msg::*;
-use kv::node::{NodeCore, NodeParams, Output};
-use kv::runtime::NetMsg;
+use kv::leaderless::core::node::{NodeCore, NodeInput, NodeParams, Output};
+use kv::leaderless::driver::NetMsg;
+use kv::leaderless::proto::*;
+use kv::pmlog::{self, LogRecord};
 use proptest::prelude::*;
 
 proptest! {
     #[test]
     fn log_reader_survives_garbage(bytes in proptest::collection::vec(any::<u8>(), 0..4096)) {
-        let (recs, valid) = log::decode_all(&bytes);
+        let (recs, valid) = pmlog::decode_all(&bytes);
         prop_assert!(valid <= bytes.len());
-        let _ = log::rebuild(&recs);
+        let _ = pmlog::rebuild(&recs);
     }
 
     #[test]
@@ -23,14 +23,14 @@ proptest! {
             LogRecord::Put { key: b"a".to_vec(), ts: Ts { version: 1, node: 1 }, value: vec![7; 50] },
             LogRecord::Mark { key: b"a".to_vec(), ts: Ts { version: 1, node: 1 } },
         ];
-        let mut bytes: Vec<u8> = recs.iter().flat_map(log::encode).collect();
+        let mut bytes: Vec<u8> = recs.iter().flat_map(pmlog::encode).collect();
         let n = bytes.len();
         bytes.truncate(n - cut.min(n));
         if !bytes.is_empty() {
             let i = flip % bytes.len();
             bytes[i] ^= 0x5a;
         }
-        let (got, _) = log::decode_all(&bytes);
+        let (got, _) = pmlog::decode_all(&bytes);
         // Whatever survives is a prefix of what was written.
         prop_assert!(got.len() <= recs.len());
         prop_assert_eq!(&recs[..got.len()], &got[..]);
@@ -69,7 +69,7 @@ proptest! {
             }
         };
         let plain = wire::decode_payload::<NetMsg>(&bytes);
-        let taken = kv::runtime::decode_net_payload(&mut bytes.clone());
+        let taken = kv::leaderless::driver::decode_net_payload(&mut bytes.clone());
         prop_assert_eq!(format!("{plain:?}"), format!("{taken:?}"));
     }
 }
@@ -109,7 +109,7 @@ fn a_chunk_is_decoded_in_its_frame() {
         let mut frame = postcard::to_stdvec(&sent).unwrap();
         // The entries are the frame's last bytes: in place, they end where the frame does.
         let frame_end = frame.as_ptr().wrapping_add(frame.len());
-        let got = kv::runtime::decode_net_payload(&mut frame).unwrap();
+        let got = kv::leaderless::driver::decode_net_payload(&mut frame).unwrap();
         assert!(frame.is_empty(), "the buffer went to the chunk");
         assert_eq!(format!("{got:?}"), format!("{sent:?}"));
         let NetMsg::Peer(PeerMsg::CatchUpResp {
@@ -127,7 +127,7 @@ fn a_chunk_is_decoded_in_its_frame() {
     }
     // Any other message leaves the buffer for the next frame.
     let mut frame = postcard::to_stdvec(&NetMsg::Peer(PeerMsg::RecovEnd { epoch: 4 })).unwrap();
-    let got = kv::runtime::decode_net_payload(&mut frame).unwrap();
+    let got = kv::leaderless::driver::decode_net_payload(&mut frame).unwrap();
     assert!(matches!(got, NetMsg::Peer(PeerMsg::RecovEnd { epoch: 4 })));
     assert!(!frame.is_empty());
 }
@@ -137,13 +137,13 @@ fn malformed_client_requests_are_refused_without_effect() {
     let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
     // Twice: the second heartbeat echoes the first's ack, which anchors the lease.
     for seq in 1..=2 {
-        n.on_heartbeat(
+        n.handle(
             0,
-            Heartbeat {
+            NodeInput::Heartbeat(Heartbeat {
                 seq,
                 config: Config::genesis(1),
                 lease_ref: n.last_lease_ref(),
-            },
+            }),
         );
     }
     let _ = n.take_outputs();
@@ -174,7 +174,7 @@ fn malformed_client_requests_are_refused_without_effect() {
         ),
         (4, ClientOp::Get { key: vec![] }),
     ] {
-        n.on_client(1, tag, op);
+        n.handle(1, NodeInput::Client { tag, op });
         let outs = n.take_outputs();
         assert!(
             matches!(
@@ -195,27 +195,29 @@ fn messages_of_another_epoch_are_refused() {
     let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
     // Twice: the second heartbeat echoes the first's ack, which anchors the lease.
     for seq in 1..=2 {
-        n.on_heartbeat(
+        n.handle(
             0,
-            Heartbeat {
+            NodeInput::Heartbeat(Heartbeat {
                 seq,
                 config: Config::genesis(2),
                 lease_ref: n.last_lease_ref(),
-            },
+            }),
         );
     }
     let _ = n.take_outputs();
-    n.on_peer(
+    n.handle(
         1,
-        1,
-        PeerMsg::Inv {
-            epoch: 7,
-            key: b"k".to_vec(),
-            ts: Ts {
-                version: 1,
-                node: 1,
+        NodeInput::Peer {
+            from: 1,
+            msg: PeerMsg::Inv {
+                epoch: 7,
+                key: b"k".to_vec(),
+                ts: Ts {
+                    version: 1,
+                    node: 1,
+                },
+                value: b"v".to_vec(),
             },
-            value: b"v".to_vec(),
         },
     );
     assert!(n.take_outputs().is_empty());

@@ -46,9 +46,9 @@ use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::time::Instant;
 
-use kv::log::{self, LogRecord};
-use kv::msg::*;
-use kv::node::{NodeCore, NodeParams, Output};
+use kv::leaderless::core::node::{NodeCore, NodeInput, NodeParams, Output};
+use kv::leaderless::proto::*;
+use kv::pmlog::{self, LogRecord};
 use stateright::{Checker, Model as SrModel, Property};
 
 const N: u32 = 3;
@@ -104,7 +104,7 @@ impl NodeSt {
     /// The committed version in NVM: the newest entry with its GDP flag set (what a restart
     /// takes as its base; a newer unflagged entry is Partially_persisted, judged by HEAL).
     fn nvm_committed_ts(&self, key: &[u8]) -> Ts {
-        log::rebuild(&self.nvm)
+        pmlog::rebuild(&self.nvm)
             .base
             .get(key)
             .map(|(t, _)| *t)
@@ -340,7 +340,7 @@ impl Check {
                     let mut outs = c.take_outputs();
                     if outs.is_empty() && c.wants_pump() {
                         // A Buddy's catch-up stream: the next chunk right away.
-                        c.pump(s.now);
+                        c.handle(s.now, NodeInput::Pump);
                         outs = c.take_outputs();
                     }
                     outs
@@ -389,7 +389,7 @@ impl Check {
                         let n = &mut s.nodes[id as usize];
                         let buf: Vec<_> = n.buffer.drain(..).map(|(_, r)| r).collect();
                         n.nvm.extend(buf);
-                        n.core = Some(NodeCore::new(self.params(id), log::rebuild(&n.nvm)));
+                        n.core = Some(NodeCore::new(self.params(id), pmlog::rebuild(&n.nvm)));
                         n.recovered = false;
                         s.outstanding.retain(|_, node| *node != id);
                         return;
@@ -405,7 +405,7 @@ impl Check {
             return false;
         };
         let mut c2 = c.clone();
-        c2.tick(s.now + JUMP_US);
+        c2.handle(s.now + JUMP_US, NodeInput::Tick);
         if !c2.take_outputs().is_empty() {
             return true;
         }
@@ -469,7 +469,7 @@ impl SrModel for Check {
         let mut s = St {
             nodes: (0..N)
                 .map(|id| NodeSt {
-                    core: Some(NodeCore::new(self.params(id), log::LogState::default())),
+                    core: Some(NodeCore::new(self.params(id), pmlog::LogState::default())),
                     nvm: Vec::new(),
                     buffer: VecDeque::new(),
                     recovered: false,
@@ -495,13 +495,13 @@ impl SrModel for Check {
             let c = s.nodes[id as usize].core.as_mut().unwrap();
             // Twice: the second heartbeat echoes the first's ack, which anchors the lease.
             for seq in 0..2 {
-                c.on_heartbeat(
+                c.handle(
                     0,
-                    Heartbeat {
+                    NodeInput::Heartbeat(Heartbeat {
                         seq,
                         config: cfg.clone(),
                         lease_ref: c.last_lease_ref(),
-                    },
+                    }),
                 );
             }
             self.drain(&mut s, id);
@@ -512,7 +512,7 @@ impl SrModel for Check {
                         .core
                         .as_mut()
                         .unwrap()
-                        .on_persisted(0, seq);
+                        .handle(0, NodeInput::Persisted(vec![seq]));
                     self.drain(&mut s, id);
                 }
             }
@@ -614,7 +614,7 @@ impl SrModel for Check {
                 s.nodes[id as usize]
                     .core
                     .as_mut()?
-                    .on_client(s.now, tag, op);
+                    .handle(s.now, NodeInput::Client { tag, op });
                 self.drain(&mut s, id);
             }
             Action::Persist(id) => {
@@ -622,17 +622,25 @@ impl SrModel for Check {
                 s.next_tag += 1;
                 s.persists += 1;
                 s.outstanding.insert(tag, id);
-                s.nodes[id as usize].core.as_mut()?.on_client(
+                s.nodes[id as usize].core.as_mut()?.handle(
                     s.now,
-                    tag,
-                    ClientOp::Persist { scope: 0 },
+                    NodeInput::Client {
+                        tag,
+                        op: ClientOp::Persist { scope: 0 },
+                    },
                 );
                 self.drain(&mut s, id);
             }
             Action::Deliver(f, t, m) => {
                 s.net.remove(&(f, t, m.clone()));
                 if let Some(c) = s.nodes[t as usize].core.as_mut() {
-                    c.on_peer(s.now, f, decode(&m));
+                    c.handle(
+                        s.now,
+                        NodeInput::Peer {
+                            from: f,
+                            msg: decode(&m),
+                        },
+                    );
                     self.drain(&mut s, t);
                 }
             }
@@ -645,13 +653,18 @@ impl SrModel for Check {
                 let (seq, rec) = n.buffer.pop_front()?;
                 n.nvm.push(rec);
                 if let Some(seq) = seq {
-                    n.core.as_mut()?.on_persisted(s.now, seq);
+                    n.core
+                        .as_mut()?
+                        .handle(s.now, NodeInput::Persisted(vec![seq]));
                     self.drain(&mut s, id);
                 }
             }
             Action::Timeout(id) => {
                 s.now += JUMP_US;
-                s.nodes[id as usize].core.as_mut()?.tick(s.now);
+                s.nodes[id as usize]
+                    .core
+                    .as_mut()?
+                    .handle(s.now, NodeInput::Tick);
                 self.drain(&mut s, id);
             }
             Action::Heartbeat(id) => {
@@ -659,13 +672,13 @@ impl SrModel for Check {
                 let c = s.nodes[id as usize].core.as_mut()?;
                 // The CM echoes the node's newest ack (leases are not modelled).
                 let lease_ref = c.last_lease_ref();
-                c.on_heartbeat(
+                c.handle(
                     s.now,
-                    Heartbeat {
+                    NodeInput::Heartbeat(Heartbeat {
                         seq: 0,
                         config,
                         lease_ref,
-                    },
+                    }),
                 );
                 self.drain(&mut s, id);
             }
@@ -679,18 +692,18 @@ impl SrModel for Check {
             }
             Action::Restart(id) => {
                 let n = &mut s.nodes[id as usize];
-                n.core = Some(NodeCore::new(self.params(id), log::rebuild(&n.nvm)));
+                n.core = Some(NodeCore::new(self.params(id), pmlog::rebuild(&n.nvm)));
                 let config = self.cm_config(&s);
                 let c = s.nodes[id as usize].core.as_mut()?;
                 // The CM echoes the node's newest ack (leases are not modelled).
                 let lease_ref = c.last_lease_ref();
-                c.on_heartbeat(
+                c.handle(
                     s.now,
-                    Heartbeat {
+                    NodeInput::Heartbeat(Heartbeat {
                         seq: 0,
                         config,
                         lease_ref,
-                    },
+                    }),
                 );
                 self.drain(&mut s, id);
             }

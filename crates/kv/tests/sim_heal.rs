@@ -13,10 +13,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kv::checker::{self, Op, OpKind};
-use kv::cm::{CmCore, CmOutput, CmParams};
-use kv::log::{self, LogRecord};
-use kv::msg::*;
-use kv::node::{NodeCore, NodeParams, Output, RecoveryScheme, RecoveryStats};
+use kv::leaderless::core::cm::{CmCore, CmInput, CmOutput, CmParams};
+use kv::leaderless::core::node::{
+    NodeCore, NodeInput, NodeParams, Output, RecoveryScheme, RecoveryStats,
+};
+use kv::leaderless::proto::*;
+use kv::pmlog::{self, LogRecord};
 use sim::{Delivery, EventQueue, NetConfig, Network, SimDisk, SimRng};
 
 /// A replica's volatile state: per key, its timestamp, validity and value.
@@ -74,8 +76,8 @@ enum Ev {
         node: NodeId,
         inc: u64,
         to: NodeId,
-        cursor: log::LogCursor,
-        chunk: log::LogChunk,
+        cursor: pmlog::LogCursor,
+        chunk: pmlog::LogChunk,
     },
 }
 
@@ -188,16 +190,16 @@ fn as_new_node_if_full_copy(
     sc: &Scenario,
     id: NodeId,
     disk: &mut sim::SimDisk,
-    st: log::LogState,
-) -> log::LogState {
+    st: pmlog::LogState,
+) -> pmlog::LogState {
     if !node_params(id, sc).returns_as_new_node(st.booted) {
         return st;
     }
-    let boot = log::encode(&log::LogRecord::Boot { node: id });
+    let boot = pmlog::encode(&pmlog::LogRecord::Boot { node: id });
     disk.truncate(LOG, 0).unwrap();
     disk.write(LOG, 0, &boot).unwrap();
     disk.sync(LOG).unwrap();
-    log::LogState::new_node(id)
+    pmlog::LogState::new_node(id)
 }
 
 fn cm_params() -> CmParams {
@@ -227,7 +229,7 @@ impl World {
             let mut disk = SimDisk::new();
             disk.create(LOG).unwrap();
             disk.sync_dir().unwrap();
-            let core = NodeCore::new(core_params(id, &sc, 0), log::LogState::default());
+            let core = NodeCore::new(core_params(id, &sc, 0), pmlog::LogState::default());
             nodes.push(SimNode {
                 core: Some(core),
                 disk,
@@ -320,7 +322,7 @@ impl World {
             let mut outs = core.take_outputs();
             if outs.is_empty() && core.wants_pump() {
                 // A Buddy's catch-up stream: the next chunk right away.
-                core.pump(self.now);
+                core.handle(self.now, NodeInput::Pump);
                 outs = core.take_outputs();
             }
             if outs.is_empty() {
@@ -340,7 +342,7 @@ impl World {
             Output::Persist { seq, rec } => {
                 let n = &mut self.nodes[id as usize];
                 let len = n.disk.len(LOG).unwrap();
-                n.disk.write(LOG, len, &log::encode(&rec)).unwrap();
+                n.disk.write(LOG, len, &pmlog::encode(&rec)).unwrap();
                 let inc = n.inc;
                 let lat = 20 + self.rng.range_u64(0, 3) * 30;
                 // Completions in order: a later append never finishes before an earlier one.
@@ -363,7 +365,7 @@ impl World {
             Output::Mark(rec) => {
                 let n = &mut self.nodes[id as usize];
                 let len = n.disk.len(LOG).unwrap();
-                n.disk.write(LOG, len, &log::encode(&rec)).unwrap();
+                n.disk.write(LOG, len, &pmlog::encode(&rec)).unwrap();
             }
             Output::Reply { tag, result } => {
                 let client = CLIENT0 + (tag >> 32) as u32;
@@ -377,9 +379,9 @@ impl World {
                 // The driver reads the durable image (what survives a crash), as FileLog does.
                 let n = &mut self.nodes[id as usize];
                 let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
-                let (markers, valid) = log::scan_markers(&bytes);
+                let (markers, valid) = pmlog::scan_markers(&bytes);
                 let chunk =
-                    log::read_chunk(&markers, 0, valid as u64, &cursor, max_bytes, |off, len| {
+                    pmlog::read_chunk(&markers, 0, valid as u64, &cursor, max_bytes, |off, len| {
                         Ok(bytes[off as usize..(off as usize + len).min(bytes.len())].to_vec())
                     })
                     .unwrap();
@@ -406,7 +408,7 @@ impl World {
                 let n = &mut self.nodes[id as usize];
                 n.inc += 1;
                 let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
-                let st = log::rebuild(&log::decode_all(&bytes).0);
+                let st = pmlog::rebuild(&pmlog::decode_all(&bytes).0);
                 let st = as_new_node_if_full_copy(&self.sc, id, &mut n.disk, st);
                 n.core = Some(NodeCore::new(core_params(id, &self.sc, n.inc), st));
                 let inc = n.inc;
@@ -442,13 +444,13 @@ impl World {
         let n = &mut self.nodes[id as usize];
         n.down_until = None;
         let bytes = n.disk.read(LOG, 0, n.disk.len(LOG).unwrap()).unwrap();
-        let (recs, valid) = log::decode_all(&bytes);
+        let (recs, valid) = pmlog::decode_all(&bytes);
         // As FileLog::open does: cut a torn tail so new records follow the valid prefix.
         if valid < bytes.len() {
             n.disk.truncate(LOG, valid as u64).unwrap();
             n.disk.sync(LOG).unwrap();
         }
-        let st = as_new_node_if_full_copy(&self.sc, id, &mut n.disk, log::rebuild(&recs));
+        let st = as_new_node_if_full_copy(&self.sc, id, &mut n.disk, pmlog::rebuild(&recs));
         if self.verbose {
             eprintln!(
                 "{now:>9} restart node {id}: {} records, {} base keys, {} partially persisted",
@@ -723,7 +725,7 @@ impl World {
         let now = self.now;
         if d.to == CM {
             if let Msg::HbAck(a) = d.msg {
-                self.cm.on_ack(now, a);
+                self.cm.handle(now, CmInput::Ack(a));
                 self.drain_cm();
             }
         } else if d.to >= CLIENT0 {
@@ -778,9 +780,15 @@ impl World {
                 }
             }
             match d.msg {
-                Msg::Peer(m) => core.on_peer(now, d.from, m),
-                Msg::Hb(hb) => core.on_heartbeat(now, hb),
-                Msg::Req { tag, op } => core.on_client(now, tag, op),
+                Msg::Peer(m) => core.handle(
+                    now,
+                    NodeInput::Peer {
+                        from: d.from,
+                        msg: m,
+                    },
+                ),
+                Msg::Hb(hb) => core.handle(now, NodeInput::Heartbeat(hb)),
+                Msg::Req { tag, op } => core.handle(now, NodeInput::Client { tag, op }),
                 _ => {}
             }
             self.drain_node(id);
@@ -817,7 +825,7 @@ impl World {
                 if n.inc == inc {
                     n.disk.sync(LOG).unwrap();
                     if let Some(core) = n.core.as_mut() {
-                        core.on_persisted(now, seq);
+                        core.handle(now, NodeInput::Persisted(vec![seq]));
                     }
                     self.drain_node(node);
                 }
@@ -826,7 +834,7 @@ impl World {
                 let n = &mut self.nodes[node as usize];
                 if n.inc == inc {
                     if let Some(core) = n.core.as_mut() {
-                        core.tick(now);
+                        core.handle(now, NodeInput::Tick);
                     }
                     self.drain_node(node);
                     self.q
@@ -836,7 +844,7 @@ impl World {
             }
             Ev::CmTick { inc } => {
                 if inc == self.cm_inc {
-                    self.cm.tick(now);
+                    self.cm.handle(now, CmInput::Tick);
                     self.drain_cm();
                     self.q.push_after(now, 1_000, Ev::CmTick { inc }).unwrap();
                 }
@@ -854,7 +862,7 @@ impl World {
                 let n = &mut self.nodes[node as usize];
                 if n.inc == inc {
                     if let Some(core) = n.core.as_mut() {
-                        core.on_log_read(now, to, cursor, chunk);
+                        core.handle(now, NodeInput::LogRead { to, cursor, chunk });
                     }
                     self.drain_node(node);
                 }

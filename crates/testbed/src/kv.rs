@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 
-use ::kv::runtime::KvClusterFile;
+use ::kv::leaderless::driver::KvClusterFile;
 use ::kv::Model;
 
 use crate::cluster_file;
@@ -47,6 +47,11 @@ impl Recovery {
             Recovery::ReactiveLog => "reactive-log",
         }
     }
+}
+
+/// Node `i`'s events file in group directory `dir` (see `kv node --events`).
+pub fn events_path(dir: &Path, i: usize) -> PathBuf {
+    dir.join(format!("logs/node-{i}.events"))
 }
 
 pub fn parse_model(s: &str) -> Result<Model, String> {
@@ -176,6 +181,7 @@ impl LocalKv {
                 if let Some(m) = metrics[i as usize] {
                     v.extend(["--metrics".into(), m.to_string()]);
                 }
+                v.extend(["--events".into(), events_path(&dir, i as usize).to_string_lossy().into_owned()]);
                 v
             })
             .collect();
@@ -288,11 +294,11 @@ impl Drop for LocalKv {
 
 /// Waits until every node serves a read itself (all nodes active, none recovering).
 pub async fn wait_all_serving(file: &KvClusterFile, secret: &[u8], timeout: Duration) -> anyhow::Result<Duration> {
-    use ::kv::msg::{ClientOp, ClientResult};
+    use ::kv::leaderless::proto::{ClientOp, ClientResult};
     let start = Instant::now();
     for addr in file.nodes.values() {
         loop {
-            let ok = match ::kv::runtime::KvClient::connect(*addr, secret).await {
+            let ok = match ::kv::leaderless::driver::KvClient::connect(*addr, secret).await {
                 Ok(c) => matches!(c.call(ClientOp::Get { key: b"__understudy_ready".to_vec() }).await, Ok(ClientResult::Value(_))),
                 Err(_) => false,
             };

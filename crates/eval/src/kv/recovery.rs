@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 
-use ::kv::runtime::KvCluster;
+use ::kv::leaderless::driver::KvCluster;
 use ::kv::Model;
 use testbed::kv::{parse_model, wait_all_serving, LocalKv, Recovery, UpArgs};
 use testbed::proc;
@@ -425,11 +425,6 @@ impl RunResult {
     }
 }
 
-/// The number just before `tag` in `line`.
-fn before(line: &str, tag: &str) -> f64 {
-    line.split(tag).next().and_then(|h| h.rsplit(|c: char| !(c.is_ascii_digit() || c == '.')).next()).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN)
-}
-
 /// Resolution of the throughput windows the lost work is summed over.
 const LOSS_WINDOW_MS: u64 = 10;
 
@@ -490,8 +485,8 @@ fn preload_image(work: &Path, keys: u64, value_bytes: usize) -> anyhow::Result<P
         let key = bench_key(i);
         let mut value = vec![b'x'; value_bytes];
         value[..8.min(value_bytes)].copy_from_slice(&i.to_le_bytes()[..8.min(value_bytes)]);
-        f.write_all(&::kv::log::encode(&::kv::log::LogRecord::Put { key: key.clone(), ts, value }))?;
-        f.write_all(&::kv::log::encode(&::kv::log::LogRecord::Mark { key, ts }))?;
+        f.write_all(&::kv::pmlog::encode(&::kv::pmlog::LogRecord::Put { key: key.clone(), ts, value }))?;
+        f.write_all(&::kv::pmlog::encode(&::kv::pmlog::LogRecord::Mark { key, ts }))?;
     }
     f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
     std::fs::rename(&tmp, &path)?;
@@ -653,19 +648,21 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
             None => f64::NAN,
         };
         let restart_at = t0.elapsed();
+        let events = crate::kv::events_path(&dir, victim);
+        let events_from = std::fs::metadata(&events).map(|m| m.len()).unwrap_or(0);
         lk.restart_node(victim)?;
         let log = dir.join(format!("logs/node-{victim}.log"));
         let deadline = Instant::now() + Duration::from_secs(3600);
-        let line = loop {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if let Some(l) = super::ycsb::complete_lines(&text).lines().rfind(|l| l.starts_with("recovered: node")) {
-                break l.to_string();
+        // The node reports its recovery as a structured event (not a log line to scrape).
+        let rec = loop {
+            if let Some(r) = crate::kv::last_recovery(&events, events_from)? {
+                break r;
             }
             anyhow::ensure!(Instant::now() < deadline, "node {victim} did not recover within an hour; see {}", log.display());
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         let seen_at = t0.elapsed();
-        eprintln!("  node {victim}: {line}");
+        eprintln!("  node {victim}: recovered in {:.3} ms: {:?}", rec.total_us as f64 / 1000.0, rec.stats);
         // The Buddy's side of the catch-up (its chunk building, encoding and socket writes).
         let buddy_log = std::fs::read_to_string(dir.join(format!("logs/node-{buddy}.log"))).unwrap_or_default();
         if let Some(l) = super::ycsb::complete_lines(&buddy_log).lines().rfind(|l| l.starts_with("catch-up served:")) {
@@ -674,10 +671,8 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         let load_avg = load_average_1m();
         // The recovery's span on the load's clock: its end as the node stamped it (the log is
         // polled every 20 ms), its start that much earlier.
-        let ended_unix_us = line.split("ended_unix_us ").nth(1).and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok());
-        let recovered_at = ended_unix_us.map(|u| Duration::from_micros(u).saturating_sub(t0_unix)).filter(|d| *d <= seen_at).unwrap_or(seen_at);
-        let total_ms = line.split(" in ").nth(1).and_then(|r| r.split(' ').next()?.parse::<f64>().ok()).unwrap_or(0.0);
-        let recovery_start = recovered_at.saturating_sub(Duration::from_secs_f64(total_ms / 1000.0));
+        let recovered_at = Some(Duration::from_micros(rec.ended_unix_us).saturating_sub(t0_unix)).filter(|d| *d <= seen_at).unwrap_or(seen_at);
+        let recovery_start = recovered_at.saturating_sub(Duration::from_micros(rec.total_us));
         // One second for the group to settle (the CM activates the node, its clients return),
         // then the failure-free window after the failure.
         let settled_at = recovered_at + Duration::from_secs(1);
@@ -719,7 +714,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         let recovery_lost_s = lost_s(recovery_start, recovered_at + Duration::from_millis(LOSS_WINDOW_MS), efn_tail_ops_per_s);
         let kill_window = win(kill_at);
         Ok::<_, anyhow::Error>(Measured {
-            line,
+            rec,
             before_ops_per_s,
             after_ops_per_s,
             efn_tail_ops_per_s,
@@ -742,21 +737,18 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
             return Err(e.context(format!("logs kept in {}/logs", kept.display())));
         }
     };
-    let line = m.line.clone();
-    let num = |tag: &str| -> f64 {
-        line.split(tag).nth(1).and_then(|r| r.trim_start().split(|c: char| !(c.is_ascii_digit() || c == '.')).next()).and_then(|x| x.parse().ok()).unwrap_or(f64::NAN)
-    };
+    let (r, ms) = (&m.rec.stats, |us: u64| us as f64 / 1000.0);
     Ok(RunResult {
-        recovery_ms: num(" in "),
-        start_to_ack_ms: num("start_to_ack ") / 1000.0,
-        catchup_to_resp_ms: num("catchup_to_resp ") / 1000.0,
-        apply_to_end_ms: num("apply_to_end ") / 1000.0,
-        transfer_ms: num("transfer ") / 1000.0,
-        entries: before(&line, " entries").max(0.0) as u64,
-        bytes: before(&line, " bytes,").max(0.0) as u64,
-        chunks: before(&line, " chunks,").max(0.0) as u64,
-        full_copy: line.contains("full_copy true"),
-        log_durable_bytes: num("log_durable_bytes "),
+        recovery_ms: ms(m.rec.total_us),
+        start_to_ack_ms: ms(r.start_to_ack_us),
+        catchup_to_resp_ms: ms(r.catchup_to_resp_us),
+        apply_to_end_ms: ms(r.apply_to_end_us),
+        transfer_ms: ms(r.transfer_us),
+        entries: r.entries_received,
+        bytes: r.bytes_received,
+        chunks: r.chunks,
+        full_copy: r.full_copy,
+        log_durable_bytes: m.rec.log_durable_bytes as f64,
         before_ops_per_s: m.before_ops_per_s,
         after_ops_per_s: m.after_ops_per_s,
         efn_tail_ops_per_s: m.efn_tail_ops_per_s,
@@ -774,7 +766,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
 
 /// What one run's load measured (see [`RunResult`]).
 struct Measured {
-    line: String,
+    rec: crate::kv::Recovered,
     before_ops_per_s: f64,
     after_ops_per_s: f64,
     efn_tail_ops_per_s: f64,

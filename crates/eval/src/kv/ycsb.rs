@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Args, Parser};
 
-use ::kv::msg::{ClientOp, ClientResult};
-use ::kv::runtime::KvClient;
+use ::kv::leaderless::proto::{ClientOp, ClientResult};
+use ::kv::leaderless::driver::KvClient;
 use ycsb::{KvTarget, PhaseSummary, RunConfig, Runner, TargetError, WorkloadSpec};
 
 use testbed::kv::{wait_all_serving, LocalKv, UpArgs};
@@ -217,8 +217,7 @@ pub(crate) async fn wait_node_listening_then_serving(
     }
 }
 
-/// What a recovered node printed about its HEAL recovery (`recovered: node N in X ms
-/// (start_to_ack A us, catchup_to_resp B us, apply_to_end C us, ...)`), if it did.
+/// A recovered node's report of its HEAL recovery (its `recovered` event), if it made one.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct RecoveryLine {
     pub total_ms: Option<f64>,
@@ -233,29 +232,28 @@ pub(crate) fn complete_lines(text: &str) -> &str {
     &text[..text.rfind('\n').map_or(0, |i| i + 1)]
 }
 
-/// The last recovery line of node `i`'s log in group directory `dir` after byte `from`.
+/// The last recovery node `i` of group directory `dir` reported in its events file after byte
+/// `from` (see [`log_len`]).
 pub(crate) fn recovery_line(dir: &Path, i: usize, from: u64) -> Option<RecoveryLine> {
-    let text = std::fs::read(dir.join(format!("logs/node-{i}.log"))).ok()?;
-    let text = String::from_utf8_lossy(text.get(from as usize..)?);
-    let line = complete_lines(&text).lines().rfind(|l| l.starts_with("recovered: node"))?;
-    let num = |tag: &str| -> Option<f64> {
-        let rest = line.split(tag).nth(1)?.trim_start();
-        rest.split(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .next()?
-            .parse()
-            .ok()
+    let r = match crate::kv::last_recovery(&crate::kv::events_path(dir, i), from) {
+        Ok(r) => r?,
+        Err(e) => {
+            eprintln!("warning: {e:#}");
+            return None;
+        }
     };
+    let us = |v: u64| Some(v as f64);
     Some(RecoveryLine {
-        total_ms: num(" in "),
-        start_to_ack_us: num("start_to_ack "),
-        catchup_to_resp_us: num("catchup_to_resp "),
-        apply_to_end_us: num("apply_to_end "),
+        total_ms: Some(r.total_us as f64 / 1000.0),
+        start_to_ack_us: us(r.stats.start_to_ack_us),
+        catchup_to_resp_us: us(r.stats.catchup_to_resp_us),
+        apply_to_end_us: us(r.stats.apply_to_end_us),
     })
 }
 
-/// Size of node `i`'s log file so far (to read only what a restart adds).
+/// Size of node `i`'s events file so far (to read only what a restart adds).
 pub(crate) fn log_len(dir: &Path, i: usize) -> u64 {
-    std::fs::metadata(dir.join(format!("logs/node-{i}.log")))
+    std::fs::metadata(crate::kv::events_path(dir, i))
         .map(|m| m.len())
         .unwrap_or(0)
 }

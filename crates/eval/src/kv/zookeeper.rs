@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 
-use ::kv::runtime::KvCluster;
+use ::kv::leaderless::driver::KvCluster;
 use bench::LatencyRecorder;
 use zk::{srvr, Ensemble, EnsembleOptions, ServerState, ZkClient};
 

@@ -5,34 +5,34 @@
 //! Nothing may panic.
 #![no_main]
 
-use kv::msg::{Config, Heartbeat, Model};
-use kv::node::{NodeCore, NodeParams};
-use kv::runtime::{NetMsg, MAX_FRAME_BYTES};
+use kv::leaderless::proto::{Config, Heartbeat, Model};
+use kv::leaderless::core::node::{NodeCore, NodeInput, NodeParams};
+use kv::leaderless::driver::{NetMsg, MAX_FRAME_BYTES};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let framed = wire::decode_frame::<NetMsg>(data, MAX_FRAME_BYTES).ok();
     let raw = wire::decode_payload::<NetMsg>(data).ok();
     // As a node's connection decodes a payload (a catch-up chunk taken in place).
-    let in_place = kv::runtime::decode_net_payload(&mut data.to_vec()).ok();
+    let in_place = kv::leaderless::driver::decode_net_payload(&mut data.to_vec()).ok();
     for m in [framed, raw, in_place].into_iter().flatten() {
         let mut n = NodeCore::new(NodeParams::new(0, Model::Synch), Default::default());
-        n.on_heartbeat(0, Heartbeat { seq: 1, config: Config::genesis(3), lease_ref: 0 });
+        n.handle(0, NodeInput::Heartbeat(Heartbeat { seq: 1, config: Config::genesis(3), lease_ref: 0 }));
         let lease_ref = n.last_lease_ref();
-        n.on_heartbeat(0, Heartbeat { seq: 2, config: Config::genesis(3), lease_ref });
+        n.handle(0, NodeInput::Heartbeat(Heartbeat { seq: 2, config: Config::genesis(3), lease_ref }));
         let _ = n.take_outputs();
         match m {
             NetMsg::Peer(p) => {
                 for from in [1, 2, 7] {
-                    n.on_peer(10, from, p.clone());
+                    n.handle(10, NodeInput::Peer { from, msg: p.clone() });
                     let _ = n.take_outputs();
                 }
             }
-            NetMsg::Req { op, .. } => n.on_client(10, 1, op),
-            NetMsg::Hb(hb) => n.on_heartbeat(10, hb),
+            NetMsg::Req { op, .. } => n.handle(10, NodeInput::Client { tag: 1, op }),
+            NetMsg::Hb(hb) => n.handle(10, NodeInput::Heartbeat(hb)),
             NetMsg::Hello(_) | NetMsg::HbAck(_) | NetMsg::Resp { .. } => {}
         }
-        n.tick(1_000_000);
+        n.handle(1_000_000, NodeInput::Tick);
         let _ = n.take_outputs();
     }
 });

@@ -26,7 +26,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::msg::*;
+use crate::leaderless::proto::*;
 
 #[derive(Clone, Debug)]
 pub struct CmParams {
@@ -56,6 +56,15 @@ impl Default for CmParams {
             startup_grace_us: 10_000_000,
         }
     }
+}
+
+/// Everything that can happen to the CM: the input of [`CmCore::handle`].
+#[derive(Clone, Debug)]
+pub enum CmInput {
+    /// A node's answer to a heartbeat.
+    Ack(HeartbeatAck),
+    /// Time passes: failure detection, heartbeats, the EFN period.
+    Tick,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -205,10 +214,16 @@ impl CmCore {
         self.check_invariants();
     }
 
-    pub fn on_ack(&mut self, now_us: u64, ack: HeartbeatAck) {
+    /// The one entry point: an input at time `now_us` (µs, the driver's clock; a parameter as in
+    /// [`crate::leaderless::core::node::NodeCore::handle`]). Outputs accumulate for
+    /// [`Self::take_outputs`]; in debug builds the invariants are checked after every input.
+    pub fn handle(&mut self, now_us: u64, input: CmInput) {
         #[cfg(debug_assertions)]
         let epoch_before = self.config.epoch;
-        self.on_ack_input(now_us, ack);
+        match input {
+            CmInput::Ack(ack) => self.on_ack_input(now_us, ack),
+            CmInput::Tick => self.tick_input(now_us),
+        }
         #[cfg(debug_assertions)]
         self.check_after_input(epoch_before);
     }
@@ -300,14 +315,6 @@ impl CmCore {
     /// without heartbeats learns no configuration and holds no lease).
     fn last_active(&self, n: NodeId) -> bool {
         self.config.active.len() == 1 && self.config.active.contains(&n)
-    }
-
-    pub fn tick(&mut self, now_us: u64) {
-        #[cfg(debug_assertions)]
-        let epoch_before = self.config.epoch;
-        self.tick_input(now_us);
-        #[cfg(debug_assertions)]
-        self.check_after_input(epoch_before);
     }
 
     fn tick_input(&mut self, now_us: u64) {
@@ -446,10 +453,10 @@ mod tests {
         let mut notes = Vec::new();
         let mut t = from;
         while t < to {
-            cm.tick(t);
+            cm.handle(t, CmInput::Tick);
             let epoch = cm.config().epoch;
             for n in alive {
-                cm.on_ack(t, ack(*n, epoch));
+                cm.handle(t, CmInput::Ack(ack(*n, epoch)));
             }
             for o in cm.take_outputs() {
                 match o {
@@ -484,7 +491,7 @@ mod tests {
             assert_eq!(cm.config().epoch, 1);
             // The pause: no turn at all. On waking the tick comes before the queued acks.
             let woke = 2_000_000 + pause_us;
-            cm.tick(woke);
+            cm.handle(woke, CmInput::Tick);
             let n = notes(&mut cm);
             assert!(
                 !n.iter()
@@ -507,10 +514,10 @@ mod tests {
         let mut t = 2_000_000;
         for _ in 0..10 {
             t += 600_000;
-            cm.tick(t);
+            cm.handle(t, CmInput::Tick);
             let epoch = cm.config().epoch;
             for n in &all {
-                cm.on_ack(t + 1, ack(*n, epoch));
+                cm.handle(t + 1, CmInput::Ack(ack(*n, epoch)));
             }
         }
         let n = notes(&mut cm);
@@ -565,26 +572,26 @@ mod tests {
         );
         // It answers: the group goes on (the others rejoin through recovery).
         let mut t = 5_000_000;
-        cm.tick(t);
+        cm.handle(t, CmInput::Tick);
         let e = cm.config().epoch;
         for n in 0..4 {
-            cm.on_ack(
+            cm.handle(
                 t,
-                HeartbeatAck {
+                CmInput::Ack(HeartbeatAck {
                     node: n,
                     epoch: e,
                     seq: 0,
                     status: NodeStatus::WantsJoin,
                     lease_ref: 0,
-                },
+                }),
             );
         }
-        cm.on_ack(t, ack(4, e));
+        cm.handle(t, CmInput::Ack(ack(4, e)));
         assert_eq!(cm.config().recovering, [0, 1, 2, 3].into());
         for _ in 0..100 {
             t += 10_000;
-            cm.tick(t);
-            cm.on_ack(t, ack(4, cm.config().epoch));
+            cm.handle(t, CmInput::Tick);
+            cm.handle(t, CmInput::Ack(ack(4, cm.config().epoch)));
         }
         assert_eq!(cm.config().active, [4].into());
         assert!(!notes(&mut cm)

@@ -19,10 +19,12 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::msg::{Chunk, Ts};
+pub mod record;
+
+use record::{Chunk, Ts};
 
 /// Largest record accepted when reading a log back (a maximal key and value plus framing).
-pub const MAX_RECORD_BYTES: usize = crate::msg::MAX_VALUE_BYTES + crate::msg::MAX_KEY_BYTES + 64;
+pub const MAX_RECORD_BYTES: usize = record::MAX_VALUE_BYTES + record::MAX_KEY_BYTES + 64;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum LogRecord {
