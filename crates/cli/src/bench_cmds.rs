@@ -62,8 +62,8 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
         BenchCmd::Volume(VolumeBench::Ceph(a)) => eval::volume::ceph::run(a, verbose)?,
         BenchCmd::Failover(b) => crate::failover::bench(b, verbose)?,
         BenchCmd::Nearlog(b) => crate::nearlog::bench(b, verbose)?,
-        // These print their own reports still (ycsb prints before its read check can fail; kv's
-        // recovery sweep prints one report per sweep).
+        // The YCSB experiments print their reports themselves, before their check of the
+        // reads can fail (kv's other experiments return theirs, printed in `kv::bench`).
         BenchCmd::Ycsb(cmd) => return eval::ycsb::run(cmd),
         BenchCmd::Kv(b) => return crate::kv::bench(b, verbose),
     };

@@ -350,11 +350,13 @@ pub enum KvBench {
     Zookeeper(eval::kv::zookeeper::KvZkArgs),
 }
 
-pub fn bench(b: KvBench, _verbose: u8) -> anyhow::Result<()> {
-    let a = match b {
-        KvBench::Recovery(a) => a,
-        KvBench::Ycsb(a) => return eval::kv::ycsb::bench(a, _verbose),
-        KvBench::Zookeeper(a) => return eval::kv::zookeeper::bench(a, _verbose),
+pub fn bench(b: KvBench, verbose: u8) -> anyhow::Result<()> {
+    let report = match b {
+        KvBench::Recovery(a) => eval::kv::recovery::run(&a)?,
+        KvBench::Zookeeper(a) => eval::kv::zookeeper::bench(a, verbose)?,
+        // Prints its report itself, before its check of the reads can fail.
+        KvBench::Ycsb(a) => return eval::kv::ycsb::bench(a, verbose),
     };
-    eval::kv::recovery::run(&a)
+    report.print();
+    Ok(())
 }

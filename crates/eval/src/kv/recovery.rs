@@ -99,7 +99,7 @@ struct RunSpec {
 }
 
 /// Runs the experiment `a` asks for: the scheme comparison, or with `--sweep` the EFN sweep.
-pub fn run(a: &KvRecoveryArgs) -> anyhow::Result<()> {
+pub fn run(a: &KvRecoveryArgs) -> anyhow::Result<bench::Report> {
     if a.sweep {
         recovery_sweep(a)
     } else {
@@ -107,7 +107,7 @@ pub fn run(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     }
 }
 
-fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
+fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<bench::Report> {
     let keys = a.keys.unwrap_or(if a.quick { 2_000 } else { 1_100_000 });
     let efn = Duration::from_secs(a.efn_s.unwrap_or(if a.quick { 2 } else { 60 }));
     let rounds = a.rounds.unwrap_or(if a.quick { 1 } else { 3 });
@@ -209,8 +209,7 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     report.figure("catchup.chunks_in_flight_count", a.catchup_chunks_in_flight as f64)?;
     if schemes.len() < all.len() {
         eprintln!("note: not every scheme ran: no cross-scheme ratios");
-        report.print();
-        return Ok(());
+        return Ok(report);
     }
     // Memory: a live node (the Buddy) at the end of the EFN, when its Missed_updates buffer is
     // fullest, against what it stores plus the buffer's cap (target: at most 1.5).
@@ -251,13 +250,12 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<()> {
     report.figure("load.failure_free_ops_per_s", all.iter().sum::<f64>() / all.len().max(1) as f64)?;
     report.figure("load.rounds_count", rounds as f64)?;
     report.figure("load.efn_s", efn.as_secs_f64())?;
-    report.print();
-    Ok(())
+    Ok(report)
 }
 
 /// HEAL's recovery latency against the EFN per persistency model (Fig. 7 style), and the
 /// Start_to_ACK / CatchUp_to_Resp / Apply_to_end breakdown for 3, 4 and 5 nodes (Fig. 8).
-fn recovery_sweep(a: &KvRecoveryArgs) -> anyhow::Result<()> {
+fn recovery_sweep(a: &KvRecoveryArgs) -> anyhow::Result<bench::Report> {
     let keys = a.sweep_keys.unwrap_or(if a.quick { 2_000 } else { 100_000 });
     let efns: Vec<u64> = a.sweep_efn_s.clone().unwrap_or(if a.quick { vec![1] } else { vec![1, 10, 60] });
     anyhow::ensure!(!efns.is_empty() && efns.iter().all(|e| *e > 0), "--sweep-efn-s needs positive seconds");
@@ -332,8 +330,7 @@ fn recovery_sweep(a: &KvRecoveryArgs) -> anyhow::Result<()> {
         &["model", "nodes", "efn_s", "recovery_ms", "start_to_ack_ms", "catchup_to_resp_ms", "apply_to_end_ms", "entries", "missed_updates_bytes"],
         rows,
     )?;
-    report.print();
-    Ok(())
+    Ok(report)
 }
 
 /// A scheme's name in figure keys.

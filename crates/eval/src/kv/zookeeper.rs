@@ -446,7 +446,7 @@ async fn heal_round(p: &Plan, lk: &mut LocalKv, model_nodes: u32) -> anyhow::Res
 
 const SYSTEMS: [&str; 2] = ["heal", "zookeeper"];
 
-pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<()> {
+pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<bench::Report> {
     anyhow::ensure!(
         a.write_rate >= 1 && a.write_rate <= 100_000,
         "--write-rate must be between 1 and 100000 writes per second"
@@ -643,8 +643,7 @@ pub fn bench(a: KvZkArgs, _verbose: u8) -> anyhow::Result<()> {
     )?;
     plots(&out, h, z)?;
     eprintln!("plots and samples in {}", out.display());
-    report.print();
-    Ok(())
+    Ok(report)
 }
 
 fn plots(out: &std::path::Path, h: &[Round], z: &[Round]) -> anyhow::Result<()> {
