@@ -666,6 +666,14 @@ impl ShardCore {
                 }
             }
         }
+        if let Some(e) = self_child(&msg) {
+            // Hostile (the metadata service never names a volume its own child): acting on it
+            // would track, fence or collect a volume against itself.
+            if let Some(req) = request_id(&msg) {
+                self.reply((from, req), Err(IoErr::BadRequest(e)));
+            }
+            return;
+        }
         match msg {
             Msg::Map(map) => self.on_map(map),
             Msg::Reply { req, result } => self.on_reply(req, result),
@@ -2018,6 +2026,16 @@ impl ShardCore {
     }
 }
 
+/// Why `msg` is refused, if it names a volume as its own super child (`Track`, `Super`, `Gc`).
+fn self_child(msg: &Msg) -> Option<String> {
+    let (parent, child) = match *msg {
+        Msg::Track { parent, entry: TrackEntry::Tracked { child, .. } | TrackEntry::Granted { child, .. } | TrackEntry::Fenced { child, .. }, .. } => (parent, child),
+        Msg::Super { parent, child, .. } | Msg::Gc { parent, child, .. } => (parent, child),
+        _ => return None,
+    };
+    (parent == child).then(|| format!("volume {parent} named as its own super child: a super child is a new volume"))
+}
+
 /// The request id of a request message (`None` for messages that are not requests).
 pub fn request_id(m: &Msg) -> Option<ReqId> {
     Some(match m {
@@ -2081,6 +2099,36 @@ mod tests {
         assert!(outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Reply { req: 7, result: Ok(_) }, .. })), "{outs:?}");
         // A retried super (the same child) does not stock again.
         assert!(prestocks(&core.handle(Input::Msg { from: Peer::Shard(2), msg: track(8) })).is_empty());
+    }
+
+    /// A peer's `Track`, `Super` or `Gc` naming a volume as its own super child is hostile (the
+    /// metadata service never makes one): refused with a clear error, and nothing is recorded.
+    #[test]
+    fn a_volume_named_as_its_own_super_child_is_refused() {
+        let map = ClusterMap {
+            epoch: 1,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
+        };
+        // The tracking primary of table 5, so `Super` is handled here.
+        let me = map.primary(track_key(5).slot()).unwrap();
+        let mut core = ShardCore::new(ShardConfig::new(me), Boot::default());
+        core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        let refused = |outs: &[Output], req: ReqId| {
+            outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Reply { req: r, result: Err(IoErr::BadRequest(e)) }, .. } if *r == req && e.contains("its own super child")))
+        };
+        let peer = Peer::Shard(if me == 1 { 2 } else { 1 });
+        for (req, entry) in [(7, TrackEntry::Tracked { table: 5, child: 3 }), (8, TrackEntry::Granted { table: 5, child: 3 }), (9, TrackEntry::Fenced { table: 5, child: 3 })] {
+            let outs = core.handle(Input::Msg { from: peer, msg: Msg::Track { req, epoch: 1, parent: 3, entry } });
+            assert!(refused(&outs, req), "Track {entry:?} of parent 3: {outs:?}");
+            assert_eq!(core.tracking_entry(3), None, "a hostile Track was recorded");
+        }
+        let outs = core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Super { req: 10, epoch: 1, table: 5, parent: 3, child: 3 } });
+        assert!(refused(&outs, 10), "Super 3 -> 3: {outs:?}");
+        assert!(core.table_track(5).and_then(|t| t.current.as_ref()).is_none(), "a hostile Super was recorded: {:?}", core.table_track(5));
+        let outs = core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Gc { req: 11, epoch: 1, table: 5, parent: 3, child: 3, promoted: true } });
+        assert!(refused(&outs, 11), "Gc 3 -> 3: {outs:?}");
+        assert_eq!(core.tracking_entry(3), None, "a hostile Gc fenced the volume");
     }
 
     /// The invariant checks can fail: a core whose state breaks one panics naming it.
