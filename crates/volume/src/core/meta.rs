@@ -66,8 +66,9 @@ pub enum MetaInput {
     ShardReply { from: ShardId, req: ReqId, result: Result<ReplyBody, IoErr> },
     /// The save `seq` is durable (`Ok`) or failed.
     Saved { seq: u64, result: Result<(), String> },
-    /// The driver's clock (`now_us`: monotonic; `unix_ms`: wall time for creation stamps).
-    Tick { now_us: u64, unix_ms: u64 },
+    /// The resend and retry clock (the monotonic time comes with every input, as
+    /// [`MetaCore::handle`]'s `now_us`); `unix_ms`: wall time, for creation stamps.
+    Tick { unix_ms: u64 },
     /// The driver changed the cluster map (shard registration, liveness); it is saved like
     /// every change and becomes durable — and so visible in [`MetaCore::durable`] — after.
     SetMap(ClusterMap),
@@ -212,6 +213,8 @@ pub struct MetaCore {
     job: Option<JobRun>,
     next_req: ReqId,
     out: Vec<MetaOutput>,
+    /// The durable map's epoch as of the last invariant check (it never goes back).
+    checked_epoch: Epoch,
 }
 
 impl MetaCore {
@@ -237,8 +240,12 @@ impl MetaCore {
             job: None,
             next_req: req_base,
             out: vec![],
+            checked_epoch: 0,
         };
         core.resume = resume;
+        core.checked_epoch = core.durable.map.epoch;
+        #[cfg(debug_assertions)]
+        core.check_invariants();
         core
     }
 
@@ -258,13 +265,25 @@ impl MetaCore {
             && self.state.jobs.is_empty()
     }
 
-    pub fn handle(&mut self, input: MetaInput) -> Vec<MetaOutput> {
+    /// The outputs of the inputs handled since the last call, in order.
+    pub fn take_outputs(&mut self) -> Vec<MetaOutput> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// Feeds one input at `now_us` (the driver's monotonic clock, µs; read at
+    /// [`MetaInput::Tick`]s, an earlier time than one seen before counts as that one); its
+    /// outputs wait in [`Self::take_outputs`].
+    pub fn handle(&mut self, now_us: u64, input: MetaInput) {
+        if let MetaInput::Tick { .. } = input {
+            // The clock advances at ticks only (deadlines and resends count from the last
+            // tick), as before every input carried the time.
+            self.now_us = self.now_us.max(now_us);
+        }
         match input {
             MetaInput::Request { call, req } => self.on_request(call, req),
             MetaInput::ShardReply { from, req, result } => self.on_reply(from, req, result),
             MetaInput::Saved { seq, result } => self.on_saved(seq, result),
-            MetaInput::Tick { now_us, unix_ms } => {
-                self.now_us = self.now_us.max(now_us);
+            MetaInput::Tick { unix_ms } => {
                 self.unix_ms = unix_ms;
                 self.on_tick();
             }
@@ -290,7 +309,73 @@ impl MetaCore {
         }
         self.maybe_start_job();
         self.flush();
-        std::mem::take(&mut self.out)
+        #[cfg(debug_assertions)]
+        self.check_invariants();
+        self.checked_epoch = self.durable.map.epoch;
+    }
+
+    /// Panics, naming the invariant and the state, if the core breaks a rule of the module doc:
+    /// in the current and in the durable state, one superposition per volume (a parent and its
+    /// one super child name each other, in one table), the tracking/GC hand-off (a collapse's
+    /// loser is gone from the records while its GC job is listed, a promoted child reads
+    /// through its parent only until that job ends, no super child in a table being collected);
+    /// one map per epoch (the durable epoch never goes back, the current map is the durable one
+    /// or newer); durability (a change waits only for the save in flight, a super child is
+    /// answered only once confirmed); requests queue only behind a running control operation.
+    /// O(volumes + jobs): run after every input in debug builds and every simulation step.
+    pub fn check_invariants(&self) {
+        let broken = |what: &str, state: String| -> ! { panic!("metadata core: invariant `{what}` broken: {state}") };
+        for (which, st) in [("state", &self.state), ("durable", &self.durable)] {
+            if let Err((what, detail)) = check_state(st) {
+                broken(what, format!("{which}: {detail}; {st:?}"));
+            }
+        }
+        // One map per epoch.
+        let (cur, dur) = (&self.state.map, &self.durable.map);
+        if dur.epoch < self.checked_epoch {
+            broken("the durable map's epoch never goes back", format!("{} -> {}", self.checked_epoch, dur.epoch));
+        }
+        if cur.epoch < dur.epoch || (cur.epoch == dur.epoch && cur != dur) {
+            broken("one map per epoch", format!("current {cur:?}, durable {dur:?}"));
+        }
+        // Durability: changes are held for one save at a time; outputs of an unchanged batch
+        // leave at once.
+        if self.next.changed && self.saving.is_none() {
+            broken("a change waits only for the save in flight", "changes pending, no save in flight".into());
+        }
+        if !self.next.changed && (!self.next.outputs.is_empty() || !self.next.then.is_empty()) {
+            broken("outputs are held only for a save", format!("{:?} held with nothing to save", self.next.outputs));
+        }
+        if let Some((seq, _, _)) = &self.saving {
+            if *seq != self.save_seq {
+                broken("the save in flight is the latest", format!("saving {seq}, last issued {}", self.save_seq));
+            }
+        }
+        for o in &self.out {
+            if let MetaOutput::Reply { resp: MetaResp::Volume(v), .. } = o {
+                if v.super_pending {
+                    broken("a super child is answered only once the tracking shard confirmed it", format!("{v:?}"));
+                }
+            }
+        }
+        if !self.queue.is_empty() && self.control.is_none() {
+            broken("requests queue only behind a running control operation", format!("{} queued", self.queue.len()));
+        }
+        if let Some(JobRun::All(AllAsk { job, .. }) | JobRun::EndSuper { job, .. }) = &self.job {
+            if !self.state.jobs.contains(job) {
+                broken("a running job is listed", format!("{job:?} runs, listed: {:?}", self.state.jobs));
+            }
+        }
+    }
+
+    /// [`Self::check_invariants`] and the check that every change of the state is saved: with
+    /// no save in flight and none pending, the state is the durable one. O(state) (a compare of
+    /// the whole state): the simulation and the unit tests call it after every input.
+    pub fn check_invariants_deep(&self) {
+        self.check_invariants();
+        if self.saving.is_none() && !self.next.changed && self.state != self.durable {
+            panic!("metadata core: invariant `every change of the state is saved` broken: state {:?}, durable {:?}", self.state, self.durable);
+        }
     }
 
     // ---- saving -------------------------------------------------------------------------------
@@ -1044,6 +1129,62 @@ fn ensure(ok: bool, msg: String) -> Result<(), String> {
 
 /// The answer to a repeated `collapse` of `child`, if its collapse was decided (and `child`
 /// is still the volume it promoted, or gone after a rejection).
+/// The rules one [`MetaState`] keeps (see [`MetaCore::check_invariants`]): `Err((rule, detail))`.
+fn check_state(s: &MetaState) -> Result<(), (&'static str, String)> {
+    let mut ids = BTreeSet::new();
+    for (name, v) in &s.volumes {
+        if *name != v.name {
+            return Err(("a volume is listed under its name", format!("{name:?} lists {:?}", v.name)));
+        }
+        if !ids.insert(v.vol.id) || v.vol.id >= s.next_id {
+            return Err(("volume ids are unique and issued", format!("{name:?} has id {} (next {})", v.vol.id, s.next_id)));
+        }
+        if let Some(c) = &v.super_child {
+            // One superposition per volume: its child names it back, in its table.
+            let ok = c != name
+                && v.super_parent.is_none()
+                && s.volumes.get(c).is_some_and(|cr| cr.super_parent.as_ref() == Some(name) && cr.vol.parent == Some(v.vol.id) && cr.vol.table == v.vol.table);
+            if !ok {
+                return Err(("a super parent and its one child name each other", format!("{name:?} -> {c:?}: {:?}", s.volumes.get(c))));
+            }
+        }
+        if let Some(p) = &v.super_parent {
+            if s.volumes.get(p).and_then(|pr| pr.super_child.as_ref()) != Some(name) {
+                return Err(("a super child's parent names it as its child", format!("{name:?} -> {p:?}: {:?}", s.volumes.get(p))));
+            }
+            if s.jobs.iter().any(|j| matches!(j, Job::Gc { table, .. } if *table == v.vol.table)) {
+                return Err(("no super child in a table being garbage-collected", format!("{name:?} in table {}: {:?}", v.vol.table, s.jobs)));
+            }
+        } else if v.super_pending || v.collapsing {
+            return Err(("only a super child is pending or collapsing", format!("{name:?}: {v:?}")));
+        } else if let Some(pid) = v.vol.parent {
+            // A promoted child reads through its parent's objects until its GC moved them.
+            let collected = s.jobs.iter().any(|j| matches!(j, Job::Gc { parent, child, promoted: true, .. } if *parent == pid && *child == v.vol.id));
+            if !collected {
+                return Err(("a promoted child reads through its parent only while its GC job is listed", format!("{name:?}: {v:?}; jobs {:?}", s.jobs)));
+            }
+        }
+        if v.super_pending && v.collapsing {
+            return Err(("a pending super child is not collapsing", format!("{name:?}")));
+        }
+    }
+    let mut gc_tables = BTreeSet::new();
+    for j in &s.jobs {
+        if let Job::Gc { table, parent, child, promoted, .. } = *j {
+            // The collapse's loser is gone from the records; one GC per table at a time (a new
+            // super waits for the last one's).
+            let loser = if promoted { parent } else { child };
+            if parent == child || !gc_tables.insert(table) || ids.contains(&loser) {
+                return Err(("a GC job's loser is gone from the records, one GC per table", format!("{j:?}; jobs {:?}", s.jobs)));
+            }
+        }
+    }
+    if s.collapsed.len() > MAX_COLLAPSE_RECORDS {
+        return Err(("at most MAX_COLLAPSE_RECORDS decided collapses", format!("{}", s.collapsed.len())));
+    }
+    Ok(())
+}
+
 fn decided_collapse(s: &MetaState, child: &str) -> Option<MetaResp> {
     let r = s.collapsed.iter().rev().find(|r| r.child == child)?;
     let now = s.volumes.get(child);
@@ -1095,12 +1236,21 @@ mod tests {
         MetaCore::new(MetaCoreConfig::default(), MetaState::with_map(map()), 100)
     }
 
-    /// Feeds `input`; answers every save with `save_ok`; returns the other outputs.
+    /// Feeds `input` at the core's current time; answers every save with `save_ok`; returns
+    /// the other outputs.
     fn run(c: &mut MetaCore, input: MetaInput, save_ok: bool) -> Vec<MetaOutput> {
+        let now = c.now_us;
+        run_at(c, now, input, save_ok)
+    }
+
+    /// [`run`] at `now_us`.
+    fn run_at(c: &mut MetaCore, now_us: u64, input: MetaInput, save_ok: bool) -> Vec<MetaOutput> {
         let mut inputs = VecDeque::from([input]);
         let mut outs = vec![];
         while let Some(i) = inputs.pop_front() {
-            for o in c.handle(i) {
+            c.handle(now_us, i);
+            c.check_invariants_deep();
+            for o in c.take_outputs() {
                 match o {
                     MetaOutput::Save { seq, .. } => {
                         inputs.push_back(MetaInput::Saved { seq, result: if save_ok { Ok(()) } else { Err("disk full".into()) } })
@@ -1196,7 +1346,7 @@ mod tests {
         assert!(req(&mut c, 3, MetaReq::Delete { name: "p".into() }, true).is_empty());
         // A stale map: retried after the retry period under a new request id.
         assert!(run(&mut c, MetaInput::ShardReply { from: to, req: r, result: Err(IoErr::StaleEpoch(4)) }, true).is_empty());
-        let outs = run(&mut c, MetaInput::Tick { now_us: 60_000, unix_ms: 0 }, true);
+        let outs = run_at(&mut c, 60_000, MetaInput::Tick { unix_ms: 0 }, true);
         let s = sent(&outs);
         let [(_, Msg::Super { req: r2, .. })] = s[..] else { panic!("{s:?}") };
         assert_ne!(r2, r);
@@ -1249,7 +1399,7 @@ mod tests {
         m.epoch = 4;
         m.shards[3].state = ShardState::Down;
         run(&mut c, MetaInput::SetMap(m), true);
-        let outs = run(&mut c, MetaInput::Tick { now_us: 1_000, unix_ms: 0 }, true);
+        let outs = run_at(&mut c, 1_000, MetaInput::Tick { unix_ms: 0 }, true);
         let round: Vec<(ShardId, ReqId)> = sent(&outs)
             .into_iter()
             .filter_map(|(to, m)| match m {
@@ -1283,7 +1433,7 @@ mod tests {
 
     fn restart(state: MetaState) -> (MetaCore, Vec<MetaOutput>) {
         let mut c = MetaCore::new(MetaCoreConfig::default(), state, 1_000);
-        let outs = run(&mut c, MetaInput::Tick { now_us: 1, unix_ms: 0 }, true);
+        let outs = run_at(&mut c, 1, MetaInput::Tick { unix_ms: 0 }, true);
         (c, outs)
     }
 
@@ -1385,7 +1535,7 @@ mod tests {
         // The tracking shard stays silent past the deadline: the caller hears "not decided yet",
         // and the undecided collapse is recorded durably.
         let deadline = MetaCoreConfig::default().tracking_deadline_us;
-        let outs = run(&mut c, MetaInput::Tick { now_us: deadline + 1, unix_ms: 0 }, true);
+        let outs = run_at(&mut c, deadline + 1, MetaInput::Tick { unix_ms: 0 }, true);
         assert!(matches!(reply_of(&outs, 3), MetaResp::Err(e) if e.contains("not decided yet")));
         assert!(c.durable().volumes["c"].collapsing);
         assert!(!c.is_idle());
@@ -1397,7 +1547,7 @@ mod tests {
         let mut now = deadline + 1;
         while asks.len() < 3 {
             now += 100_000;
-            let outs = run(&mut c, MetaInput::Tick { now_us: now, unix_ms: 0 }, true);
+            let outs = run_at(&mut c, now, MetaInput::Tick { unix_ms: 0 }, true);
             asks.extend(collapses(&outs).into_iter().map(|a| (now, a)));
             assert!(now < deadline * 4, "no background attempts: {asks:?}");
         }
@@ -1429,5 +1579,34 @@ mod tests {
         assert_eq!(c.durable().volumes.keys().collect::<Vec<_>>(), ["p"]);
         // A volume that never was a super child still gets the clear error.
         assert!(matches!(reply_of(&req(&mut c, 5, MetaReq::Collapse { child: "p".into() }, true), 5), MetaResp::Err(e) if e.contains("not a super child")));
+    }
+
+    /// The invariant checks can fail: a core whose state breaks one panics naming it.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let broken = |c: MetaCore| {
+            let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.check_invariants_deep())).expect_err("the broken state passed");
+            e.downcast_ref::<String>().cloned().unwrap()
+        };
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        c.check_invariants_deep();
+        // A volume whose super child does not exist (two superpositions would look alike).
+        let mut c1 = core();
+        req(&mut c1, 1, create("p"), true);
+        c1.state.volumes.get_mut("p").unwrap().super_child = Some("ghost".into());
+        c1.durable = c1.state.clone();
+        let msg = broken(c1);
+        assert!(msg.contains("a super parent and its one child name each other"), "{msg}");
+        // Two maps with one epoch.
+        let mut c2 = core();
+        c2.state.map.shards[0].state = ShardState::Down;
+        let msg = broken(c2);
+        assert!(msg.contains("one map per epoch"), "{msg}");
+        // A change nobody saves.
+        let mut c3 = core();
+        c3.state.next_id += 1;
+        let msg = broken(c3);
+        assert!(msg.contains("every change of the state is saved"), "{msg}");
     }
 }

@@ -1,7 +1,8 @@
 //! The storage shard as a deterministic state machine (no I/O, no clock, no threads).
 //!
-//! Inputs are messages, completed disk commands and clock ticks; outputs are messages to send and
-//! disk commands to run. The tokio driver (`crate::driver::shard`) and the simulation tests run the same
+//! Inputs are messages, completed disk commands and clock ticks, each fed at the driver's clock
+//! ([`ShardCore::handle`]); outputs ([`ShardCore::take_outputs`]) are messages to send and disk
+//! commands to run. The tokio driver (`crate::driver::shard`) and the simulation tests run the same
 //! core. What it implements (SpecREDS §4.2–4.3, §5):
 //!
 //! * primary-copy replication: the acting primary of a slot applies a write locally and on every
@@ -31,11 +32,13 @@ pub enum Peer {
     Meta,
 }
 
+/// One input of [`ShardCore::handle`]; the time comes with every input (its `now_us`).
 #[derive(Debug)]
 pub enum Input {
     Msg { from: Peer, msg: Msg },
     Disk { id: u64, result: Result<DiskOut, DiskErr> },
-    Tick { now_us: u64 },
+    /// The resend period's clock: requests unanswered for `resend_after_us` go again.
+    Tick,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -419,20 +422,32 @@ impl ShardCore {
         self.recovery.as_ref().is_some_and(|r| !r.reported)
     }
 
-    /// Feeds one input and returns the outputs it produced.
-    pub fn handle(&mut self, input: Input) -> Vec<Output> {
+    /// Feeds one input at `now_us` (the driver's monotonic clock, µs; read at [`Input::Tick`]s,
+    /// an earlier time than one seen before counts as that one); its outputs wait in
+    /// [`Self::take_outputs`].
+    pub fn handle(&mut self, now_us: u64, input: Input) {
         #[cfg(debug_assertions)]
         let epoch_before = self.epoch();
+        if let Input::Tick = input {
+            // The clock advances at ticks only: request and report times count from the last
+            // tick, as they did before every input carried the time (a seeded simulation's
+            // schedule stays the same).
+            self.now_us = self.now_us.max(now_us);
+        }
         match input {
             Input::Msg { from, msg } => self.on_msg(from, msg),
             Input::Disk { id, result } => self.on_disk(id, result),
-            Input::Tick { now_us } => self.on_tick(now_us),
+            Input::Tick => self.on_tick(),
         }
         #[cfg(debug_assertions)]
         {
             assert!(self.epoch() >= epoch_before, "shard {}: invariant `the map epoch never decreases` broken: {epoch_before} -> {}", self.cfg.id, self.epoch());
             self.check_invariants();
         }
+    }
+
+    /// The outputs of the inputs handled since the last call, in order.
+    pub fn take_outputs(&mut self) -> Vec<Output> {
         std::mem::take(&mut self.out)
     }
 
@@ -1817,8 +1832,7 @@ impl ShardCore {
         }
     }
 
-    fn on_tick(&mut self, now_us: u64) {
-        self.now_us = self.now_us.max(now_us);
+    fn on_tick(&mut self) {
         let due: Vec<ReqId> = self
             .outstanding
             .iter()
@@ -2064,6 +2078,12 @@ pub fn request_id(m: &Msg) -> Option<ReqId> {
 mod tests {
     use super::*;
 
+    /// Feeds one input (time does not matter here) and returns its outputs.
+    fn run(core: &mut ShardCore, input: Input) -> Vec<Output> {
+        core.handle(0, input);
+        core.take_outputs()
+    }
+
     fn prestocks(outs: &[Output]) -> Vec<DiskCmd> {
         outs.iter()
             .filter_map(|o| match o {
@@ -2081,9 +2101,9 @@ mod tests {
             replicas: 3,
             shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
         };
-        core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
         let track = |req| Msg::Track { req, epoch: 1, parent: 3, entry: TrackEntry::Tracked { table: 5, child: 9 } };
-        let outs = core.handle(Input::Msg { from: Peer::Shard(2), msg: track(7) });
+        let outs = run(&mut core, Input::Msg { from: Peer::Shard(2), msg: track(7) });
         assert_eq!(prestocks(&outs), [DiskCmd::Prestock { table: 5, parent: 3 }]);
         // The reply waits for the saved tracking list only, never for the pre-stocking.
         let save = outs.iter().find_map(|o| match o {
@@ -2094,11 +2114,11 @@ mod tests {
             Output::Disk { id, cmd: DiskCmd::Prestock { .. } } => Some(*id),
             _ => None,
         });
-        assert!(core.handle(Input::Disk { id: hint.unwrap(), result: Ok(DiskOut::Done) }).is_empty());
-        let outs = core.handle(Input::Disk { id: save.unwrap(), result: Ok(DiskOut::Done) });
+        assert!(run(&mut core, Input::Disk { id: hint.unwrap(), result: Ok(DiskOut::Done) }).is_empty());
+        let outs = run(&mut core, Input::Disk { id: save.unwrap(), result: Ok(DiskOut::Done) });
         assert!(outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Reply { req: 7, result: Ok(_) }, .. })), "{outs:?}");
         // A retried super (the same child) does not stock again.
-        assert!(prestocks(&core.handle(Input::Msg { from: Peer::Shard(2), msg: track(8) })).is_empty());
+        assert!(prestocks(&run(&mut core, Input::Msg { from: Peer::Shard(2), msg: track(8) })).is_empty());
     }
 
     /// A peer's `Track`, `Super` or `Gc` naming a volume as its own super child is hostile (the
@@ -2113,20 +2133,20 @@ mod tests {
         // The tracking primary of table 5, so `Super` is handled here.
         let me = map.primary(track_key(5).slot()).unwrap();
         let mut core = ShardCore::new(ShardConfig::new(me), Boot::default());
-        core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
         let refused = |outs: &[Output], req: ReqId| {
             outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Reply { req: r, result: Err(IoErr::BadRequest(e)) }, .. } if *r == req && e.contains("its own super child")))
         };
         let peer = Peer::Shard(if me == 1 { 2 } else { 1 });
         for (req, entry) in [(7, TrackEntry::Tracked { table: 5, child: 3 }), (8, TrackEntry::Granted { table: 5, child: 3 }), (9, TrackEntry::Fenced { table: 5, child: 3 })] {
-            let outs = core.handle(Input::Msg { from: peer, msg: Msg::Track { req, epoch: 1, parent: 3, entry } });
+            let outs = run(&mut core, Input::Msg { from: peer, msg: Msg::Track { req, epoch: 1, parent: 3, entry } });
             assert!(refused(&outs, req), "Track {entry:?} of parent 3: {outs:?}");
             assert_eq!(core.tracking_entry(3), None, "a hostile Track was recorded");
         }
-        let outs = core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Super { req: 10, epoch: 1, table: 5, parent: 3, child: 3 } });
+        let outs = run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Super { req: 10, epoch: 1, table: 5, parent: 3, child: 3 } });
         assert!(refused(&outs, 10), "Super 3 -> 3: {outs:?}");
         assert!(core.table_track(5).and_then(|t| t.current.as_ref()).is_none(), "a hostile Super was recorded: {:?}", core.table_track(5));
-        let outs = core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Gc { req: 11, epoch: 1, table: 5, parent: 3, child: 3, promoted: true } });
+        let outs = run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Gc { req: 11, epoch: 1, table: 5, parent: 3, child: 3, promoted: true } });
         assert!(refused(&outs, 11), "Gc 3 -> 3: {outs:?}");
         assert_eq!(core.tracking_entry(3), None, "a hostile Gc fenced the volume");
     }

@@ -106,6 +106,8 @@ struct Inner {
     next_call: CallId,
     /// The map epoch last pushed to the shards.
     pushed_epoch: Epoch,
+    /// The cores' monotonic clock counts from here.
+    started: Instant,
 }
 
 /// Shared handle of the running service: the driver of [`MetaCore`].
@@ -160,8 +162,10 @@ pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Res
         calls: HashMap::new(),
         next_call: 1,
         pushed_epoch,
+        started: Instant::now(),
     };
-    let meta = Meta { inner: Arc::new(Mutex::new(inner)), opts: Arc::new(opts), started: Instant::now() };
+    let started = inner.started;
+    let meta = Meta { inner: Arc::new(Mutex::new(inner)), opts: Arc::new(opts), started };
     if let Some(addr) = meta.opts.metrics {
         let l = TcpListener::bind(addr).await.with_context(|| format!("cannot serve metrics on {addr}"))?;
         let m = meta.clone();
@@ -194,7 +198,8 @@ impl Inner {
     fn pump(&mut self, input: MetaInput) {
         let mut inputs = VecDeque::from([input]);
         while let Some(input) = inputs.pop_front() {
-            for out in self.core.handle(input) {
+            self.core.handle(self.started.elapsed().as_micros() as u64, input);
+            for out in self.core.take_outputs() {
                 match out {
                     MetaOutput::Reply { call, resp } => {
                         if let Some(tx) = self.calls.remove(&call) {
@@ -288,8 +293,7 @@ impl Meta {
         let mut iv = tokio::time::interval(Duration::from_millis(META_TICK_MS));
         loop {
             iv.tick().await;
-            let now_us = self.started.elapsed().as_micros() as u64;
-            self.inner.lock().unwrap().pump(MetaInput::Tick { now_us, unix_ms: now_unix_ms() });
+            self.inner.lock().unwrap().pump(MetaInput::Tick { unix_ms: now_unix_ms() });
         }
     }
 
