@@ -32,7 +32,38 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::proto::{CollapseRec, Job, Layout, MetaReq, MetaResp, MetaState, VolumeRec, MAX_COLLAPSE_RECORDS};
+use crate::core::membership::{mark_all_down_after_restart, Membership, MembershipConfig};
 use crate::types::*;
+
+/// The metadata service's two cores as a start makes them, from its saved state (`None`: a new
+/// service): what the driver must save before feeding them anything (`save`: the state with
+/// every shard marked down, see [`mark_all_down_after_restart`], or a new service's first
+/// state), the metadata core over it, and the membership core over its map. The tokio driver
+/// and the simulation's restarts both start this way.
+pub struct ServiceStart {
+    pub save: Option<MetaState>,
+    pub core: MetaCore,
+    pub members: Membership,
+}
+
+/// See [`ServiceStart`]. `replicas`: a new service's replication factor; `now_us`: the driver's
+/// clock; `req_base`: see [`MetaCore::new`].
+pub fn start_service(loaded: Option<MetaState>, replicas: u32, cfg: MetaCoreConfig, member_cfg: MembershipConfig, now_us: u64, req_base: ReqId) -> ServiceStart {
+    let (state, save) = match loaded {
+        Some(mut s) => {
+            // Nobody is known alive after a restart: every shard registers again.
+            let changed = mark_all_down_after_restart(&mut s.map);
+            let save = changed.then(|| s.clone());
+            (s, save)
+        }
+        None => {
+            let s = MetaState::new(replicas);
+            (s.clone(), Some(s))
+        }
+    };
+    let members = Membership::new(member_cfg, state.map.clone(), now_us);
+    ServiceStart { save, core: MetaCore::new(cfg, state, req_base), members }
+}
 
 /// Who asked: the driver numbers its control requests and routes the reply back.
 pub type CallId = u64;
@@ -997,6 +1028,16 @@ impl MetaCore {
                 self.job = Some(JobRun::All(a));
                 return;
             }
+            if !every_slot_has_a_primary(&self.durable.map) {
+                // Only the primaries (up shards) collect, each its slots on its replicas; a
+                // slot with no up shard is collected by nobody, and its shards recover from
+                // peers that kept its objects too. So a round counts only at an epoch where
+                // every slot has a primary; until then it is asked again. (After a restart of
+                // the service every shard is down, then recovering: a round with the first one
+                // alone ended GC with nothing collected — sim seeds 163, 176, 251.)
+                a.retry_at_us = Some(self.now_us + self.cfg.retry_after_us * 2);
+                return;
+            }
             let Some(JobRun::All(a)) = self.job.take() else { unreachable!() };
             match a.job {
                 Job::Gc { table, child, .. } => {
@@ -1129,6 +1170,14 @@ fn ensure(ok: bool, msg: String) -> Result<(), String> {
 
 /// The answer to a repeated `collapse` of `child`, if its collapse was decided (and `child`
 /// is still the volume it promoted, or gone after a rejection).
+/// Whether every slot's placement holds an up shard (its primary): no shard is recovering, and
+/// fewer are down than a placement holds shards (`replicas` distinct ones, or all if fewer).
+fn every_slot_has_a_primary(map: &ClusterMap) -> bool {
+    let down = map.shards.iter().filter(|s| s.state == ShardState::Down).count();
+    let per_placement = (map.replicas as usize).min(map.shards.len());
+    !map.shards.iter().any(|s| s.state == ShardState::Recovering) && down < per_placement
+}
+
 /// The rules one [`MetaState`] keeps (see [`MetaCore::check_invariants`]): `Err((rule, detail))`.
 fn check_state(s: &MetaState) -> Result<(), (&'static str, String)> {
     let mut ids = BTreeSet::new();

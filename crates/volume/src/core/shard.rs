@@ -1747,7 +1747,13 @@ impl ShardCore {
         let me = map.state(self.cfg.id);
         self.map = Some(map);
         self.synced.clear();
-        // Stop waiting for shards now down; re-address everything else at the new epoch.
+        // Stop waiting for shards now down; re-address everything else at the new epoch. The
+        // operations that waited go on only after those whose slot we no longer lead are failed
+        // (below): a write that waited only for replicas now down must not be acknowledged by
+        // a shard that no longer leads its slot (the map of a restarted metadata service marks
+        // every shard down; an acknowledgement then was lost when another in-sync replica led
+        // the slot first — sim seed 22).
+        let mut unblocked: Vec<OpId> = vec![];
         let reqs: Vec<ReqId> = self.outstanding.keys().copied().collect();
         for req in reqs {
             let epoch = self.epoch();
@@ -1760,7 +1766,7 @@ impl ShardCore {
                     if let Some(op) = self.ops.get_mut(&op) {
                         op.waits.remove(&req);
                     }
-                    self.advance(op);
+                    unblocked.push(op);
                 }
                 continue;
             }
@@ -1824,6 +1830,11 @@ impl ShardCore {
             }
             self.advance(op_id);
         }
+        for op_id in unblocked {
+            if self.ops.contains_key(&op_id) {
+                self.advance(op_id);
+            }
+        }
         if me == ShardState::Recovering && self.recovery.as_ref().is_none_or(|r| r.epoch != self.epoch()) {
             self.start_recovery();
         }
@@ -1862,8 +1873,6 @@ impl ShardCore {
         let epoch = self.epoch();
         // Requests of an abandoned round: their replies must not count in the new one.
         self.outstanding.retain(|_, o| o.owner != Owner::Recovery);
-        // Our tracking list may be stale: rebuild it from the live shards' lists.
-        self.entries.clear();
         // Objects written here by their primary during the last round are current only if that
         // round ran at the epoch just before this one: with an epoch missed in between (say, we
         // were marked down, and missed writes, in a map we never saw) they may be stale, and
@@ -1874,6 +1883,13 @@ impl ShardCore {
             .as_ref()
             .map(|m| m.shards.iter().filter(|s| s.state == ShardState::Up && s.id != self.cfg.id).map(|s| s.id).collect())
             .unwrap_or_default();
+        // Our tracking list may be stale: rebuild it from the live shards' lists. With none up
+        // (every shard was marked down: a restart of the metadata service, of the whole
+        // cluster) ours may be the only copy, kept as objects are: clearing it unfenced
+        // promoted parents and untracked superposed ones (sim seed 110).
+        if !peers.is_empty() {
+            self.entries.clear();
+        }
         self.recovery = Some(Recovery {
             epoch,
             listing: peers.iter().map(|p| (*p, None)).collect(),

@@ -28,8 +28,8 @@ use tokio::net::{TcpListener, TcpStream};
 use std::sync::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::core::membership::{mark_all_down_after_restart, LinkId, MemberInput, MemberOutput, Membership, MembershipConfig};
-use crate::core::meta::{CallId, MetaCore, MetaCoreConfig, MetaInput, MetaOutput};
+use crate::core::membership::{LinkId, MemberInput, MemberOutput, Membership, MembershipConfig};
+use crate::core::meta::{start_service, CallId, MetaCore, MetaCoreConfig, MetaInput, MetaOutput, ServiceStart};
 use crate::driver::shard::writer_loop;
 use crate::types::*;
 
@@ -135,23 +135,13 @@ pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
 /// Runs the metadata service on a bound listener (`opts.listen` is ignored).
 pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Result<()> {
     let store = FileMetaStore::new(&opts.dir)?;
-    let state = match store.load()? {
-        Some(mut s) => {
-            if mark_all_down_after_restart(&mut s.map) {
-                store.save(&s)?;
-            }
-            s
-        }
-        None => {
-            let s = MetaState::new(opts.replicas);
-            store.save(&s)?;
-            s
-        }
-    };
-    let pushed_epoch = state.map.epoch;
     let member_cfg = MembershipConfig { ping_interval_us: opts.ping_interval_ms * 1000, down_after_us: opts.down_after_ms * 1000 };
-    let members = Membership::new(member_cfg, state.map.clone(), 0);
-    let core = MetaCore::new(MetaCoreConfig::default(), state, rand::random::<u64>() >> 20);
+    let ServiceStart { save, core, members } =
+        start_service(store.load()?, opts.replicas, MetaCoreConfig::default(), member_cfg, 0, rand::random::<u64>() >> 20);
+    if let Some(s) = save {
+        store.save(&s)?;
+    }
+    let pushed_epoch = core.durable().map.epoch;
     let inner = Inner {
         core,
         members,
