@@ -1468,6 +1468,58 @@ mod tests {
         assert!(c.is_idle());
     }
 
+    /// After a restart every shard is down, then recovering one by one: a GC round answered by
+    /// the first shard back (which leads no slot) must not end the job, or nobody collects.
+    #[test]
+    fn a_gc_round_counts_only_when_every_slot_has_an_up_primary() {
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        let outs = req(&mut c, 2, MetaReq::Super { parent: "p".into(), child: "c".into() }, true);
+        let [(t, Msg::Super { req: r, .. })] = sent(&outs)[..] else { panic!("{outs:?}") };
+        run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        let outs = req(&mut c, 3, MetaReq::Collapse { child: "c".into() }, true);
+        let [(t, Msg::Collapse { req: r, .. })] = sent(&outs)[..] else { panic!("{outs:?}") };
+        run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Collapse(CollapseOutcome::Promoted)) }, true);
+        // The service restarts (the GC job is saved): every shard down, then shard 1 is back.
+        let member_cfg = MembershipConfig { ping_interval_us: 5_000, down_after_us: 20_000 };
+        let start = start_service(Some(c.durable().clone()), 3, MetaCoreConfig::default(), member_cfg, 0, 1_000);
+        let mut c = start.core;
+        let mut m = c.durable().map.clone();
+        assert!(m.shards.iter().all(|s| s.state == ShardState::Down), "{m:?}");
+        m.epoch += 1;
+        m.shards[0].state = ShardState::Recovering;
+        run(&mut c, MetaInput::SetMap(m.clone()), true);
+        let mut now = 1_000;
+        let mut answered = 0;
+        for _ in 0..20 {
+            now += 1_000_000;
+            let outs = run_at(&mut c, now, MetaInput::Tick { unix_ms: 0 }, true);
+            for (to, msg) in sent(&outs) {
+                assert!(!matches!(msg, Msg::EndSuper { .. }), "GC ended with only shard 1 back");
+                if let Msg::Gc { req, .. } = msg {
+                    answered += 1;
+                    let outs = run(&mut c, MetaInput::ShardReply { from: to, req, result: Ok(ReplyBody::Done) }, true);
+                    assert!(!sent(&outs).iter().any(|(_, m)| matches!(m, Msg::EndSuper { .. })), "GC ended with only shard 1 back: {outs:?}");
+                }
+            }
+        }
+        assert!(answered > 0, "no GC round ran");
+        // Every shard back up: the next round ends the job.
+        m.epoch += 1;
+        for sh in &mut m.shards {
+            sh.state = ShardState::Up;
+        }
+        run(&mut c, MetaInput::SetMap(m), true);
+        let outs = run_at(&mut c, now + 1_000_000, MetaInput::Tick { unix_ms: 0 }, true);
+        let mut end = vec![];
+        for (to, msg) in sent(&outs) {
+            if let Msg::Gc { req, .. } = msg {
+                end.extend(sent(&run(&mut c, MetaInput::ShardReply { from: to, req, result: Ok(ReplyBody::Done) }, true)));
+            }
+        }
+        assert!(matches!(end[..], [(_, Msg::EndSuper { .. })]), "no GC round once every shard was up, then the end of the super: {end:?}, round {:?}", sent(&outs));
+    }
+
     /// Registers `c` as a super child of `p` and returns the durable state as a crash after the
     /// child's record was saved would leave it (the tracking shard not told yet).
     fn crashed_after_recording_super() -> MetaState {
