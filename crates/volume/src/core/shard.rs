@@ -2167,6 +2167,87 @@ mod tests {
         assert_eq!(core.tracking_entry(3), None, "a hostile Gc fenced the volume");
     }
 
+    /// A shard recovering while no other is up (a restarted metadata service marked every shard
+    /// down) keeps its tracking list: it may be the only copy; clearing it unfenced promoted
+    /// parents (sim seed 110).
+    #[test]
+    fn a_recovery_with_no_shard_up_keeps_the_tracking_list() {
+        let fenced = TrackEntry::Fenced { table: 5, child: 9 };
+        let state = postcard::to_allocvec(&SavedState { entries: vec![(3, fenced)], retired: vec![3] }).unwrap();
+        let mut core = ShardCore::new(ShardConfig::new(1), Boot { state: Some(state), ..Boot::default() });
+        let mut map = ClusterMap {
+            epoch: 7,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Down, in_sync: true }).collect(),
+        };
+        map.shards[0].state = ShardState::Recovering;
+        let outs = run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        // Nobody to list: it caught up at once.
+        assert!(outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Recovered { epoch: 7, .. }, .. })), "{outs:?}");
+        assert_eq!(core.tracking_entry(3), Some(fenced), "the tracking list was cleared with no peer to rebuild it from");
+    }
+
+    /// A write waiting only for replicas that a new map marks down is not acknowledged when the
+    /// same map no longer lets this shard lead its slot (a restarted metadata service marks
+    /// every shard down): the client retries at the slot's next primary. Acknowledged here, the
+    /// write was lost when another in-sync replica led the slot first (sim seed 22).
+    #[test]
+    fn a_write_is_not_acknowledged_by_a_shard_the_new_map_does_not_let_lead() {
+        let mut map = ClusterMap {
+            epoch: 1,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
+        };
+        let slot = Slot { table: 5, objno: 0 };
+        let me = map.primary(slot).unwrap();
+        let mut core = ShardCore::new(ShardConfig::new(me), Boot::default());
+        run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map.clone()) });
+        let vol = VolRef { id: 5, table: 5, object_size_bytes: 65536, parent: None };
+        let write = Msg::Io { req: 77, epoch: 1, vol, objno: 0, op: IoOp::Write { offset: 0, data: vec![7; 65536] } };
+        let mut pending = run(&mut core, Input::Msg { from: Peer::Client(1), msg: write });
+        // Run its disk commands (and the slot sync's), never answering the replicas.
+        let mut replies = vec![];
+        for _ in 0..20 {
+            let mut next = vec![];
+            for o in pending {
+                match o {
+                    Output::Disk { id, cmd } => {
+                        let result = match cmd {
+                            DiskCmd::Read { len, .. } => Ok(DiskOut::Data(vec![0; len as usize])),
+                            DiskCmd::ReadAll { .. } => Ok(DiskOut::Data(vec![])),
+                            _ => Ok(DiskOut::Done),
+                        };
+                        next.extend(run(&mut core, Input::Disk { id, result }));
+                    }
+                    Output::Send { to: Peer::Shard(s), msg } if request_id(&msg).is_some() && matches!(msg, Msg::SlotVersions { .. }) => {
+                        // The replicas hold nothing of the slot.
+                        let req = request_id(&msg).unwrap();
+                        let body = ReplyBody::Objects { objects: vec![], tracks: vec![], retired: vec![], more: false };
+                        next.extend(run(&mut core, Input::Msg { from: Peer::Shard(s), msg: Msg::Reply { req, result: Ok(body) } }));
+                    }
+                    Output::Send { to: Peer::Client(_), msg: Msg::Reply { result, .. } } => replies.push(result),
+                    Output::Send { .. } => {}
+                }
+            }
+            pending = next;
+        }
+        assert!(replies.is_empty(), "answered before its replicas: {replies:?}");
+        // Every shard down: this one no longer leads the slot.
+        map.epoch = 2;
+        for sh in &mut map.shards {
+            sh.state = ShardState::Down;
+        }
+        let outs = run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        let replies: Vec<&Result<ReplyBody, IoErr>> = outs
+            .iter()
+            .filter_map(|o| match o {
+                Output::Send { to: Peer::Client(1), msg: Msg::Reply { req: 77, result } } => Some(result),
+                _ => None,
+            })
+            .collect();
+        assert!(matches!(replies[..], [Err(IoErr::NotPrimary)]), "{replies:?}");
+    }
+
     /// The invariant checks can fail: a core whose state breaks one panics naming it.
     #[test]
     fn check_invariants_names_a_broken_invariant() {
