@@ -321,13 +321,15 @@ impl CoreHarness {
 
     /// Feeds one message and runs what it causes.
     pub fn feed(&mut self, from: Peer, msg: Msg) {
-        let mut pending = self.core.handle(Input::Msg { from, msg });
+        self.core.handle(self.now_us, Input::Msg { from, msg });
+        let mut pending = self.core.take_outputs();
         for _ in 0..MAX_STEPS_PER_MESSAGE {
             let Some(out) = pending.pop() else { break };
             match out {
                 Output::Disk { id, cmd } => {
                     let result = self.store.run(cmd);
-                    pending.extend(self.core.handle(Input::Disk { id, result }));
+                    self.core.handle(self.now_us, Input::Disk { id, result });
+                    pending.extend(self.core.take_outputs());
                 }
                 Output::Send { to, msg } => {
                     match (&to, &msg) {
@@ -346,12 +348,14 @@ impl CoreHarness {
             }
         }
         self.now_us += 50_000;
-        let ticks = self.core.handle(Input::Tick { now_us: self.now_us });
+        self.core.handle(self.now_us, Input::Tick);
+        let ticks = self.core.take_outputs();
         // Resends after the tick are sends only; any disk command they start runs next time.
         for out in ticks {
             if let Output::Disk { id, cmd } = out {
                 let result = self.store.run(cmd);
-                let _ = self.core.handle(Input::Disk { id, result });
+                self.core.handle(self.now_us, Input::Disk { id, result });
+                let _ = self.core.take_outputs();
             }
         }
     }

@@ -37,7 +37,8 @@ impl Cluster {
             .map(|id| (ShardCore::new(ShardConfig::new(id), Boot::default()), FileStore::simulated(SimFs::new()).unwrap()))
             .collect();
         for (core, _) in shards.iter_mut() {
-            assert!(core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Map(map.clone()) }).is_empty());
+            core.handle(0, Input::Msg { from: Peer::Meta, msg: Msg::Map(map.clone()) });
+            assert!(core.take_outputs().is_empty());
         }
         Cluster { shards, map, next_req: 1 << 50 }
     }
@@ -53,7 +54,8 @@ impl Cluster {
             let mut inputs = VecDeque::from([Input::Msg { from, msg }]);
             while let Some(input) = inputs.pop_front() {
                 let (core, store) = &mut self.shards[to as usize];
-                let outs = core.handle(input);
+                core.handle(0, input);
+                let outs = core.take_outputs();
                 core.check_invariants_deep();
                 for out in outs {
                     match out {

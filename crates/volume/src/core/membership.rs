@@ -375,6 +375,12 @@ impl Membership {
         }
     }
 
+    /// [`Self::check_invariants`]: this core has no check too costly for every input (the one
+    /// API of the volume's cores, see [`crate::core`]).
+    pub fn check_invariants_deep(&self) {
+        self.check_invariants();
+    }
+
     /// Panics if an invariant of the module doc does not hold. Run after every input in debug
     /// builds.
     pub fn check_invariants(&self) {

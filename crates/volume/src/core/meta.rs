@@ -32,7 +32,38 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::proto::{CollapseRec, Job, Layout, MetaReq, MetaResp, MetaState, VolumeRec, MAX_COLLAPSE_RECORDS};
+use crate::core::membership::{mark_all_down_after_restart, Membership, MembershipConfig};
 use crate::types::*;
+
+/// The metadata service's two cores as a start makes them, from its saved state (`None`: a new
+/// service): what the driver must save before feeding them anything (`save`: the state with
+/// every shard marked down, see [`mark_all_down_after_restart`], or a new service's first
+/// state), the metadata core over it, and the membership core over its map. The tokio driver
+/// and the simulation's restarts both start this way.
+pub struct ServiceStart {
+    pub save: Option<MetaState>,
+    pub core: MetaCore,
+    pub members: Membership,
+}
+
+/// See [`ServiceStart`]. `replicas`: a new service's replication factor; `now_us`: the driver's
+/// clock; `req_base`: see [`MetaCore::new`].
+pub fn start_service(loaded: Option<MetaState>, replicas: u32, cfg: MetaCoreConfig, member_cfg: MembershipConfig, now_us: u64, req_base: ReqId) -> ServiceStart {
+    let (state, save) = match loaded {
+        Some(mut s) => {
+            // Nobody is known alive after a restart: every shard registers again.
+            let changed = mark_all_down_after_restart(&mut s.map);
+            let save = changed.then(|| s.clone());
+            (s, save)
+        }
+        None => {
+            let s = MetaState::new(replicas);
+            (s.clone(), Some(s))
+        }
+    };
+    let members = Membership::new(member_cfg, state.map.clone(), now_us);
+    ServiceStart { save, core: MetaCore::new(cfg, state, req_base), members }
+}
 
 /// Who asked: the driver numbers its control requests and routes the reply back.
 pub type CallId = u64;
@@ -66,8 +97,9 @@ pub enum MetaInput {
     ShardReply { from: ShardId, req: ReqId, result: Result<ReplyBody, IoErr> },
     /// The save `seq` is durable (`Ok`) or failed.
     Saved { seq: u64, result: Result<(), String> },
-    /// The driver's clock (`now_us`: monotonic; `unix_ms`: wall time for creation stamps).
-    Tick { now_us: u64, unix_ms: u64 },
+    /// The resend and retry clock (the monotonic time comes with every input, as
+    /// [`MetaCore::handle`]'s `now_us`); `unix_ms`: wall time, for creation stamps.
+    Tick { unix_ms: u64 },
     /// The driver changed the cluster map (shard registration, liveness); it is saved like
     /// every change and becomes durable — and so visible in [`MetaCore::durable`] — after.
     SetMap(ClusterMap),
@@ -212,6 +244,8 @@ pub struct MetaCore {
     job: Option<JobRun>,
     next_req: ReqId,
     out: Vec<MetaOutput>,
+    /// The durable map's epoch as of the last invariant check (it never goes back).
+    checked_epoch: Epoch,
 }
 
 impl MetaCore {
@@ -237,8 +271,12 @@ impl MetaCore {
             job: None,
             next_req: req_base,
             out: vec![],
+            checked_epoch: 0,
         };
         core.resume = resume;
+        core.checked_epoch = core.durable.map.epoch;
+        #[cfg(debug_assertions)]
+        core.check_invariants();
         core
     }
 
@@ -258,13 +296,25 @@ impl MetaCore {
             && self.state.jobs.is_empty()
     }
 
-    pub fn handle(&mut self, input: MetaInput) -> Vec<MetaOutput> {
+    /// The outputs of the inputs handled since the last call, in order.
+    pub fn take_outputs(&mut self) -> Vec<MetaOutput> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// Feeds one input at `now_us` (the driver's monotonic clock, µs; read at
+    /// [`MetaInput::Tick`]s, an earlier time than one seen before counts as that one); its
+    /// outputs wait in [`Self::take_outputs`].
+    pub fn handle(&mut self, now_us: u64, input: MetaInput) {
+        if let MetaInput::Tick { .. } = input {
+            // The clock advances at ticks only (deadlines and resends count from the last
+            // tick), as before every input carried the time.
+            self.now_us = self.now_us.max(now_us);
+        }
         match input {
             MetaInput::Request { call, req } => self.on_request(call, req),
             MetaInput::ShardReply { from, req, result } => self.on_reply(from, req, result),
             MetaInput::Saved { seq, result } => self.on_saved(seq, result),
-            MetaInput::Tick { now_us, unix_ms } => {
-                self.now_us = self.now_us.max(now_us);
+            MetaInput::Tick { unix_ms } => {
                 self.unix_ms = unix_ms;
                 self.on_tick();
             }
@@ -290,7 +340,73 @@ impl MetaCore {
         }
         self.maybe_start_job();
         self.flush();
-        std::mem::take(&mut self.out)
+        #[cfg(debug_assertions)]
+        self.check_invariants();
+        self.checked_epoch = self.durable.map.epoch;
+    }
+
+    /// Panics, naming the invariant and the state, if the core breaks a rule of the module doc:
+    /// in the current and in the durable state, one superposition per volume (a parent and its
+    /// one super child name each other, in one table), the tracking/GC hand-off (a collapse's
+    /// loser is gone from the records while its GC job is listed, a promoted child reads
+    /// through its parent only until that job ends, no super child in a table being collected);
+    /// one map per epoch (the durable epoch never goes back, the current map is the durable one
+    /// or newer); durability (a change waits only for the save in flight, a super child is
+    /// answered only once confirmed); requests queue only behind a running control operation.
+    /// O(volumes + jobs): run after every input in debug builds and every simulation step.
+    pub fn check_invariants(&self) {
+        let broken = |what: &str, state: String| -> ! { panic!("metadata core: invariant `{what}` broken: {state}") };
+        for (which, st) in [("state", &self.state), ("durable", &self.durable)] {
+            if let Err((what, detail)) = check_state(st) {
+                broken(what, format!("{which}: {detail}; {st:?}"));
+            }
+        }
+        // One map per epoch.
+        let (cur, dur) = (&self.state.map, &self.durable.map);
+        if dur.epoch < self.checked_epoch {
+            broken("the durable map's epoch never goes back", format!("{} -> {}", self.checked_epoch, dur.epoch));
+        }
+        if cur.epoch < dur.epoch || (cur.epoch == dur.epoch && cur != dur) {
+            broken("one map per epoch", format!("current {cur:?}, durable {dur:?}"));
+        }
+        // Durability: changes are held for one save at a time; outputs of an unchanged batch
+        // leave at once.
+        if self.next.changed && self.saving.is_none() {
+            broken("a change waits only for the save in flight", "changes pending, no save in flight".into());
+        }
+        if !self.next.changed && (!self.next.outputs.is_empty() || !self.next.then.is_empty()) {
+            broken("outputs are held only for a save", format!("{:?} held with nothing to save", self.next.outputs));
+        }
+        if let Some((seq, _, _)) = &self.saving {
+            if *seq != self.save_seq {
+                broken("the save in flight is the latest", format!("saving {seq}, last issued {}", self.save_seq));
+            }
+        }
+        for o in &self.out {
+            if let MetaOutput::Reply { resp: MetaResp::Volume(v), .. } = o {
+                if v.super_pending {
+                    broken("a super child is answered only once the tracking shard confirmed it", format!("{v:?}"));
+                }
+            }
+        }
+        if !self.queue.is_empty() && self.control.is_none() {
+            broken("requests queue only behind a running control operation", format!("{} queued", self.queue.len()));
+        }
+        if let Some(JobRun::All(AllAsk { job, .. }) | JobRun::EndSuper { job, .. }) = &self.job {
+            if !self.state.jobs.contains(job) {
+                broken("a running job is listed", format!("{job:?} runs, listed: {:?}", self.state.jobs));
+            }
+        }
+    }
+
+    /// [`Self::check_invariants`] and the check that every change of the state is saved: with
+    /// no save in flight and none pending, the state is the durable one. O(state) (a compare of
+    /// the whole state): the simulation and the unit tests call it after every input.
+    pub fn check_invariants_deep(&self) {
+        self.check_invariants();
+        if self.saving.is_none() && !self.next.changed && self.state != self.durable {
+            panic!("metadata core: invariant `every change of the state is saved` broken: state {:?}, durable {:?}", self.state, self.durable);
+        }
     }
 
     // ---- saving -------------------------------------------------------------------------------
@@ -912,6 +1028,16 @@ impl MetaCore {
                 self.job = Some(JobRun::All(a));
                 return;
             }
+            if !every_slot_has_a_primary(&self.durable.map) {
+                // Only the primaries (up shards) collect, each its slots on its replicas; a
+                // slot with no up shard is collected by nobody, and its shards recover from
+                // peers that kept its objects too. So a round counts only at an epoch where
+                // every slot has a primary; until then it is asked again. (After a restart of
+                // the service every shard is down, then recovering: a round with the first one
+                // alone ended GC with nothing collected — sim seeds 163, 176, 251.)
+                a.retry_at_us = Some(self.now_us + self.cfg.retry_after_us * 2);
+                return;
+            }
             let Some(JobRun::All(a)) = self.job.take() else { unreachable!() };
             match a.job {
                 Job::Gc { table, child, .. } => {
@@ -1044,6 +1170,70 @@ fn ensure(ok: bool, msg: String) -> Result<(), String> {
 
 /// The answer to a repeated `collapse` of `child`, if its collapse was decided (and `child`
 /// is still the volume it promoted, or gone after a rejection).
+/// Whether every slot's placement holds an up shard (its primary): no shard is recovering, and
+/// fewer are down than a placement holds shards (`replicas` distinct ones, or all if fewer).
+fn every_slot_has_a_primary(map: &ClusterMap) -> bool {
+    let down = map.shards.iter().filter(|s| s.state == ShardState::Down).count();
+    let per_placement = (map.replicas as usize).min(map.shards.len());
+    !map.shards.iter().any(|s| s.state == ShardState::Recovering) && down < per_placement
+}
+
+/// The rules one [`MetaState`] keeps (see [`MetaCore::check_invariants`]): `Err((rule, detail))`.
+fn check_state(s: &MetaState) -> Result<(), (&'static str, String)> {
+    let mut ids = BTreeSet::new();
+    for (name, v) in &s.volumes {
+        if *name != v.name {
+            return Err(("a volume is listed under its name", format!("{name:?} lists {:?}", v.name)));
+        }
+        if !ids.insert(v.vol.id) || v.vol.id >= s.next_id {
+            return Err(("volume ids are unique and issued", format!("{name:?} has id {} (next {})", v.vol.id, s.next_id)));
+        }
+        if let Some(c) = &v.super_child {
+            // One superposition per volume: its child names it back, in its table.
+            let ok = c != name
+                && v.super_parent.is_none()
+                && s.volumes.get(c).is_some_and(|cr| cr.super_parent.as_ref() == Some(name) && cr.vol.parent == Some(v.vol.id) && cr.vol.table == v.vol.table);
+            if !ok {
+                return Err(("a super parent and its one child name each other", format!("{name:?} -> {c:?}: {:?}", s.volumes.get(c))));
+            }
+        }
+        if let Some(p) = &v.super_parent {
+            if s.volumes.get(p).and_then(|pr| pr.super_child.as_ref()) != Some(name) {
+                return Err(("a super child's parent names it as its child", format!("{name:?} -> {p:?}: {:?}", s.volumes.get(p))));
+            }
+            if s.jobs.iter().any(|j| matches!(j, Job::Gc { table, .. } if *table == v.vol.table)) {
+                return Err(("no super child in a table being garbage-collected", format!("{name:?} in table {}: {:?}", v.vol.table, s.jobs)));
+            }
+        } else if v.super_pending || v.collapsing {
+            return Err(("only a super child is pending or collapsing", format!("{name:?}: {v:?}")));
+        } else if let Some(pid) = v.vol.parent {
+            // A promoted child reads through its parent's objects until its GC moved them.
+            let collected = s.jobs.iter().any(|j| matches!(j, Job::Gc { parent, child, promoted: true, .. } if *parent == pid && *child == v.vol.id));
+            if !collected {
+                return Err(("a promoted child reads through its parent only while its GC job is listed", format!("{name:?}: {v:?}; jobs {:?}", s.jobs)));
+            }
+        }
+        if v.super_pending && v.collapsing {
+            return Err(("a pending super child is not collapsing", format!("{name:?}")));
+        }
+    }
+    let mut gc_tables = BTreeSet::new();
+    for j in &s.jobs {
+        if let Job::Gc { table, parent, child, promoted, .. } = *j {
+            // The collapse's loser is gone from the records; one GC per table at a time (a new
+            // super waits for the last one's).
+            let loser = if promoted { parent } else { child };
+            if parent == child || !gc_tables.insert(table) || ids.contains(&loser) {
+                return Err(("a GC job's loser is gone from the records, one GC per table", format!("{j:?}; jobs {:?}", s.jobs)));
+            }
+        }
+    }
+    if s.collapsed.len() > MAX_COLLAPSE_RECORDS {
+        return Err(("at most MAX_COLLAPSE_RECORDS decided collapses", format!("{}", s.collapsed.len())));
+    }
+    Ok(())
+}
+
 fn decided_collapse(s: &MetaState, child: &str) -> Option<MetaResp> {
     let r = s.collapsed.iter().rev().find(|r| r.child == child)?;
     let now = s.volumes.get(child);
@@ -1095,12 +1285,21 @@ mod tests {
         MetaCore::new(MetaCoreConfig::default(), MetaState::with_map(map()), 100)
     }
 
-    /// Feeds `input`; answers every save with `save_ok`; returns the other outputs.
+    /// Feeds `input` at the core's current time; answers every save with `save_ok`; returns
+    /// the other outputs.
     fn run(c: &mut MetaCore, input: MetaInput, save_ok: bool) -> Vec<MetaOutput> {
+        let now = c.now_us;
+        run_at(c, now, input, save_ok)
+    }
+
+    /// [`run`] at `now_us`.
+    fn run_at(c: &mut MetaCore, now_us: u64, input: MetaInput, save_ok: bool) -> Vec<MetaOutput> {
         let mut inputs = VecDeque::from([input]);
         let mut outs = vec![];
         while let Some(i) = inputs.pop_front() {
-            for o in c.handle(i) {
+            c.handle(now_us, i);
+            c.check_invariants_deep();
+            for o in c.take_outputs() {
                 match o {
                     MetaOutput::Save { seq, .. } => {
                         inputs.push_back(MetaInput::Saved { seq, result: if save_ok { Ok(()) } else { Err("disk full".into()) } })
@@ -1196,7 +1395,7 @@ mod tests {
         assert!(req(&mut c, 3, MetaReq::Delete { name: "p".into() }, true).is_empty());
         // A stale map: retried after the retry period under a new request id.
         assert!(run(&mut c, MetaInput::ShardReply { from: to, req: r, result: Err(IoErr::StaleEpoch(4)) }, true).is_empty());
-        let outs = run(&mut c, MetaInput::Tick { now_us: 60_000, unix_ms: 0 }, true);
+        let outs = run_at(&mut c, 60_000, MetaInput::Tick { unix_ms: 0 }, true);
         let s = sent(&outs);
         let [(_, Msg::Super { req: r2, .. })] = s[..] else { panic!("{s:?}") };
         assert_ne!(r2, r);
@@ -1249,7 +1448,7 @@ mod tests {
         m.epoch = 4;
         m.shards[3].state = ShardState::Down;
         run(&mut c, MetaInput::SetMap(m), true);
-        let outs = run(&mut c, MetaInput::Tick { now_us: 1_000, unix_ms: 0 }, true);
+        let outs = run_at(&mut c, 1_000, MetaInput::Tick { unix_ms: 0 }, true);
         let round: Vec<(ShardId, ReqId)> = sent(&outs)
             .into_iter()
             .filter_map(|(to, m)| match m {
@@ -1269,6 +1468,58 @@ mod tests {
         assert!(c.is_idle());
     }
 
+    /// After a restart every shard is down, then recovering one by one: a GC round answered by
+    /// the first shard back (which leads no slot) must not end the job, or nobody collects.
+    #[test]
+    fn a_gc_round_counts_only_when_every_slot_has_an_up_primary() {
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        let outs = req(&mut c, 2, MetaReq::Super { parent: "p".into(), child: "c".into() }, true);
+        let [(t, Msg::Super { req: r, .. })] = sent(&outs)[..] else { panic!("{outs:?}") };
+        run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Done) }, true);
+        let outs = req(&mut c, 3, MetaReq::Collapse { child: "c".into() }, true);
+        let [(t, Msg::Collapse { req: r, .. })] = sent(&outs)[..] else { panic!("{outs:?}") };
+        run(&mut c, MetaInput::ShardReply { from: t, req: r, result: Ok(ReplyBody::Collapse(CollapseOutcome::Promoted)) }, true);
+        // The service restarts (the GC job is saved): every shard down, then shard 1 is back.
+        let member_cfg = MembershipConfig { ping_interval_us: 5_000, down_after_us: 20_000 };
+        let start = start_service(Some(c.durable().clone()), 3, MetaCoreConfig::default(), member_cfg, 0, 1_000);
+        let mut c = start.core;
+        let mut m = c.durable().map.clone();
+        assert!(m.shards.iter().all(|s| s.state == ShardState::Down), "{m:?}");
+        m.epoch += 1;
+        m.shards[0].state = ShardState::Recovering;
+        run(&mut c, MetaInput::SetMap(m.clone()), true);
+        let mut now = 1_000;
+        let mut answered = 0;
+        for _ in 0..20 {
+            now += 1_000_000;
+            let outs = run_at(&mut c, now, MetaInput::Tick { unix_ms: 0 }, true);
+            for (to, msg) in sent(&outs) {
+                assert!(!matches!(msg, Msg::EndSuper { .. }), "GC ended with only shard 1 back");
+                if let Msg::Gc { req, .. } = msg {
+                    answered += 1;
+                    let outs = run(&mut c, MetaInput::ShardReply { from: to, req, result: Ok(ReplyBody::Done) }, true);
+                    assert!(!sent(&outs).iter().any(|(_, m)| matches!(m, Msg::EndSuper { .. })), "GC ended with only shard 1 back: {outs:?}");
+                }
+            }
+        }
+        assert!(answered > 0, "no GC round ran");
+        // Every shard back up: the next round ends the job.
+        m.epoch += 1;
+        for sh in &mut m.shards {
+            sh.state = ShardState::Up;
+        }
+        run(&mut c, MetaInput::SetMap(m), true);
+        let outs = run_at(&mut c, now + 1_000_000, MetaInput::Tick { unix_ms: 0 }, true);
+        let mut end = vec![];
+        for (to, msg) in sent(&outs) {
+            if let Msg::Gc { req, .. } = msg {
+                end.extend(sent(&run(&mut c, MetaInput::ShardReply { from: to, req, result: Ok(ReplyBody::Done) }, true)));
+            }
+        }
+        assert!(matches!(end[..], [(_, Msg::EndSuper { .. })]), "no GC round once every shard was up, then the end of the super: {end:?}, round {:?}", sent(&outs));
+    }
+
     /// Registers `c` as a super child of `p` and returns the durable state as a crash after the
     /// child's record was saved would leave it (the tracking shard not told yet).
     fn crashed_after_recording_super() -> MetaState {
@@ -1283,7 +1534,7 @@ mod tests {
 
     fn restart(state: MetaState) -> (MetaCore, Vec<MetaOutput>) {
         let mut c = MetaCore::new(MetaCoreConfig::default(), state, 1_000);
-        let outs = run(&mut c, MetaInput::Tick { now_us: 1, unix_ms: 0 }, true);
+        let outs = run_at(&mut c, 1, MetaInput::Tick { unix_ms: 0 }, true);
         (c, outs)
     }
 
@@ -1385,7 +1636,7 @@ mod tests {
         // The tracking shard stays silent past the deadline: the caller hears "not decided yet",
         // and the undecided collapse is recorded durably.
         let deadline = MetaCoreConfig::default().tracking_deadline_us;
-        let outs = run(&mut c, MetaInput::Tick { now_us: deadline + 1, unix_ms: 0 }, true);
+        let outs = run_at(&mut c, deadline + 1, MetaInput::Tick { unix_ms: 0 }, true);
         assert!(matches!(reply_of(&outs, 3), MetaResp::Err(e) if e.contains("not decided yet")));
         assert!(c.durable().volumes["c"].collapsing);
         assert!(!c.is_idle());
@@ -1397,7 +1648,7 @@ mod tests {
         let mut now = deadline + 1;
         while asks.len() < 3 {
             now += 100_000;
-            let outs = run(&mut c, MetaInput::Tick { now_us: now, unix_ms: 0 }, true);
+            let outs = run_at(&mut c, now, MetaInput::Tick { unix_ms: 0 }, true);
             asks.extend(collapses(&outs).into_iter().map(|a| (now, a)));
             assert!(now < deadline * 4, "no background attempts: {asks:?}");
         }
@@ -1429,5 +1680,34 @@ mod tests {
         assert_eq!(c.durable().volumes.keys().collect::<Vec<_>>(), ["p"]);
         // A volume that never was a super child still gets the clear error.
         assert!(matches!(reply_of(&req(&mut c, 5, MetaReq::Collapse { child: "p".into() }, true), 5), MetaResp::Err(e) if e.contains("not a super child")));
+    }
+
+    /// The invariant checks can fail: a core whose state breaks one panics naming it.
+    #[test]
+    fn check_invariants_names_a_broken_invariant() {
+        let broken = |c: MetaCore| {
+            let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.check_invariants_deep())).expect_err("the broken state passed");
+            e.downcast_ref::<String>().cloned().unwrap()
+        };
+        let mut c = core();
+        req(&mut c, 1, create("p"), true);
+        c.check_invariants_deep();
+        // A volume whose super child does not exist (two superpositions would look alike).
+        let mut c1 = core();
+        req(&mut c1, 1, create("p"), true);
+        c1.state.volumes.get_mut("p").unwrap().super_child = Some("ghost".into());
+        c1.durable = c1.state.clone();
+        let msg = broken(c1);
+        assert!(msg.contains("a super parent and its one child name each other"), "{msg}");
+        // Two maps with one epoch.
+        let mut c2 = core();
+        c2.state.map.shards[0].state = ShardState::Down;
+        let msg = broken(c2);
+        assert!(msg.contains("one map per epoch"), "{msg}");
+        // A change nobody saves.
+        let mut c3 = core();
+        c3.state.next_id += 1;
+        let msg = broken(c3);
+        assert!(msg.contains("every change of the state is saved"), "{msg}");
     }
 }

@@ -1,7 +1,8 @@
 //! The storage shard as a deterministic state machine (no I/O, no clock, no threads).
 //!
-//! Inputs are messages, completed disk commands and clock ticks; outputs are messages to send and
-//! disk commands to run. The tokio driver (`crate::driver::shard`) and the simulation tests run the same
+//! Inputs are messages, completed disk commands and clock ticks, each fed at the driver's clock
+//! ([`ShardCore::handle`]); outputs ([`ShardCore::take_outputs`]) are messages to send and disk
+//! commands to run. The tokio driver (`crate::driver::shard`) and the simulation tests run the same
 //! core. What it implements (SpecREDS §4.2–4.3, §5):
 //!
 //! * primary-copy replication: the acting primary of a slot applies a write locally and on every
@@ -31,11 +32,13 @@ pub enum Peer {
     Meta,
 }
 
+/// One input of [`ShardCore::handle`]; the time comes with every input (its `now_us`).
 #[derive(Debug)]
 pub enum Input {
     Msg { from: Peer, msg: Msg },
     Disk { id: u64, result: Result<DiskOut, DiskErr> },
-    Tick { now_us: u64 },
+    /// The resend period's clock: requests unanswered for `resend_after_us` go again.
+    Tick,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -419,20 +422,32 @@ impl ShardCore {
         self.recovery.as_ref().is_some_and(|r| !r.reported)
     }
 
-    /// Feeds one input and returns the outputs it produced.
-    pub fn handle(&mut self, input: Input) -> Vec<Output> {
+    /// Feeds one input at `now_us` (the driver's monotonic clock, µs; read at [`Input::Tick`]s,
+    /// an earlier time than one seen before counts as that one); its outputs wait in
+    /// [`Self::take_outputs`].
+    pub fn handle(&mut self, now_us: u64, input: Input) {
         #[cfg(debug_assertions)]
         let epoch_before = self.epoch();
+        if let Input::Tick = input {
+            // The clock advances at ticks only: request and report times count from the last
+            // tick, as they did before every input carried the time (a seeded simulation's
+            // schedule stays the same).
+            self.now_us = self.now_us.max(now_us);
+        }
         match input {
             Input::Msg { from, msg } => self.on_msg(from, msg),
             Input::Disk { id, result } => self.on_disk(id, result),
-            Input::Tick { now_us } => self.on_tick(now_us),
+            Input::Tick => self.on_tick(),
         }
         #[cfg(debug_assertions)]
         {
             assert!(self.epoch() >= epoch_before, "shard {}: invariant `the map epoch never decreases` broken: {epoch_before} -> {}", self.cfg.id, self.epoch());
             self.check_invariants();
         }
+    }
+
+    /// The outputs of the inputs handled since the last call, in order.
+    pub fn take_outputs(&mut self) -> Vec<Output> {
         std::mem::take(&mut self.out)
     }
 
@@ -665,6 +680,14 @@ impl ShardCore {
                     return;
                 }
             }
+        }
+        if let Some(e) = self_child(&msg) {
+            // Hostile (the metadata service never names a volume its own child): acting on it
+            // would track, fence or collect a volume against itself.
+            if let Some(req) = request_id(&msg) {
+                self.reply((from, req), Err(IoErr::BadRequest(e)));
+            }
+            return;
         }
         match msg {
             Msg::Map(map) => self.on_map(map),
@@ -1724,7 +1747,13 @@ impl ShardCore {
         let me = map.state(self.cfg.id);
         self.map = Some(map);
         self.synced.clear();
-        // Stop waiting for shards now down; re-address everything else at the new epoch.
+        // Stop waiting for shards now down; re-address everything else at the new epoch. The
+        // operations that waited go on only after those whose slot we no longer lead are failed
+        // (below): a write that waited only for replicas now down must not be acknowledged by
+        // a shard that no longer leads its slot (the map of a restarted metadata service marks
+        // every shard down; an acknowledgement then was lost when another in-sync replica led
+        // the slot first — sim seed 22).
+        let mut unblocked: Vec<OpId> = vec![];
         let reqs: Vec<ReqId> = self.outstanding.keys().copied().collect();
         for req in reqs {
             let epoch = self.epoch();
@@ -1737,7 +1766,7 @@ impl ShardCore {
                     if let Some(op) = self.ops.get_mut(&op) {
                         op.waits.remove(&req);
                     }
-                    self.advance(op);
+                    unblocked.push(op);
                 }
                 continue;
             }
@@ -1801,6 +1830,11 @@ impl ShardCore {
             }
             self.advance(op_id);
         }
+        for op_id in unblocked {
+            if self.ops.contains_key(&op_id) {
+                self.advance(op_id);
+            }
+        }
         if me == ShardState::Recovering && self.recovery.as_ref().is_none_or(|r| r.epoch != self.epoch()) {
             self.start_recovery();
         }
@@ -1809,8 +1843,7 @@ impl ShardCore {
         }
     }
 
-    fn on_tick(&mut self, now_us: u64) {
-        self.now_us = self.now_us.max(now_us);
+    fn on_tick(&mut self) {
         let due: Vec<ReqId> = self
             .outstanding
             .iter()
@@ -1840,8 +1873,6 @@ impl ShardCore {
         let epoch = self.epoch();
         // Requests of an abandoned round: their replies must not count in the new one.
         self.outstanding.retain(|_, o| o.owner != Owner::Recovery);
-        // Our tracking list may be stale: rebuild it from the live shards' lists.
-        self.entries.clear();
         // Objects written here by their primary during the last round are current only if that
         // round ran at the epoch just before this one: with an epoch missed in between (say, we
         // were marked down, and missed writes, in a map we never saw) they may be stale, and
@@ -1852,6 +1883,13 @@ impl ShardCore {
             .as_ref()
             .map(|m| m.shards.iter().filter(|s| s.state == ShardState::Up && s.id != self.cfg.id).map(|s| s.id).collect())
             .unwrap_or_default();
+        // Our tracking list may be stale: rebuild it from the live shards' lists. With none up
+        // (every shard was marked down: a restart of the metadata service, of the whole
+        // cluster) ours may be the only copy, kept as objects are: clearing it unfenced
+        // promoted parents and untracked superposed ones (sim seed 110).
+        if !peers.is_empty() {
+            self.entries.clear();
+        }
         self.recovery = Some(Recovery {
             epoch,
             listing: peers.iter().map(|p| (*p, None)).collect(),
@@ -2018,6 +2056,16 @@ impl ShardCore {
     }
 }
 
+/// Why `msg` is refused, if it names a volume as its own super child (`Track`, `Super`, `Gc`).
+fn self_child(msg: &Msg) -> Option<String> {
+    let (parent, child) = match *msg {
+        Msg::Track { parent, entry: TrackEntry::Tracked { child, .. } | TrackEntry::Granted { child, .. } | TrackEntry::Fenced { child, .. }, .. } => (parent, child),
+        Msg::Super { parent, child, .. } | Msg::Gc { parent, child, .. } => (parent, child),
+        _ => return None,
+    };
+    (parent == child).then(|| format!("volume {parent} named as its own super child: a super child is a new volume"))
+}
+
 /// The request id of a request message (`None` for messages that are not requests).
 pub fn request_id(m: &Msg) -> Option<ReqId> {
     Some(match m {
@@ -2046,6 +2094,12 @@ pub fn request_id(m: &Msg) -> Option<ReqId> {
 mod tests {
     use super::*;
 
+    /// Feeds one input (time does not matter here) and returns its outputs.
+    fn run(core: &mut ShardCore, input: Input) -> Vec<Output> {
+        core.handle(0, input);
+        core.take_outputs()
+    }
+
     fn prestocks(outs: &[Output]) -> Vec<DiskCmd> {
         outs.iter()
             .filter_map(|o| match o {
@@ -2063,9 +2117,9 @@ mod tests {
             replicas: 3,
             shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
         };
-        core.handle(Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
         let track = |req| Msg::Track { req, epoch: 1, parent: 3, entry: TrackEntry::Tracked { table: 5, child: 9 } };
-        let outs = core.handle(Input::Msg { from: Peer::Shard(2), msg: track(7) });
+        let outs = run(&mut core, Input::Msg { from: Peer::Shard(2), msg: track(7) });
         assert_eq!(prestocks(&outs), [DiskCmd::Prestock { table: 5, parent: 3 }]);
         // The reply waits for the saved tracking list only, never for the pre-stocking.
         let save = outs.iter().find_map(|o| match o {
@@ -2076,11 +2130,122 @@ mod tests {
             Output::Disk { id, cmd: DiskCmd::Prestock { .. } } => Some(*id),
             _ => None,
         });
-        assert!(core.handle(Input::Disk { id: hint.unwrap(), result: Ok(DiskOut::Done) }).is_empty());
-        let outs = core.handle(Input::Disk { id: save.unwrap(), result: Ok(DiskOut::Done) });
+        assert!(run(&mut core, Input::Disk { id: hint.unwrap(), result: Ok(DiskOut::Done) }).is_empty());
+        let outs = run(&mut core, Input::Disk { id: save.unwrap(), result: Ok(DiskOut::Done) });
         assert!(outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Reply { req: 7, result: Ok(_) }, .. })), "{outs:?}");
         // A retried super (the same child) does not stock again.
-        assert!(prestocks(&core.handle(Input::Msg { from: Peer::Shard(2), msg: track(8) })).is_empty());
+        assert!(prestocks(&run(&mut core, Input::Msg { from: Peer::Shard(2), msg: track(8) })).is_empty());
+    }
+
+    /// A peer's `Track`, `Super` or `Gc` naming a volume as its own super child is hostile (the
+    /// metadata service never makes one): refused with a clear error, and nothing is recorded.
+    #[test]
+    fn a_volume_named_as_its_own_super_child_is_refused() {
+        let map = ClusterMap {
+            epoch: 1,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
+        };
+        // The tracking primary of table 5, so `Super` is handled here.
+        let me = map.primary(track_key(5).slot()).unwrap();
+        let mut core = ShardCore::new(ShardConfig::new(me), Boot::default());
+        run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        let refused = |outs: &[Output], req: ReqId| {
+            outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Reply { req: r, result: Err(IoErr::BadRequest(e)) }, .. } if *r == req && e.contains("its own super child")))
+        };
+        let peer = Peer::Shard(if me == 1 { 2 } else { 1 });
+        for (req, entry) in [(7, TrackEntry::Tracked { table: 5, child: 3 }), (8, TrackEntry::Granted { table: 5, child: 3 }), (9, TrackEntry::Fenced { table: 5, child: 3 })] {
+            let outs = run(&mut core, Input::Msg { from: peer, msg: Msg::Track { req, epoch: 1, parent: 3, entry } });
+            assert!(refused(&outs, req), "Track {entry:?} of parent 3: {outs:?}");
+            assert_eq!(core.tracking_entry(3), None, "a hostile Track was recorded");
+        }
+        let outs = run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Super { req: 10, epoch: 1, table: 5, parent: 3, child: 3 } });
+        assert!(refused(&outs, 10), "Super 3 -> 3: {outs:?}");
+        assert!(core.table_track(5).and_then(|t| t.current.as_ref()).is_none(), "a hostile Super was recorded: {:?}", core.table_track(5));
+        let outs = run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Gc { req: 11, epoch: 1, table: 5, parent: 3, child: 3, promoted: true } });
+        assert!(refused(&outs, 11), "Gc 3 -> 3: {outs:?}");
+        assert_eq!(core.tracking_entry(3), None, "a hostile Gc fenced the volume");
+    }
+
+    /// A shard recovering while no other is up (a restarted metadata service marked every shard
+    /// down) keeps its tracking list: it may be the only copy; clearing it unfenced promoted
+    /// parents (sim seed 110).
+    #[test]
+    fn a_recovery_with_no_shard_up_keeps_the_tracking_list() {
+        let fenced = TrackEntry::Fenced { table: 5, child: 9 };
+        let state = postcard::to_allocvec(&SavedState { entries: vec![(3, fenced)], retired: vec![3] }).unwrap();
+        let mut core = ShardCore::new(ShardConfig::new(1), Boot { state: Some(state), ..Boot::default() });
+        let mut map = ClusterMap {
+            epoch: 7,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Down, in_sync: true }).collect(),
+        };
+        map.shards[0].state = ShardState::Recovering;
+        let outs = run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        // Nobody to list: it caught up at once.
+        assert!(outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Recovered { epoch: 7, .. }, .. })), "{outs:?}");
+        assert_eq!(core.tracking_entry(3), Some(fenced), "the tracking list was cleared with no peer to rebuild it from");
+    }
+
+    /// A write waiting only for replicas that a new map marks down is not acknowledged when the
+    /// same map no longer lets this shard lead its slot (a restarted metadata service marks
+    /// every shard down): the client retries at the slot's next primary. Acknowledged here, the
+    /// write was lost when another in-sync replica led the slot first (sim seed 22).
+    #[test]
+    fn a_write_is_not_acknowledged_by_a_shard_the_new_map_does_not_let_lead() {
+        let mut map = ClusterMap {
+            epoch: 1,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
+        };
+        let slot = Slot { table: 5, objno: 0 };
+        let me = map.primary(slot).unwrap();
+        let mut core = ShardCore::new(ShardConfig::new(me), Boot::default());
+        run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map.clone()) });
+        let vol = VolRef { id: 5, table: 5, object_size_bytes: 65536, parent: None };
+        let write = Msg::Io { req: 77, epoch: 1, vol, objno: 0, op: IoOp::Write { offset: 0, data: vec![7; 65536] } };
+        let mut pending = run(&mut core, Input::Msg { from: Peer::Client(1), msg: write });
+        // Run its disk commands (and the slot sync's), never answering the replicas.
+        let mut replies = vec![];
+        for _ in 0..20 {
+            let mut next = vec![];
+            for o in pending {
+                match o {
+                    Output::Disk { id, cmd } => {
+                        let result = match cmd {
+                            DiskCmd::Read { len, .. } => Ok(DiskOut::Data(vec![0; len as usize])),
+                            DiskCmd::ReadAll { .. } => Ok(DiskOut::Data(vec![])),
+                            _ => Ok(DiskOut::Done),
+                        };
+                        next.extend(run(&mut core, Input::Disk { id, result }));
+                    }
+                    Output::Send { to: Peer::Shard(s), msg } if request_id(&msg).is_some() && matches!(msg, Msg::SlotVersions { .. }) => {
+                        // The replicas hold nothing of the slot.
+                        let req = request_id(&msg).unwrap();
+                        let body = ReplyBody::Objects { objects: vec![], tracks: vec![], retired: vec![], more: false };
+                        next.extend(run(&mut core, Input::Msg { from: Peer::Shard(s), msg: Msg::Reply { req, result: Ok(body) } }));
+                    }
+                    Output::Send { to: Peer::Client(_), msg: Msg::Reply { result, .. } } => replies.push(result),
+                    Output::Send { .. } => {}
+                }
+            }
+            pending = next;
+        }
+        assert!(replies.is_empty(), "answered before its replicas: {replies:?}");
+        // Every shard down: this one no longer leads the slot.
+        map.epoch = 2;
+        for sh in &mut map.shards {
+            sh.state = ShardState::Down;
+        }
+        let outs = run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        let replies: Vec<&Result<ReplyBody, IoErr>> = outs
+            .iter()
+            .filter_map(|o| match o {
+                Output::Send { to: Peer::Client(1), msg: Msg::Reply { req: 77, result } } => Some(result),
+                _ => None,
+            })
+            .collect();
+        assert!(matches!(replies[..], [Err(IoErr::NotPrimary)]), "{replies:?}");
     }
 
     /// The invariant checks can fail: a core whose state breaks one panics naming it.

@@ -28,8 +28,8 @@ use tokio::net::{TcpListener, TcpStream};
 use std::sync::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::core::membership::{mark_all_down_after_restart, LinkId, MemberInput, MemberOutput, Membership, MembershipConfig};
-use crate::core::meta::{CallId, MetaCore, MetaCoreConfig, MetaInput, MetaOutput};
+use crate::core::membership::{LinkId, MemberInput, MemberOutput, Membership, MembershipConfig};
+use crate::core::meta::{start_service, CallId, MetaCore, MetaCoreConfig, MetaInput, MetaOutput, ServiceStart};
 use crate::driver::shard::writer_loop;
 use crate::types::*;
 
@@ -106,6 +106,8 @@ struct Inner {
     next_call: CallId,
     /// The map epoch last pushed to the shards.
     pushed_epoch: Epoch,
+    /// The cores' monotonic clock counts from here.
+    started: Instant,
 }
 
 /// Shared handle of the running service: the driver of [`MetaCore`].
@@ -133,23 +135,13 @@ pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
 /// Runs the metadata service on a bound listener (`opts.listen` is ignored).
 pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Result<()> {
     let store = FileMetaStore::new(&opts.dir)?;
-    let state = match store.load()? {
-        Some(mut s) => {
-            if mark_all_down_after_restart(&mut s.map) {
-                store.save(&s)?;
-            }
-            s
-        }
-        None => {
-            let s = MetaState::new(opts.replicas);
-            store.save(&s)?;
-            s
-        }
-    };
-    let pushed_epoch = state.map.epoch;
     let member_cfg = MembershipConfig { ping_interval_us: opts.ping_interval_ms * 1000, down_after_us: opts.down_after_ms * 1000 };
-    let members = Membership::new(member_cfg, state.map.clone(), 0);
-    let core = MetaCore::new(MetaCoreConfig::default(), state, rand::random::<u64>() >> 20);
+    let ServiceStart { save, core, members } =
+        start_service(store.load()?, opts.replicas, MetaCoreConfig::default(), member_cfg, 0, rand::random::<u64>() >> 20);
+    if let Some(s) = save {
+        store.save(&s)?;
+    }
+    let pushed_epoch = core.durable().map.epoch;
     let inner = Inner {
         core,
         members,
@@ -160,8 +152,10 @@ pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Res
         calls: HashMap::new(),
         next_call: 1,
         pushed_epoch,
+        started: Instant::now(),
     };
-    let meta = Meta { inner: Arc::new(Mutex::new(inner)), opts: Arc::new(opts), started: Instant::now() };
+    let started = inner.started;
+    let meta = Meta { inner: Arc::new(Mutex::new(inner)), opts: Arc::new(opts), started };
     if let Some(addr) = meta.opts.metrics {
         let l = TcpListener::bind(addr).await.with_context(|| format!("cannot serve metrics on {addr}"))?;
         let m = meta.clone();
@@ -194,7 +188,8 @@ impl Inner {
     fn pump(&mut self, input: MetaInput) {
         let mut inputs = VecDeque::from([input]);
         while let Some(input) = inputs.pop_front() {
-            for out in self.core.handle(input) {
+            self.core.handle(self.started.elapsed().as_micros() as u64, input);
+            for out in self.core.take_outputs() {
                 match out {
                     MetaOutput::Reply { call, resp } => {
                         if let Some(tx) = self.calls.remove(&call) {
@@ -288,8 +283,7 @@ impl Meta {
         let mut iv = tokio::time::interval(Duration::from_millis(META_TICK_MS));
         loop {
             iv.tick().await;
-            let now_us = self.started.elapsed().as_micros() as u64;
-            self.inner.lock().unwrap().pump(MetaInput::Tick { now_us, unix_ms: now_unix_ms() });
+            self.inner.lock().unwrap().pump(MetaInput::Tick { unix_ms: now_unix_ms() });
         }
     }
 

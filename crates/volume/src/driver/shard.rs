@@ -254,18 +254,16 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
     {
         let tx = tx.clone();
         tokio::spawn(async move {
-            let start = Instant::now();
             let mut iv = tokio::time::interval(Duration::from_millis(TICK_INTERVAL_MS));
             loop {
                 iv.tick().await;
-                let now_us = start.elapsed().as_micros() as u64;
-                if tx.send(CoreEvent::Input(Input::Tick { now_us })).await.is_err() {
+                if tx.send(CoreEvent::Input(Input::Tick)).await.is_err() {
                     return;
                 }
             }
         });
     }
-    core_loop(core, rx, tx, store, secret, opts.id, stats, opts.injected).await;
+    core_loop(core, rx, tx, store, secret, opts.id, stats, opts.injected, Instant::now()).await;
     Ok(())
 }
 
@@ -279,6 +277,8 @@ async fn core_loop(
     me: ShardId,
     stats: Arc<Stats>,
     injected: InjectedLatency,
+    // The core's clock (monotonic, µs since this instant), read as each input is handled.
+    start: Instant,
 ) {
     let mut clients: HashMap<u64, mpsc::Sender<Msg>> = HashMap::new();
     let mut peers: HashMap<ShardId, mpsc::Sender<Msg>> = HashMap::new();
@@ -306,11 +306,12 @@ async fn core_loop(
                             stats.disk_errors.fetch_add(1, Ordering::Relaxed);
                         }
                     }
-                    Input::Tick { .. } => {
+                    Input::Tick => {
                         *stats.core.lock().unwrap() = core.stats();
                     }
                 }
-                core.handle(input)
+                core.handle(start.elapsed().as_micros() as u64, input);
+                core.take_outputs()
             }
             CoreEvent::ClientConn(c, s) => {
                 clients.insert(c, s);
