@@ -343,10 +343,10 @@ pub enum KvBench {
     Recovery(eval::kv::recovery::KvRecoveryArgs),
     /// YCSB A-F and the TAO-like mix through the project's driver against a local group, with
     /// latency histograms, 100 ms throughput windows and, with --kill-at-s, a node killed and
-    /// recovered mid-run (see kv_ycsb.rs).
+    /// recovered mid-run (see eval::kv::ycsb).
     Ycsb(eval::kv::ycsb::KvYcsbArgs),
     /// A real ZooKeeper 3-server ensemble beside a HEAL group: one replica down for the same EFN
-    /// under the same write rate; catch-up time of each (see kv_zk.rs).
+    /// under the same write rate; catch-up time of each (see eval::kv::zookeeper).
     Zookeeper(eval::kv::zookeeper::KvZkArgs),
 }
 
