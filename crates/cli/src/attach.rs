@@ -57,6 +57,10 @@ pub struct AttachArgs {
 pub struct DetachArgs {
     /// The directory given to `volume attach --mount`.
     pub dir: PathBuf,
+    /// Accepted like every volume command's connection options (scripts pass them to all of
+    /// them); detach needs no cluster: it works from what `attach` left on this machine.
+    #[command(flatten)]
+    pub conn: crate::VolumeConn,
 }
 
 /// How long `attach` waits for its helper (mkfs.ext4 of a large volume takes a while).

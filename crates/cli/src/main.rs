@@ -175,10 +175,10 @@ impl VolumeConn {
 }
 
 impl VolumeCmd {
-    /// The connection options of a client command (the daemons, `up` and `detach` have none).
+    /// The connection options of a client command (the daemons and `up` have none).
     fn conn(&self) -> Option<&VolumeConn> {
         match self {
-            VolumeCmd::Up(_) | VolumeCmd::Meta(_) | VolumeCmd::Shard(_) | VolumeCmd::Nbd(_) | VolumeCmd::Detach(_) => None,
+            VolumeCmd::Up(_) | VolumeCmd::Meta(_) | VolumeCmd::Shard(_) | VolumeCmd::Nbd(_) => None,
             VolumeCmd::Status { conn, .. }
             | VolumeCmd::List { conn, .. }
             | VolumeCmd::Info { conn, .. }
@@ -189,6 +189,7 @@ impl VolumeCmd {
             VolumeCmd::Resize(a) => Some(&a.conn),
             VolumeCmd::Super(a) => Some(&a.conn),
             VolumeCmd::Attach(a) => Some(&a.conn),
+            VolumeCmd::Detach(a) => Some(&a.conn),
         }
     }
 }
@@ -493,6 +494,10 @@ mod tests {
         let both = conn_of(&["volume", "--cluster", "b.json", "--meta", "m:1", "collapse", "c", "--cluster", "a.json"]);
         assert_eq!(both.cluster.as_deref(), Some(std::path::Path::new("a.json")));
         assert_eq!(both.meta.as_deref(), Some("m:1"));
+        // Every client command takes them, even one that needs no cluster (scripts pass them to
+        // all): `volume detach DIR --cluster F` was refused once the options stopped being global.
+        let detach = conn_of(&["volume", "detach", "/mnt/x", "--cluster", "a.json"]);
+        assert_eq!(detach.cluster.as_deref(), Some(std::path::Path::new("a.json")));
         // A daemon's own --meta is the daemon's, not a connection option.
         match parse(&["volume", "nbd", "--meta", "127.0.0.1:9", "--secret-file", "s"]).cmd {
             Cmd::Volume { conn, cmd: VolumeCmd::Nbd(a) } => {
