@@ -583,7 +583,7 @@ impl World {
                 }
                 Output::Disk { id, cmd } => {
                     if std::env::var("SIM_TRACE").is_ok() {
-                        eprintln!("{} shard {s} disk issue {id} {:?}", self.now(), format!("{cmd:?}").chars().take(100).collect::<String>());
+                        eprintln!("{} shard {s} disk issue {id} {:?}", self.now(), format!("{cmd:?}").chars().take(if std::env::var("SIM_TRACE_FULL").is_ok() { usize::MAX } else { 100 }).collect::<String>());
                     }
                     let now = self.now();
                     let shard = &mut self.shards[s as usize];
@@ -623,7 +623,7 @@ impl World {
                 let Some(d) = self.net.receive(d) else { return true };
                 if std::env::var("SIM_TRACE_MSG").is_ok() {
                     let m = format!("{:?}", d.msg);
-                    eprintln!("{now} msg {} -> {}: {}", d.from, d.to, &m[..m.len().min(160)]);
+                    eprintln!("{now} msg {} -> {}: {}", d.from, d.to, &m[..m.len().min(if std::env::var("SIM_TRACE_FULL").is_ok() { usize::MAX } else { 160 })]);
                 }
                 match d.to {
                     META => self.meta_receive(d.from, d.msg),
@@ -640,7 +640,7 @@ impl World {
                     let cmd = sh.inflight.remove(&id).expect("a disk command in flight");
                     let result = sh.store.as_ref().expect("a running shard has its store").run(cmd);
                     if std::env::var("SIM_TRACE").is_ok() {
-                        eprintln!("{now} shard {shard} disk result {id}: {:?}", format!("{result:?}").chars().take(100).collect::<String>());
+                        eprintln!("{now} shard {shard} disk result {id}: {:?}", format!("{result:?}").chars().take(if std::env::var("SIM_TRACE_FULL").is_ok() { usize::MAX } else { 100 }).collect::<String>());
                     }
                     self.run_core(shard, Input::Disk { id, result });
                 }
