@@ -1834,6 +1834,12 @@ impl ShardCore {
                 *waiting_permission = false;
                 need_full.clear();
             }
+            // Copies a sync is reading for its replicas are not sent once read: the replicas
+            // refuse a shard that no longer leads the slot (a retryable error, so the sync
+            // waited for ever, holding the slot's lock: sim seed 373).
+            if let Kind::SlotSync { reads, .. } = &mut op.kind {
+                reads.clear();
+            }
             for p in self.permissions.values_mut() {
                 p.waiters.retain(|w| *w != op_id);
             }
@@ -2317,6 +2323,55 @@ mod tests {
             matches!(installs[..], [DiskCmd::Apply { version: v, op: RepOp::Put { data: d }, .. }] if *v == version && *d == data),
             "the pulled object was not installed: {outs:?}"
         );
+    }
+
+    /// A new primary's slot sync that a new map ends (we no longer lead the slot) while it reads
+    /// a copy to send a replica sends nothing when the read completes: it finishes, failed, and
+    /// frees the slot. Sending it, the sync waited for ever on a replica that refuses a
+    /// non-primary (a retryable error, resent every tick) and held the slot's lock, blocking a
+    /// garbage collection there and so another shard's recovery pull (sim seed 373).
+    #[test]
+    fn a_slot_sync_ended_by_a_new_map_sends_nothing_once_its_read_completes() {
+        let mut map = ClusterMap {
+            epoch: 1,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
+        };
+        let slot = Slot { table: 5, objno: 0 };
+        let me = map.primary(slot).unwrap();
+        let key = ObjKey { table: 5, objno: 0, owner: 5 };
+        let boot = Boot { objects: vec![(key, Version { epoch: 1, seq: 1 })], ..Boot::default() };
+        let mut core = ShardCore::new(ShardConfig::new(me), boot);
+        run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map.clone()) });
+        // A read at the new primary syncs the slot first.
+        let vol = VolRef { id: 5, table: 5, object_size_bytes: 65536, parent: None };
+        let read = Msg::Io { req: 77, epoch: 1, vol, objno: 0, op: IoOp::Read { offset: 0, len: 4096 } };
+        let outs = run(&mut core, Input::Msg { from: Peer::Client(1), msg: read });
+        // The replicas hold nothing of the slot: ours is read to be sent to them.
+        let mut reads = vec![];
+        for o in outs {
+            if let Output::Send { to: Peer::Shard(s), msg: msg @ Msg::SlotVersions { .. } } = o {
+                let req = request_id(&msg).unwrap();
+                let body = ReplyBody::Objects { objects: vec![], tracks: vec![], retired: vec![], more: false };
+                for o in run(&mut core, Input::Msg { from: Peer::Shard(s), msg: Msg::Reply { req, result: Ok(body) } }) {
+                    if let Output::Disk { id, cmd: DiskCmd::ReadAll { .. } } = o {
+                        reads.push(id);
+                    }
+                }
+            }
+        }
+        assert!(!reads.is_empty(), "no copy read for the replicas");
+        // A new map: another shard leads the slot.
+        map.epoch = 2;
+        map.shards.iter_mut().find(|s| s.id == me).unwrap().state = ShardState::Down;
+        run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        let mut sent = vec![];
+        for id in reads {
+            sent.extend(run(&mut core, Input::Disk { id, result: Ok(DiskOut::Data(vec![1; 4096])) }));
+        }
+        let syncs = sent.iter().filter(|o| matches!(o, Output::Send { msg: Msg::RepSync { .. }, .. })).count();
+        assert_eq!(syncs, 0, "a sync this shard no longer leads sent its copy to the replicas");
+        assert_eq!(core.ops_in_flight(), 0, "the ended sync (or the read behind it) still holds the slot: {}", core.debug_ops());
     }
 
     /// The invariant checks can fail: a core whose state breaks one panics naming it.
