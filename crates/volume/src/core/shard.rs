@@ -773,12 +773,15 @@ impl ShardCore {
                 if let Err(e) = self.check_epoch(epoch).and_then(|_| self.check_sender_is_primary(from, slot)) {
                     return self.reply((from, req), Err(e));
                 }
+                // After the collect we hold no copy of `gone`, as the primary: a pull of it
+                // answering later must not bring it back. Whether `to` is current here is known
+                // only when the collect runs (`run_task`): it is if the collect moves our copy
+                // of `gone` into it, not when we hold no copy to move (then the primary's `to`,
+                // listed and pulled, must still be installed: sim seed 17).
                 if let Some(r) = &mut self.recovery {
-                    for owner in std::iter::once(gone).chain(to) {
-                        let key = ObjKey { table: slot.table, objno: slot.objno, owner };
-                        r.touched.insert(key);
-                        r.stale.remove(&key);
-                    }
+                    let key = ObjKey { table: slot.table, objno: slot.objno, owner: gone };
+                    r.touched.insert(key);
+                    r.stale.remove(&key);
                 }
                 self.start_tasks(Some((from, req)), vec![Task::Collect { slot, from: gone, to, replicate: false }], false);
             }
@@ -1445,6 +1448,12 @@ impl ShardCore {
                     Some(heir) if !self.objects.contains_key(&heir) => Some(DiskCmd::Rename { from: key, to: heir }),
                     _ => Some(DiskCmd::Delete { key }),
                 };
+                if let (Some(DiskCmd::Rename { to: heir, .. }), Some(r)) = (&cmd, &mut self.recovery) {
+                    // The primary's collect moves our copy into the heir, as it did its own:
+                    // a replicated write to the heir, current as the copy moved was.
+                    r.touched.insert(*heir);
+                    r.stale.remove(heir);
+                }
                 // Nothing of `from` here, in a slot whose replicas were made equal to ours (the
                 // check above): every change since flowed through us, so they hold none either.
                 if cmd.is_none() {
@@ -1824,6 +1833,12 @@ impl ShardCore {
             if let Kind::Write { waiting_permission, need_full, .. } = &mut op.kind {
                 *waiting_permission = false;
                 need_full.clear();
+            }
+            // Copies a sync is reading for its replicas are not sent once read: the replicas
+            // refuse a shard that no longer leads the slot (a retryable error, so the sync
+            // waited for ever, holding the slot's lock: sim seed 373).
+            if let Kind::SlotSync { reads, .. } = &mut op.kind {
+                reads.clear();
             }
             for p in self.permissions.values_mut() {
                 p.waiters.retain(|w| *w != op_id);
@@ -2246,6 +2261,117 @@ mod tests {
             })
             .collect();
         assert!(matches!(replies[..], [Err(IoErr::NotPrimary)]), "{replies:?}");
+    }
+
+    /// A recovering replica told to collect a slot (`RepCollect`, `from` into `to`) while it
+    /// holds neither copy gains nothing from the collect: the primary's `to`, which the replica
+    /// listed and pulls, is still installed when the pull answers. Counted as current because
+    /// of the collect, the pull was dropped and the replica came up without the object; once it
+    /// led the slot it deleted the other replicas' copies, losing acknowledged writes (sim
+    /// seed 17).
+    #[test]
+    fn a_collect_that_moves_nothing_here_does_not_stop_a_recovery_pull() {
+        let slot = Slot { table: 1, objno: 2 };
+        let mut map = ClusterMap {
+            epoch: 3,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
+        };
+        let primary = map.primary(slot).unwrap();
+        let me = map.placement(slot).into_iter().find(|s| *s != primary).unwrap();
+        map.shards.iter_mut().find(|s| s.id == me).unwrap().state = ShardState::Recovering;
+        let mut core = ShardCore::new(ShardConfig::new(me), Boot::default());
+        let (gone, heir) = (1, 2);
+        let to_key = ObjKey { table: slot.table, objno: slot.objno, owner: heir };
+        let version = Version { epoch: 2, seq: 1 };
+        let mut outs = run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        // Every peer lists; the primary lists the collected object (already renamed there).
+        let mut pull = None;
+        for _ in 0..5 {
+            let mut next = vec![];
+            for o in std::mem::take(&mut outs) {
+                match o {
+                    Output::Send { to: Peer::Shard(p), msg: Msg::ListObjects { req, .. } } => {
+                        let objects = if p == primary { vec![(to_key, version)] } else { vec![] };
+                        let body = ReplyBody::Objects { objects, tracks: vec![], retired: vec![], more: false };
+                        next.extend(run(&mut core, Input::Msg { from: Peer::Shard(p), msg: Msg::Reply { req, result: Ok(body) } }));
+                    }
+                    Output::Send { to: Peer::Shard(p), msg: Msg::Pull { req, key, .. } } if key == to_key => pull = Some((p, req)),
+                    Output::Disk { id, .. } => next.extend(run(&mut core, Input::Disk { id, result: Ok(DiskOut::Done) })),
+                    _ => {}
+                }
+            }
+            outs = next;
+        }
+        let (from, pull_req) = pull.expect("the listed object is pulled");
+        assert_eq!(from, primary);
+        // The primary's collect reaches us before the pull's answer: we hold no copy of `gone`.
+        let collect = Msg::RepCollect { req: 90, epoch: 3, slot, from: gone, to: Some(heir) };
+        let outs = run(&mut core, Input::Msg { from: Peer::Shard(primary), msg: collect });
+        assert!(outs.iter().any(|o| matches!(o, Output::Send { msg: Msg::Reply { req: 90, result: Ok(_) }, .. })), "{outs:?}");
+        let data = vec![7u8; 4096];
+        let answer = Msg::Reply { req: pull_req, result: Ok(ReplyBody::Object { version, data: data.clone() }) };
+        let outs = run(&mut core, Input::Msg { from: Peer::Shard(primary), msg: answer });
+        let installs: Vec<&DiskCmd> = outs
+            .iter()
+            .filter_map(|o| match o {
+                Output::Disk { cmd: cmd @ DiskCmd::Apply { key, .. }, .. } if *key == to_key => Some(cmd),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            matches!(installs[..], [DiskCmd::Apply { version: v, op: RepOp::Put { data: d }, .. }] if *v == version && *d == data),
+            "the pulled object was not installed: {outs:?}"
+        );
+    }
+
+    /// A new primary's slot sync that a new map ends (we no longer lead the slot) while it reads
+    /// a copy to send a replica sends nothing when the read completes: it finishes, failed, and
+    /// frees the slot. Sending it, the sync waited for ever on a replica that refuses a
+    /// non-primary (a retryable error, resent every tick) and held the slot's lock, blocking a
+    /// garbage collection there and so another shard's recovery pull (sim seed 373).
+    #[test]
+    fn a_slot_sync_ended_by_a_new_map_sends_nothing_once_its_read_completes() {
+        let mut map = ClusterMap {
+            epoch: 1,
+            replicas: 3,
+            shards: (1..=4).map(|id| ShardInfo { id, addr: String::new(), state: ShardState::Up, in_sync: true }).collect(),
+        };
+        let slot = Slot { table: 5, objno: 0 };
+        let me = map.primary(slot).unwrap();
+        let key = ObjKey { table: 5, objno: 0, owner: 5 };
+        let boot = Boot { objects: vec![(key, Version { epoch: 1, seq: 1 })], ..Boot::default() };
+        let mut core = ShardCore::new(ShardConfig::new(me), boot);
+        run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map.clone()) });
+        // A read at the new primary syncs the slot first.
+        let vol = VolRef { id: 5, table: 5, object_size_bytes: 65536, parent: None };
+        let read = Msg::Io { req: 77, epoch: 1, vol, objno: 0, op: IoOp::Read { offset: 0, len: 4096 } };
+        let outs = run(&mut core, Input::Msg { from: Peer::Client(1), msg: read });
+        // The replicas hold nothing of the slot: ours is read to be sent to them.
+        let mut reads = vec![];
+        for o in outs {
+            if let Output::Send { to: Peer::Shard(s), msg: msg @ Msg::SlotVersions { .. } } = o {
+                let req = request_id(&msg).unwrap();
+                let body = ReplyBody::Objects { objects: vec![], tracks: vec![], retired: vec![], more: false };
+                for o in run(&mut core, Input::Msg { from: Peer::Shard(s), msg: Msg::Reply { req, result: Ok(body) } }) {
+                    if let Output::Disk { id, cmd: DiskCmd::ReadAll { .. } } = o {
+                        reads.push(id);
+                    }
+                }
+            }
+        }
+        assert!(!reads.is_empty(), "no copy read for the replicas");
+        // A new map: another shard leads the slot.
+        map.epoch = 2;
+        map.shards.iter_mut().find(|s| s.id == me).unwrap().state = ShardState::Down;
+        run(&mut core, Input::Msg { from: Peer::Meta, msg: Msg::Map(map) });
+        let mut sent = vec![];
+        for id in reads {
+            sent.extend(run(&mut core, Input::Disk { id, result: Ok(DiskOut::Data(vec![1; 4096])) }));
+        }
+        let syncs = sent.iter().filter(|o| matches!(o, Output::Send { msg: Msg::RepSync { .. }, .. })).count();
+        assert_eq!(syncs, 0, "a sync this shard no longer leads sent its copy to the replicas");
+        assert_eq!(core.ops_in_flight(), 0, "the ended sync (or the read behind it) still holds the slot: {}", core.debug_ops());
     }
 
     /// The invariant checks can fail: a core whose state breaks one panics naming it.
