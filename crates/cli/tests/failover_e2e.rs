@@ -42,7 +42,7 @@ fn step(what: &str) {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    wire::ports::free_loopback_port().unwrap()
 }
 
 /// How long a case waits for anything at most (generous: CI machines are slow and shared).

@@ -163,8 +163,7 @@ impl Drop for CephCluster {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot bind a free loopback port")?;
-    Ok(l.local_addr()?.port())
+    wire::ports::free_loopback_port().context("cannot find a free loopback port")
 }
 
 fn random16() -> [u8; 16] {

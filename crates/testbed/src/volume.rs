@@ -78,11 +78,9 @@ fn port_in_use_error(port: u16, what: &str, e: std::io::Error) -> anyhow::Error 
     }
 }
 
-/// Picks `n` distinct free loopback ports.
+/// Picks `n` distinct free loopback ports (below the ephemeral range: see `wire::ports`).
 fn free_ports(n: usize) -> anyhow::Result<Vec<u16>> {
-    let listeners: Vec<TcpListener> =
-        (0..n).map(|_| TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>().context("cannot find free ports")?;
-    Ok(listeners.iter().map(|l| l.local_addr().unwrap().port()).collect())
+    wire::ports::free_loopback_ports(n).context("cannot find free ports")
 }
 
 impl LocalCluster {

@@ -9,6 +9,7 @@
 pub mod auth;
 pub mod listen;
 pub mod metrics;
+pub mod ports;
 
 use serde::{de::DeserializeOwned, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};

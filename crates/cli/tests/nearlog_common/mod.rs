@@ -158,7 +158,7 @@ pub fn recover_through_shim(log: &Path, env: impl Fn(&mut Command)) -> Vec<u8> {
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    wire::ports::free_loopback_port().unwrap()
 }
 
 /// A SQLite writer (WAL, synchronous=FULL, no automatic checkpoints): for each line `N` on

@@ -22,7 +22,7 @@ struct RunResult {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(wire::ports::free_loopback_port()?)
 }
 
 fn narrate(e: &serde_json::Value) {

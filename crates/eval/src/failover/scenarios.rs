@@ -223,7 +223,7 @@ struct Mon {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(wire::ports::free_loopback_port()?)
 }
 
 impl Mon {

@@ -318,7 +318,7 @@ fn parse_attach_steps(line: &str) -> Vec<(String, f64)> {
 }
 
 fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    wire::ports::free_loopback_port()
 }
 
 fn tail(path: &Path, lines: usize) -> String {
