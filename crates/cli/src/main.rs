@@ -151,8 +151,9 @@ impl ConnArgs {
 /// command (not global: the daemons under `volume` have their own `--meta` and `--secret-file`).
 #[derive(Args, Debug, Clone, Default)]
 pub struct VolumeConn {
-    /// The cluster file written by `understudy volume up`.
-    #[arg(long, env = "UNDERSTUDY_CLUSTER", value_name = "FILE")]
+    /// The cluster file written by `understudy volume up` [default: $UNDERSTUDY_CLUSTER, else
+    /// ./understudy-data/cluster.json].
+    #[arg(long, value_name = "FILE")]
     pub cluster: Option<PathBuf>,
     /// Address of the metadata service (instead of the one in the cluster file).
     #[arg(long, value_name = "ADDR")]
@@ -164,10 +165,21 @@ pub struct VolumeConn {
 
 impl VolumeConn {
     /// The options given after the command, each falling back to the one given before it
-    /// (`volume --cluster F create …`).
+    /// (`volume --cluster F create …`), the cluster file then to $UNDERSTUDY_CLUSTER.
     fn over(&self, before: &VolumeConn) -> ConnArgs {
+        self.over_env(before, std::env::var_os("UNDERSTUDY_CLUSTER"))
+    }
+
+    /// [`Self::over`] with the environment's cluster file given: an option on the command line,
+    /// before or after the command, beats the variable (with `env` on the options at both levels
+    /// the variable filled the command's own option and beat an explicit one before it).
+    fn over_env(&self, before: &VolumeConn, env_cluster: Option<std::ffi::OsString>) -> ConnArgs {
         ConnArgs {
-            cluster: self.cluster.clone().or_else(|| before.cluster.clone()),
+            cluster: self
+                .cluster
+                .clone()
+                .or_else(|| before.cluster.clone())
+                .or_else(|| env_cluster.filter(|v| !v.is_empty()).map(PathBuf::from)),
             meta: self.meta.clone().or_else(|| before.meta.clone()),
             secret_file: self.secret_file.clone().or_else(|| before.secret_file.clone()),
         }
@@ -494,6 +506,19 @@ mod tests {
         let both = conn_of(&["volume", "--cluster", "b.json", "--meta", "m:1", "collapse", "c", "--cluster", "a.json"]);
         assert_eq!(both.cluster.as_deref(), Some(std::path::Path::new("a.json")));
         assert_eq!(both.meta.as_deref(), Some("m:1"));
+        // An option given on the command line, before or after the command, beats
+        // $UNDERSTUDY_CLUSTER; the variable fills in only where neither names a cluster file.
+        let parsed = |args: &[&str]| match parse(args).cmd {
+            Cmd::Volume { conn, cmd } => (cmd.conn().cloned().unwrap_or_default(), conn),
+            other => panic!("{other:?}"),
+        };
+        let env = Some(std::ffi::OsString::from("env.json"));
+        let (after, before) = parsed(&["volume", "--cluster", "b.json", "list"]);
+        assert_eq!(after.over_env(&before, env.clone()).cluster.as_deref(), Some(std::path::Path::new("b.json")));
+        let (after, before) = parsed(&["volume", "list", "--cluster", "a.json"]);
+        assert_eq!(after.over_env(&before, env.clone()).cluster.as_deref(), Some(std::path::Path::new("a.json")));
+        let (after, before) = parsed(&["volume", "list"]);
+        assert_eq!(after.over_env(&before, env).cluster.as_deref(), Some(std::path::Path::new("env.json")));
         // Every client command takes them, even one that needs no cluster (scripts pass them to
         // all): `volume detach DIR --cluster F` was refused once the options stopped being global.
         let detach = conn_of(&["volume", "detach", "/mnt/x", "--cluster", "a.json"]);
