@@ -91,24 +91,11 @@ impl KvClient {
     }
 
     pub async fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
-        match self.call(ClientOp::Get { key: key.to_vec() }).await? {
-            ClientResult::Value(v) => Ok(v),
-            other => Err(refusal(other)),
-        }
+        value_of(self.call(get_op(key)).await?)
     }
 
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
-        match self
-            .call(ClientOp::Put {
-                key: key.to_vec(),
-                value: value.to_vec(),
-                scope: None,
-            })
-            .await?
-        {
-            ClientResult::Done => Ok(()),
-            other => Err(refusal(other)),
-        }
+        done_of(self.call(put_op(key, value)).await?)
     }
 
     pub fn is_closed(&self) -> bool {
@@ -237,24 +224,11 @@ impl KvCluster {
     }
 
     pub async fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
-        match self.call(ClientOp::Get { key: key.to_vec() }).await? {
-            ClientResult::Value(v) => Ok(v),
-            other => Err(refusal(other)),
-        }
+        value_of(self.call(get_op(key)).await?)
     }
 
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
-        match self
-            .call(ClientOp::Put {
-                key: key.to_vec(),
-                value: value.to_vec(),
-                scope: None,
-            })
-            .await?
-        {
-            ClientResult::Done => Ok(()),
-            other => Err(refusal(other)),
-        }
+        done_of(self.call(put_op(key, value)).await?)
     }
 }
 
@@ -264,4 +238,29 @@ pub struct KvClusterFile {
     pub model: String,
     pub nodes: BTreeMap<NodeId, SocketAddr>,
     pub secret_file: PathBuf,
+}
+
+// A get and a put as requests and answers, one definition for both clients (a `KvClient` on one
+// node, a `KvCluster` that goes on to the next node): only how a request travels differs.
+
+fn get_op(key: &[u8]) -> ClientOp {
+    ClientOp::Get { key: key.to_vec() }
+}
+
+fn put_op(key: &[u8], value: &[u8]) -> ClientOp {
+    ClientOp::Put { key: key.to_vec(), value: value.to_vec(), scope: None }
+}
+
+fn value_of(result: ClientResult) -> Result<Option<Vec<u8>>, KvError> {
+    match result {
+        ClientResult::Value(v) => Ok(v),
+        other => Err(refusal(other)),
+    }
+}
+
+fn done_of(result: ClientResult) -> Result<(), KvError> {
+    match result {
+        ClientResult::Done => Ok(()),
+        other => Err(refusal(other)),
+    }
 }
