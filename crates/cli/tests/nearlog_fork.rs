@@ -480,11 +480,11 @@ fn plain_files_do_not_wait_behind_a_stalled_log_write() {
             }
         }
     }
+    let _cont = Cont(stopped.clone());
     for &p in &stopped {
-        // SAFETY: stops a peer this test started.
-        unsafe { libc::kill(p, libc::SIGSTOP) };
+        // Stopped for certain before the write: a peer still running answers it.
+        assert!(testbed::proc::pause(p as u32, std::time::Duration::from_secs(10)), "log peer {p} did not stop within 10 s");
     }
-    let _cont = Cont(stopped);
     child.0.stdin.take().unwrap().write_all(b"go\n").unwrap();
     let line = lines.next().expect("the program ended early").unwrap();
     eprintln!("{line}");

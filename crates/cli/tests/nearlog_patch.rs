@@ -57,10 +57,9 @@ fn a_peer_that_falls_behind_is_patched_with_what_it_lacks() {
     step("4096");
     // Peer 3 stops; the writer goes on past its 16 MiB retransmit buffer and drops it.
     let stopped = peers[2].0.id() as i32;
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(stopped, libc::SIGSTOP) };
+    assert!(testbed::proc::pause(stopped as u32, Duration::from_secs(10)), "log peer 3 did not stop within 10 s");
     step("20480");
-    // SAFETY: as above (the guard's SIGKILL also ends a stopped process).
+    // SAFETY: signalling our own child (the guard's SIGKILL also ends a stopped process).
     unsafe { libc::kill(stopped, libc::SIGCONT) };
     // It runs again behind: the writer's next writes find it and resync it.
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -87,6 +87,41 @@ fn group_alive(pgid: u32) -> bool {
     })
 }
 
+/// SIGSTOPs `pid` and waits, at most `timeout`, until every one of its threads is stopped.
+/// kill(2) only queues the signal: each thread stops when it next runs, which on a loaded
+/// machine can be milliseconds later, and until then it still answers requests (a test that
+/// stopped two of three log peers and wrote at once saw its write acknowledged by a peer that
+/// had not stopped yet). Returns whether all threads stopped in time.
+pub fn pause(pid: u32, timeout: Duration) -> bool {
+    if !signal(pid, libc::SIGSTOP) {
+        return false;
+    }
+    let deadline = Instant::now() + timeout;
+    while !all_threads_stopped(pid) {
+        if Instant::now() >= deadline || !alive(pid) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    true
+}
+
+/// Whether every thread of `pid` is in the stopped state (`T`; `t` is a tracing stop).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    let mut any = false;
+    for task in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { continue };
+        // The state follows the parenthesised command name.
+        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+        if !matches!(state, Some('T' | 't')) {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
 /// Whether a process with this pid exists (and is not a zombie).
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -335,5 +370,30 @@ mod tests {
         assert!(alive(child));
         drop(app);
         assert!(!alive(child), "the application's child {child} outlived it");
+    }
+
+    /// A paused multi-threaded process (the test binary's own child: python with two threads)
+    /// has every thread stopped when `pause` returns; a process that is gone is no pause.
+    #[test]
+    fn pause_returns_once_every_thread_stopped() {
+        let mut c = Command::new("python3");
+        c.arg("-c").arg("import threading, time\nthreading.Thread(target=lambda: time.sleep(60), daemon=True).start()\nprint('up', flush=True)\ntime.sleep(60)");
+        let mut child = KillOnDrop(c.stdout(Stdio::piped()).spawn().unwrap());
+        let mut line = String::new();
+        BufReader::new(child.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let pid = child.0.id();
+        assert!(!all_threads_stopped(pid));
+        assert!(pause(pid, Duration::from_secs(10)));
+        assert!(all_threads_stopped(pid));
+        assert_eq!(std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().count(), 2, "python runs two threads");
+        assert!(signal(pid, libc::SIGCONT));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while all_threads_stopped(pid) {
+            assert!(Instant::now() < deadline, "SIGCONT did not resume it");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(signal(pid, libc::SIGKILL));
+        child.0.wait().unwrap();
+        assert!(!pause(pid, Duration::from_millis(100)), "a reaped process cannot be paused");
     }
 }
