@@ -25,6 +25,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// How long one member may take to answer a request. etcd answers within its own request
 /// timeout or says it has no leader; a member cut off from quorum may just wait.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long one member may take to renew a lease before the next is tried: renewals are small
+/// and frequent (a third of the TTL), and a holder that waits on one stuck member for longer
+/// could let its TTL pass while another member would have answered.
+const KEEPALIVE_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long one operation may try members before it reports them unavailable.
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -134,6 +138,11 @@ impl Etcd {
     /// POSTs `body` to `path` on the members in turn until one answers (or `retry` forbids
     /// another try), within `deadline` (default: [`OPERATION_TIMEOUT`] from now).
     async fn call(&self, path: &str, body: &Value, retry: Retry, deadline: Option<Instant>) -> Result<(String, Value)> {
+        self.call_with(path, body, retry, deadline, REQUEST_TIMEOUT).await
+    }
+
+    /// [`Etcd::call`] with `attempt` as the time one member may take to answer.
+    async fn call_with(&self, path: &str, body: &Value, retry: Retry, deadline: Option<Instant>, attempt: Duration) -> Result<(String, Value)> {
         let started = Instant::now();
         let deadline = deadline.unwrap_or(started + OPERATION_TIMEOUT);
         let body = serde_json::to_vec(body).expect("JSON values encode");
@@ -154,7 +163,7 @@ impl Etcd {
             i += 1;
             let endpoint = &self.endpoints[idx];
             let left = deadline.saturating_duration_since(Instant::now());
-            let outcome = http::post(endpoint, path, &body, CONNECT_TIMEOUT.min(left), REQUEST_TIMEOUT.min(left).max(Duration::from_millis(1))).await;
+            let outcome = http::post(endpoint, path, &body, CONNECT_TIMEOUT.min(left), attempt.min(left).max(Duration::from_millis(1))).await;
             match outcome {
                 Ok(resp) if resp.status == 200 => {
                     self.current.store(idx, Ordering::Relaxed);
@@ -238,7 +247,7 @@ impl Etcd {
     }
 
     pub(crate) async fn lease_keepalive(&self, id: LeaseId) -> Result<()> {
-        let (_, v) = self.call("/v3/lease/keepalive", &json!({"ID": id.to_string()}), Retry::Always, None).await?;
+        let (_, v) = self.call_with("/v3/lease/keepalive", &json!({"ID": id.to_string()}), Retry::Always, None, KEEPALIVE_ATTEMPT_TIMEOUT).await?;
         // etcd answers an expired lease with TTL 0 (absent in the JSON).
         if int(&v, "TTL") <= 0 {
             return Err(Error::LeaseExpired(id));
