@@ -157,7 +157,7 @@ impl Etcd {
             let idx = (first + i) % self.endpoints.len();
             // After one round over every member, pause a little before the next: a member
             // restarting or an election in progress needs some time, not a tight loop.
-            if i > 0 && i % self.endpoints.len() == 0 {
+            if i > 0 && i.is_multiple_of(self.endpoints.len()) {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             i += 1;

@@ -9,16 +9,15 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use control::{Error, Store};
 use testbed::etcd::EtcdCluster;
 
-static SERIAL: Mutex<()> = Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().await
 }
 
 fn start(n: usize) -> EtcdCluster {
@@ -31,7 +30,7 @@ async fn open(cluster: &EtcdCluster, id: &str) -> Store {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_txn_guards() {
-    let _s = serial();
+    let _s = serial().await;
     let cluster = start(3);
     common::txn_guards(&open(&cluster, "id-1").await).await;
 }
@@ -40,7 +39,7 @@ async fn etcd_txn_guards() {
 /// stops renewing, the other takes over within the bound and the old one's writes are refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_election_takeover() {
-    let _s = serial();
+    let _s = serial().await;
     let cluster = start(3);
     let first = open(&cluster, "id-1").await;
     // The second client talks to another member first: the election holds across members.
@@ -50,7 +49,7 @@ async fn etcd_election_takeover() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_liveness() {
-    let _s = serial();
+    let _s = serial().await;
     let cluster = start(3);
     common::liveness(&open(&cluster, "id-1").await).await;
 }
@@ -70,7 +69,7 @@ async fn etcd_killed_leader_process_is_replaced() {
         tokio::time::sleep(Duration::from_secs(120)).await;
         panic!("the child leader was not killed");
     }
-    let _s = serial();
+    let _s = serial().await;
     let cluster = start(3);
     let store = open(&cluster, "id-1").await;
     let mut cmd = Command::new(std::env::current_exe().unwrap());
@@ -117,7 +116,7 @@ const LONG_TTL: Duration = Duration::from_secs(5);
 /// a retry succeeds within the bound; a leader with a long enough TTL keeps its leadership.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_member_loss_is_survived() {
-    let _s = serial();
+    let _s = serial().await;
     let mut cluster = start(3);
     let store = open(&cluster, "id-1").await;
     let k = store.key("volume", "vol", "v1");
@@ -151,7 +150,7 @@ async fn etcd_member_loss_is_survived() {
 /// bound, leaders lose leadership, and everything works again once a quorum is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_quorum_loss_fails_clearly_and_recovers() {
-    let _s = serial();
+    let _s = serial().await;
     let mut cluster = start(3);
     let store = open(&cluster, "id-1").await;
     let k = store.key("kv", "config", "cfg");
@@ -198,7 +197,7 @@ async fn etcd_quorum_loss_fails_clearly_and_recovers() {
 /// A store holding another cluster's id is refused, naming both; the first cluster's keys stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn etcd_refuses_another_clusters_store() {
-    let _s = serial();
+    let _s = serial().await;
     let cluster = start(3);
     let a = open(&cluster, "cluster-A").await;
     a.put(&a.key("volume", "vol", "v"), b"A's".to_vec()).await.unwrap();
