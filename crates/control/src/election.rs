@@ -9,11 +9,12 @@
 //! * [`Leadership::txn`]: every write of a leader carries the guard "my election key exists with
 //!   my create revision". A leader whose lease expired (it stalled, or was cut off) has lost its
 //!   key, so its writes fail with [`Error::Deposed`] even if it has not noticed yet.
-//! * [`LeaseKeeper`]: renews a lease every third of its TTL in a background task. It declares the
-//!   lease lost when etcd says it expired, or when no renewal succeeded for a whole TTL counted
-//!   from the *sending* of the last successful one (etcd renewed it no earlier than that, so it
-//!   may expire from then on): the holder stops acting before anyone else can take over
-//!   (self-fencing, as Patroni demotes a primary that cannot reach its store).
+//! * [`LeaseKeeper`]: renews a lease every third of its TTL in a background task, the driver of
+//!   [`crate::renewal::Renewal`] (the decisions). It declares the lease lost when etcd says it
+//!   expired, or when no renewal succeeded for a whole TTL counted from the *sending* of the last
+//!   successful one (etcd renewed it no earlier than that, so it may expire from then on): the
+//!   holder stops acting before anyone else can take over (self-fencing, as Patroni demotes a
+//!   primary that cannot reach its store).
 //! * [`Store::register`]: a liveness key `/understudy/<cluster>/live/<kind>/<id>` holding the
 //!   member's address under a lease; [`Store::live`] lists the members whose leases are alive.
 
@@ -23,6 +24,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::renewal::{Input, Output, Renewal};
 use crate::{check_segment, Compare, Error, KeyValue, LeaseId, Op, Result, Store, TxnOutcome};
 
 /// How often a candidate looks at the election again: a tenth of the TTL, so a takeover adds
@@ -51,24 +53,38 @@ impl LeaseKeeper {
         let (tx, lost) = watch::channel(None);
         let s = store.clone();
         let task = tokio::spawn(async move {
-            let mut valid_until = granted_at + ttl;
+            // The driver of `Renewal`: it sleeps, sends what it is told, and reports the answer.
+            let base = granted_at;
+            let us = |t: Instant| t.saturating_duration_since(base).as_micros() as u64;
+            let mut core = Renewal::new(ttl.as_micros() as u64, 0);
             loop {
-                let next = Instant::now() + ttl / 3;
-                tokio::time::sleep_until(next.min(valid_until)).await;
-                if Instant::now() >= valid_until {
-                    let _ = tx.send(Some(format!("lease {lease:x} not renewed for its TTL of {} ms", ttl.as_millis())));
-                    return;
+                let outputs = core.take_outputs();
+                if outputs.is_empty() {
+                    tokio::time::sleep_until(base + Duration::from_micros(core.next_wakeup_us())).await;
+                    core.handle(us(Instant::now()), Input::Tick);
+                    continue;
                 }
-                let sent = Instant::now();
-                let renewal = tokio::time::timeout(valid_until - sent, s.lease_keepalive(lease)).await;
-                match renewal {
-                    Ok(Ok(())) => valid_until = sent + ttl,
-                    Ok(Err(Error::LeaseExpired(_))) => {
-                        let _ = tx.send(Some(format!("lease {lease:x} expired")));
-                        return;
+                for out in outputs {
+                    match out {
+                        Output::Renew => {
+                            let sent = Instant::now();
+                            let left = (base + Duration::from_micros(core.valid_until_us())).saturating_duration_since(sent);
+                            let answer = match tokio::time::timeout(left, s.lease_keepalive(lease)).await {
+                                Ok(Ok(())) => Input::Renewed { sent_at_us: us(sent) },
+                                Ok(Err(Error::LeaseExpired(_))) => Input::Expired,
+                                Ok(Err(e)) => {
+                                    tracing::warn!("cannot renew lease {lease:x}: {e}");
+                                    Input::Failed
+                                }
+                                Err(_) => Input::Failed,
+                            };
+                            core.handle(us(Instant::now()), answer);
+                        }
+                        Output::Lost(why) => {
+                            let _ = tx.send(Some(format!("lease {lease:x}: {why}")));
+                            return;
+                        }
                     }
-                    Ok(Err(e)) => tracing::warn!("cannot renew lease {lease:x}: {e}"),
-                    Err(_) => {}
                 }
             }
         });

@@ -55,6 +55,7 @@ mod embedded;
 mod etcd;
 pub mod election;
 pub mod http;
+pub mod renewal;
 mod types;
 
 pub use election::{Leadership, LeaseKeeper, Registration};
