@@ -156,6 +156,13 @@ impl Leadership {
         &self.key
     }
 
+    /// The create revision of this leader's election key: it grows with every new leader of the
+    /// election, so it serves as a fencing token (an epoch) for whoever takes this leader's
+    /// orders outside the store.
+    pub fn fencing_token(&self) -> i64 {
+        self.create_revision
+    }
+
     /// False once the lease is known lost (the holder must stop acting as leader).
     pub fn is_leader(&self) -> bool {
         self.keeper.lost_reason().is_none()

@@ -1,8 +1,9 @@
 //! The embedded backend: one file per key under `DIR/keys/`, for one process at a time.
 //!
 //! Layout: `DIR/lock` (held with `flock` by the one process using the directory), `DIR/revision`
-//! (the store revision, written before the keys a write changes, so a revision is never handed out
-//! twice, not even to a key deleted and written again), `DIR/keys/<key with '/' as '+'>` (the key's
+//! (the store revision, written before a delete, so a revision is never handed out twice, not even
+//! to a key deleted and written again; a written key's file holds its own revision, and at open
+//! the store's revision is the highest of the two), `DIR/keys/<key with '/' as '+'>` (the key's
 //! [`KeyValue`] in postcard with a CRC32C), and `DIR/txn.pending` while a transaction that changes
 //! several keys is being applied (replayed at open, so such a transaction is all or nothing).
 //! Every file is written to a temporary name, fsynced, renamed and its directory fsynced.
@@ -192,7 +193,12 @@ impl Embedded {
         if several {
             write_atomic(&pending, &encode(&intent))?;
         }
-        write_atomic(&self.dir.join(REVISION), &encode(&revision))?;
+        // A written key records its revision in its own file; only a delete can take the
+        // highest revision off the disk, so only then is the counter written (a write costs two
+        // fsyncs, not four).
+        if intent.changes.iter().any(|(_, kv)| kv.is_none()) {
+            write_atomic(&self.dir.join(REVISION), &encode(&revision))?;
+        }
         self.write_changes(&intent.changes)?;
         if several {
             remove_durably(&pending)?;

@@ -83,6 +83,7 @@ pub async fn election_takeover(first: &Store, second: &Store) {
     let took = stalled.elapsed();
     eprintln!("takeover after the leader stopped renewing: {} ms (TTL {} ms)", took.as_millis(), TTL.as_millis());
     assert!(two.is_leader());
+    assert!(two.fencing_token() > one.fencing_token(), "the new leader's epoch is above the old one's");
     assert_eq!(second.observe("meta").await.unwrap().as_deref(), Some("host-b:2"));
 
     // The deposed leader's write fails, distinctly, and names the new leader; nothing written.
