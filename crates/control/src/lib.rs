@@ -213,6 +213,25 @@ impl Store {
         }
     }
 
+    /// Waits until the keys under `prefix` differ from `previous` (a key written, added or
+    /// deleted), looking every `interval`; returns the new listing, or None after `timeout`.
+    /// Polling stands in for etcd's watch, which the JSON gateway only streams: a control plane
+    /// whose decisions are guarded by revisions loses nothing by seeing a change late.
+    pub async fn poll_prefix(&self, prefix: &str, previous: &[KeyValue], interval: Duration, timeout: Duration) -> Result<Option<Vec<KeyValue>>> {
+        let same = |a: &[KeyValue], b: &[KeyValue]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.key == y.key && x.mod_revision == y.mod_revision);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let now = self.list(prefix).await?;
+            if !same(&now, previous) {
+                return Ok(Some(now));
+            }
+            if tokio::time::Instant::now() + interval > deadline {
+                return Ok(None);
+            }
+            tokio::time::sleep(interval).await;
+        }
+    }
+
     /// Writes `key` unconditionally; returns the store's revision after the write.
     pub async fn put(&self, key: &str, value: Vec<u8>) -> Result<i64> {
         Ok(self.txn(vec![], vec![Op::put(key, value)]).await?.revision)

@@ -46,8 +46,15 @@ pub async fn txn_guards(store: &Store) {
     // A key deleted and written again gets a new create revision, above every earlier one.
     assert!(store.get(&b).await.unwrap().unwrap().create_revision > now.mod_revision);
 
+    // Polling a prefix sees a delete, and times out when nothing changes.
+    let vols = store.prefix("volume", "vol");
+    let before = store.list(&vols).await.unwrap();
+    let tick = Duration::from_millis(20);
+    assert_eq!(store.poll_prefix(&vols, &before, tick, Duration::from_millis(100)).await.unwrap(), None);
     store.delete(&a).await.unwrap();
     assert_eq!(store.get(&a).await.unwrap(), None);
+    let after = store.poll_prefix(&vols, &before, tick, Duration::from_secs(5)).await.unwrap().expect("the delete is seen");
+    assert_eq!(after.iter().map(|kv| kv.key.as_str()).collect::<Vec<_>>(), vec![b.as_str()]);
 
     // Bad input: a clear error, nothing written.
     let big = vec![0u8; control::MAX_VALUE_BYTES + 1];
