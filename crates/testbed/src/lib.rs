@@ -9,6 +9,7 @@
 //! * [`nearlog`]: a near-compute log cluster (controller and 3 peers), in this process as
 //!   `understudy nearlog up` runs it, or as processes ([`nearlog::LogCluster`]);
 //! * [`failover`]: a failover monitor process, its clean-up guard and its control client;
+//! * [`etcd`]: a real N-member etcd cluster (Debian's etcd-server), the control plane's store;
 //! * [`ceph`]: a real single-node Ceph (ceph-mon, one ceph-osd per replica) from Debian's
 //!   packages;
 //! * [`postgres`], [`mariadb`]: Debian's unmodified PostgreSQL and MariaDB servers run as a
@@ -29,6 +30,7 @@
 pub mod ceph;
 pub mod cluster_file;
 mod datadir;
+pub mod etcd;
 pub mod failover;
 pub mod kv;
 pub mod mariadb;
