@@ -18,8 +18,8 @@
 //! namespace, until none is left. [`Hosts::partition`] takes the port down and leaves the
 //! processes running; [`Hosts::heal`] brings it up. Either way the peers' packets vanish (their
 //! connections time out, ARP fails), and the cut host sees its carrier gone. [`Hosts::restart_host`]
-//! is a reboot: the namespace is made afresh (same name, same address, no socket, no process, no
-//! neighbour table), plugged in again.
+//! is a reboot: the namespace is made afresh (same name, address and MAC; no socket, no process,
+//! no neighbour table), plugged in again.
 //!
 //! **What is realistic and what is not.** Real: separate addresses, routing and sockets per host;
 //! packets between hosts cross a real bridge; a lost host's connections die silently and its
@@ -255,7 +255,12 @@ impl Hosts {
     fn plug(&self, i: usize) -> anyhow::Result<()> {
         let h = &self.hosts[i];
         let sw = self.switch.as_str();
-        ip(&["-n", sw, "link", "add", &h.port, "type", "veth", "peer", "name", "eth0", "netns", &h.ns])?;
+        // A fixed MAC, as a real NIC keeps across a reboot: the other hosts' neighbour entries
+        // for the address stay right after a restart (a new random MAC would leave their
+        // frames going to the old one until their entries time out, seconds).
+        let [a, b, c, d] = h.addr.octets();
+        let mac = format!("02:00:{a:02x}:{b:02x}:{c:02x}:{d:02x}");
+        ip(&["-n", sw, "link", "add", &h.port, "type", "veth", "peer", "name", "eth0", "address", &mac, "netns", &h.ns])?;
         ip(&["-n", sw, "link", "set", &h.port, "master", "br0", "up"])?;
         ip(&["-n", &h.ns, "addr", "add", &format!("{}/24", h.addr), "dev", "eth0"])?;
         ip(&["-n", &h.ns, "link", "set", "eth0", "up"])?;
