@@ -56,6 +56,7 @@ pub const SUBNET: [u8; 2] = [10, 214];
 pub const MAX_BEDS: u32 = 256;
 /// At most this many hosts in one bed: host I has address .(I+1) of the bed's /24.
 pub const MAX_HOSTS_PER_BED: usize = 250;
+const _: () = assert!(MAX_HOSTS_PER_BED + 1 < 255, "host addresses stay below the broadcast address");
 /// How long killing a host's processes may take before it is reported as an error.
 pub const KILL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Deadline of one `ip` command.
@@ -479,6 +480,5 @@ mod tests {
         assert!(!owner_gone(&format!("{PREFIX}-probe-1")));
         // Interface names fit IFNAMSIZ (15 characters).
         assert!(format!("h{}", MAX_HOSTS_PER_BED - 1).len() <= 15);
-        assert!(MAX_HOSTS_PER_BED + 1 < 255, "host addresses stay below the broadcast address");
     }
 }

@@ -293,9 +293,7 @@ fn etcd_cluster_survives_the_loss_of_its_leaders_host_and_a_partition() {
     let dir = tempfile::tempdir().unwrap();
     let bed = Hosts::create(3).unwrap();
     let all = [0, 1, 2];
-    for i in all {
-        start_etcd(&bed, i, dir.path());
-    }
+    let mut members: Vec<u32> = all.iter().map(|i| start_etcd(&bed, *i, dir.path())).collect();
     let (dead, t) = wait_leader(&bed, 0, &all, START_BOUND, "start");
     eprintln!("cluster up, leader on host {dead} after {t:?}");
     etcdctl(&bed, 0, &all, &["put", "k1", "v1"]).unwrap();
@@ -315,7 +313,7 @@ fn etcd_cluster_survives_the_loss_of_its_leaders_host_and_a_partition() {
 
     // The machine reboots with its disk: the member restarts from its data directory.
     bed.restart_host(dead).unwrap();
-    start_etcd(&bed, dead, dir.path());
+    members.push(start_etcd(&bed, dead, dir.path()));
     let (p, _) = wait_leader(&bed, on, &all, START_BOUND, "after the restart");
     assert!(
         eventually(START_BOUND, || etcdctl(&bed, dead, &[dead], &["get", "k2", "--print-value-only", "--consistency=s"]).is_ok_and(|v| v.trim() == "v2")),
@@ -348,4 +346,5 @@ fn etcd_cluster_survives_the_loss_of_its_leaders_host_and_a_partition() {
     let name = bed.name().to_string();
     drop(bed);
     assert_eq!(bed_namespaces(&name), Vec::<String>::new());
+    assert!(members.iter().all(|p| !proc::alive(*p)), "an etcd member outlived its bed");
 }
