@@ -17,6 +17,7 @@
 //! * [`sqlite_front`]: the SQLite front, failover's bundled test application;
 //! * [`rocksdb`]: the RocksDB load program (C, compiled on demand);
 //! * [`qemu`]: qemu-io, the real NBD client of the demo, one-shot and as a session;
+//! * [`hosts`]: machines on one box: hosts as network namespaces on a bridge, to kill or cut off;
 //! * [`proc`]: the one process helper: start this binary as a daemon, alive, RSS and peak RSS,
 //!   signal, group kill, stop and wait.
 //!
@@ -32,6 +33,7 @@ pub mod cluster_file;
 mod datadir;
 pub mod etcd;
 pub mod failover;
+pub mod hosts;
 pub mod kv;
 pub mod mariadb;
 pub mod nearlog;
