@@ -184,7 +184,7 @@ impl WindowedLatency {
                 let histogram = self.histograms.get(i).and_then(Option::as_ref);
                 let count = histogram.map_or(0, |h| h.len());
                 let at = |percentile: f64| {
-                    let h = histogram.filter(|h| h.len() > 0)?;
+                    let h = histogram.filter(|h| !h.is_empty())?;
                     // As LatencyRecorder::percentile_us: 99.9 / 100 is 0.9990000000000001.
                     Some(h.value_at_quantile((percentile * 1e7).round() / 1e9))
                 };
@@ -198,7 +198,7 @@ impl WindowedLatency {
                     p50_us: at(50.0),
                     p99_us: at(99.0),
                     p999_us: at(99.9),
-                    max_us: histogram.filter(|h| h.len() > 0).map(|h| h.max()),
+                    max_us: histogram.filter(|h| !h.is_empty()).map(|h| h.max()),
                 }
             })
             .collect())
@@ -225,7 +225,7 @@ mod tests {
         let first = &windows[0];
         assert_eq!(
             (first.start, first.end, first.count),
-            (MS * 0, MS * 100, 1000)
+            (Duration::ZERO, MS * 100, 1000)
         );
         assert_eq!(first.ops_per_s, 10_000.0);
         // Two significant digits: exact below 256 µs, within 1 % above.

@@ -161,7 +161,7 @@ impl<K: Ord + Clone, R: RngCore> PopularitySampler<K, R> {
         self.last_ship_us = now_us;
         let mut keys: Vec<(K, u32)> = std::mem::take(&mut self.batch).into_iter().collect();
         // Stable sort over key order: ties stay in key order, so shipments are deterministic.
-        keys.sort_by(|a, b| b.1.cmp(&a.1));
+        keys.sort_by_key(|&(_, count)| std::cmp::Reverse(count));
         Some(keys)
     }
 
@@ -219,7 +219,7 @@ impl<K: Ord + Clone> PopularityLru<K> {
         // Least sampled first, so the most sampled keys of the batch end up the most recent
         // and a batch larger than the list evicts its own coldest keys.
         let mut order: Vec<&(K, u32)> = batch.iter().collect();
-        order.sort_by(|a, b| a.1.cmp(&b.1));
+        order.sort_by_key(|&&(_, count)| count);
         for (key, count) in order {
             let recency = self.next_recency;
             self.next_recency += 1;
@@ -244,7 +244,10 @@ impl<K: Ord + Clone> PopularityLru<K> {
             }
         }
         self.batches_applied += 1;
-        if self.batches_applied % u64::from(self.config.halve_every_batches) == 0 {
+        if self
+            .batches_applied
+            .is_multiple_of(u64::from(self.config.halve_every_batches))
+        {
             for entry in self.entries.values_mut() {
                 entry.count /= 2;
             }
@@ -268,7 +271,7 @@ impl<K: Ord + Clone> PopularityLru<K> {
     /// the order of a proactive BatchPull.
     pub fn hottest(&self, n: usize) -> Vec<K> {
         let mut ranked: Vec<(&K, &LruEntry)> = self.entries.iter().collect();
-        ranked.sort_by(|a, b| (b.1.count, b.1.recency).cmp(&(a.1.count, a.1.recency)));
+        ranked.sort_by_key(|(_, entry)| std::cmp::Reverse((entry.count, entry.recency)));
         ranked
             .into_iter()
             .take(n)
