@@ -333,17 +333,19 @@ mod tests {
         let zipf = Zipf::new(10_000, 0.99);
         let config = SamplerConfig {
             probability: 0.01,
-            ship_interval_ms: 100,
+            // ~100 samples per shipment: one shipment alone ranks the top keys poorly, so
+            // the order must come from the counts accumulated (and aged) across shipments.
+            ship_interval_ms: 10,
             batch_keys_max: 4096,
         };
         let mut sampler = PopularitySampler::new(config, StdRng::seed_from_u64(1), 0).unwrap();
         let mut lru = PopularityLru::new(LruConfig {
             entries_max: 500,
-            halve_every_batches: 4,
+            halve_every_batches: 8,
         })
         .unwrap();
         let mut workload = StdRng::seed_from_u64(2);
-        // 1 M Gets, one per µs: ten shipments.
+        // 1 M Gets, one per µs: a hundred shipments.
         for now_us in 0..1_000_000u64 {
             sampler.on_served(&zipf.key_of_rank(zipf.rank(&mut workload)));
             if let Some(batch) = sampler.take_due(now_us) {
@@ -362,9 +364,12 @@ mod tests {
                 .unwrap()
         };
         let ranks: Vec<u64> = hottest.iter().map(|&k| rank_of(k)).collect();
-        // The five hottest keys lead, in order; the first ten are all from the true top 30.
-        assert_eq!(&ranks[..5], &[0, 1, 2, 3, 4], "{ranks:?}");
-        assert!(ranks[..10].iter().all(|&r| r < 30), "{ranks:?}");
+        // Bounds that hold across workload seeds (1–8 checked), and that ordering by recency
+        // alone (the last shipment's order) breaks for every one of them: the hottest key
+        // leads, the first five are from the true top six, the first ten from the top 25.
+        assert_eq!(ranks[0], 0, "{ranks:?}");
+        assert!(ranks[..5].iter().all(|&r| r < 6), "{ranks:?}");
+        assert!(ranks[..10].iter().all(|&r| r < 25), "{ranks:?}");
         // The true top 10 are all among the first 20 pulled.
         for rank in 0..10 {
             assert!(ranks.contains(&rank), "rank {rank} missing from {ranks:?}");
