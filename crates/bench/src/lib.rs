@@ -10,6 +10,9 @@
 //!   with a zero or non-finite denominator.
 //! - [`LatencyRecorder`] / [`LatencySummary`]: an HDR histogram in microseconds.
 //! - [`WindowedCounter`]: ops/s per time window, for throughput timelines during failover.
+//! - [`WindowedLatency`]: one HDR histogram per time window (p50/p99/p99.9 and ops/s per window),
+//!   and [`time_to_recovery`]: CANDStore's TTR against an SLO relative to the run's steady state,
+//!   with [`write_windows_csv`] and [`write_timeline_plots`].
 //! - [`run_interleaved`]: measures variants alternately (ABBA) so that machine noise and drift
 //!   hit them alike, which is what makes ratios hold on a shared machine.
 //! - [`out_dir`], [`write_csv`]: where raw samples go.
@@ -42,18 +45,28 @@
 
 mod interleave;
 mod latency;
+mod latency_window;
 mod output;
 mod plot;
 mod progress;
 mod report;
+mod ttr;
 mod window;
 
 pub use interleave::{interleaved_order, run_interleaved};
 pub use latency::{LatencyRecorder, LatencySummary};
+pub use latency_window::{
+    Percentile, WindowStats, WindowedLatency, LATENCY_WINDOWS_MAX, LATENCY_WINDOW_DEFAULT,
+    WINDOW_SIGNIFICANT_DIGITS,
+};
 pub use output::{out_dir, write_csv};
 pub use plot::{bar_plot, cdf_plot, line_plot, BarSeries, Scale, Series, PLOT_SIZE_PX};
 pub use progress::Progress;
 pub use report::{check_figure_name, check_ratio_name, Report, STATISTIC_SUFFIXES, UNIT_SUFFIXES};
+pub use ttr::{
+    mean_ops_per_s, steady_state_us, time_to_recovery, ttr_curve, write_timeline_plots,
+    write_windows_csv, Slo, Ttr, TtrPoint,
+};
 pub use window::{WindowedCounter, WINDOWS_MAX};
 
 use std::path::PathBuf;
@@ -88,6 +101,15 @@ pub enum Error {
         path: PathBuf,
         #[source]
         source: std::io::Error,
+    },
+    #[error(
+        "the run ends at {run_end:?}, past the {windows_max} windows of {window:?} a windowed \
+         latency holds; use a longer window or a shorter run"
+    )]
+    WindowCap {
+        run_end: std::time::Duration,
+        window: std::time::Duration,
+        windows_max: usize,
     },
     #[error("cannot draw plot {path}: {message}")]
     Plot { path: PathBuf, message: String },

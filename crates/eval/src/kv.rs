@@ -2,6 +2,7 @@
 //! reactive-log baselines, YCSB workloads through the project's driver, and a real ZooKeeper
 //! ensemble beside a HEAL group. Each runs on a [`testbed::kv::LocalKv`].
 
+pub mod cost;
 pub mod recovery;
 pub mod ycsb;
 pub mod zookeeper;

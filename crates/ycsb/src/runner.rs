@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bench::WindowedCounter;
+use bench::{WindowedCounter, WindowedLatency};
 
 use crate::summary::{OpStats, Phase, PhaseSummary, PROBLEMS_KEPT};
 use crate::target::{KvTarget, TargetError};
@@ -26,6 +26,10 @@ pub struct RunConfig {
     /// The phase stops with [`RunError::TooManyErrors`] once more operations than this failed
     /// (`u64::MAX`: never, for runs through failures).
     pub max_errors: u64,
+    /// Also keep one latency histogram per `window` ([`PhaseSummary::latency_windows`]): the
+    /// per-window percentiles that time-to-recovery is judged on. Off by default: each client
+    /// holds a histogram per window until the phase ends.
+    pub latency_windows: bool,
 }
 
 impl Default for RunConfig {
@@ -35,6 +39,7 @@ impl Default for RunConfig {
             max_duration: None,
             window: Duration::from_millis(100),
             max_errors: 1000,
+            latency_windows: false,
         }
     }
 }
@@ -78,6 +83,7 @@ struct Shared {
 struct ClientStats {
     ops: BTreeMap<&'static str, OpStats>,
     windows: WindowedCounter,
+    latency_windows: Option<WindowedLatency>,
     missing: u64,
     corrupt: u64,
     errors: u64,
@@ -85,10 +91,12 @@ struct ClientStats {
 }
 
 impl ClientStats {
-    fn new(window: Duration) -> ClientStats {
+    fn new(config: &RunConfig) -> ClientStats {
+        let window = config.window;
         ClientStats {
             ops: BTreeMap::new(),
             windows: WindowedCounter::new(window),
+            latency_windows: config.latency_windows.then(|| WindowedLatency::new(window)),
             missing: 0,
             corrupt: 0,
             errors: 0,
@@ -193,7 +201,7 @@ impl Runner {
             tasks.push(tokio::spawn(client(phase, target, generator, shared)));
         }
         let mut targets = Vec::with_capacity(clients);
-        let mut merged = ClientStats::new(config.window);
+        let mut merged = ClientStats::new(config);
         let mut first_error = None;
         for task in tasks {
             let (target, stats, error) = task.await.map_err(|e| RunError::Client(e.to_string()))?;
@@ -204,6 +212,9 @@ impl Runner {
                 entry.errors += s.errors;
             }
             merged.windows.merge(&stats.windows);
+            if let (Some(all), Some(mine)) = (&mut merged.latency_windows, &stats.latency_windows) {
+                all.merge(mine);
+            }
             merged.missing += stats.missing;
             merged.corrupt += stats.corrupt;
             merged.errors += stats.errors;
@@ -229,6 +240,8 @@ impl Runner {
             elapsed,
             ops: merged.ops,
             windows: merged.windows,
+            latency_windows: merged.latency_windows,
+            started: start,
             window: config.window,
             missing_count: merged.missing,
             corrupt_count: merged.corrupt,
@@ -269,7 +282,7 @@ async fn client<T: KvTarget>(
     mut generator: OpGenerator,
     shared: Arc<Shared>,
 ) -> (T, ClientStats, Option<RunError>) {
-    let mut stats = ClientStats::new(shared.config.window);
+    let mut stats = ClientStats::new(&shared.config);
     let record_count = generator.spec().record_count;
     while let Some(k) = claim(phase, &shared, record_count) {
         let ops = match phase {
@@ -373,7 +386,11 @@ async fn execute<T: KvTarget>(
     match outcome {
         Ok(values) => {
             entry.latency.record(latency);
-            stats.windows.record(shared.start.elapsed());
+            let completed = shared.start.elapsed();
+            stats.windows.record(completed);
+            if let Some(windows) = &mut stats.latency_windows {
+                windows.record(completed, latency);
+            }
             for (key, value) in values {
                 match value {
                     Some(v) => {

@@ -1,9 +1,9 @@
 //! What one phase measured, and its BENCH.md figures.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use bench::{LatencyRecorder, Report, WindowedCounter};
+use bench::{LatencyRecorder, Report, WindowedCounter, WindowedLatency};
 
 /// The load phase inserts the records; the run phase issues the workload's mix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +41,12 @@ pub struct PhaseSummary {
     pub ops: BTreeMap<&'static str, OpStats>,
     /// Completions per window (100 ms by default) since the start of the phase.
     pub windows: WindowedCounter,
+    /// Latency percentiles per window (the same windows), when [`crate::RunConfig`] asked for
+    /// them: what a time to recovery is computed from (`bench::time_to_recovery`).
+    pub latency_windows: Option<WindowedLatency>,
+    /// When the phase started: windows count from here, so a failure injected at an `Instant`
+    /// sits at `failure - started` on the timeline.
+    pub started: Instant,
     pub window: Duration,
     /// Reads of a record that must exist which found nothing: a lost write.
     pub missing_count: u64,

@@ -40,6 +40,34 @@ async fn load_then_run_counts_every_operation() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_windows_only_when_asked_and_merged_over_clients() {
+    let store = MemTarget::new();
+    let runner = Runner::new(spec("b", 200, 3000)).unwrap();
+    let (t, load) = runner
+        .load(targets(&store, 3), &RunConfig::default())
+        .await
+        .unwrap();
+    assert!(load.latency_windows.is_none(), "off by default");
+    let config = RunConfig {
+        window: Duration::from_millis(1),
+        latency_windows: true,
+        ..RunConfig::default()
+    };
+    let (_, run) = runner.run(t, &config).await.unwrap();
+    let windows = run.latency_windows.as_ref().expect("asked for");
+    // Every completion of every client, in the same windows as the throughput counter.
+    assert_eq!(windows.count(), 3000);
+    assert_eq!(windows.window(), Duration::from_millis(1));
+    let stats = windows.windows(run.elapsed).unwrap();
+    let counter = run.windows.ops_per_s();
+    for (w, rate) in stats.iter().zip(&counter) {
+        assert_eq!(w.ops_per_s, *rate, "window at {:?}", w.start);
+        assert_eq!(w.p50_us.is_some(), w.count > 0);
+    }
+    assert!(run.started.elapsed() >= run.elapsed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn inserts_grow_the_store_and_latest_reads_find_them() {
     for letter in ["d", "e"] {
         let store = MemTarget::new();
