@@ -38,4 +38,5 @@ pub mod proc;
 pub mod qemu;
 pub mod rocksdb;
 pub mod sqlite_front;
+pub mod supervise;
 pub mod volume;
