@@ -7,7 +7,11 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use testbed::cluster_file::{self, ClusterInfo, CLUSTER_FILE};
 use testbed::proc;
+use testbed::supervise::Event;
 use testbed::volume::{LocalCluster, UpConfig, DEFAULT_PORT_BASE, DEFAULT_REPLICAS, DEFAULT_SHARDS, READY_TIMEOUT};
+
+/// How often `up` looks for daemons that exited (and so the least gap before a restart).
+const SUPERVISE_INTERVAL: Duration = Duration::from_millis(100);
 
 #[derive(Args, Debug)]
 pub struct UpArgs {
@@ -88,16 +92,20 @@ pub fn up(a: UpArgs, verbose: u8) -> anyhow::Result<()> {
         loop {
             tokio::select! {
                 sig = &mut signal => return Ok(sig),
-                _ = tokio::time::sleep(Duration::from_millis(500)) => {
-                    // One process exiting does not stop the others: tearing the cluster down
-                    // would turn one daemon's failure (or a client that crashed it) into the
-                    // loss of every volume. The rest keep serving what they can.
-                    for (what, status, log) in lc.newly_exited() {
-                        eprintln!(
-                            "understudy up: {what} exited ({status}): {}; the rest of the cluster keeps running (log: {})",
-                            proc::last_error(&log),
-                            log.display()
-                        );
+                _ = tokio::time::sleep(SUPERVISE_INTERVAL) => {
+                    // A daemon that exits is started again on its data (the metadata service
+                    // on its state file, a shard on its store); the others keep serving
+                    // meanwhile: tearing the cluster down would turn one daemon's crash into
+                    // the loss of every volume. Only one that keeps failing ends `up`.
+                    let events = lc.supervise();
+                    for e in &events {
+                        eprintln!("understudy up: {e}");
+                    }
+                    if events.iter().any(|e| matches!(e, Event::Restarted { .. })) {
+                        lc.info.save(&cluster_path)?;
+                    }
+                    if lc.gave_up() {
+                        anyhow::bail!("a daemon keeps failing (see above); stopped the cluster");
                     }
                 }
             }

@@ -9,7 +9,11 @@
 //! the clusters poll their children, feed it exits and clock ticks, and spawn what it says.
 
 use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::process::Child;
 use std::time::{Duration, Instant};
+
+use crate::proc;
 
 /// The wait before the first restart of a daemon that exited; doubled for each further exit
 /// within the window, up to [`RESTART_BACKOFF_MAX`]. Short: the first restart of a daemon that
@@ -74,7 +78,7 @@ pub enum State {
 }
 
 #[derive(Debug)]
-struct Daemon {
+struct Restarts {
     state: State,
     /// When it exited, oldest first, within the window (all of them once given up).
     exits: VecDeque<Instant>,
@@ -84,7 +88,7 @@ struct Daemon {
 #[derive(Debug)]
 pub struct RestartCore {
     policy: RestartPolicy,
-    daemons: Vec<Daemon>,
+    daemons: Vec<Restarts>,
     outputs: Vec<Output>,
 }
 
@@ -92,7 +96,7 @@ impl RestartCore {
     pub fn new(policy: RestartPolicy, daemons: usize) -> RestartCore {
         RestartCore {
             policy,
-            daemons: (0..daemons).map(|_| Daemon { state: State::Running, exits: VecDeque::new() }).collect(),
+            daemons: (0..daemons).map(|_| Restarts { state: State::Running, exits: VecDeque::new() }).collect(),
             outputs: vec![],
         }
     }
@@ -163,6 +167,133 @@ impl RestartCore {
                 }
             }
         }
+    }
+}
+
+/// One supervised daemon: this executable re-run with `args`, its output appended to `log`.
+#[derive(Debug)]
+pub struct Daemon {
+    /// What it is, for messages ("metadata service", "shard 2").
+    pub what: String,
+    pub args: Vec<String>,
+    pub log: PathBuf,
+    /// None while it is down (between an exit and its restart, or given up).
+    pub child: Option<Child>,
+}
+
+/// What a [`Supervisor::poll`] saw and did, one line each for the supervisor's output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// `what` exited (or could not be started again); restarted after `restart_in` unless it
+    /// is given up (then a [`Event::GaveUp`] follows).
+    Exited { what: String, status: String, reason: String, log: PathBuf, restart_in: Option<Duration> },
+    Restarted { what: String, pid: u32 },
+    /// `what` exited `exits` times within `window`: it stays down.
+    GaveUp { what: String, exits: usize, window: Duration, reason: String, log: PathBuf },
+}
+
+impl std::fmt::Display for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Event::Exited { what, status, reason, log, restart_in: Some(d) } => {
+                write!(f, "{what} exited ({status}): {reason}; restarting it in {} ms (log: {})", d.as_millis(), log.display())
+            }
+            Event::Exited { what, status, reason, log, restart_in: None } => {
+                write!(f, "{what} exited ({status}): {reason} (log: {})", log.display())
+            }
+            Event::Restarted { what, pid } => write!(f, "{what} restarted (pid {pid})"),
+            Event::GaveUp { what, exits, window, reason, log } => write!(
+                f,
+                "{what} keeps failing ({exits} exits within {} s), last: {reason}; not restarting it again (log: {})",
+                window.as_secs(),
+                log.display()
+            ),
+        }
+    }
+}
+
+/// Daemons restarted by a [`RestartCore`] when they exit.
+#[derive(Debug)]
+pub struct Supervisor {
+    pub daemons: Vec<Daemon>,
+    core: RestartCore,
+}
+
+impl Supervisor {
+    pub fn new(policy: RestartPolicy, daemons: Vec<Daemon>) -> Supervisor {
+        let core = RestartCore::new(policy, daemons.len());
+        Supervisor { daemons, core }
+    }
+
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.daemons[i].child.as_ref().map(Child::id)
+    }
+
+    pub fn state(&self, i: usize) -> State {
+        self.core.state(i)
+    }
+
+    /// Whether any daemon was given up on.
+    pub fn gave_up(&self) -> bool {
+        (0..self.daemons.len()).any(|i| self.core.state(i) == State::GaveUp)
+    }
+
+    /// Reaps the daemons that exited and starts again those whose backoff is over.
+    pub fn poll(&mut self) -> Vec<Event> {
+        let now = Instant::now();
+        let mut events = vec![];
+        for i in 0..self.daemons.len() {
+            let d = &mut self.daemons[i];
+            let Some(c) = &mut d.child else { continue };
+            if let Ok(Some(st)) = c.try_wait() {
+                d.child = None;
+                let status = proc::describe_status(st);
+                self.exited(now, i, status, &mut events);
+            }
+        }
+        self.core.handle(now, Input::Tick);
+        for out in self.core.take_outputs() {
+            if let Output::Restart(i) = out {
+                let d = &mut self.daemons[i];
+                match proc::spawn_self(&d.args, &d.log, &[]) {
+                    Ok(c) => {
+                        events.push(Event::Restarted { what: d.what.clone(), pid: c.id() });
+                        d.child = Some(c);
+                    }
+                    Err(e) => self.exited(now, i, format!("could not start: {e:#}"), &mut events),
+                }
+            }
+        }
+        events
+    }
+
+    fn exited(&mut self, now: Instant, i: usize, status: String, events: &mut Vec<Event>) {
+        self.core.handle(now, Input::Exited(i));
+        let d = &self.daemons[i];
+        let reason = proc::last_error(&d.log);
+        let restart_in = match self.core.state(i) {
+            State::RestartAt(t) => Some(t.saturating_duration_since(now)),
+            _ => None,
+        };
+        events.push(Event::Exited { what: d.what.clone(), status, reason: reason.clone(), log: d.log.clone(), restart_in });
+        for out in self.core.take_outputs() {
+            if let Output::GaveUp { child, exits_in_window } = out {
+                let d = &self.daemons[child];
+                events.push(Event::GaveUp {
+                    what: d.what.clone(),
+                    exits: exits_in_window,
+                    window: self.core.policy().window,
+                    reason: reason.clone(),
+                    log: d.log.clone(),
+                });
+            }
+        }
+    }
+
+    /// Takes the running children out (the caller stops them, in its order); nothing is
+    /// restarted afterwards.
+    pub fn take_children(&mut self, range: std::ops::Range<usize>) -> Vec<(String, Child)> {
+        self.daemons[range].iter_mut().filter_map(|d| d.child.take().map(|c| (d.what.clone(), c))).collect()
     }
 }
 
