@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use testbed::cluster_file::{self, ClusterInfo, CLUSTER_FILE};
 use testbed::proc;
-use testbed::supervise::Event;
+use testbed::supervise::{Event, RestartPolicy, RESTART_BACKOFF_FIRST};
 use testbed::volume::{LocalCluster, UpConfig, DEFAULT_PORT_BASE, DEFAULT_REPLICAS, DEFAULT_SHARDS, READY_TIMEOUT};
 
 /// How often `up` looks for daemons that exited (and so the least gap before a restart).
@@ -28,6 +28,11 @@ pub struct UpArgs {
     /// [default: 7700, or as in DIR/cluster.json].
     #[arg(long, value_name = "PORT")]
     pub port_base: Option<u16>,
+    /// Restart a daemon that exited after MS, doubled for each further exit within a minute
+    /// (at most 4 s); one that exits a 6th time within a minute is given up and `up` exits
+    /// non-zero. 0: leave an exited daemon down.
+    #[arg(long, value_name = "MS", default_value_t = RESTART_BACKOFF_FIRST.as_millis() as u64)]
+    pub restart_after_ms: u64,
 }
 
 /// Settings for `up`: explicit flags first, then the previous run's cluster.json, then defaults.
@@ -79,6 +84,7 @@ pub fn up(a: UpArgs, verbose: u8) -> anyhow::Result<()> {
     let rt = crate::runtime()?;
     let start = Instant::now();
     let mut lc = LocalCluster::start(&cfg)?;
+    lc.set_restart((a.restart_after_ms > 0).then(|| RestartPolicy { backoff_first: Duration::from_millis(a.restart_after_ms), ..Default::default() }));
     let cluster_path = lc.info.dir.join(CLUSTER_FILE);
     let result: anyhow::Result<&'static str> = rt.block_on(async {
         let signal = proc::shutdown_signal();

@@ -217,12 +217,16 @@ impl std::fmt::Display for Event {
 pub struct Supervisor {
     pub daemons: Vec<Daemon>,
     core: RestartCore,
+    /// False: an exited daemon is reported and left down (for a test that restarts or
+    /// replaces daemons itself).
+    restart: bool,
 }
 
 impl Supervisor {
-    pub fn new(policy: RestartPolicy, daemons: Vec<Daemon>) -> Supervisor {
-        let core = RestartCore::new(policy, daemons.len());
-        Supervisor { daemons, core }
+    /// Restarts per `policy`; None: reports exits and restarts nothing.
+    pub fn new(policy: Option<RestartPolicy>, daemons: Vec<Daemon>) -> Supervisor {
+        let core = RestartCore::new(policy.unwrap_or_default(), daemons.len());
+        Supervisor { daemons, core, restart: policy.is_some() }
     }
 
     pub fn pid(&self, i: usize) -> Option<u32> {
@@ -268,9 +272,13 @@ impl Supervisor {
     }
 
     fn exited(&mut self, now: Instant, i: usize, status: String, events: &mut Vec<Event>) {
-        self.core.handle(now, Input::Exited(i));
         let d = &self.daemons[i];
         let reason = proc::last_error(&d.log);
+        if !self.restart {
+            events.push(Event::Exited { what: d.what.clone(), status, reason, log: d.log.clone(), restart_in: None });
+            return;
+        }
+        self.core.handle(now, Input::Exited(i));
         let restart_in = match self.core.state(i) {
             State::RestartAt(t) => Some(t.saturating_duration_since(now)),
             _ => None,

@@ -161,7 +161,7 @@ impl LocalCluster {
                 },
                 shards: vec![],
             },
-            sup: Supervisor::new(RestartPolicy::default(), vec![]),
+            sup: Supervisor::new(None, vec![]),
             lock_file,
             stopped: false,
         };
@@ -225,9 +225,14 @@ impl LocalCluster {
         args.extend(verbose_args.iter().cloned());
         let log = lc.info.nbd.log.clone();
         lc.info.nbd.pid = lc.spawn("NBD server", args, log)?;
-        let daemons = std::mem::take(&mut lc.sup.daemons);
-        lc.sup = Supervisor::new(RestartPolicy::default(), daemons);
+        lc.set_restart(Some(RestartPolicy::default()));
         Ok(lc)
+    }
+
+    /// How daemons that exit are restarted from now on (None: reported and left down).
+    pub fn set_restart(&mut self, policy: Option<RestartPolicy>) {
+        let daemons = std::mem::take(&mut self.sup.daemons);
+        self.sup = Supervisor::new(policy, daemons);
     }
 
     /// Starts a daemon (not yet watched: `start_full` hands them all to the supervisor).
