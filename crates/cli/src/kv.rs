@@ -308,6 +308,11 @@ fn up(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
                     for n in lk.supervise(restart)? {
                         eprintln!("{n}");
                     }
+                    // Restarting it again would only hide a broken disk or configuration.
+                    if lk.gave_up() {
+                        lk.stop();
+                        anyhow::bail!("a daemon of the group keeps failing (see above); stopped the group");
+                    }
                 }
             }
         }
