@@ -143,7 +143,7 @@ fn volume_cluster_survives_a_connection_flood() {
     }
 
     // One daemon exiting (here the metadata service, killed) does not make `up` stop the
-    // others: the NBD server and the shards keep running (up checks every 500 ms).
+    // others: the NBD server and the shards keep running (and up starts it again).
     // SAFETY: kill(2) on a pid this test's cluster owns.
     unsafe { libc::kill(pids[0] as i32, libc::SIGKILL) };
     std::thread::sleep(Duration::from_millis(2000));
