@@ -171,3 +171,29 @@ fn nearlog_up_restarts_a_killed_peer_under_its_id_and_a_killed_controller_on_its
     let all: Vec<u32> = pids(&dir).into_iter().map(|(_, p)| p).collect();
     assert!(testbed::proc::wait_gone(&all, Duration::from_secs(20)), "daemons outlived nearlog up");
 }
+
+/// A controller that cannot start again (its state file is garbage) is restarted with a
+/// growing backoff, then given up on: `nearlog up` names it and the cause, stops the peers and
+/// exits non-zero.
+#[test]
+fn a_controller_that_keeps_failing_is_reported_and_nearlog_up_exits_non_zero() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cluster");
+    let mut up = start(&dir);
+    let peers: Vec<u32> = pids(&dir).into_iter().filter(|(n, _)| n.starts_with("peer-")).map(|(_, p)| p).collect();
+    std::fs::write(dir.join("nearlog-controller.json"), b"not json").unwrap();
+    assert!(signal(pid_of(&dir, "controller"), libc::SIGKILL));
+    // 250 ms + 0.5 + 1 + 2 + 4 s of backoff and six failed starts.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = up.0.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "nearlog up still runs 60 s after its controller began failing:\n{}", up_log(&dir));
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let said = up_log(&dir);
+    assert!(!status.success(), "nearlog up exited successfully:\n{said}");
+    assert!(said.contains("controller keeps failing (6 exits within 60 s)") && said.contains("nearlog-controller.json"), "{said}");
+    assert!(testbed::proc::wait_gone(&peers, Duration::from_secs(30)), "peers still run after nearlog up gave up");
+}
