@@ -108,7 +108,10 @@ pub fn up(a: UpArgs, verbose: u8) -> anyhow::Result<()> {
                         eprintln!("understudy up: {e}");
                     }
                     if events.iter().any(|e| matches!(e, Event::Restarted { .. })) {
-                        lc.info.save(&cluster_path)?;
+                        // The cluster serves on; only the pids the file shows are stale.
+                        if let Err(e) = lc.info.save(&cluster_path) {
+                            eprintln!("understudy up: cannot update {}: {e:#}", cluster_path.display());
+                        }
                     }
                     if lc.gave_up() {
                         anyhow::bail!("a daemon keeps failing (see above); stopped the cluster");

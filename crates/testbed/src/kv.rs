@@ -256,10 +256,17 @@ impl LocalKv {
     /// ([`LocalKv::gave_up`]). Returns one note per exit, restart or giving up.
     pub fn supervise(&mut self, restart_after: Option<Duration>) -> anyhow::Result<Vec<String>> {
         let n = self.node_args.len();
-        let (nodes, cm) = self.restarts.get_or_insert_with(|| {
+        let (mut nodes, mut cm) = self.restarts.take().unwrap_or_else(|| {
             let node_policy = RestartPolicy { backoff_first: restart_after.unwrap_or(RESTART_BACKOFF_FIRST), ..Default::default() };
             (RestartCore::new(node_policy, n), RestartCore::new(RestartPolicy::default(), 1))
         });
+        let notes = self.supervise_with(&mut nodes, &mut cm, restart_after);
+        self.restarts = Some((nodes, cm));
+        notes
+    }
+
+    fn supervise_with(&mut self, nodes: &mut RestartCore, cm: &mut RestartCore, restart_after: Option<Duration>) -> anyhow::Result<Vec<String>> {
+        let n = self.node_args.len();
         let now = Instant::now();
         let mut notes = Vec::new();
         for i in 0..=n {
@@ -299,10 +306,21 @@ impl LocalKv {
             }));
         }
         for i in due {
-            let c = if i < n { self.spawn_node(i)? } else { proc::spawn_self(&self.cm_args, &self.log_of(i), &[])? };
-            notes.push(format!("{} restarted (pid {})", self.children[i].0, c.id()));
-            self.children[i].1 = Some(c);
-            self.write_pids()?;
+            let started = if i < n { self.spawn_node(i) } else { proc::spawn_self(&self.cm_args, &self.log_of(i), &[]) };
+            match started {
+                Ok(c) => {
+                    notes.push(format!("{} restarted (pid {})", self.children[i].0, c.id()));
+                    self.children[i].1 = Some(c);
+                    self.write_pids()?;
+                }
+                // Counted as an exit: retried after the next backoff, given up if it persists.
+                Err(e) => {
+                    let (core, k) = if i < n { (&mut *nodes, i) } else { (&mut *cm, 0) };
+                    core.handle(now, Input::Exited(k));
+                    core.take_outputs();
+                    notes.push(format!("{} could not be started again: {e:#}", self.children[i].0));
+                }
+            }
         }
         Ok(notes)
     }
