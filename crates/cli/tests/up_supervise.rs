@@ -252,3 +252,33 @@ fn a_killed_shard_is_restarted_by_up_and_comes_back_up() {
     resume();
     assert!(ok, "reading every block from the restarted shard alone:\n{text}");
 }
+
+/// The NBD server SIGKILLed: `up` starts it again at its TCP address and its Unix socket (the
+/// dead one's socket file does not stand in the way), and both serve the volume with what was
+/// written before.
+#[test]
+fn a_killed_nbd_server_is_restarted_on_its_address_and_socket() {
+    require_qemu();
+    let up = Up::start(3);
+    up.ok(&["volume", "create", "vol", "--size", "16M"]);
+    qemu_ok(&up.uri("vol"), &["write -P 0x42 0 256k"]);
+    let old = up.info["nbd"]["pid"].as_u64().unwrap() as u32;
+    assert!(signal(old, libc::SIGKILL));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(up.cluster_file()).unwrap()).unwrap();
+        let pid = v["nbd"]["pid"].as_u64().unwrap() as u32;
+        if pid != old && alive(pid) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the NBD server was not restarted:\n{}", up.up_output());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !common::qemu_io(&up.uri("vol"), &["read -P 0x42 0 256k"]).0 {
+        assert!(Instant::now() < deadline, "the restarted NBD server does not serve over TCP:\n{}", up.up_output());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let sock = up.info["nbd"]["unix_socket"].as_str().unwrap();
+    qemu_ok(&format!("nbd+unix:///vol?socket={sock}"), &["read -P 0x42 0 256k", "write -P 0x43 256k 64k", "read -P 0x43 256k 64k"]);
+}
