@@ -42,7 +42,9 @@ pub enum KvCmd {
     /// Creates DIR with a random cluster secret, one data directory per node, logs under
     /// DIR/logs/, the process ids in DIR/pids and DIR/kv-cluster.json for clients. A node that
     /// exits (e.g. `kill -9`) is restarted on its log after --restart-after-ms and recovers
-    /// through HEAL while the others keep serving.
+    /// through HEAL while the others keep serving; the CM, after 250 ms on DIR/cm/cm.state.
+    /// Each wait doubles for further exits within a minute (at most 4 s); a daemon that exits a
+    /// 6th time within a minute is given up, and `kv up` stops the group and exits non-zero.
     Up(UpArgs),
     /// Read a key (prints the value, or exits 1 if the key does not exist).
     Get {
@@ -307,6 +309,11 @@ fn up(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {
                     for n in lk.supervise(restart)? {
                         eprintln!("{n}");
+                    }
+                    // Restarting it again would only hide a broken disk or configuration.
+                    if lk.gave_up() {
+                        lk.stop();
+                        anyhow::bail!("a daemon of the group keeps failing (see above); stopped the group");
                     }
                 }
             }

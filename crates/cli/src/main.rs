@@ -216,7 +216,8 @@ enum VolumeCmd {
     /// prints the endpoints and writes them to DIR/cluster.json, which the client commands
     /// read. Running it again on the same DIR reuses the data, the secret and the ports.
     /// Ports: metadata PORT_BASE, NBD PORT_BASE+1, shards PORT_BASE+2 onwards (--port-base 0
-    /// picks free ports).
+    /// picks free ports). A daemon that exits is started again on its data and address (the
+    /// others keep serving meanwhile; open volumes' I/O does not need the metadata service).
     Up(up::UpArgs),
     /// Run the metadata service (volumes, cluster map, super/collapse orchestration).
     ///

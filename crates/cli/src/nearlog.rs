@@ -10,6 +10,9 @@ use ::nearlog::core::controller::ControllerCore;
 use ::nearlog::store::JsonFileStore;
 use testbed::nearlog::{default_shim, ensure_secret, read_secret, NearlogClusterFile};
 
+/// How often `nearlog up` looks for daemons that exited.
+const UP_SUPERVISE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
 #[derive(Subcommand, Debug)]
 pub enum NearlogCmd {
     /// Run a log peer: lend --region-bytes of memory to replicated log files.
@@ -24,6 +27,11 @@ pub enum NearlogCmd {
     /// answer, so a restart loses nothing.
     Controller(ControllerArgs),
     /// A local controller and 3 log peers on loopback, in the foreground until Ctrl-C.
+    ///
+    /// Each is its own process (`nearlog controller`, `nearlog peer`; logs in DIR/logs/); one
+    /// that exits is started again at its address after a backoff (250 ms, doubled for each
+    /// further exit within a minute, at most 4 s), a peer under its id with empty memory; one
+    /// that exits a 6th time within a minute is given up and `nearlog up` exits non-zero.
     ///
     /// Writes DIR/nearlog-cluster.json (controller address, secret file) for the shim:
     /// `UNDERSTUDY_NEARLOG_CLUSTER=DIR/nearlog-cluster.json LD_PRELOAD=libnearlog_preload.so APP`.
@@ -304,14 +312,34 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             Ok(())
         }
         NearlogCmd::Up(a) => {
-            let up = testbed::nearlog::up(&a.dir, a.region_bytes, a.port).await?;
+            let mut up = testbed::nearlog::up(&a.dir, a.region_bytes, a.port).await?;
             println!("nearlog controller {}", up.controller);
             for p in &up.peers {
                 println!("nearlog peer {p}");
             }
             println!("cluster file {}", up.cluster_file.display());
             println!("ready");
-            tokio::signal::ctrl_c().await?;
+            let signal = testbed::proc::shutdown_signal();
+            tokio::pin!(signal);
+            loop {
+                tokio::select! {
+                    sig = &mut signal => {
+                        eprintln!("nearlog up: {sig} received, stopping");
+                        break;
+                    }
+                    _ = tokio::time::sleep(UP_SUPERVISE_INTERVAL) => {
+                        for e in up.supervise()? {
+                            eprintln!("nearlog up: {e}");
+                        }
+                        // Restarting it again would only hide a broken disk or configuration.
+                        if up.gave_up() {
+                            up.stop();
+                            anyhow::bail!("a daemon keeps failing (see above); stopped the cluster");
+                        }
+                    }
+                }
+            }
+            up.stop();
             Ok(())
         }
         NearlogCmd::Restore(a) => restore(a).await,

@@ -7,7 +7,11 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use testbed::cluster_file::{self, ClusterInfo, CLUSTER_FILE};
 use testbed::proc;
+use testbed::supervise::{Event, RestartPolicy, RESTART_BACKOFF_FIRST};
 use testbed::volume::{LocalCluster, UpConfig, DEFAULT_PORT_BASE, DEFAULT_REPLICAS, DEFAULT_SHARDS, READY_TIMEOUT};
+
+/// How often `up` looks for daemons that exited (and so the least gap before a restart).
+const SUPERVISE_INTERVAL: Duration = Duration::from_millis(100);
 
 #[derive(Args, Debug)]
 pub struct UpArgs {
@@ -24,6 +28,11 @@ pub struct UpArgs {
     /// [default: 7700, or as in DIR/cluster.json].
     #[arg(long, value_name = "PORT")]
     pub port_base: Option<u16>,
+    /// Restart a daemon that exited after MS, doubled for each further exit within a minute
+    /// (at most 4 s); one that exits a 6th time within a minute is given up and `up` exits
+    /// non-zero. 0: leave an exited daemon down.
+    #[arg(long, value_name = "MS", default_value_t = RESTART_BACKOFF_FIRST.as_millis() as u64)]
+    pub restart_after_ms: u64,
 }
 
 /// Settings for `up`: explicit flags first, then the previous run's cluster.json, then defaults.
@@ -75,6 +84,7 @@ pub fn up(a: UpArgs, verbose: u8) -> anyhow::Result<()> {
     let rt = crate::runtime()?;
     let start = Instant::now();
     let mut lc = LocalCluster::start(&cfg)?;
+    lc.set_restart((a.restart_after_ms > 0).then(|| RestartPolicy { backoff_first: Duration::from_millis(a.restart_after_ms), ..Default::default() }));
     let cluster_path = lc.info.dir.join(CLUSTER_FILE);
     let result: anyhow::Result<&'static str> = rt.block_on(async {
         let signal = proc::shutdown_signal();
@@ -88,16 +98,23 @@ pub fn up(a: UpArgs, verbose: u8) -> anyhow::Result<()> {
         loop {
             tokio::select! {
                 sig = &mut signal => return Ok(sig),
-                _ = tokio::time::sleep(Duration::from_millis(500)) => {
-                    // One process exiting does not stop the others: tearing the cluster down
-                    // would turn one daemon's failure (or a client that crashed it) into the
-                    // loss of every volume. The rest keep serving what they can.
-                    for (what, status, log) in lc.newly_exited() {
-                        eprintln!(
-                            "understudy up: {what} exited ({status}): {}; the rest of the cluster keeps running (log: {})",
-                            proc::last_error(&log),
-                            log.display()
-                        );
+                _ = tokio::time::sleep(SUPERVISE_INTERVAL) => {
+                    // A daemon that exits is started again on its data (the metadata service
+                    // on its state file, a shard on its store); the others keep serving
+                    // meanwhile: tearing the cluster down would turn one daemon's crash into
+                    // the loss of every volume. Only one that keeps failing ends `up`.
+                    let events = lc.supervise();
+                    for e in &events {
+                        eprintln!("understudy up: {e}");
+                    }
+                    if events.iter().any(|e| matches!(e, Event::Restarted { .. })) {
+                        // The cluster serves on; only the pids the file shows are stale.
+                        if let Err(e) = lc.info.save(&cluster_path) {
+                            eprintln!("understudy up: cannot update {}: {e:#}", cluster_path.display());
+                        }
+                    }
+                    if lc.gave_up() {
+                        anyhow::bail!("a daemon keeps failing (see above); stopped the cluster");
                     }
                 }
             }

@@ -280,3 +280,78 @@ async fn cm_stopped_past_the_failure_timeout_does_not_wedge_the_group() {
     assert!(last_second >= 20, "the group stopped serving after the pause: {last_second} writes in 1 s; CM log:\n{log}");
     drop(up);
 }
+
+/// Issue 24 item 4: the CM SIGKILLed under `kv up` is started again on its durable state
+/// (`kv up` says so), and the group serves again: earlier acknowledged writes read back, new
+/// ones are acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cm_killed_under_kv_up_is_restarted_and_the_group_serves() {
+    let _serial = SERIAL.lock().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("kv");
+    let up = start(&dir, 3);
+    let (c, _f, _secret) = cluster(&up.dir).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.put(b"before", b"1").await.is_err() {
+        assert!(Instant::now() < deadline, "group never served");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let cm = pid_of(&up.dir, "cm");
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(cm as i32, libc::SIGKILL) }, 0);
+    let up_log = || std::fs::read_to_string(up.dir.with_extension("up.log")).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let new_cm = loop {
+        let p = pid_of(&up.dir, "cm");
+        if p != cm && testbed::proc::alive(p) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "the CM was not restarted within 30 s:\n{}", up_log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.put(b"after", b"2").await.is_err() {
+        assert!(Instant::now() < deadline, "the group does not serve again after the CM's restart:\n{}", up_log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(c.get(b"before").await.unwrap().as_deref(), Some(&b"1"[..]));
+    assert_eq!(c.get(b"after").await.unwrap().as_deref(), Some(&b"2"[..]));
+    let said = up_log();
+    assert!(said.contains("cm exited") && said.contains(&format!("cm restarted (pid {new_cm})")), "kv up reports the exit and the restart:\n{said}");
+    drop(up);
+}
+
+/// A CM that cannot start again (its state file is garbage) is restarted with a growing
+/// backoff, then given up on: `kv up` names it and the cause, stops the group and exits
+/// non-zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cm_that_keeps_failing_is_reported_and_kv_up_exits_non_zero() {
+    let _serial = SERIAL.lock().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("kv");
+    let mut up = start(&dir, 3);
+    let (c, _f, _secret) = cluster(&up.dir).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.put(b"k", b"v").await.is_err() {
+        assert!(Instant::now() < deadline, "group never served");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let nodes: Vec<u32> = (0..3).map(|i| pid_of(&up.dir, &format!("node-{i}"))).collect();
+    std::fs::write(up.dir.join("cm/cm.state"), b"not a state file").unwrap();
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(pid_of(&up.dir, "cm") as i32, libc::SIGKILL) }, 0);
+    let up_log = || std::fs::read_to_string(up.dir.with_extension("up.log")).unwrap_or_default();
+    // 250 ms + 0.5 + 1 + 2 + 4 s of backoff and six failed starts.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = up.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "kv up still runs 60 s after its CM began failing:\n{}", up_log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let said = up_log();
+    assert!(!status.success(), "kv up exited successfully:\n{said}");
+    assert!(said.contains("cm keeps failing (6 exits within 60 s)") && said.contains("corrupt CM state"), "{said}");
+    assert!(testbed::proc::wait_gone(&nodes, Duration::from_secs(30)), "nodes still run after kv up gave up");
+}

@@ -14,7 +14,8 @@ const STATE_TIMEOUT: Duration = Duration::from_secs(60);
 #[test]
 fn io_goes_on_through_a_dead_shard_and_a_replacement_is_refilled() {
     require_qemu();
-    let mut up = Up::start(4);
+    // `up` would restart the killed shard itself: this test restarts and replaces it.
+    let mut up = Up::start_with(4, &["--restart-after-ms", "0"]);
     up.ok(&["volume", "create", "vol", "--size", "32M"]);
     let uri = up.uri("vol");
     qemu_ok(&uri, &["write -P 0x31 0 2M"]);

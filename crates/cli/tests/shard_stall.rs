@@ -79,7 +79,8 @@ fn stats(ws: &[Write]) -> (usize, f64, f64) {
 
 #[test]
 fn a_shard_death_or_return_stalls_no_write_for_long() {
-    let mut up = Up::start(4);
+    // `up` would restart the killed shards itself: this test restarts them.
+    let mut up = Up::start_with(4, &["--restart-after-ms", "0"]);
     up.ok(&["volume", "create", "vol", "--size", "32M"]);
     let uri = up.uri("vol");
     let lat_prefix = up.dir.path().join("fio");

@@ -20,7 +20,8 @@ fn volumes(up: &Up) -> Vec<serde_json::Value> {
 #[test]
 fn a_collapse_whose_caller_and_tracking_shards_die_midway_completes_on_its_own() {
     // Three shards, three replicas: every shard holds the tracking object.
-    let mut up = Up::start(3);
+    // `up` would restart the killed shards itself: this test restarts them.
+    let mut up = Up::start_with(3, &["--restart-after-ms", "0"]);
     up.ok(&["volume", "create", "db", "--size", "8M"]);
     up.ok(&["volume", "super", "db", "--child", "db.s1"]);
     let shards: Vec<(u32, String, String)> = (1..=3)

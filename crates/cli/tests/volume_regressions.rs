@@ -45,7 +45,8 @@ fn stale_child_session_writes_are_tracked() {
 #[test]
 fn whole_cluster_restart_after_a_shard_missed_writes() {
     require_qemu();
-    let mut up = Up::start(4);
+    // Left down by `up` (not restarted), so that it misses the writes.
+    let mut up = Up::start_with(4, &["--restart-after-ms", "0"]);
     up.ok(&["volume", "create", "r", "--size", "16M"]);
     qemu_ok(&up.uri("r"), &["write -P 0xaa 0 2M"]);
     // SAFETY: kill(2) has no memory-safety preconditions.

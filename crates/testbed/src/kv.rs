@@ -20,6 +20,7 @@ use ::kv::Model;
 
 use crate::cluster_file;
 use crate::proc;
+use crate::supervise::{Input, Output, RestartCore, RestartPolicy, State, RESTART_BACKOFF_FIRST};
 
 pub const CLUSTER_FILE: &str = "kv-cluster.json";
 pub const PIDS_FILE: &str = "pids";
@@ -117,7 +118,10 @@ pub struct LocalKv {
     node_args: Vec<Vec<String>>,
     cm_args: Vec<String>,
     pub children: Vec<(String, Option<Child>)>,
-    down_since: Vec<Option<Instant>>,
+    /// Restart decisions of [`LocalKv::supervise`]: the nodes' (backoff from its
+    /// `restart_after`) and the CM's (from [`RESTART_BACKOFF_FIRST`]: the nodes stop serving a
+    /// lease after the CM is gone, so it comes back first), made on its first call.
+    restarts: Option<(RestartCore, RestartCore)>,
     /// Each node's metrics endpoint (free loopback ports chosen at start).
     pub metrics: Vec<Option<SocketAddr>>,
 }
@@ -192,7 +196,7 @@ impl LocalKv {
             node_args,
             cm_args,
             children: Vec::new(),
-            down_since: vec![None; a.nodes as usize],
+            restarts: None,
             metrics,
         };
         for i in 0..a.nodes as usize {
@@ -214,7 +218,6 @@ impl LocalKv {
         }
         let c = self.spawn_node(i)?;
         self.children[i].1 = Some(c);
-        self.down_since[i] = None;
         self.write_pids()
     }
 
@@ -247,42 +250,105 @@ impl LocalKv {
         Ok(())
     }
 
-    /// Reaps exited nodes and restarts those down for `restart_after`. Returns notes.
+    /// Reaps exited daemons and starts them again on their data: a node after `restart_after`
+    /// (None: left down), doubled for each further exit within a minute, the CM after
+    /// [`RESTART_BACKOFF_FIRST`]; one that exits a 6th time within a minute is given up
+    /// ([`LocalKv::gave_up`]). Returns one note per exit, restart or giving up.
     pub fn supervise(&mut self, restart_after: Option<Duration>) -> anyhow::Result<Vec<String>> {
-        let mut notes = Vec::new();
         let n = self.node_args.len();
-        for i in 0..n {
-            if let Some(c) = &mut self.children[i].1 {
-                if let Ok(Some(st)) = c.try_wait() {
-                    notes.push(format!("node-{i} exited ({})", proc::describe_status(st)));
-                    self.children[i].1 = None;
-                    self.down_since[i] = Some(Instant::now());
-                }
+        let (mut nodes, mut cm) = self.restarts.take().unwrap_or_else(|| {
+            let node_policy = RestartPolicy { backoff_first: restart_after.unwrap_or(RESTART_BACKOFF_FIRST), ..Default::default() };
+            (RestartCore::new(node_policy, n), RestartCore::new(RestartPolicy::default(), 1))
+        });
+        let notes = self.supervise_with(&mut nodes, &mut cm, restart_after);
+        self.restarts = Some((nodes, cm));
+        notes
+    }
+
+    fn supervise_with(&mut self, nodes: &mut RestartCore, cm: &mut RestartCore, restart_after: Option<Duration>) -> anyhow::Result<Vec<String>> {
+        let n = self.node_args.len();
+        let now = Instant::now();
+        let mut notes = Vec::new();
+        for i in 0..=n {
+            let Some(c) = &mut self.children[i].1 else { continue };
+            let Ok(Some(st)) = c.try_wait() else { continue };
+            self.children[i].1 = None;
+            let what = self.children[i].0.clone();
+            let log = log_of(&self.dir, n, i);
+            let reason = proc::last_error(&log);
+            let (core, k) = if i < n { (&mut *nodes, i) } else { (&mut *cm, 0) };
+            if i < n && restart_after.is_none() {
+                notes.push(format!("{what} exited ({}): {reason}; left down", proc::describe_status(st)));
+                continue;
             }
-            if let (None, Some(t), Some(after)) = (&self.children[i].1, self.down_since[i], restart_after) {
-                if t.elapsed() >= after {
-                    let c = self.spawn_node(i)?;
-                    notes.push(format!("node-{i} restarted on its log (pid {})", c.id()));
+            core.handle(now, Input::Exited(k));
+            match core.state(k) {
+                State::RestartAt(t) => notes.push(format!(
+                    "{what} exited ({}): {reason}; restarting it on its durable state in {} ms",
+                    proc::describe_status(st),
+                    t.saturating_duration_since(now).as_millis()
+                )),
+                _ => notes.push(format!(
+                    "{what} keeps failing ({} exits within {} s), last: {reason}; not restarting it again (log: {})",
+                    core.exits_in_window(k),
+                    core.policy().window.as_secs(),
+                    log.display()
+                )),
+            }
+            core.take_outputs();
+        }
+        let mut due = vec![];
+        for (core, base) in [(&mut *nodes, 0), (&mut *cm, n)] {
+            core.handle(now, Input::Tick);
+            due.extend(core.take_outputs().into_iter().filter_map(|o| match o {
+                Output::Restart(k) => Some(base + k),
+                Output::GaveUp { .. } => None,
+            }));
+        }
+        for i in due {
+            let started = if i < n { self.spawn_node(i) } else { proc::spawn_self(&self.cm_args, &self.log_of(i), &[]) };
+            match started {
+                Ok(c) => {
+                    notes.push(format!("{} restarted (pid {})", self.children[i].0, c.id()));
                     self.children[i].1 = Some(c);
-                    self.down_since[i] = None;
                     self.write_pids()?;
                 }
-            }
-        }
-        if let Some(c) = &mut self.children[n].1 {
-            if let Ok(Some(st)) = c.try_wait() {
-                notes.push(format!("cm exited ({}); restarting it on its durable state", proc::describe_status(st)));
-                self.children[n].1 = Some(proc::spawn_self(&self.cm_args, &self.dir.join("logs/cm.log"), &[])?);
-                self.write_pids()?;
+                // Counted as an exit: retried after the next backoff, given up if it persists.
+                Err(e) => {
+                    let (core, k) = if i < n { (&mut *nodes, i) } else { (&mut *cm, 0) };
+                    core.handle(now, Input::Exited(k));
+                    core.take_outputs();
+                    notes.push(format!("{} could not be started again: {e:#}", self.children[i].0));
+                }
             }
         }
         Ok(notes)
+    }
+
+    /// Whether a daemon kept failing and was given up on (`kv up` then stops, non-zero).
+    pub fn gave_up(&self) -> bool {
+        let Some((nodes, cm)) = &self.restarts else { return false };
+        (0..self.node_args.len()).any(|i| nodes.state(i) == State::GaveUp) || cm.state(0) == State::GaveUp
+    }
+
+    /// The log file of daemon `i` (nodes, then the CM).
+    fn log_of(&self, i: usize) -> PathBuf {
+        log_of(&self.dir, self.node_args.len(), i)
     }
 
     pub fn stop(&mut self) {
         let mut live: Vec<(String, Child)> =
             self.children.iter_mut().filter_map(|(n, c)| c.take().map(|c| (n.clone(), c))).collect();
         proc::stop_children(&mut live, Duration::from_secs(5));
+    }
+}
+
+/// The log file of daemon `i` of a group of `nodes` nodes in `dir` (nodes, then the CM).
+fn log_of(dir: &Path, nodes: usize, i: usize) -> PathBuf {
+    if i < nodes {
+        dir.join(format!("logs/node-{i}.log"))
+    } else {
+        dir.join("logs/cm.log")
     }
 }
 

@@ -6,8 +6,9 @@
 //!   cluster with one volume attached as ext4 ([`volume::AttachedVolume`]);
 //! * [`kv`]: a local leaderless KV group (nodes and configuration manager), what `understudy kv up`
 //!   runs;
-//! * [`nearlog`]: a near-compute log cluster (controller and 3 peers), in this process as
-//!   `understudy nearlog up` runs it, or as processes ([`nearlog::LogCluster`]);
+//! * [`nearlog`]: a near-compute log cluster (controller and 3 peers) as processes, supervised
+//!   as `understudy nearlog up` runs it, or unsupervised ([`nearlog::LogCluster`]);
+//! * [`supervise`]: restarting the daemons of `up`, `kv up` and `nearlog up` when they exit;
 //! * [`failover`]: a failover monitor process, its clean-up guard and its control client;
 //! * [`etcd`]: a real N-member etcd cluster (Debian's etcd-server), the control plane's store;
 //! * [`ceph`]: a real single-node Ceph (ceph-mon, one ceph-osd per replica) from Debian's
@@ -42,4 +43,5 @@ pub mod proc;
 pub mod qemu;
 pub mod rocksdb;
 pub mod sqlite_front;
+pub mod supervise;
 pub mod volume;

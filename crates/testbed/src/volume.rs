@@ -2,7 +2,8 @@
 //!
 //! [`LocalCluster`] is the machinery (used by `up`, `demo`, the benchmarks): it lays out the directory, makes the
 //! secret, checks the ports, starts the metadata service, the shards and the NBD server (this
-//! same executable, re-executed), waits until every shard is up, and stops them all (SIGTERM,
+//! same executable, re-executed), waits until every shard is up, restarts one that exits
+//! ([`LocalCluster::supervise`]), and stops them all (SIGTERM,
 //! then SIGKILL after a grace period) when stopped or dropped.
 //!
 //! Layout of DIR: `secret`, `cluster.json`, `up.pid`, `meta/`, `shard-N/`, `nbd.sock`,
@@ -10,7 +11,7 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,7 @@ use volume::types::ShardState;
 
 use crate::cluster_file::{self, ClusterInfo, NbdProc, ProcInfo, ShardProc, SECRET_FILE};
 use crate::proc;
+use crate::supervise::{Daemon, Event, RestartPolicy, Supervisor};
 
 pub const DEFAULT_SHARDS: u32 = 4;
 pub const DEFAULT_REPLICAS: u32 = 3;
@@ -59,10 +61,9 @@ pub struct UpConfig {
 /// A running local cluster; stops its processes when dropped.
 pub struct LocalCluster {
     pub info: ClusterInfo,
-    /// (description, process), in start order: meta, shards, nbd.
-    children: Vec<(String, Child)>,
-    /// Children already reported as exited.
-    reported: Vec<bool>,
+    /// The daemons, in start order: meta, shards, nbd; restarted when they exit (see
+    /// [`LocalCluster::supervise`]).
+    sup: Supervisor,
     lock_file: PathBuf,
     stopped: bool,
 }
@@ -160,8 +161,7 @@ impl LocalCluster {
                 },
                 shards: vec![],
             },
-            children: vec![],
-            reported: vec![],
+            sup: Supervisor::new(None, vec![]),
             lock_file,
             stopped: false,
         };
@@ -178,9 +178,8 @@ impl LocalCluster {
             secret_arg.clone(),
         ];
         args.extend(verbose_args.iter().cloned());
-        let child = proc::spawn_self(&args, &lc.info.meta.log, &[])?;
-        lc.info.meta.pid = child.id();
-        lc.children.push(("metadata service".into(), child));
+        let log = lc.info.meta.log.clone();
+        lc.info.meta.pid = lc.spawn("metadata service", args, log)?;
 
         let metrics_ports = if shard_metrics { free_ports(cfg.shards as usize)? } else { vec![] };
         for i in 1..=cfg.shards {
@@ -208,9 +207,8 @@ impl LocalCluster {
                 args.extend(["--metrics".to_string(), m.clone()]);
             }
             args.extend(verbose_args.iter().cloned());
-            let child = proc::spawn_self(&args, &log, &[])?;
-            lc.info.shards.push(ShardProc { id: i, addr: shard_addr, dir: shard_dir, pid: child.id(), log, metrics });
-            lc.children.push((format!("shard {i}"), child));
+            let pid = lc.spawn(&format!("shard {i}"), args, log.clone())?;
+            lc.info.shards.push(ShardProc { id: i, addr: shard_addr, dir: shard_dir, pid, log, metrics });
         }
 
         let mut args = vec![
@@ -225,34 +223,63 @@ impl LocalCluster {
             lc.info.nbd.unix_socket.to_string_lossy().into_owned(),
         ];
         args.extend(verbose_args.iter().cloned());
-        let child = proc::spawn_self(&args, &lc.info.nbd.log, &[])?;
-        lc.info.nbd.pid = child.id();
-        lc.children.push(("NBD server".into(), child));
-        lc.reported = vec![false; lc.children.len()];
+        let log = lc.info.nbd.log.clone();
+        lc.info.nbd.pid = lc.spawn("NBD server", args, log)?;
+        lc.set_restart(Some(RestartPolicy::default()));
         Ok(lc)
     }
 
-    fn log_of(&self, index: usize) -> &Path {
-        match index {
-            0 => &self.info.meta.log,
-            i if i == self.children.len() - 1 => &self.info.nbd.log,
-            i => &self.info.shards[i - 1].log,
-        }
+    /// How daemons that exit are restarted from now on (None: reported and left down).
+    pub fn set_restart(&mut self, policy: Option<RestartPolicy>) {
+        let daemons = std::mem::take(&mut self.sup.daemons);
+        self.sup = Supervisor::new(policy, daemons);
     }
 
-    /// Children that exited since the last call: (description, status, log file).
+    /// Starts a daemon (not yet watched: `start_full` hands them all to the supervisor).
+    fn spawn(&mut self, what: &str, args: Vec<String>, log: PathBuf) -> anyhow::Result<u32> {
+        let child = proc::spawn_self(&args, &log, &[])?;
+        let pid = child.id();
+        self.sup.daemons.push(Daemon { what: what.to_string(), args, log, child: Some(child) });
+        Ok(pid)
+    }
+
+    /// Children that exited since the last call (not restarted: for start-up, where an exit
+    /// is a failure to report at once): (description, status, log file).
     pub fn newly_exited(&mut self) -> Vec<(String, String, PathBuf)> {
         let mut out = vec![];
-        for i in 0..self.children.len() {
-            if self.reported[i] {
-                continue;
-            }
-            if let Ok(Some(status)) = self.children[i].1.try_wait() {
-                self.reported[i] = true;
-                out.push((self.children[i].0.clone(), proc::describe_status(status), self.log_of(i).to_path_buf()));
+        for d in &mut self.sup.daemons {
+            let Some(c) = &mut d.child else { continue };
+            if let Ok(Some(status)) = c.try_wait() {
+                d.child = None;
+                out.push((d.what.clone(), proc::describe_status(status), d.log.clone()));
             }
         }
         out
+    }
+
+    /// Restarts the daemons that exited, each on its own data and address, after a backoff,
+    /// and gives up on one that keeps failing ([`crate::supervise`]). Each restart updates
+    /// the pids in [`LocalCluster::info`] (the caller saves it). Once ready, the cluster is
+    /// watched through this alone: an exit is a gap in one daemon, not the end of the cluster.
+    pub fn supervise(&mut self) -> Vec<Event> {
+        let events = self.sup.poll();
+        for e in &events {
+            if let Event::Restarted { .. } = e {
+                let n = self.sup.daemons.len();
+                let pid = |i: usize| self.sup.pid(i).unwrap_or(0);
+                self.info.meta.pid = pid(0);
+                self.info.nbd.pid = pid(n - 1);
+                for (k, s) in self.info.shards.iter_mut().enumerate() {
+                    s.pid = self.sup.pid(k + 1).unwrap_or(0);
+                }
+            }
+        }
+        events
+    }
+
+    /// Whether a daemon kept failing and was given up on.
+    pub fn gave_up(&self) -> bool {
+        self.sup.gave_up()
     }
 
     /// Waits until the metadata service answers, every shard is registered and up, and the NBD
@@ -306,9 +333,10 @@ impl LocalCluster {
         // The metadata service first (it was started first): a shard that stopped before it
         // would be marked down and out of sync the moment its link closed, and the next start
         // could no longer tell a shard that was stale from the ones that were in sync.
-        let first = self.children.len().min(1);
-        let mut out = proc::stop_children(&mut self.children[..first], proc::STOP_GRACE);
-        out.extend(proc::stop_children(&mut self.children[first..], proc::STOP_GRACE));
+        let n = self.sup.daemons.len();
+        let first = n.min(1);
+        let mut out = proc::stop_children(&mut self.sup.take_children(0..first), proc::STOP_GRACE);
+        out.extend(proc::stop_children(&mut self.sup.take_children(first..n), proc::STOP_GRACE));
         let _ = std::fs::remove_file(&self.lock_file);
         let _ = std::fs::remove_file(&self.info.nbd.unix_socket);
         out

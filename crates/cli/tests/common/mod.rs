@@ -44,22 +44,32 @@ pub struct Up {
     up: Option<Child>,
     pub info: serde_json::Value,
     extra: Vec<Child>,
+    /// Extra `up` arguments, passed again by [`Up::restart`].
+    up_args: Vec<String>,
 }
 
 impl Up {
     pub fn start(shards: u32) -> Up {
+        Up::start_with(shards, &[])
+    }
+
+    /// As [`Up::start`], with extra `up` arguments (`--restart-after-ms 0` for a test that
+    /// restarts or replaces daemons itself).
+    pub fn start_with(shards: u32, up_args: &[&str]) -> Up {
         let dir = tempfile::Builder::new().prefix("understudy-test-").tempdir().unwrap();
         let out = std::fs::File::create(dir.path().join("up.out")).unwrap();
         let child = Command::new(BIN)
             .args(["up", "--dir"])
             .arg(dir.path())
             .args(["--port-base", "0", "--shards", &shards.to_string()])
+            .args(up_args)
             .stdin(Stdio::null())
             .stdout(Stdio::from(out.try_clone().unwrap()))
             .stderr(Stdio::from(out))
             .spawn()
             .expect("cannot start understudy up");
-        let mut up = Up { dir, up: Some(child), info: serde_json::Value::Null, extra: vec![] };
+        let up_args = up_args.iter().map(|a| a.to_string()).collect();
+        let mut up = Up { dir, up: Some(child), info: serde_json::Value::Null, extra: vec![], up_args };
         up.wait_cluster_file(None);
         up
     }
@@ -74,6 +84,7 @@ impl Up {
         let child = Command::new(BIN)
             .args(["up", "--dir"])
             .arg(self.dir.path())
+            .args(&self.up_args)
             .stdin(Stdio::null())
             .stdout(Stdio::from(out.try_clone().unwrap()))
             .stderr(Stdio::from(out))
