@@ -2,6 +2,7 @@
 //! libraries the witness driver calls. No protocol decision is made here.
 
 pub mod pmem;
+pub mod ssdlog;
 
 /// Bytes a structure holds, by tier, for the cost model (DRAM $35.16, NVMM $4.51, SSD $0.32
 /// per GB, paper Fig 1).
