@@ -1,6 +1,7 @@
 //! The backup's storage tiers (paper §3.2, Fig 4; spec (c) "Honest tier emulation"), as plain
 //! libraries the witness driver calls. No protocol decision is made here.
 
+pub mod io;
 pub mod pmem;
 pub mod ssdlog;
 
