@@ -3,6 +3,7 @@
 //! ensemble beside a HEAL group. Each runs on a [`testbed::kv::LocalKv`].
 
 pub mod recovery;
+pub mod ssd;
 pub mod ycsb;
 pub mod zookeeper;
 
