@@ -67,3 +67,146 @@ impl std::iter::Sum for TierBytes {
         it.fold(TierBytes::default(), |a, b| a + b)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::pmem::{PmemConfig, PmemMode, PmemRegion};
+    use super::ssdlog::{LogKind, LogTs, SsdConfig, SsdEntry, SsdLogs};
+    use std::io::{BufRead, Write};
+    use std::path::Path;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    const CHILD_ENV: &str = "UNDERSTUDY_STORE_SIGKILL_CHILD";
+    const TEST: &str = "witness::store::tests::pmem_and_ssdlog_survive_sigkill_of_the_writer";
+    const PMEM_CAP_BYTES: u64 = 4 << 20;
+    /// The child stops appending to pmem here, far below a full region.
+    const PMEM_RECORDS_MAX: u64 = 20_000;
+
+    fn pmem_payload(seq: u64) -> Vec<u8> {
+        format!("record {seq} ")
+            .repeat(1 + (seq % 7) as usize)
+            .into_bytes()
+    }
+
+    fn ssd_entry(index: u64) -> SsdEntry {
+        SsdEntry {
+            key: format!("key{}", index % 50).into_bytes(),
+            ts: LogTs { term: 1, index },
+            value: vec![index as u8; 300 + (index % 1000) as usize],
+        }
+    }
+
+    fn open(shm: &Path, disk: &Path) -> (PmemRegion, SsdLogs, super::ssdlog::Index) {
+        let cfg = PmemConfig {
+            mode: PmemMode::Shm,
+            capacity_bytes: PMEM_CAP_BYTES,
+            persist_ns: 0,
+        };
+        let region = PmemRegion::open(&shm.join("buf"), &cfg).unwrap();
+        let (logs, index) = SsdLogs::open(disk, SsdConfig::default()).unwrap();
+        (region, logs, index)
+    }
+
+    /// The writer: prints `p <seq>` once a pmem append returned and `s <index>` once an SSD
+    /// batch did; it ends by itself after 60 s, or when its stdout (the parent) is gone.
+    fn child(shm: &Path, disk: &Path) {
+        let (mut region, logs, _) = open(shm, disk);
+        let mut out = std::io::stdout().lock();
+        let t0 = Instant::now();
+        let (mut seq, mut index) = (0u64, 0u64);
+        while t0.elapsed() < Duration::from_secs(60) {
+            if seq < PMEM_RECORDS_MAX {
+                seq += 1;
+                region.append(seq, &pmem_payload(seq)).unwrap();
+                if writeln!(out, "p {seq}").and_then(|()| out.flush()).is_err() {
+                    return;
+                }
+            }
+            if seq % 10 == 0 || seq >= PMEM_RECORDS_MAX {
+                let batch: Vec<SsdEntry> = (index + 1..=index + 3).map(ssd_entry).collect();
+                logs.append(LogKind::Cold, &batch).unwrap();
+                index += 3;
+                if writeln!(out, "s {index}")
+                    .and_then(|()| out.flush())
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+    }
+
+    struct KillOnDrop(Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    /// The shm emulation's claim (survives SIGKILL) and the SSD log's (an acknowledged batch
+    /// is durable), checked on a real process killed with SIGKILL mid-stream: every record and
+    /// batch it reported as persisted is found, whole, after a reopen.
+    #[test]
+    fn pmem_and_ssdlog_survive_sigkill_of_the_writer() {
+        if let Ok(dirs) = std::env::var(CHILD_ENV) {
+            let (shm, disk) = dirs.split_once('\n').unwrap();
+            child(Path::new(shm), Path::new(disk));
+            return;
+        }
+        let shm = tempfile::tempdir_in(PmemRegion::shm_dir()).unwrap();
+        let disk = super::ssdlog::tests::disk_dir();
+        let dirs = format!("{}\n{}", shm.path().display(), disk.path().display());
+        let mut c = KillOnDrop(
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+                .env(CHILD_ENV, dirs)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let lines = std::io::BufReader::new(c.0.stdout.take().unwrap()).lines();
+        let (mut last_p, mut last_s) = (0u64, 0u64);
+        for line in lines {
+            let line = line.unwrap();
+            match line.split_once(' ') {
+                Some(("p", n)) => last_p = n.parse().unwrap(),
+                Some(("s", n)) => last_s = n.parse().unwrap(),
+                _ => continue, // the test harness's own lines
+            }
+            if last_p >= 500 && last_s >= 60 {
+                break;
+            }
+        }
+        assert!(
+            last_p >= 500 && last_s >= 60,
+            "the writer stopped early: p {last_p} s {last_s}"
+        );
+        // SAFETY: kill(2) on our own child's pid, which it keeps until we wait for it.
+        assert_eq!(unsafe { libc::kill(c.0.id() as i32, libc::SIGKILL) }, 0);
+        let status = c.0.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL)
+        );
+        let (region, logs, idx) = open(shm.path(), disk.path());
+        // Records 1..=n, contiguous, each whole, n at least what the writer reported.
+        let got: Vec<(u64, Vec<u8>)> = region.iter().map(|(s, p)| (s, p.to_vec())).collect();
+        assert!(got.len() as u64 >= last_p, "{} < {last_p}", got.len());
+        for (i, (s, p)) in got.iter().enumerate() {
+            assert_eq!(*s, i as u64 + 1);
+            assert_eq!(*p, pmem_payload(*s));
+        }
+        // Every reported SSD batch: key i % 50 holds version i, i + 50, ...; the index has the
+        // newest reported one or a newer (written, unreported) one, and it reads back whole.
+        for i in 1..=last_s {
+            let key = ssd_entry(i).key;
+            let ie = idx.get(&key).expect("every reported key is indexed");
+            let newest_reported = i + (last_s - i) / 50 * 50;
+            assert!(ie.ts.index >= newest_reported, "{ie:?} < {newest_reported}");
+            assert_eq!(logs.read_entry(ie.loc).unwrap(), ssd_entry(ie.ts.index));
+        }
+    }
+}
