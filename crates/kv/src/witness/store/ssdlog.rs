@@ -332,14 +332,15 @@ pub fn decode_pages(seg: u64, base: u64, bytes: &[u8]) -> (Vec<(Loc, SsdEntry)>,
         }
         let len = u32::from_le_bytes(bytes[pos..pos + 4].try_into().unwrap()) as usize;
         if len == 0 {
-            if pos % PAGE_BYTES == 0 {
+            if pos.is_multiple_of(PAGE_BYTES) {
                 break;
             }
             pos = round_up_page(pos);
             continue;
         }
         let framed = FRAME_BYTES + len;
-        if len > MAX_PAYLOAD_BYTES || len < ENTRY_FIXED_BYTES + 1 || pos + framed > bytes.len() {
+        if !(ENTRY_FIXED_BYTES + 1..=MAX_PAYLOAD_BYTES).contains(&len) || pos + framed > bytes.len()
+        {
             break;
         }
         if framed <= PAGE_BYTES && pos % PAGE_BYTES + framed > PAGE_BYTES {
