@@ -9,6 +9,12 @@
 //! within 90% of the best write throughput; the paper's 32 KB) and the BatchPull size (the
 //! smallest sequential read size within 90% of the best at queue depth 1).
 //!
+//! Two more measurements the witness KV's tiers need: the latency of a 4 KiB PriorityPull
+//! while a BatchPull stream (128 KiB, 2 in flight) runs through the same pool, unthrottled and
+//! throttled to 25% of the best sequential read (the paper's ratio, §7.7), against the
+//! PriorityPull alone; and the persist latency of the NVMM emulation, `--pmem shm` against the
+//! power-safe `--pmem dsync`.
+//!
 //! Caveat: `O_DIRECT` keeps this kernel's page cache out, but a virtual disk's host may cache;
 //! the figures are what this guest sees.
 
@@ -21,6 +27,7 @@ use clap::Args;
 use rand::{Rng, SeedableRng};
 
 use ::kv::witness::store::io::{IoClass, IoConfig, IoOp, IoPool, IoRequest};
+use ::kv::witness::store::pmem::{PmemConfig, PmemMode, PmemRegion};
 use ::kv::witness::store::ssdlog::{LogKind, LogTs, SsdConfig, SsdEntry, SsdLogs, PAGE_BYTES};
 
 #[derive(Args, Debug)]
@@ -201,6 +208,127 @@ fn read_point(
     })
 }
 
+/// PriorityPull latency (submission to completion: the queueing a Get sees) of random 4 KiB
+/// page reads, one at a time, while BatchPull streams `pull_bytes` sequential reads with
+/// `pull_qd` in flight through the same pool (none if `pull_qd` is 0), at `rate` bytes/s
+/// (`None`: unthrottled). Returns the latencies (ns) and BatchPull's MiB/s.
+#[allow(clippy::too_many_arguments)]
+fn priority_under_pull(
+    logs: &Arc<SsdLogs>,
+    seg: u64,
+    file_bytes: u64,
+    pull_bytes: usize,
+    pull_qd: usize,
+    rate: Option<u64>,
+    dur: Duration,
+    seed: u64,
+) -> anyhow::Result<(Vec<u64>, f64)> {
+    let cfg = IoConfig {
+        workers: pull_qd + 1,
+        in_flight_max: [1, 1, pull_qd.max(1), 1],
+        batch_pull_bytes_per_s: rate,
+        batch_pull_burst_bytes: pull_bytes as u64,
+        ..Default::default()
+    };
+    let (sub, done, pool) = IoPool::spawn(logs.clone(), cfg);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let pages = file_bytes / PAGE_BYTES as u64;
+    let pulls = file_bytes / pull_bytes as u64;
+    let mut cursor = 0u64;
+    let mut id = 0u64;
+    let t0 = Instant::now();
+    let mut pull = |id: u64| {
+        let off = cursor % pulls * pull_bytes as u64;
+        cursor += 1;
+        IoRequest {
+            id,
+            class: IoClass::BatchPull,
+            op: IoOp::Read {
+                seg,
+                off,
+                len: pull_bytes,
+            },
+        }
+    };
+    for _ in 0..pull_qd {
+        sub.submit(pull(id))?;
+        id += 1;
+    }
+    // Let the stream reach the disk before the first PriorityPull.
+    std::thread::sleep(Duration::from_millis(20));
+    let prio = |id: u64, rng: &mut rand::rngs::StdRng| IoRequest {
+        id: id | 1 << 63,
+        class: IoClass::PriorityPull,
+        op: IoOp::Read {
+            seg,
+            off: rng.gen_range(0..pages) * PAGE_BYTES as u64,
+            len: PAGE_BYTES,
+        },
+    };
+    sub.submit(prio(id, &mut rng))?;
+    id += 1;
+    let (mut outstanding_pulls, mut prio_out) = (pull_qd, true);
+    let (mut lat, mut pulled) = (Vec::new(), 0u64);
+    let pull_t0 = Instant::now();
+    while outstanding_pulls > 0 || prio_out {
+        let c = done.recv().context("the I/O pool stopped")?;
+        c.result.context("a read")?;
+        let running = t0.elapsed() < dur;
+        if c.class == IoClass::PriorityPull {
+            lat.push((c.queued + c.service).as_nanos() as u64);
+            prio_out = running;
+            if running {
+                sub.submit(prio(id, &mut rng))?;
+                id += 1;
+            }
+        } else {
+            pulled += pull_bytes as u64;
+            outstanding_pulls -= 1;
+            if running {
+                sub.submit(pull(id))?;
+                id += 1;
+                outstanding_pulls += 1;
+            }
+        }
+    }
+    let pull_mib_s = pulled as f64 / (1 << 20) as f64 / pull_t0.elapsed().as_secs_f64();
+    drop(sub);
+    pool.join();
+    Ok((lat, pull_mib_s))
+}
+
+/// Persist latencies (ns) of `pmem` appends of `bytes` for `dur`.
+fn pmem_persists(
+    dir: &std::path::Path,
+    mode: PmemMode,
+    bytes: usize,
+    dur: Duration,
+) -> anyhow::Result<Vec<u64>> {
+    let path = dir.join(format!("pmem-{mode:?}"));
+    let cfg = PmemConfig {
+        mode,
+        capacity_bytes: 64 << 20,
+        persist_ns: 0,
+    };
+    let mut r = PmemRegion::open(&path, &cfg)?;
+    let payload = vec![0x5a; bytes];
+    let (mut lat, t0) = (Vec::new(), Instant::now());
+    let mut seq = 0;
+    while t0.elapsed() < dur {
+        seq += 1;
+        if r.used_bytes() + 2 * bytes as u64 > r.capacity_bytes() {
+            r.truncate_through(seq - 1)?;
+        }
+        let s = Instant::now();
+        r.append(seq, &payload)?;
+        lat.push(s.elapsed().as_nanos() as u64);
+    }
+    drop(r);
+    std::fs::remove_file(&path)?;
+    lat.sort_unstable();
+    Ok(lat)
+}
+
 /// The smallest block size whose throughput is within `frac` of the best among `pts`.
 fn pick(pts: &[&Point], frac: f64) -> usize {
     let best = pts.iter().map(|p| p.mib_per_s).fold(0.0, f64::max);
@@ -289,8 +417,87 @@ pub fn run(a: &KvSsdArgs) -> anyhow::Result<bench::Report> {
             }
         }
     }
+    // PriorityPull under a BatchPull stream (§7.7, M20): alone, unthrottled, and at 25% of the
+    // best sequential read (the paper's 201 s vs 50.6 s), interleaved A B C C B A.
+    let best_seq = points
+        .iter()
+        .filter(|p| p.pattern == "seq_read")
+        .map(|p| p.mib_per_s)
+        .fold(0.0, f64::max);
+    let pull_bytes = 128 * 1024;
+    let quarter = (best_seq * 0.25 * (1 << 20) as f64) as u64;
+    let variants: [(&str, usize, Option<u64>); 3] = [
+        ("alone", 0, None),
+        ("unthrottled", 2, None),
+        ("throttled_25pct", 2, Some(quarter.max(1 << 20))),
+    ];
+    let mut prio: [(Vec<u64>, Vec<f64>); 3] = Default::default();
+    for (round, v) in [0, 1, 2, 2, 1, 0].into_iter().enumerate() {
+        let (name, qd, rate) = variants[v];
+        let (lat, mib) = priority_under_pull(
+            &logs,
+            seg,
+            file_bytes,
+            pull_bytes,
+            qd,
+            rate,
+            point,
+            round as u64,
+        )?;
+        eprintln!(
+            "kv ssd: priority pull, batch pull {name}: {} reads, batch pull {mib:.1} MiB/s",
+            lat.len()
+        );
+        prio[v].0.extend(lat);
+        prio[v].1.push(mib);
+    }
+    // NVMM persists: the shm emulation against the power-safe dsync file.
+    let shm_lat = pmem_persists(std::path::Path::new("/dev/shm"), PmemMode::Shm, 1024, point)?;
+    let dsync_lat = pmem_persists(scratch.path(), PmemMode::Dsync, 1024, point)?;
     eprintln!("kv ssd: load after: {}", loadavg());
     let mut report = bench::Report::new("kv.ssd", a.quick);
+    for (v, (name, qd, _)) in variants.iter().enumerate() {
+        let lat = &mut prio[v].0;
+        lat.sort_unstable();
+        report.figure(
+            &format!("priority_pull.batch_{name}.latency_us_p50"),
+            percentile_us(lat, 0.5),
+        )?;
+        report.figure(
+            &format!("priority_pull.batch_{name}.latency_us_p99"),
+            percentile_us(lat, 0.99),
+        )?;
+        if *qd > 0 {
+            let mib = prio[v].1.iter().sum::<f64>() / prio[v].1.len() as f64;
+            report.figure(&format!("batch_pull.{name}.throughput_mib_per_s"), mib)?;
+        }
+    }
+    let p99 = |v: usize| percentile_us(&prio[v].0, 0.99);
+    report.ratio(
+        "unthrottled_vs_throttled.priority_pull.latency_p99",
+        p99(1),
+        p99(2),
+    )?;
+    report.ratio(
+        "throttled_vs_alone.priority_pull.latency_p99",
+        p99(2),
+        p99(0),
+    )?;
+    for (name, lat) in [("shm", &shm_lat), ("dsync", &dsync_lat)] {
+        report.figure(
+            &format!("pmem.{name}.persist_1kib.latency_us_p50"),
+            percentile_us(lat, 0.5),
+        )?;
+        report.figure(
+            &format!("pmem.{name}.persist_1kib.latency_us_p99"),
+            percentile_us(lat, 0.99),
+        )?;
+    }
+    report.ratio(
+        "dsync_vs_shm.pmem.persist_1kib.latency_p50",
+        percentile_us(&dsync_lat, 0.5),
+        percentile_us(&shm_lat, 0.5).max(0.001),
+    )?;
     report.figure("file_bytes", file_bytes as f64)?;
     for p in &points {
         let name = format!("{}.bs_{}kib.qd{}", p.pattern, p.block_bytes / 1024, p.qd);
@@ -314,11 +521,6 @@ pub fn run(a: &KvSsdArgs) -> anyhow::Result<bench::Report> {
         .collect();
     report.figure("pick.writeback_batch_bytes", pick(&writes, 0.9) as f64)?;
     report.figure("pick.batch_pull_bytes", pick(&seq1, 0.9) as f64)?;
-    let best_seq = points
-        .iter()
-        .filter(|p| p.pattern == "seq_read")
-        .map(|p| p.mib_per_s)
-        .fold(0.0, f64::max);
     report.figure("seq_read.best.throughput_mib_per_s", best_seq)?;
     bench::write_csv(
         &out.join("ssd.csv"),
@@ -394,6 +596,9 @@ mod tests {
             "rand_read.bs_4kib.qd1.latency_us_p50",
             "pick.writeback_batch_bytes",
             "pick.batch_pull_bytes",
+            "priority_pull.batch_throttled_25pct.latency_us_p99",
+            "batch_pull.unthrottled.throughput_mib_per_s",
+            "pmem.dsync.persist_1kib.latency_us_p50",
         ] {
             assert!(f[name].as_f64().is_some_and(|x| x > 0.0), "{name}: {f}");
         }
