@@ -587,4 +587,75 @@ mod tests {
             assert_eq!(r.len(), 2);
         }
     }
+
+    /// Random appends of random sizes (lapping the ring many times), prefix frees, refused
+    /// appends of a full ring, torn appends (garbage where the next record goes) and reopens,
+    /// checked after every step against a model of the live records.
+    #[test]
+    fn pmem_random_appends_frees_torn_tails_and_reopens_match_a_model() {
+        for seed in 1..=4u64 {
+            let mut rng = seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
+            let mut next = move |n: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % n
+            };
+            let d = dir_for(PmemMode::Shm);
+            let p = d.path().join("buf");
+            let c = cfg(PmemMode::Shm, MIN_CAPACITY_BYTES);
+            let mut r = PmemRegion::open(&p, &c).unwrap();
+            let mut model: VecDeque<(u64, Vec<u8>)> = VecDeque::new();
+            let (mut seq, mut fulls, mut laps) = (0u64, 0, 0);
+            for step in 0..600 {
+                match next(12) {
+                    0..=6 => {
+                        seq += 1 + next(3);
+                        let rec = payload(seq, 1 + next(6000) as usize);
+                        match r.append(seq, &rec) {
+                            Ok(()) => model.push_back((seq, rec)),
+                            Err(PmemError::Full {
+                                need_bytes,
+                                free_bytes,
+                                ..
+                            }) => {
+                                assert!(need_bytes > free_bytes, "seed {seed} step {step}");
+                                fulls += 1;
+                            }
+                            Err(e) => panic!("seed {seed} step {step}: {e}"),
+                        }
+                    }
+                    7 | 8 => {
+                        if !model.is_empty() {
+                            let upto = model[next(model.len() as u64) as usize].0;
+                            r.truncate_through(upto).unwrap();
+                            model.retain(|(s, _)| *s > upto);
+                        }
+                    }
+                    9 => {
+                        // A torn append: part of a frame and payload where the next record goes.
+                        let room = r.to_lap_end(r.tail).min(r.capacity - r.used_bytes());
+                        let n = room.min(1 + next(300)) as usize;
+                        let at = r.phys(r.tail);
+                        for (i, b) in r.map[at..at + n].iter_mut().enumerate() {
+                            *b = (seed as usize + i * 7) as u8;
+                        }
+                        drop(r);
+                        r = PmemRegion::open(&p, &c).unwrap();
+                    }
+                    _ => {
+                        drop(r);
+                        r = PmemRegion::open(&p, &c).unwrap();
+                    }
+                }
+                let got: Vec<(u64, Vec<u8>)> = r.iter().map(|(s, p)| (s, p.to_vec())).collect();
+                assert_eq!(got, Vec::from(model.clone()), "seed {seed} step {step}");
+                laps = laps.max(r.tail / r.capacity);
+            }
+            assert!(
+                fulls > 0 && laps >= 5,
+                "seed {seed}: {fulls} full, {laps} laps"
+            );
+        }
+    }
 }
