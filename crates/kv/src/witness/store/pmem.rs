@@ -658,4 +658,32 @@ mod tests {
             );
         }
     }
+
+    /// With every record freed, the bytes at the head are an earlier lap's records (equal sizes
+    /// put its boundaries exactly there); a reopen must not bring them back. The record's
+    /// logical offset in its checksum is what tells them apart.
+    #[test]
+    fn pmem_fully_freed_ring_does_not_resurrect_an_earlier_lap() {
+        for mode in [PmemMode::Shm, PmemMode::Dsync] {
+            let d = dir_for(mode);
+            let p = d.path().join("buf");
+            let c = cfg(mode, MIN_CAPACITY_BYTES);
+            let mut r = PmemRegion::open(&p, &c).unwrap();
+            for s in 1..=100u64 {
+                if s == 61 {
+                    r.truncate_through(60).unwrap();
+                }
+                r.append(s, &payload(s, 1000)).unwrap();
+            }
+            assert!(r.tail > r.capacity, "the ring lapped");
+            assert_eq!(r.truncate_through(100).unwrap(), 40);
+            drop(r);
+            let mut r = PmemRegion::open(&p, &c).unwrap();
+            assert!(r.is_empty(), "{mode:?}: {} records came back", r.len());
+            r.append(101, b"next").unwrap();
+            drop(r);
+            let r = PmemRegion::open(&p, &c).unwrap();
+            assert_eq!(records(&r), vec![(101, b"next".to_vec())]);
+        }
+    }
 }
