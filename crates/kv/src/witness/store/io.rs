@@ -160,6 +160,11 @@ impl Sched {
         self.queues.iter().map(|q| q.len()).sum()
     }
 
+    /// Whether some queued request is of a class that is not paused.
+    fn runnable(&self) -> bool {
+        (0..4).any(|i| !self.paused[i] && !self.queues[i].is_empty())
+    }
+
     fn refill(&mut self, burst: u64, now: Instant) {
         if let Some(rate) = self.rate {
             let dt = now.saturating_duration_since(self.bucket.at).as_secs_f64();
@@ -284,7 +289,8 @@ impl IoPool {
 pub struct PoolGone;
 
 impl IoSubmitter {
-    /// Queues a request, blocking while the request channel is full.
+    /// Queues a request, blocking while the request channel is full (from async code use
+    /// [`IoSubmitter::try_submit`] or `spawn_blocking`: this blocks the thread).
     pub fn submit(&self, req: IoRequest) -> Result<(), PoolGone> {
         self.tx
             .send(Msg::Req(req, Instant::now()))
@@ -340,7 +346,10 @@ fn feeder(rx: Receiver<Msg>, sh: Arc<Shared>) {
         let mut st = sh.st.lock().unwrap();
         match msg {
             Msg::Req(req, at) => {
-                while st.queued() >= sh.cfg.queued_requests_max {
+                // Wait for room only while something queued can run: if every queued request
+                // is of a paused class, waiting would also hold back the Resume behind this
+                // request in the channel (a deadlock), so the bound gives way instead.
+                while st.queued() >= sh.cfg.queued_requests_max && st.runnable() {
                     st = sh.cv.wait(st).unwrap();
                 }
                 st.queues[req.class as usize].push_back((req, at));
@@ -369,8 +378,7 @@ fn worker(sh: Arc<Shared>, logs: Arc<SsdLogs>, done: SyncSender<IoCompletion>) {
                 match st.pick(&sh.cfg, Instant::now()) {
                     Ok(job) => break job,
                     Err(wait) => {
-                        let runnable = (0..4).any(|i| !st.paused[i] && !st.queues[i].is_empty());
-                        if st.shutdown && !runnable {
+                        if st.shutdown && !st.runnable() {
                             // Work of a class still paused at shutdown is dropped.
                             return;
                         }
@@ -594,6 +602,53 @@ mod tests {
             done.recv().unwrap().result,
             Err(SsdError::UnknownSegment(4242))
         ));
+        drop(sub);
+        pool.join();
+    }
+
+    /// More requests of a paused class than the queue bound: the Resume behind them in the
+    /// channel still gets through (the bound gives way while nothing queued can run).
+    #[test]
+    fn io_queue_bound_does_not_deadlock_a_pause() {
+        let d = disk_dir();
+        let (logs, seg, _) = logs_with(d.path(), 4);
+        let cfg = IoConfig {
+            workers: 1,
+            queued_requests_max: 8,
+            request_channel_max: 4,
+            ..Default::default()
+        };
+        let (sub, done, pool) = IoPool::spawn(logs, cfg);
+        // Submitted from another thread, so a deadlock fails the test instead of hanging it.
+        let feeder = {
+            let sub = sub.clone();
+            std::thread::spawn(move || {
+                sub.pause(IoClass::Gc).unwrap();
+                for i in 0..40u64 {
+                    let op = IoOp::Read {
+                        seg,
+                        off: (i % 4) * 4096,
+                        len: 4096,
+                    };
+                    sub.submit(IoRequest {
+                        id: i,
+                        class: IoClass::Gc,
+                        op,
+                    })
+                    .unwrap();
+                }
+                sub.resume(IoClass::Gc).unwrap();
+            })
+        };
+        let ids: Vec<u64> = (0..40)
+            .map(|_| {
+                done.recv_timeout(Duration::from_secs(30))
+                    .expect("no deadlock")
+                    .id
+            })
+            .collect();
+        feeder.join().unwrap();
+        assert_eq!(ids, (0..40).collect::<Vec<_>>());
         drop(sub);
         pool.join();
     }
