@@ -28,6 +28,12 @@
 //! | `SsdDelete{seg}` (after GC) | `op: IoOp::Delete{seg}` | — |
 //! | pause GC during proactive/live recovery (§5.1, §5.3) | `submitter.pause(IoClass::Gc)` / `resume` | — |
 //!
+//! The pool speaks `std::sync::mpsc`: a tokio driver submits with
+//! [`io::IoSubmitter::try_submit`] (or from `spawn_blocking`) and forwards completions from one
+//! plain thread into its own channel. pmem appends are synchronous and short in shm mode
+//! (µs); in dsync mode they are `O_DSYNC` writes (~0.1–4 ms here) and belong on a blocking
+//! thread too.
+//!
 //! Entries carry a [`ssdlog::LogTs`] `(term, index)`; the core's own timestamp type converts to
 //! it. After a restart the driver reopens the regions (each recovers its whole records) and the
 //! logs (sealed; the index rebuilt), and replays the pmem records to the core, whose index rule
