@@ -355,12 +355,18 @@ pub enum KvBench {
     /// A real ZooKeeper 3-server ensemble beside a HEAL group: one replica down for the same EFN
     /// under the same write rate; catch-up time of each (see eval::kv::zookeeper).
     Zookeeper(eval::kv::zookeeper::KvZkArgs),
+    /// The witness KV's SSD tier on this disk (CANDStore Fig 8): O_DIRECT sequential and random
+    /// read throughput by block size (4 KiB to 1 MiB) and queue depth through the backup's I/O
+    /// pool, and durable appends by batch size; picks the writeback batch and BatchPull sizes
+    /// (see eval::kv::ssd).
+    Ssd(eval::kv::ssd::KvSsdArgs),
 }
 
 pub fn bench(b: KvBench, verbose: u8) -> anyhow::Result<()> {
     let report = match b {
         KvBench::Recovery(a) => eval::kv::recovery::run(&a)?,
         KvBench::Zookeeper(a) => eval::kv::zookeeper::bench(a, verbose)?,
+        KvBench::Ssd(a) => eval::kv::ssd::run(&a)?,
         // Prints its report itself, before its check of the reads can fail.
         KvBench::Ycsb(a) => return eval::kv::ycsb::bench(a, verbose),
     };

@@ -4,6 +4,7 @@
 
 pub mod cost;
 pub mod recovery;
+pub mod ssd;
 pub mod ycsb;
 pub mod zookeeper;
 
