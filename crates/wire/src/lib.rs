@@ -10,6 +10,7 @@ pub mod auth;
 pub mod listen;
 pub mod metrics;
 pub mod ports;
+pub mod tls;
 
 use serde::{de::DeserializeOwned, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -33,6 +34,8 @@ pub enum WireError {
     Decode(String),
     #[error("authentication failed: {0}")]
     Auth(String),
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// Encodes `msg` as one frame.
