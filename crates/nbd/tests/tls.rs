@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
@@ -32,67 +31,26 @@ impl Drop for Dir {
     }
 }
 
-/// The PEM files of one test: the server's (`server-cert.pem`, `server-key.pem`, `ca-cert.pem`
-/// in `dir`) and two client directories laid out as gnutls clients (qemu, libnbd) read them:
-/// `with-cert/` (ca-cert.pem, client-cert.pem, client-key.pem) and `ca-only/` (ca-cert.pem).
+/// A [`wire::tls::TestPki`] in its own directory, removed on drop.
 struct Pki {
-    dir: Dir,
+    pki: wire::tls::TestPki,
+    _dir: Dir,
 }
 
 impl Pki {
     fn new(tag: &str) -> Pki {
         let dir = std::env::temp_dir().join(format!("nbd-tls-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        for d in ["with-cert", "ca-only"] {
-            std::fs::create_dir_all(dir.join(d)).unwrap();
-        }
-        let mut ca_params = rcgen::CertificateParams::new(vec![]).unwrap();
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params.distinguished_name.push(rcgen::DnType::CommonName, "understudy test CA");
-        ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let ca = ca_params.self_signed(&ca_key).unwrap();
-        let issue = |cn: &str, sans: Vec<rcgen::SanType>, usage: rcgen::ExtendedKeyUsagePurpose| {
-            let key = rcgen::KeyPair::generate().unwrap();
-            let mut p = rcgen::CertificateParams::new(vec![]).unwrap();
-            p.distinguished_name.push(rcgen::DnType::CommonName, cn);
-            p.subject_alt_names = sans;
-            p.extended_key_usages = vec![usage];
-            p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature, rcgen::KeyUsagePurpose::KeyEncipherment];
-            (p.signed_by(&key, &ca, &ca_key).unwrap().pem(), key.serialize_pem())
-        };
-        let (server_cert, server_key) = issue(
-            "localhost",
-            vec![
-                rcgen::SanType::DnsName("localhost".try_into().unwrap()),
-                rcgen::SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)),
-            ],
-            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
-        );
-        let (client_cert, client_key) = issue("client", vec![], rcgen::ExtendedKeyUsagePurpose::ClientAuth);
-        let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
-        write("ca-cert.pem", &ca.pem());
-        write("server-cert.pem", &server_cert);
-        write("server-key.pem", &server_key);
-        write("with-cert/ca-cert.pem", &ca.pem());
-        write("with-cert/client-cert.pem", &client_cert);
-        write("with-cert/client-key.pem", &client_key);
-        write("ca-only/ca-cert.pem", &ca.pem());
-        Pki { dir: Dir(dir) }
+        Pki { pki: wire::tls::TestPki::write(&dir), _dir: Dir(dir) }
     }
 
     fn path(&self, name: &str) -> PathBuf {
-        self.dir.0.join(name)
+        self.pki.path(name)
     }
 
     /// A server that requires TLS, and client certificates when `client_certs`.
     fn server(&self, dev: Arc<MemDev>, client_certs: bool) -> TestServer {
-        let files = wire::tls::ServerFiles {
-            cert: self.path("server-cert.pem"),
-            key: self.path("server-key.pem"),
-            client_ca: client_certs.then(|| self.path("ca-cert.pem")),
-        };
-        let acceptor = wire::tls::acceptor(&files).unwrap();
+        let acceptor = wire::tls::acceptor(&self.pki.server_files(client_certs)).unwrap();
         TestServer::start_server(Server::new(SingleExport::new("vol", dev)).with_tls(acceptor))
     }
 }

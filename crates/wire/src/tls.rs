@@ -99,30 +99,81 @@ pub fn client_config(ca: &Path, cert_key: Option<(&Path, &Path)>) -> Result<Arc<
     Ok(Arc::new(config))
 }
 
+/// A throw-away CA with a server certificate (for `localhost` and 127.0.0.1) and a client
+/// certificate, written as PEM files for tests, in the layout gnutls clients read (qemu's
+/// `tls-creds-x509,dir=`, libnbd's `tls-certificates=`).
+#[cfg(feature = "test-pki")]
+pub struct TestPki {
+    pub dir: PathBuf,
+}
+
+#[cfg(feature = "test-pki")]
+impl TestPki {
+    /// Writes into `dir` (created): `ca-cert.pem`, `server-cert.pem`, `server-key.pem`;
+    /// `with-cert/` (ca-cert.pem, client-cert.pem, client-key.pem) and `ca-only/` (ca-cert.pem).
+    pub fn write(dir: &Path) -> TestPki {
+        use std::net::{IpAddr, Ipv4Addr};
+        for d in ["with-cert", "ca-only"] {
+            std::fs::create_dir_all(dir.join(d)).unwrap();
+        }
+        let mut ca_params = rcgen::CertificateParams::new(vec![]).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params.distinguished_name.push(rcgen::DnType::CommonName, "understudy test CA");
+        ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let issue = |cn: &str, sans: Vec<rcgen::SanType>, usage: rcgen::ExtendedKeyUsagePurpose| {
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut p = rcgen::CertificateParams::new(vec![]).unwrap();
+            p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+            p.subject_alt_names = sans;
+            p.extended_key_usages = vec![usage];
+            p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature, rcgen::KeyUsagePurpose::KeyEncipherment];
+            (p.signed_by(&key, &ca, &ca_key).unwrap().pem(), key.serialize_pem())
+        };
+        let (server_cert, server_key) = issue(
+            "localhost",
+            vec![
+                rcgen::SanType::DnsName("localhost".try_into().unwrap()),
+                rcgen::SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            ],
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let (client_cert, client_key) = issue("client", vec![], rcgen::ExtendedKeyUsagePurpose::ClientAuth);
+        let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
+        write("ca-cert.pem", &ca.pem());
+        write("server-cert.pem", &server_cert);
+        write("server-key.pem", &server_key);
+        write("with-cert/ca-cert.pem", &ca.pem());
+        write("with-cert/client-cert.pem", &client_cert);
+        write("with-cert/client-key.pem", &client_key);
+        write("ca-only/ca-cert.pem", &ca.pem());
+        TestPki { dir: dir.to_path_buf() }
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// The server's files; client certificates required when `client_certs`.
+    pub fn server_files(&self, client_certs: bool) -> ServerFiles {
+        ServerFiles {
+            cert: self.path("server-cert.pem"),
+            key: self.path("server-key.pem"),
+            client_ca: client_certs.then(|| self.path("ca-cert.pem")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// A CA, a server certificate for localhost/127.0.0.1 and a client certificate, as PEM
-    /// files in `dir`: (ca, server cert, server key, client cert, client key).
+    /// (ca, server cert, server key, client cert, client key) of a [`TestPki`] in `dir`.
     fn make_pki(dir: &Path) -> [PathBuf; 5] {
-        let mut ca_params = rcgen::CertificateParams::new(vec![]).unwrap();
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let ca = ca_params.self_signed(&ca_key).unwrap();
-        let issue = |names: Vec<String>| {
-            let key = rcgen::KeyPair::generate().unwrap();
-            let cert = rcgen::CertificateParams::new(names).unwrap().signed_by(&key, &ca, &ca_key).unwrap();
-            (cert.pem(), key.serialize_pem())
-        };
-        let (server_cert, server_key) = issue(vec!["localhost".into(), "127.0.0.1".into()]);
-        let (client_cert, client_key) = issue(vec!["client".into()]);
-        let files = ["ca.pem", "server.pem", "server.key", "client.pem", "client.key"].map(|n| dir.join(n));
-        for (f, text) in files.iter().zip([ca.pem(), server_cert, server_key, client_cert, client_key]) {
-            std::fs::write(f, text).unwrap();
-        }
-        files
+        let p = TestPki::write(dir);
+        ["ca-cert.pem", "server-cert.pem", "server-key.pem", "with-cert/client-cert.pem", "with-cert/client-key.pem"].map(|n| p.path(n))
     }
 
     /// One byte each way over TLS on loopback; the client's error, if any.
