@@ -7,6 +7,7 @@
 //! ([`auth`]), so a stranger on the network cannot read or write.
 
 pub mod auth;
+pub mod link;
 pub mod listen;
 pub mod metrics;
 pub mod ports;

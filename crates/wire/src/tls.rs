@@ -99,8 +99,8 @@ pub fn client_config(ca: &Path, cert_key: Option<(&Path, &Path)>) -> Result<Arc<
     Ok(Arc::new(config))
 }
 
-/// A throw-away CA with a server certificate (for `localhost` and 127.0.0.1) and a client
-/// certificate, written as PEM files for tests, in the layout gnutls clients read (qemu's
+/// A throw-away CA with a server certificate (for `localhost` and 127.0.0.1, also usable as a
+/// client certificate: a cluster link's identity) and a client certificate, written as PEM files for tests, in the layout gnutls clients read (qemu's
 /// `tls-creds-x509,dir=`, libnbd's `tls-certificates=`).
 #[cfg(feature = "test-pki")]
 pub struct TestPki {
@@ -122,12 +122,12 @@ impl TestPki {
         ca_params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
         let ca_key = rcgen::KeyPair::generate().unwrap();
         let ca = ca_params.self_signed(&ca_key).unwrap();
-        let issue = |cn: &str, sans: Vec<rcgen::SanType>, usage: rcgen::ExtendedKeyUsagePurpose| {
+        let issue = |cn: &str, sans: Vec<rcgen::SanType>, usages: Vec<rcgen::ExtendedKeyUsagePurpose>| {
             let key = rcgen::KeyPair::generate().unwrap();
             let mut p = rcgen::CertificateParams::new(vec![]).unwrap();
             p.distinguished_name.push(rcgen::DnType::CommonName, cn);
             p.subject_alt_names = sans;
-            p.extended_key_usages = vec![usage];
+            p.extended_key_usages = usages;
             p.key_usages = vec![rcgen::KeyUsagePurpose::DigitalSignature, rcgen::KeyUsagePurpose::KeyEncipherment];
             (p.signed_by(&key, &ca, &ca_key).unwrap().pem(), key.serialize_pem())
         };
@@ -137,9 +137,10 @@ impl TestPki {
                 rcgen::SanType::DnsName("localhost".try_into().unwrap()),
                 rcgen::SanType::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST)),
             ],
-            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            // Both: a cluster process presents it as server and as client (see `link`).
+            vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth],
         );
-        let (client_cert, client_key) = issue("client", vec![], rcgen::ExtendedKeyUsagePurpose::ClientAuth);
+        let (client_cert, client_key) = issue("client", vec![], vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth]);
         let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
         write("ca-cert.pem", &ca.pem());
         write("server-cert.pem", &server_cert);
