@@ -159,6 +159,16 @@ pub fn nbd_tls(a: &NbdArgs) -> anyhow::Result<Option<wire::tls::ServerFiles>> {
     }
 }
 
+/// Checks this process's cluster-link TLS setting (`UNDERSTUDY_LINK_TLS*`, see
+/// [`wire::link::process`]) before a daemon serves, so a bad one stops it with its reason
+/// instead of failing every link; says when links leave the machine over TLS.
+fn link_tls_at_start() -> anyhow::Result<()> {
+    if let Some(t) = wire::link::process()? {
+        tracing::info!("cluster links over TLS ({:?})", t.policy());
+    }
+    Ok(())
+}
+
 /// Runs `fut` until it ends or a stop signal arrives.
 async fn until_signal(name: &str, fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
     tokio::select! {
@@ -172,6 +182,7 @@ async fn until_signal(name: &str, fut: impl std::future::Future<Output = anyhow:
 
 pub async fn meta(a: MetaArgs) -> anyhow::Result<()> {
     let secret = read_secret(&a.secret_file)?;
+    link_tls_at_start()?;
     anyhow::ensure!(a.ping_interval_ms > 0 && a.down_after_ms > a.ping_interval_ms, "--down-after-ms must exceed --ping-interval-ms");
     tracing::info!(listen = %a.listen, dir = %a.dir.display(), "metadata service starting");
     let opts = volume::driver::meta::MetaOptions {
@@ -188,6 +199,7 @@ pub async fn meta(a: MetaArgs) -> anyhow::Result<()> {
 
 pub async fn shard(a: ShardArgs) -> anyhow::Result<()> {
     let secret = read_secret(&a.secret_file)?;
+    link_tls_at_start()?;
     tracing::info!(id = a.id, listen = %a.listen, dir = %a.dir.display(), meta = %a.meta, "shard starting");
     let opts = volume::driver::shard::ShardOptions {
         id: a.id,
@@ -213,6 +225,7 @@ pub async fn nbd(a: NbdArgs) -> anyhow::Result<()> {
         None => None,
     };
     let secret = read_secret(&a.secret_file)?;
+    link_tls_at_start()?;
     if tls.is_none() && !a.listen.ip().is_loopback() {
         tracing::warn!("serving plain NBD on {} (--insecure): anyone who reaches it can read and write every volume", a.listen);
     }

@@ -74,6 +74,47 @@ pub fn wants_tls(policy: LinkPolicy, peer: SocketAddr) -> bool {
     }
 }
 
+/// Environment variable choosing when this process's cluster links run over TLS: `off`,
+/// `off-machine` (plain on loopback; the default once certificate files are given) or
+/// `always`. Read once per process, like [`crate::listen::MAX_CONNECTIONS_ENV`], so every
+/// daemon and client of a cluster takes the same setting without an option on each command.
+pub const LINK_TLS_ENV: &str = "UNDERSTUDY_LINK_TLS";
+/// This process's certificate (PEM; it names its host's addresses).
+pub const LINK_TLS_CERT_ENV: &str = "UNDERSTUDY_LINK_TLS_CERT";
+/// The key of [`LINK_TLS_CERT_ENV`].
+pub const LINK_TLS_KEY_ENV: &str = "UNDERSTUDY_LINK_TLS_KEY";
+/// The cluster CA that every peer's certificate must chain to.
+pub const LINK_TLS_CA_ENV: &str = "UNDERSTUDY_LINK_TLS_CA";
+
+/// The link TLS configuration from `var` (the environment's, in [`process`]).
+pub fn from_env(var: impl Fn(&str) -> Option<String>) -> Result<Option<LinkTls>, WireError> {
+    let files = [LINK_TLS_CERT_ENV, LINK_TLS_KEY_ENV, LINK_TLS_CA_ENV].map(|v| var(v).filter(|s| !s.is_empty()));
+    let policy = match var(LINK_TLS_ENV).as_deref() {
+        None | Some("") if files.iter().all(Option::is_none) => return Ok(None),
+        None | Some("") | Some("off-machine") => LinkPolicy::OffMachine,
+        Some("off") => return Ok(None),
+        Some("always") => LinkPolicy::Always,
+        Some(other) => return Err(WireError::Tls(format!("{LINK_TLS_ENV}={other:?}: expected off, off-machine or always"))),
+    };
+    let [Some(cert), Some(key), Some(ca)] = files else {
+        return Err(WireError::Tls(format!(
+            "cluster links over TLS need {LINK_TLS_CERT_ENV}, {LINK_TLS_KEY_ENV} and {LINK_TLS_CA_ENV} (or {LINK_TLS_ENV}=off)"
+        )));
+    };
+    let files = ServerFiles { cert: cert.into(), key: key.into(), client_ca: Some(ca.into()) };
+    LinkTls::from_files(&files, policy).map(Some)
+}
+
+/// This process's link TLS configuration, read from the environment once ([`from_env`]).
+/// Daemons call it at start so a bad setting stops them with its reason.
+pub fn process() -> Result<Option<&'static LinkTls>, WireError> {
+    static TLS: std::sync::OnceLock<Result<Option<LinkTls>, String>> = std::sync::OnceLock::new();
+    TLS.get_or_init(|| from_env(|v| std::env::var(v).ok()).map_err(|e| e.to_string()))
+        .as_ref()
+        .map(Option::as_ref)
+        .map_err(|e| WireError::Tls(e.clone()))
+}
+
 /// A cluster link: plain TCP or TLS over TCP.
 pub enum Link {
     Plain(TcpStream),
@@ -267,6 +308,27 @@ mod tests {
         assert!(r.is_err(), "a client of another cluster's CA got through: {r:?}");
         let r = round_trip(None, Some(identity(&pki, LinkPolicy::Always))).await;
         assert!(r.is_err(), "a TLS client talked to a plain server: {r:?}");
+    }
+
+    #[test]
+    fn environment_settings() {
+        let d = dir("env");
+        let pki = TestPki::write(&d.0);
+        let f = |n: &str| pki.path(n).to_string_lossy().into_owned();
+        let env = |pairs: Vec<(&'static str, String)>| move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        assert!(from_env(env(vec![])).unwrap().is_none());
+        assert!(from_env(env(vec![(LINK_TLS_ENV, "off".into())])).unwrap().is_none());
+        let all = vec![(LINK_TLS_CERT_ENV, f("server-cert.pem")), (LINK_TLS_KEY_ENV, f("server-key.pem")), (LINK_TLS_CA_ENV, f("ca-cert.pem"))];
+        assert_eq!(from_env(env(all.clone())).unwrap().unwrap().policy(), LinkPolicy::OffMachine);
+        let mut always = all.clone();
+        always.push((LINK_TLS_ENV, "always".into()));
+        assert_eq!(from_env(env(always)).unwrap().unwrap().policy(), LinkPolicy::Always);
+        let e = from_env(env(vec![(LINK_TLS_ENV, "always".into())])).err().unwrap().to_string();
+        assert!(e.contains(LINK_TLS_CERT_ENV), "{e}");
+        let e = from_env(env(vec![(LINK_TLS_ENV, "sometimes".into())])).err().unwrap().to_string();
+        assert!(e.contains("sometimes"), "{e}");
+        let e = from_env(env(all[..2].to_vec())).err().unwrap().to_string();
+        assert!(e.contains(LINK_TLS_CA_ENV), "{e}");
     }
 
     #[test]
