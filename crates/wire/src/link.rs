@@ -17,6 +17,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf, ReadHalf, WriteHalf};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
 use crate::tls::{rustls, tokio_rustls, ServerFiles};
@@ -141,9 +142,20 @@ impl Link {
         }
     }
 
-    /// Read and write halves usable from two tasks (as `TcpStream::into_split`).
-    pub fn into_split(self) -> (ReadHalf<Link>, WriteHalf<Link>) {
-        tokio::io::split(self)
+    /// Read and write halves usable from two tasks. A plain link splits as `TcpStream` does
+    /// (no lock between the halves: the I/O path of a loopback cluster pays nothing for TLS
+    /// being possible); a TLS link through `tokio::io::split`, as one session serves both.
+    pub fn into_split(self) -> (LinkRead, LinkWrite) {
+        match self {
+            Link::Plain(s) => {
+                let (r, w) = s.into_split();
+                (LinkRead::Plain(r), LinkWrite::Plain(w))
+            }
+            Link::Tls(t) => {
+                let (r, w) = tokio::io::split(*t);
+                (LinkRead::Tls(r), LinkWrite::Tls(w))
+            }
+        }
     }
 }
 
@@ -179,6 +191,64 @@ pub async fn accept(sock: TcpStream, tls: Option<&LinkTls>) -> Result<Link, Wire
             Ok(Link::Tls(Box::new(s.into())))
         }
         _ => Ok(Link::Plain(sock)),
+    }
+}
+
+/// The read half of a [`Link`].
+pub enum LinkRead {
+    Plain(OwnedReadHalf),
+    Tls(ReadHalf<tokio_rustls::TlsStream<TcpStream>>),
+}
+
+/// The write half of a [`Link`].
+pub enum LinkWrite {
+    Plain(OwnedWriteHalf),
+    Tls(WriteHalf<tokio_rustls::TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for LinkRead {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            LinkRead::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            LinkRead::Tls(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for LinkWrite {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            LinkWrite::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            LinkWrite::Tls(s) => Pin::new(s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            LinkWrite::Plain(s) => Pin::new(s).poll_flush(cx),
+            LinkWrite::Tls(s) => Pin::new(s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            LinkWrite::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            LinkWrite::Tls(s) => Pin::new(s).poll_shutdown(cx),
+        }
+    }
+
+    fn poll_write_vectored(self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            LinkWrite::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            LinkWrite::Tls(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            LinkWrite::Plain(s) => s.is_write_vectored(),
+            LinkWrite::Tls(s) => s.is_write_vectored(),
+        }
     }
 }
 
