@@ -162,7 +162,7 @@ pub fn nbd_tls(a: &NbdArgs) -> anyhow::Result<Option<wire::tls::ServerFiles>> {
 /// Checks this process's cluster-link TLS setting (`UNDERSTUDY_LINK_TLS*`, see
 /// [`wire::link::process`]) before a daemon serves, so a bad one stops it with its reason
 /// instead of failing every link; says when links leave the machine over TLS.
-fn link_tls_at_start() -> anyhow::Result<()> {
+pub(crate) fn link_tls_at_start() -> anyhow::Result<()> {
     if let Some(t) = wire::link::process()? {
         tracing::info!("cluster links over TLS ({:?})", t.policy());
     }

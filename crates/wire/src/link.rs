@@ -135,7 +135,8 @@ impl Link {
         self.tcp().set_nodelay(on)
     }
 
-    fn tcp(&self) -> &TcpStream {
+    /// The TCP stream under the link (socket options).
+    pub fn tcp(&self) -> &TcpStream {
         match self {
             Link::Plain(s) => s,
             Link::Tls(t) => t.get_ref().0,
