@@ -104,6 +104,69 @@ pub struct NbdArgs {
     /// clients stalled mid-write cannot make the server hold more.
     #[arg(long, value_name = "BYTES", default_value_t = nbd::ServerConfig::default().max_incomplete_request_bytes)]
     pub max_incomplete_request_bytes: u32,
+    /// Require TLS (NBD_OPT_STARTTLS, as qemu's tls-creds-x509 and libnbd's nbds:// speak it) on
+    /// every connection, TCP and Unix socket, or serve plain NBD [default: require when
+    /// --tls-cert is given, else off].
+    #[arg(long, value_enum, value_name = "REQUIRE|OFF")]
+    pub tls: Option<NbdTls>,
+    /// The server's certificate chain (PEM, leaf first).
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates that chain to this CA (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Allow plain NBD on an address that is not loopback (anyone who reaches it reads and
+    /// writes every volume).
+    #[arg(long)]
+    pub insecure: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NbdTls {
+    Require,
+    Off,
+}
+
+/// The NBD server's TLS files, if it requires TLS; refuses contradictory options and plain
+/// NBD on an address other than loopback without --insecure. Runs before anything binds or
+/// connects, so a refused configuration changes nothing.
+pub fn nbd_tls(a: &NbdArgs) -> anyhow::Result<Option<wire::tls::ServerFiles>> {
+    let mode = a.tls.unwrap_or(if a.tls_cert.is_some() { NbdTls::Require } else { NbdTls::Off });
+    match mode {
+        NbdTls::Require => {
+            let (Some(cert), Some(key)) = (&a.tls_cert, &a.tls_key) else {
+                anyhow::bail!("--tls=require needs --tls-cert FILE and --tls-key FILE (and --tls-ca FILE to require client certificates)");
+            };
+            Ok(Some(wire::tls::ServerFiles { cert: cert.clone(), key: key.clone(), client_ca: a.tls_ca.clone() }))
+        }
+        NbdTls::Off => {
+            anyhow::ensure!(
+                a.tls_cert.is_none() && a.tls_key.is_none() && a.tls_ca.is_none(),
+                "--tls-cert, --tls-key and --tls-ca need TLS on: drop --tls=off (or the files)"
+            );
+            anyhow::ensure!(
+                a.listen.ip().is_loopback() || a.insecure,
+                "refusing plain NBD on {}, which is not a loopback address: anyone who reaches it could read and write \
+                 every volume. Give --tls-cert FILE --tls-key FILE (and --tls-ca FILE for client certificates), or \
+                 --insecure to serve it plain anyway",
+                a.listen
+            );
+            Ok(None)
+        }
+    }
+}
+
+/// Checks this process's cluster-link TLS setting (`UNDERSTUDY_LINK_TLS*`, see
+/// [`wire::link::process`]) before a daemon serves, so a bad one stops it with its reason
+/// instead of failing every link; says when links leave the machine over TLS.
+pub(crate) fn link_tls_at_start() -> anyhow::Result<()> {
+    if let Some(t) = wire::link::process()? {
+        tracing::info!("cluster links over TLS ({:?})", t.policy());
+    }
+    Ok(())
 }
 
 /// Runs `fut` until it ends or a stop signal arrives.
@@ -119,6 +182,7 @@ async fn until_signal(name: &str, fut: impl std::future::Future<Output = anyhow:
 
 pub async fn meta(a: MetaArgs) -> anyhow::Result<()> {
     let secret = read_secret(&a.secret_file)?;
+    link_tls_at_start()?;
     anyhow::ensure!(a.ping_interval_ms > 0 && a.down_after_ms > a.ping_interval_ms, "--down-after-ms must exceed --ping-interval-ms");
     tracing::info!(listen = %a.listen, dir = %a.dir.display(), "metadata service starting");
     let opts = volume::driver::meta::MetaOptions {
@@ -135,6 +199,7 @@ pub async fn meta(a: MetaArgs) -> anyhow::Result<()> {
 
 pub async fn shard(a: ShardArgs) -> anyhow::Result<()> {
     let secret = read_secret(&a.secret_file)?;
+    link_tls_at_start()?;
     tracing::info!(id = a.id, listen = %a.listen, dir = %a.dir.display(), meta = %a.meta, "shard starting");
     let opts = volume::driver::shard::ShardOptions {
         id: a.id,
@@ -155,7 +220,15 @@ pub async fn shard(a: ShardArgs) -> anyhow::Result<()> {
 const NBD_META_WAIT: Duration = Duration::from_secs(60);
 
 pub async fn nbd(a: NbdArgs) -> anyhow::Result<()> {
+    let tls = match nbd_tls(&a)? {
+        Some(files) => Some(wire::tls::acceptor(&files)?),
+        None => None,
+    };
     let secret = read_secret(&a.secret_file)?;
+    link_tls_at_start()?;
+    if tls.is_none() && !a.listen.ip().is_loopback() {
+        tracing::warn!("serving plain NBD on {} (--insecure): anyone who reaches it can read and write every volume", a.listen);
+    }
     let tcp = tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
     let unix = match &a.unix {
         Some(path) => {
@@ -192,8 +265,15 @@ pub async fn nbd(a: NbdArgs) -> anyhow::Result<()> {
             max_incomplete_request_bytes: a.max_incomplete_request_bytes,
             ..nbd::ServerConfig::default()
         };
-        let server = Arc::new(nbd::Server::with_config(ClusterExports::new(cluster), config));
-        tracing::info!(listen = %a.listen, unix = ?a.unix, "NBD server ready: nbd://{}/<volume>", a.listen);
+        let mut server = nbd::Server::with_config(ClusterExports::new(cluster), config);
+        let scheme = if let Some(acceptor) = tls.clone() {
+            server = server.with_tls(acceptor);
+            "nbds"
+        } else {
+            "nbd"
+        };
+        let server = Arc::new(server);
+        tracing::info!(listen = %a.listen, unix = ?a.unix, "NBD server ready: {scheme}://{}/<volume>", a.listen);
         match unix {
             Some(u) => {
                 tokio::try_join!(server.clone().serve_tcp(tcp), server.serve_unix(u))?;
@@ -207,4 +287,53 @@ pub async fn nbd(a: NbdArgs) -> anyhow::Result<()> {
         let _ = std::fs::remove_file(p);
     }
     r
+}
+
+#[cfg(test)]
+mod nbd_tls_tests {
+    use super::*;
+
+    fn args(listen: &str, tls: Option<NbdTls>, files: [Option<&str>; 3], insecure: bool) -> NbdArgs {
+        let [cert, key, ca] = files.map(|f| f.map(PathBuf::from));
+        NbdArgs {
+            meta: "127.0.0.1:1".into(),
+            secret_file: "s".into(),
+            listen: listen.parse().unwrap(),
+            unix: None,
+            max_incomplete_request_bytes: 1,
+            tls,
+            tls_cert: cert,
+            tls_key: key,
+            tls_ca: ca,
+            insecure,
+        }
+    }
+
+    #[test]
+    fn plain_nbd_only_on_loopback_unless_insecure() {
+        let none = [None; 3];
+        assert_eq!(nbd_tls(&args("127.0.0.1:10809", None, none, false)).unwrap(), None);
+        assert_eq!(nbd_tls(&args("[::1]:10809", Some(NbdTls::Off), none, false)).unwrap(), None);
+        for addr in ["0.0.0.0:10809", "192.0.2.7:10809", "[::]:10809"] {
+            let e = nbd_tls(&args(addr, None, none, false)).unwrap_err().to_string();
+            assert!(e.contains("not a loopback address") && e.contains("--insecure"), "{e}");
+            assert_eq!(nbd_tls(&args(addr, None, none, true)).unwrap(), None);
+        }
+        let files = [Some("c.pem"), Some("k.pem"), Some("ca.pem")];
+        let want = wire::tls::ServerFiles { cert: "c.pem".into(), key: "k.pem".into(), client_ca: Some("ca.pem".into()) };
+        assert_eq!(nbd_tls(&args("0.0.0.0:10809", None, files, false)).unwrap(), Some(want.clone()));
+        assert_eq!(nbd_tls(&args("0.0.0.0:10809", Some(NbdTls::Require), files, false)).unwrap(), Some(want));
+    }
+
+    #[test]
+    fn contradictory_tls_options_are_refused() {
+        let e = nbd_tls(&args("127.0.0.1:1", Some(NbdTls::Require), [None; 3], false)).unwrap_err().to_string();
+        assert!(e.contains("--tls-cert") && e.contains("--tls-key"), "{e}");
+        let e = nbd_tls(&args("127.0.0.1:1", None, [Some("c.pem"), None, None], false)).unwrap_err().to_string();
+        assert!(e.contains("--tls-key"), "{e}");
+        let e = nbd_tls(&args("127.0.0.1:1", Some(NbdTls::Off), [Some("c"), Some("k"), None], false)).unwrap_err().to_string();
+        assert!(e.contains("--tls=off"), "{e}");
+        let e = nbd_tls(&args("127.0.0.1:1", None, [None, None, Some("ca")], false)).unwrap_err().to_string();
+        assert!(e.contains("--tls-ca"), "{e}");
+    }
 }

@@ -141,14 +141,16 @@ pub enum FailoverCmd {
 pub struct RunArgs {
     /// The spec file (TOML if it ends in .toml, else JSON).
     pub spec: PathBuf,
-    /// Serve control requests (faults, status) on this address.
+    /// Serve control requests (faults, status) on this address; clients must prove they know
+    /// the cluster secret.
     #[arg(long, value_name = "ADDR")]
     pub control: Option<SocketAddr>,
 }
 
 #[derive(Args, Debug)]
 pub struct ControlArgs {
-    /// The monitor's --control address.
+    /// The monitor's --control address (the cluster secret comes from --secret-file, else
+    /// from the cluster file).
     #[arg(long, value_name = "ADDR")]
     pub control: SocketAddr,
 }
@@ -212,17 +214,17 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()>
     match cmd {
         FailoverCmd::Run(a) => run_monitor(conn, a),
         FailoverCmd::Inject(a) => {
-            let reply = testbed::failover::control_request(a.c.control, &format!("{} {}", a.fault, a.duration_ms))?;
+            let reply = testbed::failover::control_request(a.c.control, &control_secret(conn)?, &format!("{} {}", a.fault, a.duration_ms))?;
             println!("{reply}");
             Ok(())
         }
         FailoverCmd::Status(a) => {
-            println!("{}", testbed::failover::control_request(a.control, "status")?);
+            println!("{}", testbed::failover::control_request(a.control, &control_secret(conn)?, "status")?);
             Ok(())
         }
         FailoverCmd::Hint(a) => {
             anyhow::ensure!(a.back == "never" || a.back.parse::<u64>().is_ok(), "BACK must be `never` or milliseconds, not {:?}", a.back);
-            println!("{}", testbed::failover::control_request(a.c.control, &format!("hint {} {}", a.back, a.recovery_ms))?);
+            println!("{}", testbed::failover::control_request(a.c.control, &control_secret(conn)?, &format!("hint {} {}", a.back, a.recovery_ms))?);
             Ok(())
         }
         FailoverCmd::Load(a) => load(a),
@@ -233,7 +235,12 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()>
     }
 }
 
-/// One request to a monitor's control address; returns the text after `ok`.
+/// The cluster secret the monitor's control port asks for: `--secret-file`, else the cluster
+/// file's (`--cluster`, $UNDERSTUDY_CLUSTER, or the default one).
+fn control_secret(conn: &ConnArgs) -> anyhow::Result<Vec<u8>> {
+    testbed::cluster_file::resolve_secret(conn.cluster.as_deref(), conn.secret_file.as_deref())
+}
+
 /// Arguments that let `understudy volume attach/detach` find the same cluster.
 fn conn_args(conn: &ConnArgs) -> Vec<String> {
     let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()).to_string_lossy().into_owned();
@@ -301,7 +308,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
             Some(addr) => {
                 let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on --control {addr}"))?;
                 let local = l.local_addr()?;
-                tokio::spawn(::failover::driver::serve_control(l, control_tx));
+                tokio::spawn(::failover::driver::serve_control(l, target.secret.clone(), control_tx));
                 Some(local)
             }
             None => None,

@@ -233,6 +233,7 @@ fn connect(conn: &KvConn) -> anyhow::Result<KvCluster> {
 }
 
 async fn node(a: NodeArgs) -> anyhow::Result<()> {
+    crate::daemons::link_tls_at_start()?;
     let Protocol::Leaderless = a.protocol;
     let peers = parse_addrs(&a.peers)?;
     let listen = *peers.get(&a.id).with_context(|| format!("--peers has no entry for this node's id {}", a.id))?;
@@ -262,6 +263,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
 }
 
 async fn cm(a: CmArgs) -> anyhow::Result<()> {
+    crate::daemons::link_tls_at_start()?;
     let nodes = parse_addrs(&a.nodes)?;
     let secret = cluster_file::read_secret(&a.secret_file)?;
     anyhow::ensure!(a.failure_timeout_ms >= a.lease_ms, "--failure-timeout-ms must be at least --lease-ms");

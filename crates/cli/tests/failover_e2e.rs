@@ -492,10 +492,11 @@ impl Monitor {
         }
     }
 
-    /// `understudy failover CMD --control ADDR ARGS`; returns stdout.
+    /// `understudy failover CMD --control ADDR --cluster FILE ARGS` (the cluster file gives the
+    /// secret the control port asks for); returns stdout.
     fn control(&self, cmd: &str, args: &[&str]) -> String {
-        let mut c = command(BIN, &["failover", cmd, "--control", &self.control]);
-        c.args(args);
+        let mut c = command(BIN, &["failover", cmd, "--control", &self.control, "--cluster"]);
+        c.arg(&self.cluster).args(args);
         let o = output_within(c, COMMAND_WAIT);
         assert!(o.status.success(), "failover {cmd} {args:?}: {}", String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).into_owned()
@@ -530,7 +531,9 @@ impl Monitor {
         let names: Vec<String> =
             String::from_utf8_lossy(&o.stdout).lines().filter_map(|l| l.split_whitespace().next()).filter(|n| n.starts_with(&prefix)).map(str::to_string).collect();
         // (A monitor that has exited makes no spare.)
-        let o = output_within(command(BIN, &["failover", "status", "--control", &self.control]), COMMAND_WAIT);
+        let mut c = command(BIN, &["failover", "status", "--control", &self.control, "--cluster"]);
+        c.arg(&self.cluster);
+        let o = output_within(c, COMMAND_WAIT);
         let status: Option<Value> = if o.status.success() { serde_json::from_slice(&o.stdout).ok() } else { None };
         let next = status.and_then(|s| s["state"]["next_instance"].as_u64()).unwrap_or(u64::MAX);
         let spare = |n: &String| n.rsplit_once("-i").and_then(|(_, k)| k.parse::<u64>().ok()).is_some_and(|k| k >= next);
@@ -728,6 +731,19 @@ fn speculative_unclean_crash_promotes_the_backup() {
     let case = Case::new("kill", &Opts::default());
     let mut m = case.monitor();
     let (_, ns) = m.primary_in_netns();
+    // The control port obeys only the cluster secret: `inject kill` with another one fails
+    // with a clear error and the primary is untouched.
+    let before = m.status()["state"]["primary"].clone();
+    let wrong = m.state_dir.with_file_name("wrong-secret");
+    std::fs::write(&wrong, "not-the-cluster-secret\n").unwrap();
+    let mut c = command(BIN, &["failover", "inject", "--control", &m.control, "--secret-file"]);
+    c.arg(&wrong).arg("kill");
+    let o = output_within(c, COMMAND_WAIT);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("wrong cluster secret"), "inject with a wrong secret: {err}");
+    let after = m.status();
+    assert_eq!(after["state"]["primary"], before, "a refused inject changed the primary: {after}");
+    assert!(after["instances"].as_array().unwrap().iter().any(|i| i["id"] == before && !i["pids"].is_null()), "the primary still runs: {after}");
     let (p, _) = fault_under_load(&mut m, case.load(&[]), "kill", 0, &["promoted"]);
     assert!(case.event_volume(&p).starts_with("db.fo-"), "{p}");
     // The parent is gone (promoted child in its place), and so is the old primary's namespace.

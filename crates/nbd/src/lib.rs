@@ -1,8 +1,9 @@
 //! An NBD (Network Block Device) server for any [`blockdev::BlockDev`], written by hand.
 //!
-//! It speaks the fixed newstyle handshake (NBD_OPT_EXPORT_NAME, GO, INFO, LIST, ABORT; every
-//! other option, including STARTTLS, STRUCTURED_REPLY and META_CONTEXT, is answered
-//! NBD_REP_ERR_UNSUP) and simple replies in transmission (READ, WRITE, DISC, FLUSH, TRIM,
+//! It speaks the fixed newstyle handshake (NBD_OPT_EXPORT_NAME, GO, INFO, LIST, ABORT, and
+//! STARTTLS when built [`Server::with_tls`], which then requires it: the spec's FORCEDTLS, see
+//! [`proto::tls_gate`]; every other option, including STRUCTURED_REPLY and META_CONTEXT, is
+//! answered NBD_REP_ERR_UNSUP) and simple replies in transmission (READ, WRITE, DISC, FLUSH, TRIM,
 //! WRITE_ZEROES; FUA and NO_HOLE accepted). Each connection reads requests in order, runs up to
 //! [`ServerConfig::max_in_flight_requests_per_connection`] of them at once on their own tasks
 //! and sends the replies through a single writer; many connections are served at once, which is

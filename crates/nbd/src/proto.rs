@@ -45,6 +45,7 @@ const NBD_REP_FLAG_ERROR: u32 = 1 << 31;
 pub const NBD_REP_ERR_UNSUP: u32 = NBD_REP_FLAG_ERROR | 1;
 pub const NBD_REP_ERR_POLICY: u32 = NBD_REP_FLAG_ERROR | 2;
 pub const NBD_REP_ERR_INVALID: u32 = NBD_REP_FLAG_ERROR | 3;
+pub const NBD_REP_ERR_TLS_REQD: u32 = NBD_REP_FLAG_ERROR | 5;
 pub const NBD_REP_ERR_UNKNOWN: u32 = NBD_REP_FLAG_ERROR | 6;
 pub const NBD_REP_ERR_TOO_BIG: u32 = NBD_REP_FLAG_ERROR | 9;
 
@@ -260,6 +261,50 @@ pub fn encode_info_request(req: &InfoRequest) -> Vec<u8> {
         out.extend_from_slice(&t.to_be_bytes());
     }
     out
+}
+
+/// Where a handshake stands with TLS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsState {
+    /// The server offers no TLS: plain NBD.
+    Off,
+    /// The server requires TLS and the client has not upgraded yet (the spec's FORCEDTLS).
+    Required,
+    /// The connection runs over TLS.
+    Established,
+}
+
+/// What the server does with an option, given where the handshake stands with TLS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TlsGate {
+    /// Handle the option as without TLS.
+    Serve,
+    /// Acknowledge, then run the TLS handshake on the connection.
+    StartTls,
+    /// Reply with this error reply type and message, then read the next option.
+    Refuse(u32, &'static str),
+    /// Close the connection without a reply (the option has no error reply).
+    Close(&'static str),
+}
+
+/// The NBD spec's rules for TLS (its "TLS support" section): while TLS is required and not
+/// negotiated every option but STARTTLS and ABORT gets NBD_REP_ERR_TLS_REQD, and EXPORT_NAME,
+/// which has no error reply, ends the connection; STARTTLS carries no data, is refused once
+/// TLS runs, and is unsupported by a server without TLS.
+pub fn tls_gate(state: TlsState, option: u32, length_bytes: u32) -> TlsGate {
+    match (option, state) {
+        (NBD_OPT_STARTTLS, TlsState::Off) => TlsGate::Refuse(NBD_REP_ERR_UNSUP, "this server offers no TLS"),
+        (NBD_OPT_STARTTLS, TlsState::Established) => TlsGate::Refuse(NBD_REP_ERR_INVALID, "TLS is already established"),
+        (NBD_OPT_STARTTLS, TlsState::Required) if length_bytes != 0 => {
+            TlsGate::Refuse(NBD_REP_ERR_INVALID, "NBD_OPT_STARTTLS takes no data")
+        }
+        (NBD_OPT_STARTTLS, TlsState::Required) => TlsGate::StartTls,
+        (NBD_OPT_ABORT, _) | (_, TlsState::Off | TlsState::Established) => TlsGate::Serve,
+        (NBD_OPT_EXPORT_NAME, TlsState::Required) => {
+            TlsGate::Close("NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS on a server that requires TLS")
+        }
+        (_, TlsState::Required) => TlsGate::Refuse(NBD_REP_ERR_TLS_REQD, "this server requires TLS: send NBD_OPT_STARTTLS first"),
+    }
 }
 
 /// One option reply: `magic | option | reply type | length | data`.
@@ -533,6 +578,28 @@ pub fn plan_request(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_gate_follows_the_spec() {
+        use TlsState::*;
+        // Without TLS, only STARTTLS is refused (unsupported); everything else is served.
+        for o in [NBD_OPT_EXPORT_NAME, NBD_OPT_ABORT, NBD_OPT_LIST, NBD_OPT_INFO, NBD_OPT_GO, 99] {
+            assert_eq!(tls_gate(Off, o, 0), TlsGate::Serve);
+            assert_eq!(tls_gate(Established, o, 0), TlsGate::Serve);
+        }
+        assert!(matches!(tls_gate(Off, NBD_OPT_STARTTLS, 0), TlsGate::Refuse(NBD_REP_ERR_UNSUP, _)));
+        // TLS required: STARTTLS upgrades, ABORT is honoured, EXPORT_NAME closes, the rest
+        // is refused with TLS_REQD.
+        assert_eq!(tls_gate(Required, NBD_OPT_STARTTLS, 0), TlsGate::StartTls);
+        assert!(matches!(tls_gate(Required, NBD_OPT_STARTTLS, 4), TlsGate::Refuse(NBD_REP_ERR_INVALID, _)));
+        assert_eq!(tls_gate(Required, NBD_OPT_ABORT, 0), TlsGate::Serve);
+        assert!(matches!(tls_gate(Required, NBD_OPT_EXPORT_NAME, 4), TlsGate::Close(_)));
+        for o in [NBD_OPT_LIST, NBD_OPT_INFO, NBD_OPT_GO, NBD_OPT_STRUCTURED_REPLY, 99] {
+            assert!(matches!(tls_gate(Required, o, 0), TlsGate::Refuse(NBD_REP_ERR_TLS_REQD, _)), "option {o}");
+        }
+        // Once TLS runs, a second STARTTLS is invalid.
+        assert!(matches!(tls_gate(Established, NBD_OPT_STARTTLS, 0), TlsGate::Refuse(NBD_REP_ERR_INVALID, _)));
+    }
     use proptest::prelude::*;
 
     const LIMITS: RequestLimits = RequestLimits {

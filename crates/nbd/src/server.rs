@@ -77,6 +77,8 @@ pub enum ConnError {
     Protocol(String),
     #[error("handshake not finished within {0} ms")]
     HandshakeTimeout(u64),
+    #[error("TLS handshake failed: {0}")]
+    Tls(String),
 }
 
 impl From<ParseError> for ConnError {
@@ -93,6 +95,9 @@ pub struct Server<E: Exports> {
     connections: wire::listen::ConnLimit,
     /// `max_incomplete_request_bytes`, one permit per byte.
     incomplete_bytes: Arc<Semaphore>,
+    /// When set, TLS is required: a client must upgrade with NBD_OPT_STARTTLS before any
+    /// other option but ABORT (see [`tls_gate`]).
+    tls: Option<wire::tls::tokio_rustls::TlsAcceptor>,
 }
 
 /// Serves `exports` on a TCP listener with default limits, until the returned future is
@@ -137,7 +142,20 @@ impl<E: Exports> Server<E> {
             config,
             connections,
             incomplete_bytes,
+            tls: None,
         }
+    }
+
+    /// Requires TLS on every connection (TCP and Unix), negotiated by NBD_OPT_STARTTLS with
+    /// this acceptor's certificate (and client-certificate check, if it has one).
+    pub fn with_tls(mut self, acceptor: wire::tls::tokio_rustls::TlsAcceptor) -> Self {
+        self.tls = Some(acceptor);
+        self
+    }
+
+    /// Whether connections must negotiate TLS.
+    pub fn requires_tls(&self) -> bool {
+        self.tls.is_some()
     }
 
     pub fn config(&self) -> &ServerConfig {
@@ -175,28 +193,57 @@ impl<E: Exports> Server<E> {
         }
     }
 
-    /// Serves one connection (any byte stream) to its end.
+    /// Serves one connection (any byte stream) to its end: the handshake (upgraded to TLS
+    /// when the server requires it), then transmission.
     pub async fn serve_connection<S>(&self, stream: S) -> Result<(), ConnError>
     where
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
-        let mut stream = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
         let timeout_ms = self.config.handshake_timeout_ms;
-        let outcome = tokio::time::timeout(
-            Duration::from_millis(timeout_ms),
-            self.handshake(&mut stream),
-        )
+        // One deadline for the whole handshake, TLS included: an upgrade does not buy time.
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout_ms);
+        let timed_out = |_| ConnError::HandshakeTimeout(timeout_ms);
+        let mut options_left = self.config.max_options_per_handshake;
+        let mut plain = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
+        let state = if self.tls.is_some() { TlsState::Required } else { TlsState::Off };
+        let (no_zeroes, outcome) = tokio::time::timeout_at(deadline, async {
+            let no_zeroes = self.greeting(&mut plain).await?;
+            let outcome = self.options(&mut plain, no_zeroes, state, &mut options_left).await?;
+            Ok::<_, ConnError>((no_zeroes, outcome))
+        })
         .await
-        .map_err(|_| ConnError::HandshakeTimeout(timeout_ms))??;
+        .map_err(timed_out)??;
         match outcome {
             Handshake::Abort => Ok(()),
-            Handshake::Transmission(dev) => self.transmission(stream, dev).await,
+            Handshake::Transmission(dev) => self.transmission(plain, dev).await,
+            Handshake::StartTls => {
+                // Bytes the client sent after STARTTLS but before the TLS handshake would be
+                // taken as if they came over TLS (the STARTTLS injection of other protocols).
+                if !plain.buffer().is_empty() {
+                    return Err(ConnError::Protocol("data after NBD_OPT_STARTTLS before the TLS handshake".into()));
+                }
+                let acceptor = self.tls.clone().expect("StartTls only when TLS is configured");
+                let (tls, outcome) = tokio::time::timeout_at(deadline, async {
+                    let tls = acceptor.accept(plain.into_inner()).await.map_err(|e| ConnError::Tls(e.to_string()))?;
+                    let mut tls = BufReader::with_capacity(READ_BUFFER_BYTES, tls);
+                    let outcome = self.options(&mut tls, no_zeroes, TlsState::Established, &mut options_left).await?;
+                    Ok::<_, ConnError>((tls, outcome))
+                })
+                .await
+                .map_err(timed_out)??;
+                match outcome {
+                    Handshake::Abort => Ok(()),
+                    Handshake::Transmission(dev) => self.transmission(tls, dev).await,
+                    Handshake::StartTls => Err(ConnError::Protocol("STARTTLS twice".into())),
+                }
+            }
         }
     }
 
     // ---- Handshake ---------------------------------------------------------------------------
 
-    async fn handshake<S>(&self, s: &mut S) -> Result<Handshake<E::Dev>, ConnError>
+    /// Sends the greeting and reads the client's flags; returns whether it asked for NO_ZEROES.
+    async fn greeting<S>(&self, s: &mut S) -> Result<bool, ConnError>
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
@@ -204,9 +251,17 @@ impl<E: Exports> Server<E> {
         let mut flag_bytes = [0u8; 4];
         s.read_exact(&mut flag_bytes).await?;
         let client_flags = parse_client_flags(&flag_bytes)?;
-        let no_zeroes = client_flags & NBD_FLAG_C_NO_ZEROES != 0;
+        Ok(client_flags & NBD_FLAG_C_NO_ZEROES != 0)
+    }
 
-        for _ in 0..self.config.max_options_per_handshake {
+    /// The option haggling, until the client picks an export, aborts, or (in state
+    /// `Required`) upgrades to TLS. `options_left` counts down across the upgrade.
+    async fn options<S>(&self, s: &mut S, no_zeroes: bool, tls: TlsState, options_left: &mut u32) -> Result<Handshake<E::Dev>, ConnError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        while *options_left > 0 {
+            *options_left -= 1;
             let mut header_bytes = [0u8; OPTION_HEADER_BYTES];
             s.read_exact(&mut header_bytes).await?;
             let header = parse_option_header(&header_bytes)?;
@@ -239,6 +294,20 @@ impl<E: Exports> Server<E> {
             }
             let mut data = vec![0u8; header.length_bytes as usize];
             s.read_exact(&mut data).await?;
+
+            match tls_gate(tls, option, header.length_bytes) {
+                TlsGate::Serve => {}
+                TlsGate::StartTls => {
+                    s.write_all(&encode_option_reply(option, NBD_REP_ACK, &[])).await?;
+                    s.flush().await?;
+                    return Ok(Handshake::StartTls);
+                }
+                TlsGate::Refuse(reply, msg) => {
+                    s.write_all(&encode_option_reply(option, reply, msg.as_bytes())).await?;
+                    continue;
+                }
+                TlsGate::Close(why) => return Err(ConnError::Protocol(why.into())),
+            }
 
             match option {
                 NBD_OPT_EXPORT_NAME => {
@@ -315,7 +384,8 @@ impl<E: Exports> Server<E> {
                         return Ok(Handshake::Transmission(dev));
                     }
                 }
-                // STARTTLS, STRUCTURED_REPLY, META_CONTEXT, EXTENDED_HEADERS and anything newer.
+                // STRUCTURED_REPLY, META_CONTEXT, EXTENDED_HEADERS and anything newer (STARTTLS
+                // was answered by the TLS gate above).
                 _ => {
                     let msg = format!("option {option} is not supported by this server");
                     s.write_all(&encode_option_reply(
@@ -466,6 +536,8 @@ impl<E: Exports> Server<E> {
 enum Handshake<D> {
     Transmission(Arc<D>),
     Abort,
+    /// The client asked for TLS and was acknowledged: the TLS handshake comes next.
+    StartTls,
 }
 
 /// Fills `buf` from `r`; returns false on end of stream before the first byte (a clean close

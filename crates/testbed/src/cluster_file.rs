@@ -117,6 +117,21 @@ pub fn ensure_secret(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The cluster secret for a client that needs only it (the failover control commands):
+/// `--secret-file`, else the one the cluster file names (`--cluster`, else the default file).
+pub fn resolve_secret(cluster: Option<&Path>, secret_file: Option<&Path>) -> anyhow::Result<Vec<u8>> {
+    if let Some(f) = secret_file {
+        return read_secret(f);
+    }
+    let path = cluster.map(Path::to_path_buf).unwrap_or_else(|| Path::new(DEFAULT_DIR).join(CLUSTER_FILE));
+    anyhow::ensure!(
+        path.exists(),
+        "no cluster file at {} to take the cluster secret from: pass --secret-file FILE or --cluster FILE (or $UNDERSTUDY_CLUSTER)",
+        path.display()
+    );
+    read_secret(&ClusterInfo::load(&path)?.secret_file)
+}
+
 /// Where client commands find the cluster: the metadata address and the secret.
 pub struct Target {
     pub meta_addr: String,

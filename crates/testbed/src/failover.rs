@@ -2,7 +2,7 @@
 //! by PID, and a client of its control address: used by the failover benchmarks, the demo and
 //! `understudy failover inject|status|hint`.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -117,12 +117,21 @@ pub fn logs_tail(run_dir: &Path) -> String {
     out
 }
 
-/// Sends one line to a running monitor's control address and returns its `ok` answer (an
-/// `error` answer becomes the error).
-pub fn control_request(addr: SocketAddr, line: &str) -> anyhow::Result<String> {
+/// Sends one line to a running monitor's control address, after proving it knows the cluster
+/// `secret` (the port's handshake, [`wire::auth`]), and returns its `ok` answer (an `error`
+/// answer becomes the error).
+pub fn control_request(addr: SocketAddr, secret: &[u8], line: &str) -> anyhow::Result<String> {
     let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
         .with_context(|| format!("cannot reach the monitor's control address {addr}"))?;
     s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let refused = || format!("the monitor at {addr} refused us: wrong cluster secret? (check --secret-file or the cluster file)");
+    let mut hello = [0u8; wire::auth::HELLO_BYTES];
+    s.read_exact(&mut hello).with_context(|| format!("the control address {addr} sent no handshake (not a monitor's --control?)"))?;
+    let (answer, want) = wire::auth::client_answer(&hello, secret).with_context(|| format!("the control address {addr}"))?;
+    s.write_all(&answer)?;
+    let mut proof = [0u8; wire::auth::PROOF_BYTES];
+    s.read_exact(&mut proof).with_context(refused)?;
+    wire::auth::check_server_proof(&proof, &want).with_context(refused)?;
     s.write_all(format!("{line}\n").as_bytes())?;
     let mut reply = String::new();
     BufReader::new(s).read_line(&mut reply)?;

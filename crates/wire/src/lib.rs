@@ -7,9 +7,11 @@
 //! ([`auth`]), so a stranger on the network cannot read or write.
 
 pub mod auth;
+pub mod link;
 pub mod listen;
 pub mod metrics;
 pub mod ports;
+pub mod tls;
 
 use serde::{de::DeserializeOwned, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -33,6 +35,8 @@ pub enum WireError {
     Decode(String),
     #[error("authentication failed: {0}")]
     Auth(String),
+    #[error("TLS: {0}")]
+    Tls(String),
 }
 
 /// Encodes `msg` as one frame.

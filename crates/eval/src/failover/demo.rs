@@ -198,9 +198,10 @@ fn run_body(
     let mut seen = vec![];
     wait_event(&rx, &mut seen, &["primary_up"], Duration::from_secs(180), tell)?;
     let control_addr = control.parse()?;
+    let secret = testbed::cluster_file::resolve_secret(Some(cluster_file), None)?;
     if variant == "oracle" {
         // The evaluator knows the future: the primary will never come back.
-        testbed::failover::control_request(control_addr, "hint never 0")?;
+        testbed::failover::control_request(control_addr, &secret, "hint never 0")?;
     }
     // The client: load through the endpoint in its own runtime.
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -218,7 +219,7 @@ fn run_body(
         })
     });
     std::thread::sleep(settle.0);
-    testbed::failover::control_request(control_addr, "kill")?;
+    testbed::failover::control_request(control_addr, &secret, "kill")?;
     if tell {
         println!("  {:>9} demo: SIGKILL of the whole primary (application and its volume server)", "");
     }

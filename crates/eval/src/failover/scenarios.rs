@@ -215,6 +215,8 @@ struct Mon {
     rx: Receiver<Value>,
     seen: Vec<Value>,
     control: SocketAddr,
+    /// The cluster secret its control port asks for.
+    secret: Vec<u8>,
     endpoint: SocketAddr,
     run_dir: PathBuf,
     delay_file: PathBuf,
@@ -254,7 +256,8 @@ impl Mon {
         let spec_path = run_dir.join("spec.json");
         std::fs::write(&spec_path, serde_json::to_vec_pretty(&spec)?)?;
         let (guard, rx) = testbed::failover::start_monitor(&exe, &spec_path, &run_dir, &control.to_string(), cluster_file, verbose)?;
-        Ok(Mon { name, policy, guard, rx, seen: vec![], control, endpoint, run_dir, delay_file, spurious: 0 })
+        let secret = testbed::cluster_file::resolve_secret(Some(cluster_file), None)?;
+        Ok(Mon { name, policy, guard, rx, seen: vec![], control, secret, endpoint, run_dir, delay_file, spurious: 0 })
     }
 
     fn wait(&mut self, names: &[&str], timeout: Duration) -> anyhow::Result<Value> {
@@ -271,7 +274,7 @@ impl Mon {
     }
 
     fn control(&self, line: &str) -> anyhow::Result<String> {
-        testbed::failover::control_request(self.control, line)
+        testbed::failover::control_request(self.control, &self.secret, line)
     }
 
     /// Errors of this monitor's run, with its logs.

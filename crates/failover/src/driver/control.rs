@@ -90,16 +90,26 @@ pub(super) fn status(m: &Monitor, pool: &LocalPool, endpoint: &Proxy, busy: usiz
 }
 
 /// Serves control requests (one line each) on `listener`: `status`, `kill`, `stop`,
-/// `pause MS`, `cut MS`, `hint BACK_MS|never RECOVERY_MS`.
-pub async fn serve_control(listener: TcpListener, tx: mpsc::Sender<Control>) {
+/// `pause MS`, `cut MS`, `hint BACK_MS|never RECOVERY_MS`, each connection after the cluster's
+/// challenge-response handshake ([`wire::auth`]): a fault injection kills or cuts a primary,
+/// so the port must not obey whoever reaches it once the monitor runs on a routable address.
+/// A client that fails the handshake is closed before any request is read.
+pub async fn serve_control(listener: TcpListener, secret: Vec<u8>, tx: mpsc::Sender<Control>) {
+    let secret: Arc<[u8]> = secret.into();
     // Accept errors are waited out with backoff (retrying at once spins a core).
-    wire::listen::serve(listener, "failover control port", move |s, _| {
+    wire::listen::serve(listener, "failover control port", move |mut s, peer| {
         let tx = tx.clone();
+        let secret = secret.clone();
         async move {
+            // The handshake has its own deadline (an idle connection is closed by it).
+            if let Err(e) = wire::auth::accept(&mut s, &secret).await {
+                tracing::warn!("failover control port: refused {peer}: {e}");
+                return;
+            }
             let (r, mut w) = s.into_split();
             let mut lines = BufReader::new(r.take(MAX_CONTROL_LINE_BYTES as u64 * 16)).lines();
-            // The port has no secret; the tools send their line at once: a connection that
-            // sends no request within the authentication deadline of the other ports is closed.
+            // The tools send their line at once: a connection that sends no request within
+            // the authentication deadline is closed, so it cannot hold a slot.
             while let Ok(Ok(Some(line))) = tokio::time::timeout(wire::listen::AUTH_DEADLINE, lines.next_line()).await {
                 let reply = control_request(&tx, line.trim()).await;
                 let text = match reply {
@@ -195,21 +205,68 @@ mod control_port_tests {
     use std::time::Instant;
     use tokio::io::AsyncBufReadExt;
 
+    const SECRET: &[u8] = b"control-port-test-secret";
+
+    /// A control port with a monitor stand-in that counts the requests reaching it.
+    async fn port() -> (std::net::SocketAddr, mpsc::Receiver<Control>) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, rx) = mpsc::channel::<Control>(64);
+        tokio::spawn(serve_control(l, SECRET.to_vec(), tx));
+        (addr, rx)
+    }
+
+    /// One request line over a connection; the answer line ("" when closed without one).
+    async fn ask(s: tokio::net::TcpStream, line: &str) -> String {
+        let (r, mut w) = s.into_split();
+        let _ = w.write_all(format!("{line}\n").as_bytes()).await;
+        let mut answer = String::new();
+        let _ = tokio::time::timeout(wire::listen::AUTH_DEADLINE * 3, BufReader::new(r).read_line(&mut answer)).await;
+        answer
+    }
+
+    /// Before the port took the secret, a plain connection sending `kill` reached the monitor
+    /// (this test failed: "a client without the secret reached the monitor with `kill`"). Now
+    /// neither a client that skips the handshake nor one with the wrong secret gets a request
+    /// through, and neither gets an answer.
+    #[tokio::test]
+    async fn an_unauthenticated_client_issues_no_command() {
+        let (addr, mut rx) = port().await;
+        let plain = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let answer = ask(plain, "kill").await;
+        assert!(!answer.contains("ok"), "a client without the secret got an answer: {answer:?}");
+
+        let mut wrong = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let r = wire::auth::connect(&mut wrong, b"not-the-secret").await;
+        assert!(r.is_err(), "the handshake with a wrong secret succeeded");
+        let answer = ask(wrong, "kill").await;
+        assert!(answer.is_empty(), "a client with the wrong secret got an answer: {answer:?}");
+
+        let got = tokio::time::timeout(std::time::Duration::from_millis(500), rx.recv()).await;
+        assert!(!matches!(got, Ok(Some(_))), "a client without the secret reached the monitor");
+
+        // The same request with the secret does reach it (the test can tell the two apart).
+        let mut good = tokio::net::TcpStream::connect(addr).await.unwrap();
+        wire::auth::connect(&mut good, SECRET).await.unwrap();
+        let asked = tokio::spawn(ask(good, "hint 10 20"));
+        let got = tokio::time::timeout(std::time::Duration::from_secs(10), rx.recv()).await;
+        assert!(matches!(got, Ok(Some(Control::Hint { primary_back_after_ms: Some(10), recovery_ms: 20 }))));
+        assert_eq!(asked.await.unwrap().trim(), "ok hint taken");
+    }
+
     /// A flood of idle connections neither stops the control port nor stays open past the
     /// deadline; a real request is answered afterwards.
     #[tokio::test]
     async fn control_port_survives_a_flood_and_closes_idle_connections() {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let (tx, mut rx) = mpsc::channel::<Control>(64);
-        tokio::spawn(serve_control(l, tx));
+        let (addr, mut rx) = port().await;
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
         let mut flood = Vec::new();
         for _ in 0..300 {
             flood.push(tokio::net::TcpStream::connect(addr).await.unwrap());
         }
         drop(flood);
-        let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        wire::auth::connect(&mut s, SECRET).await.unwrap();
         let (r, mut w) = s.into_split();
         w.write_all(b"hint 10 20\n").await.unwrap();
         let mut line = String::new();
@@ -218,8 +275,9 @@ mod control_port_tests {
 
         let t0 = Instant::now();
         let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let mut b = [0u8; 1];
-        let n = tokio::time::timeout(wire::listen::AUTH_DEADLINE * 3, idle.read(&mut b)).await;
-        assert!(matches!(n, Ok(Ok(0)) | Ok(Err(_))), "an idle control connection stayed open for {:?}", t0.elapsed());
+        // (It is sent the handshake's hello, then closed at the deadline.)
+        let mut b = Vec::new();
+        let n = tokio::time::timeout(wire::listen::AUTH_DEADLINE * 3, idle.read_to_end(&mut b)).await;
+        assert!(matches!(n, Ok(Ok(_)) | Ok(Err(_))), "an idle control connection stayed open for {:?}", t0.elapsed());
     }
 }

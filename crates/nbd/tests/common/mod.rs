@@ -27,6 +27,11 @@ impl TestServer {
     }
 
     pub fn start_with<E: Exports>(exports: E, config: ServerConfig) -> Self {
+        Self::start_server(Server::with_config(exports, config))
+    }
+
+    /// Serves a server built by the test (e.g. one that requires TLS).
+    pub fn start_server<E: Exports>(server: Server<E>) -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -36,8 +41,7 @@ impl TestServer {
             .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
             .expect("bind 127.0.0.1:0");
         let addr = listener.local_addr().unwrap();
-        let server = Arc::new(Server::with_config(exports, config));
-        runtime.spawn(server.serve_tcp(listener));
+        runtime.spawn(Arc::new(server).serve_tcp(listener));
         TestServer { addr, runtime }
     }
 

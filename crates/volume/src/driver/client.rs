@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use blockdev::{BlockDev, DevError, DevResult};
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Mutex};
 
 use crate::driver::meta::{Layout, MetaReq, MetaResp, VolumeRec};
@@ -79,7 +78,7 @@ pub struct Cluster {
     secret: Vec<u8>,
     map: RwLock<Arc<ClusterMap>>,
     conns: Mutex<HashMap<ShardId, Arc<ShardConn>>>,
-    meta_conn: Mutex<Option<TcpStream>>,
+    meta_conn: Mutex<Option<wire::link::Link>>,
     /// One map fetch at a time: every request waiting on a silent shard looks at the map each
     /// [`MAP_CHECK_INTERVAL`], and up to [`MAX_OBJECT_IOS_IN_FLIGHT`] of them may wait at once;
     /// those that queue behind a fetch take its answer instead of asking again.
@@ -133,6 +132,7 @@ impl Cluster {
             let sock = g.as_mut().unwrap();
             let r = async {
                 wire::write_msg(sock, req).await?;
+                tokio::io::AsyncWriteExt::flush(sock).await?;
                 wire::read_msg::<MetaResp, _>(sock, wire::MAX_FRAME_PAYLOAD_BYTES).await
             }
             .await;

@@ -287,8 +287,10 @@ impl Meta {
         }
     }
 
-    async fn serve(self, mut sock: TcpStream) -> anyhow::Result<()> {
-        // Fails after wire::listen::AUTH_DEADLINE.
+    async fn serve(self, sock: TcpStream) -> anyhow::Result<()> {
+        // TLS when this process's link setting asks for it for this peer; each step fails
+        // after wire::listen::AUTH_DEADLINE.
+        let mut sock = wire::link::accept(sock, wire::link::process()?).await?;
         wire::auth::accept(&mut sock, &self.opts.secret).await?;
         let hello: Hello = wire::read_msg(&mut sock, 1024).await?;
         match hello {
@@ -300,12 +302,14 @@ impl Meta {
                 };
                 let resp = self.call(req).await;
                 wire::write_msg(&mut sock, &resp).await?;
+                // Over TLS the answer's last record may wait in the session until a flush.
+                tokio::io::AsyncWriteExt::flush(&mut sock).await?;
             },
             Hello::Shard(id) => self.shard_link(id, sock).await,
         }
     }
 
-    async fn shard_link(self, id: ShardId, sock: TcpStream) -> anyhow::Result<()> {
+    async fn shard_link(self, id: ShardId, sock: wire::link::Link) -> anyhow::Result<()> {
         let (r, w) = sock.into_split();
         let mut r = tokio::io::BufReader::new(r);
         let first: Msg = wire::read_msg(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES).await?;

@@ -504,15 +504,19 @@ fn disk_cmd_kind(cmd: &DiskCmd) -> &'static str {
     }
 }
 
-/// Authenticates and identifies an outgoing connection.
-pub async fn dial(addr: &str, secret: &[u8], hello: &Hello) -> anyhow::Result<TcpStream> {
-    let mut sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
+/// Authenticates and identifies an outgoing connection, over TLS when this process's link
+/// setting asks for it for `addr` ([`wire::link::process`]).
+pub async fn dial(addr: &str, secret: &[u8], hello: &Hello) -> anyhow::Result<wire::link::Link> {
+    let sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
         .await
         .with_context(|| format!("timed out connecting to {addr}"))?
         .with_context(|| format!("cannot connect to {addr}"))?;
     sock.set_nodelay(true)?;
+    let mut sock = wire::link::connect(sock, wire::link::process()?).await?;
     wire::auth::connect(&mut sock, secret).await.with_context(|| format!("authenticating to {addr}"))?;
     wire::write_msg(&mut sock, hello).await?;
+    // Over TLS a write may leave its last record in the session until a flush.
+    tokio::io::AsyncWriteExt::flush(&mut sock).await?;
     Ok(sock)
 }
 
@@ -579,12 +583,14 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(r: R, from: Peer, tx: mpsc::
     }
 }
 
-async fn serve_conn(mut sock: TcpStream, conn: u64, tx: mpsc::Sender<CoreEvent>, secret: Arc<[u8]>) {
+async fn serve_conn(sock: TcpStream, conn: u64, tx: mpsc::Sender<CoreEvent>, secret: Arc<[u8]>) {
     let hello = async {
+        let mut sock = wire::link::accept(sock, wire::link::process()?).await?;
         wire::auth::accept(&mut sock, &secret).await?;
-        wire::read_msg::<Hello, _>(&mut sock, 1024).await
+        let hello = wire::read_msg::<Hello, _>(&mut sock, 1024).await?;
+        Ok::<_, wire::WireError>((sock, hello))
     };
-    let hello = match tokio::time::timeout(Duration::from_secs(5), hello).await {
+    let (sock, hello) = match tokio::time::timeout(Duration::from_secs(5), hello).await {
         Ok(Ok(h)) => h,
         Ok(Err(e)) => return tracing::warn!("refused connection: {e}"),
         Err(_) => return tracing::warn!("refused connection: handshake timed out"),

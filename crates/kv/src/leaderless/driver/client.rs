@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::leaderless::proto::*;
@@ -31,12 +30,7 @@ pub struct KvClient {
 impl KvClient {
     pub async fn connect(addr: SocketAddr, secret: &[u8]) -> Result<Self, KvError> {
         // The handshake is bounded too: whatever listens there may never answer it.
-        let s = tokio::time::timeout(Duration::from_secs(2), async {
-            let mut s = TcpStream::connect(addr).await?;
-            s.set_nodelay(true)?;
-            handshake_client(&mut s, secret, Hello::Client).await?;
-            Ok::<_, KvError>(s)
-        })
+        let s = tokio::time::timeout(Duration::from_secs(2), dial(addr, secret, Hello::Client, None))
         .await
         .map_err(|_| KvError::Unavailable(format!("connecting to {addr} timed out")))??;
         let (r, mut w) = s.into_split();

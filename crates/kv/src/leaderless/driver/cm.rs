@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use crate::leaderless::core::cm::{CmCore, CmInput, CmOutput, CmParams};
@@ -147,12 +147,7 @@ pub(super) async fn cm_link(
     acks: mpsc::Sender<HeartbeatAck>,
 ) {
     loop {
-        let conn = async {
-            let mut s = TcpStream::connect(addr).await?;
-            s.set_nodelay(true)?;
-            handshake_client(&mut s, &secret, Hello::Cm).await?;
-            Ok::<_, KvError>(s)
-        };
+        let conn = dial(addr, &secret, Hello::Cm, None);
         let s = match tokio::time::timeout(Duration::from_secs(1), conn).await {
             Ok(Ok(s)) => s,
             _ => {
@@ -177,6 +172,8 @@ pub(super) async fn cm_link(
                 m = rx.recv() => {
                     let Some(hb) = m else { reader.abort(); return };
                     if wire::write_msg(&mut w, &NetMsg::Hb(hb)).await.is_err() { break; }
+                    // Over TLS the heartbeat's record may wait in the session until a flush.
+                    if tokio::io::AsyncWriteExt::flush(&mut w).await.is_err() { break; }
                 }
                 _ = tokio::time::sleep(Duration::from_secs(1)), if reader.is_finished() => break,
             }

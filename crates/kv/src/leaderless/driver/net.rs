@@ -77,7 +77,22 @@ pub(super) async fn handshake_client<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<(), KvError> {
     wire::auth::connect(s, secret).await?;
     wire::write_msg(s, &NetMsg::Hello(hello)).await?;
+    // Over TLS a write may leave its last record in the session until a flush.
+    tokio::io::AsyncWriteExt::flush(s).await?;
     Ok(())
+}
+
+/// Connects to `addr`, over TLS when this process's link setting asks for it
+/// ([`wire::link::process`]), and identifies itself as `hello`.
+pub(super) async fn dial(addr: SocketAddr, secret: &[u8], hello: Hello, sndbuf_bytes: Option<usize>) -> Result<wire::link::Link, KvError> {
+    let s = TcpStream::connect(addr).await?;
+    s.set_nodelay(true)?;
+    if let Some(b) = sndbuf_bytes {
+        set_socket_buffer(&s, libc::SO_SNDBUF, b);
+    }
+    let mut s = wire::link::connect(s, wire::link::process()?).await?;
+    handshake_client(&mut s, secret, hello).await?;
+    Ok(s)
 }
 
 pub(super) async fn peer_writer(
@@ -89,14 +104,8 @@ pub(super) async fn peer_writer(
 ) {
     let mut backoff = Duration::from_millis(2);
     loop {
-        let conn = async {
-            let mut s = TcpStream::connect(addr).await?;
-            s.set_nodelay(true)?;
-            set_socket_buffer(&s, libc::SO_SNDBUF, PEER_SOCKET_BUFFER_BYTES);
-            handshake_client(&mut s, &secret, Hello::Peer(me)).await?;
-            Ok::<_, KvError>(s)
-        };
-        let mut s = match tokio::time::timeout(Duration::from_secs(2), conn).await {
+        let conn = dial(addr, &secret, Hello::Peer(me), Some(PEER_SOCKET_BUFFER_BYTES));
+        let s = match tokio::time::timeout(Duration::from_secs(2), conn).await {
             Ok(Ok(s)) => s,
             _ => {
                 // Messages for an unreachable peer are dropped; the protocol retransmits.
@@ -107,7 +116,7 @@ pub(super) async fn peer_writer(
             }
         };
         backoff = Duration::from_millis(2);
-        let (_r, mut w) = s.split();
+        let (_r, mut w) = s.into_split();
         if let FramesEnd::QueueClosed =
             write_frames(&mut w, &mut rx, NetMsg::Peer, Some(&stats)).await
         {
@@ -181,7 +190,8 @@ pub(super) async fn write_frames<T, W: AsyncWrite + Unpin>(
             chunks += push(&mut buf, wrap(m));
         }
         let t = Instant::now();
-        if w.write_all(&buf).await.is_err() {
+        // The flush costs nothing on plain TCP; over TLS it sends the batch's last record.
+        if w.write_all(&buf).await.is_err() || w.flush().await.is_err() {
             return FramesEnd::WriteFailed;
         }
         if let Some(s) = stats.filter(|_| chunks > 0) {

@@ -622,12 +622,20 @@ pub(super) fn with_fresh_lease_refs(p: &NodeParams) -> NodeParams {
 }
 
 pub(super) async fn serve_conn(
-    mut sock: TcpStream,
+    sock: TcpStream,
     secret: Vec<u8>,
     in_tx: mpsc::Sender<Input>,
     hb_tx: mpsc::Sender<(Heartbeat, mpsc::Sender<NetMsg>, Instant)>,
     stats: Arc<NodeStats>,
 ) {
+    let tls = match wire::link::process() {
+        Ok(t) => t,
+        Err(e) => return tracing::warn!("refused connection: {e}"),
+    };
+    let mut sock = match wire::link::accept(sock, tls).await {
+        Ok(s) => s,
+        Err(e) => return tracing::warn!("refused connection: {e}"),
+    };
     if let Err(e) = wire::auth::accept(&mut sock, &secret).await {
         tracing::warn!("refused connection: {e}");
         return;
@@ -637,7 +645,7 @@ pub(super) async fn serve_conn(
         return;
     };
     if matches!(hello, Hello::Peer(_)) {
-        set_socket_buffer(&sock, libc::SO_RCVBUF, PEER_SOCKET_BUFFER_BYTES);
+        set_socket_buffer(sock.tcp(), libc::SO_RCVBUF, PEER_SOCKET_BUFFER_BYTES);
     }
     let (r, mut w) = sock.into_split();
     // Buffered: a busy connection's many small frames are read a buffer at a time, not two
