@@ -46,7 +46,13 @@ fn volume_nbd_over_tls_with_client_certificates() {
     ];
     up.spawn(&args, &log);
     let with_cert = pki.path("with-cert");
-    // The server binds at once and serves once it reached the metadata service: qemu-io waits.
+    // qemu-io does not retry a refused connection: wait until the server listens (a started
+    // process binds only when it runs, which on a loaded machine can be a while).
+    let t = std::time::Instant::now();
+    while std::net::TcpStream::connect(&addr).is_err() {
+        assert!(t.elapsed() < std::time::Duration::from_secs(30), "the NBD server did not listen on {addr} within 30 s:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let (ok, out) = qemu_io_tls(&addr, Some(&with_cert), &["write -P 0xab 64k 128k", "flush"]);
     assert!(ok, "qemu-io over TLS: {out}\n--- server log:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
 
