@@ -25,5 +25,6 @@
 pub mod checker;
 pub mod leaderless;
 pub mod pmlog;
+pub mod witness;
 
 pub use leaderless::proto::{Model, NodeId, Ts};
