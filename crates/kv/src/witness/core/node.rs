@@ -556,6 +556,10 @@ impl WitnessCore {
     pub fn backup_index_stamp(&self, key: &[u8]) -> Option<Stamp> {
         self.backup.index.get(key).map(|(s, _)| *s)
     }
+    /// The leader's lease end (0 when not leading).
+    pub fn lease_until_us(&self) -> u64 {
+        self.lead.as_ref().map_or(0, |l| l.lease_until_us)
+    }
     pub fn written_back_through(&self) -> u64 {
         self.backup.written_back_through
     }
