@@ -428,3 +428,38 @@ fn one_head_only_layout_rejects_a_backup_candidate_message() {
     r.feed(2, Input::Peer { from: 1, msg });
     assert_eq!(r.node(2).term(), term, "a backup's candidacy moves no term");
 }
+
+#[test]
+fn voter_in_lease_refuses_a_vote_without_moving_its_term() {
+    let mut r = Router::new(Config::standard(1, 1));
+    let p = r.wait_serving();
+    assert_eq!(r.put(p, "k", "v"), Some(ClientReply::PutOk));
+    r.run_for(10);
+    for voter in [1, 2] {
+        let term = r.node(voter).term();
+        let msg = PeerMsg {
+            term: term + 1,
+            epoch: 1,
+            body: crate::witness::proto::PeerBody::RequestVote {
+                candidate: if voter == 1 { 2 } else { 0 },
+                last_index: 1000,
+                last_term: term + 1,
+            },
+        };
+        let from = if voter == 1 { 2 } else { 0 };
+        r.later.clear();
+        r.feed(voter, Input::Peer { from, msg });
+        assert_eq!(r.node(voter).term(), term, "in lease: term unchanged");
+        let vote = r.later.iter().find_map(|(to, i)| match i {
+            Input::Peer { msg, .. } if *to == from => Some(msg.body.clone()),
+            _ => None,
+        });
+        assert!(
+            matches!(
+                vote,
+                Some(crate::witness::proto::PeerBody::Vote { granted: false, in_lease: true, .. })
+            ),
+            "{vote:?}"
+        );
+    }
+}
