@@ -58,10 +58,15 @@ struct Scenario {
     /// true: the primary crashes for good; false: it is isolated, then healed.
     crash: bool,
     client_timeout_us: u64,
+    /// Client 0 reads only from node 0 (see `Client::pinned`).
+    pinned_reader: bool,
 }
 
 struct Client {
     target: NodeId,
+    /// Reads only, always from node 0 (the first primary), ignoring hints: the client that
+    /// would see a stale read if a deposed primary answered after its lease.
+    pinned: bool,
     /// The op in flight: (tag, index in the history).
     inflight: Option<(u64, usize)>,
     sent_us: u64,
@@ -118,6 +123,7 @@ impl World {
                 q.push_at(300_000 + c as u64 * 100, Ev::ClientWake(c)).unwrap();
                 Client {
                     target: 0,
+                    pinned: sc.pinned_reader && c == 0,
                     inflight: None,
                     sent_us: 0,
                     n: 0,
@@ -216,7 +222,7 @@ impl World {
     fn client_issue(&mut self, now: u64, c: usize) {
         let key = format!("k{}", self.rng.range_u64(0, self.sc.keys as u64 - 1)).into_bytes();
         let cl = &mut self.clients[c];
-        let (req, kind) = if self.rng.chance(0.5) {
+        let (req, kind) = if !cl.pinned && self.rng.chance(0.5) {
             cl.n += 1;
             let v = format!("c{c}-{}", cl.n).into_bytes();
             (
@@ -271,6 +277,7 @@ impl World {
         if let Some(hint) = retry_elsewhere {
             // Definitely not executed: the op never happened.
             self.hist[h].ret_us = Some(u64::MAX);
+            let hint = if self.clients[c].pinned { Some(0) } else { hint };
             self.clients[c].target = match hint {
                 Some(n) => n,
                 None => {
@@ -282,7 +289,7 @@ impl World {
         if self.hist[h].ret_us.is_some() && self.hist[h].ret_us != Some(u64::MAX) && now > self.fault_at {
             self.clients[c].done_after_fault += 1;
         }
-        let backoff = if retry_elsewhere.is_some() { 2_000 } else { 100 };
+        let backoff = if retry_elsewhere.is_some() && !self.clients[c].pinned { 2_000 } else { 100 };
         self.q.push_at(now + backoff, Ev::ClientWake(c)).unwrap();
     }
 
@@ -323,7 +330,9 @@ impl World {
                             let cl = &mut self.clients[c];
                             cl.inflight = None;
                             let i = self.heads.iter().position(|&x| x == cl.target).unwrap_or(0);
-                            cl.target = self.heads[(i + 1) % self.heads.len()];
+                            if !cl.pinned {
+                                cl.target = self.heads[(i + 1) % self.heads.len()];
+                            }
                             self.client_issue(now, c);
                         }
                         Some(_) => {}
@@ -376,7 +385,7 @@ impl World {
             let key = format!("k{k}").into_bytes();
             let tag = 1 << 40 | k as u64;
             // Drive the leader alone until it answers (pulls need the backups: keep them fed).
-            self.clients.push(Client { target: l, inflight: Some((tag, 0)), sent_us: now, n: 0, done_after_fault: 0 });
+            self.clients.push(Client { target: l, pinned: false, inflight: Some((tag, 0)), sent_us: now, n: 0, done_after_fault: 0 });
             let c = self.clients.len() - 1;
             self.feed(now, l, Input::Client { tag, req: ClientReq::Get { key: key.clone() } });
             let mut answer = None;
@@ -467,12 +476,13 @@ fn scenario(backups: u32, witnesses: u32, crash: bool) -> Scenario {
         backups,
         witnesses,
         keys: 4,
-        clients: 3,
+        clients: 4,
         run_us: 1_500_000,
         drop_p: 0.02,
         dup_p: 0.02,
         crash,
         client_timeout_us: 60_000,
+        pinned_reader: !crash,
     }
 }
 
