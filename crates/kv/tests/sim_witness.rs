@@ -37,6 +37,8 @@ enum Ev {
     Reply { client: usize, tag: u64, reply: ClientReply },
     ClientWake(usize),
     Fault,
+    /// The second failure of a double failure: the leader that took over crashes too.
+    Fault2,
     Heal,
 }
 
@@ -60,6 +62,8 @@ struct Scenario {
     client_timeout_us: u64,
     /// Client 0 reads only from node 0 (see `Client::pinned`).
     pinned_reader: bool,
+    /// After the primary's crash, its successor crashes too once it serves.
+    double_failure: bool,
 }
 
 struct Client {
@@ -349,11 +353,31 @@ impl World {
                     if self.sc.crash {
                         self.dead.push(l);
                         self.net.set_down(l, true);
+                        if self.sc.double_failure {
+                            let d = self.rng.range_u64(200_000, 400_000);
+                            self.q.push_at(now + d, Ev::Fault2).unwrap();
+                        }
                     } else {
                         self.net.isolate(l);
                         let d = self.rng.range_u64(150_000, 400_000);
                         self.q.push_at(now + d, Ev::Heal).unwrap();
                     }
+                }
+                Ev::Fault2 => {
+                    let leader = self
+                        .nodes
+                        .iter()
+                        .filter(|(i, _)| !self.dead.contains(i))
+                        .find(|(_, n)| n.is_serving())
+                        .map(|(i, _)| *i);
+                    let Some(l) = leader else {
+                        return Err("no successor serving at the second fault".into());
+                    };
+                    if self.verbose {
+                        eprintln!("{now} second crash: leader {l}");
+                    }
+                    self.dead.push(l);
+                    self.net.set_down(l, true);
                 }
                 Ev::Heal => self.net.heal_all(),
             }
@@ -483,6 +507,7 @@ fn scenario(backups: u32, witnesses: u32, crash: bool) -> Scenario {
         crash,
         client_timeout_us: 60_000,
         pinned_reader: !crash,
+        double_failure: false,
     }
 }
 
@@ -494,6 +519,16 @@ fn primary_crash_witness_takes_over() {
 #[test]
 fn primary_crash_two_backups_two_witnesses() {
     run_many("primary_crash_two_backups_two_witnesses", scenario(2, 2, true), 8);
+}
+
+#[test]
+fn double_failure_primary_then_successor() {
+    let sc = Scenario {
+        double_failure: true,
+        run_us: 2_000_000,
+        ..scenario(2, 2, true)
+    };
+    run_many("double_failure_primary_then_successor", sc, 6);
 }
 
 #[test]
