@@ -29,12 +29,27 @@ enum Msg {
 
 enum Ev {
     Deliver(Delivery<Msg>),
-    Persisted { node: NodeId, seq: u64 },
-    Io { node: NodeId, input: Input },
+    Persisted {
+        node: NodeId,
+        seq: u64,
+    },
+    Io {
+        node: NodeId,
+        input: Input,
+    },
     Tick(NodeId),
     /// A client's request reaches its node (clients talk over TCP: lossless, in order).
-    Request { node: NodeId, client: usize, tag: u64, req: ClientReq },
-    Reply { client: usize, tag: u64, reply: ClientReply },
+    Request {
+        node: NodeId,
+        client: usize,
+        tag: u64,
+        req: ClientReq,
+    },
+    Reply {
+        client: usize,
+        tag: u64,
+        reply: ClientReply,
+    },
     ClientWake(usize),
     Fault,
     /// The second failure of a double failure: the leader that took over crashes too.
@@ -124,7 +139,8 @@ impl World {
         let heads: Vec<NodeId> = cfg.ids().filter(|&i| cfg.may_stand(i)).collect();
         let clients = (0..sc.clients)
             .map(|c| {
-                q.push_at(300_000 + c as u64 * 100, Ev::ClientWake(c)).unwrap();
+                q.push_at(300_000 + c as u64 * 100, Ev::ClientWake(c))
+                    .unwrap();
                 Client {
                     target: 0,
                     pinned: sc.pinned_reader && c == 0,
@@ -177,10 +193,18 @@ impl World {
                 }
                 Output::PmemAppend { seq, .. } => {
                     let d = self.rng.range_u64(1, 30);
-                    self.q.push_at(now + d, Ev::Persisted { node: id, seq }).unwrap();
+                    self.q
+                        .push_at(now + d, Ev::Persisted { node: id, seq })
+                        .unwrap();
                 }
                 Output::PmemTruncate { .. } | Output::PmemFree { .. } => {}
-                Output::SsdWrite { id: io, log, off, bytes, .. } => {
+                Output::SsdWrite {
+                    id: io,
+                    log,
+                    off,
+                    bytes,
+                    ..
+                } => {
                     let f = self.ssd.entry((id, log)).or_default();
                     let end = off as usize + bytes.len();
                     if f.len() < end {
@@ -188,23 +212,46 @@ impl World {
                     }
                     f[off as usize..end].copy_from_slice(&bytes);
                     let d = self.rng.range_u64(20, 200);
-                    let input = Input::SsdWritten { id: io, result: Ok(()) };
+                    let input = Input::SsdWritten {
+                        id: io,
+                        result: Ok(()),
+                    };
                     self.q.push_at(now + d, Ev::Io { node: id, input }).unwrap();
                 }
-                Output::SsdRead { id: io, log, off, len, .. } => {
+                Output::SsdRead {
+                    id: io,
+                    log,
+                    off,
+                    len,
+                    ..
+                } => {
                     let f = self.ssd.get(&(id, log)).map(Vec::as_slice).unwrap_or(&[]);
                     let mut buf = vec![0u8; len as usize];
                     let s = (off as usize).min(f.len());
                     let e = (off as usize + len as usize).min(f.len());
                     buf[..e - s].copy_from_slice(&f[s..e]);
                     let d = self.rng.range_u64(10, 150);
-                    let input = Input::SsdRead { id: io, result: Ok(buf) };
+                    let input = Input::SsdRead {
+                        id: io,
+                        result: Ok(buf),
+                    };
                     self.q.push_at(now + d, Ev::Io { node: id, input }).unwrap();
                 }
                 Output::Reply { tag, reply } => {
-                    if let Some(c) = self.clients.iter().position(|c| c.inflight.is_some_and(|f| f.0 == tag)) {
+                    if let Some(c) = self
+                        .clients
+                        .iter()
+                        .position(|c| c.inflight.is_some_and(|f| f.0 == tag))
+                    {
                         self.q
-                            .push_at(now + CLIENT_DELAY_US, Ev::Reply { client: c, tag, reply })
+                            .push_at(
+                                now + CLIENT_DELAY_US,
+                                Ev::Reply {
+                                    client: c,
+                                    tag,
+                                    reply,
+                                },
+                            )
                             .unwrap();
                     }
                 }
@@ -214,7 +261,9 @@ impl World {
                     }
                 }
                 Output::Recovered(s) => {
-                    self.recovered += 1;
+                    if now > self.fault_at {
+                        self.recovered += 1;
+                    }
                     if self.verbose {
                         eprintln!("{now} node {id} recovered {s:?}");
                     }
@@ -230,7 +279,10 @@ impl World {
             cl.n += 1;
             let v = format!("c{c}-{}", cl.n).into_bytes();
             (
-                ClientReq::Put { key: key.clone(), value: v.clone() },
+                ClientReq::Put {
+                    key: key.clone(),
+                    value: v.clone(),
+                },
                 OpKind::Put(v),
             )
         } else {
@@ -250,7 +302,15 @@ impl World {
         cl.sent_us = now;
         let node = cl.target;
         self.q
-            .push_at(now + CLIENT_DELAY_US, Ev::Request { node, client: c, tag, req })
+            .push_at(
+                now + CLIENT_DELAY_US,
+                Ev::Request {
+                    node,
+                    client: c,
+                    tag,
+                    req,
+                },
+            )
             .unwrap();
         self.q
             .push_at(now + self.sc.client_timeout_us, Ev::ClientWake(c))
@@ -258,7 +318,9 @@ impl World {
     }
 
     fn on_reply(&mut self, now: u64, c: usize, tag: u64, reply: ClientReply) {
-        let Some((t, h)) = self.clients[c].inflight else { return };
+        let Some((t, h)) = self.clients[c].inflight else {
+            return;
+        };
         if t != tag {
             return;
         }
@@ -281,19 +343,34 @@ impl World {
         if let Some(hint) = retry_elsewhere {
             // Definitely not executed: the op never happened.
             self.hist[h].ret_us = Some(u64::MAX);
-            let hint = if self.clients[c].pinned { Some(0) } else { hint };
+            let hint = if self.clients[c].pinned {
+                Some(0)
+            } else {
+                hint
+            };
             self.clients[c].target = match hint {
                 Some(n) => n,
                 None => {
-                    let i = self.heads.iter().position(|&x| x == self.clients[c].target).unwrap_or(0);
+                    let i = self
+                        .heads
+                        .iter()
+                        .position(|&x| x == self.clients[c].target)
+                        .unwrap_or(0);
                     self.heads[(i + 1) % self.heads.len()]
                 }
             };
         }
-        if self.hist[h].ret_us.is_some() && self.hist[h].ret_us != Some(u64::MAX) && now > self.fault_at {
+        if self.hist[h].ret_us.is_some()
+            && self.hist[h].ret_us != Some(u64::MAX)
+            && now > self.fault_at
+        {
             self.clients[c].done_after_fault += 1;
         }
-        let backoff = if retry_elsewhere.is_some() && !self.clients[c].pinned { 2_000 } else { 100 };
+        let backoff = if retry_elsewhere.is_some() && !self.clients[c].pinned {
+            2_000
+        } else {
+            100
+        };
         self.q.push_at(now + backoff, Ev::ClientWake(c)).unwrap();
     }
 
@@ -305,7 +382,9 @@ impl World {
             }
             match ev {
                 Ev::Deliver(d) => {
-                    let Some(d) = self.net.receive(d) else { continue };
+                    let Some(d) = self.net.receive(d) else {
+                        continue;
+                    };
                     let Msg::Peer(msg) = d.msg;
                     self.feed(now, d.to, Input::Peer { from: d.from, msg });
                 }
@@ -317,7 +396,12 @@ impl World {
                         self.q.push_at(now + TICK_US, Ev::Tick(id)).unwrap();
                     }
                 }
-                Ev::Request { node, client, tag, req } => {
+                Ev::Request {
+                    node,
+                    client,
+                    tag,
+                    req,
+                } => {
                     if self.dead.contains(&node) {
                         continue; // lost with the node: the client times out
                     }
@@ -343,7 +427,11 @@ impl World {
                     }
                 }
                 Ev::Fault => {
-                    let leader = self.nodes.iter().find(|(_, n)| n.is_serving()).map(|(i, _)| *i);
+                    let leader = self
+                        .nodes
+                        .iter()
+                        .find(|(_, n)| n.is_serving())
+                        .map(|(i, _)| *i);
                     let Some(l) = leader else {
                         return Err("no serving leader at the fault".into());
                     };
@@ -371,7 +459,9 @@ impl World {
                         .find(|(_, n)| n.is_serving())
                         .map(|(i, _)| *i);
                     let Some(l) = leader else {
-                        return Err("no successor serving at the second fault".into());
+                        // Not elected yet: strike once it serves.
+                        self.q.push_at(now + 20_000, Ev::Fault2).unwrap();
+                        continue;
                     };
                     if self.verbose {
                         eprintln!("{now} second crash: leader {l}");
@@ -386,6 +476,33 @@ impl World {
         let after: u64 = self.clients.iter().map(|c| c.done_after_fault).sum();
         if after == 0 {
             return Err("no op completed after the fault".into());
+        }
+        if self.verbose {
+            for (id, n) in &self.nodes {
+                if self.dead.contains(id) {
+                    continue;
+                }
+                let ks: Vec<String> = (0..self.sc.keys)
+                    .map(|k| {
+                        let key = format!("k{k}").into_bytes();
+                        format!(
+                            "k{k}: key {:?} local {:?} index {:?}",
+                            n.key_stamp(&key),
+                            n.local_value(&key).map(|x| x.0),
+                            n.backup_index_stamp(&key)
+                        )
+                    })
+                    .collect();
+                eprintln!(
+                    "node {id} {:?} term {} commit {} last {} missing {} | {}",
+                    n.role(),
+                    n.term(),
+                    n.commit_index(),
+                    n.last_index(),
+                    n.missing_keys(),
+                    ks.join("; ")
+                );
+            }
         }
         if self.sc.crash && self.recovered == 0 {
             return Err("the new primary never finished live recovery".into());
@@ -404,19 +521,38 @@ impl World {
         else {
             return Err("no serving leader at the end".into());
         };
-        let mut now = self.sc.run_us + 1;
+        let mut now = self.q.now().max(self.sc.run_us + 1);
         for k in 0..self.sc.keys {
             let key = format!("k{k}").into_bytes();
             let tag = 1 << 40 | k as u64;
+            let call_us = now;
             // Drive the leader alone until it answers (pulls need the backups: keep them fed).
-            self.clients.push(Client { target: l, pinned: false, inflight: Some((tag, 0)), sent_us: now, n: 0, done_after_fault: 0 });
+            self.clients.push(Client {
+                target: l,
+                pinned: false,
+                inflight: Some((tag, 0)),
+                sent_us: now,
+                n: 0,
+                done_after_fault: 0,
+            });
             let c = self.clients.len() - 1;
-            self.feed(now, l, Input::Client { tag, req: ClientReq::Get { key: key.clone() } });
+            self.feed(
+                now,
+                l,
+                Input::Client {
+                    tag,
+                    req: ClientReq::Get { key: key.clone() },
+                },
+            );
             let mut answer = None;
             while let Some((t, ev)) = self.q.pop() {
                 now = t;
                 match ev {
-                    Ev::Reply { client, tag: rt, reply } if client == c && rt == tag => {
+                    Ev::Reply {
+                        client,
+                        tag: rt,
+                        reply,
+                    } if client == c && rt == tag => {
                         answer = Some(reply);
                         break;
                     }
@@ -426,7 +562,9 @@ impl World {
                             self.feed(now, d.to, Input::Peer { from: d.from, msg });
                         }
                     }
-                    Ev::Persisted { node, seq } => self.feed(now, node, Input::PmemPersisted { seq }),
+                    Ev::Persisted { node, seq } => {
+                        self.feed(now, node, Input::PmemPersisted { seq })
+                    }
                     Ev::Io { node, input } => self.feed(now, node, input),
                     Ev::Tick(id) => {
                         if !self.dead.contains(&id) {
@@ -444,7 +582,7 @@ impl World {
                 Some(ClientReply::Value(v)) => self.hist.push(Op {
                     client: 10_000 + k as u64,
                     key,
-                    call_us: self.sc.run_us + 1,
+                    call_us,
                     ret_us: Some(now),
                     kind: OpKind::Get(v.map(|b| b.into_vec())),
                 }),
@@ -518,7 +656,11 @@ fn primary_crash_witness_takes_over() {
 
 #[test]
 fn primary_crash_two_backups_two_witnesses() {
-    run_many("primary_crash_two_backups_two_witnesses", scenario(2, 2, true), 8);
+    run_many(
+        "primary_crash_two_backups_two_witnesses",
+        scenario(2, 2, true),
+        8,
+    );
 }
 
 #[test]
@@ -529,6 +671,16 @@ fn double_failure_primary_then_successor() {
         ..scenario(2, 2, true)
     };
     run_many("double_failure_primary_then_successor", sc, 6);
+}
+
+#[test]
+fn primary_crash_over_very_lossy_links() {
+    let sc = Scenario {
+        drop_p: 0.10,
+        dup_p: 0.05,
+        ..scenario(1, 1, true)
+    };
+    run_many("primary_crash_over_very_lossy_links", sc, 8);
 }
 
 #[test]

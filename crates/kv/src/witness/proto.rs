@@ -153,7 +153,9 @@ pub enum PeerBody {
         in_lease: bool,
     },
     /// Provisional leader → voting backups (M14): the entry at `index`.
-    RequestLog { index: u64 },
+    RequestLog {
+        index: u64,
+    },
     /// `entry: None` = this backup holds no entry at `index` (so it was never committed, M14 ii).
     /// `gone: true` = the index is older than the backup's recent-index window: unknown.
     LogReply {
@@ -163,7 +165,10 @@ pub enum PeerBody {
     },
     /// New primary → backup (M15/M17): the next batch of the backup's SSD log from `cursor`
     /// (a byte offset in its log; 0 = the beginning).
-    BatchPull { stream: u64, cursor: u64 },
+    BatchPull {
+        stream: u64,
+        cursor: u64,
+    },
     BatchPullReply {
         stream: u64,
         entries: Vec<Entry>,
@@ -172,13 +177,23 @@ pub enum PeerBody {
         done: bool,
     },
     /// Stop a BatchPull stream (the witness heard the primary again, M15).
-    BatchPullAbort { stream: u64 },
+    BatchPullAbort {
+        stream: u64,
+    },
     /// New primary → backup on a Get miss (M18): every version of `key` the backup holds in its
     /// NVMM buffer, plus the SSD page its index names (the whole page: spatial locality).
-    PriorityPull { id: u64, key: serde_bytes::ByteBuf },
-    PriorityPullReply { id: u64, entries: Vec<Entry> },
+    PriorityPull {
+        id: u64,
+        key: serde_bytes::ByteBuf,
+    },
+    PriorityPullReply {
+        id: u64,
+        entries: Vec<Entry>,
+    },
     /// Primary → backups, every few seconds: sampled popular keys (M10).
-    Popularity { keys: Vec<serde_bytes::ByteBuf> },
+    Popularity {
+        keys: Vec<serde_bytes::ByteBuf>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -201,7 +216,9 @@ pub enum ClientReply {
     Value(Option<serde_bytes::ByteBuf>),
     PutOk,
     /// This node is not the serving leader; try `hint` (the leader it last heard from) if any.
-    NotLeader { hint: Option<NodeId> },
+    NotLeader {
+        hint: Option<NodeId>,
+    },
     /// A leader that cannot serve yet (provisional, or a bound is full): retry here later.
     Unavailable,
     /// The Put was appended but this node lost leadership before it committed: it may or may

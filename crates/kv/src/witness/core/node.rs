@@ -115,14 +115,20 @@ impl Params {
             ));
         }
         if self.heartbeat_us >= self.lease_us {
-            return Err(ParamsError::HeartbeatTooSlow(self.heartbeat_us, self.lease_us));
+            return Err(ParamsError::HeartbeatTooSlow(
+                self.heartbeat_us,
+                self.lease_us,
+            ));
         }
         for (v, name) in [
             (self.max_pending_pulls, "max_pending_pulls"),
             (self.append_max_entries, "append_max_entries"),
             (self.batch_pull_bytes, "batch_pull_bytes"),
             (self.writeback_batch_bytes, "writeback_batch_bytes"),
-            (self.recent_index_window_entries, "recent_index_window_entries"),
+            (
+                self.recent_index_window_entries,
+                "recent_index_window_entries",
+            ),
         ] {
             if v == 0 {
                 return Err(ParamsError::Zero(name));
@@ -145,7 +151,10 @@ pub enum Region {
 /// What a `PmemAppend` record holds (postcard-encoded in `rec`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PmemRecord {
-    Meta { term: u64, voted_for: Option<NodeId> },
+    Meta {
+        term: u64,
+        voted_for: Option<NodeId>,
+    },
     Entry(Entry),
 }
 
@@ -187,24 +196,72 @@ pub struct RecoveryStats {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Input {
-    Peer { from: NodeId, msg: PeerMsg },
-    Client { tag: u64, req: ClientReq },
-    PmemPersisted { seq: u64 },
-    SsdWritten { id: u64, result: Result<(), String> },
-    SsdRead { id: u64, result: Result<Vec<u8>, String> },
+    Peer {
+        from: NodeId,
+        msg: PeerMsg,
+    },
+    Client {
+        tag: u64,
+        req: ClientReq,
+    },
+    PmemPersisted {
+        seq: u64,
+    },
+    SsdWritten {
+        id: u64,
+        result: Result<(), String>,
+    },
+    SsdRead {
+        id: u64,
+        result: Result<Vec<u8>, String>,
+    },
     Tick,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Output {
-    Send { to: NodeId, msg: PeerMsg },
-    PmemAppend { seq: u64, region: Region, rec: Vec<u8> },
-    PmemTruncate { region: Region, from_index: u64 },
-    PmemFree { region: Region, through_index: u64 },
-    SsdWrite { id: u64, log: SsdLog, off: u64, bytes: Vec<u8>, sync: bool },
-    SsdRead { id: u64, log: SsdLog, off: u64, len: u32, class: IoClass },
-    Reply { tag: u64, reply: ClientReply },
-    Role { term: u64, role: RoleKind, leader: Option<NodeId> },
+    Send {
+        to: NodeId,
+        msg: PeerMsg,
+    },
+    PmemAppend {
+        seq: u64,
+        region: Region,
+        rec: Vec<u8>,
+    },
+    PmemTruncate {
+        region: Region,
+        from_index: u64,
+    },
+    PmemFree {
+        region: Region,
+        through_index: u64,
+    },
+    SsdWrite {
+        id: u64,
+        log: SsdLog,
+        off: u64,
+        bytes: Vec<u8>,
+        sync: bool,
+    },
+    SsdRead {
+        id: u64,
+        log: SsdLog,
+        off: u64,
+        len: u32,
+        class: IoClass,
+    },
+    Reply {
+        tag: u64,
+        reply: ClientReply,
+    },
+    Role {
+        term: u64,
+        role: RoleKind,
+        leader: Option<NodeId>,
+    },
+    /// A new leader holds every committed value (its missing set is empty, M19): from here it
+    /// serves every Get locally. Given once per leadership, at once when nothing was missing.
     Recovered(RecoveryStats),
 }
 
@@ -221,9 +278,14 @@ enum Slot {
     Entry(Entry),
     /// Adopted from a voting backup's vote reply (M13): the index exists, its content is not
     /// known here; never counted as held, resolved by reconciliation.
-    Unknown { term: u64 },
+    Unknown {
+        term: u64,
+    },
     /// A backup's entry written back to SSD (`None` for a Noop, which is never written).
-    Flushed { term: u64, loc: Option<Loc> },
+    Flushed {
+        term: u64,
+        loc: Option<Loc>,
+    },
 }
 
 impl Slot {
@@ -616,7 +678,10 @@ impl WitnessCore {
             panic!("commit {} is an unknown (adopted) slot", self.commit);
         }
         if let Some(l) = &self.lead {
-            assert!(matches!(self.role, RoleKind::Leader | RoleKind::Provisional));
+            assert!(matches!(
+                self.role,
+                RoleKind::Leader | RoleKind::Provisional
+            ));
             // Provisional quiet: nothing of this term is appended, so nothing can commit.
             if l.recon.is_some() {
                 assert!(l.noop_index.is_none() && l.pending_puts.is_empty());
@@ -625,7 +690,10 @@ impl WitnessCore {
         if self.kind == Kind::Backup {
             // A backup never writes back an uncommitted entry (M8).
             let b = &self.backup;
-            assert!(b.written_back_through <= self.commit, "wrote back past commit");
+            assert!(
+                b.written_back_through <= self.commit,
+                "wrote back past commit"
+            );
             if let Some(w) = &b.wb_in_flight {
                 assert!(w.through <= self.commit, "writeback batch past commit");
             }
@@ -646,7 +714,11 @@ impl WitnessCore {
         if let Some(r) = self.lead.as_ref().and_then(|l| l.recovery.as_ref()) {
             for (k, ks) in &self.head.keys {
                 let vs = self.head.values.get(k).map_or(Stamp::ZERO, |v| v.0);
-                assert_eq!(r.missing.contains(k), vs < *ks, "missing set wrong for {k:?}");
+                assert_eq!(
+                    r.missing.contains(k),
+                    vs < *ks,
+                    "missing set wrong for {k:?}"
+                );
             }
         }
     }
@@ -1420,7 +1492,10 @@ impl WitnessCore {
             let i = self.applied + 1;
             let Some(Slot::Entry(e)) = self.log.slot(i).cloned() else {
                 // Backups track commit for writeback only; heads hold every committed entry.
-                assert!(self.kind == Kind::Backup || i <= self.log.base_index, "hole at {i}");
+                assert!(
+                    self.kind == Kind::Backup || i <= self.log.base_index,
+                    "hole at {i}"
+                );
                 self.applied = i;
                 continue;
             };
@@ -1476,7 +1551,10 @@ impl WitnessCore {
         match &req {
             ClientReq::Get { key } | ClientReq::Put { key, .. } => {
                 if key.is_empty() || key.len() > MAX_KEY_BYTES {
-                    return reply(self, ClientReply::Invalid(format!("key of {} bytes", key.len())));
+                    return reply(
+                        self,
+                        ClientReply::Invalid(format!("key of {} bytes", key.len())),
+                    );
                 }
             }
         }
@@ -1610,6 +1688,12 @@ impl WitnessCore {
             .map(|(k, _)| k.clone())
             .collect();
         if missing.is_empty() {
+            // Nothing to pull (a fresh group, or reconciliation brought every newest value).
+            self.out.push(Output::Recovered(RecoveryStats {
+                started_us: self.now,
+                finished_us: self.now,
+                ..Default::default()
+            }));
             return;
         }
         let Some(to) = self.cfg.voting_backups().next() else {
@@ -1711,7 +1795,10 @@ impl WitnessCore {
         for e in &entries {
             self.install(e);
         }
-        let mut keys: Vec<Vec<u8>> = entries.iter().filter_map(|e| e.key().map(<[u8]>::to_vec)).collect();
+        let mut keys: Vec<Vec<u8>> = entries
+            .iter()
+            .filter_map(|e| e.key().map(<[u8]>::to_vec))
+            .collect();
         keys.push(p.key.clone());
         keys.sort();
         keys.dedup();
@@ -1736,7 +1823,10 @@ impl WitnessCore {
         for e in &entries {
             self.install(e);
         }
-        let mut keys: Vec<Vec<u8>> = entries.iter().filter_map(|e| e.key().map(<[u8]>::to_vec)).collect();
+        let mut keys: Vec<Vec<u8>> = entries
+            .iter()
+            .filter_map(|e| e.key().map(<[u8]>::to_vec))
+            .collect();
         keys.sort();
         keys.dedup();
         for k in keys {
@@ -1818,24 +1908,58 @@ impl WitnessCore {
             return;
         }
         if index > self.log.last_index() {
-            return self.send(from, PeerBody::LogReply { index, entry: None, gone: false });
+            return self.send(
+                from,
+                PeerBody::LogReply {
+                    index,
+                    entry: None,
+                    gone: false,
+                },
+            );
         }
         if index <= self.log.base_index {
-            return self.send(from, PeerBody::LogReply { index, entry: None, gone: true });
+            return self.send(
+                from,
+                PeerBody::LogReply {
+                    index,
+                    entry: None,
+                    gone: true,
+                },
+            );
         }
         match self.log.slot(index).cloned() {
             Some(Slot::Entry(e)) => {
                 // Only what is persisted counts as held (the ack rule).
                 let entry = (index <= self.persisted).then_some(e);
-                self.send(from, PeerBody::LogReply { index, entry, gone: false });
+                self.send(
+                    from,
+                    PeerBody::LogReply {
+                        index,
+                        entry,
+                        gone: false,
+                    },
+                );
             }
             Some(Slot::Flushed { term, loc: None }) => {
-                let e = Entry { index, term, op: Op::Noop };
-                self.send(from, PeerBody::LogReply { index, entry: Some(e), gone: false });
+                let e = Entry {
+                    index,
+                    term,
+                    op: Op::Noop,
+                };
+                self.send(
+                    from,
+                    PeerBody::LogReply {
+                        index,
+                        entry: Some(e),
+                        gone: false,
+                    },
+                );
             }
             Some(Slot::Flushed { loc: Some(loc), .. }) => {
                 let id = self.next_io_id();
-                self.backup.reads.insert(id, ReadFor::RequestLog { to: from, index });
+                self.backup
+                    .reads
+                    .insert(id, ReadFor::RequestLog { to: from, index });
                 self.out.push(Output::SsdRead {
                     id,
                     log: loc.log,
@@ -1844,9 +1968,14 @@ impl WitnessCore {
                     class: IoClass::Priority,
                 });
             }
-            Some(Slot::Unknown { .. }) | None => {
-                self.send(from, PeerBody::LogReply { index, entry: None, gone: false })
-            }
+            Some(Slot::Unknown { .. }) | None => self.send(
+                from,
+                PeerBody::LogReply {
+                    index,
+                    entry: None,
+                    gone: false,
+                },
+            ),
         }
     }
 
@@ -1887,7 +2016,13 @@ impl WitnessCore {
                     class: IoClass::Priority,
                 });
             }
-            None => self.send(from, PeerBody::PriorityPullReply { id, entries: buffered }),
+            None => self.send(
+                from,
+                PeerBody::PriorityPullReply {
+                    id,
+                    entries: buffered,
+                },
+            ),
         }
     }
 
@@ -1936,7 +2071,12 @@ impl WitnessCore {
             self.counters.ssd_errors += 1;
         }
         match purpose {
-            ReadFor::PriorityPull { to, id, key, mut buffered } => {
+            ReadFor::PriorityPull {
+                to,
+                id,
+                key,
+                mut buffered,
+            } => {
                 if let Ok(bytes) = &result {
                     if let Ok(es) = page::decode_group(bytes) {
                         buffered.extend(es);
@@ -1951,7 +2091,13 @@ impl WitnessCore {
                     }
                 }
                 // An error answers what the buffer has; the primary retries (never stale).
-                self.send(to, PeerBody::PriorityPullReply { id, entries: buffered });
+                self.send(
+                    to,
+                    PeerBody::PriorityPullReply {
+                        id,
+                        entries: buffered,
+                    },
+                );
             }
             ReadFor::RequestLog { to, index } => {
                 let entry = result
@@ -1959,12 +2105,24 @@ impl WitnessCore {
                     .and_then(|b| page::decode_group(&b).ok())
                     .and_then(|es| es.into_iter().find(|e| e.index == index));
                 match entry {
-                    Some(e) => self.send(to, PeerBody::LogReply { index, entry: Some(e), gone: false }),
+                    Some(e) => self.send(
+                        to,
+                        PeerBody::LogReply {
+                            index,
+                            entry: Some(e),
+                            gone: false,
+                        },
+                    ),
                     // A read error is not "absent": answer nothing, the leader asks again.
                     None => {}
                 }
             }
-            ReadFor::BatchPull { to, stream, cursor, len } => {
+            ReadFor::BatchPull {
+                to,
+                stream,
+                cursor,
+                len,
+            } => {
                 let Ok(bytes) = result else { return };
                 let used = page::whole_groups_len(&bytes);
                 if used == 0 && bytes.len() >= 4 {
@@ -1975,7 +2133,12 @@ impl WitnessCore {
                         let rid = self.next_io_id();
                         self.backup.reads.insert(
                             rid,
-                            ReadFor::BatchPull { to, stream, cursor, len: glen as u32 },
+                            ReadFor::BatchPull {
+                                to,
+                                stream,
+                                cursor,
+                                len: glen as u32,
+                            },
                         );
                         self.out.push(Output::SsdRead {
                             id: rid,
@@ -1988,7 +2151,11 @@ impl WitnessCore {
                     }
                 }
                 let entries = page::decode_run(&bytes[..used]).unwrap_or_default();
-                let next_cursor = if used == 0 { self.backup.durable_end } else { cursor + used as u64 };
+                let next_cursor = if used == 0 {
+                    self.backup.durable_end
+                } else {
+                    cursor + used as u64
+                };
                 let done = entries.is_empty() && next_cursor >= self.backup.durable_end;
                 self.send(
                     to,
@@ -2096,7 +2263,15 @@ impl WitnessCore {
         let placed: Vec<(Entry, page::Placed)> = w
             .placed
             .into_iter()
-            .map(|(e, p)| (e, page::Placed { off: off + p.off, len: p.len }))
+            .map(|(e, p)| {
+                (
+                    e,
+                    page::Placed {
+                        off: off + p.off,
+                        len: p.len,
+                    },
+                )
+            })
             .collect();
         self.finish_writeback(w.through, &placed);
     }
@@ -2105,7 +2280,11 @@ impl WitnessCore {
     fn finish_writeback(&mut self, through: u64, placed: &[(Entry, page::Placed)]) {
         let mut locs: HashMap<u64, Loc> = HashMap::new();
         for (e, p) in placed {
-            let loc = Loc { log: SsdLog::Hot, off: p.off, len: p.len };
+            let loc = Loc {
+                log: SsdLog::Hot,
+                off: p.off,
+                len: p.len,
+            };
             locs.insert(e.index, loc);
             let key = e.key().unwrap().to_vec();
             let st = e.stamp();
@@ -2117,7 +2296,10 @@ impl WitnessCore {
         for i in self.backup.written_back_through + 1..=through {
             if let Some(s) = self.log.slot_mut(i) {
                 let term = s.term();
-                *s = Slot::Flushed { term, loc: locs.get(&i).copied() };
+                *s = Slot::Flushed {
+                    term,
+                    loc: locs.get(&i).copied(),
+                };
             }
         }
         self.backup.written_back_through = through;
@@ -2143,7 +2325,11 @@ impl WitnessCore {
         }
         let term = msg.term;
         match msg.body {
-            PeerBody::RequestVote { candidate, last_index, last_term } => {
+            PeerBody::RequestVote {
+                candidate,
+                last_index,
+                last_term,
+            } => {
                 if candidate == from {
                     self.on_request_vote(from, term, last_index, last_term);
                 }
@@ -2168,16 +2354,23 @@ impl WitnessCore {
                 }
                 let same = term == self.term;
                 match body {
-                    PeerBody::Vote { granted, last_index, last_term, in_lease } => {
+                    PeerBody::Vote {
+                        granted,
+                        last_index,
+                        last_term,
+                        in_lease,
+                    } => {
                         if same {
                             self.on_vote(from, granted, last_index, last_term, in_lease)
                         } else if !granted && !in_lease && term < self.term {
                             // An old refusal: still a fact about the backup's log.
                         }
                     }
-                    PeerBody::AppendAck { success, match_index, sent_us } if same => {
-                        self.on_append_ack(from, success, match_index, sent_us)
-                    }
+                    PeerBody::AppendAck {
+                        success,
+                        match_index,
+                        sent_us,
+                    } if same => self.on_append_ack(from, success, match_index, sent_us),
                     PeerBody::RequestLog { index } if same => self.on_request_log(from, index),
                     PeerBody::LogReply { index, entry, gone } if same => {
                         self.on_log_reply(from, index, entry, gone)
@@ -2191,9 +2384,12 @@ impl WitnessCore {
                     PeerBody::BatchPull { stream, cursor } if same => {
                         self.on_batch_pull(from, stream, cursor)
                     }
-                    PeerBody::BatchPullReply { stream, entries, next_cursor, done } if same => {
-                        self.on_batch_reply(stream, entries, next_cursor, done)
-                    }
+                    PeerBody::BatchPullReply {
+                        stream,
+                        entries,
+                        next_cursor,
+                        done,
+                    } if same => self.on_batch_reply(stream, entries, next_cursor, done),
                     // SIMPLIFIED: no proactive stream state and no GC to resume (M15, M9),
                     // and no popularity placement yet (M10).
                     PeerBody::BatchPullAbort { .. } | PeerBody::Popularity { .. } => {}

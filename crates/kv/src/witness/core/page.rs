@@ -159,7 +159,10 @@ mod tests {
         let (bytes, placed) = encode_batch(&entries);
         assert_eq!(placed[1].len as usize, 3 * PAGE_BYTES);
         assert_eq!(decode_run(&bytes).unwrap(), entries);
-        assert_eq!(whole_groups_len(&bytes[..bytes.len() - 1]), placed[2].off as usize);
+        assert_eq!(
+            whole_groups_len(&bytes[..bytes.len() - 1]),
+            placed[2].off as usize
+        );
         assert!(decode_group(&bytes[..100]).is_err());
     }
 }

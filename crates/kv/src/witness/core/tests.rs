@@ -112,25 +112,52 @@ impl Router {
                     }
                 }
                 Output::PmemTruncate { .. } | Output::PmemFree { .. } => {}
-                Output::SsdWrite { id: io, log, off, bytes, .. } => {
+                Output::SsdWrite {
+                    id: io,
+                    log,
+                    off,
+                    bytes,
+                    ..
+                } => {
                     let f = self.ssd.entry((id, log)).or_default();
                     let end = off as usize + bytes.len();
                     if f.len() < end {
                         f.resize(end, 0);
                     }
                     f[off as usize..end].copy_from_slice(&bytes);
-                    self.queue.push_back((id, Input::SsdWritten { id: io, result: Ok(()) }));
+                    self.queue.push_back((
+                        id,
+                        Input::SsdWritten {
+                            id: io,
+                            result: Ok(()),
+                        },
+                    ));
                 }
-                Output::SsdRead { id: io, log, off, len, .. } => {
+                Output::SsdRead {
+                    id: io,
+                    log,
+                    off,
+                    len,
+                    ..
+                } => {
                     let f = self.ssd.get(&(id, log)).cloned().unwrap_or_default();
                     let mut buf = vec![0u8; len as usize];
                     let s = (off as usize).min(f.len());
                     let e = (off as usize + len as usize).min(f.len());
                     buf[..e - s].copy_from_slice(&f[s..e]);
-                    self.later.push_back((id, Input::SsdRead { id: io, result: Ok(buf) }));
+                    self.later.push_back((
+                        id,
+                        Input::SsdRead {
+                            id: io,
+                            result: Ok(buf),
+                        },
+                    ));
                 }
                 Output::Reply { tag, reply } => {
-                    assert!(self.replies.insert(tag, reply).is_none(), "two replies to {tag}");
+                    assert!(
+                        self.replies.insert(tag, reply).is_none(),
+                        "two replies to {tag}"
+                    );
                 }
                 Output::Role { role, .. } => self.roles.push((self.now, id, role)),
                 Output::Recovered(_) => self.recovered.push(id),
@@ -178,7 +205,10 @@ impl Router {
     }
 
     fn wait_serving(&mut self) -> NodeId {
-        assert!(self.run_until(3_000, |r| r.serving().is_some()), "no leader");
+        assert!(
+            self.run_until(3_000, |r| r.serving().is_some()),
+            "no leader"
+        );
         self.serving().unwrap()
     }
 
@@ -251,7 +281,10 @@ fn normal_put_get_and_writeback() {
     r.run_for(60);
     let st = r.node(0).key_stamp(b"a").unwrap();
     assert_eq!(r.node(2).key_stamp(b"a"), Some(st));
-    assert!(r.node(2).local_value(b"a").is_none(), "a witness holds no values");
+    assert!(
+        r.node(2).local_value(b"a").is_none(),
+        "a witness holds no values"
+    );
     assert_eq!(r.node(1).backup_index_stamp(b"a"), Some(st));
     assert!(r.node(1).written_back_through() >= st.index);
     // Oversized input is refused clearly.
@@ -306,7 +339,7 @@ fn witness_takes_over_and_serves_pulled_values_never_stale() {
         model.insert(k, v);
     }
     r.run_for(50); // most entries written back to the SSD log
-    // Newer versions of some written-back keys, still only in the backup's NVMM buffer.
+                   // Newer versions of some written-back keys, still only in the backup's NVMM buffer.
     for i in 0..3 {
         let (k, v) = (format!("k{:02}", i), format!("late{i}"));
         assert_eq!(r.put(p, &k, &v), Some(ClientReply::PutOk));
@@ -355,7 +388,10 @@ fn deposed_primary_refuses_reads_after_its_lease() {
         .find(|(_, id, role)| *id == 2 && *role == RoleKind::Leader)
         .unwrap()
         .0;
-    assert!(elected >= lease_end, "new leader at {elected} before the old lease end {lease_end}");
+    assert!(
+        elected >= lease_end,
+        "new leader at {elected} before the old lease end {lease_end}"
+    );
     assert_eq!(r.put(w, "k", "v2"), Some(ClientReply::PutOk));
     assert_eq!(r.get(w, "k"), val("v2"));
     assert!(matches!(r.get(p, "k"), Some(ClientReply::NotLeader { .. })));
@@ -363,7 +399,10 @@ fn deposed_primary_refuses_reads_after_its_lease() {
     r.cut.clear();
     r.run_for(50);
     assert_eq!(r.node(p).role(), RoleKind::Follower);
-    assert_eq!(r.get(p, "k"), Some(ClientReply::NotLeader { hint: Some(2) }));
+    assert_eq!(
+        r.get(p, "k"),
+        Some(ClientReply::NotLeader { hint: Some(2) })
+    );
 }
 
 #[test]
@@ -375,13 +414,19 @@ fn lagging_witness_adopts_backup_index_and_reconciles() {
     // The witness hears nothing more from the primary; Puts commit on P + B alone.
     r.cut.insert((p, 2));
     for i in 0..10 {
-        assert_eq!(r.put(p, &format!("k{i}"), &format!("v{i}")), Some(ClientReply::PutOk));
+        assert_eq!(
+            r.put(p, &format!("k{i}"), &format!("v{i}")),
+            Some(ClientReply::PutOk)
+        );
     }
     r.run_for(40);
     r.crash(p);
     let w = r.wait_serving();
     assert_eq!(w, 2);
-    assert!(r.node(w).counters.adoptions >= 1, "the witness adopted the backup's index");
+    assert!(
+        r.node(w).counters.adoptions >= 1,
+        "the witness adopted the backup's index"
+    );
     for i in 0..10 {
         assert_eq!(r.get(w, &format!("k{i}")), val(&format!("v{i}")));
     }
@@ -396,8 +441,20 @@ fn entries_no_backup_holds_are_dropped_by_reconciliation() {
     r.run_for(20);
     // The backup hears nothing more: these Puts reach the witness but never commit.
     r.cut.insert((p, 1));
-    let t1 = r.submit(p, ClientReq::Put { key: b"k".to_vec(), value: b"lost".to_vec() });
-    let t2 = r.submit(p, ClientReq::Put { key: b"z".to_vec(), value: b"lost".to_vec() });
+    let t1 = r.submit(
+        p,
+        ClientReq::Put {
+            key: b"k".to_vec(),
+            value: b"lost".to_vec(),
+        },
+    );
+    let t2 = r.submit(
+        p,
+        ClientReq::Put {
+            key: b"z".to_vec(),
+            value: b"lost".to_vec(),
+        },
+    );
     r.run_for(30);
     assert!(!r.replies.contains_key(&t1) && !r.replies.contains_key(&t2));
     assert!(r.node(2).last_index() > r.node(2).commit_index());
@@ -457,7 +514,11 @@ fn voter_in_lease_refuses_a_vote_without_moving_its_term() {
         assert!(
             matches!(
                 vote,
-                Some(crate::witness::proto::PeerBody::Vote { granted: false, in_lease: true, .. })
+                Some(crate::witness::proto::PeerBody::Vote {
+                    granted: false,
+                    in_lease: true,
+                    ..
+                })
             ),
             "{vote:?}"
         );
