@@ -70,6 +70,11 @@ pub struct Params {
     pub append_max_entries: usize,
     /// Entries a backup remembers by index after writeback, to answer RequestLog (M14).
     pub recent_index_window_entries: usize,
+    /// The soft timeout (M15/M16): the designated successor that has heard no leader for this
+    /// long starts pulling the backup's log ahead of the election. 0 disables proactive pulls.
+    pub soft_timeout_us: u64,
+    /// Proactively pulled bytes kept at most (spec M15 `proactive_bytes_max`).
+    pub proactive_bytes_max: usize,
 }
 
 impl Default for Params {
@@ -88,6 +93,8 @@ impl Default for Params {
             max_pending_gets: 4096,
             append_max_entries: 256,
             recent_index_window_entries: 1 << 16,
+            soft_timeout_us: 30_000,
+            proactive_bytes_max: 64 << 20,
         }
     }
 }
@@ -98,6 +105,8 @@ pub enum ParamsError {
     LeaseTooLong(u64, u64),
     #[error("heartbeat_us ({0}) must be below lease_us ({1}) or no lease is ever renewed")]
     HeartbeatTooSlow(u64, u64),
+    #[error("soft_timeout_us ({0}) must be below election_timeout_us ({1}) (M16)")]
+    SoftAfterHard(u64, u64),
     #[error("{0} must be positive")]
     Zero(&'static str),
     #[error(transparent)]
@@ -111,6 +120,12 @@ impl Params {
         if self.lease_us + self.clock_drift_us >= self.election_timeout_us {
             return Err(ParamsError::LeaseTooLong(
                 self.lease_us + self.clock_drift_us,
+                self.election_timeout_us,
+            ));
+        }
+        if self.soft_timeout_us >= self.election_timeout_us {
+            return Err(ParamsError::SoftAfterHard(
+                self.soft_timeout_us,
                 self.election_timeout_us,
             ));
         }
@@ -191,6 +206,8 @@ pub struct RecoveryStats {
     pub batch_entries: u64,
     pub priority_pulls: u64,
     pub installed: u64,
+    /// Entries pulled before the election (M15) and installed at its start.
+    pub proactive_installed: u64,
     pub gets_served_after_pull: u64,
 }
 
@@ -372,6 +389,18 @@ struct BatchStream {
     done: bool,
 }
 
+/// A designated successor's proactive pull after a soft timeout (M15): entries of the backup's
+/// log, newest per key, kept until this head wins (then installed, stamp-checked) or hears the
+/// leader again (then aborted and dropped).
+#[derive(Clone, Debug)]
+struct Proactive {
+    stream: BatchStream,
+    entries: HashMap<Vec<u8>, Entry>,
+    bytes: usize,
+    /// `proactive_bytes_max` reached: pulling stops, what is held is kept.
+    full: bool,
+}
+
 /// The new primary's live recovery (M17–M19).
 #[derive(Clone, Debug)]
 struct Recovery {
@@ -474,6 +503,8 @@ pub struct Counters {
     pub values_unavailable: u64,
     pub writebacks: u64,
     pub ssd_errors: u64,
+    pub proactive_started: u64,
+    pub proactive_aborted: u64,
 }
 
 enum Deferred {
@@ -514,6 +545,7 @@ pub struct WitnessCore {
     lead: Option<Lead>,
     backup: Backup,
     leaders_seen: BTreeMap<u64, NodeId>,
+    proactive: Option<Proactive>,
     pub counters: Counters,
     out: Vec<Output>,
 }
@@ -562,6 +594,7 @@ impl WitnessCore {
             lead: None,
             backup: Backup::default(),
             leaders_seen: BTreeMap::new(),
+            proactive: None,
             counters: Counters::default(),
             out: Vec::new(),
         };
@@ -845,6 +878,8 @@ impl WitnessCore {
             self.persist_meta();
             self.leader_hint = None;
             self.leader_match = 0;
+            // Rounds are the leader's clock: never echo one leader's time to another.
+            self.leader_sent_us = 0;
         }
         if let Some(l) = self.lead.take() {
             for (_, tag) in l.pending_puts {
@@ -954,6 +989,7 @@ impl WitnessCore {
                 if self.now >= self.election_deadline_us {
                     self.start_election();
                 }
+                self.drive_proactive();
             }
         }
     }
@@ -1381,6 +1417,13 @@ impl WitnessCore {
         self.note_leader(term, from);
         self.leader_hint = Some(from);
         self.heard_leader_us = Some(self.now);
+        if let Some(p) = self.proactive.take() {
+            // A false soft timeout (the leader was only slow) or another head won: the backup
+            // stops the stream and resumes GC; the pulled data is dropped (M15).
+            self.counters.proactive_aborted += 1;
+            let stream = p.stream.id;
+            self.send(p.stream.to, PeerBody::BatchPullAbort { stream });
+        }
         self.leader_sent_us = self.leader_sent_us.max(sent_us);
         self.reset_election_timer();
         if prev_index > self.log.last_index() || !self.log.matches(prev_index, prev_term) {
@@ -1680,6 +1723,15 @@ impl WitnessCore {
     // ---- live recovery (M17–M19), leader side ----
 
     fn start_recovery_if_needed(&mut self) {
+        let pre = self.proactive.take();
+        let mut pre_installed = 0;
+        if let Some(p) = &pre {
+            for e in p.entries.values() {
+                if self.install(e) {
+                    pre_installed += 1;
+                }
+            }
+        }
         let missing: HashSet<Vec<u8>> = self
             .head
             .keys
@@ -1692,6 +1744,7 @@ impl WitnessCore {
             self.out.push(Output::Recovered(RecoveryStats {
                 started_us: self.now,
                 finished_us: self.now,
+                proactive_installed: pre_installed,
                 ..Default::default()
             }));
             return;
@@ -1707,16 +1760,27 @@ impl WitnessCore {
             pending_get_count: 0,
             pulls: HashMap::new(),
             pull_by_key: HashMap::new(),
-            batch: BatchStream {
-                id,
-                to,
-                cursor: 0,
-                in_flight_since: None,
-                done: false,
+            // Continue the proactive stream where it stopped (the same backup log).
+            batch: match pre {
+                Some(p) if p.stream.to == to => BatchStream {
+                    id,
+                    to,
+                    cursor: p.stream.cursor,
+                    in_flight_since: None,
+                    done: p.stream.done,
+                },
+                _ => BatchStream {
+                    id,
+                    to,
+                    cursor: 0,
+                    in_flight_since: None,
+                    done: false,
+                },
             },
             stats: RecoveryStats {
                 started_us: self.now,
                 missing_at_start: n,
+                proactive_installed: pre_installed,
                 ..Default::default()
             },
         });
@@ -1810,6 +1874,25 @@ impl WitnessCore {
     }
 
     fn on_batch_reply(&mut self, stream: u64, entries: Vec<Entry>, next_cursor: u64, done: bool) {
+        if let Some(p) = self.proactive.as_mut() {
+            if p.stream.id == stream && p.stream.in_flight_since.is_some() {
+                p.stream.in_flight_since = None;
+                p.stream.cursor = p.stream.cursor.max(next_cursor);
+                p.stream.done = done;
+                for e in entries {
+                    let (Some(k), true) = (e.key(), e.value().is_some()) else {
+                        continue;
+                    };
+                    let newer = p.entries.get(k).is_none_or(|o| o.stamp() < e.stamp());
+                    if newer {
+                        p.bytes += e.approx_bytes();
+                        p.entries.insert(k.to_vec(), e);
+                    }
+                }
+                p.full = p.bytes >= self.p.proactive_bytes_max;
+                return;
+            }
+        }
         let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) else {
             return;
         };
@@ -1898,6 +1981,62 @@ impl WitnessCore {
             let mut r = self.lead.as_mut().unwrap().recovery.take().unwrap();
             r.stats.finished_us = now;
             self.out.push(Output::Recovered(r.stats));
+        }
+    }
+
+    /// M15: the designated successor (the lowest-id voting head other than the last leader)
+    /// starts pulling once the leader has been silent for the soft timeout, and keeps one
+    /// BatchPull in flight until the stream ends or the byte cap is reached.
+    fn drive_proactive(&mut self) {
+        if self.p.soft_timeout_us == 0 || self.kind != Kind::Head {
+            return;
+        }
+        let now = self.now;
+        if self.proactive.is_none() {
+            let Some(h) = self.heard_leader_us else {
+                return;
+            };
+            let Some(last) = self.leader_hint else { return };
+            if now < h + self.p.soft_timeout_us || last == self.id {
+                return;
+            }
+            let successor = self
+                .cfg
+                .members
+                .iter()
+                .filter(|m| m.voting && m.kind == Kind::Head && m.id != last)
+                .map(|m| m.id)
+                .min();
+            if successor != Some(self.id) {
+                return;
+            }
+            let Some(to) = self.cfg.voting_backups().next() else {
+                return;
+            };
+            let id = self.next_io_id();
+            self.counters.proactive_started += 1;
+            self.proactive = Some(Proactive {
+                stream: BatchStream {
+                    id,
+                    to,
+                    cursor: 0,
+                    in_flight_since: None,
+                    done: false,
+                },
+                entries: HashMap::new(),
+                bytes: 0,
+                full: false,
+            });
+        }
+        let retry = self.p.pull_retry_us;
+        let p = self.proactive.as_mut().unwrap();
+        if p.stream.done || p.full {
+            return;
+        }
+        if p.stream.in_flight_since.is_none_or(|t| now >= t + retry) {
+            p.stream.in_flight_since = Some(now);
+            let (to, stream, cursor) = (p.stream.to, p.stream.id, p.stream.cursor);
+            self.send(to, PeerBody::BatchPull { stream, cursor });
         }
     }
 
@@ -2381,7 +2520,9 @@ impl WitnessCore {
                     PeerBody::PriorityPullReply { id, entries } if same => {
                         self.on_priority_pull_reply(id, entries)
                     }
-                    PeerBody::BatchPull { stream, cursor } if same => {
+                    // BatchPull streams carry data only (every entry is stamp-checked at install),
+                    // so they run across terms: a proactive pull starts in the old term.
+                    PeerBody::BatchPull { stream, cursor } => {
                         self.on_batch_pull(from, stream, cursor)
                     }
                     PeerBody::BatchPullReply {
@@ -2389,9 +2530,9 @@ impl WitnessCore {
                         entries,
                         next_cursor,
                         done,
-                    } if same => self.on_batch_reply(stream, entries, next_cursor, done),
-                    // SIMPLIFIED: no proactive stream state and no GC to resume (M15, M9),
-                    // and no popularity placement yet (M10).
+                    } => self.on_batch_reply(stream, entries, next_cursor, done),
+                    // SIMPLIFIED: a backup keeps no stream state and has no GC to pause or
+                    // resume (M9, M15); no popularity placement yet (M10).
                     PeerBody::BatchPullAbort { .. } | PeerBody::Popularity { .. } => {}
                     _ => {}
                 }

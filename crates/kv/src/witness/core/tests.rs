@@ -44,13 +44,18 @@ struct Router {
     /// (time, node, role) of every role change.
     roles: Vec<(u64, NodeId, RoleKind)>,
     recovered: Vec<NodeId>,
+    stats: Vec<(NodeId, super::node::RecoveryStats)>,
 }
 
 impl Router {
     fn new(cfg: Config) -> Router {
+        Router::with_params(cfg, params())
+    }
+
+    fn with_params(cfg: Config, p: Params) -> Router {
         let mut nodes = BTreeMap::new();
         for id in cfg.ids() {
-            nodes.insert(id, WitnessCore::new(id, cfg.clone(), params(), 0).unwrap());
+            nodes.insert(id, WitnessCore::new(id, cfg.clone(), p.clone(), 0).unwrap());
         }
         Router {
             now: 0,
@@ -66,6 +71,7 @@ impl Router {
             next_tag: 1,
             roles: Vec::new(),
             recovered: Vec::new(),
+            stats: Vec::new(),
         }
     }
 
@@ -160,7 +166,10 @@ impl Router {
                     );
                 }
                 Output::Role { role, .. } => self.roles.push((self.now, id, role)),
-                Output::Recovered(_) => self.recovered.push(id),
+                Output::Recovered(st) => {
+                    self.recovered.push(id);
+                    self.stats.push((id, st));
+                }
             }
         }
     }
@@ -330,7 +339,12 @@ fn commit_needs_every_voting_backup() {
 
 #[test]
 fn witness_takes_over_and_serves_pulled_values_never_stale() {
-    let mut r = Router::new(Config::standard(1, 1)); // P=0, B=1, W=2
+    // No proactive pull: everything the new primary serves comes by live recovery.
+    let p = Params {
+        soft_timeout_us: 0,
+        ..params()
+    };
+    let mut r = Router::with_params(Config::standard(1, 1), p); // P=0, B=1, W=2
     let p = r.wait_serving();
     let mut model: BTreeMap<String, String> = BTreeMap::new();
     for i in 0..40 {
@@ -522,5 +536,43 @@ fn voter_in_lease_refuses_a_vote_without_moving_its_term() {
             ),
             "{vote:?}"
         );
+    }
+}
+
+#[test]
+fn soft_timeout_pulls_ahead_aborts_on_a_live_leader_and_feeds_recovery() {
+    let mut r = Router::new(Config::standard(1, 1)); // P=0, B=1, W=2
+    let p = r.wait_serving();
+    for i in 0..30 {
+        assert_eq!(
+            r.put(p, &format!("k{i}"), &format!("v{i}")),
+            Some(ClientReply::PutOk)
+        );
+    }
+    r.run_for(50); // written back: a BatchPull has something to stream
+                   // A slow primary (silent longer than the soft timeout, shorter than the hard one).
+    r.isolate(p);
+    r.run_for(60);
+    assert_eq!(
+        r.node(2).counters.proactive_started,
+        1,
+        "the witness pulls ahead"
+    );
+    r.cut.clear();
+    r.run_for(20);
+    assert_eq!(
+        r.node(2).counters.proactive_aborted,
+        1,
+        "a live leader aborts the pull"
+    );
+    assert!(r.node(p).is_serving());
+    // Now the primary really fails: the pull restarts and the new primary starts warm.
+    r.crash(p);
+    assert!(r.run_until(3_000, |r| r.recovered.contains(&2)));
+    let (_, st) = r.stats.iter().find(|(id, _)| *id == 2).unwrap().clone();
+    assert!(st.proactive_installed > 0, "{st:?}");
+    assert_eq!(r.node(2).counters.proactive_started, 2);
+    for i in 0..30 {
+        assert_eq!(r.get(2, &format!("k{i}")), val(&format!("v{i}")));
     }
 }
