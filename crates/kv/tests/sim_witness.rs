@@ -52,6 +52,8 @@ enum Ev {
     },
     ClientWake(usize),
     Fault,
+    /// A fault before the main one (see `Scenario::pre_fault`).
+    PreFault,
     /// The second failure of a double failure: the leader that took over crashes too.
     Fault2,
     Heal,
@@ -81,6 +83,17 @@ struct Scenario {
     double_failure: bool,
     /// Soft timeouts and proactive BatchPull (M15) on.
     proactive: bool,
+    pre_fault: PreFault,
+}
+
+/// A fault some 150 ms before the main one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PreFault {
+    None,
+    /// The highest-id witness crashes for good (M23: no configuration change needed).
+    CrashWitness,
+    /// Backup 1 is cut off for 100 ms, then healed: writes stall, then it catches up.
+    IsolateBackup,
 }
 
 struct Client {
@@ -159,6 +172,9 @@ impl World {
             .collect();
         let fault_at = rng.range_u64(450_000, 800_000);
         q.push_at(fault_at, Ev::Fault).unwrap();
+        if sc.pre_fault != PreFault::None {
+            q.push_at(fault_at - 150_000, Ev::PreFault).unwrap();
+        }
         World {
             sc,
             net_rng,
@@ -457,6 +473,24 @@ impl World {
                         self.q.push_at(now + d, Ev::Heal).unwrap();
                     }
                 }
+                Ev::PreFault => match self.sc.pre_fault {
+                    PreFault::None => {}
+                    PreFault::CrashWitness => {
+                        let w = *self.heads.last().unwrap();
+                        if self.verbose {
+                            eprintln!("{now} witness {w} crashes");
+                        }
+                        self.dead.push(w);
+                        self.net.set_down(w, true);
+                    }
+                    PreFault::IsolateBackup => {
+                        if self.verbose {
+                            eprintln!("{now} backup 1 isolated for 100 ms");
+                        }
+                        self.net.isolate(1);
+                        self.q.push_at(now + 100_000, Ev::Heal).unwrap();
+                    }
+                },
                 Ev::Fault2 => {
                     let leader = self
                         .nodes
@@ -653,6 +687,7 @@ fn scenario(backups: u32, witnesses: u32, crash: bool) -> Scenario {
         pinned_reader: !crash,
         double_failure: false,
         proactive: true,
+        pre_fault: PreFault::None,
     }
 }
 
@@ -689,6 +724,24 @@ fn primary_crash_over_very_lossy_links() {
         ..scenario(1, 1, true)
     };
     run_many("primary_crash_over_very_lossy_links", sc, 8);
+}
+
+#[test]
+fn witness_crash_then_primary_crash() {
+    let sc = Scenario {
+        pre_fault: PreFault::CrashWitness,
+        ..scenario(2, 2, true)
+    };
+    run_many("witness_crash_then_primary_crash", sc, 6);
+}
+
+#[test]
+fn backup_cut_off_and_back_then_primary_crash() {
+    let sc = Scenario {
+        pre_fault: PreFault::IsolateBackup,
+        ..scenario(1, 1, true)
+    };
+    run_many("backup_cut_off_and_back_then_primary_crash", sc, 8);
 }
 
 #[test]
