@@ -576,3 +576,90 @@ fn soft_timeout_pulls_ahead_aborts_on_a_live_leader_and_feeds_recovery() {
         assert_eq!(r.get(2, &format!("k{i}")), val(&format!("v{i}")));
     }
 }
+
+#[test]
+fn backup_answers_a_priority_pull_from_its_nvmm_buffer_first() {
+    // One backup core driven by hand: v1 of "k" is written back to SSD, v2 is committed but
+    // still in the NVMM buffer. A PriorityPull must return v2 (the index alone names v1).
+    use crate::witness::proto::{Entry, Op, PeerBody};
+    let cfg = Config::standard(1, 1);
+    let mut b = WitnessCore::new(1, cfg, params(), 0).unwrap();
+    let put = |i: u64, v: &str| Entry {
+        index: i,
+        term: 1,
+        op: Op::Put {
+            key: b"k".to_vec(),
+            value: Some(serde_bytes::ByteBuf::from(v.as_bytes().to_vec())),
+        },
+    };
+    let append = |entries: Vec<Entry>, prev: u64, commit: u64| Input::Peer {
+        from: 0,
+        msg: PeerMsg {
+            term: 1,
+            epoch: 1,
+            body: PeerBody::AppendEntries {
+                leader: 0,
+                prev_index: prev,
+                prev_term: if prev == 0 { 0 } else { 1 },
+                entries,
+                commit,
+                sent_us: 0,
+            },
+        },
+    };
+    let mut ssd: Vec<u8> = Vec::new();
+    let mut now = 0;
+    let pump = |b: &mut WitnessCore, now: u64, input: Input, ssd: &mut Vec<u8>| {
+        let mut inputs = vec![input];
+        let mut sent = Vec::new();
+        while let Some(i) = inputs.pop() {
+            b.handle(now, i);
+            for o in b.take_outputs() {
+                match o {
+                    Output::PmemAppend { seq, .. } => inputs.push(Input::PmemPersisted { seq }),
+                    Output::SsdWrite { id, off, bytes, .. } => {
+                        assert_eq!(off as usize, ssd.len());
+                        ssd.extend_from_slice(&bytes);
+                        inputs.push(Input::SsdWritten { id, result: Ok(()) });
+                    }
+                    Output::SsdRead { id, off, len, .. } => {
+                        let bytes = ssd[off as usize..(off + len as u64) as usize].to_vec();
+                        inputs.push(Input::SsdRead { id, result: Ok(bytes) });
+                    }
+                    Output::Send { msg, .. } => sent.push(msg.body),
+                    _ => {}
+                }
+            }
+        }
+        sent
+    };
+    pump(&mut b, now, append(vec![put(1, "v1")], 0, 1), &mut ssd);
+    now += 50 * MS; // past the writeback linger
+    pump(&mut b, now, Input::Tick, &mut ssd);
+    assert_eq!(b.written_back_through(), 1);
+    pump(&mut b, now, append(vec![put(2, "v2")], 1, 2), &mut ssd);
+    assert_eq!(b.written_back_through(), 1, "v2 not yet written back");
+    assert_eq!(b.backup_index_stamp(b"k").unwrap().index, 1);
+    let pull = Input::Peer {
+        from: 0,
+        msg: PeerMsg {
+            term: 1,
+            epoch: 1,
+            body: PeerBody::PriorityPull {
+                id: 9,
+                key: serde_bytes::ByteBuf::from(b"k".to_vec()),
+            },
+        },
+    };
+    let sent = pump(&mut b, now, pull, &mut ssd);
+    let entries = sent
+        .into_iter()
+        .find_map(|m| match m {
+            PeerBody::PriorityPullReply { id: 9, entries } => Some(entries),
+            _ => None,
+        })
+        .expect("a PriorityPull reply");
+    let newest = entries.iter().max_by_key(|e| e.stamp()).unwrap();
+    assert_eq!(newest.value(), Some(&b"v2"[..]));
+    assert!(entries.iter().any(|e| e.value() == Some(&b"v1"[..])), "the SSD page too");
+}
