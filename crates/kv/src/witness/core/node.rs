@@ -153,6 +153,25 @@ impl Params {
     }
 }
 
+/// What a node's durable tiers held at a restart (see [`WitnessCore::restore`]).
+#[derive(Clone, Debug, Default)]
+pub struct Durable {
+    /// The last `PmemRecord::Meta`: (term, voted_for).
+    pub meta: Option<(u64, Option<NodeId>)>,
+    /// Live entry records of the node's Log (head) or Buffer (backup) region, by index.
+    pub entries: Vec<Entry>,
+    /// A backup's Hot SSD log, from offset 0.
+    pub ssd_hot: Vec<u8>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RestoreError {
+    #[error(transparent)]
+    Params(#[from] ParamsError),
+    #[error("the durable log has a hole at index {0}")]
+    Hole(u64),
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Region {
     /// Raft term and vote.
@@ -598,6 +617,102 @@ impl WitnessCore {
             counters: Counters::default(),
             out: Vec::new(),
         };
+        c.reset_election_timer();
+        Ok(c)
+    }
+
+    /// Rebuilds a node after a restart from what its NVMM and SSD hold (spec (d): "a backup
+    /// restart that rebuilds its index from segments plus the NVMM buffer"). The driver replays
+    /// its regions, applying `PmemTruncate` and `PmemFree` as it did live, and passes:
+    /// the last Meta record, the live entry records of the Log/Buffer region in index order,
+    /// and (backups) the Hot SSD log's bytes. A torn batch at the log's end (a crash during a
+    /// writeback, before its `SsdWritten`) is ignored: its entries are still in the buffer.
+    ///
+    /// A head comes back as a follower with its key-only log and learns the commit index from
+    /// the next leader (its value table is DRAM: an old primary returns without values). A
+    /// backup takes everything on SSD as committed (only committed entries are written back).
+    pub fn restore(
+        id: NodeId,
+        cfg: Config,
+        p: Params,
+        now_us: u64,
+        durable: Durable,
+    ) -> Result<Self, RestoreError> {
+        let mut c = WitnessCore::new(id, cfg, p, now_us)?;
+        if let Some((term, voted_for)) = durable.meta {
+            c.term = term;
+            c.voted_for = voted_for;
+        }
+        let mut log = Log::default();
+        if c.kind == Kind::Backup {
+            let mut at = 0usize;
+            let bytes = &durable.ssd_hot;
+            let mut flushed: Vec<(Entry, Loc)> = Vec::new();
+            while at + PAGE_BYTES <= bytes.len() {
+                let glen = page::whole_groups_len(&bytes[at..]);
+                if glen == 0 {
+                    break;
+                }
+                // One group at a time, so each entry gets its own location.
+                let n = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+                let len = (4 + n).div_ceil(PAGE_BYTES) * PAGE_BYTES;
+                let Ok(es) = page::decode_group(&bytes[at..at + len]) else {
+                    break;
+                };
+                let loc = Loc {
+                    log: SsdLog::Hot,
+                    off: at as u64,
+                    len: len as u32,
+                };
+                flushed.extend(es.into_iter().map(|e| (e, loc)));
+                at += len;
+            }
+            c.backup.log_end = at as u64;
+            c.backup.durable_end = at as u64;
+            let window = c.p.recent_index_window_entries;
+            let skip = flushed.len().saturating_sub(window);
+            if let Some((first, _)) = flushed.get(skip) {
+                log.base_index = first.index - 1;
+                log.base_term = if skip > 0 {
+                    flushed[skip - 1].0.term
+                } else {
+                    0
+                };
+            }
+            for (i, (e, loc)) in flushed.iter().enumerate() {
+                if let Some(key) = e.key() {
+                    let st = e.stamp();
+                    if c.backup.index.get(key).is_none_or(|(s, _)| *s <= st) {
+                        c.backup.index.insert(key.to_vec(), (st, *loc));
+                    }
+                }
+                if i < skip {
+                    continue;
+                }
+                if e.index != log.last_index() + 1 {
+                    return Err(RestoreError::Hole(log.last_index() + 1));
+                }
+                let has_key = e.key().is_some();
+                log.push(Slot::Flushed {
+                    term: e.term,
+                    loc: Some(*loc).filter(|_| has_key),
+                });
+            }
+            c.backup.written_back_through = log.last_index();
+            c.commit = log.last_index();
+            c.applied = c.commit;
+        }
+        for e in durable.entries {
+            if e.index <= log.last_index() {
+                continue; // written back and not yet freed when the node stopped
+            }
+            if e.index != log.last_index() + 1 {
+                return Err(RestoreError::Hole(log.last_index() + 1));
+            }
+            log.push(Slot::Entry(e));
+        }
+        c.persisted = log.last_index();
+        c.log = log;
         c.reset_election_timer();
         Ok(c)
     }
@@ -2328,10 +2443,10 @@ impl WitnessCore {
         while i <= limit {
             match self.log.slot(i) {
                 Some(Slot::Entry(e)) => {
+                    // Noops are written too: the SSD log then holds every written-back index,
+                    // so a restarted backup rebuilds its recent-index ring by scanning it.
                     bytes += e.approx_bytes();
-                    if matches!(e.op, Op::Put { .. }) {
-                        entries.push(e.clone());
-                    }
+                    entries.push(e.clone());
                 }
                 _ => break,
             }
@@ -2425,7 +2540,9 @@ impl WitnessCore {
                 len: p.len,
             };
             locs.insert(e.index, loc);
-            let key = e.key().unwrap().to_vec();
+            let Some(key) = e.key().map(<[u8]>::to_vec) else {
+                continue; // a Noop: in the log, not in the index
+            };
             let st = e.stamp();
             let newer = self.backup.index.get(&key).is_none_or(|(s, _)| *s <= st);
             if newer {
