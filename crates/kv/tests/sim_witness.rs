@@ -15,8 +15,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use kv::checker::{self, Op, OpKind};
 use kv::witness::core::config::Config;
-use kv::witness::core::node::{Input, Output, Params, SsdLog, WitnessCore};
-use kv::witness::proto::{ClientReply, ClientReq, NodeId, PeerMsg};
+use kv::witness::core::node::{Durable, Input, Output, Params, PmemRecord, SsdLog, WitnessCore};
+use kv::witness::proto::{ClientReply, ClientReq, Entry, NodeId, PeerMsg};
 use sim::{Delivery, EventQueue, NetConfig, Network, SimRng};
 
 const TICK_US: u64 = 1_000;
@@ -29,14 +29,20 @@ enum Msg {
 
 enum Ev {
     Deliver(Delivery<Msg>),
+    /// Completions carry the node's incarnation: a restarted core never sees its
+    /// predecessor's.
     Persisted {
         node: NodeId,
+        inc: u64,
         seq: u64,
     },
     Io {
         node: NodeId,
+        inc: u64,
         input: Input,
     },
+    /// A crashed node restarts from its NVMM and SSD.
+    Restart(NodeId),
     Tick(NodeId),
     /// A client's request reaches its node (clients talk over TCP: lossless, in order).
     Request {
@@ -94,6 +100,8 @@ enum PreFault {
     CrashWitness,
     /// Backup 1 is cut off for 100 ms, then healed: writes stall, then it catches up.
     IsolateBackup,
+    /// Backup 1 and the highest-id witness crash and restart from NVMM + SSD 50 ms later.
+    RestartBackupAndWitness,
 }
 
 struct Client {
@@ -118,6 +126,9 @@ struct World {
     dead: Vec<NodeId>,
     heads: Vec<NodeId>,
     ssd: HashMap<(NodeId, SsdLog), Vec<u8>>,
+    pmem: HashMap<NodeId, (Option<(u64, Option<NodeId>)>, BTreeMap<u64, Entry>)>,
+    incs: HashMap<NodeId, u64>,
+    cfg: Config,
     clients: Vec<Client>,
     hist: Vec<Op>,
     next_tag: u64,
@@ -190,6 +201,9 @@ impl World {
             dead: Vec::new(),
             heads,
             ssd: HashMap::new(),
+            pmem: HashMap::new(),
+            incs: HashMap::new(),
+            cfg: cfg.clone(),
             clients,
             hist: Vec::new(),
             next_tag: 1,
@@ -197,6 +211,38 @@ impl World {
             recovered: 0,
             verbose,
         }
+    }
+
+    fn inc(&self, id: NodeId) -> u64 {
+        self.incs.get(&id).copied().unwrap_or(0)
+    }
+
+    fn crash(&mut self, id: NodeId) {
+        self.dead.push(id);
+        self.net.set_down(id, true);
+        *self.incs.entry(id).or_default() += 1;
+    }
+
+    fn restart(&mut self, now: u64, id: NodeId) {
+        let (meta, log) = self.pmem.get(&id).cloned().unwrap_or_default();
+        let durable = Durable {
+            meta,
+            entries: log.into_values().collect(),
+            ssd_hot: self
+                .ssd
+                .get(&(id, SsdLog::Hot))
+                .cloned()
+                .unwrap_or_default(),
+        };
+        let core = WitnessCore::restore(id, self.cfg.clone(), params(&self.sc), now, durable)
+            .expect("restore");
+        self.nodes.insert(id, core);
+        self.dead.retain(|&d| d != id);
+        self.net.set_down(id, false);
+        if self.verbose {
+            eprintln!("{now} node {id} restarted");
+        }
+        self.q.push_at(now + 1, Ev::Tick(id)).unwrap();
     }
 
     fn feed(&mut self, now: u64, id: NodeId, input: Input) {
@@ -213,13 +259,29 @@ impl World {
                         .send(&mut self.net_rng, &mut self.q, now, id, to, Msg::Peer(msg))
                         .unwrap();
                 }
-                Output::PmemAppend { seq, .. } => {
+                Output::PmemAppend { seq, rec, .. } => {
+                    // SIGKILL model (shm NVMM): a record is kept once appended.
+                    let (meta, log) = self.pmem.entry(id).or_default();
+                    match postcard::from_bytes::<PmemRecord>(&rec).unwrap() {
+                        PmemRecord::Meta { term, voted_for } => *meta = Some((term, voted_for)),
+                        PmemRecord::Entry(e) => {
+                            log.insert(e.index, e);
+                        }
+                    }
                     let d = self.rng.range_u64(1, 30);
+                    let inc = self.inc(id);
                     self.q
-                        .push_at(now + d, Ev::Persisted { node: id, seq })
+                        .push_at(now + d, Ev::Persisted { node: id, inc, seq })
                         .unwrap();
                 }
-                Output::PmemTruncate { .. } | Output::PmemFree { .. } => {}
+                Output::PmemTruncate { from_index, .. } => {
+                    let (_, log) = self.pmem.entry(id).or_default();
+                    log.split_off(&from_index);
+                }
+                Output::PmemFree { through_index, .. } => {
+                    let (_, log) = self.pmem.entry(id).or_default();
+                    *log = log.split_off(&(through_index + 1));
+                }
                 Output::SsdWrite {
                     id: io,
                     log,
@@ -238,7 +300,16 @@ impl World {
                         id: io,
                         result: Ok(()),
                     };
-                    self.q.push_at(now + d, Ev::Io { node: id, input }).unwrap();
+                    self.q
+                        .push_at(
+                            now + d,
+                            Ev::Io {
+                                node: id,
+                                inc: self.inc(id),
+                                input,
+                            },
+                        )
+                        .unwrap();
                 }
                 Output::SsdRead {
                     id: io,
@@ -257,7 +328,16 @@ impl World {
                         id: io,
                         result: Ok(buf),
                     };
-                    self.q.push_at(now + d, Ev::Io { node: id, input }).unwrap();
+                    self.q
+                        .push_at(
+                            now + d,
+                            Ev::Io {
+                                node: id,
+                                inc: self.inc(id),
+                                input,
+                            },
+                        )
+                        .unwrap();
                 }
                 Output::Reply { tag, reply } => {
                     if let Some(c) = self
@@ -410,8 +490,17 @@ impl World {
                     let Msg::Peer(msg) = d.msg;
                     self.feed(now, d.to, Input::Peer { from: d.from, msg });
                 }
-                Ev::Persisted { node, seq } => self.feed(now, node, Input::PmemPersisted { seq }),
-                Ev::Io { node, input } => self.feed(now, node, input),
+                Ev::Persisted { node, inc, seq } => {
+                    if inc == self.inc(node) {
+                        self.feed(now, node, Input::PmemPersisted { seq })
+                    }
+                }
+                Ev::Io { node, inc, input } => {
+                    if inc == self.inc(node) {
+                        self.feed(now, node, input)
+                    }
+                }
+                Ev::Restart(id) => self.restart(now, id),
                 Ev::Tick(id) => {
                     if !self.dead.contains(&id) {
                         self.feed(now, id, Input::Tick);
@@ -461,8 +550,7 @@ impl World {
                         eprintln!("{now} fault on leader {l}: crash={}", self.sc.crash);
                     }
                     if self.sc.crash {
-                        self.dead.push(l);
-                        self.net.set_down(l, true);
+                        self.crash(l);
                         if self.sc.double_failure {
                             let d = self.rng.range_u64(200_000, 400_000);
                             self.q.push_at(now + d, Ev::Fault2).unwrap();
@@ -480,8 +568,17 @@ impl World {
                         if self.verbose {
                             eprintln!("{now} witness {w} crashes");
                         }
-                        self.dead.push(w);
-                        self.net.set_down(w, true);
+                        self.crash(w);
+                    }
+                    PreFault::RestartBackupAndWitness => {
+                        let w = *self.heads.last().unwrap();
+                        if self.verbose {
+                            eprintln!("{now} backup 1 and witness {w} crash");
+                        }
+                        self.crash(1);
+                        self.crash(w);
+                        self.q.push_at(now + 50_000, Ev::Restart(1)).unwrap();
+                        self.q.push_at(now + 60_000, Ev::Restart(w)).unwrap();
                     }
                     PreFault::IsolateBackup => {
                         if self.verbose {
@@ -506,8 +603,7 @@ impl World {
                     if self.verbose {
                         eprintln!("{now} second crash: leader {l}");
                     }
-                    self.dead.push(l);
-                    self.net.set_down(l, true);
+                    self.crash(l);
                 }
                 Ev::Heal => self.net.heal_all(),
             }
@@ -602,10 +698,12 @@ impl World {
                             self.feed(now, d.to, Input::Peer { from: d.from, msg });
                         }
                     }
-                    Ev::Persisted { node, seq } => {
+                    Ev::Persisted { node, inc, seq } if inc == self.inc(node) => {
                         self.feed(now, node, Input::PmemPersisted { seq })
                     }
-                    Ev::Io { node, input } => self.feed(now, node, input),
+                    Ev::Io { node, inc, input } if inc == self.inc(node) => {
+                        self.feed(now, node, input)
+                    }
                     Ev::Tick(id) => {
                         if !self.dead.contains(&id) {
                             self.feed(now, id, Input::Tick);
@@ -742,6 +840,15 @@ fn backup_cut_off_and_back_then_primary_crash() {
         ..scenario(1, 1, true)
     };
     run_many("backup_cut_off_and_back_then_primary_crash", sc, 8);
+}
+
+#[test]
+fn backup_and_witness_restart_then_primary_crash() {
+    let sc = Scenario {
+        pre_fault: PreFault::RestartBackupAndWitness,
+        ..scenario(1, 1, true)
+    };
+    run_many("backup_and_witness_restart_then_primary_crash", sc, 8);
 }
 
 #[test]
