@@ -1501,6 +1501,7 @@ impl WitnessCore {
         }
     }
 
+    #[allow(clippy::too_many_arguments)] // the fields of one AppendEntries
     fn on_append(
         &mut self,
         from: NodeId,
@@ -2358,17 +2359,17 @@ impl WitnessCore {
                     .ok()
                     .and_then(|b| page::decode_group(&b).ok())
                     .and_then(|es| es.into_iter().find(|e| e.index == index));
-                match entry {
-                    Some(e) => self.send(
+                // A read error is not "absent": answer nothing, the leader asks again.
+                if let Some(e) = entry {
+                    let entry = Some(e);
+                    self.send(
                         to,
                         PeerBody::LogReply {
                             index,
-                            entry: Some(e),
+                            entry,
                             gone: false,
                         },
-                    ),
-                    // A read error is not "absent": answer nothing, the leader asks again.
-                    None => {}
+                    );
                 }
             }
             ReadFor::BatchPull {

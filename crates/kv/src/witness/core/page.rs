@@ -75,7 +75,7 @@ pub fn encode_batch(entries: &[Entry]) -> (Vec<u8>, Vec<Placed>) {
 
 /// Decodes one page group (as read at a `Placed` location).
 pub fn decode_group(bytes: &[u8]) -> Result<Vec<Entry>, PageError> {
-    if bytes.len() % PAGE_BYTES != 0 || bytes.is_empty() {
+    if !bytes.len().is_multiple_of(PAGE_BYTES) || bytes.is_empty() {
         return Err(PageError::NotWholePages(bytes.len()));
     }
     let n = u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize;

@@ -10,6 +10,12 @@ use crate::witness::proto::{ClientReply, ClientReq, NodeId, PeerMsg};
 
 const MS: u64 = 1_000;
 
+/// A node's NVMM as its driver would replay it: the last Meta record, live entries by index.
+type NvmmRegions = (
+    Option<(u64, Option<NodeId>)>,
+    BTreeMap<u64, crate::witness::proto::Entry>,
+);
+
 fn params() -> Params {
     Params {
         heartbeat_us: 5 * MS,
@@ -46,13 +52,7 @@ struct Router {
     recovered: Vec<NodeId>,
     stats: Vec<(NodeId, super::node::RecoveryStats)>,
     /// What each node's NVMM regions hold (the router applies truncations and frees).
-    pmem: HashMap<
-        NodeId,
-        (
-            Option<(u64, Option<NodeId>)>,
-            BTreeMap<u64, crate::witness::proto::Entry>,
-        ),
-    >,
+    pmem: HashMap<NodeId, NvmmRegions>,
     cfg: Config,
     p: Params,
 }
