@@ -1,4 +1,15 @@
-//! The sans-I/O parts of the witness KV: time and randomness are inputs, nothing here does I/O.
+//! The sans-I/O parts of the witness KV (CANDStore): deterministic state machines with no
+//! socket, clock, file or thread; time and randomness are inputs. [`node::WitnessCore`] is one
+//! node of any kind; [`config`] the group's membership and quorums; [`page`] the backup's SSD page
+//! format the core reasons about; [`detector`] the Φ-accrual failure detector with soft and hard
+//! thresholds; [`popularity`] the primary's sampler and the backups' popularity LRU (the last two
+//! are not wired into `WitnessCore` yet).
 
+pub mod config;
 pub mod detector;
+pub mod node;
+pub mod page;
 pub mod popularity;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,2660 @@
+//! `WitnessCore`: the sans-I/O state machine of one witness-KV node (paper §3–§5; spec (c)).
+//!
+//! One type for every node kind; the kind (head or backup) is fixed by the configuration, the
+//! role (follower, candidate, provisional leader, leader) is dynamic. A head that wins an
+//! election becomes the primary: a witness holds keys and stamps only, so it serves at once
+//! and pulls values from the backups (live recovery, M17–M19) while checking every value it
+//! serves against its key table.
+//!
+//! Driver contract (the storage helper's driver in `witness/store/` carries these out):
+//! - Outputs are carried out in order.
+//! - [`Output::PmemAppend`] appends `rec` (postcard of [`PmemRecord`]) to the node's NVMM region;
+//!   when it is durable the driver gives [`Input::PmemPersisted`] with its `seq`. Persists are
+//!   reported in order: `PmemPersisted{seq}` means every append with a smaller seq is durable
+//!   too (true of an append-only NVMM log with in-order fences, and of group commit).
+//! - [`Output::PmemTruncate`] drops the region's entry records with index ≥ `from_index` (a
+//!   Raft conflict); [`Output::PmemFree`] drops a backup buffer's entry records with index ≤
+//!   `through_index` (written back to SSD). Neither needs an answer.
+//! - [`Output::SsdWrite`] writes `bytes` at `off` of the named log file (page aligned, a whole
+//!   number of 4 KiB pages), syncs it (`sync`), then gives [`Input::SsdWritten`].
+//!   [`Output::SsdRead`] reads `len` bytes at `off` with priority `class`, then gives
+//!   [`Input::SsdRead`] (an error as `Err`, a short read past the end zero-filled).
+//! - Time comes only as the `now_us` of [`WitnessCore::handle`]; give [`Input::Tick`] at least
+//!   every `Params::heartbeat_us / 2`.
+//!
+//! Simplified in this version (each marked `SIMPLIFIED` where it lives): a fixed configuration
+//! (no joint consensus, no substitution or promotion at run time); heads keep their whole log
+//! in memory (values stripped once applied; no snapshots or log truncation); a backup has one
+//! SSD log (no hot/cold split, no popularity placement, no GC); no proactive (soft-timeout)
+//! pulling; no restart from NVMM (records are written so a later version can rebuild).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+use super::config::{Config, ConfigError, Kind};
+use super::page::{self, PAGE_BYTES};
+use crate::witness::proto::{
+    ClientReply, ClientReq, Entry, NodeId, Op, PeerBody, PeerMsg, Stamp, MAX_KEY_BYTES,
+    MAX_VALUE_BYTES,
+};
+
+/// Tunables. Every bound has its unit in its name.
+#[derive(Clone, Debug)]
+pub struct Params {
+    /// Leader heartbeat (empty AppendEntries) period, also the retransmission period (M11).
+    pub heartbeat_us: u64,
+    /// The hard timeout: a head that has heard no leader for this long stands for election.
+    pub election_timeout_us: u64,
+    /// Spread between heads' timeouts; the lowest-id witness waits least (the designated
+    /// successor, spec M15 Decide).
+    pub election_jitter_us: u64,
+    /// Leader lease (M3): a voter that heard a live leader refuses votes for this long.
+    pub lease_us: u64,
+    /// Worst clock-rate difference over a lease; the leader's lease ends this much early.
+    pub clock_drift_us: u64,
+    /// Writeback batch (M8: the SSD's best block size, 32 KiB in the paper).
+    pub writeback_batch_bytes: usize,
+    /// A partial batch of committed entries is written back after waiting this long.
+    pub writeback_linger_us: u64,
+    /// One BatchPull read (M17).
+    pub batch_pull_bytes: usize,
+    /// A PriorityPull or BatchPull with no answer is re-sent after this long.
+    pub pull_retry_us: u64,
+    /// PriorityPulls in flight at once (spec M18 `max_pending_pulls`).
+    pub max_pending_pulls: usize,
+    /// Gets waiting for a pulled value, over all keys; past it a Get is refused `Unavailable`.
+    pub max_pending_gets: usize,
+    /// Entries per AppendEntries message.
+    pub append_max_entries: usize,
+    /// Entries a backup remembers by index after writeback, to answer RequestLog (M14).
+    pub recent_index_window_entries: usize,
+    /// The soft timeout (M15/M16): the designated successor that has heard no leader for this
+    /// long starts pulling the backup's log ahead of the election. 0 disables proactive pulls.
+    pub soft_timeout_us: u64,
+    /// Proactively pulled bytes kept at most (spec M15 `proactive_bytes_max`).
+    pub proactive_bytes_max: usize,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params {
+            heartbeat_us: 5_000,
+            election_timeout_us: 150_000,
+            election_jitter_us: 20_000,
+            lease_us: 100_000,
+            clock_drift_us: 10_000,
+            writeback_batch_bytes: 32 << 10,
+            writeback_linger_us: 20_000,
+            batch_pull_bytes: 128 << 10,
+            pull_retry_us: 50_000,
+            max_pending_pulls: 64,
+            max_pending_gets: 4096,
+            append_max_entries: 256,
+            recent_index_window_entries: 1 << 16,
+            soft_timeout_us: 30_000,
+            proactive_bytes_max: 64 << 20,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ParamsError {
+    #[error("lease_us + clock_drift_us ({0} µs) must be below election_timeout_us ({1} µs) (M3)")]
+    LeaseTooLong(u64, u64),
+    #[error("heartbeat_us ({0}) must be below lease_us ({1}) or no lease is ever renewed")]
+    HeartbeatTooSlow(u64, u64),
+    #[error("soft_timeout_us ({0}) must be below election_timeout_us ({1}) (M16)")]
+    SoftAfterHard(u64, u64),
+    #[error("{0} must be positive")]
+    Zero(&'static str),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("node {0} is not in the configuration")]
+    NotMember(NodeId),
+}
+
+impl Params {
+    pub fn validate(&self) -> Result<(), ParamsError> {
+        if self.lease_us + self.clock_drift_us >= self.election_timeout_us {
+            return Err(ParamsError::LeaseTooLong(
+                self.lease_us + self.clock_drift_us,
+                self.election_timeout_us,
+            ));
+        }
+        if self.soft_timeout_us >= self.election_timeout_us {
+            return Err(ParamsError::SoftAfterHard(
+                self.soft_timeout_us,
+                self.election_timeout_us,
+            ));
+        }
+        if self.heartbeat_us >= self.lease_us {
+            return Err(ParamsError::HeartbeatTooSlow(
+                self.heartbeat_us,
+                self.lease_us,
+            ));
+        }
+        for (v, name) in [
+            (self.max_pending_pulls, "max_pending_pulls"),
+            (self.append_max_entries, "append_max_entries"),
+            (self.batch_pull_bytes, "batch_pull_bytes"),
+            (self.writeback_batch_bytes, "writeback_batch_bytes"),
+            (
+                self.recent_index_window_entries,
+                "recent_index_window_entries",
+            ),
+        ] {
+            if v == 0 {
+                return Err(ParamsError::Zero(name));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a node's durable tiers held at a restart (see [`WitnessCore::restore`]).
+#[derive(Clone, Debug, Default)]
+pub struct Durable {
+    /// The last `PmemRecord::Meta`: (term, voted_for).
+    pub meta: Option<(u64, Option<NodeId>)>,
+    /// Live entry records of the node's Log (head) or Buffer (backup) region, by index.
+    pub entries: Vec<Entry>,
+    /// A backup's Hot SSD log, from offset 0.
+    pub ssd_hot: Vec<u8>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RestoreError {
+    #[error(transparent)]
+    Params(#[from] ParamsError),
+    #[error("the durable log has a hole at index {0}")]
+    Hole(u64),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Region {
+    /// Raft term and vote.
+    Meta,
+    /// A head's log (key-only entries).
+    Log,
+    /// A backup's NVMM buffer (full entries until written back, M6).
+    Buffer,
+}
+
+/// What a `PmemAppend` record holds (postcard-encoded in `rec`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PmemRecord {
+    Meta {
+        term: u64,
+        voted_for: Option<NodeId>,
+    },
+    Entry(Entry),
+}
+
+/// The backup's SSD logs. SIMPLIFIED: everything goes to `Hot` for now (M9/M10 split left).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum SsdLog {
+    Hot,
+    Cold,
+}
+
+/// The I/O thread's priority classes (PriorityPull > writeback > BatchPull > GC).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum IoClass {
+    Priority,
+    Writeback,
+    Batch,
+    Gc,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RoleKind {
+    Follower,
+    Candidate,
+    /// Won the election, reconciling by RequestLog; commits and serves nothing (M14).
+    Provisional,
+    Leader,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryStats {
+    pub started_us: u64,
+    pub finished_us: u64,
+    pub missing_at_start: u64,
+    pub batch_entries: u64,
+    pub priority_pulls: u64,
+    pub installed: u64,
+    /// Entries pulled before the election (M15) and installed at its start.
+    pub proactive_installed: u64,
+    pub gets_served_after_pull: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Input {
+    Peer {
+        from: NodeId,
+        msg: PeerMsg,
+    },
+    Client {
+        tag: u64,
+        req: ClientReq,
+    },
+    PmemPersisted {
+        seq: u64,
+    },
+    SsdWritten {
+        id: u64,
+        result: Result<(), String>,
+    },
+    SsdRead {
+        id: u64,
+        result: Result<Vec<u8>, String>,
+    },
+    Tick,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Output {
+    Send {
+        to: NodeId,
+        msg: PeerMsg,
+    },
+    PmemAppend {
+        seq: u64,
+        region: Region,
+        rec: Vec<u8>,
+    },
+    PmemTruncate {
+        region: Region,
+        from_index: u64,
+    },
+    PmemFree {
+        region: Region,
+        through_index: u64,
+    },
+    SsdWrite {
+        id: u64,
+        log: SsdLog,
+        off: u64,
+        bytes: Vec<u8>,
+        sync: bool,
+    },
+    SsdRead {
+        id: u64,
+        log: SsdLog,
+        off: u64,
+        len: u32,
+        class: IoClass,
+    },
+    Reply {
+        tag: u64,
+        reply: ClientReply,
+    },
+    Role {
+        term: u64,
+        role: RoleKind,
+        leader: Option<NodeId>,
+    },
+    /// A new leader holds every committed value (its missing set is empty, M19): from here it
+    /// serves every Get locally. Given once per leadership, at once when nothing was missing.
+    Recovered(RecoveryStats),
+}
+
+/// Where a written-back entry's page group lies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Loc {
+    pub log: SsdLog,
+    pub off: u64,
+    pub len: u32,
+}
+
+#[derive(Clone, Debug)]
+enum Slot {
+    Entry(Entry),
+    /// Adopted from a voting backup's vote reply (M13): the index exists, its content is not
+    /// known here; never counted as held, resolved by reconciliation.
+    Unknown {
+        term: u64,
+    },
+    /// A backup's entry written back to SSD (`None` for a Noop, which is never written).
+    Flushed {
+        term: u64,
+        loc: Option<Loc>,
+    },
+}
+
+impl Slot {
+    fn term(&self) -> u64 {
+        match self {
+            Slot::Entry(e) => e.term,
+            Slot::Unknown { term } | Slot::Flushed { term, .. } => *term,
+        }
+    }
+}
+
+/// A Raft log from `base_index + 1`; a backup trims written-back slots past its recent-index
+/// window (they are committed, so they match every leader).
+#[derive(Clone, Debug, Default)]
+struct Log {
+    base_index: u64,
+    base_term: u64,
+    slots: VecDeque<Slot>,
+}
+
+impl Log {
+    fn last_index(&self) -> u64 {
+        self.base_index + self.slots.len() as u64
+    }
+    fn last_term(&self) -> u64 {
+        self.slots.back().map_or(self.base_term, Slot::term)
+    }
+    fn slot(&self, i: u64) -> Option<&Slot> {
+        if i <= self.base_index {
+            return None;
+        }
+        self.slots.get((i - self.base_index - 1) as usize)
+    }
+    fn slot_mut(&mut self, i: u64) -> Option<&mut Slot> {
+        if i <= self.base_index {
+            return None;
+        }
+        self.slots.get_mut((i - self.base_index - 1) as usize)
+    }
+    fn entry(&self, i: u64) -> Option<&Entry> {
+        match self.slot(i) {
+            Some(Slot::Entry(e)) => Some(e),
+            _ => None,
+        }
+    }
+    /// The term at `i` when known (0 for index 0).
+    fn term_at(&self, i: u64) -> Option<u64> {
+        if i == 0 {
+            return Some(0);
+        }
+        if i == self.base_index {
+            return Some(self.base_term);
+        }
+        match self.slot(i)? {
+            Slot::Unknown { .. } => None,
+            s => Some(s.term()),
+        }
+    }
+    /// Raft's consistency check for AppendEntries. Trimmed indexes are committed, so match.
+    fn matches(&self, index: u64, term: u64) -> bool {
+        index <= self.base_index || self.term_at(index) == Some(term)
+    }
+    fn truncate_from(&mut self, i: u64) {
+        let keep = i.saturating_sub(self.base_index + 1) as usize;
+        self.slots.truncate(keep);
+    }
+    fn push(&mut self, s: Slot) {
+        self.slots.push_back(s);
+    }
+}
+
+#[derive(Clone, Debug)]
+struct PullState {
+    key: Vec<u8>,
+    sent_us: u64,
+}
+
+#[derive(Clone, Debug)]
+struct BatchStream {
+    id: u64,
+    to: NodeId,
+    cursor: u64,
+    in_flight_since: Option<u64>,
+    done: bool,
+}
+
+/// A designated successor's proactive pull after a soft timeout (M15): entries of the backup's
+/// log, newest per key, kept until this head wins (then installed, stamp-checked) or hears the
+/// leader again (then aborted and dropped).
+#[derive(Clone, Debug)]
+struct Proactive {
+    stream: BatchStream,
+    entries: HashMap<Vec<u8>, Entry>,
+    bytes: usize,
+    /// `proactive_bytes_max` reached: pulling stops, what is held is kept.
+    full: bool,
+}
+
+/// The new primary's live recovery (M17–M19).
+#[derive(Clone, Debug)]
+struct Recovery {
+    /// Keys whose local value stamp is below the key table's (M19).
+    missing: HashSet<Vec<u8>>,
+    pending_gets: HashMap<Vec<u8>, Vec<u64>>,
+    pending_get_count: usize,
+    pulls: HashMap<u64, PullState>,
+    pull_by_key: HashMap<Vec<u8>, u64>,
+    batch: BatchStream,
+    stats: RecoveryStats,
+}
+
+/// Reconciliation (M14): for each index of (commit, last] the answer of every voting backup.
+#[derive(Clone, Debug)]
+struct Recon {
+    lo: u64,
+    hi: u64,
+    answers: BTreeMap<u64, BTreeMap<NodeId, Option<Entry>>>,
+    asked_us: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Lead {
+    next: BTreeMap<NodeId, u64>,
+    matched: BTreeMap<NodeId, u64>,
+    /// Per voter, the latest round (leader send time) it answered in this term (M3).
+    acked_round_us: BTreeMap<NodeId, u64>,
+    lease_until_us: u64,
+    /// Nothing is served before the leader's first entry of its term commits.
+    noop_index: Option<u64>,
+    pending_puts: BTreeMap<u64, u64>,
+    recon: Option<Recon>,
+    recovery: Option<Recovery>,
+    last_heartbeat_us: u64,
+    lease_lost_since_us: Option<u64>,
+}
+
+/// A head's state machine: the key table (the oracle, M1) and the value table.
+#[derive(Clone, Debug, Default)]
+struct Head {
+    keys: HashMap<Vec<u8>, Stamp>,
+    values: HashMap<Vec<u8>, (Stamp, Vec<u8>)>,
+}
+
+#[derive(Clone, Debug)]
+enum ReadFor {
+    PriorityPull {
+        to: NodeId,
+        id: u64,
+        key: Vec<u8>,
+        buffered: Vec<Entry>,
+    },
+    RequestLog {
+        to: NodeId,
+        index: u64,
+    },
+    BatchPull {
+        to: NodeId,
+        stream: u64,
+        cursor: u64,
+        len: u32,
+    },
+}
+
+/// A backup's engine (M5–M8). SIMPLIFIED: one worker, one SSD log, no GC or popularity.
+#[derive(Clone, Debug, Default)]
+struct Backup {
+    /// DRAM index key → (stamp, page group) of the newest written-back version.
+    index: HashMap<Vec<u8>, (Stamp, Loc)>,
+    /// Append offset of the SSD log (including a writeback in flight).
+    log_end: u64,
+    /// End of the durably written part (what BatchPull may read).
+    durable_end: u64,
+    written_back_through: u64,
+    /// The writeback in flight (at most one).
+    wb_in_flight: Option<WbBatch>,
+    eligible_since_us: Option<u64>,
+    reads: HashMap<u64, ReadFor>,
+}
+
+/// A writeback batch: its SSD write id and place, and the buffer range it empties.
+#[derive(Clone, Debug)]
+struct WbBatch {
+    id: u64,
+    off: u64,
+    bytes: Vec<u8>,
+    /// Put entries with their page group (offsets from `off`).
+    placed: Vec<(Entry, page::Placed)>,
+    /// Last buffer index the batch covers (Noops after the last Put included).
+    through: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Counters {
+    pub votes_refused_in_lease: u64,
+    pub adoptions: u64,
+    pub reconciled_dropped: u64,
+    pub gets_refused_no_lease: u64,
+    pub values_unavailable: u64,
+    pub writebacks: u64,
+    pub ssd_errors: u64,
+    pub proactive_started: u64,
+    pub proactive_aborted: u64,
+}
+
+enum Deferred {
+    Send(NodeId, PeerMsg),
+}
+
+pub struct WitnessCore {
+    id: NodeId,
+    kind: Kind,
+    cfg: Config,
+    p: Params,
+    now: u64,
+    term: u64,
+    voted_for: Option<NodeId>,
+    role: RoleKind,
+    leader_hint: Option<NodeId>,
+    log: Log,
+    commit: u64,
+    applied: u64,
+    /// Highest index persisted in NVMM (matching the current log).
+    persisted: u64,
+    /// Highest index verified to match the current leader in this term.
+    leader_match: u64,
+    leader_sent_us: u64,
+    heard_leader_us: Option<u64>,
+    election_deadline_us: u64,
+    votes: BTreeSet<NodeId>,
+    vote_round_us: u64,
+    next_seq: u64,
+    next_io: u64,
+    /// Appended log records not yet reported durable: (seq, through index, term at it).
+    unpersisted: VecDeque<(u64, u64, u64)>,
+    /// A Meta record not yet durable: every send waits for it (a vote or term must be durable
+    /// before anyone hears of it).
+    meta_pending: Option<u64>,
+    deferred: Vec<Deferred>,
+    head: Head,
+    lead: Option<Lead>,
+    backup: Backup,
+    leaders_seen: BTreeMap<u64, NodeId>,
+    proactive: Option<Proactive>,
+    pub counters: Counters,
+    out: Vec<Output>,
+}
+
+/// Terms for which the local ≤1-leader check remembers a leader.
+const LEADERS_SEEN_TERMS_MAX: usize = 64;
+
+fn mix(a: u64, b: u64) -> u64 {
+    let mut x = a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_add(0xD1B5_4A32_D192_ED03);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^ (x >> 29)
+}
+
+impl WitnessCore {
+    pub fn new(id: NodeId, cfg: Config, p: Params, now_us: u64) -> Result<Self, ParamsError> {
+        p.validate()?;
+        cfg.validate()?;
+        let kind = cfg.kind(id).ok_or(ParamsError::NotMember(id))?;
+        let mut c = WitnessCore {
+            id,
+            kind,
+            cfg,
+            p,
+            now: now_us,
+            term: 0,
+            voted_for: None,
+            role: RoleKind::Follower,
+            leader_hint: None,
+            log: Log::default(),
+            commit: 0,
+            applied: 0,
+            persisted: 0,
+            leader_match: 0,
+            leader_sent_us: 0,
+            heard_leader_us: None,
+            election_deadline_us: 0,
+            votes: BTreeSet::new(),
+            vote_round_us: 0,
+            next_seq: 1,
+            next_io: 1,
+            unpersisted: VecDeque::new(),
+            meta_pending: None,
+            deferred: Vec::new(),
+            head: Head::default(),
+            lead: None,
+            backup: Backup::default(),
+            leaders_seen: BTreeMap::new(),
+            proactive: None,
+            counters: Counters::default(),
+            out: Vec::new(),
+        };
+        c.reset_election_timer();
+        Ok(c)
+    }
+
+    /// Rebuilds a node after a restart from what its NVMM and SSD hold (spec (d): "a backup
+    /// restart that rebuilds its index from segments plus the NVMM buffer"). The driver replays
+    /// its regions, applying `PmemTruncate` and `PmemFree` as it did live, and passes:
+    /// the last Meta record, the live entry records of the Log/Buffer region in index order,
+    /// and (backups) the Hot SSD log's bytes. A torn batch at the log's end (a crash during a
+    /// writeback, before its `SsdWritten`) is ignored: its entries are still in the buffer.
+    ///
+    /// A head comes back as a follower with its key-only log and learns the commit index from
+    /// the next leader (its value table is DRAM: an old primary returns without values). A
+    /// backup takes everything on SSD as committed (only committed entries are written back).
+    pub fn restore(
+        id: NodeId,
+        cfg: Config,
+        p: Params,
+        now_us: u64,
+        durable: Durable,
+    ) -> Result<Self, RestoreError> {
+        let mut c = WitnessCore::new(id, cfg, p, now_us)?;
+        if let Some((term, voted_for)) = durable.meta {
+            c.term = term;
+            c.voted_for = voted_for;
+        }
+        let mut log = Log::default();
+        if c.kind == Kind::Backup {
+            let mut at = 0usize;
+            let bytes = &durable.ssd_hot;
+            let mut flushed: Vec<(Entry, Loc)> = Vec::new();
+            while at + PAGE_BYTES <= bytes.len() {
+                let glen = page::whole_groups_len(&bytes[at..]);
+                if glen == 0 {
+                    break;
+                }
+                // One group at a time, so each entry gets its own location.
+                let n = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+                let len = (4 + n).div_ceil(PAGE_BYTES) * PAGE_BYTES;
+                let Ok(es) = page::decode_group(&bytes[at..at + len]) else {
+                    break;
+                };
+                let loc = Loc {
+                    log: SsdLog::Hot,
+                    off: at as u64,
+                    len: len as u32,
+                };
+                flushed.extend(es.into_iter().map(|e| (e, loc)));
+                at += len;
+            }
+            c.backup.log_end = at as u64;
+            c.backup.durable_end = at as u64;
+            let window = c.p.recent_index_window_entries;
+            let skip = flushed.len().saturating_sub(window);
+            if let Some((first, _)) = flushed.get(skip) {
+                log.base_index = first.index - 1;
+                log.base_term = if skip > 0 {
+                    flushed[skip - 1].0.term
+                } else {
+                    0
+                };
+            }
+            for (i, (e, loc)) in flushed.iter().enumerate() {
+                if let Some(key) = e.key() {
+                    let st = e.stamp();
+                    if c.backup.index.get(key).is_none_or(|(s, _)| *s <= st) {
+                        c.backup.index.insert(key.to_vec(), (st, *loc));
+                    }
+                }
+                if i < skip {
+                    continue;
+                }
+                if e.index != log.last_index() + 1 {
+                    return Err(RestoreError::Hole(log.last_index() + 1));
+                }
+                let has_key = e.key().is_some();
+                log.push(Slot::Flushed {
+                    term: e.term,
+                    loc: Some(*loc).filter(|_| has_key),
+                });
+            }
+            c.backup.written_back_through = log.last_index();
+            c.commit = log.last_index();
+            c.applied = c.commit;
+        }
+        for e in durable.entries {
+            if e.index <= log.last_index() {
+                continue; // written back and not yet freed when the node stopped
+            }
+            if e.index != log.last_index() + 1 {
+                return Err(RestoreError::Hole(log.last_index() + 1));
+            }
+            log.push(Slot::Entry(e));
+        }
+        c.persisted = log.last_index();
+        c.log = log;
+        c.reset_election_timer();
+        Ok(c)
+    }
+
+    // ---- accessors (tests, status, drivers) ----
+
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+    pub fn term(&self) -> u64 {
+        self.term
+    }
+    pub fn role(&self) -> RoleKind {
+        self.role
+    }
+    pub fn commit_index(&self) -> u64 {
+        self.commit
+    }
+    pub fn last_index(&self) -> u64 {
+        self.log.last_index()
+    }
+    pub fn leader_hint(&self) -> Option<NodeId> {
+        self.leader_hint
+    }
+    /// Serving as leader: elected, reconciled and its first entry committed.
+    pub fn is_serving(&self) -> bool {
+        self.role == RoleKind::Leader
+            && self
+                .lead
+                .as_ref()
+                .is_some_and(|l| l.noop_index.is_some_and(|n| n <= self.commit))
+    }
+    pub fn in_recovery(&self) -> bool {
+        self.lead.as_ref().is_some_and(|l| l.recovery.is_some())
+    }
+    pub fn missing_keys(&self) -> usize {
+        self.lead
+            .as_ref()
+            .and_then(|l| l.recovery.as_ref())
+            .map_or(0, |r| r.missing.len())
+    }
+    /// The key table's stamp for `key` (heads).
+    pub fn key_stamp(&self, key: &[u8]) -> Option<Stamp> {
+        self.head.keys.get(key).copied()
+    }
+    /// The locally held value and its stamp (heads).
+    pub fn local_value(&self, key: &[u8]) -> Option<(Stamp, &[u8])> {
+        self.head.values.get(key).map(|(s, v)| (*s, v.as_slice()))
+    }
+    /// The backup's indexed stamp for `key`.
+    pub fn backup_index_stamp(&self, key: &[u8]) -> Option<Stamp> {
+        self.backup.index.get(key).map(|(s, _)| *s)
+    }
+    /// The leader's lease end (0 when not leading).
+    pub fn lease_until_us(&self) -> u64 {
+        self.lead.as_ref().map_or(0, |l| l.lease_until_us)
+    }
+    pub fn written_back_through(&self) -> u64 {
+        self.backup.written_back_through
+    }
+
+    pub fn take_outputs(&mut self) -> Vec<Output> {
+        std::mem::take(&mut self.out)
+    }
+
+    // ---- the one entry point ----
+
+    pub fn handle(&mut self, now_us: u64, input: Input) {
+        #[cfg(debug_assertions)]
+        let before = (self.commit, self.term, self.backup.written_back_through);
+        self.now = self.now.max(now_us);
+        match input {
+            Input::Peer { from, msg } => self.on_peer(from, msg),
+            Input::Client { tag, req } => self.on_client(tag, req),
+            Input::PmemPersisted { seq } => self.on_persisted(seq),
+            Input::SsdWritten { id, result } => self.on_ssd_written(id, result),
+            Input::SsdRead { id, result } => self.on_ssd_read(id, result),
+            Input::Tick => self.on_tick(),
+        }
+        self.after_input();
+        #[cfg(debug_assertions)]
+        {
+            assert!(self.commit >= before.0, "commit index decreased");
+            assert!(self.term >= before.1, "term decreased");
+            assert!(
+                self.backup.written_back_through >= before.2,
+                "writeback went backwards"
+            );
+            self.check_invariants();
+        }
+    }
+
+    /// Cheap invariants, run after every input in debug builds. What the tests rely on:
+    pub fn check_invariants(&self) {
+        // Election safety, part 1: only voting heads ever lead or run (M12).
+        if self.role != RoleKind::Follower {
+            assert!(
+                self.cfg.may_stand(self.id),
+                "node {} ({:?}) is {:?}",
+                self.id,
+                self.kind,
+                self.role
+            );
+        }
+        // Election safety, part 2, as seen locally: at most one leader per term.
+        // (`leaders_seen` is filled when a leader is heard; a conflict panics there.)
+        assert!(self.applied <= self.commit, "applied past commit");
+        assert!(self.commit <= self.log.last_index(), "commit past the log");
+        // Every committed index is known here (no Unknown slot at or below commit).
+        if let Some(Slot::Unknown { .. }) = self.log.slot(self.commit) {
+            panic!("commit {} is an unknown (adopted) slot", self.commit);
+        }
+        if let Some(l) = &self.lead {
+            assert!(matches!(
+                self.role,
+                RoleKind::Leader | RoleKind::Provisional
+            ));
+            // Provisional quiet: nothing of this term is appended, so nothing can commit.
+            if l.recon.is_some() {
+                assert!(l.noop_index.is_none() && l.pending_puts.is_empty());
+            }
+        }
+        if self.kind == Kind::Backup {
+            // A backup never writes back an uncommitted entry (M8).
+            let b = &self.backup;
+            assert!(
+                b.written_back_through <= self.commit,
+                "wrote back past commit"
+            );
+            if let Some(w) = &b.wb_in_flight {
+                assert!(w.through <= self.commit, "writeback batch past commit");
+            }
+            assert!(b.durable_end <= b.log_end);
+        }
+    }
+
+    /// Expensive checks for simulations and tests: the value table never runs ahead of the
+    /// key table (installs never pass the oracle), and the missing set is exact.
+    pub fn check_invariants_deep(&self) {
+        self.check_invariants();
+        for (k, (vs, _)) in &self.head.values {
+            let ks = self.head.keys.get(k).copied().unwrap_or(Stamp::ZERO);
+            if self.role == RoleKind::Leader {
+                assert!(*vs <= ks, "value stamp {vs:?} above key table {ks:?}");
+            }
+        }
+        if let Some(r) = self.lead.as_ref().and_then(|l| l.recovery.as_ref()) {
+            for (k, ks) in &self.head.keys {
+                let vs = self.head.values.get(k).map_or(Stamp::ZERO, |v| v.0);
+                assert_eq!(
+                    r.missing.contains(k),
+                    vs < *ks,
+                    "missing set wrong for {k:?}"
+                );
+            }
+        }
+    }
+
+    // ---- plumbing ----
+
+    fn msg(&self, body: PeerBody) -> PeerMsg {
+        PeerMsg {
+            term: self.term,
+            epoch: self.cfg.epoch,
+            body,
+        }
+    }
+
+    fn send(&mut self, to: NodeId, body: PeerBody) {
+        let msg = self.msg(body);
+        if self.meta_pending.is_some() {
+            self.deferred.push(Deferred::Send(to, msg));
+        } else {
+            self.out.push(Output::Send { to, msg });
+        }
+    }
+
+    fn pmem_append(&mut self, region: Region, rec: &PmemRecord) -> u64 {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.out.push(Output::PmemAppend {
+            seq,
+            region,
+            rec: crate::witness::proto::encode(rec),
+        });
+        seq
+    }
+
+    fn persist_meta(&mut self) {
+        let rec = PmemRecord::Meta {
+            term: self.term,
+            voted_for: self.voted_for,
+        };
+        let seq = self.pmem_append(Region::Meta, &rec);
+        self.meta_pending = Some(seq);
+    }
+
+    fn log_region(&self) -> Region {
+        if self.kind == Kind::Backup {
+            Region::Buffer
+        } else {
+            Region::Log
+        }
+    }
+
+    /// Appends an entry to the local log and NVMM (heads persist key-only records).
+    fn append_local(&mut self, e: Entry) {
+        debug_assert_eq!(e.index, self.log.last_index() + 1);
+        let rec = if self.kind == Kind::Backup {
+            e.clone()
+        } else {
+            e.key_only()
+        };
+        let region = self.log_region();
+        let seq = self.pmem_append(region, &PmemRecord::Entry(rec));
+        self.unpersisted.push_back((seq, e.index, e.term));
+        self.log.push(Slot::Entry(e));
+    }
+
+    fn truncate_local(&mut self, from: u64) {
+        if from > self.log.last_index() {
+            return;
+        }
+        assert!(from > self.commit, "truncating committed index {from}");
+        self.log.truncate_from(from);
+        self.persisted = self.persisted.min(from - 1);
+        self.leader_match = self.leader_match.min(from - 1);
+        let region = self.log_region();
+        self.out.push(Output::PmemTruncate {
+            region,
+            from_index: from,
+        });
+    }
+
+    fn set_role(&mut self, role: RoleKind) {
+        if self.role != role {
+            self.role = role;
+            self.out.push(Output::Role {
+                term: self.term,
+                role,
+                leader: self.leader_hint,
+            });
+        }
+    }
+
+    fn note_leader(&mut self, term: u64, leader: NodeId) {
+        if let Some(prev) = self.leaders_seen.insert(term, leader) {
+            assert_eq!(prev, leader, "two leaders in term {term}");
+        }
+        while self.leaders_seen.len() > LEADERS_SEEN_TERMS_MAX {
+            self.leaders_seen.pop_first();
+        }
+    }
+
+    fn reset_election_timer(&mut self) {
+        if !self.cfg.may_stand(self.id) {
+            self.election_deadline_us = u64::MAX;
+            return;
+        }
+        // The designated successor (lowest-id witness) waits least; the primary's own slot
+        // counts like any head. A per-term component breaks repeated split votes.
+        let rank = self
+            .cfg
+            .members
+            .iter()
+            .filter(|m| m.voting && m.kind == Kind::Head && m.id < self.id)
+            .count() as u64;
+        let j = self.p.election_jitter_us.max(1);
+        let jitter = rank * j + mix(self.id as u64, self.term) % (j / 2 + 1);
+        self.election_deadline_us = self.now + self.p.election_timeout_us + jitter;
+    }
+
+    /// A higher term seen: become a follower of it.
+    fn step_down(&mut self, term: u64) {
+        if term > self.term {
+            self.term = term;
+            self.voted_for = None;
+            self.persist_meta();
+            self.leader_hint = None;
+            self.leader_match = 0;
+            // Rounds are the leader's clock: never echo one leader's time to another.
+            self.leader_sent_us = 0;
+        }
+        if let Some(l) = self.lead.take() {
+            for (_, tag) in l.pending_puts {
+                self.out.push(Output::Reply {
+                    tag,
+                    reply: ClientReply::Indeterminate,
+                });
+            }
+            if let Some(r) = l.recovery {
+                for tags in r.pending_gets.into_values() {
+                    for tag in tags {
+                        self.out.push(Output::Reply {
+                            tag,
+                            reply: ClientReply::NotLeader { hint: None },
+                        });
+                    }
+                }
+            }
+        }
+        self.votes.clear();
+        self.set_role(RoleKind::Follower);
+    }
+
+    fn after_input(&mut self) {
+        if self.kind == Kind::Backup {
+            self.maybe_writeback();
+        }
+        if self.role == RoleKind::Leader {
+            self.advance_commit();
+        }
+        self.apply_committed();
+        if self.role == RoleKind::Leader {
+            self.drive_recovery();
+        }
+    }
+
+    // ---- inputs ----
+
+    fn on_persisted(&mut self, seq: u64) {
+        let mut through = None;
+        while let Some(&(s, idx, term)) = self.unpersisted.front() {
+            if s > seq {
+                break;
+            }
+            self.unpersisted.pop_front();
+            if self.log.term_at(idx) == Some(term) || idx <= self.log.base_index {
+                through = Some(idx);
+            }
+        }
+        if let Some(t) = through {
+            self.persisted = self.persisted.max(t.min(self.log.last_index()));
+        }
+        if self.meta_pending.is_some_and(|m| m <= seq) {
+            self.meta_pending = None;
+            for d in std::mem::take(&mut self.deferred) {
+                let Deferred::Send(to, msg) = d;
+                // A deferred message of an older term is stale; send it anyway only if the
+                // term did not move on (receivers would refuse it otherwise).
+                if msg.term == self.term {
+                    self.out.push(Output::Send { to, msg });
+                }
+            }
+        }
+        if self.role == RoleKind::Follower {
+            if let Some(leader) = self.leader_hint {
+                if through.is_some() {
+                    self.send_ack(leader, true);
+                }
+            }
+        }
+    }
+
+    fn send_ack(&mut self, leader: NodeId, success: bool) {
+        let match_index = if success {
+            self.leader_match.min(self.persisted)
+        } else {
+            self.log.last_index()
+        };
+        let sent_us = self.leader_sent_us;
+        self.send(
+            leader,
+            PeerBody::AppendAck {
+                success,
+                match_index,
+                sent_us,
+            },
+        );
+    }
+
+    fn on_tick(&mut self) {
+        match self.role {
+            RoleKind::Leader | RoleKind::Provisional => {
+                self.heard_leader_us = Some(self.now);
+                let due = self
+                    .lead
+                    .as_ref()
+                    .is_some_and(|l| self.now >= l.last_heartbeat_us + self.p.heartbeat_us);
+                if due {
+                    self.heartbeat();
+                }
+                self.check_quorum();
+                if self.role == RoleKind::Provisional {
+                    self.recon_retry();
+                }
+            }
+            RoleKind::Follower | RoleKind::Candidate => {
+                if self.now >= self.election_deadline_us {
+                    self.start_election();
+                }
+                self.drive_proactive();
+            }
+        }
+    }
+
+    /// A leader that has not renewed its lease for a whole election timeout steps down
+    /// (CheckQuorum): the rest of the group has moved on or is unreachable.
+    fn check_quorum(&mut self) {
+        let Some(l) = self.lead.as_mut() else { return };
+        if self.now < l.lease_until_us {
+            l.lease_lost_since_us = None;
+            return;
+        }
+        let since = *l.lease_lost_since_us.get_or_insert(self.now);
+        if self.now >= since + self.p.election_timeout_us {
+            let t = self.term;
+            self.step_down(t);
+            self.reset_election_timer();
+        }
+    }
+
+    // ---- election (M12, M13, M3) ----
+
+    fn start_election(&mut self) {
+        if !self.cfg.may_stand(self.id) {
+            return; // a backup never runs (M12)
+        }
+        self.term += 1;
+        self.voted_for = Some(self.id);
+        self.leader_hint = None;
+        self.persist_meta();
+        self.votes = BTreeSet::from([self.id]);
+        self.vote_round_us = self.now;
+        self.set_role(RoleKind::Candidate);
+        self.reset_election_timer();
+        let (li, lt) = (self.log.last_index(), self.log.last_term());
+        let voters: Vec<NodeId> = self.cfg.voters().filter(|&v| v != self.id).collect();
+        for v in voters {
+            self.send(
+                v,
+                PeerBody::RequestVote {
+                    candidate: self.id,
+                    last_index: li,
+                    last_term: lt,
+                },
+            );
+        }
+        self.maybe_win();
+    }
+
+    fn on_request_vote(&mut self, from: NodeId, term: u64, last_index: u64, last_term: u64) {
+        let (my_li, my_lt) = (self.log.last_index(), self.log.last_term());
+        let refuse = |c: &mut Self, in_lease: bool| {
+            c.send(
+                from,
+                PeerBody::Vote {
+                    granted: false,
+                    last_index: my_li,
+                    last_term: my_lt,
+                    in_lease,
+                },
+            );
+        };
+        if !self.cfg.is_voter(self.id) || !self.cfg.may_stand(from) {
+            return refuse(self, false);
+        }
+        if term < self.term {
+            return refuse(self, false);
+        }
+        // M3: a voter that heard a live leader within the lease refuses without moving its
+        // term, so the old leader's lease (counted from rounds this voter answered) holds.
+        let in_lease = self
+            .heard_leader_us
+            .is_some_and(|h| self.now < h + self.p.lease_us)
+            && !(term == self.term && self.voted_for == Some(from));
+        if in_lease {
+            self.counters.votes_refused_in_lease += 1;
+            return refuse(self, true);
+        }
+        if term > self.term {
+            self.step_down(term);
+        }
+        let up_to_date = (last_term, last_index) >= (my_lt, my_li);
+        let free = self.voted_for.is_none() || self.voted_for == Some(from);
+        if up_to_date && free {
+            if self.voted_for != Some(from) {
+                self.voted_for = Some(from);
+                self.persist_meta();
+            }
+            // Granting counts as hearing a leader: this voter now refuses others for a lease,
+            // which is what the new leader's first lease rests on.
+            self.heard_leader_us = Some(self.now);
+            self.reset_election_timer();
+            self.send(
+                from,
+                PeerBody::Vote {
+                    granted: true,
+                    last_index: my_li,
+                    last_term: my_lt,
+                    in_lease: false,
+                },
+            );
+        } else {
+            refuse(self, false);
+        }
+    }
+
+    fn on_vote(
+        &mut self,
+        from: NodeId,
+        granted: bool,
+        last_index: u64,
+        last_term: u64,
+        in_lease: bool,
+    ) {
+        if self.role != RoleKind::Candidate {
+            return;
+        }
+        if granted {
+            self.votes.insert(from);
+            self.maybe_win();
+            return;
+        }
+        // M13 index adoption, only from a voting backup and only on a log refusal: take the
+        // backup's (last_term, last_index); everything past our commit becomes unknown, to be
+        // reconciled from the backups if we win.
+        if !in_lease
+            && self.cfg.kind(from) == Some(Kind::Backup)
+            && self.cfg.is_voter(from)
+            && (last_term, last_index) > (self.log.last_term(), self.log.last_index())
+            && last_index >= self.commit
+        {
+            self.counters.adoptions += 1;
+            let c = self.commit;
+            self.truncate_local(c + 1);
+            for _ in c + 1..=last_index {
+                self.log.push(Slot::Unknown { term: last_term });
+            }
+            // Run again soon: with the adopted log the backup can now grant.
+            self.election_deadline_us = self.now + self.p.heartbeat_us;
+        }
+    }
+
+    fn maybe_win(&mut self) {
+        if self.role != RoleKind::Candidate || self.votes.len() < self.cfg.election_quorum() {
+            return;
+        }
+        self.leader_hint = Some(self.id);
+        self.note_leader(self.term, self.id);
+        let voters: Vec<NodeId> = self.votes.iter().copied().collect();
+        let mut lead = Lead {
+            next: BTreeMap::new(),
+            matched: BTreeMap::new(),
+            acked_round_us: BTreeMap::new(),
+            lease_until_us: 0,
+            noop_index: None,
+            pending_puts: BTreeMap::new(),
+            recon: None,
+            recovery: None,
+            last_heartbeat_us: 0,
+            lease_lost_since_us: None,
+        };
+        for v in voters {
+            if v != self.id {
+                lead.acked_round_us.insert(v, self.vote_round_us);
+            }
+        }
+        for m in self.cfg.ids().filter(|&m| m != self.id) {
+            lead.next.insert(m, self.commit + 1);
+            lead.matched.insert(m, 0);
+        }
+        self.lead = Some(lead);
+        self.update_lease();
+        // M14: the range past our commit is reconciled with every voting backup before this
+        // leader appends (and so commits) anything.
+        let (lo, hi) = (self.commit + 1, self.log.last_index());
+        if lo <= hi && self.cfg.voting_backups().next().is_some() {
+            self.set_role(RoleKind::Provisional);
+            self.lead.as_mut().unwrap().recon = Some(Recon {
+                lo,
+                hi,
+                answers: BTreeMap::new(),
+                asked_us: self.now,
+            });
+            self.recon_ask_all();
+        } else {
+            self.set_role(RoleKind::Leader);
+            self.begin_term();
+        }
+    }
+
+    // ---- reconciliation (M14) ----
+
+    fn recon_ask_all(&mut self) {
+        let Some(r) = self.lead.as_ref().and_then(|l| l.recon.as_ref()) else {
+            return;
+        };
+        let (lo, hi) = (r.lo, r.hi);
+        let backups: Vec<NodeId> = self.cfg.voting_backups().collect();
+        let mut asks = Vec::new();
+        for i in lo..=hi {
+            for &b in &backups {
+                let answered = r.answers.get(&i).is_some_and(|a| a.contains_key(&b));
+                if !answered {
+                    asks.push((b, i));
+                }
+            }
+        }
+        for (b, i) in asks {
+            self.send(b, PeerBody::RequestLog { index: i });
+        }
+        self.lead.as_mut().unwrap().recon.as_mut().unwrap().asked_us = self.now;
+    }
+
+    fn recon_retry(&mut self) {
+        let due = self
+            .lead
+            .as_ref()
+            .and_then(|l| l.recon.as_ref())
+            .is_some_and(|r| self.now >= r.asked_us + self.p.pull_retry_us);
+        if due {
+            self.recon_ask_all();
+        }
+    }
+
+    fn on_log_reply(&mut self, from: NodeId, index: u64, entry: Option<Entry>, gone: bool) {
+        if self.role != RoleKind::Provisional || !self.cfg.voting_backups().any(|b| b == from) {
+            return;
+        }
+        if gone {
+            // SIMPLIFIED: a witness that lags beyond the backups' recent-index window cannot
+            // reconcile; it gives up leadership (safe; a fresher head will win later).
+            let t = self.term;
+            self.step_down(t);
+            self.reset_election_timer();
+            return;
+        }
+        let lead = self.lead.as_mut().unwrap();
+        let r = lead.recon.as_mut().unwrap();
+        if index < r.lo || index > r.hi {
+            return;
+        }
+        r.answers.entry(index).or_default().insert(from, entry);
+        self.recon_try_finish();
+    }
+
+    /// Decides the range once every voting backup answered every index: keep the longest prefix
+    /// on which all voting backups hold the same entry; drop the rest. An entry missing from a
+    /// voting backup (or held differently) was never committed, because a commit needs every
+    /// voting backup (M4, M14 ii). Keeping only entries all backups agree on keeps this log
+    /// matching theirs (Raft's log-matching property), so they can be re-replicated as is.
+    fn recon_try_finish(&mut self) {
+        let nb = self.cfg.voting_backups().count();
+        let r = self.lead.as_ref().unwrap().recon.as_ref().unwrap();
+        let mut kept: Vec<Entry> = Vec::new();
+        let mut complete = true;
+        for i in r.lo..=r.hi {
+            let Some(a) = r.answers.get(&i) else {
+                complete = false;
+                break;
+            };
+            // A null from any backup already decides: drop from here, whoever else answers.
+            if a.values().any(|e| e.is_none()) {
+                break;
+            }
+            if a.len() < nb {
+                complete = false;
+                break;
+            }
+            let first = a.values().next().unwrap().as_ref().unwrap();
+            if a.values().any(|e| e.as_ref().unwrap().term != first.term)
+                || first.index != i
+                || !first.is_full()
+            {
+                break;
+            }
+            kept.push(first.clone());
+        }
+        if !complete {
+            return;
+        }
+        let (lo, hi) = (r.lo, r.hi);
+        self.lead.as_mut().unwrap().recon = None;
+        self.counters.reconciled_dropped += hi + 1 - lo - kept.len() as u64;
+        // Replace the range by the kept entries (full, from the backups).
+        self.truncate_local(lo);
+        for e in kept {
+            self.append_local(e);
+        }
+        self.set_role(RoleKind::Leader);
+        self.begin_term();
+    }
+
+    /// A leader starts its term with a Noop; nothing is served until it commits (M14 Decide).
+    fn begin_term(&mut self) {
+        let idx = self.log.last_index() + 1;
+        let e = Entry {
+            index: idx,
+            term: self.term,
+            op: Op::Noop,
+        };
+        self.append_local(e);
+        let l = self.lead.as_mut().unwrap();
+        l.noop_index = Some(idx);
+        self.heartbeat();
+    }
+
+    // ---- replication ----
+
+    fn heartbeat(&mut self) {
+        let peers: Vec<NodeId> = self.cfg.ids().filter(|&m| m != self.id).collect();
+        if let Some(l) = self.lead.as_mut() {
+            l.last_heartbeat_us = self.now;
+        }
+        for p in peers {
+            // Retransmit from the last acknowledged index: covers lost messages.
+            let from = self.retransmit_from(p);
+            self.send_append(p, from);
+        }
+    }
+
+    /// Where a retransmission to `p` starts: after its acknowledged prefix; for a member that
+    /// gets values, never at or below the commit index (every voting backup holds committed
+    /// entries, and this head keeps no values for them once applied).
+    fn retransmit_from(&self, p: NodeId) -> u64 {
+        let l = self.lead.as_ref().unwrap();
+        let m = l.matched.get(&p).copied().unwrap_or(0) + 1;
+        if self.cfg.gets_values(p) && self.cfg.is_voter(p) {
+            m.max(self.commit + 1)
+        } else {
+            m
+        }
+    }
+
+    fn send_append(&mut self, to: NodeId, from: u64) {
+        if self.role == RoleKind::Provisional {
+            // Provisional quiet: heartbeats only (lease and authority), anchored at the
+            // commit index, which every member that has it holds identically.
+            let prev_index = self.commit;
+            let prev_term = self.log.term_at(prev_index).unwrap_or(0);
+            let (sent_us, commit) = (self.now, self.commit);
+            self.send(
+                to,
+                PeerBody::AppendEntries {
+                    leader: self.id,
+                    prev_index,
+                    prev_term,
+                    entries: vec![],
+                    commit,
+                    sent_us,
+                },
+            );
+            return;
+        }
+        let last = self.log.last_index();
+        let from = from.max(1).min(last + 1);
+        let prev_index = from - 1;
+        let Some(prev_term) = self.log.term_at(prev_index) else {
+            return;
+        };
+        let values = self.cfg.gets_values(to);
+        let mut entries = Vec::new();
+        let mut i = from;
+        while i <= last && entries.len() < self.p.append_max_entries {
+            let Some(e) = self.log.entry(i) else { break };
+            if values {
+                if !e.is_full() {
+                    // SIMPLIFIED (M24 catch-up left): a backup this far behind needs values
+                    // this head no longer has.
+                    self.counters.values_unavailable += 1;
+                    break;
+                }
+                entries.push(e.clone());
+            } else {
+                entries.push(e.key_only());
+            }
+            i += 1;
+        }
+        let sent = entries.len() as u64;
+        let sent_us = self.now;
+        let commit = self.commit;
+        self.send(
+            to,
+            PeerBody::AppendEntries {
+                leader: self.id,
+                prev_index,
+                prev_term,
+                entries,
+                commit,
+                sent_us,
+            },
+        );
+        if let Some(l) = self.lead.as_mut() {
+            l.next.insert(to, from + sent);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)] // the fields of one AppendEntries
+    fn on_append(
+        &mut self,
+        from: NodeId,
+        term: u64,
+        prev_index: u64,
+        prev_term: u64,
+        entries: Vec<Entry>,
+        leader_commit: u64,
+        sent_us: u64,
+    ) {
+        if term < self.term {
+            let li = self.log.last_index();
+            self.send(
+                from,
+                PeerBody::AppendAck {
+                    success: false,
+                    match_index: li,
+                    sent_us,
+                },
+            );
+            return;
+        }
+        if term > self.term || self.role != RoleKind::Follower {
+            if self.role == RoleKind::Leader || self.role == RoleKind::Provisional {
+                assert!(term > self.term, "two leaders in term {term}");
+            }
+            self.step_down(term);
+        }
+        self.note_leader(term, from);
+        self.leader_hint = Some(from);
+        self.heard_leader_us = Some(self.now);
+        if let Some(p) = self.proactive.take() {
+            // A false soft timeout (the leader was only slow) or another head won: the backup
+            // stops the stream and resumes GC; the pulled data is dropped (M15).
+            self.counters.proactive_aborted += 1;
+            let stream = p.stream.id;
+            self.send(p.stream.to, PeerBody::BatchPullAbort { stream });
+        }
+        self.leader_sent_us = self.leader_sent_us.max(sent_us);
+        self.reset_election_timer();
+        if prev_index > self.log.last_index() || !self.log.matches(prev_index, prev_term) {
+            self.send_ack(from, false);
+            return;
+        }
+        let mut verified = prev_index;
+        for e in entries {
+            let i = e.index;
+            if i != verified + 1 {
+                break; // malformed; keep what is verified
+            }
+            let same = match self.log.slot(i) {
+                Some(Slot::Unknown { .. }) => false,
+                Some(s) => s.term() == e.term,
+                None => i <= self.log.base_index,
+            };
+            if !same {
+                if i <= self.commit {
+                    // A leader never sends a different entry at a committed index.
+                    panic!("leader {from} conflicts at committed index {i}");
+                }
+                self.truncate_local(i);
+                let stored = if self.kind == Kind::Backup {
+                    e
+                } else {
+                    e.key_only()
+                };
+                self.append_local(stored);
+            }
+            verified = i;
+        }
+        self.leader_match = self.leader_match.max(verified);
+        let new_commit = leader_commit.min(verified);
+        if new_commit > self.commit {
+            self.commit = new_commit;
+        }
+        self.send_ack(from, true);
+    }
+
+    fn on_append_ack(&mut self, from: NodeId, success: bool, match_index: u64, sent_us: u64) {
+        let Some(l) = self.lead.as_mut() else { return };
+        if self.cfg.is_voter(from) {
+            let a = l.acked_round_us.entry(from).or_insert(0);
+            *a = (*a).max(sent_us);
+        }
+        if self.role == RoleKind::Provisional {
+            self.update_lease();
+            return;
+        }
+        if success {
+            let m = l.matched.entry(from).or_insert(0);
+            *m = (*m).max(match_index);
+        } else {
+            // Retry from where the follower's log ends, or one below the last try.
+            let cur = l.next.get(&from).copied().unwrap_or(1);
+            let next = (match_index + 1).min(cur.saturating_sub(1)).max(1);
+            l.next.insert(from, next);
+            let floor = self.retransmit_from(from);
+            let n = next.max(if self.cfg.gets_values(from) { floor } else { 1 });
+            self.lead.as_mut().unwrap().next.insert(from, n);
+            self.send_append(from, n);
+        }
+        self.update_lease();
+    }
+
+    /// M3: the lease runs to (the newest round a majority of voters answered) + lease − drift.
+    fn update_lease(&mut self) {
+        let q = self.cfg.election_quorum();
+        let Some(l) = self.lead.as_mut() else { return };
+        let mut rounds: Vec<u64> = l.acked_round_us.values().copied().collect();
+        rounds.sort_unstable_by(|a, b| b.cmp(a));
+        let need = q.saturating_sub(1); // the leader counts itself
+        let round = if need == 0 {
+            Some(self.now)
+        } else {
+            rounds.get(need - 1).copied()
+        };
+        if let Some(r) = round {
+            let until = (r + self.p.lease_us).saturating_sub(self.p.clock_drift_us);
+            l.lease_until_us = l.lease_until_us.max(until);
+        }
+    }
+
+    fn lease_valid(&self) -> bool {
+        self.lead
+            .as_ref()
+            .is_some_and(|l| self.now < l.lease_until_us)
+    }
+
+    /// Commit: the highest index of this term held persisted by the leader and every member of
+    /// the commit quorum (M4).
+    fn advance_commit(&mut self) {
+        let Some(l) = self.lead.as_ref() else { return };
+        let quorum = self.cfg.commit_quorum(self.id);
+        let mut c = self.persisted;
+        for q in quorum {
+            if q != self.id {
+                c = c.min(l.matched.get(&q).copied().unwrap_or(0));
+            }
+        }
+        if c > self.commit && self.log.term_at(c) == Some(self.term) {
+            self.commit = c;
+        }
+    }
+
+    fn apply_committed(&mut self) {
+        while self.applied < self.commit {
+            let i = self.applied + 1;
+            let Some(Slot::Entry(e)) = self.log.slot(i).cloned() else {
+                // Backups track commit for writeback only; heads hold every committed entry.
+                assert!(
+                    self.kind == Kind::Backup || i <= self.log.base_index,
+                    "hole at {i}"
+                );
+                self.applied = i;
+                continue;
+            };
+            self.applied = i;
+            if self.kind == Kind::Backup {
+                continue;
+            }
+            if let Op::Put { key, value } = &e.op {
+                let st = e.stamp();
+                let prev = self.head.keys.insert(key.clone(), st);
+                debug_assert!(prev.is_none_or(|p| p < st));
+                if let Some(v) = value {
+                    let cur = self.head.values.get(key).map_or(Stamp::ZERO, |x| x.0);
+                    if st > cur {
+                        self.head.values.insert(key.clone(), (st, v.to_vec()));
+                    }
+                }
+                // Values of applied entries live in the value table (and on every backup).
+                if let Some(Slot::Entry(le)) = self.log.slot_mut(i) {
+                    *le = le.key_only();
+                }
+                if let Some(l) = self.lead.as_mut() {
+                    if let Some(r) = l.recovery.as_mut() {
+                        let vs = self.head.values.get(key).map_or(Stamp::ZERO, |x| x.0);
+                        if vs >= st {
+                            r.missing.remove(key);
+                        } else {
+                            r.missing.insert(key.clone());
+                        }
+                    }
+                }
+                let key = key.clone();
+                self.answer_waiting_gets(&key);
+            }
+            if let Some(l) = self.lead.as_mut() {
+                if let Some(tag) = l.pending_puts.remove(&i) {
+                    self.out.push(Output::Reply {
+                        tag,
+                        reply: ClientReply::PutOk,
+                    });
+                }
+                if l.noop_index == Some(i) {
+                    self.start_recovery_if_needed();
+                }
+            }
+        }
+    }
+
+    // ---- clients ----
+
+    fn on_client(&mut self, tag: u64, req: ClientReq) {
+        let reply = |c: &mut Self, reply| c.out.push(Output::Reply { tag, reply });
+        match &req {
+            ClientReq::Get { key } | ClientReq::Put { key, .. } => {
+                if key.is_empty() || key.len() > MAX_KEY_BYTES {
+                    return reply(
+                        self,
+                        ClientReply::Invalid(format!("key of {} bytes", key.len())),
+                    );
+                }
+            }
+        }
+        if let ClientReq::Put { value, .. } = &req {
+            if value.len() > MAX_VALUE_BYTES {
+                return reply(
+                    self,
+                    ClientReply::Invalid(format!("value of {} bytes", value.len())),
+                );
+            }
+        }
+        if !matches!(self.role, RoleKind::Leader | RoleKind::Provisional) {
+            let hint = self.leader_hint.filter(|&h| h != self.id);
+            return reply(self, ClientReply::NotLeader { hint });
+        }
+        if !self.is_serving() {
+            return reply(self, ClientReply::Unavailable);
+        }
+        match req {
+            ClientReq::Put { key, value } => {
+                let e = Entry {
+                    index: self.log.last_index() + 1,
+                    term: self.term,
+                    op: Op::Put {
+                        key,
+                        value: Some(ByteBuf::from(value)),
+                    },
+                };
+                let idx = e.index;
+                self.append_local(e);
+                self.lead.as_mut().unwrap().pending_puts.insert(idx, tag);
+                let peers: Vec<NodeId> = self.cfg.ids().filter(|&m| m != self.id).collect();
+                for p in peers {
+                    let n = self.lead.as_ref().unwrap().next[&p];
+                    self.send_append(p, n);
+                }
+            }
+            ClientReq::Get { key } => self.on_get(tag, key),
+        }
+    }
+
+    fn on_get(&mut self, tag: u64, key: Vec<u8>) {
+        if !self.lease_valid() {
+            // M3: without a live lease a newer leader may exist; never answer from here.
+            self.counters.gets_refused_no_lease += 1;
+            self.out.push(Output::Reply {
+                tag,
+                reply: ClientReply::NotLeader { hint: None },
+            });
+            return;
+        }
+        let Some(&ks) = self.head.keys.get(&key) else {
+            // Absent from the key table: never written (M18 Decide), no pull.
+            self.out.push(Output::Reply {
+                tag,
+                reply: ClientReply::Value(None),
+            });
+            return;
+        };
+        if let Some((vs, v)) = self.head.values.get(&key) {
+            if *vs == ks {
+                let v = v.clone();
+                self.out.push(Output::Reply {
+                    tag,
+                    reply: ClientReply::Value(Some(ByteBuf::from(v))),
+                });
+                return;
+            }
+        }
+        // A miss: the value is on the backups (M18). Wait for a pull.
+        let max_gets = self.p.max_pending_gets;
+        let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) else {
+            // Cannot happen: a leader with a stale value is always recovering.
+            self.out.push(Output::Reply {
+                tag,
+                reply: ClientReply::Unavailable,
+            });
+            return;
+        };
+        if r.pending_get_count >= max_gets {
+            self.out.push(Output::Reply {
+                tag,
+                reply: ClientReply::Unavailable,
+            });
+            return;
+        }
+        r.pending_get_count += 1;
+        r.pending_gets.entry(key.clone()).or_default().push(tag);
+        self.start_pull(&key);
+    }
+
+    /// Answers the Gets waiting on `key` if the local value now carries the key table's stamp.
+    fn answer_waiting_gets(&mut self, key: &[u8]) {
+        let ks = self.head.keys.get(key).copied();
+        let local = self.head.values.get(key).cloned();
+        let lease = self.lease_valid();
+        let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) else {
+            return;
+        };
+        let ok = match (ks, &local) {
+            (Some(ks), Some((vs, _))) => *vs == ks,
+            (None, _) => true,
+            _ => false,
+        };
+        if !ok {
+            return;
+        }
+        let Some(tags) = r.pending_gets.remove(key) else {
+            return;
+        };
+        r.pending_get_count -= tags.len();
+        r.stats.gets_served_after_pull += tags.len() as u64;
+        for tag in tags {
+            let reply = if !lease {
+                ClientReply::NotLeader { hint: None }
+            } else {
+                ClientReply::Value(local.as_ref().map(|(_, v)| ByteBuf::from(v.clone())))
+            };
+            self.out.push(Output::Reply { tag, reply });
+        }
+    }
+
+    // ---- live recovery (M17–M19), leader side ----
+
+    fn start_recovery_if_needed(&mut self) {
+        let pre = self.proactive.take();
+        let mut pre_installed = 0;
+        if let Some(p) = &pre {
+            for e in p.entries.values() {
+                if self.install(e) {
+                    pre_installed += 1;
+                }
+            }
+        }
+        let missing: HashSet<Vec<u8>> = self
+            .head
+            .keys
+            .iter()
+            .filter(|(k, ks)| self.head.values.get(*k).is_none_or(|(vs, _)| vs < ks))
+            .map(|(k, _)| k.clone())
+            .collect();
+        if missing.is_empty() {
+            // Nothing to pull (a fresh group, or reconciliation brought every newest value).
+            self.out.push(Output::Recovered(RecoveryStats {
+                started_us: self.now,
+                finished_us: self.now,
+                proactive_installed: pre_installed,
+                ..Default::default()
+            }));
+            return;
+        }
+        let Some(to) = self.cfg.voting_backups().next() else {
+            return;
+        };
+        let id = self.next_io_id();
+        let n = missing.len() as u64;
+        self.lead.as_mut().unwrap().recovery = Some(Recovery {
+            missing,
+            pending_gets: HashMap::new(),
+            pending_get_count: 0,
+            pulls: HashMap::new(),
+            pull_by_key: HashMap::new(),
+            // Continue the proactive stream where it stopped (the same backup log).
+            batch: match pre {
+                Some(p) if p.stream.to == to => BatchStream {
+                    id,
+                    to,
+                    cursor: p.stream.cursor,
+                    in_flight_since: None,
+                    done: p.stream.done,
+                },
+                _ => BatchStream {
+                    id,
+                    to,
+                    cursor: 0,
+                    in_flight_since: None,
+                    done: false,
+                },
+            },
+            stats: RecoveryStats {
+                started_us: self.now,
+                missing_at_start: n,
+                proactive_installed: pre_installed,
+                ..Default::default()
+            },
+        });
+    }
+
+    fn next_io_id(&mut self) -> u64 {
+        let id = self.next_io;
+        self.next_io += 1;
+        id
+    }
+
+    fn start_pull(&mut self, key: &[u8]) {
+        let max = self.p.max_pending_pulls;
+        let backups: Vec<NodeId> = self.cfg.voting_backups().collect();
+        if backups.is_empty() {
+            return;
+        }
+        let id = self.next_io_id();
+        let now = self.now;
+        let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) else {
+            return;
+        };
+        if r.pull_by_key.contains_key(key) || r.pulls.len() >= max {
+            return;
+        }
+        // Spread PriorityPulls over the backups (§5.4).
+        let to = backups[(id as usize) % backups.len()];
+        r.pulls.insert(
+            id,
+            PullState {
+                key: key.to_vec(),
+                sent_us: now,
+            },
+        );
+        r.pull_by_key.insert(key.to_vec(), id);
+        r.stats.priority_pulls += 1;
+        self.send(
+            to,
+            PeerBody::PriorityPull {
+                id,
+                key: ByteBuf::from(key.to_vec()),
+            },
+        );
+    }
+
+    /// Installs a pulled entry iff local stamp < its stamp ≤ the key table's (M18 Decide): a
+    /// pulled value never lowers a key's stamp and never runs ahead of what is committed.
+    fn install(&mut self, e: &Entry) -> bool {
+        let (Some(key), Some(v)) = (e.key(), e.value()) else {
+            return false;
+        };
+        let Some(&ks) = self.head.keys.get(key) else {
+            return false;
+        };
+        let st = e.stamp();
+        let cur = self.head.values.get(key).map_or(Stamp::ZERO, |x| x.0);
+        if !(cur < st && st <= ks) {
+            return false;
+        }
+        self.head.values.insert(key.to_vec(), (st, v.to_vec()));
+        if let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) {
+            r.stats.installed += 1;
+            if st == ks {
+                r.missing.remove(key);
+            }
+        }
+        true
+    }
+
+    fn on_priority_pull_reply(&mut self, id: u64, entries: Vec<Entry>) {
+        let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) else {
+            return;
+        };
+        let Some(p) = r.pulls.remove(&id) else { return };
+        r.pull_by_key.remove(&p.key);
+        for e in &entries {
+            self.install(e);
+        }
+        let mut keys: Vec<Vec<u8>> = entries
+            .iter()
+            .filter_map(|e| e.key().map(<[u8]>::to_vec))
+            .collect();
+        keys.push(p.key.clone());
+        keys.sort();
+        keys.dedup();
+        for k in keys {
+            self.answer_waiting_gets(&k);
+        }
+        // Still waiting (the backup had only an older version): retried by `drive_recovery`
+        // after `pull_retry_us`, never answered stale.
+    }
+
+    fn on_batch_reply(&mut self, stream: u64, entries: Vec<Entry>, next_cursor: u64, done: bool) {
+        if let Some(p) = self.proactive.as_mut() {
+            if p.stream.id == stream && p.stream.in_flight_since.is_some() {
+                p.stream.in_flight_since = None;
+                p.stream.cursor = p.stream.cursor.max(next_cursor);
+                p.stream.done = done;
+                for e in entries {
+                    let (Some(k), true) = (e.key(), e.value().is_some()) else {
+                        continue;
+                    };
+                    let newer = p.entries.get(k).is_none_or(|o| o.stamp() < e.stamp());
+                    if newer {
+                        p.bytes += e.approx_bytes();
+                        p.entries.insert(k.to_vec(), e);
+                    }
+                }
+                p.full = p.bytes >= self.p.proactive_bytes_max;
+                return;
+            }
+        }
+        let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) else {
+            return;
+        };
+        if r.batch.id != stream || r.batch.in_flight_since.is_none() {
+            return;
+        }
+        r.batch.in_flight_since = None;
+        r.batch.cursor = r.batch.cursor.max(next_cursor);
+        r.batch.done = done;
+        r.stats.batch_entries += entries.len() as u64;
+        for e in &entries {
+            self.install(e);
+        }
+        let mut keys: Vec<Vec<u8>> = entries
+            .iter()
+            .filter_map(|e| e.key().map(<[u8]>::to_vec))
+            .collect();
+        keys.sort();
+        keys.dedup();
+        for k in keys {
+            self.answer_waiting_gets(&k);
+        }
+    }
+
+    /// Keeps the BatchPull stream going (one read in flight: SIMPLIFIED rate limit, M20),
+    /// retries lost pulls, pulls what the stream left (M19) and ends recovery when nothing is
+    /// missing.
+    fn drive_recovery(&mut self) {
+        if !self.is_serving() {
+            return;
+        }
+        let now = self.now;
+        let retry = self.p.pull_retry_us;
+        let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) else {
+            return;
+        };
+        let mut sends = Vec::new();
+        if !r.batch.done {
+            let due = r.batch.in_flight_since.is_none_or(|t| now >= t + retry);
+            if due {
+                r.batch.in_flight_since = Some(now);
+                sends.push((
+                    r.batch.to,
+                    PeerBody::BatchPull {
+                        stream: r.batch.id,
+                        cursor: r.batch.cursor,
+                    },
+                ));
+            }
+        }
+        let stale: Vec<u64> = r
+            .pulls
+            .iter()
+            .filter(|(_, p)| now >= p.sent_us + retry)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut again: Vec<Vec<u8>> = Vec::new();
+        for id in stale {
+            let p = r.pulls.remove(&id).unwrap();
+            r.pull_by_key.remove(&p.key);
+            again.push(p.key);
+        }
+        // Keys with waiting Gets first, then (after the stream ends) the leftovers.
+        for k in r.pending_gets.keys() {
+            if !r.pull_by_key.contains_key(k) {
+                again.push(k.clone());
+            }
+        }
+        if r.batch.done {
+            for k in r.missing.iter().take(self.p.max_pending_pulls) {
+                if !r.pull_by_key.contains_key(k) {
+                    again.push(k.clone());
+                }
+            }
+        }
+        let finished = r.batch.done && r.missing.is_empty() && r.pending_gets.is_empty();
+        for (to, body) in sends {
+            self.send(to, body);
+        }
+        again.sort();
+        again.dedup();
+        for k in again {
+            self.start_pull(&k);
+        }
+        if finished {
+            let mut r = self.lead.as_mut().unwrap().recovery.take().unwrap();
+            r.stats.finished_us = now;
+            self.out.push(Output::Recovered(r.stats));
+        }
+    }
+
+    /// M15: the designated successor (the lowest-id voting head other than the last leader)
+    /// starts pulling once the leader has been silent for the soft timeout, and keeps one
+    /// BatchPull in flight until the stream ends or the byte cap is reached.
+    fn drive_proactive(&mut self) {
+        if self.p.soft_timeout_us == 0 || self.kind != Kind::Head {
+            return;
+        }
+        let now = self.now;
+        if self.proactive.is_none() {
+            let Some(h) = self.heard_leader_us else {
+                return;
+            };
+            let Some(last) = self.leader_hint else { return };
+            if now < h + self.p.soft_timeout_us || last == self.id {
+                return;
+            }
+            let successor = self
+                .cfg
+                .members
+                .iter()
+                .filter(|m| m.voting && m.kind == Kind::Head && m.id != last)
+                .map(|m| m.id)
+                .min();
+            if successor != Some(self.id) {
+                return;
+            }
+            let Some(to) = self.cfg.voting_backups().next() else {
+                return;
+            };
+            let id = self.next_io_id();
+            self.counters.proactive_started += 1;
+            self.proactive = Some(Proactive {
+                stream: BatchStream {
+                    id,
+                    to,
+                    cursor: 0,
+                    in_flight_since: None,
+                    done: false,
+                },
+                entries: HashMap::new(),
+                bytes: 0,
+                full: false,
+            });
+        }
+        let retry = self.p.pull_retry_us;
+        let p = self.proactive.as_mut().unwrap();
+        if p.stream.done || p.full {
+            return;
+        }
+        if p.stream.in_flight_since.is_none_or(|t| now >= t + retry) {
+            p.stream.in_flight_since = Some(now);
+            let (to, stream, cursor) = (p.stream.to, p.stream.id, p.stream.cursor);
+            self.send(to, PeerBody::BatchPull { stream, cursor });
+        }
+    }
+
+    // ---- backup side (M5–M8, M14, M17, M18) ----
+
+    fn on_request_log(&mut self, from: NodeId, index: u64) {
+        if self.kind != Kind::Backup {
+            return;
+        }
+        if index > self.log.last_index() {
+            return self.send(
+                from,
+                PeerBody::LogReply {
+                    index,
+                    entry: None,
+                    gone: false,
+                },
+            );
+        }
+        if index <= self.log.base_index {
+            return self.send(
+                from,
+                PeerBody::LogReply {
+                    index,
+                    entry: None,
+                    gone: true,
+                },
+            );
+        }
+        match self.log.slot(index).cloned() {
+            Some(Slot::Entry(e)) => {
+                // Only what is persisted counts as held (the ack rule).
+                let entry = (index <= self.persisted).then_some(e);
+                self.send(
+                    from,
+                    PeerBody::LogReply {
+                        index,
+                        entry,
+                        gone: false,
+                    },
+                );
+            }
+            Some(Slot::Flushed { term, loc: None }) => {
+                let e = Entry {
+                    index,
+                    term,
+                    op: Op::Noop,
+                };
+                self.send(
+                    from,
+                    PeerBody::LogReply {
+                        index,
+                        entry: Some(e),
+                        gone: false,
+                    },
+                );
+            }
+            Some(Slot::Flushed { loc: Some(loc), .. }) => {
+                let id = self.next_io_id();
+                self.backup
+                    .reads
+                    .insert(id, ReadFor::RequestLog { to: from, index });
+                self.out.push(Output::SsdRead {
+                    id,
+                    log: loc.log,
+                    off: loc.off,
+                    len: loc.len,
+                    class: IoClass::Priority,
+                });
+            }
+            Some(Slot::Unknown { .. }) | None => self.send(
+                from,
+                PeerBody::LogReply {
+                    index,
+                    entry: None,
+                    gone: false,
+                },
+            ),
+        }
+    }
+
+    fn on_priority_pull(&mut self, from: NodeId, id: u64, key: Vec<u8>) {
+        if self.kind != Kind::Backup {
+            return;
+        }
+        // The NVMM buffer first: the index is updated only at writeback, so an SSD-only lookup
+        // could miss the newest committed version (M18 Decide).
+        let buffered: Vec<Entry> = self
+            .log
+            .slots
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Entry(e) if e.key() == Some(&key[..]) && e.index <= self.persisted => {
+                    Some(e.clone())
+                }
+                _ => None,
+            })
+            .collect();
+        match self.backup.index.get(&key).map(|x| x.1) {
+            Some(loc) => {
+                let rid = self.next_io_id();
+                self.backup.reads.insert(
+                    rid,
+                    ReadFor::PriorityPull {
+                        to: from,
+                        id,
+                        key,
+                        buffered,
+                    },
+                );
+                self.out.push(Output::SsdRead {
+                    id: rid,
+                    log: loc.log,
+                    off: loc.off,
+                    len: loc.len,
+                    class: IoClass::Priority,
+                });
+            }
+            None => self.send(
+                from,
+                PeerBody::PriorityPullReply {
+                    id,
+                    entries: buffered,
+                },
+            ),
+        }
+    }
+
+    fn on_batch_pull(&mut self, from: NodeId, stream: u64, cursor: u64) {
+        if self.kind != Kind::Backup {
+            return;
+        }
+        let end = self.backup.durable_end;
+        if cursor >= end {
+            return self.send(
+                from,
+                PeerBody::BatchPullReply {
+                    stream,
+                    entries: vec![],
+                    next_cursor: cursor,
+                    done: true,
+                },
+            );
+        }
+        let len = (self.p.batch_pull_bytes as u64).min(end - cursor);
+        let len = len.div_ceil(PAGE_BYTES as u64) * PAGE_BYTES as u64;
+        let id = self.next_io_id();
+        self.backup.reads.insert(
+            id,
+            ReadFor::BatchPull {
+                to: from,
+                stream,
+                cursor,
+                len: len as u32,
+            },
+        );
+        self.out.push(Output::SsdRead {
+            id,
+            log: SsdLog::Hot,
+            off: cursor,
+            len: len as u32,
+            class: IoClass::Batch,
+        });
+    }
+
+    fn on_ssd_read(&mut self, id: u64, result: Result<Vec<u8>, String>) {
+        let Some(purpose) = self.backup.reads.remove(&id) else {
+            return;
+        };
+        if result.is_err() {
+            self.counters.ssd_errors += 1;
+        }
+        match purpose {
+            ReadFor::PriorityPull {
+                to,
+                id,
+                key,
+                mut buffered,
+            } => {
+                if let Ok(bytes) = &result {
+                    if let Ok(es) = page::decode_group(bytes) {
+                        buffered.extend(es);
+                    }
+                }
+                // Versions still in the buffer now (a writeback may have moved the key).
+                for s in &self.log.slots {
+                    if let Slot::Entry(e) = s {
+                        if e.key() == Some(&key[..]) && e.index <= self.persisted {
+                            buffered.push(e.clone());
+                        }
+                    }
+                }
+                // An error answers what the buffer has; the primary retries (never stale).
+                self.send(
+                    to,
+                    PeerBody::PriorityPullReply {
+                        id,
+                        entries: buffered,
+                    },
+                );
+            }
+            ReadFor::RequestLog { to, index } => {
+                let entry = result
+                    .ok()
+                    .and_then(|b| page::decode_group(&b).ok())
+                    .and_then(|es| es.into_iter().find(|e| e.index == index));
+                // A read error is not "absent": answer nothing, the leader asks again.
+                if let Some(e) = entry {
+                    let entry = Some(e);
+                    self.send(
+                        to,
+                        PeerBody::LogReply {
+                            index,
+                            entry,
+                            gone: false,
+                        },
+                    );
+                }
+            }
+            ReadFor::BatchPull {
+                to,
+                stream,
+                cursor,
+                len,
+            } => {
+                let Ok(bytes) = result else { return };
+                let used = page::whole_groups_len(&bytes);
+                if used == 0 && bytes.len() >= 4 {
+                    // A page group longer than the read: read exactly that group.
+                    let n = u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize;
+                    let glen = (4 + n).div_ceil(PAGE_BYTES) * PAGE_BYTES;
+                    if n > 0 && glen > len as usize {
+                        let rid = self.next_io_id();
+                        self.backup.reads.insert(
+                            rid,
+                            ReadFor::BatchPull {
+                                to,
+                                stream,
+                                cursor,
+                                len: glen as u32,
+                            },
+                        );
+                        self.out.push(Output::SsdRead {
+                            id: rid,
+                            log: SsdLog::Hot,
+                            off: cursor,
+                            len: glen as u32,
+                            class: IoClass::Batch,
+                        });
+                        return;
+                    }
+                }
+                let entries = page::decode_run(&bytes[..used]).unwrap_or_default();
+                let next_cursor = if used == 0 {
+                    self.backup.durable_end
+                } else {
+                    cursor + used as u64
+                };
+                let done = entries.is_empty() && next_cursor >= self.backup.durable_end;
+                self.send(
+                    to,
+                    PeerBody::BatchPullReply {
+                        stream,
+                        entries,
+                        next_cursor,
+                        done,
+                    },
+                );
+            }
+        }
+    }
+
+    /// M8: walk the buffer in order; once a batch of *committed, persisted* entries is ready
+    /// (or a partial one has waited `writeback_linger_us`), write it to SSD.
+    fn maybe_writeback(&mut self) {
+        if self.backup.wb_in_flight.is_some() {
+            return;
+        }
+        let limit = self.commit.min(self.persisted);
+        let from = self.backup.written_back_through + 1;
+        if from > limit {
+            self.backup.eligible_since_us = None;
+            return;
+        }
+        let mut bytes = 0usize;
+        let mut through = self.backup.written_back_through;
+        let mut entries = Vec::new();
+        let mut i = from;
+        while i <= limit {
+            match self.log.slot(i) {
+                Some(Slot::Entry(e)) => {
+                    // Noops are written too: the SSD log then holds every written-back index,
+                    // so a restarted backup rebuilds its recent-index ring by scanning it.
+                    bytes += e.approx_bytes();
+                    entries.push(e.clone());
+                }
+                _ => break,
+            }
+            through = i;
+            i += 1;
+            if bytes >= self.p.writeback_batch_bytes {
+                break;
+            }
+        }
+        let since = *self.backup.eligible_since_us.get_or_insert(self.now);
+        if bytes < self.p.writeback_batch_bytes && self.now < since + self.p.writeback_linger_us {
+            return;
+        }
+        self.backup.eligible_since_us = None;
+        debug_assert!(through <= self.commit, "writeback of an uncommitted entry");
+        if entries.is_empty() {
+            // Only Noops: nothing to write.
+            self.finish_writeback(through, &[]);
+            return;
+        }
+        let (buf, placed) = page::encode_batch(&entries);
+        let off = self.backup.log_end;
+        self.backup.log_end += buf.len() as u64;
+        let id = self.next_io_id();
+        self.out.push(Output::SsdWrite {
+            id,
+            log: SsdLog::Hot,
+            off,
+            bytes: buf.clone(),
+            sync: true,
+        });
+        let placed: Vec<(Entry, page::Placed)> = entries.into_iter().zip(placed).collect();
+        self.backup.wb_in_flight = Some(WbBatch {
+            id,
+            off,
+            bytes: buf,
+            placed,
+            through,
+        });
+    }
+
+    fn on_ssd_written(&mut self, id: u64, result: Result<(), String>) {
+        let Some(mut w) = self.backup.wb_in_flight.take() else {
+            return;
+        };
+        if w.id != id {
+            self.backup.wb_in_flight = Some(w);
+            return;
+        }
+        if result.is_err() {
+            // Rewrite the same bytes at the same offset: the index names these pages only
+            // after a successful, synced write.
+            self.counters.ssd_errors += 1;
+            w.id = self.next_io_id();
+            self.out.push(Output::SsdWrite {
+                id: w.id,
+                log: SsdLog::Hot,
+                off: w.off,
+                bytes: w.bytes.clone(),
+                sync: true,
+            });
+            self.backup.wb_in_flight = Some(w);
+            return;
+        }
+        self.counters.writebacks += 1;
+        let off = w.off;
+        self.backup.durable_end = self.backup.durable_end.max(off + w.bytes.len() as u64);
+        let placed: Vec<(Entry, page::Placed)> = w
+            .placed
+            .into_iter()
+            .map(|(e, p)| {
+                (
+                    e,
+                    page::Placed {
+                        off: off + p.off,
+                        len: p.len,
+                    },
+                )
+            })
+            .collect();
+        self.finish_writeback(w.through, &placed);
+    }
+
+    /// Index update (only if the new stamp ≥ the indexed one, M5), then the NVMM copies go.
+    fn finish_writeback(&mut self, through: u64, placed: &[(Entry, page::Placed)]) {
+        let mut locs: HashMap<u64, Loc> = HashMap::new();
+        for (e, p) in placed {
+            let loc = Loc {
+                log: SsdLog::Hot,
+                off: p.off,
+                len: p.len,
+            };
+            locs.insert(e.index, loc);
+            let Some(key) = e.key().map(<[u8]>::to_vec) else {
+                continue; // a Noop: in the log, not in the index
+            };
+            let st = e.stamp();
+            let newer = self.backup.index.get(&key).is_none_or(|(s, _)| *s <= st);
+            if newer {
+                self.backup.index.insert(key, (st, loc));
+            }
+        }
+        for i in self.backup.written_back_through + 1..=through {
+            if let Some(s) = self.log.slot_mut(i) {
+                let term = s.term();
+                *s = Slot::Flushed {
+                    term,
+                    loc: locs.get(&i).copied(),
+                };
+            }
+        }
+        self.backup.written_back_through = through;
+        self.out.push(Output::PmemFree {
+            region: Region::Buffer,
+            through_index: through,
+        });
+        // Forget written-back indexes past the recent-index window.
+        while self.log.slots.len() > self.p.recent_index_window_entries
+            && self.log.base_index < self.backup.written_back_through
+        {
+            let s = self.log.slots.pop_front().unwrap();
+            self.log.base_index += 1;
+            self.log.base_term = s.term();
+        }
+    }
+
+    // ---- dispatch ----
+
+    fn on_peer(&mut self, from: NodeId, msg: PeerMsg) {
+        if self.cfg.member(from).is_none() || msg.epoch != self.cfg.epoch {
+            return; // not of this configuration
+        }
+        let term = msg.term;
+        match msg.body {
+            PeerBody::RequestVote {
+                candidate,
+                last_index,
+                last_term,
+            } => {
+                if candidate == from {
+                    self.on_request_vote(from, term, last_index, last_term);
+                }
+            }
+            PeerBody::AppendEntries {
+                leader,
+                prev_index,
+                prev_term,
+                entries,
+                commit,
+                sent_us,
+            } => {
+                if leader == from && self.cfg.may_stand(from) {
+                    self.on_append(from, term, prev_index, prev_term, entries, commit, sent_us);
+                }
+            }
+            body => {
+                // Replies and pulls: a higher term deposes us; a lower one is stale.
+                if term > self.term {
+                    self.step_down(term);
+                    self.reset_election_timer();
+                }
+                let same = term == self.term;
+                match body {
+                    PeerBody::Vote {
+                        granted,
+                        last_index,
+                        last_term,
+                        in_lease,
+                    } => {
+                        if same {
+                            self.on_vote(from, granted, last_index, last_term, in_lease)
+                        } else if !granted && !in_lease && term < self.term {
+                            // An old refusal: still a fact about the backup's log.
+                        }
+                    }
+                    PeerBody::AppendAck {
+                        success,
+                        match_index,
+                        sent_us,
+                    } if same => self.on_append_ack(from, success, match_index, sent_us),
+                    PeerBody::RequestLog { index } if same => self.on_request_log(from, index),
+                    PeerBody::LogReply { index, entry, gone } if same => {
+                        self.on_log_reply(from, index, entry, gone)
+                    }
+                    PeerBody::PriorityPull { id, key } if same => {
+                        self.on_priority_pull(from, id, key.into_vec())
+                    }
+                    PeerBody::PriorityPullReply { id, entries } if same => {
+                        self.on_priority_pull_reply(id, entries)
+                    }
+                    // BatchPull streams carry data only (every entry is stamp-checked at install),
+                    // so they run across terms: a proactive pull starts in the old term.
+                    PeerBody::BatchPull { stream, cursor } => {
+                        self.on_batch_pull(from, stream, cursor)
+                    }
+                    PeerBody::BatchPullReply {
+                        stream,
+                        entries,
+                        next_cursor,
+                        done,
+                    } => self.on_batch_reply(stream, entries, next_cursor, done),
+                    // SIMPLIFIED: a backup keeps no stream state and has no GC to pause or
+                    // resume (M9, M15); no popularity placement yet (M10).
+                    PeerBody::BatchPullAbort { .. } | PeerBody::Popularity { .. } => {}
+                    _ => {}
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,325 @@
+//! Messages of the witness KV (CANDStore, paper §3–§5, Fig 5), imported by the core and by the
+//! drivers, never by each other.
+//!
+//! Every peer message travels in a [`PeerMsg`] envelope carrying the sender's Raft `term` and
+//! the configuration `epoch` it acts under, so a receiver can refuse a stale sender before it
+//! looks at the body. Timestamps are logical, `(term, index)` of the log entry that wrote the
+//! key ([`Stamp`]): the witness's key table maps each key to the stamp of its newest committed
+//! Put, and that stamp is the oracle every served value is checked against (spec M18).
+//!
+//! Encoding is postcard, as in the rest of `kv`; keys and values are `serde_bytes`.
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::pmlog::record::{NodeId, MAX_KEY_BYTES, MAX_VALUE_BYTES};
+
+/// Largest encoded peer message a decoder accepts: a BatchPull reply carries at most
+/// `BATCH_PULL_MAX_BYTES` of entries plus framing.
+pub const MAX_PEER_MSG_BYTES: usize = 4 << 20;
+/// Largest encoded client request or reply.
+pub const MAX_CLIENT_MSG_BYTES: usize = MAX_KEY_BYTES + MAX_VALUE_BYTES + 64;
+
+/// A key's logical timestamp: the (term, index) of the log entry that wrote it. Ordered by
+/// term, then index; along one Raft log both grow together, so this is also log order.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+pub struct Stamp {
+    pub term: u64,
+    pub index: u64,
+}
+
+impl Stamp {
+    /// "Never written": below every real stamp (real indexes start at 1).
+    pub const ZERO: Stamp = Stamp { term: 0, index: 0 };
+}
+
+/// What a log entry does. Single-key Put only (paper §2.4: no delete, no scan); `Noop` is the
+/// entry a new leader appends in its own term so that earlier entries commit (Raft §5.4.2).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Op {
+    Noop,
+    Put {
+        #[serde(with = "serde_bytes")]
+        key: Vec<u8>,
+        /// `None` in the copy a witness receives and keeps (key and stamp only, M4); `Some` in
+        /// the leader's and the backups' copies.
+        value: Option<serde_bytes::ByteBuf>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    pub index: u64,
+    pub term: u64,
+    pub op: Op,
+}
+
+impl Entry {
+    pub fn stamp(&self) -> Stamp {
+        Stamp {
+            term: self.term,
+            index: self.index,
+        }
+    }
+    pub fn key(&self) -> Option<&[u8]> {
+        match &self.op {
+            Op::Put { key, .. } => Some(key),
+            Op::Noop => None,
+        }
+    }
+    pub fn value(&self) -> Option<&[u8]> {
+        match &self.op {
+            Op::Put { value, .. } => value.as_deref().map(|v| v.as_slice()),
+            Op::Noop => None,
+        }
+    }
+    /// True when this copy can be sent to a backup (a Put carries its value; a Noop has none).
+    pub fn is_full(&self) -> bool {
+        match &self.op {
+            Op::Noop => true,
+            Op::Put { value, .. } => value.is_some(),
+        }
+    }
+    /// The copy a witness receives: the key and stamp, without the value (M4).
+    pub fn key_only(&self) -> Entry {
+        match &self.op {
+            Op::Noop => self.clone(),
+            Op::Put { key, .. } => Entry {
+                index: self.index,
+                term: self.term,
+                op: Op::Put {
+                    key: key.clone(),
+                    value: None,
+                },
+            },
+        }
+    }
+    /// Payload bytes, for the byte bounds of batches and replies.
+    pub fn approx_bytes(&self) -> usize {
+        24 + match &self.op {
+            Op::Noop => 0,
+            Op::Put { key, value } => key.len() + value.as_ref().map_or(0, |v| v.len()),
+        }
+    }
+}
+
+/// The envelope of every node-to-node message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerMsg {
+    /// The sender's current Raft term.
+    pub term: u64,
+    /// The configuration epoch the sender acts under (static in this version: see
+    /// `core::config`).
+    pub epoch: u64,
+    pub body: PeerBody,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PeerBody {
+    /// Leader → every member (Fig 5). Backups get full entries, witnesses key-only ones. With no
+    /// entries it is the heartbeat (M11) and renews the leader's lease.
+    AppendEntries {
+        leader: NodeId,
+        prev_index: u64,
+        prev_term: u64,
+        entries: Vec<Entry>,
+        /// The leader's commit index: a backup writes back only entries at or below it (M8).
+        commit: u64,
+        /// The leader's clock when it sent this round; echoed in the ack so the leader knows
+        /// which round a majority answered (its lease starts at that send time, M3).
+        sent_us: u64,
+    },
+    AppendAck {
+        success: bool,
+        /// On success, the highest index this follower holds *persisted* matching the leader.
+        /// On failure, the follower's last index (where the leader retries from).
+        match_index: u64,
+        sent_us: u64,
+    },
+    /// Heads only (a backup never runs, M12).
+    RequestVote {
+        candidate: NodeId,
+        last_index: u64,
+        last_term: u64,
+    },
+    Vote {
+        granted: bool,
+        /// The voter's log end, so a refused witness can adopt it (M13).
+        last_index: u64,
+        last_term: u64,
+        /// Refused only because the voter heard from a live leader within the lease (M3); such
+        /// a refusal says nothing about logs and is never adopted from.
+        in_lease: bool,
+    },
+    /// Provisional leader → voting backups (M14): the entry at `index`.
+    RequestLog {
+        index: u64,
+    },
+    /// `entry: None` = this backup holds no entry at `index` (so it was never committed, M14 ii).
+    /// `gone: true` = the index is older than the backup's recent-index window: unknown.
+    LogReply {
+        index: u64,
+        entry: Option<Entry>,
+        gone: bool,
+    },
+    /// New primary → backup (M15/M17): the next batch of the backup's SSD log from `cursor`
+    /// (a byte offset in its log; 0 = the beginning).
+    BatchPull {
+        stream: u64,
+        cursor: u64,
+    },
+    BatchPullReply {
+        stream: u64,
+        entries: Vec<Entry>,
+        next_cursor: u64,
+        /// Everything up to the log's end has been sent (a reply with no entries, as Squall).
+        done: bool,
+    },
+    /// Stop a BatchPull stream (the witness heard the primary again, M15).
+    BatchPullAbort {
+        stream: u64,
+    },
+    /// New primary → backup on a Get miss (M18): every version of `key` the backup holds in its
+    /// NVMM buffer, plus the SSD page its index names (the whole page: spatial locality).
+    PriorityPull {
+        id: u64,
+        key: serde_bytes::ByteBuf,
+    },
+    PriorityPullReply {
+        id: u64,
+        entries: Vec<Entry>,
+    },
+    /// Primary → backups, every few seconds: sampled popular keys (M10).
+    Popularity {
+        keys: Vec<serde_bytes::ByteBuf>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClientReq {
+    Get {
+        #[serde(with = "serde_bytes")]
+        key: Vec<u8>,
+    },
+    Put {
+        #[serde(with = "serde_bytes")]
+        key: Vec<u8>,
+        #[serde(with = "serde_bytes")]
+        value: Vec<u8>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClientReply {
+    /// A Get's answer (`None`: the key was never written).
+    Value(Option<serde_bytes::ByteBuf>),
+    PutOk,
+    /// This node is not the serving leader; try `hint` (the leader it last heard from) if any.
+    NotLeader {
+        hint: Option<NodeId>,
+    },
+    /// A leader that cannot serve yet (provisional, or a bound is full): retry here later.
+    Unavailable,
+    /// The Put was appended but this node lost leadership before it committed: it may or may
+    /// not take effect.
+    Indeterminate,
+    /// A malformed request (too large a key or value).
+    Invalid(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("message of {0} bytes exceeds the limit of {1} bytes")]
+    TooLarge(usize, usize),
+    #[error("malformed message: {0}")]
+    Malformed(#[from] postcard::Error),
+}
+
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    postcard::to_allocvec(msg).expect("witness messages always serialise")
+}
+
+pub fn decode_peer(bytes: &[u8]) -> Result<PeerMsg, DecodeError> {
+    if bytes.len() > MAX_PEER_MSG_BYTES {
+        return Err(DecodeError::TooLarge(bytes.len(), MAX_PEER_MSG_BYTES));
+    }
+    Ok(postcard::from_bytes(bytes)?)
+}
+
+pub fn decode_client_req(bytes: &[u8]) -> Result<ClientReq, DecodeError> {
+    if bytes.len() > MAX_CLIENT_MSG_BYTES {
+        return Err(DecodeError::TooLarge(bytes.len(), MAX_CLIENT_MSG_BYTES));
+    }
+    Ok(postcard::from_bytes(bytes)?)
+}
+
+pub fn decode_client_reply(bytes: &[u8]) -> Result<ClientReply, DecodeError> {
+    if bytes.len() > MAX_CLIENT_MSG_BYTES {
+        return Err(DecodeError::TooLarge(bytes.len(), MAX_CLIENT_MSG_BYTES));
+    }
+    Ok(postcard::from_bytes(bytes)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_messages_round_trip() {
+        let e = Entry {
+            index: 7,
+            term: 2,
+            op: Op::Put {
+                key: b"k".to_vec(),
+                value: Some(serde_bytes::ByteBuf::from(b"v".to_vec())),
+            },
+        };
+        let msgs = vec![
+            PeerBody::AppendEntries {
+                leader: 1,
+                prev_index: 6,
+                prev_term: 2,
+                entries: vec![e.clone(), e.key_only()],
+                commit: 5,
+                sent_us: 10,
+            },
+            PeerBody::Vote {
+                granted: false,
+                last_index: 9,
+                last_term: 3,
+                in_lease: false,
+            },
+            PeerBody::LogReply {
+                index: 7,
+                entry: Some(e.clone()),
+                gone: false,
+            },
+            PeerBody::PriorityPull {
+                id: 3,
+                key: serde_bytes::ByteBuf::from(b"k".to_vec()),
+            },
+        ];
+        for body in msgs {
+            let m = PeerMsg {
+                term: 4,
+                epoch: 1,
+                body,
+            };
+            assert_eq!(decode_peer(&encode(&m)).unwrap(), m);
+        }
+        assert_eq!(e.key_only().value(), None);
+        assert_eq!(e.value(), Some(&b"v"[..]));
+    }
+
+    #[test]
+    fn bad_bytes_are_an_error_not_a_panic() {
+        assert!(decode_peer(&[0xff, 0xff, 0xff]).is_err());
+        assert!(decode_client_req(&[9]).is_err());
+        let big = vec![0u8; MAX_PEER_MSG_BYTES + 1];
+        assert!(matches!(
+            decode_peer(&big),
+            Err(DecodeError::TooLarge(_, _))
+        ));
+    }
+}
