@@ -19,8 +19,9 @@
 //! configuration manager, each `handle(now_us, input)` / `take_outputs()` /
 //! `check_invariants()` — and [`leaderless::driver`] the tokio drivers: node server, CM server,
 //! async clients, structured events), and [`checker`] (a Porcupine/Knossos-style
-//! linearizability checker for per-key registers). The witness KV (CANDStore) will sit beside
-//! `leaderless` as `witness`, on the same `pmlog`.
+//! linearizability checker for per-key registers). [`witness`] is CANDStore, being built beside
+//! `leaderless`: its sans-I/O core (a Raft variant with witnesses, live recovery by pulls), the
+//! backup's storage tiers and a simulation; no driver or command runs it yet.
 
 pub mod checker;
 pub mod leaderless;
