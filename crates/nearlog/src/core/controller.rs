@@ -516,10 +516,13 @@ impl<S: MetaStore> ControllerCore<S> {
     /// The writer at `epoch` met a full region on `full`: the file grows onto a peer with room.
     fn relocate(&mut self, key: String, epoch: Epoch, full: PeerId) -> (CtlReply, bool) {
         let s = &mut self.state;
+        // Never onto a lost peer: the file would sit on a dead peer and a second loss of its
+        // set would leave no majority.
+        let lost = &self.lost;
         let free: BTreeMap<PeerId, u64> = s
             .peers
             .iter()
-            .filter(|(&id, p)| id != full && !p.draining)
+            .filter(|(&id, p)| id != full && !p.draining && !lost.contains(&id))
             .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
             .collect();
         match s.files.get_mut(&key) {
@@ -820,6 +823,9 @@ mod tests {
         c.handle(4000, CtlInput::Tick);
         assert!(!c.take_outputs().iter().any(|o| matches!(o, CtlOutput::CannotReplace { .. })));
         assert_eq!(c.state(), &before);
+        // A writer meeting a full region is not relocated onto the lost spare (4).
+        let w = c.state().files[&k].owner_epoch;
+        assert!(matches!(c.reply_to(CtlRequest::Relocate { key: k.clone(), epoch: w, full: 3 }), CtlReply::Error(e) if e.contains("no log peer has room")));
         // A new peer with room arrives: the file moves to it.
         c.handle(4500, CtlInput::Request(CtlRequest::RegisterPeer { addr: "p5".into(), region_bytes: 1000, known_as: None }));
         c.handle(4500, CtlInput::Tick);
