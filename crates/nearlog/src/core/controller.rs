@@ -109,6 +109,10 @@ pub struct ControllerCore<S: MetaStore> {
     lost: BTreeSet<PeerId>,
     /// Files whose move was handed to the driver and has not ended.
     moving: BTreeSet<String>,
+    /// Files this controller re-placed whose move is not complete: asked for again after a
+    /// failed mover even if the lost peer came back meanwhile (else the move would wait for
+    /// the writer's next open).
+    replaced: BTreeSet<String>,
     /// (peer, file) pairs already reported as [`CtlOutput::CannotReplace`].
     reported: BTreeSet<(PeerId, String)>,
 }
@@ -130,6 +134,7 @@ impl<S: MetaStore> ControllerCore<S> {
             heard_ms: BTreeMap::new(),
             lost: BTreeSet::new(),
             moving: BTreeSet::new(),
+            replaced: BTreeSet::new(),
             reported: BTreeSet::new(),
         })
     }
@@ -216,7 +221,9 @@ impl<S: MetaStore> ControllerCore<S> {
                 self.out.push(CtlOutput::PeerLost { peer: id, silent_ms: silent });
             }
         }
-        if self.lost.is_empty() {
+        let files = &self.state.files;
+        self.replaced.retain(|k| files.get(k).is_some_and(|m| !m.prev_peers.is_empty()));
+        if self.lost.is_empty() && self.replaced.is_empty() {
             return;
         }
         let before = self.state.clone();
@@ -237,8 +244,11 @@ impl<S: MetaStore> ControllerCore<S> {
                 continue;
             }
             let Some(&gone) = m.peers.iter().find(|id| lost.contains(id)) else {
-                // A pending move off a lost peer whose mover failed: ask again.
-                if let Some(&gone) = m.prev_peers.iter().find(|id| lost.contains(id)) {
+                // A pending move off a lost peer (or one we re-placed) whose mover failed:
+                // ask again.
+                let gone = m.prev_peers.iter().find(|id| lost.contains(id));
+                let gone = gone.or_else(|| m.prev_peers.iter().find(|id| !m.peers.contains(id)).filter(|_| self.replaced.contains(key)));
+                if let Some(&gone) = gone {
                     moves.push(CtlOutput::Move { key: key.clone(), lost: gone, to: gone });
                 }
                 continue;
@@ -281,6 +291,7 @@ impl<S: MetaStore> ControllerCore<S> {
         for mv in moves {
             if let CtlOutput::Move { key, .. } = &mv {
                 self.moving.insert(key.clone());
+                self.replaced.insert(key.clone());
             }
             self.out.push(mv);
         }
@@ -775,6 +786,13 @@ mod tests {
         c.handle(4100, CtlInput::MoveEnded { key: k.clone(), ok: false });
         c.handle(4200, CtlInput::Tick);
         assert_eq!(c.take_outputs(), vec![CtlOutput::Move { key: k.clone(), lost: 1, to: 1 }]);
+        // Failed again, and peer 1 is back meanwhile: the pending move is still asked for.
+        c.handle(4210, CtlInput::MoveEnded { key: k.clone(), ok: false });
+        c.handle(4220, CtlInput::Request(CtlRequest::PeerHeartbeat { peer: 1, used_bytes: 10, files: vec![file] }));
+        c.handle(4230, CtlInput::Tick);
+        let outs = c.take_outputs();
+        assert!(outs.contains(&CtlOutput::PeerBack { peer: 1 }) && outs.contains(&CtlOutput::Move { key: k.clone(), lost: 1, to: 1 }), "{outs:?}");
+        assert!(c.lost_peers().is_empty());
         // The mover (or the resumed writer) commits a Base on the new set: the move is done.
         let CtlReply::Granted(mv) = c.reply_to(CtlRequest::Move { key: k.clone() }) else { panic!() };
         assert_eq!(c.reply_to(CtlRequest::Initialized { key: k.clone(), epoch: mv.epoch }), CtlReply::Ok);
@@ -785,7 +803,6 @@ mod tests {
         // release it, is not draining, and may hold new files.
         let r = c.reply_to(CtlRequest::PeerHeartbeat { peer: 1, used_bytes: 10, files: vec![file] });
         assert_eq!(r, CtlReply::Heartbeat { release: vec![file], draining: false });
-        assert_eq!(c.take_outputs(), vec![CtlOutput::PeerBack { peer: 1 }]);
         assert!(c.state().peers[&1].live && c.lost_peers().is_empty());
         assert!(c.files_on(1).is_empty());
     }
