@@ -252,6 +252,11 @@ pub struct ControllerArgs {
     /// File holding the cluster secret [default: DIR/secret, created if missing].
     #[arg(long)]
     pub secret_file: Option<PathBuf>,
+    /// A log peer silent (no heartbeat, sent every second) for this long is lost: the
+    /// controller moves each file placed on it to a live peer with room, as `nearlog reclaim`
+    /// does, while a majority of the file's peers is live. 0: never (an operator reclaims).
+    #[arg(long, default_value_t = ::nearlog::core::controller::DEFAULT_PEER_LEASE_MS)]
+    pub peer_lease_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -283,7 +288,7 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
         NearlogCmd::Controller(a) => {
             std::fs::create_dir_all(&a.dir).with_context(|| format!("cannot create {}", a.dir.display()))?;
             let secret = ensure_secret(&a.secret_file.clone().unwrap_or_else(|| a.dir.join("secret")))?;
-            let core = ControllerCore::open(JsonFileStore::new(&a.dir))?;
+            let core = ControllerCore::open(JsonFileStore::new(&a.dir))?.with_peer_lease_ms(a.peer_lease_ms);
             let l = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
             println!("nearlog controller listening on {}", l.local_addr()?);
             tokio::select! {

@@ -3,7 +3,7 @@
 //! through a [`MetaStore`] *before* it is answered, so a controller restart loses nothing
 //! (in particular an epoch is never handed out twice).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::proto::{ControllerState, CtlReply, CtlRequest, Epoch, FileGrant, FileId, FileMeta, PeerAddr, PeerId, PeerInfo};
 use crate::store::{MetaStore, StoreError};
@@ -43,15 +43,78 @@ fn replace_peer(m: &mut FileMeta, from: PeerId, to: PeerId) {
     m.placed_at = m.epoch;
 }
 
-/// The controller: requests through [`ControllerCore::handle`], replies from
-/// [`ControllerCore::take_outputs`], [`ControllerCore::check_invariants`] after every request in
-/// debug builds. It has no clock and no timer (a peer's liveness is "registered or heartbeated
-/// since this controller started", not a timeout), so time is no input and `handle` takes none.
+/// Default of `--peer-lease-ms`: a peer silent for this long is lost (five missed heartbeats at
+/// `HEARTBEAT_INTERVAL_MS` = 1 s: one slow heartbeat on a loaded machine is not a loss).
+pub const DEFAULT_PEER_LEASE_MS: u64 = 5000;
+
+/// What the controller is told: a request, the passing of time, or the end of a move it asked for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CtlInput {
+    Request(CtlRequest),
+    /// Time passed (the driver ticks a few times per lease): leases are checked, lost peers
+    /// replaced.
+    Tick,
+    /// The driver's mover of `key` (a [`CtlOutput::Move`]) ended; on failure the next tick
+    /// asks again.
+    MoveEnded { key: String, ok: bool },
+}
+
+/// What the controller asks of its driver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CtlOutput {
+    /// The answer to a [`CtlInput::Request`] (exactly one each, in order).
+    Reply(CtlReply),
+    /// `peer` was silent past its lease: it is no longer live.
+    PeerLost { peer: PeerId, silent_ms: u64 },
+    /// A lost peer reported again (its files replaced meanwhile are not its any more).
+    PeerBack { peer: PeerId },
+    /// Move `key` onto its new placement (the same mover as `nearlog reclaim`), `lost`
+    /// replaced by `to` (`to` = `lost`: a retry of a pending move). Then
+    /// [`CtlInput::MoveEnded`].
+    Move { key: String, lost: PeerId, to: PeerId },
+    /// `key` stays on the lost `peer` (reported once per peer and file until something changes).
+    CannotReplace { peer: PeerId, key: String, reason: String },
+    /// A replacement could not be persisted: nothing changed; the next tick tries again.
+    Error(String),
+}
+
+/// The controller: inputs through [`ControllerCore::handle`] (`now_ms` from the driver's
+/// monotonic clock), outputs from [`ControllerCore::take_outputs`],
+/// [`ControllerCore::check_invariants`] after every input in debug builds.
+///
+/// Liveness is a lease per peer (ZooKeeper's ephemeral node, as SplitFT keeps its peers): a
+/// registration or heartbeat renews it; a peer silent past `peer_lease_ms` is lost and the
+/// controller replaces it on every file placed on it, the way `Reclaim` does (the old set
+/// stays the recovery set until a Base commits on the new one). A file is only re-placed while
+/// a majority of its recovery set is not lost (else no mover could recover it, and the change
+/// would only hide the loss), onto a live peer with room outside the file's sets. The lost peer
+/// is not marked draining: if it comes back (restarted empty, or after a partition) it is an
+/// ordinary peer again, and its heartbeat releases the copies it still holds of files placed
+/// elsewhere. Leases are soft state: after a controller restart every peer gets a full lease
+/// from the first tick.
 pub struct ControllerCore<S: MetaStore> {
     state: ControllerState,
     store: S,
-    /// Replies not yet taken by the driver (one per request).
-    out: Vec<CtlReply>,
+    /// Outputs not yet taken by the driver.
+    out: Vec<CtlOutput>,
+    /// The time of the last input.
+    now_ms: u64,
+    /// 0: no lease (peers are never declared lost).
+    peer_lease_ms: u64,
+    /// Time of the first input (a peer not heard since then is counted from it).
+    started_ms: Option<u64>,
+    /// When each peer last registered or heartbeated.
+    heard_ms: BTreeMap<PeerId, u64>,
+    /// Peers silent past their lease.
+    lost: BTreeSet<PeerId>,
+    /// Files whose move was handed to the driver and has not ended.
+    moving: BTreeSet<String>,
+    /// Files this controller re-placed whose move is not complete: asked for again after a
+    /// failed mover even if the lost peer came back meanwhile (else the move would wait for
+    /// the writer's next open).
+    replaced: BTreeSet<String>,
+    /// (peer, file) pairs already reported as [`CtlOutput::CannotReplace`].
+    reported: BTreeSet<(PeerId, String)>,
 }
 
 impl<S: MetaStore> ControllerCore<S> {
@@ -61,7 +124,34 @@ impl<S: MetaStore> ControllerCore<S> {
         for p in state.peers.values_mut() {
             p.live = false;
         }
-        Ok(ControllerCore { state, store, out: Vec::new() })
+        Ok(ControllerCore {
+            state,
+            store,
+            out: Vec::new(),
+            now_ms: 0,
+            peer_lease_ms: DEFAULT_PEER_LEASE_MS,
+            started_ms: None,
+            heard_ms: BTreeMap::new(),
+            lost: BTreeSet::new(),
+            moving: BTreeSet::new(),
+            replaced: BTreeSet::new(),
+            reported: BTreeSet::new(),
+        })
+    }
+
+    /// Sets the peer lease (0: peers are never declared lost, nothing is replaced automatically).
+    pub fn with_peer_lease_ms(mut self, ms: u64) -> Self {
+        self.peer_lease_ms = ms;
+        self
+    }
+
+    pub fn peer_lease_ms(&self) -> u64 {
+        self.peer_lease_ms
+    }
+
+    /// Peers silent past their lease.
+    pub fn lost_peers(&self) -> &BTreeSet<PeerId> {
+        &self.lost
     }
 
     pub fn state(&self) -> &ControllerState {
@@ -81,25 +171,141 @@ impl<S: MetaStore> ControllerCore<S> {
     }
 
 
-    /// Applies one request (its reply waits in [`ControllerCore::take_outputs`]); a change is
-    /// persisted before the reply (on a failed save the in-memory state is rolled back and the
-    /// request fails). In debug builds, then: a file's epoch never went back, and
+    /// Applies one input at `now_ms` (outputs wait in [`ControllerCore::take_outputs`]); a
+    /// change is persisted before the reply (on a failed save the in-memory state is rolled
+    /// back and the request fails). In debug builds, then: a file's epoch never went back, and
     /// [`ControllerCore::check_invariants`].
-    pub fn handle(&mut self, req: CtlRequest) {
-        let reply = self.handle_input(req);
-        self.out.push(reply);
+    pub fn handle(&mut self, now_ms: u64, input: CtlInput) {
+        self.now_ms = self.now_ms.max(now_ms);
+        self.started_ms.get_or_insert(self.now_ms);
+        match input {
+            CtlInput::Request(req) => {
+                let reply = self.handle_input(req);
+                self.out.push(CtlOutput::Reply(reply));
+            }
+            CtlInput::Tick => self.tick(),
+            CtlInput::MoveEnded { key, ok } => {
+                self.moving.remove(&key);
+                if !ok {
+                    // Its lost peer may be reported again with what stops it now.
+                    self.reported.retain(|(_, k)| *k != key);
+                }
+            }
+        }
     }
 
-    /// The replies made since the last call, in request order.
-    pub fn take_outputs(&mut self) -> Vec<CtlReply> {
+    /// The outputs made since the last call, in order.
+    pub fn take_outputs(&mut self) -> Vec<CtlOutput> {
         std::mem::take(&mut self.out)
     }
 
-    /// `handle(req)` and the one reply it made: what a server (or a simulation) does with each
-    /// request it reads.
+    /// `handle(now, Request(req))` at the last input's time, and the reply it made (other
+    /// outputs stay queued): what a simulation does with each request.
     pub fn reply_to(&mut self, req: CtlRequest) -> CtlReply {
-        self.handle(req);
-        self.out.pop().expect("a request gets one reply")
+        self.handle(self.now_ms, CtlInput::Request(req));
+        let i = self.out.iter().rposition(|o| matches!(o, CtlOutput::Reply(_))).expect("a request gets one reply");
+        let CtlOutput::Reply(r) = self.out.remove(i) else { unreachable!() };
+        r
+    }
+
+    /// Lease expiry and replacement of lost peers (see the type's doc).
+    fn tick(&mut self) {
+        if self.peer_lease_ms == 0 {
+            return;
+        }
+        let start = self.started_ms.unwrap_or(self.now_ms);
+        for (&id, p) in self.state.peers.iter_mut() {
+            let silent = self.now_ms.saturating_sub(self.heard_ms.get(&id).copied().unwrap_or(start));
+            if silent > self.peer_lease_ms && self.lost.insert(id) {
+                p.live = false;
+                self.out.push(CtlOutput::PeerLost { peer: id, silent_ms: silent });
+            }
+        }
+        let files = &self.state.files;
+        self.replaced.retain(|k| files.get(k).is_some_and(|m| !m.prev_peers.is_empty()));
+        if self.lost.is_empty() && self.replaced.is_empty() {
+            return;
+        }
+        let before = self.state.clone();
+        let mut moves = Vec::new();
+        let s = &mut self.state;
+        let lost = &self.lost;
+        // Room on live peers, charged one byte per file placed this tick (per-file sizes are
+        // not known here; the writer relocates a file that meets a full region).
+        let mut free: BTreeMap<PeerId, u64> = s
+            .peers
+            .iter()
+            .filter(|(id, p)| p.live && !p.draining && !lost.contains(id))
+            .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
+            .filter(|&(_, f)| f > 0)
+            .collect();
+        for (key, m) in s.files.iter_mut() {
+            if self.moving.contains(key) {
+                continue;
+            }
+            let Some(&gone) = m.peers.iter().find(|id| lost.contains(id)) else {
+                // A pending move off a lost peer (or one we re-placed) whose mover failed:
+                // ask again.
+                let gone = m.prev_peers.iter().find(|id| lost.contains(id));
+                let gone = gone.or_else(|| m.prev_peers.iter().find(|id| !m.peers.contains(id)).filter(|_| self.replaced.contains(key)));
+                if let Some(&gone) = gone {
+                    moves.push(CtlOutput::Move { key: key.clone(), lost: gone, to: gone });
+                }
+                continue;
+            };
+            let recovery = if m.prev_peers.is_empty() { &m.peers } else { &m.prev_peers };
+            let up = recovery.iter().filter(|id| !lost.contains(id)).count();
+            let reason = if up < recovery.len() / 2 + 1 {
+                Some(format!("only {up} of its {} recovery peers {recovery:?} are live: a majority is needed to recover it", recovery.len()))
+            } else {
+                match pick_peer(&free, m) {
+                    None => Some("no live log peer outside its set has room (start another peer)".to_string()),
+                    Some(to) => {
+                        replace_peer(m, gone, to);
+                        let f = free.get_mut(&to).unwrap();
+                        *f -= 1;
+                        if *f == 0 {
+                            free.remove(&to);
+                        }
+                        moves.push(CtlOutput::Move { key: key.clone(), lost: gone, to });
+                        None
+                    }
+                }
+            };
+            if let Some(reason) = reason {
+                if self.reported.insert((gone, key.clone())) {
+                    self.out.push(CtlOutput::CannotReplace { peer: gone, key: key.clone(), reason });
+                }
+            }
+        }
+        if moves.is_empty() {
+            return;
+        }
+        if self.state != before {
+            if let Err(e) = self.store.save(&self.state) {
+                self.state = before;
+                self.out.push(CtlOutput::Error(format!("cannot persist the replacement of lost peers: {e}")));
+                return;
+            }
+        }
+        for mv in moves {
+            if let CtlOutput::Move { key, .. } = &mv {
+                self.moving.insert(key.clone());
+                self.replaced.insert(key.clone());
+            }
+            self.out.push(mv);
+        }
+        #[cfg(debug_assertions)]
+        self.check_invariants();
+    }
+
+    /// A registration or heartbeat of `peer`: its lease renewed.
+    fn heard(&mut self, peer: PeerId) {
+        self.heard_ms.insert(peer, self.now_ms);
+        if self.lost.remove(&peer) {
+            self.reported.retain(|(p, _)| *p != peer);
+            self.out.push(CtlOutput::PeerBack { peer });
+        }
     }
 
     fn handle_input(&mut self, req: CtlRequest) -> CtlReply {
@@ -135,6 +341,10 @@ impl<S: MetaStore> ControllerCore<S> {
         if let Some(p) = s.peers.keys().find(|p| **p >= s.next_peer) {
             broken("peer ids are below next_peer", format!("peer {p}, next {}", s.next_peer));
         }
+        // A peer silent past its lease is not live.
+        if let Some(p) = self.lost.iter().find(|p| s.peers.get(p).is_some_and(|i| i.live)) {
+            broken("a lost peer is not live", format!("peer {p}"));
+        }
         let mut ids = BTreeMap::new();
         for (key, m) in &s.files {
             if m.file >= s.next_file {
@@ -161,8 +371,20 @@ impl<S: MetaStore> ControllerCore<S> {
     fn apply(&mut self, req: CtlRequest) -> (CtlReply, bool) {
         let s = &mut self.state;
         match req {
-            CtlRequest::RegisterPeer { addr, region_bytes, known_as } => self.register_peer(addr, region_bytes, known_as),
-            CtlRequest::PeerHeartbeat { peer, used_bytes, files } => self.peer_heartbeat(peer, used_bytes, files),
+            CtlRequest::RegisterPeer { addr, region_bytes, known_as } => {
+                let (reply, changed) = self.register_peer(addr, region_bytes, known_as);
+                if let CtlReply::Registered { peer } = reply {
+                    self.heard(peer);
+                }
+                (reply, changed)
+            }
+            CtlRequest::PeerHeartbeat { peer, used_bytes, files } => {
+                let (reply, changed) = self.peer_heartbeat(peer, used_bytes, files);
+                if matches!(reply, CtlReply::Heartbeat { .. }) {
+                    self.heard(peer);
+                }
+                (reply, changed)
+            }
             CtlRequest::Reclaim { peer } => self.reclaim(peer),
             CtlRequest::Move { key } => match s.files.get_mut(&key) {
                 Some(m) if !m.prev_peers.is_empty() => {
@@ -305,10 +527,13 @@ impl<S: MetaStore> ControllerCore<S> {
     /// The writer at `epoch` met a full region on `full`: the file grows onto a peer with room.
     fn relocate(&mut self, key: String, epoch: Epoch, full: PeerId) -> (CtlReply, bool) {
         let s = &mut self.state;
+        // Never onto a lost peer: the file would sit on a dead peer and a second loss of its
+        // set would leave no majority.
+        let lost = &self.lost;
         let free: BTreeMap<PeerId, u64> = s
             .peers
             .iter()
-            .filter(|(&id, p)| id != full && !p.draining)
+            .filter(|(&id, p)| id != full && !p.draining && !lost.contains(&id))
             .map(|(&id, p)| (id, p.region_bytes.saturating_sub(p.used_bytes)))
             .collect();
         match s.files.get_mut(&key) {
@@ -516,6 +741,122 @@ mod tests {
         c.store.fail_saves = true;
         assert!(matches!(c.reply_to(CtlRequest::Open { key: "k".into(), replicas: 1 }), CtlReply::Error(_)));
         assert!(c.state().files.is_empty());
+    }
+
+    /// 4 peers (lease 3000 ms) heard at t=0 and a file on 1, 2, 3 with its Base committed.
+    fn leased() -> (ControllerCore<MemStore>, String) {
+        let mut c = ControllerCore::open(MemStore::default()).unwrap().with_peer_lease_ms(3000);
+        for i in 1..=4 {
+            c.handle(0, CtlInput::Request(CtlRequest::RegisterPeer { addr: format!("p{i}"), region_bytes: 1000, known_as: None }));
+        }
+        let CtlReply::Granted(g) = c.reply_to(CtlRequest::Open { key: "k".into(), replicas: 3 }) else { panic!() };
+        assert_eq!(g.peers.iter().map(|p| p.id).collect::<Vec<_>>(), vec![1, 2, 3]);
+        c.reply_to(CtlRequest::Initialized { key: "k".into(), epoch: g.epoch });
+        c.take_outputs();
+        (c, "k".into())
+    }
+
+    fn beat(c: &mut ControllerCore<MemStore>, now: u64, peers: &[PeerId]) {
+        for &peer in peers {
+            c.handle(now, CtlInput::Request(CtlRequest::PeerHeartbeat { peer, used_bytes: 10, files: vec![] }));
+        }
+    }
+
+    #[test]
+    fn a_peer_silent_past_its_lease_is_replaced_and_comes_back_empty() {
+        let (mut c, k) = leased();
+        let file = c.state().files[&k].file;
+        // Peer 1 falls silent at t=0; the others heartbeat every second.
+        for t in (1000..=3000).step_by(1000) {
+            beat(&mut c, t, &[2, 3, 4]);
+            c.handle(t, CtlInput::Tick);
+        }
+        assert!(c.take_outputs().iter().all(|o| matches!(o, CtlOutput::Reply(_))), "within its lease: nothing");
+        beat(&mut c, 3500, &[2, 3, 4]);
+        c.handle(3500, CtlInput::Tick);
+        let outs: Vec<CtlOutput> = c.take_outputs().into_iter().filter(|o| !matches!(o, CtlOutput::Reply(_))).collect();
+        assert_eq!(outs, vec![CtlOutput::PeerLost { peer: 1, silent_ms: 3500 }, CtlOutput::Move { key: k.clone(), lost: 1, to: 4 }]);
+        let m = c.state().files[&k].clone();
+        assert_eq!((m.peers.clone(), m.prev_peers.clone()), (vec![4, 2, 3], vec![1, 2, 3]), "the old set recovers until a Base commits");
+        assert!(!c.state().peers[&1].live && !c.state().peers[&1].draining);
+        assert_eq!(c.store.saved.as_ref().unwrap().files[&k].peers, vec![4, 2, 3], "persisted");
+        // No second move while the first runs; a failed one is asked for again.
+        c.handle(4000, CtlInput::Tick);
+        assert!(c.take_outputs().is_empty());
+        c.handle(4100, CtlInput::MoveEnded { key: k.clone(), ok: false });
+        c.handle(4200, CtlInput::Tick);
+        assert_eq!(c.take_outputs(), vec![CtlOutput::Move { key: k.clone(), lost: 1, to: 1 }]);
+        // Failed again, and peer 1 is back meanwhile: the pending move is still asked for.
+        c.handle(4210, CtlInput::MoveEnded { key: k.clone(), ok: false });
+        c.handle(4220, CtlInput::Request(CtlRequest::PeerHeartbeat { peer: 1, used_bytes: 10, files: vec![file] }));
+        c.handle(4230, CtlInput::Tick);
+        let outs = c.take_outputs();
+        assert!(outs.contains(&CtlOutput::PeerBack { peer: 1 }) && outs.contains(&CtlOutput::Move { key: k.clone(), lost: 1, to: 1 }), "{outs:?}");
+        assert!(c.lost_peers().is_empty());
+        // The mover (or the resumed writer) commits a Base on the new set: the move is done.
+        let CtlReply::Granted(mv) = c.reply_to(CtlRequest::Move { key: k.clone() }) else { panic!() };
+        assert_eq!(c.reply_to(CtlRequest::Initialized { key: k.clone(), epoch: mv.epoch }), CtlReply::Ok);
+        c.handle(4300, CtlInput::MoveEnded { key: k.clone(), ok: true });
+        c.handle(4400, CtlInput::Tick);
+        assert!(c.take_outputs().is_empty(), "nothing left on the lost peer");
+        // Peer 1 comes back (after a partition, still holding its copy): it is told to
+        // release it, is not draining, and may hold new files.
+        let r = c.reply_to(CtlRequest::PeerHeartbeat { peer: 1, used_bytes: 10, files: vec![file] });
+        assert_eq!(r, CtlReply::Heartbeat { release: vec![file], draining: false });
+        assert!(c.state().peers[&1].live && c.lost_peers().is_empty());
+        assert!(c.files_on(1).is_empty());
+    }
+
+    #[test]
+    fn heartbeats_in_time_keep_every_peer_and_a_zero_lease_never_expires() {
+        let (mut c, _) = leased();
+        for t in (500..=20_000).step_by(500) {
+            beat(&mut c, t, &[1, 2, 3, 4]);
+            c.handle(t, CtlInput::Tick);
+        }
+        assert!(c.take_outputs().iter().all(|o| matches!(o, CtlOutput::Reply(_))));
+        assert_eq!(c.state().files["k"].peers, vec![1, 2, 3]);
+        let (c0, _) = leased();
+        let mut c0 = c0.with_peer_lease_ms(0);
+        c0.handle(1_000_000, CtlInput::Tick);
+        assert!(c0.take_outputs().is_empty() && c0.lost_peers().is_empty());
+    }
+
+    #[test]
+    fn no_spare_peer_or_no_live_majority_moves_nothing_and_says_why() {
+        // No spare: peer 4 is gone too.
+        let (mut c, k) = leased();
+        beat(&mut c, 3500, &[2, 3]);
+        c.handle(3500, CtlInput::Tick);
+        let before = c.state().clone();
+        let outs = c.take_outputs();
+        assert!(outs.contains(&CtlOutput::PeerLost { peer: 1, silent_ms: 3500 }) && outs.contains(&CtlOutput::PeerLost { peer: 4, silent_ms: 3500 }));
+        assert!(outs.iter().any(|o| matches!(o, CtlOutput::CannotReplace { peer: 1, key, reason } if *key == k && reason.contains("no live log peer"))), "{outs:?}");
+        assert!(!outs.iter().any(|o| matches!(o, CtlOutput::Move { .. })));
+        assert_eq!(c.state().files[&k].peers, vec![1, 2, 3]);
+        assert!(c.lost_peers().contains(&1) && !c.state().peers[&1].live);
+        // Said once, not at every tick.
+        beat(&mut c, 4000, &[2, 3]);
+        c.handle(4000, CtlInput::Tick);
+        assert!(!c.take_outputs().iter().any(|o| matches!(o, CtlOutput::CannotReplace { .. })));
+        assert_eq!(c.state(), &before);
+        // A writer meeting a full region is not relocated onto the lost spare (4).
+        let w = c.state().files[&k].owner_epoch;
+        assert!(matches!(c.reply_to(CtlRequest::Relocate { key: k.clone(), epoch: w, full: 3 }), CtlReply::Error(e) if e.contains("no log peer has room")));
+        // A new peer with room arrives: the file moves to it.
+        c.handle(4500, CtlInput::Request(CtlRequest::RegisterPeer { addr: "p5".into(), region_bytes: 1000, known_as: None }));
+        c.handle(4500, CtlInput::Tick);
+        assert!(c.take_outputs().contains(&CtlOutput::Move { key: k.clone(), lost: 1, to: 5 }));
+
+        // No live majority: peers 1 and 2 of the file lost, 4 has room: not re-placed (a mover
+        // could not recover it; the loss stays visible).
+        let (mut c, k) = leased();
+        beat(&mut c, 3500, &[3, 4]);
+        c.handle(3500, CtlInput::Tick);
+        let outs = c.take_outputs();
+        assert!(outs.iter().any(|o| matches!(o, CtlOutput::CannotReplace { peer: 1, reason, .. } if reason.contains("majority"))), "{outs:?}");
+        assert!(!outs.iter().any(|o| matches!(o, CtlOutput::Move { .. })));
+        assert_eq!(c.state().files[&k].peers, vec![1, 2, 3]);
     }
 
     /// The invariant checks can fail: a controller whose state breaks one panics naming it.

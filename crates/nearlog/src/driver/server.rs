@@ -20,7 +20,7 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::core::controller::ControllerCore;
+use crate::core::controller::{ControllerCore, CtlInput, CtlOutput};
 use crate::store::MetaStore;
 use crate::core::peer::{PeerCore, PeerInput};
 use crate::proto::{CtlReply, CtlRequest, PeerReply, PeerRequest, MAX_FRAME_BYTES};
@@ -449,9 +449,42 @@ pub async fn ctl_call(addr: &str, secret: &[u8], req: &CtlRequest) -> Result<Ctl
     wire::read_msg(&mut s, MAX_FRAME_BYTES).await
 }
 
-/// Serves the controller on `listener` until the task is dropped.
+/// How long a mover started by the controller for a lost peer's file may take before it is
+/// given up (the next tick starts another).
+pub const AUTO_MOVE_DEADLINE_MS: u64 = 60_000;
+/// Longest time between two ticks of the controller's clock (it ticks 4 times per lease).
+pub const MAX_TICK_INTERVAL_MS: u64 = 500;
+
+/// Serves the controller on `listener` until the task is dropped; ticks its clock (peer
+/// leases) and runs the moves it asks for (lost peers replaced).
 pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core: ControllerCore<S>, secret: Arc<Vec<u8>>) -> std::io::Result<()> {
     let core = Arc::new(Mutex::new(core));
+    let start = std::time::Instant::now();
+    let now_ms = move || start.elapsed().as_millis() as u64;
+    // The movers talk to this controller like any client does.
+    let mut me = listener.local_addr()?;
+    if me.ip().is_unspecified() {
+        me.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    let me = me.to_string();
+    let lease = core.lock().unwrap().peer_lease_ms();
+    if lease > 0 {
+        let (core, secret) = (core.clone(), secret.clone());
+        tokio::spawn(async move {
+            let tick = Duration::from_millis((lease / 4).clamp(1, MAX_TICK_INTERVAL_MS));
+            loop {
+                tokio::time::sleep(tick).await;
+                let outs = {
+                    let mut c = core.lock().unwrap();
+                    c.handle(now_ms(), CtlInput::Tick);
+                    c.take_outputs()
+                };
+                for o in outs {
+                    carry_out(o, &core, &me, &secret, now_ms);
+                }
+            }
+        });
+    }
     let what = format!("nearlog controller {}", listener.local_addr().map(|a| a.to_string()).unwrap_or_default());
     wire::listen::serve(listener, what, move |mut sock, from| {
         let core = core.clone();
@@ -463,7 +496,20 @@ pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core:
                     let req: CtlRequest = wire::read_msg(&mut sock, MAX_FRAME_BYTES).await?;
                     tracing::debug!(?req, "controller request");
                     // The core persists (fsync) inside the lock: changes are serialised.
-                    let rep = core.lock().unwrap().reply_to(req);
+                    let outs = {
+                        let mut c = core.lock().unwrap();
+                        c.handle(now_ms(), CtlInput::Request(req));
+                        c.take_outputs()
+                    };
+                    let mut rep = None;
+                    for o in outs {
+                        match o {
+                            CtlOutput::Reply(r) => rep = Some(r),
+                            // A request only renews leases; log what it says.
+                            other => log_output(&other),
+                        }
+                    }
+                    let rep = rep.expect("a request gets one reply");
                     wire::write_msg(&mut sock, &rep).await?;
                     sock.flush().await?;
                 }
@@ -476,6 +522,52 @@ pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core:
     })
     .await;
     Ok(()) // not reached: the accept loop runs until the task is dropped
+}
+
+/// Logs a controller output (stdout: an operator watching the controller sees each loss,
+/// replacement and refusal).
+fn log_output(o: &CtlOutput) {
+    match o {
+        CtlOutput::Reply(_) => {}
+        CtlOutput::PeerLost { peer, silent_ms } => {
+            tracing::warn!(peer, silent_ms, "log peer lost (silent past its lease)");
+            println!("nearlog controller: peer {peer} lost: silent for {silent_ms} ms, past its lease");
+        }
+        CtlOutput::PeerBack { peer } => println!("nearlog controller: peer {peer} is back (files placed elsewhere meanwhile are released)"),
+        CtlOutput::Move { key, lost, to } if lost == to => println!("nearlog controller: moving {key} off lost peer {lost} again"),
+        CtlOutput::Move { key, lost, to } => println!("nearlog controller: replacing lost peer {lost} by peer {to} for {key}"),
+        CtlOutput::CannotReplace { peer, key, reason } => {
+            tracing::warn!(peer, %key, %reason, "cannot replace a lost log peer");
+            println!("nearlog controller: {key} stays on lost peer {peer}: {reason}");
+        }
+        CtlOutput::Error(e) => {
+            tracing::error!("{e}");
+            println!("nearlog controller: {e}");
+        }
+    }
+}
+
+/// Carries out one output of a tick: a move runs on a blocking thread (the mover of `nearlog
+/// reclaim`) and reports its end back to the core.
+fn carry_out<S: MetaStore + 'static>(o: CtlOutput, core: &Arc<Mutex<ControllerCore<S>>>, me: &str, secret: &Arc<Vec<u8>>, now_ms: impl Fn() -> u64 + Send + 'static) {
+    log_output(&o);
+    let CtlOutput::Move { key, lost, .. } = o else { return };
+    let (core, me, secret) = (core.clone(), me.to_string(), secret.clone());
+    tokio::task::spawn_blocking(move || {
+        let t0 = std::time::Instant::now();
+        let deadline = t0 + Duration::from_millis(AUTO_MOVE_DEADLINE_MS);
+        let res = crate::driver::mover::move_file(&me, &secret, &key, deadline);
+        let ok = res.is_ok();
+        match res {
+            Ok(how) => println!("nearlog controller: {key} re-replicated off lost peer {lost} ({how:?}, {} ms)", t0.elapsed().as_millis()),
+            Err(e) => println!("nearlog controller: moving {key} off lost peer {lost} failed (tried again at the next tick): {e}"),
+        }
+        let mut c = core.lock().unwrap();
+        c.handle(now_ms(), CtlInput::MoveEnded { key, ok });
+        for o in c.take_outputs() {
+            log_output(&o);
+        }
+    });
 }
 
 #[cfg(test)]
