@@ -68,6 +68,8 @@ pub enum KvError {
     Refused(String),
     #[error("timed out after {0:?} (the operation may or may not have taken effect)")]
     Timeout(Duration),
+    #[error("control store: {0}")]
+    Control(#[from] control::Error),
 }
 
 pub(super) async fn handshake_client<S: AsyncRead + AsyncWrite + Unpin>(
