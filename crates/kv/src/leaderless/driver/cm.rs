@@ -370,3 +370,57 @@ pub(super) async fn cm_link(
         reader.abort();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn store(dir: &Path) -> control::Store {
+        control::Store::open(dir.to_str().unwrap(), "t", "id-1").await.unwrap()
+    }
+
+    /// The configuration goes to the store as keys under the leader's guard and comes back
+    /// whole; a write that does not follow the stored epoch is refused.
+    #[tokio::test]
+    async fn the_configuration_round_trips_through_the_store_under_the_epoch_guard() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = store(tmp.path()).await;
+        assert_eq!(load_cm_config(&s, 3).await.unwrap(), None);
+        let lead = s.campaign(CM_ELECTION, "me", Duration::from_secs(5)).await.unwrap();
+        let mut c = Config::genesis(3);
+        persist_led(&lead, &s, None, &c).await.unwrap();
+        assert_eq!(load_cm_config(&s, 3).await.unwrap().as_ref(), Some(&c));
+        c.epoch = 3;
+        c.active.remove(&1);
+        c.recovering.insert(1);
+        // Skipping epoch 2's write: the guard (the stored epoch is 1, not 2) refuses it.
+        let e = persist_led(&lead, &s, Some(2), &c).await.unwrap_err();
+        assert!(e.to_string().contains("another writer"), "{e}");
+        persist_led(&lead, &s, Some(1), &c).await.unwrap();
+        let back = load_cm_config(&s, 3).await.unwrap().unwrap();
+        assert_eq!(back, c);
+        assert_eq!(s.list(&s.prefix("kv", "node")).await.unwrap().len(), 3, "one key per node");
+        // A CM given another group size refuses the stored configuration.
+        let e = load_cm_config(&s, 5).await.unwrap_err();
+        assert!(e.to_string().contains("names nodes [0, 1, 2]"), "{e}");
+    }
+
+    /// A leader whose lease was lost cannot write the configuration: its write is refused as
+    /// deposed, and the stored configuration stays what it was.
+    #[tokio::test]
+    async fn a_deposed_leader_cannot_persist() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = store(tmp.path()).await;
+        let lead = s.campaign(CM_ELECTION, "me", Duration::from_secs(1)).await.unwrap();
+        let c = Config::genesis(3);
+        persist_led(&lead, &s, None, &c).await.unwrap();
+        lead.stop_renewing();
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let mut next = c.clone();
+        next.epoch = 2;
+        next.active.remove(&2);
+        let e = persist_led(&lead, &s, Some(1), &next).await.unwrap_err();
+        assert!(matches!(e, KvError::Control(control::Error::Deposed { .. })), "{e}");
+        assert_eq!(load_cm_config(&s, 3).await.unwrap(), Some(c));
+    }
+}
