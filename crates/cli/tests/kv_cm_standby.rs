@@ -40,6 +40,10 @@ impl Procs {
         let _ = c.wait();
     }
 
+    fn pid(&self, name: &str) -> u32 {
+        self.0.iter().find(|(n, _)| n == name).unwrap().1.id()
+    }
+
     fn alive(&mut self, name: &str) -> bool {
         self.0.iter_mut().any(|(n, c)| n == name && matches!(c.try_wait(), Ok(None)))
     }
@@ -82,14 +86,25 @@ async fn wait_leader(store: &control::Store, want: &str, timeout: Duration) -> D
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn standby_cm_takes_over_under_load_and_the_history_is_linearizable() {
+/// A 3-node group, its two CMs (cm-a leading, cm-b standing by) on a real 3-member etcd.
+struct Group {
+    procs: Procs,
+    store: control::Store,
+    client: KvCluster,
+    nodes: String,
+    sf: String,
+    tmp: tempfile::TempDir,
+    // Last: dropped after the processes that use it.
+    etcd: testbed::etcd::EtcdCluster,
+}
+
+async fn group() -> Group {
     // Started on this thread, not a blocking-pool one: the members die with the thread that
     // started them (their parent-death signal), and a pool thread ends when it is idle.
     let etcd = testbed::etcd::EtcdCluster::start(3).expect("etcd starts");
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let secret = format!("cm-standby-{}-{}", std::process::id(), Instant::now().elapsed().as_nanos());
+    let secret = format!("cm-standby-{}-{:?}", std::process::id(), std::time::SystemTime::now());
     let sf = dir.join("secret");
     std::fs::write(&sf, &secret).unwrap();
     std::fs::set_permissions(&sf, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
@@ -124,8 +139,38 @@ async fn standby_cm_takes_over_under_load_and_the_history_is_linearizable() {
     let epoch = store.get(&store.key("kv", "cm", "epoch")).await.unwrap().expect("the leader persisted its epoch");
     assert_eq!(epoch.value, b"1");
     assert_eq!(store.list(&store.prefix("kv", "node")).await.unwrap().len(), 3);
+    Group { procs, store, client: c, nodes, sf, tmp, etcd }
+}
 
-    // The load: 4 clients, puts and gets on 16 keys, every operation recorded.
+/// Operations recorded for the checker, and the clock they are timed on.
+struct Load {
+    history: Arc<Mutex<Vec<Op>>>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    t0: Instant,
+}
+
+impl Load {
+    fn us(&self) -> u64 {
+        self.t0.elapsed().as_micros() as u64
+    }
+
+    /// Stops the clients; checks the history; returns it.
+    async fn finish(self) -> Vec<Op> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.unwrap();
+        }
+        let history = self.history.lock().unwrap().clone();
+        if let Err(v) = checker::check(&history) {
+            panic!("{v}");
+        }
+        history
+    }
+}
+
+/// 4 clients, puts and gets on 16 keys, every operation recorded.
+fn load(c: &KvCluster) -> Load {
     let t0 = Instant::now();
     let us = move || t0.elapsed().as_micros() as u64;
     let history: Arc<Mutex<Vec<Op>>> = Arc::default();
@@ -154,9 +199,28 @@ async fn standby_cm_takes_over_under_load_and_the_history_is_linearizable() {
             }
         }));
     }
+    Load { history, stop, tasks, t0 }
+}
+
+/// Operations of each kind served (answered) that were called after `after_us`.
+fn served_after(history: &[Op], after_us: u64, put: bool) -> usize {
+    history.iter().filter(|o| o.call_us > after_us && o.ret_us.is_some() && matches!(o.kind, OpKind::Put(_)) == put).count()
+}
+
+/// One group at a time: two (6 processes and two etcd clusters) on a loaded 2-core machine
+/// would make each other's takeovers slow.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_cm_takes_over_under_load_and_the_history_is_linearizable() {
+    let _serial = SERIAL.lock().await;
+    let g = group().await;
+    let Group { mut procs, store, client: c, nodes, sf, tmp, etcd } = g;
+    let dir = tmp.path();
+    let l = load(&c);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let load_before = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    let killed_us = us();
+    let killed_us = l.us();
     procs.kill("cm-a");
     let takeover = wait_leader(&store, "cm-b", 3 * ELECTION_TTL + Duration::from_secs(2)).await;
     let elected_us = killed_us + takeover.as_micros() as u64;
@@ -173,19 +237,8 @@ async fn standby_cm_takes_over_under_load_and_the_history_is_linearizable() {
     assert!(procs.alive("cm-a2"), "the restarted CM exited: {}", std::fs::read_to_string(dir.join("cm-a2.log")).unwrap_or_default());
     let a2_log = std::fs::read_to_string(dir.join("cm-a2.log")).unwrap();
     assert!(a2_log.contains("standing for leadership") && !a2_log.contains("cm: leading"), "{a2_log}");
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
-
-    let history = history.lock().unwrap().clone();
-    let served_after = |put: bool| {
-        history
-            .iter()
-            .filter(|o| o.call_us > elected_us && o.ret_us.is_some() && matches!(o.kind, OpKind::Put(_)) == put)
-            .count()
-    };
-    let (puts_after, gets_after) = (served_after(true), served_after(false));
+    let history = l.finish().await;
+    let (puts_after, gets_after) = (served_after(&history, elected_us, true), served_after(&history, elected_us, false));
     assert!(puts_after > 20 && gets_after > 20, "too few operations served after the takeover: {puts_after} puts, {gets_after} gets");
     // The longest time no read returned, around the kill: the group's read pause.
     let mut reads: Vec<u64> = history.iter().filter(|o| matches!(o.kind, OpKind::Get(_))).filter_map(|o| o.ret_us).collect();
@@ -200,13 +253,46 @@ async fn standby_cm_takes_over_under_load_and_the_history_is_linearizable() {
         history.len(),
         load_before.trim()
     );
-    if let Err(v) = checker::check(&history) {
-        panic!("{v}");
-    }
     // The new leader carried on from the configuration it read (no node was lost: same epoch).
     let epoch = store.get(&store.key("kv", "cm", "epoch")).await.unwrap().unwrap();
     assert_eq!(epoch.value, b"1", "no reconfiguration was needed");
     assert!(takeover <= 3 * ELECTION_TTL, "takeover took {takeover:?}");
+    drop(procs);
+    drop(etcd);
+}
+
+/// A leader stopped (SIGSTOP) past its election lease is replaced; continued, it finds its lease
+/// lost, stops acting and stands by again, and the group's history stays linearizable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_leader_cm_steps_down_when_it_wakes() {
+    let _serial = SERIAL.lock().await;
+    let Group { mut procs, store, client: c, tmp, etcd, .. } = group().await;
+    let dir = tmp.path();
+    let l = load(&c);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let pid = procs.pid("cm-a");
+    assert!(testbed::proc::signal(pid, libc::SIGSTOP));
+    let takeover = wait_leader(&store, "cm-b", 3 * ELECTION_TTL + Duration::from_secs(2)).await;
+    // Some heartbeats of the new leader first, then the old one wakes up.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(testbed::proc::signal(pid, libc::SIGCONT));
+    let log = dir.join("cm-a.log");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !std::fs::read_to_string(&log).unwrap().contains("no longer leading") {
+        assert!(Instant::now() < deadline, "the woken CM did not step down: {}", std::fs::read_to_string(&log).unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let woke_us = l.us();
+    let until = Instant::now() + ELECTION_TTL;
+    while Instant::now() < until {
+        assert_eq!(leader(&store).await.as_deref(), Some("cm-b"), "the woken CM must stand by");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(procs.alive("cm-a"), "the woken CM exited: {}", std::fs::read_to_string(&log).unwrap());
+    let history = l.finish().await;
+    let (puts, gets) = (served_after(&history, woke_us, true), served_after(&history, woke_us, false));
+    assert!(puts > 20 && gets > 20, "too few operations served after the old leader woke: {puts} puts, {gets} gets");
+    eprintln!("paused leader: standby leads {} ms after SIGSTOP; {} ops checked", takeover.as_millis(), history.len());
     drop(procs);
     drop(etcd);
 }
