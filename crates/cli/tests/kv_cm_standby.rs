@@ -292,7 +292,7 @@ async fn a_paused_leader_cm_steps_down_when_it_wakes() {
     let history = l.finish().await;
     let (puts, gets) = (served_after(&history, woke_us, true), served_after(&history, woke_us, false));
     assert!(puts > 20 && gets > 20, "too few operations served after the old leader woke: {puts} puts, {gets} gets");
-    eprintln!("paused leader: standby leads {} ms after SIGSTOP; {} ops checked", takeover.as_millis(), history.len());
+    eprintln!("paused leader: standby leads {} ms after SIGSTOP; {} ops checked; the woken CM's log ends:\n{}", takeover.as_millis(), history.len(), testbed::proc::tail(&log, 6));
     drop(procs);
     drop(etcd);
 }

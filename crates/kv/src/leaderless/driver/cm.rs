@@ -280,11 +280,25 @@ async fn lead(cfg: &CmConfig, durable: Option<Config>, persist: Persist<'_>, epo
     };
     let mut tick = tokio::time::interval(Duration::from_micros(cfg.params.heartbeat_interval_us.max(1000)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    // A loop that did not run for this long (the process stopped, or starved) may have outlived
+    // its election lease before the renewal task could say so: it confirms its leadership in
+    // the store before it sends anything more.
+    let confirm_after = cfg.control.as_ref().map(|c| c.election_ttl / 4);
+    let mut last_turn = Instant::now();
     loop {
         tokio::select! {
             _ = tick.tick() => cm.handle(now_us(), CmInput::Tick),
             Some(a) = ack_rx.recv() => cm.handle(now_us(), CmInput::Ack(a)),
             why = async { leadership.unwrap().lost().await }, if leadership.is_some() => return Ok(why),
+        }
+        let gap = last_turn.elapsed();
+        last_turn = Instant::now();
+        if let (Some(l), Some(limit)) = (leadership, confirm_after) {
+            if gap > limit {
+                eprintln!("cm: the CM did not run for {} ms: confirming its leadership first", gap.as_millis());
+                l.txn(vec![], vec![]).await?;
+                last_turn = Instant::now();
+            }
         }
         for o in cm.take_outputs() {
             // The lease is checked before every output: a leader that may have been replaced
