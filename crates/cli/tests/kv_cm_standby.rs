@@ -184,7 +184,7 @@ fn load(c: &KvCluster) -> Load {
                 n += 1;
                 let key = format!("k{}", (n * 7 + client * 3) % 16).into_bytes();
                 let call_us = us();
-                let op = if n % 2 == 0 {
+                let op = if n.is_multiple_of(2) {
                     let val = format!("c{client}-{n}").into_bytes();
                     let r = c.put(&key, &val).await;
                     Op { client, key, call_us, ret_us: r.is_ok().then(us), kind: OpKind::Put(val) }
