@@ -2,7 +2,8 @@
 //! `kv cm --store etcd://...` processes and a 3-node group, all real processes on loopback. Under
 //! a put/get load the leading CM is killed with SIGKILL; the standby takes over (from the
 //! configuration the leader kept in etcd), the group serves again, every operation's history
-//! passes the linearizability checker, and the killed CM, restarted, stands by.
+//! passes the linearizability checker, the killed CM, restarted, stands by, and the new leader
+//! reconfigures the group through etcd when a node dies.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -227,6 +228,10 @@ async fn standby_cm_takes_over_under_load_and_the_history_is_linearizable() {
     // The load goes on after the takeover: reads need the new leader's heartbeats (leases).
     tokio::time::sleep(Duration::from_millis(2500)).await;
 
+    // The new leader carried on from the configuration it read (no node was lost: same epoch).
+    let epoch = store.get(&store.key("kv", "cm", "epoch")).await.unwrap().unwrap();
+    assert_eq!(epoch.value, b"1", "no reconfiguration was needed");
+
     // The killed CM, restarted, stands by: it does not lead for two election TTLs.
     procs.spawn("cm-a2", &cm_args("cm-a", &nodes, &sf, &etcd.url()), dir);
     let until = Instant::now() + 2 * ELECTION_TTL;
@@ -237,13 +242,33 @@ async fn standby_cm_takes_over_under_load_and_the_history_is_linearizable() {
     assert!(procs.alive("cm-a2"), "the restarted CM exited: {}", std::fs::read_to_string(dir.join("cm-a2.log")).unwrap_or_default());
     let a2_log = std::fs::read_to_string(dir.join("cm-a2.log")).unwrap();
     assert!(a2_log.contains("standing for leadership") && !a2_log.contains("cm: leading"), "{a2_log}");
+    // The new leader decides: a node killed now is removed, by a configuration written to etcd
+    // under the new leader's guard (epoch 1 -> 2), and the group goes on with two nodes.
+    let node_killed_us = l.us();
+    procs.kill("node-2");
+    let node_killed = Instant::now();
+    loop {
+        let epoch = store.get(&store.key("kv", "cm", "epoch")).await.unwrap().unwrap();
+        let n2 = store.get(&store.key("kv", "node", "00002")).await.unwrap().unwrap();
+        if epoch.value == b"2" && n2.value == b"removed" {
+            break;
+        }
+        assert!(node_killed.elapsed() < Duration::from_secs(30), "the new leader never removed node 2: epoch {:?}", String::from_utf8_lossy(&epoch.value));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let reconfigured = node_killed.elapsed();
+    let reconfigured_us = l.us();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let history = l.finish().await;
+    let (puts_then, gets_then) = (served_after(&history, reconfigured_us, true), served_after(&history, reconfigured_us, false));
+    assert!(puts_then > 20 && gets_then > 20, "too few operations served after the reconfiguration: {puts_then} puts, {gets_then} gets");
     let (puts_after, gets_after) = (served_after(&history, elected_us, true), served_after(&history, elected_us, false));
     assert!(puts_after > 20 && gets_after > 20, "too few operations served after the takeover: {puts_after} puts, {gets_after} gets");
-    // The longest time no read returned, around the kill: the group's read pause.
+    // The longest time no read returned, from the CM's kill to the node's: the read pause the
+    // takeover caused.
     let mut reads: Vec<u64> = history.iter().filter(|o| matches!(o.kind, OpKind::Get(_))).filter_map(|o| o.ret_us).collect();
     reads.sort_unstable();
-    let read_pause_ms = reads.windows(2).filter(|w| w[1] > killed_us).map(|w| w[1] - w[0]).max().unwrap_or(0) / 1000;
+    let read_pause_ms = reads.windows(2).filter(|w| w[1] > killed_us && w[0] < node_killed_us).map(|w| w[1] - w[0]).max().unwrap_or(0) / 1000;
     eprintln!(
         "kv cm takeover: standby leads {} ms after the leader's SIGKILL (election TTL {} ms, ratio {:.2}); \
          longest read pause {read_pause_ms} ms; {} ops ({puts_after} puts, {gets_after} gets after the takeover); load {}",
@@ -253,9 +278,7 @@ async fn standby_cm_takes_over_under_load_and_the_history_is_linearizable() {
         history.len(),
         load_before.trim()
     );
-    // The new leader carried on from the configuration it read (no node was lost: same epoch).
-    let epoch = store.get(&store.key("kv", "cm", "epoch")).await.unwrap().unwrap();
-    assert_eq!(epoch.value, b"1", "no reconfiguration was needed");
+    eprintln!("node 2 killed: removed by the new leader (epoch 2 in etcd) after {} ms (CM failure timeout 3000 ms)", reconfigured.as_millis());
     assert!(takeover <= 3 * ELECTION_TTL, "takeover took {takeover:?}");
     drop(procs);
     drop(etcd);
