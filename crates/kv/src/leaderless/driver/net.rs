@@ -68,7 +68,8 @@ pub enum KvError {
     Refused(String),
     #[error("timed out after {0:?} (the operation may or may not have taken effect)")]
     Timeout(Duration),
-    #[error("control store: {0}")]
+    /// The control store's errors name the store and what to do.
+    #[error(transparent)]
     Control(#[from] control::Error),
 }
 
