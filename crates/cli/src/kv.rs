@@ -35,7 +35,11 @@ pub enum KvCmd {
     /// Run the configuration manager: heartbeats, failure detection, epochs, re-adding nodes.
     ///
     /// Its configuration is durable in DIR/cm.state (replaced atomically); a restarted CM
-    /// carries on from it.
+    /// carries on from it. With --store etcd://..., run two or three CMs: they stand for
+    /// leadership in the control store, only the leader heartbeats the nodes (nodes follow
+    /// whichever CM heartbeats them: they need no CM address), its configuration is kept as
+    /// keys written under the election's guard, and a standby takes over, from that
+    /// configuration, about one --election-ttl-ms after the leader dies.
     Cm(CmArgs),
     /// Start a local group (CM + N nodes) on loopback and stay in the foreground until Ctrl-C.
     ///
@@ -159,8 +163,24 @@ pub struct CmArgs {
     /// Every node of the group: ID=ADDR,ID=ADDR,...
     #[arg(long)]
     pub nodes: String,
-    #[arg(long, value_name = "DIR")]
-    pub data: PathBuf,
+    /// Where the CM keeps its state file when it runs alone (without --store).
+    #[arg(long, value_name = "DIR", required_unless_present = "store")]
+    pub data: Option<PathBuf>,
+    /// Run with standbys on this control store (etcd://H:P[,H:P...], or an embedded
+    /// directory): only the elected CM acts. Without it: alone, on DIR/cm.state.
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
+    /// The cluster name in the control store's keys (one store may hold several clusters).
+    #[arg(long, value_name = "NAME", default_value = "kv")]
+    pub store_cluster: String,
+    /// The election lease: a leader not renewing it for this long stops acting; a standby
+    /// takes over about this long after the leader dies (etcd rounds it up to whole seconds,
+    /// and to at least its own minimum: 2 s with its default timings).
+    #[arg(long, default_value_t = 2000)]
+    pub election_ttl_ms: u64,
+    /// The name this CM gives when it leads (default: HOST:pid:PID).
+    #[arg(long, value_name = "NAME")]
+    pub advertise: Option<String>,
     #[arg(long, value_name = "FILE")]
     pub secret_file: PathBuf,
     /// Heartbeat period (the paper uses 4 ms; 10 by default to spare a shared machine).
@@ -262,24 +282,49 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
     }
 }
 
+/// The bound on message delay the CM assumes when waiting out a node's lease.
+const MAX_MESSAGE_DELAY_MS: u64 = 100;
+
 async fn cm(a: CmArgs) -> anyhow::Result<()> {
     crate::daemons::link_tls_at_start()?;
     let nodes = parse_addrs(&a.nodes)?;
     let secret = cluster_file::read_secret(&a.secret_file)?;
     anyhow::ensure!(a.failure_timeout_ms >= a.lease_ms, "--failure-timeout-ms must be at least --lease-ms");
+    let control = match &a.store {
+        None => None,
+        Some(url) => {
+            // A new leader has not heartbeated anyone yet: what keeps a node's lease from the old
+            // leader from outliving its removal is the grace before the new leader suspects
+            // anyone (see CmCore: a node never heard from is suspected only after it).
+            anyhow::ensure!(
+                a.startup_grace_ms >= a.lease_ms + MAX_MESSAGE_DELAY_MS,
+                "--startup-grace-ms must be at least --lease-ms + {MAX_MESSAGE_DELAY_MS} with --store (a new leader waits out the old one's leases)"
+            );
+            anyhow::ensure!(a.election_ttl_ms >= 1000, "--election-ttl-ms must be at least 1000 (etcd leases are whole seconds)");
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            Some(::kv::leaderless::driver::CmControl {
+                store_url: url.clone(),
+                cluster: a.store_cluster.clone(),
+                cluster_id: ::kv::leaderless::driver::cluster_id_from_secret(&secret),
+                election_ttl: Duration::from_millis(a.election_ttl_ms),
+                advertise: a.advertise.clone().unwrap_or_else(|| format!("{}:pid:{}", host.trim(), std::process::id())),
+            })
+        }
+    };
     let cfg = CmConfig {
         params: CmParams {
             heartbeat_interval_us: a.heartbeat_interval_ms * 1000,
             failure_timeout_us: a.failure_timeout_ms * 1000,
             lease_us: a.lease_ms * 1000,
-            max_message_delay_us: 100_000,
+            max_message_delay_us: MAX_MESSAGE_DELAY_MS * 1000,
             efn_min_us: a.efn_ms * 1000,
             startup_grace_us: a.startup_grace_ms * 1000,
         },
         nodes,
-        data_dir: a.data,
+        data_dir: a.data.unwrap_or_default(),
         secret,
         metrics: a.metrics,
+        control,
     };
     tokio::select! {
         r = ::kv::leaderless::driver::run_cm(cfg) => r.map_err(|e| anyhow::anyhow!(e)),

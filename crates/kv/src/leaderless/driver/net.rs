@@ -68,6 +68,9 @@ pub enum KvError {
     Refused(String),
     #[error("timed out after {0:?} (the operation may or may not have taken effect)")]
     Timeout(Duration),
+    /// The control store's errors name the store and what to do.
+    #[error(transparent)]
+    Control(#[from] control::Error),
 }
 
 pub(super) async fn handshake_client<S: AsyncRead + AsyncWrite + Unpin>(
