@@ -129,26 +129,13 @@ impl Host {
     /// processes are found by their namespace when the host is killed; spawn through
     /// [`Host::spawn`] to have the child reaped too.
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        let path = std::ffi::CString::new(self.ns_path()).expect("namespace names hold no NUL");
-        let mut c = Command::new(program);
-        // SAFETY: only async-signal-safe calls (open, setns, close) between fork and exec; the
-        // path was allocated before the fork.
-        unsafe {
-            c.pre_exec(move || {
-                let fd = libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                let r = libc::setns(fd, libc::CLONE_NEWNET);
-                let e = std::io::Error::last_os_error();
-                libc::close(fd);
-                if r != 0 {
-                    return Err(e);
-                }
-                Ok(())
-            });
-        }
-        c
+        command_in(&self.ns, program.as_ref())
+    }
+
+    /// An owned handle on this host for [`crate::etcd::EtcdCluster::start_with`] (and anything
+    /// else that outlives the borrow of the bed): it starts programs and opens sockets here.
+    pub fn place(&self) -> HostPlace {
+        HostPlace { ns: self.ns.clone() }
     }
 
     /// Spawns `cmd` (made by [`Host::command`]) and keeps the child, so it is reaped when the
@@ -165,19 +152,7 @@ impl Host {
     /// process of the host: [`Hosts::kill_host`] does not close such sockets, the cut link
     /// silences them.
     pub fn run_in<T: Send>(&self, f: impl FnOnce() -> T + Send) -> anyhow::Result<T> {
-        let fd = failover::netns::open(&self.ns)?;
-        std::thread::scope(|s| {
-            let h = s.spawn(move || {
-                use std::os::fd::AsRawFd;
-                // Only this thread changes namespace (allowed for network namespaces in a
-                // multi-threaded process); it ends with `f`.
-                failover::netns::enter(fd.as_raw_fd()).map(|_| f())
-            });
-            match h.join() {
-                Ok(r) => r.with_context(|| format!("cannot enter namespace {}", self.ns)),
-                Err(p) => std::panic::resume_unwind(p),
-            }
-        })
+        run_in_ns(&self.ns, f)
     }
 
     /// Live processes of this host (whose `/proc/PID/ns/net` is its namespace).
@@ -197,6 +172,72 @@ impl Host {
             let _ = c.wait();
         }
         Ok(killed)
+    }
+}
+
+/// [`Host::command`] for the namespace named `ns`.
+fn command_in(ns: &str, program: &std::ffi::OsStr) -> Command {
+    let path = std::ffi::CString::new(format!("/run/netns/{ns}")).expect("namespace names hold no NUL");
+    let mut c = Command::new(program);
+    // SAFETY: only async-signal-safe calls (open, setns, close) between fork and exec; the
+    // path was allocated before the fork.
+    unsafe {
+        c.pre_exec(move || {
+            let fd = libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let r = libc::setns(fd, libc::CLONE_NEWNET);
+            let e = std::io::Error::last_os_error();
+            libc::close(fd);
+            if r != 0 {
+                return Err(e);
+            }
+            Ok(())
+        });
+    }
+    c
+}
+
+/// [`Host::run_in`] for the namespace named `ns`.
+fn run_in_ns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> anyhow::Result<T> {
+    let fd = failover::netns::open(ns)?;
+    std::thread::scope(|s| {
+        let h = s.spawn(move || {
+            use std::os::fd::AsRawFd;
+            // Only this thread changes namespace (allowed for network namespaces in a
+            // multi-threaded process); it ends with `f`.
+            failover::netns::enter(fd.as_raw_fd()).map(|_| f())
+        });
+        match h.join() {
+            Ok(r) => r.with_context(|| format!("cannot enter namespace {ns}")),
+            Err(p) => std::panic::resume_unwind(p),
+        }
+    })
+}
+
+/// A host by its namespace's name, owned: what [`Host::place`] gives out. Like
+/// [`Host::command`], it finds the namespace by name when used, so after a
+/// [`Hosts::restart_host`] it starts programs in the new one.
+#[derive(Clone, Debug)]
+pub struct HostPlace {
+    ns: String,
+}
+
+impl crate::etcd::Place for HostPlace {
+    fn command(&self, program: &std::ffi::OsStr) -> Command {
+        command_in(&self.ns, program)
+    }
+
+    fn connect(&self, to: std::net::SocketAddr, timeout: Duration) -> std::io::Result<std::net::TcpStream> {
+        run_in_ns(&self.ns, || std::net::TcpStream::connect_timeout(&to, timeout)).map_err(std::io::Error::other)?
+    }
+}
+
+/// An etcd member on this host, listening on its address.
+impl From<&Host> for crate::etcd::MemberPlace {
+    fn from(h: &Host) -> Self {
+        crate::etcd::MemberPlace::new(h.addr.to_string(), std::sync::Arc::new(h.place()))
     }
 }
 

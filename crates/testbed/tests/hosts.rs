@@ -8,6 +8,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use testbed::etcd::{EtcdCluster, MemberPlace};
 use testbed::hosts::{self, HostState, Hosts};
 use testbed::proc;
 
@@ -213,70 +214,14 @@ fn beds_of_a_killed_test_run_are_swept() {
 
 // ---- a real etcd cluster, one member per host ----
 
-/// etcd's client and peer ports: every host has its own address, so the defaults never clash.
-const CLIENT_PORT: u16 = 2379;
-const PEER_PORT: u16 = 2380;
-/// Bounds for what takes about one election timeout (1 s) on an idle machine.
+/// Bounds for what takes about one election timeout (0.5 s) on an idle machine.
 const ELECTION_BOUND: Duration = Duration::from_secs(20);
 const START_BOUND: Duration = Duration::from_secs(30);
-const ETCDCTL_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// Starts member `i` on host `i` (kept small and here on purpose: `testbed::etcd`, the loopback
-/// launcher, is written beside this; the two are to be unified).
-fn start_etcd(bed: &Hosts, i: usize, dir: &std::path::Path) -> u32 {
-    let h = bed.host(i);
-    let url = |j: usize, port: u16| format!("http://{}:{port}", bed.addr(j));
-    let cluster: Vec<String> = (0..bed.len()).map(|j| format!("m{j}={}", url(j, PEER_PORT))).collect();
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(format!("m{i}.log"))).unwrap();
-    let mut c = h.command("/usr/bin/etcd");
-    c.args(["--name", &format!("m{i}")])
-        .arg("--data-dir")
-        .arg(dir.join(format!("m{i}.etcd")))
-        .args(["--listen-peer-urls", &url(i, PEER_PORT), "--initial-advertise-peer-urls", &url(i, PEER_PORT)])
-        .args(["--listen-client-urls", &url(i, CLIENT_PORT), "--advertise-client-urls", &url(i, CLIENT_PORT)])
-        .args(["--initial-cluster", &cluster.join(","), "--initial-cluster-state", "new", "--initial-cluster-token", bed.name()])
-        .args(["--heartbeat-interval", "100", "--election-timeout", "1000", "--logger", "zap"])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log);
-    proc::own_group_dying_with_parent(&mut c, libc::SIGKILL);
-    h.spawn(&mut c).unwrap()
-}
-
-/// `etcdctl ARGS` run on host `on` against the members on `members`; stdout, or the error.
-fn etcdctl(bed: &Hosts, on: usize, members: &[usize], args: &[&str]) -> Result<String, String> {
-    let eps: Vec<String> = members.iter().map(|j| format!("http://{}:{CLIENT_PORT}", bed.addr(*j))).collect();
-    let mut c = bed.host(on).command("/usr/bin/etcdctl");
-    c.env("ETCDCTL_API", "3").arg(format!("--endpoints={}", eps.join(","))).args(["--dial-timeout=1s", "--command-timeout=2s"]).args(args);
-    match proc::output_bounded(&mut c, ETCDCTL_TIMEOUT) {
-        Ok(o) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).into_owned()),
-        Ok(o) => Err(format!("{}: {}", proc::describe_status(o.status), String::from_utf8_lossy(&o.stderr).trim())),
-        Err(e) => Err(format!("{e:#}")),
-    }
-}
-
-/// The host of the leader all of `members` agree on (asked from host `on`), if they do.
-fn leader(bed: &Hosts, on: usize, members: &[usize]) -> Option<usize> {
-    let out = etcdctl(bed, on, members, &["endpoint", "status", "-w", "json"]).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&out).ok()?;
-    let statuses = v.as_array()?;
-    if statuses.len() != members.len() {
-        return None;
-    }
-    let mut leaders = statuses.iter().map(|s| s["Status"]["leader"].as_u64());
-    let l = leaders.next()??;
-    if l == 0 || !leaders.all(|x| x == Some(l)) {
-        return None;
-    }
-    let s = statuses.iter().find(|s| s["Status"]["header"]["member_id"].as_u64() == Some(l))?;
-    let ep = s["Endpoint"].as_str()?;
-    members.iter().copied().find(|j| ep == format!("http://{}:{CLIENT_PORT}", bed.addr(*j)))
-}
-
-fn wait_leader(bed: &Hosts, on: usize, members: &[usize], bound: Duration, what: &str) -> (usize, Duration) {
+fn wait_leader(etcd: &EtcdCluster, on: usize, members: &[usize], bound: Duration, what: &str) -> (usize, Duration) {
     let t0 = Instant::now();
     let mut found = None;
-    assert!(eventually(bound, || { found = leader(bed, on, members); found.is_some() }), "{what}: no leader among {members:?} within {bound:?}");
+    assert!(eventually(bound, || { found = etcd.leader(on, members); found.is_some() }), "{what}: no leader among {members:?} within {bound:?}");
     (found.unwrap(), t0.elapsed())
 }
 
@@ -290,33 +235,35 @@ fn etcd_cluster_survives_the_loss_of_its_leaders_host_and_a_partition() {
     if skip() {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
     let bed = Hosts::create(3).unwrap();
     let all = [0, 1, 2];
-    let mut members: Vec<u32> = all.iter().map(|i| start_etcd(&bed, *i, dir.path())).collect();
-    let (dead, t) = wait_leader(&bed, 0, &all, START_BOUND, "start");
+    // Member i on host i, at the host's address.
+    let mut etcd = EtcdCluster::start_with(bed.hosts().iter().map(MemberPlace::from).collect()).unwrap();
+    let mut members: Vec<u32> = all.iter().map(|i| etcd.pid(*i).unwrap()).collect();
+    let (dead, t) = wait_leader(&etcd, 0, &all, START_BOUND, "start");
     eprintln!("cluster up, leader on host {dead} after {t:?}");
-    etcdctl(&bed, 0, &all, &["put", "k1", "v1"]).unwrap();
+    etcd.etcdctl(0, &all, &["put", "k1", "v1"]).unwrap();
 
     // The leader's machine is lost.
     bed.kill_host(dead).unwrap();
     let rest: Vec<usize> = all.iter().copied().filter(|j| *j != dead).collect();
     let on = rest[0];
     let t0 = Instant::now();
-    let (new, _) = wait_leader(&bed, on, &rest, ELECTION_BOUND, "after the leader's host died");
+    let (new, _) = wait_leader(&etcd, on, &rest, ELECTION_BOUND, "after the leader's host died");
     assert_ne!(new, dead);
-    assert!(eventually(ELECTION_BOUND, || etcdctl(&bed, on, &rest, &["put", "k2", "v2"]).is_ok()), "no put served after the leader's host died");
-    let got = etcdctl(&bed, on, &rest, &["get", "k2", "--print-value-only"]).unwrap();
+    assert!(eventually(ELECTION_BOUND, || etcd.etcdctl(on, &rest, &["put", "k2", "v2"]).is_ok()), "no put served after the leader's host died");
+    let got = etcd.etcdctl(on, &rest, &["get", "k2", "--print-value-only"]).unwrap();
     assert_eq!(got.trim(), "v2");
-    assert_eq!(etcdctl(&bed, on, &rest, &["get", "k1", "--print-value-only"]).unwrap().trim(), "v1", "an acknowledged write survived");
+    assert_eq!(etcd.etcdctl(on, &rest, &["get", "k1", "--print-value-only"]).unwrap().trim(), "v1", "an acknowledged write survived");
     eprintln!("leader host {dead} killed: new leader on {new}, put+get served {:?} after the kill", t0.elapsed());
 
     // The machine reboots with its disk: the member restarts from its data directory.
     bed.restart_host(dead).unwrap();
-    members.push(start_etcd(&bed, dead, dir.path()));
-    let (p, _) = wait_leader(&bed, on, &all, START_BOUND, "after the restart");
+    etcd.restart(dead).unwrap();
+    members.push(etcd.pid(dead).unwrap());
+    let (p, _) = wait_leader(&etcd, on, &all, START_BOUND, "after the restart");
     assert!(
-        eventually(START_BOUND, || etcdctl(&bed, dead, &[dead], &["get", "k2", "--print-value-only", "--consistency=s"]).is_ok_and(|v| v.trim() == "v2")),
+        eventually(START_BOUND, || etcd.etcdctl(dead, &[dead], &["get", "k2", "--print-value-only", "--consistency=s"]).is_ok_and(|v| v.trim() == "v2")),
         "the restarted member did not catch up"
     );
 
@@ -325,24 +272,24 @@ fn etcd_cluster_survives_the_loss_of_its_leaders_host_and_a_partition() {
     let rest: Vec<usize> = all.iter().copied().filter(|j| *j != p).collect();
     let on = rest[0];
     let t0 = Instant::now();
-    assert!(eventually(ELECTION_BOUND, || etcdctl(&bed, on, &rest, &["put", "k3", "v3"]).is_ok()), "no put served through the majority side");
+    assert!(eventually(ELECTION_BOUND, || etcd.etcdctl(on, &rest, &["put", "k3", "v3"]).is_ok()), "no put served through the majority side");
     eprintln!("leader host {p} partitioned: put served {:?} after the cut", t0.elapsed());
-    let r = etcdctl(&bed, p, &[p], &["get", "k3"]);
+    let r = etcd.etcdctl(p, &[p], &["get", "k3"]);
     assert!(r.is_err(), "the partitioned member served a linearizable read: {r:?}");
-    let stale = etcdctl(&bed, p, &[p], &["get", "k3", "--print-value-only", "--consistency=s"]).unwrap();
+    let stale = etcd.etcdctl(p, &[p], &["get", "k3", "--print-value-only", "--consistency=s"]).unwrap();
     assert_eq!(stale.trim(), "", "the partitioned member has a write made after the cut");
-    let (l, _) = wait_leader(&bed, on, &rest, ELECTION_BOUND, "majority side");
+    let (l, _) = wait_leader(&etcd, on, &rest, ELECTION_BOUND, "majority side");
     assert_ne!(l, p);
 
     // Healed: it catches up, reads linearizably again, and one leader is left.
     bed.heal(p).unwrap();
     let t0 = Instant::now();
     assert!(
-        eventually(ELECTION_BOUND, || etcdctl(&bed, p, &[p], &["get", "k3", "--print-value-only"]).is_ok_and(|v| v.trim() == "v3")),
+        eventually(ELECTION_BOUND, || etcd.etcdctl(p, &[p], &["get", "k3", "--print-value-only"]).is_ok_and(|v| v.trim() == "v3")),
         "the healed member did not catch up"
     );
     eprintln!("healed host {p} caught up {:?} after the heal", t0.elapsed());
-    wait_leader(&bed, p, &all, ELECTION_BOUND, "after the heal");
+    wait_leader(&etcd, p, &all, ELECTION_BOUND, "after the heal");
     let name = bed.name().to_string();
     drop(bed);
     assert_eq!(bed_namespaces(&name), Vec::<String>::new());
