@@ -546,10 +546,13 @@ pub struct Counters {
     pub proactive_aborted: u64,
 }
 
+#[derive(Clone)]
 enum Deferred {
     Send(NodeId, PeerMsg),
 }
 
+/// `Clone` so a model checker can branch on a core's state (tests/model_check_witness.rs).
+#[derive(Clone)]
 pub struct WitnessCore {
     id: NodeId,
     kind: Kind,
