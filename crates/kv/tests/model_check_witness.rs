@@ -159,6 +159,8 @@ struct St {
     acked: BTreeSet<(Vec<u8>, Vec<u8>)>,
     /// Ghost: the leader of each term (from `Role` outputs).
     leaders: BTreeMap<u64, NodeId>,
+    /// A Get was answered with a value by a node elected after a crash.
+    served_after_failover: bool,
     /// The first violation seen while carrying out an input: (property, why).
     violation: Option<(&'static str, String)>,
 }
@@ -225,6 +227,7 @@ impl Hash for St {
         }
         (&self.client, self.puts, self.gets, self.crashes, self.drops, self.ticks).hash(h);
         (&self.cands, &self.indet, &self.acked, &self.leaders, &self.violation).hash(h);
+        self.served_after_failover.hash(h);
     }
 }
 
@@ -302,6 +305,8 @@ const P_READ: &str = "read safety: a Get returns the newest acked or an indeterm
 const P_MONO: &str = "install monotone: no key or value stamp goes down";
 const P_LEASE: &str = "lease safety: no two live leaders with unexpired leases";
 const P_CORE: &str = "the core's own invariants";
+/// Reached by the random walks (asserted): the crash, a new leader, and a Get answered by it.
+const S_FAILOVER: &str = "a Get is answered by a witness elected after the primary's crash";
 
 fn set_violation(s: &mut St, prop: &'static str, why: String) {
     if s.violation.is_none() {
@@ -348,6 +353,7 @@ impl Check {
             indet: [BTreeSet::new(), BTreeSet::new()],
             acked: BTreeSet::new(),
             leaders: BTreeMap::new(),
+            served_after_failover: false,
             violation: None,
         };
         // The boot script: 1 ms steps, everything delivered and persisted, until node 0 serves.
@@ -500,6 +506,9 @@ impl Check {
                 s.acked.insert((KEYS[k].to_vec(), v));
             }
             (ClientOp::Get(k), ClientReply::Value(x)) => {
+                if s.crashes > 0 && id != 0 {
+                    s.served_after_failover = true;
+                }
                 let x = x.map(|b| b.into_vec());
                 if !s.cands[k].contains(&x) {
                     let why = format!(
@@ -692,6 +701,7 @@ impl SrModel for Check {
             Property::always(P_MONO, |_, s: &St| !viol(s, P_MONO)),
             Property::always(P_LEASE, |m: &Check, s: &St| m.lease_ok(s)),
             Property::always(P_CORE, |_, s: &St| !viol(s, P_CORE)),
+            Property::sometimes(S_FAILOVER, |_, s: &St| s.served_after_failover),
         ]
     }
 }
@@ -713,10 +723,59 @@ fn default_bounds() -> Bounds {
     }
 }
 
+/// Walks go deeper than the BFS: more Gets (some after the failover) and more ticks.
+fn walk_bounds() -> Bounds {
+    Bounds {
+        gets: env_u("MODEL_GETS", 4) as u8,
+        ticks: env_u("MODEL_TICKS", 12) as u8,
+        ..default_bounds()
+    }
+}
+
 fn crash_nodes() -> Vec<NodeId> {
     match std::env::var("MODEL_CRASH_NODES") {
         Ok(v) => v.split(',').filter_map(|x| x.trim().parse().ok()).collect(),
         Err(_) => vec![0],
+    }
+}
+
+/// Random walks that favour progress (delivery, persistence) over new client operations,
+/// ticks and faults, so a walk usually lets one step finish before the next fault: uniform
+/// choice spends the tick and crash budgets before anything is committed. Seeded: a failure
+/// reproduces with its `MODEL_SEED`.
+#[derive(Clone)]
+struct Weighted;
+
+impl stateright::Chooser<Check> for Weighted {
+    type State = u64;
+    fn new_state(&self, seed: u64) -> u64 {
+        seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
+    }
+    fn choose_initial_state(&self, _: &mut u64, _: &[St]) -> usize {
+        0
+    }
+    fn choose_action(&self, rng: &mut u64, _: &St, actions: &[Action]) -> usize {
+        let w = |a: &Action| -> u64 {
+            match a {
+                Action::Deliver(..) | Action::Persist(_) => 12,
+                Action::Tick(_, Jump::Small) => 3,
+                Action::Get(..) => 2,
+                _ => 1,
+            }
+        };
+        let total: u64 = actions.iter().map(w).sum();
+        // xorshift64
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        let mut x = *rng % total;
+        for (i, a) in actions.iter().enumerate() {
+            if x < w(a) {
+                return i;
+            }
+            x -= w(a);
+        }
+        actions.len() - 1
     }
 }
 
@@ -740,7 +799,7 @@ fn run(name: &str, m: Check, search: Search) -> Found {
             format!("random walks seed {seed}"),
             Box::new(
                 b.target_state_count(n)
-                    .spawn_simulation(seed, stateright::UniformChooser)
+                    .spawn_simulation(seed, Weighted)
                     .join(),
             ),
         ),
@@ -794,7 +853,7 @@ fn check(cfg: Config, fault: WitnessFault, bounds: Bounds) -> Check {
 }
 
 fn assert_clean(found: &Found, what: &str) {
-    if let Some((name, why)) = found.iter().next() {
+    if let Some((name, why)) = found.iter().find(|(n, _)| **n != S_FAILOVER) {
         panic!("{what}: property {name:?} violated: {why}");
     }
 }
@@ -804,11 +863,16 @@ fn assert_clean(found: &Found, what: &str) {
 #[test]
 fn model_check_witness_pbw() {
     let m = check(Config::standard(1, 1), WitnessFault::None, default_bounds());
-    let found = run("P+B+W", m.clone(), Search::Bfs(env_u("MODEL_DEPTH", 9)));
+    let found = run("P+B+W", m.clone(), Search::Bfs(env_u("MODEL_DEPTH", 7)));
     assert_clean(&found, "P+B+W BFS");
     let seed = env_u("MODEL_SEED", 1) as u64;
-    let found = run("P+B+W", m, Search::Walks(env_u("MODEL_SIM_STATES", 20_000), seed));
+    let m = check(Config::standard(1, 1), WitnessFault::None, walk_bounds());
+    let found = run("P+B+W", m, Search::Walks(env_u("MODEL_SIM_STATES", 100_000), seed));
     assert_clean(&found, "P+B+W random walks");
+    assert!(
+        found.contains_key(S_FAILOVER),
+        "no walk reached a Get served by the new primary after the crash"
+    );
 }
 
 /// A majority commit quorum (leader + the witness) acknowledges a Put the backup never holds.
@@ -833,4 +897,24 @@ fn model_check_witness_finds_majority_quorum() {
     // The same bounds with the correct core: nothing.
     let m = check(Config::standard(1, 1), WitnessFault::None, b);
     assert_clean(&run("majority quorum, correct core", m, Search::Bfs(10)), "correct core");
+}
+
+/// A pulled value installed without its stamp check (taken as the key's current value): the
+/// new primary serves a version older than an acknowledged Put. Seeded random walks.
+#[test]
+fn model_check_witness_finds_install_without_stamp_check() {
+    let b = walk_bounds();
+    let m = check(Config::standard(1, 1), WitnessFault::InstallWithoutStampCheck, b);
+    let seed = env_u("MODEL_SEED", 1) as u64;
+    let found = run(
+        "install without stamp check",
+        m,
+        Search::Walks(env_u("MODEL_SIM_STATES", 100_000), seed),
+    );
+    let why = found
+        .get(P_READ)
+        .unwrap_or_else(|| panic!("an unchecked install went unnoticed: {:?}", found.keys()));
+    if std::env::var("MODEL_VERBOSE").is_ok() {
+        eprintln!("{why}");
+    }
 }
