@@ -65,7 +65,9 @@ fn params(fault: WitnessFault) -> Params {
         election_jitter_us: 20 * MS,
         lease_us: 100 * MS,
         clock_drift_us: 10 * MS,
-        writeback_linger_us: 5 * MS,
+        // Longer than a soft jump: a proactive pull right after a commit finds the newest
+        // version still in the backup's NVMM buffer, not yet in the SSD log it reads.
+        writeback_linger_us: 40 * MS,
         pull_retry_us: 5 * MS,
         soft_timeout_us: 30 * MS,
         fault,
@@ -93,6 +95,8 @@ impl Jump {
 
 #[derive(Clone, Copy, Debug)]
 struct Bounds {
+    /// Keys the client uses (1: every Put overwrites the same key).
+    keys: usize,
     puts: u8,
     gets: u8,
     crashes: u8,
@@ -199,12 +203,7 @@ fn hash_core<H: Hasher>(c: &WitnessCore, h: &mut H) {
     )
         .hash(h);
     for k in KEYS {
-        (
-            c.key_stamp(k),
-            c.local_value(k),
-            c.backup_index_stamp(k),
-        )
-            .hash(h);
+        (c.key_stamp(k), c.local_value(k), c.backup_index_stamp(k)).hash(h);
     }
 }
 
@@ -225,8 +224,23 @@ impl Hash for St {
         for (f, t, b) in &self.net {
             (f, t, timeless(b)).hash(h);
         }
-        (&self.client, self.puts, self.gets, self.crashes, self.drops, self.ticks).hash(h);
-        (&self.cands, &self.indet, &self.acked, &self.leaders, &self.violation).hash(h);
+        (
+            &self.client,
+            self.puts,
+            self.gets,
+            self.crashes,
+            self.drops,
+            self.ticks,
+        )
+            .hash(h);
+        (
+            &self.cands,
+            &self.indet,
+            &self.acked,
+            &self.leaders,
+            &self.violation,
+        )
+            .hash(h);
         self.served_after_failover.hash(h);
     }
 }
@@ -257,7 +271,8 @@ impl fmt::Debug for St {
                                 "{}: key {:?} value {:?}",
                                 k[0] as char,
                                 c.key_stamp(k),
-                                c.local_value(k).map(|(s, v)| (s, String::from_utf8_lossy(v)))
+                                c.local_value(k)
+                                    .map(|(s, v)| (s, String::from_utf8_lossy(v)))
                             )
                         })
                         .collect();
@@ -275,12 +290,25 @@ impl fmt::Debug for St {
             writeln!(
                 f,
                 "    nvmm {:?} pending {} written back {:?}",
-                n.nvmm.values().map(|e| (e.index, e.key().map(|k| k[0] as char), e.value().map(String::from_utf8_lossy))).collect::<Vec<_>>(),
+                n.nvmm
+                    .values()
+                    .map(|e| (
+                        e.index,
+                        e.key().map(|k| k[0] as char),
+                        e.value().map(String::from_utf8_lossy)
+                    ))
+                    .collect::<Vec<_>>(),
                 n.pending.len(),
                 n.written_back.len()
             )?;
         }
-        writeln!(f, "  net {} msgs, client {:?}, acked {:?}", self.net.len(), self.client, self.acked)?;
+        writeln!(
+            f,
+            "  net {} msgs, client {:?}, acked {:?}",
+            self.net.len(),
+            self.client,
+            self.acked
+        )?;
         if let Some(v) = &self.violation {
             writeln!(f, "  VIOLATION ({}): {}", v.0, v.1)?;
         }
@@ -334,8 +362,7 @@ impl Check {
             nodes: (0..n)
                 .map(|i| NodeSt {
                     core: Some(
-                        WitnessCore::new(i as NodeId, self.cfg.clone(), self.p.clone(), 0)
-                            .unwrap(),
+                        WitnessCore::new(i as NodeId, self.cfg.clone(), self.p.clone(), 0).unwrap(),
                     ),
                     ..NodeSt::default()
                 })
@@ -367,7 +394,14 @@ impl Check {
                     }
                 }
                 if let Some((f, t, b)) = s.net.pop_first() {
-                    self.feed(&mut s, t, Input::Peer { from: f, msg: postcard::from_bytes(&b).unwrap() });
+                    self.feed(
+                        &mut s,
+                        t,
+                        Input::Peer {
+                            from: f,
+                            msg: postcard::from_bytes(&b).unwrap(),
+                        },
+                    );
                     busy = true;
                 }
                 if !busy {
@@ -375,7 +409,11 @@ impl Check {
                 }
             }
             let c0 = s.nodes[0].core.as_ref().unwrap();
-            if c0.role() == RoleKind::Leader && c0.is_serving() && !c0.in_recovery() && c0.commit_index() >= 1 {
+            if c0.role() == RoleKind::Leader
+                && c0.is_serving()
+                && !c0.in_recovery()
+                && c0.commit_index() >= 1
+            {
                 break;
             }
             s.now += MS;
@@ -384,7 +422,10 @@ impl Check {
             }
         }
         let c0 = s.nodes[0].core.as_ref().unwrap();
-        assert!(c0.is_serving(), "boot: node 0 did not become a serving primary");
+        assert!(
+            c0.is_serving(),
+            "boot: node 0 did not become a serving primary"
+        );
         assert!(s.violation.is_none(), "boot: {:?}", s.violation);
         s
     }
@@ -395,7 +436,9 @@ impl Check {
         let mut queue = vec![input];
         while let Some(input) = queue.pop() {
             let now = s.now;
-            let Some(core) = s.nodes[id as usize].core.as_mut() else { return };
+            let Some(core) = s.nodes[id as usize].core.as_mut() else {
+                return;
+            };
             let before: Vec<_> = KEYS
                 .iter()
                 .map(|k| (core.key_stamp(k), core.local_value(k).map(|x| x.0)))
@@ -450,7 +493,8 @@ impl Check {
             }
             Output::PmemTruncate { from_index, .. } => {
                 n.nvmm.split_off(&from_index);
-                n.pending.retain(|(_, r)| !matches!(r, PmemRecord::Entry(e) if e.index >= from_index));
+                n.pending
+                    .retain(|(_, r)| !matches!(r, PmemRecord::Entry(e) if e.index >= from_index));
             }
             Output::PmemFree { through_index, .. } => {
                 let keep = n.nvmm.split_off(&(through_index + 1));
@@ -460,26 +504,44 @@ impl Check {
                     }
                 }
             }
-            Output::SsdWrite { id: io, log, off, bytes, .. } => {
+            Output::SsdWrite {
+                id: io,
+                log,
+                off,
+                bytes,
+                ..
+            } => {
                 assert_eq!(log, SsdLog::Hot);
                 let end = off as usize + bytes.len();
                 if n.ssd.len() < end {
                     n.ssd.resize(end, 0);
                 }
                 n.ssd[off as usize..end].copy_from_slice(&bytes);
-                queue.push(Input::SsdWritten { id: io, result: Ok(()) });
+                queue.push(Input::SsdWritten {
+                    id: io,
+                    result: Ok(()),
+                });
             }
-            Output::SsdRead { id: io, off, len, .. } => {
+            Output::SsdRead {
+                id: io, off, len, ..
+            } => {
                 let mut buf = vec![0u8; len as usize];
                 let a = (off as usize).min(n.ssd.len());
                 let b = (off as usize + len as usize).min(n.ssd.len());
                 buf[..b - a].copy_from_slice(&n.ssd[a..b]);
-                queue.push(Input::SsdRead { id: io, result: Ok(buf) });
+                queue.push(Input::SsdRead {
+                    id: io,
+                    result: Ok(buf),
+                });
             }
             Output::Reply { tag, reply } => self.reply(s, id, tag, reply),
             Output::Role { term, role, .. } => {
                 if role != RoleKind::Follower && self.is_backup(id) {
-                    set_violation(s, P_ELECTION, format!("backup {id} became {role:?} in term {term}"));
+                    set_violation(
+                        s,
+                        P_ELECTION,
+                        format!("backup {id} became {role:?} in term {term}"),
+                    );
                 }
                 if matches!(role, RoleKind::Provisional | RoleKind::Leader) {
                     let l = *s.leaders.entry(term).or_insert(id);
@@ -493,7 +555,9 @@ impl Check {
     }
 
     fn reply(&self, s: &mut St, id: NodeId, tag: u64, reply: ClientReply) {
-        let Some((t, node, op)) = s.client.clone() else { return };
+        let Some((t, node, op)) = s.client.clone() else {
+            return;
+        };
         if t != tag || node != id {
             return;
         }
@@ -530,7 +594,9 @@ impl Check {
     fn persist(&self, s: &mut St, id: NodeId) {
         let n = &mut s.nodes[id as usize];
         let pend = std::mem::take(&mut n.pending);
-        let Some(seq) = pend.last().map(|x| x.0) else { return };
+        let Some(seq) = pend.last().map(|x| x.0) else {
+            return;
+        };
         for (_, r) in pend {
             match r {
                 PmemRecord::Meta { term, voted_for } => n.meta = Some((term, voted_for)),
@@ -544,7 +610,9 @@ impl Check {
 
     /// Whether a tick after `jump` would change anything at `id` (tried on a clone).
     fn tick_matters(&self, s: &St, id: NodeId, jump: Jump) -> bool {
-        let Some(c) = s.nodes[id as usize].core.as_ref() else { return false };
+        let Some(c) = s.nodes[id as usize].core.as_ref() else {
+            return false;
+        };
         let mut c2 = c.clone();
         c2.handle(s.now + jump.us(), Input::Tick);
         if !c2.take_outputs().is_empty() {
@@ -611,7 +679,7 @@ impl SrModel for Check {
                 if s.nodes[h as usize].core.is_none() {
                     continue;
                 }
-                for k in 0..KEYS.len() {
+                for k in 0..self.bounds.keys {
                     if s.puts < self.bounds.puts {
                         out.push(Action::Put(h, k));
                     }
@@ -650,7 +718,10 @@ impl SrModel for Check {
                 s.indet[k].insert(v.clone());
                 s.cands[k].insert(Some(v.clone()));
                 s.client = Some((tag, h, ClientOp::Put(k, v.clone())));
-                let req = ClientReq::Put { key: KEYS[k].to_vec(), value: v };
+                let req = ClientReq::Put {
+                    key: KEYS[k].to_vec(),
+                    value: v,
+                };
                 self.feed(&mut s, h, Input::Client { tag, req });
             }
             Action::Get(h, k) => {
@@ -658,7 +729,9 @@ impl SrModel for Check {
                 s.next_tag += 1;
                 s.gets += 1;
                 s.client = Some((tag, h, ClientOp::Get(k)));
-                let req = ClientReq::Get { key: KEYS[k].to_vec() };
+                let req = ClientReq::Get {
+                    key: KEYS[k].to_vec(),
+                };
                 self.feed(&mut s, h, Input::Client { tag, req });
             }
             Action::Deliver(f, t, b) => {
@@ -715,6 +788,7 @@ fn env_u(name: &str, default: usize) -> usize {
 
 fn default_bounds() -> Bounds {
     Bounds {
+        keys: env_u("MODEL_KEYS", 2),
         puts: env_u("MODEL_PUTS", 2) as u8,
         gets: env_u("MODEL_GETS", 2) as u8,
         crashes: env_u("MODEL_CRASHES", 1) as u8,
@@ -827,7 +901,10 @@ fn run(name: &str, m: Check, search: Search) -> Found {
             let why = m.commit_rule(&last).err().unwrap_or_default();
             (
                 name,
-                format!("last state:\n{last:?}{why}\nsteps:\n  {}", steps.join("\n  ")),
+                format!(
+                    "last state:\n{last:?}{why}\nsteps:\n  {}",
+                    steps.join("\n  ")
+                ),
             )
         })
         .collect();
@@ -867,7 +944,11 @@ fn model_check_witness_pbw() {
     assert_clean(&found, "P+B+W BFS");
     let seed = env_u("MODEL_SEED", 1) as u64;
     let m = check(Config::standard(1, 1), WitnessFault::None, walk_bounds());
-    let found = run("P+B+W", m, Search::Walks(env_u("MODEL_SIM_STATES", 100_000), seed));
+    let found = run(
+        "P+B+W",
+        m,
+        Search::Walks(env_u("MODEL_SIM_STATES", 100_000), seed),
+    );
     assert_clean(&found, "P+B+W random walks");
     assert!(
         found.contains_key(S_FAILOVER),
@@ -879,6 +960,7 @@ fn model_check_witness_pbw() {
 #[test]
 fn model_check_witness_finds_majority_quorum() {
     let b = Bounds {
+        keys: 2,
         puts: 1,
         gets: 0,
         crashes: 0,
@@ -896,25 +978,119 @@ fn model_check_witness_finds_majority_quorum() {
     }
     // The same bounds with the correct core: nothing.
     let m = check(Config::standard(1, 1), WitnessFault::None, b);
-    assert_clean(&run("majority quorum, correct core", m, Search::Bfs(10)), "correct core");
+    assert_clean(
+        &run("majority quorum, correct core", m, Search::Bfs(10)),
+        "correct core",
+    );
 }
 
 /// A pulled value installed without its stamp check (taken as the key's current value): the
 /// new primary serves a version older than an acknowledged Put. Seeded random walks.
 #[test]
 fn model_check_witness_finds_install_without_stamp_check() {
-    let b = walk_bounds();
-    let m = check(Config::standard(1, 1), WitnessFault::InstallWithoutStampCheck, b);
-    let seed = env_u("MODEL_SEED", 1) as u64;
-    let found = run(
-        "install without stamp check",
-        m,
-        Search::Walks(env_u("MODEL_SIM_STATES", 100_000), seed),
+    // One key: the second Put overwrites the first, whose older version the backup's SSD log
+    // still holds after writeback (the stale value a BatchPull brings).
+    let b = Bounds {
+        keys: 1,
+        ..walk_bounds()
+    };
+    let m = check(
+        Config::standard(1, 1),
+        WitnessFault::InstallWithoutStampCheck,
+        b,
     );
-    let why = found
-        .get(P_READ)
-        .unwrap_or_else(|| panic!("an unchecked install went unnoticed: {:?}", found.keys()));
+    // The stale read needs a long path (write back v1, commit v2, crash, soft timeout, pull,
+    // election, install, Get): seeded walks, seed after seed, within a fixed budget.
+    let per_seed = env_u("MODEL_SIM_STATES", 30_000);
+    let seeds = env_u("MODEL_SEEDS", 16) as u64;
+    let mut found = Found::new();
+    for seed in 1..=seeds {
+        found = run(
+            "install without stamp check",
+            m.clone(),
+            Search::Walks(per_seed, seed),
+        );
+        if found.contains_key(P_READ) {
+            break;
+        }
+    }
+    let why = found.get(P_READ).unwrap_or_else(|| {
+        panic!("an unchecked install went unnoticed in {seeds} seeds × {per_seed} states")
+    });
+    assert!(why.contains("Get a = Some(\"v1\")"), "{why}");
     if std::env::var("MODEL_VERBOSE").is_ok() {
         eprintln!("{why}");
+    }
+}
+
+impl Check {
+    /// Delivers every message and completes every persist until nothing is left (in a fixed
+    /// order): a script's "let the group settle".
+    fn settle(&self, s: &mut St) {
+        for _ in 0..10_000 {
+            let mut a = Vec::new();
+            for (i, n) in s.nodes.iter().enumerate() {
+                if n.core.is_some() && !n.pending.is_empty() {
+                    a.push(Action::Persist(i as NodeId));
+                }
+            }
+            if let Some((f, t, b)) = s.net.first().cloned() {
+                a.push(Action::Deliver(f, t, b));
+            }
+            let Some(a) = a.into_iter().next() else {
+                return;
+            };
+            *s = self.next_state(s, a).unwrap();
+        }
+        panic!("no settling");
+    }
+
+    fn script(&self, s: &mut St, steps: &[Action]) {
+        for a in steps {
+            *s = self.next_state(s, a.clone()).unwrap();
+            self.settle(s);
+            if std::env::var("MODEL_VERBOSE").is_ok() {
+                eprintln!("after {a:?}:\n{s:?}");
+            }
+        }
+    }
+}
+
+/// The stale-read path the walks find, as a fixed script through the same model: v1 written
+/// back to the backup's SSD log, v2 committed in its NVMM buffer, P crashes, the witness's
+/// soft timeout pulls the SSD log (v1 only), then it is elected and installs what it pulled.
+/// The correct core keeps `a` missing and serves v2 after a pull; the broken one serves v1.
+#[test]
+fn model_check_witness_scripted_failover_read() {
+    use Action::*;
+    let steps = [
+        Put(0, 0),
+        Tick(0, Jump::Small), // the heartbeat tells the backup v1 is committed
+        Tick(1, Jump::Hard),  // past the writeback linger: v1 goes to the SSD log
+        Tick(0, Jump::Small),
+        Put(0, 0),
+        Tick(0, Jump::Small),
+        Crash(0),
+        Tick(2, Jump::Soft), // proactive BatchPull: the SSD log holds v1 only
+        Tick(2, Jump::Hard), // election, reconciliation, install
+        Get(2, 0),
+    ];
+    let b = Bounds {
+        keys: 1,
+        ..walk_bounds()
+    };
+    for (fault, want) in [
+        (WitnessFault::None, None),
+        (WitnessFault::InstallWithoutStampCheck, Some(P_READ)),
+    ] {
+        let m = check(Config::standard(1, 1), fault, b);
+        let mut s = m.init();
+        m.script(&mut s, &steps);
+        assert_eq!(s.violation.as_ref().map(|v| v.0), want, "{fault:?}: {s:?}");
+        assert!(m.commit_rule(&s).is_ok(), "{fault:?}: {s:?}");
+        assert!(
+            s.served_after_failover,
+            "{fault:?}: the Get was not answered: {s:?}"
+        );
     }
 }
