@@ -51,10 +51,12 @@
 //!   steps, for N = 1 and N = 2;
 //! - `InstallWithoutStampCheck` (a pulled value taken as current): read safety fails — the
 //!   new primary serves v1 after v2 was acknowledged — found by seeded walks (seed 2, ~17k
-//!   states) and shown step by step by `model_check_witness_scripted_failover_read`.
+//!   states) and shown step by step by `model_check_witness_scripted_failover_read`;
+//! - `NoLeaseWait` (votes granted within the lease): lease safety fails — the witness leads
+//!   term 2 while the primary's lease from term 1 runs — found by seeded walks (seed 1).
 //!
 //! Not modelled (yet): restarts (`WitnessCore::restore`), the spec's PriorityPull-from-SSD-only
-//! and no-lease-wait variants, partitions longer than one drop, SSD errors.
+//! variant, partitions longer than one drop, SSD errors.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -1137,4 +1139,46 @@ fn model_check_witness_any_crash_and_n2() {
         found.contains_key(S_FAILOVER),
         "N = 2: no walk reached a Get served by the new primary after the crash"
     );
+}
+
+/// Votes granted within the leader lease: the witness is elected while the primary still holds
+/// an unexpired lease (two leaders could both serve reads). No client operations are needed.
+#[test]
+fn model_check_witness_finds_no_lease_wait() {
+    let b = Bounds {
+        keys: 1,
+        puts: 0,
+        gets: 0,
+        crashes: 0,
+        drops: 0,
+        ticks: 6,
+    };
+    let m = check(Config::standard(1, 1), WitnessFault::NoLeaseWait, b);
+    let per_seed = env_u("MODEL_SIM_STATES", 30_000);
+    let seeds = env_u("MODEL_SEEDS", 16) as u64;
+    let mut found = Found::new();
+    for seed in 1..=seeds {
+        found = run("no lease wait", m.clone(), Search::Walks(per_seed, seed));
+        if found.contains_key(P_LEASE) {
+            break;
+        }
+    }
+    let why = found.get(P_LEASE).unwrap_or_else(|| {
+        panic!("votes within the lease went unnoticed in {seeds} seeds × {per_seed} states")
+    });
+    if std::env::var("MODEL_VERBOSE").is_ok() {
+        eprintln!("{why}");
+    }
+    // The correct core under the same bounds and seeds: no violation.
+    let m = check(Config::standard(1, 1), WitnessFault::None, b);
+    for seed in 1..=4 {
+        assert_clean(
+            &run(
+                "no lease wait, correct core",
+                m.clone(),
+                Search::Walks(per_seed, seed),
+            ),
+            "correct core",
+        );
+    }
 }

@@ -94,6 +94,9 @@ pub enum WitnessFault {
     /// Install a pulled value as the key's current one without comparing its stamp with the
     /// key table's (M18): a stale version is served.
     InstallWithoutStampCheck,
+    /// Grant votes within the leader lease (M3): a new leader is elected while the old one
+    /// still holds a lease and may serve a stale read.
+    NoLeaseWait,
 }
 
 impl Default for Params {
@@ -1201,7 +1204,8 @@ impl WitnessCore {
         let in_lease = self
             .heard_leader_us
             .is_some_and(|h| self.now < h + self.p.lease_us)
-            && !(term == self.term && self.voted_for == Some(from));
+            && !(term == self.term && self.voted_for == Some(from))
+            && self.p.fault != WitnessFault::NoLeaseWait;
         if in_lease {
             self.counters.votes_refused_in_lease += 1;
             return refuse(self, true);
