@@ -75,6 +75,28 @@ pub struct Params {
     pub soft_timeout_us: u64,
     /// Proactively pulled bytes kept at most (spec M15 `proactive_bytes_max`).
     pub proactive_bytes_max: usize,
+    /// Deliberately broken behaviour for the model check only (`tests/model_check_witness.rs`
+    /// must catch each); always `WitnessFault::None` outside it.
+    #[doc(hidden)]
+    pub fault: WitnessFault,
+}
+
+/// Deliberately broken variants of the protocol (spec (d)), each of which the model check must
+/// catch. Test-only: nothing outside `tests/model_check_witness.rs` sets one.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WitnessFault {
+    #[default]
+    None,
+    /// Commit on a majority of voters instead of the leader plus every voting backup (M4):
+    /// a write acknowledged with only a witness's ack is lost when the primary fails.
+    MajorityQuorum,
+    /// Install a pulled value as the key's current one without comparing its stamp with the
+    /// key table's (M18): a stale version is served.
+    InstallWithoutStampCheck,
+    /// Grant votes within the leader lease (M3): a new leader is elected while the old one
+    /// still holds a lease and may serve a stale read.
+    NoLeaseWait,
 }
 
 impl Default for Params {
@@ -95,6 +117,7 @@ impl Default for Params {
             recent_index_window_entries: 1 << 16,
             soft_timeout_us: 30_000,
             proactive_bytes_max: 64 << 20,
+            fault: WitnessFault::None,
         }
     }
 }
@@ -526,10 +549,13 @@ pub struct Counters {
     pub proactive_aborted: u64,
 }
 
+#[derive(Clone)]
 enum Deferred {
     Send(NodeId, PeerMsg),
 }
 
+/// `Clone` so a model checker can branch on a core's state (tests/model_check_witness.rs).
+#[derive(Clone)]
 pub struct WitnessCore {
     id: NodeId,
     kind: Kind,
@@ -1178,7 +1204,8 @@ impl WitnessCore {
         let in_lease = self
             .heard_leader_us
             .is_some_and(|h| self.now < h + self.p.lease_us)
-            && !(term == self.term && self.voted_for == Some(from));
+            && !(term == self.term && self.voted_for == Some(from))
+            && self.p.fault != WitnessFault::NoLeaseWait;
         if in_lease {
             self.counters.votes_refused_in_lease += 1;
             return refuse(self, true);
@@ -1635,6 +1662,26 @@ impl WitnessCore {
     fn advance_commit(&mut self) {
         let Some(l) = self.lead.as_ref() else { return };
         let quorum = self.cfg.commit_quorum(self.id);
+        if self.p.fault == WitnessFault::MajorityQuorum {
+            // Broken on purpose (model check): the median of the voters' persisted indexes.
+            let mut m: Vec<u64> = self
+                .cfg
+                .voters()
+                .map(|v| {
+                    if v == self.id {
+                        self.persisted
+                    } else {
+                        l.matched.get(&v).copied().unwrap_or(0)
+                    }
+                })
+                .collect();
+            m.sort_unstable_by(|a, b| b.cmp(a));
+            let c = m[self.cfg.election_quorum() - 1];
+            if c > self.commit && self.log.term_at(c) == Some(self.term) {
+                self.commit = c;
+            }
+            return;
+        }
         let mut c = self.persisted;
         for q in quorum {
             if q != self.id {
@@ -1951,9 +1998,12 @@ impl WitnessCore {
         let Some(&ks) = self.head.keys.get(key) else {
             return false;
         };
-        let st = e.stamp();
+        let mut st = e.stamp();
         let cur = self.head.values.get(key).map_or(Stamp::ZERO, |x| x.0);
-        if !(cur < st && st <= ks) {
+        if self.p.fault == WitnessFault::InstallWithoutStampCheck {
+            // Broken on purpose (model check): whatever arrives is taken as the current value.
+            st = ks;
+        } else if !(cur < st && st <= ks) {
             return false;
         }
         self.head.values.insert(key.to_vec(), (st, v.to_vec()));
