@@ -410,7 +410,7 @@ const REDIS_LOGS: &str = "*.incr.aof";
 
 /// redis-server for a setup, its data in `dir`; returns the guard and the port once it answers.
 fn start_redis(tb: &Testbed, setup: Setup, dir: &Path) -> anyhow::Result<(KillOnDrop, u16)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = wire::ports::free_loopback_port()?;
     let mut c = app_command("redis-server");
     let fsync = if setup == Setup::Weak { "no" } else { "always" };
     c.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--dir"])

@@ -141,9 +141,9 @@ impl LocalKv {
             Ok((f, _)) if f.nodes.len() == a.nodes as usize => f.nodes,
             _ => {
                 let ports: Vec<u16> = if a.port_base == 0 {
-                    let ls: Vec<std::net::TcpListener> =
-                        (0..a.nodes).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
-                    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
+                    // Below the ephemeral range: a port from bind(:0) was taken by an unrelated
+                    // outgoing connection before the node bound it (a node that never served).
+                    wire::ports::free_loopback_ports(a.nodes as usize)?
                 } else {
                     (0..a.nodes as u16).map(|i| a.port_base + i).collect()
                 };
@@ -164,11 +164,8 @@ impl LocalKv {
             "--lease-ms".into(), a.lease_ms.to_string(),
             "--startup-grace-ms".into(), a.startup_grace_ms.to_string(),
         ];
-        let metrics: Vec<Option<SocketAddr>> = {
-            let ls: Vec<std::net::TcpListener> =
-                (0..a.nodes).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
-            ls.iter().map(|l| l.local_addr().ok()).collect()
-        };
+        let metrics: Vec<Option<SocketAddr>> =
+            wire::ports::free_loopback_ports(a.nodes as usize)?.into_iter().map(|p| Some(SocketAddr::from(([127, 0, 0, 1], p)))).collect();
         let node_args: Vec<Vec<String>> = (0..a.nodes)
             .map(|i| {
                 let mut v: Vec<String> = vec![

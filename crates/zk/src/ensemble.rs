@@ -3,7 +3,7 @@
 //! directory. Every JVM gets SIGKILL as its parent-death signal and is killed when the
 //! [`Ensemble`] is dropped, so none outlives the benchmark, even on a panic.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -95,14 +95,9 @@ fn which(program: &Path) -> Option<PathBuf> {
 }
 
 fn free_ports(n: usize) -> Result<Vec<u16>, ZkError> {
-    // Held together so they differ; released just before the servers bind them.
-    let ls: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()?;
-    Ok(ls
-        .iter()
-        .map(|l| l.local_addr().map(|a| a.port()))
-        .collect::<Result<_, _>>()?)
+    // Distinct, and below the ephemeral range, which no outgoing connection takes between this
+    // pick and the servers' bind (wire::ports).
+    Ok(wire::ports::free_loopback_ports(n)?)
 }
 
 impl Ensemble {

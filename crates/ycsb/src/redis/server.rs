@@ -1,7 +1,7 @@
 //! A private `redis-server` process for tests and benchmarks.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -88,7 +88,8 @@ pub struct RedisServer {
 const START_ATTEMPTS: usize = 3;
 
 fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    // Below the ephemeral range, which no outgoing connection takes meanwhile (wire::ports).
+    wire::ports::free_loopback_port()
 }
 
 fn log_tail(path: &Path) -> String {
