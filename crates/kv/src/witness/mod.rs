@@ -27,5 +27,6 @@
 //!   old primary re-added as a witness, snapshots/catch-up of new nodes, log truncation).
 
 pub mod core;
+pub mod driver;
 pub mod proto;
 pub mod store;
