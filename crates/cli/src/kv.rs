@@ -183,6 +183,12 @@ pub struct NodeArgs {
     /// Witness KV: a head that hears no leader for this long stands for election.
     #[arg(long, default_value_t = 150)]
     pub election_timeout_ms: u64,
+    /// Witness KV: the designated successor that hears no leader for this long starts pulling
+    /// the backups' logs ahead of the election (proactive recovery); 0 = never (the values are
+    /// then pulled after the election, on demand and in the background). Default: a fifth of
+    /// --election-timeout-ms.
+    #[arg(long)]
+    pub soft_timeout_ms: Option<u64>,
     /// Append structured events (one versioned JSON object per line; today one per completed
     /// recovery, with its breakdown) to this file.
     #[arg(long, value_name = "FILE")]
@@ -353,7 +359,10 @@ async fn witness_node(a: NodeArgs) -> anyhow::Result<()> {
     let mut params = Params { election_timeout_us: a.election_timeout_ms * 1000, ..Params::default() };
     // Keep the lease and the soft timeout inside a shorter election timeout (M3, M16).
     params.lease_us = params.lease_us.min(params.election_timeout_us * 2 / 3);
-    params.soft_timeout_us = params.soft_timeout_us.min(params.election_timeout_us / 5);
+    params.soft_timeout_us = match a.soft_timeout_ms {
+        Some(ms) => ms * 1000,
+        None => params.soft_timeout_us.min(params.election_timeout_us / 5),
+    };
     params.validate().map_err(|e| anyhow::anyhow!("--election-timeout-ms: {e}"))?;
     let pmem_dir = a.pmem_dir.clone().unwrap_or_else(|| {
         let abs = std::path::absolute(&a.data).unwrap_or_else(|_| a.data.clone());

@@ -83,6 +83,9 @@ pub struct UpArgs {
     /// Witness KV: witnesses (keys and timestamps only; one takes over when the primary fails).
     #[arg(long, default_value_t = 1)]
     pub witnesses: u32,
+    /// Witness KV: passed to every node as --soft-timeout-ms (0: no pulling before the election).
+    #[arg(long, value_name = "MS")]
+    pub soft_timeout_ms: Option<u64>,
     /// Nodes in the replication group (3, 4 or 5 in the paper).
     #[arg(long, default_value_t = 5)]
     pub nodes: u32,

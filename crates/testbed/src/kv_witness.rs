@@ -97,7 +97,7 @@ impl LocalWitnessKv {
         let node_args = (0..n)
             .map(|i| {
                 let role = if (1..=a.backups).contains(&i) { "backup" } else { "head" };
-                vec![
+                let mut v: Vec<String> = vec![
                     "kv".into(), "node".into(), "--protocol".into(), "witness".into(),
                     "--role".into(), role.into(), "--backups".into(), a.backups.to_string(),
                     "--id".into(), i.to_string(), "--peers".into(), peers.clone(),
@@ -105,7 +105,11 @@ impl LocalWitnessKv {
                     "--pmem-dir".into(), pmem_root.join(format!("node-{i}")).to_string_lossy().into_owned(),
                     "--secret-file".into(), secret_file.to_string_lossy().into_owned(),
                     "--election-timeout-ms".into(), ELECTION_TIMEOUT_MS.to_string(),
-                ]
+                ];
+                if let Some(ms) = a.soft_timeout_ms {
+                    v.extend(["--soft-timeout-ms".into(), ms.to_string()]);
+                }
+                v
             })
             .collect();
         let mut me = LocalWitnessKv { dir, file, secret, pmem_root, node_args, children: Vec::new() };

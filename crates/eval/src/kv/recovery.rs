@@ -555,6 +555,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         protocol: testbed::kv::UpProtocol::Leaderless,
         backups: 1,
         witnesses: 1,
+        soft_timeout_ms: None,
         nodes,
         model,
         port_base: 0,
