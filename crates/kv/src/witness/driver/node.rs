@@ -586,3 +586,70 @@ async fn serve_conn(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::witness::proto::Op;
+
+    fn put(index: u64, term: u64) -> Entry {
+        Entry {
+            index,
+            term,
+            op: Op::Put {
+                key: format!("k{index}").into_bytes(),
+                value: Some(serde_bytes::ByteBuf::from(vec![index as u8; 100])),
+            },
+        }
+    }
+
+    fn rec(r: &PmemRecord) -> Vec<u8> {
+        postcard::to_allocvec(r).unwrap()
+    }
+
+    /// What the core asked for (appends, a Raft truncation, a free after writeback) is what a
+    /// reopened node is given back: the newest term/vote and the live entries in index order.
+    #[test]
+    fn pmem_replay_applies_truncation_and_free() {
+        let dir = tempfile::tempdir_in(PmemRegion::shm_dir()).unwrap();
+        let cap = 4 << 20;
+        {
+            let (mut pm, d) = Pmem::open(dir.path(), cap).unwrap();
+            assert!(d.meta.is_none() && d.entries.is_empty());
+            pm.append(Region::Meta, &rec(&PmemRecord::Meta { term: 1, voted_for: None })).unwrap();
+            for i in 1..=6 {
+                pm.append(Region::Buffer, &rec(&PmemRecord::Entry(put(i, 1)))).unwrap();
+            }
+            // A new leader's log conflicts from index 5: 5 and 6 are replaced in term 2.
+            pm.append(Region::Meta, &rec(&PmemRecord::Meta { term: 2, voted_for: Some(3) })).unwrap();
+            pm.truncate(5).unwrap();
+            pm.append(Region::Buffer, &rec(&PmemRecord::Entry(put(5, 2)))).unwrap();
+            // Written back through index 3.
+            pm.free(3).unwrap();
+            assert_eq!(pm.live.iter().map(|(_, i)| *i).collect::<Vec<_>>(), vec![4, 5]);
+        }
+        let (pm, d) = Pmem::open(dir.path(), cap).unwrap();
+        assert_eq!(d.meta, Some((2, Some(3))));
+        assert_eq!(d.entries, vec![put(4, 1), put(5, 2)]);
+        assert_eq!(pm.meta.len(), 1, "old term/vote records are freed");
+        // Appends after a reopen go on with fresh ring seqs.
+        let mut pm = pm;
+        pm.append(Region::Buffer, &rec(&PmemRecord::Entry(put(6, 2)))).unwrap();
+    }
+
+    /// The SSD tier: a page-aligned write reads back at any offset and length, and past the
+    /// end reads as zeros; a data directory in memory is refused.
+    #[test]
+    fn ssd_files_read_back_unaligned_and_refuse_tmpfs() {
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+        let f = SsdFiles::open(dir.path()).unwrap();
+        let bytes: Vec<u8> = (0..2 * PAGE_BYTES).map(|i| (i % 251) as u8).collect();
+        f.write(SsdLog::Hot, PAGE_BYTES as u64, &bytes, true).unwrap();
+        assert_eq!(f.read(SsdLog::Hot, PAGE_BYTES as u64 + 10, 5000).unwrap(), bytes[10..5010]);
+        assert_eq!(f.read(SsdLog::Hot, 3 * PAGE_BYTES as u64 - 4, 8).unwrap(), [&bytes[2 * PAGE_BYTES - 4..], &[0u8; 4][..]].concat());
+        assert!(f.write(SsdLog::Hot, 10, &bytes, true).is_err(), "unaligned writes are refused");
+        assert_eq!(f.read_all(SsdLog::Hot).unwrap().len(), 3 * PAGE_BYTES);
+        let shm = tempfile::tempdir_in(PmemRegion::shm_dir()).unwrap();
+        assert!(matches!(SsdFiles::open(shm.path()), Err(WitnessError::Config(_))));
+    }
+}
