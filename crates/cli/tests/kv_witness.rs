@@ -115,7 +115,7 @@ async fn load(c: u64, mut cl: WitnessClient, t0: Instant, stop: Arc<AtomicBool>,
 /// the primary for the soft timeout, before it is elected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn witness_takes_over_after_sigkill_of_the_primary_and_serves_every_acked_value() {
-    failover(&[], false).await;
+    failover(&[], Fault::KillPrimary { live_recovery: false }).await;
 }
 
 /// Without proactive pulls: the new leader holds keys only and must pull the values from the
@@ -123,10 +123,31 @@ async fn witness_takes_over_after_sigkill_of_the_primary_and_serves_every_acked_
 /// serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn witness_serves_during_live_recovery_without_proactive_pulls() {
-    failover(&["--soft-timeout-ms", "0"], true).await;
+    failover(&["--soft-timeout-ms", "0"], Fault::KillPrimary { live_recovery: true }).await;
 }
 
-async fn failover(extra: &[&str], live_recovery: bool) {
+/// The backup killed with SIGKILL and started again on its files: it is rebuilt from its NVMM
+/// buffer and SSD log (`WitnessCore::restore`), acks again, and puts (which need every voting
+/// backup) commit again; nothing acknowledged is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backup_killed_and_restarted_on_its_tiers_rejoins() {
+    failover(&[], Fault::RestartBackup).await;
+}
+
+enum Fault {
+    KillPrimary { live_recovery: bool },
+    RestartBackup,
+}
+
+struct KillOnDrop(Child);
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn failover(extra: &[&str], fault: Fault) {
     let (_t, dir) = disk_dir();
     std::fs::create_dir_all(&dir).unwrap();
     let _up = start(&dir, extra);
@@ -160,10 +181,23 @@ async fn failover(extra: &[&str], live_recovery: bool) {
     let acked_before = hist.lock().unwrap().iter().filter(|o| o.ret_us.is_some() && matches!(o.kind, OpKind::Put(_))).count();
     assert!(acked_before >= 20, "only {acked_before} puts acknowledged before the kill");
 
-    let primary = pid_of(&dir, "node-0");
+    let victim = pid_of(&dir, if matches!(fault, Fault::KillPrimary { .. }) { "node-0" } else { "node-1" });
+    // The victim's own command line, to start it again on its files.
+    let cmdline = std::fs::read(format!("/proc/{victim}/cmdline")).unwrap();
+    let args: Vec<String> = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty()).skip(1).map(|a| String::from_utf8(a.to_vec()).unwrap()).collect();
     let kill_us = t0.elapsed().as_micros() as u64;
     // SAFETY: kill(2) has no memory-safety preconditions.
-    assert_eq!(unsafe { libc::kill(primary as i32, libc::SIGKILL) }, 0);
+    assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+    // Declared after `_up`, so dropped (killed) before `kv up` removes the group's NVMM.
+    let mut _restarted = None;
+    if let Fault::RestartBackup = fault {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let log = std::fs::File::create(dir.join("logs/node-1.restarted.log")).unwrap();
+        _restarted = Some(KillOnDrop(
+            Command::new(env!("CARGO_BIN_EXE_understudy")).args(&args).stdout(log.try_clone().unwrap()).stderr(log).spawn().unwrap(),
+        ));
+    }
+    let restart_us = t0.elapsed().as_micros() as u64;
     tokio::time::sleep(Duration::from_millis(2500)).await;
     stop.store(true, Ordering::Relaxed);
     for t in tasks {
@@ -172,7 +206,7 @@ async fn failover(extra: &[&str], live_recovery: bool) {
 
     // The load went on after the kill: the witness took over and committed new puts.
     let mut history = hist.lock().unwrap().clone();
-    let acked_after = history.iter().filter(|o| matches!(o.kind, OpKind::Put(_)) && o.call_us > kill_us && o.ret_us.is_some()).count();
+    let acked_after = history.iter().filter(|o| matches!(o.kind, OpKind::Put(_)) && o.call_us > restart_us && o.ret_us.is_some()).count();
     assert!(acked_after >= 10, "only {acked_after} puts acknowledged after the kill of the primary");
 
     // Every key read through the new leader: the last acknowledged put or one still unknown.
@@ -199,14 +233,22 @@ async fn failover(extra: &[&str], live_recovery: bool) {
         );
         history.push(Op { client: 1000, key: key.clone(), call_us, ret_us: Some(t0.elapsed().as_micros() as u64), kind: OpKind::Get(got) });
     }
-    assert_eq!(cl.leader_guess(), 2, "the witness (node 2) leads after the primary's death");
+    let leader = if matches!(fault, Fault::KillPrimary { .. }) { 2 } else { 0 };
+    assert_eq!(cl.leader_guess(), leader, "node {leader} leads at the end");
     if let Err(v) = checker::check(&history) {
         panic!("{v}");
+    }
+    let _ = kill_us;
+    if let Fault::RestartBackup = fault {
+        let log1 = std::fs::read_to_string(dir.join("logs/node-1.restarted.log")).unwrap();
+        assert!(log1.contains("restoring from its tiers"), "the backup did not restore:\n{log1}");
+        eprintln!("{} ops, {acked_before} puts acked before the kill, {acked_after} after the restart; {} keys checked", history.len(), last.len());
+        return;
     }
     let log2 = std::fs::read_to_string(dir.join("logs/node-2.log")).unwrap();
     assert!(log2.contains("Leader"), "the witness never logged its leadership:\n{log2}");
     let recovered = log2.lines().find(|l| l.contains("recovered:")).unwrap_or_else(|| panic!("the witness never completed its recovery:\n{log2}"));
-    if live_recovery {
+    if let Fault::KillPrimary { live_recovery: true } = fault {
         assert!(recovered.contains(" 0 proactively pulled"), "{recovered}");
         assert!(!recovered.contains(" 0 keys missing at start"), "nothing was left to pull after the election: {recovered}");
     }
