@@ -275,3 +275,64 @@ fn witness_node_refuses_a_role_that_contradicts_the_layout() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("node 1 is a Backup"), "unexpected error: {err}");
 }
+
+/// Malformed and oversized requests get an error or a closed connection, never a crash: the
+/// group keeps serving and no node exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn witness_nodes_survive_malformed_and_oversized_requests() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use kv::witness::driver::{Hello, NetMsg};
+    let (_t, dir) = disk_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let _up = start(&dir, &[]);
+    let (file, secret) = tokio::task::spawn_blocking({
+        let dir = dir.clone();
+        move || wait_ready(&dir)
+    })
+    .await
+    .unwrap();
+    let pids: Vec<u32> = (0..3).map(|i| pid_of(&dir, &format!("node-{i}"))).collect();
+    let closed = |mut s: tokio::net::TcpStream| async move {
+        let mut b = [0u8; 64];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(10), s.read(&mut b)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => return true,
+                Ok(Ok(_)) => continue, // the auth challenge, before the node gives up
+                Err(_) => return false,
+            }
+        }
+    };
+    for addr in file.nodes.values() {
+        // No authentication, just bytes.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(&[0xAB; 4096]).await.unwrap();
+        assert!(closed(s).await, "{addr}: unauthenticated garbage left the connection open");
+        // Authenticated, then a well-framed message that is no NetMsg.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        wire::auth::connect(&mut s, &secret).await.unwrap();
+        wire::write_msg(&mut s, &NetMsg::Hello(Hello::Client)).await.unwrap();
+        s.write_all(&wire::encode_frame(&vec![0xFFu8; 100]).unwrap()).await.unwrap();
+        assert!(closed(s).await, "{addr}: a malformed frame left the connection open");
+        // Authenticated, then a frame header announcing 1 GiB.
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        wire::auth::connect(&mut s, &secret).await.unwrap();
+        wire::write_msg(&mut s, &NetMsg::Hello(Hello::Client)).await.unwrap();
+        let mut header = [0u8; wire::FRAME_HEADER_BYTES];
+        header[..4].copy_from_slice(&(1u32 << 30).to_le_bytes());
+        s.write_all(&header).await.unwrap();
+        assert!(closed(s).await, "{addr}: an oversized frame left the connection open");
+    }
+    // A value above the limit, in a frame the node accepts: a clear refusal.
+    let mut cl = file.client(secret.clone());
+    let big = vec![7u8; kv::witness::proto::MAX_VALUE_BYTES + 1];
+    match cl.put(b"big", &big).await {
+        Err(WitnessError::Refused(why)) => assert!(why.contains("bytes"), "{why}"),
+        r => panic!("an oversized value was not refused: {r:?}"),
+    }
+    cl.put(b"after", b"fine").await.unwrap();
+    assert_eq!(cl.get(b"after").await.unwrap().as_deref(), Some(&b"fine"[..]));
+    for p in pids {
+        // SAFETY: kill(2) with signal 0 only checks that the process exists.
+        assert_eq!(unsafe { libc::kill(p as i32, 0) }, 0, "node pid {p} is gone");
+    }
+}

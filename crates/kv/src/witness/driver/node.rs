@@ -49,6 +49,10 @@ pub const PEER_INPUT_QUEUE_MSGS: usize = 8192;
 pub const CLIENT_INPUT_QUEUE_MSGS: usize = 4096;
 /// Replies queued to one client connection (= requests it may have in flight).
 pub const CLIENT_INFLIGHT_MAX: usize = 1024;
+/// Client requests given to the core and not answered yet. A leader that cannot commit (a
+/// voting backup down) holds its puts; past this bound new requests are answered `Unavailable`
+/// at once instead of growing the core's pending set and this map without end.
+pub const PENDING_CLIENT_CALLS_MAX: usize = 16_384;
 /// SSD requests queued for the I/O thread. The core bounds its own reads and writebacks, so
 /// this is only a backstop; a full queue blocks the core's task (backpressure, no loss).
 pub const SSD_QUEUE_REQS: usize = 1024;
@@ -384,6 +388,10 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
             Some(i) = ssd_done.recv() => i,
             _ = tick.tick() => Input::Tick,
             Some((conn, id, req)) = client_in.recv() => {
+                if calls.len() >= PENDING_CLIENT_CALLS_MAX {
+                    let _ = conn.try_send(NetMsg::Resp { id, reply: ClientReply::Unavailable });
+                    continue;
+                }
                 let tag = next_tag;
                 next_tag += 1;
                 calls.insert(tag, ClientCall { conn, id });
