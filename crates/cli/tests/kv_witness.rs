@@ -92,7 +92,7 @@ async fn load(c: u64, mut cl: WitnessClient, t0: Instant, stop: Arc<AtomicBool>,
     while !stop.load(Ordering::Relaxed) {
         i += 1;
         let call_us = us(t0);
-        let op = if i % 2 == 0 {
+        let op = if i.is_multiple_of(2) {
             let key = format!("c{c}-k{}", (i / 2) % KEYS_PER_CLIENT).into_bytes();
             let value = format!("c{c}-v{i}").into_bytes();
             let r = cl.put(&key, &value).await;

@@ -256,7 +256,7 @@ impl SsdFiles {
         Ok(buf[at..at + len].to_vec())
     }
     fn write(&self, log: SsdLog, off: u64, bytes: &[u8], sync: bool) -> std::io::Result<()> {
-        if off % PAGE_BYTES as u64 != 0 || bytes.len() % PAGE_BYTES != 0 {
+        if !off.is_multiple_of(PAGE_BYTES as u64) || !bytes.len().is_multiple_of(PAGE_BYTES) {
             return Err(std::io::Error::other(format!(
                 "unaligned SSD write of {} bytes at {off}",
                 bytes.len()
