@@ -126,6 +126,13 @@ async fn witness_serves_during_live_recovery_without_proactive_pulls() {
     failover(&["--soft-timeout-ms", "0"], Fault::KillPrimary { live_recovery: true }).await;
 }
 
+/// The N = 2 layout (primary, two backups, two witnesses): the designated successor (the
+/// lowest-id witness, node 3) takes over and pulls from both backups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn witness_takes_over_in_the_two_backup_two_witness_layout() {
+    failover(&["--backups", "2", "--witnesses", "2", "--soft-timeout-ms", "0"], Fault::KillPrimary { live_recovery: true }).await;
+}
+
 /// The backup killed with SIGKILL and started again on its files: it is rebuilt from its NVMM
 /// buffer and SSD log (`WitnessCore::restore`), acks again, and puts (which need every voting
 /// backup) commit again; nothing acknowledged is lost.
@@ -157,7 +164,8 @@ async fn failover(extra: &[&str], fault: Fault) {
     })
     .await
     .unwrap();
-    assert_eq!(file.nodes.len(), 3, "primary + backup + witness by default");
+    let backups = file.backups;
+    assert_eq!(file.nodes.len() as u32, if extra.is_empty() { 3 } else { 1 + 2 * backups }, "primary + backups + witnesses");
     let cf = dir.join("kv-cluster.json");
     let cf = cf.to_str().unwrap();
 
@@ -181,7 +189,12 @@ async fn failover(extra: &[&str], fault: Fault) {
     let acked_before = hist.lock().unwrap().iter().filter(|o| o.ret_us.is_some() && matches!(o.kind, OpKind::Put(_))).count();
     assert!(acked_before >= 20, "only {acked_before} puts acknowledged before the kill");
 
-    let victim = pid_of(&dir, if matches!(fault, Fault::KillPrimary { .. }) { "node-0" } else { "node-1" });
+    // The serving leader (node 0 unless a loaded machine's stall already caused an election).
+    let mut probe = file.client(secret.clone());
+    probe.put(b"probe", b"p").await.unwrap();
+    let old_leader = probe.leader_guess();
+    let victim_id = if matches!(fault, Fault::KillPrimary { .. }) { old_leader } else { 1 };
+    let victim = pid_of(&dir, &format!("node-{victim_id}"));
     // The victim's own command line, to start it again on its files.
     let cmdline = std::fs::read(format!("/proc/{victim}/cmdline")).unwrap();
     let args: Vec<String> = cmdline.split(|b| *b == 0).filter(|a| !a.is_empty()).skip(1).map(|a| String::from_utf8(a.to_vec()).unwrap()).collect();
@@ -233,8 +246,11 @@ async fn failover(extra: &[&str], fault: Fault) {
         );
         history.push(Op { client: 1000, key: key.clone(), call_us, ret_us: Some(t0.elapsed().as_micros() as u64), kind: OpKind::Get(got) });
     }
-    let leader = if matches!(fault, Fault::KillPrimary { .. }) { 2 } else { 0 };
-    assert_eq!(cl.leader_guess(), leader, "node {leader} leads at the end");
+    let leader = cl.leader_guess();
+    assert!(leader == 0 || leader > backups, "backup {leader} leads");
+    if matches!(fault, Fault::KillPrimary { .. }) {
+        assert_ne!(leader, victim_id, "the killed leader still leads");
+    }
     if let Err(v) = checker::check(&history) {
         panic!("{v}");
     }
@@ -245,9 +261,9 @@ async fn failover(extra: &[&str], fault: Fault) {
         eprintln!("{} ops, {acked_before} puts acked before the kill, {acked_after} after the restart; {} keys checked", history.len(), last.len());
         return;
     }
-    let log2 = std::fs::read_to_string(dir.join("logs/node-2.log")).unwrap();
+    let log2 = std::fs::read_to_string(dir.join(format!("logs/node-{leader}.log"))).unwrap();
     assert!(log2.contains("Leader"), "the witness never logged its leadership:\n{log2}");
-    let recovered = log2.lines().find(|l| l.contains("recovered:")).unwrap_or_else(|| panic!("the witness never completed its recovery:\n{log2}"));
+    let recovered = log2.lines().filter(|l| l.contains("recovered:")).last().unwrap_or_else(|| panic!("the witness never completed its recovery:\n{log2}"));
     if let Fault::KillPrimary { live_recovery: true } = fault {
         assert!(recovered.contains(" 0 proactively pulled"), "{recovered}");
         assert!(!recovered.contains(" 0 keys missing at start"), "nothing was left to pull after the election: {recovered}");
