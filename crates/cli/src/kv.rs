@@ -26,11 +26,17 @@ use testbed::proc;
 
 #[derive(Subcommand, Debug)]
 pub enum KvCmd {
-    /// Run one replica of a leaderless (Hermes-style) group.
+    /// Run one replica of a leaderless (Hermes-style) group, or one node of a witness KV.
     ///
-    /// Keeps its emulated persistent memory in DIR/pm.log (O_DSYNC appends, one GDP flag per
-    /// entry), serves clients and peers on --listen, and obeys the configuration the CM sends.
-    /// A node restarted on an existing log recovers through HEAL before serving again.
+    /// Leaderless: keeps its emulated persistent memory in DIR/pm.log (O_DSYNC appends, one GDP
+    /// flag per entry), serves clients and peers on --listen, and obeys the configuration the CM
+    /// sends. A node restarted on an existing log recovers through HEAL before serving again.
+    ///
+    /// Witness (--protocol witness --role head|backup): the group's layout is node 0 the first
+    /// primary, nodes 1..=B the backups (--backups B), the rest witnesses; the leader is elected
+    /// among the heads. NVMM is emulated in --pmem-dir (default under /dev/shm: survives SIGKILL,
+    /// not power loss); a backup's SSD log is DIR/ssd-*.log, written and read O_DIRECT (DIR must
+    /// be on a disk). A node restarted on its files is rebuilt from them.
     Node(NodeArgs),
     /// Run the configuration manager: heartbeats, failure detection, epochs, re-adding nodes.
     ///
@@ -69,6 +75,18 @@ pub enum KvCmd {
 pub enum Protocol {
     /// Hermes-style INV/ACK/VAL with HEAL recovery.
     Leaderless,
+    /// CANDStore's witness KV: one primary, backups (NVMM buffer + SSD log), witnesses (keys
+    /// and timestamps only); a witness takes over and serves at once when the primary fails.
+    Witness,
+}
+
+/// A witness-KV node's kind (`--protocol witness`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum WitnessRole {
+    /// The primary (node 0) or a witness: keeps keys and timestamps, may lead.
+    Head,
+    /// NVMM buffer in front of an SSD log: votes and persists, never leads.
+    Backup,
 }
 
 
@@ -152,6 +170,25 @@ pub struct NodeArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<SocketAddr>,
+    /// Witness KV: this node's kind; must agree with its id in the layout (see --backups).
+    #[arg(long, value_enum, required_if_eq("protocol", "witness"))]
+    pub role: Option<WitnessRole>,
+    /// Witness KV: the number of backups (nodes 1..=N); the other nodes after 0 are witnesses.
+    #[arg(long, default_value_t = 1)]
+    pub backups: u32,
+    /// Witness KV: the directory of the emulated NVMM regions (default:
+    /// /dev/shm/understudy-witness-<node id>-<hash of --data>).
+    #[arg(long, value_name = "DIR")]
+    pub pmem_dir: Option<PathBuf>,
+    /// Witness KV: a head that hears no leader for this long stands for election.
+    #[arg(long, default_value_t = 150)]
+    pub election_timeout_ms: u64,
+    /// Witness KV: the designated successor that hears no leader for this long starts pulling
+    /// the backups' logs ahead of the election (proactive recovery); 0 = never (the values are
+    /// then pulled after the election, on demand and in the background). Default: a fifth of
+    /// --election-timeout-ms.
+    #[arg(long)]
+    pub soft_timeout_ms: Option<u64>,
     /// Append structured events (one versioned JSON object per line; today one per completed
     /// recovery, with its breakdown) to this file.
     #[arg(long, value_name = "FILE")]
@@ -221,6 +258,18 @@ pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
         KvCmd::Get { key, conn } => {
             crate::init_logging(verbose, "warn");
             crate::runtime()?.block_on(async {
+                if let Some(mut w) = connect_witness(&conn)? {
+                    return match w.get(key.as_bytes()).await? {
+                        Some(v) => {
+                            println!("{}", String::from_utf8_lossy(&v));
+                            Ok(())
+                        }
+                        None => {
+                            eprintln!("key {key:?} not found");
+                            std::process::exit(1)
+                        }
+                    };
+                }
                 let c = connect(&conn)?;
                 match c.get(key.as_bytes()).await? {
                     Some(v) => {
@@ -237,6 +286,9 @@ pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
         KvCmd::Put { key, value, conn } => {
             crate::init_logging(verbose, "warn");
             crate::runtime()?.block_on(async {
+                if let Some(mut w) = connect_witness(&conn)? {
+                    return Ok(w.put(key.as_bytes(), value.as_bytes()).await?);
+                }
                 let c = connect(&conn)?;
                 c.put(key.as_bytes(), value.as_bytes()).await?;
                 Ok(())
@@ -246,6 +298,12 @@ pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
 }
 
 
+/// The witness client when the cluster file describes a witness group.
+fn connect_witness(conn: &KvConn) -> anyhow::Result<Option<::kv::witness::driver::WitnessClient>> {
+    let path = conn.cluster.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_DIR).join(CLUSTER_FILE));
+    Ok(testbed::kv_witness::WitnessClusterFile::load(&path)?.map(|(f, secret)| f.client(secret)))
+}
+
 fn connect(conn: &KvConn) -> anyhow::Result<KvCluster> {
     let path = conn.cluster.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_DIR).join(CLUSTER_FILE));
     let (f, secret) = load_cluster(&path)?;
@@ -254,7 +312,9 @@ fn connect(conn: &KvConn) -> anyhow::Result<KvCluster> {
 
 async fn node(a: NodeArgs) -> anyhow::Result<()> {
     crate::daemons::link_tls_at_start()?;
-    let Protocol::Leaderless = a.protocol;
+    if let Protocol::Witness = a.protocol {
+        return witness_node(a).await;
+    }
     let peers = parse_addrs(&a.peers)?;
     let listen = *peers.get(&a.id).with_context(|| format!("--peers has no entry for this node's id {}", a.id))?;
     let secret = cluster_file::read_secret(&a.secret_file)?;
@@ -280,6 +340,56 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
         r = ::kv::leaderless::driver::run_node(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
         s = proc::shutdown_signal() => { tracing::info!("{s}: stopping"); Ok(()) }
     }
+}
+
+async fn witness_node(a: NodeArgs) -> anyhow::Result<()> {
+    use ::kv::witness::core::config::{Config, Kind};
+    use ::kv::witness::core::node::Params;
+    let peers = parse_addrs(&a.peers)?;
+    let listen = *peers.get(&a.id).with_context(|| format!("--peers has no entry for this node's id {}", a.id))?;
+    let n = peers.len() as u32;
+    anyhow::ensure!(a.backups >= 1 && a.backups < n - 1, "--backups {} leaves no witness in a group of {n} (node 0 is the primary, then backups, then witnesses)", a.backups);
+    let cfg = Config::standard(a.backups, n - 1 - a.backups);
+    let kind = cfg.kind(a.id).with_context(|| format!("node {} is not in the layout", a.id))?;
+    let want = match a.role.context("--role is required with --protocol witness")? {
+        WitnessRole::Head => Kind::Head,
+        WitnessRole::Backup => Kind::Backup,
+    };
+    anyhow::ensure!(kind == want, "node {} is a {kind:?} in the layout of {n} nodes with --backups {}, not a {want:?}", a.id, a.backups);
+    let mut params = Params { election_timeout_us: a.election_timeout_ms * 1000, ..Params::default() };
+    // Keep the lease and the soft timeout inside a shorter election timeout (M3, M16).
+    params.lease_us = params.lease_us.min(params.election_timeout_us * 2 / 3);
+    params.soft_timeout_us = match a.soft_timeout_ms {
+        Some(ms) => ms * 1000,
+        None => params.soft_timeout_us.min(params.election_timeout_us / 5),
+    };
+    params.validate().map_err(|e| anyhow::anyhow!("--election-timeout-ms: {e}"))?;
+    let pmem_dir = a.pmem_dir.clone().unwrap_or_else(|| {
+        let abs = std::path::absolute(&a.data).unwrap_or_else(|_| a.data.clone());
+        let h = fnv1a(abs.to_string_lossy().as_bytes());
+        PathBuf::from("/dev/shm").join(format!("understudy-witness-{}-{h:08x}", a.id))
+    });
+    let secret = cluster_file::read_secret(&a.secret_file)?;
+    let cfg = ::kv::witness::driver::WitnessNodeConfig {
+        id: a.id,
+        cfg,
+        params,
+        listen,
+        peers,
+        data_dir: a.data,
+        pmem_dir,
+        pmem_log_bytes: ::kv::witness::driver::LOG_PMEM_BYTES_DEFAULT,
+        secret,
+    };
+    tokio::select! {
+        r = ::kv::witness::driver::run_node(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
+        s = proc::shutdown_signal() => { tracing::info!("{s}: stopping"); Ok(()) }
+    }
+}
+
+/// FNV-1a: a stable name for a data directory's NVMM (not a security measure).
+fn fnv1a(b: &[u8]) -> u32 {
+    b.iter().fold(0x811c_9dc5u32, |h, &x| (h ^ x as u32).wrapping_mul(0x0100_0193))
 }
 
 /// The bound on message delay the CM assumes when waiting out a node's lease.
@@ -334,7 +444,10 @@ async fn cm(a: CmArgs) -> anyhow::Result<()> {
 
 
 
-fn up(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
+fn up(a: UpArgs, verbose: u8) -> anyhow::Result<()> {
+    if a.protocol == testbed::kv::UpProtocol::Witness {
+        return up_witness(a, verbose);
+    }
     let mut lk = LocalKv::start(&a)?;
     let rt = crate::runtime()?;
     let ready = rt
@@ -367,6 +480,43 @@ fn up(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
         }
         Ok::<_, anyhow::Error>(())
     })?;
+    lk.stop();
+    Ok(())
+}
+
+fn up_witness(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
+    let mut lk = testbed::kv_witness::LocalWitnessKv::start(&a)?;
+    let rt = crate::runtime()?;
+    let ready = rt
+        .block_on(lk.wait_serving(Duration::from_secs(60)))
+        .with_context(|| format!("see {}/logs/", lk.dir.display()))?;
+    println!(
+        "witness kv group of {} nodes (primary, {} backup(s), {} witness(es)) serving after {:.1} s",
+        lk.file.nodes.len(),
+        a.backups,
+        a.witnesses,
+        ready.as_secs_f64()
+    );
+    for (i, addr) in &lk.file.nodes {
+        let role = if i == &0 { "primary" } else if *i <= a.backups { "backup" } else { "witness" };
+        println!("  node {i}  {role:8} {addr}   log {}/logs/node-{i}.log", lk.dir.display());
+    }
+    println!("  cluster file  {}", lk.dir.join(CLUSTER_FILE).display());
+    println!("try: understudy kv put hello world --cluster {0}; understudy kv get hello --cluster {0}", lk.dir.join(CLUSTER_FILE).display());
+    rt.block_on(async {
+        let stop = proc::shutdown_signal();
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                s = &mut stop => { eprintln!("{s}: stopping the group"); break; }
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                    for n in lk.reap() {
+                        eprintln!("{n}");
+                    }
+                }
+            }
+        }
+    });
     lk.stop();
     Ok(())
 }

@@ -59,11 +59,33 @@ pub fn parse_model(s: &str) -> Result<Model, String> {
     s.parse()
 }
 
+/// The replication protocol of a local group (`kv up --protocol`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum UpProtocol {
+    /// HEAL: N leaderless nodes and a CM.
+    Leaderless,
+    /// CANDStore's witness KV: a primary, --backups backups and --witnesses witnesses (see
+    /// `testbed::kv_witness`); --nodes and the HEAL options do not apply.
+    Witness,
+}
+
 #[derive(Args, Debug)]
 pub struct UpArgs {
     /// Data directory of the whole group.
     #[arg(long, default_value = DEFAULT_DIR, value_name = "DIR")]
     pub dir: PathBuf,
+    /// The replication protocol.
+    #[arg(long, value_enum, default_value = "leaderless")]
+    pub protocol: UpProtocol,
+    /// Witness KV: backups (NVMM buffer + SSD log each).
+    #[arg(long, default_value_t = 1)]
+    pub backups: u32,
+    /// Witness KV: witnesses (keys and timestamps only; one takes over when the primary fails).
+    #[arg(long, default_value_t = 1)]
+    pub witnesses: u32,
+    /// Witness KV: passed to every node as --soft-timeout-ms (0: no pulling before the election).
+    #[arg(long, value_name = "MS")]
+    pub soft_timeout_ms: Option<u64>,
     /// Nodes in the replication group (3, 4 or 5 in the paper).
     #[arg(long, default_value_t = 5)]
     pub nodes: u32,

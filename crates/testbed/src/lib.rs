@@ -36,6 +36,7 @@ pub mod etcd;
 pub mod failover;
 pub mod hosts;
 pub mod kv;
+pub mod kv_witness;
 pub mod mariadb;
 pub mod nearlog;
 pub mod postgres;

@@ -552,6 +552,10 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
     preload(&image, &dir, nodes)?;
     let up = UpArgs {
         dir: dir.clone(),
+        protocol: testbed::kv::UpProtocol::Leaderless,
+        backups: 1,
+        witnesses: 1,
+        soft_timeout_ms: None,
         nodes,
         model,
         port_base: 0,

@@ -8,7 +8,11 @@
 //!
 //! [`proto`] holds the messages (cores and drivers import it, never each other); [`core`] the
 //! sans-I/O state machines; [`store`] the backup's storage tiers (NVMM emulation in `/dev/shm`
-//! or an O_DSYNC file, O_DIRECT SSD logs, the prioritised I/O pool), which no driver runs yet.
+//! or an O_DSYNC file, O_DIRECT SSD logs, the prioritised I/O pool); [`driver`] the tokio node
+//! server and the leader-following client (`understudy kv node|up --protocol witness`). The
+//! driver uses `store::pmem` for NVMM, but writes the SSD log in the core's own page format
+//! (`core::page`) on one FIFO `O_DIRECT` thread: `store::ssdlog`/`store::io` (segments,
+//! their own entry framing, priority classes) are not driven yet (see `driver`).
 //!
 //! Status of the spec's mechanisms in [`core::node::WitnessCore`] (S = simplified, see the
 //! `SIMPLIFIED` notes in the code):
@@ -27,5 +31,6 @@
 //!   old primary re-added as a witness, snapshots/catch-up of new nodes, log truncation).
 
 pub mod core;
+pub mod driver;
 pub mod proto;
 pub mod store;
