@@ -148,7 +148,10 @@ fn step_down(why: &str) -> ! {
 pub struct ControlMetaStore {
     store: control::Store,
     lead: Arc<control::Leadership>,
-    rt: tokio::runtime::Handle,
+    /// The store's own runtime (one worker thread): the driver calls [`MetaStore::save`] while
+    /// it holds its state's lock, which every other task of the service's runtime may be
+    /// waiting for; the store's requests must be driven by a thread that is never among them.
+    rt: Option<tokio::runtime::Runtime>,
     /// What the store holds now (as of our last load or save) and its generation.
     last: Mutex<(u64, Option<MetaState>)>,
 }
@@ -157,8 +160,9 @@ pub struct ControlMetaStore {
 pub const MAX_SAVE_OPS: usize = 128;
 
 impl ControlMetaStore {
-    pub fn new(store: control::Store, lead: Arc<control::Leadership>, rt: tokio::runtime::Handle) -> Self {
-        ControlMetaStore { store, lead, rt, last: Mutex::new((0, None)) }
+    pub fn new(store: control::Store, lead: Arc<control::Leadership>) -> anyhow::Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).thread_name("meta-store").enable_all().build()?;
+        Ok(ControlMetaStore { store, lead, rt: Some(rt), last: Mutex::new((0, None)) })
     }
 
     fn k(&self, kind: &str, id: &str) -> String {
@@ -255,19 +259,29 @@ impl ControlMetaStore {
     }
 }
 
+impl Drop for ControlMetaStore {
+    fn drop(&mut self) {
+        // Dropped from an async task when the service stops: a runtime may not be shut down
+        // there by waiting, only in the background.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
 impl MetaStore for ControlMetaStore {
     fn load(&self) -> anyhow::Result<Option<MetaState>> {
         // The driver calls its store synchronously (a save is durable before the core hears of
-        // it); the store is async: wait for it on this worker thread, letting the runtime move
-        // the thread's other tasks elsewhere.
-        tokio::task::block_in_place(|| self.rt.block_on(self.load_async()))
+        // it); the store is async: wait for it on this thread (its other tasks move to another
+        // worker), while the store's own runtime drives the requests.
+        tokio::task::block_in_place(|| self.rt.as_ref().expect("runtime kept until drop").block_on(self.load_async()))
     }
 
     fn save(&self, state: &MetaState) -> anyhow::Result<()> {
         if !self.lead.is_leader() {
             step_down("election lease lost");
         }
-        tokio::task::block_in_place(|| self.rt.block_on(self.save_async(state)))
+        tokio::task::block_in_place(|| self.rt.as_ref().expect("runtime kept until drop").block_on(self.save_async(state)))
     }
 }
 
@@ -354,7 +368,7 @@ pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
             Err(e) => return Err(e).with_context(|| format!("cannot listen on {}", opts.listen)),
         }
     };
-    let ms = ControlMetaStore::new(store, lead.clone(), tokio::runtime::Handle::current());
+    let ms = ControlMetaStore::new(store, lead.clone())?;
     // On a worker thread: the store is called synchronously from there (block_in_place).
     let serving = tokio::spawn(serve_with(listener, opts, Box::new(ms), Some(lead.clone())));
     tokio::select! {
