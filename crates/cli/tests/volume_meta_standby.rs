@@ -74,8 +74,20 @@ fn pattern(offset: u64) -> Vec<u8> {
     b
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn standby_meta_takes_over_and_every_acknowledged_block_reads_back() {
+/// Two metadata services (meta-a leading, meta-b standing by) on a real 3-member etcd, three
+/// shards given both addresses, a client, and a volume "vol".
+struct Bed {
+    procs: Procs,
+    store: control::Store,
+    c: Arc<Cluster>,
+    metas: String,
+    secret: String,
+    tmp: tempfile::TempDir,
+    // Last: dropped after the processes that use it.
+    etcd: testbed::etcd::EtcdCluster,
+}
+
+async fn bed() -> Bed {
     // Started on this thread: the members die with the thread that started them.
     let etcd = testbed::etcd::EtcdCluster::start(3).expect("etcd starts");
     let tmp = tempfile::tempdir().unwrap();
@@ -127,6 +139,17 @@ async fn standby_meta_takes_over_and_every_acknowledged_block_reads_back() {
     let vols = store.list(&store.prefix("volume", "vol")).await.unwrap();
     assert_eq!(vols.len(), 1, "one key per volume");
     assert!(store.get(&store.key("volume", "state", "gen")).await.unwrap().is_some());
+    Bed { procs, store, c, metas, secret, tmp, etcd }
+}
+
+/// One bed at a time: two (8 processes and two etcd clusters) on a loaded 2-core machine would
+/// make each other's takeovers slow.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standby_meta_takes_over_and_every_acknowledged_block_reads_back() {
+    let _serial = SERIAL.lock().await;
+    let Bed { mut procs, store, c, metas, secret, tmp: _tmp, etcd } = bed().await;
 
     // The writer: each block written once, its offset recorded once acknowledged.
     let vol = Arc::new(c.open("vol").await.unwrap());
@@ -196,6 +219,56 @@ async fn standby_meta_takes_over_and_every_acknowledged_block_reads_back() {
         load.trim()
     );
     assert!(takeover <= 3 * ELECTION_TTL, "takeover took {takeover:?}");
+    drop(procs);
+    drop(etcd);
+}
+
+/// A leader stopped (SIGSTOP) past its election lease is replaced; continued, it finds its lease
+/// gone and exits (status 75) without writing: the generation in etcd moves only by the new
+/// leader, and decisions go on through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_leader_meta_exits_when_it_wakes_and_cannot_write() {
+    let _serial = SERIAL.lock().await;
+    let Bed { mut procs, store, metas, secret, tmp, etcd, .. } = bed().await;
+    let i = procs.0.iter().position(|(n, _)| n == "meta-a").unwrap();
+    let pid = procs.0[i].1.id();
+    assert!(testbed::proc::signal(pid, libc::SIGSTOP));
+    let takeover = wait_leader(&store, "meta-b", 3 * ELECTION_TTL + Duration::from_secs(2)).await;
+    // A fresh client dials meta-a first: its kernel accepts, its handshake never comes, and the
+    // client moves on to meta-b.
+    let c = Cluster::connect(&metas, secret.as_bytes()).await.expect("the client reaches the new leader");
+    let r = c.meta(MetaReq::Create { name: "during".into(), size_bytes: 8 << 20, object_size_bytes: volume::driver::meta::DEFAULT_OBJECT_SIZE_BYTES }).await.unwrap();
+    assert!(matches!(r, MetaResp::Volume(_)), "{r:?}");
+    let gen_before = store.get(&store.key("volume", "state", "gen")).await.unwrap().unwrap().value;
+    assert!(testbed::proc::signal(pid, libc::SIGCONT));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(st) = procs.0[i].1.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "the woken leader did not exit: {}", testbed::proc::tail(&tmp.path().join("meta-a.log"), 10));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status.code(), Some(volume::driver::meta::EXIT_NOT_LEADER), "{}", testbed::proc::tail(&tmp.path().join("meta-a.log"), 10));
+    let log = std::fs::read_to_string(tmp.path().join("meta-a.log")).unwrap();
+    assert!(log.contains("no longer leading"), "{log}");
+    assert_eq!(store.observe(META_ELECTION).await.unwrap().as_deref(), Some("meta-b"));
+    // Nothing of meta-a's landed: what etcd holds is what meta-b wrote, and meta-b goes on.
+    let gen_after = store.get(&store.key("volume", "state", "gen")).await.unwrap().unwrap().value;
+    let r = c.meta(MetaReq::Create { name: "after".into(), size_bytes: 8 << 20, object_size_bytes: volume::driver::meta::DEFAULT_OBJECT_SIZE_BYTES }).await.unwrap();
+    assert!(matches!(r, MetaResp::Volume(_)), "{r:?}");
+    let names: Vec<String> = match c.meta(MetaReq::List).await.unwrap() {
+        MetaResp::Volumes(v) => v.into_iter().map(|v| v.name).collect(),
+        r => panic!("{r:?}"),
+    };
+    assert_eq!(names, ["after", "during", "vol"]);
+    eprintln!(
+        "paused leader: standby leads {} ms after SIGSTOP; the woken one exited {:?} (generation {} -> {} meanwhile, by meta-b only)",
+        takeover.as_millis(),
+        status,
+        String::from_utf8_lossy(&gen_before),
+        String::from_utf8_lossy(&gen_after)
+    );
     drop(procs);
     drop(etcd);
 }

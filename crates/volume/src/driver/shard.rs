@@ -510,12 +510,17 @@ fn disk_cmd_kind(cmd: &DiskCmd) -> &'static str {
 /// standbys, `volume meta --store`): tries them in order and keeps the first that answers. Only
 /// the leader listens, so the first connection made is to the leader (or to a deposed leader
 /// about to exit, whose link then ends and is dialled again).
+/// How long one metadata address may take to connect and authenticate before the next is tried.
+pub const META_DIAL_TIMEOUT: Duration = Duration::from_secs(2);
+
 pub async fn dial_meta(addrs: &str, secret: &[u8], hello: &Hello) -> anyhow::Result<wire::link::Link> {
     let mut errors = Vec::new();
     for a in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
-        match dial(a, secret, hello).await {
-            Ok(s) => return Ok(s),
-            Err(e) => errors.push(format!("{a}: {e:#}")),
+        // A paused old leader's kernel still accepts connections; its handshake never comes.
+        match tokio::time::timeout(META_DIAL_TIMEOUT, dial(a, secret, hello)).await {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) => errors.push(format!("{a}: {e:#}")),
+            Err(_) => errors.push(format!("{a}: no handshake within {META_DIAL_TIMEOUT:?}")),
         }
     }
     anyhow::bail!("no metadata service answered ({})", if errors.is_empty() { "no address given".to_string() } else { errors.join("; ") })
