@@ -66,6 +66,19 @@ async fn wait_leader(store: &control::Store, want: &str, timeout: Duration) -> D
     }
 }
 
+/// A client of whichever service leads. An elected service binds its address just after its
+/// election shows in etcd: a client that comes in between finds nobody listening, and tries again.
+async fn connect(metas: &str, secret: &str) -> Arc<Cluster> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match Cluster::connect(metas, secret.as_bytes()).await {
+            Ok(c) => return c,
+            Err(e) => assert!(Instant::now() < deadline, "no metadata service answered at {metas}: {e:#}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn pattern(offset: u64) -> Vec<u8> {
     let mut b = vec![0u8; BLOCK_BYTES as usize];
     for (i, x) in b.iter_mut().enumerate() {
@@ -121,7 +134,7 @@ async fn bed() -> Bed {
         ]);
         procs.spawn(&format!("shard-{i}"), &args, dir);
     }
-    let c = Cluster::connect(&metas, secret.as_bytes()).await.expect("the client reaches the leader");
+    let c = connect(&metas, &secret).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if let MetaResp::Map(m) = c.meta(MetaReq::GetMap).await.unwrap() {
@@ -201,7 +214,7 @@ async fn standby_meta_takes_over_and_every_acknowledged_block_reads_back() {
     let after = acked.values().filter(|t| **t > killed + takeover).count();
     assert!(after > 10, "too few writes acknowledged after the takeover: {after}");
     // Every acknowledged block reads back, through a fresh client of the new leader.
-    let c2 = Cluster::connect(&metas, secret.as_bytes()).await.unwrap();
+    let c2 = connect(&metas, &secret).await;
     let vol2 = c2.open("vol").await.unwrap();
     for &off in acked.keys() {
         assert_eq!(vol2.read(off, BLOCK_BYTES as u32).await.unwrap(), pattern(off), "block at {off} lost");
@@ -236,7 +249,7 @@ async fn a_paused_leader_meta_exits_when_it_wakes_and_cannot_write() {
     let takeover = wait_leader(&store, "meta-b", 3 * ELECTION_TTL + Duration::from_secs(2)).await;
     // A fresh client dials meta-a first: its kernel accepts, its handshake never comes, and the
     // client moves on to meta-b.
-    let c = Cluster::connect(&metas, secret.as_bytes()).await.expect("the client reaches the new leader");
+    let c = connect(&metas, &secret).await;
     let r = c.meta(MetaReq::Create { name: "during".into(), size_bytes: 8 << 20, object_size_bytes: volume::driver::meta::DEFAULT_OBJECT_SIZE_BYTES }).await.unwrap();
     assert!(matches!(r, MetaResp::Volume(_)), "{r:?}");
     let gen_before = store.get(&store.key("volume", "state", "gen")).await.unwrap().unwrap().value;
