@@ -15,9 +15,25 @@ use testbed::proc::shutdown_signal;
 
 #[derive(Args, Debug)]
 pub struct MetaArgs {
-    /// Directory of the metadata state (created if missing).
-    #[arg(long, value_name = "DIR")]
-    pub dir: PathBuf,
+    /// Directory of the metadata state (created if missing), when it runs alone (without --store).
+    #[arg(long, value_name = "DIR", required_unless_present = "store")]
+    pub dir: Option<PathBuf>,
+    /// Run with standbys on this control store (etcd://H:P[,H:P...]): only the elected service
+    /// listens and serves, its state kept as keys in the store. Give shards and clients every
+    /// service's address (--meta A,B). Without it: alone, on DIR/meta.json.
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
+    /// The cluster name in the control store's keys (one store may hold several clusters).
+    #[arg(long, value_name = "NAME", default_value = "volume")]
+    pub store_cluster: String,
+    /// The election lease: a leader not renewing it for this long stops serving (exits); a
+    /// standby takes over about this long after the leader dies (etcd rounds it up to whole
+    /// seconds).
+    #[arg(long, default_value_t = 2000)]
+    pub election_ttl_ms: u64,
+    /// The name this service gives when it leads (default: its --listen address).
+    #[arg(long, value_name = "NAME")]
+    pub advertise: Option<String>,
     /// Address to listen on for shards and clients.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7700")]
     pub listen: SocketAddr,
@@ -52,8 +68,9 @@ pub struct ShardArgs {
     /// Address others reach this shard at (default: the listen address).
     #[arg(long, value_name = "ADDR")]
     pub advertise: Option<String>,
-    /// Address of the metadata service.
-    #[arg(long, value_name = "ADDR")]
+    /// Address of the metadata service (several, comma-separated, when it runs with standbys:
+    /// the leader is the one that answers).
+    #[arg(long, value_name = "ADDR[,ADDR...]")]
     pub meta: String,
     /// File holding the cluster secret.
     #[arg(long, value_name = "FILE")]
@@ -87,8 +104,9 @@ pub struct ShardArgs {
 
 #[derive(Args, Debug)]
 pub struct NbdArgs {
-    /// Address of the metadata service.
-    #[arg(long, value_name = "ADDR")]
+    /// Address of the metadata service (several, comma-separated, when it runs with standbys:
+    /// the leader is the one that answers).
+    #[arg(long, value_name = "ADDR[,ADDR...]")]
     pub meta: String,
     /// File holding the cluster secret.
     #[arg(long, value_name = "FILE")]
@@ -184,10 +202,24 @@ pub async fn meta(a: MetaArgs) -> anyhow::Result<()> {
     let secret = read_secret(&a.secret_file)?;
     link_tls_at_start()?;
     anyhow::ensure!(a.ping_interval_ms > 0 && a.down_after_ms > a.ping_interval_ms, "--down-after-ms must exceed --ping-interval-ms");
-    tracing::info!(listen = %a.listen, dir = %a.dir.display(), "metadata service starting");
+    tracing::info!(listen = %a.listen, dir = ?a.dir, store = ?a.store, "metadata service starting");
+    let control = match &a.store {
+        None => None,
+        Some(url) => {
+            anyhow::ensure!(a.election_ttl_ms >= 1000, "--election-ttl-ms must be at least 1000 (etcd leases are whole seconds)");
+            Some(volume::driver::meta::MetaControl {
+                store_url: url.clone(),
+                cluster: a.store_cluster.clone(),
+                cluster_id: volume::driver::meta::cluster_id_from_secret(&secret),
+                election_ttl: std::time::Duration::from_millis(a.election_ttl_ms),
+                advertise: a.advertise.clone().unwrap_or_else(|| a.listen.to_string()),
+            })
+        }
+    };
     let opts = volume::driver::meta::MetaOptions {
         listen: a.listen,
-        dir: a.dir,
+        dir: a.dir.unwrap_or_default(),
+        control,
         replicas: a.replicas,
         secret,
         ping_interval_ms: a.ping_interval_ms,

@@ -224,7 +224,11 @@ enum VolumeCmd {
     /// Keeps its state in DIR/meta.json (replaced atomically on every change), listens for
     /// shards and control clients on ADDR, pings every shard and marks one down after
     /// --down-after-ms without an answer, or at once when its link closes (a killed shard).
-    /// Stops on SIGTERM or Ctrl-C.
+    /// With --store etcd://..., run two or three: they stand for leadership in the control
+    /// store; only the leader listens on its ADDR and serves, keeping its state there as keys
+    /// (one per volume, job and collapse record); a standby takes over about one
+    /// --election-ttl-ms after the leader dies, and a leader that loses its lease exits (status
+    /// 75). Stops on SIGTERM or Ctrl-C.
     Meta(daemons::MetaArgs),
     /// Run a storage shard.
     ///

@@ -24,6 +24,7 @@ pub async fn start_in_process(dir: &Path, shards: u32, secret: &[u8]) -> anyhow:
         ping_interval_ms: 100,
         down_after_ms: 3000,
         metrics: None,
+        control: None,
     };
     tokio::spawn(crate::driver::meta::serve_meta(listener, opts));
     for id in 0..shards {

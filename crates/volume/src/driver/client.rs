@@ -124,7 +124,7 @@ impl Cluster {
         for attempt in 0..2 {
             if g.is_none() {
                 *g = Some(
-                    dial(&self.meta_addr, &self.secret, &Hello::Client)
+                    crate::driver::shard::dial_meta(&self.meta_addr, &self.secret, &Hello::Client)
                         .await
                         .with_context(|| format!("cannot reach the metadata service at {}", self.meta_addr))?,
                 );

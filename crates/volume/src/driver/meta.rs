@@ -9,7 +9,8 @@
 //!
 //! Its state lives behind [`MetaStore`]; the embedded default, [`FileMetaStore`], keeps it in one
 //! JSON file replaced atomically (write, fsync, rename, fsync the directory), so a restart loses
-//! nothing. A later store can keep the same state in etcd.
+//! nothing. With [`MetaOptions::control`] (`volume meta --store URL`) it runs with standbys on
+//! the control store instead: see [`ControlMetaStore`] and [`run_meta`].
 //!
 //! Shards open a control link to this service and register; the service pings them, marks one
 //! down after `down_after_ms` without an answer (counted only while the service runs) or at once
@@ -85,6 +86,203 @@ pub struct MetaOptions {
     pub down_after_ms: u64,
     /// Where to serve Prometheus metrics, if anywhere.
     pub metrics: Option<SocketAddr>,
+    /// Run with standbys on the control store (None: alone, on `dir/meta.json`).
+    pub control: Option<MetaControl>,
+}
+
+/// How the metadata service stands for leadership and where it keeps its state when it runs
+/// with standbys (`volume meta --store URL`).
+#[derive(Clone, Debug)]
+pub struct MetaControl {
+    /// The control store's address (`etcd://...`, or an embedded directory).
+    pub store_url: String,
+    /// The cluster name in the store's keys.
+    pub cluster: String,
+    /// The cluster's identity: a store holding another one is refused.
+    pub cluster_id: String,
+    /// The election lease: a leader that cannot renew it for this long stops serving; a
+    /// standby takes over about this long after the leader died.
+    pub election_ttl: Duration,
+    /// What this service tells others when it leads (shown by `observe`).
+    pub advertise: String,
+}
+
+/// The election every metadata service of one volume cluster stands in.
+pub const META_ELECTION: &str = "volume-meta";
+
+/// The cluster id a metadata service derives from the cluster secret when none is given: two
+/// clusters with different secrets never share one store's keys under one cluster name. A
+/// checksum of the secret, not the secret: the store's readers need not know it.
+pub fn cluster_id_from_secret(secret: &[u8]) -> String {
+    let mut salted = b"understudy-volume-cluster-id:".to_vec();
+    salted.extend_from_slice(secret);
+    format!("volume-{:08x}", crc32c::crc32c(&salted))
+}
+
+/// Exit status of a metadata service that stopped leading: its tasks (shard links, client
+/// connections, timers) end with the process, so nothing more is served or sent; a supervisor
+/// restarts it as a standby.
+pub const EXIT_NOT_LEADER: i32 = 75;
+
+fn step_down(why: &str) -> ! {
+    eprintln!("meta: no longer leading ({why}): exiting so that nothing more is served");
+    tracing::error!("no longer leading ({why}): exiting");
+    std::process::exit(EXIT_NOT_LEADER)
+}
+
+/// The state as keys of the control store, written only by the elected leader:
+///
+/// * `volume/state/gen`: the number of saves so far (decimal): the guard of every save;
+/// * `volume/state/next_id`: the next volume id (decimal);
+/// * `volume/state/map`: the cluster map (JSON; one entry per shard, small);
+/// * `volume/vol/<name>`: one per volume (JSON [`VolumeRec`]);
+/// * `volume/job/<index>`: one per pending job, in order (JSON [`Job`]);
+/// * `volume/collapse/<index>`: one per kept collapse record, oldest first (JSON).
+///
+/// A save writes only what changed since the last save, in one transaction guarded by the
+/// generation it read or wrote last and by the leader's election key: a deposed leader's save
+/// fails (`Deposed`) and it exits; a generation that moved under it (a writer outside the
+/// election) also makes it exit rather than fork. Why a generation and not the map epoch: the
+/// map epoch moves only with membership, while volumes, jobs and collapse records change
+/// without it; one counter moved by every save guards them all.
+pub struct ControlMetaStore {
+    store: control::Store,
+    lead: Arc<control::Leadership>,
+    /// The store's own runtime (one worker thread): the driver calls [`MetaStore::save`] while
+    /// it holds its state's lock, which every other task of the service's runtime may be
+    /// waiting for; the store's requests must be driven by a thread that is never among them.
+    rt: Option<tokio::runtime::Runtime>,
+    /// What the store holds now (as of our last load or save) and its generation.
+    last: Mutex<(u64, Option<MetaState>)>,
+}
+
+/// The most operations one save's transaction may hold: etcd's default `--max-txn-ops` is 128.
+pub const MAX_SAVE_OPS: usize = 128;
+
+impl ControlMetaStore {
+    pub fn new(store: control::Store, lead: Arc<control::Leadership>) -> anyhow::Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).thread_name("meta-store").enable_all().build()?;
+        Ok(ControlMetaStore { store, lead, rt: Some(rt), last: Mutex::new((0, None)) })
+    }
+
+    fn k(&self, kind: &str, id: &str) -> String {
+        self.store.key("volume", kind, id)
+    }
+
+    /// Every key of `st` with its value.
+    fn keys_of(&self, st: &MetaState) -> anyhow::Result<std::collections::BTreeMap<String, Vec<u8>>> {
+        let mut m = std::collections::BTreeMap::new();
+        m.insert(self.k("state", "next_id"), st.next_id.to_string().into_bytes());
+        m.insert(self.k("state", "map"), serde_json::to_vec(&st.map)?);
+        for (name, v) in &st.volumes {
+            m.insert(self.k("vol", name), serde_json::to_vec(v)?);
+        }
+        for (i, j) in st.jobs.iter().enumerate() {
+            m.insert(self.k("job", &format!("{i:08}")), serde_json::to_vec(j)?);
+        }
+        for (i, c) in st.collapsed.iter().enumerate() {
+            m.insert(self.k("collapse", &format!("{i:08}")), serde_json::to_vec(c)?);
+        }
+        Ok(m)
+    }
+
+    pub async fn load_async(&self) -> anyhow::Result<Option<MetaState>> {
+        let bad = |why: String| anyhow::anyhow!("volume metadata in the control store: {why}");
+        let Some(g) = self.store.get(&self.k("state", "gen")).await? else {
+            *self.last.lock().unwrap() = (0, None);
+            return Ok(None);
+        };
+        let num = |v: &[u8], what: &str| -> anyhow::Result<u64> {
+            std::str::from_utf8(v).ok().and_then(|s| s.parse().ok()).ok_or_else(|| bad(format!("{what} {:?} is not a number", String::from_utf8_lossy(v))))
+        };
+        let gen = num(&g.value, "gen")?;
+        let next_id = num(&self.store.get(&self.k("state", "next_id")).await?.ok_or_else(|| bad("next_id missing".into()))?.value, "next_id")?;
+        let map = serde_json::from_slice(&self.store.get(&self.k("state", "map")).await?.ok_or_else(|| bad("map missing".into()))?.value)?;
+        let mut st = MetaState::with_map(map);
+        st.next_id = next_id;
+        for kv in self.store.list(&self.store.prefix("volume", "vol")).await? {
+            let v: VolumeRec = serde_json::from_slice(&kv.value).map_err(|e| bad(format!("{}: {e}", kv.key)))?;
+            st.volumes.insert(v.name.clone(), v);
+        }
+        // Listed in key order, which is index order (zero-padded).
+        for kv in self.store.list(&self.store.prefix("volume", "job")).await? {
+            st.jobs.push(serde_json::from_slice(&kv.value).map_err(|e| bad(format!("{}: {e}", kv.key)))?);
+        }
+        for kv in self.store.list(&self.store.prefix("volume", "collapse")).await? {
+            st.collapsed.push(serde_json::from_slice(&kv.value).map_err(|e| bad(format!("{}: {e}", kv.key)))?);
+        }
+        *self.last.lock().unwrap() = (gen, Some(st.clone()));
+        Ok(Some(st))
+    }
+
+    pub async fn save_async(&self, state: &MetaState) -> anyhow::Result<()> {
+        use control::{Compare, Op};
+        let (gen, before) = self.last.lock().unwrap().clone();
+        let old = match &before {
+            Some(b) => self.keys_of(b)?,
+            None => Default::default(),
+        };
+        let new = self.keys_of(state)?;
+        let gk = self.k("state", "gen");
+        let guard = if before.is_some() { Compare::value(&gk, gen.to_string().into_bytes()) } else { Compare::absent(&gk) };
+        let mut ops = vec![Op::put(&gk, (gen + 1).to_string().into_bytes())];
+        for (k, v) in &new {
+            if old.get(k) != Some(v) {
+                ops.push(Op::put(k, v.clone()));
+            }
+        }
+        for k in old.keys() {
+            if !new.contains_key(k) {
+                ops.push(Op::delete(k));
+            }
+        }
+        anyhow::ensure!(
+            ops.len() <= MAX_SAVE_OPS,
+            "one save would change {} keys, over the {MAX_SAVE_OPS} one etcd transaction may hold",
+            ops.len()
+        );
+        match self.lead.txn(vec![guard], ops).await {
+            Ok(out) if out.succeeded => {}
+            Ok(_) => step_down(&format!("the state's generation in the control store is no longer {gen}: another writer outside the election")),
+            Err(e @ control::Error::Deposed { .. }) => step_down(&e.to_string()),
+            Err(e @ control::Error::Uncertain { .. }) => {
+                // Only this leader writes: the generation says whether the write was applied.
+                let now = self.store.get(&gk).await?.map(|kv| kv.value);
+                if now != Some((gen + 1).to_string().into_bytes()) {
+                    return Err(e.into());
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+        *self.last.lock().unwrap() = (gen + 1, Some(state.clone()));
+        Ok(())
+    }
+}
+
+impl Drop for ControlMetaStore {
+    fn drop(&mut self) {
+        // Dropped from an async task when the service stops: a runtime may not be shut down
+        // there by waiting, only in the background.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl MetaStore for ControlMetaStore {
+    fn load(&self) -> anyhow::Result<Option<MetaState>> {
+        // The driver calls its store synchronously (a save is durable before the core hears of
+        // it); the store is async: wait for it on this thread (its other tasks move to another
+        // worker), while the store's own runtime drives the requests.
+        tokio::task::block_in_place(|| self.rt.as_ref().expect("runtime kept until drop").block_on(self.load_async()))
+    }
+
+    fn save(&self, state: &MetaState) -> anyhow::Result<()> {
+        if !self.lead.is_leader() {
+            step_down("election lease lost");
+        }
+        tokio::task::block_in_place(|| self.rt.as_ref().expect("runtime kept until drop").block_on(self.save_async(state)))
+    }
 }
 
 struct ShardLink {
@@ -108,6 +306,8 @@ struct Inner {
     pushed_epoch: Epoch,
     /// The cores' monotonic clock counts from here.
     started: Instant,
+    /// The leadership this service serves under (None: alone on its file).
+    lead: Option<Arc<control::Leadership>>,
 }
 
 /// Shared handle of the running service: the driver of [`MetaCore`].
@@ -127,14 +327,63 @@ fn now_unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
+/// Runs the metadata service: alone on its state file, or, with [`MetaOptions::control`], as a
+/// candidate that serves only while it leads.
+///
+/// A standby does not listen on its address at all: shards and clients given several addresses
+/// (`--meta a,b`) try them in turn and reach only the leader, with no redirect protocol and no
+/// chance of a standby answering from a stale state. The leader binds the address once elected,
+/// loads the state the previous leader left (that one can no longer write: its election key is
+/// gone), and serves; when its lease is lost it exits at once ([`EXIT_NOT_LEADER`]), which ends
+/// every link and timer it had.
 pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
-    serve_meta(listener, opts).await
+    let Some(ctl) = opts.control.clone() else {
+        let listener = TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
+        return serve_meta(listener, opts).await;
+    };
+    let store = control::Store::open(&ctl.store_url, &ctl.cluster, &ctl.cluster_id).await?;
+    let lead = loop {
+        eprintln!("meta: standing for leadership of {META_ELECTION} as {}", ctl.advertise);
+        match store.campaign(META_ELECTION, &ctl.advertise, ctl.election_ttl).await {
+            Ok(l) => break Arc::new(l),
+            Err(e @ (control::Error::LeaseExpired(_) | control::Error::Unavailable { .. } | control::Error::Uncertain { .. })) => {
+                // The store was out of reach long enough to lose the candidacy: stand again.
+                eprintln!("meta: candidacy lost ({e}); standing again");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    eprintln!("meta: leading {META_ELECTION} (fencing token {})", lead.fencing_token());
+    // The old leader's process may still hold the port for a moment if it was merely deposed
+    // (it exits as soon as it learns so): retry the bind for up to one election TTL.
+    let deadline = Instant::now() + ctl.election_ttl.max(Duration::from_secs(1));
+    let listener = loop {
+        match TcpListener::bind(opts.listen).await {
+            Ok(l) => break l,
+            Err(e) if Instant::now() < deadline => {
+                tracing::warn!("cannot listen on {} yet: {e}", opts.listen);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot listen on {}", opts.listen)),
+        }
+    };
+    let ms = ControlMetaStore::new(store, lead.clone())?;
+    // On a worker thread: the store is called synchronously from there (block_in_place).
+    let serving = tokio::spawn(serve_with(listener, opts, Box::new(ms), Some(lead.clone())));
+    tokio::select! {
+        r = serving => r.context("the metadata service's task failed")?,
+        why = lead.lost() => step_down(&why),
+    }
 }
 
 /// Runs the metadata service on a bound listener (`opts.listen` is ignored).
 pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Result<()> {
     let store = FileMetaStore::new(&opts.dir)?;
+    serve_with(listener, opts, Box::new(store), None).await
+}
+
+async fn serve_with(listener: TcpListener, opts: MetaOptions, store: Box<dyn MetaStore>, lead: Option<Arc<control::Leadership>>) -> anyhow::Result<()> {
     let member_cfg = MembershipConfig { ping_interval_us: opts.ping_interval_ms * 1000, down_after_us: opts.down_after_ms * 1000 };
     let ServiceStart { save, core, members } =
         start_service(store.load()?, opts.replicas, MetaCoreConfig::default(), member_cfg, 0, rand::random::<u64>() >> 20);
@@ -147,12 +396,13 @@ pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Res
         members,
         next_link: 1,
         next_ping: PING_REQ_BASE,
-        store: Box::new(store),
+        store,
         links: HashMap::new(),
         calls: HashMap::new(),
         next_call: 1,
         pushed_epoch,
         started: Instant::now(),
+        lead,
     };
     let started = inner.started;
     let meta = Meta { inner: Arc::new(Mutex::new(inner)), opts: Arc::new(opts), started };
@@ -269,6 +519,11 @@ impl Meta {
     async fn call(&self, req: MetaReq) -> MetaResp {
         let rx = {
             let mut g = self.inner.lock().unwrap();
+            // A leader whose lease is gone (it was paused, or cut off from the store) answers
+            // nothing more, not even a read: a new leader may have changed what it would say.
+            if g.lead.as_ref().is_some_and(|l| !l.is_leader()) {
+                step_down("election lease lost");
+            }
             let call = g.next_call;
             g.next_call += 1;
             let (tx, rx) = oneshot::channel();
@@ -381,4 +636,55 @@ impl Meta {
 /// Checks a volume name (letters, digits, '-', '_', '.'; 1 to 128 characters).
 pub fn validate_name(name: &str) -> anyhow::Result<()> {
     crate::core::meta::validate_name(name).map_err(anyhow::Error::msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vol(name: &str, id: u64) -> VolumeRec {
+        VolumeRec::new(name.into(), VolRef { id, table: id, object_size_bytes: DEFAULT_OBJECT_SIZE_BYTES, parent: None }, 1 << 20, Layout::Plain, 0)
+    }
+
+    /// The state round-trips through the store as one key per volume, job and collapse record;
+    /// a save writes the changes only (removed volumes and jobs lose their keys); a second
+    /// store handle (a new leader) loads exactly what the last save left.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn state_round_trips_as_keys_and_removals_delete_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = control::Store::open(dir.path().to_str().unwrap(), "volume", "volume-test").await.unwrap();
+        let lead = Arc::new(store.campaign(META_ELECTION, "t", Duration::from_secs(2)).await.unwrap());
+        let ms = ControlMetaStore::new(store.clone(), lead.clone()).unwrap();
+        assert_eq!(ms.load_async().await.unwrap(), None);
+        let mut st = MetaState::new(3);
+        for i in 0..5 {
+            st.volumes.insert(format!("v{i}"), vol(&format!("v{i}"), i));
+        }
+        st.jobs.push(Job::Delete { table: 7, owner: 7, drop_table: true });
+        st.jobs.push(Job::Delete { table: 8, owner: 8, drop_table: false });
+        st.collapsed.push(CollapseRec { child: "c".into(), child_id: 9, outcome: crate::types::CollapseOutcome::Promoted });
+        st.next_id = 10;
+        ms.save_async(&st).await.unwrap();
+        assert_eq!(store.list(&store.prefix("volume", "vol")).await.unwrap().len(), 5, "one key per volume");
+        assert_eq!(store.list(&store.prefix("volume", "job")).await.unwrap().len(), 2, "one key per job");
+        assert_eq!(store.list(&store.prefix("volume", "collapse")).await.unwrap().len(), 1);
+
+        st.volumes.remove("v3");
+        st.jobs.remove(0);
+        st.map.epoch += 1;
+        ms.save_async(&st).await.unwrap();
+        assert_eq!(store.list(&store.prefix("volume", "vol")).await.unwrap().len(), 4, "a removed volume's key is deleted");
+        assert_eq!(store.list(&store.prefix("volume", "job")).await.unwrap().len(), 1, "a finished job's key is deleted");
+        assert_eq!(store.get(&store.key("volume", "state", "gen")).await.unwrap().unwrap().value, b"2");
+
+        let fresh = ControlMetaStore::new(store.clone(), lead.clone()).unwrap();
+        assert_eq!(fresh.load_async().await.unwrap().as_ref(), Some(&st));
+        // A writer whose view is stale (its generation moved under it) would be a second
+        // writer: the guard refuses it (the process would exit; here: the raw transaction).
+        let out = lead
+            .txn(vec![control::Compare::value(&store.key("volume", "state", "gen"), b"1".to_vec())], vec![control::Op::put(&store.key("volume", "state", "next_id"), b"1".to_vec())])
+            .await
+            .unwrap();
+        assert!(!out.succeeded, "a save guarded by an old generation must not commit");
+    }
 }

@@ -506,6 +506,26 @@ fn disk_cmd_kind(cmd: &DiskCmd) -> &'static str {
 
 /// Authenticates and identifies an outgoing connection, over TLS when this process's link
 /// setting asks for it for `addr` ([`wire::link::process`]).
+/// Dials the metadata service given as one address or several, comma-separated (a service with
+/// standbys, `volume meta --store`): tries them in order and keeps the first that answers. Only
+/// the leader listens, so the first connection made is to the leader (or to a deposed leader
+/// about to exit, whose link then ends and is dialled again).
+/// How long one metadata address may take to connect and authenticate before the next is tried.
+pub const META_DIAL_TIMEOUT: Duration = Duration::from_secs(2);
+
+pub async fn dial_meta(addrs: &str, secret: &[u8], hello: &Hello) -> anyhow::Result<wire::link::Link> {
+    let mut errors = Vec::new();
+    for a in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        // A paused old leader's kernel still accepts connections; its handshake never comes.
+        match tokio::time::timeout(META_DIAL_TIMEOUT, dial(a, secret, hello)).await {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) => errors.push(format!("{a}: {e:#}")),
+            Err(_) => errors.push(format!("{a}: no handshake within {META_DIAL_TIMEOUT:?}")),
+        }
+    }
+    anyhow::bail!("no metadata service answered ({})", if errors.is_empty() { "no address given".to_string() } else { errors.join("; ") })
+}
+
 pub async fn dial(addr: &str, secret: &[u8], hello: &Hello) -> anyhow::Result<wire::link::Link> {
     let sock = tokio::time::timeout(Duration::from_secs(3), TcpStream::connect(addr))
         .await
@@ -620,7 +640,7 @@ async fn meta_link(
     tx: &mpsc::Sender<CoreEvent>,
     secret: &[u8],
 ) -> anyhow::Result<()> {
-    let sock = dial(meta_addr, secret, &Hello::Shard(id)).await?;
+    let sock = dial_meta(meta_addr, secret, &Hello::Shard(id)).await?;
     let (r, w) = sock.into_split();
     let (mtx, mrx) = mpsc::channel(CONN_QUEUE_MSGS);
     mtx.send(Msg::Register { shard: id, addr: advertise.to_string(), boot_id, fresh }).await?;
