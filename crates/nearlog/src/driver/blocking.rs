@@ -33,6 +33,43 @@ pub fn connect(addr: &str, secret: &[u8], timeout: Duration) -> Result<TcpStream
     Ok(s)
 }
 
+/// How long a controller call waits, in all, for one of the listed controllers to accept while
+/// none does (a standby takeover takes about its election lease: 2 s by default, up to two with
+/// a slow store); then the caller gets the error (EIO in the shim). Bounded: the shim blocks
+/// inside applications.
+pub const CONTROLLER_FAILOVER_WAIT_MS: u64 = 10_000;
+/// Pause between two rounds over the controller list.
+pub const CONTROLLER_RETRY_PAUSE_MS: u64 = 200;
+
+/// Connects to the first of `list` (controller addresses separated by commas; a single address
+/// is a list of one) that accepts and authenticates, in order, round after round for up to
+/// [`CONTROLLER_FAILOVER_WAIT_MS`]. Only the leading controller listens (a standby refuses the
+/// connection at once), so no "not leader" reply is needed: whichever answers leads, or led
+/// until its lease ran out, after which it stops and its connections close.
+pub fn connect_any(list: &str, secret: &[u8], timeout: Duration) -> Result<TcpStream, WireError> {
+    let addrs: Vec<&str> = list.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+    if addrs.is_empty() {
+        return Err(WireError::Decode(format!("no controller address in {list:?}")));
+    }
+    let deadline = std::time::Instant::now() + Duration::from_millis(CONTROLLER_FAILOVER_WAIT_MS);
+    loop {
+        let mut errors = Vec::new();
+        for a in &addrs {
+            match connect(a, secret, timeout) {
+                Ok(s) => return Ok(s),
+                Err(e) => errors.push(format!("{a}: {e}")),
+            }
+        }
+        if std::time::Instant::now() + Duration::from_millis(CONTROLLER_RETRY_PAUSE_MS) >= deadline {
+            return Err(WireError::Io(std::io::Error::other(format!(
+                "no controller answered within {CONTROLLER_FAILOVER_WAIT_MS} ms ({})",
+                errors.join("; ")
+            ))));
+        }
+        std::thread::sleep(Duration::from_millis(CONTROLLER_RETRY_PAUSE_MS));
+    }
+}
+
 /// One frame (`wire` framing) holding `msg`.
 pub fn encode<M: Serialize>(msg: &M) -> Result<Vec<u8>, WireError> {
     wire::encode_frame(msg)
