@@ -24,7 +24,10 @@ pub enum NearlogCmd {
     /// Run the controller: peers, their free space, file placement and epochs in DIR.
     ///
     /// State lives in DIR/nearlog-controller.json, replaced atomically (fsync) before any
-    /// answer, so a restart loses nothing.
+    /// answer, so a restart loses nothing. With --store etcd://..., run two or three
+    /// controllers: they stand for leadership, the leader alone listens and keeps the state in
+    /// the store (one key per peer and per file, each write guarded by its election), a
+    /// standby takes over about one election lease after the leader dies.
     Controller(ControllerArgs),
     /// A local controller and 3 log peers on loopback, in the foreground until Ctrl-C.
     ///
@@ -206,7 +209,8 @@ fn open_logs(paths: &[PathBuf]) -> anyhow::Result<()> {
 
 #[derive(Args, Debug)]
 pub struct ReclaimArgs {
-    /// Controller address.
+    /// Controller address, or every controller's, comma-separated (A,B,...): the one that
+    /// answers (only the leader listens) is used.
     #[arg(long)]
     pub controller: String,
     /// File holding the cluster secret.
@@ -228,7 +232,8 @@ pub struct PeerArgs {
     /// Address to serve clients on.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: String,
-    /// Controller address.
+    /// Controller address, or every controller's, comma-separated (A,B,...): the one that
+    /// answers (only the leader listens) is used.
     #[arg(long)]
     pub controller: String,
     /// File holding the cluster secret.
