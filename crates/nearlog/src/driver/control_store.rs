@@ -296,3 +296,73 @@ impl Keys<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> ControllerState {
+        let mut s = ControllerState { next_peer: 3, next_file: 2, ..Default::default() };
+        for id in 1..=2 {
+            s.peers.insert(id, PeerInfo { addr: format!("127.0.0.1:{id}"), region_bytes: 1 << 20, used_bytes: 7, draining: false, live: true });
+        }
+        let meta = FileMeta { file: 1, epoch: 1, peers: vec![1, 2], initialized: true, prev_peers: vec![], placed_at: 1, owner_epoch: 1 };
+        s.files.insert("/a/b.log".into(), meta);
+        s
+    }
+
+    #[tokio::test]
+    async fn state_is_one_key_per_object_written_under_guards() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = control::Store::open(dir.path().to_str().unwrap(), "t", "id").await.unwrap();
+        let lead = store.campaign(CONTROLLER_ELECTION, "me", Duration::from_secs(2)).await.unwrap();
+        let mut keys = Keys { store: &store, revs: BTreeMap::new(), values: BTreeMap::new() };
+        assert!(keys.load().await.unwrap().is_none(), "an empty store has no state");
+        let mut s = state();
+        keys.save(&lead, &s).await.unwrap();
+        assert_eq!(store.list(&store.prefix("nearlog", "peer")).await.unwrap().len(), 2);
+        assert_eq!(store.list(&store.prefix("nearlog", "file")).await.unwrap().len(), 1);
+
+        // A heartbeat's soft state (used bytes, liveness) writes nothing.
+        let rev = store.get(&store.key("nearlog", "peer", "1")).await.unwrap().unwrap().mod_revision;
+        s.peers.get_mut(&1).unwrap().used_bytes = 99;
+        keys.save(&lead, &s).await.unwrap();
+        assert_eq!(store.get(&store.key("nearlog", "peer", "1")).await.unwrap().unwrap().mod_revision, rev);
+
+        // A new leader loads what was kept (soft state cleared).
+        let mut again = Keys { store: &store, revs: BTreeMap::new(), values: BTreeMap::new() };
+        let loaded = again.load().await.unwrap().unwrap();
+        assert_eq!(loaded.files, s.files);
+        assert_eq!((loaded.next_peer, loaded.next_file), (3, 2));
+        assert_eq!(loaded.peers[&1].addr, s.peers[&1].addr);
+
+        // A removed file's key is deleted.
+        s.files.clear();
+        keys.save(&lead, &s).await.unwrap();
+        assert!(store.list(&store.prefix("nearlog", "file")).await.unwrap().is_empty());
+
+        // Someone else changed a key this leader is about to write: the write fails, nothing
+        // is applied.
+        store.put(&store.key("nearlog", "peer", "2"), b"{}".to_vec()).await.unwrap();
+        s.peers.get_mut(&2).unwrap().draining = true;
+        s.next_file = 9;
+        let e = keys.save(&lead, &s).await.unwrap_err();
+        assert!(e.contains("another writer"), "{e}");
+        assert_eq!(store.get(&store.key("nearlog", "peer", "2")).await.unwrap().unwrap().value, b"{}");
+        let c: Counters = serde_json::from_slice(&store.get(&store.key("nearlog", "meta", "counters")).await.unwrap().unwrap().value).unwrap();
+        assert_eq!(c.next_file, 2);
+
+        // A leader whose election key is gone cannot write at all.
+        lead.stop_renewing();
+        store.delete(lead.key()).await.unwrap();
+        s.next_file = 10;
+        let mut fresh = Keys { store: &store, revs: BTreeMap::new(), values: BTreeMap::new() };
+        // The foreign write left a value that is no peer: a clear error, not a guess.
+        let e = fresh.load().await.unwrap_err();
+        assert!(e.contains("peer/2") && e.contains("corrupt"), "{e}");
+        store.put(&store.key("nearlog", "peer", "2"), serde_json::to_vec(&s.peers[&2]).unwrap()).await.unwrap();
+        fresh.load().await.unwrap();
+        let e = fresh.save(&lead, &s).await.unwrap_err();
+        assert!(e.contains("no longer leader"), "{e}");
+    }
+}
