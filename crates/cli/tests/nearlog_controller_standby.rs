@@ -7,8 +7,8 @@
 //! never waits for the controller: its file is open); the standby leads and serves within a
 //! generous bound (the figure is printed: election TTL 2 s), from the state the leader kept (the
 //! writer's file, its placement and epoch); it gives every peer a whole lease from its takeover
-//! (no peer declared lost while all are alive); a new log file is opened through the shim after
-//! it; the killed controller restarted stands by (does not listen); and both files recover
+//! (no peer declared lost while all are alive); a new log file whose open the shim began while
+//! no controller led is opened once the standby leads (the shim waits, bounded, on its list); the killed controller restarted stands by (does not listen); and both files recover
 //! through the shim as exactly what was acknowledged.
 
 mod nearlog_common;
@@ -181,6 +181,9 @@ fn the_standby_controller_takes_over_and_nothing_acknowledged_is_lost() {
     // SIGKILL of the leader while the writer writes.
     drop(ctl_a.take());
     let killed = Instant::now();
+    // A new log file opened while no controller leads: the shim's open waits (bounded) for
+    // the standby instead of failing.
+    let mut w2 = Writer::start(&app.join("new.log"), &root, &env);
     let mut steps_during = 0;
     let takeover = loop {
         w.step(1);
@@ -214,8 +217,7 @@ fn the_standby_controller_takes_over_and_nothing_acknowledged_is_lost() {
     let st = status(&b, &secret).unwrap();
     assert_eq!(st.peers.values().filter(|p| p.live).count(), 4, "every peer reports to the new leader");
 
-    // A new log file after the takeover.
-    let mut w2 = Writer::start(&app.join("new.log"), &root, &env);
+    // The file opened during the takeover.
     let acked2 = w2.step(16);
     assert!(status(&b, &secret).unwrap().files.contains_key(&w2.log.display().to_string()));
 
