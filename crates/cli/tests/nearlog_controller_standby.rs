@@ -10,6 +10,10 @@
 //! (no peer declared lost while all are alive); a new log file whose open the shim began while
 //! no controller led is opened once the standby leads (the shim waits, bounded, on its list); the killed controller restarted stands by (does not listen); and both files recover
 //! through the shim as exactly what was acknowledged.
+//!
+//! `a_stalled_leader_that_resumes_steps_down`: SIGSTOP of the leader past its lease; the standby
+//! leads; SIGCONT: the old leader exits (code 3) without serving again; the peers follow the
+//! new leader.
 
 mod nearlog_common;
 
@@ -230,4 +234,63 @@ fn the_standby_controller_takes_over_and_nothing_acknowledged_is_lost() {
     let acked = w.step(16);
     w.check_recovers(&env, acked);
     w2.check_recovers(&env, acked2);
+}
+
+/// A leader that stalls (SIGSTOP: a partition or a long pause) past its election lease is
+/// replaced; when it resumes it finds its lease lost and exits (code 3) without serving again,
+/// while the new leader keeps the cluster (its peers report to it).
+#[test]
+fn a_stalled_leader_that_resumes_steps_down() {
+    let etcd = testbed::etcd::EtcdCluster::start(3).expect("etcd starts");
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().to_path_buf();
+    let secret = format!("nl-stall-{}-{:?}", std::process::id(), std::time::SystemTime::now()).into_bytes();
+    std::fs::write(root.join("secret"), &secret).unwrap();
+    let (a, b) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+    let both = format!("{a},{b}");
+    let mut ctl_a = controller("ctl-a", &a, &etcd.url(), &root);
+    let t = Instant::now();
+    while status(&a, &secret).is_none() {
+        assert!(t.elapsed() < WAIT, "ctl-a never served: {}", std::fs::read_to_string(root.join("ctl-a.out")).unwrap_or_default());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ctl_b = controller("ctl-b", &b, &etcd.url(), &root);
+    let sf = root.join("secret");
+    let _peers: Vec<Kill> = (0..3)
+        .map(|_| {
+            let p = format!("127.0.0.1:{}", free_port());
+            daemon(&["nearlog", "peer", "--listen", &p, "--controller", &both, "--region-bytes", "16777216", "--secret-file"], &[&sf])
+        })
+        .collect();
+    while status(&a, &secret).is_none_or(|s| s.peers.values().filter(|p| p.live).count() < 3) {
+        assert!(t.elapsed() < WAIT, "3 peers did not register within {WAIT:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let pid = ctl_a.0.id() as i32;
+    // SAFETY: signals to our own child, not yet reaped.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let stopped = Instant::now();
+    while status(&b, &secret).is_none() {
+        assert!(stopped.elapsed() < WAIT, "ctl-b did not take over from a stalled leader within {WAIT:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    let resumed = Instant::now();
+    let code = loop {
+        if let Some(st) = ctl_a.0.try_wait().unwrap() {
+            break st.code();
+        }
+        assert!(resumed.elapsed() < WAIT, "the resumed old leader did not step down: {}", std::fs::read_to_string(root.join("ctl-a.out")).unwrap_or_default());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let said = std::fs::read_to_string(root.join("ctl-a.out")).unwrap_or_default();
+    assert_eq!(code, Some(3), "{said}");
+    assert!(said.contains("leadership lost"), "{said}");
+    assert!(status(&a, &secret).is_none(), "the old leader's address still answers");
+    let t = Instant::now();
+    while status(&b, &secret).is_none_or(|s| s.peers.values().filter(|p| p.live).count() < 3) {
+        assert!(t.elapsed() < WAIT, "the peers did not report to the new leader within {WAIT:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
