@@ -23,7 +23,7 @@ use control::{Compare, Op};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::proto::{ControllerState, FileMeta, PeerInfo};
+use crate::proto::{ControllerState, FileId, FileMeta, PeerId, PeerInfo};
 use crate::store::{MetaStore, StoreError};
 
 /// The election every controller of one nearlog cluster stands in.
@@ -65,8 +65,8 @@ struct StoredFile {
 
 #[derive(Serialize, Deserialize)]
 struct Counters {
-    next_peer: u64,
-    next_file: u64,
+    next_peer: PeerId,
+    next_file: FileId,
 }
 
 enum Call {
@@ -227,7 +227,7 @@ impl Keys<'_> {
             let v = serde_json::to_vec(&StoredFile { key: key.clone(), meta: meta.clone() }).expect("encodes");
             m.insert(self.store.key("nearlog", "file", &meta.file.to_string()), v);
         }
-        let c = Counters { next_peer: state.next_peer as u64, next_file: state.next_file as u64 };
+        let c = Counters { next_peer: state.next_peer, next_file: state.next_file };
         m.insert(self.store.key("nearlog", "meta", "counters"), serde_json::to_vec(&c).expect("encodes"));
         m
     }
@@ -240,8 +240,8 @@ impl Keys<'_> {
         let Some(c) = self.store.get(&ck).await.map_err(|e| e.to_string())? else { return Ok(None) };
         let bad = |k: &str, e: serde_json::Error| format!("nearlog state key {k} in the control store is corrupt: {e}");
         let counters: Counters = serde_json::from_slice(&c.value).map_err(|e| bad(&ck, e))?;
-        state.next_peer = counters.next_peer as _;
-        state.next_file = counters.next_file as _;
+        state.next_peer = counters.next_peer;
+        state.next_file = counters.next_file;
         self.revs.insert(ck.clone(), c.mod_revision);
         self.values.insert(ck, c.value);
         let pp = self.store.prefix("nearlog", "peer");
