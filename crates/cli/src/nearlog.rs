@@ -24,7 +24,10 @@ pub enum NearlogCmd {
     /// Run the controller: peers, their free space, file placement and epochs in DIR.
     ///
     /// State lives in DIR/nearlog-controller.json, replaced atomically (fsync) before any
-    /// answer, so a restart loses nothing.
+    /// answer, so a restart loses nothing. With --store etcd://..., run two or three
+    /// controllers: they stand for leadership, the leader alone listens and keeps the state in
+    /// the store (one key per peer and per file, each write guarded by its election), a
+    /// standby takes over about one election lease after the leader dies.
     Controller(ControllerArgs),
     /// A local controller and 3 log peers on loopback, in the foreground until Ctrl-C.
     ///
@@ -206,7 +209,8 @@ fn open_logs(paths: &[PathBuf]) -> anyhow::Result<()> {
 
 #[derive(Args, Debug)]
 pub struct ReclaimArgs {
-    /// Controller address.
+    /// Controller address, or every controller's, comma-separated (A,B,...): the one that
+    /// answers (only the leader listens) is used.
     #[arg(long)]
     pub controller: String,
     /// File holding the cluster secret.
@@ -228,7 +232,8 @@ pub struct PeerArgs {
     /// Address to serve clients on.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: String,
-    /// Controller address.
+    /// Controller address, or every controller's, comma-separated (A,B,...): the one that
+    /// answers (only the leader listens) is used.
     #[arg(long)]
     pub controller: String,
     /// File holding the cluster secret.
@@ -257,6 +262,21 @@ pub struct ControllerArgs {
     /// does, while a majority of the file's peers is live. 0: never (an operator reclaims).
     #[arg(long, default_value_t = ::nearlog::core::controller::DEFAULT_PEER_LEASE_MS)]
     pub peer_lease_ms: u64,
+    /// Run with standbys on this control store (etcd://H:P[,H:P...], or an embedded
+    /// directory): controllers stand for leadership, only the leader listens and serves, and
+    /// the state lives in the store (DIR then only holds the secret). Give peers and the
+    /// cluster file every controller's address (A,B,...): they use the one that answers.
+    /// Without it: alone, on DIR/nearlog-controller.json.
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
+    /// The cluster name in the control store's keys (one store may hold several clusters).
+    #[arg(long, value_name = "NAME", default_value = "nearlog")]
+    pub store_cluster: String,
+    /// The election lease: a leader not renewing it for this long stops (the process exits);
+    /// a standby takes over about this long after the leader dies (etcd rounds it up to whole
+    /// seconds, and to at least its own minimum: 2 s with its default timings).
+    #[arg(long, default_value_t = 2000)]
+    pub election_ttl_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -270,6 +290,44 @@ pub struct UpArgs {
     /// Controller port (0: any free port).
     #[arg(long, default_value_t = 0)]
     pub port: u16,
+}
+
+/// `nearlog controller --store URL`: stands for leadership; while a standby it does not listen
+/// (peers and shims get "connection refused" at once and try the next address); once leader it
+/// loads the state from the store, listens and serves; when it loses its lease (or a guarded
+/// write fails) the process exits at once, so nothing it still holds can be served or
+/// committed (a supervisor restarts it as a standby).
+async fn run_controller_standby(a: &ControllerArgs, url: &str, secret: std::sync::Arc<Vec<u8>>) -> anyhow::Result<()> {
+    use ::nearlog::driver::control_store::{ControlBridge, ControllerControl};
+    anyhow::ensure!(a.election_ttl_ms >= 1000, "--election-ttl-ms must be at least 1000 (etcd leases are whole seconds)");
+    // Checked before standing: a leader that cannot bind its address would hold the election
+    // while nobody serves.
+    let probe = std::net::TcpListener::bind(&a.listen).with_context(|| format!("cannot listen on {}", a.listen))?;
+    let advertise = probe.local_addr()?.to_string();
+    drop(probe);
+    let ctl = ControllerControl {
+        store_url: url.to_string(),
+        cluster: a.store_cluster.clone(),
+        cluster_id: ::nearlog::driver::control_store::cluster_id_from_secret(&secret),
+        election_ttl: std::time::Duration::from_millis(a.election_ttl_ms),
+        advertise: advertise.clone(),
+    };
+    println!("nearlog controller standing by on {url} (will serve on {advertise})");
+    let (bridge, token) = tokio::task::spawn_blocking(move || ControlBridge::lead(ctl)).await?.map_err(anyhow::Error::msg)?;
+    let store = bridge.meta_store();
+    // Every peer gets a whole lease from now: the core counts silence from its first input.
+    let core = tokio::task::spawn_blocking(move || ControllerCore::open(store)).await??.with_peer_lease_ms(a.peer_lease_ms);
+    let l = tokio::net::TcpListener::bind(&advertise).await.with_context(|| format!("cannot listen on {advertise}"))?;
+    println!("nearlog controller leading (fencing token {token}): {} peers, {} files; listening on {}", core.state().peers.len(), core.state().files.len(), l.local_addr()?);
+    tokio::select! {
+        r = ::nearlog::driver::server::run_controller(l, core, secret) => r?,
+        why = bridge.lost() => {
+            println!("nearlog controller: leadership lost ({why}): stopping");
+            std::process::exit(3);
+        }
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    Ok(())
 }
 
 pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
@@ -288,6 +346,9 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
         NearlogCmd::Controller(a) => {
             std::fs::create_dir_all(&a.dir).with_context(|| format!("cannot create {}", a.dir.display()))?;
             let secret = ensure_secret(&a.secret_file.clone().unwrap_or_else(|| a.dir.join("secret")))?;
+            if let Some(url) = &a.store {
+                return run_controller_standby(&a, url, secret).await;
+            }
             let core = ControllerCore::open(JsonFileStore::new(&a.dir))?.with_peer_lease_ms(a.peer_lease_ms);
             let l = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
             println!("nearlog controller listening on {}", l.local_addr()?);

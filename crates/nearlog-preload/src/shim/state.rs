@@ -181,7 +181,7 @@ impl Shim {
     }
 
     pub(super) fn ctl(&mut self, req: &CtlRequest) -> Result<CtlReply, String> {
-        let mut s = blocking::connect(&self.cfg.controller, &self.cfg.secret, Duration::from_secs(5)).map_err(|e| format!("controller {}: {e}", self.cfg.controller))?;
+        let mut s = blocking::connect_any(&self.cfg.controller, &self.cfg.secret, Duration::from_secs(5)).map_err(|e| format!("controller {}: {e}", self.cfg.controller))?;
         let rep: CtlReply = blocking::call(&mut s, req, MAX_FRAME_BYTES).map_err(|e| format!("controller {}: {e}", self.cfg.controller))?;
         if let CtlReply::Error(e) = &rep {
             return Err(format!("controller refused {req:?}: {e}"));

@@ -33,6 +33,56 @@ pub fn connect(addr: &str, secret: &[u8], timeout: Duration) -> Result<TcpStream
     Ok(s)
 }
 
+/// How long a controller call waits, in all, for one of several listed controllers to accept
+/// while none does (a standby takes over about one election lease after the leader died: 2 s
+/// by default); then the caller gets the error (EIO in the shim). Bounded, and paid once per
+/// outage, not per call: the shim blocks inside applications, and one `open` asks the
+/// controller several times.
+pub const CONTROLLER_FAILOVER_WAIT_MS: u64 = 10_000;
+/// Pause between two rounds over the controller list.
+pub const CONTROLLER_RETRY_PAUSE_MS: u64 = 200;
+
+/// When a wait for a listed controller last ran out (in this process): until a controller
+/// answers again, calls try each address once and fail at once.
+static CONTROLLERS_DOWN: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+
+/// Connects to the first of `list` (controller addresses separated by commas; a single address
+/// is a list of one) that accepts and authenticates. Only the leading controller listens (a
+/// standby refuses the connection at once), so no "not leader" reply is needed: whichever
+/// answers leads, or led until its lease ran out, after which it exits and its connections
+/// close. With several addresses, rounds repeat for up to [`CONTROLLER_FAILOVER_WAIT_MS`] (a
+/// takeover in progress); a single address is tried once, as before standbys existed.
+pub fn connect_any(list: &str, secret: &[u8], timeout: Duration) -> Result<TcpStream, WireError> {
+    let addrs: Vec<&str> = list.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+    if addrs.is_empty() {
+        return Err(WireError::Decode(format!("no controller address in {list:?}")));
+    }
+    let down = |d: bool| *CONTROLLERS_DOWN.lock().unwrap_or_else(|e| e.into_inner()) = d;
+    let wait = addrs.len() > 1 && !*CONTROLLERS_DOWN.lock().unwrap_or_else(|e| e.into_inner());
+    let deadline = std::time::Instant::now() + Duration::from_millis(if wait { CONTROLLER_FAILOVER_WAIT_MS } else { 0 });
+    loop {
+        let mut errors = Vec::new();
+        for a in &addrs {
+            match connect(a, secret, timeout) {
+                Ok(s) => {
+                    down(false);
+                    return Ok(s);
+                }
+                Err(e) => errors.push(format!("{a}: {e}")),
+            }
+        }
+        if std::time::Instant::now() + Duration::from_millis(CONTROLLER_RETRY_PAUSE_MS) >= deadline {
+            if addrs.len() == 1 {
+                return Err(WireError::Io(std::io::Error::other(errors.remove(0))));
+            }
+            down(true);
+            let waited = if wait { format!(" within {CONTROLLER_FAILOVER_WAIT_MS} ms") } else { " (none answered the last wait either)".into() };
+            return Err(WireError::Io(std::io::Error::other(format!("no controller answered{waited}: {}", errors.join("; ")))));
+        }
+        std::thread::sleep(Duration::from_millis(CONTROLLER_RETRY_PAUSE_MS));
+    }
+}
+
 /// One frame (`wire` framing) holding `msg`.
 pub fn encode<M: Serialize>(msg: &M) -> Result<Vec<u8>, WireError> {
     wire::encode_frame(msg)

@@ -7,3 +7,5 @@ pub mod mover;
 pub mod reseed;
 #[cfg(feature = "server")]
 pub mod server;
+#[cfg(feature = "server")]
+pub mod control_store;

@@ -18,7 +18,7 @@ use crate::proto::{CtlReply, CtlRequest, FileGrant, PeerId, PeerReply, MAX_FRAME
 
 /// One controller request over a fresh authenticated connection.
 pub fn ctl_call(controller: &str, secret: &[u8], req: &CtlRequest) -> Result<CtlReply, String> {
-    let mut s = blocking::connect(controller, secret, Duration::from_secs(5)).map_err(|e| format!("controller {controller}: {e}"))?;
+    let mut s = blocking::connect_any(controller, secret, Duration::from_secs(5)).map_err(|e| format!("controller {controller}: {e}"))?;
     let rep: CtlReply = blocking::call(&mut s, req, MAX_FRAME_BYTES).map_err(|e| format!("controller {controller}: {e}"))?;
     match rep {
         CtlReply::Error(e) => Err(format!("controller refused {}: {e}", req_name(req))),

@@ -439,14 +439,29 @@ fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Resul
 }
 
 /// One controller call over a fresh authenticated connection (peers and tools).
+/// `addr` may list several controllers separated by commas: the first that accepts is asked
+/// (only the leader listens); one round, no waiting (peers call again at their next heartbeat).
 pub async fn ctl_call(addr: &str, secret: &[u8], req: &CtlRequest) -> Result<CtlReply, wire::WireError> {
+    let mut last = None;
+    for a in addr.split(',').map(str::trim).filter(|a| !a.is_empty()) {
+        match ctl_connect(a, secret).await {
+            Ok(mut s) => {
+                wire::write_msg(&mut s, req).await?;
+                s.flush().await?;
+                return wire::read_msg(&mut s, MAX_FRAME_BYTES).await;
+            }
+            Err(e) => last = Some(wire::WireError::Io(std::io::Error::other(format!("{a}: {e}")))),
+        }
+    }
+    Err(last.unwrap_or_else(|| wire::WireError::Decode(format!("no controller address in {addr:?}"))))
+}
+
+async fn ctl_connect(addr: &str, secret: &[u8]) -> Result<TcpStream, wire::WireError> {
     let mut s = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
         .await
         .map_err(|_| wire::WireError::Io(std::io::Error::other("connect timed out")))??;
     wire::auth::connect(&mut s, secret).await?;
-    wire::write_msg(&mut s, req).await?;
-    s.flush().await?;
-    wire::read_msg(&mut s, MAX_FRAME_BYTES).await
+    Ok(s)
 }
 
 /// How long a mover started by the controller for a lost peer's file may take before it is
