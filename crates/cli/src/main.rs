@@ -32,8 +32,8 @@ use clap::{ArgAction, Args, Parser, Subcommand};
 /// (SpecREDS); `failover`: a monitor that recovers an application speculatively on a `super`
 /// child while its primary may still come back (SpecREDS); `nearlog`: small synchronous log
 /// writes replicated to spare memory on log peers, through an LD_PRELOAD shim (SplitFT); `kv`: a
-/// leaderless replicated key-value store with online incremental recovery (HEAL). The witness KV
-/// (CANDStore) is not built yet.
+/// leaderless replicated key-value store with online incremental recovery (HEAL), and, being
+/// built, the primary / backup / witness KV (CANDStore: `kv up --protocol witness`).
 ///
 /// Start a local volume cluster with `understudy volume up`, then create volumes and attach them
 /// over NBD (`qemu-io -f raw nbd://127.0.0.1:7701/NAME`) or as a mounted ext4 file system
