@@ -195,6 +195,15 @@ pub async fn accept(sock: TcpStream, tls: Option<&LinkTls>) -> Result<Link, Wire
     }
 }
 
+/// A daemon's accept of a cluster link, in one call: TLS as this process's link setting wants it
+/// for the peer ([`process`], [`accept`]), then the cluster-secret handshake
+/// ([`crate::auth::accept`]); each step bounded by [`crate::listen::AUTH_DEADLINE`].
+pub async fn accept_authenticated(sock: TcpStream, secret: &[u8]) -> Result<Link, WireError> {
+    let mut link = accept(sock, process()?).await?;
+    crate::auth::accept(&mut link, secret).await?;
+    Ok(link)
+}
+
 /// The read half of a [`Link`].
 pub enum LinkRead {
     Plain(OwnedReadHalf),

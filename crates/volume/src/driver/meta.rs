@@ -543,10 +543,7 @@ impl Meta {
     }
 
     async fn serve(self, sock: TcpStream) -> anyhow::Result<()> {
-        // TLS when this process's link setting asks for it for this peer; each step fails
-        // after wire::listen::AUTH_DEADLINE.
-        let mut sock = wire::link::accept(sock, wire::link::process()?).await?;
-        wire::auth::accept(&mut sock, &self.opts.secret).await?;
+        let mut sock = wire::link::accept_authenticated(sock, &self.opts.secret).await?;
         let hello: Hello = wire::read_msg(&mut sock, 1024).await?;
         match hello {
             Hello::Client => loop {

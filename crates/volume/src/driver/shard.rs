@@ -605,8 +605,7 @@ async fn read_loop<R: tokio::io::AsyncRead + Unpin>(r: R, from: Peer, tx: mpsc::
 
 async fn serve_conn(sock: TcpStream, conn: u64, tx: mpsc::Sender<CoreEvent>, secret: Arc<[u8]>) {
     let hello = async {
-        let mut sock = wire::link::accept(sock, wire::link::process()?).await?;
-        wire::auth::accept(&mut sock, &secret).await?;
+        let mut sock = wire::link::accept_authenticated(sock, &secret).await?;
         let hello = wire::read_msg::<Hello, _>(&mut sock, 1024).await?;
         Ok::<_, wire::WireError>((sock, hello))
     };

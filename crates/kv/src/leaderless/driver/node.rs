@@ -628,18 +628,10 @@ pub(super) async fn serve_conn(
     hb_tx: mpsc::Sender<(Heartbeat, mpsc::Sender<NetMsg>, Instant)>,
     stats: Arc<NodeStats>,
 ) {
-    let tls = match wire::link::process() {
-        Ok(t) => t,
-        Err(e) => return tracing::warn!("refused connection: {e}"),
-    };
-    let mut sock = match wire::link::accept(sock, tls).await {
+    let mut sock = match wire::link::accept_authenticated(sock, &secret).await {
         Ok(s) => s,
         Err(e) => return tracing::warn!("refused connection: {e}"),
     };
-    if let Err(e) = wire::auth::accept(&mut sock, &secret).await {
-        tracing::warn!("refused connection: {e}");
-        return;
-    }
     let Ok(NetMsg::Hello(hello)) = wire::read_msg::<NetMsg, _>(&mut sock, MAX_FRAME_BYTES).await
     else {
         return;

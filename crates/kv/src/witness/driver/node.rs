@@ -536,17 +536,10 @@ async fn serve_conn(
     peer_in: mpsc::Sender<(NodeId, PeerMsg)>,
     client_in: mpsc::Sender<(mpsc::Sender<NetMsg>, u64, ClientReq)>,
 ) {
-    let tls = match wire::link::process() {
-        Ok(t) => t,
-        Err(e) => return tracing::warn!("refused connection: {e}"),
-    };
-    let mut sock = match wire::link::accept(sock, tls).await {
+    let mut sock = match wire::link::accept_authenticated(sock, &secret).await {
         Ok(s) => s,
         Err(e) => return tracing::warn!("refused connection: {e}"),
     };
-    if let Err(e) = wire::auth::accept(&mut sock, &secret).await {
-        return tracing::warn!("refused connection: {e}");
-    }
     let Ok(NetMsg::Hello(hello)) = wire::read_msg::<NetMsg, _>(&mut sock, MAX_FRAME_BYTES).await else {
         return;
     };
