@@ -32,5 +32,6 @@
 
 pub mod core;
 pub mod driver;
+pub mod fuzzing;
 pub mod proto;
 pub mod store;

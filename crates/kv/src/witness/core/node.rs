@@ -547,6 +547,12 @@ pub struct Counters {
     pub ssd_errors: u64,
     pub proactive_started: u64,
     pub proactive_aborted: u64,
+    /// Peer messages refused because they contradict the protocol (an AppendEntries rewriting
+    /// a committed index, a second leader in this node's own term, entries out of order or
+    /// of a later term than their message). Links are authenticated and checksummed, so an
+    /// honest peer never sends one: each is a bug or a peer speaking nonsense, and refusing it
+    /// (rather than asserting) keeps one bad peer from crashing the group.
+    pub refused_peer_msgs: u64,
 }
 
 #[derive(Clone)]
@@ -754,6 +760,10 @@ impl WitnessCore {
     pub fn role(&self) -> RoleKind {
         self.role
     }
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
     pub fn commit_index(&self) -> u64 {
         self.commit
     }
@@ -1528,6 +1538,47 @@ impl WitnessCore {
         }
     }
 
+    /// What an honest leader's AppendEntries always satisfies, checked before it changes
+    /// anything: no second leader in this node's own term, entries contiguous after
+    /// `prev_index` and of no later term than the message, and no different entry at an index
+    /// this node knows committed (Raft's Leader Completeness: a leader holds every committed
+    /// entry).
+    fn append_is_coherent(
+        &self,
+        term: u64,
+        prev_index: u64,
+        prev_term: u64,
+        entries: &[Entry],
+    ) -> Result<(), &'static str> {
+        if term == self.term && matches!(self.role, RoleKind::Leader | RoleKind::Provisional) {
+            return Err("a second leader in this node's term");
+        }
+        if prev_term > term {
+            return Err("prev_term above the message's term");
+        }
+        let mut last_term = prev_term;
+        for (k, e) in entries.iter().enumerate() {
+            if e.index != prev_index + 1 + k as u64 {
+                return Err("entries not contiguous after prev_index");
+            }
+            if e.term > term || e.term < last_term {
+                return Err("entry terms out of order");
+            }
+            last_term = e.term;
+            if e.index <= self.commit {
+                let same = match self.log.slot(e.index) {
+                    Some(Slot::Unknown { .. }) => false,
+                    Some(slot) => slot.term() == e.term,
+                    None => e.index <= self.log.base_index,
+                };
+                if !same {
+                    return Err("a different entry at a committed index");
+                }
+            }
+        }
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)] // the fields of one AppendEntries
     fn on_append(
         &mut self,
@@ -1551,10 +1602,12 @@ impl WitnessCore {
             );
             return;
         }
+        if let Err(why) = self.append_is_coherent(term, prev_index, prev_term, &entries) {
+            self.counters.refused_peer_msgs += 1;
+            let _ = why; // the driver reports the counter; the reason is for a debugger
+            return;
+        }
         if term > self.term || self.role != RoleKind::Follower {
-            if self.role == RoleKind::Leader || self.role == RoleKind::Provisional {
-                assert!(term > self.term, "two leaders in term {term}");
-            }
             self.step_down(term);
         }
         self.note_leader(term, from);
@@ -1585,10 +1638,11 @@ impl WitnessCore {
                 None => i <= self.log.base_index,
             };
             if !same {
-                if i <= self.commit {
-                    // A leader never sends a different entry at a committed index.
-                    panic!("leader {from} conflicts at committed index {i}");
-                }
+                // `append_is_coherent` refused any rewrite of a committed index.
+                debug_assert!(
+                    i > self.commit,
+                    "leader {from} conflicts at committed index {i}"
+                );
                 self.truncate_local(i);
                 let stored = if self.kind == Kind::Backup {
                     e
