@@ -136,8 +136,14 @@ fn step_down(why: &str) -> ! {
 /// * `volume/state/next_id`: the next volume id (decimal);
 /// * `volume/state/map`: the cluster map (JSON; one entry per shard, small);
 /// * `volume/vol/<name>`: one per volume (JSON [`VolumeRec`]);
-/// * `volume/job/<index>`: one per pending job, in order (JSON [`Job`]);
-/// * `volume/collapse/<index>`: one per kept collapse record, oldest first (JSON).
+/// * `volume/job/<seq>`: one per pending job (JSON [`Job`]);
+/// * `volume/collapse/<seq>`: one per kept collapse record (JSON).
+///
+/// `<seq>` is a number given to a job or record when it is added and kept while it lives, so
+/// finishing one job deletes one key (keyed by position, every later job's key moved and one
+/// save of a long queue overflowed etcd's 128 operations per transaction). The core only
+/// appends to both lists and removes from anywhere in them, so the order of the numbers is the
+/// order of the lists; a new leader loads them by number.
 ///
 /// A save writes only what changed since the last save, in one transaction guarded by the
 /// generation it read or wrote last and by the leader's election key: a deposed leader's save
@@ -152,8 +158,49 @@ pub struct ControlMetaStore {
     /// it holds its state's lock, which every other task of the service's runtime may be
     /// waiting for; the store's requests must be driven by a thread that is never among them.
     rt: Option<tokio::runtime::Runtime>,
-    /// What the store holds now (as of our last load or save) and its generation.
-    last: Mutex<(u64, Option<MetaState>)>,
+    /// What the store holds now (as of our last load or save).
+    last: Mutex<Saved>,
+}
+
+/// The state the store holds, as of this service's last load or save.
+#[derive(Clone, Debug, Default)]
+struct Saved {
+    gen: u64,
+    state: Option<MetaState>,
+    /// The key number of each job and collapse record of `state`, in its order.
+    job_seqs: Vec<u64>,
+    collapse_seqs: Vec<u64>,
+    /// The next number to give (above every number in the store).
+    next_seq: u64,
+}
+
+/// Key numbers for `new` given `old` and its numbers: an item of `old` that is still there
+/// keeps its number (matched in order: the core only appends and removes), a new one gets the
+/// next. The numbers come out increasing, so key order stays list order.
+fn carry_seqs(old: &[Vec<u8>], old_seqs: &[u64], new: &[Vec<u8>], next_seq: &mut u64) -> Vec<u64> {
+    let mut out = Vec::with_capacity(new.len());
+    let mut i = 0;
+    for n in new {
+        while i < old.len() && old[i] != *n {
+            i += 1; // removed
+        }
+        if i < old.len() {
+            out.push(old_seqs[i]);
+            i += 1;
+        } else {
+            out.push(*next_seq);
+            *next_seq += 1;
+        }
+    }
+    out
+}
+
+fn json_each<T: serde::Serialize>(items: &[T]) -> serde_json::Result<Vec<Vec<u8>>> {
+    items.iter().map(serde_json::to_vec).collect()
+}
+
+fn seq_key(seq: u64) -> String {
+    format!("{seq:016}")
 }
 
 /// The most operations one save's transaction may hold: etcd's default `--max-txn-ops` is 128.
@@ -162,34 +209,49 @@ pub const MAX_SAVE_OPS: usize = 128;
 impl ControlMetaStore {
     pub fn new(store: control::Store, lead: Arc<control::Leadership>) -> anyhow::Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).thread_name("meta-store").enable_all().build()?;
-        Ok(ControlMetaStore { store, lead, rt: Some(rt), last: Mutex::new((0, None)) })
+        Ok(ControlMetaStore { store, lead, rt: Some(rt), last: Mutex::new(Saved::default()) })
     }
 
     fn k(&self, kind: &str, id: &str) -> String {
         self.store.key("volume", kind, id)
     }
 
-    /// Every key of `st` with its value.
-    fn keys_of(&self, st: &MetaState) -> anyhow::Result<std::collections::BTreeMap<String, Vec<u8>>> {
+    /// Every key of `st` with its value, jobs and collapse records under the numbers given.
+    fn keys_of(&self, st: &MetaState, job_seqs: &[u64], collapse_seqs: &[u64]) -> anyhow::Result<std::collections::BTreeMap<String, Vec<u8>>> {
         let mut m = std::collections::BTreeMap::new();
         m.insert(self.k("state", "next_id"), st.next_id.to_string().into_bytes());
         m.insert(self.k("state", "map"), serde_json::to_vec(&st.map)?);
         for (name, v) in &st.volumes {
             m.insert(self.k("vol", name), serde_json::to_vec(v)?);
         }
-        for (i, j) in st.jobs.iter().enumerate() {
-            m.insert(self.k("job", &format!("{i:08}")), serde_json::to_vec(j)?);
+        for (j, seq) in st.jobs.iter().zip(job_seqs) {
+            m.insert(self.k("job", &seq_key(*seq)), serde_json::to_vec(j)?);
         }
-        for (i, c) in st.collapsed.iter().enumerate() {
-            m.insert(self.k("collapse", &format!("{i:08}")), serde_json::to_vec(c)?);
+        for (c, seq) in st.collapsed.iter().zip(collapse_seqs) {
+            m.insert(self.k("collapse", &seq_key(*seq)), serde_json::to_vec(c)?);
         }
         Ok(m)
+    }
+
+    /// The jobs or collapse records under `kind`, by key number, with their numbers.
+    async fn load_numbered<T: serde::de::DeserializeOwned>(&self, kind: &str) -> anyhow::Result<(Vec<T>, Vec<u64>)> {
+        let bad = |why: String| anyhow::anyhow!("volume metadata in the control store: {why}");
+        let mut items = Vec::new();
+        for kv in self.store.list(&self.store.prefix("volume", kind)).await? {
+            let seq: u64 = kv.key.rsplit('/').next().and_then(|n| n.parse().ok()).ok_or_else(|| bad(format!("{}: not a numbered key", kv.key)))?;
+            let v: T = serde_json::from_slice(&kv.value).map_err(|e| bad(format!("{}: {e}", kv.key)))?;
+            items.push((seq, v));
+        }
+        // By number, not by key text: stores written before the numbers were 16 digits wide
+        // hold 8-digit keys.
+        items.sort_by_key(|(seq, _)| *seq);
+        Ok(items.into_iter().map(|(seq, v)| (v, seq)).unzip())
     }
 
     pub async fn load_async(&self) -> anyhow::Result<Option<MetaState>> {
         let bad = |why: String| anyhow::anyhow!("volume metadata in the control store: {why}");
         let Some(g) = self.store.get(&self.k("state", "gen")).await? else {
-            *self.last.lock().unwrap() = (0, None);
+            *self.last.lock().unwrap() = Saved::default();
             return Ok(None);
         };
         let num = |v: &[u8], what: &str| -> anyhow::Result<u64> {
@@ -204,25 +266,31 @@ impl ControlMetaStore {
             let v: VolumeRec = serde_json::from_slice(&kv.value).map_err(|e| bad(format!("{}: {e}", kv.key)))?;
             st.volumes.insert(v.name.clone(), v);
         }
-        // Listed in key order, which is index order (zero-padded).
-        for kv in self.store.list(&self.store.prefix("volume", "job")).await? {
-            st.jobs.push(serde_json::from_slice(&kv.value).map_err(|e| bad(format!("{}: {e}", kv.key)))?);
-        }
-        for kv in self.store.list(&self.store.prefix("volume", "collapse")).await? {
-            st.collapsed.push(serde_json::from_slice(&kv.value).map_err(|e| bad(format!("{}: {e}", kv.key)))?);
-        }
-        *self.last.lock().unwrap() = (gen, Some(st.clone()));
+        let (jobs, job_seqs) = self.load_numbered("job").await?;
+        let (collapsed, collapse_seqs) = self.load_numbered("collapse").await?;
+        st.jobs = jobs;
+        st.collapsed = collapsed;
+        let next_seq = job_seqs.iter().chain(&collapse_seqs).max().map_or(0, |m| m + 1);
+        *self.last.lock().unwrap() = Saved { gen, state: Some(st.clone()), job_seqs, collapse_seqs, next_seq };
         Ok(Some(st))
     }
 
     pub async fn save_async(&self, state: &MetaState) -> anyhow::Result<()> {
         use control::{Compare, Op};
-        let (gen, before) = self.last.lock().unwrap().clone();
-        let old = match &before {
-            Some(b) => self.keys_of(b)?,
+        let last = self.last.lock().unwrap().clone();
+        let (gen, before) = (last.gen, &last.state);
+        let old = match before {
+            Some(b) => self.keys_of(b, &last.job_seqs, &last.collapse_seqs)?,
             None => Default::default(),
         };
-        let new = self.keys_of(state)?;
+        let (old_jobs, old_recs) = match before {
+            Some(b) => (json_each(&b.jobs)?, json_each(&b.collapsed)?),
+            None => Default::default(),
+        };
+        let mut next_seq = last.next_seq;
+        let job_seqs = carry_seqs(&old_jobs, &last.job_seqs, &json_each(&state.jobs)?, &mut next_seq);
+        let collapse_seqs = carry_seqs(&old_recs, &last.collapse_seqs, &json_each(&state.collapsed)?, &mut next_seq);
+        let new = self.keys_of(state, &job_seqs, &collapse_seqs)?;
         let gk = self.k("state", "gen");
         let guard = if before.is_some() { Compare::value(&gk, gen.to_string().into_bytes()) } else { Compare::absent(&gk) };
         let mut ops = vec![Op::put(&gk, (gen + 1).to_string().into_bytes())];
@@ -254,7 +322,7 @@ impl ControlMetaStore {
             }
             Err(e) => return Err(e.into()),
         }
-        *self.last.lock().unwrap() = (gen + 1, Some(state.clone()));
+        *self.last.lock().unwrap() = Saved { gen: gen + 1, state: Some(state.clone()), job_seqs, collapse_seqs, next_seq };
         Ok(())
     }
 }
@@ -683,5 +751,44 @@ mod tests {
             .await
             .unwrap();
         assert!(!out.succeeded, "a save guarded by an old generation must not commit");
+    }
+
+    /// Jobs and collapse records keep their keys while others come and go: finishing the oldest
+    /// of 200 pending jobs (or dropping the oldest collapse record) is one delete, not a rewrite
+    /// of every later key (which overflowed etcd's 128 operations per transaction when jobs
+    /// were keyed by their position); a new leader loads them in the order they were added.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn jobs_keep_their_keys_so_a_save_writes_only_what_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = control::Store::open(dir.path().to_str().unwrap(), "volume", "volume-test").await.unwrap();
+        let lead = Arc::new(store.campaign(META_ELECTION, "t", Duration::from_secs(2)).await.unwrap());
+        let ms = ControlMetaStore::new(store.clone(), lead.clone()).unwrap();
+        let mut st = MetaState::new(3);
+        let job = |i: u64| Job::Delete { table: i, owner: i, drop_table: i % 2 == 0 };
+        let rec = |i: u64| CollapseRec { child: format!("c{i}"), child_id: i, outcome: crate::types::CollapseOutcome::Promoted };
+        for i in 0..200 {
+            st.jobs.push(job(i));
+            st.collapsed.push(rec(i));
+            ms.save_async(&st).await.unwrap();
+        }
+        let keys_before = store.list(&store.prefix("volume", "job")).await.unwrap();
+        st.jobs.remove(0);
+        st.jobs.remove(100);
+        st.collapsed.drain(..3);
+        st.jobs.push(job(1000));
+        ms.save_async(&st).await.expect("removing old jobs is a few deletes, however many jobs wait");
+        let keys_after = store.list(&store.prefix("volume", "job")).await.unwrap();
+        assert_eq!(keys_after.len(), 199);
+        let unchanged = keys_after.iter().filter(|kv| keys_before.iter().any(|b| b.key == kv.key && b.mod_revision == kv.mod_revision)).count();
+        assert_eq!(unchanged, 198, "every job but the new one keeps its key untouched");
+        let fresh = ControlMetaStore::new(store.clone(), lead.clone()).unwrap();
+        assert_eq!(fresh.load_async().await.unwrap().as_ref(), Some(&st), "loaded in the order they were added");
+        // The new leader's own saves go on from where the keys are.
+        let mut st2 = st.clone();
+        st2.jobs.remove(0);
+        st2.jobs.push(job(1001));
+        fresh.save_async(&st2).await.unwrap();
+        let again = ControlMetaStore::new(store.clone(), lead.clone()).unwrap();
+        assert_eq!(again.load_async().await.unwrap().as_ref(), Some(&st2));
     }
 }
