@@ -34,6 +34,11 @@ pub struct MetaArgs {
     /// The name this service gives when it leads (default: its --listen address).
     #[arg(long, value_name = "NAME")]
     pub advertise: Option<String>,
+    /// With --store: the metadata directory of a service that ran alone; the first leader that
+    /// finds no volume metadata in the store imports its meta.json (ignored once the store
+    /// holds some).
+    #[arg(long, value_name = "DIR", requires = "store")]
+    pub import_from: Option<PathBuf>,
     /// Address to listen on for shards and clients.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:7700")]
     pub listen: SocketAddr,
@@ -213,6 +218,7 @@ pub async fn meta(a: MetaArgs) -> anyhow::Result<()> {
                 cluster_id: volume::driver::meta::cluster_id_from_secret(&secret),
                 election_ttl: std::time::Duration::from_millis(a.election_ttl_ms),
                 advertise: a.advertise.clone().unwrap_or_else(|| a.listen.to_string()),
+                import_from: a.import_from.clone(),
             })
         }
     };

@@ -105,6 +105,9 @@ pub struct MetaControl {
     pub election_ttl: Duration,
     /// What this service tells others when it leads (shown by `observe`).
     pub advertise: String,
+    /// A metadata directory of a service that ran alone (its `meta.json`): imported by the
+    /// first leader that finds no state in the store; ignored once the store holds one.
+    pub import_from: Option<PathBuf>,
 }
 
 /// The election every metadata service of one volume cluster stands in.
@@ -275,6 +278,45 @@ impl ControlMetaStore {
         Ok(Some(st))
     }
 
+    /// Writes a whole state into a store that holds none (an import of `meta.json`), in as
+    /// many transactions as it takes, each guarded by the election and by the generation key
+    /// still being absent; the generation key comes last, so until it is written the store
+    /// reads as empty and an interrupted import is simply done again (keys left by one are
+    /// deleted first).
+    pub async fn import_async(&self, state: &MetaState) -> anyhow::Result<()> {
+        use control::{Compare, Op};
+        let gk = self.k("state", "gen");
+        anyhow::ensure!(self.store.get(&gk).await?.is_none(), "the control store already holds volume metadata: nothing imported");
+        let mut ops: Vec<Op> = Vec::new();
+        for kind in ["vol", "job", "collapse"] {
+            for kv in self.store.list(&self.store.prefix("volume", kind)).await? {
+                ops.push(Op::delete(&kv.key));
+            }
+        }
+        let job_seqs: Vec<u64> = (0..state.jobs.len() as u64).collect();
+        let collapse_seqs: Vec<u64> = (0..state.collapsed.len() as u64).map(|i| i + job_seqs.len() as u64).collect();
+        let next_seq = (job_seqs.len() + collapse_seqs.len()) as u64;
+        for (k, v) in self.keys_of(state, &job_seqs, &collapse_seqs)? {
+            ops.push(Op::put(&k, v));
+        }
+        for chunk in ops.chunks(MAX_SAVE_OPS) {
+            match self.lead.txn(vec![Compare::absent(&gk)], chunk.to_vec()).await {
+                Ok(out) if out.succeeded => {}
+                Ok(_) => anyhow::bail!("another writer created the volume metadata during the import"),
+                Err(e @ control::Error::Deposed { .. }) => step_down(&e.to_string()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        match self.lead.txn(vec![Compare::absent(&gk)], vec![Op::put(&gk, b"1".to_vec())]).await {
+            Ok(out) if out.succeeded => {}
+            Ok(_) => anyhow::bail!("another writer created the volume metadata during the import"),
+            Err(e @ control::Error::Deposed { .. }) => step_down(&e.to_string()),
+            Err(e) => return Err(e.into()),
+        }
+        *self.last.lock().unwrap() = Saved { gen: 1, state: Some(state.clone()), job_seqs, collapse_seqs, next_seq };
+        Ok(())
+    }
+
     pub async fn save_async(&self, state: &MetaState) -> anyhow::Result<()> {
         use control::{Compare, Op};
         let last = self.last.lock().unwrap().clone();
@@ -437,6 +479,16 @@ pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
         }
     };
     let ms = ControlMetaStore::new(store, lead.clone())?;
+    if let Some(dir) = &ctl.import_from {
+        if ms.load_async().await?.is_none() {
+            let file = FileMetaStore::new(dir)?;
+            let st = file.load()?.ok_or_else(|| anyhow::anyhow!("--import-from {}: no meta.json there", dir.display()))?;
+            ms.import_async(&st).await.with_context(|| format!("importing {}", file.path.display()))?;
+            eprintln!("meta: imported {} volumes, {} jobs from {} into the control store", st.volumes.len(), st.jobs.len(), file.path.display());
+        } else {
+            eprintln!("meta: the control store already holds the volume metadata; --import-from {} ignored", dir.display());
+        }
+    }
     // On a worker thread: the store is called synchronously from there (block_in_place).
     let serving = tokio::spawn(serve_with(listener, opts, Box::new(ms), Some(lead.clone())));
     tokio::select! {
@@ -790,5 +842,35 @@ mod tests {
         fresh.save_async(&st2).await.unwrap();
         let again = ControlMetaStore::new(store.clone(), lead.clone()).unwrap();
         assert_eq!(again.load_async().await.unwrap().as_ref(), Some(&st2));
+    }
+
+    /// A state that ran alone moves into the store whole, however large (here 300 volumes and
+    /// 200 jobs: over 128 operations, so in several transactions), and loads back equal; a
+    /// second import into a store that holds state is refused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_meta_json_is_imported_whole() {
+        // A long lease: the embedded store fsyncs a file per key, and 500 of them on a loaded
+        // machine may take longer than a short lease (this test is not about leases).
+        let dir = tempfile::tempdir().unwrap();
+        let store = control::Store::open(dir.path().join("store").to_str().unwrap(), "volume", "volume-test").await.unwrap();
+        let lead = Arc::new(store.campaign(META_ELECTION, "t", Duration::from_secs(60)).await.unwrap());
+        let mut st = MetaState::new(3);
+        for i in 0..300 {
+            st.volumes.insert(format!("v{i}"), vol(&format!("v{i}"), i));
+        }
+        for i in 0..200 {
+            st.jobs.push(Job::Delete { table: i, owner: i, drop_table: true });
+        }
+        st.collapsed.push(CollapseRec { child: "c".into(), child_id: 9, outcome: crate::types::CollapseOutcome::Promoted });
+        st.next_id = 301;
+        let ms = ControlMetaStore::new(store.clone(), lead.clone()).unwrap();
+        ms.import_async(&st).await.unwrap();
+        let fresh = ControlMetaStore::new(store.clone(), lead.clone()).unwrap();
+        assert_eq!(fresh.load_async().await.unwrap().as_ref(), Some(&st));
+        // Saves go on from the import.
+        st.jobs.remove(0);
+        fresh.save_async(&st).await.unwrap();
+        assert_eq!(ControlMetaStore::new(store.clone(), lead.clone()).unwrap().load_async().await.unwrap().as_ref(), Some(&st));
+        assert!(fresh.import_async(&st).await.is_err(), "an import over existing state is refused");
     }
 }
