@@ -18,6 +18,8 @@
 //! * [`Store::register`]: a liveness key `/understudy/<cluster>/live/<kind>/<id>` holding the
 //!   member's address under a lease; [`Store::live`] lists the members whose leases are alive.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -44,6 +46,24 @@ pub struct LeaseKeeper {
     lease: LeaseId,
     lost: watch::Receiver<Option<String>>,
     task: JoinHandle<()>,
+    validity: LeaseValidity,
+}
+
+/// Whether a lease may still be held, readable from any thread at the cost of a clock read:
+/// the renewal core's deadline, published after every input it takes (0 once lost), so a
+/// holder can tell its lease ran out before the renewal task has run again (a process woken
+/// from a pause runs its request handlers and its timers in no set order).
+#[derive(Clone, Debug)]
+pub struct LeaseValidity {
+    /// µs after `base`.
+    valid_until_us: Arc<AtomicU64>,
+    base: Instant,
+}
+
+impl LeaseValidity {
+    pub fn is_valid(&self) -> bool {
+        (self.base.elapsed().as_micros() as u64) < self.valid_until_us.load(Ordering::Acquire)
+    }
 }
 
 impl LeaseKeeper {
@@ -52,12 +72,15 @@ impl LeaseKeeper {
     pub fn spawn(store: Store, lease: LeaseId, ttl: Duration, granted_at: Instant) -> LeaseKeeper {
         let (tx, lost) = watch::channel(None);
         let s = store.clone();
+        let base = granted_at;
+        let validity = LeaseValidity { valid_until_us: Arc::new(AtomicU64::new(ttl.as_micros() as u64)), base };
+        let valid = validity.valid_until_us.clone();
         let task = tokio::spawn(async move {
             // The driver of `Renewal`: it sleeps, sends what it is told, and reports the answer.
-            let base = granted_at;
             let us = |t: Instant| t.saturating_duration_since(base).as_micros() as u64;
             let mut core = Renewal::new(ttl.as_micros() as u64, 0);
             loop {
+                valid.store(core.valid_until_us(), Ordering::Release);
                 let outputs = core.take_outputs();
                 if outputs.is_empty() {
                     tokio::time::sleep_until(base + Duration::from_micros(core.next_wakeup_us())).await;
@@ -81,6 +104,7 @@ impl LeaseKeeper {
                             core.handle(us(Instant::now()), answer);
                         }
                         Output::Lost(why) => {
+                            valid.store(0, Ordering::Release);
                             let _ = tx.send(Some(format!("lease {lease:x}: {why}")));
                             return;
                         }
@@ -88,7 +112,18 @@ impl LeaseKeeper {
                 }
             }
         });
-        LeaseKeeper { store, lease, lost, task }
+        LeaseKeeper { store, lease, lost, task, validity }
+    }
+
+    /// Whether the lease may still be held: not known lost, and its deadline by this process's
+    /// clock not passed.
+    pub fn is_valid(&self) -> bool {
+        self.lost_reason().is_none() && self.validity.is_valid()
+    }
+
+    /// A handle other threads can ask the same question with.
+    pub fn validity(&self) -> LeaseValidity {
+        self.validity.clone()
     }
 
     pub fn lease(&self) -> LeaseId {
@@ -163,14 +198,20 @@ impl Leadership {
         self.create_revision
     }
 
-    /// False once the lease is known lost (the holder must stop acting as leader).
+    /// False once the lease is lost or its deadline has passed by this process's clock (the
+    /// holder must stop acting as leader), even if the renewal task has not run since.
     pub fn is_leader(&self) -> bool {
-        self.keeper.lost_reason().is_none()
+        self.keeper.is_valid()
     }
 
     /// Waits until leadership is lost; returns why.
     pub async fn lost(&self) -> String {
         self.keeper.lost().await
+    }
+
+    /// [`Leadership::is_leader`] for another thread or runtime (a request handler).
+    pub fn validity(&self) -> LeaseValidity {
+        self.keeper.validity()
     }
 
     /// [`Store::txn`] guarded by this leadership: [`Error::Deposed`] if the election key is gone
@@ -231,7 +272,7 @@ impl Registration {
         self.keeper.lost().await
     }
     pub fn is_live(&self) -> bool {
-        self.keeper.lost_reason().is_none()
+        self.keeper.is_valid()
     }
     /// Stops renewing (the key disappears after the TTL), as if this member had died.
     pub fn stop_renewing(&self) {

@@ -58,7 +58,7 @@ pub mod http;
 pub mod renewal;
 mod types;
 
-pub use election::{Leadership, LeaseKeeper, Registration};
+pub use election::{Leadership, LeaseKeeper, LeaseValidity, Registration};
 pub use types::*;
 
 use std::sync::Arc;

@@ -99,3 +99,18 @@ async fn embedded_corrupt_file_is_a_clear_error() {
     let e = open(dir.path(), "id").await.err().expect("corrupt file refused");
     assert!(matches!(e, Error::Corrupt { .. }) && e.to_string().contains("+understudy+test+volume+vol+v"), "{e}");
 }
+
+/// A leader whose process was paused past its lease (here: its only thread blocked, so the
+/// renewal task cannot run) is no leader the moment it looks, before its renewal task has run
+/// again: `is_leader` reads the lease's deadline by the clock, not only the task's verdict.
+/// (Before: it said true until the task ran, so a woken metadata service could answer one
+/// request from a state a new leader may have changed.)
+#[tokio::test(flavor = "current_thread")]
+async fn a_leader_paused_past_its_lease_knows_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path(), "id-1").await.unwrap();
+    let lead = store.campaign("e", "me", std::time::Duration::from_secs(1)).await.unwrap();
+    assert!(lead.is_leader());
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(!lead.is_leader(), "a lease 1.5 s without renewal (TTL 1 s) is not held");
+}

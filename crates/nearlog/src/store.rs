@@ -19,6 +19,12 @@ pub enum StoreError {
 pub trait MetaStore: Send {
     fn load(&mut self) -> Result<Option<ControllerState>, StoreError>;
     fn save(&mut self, state: &ControllerState) -> Result<(), StoreError>;
+    /// Whether this controller may answer requests at all: false once a leader's lease has
+    /// run out (a controller woken from a pause must not answer even a read from a state a new
+    /// leader may have changed). A store of one's own is always true.
+    fn may_serve(&self) -> bool {
+        true
+    }
 }
 
 /// `DIR/nearlog-controller.json`, replaced atomically (write temp, fsync, rename, fsync dir).

@@ -309,6 +309,9 @@ impl<S: MetaStore> ControllerCore<S> {
     }
 
     fn handle_input(&mut self, req: CtlRequest) -> CtlReply {
+        if !self.store.may_serve() {
+            return CtlReply::Error("this controller's leadership has lapsed: ask the others".into());
+        }
         let before = self.state.clone();
         let (reply, changed) = self.apply(req);
         if changed {

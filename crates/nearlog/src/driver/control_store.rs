@@ -77,6 +77,7 @@ enum Call {
 /// The store thread's handle. Dropping it ends the thread (its lease is then not renewed).
 pub struct ControlBridge {
     calls: mpsc::Sender<Call>,
+    validity: control::LeaseValidity,
     lost: std::sync::Arc<std::sync::Mutex<Option<std_mpsc::Receiver<String>>>>,
 }
 
@@ -85,7 +86,7 @@ impl ControlBridge {
     /// controller leads (or the store cannot be opened: the error).
     pub fn lead(ctl: ControllerControl) -> Result<(ControlBridge, i64), String> {
         let (calls_tx, mut calls_rx) = mpsc::channel::<Call>(STORE_QUEUE_LEN);
-        let (led_tx, led_rx) = std_mpsc::channel::<Result<i64, String>>();
+        let (led_tx, led_rx) = std_mpsc::channel::<Result<(i64, control::LeaseValidity), String>>();
         let (lost_tx, lost_rx) = std_mpsc::channel::<String>();
         std::thread::Builder::new()
             .name("nearlog-control-store".into())
@@ -120,7 +121,7 @@ impl ControlBridge {
                             }
                         }
                     };
-                    let _ = led_tx.send(Ok(lead.fencing_token()));
+                    let _ = led_tx.send(Ok((lead.fencing_token(), lead.validity())));
                     let mut keys = Keys { store: &store, revs: BTreeMap::new(), values: BTreeMap::new() };
                     let why = loop {
                         tokio::select! {
@@ -150,13 +151,13 @@ impl ControlBridge {
                 });
             })
             .map_err(|e| format!("cannot start the store thread: {e}"))?;
-        let token = led_rx.recv().map_err(|_| "the store thread ended".to_string())??;
-        Ok((ControlBridge { calls: calls_tx, lost: std::sync::Arc::new(std::sync::Mutex::new(Some(lost_rx))) }, token))
+        let (token, validity) = led_rx.recv().map_err(|_| "the store thread ended".to_string())??;
+        Ok((ControlBridge { calls: calls_tx, validity, lost: std::sync::Arc::new(std::sync::Mutex::new(Some(lost_rx))) }, token))
     }
 
     /// The core's store: saves go to the store thread.
     pub fn meta_store(&self) -> BridgeStore {
-        BridgeStore { calls: self.calls.clone() }
+        BridgeStore { calls: self.calls.clone(), validity: self.validity.clone() }
     }
 
     /// Waits (on a blocking thread) until leadership is lost; returns why.
@@ -170,6 +171,7 @@ impl ControlBridge {
 /// The [`MetaStore`] of a controller that leads on the control store.
 pub struct BridgeStore {
     calls: mpsc::Sender<Call>,
+    validity: control::LeaseValidity,
 }
 
 fn store_err(why: String) -> StoreError {
@@ -203,6 +205,9 @@ impl MetaStore for BridgeStore {
     fn save(&mut self, state: &ControllerState) -> Result<(), StoreError> {
         let s = state.clone();
         self.call(move |tx| Call::Save(s, tx))
+    }
+    fn may_serve(&self) -> bool {
+        self.validity.is_valid()
     }
 }
 
