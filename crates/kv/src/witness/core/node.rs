@@ -35,7 +35,9 @@ use serde_bytes::ByteBuf;
 
 use super::config::{Config, ConfigError, Kind};
 use recovery::RecoveryState;
-pub use recovery::{Recovery, RecoveryCounters, UnknownRecovery, OFFLINE_BATCH_PULL_BYTES};
+pub use recovery::{
+    Recovery, RecoveryCounters, UnknownRecovery, HOT_CURSOR, OFFLINE_BATCH_PULL_BYTES,
+};
 
 mod recovery;
 use super::page::{self, PAGE_BYTES};
@@ -662,6 +664,7 @@ impl WitnessCore {
         p.validate()?;
         cfg.validate()?;
         let kind = cfg.kind(id).ok_or(ParamsError::NotMember(id))?;
+        // TODO(merge with wssd): `if p.recovery == Recovery::SingleLog { p.ssd_logs = SsdLogs::Single; }` (make `p` mut).
         let rec = RecoveryState::new(id, &p, now_us)?;
         let mut c = WitnessCore {
             id,

@@ -29,7 +29,7 @@ use crate::witness::core::popularity::{
 
 /// A BatchPull cursor in the popular-keys phase (see the module docs). Log offsets never
 /// reach 2⁶³ bytes, so the bit is free.
-pub(super) const HOT_CURSOR: u64 = 1 << 63;
+pub const HOT_CURSOR: u64 = 1 << 63;
 
 /// The read size an `offline` backup uses for BatchPull: large sequential reads, the disk's
 /// best throughput, well under [`crate::witness::proto::MAX_PEER_MSG_BYTES`] per reply.
@@ -51,7 +51,9 @@ pub enum Recovery {
     BatchOnly,
     /// No pull before the election (the soft timeout is off).
     NoProactive,
-    /// The backup keeps one SSD log instead of hot and cold ones.
+    /// The backup keeps one SSD log instead of hot and cold ones: mapped onto the SSD
+    /// helper's `Params.ssd_logs` in `WitnessCore::new` (a TODO until that merges; until then
+    /// it behaves as `Cand`, today's backup having one log).
     SingleLog,
     /// No popularity sampling: BatchPull in log order.
     NoSampling,
@@ -84,9 +86,13 @@ impl Recovery {
         }
     }
 
-    /// Proactive BatchPull on the soft timeout (M15).
+    /// Proactive BatchPull on the soft timeout (M15). Not for full-replica either: its
+    /// witnesses already hold the values.
     pub fn proactive(self) -> bool {
-        !matches!(self, Recovery::Offline | Recovery::NoProactive)
+        !matches!(
+            self,
+            Recovery::Offline | Recovery::NoProactive | Recovery::FullReplica
+        )
     }
 
     /// PriorityPull of a missing key a Get asks for (M18).
@@ -474,16 +480,9 @@ impl WitnessCore {
         let ranked = self.rec.lru.hottest(pos.saturating_add(n));
         let keys: Vec<Vec<u8>> = ranked.into_iter().skip(pos).collect();
         if keys.is_empty() {
-            // The list is done: the log scan from its start.
-            return self.send(
-                from,
-                PeerBody::BatchPullReply {
-                    stream,
-                    entries: vec![],
-                    next_cursor: 0,
-                    done: false,
-                },
-            );
+            // The list is done (or empty: nothing sampled): the log scan from its start, in
+            // this same request, so an empty list costs no round trip.
+            return self.on_batch_pull(from, stream, 0);
         }
         // Page groups to read, within one BatchPull's bytes (at least one group).
         let budget = self.p.batch_pull_bytes as u64;
@@ -584,5 +583,74 @@ impl WitnessCore {
     /// to resume.
     pub(super) fn rec_on_abort(&mut self, stream: u64) {
         self.rec.hot.retain(|_, h| h.stream != stream);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn paced(rate: u64) -> Params {
+        Params {
+            batch_pull_bytes: 100,
+            batch_pull_bytes_per_s: rate,
+            batch_pull_bytes_per_s_min: rate / 8,
+            priority_pull_target_us: 5_000,
+            ..Params::default()
+        }
+    }
+
+    #[test]
+    fn pull_rate_is_a_bounded_token_bucket() {
+        let p = paced(1_000); // 1000 B/s, requests of 100 B: one per 100 ms
+        let mut r = PullRate::new(&p, 0);
+        assert!(r.try_take(0, 100), "starts with one request's worth");
+        assert!(!r.try_take(0, 100));
+        assert!(!r.try_take(99_000, 100));
+        assert!(r.try_take(100_000, 100));
+        // A long idle time saves up at most two requests.
+        assert!(r.try_take(10_000_000, 100));
+        assert!(r.try_take(10_000_000, 100));
+        assert!(!r.try_take(10_000_000, 100));
+        // Unlimited, and never paced for offline.
+        let mut u = PullRate::new(&paced(0), 0);
+        assert!((0..100).all(|_| u.try_take(0, 100)));
+        let off = Params {
+            recovery: Recovery::Offline,
+            ..paced(1_000)
+        };
+        let mut o = PullRate::new(&off, 0);
+        assert!((0..100).all(|_| o.try_take(0, 100)));
+    }
+
+    #[test]
+    fn pull_rate_halves_on_slow_priority_pulls_and_recovers() {
+        let p = paced(1_600);
+        let mut r = PullRate::new(&p, 0);
+        r.observe(&p, 6_000);
+        assert_eq!(r.bytes_per_s, 800);
+        for _ in 0..10 {
+            r.observe(&p, 50_000);
+        }
+        assert_eq!(r.bytes_per_s, 200, "never below the floor");
+        for _ in 0..100 {
+            r.observe(&p, 1_000);
+        }
+        assert_eq!(r.bytes_per_s, 1_600, "never above the ceiling");
+        let fixed = Params {
+            priority_pull_target_us: 0,
+            ..p.clone()
+        };
+        r.observe(&fixed, 1_000_000);
+        assert_eq!(r.bytes_per_s, 1_600, "target 0: a fixed rate");
+    }
+
+    #[test]
+    fn cursors_order_popular_positions_before_log_offsets() {
+        assert_eq!(cursor_max(HOT_CURSOR | 3, 0), 0);
+        assert_eq!(cursor_max(0, HOT_CURSOR | 3), 0);
+        assert_eq!(cursor_max(HOT_CURSOR | 3, HOT_CURSOR | 5), HOT_CURSOR | 5);
+        assert_eq!(cursor_max(4096, 8192), 8192);
+        assert_eq!(cursor_max(8192, HOT_CURSOR), 8192);
     }
 }
