@@ -278,3 +278,21 @@ async fn primary_stopped_past_the_hard_timeout_is_replaced_and_answers_nothing_s
     assert!(log.contains("Leader"), "node {new_leader} never logged its leadership:\n{log}");
     eprintln!("{ops} ops checked; node {new_leader} took over from the stopped node {victim}, which then refused {refused} reads");
 }
+
+#[test]
+fn witness_node_refuses_a_leaderless_recovery_scheme() {
+    let (_t, dir) = disk_dir();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef\n").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_understudy"))
+        .args(["kv", "node", "--protocol", "witness", "--role", "head", "--id", "0", "--recovery", "full-copy"])
+        .args(["--peers", "0=127.0.0.1:1,1=127.0.0.1:2,2=127.0.0.1:3", "--data"])
+        .arg(dir.join("n0"))
+        .arg("--secret-file")
+        .arg(&secret)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("leaderless-KV scheme"), "unexpected error: {err}");
+}
