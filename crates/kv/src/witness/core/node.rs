@@ -2155,7 +2155,7 @@ impl WitnessCore {
         }
     }
 
-    /// Keeps the BatchPull stream going (one read in flight: SIMPLIFIED rate limit, M20),
+    /// Keeps the BatchPull stream going (one read in flight, paced: M20, `recovery.rs`),
     /// retries lost pulls, pulls what the stream left (M19) and ends recovery when nothing is
     /// missing.
     fn drive_recovery(&mut self) {
@@ -2172,22 +2172,22 @@ impl WitnessCore {
             .is_some_and(|r| {
                 !r.batch.done && r.batch.in_flight_since.is_none_or(|t| now >= t + retry)
             });
+        // The pacing (M20, `recovery.rs`) is asked only when a request is due, so an idle
+        // stream spends no tokens.
         let paced_ok = due && self.rec_may_batch_pull();
         let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) else {
             return;
         };
         let mut sends = Vec::new();
-        if !r.batch.done {
-            if paced_ok {
-                r.batch.in_flight_since = Some(now);
-                sends.push((
-                    r.batch.to,
-                    PeerBody::BatchPull {
-                        stream: r.batch.id,
-                        cursor: r.batch.cursor,
-                    },
-                ));
-            }
+        if paced_ok {
+            r.batch.in_flight_since = Some(now);
+            sends.push((
+                r.batch.to,
+                PeerBody::BatchPull {
+                    stream: r.batch.id,
+                    cursor: r.batch.cursor,
+                },
+            ));
         }
         let stale: Vec<u64> = r
             .pulls

@@ -231,10 +231,14 @@ pub(super) struct RecoveryState {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RecoveryCounters {
+    /// Popularity messages sent (one per backup per shipment).
     pub popularity_shipped: u64,
     pub popularity_received: u64,
+    /// Popular-keys BatchPull answers a backup began.
     pub hot_batches_served: u64,
+    /// Times a due BatchPull request was held back by the pacing (once per input it waited).
     pub batch_pulls_paced: u64,
+    /// Client requests refused `Unavailable` by the offline scheme while values were missing.
     pub gets_refused_offline: u64,
 }
 
@@ -372,7 +376,7 @@ impl WitnessCore {
     /// Hook: the serving leader served a request for `key`.
     pub(super) fn rec_sample(&mut self, key: &[u8]) {
         if self.p.recovery.sampling() {
-            self.rec.sampler.on_served(&key.to_vec());
+            self.rec.sampler.on_served(key);
         }
     }
 
