@@ -92,12 +92,16 @@ pub enum WitnessRole {
 
 
 /// The node's recovery scheme for a `--recovery` choice.
-fn scheme(r: Recovery) -> ::kv::leaderless::core::node::RecoveryScheme {
-    match r {
+fn scheme(r: Recovery) -> anyhow::Result<::kv::leaderless::core::node::RecoveryScheme> {
+    Ok(match r {
         Recovery::Heal => ::kv::leaderless::core::node::RecoveryScheme::Heal,
         Recovery::FullCopy => ::kv::leaderless::core::node::RecoveryScheme::FullCopy,
         Recovery::ReactiveLog => ::kv::leaderless::core::node::RecoveryScheme::ReactiveLog,
-    }
+        other => anyhow::bail!(
+            "--recovery {} is a witness-KV scheme (--protocol witness); the leaderless KV takes heal, full-copy or reactive-log",
+            other.name()
+        ),
+    })
 }
 
 #[derive(Args, Debug, Clone)]
@@ -164,7 +168,8 @@ pub struct NodeArgs {
     /// persisting (1: strictly one chunk at a time; at most 64).
     #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
-    /// Recovery scheme (the same on every node): heal, or a baseline.
+    /// Recovery scheme (the same on every node): heal or a baseline for the leaderless KV; for
+    /// --protocol witness cand (what heal means there), offline or an ablation.
     #[arg(long, value_enum, default_value = "heal")]
     pub recovery: Recovery,
     /// Serve Prometheus metrics on this address.
@@ -325,7 +330,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
     p.missed_updates_cap_bytes = a.missed_updates_cap_bytes;
     anyhow::ensure!(a.catchup_chunks_in_flight >= 1, "--catchup-chunks-in-flight must be at least 1");
     p.max_catchup_chunks_in_flight = a.catchup_chunks_in_flight;
-    p.recovery = scheme(a.recovery);
+    p.recovery = scheme(a.recovery)?;
     let cfg = NodeConfig {
         params: p,
         listen,
@@ -363,6 +368,7 @@ async fn witness_node(a: NodeArgs) -> anyhow::Result<()> {
         Some(ms) => ms * 1000,
         None => params.soft_timeout_us.min(params.election_timeout_us / 5),
     };
+    params.recovery = a.recovery.witness()?;
     params.validate().map_err(|e| anyhow::anyhow!("--election-timeout-ms: {e}"))?;
     let pmem_dir = a.pmem_dir.clone().unwrap_or_else(|| {
         let abs = std::path::absolute(&a.data).unwrap_or_else(|_| a.data.clone());
@@ -448,6 +454,7 @@ fn up(a: UpArgs, verbose: u8) -> anyhow::Result<()> {
     if a.protocol == testbed::kv::UpProtocol::Witness {
         return up_witness(a, verbose);
     }
+    scheme(a.recovery)?; // a witness-KV scheme: refused before any node starts
     let mut lk = LocalKv::start(&a)?;
     let rt = crate::runtime()?;
     let ready = rt

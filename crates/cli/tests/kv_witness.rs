@@ -133,6 +133,13 @@ async fn witness_takes_over_in_the_two_backup_two_witness_layout() {
     failover(&["--backups", "2", "--witnesses", "2", "--soft-timeout-ms", "0"], Fault::KillPrimary { live_recovery: true }).await;
 }
 
+/// The offline baseline (`--recovery offline`): the same detection and election, then the new
+/// primary serves nothing until its copy is done (clients retry `Unavailable`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offline_recovery_baseline_serves_once_its_copy_is_done() {
+    failover(&["--recovery", "offline"], Fault::KillPrimary { live_recovery: false }).await;
+}
+
 /// The backup killed with SIGKILL and started again on its files: it is rebuilt from its NVMM
 /// buffer and SSD log (`WitnessCore::restore`), acks again, and puts (which need every voting
 /// backup) commit again; nothing acknowledged is lost.

@@ -9,7 +9,10 @@
 //! `SIM_SEEDS=N` sets the number of seeds per scenario; `SIM_SEED=S` runs one seed verbosely.
 //!
 //! Faults before the primary's: a witness crash, a backup cut off and back, a backup and a
-//! witness restarted from their NVMM and SSD; and a double failure (the successor crashes).
+//! witness restarted from their NVMM and SSD, the primary paused (as by SIGSTOP) again and again
+//! for longer than the soft timeout and shorter than the hard one (false soft timeouts: the
+//! proactive pull starts and aborts, nobody is elected); and a double failure (the successor
+//! crashes).
 //! Not yet simulated: SSD read errors and slowness, torn NVMM records (power loss), crashes
 //! in the middle of reconciliation on purpose, membership changes (not in the core yet).
 
@@ -65,6 +68,8 @@ enum Ev {
     /// The second failure of a double failure: the leader that took over crashes too.
     Fault2,
     Heal,
+    /// The serving leader stops processing anything (SIGSTOP) for a while (`Scenario::pauses`).
+    Pause,
 }
 
 impl From<Delivery<Msg>> for Ev {
@@ -95,6 +100,9 @@ struct Scenario {
     /// Soft timeouts and proactive BatchPull (M15) on.
     proactive: bool,
     pre_fault: PreFault,
+    /// Pauses of the leader before the main fault, each longer than the soft timeout and
+    /// shorter than the hard one.
+    pauses: u32,
 }
 
 /// A fault some 150 ms before the main one.
@@ -140,6 +148,10 @@ struct World {
     fault_at: u64,
     recovered: u64,
     verbose: bool,
+    /// A paused node processes nothing before this time; its events wait.
+    paused_until: HashMap<NodeId, u64>,
+    /// Proactive pulls aborted over the run (all nodes, crashed ones included).
+    proactive_aborted: u64,
 }
 
 fn params(sc: &Scenario) -> Params {
@@ -186,7 +198,12 @@ impl World {
                 }
             })
             .collect();
-        let fault_at = rng.range_u64(450_000, 800_000);
+        let mut fault_at = rng.range_u64(450_000, 800_000);
+        for i in 0..u64::from(sc.pauses) {
+            let at = 350_000 + i * 200_000 + rng.range_u64(0, 20_000);
+            q.push_at(at, Ev::Pause).unwrap();
+            fault_at = fault_at.max(at + 250_000);
+        }
         q.push_at(fault_at, Ev::Fault).unwrap();
         if sc.pre_fault != PreFault::None {
             q.push_at(fault_at - 150_000, Ev::PreFault).unwrap();
@@ -215,6 +232,8 @@ impl World {
             fault_at,
             recovered: 0,
             verbose,
+            paused_until: HashMap::new(),
+            proactive_aborted: 0,
         }
     }
 
@@ -223,6 +242,9 @@ impl World {
     }
 
     fn crash(&mut self, id: NodeId) {
+        if let Some(n) = self.nodes.get(&id) {
+            self.proactive_aborted += n.counters.proactive_aborted;
+        }
         self.dead.push(id);
         self.net.set_down(id, true);
         *self.incs.entry(id).or_default() += 1;
@@ -487,6 +509,21 @@ impl World {
             if now > end {
                 break;
             }
+            let target = match &ev {
+                Ev::Deliver(d) => Some(d.to),
+                Ev::Persisted { node, .. } | Ev::Io { node, .. } | Ev::Request { node, .. } => {
+                    Some(*node)
+                }
+                Ev::Tick(id) => Some(*id),
+                _ => None,
+            };
+            if let Some(until) = target.and_then(|t| self.paused_until.get(&t).copied()) {
+                if now < until {
+                    // Stopped: nothing runs, messages wait in its socket buffers.
+                    self.q.push_at(until, ev).unwrap();
+                    continue;
+                }
+            }
             match ev {
                 Ev::Deliver(d) => {
                     let Some(d) = self.net.receive(d) else {
@@ -543,6 +580,14 @@ impl World {
                     }
                 }
                 Ev::Fault => {
+                    if self.sc.pauses > 0 {
+                        if let Some((i, n)) = self.nodes.iter().find(|(_, n)| n.term() > 1) {
+                            return Err(format!(
+                                "node {i} reached term {} during the pauses: a false hard timeout",
+                                n.term()
+                            ));
+                        }
+                    }
                     let leader = self
                         .nodes
                         .iter()
@@ -611,6 +656,23 @@ impl World {
                     self.crash(l);
                 }
                 Ev::Heal => self.net.heal_all(),
+                Ev::Pause => {
+                    let leader = self
+                        .nodes
+                        .iter()
+                        .filter(|(i, _)| !self.dead.contains(i))
+                        .find(|(_, n)| n.is_serving())
+                        .map(|(i, _)| *i);
+                    if let Some(l) = leader {
+                        // Past the soft timeout (30 ms), short of the hard one (150 ms) with
+                        // the last heartbeat's age and network delay added.
+                        let d = self.rng.range_u64(45_000, 110_000);
+                        if self.verbose {
+                            eprintln!("{now} leader {l} paused for {} ms", d / 1000);
+                        }
+                        self.paused_until.insert(l, now + d);
+                    }
+                }
             }
         }
         // Liveness: clients completed ops after the fault.
@@ -734,9 +796,16 @@ impl World {
     }
 }
 
-fn run_one(seed: u64, sc: Scenario, verbose: bool) -> Result<usize, String> {
+/// Runs one seed: the number of ops checked and of proactive pulls aborted.
+fn run_one(seed: u64, sc: Scenario, verbose: bool) -> Result<(usize, u64), String> {
     let mut w = World::new(seed, sc, verbose);
     w.run()?;
+    let aborted = w.proactive_aborted
+        + w.nodes
+            .iter()
+            .filter(|(i, _)| !w.dead.contains(i))
+            .map(|(_, n)| n.counters.proactive_aborted)
+            .sum::<u64>();
     w.net.heal_all();
     w.final_reads()?;
     let hist: Vec<Op> = w
@@ -745,7 +814,7 @@ fn run_one(seed: u64, sc: Scenario, verbose: bool) -> Result<usize, String> {
         .filter(|o| o.ret_us != Some(u64::MAX))
         .collect();
     checker::check(&hist).map_err(|v| v.to_string())?;
-    Ok(hist.len())
+    Ok((hist.len(), aborted))
 }
 
 fn seeds(default: u64) -> Vec<u64> {
@@ -762,16 +831,26 @@ fn seeds(default: u64) -> Vec<u64> {
 fn run_many(name: &str, sc: Scenario, default_seeds: u64) {
     let verbose = std::env::var("SIM_SEED").is_ok();
     let mut ops = 0;
+    let mut aborted = 0;
     let seeds = seeds(default_seeds);
     for &seed in &seeds {
         match run_one(seed, sc, verbose) {
-            Ok(n) => ops += n,
+            Ok((n, a)) => {
+                ops += n;
+                aborted += a;
+            }
             Err(e) => panic!(
                 "{name}: seed {seed} failed: {e}\nreproduce: SIM_SEED={seed} cargo test -p kv --test sim_witness {name} -- --nocapture"
             ),
         }
     }
-    eprintln!("{name}: {} seeds, {ops} ops checked", seeds.len());
+    eprintln!(
+        "{name}: {} seeds, {ops} ops checked, {aborted} proactive pulls aborted",
+        seeds.len()
+    );
+    if sc.pauses > 0 {
+        assert!(aborted > 0, "{name}: no pause made a false soft timeout");
+    }
 }
 
 fn scenario(backups: u32, witnesses: u32, crash: bool) -> Scenario {
@@ -789,6 +868,7 @@ fn scenario(backups: u32, witnesses: u32, crash: bool) -> Scenario {
         double_failure: false,
         proactive: true,
         pre_fault: PreFault::None,
+        pauses: 0,
     }
 }
 
@@ -857,4 +937,20 @@ fn backup_and_witness_restart_then_primary_crash() {
 #[test]
 fn primary_isolated_then_healed() {
     run_many("primary_isolated_then_healed", scenario(1, 1, false), 10);
+}
+
+#[test]
+fn leader_paused_repeatedly_false_soft_timeouts_then_crash() {
+    // Four pauses between the soft and hard timeouts: each starts a proactive pull that the
+    // leader's next heartbeat aborts; nobody is elected until the real crash.
+    let sc = Scenario {
+        pauses: 4,
+        run_us: 2_200_000,
+        ..scenario(1, 1, true)
+    };
+    run_many(
+        "leader_paused_repeatedly_false_soft_timeouts_then_crash",
+        sc,
+        6,
+    );
 }

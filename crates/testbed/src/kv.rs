@@ -37,6 +37,21 @@ pub enum Recovery {
     /// configuration and streams every update since, redundant ones included; the returning
     /// node makes every one durable.
     ReactiveLog,
+    /// Witness KV (its default; `heal` means this there): CANDStore's live recovery.
+    Cand,
+    /// Witness KV baseline: the same detection and election, then an unthrottled copy, serving
+    /// nothing until it is done.
+    Offline,
+    /// Witness KV ablation: no PriorityPull (a Get on a missing key waits for the BatchPull).
+    BatchOnly,
+    /// Witness KV ablation: no pull before the election.
+    NoProactive,
+    /// Witness KV ablation: one SSD log on the backups instead of hot and cold.
+    SingleLog,
+    /// Witness KV ablation: no popularity sampling (BatchPull in log order).
+    NoSampling,
+    /// Witness KV baseline for the cost side: witnesses keep values too.
+    FullReplica,
 }
 
 impl Recovery {
@@ -46,7 +61,37 @@ impl Recovery {
             Recovery::Heal => "heal",
             Recovery::FullCopy => "full-copy",
             Recovery::ReactiveLog => "reactive-log",
+            Recovery::Cand => "cand",
+            Recovery::Offline => "offline",
+            Recovery::BatchOnly => "batch-only",
+            Recovery::NoProactive => "no-proactive",
+            Recovery::SingleLog => "single-log",
+            Recovery::NoSampling => "no-sampling",
+            Recovery::FullReplica => "full-replica",
         }
+    }
+
+    /// The witness KV's scheme for this choice (`heal`, the flag's default, means `cand`).
+    pub fn witness(self) -> anyhow::Result<kv::witness::core::node::Recovery> {
+        use kv::witness::core::node::Recovery as W;
+        match self {
+            Recovery::Heal | Recovery::Cand => Ok(W::Cand),
+            Recovery::Offline => Ok(W::Offline),
+            Recovery::BatchOnly => Ok(W::BatchOnly),
+            Recovery::NoProactive => Ok(W::NoProactive),
+            Recovery::SingleLog => Ok(W::SingleLog),
+            Recovery::NoSampling => Ok(W::NoSampling),
+            Recovery::FullReplica => Ok(W::FullReplica),
+            Recovery::FullCopy | Recovery::ReactiveLog => anyhow::bail!(
+                "--recovery {} is a leaderless-KV scheme; the witness KV takes cand, offline, batch-only, no-proactive, single-log, no-sampling or full-replica",
+                self.name()
+            ),
+        }
+    }
+
+    /// Whether this is a leaderless-KV (HEAL) scheme.
+    pub fn is_leaderless(self) -> bool {
+        matches!(self, Recovery::Heal | Recovery::FullCopy | Recovery::ReactiveLog)
     }
 }
 
@@ -110,7 +155,8 @@ pub struct UpArgs {
     /// persisting (1: strictly one chunk at a time; at most 64).
     #[arg(long, default_value_t = 16)]
     pub catchup_chunks_in_flight: usize,
-    /// Recovery scheme: heal, or a baseline.
+    /// Recovery scheme: heal or a baseline for the leaderless KV; for --protocol witness cand
+    /// (what heal means there), offline or an ablation, passed to every node.
     #[arg(long, value_enum, default_value = "heal")]
     pub recovery: Recovery,
     /// Failure detection timeout passed to the CM (raise it on a loaded machine).

@@ -68,6 +68,7 @@ impl LocalWitnessKv {
     pub fn start(a: &UpArgs) -> anyhow::Result<LocalWitnessKv> {
         anyhow::ensure!(a.backups >= 1 && a.witnesses >= 1, "a witness group needs at least one backup and one witness");
         let n = 1 + a.backups + a.witnesses;
+        let recovery = a.recovery.witness()?;
         anyhow::ensure!(n <= 16, "at most 16 nodes");
         let dir = a.dir.clone();
         std::fs::create_dir_all(dir.join("logs")).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -109,6 +110,7 @@ impl LocalWitnessKv {
                 if let Some(ms) = a.soft_timeout_ms {
                     v.extend(["--soft-timeout-ms".into(), ms.to_string()]);
                 }
+                v.extend(["--recovery".into(), recovery.name().into()]);
                 v
             })
             .collect();

@@ -121,6 +121,9 @@ fn recovery_bench(a: &KvRecoveryArgs) -> anyhow::Result<bench::Report> {
     let mut report = bench::Report::new("kv.recovery", a.quick);
     let all = [Recovery::Heal, Recovery::FullCopy, Recovery::ReactiveLog];
     let mut schemes: Vec<Recovery> = a.schemes.clone().unwrap_or(all.to_vec());
+    if let Some(w) = schemes.iter().find(|s| !s.is_leaderless()) {
+        anyhow::bail!("--schemes {} is a witness-KV scheme: see `bench kv ttr`", w.name());
+    }
     schemes.sort_by_key(|s| all.iter().position(|x| x == s));
     schemes.dedup();
     anyhow::ensure!(!schemes.is_empty(), "--schemes needs at least one scheme");
@@ -339,6 +342,7 @@ fn figure_key(r: Recovery) -> &'static str {
         Recovery::Heal => "heal",
         Recovery::FullCopy => "fullcopy",
         Recovery::ReactiveLog => "reactive",
+        other => other.name(), // witness-KV schemes: not run by this bench
     }
 }
 

@@ -20,13 +20,17 @@
 //!   backups), M5, M6 (persist in NVMM, then ack), M8 (writeback only of committed entries, index
 //!   update only if newer, NVMM copy freed after the SSD write), M11, M12, M13 (adoption only from
 //!   a voting backup's log refusal), M14 (all voting backups asked; the longest agreed prefix
-//!   kept), M15 (designated successor, abort on a live leader, stamp-checked install), M17, M18
+//!   kept), M15 (designated successor, abort on a live leader, stamp-checked install, popular
+//!   keys first), M16 (Φ-accrual soft/hard timeouts, the fixed values as floors, 3× as
+//!   ceilings), M17, M18
 //!   (buffer first, then index page; install iff local < stamp ≤ key table; answer iff equal;
 //!   one pull per key, bounded), M19, M23 (a witness loss needs no change), NotLeader{hint}.
-//! - S: M1/M7 (one backup worker, one SSD log, no hot/cold), M2 (any N; N = 1, 2 tested), M16
-//!   (fixed soft/hard timeouts, the Φ detector not wired in), M20 (one BatchPull in flight, no
-//!   token bucket), M21 (PriorityPulls spread round-robin), restart (M24 partly: `restore`).
-//! - left: M9 (GC), M10 (popularity sampling and placement), M22 (substitution, non-voting
+//! - S: M1/M7 (one backup worker, one SSD log, no hot/cold), M2 (any N; N = 1, 2 tested), M10
+//!   (sampling and the backups' popular list order BatchPull; no placement yet), M20 (one
+//!   BatchPull in flight, paced by the core's AIMD token bucket), M21 (PriorityPulls spread
+//!   round-robin), restart (M24 partly: `restore`). Recovery schemes (`Params::recovery`,
+//!   `--recovery`): `core/node/recovery.rs`.
+//! - left: M9 (GC), M22 (substitution, non-voting
 //!   promotion at run time: `Config` supports both, nothing changes it), M24 (joint consensus,
 //!   old primary re-added as a witness, snapshots/catch-up of new nodes, log truncation).
 

@@ -190,9 +190,10 @@ pub enum PeerBody {
         id: u64,
         entries: Vec<Entry>,
     },
-    /// Primary → backups, every few seconds: sampled popular keys (M10).
+    /// Primary → backups, every few seconds: sampled popular keys (M10) with their sample
+    /// counts, most sampled first.
     Popularity {
-        keys: Vec<serde_bytes::ByteBuf>,
+        keys: Vec<(serde_bytes::ByteBuf, u32)>,
     },
 }
 

@@ -2,8 +2,8 @@
 //! socket, clock, file or thread; time and randomness are inputs. [`node::WitnessCore`] is one
 //! node of any kind; [`config`] the group's membership and quorums; [`page`] the backup's SSD page
 //! format the core reasons about; [`detector`] the Φ-accrual failure detector with soft and hard
-//! thresholds; [`popularity`] the primary's sampler and the backups' popularity LRU (the last two
-//! are not wired into `WitnessCore` yet).
+//! thresholds; [`popularity`] the primary's sampler and the backups' popularity LRU (both driven
+//! by `WitnessCore`'s recovery policy, `node/recovery.rs`).
 
 pub mod config;
 pub mod detector;

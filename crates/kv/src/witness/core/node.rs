@@ -34,6 +34,12 @@ use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 
 use super::config::{Config, ConfigError, Kind};
+use recovery::RecoveryState;
+pub use recovery::{
+    Recovery, RecoveryCounters, UnknownRecovery, HOT_CURSOR, OFFLINE_BATCH_PULL_BYTES,
+};
+
+mod recovery;
 use super::page::{self, PAGE_BYTES};
 use crate::witness::proto::{
     ClientReply, ClientReq, Entry, NodeId, Op, PeerBody, PeerMsg, Stamp, MAX_KEY_BYTES,
@@ -75,6 +81,33 @@ pub struct Params {
     pub soft_timeout_us: u64,
     /// Proactively pulled bytes kept at most (spec M15 `proactive_bytes_max`).
     pub proactive_bytes_max: usize,
+    /// The recovery scheme (`--recovery`, issue 25 item 5); the same on every node.
+    pub recovery: Recovery,
+    /// Φ at which the soft timeout fires once the soft floor (`soft_timeout_us`) has passed.
+    pub phi_soft: f64,
+    /// Φ at which the hard timeout fires once the hard floor (`election_timeout_us`) has passed.
+    pub phi_hard: f64,
+    /// The Φ detector may push a timeout out to at most this many times its floor: a leader
+    /// whose heartbeats jitter is still replaced within a bound.
+    pub suspicion_ceiling_factor: u64,
+    /// Chance that the primary samples one served request's key (M10).
+    pub popularity_sample_probability: f64,
+    /// How often the primary ships sampled keys to the backups.
+    pub popularity_ship_interval_us: u64,
+    /// Distinct keys one shipment aggregates at most.
+    pub popularity_batch_keys_max: usize,
+    /// Encoded key bytes one Popularity message carries at most (most sampled kept).
+    pub popularity_msg_bytes_max: usize,
+    /// Keys a backup's popular list holds.
+    pub popular_keys_max: usize,
+    /// Popular keys a backup answers per BatchPull in the popular-keys phase.
+    pub hot_pull_keys_per_batch: usize,
+    /// BatchPull pacing ceiling (M20); 0 = unlimited. The `offline` scheme is never paced.
+    pub batch_pull_bytes_per_s: u64,
+    /// The adaptive rate never falls below this.
+    pub batch_pull_bytes_per_s_min: u64,
+    /// A PriorityPull answered slower than this halves the BatchPull rate; 0 = fixed rate.
+    pub priority_pull_target_us: u64,
     /// Deliberately broken behaviour for the model check only (`tests/model_check_witness.rs`
     /// must catch each); always `WitnessFault::None` outside it.
     #[doc(hidden)]
@@ -117,6 +150,19 @@ impl Default for Params {
             recent_index_window_entries: 1 << 16,
             soft_timeout_us: 30_000,
             proactive_bytes_max: 64 << 20,
+            recovery: Recovery::Cand,
+            phi_soft: 3.0,
+            phi_hard: 8.0,
+            suspicion_ceiling_factor: 3,
+            popularity_sample_probability: 0.01,
+            popularity_ship_interval_us: 1_000_000,
+            popularity_batch_keys_max: 4096,
+            popularity_msg_bytes_max: 256 << 10,
+            popular_keys_max: 65_536,
+            hot_pull_keys_per_batch: 64,
+            batch_pull_bytes_per_s: 256 << 20,
+            batch_pull_bytes_per_s_min: 8 << 20,
+            priority_pull_target_us: 5_000,
             fault: WitnessFault::None,
         }
     }
@@ -136,6 +182,8 @@ pub enum ParamsError {
     Config(#[from] ConfigError),
     #[error("node {0} is not in the configuration")]
     NotMember(NodeId),
+    #[error("recovery settings: {0}")]
+    Recovery(String),
 }
 
 impl Params {
@@ -445,7 +493,7 @@ struct Proactive {
 
 /// The new primary's live recovery (M17–M19).
 #[derive(Clone, Debug)]
-struct Recovery {
+struct LiveRecovery {
     /// Keys whose local value stamp is below the key table's (M19).
     missing: HashSet<Vec<u8>>,
     pending_gets: HashMap<Vec<u8>, Vec<u64>>,
@@ -476,7 +524,7 @@ struct Lead {
     noop_index: Option<u64>,
     pending_puts: BTreeMap<u64, u64>,
     recon: Option<Recon>,
-    recovery: Option<Recovery>,
+    recovery: Option<LiveRecovery>,
     last_heartbeat_us: u64,
     lease_lost_since_us: Option<u64>,
 }
@@ -505,6 +553,10 @@ enum ReadFor {
         stream: u64,
         cursor: u64,
         len: u32,
+    },
+    /// One page group of a popular-keys BatchPull answer (`recovery.rs`).
+    HotBatch {
+        group: u64,
     },
 }
 
@@ -597,6 +649,8 @@ pub struct WitnessCore {
     backup: Backup,
     leaders_seen: BTreeMap<u64, NodeId>,
     proactive: Option<Proactive>,
+    /// Detector, popularity and pacing (`recovery.rs`).
+    rec: RecoveryState,
     pub counters: Counters,
     out: Vec<Output>,
 }
@@ -616,6 +670,8 @@ impl WitnessCore {
         p.validate()?;
         cfg.validate()?;
         let kind = cfg.kind(id).ok_or(ParamsError::NotMember(id))?;
+        // TODO(merge with wssd): `if p.recovery == Recovery::SingleLog { p.ssd_logs = SsdLogs::Single; }` (make `p` mut).
+        let rec = RecoveryState::new(id, &p, now_us)?;
         let mut c = WitnessCore {
             id,
             kind,
@@ -646,6 +702,7 @@ impl WitnessCore {
             backup: Backup::default(),
             leaders_seen: BTreeMap::new(),
             proactive: None,
+            rec,
             counters: Counters::default(),
             out: Vec::new(),
         };
@@ -856,6 +913,7 @@ impl WitnessCore {
         // Election safety, part 2, as seen locally: at most one leader per term.
         // (`leaders_seen` is filled when a leader is heard; a conflict panics there.)
         assert!(self.applied <= self.commit, "applied past commit");
+        self.rec.check_invariants();
         assert!(self.commit <= self.log.last_index(), "commit past the log");
         // Every committed index is known here (no Unknown slot at or below commit).
         if let Some(Slot::Unknown { .. }) = self.log.slot(self.commit) {
@@ -1132,12 +1190,13 @@ impl WitnessCore {
                     self.heartbeat();
                 }
                 self.check_quorum();
+                self.rec_ship_popularity();
                 if self.role == RoleKind::Provisional {
                     self.recon_retry();
                 }
             }
             RoleKind::Follower | RoleKind::Candidate => {
-                if self.now >= self.election_deadline_us {
+                if self.now >= self.election_deadline_us && self.rec_hard_timeout() {
                     self.start_election();
                 }
                 self.drive_proactive();
@@ -1502,6 +1561,8 @@ impl WitnessCore {
             return;
         };
         let values = self.cfg.gets_values(to);
+        // full-replica: heads get values where this head still has them (the 3× layout).
+        let values_if_held = self.p.recovery.full_replica() && self.cfg.kind(to) == Some(Kind::Head);
         let mut entries = Vec::new();
         let mut i = from;
         while i <= last && entries.len() < self.p.append_max_entries {
@@ -1513,6 +1574,8 @@ impl WitnessCore {
                     self.counters.values_unavailable += 1;
                     break;
                 }
+                entries.push(e.clone());
+            } else if values_if_held {
                 entries.push(e.clone());
             } else {
                 entries.push(e.key_only());
@@ -1611,6 +1674,7 @@ impl WitnessCore {
             self.step_down(term);
         }
         self.note_leader(term, from);
+        self.rec_leader_heard(term, from);
         self.leader_hint = Some(from);
         self.heard_leader_us = Some(self.now);
         if let Some(p) = self.proactive.take() {
@@ -1644,7 +1708,7 @@ impl WitnessCore {
                     "leader {from} conflicts at committed index {i}"
                 );
                 self.truncate_local(i);
-                let stored = if self.kind == Kind::Backup {
+                let stored = if self.kind == Kind::Backup || self.p.recovery.full_replica() {
                     e
                 } else {
                     e.key_only()
@@ -1830,8 +1894,11 @@ impl WitnessCore {
             let hint = self.leader_hint.filter(|&h| h != self.id);
             return reply(self, ClientReply::NotLeader { hint });
         }
-        if !self.is_serving() {
+        if !self.is_serving() || self.rec_refuses_clients() {
             return reply(self, ClientReply::Unavailable);
+        }
+        match &req {
+            ClientReq::Get { key } | ClientReq::Put { key, .. } => self.rec_sample(key),
         }
         match req {
             ClientReq::Put { key, value } => {
@@ -1903,7 +1970,9 @@ impl WitnessCore {
         }
         r.pending_get_count += 1;
         r.pending_gets.entry(key.clone()).or_default().push(tag);
-        self.start_pull(&key);
+        if self.p.recovery.priority_pull() {
+            self.start_pull(&key);
+        }
     }
 
     /// Answers the Gets waiting on `key` if the local value now carries the key table's stamp.
@@ -1971,7 +2040,8 @@ impl WitnessCore {
         };
         let id = self.next_io_id();
         let n = missing.len() as u64;
-        self.lead.as_mut().unwrap().recovery = Some(Recovery {
+        let start = self.rec_stream_start();
+        self.lead.as_mut().unwrap().recovery = Some(LiveRecovery {
             missing,
             pending_gets: HashMap::new(),
             pending_get_count: 0,
@@ -1989,7 +2059,7 @@ impl WitnessCore {
                 _ => BatchStream {
                     id,
                     to,
-                    cursor: 0,
+                    cursor: start,
                     in_flight_since: None,
                     done: false,
                 },
@@ -2076,6 +2146,8 @@ impl WitnessCore {
         };
         let Some(p) = r.pulls.remove(&id) else { return };
         r.pull_by_key.remove(&p.key);
+        let latency_us = self.now.saturating_sub(p.sent_us);
+        self.rec_priority_latency(latency_us);
         for e in &entries {
             self.install(e);
         }
@@ -2097,7 +2169,7 @@ impl WitnessCore {
         if let Some(p) = self.proactive.as_mut() {
             if p.stream.id == stream && p.stream.in_flight_since.is_some() {
                 p.stream.in_flight_since = None;
-                p.stream.cursor = p.stream.cursor.max(next_cursor);
+                p.stream.cursor = recovery::cursor_max(p.stream.cursor, next_cursor);
                 p.stream.done = done;
                 for e in entries {
                     let (Some(k), true) = (e.key(), e.value().is_some()) else {
@@ -2120,7 +2192,7 @@ impl WitnessCore {
             return;
         }
         r.batch.in_flight_since = None;
-        r.batch.cursor = r.batch.cursor.max(next_cursor);
+        r.batch.cursor = recovery::cursor_max(r.batch.cursor, next_cursor);
         r.batch.done = done;
         r.stats.batch_entries += entries.len() as u64;
         for e in &entries {
@@ -2137,7 +2209,7 @@ impl WitnessCore {
         }
     }
 
-    /// Keeps the BatchPull stream going (one read in flight: SIMPLIFIED rate limit, M20),
+    /// Keeps the BatchPull stream going (one read in flight, paced: M20, `recovery.rs`),
     /// retries lost pulls, pulls what the stream left (M19) and ends recovery when nothing is
     /// missing.
     fn drive_recovery(&mut self) {
@@ -2146,22 +2218,30 @@ impl WitnessCore {
         }
         let now = self.now;
         let retry = self.p.pull_retry_us;
+        let priority = self.p.recovery.priority_pull();
+        let due = self
+            .lead
+            .as_ref()
+            .and_then(|l| l.recovery.as_ref())
+            .is_some_and(|r| {
+                !r.batch.done && r.batch.in_flight_since.is_none_or(|t| now >= t + retry)
+            });
+        // The pacing (M20, `recovery.rs`) is asked only when a request is due, so an idle
+        // stream spends no tokens.
+        let paced_ok = due && self.rec_may_batch_pull();
         let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) else {
             return;
         };
         let mut sends = Vec::new();
-        if !r.batch.done {
-            let due = r.batch.in_flight_since.is_none_or(|t| now >= t + retry);
-            if due {
-                r.batch.in_flight_since = Some(now);
-                sends.push((
-                    r.batch.to,
-                    PeerBody::BatchPull {
-                        stream: r.batch.id,
-                        cursor: r.batch.cursor,
-                    },
-                ));
-            }
+        if paced_ok {
+            r.batch.in_flight_since = Some(now);
+            sends.push((
+                r.batch.to,
+                PeerBody::BatchPull {
+                    stream: r.batch.id,
+                    cursor: r.batch.cursor,
+                },
+            ));
         }
         let stale: Vec<u64> = r
             .pulls
@@ -2175,9 +2255,10 @@ impl WitnessCore {
             r.pull_by_key.remove(&p.key);
             again.push(p.key);
         }
-        // Keys with waiting Gets first, then (after the stream ends) the leftovers.
+        // Keys with waiting Gets first, then (after the stream ends) the leftovers. batch-only
+        // pulls a key a Get waits on only once the stream has passed it by.
         for k in r.pending_gets.keys() {
-            if !r.pull_by_key.contains_key(k) {
+            if (priority || r.batch.done) && !r.pull_by_key.contains_key(k) {
                 again.push(k.clone());
             }
         }
@@ -2208,7 +2289,7 @@ impl WitnessCore {
     /// starts pulling once the leader has been silent for the soft timeout, and keeps one
     /// BatchPull in flight until the stream ends or the byte cap is reached.
     fn drive_proactive(&mut self) {
-        if self.p.soft_timeout_us == 0 || self.kind != Kind::Head {
+        if self.kind != Kind::Head || (self.proactive.is_none() && !self.rec_soft_timeout()) {
             return;
         }
         let now = self.now;
@@ -2220,6 +2301,7 @@ impl WitnessCore {
             if now < h + self.p.soft_timeout_us || last == self.id {
                 return;
             }
+            let start = self.rec_stream_start();
             let successor = self
                 .cfg
                 .members
@@ -2239,7 +2321,7 @@ impl WitnessCore {
                 stream: BatchStream {
                     id,
                     to,
-                    cursor: 0,
+                    cursor: start,
                     in_flight_since: None,
                     done: false,
                 },
@@ -2253,7 +2335,8 @@ impl WitnessCore {
         if p.stream.done || p.full {
             return;
         }
-        if p.stream.in_flight_since.is_none_or(|t| now >= t + retry) {
+        if p.stream.in_flight_since.is_none_or(|t| now >= t + retry) && self.rec_may_batch_pull() {
+            let p = self.proactive.as_mut().unwrap();
             p.stream.in_flight_since = Some(now);
             let (to, stream, cursor) = (p.stream.to, p.stream.id, p.stream.cursor);
             self.send(to, PeerBody::BatchPull { stream, cursor });
@@ -2389,6 +2472,9 @@ impl WitnessCore {
         if self.kind != Kind::Backup {
             return;
         }
+        if cursor & recovery::HOT_CURSOR != 0 {
+            return self.rec_hot_batch_pull(from, stream, cursor);
+        }
         let end = self.backup.durable_end;
         if cursor >= end {
             return self.send(
@@ -2401,7 +2487,7 @@ impl WitnessCore {
                 },
             );
         }
-        let len = (self.p.batch_pull_bytes as u64).min(end - cursor);
+        let len = (self.rec_batch_read_bytes() as u64).min(end - cursor);
         let len = len.div_ceil(PAGE_BYTES as u64) * PAGE_BYTES as u64;
         let id = self.next_io_id();
         self.backup.reads.insert(
@@ -2430,6 +2516,7 @@ impl WitnessCore {
             self.counters.ssd_errors += 1;
         }
         match purpose {
+            ReadFor::HotBatch { group } => self.rec_on_hot_read(group, result),
             ReadFor::PriorityPull {
                 to,
                 id,
@@ -2753,9 +2840,8 @@ impl WitnessCore {
                         next_cursor,
                         done,
                     } => self.on_batch_reply(stream, entries, next_cursor, done),
-                    // SIMPLIFIED: a backup keeps no stream state and has no GC to pause or
-                    // resume (M9, M15); no popularity placement yet (M10).
-                    PeerBody::BatchPullAbort { .. } | PeerBody::Popularity { .. } => {}
+                    PeerBody::BatchPullAbort { stream } => self.rec_on_abort(stream),
+                    PeerBody::Popularity { keys } => self.rec_on_popularity(from, keys),
                     _ => {}
                 }
             }

@@ -381,6 +381,7 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
     let mut tick = tokio::time::interval(Duration::from_micros(tick_us));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_role = None;
+    let mut last_proactive = (0u64, 0u64);
     loop {
         let input = tokio::select! {
             biased;
@@ -399,6 +400,17 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
             }
         };
         core.handle(now_us(), input);
+        // Soft timeouts in the log: operators (and the SIGSTOP tests) see false ones abort.
+        let proactive = (core.counters.proactive_started, core.counters.proactive_aborted);
+        if proactive != last_proactive {
+            if proactive.0 > last_proactive.0 {
+                tracing::info!("node {me}: soft timeout: proactive pull started");
+            }
+            if proactive.1 > last_proactive.1 {
+                tracing::info!("node {me}: the leader was heard again: proactive pull aborted");
+            }
+            last_proactive = proactive;
+        }
         // Carry the outputs out in order; pmem is durable on return, so its completions are
         // given after the batch, which may produce more outputs (deferred sends).
         loop {
