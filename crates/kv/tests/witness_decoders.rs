@@ -70,7 +70,7 @@ fn samples() -> Vec<Vec<u8>> {
             entries: vec![e(1)],
         },
         PeerBody::Popularity {
-            keys: vec![serde_bytes::ByteBuf::from(b"k".to_vec())],
+            keys: vec![(serde_bytes::ByteBuf::from(b"k".to_vec()), 3)],
         },
     ];
     let mut out: Vec<Vec<u8>> = bodies
