@@ -19,7 +19,8 @@
 //! is when the system could serve, not how long a client's list takes to skip a dead address.
 //! Medians and spread (min, max) over the repetitions; each takeover's ratio to the election
 //! lease TTL. Beside them: the embedded backend's restart (SIGKILL of the metadata service under
-//! `understudy volume up`, until a create is served again), super and collapse latency with the
+//! `understudy volume up` until a create is served, of the CM under `kv up` until a put and a
+//! get are served, of the controller under `nearlog up` until an open is granted), super and collapse latency with the
 //! metadata service on etcd against the embedded store (two clusters side by side on loopback,
 //! requests interleaved A B A B), and the longest gap between acknowledged writes of a writer on
 //! an open volume when the metadata leader's host (with a shard) dies, against the same gap
@@ -682,6 +683,118 @@ fn embedded_restart() -> anyhow::Result<(Duration, String)> {
     })
 }
 
+/// `NAME PID` from a supervisor's `DIR/pids`, if that daemon runs.
+fn pid_of(pids: &Path, name: &str) -> Option<u32> {
+    let text = std::fs::read_to_string(pids).ok()?;
+    let pid = text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())?;
+    testbed::proc::alive(pid).then_some(pid)
+}
+
+/// Waits until `DIR/pids` names a running `name` other than `old`.
+fn wait_pid(pids: &Path, name: &str, old: Option<u32>, log: &Path) -> anyhow::Result<u32> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if let Some(p) = pid_of(pids, name).filter(|p| Some(*p) != old) {
+            return Ok(p);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "no running {name} in {} within {READY_TIMEOUT:?}: {}", pids.display(), testbed::proc::tail(log, 8));
+        std::thread::sleep(PROBE_INTERVAL);
+    }
+}
+
+/// `understudy kv up` (embedded CM state, supervised daemons): SIGKILL its CM, time until the
+/// supervisor runs a new one and the group serves a put and a get through it (reads need the
+/// CM's leases).
+fn embedded_kv_restart() -> anyhow::Result<(Duration, String)> {
+    let dir = tempfile::Builder::new().prefix("understudy-cbench-kvup-").tempdir()?;
+    let exe = std::env::current_exe()?;
+    let mut procs = Local::default();
+    let data = dir.path().join("data");
+    let up_log = dir.path().join("up.log");
+    procs.spawn(&exe, dir.path(), "up", &s(&["kv", "up", "--dir", &data.display().to_string(), "--port-base", "0"]))?;
+    let pids = data.join(testbed::kv::PIDS_FILE);
+    let cm = wait_pid(&pids, "cm", None, &up_log)?;
+    let (file, secret) = {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            match testbed::kv::load_cluster(&data.join(testbed::kv::CLUSTER_FILE)) {
+                Ok(f) => break f,
+                Err(e) => anyhow::ensure!(Instant::now() < deadline, "`kv up` wrote no cluster file: {e:#}: {}", testbed::proc::tail(&up_log, 8)),
+            }
+            std::thread::sleep(PROBE_INTERVAL);
+        }
+    };
+    let client = kv::leaderless::driver::KvCluster::new(file.nodes.values().copied().collect(), secret);
+    let rt = runtime()?;
+    rt.block_on(async {
+        let serves = |n: u64| {
+            let client = client.clone();
+            async move {
+                let op = async { client.put(b"probe", &n.to_le_bytes()).await.is_ok() && client.get(b"probe").await.is_ok() };
+                tokio::time::timeout(PROBE_ATTEMPT_TIMEOUT, op).await.unwrap_or(false)
+            }
+        };
+        until(READY_TIMEOUT, || "`kv up` serving".to_string(), || serves(0)).await?;
+        let load = load();
+        let kill = Instant::now();
+        anyhow::ensure!(testbed::proc::signal(cm, libc::SIGKILL), "the CM was not running");
+        let pids2 = pids.clone();
+        let log2 = up_log.clone();
+        tokio::task::spawn_blocking(move || wait_pid(&pids2, "cm", Some(cm), &log2)).await??;
+        let mut n = 0;
+        let at = until(DECISION_TIMEOUT, || "the group serving after the CM's restart".to_string(), || {
+            n += 1;
+            serves(n)
+        })
+        .await?;
+        eprintln!("embedded: `kv up` restarted its CM, put+get served {:.0} ms after the SIGKILL; load {load}", ms(at - kill));
+        Ok((at - kill, load))
+    })
+}
+
+/// `understudy nearlog up` (controller and peers as supervised processes): SIGKILL the
+/// controller, time until a log file's open is granted again.
+fn embedded_nearlog_restart() -> anyhow::Result<(Duration, String)> {
+    let dir = tempfile::Builder::new().prefix("understudy-cbench-nlup-").tempdir()?;
+    let exe = std::env::current_exe()?;
+    let mut procs = Local::default();
+    let data = dir.path().join("data");
+    let up_log = dir.path().join("up.log");
+    procs.spawn(&exe, dir.path(), "up", &s(&["nearlog", "up", "--dir", &data.display().to_string(), "--region-bytes", &(16u64 << 20).to_string()]))?;
+    let pids = data.join("pids");
+    let ctl = wait_pid(&pids, "controller", None, &up_log)?;
+    let (addr, secret) = {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let f: Option<serde_json::Value> = std::fs::read(data.join("nearlog-cluster.json")).ok().and_then(|b| serde_json::from_slice(&b).ok());
+            if let Some(addr) = f.as_ref().and_then(|f| f["controller"].as_str()) {
+                break (addr.to_string(), testbed::cluster_file::read_secret(&data.join("secret"))?);
+            }
+            anyhow::ensure!(Instant::now() < deadline, "`nearlog up` wrote no cluster file: {}", testbed::proc::tail(&up_log, 8));
+            std::thread::sleep(PROBE_INTERVAL);
+        }
+    };
+    let deadline = Instant::now() + READY_TIMEOUT;
+    while !nearlog_open(&addr, &secret, "/bench/before.log") {
+        anyhow::ensure!(Instant::now() < deadline, "`nearlog up` grants no open: {}", testbed::proc::tail(&up_log, 8));
+        std::thread::sleep(PROBE_INTERVAL);
+    }
+    let load = load();
+    let kill = Instant::now();
+    anyhow::ensure!(testbed::proc::signal(ctl, libc::SIGKILL), "the controller was not running");
+    let mut n = 0;
+    let at = loop {
+        n += 1;
+        if nearlog_open(&addr, &secret, &format!("/bench/after-{n}.log")) {
+            break Instant::now();
+        }
+        anyhow::ensure!(kill.elapsed() < DECISION_TIMEOUT, "no open granted after the controller's restart: {}", testbed::proc::tail(&up_log, 8));
+        std::thread::sleep(PROBE_INTERVAL);
+    };
+    eprintln!("embedded: `nearlog up` restarted its controller, an open granted {:.0} ms after the SIGKILL; load {load}", ms(at - kill));
+    Ok((at - kill, load))
+}
+
 /// Super and collapse latency, microseconds, per variant: `etcd` (a 3-member etcd on loopback,
 /// metadata service `--store etcd://`) and `embedded` (`--dir`), each with three shards, the
 /// two clusters side by side and their requests interleaved A B A B (order flipped each round).
@@ -876,14 +989,22 @@ pub fn failover_main(a: FailoverArgs) -> anyhow::Result<bench::Report> {
     }
 
     if want(Part::Embedded) {
-        let mut v = vec![];
-        for rep in 0..reps {
-            eprintln!("embedded restart under `volume up` {}/{reps}", rep + 1);
-            let (d, load) = embedded_restart()?;
-            v.push(ms(d));
-            row("embedded_meta", rep, "restart_ms", ms(d), &load);
+        type Restart = fn() -> anyhow::Result<(Duration, String)>;
+        let kinds: [(&str, &str, Restart); 3] = [
+            ("meta", "volume up", embedded_restart),
+            ("kv_cm", "kv up", embedded_kv_restart),
+            ("nearlog_controller", "nearlog up", embedded_nearlog_restart),
+        ];
+        for (name, up, f) in kinds {
+            let mut v = vec![];
+            for rep in 0..reps {
+                eprintln!("embedded restart under `{up}` {}/{reps}", rep + 1);
+                let (d, load) = f()?;
+                v.push(ms(d));
+                row(&format!("embedded_{name}"), rep, "restart_ms", ms(d), &load);
+            }
+            figure_spread(&mut report, &format!("embedded.{name}.restart_ms"), &v)?;
         }
-        figure_spread(&mut report, "embedded.meta.restart_ms", &v)?;
     }
 
     if want(Part::Latency) {
