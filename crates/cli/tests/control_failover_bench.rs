@@ -63,7 +63,7 @@ fn tiny_control_failover_bench_emits_the_takeover_ratio() {
     assert_eq!(v["quick"], true);
     let figures = v["figures"].as_object().unwrap();
     assert_eq!(figures["lease_ttl_ms"].as_f64(), Some(2000.0), "{v}");
-    let (p50, min, max) = ["p50", "min", "max"].map(|s| figures[&format!("takeover.nearlog_controller.decision_ms_{s}")].as_f64().unwrap());
+    let [p50, min, max] = ["p50", "min", "max"].map(|s| figures[&format!("takeover.nearlog_controller.decision_ms_{s}")].as_f64().unwrap());
     assert!(min > 0.0 && min <= p50 && p50 <= max, "{v}");
     let ratio = v["ratios"]["takeover_vs_lease_ttl.nearlog_controller"].as_f64().unwrap();
     assert!((ratio - p50 / 2000.0).abs() < 1e-9, "the ratio is the median over the TTL: {v}");
