@@ -38,8 +38,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use blockdev::BlockDev;
-use futures::StreamExt;
 use clap::{Args, ValueEnum};
+use futures::StreamExt;
 use testbed::etcd::{EtcdCluster, MemberPlace};
 use testbed::hosts::Hosts;
 use volume::driver::client::Cluster;
