@@ -288,7 +288,7 @@ struct VolumeLoss {
 
 /// A volume bed: etcd, a metadata service and a shard per server host, a writer on host 3;
 /// then host 0 lost (`host_loss`) or shard 1's process killed. The bed is torn down after.
-fn volume_loss(ttl: Duration, host_loss: bool) -> anyhow::Result<VolumeLoss> {
+fn volume_loss(ttl: Duration, host_loss: bool, keep_logs: &Path) -> anyhow::Result<VolumeLoss> {
     let mut bed = Bed::create(if host_loss { "meta" } else { "shard" })?;
     let ns = bed.client_ns();
     in_namespace(&ns, move || {
@@ -398,13 +398,16 @@ fn volume_loss(ttl: Duration, host_loss: bool) -> anyhow::Result<VolumeLoss> {
                     true
                 }
                 Err(e) => {
-                    // A write that never returns is the finding: reported, not waited for.
+                    // A write that never returns is the finding: reported, not waited for; the
+                    // daemons' logs are kept for whoever looks into it.
                     writer.abort();
-                    eprintln!(
-                        "  the writer is stuck: {e:#}; metadata service meta-1 says:\n{}\n  shard-1 says:\n{}",
-                        bed.log_tail("meta-1"),
-                        bed.log_tail("shard-1")
-                    );
+                    std::fs::create_dir_all(keep_logs)?;
+                    for entry in std::fs::read_dir(bed.dir.path())?.flatten() {
+                        if entry.path().extension().is_some_and(|x| x == "log") {
+                            std::fs::copy(entry.path(), keep_logs.join(entry.file_name()))?;
+                        }
+                    }
+                    eprintln!("  the writer is stuck: {e:#}; the daemons' logs are in {}", keep_logs.display());
                     false
                 }
             };
@@ -902,7 +905,7 @@ pub fn failover_main(a: FailoverArgs) -> anyhow::Result<bench::Report> {
                 continue;
             }
             eprintln!("{} {}/{reps}", if host_loss { "metadata leader's host loss" } else { "shard process kill" }, rep + 1);
-            let r = volume_loss(ttl, host_loss)?;
+            let r = volume_loss(ttl, host_loss, &out.join(format!("stuck-{}-rep{rep}", if host_loss { "host_loss" } else { "shard_kill" })))?;
             lost += r.lost_writes;
             unreadable += r.unreadable_writes;
             if let Some(d) = r.decision {
