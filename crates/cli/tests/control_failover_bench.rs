@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::BIN;
 
-/// The tiny run takes about 20 s on a loaded 2-core machine; the bound is far above it.
+/// The tiny run took 5 s on a loaded 2-core machine (load 18); the bound is far above it.
 const BENCH_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Runs the CLI, bounded; its output and its pid.

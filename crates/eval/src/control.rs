@@ -890,6 +890,8 @@ pub fn failover_main(a: FailoverArgs) -> anyhow::Result<bench::Report> {
     let ttl = Duration::from_millis(a.election_ttl_ms);
     let want = |p: Part| a.only.is_empty() || a.only.contains(&p);
     let mut report = bench::Report::new("control.failover", a.quick);
+    // Runs that failed: the others are measured all the same.
+    let mut failures: Vec<String> = vec![];
     report.figure("lease_ttl_ms", ms(ttl))?;
     let mut csv: Vec<Vec<String>> = vec![];
     let mut row = |part: &str, rep: usize, what: &str, v: f64, load: &str| csv.push(vec![part.into(), rep.to_string(), what.into(), format!("{v:.1}"), load.into()]);
@@ -905,7 +907,13 @@ pub fn failover_main(a: FailoverArgs) -> anyhow::Result<bench::Report> {
                 continue;
             }
             eprintln!("{} {}/{reps}", if host_loss { "metadata leader's host loss" } else { "shard process kill" }, rep + 1);
-            let r = volume_loss(ttl, host_loss, &out.join(format!("stuck-{}-rep{rep}", if host_loss { "host_loss" } else { "shard_kill" })))?;
+            let r = match volume_loss(ttl, host_loss, &out.join(format!("stuck-{}-rep{rep}", if host_loss { "host_loss" } else { "shard_kill" }))) {
+                Ok(r) => r,
+                Err(e) => {
+                    failed(&mut failures, &format!("{part:?} repetition {rep}"), e);
+                    continue;
+                }
+            };
             lost += r.lost_writes;
             unreadable += r.unreadable_writes;
             if let Some(d) = r.decision {
@@ -983,12 +991,20 @@ pub fn failover_main(a: FailoverArgs) -> anyhow::Result<bench::Report> {
         let mut v = vec![];
         for rep in 0..reps {
             eprintln!("{name} leader's host loss {}/{reps}", rep + 1);
-            let (d, load) = if part == Part::KvCm { kv_cm_loss(ttl)? } else { nearlog_controller_loss(ttl)? };
+            let (d, load) = match if part == Part::KvCm { kv_cm_loss(ttl) } else { nearlog_controller_loss(ttl) } {
+                Ok(x) => x,
+                Err(e) => {
+                    failed(&mut failures, &format!("{name} repetition {rep}"), e);
+                    continue;
+                }
+            };
             v.push(ms(d));
             row(name, rep, "decision_ms", ms(d), &load);
         }
-        let med = figure_spread(&mut report, &format!("takeover.{name}.decision_ms"), &v)?;
-        report.ratio(&format!("takeover_vs_lease_ttl.{name}"), med, ms(ttl))?;
+        if !v.is_empty() {
+            let med = figure_spread(&mut report, &format!("takeover.{name}.decision_ms"), &v)?;
+            report.ratio(&format!("takeover_vs_lease_ttl.{name}"), med, ms(ttl))?;
+        }
     }
 
     if want(Part::Embedded) {
@@ -1002,18 +1018,32 @@ pub fn failover_main(a: FailoverArgs) -> anyhow::Result<bench::Report> {
             let mut v = vec![];
             for rep in 0..reps {
                 eprintln!("embedded restart under `{up}` {}/{reps}", rep + 1);
-                let (d, load) = f()?;
+                let (d, load) = match f() {
+                    Ok(x) => x,
+                    Err(e) => {
+                        failed(&mut failures, &format!("embedded {name} repetition {rep}"), e);
+                        continue;
+                    }
+                };
                 v.push(ms(d));
                 row(&format!("embedded_{name}"), rep, "restart_ms", ms(d), &load);
             }
-            figure_spread(&mut report, &format!("embedded.{name}.restart_ms"), &v)?;
+            if !v.is_empty() {
+                figure_spread(&mut report, &format!("embedded.{name}.restart_ms"), &v)?;
+            }
         }
     }
 
     if want(Part::Latency) {
         let pairs = if a.quick { LATENCY_PAIRS_QUICK } else { LATENCY_PAIRS_FULL };
         eprintln!("super and collapse latency, etcd vs embedded, {pairs} rounds interleaved");
-        let (samples, load) = latency(pairs)?;
+        let (samples, load) = match latency(pairs) {
+            Ok(x) => x,
+            Err(e) => {
+                failed(&mut failures, "latency", e);
+                (BTreeMap::new(), String::new())
+            }
+        };
         let mut p50 = BTreeMap::new();
         for (variant, (sup, col)) in &samples {
             for (op, v) in [("super", sup), ("collapse", col)] {
@@ -1025,14 +1055,29 @@ pub fn failover_main(a: FailoverArgs) -> anyhow::Result<bench::Report> {
             }
         }
         for op in ["super", "collapse"] {
-            report.ratio(&format!("etcd_vs_embedded.{op}_latency"), p50[&("etcd", op)], p50[&("embedded", op)])?;
+            if let (Some(e), Some(b)) = (p50.get(&("etcd", op)), p50.get(&("embedded", op))) {
+                report.ratio(&format!("etcd_vs_embedded.{op}_latency"), *e, *b)?;
+            }
         }
     }
 
     bench::write_csv(&out.join("samples.csv"), &["part", "rep", "what", "value", "loadavg"], csv)?;
     eprintln!("takeover_vs_lease_ttl.failover_monitor: not measured (the failover monitor is not on the store yet)");
     eprintln!("plots and samples in {}", out.display());
+    if !failures.is_empty() {
+        // What was measured is kept (the report is stdout's last line all the same); the run
+        // still fails, naming every run that did.
+        report.figure("failed_runs_count", failures.len() as f64)?;
+        report.print();
+        bail!("{} run(s) failed: {}", failures.len(), failures.join("; "));
+    }
     Ok(report)
+}
+
+/// Notes a failed run: said on stderr now, and failing the benchmark at its end.
+fn failed(failures: &mut Vec<String>, what: &str, e: anyhow::Error) {
+    eprintln!("{what} failed: {e:#}");
+    failures.push(format!("{what}: {e:#}"));
 }
 
 #[cfg(test)]
