@@ -283,6 +283,9 @@ struct VolumeLoss {
     acked: usize,
     /// Acknowledgement times relative to the kill, seconds.
     timeline: Vec<f64>,
+    /// When the writer was stopped, seconds after the kill (the timeline's end: a stall that
+    /// never ended shows as zeros up to here).
+    observed_s: f64,
     load: String,
 }
 
@@ -411,6 +414,7 @@ fn volume_loss(ttl: Duration, host_loss: bool, keep_logs: &Path) -> anyhow::Resu
                     false
                 }
             };
+            let observed_s = kill.elapsed().as_secs_f64();
             let a = std::mem::take(&mut *acks.lock().unwrap());
             let stall = stall.then(|| longest_gap_after(&a.at, kill));
             // Every acknowledged block reads back, through a fresh client of the survivors: a
@@ -442,7 +446,7 @@ fn volume_loss(ttl: Duration, host_loss: bool, keep_logs: &Path) -> anyhow::Resu
                 a.at.len(),
                 a.errors
             );
-            Ok(VolumeLoss { decision, stall, lost_writes: lost, unreadable_writes: unreadable, acked: a.at.len(), timeline, load })
+            Ok(VolumeLoss { decision, stall, lost_writes: lost, unreadable_writes: unreadable, acked: a.at.len(), timeline, observed_s, load })
         })
     })
 }
@@ -938,7 +942,7 @@ pub fn failover_main(a: FailoverArgs) -> anyhow::Result<bench::Report> {
                 for t in &r.timeline {
                     *bins.entry((t * 10.0).floor() as i64).or_default() += 1.0;
                 }
-                let (lo, hi) = (bins.keys().next().copied().unwrap_or(0), bins.keys().last().copied().unwrap_or(0));
+                let (lo, hi) = (bins.keys().next().copied().unwrap_or(0), (r.observed_s * 10.0).floor() as i64);
                 let points = (lo..=hi).map(|b| (b as f64 / 10.0, bins.get(&b).copied().unwrap_or(0.0) * 10.0)).collect();
                 timelines.push(bench::Series { name: if host_loss { "metadata leader's host lost".into() } else { "shard process killed".into() }, points });
                 bench::write_csv(
