@@ -22,6 +22,26 @@ pub enum BenchCmd {
     /// Benchmarks of the near-compute log (SplitFT).
     #[command(subcommand)]
     Nearlog(crate::nearlog::NearlogBench),
+    /// Benchmarks of the control plane on etcd (issue 24).
+    #[command(subcommand)]
+    Control(ControlBench),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ControlBench {
+    /// Takeover when a leader's machine dies, against the lease TTL and the embedded restart.
+    ///
+    /// For the volume metadata service, the kv CM and the nearlog controller, each on a fresh bed
+    /// of network-namespace hosts (three servers, each with an etcd member, one instance of the
+    /// leader and a data-path daemon; one client host): the leader's host is lost (link cut,
+    /// every process SIGKILLed) and the time to the next decision served by a standby is
+    /// measured (a volume create; the dead kv node's removal; a log file's open), median and
+    /// spread over the repetitions, as a ratio to the election lease TTL. Also the longest gap
+    /// between acknowledged writes of a writer on an open volume when the metadata leader's
+    /// host (with a shard) dies, against a shard's process alone; the embedded store's restart
+    /// under `understudy volume up`; super and collapse latency on etcd against the embedded
+    /// store, interleaved. Needs root (network namespaces) and Debian's etcd-server.
+    Failover(eval::control::FailoverArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -62,6 +82,7 @@ pub fn run(cmd: BenchCmd, verbose: u8) -> anyhow::Result<()> {
         BenchCmd::Volume(VolumeBench::Ceph(a)) => eval::volume::ceph::run(a, verbose)?,
         BenchCmd::Failover(b) => crate::failover::bench(b, verbose)?,
         BenchCmd::Nearlog(b) => crate::nearlog::bench(b, verbose)?,
+        BenchCmd::Control(ControlBench::Failover(a)) => eval::control::failover_main(a)?,
         // The YCSB experiments print their reports themselves, before their check of the
         // reads can fail (kv's other experiments return theirs, printed in `kv::bench`).
         BenchCmd::Ycsb(cmd) => return eval::ycsb::run(cmd),

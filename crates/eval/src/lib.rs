@@ -15,12 +15,15 @@
 //!   strong, weak and near-compute logs; log recovery from the peers).
 //! * [`volume::ceph`]: `bench volume ceph`, Understudy beside a real single-node Ceph (rbd, rbd
 //!   clone) measured with fio.
+//! * [`control`]: `bench control failover`, issue 24: the control plane on etcd losing a leader's
+//!   host (takeover against the lease TTL), beside the embedded backend's restart.
 //! * [`ycsb`]: `bench ycsb redis`, YCSB workloads through the project's own driver against a
 //!   real redis-server.
 //!
 //! The experiments' options are clap definitions beside them (`understudy bench …` flattens
 //! them), so a flag and what it changes live in one file.
 
+pub mod control;
 pub mod failover;
 pub mod fio;
 pub mod kv;
