@@ -71,6 +71,7 @@ pub struct Daemon {
     store: Store,
     lead: Arc<Leadership>,
     rt: tokio::runtime::Handle,
+    ttl: Duration,
     /// Dropped with the daemon: the store thread's runtime ends, and with it the renewal.
     _stop: oneshot::Sender<()>,
 }
@@ -83,6 +84,7 @@ impl Daemon {
         let (led_tx, led_rx) = oneshot::channel::<Result<(Store, Arc<Leadership>, tokio::runtime::Handle)>>();
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let thread_name = format!("{}-store", cfg.election);
+        let ttl = cfg.election_ttl;
         std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || {
@@ -111,7 +113,7 @@ impl Daemon {
             })
             .map_err(|e| Error::Io { path: "store thread".into(), source: e })?;
         let (store, lead, rt) = led_rx.await.map_err(|_| Error::Io { path: "store thread".into(), source: std::io::Error::other("the store thread ended") })??;
-        Ok(Daemon { store, lead, rt, _stop: stop_tx })
+        Ok(Daemon { store, lead, rt, ttl, _stop: stop_tx })
     }
 
     pub fn store(&self) -> &Store {
@@ -125,6 +127,11 @@ impl Daemon {
     /// This leader's fencing token (its election key's create revision).
     pub fn fencing_token(&self) -> i64 {
         self.lead.fencing_token()
+    }
+
+    /// The election lease's TTL.
+    pub fn leadership_ttl(&self) -> Duration {
+        self.ttl
     }
 
     pub fn is_leader(&self) -> bool {

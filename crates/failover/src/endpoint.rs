@@ -242,6 +242,51 @@ async fn connect_upstream(rx: &mut watch::Receiver<Target>, client: &mut TcpStre
     }
 }
 
+/// How often an endpoint that follows the control store ([`follow`]) reads the primary's
+/// record: the delay between a monitor's re-point (or freeze) and the endpoint acting on it.
+pub const FOLLOW_INTERVAL_MS: u64 = 50;
+/// Between two warnings about an unreachable store, at least (one per read would flood the log).
+const FOLLOW_WARN_EVERY: Duration = Duration::from_secs(5);
+
+/// Makes `proxy` follow the primary record of application `name` that the leading monitor
+/// publishes on the control store (`failover endpoint`): re-pointed (and its connections to the
+/// old primary severed) when the record names another instance or address, frozen when the
+/// record is. A record naming the instance the proxy already points at changes nothing: a new
+/// monitor leader re-publishing the same primary does not cut clients off. While the store is
+/// unreachable the proxy keeps its last target (clients keep being served; the monitor cannot
+/// fail over meanwhile either, as it cannot write). Until a record is first read, new
+/// connections are held. Runs until dropped; `on_change` sees every record acted on.
+pub async fn follow(store: control::Store, name: String, proxy: std::sync::Arc<Proxy>, mut on_change: impl FnMut(&crate::proto::PrimaryRecord)) {
+    proxy.freeze();
+    let mut current: Option<(Option<crate::proto::InstanceId>, Option<SocketAddr>, bool)> = None;
+    let mut warned: Option<tokio::time::Instant> = None;
+    loop {
+        match crate::driver::store::read_primary(&store, &name).await {
+            Ok(Some((p, _))) => {
+                let now = (p.instance, p.addr, p.frozen);
+                if current != Some(now) {
+                    if p.frozen {
+                        proxy.freeze();
+                    } else {
+                        proxy.point(p.addr);
+                    }
+                    current = Some(now);
+                    on_change(&p);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                if warned.is_none_or(|w| w.elapsed() >= FOLLOW_WARN_EVERY) {
+                    tracing::warn!("failover endpoint: cannot read the primary of {name}: {e}; keeping the last target");
+                    eprintln!("failover endpoint: cannot read the primary of {name}: {e}; keeping the last target");
+                    warned = Some(tokio::time::Instant::now());
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(FOLLOW_INTERVAL_MS)).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
