@@ -315,6 +315,7 @@ fn sigkill_of_the_leading_monitor_the_standby_takes_over_and_serves_the_next_pro
     let lead = b.wait("leading", WAIT);
     let takeover_ms = lead["unix_ms"].as_u64().unwrap().saturating_sub(killed_at);
     let acked_at_takeover = load.acked();
+    b.wait("ready", WAIT);
     eprintln!(
         "{}",
         serde_json::json!({
@@ -369,6 +370,7 @@ fn a_paused_leader_that_resumes_cannot_write_and_steps_down() {
 
     assert!(testbed::proc::pause(a.pid, Duration::from_secs(10)), "monitor a did not stop");
     let b_lead = b.wait("leading", WAIT);
+    b.wait("ready", WAIT);
     assert!(b_lead["fencing_token"].as_i64() > a_lead["fencing_token"].as_i64(), "{a_lead} {b_lead}");
     b.wait_settled(&secret);
     let before = (bed.key("state"), bed.key("primary"));
