@@ -167,6 +167,15 @@ mod tests {
         assert_eq!(a, cluster_id_from_secret("failover", b"s1"));
         assert_ne!(a, cluster_id_from_secret("failover", b"s2"));
         assert_ne!(a[9..], cluster_id_from_secret("kv", b"s1")[3..]);
+        // The ids the daemons derived before this helper existed (stores already hold them).
+        let old = |salt: &[u8], prefix: &str, secret: &[u8]| {
+            let mut v = salt.to_vec();
+            v.extend_from_slice(secret);
+            format!("{prefix}-{:08x}", crc32c::crc32c(&v))
+        };
+        assert_eq!(cluster_id_from_secret("kv", b"s1"), old(b"understudy-kv-cluster-id:", "kv", b"s1"));
+        assert_eq!(cluster_id_from_secret("volume", b"s1"), old(b"understudy-volume-cluster-id:", "volume", b"s1"));
+        assert_eq!(cluster_id_from_secret("nearlog", b"s1"), old(b"understudy-nearlog-cluster-id:", "nearlog", b"s1"));
     }
 
     /// On an embedded store (one process: always the leader), the daemon leads, calls run on
