@@ -8,6 +8,9 @@
 //!   printed as `takeover_vs_lease_ttl.failover_monitor`), the endpoint keeps serving meanwhile,
 //!   the new leader serves the next promotion (the primary SIGKILLed, the backup promoted on a
 //!   super child), and every acknowledged commit is there.
+//! * The leading monitor killed in the middle of a failover (the backup recovering): the new
+//!   leader resumes it from the stored phase and it ends with exactly one of primary and backup
+//!   (one promotion, one volume left), every acknowledged commit there.
 //! * A leading monitor paused (SIGSTOP) past its lease, then resumed: the standby has taken
 //!   over; the resumed one exits as deposed, and every key it could write still carries the new
 //!   leader's fencing token.
@@ -67,6 +70,12 @@ struct Bed {
 
 impl Bed {
     fn new(vol: &str) -> Bed {
+        Bed::with_backup_delay(vol, 0)
+    }
+
+    /// Every instance but the first sleeps `backup_delay_s` before it starts the application
+    /// (a failover that lasts long enough to kill its monitor in the middle).
+    fn with_backup_delay(vol: &str, backup_delay_s: u64) -> Bed {
         let etcd = testbed::etcd::EtcdCluster::start(3).expect("etcd starts");
         let up = Up::start(3);
         up.ok(&["volume", "create", vol, "--size", "128M"]);
@@ -76,7 +85,7 @@ impl Bed {
             "volume": vol,
             "state_dir": dir.join("failover"),
             "mkfs": true,
-            "app": { "command": [BIN, "failover", "sqlite-front", "--db", "{mount}/app.db", "--port", "{port}"], "stop_grace_ms": 5000 },
+            "app": { "command": ["sh", "-c", format!("[ \"$UNDERSTUDY_INSTANCE\" = i1 ] || sleep {backup_delay_s}; exec \"$0\" failover sqlite-front --db \"$UNDERSTUDY_MOUNT/app.db\" --port \"$UNDERSTUDY_PORT\""), BIN], "stop_grace_ms": 5000 },
             "health": { "send": "PING", "expect": "PONG", "timeout_ms": 1000 },
             // Not bound on the store: the endpoint is `failover endpoint`.
             "endpoint": { "listen": format!("127.0.0.1:{}", free_port()) },
@@ -86,6 +95,13 @@ impl Bed {
         let path = dir.join("spec.json");
         std::fs::write(&path, serde_json::to_vec_pretty(&spec).unwrap()).unwrap();
         Bed { up, etcd, dir, spec: path, vol: vol.into() }
+    }
+
+    /// This test's volumes (the spec's and its children).
+    fn volumes(&self) -> Vec<String> {
+        let v: Value = serde_json::from_str(&self.up.ok(&["volume", "list", "--json"])).unwrap();
+        let mine = |n: &&str| *n == self.vol || n.starts_with(&format!("{}.", self.vol));
+        v.as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).filter(mine).map(str::to_string).collect()
     }
 
     fn secret(&self) -> Vec<u8> {
@@ -345,6 +361,42 @@ fn sigkill_of_the_leading_monitor_the_standby_takes_over_and_serves_the_next_pro
     assert_eq!(primary["writer"], lead["fencing_token"], "written by the new leader: {primary}");
     load.finish();
     b.wait_settled(&secret);
+    drop(b);
+    drop(a.guard.take());
+}
+
+/// The leader killed while the backup recovers on the super child: the standby resumes the
+/// failover from the stored phase; it ends with one promotion and one volume, nothing lost.
+#[test]
+fn the_leader_killed_mid_failover_the_standby_ends_it_with_one_primary() {
+    if skip() {
+        return;
+    }
+    let bed = Bed::with_backup_delay("sbmid", 3);
+    let secret = bed.secret();
+    let (_endpoint, port) = bed.endpoint();
+    let mut a = bed.monitor("a");
+    a.wait("leading", WAIT);
+    a.wait("primary_up", WAIT);
+    let b = bed.monitor("b");
+    b.wait("standing", WAIT);
+    let load = Load::start(port);
+    load.wait_acked(FLOWING_COMMITS, "before the primary's death");
+    a.request(&secret, "kill 0");
+    a.wait("backup_started", WAIT);
+    testbed::proc::signal(a.pid, libc::SIGKILL);
+    let lead = b.wait("leading", WAIT);
+    assert!(lead["phase"].as_str().unwrap_or_default().starts_with("Recovering"), "the standby found the failover in flight: {lead}");
+    let promoted = b.wait("promoted", WAIT);
+    let child = format!("{}.fo-1", bed.vol);
+    assert_eq!(promoted["volume"], child, "{promoted}");
+    load.wait_acked(load.acked() + FLOWING_COMMITS, "after the resumed failover");
+    load.finish();
+    let s = b.wait_settled(&secret);
+    assert_eq!(s["state"]["failovers"], 1, "one promotion: {s}");
+    assert_eq!(s["state"]["primary"], promoted["instance"], "{s}");
+    assert_eq!(bed.volumes(), vec![child], "exactly one of primary and backup is left");
+    assert_eq!(bed.key("primary")["instance"], promoted["instance"]);
     drop(b);
     drop(a.guard.take());
 }
