@@ -400,6 +400,49 @@ mod tests {
         drop(fillers);
     }
 
+    /// An endpoint following the store: held until a record exists, pointed at the published
+    /// primary, frozen when told, re-pointed (severing) at a new primary; the same primary
+    /// re-published by a new leader leaves open connections alone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn following_the_store_points_freezes_and_ignores_a_re_publication() {
+        use crate::proto::{InstanceId, PrimaryRecord};
+        let dir = tempfile::tempdir().unwrap();
+        let store = control::Store::open(dir.path().to_str().unwrap(), "t", "id").await.unwrap();
+        let key = crate::driver::store::primary_key(&store, "db");
+        let put = |p: PrimaryRecord| {
+            let (store, key) = (store.clone(), key.clone());
+            async move { store.put(&key, serde_json::to_vec(&p).unwrap()).await.unwrap() }
+        };
+        let (a, b) = (echo_server("a").await, echo_server("b").await);
+        let p = std::sync::Arc::new(Proxy::bind("127.0.0.1:0".parse().unwrap(), None).await.unwrap());
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        let task = tokio::spawn(follow(store.clone(), "db".into(), p.clone(), move |r| s2.lock().unwrap().push(r.clone())));
+        let settle = || tokio::time::sleep(Duration::from_millis(10 * FOLLOW_INTERVAL_MS));
+        settle().await;
+        assert!(p.frozen(), "held until a primary is published");
+        put(PrimaryRecord { instance: Some(InstanceId(1)), addr: Some(a), frozen: false, writer: 3 }).await;
+        settle().await;
+        let mut c1 = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
+        assert_eq!(ask(&mut c1, "x").await.as_deref(), Some("a x"));
+        // A new leader publishes the same primary: nothing is cut.
+        put(PrimaryRecord { instance: Some(InstanceId(1)), addr: Some(a), frozen: false, writer: 8 }).await;
+        settle().await;
+        assert_eq!(ask(&mut c1, "y").await.as_deref(), Some("a y"));
+        assert_eq!(p.severed(), 0);
+        // Frozen: the open connection is cut, a new one held; then the backup.
+        put(PrimaryRecord { instance: None, addr: None, frozen: true, writer: 8 }).await;
+        settle().await;
+        assert!(p.frozen());
+        assert_eq!(ask(&mut c1, "z").await, None);
+        put(PrimaryRecord { instance: Some(InstanceId(2)), addr: Some(b), frozen: false, writer: 8 }).await;
+        settle().await;
+        let mut c2 = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
+        assert_eq!(ask(&mut c2, "w").await.as_deref(), Some("b w"));
+        assert_eq!(seen.lock().unwrap().len(), 3, "acted on three records (the re-publication changed nothing)");
+        task.abort();
+    }
+
     #[tokio::test]
     async fn freeze_severs_and_holds_until_the_next_target() {
         let a = echo_server("a").await;
