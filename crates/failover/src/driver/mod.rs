@@ -92,7 +92,7 @@ pub const FREEZE_GRACE: Duration = Duration::from_millis(4 * crate::endpoint::FO
 /// Where the durable state goes.
 enum Journal {
     File(FileJournal),
-    Store(StoreJournal),
+    Store(Box<StoreJournal>),
 }
 
 impl Journal {
@@ -123,7 +123,7 @@ pub async fn run(
             // Read by `failover run` right after winning the election (the old leader can no
             // longer write): the state it left.
             let rec = store_record(&j);
-            (Journal::Store(j), start_monitor(spec, rec, "the control store"))
+            (Journal::Store(Box::new(j)), start_monitor(spec, rec, "the control store"))
         }
     };
     let mut saved = m.durable().clone();
