@@ -3,6 +3,9 @@
 //! * `run SPEC`: start the primary from the spec on its volume, serve the client endpoint, ping,
 //!   and fail over by the spec's policy; events go to stdout as JSON lines; a control address
 //!   takes fault injections and status requests;
+//! * `run SPEC --store URL`: the same monitor as one of two or three on the control store, only
+//!   the elected one acting, its state as keys, the endpoint a process of its own;
+//! * `endpoint`: a client endpoint that follows the primary the leading monitor publishes;
 //! * `inject`, `status`: talk to a running monitor's control address;
 //! * `load`: the SQLite front's load generator and checker;
 //! * `sqlite-front`: the SQLite front itself (python3 + the sqlite3 module);
@@ -87,7 +90,24 @@ pub enum FailoverCmd {
     /// wrote): the backup is dropped. State survives a restart of this command
     /// (STATE_DIR/monitor.json). Events are printed as JSON lines. Ctrl-C stops every instance
     /// cleanly. Needs root, /dev/fuse, losetup and mount (as `volume attach`).
+    ///
+    /// With --store etcd://...: run two or three monitors (on the hosts that can start the
+    /// application); they stand for election in the control store and only the leader acts.
+    /// Its state (the phase of the failover, the primary, the volume) and the endpoint's target
+    /// are keys written by guarded transactions; a standby takes over within the election TTL,
+    /// adopts the running instances from STATE_DIR and resumes any failover in flight. The
+    /// endpoint is not served by the monitor: run `failover endpoint` (one or more). A leader
+    /// that loses its lease, or whose write is refused, exits with status 3 leaving the
+    /// instances running (restart it: it stands by).
     Run(RunArgs),
+    /// A client endpoint that follows the leading monitor's primary on the control store.
+    ///
+    /// Listens on --listen and forwards every client connection to the primary the leading
+    /// `failover run --store` publishes for --name (read every 50 ms): re-pointed, its
+    /// connections to the old primary severed, when the monitor fails over; held while the
+    /// monitor freezes it before a collapse. It keeps serving the current primary while no
+    /// monitor runs. Prints JSON lines: `ready`, then `endpoint` at each change.
+    Endpoint(EndpointArgs),
     /// Inject a fault into the current primary of a running monitor: kill, stop, pause MS, cut MS.
     ///
     /// kill: SIGKILL of the whole instance (every process of its application, and its volume
@@ -145,6 +165,48 @@ pub struct RunArgs {
     /// the cluster secret.
     #[arg(long, value_name = "ADDR")]
     pub control: Option<SocketAddr>,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// The election lease with --store: a leader not renewing it for this long stops acting; a
+    /// standby takes over about this long after the leader dies (etcd rounds it up to whole
+    /// seconds).
+    #[arg(long, default_value_t = 2000, requires = "store")]
+    pub election_ttl_ms: u64,
+    /// The name this monitor gives when it leads (default: HOST:pid:PID).
+    #[arg(long, value_name = "NAME", requires = "store")]
+    pub advertise: Option<String>,
+}
+
+/// Where the monitors of an application keep their state with standbys.
+#[derive(Args, Debug)]
+pub struct StoreArgs {
+    /// Run with standbys on this control store (etcd://H:P[,H:P...], or an embedded directory):
+    /// only the elected monitor acts. Without it: alone, on STATE_DIR/monitor.json.
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
+    /// The cluster name in the control store's keys (one store may hold several clusters).
+    #[arg(long, value_name = "NAME", default_value = "failover")]
+    pub store_cluster: String,
+    /// The application's name in the control store's keys (default: the spec's volume).
+    #[arg(long, value_name = "NAME")]
+    pub name: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct EndpointArgs {
+    /// The control store the monitors run on (etcd://H:P[,H:P...], or an embedded directory).
+    #[arg(long, value_name = "URL")]
+    pub store: String,
+    /// The cluster name in the control store's keys (as the monitors were given).
+    #[arg(long, value_name = "NAME", default_value = "failover")]
+    pub store_cluster: String,
+    /// The application's name in the control store's keys (as the monitors use: by default the
+    /// spec's volume).
+    #[arg(long, value_name = "NAME")]
+    pub name: String,
+    /// Where clients connect.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: SocketAddr,
 }
 
 #[derive(Args, Debug)]
@@ -213,6 +275,7 @@ pub struct DemoArgs {
 pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()> {
     match cmd {
         FailoverCmd::Run(a) => run_monitor(conn, a),
+        FailoverCmd::Endpoint(a) => run_endpoint(conn, a),
         FailoverCmd::Inject(a) => {
             let reply = testbed::failover::control_request(a.c.control, &control_secret(conn)?, &format!("{} {}", a.fault, a.duration_ms))?;
             println!("{reply}");
@@ -269,9 +332,19 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
     let rt = crate::runtime()?;
     rt.block_on(async {
         let cluster = target.connect().await?;
+        // With the control store: stand for election first; a standby waits here, and touches
+        // neither the instances nor the state until it leads.
+        let store = match &a.store.store {
+            None => None,
+            Some(url) => Some(lead_on_store(&spec, &a, url, &target.secret).await?),
+        };
         // A missing volume is the commonest mistake: say so before starting anything.
         let journal = ::failover::journal::FileJournal::new(&spec.state_dir.join("monitor.json"));
-        let volume = journal.load()?.map(|r| r.state.volume).unwrap_or_else(|| spec.volume.clone());
+        let stored = match &store {
+            Some(j) => j.loaded().map(|r| r.state.volume.clone()),
+            None => journal.load()?.map(|r| r.state.volume),
+        };
+        let volume = stored.unwrap_or_else(|| spec.volume.clone());
         cluster.volume_info(&volume).await.with_context(|| {
             format!("volume {volume:?} of the spec: create it first (`understudy volume create {volume} --size 1G`, then run with `mkfs = true`)")
         })?;
@@ -279,11 +352,15 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
         if let Some(w) = why_not {
             eprintln!("understudy failover: {w}");
         }
-        let endpoint = Arc::new(
-            ::failover::endpoint::Proxy::bind(spec.endpoint.listen, None)
-                .await
-                .with_context(|| format!("cannot listen on the endpoint address {}", spec.endpoint.listen))?,
-        );
+        // On the store the endpoints are processes of their own (`failover endpoint`).
+        let endpoint = match store {
+            Some(_) => None,
+            None => Some(Arc::new(
+                ::failover::endpoint::Proxy::bind(spec.endpoint.listen, None)
+                    .await
+                    .with_context(|| format!("cannot listen on the endpoint address {}", spec.endpoint.listen))?,
+            )),
+        };
         let (inputs_tx, inputs_rx) = mpsc::channel(::failover::driver::INPUT_QUEUE);
         let pool = Arc::new(LocalPool::new(
             LocalPoolConfig {
@@ -315,7 +392,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
         };
         let start = std::time::Instant::now();
         let ready = serde_json::json!({
-            "event": "ready", "endpoint": endpoint.local_addr(), "control": control_addr,
+            "event": "ready", "endpoint": endpoint.as_ref().map(|e| e.local_addr()), "control": control_addr,
             "state_dir": spec.state_dir, "policy": spec.monitor.policy, "pid": std::process::id(),
             "netns": netns,
         });
@@ -336,7 +413,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
         };
         let r = ::failover::driver::run(
             &spec,
-            ::failover::driver::Parts { cluster, pool, inputs: inputs_rx, inputs_tx, endpoint, control: control_rx },
+            ::failover::driver::Parts { cluster, pool, inputs: inputs_rx, inputs_tx, endpoint, control: control_rx, store },
             on_event,
             shutdown,
         )
@@ -346,8 +423,81 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
                 eprintln!("understudy failover: stopped; the volume is {} ({} failovers)", d.volume, d.failovers);
                 Ok(())
             }
+            Err(::failover::driver::DriverError::SteppedDown(why)) => {
+                // Out at once, without stopping the instances: the next leader adopts them.
+                eprintln!("understudy failover: no longer the leader: {why}; exiting with the instances left running (restart to stand by)");
+                let _ = std::io::stderr().flush();
+                std::process::exit(STEPPED_DOWN_EXIT);
+            }
             Err(e) => Err(anyhow::Error::from(e)),
         }
+    })
+}
+
+/// The exit status of a monitor that stopped leading (its instances left to the next leader).
+pub const STEPPED_DOWN_EXIT: i32 = 3;
+
+/// Stands for the election of the spec's application on the control store until leading, then
+/// reads the state the previous leader left. Prints `standing` (JSON) when it stands and
+/// `leading` once it leads.
+async fn lead_on_store(spec: &Spec, a: &RunArgs, url: &str, secret: &[u8]) -> anyhow::Result<::failover::driver::store::StoreJournal> {
+    anyhow::ensure!(a.election_ttl_ms >= 1000, "--election-ttl-ms must be at least 1000 (etcd leases are whole seconds)");
+    let name = a.store.name.clone().unwrap_or_else(|| spec.volume.clone());
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let advertise = a.advertise.clone().unwrap_or_else(|| format!("{}:pid:{}", host.trim(), std::process::id()));
+    let cfg = control::DaemonConfig {
+        store_url: url.to_string(),
+        cluster: a.store.store_cluster.clone(),
+        cluster_id: control::daemon::cluster_id_from_secret("failover", secret),
+        election: ::failover::driver::store::election(&name),
+        election_ttl: Duration::from_millis(a.election_ttl_ms),
+        advertise: advertise.clone(),
+    };
+    let election = cfg.election.clone();
+    let print = move |v: serde_json::Value| {
+        println!("{v}");
+        let _ = std::io::stdout().flush();
+    };
+    let (name2, adv2) = (name.clone(), advertise.clone());
+    let daemon = control::Daemon::lead(cfg, move |lost| {
+        let why = lost.map(|e| e.to_string());
+        println!("{}", serde_json::json!({"event": "standing", "election": election, "name": name2, "advertise": adv2, "after": why, "pid": std::process::id(), "unix_ms": ::failover::proto::now_unix_ms()}));
+        let _ = std::io::stdout().flush();
+    })
+    .await
+    .with_context(|| format!("control store {url}"))?;
+    let token = daemon.fencing_token();
+    let (journal, rec) = ::failover::driver::store::StoreJournal::open(daemon, &name).await?;
+    print(serde_json::json!({
+        "event": "leading", "name": name, "advertise": advertise, "fencing_token": token, "epoch": journal.epoch(),
+        "phase": rec.as_ref().map(|r| format!("{:?}", r.state.phase)), "pid": std::process::id(), "unix_ms": ::failover::proto::now_unix_ms(),
+    }));
+    Ok(journal)
+}
+
+/// `failover endpoint`: a proxy that follows the primary record on the control store.
+fn run_endpoint(conn: &ConnArgs, a: EndpointArgs) -> anyhow::Result<()> {
+    let secret = control_secret(conn)?;
+    let rt = crate::runtime()?;
+    rt.block_on(async {
+        let store = control::Store::open(&a.store, &a.store_cluster, &control::daemon::cluster_id_from_secret("failover", &secret))
+            .await
+            .with_context(|| format!("control store {}", a.store))?;
+        let proxy = Arc::new(::failover::endpoint::Proxy::bind(a.listen, None).await.with_context(|| format!("cannot listen on --listen {}", a.listen))?);
+        println!("{}", serde_json::json!({"event": "ready", "endpoint": proxy.local_addr(), "name": a.name, "pid": std::process::id()}));
+        let _ = std::io::stdout().flush();
+        let on_change = |p: &::failover::proto::PrimaryRecord| {
+            let mut v = serde_json::to_value(p).unwrap();
+            v["event"] = serde_json::json!("endpoint");
+            v["unix_ms"] = serde_json::json!(::failover::proto::now_unix_ms());
+            println!("{v}");
+            let _ = std::io::stdout().flush();
+        };
+        tokio::select! {
+            _ = ::failover::endpoint::follow(store, a.name.clone(), proxy.clone(), on_change) => {}
+            sig = testbed::proc::shutdown_signal() => eprintln!("understudy failover endpoint: {sig} received: stopping"),
+        }
+        Ok(())
     })
 }
 

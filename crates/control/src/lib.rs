@@ -51,6 +51,7 @@
 //! so a deposed leader's write fails with [`Error::Deposed`], distinct from a failed compare of
 //! the caller's own.
 
+pub mod daemon;
 mod embedded;
 mod etcd;
 pub mod election;
@@ -58,6 +59,7 @@ pub mod http;
 pub mod renewal;
 mod types;
 
+pub use daemon::{Daemon, DaemonConfig};
 pub use election::{Leadership, LeaseKeeper, LeaseValidity, Registration};
 pub use types::*;
 

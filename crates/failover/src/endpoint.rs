@@ -242,6 +242,51 @@ async fn connect_upstream(rx: &mut watch::Receiver<Target>, client: &mut TcpStre
     }
 }
 
+/// How often an endpoint that follows the control store ([`follow`]) reads the primary's
+/// record: the delay between a monitor's re-point (or freeze) and the endpoint acting on it.
+pub const FOLLOW_INTERVAL_MS: u64 = 50;
+/// Between two warnings about an unreachable store, at least (one per read would flood the log).
+const FOLLOW_WARN_EVERY: Duration = Duration::from_secs(5);
+
+/// Makes `proxy` follow the primary record of application `name` that the leading monitor
+/// publishes on the control store (`failover endpoint`): re-pointed (and its connections to the
+/// old primary severed) when the record names another instance or address, frozen when the
+/// record is. A record naming the instance the proxy already points at changes nothing: a new
+/// monitor leader re-publishing the same primary does not cut clients off. While the store is
+/// unreachable the proxy keeps its last target (clients keep being served; the monitor cannot
+/// fail over meanwhile either, as it cannot write). Until a record is first read, new
+/// connections are held. Runs until dropped; `on_change` sees every record acted on.
+pub async fn follow(store: control::Store, name: String, proxy: std::sync::Arc<Proxy>, mut on_change: impl FnMut(&crate::proto::PrimaryRecord)) {
+    proxy.freeze();
+    let mut current: Option<(Option<crate::proto::InstanceId>, Option<SocketAddr>, bool)> = None;
+    let mut warned: Option<tokio::time::Instant> = None;
+    loop {
+        match crate::driver::store::read_primary(&store, &name).await {
+            Ok(Some((p, _))) => {
+                let now = (p.instance, p.addr, p.frozen);
+                if current != Some(now) {
+                    if p.frozen {
+                        proxy.freeze();
+                    } else {
+                        proxy.point(p.addr);
+                    }
+                    current = Some(now);
+                    on_change(&p);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                if warned.is_none_or(|w| w.elapsed() >= FOLLOW_WARN_EVERY) {
+                    tracing::warn!("failover endpoint: cannot read the primary of {name}: {e}; keeping the last target");
+                    eprintln!("failover endpoint: cannot read the primary of {name}: {e}; keeping the last target");
+                    warned = Some(tokio::time::Instant::now());
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(FOLLOW_INTERVAL_MS)).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -353,6 +398,49 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), c.read_line(&mut line)).await.unwrap().unwrap();
         assert_eq!(line.trim(), "b x", "the held connection reached the new target");
         drop(fillers);
+    }
+
+    /// An endpoint following the store: held until a record exists, pointed at the published
+    /// primary, frozen when told, re-pointed (severing) at a new primary; the same primary
+    /// re-published by a new leader leaves open connections alone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn following_the_store_points_freezes_and_ignores_a_re_publication() {
+        use crate::proto::{InstanceId, PrimaryRecord};
+        let dir = tempfile::tempdir().unwrap();
+        let store = control::Store::open(dir.path().to_str().unwrap(), "t", "id").await.unwrap();
+        let key = crate::driver::store::primary_key(&store, "db");
+        let put = |p: PrimaryRecord| {
+            let (store, key) = (store.clone(), key.clone());
+            async move { store.put(&key, serde_json::to_vec(&p).unwrap()).await.unwrap() }
+        };
+        let (a, b) = (echo_server("a").await, echo_server("b").await);
+        let p = std::sync::Arc::new(Proxy::bind("127.0.0.1:0".parse().unwrap(), None).await.unwrap());
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        let task = tokio::spawn(follow(store.clone(), "db".into(), p.clone(), move |r| s2.lock().unwrap().push(r.clone())));
+        let settle = || tokio::time::sleep(Duration::from_millis(10 * FOLLOW_INTERVAL_MS));
+        settle().await;
+        assert!(p.frozen(), "held until a primary is published");
+        put(PrimaryRecord { instance: Some(InstanceId(1)), addr: Some(a), frozen: false, writer: 3 }).await;
+        settle().await;
+        let mut c1 = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
+        assert_eq!(ask(&mut c1, "x").await.as_deref(), Some("a x"));
+        // A new leader publishes the same primary: nothing is cut.
+        put(PrimaryRecord { instance: Some(InstanceId(1)), addr: Some(a), frozen: false, writer: 8 }).await;
+        settle().await;
+        assert_eq!(ask(&mut c1, "y").await.as_deref(), Some("a y"));
+        assert_eq!(p.severed(), 0);
+        // Frozen: the open connection is cut, a new one held; then the backup.
+        put(PrimaryRecord { instance: None, addr: None, frozen: true, writer: 8 }).await;
+        settle().await;
+        assert!(p.frozen());
+        assert_eq!(ask(&mut c1, "z").await, None);
+        put(PrimaryRecord { instance: Some(InstanceId(2)), addr: Some(b), frozen: false, writer: 8 }).await;
+        settle().await;
+        let mut c2 = BufReader::new(TcpStream::connect(p.local_addr()).await.unwrap());
+        assert_eq!(ask(&mut c2, "w").await.as_deref(), Some("b w"));
+        assert_eq!(seen.lock().unwrap().len(), 3, "acted on three records (the re-publication changed nothing)");
+        task.abort();
     }
 
     #[tokio::test]

@@ -246,3 +246,18 @@ pub enum Event {
     PrimaryAnswered { instance: InstanceId, silent_ms: u64 },
     GaveUp { reason: String },
 }
+
+/// What the monitor publishes for the client endpoints when it runs on the control store (the
+/// `failover/primary/<name>` key): where clients go now. The endpoints (`failover endpoint`)
+/// follow it; the monitor writes it instead of re-pointing an endpoint in its own process.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct PrimaryRecord {
+    /// The instance clients go to (None while frozen).
+    pub instance: Option<InstanceId>,
+    /// Its address (None while frozen).
+    pub addr: Option<std::net::SocketAddr>,
+    /// Hold new connections and sever open ones (before a collapse or a fence).
+    pub frozen: bool,
+    /// The fencing token of the monitor that wrote it (its election key's create revision).
+    pub writer: i64,
+}

@@ -50,7 +50,8 @@ pub struct Status {
     /// retry pending ([`Monitor::settled`]). What tests wait for before looking around.
     pub settled: bool,
     pub state: Durable,
-    pub endpoint: SocketAddr,
+    /// The endpoint in this process (None on the control store: the endpoints follow it).
+    pub endpoint: Option<SocketAddr>,
     pub endpoint_target: Option<SocketAddr>,
     pub instances: Vec<InstanceStatus>,
 }
@@ -75,7 +76,7 @@ pub enum Control {
 
 /// The answer to `status`: the monitor's state, the endpoint, the instances. `busy`: the
 /// operations queued or running on the workers.
-pub(super) fn status(m: &Monitor, pool: &LocalPool, endpoint: &Proxy, busy: usize) -> Status {
+pub(super) fn status(m: &Monitor, pool: &LocalPool, endpoint: Option<&Proxy>, busy: usize) -> Status {
     let mut instances = vec![];
     for id in pool.instances() {
         instances.push(InstanceStatus { id, addr: pool.address(id), pids: pool.pids(id), netns: pool.netns(id), start: pool.start_timing(id) });
@@ -83,8 +84,8 @@ pub(super) fn status(m: &Monitor, pool: &LocalPool, endpoint: &Proxy, busy: usiz
     Status {
         settled: m.settled() && busy == 0,
         state: m.durable().clone(),
-        endpoint: endpoint.local_addr(),
-        endpoint_target: endpoint.target(),
+        endpoint: endpoint.map(|e| e.local_addr()),
+        endpoint_target: endpoint.and_then(|e| e.target()),
         instances,
     }
 }

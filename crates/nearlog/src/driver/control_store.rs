@@ -51,9 +51,7 @@ pub struct ControllerControl {
 /// secrets never share one store's keys under one name. A checksum, not the secret: the store's
 /// readers need not know it.
 pub fn cluster_id_from_secret(secret: &[u8]) -> String {
-    let mut salted = b"understudy-nearlog-cluster-id:".to_vec();
-    salted.extend_from_slice(secret);
-    format!("nearlog-{:08x}", crc32c::crc32c(&salted))
+    control::daemon::cluster_id_from_secret("nearlog", secret)
 }
 
 /// A file's key as stored: its path and placement.
@@ -106,19 +104,16 @@ impl ControlBridge {
                             return;
                         }
                     };
-                    let lead = loop {
-                        println!("nearlog controller: standing for leadership of {CONTROLLER_ELECTION} as {}", ctl.advertise);
-                        match store.campaign(CONTROLLER_ELECTION, &ctl.advertise, ctl.election_ttl).await {
-                            Ok(l) => break l,
-                            Err(e @ (control::Error::LeaseExpired(_) | control::Error::Unavailable { .. } | control::Error::Uncertain { .. })) => {
-                                // The store was out of reach long enough to lose the candidacy.
-                                println!("nearlog controller: candidacy lost ({e}); standing again");
-                                tokio::time::sleep(Duration::from_millis(200)).await;
-                            }
-                            Err(e) => {
-                                let _ = led_tx.send(Err(format!("campaign on {}: {e}", ctl.store_url)));
-                                return;
-                            }
+                    let standing = |lost: Option<&control::Error>| match lost {
+                        None => println!("nearlog controller: standing for leadership of {CONTROLLER_ELECTION} as {}", ctl.advertise),
+                        // The store was out of reach long enough to lose the candidacy.
+                        Some(e) => println!("nearlog controller: candidacy lost ({e}); standing again"),
+                    };
+                    let lead = match control::daemon::campaign_until_leading(&store, CONTROLLER_ELECTION, &ctl.advertise, ctl.election_ttl, standing).await {
+                        Ok(l) => l,
+                        Err(e) => {
+                            let _ = led_tx.send(Err(format!("campaign on {}: {e}", ctl.store_url)));
+                            return;
                         }
                     };
                     let _ = led_tx.send(Ok((lead.fencing_token(), lead.validity())));

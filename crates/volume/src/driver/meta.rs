@@ -117,9 +117,7 @@ pub const META_ELECTION: &str = "volume-meta";
 /// clusters with different secrets never share one store's keys under one cluster name. A
 /// checksum of the secret, not the secret: the store's readers need not know it.
 pub fn cluster_id_from_secret(secret: &[u8]) -> String {
-    let mut salted = b"understudy-volume-cluster-id:".to_vec();
-    salted.extend_from_slice(secret);
-    format!("volume-{:08x}", crc32c::crc32c(&salted))
+    control::daemon::cluster_id_from_secret("volume", secret)
 }
 
 /// Exit status of a metadata service that stopped leading: its tasks (shard links, client
@@ -452,18 +450,14 @@ pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
         return serve_meta(listener, opts).await;
     };
     let store = control::Store::open(&ctl.store_url, &ctl.cluster, &ctl.cluster_id).await?;
-    let lead = loop {
-        eprintln!("meta: standing for leadership of {META_ELECTION} as {}", ctl.advertise);
-        match store.campaign(META_ELECTION, &ctl.advertise, ctl.election_ttl).await {
-            Ok(l) => break Arc::new(l),
-            Err(e @ (control::Error::LeaseExpired(_) | control::Error::Unavailable { .. } | control::Error::Uncertain { .. })) => {
-                // The store was out of reach long enough to lose the candidacy: stand again.
-                eprintln!("meta: candidacy lost ({e}); standing again");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            Err(e) => return Err(e.into()),
-        }
-    };
+    let lead = Arc::new(
+        control::daemon::campaign_until_leading(&store, META_ELECTION, &ctl.advertise, ctl.election_ttl, |lost| match lost {
+            None => eprintln!("meta: standing for leadership of {META_ELECTION} as {}", ctl.advertise),
+            // The store was out of reach long enough to lose the candidacy: stand again.
+            Some(e) => eprintln!("meta: candidacy lost ({e}); standing again"),
+        })
+        .await?,
+    );
     eprintln!("meta: leading {META_ELECTION} (fencing token {})", lead.fencing_token());
     // The old leader's process may still hold the port for a moment if it was merely deposed
     // (it exits as soon as it learns so): retry the bind for up to one election TTL.

@@ -92,9 +92,7 @@ pub const CM_ELECTION: &str = "kv-cm";
 /// different secrets never share one store's keys under one cluster name. A checksum of the
 /// secret, not the secret: the store's readers need not know it.
 pub fn cluster_id_from_secret(secret: &[u8]) -> String {
-    let mut salted = b"understudy-kv-cluster-id:".to_vec();
-    salted.extend_from_slice(secret);
-    format!("kv-{:08x}", crc32c::crc32c(&salted))
+    control::daemon::cluster_id_from_secret("kv", secret)
 }
 
 /// How the configuration is made durable: today's state file, or guarded writes of the leader.
@@ -204,17 +202,12 @@ pub async fn run_cm(cfg: CmConfig) -> Result<(), KvError> {
     };
     let store = control::Store::open(&ctl.store_url, &ctl.cluster, &ctl.cluster_id).await?;
     loop {
-        eprintln!("cm: standing for leadership of {CM_ELECTION} as {}", ctl.advertise);
-        let leadership = match store.campaign(CM_ELECTION, &ctl.advertise, ctl.election_ttl).await {
-            Ok(l) => l,
-            Err(e @ (control::Error::LeaseExpired(_) | control::Error::Unavailable { .. } | control::Error::Uncertain { .. })) => {
-                // The store was out of reach long enough to lose the candidacy: stand again.
-                eprintln!("cm: candidacy lost ({e}); standing again");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-            Err(e) => return Err(e.into()),
-        };
+        let leadership = control::daemon::campaign_until_leading(&store, CM_ELECTION, &ctl.advertise, ctl.election_ttl, |lost| match lost {
+            None => eprintln!("cm: standing for leadership of {CM_ELECTION} as {}", ctl.advertise),
+            // The store was out of reach long enough to lose the candidacy: stand again.
+            Some(e) => eprintln!("cm: candidacy lost ({e}); standing again"),
+        })
+        .await?;
         // The previous leader can no longer write (its election key is gone): what is read now
         // is the last configuration it persisted.
         let durable = match load_cm_config(&store, cfg.nodes.len() as u32).await {
