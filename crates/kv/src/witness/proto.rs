@@ -34,11 +34,47 @@ impl Stamp {
     pub const ZERO: Stamp = Stamp { term: 0, index: 0 };
 }
 
+/// A member's kind (paper §3). Defined here, with [`Member`] and [`Config`], because a
+/// configuration travels in the log ([`Op::Config`]); `core::config` holds their logic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Kind {
+    /// Primary or witness: keeps the key→stamp table (and, as primary, values); may be elected.
+    Head,
+    /// NVMM buffer, SSD logs and index: votes and persists, never a candidate.
+    Backup,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    pub id: NodeId,
+    pub kind: Kind,
+    pub voting: bool,
+}
+
+/// The group's membership at one epoch (quorums and rules in `core::config`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Config {
+    pub epoch: u64,
+    pub members: Vec<Member>,
+    /// A witness standing in for a failed backup in the commit quorum (M22). It must then
+    /// receive full entries.
+    pub substitute: Option<NodeId>,
+    /// Nodes not yet members that the leader may add on its own to replace a lost member
+    /// (M23/M24: fault tolerance comes back by itself). Naming them in the configuration
+    /// makes the choice part of the replicated state: a spare is used once.
+    #[serde(default)]
+    pub spares: Vec<Member>,
+}
+
 /// What a log entry does. Single-key Put only (paper §2.4: no delete, no scan); `Noop` is the
 /// entry a new leader appends in its own term so that earlier entries commit (Raft §5.4.2).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Op {
     Noop,
+    /// A membership change (M22–M24): takes effect on every member as soon as it is appended
+    /// (Raft §4.1), so at most one may be uncommitted at a time (see `core::reconfig`). It
+    /// goes in full to every member, witnesses included (spec M22 Decide).
+    Config(Config),
     Put {
         #[serde(with = "serde_bytes")]
         key: Vec<u8>,
@@ -65,26 +101,26 @@ impl Entry {
     pub fn key(&self) -> Option<&[u8]> {
         match &self.op {
             Op::Put { key, .. } => Some(key),
-            Op::Noop => None,
+            Op::Noop | Op::Config(_) => None,
         }
     }
     pub fn value(&self) -> Option<&[u8]> {
         match &self.op {
             Op::Put { value, .. } => value.as_deref().map(|v| v.as_slice()),
-            Op::Noop => None,
+            Op::Noop | Op::Config(_) => None,
         }
     }
     /// True when this copy can be sent to a backup (a Put carries its value; a Noop has none).
     pub fn is_full(&self) -> bool {
         match &self.op {
-            Op::Noop => true,
+            Op::Noop | Op::Config(_) => true,
             Op::Put { value, .. } => value.is_some(),
         }
     }
     /// The copy a witness receives: the key and stamp, without the value (M4).
     pub fn key_only(&self) -> Entry {
         match &self.op {
-            Op::Noop => self.clone(),
+            Op::Noop | Op::Config(_) => self.clone(),
             Op::Put { key, .. } => Entry {
                 index: self.index,
                 term: self.term,
@@ -99,6 +135,7 @@ impl Entry {
     pub fn approx_bytes(&self) -> usize {
         24 + match &self.op {
             Op::Noop => 0,
+            Op::Config(c) => 16 * c.members.len(),
             Op::Put { key, value } => key.len() + value.as_ref().map_or(0, |v| v.len()),
         }
     }

@@ -33,12 +33,16 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 
-use super::config::{Config, ConfigError, Kind};
+use super::config::{Change, Config, ConfigError, Kind, Member};
 use super::page::{self, PAGE_BYTES};
 use crate::witness::proto::{
     ClientReply, ClientReq, Entry, NodeId, Op, PeerBody, PeerMsg, Stamp, MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
 };
+
+#[path = "reconfig.rs"]
+mod reconfig;
+pub use reconfig::ReconfigError;
 
 /// Tunables. Every bound has its unit in its name.
 #[derive(Clone, Debug)]
@@ -75,6 +79,10 @@ pub struct Params {
     pub soft_timeout_us: u64,
     /// Proactively pulled bytes kept at most (spec M15 `proactive_bytes_max`).
     pub proactive_bytes_max: usize,
+    /// A voting member the serving leader has not heard from for this long is lost: a backup
+    /// is substituted by a witness, a spare replaces it (M22–M24). 0 disables the automatic
+    /// membership policy (changes then come only from `Input::Reconfigure`).
+    pub member_lost_us: u64,
     /// Deliberately broken behaviour for the model check only (`tests/model_check_witness.rs`
     /// must catch each); always `WitnessFault::None` outside it.
     #[doc(hidden)]
@@ -117,6 +125,7 @@ impl Default for Params {
             recent_index_window_entries: 1 << 16,
             soft_timeout_us: 30_000,
             proactive_bytes_max: 64 << 20,
+            member_lost_us: 3_000_000,
             fault: WitnessFault::None,
         }
     }
@@ -132,6 +141,8 @@ pub enum ParamsError {
     SoftAfterHard(u64, u64),
     #[error("{0} must be positive")]
     Zero(&'static str),
+    #[error("member_lost_us ({0}) must be at least election_timeout_us ({1}): a member is not lost before a leader would be")]
+    LostBeforeTimeout(u64, u64),
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("node {0} is not in the configuration")]
@@ -149,6 +160,12 @@ impl Params {
         if self.soft_timeout_us >= self.election_timeout_us {
             return Err(ParamsError::SoftAfterHard(
                 self.soft_timeout_us,
+                self.election_timeout_us,
+            ));
+        }
+        if self.member_lost_us != 0 && self.member_lost_us < self.election_timeout_us {
+            return Err(ParamsError::LostBeforeTimeout(
+                self.member_lost_us,
                 self.election_timeout_us,
             ));
         }
@@ -275,6 +292,9 @@ pub enum Input {
         result: Result<Vec<u8>, String>,
     },
     Tick,
+    /// An operator's membership change (M22–M24); refused unless this node is the serving
+    /// leader with no configuration change pending (see [`WitnessCore::last_reconfig_error`]).
+    Reconfigure(Change),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -547,6 +567,10 @@ pub struct Counters {
     pub ssd_errors: u64,
     pub proactive_started: u64,
     pub proactive_aborted: u64,
+    /// Membership changes this node proposed on its own (M22–M24).
+    pub reconfigs: u64,
+    /// Times this head, an old primary, dropped its value table to serve as a witness (M24).
+    pub values_dropped_as_witness: u64,
 }
 
 #[derive(Clone)]
@@ -591,6 +615,7 @@ pub struct WitnessCore {
     backup: Backup,
     leaders_seen: BTreeMap<u64, NodeId>,
     proactive: Option<Proactive>,
+    reconf: reconfig::Reconf,
     pub counters: Counters,
     out: Vec<Output>,
 }
@@ -640,9 +665,11 @@ impl WitnessCore {
             backup: Backup::default(),
             leaders_seen: BTreeMap::new(),
             proactive: None,
+            reconf: reconfig::Reconf::default(),
             counters: Counters::default(),
             out: Vec::new(),
         };
+        c.reconf_init();
         c.reset_election_timer();
         Ok(c)
     }
@@ -728,9 +755,29 @@ impl WitnessCore {
             c.commit = log.last_index();
             c.applied = c.commit;
         }
+        let mut configs: Vec<(u64, Config)> = Vec::new();
+        if c.kind == Kind::Backup {
+            let at = durable.ssd_hot.len().min(c.backup.durable_end as usize);
+            let mut off = 0;
+            while off < at {
+                let glen = page::whole_groups_len(&durable.ssd_hot[off..at]);
+                if glen == 0 {
+                    break;
+                }
+                for e in page::decode_run(&durable.ssd_hot[off..off + glen]).unwrap_or_default() {
+                    if let Op::Config(cf) = e.op {
+                        configs.push((e.index, cf));
+                    }
+                }
+                off += glen;
+            }
+        }
         for e in durable.entries {
             if e.index <= log.last_index() {
                 continue; // written back and not yet freed when the node stopped
+            }
+            if let Op::Config(cf) = &e.op {
+                configs.push((e.index, cf.clone()));
             }
             if e.index != log.last_index() + 1 {
                 return Err(RestoreError::Hole(log.last_index() + 1));
@@ -739,6 +786,7 @@ impl WitnessCore {
         }
         c.persisted = log.last_index();
         c.log = log;
+        c.reconf_restore(configs);
         c.reset_election_timer();
         Ok(c)
     }
@@ -817,6 +865,7 @@ impl WitnessCore {
             Input::SsdWritten { id, result } => self.on_ssd_written(id, result),
             Input::SsdRead { id, result } => self.on_ssd_read(id, result),
             Input::Tick => self.on_tick(),
+            Input::Reconfigure(change) => self.on_reconfigure(change),
         }
         self.after_input();
         #[cfg(debug_assertions)]
@@ -947,7 +996,8 @@ impl WitnessCore {
     /// Appends an entry to the local log and NVMM (heads persist key-only records).
     fn append_local(&mut self, e: Entry) {
         debug_assert_eq!(e.index, self.log.last_index() + 1);
-        let rec = if self.kind == Kind::Backup {
+        // A substitute persists values too (M22 Decide).
+        let rec = if self.cfg.gets_values(self.id) {
             e.clone()
         } else {
             e.key_only()
@@ -955,7 +1005,14 @@ impl WitnessCore {
         let region = self.log_region();
         let seq = self.pmem_append(region, &PmemRecord::Entry(rec));
         self.unpersisted.push_back((seq, e.index, e.term));
+        let cfg = match &e.op {
+            Op::Config(c) => Some((e.index, c.clone())),
+            _ => None,
+        };
         self.log.push(Slot::Entry(e));
+        if let Some((i, c)) = cfg {
+            self.config_appended(i, c);
+        }
     }
 
     fn truncate_local(&mut self, from: u64) {
@@ -971,6 +1028,7 @@ impl WitnessCore {
             region,
             from_index: from,
         });
+        self.config_truncated(from);
     }
 
     fn set_role(&mut self, role: RoleKind) {
@@ -1121,6 +1179,7 @@ impl WitnessCore {
                 if due {
                     self.heartbeat();
                 }
+                self.reconfig_policy();
                 self.check_quorum();
                 if self.role == RoleKind::Provisional {
                     self.recon_retry();
@@ -1193,7 +1252,10 @@ impl WitnessCore {
                 },
             );
         };
-        if !self.cfg.is_voter(self.id) || !self.cfg.may_stand(from) {
+        // A member that is not a voter here still grants: the candidate may already hold the
+        // entry that promoted it (etcd#10998, raft-rs#57); the candidate counts only its own
+        // configuration's voters.
+        if !self.cfg.may_stand(from) {
             return refuse(self, false);
         }
         if term < self.term {
@@ -1275,7 +1337,8 @@ impl WitnessCore {
     }
 
     fn maybe_win(&mut self) {
-        if self.role != RoleKind::Candidate || self.votes.len() < self.cfg.election_quorum() {
+        let granted = self.votes.iter().filter(|v| self.cfg.is_voter(**v)).count();
+        if self.role != RoleKind::Candidate || granted < self.cfg.election_quorum() {
             return;
         }
         self.leader_hint = Some(self.id);
@@ -1294,7 +1357,7 @@ impl WitnessCore {
             lease_lost_since_us: None,
         };
         for v in voters {
-            if v != self.id {
+            if v != self.id && self.cfg.is_voter(v) {
                 lead.acked_round_us.insert(v, self.vote_round_us);
             }
         }
@@ -1303,6 +1366,7 @@ impl WitnessCore {
             lead.matched.insert(m, 0);
         }
         self.lead = Some(lead);
+        self.reconf_on_lead();
         self.update_lease();
         // M14: the range past our commit is reconciled with every voting backup before this
         // leader appends (and so commits) anything.
@@ -1400,11 +1464,14 @@ impl WitnessCore {
                 complete = false;
                 break;
             }
-            let first = a.values().next().unwrap().as_ref().unwrap();
-            if a.values().any(|e| e.as_ref().unwrap().term != first.term)
-                || first.index != i
-                || !first.is_full()
-            {
+            // Prefer a full copy: a backup that caught up after joining holds superseded
+            // committed versions key-only (their values are not needed, see `catch_up_copy`).
+            let first = a
+                .values()
+                .flatten()
+                .find(|e| e.is_full())
+                .unwrap_or_else(|| a.values().next().unwrap().as_ref().unwrap());
+            if a.values().any(|e| e.as_ref().unwrap().term != first.term) || first.index != i {
                 break;
             }
             kept.push(first.clone());
@@ -1417,6 +1484,9 @@ impl WitnessCore {
         self.counters.reconciled_dropped += hi + 1 - lo - kept.len() as u64;
         // Replace the range by the kept entries (full, from the backups).
         self.truncate_local(lo);
+        if self.lead.is_none() {
+            return; // the truncation undid the configuration that made this head a voter
+        }
         for e in kept {
             self.append_local(e);
         }
@@ -1458,7 +1528,7 @@ impl WitnessCore {
     fn retransmit_from(&self, p: NodeId) -> u64 {
         let l = self.lead.as_ref().unwrap();
         let m = l.matched.get(&p).copied().unwrap_or(0) + 1;
-        if self.cfg.gets_values(p) && self.cfg.is_voter(p) {
+        if self.cfg.kind(p) == Some(Kind::Backup) && self.cfg.is_voter(p) {
             m.max(self.commit + 1)
         } else {
             m
@@ -1497,13 +1567,16 @@ impl WitnessCore {
         while i <= last && entries.len() < self.p.append_max_entries {
             let Some(e) = self.log.entry(i) else { break };
             if values {
-                if !e.is_full() {
-                    // SIMPLIFIED (M24 catch-up left): a backup this far behind needs values
-                    // this head no longer has.
+                if e.is_full() {
+                    entries.push(e.clone());
+                } else if let Some(c) = self.catch_up_copy(to, e) {
+                    entries.push(c);
+                } else {
+                    // A backup this far behind needs a value this head does not hold (yet:
+                    // it is recovering); it waits.
                     self.counters.values_unavailable += 1;
                     break;
                 }
-                entries.push(e.clone());
             } else {
                 entries.push(e.key_only());
             }
@@ -1558,6 +1631,7 @@ impl WitnessCore {
             self.step_down(term);
         }
         self.note_leader(term, from);
+        self.reconf_follow(from);
         self.leader_hint = Some(from);
         self.heard_leader_us = Some(self.now);
         if let Some(p) = self.proactive.take() {
@@ -1590,7 +1664,7 @@ impl WitnessCore {
                     panic!("leader {from} conflicts at committed index {i}");
                 }
                 self.truncate_local(i);
-                let stored = if self.kind == Kind::Backup {
+                let stored = if self.cfg.gets_values(self.id) {
                     e
                 } else {
                     e.key_only()
@@ -1637,7 +1711,13 @@ impl WitnessCore {
     fn update_lease(&mut self) {
         let q = self.cfg.election_quorum();
         let Some(l) = self.lead.as_mut() else { return };
-        let mut rounds: Vec<u64> = l.acked_round_us.values().copied().collect();
+        let cfg = &self.cfg;
+        let mut rounds: Vec<u64> = l
+            .acked_round_us
+            .iter()
+            .filter(|(v, _)| cfg.is_voter(**v))
+            .map(|(_, r)| *r)
+            .collect();
         rounds.sort_unstable_by(|a, b| b.cmp(a));
         let need = q.saturating_sub(1); // the leader counts itself
         let round = if need == 0 {
@@ -2627,9 +2707,12 @@ impl WitnessCore {
     // ---- dispatch ----
 
     fn on_peer(&mut self, from: NodeId, msg: PeerMsg) {
-        if self.cfg.member(from).is_none() || msg.epoch != self.cfg.epoch {
-            return; // not of this configuration
+        // Terms, not epochs, order leaders; a sender outside this node's configuration is
+        // heard only if it knows a newer configuration (a leader adding this node).
+        if self.cfg.member(from).is_none() && msg.epoch <= self.cfg.epoch {
+            return;
         }
+        self.reconf_heard(from);
         let term = msg.term;
         match msg.body {
             PeerBody::RequestVote {
