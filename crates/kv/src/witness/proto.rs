@@ -188,6 +188,10 @@ pub enum PeerBody {
         /// Refused only because the voter heard from a live leader within the lease (M3); such
         /// a refusal says nothing about logs and is never adopted from.
         in_lease: bool,
+        /// A backup's refusal carries its newest configuration entry past its commit index, so
+        /// a head that adopts this log (M13) also learns a membership change it missed: a
+        /// witness promoted while the leader died would otherwise never stand (etcd#10998).
+        config: Option<Entry>,
     },
     /// Provisional leader → voting backups (M14): the entry at `index`.
     RequestLog {
@@ -326,6 +330,7 @@ mod tests {
                 last_index: 9,
                 last_term: 3,
                 in_lease: false,
+                config: None,
             },
             PeerBody::LogReply {
                 index: 7,

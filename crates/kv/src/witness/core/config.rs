@@ -12,8 +12,8 @@
 
 use std::collections::BTreeSet;
 
-pub use crate::witness::proto::{Config, Kind, Member};
 use crate::witness::proto::NodeId;
+pub use crate::witness::proto::{Config, Kind, Member};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
@@ -245,6 +245,13 @@ impl Config {
     pub fn may_stand(&self, id: NodeId) -> bool {
         self.member(id)
             .is_some_and(|m| m.voting && m.kind == Kind::Head)
+    }
+
+    /// Heads that may start an election: voting heads, and a non-voting head that may have
+    /// been promoted without hearing of it; it wins only once it is a voter (see
+    /// `core::reconfig`).
+    pub fn may_run(&self, id: NodeId) -> bool {
+        self.kind(id) == Some(Kind::Head)
     }
 
     /// Whether `id` must receive values in its AppendEntries (backups and the substitute).

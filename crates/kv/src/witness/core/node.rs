@@ -882,15 +882,14 @@ impl WitnessCore {
 
     /// Cheap invariants, run after every input in debug builds. What the tests rely on:
     pub fn check_invariants(&self) {
-        // Election safety, part 1: only voting heads ever lead or run (M12).
+        // Election safety, part 1: only voting heads ever lead, only heads run (M12).
         if self.role != RoleKind::Follower {
-            assert!(
-                self.cfg.may_stand(self.id),
-                "node {} ({:?}) is {:?}",
-                self.id,
-                self.kind,
-                self.role
-            );
+            let ok = if self.role == RoleKind::Candidate {
+                self.cfg.may_run(self.id)
+            } else {
+                self.cfg.may_stand(self.id)
+            };
+            assert!(ok, "node {} ({:?}) is {:?}", self.id, self.kind, self.role);
         }
         // Election safety, part 2, as seen locally: at most one leader per term.
         // (`leaders_seen` is filled when a leader is heard; a conflict panics there.)
@@ -1052,10 +1051,16 @@ impl WitnessCore {
     }
 
     fn reset_election_timer(&mut self) {
-        if !self.cfg.may_stand(self.id) {
+        if !self.cfg.may_run(self.id) {
             self.election_deadline_us = u64::MAX;
             return;
         }
+        // A non-voting head runs only to learn of a promotion it missed, after the voters.
+        let late = if self.cfg.may_stand(self.id) {
+            0
+        } else {
+            self.p.election_timeout_us
+        };
         // The designated successor (lowest-id witness) waits least; the primary's own slot
         // counts like any head. A per-term component breaks repeated split votes.
         let rank = self
@@ -1066,7 +1071,7 @@ impl WitnessCore {
             .count() as u64;
         let j = self.p.election_jitter_us.max(1);
         let jitter = rank * j + mix(self.id as u64, self.term) % (j / 2 + 1);
-        self.election_deadline_us = self.now + self.p.election_timeout_us + jitter;
+        self.election_deadline_us = self.now + self.p.election_timeout_us + jitter + late;
     }
 
     /// A higher term seen: become a follower of it.
@@ -1213,7 +1218,7 @@ impl WitnessCore {
     // ---- election (M12, M13, M3) ----
 
     fn start_election(&mut self) {
-        if !self.cfg.may_stand(self.id) {
+        if !self.cfg.may_run(self.id) {
             return; // a backup never runs (M12)
         }
         self.term += 1;
@@ -1241,6 +1246,7 @@ impl WitnessCore {
 
     fn on_request_vote(&mut self, from: NodeId, term: u64, last_index: u64, last_term: u64) {
         let (my_li, my_lt) = (self.log.last_index(), self.log.last_term());
+        let config = self.pending_config_entry();
         let refuse = |c: &mut Self, in_lease: bool| {
             c.send(
                 from,
@@ -1249,6 +1255,7 @@ impl WitnessCore {
                     last_index: my_li,
                     last_term: my_lt,
                     in_lease,
+                    config,
                 },
             );
         };
@@ -1293,6 +1300,7 @@ impl WitnessCore {
                     last_index: my_li,
                     last_term: my_lt,
                     in_lease: false,
+                    config: None,
                 },
             );
         } else {
@@ -1307,6 +1315,7 @@ impl WitnessCore {
         last_index: u64,
         last_term: u64,
         in_lease: bool,
+        config: Option<Entry>,
     ) {
         if self.role != RoleKind::Candidate {
             return;
@@ -1331,6 +1340,7 @@ impl WitnessCore {
             for _ in c + 1..=last_index {
                 self.log.push(Slot::Unknown { term: last_term });
             }
+            self.adopt_config(config);
             // Run again soon: with the adopted log the backup can now grant.
             self.election_deadline_us = self.now + self.p.heartbeat_us;
         }
@@ -1338,7 +1348,10 @@ impl WitnessCore {
 
     fn maybe_win(&mut self) {
         let granted = self.votes.iter().filter(|v| self.cfg.is_voter(**v)).count();
-        if self.role != RoleKind::Candidate || granted < self.cfg.election_quorum() {
+        if self.role != RoleKind::Candidate
+            || !self.cfg.may_stand(self.id)
+            || granted < self.cfg.election_quorum()
+        {
             return;
         }
         self.leader_hint = Some(self.id);
@@ -1482,13 +1495,19 @@ impl WitnessCore {
         let (lo, hi) = (r.lo, r.hi);
         self.lead.as_mut().unwrap().recon = None;
         self.counters.reconciled_dropped += hi + 1 - lo - kept.len() as u64;
-        // Replace the range by the kept entries (full, from the backups).
+        // Replace the range by the kept entries (full, from the backups). A configuration
+        // entry in it is undone and redone: judge this head's standing once, after.
+        self.reconf.replaying = true;
         self.truncate_local(lo);
-        if self.lead.is_none() {
-            return; // the truncation undid the configuration that made this head a voter
-        }
         for e in kept {
             self.append_local(e);
+        }
+        self.reconf.replaying = false;
+        if !self.cfg.may_stand(self.id) {
+            let t = self.term;
+            self.step_down(t);
+            self.reset_election_timer();
+            return;
         }
         self.set_role(RoleKind::Leader);
         self.begin_term();
@@ -2749,9 +2768,10 @@ impl WitnessCore {
                         last_index,
                         last_term,
                         in_lease,
+                        config,
                     } => {
                         if same {
-                            self.on_vote(from, granted, last_index, last_term, in_lease)
+                            self.on_vote(from, granted, last_index, last_term, in_lease, config)
                         } else if !granted && !in_lease && term < self.term {
                             // An old refusal: still a fact about the backup's log.
                         }

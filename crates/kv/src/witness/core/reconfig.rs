@@ -56,6 +56,8 @@ pub(super) struct Reconf {
     pub was_primary: bool,
     /// Why the last requested change was refused (status and tests).
     pub last_error: Option<String>,
+    /// Reconciliation is replacing its range (configurations undone, then redone).
+    pub replaying: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -125,15 +127,18 @@ impl WitnessCore {
 
     /// Follow-ups of a configuration change on this node's own state.
     fn config_took_effect(&mut self) {
-        if self.role != RoleKind::Follower && !self.cfg.may_stand(self.id) {
+        let allowed = match self.role {
+            RoleKind::Follower => true,
+            RoleKind::Candidate => self.cfg.may_run(self.id),
+            RoleKind::Leader | RoleKind::Provisional => self.cfg.may_stand(self.id),
+        };
+        if !allowed && !self.reconf.replaying {
             let t = self.term;
             self.step_down(t);
         }
-        if self.role == RoleKind::Follower && self.election_deadline_us == u64::MAX {
-            // Promoted to a voting head: start its election clock.
+        if self.role != RoleKind::Candidate {
+            // A promotion (or a removal) changes when, or whether, this node runs.
             self.reset_election_timer();
-        } else if !self.cfg.may_stand(self.id) {
-            self.election_deadline_us = u64::MAX;
         }
         if let Some(l) = self.lead.as_mut() {
             let now = self.now;
@@ -143,6 +148,39 @@ impl WitnessCore {
                 self.reconf.heard_us.entry(m).or_insert(now);
             }
         }
+    }
+
+    /// A backup's newest configuration entry past its commit index (for its vote refusals).
+    pub(super) fn pending_config_entry(&self) -> Option<Entry> {
+        if self.kind != Kind::Backup {
+            return None;
+        }
+        let (i, c) = self.reconf.history.last()?;
+        if *i <= self.commit {
+            return None;
+        }
+        Some(Entry {
+            index: *i,
+            term: self.log.term_at(*i)?,
+            op: Op::Config(c.clone()),
+        })
+    }
+
+    /// A candidate that adopted a backup's log (M13) takes the configuration entry the
+    /// backup's refusal carried: the slot is no longer unknown and the configuration is in
+    /// force (reconciliation confirms or drops it with the rest of the range, M14).
+    pub(super) fn adopt_config(&mut self, e: Option<Entry>) {
+        let Some(e) = e else { return };
+        let Op::Config(c) = &e.op else { return };
+        let ok =
+            e.index > self.commit && matches!(self.log.slot(e.index), Some(Slot::Unknown { .. }));
+        if !ok {
+            return;
+        }
+        let (i, c) = (e.index, c.clone());
+        *self.log.slot_mut(i).unwrap() = Slot::Entry(e);
+        // Later configuration entries in force here (none: the range past commit is unknown).
+        self.config_appended(i, c);
     }
 
     /// Index of the newest configuration entry (0: the bootstrap one).
@@ -175,7 +213,14 @@ impl WitnessCore {
         self.append_local(e);
         let peers: Vec<NodeId> = self.cfg.ids().filter(|&m| m != self.id).collect();
         for p in peers {
-            let n = self.lead.as_ref().unwrap().next.get(&p).copied().unwrap_or(1);
+            let n = self
+                .lead
+                .as_ref()
+                .unwrap()
+                .next
+                .get(&p)
+                .copied()
+                .unwrap_or(1);
             self.send_append(p, n);
         }
         Ok(idx)
@@ -256,8 +301,7 @@ impl WitnessCore {
 
     /// One step of the automatic policy (see the module doc); at most one proposal per call.
     pub(super) fn reconfig_policy(&mut self) {
-        if self.p.member_lost_us == 0 || !self.is_serving() || self.config_index() > self.commit
-        {
+        if self.p.member_lost_us == 0 || !self.is_serving() || self.config_index() > self.commit {
             return;
         }
         let Some(change) = self.next_change() else {
@@ -351,8 +395,13 @@ impl WitnessCore {
                 .members
                 .iter()
                 .any(|m| !m.voting && m.kind == l.kind && !self.lost(m.id));
-            // A substituted-out backup stays listed (non-voting) until its replacement votes.
-            if joining || (l.kind == Kind::Head && !l.voting) {
+            // A lost backup is replaced once a witness substitutes for it (and only until its
+            // replacement votes, which ends the substitution); a lost head while it votes.
+            let wanted = match l.kind {
+                Kind::Backup => !l.voting && cfg.substitute.is_some(),
+                Kind::Head => l.voting,
+            };
+            if joining || !wanted {
                 continue;
             }
             if let Some(s) = cfg.spares.iter().find(|s| s.kind == l.kind) {
@@ -363,7 +412,10 @@ impl WitnessCore {
             }
         }
         // 6. A lost non-voting backup whose replacement now votes leaves the group.
-        for l in lost_any.iter().filter(|m| !m.voting && m.kind == Kind::Backup) {
+        for l in lost_any
+            .iter()
+            .filter(|m| !m.voting && m.kind == Kind::Backup)
+        {
             let replaced = cfg.substitute.is_none();
             if replaced {
                 let c = Change::Remove { id: l.id };

@@ -762,3 +762,6 @@ fn restarted_backup_rebuilds_its_index_and_serves_the_next_primary() {
         assert_eq!(r.get(w, k), val(v), "key {k}");
     }
 }
+
+#[path = "reconfig_tests.rs"]
+mod reconfig_tests;
