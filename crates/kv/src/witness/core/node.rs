@@ -1055,11 +1055,16 @@ impl WitnessCore {
             self.election_deadline_us = u64::MAX;
             return;
         }
-        // A non-voting head runs only to learn of a promotion it missed, after the voters.
+        // A non-voting head runs only to learn of a promotion it missed, after the voters,
+        // and never before it has followed a leader (a spare waiting to be added would only
+        // inflate its term, and its first ack would then depose the leader that adds it).
         let late = if self.cfg.may_stand(self.id) {
             0
-        } else {
+        } else if self.heard_leader_us.is_some() {
             self.p.election_timeout_us
+        } else {
+            self.election_deadline_us = u64::MAX;
+            return;
         };
         // The designated successor (lowest-id witness) waits least; the primary's own slot
         // counts like any head. A per-term component breaks repeated split votes.

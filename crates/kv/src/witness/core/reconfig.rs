@@ -253,6 +253,14 @@ impl WitnessCore {
             self.reconf.was_primary = false;
             if self.kind == Kind::Head && !self.cfg.gets_values(self.id) {
                 self.head.values = HashMap::new();
+                // Entries not applied yet still carry the values this head wrote as leader.
+                for i in self.applied + 1..=self.log.last_index() {
+                    if let Some(Slot::Entry(e)) = self.log.slot_mut(i) {
+                        if e.value().is_some() {
+                            *e = e.key_only();
+                        }
+                    }
+                }
                 self.counters.values_dropped_as_witness += 1;
             }
         }
