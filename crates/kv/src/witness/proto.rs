@@ -173,6 +173,28 @@ pub enum PeerBody {
         /// On failure, the follower's last index (where the leader retries from).
         match_index: u64,
         sent_us: u64,
+        /// Through which index the leader may drop its log for this member: a head's
+        /// persisted match, a backup's written-back index (M24 log truncation).
+        durable: u64,
+        /// A head restarted from a truncated log: its key table is incomplete until a
+        /// snapshot arrives.
+        want_snapshot: bool,
+    },
+    /// Leader → a head too far behind its truncated log (M24): the key→stamp table as of
+    /// `last_index`, in chunks of sorted keys from `offset`.
+    Snapshot {
+        last_index: u64,
+        last_term: u64,
+        config: Config,
+        offset: u64,
+        keys: Vec<(serde_bytes::ByteBuf, Stamp)>,
+        done: bool,
+    },
+    /// Keys of snapshot `last_index` received so far; `installed` once it is in force.
+    SnapshotAck {
+        last_index: u64,
+        next_offset: u64,
+        installed: bool,
     },
     /// Heads only (a backup never runs, M12).
     RequestVote {

@@ -42,6 +42,8 @@ use crate::witness::proto::{
 
 #[path = "reconfig.rs"]
 mod reconfig;
+#[path = "snapshot.rs"]
+mod snapshot;
 pub use reconfig::ReconfigError;
 
 /// Tunables. Every bound has its unit in its name.
@@ -83,6 +85,13 @@ pub struct Params {
     /// is substituted by a witness, a spare replaces it (M22–M24). 0 disables the automatic
     /// membership policy (changes then come only from `Input::Reconfigure`).
     pub member_lost_us: u64,
+    /// A head keeps between this many and twice this many applied entries of its log (in
+    /// memory and in its NVMM Log region) and drops older ones once every live member holds
+    /// them durably (M24); a head behind the dropped prefix gets a snapshot of the key table.
+    pub log_keep_entries: usize,
+    /// Keys per snapshot message (a key is at most `MAX_KEY_BYTES`, so a chunk stays far
+    /// below `MAX_PEER_MSG_BYTES`).
+    pub snapshot_chunk_keys: usize,
     /// Deliberately broken behaviour for the model check only (`tests/model_check_witness.rs`
     /// must catch each); always `WitnessFault::None` outside it.
     #[doc(hidden)]
@@ -126,6 +135,8 @@ impl Default for Params {
             soft_timeout_us: 30_000,
             proactive_bytes_max: 64 << 20,
             member_lost_us: 3_000_000,
+            log_keep_entries: 4096,
+            snapshot_chunk_keys: 1024,
             fault: WitnessFault::None,
         }
     }
@@ -177,6 +188,8 @@ impl Params {
         }
         for (v, name) in [
             (self.max_pending_pulls, "max_pending_pulls"),
+            (self.log_keep_entries, "log_keep_entries"),
+            (self.snapshot_chunk_keys, "snapshot_chunk_keys"),
             (self.append_max_entries, "append_max_entries"),
             (self.batch_pull_bytes, "batch_pull_bytes"),
             (self.writeback_batch_bytes, "writeback_batch_bytes"),
@@ -567,6 +580,8 @@ pub struct Counters {
     pub ssd_errors: u64,
     pub proactive_started: u64,
     pub proactive_aborted: u64,
+    pub snapshots_sent: u64,
+    pub snapshots_installed: u64,
     /// Membership changes this node proposed on its own (M22–M24).
     pub reconfigs: u64,
     /// Times this head, an old primary, dropped its value table to serve as a witness (M24).
@@ -616,6 +631,7 @@ pub struct WitnessCore {
     leaders_seen: BTreeMap<u64, NodeId>,
     proactive: Option<Proactive>,
     reconf: reconfig::Reconf,
+    snap: snapshot::Snap,
     pub counters: Counters,
     out: Vec<Output>,
 }
@@ -666,6 +682,7 @@ impl WitnessCore {
             leaders_seen: BTreeMap::new(),
             proactive: None,
             reconf: reconfig::Reconf::default(),
+            snap: snapshot::Snap::default(),
             counters: Counters::default(),
             out: Vec::new(),
         };
@@ -772,6 +789,17 @@ impl WitnessCore {
                 off += glen;
             }
         }
+        let mut needs_snapshot = false;
+        if c.kind == Kind::Head {
+            // A head's NVMM log starts past index 1 only if it was truncated (M24; a head
+            // always keeps its last entry, so an empty log after a vote is one too): its key
+            // table cannot be rebuilt from it, and it waits for the leader's snapshot.
+            let first = durable.entries.first().map(|e| e.index);
+            needs_snapshot = first.map_or(durable.meta.is_some_and(|m| m.0 > 0), |f| f > 1);
+            if let Some(f) = first.filter(|&f| f > 1) {
+                log.base_index = f - 1;
+            }
+        }
         for e in durable.entries {
             if e.index <= log.last_index() {
                 continue; // written back and not yet freed when the node stopped
@@ -786,6 +814,7 @@ impl WitnessCore {
         }
         c.persisted = log.last_index();
         c.log = log;
+        c.snap.needs = needs_snapshot;
         c.reconf_restore(configs);
         c.reset_election_timer();
         Ok(c)
@@ -1051,7 +1080,7 @@ impl WitnessCore {
     }
 
     fn reset_election_timer(&mut self) {
-        if !self.cfg.may_run(self.id) {
+        if !self.cfg.may_run(self.id) || self.snap.needs {
             self.election_deadline_us = u64::MAX;
             return;
         }
@@ -1120,6 +1149,7 @@ impl WitnessCore {
             self.advance_commit();
         }
         self.apply_committed();
+        self.maybe_compact();
         if self.role == RoleKind::Leader {
             self.drive_recovery();
         }
@@ -1174,6 +1204,8 @@ impl WitnessCore {
                 success,
                 match_index,
                 sent_us,
+                durable: self.durable_for_leader(match_index),
+                want_snapshot: self.snap.needs,
             },
         );
     }
@@ -1223,8 +1255,8 @@ impl WitnessCore {
     // ---- election (M12, M13, M3) ----
 
     fn start_election(&mut self) {
-        if !self.cfg.may_run(self.id) {
-            return; // a backup never runs (M12)
+        if !self.cfg.may_run(self.id) || self.snap.needs {
+            return; // a backup never runs (M12); nor a head whose key table is incomplete
         }
         self.term += 1;
         self.voted_for = Some(self.id);
@@ -1581,6 +1613,10 @@ impl WitnessCore {
         }
         let last = self.log.last_index();
         let from = from.max(1).min(last + 1);
+        if from <= self.log.base_index && self.kind == Kind::Head {
+            // Dropped from this head's log (M24): the member gets the key table instead.
+            return self.send_snapshot(to, false);
+        }
         let prev_index = from - 1;
         let Some(prev_term) = self.log.term_at(prev_index) else {
             return;
@@ -1644,6 +1680,8 @@ impl WitnessCore {
                     success: false,
                     match_index: li,
                     sent_us,
+                    durable: 0,
+                    want_snapshot: false,
                 },
             );
             return;
@@ -2748,6 +2786,26 @@ impl WitnessCore {
                     self.on_request_vote(from, term, last_index, last_term);
                 }
             }
+            PeerBody::Snapshot {
+                last_index,
+                last_term,
+                config,
+                offset,
+                keys,
+                done,
+            } => {
+                if self.cfg.may_stand(from) {
+                    let snap = snapshot::Chunk {
+                        last_index,
+                        last_term,
+                        config,
+                        offset,
+                        keys,
+                        done,
+                    };
+                    self.on_snapshot(from, term, snap);
+                }
+            }
             PeerBody::AppendEntries {
                 leader,
                 prev_index,
@@ -2785,7 +2843,17 @@ impl WitnessCore {
                         success,
                         match_index,
                         sent_us,
-                    } if same => self.on_append_ack(from, success, match_index, sent_us),
+                        durable,
+                        want_snapshot,
+                    } if same => {
+                        self.snapshot_ack_info(from, success, durable, want_snapshot);
+                        self.on_append_ack(from, success, match_index, sent_us)
+                    }
+                    PeerBody::SnapshotAck {
+                        last_index,
+                        next_offset,
+                        installed,
+                    } if same => self.on_snapshot_ack(from, last_index, next_offset, installed),
                     PeerBody::RequestLog { index } if same => self.on_request_log(from, index),
                     PeerBody::LogReply { index, entry, gone } if same => {
                         self.on_log_reply(from, index, entry, gone)

@@ -291,16 +291,19 @@ impl WitnessCore {
         }
     }
 
-    fn lost(&self, id: NodeId) -> bool {
+    /// The serving leader has not heard from `id` for `member_lost_us` (never, when 0).
+    pub(super) fn member_lost(&self, id: NodeId) -> bool {
         let bound = self.p.member_lost_us;
-        self.reconf
-            .heard_us
-            .get(&id)
-            .is_some_and(|&h| self.now >= h.saturating_add(bound))
+        bound != 0
+            && self
+                .reconf
+                .heard_us
+                .get(&id)
+                .is_some_and(|&h| self.now >= h.saturating_add(bound))
     }
 
     fn caught_up(&self, id: NodeId) -> bool {
-        !self.lost(id)
+        !self.member_lost(id)
             && self
                 .lead
                 .as_ref()
@@ -328,7 +331,7 @@ impl WitnessCore {
         let lost_voters: Vec<Member> = cfg
             .members
             .iter()
-            .filter(|m| m.voting && m.id != me && self.lost(m.id))
+            .filter(|m| m.voting && m.id != me && self.member_lost(m.id))
             .copied()
             .collect();
         // 1. A lost voting backup: a live witness takes its place in the commit quorum (M22).
@@ -338,7 +341,7 @@ impl WitnessCore {
                     .members
                     .iter()
                     .filter(|m| m.voting && m.kind == Kind::Head && m.id != me)
-                    .filter(|m| !self.lost(m.id))
+                    .filter(|m| !self.member_lost(m.id))
                     .map(|m| m.id)
                     .min();
                 if let Some(witness) = w {
@@ -395,14 +398,14 @@ impl WitnessCore {
         let lost_any: Vec<Member> = cfg
             .members
             .iter()
-            .filter(|m| m.id != me && self.lost(m.id))
+            .filter(|m| m.id != me && self.member_lost(m.id))
             .copied()
             .collect();
         for l in &lost_any {
             let joining = cfg
                 .members
                 .iter()
-                .any(|m| !m.voting && m.kind == l.kind && !self.lost(m.id));
+                .any(|m| !m.voting && m.kind == l.kind && !self.member_lost(m.id));
             // A lost backup is replaced once a witness substitutes for it (and only until its
             // replacement votes, which ends the substitution); a lost head while it votes.
             let wanted = match l.kind {
