@@ -253,3 +253,97 @@ fn a_truncated_configuration_entry_is_undone() {
     assert_eq!(cfg_of(&r, 0).epoch, 1, "the uncommitted change was undone");
     assert!(cfg_of(&r, 0).member(7).is_none());
 }
+
+// ---- log truncation and snapshots (M24, core/snapshot.rs) ----
+
+const KEEP: usize = 16;
+
+fn small_log_params() -> Params {
+    Params {
+        log_keep_entries: KEEP,
+        ..lost_params()
+    }
+}
+
+fn put_many(r: &mut Router, p: NodeId, n: usize) {
+    for i in 0..n {
+        assert_eq!(
+            r.put(p, &format!("k{}", i % 10), &format!("v{i}")),
+            Some(ClientReply::PutOk),
+            "put {i}"
+        );
+    }
+}
+
+/// The newest value of each of the 10 keys after `put_many(n)`.
+fn check_all(r: &mut Router, l: NodeId, n: usize) {
+    for k in 0..10 {
+        let last = (0..n).filter(|i| i % 10 == k).max().unwrap();
+        assert_eq!(r.get(l, &format!("k{k}")), val(&format!("v{last}")), "k{k}");
+    }
+}
+
+#[test]
+fn long_run_keeps_every_head_log_and_its_nvmm_region_bounded() {
+    let mut r = Router::with_params(Config::standard(1, 1), small_log_params()); // P0 B1 W2
+    let p = r.wait_serving();
+    put_many(&mut r, p, 400);
+    r.run_for(50);
+    for h in [0, 2] {
+        let n = r.node(h);
+        assert!(n.log_base_index() > 300, "head {h} never truncated");
+        assert!(n.log_len() <= 2 * KEEP + 8, "head {h} holds {}", n.log_len());
+        // What its NVMM Log region still holds (the router applies every PmemFree).
+        let live = r.pmem[&h].1.len();
+        assert!(live <= 2 * KEEP + 8, "head {h} region holds {live} entries");
+    }
+    r.crash(0);
+    let l = r.wait_serving();
+    assert_eq!(l, 2);
+    check_all(&mut r, l, 400);
+}
+
+#[test]
+fn a_witness_behind_the_truncated_log_gets_a_snapshot() {
+    let mut r = Router::with_params(Config::standard(1, 1), small_log_params()); // P0 B1 W2
+    let p = r.wait_serving();
+    put_many(&mut r, p, 20);
+    r.isolate(2);
+    // Witness 2 is lost past `member_lost_us`: it no longer holds the log back.
+    r.run_for(LOST_US / MS + 50);
+    put_many(&mut r, p, 200);
+    assert!(r.node(0).log_base_index() > r.node(2).last_index());
+    r.cut.clear();
+    assert!(r.run_until(1_000, |r| r.node(2).counters.snapshots_installed == 1));
+    assert!(r.run_until(200, |r| r.node(2).commit_index() == r.node(0).commit_index()));
+    for k in 0..10 {
+        let key = format!("k{k}").into_bytes();
+        assert_eq!(r.node(2).key_stamp(&key), r.node(0).key_stamp(&key));
+    }
+    assert_eq!(r.node(0).counters.snapshots_sent, 1);
+    r.crash(0);
+    let l = r.wait_serving();
+    assert_eq!(l, 2);
+    check_all(&mut r, l, 200);
+}
+
+#[test]
+fn a_head_restarted_from_a_truncated_log_stands_only_after_a_snapshot() {
+    let mut r = Router::with_params(Config::standard(1, 1), small_log_params()); // P0 B1 W2
+    let p = r.wait_serving();
+    put_many(&mut r, p, 200);
+    r.run_for(20);
+    r.crash(2);
+    r.restart(2);
+    assert!(r.node(2).needs_snapshot(), "its NVMM log starts past index 1");
+    assert!(r.run_until(500, |r| !r.node(2).needs_snapshot()));
+    assert_eq!(r.node(2).counters.snapshots_installed, 1);
+    for k in 0..10 {
+        let key = format!("k{k}").into_bytes();
+        assert_eq!(r.node(2).key_stamp(&key), r.node(0).key_stamp(&key));
+    }
+    r.crash(0);
+    let l = r.wait_serving();
+    assert_eq!(l, 2);
+    check_all(&mut r, l, 200);
+}

@@ -158,20 +158,18 @@ impl WitnessCore {
             self.counters.values_unavailable += 1;
             return;
         }
+        if !now_anyway && self.member_lost(to) {
+            return; // a copy of the table for nobody: it is made when the member is back
+        }
         let now = self.now;
-        let fresh = self
-            .snap
-            .sending
-            .get(&to)
-            .is_none_or(|s| s.last_index < self.log.base_index);
-        if fresh
-            || (now_anyway
-                && self
-                    .snap
-                    .sending
-                    .get(&to)
-                    .is_some_and(|s| s.sent_us.is_none()))
-        {
+        let retry = self.p.pull_retry_us;
+        let base = self.log.base_index;
+        // A new copy when none is in flight, or the one in flight is behind the log and was
+        // not started (a transfer under way is finished first; the rest follows by log).
+        let fresh = self.snap.sending.get(&to).is_none_or(|s| {
+            s.last_index < base && s.offset == 0 && s.sent_us.is_none_or(|t| now >= t + retry)
+        });
+        if fresh {
             let mut keys: Vec<(Vec<u8>, Stamp)> = self
                 .head
                 .keys
