@@ -108,6 +108,9 @@ struct Scenario {
     spares: &'static [(NodeId, Kind)],
     /// The crashed primary restarts (from its NVMM) 250 ms later and rejoins as a witness.
     restart_primary: bool,
+    /// `Params::log_keep_entries`: small makes heads truncate their logs (and restarted heads
+    /// need snapshots) many times over a run.
+    log_keep: usize,
 }
 
 /// A fault some 150 ms before the main one.
@@ -152,6 +155,8 @@ struct World {
     boot: HashMap<NodeId, Config>,
     /// The primary the main fault struck.
     old_primary: Option<NodeId>,
+    /// The most entry records any head's NVMM Log region held at once.
+    max_head_log: usize,
     clients: Vec<Client>,
     hist: Vec<Op>,
     next_tag: u64,
@@ -169,6 +174,7 @@ fn params(sc: &Scenario) -> Params {
         lease_us: 100_000,
         clock_drift_us: 10_000,
         member_lost_us: 200_000,
+        log_keep_entries: sc.log_keep,
         writeback_linger_us: 10_000,
         batch_pull_bytes: 8 << 10,
         pull_retry_us: 20_000,
@@ -254,6 +260,7 @@ impl World {
             incs: HashMap::new(),
             boot,
             old_primary: None,
+            max_head_log: 0,
             clients,
             hist: Vec::new(),
             next_tag: 1,
@@ -317,6 +324,9 @@ impl World {
                         PmemRecord::Entry(e) => {
                             log.insert(e.index, e);
                         }
+                    }
+                    if self.boot[&id].kind(id) == Some(Kind::Head) {
+                        self.max_head_log = self.max_head_log.max(log.len());
                     }
                     let d = self.rng.range_u64(1, 30);
                     let inc = self.inc(id);
@@ -755,6 +765,41 @@ impl World {
         if self.verbose {
             eprintln!("final configuration at leader {l}: {c:?}");
         }
+        // Heads hold at most 2 × keep applied entries plus what is not applied yet (bounded
+        // by the clients in flight and a stalled commit's retries: far below 400 here).
+        let bound = 2 * self.sc.log_keep + 400;
+        if self.max_head_log > bound {
+            return Err(format!(
+                "a head's NVMM log held {} entries (bound {bound})",
+                self.max_head_log
+            ));
+        }
+        let top = self
+            .nodes
+            .values()
+            .map(|n| n.last_index())
+            .max()
+            .unwrap_or(0);
+        if self.sc.log_keep < 1000 && top < 10 * self.sc.log_keep as u64 {
+            return Err(format!("a long run wrote only {top} entries"));
+        }
+        let installed: u64 = self
+            .nodes
+            .values()
+            .map(|n| n.counters.snapshots_installed)
+            .sum();
+        if self.verbose {
+            eprintln!(
+                "last index {top}, snapshots installed {installed}, max head log {}",
+                self.max_head_log
+            );
+        }
+        if self.sc.log_keep < 1000
+            && self.sc.pre_fault == PreFault::RestartBackupAndWitness
+            && installed == 0
+        {
+            return Err("the witness restarted from a truncated log without a snapshot".into());
+        }
         Ok(())
     }
 
@@ -900,6 +945,7 @@ fn scenario(backups: u32, witnesses: u32, crash: bool) -> Scenario {
         fault_delay_us: 0,
         spares: &[],
         restart_primary: false,
+        log_keep: 4096,
     }
 }
 
@@ -1029,4 +1075,19 @@ fn old_primary_rejoins_as_witness_and_takes_over_again() {
         ..scenario(1, 1, true)
     };
     run_many("old_primary_rejoins_as_witness_and_takes_over_again", sc, 6);
+}
+
+#[test]
+fn long_run_past_the_log_ring_with_restarts() {
+    // Heads keep 32..64 applied entries: over thousands of entries every head truncates its
+    // log many times; the backup and a witness restart mid-run (the witness from a truncated
+    // log: it must get a snapshot before it may stand), then the primary crashes.
+    let sc = Scenario {
+        pre_fault: PreFault::RestartBackupAndWitness,
+        log_keep: 32,
+        run_us: 2_500_000,
+        fault_delay_us: 600_000,
+        ..scenario(2, 2, true)
+    };
+    run_many("long_run_past_the_log_ring_with_restarts", sc, 6);
 }
