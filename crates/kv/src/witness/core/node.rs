@@ -22,9 +22,10 @@
 //! - Time comes only as the `now_us` of [`WitnessCore::handle`]; give [`Input::Tick`] at least
 //!   every `Params::heartbeat_us / 2`.
 //!
-//! Simplified in this version (each marked `SIMPLIFIED` where it lives): a fixed configuration
-//! (no joint consensus, no substitution or promotion at run time); heads keep their whole log
-//! in memory (values stripped once applied; no snapshots or log truncation); a backup has one
+//! Membership changes (M22–M24) live in `reconfig.rs`, log truncation and key-table snapshots
+//! in `snapshot.rs` (child modules of this one: they share the core's state).
+//!
+//! Simplified in this version (each marked `SIMPLIFIED` where it lives): a backup has one
 //! SSD log (no hot/cold split, no popularity placement, no GC); no proactive (soft-timeout)
 //! pulling; no restart from NVMM (records are written so a later version can rebuild).
 
