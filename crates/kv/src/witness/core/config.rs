@@ -35,6 +35,8 @@ pub enum ConfigError {
     SubstituteInPlace(NodeId),
     #[error("{0} is not a voting backup")]
     NotVotingBackup(NodeId),
+    #[error("no voting backup or substitute would be left: acknowledged values would live only in the leader's DRAM")]
+    NoValueHolder,
 }
 
 /// One membership step (M22–M24). Each changes the voter set by at most one node; see
@@ -172,6 +174,10 @@ impl Config {
         let moved = old.symmetric_difference(&new).count();
         if moved > 1 {
             return Err(ConfigError::TooManyVoters(moved));
+        }
+        let holders = |x: &Config| x.voting_backups().count() + x.substitute.iter().count();
+        if holders(self) > 0 && holders(&c) == 0 {
+            return Err(ConfigError::NoValueHolder);
         }
         if self.quorum_is_majority() && !c.quorum_is_majority() {
             return Err(ConfigError::QuorumNotMajority(
@@ -339,6 +345,21 @@ mod tests {
             s.apply(&Change::EndSubstitute),
             Err(ConfigError::QuorumNotMajority(2, 4))
         ));
+        // P0 B1 W2 with witness 2 substituting for backup 1: removing witness 2 would leave
+        // the leader the only holder of values.
+        let n1 = Config::standard(1, 1)
+            .apply(&Change::Substitute {
+                backup: 1,
+                witness: 2,
+            })
+            .unwrap();
+        assert_eq!(
+            n1.apply(&Change::Remove { id: 2 }),
+            Err(ConfigError::NoValueHolder)
+        );
+        // N = 2: a lost substitute may leave (backup 1 still holds every value).
+        let r = s.apply(&Change::Remove { id: 3 }).unwrap();
+        assert_eq!(r.commit_quorum(0), BTreeSet::from([0, 1]));
         // Bad input is an error and changes nothing.
         assert_eq!(
             c.apply(&Change::Remove { id: 9 }),

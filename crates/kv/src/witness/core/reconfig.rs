@@ -355,6 +355,14 @@ impl WitnessCore {
                 }
             }
         }
+        // 1b. A lost substitute leaves (when the voting backups still make a majority quorum
+        //     and hold the values), so writes go on; a spare may replace it later.
+        if let Some(sub) = cfg.substitute.filter(|&s| self.member_lost(s)) {
+            let c = Change::Remove { id: sub };
+            if ok(&c) {
+                return Some(c);
+            }
+        }
         // 2. A lost voting head with a caught-up non-voting head to take its seat: remove it
         //    first (the voters shrink by one), then 3. promotes the replacement.
         let spare_ready = |kind: Kind| {

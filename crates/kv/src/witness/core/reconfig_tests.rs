@@ -292,7 +292,11 @@ fn long_run_keeps_every_head_log_and_its_nvmm_region_bounded() {
     for h in [0, 2] {
         let n = r.node(h);
         assert!(n.log_base_index() > 300, "head {h} never truncated");
-        assert!(n.log_len() <= 2 * KEEP + 8, "head {h} holds {}", n.log_len());
+        assert!(
+            n.log_len() <= 2 * KEEP + 8,
+            "head {h} holds {}",
+            n.log_len()
+        );
         // What its NVMM Log region still holds (the router applies every PmemFree).
         let live = r.pmem[&h].1.len();
         assert!(live <= 2 * KEEP + 8, "head {h} region holds {live} entries");
@@ -315,7 +319,8 @@ fn a_witness_behind_the_truncated_log_gets_a_snapshot() {
     assert!(r.node(0).log_base_index() > r.node(2).last_index());
     r.cut.clear();
     assert!(r.run_until(1_000, |r| r.node(2).counters.snapshots_installed == 1));
-    assert!(r.run_until(200, |r| r.node(2).commit_index() == r.node(0).commit_index()));
+    assert!(r.run_until(200, |r| r.node(2).commit_index()
+        == r.node(0).commit_index()));
     for k in 0..10 {
         let key = format!("k{k}").into_bytes();
         assert_eq!(r.node(2).key_stamp(&key), r.node(0).key_stamp(&key));
@@ -335,7 +340,10 @@ fn a_head_restarted_from_a_truncated_log_stands_only_after_a_snapshot() {
     r.run_for(20);
     r.crash(2);
     r.restart(2);
-    assert!(r.node(2).needs_snapshot(), "its NVMM log starts past index 1");
+    assert!(
+        r.node(2).needs_snapshot(),
+        "its NVMM log starts past index 1"
+    );
     assert!(r.run_until(500, |r| !r.node(2).needs_snapshot()));
     assert_eq!(r.node(2).counters.snapshots_installed, 1);
     for k in 0..10 {
@@ -346,4 +354,32 @@ fn a_head_restarted_from_a_truncated_log_stands_only_after_a_snapshot() {
     let l = r.wait_serving();
     assert_eq!(l, 2);
     check_all(&mut r, l, 200);
+}
+
+#[test]
+fn a_lost_substitute_leaves_and_writes_go_on() {
+    // P0 B1 B2 W3 W4: backup 2 dies, witness 3 substitutes, then witness 3 dies too.
+    let mut r = Router::with_params(Config::standard(2, 2), lost_params());
+    let p = r.wait_serving();
+    r.crash(2);
+    assert!(r.run_until(1_000, |r| r.node(0).config().substitute == Some(3)));
+    assert_eq!(r.put(p, "a", "1"), Some(ClientReply::PutOk));
+    r.crash(3);
+    let tag = r.submit(
+        p,
+        ClientReq::Put {
+            key: b"a".to_vec(),
+            value: b"2".to_vec(),
+        },
+    );
+    assert!(r.run_until(1_000, |r| r.replies.contains_key(&tag)));
+    assert_eq!(r.replies.remove(&tag), Some(ClientReply::PutOk));
+    let c = cfg_of(&r, 0);
+    assert!(c.member(3).is_none() && c.substitute.is_none(), "{c:?}");
+    assert_eq!(c.commit_quorum(0), BTreeSet::from([0, 1]));
+    // Backup 1 alone holds the values: the primary dies and witness 4 serves them.
+    r.crash(0);
+    let l = r.wait_serving();
+    assert_eq!(l, 4);
+    assert_eq!(r.get(l, "a"), val("2"));
 }
