@@ -32,7 +32,8 @@
 //!   committed entry fails it too;
 //! - read safety: every Get answer is the value of the newest acknowledged Put of its key or
 //!   of a Put still indeterminate (a ghost history, as `model_check.rs` keeps);
-//! - install monotone: no input lowers a head's key stamp or local value stamp;
+//! - install monotone: no input lowers a head's key stamp or local value stamp (an old
+//!   primary dropping its whole value table to serve as a witness, M24, excepted);
 //! - lease safety: at no time do two live leaders both hold an unexpired lease;
 //! - the core's own `check_invariants_deep` (a panic is recorded as a violation).
 //!
@@ -55,6 +56,13 @@
 //! - `NoLeaseWait` (votes granted within the lease): lease safety fails — the witness leads
 //!   term 2 while the primary's lease from term 1 runs — found by seeded walks (seed 1).
 //!
+//! Membership changes (M22, `model_check_witness_substitution`): a `Reconfigure` action gives
+//! the serving leader one change (the N = 2 layout: witness 3 substitutes for backup 2) at any
+//! point, and a crash of backup 2 or of the primary; the commit rule then asks every backup
+//! voting in every configuration a live node holds. BFS to `MODEL_RECONF_DEPTH` (default 5;
+//! depth 6 is ~118k states, ~32 s debug), then seeded walks (default 30000 states), which
+//! must acknowledge a Put under the substituted configuration.
+//!
 //! Not modelled (yet): restarts (`WitnessCore::restore`), the spec's PriorityPull-from-SSD-only
 //! variant, partitions longer than one drop, SSD errors.
 
@@ -64,7 +72,7 @@ use std::hash::{Hash, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
-use kv::witness::core::config::Config;
+use kv::witness::core::config::{Change, Config};
 use kv::witness::core::node::{
     Input, Output, Params, PmemRecord, RoleKind, SsdLog, WitnessCore, WitnessFault,
 };
@@ -126,6 +134,8 @@ struct Check {
     p: Params,
     bounds: Bounds,
     crash_nodes: Vec<NodeId>,
+    /// Membership changes a `Reconfigure` action may ask of the serving leader (once a run).
+    changes: Vec<Change>,
 }
 
 #[derive(Clone, Default)]
@@ -171,6 +181,7 @@ struct St {
     crashes: u8,
     drops: u8,
     ticks: u8,
+    reconfigs: u8,
     /// Ghost: per key, the values a Get may return now.
     cands: [BTreeSet<Option<Vec<u8>>>; 2],
     /// Ghost: per key, Put values neither acknowledged nor known failed (may land any time).
@@ -181,6 +192,8 @@ struct St {
     leaders: BTreeMap<u64, NodeId>,
     /// A Get was answered with a value by a node elected after a crash.
     served_after_failover: bool,
+    /// A Put was acknowledged by a leader with a substitute in force (M22).
+    acked_substituted: bool,
     /// The first violation seen while carrying out an input: (property, why).
     violation: Option<(&'static str, String)>,
 }
@@ -216,6 +229,7 @@ fn hash_core<H: Hasher>(c: &WitnessCore, h: &mut H) {
         c.in_recovery(),
         c.missing_keys(),
         c.written_back_through(),
+        c.config().epoch,
     )
         .hash(h);
     for k in KEYS {
@@ -247,6 +261,7 @@ impl Hash for St {
             self.crashes,
             self.drops,
             self.ticks,
+            self.reconfigs,
         )
             .hash(h);
         (
@@ -257,7 +272,7 @@ impl Hash for St {
             &self.violation,
         )
             .hash(h);
-        self.served_after_failover.hash(h);
+        (self.served_after_failover, self.acked_substituted).hash(h);
     }
 }
 
@@ -341,6 +356,8 @@ enum Action {
     Persist(NodeId),
     Tick(NodeId, Jump),
     Crash(NodeId),
+    /// The serving leader `.0` is asked for `changes[.1]`.
+    Reconfigure(NodeId, usize),
 }
 
 const P_ELECTION: &str = "election safety: <=1 leader per term, never a backup";
@@ -351,6 +368,9 @@ const P_LEASE: &str = "lease safety: no two live leaders with unexpired leases";
 const P_CORE: &str = "the core's own invariants";
 /// Reached by the random walks (asserted): the crash, a new leader, and a Get answered by it.
 const S_FAILOVER: &str = "a Get is answered by a witness elected after the primary's crash";
+/// Reached by the substitution walks (asserted): writes go on under the changed quorum.
+const S_SUBSTITUTED: &str =
+    "a Put is acknowledged by a leader whose configuration has a substitute";
 
 fn set_violation(s: &mut St, prop: &'static str, why: String) {
     if s.violation.is_none() {
@@ -394,11 +414,13 @@ impl Check {
             crashes: 0,
             drops: 0,
             ticks: 0,
+            reconfigs: 0,
             cands: [BTreeSet::from([None]), BTreeSet::from([None])],
             indet: [BTreeSet::new(), BTreeSet::new()],
             acked: BTreeSet::new(),
             leaders: BTreeMap::new(),
             served_after_failover: false,
+            acked_substituted: false,
             violation: None,
         };
         // The boot script: 1 ms steps, everything delivered and persisted, until node 0 serves.
@@ -461,6 +483,7 @@ impl Check {
                 .iter()
                 .map(|k| (core.key_stamp(k), core.local_value(k).map(|x| x.0)))
                 .collect();
+            let dropped_before = core.counters.values_dropped_as_witness;
             let r = catch_unwind(AssertUnwindSafe(|| {
                 core.handle(now, input);
                 core.check_invariants_deep();
@@ -478,9 +501,12 @@ impl Check {
             }
             let core = s.nodes[id as usize].core.as_mut().unwrap();
             let mut bad = None;
+            // An old primary following a newer leader drops its whole value table on purpose
+            // (M24): values vanish, they never go back to an older version.
+            let dropped = core.counters.values_dropped_as_witness > dropped_before;
             for (k, (ks, vs)) in KEYS.iter().zip(&before) {
                 let (ks2, vs2) = (core.key_stamp(k), core.local_value(k).map(|x| x.0));
-                if ks2 < *ks || vs2 < *vs {
+                if ks2 < *ks || (vs2 < *vs && !(dropped && vs2.is_none())) {
                     let why = format!(
                         "node {id} key {}: key stamp {ks:?} -> {ks2:?}, value stamp {vs:?} -> {vs2:?}",
                         k[0] as char
@@ -582,6 +608,11 @@ impl Check {
         s.client = None;
         match (op, reply) {
             (ClientOp::Put(k, v), ClientReply::PutOk) => {
+                let sub = s.nodes[id as usize]
+                    .core
+                    .as_ref()
+                    .is_some_and(|c| c.config().substitute.is_some());
+                s.acked_substituted |= sub;
                 s.indet[k].remove(&v);
                 s.cands[k] = s.indet[k].iter().cloned().map(Some).collect();
                 s.cands[k].insert(Some(v.clone()));
@@ -645,8 +676,15 @@ impl Check {
     }
 
     fn commit_rule(&self, s: &St) -> Result<(), String> {
+        // Backups voting in the initial configuration and in every one a live node holds
+        // (a substituted-out backup stops counting once the change is in force anywhere).
+        let mut backups: BTreeSet<NodeId> = self.cfg.voting_backups().collect();
+        for c in s.nodes.iter().filter_map(|n| n.core.as_ref()) {
+            let v: BTreeSet<NodeId> = c.config().voting_backups().collect();
+            backups = backups.intersection(&v).copied().collect();
+        }
         for (k, v) in &s.acked {
-            for b in self.cfg.voting_backups() {
+            for &b in &backups {
                 if !s.nodes[b as usize].holds(k, v) {
                     return Err(format!(
                         "acked Put {}={} not durable at voting backup {b}",
@@ -716,6 +754,15 @@ impl SrModel for Check {
                 }
             }
         }
+        if s.reconfigs == 0 {
+            for (i, n) in s.nodes.iter().enumerate() {
+                if n.core.as_ref().is_some_and(|c| c.is_serving()) {
+                    for c in 0..self.changes.len() {
+                        out.push(Action::Reconfigure(i as NodeId, c));
+                    }
+                }
+            }
+        }
         if s.crashes < self.bounds.crashes {
             for &i in &self.crash_nodes {
                 if s.nodes[i as usize].core.is_some() {
@@ -762,6 +809,10 @@ impl SrModel for Check {
                 s.drops += 1;
             }
             Action::Persist(i) => self.persist(&mut s, i),
+            Action::Reconfigure(i, c) => {
+                s.reconfigs += 1;
+                self.feed(&mut s, i, Input::Reconfigure(self.changes[c].clone()));
+            }
             Action::Tick(i, j) => {
                 s.ticks += 1;
                 s.now += j.us();
@@ -793,6 +844,7 @@ impl SrModel for Check {
             Property::always(P_LEASE, |m: &Check, s: &St| m.lease_ok(s)),
             Property::always(P_CORE, |_, s: &St| !viol(s, P_CORE)),
             Property::sometimes(S_FAILOVER, |_, s: &St| s.served_after_failover),
+            Property::sometimes(S_SUBSTITUTED, |_, s: &St| s.acked_substituted),
         ]
     }
 }
@@ -944,11 +996,13 @@ fn check(cfg: Config, fault: WitnessFault, bounds: Bounds) -> Check {
         p: params(fault),
         bounds,
         crash_nodes: crash_nodes(),
+        changes: Vec::new(),
     }
 }
 
 fn assert_clean(found: &Found, what: &str) {
-    if let Some((name, why)) = found.iter().find(|(n, _)| **n != S_FAILOVER) {
+    let reached = [S_FAILOVER, S_SUBSTITUTED];
+    if let Some((name, why)) = found.iter().find(|(n, _)| !reached.contains(*n)) {
         panic!("{what}: property {name:?} violated: {why}");
     }
 }
@@ -1181,4 +1235,47 @@ fn model_check_witness_finds_no_lease_wait() {
             "correct core",
         );
     }
+}
+
+/// M22 in the N = 2 layout (P0, B1, B2, W3, W4): the serving leader may at any point be asked
+/// to let witness 3 substitute for backup 2, and backup 2 or the primary may crash. Safety
+/// must hold through the change: the commit rule (every acknowledged Put on backup 1, the
+/// backup voting throughout), reads, election and lease safety, the core's invariants.
+#[test]
+fn model_check_witness_substitution() {
+    let change = Change::Substitute {
+        backup: 2,
+        witness: 3,
+    };
+    let b = Bounds {
+        keys: 1,
+        puts: 2,
+        gets: 2,
+        crashes: 1,
+        drops: 1,
+        ticks: 4,
+    };
+    let mut m = check(Config::standard(2, 2), WitnessFault::None, b);
+    m.changes = vec![change.clone()];
+    m.crash_nodes = vec![0, 2];
+    let found = run(
+        "substitution BFS",
+        m.clone(),
+        Search::Bfs(env_u("MODEL_RECONF_DEPTH", 5)),
+    );
+    assert_clean(&found, "substitution BFS");
+    let mut m = check(Config::standard(2, 2), WitnessFault::None, walk_bounds());
+    m.changes = vec![change];
+    m.crash_nodes = vec![0, 2];
+    let seed = env_u("MODEL_SEED", 1) as u64;
+    let found = run(
+        "substitution walks",
+        m,
+        Search::Walks(env_u("MODEL_SIM_STATES", 30_000), seed),
+    );
+    assert_clean(&found, "substitution walks");
+    assert!(
+        found.contains_key(S_SUBSTITUTED),
+        "no walk acknowledged a Put under the substituted configuration"
+    );
 }

@@ -13,13 +13,18 @@
 //! for longer than the soft timeout and shorter than the hard one (false soft timeouts: the
 //! proactive pull starts and aborts, nobody is elected); and a double failure (the successor
 //! crashes).
+//! Membership changes (M22–M24, the leader's automatic policy with `member_lost_us`): a backup
+//! lost for good (a witness substitutes, a spare backup joins, catches up and is promoted, the
+//! substitute steps back), a witness lost for good (a spare witness replaces it), each before
+//! the primary's crash; the old primary restarting as a witness and taking over again.
+//!
 //! Not yet simulated: SSD read errors and slowness, torn NVMM records (power loss), crashes
-//! in the middle of reconciliation on purpose, membership changes (not in the core yet).
+//! in the middle of reconciliation on purpose.
 
 use std::collections::{BTreeMap, HashMap};
 
 use kv::checker::{self, Op, OpKind};
-use kv::witness::core::config::Config;
+use kv::witness::core::config::{Config, Kind, Member};
 use kv::witness::core::node::{Durable, Input, Output, Params, PmemRecord, SsdLog, WitnessCore};
 use kv::witness::proto::{ClientReply, ClientReq, Entry, NodeId, PeerMsg};
 use sim::{Delivery, EventQueue, NetConfig, Network, SimRng};
@@ -103,6 +108,17 @@ struct Scenario {
     /// Pauses of the leader before the main fault, each longer than the soft timeout and
     /// shorter than the hard one.
     pauses: u32,
+    /// How long before the main fault the pre-fault strikes.
+    pre_fault_lead_us: u64,
+    /// Added to the main fault's time (room for membership changes after a pre-fault).
+    fault_delay_us: u64,
+    /// Spare nodes named in the configuration, running idle until the leader adds them.
+    spares: &'static [(NodeId, Kind)],
+    /// The crashed primary restarts (from its NVMM) 250 ms later and rejoins as a witness.
+    restart_primary: bool,
+    /// `Params::log_keep_entries`: small makes heads truncate their logs (and restarted heads
+    /// need snapshots) many times over a run.
+    log_keep: usize,
 }
 
 /// A fault some 150 ms before the main one.
@@ -115,6 +131,8 @@ enum PreFault {
     IsolateBackup,
     /// Backup 1 and the highest-id witness crash and restart from NVMM + SSD 50 ms later.
     RestartBackupAndWitness,
+    /// Backup 1 crashes for good (M22: a witness substitutes, a spare replaces it).
+    LoseBackup,
 }
 
 struct Client {
@@ -141,7 +159,12 @@ struct World {
     ssd: HashMap<(NodeId, SsdLog), Vec<u8>>,
     pmem: HashMap<NodeId, NvmmRegions>,
     incs: HashMap<NodeId, u64>,
-    cfg: Config,
+    /// Each node's bootstrap configuration (a spare's names itself, non-voting).
+    boot: HashMap<NodeId, Config>,
+    /// The primary the main fault struck.
+    old_primary: Option<NodeId>,
+    /// The most entry records any head's NVMM Log region held at once.
+    max_head_log: usize,
     clients: Vec<Client>,
     hist: Vec<Op>,
     next_tag: u64,
@@ -162,6 +185,8 @@ fn params(sc: &Scenario) -> Params {
         election_jitter_us: 20_000,
         lease_us: 100_000,
         clock_drift_us: 10_000,
+        member_lost_us: 200_000,
+        log_keep_entries: sc.log_keep,
         writeback_linger_us: 10_000,
         batch_pull_bytes: 8 << 10,
         pull_retry_us: 20_000,
@@ -171,19 +196,43 @@ fn params(sc: &Scenario) -> Params {
 
 impl World {
     fn new(seed: u64, sc: Scenario, verbose: bool) -> World {
-        let cfg = Config::standard(sc.backups, sc.witnesses);
+        let mut cfg = Config::standard(sc.backups, sc.witnesses);
         let mut rng = SimRng::new(seed);
         let net_rng = rng.fork();
         let mut q = EventQueue::new(1 << 20);
         let mut nodes = BTreeMap::new();
-        for id in cfg.ids() {
-            nodes.insert(
+        let mut boot = HashMap::new();
+        for &(id, kind) in sc.spares {
+            cfg.spares.push(Member {
                 id,
-                WitnessCore::new(id, cfg.clone(), params(&sc), 0).unwrap(),
-            );
+                kind,
+                voting: false,
+            });
+        }
+        for id in cfg.ids() {
+            boot.insert(id, cfg.clone());
+        }
+        for &(id, kind) in sc.spares {
+            let mut own = cfg.clone();
+            own.epoch = 0;
+            own.members.push(Member {
+                id,
+                kind,
+                voting: false,
+            });
+            boot.insert(id, own);
+        }
+        let mut heads = Vec::new();
+        for (&id, c) in &boot {
+            nodes.insert(id, WitnessCore::new(id, c.clone(), params(&sc), 0).unwrap());
+            if c.kind(id) == Some(Kind::Head) {
+                heads.push(id);
+            }
+        }
+        heads.sort_unstable();
+        for &id in nodes.keys() {
             q.push_at(rng.range_u64(0, TICK_US), Ev::Tick(id)).unwrap();
         }
-        let heads: Vec<NodeId> = cfg.ids().filter(|&i| cfg.may_stand(i)).collect();
         let clients = (0..sc.clients)
             .map(|c| {
                 q.push_at(300_000 + c as u64 * 100, Ev::ClientWake(c))
@@ -198,7 +247,7 @@ impl World {
                 }
             })
             .collect();
-        let mut fault_at = rng.range_u64(450_000, 800_000);
+        let mut fault_at = rng.range_u64(450_000, 800_000) + sc.fault_delay_us;
         for i in 0..u64::from(sc.pauses) {
             let at = 350_000 + i * 200_000 + rng.range_u64(0, 20_000);
             q.push_at(at, Ev::Pause).unwrap();
@@ -206,7 +255,8 @@ impl World {
         }
         q.push_at(fault_at, Ev::Fault).unwrap();
         if sc.pre_fault != PreFault::None {
-            q.push_at(fault_at - 150_000, Ev::PreFault).unwrap();
+            q.push_at(fault_at - sc.pre_fault_lead_us, Ev::PreFault)
+                .unwrap();
         }
         World {
             sc,
@@ -225,7 +275,9 @@ impl World {
             ssd: HashMap::new(),
             pmem: HashMap::new(),
             incs: HashMap::new(),
-            cfg: cfg.clone(),
+            boot,
+            old_primary: None,
+            max_head_log: 0,
             clients,
             hist: Vec::new(),
             next_tag: 1,
@@ -261,7 +313,7 @@ impl World {
                 .cloned()
                 .unwrap_or_default(),
         };
-        let core = WitnessCore::restore(id, self.cfg.clone(), params(&self.sc), now, durable)
+        let core = WitnessCore::restore(id, self.boot[&id].clone(), params(&self.sc), now, durable)
             .expect("restore");
         self.nodes.insert(id, core);
         self.dead.retain(|&d| d != id);
@@ -294,6 +346,9 @@ impl World {
                         PmemRecord::Entry(e) => {
                             log.insert(e.index, e);
                         }
+                    }
+                    if self.boot[&id].kind(id) == Some(Kind::Head) {
+                        self.max_head_log = self.max_head_log.max(log.len());
                     }
                     let d = self.rng.range_u64(1, 30);
                     let inc = self.inc(id);
@@ -599,10 +654,18 @@ impl World {
                     if self.verbose {
                         eprintln!("{now} fault on leader {l}: crash={}", self.sc.crash);
                     }
+                    self.old_primary = Some(l);
                     if self.sc.crash {
                         self.crash(l);
+                        if self.sc.restart_primary {
+                            self.q.push_at(now + 250_000, Ev::Restart(l)).unwrap();
+                        }
                         if self.sc.double_failure {
-                            let d = self.rng.range_u64(200_000, 400_000);
+                            let d = if self.sc.restart_primary {
+                                self.rng.range_u64(500_000, 700_000)
+                            } else {
+                                self.rng.range_u64(200_000, 400_000)
+                            };
                             self.q.push_at(now + d, Ev::Fault2).unwrap();
                         }
                     } else {
@@ -614,14 +677,14 @@ impl World {
                 Ev::PreFault => match self.sc.pre_fault {
                     PreFault::None => {}
                     PreFault::CrashWitness => {
-                        let w = *self.heads.last().unwrap();
+                        let w = self.sc.backups + self.sc.witnesses; // not a spare
                         if self.verbose {
                             eprintln!("{now} witness {w} crashes");
                         }
                         self.crash(w);
                     }
                     PreFault::RestartBackupAndWitness => {
-                        let w = *self.heads.last().unwrap();
+                        let w = self.sc.backups + self.sc.witnesses;
                         if self.verbose {
                             eprintln!("{now} backup 1 and witness {w} crash");
                         }
@@ -629,6 +692,12 @@ impl World {
                         self.crash(w);
                         self.q.push_at(now + 50_000, Ev::Restart(1)).unwrap();
                         self.q.push_at(now + 60_000, Ev::Restart(w)).unwrap();
+                    }
+                    PreFault::LoseBackup => {
+                        if self.verbose {
+                            eprintln!("{now} backup 1 crashes for good");
+                        }
+                        self.crash(1);
                     }
                     PreFault::IsolateBackup => {
                         if self.verbose {
@@ -709,6 +778,89 @@ impl World {
         }
         if self.sc.crash && self.recovered == 0 {
             return Err("the new primary never finished live recovery".into());
+        }
+        self.check_membership()
+    }
+
+    /// After the run: every spare was added and votes, no lost backup or witness is still a
+    /// voter, and an old primary that follows keeps no values (M22–M24).
+    fn check_membership(&self) -> Result<(), String> {
+        let Some((&l, leader)) = self
+            .nodes
+            .iter()
+            .filter(|(i, _)| !self.dead.contains(i))
+            .find(|(_, n)| n.is_serving())
+        else {
+            return Ok(()); // final_reads reports it
+        };
+        let c = leader.config();
+        for &(id, _) in self.sc.spares {
+            if !c.is_voter(id) {
+                return Err(format!("spare {id} not a voter at the end: {c:?}"));
+            }
+        }
+        if !self.sc.spares.is_empty() {
+            // Lost before the main fault (the crashed primary has no spare to replace it).
+            for &d in self.dead.iter().filter(|&&d| Some(d) != self.old_primary) {
+                if c.is_voter(d) {
+                    return Err(format!("lost node {d} still votes: {c:?}"));
+                }
+            }
+            if c.substitute.is_some() {
+                return Err(format!("the substitute never stepped back: {c:?}"));
+            }
+        }
+        if let Some(o) = self
+            .old_primary
+            .filter(|&o| o != l && !self.dead.contains(&o))
+        {
+            let n = &self.nodes[&o];
+            if !c.gets_values(o) {
+                for k in 0..self.sc.keys {
+                    let key = format!("k{k}").into_bytes();
+                    if n.local_value(&key).is_some() {
+                        return Err(format!("old primary {o} still holds a value of k{k}"));
+                    }
+                }
+            }
+        }
+        if self.verbose {
+            eprintln!("final configuration at leader {l}: {c:?}");
+        }
+        // Heads hold at most 2 × keep applied entries plus what is not applied yet (bounded
+        // by the clients in flight and a stalled commit's retries: far below 400 here).
+        let bound = 2 * self.sc.log_keep + 400;
+        if self.max_head_log > bound {
+            return Err(format!(
+                "a head's NVMM log held {} entries (bound {bound})",
+                self.max_head_log
+            ));
+        }
+        let top = self
+            .nodes
+            .values()
+            .map(|n| n.last_index())
+            .max()
+            .unwrap_or(0);
+        if self.sc.log_keep < 1000 && top < 10 * self.sc.log_keep as u64 {
+            return Err(format!("a long run wrote only {top} entries"));
+        }
+        let installed: u64 = self
+            .nodes
+            .values()
+            .map(|n| n.counters.snapshots_installed)
+            .sum();
+        if self.verbose {
+            eprintln!(
+                "last index {top}, snapshots installed {installed}, max head log {}",
+                self.max_head_log
+            );
+        }
+        if self.sc.log_keep < 1000
+            && self.sc.pre_fault == PreFault::RestartBackupAndWitness
+            && installed == 0
+        {
+            return Err("the witness restarted from a truncated log without a snapshot".into());
         }
         Ok(())
     }
@@ -869,6 +1021,11 @@ fn scenario(backups: u32, witnesses: u32, crash: bool) -> Scenario {
         proactive: true,
         pre_fault: PreFault::None,
         pauses: 0,
+        pre_fault_lead_us: 150_000,
+        fault_delay_us: 0,
+        spares: &[],
+        restart_primary: false,
+        log_keep: 4096,
     }
 }
 
@@ -953,4 +1110,80 @@ fn leader_paused_repeatedly_false_soft_timeouts_then_crash() {
         sc,
         6,
     );
+}
+
+#[test]
+fn backup_lost_for_good_substitute_then_replacement_promoted() {
+    // P0 B1 W2 + spare backup 3: backup 1 dies; witness 2 substitutes, backup 3 joins, catches
+    // up, is promoted and witness 2 steps back; then the primary crashes and witness 2 must
+    // recover every value from backup 3 alone.
+    let sc = Scenario {
+        pre_fault: PreFault::LoseBackup,
+        pre_fault_lead_us: 700_000,
+        fault_delay_us: 700_000,
+        run_us: 2_500_000,
+        spares: &[(3, Kind::Backup)],
+        ..scenario(1, 1, true)
+    };
+    run_many(
+        "backup_lost_for_good_substitute_then_replacement_promoted",
+        sc,
+        6,
+    );
+}
+
+#[test]
+fn backup_lost_for_good_two_backups_two_witnesses() {
+    let sc = Scenario {
+        pre_fault: PreFault::LoseBackup,
+        pre_fault_lead_us: 700_000,
+        fault_delay_us: 700_000,
+        run_us: 2_500_000,
+        spares: &[(5, Kind::Backup)],
+        ..scenario(2, 2, true)
+    };
+    run_many("backup_lost_for_good_two_backups_two_witnesses", sc, 4);
+}
+
+#[test]
+fn witness_lost_for_good_replaced_then_primary_crash() {
+    // P0 B1 W2 + spare witness 3: witness 2 dies; 3 replaces it and must take over when the
+    // primary crashes (without it, P0's crash would leave no head to elect).
+    let sc = Scenario {
+        pre_fault: PreFault::CrashWitness,
+        pre_fault_lead_us: 700_000,
+        fault_delay_us: 700_000,
+        run_us: 2_500_000,
+        spares: &[(3, Kind::Head)],
+        ..scenario(1, 1, true)
+    };
+    run_many("witness_lost_for_good_replaced_then_primary_crash", sc, 6);
+}
+
+#[test]
+fn old_primary_rejoins_as_witness_and_takes_over_again() {
+    // The primary crashes, restarts as a witness (no values), and when its successor crashes
+    // too it is elected again and recovers from the backup.
+    let sc = Scenario {
+        restart_primary: true,
+        double_failure: true,
+        run_us: 2_500_000,
+        ..scenario(1, 1, true)
+    };
+    run_many("old_primary_rejoins_as_witness_and_takes_over_again", sc, 6);
+}
+
+#[test]
+fn long_run_past_the_log_ring_with_restarts() {
+    // Heads keep 32..64 applied entries: over thousands of entries every head truncates its
+    // log many times; the backup and a witness restart mid-run (the witness from a truncated
+    // log: it must get a snapshot before it may stand), then the primary crashes.
+    let sc = Scenario {
+        pre_fault: PreFault::RestartBackupAndWitness,
+        log_keep: 32,
+        run_us: 2_500_000,
+        fault_delay_us: 600_000,
+        ..scenario(2, 2, true)
+    };
+    run_many("long_run_past_the_log_ring_with_restarts", sc, 6);
 }

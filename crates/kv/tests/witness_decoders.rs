@@ -32,6 +32,8 @@ fn samples() -> Vec<Vec<u8>> {
             success: true,
             match_index: 2,
             sent_us: 5,
+            durable: 2,
+            want_snapshot: false,
         },
         PeerBody::RequestVote {
             candidate: 2,
@@ -43,7 +45,17 @@ fn samples() -> Vec<Vec<u8>> {
             last_index: 2,
             last_term: 1,
             in_lease: false,
+            config: None,
         },
+        PeerBody::Snapshot {
+            last_index: 2,
+            last_term: 1,
+            config: kv::witness::core::config::Config::standard(1, 1),
+            offset: 0,
+            keys: vec![(serde_bytes::ByteBuf::from(b"k".to_vec()), kv::witness::proto::Stamp { term: 1, index: 1 })],
+            done: true,
+        },
+        PeerBody::SnapshotAck { last_index: 2, next_offset: 1, installed: true },
         PeerBody::RequestLog { index: 1 },
         PeerBody::LogReply {
             index: 1,

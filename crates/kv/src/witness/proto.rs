@@ -34,11 +34,47 @@ impl Stamp {
     pub const ZERO: Stamp = Stamp { term: 0, index: 0 };
 }
 
+/// A member's kind (paper §3). Defined here, with [`Member`] and [`Config`], because a
+/// configuration travels in the log ([`Op::Config`]); `core::config` holds their logic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Kind {
+    /// Primary or witness: keeps the key→stamp table (and, as primary, values); may be elected.
+    Head,
+    /// NVMM buffer, SSD logs and index: votes and persists, never a candidate.
+    Backup,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    pub id: NodeId,
+    pub kind: Kind,
+    pub voting: bool,
+}
+
+/// The group's membership at one epoch (quorums and rules in `core::config`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Config {
+    pub epoch: u64,
+    pub members: Vec<Member>,
+    /// A witness standing in for a failed backup in the commit quorum (M22). It must then
+    /// receive full entries.
+    pub substitute: Option<NodeId>,
+    /// Nodes not yet members that the leader may add on its own to replace a lost member
+    /// (M23/M24: fault tolerance comes back by itself). Naming them in the configuration
+    /// makes the choice part of the replicated state: a spare is used once.
+    #[serde(default)]
+    pub spares: Vec<Member>,
+}
+
 /// What a log entry does. Single-key Put only (paper §2.4: no delete, no scan); `Noop` is the
 /// entry a new leader appends in its own term so that earlier entries commit (Raft §5.4.2).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Op {
     Noop,
+    /// A membership change (M22–M24): takes effect on every member as soon as it is appended
+    /// (Raft §4.1), so at most one may be uncommitted at a time (see `core::reconfig`). It
+    /// goes in full to every member, witnesses included (spec M22 Decide).
+    Config(Config),
     Put {
         #[serde(with = "serde_bytes")]
         key: Vec<u8>,
@@ -65,26 +101,26 @@ impl Entry {
     pub fn key(&self) -> Option<&[u8]> {
         match &self.op {
             Op::Put { key, .. } => Some(key),
-            Op::Noop => None,
+            Op::Noop | Op::Config(_) => None,
         }
     }
     pub fn value(&self) -> Option<&[u8]> {
         match &self.op {
             Op::Put { value, .. } => value.as_deref().map(|v| v.as_slice()),
-            Op::Noop => None,
+            Op::Noop | Op::Config(_) => None,
         }
     }
     /// True when this copy can be sent to a backup (a Put carries its value; a Noop has none).
     pub fn is_full(&self) -> bool {
         match &self.op {
-            Op::Noop => true,
+            Op::Noop | Op::Config(_) => true,
             Op::Put { value, .. } => value.is_some(),
         }
     }
     /// The copy a witness receives: the key and stamp, without the value (M4).
     pub fn key_only(&self) -> Entry {
         match &self.op {
-            Op::Noop => self.clone(),
+            Op::Noop | Op::Config(_) => self.clone(),
             Op::Put { key, .. } => Entry {
                 index: self.index,
                 term: self.term,
@@ -99,6 +135,7 @@ impl Entry {
     pub fn approx_bytes(&self) -> usize {
         24 + match &self.op {
             Op::Noop => 0,
+            Op::Config(c) => 16 * c.members.len(),
             Op::Put { key, value } => key.len() + value.as_ref().map_or(0, |v| v.len()),
         }
     }
@@ -136,6 +173,28 @@ pub enum PeerBody {
         /// On failure, the follower's last index (where the leader retries from).
         match_index: u64,
         sent_us: u64,
+        /// Through which index the leader may drop its log for this member: a head's
+        /// persisted match, a backup's written-back index (M24 log truncation).
+        durable: u64,
+        /// A head restarted from a truncated log: its key table is incomplete until a
+        /// snapshot arrives.
+        want_snapshot: bool,
+    },
+    /// Leader → a head too far behind its truncated log (M24): the key→stamp table as of
+    /// `last_index`, in chunks of sorted keys from `offset`.
+    Snapshot {
+        last_index: u64,
+        last_term: u64,
+        config: Config,
+        offset: u64,
+        keys: Vec<(serde_bytes::ByteBuf, Stamp)>,
+        done: bool,
+    },
+    /// Keys of snapshot `last_index` received so far; `installed` once it is in force.
+    SnapshotAck {
+        last_index: u64,
+        next_offset: u64,
+        installed: bool,
     },
     /// Heads only (a backup never runs, M12).
     RequestVote {
@@ -151,6 +210,10 @@ pub enum PeerBody {
         /// Refused only because the voter heard from a live leader within the lease (M3); such
         /// a refusal says nothing about logs and is never adopted from.
         in_lease: bool,
+        /// A backup's refusal carries its newest configuration entry past its commit index, so
+        /// a head that adopts this log (M13) also learns a membership change it missed: a
+        /// witness promoted while the leader died would otherwise never stand (etcd#10998).
+        config: Option<Entry>,
     },
     /// Provisional leader → voting backups (M14): the entry at `index`.
     RequestLog {
@@ -290,6 +353,7 @@ mod tests {
                 last_index: 9,
                 last_term: 3,
                 in_lease: false,
+                config: None,
             },
             PeerBody::LogReply {
                 index: 7,

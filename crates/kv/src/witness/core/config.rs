@@ -7,38 +7,13 @@
 //! is what lets a reconciling leader drop an entry any voting backup lacks (M14 ii). A witness
 //! named as `substitute` stands in for a failed backup in the commit quorum (M22).
 //!
-//! This version keeps the configuration fixed for a core's life (one epoch); joint
-//! configurations and membership changes (M22–M24) are not implemented yet.
+//! Membership changes (M22–M24) are single steps ([`Change`], [`Config::apply`]) replicated as
+//! log entries; why one step at a time is safe here is argued in `core::reconfig`.
 
 use std::collections::BTreeSet;
 
-use serde::{Deserialize, Serialize};
-
 use crate::witness::proto::NodeId;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Kind {
-    /// Primary or witness: keeps the key→stamp table (and, as primary, values); may be elected.
-    Head,
-    /// NVMM buffer, SSD logs and index: votes and persists, never a candidate.
-    Backup,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Member {
-    pub id: NodeId,
-    pub kind: Kind,
-    pub voting: bool,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Config {
-    pub epoch: u64,
-    pub members: Vec<Member>,
-    /// A witness standing in for a failed backup in the commit quorum (M22). It must then
-    /// receive full entries.
-    pub substitute: Option<NodeId>,
-}
+pub use crate::witness::proto::{Config, Kind, Member};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
@@ -48,6 +23,40 @@ pub enum ConfigError {
     NoHead,
     #[error("substitute {0} is not a voting head")]
     BadSubstitute(NodeId),
+    #[error("node {0} is not a member")]
+    NotMember(NodeId),
+    #[error("node {0} is already a member")]
+    AlreadyMember(NodeId),
+    #[error("the change moves {0} voters at once; one at a time keeps every old and new majority overlapping")]
+    TooManyVoters(usize),
+    #[error("the commit quorum ({0} nodes) would no longer be a majority of the {1} voters")]
+    QuorumNotMajority(usize, usize),
+    #[error("a substitute ({0}) is already in place")]
+    SubstituteInPlace(NodeId),
+    #[error("{0} is not a voting backup")]
+    NotVotingBackup(NodeId),
+    #[error("no voting backup or substitute would be left: acknowledged values would live only in the leader's DRAM")]
+    NoValueHolder,
+}
+
+/// One membership step (M22–M24). Each changes the voter set by at most one node; see
+/// `core::reconfig` for why that suffices here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// A new member joins non-voting (a replacement witness or backup catching up, M22). A
+    /// spare of that id is taken off the spare list.
+    Add { id: NodeId, kind: Kind },
+    /// A member leaves (a lost witness once its replacement votes; a failed backup).
+    Remove { id: NodeId },
+    /// Promote (a caught-up member, M22) or demote a member. A kind never changes: a
+    /// member's kind is which engine its process runs.
+    SetVoting { id: NodeId, voting: bool },
+    /// M22: the voting backup `backup` stops voting and the witness `witness` takes its place
+    /// in the commit quorum (Cheap Paxos), in one step: the voters lose one node and the
+    /// commit quorum swaps one member, so writes continue without the failed backup.
+    Substitute { backup: NodeId, witness: NodeId },
+    /// The substitute goes back to being a plain witness (a backup votes again).
+    EndSubstitute,
 }
 
 impl Config {
@@ -77,6 +86,7 @@ impl Config {
             epoch: 1,
             members,
             substitute: None,
+            spares: Vec::new(),
         }
     }
 
@@ -103,6 +113,86 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// The configuration after `change`, at the next epoch, or why the change is refused.
+    /// Beyond [`Config::validate`]: at most one voter added or removed, and, when this
+    /// configuration's commit quorum is a majority of its voters, so is the new one's (the
+    /// overlap argument of `core::reconfig` rests on it).
+    pub fn apply(&self, change: &Change) -> Result<Config, ConfigError> {
+        let mut c = self.clone();
+        c.epoch += 1;
+        match *change {
+            Change::Add { id, kind } => {
+                if self.member(id).is_some() {
+                    return Err(ConfigError::AlreadyMember(id));
+                }
+                c.spares.retain(|m| m.id != id);
+                c.members.push(Member {
+                    id,
+                    kind,
+                    voting: false,
+                });
+            }
+            Change::Remove { id } => {
+                if self.member(id).is_none() {
+                    return Err(ConfigError::NotMember(id));
+                }
+                c.members.retain(|m| m.id != id);
+                if c.substitute == Some(id) {
+                    c.substitute = None;
+                }
+            }
+            Change::SetVoting { id, voting } => {
+                let m = c
+                    .members
+                    .iter_mut()
+                    .find(|m| m.id == id)
+                    .ok_or(ConfigError::NotMember(id))?;
+                m.voting = voting;
+                if !voting && c.substitute == Some(id) {
+                    c.substitute = None;
+                }
+            }
+            Change::Substitute { backup, witness } => {
+                if let Some(s) = self.substitute {
+                    return Err(ConfigError::SubstituteInPlace(s));
+                }
+                let b = c
+                    .members
+                    .iter_mut()
+                    .find(|m| m.id == backup && m.kind == Kind::Backup && m.voting)
+                    .ok_or(ConfigError::NotVotingBackup(backup))?;
+                b.voting = false;
+                c.substitute = Some(witness);
+            }
+            Change::EndSubstitute => c.substitute = None,
+        }
+        c.validate()?;
+        let old: BTreeSet<NodeId> = self.voters().collect();
+        let new: BTreeSet<NodeId> = c.voters().collect();
+        let moved = old.symmetric_difference(&new).count();
+        if moved > 1 {
+            return Err(ConfigError::TooManyVoters(moved));
+        }
+        let holders = |x: &Config| x.voting_backups().count() + x.substitute.iter().count();
+        if holders(self) > 0 && holders(&c) == 0 {
+            return Err(ConfigError::NoValueHolder);
+        }
+        if self.quorum_is_majority() && !c.quorum_is_majority() {
+            return Err(ConfigError::QuorumNotMajority(
+                c.voting_backups().count() + c.substitute.iter().count() + 1,
+                c.voters().count(),
+            ));
+        }
+        Ok(c)
+    }
+
+    /// Whether the commit quorum (any voting head leading) is a majority of the voters: then
+    /// every election majority meets every commit quorum.
+    pub fn quorum_is_majority(&self) -> bool {
+        let q = self.voting_backups().count() + self.substitute.iter().count() + 1;
+        2 * q > self.voters().count()
     }
 
     pub fn member(&self, id: NodeId) -> Option<&Member> {
@@ -163,6 +253,13 @@ impl Config {
             .is_some_and(|m| m.voting && m.kind == Kind::Head)
     }
 
+    /// Heads that may start an election: voting heads, and a non-voting head that may have
+    /// been promoted without hearing of it; it wins only once it is a voter (see
+    /// `core::reconfig`).
+    pub fn may_run(&self, id: NodeId) -> bool {
+        self.kind(id) == Some(Kind::Head)
+    }
+
     /// Whether `id` must receive values in its AppendEntries (backups and the substitute).
     pub fn gets_values(&self, id: NodeId) -> bool {
         self.kind(id) == Some(Kind::Backup) || self.substitute == Some(id)
@@ -202,5 +299,85 @@ mod tests {
         assert_eq!(c.election_quorum(), 3); // 4 voters
         c.substitute = Some(1);
         assert_eq!(c.validate(), Err(ConfigError::BadSubstitute(1)));
+    }
+
+    #[test]
+    fn changes_move_one_voter_and_keep_the_quorum_a_majority() {
+        let c = Config::standard(2, 2); // P0 B1 B2 W3 W4
+        assert!(c.quorum_is_majority());
+        // M22: backup 2 lost, witness 3 substitutes: voters 0,1,3,4; quorum {L,1,3}.
+        let s = c
+            .apply(&Change::Substitute {
+                backup: 2,
+                witness: 3,
+            })
+            .unwrap();
+        assert_eq!(s.epoch, 2);
+        assert_eq!(s.commit_quorum(0), BTreeSet::from([0, 1, 3]));
+        assert_eq!(s.election_quorum(), 3);
+        assert!(s.quorum_is_majority());
+        assert_eq!(
+            s.apply(&Change::Substitute {
+                backup: 1,
+                witness: 4
+            }),
+            Err(ConfigError::SubstituteInPlace(3))
+        );
+        // A replacement backup 5 joins non-voting, then is promoted, then the substitute ends.
+        let a = s
+            .apply(&Change::Add {
+                id: 5,
+                kind: Kind::Backup,
+            })
+            .unwrap();
+        assert!(!a.is_voter(5) && a.gets_values(5));
+        let p = a
+            .apply(&Change::SetVoting {
+                id: 5,
+                voting: true,
+            })
+            .unwrap();
+        assert_eq!(p.commit_quorum(0), BTreeSet::from([0, 1, 3, 5]));
+        let e = p.apply(&Change::EndSubstitute).unwrap();
+        assert_eq!(e.commit_quorum(0), BTreeSet::from([0, 1, 5]));
+        // Dropping a substitute that holds the quorum up is refused: {L,1} of 4 voters.
+        assert!(matches!(
+            s.apply(&Change::EndSubstitute),
+            Err(ConfigError::QuorumNotMajority(2, 4))
+        ));
+        // P0 B1 W2 with witness 2 substituting for backup 1: removing witness 2 would leave
+        // the leader the only holder of values.
+        let n1 = Config::standard(1, 1)
+            .apply(&Change::Substitute {
+                backup: 1,
+                witness: 2,
+            })
+            .unwrap();
+        assert_eq!(
+            n1.apply(&Change::Remove { id: 2 }),
+            Err(ConfigError::NoValueHolder)
+        );
+        // N = 2: a lost substitute may leave (backup 1 still holds every value).
+        let r = s.apply(&Change::Remove { id: 3 }).unwrap();
+        assert_eq!(r.commit_quorum(0), BTreeSet::from([0, 1]));
+        // Bad input is an error and changes nothing.
+        assert_eq!(
+            c.apply(&Change::Remove { id: 9 }),
+            Err(ConfigError::NotMember(9))
+        );
+        assert_eq!(
+            c.apply(&Change::Add {
+                id: 1,
+                kind: Kind::Head
+            }),
+            Err(ConfigError::AlreadyMember(1))
+        );
+        assert_eq!(
+            c.apply(&Change::Substitute {
+                backup: 3,
+                witness: 4
+            }),
+            Err(ConfigError::NotVotingBackup(3))
+        );
     }
 }

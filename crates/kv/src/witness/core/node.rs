@@ -22,9 +22,10 @@
 //! - Time comes only as the `now_us` of [`WitnessCore::handle`]; give [`Input::Tick`] at least
 //!   every `Params::heartbeat_us / 2`.
 //!
-//! Simplified in this version (each marked `SIMPLIFIED` where it lives): a fixed configuration
-//! (no joint consensus, no substitution or promotion at run time); heads keep their whole log
-//! in memory (values stripped once applied; no snapshots or log truncation); a backup has one
+//! Membership changes (M22–M24) live in `reconfig.rs`, log truncation and key-table snapshots
+//! in `snapshot.rs` (child modules of this one: they share the core's state).
+//!
+//! Simplified in this version (each marked `SIMPLIFIED` where it lives): a backup has one
 //! SSD log (no hot/cold split, no popularity placement, no GC); no proactive (soft-timeout)
 //! pulling; no restart from NVMM (records are written so a later version can rebuild).
 
@@ -33,7 +34,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 
-use super::config::{Config, ConfigError, Kind};
+use super::config::{Change, Config, ConfigError, Kind, Member};
 use recovery::RecoveryState;
 pub use recovery::{
     Recovery, RecoveryCounters, UnknownRecovery, HOT_CURSOR, OFFLINE_BATCH_PULL_BYTES,
@@ -45,6 +46,12 @@ use crate::witness::proto::{
     ClientReply, ClientReq, Entry, NodeId, Op, PeerBody, PeerMsg, Stamp, MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
 };
+
+#[path = "reconfig.rs"]
+mod reconfig;
+#[path = "snapshot.rs"]
+mod snapshot;
+pub use reconfig::ReconfigError;
 
 /// Tunables. Every bound has its unit in its name.
 #[derive(Clone, Debug)]
@@ -108,6 +115,17 @@ pub struct Params {
     pub batch_pull_bytes_per_s_min: u64,
     /// A PriorityPull answered slower than this halves the BatchPull rate; 0 = fixed rate.
     pub priority_pull_target_us: u64,
+    /// A voting member the serving leader has not heard from for this long is lost: a backup
+    /// is substituted by a witness, a spare replaces it (M22–M24). 0 disables the automatic
+    /// membership policy (changes then come only from `Input::Reconfigure`).
+    pub member_lost_us: u64,
+    /// A head keeps between this many and twice this many applied entries of its log (in
+    /// memory and in its NVMM Log region) and drops older ones once every live member holds
+    /// them durably (M24); a head behind the dropped prefix gets a snapshot of the key table.
+    pub log_keep_entries: usize,
+    /// Keys per snapshot message (a key is at most `MAX_KEY_BYTES`, so a chunk stays far
+    /// below `MAX_PEER_MSG_BYTES`).
+    pub snapshot_chunk_keys: usize,
     /// Deliberately broken behaviour for the model check only (`tests/model_check_witness.rs`
     /// must catch each); always `WitnessFault::None` outside it.
     #[doc(hidden)]
@@ -163,6 +181,9 @@ impl Default for Params {
             batch_pull_bytes_per_s: 256 << 20,
             batch_pull_bytes_per_s_min: 8 << 20,
             priority_pull_target_us: 5_000,
+            member_lost_us: 3_000_000,
+            log_keep_entries: 4096,
+            snapshot_chunk_keys: 1024,
             fault: WitnessFault::None,
         }
     }
@@ -178,6 +199,8 @@ pub enum ParamsError {
     SoftAfterHard(u64, u64),
     #[error("{0} must be positive")]
     Zero(&'static str),
+    #[error("member_lost_us ({0}) must be at least election_timeout_us ({1}): a member is not lost before a leader would be")]
+    LostBeforeTimeout(u64, u64),
     #[error(transparent)]
     Config(#[from] ConfigError),
     #[error("node {0} is not in the configuration")]
@@ -200,6 +223,12 @@ impl Params {
                 self.election_timeout_us,
             ));
         }
+        if self.member_lost_us != 0 && self.member_lost_us < self.election_timeout_us {
+            return Err(ParamsError::LostBeforeTimeout(
+                self.member_lost_us,
+                self.election_timeout_us,
+            ));
+        }
         if self.heartbeat_us >= self.lease_us {
             return Err(ParamsError::HeartbeatTooSlow(
                 self.heartbeat_us,
@@ -208,6 +237,8 @@ impl Params {
         }
         for (v, name) in [
             (self.max_pending_pulls, "max_pending_pulls"),
+            (self.log_keep_entries, "log_keep_entries"),
+            (self.snapshot_chunk_keys, "snapshot_chunk_keys"),
             (self.append_max_entries, "append_max_entries"),
             (self.batch_pull_bytes, "batch_pull_bytes"),
             (self.writeback_batch_bytes, "writeback_batch_bytes"),
@@ -323,6 +354,9 @@ pub enum Input {
         result: Result<Vec<u8>, String>,
     },
     Tick,
+    /// An operator's membership change (M22–M24); refused unless this node is the serving
+    /// leader with no configuration change pending (see [`WitnessCore::last_reconfig_error`]).
+    Reconfigure(Change),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -605,6 +639,12 @@ pub struct Counters {
     /// honest peer never sends one: each is a bug or a peer speaking nonsense, and refusing it
     /// (rather than asserting) keeps one bad peer from crashing the group.
     pub refused_peer_msgs: u64,
+    pub snapshots_sent: u64,
+    pub snapshots_installed: u64,
+    /// Membership changes this node proposed on its own (M22–M24).
+    pub reconfigs: u64,
+    /// Times this head, an old primary, dropped its value table to serve as a witness (M24).
+    pub values_dropped_as_witness: u64,
 }
 
 #[derive(Clone)]
@@ -651,6 +691,8 @@ pub struct WitnessCore {
     proactive: Option<Proactive>,
     /// Detector, popularity and pacing (`recovery.rs`).
     rec: RecoveryState,
+    reconf: reconfig::Reconf,
+    snap: snapshot::Snap,
     pub counters: Counters,
     out: Vec<Output>,
 }
@@ -703,9 +745,12 @@ impl WitnessCore {
             leaders_seen: BTreeMap::new(),
             proactive: None,
             rec,
+            reconf: reconfig::Reconf::default(),
+            snap: snapshot::Snap::default(),
             counters: Counters::default(),
             out: Vec::new(),
         };
+        c.reconf_init();
         c.reset_election_timer();
         Ok(c)
     }
@@ -791,9 +836,40 @@ impl WitnessCore {
             c.commit = log.last_index();
             c.applied = c.commit;
         }
+        let mut configs: Vec<(u64, Config)> = Vec::new();
+        if c.kind == Kind::Backup {
+            let at = durable.ssd_hot.len().min(c.backup.durable_end as usize);
+            let mut off = 0;
+            while off < at {
+                let glen = page::whole_groups_len(&durable.ssd_hot[off..at]);
+                if glen == 0 {
+                    break;
+                }
+                for e in page::decode_run(&durable.ssd_hot[off..off + glen]).unwrap_or_default() {
+                    if let Op::Config(cf) = e.op {
+                        configs.push((e.index, cf));
+                    }
+                }
+                off += glen;
+            }
+        }
+        let mut needs_snapshot = false;
+        if c.kind == Kind::Head {
+            // A head's NVMM log starts past index 1 only if it was truncated (M24; a head
+            // always keeps its last entry, so an empty log after a vote is one too): its key
+            // table cannot be rebuilt from it, and it waits for the leader's snapshot.
+            let first = durable.entries.first().map(|e| e.index);
+            needs_snapshot = first.map_or(durable.meta.is_some_and(|m| m.0 > 0), |f| f > 1);
+            if let Some(f) = first.filter(|&f| f > 1) {
+                log.base_index = f - 1;
+            }
+        }
         for e in durable.entries {
             if e.index <= log.last_index() {
                 continue; // written back and not yet freed when the node stopped
+            }
+            if let Op::Config(cf) = &e.op {
+                configs.push((e.index, cf.clone()));
             }
             if e.index != log.last_index() + 1 {
                 return Err(RestoreError::Hole(log.last_index() + 1));
@@ -802,6 +878,8 @@ impl WitnessCore {
         }
         c.persisted = log.last_index();
         c.log = log;
+        c.snap.needs = needs_snapshot;
+        c.reconf_restore(configs);
         c.reset_election_timer();
         Ok(c)
     }
@@ -884,6 +962,7 @@ impl WitnessCore {
             Input::SsdWritten { id, result } => self.on_ssd_written(id, result),
             Input::SsdRead { id, result } => self.on_ssd_read(id, result),
             Input::Tick => self.on_tick(),
+            Input::Reconfigure(change) => self.on_reconfigure(change),
         }
         self.after_input();
         #[cfg(debug_assertions)]
@@ -900,15 +979,14 @@ impl WitnessCore {
 
     /// Cheap invariants, run after every input in debug builds. What the tests rely on:
     pub fn check_invariants(&self) {
-        // Election safety, part 1: only voting heads ever lead or run (M12).
+        // Election safety, part 1: only voting heads ever lead, only heads run (M12).
         if self.role != RoleKind::Follower {
-            assert!(
-                self.cfg.may_stand(self.id),
-                "node {} ({:?}) is {:?}",
-                self.id,
-                self.kind,
-                self.role
-            );
+            let ok = if self.role == RoleKind::Candidate {
+                self.cfg.may_run(self.id)
+            } else {
+                self.cfg.may_stand(self.id)
+            };
+            assert!(ok, "node {} ({:?}) is {:?}", self.id, self.kind, self.role);
         }
         // Election safety, part 2, as seen locally: at most one leader per term.
         // (`leaders_seen` is filled when a leader is heard; a conflict panics there.)
@@ -1015,7 +1093,8 @@ impl WitnessCore {
     /// Appends an entry to the local log and NVMM (heads persist key-only records).
     fn append_local(&mut self, e: Entry) {
         debug_assert_eq!(e.index, self.log.last_index() + 1);
-        let rec = if self.kind == Kind::Backup {
+        // A substitute persists values too (M22 Decide).
+        let rec = if self.cfg.gets_values(self.id) {
             e.clone()
         } else {
             e.key_only()
@@ -1023,7 +1102,14 @@ impl WitnessCore {
         let region = self.log_region();
         let seq = self.pmem_append(region, &PmemRecord::Entry(rec));
         self.unpersisted.push_back((seq, e.index, e.term));
+        let cfg = match &e.op {
+            Op::Config(c) => Some((e.index, c.clone())),
+            _ => None,
+        };
         self.log.push(Slot::Entry(e));
+        if let Some((i, c)) = cfg {
+            self.config_appended(i, c);
+        }
     }
 
     fn truncate_local(&mut self, from: u64) {
@@ -1039,6 +1125,7 @@ impl WitnessCore {
             region,
             from_index: from,
         });
+        self.config_truncated(from);
     }
 
     fn set_role(&mut self, role: RoleKind) {
@@ -1062,10 +1149,21 @@ impl WitnessCore {
     }
 
     fn reset_election_timer(&mut self) {
-        if !self.cfg.may_stand(self.id) {
+        if !self.cfg.may_run(self.id) || self.snap.needs {
             self.election_deadline_us = u64::MAX;
             return;
         }
+        // A non-voting head runs only to learn of a promotion it missed, after the voters,
+        // and never before it has followed a leader (a spare waiting to be added would only
+        // inflate its term, and its first ack would then depose the leader that adds it).
+        let late = if self.cfg.may_stand(self.id) {
+            0
+        } else if self.heard_leader_us.is_some() {
+            self.p.election_timeout_us
+        } else {
+            self.election_deadline_us = u64::MAX;
+            return;
+        };
         // The designated successor (lowest-id witness) waits least; the primary's own slot
         // counts like any head. A per-term component breaks repeated split votes.
         let rank = self
@@ -1076,7 +1174,7 @@ impl WitnessCore {
             .count() as u64;
         let j = self.p.election_jitter_us.max(1);
         let jitter = rank * j + mix(self.id as u64, self.term) % (j / 2 + 1);
-        self.election_deadline_us = self.now + self.p.election_timeout_us + jitter;
+        self.election_deadline_us = self.now + self.p.election_timeout_us + jitter + late;
     }
 
     /// A higher term seen: become a follower of it.
@@ -1120,6 +1218,7 @@ impl WitnessCore {
             self.advance_commit();
         }
         self.apply_committed();
+        self.maybe_compact();
         if self.role == RoleKind::Leader {
             self.drive_recovery();
         }
@@ -1174,6 +1273,8 @@ impl WitnessCore {
                 success,
                 match_index,
                 sent_us,
+                durable: self.durable_for_leader(match_index),
+                want_snapshot: self.snap.needs,
             },
         );
     }
@@ -1189,6 +1290,7 @@ impl WitnessCore {
                 if due {
                     self.heartbeat();
                 }
+                self.reconfig_policy();
                 self.check_quorum();
                 self.rec_ship_popularity();
                 if self.role == RoleKind::Provisional {
@@ -1223,8 +1325,8 @@ impl WitnessCore {
     // ---- election (M12, M13, M3) ----
 
     fn start_election(&mut self) {
-        if !self.cfg.may_stand(self.id) {
-            return; // a backup never runs (M12)
+        if !self.cfg.may_run(self.id) || self.snap.needs {
+            return; // a backup never runs (M12); nor a head whose key table is incomplete
         }
         self.term += 1;
         self.voted_for = Some(self.id);
@@ -1251,6 +1353,7 @@ impl WitnessCore {
 
     fn on_request_vote(&mut self, from: NodeId, term: u64, last_index: u64, last_term: u64) {
         let (my_li, my_lt) = (self.log.last_index(), self.log.last_term());
+        let config = self.pending_config_entry();
         let refuse = |c: &mut Self, in_lease: bool| {
             c.send(
                 from,
@@ -1259,10 +1362,14 @@ impl WitnessCore {
                     last_index: my_li,
                     last_term: my_lt,
                     in_lease,
+                    config,
                 },
             );
         };
-        if !self.cfg.is_voter(self.id) || !self.cfg.may_stand(from) {
+        // A member that is not a voter here still grants: the candidate may already hold the
+        // entry that promoted it (etcd#10998, raft-rs#57); the candidate counts only its own
+        // configuration's voters.
+        if !self.cfg.may_stand(from) {
             return refuse(self, false);
         }
         if term < self.term {
@@ -1300,6 +1407,7 @@ impl WitnessCore {
                     last_index: my_li,
                     last_term: my_lt,
                     in_lease: false,
+                    config: None,
                 },
             );
         } else {
@@ -1314,6 +1422,7 @@ impl WitnessCore {
         last_index: u64,
         last_term: u64,
         in_lease: bool,
+        config: Option<Entry>,
     ) {
         if self.role != RoleKind::Candidate {
             return;
@@ -1338,13 +1447,18 @@ impl WitnessCore {
             for _ in c + 1..=last_index {
                 self.log.push(Slot::Unknown { term: last_term });
             }
+            self.adopt_config(config);
             // Run again soon: with the adopted log the backup can now grant.
             self.election_deadline_us = self.now + self.p.heartbeat_us;
         }
     }
 
     fn maybe_win(&mut self) {
-        if self.role != RoleKind::Candidate || self.votes.len() < self.cfg.election_quorum() {
+        let granted = self.votes.iter().filter(|v| self.cfg.is_voter(**v)).count();
+        if self.role != RoleKind::Candidate
+            || !self.cfg.may_stand(self.id)
+            || granted < self.cfg.election_quorum()
+        {
             return;
         }
         self.leader_hint = Some(self.id);
@@ -1363,7 +1477,7 @@ impl WitnessCore {
             lease_lost_since_us: None,
         };
         for v in voters {
-            if v != self.id {
+            if v != self.id && self.cfg.is_voter(v) {
                 lead.acked_round_us.insert(v, self.vote_round_us);
             }
         }
@@ -1372,6 +1486,7 @@ impl WitnessCore {
             lead.matched.insert(m, 0);
         }
         self.lead = Some(lead);
+        self.reconf_on_lead();
         self.update_lease();
         // M14: the range past our commit is reconciled with every voting backup before this
         // leader appends (and so commits) anything.
@@ -1469,11 +1584,14 @@ impl WitnessCore {
                 complete = false;
                 break;
             }
-            let first = a.values().next().unwrap().as_ref().unwrap();
-            if a.values().any(|e| e.as_ref().unwrap().term != first.term)
-                || first.index != i
-                || !first.is_full()
-            {
+            // Prefer a full copy: a backup that caught up after joining holds superseded
+            // committed versions key-only (their values are not needed, see `catch_up_copy`).
+            let first = a
+                .values()
+                .flatten()
+                .find(|e| e.is_full())
+                .unwrap_or_else(|| a.values().next().unwrap().as_ref().unwrap());
+            if a.values().any(|e| e.as_ref().unwrap().term != first.term) || first.index != i {
                 break;
             }
             kept.push(first.clone());
@@ -1484,10 +1602,19 @@ impl WitnessCore {
         let (lo, hi) = (r.lo, r.hi);
         self.lead.as_mut().unwrap().recon = None;
         self.counters.reconciled_dropped += hi + 1 - lo - kept.len() as u64;
-        // Replace the range by the kept entries (full, from the backups).
+        // Replace the range by the kept entries (full, from the backups). A configuration
+        // entry in it is undone and redone: judge this head's standing once, after.
+        self.reconf.replaying = true;
         self.truncate_local(lo);
         for e in kept {
             self.append_local(e);
+        }
+        self.reconf.replaying = false;
+        if !self.cfg.may_stand(self.id) {
+            let t = self.term;
+            self.step_down(t);
+            self.reset_election_timer();
+            return;
         }
         self.set_role(RoleKind::Leader);
         self.begin_term();
@@ -1527,7 +1654,7 @@ impl WitnessCore {
     fn retransmit_from(&self, p: NodeId) -> u64 {
         let l = self.lead.as_ref().unwrap();
         let m = l.matched.get(&p).copied().unwrap_or(0) + 1;
-        if self.cfg.gets_values(p) && self.cfg.is_voter(p) {
+        if self.cfg.kind(p) == Some(Kind::Backup) && self.cfg.is_voter(p) {
             m.max(self.commit + 1)
         } else {
             m
@@ -1556,6 +1683,10 @@ impl WitnessCore {
         }
         let last = self.log.last_index();
         let from = from.max(1).min(last + 1);
+        if from <= self.log.base_index && self.kind == Kind::Head {
+            // Dropped from this head's log (M24): the member gets the key table instead.
+            return self.send_snapshot(to, false);
+        }
         let prev_index = from - 1;
         let Some(prev_term) = self.log.term_at(prev_index) else {
             return;
@@ -1568,13 +1699,16 @@ impl WitnessCore {
         while i <= last && entries.len() < self.p.append_max_entries {
             let Some(e) = self.log.entry(i) else { break };
             if values {
-                if !e.is_full() {
-                    // SIMPLIFIED (M24 catch-up left): a backup this far behind needs values
-                    // this head no longer has.
+                if e.is_full() {
+                    entries.push(e.clone());
+                } else if let Some(c) = self.catch_up_copy(to, e) {
+                    entries.push(c);
+                } else {
+                    // A backup this far behind needs a value this head does not hold (yet:
+                    // it is recovering); it waits.
                     self.counters.values_unavailable += 1;
                     break;
                 }
-                entries.push(e.clone());
             } else if values_if_held {
                 entries.push(e.clone());
             } else {
@@ -1661,6 +1795,8 @@ impl WitnessCore {
                     success: false,
                     match_index: li,
                     sent_us,
+                    durable: 0,
+                    want_snapshot: false,
                 },
             );
             return;
@@ -1675,6 +1811,7 @@ impl WitnessCore {
         }
         self.note_leader(term, from);
         self.rec_leader_heard(term, from);
+        self.reconf_follow(from);
         self.leader_hint = Some(from);
         self.heard_leader_us = Some(self.now);
         if let Some(p) = self.proactive.take() {
@@ -1708,7 +1845,7 @@ impl WitnessCore {
                     "leader {from} conflicts at committed index {i}"
                 );
                 self.truncate_local(i);
-                let stored = if self.kind == Kind::Backup || self.p.recovery.full_replica() {
+                let stored = if self.cfg.gets_values(self.id) || self.p.recovery.full_replica() {
                     e
                 } else {
                     e.key_only()
@@ -1755,7 +1892,13 @@ impl WitnessCore {
     fn update_lease(&mut self) {
         let q = self.cfg.election_quorum();
         let Some(l) = self.lead.as_mut() else { return };
-        let mut rounds: Vec<u64> = l.acked_round_us.values().copied().collect();
+        let cfg = &self.cfg;
+        let mut rounds: Vec<u64> = l
+            .acked_round_us
+            .iter()
+            .filter(|(v, _)| cfg.is_voter(**v))
+            .map(|(_, r)| *r)
+            .collect();
         rounds.sort_unstable_by(|a, b| b.cmp(a));
         let need = q.saturating_sub(1); // the leader counts itself
         let round = if need == 0 {
@@ -2768,9 +2911,12 @@ impl WitnessCore {
     // ---- dispatch ----
 
     fn on_peer(&mut self, from: NodeId, msg: PeerMsg) {
-        if self.cfg.member(from).is_none() || msg.epoch != self.cfg.epoch {
-            return; // not of this configuration
+        // Terms, not epochs, order leaders; a sender outside this node's configuration is
+        // heard only if it knows a newer configuration (a leader adding this node).
+        if self.cfg.member(from).is_none() && msg.epoch <= self.cfg.epoch {
+            return;
         }
+        self.reconf_heard(from);
         let term = msg.term;
         match msg.body {
             PeerBody::RequestVote {
@@ -2780,6 +2926,26 @@ impl WitnessCore {
             } => {
                 if candidate == from {
                     self.on_request_vote(from, term, last_index, last_term);
+                }
+            }
+            PeerBody::Snapshot {
+                last_index,
+                last_term,
+                config,
+                offset,
+                keys,
+                done,
+            } => {
+                if self.cfg.may_stand(from) {
+                    let snap = snapshot::Chunk {
+                        last_index,
+                        last_term,
+                        config,
+                        offset,
+                        keys,
+                        done,
+                    };
+                    self.on_snapshot(from, term, snap);
                 }
             }
             PeerBody::AppendEntries {
@@ -2807,9 +2973,10 @@ impl WitnessCore {
                         last_index,
                         last_term,
                         in_lease,
+                        config,
                     } => {
                         if same {
-                            self.on_vote(from, granted, last_index, last_term, in_lease)
+                            self.on_vote(from, granted, last_index, last_term, in_lease, config)
                         } else if !granted && !in_lease && term < self.term {
                             // An old refusal: still a fact about the backup's log.
                         }
@@ -2818,7 +2985,17 @@ impl WitnessCore {
                         success,
                         match_index,
                         sent_us,
-                    } if same => self.on_append_ack(from, success, match_index, sent_us),
+                        durable,
+                        want_snapshot,
+                    } if same => {
+                        self.snapshot_ack_info(from, success, durable, want_snapshot);
+                        self.on_append_ack(from, success, match_index, sent_us)
+                    }
+                    PeerBody::SnapshotAck {
+                        last_index,
+                        next_offset,
+                        installed,
+                    } if same => self.on_snapshot_ack(from, last_index, next_offset, installed),
                     PeerBody::RequestLog { index } if same => self.on_request_log(from, index),
                     PeerBody::LogReply { index, entry, gone } if same => {
                         self.on_log_reply(from, index, entry, gone)
