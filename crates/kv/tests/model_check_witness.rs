@@ -66,8 +66,9 @@ use std::time::Instant;
 
 use kv::witness::core::config::Config;
 use kv::witness::core::node::{
-    Input, Output, Params, PmemRecord, RoleKind, SsdLog, WitnessCore, WitnessFault,
+    Input, Output, Params, PmemRecord, RoleKind, WitnessCore, WitnessFault,
 };
+use kv::witness::core::ssd::MemSsd;
 use kv::witness::proto::{ClientReply, ClientReq, Entry, NodeId, PeerBody, PeerMsg};
 use stateright::{Checker, Model as SrModel, Property};
 
@@ -139,7 +140,7 @@ struct NodeSt {
     pending: Vec<(u64, PmemRecord)>,
     /// (key, value) of entries freed from NVMM after their SSD write.
     written_back: BTreeSet<(Vec<u8>, Vec<u8>)>,
-    ssd: Vec<u8>,
+    ssd: MemSsd,
 }
 
 impl NodeSt {
@@ -524,34 +525,29 @@ impl Check {
             }
             Output::SsdWrite {
                 id: io,
+                seg,
                 log,
                 off,
                 bytes,
                 ..
             } => {
-                assert_eq!(log, SsdLog::Hot);
-                let end = off as usize + bytes.len();
-                if n.ssd.len() < end {
-                    n.ssd.resize(end, 0);
-                }
-                n.ssd[off as usize..end].copy_from_slice(&bytes);
+                n.ssd.write(seg, log, off, &bytes);
                 queue.push(Input::SsdWritten {
                     id: io,
                     result: Ok(()),
                 });
             }
             Output::SsdRead {
-                id: io, off, len, ..
+                id: io,
+                seg,
+                off,
+                len,
+                ..
             } => {
-                let mut buf = vec![0u8; len as usize];
-                let a = (off as usize).min(n.ssd.len());
-                let b = (off as usize + len as usize).min(n.ssd.len());
-                buf[..b - a].copy_from_slice(&n.ssd[a..b]);
-                queue.push(Input::SsdRead {
-                    id: io,
-                    result: Ok(buf),
-                });
+                let result = n.ssd.read(seg, off, len);
+                queue.push(Input::SsdRead { id: io, result });
             }
+            Output::SsdFree { seg } => n.ssd.free(seg),
             Output::Reply { tag, reply } => self.reply(s, id, tag, reply),
             Output::Role { term, role, .. } => {
                 if role != RoleKind::Follower && self.is_backup(id) {

@@ -17,7 +17,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use kv::checker::{self, Op, OpKind};
 use kv::witness::core::config::Config;
-use kv::witness::core::node::{Durable, Input, Output, Params, PmemRecord, SsdLog, WitnessCore};
+use kv::witness::core::node::{Durable, Input, Output, Params, PmemRecord, WitnessCore};
+use kv::witness::core::ssd::MemSsd;
 use kv::witness::proto::{ClientReply, ClientReq, Entry, NodeId, PeerMsg};
 use sim::{Delivery, EventQueue, NetConfig, Network, SimRng};
 
@@ -130,7 +131,7 @@ struct World {
     nodes: BTreeMap<NodeId, WitnessCore>,
     dead: Vec<NodeId>,
     heads: Vec<NodeId>,
-    ssd: HashMap<(NodeId, SsdLog), Vec<u8>>,
+    ssd: HashMap<NodeId, MemSsd>,
     pmem: HashMap<NodeId, NvmmRegions>,
     incs: HashMap<NodeId, u64>,
     cfg: Config,
@@ -233,11 +234,7 @@ impl World {
         let durable = Durable {
             meta,
             entries: log.into_values().collect(),
-            ssd_hot: self
-                .ssd
-                .get(&(id, SsdLog::Hot))
-                .cloned()
-                .unwrap_or_default(),
+            ssd: self.ssd.get(&id).map(MemSsd::durable).unwrap_or_default(),
         };
         let core = WitnessCore::restore(id, self.cfg.clone(), params(&self.sc), now, durable)
             .expect("restore");
@@ -289,17 +286,13 @@ impl World {
                 }
                 Output::SsdWrite {
                     id: io,
+                    seg,
                     log,
                     off,
                     bytes,
                     ..
                 } => {
-                    let f = self.ssd.entry((id, log)).or_default();
-                    let end = off as usize + bytes.len();
-                    if f.len() < end {
-                        f.resize(end, 0);
-                    }
-                    f[off as usize..end].copy_from_slice(&bytes);
+                    self.ssd.entry(id).or_default().write(seg, log, off, &bytes);
                     let d = self.rng.range_u64(20, 200);
                     let input = Input::SsdWritten {
                         id: io,
@@ -318,21 +311,14 @@ impl World {
                 }
                 Output::SsdRead {
                     id: io,
-                    log,
+                    seg,
                     off,
                     len,
                     ..
                 } => {
-                    let f = self.ssd.get(&(id, log)).map(Vec::as_slice).unwrap_or(&[]);
-                    let mut buf = vec![0u8; len as usize];
-                    let s = (off as usize).min(f.len());
-                    let e = (off as usize + len as usize).min(f.len());
-                    buf[..e - s].copy_from_slice(&f[s..e]);
+                    let result = self.ssd.entry(id).or_default().read(seg, off, len);
                     let d = self.rng.range_u64(10, 150);
-                    let input = Input::SsdRead {
-                        id: io,
-                        result: Ok(buf),
-                    };
+                    let input = Input::SsdRead { id: io, result };
                     self.q
                         .push_at(
                             now + d,
@@ -344,6 +330,7 @@ impl World {
                         )
                         .unwrap();
                 }
+                Output::SsdFree { seg } => self.ssd.entry(id).or_default().free(seg),
                 Output::Reply { tag, reply } => {
                     if let Some(c) = self
                         .clients

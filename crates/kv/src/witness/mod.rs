@@ -10,9 +10,9 @@
 //! sans-I/O state machines; [`store`] the backup's storage tiers (NVMM emulation in `/dev/shm`
 //! or an O_DSYNC file, O_DIRECT SSD logs, the prioritised I/O pool); [`driver`] the tokio node
 //! server and the leader-following client (`understudy kv node|up --protocol witness`). The
-//! driver uses `store::pmem` for NVMM, but writes the SSD log in the core's own page format
-//! (`core::page`) on one FIFO `O_DIRECT` thread: `store::ssdlog`/`store::io` (segments,
-//! their own entry framing, priority classes) are not driven yet (see `driver`).
+//! driver uses `store::pmem` for NVMM and carries the core's SSD writes, reads and frees (one
+//! page format, `core::page`; segments the core picks, `core::ssd`) out on `store::ssdlog`
+//! through the priority pool `store::io`.
 //!
 //! Status of the spec's mechanisms in [`core::node::WitnessCore`] (S = simplified, see the
 //! `SIMPLIFIED` notes in the code):
@@ -23,10 +23,13 @@
 //!   kept), M15 (designated successor, abort on a live leader, stamp-checked install), M17, M18
 //!   (buffer first, then index page; install iff local < stamp ≤ key table; answer iff equal;
 //!   one pull per key, bounded), M19, M23 (a witness loss needs no change), NotLeader{hint}.
-//! - S: M1/M7 (one backup worker, one SSD log, no hot/cold), M2 (any N; N = 1, 2 tested), M16
+//! - done too: M9 (GC of the least-live segment; references counted per segment), M10 on the
+//!   backup (hot/cold placement from its popularity LRU, GC moves keys between the logs;
+//!   `Params::ssd_logs` = `Single` for the single-log ablation).
+//! - S: M1/M7 (one backup worker), M2 (any N; N = 1, 2 tested), M16
 //!   (fixed soft/hard timeouts, the Φ detector not wired in), M20 (one BatchPull in flight, no
 //!   token bucket), M21 (PriorityPulls spread round-robin), restart (M24 partly: `restore`).
-//! - left: M9 (GC), M10 (popularity sampling and placement), M22 (substitution, non-voting
+//! - left: M10 on the primary (the sampler is not wired to send `Popularity`), M22 (substitution, non-voting
 //!   promotion at run time: `Config` supports both, nothing changes it), M24 (joint consensus,
 //!   old primary re-added as a witness, snapshots/catch-up of new nodes, log truncation).
 
