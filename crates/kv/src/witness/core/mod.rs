@@ -14,4 +14,6 @@ pub mod popularity;
 pub mod ssd;
 
 #[cfg(test)]
+mod ssd_tests;
+#[cfg(test)]
 mod tests;

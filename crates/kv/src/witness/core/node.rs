@@ -822,6 +822,15 @@ impl WitnessCore {
     pub fn backup_index_stamp(&self, key: &[u8]) -> Option<Stamp> {
         self.backup.index.get(key).map(|(s, _)| *s)
     }
+    /// The log holding a backup's indexed version of `key` (M10).
+    pub fn backup_index_log(&self, key: &[u8]) -> Option<SsdLog> {
+        let (_, loc) = self.backup.index.get(key)?;
+        self.backup.space.seg(loc.seg).map(|g| g.log)
+    }
+    /// Bytes a backup's SSD segments take (what GC keeps under `ssd_capacity_bytes`).
+    pub fn ssd_used_bytes(&self) -> u64 {
+        self.backup.space.used_bytes()
+    }
     /// The leader's lease end (0 when not leading).
     pub fn lease_until_us(&self) -> u64 {
         self.lead.as_ref().map_or(0, |l| l.lease_until_us)
