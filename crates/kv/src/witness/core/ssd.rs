@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::page::Loc;
+use super::page::{round_up_page, Loc};
 
 /// The backup's two SSD logs (§3.3: popular keys in the hot log, the rest in the cold one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -212,13 +212,18 @@ impl Space {
         self.active.contains(&Some(seg))
     }
 
-    /// The GC victim: the sealed, fully durable segment with the fewest live bytes, if any has
-    /// garbage at all (collecting a fully live segment frees nothing).
+    /// The GC victim: the sealed, fully durable segment with the fewest live bytes, among those
+    /// whose live entries could take at least a page less than the segment (collecting one
+    /// whose live data fills its pages would rewrite as much as it frees, forever), or that
+    /// nothing references (an empty file left by a crash included).
     pub fn victim(&self) -> Option<u64> {
         self.segs
             .iter()
             .filter(|(s, g)| {
-                !self.is_active(**s) && g.pending.is_empty() && !g.gc_stuck && g.live_bytes < g.end
+                !self.is_active(**s)
+                    && g.pending.is_empty()
+                    && !g.gc_stuck
+                    && (g.refs == 0 || round_up_page(g.live_bytes as usize) < g.end as usize)
             })
             .min_by_key(|(s, g)| (g.live_bytes, **s))
             .map(|(s, _)| *s)
@@ -396,6 +401,16 @@ mod tests {
         assert_eq!(sp.victim(), Some(1));
         sp.mark_gc_stuck(1);
         assert_eq!(sp.victim(), None);
+        // Live data in every page of a sealed segment: rewriting it would free nothing.
+        sp.alloc(SsdLog::Hot, 8192, 8192, 10);
+        sp.written(4, 10, None);
+        sp.alloc(SsdLog::Hot, 4096, 8192, 11);
+        sp.add_ref(loc(4, 0, 4000));
+        sp.add_ref(loc(4, 4096, 4000));
+        assert_eq!(sp.victim(), None);
+        // An empty segment (a crash right after creating it) is collected.
+        sp.restore_seg(9, SsdLog::Cold, 0);
+        assert_eq!(sp.victim(), Some(9));
         sp.check_invariants();
     }
 
