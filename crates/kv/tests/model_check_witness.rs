@@ -10,7 +10,7 @@
 //!   persists are reported in order); a crash keeps the durable image, loses the pending ones;
 //!   `PmemTruncate` / `PmemFree` apply to the image at once (`PmemFree` moves the entries to the
 //!   "written back" set: the core frees only after the SSD write is durable);
-//! - SSD writes and reads complete at once (the backup's Hot log is a byte vector);
+//! - SSD writes, reads and frees complete at once (the backup's segments in a `MemSsd`);
 //! - time is one global clock that moves only by a `Tick` action with a jump: small (a
 //!   heartbeat period: heartbeats, retransmits, writeback linger), soft (past the soft timeout)
 //!   or hard (past every election timeout and lease). A tick is offered only when it would
@@ -36,6 +36,9 @@
 //!   primary dropping its whole value table to serve as a witness, M24, excepted);
 //! - lease safety: at no time do two live leaders both hold an unexpired lease;
 //! - the core's own `check_invariants_deep` (a panic is recorded as a violation).
+//! - the backup's writeback and GC rules: every key freed from a backup's NVMM has a version
+//!   at least as new in its SSD segments (GC never drops the newest version); with GC running
+//!   all the time in `model_check_witness_backup_gc_keeps_the_newest_version`.
 //!
 //! Bounds (CI default): P+B+W, 2 keys, 2 Puts, 2 Gets, 1 crash of P, 1 drop, 6 ticks; BFS to
 //! `MODEL_DEPTH` (default 7: ~130k states in ~6 s debug; depth 9 is ~2.3M states, ~2 min),
@@ -74,8 +77,9 @@ use std::time::Instant;
 
 use kv::witness::core::config::{Change, Config};
 use kv::witness::core::node::{
-    Input, Output, Params, PmemRecord, RoleKind, SsdLog, WitnessCore, WitnessFault,
+    Input, Output, Params, PmemRecord, RoleKind, WitnessCore, WitnessFault,
 };
+use kv::witness::core::ssd::MemSsd;
 use kv::witness::proto::{ClientReply, ClientReq, Entry, NodeId, PeerBody, PeerMsg};
 use stateright::{Checker, Model as SrModel, Property};
 
@@ -149,7 +153,9 @@ struct NodeSt {
     pending: Vec<(u64, PmemRecord)>,
     /// (key, value) of entries freed from NVMM after their SSD write.
     written_back: BTreeSet<(Vec<u8>, Vec<u8>)>,
-    ssd: Vec<u8>,
+    /// Ghost: the newest stamp (term, index) of each key freed from NVMM after its SSD write.
+    wb_newest: BTreeMap<Vec<u8>, (u64, u64)>,
+    ssd: MemSsd,
 }
 
 impl NodeSt {
@@ -249,7 +255,7 @@ impl Hash for St {
             }
             let pend: Vec<_> = n.pending.iter().map(|(_, r)| format!("{r:?}")).collect();
             let nv: Vec<_> = n.nvmm.values().map(|e| format!("{e:?}")).collect();
-            (&n.meta, nv, pend, &n.written_back, &n.ssd).hash(h);
+            (&n.meta, nv, pend, &n.written_back, &n.wb_newest, &n.ssd).hash(h);
         }
         for (f, t, b) in &self.net {
             (f, t, timeless(b)).hash(h);
@@ -366,6 +372,8 @@ const P_READ: &str = "read safety: a Get returns the newest acked or an indeterm
 const P_MONO: &str = "install monotone: no key or value stamp goes down";
 const P_LEASE: &str = "lease safety: no two live leaders with unexpired leases";
 const P_CORE: &str = "the core's own invariants";
+const P_GC: &str =
+    "backup SSD: the newest written-back version of every key is on SSD (GC never drops it)";
 /// Reached by the random walks (asserted): the crash, a new leader, and a Get answered by it.
 const S_FAILOVER: &str = "a Get is answered by a witness elected after the primary's crash";
 /// Reached by the substitution walks (asserted): writes go on under the changed quorum.
@@ -544,40 +552,37 @@ impl Check {
                 let keep = n.nvmm.split_off(&(through_index + 1));
                 for e in std::mem::replace(&mut n.nvmm, keep).into_values() {
                     if let (Some(k), Some(v)) = (e.key(), e.value()) {
+                        let st = n.wb_newest.entry(k.to_vec()).or_default();
+                        *st = (*st).max((e.term, e.index));
                         n.written_back.insert((k.to_vec(), v.to_vec()));
                     }
                 }
             }
             Output::SsdWrite {
                 id: io,
+                seg,
                 log,
                 off,
                 bytes,
                 ..
             } => {
-                assert_eq!(log, SsdLog::Hot);
-                let end = off as usize + bytes.len();
-                if n.ssd.len() < end {
-                    n.ssd.resize(end, 0);
-                }
-                n.ssd[off as usize..end].copy_from_slice(&bytes);
+                n.ssd.write(seg, log, off, &bytes);
                 queue.push(Input::SsdWritten {
                     id: io,
                     result: Ok(()),
                 });
             }
             Output::SsdRead {
-                id: io, off, len, ..
+                id: io,
+                seg,
+                off,
+                len,
+                ..
             } => {
-                let mut buf = vec![0u8; len as usize];
-                let a = (off as usize).min(n.ssd.len());
-                let b = (off as usize + len as usize).min(n.ssd.len());
-                buf[..b - a].copy_from_slice(&n.ssd[a..b]);
-                queue.push(Input::SsdRead {
-                    id: io,
-                    result: Ok(buf),
-                });
+                let result = n.ssd.read(seg, off, len);
+                queue.push(Input::SsdRead { id: io, result });
             }
+            Output::SsdFree { seg } => n.ssd.free(seg),
             Output::Reply { tag, reply } => self.reply(s, id, tag, reply),
             Output::Role { term, role, .. } => {
                 if role != RoleKind::Follower && self.is_backup(id) {
@@ -691,6 +696,31 @@ impl Check {
                         k[0] as char,
                         String::from_utf8_lossy(v)
                     ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The backup's writeback and GC rules (spec (d)): the NVMM copy is freed only after the
+    /// SSD write is durable, and GC never drops the newest version: every key freed from a
+    /// backup's NVMM has a version at least as new in its SSD segments (crashed or not: SSD
+    /// survives).
+    fn gc_rule(&self, s: &St) -> Result<(), String> {
+        for b in (0..s.nodes.len() as NodeId).filter(|&i| self.is_backup(i)) {
+            let n = &s.nodes[b as usize];
+            let mut on_ssd: BTreeMap<Vec<u8>, (u64, u64)> = BTreeMap::new();
+            for (seg, (_, bytes)) in &n.ssd.segs {
+                for (_, e) in kv::witness::core::page::decode_pages(*seg, 0, bytes).0 {
+                    if let Some(k) = e.key() {
+                        let st = on_ssd.entry(k.to_vec()).or_default();
+                        *st = (*st).max((e.term, e.index));
+                    }
+                }
+            }
+            for (k, st) in &n.wb_newest {
+                if on_ssd.get(k).is_none_or(|have| have < st) {
+                    return Err(format!("backup {b}: key {k:?} at {st:?} is not on SSD"));
                 }
             }
         }
@@ -842,6 +872,7 @@ impl SrModel for Check {
             Property::always(P_READ, |_, s: &St| !viol(s, P_READ)),
             Property::always(P_MONO, |_, s: &St| !viol(s, P_MONO)),
             Property::always(P_LEASE, |m: &Check, s: &St| m.lease_ok(s)),
+            Property::always(P_GC, |m: &Check, s: &St| m.gc_rule(s).is_ok()),
             Property::always(P_CORE, |_, s: &St| !viol(s, P_CORE)),
             Property::sometimes(S_FAILOVER, |_, s: &St| s.served_after_failover),
             Property::sometimes(S_SUBSTITUTED, |_, s: &St| s.acked_substituted),
@@ -968,7 +999,8 @@ fn run(name: &str, m: Check, search: Search) -> Found {
                     o => format!("{o:?}"),
                 })
                 .collect();
-            let why = m.commit_rule(&last).err().unwrap_or_default();
+            let why = m.commit_rule(&last).err().unwrap_or_default()
+                + &m.gc_rule(&last).err().unwrap_or_default();
             (
                 name,
                 format!(
@@ -1026,6 +1058,51 @@ fn model_check_witness_pbw() {
         found.contains_key(S_FAILOVER),
         "no walk reached a Get served by the new primary after the crash"
     );
+}
+
+/// The backup's GC rule with GC running all the time: one key overwritten, 8 KiB segments in
+/// a 12 KiB budget and a one-entry recent-index window, so nearly every writeback makes GC
+/// collect a segment; BFS, then walks through the crash of P and the failover (live recovery
+/// reads the backup's SSD while GC moves it).
+#[test]
+fn model_check_witness_backup_gc_keeps_the_newest_version() {
+    let p = Params {
+        ssd_segment_bytes: 8 << 10,
+        ssd_capacity_bytes: 12 << 10,
+        gc_free_min_bytes: 4 << 10,
+        recent_index_window_entries: 1,
+        ..params(WitnessFault::None)
+    };
+    let b = Bounds {
+        keys: 1,
+        puts: 3,
+        ..default_bounds()
+    };
+    let m = Check {
+        p: p.clone(),
+        ..check(Config::standard(1, 1), WitnessFault::None, b)
+    };
+    let found = run("GC P+B+W", m, Search::Bfs(env_u("MODEL_DEPTH", 7)));
+    assert_clean(&found, "GC P+B+W BFS");
+    let m = Check {
+        p,
+        ..check(
+            Config::standard(1, 1),
+            WitnessFault::None,
+            Bounds {
+                keys: 1,
+                puts: 3,
+                ..walk_bounds()
+            },
+        )
+    };
+    let seed = env_u("MODEL_SEED", 1) as u64;
+    let found = run(
+        "GC P+B+W",
+        m,
+        Search::Walks(env_u("MODEL_SIM_STATES", 100_000) / 2, seed),
+    );
+    assert_clean(&found, "GC P+B+W random walks");
 }
 
 /// A majority commit quorum (leader + the witness) acknowledges a Put the backup never holds.

@@ -10,9 +10,9 @@
 //! sans-I/O state machines; [`store`] the backup's storage tiers (NVMM emulation in `/dev/shm`
 //! or an O_DSYNC file, O_DIRECT SSD logs, the prioritised I/O pool); [`driver`] the tokio node
 //! server and the leader-following client (`understudy kv node|up --protocol witness`). The
-//! driver uses `store::pmem` for NVMM, but writes the SSD log in the core's own page format
-//! (`core::page`) on one FIFO `O_DIRECT` thread: `store::ssdlog`/`store::io` (segments,
-//! their own entry framing, priority classes) are not driven yet (see `driver`).
+//! driver uses `store::pmem` for NVMM and carries the core's SSD writes, reads and frees (one
+//! page format, `core::page`; segments the core picks, `core::ssd`) out on `store::ssdlog`
+//! through the priority pool `store::io`.
 //!
 //! Status of the spec's mechanisms in [`core::node::WitnessCore`] (S = simplified, see the
 //! `SIMPLIFIED` notes in the code):
@@ -25,14 +25,20 @@
 //!   ceilings), M17, M18
 //!   (buffer first, then index page; install iff local < stamp ≤ key table; answer iff equal;
 //!   one pull per key, bounded), M19, M23 (a witness loss needs no change), NotLeader{hint}.
-//! - S: M1/M7 (one backup worker, one SSD log, no hot/cold), M2 (any N; N = 1, 2 tested), M10
-//!   (sampling and the backups' popular list order BatchPull; no placement yet), M20 (one
-//!   BatchPull in flight, paced by the core's AIMD token bucket), M21 (PriorityPulls spread
-//!   round-robin), restart (M24 partly: `restore`). Recovery schemes (`Params::recovery`,
-//!   `--recovery`): `core/node/recovery.rs`.
-//! - left: M9 (GC), M22 (substitution, non-voting
-//!   promotion at run time: `Config` supports both, nothing changes it), M24 (joint consensus,
-//!   old primary re-added as a witness, snapshots/catch-up of new nodes, log truncation).
+//! - done too: M9 (GC of the least-live segment; references counted per segment), M10 (the
+//!   primary samples and ships popular keys; a backup places writebacks hot or cold by its
+//!   popularity LRU, GC moves keys between the logs, BatchPull answers popular keys first;
+//!   `Params::ssd_logs` = `Single` for the single-log ablation), M20 (one BatchPull in flight,
+//!   paced by the core's AIMD token bucket), M22 (a lost backup substituted by a witness, spares
+//!   added, non-voting members promoted once caught up, all as configuration entries in the
+//!   log: `core/reconfig.rs`), M24 (an old primary follows as a witness without values; heads
+//!   truncate their log once every member holds it durably, a head behind gets a key-table
+//!   snapshot: `core/snapshot.rs`). Recovery schemes (`Params::recovery`, `--recovery`):
+//!   `core/node/recovery.rs`.
+//! - S: M1/M7 (one backup worker), M2 (any N; N = 1, 2 tested), M21 (PriorityPulls spread
+//!   round-robin), restart (`restore`).
+//! - left: a backup behind a truncated log is never refilled (it needs a value snapshot onto
+//!   its SSD); the driver and `kv up` start no spares and expose no reconfiguration command.
 
 pub mod core;
 pub mod driver;

@@ -15,19 +15,23 @@
 //! - [`Output::PmemTruncate`] drops the region's entry records with index ≥ `from_index` (a
 //!   Raft conflict); [`Output::PmemFree`] drops a backup buffer's entry records with index ≤
 //!   `through_index` (written back to SSD). Neither needs an answer.
-//! - [`Output::SsdWrite`] writes `bytes` at `off` of the named log file (page aligned, a whole
-//!   number of 4 KiB pages), syncs it (`sync`), then gives [`Input::SsdWritten`].
-//!   [`Output::SsdRead`] reads `len` bytes at `off` with priority `class`, then gives
-//!   [`Input::SsdRead`] (an error as `Err`, a short read past the end zero-filled).
+//! - [`Output::SsdWrite`] writes `bytes` at `off` of segment `seg` of log `log` (creating the
+//!   segment file if it is new; page aligned, a whole number of 4 KiB pages), syncs it, then
+//!   gives [`Input::SsdWritten`]. [`Output::SsdRead`] reads `len` bytes at `off` of `seg` with
+//!   priority `class`, then gives [`Input::SsdRead`] (an error as `Err`, a short read past the
+//!   end zero-filled). [`Output::SsdFree`] deletes a segment (GC made it unreferenced; no read
+//!   of it is in flight). Both logs use the one format of [`super::page`]; the core picks every
+//!   segment and offset ([`super::ssd`]).
 //! - Time comes only as the `now_us` of [`WitnessCore::handle`]; give [`Input::Tick`] at least
 //!   every `Params::heartbeat_us / 2`.
 //!
 //! Membership changes (M22–M24) live in `reconfig.rs`, log truncation and key-table snapshots
-//! in `snapshot.rs` (child modules of this one: they share the core's state).
+//! in `snapshot.rs`, the recovery policy (detector, popularity, pacing, schemes) in
+//! `node/recovery.rs` (child modules of this one: they share the core's state); the backup's
+//! SSD segments and GC rule in `super::ssd`.
 //!
 //! Simplified in this version (each marked `SIMPLIFIED` where it lives): a backup has one
-//! SSD log (no hot/cold split, no popularity placement, no GC); no proactive (soft-timeout)
-//! pulling; no restart from NVMM (records are written so a later version can rebuild).
+//! worker (M7).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
@@ -41,7 +45,10 @@ pub use recovery::{
 };
 
 mod recovery;
+pub use super::page::Loc;
 use super::page::{self, PAGE_BYTES};
+use super::ssd::Space;
+pub use super::ssd::{IoClass, SsdLog, SsdLogs};
 use crate::witness::proto::{
     ClientReply, ClientReq, Entry, NodeId, Op, PeerBody, PeerMsg, Stamp, MAX_KEY_BYTES,
     MAX_VALUE_BYTES,
@@ -126,6 +133,18 @@ pub struct Params {
     /// Keys per snapshot message (a key is at most `MAX_KEY_BYTES`, so a chunk stays far
     /// below `MAX_PEER_MSG_BYTES`).
     pub snapshot_chunk_keys: usize,
+    /// How a backup places entries on SSD: hot and cold logs by popularity (M10), or one log
+    /// (the `single-log` ablation).
+    pub ssd_logs: SsdLogs,
+    /// A segment is sealed once a batch would take it past this (a page multiple, < 4 GiB:
+    /// a BatchPull cursor is `segment << 32 | offset`).
+    pub ssd_segment_bytes: u64,
+    /// The SSD space a backup may use; GC (M9) runs while less than `gc_free_min_bytes` of it
+    /// is free.
+    pub ssd_capacity_bytes: u64,
+    pub gc_free_min_bytes: u64,
+    /// Largest write one GC pass issues at once.
+    pub gc_write_bytes: usize,
     /// Deliberately broken behaviour for the model check only (`tests/model_check_witness.rs`
     /// must catch each); always `WitnessFault::None` outside it.
     #[doc(hidden)]
@@ -184,6 +203,11 @@ impl Default for Params {
             member_lost_us: 3_000_000,
             log_keep_entries: 4096,
             snapshot_chunk_keys: 1024,
+            ssd_logs: SsdLogs::HotCold,
+            ssd_segment_bytes: 64 << 20,
+            ssd_capacity_bytes: 1 << 40,
+            gc_free_min_bytes: 256 << 20,
+            gc_write_bytes: 256 << 10,
             fault: WitnessFault::None,
         }
     }
@@ -207,6 +231,8 @@ pub enum ParamsError {
     NotMember(NodeId),
     #[error("recovery settings: {0}")]
     Recovery(String),
+    #[error("ssd_segment_bytes ({0}) must be a positive multiple of 4096 below 4 GiB")]
+    SegmentBytes(u64),
 }
 
 impl Params {
@@ -235,7 +261,15 @@ impl Params {
                 self.lease_us,
             ));
         }
+        if self.ssd_segment_bytes == 0
+            || !self.ssd_segment_bytes.is_multiple_of(PAGE_BYTES as u64)
+            || self.ssd_segment_bytes >= 1 << 32
+        {
+            return Err(ParamsError::SegmentBytes(self.ssd_segment_bytes));
+        }
         for (v, name) in [
+            (self.gc_write_bytes, "gc_write_bytes"),
+            (self.popular_keys_max, "popular_keys_max"),
             (self.max_pending_pulls, "max_pending_pulls"),
             (self.log_keep_entries, "log_keep_entries"),
             (self.snapshot_chunk_keys, "snapshot_chunk_keys"),
@@ -262,8 +296,16 @@ pub struct Durable {
     pub meta: Option<(u64, Option<NodeId>)>,
     /// Live entry records of the node's Log (head) or Buffer (backup) region, by index.
     pub entries: Vec<Entry>,
-    /// A backup's Hot SSD log, from offset 0.
-    pub ssd_hot: Vec<u8>,
+    /// A backup's SSD segments as found (any order): their whole bytes from offset 0.
+    pub ssd: Vec<DurableSeg>,
+}
+
+/// One SSD segment file at a restart.
+#[derive(Clone, Debug)]
+pub struct DurableSeg {
+    pub seg: u64,
+    pub log: SsdLog,
+    pub bytes: Vec<u8>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -292,22 +334,6 @@ pub enum PmemRecord {
         voted_for: Option<NodeId>,
     },
     Entry(Entry),
-}
-
-/// The backup's SSD logs. SIMPLIFIED: everything goes to `Hot` for now (M9/M10 split left).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum SsdLog {
-    Hot,
-    Cold,
-}
-
-/// The I/O thread's priority classes (PriorityPull > writeback > BatchPull > GC).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub enum IoClass {
-    Priority,
-    Writeback,
-    Batch,
-    Gc,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -380,17 +406,21 @@ pub enum Output {
     },
     SsdWrite {
         id: u64,
+        seg: u64,
         log: SsdLog,
         off: u64,
         bytes: Vec<u8>,
-        sync: bool,
+        class: IoClass,
     },
     SsdRead {
         id: u64,
-        log: SsdLog,
+        seg: u64,
         off: u64,
         len: u32,
         class: IoClass,
+    },
+    SsdFree {
+        seg: u64,
     },
     Reply {
         tag: u64,
@@ -406,14 +436,6 @@ pub enum Output {
     Recovered(RecoveryStats),
 }
 
-/// Where a written-back entry's page group lies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Loc {
-    pub log: SsdLog,
-    pub off: u64,
-    pub len: u32,
-}
-
 #[derive(Clone, Debug)]
 enum Slot {
     Entry(Entry),
@@ -422,7 +444,9 @@ enum Slot {
     Unknown {
         term: u64,
     },
-    /// A backup's entry written back to SSD (`None` for a Noop, which is never written).
+    /// A backup's entry written back to SSD, with where it is (Noops included: the window of
+    /// recent indexes must survive GC and a restart). Its location is a reference of its
+    /// segment (see `ssd::Space`).
     Flushed {
         term: u64,
         loc: Option<Loc>,
@@ -577,49 +601,97 @@ enum ReadFor {
         id: u64,
         key: Vec<u8>,
         buffered: Vec<Entry>,
+        /// Where the read starts (the page the index names).
+        off: u64,
     },
     RequestLog {
         to: NodeId,
         index: u64,
+        loc: Loc,
     },
     BatchPull {
         to: NodeId,
         stream: u64,
-        cursor: u64,
+        seg: u64,
+        off: u64,
         len: u32,
     },
     /// One page group of a popular-keys BatchPull answer (`recovery.rs`).
     HotBatch {
         group: u64,
+        /// Where the read pages start (entries are checked against their place).
+        off: u64,
     },
+    /// A GC pass's read of its victim (M9).
+    Gc,
 }
 
-/// A backup's engine (M5–M8). SIMPLIFIED: one worker, one SSD log, no GC or popularity.
-#[derive(Clone, Debug, Default)]
+/// A backup's engine (M5–M10). SIMPLIFIED: one worker (M7).
+#[derive(Clone, Debug)]
 struct Backup {
-    /// DRAM index key → (stamp, page group) of the newest written-back version.
+    /// DRAM index key → (stamp, location) of the newest written-back version. Every location
+    /// is a reference of its segment in `space`.
     index: HashMap<Vec<u8>, (Stamp, Loc)>,
-    /// Append offset of the SSD log (including a writeback in flight).
-    log_end: u64,
-    /// End of the durably written part (what BatchPull may read).
-    durable_end: u64,
+    /// Segments of the hot and cold logs and their live bytes.
+    space: Space,
+    /// Flushed slots of the recent-log window that hold a location (references too).
+    slot_refs: u64,
     written_back_through: u64,
     /// The writeback in flight (at most one).
     wb_in_flight: Option<WbBatch>,
+    /// The GC pass in flight (at most one).
+    gc: Option<GcPass>,
     eligible_since_us: Option<u64>,
-    reads: HashMap<u64, ReadFor>,
+    /// SSD reads in flight: io id → (what for, segment read).
+    reads: HashMap<u64, (ReadFor, u64)>,
 }
 
-/// A writeback batch: its SSD write id and place, and the buffer range it empties.
+impl Backup {
+    fn new(p: &Params) -> Result<Self, ParamsError> {
+        let _ = p;
+        Ok(Backup {
+            index: HashMap::new(),
+            space: Space::default(),
+            slot_refs: 0,
+            written_back_through: 0,
+            wb_in_flight: None,
+            gc: None,
+            eligible_since_us: None,
+            reads: HashMap::new(),
+        })
+    }
+}
+
+/// One SSD write of a batch (writeback or GC), kept to retry it unchanged.
 #[derive(Clone, Debug)]
-struct WbBatch {
+struct SsdWriteReq {
     id: u64,
+    seg: u64,
+    log: SsdLog,
     off: u64,
     bytes: Vec<u8>,
-    /// Put entries with their page group (offsets from `off`).
-    placed: Vec<(Entry, page::Placed)>,
-    /// Last buffer index the batch covers (Noops after the last Put included).
+}
+
+/// A writeback batch: its SSD writes (one per log it touches) and the buffer range it empties.
+#[derive(Clone, Debug)]
+struct WbBatch {
+    writes: Vec<SsdWriteReq>,
+    /// Entries with their locations.
+    placed: Vec<(Entry, Loc)>,
+    /// Last buffer index the batch covers.
     through: u64,
+}
+
+/// A GC pass (M9): read the victim, rewrite what is referenced, move the references, free it.
+#[derive(Clone, Debug)]
+struct GcPass {
+    victim: u64,
+    /// The rewrites in flight.
+    writes: Vec<SsdWriteReq>,
+    /// Rewritten entries: (entry, old location, new location).
+    moved: Vec<(Entry, Loc, Loc)>,
+    /// Every rewrite is durable and the references moved; waiting for reads of the victim.
+    freeing: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -631,6 +703,11 @@ pub struct Counters {
     pub values_unavailable: u64,
     pub writebacks: u64,
     pub ssd_errors: u64,
+    pub gc_passes: u64,
+    pub gc_segments_freed: u64,
+    pub gc_bytes_rewritten: u64,
+    /// Entries GC moved from the cold log to the hot one (a key became popular, M10).
+    pub gc_moved_to_hot: u64,
     pub proactive_started: u64,
     pub proactive_aborted: u64,
     /// Peer messages refused because they contradict the protocol (an AppendEntries rewriting
@@ -708,12 +785,16 @@ fn mix(a: u64, b: u64) -> u64 {
 }
 
 impl WitnessCore {
-    pub fn new(id: NodeId, cfg: Config, p: Params, now_us: u64) -> Result<Self, ParamsError> {
+    pub fn new(id: NodeId, cfg: Config, mut p: Params, now_us: u64) -> Result<Self, ParamsError> {
         p.validate()?;
         cfg.validate()?;
         let kind = cfg.kind(id).ok_or(ParamsError::NotMember(id))?;
-        // TODO(merge with wssd): `if p.recovery == Recovery::SingleLog { p.ssd_logs = SsdLogs::Single; }` (make `p` mut).
+        if p.recovery == Recovery::SingleLog {
+            // The single-log ablation (issue 25 item 5): one SSD log, no hot/cold placement.
+            p.ssd_logs = SsdLogs::Single;
+        }
         let rec = RecoveryState::new(id, &p, now_us)?;
+        let backup = Backup::new(&p)?;
         let mut c = WitnessCore {
             id,
             kind,
@@ -741,7 +822,7 @@ impl WitnessCore {
             deferred: Vec::new(),
             head: Head::default(),
             lead: None,
-            backup: Backup::default(),
+            backup,
             leaders_seen: BTreeMap::new(),
             proactive: None,
             rec,
@@ -759,8 +840,8 @@ impl WitnessCore {
     /// restart that rebuilds its index from segments plus the NVMM buffer"). The driver replays
     /// its regions, applying `PmemTruncate` and `PmemFree` as it did live, and passes:
     /// the last Meta record, the live entry records of the Log/Buffer region in index order,
-    /// and (backups) the Hot SSD log's bytes. A torn batch at the log's end (a crash during a
-    /// writeback, before its `SsdWritten`) is ignored: its entries are still in the buffer.
+    /// and (backups) every SSD segment's bytes. A torn batch at a segment's end (a crash during
+    /// a writeback, before its `SsdWritten`) is ignored: its entries are still in the buffer.
     ///
     /// A head comes back as a follower with its key-only log and learns the commit index from
     /// the next leader (its value table is DRAM: an old primary returns without values). A
@@ -778,80 +859,10 @@ impl WitnessCore {
             c.voted_for = voted_for;
         }
         let mut log = Log::default();
-        if c.kind == Kind::Backup {
-            let mut at = 0usize;
-            let bytes = &durable.ssd_hot;
-            let mut flushed: Vec<(Entry, Loc)> = Vec::new();
-            while at + PAGE_BYTES <= bytes.len() {
-                let glen = page::whole_groups_len(&bytes[at..]);
-                if glen == 0 {
-                    break;
-                }
-                // One group at a time, so each entry gets its own location.
-                let n = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
-                let len = (4 + n).div_ceil(PAGE_BYTES) * PAGE_BYTES;
-                let Ok(es) = page::decode_group(&bytes[at..at + len]) else {
-                    break;
-                };
-                let loc = Loc {
-                    log: SsdLog::Hot,
-                    off: at as u64,
-                    len: len as u32,
-                };
-                flushed.extend(es.into_iter().map(|e| (e, loc)));
-                at += len;
-            }
-            c.backup.log_end = at as u64;
-            c.backup.durable_end = at as u64;
-            let window = c.p.recent_index_window_entries;
-            let skip = flushed.len().saturating_sub(window);
-            if let Some((first, _)) = flushed.get(skip) {
-                log.base_index = first.index - 1;
-                log.base_term = if skip > 0 {
-                    flushed[skip - 1].0.term
-                } else {
-                    0
-                };
-            }
-            for (i, (e, loc)) in flushed.iter().enumerate() {
-                if let Some(key) = e.key() {
-                    let st = e.stamp();
-                    if c.backup.index.get(key).is_none_or(|(s, _)| *s <= st) {
-                        c.backup.index.insert(key.to_vec(), (st, *loc));
-                    }
-                }
-                if i < skip {
-                    continue;
-                }
-                if e.index != log.last_index() + 1 {
-                    return Err(RestoreError::Hole(log.last_index() + 1));
-                }
-                let has_key = e.key().is_some();
-                log.push(Slot::Flushed {
-                    term: e.term,
-                    loc: Some(*loc).filter(|_| has_key),
-                });
-            }
-            c.backup.written_back_through = log.last_index();
-            c.commit = log.last_index();
-            c.applied = c.commit;
-        }
+        // Configuration entries written back to SSD (a backup's newest one is in force).
         let mut configs: Vec<(u64, Config)> = Vec::new();
         if c.kind == Kind::Backup {
-            let at = durable.ssd_hot.len().min(c.backup.durable_end as usize);
-            let mut off = 0;
-            while off < at {
-                let glen = page::whole_groups_len(&durable.ssd_hot[off..at]);
-                if glen == 0 {
-                    break;
-                }
-                for e in page::decode_run(&durable.ssd_hot[off..off + glen]).unwrap_or_default() {
-                    if let Op::Config(cf) = e.op {
-                        configs.push((e.index, cf));
-                    }
-                }
-                off += glen;
-            }
+            configs = c.restore_ssd(&mut log, durable.ssd);
         }
         let mut needs_snapshot = false;
         if c.kind == Kind::Head {
@@ -937,6 +948,15 @@ impl WitnessCore {
     pub fn backup_index_stamp(&self, key: &[u8]) -> Option<Stamp> {
         self.backup.index.get(key).map(|(s, _)| *s)
     }
+    /// The log holding a backup's indexed version of `key` (M10).
+    pub fn backup_index_log(&self, key: &[u8]) -> Option<SsdLog> {
+        let (_, loc) = self.backup.index.get(key)?;
+        self.backup.space.seg(loc.seg).map(|g| g.log)
+    }
+    /// Bytes a backup's SSD segments take (what GC keeps under `ssd_capacity_bytes`).
+    pub fn ssd_used_bytes(&self) -> u64 {
+        self.backup.space.used_bytes()
+    }
     /// The leader's lease end (0 when not leading).
     pub fn lease_until_us(&self) -> u64 {
         self.lead.as_ref().map_or(0, |l| l.lease_until_us)
@@ -1017,7 +1037,19 @@ impl WitnessCore {
             if let Some(w) = &b.wb_in_flight {
                 assert!(w.through <= self.commit, "writeback batch past commit");
             }
-            assert!(b.durable_end <= b.log_end);
+            // GC (M9): every index and window location is a counted reference of a segment
+            // that exists (a reference into a freed segment panics where it is taken), and a
+            // segment is freed only with none (`Space::free`).
+            b.space.check_invariants();
+            assert_eq!(
+                b.space.refs_total(),
+                b.index.len() as u64 + b.slot_refs,
+                "SSD references out of step with the index and the window"
+            );
+            if let Some(g) = &b.gc {
+                assert!(b.space.seg(g.victim).is_some(), "GC victim already freed");
+                assert!(!b.space.is_active(g.victim), "GC of an active segment");
+            }
         }
     }
 
@@ -1025,6 +1057,37 @@ impl WitnessCore {
     /// key table (installs never pass the oracle), and the missing set is exact.
     pub fn check_invariants_deep(&self) {
         self.check_invariants();
+        if self.kind == Kind::Backup {
+            // The reference counts are exact: recount them from the index and the window.
+            let b = &self.backup;
+            let mut refs: HashMap<u64, (u64, u64)> = HashMap::new();
+            let locs = b
+                .index
+                .values()
+                .map(|(_, l)| *l)
+                .chain(self.log.slots.iter().filter_map(|s| match s {
+                    Slot::Flushed { loc, .. } => *loc,
+                    _ => None,
+                }));
+            for l in locs {
+                let seg = b.space.seg(l.seg);
+                assert!(seg.is_some(), "location {l:?} in a freed segment");
+                assert!(
+                    l.off + l.len as u64 <= seg.unwrap().end,
+                    "location {l:?} past its segment"
+                );
+                let r = refs.entry(l.seg).or_default();
+                r.0 += 1;
+                r.1 += l.len as u64;
+            }
+            for (s, g) in b.space.segs() {
+                assert_eq!(
+                    (g.refs, g.live_bytes),
+                    refs.get(&s).copied().unwrap_or_default(),
+                    "segment {s} accounting"
+                );
+            }
+        }
         for (k, (vs, _)) in &self.head.values {
             let ks = self.head.keys.get(k).copied().unwrap_or(Stamp::ZERO);
             if self.role == RoleKind::Leader {
@@ -1213,6 +1276,7 @@ impl WitnessCore {
     fn after_input(&mut self) {
         if self.kind == Kind::Backup {
             self.maybe_writeback();
+            self.maybe_gc();
         }
         if self.role == RoleKind::Leader {
             self.advance_commit();
@@ -2486,7 +2550,142 @@ impl WitnessCore {
         }
     }
 
-    // ---- backup side (M5–M8, M14, M17, M18) ----
+    // ---- backup side (M5–M10, M14, M17, M18) ----
+
+    /// Rebuilds the backup's SSD state at a restart: every segment is scanned in the one page
+    /// format and sealed; the index takes the newest version of each key (the same rule as
+    /// live writeback; equal stamps = a GC copy, the later segment wins); the recent-index
+    /// window is the contiguous run of indexes ending at the newest one found (GC keeps the
+    /// window's entries, so indexes below it may be gone).
+    /// Returns the configuration entries found (SIMPLIFIED: one GC dropped, once out of the
+    /// recent-index window, is not found; the backup then starts from the configuration it
+    /// was given and learns the newer one from the leader's log).
+    fn restore_ssd(&mut self, log: &mut Log, mut segs: Vec<DurableSeg>) -> Vec<(u64, Config)> {
+        let mut configs = Vec::new();
+        segs.sort_by_key(|d| d.seg);
+        let mut by_index: BTreeMap<u64, (u64, Loc)> = BTreeMap::new();
+        let mut newest: HashMap<Vec<u8>, (Stamp, Loc)> = HashMap::new();
+        for d in segs {
+            let (decoded, valid) = page::decode_pages(d.seg, 0, &d.bytes);
+            self.backup.space.restore_seg(d.seg, d.log, valid as u64);
+            for (loc, e) in decoded {
+                if let Op::Config(cf) = &e.op {
+                    configs.push((e.index, cf.clone()));
+                }
+                if let Some(k) = e.key() {
+                    let st = e.stamp();
+                    match newest.get_mut(k) {
+                        Some(cur) if cur.0 <= st => *cur = (st, loc),
+                        Some(_) => {}
+                        None => {
+                            newest.insert(k.to_vec(), (st, loc));
+                        }
+                    }
+                }
+                by_index.insert(e.index, (e.term, loc));
+            }
+        }
+        for (k, (st, loc)) in newest {
+            self.backup.space.add_ref(loc);
+            self.backup.index.insert(k, (st, loc));
+        }
+        let Some((&last, _)) = by_index.last_key_value() else {
+            return configs;
+        };
+        let window = self.p.recent_index_window_entries as u64;
+        let mut first = last;
+        while first > 1 && last - first + 1 < window && by_index.contains_key(&(first - 1)) {
+            first -= 1;
+        }
+        log.base_index = first - 1;
+        // The term before the window, if GC kept it; else the window's first (terms never
+        // decrease along the log, and indexes at or below the base always match).
+        log.base_term = by_index
+            .get(&(first - 1))
+            .or_else(|| by_index.get(&first))
+            .map_or(0, |x| x.0);
+        for (_, (term, loc)) in by_index.range(first..) {
+            self.backup.space.add_ref(*loc);
+            self.backup.slot_refs += 1;
+            log.push(Slot::Flushed {
+                term: *term,
+                loc: Some(*loc),
+            });
+        }
+        self.backup.written_back_through = last;
+        self.commit = last;
+        self.applied = last;
+        configs
+    }
+
+    /// Issues an SSD read and remembers what it is for (and that `seg` is being read, so GC
+    /// does not free it under the read).
+    fn ssd_read(&mut self, why: ReadFor, seg: u64, off: u64, len: u32, class: IoClass) {
+        let id = self.next_io_id();
+        self.backup.space.read_started(seg);
+        self.backup.reads.insert(id, (why, seg));
+        self.out.push(Output::SsdRead {
+            id,
+            seg,
+            off,
+            len,
+            class,
+        });
+    }
+
+    /// Which log an entry goes to (M10): a popular key's to the hot one.
+    fn place(&self, e: &Entry) -> SsdLog {
+        match (self.p.ssd_logs, e.key()) {
+            (SsdLogs::Single, _) => SsdLog::Hot,
+            (SsdLogs::HotCold, Some(k)) if self.rec.lru.is_popular(&k.to_vec()) => {
+                SsdLog::Hot
+            }
+            (SsdLogs::HotCold, _) => SsdLog::Cold,
+        }
+    }
+
+    /// Packs `entries` as one batch at the end of `log` and issues the write.
+    fn write_batch(
+        &mut self,
+        log: SsdLog,
+        entries: &[Entry],
+        class: IoClass,
+    ) -> (SsdWriteReq, Vec<Loc>) {
+        let len = page::packed_len(entries) as u64;
+        let id = self.next_io_id();
+        let (seg, off) = self
+            .backup
+            .space
+            .alloc(log, len, self.p.ssd_segment_bytes, id);
+        let mut b = page::BatchBuilder::new(seg, off);
+        let locs = entries
+            .iter()
+            .map(|e| {
+                b.push(e)
+                    .expect("entries are within the limits the leader checked")
+            })
+            .collect();
+        let (bytes, _) = b.finish();
+        debug_assert_eq!(bytes.len() as u64, len);
+        self.out.push(Output::SsdWrite {
+            id,
+            seg,
+            log,
+            off,
+            bytes: bytes.clone(),
+            class,
+        });
+        (
+            SsdWriteReq {
+                id,
+                seg,
+                log,
+                off,
+                bytes,
+            },
+            locs,
+        )
+    }
 
     fn on_request_log(&mut self, from: NodeId, index: u64) {
         if self.kind != Kind::Backup {
@@ -2541,17 +2740,18 @@ impl WitnessCore {
                 );
             }
             Some(Slot::Flushed { loc: Some(loc), .. }) => {
-                let id = self.next_io_id();
-                self.backup
-                    .reads
-                    .insert(id, ReadFor::RequestLog { to: from, index });
-                self.out.push(Output::SsdRead {
-                    id,
-                    log: loc.log,
-                    off: loc.off,
-                    len: loc.len,
-                    class: IoClass::Priority,
-                });
+                let (off, len) = loc.page_span();
+                self.ssd_read(
+                    ReadFor::RequestLog {
+                        to: from,
+                        index,
+                        loc,
+                    },
+                    loc.seg,
+                    off,
+                    len as u32,
+                    IoClass::PriorityPull,
+                );
             }
             Some(Slot::Unknown { .. }) | None => self.send(
                 from,
@@ -2583,23 +2783,21 @@ impl WitnessCore {
             .collect();
         match self.backup.index.get(&key).map(|x| x.1) {
             Some(loc) => {
-                let rid = self.next_io_id();
-                self.backup.reads.insert(
-                    rid,
+                // The whole page(s) holding the entry: its neighbours come free (§5.3).
+                let (off, len) = loc.page_span();
+                self.ssd_read(
                     ReadFor::PriorityPull {
                         to: from,
                         id,
                         key,
                         buffered,
+                        off,
                     },
+                    loc.seg,
+                    off,
+                    len as u32,
+                    IoClass::PriorityPull,
                 );
-                self.out.push(Output::SsdRead {
-                    id: rid,
-                    log: loc.log,
-                    off: loc.off,
-                    len: loc.len,
-                    class: IoClass::Priority,
-                });
             }
             None => self.send(
                 from,
@@ -2611,6 +2809,26 @@ impl WitnessCore {
         }
     }
 
+    /// The next place a BatchPull stream at `cursor` (`segment << 32 | offset`) reads: the
+    /// first segment at or after the cursor's with durable bytes past it. Segments are read in
+    /// id order over both logs; a segment freed by GC is skipped (its live entries were
+    /// rewritten into newer segments, so the stream meets them later); what is written to a
+    /// segment the stream has passed is newer than the stream and PriorityPulled if needed.
+    fn batch_pull_next(&self, cursor: u64) -> Option<(u64, u64, u64)> {
+        let (cseg, coff) = (cursor >> 32, cursor & 0xffff_ffff);
+        let sp = &self.backup.space;
+        let mut seg = sp.first_from(cseg)?;
+        let mut off = if seg == cseg { coff } else { 0 };
+        loop {
+            let end = sp.durable_end(seg);
+            if off < end {
+                return Some((seg, off, end));
+            }
+            seg = sp.first_from(seg + 1)?;
+            off = 0;
+        }
+    }
+
     fn on_batch_pull(&mut self, from: NodeId, stream: u64, cursor: u64) {
         if self.kind != Kind::Backup {
             return;
@@ -2618,8 +2836,7 @@ impl WitnessCore {
         if cursor & recovery::HOT_CURSOR != 0 {
             return self.rec_hot_batch_pull(from, stream, cursor);
         }
-        let end = self.backup.durable_end;
-        if cursor >= end {
+        let Some((seg, off, end)) = self.batch_pull_next(cursor) else {
             return self.send(
                 from,
                 PeerBody::BatchPullReply {
@@ -2629,47 +2846,48 @@ impl WitnessCore {
                     done: true,
                 },
             );
-        }
-        let len = (self.rec_batch_read_bytes() as u64).min(end - cursor);
+        };
+        let len = (self.rec_batch_read_bytes() as u64).min(end - off);
         let len = len.div_ceil(PAGE_BYTES as u64) * PAGE_BYTES as u64;
-        let id = self.next_io_id();
-        self.backup.reads.insert(
-            id,
+        self.ssd_read(
             ReadFor::BatchPull {
                 to: from,
                 stream,
-                cursor,
+                seg,
+                off,
                 len: len as u32,
             },
+            seg,
+            off,
+            len as u32,
+            IoClass::BatchPull,
         );
-        self.out.push(Output::SsdRead {
-            id,
-            log: SsdLog::Hot,
-            off: cursor,
-            len: len as u32,
-            class: IoClass::Batch,
-        });
     }
 
     fn on_ssd_read(&mut self, id: u64, result: Result<Vec<u8>, String>) {
-        let Some(purpose) = self.backup.reads.remove(&id) else {
+        let Some((purpose, seg)) = self.backup.reads.remove(&id) else {
             return;
         };
+        self.backup.space.read_done(seg);
         if result.is_err() {
             self.counters.ssd_errors += 1;
         }
         match purpose {
-            ReadFor::HotBatch { group } => self.rec_on_hot_read(group, result),
+            ReadFor::HotBatch { group, off } => self.rec_on_hot_read(group, seg, off, result),
             ReadFor::PriorityPull {
                 to,
                 id,
                 key,
                 mut buffered,
+                off,
             } => {
                 if let Ok(bytes) = &result {
-                    if let Ok(es) = page::decode_group(bytes) {
-                        buffered.extend(es);
-                    }
+                    buffered.extend(
+                        page::decode_pages(seg, off, bytes)
+                            .0
+                            .into_iter()
+                            .map(|x| x.1),
+                    );
                 }
                 // Versions still in the buffer now (a writeback may have moved the key).
                 for s in &self.log.slots {
@@ -2688,11 +2906,11 @@ impl WitnessCore {
                     },
                 );
             }
-            ReadFor::RequestLog { to, index } => {
+            ReadFor::RequestLog { to, index, loc } => {
                 let entry = result
                     .ok()
-                    .and_then(|b| page::decode_group(&b).ok())
-                    .and_then(|es| es.into_iter().find(|e| e.index == index));
+                    .and_then(|b| page::entry_at(loc, &b))
+                    .filter(|e| e.index == index);
                 // A read error is not "absent": answer nothing, the leader asks again.
                 if let Some(e) = entry {
                     let entry = Some(e);
@@ -2709,43 +2927,38 @@ impl WitnessCore {
             ReadFor::BatchPull {
                 to,
                 stream,
-                cursor,
+                seg,
+                off,
                 len,
             } => {
                 let Ok(bytes) = result else { return };
-                let used = page::whole_groups_len(&bytes);
-                if used == 0 && bytes.len() >= 4 {
-                    // A page group longer than the read: read exactly that group.
-                    let n = u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize;
-                    let glen = (4 + n).div_ceil(PAGE_BYTES) * PAGE_BYTES;
-                    if n > 0 && glen > len as usize {
-                        let rid = self.next_io_id();
-                        self.backup.reads.insert(
-                            rid,
+                let (decoded, valid) = page::decode_pages(seg, off, &bytes);
+                if decoded.is_empty() {
+                    if let Some(n) = page::cut_off_len(&bytes).filter(|n| *n > len as usize) {
+                        // An entry longer than the read: read exactly its pages.
+                        return self.ssd_read(
                             ReadFor::BatchPull {
                                 to,
                                 stream,
-                                cursor,
-                                len: glen as u32,
+                                seg,
+                                off,
+                                len: n as u32,
                             },
+                            seg,
+                            off,
+                            n as u32,
+                            IoClass::BatchPull,
                         );
-                        self.out.push(Output::SsdRead {
-                            id: rid,
-                            log: SsdLog::Hot,
-                            off: cursor,
-                            len: glen as u32,
-                            class: IoClass::Batch,
-                        });
-                        return;
                     }
                 }
-                let entries = page::decode_run(&bytes[..used]).unwrap_or_default();
-                let next_cursor = if used == 0 {
-                    self.backup.durable_end
+                let entries: Vec<Entry> = decoded.into_iter().map(|x| x.1).collect();
+                // Nothing decodable here (a torn or corrupt tail): on to the next segment.
+                let next_cursor = if entries.is_empty() {
+                    (seg + 1) << 32
                 } else {
-                    cursor + used as u64
+                    seg << 32 | (off + valid as u64)
                 };
-                let done = entries.is_empty() && next_cursor >= self.backup.durable_end;
+                let done = entries.is_empty() && self.batch_pull_next(next_cursor).is_none();
                 self.send(
                     to,
                     PeerBody::BatchPullReply {
@@ -2756,11 +2969,14 @@ impl WitnessCore {
                     },
                 );
             }
+            ReadFor::Gc => self.on_gc_read(seg, result),
         }
+        self.gc_try_free();
     }
 
     /// M8: walk the buffer in order; once a batch of *committed, persisted* entries is ready
-    /// (or a partial one has waited `writeback_linger_us`), write it to SSD.
+    /// (or a partial one has waited `writeback_linger_us`), write it to SSD, each entry to the
+    /// log its key's popularity picks (M10): one write per log the batch touches.
     fn maybe_writeback(&mut self) {
         if self.backup.wb_in_flight.is_some() {
             return;
@@ -2779,7 +2995,7 @@ impl WitnessCore {
             match self.log.slot(i) {
                 Some(Slot::Entry(e)) => {
                     // Noops are written too: the SSD log then holds every written-back index,
-                    // so a restarted backup rebuilds its recent-index ring by scanning it.
+                    // so a restarted backup rebuilds its recent-index window by scanning it.
                     bytes += e.approx_bytes();
                     entries.push(e.clone());
                 }
@@ -2798,114 +3014,266 @@ impl WitnessCore {
         self.backup.eligible_since_us = None;
         debug_assert!(through <= self.commit, "writeback of an uncommitted entry");
         if entries.is_empty() {
-            // Only Noops: nothing to write.
             self.finish_writeback(through, &[]);
             return;
         }
-        let (buf, placed) = page::encode_batch(&entries);
-        let off = self.backup.log_end;
-        self.backup.log_end += buf.len() as u64;
-        let id = self.next_io_id();
-        self.out.push(Output::SsdWrite {
-            id,
-            log: SsdLog::Hot,
-            off,
-            bytes: buf.clone(),
-            sync: true,
-        });
-        let placed: Vec<(Entry, page::Placed)> = entries.into_iter().zip(placed).collect();
+        let mut by_log: [Vec<Entry>; 2] = Default::default();
+        for e in entries {
+            by_log[self.place(&e) as usize].push(e);
+        }
+        let mut writes = Vec::new();
+        let mut placed = Vec::new();
+        for (log, es) in [SsdLog::Hot, SsdLog::Cold].into_iter().zip(by_log) {
+            if es.is_empty() {
+                continue;
+            }
+            let (w, locs) = self.write_batch(log, &es, IoClass::Writeback);
+            writes.push(w);
+            placed.extend(es.into_iter().zip(locs));
+        }
         self.backup.wb_in_flight = Some(WbBatch {
-            id,
-            off,
-            bytes: buf,
+            writes,
             placed,
             through,
         });
     }
 
+    /// A write of a writeback batch or a GC pass completed. A failed write is retried with
+    /// the same bytes at the same place: the index names those pages only after a successful,
+    /// synced write.
     fn on_ssd_written(&mut self, id: u64, result: Result<(), String>) {
-        let Some(mut w) = self.backup.wb_in_flight.take() else {
-            return;
-        };
-        if w.id != id {
-            self.backup.wb_in_flight = Some(w);
-            return;
-        }
-        if result.is_err() {
-            // Rewrite the same bytes at the same offset: the index names these pages only
-            // after a successful, synced write.
+        let ok = result.is_ok();
+        if !ok {
             self.counters.ssd_errors += 1;
-            w.id = self.next_io_id();
-            self.out.push(Output::SsdWrite {
-                id: w.id,
-                log: SsdLog::Hot,
+        }
+        let new_id = (!ok).then(|| self.next_io_id());
+        let b = &mut self.backup;
+        let (writes, class) = match (&mut b.wb_in_flight, &mut b.gc) {
+            (Some(w), _) if w.writes.iter().any(|x| x.id == id) => {
+                (&mut w.writes, IoClass::Writeback)
+            }
+            (_, Some(g)) if g.writes.iter().any(|x| x.id == id) => (&mut g.writes, IoClass::Gc),
+            _ => return,
+        };
+        let at = writes.iter().position(|x| x.id == id).unwrap();
+        b.space.written(writes[at].seg, id, new_id);
+        if let Some(n) = new_id {
+            let w = &mut writes[at];
+            w.id = n;
+            let out = Output::SsdWrite {
+                id: n,
+                seg: w.seg,
+                log: w.log,
                 off: w.off,
                 bytes: w.bytes.clone(),
-                sync: true,
-            });
-            self.backup.wb_in_flight = Some(w);
+                class,
+            };
+            self.out.push(out);
             return;
         }
-        self.counters.writebacks += 1;
-        let off = w.off;
-        self.backup.durable_end = self.backup.durable_end.max(off + w.bytes.len() as u64);
-        let placed: Vec<(Entry, page::Placed)> = w
-            .placed
-            .into_iter()
-            .map(|(e, p)| {
-                (
-                    e,
-                    page::Placed {
-                        off: off + p.off,
-                        len: p.len,
-                    },
-                )
-            })
-            .collect();
-        self.finish_writeback(w.through, &placed);
+        writes.remove(at);
+        if !writes.is_empty() {
+            return;
+        }
+        if class == IoClass::Writeback {
+            let w = b.wb_in_flight.take().unwrap();
+            self.counters.writebacks += 1;
+            self.finish_writeback(w.through, &w.placed);
+        } else {
+            self.gc_rewritten();
+        }
     }
 
     /// Index update (only if the new stamp ≥ the indexed one, M5), then the NVMM copies go.
-    fn finish_writeback(&mut self, through: u64, placed: &[(Entry, page::Placed)]) {
+    fn finish_writeback(&mut self, through: u64, placed: &[(Entry, Loc)]) {
+        let b = &mut self.backup;
         let mut locs: HashMap<u64, Loc> = HashMap::new();
-        for (e, p) in placed {
-            let loc = Loc {
-                log: SsdLog::Hot,
-                off: p.off,
-                len: p.len,
-            };
-            locs.insert(e.index, loc);
-            let Some(key) = e.key().map(<[u8]>::to_vec) else {
+        for (e, loc) in placed {
+            locs.insert(e.index, *loc);
+            let Some(key) = e.key() else {
                 continue; // a Noop: in the log, not in the index
             };
             let st = e.stamp();
-            let newer = self.backup.index.get(&key).is_none_or(|(s, _)| *s <= st);
-            if newer {
-                self.backup.index.insert(key, (st, loc));
+            match b.index.get_mut(key) {
+                Some(cur) if cur.0 <= st => {
+                    b.space.drop_ref(cur.1);
+                    b.space.add_ref(*loc);
+                    *cur = (st, *loc);
+                }
+                Some(_) => {}
+                None => {
+                    b.space.add_ref(*loc);
+                    b.index.insert(key.to_vec(), (st, *loc));
+                }
             }
         }
-        for i in self.backup.written_back_through + 1..=through {
-            if let Some(s) = self.log.slot_mut(i) {
+        for i in b.written_back_through + 1..=through {
+            if let Some(s @ Slot::Entry(_)) = self.log.slot_mut(i) {
                 let term = s.term();
-                *s = Slot::Flushed {
-                    term,
-                    loc: locs.get(&i).copied(),
-                };
+                let loc = locs.get(&i).copied();
+                if let Some(l) = loc {
+                    b.space.add_ref(l);
+                    b.slot_refs += 1;
+                }
+                *s = Slot::Flushed { term, loc };
             }
         }
-        self.backup.written_back_through = through;
+        b.written_back_through = through;
         self.out.push(Output::PmemFree {
             region: Region::Buffer,
             through_index: through,
         });
         // Forget written-back indexes past the recent-index window.
         while self.log.slots.len() > self.p.recent_index_window_entries
-            && self.log.base_index < self.backup.written_back_through
+            && self.log.base_index < b.written_back_through
         {
             let s = self.log.slots.pop_front().unwrap();
+            if let Slot::Flushed { loc: Some(l), .. } = s {
+                b.space.drop_ref(l);
+                b.slot_refs -= 1;
+            }
             self.log.base_index += 1;
             self.log.base_term = s.term();
         }
+    }
+
+    /// M9: while free SSD space is under `gc_free_min_bytes`, collect the segment with the
+    /// fewest live bytes: read it (GC class, the lowest), rewrite what the index or the window
+    /// still references, move the references, then free it.
+    fn maybe_gc(&mut self) {
+        if self.backup.gc.is_some() {
+            return self.gc_try_free();
+        }
+        let sp = &self.backup.space;
+        if sp.used_bytes() + self.p.gc_free_min_bytes <= self.p.ssd_capacity_bytes {
+            return;
+        }
+        let Some(victim) = sp.victim() else { return };
+        let end = sp.durable_end(victim);
+        self.counters.gc_passes += 1;
+        self.backup.gc = Some(GcPass {
+            victim,
+            writes: Vec::new(),
+            moved: Vec::new(),
+            freeing: false,
+        });
+        if end == 0 {
+            return self.gc_rewritten();
+        }
+        self.ssd_read(ReadFor::Gc, victim, 0, end as u32, IoClass::Gc);
+    }
+
+    fn on_gc_read(&mut self, victim: u64, result: Result<Vec<u8>, String>) {
+        if self.backup.gc.as_ref().map(|g| g.victim) != Some(victim) {
+            return;
+        }
+        let Ok(bytes) = result else {
+            // Try again (perhaps another victim) at a later input.
+            self.backup.gc = None;
+            return;
+        };
+        let from_log = self.backup.space.seg(victim).map(|g| g.log);
+        let mut by_log: [Vec<(Entry, Loc)>; 2] = Default::default();
+        for (loc, e) in page::decode_pages(victim, 0, &bytes).0 {
+            let by_index = e
+                .key()
+                .and_then(|k| self.backup.index.get(k))
+                .is_some_and(|(_, l)| *l == loc);
+            let by_slot = matches!(self.log.slot(e.index),
+                Some(Slot::Flushed { loc: Some(l), .. }) if *l == loc);
+            if !by_index && !by_slot {
+                continue; // stale: a newer version is indexed, and the window has moved on
+            }
+            // A superseded version kept only for the window is never hot.
+            let log = match (by_index, self.p.ssd_logs) {
+                (true, _) | (false, SsdLogs::Single) => self.place(&e),
+                (false, SsdLogs::HotCold) => SsdLog::Cold,
+            };
+            if log == SsdLog::Hot && from_log == Some(SsdLog::Cold) {
+                self.counters.gc_moved_to_hot += 1;
+            }
+            by_log[log as usize].push((e, loc));
+        }
+        for (log, live) in [SsdLog::Hot, SsdLog::Cold].into_iter().zip(by_log) {
+            let mut batch: Vec<(Entry, Loc)> = Vec::new();
+            let mut it = live.into_iter().peekable();
+            while let Some(x) = it.next() {
+                batch.push(x);
+                let full = page::packed_len(batch.iter().map(|x| &x.0)) >= self.p.gc_write_bytes;
+                if full || it.peek().is_none() {
+                    let es: Vec<Entry> = batch.iter().map(|x| x.0.clone()).collect();
+                    let (w, locs) = self.write_batch(log, &es, IoClass::Gc);
+                    self.counters.gc_bytes_rewritten += w.bytes.len() as u64;
+                    let g = self.backup.gc.as_mut().unwrap();
+                    g.writes.push(w);
+                    g.moved.extend(
+                        batch
+                            .drain(..)
+                            .zip(locs)
+                            .map(|((e, old), new)| (e, old, new)),
+                    );
+                }
+            }
+        }
+        if self.backup.gc.as_ref().unwrap().writes.is_empty() {
+            self.gc_rewritten();
+        }
+    }
+
+    /// Every rewrite of the GC pass is durable: the references move to the copies (only those
+    /// still pointing at the victim: a newer version written back meanwhile stays), then the
+    /// victim is freed once nothing reads it.
+    fn gc_rewritten(&mut self) {
+        let Some(mut g) = self.backup.gc.take() else {
+            return;
+        };
+        let b = &mut self.backup;
+        for (e, old, new) in g.moved.drain(..) {
+            if let Some(cur) = e.key().and_then(|k| b.index.get_mut(k)) {
+                if cur.1 == old {
+                    cur.1 = new;
+                    b.space.drop_ref(old);
+                    b.space.add_ref(new);
+                }
+            }
+            if let Some(Slot::Flushed { loc: Some(l), .. }) = self.log.slot_mut(e.index) {
+                if *l == old {
+                    *l = new;
+                    b.space.drop_ref(old);
+                    b.space.add_ref(new);
+                }
+            }
+        }
+        g.freeing = true;
+        b.gc = Some(g);
+        self.gc_try_free();
+    }
+
+    fn gc_try_free(&mut self) {
+        let Some(v) = self
+            .backup
+            .gc
+            .as_ref()
+            .filter(|g| g.freeing)
+            .map(|g| g.victim)
+        else {
+            return;
+        };
+        let sp = &mut self.backup.space;
+        if sp.seg(v).is_some_and(|g| g.refs > 0) {
+            // References the scan could not decode (a corrupt page): keep the segment.
+            sp.mark_gc_stuck(v);
+            self.counters.ssd_errors += 1;
+            self.backup.gc = None;
+            return;
+        }
+        if !sp.freeable(v) {
+            return; // a read of it is still in flight
+        }
+        sp.free(v);
+        self.backup.gc = None;
+        self.counters.gc_segments_freed += 1;
+        self.out.push(Output::SsdFree { seg: v });
     }
 
     // ---- dispatch ----

@@ -5,7 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use super::config::Config;
-use super::node::{Input, Output, Params, RoleKind, SsdLog, WitnessCore};
+use super::node::{Input, Output, Params, RoleKind, WitnessCore};
+use super::ssd::MemSsd;
 use crate::witness::proto::{ClientReply, ClientReq, NodeId, PeerMsg};
 
 const MS: u64 = 1_000;
@@ -44,7 +45,7 @@ struct Router {
     /// Nodes whose NVMM persists are held back (they never ack).
     hold_persist: BTreeSet<NodeId>,
     held: Vec<(NodeId, u64)>,
-    ssd: HashMap<(NodeId, SsdLog), Vec<u8>>,
+    ssd: HashMap<NodeId, MemSsd>,
     replies: HashMap<u64, ClientReply>,
     next_tag: u64,
     /// (time, node, role) of every role change.
@@ -105,11 +106,7 @@ impl Router {
         let durable = super::node::Durable {
             meta,
             entries: log.into_values().collect(),
-            ssd_hot: self
-                .ssd
-                .get(&(id, SsdLog::Hot))
-                .cloned()
-                .unwrap_or_default(),
+            ssd: self.ssd.get(&id).map(MemSsd::durable).unwrap_or_default(),
         };
         let core =
             WitnessCore::restore(id, self.cfg.clone(), self.p.clone(), self.now, durable).unwrap();
@@ -168,17 +165,13 @@ impl Router {
                 }
                 Output::SsdWrite {
                     id: io,
+                    seg,
                     log,
                     off,
                     bytes,
                     ..
                 } => {
-                    let f = self.ssd.entry((id, log)).or_default();
-                    let end = off as usize + bytes.len();
-                    if f.len() < end {
-                        f.resize(end, 0);
-                    }
-                    f[off as usize..end].copy_from_slice(&bytes);
+                    self.ssd.entry(id).or_default().write(seg, log, off, &bytes);
                     self.queue.push_back((
                         id,
                         Input::SsdWritten {
@@ -189,24 +182,16 @@ impl Router {
                 }
                 Output::SsdRead {
                     id: io,
-                    log,
+                    seg,
                     off,
                     len,
                     ..
                 } => {
-                    let f = self.ssd.get(&(id, log)).cloned().unwrap_or_default();
-                    let mut buf = vec![0u8; len as usize];
-                    let s = (off as usize).min(f.len());
-                    let e = (off as usize + len as usize).min(f.len());
-                    buf[..e - s].copy_from_slice(&f[s..e]);
-                    self.later.push_back((
-                        id,
-                        Input::SsdRead {
-                            id: io,
-                            result: Ok(buf),
-                        },
-                    ));
+                    let result = self.ssd.entry(id).or_default().read(seg, off, len);
+                    self.later
+                        .push_back((id, Input::SsdRead { id: io, result }));
                 }
+                Output::SsdFree { seg } => self.ssd.entry(id).or_default().free(seg),
                 Output::Reply { tag, reply } => {
                     assert!(
                         self.replies.insert(tag, reply).is_none(),
@@ -655,9 +640,9 @@ fn backup_answers_a_priority_pull_from_its_nvmm_buffer_first() {
             },
         },
     };
-    let mut ssd: Vec<u8> = Vec::new();
+    let mut ssd = MemSsd::default();
     let mut now = 0;
-    let pump = |b: &mut WitnessCore, now: u64, input: Input, ssd: &mut Vec<u8>| {
+    let pump = |b: &mut WitnessCore, now: u64, input: Input, ssd: &mut MemSsd| {
         let mut inputs = vec![input];
         let mut sent = Vec::new();
         while let Some(i) = inputs.pop() {
@@ -665,17 +650,22 @@ fn backup_answers_a_priority_pull_from_its_nvmm_buffer_first() {
             for o in b.take_outputs() {
                 match o {
                     Output::PmemAppend { seq, .. } => inputs.push(Input::PmemPersisted { seq }),
-                    Output::SsdWrite { id, off, bytes, .. } => {
-                        assert_eq!(off as usize, ssd.len());
-                        ssd.extend_from_slice(&bytes);
+                    Output::SsdWrite {
+                        id,
+                        seg,
+                        log,
+                        off,
+                        bytes,
+                        ..
+                    } => {
+                        ssd.write(seg, log, off, &bytes);
                         inputs.push(Input::SsdWritten { id, result: Ok(()) });
                     }
-                    Output::SsdRead { id, off, len, .. } => {
-                        let bytes = ssd[off as usize..(off + len as u64) as usize].to_vec();
-                        inputs.push(Input::SsdRead {
-                            id,
-                            result: Ok(bytes),
-                        });
+                    Output::SsdRead {
+                        id, seg, off, len, ..
+                    } => {
+                        let result = ssd.read(seg, off, len);
+                        inputs.push(Input::SsdRead { id, result });
                     }
                     Output::Send { msg, .. } => sent.push(msg.body),
                     _ => {}

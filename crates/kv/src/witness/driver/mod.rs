@@ -12,10 +12,11 @@
 //! - NVMM: two [`PmemRegion`](crate::witness::store::pmem::PmemRegion)s per node (`meta` for
 //!   term/vote, `log` for the head's log or the backup's buffer), in `/dev/shm` by default.
 //!   An append is durable on return (shm: a store + fence), so `PmemPersisted` follows at once.
-//! - SSD: the core's own page format ([`core::page`](crate::witness::core::page)) written at the
-//!   offsets the core names into one `O_DIRECT` file per log, by one plain I/O thread in FIFO
-//!   order (no priority classes yet: `store::io::IoPool` speaks `store::ssdlog`'s segment format,
-//!   not the core's).
+//! - SSD: the core's one page format ([`core::page`](crate::witness::core::page)) written at the
+//!   segments and offsets the core names, into `O_DIRECT` segment files
+//!   ([`store::ssdlog`](crate::witness::store::ssdlog)), through the priority pool
+//!   ([`store::io`](crate::witness::store::io)) in the core's class: PriorityPull > writeback >
+//!   BatchPull > GC.
 
 pub mod client;
 pub mod node;

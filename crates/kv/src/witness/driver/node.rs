@@ -10,19 +10,19 @@
 //!   after the whole batch of outputs is carried out (the core defers every send that must wait
 //!   for a durable term or vote, so nothing leaves before it is durable). `--pmem dsync` would
 //!   belong on a thread: not offered by this driver yet.
-//! - **SSD I/O on one plain thread**, FIFO: the core's writeback batches and pulls in the core's
-//!   own page format at the offsets it names, into one `O_DIRECT` file per log, each write
-//!   `fdatasync`ed before `SsdWritten`. FIFO keeps a read behind the write it may depend on; the
-//!   priority classes of `store::io` wait for the two page formats to become one.
+//! - **SSD I/O through `store::io::IoPool`**: the core's writes, reads and frees (segments and
+//!   offsets it chose, in its one page format) go to the pool in the core's priority class, so a
+//!   PriorityPull overtakes queued writeback, BatchPull and GC. The pool may reorder requests;
+//!   the core never depends on an order: it reads only what is durable (index locations, a
+//!   segment's durable prefix) and frees only a segment nothing reads or references.
 //!
 //! Durable layout in the node's directories: `<shm>/meta.pmem` (term/vote records),
 //! `<shm>/log.pmem` (the head's log or the backup's buffer, with truncation markers), and
-//! `<data>/ssd-hot.log`, `<data>/ssd-cold.log`. A node started on existing files is rebuilt with
-//! [`WitnessCore::restore`].
+//! `<data>/{hot,cold}-<id>.seg` (`store::ssdlog`). A node started on existing files is rebuilt
+//! with [`WitnessCore::restore`].
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -33,12 +33,12 @@ use tokio::sync::mpsc;
 use super::*;
 use crate::witness::core::config::Config;
 use crate::witness::core::node::{
-    Durable, Input, Output, Params, PmemRecord, Region, RoleKind, SsdLog, WitnessCore,
+    Durable, Input, Output, Params, PmemRecord, Region, RoleKind, WitnessCore,
 };
-use crate::witness::core::page::PAGE_BYTES;
 use crate::witness::proto::Entry;
+use crate::witness::store::io::{IoClass, IoCompletion, IoConfig, IoOp, IoOutput, IoPool, IoRequest, IoSubmitter};
 use crate::witness::store::pmem::{PmemConfig, PmemMode, PmemRegion};
-use crate::witness::store::ssdlog::AlignedBuf;
+use crate::witness::store::ssdlog::{SsdConfig, SsdLogs};
 
 /// Messages queued per outbound peer connection before new ones are dropped (the protocol
 /// retransmits on its heartbeat).
@@ -53,8 +53,9 @@ pub const CLIENT_INFLIGHT_MAX: usize = 1024;
 /// voting backup down) holds its puts; past this bound new requests are answered `Unavailable`
 /// at once instead of growing the core's pending set and this map without end.
 pub const PENDING_CLIENT_CALLS_MAX: usize = 16_384;
-/// SSD requests queued for the I/O thread. The core bounds its own reads and writebacks, so
-/// this is only a backstop; a full queue blocks the core's task (backpressure, no loss).
+/// SSD completions queued for the core. The core bounds its own reads and writebacks, so the
+/// pool's request channel is only a backstop; a full one blocks the core's task (backpressure,
+/// no loss).
 pub const SSD_QUEUE_REQS: usize = 1024;
 /// Ring size of the meta region (term/vote records; the old ones are freed at each append).
 pub const META_PMEM_BYTES: u64 = 1 << 20;
@@ -187,119 +188,61 @@ fn decode_core(rec: &[u8]) -> Option<PmemRecord> {
     }
 }
 
-enum SsdReq {
-    Write {
-        id: u64,
-        log: SsdLog,
-        off: u64,
-        bytes: Vec<u8>,
-        sync: bool,
-    },
-    Read {
-        id: u64,
-        log: SsdLog,
-        off: u64,
-        len: u32,
-    },
+/// What a pool request was, in the low bits of its id (the core's io id above them): a
+/// completion must become the right input, an error included.
+const OP_READ: u64 = 0;
+const OP_WRITE: u64 = 1;
+const OP_FREE: u64 = 2;
+
+/// Opens the SSD logs (refusing a memory file system: O_DIRECT reads from RAM would be fiction)
+/// and returns them with the segments found, for a restart.
+fn open_ssd(dir: &std::path::Path) -> Result<(SsdLogs, Vec<crate::witness::core::node::DurableSeg>), WitnessError> {
+    if let Some(fs) = crate::witness::store::ssdlog::memory_fs(dir) {
+        return Err(WitnessError::Config(format!(
+            "{} is on {fs}: the SSD tier needs a disk (O_DIRECT reads from memory would be fiction)",
+            dir.display()
+        )));
+    }
+    SsdLogs::open(dir, SsdConfig::default()).map_err(|e| WitnessError::Config(e.to_string()))
 }
 
-struct SsdFiles {
-    hot: std::fs::File,
-    cold: std::fs::File,
+/// The request a core SSD output becomes.
+fn io_request(o: Output) -> Option<IoRequest> {
+    Some(match o {
+        Output::SsdWrite { id, seg, log, off, bytes, class } => IoRequest {
+            id: id << 2 | OP_WRITE,
+            class,
+            op: IoOp::Write { seg, kind: log, off, bytes },
+        },
+        Output::SsdRead { id, seg, off, len, class } => IoRequest {
+            id: id << 2 | OP_READ,
+            class,
+            op: IoOp::Read { seg, off, len: len as usize },
+        },
+        Output::SsdFree { seg } => IoRequest {
+            id: seg << 2 | OP_FREE,
+            class: IoClass::Gc,
+            op: IoOp::Delete { seg },
+        },
+        _ => return None,
+    })
 }
 
-impl SsdFiles {
-    fn open(dir: &std::path::Path) -> Result<SsdFiles, WitnessError> {
-        std::fs::create_dir_all(dir)?;
-        if let Some(fs) = crate::witness::store::ssdlog::memory_fs(dir) {
-            return Err(WitnessError::Config(format!(
-                "{} is on {fs}: the SSD tier needs a disk (O_DIRECT reads from memory would be fiction)",
-                dir.display()
-            )));
+/// The input a pool completion becomes (none for a free).
+fn io_input(c: IoCompletion) -> Option<Input> {
+    let id = c.id >> 2;
+    match (c.id & 3, c.result) {
+        (OP_READ, Ok(IoOutput::Read(buf))) => Some(Input::SsdRead { id, result: Ok(buf.to_vec()) }),
+        (OP_READ, Err(e)) => Some(Input::SsdRead { id, result: Err(e.to_string()) }),
+        (OP_WRITE, Ok(_)) => Some(Input::SsdWritten { id, result: Ok(()) }),
+        (OP_WRITE, Err(e)) => Some(Input::SsdWritten { id, result: Err(e.to_string()) }),
+        (OP_FREE, Err(e)) => {
+            // The core forgot the segment: a file left behind is only wasted space, and a
+            // restart scans it as garbage (its entries are older or equal copies).
+            tracing::warn!("freeing SSD segment {id}: {e}");
+            None
         }
-        let open = |name: &str| {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .custom_flags(libc::O_DIRECT)
-                .open(dir.join(name))
-        };
-        Ok(SsdFiles {
-            hot: open("ssd-hot.log")?,
-            cold: open("ssd-cold.log")?,
-        })
-    }
-    fn file(&self, log: SsdLog) -> &std::fs::File {
-        match log {
-            SsdLog::Hot => &self.hot,
-            SsdLog::Cold => &self.cold,
-        }
-    }
-    /// Reads `len` bytes at `off` through whole aligned pages; past the end reads as zeros.
-    fn read(&self, log: SsdLog, off: u64, len: usize) -> std::io::Result<Vec<u8>> {
-        let page = PAGE_BYTES as u64;
-        let start = off / page * page;
-        let end = (off + len as u64).div_ceil(page) * page;
-        let mut buf = AlignedBuf::zeroed((end - start) as usize);
-        let f = self.file(log);
-        let mut done = 0usize;
-        while done < buf.len() {
-            let n = f.read_at(&mut buf[done..], start + done as u64)?;
-            if n == 0 {
-                break; // the rest stays zero
-            }
-            done += n;
-        }
-        let at = (off - start) as usize;
-        Ok(buf[at..at + len].to_vec())
-    }
-    fn write(&self, log: SsdLog, off: u64, bytes: &[u8], sync: bool) -> std::io::Result<()> {
-        if !off.is_multiple_of(PAGE_BYTES as u64) || !bytes.len().is_multiple_of(PAGE_BYTES) {
-            return Err(std::io::Error::other(format!(
-                "unaligned SSD write of {} bytes at {off}",
-                bytes.len()
-            )));
-        }
-        let mut buf = AlignedBuf::zeroed(bytes.len());
-        buf[..bytes.len()].copy_from_slice(bytes);
-        let f = self.file(log);
-        f.write_all_at(&buf[..bytes.len()], off)?;
-        if sync {
-            f.sync_data()?;
-        }
-        Ok(())
-    }
-    /// The whole hot log, for a restart.
-    fn read_all(&self, log: SsdLog) -> std::io::Result<Vec<u8>> {
-        let len = self.file(log).metadata()?.len() as usize;
-        self.read(log, 0, len)
-    }
-}
-
-/// The I/O thread: carries the SSD requests out in order and queues each completion as an input.
-fn ssd_thread(files: SsdFiles, rx: std::sync::mpsc::Receiver<SsdReq>, done: mpsc::Sender<Input>) {
-    while let Ok(req) = rx.recv() {
-        let input = match req {
-            SsdReq::Write {
-                id,
-                log,
-                off,
-                bytes,
-                sync,
-            } => Input::SsdWritten {
-                id,
-                result: files.write(log, off, &bytes, sync).map_err(|e| e.to_string()),
-            },
-            SsdReq::Read { id, log, off, len } => Input::SsdRead {
-                id,
-                result: files.read(log, off, len as usize).map_err(|e| e.to_string()),
-            },
-        };
-        if done.blocking_send(input).is_err() {
-            return; // the node is stopping
-        }
+        _ => None,
     }
 }
 
@@ -322,19 +265,15 @@ struct ClientCall {
 pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
     let me = cfg.id;
     let (mut pmem, durable) = Pmem::open(&cfg.pmem_dir, cfg.pmem_log_bytes)?;
-    let ssd = SsdFiles::open(&cfg.data_dir)?;
+    let (ssd, segs) = open_ssd(&cfg.data_dir)?;
     let t0 = Instant::now();
     let now_us = move || t0.elapsed().as_micros() as u64;
     let fresh = durable.meta.is_none() && durable.entries.is_empty();
-    let hot = ssd.read_all(SsdLog::Hot)?;
-    let mut core = if fresh && hot.iter().all(|b| *b == 0) {
+    let mut core = if fresh && segs.is_empty() {
         WitnessCore::new(me, cfg.cfg.clone(), cfg.params.clone(), now_us())
             .map_err(|e| WitnessError::Config(e.to_string()))?
     } else {
-        let durable = Durable {
-            ssd_hot: hot,
-            ..durable
-        };
+        let durable = Durable { ssd: segs, ..durable };
         tracing::info!(
             "node {me}: restoring from its tiers ({} log records)",
             durable.entries.len()
@@ -348,10 +287,19 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
     let (client_in_tx, mut client_in) =
         mpsc::channel::<(mpsc::Sender<NetMsg>, u64, ClientReq)>(CLIENT_INPUT_QUEUE_MSGS);
     let (ssd_done_tx, mut ssd_done) = mpsc::channel::<Input>(SSD_QUEUE_REQS);
-    let (ssd_tx, ssd_rx) = std::sync::mpsc::sync_channel::<SsdReq>(SSD_QUEUE_REQS);
+    let (ssd_tx, pool_done, _pool) = IoPool::spawn(Arc::new(ssd), IoConfig::default());
+    // The pool speaks std channels: one plain thread forwards its completions to the core's.
     std::thread::Builder::new()
         .name(format!("witness-ssd-{me}"))
-        .spawn(move || ssd_thread(ssd, ssd_rx, ssd_done_tx))?;
+        .spawn(move || {
+            for c in pool_done.iter() {
+                if let Some(i) = io_input(c) {
+                    if ssd_done_tx.blocking_send(i).is_err() {
+                        return; // the node is stopping
+                    }
+                }
+            }
+        })?;
 
     let mut peer_tx: HashMap<NodeId, mpsc::Sender<PeerMsg>> = HashMap::new();
     for (&id, &addr) in cfg.peers.iter().filter(|(&id, _)| id != me) {
@@ -435,15 +383,8 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
                     }
                     Output::PmemTruncate { from_index, .. } => pmem.truncate(from_index)?,
                     Output::PmemFree { through_index, .. } => pmem.free(through_index)?,
-                    Output::SsdWrite {
-                        id,
-                        log,
-                        off,
-                        bytes,
-                        sync,
-                    } => send_ssd(&ssd_tx, SsdReq::Write { id, log, off, bytes, sync }).await?,
-                    Output::SsdRead { id, log, off, len, .. } => {
-                        send_ssd(&ssd_tx, SsdReq::Read { id, log, off, len }).await?
+                    o @ (Output::SsdWrite { .. } | Output::SsdRead { .. } | Output::SsdFree { .. }) => {
+                        send_ssd(&ssd_tx, io_request(o).expect("an SSD output")).await?
                     }
                     Output::Reply { tag, reply } => {
                         if let Some(c) = calls.remove(&tag) {
@@ -474,23 +415,16 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
     }
 }
 
-async fn send_ssd(
-    tx: &std::sync::mpsc::SyncSender<SsdReq>,
-    req: SsdReq,
-) -> Result<(), WitnessError> {
-    match tx.try_send(req) {
-        Ok(()) => Ok(()),
-        Err(std::sync::mpsc::TrySendError::Full(req)) => {
-            let tx = tx.clone();
-            tokio::task::spawn_blocking(move || tx.send(req))
-                .await
-                .map_err(|e| WitnessError::Io(std::io::Error::other(e)))?
-                .map_err(|_| WitnessError::Io(std::io::Error::other("the SSD thread stopped")))
-        }
-        Err(std::sync::mpsc::TrySendError::Disconnected(_)) => {
-            Err(WitnessError::Io(std::io::Error::other("the SSD thread stopped")))
-        }
-    }
+async fn send_ssd(tx: &IoSubmitter, req: IoRequest) -> Result<(), WitnessError> {
+    let Err(req) = tx.try_submit(req) else {
+        return Ok(());
+    };
+    // The request channel is full: wait for room on a blocking thread (backpressure).
+    let tx = tx.clone();
+    tokio::task::spawn_blocking(move || tx.submit(req))
+        .await
+        .map_err(|e| WitnessError::Io(std::io::Error::other(e)))?
+        .map_err(|_| WitnessError::Io(std::io::Error::other("the SSD I/O pool stopped")))
 }
 
 pub(super) async fn dial(addr: SocketAddr, secret: &[u8], hello: Hello) -> Result<wire::link::Link, WitnessError> {
@@ -650,19 +584,39 @@ mod tests {
         pm.append(Region::Buffer, &rec(&PmemRecord::Entry(put(6, 2)))).unwrap();
     }
 
-    /// The SSD tier: a page-aligned write reads back at any offset and length, and past the
-    /// end reads as zeros; a data directory in memory is refused.
+    /// The core's SSD outputs through the real pool: a write creates its segment and reads
+    /// back, a read of a freed segment comes back as an error input (never a hang), a data
+    /// directory in memory is refused.
     #[test]
-    fn ssd_files_read_back_unaligned_and_refuse_tmpfs() {
+    fn ssd_outputs_round_trip_through_the_pool_and_tmpfs_is_refused() {
+        use crate::witness::core::node::SsdLog;
         let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-        let f = SsdFiles::open(dir.path()).unwrap();
-        let bytes: Vec<u8> = (0..2 * PAGE_BYTES).map(|i| (i % 251) as u8).collect();
-        f.write(SsdLog::Hot, PAGE_BYTES as u64, &bytes, true).unwrap();
-        assert_eq!(f.read(SsdLog::Hot, PAGE_BYTES as u64 + 10, 5000).unwrap(), bytes[10..5010]);
-        assert_eq!(f.read(SsdLog::Hot, 3 * PAGE_BYTES as u64 - 4, 8).unwrap(), [&bytes[2 * PAGE_BYTES - 4..], &[0u8; 4][..]].concat());
-        assert!(f.write(SsdLog::Hot, 10, &bytes, true).is_err(), "unaligned writes are refused");
-        assert_eq!(f.read_all(SsdLog::Hot).unwrap().len(), 3 * PAGE_BYTES);
+        let (logs, segs) = open_ssd(dir.path()).unwrap();
+        assert!(segs.is_empty());
+        let (sub, done, pool) = IoPool::spawn(Arc::new(logs), IoConfig::default());
+        let mut b = crate::witness::core::page::BatchBuilder::new(3, 0);
+        let loc = b.push(&put(7, 1)).unwrap();
+        let bytes = b.finish().0;
+        let run = |o: Output| {
+            sub.submit(io_request(o).unwrap()).unwrap();
+            io_input(done.recv_timeout(Duration::from_secs(30)).unwrap())
+        };
+        let w = Output::SsdWrite { id: 5, seg: 3, log: SsdLog::Cold, off: 0, bytes: bytes.clone(), class: IoClass::Writeback };
+        assert_eq!(run(w), Some(Input::SsdWritten { id: 5, result: Ok(()) }));
+        assert!(dir.path().join(format!("cold-{:016}.seg", 3)).exists());
+        let (off, len) = loc.page_span();
+        let r = Output::SsdRead { id: 6, seg: 3, off, len: len as u32, class: IoClass::PriorityPull };
+        let Some(Input::SsdRead { id: 6, result: Ok(got) }) = run(r.clone()) else { panic!() };
+        assert_eq!(crate::witness::core::page::entry_at(loc, &got), Some(put(7, 1)));
+        assert_eq!(run(Output::SsdFree { seg: 3 }), None);
+        assert!(!dir.path().join(format!("cold-{:016}.seg", 3)).exists());
+        assert!(matches!(run(r), Some(Input::SsdRead { id: 6, result: Err(_) })));
+        drop(sub);
+        pool.join();
+        // The segment is found again at a restart only while it exists.
+        let (_, segs) = open_ssd(dir.path()).unwrap();
+        assert!(segs.is_empty());
         let shm = tempfile::tempdir_in(PmemRegion::shm_dir()).unwrap();
-        assert!(matches!(SsdFiles::open(shm.path()), Err(WitnessError::Config(_))));
+        assert!(matches!(open_ssd(shm.path()), Err(WitnessError::Config(_))));
     }
 }

@@ -21,20 +21,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::ssdlog::{packed_len, AlignedBuf, Loc, LogKind, SsdEntry, SsdError, SsdLogs};
-
-/// Priority classes, highest first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum IoClass {
-    /// A page a client Get is waiting for (§5.3).
-    PriorityPull = 0,
-    /// NVMM buffer → SSD (§3.2): the NVMM buffer fills if it starves.
-    Writeback = 1,
-    /// The bulk copy to a recovering primary (§5.1, §5.3), rate-limited.
-    BatchPull = 2,
-    /// Log cleaning (§3.2).
-    Gc = 3,
-}
+use super::ssdlog::{AlignedBuf, LogKind, SsdError, SsdLogs};
+/// The priority classes: the core's own enum (one for the core's outputs and this pool).
+pub use crate::witness::core::ssd::IoClass;
 
 pub const CLASSES: [IoClass; 4] = [
     IoClass::PriorityPull,
@@ -46,17 +35,18 @@ pub const CLASSES: [IoClass; 4] = [
 /// One SSD operation.
 #[derive(Debug)]
 pub enum IoOp {
-    /// Raw pages `[off, off + len)` of a segment (rounded out to pages): BatchPull streaming,
-    /// GC, the benchmark.
+    /// Raw pages `[off, off + len)` of a segment (rounded out to pages): the core's reads
+    /// (PriorityPull pages, BatchPull streaming, GC) and the benchmark.
     Read { seg: u64, off: u64, len: usize },
-    /// The page(s) holding `loc`, decoded (PriorityPull: the whole page, §5.3).
-    ReadPage { loc: Loc },
-    /// A batch appended to a log; durable when it completes (writeback, GC rewrites).
-    Append {
+    /// Whole pages written at `off` of a segment (created if new) and synced; durable when it
+    /// completes (the core's writeback batches and GC rewrites).
+    Write {
+        seg: u64,
         kind: LogKind,
-        entries: Vec<SsdEntry>,
+        off: u64,
+        bytes: Vec<u8>,
     },
-    /// Deletes a sealed segment (after GC).
+    /// Deletes a segment (the core's `SsdFree`, after GC).
     Delete { seg: u64 },
 }
 
@@ -65,8 +55,7 @@ impl IoOp {
     pub fn bytes(&self) -> u64 {
         match self {
             IoOp::Read { len, .. } => *len as u64,
-            IoOp::ReadPage { loc } => loc.page_span().1 as u64,
-            IoOp::Append { entries, .. } => packed_len(entries) as u64,
+            IoOp::Write { bytes, .. } => bytes.len() as u64,
             IoOp::Delete { .. } => 0,
         }
     }
@@ -83,8 +72,7 @@ pub struct IoRequest {
 #[derive(Debug)]
 pub enum IoOutput {
     Read(AlignedBuf),
-    Page(Vec<(Loc, SsdEntry)>),
-    Appended(Vec<Loc>),
+    Written,
     Deleted,
 }
 
@@ -393,8 +381,14 @@ fn worker(sh: Arc<Shared>, logs: Arc<SsdLogs>, done: SyncSender<IoCompletion>) {
         let start = Instant::now();
         let result = match req.op {
             IoOp::Read { seg, off, len } => logs.read_raw(seg, off, len).map(IoOutput::Read),
-            IoOp::ReadPage { loc } => logs.read_page_entries(loc).map(IoOutput::Page),
-            IoOp::Append { kind, entries } => logs.append(kind, &entries).map(IoOutput::Appended),
+            IoOp::Write {
+                seg,
+                kind,
+                off,
+                bytes,
+            } => logs
+                .write_at(seg, kind, off, &bytes)
+                .map(|()| IoOutput::Written),
             IoOp::Delete { seg } => logs.delete_segment(seg).map(|()| IoOutput::Deleted),
         };
         let service = start.elapsed();
@@ -414,7 +408,7 @@ fn worker(sh: Arc<Shared>, logs: Arc<SsdLogs>, done: SyncSender<IoCompletion>) {
 #[cfg(test)]
 mod tests {
     use super::super::ssdlog::tests::disk_dir;
-    use super::super::ssdlog::{LogTs, SsdConfig};
+    use super::super::ssdlog::{decode_pages, Loc, LogTs, SsdConfig, SsdEntry};
     use super::*;
 
     /// Logs with one cold segment of `pages` full pages.
@@ -471,7 +465,8 @@ mod tests {
             op: gc,
         })
         .unwrap();
-        let op = IoOp::ReadPage { loc: locs[42] };
+        let (off, len) = locs[42].page_span();
+        let op = IoOp::Read { seg, off, len };
         sub.submit(IoRequest {
             id: 999,
             class: IoClass::PriorityPull,
@@ -482,9 +477,10 @@ mod tests {
         let order: Vec<IoCompletion> = (0..62).map(|_| done.recv().unwrap()).collect();
         assert_eq!(order[0].id, 999, "the PriorityPull starts first");
         match &order[0].result {
-            Ok(IoOutput::Page(p)) => {
+            Ok(IoOutput::Read(b)) => {
+                let p = decode_pages(seg, off, b).0;
                 assert_eq!(p.len(), 1);
-                assert_eq!(p[0].1.key, b"k42");
+                assert_eq!(p[0].1.key(), Some(&b"k42"[..]));
             }
             r => panic!("{r:?}"),
         }
@@ -571,9 +567,13 @@ mod tests {
             ts: LogTs { term: 2, index: 1 },
             value: vec![7; 100],
         };
-        let op = IoOp::Append {
+        let mut b = crate::witness::core::page::BatchBuilder::new(500, 0);
+        let loc = b.push(&e.to_entry()).unwrap();
+        let op = IoOp::Write {
+            seg: 500,
             kind: LogKind::Hot,
-            entries: vec![e.clone()],
+            off: 0,
+            bytes: b.finish().0,
         };
         sub.submit(IoRequest {
             id: 77,
@@ -582,10 +582,8 @@ mod tests {
         })
         .unwrap();
         let c = done.recv().unwrap();
-        let Ok(IoOutput::Appended(locs)) = c.result else {
-            panic!("{:?}", c.result)
-        };
-        assert_eq!(logs.read_entry(locs[0]).unwrap(), e);
+        assert!(matches!(c.result, Ok(IoOutput::Written)), "{:?}", c.result);
+        assert_eq!(logs.read_entry(loc).unwrap(), e.to_entry());
         // A request for a segment that does not exist completes with an error, not a panic.
         let op = IoOp::Read {
             seg: 4242,

@@ -5,41 +5,28 @@
 //!
 //! - [`pmem`]: the NVMM buffer, a bounded ring of crc-framed records in a `/dev/shm` mapping
 //!   (survives SIGKILL, **not** power loss) or an `O_DSYNC` file (power-safe, ~100 µs/persist).
-//! - [`ssdlog`]: the hot and cold SSD logs, `O_DIRECT` segments of 4 KiB pages, the DRAM
-//!   [`ssdlog::Index`] rebuilt by scanning, and [`ssdlog::gc_segment`].
-//! - [`io`]: the SSD I/O pool, priority classes PriorityPull > Writeback > BatchPull > Gc with
-//!   per-class in-flight limits and a BatchPull token bucket.
+//! - [`ssdlog`]: the hot and cold SSD logs, `O_DIRECT` segments of 4 KiB pages in the core's
+//!   one format ([`core::page`](crate::witness::core::page)), scanned at open.
+//! - [`io`]: the SSD I/O pool, priority classes PriorityPull > Writeback > BatchPull > Gc (the
+//!   core's [`IoClass`](crate::witness::core::ssd::IoClass)) with per-class in-flight limits
+//!   and a BatchPull token bucket.
 //! - [`TierBytes`]: what each structure holds per tier, for the cost model.
 //!
 //! # Driving it from the core's outputs
 //!
-//! The driver owns one [`pmem::PmemRegion`] per NVMM buffer (e.g. `hot` and `cold` per worker),
-//! one `Arc<`[`ssdlog::SsdLogs`]`>` (both logs) with the [`ssdlog::Index`] that
-//! [`ssdlog::SsdLogs::open`] rebuilt (handed to the core at start), and one [`io::IoPool`] over
-//! the logs. The core's outputs map as follows:
+//! The driver owns the NVMM regions, one `Arc<`[`ssdlog::SsdLogs`]`>` and one [`io::IoPool`]
+//! over it. The core decides every segment, offset and free (it owns the index and the live
+//! byte counts, `core::ssd`); the outputs map one to one:
 //!
-//! | core output | call | completion fed back |
+//! | core output | pool request | completion fed back |
 //! |---|---|---|
-//! | `PmemAppend{seq, bytes}` | `region.append(seq, &bytes)` (durable on return; `seq` strictly increasing per region) | `on_pmem_persisted(seq)` at once; [`pmem::PmemError::Full`] means writeback is behind: the core must not ack |
-//! | `PmemTruncate{upto}` | `region.truncate_through(upto)` (frees the prefix of records with seq ≤ `upto`) | none |
-//! | `SsdWrite{id, kind, entries}` | `submit(IoRequest{id, class: Writeback (or Gc for GC rewrites), op: IoOp::Append{kind, entries}})` | `on_ssd_written(id, locs)`: the batch is `fdatasync`ed; the core applies each `(key, ts, kind, loc)` to its index ([`ssdlog::Index::apply`]) and only then truncates pmem |
-//! | `SsdRead{id, class, loc}` (a PriorityPull miss) | `op: IoOp::ReadPage{loc}` | `on_ssd_read(id, entries)`: every entry of the page(s) |
-//! | `SsdRead{id, class, seg, off, len}` (BatchPull stream, GC) | `op: IoOp::Read{seg, off, len}` | raw pages; [`ssdlog::decode_pages`]`(seg, off, &bytes)` gives the entries with their locations |
-//! | `SsdDelete{seg}` (after GC) | `op: IoOp::Delete{seg}` | — |
-//! | pause GC during proactive/live recovery (§5.1, §5.3) | `submitter.pause(IoClass::Gc)` / `resume` | — |
+//! | `SsdWrite{id, seg, log, off, bytes, class}` | `IoOp::Write{seg, kind: log, off, bytes}` in `class` (Writeback, or Gc for GC rewrites) | `SsdWritten{id}` once `fdatasync`ed |
+//! | `SsdRead{id, seg, off, len, class}` | `IoOp::Read{seg, off, len}` in `class` | `SsdRead{id, bytes}` (the core decodes) |
+//! | `SsdFree{seg}` | `IoOp::Delete{seg}` in Gc | none |
 //!
-//! The pool speaks `std::sync::mpsc`: a tokio driver submits with
-//! [`io::IoSubmitter::try_submit`] (or from `spawn_blocking`) and forwards completions from one
-//! plain thread into its own channel. pmem appends are synchronous and short in shm mode
-//! (µs); in dsync mode they are `O_DSYNC` writes (~0.1–4 ms here) and belong on a blocking
-//! thread too.
-//!
-//! Entries carry a [`ssdlog::LogTs`] `(term, index)`; the core's own timestamp type converts to
-//! it. After a restart the driver reopens the regions (each recovers its whole records) and the
-//! logs (sealed; the index rebuilt), and replays the pmem records to the core, whose index rule
-//! (ts never decreases) makes a replay of an entry already written back harmless.
-//! For a synchronous GC outside the pool (tests, tools), [`ssdlog::gc_segment`] does the whole
-//! pass: rewrite the indexed versions durably, then delete.
+//! At a restart [`ssdlog::SsdLogs::open`] scans the segments and hands their valid bytes to
+//! `WitnessCore::restore`, which rebuilds the index with the live rule (the stamp never
+//! decreases), so a replayed NVMM entry already written back is harmless.
 
 pub mod io;
 pub mod pmem;
@@ -103,15 +90,22 @@ mod tests {
         }
     }
 
-    fn open(shm: &Path, disk: &Path) -> (PmemRegion, SsdLogs, super::ssdlog::Index) {
+    fn open(
+        shm: &Path,
+        disk: &Path,
+    ) -> (
+        PmemRegion,
+        SsdLogs,
+        std::collections::HashMap<Vec<u8>, (LogTs, super::ssdlog::Loc)>,
+    ) {
         let cfg = PmemConfig {
             mode: PmemMode::Shm,
             capacity_bytes: PMEM_CAP_BYTES,
             persist_ns: 0,
         };
         let region = PmemRegion::open(&shm.join("buf"), &cfg).unwrap();
-        let (logs, index) = SsdLogs::open(disk, SsdConfig::default()).unwrap();
-        (region, logs, index)
+        let (logs, segs) = SsdLogs::open(disk, SsdConfig::default()).unwrap();
+        (region, logs, super::ssdlog::tests::newest_of(&segs))
     }
 
     /// The writer: prints `p <seq>` once a pmem append returned and `s <index>` once an SSD
@@ -211,8 +205,11 @@ mod tests {
             let key = ssd_entry(i).key;
             let ie = idx.get(&key).expect("every reported key is indexed");
             let newest_reported = i + (last_s - i) / 50 * 50;
-            assert!(ie.ts.index >= newest_reported, "{ie:?} < {newest_reported}");
-            assert_eq!(logs.read_entry(ie.loc).unwrap(), ssd_entry(ie.ts.index));
+            assert!(ie.0.index >= newest_reported, "{ie:?} < {newest_reported}");
+            assert_eq!(
+                logs.read_entry(ie.1).unwrap(),
+                ssd_entry(ie.0.index).to_entry()
+            );
         }
     }
 }

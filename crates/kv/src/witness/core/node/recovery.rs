@@ -221,7 +221,9 @@ pub(super) struct RecoveryState {
     /// Heads, while leading: the sampler of served keys (M10).
     sampler: PopularitySampler<Vec<u8>, StdRng>,
     /// Backups: the popular list from the primary's shipments.
-    lru: PopularityLru<Vec<u8>>,
+    /// Backups: the popular list (M10), which orders BatchPull and places writebacks hot or
+    /// cold.
+    pub(super) lru: PopularityLru<Vec<u8>>,
     /// Recovering heads: the BatchPull pacing (M20).
     pub(super) rate: PullRate,
     /// Backups: popular-keys BatchPull answers waiting for reads, by group id.
@@ -488,20 +490,21 @@ impl WitnessCore {
             // this same request, so an empty list costs no round trip.
             return self.on_batch_pull(from, stream, 0);
         }
-        // Page groups to read, within one BatchPull's bytes (at least one group).
+        // Pages to read, within one BatchPull's bytes (at least one span).
         let budget = self.p.batch_pull_bytes as u64;
-        let mut locs: BTreeSet<(bool, u64, u32)> = BTreeSet::new();
+        let mut spans: BTreeSet<(u64, u64, usize)> = BTreeSet::new();
         let mut bytes = 0u64;
         let mut taken = 0usize;
         for k in &keys {
             if let Some((_, loc)) = self.backup.index.get(k) {
-                let l = (loc.log == SsdLog::Cold, loc.off, loc.len);
-                if !locs.contains(&l) {
-                    if !locs.is_empty() && bytes + u64::from(loc.len) > budget {
+                let (off, len) = loc.page_span();
+                let span = (loc.seg, off, len);
+                if !spans.contains(&span) {
+                    if !spans.is_empty() && bytes + len as u64 > budget {
                         break;
                     }
-                    bytes += u64::from(loc.len);
-                    locs.insert(l);
+                    bytes += len as u64;
+                    spans.insert(span);
                 }
             }
             taken += 1;
@@ -522,7 +525,7 @@ impl WitnessCore {
             .collect();
         let next_cursor = HOT_CURSOR | (pos + taken) as u64;
         self.rec.counters.hot_batches_served += 1;
-        if locs.is_empty() {
+        if spans.is_empty() {
             return self.send(
                 from,
                 PeerBody::BatchPullReply {
@@ -540,31 +543,23 @@ impl WitnessCore {
                 to: from,
                 stream,
                 next_cursor,
-                reads_left: locs.len(),
+                reads_left: spans.len(),
                 entries,
             },
         );
-        for (cold, off, len) in locs {
-            let id = self.next_io_id();
-            self.backup.reads.insert(id, ReadFor::HotBatch { group });
-            self.out.push(Output::SsdRead {
-                id,
-                log: if cold { SsdLog::Cold } else { SsdLog::Hot },
-                off,
-                len,
-                class: IoClass::Batch,
-            });
+        for (seg, off, len) in spans {
+            self.ssd_read(ReadFor::HotBatch { group, off }, seg, off, len as u32, IoClass::BatchPull);
         }
     }
 
     /// Backup: one read of a popular-keys batch finished. A read error leaves those keys to
     /// the log scan (never answered as absent: BatchPull only ever adds).
-    pub(super) fn rec_on_hot_read(&mut self, group: u64, result: Result<Vec<u8>, String>) {
+    pub(super) fn rec_on_hot_read(&mut self, group: u64, seg: u64, off: u64, result: Result<Vec<u8>, String>) {
         let Some(h) = self.rec.hot.get_mut(&group) else {
             return; // the stream was aborted
         };
-        if let Ok(es) = result.map(|b| page::decode_group(&b)) {
-            h.entries.extend(es.unwrap_or_default());
+        if let Ok(bytes) = result {
+            h.entries.extend(page::decode_pages(seg, off, &bytes).0.into_iter().map(|(_, e)| e));
         }
         h.reads_left -= 1;
         if h.reads_left > 0 {
