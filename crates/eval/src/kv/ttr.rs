@@ -178,8 +178,19 @@ impl KvTarget for WitnessTarget {
         self.0.get(key).await.map_err(target_error)
     }
 
+    /// A put whose outcome is unknown (the leader lost its leadership, or the connection
+    /// broke after sending) is sent again, as a patient client would: every value the driver
+    /// writes for a key is valid for it, so a put that did land twice upsets no check, and its
+    /// latency includes the retries (spec (e)). On a loaded machine a spurious election during
+    /// the load would otherwise fail the run.
     async fn put(&mut self, key: &[u8], value: &[u8]) -> Result<(), TargetError> {
-        self.0.put(key, value).await.map_err(target_error)
+        let start = Instant::now();
+        loop {
+            match self.0.put(key, value).await {
+                Err(WitnessError::Indeterminate(_)) if start.elapsed() < OP_DEADLINE => continue,
+                r => return r.map_err(target_error),
+            }
+        }
     }
 }
 
