@@ -357,11 +357,9 @@ fn run_group(
     plan: &Plan,
 ) -> anyhow::Result<RunOut> {
     ensure_nodes_run(lk, s)?;
-    let witnesses: Vec<usize> = (1 + lk.file.backups as usize..lk.children.len()).collect();
-    let logs: Vec<PathBuf> = witnesses
-        .iter()
-        .map(|i| lk.dir.join(format!("logs/node-{i}.log")))
-        .collect();
+    let backups = lk.file.backups as usize;
+    let logs_dir = lk.dir.join("logs");
+    let log_of = |i: usize| logs_dir.join(format!("node-{i}.log"));
     let rt = crate::runtime()?;
     rt.block_on(async {
         lk.wait_serving(Duration::from_secs(60)).await?;
@@ -397,13 +395,32 @@ fn run_group(
             let rss: Vec<(usize, u64)> = (0..lk.children.len())
                 .filter_map(|i| Some((i, testbed::proc::rss_bytes(lk.pid(i)?)?)))
                 .collect();
+            // The primary is whoever leads now: on a loaded machine a spurious election in the
+            // warm-up may have moved the lead off node 0, and killing a follower measures
+            // nothing.
+            let mut probe = lk.file.client(lk.secret.clone());
+            probe.deadline = OP_DEADLINE;
+            probe
+                .get(b"__understudy_probe")
+                .await
+                .context("finding the leader before the kill")?;
+            let victim = probe.leader_guess() as usize;
+            // The heads that may take over, and where their logs stand now.
+            let logs: Vec<PathBuf> = (0..lk.children.len())
+                .filter(|&i| i != victim && (i == 0 || i > backups) && lk.pid(i).is_some())
+                .map(log_of)
+                .collect();
             let from: Vec<u64> = logs
                 .iter()
                 .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
                 .collect();
-            lk.kill9(0)?;
+            lk.kill9(victim)?;
             let killed = Instant::now();
-            eprintln!("kv ttr: {} {}: primary killed", cell.label(), s.name);
+            eprintln!(
+                "kv ttr: {} {}: primary (node {victim}) killed",
+                cell.label(),
+                s.name
+            );
             let (mut election, mut recovered) = (None, None);
             let stop = killed + deadline.saturating_sub(plan.warmup);
             while Instant::now() < stop && recovered.is_none() {
