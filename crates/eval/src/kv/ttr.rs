@@ -300,6 +300,9 @@ struct RunOut {
     rss: Vec<(usize, u64)>,
     errors: u64,
     reads_problem: Option<String>,
+    /// Leaderships taken (any head's `term T Leader` lines) between the start of the run
+    /// phase and the kill: nonzero means a spurious election disturbed the steady state.
+    warmup_elections: u64,
 }
 
 struct Plan {
@@ -387,6 +390,21 @@ fn run_group(
             load.errors_count,
             load.first_problems
         );
+        let settle_t0 = Instant::now();
+        let leader = settle(lk, &log_of).await?;
+        if settle_t0.elapsed() > Duration::from_secs(1) {
+            eprintln!(
+                "kv ttr: {} {}: the lead moved during the load; waited {:.1} s for node {leader} to end its recovery",
+                cell.label(),
+                s.name,
+                settle_t0.elapsed().as_secs_f64()
+            );
+        }
+        let heads: Vec<usize> = (0..lk.children.len()).filter(|&i| i == 0 || i > backups).collect();
+        let leaderships = |heads: &[usize]| -> u64 {
+            heads.iter().map(|&i| log_since(&log_of(i), 0).matches(" Leader (").count() as u64).sum()
+        };
+        let leaderships_at_run = leaderships(&heads);
         let runner = Runner::new(spec_of(cell, plan.records)?)?;
         let run_targets = targets(lk, plan.clients);
         let deadline = plan.warmup + plan.after_kill;
@@ -414,6 +432,7 @@ fn run_group(
                 .iter()
                 .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
                 .collect();
+            let warmup_elections = leaderships(&heads).saturating_sub(leaderships_at_run);
             lk.kill9(victim)?;
             let killed = Instant::now();
             eprintln!(
@@ -435,11 +454,11 @@ fn run_group(
                     }
                 }
             }
-            anyhow::Ok((killed, election, recovered, rss))
+            anyhow::Ok((killed, election, recovered, rss, warmup_elections))
         };
         let (run, fault) = tokio::join!(runner.run(run_targets, &config), fault);
         let (_, run) = run?;
-        let (killed, election, recovered, rss) = fault?;
+        let (killed, election, recovered, rss, warmup_elections) = fault?;
         let since = |t: Instant| t.saturating_duration_since(run.started);
         let windows = run
             .latency_windows
@@ -474,8 +493,41 @@ fn run_group(
             rss,
             errors: run.errors_count,
             reads_problem,
+            warmup_elections,
         })
     })
+}
+
+/// Longest wait for a settled leader after the load: a spurious election under load makes a
+/// witness lead, and it then pulls the whole shard; measuring the steady state during that pull
+/// would set every SLO against a recovering node.
+const SETTLE_MAX: Duration = Duration::from_secs(600);
+
+/// Waits until the node that leads has ended its own recovery (its log's last `term T Leader`
+/// line is followed by `recovered:`; the first primary logs both at once) and returns it.
+async fn settle(lk: &LocalWitnessKv, log_of: &dyn Fn(usize) -> PathBuf) -> anyhow::Result<usize> {
+    let t0 = Instant::now();
+    loop {
+        let mut probe = lk.file.client(lk.secret.clone());
+        probe.deadline = OP_DEADLINE;
+        probe
+            .get(b"__understudy_probe")
+            .await
+            .context("finding the leader after the load")?;
+        let leader = probe.leader_guess() as usize;
+        let log = log_since(&log_of(leader), 0);
+        let settled = log
+            .rfind(" Leader (")
+            .is_some_and(|at| log[at..].contains(": recovered:"));
+        if settled {
+            return Ok(leader);
+        }
+        anyhow::ensure!(
+            t0.elapsed() < SETTLE_MAX,
+            "node {leader} took the lead during the load and did not end its recovery within {SETTLE_MAX:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 // ------------------------------------------------------------------------------ analysis
@@ -847,6 +899,11 @@ fn report_cell(
         )?;
         let load: Vec<Option<f64>> = runs.iter().map(|r| Some(r.load_ops_per_s)).collect();
         put(report, "load.throughput_ops_per_s", median(&load), "")?;
+        let elections: Vec<Option<f64>> = runs
+            .iter()
+            .map(|r| Some(r.warmup_elections as f64))
+            .collect();
+        put(report, "warmup.elections_count", median(&elections), "")?;
         let errors: Vec<Option<f64>> = runs.iter().map(|r| Some(r.errors as f64)).collect();
         put(report, "run.errors_count", median(&errors), "")?;
         if let Some(first) = runs.first() {
@@ -1114,6 +1171,7 @@ mod tests {
             rss: vec![],
             errors: 0,
             reads_problem: None,
+            warmup_elections: 0,
         };
         let d = derive(&r);
         assert_eq!(d.steady_p999_us, Some(100.0));
@@ -1145,6 +1203,7 @@ mod tests {
             rss: vec![],
             errors: 0,
             reads_problem: None,
+            warmup_elections: 0,
         };
         let d = derive(&r);
         assert!(d.p999.iter().all(|(_, t)| t.is_none()));
