@@ -42,6 +42,11 @@ pub struct Report {
     quick: bool,
     figures: BTreeMap<String, f64>,
     ratios: BTreeMap<String, f64>,
+    /// Figures and ratios a run promises but could not measure, each with the reason (a
+    /// missing baseline, a run that never recovered): named so a reader sees the gap instead
+    /// of a number made up to fill it. Left out of the JSON when empty.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    absent: BTreeMap<String, String>,
     env: Env,
 }
 
@@ -66,6 +71,7 @@ impl Report {
             quick,
             figures: BTreeMap::new(),
             ratios: BTreeMap::new(),
+            absent: BTreeMap::new(),
             env: Env {
                 cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
                 git: git_commit().unwrap_or_else(|| "unknown".to_string()),
@@ -132,6 +138,12 @@ impl Report {
         let ratio = numerator / denominator;
         insert_new(&mut self.ratios, name, ratio)?;
         Ok(ratio)
+    }
+
+    /// Records that figure or ratio `name` was not measured in this run, and why. A later
+    /// reason for the same name replaces the earlier one.
+    pub fn absent(&mut self, name: &str, reason: &str) {
+        self.absent.insert(name.to_string(), reason.to_string());
     }
 
     /// The report as one line of JSON, without a trailing newline.

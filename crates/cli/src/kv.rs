@@ -564,6 +564,11 @@ pub enum KvBench {
     /// pool, and durable appends by batch size; picks the writeback batch and BatchPull sizes
     /// (see eval::kv::ssd).
     Ssd(eval::kv::ssd::KvSsdArgs),
+    /// The witness KV's time to repair (CANDStore §7.5, Figs 9-10): primary, backup and witness
+    /// on loopback, a loaded shard, 8 closed-loop clients (YCSB-C and B, θ 0.99), SIGKILL of the
+    /// primary after the warm-up; TTR per scheme against SLOs that are multiples of the run's
+    /// steady p99.9 and p50, over 100 ms windows, schemes interleaved (see eval::kv::ttr).
+    Ttr(eval::kv::ttr::KvTtrArgs),
 }
 
 pub fn bench(b: KvBench, verbose: u8) -> anyhow::Result<()> {
@@ -571,6 +576,7 @@ pub fn bench(b: KvBench, verbose: u8) -> anyhow::Result<()> {
         KvBench::Recovery(a) => eval::kv::recovery::run(&a)?,
         KvBench::Zookeeper(a) => eval::kv::zookeeper::bench(a, verbose)?,
         KvBench::Ssd(a) => eval::kv::ssd::run(&a)?,
+        KvBench::Ttr(a) => eval::kv::ttr::run(&a)?,
         // Prints its report itself, before its check of the reads can fail.
         KvBench::Ycsb(a) => return eval::kv::ycsb::bench(a, verbose),
     };

@@ -5,6 +5,7 @@
 pub mod cost;
 pub mod recovery;
 pub mod ssd;
+pub mod ttr;
 pub mod ycsb;
 pub mod zookeeper;
 

@@ -346,6 +346,46 @@ fn loadavg() -> String {
         .to_string()
 }
 
+/// The best sequential `O_DIRECT` read throughput of this disk, in MiB/s, over a scratch
+/// segment of `file_mib` MiB in `dir` (removed afterwards): 128 KiB and 1 MiB reads at queue
+/// depths 1 and 4, `point` each. The paper's offline-recovery bound divides the shard's bytes
+/// by this (§7.7); `bench kv ttr` measures it in its own run so the bound fits this machine now.
+pub fn best_sequential_read_mib_per_s(
+    dir: &std::path::Path,
+    file_mib: u64,
+    point: Duration,
+) -> anyhow::Result<f64> {
+    let scratch = tempfile::tempdir_in(dir)
+        .with_context(|| format!("a scratch directory in {}", dir.display()))?;
+    let file_bytes = file_mib << 20;
+    let (logs, _) = SsdLogs::open(
+        scratch.path(),
+        SsdConfig {
+            segment_max_bytes: file_bytes + (4 << 20),
+        },
+    )?;
+    let mut i = 0;
+    for _ in 0..file_mib {
+        let b = batch(i, 1 << 20);
+        i += b.len() as u64;
+        logs.append(LogKind::Cold, &b)?;
+    }
+    let (seg, seg_bytes) = logs.segments(LogKind::Cold)[0];
+    anyhow::ensure!(
+        seg_bytes == file_bytes,
+        "the read segment holds {seg_bytes} B, not {file_bytes}"
+    );
+    let logs = Arc::new(logs);
+    let mut best: f64 = 0.0;
+    for bs in [128 << 10, 1 << 20] {
+        for qd in [1, 4] {
+            let p = read_point(&logs, seg, file_bytes, bs, qd, false, point)?;
+            best = best.max(p.mib_per_s);
+        }
+    }
+    Ok(best)
+}
+
 pub fn run(a: &KvSsdArgs) -> anyhow::Result<bench::Report> {
     let file_mib = a.file_mib.unwrap_or(if a.quick { 256 } else { 2048 });
     let point = Duration::from_secs_f64(a.point_s.unwrap_or(if a.quick { 0.25 } else { 2.0 }));
