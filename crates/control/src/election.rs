@@ -43,6 +43,9 @@ pub struct LeaseKeeper {
     store: Store,
     lease: LeaseId,
     lost: watch::Receiver<Option<String>>,
+    /// Until when the lease is surely valid (the send time of its last successful renewal plus
+    /// its TTL): a holder that fences itself earlier than that needs it.
+    valid_until: watch::Receiver<Instant>,
     task: JoinHandle<()>,
 }
 
@@ -51,6 +54,7 @@ impl LeaseKeeper {
     /// `granted_at` (the lease may expire from `granted_at + ttl` on, if not renewed).
     pub fn spawn(store: Store, lease: LeaseId, ttl: Duration, granted_at: Instant) -> LeaseKeeper {
         let (tx, lost) = watch::channel(None);
+        let (valid_tx, valid_until) = watch::channel(granted_at + ttl);
         let s = store.clone();
         let task = tokio::spawn(async move {
             // The driver of `Renewal`: it sleeps, sends what it is told, and reports the answer.
@@ -79,6 +83,7 @@ impl LeaseKeeper {
                                 Err(_) => Input::Failed,
                             };
                             core.handle(us(Instant::now()), answer);
+                            let _ = valid_tx.send(base + Duration::from_micros(core.valid_until_us()));
                         }
                         Output::Lost(why) => {
                             let _ = tx.send(Some(format!("lease {lease:x}: {why}")));
@@ -88,7 +93,12 @@ impl LeaseKeeper {
                 }
             }
         });
-        LeaseKeeper { store, lease, lost, task }
+        LeaseKeeper { store, lease, lost, valid_until, task }
+    }
+
+    /// Until when the lease is surely valid (it may expire in the store from then on).
+    pub fn valid_until(&self) -> Instant {
+        *self.valid_until.borrow()
     }
 
     pub fn lease(&self) -> LeaseId {
@@ -232,6 +242,18 @@ impl Registration {
     }
     pub fn is_live(&self) -> bool {
         self.keeper.lost_reason().is_none()
+    }
+    /// Why the registration's lease was lost, if it was.
+    pub fn lost_reason(&self) -> Option<String> {
+        self.keeper.lost_reason()
+    }
+    /// The lease the registration lives under (a new registration has a new one).
+    pub fn lease(&self) -> LeaseId {
+        self.keeper.lease()
+    }
+    /// Until when the registration is surely live (see [`LeaseKeeper::valid_until`]).
+    pub fn valid_until(&self) -> Instant {
+        self.keeper.valid_until()
     }
     /// Stops renewing (the key disappears after the TTL), as if this member had died.
     pub fn stop_renewing(&self) {
