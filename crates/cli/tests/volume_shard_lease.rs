@@ -24,6 +24,8 @@ use volume::types::ShardState;
 
 /// The shards' lease TTL (etcd's are whole seconds).
 const LEASE_TTL: Duration = Duration::from_secs(2);
+/// The metadata services' election lease.
+const ELECTION_TTL: Duration = Duration::from_secs(2);
 /// The pings' timeout: far beyond what the tests wait, so a stopped shard can only be found
 /// down by its lease.
 const DOWN_AFTER_MS: u64 = 60_000;
@@ -143,15 +145,19 @@ impl Bed {
     }
 
     fn logs(&self) -> String {
-        ["meta", "shard-0", "shard-1", "shard-2"]
+        self.procs
+            .0
             .iter()
-            .map(|n| format!("--- {n}:\n{}", testbed::proc::tail(&self.dir().join(format!("{n}.log")), 15)))
+            .map(|(n, _)| format!("--- {n}:\n{}", testbed::proc::tail(&self.dir().join(format!("{n}.log")), 15)))
             .collect::<Vec<_>>()
             .join("\n")
     }
 }
 
-async fn bed() -> Bed {
+/// One metadata service ("meta") on a real 3-member etcd, or with `standby` two ("meta-a"
+/// leading, "meta-b" standing by); three leased shards, shard 2's etcd traffic through the
+/// relays; a client (following the leader with `standby`); a volume "vol".
+async fn bed(standby: bool) -> Bed {
     // Started on this thread: the members die with the thread that started them.
     let etcd = testbed::etcd::EtcdCluster::start(3).expect("etcd starts");
     let tmp = tempfile::tempdir().unwrap();
@@ -161,10 +167,11 @@ async fn bed() -> Bed {
     std::fs::write(&sf, &secret).unwrap();
     std::fs::set_permissions(&sf, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let sf = sf.to_str().unwrap().to_string();
-    let ports = wire::ports::free_loopback_ports(4).unwrap();
+    let ports = wire::ports::free_loopback_ports(5).unwrap();
     let addr = |i: usize| format!("127.0.0.1:{}", ports[i]);
-    let meta = addr(0);
-    let store = control::Store::open(&etcd.url(), "volume", &cluster_id_from_secret(secret.as_bytes())).await.unwrap();
+    let meta = if standby { format!("{},{}", addr(0), addr(4)) } else { addr(0) };
+    let cluster_id = cluster_id_from_secret(secret.as_bytes());
+    let store = control::Store::open(&etcd.url(), "volume", &cluster_id).await.unwrap();
     let relays_cut = Arc::new(AtomicBool::new(false));
     let mut relays = Vec::new();
     for e in etcd.endpoints() {
@@ -172,14 +179,19 @@ async fn bed() -> Bed {
     }
     let relayed = format!("etcd://{}", relays.iter().map(|r| r.addr.clone()).collect::<Vec<_>>().join(","));
     let mut procs = Procs::default();
-    procs.spawn(
-        "meta",
-        &s(&[
-            "meta", "--store", &etcd.url(), "--listen", &meta, "--secret-file", &sf, "--election-ttl-ms", "2000", "--replicas", "2",
-            "--ping-interval-ms", "100", "--down-after-ms", &DOWN_AFTER_MS.to_string(),
-        ]),
-        &dir,
-    );
+    let meta_args = |listen: &str| {
+        s(&[
+            "meta", "--store", &etcd.url(), "--listen", listen, "--secret-file", &sf, "--election-ttl-ms", &ELECTION_TTL.as_millis().to_string(),
+            "--replicas", "2", "--ping-interval-ms", "100", "--down-after-ms", &DOWN_AFTER_MS.to_string(),
+        ])
+    };
+    if standby {
+        procs.spawn("meta-a", &meta_args(&addr(0)), &dir);
+        wait_leader(&store, &addr(0), Duration::from_secs(30)).await;
+        procs.spawn("meta-b", &meta_args(&addr(4)), &dir);
+    } else {
+        procs.spawn("meta", &meta_args(&addr(0)), &dir);
+    }
     for i in 0..3 {
         let d = dir.join(format!("shard-{i}"));
         let url = if i == 2 { relayed.clone() } else { etcd.url() };
@@ -191,7 +203,13 @@ async fn bed() -> Bed {
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     let c = loop {
-        match Cluster::connect(&meta, secret.as_bytes()).await {
+        let c = if standby {
+            let w = volume::driver::leader::LeaderWatch::spawn(etcd.url(), "volume".into(), cluster_id.clone());
+            Cluster::connect_following(&meta, secret.as_bytes(), w).await
+        } else {
+            Cluster::connect(&meta, secret.as_bytes()).await
+        };
+        match c {
             Ok(c) => break c,
             Err(e) => assert!(Instant::now() < deadline, "no metadata service at {meta}: {e:#}"),
         }
@@ -257,6 +275,18 @@ impl Writer {
     }
 }
 
+/// Waits until the metadata leader advertises `want`; returns how long that took.
+async fn wait_leader(store: &control::Store, want: &str, timeout: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        if store.observe(volume::driver::meta::META_ELECTION).await.ok().flatten().as_deref() == Some(want) {
+            return start.elapsed();
+        }
+        assert!(start.elapsed() < timeout, "{want} did not lead within {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// When `needle` first shows in `log` (polled every 10 ms), or None after `timeout`.
 async fn wait_log(log: &Path, needle: &str, from: usize, timeout: Duration) -> Option<Instant> {
     let start = Instant::now();
@@ -280,7 +310,7 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_shard_is_marked_down_when_its_lease_expires_and_writes_go_on() {
     let _serial = SERIAL.lock().await;
-    let bed = bed().await;
+    let bed = bed(false).await;
     let writer = Writer::start(&bed.c).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
@@ -315,7 +345,7 @@ async fn a_stopped_shard_is_marked_down_when_its_lease_expires_and_writes_go_on(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_cut_off_from_etcd_fences_itself_before_it_is_marked_down() {
     let _serial = SERIAL.lock().await;
-    let bed = bed().await;
+    let bed = bed(false).await;
     let writer = Writer::start(&bed.c).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
@@ -381,4 +411,52 @@ async fn direct_write_to(bed: &Bed, id: u32) -> String {
     tokio::io::AsyncWriteExt::flush(&mut sock).await.unwrap();
     let reply: Msg = tokio::time::timeout(Duration::from_secs(5), wire::read_msg(&mut sock, wire::MAX_FRAME_PAYLOAD_BYTES)).await.unwrap().unwrap();
     format!("{reply:?}")
+}
+
+/// The metadata leader is paused (SIGSTOP): its connections stay open and its kernel accepts
+/// new ones, so only the election tells. The standby takes over; the shards see the leader's
+/// key change in etcd, leave the old one's link and register with the new one, which finds
+/// them alive (their leases) and brings them up; the client follows too; writes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_meta_leader_is_left_by_the_shards_which_follow_the_new_one() {
+    let _serial = SERIAL.lock().await;
+    let bed = bed(true).await;
+    let metas: Vec<String> = bed.c.meta_addr().split(',').map(str::to_string).collect();
+    let writer = Writer::start(&bed.c).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let pid = bed.procs.pid("meta-a");
+    let paused = Instant::now();
+    assert!(testbed::proc::signal(pid, libc::SIGSTOP));
+    let takeover = wait_leader(&bed.store, &metas[1], 3 * ELECTION_TTL + Duration::from_secs(2)).await;
+    // The new leader starts with every shard down; each is up again only once it registered
+    // with it (and its lease is live).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let all_up = loop {
+        if let Ok(MetaResp::Map(m)) = bed.c.meta(MetaReq::GetMap).await {
+            if m.shards.len() == 3 && m.shards.iter().all(|s| s.state == ShardState::Up) {
+                break paused.elapsed();
+            }
+        }
+        assert!(Instant::now() < deadline, "the shards did not come up under the new leader\n{}", bed.logs());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    for i in 0..3 {
+        let log = std::fs::read_to_string(bed.dir().join(format!("shard-{i}.log"))).unwrap();
+        assert!(log.contains(&format!("the metadata leader is now {}", metas[1])), "shard {i} did not follow:\n{log}");
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let acked = writer.finish(&bed.c).await;
+    let after = acked.values().filter(|t| **t > paused + all_up).count();
+    eprintln!(
+        "paused meta leader: standby leads {} ms after SIGSTOP (election TTL {} ms), every shard up under it {} ms after; \
+         {} blocks acknowledged ({after} after), all read back; load {}",
+        takeover.as_millis(),
+        ELECTION_TTL.as_millis(),
+        all_up.as_millis(),
+        acked.len(),
+        load.trim()
+    );
+    assert!(after > 10, "too few writes acknowledged under the new leader: {after}");
+    assert!(testbed::proc::signal(pid, libc::SIGKILL));
 }

@@ -311,6 +311,15 @@ impl Store {
         Ok(leader_of(&candidates).map(|kv| String::from_utf8_lossy(&kv.value).into_owned()))
     }
 
+    /// The current leader's election key of election `name`, if any: its value is the leader's
+    /// address, its key changes with every new leader (a restarted one included), so followers
+    /// that must leave an old leader compare keys.
+    pub async fn leader(&self, name: &str) -> Result<Option<KeyValue>> {
+        check_segment(name)?;
+        let candidates = self.list(&self.election_prefix(name)).await?;
+        Ok(leader_of(&candidates).cloned())
+    }
+
     /// Registers member `id` of `kind` at `addr` as live for as long as its lease of `ttl` is
     /// renewed (a ZooKeeper ephemeral node). A second registration of one id replaces the first.
     pub async fn register(&self, kind: &str, id: &str, addr: &str, ttl: Duration) -> Result<Registration> {

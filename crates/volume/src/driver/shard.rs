@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use tokio::io::BufWriter;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use wire::metrics::metric;
 
+use crate::driver::leader::{changed_from, order_addrs, LeaderWatch};
 use crate::core::shard::{CoreStats, DiskCmd, Input, LeaseReport, Output, Peer, ShardConfig, ShardCore};
 use crate::store::FileStore;
 use crate::types::*;
@@ -269,11 +270,13 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
         let boot_id: u64 = rand::random();
         let fresh = boot_is_empty;
         let leased = opts.lease.is_some();
+        // With the control store, the link follows the metadata leader's election.
+        let leader = opts.lease.as_ref().map(|l| LeaderWatch::spawn(l.store_url.clone(), l.cluster.clone(), l.cluster_id.clone()));
         let (meta_addr, id) = (opts.meta_addr.clone(), opts.id);
         let advertise = advertise.clone();
         tokio::spawn(async move {
             loop {
-                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, fresh, leased, &tx, &secret).await {
+                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, fresh, leased, leader.as_ref(), &tx, &secret).await {
                     tracing::warn!("metadata link to {meta_addr}: {e:#}; reconnecting");
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -680,18 +683,42 @@ async fn meta_link(
     boot_id: u64,
     fresh: bool,
     leased: bool,
+    leader: Option<&LeaderWatch>,
     tx: &mpsc::Sender<CoreEvent>,
     secret: &[u8],
 ) -> anyhow::Result<()> {
-    let sock = dial_meta(meta_addr, secret, &Hello::Shard(id)).await?;
+    // The leader as seen when dialling: the link is taken to be to it.
+    let mut at = leader.and_then(|w| w.current());
+    let sock = dial_meta(&order_addrs(meta_addr, at.as_ref()), secret, &Hello::Shard(id)).await?;
     let (r, w) = sock.into_split();
     let (mtx, mrx) = mpsc::channel(CONN_QUEUE_MSGS);
     mtx.send(Msg::Register { shard: id, addr: advertise.to_string(), boot_id, fresh, leased }).await?;
     tx.send(CoreEvent::MetaConn(mtx)).await?;
     let writer = tokio::spawn(writer_loop(w, mrx));
-    read_loop(r, Peer::Meta, tx.clone()).await;
+    let moved = async {
+        let Some(w) = leader else { return std::future::pending().await };
+        let mut rx = w.subscribe();
+        loop {
+            let l = changed_from(&mut rx, at.as_ref().map(|l| l.key.as_str())).await;
+            if at.is_none() {
+                // The first leader seen after dialling (the store was slower than the dial):
+                // the one this link reached.
+                at = Some(l);
+                continue;
+            }
+            return l;
+        }
+    };
+    let result = tokio::select! {
+        _ = read_loop(r, Peer::Meta, tx.clone()) => Err(anyhow::anyhow!("metadata service closed the link")),
+        l = moved => {
+            // A paused or cut-off old leader keeps its connection open: leave it.
+            eprintln!("shard {id}: the metadata leader is now {}: leaving the old one's link", l.addr);
+            Err(anyhow::anyhow!("the metadata leader changed to {}", l.addr))
+        }
+    };
     writer.abort();
-    bail!("metadata service closed the link")
+    result
 }
 
 /// Keeps the shard's liveness lease: registers `live/shard/<id>` in the control store, reports
