@@ -676,6 +676,7 @@ async fn serve_conn(sock: TcpStream, conn: u64, tx: mpsc::Sender<CoreEvent>, sec
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn meta_link(
     meta_addr: &str,
     id: ShardId,
