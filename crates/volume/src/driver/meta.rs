@@ -315,6 +315,8 @@ struct Inner {
 pub struct Meta {
     inner: Arc<Mutex<Inner>>,
     opts: Arc<MetaOptions>,
+    /// This service reads the shards' leases (it runs on etcd, where shards can register).
+    reads_leases: bool,
     started: Instant,
 }
 
@@ -419,7 +421,9 @@ async fn serve_with(
         lead,
     };
     let started = inner.started;
-    let meta = Meta { inner: Arc::new(Mutex::new(inner)), opts: Arc::new(opts), started };
+    // Only etcd is shared by several processes: shards cannot register in an embedded store.
+    let leases = leases.filter(|r| r.store.is_etcd());
+    let meta = Meta { inner: Arc::new(Mutex::new(inner)), opts: Arc::new(opts), started, reads_leases: leases.is_some() };
     if let Some(addr) = meta.opts.metrics {
         let l = TcpListener::bind(addr).await.with_context(|| format!("cannot serve metrics on {addr}"))?;
         let m = meta.clone();
@@ -584,6 +588,14 @@ impl Meta {
         let first: Msg = wire::read_msg(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES).await?;
         let Msg::Register { shard, addr, boot_id, fresh, leased } = first else { anyhow::bail!("shard {id} did not register") };
         anyhow::ensure!(shard == id, "shard link says {id} but registers {shard}");
+        let leased = if leased && !self.reads_leases {
+            // A shard given --store while this service runs without etcd: its lease would never
+            // be read, and it would stay down. Its link alone tells its liveness here.
+            tracing::warn!("shard {id} keeps a lease in a control store this metadata service does not read (run it with --store etcd://...): its link alone counts");
+            false
+        } else {
+            leased
+        };
         let (tx, rx) = mpsc::channel(1024);
         tokio::spawn(writer_loop(w, rx));
         let link = {
