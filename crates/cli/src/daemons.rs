@@ -105,6 +105,19 @@ pub struct ShardArgs {
     /// Size of the journal file (written with zeroes when it is made).
     #[arg(long, value_name = "MIB", default_value_t = volume::store::DEFAULT_JOURNAL_BYTES >> 20, value_parser = clap::value_parser!(u64).range(16..=4096))]
     pub journal_mib: u64,
+    /// Keep a liveness lease in this control store (etcd://H:P[,H:P...], the metadata services'
+    /// --store): the metadata leader marks the shard down once its lease expires, and the shard
+    /// refuses client I/O (fences itself) when it cannot renew the lease, a third of the TTL
+    /// before the lease may expire. Without it: liveness by the metadata link alone.
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
+    /// The cluster name in the control store's keys (the metadata services' --store-cluster).
+    #[arg(long, value_name = "NAME", default_value = "volume")]
+    pub store_cluster: String,
+    /// The liveness lease's TTL (with --store; etcd rounds it up to whole seconds): the shard is
+    /// marked down about this long after it stops renewing.
+    #[arg(long, value_name = "MS", default_value_t = 3000)]
+    pub lease_ttl_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -239,7 +252,21 @@ pub async fn shard(a: ShardArgs) -> anyhow::Result<()> {
     let secret = read_secret(&a.secret_file)?;
     link_tls_at_start()?;
     tracing::info!(id = a.id, listen = %a.listen, dir = %a.dir.display(), meta = %a.meta, "shard starting");
+    let lease = match &a.store {
+        None => None,
+        Some(url) => {
+            anyhow::ensure!(url.starts_with("etcd://"), "--store {url:?}: a shard's lease must be in a store the metadata services share: etcd://H:P[,H:P...]");
+            anyhow::ensure!(a.lease_ttl_ms >= 1000, "--lease-ttl-ms must be at least 1000 (etcd leases are whole seconds)");
+            Some(volume::driver::shard::ShardLease {
+                store_url: url.clone(),
+                cluster: a.store_cluster.clone(),
+                cluster_id: volume::driver::meta::cluster_id_from_secret(&secret),
+                ttl: Duration::from_millis(a.lease_ttl_ms),
+            })
+        }
+    };
     let opts = volume::driver::shard::ShardOptions {
+        lease,
         id: a.id,
         listen: a.listen,
         advertise: a.advertise,

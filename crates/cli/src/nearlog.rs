@@ -244,6 +244,17 @@ pub struct PeerArgs {
     /// of a new one beside a dead one.
     #[arg(long)]
     pub id_file: Option<PathBuf>,
+    /// Keep a liveness lease in this control store (etcd://H:P[,H:P...], the controllers'
+    /// --store): the leading controller takes the peer for lost once the lease expires and
+    /// moves its files to live peers. Without it: liveness by heartbeats (--peer-lease-ms).
+    #[arg(long, value_name = "URL")]
+    pub store: Option<String>,
+    /// The cluster name in the control store's keys (the controllers' --store-cluster).
+    #[arg(long, value_name = "NAME", default_value = "nearlog")]
+    pub store_cluster: String,
+    /// The liveness lease's TTL (with --store; etcd rounds it up to whole seconds).
+    #[arg(long, value_name = "MS", default_value_t = 3000)]
+    pub lease_ttl_ms: u64,
 }
 
 #[derive(Args, Debug)]
@@ -319,8 +330,15 @@ async fn run_controller_standby(a: &ControllerArgs, url: &str, secret: std::sync
     let core = tokio::task::spawn_blocking(move || ControllerCore::open(store)).await??.with_peer_lease_ms(a.peer_lease_ms);
     let l = tokio::net::TcpListener::bind(&advertise).await.with_context(|| format!("cannot listen on {advertise}"))?;
     println!("nearlog controller leading (fencing token {token}): {} peers, {} files; listening on {}", core.state().peers.len(), core.state().files.len(), l.local_addr()?);
+    // Peers started with --store keep their leases in etcd. An embedded store is a directory
+    // this process holds locked: no peer can register there, so they keep heartbeats.
+    let leases = if url.starts_with("etcd://") {
+        Some(control::Store::open(url, &a.store_cluster, &::nearlog::driver::control_store::cluster_id_from_secret(&secret)).await?)
+    } else {
+        None
+    };
     tokio::select! {
-        r = ::nearlog::driver::server::run_controller(l, core, secret) => r?,
+        r = ::nearlog::driver::server::run_controller_with(l, core, secret, leases) => r?,
         why = bridge.lost() => {
             println!("nearlog controller: leadership lost ({why}): stopping");
             std::process::exit(3);
@@ -337,8 +355,21 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             let l = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
             let addr = l.local_addr()?.to_string();
             println!("nearlog peer listening on {addr}, region {} bytes", a.region_bytes);
+            let lease = match &a.store {
+                None => None,
+                Some(url) => {
+                    anyhow::ensure!(url.starts_with("etcd://"), "--store {url:?}: a peer's lease must be in a store the controllers share: etcd://H:P[,H:P...]");
+                    anyhow::ensure!(a.lease_ttl_ms >= 1000, "--lease-ttl-ms must be at least 1000 (etcd leases are whole seconds)");
+                    Some(::nearlog::driver::server::PeerLease {
+                        store_url: url.clone(),
+                        cluster: a.store_cluster.clone(),
+                        cluster_id: ::nearlog::driver::control_store::cluster_id_from_secret(&secret),
+                        ttl: std::time::Duration::from_millis(a.lease_ttl_ms),
+                    })
+                }
+            };
             tokio::select! {
-                r = ::nearlog::driver::server::run_peer_as(l, addr, a.controller, secret, a.region_bytes, a.id_file) => r?,
+                r = ::nearlog::driver::server::run_peer_leased(l, addr, a.controller, secret, a.region_bytes, a.id_file, lease) => r?,
                 _ = tokio::signal::ctrl_c() => {}
             }
             Ok(())

@@ -126,6 +126,13 @@ impl LeaseKeeper {
         self.validity.clone()
     }
 
+    /// Until when the lease is surely valid (the send time of its last successful renewal plus
+    /// its TTL; it may expire in the store from then on): a holder that fences itself earlier
+    /// than that needs it.
+    pub fn valid_until(&self) -> Instant {
+        self.validity.base + Duration::from_micros(self.validity.valid_until_us.load(Ordering::Acquire))
+    }
+
     pub fn lease(&self) -> LeaseId {
         self.lease
     }
@@ -274,6 +281,18 @@ impl Registration {
     pub fn is_live(&self) -> bool {
         self.keeper.is_valid()
     }
+    /// Why the registration's lease was lost, if it was.
+    pub fn lost_reason(&self) -> Option<String> {
+        self.keeper.lost_reason()
+    }
+    /// The lease the registration lives under (a new registration has a new one).
+    pub fn lease(&self) -> LeaseId {
+        self.keeper.lease()
+    }
+    /// Until when the registration is surely live (see [`LeaseKeeper::valid_until`]).
+    pub fn valid_until(&self) -> Instant {
+        self.keeper.valid_until()
+    }
     /// Stops renewing (the key disappears after the TTL), as if this member had died.
     pub fn stop_renewing(&self) {
         self.keeper.stop_renewing();
@@ -328,6 +347,15 @@ impl Store {
         check_segment(name)?;
         let candidates = self.list(&self.election_prefix(name)).await?;
         Ok(leader_of(&candidates).map(|kv| String::from_utf8_lossy(&kv.value).into_owned()))
+    }
+
+    /// The current leader's election key of election `name`, if any: its value is the leader's
+    /// address, its key changes with every new leader (a restarted one included), so followers
+    /// that must leave an old leader compare keys.
+    pub async fn leader(&self, name: &str) -> Result<Option<KeyValue>> {
+        check_segment(name)?;
+        let candidates = self.list(&self.election_prefix(name)).await?;
+        Ok(leader_of(&candidates).cloned())
     }
 
     /// Registers member `id` of `kind` at `addr` as live for as long as its lease of `ttl` is

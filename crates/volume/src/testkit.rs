@@ -29,6 +29,7 @@ pub async fn start_in_process(dir: &Path, shards: u32, secret: &[u8]) -> anyhow:
     tokio::spawn(crate::driver::meta::serve_meta(listener, opts));
     for id in 0..shards {
         let opts = ShardOptions {
+            lease: None,
             id,
             listen: "127.0.0.1:0".parse().unwrap(),
             advertise: None,

@@ -200,12 +200,16 @@ pub enum IoErr {
     BadRequest(String),
     #[error("collapse refused: {0}")]
     CollapseRefused(String),
+    /// The shard cannot renew its liveness lease in the control store and refuses I/O until
+    /// the metadata service re-admits it (its slots move elsewhere meanwhile): retried.
+    #[error("{0}")]
+    Fenced(String),
 }
 
 impl IoErr {
     /// Errors a client should retry after refreshing its map or waiting briefly.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, IoErr::StaleEpoch(_) | IoErr::NotPrimary | IoErr::NotReady)
+        matches!(self, IoErr::StaleEpoch(_) | IoErr::NotPrimary | IoErr::NotReady | IoErr::Fenced(_))
     }
 }
 
@@ -285,7 +289,9 @@ pub enum Msg {
     /// Shard → metadata, first on its link: who it is and where it listens; `boot_id` changes on
     /// every start, so the metadata service knows a restarted shard must re-replicate; `fresh`
     /// says it started with no objects at all (a new or replacement disk).
-    Register { shard: ShardId, addr: String, boot_id: u64, fresh: bool },
+    /// `leased`: it keeps a liveness lease in the control store (`volume shard --store`), and
+    /// counts as alive only while the store lists it.
+    Register { shard: ShardId, addr: String, boot_id: u64, fresh: bool, leased: bool },
     /// Metadata → shard: liveness probe, answered with `Done`.
     Ping { req: ReqId },
     Reply { req: ReqId, result: Result<ReplyBody, IoErr> },

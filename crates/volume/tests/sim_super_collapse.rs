@@ -536,7 +536,7 @@ impl World {
         let sh = &mut self.shards[s as usize];
         sh.link = Some(link);
         let (boot_id, fresh) = (sh.gen, std::mem::take(&mut sh.fresh));
-        self.member(MemberInput::LinkOpened { shard: s, link, addr: format!("sim:{s}"), boot_id, fresh });
+        self.member(MemberInput::LinkOpened { shard: s, link, addr: format!("sim:{s}"), boot_id, fresh, leased: false });
         // As the real driver does on a registration: the durable map to the shard, and what
         // waits for a shard's answer is resent.
         let map = self.meta.durable().map.clone();

@@ -57,6 +57,9 @@ pub enum CtlInput {
     /// The driver's mover of `key` (a [`CtlOutput::Move`]) ended; on failure the next tick
     /// asks again.
     MoveEnded { key: String, ok: bool },
+    /// The peers' liveness registrations in the control store, read now: peer → lease id
+    /// (`nearlog peer --store`). See [`ControllerCore`] on leases.
+    Leases { live: BTreeMap<PeerId, i64> },
 }
 
 /// What the controller asks of its driver.
@@ -92,6 +95,17 @@ pub enum CtlOutput {
 /// ordinary peer again, and its heartbeat releases the copies it still holds of files placed
 /// elsewhere. Leases are soft state: after a controller restart every peer gets a full lease
 /// from the first tick.
+///
+/// **Store leases** (issue 24 §3): a peer started with `--store` keeps its lease in the control
+/// store (`live/peer/<id>`, renewed by the peer; an etcd lease, ZooKeeper's ephemeral node
+/// proper), and the driver feeds the listing in ([`CtlInput::Leases`]). A peer once listed is
+/// *leased*: from then on the store alone says whether it is live — gone from the listing, it is
+/// lost at once (the store already waited its TTL), and only listed again is it back; its
+/// heartbeats keep its soft state but no longer its liveness (else a peer cut off from the
+/// store but not from the controller would flap). A peer never listed keeps the heartbeat
+/// lease: that is the embedded default's path, where the store is a directory locked by the
+/// controller's process, which peers in other processes cannot register in. A controller that
+/// cannot read the store gets no listing and decides nothing about leased peers meanwhile.
 pub struct ControllerCore<S: MetaStore> {
     state: ControllerState,
     store: S,
@@ -115,6 +129,9 @@ pub struct ControllerCore<S: MetaStore> {
     replaced: BTreeSet<String>,
     /// (peer, file) pairs already reported as [`CtlOutput::CannotReplace`].
     reported: BTreeSet<(PeerId, String)>,
+    /// Peers seen in the store's listing since this controller started: their liveness is the
+    /// listing's.
+    leased: BTreeSet<PeerId>,
 }
 
 impl<S: MetaStore> ControllerCore<S> {
@@ -136,6 +153,7 @@ impl<S: MetaStore> ControllerCore<S> {
             moving: BTreeSet::new(),
             replaced: BTreeSet::new(),
             reported: BTreeSet::new(),
+            leased: BTreeSet::new(),
         })
     }
 
@@ -191,7 +209,37 @@ impl<S: MetaStore> ControllerCore<S> {
                     self.reported.retain(|(_, k)| *k != key);
                 }
             }
+            CtlInput::Leases { live } => self.on_leases(live),
         }
+    }
+
+    /// The store's listing of live peers (see the type's doc on store leases); lost peers are
+    /// replaced at once.
+    fn on_leases(&mut self, live: BTreeMap<PeerId, i64>) {
+        for &id in live.keys() {
+            self.leased.insert(id);
+            self.heard_ms.insert(id, self.now_ms);
+            if self.lost.remove(&id) {
+                self.reported.retain(|(p, _)| *p != id);
+                if let Some(p) = self.state.peers.get_mut(&id) {
+                    // Its registration or next heartbeat made it live in the state; the store
+                    // said so only now.
+                    p.live = true;
+                }
+                self.out.push(CtlOutput::PeerBack { peer: id });
+            }
+        }
+        let gone: Vec<PeerId> = self.leased.iter().filter(|id| !live.contains_key(id)).copied().collect();
+        for id in gone {
+            if self.lost.insert(id) {
+                let silent = self.now_ms.saturating_sub(self.heard_ms.get(&id).copied().unwrap_or(self.now_ms));
+                if let Some(p) = self.state.peers.get_mut(&id) {
+                    p.live = false;
+                }
+                self.out.push(CtlOutput::PeerLost { peer: id, silent_ms: silent });
+            }
+        }
+        self.replace_lost();
     }
 
     /// The outputs made since the last call, in order.
@@ -210,17 +258,26 @@ impl<S: MetaStore> ControllerCore<S> {
 
     /// Lease expiry and replacement of lost peers (see the type's doc).
     fn tick(&mut self) {
-        if self.peer_lease_ms == 0 {
+        if self.peer_lease_ms == 0 && self.leased.is_empty() {
             return;
         }
         let start = self.started_ms.unwrap_or(self.now_ms);
         for (&id, p) in self.state.peers.iter_mut() {
+            if self.leased.contains(&id) || self.peer_lease_ms == 0 {
+                // Its liveness is the store's listing (or no lease at all).
+                continue;
+            }
             let silent = self.now_ms.saturating_sub(self.heard_ms.get(&id).copied().unwrap_or(start));
             if silent > self.peer_lease_ms && self.lost.insert(id) {
                 p.live = false;
                 self.out.push(CtlOutput::PeerLost { peer: id, silent_ms: silent });
             }
         }
+        self.replace_lost();
+    }
+
+    /// Re-places the files of lost peers (see the type's doc).
+    fn replace_lost(&mut self) {
         let files = &self.state.files;
         self.replaced.retain(|k| files.get(k).is_some_and(|m| !m.prev_peers.is_empty()));
         if self.lost.is_empty() && self.replaced.is_empty() {
@@ -301,6 +358,16 @@ impl<S: MetaStore> ControllerCore<S> {
 
     /// A registration or heartbeat of `peer`: its lease renewed.
     fn heard(&mut self, peer: PeerId) {
+        if self.leased.contains(&peer) {
+            // Its silence counts from its last listing in the store.
+            if self.lost.contains(&peer) {
+                // Only the store's listing brings a leased peer back.
+                if let Some(p) = self.state.peers.get_mut(&peer) {
+                    p.live = false;
+                }
+            }
+            return;
+        }
         self.heard_ms.insert(peer, self.now_ms);
         if self.lost.remove(&peer) {
             self.reported.retain(|(p, _)| *p != peer);
@@ -808,6 +875,41 @@ mod tests {
         assert_eq!(r, CtlReply::Heartbeat { release: vec![file], draining: false });
         assert!(c.state().peers[&1].live && c.lost_peers().is_empty());
         assert!(c.files_on(1).is_empty());
+    }
+
+    /// With store leases a peer is lost when the store stops listing it, whatever its
+    /// heartbeats say, and back only when listed again; peers never listed keep the heartbeat
+    /// lease.
+    #[test]
+    fn a_peer_gone_from_the_store_is_replaced_at_once_and_only_the_store_brings_it_back() {
+        let (mut c, k) = leased();
+        let leases = |ids: &[PeerId]| CtlInput::Leases { live: ids.iter().map(|&id| (id, 100 + id as i64)).collect() };
+        c.handle(500, leases(&[1, 2, 3]));
+        // Peer 4 is not in the store: its heartbeats are its lease. The others' heartbeats
+        // stop, their listing goes on: nobody is lost.
+        for t in (1000..=6000).step_by(1000) {
+            beat(&mut c, t, &[4]);
+            c.handle(t, leases(&[1, 2, 3]));
+            c.handle(t, CtlInput::Tick);
+        }
+        assert!(c.take_outputs().iter().all(|o| matches!(o, CtlOutput::Reply(_))), "leased peers live by the listing alone");
+        // Peer 1's lease expires in the store, though it still heartbeats: lost and replaced now.
+        beat(&mut c, 6100, &[1, 4]);
+        c.handle(6200, leases(&[2, 3]));
+        let outs: Vec<CtlOutput> = c.take_outputs().into_iter().filter(|o| !matches!(o, CtlOutput::Reply(_))).collect();
+        assert_eq!(outs, vec![CtlOutput::PeerLost { peer: 1, silent_ms: 200 }, CtlOutput::Move { key: k.clone(), lost: 1, to: 4 }]);
+        assert!(!c.state().peers[&1].live);
+        // Its heartbeat does not bring it back; its listing does.
+        beat(&mut c, 6300, &[1, 4]);
+        assert!(c.lost_peers().contains(&1) && !c.state().peers[&1].live);
+        c.handle(6400, CtlInput::MoveEnded { key: k.clone(), ok: true });
+        c.handle(6500, leases(&[1, 2, 3]));
+        assert!(c.take_outputs().contains(&CtlOutput::PeerBack { peer: 1 }));
+        assert!(c.lost_peers().is_empty() && c.state().peers[&1].live);
+        // Peer 4, unleased, still expires by its heartbeats.
+        c.handle(12_000, leases(&[1, 2, 3]));
+        c.handle(12_000, CtlInput::Tick);
+        assert!(c.lost_peers().contains(&4), "{:?}", c.lost_peers());
     }
 
     #[test]

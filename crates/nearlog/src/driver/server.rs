@@ -45,7 +45,42 @@ pub async fn run_peer_as(
     region_bytes: u64,
     identity: Option<std::path::PathBuf>,
 ) -> std::io::Result<()> {
+    run_peer_leased(listener, advertise, controller, secret, region_bytes, identity, None).await
+}
+
+/// Where a peer keeps its liveness lease (`nearlog peer --store`): `live/peer/<id>` in the
+/// control store the controllers run on, renewed while the peer runs.
+#[derive(Clone, Debug)]
+pub struct PeerLease {
+    /// The control store (`etcd://...`): shared with the controllers.
+    pub store_url: String,
+    /// The cluster name in the store's keys (the controllers' `--store-cluster`).
+    pub cluster: String,
+    /// The cluster's identity (from the secret, as the controllers derive it).
+    pub cluster_id: String,
+    /// The lease's TTL: the controller finds the peer lost about this long after it died.
+    pub ttl: Duration,
+}
+
+/// The wait before registering in the store again after a failure.
+const LEASE_RETRY_INTERVAL: Duration = Duration::from_millis(200);
+
+/// [`run_peer_as`], keeping a liveness lease in the control store when `lease` is given.
+pub async fn run_peer_leased(
+    listener: TcpListener,
+    advertise: String,
+    controller: String,
+    secret: Arc<Vec<u8>>,
+    region_bytes: u64,
+    identity: Option<std::path::PathBuf>,
+    lease: Option<PeerLease>,
+) -> std::io::Result<()> {
     tune_allocator();
+    // The id the controller gave this peer, for the lease task.
+    let (id_tx, id_rx) = tokio::sync::watch::channel(None);
+    if let Some(lease) = lease {
+        tokio::spawn(keep_peer_lease(lease, advertise.clone(), id_rx));
+    }
     let core = Arc::new(Mutex::new(PeerCore::new(region_bytes)));
     let mut known_as = match &identity {
         Some(path) => read_peer_id(path)?,
@@ -80,7 +115,8 @@ pub async fn run_peer_as(
                                 Err(e) => tracing::warn!("cannot keep peer id {peer} in {}: {e}", path.display()),
                             }
                         }
-                        peer_id = Some(peer)
+                        peer_id = Some(peer);
+                        id_tx.send_replace(Some(peer));
                     }
                     Ok(CtlReply::Heartbeat { release, draining }) => {
                         let mut c = core.lock().unwrap();
@@ -125,6 +161,51 @@ pub async fn run_peer_as(
     })
     .await;
     Ok(()) // not reached: the accept loop runs until the task is dropped
+}
+
+/// Keeps the peer's registration `live/peer/<id>` in the control store under a lease, for the
+/// id the controller gave it (registering again under a new lease when one is lost, and under
+/// the new id when the controller gives another).
+async fn keep_peer_lease(l: PeerLease, advertise: String, mut id_rx: tokio::sync::watch::Receiver<Option<crate::proto::PeerId>>) {
+    let store = loop {
+        match control::Store::open(&l.store_url, &l.cluster, &l.cluster_id).await {
+            Ok(s) => break s,
+            Err(e) => {
+                tracing::warn!("cannot open the control store {} for the peer's lease: {e}; trying again", l.store_url);
+                tokio::time::sleep(LEASE_RETRY_INTERVAL).await;
+            }
+        }
+    };
+    loop {
+        let Some(id) = *id_rx.borrow_and_update() else {
+            if id_rx.changed().await.is_err() {
+                return;
+            }
+            continue;
+        };
+        let reg = match store.register("peer", &id.to_string(), &advertise, l.ttl).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("cannot register peer {id} in the control store: {e}; trying again");
+                tokio::time::sleep(LEASE_RETRY_INTERVAL).await;
+                continue;
+            }
+        };
+        println!("nearlog peer {advertise}: registered as peer {id} in the control store (lease {:x}, TTL {} ms)", reg.lease(), l.ttl.as_millis());
+        tokio::select! {
+            why = reg.lost() => println!("nearlog peer {advertise}: lost its lease in the control store ({why}); registering again"),
+            _ = async {
+                while id_rx.changed().await.is_ok() {
+                    if *id_rx.borrow() != Some(id) {
+                        return;
+                    }
+                }
+                std::future::pending::<()>().await
+            } => {
+                let _ = reg.deregister().await;
+            }
+        }
+    }
 }
 
 /// The id kept in a peer's identity file (`None`: no file yet, a new peer).
@@ -473,6 +554,22 @@ pub const MAX_TICK_INTERVAL_MS: u64 = 500;
 /// Serves the controller on `listener` until the task is dropped; ticks its clock (peer
 /// leases) and runs the moves it asks for (lost peers replaced).
 pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core: ControllerCore<S>, secret: Arc<Vec<u8>>) -> std::io::Result<()> {
+    run_controller_with(listener, core, secret, None).await
+}
+
+/// How often the controller reads the peers' leases from the control store.
+pub const PEER_LEASES_READ_INTERVAL: Duration = Duration::from_millis(200);
+
+/// [`run_controller`], reading the peers' liveness leases from `leases` (the control store the
+/// controller leads on) every [`PEER_LEASES_READ_INTERVAL`] for the core
+/// ([`CtlInput::Leases`]). A read that fails feeds nothing: a store out of reach says nothing
+/// about the peers (the controller's own election lease decides whether it goes on).
+pub async fn run_controller_with<S: MetaStore + 'static>(
+    listener: TcpListener,
+    core: ControllerCore<S>,
+    secret: Arc<Vec<u8>>,
+    leases: Option<control::Store>,
+) -> std::io::Result<()> {
     let core = Arc::new(Mutex::new(core));
     let start = std::time::Instant::now();
     let now_ms = move || start.elapsed().as_millis() as u64;
@@ -484,7 +581,7 @@ pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core:
     let me = me.to_string();
     let lease = core.lock().unwrap().peer_lease_ms();
     if lease > 0 {
-        let (core, secret) = (core.clone(), secret.clone());
+        let (core, secret, me) = (core.clone(), secret.clone(), me.clone());
         tokio::spawn(async move {
             let tick = Duration::from_millis((lease / 4).clamp(1, MAX_TICK_INTERVAL_MS));
             loop {
@@ -497,6 +594,29 @@ pub async fn run_controller<S: MetaStore + 'static>(listener: TcpListener, core:
                 for o in outs {
                     carry_out(o, &core, &me, &secret, now_ms);
                 }
+            }
+        });
+    }
+    if let Some(store) = leases {
+        let (core, secret, me) = (core.clone(), secret.clone(), me.clone());
+        tokio::spawn(async move {
+            let prefix = store.prefix("live", "peer");
+            loop {
+                match store.list(&prefix).await {
+                    Ok(kvs) => {
+                        let live = kvs.iter().filter_map(|kv| kv.key[prefix.len()..].parse().ok().map(|id| (id, kv.lease))).collect();
+                        let outs = {
+                            let mut c = core.lock().unwrap();
+                            c.handle(now_ms(), CtlInput::Leases { live });
+                            c.take_outputs()
+                        };
+                        for o in outs {
+                            carry_out(o, &core, &me, &secret, now_ms);
+                        }
+                    }
+                    Err(e) => tracing::warn!("cannot read the peers' leases: {e}"),
+                }
+                tokio::time::sleep(PEER_LEASES_READ_INTERVAL).await;
             }
         });
     }

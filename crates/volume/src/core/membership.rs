@@ -33,6 +33,22 @@
 //! on waking. So the failure detector runs on a *listening clock* that advances with the inputs
 //! but by at most [`Membership::max_counted_gap_us`] per input.
 //!
+//! **Leases** (issue 24 §3): a shard started with `--store` keeps a liveness lease in the control
+//! store (`live/shard/<id>`, an etcd key under a lease it renews) and says so when it registers
+//! (`leased`). The driver reads the store's live registrations and feeds them in
+//! ([`MemberInput::Leases`]); for a leased shard, the lease is a second failure detector *in
+//! addition to* its link, not instead of it: a shard is alive only while both say so. Why both:
+//! the link is the fastest detector of a killed process (its kernel resets the link at once,
+//! where a lease needs its whole TTL), and the pings catch a shard that stalled while its lease
+//! still runs; the lease catches what the link cannot tell, a shard cut off from the control
+//! store, which fences itself (stops acting as primary, see `core::shard`) before its lease can
+//! expire here: marking it down when the lease goes moves its slots to shards that can take
+//! writes, instead of leaving them with a primary that refuses them. And the lease is the same
+//! for every metadata leader, where a link is one leader's. A shard seen under a *new* lease
+//! lost the old one (and may have fenced itself meanwhile): it is marked down, then recovers as a
+//! restarted one does, so it never leads on writes it refused. A shard registered without a lease
+//! keeps the link-only rules.
+//!
 //! Every change bumps the map's epoch. [`Membership::check_invariants`] runs after every input in
 //! debug builds: epochs only grow and every change of the map bumps it; a shard without a control
 //! link is down (so one marked down stays down until it reconnects); an up shard is in sync (a
@@ -63,7 +79,13 @@ pub enum MemberInput {
         addr: String,
         boot_id: u64,
         fresh: bool,
+        /// The shard keeps a liveness lease in the control store: it is alive only while the
+        /// store lists it ([`MemberInput::Leases`]).
+        leased: bool,
     },
+    /// The shards' live registrations in the control store, read now: shard → lease id. A
+    /// leased shard missing here, or listed under another lease than before, is marked down.
+    Leases { live: BTreeMap<ShardId, i64> },
     /// A control link ended (the shard died, or dropped the link); `why` is for the log.
     LinkClosed {
         shard: ShardId,
@@ -92,6 +114,8 @@ struct Link {
     boot_id: u64,
     /// Listening time of the last answer (or of the registration).
     last_heard_us: u64,
+    /// The shard keeps a lease in the control store.
+    leased: bool,
 }
 
 pub struct Membership {
@@ -109,6 +133,12 @@ pub struct Membership {
     /// hold anything the others lack (never marked down here, or a fresh disk).
     down_order: BTreeMap<ShardId, u64>,
     next_down: u64,
+    /// The live registrations last read from the control store (None: not read yet, so no
+    /// leased shard is known alive).
+    leases: Option<BTreeMap<ShardId, i64>>,
+    /// The lease each shard was last seen alive under: a different one later means the shard
+    /// lost this one in between.
+    seen_lease: BTreeMap<ShardId, i64>,
 }
 
 /// After a restart of the metadata service nobody is known alive: none leads until it registers
@@ -144,6 +174,8 @@ impl Membership {
             out: vec![],
             down_order: BTreeMap::new(),
             next_down: 1,
+            leases: None,
+            seen_lease: BTreeMap::new(),
         };
         #[cfg(debug_assertions)]
         m.check_invariants();
@@ -168,6 +200,8 @@ impl Membership {
             out: vec![],
             down_order: BTreeMap::new(),
             next_down: 1,
+            leases: None,
+            seen_lease: BTreeMap::new(),
         };
         for &(shard, id, boot_id) in links {
             m.links.insert(
@@ -176,6 +210,7 @@ impl Membership {
                     id,
                     boot_id,
                     last_heard_us: 0,
+                    leased: false,
                 },
             );
         }
@@ -217,7 +252,9 @@ impl Membership {
                 addr,
                 boot_id,
                 fresh,
-            } => self.on_link_opened(shard, link, addr, boot_id, fresh),
+                leased,
+            } => self.on_link_opened(shard, link, addr, boot_id, fresh, leased),
+            MemberInput::Leases { live } => self.on_leases(live),
             MemberInput::LinkClosed { shard, link, why } => {
                 if self.links.get(&shard).is_some_and(|l| l.id == link) {
                     self.links.remove(&shard);
@@ -254,6 +291,7 @@ impl Membership {
         addr: String,
         boot_id: u64,
         fresh: bool,
+        leased: bool,
     ) {
         let restarted = self.links.get(&id).is_none_or(|l| l.boot_id != boot_id);
         self.links.insert(
@@ -262,14 +300,18 @@ impl Membership {
                 id: link,
                 boot_id,
                 last_heard_us: self.listened_us,
+                leased,
             },
         );
+        // A leased shard whose lease the store does not list (yet) stays down: the tick brings
+        // it to recovering once the lease shows.
+        let lease_ok = self.lease_ok(id);
         let changed = match self.map.shards.iter().position(|s| s.id == id) {
             None => {
                 self.map.shards.push(ShardInfo {
                     id,
                     addr,
-                    state: ShardState::Recovering,
+                    state: if lease_ok { ShardState::Recovering } else { ShardState::Down },
                     in_sync: false,
                 });
                 self.map.shards.sort_by_key(|s| s.id);
@@ -291,7 +333,10 @@ impl Membership {
                 }
                 // A restarted shard may have missed writes and lost unsynced ones: it
                 // re-replicates before it may lead again.
-                if restarted
+                if !lease_ok {
+                    // Not alive by its lease: it stays (or goes) down. Going down from up or
+                    // recovering happens through `mark_down` below, which keeps the order.
+                } else if restarted
                     || s.state == ShardState::Down
                     || (s.state == ShardState::Up && !s.in_sync)
                 {
@@ -302,8 +347,39 @@ impl Membership {
             }
         };
         if changed {
-            self.changed(format!("shard {id} registered, recovering"));
+            let now = if lease_ok { "recovering" } else { "down until its lease in the control store shows" };
+            self.changed(format!("shard {id} registered, {now}"));
         }
+        if !lease_ok {
+            self.mark_down(id, "it registered, but its lease is not in the control store");
+        }
+    }
+
+    /// Whether `id` is alive as far as its lease goes: not leased, or listed in the store under
+    /// the lease it was last seen alive under.
+    fn lease_ok(&self, id: ShardId) -> bool {
+        let leased = self.links.get(&id).is_some_and(|l| l.leased);
+        !leased || self.leases.as_ref().and_then(|m| m.get(&id)).is_some_and(|l| self.seen_lease.get(&id).is_none_or(|s| s == l))
+    }
+
+    fn on_leases(&mut self, live: BTreeMap<ShardId, i64>) {
+        let leased: Vec<ShardId> = self.links.iter().filter(|(_, l)| l.leased).map(|(id, _)| *id).collect();
+        for id in leased {
+            match (live.get(&id), self.seen_lease.get(&id)) {
+                (None, _) => self.mark_down(id, "its lease in the control store expired"),
+                (Some(now), Some(before)) if now != before => {
+                    // Whatever state it is in: it lost a lease in between, so it may have
+                    // fenced itself and refused writes its replicas took.
+                    self.mark_down(id, "it holds a new lease in the control store: it lost the old one");
+                }
+                _ => {}
+            }
+        }
+        for (id, l) in &live {
+            self.seen_lease.insert(*id, *l);
+        }
+        self.seen_lease.retain(|id, _| live.contains_key(id));
+        self.leases = Some(live);
     }
 
     fn mark_down(&mut self, id: ShardId, why: &str) {
@@ -347,12 +423,17 @@ impl Membership {
     fn on_tick(&mut self) {
         let mut why = vec![];
         for s in self.map.shards.iter_mut() {
-            let alive = self
-                .links
-                .get(&s.id)
-                .is_some_and(|l| self.listened_us - l.last_heard_us < self.cfg.down_after_us);
+            let leased = self.links.get(&s.id).is_some_and(|l| l.leased);
+            let lease_ok = !leased
+                || self.leases.as_ref().and_then(|m| m.get(&s.id)).is_some_and(|l| self.seen_lease.get(&s.id) == Some(l));
+            let alive = lease_ok
+                && self
+                    .links
+                    .get(&s.id)
+                    .is_some_and(|l| self.listened_us - l.last_heard_us < self.cfg.down_after_us);
             if !alive && s.state != ShardState::Down {
-                why.push(format!("shard {} missed its pings: down", s.id));
+                let what = if lease_ok { "missed its pings" } else { "has no live lease in the control store" };
+                why.push(format!("shard {} {what}: down", s.id));
                 s.state = ShardState::Down;
                 s.in_sync = false;
                 self.down_order.insert(s.id, self.next_down);
@@ -425,6 +506,18 @@ impl Membership {
                 .all(|id| new.shards.iter().any(|s| s.id == *id)),
             "a linked shard is not in the map"
         );
+        for s in &new.shards {
+            let leased = self.links.get(&s.id).is_some_and(|l| l.leased);
+            if leased && s.state != ShardState::Down {
+                let live = self.leases.as_ref().and_then(|m| m.get(&s.id));
+                assert!(
+                    live.is_some() && live == self.seen_lease.get(&s.id),
+                    "leased shard {} is {:?} without its lease live in the store",
+                    s.id,
+                    s.state
+                );
+            }
+        }
     }
 }
 
@@ -531,6 +624,7 @@ mod tests {
                 addr: "s1".into(),
                 boot_id: 1,
                 fresh: false,
+                leased: false,
             },
         );
         assert!(
@@ -568,6 +662,7 @@ mod tests {
                 addr: "s1".into(),
                 boot_id: 77,
                 fresh: false,
+                leased: false,
             },
         );
         let ms = maps(&mut m);
@@ -637,6 +732,7 @@ mod tests {
                     addr: format!("s{s}"),
                     boot_id: link,
                     fresh: false,
+                    leased: false,
                 },
             );
         }
@@ -659,6 +755,7 @@ mod tests {
                 addr: "s2".into(),
                 boot_id: 12,
                 fresh: false,
+                leased: false,
             },
         );
         let e = m.map().epoch;
@@ -688,6 +785,7 @@ mod tests {
                 addr: "s2".into(),
                 boot_id: 99,
                 fresh: true,
+                leased: false,
             },
         );
         assert_eq!(
@@ -743,6 +841,7 @@ mod tests {
                     addr: format!("s{s}"),
                     boot_id: s as u64,
                     fresh: false,
+                    leased: false,
                 },
             );
         }
@@ -808,5 +907,73 @@ mod tests {
             );
             assert_eq!(m.map().state(2), ShardState::Down, "paused {pause_us} us");
         }
+    }
+
+    fn leases(ids: &[(ShardId, i64)]) -> MemberInput {
+        MemberInput::Leases { live: ids.iter().copied().collect() }
+    }
+
+    /// Three leased shards registered, their leases listed, each recovered: all up.
+    fn leased_cluster() -> Membership {
+        let map = ClusterMap { epoch: 1, replicas: 3, shards: vec![] };
+        let mut m = Membership::new(cfg(), map, 0);
+        for s in 0..3 {
+            m.handle(10 + s as u64, MemberInput::LinkOpened { shard: s, link: s as u64, addr: format!("s{s}"), boot_id: 1, fresh: true, leased: true });
+            assert_eq!(m.map().state(s), ShardState::Down, "a leased shard with no lease listed is not alive");
+        }
+        m.handle(100, leases(&[(0, 100), (1, 101), (2, 102)]));
+        run(&mut m, PING, PING, &[0, 1, 2]);
+        for s in 0..3 {
+            assert_eq!(m.map().state(s), ShardState::Recovering, "{:?}", m.map());
+        }
+        for s in 0..3 {
+            let epoch = m.map().epoch;
+            m.handle(2 * PING + s as u64, MemberInput::Recovered { shard: s, epoch });
+        }
+        assert!(m.map().shards.iter().all(|s| s.state == ShardState::Up), "{:?}", m.map());
+        m.take_outputs();
+        m
+    }
+
+    /// A leased shard is down once its lease is gone from the store, though its link answers;
+    /// it comes back (recovering) under a new lease; a lease renewed all along changes nothing.
+    #[test]
+    fn a_leased_shard_is_down_when_its_lease_expires_and_recovers_under_a_new_one() {
+        let mut m = leased_cluster();
+        let epoch = m.map().epoch;
+        m.handle(3 * PING, leases(&[(0, 100), (1, 101), (2, 102)]));
+        run(&mut m, 3 * PING, 5 * PING, &[0, 1, 2]);
+        assert_eq!(m.map().epoch, epoch, "nothing changed: {:?}", m.map());
+
+        // Shard 1 is cut off from the store: its lease expires; its link still answers.
+        m.handle(6 * PING, leases(&[(0, 100), (2, 102)]));
+        assert_eq!(m.map().state(1), ShardState::Down, "{:?}", m.map());
+        run(&mut m, 6 * PING, 10 * PING, &[0, 1, 2]);
+        assert_eq!(m.map().state(1), ShardState::Down, "its answers alone do not bring it back");
+        // It registers again under a new lease: recovering at the next tick, then up.
+        m.handle(11 * PING, leases(&[(0, 100), (1, 201), (2, 102)]));
+        run(&mut m, 11 * PING, 11 * PING, &[0, 1, 2]);
+        assert_eq!(m.map().state(1), ShardState::Recovering, "{:?}", m.map());
+        let e = m.map().epoch;
+        m.handle(12 * PING, MemberInput::Recovered { shard: 1, epoch: e });
+        assert_eq!(m.map().state(1), ShardState::Up);
+
+        // Shard 2's lease is replaced between two reads (the expiry went unseen): it lost the
+        // old one, so it goes down and recovers all the same.
+        m.take_outputs();
+        m.handle(13 * PING, leases(&[(0, 100), (1, 201), (2, 302)]));
+        assert_eq!(m.map().state(2), ShardState::Down, "{:?}", m.map());
+        run(&mut m, 13 * PING, 13 * PING, &[0, 1, 2]);
+        assert_eq!(m.map().state(2), ShardState::Recovering, "{:?}", m.map());
+        assert_eq!(m.map().state(0), ShardState::Up);
+    }
+
+    /// A shard registered without a lease keeps the link-only rules whatever the store lists.
+    #[test]
+    fn an_unleased_shard_ignores_the_store() {
+        let mut m = cluster();
+        m.handle(50, leases(&[]));
+        run(&mut m, PING, 5 * PING, &[0, 1, 2]);
+        assert!(m.map().shards.iter().all(|s| s.state == ShardState::Up), "{:?}", m.map());
     }
 }

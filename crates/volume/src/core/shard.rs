@@ -13,7 +13,8 @@
 //! * the dirty / allow-write bits in a replicated tracking object per table, the tracking list on
 //!   every data shard, permission requests, atomic `collapse`, and garbage collection;
 //! * re-replication of a restarted or replaced shard, and repair of a replica whose copy differs
-//!   from the primary's (object versions name contents; see [`Version`]).
+//!   from the primary's (object versions name contents; see [`Version`]);
+//! * self-fencing on a liveness lease (issue 24 §3, `volume shard --store`): see [`Fence`].
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::{BuildHasherDefault, DefaultHasher};
@@ -39,7 +40,26 @@ pub enum Input {
     Disk { id: u64, result: Result<DiskOut, DiskErr> },
     /// The resend period's clock: requests unanswered for `resend_after_us` go again.
     Tick,
+    /// The state of the shard's liveness lease in the control store (with
+    /// [`ShardConfig::lease_required`]), reported by the driver whenever it changes.
+    Lease(LeaseReport),
 }
+
+/// The shard's liveness lease in the control store, as its driver sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseReport {
+    /// Lease `lease` of `ttl_us` is surely valid until `sure_until_us` (this core's clock): the
+    /// send time of its last successful renewal plus its TTL (the store renewed it no earlier).
+    Held { lease: i64, ttl_us: u64, sure_until_us: u64 },
+    /// No lease: lost (not renewed in time, or the store said it expired), or not registered
+    /// yet. Why, for the error clients get.
+    Lost { why: String },
+}
+
+/// A shard fences itself this fraction of its lease's TTL before the lease may expire in the
+/// store: with a renewal every third of the TTL, two renewals in a row must fail (or be slow)
+/// before it fences.
+pub const FENCE_MARGIN_TTL_DIVISOR: u64 = 3;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Output {
@@ -103,11 +123,14 @@ pub struct ShardConfig {
     /// gets this small budget, so its deletes and renames never queue ahead of client writes in
     /// the driver's disk queue, however many objects a collapse leaves to collect.
     pub max_background_tasks: usize,
+    /// The shard keeps a liveness lease in the control store and fences itself while it is not
+    /// sure of it (see [`Fence`]); it starts fenced, until its first lease is reported.
+    pub lease_required: bool,
 }
 
 impl ShardConfig {
     pub fn new(id: ShardId) -> Self {
-        ShardConfig { id, resend_after_us: 200_000, list_page_objects: 2048, max_pulls_in_flight: 16, id_base: 0, max_background_tasks: 4 }
+        ShardConfig { id, resend_after_us: 200_000, list_page_objects: 2048, max_pulls_in_flight: 16, id_base: 0, max_background_tasks: 4, lease_required: false }
     }
 }
 
@@ -122,6 +145,42 @@ pub struct CoreStats {
     /// Budgeted background tasks (GC) waiting for a turn, and running.
     pub background_waiting: u64,
     pub background_running: u64,
+    /// Fenced: refusing client I/O because its lease is not sure (see [`Fence`]).
+    pub fenced: bool,
+}
+
+/// Self-fencing, as Patroni demotes a primary that cannot reach its store.
+///
+/// A shard with a lease ([`ShardConfig::lease_required`]) fences itself once it is no longer
+/// sure of its lease for the next `ttl / FENCE_MARGIN_TTL_DIVISOR` (or has none): it refuses
+/// every client read and write and every tracking request ([`IoErr::Fenced`], which clients
+/// retry after refreshing their map), while it goes on serving as a replica.
+///
+/// Why no two primaries of one slot accept writes: the metadata leader moves a slot away from
+/// this shard (a new map epoch, with another primary) only after it read the shard's lease gone
+/// from the store, or listed under another lease. The store expires a lease no earlier than
+/// the TTL after it received the last renewal, which is after this shard *sent* it; the shard
+/// fences at that send time plus `ttl - ttl / FENCE_MARGIN_TTL_DIVISOR` on its own monotonic
+/// clock. So it refuses writes at least `ttl / FENCE_MARGIN_TTL_DIVISOR` (a second of a 3 s
+/// TTL) before any other shard can be made primary in its place; that margin absorbs the core's
+/// tick (20 ms), the drift between the two clocks, and the writes already in flight. And a write
+/// that an old primary still sends after the new epoch exists is refused by every replica on
+/// the new epoch ([`IoErr::StaleEpoch`]), so it is never acknowledged: the epoch check is the
+/// backstop, the fence keeps a shard cut off from the store from taking writes alone.
+///
+/// The fence lifts when the shard is sure of a lease again and either it is the lease it held
+/// when it fenced (renewed in time after all: the store never let it go, so the metadata
+/// service cannot have moved its slots for it), or the metadata service has re-admitted it:
+/// it saw a map marking it down since it fenced, and now one where it is not down (it lost its
+/// lease, registered a new one, and recovers as a restarted shard does).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    /// Why, for the error clients get.
+    pub why: String,
+    /// The lease held when the fence went up (None: none held).
+    lease: Option<i64>,
+    /// A map marking this shard down arrived since the fence went up.
+    seen_down: bool,
 }
 
 /// What the driver found on disk at start.
@@ -283,6 +342,10 @@ pub struct ShardCore {
     background_running: usize,
     next_id: u64,
     out: Vec<Output>,
+    /// The driver's last report of the lease (None: none yet).
+    lease: Option<LeaseReport>,
+    /// Up while the shard refuses client I/O (see [`Fence`]).
+    fence: Option<Fence>,
 }
 
 fn track_key(table: TableId) -> ObjKey {
@@ -331,7 +394,14 @@ impl ShardCore {
             background_running: 0,
             next_id: 1 + cfg_id_base,
             out: Vec::new(),
+            lease: None,
+            fence: None,
         };
+        if core.cfg.lease_required {
+            // A new process: the metadata service treats it as restarted (recovering), so the
+            // first map where it is not down is its re-admission.
+            core.fence = Some(Fence { why: "no lease in the control store yet".into(), lease: None, seen_down: true });
+        }
         for (key, bytes) in boot.track_objects {
             if let Ok(t) = postcard::from_bytes::<TableTrack>(&bytes) {
                 core.tracks.insert(key.table, t);
@@ -415,7 +485,64 @@ impl ShardCore {
             retired_volumes: self.retired.len() as u64,
             background_waiting: self.background.len() as u64,
             background_running: self.background_running as u64,
+            fenced: self.fence.is_some(),
         }
+    }
+
+    /// The fence, while it is up.
+    pub fn fence(&self) -> Option<&Fence> {
+        self.fence.as_ref()
+    }
+
+    /// The lease this shard is sure of for at least the fencing margin, or why not.
+    fn sure_lease(&self) -> Result<i64, String> {
+        match &self.lease {
+            None => Err("no lease in the control store yet".into()),
+            Some(LeaseReport::Lost { why }) => Err(why.clone()),
+            Some(LeaseReport::Held { lease, ttl_us, sure_until_us }) => {
+                let (lease, ttl_us, sure_until_us) = (*lease, *ttl_us, *sure_until_us);
+                if self.now_us + ttl_us / FENCE_MARGIN_TTL_DIVISOR < sure_until_us {
+                    Ok(lease)
+                } else {
+                    Err(format!(
+                        "lease {lease:x} in the control store not renewed: it may expire in {} ms (TTL {} ms)",
+                        sure_until_us.saturating_sub(self.now_us) / 1000,
+                        ttl_us / 1000
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Puts the fence up or takes it down (the rules of [`Fence`]); after every input.
+    fn update_fence(&mut self) {
+        if !self.cfg.lease_required {
+            return;
+        }
+        let me_down = self.map.as_ref().is_none_or(|m| m.state(self.cfg.id) == ShardState::Down);
+        let sure = self.sure_lease();
+        let held = match &self.lease {
+            Some(LeaseReport::Held { lease, .. }) => Some(*lease),
+            _ => None,
+        };
+        match (sure, &mut self.fence) {
+            (Err(why), None) => self.fence = Some(Fence { why, lease: held, seen_down: me_down }),
+            (Err(why), Some(f)) => {
+                f.seen_down |= me_down;
+                f.why = why;
+            }
+            (Ok(lease), Some(f)) => {
+                f.seen_down |= me_down;
+                if f.lease == Some(lease) || (f.seen_down && !me_down) {
+                    self.fence = None;
+                }
+            }
+            (Ok(_), None) => {}
+        }
+    }
+
+    fn fenced_err(&self) -> Option<IoErr> {
+        self.fence.as_ref().map(|f| IoErr::Fenced(format!("shard {} fenced itself: {}", self.cfg.id, f.why)))
     }
 
     pub fn is_recovering(&self) -> bool {
@@ -438,7 +565,9 @@ impl ShardCore {
             Input::Msg { from, msg } => self.on_msg(from, msg),
             Input::Disk { id, result } => self.on_disk(id, result),
             Input::Tick => self.on_tick(),
+            Input::Lease(report) => self.lease = Some(report),
         }
+        self.update_fence();
         #[cfg(debug_assertions)]
         {
             assert!(self.epoch() >= epoch_before, "shard {}: invariant `the map epoch never decreases` broken: {epoch_before} -> {}", self.cfg.id, self.epoch());
@@ -458,6 +587,12 @@ impl ShardCore {
     pub fn check_invariants(&self) {
         let me = self.cfg.id;
         let broken = |what: &str, state: String| -> ! { panic!("shard {me}: invariant `{what}` broken: {state}") };
+        // A shard not sure of its lease for the fencing margin refuses client I/O.
+        if self.cfg.lease_required && self.fence.is_none() {
+            if let Err(why) = self.sure_lease() {
+                broken("a shard unsure of its lease is fenced", why);
+            }
+        }
         // Every operation on one slot is serialised by the slot lock: an operation bound to a
         // slot holds its lock, and no two operations hold one slot.
         let mut holders: HashMap<Slot, OpId> = HashMap::default();
@@ -692,6 +827,16 @@ impl ShardCore {
         match msg {
             Msg::Map(map) => self.on_map(map),
             Msg::Reply { req, result } => self.on_reply(req, result),
+            Msg::Io { req, .. } if self.fence.is_some() => {
+                let e = self.fenced_err().expect("fenced");
+                self.reply((from, req), Err(e));
+            }
+            Msg::Permission { req, .. } | Msg::Super { req, .. } | Msg::Collapse { req, .. } | Msg::EndSuper { req, .. }
+                if self.fence.is_some() =>
+            {
+                let e = self.fenced_err().expect("fenced");
+                self.reply((from, req), Err(e));
+            }
             Msg::Io { req, epoch, ref vol, objno, ref op } => {
                 let slot = Slot { table: vol.table, objno };
                 if let Err(e) = self.validate_io(epoch, vol, objno, op) {
@@ -2385,5 +2530,71 @@ mod tests {
         let e = std::panic::catch_unwind(|| core.check_invariants()).unwrap_err();
         let msg = e.downcast_ref::<String>().unwrap();
         assert!(msg.contains("an operation on a slot holds its lock"), "{msg}");
+    }
+
+    /// A leased shard refuses client I/O until it holds a lease, fences itself a third of the
+    /// TTL before its lease may expire, lifts the fence when the same lease is renewed, and
+    /// after a lost lease only once the metadata service has marked it down and re-admitted it.
+    #[test]
+    fn a_leased_shard_fences_itself_before_its_lease_may_expire() {
+        const TTL: u64 = 3_000_000;
+        let map = |epoch, state| ClusterMap { epoch, replicas: 1, shards: vec![ShardInfo { id: 1, addr: String::new(), state, in_sync: true }] };
+        let mut cfg = ShardConfig::new(1);
+        cfg.lease_required = true;
+        let mut core = ShardCore::new(cfg, Boot::default());
+        let vol = VolRef { id: 5, table: 5, object_size_bytes: 65536, parent: None };
+        let mut req = 100;
+        // A client write now: refused as fenced, or started (a disk command for it).
+        let mut write = |core: &mut ShardCore, now: u64| -> Result<(), String> {
+            req += 1;
+            core.handle(now, Input::Msg { from: Peer::Client(1), msg: Msg::Io { req, epoch: core.epoch(), vol: vol.clone(), objno: 0, op: IoOp::Write { offset: 0, data: vec![1; 512] } } });
+            let outs = core.take_outputs();
+            for o in &outs {
+                if let Output::Send { msg: Msg::Reply { result: Err(IoErr::Fenced(why)), .. }, .. } = o {
+                    return Err(why.clone());
+                }
+            }
+            assert!(outs.iter().any(|o| matches!(o, Output::Disk { cmd: DiskCmd::Apply { .. }, .. })), "{outs:?}");
+            Ok(())
+        };
+        let tick = |core: &mut ShardCore, now: u64| core.handle(now, Input::Tick);
+        core.handle(0, Input::Msg { from: Peer::Meta, msg: Msg::Map(map(1, ShardState::Up)) });
+        assert!(write(&mut core, 0).unwrap_err().contains("no lease"));
+        core.handle(0, Input::Lease(LeaseReport::Held { lease: 7, ttl_us: TTL, sure_until_us: TTL }));
+        assert!(core.fence().is_none(), "a new process with a lease and a map where it is up");
+        write(&mut core, 0).unwrap();
+
+        // No renewal: still serving until a third of the TTL before it may expire, fenced then.
+        tick(&mut core, TTL - TTL / 3 - 20_000);
+        assert!(core.fence().is_none());
+        tick(&mut core, TTL - TTL / 3);
+        let why = write(&mut core, TTL - TTL / 3).unwrap_err();
+        assert!(why.contains("shard 1 fenced itself") && why.contains("not renewed"), "{why}");
+        assert!(core.stats().fenced);
+        // The same lease renewed after all: the store never let it go, the fence lifts.
+        core.handle(TTL - 100_000, Input::Lease(LeaseReport::Held { lease: 7, ttl_us: TTL, sure_until_us: 2 * TTL - 200_000 }));
+        assert!(core.fence().is_none());
+
+        // Lost: fenced at once. A new lease alone does not lift it; the map marking it down and
+        // then recovering does.
+        core.handle(TTL, Input::Lease(LeaseReport::Lost { why: "lease 7 not renewed within its TTL".into() }));
+        assert!(write(&mut core, TTL).unwrap_err().contains("within its TTL"));
+        core.handle(TTL + 1, Input::Lease(LeaseReport::Held { lease: 8, ttl_us: TTL, sure_until_us: 2 * TTL }));
+        assert!(core.fence().is_some(), "a new lease before the metadata service re-admitted it");
+        core.handle(TTL + 2, Input::Msg { from: Peer::Meta, msg: Msg::Map(map(2, ShardState::Up)) });
+        assert!(core.fence().is_some(), "a map that never marked it down is no re-admission");
+        core.handle(TTL + 3, Input::Msg { from: Peer::Meta, msg: Msg::Map(map(3, ShardState::Down)) });
+        assert!(core.fence().is_some());
+        core.handle(TTL + 4, Input::Msg { from: Peer::Meta, msg: Msg::Map(map(4, ShardState::Recovering)) });
+        assert!(core.fence().is_none(), "re-admitted under its new lease");
+    }
+
+    /// Without a lease the shard never fences (the embedded default).
+    #[test]
+    fn a_shard_without_a_lease_never_fences() {
+        let mut core = ShardCore::new(ShardConfig::new(1), Boot::default());
+        core.handle(u64::MAX / 2, Input::Tick);
+        core.handle(u64::MAX / 2, Input::Lease(LeaseReport::Lost { why: "x".into() }));
+        assert!(core.fence().is_none());
     }
 }

@@ -20,6 +20,7 @@ use blockdev::{BlockDev, DevError, DevResult};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
 use crate::driver::meta::{Layout, MetaReq, MetaResp, VolumeRec};
+use crate::driver::leader::{changed_from, order_addrs, Leader, LeaderWatch};
 use crate::driver::shard::{dial, writer_loop, CONN_QUEUE_MSGS};
 use crate::types::*;
 
@@ -78,7 +79,11 @@ pub struct Cluster {
     secret: Vec<u8>,
     map: RwLock<Arc<ClusterMap>>,
     conns: Mutex<HashMap<ShardId, Arc<ShardConn>>>,
-    meta_conn: Mutex<Option<wire::link::Link>>,
+    /// The connection to the metadata service, and the leader (its election key) seen when it
+    /// was dialled.
+    meta_conn: Mutex<Option<(wire::link::Link, Option<Leader>)>>,
+    /// The metadata service's election, when followed ([`Cluster::connect_following`]).
+    leader: Option<LeaderWatch>,
     /// One map fetch at a time: every request waiting on a silent shard looks at the map each
     /// [`MAP_CHECK_INTERVAL`], and up to [`MAX_OBJECT_IOS_IN_FLIGHT`] of them may wait at once;
     /// those that queue behind a fetch take its answer instead of asking again.
@@ -93,7 +98,19 @@ pub struct Cluster {
 
 impl Cluster {
     pub async fn connect(meta_addr: &str, secret: &[u8]) -> anyhow::Result<Arc<Cluster>> {
+        Self::connect_with(meta_addr, secret, None).await
+    }
+
+    /// [`Cluster::connect`], following the metadata service's leader in the control store
+    /// (see [`crate::driver::leader`]): when the leader changes, a request waiting on the old
+    /// one's connection (a paused leader answers nothing) is sent again to the new one.
+    pub async fn connect_following(meta_addr: &str, secret: &[u8], leader: LeaderWatch) -> anyhow::Result<Arc<Cluster>> {
+        Self::connect_with(meta_addr, secret, Some(leader)).await
+    }
+
+    async fn connect_with(meta_addr: &str, secret: &[u8], leader: Option<LeaderWatch>) -> anyhow::Result<Arc<Cluster>> {
         let c = Arc::new(Cluster {
+            leader,
             meta_addr: meta_addr.to_string(),
             secret: secret.to_vec(),
             map: RwLock::new(Arc::new(ClusterMap { epoch: 0, replicas: 0, shards: vec![] })),
@@ -123,25 +140,40 @@ impl Cluster {
         let mut g = self.meta_conn.lock().await;
         for attempt in 0..2 {
             if g.is_none() {
-                *g = Some(
-                    crate::driver::shard::dial_meta(&self.meta_addr, &self.secret, &Hello::Client)
-                        .await
-                        .with_context(|| format!("cannot reach the metadata service at {}", self.meta_addr))?,
-                );
+                let at = self.leader.as_ref().and_then(|w| w.current());
+                let sock = crate::driver::shard::dial_meta(&order_addrs(&self.meta_addr, at.as_ref()), &self.secret, &Hello::Client)
+                    .await
+                    .with_context(|| format!("cannot reach the metadata service at {}", self.meta_addr))?;
+                *g = Some((sock, at));
             }
-            let sock = g.as_mut().unwrap();
-            let r = async {
+            let (sock, at) = g.as_mut().unwrap();
+            let exchange = async {
                 wire::write_msg(sock, req).await?;
                 tokio::io::AsyncWriteExt::flush(sock).await?;
-                wire::read_msg::<MetaResp, _>(sock, wire::MAX_FRAME_PAYLOAD_BYTES).await
-            }
-            .await;
+                Ok::<_, anyhow::Error>(wire::read_msg::<MetaResp, _>(sock, wire::MAX_FRAME_PAYLOAD_BYTES).await?)
+            };
+            let r = match &self.leader {
+                None => exchange.await,
+                Some(w) => {
+                    if at.is_none() {
+                        // Dialled before the election was read: the leader seen first is the
+                        // one the connection reached.
+                        *at = w.current();
+                    }
+                    let mut rx = w.subscribe();
+                    let from = at.as_ref().map(|l| l.key.clone());
+                    tokio::select! {
+                        r = exchange => r,
+                        l = changed_from(&mut rx, from.as_deref()) => Err(anyhow::anyhow!("the metadata leader changed to {}", l.addr)),
+                    }
+                }
+            };
             match r {
                 Ok(resp) => return Ok(resp),
                 Err(e) => {
                     *g = None;
                     if attempt == 1 {
-                        return Err(e.into());
+                        return Err(e);
                     }
                     tracing::debug!("metadata connection: {e}; reconnecting");
                 }

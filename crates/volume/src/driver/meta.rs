@@ -423,6 +423,8 @@ struct Inner {
 pub struct Meta {
     inner: Arc<Mutex<Inner>>,
     opts: Arc<MetaOptions>,
+    /// This service reads the shards' leases (it runs on etcd, where shards can register).
+    reads_leases: bool,
     started: Instant,
 }
 
@@ -472,6 +474,7 @@ pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
             Err(e) => return Err(e).with_context(|| format!("cannot listen on {}", opts.listen)),
         }
     };
+    let leases = LeaseReader { store: store.clone(), every: control::election::poll_interval(ctl.election_ttl) };
     let ms = ControlMetaStore::new(store, lead.clone())?;
     if let Some(dir) = &ctl.import_from {
         if ms.load_async().await?.is_none() {
@@ -484,7 +487,7 @@ pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
         }
     }
     // On a worker thread: the store is called synchronously from there (block_in_place).
-    let serving = tokio::spawn(serve_with(listener, opts, Box::new(ms), Some(lead.clone())));
+    let serving = tokio::spawn(serve_with(listener, opts, Box::new(ms), Some(lead.clone()), Some(leases)));
     tokio::select! {
         r = serving => r.context("the metadata service's task failed")?,
         why = lead.lost() => step_down(&why),
@@ -494,10 +497,23 @@ pub async fn run_meta(opts: MetaOptions) -> anyhow::Result<()> {
 /// Runs the metadata service on a bound listener (`opts.listen` is ignored).
 pub async fn serve_meta(listener: TcpListener, opts: MetaOptions) -> anyhow::Result<()> {
     let store = FileMetaStore::new(&opts.dir)?;
-    serve_with(listener, opts, Box::new(store), None).await
+    serve_with(listener, opts, Box::new(store), None, None).await
 }
 
-async fn serve_with(listener: TcpListener, opts: MetaOptions, store: Box<dyn MetaStore>, lead: Option<Arc<control::Leadership>>) -> anyhow::Result<()> {
+/// Reads the shards' liveness leases from the control store for the membership core.
+struct LeaseReader {
+    store: control::Store,
+    /// How often (the election's poll interval: a tenth of its TTL, bounded).
+    every: Duration,
+}
+
+async fn serve_with(
+    listener: TcpListener,
+    opts: MetaOptions,
+    store: Box<dyn MetaStore>,
+    lead: Option<Arc<control::Leadership>>,
+    leases: Option<LeaseReader>,
+) -> anyhow::Result<()> {
     let member_cfg = MembershipConfig { ping_interval_us: opts.ping_interval_ms * 1000, down_after_us: opts.down_after_ms * 1000 };
     let ServiceStart { save, core, members } =
         start_service(store.load()?, opts.replicas, MetaCoreConfig::default(), member_cfg, 0, rand::random::<u64>() >> 20);
@@ -519,7 +535,9 @@ async fn serve_with(listener: TcpListener, opts: MetaOptions, store: Box<dyn Met
         lead,
     };
     let started = inner.started;
-    let meta = Meta { inner: Arc::new(Mutex::new(inner)), opts: Arc::new(opts), started };
+    // Only etcd is shared by several processes: shards cannot register in an embedded store.
+    let leases = leases.filter(|r| r.store.is_etcd());
+    let meta = Meta { inner: Arc::new(Mutex::new(inner)), opts: Arc::new(opts), started, reads_leases: leases.is_some() };
     if let Some(addr) = meta.opts.metrics {
         let l = TcpListener::bind(addr).await.with_context(|| format!("cannot serve metrics on {addr}"))?;
         let m = meta.clone();
@@ -529,6 +547,9 @@ async fn serve_with(listener: TcpListener, opts: MetaOptions, store: Box<dyn Met
         }));
     }
     tokio::spawn(meta.clone().liveness_loop());
+    if let Some(r) = leases {
+        tokio::spawn(meta.clone().lease_loop(r));
+    }
     tokio::spawn(meta.clone().tick_loop());
     // Accept errors (out of descriptors) are waited out, never fatal: one client must not be
     // able to stop the metadata service.
@@ -679,8 +700,16 @@ impl Meta {
         let (r, w) = sock.into_split();
         let mut r = tokio::io::BufReader::new(r);
         let first: Msg = wire::read_msg(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES).await?;
-        let Msg::Register { shard, addr, boot_id, fresh } = first else { anyhow::bail!("shard {id} did not register") };
+        let Msg::Register { shard, addr, boot_id, fresh, leased } = first else { anyhow::bail!("shard {id} did not register") };
         anyhow::ensure!(shard == id, "shard link says {id} but registers {shard}");
+        let leased = if leased && !self.reads_leases {
+            // A shard given --store while this service runs without etcd: its lease would never
+            // be read, and it would stay down. Its link alone tells its liveness here.
+            tracing::warn!("shard {id} keeps a lease in a control store this metadata service does not read (run it with --store etcd://...): its link alone counts");
+            false
+        } else {
+            leased
+        };
         let (tx, rx) = mpsc::channel(1024);
         tokio::spawn(writer_loop(w, rx));
         let link = {
@@ -688,7 +717,7 @@ impl Meta {
             let link = g.next_link;
             g.next_link += 1;
             g.links.insert(id, ShardLink { tx: tx.clone(), link });
-            g.member(self.now_us(), MemberInput::LinkOpened { shard: id, link, addr: addr.clone(), boot_id, fresh });
+            g.member(self.now_us(), MemberInput::LinkOpened { shard: id, link, addr: addr.clone(), boot_id, fresh, leased });
             let map = g.core.durable().map.clone();
             let _ = tx.try_send(Msg::Map(map));
             // What the core sent over a link that broke is resent on this one at once.
@@ -726,6 +755,24 @@ impl Meta {
                 }
                 other => tracing::warn!("unexpected message from shard {id}: {other:?}"),
             }
+        }
+    }
+
+    /// Feeds the membership core the shards' live registrations (`live/shard/<id>` and their
+    /// leases) as read from the store. A read that fails feeds nothing: a store out of reach
+    /// says nothing about the shards (this service's own election lease decides whether it
+    /// may go on at all).
+    async fn lease_loop(self, r: LeaseReader) {
+        let prefix = r.store.prefix("live", "shard");
+        loop {
+            match r.store.list(&prefix).await {
+                Ok(kvs) => {
+                    let live = kvs.iter().filter_map(|kv| kv.key[prefix.len()..].parse::<ShardId>().ok().map(|id| (id, kv.lease))).collect();
+                    self.inner.lock().unwrap().member(self.now_us(), MemberInput::Leases { live });
+                }
+                Err(e) => tracing::warn!("cannot read the shards' leases: {e}"),
+            }
+            tokio::time::sleep(r.every).await;
         }
     }
 

@@ -4,3 +4,4 @@
 pub mod shard;
 pub mod meta;
 pub mod client;
+pub mod leader;

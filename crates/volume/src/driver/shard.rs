@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use tokio::io::BufWriter;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -21,7 +21,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use wire::metrics::metric;
 
-use crate::core::shard::{CoreStats, DiskCmd, Input, Output, Peer, ShardConfig, ShardCore};
+use crate::driver::leader::{changed_from, order_addrs, LeaderWatch};
+use crate::core::shard::{CoreStats, DiskCmd, Input, LeaseReport, Output, Peer, ShardConfig, ShardCore};
 use crate::store::FileStore;
 use crate::types::*;
 
@@ -55,7 +56,31 @@ pub struct ShardOptions {
     /// The store's write-ahead journal ring, in bytes; `None`: no journal (every write syncs
     /// its own slot file). See [`crate::store::PoolOptions::journal_capacity_bytes`].
     pub journal_bytes: Option<u64>,
+    /// Keep a liveness lease in the control store and fence on it (`volume shard --store`);
+    /// None: liveness by the metadata link alone.
+    pub lease: Option<ShardLease>,
 }
+
+/// Where and how a shard keeps its liveness lease (issue 24 §3): the registration
+/// `live/shard/<id>` in the control store the metadata service runs on.
+#[derive(Clone, Debug)]
+pub struct ShardLease {
+    /// The control store (`etcd://...`): shared with the metadata services.
+    pub store_url: String,
+    /// The cluster name in the store's keys (the metadata services' `--store-cluster`).
+    pub cluster: String,
+    /// The cluster's identity (from the secret, as the metadata service derives it).
+    pub cluster_id: String,
+    /// The lease's TTL: the shard is marked down about this long after it stops renewing; it
+    /// fences itself a third of it earlier ([`crate::core::shard::Fence`]).
+    pub ttl: Duration,
+}
+
+/// How often the lease task looks at its registration and reports a change to the core: well
+/// under the fencing margin (a third of a TTL of at least a second).
+pub const LEASE_REPORT_INTERVAL: Duration = Duration::from_millis(20);
+/// The wait before registering again after the store refused or could not be reached.
+pub const LEASE_RETRY_INTERVAL: Duration = Duration::from_millis(200);
 
 /// Latency a shard adds to its disk commands before their completion reaches the core (so before
 /// it acks), to make this machine's disk look like a cloud disk (e.g. EBS gp3: about 0.5 ms per
@@ -113,6 +138,7 @@ impl Stats {
         metric(&mut out, "understudy_shard_ops_in_flight", "gauge", "Operations in progress.", &[(&l, c.ops_in_flight as f64)]);
         metric(&mut out, "understudy_shard_locked_slots", "gauge", "Slots with an operation holding their lock.", &[(&l, c.locked_slots as f64)]);
         metric(&mut out, "understudy_shard_recovering", "gauge", "1 while re-replicating.", &[(&l, c.recovering as u8 as f64)]);
+        metric(&mut out, "understudy_shard_fenced", "gauge", "1 while fenced: unsure of its lease in the control store, refusing client I/O.", &[(&l, c.fenced as u8 as f64)]);
         metric(&mut out, "understudy_shard_messages_in_total", "counter", "Messages received.", &[(&l, g(&self.messages_in))]);
         metric(&mut out, "understudy_shard_messages_dropped_total", "counter", "Messages dropped because a connection queue was full.", &[(&l, g(&self.messages_dropped))]);
         metric(&mut out, "understudy_shard_disk_ops_total", "counter", "Disk commands run.", &[(&l, g(&self.disk_ops))]);
@@ -198,6 +224,9 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
     let advertise = opts.advertise.clone().unwrap_or_else(|| listener.local_addr().unwrap().to_string());
     let mut cfg = ShardConfig::new(opts.id);
     cfg.id_base = rand::random::<u64>() >> 16;
+    cfg.lease_required = opts.lease.is_some();
+    // The core's clock (monotonic, µs since this instant); the lease task reports on it too.
+    let start = Instant::now();
     let core = ShardCore::new(cfg, boot);
     let (tx, rx) = mpsc::channel::<CoreEvent>(CORE_QUEUE_INPUTS);
     let secret: Arc<[u8]> = opts.secret.clone().into();
@@ -240,15 +269,22 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
         let secret = secret.clone();
         let boot_id: u64 = rand::random();
         let fresh = boot_is_empty;
+        let leased = opts.lease.is_some();
+        // With the control store, the link follows the metadata leader's election.
+        let leader = opts.lease.as_ref().map(|l| LeaderWatch::spawn(l.store_url.clone(), l.cluster.clone(), l.cluster_id.clone()));
         let (meta_addr, id) = (opts.meta_addr.clone(), opts.id);
+        let advertise = advertise.clone();
         tokio::spawn(async move {
             loop {
-                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, fresh, &tx, &secret).await {
+                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, fresh, leased, leader.as_ref(), &tx, &secret).await {
                     tracing::warn!("metadata link to {meta_addr}: {e:#}; reconnecting");
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         });
+    }
+    if let Some(lease) = opts.lease.clone() {
+        tokio::spawn(lease_loop(lease, opts.id, advertise.clone(), tx.clone(), start));
     }
     // Clock.
     {
@@ -263,7 +299,7 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
             }
         });
     }
-    core_loop(core, rx, tx, store, secret, opts.id, stats, opts.injected, Instant::now()).await;
+    core_loop(core, rx, tx, store, secret, opts.id, stats, opts.injected, start).await;
     Ok(())
 }
 
@@ -283,6 +319,8 @@ async fn core_loop(
     let mut clients: HashMap<u64, mpsc::Sender<Msg>> = HashMap::new();
     let mut peers: HashMap<ShardId, mpsc::Sender<Msg>> = HashMap::new();
     let mut meta: Option<mpsc::Sender<Msg>> = None;
+    // Whether the core's fence was up after the last input (its changes are logged).
+    let mut fenced = core.fence().is_some();
     let disk_slots = Arc::new(tokio::sync::Semaphore::new(MAX_DISK_COMMANDS_IN_FLIGHT));
     // Results of disk commands run on this thread ([`runs_inline`]), handled before new events.
     let mut done_here: Option<CoreEvent> = None;
@@ -309,8 +347,16 @@ async fn core_loop(
                     Input::Tick => {
                         *stats.core.lock().unwrap() = core.stats();
                     }
+                    Input::Lease(_) => {}
                 }
                 core.handle(start.elapsed().as_micros() as u64, input);
+                if core.fence().is_some() != fenced {
+                    fenced = !fenced;
+                    match core.fence() {
+                        Some(f) => eprintln!("shard {me}: fenced: refusing client I/O ({})", f.why),
+                        None => eprintln!("shard {me}: fence lifted: serving again"),
+                    }
+                }
                 core.take_outputs()
             }
             CoreEvent::ClientConn(c, s) => {
@@ -630,22 +676,105 @@ async fn serve_conn(sock: TcpStream, conn: u64, tx: mpsc::Sender<CoreEvent>, sec
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn meta_link(
     meta_addr: &str,
     id: ShardId,
     advertise: &str,
     boot_id: u64,
     fresh: bool,
+    leased: bool,
+    leader: Option<&LeaderWatch>,
     tx: &mpsc::Sender<CoreEvent>,
     secret: &[u8],
 ) -> anyhow::Result<()> {
-    let sock = dial_meta(meta_addr, secret, &Hello::Shard(id)).await?;
+    // The leader as seen when dialling: the link is taken to be to it.
+    let mut at = leader.and_then(|w| w.current());
+    let sock = dial_meta(&order_addrs(meta_addr, at.as_ref()), secret, &Hello::Shard(id)).await?;
     let (r, w) = sock.into_split();
     let (mtx, mrx) = mpsc::channel(CONN_QUEUE_MSGS);
-    mtx.send(Msg::Register { shard: id, addr: advertise.to_string(), boot_id, fresh }).await?;
+    mtx.send(Msg::Register { shard: id, addr: advertise.to_string(), boot_id, fresh, leased }).await?;
     tx.send(CoreEvent::MetaConn(mtx)).await?;
     let writer = tokio::spawn(writer_loop(w, mrx));
-    read_loop(r, Peer::Meta, tx.clone()).await;
+    let moved = async {
+        let Some(w) = leader else { return std::future::pending().await };
+        let mut rx = w.subscribe();
+        loop {
+            let l = changed_from(&mut rx, at.as_ref().map(|l| l.key.as_str())).await;
+            if at.is_none() {
+                // The first leader seen after dialling (the store was slower than the dial):
+                // the one this link reached.
+                at = Some(l);
+                continue;
+            }
+            return l;
+        }
+    };
+    let result = tokio::select! {
+        _ = read_loop(r, Peer::Meta, tx.clone()) => Err(anyhow::anyhow!("metadata service closed the link")),
+        l = moved => {
+            // A paused or cut-off old leader keeps its connection open: leave it.
+            eprintln!("shard {id}: the metadata leader is now {}: leaving the old one's link", l.addr);
+            Err(anyhow::anyhow!("the metadata leader changed to {}", l.addr))
+        }
+    };
     writer.abort();
-    bail!("metadata service closed the link")
+    result
+}
+
+/// Keeps the shard's liveness lease: registers `live/shard/<id>` in the control store, reports
+/// the lease to the core whenever it changes (the core decides when to fence), and registers
+/// again under a new lease once one is lost. It decides nothing itself: a store it cannot reach
+/// is reported as no lease.
+async fn lease_loop(l: ShardLease, id: ShardId, advertise: String, tx: mpsc::Sender<CoreEvent>, start: Instant) {
+    let us = |t: tokio::time::Instant| t.into_std().saturating_duration_since(start).as_micros() as u64;
+    let report = |r: LeaseReport| {
+        let tx = tx.clone();
+        async move { tx.send(CoreEvent::Input(Input::Lease(r))).await.is_ok() }
+    };
+    let store = loop {
+        match control::Store::open(&l.store_url, &l.cluster, &l.cluster_id).await {
+            Ok(s) => break s,
+            Err(e) => {
+                tracing::warn!("shard {id}: cannot open the control store {}: {e}; trying again", l.store_url);
+                if !report(LeaseReport::Lost { why: format!("cannot open the control store: {e}") }).await {
+                    return;
+                }
+                tokio::time::sleep(LEASE_RETRY_INTERVAL).await;
+            }
+        }
+    };
+    let ttl_us = l.ttl.as_micros() as u64;
+    loop {
+        let reg = match store.register("shard", &id.to_string(), &advertise, l.ttl).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("shard {id}: cannot register in the control store: {e}; trying again");
+                if !report(LeaseReport::Lost { why: format!("cannot register in the control store: {e}") }).await {
+                    return;
+                }
+                tokio::time::sleep(LEASE_RETRY_INTERVAL).await;
+                continue;
+            }
+        };
+        eprintln!("shard {id}: registered in the control store under lease {:x} (TTL {} ms)", reg.lease(), l.ttl.as_millis());
+        let mut last = None;
+        loop {
+            if let Some(why) = reg.lost_reason() {
+                eprintln!("shard {id}: lost its lease in the control store ({why}); registering again");
+                if !report(LeaseReport::Lost { why }).await {
+                    return;
+                }
+                break;
+            }
+            let now = LeaseReport::Held { lease: reg.lease(), ttl_us, sure_until_us: us(reg.valid_until()) };
+            if last.as_ref() != Some(&now) {
+                last = Some(now.clone());
+                if !report(now).await {
+                    return;
+                }
+            }
+            tokio::time::sleep(LEASE_REPORT_INTERVAL).await;
+        }
+    }
 }
