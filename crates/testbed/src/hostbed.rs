@@ -54,6 +54,9 @@ pub const NEARLOG_PEER_LEASE_MS: u64 = 2000;
 /// Memory each log peer lends to log files.
 pub const NEARLOG_REGION_BYTES: u64 = 64 << 20;
 
+/// Set (to anything) to keep the bed's directory (logs, data) when it is dropped.
+pub const KEEP_ENV: &str = "UNDERSTUDY_HOSTBED_KEEP";
+
 /// One daemon the bed started.
 struct Daemon {
     name: String,
@@ -348,10 +351,20 @@ impl HostBed {
 
 impl Drop for HostBed {
     fn drop(&mut self) {
+        // A failed test's evidence: the directory goes with the bed.
+        if std::thread::panicking() {
+            for d in self.daemons.lock().unwrap().iter() {
+                eprintln!("--- {} (host {}), last lines of its log:\n{}", d.name, d.host, crate::proc::tail(&self.log(&d.name), 12));
+            }
+        }
         for d in self.daemons.lock().unwrap().iter_mut() {
             let _ = d.child.kill();
             let _ = d.child.wait();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if std::env::var_os(KEEP_ENV).is_some() {
+            eprintln!("host bed: {KEEP_ENV} set, logs and data kept in {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }

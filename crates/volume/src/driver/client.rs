@@ -23,6 +23,12 @@ use crate::driver::meta::{Layout, MetaReq, MetaResp, VolumeRec};
 use crate::driver::shard::{dial, writer_loop, CONN_QUEUE_MSGS};
 use crate::types::*;
 
+/// How long a control request waits for the metadata service's answer. Generous (its requests
+/// take milliseconds; a collapse asks one shard), but bounded: a service whose host died or was
+/// cut off sends nothing, not even a reset, and the connection would otherwise wait for good
+/// instead of moving on to the standby that took over.
+pub const META_REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How long one request may wait for its reply before it is retried.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
 /// A request without a reply for this long looks at the cluster map again (asking the
@@ -134,11 +140,16 @@ impl Cluster {
                 wire::write_msg(sock, req).await?;
                 tokio::io::AsyncWriteExt::flush(sock).await?;
                 wire::read_msg::<MetaResp, _>(sock, wire::MAX_FRAME_PAYLOAD_BYTES).await
-            }
-            .await;
-            match r {
-                Ok(resp) => return Ok(resp),
-                Err(e) => {
+            };
+            match tokio::time::timeout(META_REPLY_TIMEOUT, r).await {
+                Ok(Ok(resp)) => return Ok(resp),
+                // The service may have acted on the request: not sent again; the next request
+                // dials the service list afresh.
+                Err(_) => {
+                    *g = None;
+                    anyhow::bail!("no answer from the metadata service within {META_REPLY_TIMEOUT:?} (stopped, or its host lost or cut off)");
+                }
+                Ok(Err(e)) => {
                     *g = None;
                     if attempt == 1 {
                         return Err(e.into());

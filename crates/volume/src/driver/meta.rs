@@ -453,6 +453,9 @@ impl Inner {
                     }
                     MetaOutput::Save { seq, state } => {
                         let result = self.store.save(&state).map_err(|e| format!("{e:#}"));
+                        if let Err(e) = &result {
+                            tracing::warn!("saving the metadata state failed (offered again at the next change or tick): {e}");
+                        }
                         inputs.push_back(MetaInput::Saved { seq, result });
                     }
                 }

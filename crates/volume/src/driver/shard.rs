@@ -645,7 +645,37 @@ async fn meta_link(
     mtx.send(Msg::Register { shard: id, addr: advertise.to_string(), boot_id, fresh }).await?;
     tx.send(CoreEvent::MetaConn(mtx)).await?;
     let writer = tokio::spawn(writer_loop(w, mrx));
-    read_loop(r, Peer::Meta, tx.clone()).await;
+    let ended = meta_read_loop(r, tx.clone()).await;
     writer.abort();
-    bail!("metadata service closed the link")
+    ended
+}
+
+/// A metadata link that carries nothing for this long is given up and the service list dialled
+/// again. The service pings every shard every `--ping-interval-ms` (250 ms by default, at most
+/// [`MAX_META_PING_INTERVAL`]), so silence means its process is stopped, or its host died or was
+/// cut off: then no FIN or RST ever comes, and without this the shard would wait on the dead
+/// leader for good (TCP gives up on a silent peer only after many minutes), never registering
+/// with the standby that took over.
+pub const META_SILENCE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest ping interval a metadata service may run with: well under
+/// [`META_SILENCE_TIMEOUT`], so a live service is never taken for a silent one.
+pub const MAX_META_PING_INTERVAL: Duration = Duration::from_secs(1);
+
+/// [`read_loop`] for the metadata link: also ends when the service is silent for
+/// [`META_SILENCE_TIMEOUT`]. Always returns why the link ended.
+async fn meta_read_loop<R: tokio::io::AsyncRead + Unpin>(r: R, tx: mpsc::Sender<CoreEvent>) -> anyhow::Result<()> {
+    let mut r = tokio::io::BufReader::with_capacity(256 * 1024, r);
+    loop {
+        // Cancelling a read mid-frame is harmless: the link is dropped with it.
+        match tokio::time::timeout(META_SILENCE_TIMEOUT, wire::read_msg::<Msg, _>(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES)).await {
+            Err(_) => bail!("metadata service silent for {META_SILENCE_TIMEOUT:?} (stopped, or its host lost or cut off)"),
+            Ok(Ok(msg)) => {
+                if tx.send(CoreEvent::Input(Input::Msg { from: Peer::Meta, msg })).await.is_err() {
+                    bail!("shard stopping");
+                }
+            }
+            Ok(Err(wire::WireError::Closed)) => bail!("metadata service closed the link"),
+            Ok(Err(e)) => bail!("metadata link: {e}"),
+        }
+    }
 }
