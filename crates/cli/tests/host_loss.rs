@@ -201,3 +201,223 @@ fn losing_the_metadata_leaders_host() {
     })
     .unwrap();
 }
+
+/// Operations recorded for the linearizability checker, and the clock they are timed on.
+struct KvLoad {
+    history: Arc<Mutex<Vec<kv::checker::Op>>>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    t0: Instant,
+}
+
+impl KvLoad {
+    /// 4 clients, puts and gets on 16 keys, every operation recorded.
+    fn start(c: &kv::leaderless::driver::KvCluster) -> KvLoad {
+        use kv::checker::{Op, OpKind};
+        let t0 = Instant::now();
+        let us = move || t0.elapsed().as_micros() as u64;
+        let history: Arc<Mutex<Vec<Op>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut tasks = Vec::new();
+        for client in 0..4u64 {
+            let (c, history, stop) = (c.clone(), history.clone(), stop.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    let key = format!("k{}", (n * 7 + client * 3) % 16).into_bytes();
+                    let call_us = us();
+                    let op = if n.is_multiple_of(2) {
+                        let val = format!("c{client}-{n}").into_bytes();
+                        let r = c.put(&key, &val).await;
+                        Op { client, key, call_us, ret_us: r.is_ok().then(us), kind: OpKind::Put(val) }
+                    } else {
+                        match c.get(&key).await {
+                            Ok(v) => Op { client, key, call_us, ret_us: Some(us()), kind: OpKind::Get(v) },
+                            // A read with no answer constrains nothing.
+                            Err(_) => continue,
+                        }
+                    };
+                    history.lock().unwrap().push(op);
+                }
+            }));
+        }
+        KvLoad { history, stop, tasks, t0 }
+    }
+
+    fn us(&self) -> u64 {
+        self.t0.elapsed().as_micros() as u64
+    }
+
+    /// Stops the clients and checks the history (panics with the violation).
+    async fn finish(self) -> Vec<kv::checker::Op> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.unwrap();
+        }
+        let history = self.history.lock().unwrap().clone();
+        if let Err(v) = kv::checker::check(&history) {
+            panic!("{v}");
+        }
+        history
+    }
+}
+
+/// Operations of each kind answered that were called after `after_us`.
+fn served_after(history: &[kv::checker::Op], after_us: u64, put: bool) -> usize {
+    history.iter().filter(|o| o.call_us > after_us && o.ret_us.is_some() && matches!(o.kind, kv::checker::OpKind::Put(_)) == put).count()
+}
+
+/// Waits (at most [`WAIT`]) until the clients have had more than 20 puts and 20 gets answered
+/// that were called after `after_us`; returns how long that took.
+async fn wait_served_after(l: &KvLoad, after_us: u64) -> Duration {
+    let start = Instant::now();
+    loop {
+        let (puts, gets) = {
+            let h = l.history.lock().unwrap();
+            (served_after(&h, after_us, true), served_after(&h, after_us, false))
+        };
+        if puts > 20 && gets > 20 {
+            return start.elapsed();
+        }
+        if start.elapsed() > WAIT {
+            // The check after `finish` reports the counts.
+            return start.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A kv group on the bed, serving: its store handle, a client of every node, the leading CM.
+async fn kv_group(bed: &HostBed) -> (control::Store, kv::leaderless::driver::KvCluster, String) {
+    use kv::leaderless::driver::{cluster_id_from_secret, KvCluster, CM_ELECTION};
+    let sys = bed.start_kv().unwrap();
+    let store = control::Store::open(&bed.store_url(), "kv", &cluster_id_from_secret(bed.secret())).await.unwrap();
+    let (leader, _) = wait_leader(&store, CM_ELECTION, None, WAIT).await;
+    let c = KvCluster::new(sys.nodes.clone(), bed.secret().to_vec());
+    let deadline = Instant::now() + WAIT;
+    while c.put(b"warmup", b"1").await.is_err() || c.get(b"warmup").await.is_err() {
+        assert!(Instant::now() < deadline, "the kv group never served");
+    }
+    (store, c, leader)
+}
+
+/// Until node `id` is marked removed in the store (by the leading CM's guarded write); returns
+/// the configuration epoch then.
+async fn wait_node_removed(store: &control::Store, id: usize, since: Instant) -> (u64, Duration) {
+    loop {
+        let n = store.get(&store.key("kv", "node", &format!("{id:05}"))).await.ok().flatten();
+        if n.is_some_and(|n| n.value == b"removed") {
+            let epoch = store.get(&store.key("kv", "cm", "epoch")).await.unwrap().unwrap();
+            return (String::from_utf8_lossy(&epoch.value).parse().unwrap(), since.elapsed());
+        }
+        assert!(since.elapsed() < WAIT, "node {id} was never removed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Item 7: the host of the kv CM leader dies (with its kv node and etcd member) under 4
+/// clients. A CM on another host leads, removes the dead host's node (configuration epoch up,
+/// written under its election), the group serves on, and the history is linearizable.
+#[test]
+fn losing_the_kv_cm_leaders_host() {
+    let Some((_serial, bed)) = bed() else { return };
+    bed.in_client(|| {
+        runtime().block_on(async {
+            use kv::leaderless::driver::CM_ELECTION;
+            let (store, c, leader) = kv_group(&bed).await;
+            let l = KvLoad::start(&c);
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let lost = host_of_name(&leader);
+            let load_at_kill = load();
+            let killed = Instant::now();
+            bed.kill_host(lost).unwrap();
+            let (new_leader, takeover) = wait_leader(&store, CM_ELECTION, Some(&leader), TAKEOVER_BOUND).await;
+            assert_ne!(host_of_name(&new_leader), lost);
+            let (epoch, removed_after) = wait_node_removed(&store, lost, killed).await;
+            assert!(epoch >= 2, "the removal moved the configuration epoch: {epoch}");
+            let reconfigured_us = l.us();
+            let serving_again = wait_served_after(&l, reconfigured_us).await;
+            let history = l.finish().await;
+            let (puts, gets) = (served_after(&history, reconfigured_us, true), served_after(&history, reconfigured_us, false));
+            eprintln!(
+                "kv CM leader's host lost: {new_leader} leads {} ms after (election TTL {} ms, ratio {:.2}); node {lost} removed {} ms after \
+                 (epoch {epoch}); 20 puts and gets served {} ms after the removal; {} ops linearizable; load {load_at_kill}",
+                takeover.as_millis(),
+                ELECTION_TTL.as_millis(),
+                takeover.as_secs_f64() / ELECTION_TTL.as_secs_f64(),
+                removed_after.as_millis(),
+                serving_again.as_millis(),
+                history.len(),
+            );
+            assert!(puts > 20 && gets > 20, "too few operations served after the removal: {puts} puts, {gets} gets");
+        });
+    })
+    .unwrap();
+}
+
+/// Item 9: the kv CM leader's host is cut off (not killed) under 4 clients. A CM on the
+/// majority side leads and removes the cut-off node; the old leader, unable to renew its lease
+/// or write to etcd from the minority, stops acting; healed, it stands by (the election stays
+/// with the new leader) and the history is linearizable.
+#[test]
+fn a_partitioned_kv_cm_leader_steps_down_and_never_commits() {
+    let Some((_serial, bed)) = bed() else { return };
+    bed.in_client(|| {
+        runtime().block_on(async {
+            use kv::leaderless::driver::CM_ELECTION;
+            let (store, c, leader) = kv_group(&bed).await;
+            let l = KvLoad::start(&c);
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let cut = host_of_name(&leader);
+            let load_at_cut = load();
+            let cut_at = Instant::now();
+            bed.partition(cut).unwrap();
+            let (new_leader, takeover) = wait_leader(&store, CM_ELECTION, Some(&leader), TAKEOVER_BOUND).await;
+            assert_ne!(host_of_name(&new_leader), cut);
+            let (epoch, removed_after) = wait_node_removed(&store, cut, cut_at).await;
+            // The old leader noticed on its own, still cut off: it stops acting.
+            let log = bed.log(&leader);
+            let deadline = Instant::now() + WAIT;
+            while !std::fs::read_to_string(&log).unwrap_or_default().contains("no longer leading") {
+                assert!(Instant::now() < deadline, "the cut-off leader did not step down: {}", bed.tail(&leader, 10));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let stepped_down = cut_at.elapsed();
+            let epoch_key = store.get(&store.key("kv", "cm", "epoch")).await.unwrap().unwrap();
+            bed.heal(cut).unwrap();
+            // Healed, it stands by: it does not lead again (the majority side's CMs may hand
+            // leadership on among themselves: one that cannot confirm a write steps down too).
+            let until = Instant::now() + 2 * ELECTION_TTL;
+            while Instant::now() < until {
+                assert_ne!(store.observe(CM_ELECTION).await.unwrap().as_deref(), Some(leader.as_str()), "the healed old leader must stand by");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            assert!(bed.exit_status(&leader).is_none(), "the old leader exited instead of standing by: {}", bed.tail(&leader, 10));
+            let old_log = std::fs::read_to_string(&log).unwrap();
+            let after_step_down = &old_log[old_log.rfind("no longer leading").unwrap()..];
+            assert!(!after_step_down.contains("cm: leading"), "the old leader led again: {old_log}");
+            let healed_us = l.us();
+            let serving_again = wait_served_after(&l, healed_us).await;
+            let history = l.finish().await;
+            let (puts, gets) = (served_after(&history, healed_us, true), served_after(&history, healed_us, false));
+            let epoch_now = store.get(&store.key("kv", "cm", "epoch")).await.unwrap().unwrap();
+            eprintln!(
+                "kv CM leader's host cut off: {new_leader} leads {} ms after (election TTL {} ms, ratio {:.2}); node {cut} removed {} ms after \
+                 (epoch {epoch}); the old leader had stepped down (log) {} ms after the cut; epoch key revision {} -> {} after the heal; \
+                 20 puts and gets served {} ms after the heal; {} ops linearizable; load {load_at_cut}",
+                takeover.as_millis(),
+                ELECTION_TTL.as_millis(),
+                takeover.as_secs_f64() / ELECTION_TTL.as_secs_f64(),
+                removed_after.as_millis(),
+                stepped_down.as_millis(),
+                epoch_key.mod_revision,
+                epoch_now.mod_revision,
+                serving_again.as_millis(),
+                history.len(),
+            );
+            assert!(puts > 20 && gets > 20, "too few operations served after the heal: {puts} puts, {gets} gets");
+        });
+    })
+    .unwrap();
+}
