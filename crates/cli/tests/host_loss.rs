@@ -5,7 +5,12 @@
 //!
 //! Root only (network namespaces): skipped otherwise, with a message.
 
+mod nearlog_common;
+
 use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Lines, Write};
+use std::path::{Path, PathBuf};
+use std::process::{ChildStdin, ChildStdout, Command, Stdio};
 
 use blockdev::BlockDev;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -418,6 +423,187 @@ fn a_partitioned_kv_cm_leader_steps_down_and_never_commits() {
             );
             assert!(puts > 20 && gets > 20, "too few operations served after the heal: {puts} puts, {gets} gets");
         });
+    })
+    .unwrap();
+}
+
+const CHUNK: usize = 16 << 10;
+
+/// For each line `N` on stdin: appends N chunks of CHUNK bytes (byte = chunk index mod 251),
+/// each with os.write + fsync, then prints the file size (every byte of it acknowledged).
+const NL_WRITER: &str = r#"
+import os, sys
+path, chunk = sys.argv[1], int(sys.argv[2])
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+i = 0
+for line in sys.stdin:
+    for _ in range(int(line)):
+        n = os.write(fd, bytes([i % 251]) * chunk)
+        assert n == chunk, "short write %d" % n
+        os.fsync(fd)
+        i += 1
+    print(os.fstat(fd).st_size, flush=True)
+"#;
+
+fn nl_expected(bytes: usize) -> Vec<u8> {
+    (0..bytes / CHUNK).flat_map(|i| std::iter::repeat_n((i % 251) as u8, CHUNK)).collect()
+}
+
+/// A python3 writer under the shim, started from the calling thread (so on its host).
+struct NlWriter {
+    log: PathBuf,
+    err: PathBuf,
+    stdin: Option<ChildStdin>,
+    lines: Lines<BufReader<ChildStdout>>,
+    child: nearlog_common::Kill,
+}
+
+impl NlWriter {
+    fn start(log: &Path, env: &dyn Fn(&mut Command)) -> NlWriter {
+        let mut cmd = Command::new("python3");
+        cmd.arg("-c").arg(NL_WRITER).arg(log).arg(CHUNK.to_string()).stdin(Stdio::piped()).stdout(Stdio::piped());
+        let err = log.with_extension("err");
+        cmd.stderr(std::fs::File::create(&err).unwrap());
+        env(&mut cmd);
+        let mut child = nearlog_common::Kill(cmd.spawn().unwrap());
+        let stdin = child.0.stdin.take().unwrap();
+        let lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
+        NlWriter { log: log.to_path_buf(), err, stdin: Some(stdin), lines, child }
+    }
+
+    /// Appends `n` chunks; returns the acknowledged size.
+    fn step(&mut self, n: u32) -> usize {
+        // Paced: the peers lend 64 MiB, and a takeover of up to 20 s must not fill it.
+        std::thread::sleep(Duration::from_millis(20));
+        writeln!(self.stdin.as_mut().unwrap(), "{n}").unwrap();
+        match self.lines.next() {
+            Some(Ok(l)) => l.trim().parse().unwrap(),
+            _ => panic!("the writer of {} died: {}", self.log.display(), std::fs::read_to_string(&self.err).unwrap_or_default()),
+        }
+    }
+
+    /// Ends the writer and recovers its file through the shim: exactly the `acked` bytes.
+    fn check_recovers(mut self, env: &dyn Fn(&mut Command), acked: usize) {
+        drop(self.stdin.take());
+        let _ = self.child.0.wait();
+        let err = std::fs::read_to_string(&self.err).unwrap_or_default();
+        let got = nearlog_common::recover_through_shim(&self.log, env);
+        assert_eq!(got.len(), acked, "recovered length of {}; writer said: {err}", self.log.display());
+        assert!(got == nl_expected(acked), "recovered content of {} differs from the acknowledged writes", self.log.display());
+    }
+}
+
+/// The controller that answers (only the leader listens), and its state.
+fn nl_leader(sys: &testbed::hostbed::NearlogSys, secret: &[u8]) -> Option<(String, nearlog::proto::ControllerState)> {
+    use nearlog::proto::{CtlReply, CtlRequest};
+    sys.controllers.iter().find_map(|addr| {
+        let mut s = nearlog::driver::blocking::connect(addr, secret, Duration::from_secs(1)).ok()?;
+        match nearlog::driver::blocking::call::<_, CtlReply>(&mut s, &CtlRequest::Status, nearlog::proto::MAX_FRAME_BYTES).ok()? {
+            CtlReply::Status(st) => Some((addr.clone(), st)),
+            _ => None,
+        }
+    })
+}
+
+/// A nearlog cluster on the bed with its 3 peers live at the leader, and the shim's
+/// environment for a writer on the client host.
+fn nearlog_cluster(bed: &HostBed) -> (testbed::hostbed::NearlogSys, impl Fn(&mut Command)) {
+    let sys = bed.start_nearlog().unwrap();
+    let t = Instant::now();
+    while nl_leader(&sys, bed.secret()).is_none_or(|(_, st)| st.peers.values().filter(|p| p.live).count() < 3) {
+        assert!(t.elapsed() < WAIT, "no controller with 3 live peers within {WAIT:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let shim = nearlog_common::shim_path();
+    let cluster = sys.cluster_file.clone();
+    let env = move |c: &mut Command| {
+        c.env("LD_PRELOAD", &shim)
+            .env("UNDERSTUDY_NEARLOG_CLUSTER", &cluster)
+            .env("UNDERSTUDY_NEARLOG_PATTERNS", "*.log")
+            .env("UNDERSTUDY_NEARLOG_DEADLINE_MS", "20000");
+    };
+    (sys, env)
+}
+
+/// Item 7: the host of the nearlog controller leader dies (with a log peer of the writer's
+/// file and an etcd member) while a shim writer appends and fsyncs. A controller on another host
+/// leads; the writer goes on on the file's other peers; everything acknowledged is recovered.
+#[test]
+fn losing_the_nearlog_controller_leaders_host() {
+    let Some((_serial, bed)) = bed() else { return };
+    bed.in_client(|| {
+        let (sys, env) = nearlog_cluster(&bed);
+        let app = bed.dir().join("app");
+        std::fs::create_dir_all(&app).unwrap();
+        let mut w = NlWriter::start(&app.join("w.log"), &env);
+        w.step(64);
+        let (leader, _) = nl_leader(&sys, bed.secret()).unwrap();
+        let lost = bed.host_of(&leader).unwrap();
+        let load_at_kill = load();
+        let killed = Instant::now();
+        bed.kill_host(lost).unwrap();
+        let mut during = 0;
+        let (new_leader, took) = loop {
+            w.step(1);
+            during += 1;
+            if let Some((l, _)) = nl_leader(&sys, bed.secret()) {
+                break (l, killed.elapsed());
+            }
+            assert!(killed.elapsed() < TAKEOVER_BOUND, "no controller took over within {TAKEOVER_BOUND:?}");
+        };
+        assert_ne!(bed.host_of(&new_leader), Some(lost));
+        // The writer goes on for two peer leases past the takeover (the new leader finds the
+        // lost peer lost), then everything acknowledged is recovered through the shim.
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(2 * testbed::hostbed::NEARLOG_PEER_LEASE_MS) {
+            w.step(1);
+        }
+        let acked = w.step(16);
+        eprintln!(
+            "nearlog controller leader's host lost: {new_leader} serves {} ms after (election TTL {} ms, ratio {:.2}); \
+             {during} fsyncs acknowledged meanwhile; {acked} bytes acknowledged in all; load {load_at_kill}",
+            took.as_millis(),
+            ELECTION_TTL.as_millis(),
+            took.as_secs_f64() / ELECTION_TTL.as_secs_f64(),
+        );
+        w.check_recovers(&env, acked);
+    })
+    .unwrap();
+}
+
+/// Item 7: a log peer's host dies (not the controller leader's): the leader finds the peer lost
+/// within its lease, the writer goes on, and everything acknowledged is recovered.
+#[test]
+fn losing_a_log_peers_host() {
+    let Some((_serial, bed)) = bed() else { return };
+    bed.in_client(|| {
+        let (sys, env) = nearlog_cluster(&bed);
+        let app = bed.dir().join("app");
+        std::fs::create_dir_all(&app).unwrap();
+        let mut w = NlWriter::start(&app.join("w.log"), &env);
+        w.step(64);
+        let (leader, _) = nl_leader(&sys, bed.secret()).unwrap();
+        let leader_host = bed.host_of(&leader).unwrap();
+        let lost = (0..testbed::hostbed::SERVER_HOSTS).find(|h| *h != leader_host).unwrap();
+        let load_at_kill = load();
+        let killed = Instant::now();
+        bed.kill_host(lost).unwrap();
+        let lost_addr = &sys.peers[lost];
+        let took = loop {
+            w.step(1);
+            let (_, st) = nl_leader(&sys, bed.secret()).expect("the leader's host is alive");
+            if st.peers.values().any(|p| &p.addr == lost_addr && !p.live) {
+                break killed.elapsed();
+            }
+            assert!(killed.elapsed() < WAIT, "the leader did not find the lost peer lost within {WAIT:?}");
+        };
+        let acked = w.step(32);
+        eprintln!(
+            "log peer's host lost: the controller found it lost {} ms after (peer lease {} ms); {acked} bytes acknowledged; load {load_at_kill}",
+            took.as_millis(),
+            testbed::hostbed::NEARLOG_PEER_LEASE_MS,
+        );
+        w.check_recovers(&env, acked);
     })
     .unwrap();
 }
