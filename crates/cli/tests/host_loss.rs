@@ -487,7 +487,9 @@ impl NlWriter {
         drop(self.stdin.take());
         let _ = self.child.0.wait();
         let err = std::fs::read_to_string(&self.err).unwrap_or_default();
+        let t = Instant::now();
         let got = nearlog_common::recover_through_shim(&self.log, env);
+        eprintln!("{} read back through the shim in {} ms", self.log.display(), t.elapsed().as_millis());
         assert_eq!(got.len(), acked, "recovered length of {}; writer said: {err}", self.log.display());
         assert!(got == nl_expected(acked), "recovered content of {} differs from the acknowledged writes", self.log.display());
     }
@@ -575,9 +577,11 @@ fn losing_the_nearlog_controller_leaders_host() {
 /// within its lease, the writer goes on, and everything acknowledged is recovered.
 #[test]
 fn losing_a_log_peers_host() {
+    let t0 = Instant::now();
     let Some((_serial, bed)) = bed() else { return };
     bed.in_client(|| {
         let (sys, env) = nearlog_cluster(&bed);
+        eprintln!("bed and nearlog cluster up in {} ms", t0.elapsed().as_millis());
         let app = bed.dir().join("app");
         std::fs::create_dir_all(&app).unwrap();
         let mut w = NlWriter::start(&app.join("w.log"), &env);
@@ -604,6 +608,52 @@ fn losing_a_log_peers_host() {
             testbed::hostbed::NEARLOG_PEER_LEASE_MS,
         );
         w.check_recovers(&env, acked);
+    })
+    .unwrap();
+}
+
+/// Item 7: a shard's host dies (with a standby metadata service and an etcd member; not the
+/// leader's host) under a verifying writer: the leader marks the shard down, the writer goes on
+/// on the other replicas, and every acknowledged block reads back.
+#[test]
+fn losing_a_shards_host() {
+    let Some((_serial, bed)) = bed() else { return };
+    bed.in_client(|| {
+        let sys = bed.start_volume().unwrap();
+        runtime().block_on(async {
+            let store = control::Store::open(&bed.store_url(), "volume", &volume::driver::meta::cluster_id_from_secret(bed.secret())).await.unwrap();
+            let (leader, _) = wait_leader(&store, META_ELECTION, None, WAIT).await;
+            let c = connect(&sys.meta_list(), bed.secret()).await;
+            wait_shards_up(&c, 3).await;
+            c.meta(MetaReq::Create { name: "vol".into(), size_bytes: VOLUME_BYTES, object_size_bytes: volume::driver::meta::DEFAULT_OBJECT_SIZE_BYTES }).await.unwrap();
+            let w = VolWriter::start(Arc::new(c.open("vol").await.unwrap()));
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let lost = (0..testbed::hostbed::SERVER_HOSTS).find(|h| *h != host_of_name(&leader)).unwrap();
+            let load_at_kill = load();
+            let killed = Instant::now();
+            bed.kill_host(lost).unwrap();
+            // The leader marks the shard down (its pings go unanswered).
+            let down_after = loop {
+                let r = tokio::time::timeout(WAIT, c.meta(MetaReq::GetMap)).await.expect("the leader answers");
+                if let Ok(MetaResp::Map(m)) = r {
+                    if m.shards.iter().any(|s| s.id == lost as u32 && s.state == volume::types::ShardState::Down) {
+                        break killed.elapsed();
+                    }
+                }
+                assert!(killed.elapsed() < WAIT, "shard {lost} was never marked down");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            };
+            tokio::time::sleep(Duration::from_millis(3000)).await;
+            let acked = w.finish_and_verify(&c, "vol").await;
+            let after = acked.values().filter(|t| **t > killed + down_after).count();
+            eprintln!(
+                "shard's host lost: shard {lost} down {} ms after (down after {} ms); {} blocks acknowledged ({after} after), all read back; load {load_at_kill}",
+                down_after.as_millis(),
+                testbed::hostbed::SHARD_DOWN_AFTER_MS,
+                acked.len(),
+            );
+            assert!(after > 10, "too few writes acknowledged after the shard was marked down: {after}");
+        });
     })
     .unwrap();
 }
