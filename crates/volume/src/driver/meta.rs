@@ -463,6 +463,7 @@ impl Inner {
         }
         let map = &self.core.durable().map;
         if map.epoch != self.pushed_epoch {
+            tracing::debug!(epoch = map.epoch, shards = self.links.len(), "pushing the durable map");
             self.pushed_epoch = map.epoch;
             for l in self.links.values() {
                 let _ = l.tx.try_send(Msg::Map(map.clone()));

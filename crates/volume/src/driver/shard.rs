@@ -239,11 +239,17 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
         let tx = tx.clone();
         let secret = secret.clone();
         let boot_id: u64 = rand::random();
-        let fresh = boot_is_empty;
+        // A disk empty at boot is fresh (it holds nothing it used to) only until a map shows
+        // this shard up and in sync: from then on it holds what the others hold, and a
+        // registration (with a standby that took over, say) must not claim an empty disk.
+        // Claimed on every registration, it made a new leader clear every live shard's in-sync
+        // flag, and with one in-sync shard lost (with the old leader's host) none could lead.
+        let in_sync_seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (meta_addr, id) = (opts.meta_addr.clone(), opts.id);
         tokio::spawn(async move {
             loop {
-                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, fresh, &tx, &secret).await {
+                let fresh = boot_is_empty && !in_sync_seen.load(Ordering::Relaxed);
+                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, fresh, &tx, &secret, &in_sync_seen).await {
                     tracing::warn!("metadata link to {meta_addr}: {e:#}; reconnecting");
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -341,6 +347,9 @@ async fn core_loop(
                     }
                 }
                 Output::Send { to: Peer::Meta, msg } => {
+                    if let Msg::Recovered { epoch, .. } = &msg {
+                        tracing::debug!(epoch, linked = meta.is_some(), "reporting recovery to the metadata service");
+                    }
                     if let Some(s) = &meta {
                         let _ = s.try_send(msg);
                     }
@@ -630,6 +639,7 @@ async fn serve_conn(sock: TcpStream, conn: u64, tx: mpsc::Sender<CoreEvent>, sec
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn meta_link(
     meta_addr: &str,
     id: ShardId,
@@ -638,6 +648,7 @@ async fn meta_link(
     fresh: bool,
     tx: &mpsc::Sender<CoreEvent>,
     secret: &[u8],
+    in_sync_seen: &std::sync::atomic::AtomicBool,
 ) -> anyhow::Result<()> {
     let sock = dial_meta(meta_addr, secret, &Hello::Shard(id)).await?;
     let (r, w) = sock.into_split();
@@ -645,7 +656,7 @@ async fn meta_link(
     mtx.send(Msg::Register { shard: id, addr: advertise.to_string(), boot_id, fresh }).await?;
     tx.send(CoreEvent::MetaConn(mtx)).await?;
     let writer = tokio::spawn(writer_loop(w, mrx));
-    let ended = meta_read_loop(r, tx.clone()).await;
+    let ended = meta_read_loop(r, tx.clone(), id, in_sync_seen).await;
     writer.abort();
     ended
 }
@@ -663,13 +674,24 @@ pub const MAX_META_PING_INTERVAL: Duration = Duration::from_secs(1);
 
 /// [`read_loop`] for the metadata link: also ends when the service is silent for
 /// [`META_SILENCE_TIMEOUT`]. Always returns why the link ended.
-async fn meta_read_loop<R: tokio::io::AsyncRead + Unpin>(r: R, tx: mpsc::Sender<CoreEvent>) -> anyhow::Result<()> {
+async fn meta_read_loop<R: tokio::io::AsyncRead + Unpin>(
+    r: R,
+    tx: mpsc::Sender<CoreEvent>,
+    me: ShardId,
+    in_sync_seen: &std::sync::atomic::AtomicBool,
+) -> anyhow::Result<()> {
     let mut r = tokio::io::BufReader::with_capacity(256 * 1024, r);
     loop {
         // Cancelling a read mid-frame is harmless: the link is dropped with it.
         match tokio::time::timeout(META_SILENCE_TIMEOUT, wire::read_msg::<Msg, _>(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES)).await {
             Err(_) => bail!("metadata service silent for {META_SILENCE_TIMEOUT:?} (stopped, or its host lost or cut off)"),
             Ok(Ok(msg)) => {
+                if let Msg::Map(m) = &msg {
+                    tracing::debug!(epoch = m.epoch, "cluster map from the metadata service");
+                    if m.shards.iter().any(|s| s.id == me && s.state == ShardState::Up && s.in_sync) {
+                        in_sync_seen.store(true, Ordering::Relaxed);
+                    }
+                }
                 if tx.send(CoreEvent::Input(Input::Msg { from: Peer::Meta, msg })).await.is_err() {
                     bail!("shard stopping");
                 }
