@@ -44,22 +44,36 @@ fn bed() -> Option<(std::sync::MutexGuard<'static, ()>, HostBed)> {
 }
 
 fn load() -> String {
-    std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim().to_string()
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .trim()
+        .to_string()
 }
 
 /// A tokio runtime whose threads are the calling thread's children: called in the client
 /// host's namespace, every socket it opens is the client host's.
 fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
 }
 
 /// The host a leader named `prefix-hI` runs on.
 fn host_of_name(name: &str) -> usize {
-    name.rsplit_once("-h").and_then(|(_, i)| i.parse().ok()).unwrap_or_else(|| panic!("leader name {name} names no host"))
+    name.rsplit_once("-h")
+        .and_then(|(_, i)| i.parse().ok())
+        .unwrap_or_else(|| panic!("leader name {name} names no host"))
 }
 
 /// Polls the election `name` until it names a leader other than `not`; returns it and the time.
-async fn wait_leader(store: &control::Store, name: &str, not: Option<&str>, timeout: Duration) -> (String, Duration) {
+async fn wait_leader(
+    store: &control::Store,
+    name: &str,
+    not: Option<&str>,
+    timeout: Duration,
+) -> (String, Duration) {
     let start = Instant::now();
     loop {
         if let Some(l) = store.observe(name).await.ok().flatten() {
@@ -67,7 +81,10 @@ async fn wait_leader(store: &control::Store, name: &str, not: Option<&str>, time
                 return (l, start.elapsed());
             }
         }
-        assert!(start.elapsed() < timeout, "no leader of {name} other than {not:?} within {timeout:?}");
+        assert!(
+            start.elapsed() < timeout,
+            "no leader of {name} other than {not:?} within {timeout:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -75,7 +92,10 @@ async fn wait_leader(store: &control::Store, name: &str, not: Option<&str>, time
 fn pattern(offset: u64) -> Vec<u8> {
     let mut b = vec![0u8; BLOCK_BYTES as usize];
     for (i, x) in b.iter_mut().enumerate() {
-        *x = ((offset / BLOCK_BYTES) as u8).wrapping_mul(31).wrapping_add(i as u8) | 1;
+        *x = ((offset / BLOCK_BYTES) as u8)
+            .wrapping_mul(31)
+            .wrapping_add(i as u8)
+            | 1;
     }
     b
 }
@@ -86,7 +106,10 @@ async fn connect(metas: &str, secret: &[u8]) -> Arc<Cluster> {
     loop {
         match Cluster::connect(metas, secret).await {
             Ok(c) => return c,
-            Err(e) => assert!(Instant::now() < deadline, "no metadata service answered at {metas}: {e:#}"),
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "no metadata service answered at {metas}: {e:#}"
+            ),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -97,7 +120,12 @@ async fn wait_shards_up(c: &Cluster, n: usize) {
     let deadline = Instant::now() + WAIT;
     loop {
         if let Ok(MetaResp::Map(m)) = c.meta(MetaReq::GetMap).await {
-            if m.shards.iter().filter(|s| s.state == volume::types::ShardState::Up).count() >= n {
+            if m.shards
+                .iter()
+                .filter(|s| s.state == volume::types::ShardState::Up)
+                .count()
+                >= n
+            {
                 return;
             }
         }
@@ -139,7 +167,11 @@ impl VolWriter {
         let acked = self.acked.lock().unwrap().clone();
         let vol = c.open(name).await.unwrap();
         for &off in acked.keys() {
-            assert_eq!(vol.read(off, BLOCK_BYTES as u32).await.unwrap(), pattern(off), "acknowledged block at {off} lost");
+            assert_eq!(
+                vol.read(off, BLOCK_BYTES as u32).await.unwrap(),
+                pattern(off),
+                "acknowledged block at {off} lost"
+            );
         }
         acked
     }
@@ -235,10 +267,22 @@ impl KvLoad {
                     let op = if n.is_multiple_of(2) {
                         let val = format!("c{client}-{n}").into_bytes();
                         let r = c.put(&key, &val).await;
-                        Op { client, key, call_us, ret_us: r.is_ok().then(us), kind: OpKind::Put(val) }
+                        Op {
+                            client,
+                            key,
+                            call_us,
+                            ret_us: r.is_ok().then(us),
+                            kind: OpKind::Put(val),
+                        }
                     } else {
                         match c.get(&key).await {
-                            Ok(v) => Op { client, key, call_us, ret_us: Some(us()), kind: OpKind::Get(v) },
+                            Ok(v) => Op {
+                                client,
+                                key,
+                                call_us,
+                                ret_us: Some(us()),
+                                kind: OpKind::Get(v),
+                            },
                             // A read with no answer constrains nothing.
                             Err(_) => continue,
                         }
@@ -247,7 +291,12 @@ impl KvLoad {
                 }
             }));
         }
-        KvLoad { history, stop, tasks, t0 }
+        KvLoad {
+            history,
+            stop,
+            tasks,
+            t0,
+        }
     }
 
     fn us(&self) -> u64 {
@@ -270,7 +319,14 @@ impl KvLoad {
 
 /// Operations of each kind answered that were called after `after_us`.
 fn served_after(history: &[kv::checker::Op], after_us: u64, put: bool) -> usize {
-    history.iter().filter(|o| o.call_us > after_us && o.ret_us.is_some() && matches!(o.kind, kv::checker::OpKind::Put(_)) == put).count()
+    history
+        .iter()
+        .filter(|o| {
+            o.call_us > after_us
+                && o.ret_us.is_some()
+                && matches!(o.kind, kv::checker::OpKind::Put(_)) == put
+        })
+        .count()
 }
 
 /// Waits (at most [`WAIT`]) until the clients have had more than 20 puts and 20 gets answered
@@ -280,7 +336,10 @@ async fn wait_served_after(l: &KvLoad, after_us: u64) -> Duration {
     loop {
         let (puts, gets) = {
             let h = l.history.lock().unwrap();
-            (served_after(&h, after_us, true), served_after(&h, after_us, false))
+            (
+                served_after(&h, after_us, true),
+                served_after(&h, after_us, false),
+            )
         };
         if puts > 20 && gets > 20 {
             return start.elapsed();
@@ -297,7 +356,13 @@ async fn wait_served_after(l: &KvLoad, after_us: u64) -> Duration {
 async fn kv_group(bed: &HostBed) -> (control::Store, kv::leaderless::driver::KvCluster, String) {
     use kv::leaderless::driver::{cluster_id_from_secret, KvCluster, CM_ELECTION};
     let sys = bed.start_kv().unwrap();
-    let store = control::Store::open(&bed.store_url(), "kv", &cluster_id_from_secret(bed.secret())).await.unwrap();
+    let store = control::Store::open(
+        &bed.store_url(),
+        "kv",
+        &cluster_id_from_secret(bed.secret()),
+    )
+    .await
+    .unwrap();
     let (leader, _) = wait_leader(&store, CM_ELECTION, None, WAIT).await;
     let c = KvCluster::new(sys.nodes.clone(), bed.secret().to_vec());
     let deadline = Instant::now() + WAIT;
@@ -311,10 +376,21 @@ async fn kv_group(bed: &HostBed) -> (control::Store, kv::leaderless::driver::KvC
 /// the configuration epoch then.
 async fn wait_node_removed(store: &control::Store, id: usize, since: Instant) -> (u64, Duration) {
     loop {
-        let n = store.get(&store.key("kv", "node", &format!("{id:05}"))).await.ok().flatten();
+        let n = store
+            .get(&store.key("kv", "node", &format!("{id:05}")))
+            .await
+            .ok()
+            .flatten();
         if n.is_some_and(|n| n.value == b"removed") {
-            let epoch = store.get(&store.key("kv", "cm", "epoch")).await.unwrap().unwrap();
-            return (String::from_utf8_lossy(&epoch.value).parse().unwrap(), since.elapsed());
+            let epoch = store
+                .get(&store.key("kv", "cm", "epoch"))
+                .await
+                .unwrap()
+                .unwrap();
+            return (
+                String::from_utf8_lossy(&epoch.value).parse().unwrap(),
+                since.elapsed(),
+            );
         }
         assert!(since.elapsed() < WAIT, "node {id} was never removed");
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -446,7 +522,9 @@ for line in sys.stdin:
 "#;
 
 fn nl_expected(bytes: usize) -> Vec<u8> {
-    (0..bytes / CHUNK).flat_map(|i| std::iter::repeat_n((i % 251) as u8, CHUNK)).collect()
+    (0..bytes / CHUNK)
+        .flat_map(|i| std::iter::repeat_n((i % 251) as u8, CHUNK))
+        .collect()
 }
 
 /// A python3 writer under the shim, started from the calling thread (so on its host).
@@ -461,14 +539,25 @@ struct NlWriter {
 impl NlWriter {
     fn start(log: &Path, env: &dyn Fn(&mut Command)) -> NlWriter {
         let mut cmd = Command::new("python3");
-        cmd.arg("-c").arg(NL_WRITER).arg(log).arg(CHUNK.to_string()).stdin(Stdio::piped()).stdout(Stdio::piped());
+        cmd.arg("-c")
+            .arg(NL_WRITER)
+            .arg(log)
+            .arg(CHUNK.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
         let err = log.with_extension("err");
         cmd.stderr(std::fs::File::create(&err).unwrap());
         env(&mut cmd);
         let mut child = nearlog_common::Kill(cmd.spawn().unwrap());
         let stdin = child.0.stdin.take().unwrap();
         let lines = BufReader::new(child.0.stdout.take().unwrap()).lines();
-        NlWriter { log: log.to_path_buf(), err, stdin: Some(stdin), lines, child }
+        NlWriter {
+            log: log.to_path_buf(),
+            err,
+            stdin: Some(stdin),
+            lines,
+            child,
+        }
     }
 
     /// Appends `n` chunks; returns the acknowledged size.
@@ -478,7 +567,11 @@ impl NlWriter {
         writeln!(self.stdin.as_mut().unwrap(), "{n}").unwrap();
         match self.lines.next() {
             Some(Ok(l)) => l.trim().parse().unwrap(),
-            _ => panic!("the writer of {} died: {}", self.log.display(), std::fs::read_to_string(&self.err).unwrap_or_default()),
+            _ => panic!(
+                "the writer of {} died: {}",
+                self.log.display(),
+                std::fs::read_to_string(&self.err).unwrap_or_default()
+            ),
         }
     }
 
@@ -489,18 +582,41 @@ impl NlWriter {
         let err = std::fs::read_to_string(&self.err).unwrap_or_default();
         let t = Instant::now();
         let got = nearlog_common::recover_through_shim(&self.log, env);
-        eprintln!("{} read back through the shim in {} ms", self.log.display(), t.elapsed().as_millis());
-        assert_eq!(got.len(), acked, "recovered length of {}; writer said: {err}", self.log.display());
-        assert!(got == nl_expected(acked), "recovered content of {} differs from the acknowledged writes", self.log.display());
+        eprintln!(
+            "{} read back through the shim in {} ms",
+            self.log.display(),
+            t.elapsed().as_millis()
+        );
+        assert_eq!(
+            got.len(),
+            acked,
+            "recovered length of {}; writer said: {err}",
+            self.log.display()
+        );
+        assert!(
+            got == nl_expected(acked),
+            "recovered content of {} differs from the acknowledged writes",
+            self.log.display()
+        );
     }
 }
 
 /// The controller that answers (only the leader listens), and its state.
-fn nl_leader(sys: &testbed::hostbed::NearlogSys, secret: &[u8]) -> Option<(String, nearlog::proto::ControllerState)> {
+fn nl_leader(
+    sys: &testbed::hostbed::NearlogSys,
+    secret: &[u8],
+) -> Option<(String, nearlog::proto::ControllerState)> {
     use nearlog::proto::{CtlReply, CtlRequest};
     sys.controllers.iter().find_map(|addr| {
-        let mut s = nearlog::driver::blocking::connect(addr, secret, Duration::from_secs(1)).ok()?;
-        match nearlog::driver::blocking::call::<_, CtlReply>(&mut s, &CtlRequest::Status, nearlog::proto::MAX_FRAME_BYTES).ok()? {
+        let mut s =
+            nearlog::driver::blocking::connect(addr, secret, Duration::from_secs(1)).ok()?;
+        match nearlog::driver::blocking::call::<_, CtlReply>(
+            &mut s,
+            &CtlRequest::Status,
+            nearlog::proto::MAX_FRAME_BYTES,
+        )
+        .ok()?
+        {
             CtlReply::Status(st) => Some((addr.clone(), st)),
             _ => None,
         }
@@ -512,8 +628,13 @@ fn nl_leader(sys: &testbed::hostbed::NearlogSys, secret: &[u8]) -> Option<(Strin
 fn nearlog_cluster(bed: &HostBed) -> (testbed::hostbed::NearlogSys, impl Fn(&mut Command)) {
     let sys = bed.start_nearlog().unwrap();
     let t = Instant::now();
-    while nl_leader(&sys, bed.secret()).is_none_or(|(_, st)| st.peers.values().filter(|p| p.live).count() < 3) {
-        assert!(t.elapsed() < WAIT, "no controller with 3 live peers within {WAIT:?}");
+    while nl_leader(&sys, bed.secret())
+        .is_none_or(|(_, st)| st.peers.values().filter(|p| p.live).count() < 3)
+    {
+        assert!(
+            t.elapsed() < WAIT,
+            "no controller with 3 live peers within {WAIT:?}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let shim = nearlog_common::shim_path();

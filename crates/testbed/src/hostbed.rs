@@ -122,7 +122,11 @@ impl HostBed {
         let hosts = Hosts::create(SERVER_HOSTS + 1)?;
         let dir = std::env::temp_dir().join(format!("{}-dir", hosts.name()));
         std::fs::create_dir_all(&dir).with_context(|| format!("cannot make {}", dir.display()))?;
-        let etcd = EtcdCluster::start_with((0..SERVER_HOSTS).map(|i| MemberPlace::from(hosts.host(i))).collect());
+        let etcd = EtcdCluster::start_with(
+            (0..SERVER_HOSTS)
+                .map(|i| MemberPlace::from(hosts.host(i)))
+                .collect(),
+        );
         let etcd = match etcd {
             Ok(e) => e,
             Err(e) => {
@@ -131,7 +135,14 @@ impl HostBed {
             }
         };
         let secret = format!("hostbed-{}-{:x}", hosts.name(), rand::random::<u64>()).into_bytes();
-        let bed = HostBed { bin: bin.to_path_buf(), dir, secret, daemons: Mutex::new(vec![]), etcd, hosts };
+        let bed = HostBed {
+            bin: bin.to_path_buf(),
+            dir,
+            secret,
+            daemons: Mutex::new(vec![]),
+            etcd,
+            hosts,
+        };
         let sf = bed.secret_file();
         std::fs::write(&sf, &bed.secret)?;
         std::fs::set_permissions(&sf, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
@@ -185,26 +196,49 @@ impl HostBed {
 
     /// `address:port` → the host whose address it is (a server host or the client).
     pub fn host_of(&self, addr: &str) -> Option<usize> {
-        let ip: IpAddr = addr.rsplit_once(':').map_or(addr, |(h, _)| h).parse().ok()?;
-        self.hosts.hosts().iter().position(|h| IpAddr::V4(h.addr()) == ip)
+        let ip: IpAddr = addr
+            .rsplit_once(':')
+            .map_or(addr, |(h, _)| h)
+            .parse()
+            .ok()?;
+        self.hosts
+            .hosts()
+            .iter()
+            .position(|h| IpAddr::V4(h.addr()) == ip)
     }
 
     /// A free port on host `i`'s address, as `address:port`. Free on loopback is free in a
     /// fresh namespace too (as etcd's members are placed).
     fn addr_on(&self, i: usize) -> anyhow::Result<String> {
-        Ok(format!("{}:{}", self.host(i).addr(), wire::ports::free_loopback_port()?))
+        Ok(format!(
+            "{}:{}",
+            self.host(i).addr(),
+            wire::ports::free_loopback_port()?
+        ))
     }
 
     /// Starts `understudy ARGS` on host `host` as daemon `name`: output to `DIR/NAME.log`, its
     /// own process group, SIGKILL when the calling thread ends. Returns its pid.
     pub fn spawn(&self, host: usize, name: &str, args: &[String]) -> anyhow::Result<u32> {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log(name))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log(name))?;
         let mut cmd = self.host(host).command(&self.bin);
-        cmd.args(args).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
         crate::proc::own_group_dying_with_parent(&mut cmd, libc::SIGKILL);
-        let child = cmd.spawn().with_context(|| format!("cannot start {name} on host {host}"))?;
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start {name} on host {host}"))?;
         let pid = child.id();
-        self.daemons.lock().unwrap().push(Daemon { name: name.to_string(), host, child });
+        self.daemons.lock().unwrap().push(Daemon {
+            name: name.to_string(),
+            host,
+            child,
+        });
         Ok(pid)
     }
 
@@ -220,7 +254,13 @@ impl HostBed {
 
     /// Daemon `name`'s pid (the last started under that name).
     pub fn pid(&self, name: &str) -> Option<u32> {
-        self.daemons.lock().unwrap().iter().rev().find(|d| d.name == name).map(|d| d.child.id())
+        self.daemons
+            .lock()
+            .unwrap()
+            .iter()
+            .rev()
+            .find(|d| d.name == name)
+            .map(|d| d.child.id())
     }
 
     /// How daemon `name` (the last started under that name) exited; None while it runs.
@@ -232,14 +272,26 @@ impl HostBed {
 
     /// The names of the daemons started on host `i`.
     pub fn daemons_on(&self, i: usize) -> Vec<String> {
-        self.daemons.lock().unwrap().iter().filter(|d| d.host == i).map(|d| d.name.clone()).collect()
+        self.daemons
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|d| d.host == i)
+            .map(|d| d.name.clone())
+            .collect()
     }
 
     /// Host `i` dies ([`Hosts::kill_host`]: link cut, every process SIGKILLed, its etcd member
     /// too); the bed reaps its daemons. Returns the pids killed.
     pub fn kill_host(&self, i: usize) -> anyhow::Result<Vec<u32>> {
         let killed = self.hosts.kill_host(i)?;
-        for d in self.daemons.lock().unwrap().iter_mut().filter(|d| d.host == i) {
+        for d in self
+            .daemons
+            .lock()
+            .unwrap()
+            .iter_mut()
+            .filter(|d| d.host == i)
+        {
             let _ = d.child.kill();
             let _ = d.child.wait();
         }
@@ -260,24 +312,54 @@ impl HostBed {
     /// and one shard (`shard-hI`, id I) per server host, every one given every service's
     /// address. Returns at once: the caller waits for the leader and the shards.
     pub fn start_volume(&self) -> anyhow::Result<VolumeSys> {
-        let metas: Vec<String> = (0..SERVER_HOSTS).map(|i| self.addr_on(i)).collect::<anyhow::Result<_>>()?;
-        let shards: Vec<String> = (0..SERVER_HOSTS).map(|i| self.addr_on(i)).collect::<anyhow::Result<_>>()?;
+        let metas: Vec<String> = (0..SERVER_HOSTS)
+            .map(|i| self.addr_on(i))
+            .collect::<anyhow::Result<_>>()?;
+        let shards: Vec<String> = (0..SERVER_HOSTS)
+            .map(|i| self.addr_on(i))
+            .collect::<anyhow::Result<_>>()?;
         let sys = VolumeSys { metas, shards };
         let (url, sf) = (self.store_url(), self.secret_file().display().to_string());
         for (i, listen) in sys.metas.iter().enumerate() {
             let name = format!("meta-h{i}");
             let args = strings(&[
-                "volume", "meta", "--store", &url, "--listen", listen, "--advertise", &name, "--secret-file", &sf,
-                "--election-ttl-ms", &ELECTION_TTL.as_millis().to_string(), "--replicas", "2",
-                "--ping-interval-ms", "100", "--down-after-ms", &SHARD_DOWN_AFTER_MS.to_string(),
+                "volume",
+                "meta",
+                "--store",
+                &url,
+                "--listen",
+                listen,
+                "--advertise",
+                &name,
+                "--secret-file",
+                &sf,
+                "--election-ttl-ms",
+                &ELECTION_TTL.as_millis().to_string(),
+                "--replicas",
+                "2",
+                "--ping-interval-ms",
+                "100",
+                "--down-after-ms",
+                &SHARD_DOWN_AFTER_MS.to_string(),
             ]);
             self.spawn(i, &name, &args)?;
         }
         for (i, listen) in sys.shards.iter().enumerate() {
             let d = self.dir.join(format!("shard-h{i}"));
             let args = strings(&[
-                "volume", "shard", "--id", &i.to_string(), "--dir", &d.display().to_string(), "--listen", listen,
-                "--meta", &sys.meta_list(), "--secret-file", &sf, "--create",
+                "volume",
+                "shard",
+                "--id",
+                &i.to_string(),
+                "--dir",
+                &d.display().to_string(),
+                "--listen",
+                listen,
+                "--meta",
+                &sys.meta_list(),
+                "--secret-file",
+                &sf,
+                "--create",
             ]);
             self.spawn(i, &format!("shard-h{i}"), &args)?;
         }
@@ -287,25 +369,55 @@ impl HostBed {
     /// One kv node (`kv-node-hI`, id I) and one CM (`kv-cm-hI`, leading as `kv-cm-hI`) per
     /// server host. Returns at once.
     pub fn start_kv(&self) -> anyhow::Result<KvSys> {
-        let nodes: Vec<std::net::SocketAddr> =
-            (0..SERVER_HOSTS).map(|i| Ok(self.addr_on(i)?.parse()?)).collect::<anyhow::Result<_>>()?;
-        let list = nodes.iter().enumerate().map(|(i, a)| format!("{i}={a}")).collect::<Vec<_>>().join(",");
+        let nodes: Vec<std::net::SocketAddr> = (0..SERVER_HOSTS)
+            .map(|i| Ok(self.addr_on(i)?.parse()?))
+            .collect::<anyhow::Result<_>>()?;
+        let list = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, a)| format!("{i}={a}"))
+            .collect::<Vec<_>>()
+            .join(",");
         let (url, sf) = (self.store_url(), self.secret_file().display().to_string());
         for i in 0..SERVER_HOSTS {
             let data = self.dir.join(format!("kv-node-h{i}"));
             let args = strings(&[
-                "kv", "node", "--id", &i.to_string(), "--peers", &list, "--data", &data.display().to_string(),
-                "--secret-file", &sf, "--lease-ms", &KV_NODE_LEASE_MS.to_string(),
+                "kv",
+                "node",
+                "--id",
+                &i.to_string(),
+                "--peers",
+                &list,
+                "--data",
+                &data.display().to_string(),
+                "--secret-file",
+                &sf,
+                "--lease-ms",
+                &KV_NODE_LEASE_MS.to_string(),
             ]);
             self.spawn(i, &format!("kv-node-h{i}"), &args)?;
         }
         for i in 0..SERVER_HOSTS {
             let name = format!("kv-cm-h{i}");
             let args = strings(&[
-                "kv", "cm", "--nodes", &list, "--secret-file", &sf, "--store", &url,
-                "--election-ttl-ms", &ELECTION_TTL.as_millis().to_string(), "--advertise", &name,
-                "--lease-ms", &KV_NODE_LEASE_MS.to_string(), "--failure-timeout-ms", &KV_FAILURE_TIMEOUT_MS.to_string(),
-                "--startup-grace-ms", "10000",
+                "kv",
+                "cm",
+                "--nodes",
+                &list,
+                "--secret-file",
+                &sf,
+                "--store",
+                &url,
+                "--election-ttl-ms",
+                &ELECTION_TTL.as_millis().to_string(),
+                "--advertise",
+                &name,
+                "--lease-ms",
+                &KV_NODE_LEASE_MS.to_string(),
+                "--failure-timeout-ms",
+                &KV_FAILURE_TIMEOUT_MS.to_string(),
+                "--startup-grace-ms",
+                "10000",
             ]);
             self.spawn(i, &name, &args)?;
         }
@@ -316,31 +428,60 @@ impl HostBed {
     /// controller (`nl-ctl-hI`, peer lease [`NEARLOG_PEER_LEASE_MS`]) per server host, and the
     /// cluster file naming every controller. Returns at once.
     pub fn start_nearlog(&self) -> anyhow::Result<NearlogSys> {
-        let controllers: Vec<String> = (0..SERVER_HOSTS).map(|i| self.addr_on(i)).collect::<anyhow::Result<_>>()?;
-        let peers: Vec<String> = (0..SERVER_HOSTS).map(|i| self.addr_on(i)).collect::<anyhow::Result<_>>()?;
+        let controllers: Vec<String> = (0..SERVER_HOSTS)
+            .map(|i| self.addr_on(i))
+            .collect::<anyhow::Result<_>>()?;
+        let peers: Vec<String> = (0..SERVER_HOSTS)
+            .map(|i| self.addr_on(i))
+            .collect::<anyhow::Result<_>>()?;
         let all = controllers.join(",");
         let (url, sf) = (self.store_url(), self.secret_file().display().to_string());
         for (i, listen) in controllers.iter().enumerate() {
             let d = self.dir.join(format!("nl-ctl-h{i}"));
             let args = strings(&[
-                "nearlog", "controller", "--listen", listen, "--store", &url,
-                "--election-ttl-ms", &ELECTION_TTL.as_millis().to_string(),
-                "--peer-lease-ms", &NEARLOG_PEER_LEASE_MS.to_string(), "--dir", &d.display().to_string(), "--secret-file", &sf,
+                "nearlog",
+                "controller",
+                "--listen",
+                listen,
+                "--store",
+                &url,
+                "--election-ttl-ms",
+                &ELECTION_TTL.as_millis().to_string(),
+                "--peer-lease-ms",
+                &NEARLOG_PEER_LEASE_MS.to_string(),
+                "--dir",
+                &d.display().to_string(),
+                "--secret-file",
+                &sf,
             ]);
             self.spawn(i, &format!("nl-ctl-h{i}"), &args)?;
         }
         for (i, listen) in peers.iter().enumerate() {
             let id = self.dir.join(format!("nl-peer-h{i}.id"));
             let args = strings(&[
-                "nearlog", "peer", "--listen", listen, "--controller", &all, "--region-bytes", &NEARLOG_REGION_BYTES.to_string(),
-                "--secret-file", &sf, "--id-file", &id.display().to_string(),
+                "nearlog",
+                "peer",
+                "--listen",
+                listen,
+                "--controller",
+                &all,
+                "--region-bytes",
+                &NEARLOG_REGION_BYTES.to_string(),
+                "--secret-file",
+                &sf,
+                "--id-file",
+                &id.display().to_string(),
             ]);
             self.spawn(i, &format!("nl-peer-h{i}"), &args)?;
         }
         let cluster_file = self.dir.join("nearlog-cluster.json");
         let cf = serde_json::json!({"controller": all, "secret_file": sf, "peers": []});
         std::fs::write(&cluster_file, cf.to_string())?;
-        Ok(NearlogSys { controllers, peers, cluster_file })
+        Ok(NearlogSys {
+            controllers,
+            peers,
+            cluster_file,
+        })
     }
 
     /// Host `i`'s address.
@@ -354,7 +495,12 @@ impl Drop for HostBed {
         // A failed test's evidence: the directory goes with the bed.
         if std::thread::panicking() {
             for d in self.daemons.lock().unwrap().iter() {
-                eprintln!("--- {} (host {}), last lines of its log:\n{}", d.name, d.host, crate::proc::tail(&self.log(&d.name), 12));
+                eprintln!(
+                    "--- {} (host {}), last lines of its log:\n{}",
+                    d.name,
+                    d.host,
+                    crate::proc::tail(&self.log(&d.name), 12)
+                );
             }
         }
         for d in self.daemons.lock().unwrap().iter_mut() {
@@ -362,7 +508,10 @@ impl Drop for HostBed {
             let _ = d.child.wait();
         }
         if std::env::var_os(KEEP_ENV).is_some() {
-            eprintln!("host bed: {KEEP_ENV} set, logs and data kept in {}", self.dir.display());
+            eprintln!(
+                "host bed: {KEEP_ENV} set, logs and data kept in {}",
+                self.dir.display()
+            );
         } else {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
