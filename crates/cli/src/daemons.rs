@@ -220,6 +220,13 @@ pub async fn meta(a: MetaArgs) -> anyhow::Result<()> {
     let secret = read_secret(&a.secret_file)?;
     link_tls_at_start()?;
     anyhow::ensure!(a.ping_interval_ms > 0 && a.down_after_ms > a.ping_interval_ms, "--down-after-ms must exceed --ping-interval-ms");
+    let max_ping = volume::driver::shard::MAX_META_PING_INTERVAL;
+    anyhow::ensure!(
+        a.ping_interval_ms <= max_ping.as_millis() as u64,
+        "--ping-interval-ms must be at most {} (shards take a service silent for {:?} as gone)",
+        max_ping.as_millis(),
+        volume::driver::shard::META_SILENCE_TIMEOUT
+    );
     tracing::info!(listen = %a.listen, dir = ?a.dir, store = ?a.store, "metadata service starting");
     let control = match &a.store {
         None => None,

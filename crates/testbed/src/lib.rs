@@ -19,6 +19,7 @@
 //! * [`rocksdb`]: the RocksDB load program (C, compiled on demand);
 //! * [`qemu`]: qemu-io, the real NBD client of the demo, one-shot and as a session;
 //! * [`hosts`]: machines on one box: hosts as network namespaces on a bridge, to kill or cut off;
+//! * [`hostbed`]: three such hosts with etcd and every control plane's daemons spread over them;
 //! * [`proc`]: the one process helper: start this binary as a daemon, alive, RSS and peak RSS,
 //!   signal, group kill, stop and wait.
 //!
@@ -34,6 +35,7 @@ pub mod cluster_file;
 mod datadir;
 pub mod etcd;
 pub mod failover;
+pub mod hostbed;
 pub mod hosts;
 pub mod kv;
 pub mod kv_witness;

@@ -131,8 +131,21 @@ pub(super) struct Shim {
     /// image staged to a peer that lags after a crash, a resync) goes out as its socket drains,
     /// during later pumps, while the majority's small records pass on their own connections.
     pub(super) sendq: HashMap<PeerId, (Vec<u8>, usize)>,
+    /// Per peer whose last dial failed: how long to wait before the next (see
+    /// [`Shim::ensure_conn`]).
+    pub(super) redial_after: HashMap<PeerId, Duration>,
     pub(super) start: Instant,
 }
+
+/// The shortest wait before a peer whose dial failed is dialled again.
+pub(super) const MIN_REDIAL_WAIT: Duration = Duration::from_millis(200);
+/// After a failed dial, a peer is dialled again no sooner than this many times as long as the
+/// attempt took (at least [`MIN_REDIAL_WAIT`]). A port that refuses answers at once and is
+/// tried again soon; a host that does not answer at all (dead, or cut off) costs the
+/// application's thread the whole connect timeout per dial, and dialled every 200 ms it took
+/// nearly all of that thread's time: an open then could not finish within its deadline on the
+/// live majority.
+pub(super) const REDIAL_WAIT_PER_ATTEMPT: u32 = 4;
 
 /// The replication state: one lock, held across replication round trips. A fork's child
 /// replaces it ([`after_fork_child`]). Take it with [`lock_state`].
@@ -170,6 +183,7 @@ impl Shim {
                 deferred: HashMap::new(),
                 reply_us: HashMap::new(),
                 sendq: HashMap::new(),
+                redial_after: HashMap::new(),
                 start: Instant::now(),
             });
         }
@@ -192,7 +206,8 @@ impl Shim {
     pub(super) fn ensure_conn(&mut self, peer: PeerId) -> Option<&mut TcpStream> {
         let secret = &self.cfg.secret;
         let (addr, conn, last_try) = self.peers.get_mut(&peer)?;
-        if conn.is_none() && last_try.elapsed() >= Duration::from_millis(200) {
+        let wait = self.redial_after.get(&peer).copied().unwrap_or(MIN_REDIAL_WAIT);
+        if conn.is_none() && last_try.elapsed() >= wait {
             *last_try = Instant::now();
             match blocking::connect(addr, secret, Duration::from_secs(2)) {
                 Ok(s) => {
@@ -201,8 +216,13 @@ impl Shim {
                     *conn = Some(s);
                     self.readers.remove(&peer);
                     self.sendq.remove(&peer);
+                    self.redial_after.remove(&peer);
                 }
-                Err(e) => log(&format!("log peer {peer} at {addr} unreachable: {e}")),
+                Err(e) => {
+                    let next = (last_try.elapsed() * REDIAL_WAIT_PER_ATTEMPT).max(MIN_REDIAL_WAIT);
+                    self.redial_after.insert(peer, next);
+                    log(&format!("log peer {peer} at {addr} unreachable: {e} (next try in {} ms)", next.as_millis()));
+                }
             }
         }
         conn.as_mut()

@@ -46,6 +46,12 @@ pub const CONTROLLER_RETRY_PAUSE_MS: u64 = 200;
 /// answers again, calls try each address once and fail at once.
 static CONTROLLERS_DOWN: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
 
+/// The controller address that answered [`connect_any`] last in this process, tried first the
+/// next time. Trying the list in its given order cost every call a whole connect timeout while
+/// the first address's host was dead (a dead host refuses nothing: its port does not answer),
+/// and a shim that asks the controller often (opening a file, reading one back) took minutes.
+static LAST_ANSWERED: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
 /// Connects to the first of `list` (controller addresses separated by commas; a single address
 /// is a list of one) that accepts and authenticates. Only the leading controller listens (a
 /// standby refuses the connection at once), so no "not leader" reply is needed: whichever
@@ -53,7 +59,13 @@ static CONTROLLERS_DOWN: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
 /// close. With several addresses, rounds repeat for up to [`CONTROLLER_FAILOVER_WAIT_MS`] (a
 /// takeover in progress); a single address is tried once, as before standbys existed.
 pub fn connect_any(list: &str, secret: &[u8], timeout: Duration) -> Result<TcpStream, WireError> {
-    let addrs: Vec<&str> = list.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+    let mut addrs: Vec<&str> = list.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+    // The controller that answered last goes first: it most likely still leads.
+    if let Some(last) = LAST_ANSWERED.lock().unwrap_or_else(|e| e.into_inner()).as_deref() {
+        if let Some(i) = addrs.iter().position(|a| *a == last) {
+            addrs[..=i].rotate_right(1);
+        }
+    }
     if addrs.is_empty() {
         return Err(WireError::Decode(format!("no controller address in {list:?}")));
     }
@@ -66,6 +78,7 @@ pub fn connect_any(list: &str, secret: &[u8], timeout: Duration) -> Result<TcpSt
             match connect(a, secret, timeout) {
                 Ok(s) => {
                     down(false);
+                    *LAST_ANSWERED.lock().unwrap_or_else(|e| e.into_inner()) = Some(a.to_string());
                     return Ok(s);
                 }
                 Err(e) => errors.push(format!("{a}: {e}")),

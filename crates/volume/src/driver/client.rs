@@ -24,6 +24,12 @@ use crate::driver::leader::{changed_from, order_addrs, Leader, LeaderWatch};
 use crate::driver::shard::{dial, writer_loop, CONN_QUEUE_MSGS};
 use crate::types::*;
 
+/// How long a control request waits for the metadata service's answer. Generous (its requests
+/// take milliseconds; a collapse asks one shard), but bounded: a service whose host died or was
+/// cut off sends nothing, not even a reset, and the connection would otherwise wait for good
+/// instead of moving on to the standby that took over.
+pub const META_REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How long one request may wait for its reply before it is retried.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
 /// A request without a reply for this long looks at the cluster map again (asking the
@@ -153,7 +159,7 @@ impl Cluster {
                 Ok::<_, anyhow::Error>(wire::read_msg::<MetaResp, _>(sock, wire::MAX_FRAME_PAYLOAD_BYTES).await?)
             };
             let r = match &self.leader {
-                None => exchange.await,
+                None => tokio::time::timeout(META_REPLY_TIMEOUT, exchange).await,
                 Some(w) => {
                     if at.is_none() {
                         // Dialled before the election was read: the leader seen first is the
@@ -163,14 +169,20 @@ impl Cluster {
                     let mut rx = w.subscribe();
                     let from = at.as_ref().map(|l| l.key.clone());
                     tokio::select! {
-                        r = exchange => r,
-                        l = changed_from(&mut rx, from.as_deref()) => Err(anyhow::anyhow!("the metadata leader changed to {}", l.addr)),
+                        r = tokio::time::timeout(META_REPLY_TIMEOUT, exchange) => r,
+                        l = changed_from(&mut rx, from.as_deref()) => Ok(Err(anyhow::anyhow!("the metadata leader changed to {}", l.addr))),
                     }
                 }
             };
             match r {
-                Ok(resp) => return Ok(resp),
-                Err(e) => {
+                Ok(Ok(resp)) => return Ok(resp),
+                // The service may have acted on the request: not sent again; the next request
+                // dials the service list afresh.
+                Err(_) => {
+                    *g = None;
+                    anyhow::bail!("no answer from the metadata service within {META_REPLY_TIMEOUT:?} (stopped, or its host lost or cut off)");
+                }
+                Ok(Err(e)) => {
                     *g = None;
                     if attempt == 1 {
                         return Err(e);

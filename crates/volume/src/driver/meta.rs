@@ -588,6 +588,9 @@ impl Inner {
                     }
                     MetaOutput::Save { seq, state } => {
                         let result = self.store.save(&state).map_err(|e| format!("{e:#}"));
+                        if let Err(e) = &result {
+                            tracing::warn!("saving the metadata state failed (offered again at the next change or tick): {e}");
+                        }
                         inputs.push_back(MetaInput::Saved { seq, result });
                     }
                 }
@@ -595,6 +598,7 @@ impl Inner {
         }
         let map = &self.core.durable().map;
         if map.epoch != self.pushed_epoch {
+            tracing::debug!(epoch = map.epoch, shards = self.links.len(), "pushing the durable map");
             self.pushed_epoch = map.epoch;
             for l in self.links.values() {
                 let _ = l.tx.try_send(Msg::Map(map.clone()));

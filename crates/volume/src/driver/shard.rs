@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use tokio::io::BufWriter;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -268,7 +268,12 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
         let tx = tx.clone();
         let secret = secret.clone();
         let boot_id: u64 = rand::random();
-        let fresh = boot_is_empty;
+        // A disk empty at boot is fresh (it holds nothing it used to) only until a map shows
+        // this shard up and in sync: from then on it holds what the others hold, and a
+        // registration (with a standby that took over, say) must not claim an empty disk.
+        // Claimed on every registration, it made a new leader clear every live shard's in-sync
+        // flag, and with one in-sync shard lost (with the old leader's host) none could lead.
+        let in_sync_seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let leased = opts.lease.is_some();
         // With the control store, the link follows the metadata leader's election.
         let leader = opts.lease.as_ref().map(|l| LeaderWatch::spawn(l.store_url.clone(), l.cluster.clone(), l.cluster_id.clone()));
@@ -276,7 +281,8 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
         let advertise = advertise.clone();
         tokio::spawn(async move {
             loop {
-                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, fresh, leased, leader.as_ref(), &tx, &secret).await {
+                let fresh = boot_is_empty && !in_sync_seen.load(Ordering::Relaxed);
+                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, fresh, leased, leader.as_ref(), &tx, &secret, &in_sync_seen).await {
                     tracing::warn!("metadata link to {meta_addr}: {e:#}; reconnecting");
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -387,6 +393,9 @@ async fn core_loop(
                     }
                 }
                 Output::Send { to: Peer::Meta, msg } => {
+                    if let Msg::Recovered { epoch, .. } = &msg {
+                        tracing::debug!(epoch, linked = meta.is_some(), "reporting recovery to the metadata service");
+                    }
                     if let Some(s) = &meta {
                         let _ = s.try_send(msg);
                     }
@@ -687,6 +696,7 @@ async fn meta_link(
     leader: Option<&LeaderWatch>,
     tx: &mpsc::Sender<CoreEvent>,
     secret: &[u8],
+    in_sync_seen: &std::sync::atomic::AtomicBool,
 ) -> anyhow::Result<()> {
     // The leader as seen when dialling: the link is taken to be to it.
     let mut at = leader.and_then(|w| w.current());
@@ -711,7 +721,7 @@ async fn meta_link(
         }
     };
     let result = tokio::select! {
-        _ = read_loop(r, Peer::Meta, tx.clone()) => Err(anyhow::anyhow!("metadata service closed the link")),
+        ended = meta_read_loop(r, tx.clone(), id, in_sync_seen) => ended,
         l = moved => {
             // A paused or cut-off old leader keeps its connection open: leave it.
             eprintln!("shard {id}: the metadata leader is now {}: leaving the old one's link", l.addr);
@@ -775,6 +785,47 @@ async fn lease_loop(l: ShardLease, id: ShardId, advertise: String, tx: mpsc::Sen
                 }
             }
             tokio::time::sleep(LEASE_REPORT_INTERVAL).await;
+        }
+    }
+}
+
+/// A metadata link that carries nothing for this long is given up and the service list dialled
+/// again. The service pings every shard every `--ping-interval-ms` (250 ms by default, at most
+/// [`MAX_META_PING_INTERVAL`]), so silence means its process is stopped, or its host died or was
+/// cut off: then no FIN or RST ever comes, and without this the shard would wait on the dead
+/// leader for good (TCP gives up on a silent peer only after many minutes), never registering
+/// with the standby that took over.
+pub const META_SILENCE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest ping interval a metadata service may run with: well under
+/// [`META_SILENCE_TIMEOUT`], so a live service is never taken for a silent one.
+pub const MAX_META_PING_INTERVAL: Duration = Duration::from_secs(1);
+
+/// [`read_loop`] for the metadata link: also ends when the service is silent for
+/// [`META_SILENCE_TIMEOUT`]. Always returns why the link ended.
+async fn meta_read_loop<R: tokio::io::AsyncRead + Unpin>(
+    r: R,
+    tx: mpsc::Sender<CoreEvent>,
+    me: ShardId,
+    in_sync_seen: &std::sync::atomic::AtomicBool,
+) -> anyhow::Result<()> {
+    let mut r = tokio::io::BufReader::with_capacity(256 * 1024, r);
+    loop {
+        // Cancelling a read mid-frame is harmless: the link is dropped with it.
+        match tokio::time::timeout(META_SILENCE_TIMEOUT, wire::read_msg::<Msg, _>(&mut r, wire::MAX_FRAME_PAYLOAD_BYTES)).await {
+            Err(_) => bail!("metadata service silent for {META_SILENCE_TIMEOUT:?} (stopped, or its host lost or cut off)"),
+            Ok(Ok(msg)) => {
+                if let Msg::Map(m) = &msg {
+                    tracing::debug!(epoch = m.epoch, "cluster map from the metadata service");
+                    if m.shards.iter().any(|s| s.id == me && s.state == ShardState::Up && s.in_sync) {
+                        in_sync_seen.store(true, Ordering::Relaxed);
+                    }
+                }
+                if tx.send(CoreEvent::Input(Input::Msg { from: Peer::Meta, msg })).await.is_err() {
+                    bail!("shard stopping");
+                }
+            }
+            Ok(Err(wire::WireError::Closed)) => bail!("metadata service closed the link"),
+            Ok(Err(e)) => bail!("metadata link: {e}"),
         }
     }
 }

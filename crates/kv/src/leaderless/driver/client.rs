@@ -159,16 +159,44 @@ impl KvCluster {
         self.skip_until_ms[i].fetch_max(until, Ordering::Relaxed);
     }
 
+    /// The connection to node `i`, made if there is none. The dial runs outside the lock (one
+    /// lock for every node: a dial to a dead host takes up to the connect bound, and every
+    /// other node's callers would wait behind it), and a dial that fails skips the node for as
+    /// long as the attempt took, at least [`UNREACHABLE_SKIP_MS`]: a refusing port is tried
+    /// again soon, a host that does not answer at all (dead, cut off) is not dialled by every
+    /// caller in turn.
     async fn conn(&self, i: usize) -> Result<KvClient, KvError> {
-        let mut g = self.conns.lock().await;
-        if let Some(c) = &g[i] {
+        if let Some(c) = &self.conns.lock().await[i] {
             if !c.is_closed() {
                 return Ok(c.clone());
             }
         }
-        let c = KvClient::connect(self.addrs[i], &self.secret).await?;
-        g[i] = Some(c.clone());
-        Ok(c)
+        let started = Instant::now();
+        match KvClient::connect(self.addrs[i], &self.secret).await {
+            Ok(c) => {
+                let mut g = self.conns.lock().await;
+                // Another caller may have connected meanwhile: keep one connection.
+                match &g[i] {
+                    Some(other) if !other.is_closed() => Ok(other.clone()),
+                    _ => {
+                        g[i] = Some(c.clone());
+                        Ok(c)
+                    }
+                }
+            }
+            Err(e) => {
+                self.skip(i, UNREACHABLE_SKIP_MS.max(started.elapsed().as_millis() as u64));
+                Err(e)
+            }
+        }
+    }
+
+    /// Forgets the connection to node `i` if it is still `c`.
+    async fn drop_conn(&self, i: usize, c: &KvClient) {
+        let mut g = self.conns.lock().await;
+        if g[i].as_ref().is_some_and(|k| Arc::ptr_eq(&k.pending, &c.pending)) {
+            g[i] = None;
+        }
     }
 
     /// Runs `op`, retrying elsewhere while nodes refuse it (refusals guarantee nothing was done).
@@ -186,7 +214,15 @@ impl KvCluster {
                         last = format!("{} not serving", self.addrs[i]);
                     }
                     Ok(r) => return Ok(r),
-                    Err(KvError::Timeout(d)) => return Err(KvError::Timeout(d)),
+                    Err(KvError::Timeout(d)) => {
+                        // A node silent for the whole timeout may be gone without a word (its
+                        // host died or was cut off: no reset ever comes). Later operations go
+                        // elsewhere for as long, and the next one to pick it dials afresh;
+                        // without this every operation that picked it waited the timeout out.
+                        self.skip(i, d.as_millis() as u64);
+                        self.drop_conn(i, &c).await;
+                        return Err(KvError::Timeout(d));
+                    }
                     Err(e) => {
                         // The request may have reached the node if it was a write; only
                         // connection-level failures before sending are safe to retry, and those
