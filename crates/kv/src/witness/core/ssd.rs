@@ -67,7 +67,8 @@ pub struct Seg {
     pub log: SsdLog,
     /// Bytes allocated (writes in flight included), a page multiple.
     pub end: u64,
-    /// Framed bytes of the entries something references.
+    /// Framed bytes of the entries something references, once per reference (the index and a
+    /// recent-index window slot may both reference one entry): a GC victim weight, not a size.
     pub live_bytes: u64,
     /// Locations in this segment the index or the recent-log window holds.
     pub refs: u64,
@@ -272,9 +273,11 @@ impl Space {
         let mut refs = 0;
         for (s, g) in &self.segs {
             assert!(*s < self.next_seg, "segment id {s} not below the next id");
+            // An entry counts once per reference, and at most two reference it (the DRAM index
+            // and one recent-index window slot), while distinct entries fit in `end`.
             assert!(
-                g.live_bytes <= g.end,
-                "segment {s}: live {} > end {}",
+                g.live_bytes <= 2 * g.end,
+                "segment {s}: live {} > twice its end {}",
                 g.live_bytes,
                 g.end
             );
