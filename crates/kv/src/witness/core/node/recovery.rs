@@ -51,9 +51,8 @@ pub enum Recovery {
     BatchOnly,
     /// No pull before the election (the soft timeout is off).
     NoProactive,
-    /// The backup keeps one SSD log instead of hot and cold ones: mapped onto the SSD
-    /// helper's `Params.ssd_logs` in `WitnessCore::new` (a TODO until that merges; until then
-    /// it behaves as `Cand`, today's backup having one log).
+    /// The backup keeps one SSD log instead of hot and cold ones (`WitnessCore::new` sets
+    /// `Params::ssd_logs` to `SsdLogs::Single`).
     SingleLog,
     /// No popularity sampling: BatchPull in log order.
     NoSampling,
