@@ -1058,6 +1058,12 @@ impl WitnessCore {
     pub fn check_invariants_deep(&self) {
         self.check_invariants();
         if self.kind == Kind::Backup {
+            // Pulls scan only `unflushed_slots`: nothing before it may still be an entry.
+            let skipped = self.log.slots.len() - self.unflushed_slots().count();
+            assert!(
+                self.log.slots.iter().take(skipped).all(|s| !matches!(s, Slot::Entry(_))),
+                "an entry at or below written_back_through"
+            );
             // The reference counts are exact: recount them from the index and the window.
             let b = &self.backup;
             let mut refs: HashMap<u64, (u64, u64)> = HashMap::new();
@@ -2764,23 +2770,43 @@ impl WitnessCore {
         }
     }
 
+    /// The buffer's slots that may still hold an entry: those past the written-back prefix
+    /// (writeback turns every `Entry` up to `written_back_through` into `Flushed`). Pulls scan
+    /// only these, not the whole recent-index window (up to `recent_index_window_entries`
+    /// slots), which made every PriorityPull cost O(window) on the backup's one task.
+    fn unflushed_slots(&self) -> impl Iterator<Item = &Slot> {
+        let from = self
+            .backup
+            .written_back_through
+            .saturating_sub(self.log.base_index)
+            .min(self.log.slots.len() as u64) as usize;
+        self.log.slots.range(from..)
+    }
+
+    /// How many buffer slots a pull scans (tests, status).
+    pub fn pull_scan_slots(&self) -> usize {
+        self.unflushed_slots().count()
+    }
+
+    /// The persisted versions of `key` in the NVMM buffer, oldest first.
+    fn buffered_versions(&self, key: &[u8]) -> Vec<Entry> {
+        self.unflushed_slots()
+            .filter_map(|s| match s {
+                Slot::Entry(e) if e.key() == Some(key) && e.index <= self.persisted => {
+                    Some(e.clone())
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
     fn on_priority_pull(&mut self, from: NodeId, id: u64, key: Vec<u8>) {
         if self.kind != Kind::Backup {
             return;
         }
         // The NVMM buffer first: the index is updated only at writeback, so an SSD-only lookup
         // could miss the newest committed version (M18 Decide).
-        let buffered: Vec<Entry> = self
-            .log
-            .slots
-            .iter()
-            .filter_map(|s| match s {
-                Slot::Entry(e) if e.key() == Some(&key[..]) && e.index <= self.persisted => {
-                    Some(e.clone())
-                }
-                _ => None,
-            })
-            .collect();
+        let buffered = self.buffered_versions(&key);
         match self.backup.index.get(&key).map(|x| x.1) {
             Some(loc) => {
                 // The whole page(s) holding the entry: its neighbours come free (§5.3).
@@ -2890,13 +2916,7 @@ impl WitnessCore {
                     );
                 }
                 // Versions still in the buffer now (a writeback may have moved the key).
-                for s in &self.log.slots {
-                    if let Slot::Entry(e) = s {
-                        if e.key() == Some(&key[..]) && e.index <= self.persisted {
-                            buffered.push(e.clone());
-                        }
-                    }
-                }
+                buffered.extend(self.buffered_versions(&key));
                 // An error answers what the buffer has; the primary retries (never stale).
                 self.send(
                     to,

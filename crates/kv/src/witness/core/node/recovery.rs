@@ -510,9 +510,7 @@ impl WitnessCore {
         }
         let wanted: HashSet<&[u8]> = keys[..taken].iter().map(Vec::as_slice).collect();
         let entries: Vec<Entry> = self
-            .log
-            .slots
-            .iter()
+            .unflushed_slots()
             .filter_map(|s| match s {
                 Slot::Entry(e)
                     if e.index <= self.persisted && e.key().is_some_and(|k| wanted.contains(k)) =>
