@@ -285,3 +285,32 @@ async fn a_paused_leader_meta_exits_when_it_wakes_and_cannot_write() {
     drop(procs);
     drop(etcd);
 }
+
+/// Issue 24: a client whose kept connection reaches a leader gone silent (stopped here; a dead
+/// host is as silent) sent its next request on it and gave up after the 10 s reply timeout,
+/// after the standby had taken over. Now a request that changes something probes an idle
+/// connection first and goes to the new leader; a read is asked again on a fresh connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_idle_on_a_silent_leader_reaches_the_new_one() {
+    let _serial = SERIAL.lock().await;
+    let Bed { procs, store, c, metas, secret, etcd, .. } = bed().await;
+    let reader = connect(&metas, &secret).await;
+    let i = procs.0.iter().position(|(n, _)| n == "meta-a").unwrap();
+    let pid = procs.0[i].1.id();
+    assert!(testbed::proc::signal(pid, libc::SIGSTOP));
+    let takeover = wait_leader(&store, "meta-b", 3 * ELECTION_TTL + Duration::from_secs(2)).await;
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let asked = Instant::now();
+    let r = c
+        .meta(MetaReq::Create { name: "after".into(), size_bytes: 8 << 20, object_size_bytes: volume::driver::meta::DEFAULT_OBJECT_SIZE_BYTES })
+        .await
+        .expect("the create goes to the new leader, not lost on the silent one's connection");
+    assert!(matches!(r, MetaResp::Volume(_)), "{r:?}");
+    let create_ms = asked.elapsed().as_millis();
+    // The same for a read, on a client whose connection went silent while it was kept.
+    let r = reader.meta(MetaReq::GetMap).await.expect("the read is asked again of the new leader");
+    assert!(matches!(r, MetaResp::Map(_)), "{r:?}");
+    eprintln!("silent leader: standby leads {} ms after SIGSTOP; the idle client's create served {create_ms} ms after it was asked; load {}", takeover.as_millis(), load.trim());
+    drop(procs);
+    drop(etcd);
+}

@@ -113,6 +113,14 @@ pub enum MetaReq {
     Jobs,
 }
 
+impl MetaReq {
+    /// True for a request that changes nothing: asking it twice is harmless, so a client may
+    /// ask again when its answer does not come.
+    pub fn is_read_only(&self) -> bool {
+        matches!(self, MetaReq::GetMap | MetaReq::List | MetaReq::Info { .. } | MetaReq::Jobs)
+    }
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub enum MetaResp {
     Map(ClusterMap),

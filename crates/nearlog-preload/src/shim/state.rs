@@ -137,6 +137,28 @@ pub(super) struct Shim {
     pub(super) start: Instant,
 }
 
+/// How long a dial of a log peer may block the application's thread when it is optimistic:
+/// while a majority of the known peers is connected (writes go on through them without this
+/// one), or for a peer's first dial in this process (a fresh reader must not wait seconds on
+/// a dead peer dialled first; if a live one was just slow, its next dial is patient). A host
+/// that does not answer (dead or cut off; it sends no reset) costs the whole timeout: it cost
+/// 2 s per dial (issue 24). Hundreds of times a connect and handshake on a live host.
+pub(super) const PEER_CONNECT_TIMEOUT_OPTIMISTIC: Duration = Duration::from_millis(300);
+/// How long a dial of a log peer may take otherwise (its last dial failed and no majority is
+/// connected): nothing proceeds without it, and a loaded machine's slow handshake must not
+/// fail the application.
+pub(super) const PEER_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The connect timeout for a dial of one of `known` log peers while `connected` of them have a
+/// connection (the dialled one has none); `failed_before`: its last dial failed.
+pub(super) fn peer_connect_timeout(connected: usize, known: usize, failed_before: bool) -> Duration {
+    if 2 * connected > known || !failed_before {
+        PEER_CONNECT_TIMEOUT_OPTIMISTIC
+    } else {
+        PEER_CONNECT_TIMEOUT
+    }
+}
+
 /// The shortest wait before a peer whose dial failed is dialled again.
 pub(super) const MIN_REDIAL_WAIT: Duration = Duration::from_millis(200);
 /// After a failed dial, a peer is dialled again no sooner than this many times as long as the
@@ -205,11 +227,13 @@ impl Shim {
 
     pub(super) fn ensure_conn(&mut self, peer: PeerId) -> Option<&mut TcpStream> {
         let secret = &self.cfg.secret;
+        let connected = self.peers.values().filter(|v| v.1.is_some()).count();
+        let timeout = peer_connect_timeout(connected, self.peers.len(), self.redial_after.contains_key(&peer));
         let (addr, conn, last_try) = self.peers.get_mut(&peer)?;
         let wait = self.redial_after.get(&peer).copied().unwrap_or(MIN_REDIAL_WAIT);
         if conn.is_none() && last_try.elapsed() >= wait {
             *last_try = Instant::now();
-            match blocking::connect(addr, secret, Duration::from_secs(2)) {
+            match blocking::connect(addr, secret, timeout) {
                 Ok(s) => {
                     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
                     OWN_FDS.set(s.as_raw_fd(), true);
@@ -658,5 +682,25 @@ impl Shim {
             }
             self.pump(Duration::from_millis(5));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dial_is_patient_only_for_a_peer_that_failed_while_no_majority_is_connected() {
+        use PEER_CONNECT_TIMEOUT as LONG;
+        use PEER_CONNECT_TIMEOUT_OPTIMISTIC as SHORT;
+        // Three peers, two connected: the third (dead or not) costs at most the short timeout.
+        assert_eq!(peer_connect_timeout(2, 3, true), SHORT);
+        // A first dial is optimistic, connected or not (a fresh process connects nothing yet).
+        assert_eq!(peer_connect_timeout(0, 3, false), SHORT);
+        // A peer whose dial failed, without a majority: the write needs this dial.
+        assert_eq!(peer_connect_timeout(1, 3, true), LONG);
+        assert_eq!(peer_connect_timeout(0, 3, true), LONG);
+        assert_eq!(peer_connect_timeout(2, 4, true), LONG);
+        assert!(SHORT < LONG);
     }
 }

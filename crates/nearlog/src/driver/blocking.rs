@@ -39,6 +39,9 @@ pub fn connect(addr: &str, secret: &[u8], timeout: Duration) -> Result<TcpStream
 /// outage, not per call: the shim blocks inside applications, and one `open` asks the
 /// controller several times.
 pub const CONTROLLER_FAILOVER_WAIT_MS: u64 = 10_000;
+/// The connect timeout of [`connect_any`]'s first round over several controller addresses.
+/// Hundreds of times a connect and handshake to a live controller on a host of its own.
+pub const CONTROLLER_FIRST_ROUND_CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// Pause between two rounds over the controller list.
 pub const CONTROLLER_RETRY_PAUSE_MS: u64 = 200;
 
@@ -72,10 +75,17 @@ pub fn connect_any(list: &str, secret: &[u8], timeout: Duration) -> Result<TcpSt
     let down = |d: bool| *CONTROLLERS_DOWN.lock().unwrap_or_else(|e| e.into_inner()) = d;
     let wait = addrs.len() > 1 && !*CONTROLLERS_DOWN.lock().unwrap_or_else(|e| e.into_inner());
     let deadline = std::time::Instant::now() + Duration::from_millis(if wait { CONTROLLER_FAILOVER_WAIT_MS } else { 0 });
+    let mut round = 0;
     loop {
         let mut errors = Vec::new();
+        // The first round over several addresses is optimistic: a dead host's address costs
+        // the short timeout, not `timeout` (issue 24: every fresh process under the shim paid
+        // 5 s on its first call while the first listed controller's host was dead). A live
+        // leader too slow for it is dialled again, patiently, in the next round.
+        let this_timeout = if round == 0 && wait { timeout.min(CONTROLLER_FIRST_ROUND_CONNECT_TIMEOUT) } else { timeout };
+        round += 1;
         for a in &addrs {
-            match connect(a, secret, timeout) {
+            match connect(a, secret, this_timeout) {
                 Ok(s) => {
                     down(false);
                     *LAST_ANSWERED.lock().unwrap_or_else(|e| e.into_inner()) = Some(a.to_string());

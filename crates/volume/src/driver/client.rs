@@ -29,6 +29,16 @@ use crate::types::*;
 /// cut off sends nothing, not even a reset, and the connection would otherwise wait for good
 /// instead of moving on to the standby that took over.
 pub const META_REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+/// A read-only control request's first wait on the kept connection, before it is asked again
+/// on a fresh one: a read costs the service milliseconds, so this is long only for a loaded
+/// machine's stalls, and short against a dead host's silence (issue 24: 10 s).
+pub const META_READ_FIRST_REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+/// A kept connection that answered within this long is trusted with a request that changes
+/// something; an older one is probed first (see [`Cluster::meta`]).
+pub const META_FRESH_REPLY_WITHIN: Duration = Duration::from_millis(200);
+/// How long the probe of a kept connection waits: past it the connection is replaced (a false
+/// alarm on a stalled machine costs only a new connection).
+pub const META_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long one request may wait for its reply before it is retried.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
@@ -80,6 +90,25 @@ impl ShardConn {
     }
 }
 
+/// `addrs` (comma-separated) with `silent` moved to the end.
+fn silent_last(addrs: &str, silent: Option<&str>) -> String {
+    let (mut list, mut last): (Vec<&str>, Vec<&str>) =
+        addrs.split(',').map(str::trim).filter(|a| !a.is_empty()).partition(|a| Some(*a) != silent);
+    list.append(&mut last);
+    list.join(",")
+}
+
+/// The kept connection to the metadata service.
+struct MetaConn {
+    link: wire::link::Link,
+    /// The address it reached.
+    addr: String,
+    /// The leader (its election key) seen when it was dialled.
+    leader: Option<Leader>,
+    /// When it last answered (or was dialled): how long it may have been silent.
+    last_reply: Instant,
+}
+
 pub struct Cluster {
     meta_addr: String,
     secret: Vec<u8>,
@@ -87,7 +116,9 @@ pub struct Cluster {
     conns: Mutex<HashMap<ShardId, Arc<ShardConn>>>,
     /// The connection to the metadata service, and the leader (its election key) seen when it
     /// was dialled.
-    meta_conn: Mutex<Option<(wire::link::Link, Option<Leader>)>>,
+    meta_conn: Mutex<Option<MetaConn>>,
+    /// The address of the last metadata connection that went silent, dialled last.
+    silent_meta_addr: StdMutex<Option<String>>,
     /// The metadata service's election, when followed ([`Cluster::connect_following`]).
     leader: Option<LeaderWatch>,
     /// One map fetch at a time: every request waiting on a silent shard looks at the map each
@@ -122,6 +153,7 @@ impl Cluster {
             map: RwLock::new(Arc::new(ClusterMap { epoch: 0, replicas: 0, shards: vec![] })),
             conns: Mutex::new(HashMap::new()),
             meta_conn: Mutex::new(None),
+            silent_meta_addr: StdMutex::new(None),
             map_fetch: Mutex::new(()),
             map_fetches_done: AtomicU64::new(0),
             next_req: AtomicU64::new(1),
@@ -142,56 +174,100 @@ impl Cluster {
 
     /// One request; reconnects once if the kept connection turns out broken. `Err` only for a
     /// transport failure (the service's own errors are `MetaResp::Err`).
+    ///
+    /// A service whose host died sends nothing, not even a reset, so a dead connection shows
+    /// only as silence. A request that only reads (see [`MetaReq::is_read_only`]) waits
+    /// [`META_READ_FIRST_REPLY_TIMEOUT`] on the kept connection, then is asked again on a fresh
+    /// one. A request that changes something may have been acted on if its answer is lost, so
+    /// it is never sent twice; instead, when the kept connection has not answered for
+    /// [`META_FRESH_REPLY_WITHIN`], a map read probes it first (bounded by
+    /// [`META_PROBE_TIMEOUT`]) and a silent one is replaced before the request goes out.
     async fn meta_raw(&self, req: &MetaReq) -> anyhow::Result<MetaResp> {
         let mut g = self.meta_conn.lock().await;
+        let read_only = req.is_read_only();
         for attempt in 0..2 {
+            let last = attempt == 1;
             if g.is_none() {
                 let at = self.leader.as_ref().and_then(|w| w.current());
-                let sock = crate::driver::shard::dial_meta(&order_addrs(&self.meta_addr, at.as_ref()), &self.secret, &Hello::Client)
+                let silent = self.silent_meta_addr.lock().unwrap().clone();
+                let addrs = silent_last(&order_addrs(&self.meta_addr, at.as_ref()), silent.as_deref());
+                let (sock, addr) = crate::driver::shard::dial_meta_at(&addrs, &self.secret, &Hello::Client)
                     .await
                     .with_context(|| format!("cannot reach the metadata service at {}", self.meta_addr))?;
-                *g = Some((sock, at));
+                *g = Some(MetaConn { link: sock, addr, leader: at, last_reply: Instant::now() });
+            } else if !read_only && g.as_ref().unwrap().last_reply.elapsed() > META_FRESH_REPLY_WITHIN {
+                match self.exchange(g.as_mut().unwrap(), &MetaReq::GetMap, META_PROBE_TIMEOUT).await {
+                    Ok(_) => {}
+                    Err(e) => {
+                        self.went_silent(g.take());
+                        tracing::debug!("metadata connection failed its probe: {e:#}; reconnecting");
+                        if last {
+                            return Err(e);
+                        }
+                        continue;
+                    }
+                }
             }
-            let (sock, at) = g.as_mut().unwrap();
-            let exchange = async {
-                wire::write_msg(sock, req).await?;
-                tokio::io::AsyncWriteExt::flush(sock).await?;
-                Ok::<_, anyhow::Error>(wire::read_msg::<MetaResp, _>(sock, wire::MAX_FRAME_PAYLOAD_BYTES).await?)
-            };
-            let r = match &self.leader {
-                None => tokio::time::timeout(META_REPLY_TIMEOUT, exchange).await,
-                Some(w) => {
-                    if at.is_none() {
-                        // Dialled before the election was read: the leader seen first is the
-                        // one the connection reached.
-                        *at = w.current();
+            let timeout = if read_only && !last { META_READ_FIRST_REPLY_TIMEOUT } else { META_REPLY_TIMEOUT };
+            match self.exchange(g.as_mut().unwrap(), req, timeout).await {
+                Ok(resp) => return Ok(resp),
+                Err(e) => {
+                    // The next request dials the service list afresh.
+                    let silent = e.is::<tokio::time::error::Elapsed>();
+                    if silent {
+                        self.went_silent(g.take());
                     }
-                    let mut rx = w.subscribe();
-                    let from = at.as_ref().map(|l| l.key.clone());
-                    tokio::select! {
-                        r = tokio::time::timeout(META_REPLY_TIMEOUT, exchange) => r,
-                        l = changed_from(&mut rx, from.as_deref()) => Ok(Err(anyhow::anyhow!("the metadata leader changed to {}", l.addr))),
+                    *g = None;
+                    if silent && !read_only {
+                        // The service may have acted on the request: not sent again.
+                        anyhow::bail!("no answer from the metadata service within {timeout:?} (stopped, or its host lost or cut off)");
                     }
-                }
-            };
-            match r {
-                Ok(Ok(resp)) => return Ok(resp),
-                // The service may have acted on the request: not sent again; the next request
-                // dials the service list afresh.
-                Err(_) => {
-                    *g = None;
-                    anyhow::bail!("no answer from the metadata service within {META_REPLY_TIMEOUT:?} (stopped, or its host lost or cut off)");
-                }
-                Ok(Err(e)) => {
-                    *g = None;
-                    if attempt == 1 {
+                    if last {
                         return Err(e);
                     }
-                    tracing::debug!("metadata connection: {e}; reconnecting");
+                    tracing::debug!("metadata connection: {e:#}; reconnecting");
                 }
             }
         }
         unreachable!()
+    }
+
+    /// Remembers the address of a connection that went silent: dialled last next time (a dead
+    /// host's address costs a whole [`crate::driver::shard::META_DIAL_TIMEOUT`] to try).
+    fn went_silent(&self, conn: Option<MetaConn>) {
+        if let Some(c) = conn {
+            *self.silent_meta_addr.lock().unwrap() = Some(c.addr);
+        }
+    }
+
+    /// One request and its reply on `conn`, within `timeout` (an `Elapsed` error when silent),
+    /// or cut short when the followed leader changes.
+    async fn exchange(&self, conn: &mut MetaConn, req: &MetaReq, timeout: Duration) -> anyhow::Result<MetaResp> {
+        let MetaConn { link: sock, leader: at, last_reply, .. } = conn;
+        let exchange = async {
+            wire::write_msg(sock, req).await?;
+            tokio::io::AsyncWriteExt::flush(sock).await?;
+            Ok::<_, anyhow::Error>(wire::read_msg::<MetaResp, _>(sock, wire::MAX_FRAME_PAYLOAD_BYTES).await?)
+        };
+        let r = match &self.leader {
+            None => tokio::time::timeout(timeout, exchange).await,
+            Some(w) => {
+                if at.is_none() {
+                    // Dialled before the election was read: the leader seen first is the
+                    // one the connection reached.
+                    *at = w.current();
+                }
+                let mut rx = w.subscribe();
+                let from = at.as_ref().map(|l| l.key.clone());
+                tokio::select! {
+                    r = tokio::time::timeout(timeout, exchange) => r,
+                    l = changed_from(&mut rx, from.as_deref()) => Ok(Err(anyhow::anyhow!("the metadata leader changed to {}", l.addr))),
+                }
+            }
+        };
+        let resp = r??;
+        *last_reply = Instant::now();
+        Ok(resp)
     }
 
     /// `collapse CHILD`, seen through: a lost connection is made again and an undecided
@@ -571,6 +647,13 @@ impl BlockDev for Volume {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_silent_address_is_dialled_last() {
+        assert_eq!(silent_last("a:1, b:2,c:3", Some("a:1")), "b:2,c:3,a:1");
+        assert_eq!(silent_last("a:1,b:2", Some("x:9")), "a:1,b:2");
+        assert_eq!(silent_last("a:1,b:2", None), "a:1,b:2");
+    }
 
     #[test]
     fn extents_cover_the_range_exactly() {

@@ -569,11 +569,16 @@ fn disk_cmd_kind(cmd: &DiskCmd) -> &'static str {
 pub const META_DIAL_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub async fn dial_meta(addrs: &str, secret: &[u8], hello: &Hello) -> anyhow::Result<wire::link::Link> {
+    Ok(dial_meta_at(addrs, secret, hello).await?.0)
+}
+
+/// [`dial_meta`], also telling which address answered.
+pub async fn dial_meta_at(addrs: &str, secret: &[u8], hello: &Hello) -> anyhow::Result<(wire::link::Link, String)> {
     let mut errors = Vec::new();
     for a in addrs.split(',').map(str::trim).filter(|a| !a.is_empty()) {
         // A paused old leader's kernel still accepts connections; its handshake never comes.
         match tokio::time::timeout(META_DIAL_TIMEOUT, dial(a, secret, hello)).await {
-            Ok(Ok(s)) => return Ok(s),
+            Ok(Ok(s)) => return Ok((s, a.to_string())),
             Ok(Err(e)) => errors.push(format!("{a}: {e:#}")),
             Err(_) => errors.push(format!("{a}: no handshake within {META_DIAL_TIMEOUT:?}")),
         }

@@ -97,6 +97,11 @@ pub struct CmCore {
     lease_refs: BTreeMap<NodeId, u64>,
     suspects: BTreeSet<NodeId>,
     removed_at_us: BTreeMap<NodeId, u64>,
+    /// Started from a saved configuration (a takeover or a restart): the nodes not heard from
+    /// since. Once a majority of the active nodes has answered, the cluster is evidently
+    /// running (a takeover, not a cold start of everyone): the rest get one failure timeout
+    /// from then instead of the whole start-up grace. Empty otherwise.
+    unheard_since_takeover: BTreeSet<NodeId>,
     next_hb_us: u64,
     seq: u64,
     out: Vec<CmOutput>,
@@ -106,6 +111,9 @@ impl CmCore {
     /// Starts from the durable configuration, or creates the genesis one for `nodes` nodes.
     pub fn new(p: CmParams, durable: Option<Config>, nodes: u32, now_us: u64) -> Self {
         let mut out = Vec::new();
+        let durable_nodes = durable
+            .as_ref()
+            .map(|c| c.nodes.iter().copied().collect::<BTreeSet<_>>());
         let config = match durable {
             Some(c) => c,
             None => {
@@ -127,6 +135,10 @@ impl CmCore {
             .filter(|n| !config.is_member(**n))
             .map(|n| (*n, now_us))
             .collect();
+        let unheard_since_takeover = match &durable_nodes {
+            Some(nodes) => nodes.clone(),
+            None => BTreeSet::new(),
+        };
         CmCore {
             p,
             config,
@@ -138,6 +150,7 @@ impl CmCore {
             lease_refs: BTreeMap::new(),
             suspects: BTreeSet::new(),
             removed_at_us,
+            unheard_since_takeover,
             next_hb_us: now_us,
             seq: 0,
             out,
@@ -240,6 +253,7 @@ impl CmCore {
         }
         self.last_heard_us.insert(n, self.listened_us);
         self.not_suspected_before.remove(&n);
+        self.on_heard_since_takeover(n);
         // The newest received, not the largest: a restarted node's refs start over elsewhere.
         self.lease_refs.insert(n, ack.lease_ref);
         match ack.status {
@@ -298,6 +312,13 @@ impl CmCore {
         if !c.nodes.is_empty() && c.active.is_empty() {
             broken("the last active node is never removed");
         }
+        if self
+            .unheard_since_takeover
+            .iter()
+            .any(|n| !c.nodes.contains(n))
+        {
+            broken("nodes not heard since the takeover are nodes of the group");
+        }
         if self.suspects.iter().any(|n| !c.is_member(*n)) {
             broken("suspects are members (a removed node is no longer suspected)");
         }
@@ -315,6 +336,41 @@ impl CmCore {
     /// without heartbeats learns no configuration and holds no lease).
     fn last_active(&self, n: NodeId) -> bool {
         self.config.active.len() == 1 && self.config.active.contains(&n)
+    }
+
+    /// A takeover from a saved configuration needs no start-up grace once the cluster is seen
+    /// running: the live nodes answer the first heartbeat at once, so a majority of the active
+    /// nodes heard means the silent ones are silent, not slow to start. They are then owed what
+    /// any member is owed, one failure timeout of listening (their leases from the previous CM
+    /// are waited out anyway: a suspect is removed only a lease after this CM's last heartbeat
+    /// to it, which follows the takeover). A cold start of everyone (nobody answers at first)
+    /// keeps the whole grace: nodes read their logs before they answer.
+    fn on_heard_since_takeover(&mut self, n: NodeId) {
+        if !self.unheard_since_takeover.remove(&n) {
+            return;
+        }
+        let active = self.config.active.len();
+        let heard = self
+            .config
+            .active
+            .iter()
+            .filter(|a| !self.unheard_since_takeover.contains(a))
+            .count();
+        if 2 * heard <= active {
+            return;
+        }
+        let unheard = std::mem::take(&mut self.unheard_since_takeover);
+        for u in &unheard {
+            if let Some(h) = self.last_heard_us.get_mut(u) {
+                *h = (*h).min(self.listened_us);
+            }
+        }
+        if !unheard.is_empty() {
+            self.out.push(CmOutput::Note(format!(
+                "a majority of the active nodes answered the new CM: nodes {unheard:?}, not heard \
+                 yet, get one failure timeout instead of the start-up grace"
+            )));
+        }
     }
 
     fn tick_input(&mut self, now_us: u64) {
@@ -536,6 +592,44 @@ mod tests {
         assert!(sent[&4] > 0);
         run(&mut cm, 2_540_000, 3_000_000, &[0, 1, 2, 3]);
         assert_eq!(cm.config().active, [0, 1, 2, 3].into());
+    }
+
+    /// Issue 24 (host loss): a standby CM taking over from the saved configuration applied the
+    /// whole start-up grace (10 s here) before suspecting the node whose host died with the old
+    /// leader. The four live nodes answer at once: the dead one is removed after one failure
+    /// timeout and its lease, well before the grace.
+    #[test]
+    fn a_takeover_with_a_majority_answering_removes_a_dead_node_without_the_startup_grace() {
+        let p = CmParams {
+            startup_grace_us: 10_000_000,
+            ..params()
+        };
+        let saved = Config::genesis(N);
+        let start = 50_000_000;
+        let mut cm = CmCore::new(p, Some(saved), N, start);
+        let (_, n) = run(&mut cm, start, start + 3_000_000, &[0, 1, 2, 3]);
+        assert_eq!(cm.config().active, [0, 1, 2, 3].into(), "{n:?}");
+        assert!(
+            n.iter()
+                .any(|n| n.contains("instead of the start-up grace")),
+            "{n:?}"
+        );
+    }
+
+    /// A cold start of everyone from the saved configuration keeps the grace: nodes still
+    /// reading their logs, a minority answering, are not removed for it.
+    #[test]
+    fn a_restart_from_a_saved_configuration_with_a_minority_answering_keeps_the_grace() {
+        let p = CmParams {
+            startup_grace_us: 10_000_000,
+            ..params()
+        };
+        let mut cm = CmCore::new(p, Some(Config::genesis(N)), N, 0);
+        let (_, n) = run(&mut cm, 0, 8_000_000, &[0, 1]);
+        assert_eq!(cm.config().epoch, 1, "{n:?}");
+        // The rest come up in time: from then on the grace no longer matters.
+        run(&mut cm, 8_000_000, 12_000_000, &[0, 1, 2, 3, 4]);
+        assert_eq!(cm.config().epoch, 1);
     }
 
     /// A majority of the active nodes silent on one tick's evidence is listened to for one
