@@ -647,9 +647,8 @@ struct Backup {
 }
 
 impl Backup {
-    fn new(p: &Params) -> Result<Self, ParamsError> {
-        let _ = p;
-        Ok(Backup {
+    fn new() -> Self {
+        Backup {
             index: HashMap::new(),
             space: Space::default(),
             slot_refs: 0,
@@ -658,7 +657,7 @@ impl Backup {
             gc: None,
             eligible_since_us: None,
             reads: HashMap::new(),
-        })
+        }
     }
 }
 
@@ -794,7 +793,7 @@ impl WitnessCore {
             p.ssd_logs = SsdLogs::Single;
         }
         let rec = RecoveryState::new(id, &p, now_us)?;
-        let backup = Backup::new(&p)?;
+        let backup = Backup::new();
         let mut c = WitnessCore {
             id,
             kind,
@@ -1871,9 +1870,9 @@ impl WitnessCore {
             );
             return;
         }
-        if let Err(why) = self.append_is_coherent(term, prev_index, prev_term, &entries) {
+        // The reason `append_is_coherent` gives is for a debugger; the count is what is kept.
+        if self.append_is_coherent(term, prev_index, prev_term, &entries).is_err() {
             self.counters.refused_peer_msgs += 1;
-            let _ = why; // the driver reports the counter; the reason is for a debugger
             return;
         }
         if term > self.term || self.role != RoleKind::Follower {
