@@ -6,6 +6,7 @@
 //! * `run SPEC --store URL`: the same monitor as one of two or three on the control store, only
 //!   the elected one acting, its state as keys, the endpoint a process of its own;
 //! * `endpoint`: a client endpoint that follows the primary the leading monitor publishes;
+//! * `agent`: one per host, starts and kills the instances of `run --agents` on its host;
 //! * `inject`, `status`: talk to a running monitor's control address;
 //! * `load`: the SQLite front's load generator and checker;
 //! * `sqlite-front`: the SQLite front itself (python3 + the sqlite3 module);
@@ -100,6 +101,17 @@ pub enum FailoverCmd {
     /// that loses its lease, or whose write is refused, exits with status 3 leaving the
     /// instances running (restart it: it stands by).
     Run(RunArgs),
+    /// The failover agent of one host: starts and kills instances there for `failover run --agents`.
+    ///
+    /// Run one per host that can run the application (root, /dev/fuse, losetup, as `volume
+    /// attach`). It registers HOST at --listen in the control store under a lease of
+    /// --lease-ttl-ms, so the monitor places the primary and its backup on different live hosts
+    /// and sees a host's death as its lease expiring. It serves the leading monitor's start,
+    /// kill, stop, pause and cut requests (each idempotent) to clients that know the cluster
+    /// secret; instances are reached at --listen's address. An agent that loses its lease kills
+    /// every instance on its host and exits with status 3 (the monitor counts them fenced);
+    /// Ctrl-C stops them cleanly first. Prints JSON lines: `ready`, then `fenced` if it was.
+    Agent(AgentArgs),
     /// A client endpoint that follows the leading monitor's primary on the control store.
     ///
     /// Listens on --listen and forwards every client connection to the primary the leading
@@ -175,6 +187,35 @@ pub struct RunArgs {
     /// The name this monitor gives when it leads (default: HOST:pid:PID).
     #[arg(long, value_name = "NAME", requires = "store")]
     pub advertise: Option<String>,
+    /// With --store: start every instance through the failover agents registered on the store
+    /// (`failover agent`, one per host), the backup on another host than the primary, rather
+    /// than as this monitor's own processes.
+    #[arg(long, requires = "store")]
+    pub agents: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct AgentArgs {
+    /// The control store the monitors run on (etcd://H:P[,H:P...], or an embedded directory).
+    #[arg(long, value_name = "URL")]
+    pub store: String,
+    /// The cluster name in the control store's keys (as the monitors were given).
+    #[arg(long, value_name = "NAME", default_value = "failover")]
+    pub store_cluster: String,
+    /// This host's name, unique among the agents.
+    #[arg(long, value_name = "NAME")]
+    pub host: String,
+    /// Where the monitor reaches this agent (a specific address: this host's instances are
+    /// reached at the same one).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: SocketAddr,
+    /// Mount points, logs and instance tables of this host's instances (a restarted agent
+    /// adopts the instances found there).
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: PathBuf,
+    /// The registration's lease: the monitor counts this host gone this long after it dies.
+    #[arg(long, default_value_t = 2000)]
+    pub lease_ttl_ms: u64,
 }
 
 /// Where the monitors of an application keep their state with standbys.
@@ -276,6 +317,7 @@ pub fn run(conn: &ConnArgs, cmd: FailoverCmd, verbose: u8) -> anyhow::Result<()>
     match cmd {
         FailoverCmd::Run(a) => run_monitor(conn, a),
         FailoverCmd::Endpoint(a) => run_endpoint(conn, a),
+        FailoverCmd::Agent(a) => run_agent(conn, a),
         FailoverCmd::Inject(a) => {
             let reply = testbed::failover::control_request(a.c.control, &control_secret(conn)?, &format!("{} {}", a.fault, a.duration_ms))?;
             println!("{reply}");
@@ -362,24 +404,48 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
             )),
         };
         let (inputs_tx, inputs_rx) = mpsc::channel(::failover::driver::INPUT_QUEUE);
-        let pool = Arc::new(LocalPool::new(
-            LocalPoolConfig {
-                exe: std::env::current_exe()?,
-                conn_args: conn_args(conn),
-                state_dir: spec.state_dir.clone(),
-                app: spec.app.clone(),
-                mkfs_first: spec.mkfs,
-                attach_timeout: Duration::from_secs(300),
-                netns,
-            },
-            inputs_tx.clone(),
-        )?);
-        // Which way a killed instance dies whole (its cgroup, or its process tree): said once.
-        eprintln!("understudy failover: {}", pool.containment().describe());
-        let adopted = pool.adopt().await;
-        if !adopted.is_empty() {
-            eprintln!("understudy failover: adopted the instances left running by the previous run: {adopted:?}");
-        }
+        let pool = match (&store, a.agents) {
+            (Some(j), true) => {
+                let name = a.store.name.clone().unwrap_or_else(|| spec.volume.clone());
+                let remote = Arc::new(::failover::agent::RemotePool::new(::failover::agent::RemotePoolConfig {
+                    store: j.daemon().store().clone(),
+                    leadership: j.daemon().leadership().clone(),
+                    name,
+                    app: spec.app.clone(),
+                    mkfs_first: spec.mkfs,
+                    secret: target.secret.clone(),
+                    start_timeout: Duration::from_secs(330),
+                }));
+                let agents = remote.live_agents().await.map_err(anyhow::Error::msg)?;
+                eprintln!("understudy failover: instances run on the failover agents; live now: {agents:?}");
+                let adopted = remote.adopt().await.map_err(anyhow::Error::msg)?;
+                if !adopted.is_empty() {
+                    eprintln!("understudy failover: found the instances the previous leader placed: {adopted:?}");
+                }
+                ::failover::driver::AnyPool::Remote(remote)
+            }
+            _ => {
+                let pool = Arc::new(LocalPool::new(
+                    LocalPoolConfig {
+                        exe: std::env::current_exe()?,
+                        conn_args: conn_args(conn),
+                        state_dir: spec.state_dir.clone(),
+                        app: spec.app.clone(),
+                        mkfs_first: spec.mkfs,
+                        attach_timeout: Duration::from_secs(300),
+                        netns,
+                    },
+                    inputs_tx.clone(),
+                )?);
+                // Which way a killed instance dies whole (its cgroup, or its process tree): said once.
+                eprintln!("understudy failover: {}", pool.containment().describe());
+                let adopted = pool.adopt().await;
+                if !adopted.is_empty() {
+                    eprintln!("understudy failover: adopted the instances left running by the previous run: {adopted:?}");
+                }
+                ::failover::driver::AnyPool::Local(pool)
+            }
+        };
         let (control_tx, control_rx) = mpsc::channel::<Control>(64);
         let control_addr = match a.control {
             Some(addr) => {
@@ -473,6 +539,56 @@ async fn lead_on_store(spec: &Spec, a: &RunArgs, url: &str, secret: &[u8]) -> an
         "phase": rec.as_ref().map(|r| format!("{:?}", r.state.phase)), "pid": std::process::id(), "unix_ms": ::failover::proto::now_unix_ms(),
     }));
     Ok(journal)
+}
+
+/// `failover agent`: this host's instances for the monitor, registered under a lease.
+fn run_agent(conn: &ConnArgs, a: AgentArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!a.listen.ip().is_unspecified(), "--listen must be this host's own address (instances are reached at it), not {}", a.listen.ip());
+    anyhow::ensure!(a.lease_ttl_ms >= 1000, "--lease-ttl-ms must be at least 1000 (etcd leases are whole seconds)");
+    let secret = control_secret(conn)?;
+    std::fs::create_dir_all(&a.state_dir).with_context(|| format!("cannot create --state-dir {}", a.state_dir.display()))?;
+    let state_dir = a.state_dir.canonicalize()?;
+    let rt = crate::runtime()?;
+    rt.block_on(async {
+        let store = control::Store::open(&a.store, &a.store_cluster, &control::daemon::cluster_id_from_secret("failover", &secret))
+            .await
+            .with_context(|| format!("control store {}", a.store))?;
+        let agent = Arc::new(::failover::agent::Agent::new(::failover::agent::AgentConfig {
+            exe: std::env::current_exe()?,
+            conn_args: conn_args(conn),
+            state_dir,
+            link_ip: a.listen.ip(),
+            attach_timeout: Duration::from_secs(300),
+        })?);
+        let adopted = agent.adopt_all().await;
+        let l = tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("cannot listen on --listen {}", a.listen))?;
+        let addr = l.local_addr()?;
+        tokio::spawn(::failover::agent::server::serve(l, secret.clone(), agent.clone()));
+        // Registered only once it serves: a monitor that sees the key can reach it.
+        let reg = store
+            .register(::failover::agent::proto::AGENT_KIND, &a.host, &addr.to_string(), Duration::from_millis(a.lease_ttl_ms))
+            .await
+            .with_context(|| format!("registering host {} in the control store", a.host))?;
+        println!("{}", serde_json::json!({"event": "ready", "host": a.host, "listen": addr, "key": reg.key(), "adopted": adopted, "pid": std::process::id()}));
+        let _ = std::io::stdout().flush();
+        tokio::select! {
+            why = reg.lost() => {
+                // The monitor counts this host's instances fenced once the lease is gone: they
+                // must not serve on (Patroni's demotion of a leader that cannot renew).
+                agent.fence_all().await;
+                println!("{}", serde_json::json!({"event": "fenced", "host": a.host, "why": why, "unix_ms": ::failover::proto::now_unix_ms()}));
+                let _ = std::io::stdout().flush();
+                eprintln!("understudy failover agent: lease lost ({why}): every instance here killed; exiting (restart to register again)");
+                std::process::exit(STEPPED_DOWN_EXIT);
+            }
+            sig = testbed::proc::shutdown_signal() => {
+                eprintln!("understudy failover agent: {sig} received: stopping every instance here");
+                agent.stop_all().await;
+                let _ = reg.deregister().await;
+            }
+        }
+        Ok(())
+    })
 }
 
 /// `failover endpoint`: a proxy that follows the primary record on the control store.

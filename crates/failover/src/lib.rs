@@ -25,6 +25,9 @@
 //!   tree): a process group is not one (PostgreSQL puts every backend in its own session).
 //! * [`endpoint`]: the TCP proxy clients use (the "elastic IP" of §4.3), re-pointable, severing
 //!   every connection to the old primary.
+//! * [`agent`]: failover across hosts — the agent that starts instances on its host for the
+//!   monitor, and the monitor's [`agent::RemotePool`] over the agents (placement on another
+//!   host than the primary's).
 //! * [`driver`]: the tokio runtime driver that runs the core against the real pool, endpoint and
 //!   volume service; its control port reports status and injects faults (tests, benchmarks).
 //! * [`health`]: the health probes the monitor's pings run (a command, a PostgreSQL or MySQL
@@ -35,6 +38,7 @@
 //! * [`pg`], [`mysql`]: tiny PostgreSQL and MySQL/MariaDB protocol clients (no password, text
 //!   queries) for health checks and load.
 
+pub mod agent;
 pub mod core;
 pub mod driver;
 pub mod endpoint;

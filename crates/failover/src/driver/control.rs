@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::core::Monitor;
 use crate::endpoint::Proxy;
-use crate::pool::{InstancePool, LocalPool};
+use super::pools::AnyPool;
 use crate::proto::{Durable, InstanceId};
 
 /// Longest control request line.
@@ -66,6 +66,8 @@ pub struct InstanceStatus {
     pub netns: Option<crate::netns::NetnsLink>,
     /// Where its start went (attach steps, application spawned).
     pub start: Option<crate::pool::StartTiming>,
+    /// The host whose failover agent runs it (None: this monitor's own process tree).
+    pub host: Option<String>,
 }
 
 pub enum Control {
@@ -76,17 +78,13 @@ pub enum Control {
 
 /// The answer to `status`: the monitor's state, the endpoint, the instances. `busy`: the
 /// operations queued or running on the workers.
-pub(super) fn status(m: &Monitor, pool: &LocalPool, endpoint: Option<&Proxy>, busy: usize) -> Status {
-    let mut instances = vec![];
-    for id in pool.instances() {
-        instances.push(InstanceStatus { id, addr: pool.address(id), pids: pool.pids(id), netns: pool.netns(id), start: pool.start_timing(id) });
-    }
+pub(super) fn status(m: &Monitor, pool: &AnyPool, endpoint: Option<&Proxy>, busy: usize) -> Status {
     Status {
         settled: m.settled() && busy == 0,
         state: m.durable().clone(),
         endpoint: endpoint.map(|e| e.local_addr()),
         endpoint_target: endpoint.and_then(|e| e.target()),
-        instances,
+        instances: pool.status(),
     }
 }
 
@@ -157,7 +155,7 @@ async fn control_request(tx: &mpsc::Sender<Control>, line: &str) -> Result<Strin
 }
 
 /// Injects a fault into the current primary (tests, benchmarks, the demo).
-pub(super) async fn inject(pool: &Arc<LocalPool>, primary: InstanceId, kind: FaultKind, duration_ms: u64) -> Result<String, String> {
+pub(super) async fn inject(pool: &AnyPool, primary: InstanceId, kind: FaultKind, duration_ms: u64) -> Result<String, String> {
     if pool.address(primary).is_none() {
         return Err(format!("primary {primary} is not running"));
     }
@@ -177,18 +175,23 @@ pub(super) async fn inject(pool: &Arc<LocalPool>, primary: InstanceId, kind: Fau
             });
         }
         FaultKind::Pause | FaultKind::Cut => {
-            let set = |on: bool| match kind {
-                FaultKind::Pause => pool.pause(primary, on),
-                _ => pool.cut(primary, on),
+            let set = |on: bool| {
+                let pool = pool.clone();
+                async move {
+                    match kind {
+                        FaultKind::Pause => pool.pause(primary, on).await,
+                        _ => pool.cut(primary, on).await,
+                    }
+                }
             };
-            set(true).map_err(|e| e.to_string())?;
+            set(true).await.map_err(|e| e.to_string())?;
             if duration_ms > 0 {
                 let pool = pool.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_millis(duration_ms)).await;
                     let r = match kind {
-                        FaultKind::Pause => pool.pause(primary, false),
-                        _ => pool.cut(primary, false),
+                        FaultKind::Pause => pool.pause(primary, false).await,
+                        _ => pool.cut(primary, false).await,
                     };
                     if let Err(e) = r {
                         tracing::info!("healing {primary}: {e}");

@@ -17,6 +17,7 @@
 //! [`store`]: the state on the control store.
 
 mod control;
+mod pools;
 pub mod store;
 mod volumes;
 
@@ -32,11 +33,11 @@ use crate::endpoint::Proxy;
 use crate::health::health_check;
 use crate::journal::{FileJournal, Record};
 use self::store::StoreJournal;
-use crate::pool::{InstancePool, LocalPool};
 use crate::proto::*;
 use crate::spec::{HealthSpec, Spec};
 
 pub use control::{serve_control, Control, FaultKind, InstanceStatus, Status, MAX_CONTROL_LINE_BYTES};
+pub use pools::AnyPool;
 pub use volumes::Volumes;
 
 /// Inputs waiting for the monitor loop at most.
@@ -69,7 +70,8 @@ enum Work {
 /// What the driver runs with.
 pub struct Parts {
     pub cluster: Arc<Cluster>,
-    pub pool: Arc<LocalPool>,
+    /// Local processes, or the failover agents of other hosts (`failover run --agents`).
+    pub pool: AnyPool,
     /// Inputs from the pool (instance exits) and the workers; `inputs_tx` feeds it.
     pub inputs: mpsc::Receiver<Input>,
     pub inputs_tx: mpsc::Sender<Input>,
@@ -300,7 +302,7 @@ struct Workers {
 }
 
 impl Workers {
-    fn spawn(pool: Arc<LocalPool>, volumes: Volumes, inputs: mpsc::Sender<Input>) -> Workers {
+    fn spawn(pool: AnyPool, volumes: Volumes, inputs: mpsc::Sender<Input>) -> Workers {
         let (pool_tx, mut pool_rx) = mpsc::channel::<Work>(WORK_QUEUE);
         let (volume_tx, mut volume_rx) = mpsc::channel::<Work>(WORK_QUEUE);
         let busy = Arc::new(AtomicUsize::new(0));
@@ -372,7 +374,7 @@ impl Workers {
 /// Carries out the monitor's actions: pings as tasks, endpoint changes at once, events to the
 /// caller; the rest becomes [`Work`] for the workers.
 struct Actions {
-    pool: Arc<LocalPool>,
+    pool: AnyPool,
     /// None: the endpoints follow the control store (the changes are published).
     endpoint: Option<Arc<Proxy>>,
     inputs_tx: mpsc::Sender<Input>,

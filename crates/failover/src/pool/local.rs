@@ -165,6 +165,10 @@ pub struct LocalPool {
     ops: Mutex<HashMap<InstanceId, Arc<tokio::sync::Mutex<()>>>>,
     /// How applications are contained and killed whole (a cgroup each, or their process tree).
     containment: Containment,
+    /// Where an instance's proxy link listens without namespaces: loopback for a monitor that
+    /// runs its instances itself; the host's address under a failover agent, whose instances
+    /// the monitor and the endpoints reach from other hosts.
+    link_ip: std::net::IpAddr,
 }
 
 /// Signals process group `pgid`.
@@ -215,7 +219,19 @@ impl LocalPool {
             spare: Arc::default(),
             ops: Mutex::default(),
             containment,
+            link_ip: std::net::Ipv4Addr::LOCALHOST.into(),
         })
+    }
+
+    /// Instances' proxy links listen on `ip` (see [`LocalPool::link_ip`]) rather than loopback.
+    pub fn with_link_ip(mut self, ip: std::net::IpAddr) -> LocalPool {
+        self.link_ip = ip;
+        self
+    }
+
+    /// Where instances' proxy links listen (when they run without namespaces).
+    pub fn link_ip(&self) -> std::net::IpAddr {
+        self.link_ip
     }
 
     /// How this pool kills an instance's application whole.

@@ -18,7 +18,8 @@ use crate::proto::InstanceId;
 pub use local::{LocalPool, LocalPoolConfig};
 pub use process::pid_alive;
 
-#[derive(Debug, thiserror::Error)]
+// Serialisable: a failover agent returns its pool's errors to the monitor as they are.
+#[derive(Debug, thiserror::Error, serde::Serialize, serde::Deserialize, Clone, PartialEq)]
 pub enum PoolError {
     #[error("instance {0} was killed; ids are never reused")]
     Killed(InstanceId),
@@ -30,6 +31,10 @@ pub enum PoolError {
     App { id: InstanceId, msg: String },
     #[error("instance {id}: {msg}")]
     Io { id: InstanceId, msg: String },
+    /// The failover agent of the instance's host did not carry the operation out (unreachable,
+    /// timed out, refused the request): its outcome is unknown, so the caller repeats it.
+    #[error("instance {id} on host {host}: {msg}")]
+    Host { id: InstanceId, host: String, msg: String },
 }
 
 /// What the monitor's driver needs from a pool. Every operation is idempotent.

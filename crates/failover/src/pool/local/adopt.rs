@@ -34,7 +34,7 @@ impl LocalPool {
                 Some(l) => Link::Netns { link: l.clone(), addr: (l.ns_addr, s.app_port).into() },
                 None => {
                     let app_addr: SocketAddr = ([127, 0, 0, 1], s.app_port).into();
-                    let Ok(proxy) = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await else { continue };
+                    let Ok(proxy) = Proxy::bind((self.link_ip, 0).into(), Some(app_addr)).await else { continue };
                     Link::Proxy { proxy, app_addr }
                 }
             };

@@ -179,7 +179,7 @@ impl LocalPool {
         };
         let app_pid = app_child.id().unwrap_or(0);
         let timing = StartTiming { requested_unix_ms, attached_unix_ms, spawned_unix_ms: now_unix_ms(), attach_steps_ms };
-        let link = match open_link(ns.map(|(link, _fd)| link), port).await {
+        let link = match open_link(ns.map(|(link, _fd)| link), self.link_ip, port).await {
             Ok(l) => l,
             Err(e) => {
                 if let Err(e) = kill_app(cgroup.clone(), app_pid as i32, app_pid, start_time(app_pid).unwrap_or(0)).await {
@@ -290,12 +290,12 @@ impl LocalPool {
 
 /// How the instance is reached: at its namespace's address (`ns`), or, without one, through
 /// a proxy the pool owns in front of the application's port on the host.
-async fn open_link(ns: Option<NetnsLink>, port: u16) -> std::io::Result<Link> {
+async fn open_link(ns: Option<NetnsLink>, link_ip: IpAddr, port: u16) -> std::io::Result<Link> {
     Ok(match ns {
         Some(link) => Link::Netns { addr: (link.ns_addr, port).into(), link },
         None => {
             let app_addr: SocketAddr = ([127, 0, 0, 1], port).into();
-            let proxy = Proxy::bind("127.0.0.1:0".parse().unwrap(), Some(app_addr)).await?;
+            let proxy = Proxy::bind((link_ip, 0).into(), Some(app_addr)).await?;
             Link::Proxy { proxy, app_addr }
         }
     })

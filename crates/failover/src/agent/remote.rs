@@ -1,0 +1,304 @@
+//! [`RemotePool`]: the monitor's instance pool when instances run on other hosts, each started
+//! by the failover agent of its host ([`super::server`]).
+//!
+//! **Placement.** A new instance goes to a live host (an agent whose lease in the control
+//! store is renewed) other than the hosts of the instances still running ([`super::placement`]):
+//! the backup never shares the primary's machine. Which host holds which instance is written to
+//! the control store (`failover/placement/<name>`, guarded by the monitor's election) **before**
+//! the agent is asked to start it, so a standby monitor that takes over knows where every
+//! instance may run ([`RemotePool::adopt`]) and can kill it there.
+//!
+//! **A dead host.** Every remote call is bounded (a timeout, and the agent's lease watched
+//! while it waits): a host that dies mid-call fails the call within about the lease TTL, and the
+//! monitor's core repeats it. A kill or stop of an instance whose host's agent lease has expired
+//! succeeds without reaching it — see [`RemotePool::kill`] for why that fence is safe.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::placement::place;
+use super::proto::*;
+use crate::pool::{InstancePool, PoolError};
+use crate::proto::InstanceId;
+use crate::spec::AppSpec;
+
+/// Bound of a quick request (address, pause, cut, crash): connect, handshake, answer.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound of a kill or stop: the agent tears the instance's volume stack down (its own
+/// commands have deadlines); past this the core retries the fence.
+pub const FENCE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often a waiting call looks whether the agent's lease still stands.
+pub const LIVENESS_POLL: Duration = Duration::from_millis(500);
+
+/// The system segment of the placement key (the monitor's keys are under it too).
+const SYSTEM: &str = "failover";
+
+/// The key where the monitor of application `name` records which host holds each instance.
+pub fn placement_key(store: &control::Store, name: &str) -> String {
+    store.key(SYSTEM, "placement", name)
+}
+
+pub struct RemotePoolConfig {
+    pub store: control::Store,
+    /// The monitor's leadership: placement writes are guarded by it (a deposed monitor cannot
+    /// move instances).
+    pub leadership: Arc<control::Leadership>,
+    /// The application's name (its keys, and its directory on each agent).
+    pub name: String,
+    pub app: AppSpec,
+    pub mkfs_first: bool,
+    pub secret: Vec<u8>,
+    /// Bound of a start: the agent's attach timeout and the application's start.
+    pub start_timeout: Duration,
+}
+
+#[derive(Clone, Debug)]
+struct Placed {
+    host: String,
+    addr: Option<SocketAddr>,
+}
+
+pub struct RemotePool {
+    cfg: RemotePoolConfig,
+    /// Instances started (or being started) and not yet killed or stopped, by id.
+    placed: Mutex<BTreeMap<InstanceId, Placed>>,
+}
+
+impl RemotePool {
+    pub fn new(cfg: RemotePoolConfig) -> RemotePool {
+        RemotePool { cfg, placed: Mutex::default() }
+    }
+
+    /// Live agents: (host, address).
+    pub async fn live_agents(&self) -> Result<Vec<(String, SocketAddr)>, String> {
+        let live = self.cfg.store.live(AGENT_KIND).await.map_err(|e| format!("control store: {e}"))?;
+        Ok(live.into_iter().filter_map(|(h, a)| a.parse().ok().map(|a| (h, a))).collect())
+    }
+
+    async fn agent_of(&self, host: &str) -> Result<Option<SocketAddr>, String> {
+        Ok(self.live_agents().await?.into_iter().find(|(h, _)| h == host).map(|(_, a)| a))
+    }
+
+    /// Where each instance runs (id, host), for status.
+    pub fn placement(&self) -> Vec<(InstanceId, String)> {
+        self.placed.lock().unwrap().iter().map(|(id, p)| (*id, p.host.clone())).collect()
+    }
+
+    /// Reads the placement the previous leader recorded and asks each live host where its
+    /// instances are reached (a monitor that takes over). Returns the instances found running.
+    pub async fn adopt(&self) -> Result<Vec<InstanceId>, String> {
+        let k = placement_key(&self.cfg.store, &self.cfg.name);
+        let Some(kv) = self.cfg.store.get(&k).await.map_err(|e| format!("control store: {e}"))? else { return Ok(vec![]) };
+        let map: BTreeMap<u64, String> = serde_json::from_slice(&kv.value).map_err(|e| format!("placement key {k} is corrupt: {e}"))?;
+        let mut running = vec![];
+        for (id, host) in map {
+            let id = InstanceId(id);
+            let addr = match self.agent_of(&host).await {
+                Ok(Some(agent)) => match self.call(&host, agent, &AgentRequest::Address { app: self.cfg.name.clone(), id }, CALL_TIMEOUT).await {
+                    Ok(AgentReply::Address { addr }) => addr,
+                    other => {
+                        tracing::warn!(%id, host, "cannot learn where the instance is: {other:?}");
+                        None
+                    }
+                },
+                _ => None,
+            };
+            if addr.is_some() {
+                running.push(id);
+            }
+            // Kept even without an address: a later kill must still reach its host.
+            self.placed.lock().unwrap().insert(id, Placed { host, addr });
+        }
+        Ok(running)
+    }
+
+    /// Records the placement (every instance not yet killed) in the store, guarded by the
+    /// election.
+    async fn record(&self) -> Result<(), String> {
+        let map: BTreeMap<u64, String> = self.placed.lock().unwrap().iter().map(|(id, p)| (id.0, p.host.clone())).collect();
+        let k = placement_key(&self.cfg.store, &self.cfg.name);
+        self.cfg.leadership.put(&k, serde_json::to_vec(&map).expect("serialisable")).await.map_err(|e| format!("recording the placement: {e}"))?;
+        Ok(())
+    }
+
+    /// One request to the agent of `host` at `agent`, bounded by `timeout` and by the agent's
+    /// lease: the call fails as soon as the host's registration is gone.
+    async fn call(&self, host: &str, agent: SocketAddr, req: &AgentRequest, timeout: Duration) -> Result<AgentReply, String> {
+        let exchange = async {
+            let mut s = tokio::net::TcpStream::connect(agent).await.map_err(|e| format!("cannot reach the agent at {agent}: {e}"))?;
+            let _ = s.set_nodelay(true);
+            wire::auth::connect(&mut s, &self.cfg.secret).await.map_err(|e| format!("agent {agent}: {e}"))?;
+            s.write_all(&encode(req).map_err(|e| e.to_string())?).await.map_err(|e| format!("agent {agent}: {e}"))?;
+            let mut header = [0u8; FRAME_HEADER_BYTES];
+            s.read_exact(&mut header).await.map_err(|e| format!("agent {agent} closed: {e}"))?;
+            let mut body = vec![0u8; body_len(header).map_err(|e| e.to_string())?];
+            s.read_exact(&mut body).await.map_err(|e| format!("agent {agent} closed: {e}"))?;
+            decode::<AgentReply>(&body).map_err(|e| e.to_string())
+        };
+        let gone = async {
+            loop {
+                tokio::time::sleep(LIVENESS_POLL).await;
+                // (A store that cannot answer says nothing about the host: keep waiting.)
+                if let Ok(live) = self.live_agents().await {
+                    if !live.iter().any(|(h, a)| h == host && *a == agent) {
+                        return format!("the agent of host {host} lost its lease");
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            r = tokio::time::timeout(timeout, exchange) => r.unwrap_or_else(|_| Err(format!("agent {agent} did not answer within {} ms", timeout.as_millis()))),
+            why = gone => Err(why),
+        }
+    }
+
+    /// A fence or stop (`req`) of instance `id`: done when its host's agent says so, or when
+    /// that agent's lease is gone.
+    async fn fence(&self, id: InstanceId, req: AgentRequest) -> Result<(), PoolError> {
+        let Some(host) = self.placed.lock().unwrap().get(&id).map(|p| p.host.clone()) else {
+            // Never placed by this monitor or its predecessors (they record before starting).
+            return Ok(());
+        };
+        let err = |msg: String| PoolError::Host { id, host: host.clone(), msg };
+        let agent = self.agent_of(&host).await.map_err(err)?;
+        let r = match agent {
+            // The host is gone (or its agent, which fenced its instances when it lost its
+            // lease): nothing of the instance can still write where it matters. See `kill`.
+            None => {
+                tracing::warn!(%id, host, "the instance's host has no live agent: counted as fenced");
+                Ok(())
+            }
+            Some(agent) => match self.call(&host, agent, &req, FENCE_TIMEOUT).await {
+                Ok(AgentReply::Done) => Ok(()),
+                Ok(AgentReply::Failed { error }) => Err(error),
+                Ok(other) => Err(err(format!("unexpected answer {other:?}"))),
+                // Lost its lease while we waited: as above.
+                Err(why) if why.contains("lost its lease") => Ok(()),
+                Err(why) => Err(err(why)),
+            },
+        };
+        if r.is_ok() {
+            self.placed.lock().unwrap().remove(&id);
+            if let Err(e) = self.record().await {
+                // The instance is gone all the same; a stale entry only costs a successor a
+                // repeated (idempotent) kill.
+                tracing::warn!(%id, "{e}");
+            }
+        }
+        r
+    }
+
+    /// Crash of instance `id` (fault injection: the disk cut off, the application SIGKILLed).
+    pub async fn crash(&self, id: InstanceId) -> Result<(), PoolError> {
+        self.simple(id, AgentRequest::Crash { app: self.cfg.name.clone(), id }).await
+    }
+
+    pub async fn pause_remote(&self, id: InstanceId, paused: bool) -> Result<(), PoolError> {
+        self.simple(id, AgentRequest::Pause { app: self.cfg.name.clone(), id, paused }).await
+    }
+
+    pub async fn cut_remote(&self, id: InstanceId, cut: bool) -> Result<(), PoolError> {
+        self.simple(id, AgentRequest::Cut { app: self.cfg.name.clone(), id, cut }).await
+    }
+
+    async fn simple(&self, id: InstanceId, req: AgentRequest) -> Result<(), PoolError> {
+        let host = self.placed.lock().unwrap().get(&id).map(|p| p.host.clone()).ok_or(PoolError::Unknown(id))?;
+        let err = |msg: String| PoolError::Host { id, host: host.clone(), msg };
+        let agent = self.agent_of(&host).await.map_err(err)?.ok_or_else(|| err("no live agent".into()))?;
+        match self.call(&host, agent, &req, CALL_TIMEOUT).await.map_err(err)? {
+            AgentReply::Done => Ok(()),
+            AgentReply::Failed { error } => Err(error),
+            other => Err(err(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Stops every instance cleanly (the monitor is told to stop).
+    pub async fn stop_all(&self) {
+        let ids: Vec<InstanceId> = self.placed.lock().unwrap().keys().copied().collect();
+        for id in ids {
+            if let Err(e) = self.stop(id).await {
+                tracing::warn!("stopping {id}: {e}");
+            }
+        }
+    }
+
+    /// Blocks on `f` from a synchronous trait method (the multi-threaded runtime's worker gives
+    /// its other tasks away meanwhile).
+    fn block<T>(f: impl std::future::Future<Output = T>) -> T {
+        tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
+    }
+}
+
+impl InstancePool for RemotePool {
+    async fn start(&self, id: InstanceId, volume: &str) -> Result<SocketAddr, PoolError> {
+        let live = self.live_agents().await.map_err(|msg| PoolError::Host { id, host: "?".into(), msg })?;
+        let (host, fresh) = {
+            let placed = self.placed.lock().unwrap();
+            match placed.get(&id) {
+                // A repeated start goes where the first one went.
+                Some(p) => (p.host.clone(), false),
+                None => {
+                    let hosts: Vec<String> = live.iter().map(|(h, _)| h.clone()).collect();
+                    let occupied: Vec<String> = placed.values().map(|p| p.host.clone()).collect();
+                    let host = place(&hosts, &occupied).ok_or_else(|| PoolError::Host { id, host: "?".into(), msg: "no live failover agent".into() })?;
+                    (host, true)
+                }
+            }
+        };
+        let err = |msg: String| PoolError::Host { id, host: host.clone(), msg };
+        if fresh {
+            self.placed.lock().unwrap().insert(id, Placed { host: host.clone(), addr: None });
+            // Recorded before the start: whoever leads next can find (and fence) it.
+            if let Err(e) = self.record().await {
+                self.placed.lock().unwrap().remove(&id);
+                return Err(err(e));
+            }
+            tracing::info!(%id, host, "instance placed");
+        }
+        let agent = live.iter().find(|(h, _)| *h == host).map(|(_, a)| *a).ok_or_else(|| err("its host has no live agent".into()))?;
+        let req = AgentRequest::Start { app: self.cfg.name.clone(), id, volume: volume.to_string(), spec: self.cfg.app.clone(), mkfs_first: self.cfg.mkfs_first };
+        match self.call(&host, agent, &req, self.cfg.start_timeout).await.map_err(err)? {
+            AgentReply::Started { addr } => {
+                if let Some(p) = self.placed.lock().unwrap().get_mut(&id) {
+                    p.addr = Some(addr);
+                }
+                Ok(addr)
+            }
+            AgentReply::Failed { error } => Err(error),
+            other => Err(err(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    /// Kills instance `id` on its host. When the host's agent has no lease any more, the kill
+    /// succeeds without reaching it, so a dead machine cannot hold a failover up forever. That
+    /// is safe because of two things. The agent fences itself: one that cannot renew its lease
+    /// kills every instance on its host, starting at the lease's deadline by its own clock (no
+    /// later than the store expires it), and a dead host runs nothing. And the
+    /// volume layer decides what the old primary could still write: a speculative failover
+    /// promotes the backup by collapsing the primary's volume into the backup's child at the
+    /// tracking shard, after which the parent's writes are refused (SpecREDS §4.4) — exactly one
+    /// of primary and backup is ever seen, whatever a partitioned instance still attempts.
+    async fn kill(&self, id: InstanceId) -> Result<(), PoolError> {
+        self.fence(id, AgentRequest::Kill { app: self.cfg.name.clone(), id }).await
+    }
+
+    async fn stop(&self, id: InstanceId) -> Result<(), PoolError> {
+        self.fence(id, AgentRequest::Stop { app: self.cfg.name.clone(), id }).await
+    }
+
+    fn pause(&self, id: InstanceId, paused: bool) -> Result<(), PoolError> {
+        Self::block(self.pause_remote(id, paused))
+    }
+
+    fn cut(&self, id: InstanceId, cut: bool) -> Result<(), PoolError> {
+        Self::block(self.cut_remote(id, cut))
+    }
+
+    fn address(&self, id: InstanceId) -> Option<SocketAddr> {
+        self.placed.lock().unwrap().get(&id).and_then(|p| p.addr)
+    }
+}
