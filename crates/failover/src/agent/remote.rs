@@ -302,3 +302,94 @@ impl InstancePool for RemotePool {
         self.placed.lock().unwrap().get(&id).and_then(|p| p.addr)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    const SECRET: &[u8] = b"remote-pool-test-secret";
+
+    fn app() -> AppSpec {
+        AppSpec { command: vec!["true".into()], env: Default::default(), stop_grace_ms: 100 }
+    }
+
+    async fn leader(dir: &std::path::Path, me: &str) -> control::Daemon {
+        control::Daemon::lead(
+            control::DaemonConfig {
+                store_url: dir.to_str().unwrap().to_string(),
+                cluster: "t".into(),
+                cluster_id: control::daemon::cluster_id_from_secret("failover", SECRET),
+                election: "failover-db".into(),
+                election_ttl: Duration::from_secs(2),
+                advertise: me.into(),
+            },
+            |_| {},
+        )
+        .await
+        .unwrap()
+    }
+
+    fn pool(d: &control::Daemon) -> RemotePool {
+        RemotePool::new(RemotePoolConfig {
+            store: d.store().clone(),
+            leadership: d.leadership().clone(),
+            name: "db".into(),
+            app: app(),
+            mkfs_first: false,
+            secret: SECRET.to_vec(),
+            start_timeout: Duration::from_secs(300),
+        })
+    }
+
+    /// A start sent to a host whose agent never answers (a machine dying mid-call) fails once
+    /// its lease is gone — long before the start's own timeout — and the instance is recorded
+    /// on that host before the start was sent, so a monitor that takes over finds it. A kill of
+    /// it there is then done without reaching the host (it is dead and its agent's lease gone),
+    /// rather than holding the failover up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_host_fails_a_start_within_its_lease_and_its_instances_count_as_fenced() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = leader(dir.path(), "m1").await;
+        // An "agent" that accepts connections and never says a word.
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let silent_addr = silent.local_addr().unwrap();
+        let held = Arc::new(Mutex::new(vec![]));
+        let h = held.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = silent.accept().await {
+                h.lock().unwrap().push(s);
+            }
+        });
+        let reg = d.store().register(AGENT_KIND, "h0", &silent_addr.to_string(), Duration::from_secs(1)).await.unwrap();
+        let p = pool(&d);
+        assert_eq!(p.live_agents().await.unwrap(), vec![("h0".to_string(), silent_addr)]);
+
+        let t0 = Instant::now();
+        let dies = async {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            reg.stop_renewing();
+        };
+        let (r, ()) = tokio::join!(tokio::time::timeout(Duration::from_secs(30), p.start(InstanceId(1), "db")), dies);
+        let took = t0.elapsed();
+        let e = r.expect("a start on a dead host was still waiting after 30 s").unwrap_err();
+        assert!(e.to_string().contains("lost its lease"), "{e}");
+        assert!(took < Duration::from_secs(30), "the start waited {took:?} on a dead host");
+        assert_eq!(p.placement(), vec![(InstanceId(1), "h0".to_string())]);
+        assert_eq!(p.address(InstanceId(1)), None);
+
+        // A second monitor (same store, as the next leader would read it) finds the placement.
+        let next = pool(&d);
+        assert_eq!(next.adopt().await.unwrap(), vec![], "nothing answers on h0");
+        assert_eq!(next.placement(), vec![(InstanceId(1), "h0".to_string())]);
+        // The host is gone: its instance's fence is done without it, and forgotten.
+        tokio::time::timeout(Duration::from_secs(10), next.kill(InstanceId(1))).await.expect("a kill on a dead host hung").unwrap();
+        assert!(next.placement().is_empty());
+        let k = placement_key(d.store(), "db");
+        let stored: BTreeMap<u64, String> = serde_json::from_slice(&d.store().get(&k).await.unwrap().unwrap().value).unwrap();
+        assert!(stored.is_empty(), "{stored:?}");
+        // With no live agent, a start has nowhere to go.
+        let e = next.start(InstanceId(2), "db").await.unwrap_err();
+        assert!(e.to_string().contains("no live failover agent"), "{e}");
+    }
+}

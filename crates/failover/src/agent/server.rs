@@ -235,3 +235,82 @@ async fn write(s: &mut tokio::net::TcpStream, reply: &AgentReply) -> std::io::Re
     let f = encode(reply).map_err(std::io::Error::other)?;
     s.write_all(&f).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::InstanceId;
+
+    const SECRET: &[u8] = b"agent-test-secret";
+
+    async fn agent() -> (std::net::SocketAddr, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = Arc::new(
+            Agent::new(AgentConfig {
+                exe: "/bin/false".into(),
+                conn_args: vec![],
+                state_dir: dir.path().join("agent"),
+                link_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+                attach_timeout: Duration::from_secs(1),
+            })
+            .unwrap(),
+        );
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(serve(l, SECRET.to_vec(), agent));
+        (addr, dir)
+    }
+
+    /// Sends `bytes` after the handshake (with `secret`); the reply frame, None when closed
+    /// without one.
+    async fn exchange(addr: std::net::SocketAddr, secret: Option<&[u8]>, bytes: &[u8]) -> Option<AgentReply> {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        if let Some(secret) = secret {
+            wire::auth::connect(&mut s, secret).await.ok()?;
+        }
+        s.write_all(bytes).await.ok()?;
+        let read = async {
+            let mut header = [0u8; FRAME_HEADER_BYTES];
+            s.read_exact(&mut header).await.ok()?;
+            let mut body = vec![0u8; body_len(header).ok()?];
+            s.read_exact(&mut body).await.ok()?;
+            decode::<AgentReply>(&body).ok()
+        };
+        tokio::time::timeout(wire::listen::AUTH_DEADLINE * 3, read).await.ok().flatten()
+    }
+
+    fn frame(body: &[u8]) -> Vec<u8> {
+        let mut f = (body.len() as u32).to_be_bytes().to_vec();
+        f.extend_from_slice(body);
+        f
+    }
+
+    /// Without the secret nothing is obeyed; an oversized frame, an unreadable request and an
+    /// unsafe application name are refused (the agent goes on serving); a kill or stop of an
+    /// instance that never ran here is done, repeatedly (idempotent).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_agent_refuses_bad_requests_obeys_only_the_secret_and_serves_on() {
+        let (addr, dir) = agent().await;
+        let kill = encode(&AgentRequest::Kill { app: "db".into(), id: InstanceId(1) }).unwrap();
+        assert_eq!(exchange(addr, None, &kill).await, None, "a client without the handshake got an answer");
+        assert_eq!(exchange(addr, Some(b"wrong"), &kill).await, None, "a client with a wrong secret got an answer");
+
+        let huge = ((MAX_AGENT_FRAME_BYTES + 1) as u32).to_be_bytes();
+        assert!(matches!(exchange(addr, Some(SECRET), &huge).await, Some(AgentReply::Refused { .. })));
+        assert!(matches!(exchange(addr, Some(SECRET), &frame(b"{not json")).await, Some(AgentReply::Refused { .. })));
+        assert!(matches!(exchange(addr, Some(SECRET), &frame(br#"{"op":"format","app":"db","id":1}"#)).await, Some(AgentReply::Refused { .. })));
+        let escape = encode(&AgentRequest::Kill { app: "../../etc".into(), id: InstanceId(1) }).unwrap();
+        assert!(matches!(exchange(addr, Some(SECRET), &escape).await, Some(AgentReply::Refused { .. })));
+        assert!(!dir.path().join("etc").exists());
+
+        for _ in 0..2 {
+            assert_eq!(exchange(addr, Some(SECRET), &kill).await, Some(AgentReply::Done));
+            let stop = encode(&AgentRequest::Stop { app: "db".into(), id: InstanceId(1) }).unwrap();
+            assert_eq!(exchange(addr, Some(SECRET), &stop).await, Some(AgentReply::Done));
+        }
+        let address = encode(&AgentRequest::Address { app: "db".into(), id: InstanceId(1) }).unwrap();
+        assert_eq!(exchange(addr, Some(SECRET), &address).await, Some(AgentReply::Address { addr: None }));
+        let pause = encode(&AgentRequest::Pause { app: "db".into(), id: InstanceId(1), paused: true }).unwrap();
+        assert_eq!(exchange(addr, Some(SECRET), &pause).await, Some(AgentReply::Failed { error: crate::pool::PoolError::Unknown(InstanceId(1)) }));
+    }
+}
