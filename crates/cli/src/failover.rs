@@ -109,8 +109,8 @@ pub enum FailoverCmd {
     /// and sees a host's death as its lease expiring. It serves the leading monitor's start,
     /// kill, stop, pause and cut requests (each idempotent) to clients that know the cluster
     /// secret; instances are reached at --listen's address. An agent that loses its lease kills
-    /// every instance on its host and exits with status 3 (the monitor counts them fenced);
-    /// Ctrl-C stops them cleanly first. Prints JSON lines: `ready`, then `fenced` if it was.
+    /// every instance on its host (the monitor counts them fenced) and registers again; Ctrl-C
+    /// stops them cleanly, then deregisters. Prints JSON lines: `ready`, `fenced` when it was.
     Agent(AgentArgs),
     /// A client endpoint that follows the leading monitor's primary on the control store.
     ///
@@ -213,8 +213,10 @@ pub struct AgentArgs {
     /// adopts the instances found there).
     #[arg(long, value_name = "DIR")]
     pub state_dir: PathBuf,
-    /// The registration's lease: the monitor counts this host gone this long after it dies.
-    #[arg(long, default_value_t = 2000)]
+    /// The registration's lease: the monitor counts this host's instances gone (fenced) this
+    /// long after it dies, and the agent kills them itself when it cannot renew it for this
+    /// long — so it should outlast the store's own hiccups (an etcd leader election).
+    #[arg(long, default_value_t = 10_000)]
     pub lease_ttl_ms: u64,
 }
 
@@ -541,6 +543,9 @@ async fn lead_on_store(spec: &Spec, a: &RunArgs, url: &str, secret: &[u8]) -> an
     Ok(journal)
 }
 
+/// How long an agent that lost its lease waits between attempts to register again.
+const AGENT_REREGISTER_MS: u64 = 500;
+
 /// `failover agent`: this host's instances for the monitor, registered under a lease.
 fn run_agent(conn: &ConnArgs, a: AgentArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!a.listen.ip().is_unspecified(), "--listen must be this host's own address (instances are reached at it), not {}", a.listen.ip());
@@ -571,23 +576,40 @@ fn run_agent(conn: &ConnArgs, a: AgentArgs) -> anyhow::Result<()> {
             .with_context(|| format!("registering host {} in the control store", a.host))?;
         println!("{}", serde_json::json!({"event": "ready", "host": a.host, "listen": addr, "key": reg.key(), "adopted": adopted, "pid": std::process::id()}));
         let _ = std::io::stdout().flush();
-        tokio::select! {
-            why = reg.lost() => {
-                // The monitor counts this host's instances fenced once the lease is gone: they
-                // must not serve on (Patroni's demotion of a leader that cannot renew).
-                agent.fence_all().await;
-                println!("{}", serde_json::json!({"event": "fenced", "host": a.host, "why": why, "unix_ms": ::failover::proto::now_unix_ms()}));
-                let _ = std::io::stdout().flush();
-                eprintln!("understudy failover agent: lease lost ({why}): every instance here killed; exiting (restart to register again)");
-                std::process::exit(STEPPED_DOWN_EXIT);
+        let shutdown = testbed::proc::shutdown_signal();
+        tokio::pin!(shutdown);
+        let mut reg = reg;
+        loop {
+            tokio::select! {
+                why = reg.lost() => {
+                    // The monitor counts this host's instances fenced once the lease is gone:
+                    // they must not serve on (Patroni's demotion of a leader that cannot renew).
+                    agent.fence_all().await;
+                    println!("{}", serde_json::json!({"event": "fenced", "host": a.host, "why": why, "unix_ms": ::failover::proto::now_unix_ms()}));
+                    let _ = std::io::stdout().flush();
+                    eprintln!("understudy failover agent: lease lost ({why}): every instance here killed; registering again");
+                }
+                sig = &mut shutdown => {
+                    eprintln!("understudy failover agent: {sig} received: stopping every instance here");
+                    agent.stop_all().await;
+                    let _ = reg.deregister().await;
+                    return Ok(());
+                }
             }
-            sig = testbed::proc::shutdown_signal() => {
-                eprintln!("understudy failover agent: {sig} received: stopping every instance here");
-                agent.stop_all().await;
-                let _ = reg.deregister().await;
-            }
+            // Back in service once the store answers again (with no instance: the monitor
+            // places new ones).
+            reg = loop {
+                match store.register(::failover::agent::proto::AGENT_KIND, &a.host, &addr.to_string(), Duration::from_millis(a.lease_ttl_ms)).await {
+                    Ok(r) => break r,
+                    Err(e) => {
+                        eprintln!("understudy failover agent: registering again: {e}");
+                        tokio::time::sleep(Duration::from_millis(AGENT_REREGISTER_MS)).await;
+                    }
+                }
+            };
+            println!("{}", serde_json::json!({"event": "ready", "host": a.host, "listen": addr, "key": reg.key(), "adopted": [], "pid": std::process::id()}));
+            let _ = std::io::stdout().flush();
         }
-        Ok(())
     })
 }
 

@@ -33,6 +33,9 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 pub const FENCE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often a waiting call looks whether the agent's lease still stands.
 pub const LIVENESS_POLL: Duration = Duration::from_millis(500);
+/// How long a start waits for a live agent to place the instance on (the store may be
+/// electing a leader after losing a member) before it fails.
+pub const PLACEMENT_WAIT: Duration = Duration::from_secs(10);
 
 /// The system segment of the placement key (the monitor's keys are under it too).
 const SYSTEM: &str = "failover";
@@ -56,9 +59,11 @@ pub struct RemotePoolConfig {
     pub start_timeout: Duration,
 }
 
-#[derive(Clone, Debug)]
+/// Where an instance runs; as recorded in the store (`placement/<name>`: id → this).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 struct Placed {
     host: String,
+    /// Where it is reached, once its start answered.
     addr: Option<SocketAddr>,
 }
 
@@ -88,38 +93,24 @@ impl RemotePool {
         self.placed.lock().unwrap().iter().map(|(id, p)| (*id, p.host.clone())).collect()
     }
 
-    /// Reads the placement the previous leader recorded and asks each live host where its
-    /// instances are reached (a monitor that takes over). Returns the instances found running.
+    /// Reads the placement the previous leader recorded (a monitor that takes over): which
+    /// host holds each instance and where it is reached. No agent is asked: one on a dead host
+    /// would hold the takeover up, and the monitor's pings tell whether the instance serves.
+    /// Returns the instances with an address.
     pub async fn adopt(&self) -> Result<Vec<InstanceId>, String> {
         let k = placement_key(&self.cfg.store, &self.cfg.name);
         let Some(kv) = self.cfg.store.get(&k).await.map_err(|e| format!("control store: {e}"))? else { return Ok(vec![]) };
-        let map: BTreeMap<u64, String> = serde_json::from_slice(&kv.value).map_err(|e| format!("placement key {k} is corrupt: {e}"))?;
-        let mut running = vec![];
-        for (id, host) in map {
-            let id = InstanceId(id);
-            let addr = match self.agent_of(&host).await {
-                Ok(Some(agent)) => match self.call(&host, agent, &AgentRequest::Address { app: self.cfg.name.clone(), id }, CALL_TIMEOUT).await {
-                    Ok(AgentReply::Address { addr }) => addr,
-                    other => {
-                        tracing::warn!(%id, host, "cannot learn where the instance is: {other:?}");
-                        None
-                    }
-                },
-                _ => None,
-            };
-            if addr.is_some() {
-                running.push(id);
-            }
-            // Kept even without an address: a later kill must still reach its host.
-            self.placed.lock().unwrap().insert(id, Placed { host, addr });
-        }
+        let map: BTreeMap<u64, Placed> = serde_json::from_slice(&kv.value).map_err(|e| format!("placement key {k} is corrupt: {e}"))?;
+        let running = map.iter().filter(|(_, p)| p.addr.is_some()).map(|(id, _)| InstanceId(*id)).collect();
+        // Kept even without an address: a later kill must still reach its host.
+        *self.placed.lock().unwrap() = map.into_iter().map(|(id, p)| (InstanceId(id), p)).collect();
         Ok(running)
     }
 
     /// Records the placement (every instance not yet killed) in the store, guarded by the
     /// election.
     async fn record(&self) -> Result<(), String> {
-        let map: BTreeMap<u64, String> = self.placed.lock().unwrap().iter().map(|(id, p)| (id.0, p.host.clone())).collect();
+        let map: BTreeMap<u64, Placed> = self.placed.lock().unwrap().iter().map(|(id, p)| (id.0, p.clone())).collect();
         let k = placement_key(&self.cfg.store, &self.cfg.name);
         self.cfg.leadership.put(&k, serde_json::to_vec(&map).expect("serialisable")).await.map_err(|e| format!("recording the placement: {e}"))?;
         Ok(())
@@ -235,18 +226,34 @@ impl RemotePool {
 
 impl InstancePool for RemotePool {
     async fn start(&self, id: InstanceId, volume: &str) -> Result<SocketAddr, PoolError> {
-        let live = self.live_agents().await.map_err(|msg| PoolError::Host { id, host: "?".into(), msg })?;
-        let (host, fresh) = {
-            let placed = self.placed.lock().unwrap();
-            match placed.get(&id) {
-                // A repeated start goes where the first one went.
-                Some(p) => (p.host.clone(), false),
-                None => {
-                    let hosts: Vec<String> = live.iter().map(|(h, _)| h.clone()).collect();
-                    let occupied: Vec<String> = placed.values().map(|p| p.host.clone()).collect();
-                    let host = place(&hosts, &occupied).ok_or_else(|| PoolError::Host { id, host: "?".into(), msg: "no live failover agent".into() })?;
-                    (host, true)
+        // The agents' keys can be briefly unreadable (the store electing a leader after losing
+        // a member, often with the very host that failed): waited for, bounded, rather than
+        // failing the start at once.
+        let deadline = tokio::time::Instant::now() + PLACEMENT_WAIT;
+        let (live, host, fresh) = loop {
+            let live = self.live_agents().await;
+            let choice = live.as_ref().ok().and_then(|live| {
+                let placed = self.placed.lock().unwrap();
+                match placed.get(&id) {
+                    // A repeated start goes where the first one went.
+                    Some(p) => Some((p.host.clone(), false)),
+                    None => {
+                        let hosts: Vec<String> = live.iter().map(|(h, _)| h.clone()).collect();
+                        let occupied: Vec<String> = placed.values().map(|p| p.host.clone()).collect();
+                        place(&hosts, &occupied).map(|h| (h, true))
+                    }
                 }
+            });
+            match (live, choice) {
+                (Ok(live), Some((host, fresh))) => break (live, host, fresh),
+                (live, _) if tokio::time::Instant::now() >= deadline => {
+                    let msg = match live {
+                        Err(e) => e,
+                        Ok(_) => "no live failover agent".to_string(),
+                    };
+                    return Err(PoolError::Host { id, host: "?".into(), msg });
+                }
+                _ => tokio::time::sleep(LIVENESS_POLL).await,
             }
         };
         let err = |msg: String| PoolError::Host { id, host: host.clone(), msg };
@@ -263,8 +270,15 @@ impl InstancePool for RemotePool {
         let req = AgentRequest::Start { app: self.cfg.name.clone(), id, volume: volume.to_string(), spec: self.cfg.app.clone(), mkfs_first: self.cfg.mkfs_first };
         match self.call(&host, agent, &req, self.cfg.start_timeout).await.map_err(err)? {
             AgentReply::Started { addr } => {
-                if let Some(p) = self.placed.lock().unwrap().get_mut(&id) {
-                    p.addr = Some(addr);
+                let changed = match self.placed.lock().unwrap().get_mut(&id) {
+                    Some(p) => p.addr.replace(addr) != Some(addr),
+                    None => false,
+                };
+                if changed {
+                    // So that the next leader reaches it without asking its agent.
+                    if let Err(e) = self.record().await {
+                        tracing::warn!(%id, "{e}");
+                    }
                 }
                 Ok(addr)
             }
@@ -380,16 +394,18 @@ mod tests {
 
         // A second monitor (same store, as the next leader would read it) finds the placement.
         let next = pool(&d);
-        assert_eq!(next.adopt().await.unwrap(), vec![], "nothing answers on h0");
+        assert_eq!(next.adopt().await.unwrap(), vec![], "i1 never answered its start: no address");
         assert_eq!(next.placement(), vec![(InstanceId(1), "h0".to_string())]);
         // The host is gone: its instance's fence is done without it, and forgotten.
         tokio::time::timeout(Duration::from_secs(10), next.kill(InstanceId(1))).await.expect("a kill on a dead host hung").unwrap();
         assert!(next.placement().is_empty());
         let k = placement_key(d.store(), "db");
-        let stored: BTreeMap<u64, String> = serde_json::from_slice(&d.store().get(&k).await.unwrap().unwrap().value).unwrap();
+        let stored: BTreeMap<u64, Placed> = serde_json::from_slice(&d.store().get(&k).await.unwrap().unwrap().value).unwrap();
         assert!(stored.is_empty(), "{stored:?}");
-        // With no live agent, a start has nowhere to go.
+        // With no live agent, a start has nowhere to go: it fails once it waited its bound.
+        let t0 = Instant::now();
         let e = next.start(InstanceId(2), "db").await.unwrap_err();
         assert!(e.to_string().contains("no live failover agent"), "{e}");
+        assert!(t0.elapsed() >= PLACEMENT_WAIT, "the start gave up before waiting for an agent");
     }
 }
