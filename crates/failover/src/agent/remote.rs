@@ -45,6 +45,18 @@ pub fn placement_key(store: &control::Store, name: &str) -> String {
     store.key(SYSTEM, "placement", name)
 }
 
+/// Why a remote call did not get its answer.
+#[derive(Debug, thiserror::Error)]
+enum CallError {
+    /// The agent's lease disappeared while the call waited: its host is dead, or its agent
+    /// fenced every instance there.
+    #[error("{0}")]
+    Gone(String),
+    /// Unreachable, timed out, or an unreadable answer: the outcome is unknown.
+    #[error("{0}")]
+    Failed(String),
+}
+
 pub struct RemotePoolConfig {
     pub store: control::Store,
     /// The monitor's leadership: placement writes are guarded by it (a deposed monitor cannot
@@ -118,8 +130,9 @@ impl RemotePool {
 
     /// One request to the agent of `host` at `agent`, bounded by `timeout` and by the agent's
     /// lease: the call fails as soon as the host's registration is gone.
-    async fn call(&self, host: &str, agent: SocketAddr, req: &AgentRequest, timeout: Duration) -> Result<AgentReply, String> {
+    async fn call(&self, host: &str, agent: SocketAddr, req: &AgentRequest, timeout: Duration) -> Result<AgentReply, CallError> {
         let exchange = async {
+            let r: Result<AgentReply, String> = async {
             let mut s = tokio::net::TcpStream::connect(agent).await.map_err(|e| format!("cannot reach the agent at {agent}: {e}"))?;
             let _ = s.set_nodelay(true);
             wire::auth::connect(&mut s, &self.cfg.secret).await.map_err(|e| format!("agent {agent}: {e}"))?;
@@ -129,6 +142,9 @@ impl RemotePool {
             let mut body = vec![0u8; body_len(header).map_err(|e| e.to_string())?];
             s.read_exact(&mut body).await.map_err(|e| format!("agent {agent} closed: {e}"))?;
             decode::<AgentReply>(&body).map_err(|e| e.to_string())
+            }
+            .await;
+            r.map_err(CallError::Failed)
         };
         let gone = async {
             loop {
@@ -136,13 +152,13 @@ impl RemotePool {
                 // (A store that cannot answer says nothing about the host: keep waiting.)
                 if let Ok(live) = self.live_agents().await {
                     if !live.iter().any(|(h, a)| h == host && *a == agent) {
-                        return format!("the agent of host {host} lost its lease");
+                        return CallError::Gone(format!("the agent of host {host} lost its lease"));
                     }
                 }
             }
         };
         tokio::select! {
-            r = tokio::time::timeout(timeout, exchange) => r.unwrap_or_else(|_| Err(format!("agent {agent} did not answer within {} ms", timeout.as_millis()))),
+            r = tokio::time::timeout(timeout, exchange) => r.unwrap_or_else(|_| Err(CallError::Failed(format!("agent {agent} did not answer within {} ms", timeout.as_millis())))),
             why = gone => Err(why),
         }
     }
@@ -168,8 +184,11 @@ impl RemotePool {
                 Ok(AgentReply::Failed { error }) => Err(error),
                 Ok(other) => Err(err(format!("unexpected answer {other:?}"))),
                 // Lost its lease while we waited: as above.
-                Err(why) if why.contains("lost its lease") => Ok(()),
-                Err(why) => Err(err(why)),
+                Err(CallError::Gone(why)) => {
+                    tracing::warn!(%id, host, "{why} during the fence: counted as fenced");
+                    Ok(())
+                }
+                Err(CallError::Failed(why)) => Err(err(why)),
             },
         };
         if r.is_ok() {
@@ -200,7 +219,7 @@ impl RemotePool {
         let host = self.placed.lock().unwrap().get(&id).map(|p| p.host.clone()).ok_or(PoolError::Unknown(id))?;
         let err = |msg: String| PoolError::Host { id, host: host.clone(), msg };
         let agent = self.agent_of(&host).await.map_err(err)?.ok_or_else(|| err("no live agent".into()))?;
-        match self.call(&host, agent, &req, CALL_TIMEOUT).await.map_err(err)? {
+        match self.call(&host, agent, &req, CALL_TIMEOUT).await.map_err(|e| err(e.to_string()))? {
             AgentReply::Done => Ok(()),
             AgentReply::Failed { error } => Err(error),
             other => Err(err(format!("unexpected answer {other:?}"))),
@@ -268,7 +287,7 @@ impl InstancePool for RemotePool {
         }
         let agent = live.iter().find(|(h, _)| *h == host).map(|(_, a)| *a).ok_or_else(|| err("its host has no live agent".into()))?;
         let req = AgentRequest::Start { app: self.cfg.name.clone(), id, volume: volume.to_string(), spec: self.cfg.app.clone(), mkfs_first: self.cfg.mkfs_first };
-        match self.call(&host, agent, &req, self.cfg.start_timeout).await.map_err(err)? {
+        match self.call(&host, agent, &req, self.cfg.start_timeout).await.map_err(|e| err(e.to_string()))? {
             AgentReply::Started { addr } => {
                 let changed = match self.placed.lock().unwrap().get_mut(&id) {
                     Some(p) => p.addr.replace(addr) != Some(addr),
