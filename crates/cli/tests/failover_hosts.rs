@@ -336,6 +336,22 @@ fn wait_event(bed: &HostBed, name: &str, event: &str, timeout: Duration) -> Valu
     }
 }
 
+/// The first of `names` whose log has a JSON line with `"event": event`, and that line.
+fn wait_event_any(bed: &HostBed, names: &[String], event: &str, timeout: Duration) -> (String, Value) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        for name in names {
+            let text = std::fs::read_to_string(bed.log(name)).unwrap_or_default();
+            if let Some(v) = text.lines().filter_map(|l| serde_json::from_str::<Value>(l).ok()).find(|v| v["event"] == event) {
+                return (name.clone(), v);
+            }
+        }
+        let tails: Vec<String> = names.iter().map(|n| format!("--- {n}:\n{}", bed.tail(n, 40))).collect();
+        assert!(Instant::now() < deadline, "no {event} from {names:?} within {timeout:?}:\n{}", tails.join("\n"));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Polls the monitors' election until `want` leads.
 fn wait_leading(bed: &HostBed, store: &control::Store, rt: &tokio::runtime::Runtime, want: &str) -> Duration {
     let t0 = Instant::now();
@@ -391,14 +407,14 @@ fn lose_the_primarys_host(with_monitor: bool) {
         let killed = Instant::now();
         bed.kill_host(lost).unwrap();
 
-        let leader = if with_monitor {
+        if with_monitor {
             let takeover = wait_leading(&bed, &store, &rt, &standby);
             eprintln!("the monitor's host died with the primary's: {standby} leads {} ms after", takeover.as_millis());
-            standby.clone()
-        } else {
-            first.clone()
-        };
-        let promoted = wait_event(&bed, &leader, "promoted", WAIT + WAIT);
+        }
+        // Whichever monitor leads promotes: the surviving leader may also lose its election
+        // lease while etcd re-elects after losing a member, exit, and leave it to the standby.
+        let survivors: Vec<String> = [first.clone(), standby.clone()].into_iter().filter(|m| host_index(&m[m.len() - 2..]) != lost).collect();
+        let (leader, promoted) = wait_event_any(&bed, &survivors, "promoted", WAIT + WAIT);
         // The promoted primary serves: the first commit acknowledged after the death.
         let serving = load.wait_acked(acked_at_kill + 1, "after the promotion") - killed;
         load.wait_acked(load.acked() + FLOWING_COMMITS, "after the promotion");
@@ -418,7 +434,7 @@ fn lose_the_primarys_host(with_monitor: bool) {
                 "serving_ms": serving.as_millis() as u64,
                 "promoted_ms": promoted["unix_ms"].as_u64().unwrap_or(0).saturating_sub(killed_unix_ms),
                 "acked": verdict["acked"], "max_gap_ms": verdict["max_gap_ms"],
-                "from": format!("h{lost}"), "to": format!("h{new_host}"), "loadavg_at_kill": load_at_kill, "loadavg": loadavg(),
+                "from": format!("h{lost}"), "to": format!("h{new_host}"), "promoted_by": leader, "loadavg_at_kill": load_at_kill, "loadavg": loadavg(),
             })
         );
     })
