@@ -133,15 +133,15 @@ impl RemotePool {
     async fn call(&self, host: &str, agent: SocketAddr, req: &AgentRequest, timeout: Duration) -> Result<AgentReply, CallError> {
         let exchange = async {
             let r: Result<AgentReply, String> = async {
-            let mut s = tokio::net::TcpStream::connect(agent).await.map_err(|e| format!("cannot reach the agent at {agent}: {e}"))?;
-            let _ = s.set_nodelay(true);
-            wire::auth::connect(&mut s, &self.cfg.secret).await.map_err(|e| format!("agent {agent}: {e}"))?;
-            s.write_all(&encode(req).map_err(|e| e.to_string())?).await.map_err(|e| format!("agent {agent}: {e}"))?;
-            let mut header = [0u8; FRAME_HEADER_BYTES];
-            s.read_exact(&mut header).await.map_err(|e| format!("agent {agent} closed: {e}"))?;
-            let mut body = vec![0u8; body_len(header).map_err(|e| e.to_string())?];
-            s.read_exact(&mut body).await.map_err(|e| format!("agent {agent} closed: {e}"))?;
-            decode::<AgentReply>(&body).map_err(|e| e.to_string())
+                let mut s = tokio::net::TcpStream::connect(agent).await.map_err(|e| format!("cannot reach the agent at {agent}: {e}"))?;
+                let _ = s.set_nodelay(true);
+                wire::auth::connect(&mut s, &self.cfg.secret).await.map_err(|e| format!("agent {agent}: {e}"))?;
+                s.write_all(&encode(req).map_err(|e| e.to_string())?).await.map_err(|e| format!("agent {agent}: {e}"))?;
+                let mut header = [0u8; FRAME_HEADER_BYTES];
+                s.read_exact(&mut header).await.map_err(|e| format!("agent {agent} closed: {e}"))?;
+                let mut body = vec![0u8; body_len(header).map_err(|e| e.to_string())?];
+                s.read_exact(&mut body).await.map_err(|e| format!("agent {agent} closed: {e}"))?;
+                decode::<AgentReply>(&body).map_err(|e| e.to_string())
             }
             .await;
             r.map_err(CallError::Failed)
