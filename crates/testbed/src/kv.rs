@@ -131,6 +131,9 @@ pub struct UpArgs {
     /// Witness KV: passed to every node as --soft-timeout-ms (0: no pulling before the election).
     #[arg(long, value_name = "MS")]
     pub soft_timeout_ms: Option<u64>,
+    /// Witness KV: passed to every node as --sample-probability.
+    #[arg(long, value_name = "P")]
+    pub sample_probability: Option<f64>,
     /// Nodes in the replication group (3, 4 or 5 in the paper).
     #[arg(long, default_value_t = 5)]
     pub nodes: u32,

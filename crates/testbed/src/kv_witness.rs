@@ -110,6 +110,9 @@ impl LocalWitnessKv {
                 if let Some(ms) = a.soft_timeout_ms {
                     v.extend(["--soft-timeout-ms".into(), ms.to_string()]);
                 }
+                if let Some(p) = a.sample_probability {
+                    v.extend(["--sample-probability".into(), p.to_string()]);
+                }
                 v.extend(["--recovery".into(), recovery.name().into()]);
                 v
             })

@@ -560,6 +560,7 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         backups: 1,
         witnesses: 1,
         soft_timeout_ms: None,
+        sample_probability: None,
         nodes,
         model,
         port_base: 0,

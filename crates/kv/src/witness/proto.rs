@@ -152,6 +152,28 @@ pub struct PeerMsg {
     pub body: PeerBody,
 }
 
+impl PeerBody {
+    /// The message's name, for logs (a slow input names what it was).
+    pub fn name(&self) -> &'static str {
+        match self {
+            PeerBody::AppendEntries { .. } => "AppendEntries",
+            PeerBody::AppendAck { .. } => "AppendAck",
+            PeerBody::Snapshot { .. } => "Snapshot",
+            PeerBody::SnapshotAck { .. } => "SnapshotAck",
+            PeerBody::RequestVote { .. } => "RequestVote",
+            PeerBody::Vote { .. } => "Vote",
+            PeerBody::RequestLog { .. } => "RequestLog",
+            PeerBody::LogReply { .. } => "LogReply",
+            PeerBody::BatchPull { .. } => "BatchPull",
+            PeerBody::BatchPullReply { .. } => "BatchPullReply",
+            PeerBody::BatchPullAbort { .. } => "BatchPullAbort",
+            PeerBody::PriorityPull { .. } => "PriorityPull",
+            PeerBody::PriorityPullReply { .. } => "PriorityPullReply",
+            PeerBody::Popularity { .. } => "Popularity",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PeerBody {
     /// Leader → every member (Fig 5). Backups get full entries, witnesses key-only ones. With no

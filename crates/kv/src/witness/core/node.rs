@@ -33,7 +33,7 @@
 //! Simplified in this version (each marked `SIMPLIFIED` where it lives): a backup has one
 //! worker (M7).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
@@ -356,6 +356,12 @@ pub struct RecoveryStats {
     /// Entries pulled before the election (M15) and installed at its start.
     pub proactive_installed: u64,
     pub gets_served_after_pull: u64,
+    /// Gets answered at once during the recovery (the value was already here).
+    pub gets_hit: u64,
+    /// PriorityPulls answered, with their total and largest latency: what a miss costs.
+    pub priority_pulls_answered: u64,
+    pub priority_pull_latency_us_total: u64,
+    pub priority_pull_latency_us_max: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -549,11 +555,19 @@ struct Proactive {
     full: bool,
 }
 
+/// Missing keys one pass over the key table collects for the end of a recovery (M19): the
+/// stream has passed them all by then, so few are left; a bound keeps a pathological case
+/// (pulls that keep finding older versions) from building a copy of the key set.
+const LEFTOVER_SCAN_KEYS_MAX: usize = 65_536;
+
 /// The new primary's live recovery (M17–M19).
 #[derive(Clone, Debug)]
 struct LiveRecovery {
-    /// Keys whose local value stamp is below the key table's (M19).
-    missing: HashSet<Vec<u8>>,
+    /// What the BatchPull stream left (M19): found by one scan of the key table when the
+    /// stream ends (the missing set itself is [`Head::missing`], a count), pulled in order; a
+    /// key no longer missing by then is skipped. Rescanned only if it runs dry while keys are
+    /// still missing (a pull that found only an older version).
+    leftover: Vec<Vec<u8>>,
     pending_gets: HashMap<Vec<u8>, Vec<u64>>,
     pending_get_count: usize,
     pulls: HashMap<u64, PullState>,
@@ -588,10 +602,71 @@ struct Lead {
 }
 
 /// A head's state machine: the key table (the oracle, M1) and the value table.
+///
+/// Written only through its methods, which keep [`Head::missing`]: the number of keys whose
+/// value is older than the key table's stamp. A new primary's recovery (M19) needs that set's
+/// size at every step and its members only once the BatchPull stream has passed; a set built
+/// at the election cost a pass over every key while nothing was served (135 ms for 250 k
+/// keys, more as the shard grows), where a count kept at each write costs O(1).
 #[derive(Clone, Debug, Default)]
 struct Head {
     keys: HashMap<Vec<u8>, Stamp>,
     values: HashMap<Vec<u8>, (Stamp, Vec<u8>)>,
+    missing: usize,
+}
+
+impl Head {
+    fn is_missing(&self, key: &[u8]) -> bool {
+        let ks = self.keys.get(key).copied().unwrap_or(Stamp::ZERO);
+        self.values.get(key).map_or(Stamp::ZERO, |v| v.0) < ks
+    }
+
+    /// Runs `f` on the tables and adjusts the count for `key`, the one key `f` changes.
+    fn update(&mut self, key: &[u8], f: impl FnOnce(&mut Self)) {
+        let before = self.is_missing(key);
+        f(self);
+        match (before, self.is_missing(key)) {
+            (false, true) => self.missing += 1,
+            (true, false) => self.missing -= 1,
+            _ => {}
+        }
+    }
+
+    /// Raises `key`'s stamp in the key table (never lowers it).
+    fn raise_key(&mut self, key: &[u8], st: Stamp) {
+        self.update(key, |h| {
+            let e = h.keys.entry(key.to_vec()).or_insert(Stamp::ZERO);
+            *e = (*e).max(st);
+        });
+    }
+
+    fn set_value(&mut self, key: &[u8], st: Stamp, value: Vec<u8>) {
+        self.update(key, |h| {
+            h.values.insert(key.to_vec(), (st, value));
+        });
+    }
+
+    /// Drops every value (an old primary serving as a witness, M24).
+    fn clear_values(&mut self) {
+        self.values = HashMap::new();
+        self.missing = self.keys.values().filter(|&&ks| ks > Stamp::ZERO).count();
+    }
+
+    /// Up to `max` missing keys, by a pass over the key table.
+    fn scan_missing(&self, max: usize) -> Vec<Vec<u8>> {
+        self.keys
+            .keys()
+            .filter(|k| self.is_missing(k))
+            .take(max)
+            .cloned()
+            .collect()
+    }
+
+    /// The count against a recount (deep invariants: O(keys)).
+    fn check_missing(&self) {
+        let n = self.keys.keys().filter(|k| self.is_missing(k)).count();
+        assert_eq!(self.missing, n, "missing-key count drifted from the tables");
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -721,6 +796,9 @@ pub struct Counters {
     pub reconfigs: u64,
     /// Times this head, an old primary, dropped its value table to serve as a witness (M24).
     pub values_dropped_as_witness: u64,
+    /// Times this leader stepped down because no quorum renewed its lease for an election
+    /// timeout (CheckQuorum).
+    pub quorum_lost_step_downs: u64,
 }
 
 #[derive(Clone)]
@@ -933,7 +1011,7 @@ impl WitnessCore {
         self.lead
             .as_ref()
             .and_then(|l| l.recovery.as_ref())
-            .map_or(0, |r| r.missing.len())
+            .map_or(0, |_| self.head.missing)
     }
     /// The key table's stamp for `key` (heads).
     pub fn key_stamp(&self, key: &[u8]) -> Option<Stamp> {
@@ -998,6 +1076,8 @@ impl WitnessCore {
 
     /// Cheap invariants, run after every input in debug builds. What the tests rely on:
     pub fn check_invariants(&self) {
+        // The missing count is recounted in the deep check; here only its bound.
+        assert!(self.head.missing <= self.head.keys.len(), "more keys missing than known");
         // Election safety, part 1: only voting heads ever lead, only heads run (M12).
         if self.role != RoleKind::Follower {
             let ok = if self.role == RoleKind::Candidate {
@@ -1099,16 +1179,7 @@ impl WitnessCore {
                 assert!(*vs <= ks, "value stamp {vs:?} above key table {ks:?}");
             }
         }
-        if let Some(r) = self.lead.as_ref().and_then(|l| l.recovery.as_ref()) {
-            for (k, ks) in &self.head.keys {
-                let vs = self.head.values.get(k).map_or(Stamp::ZERO, |v| v.0);
-                assert_eq!(
-                    r.missing.contains(k),
-                    vs < *ks,
-                    "missing set wrong for {k:?}"
-                );
-            }
-        }
+        self.head.check_missing();
     }
 
     // ---- plumbing ----
@@ -1385,6 +1456,7 @@ impl WitnessCore {
         }
         let since = *l.lease_lost_since_us.get_or_insert(self.now);
         if self.now >= since + self.p.election_timeout_us {
+            self.counters.quorum_lost_step_downs += 1;
             let t = self.term;
             self.step_down(t);
             self.reset_election_timer();
@@ -2041,27 +2113,17 @@ impl WitnessCore {
             }
             if let Op::Put { key, value } = &e.op {
                 let st = e.stamp();
-                let prev = self.head.keys.insert(key.clone(), st);
-                debug_assert!(prev.is_none_or(|p| p < st));
+                debug_assert!(self.head.keys.get(key).is_none_or(|&p| p < st));
+                self.head.raise_key(key, st);
                 if let Some(v) = value {
                     let cur = self.head.values.get(key).map_or(Stamp::ZERO, |x| x.0);
                     if st > cur {
-                        self.head.values.insert(key.clone(), (st, v.to_vec()));
+                        self.head.set_value(key, st, v.to_vec());
                     }
                 }
                 // Values of applied entries live in the value table (and on every backup).
                 if let Some(Slot::Entry(le)) = self.log.slot_mut(i) {
                     *le = le.key_only();
-                }
-                if let Some(l) = self.lead.as_mut() {
-                    if let Some(r) = l.recovery.as_mut() {
-                        let vs = self.head.values.get(key).map_or(Stamp::ZERO, |x| x.0);
-                        if vs >= st {
-                            r.missing.remove(key);
-                        } else {
-                            r.missing.insert(key.clone());
-                        }
-                    }
                 }
                 let key = key.clone();
                 self.answer_waiting_gets(&key);
@@ -2156,6 +2218,9 @@ impl WitnessCore {
         if let Some((vs, v)) = self.head.values.get(&key) {
             if *vs == ks {
                 let v = v.clone();
+                if let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) {
+                    r.stats.gets_hit += 1;
+                }
                 self.out.push(Output::Reply {
                     tag,
                     reply: ClientReply::Value(Some(ByteBuf::from(v))),
@@ -2230,14 +2295,7 @@ impl WitnessCore {
                 }
             }
         }
-        let missing: HashSet<Vec<u8>> = self
-            .head
-            .keys
-            .iter()
-            .filter(|(k, ks)| self.head.values.get(*k).is_none_or(|(vs, _)| vs < ks))
-            .map(|(k, _)| k.clone())
-            .collect();
-        if missing.is_empty() {
+        if self.head.missing == 0 {
             // Nothing to pull (a fresh group, or reconciliation brought every newest value).
             self.out.push(Output::Recovered(RecoveryStats {
                 started_us: self.now,
@@ -2251,10 +2309,10 @@ impl WitnessCore {
             return;
         };
         let id = self.next_io_id();
-        let n = missing.len() as u64;
+        let n = self.head.missing as u64;
         let start = self.rec_stream_start();
         self.lead.as_mut().unwrap().recovery = Some(LiveRecovery {
-            missing,
+            leftover: Vec::new(),
             pending_gets: HashMap::new(),
             pending_get_count: 0,
             pulls: HashMap::new(),
@@ -2342,12 +2400,9 @@ impl WitnessCore {
         } else if !(cur < st && st <= ks) {
             return false;
         }
-        self.head.values.insert(key.to_vec(), (st, v.to_vec()));
+        self.head.set_value(key, st, v.to_vec());
         if let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) {
             r.stats.installed += 1;
-            if st == ks {
-                r.missing.remove(key);
-            }
         }
         true
     }
@@ -2359,6 +2414,9 @@ impl WitnessCore {
         let Some(p) = r.pulls.remove(&id) else { return };
         r.pull_by_key.remove(&p.key);
         let latency_us = self.now.saturating_sub(p.sent_us);
+        r.stats.priority_pulls_answered += 1;
+        r.stats.priority_pull_latency_us_total += latency_us;
+        r.stats.priority_pull_latency_us_max = r.stats.priority_pull_latency_us_max.max(latency_us);
         self.rec_priority_latency(latency_us);
         for e in &entries {
             self.install(e);
@@ -2441,9 +2499,23 @@ impl WitnessCore {
         // The pacing (M20, `recovery.rs`) is asked only when a request is due, so an idle
         // stream spends no tokens.
         let paced_ok = due && self.rec_may_batch_pull();
+        let max_pulls = self.p.max_pending_pulls;
+        let leftover_dry = self
+            .lead
+            .as_ref()
+            .and_then(|l| l.recovery.as_ref())
+            .is_some_and(|r| r.batch.done && r.leftover.is_empty());
+        // The stream has passed every key: what it left, by one pass over the key table
+        // (again only if that list runs dry with keys still missing).
+        let rescan = (leftover_dry && self.head.missing > 0)
+            .then(|| self.head.scan_missing(LEFTOVER_SCAN_KEYS_MAX));
+        let head = &self.head;
         let Some(r) = self.lead.as_mut().and_then(|l| l.recovery.as_mut()) else {
             return;
         };
+        if let Some(keys) = rescan {
+            r.leftover = keys;
+        }
         let mut sends = Vec::new();
         if paced_ok {
             r.batch.in_flight_since = Some(now);
@@ -2475,13 +2547,15 @@ impl WitnessCore {
             }
         }
         if r.batch.done {
-            for k in r.missing.iter().take(self.p.max_pending_pulls) {
-                if !r.pull_by_key.contains_key(k) {
-                    again.push(k.clone());
+            // Keys no longer missing (a Put, a pull) leave the list as it is walked.
+            while r.pull_by_key.len() + again.len() < max_pulls {
+                let Some(k) = r.leftover.pop() else { break };
+                if head.is_missing(&k) && !r.pull_by_key.contains_key(&k) {
+                    again.push(k);
                 }
             }
         }
-        let finished = r.batch.done && r.missing.is_empty() && r.pending_gets.is_empty();
+        let finished = r.batch.done && head.missing == 0 && r.pending_gets.is_empty();
         for (to, body) in sends {
             self.send(to, body);
         }

@@ -325,8 +325,7 @@ impl WitnessCore {
             return; // older than what this head already dropped: it asks again if it needs
         }
         for (k, st) in keys {
-            let e = self.head.keys.entry(k).or_insert(Stamp::ZERO);
-            *e = (*e).max(st);
+            self.head.raise_key(&k, st);
         }
         // A mismatch at `index` means `index` is past this head's commit (committed entries
         // match everywhere), so dropping the whole log loses nothing committed.

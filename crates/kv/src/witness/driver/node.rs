@@ -57,6 +57,8 @@ pub const PENDING_CLIENT_CALLS_MAX: usize = 16_384;
 /// pool's request channel is only a backstop; a full one blocks the core's task (backpressure,
 /// no loss).
 pub const SSD_QUEUE_REQS: usize = 1024;
+/// An input (with the outputs it makes) that holds the node's one task this long is logged.
+pub const SLOW_INPUT: Duration = Duration::from_millis(20);
 /// Ring size of the meta region (term/vote records; the old ones are freed at each append).
 pub const META_PMEM_BYTES: u64 = 1 << 20;
 /// Default ring size of the log region (a head's key-only log, a backup's buffer).
@@ -330,6 +332,7 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_role = None;
     let mut last_proactive = (0u64, 0u64);
+    let mut last_step_downs = 0u64;
     loop {
         let input = tokio::select! {
             biased;
@@ -347,6 +350,16 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
                 Input::Client { tag, req }
             }
         };
+        let label = match &input {
+            Input::Peer { msg, .. } => msg.body.name(),
+            Input::Client { .. } => "client request",
+            Input::PmemPersisted { .. } => "pmem persisted",
+            Input::SsdWritten { .. } => "ssd write done",
+            Input::SsdRead { .. } => "ssd read done",
+            Input::Tick => "tick",
+            Input::Reconfigure(_) => "reconfigure",
+        };
+        let started = Instant::now();
         core.handle(now_us(), input);
         // Soft timeouts in the log: operators (and the SIGSTOP tests) see false ones abort.
         let proactive = (core.counters.proactive_started, core.counters.proactive_aborted);
@@ -358,6 +371,10 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
                 tracing::info!("node {me}: the leader was heard again: proactive pull aborted");
             }
             last_proactive = proactive;
+        }
+        if core.counters.quorum_lost_step_downs != last_step_downs {
+            last_step_downs = core.counters.quorum_lost_step_downs;
+            tracing::warn!("node {me}: stepped down: no quorum renewed the lease for an election timeout");
         }
         // Carry the outputs out in order; pmem is durable on return, so its completions are
         // given after the batch, which may produce more outputs (deferred sends).
@@ -399,11 +416,19 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
                         }
                     }
                     Output::Recovered(s) => tracing::info!(
-                        "node {me}: recovered: {} keys missing at start, {} proactively pulled, {} batch entries, {} priority pulls, {:.1} ms",
+                        "node {me}: recovered: {} keys missing at start, {} proactively pulled, {} batch entries, {} priority pulls (mean {:.2} ms, max {:.1} ms), {} gets hit and {} after a pull, BatchPull rate now {} MiB/s, {:.1} ms",
                         s.missing_at_start,
                         s.proactive_installed,
                         s.batch_entries,
                         s.priority_pulls,
+                        s.priority_pull_latency_us_total as f64 / s.priority_pulls_answered.max(1) as f64 / 1000.0,
+                        s.priority_pull_latency_us_max as f64 / 1000.0,
+                        s.gets_hit,
+                        s.gets_served_after_pull,
+                        match core.batch_pull_rate_bytes_per_s() {
+                            u64::MAX => "unlimited".to_string(),
+                            r => (r >> 20).to_string(),
+                        },
                         s.finished_us.saturating_sub(s.started_us) as f64 / 1000.0
                     ),
                 }
@@ -411,6 +436,12 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
             if let Some(seq) = persisted {
                 core.handle(now_us(), Input::PmemPersisted { seq });
             }
+        }
+        let took = started.elapsed();
+        if took >= SLOW_INPUT {
+            // Everything queued behind this input waited as long: a heartbeat ack late by more
+            // than the lease's slack costs the leader its lease. Named so it can be found.
+            tracing::warn!("node {me}: one input ({label}) took {} ms", took.as_millis());
         }
     }
 }
