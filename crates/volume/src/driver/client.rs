@@ -43,10 +43,6 @@ pub const META_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often one dial of the metadata service is started again because the election changed
 /// during it; past this (an election flapping faster than a dial), the dial runs to its end.
 pub const MAX_DIAL_RESTARTS: u32 = 8;
-/// How long a dial started again at a new leader keeps dialling it alone (its address is bound
-/// just after its election shows), and how often.
-pub const NEW_LEADER_BIND_WAIT: Duration = Duration::from_secs(2);
-pub const NEW_LEADER_REDIAL_INTERVAL: Duration = Duration::from_millis(50);
 /// How long one request may wait for its reply before it is retried.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
 /// A request without a reply for this long looks at the cluster map again (asking the
@@ -265,20 +261,13 @@ impl Cluster {
                 }
                 None => {
                     restarts += 1;
-                    // A new leader binds its address just after its election shows: dialled
-                    // alone for a moment (a refusal comes back at once) before the whole list,
-                    // whose silent addresses cost a dial timeout each.
+                    // Dialled alone for a moment before the whole list (see `dial_new_leader`).
                     let Some(l) = self.leader.as_ref().and_then(|w| w.current()) else { continue };
                     if !self.meta_addr.split(',').any(|a| a.trim() == l.addr) {
                         continue;
                     }
-                    let until = Instant::now() + NEW_LEADER_BIND_WAIT;
-                    while Instant::now() < until {
-                        let dial = crate::driver::shard::dial(&l.addr, &self.secret, &Hello::Client);
-                        match tokio::time::timeout(crate::driver::shard::META_DIAL_TIMEOUT, dial).await {
-                            Ok(Ok(link)) => return Ok(MetaConn { link, addr: l.addr.clone(), leader: Some(l), last_reply: Instant::now() }),
-                            _ => tokio::time::sleep(NEW_LEADER_REDIAL_INTERVAL).await,
-                        }
+                    if let Some(link) = crate::driver::shard::dial_new_leader(&l.addr, &self.secret, &Hello::Client).await {
+                        return Ok(MetaConn { link, addr: l.addr.clone(), leader: Some(l), last_reply: Instant::now() });
                     }
                 }
             }
