@@ -240,7 +240,18 @@ impl Cluster {
             let at = self.leader.as_ref().and_then(|w| w.current());
             let silent = self.silent_meta_addr.lock().unwrap().clone();
             let addrs = silent_last(&order_addrs(&self.meta_addr, at.as_ref()), silent.as_deref());
-            let dial = crate::driver::shard::dial_meta_at(&addrs, &self.secret, &Hello::Client);
+            // The leader the store names (unless its connection is the one that went silent) is
+            // dialled alone for a moment first, see `dial_new_leader`: a dial mostly follows an
+            // election, and the new leader may not have bound its address yet.
+            let alone = at.as_ref().map(|l| l.addr.clone()).filter(|a| silent.as_ref() != Some(a) && self.meta_addr.split(',').any(|x| x.trim() == a));
+            let dial = async {
+                if let Some(a) = &alone {
+                    if let Some(link) = crate::driver::shard::dial_new_leader(a, &self.secret, &Hello::Client).await {
+                        return Ok((link, a.clone()));
+                    }
+                }
+                crate::driver::shard::dial_meta_at(&addrs, &self.secret, &Hello::Client).await
+            };
             let dialled = match &self.leader {
                 Some(w) if restarts < MAX_DIAL_RESTARTS => {
                     let mut rx = w.subscribe();
@@ -259,17 +270,7 @@ impl Cluster {
                     let (link, addr) = r.with_context(|| format!("cannot reach the metadata service at {}", self.meta_addr))?;
                     return Ok(MetaConn { link, addr, leader: at, last_reply: Instant::now() });
                 }
-                None => {
-                    restarts += 1;
-                    // Dialled alone for a moment before the whole list (see `dial_new_leader`).
-                    let Some(l) = self.leader.as_ref().and_then(|w| w.current()) else { continue };
-                    if !self.meta_addr.split(',').any(|a| a.trim() == l.addr) {
-                        continue;
-                    }
-                    if let Some(link) = crate::driver::shard::dial_new_leader(&l.addr, &self.secret, &Hello::Client).await {
-                        return Ok(MetaConn { link, addr: l.addr.clone(), leader: Some(l), last_reply: Instant::now() });
-                    }
-                }
+                None => restarts += 1,
             }
         }
     }
