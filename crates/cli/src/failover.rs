@@ -453,7 +453,7 @@ fn run_monitor(conn: &ConnArgs, a: RunArgs) -> anyhow::Result<()> {
             Some(addr) => {
                 let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on --control {addr}"))?;
                 let local = l.local_addr()?;
-                tokio::spawn(::failover::driver::serve_control(l, target.secret.clone(), control_tx));
+                tokio::spawn(::failover::driver::serve_control(l, target.secret.clone(), wire::link::process()?.cloned(), control_tx));
                 Some(local)
             }
             None => None,

@@ -2,7 +2,7 @@
 //! by PID, and a client of its control address: used by the failover benchmarks, the demo and
 //! `understudy failover inject|status|hint`.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -118,23 +118,44 @@ pub fn logs_tail(run_dir: &Path) -> String {
 }
 
 /// Sends one line to a running monitor's control address, after proving it knows the cluster
-/// `secret` (the port's handshake, [`wire::auth`]), and returns its `ok` answer (an `error`
-/// answer becomes the error).
+/// `secret` (the port's handshake, [`wire::auth`]), over TLS when this process's cluster-link
+/// setting asks for it ([`wire::link::process`], as the monitor's does), and returns its `ok`
+/// answer (an `error` answer becomes the error). Callable from any thread, a runtime's too: the
+/// exchange runs on a thread of its own.
 pub fn control_request(addr: SocketAddr, secret: &[u8], line: &str) -> anyhow::Result<String> {
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+    let tls = wire::link::process()?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(control_exchange(addr, tls, secret, line))
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
+async fn control_exchange(addr: SocketAddr, tls: Option<&wire::link::LinkTls>, secret: &[u8], line: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let sock = tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
+        .await
+        .map_err(|_| anyhow::anyhow!("no connection within 5 s"))
+        .and_then(|r| r.map_err(anyhow::Error::from))
         .with_context(|| format!("cannot reach the monitor's control address {addr}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(60)))?;
-    let refused = || format!("the monitor at {addr} refused us: wrong cluster secret? (check --secret-file or the cluster file)");
-    let mut hello = [0u8; wire::auth::HELLO_BYTES];
-    s.read_exact(&mut hello).with_context(|| format!("the control address {addr} sent no handshake (not a monitor's --control?)"))?;
-    let (answer, want) = wire::auth::client_answer(&hello, secret).with_context(|| format!("the control address {addr}"))?;
-    s.write_all(&answer)?;
-    let mut proof = [0u8; wire::auth::PROOF_BYTES];
-    s.read_exact(&mut proof).with_context(refused)?;
-    wire::auth::check_server_proof(&proof, &want).with_context(refused)?;
-    s.write_all(format!("{line}\n").as_bytes())?;
+    let mut link = wire::link::connect(sock, tls).await.with_context(|| format!("the control address {addr}"))?;
+    let refused = || {
+        format!("the monitor at {addr} refused us: wrong cluster secret, or TLS on one side only? (check --secret-file or the cluster file, and {})", wire::link::LINK_TLS_ENV)
+    };
+    tokio::time::timeout(Duration::from_secs(60), wire::auth::connect(&mut link, secret))
+        .await
+        .map_err(|_| anyhow::anyhow!("no handshake within 60 s (not a monitor's --control?)"))
+        .and_then(|r| r.map_err(anyhow::Error::from))
+        .with_context(refused)?;
+    link.write_all(format!("{line}\n").as_bytes()).await?;
+    link.flush().await?;
     let mut reply = String::new();
-    BufReader::new(s).read_line(&mut reply)?;
+    tokio::time::timeout(Duration::from_secs(60), tokio::io::BufReader::new(link).read_line(&mut reply))
+        .await
+        .map_err(|_| anyhow::anyhow!("no answer from the monitor at {addr} within 60 s"))??;
     let reply = reply.trim_end();
     match reply.split_once(' ') {
         Some(("ok", rest)) => Ok(rest.to_string()),

@@ -93,14 +93,24 @@ pub(super) fn status(m: &Monitor, pool: &AnyPool, endpoint: Option<&Proxy>, busy
 /// challenge-response handshake ([`wire::auth`]): a fault injection kills or cuts a primary,
 /// so the port must not obey whoever reaches it once the monitor runs on a routable address.
 /// A client that fails the handshake is closed before any request is read.
-pub async fn serve_control(listener: TcpListener, secret: Vec<u8>, tx: mpsc::Sender<Control>) {
+///
+/// `tls`: the process's cluster-link TLS ([`wire::link::process`]): off the machine (or always,
+/// as it says) the port speaks mutual TLS under the handshake, as the other cluster links do;
+/// a client that does not is refused.
+pub async fn serve_control(listener: TcpListener, secret: Vec<u8>, tls: Option<wire::link::LinkTls>, tx: mpsc::Sender<Control>) {
     let secret: Arc<[u8]> = secret.into();
+    let tls = tls.map(Arc::new);
     // Accept errors are waited out with backoff (retrying at once spins a core).
-    wire::listen::serve(listener, "failover control port", move |mut s, peer| {
+    wire::listen::serve(listener, "failover control port", move |s, peer| {
         let tx = tx.clone();
         let secret = secret.clone();
+        let tls = tls.clone();
         async move {
-            // The handshake has its own deadline (an idle connection is closed by it).
+            // Both handshakes have their own deadline (an idle connection is closed by it).
+            let mut s = match wire::link::accept(s, tls.as_deref()).await {
+                Ok(l) => l,
+                Err(e) => return tracing::warn!("failover control port: refused {peer}: {e}"),
+            };
             if let Err(e) = wire::auth::accept(&mut s, &secret).await {
                 tracing::warn!("failover control port: refused {peer}: {e}");
                 return;
@@ -115,7 +125,8 @@ pub async fn serve_control(listener: TcpListener, secret: Vec<u8>, tx: mpsc::Sen
                     Ok(t) => format!("ok {t}\n"),
                     Err(e) => format!("error {e}\n"),
                 };
-                if w.write_all(text.as_bytes()).await.is_err() {
+                // Over TLS the answer's last record may wait in the session until a flush.
+                if w.write_all(text.as_bytes()).await.is_err() || w.flush().await.is_err() {
                     return;
                 }
             }
@@ -216,7 +227,7 @@ mod control_port_tests {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let (tx, rx) = mpsc::channel::<Control>(64);
-        tokio::spawn(serve_control(l, SECRET.to_vec(), tx));
+        tokio::spawn(serve_control(l, SECRET.to_vec(), None, tx));
         (addr, rx)
     }
 
@@ -283,5 +294,42 @@ mod control_port_tests {
         let mut b = Vec::new();
         let n = tokio::time::timeout(wire::listen::AUTH_DEADLINE * 3, idle.read_to_end(&mut b)).await;
         assert!(matches!(n, Ok(Ok(_)) | Ok(Err(_))), "an idle control connection stayed open for {:?}", t0.elapsed());
+    }
+
+    /// Issue 24 item 6: the control port (which kills and cuts primaries) over TLS when the
+    /// process's link setting asks for it. A client that skips TLS gets nothing through, even
+    /// with the secret; one with a certificate from the cluster's CA is served.
+    #[tokio::test]
+    async fn a_tls_control_port_refuses_a_plain_client_and_serves_a_tls_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let pki = wire::tls::TestPki::write(dir.path());
+        let tls = wire::link::LinkTls::from_files(&pki.server_files(true), wire::link::LinkPolicy::Always).unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (tx, mut rx) = mpsc::channel::<Control>(64);
+        tokio::spawn(serve_control(l, SECRET.to_vec(), Some(tls.clone()), tx));
+
+        let mut plain = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let r = tokio::time::timeout(wire::listen::AUTH_DEADLINE * 3, wire::auth::connect(&mut plain, SECRET)).await;
+        assert!(!matches!(r, Ok(Ok(()))), "a plain client passed the handshake of a TLS port");
+        let answer = ask(plain, "hint 10 20").await;
+        assert!(answer.is_empty(), "a plain client got an answer: {answer:?}");
+        let got = tokio::time::timeout(std::time::Duration::from_millis(500), rx.recv()).await;
+        assert!(!matches!(got, Ok(Some(_))), "a plain client reached the monitor");
+
+        let sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut link = wire::link::connect(sock, Some(&tls)).await.unwrap();
+        assert!(link.is_tls());
+        wire::auth::connect(&mut link, SECRET).await.unwrap();
+        let asked = tokio::spawn(async move {
+            link.write_all(b"hint 10 20\n").await.unwrap();
+            link.flush().await.unwrap();
+            let mut answer = String::new();
+            BufReader::new(link).read_line(&mut answer).await.unwrap();
+            answer
+        });
+        let got = tokio::time::timeout(std::time::Duration::from_secs(10), rx.recv()).await;
+        assert!(matches!(got, Ok(Some(Control::Hint { primary_back_after_ms: Some(10), recovery_ms: 20 }))));
+        assert_eq!(asked.await.unwrap().trim(), "ok hint taken");
     }
 }

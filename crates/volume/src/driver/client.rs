@@ -40,6 +40,9 @@ pub const META_FRESH_REPLY_WITHIN: Duration = Duration::from_millis(200);
 /// alarm on a stalled machine costs only a new connection).
 pub const META_PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How often one dial of the metadata service is started again because the election changed
+/// during it; past this (an election flapping faster than a dial), the dial runs to its end.
+pub const MAX_DIAL_RESTARTS: u32 = 8;
 /// How long one request may wait for its reply before it is retried.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
 /// A request without a reply for this long looks at the cluster map again (asking the
@@ -188,13 +191,7 @@ impl Cluster {
         for attempt in 0..2 {
             let last = attempt == 1;
             if g.is_none() {
-                let at = self.leader.as_ref().and_then(|w| w.current());
-                let silent = self.silent_meta_addr.lock().unwrap().clone();
-                let addrs = silent_last(&order_addrs(&self.meta_addr, at.as_ref()), silent.as_deref());
-                let (sock, addr) = crate::driver::shard::dial_meta_at(&addrs, &self.secret, &Hello::Client)
-                    .await
-                    .with_context(|| format!("cannot reach the metadata service at {}", self.meta_addr))?;
-                *g = Some(MetaConn { link: sock, addr, leader: at, last_reply: Instant::now() });
+                *g = Some(self.dial_meta().await?);
             } else if !read_only && g.as_ref().unwrap().last_reply.elapsed() > META_FRESH_REPLY_WITHIN {
                 match self.exchange(g.as_mut().unwrap(), &MetaReq::GetMap, META_PROBE_TIMEOUT).await {
                     Ok(_) => {}
@@ -230,6 +227,52 @@ impl Cluster {
             }
         }
         unreachable!()
+    }
+
+    /// A new connection to the metadata service: the list dialled in turn, the followed leader
+    /// first and a silent address last. When the election changes during the dial it is started
+    /// again, the new leader first: each silent address (a dead host's) costs the whole
+    /// [`crate::driver::shard::META_DIAL_TIMEOUT`], and going on through the list would keep the
+    /// caller waiting on them while the new leader already serves.
+    async fn dial_meta(&self) -> anyhow::Result<MetaConn> {
+        let mut restarts = 0;
+        loop {
+            let at = self.leader.as_ref().and_then(|w| w.current());
+            let silent = self.silent_meta_addr.lock().unwrap().clone();
+            let addrs = silent_last(&order_addrs(&self.meta_addr, at.as_ref()), silent.as_deref());
+            // The leader the store names (unless its connection is the one that went silent) is
+            // dialled alone for a moment first, see `dial_new_leader`: a dial mostly follows an
+            // election, and the new leader may not have bound its address yet.
+            let alone = at.as_ref().map(|l| l.addr.clone()).filter(|a| silent.as_ref() != Some(a) && self.meta_addr.split(',').any(|x| x.trim() == a));
+            let dial = async {
+                if let Some(a) = &alone {
+                    if let Some(link) = crate::driver::shard::dial_new_leader(a, &self.secret, &Hello::Client).await {
+                        return Ok((link, a.clone()));
+                    }
+                }
+                crate::driver::shard::dial_meta_at(&addrs, &self.secret, &Hello::Client).await
+            };
+            let dialled = match &self.leader {
+                Some(w) if restarts < MAX_DIAL_RESTARTS => {
+                    let mut rx = w.subscribe();
+                    tokio::select! {
+                        r = dial => Some(r),
+                        l = changed_from(&mut rx, at.as_ref().map(|l| l.key.as_str())) => {
+                            tracing::debug!("the metadata leader changed to {} while dialling: dialling it first", l.addr);
+                            None
+                        }
+                    }
+                }
+                _ => Some(dial.await),
+            };
+            match dialled {
+                Some(r) => {
+                    let (link, addr) = r.with_context(|| format!("cannot reach the metadata service at {}", self.meta_addr))?;
+                    return Ok(MetaConn { link, addr, leader: at, last_reply: Instant::now() });
+                }
+                None => restarts += 1,
+            }
+        }
     }
 
     /// Remembers the address of a connection that went silent: dialled last next time (a dead

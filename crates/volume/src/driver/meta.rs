@@ -587,7 +587,9 @@ impl Inner {
                         }
                     }
                     MetaOutput::Save { seq, state } => {
+                        let t = Instant::now();
                         let result = self.store.save(&state).map_err(|e| format!("{e:#}"));
+                        tracing::debug!(seq, took_us = t.elapsed().as_micros() as u64, "metadata state saved");
                         if let Err(e) = &result {
                             tracing::warn!("saving the metadata state failed (offered again at the next change or tick): {e}");
                         }

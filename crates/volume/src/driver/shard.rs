@@ -280,12 +280,19 @@ pub async fn run_shard(opts: ShardOptions) -> anyhow::Result<()> {
         let (meta_addr, id) = (opts.meta_addr.clone(), opts.id);
         let advertise = advertise.clone();
         tokio::spawn(async move {
+            // The last link ended because another service was elected: that one is dialled
+            // at once, and alone at first (see `dial_new_leader`).
+            let mut new_leader = false;
             loop {
                 let fresh = boot_is_empty && !in_sync_seen.load(Ordering::Relaxed);
-                if let Err(e) = meta_link(&meta_addr, id, &advertise, boot_id, fresh, leased, leader.as_ref(), &tx, &secret, &in_sync_seen).await {
+                let ended = meta_link(&meta_addr, id, &advertise, boot_id, fresh, leased, leader.as_ref(), new_leader, &tx, &secret, &in_sync_seen).await;
+                new_leader = matches!(&ended, Err(e) if e.is::<LeaderChanged>());
+                if let Err(e) = ended {
                     tracing::warn!("metadata link to {meta_addr}: {e:#}; reconnecting");
                 }
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                if !new_leader {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
             }
         });
     }
@@ -567,6 +574,30 @@ fn disk_cmd_kind(cmd: &DiskCmd) -> &'static str {
 /// about to exit, whose link then ends and is dialled again).
 /// How long one metadata address may take to connect and authenticate before the next is tried.
 pub const META_DIAL_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a newly elected metadata leader is dialled alone, and how often, before the whole
+/// address list: it binds its address just after its election shows, so the first dials may
+/// be refused, and the list behind it may hold a dead host's address, which costs a whole
+/// [`META_DIAL_TIMEOUT`] (issue 24: the host-loss stall of `bench control failover`).
+pub const NEW_LEADER_BIND_WAIT: Duration = Duration::from_secs(2);
+pub const NEW_LEADER_REDIAL_INTERVAL: Duration = Duration::from_millis(50);
+
+/// The metadata link ended because another service was elected (it names that one's address).
+#[derive(Debug, thiserror::Error)]
+#[error("the metadata leader changed to {0}")]
+pub struct LeaderChanged(pub String);
+
+/// Dials `addr`, a metadata leader just elected, alone until it answers or
+/// [`NEW_LEADER_BIND_WAIT`] passes; None then (the caller dials the whole list).
+pub async fn dial_new_leader(addr: &str, secret: &[u8], hello: &Hello) -> Option<wire::link::Link> {
+    let until = std::time::Instant::now() + NEW_LEADER_BIND_WAIT;
+    while std::time::Instant::now() < until {
+        if let Ok(Ok(link)) = tokio::time::timeout(META_DIAL_TIMEOUT, dial(addr, secret, hello)).await {
+            return Some(link);
+        }
+        tokio::time::sleep(NEW_LEADER_REDIAL_INTERVAL).await;
+    }
+    None
+}
 
 pub async fn dial_meta(addrs: &str, secret: &[u8], hello: &Hello) -> anyhow::Result<wire::link::Link> {
     Ok(dial_meta_at(addrs, secret, hello).await?.0)
@@ -699,13 +730,21 @@ async fn meta_link(
     fresh: bool,
     leased: bool,
     leader: Option<&LeaderWatch>,
+    new_leader: bool,
     tx: &mpsc::Sender<CoreEvent>,
     secret: &[u8],
     in_sync_seen: &std::sync::atomic::AtomicBool,
 ) -> anyhow::Result<()> {
     // The leader as seen when dialling: the link is taken to be to it.
     let mut at = leader.and_then(|w| w.current());
-    let sock = dial_meta(&order_addrs(meta_addr, at.as_ref()), secret, &Hello::Shard(id)).await?;
+    let alone = match &at {
+        Some(l) if new_leader && meta_addr.split(',').any(|a| a.trim() == l.addr) => dial_new_leader(&l.addr, secret, &Hello::Shard(id)).await,
+        _ => None,
+    };
+    let sock = match alone {
+        Some(s) => s,
+        None => dial_meta(&order_addrs(meta_addr, at.as_ref()), secret, &Hello::Shard(id)).await?,
+    };
     let (r, w) = sock.into_split();
     let (mtx, mrx) = mpsc::channel(CONN_QUEUE_MSGS);
     mtx.send(Msg::Register { shard: id, addr: advertise.to_string(), boot_id, fresh, leased }).await?;
@@ -730,7 +769,7 @@ async fn meta_link(
         l = moved => {
             // A paused or cut-off old leader keeps its connection open: leave it.
             eprintln!("shard {id}: the metadata leader is now {}: leaving the old one's link", l.addr);
-            Err(anyhow::anyhow!("the metadata leader changed to {}", l.addr))
+            Err(LeaderChanged(l.addr).into())
         }
     };
     writer.abort();
