@@ -258,6 +258,25 @@ pub enum PeerBody {
     Popularity {
         keys: Vec<(serde_bytes::ByteBuf, u32)>,
     },
+    /// Leader → a backup too far behind its truncated log (M24, `core/refill.rs`): the
+    /// leader's value table as of `last_index`, one full Put per key at the key's newest
+    /// stamp (which may be past `last_index`: a write racing the transfer), in chunks of
+    /// sorted keys from key number `offset`.
+    Refill {
+        last_index: u64,
+        last_term: u64,
+        config: Config,
+        offset: u64,
+        entries: Vec<Entry>,
+        done: bool,
+    },
+    /// Keys of refill `last_index` durable on the backup's SSD so far; `installed` once the
+    /// backup's log restarts at `last_index`.
+    RefillAck {
+        last_index: u64,
+        next_offset: u64,
+        installed: bool,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
