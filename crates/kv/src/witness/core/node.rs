@@ -60,6 +60,8 @@ mod reconfig;
 mod snapshot;
 #[path = "refill.rs"]
 mod refill;
+#[path = "operator.rs"]
+mod operator;
 pub use reconfig::ReconfigError;
 
 /// Tunables. Every bound has its unit in its name.
@@ -1307,6 +1309,7 @@ impl WitnessCore {
             self.advance_commit();
         }
         self.apply_committed();
+        self.operator_answer();
         self.maybe_compact();
         if self.role == RoleKind::Leader {
             self.drive_recovery();
@@ -2105,6 +2108,10 @@ impl WitnessCore {
     fn on_client(&mut self, tag: u64, req: ClientReq) {
         let reply = |c: &mut Self, reply| c.out.push(Output::Reply { tag, reply });
         match &req {
+            ClientReq::Reconfigure(change) => {
+                return self.on_client_reconfigure(tag, change.clone())
+            }
+            ClientReq::Membership => return self.on_client_membership(tag),
             ClientReq::Get { key } | ClientReq::Put { key, .. } => {
                 if key.is_empty() || key.len() > MAX_KEY_BYTES {
                     return reply(
@@ -2131,6 +2138,7 @@ impl WitnessCore {
         }
         match &req {
             ClientReq::Get { key } | ClientReq::Put { key, .. } => self.rec_sample(key),
+            ClientReq::Reconfigure(_) | ClientReq::Membership => {} // answered at the top
         }
         match req {
             ClientReq::Put { key, value } => {
@@ -2152,6 +2160,7 @@ impl WitnessCore {
                 }
             }
             ClientReq::Get { key } => self.on_get(tag, key),
+            ClientReq::Reconfigure(_) | ClientReq::Membership => {} // answered at the top
         }
     }
 

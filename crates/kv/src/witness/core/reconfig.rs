@@ -58,6 +58,10 @@ pub(super) struct Reconf {
     pub last_error: Option<String>,
     /// Reconciliation is replacing its range (configurations undone, then redone).
     pub replaying: bool,
+    /// An operator's change proposed by this leader and not committed yet: (its index, its
+    /// term, the client's tag). At most one: a second change is refused while one is
+    /// uncommitted (`operator.rs`).
+    pub operator_waiting: Option<(u64, u64, u64)>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

@@ -358,14 +358,13 @@ impl WitnessCore {
             let (Some(key), st) = (e.key(), e.stamp()) else {
                 continue;
             };
-            match b.index.get_mut(key) {
-                Some(cur) if cur.0 < st => {
-                    b.space.drop_ref(cur.1);
-                    b.space.add_ref(*loc);
-                    *cur = (st, *loc);
-                }
-                Some(_) => {}
-                None => {
+            // A copy, then `insert`: the same on a plain map and on a byte-counting one.
+            match b.index.get(key).copied() {
+                Some(cur) if cur.0 >= st => {}
+                cur => {
+                    if let Some((_, old)) = cur {
+                        b.space.drop_ref(old);
+                    }
                     b.space.add_ref(*loc);
                     b.index.insert(key.to_vec(), (st, *loc));
                 }
