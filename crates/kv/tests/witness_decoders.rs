@@ -113,6 +113,18 @@ fn samples() -> Vec<Vec<u8>> {
         id: 1,
         req: ClientReq::Get { key: b"k".to_vec() },
     }));
+    // Membership requests (`kv reconfig`): a change, and a view any node answers.
+    out.push(proto::encode(&NetMsg::Req {
+        id: 2,
+        req: ClientReq::Reconfigure(kv::witness::core::config::Change::Add {
+            id: 7,
+            kind: kv::witness::core::config::Kind::Head,
+        }),
+    }));
+    out.push(proto::encode(&NetMsg::Req {
+        id: 3,
+        req: ClientReq::Membership,
+    }));
     out
 }
 
