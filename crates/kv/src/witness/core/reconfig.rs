@@ -247,6 +247,7 @@ impl WitnessCore {
         let now = self.now;
         self.reconf.heard_us = self.cfg.ids().map(|m| (m, now)).collect();
         self.reconf.was_primary = true;
+        self.refill_on_lead();
     }
 
     /// This head follows `leader` in `term` (M24): an old primary becomes a plain witness and

@@ -97,6 +97,12 @@ impl WitnessCore {
         self.refill.writing.is_some()
     }
 
+    /// This head just won an election: a refill it sent in an earlier term is not resumed
+    /// (its backup may have moved on under another leader); each starts afresh.
+    pub(super) fn refill_on_lead(&mut self) {
+        self.refill.sending.clear();
+    }
+
     /// Leader: (re)sends the current chunk of a refill to backup `to`, starting one if none is
     /// in flight (see the module doc). `now_anyway`: the backup asked (it is live).
     pub(super) fn send_refill(&mut self, to: NodeId, now_anyway: bool) {
