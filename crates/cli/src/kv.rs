@@ -69,6 +69,52 @@ pub enum KvCmd {
         #[command(flatten)]
         conn: KvConn,
     },
+    /// Change a witness-KV group's membership and wait until the change commits.
+    ///
+    /// The change goes to the serving leader (the client follows its hints) and is answered
+    /// once its log entry commits, so "done" survives any failover; a refused change (one that
+    /// would leave no value holder, move two voters at once, remove the leader...) exits
+    /// non-zero with the reason; while another change is still uncommitted (perhaps the
+    /// leader's own: it replaces members lost for 3 s by spares on its own) the request is
+    /// retried until --timeout-ms. `show` prints every node's view instead.
+    Reconfig(ReconfigArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ReconfigArgs {
+    pub action: ReconfigAction,
+    /// The node the change is about (add, remove, promote, demote; the backup for substitute).
+    pub id: Option<u32>,
+    /// add: the new member's kind (its process must run as that --role).
+    #[arg(long, value_enum)]
+    pub kind: Option<WitnessRole>,
+    /// substitute: the voting witness that stands in for the backup ID.
+    #[arg(long, value_name = "ID")]
+    pub witness: Option<u32>,
+    /// Give up waiting for a leader to take the change after this long.
+    #[arg(long, default_value_t = 10_000)]
+    pub timeout_ms: u64,
+    #[command(flatten)]
+    pub conn: KvConn,
+}
+
+/// A membership step of the witness KV (CANDStore M22–M24).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ReconfigAction {
+    /// ID joins non-voting, as --kind (it catches up; the leader promotes it once caught up).
+    Add,
+    /// Member ID leaves.
+    Remove,
+    /// Member ID votes.
+    Promote,
+    /// Member ID stops voting.
+    Demote,
+    /// The voting witness --witness stands in for the voting backup ID in the commit quorum.
+    Substitute,
+    /// The substitute goes back to being a plain witness.
+    EndSubstitute,
+    /// Print every node's configuration, the leader it follows and whether it serves.
+    Show,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -178,9 +224,18 @@ pub struct NodeArgs {
     /// Witness KV: this node's kind; must agree with its id in the layout (see --backups).
     #[arg(long, value_enum, required_if_eq("protocol", "witness"))]
     pub role: Option<WitnessRole>,
-    /// Witness KV: the number of backups (nodes 1..=N); the other nodes after 0 are witnesses.
+    /// Witness KV: the number of backups (nodes 1..=N); the other nodes after 0 are witnesses,
+    /// except the spares (the last nodes of --peers).
     #[arg(long, default_value_t = 1)]
     pub backups: u32,
+    /// Witness KV: the last N nodes of --peers are spare witnesses: idle until the leader adds
+    /// one in place of a member lost for longer than the loss bound (so fault tolerance comes
+    /// back without an operator), or an operator adds one (`kv reconfig add`).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub spares: u32,
+    /// Witness KV: spare backups, the N nodes of --peers before the spare witnesses.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub spare_backups: u32,
     /// Witness KV: the directory of the emulated NVMM regions (default:
     /// /dev/shm/understudy-witness-<node id>-<hash of --data>).
     #[arg(long, value_name = "DIR")]
@@ -294,6 +349,10 @@ pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
                 }
             })
         }
+        KvCmd::Reconfig(a) => {
+            crate::init_logging(verbose, "warn");
+            crate::runtime()?.block_on(reconfig(a))
+        }
         KvCmd::Put { key, value, conn } => {
             crate::init_logging(verbose, "warn");
             crate::runtime()?.block_on(async {
@@ -308,6 +367,72 @@ pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
     }
 }
 
+
+/// `kv reconfig`: one membership change through the leader, or every node's view.
+async fn reconfig(a: ReconfigArgs) -> anyhow::Result<()> {
+    use ::kv::witness::core::config::{Change, Kind};
+    let mut w = connect_witness(&a.conn)?
+        .context("kv reconfig changes witness-KV groups; this cluster file describes a leaderless group (its CM manages membership)")?;
+    w.deadline = Duration::from_millis(a.timeout_ms);
+    let id = || a.id.with_context(|| format!("{:?} needs the node's ID", a.action));
+    let change = match a.action {
+        ReconfigAction::Show => {
+            let path = a.conn.cluster.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_DIR).join(CLUSTER_FILE));
+            let (f, _) = testbed::kv_witness::WitnessClusterFile::load(&path)?.context("not a witness cluster file")?;
+            for &n in f.nodes.keys() {
+                match w.membership(n).await {
+                    Ok((c, leader, serving)) => {
+                        let l = leader.map_or("none".to_string(), |l| l.to_string());
+                        println!("node {n}: leader {l}{}; {}", if serving { " (this node, serving)" } else { "" }, describe(&c));
+                    }
+                    Err(e) => println!("node {n}: no answer ({e})"),
+                }
+            }
+            return Ok(());
+        }
+        ReconfigAction::Add => {
+            let id = id()?;
+            let kind = match a.kind.context("add needs --kind head|backup (which --role the node runs)")? {
+                WitnessRole::Head => Kind::Head,
+                WitnessRole::Backup => Kind::Backup,
+            };
+            Change::Add { id, kind }
+        }
+        ReconfigAction::Remove => Change::Remove { id: id()? },
+        ReconfigAction::Promote => Change::SetVoting { id: id()?, voting: true },
+        ReconfigAction::Demote => Change::SetVoting { id: id()?, voting: false },
+        ReconfigAction::Substitute => {
+            Change::Substitute { backup: id()?, witness: a.witness.context("substitute needs --witness ID")? }
+        }
+        ReconfigAction::EndSubstitute => Change::EndSubstitute,
+    };
+    match w.reconfigure(change.clone()).await {
+        Ok(c) => {
+            println!("committed: {}", describe(&c));
+            Ok(())
+        }
+        Err(::kv::witness::driver::WitnessError::Refused(why)) => bail!("{change:?} refused: {why}"),
+        Err(e) => Err(anyhow::anyhow!(e).context(format!("{change:?} not confirmed"))),
+    }
+}
+
+/// One line: `epoch E: 0 head voting, 1 backup voting, ...; substitute none; spares 3 head`.
+fn describe(c: &::kv::witness::core::config::Config) -> String {
+    let kind = |k: ::kv::witness::core::config::Kind| if k == ::kv::witness::core::config::Kind::Head { "head" } else { "backup" };
+    let members: Vec<String> = c
+        .members
+        .iter()
+        .map(|m| format!("{} {} {}", m.id, kind(m.kind), if m.voting { "voting" } else { "non-voting" }))
+        .collect();
+    let spares: Vec<String> = c.spares.iter().map(|m| format!("{} {}", m.id, kind(m.kind))).collect();
+    format!(
+        "epoch {}: {}; substitute {}; spares {}",
+        c.epoch,
+        members.join(", "),
+        c.substitute.map_or("none".to_string(), |s| s.to_string()),
+        if spares.is_empty() { "none".to_string() } else { spares.join(", ") }
+    )
+}
 
 /// The witness client when the cluster file describes a witness group.
 fn connect_witness(conn: &KvConn) -> anyhow::Result<Option<::kv::witness::driver::WitnessClient>> {
@@ -354,13 +479,16 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
 }
 
 async fn witness_node(a: NodeArgs) -> anyhow::Result<()> {
-    use ::kv::witness::core::config::{Config, Kind};
+    use ::kv::witness::core::config::Kind;
     use ::kv::witness::core::node::Params;
     let peers = parse_addrs(&a.peers)?;
     let listen = *peers.get(&a.id).with_context(|| format!("--peers has no entry for this node's id {}", a.id))?;
-    let n = peers.len() as u32;
-    anyhow::ensure!(a.backups >= 1 && a.backups < n - 1, "--backups {} leaves no witness in a group of {n} (node 0 is the primary, then backups, then witnesses)", a.backups);
-    let cfg = Config::standard(a.backups, n - 1 - a.backups);
+    let spares = a.spares + a.spare_backups;
+    anyhow::ensure!((peers.len() as u32) > spares, "--spares {} and --spare-backups {} leave no member among the {} nodes of --peers", a.spares, a.spare_backups, peers.len());
+    let n = peers.len() as u32 - spares;
+    anyhow::ensure!(a.backups >= 1 && a.backups + 1 < n, "--backups {} leaves no witness in a group of {n} members (node 0 is the primary, then backups, then witnesses, then spares)", a.backups);
+    let cfg = witness_layout(a.backups, n - 1 - a.backups, a.spare_backups, a.spares);
+    let cfg = spare_view(cfg, a.id);
     let kind = cfg.kind(a.id).with_context(|| format!("node {} is not in the layout", a.id))?;
     let want = match a.role.context("--role is required with --protocol witness")? {
         WitnessRole::Head => Kind::Head,
@@ -403,6 +531,30 @@ async fn witness_node(a: NodeArgs) -> anyhow::Result<()> {
         r = ::kv::witness::driver::run_node(cfg) => r.map_err(|e| anyhow::anyhow!(e)),
         s = proc::shutdown_signal() => { tracing::info!("{s}: stopping"); Ok(()) }
     }
+}
+
+/// The group's bootstrap configuration: `Config::standard` (node 0 the primary, then the
+/// backups, then the witnesses) and, after them, the spares: backups first, then witnesses.
+fn witness_layout(backups: u32, witnesses: u32, spare_backups: u32, spare_witnesses: u32) -> ::kv::witness::core::config::Config {
+    use ::kv::witness::core::config::{Config, Kind, Member};
+    let mut cfg = Config::standard(backups, witnesses);
+    let first = 1 + backups + witnesses;
+    for i in 0..spare_backups + spare_witnesses {
+        let kind = if i < spare_backups { Kind::Backup } else { Kind::Head };
+        cfg.spares.push(Member { id: first + i, kind, voting: false });
+    }
+    cfg
+}
+
+/// What a node starts from: a member the group's configuration; a spare the same with itself
+/// as a non-voting member at epoch 0, older than any configuration a leader sends, so the
+/// leader's messages (which name it once it is added) replace it.
+fn spare_view(mut cfg: ::kv::witness::core::config::Config, id: u32) -> ::kv::witness::core::config::Config {
+    if let Some(m) = cfg.spares.iter().find(|m| m.id == id).copied() {
+        cfg.epoch = 0;
+        cfg.members.push(m);
+    }
+    cfg
 }
 
 /// FNV-1a: a stable name for a data directory's NVMM (not a security measure).
@@ -517,8 +669,15 @@ fn up_witness(a: UpArgs, _verbose: u8) -> anyhow::Result<()> {
         ready.as_secs_f64()
     );
     for (i, addr) in &lk.file.nodes {
-        let role = if i == &0 { "primary" } else if *i <= a.backups { "backup" } else { "witness" };
-        println!("  node {i}  {role:8} {addr}   log {}/logs/node-{i}.log", lk.dir.display());
+        let members = 1 + a.backups + a.witnesses;
+        let role = match *i {
+            0 => "primary",
+            i if i <= a.backups => "backup",
+            i if i < members => "witness",
+            i if i < members + a.spare_backups => "spare backup",
+            _ => "spare witness",
+        };
+        println!("  node {i}  {role:13} {addr}   log {}/logs/node-{i}.log", lk.dir.display());
     }
     println!("  cluster file  {}", lk.dir.join(CLUSTER_FILE).display());
     println!("try: understudy kv put hello world --cluster {0}; understudy kv get hello --cluster {0}", lk.dir.join(CLUSTER_FILE).display());

@@ -137,6 +137,10 @@ enum PreFault {
     RestartBackupAndWitness,
     /// Backup 1 crashes for good (M22: a witness substitutes, a spare replaces it).
     LoseBackup,
+    /// Backup 1 crashes and restarts from NVMM + SSD 400 ms later: long past
+    /// `member_lost_us`, so a witness substitutes and the heads' logs are truncated past it;
+    /// the leader must refill it with its values (`core/refill.rs`) before it votes again.
+    BackupDownLong,
 }
 
 struct Client {
@@ -179,6 +183,9 @@ struct World {
     paused_until: HashMap<NodeId, u64>,
     /// Proactive pulls aborted over the run (all nodes, crashed ones included).
     proactive_aborted: u64,
+    /// Keys from this number on are no longer written (only read): their newest versions
+    /// then stay the ones written before (`PreFault::BackupDownLong`).
+    frozen_keys_from: Option<u64>,
 }
 
 fn params(sc: &Scenario) -> Params {
@@ -300,6 +307,7 @@ impl World {
             verbose,
             paused_until: HashMap::new(),
             proactive_aborted: 0,
+            frozen_keys_from: None,
         }
     }
 
@@ -326,6 +334,11 @@ impl World {
         let core = WitnessCore::restore(id, self.boot[&id].clone(), params(&self.sc), now, durable)
             .expect("restore");
         self.nodes.insert(id, core);
+        if id == 1 && self.sc.pre_fault == PreFault::BackupDownLong {
+            // The upper half of the keys keeps the versions written while backup 1 was
+            // down: only a refill can bring them to it.
+            self.frozen_keys_from = Some(self.sc.keys as u64 / 2);
+        }
         self.dead.retain(|&d| d != id);
         self.net.set_down(id, false);
         if self.verbose {
@@ -457,9 +470,11 @@ impl World {
     }
 
     fn client_issue(&mut self, now: u64, c: usize) {
-        let key = format!("k{}", self.rng.range_u64(0, self.sc.keys as u64 - 1)).into_bytes();
+        let k = self.rng.range_u64(0, self.sc.keys as u64 - 1);
+        let key = format!("k{k}").into_bytes();
+        let frozen = self.frozen_keys_from.is_some_and(|f| k >= f);
         let cl = &mut self.clients[c];
-        let (req, kind) = if !cl.pinned && self.rng.chance(0.5) {
+        let (req, kind) = if !cl.pinned && self.rng.chance(0.5) && !frozen {
             cl.n += 1;
             let v = format!("c{c}-{}", cl.n).into_bytes();
             (
@@ -523,6 +538,9 @@ impl World {
             ClientReply::NotLeader { hint } => retry_elsewhere = Some(hint),
             ClientReply::Unavailable => retry_elsewhere = Some(Some(self.clients[c].target)),
             ClientReply::Invalid(e) => panic!("invalid request: {e}"),
+            r @ (ClientReply::Reconfigured(_) | ClientReply::Membership { .. }) => {
+                panic!("a membership reply to a get or put: {r:?}")
+            }
         }
         if let Some(hint) = retry_elsewhere {
             // Definitely not executed: the op never happened.
@@ -693,6 +711,13 @@ impl World {
                         self.q.push_at(now + 50_000, Ev::Restart(1)).unwrap();
                         self.q.push_at(now + 60_000, Ev::Restart(w)).unwrap();
                     }
+                    PreFault::BackupDownLong => {
+                        if self.verbose {
+                            eprintln!("{now} backup 1 crashes, back in 400 ms");
+                        }
+                        self.crash(1);
+                        self.q.push_at(now + 400_000, Ev::Restart(1)).unwrap();
+                    }
                     PreFault::LoseBackup => {
                         if self.verbose {
                             eprintln!("{now} backup 1 crashes for good");
@@ -855,6 +880,25 @@ impl World {
                 "last index {top}, snapshots installed {installed}, max head log {}",
                 self.max_head_log
             );
+        }
+        if self.sc.pre_fault == PreFault::BackupDownLong {
+            // Backup 1 was refilled after its restart (its counters start there), and the
+            // substitution it caused ended.
+            let b = &self.nodes[&1];
+            if b.counters.refills_installed == 0 {
+                return Err("backup 1 came back behind the truncated log but was never refilled".into());
+            }
+            if !c.is_voter(1) || c.substitute.is_some() {
+                return Err(format!("backup 1 does not vote again: {c:?}"));
+            }
+            // Every replica agrees: backup 1 indexes the newest version of each frozen key.
+            for k in self.frozen_keys_from.unwrap_or(0)..self.sc.keys as u64 {
+                let key = format!("k{k}").into_bytes();
+                let (want, got) = (leader.key_stamp(&key), b.backup_index_stamp(&key));
+                if want.is_some() && got != want {
+                    return Err(format!("backup 1 holds k{k} at {got:?}, the leader at {want:?}"));
+                }
+            }
         }
         if self.sc.log_keep < 1000
             && self.sc.pre_fault == PreFault::RestartBackupAndWitness
@@ -1216,4 +1260,25 @@ fn long_run_past_the_log_ring_with_restarts() {
         ..scenario(2, 2, true)
     };
     run_many("long_run_past_the_log_ring_with_restarts", sc, 6);
+}
+
+#[test]
+fn backup_down_past_the_truncated_log_is_refilled_then_primary_crash() {
+    // P0 B1 W2: backup 1 is down for 400 ms; witness 2 substitutes and the heads drop their
+    // logs past it (keep 32). Back, it gets the leader's values, votes again and witness 2
+    // steps back; half the keys are no longer written, so their newest versions reach
+    // backup 1 only by the refill (checked at the end); then the primary crashes.
+    let sc = Scenario {
+        pre_fault: PreFault::BackupDownLong,
+        pre_fault_lead_us: 1_100_000,
+        fault_delay_us: 1_100_000,
+        log_keep: 32,
+        run_us: 2_800_000,
+        ..scenario(1, 1, true)
+    };
+    run_many(
+        "backup_down_past_the_truncated_log_is_refilled_then_primary_crash",
+        sc,
+        4,
+    );
 }

@@ -56,6 +56,15 @@ fn samples() -> Vec<Vec<u8>> {
             done: true,
         },
         PeerBody::SnapshotAck { last_index: 2, next_offset: 1, installed: true },
+        PeerBody::Refill {
+            last_index: 2,
+            last_term: 1,
+            config: kv::witness::core::config::Config::standard(1, 1),
+            offset: 0,
+            entries: vec![e(1)],
+            done: true,
+        },
+        PeerBody::RefillAck { last_index: 2, next_offset: 1, installed: true },
         PeerBody::RequestLog { index: 1 },
         PeerBody::LogReply {
             index: 1,
@@ -103,6 +112,18 @@ fn samples() -> Vec<Vec<u8>> {
     out.push(proto::encode(&NetMsg::Req {
         id: 1,
         req: ClientReq::Get { key: b"k".to_vec() },
+    }));
+    // Membership requests (`kv reconfig`): a change, and a view any node answers.
+    out.push(proto::encode(&NetMsg::Req {
+        id: 2,
+        req: ClientReq::Reconfigure(kv::witness::core::config::Change::Add {
+            id: 7,
+            kind: kv::witness::core::config::Kind::Head,
+        }),
+    }));
+    out.push(proto::encode(&NetMsg::Req {
+        id: 3,
+        req: ClientReq::Membership,
     }));
     out
 }

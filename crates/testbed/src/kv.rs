@@ -128,6 +128,14 @@ pub struct UpArgs {
     /// Witness KV: witnesses (keys and timestamps only; one takes over when the primary fails).
     #[arg(long, default_value_t = 1)]
     pub witnesses: u32,
+    /// Witness KV: spare witnesses, started idle; the leader adds one in place of a witness
+    /// (or the primary) lost for longer than the loss bound, so fault tolerance comes back
+    /// without an operator.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub spares: u32,
+    /// Witness KV: spare backups (added in place of a lost backup, after a witness stood in).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub spare_backups: u32,
     /// Witness KV: passed to every node as --soft-timeout-ms (0: no pulling before the election).
     #[arg(long, value_name = "MS")]
     pub soft_timeout_ms: Option<u64>,

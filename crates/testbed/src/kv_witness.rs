@@ -6,7 +6,8 @@
 //! emulated NVMM of node N is `/dev/shm/understudy-witness-<DIR hash>/node-N` and is removed
 //! by [`LocalWitnessKv::stop`] (it is RAM: a group left behind would hold it until reboot).
 //! No supervisor restarts nodes yet: a killed primary is replaced by a witness's election,
-//! and the dead node stays down.
+//! and the dead node stays down; with `--spares` a spare takes a lost member's seat (the
+//! leader's automatic membership policy, `core/reconfig.rs`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -29,6 +30,11 @@ pub struct WitnessClusterFile {
     /// Always "witness".
     pub protocol: String,
     pub backups: u32,
+    /// Spare backups, then spare witnesses: the last nodes (see `kv node --spares`).
+    #[serde(default)]
+    pub spare_backups: u32,
+    #[serde(default)]
+    pub spares: u32,
     pub nodes: BTreeMap<u32, SocketAddr>,
     pub secret_file: PathBuf,
 }
@@ -67,7 +73,8 @@ pub struct LocalWitnessKv {
 impl LocalWitnessKv {
     pub fn start(a: &UpArgs) -> anyhow::Result<LocalWitnessKv> {
         anyhow::ensure!(a.backups >= 1 && a.witnesses >= 1, "a witness group needs at least one backup and one witness");
-        let n = 1 + a.backups + a.witnesses;
+        let members = 1 + a.backups + a.witnesses;
+        let n = members + a.spare_backups + a.spares;
         let recovery = a.recovery.witness()?;
         anyhow::ensure!(n <= 16, "at most 16 nodes");
         let dir = a.dir.clone();
@@ -78,7 +85,12 @@ impl LocalWitnessKv {
         let secret = cluster_file::read_secret(&secret_file)?;
         let cf = dir.join(CLUSTER_FILE);
         let nodes: BTreeMap<u32, SocketAddr> = match WitnessClusterFile::load(&cf) {
-            Ok(Some((f, _))) if f.nodes.len() == n as usize && f.backups == a.backups => f.nodes,
+            Ok(Some((f, _)))
+                if f.nodes.len() == n as usize
+                    && (f.backups, f.spare_backups, f.spares) == (a.backups, a.spare_backups, a.spares) =>
+            {
+                f.nodes
+            }
             _ => {
                 let ports: Vec<u16> = if a.port_base == 0 {
                     wire::ports::free_loopback_ports(n as usize)?
@@ -88,7 +100,14 @@ impl LocalWitnessKv {
                 (0..n).map(|i| (i, SocketAddr::from(([127, 0, 0, 1], ports[i as usize])))).collect()
             }
         };
-        let file = WitnessClusterFile { protocol: "witness".into(), backups: a.backups, nodes: nodes.clone(), secret_file: secret_file.clone() };
+        let file = WitnessClusterFile {
+            protocol: "witness".into(),
+            backups: a.backups,
+            spare_backups: a.spare_backups,
+            spares: a.spares,
+            nodes: nodes.clone(),
+            secret_file: secret_file.clone(),
+        };
         let tmp = cf.with_extension("tmp");
         std::fs::write(&tmp, serde_json::to_string_pretty(&file)?)?;
         std::fs::rename(&tmp, &cf)?;
@@ -97,7 +116,8 @@ impl LocalWitnessKv {
         let peers: String = nodes.iter().map(|(i, a)| format!("{i}={a}")).collect::<Vec<_>>().join(",");
         let node_args = (0..n)
             .map(|i| {
-                let role = if (1..=a.backups).contains(&i) { "backup" } else { "head" };
+                let backup = (1..=a.backups).contains(&i) || (members..members + a.spare_backups).contains(&i);
+                let role = if backup { "backup" } else { "head" };
                 let mut v: Vec<String> = vec![
                     "kv".into(), "node".into(), "--protocol".into(), "witness".into(),
                     "--role".into(), role.into(), "--backups".into(), a.backups.to_string(),
@@ -106,6 +126,7 @@ impl LocalWitnessKv {
                     "--pmem-dir".into(), pmem_root.join(format!("node-{i}")).to_string_lossy().into_owned(),
                     "--secret-file".into(), secret_file.to_string_lossy().into_owned(),
                     "--election-timeout-ms".into(), ELECTION_TIMEOUT_MS.to_string(),
+                    "--spares".into(), a.spares.to_string(), "--spare-backups".into(), a.spare_backups.to_string(),
                 ];
                 if let Some(ms) = a.soft_timeout_ms {
                     v.extend(["--soft-timeout-ms".into(), ms.to_string()]);

@@ -559,6 +559,8 @@ fn recovery_run(a: &KvRecoveryArgs, spec: RunSpec) -> anyhow::Result<RunResult> 
         protocol: testbed::kv::UpProtocol::Leaderless,
         backups: 1,
         witnesses: 1,
+        spares: 0,
+        spare_backups: 0,
         soft_timeout_ms: None,
         sample_probability: None,
         nodes,

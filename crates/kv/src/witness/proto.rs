@@ -66,6 +66,27 @@ pub struct Config {
     pub spares: Vec<Member>,
 }
 
+/// One membership step (M22–M24), as the automatic policy or an operator (`kv reconfig`)
+/// proposes it. Each changes the voter set by at most one node; see `core::reconfig` for why
+/// that suffices here (and `core::config` for the checks).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Change {
+    /// A new member joins non-voting (a replacement witness or backup catching up, M22). A
+    /// spare of that id is taken off the spare list.
+    Add { id: NodeId, kind: Kind },
+    /// A member leaves (a lost witness once its replacement votes; a failed backup).
+    Remove { id: NodeId },
+    /// Promote (a caught-up member, M22) or demote a member. A kind never changes: a
+    /// member's kind is which engine its process runs.
+    SetVoting { id: NodeId, voting: bool },
+    /// M22: the voting backup `backup` stops voting and the witness `witness` takes its place
+    /// in the commit quorum (Cheap Paxos), in one step: the voters lose one node and the
+    /// commit quorum swaps one member, so writes continue without the failed backup.
+    Substitute { backup: NodeId, witness: NodeId },
+    /// The substitute goes back to being a plain witness (a backup votes again).
+    EndSubstitute,
+}
+
 /// What a log entry does. Single-key Put only (paper §2.4: no delete, no scan); `Noop` is the
 /// entry a new leader appends in its own term so that earlier entries commit (Raft §5.4.2).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -280,6 +301,25 @@ pub enum PeerBody {
     Popularity {
         keys: Vec<(serde_bytes::ByteBuf, u32)>,
     },
+    /// Leader → a backup too far behind its truncated log (M24, `core/refill.rs`): the
+    /// leader's value table as of `last_index`, one full Put per key at the key's newest
+    /// stamp (which may be past `last_index`: a write racing the transfer), in chunks of
+    /// sorted keys from key number `offset`.
+    Refill {
+        last_index: u64,
+        last_term: u64,
+        config: Config,
+        offset: u64,
+        entries: Vec<Entry>,
+        done: bool,
+    },
+    /// Keys of refill `last_index` durable on the backup's SSD so far; `installed` once the
+    /// backup's log restarts at `last_index`.
+    RefillAck {
+        last_index: u64,
+        next_offset: u64,
+        installed: bool,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -288,6 +328,12 @@ pub enum ClientReq {
         #[serde(with = "serde_bytes")]
         key: Vec<u8>,
     },
+    /// An operator's membership change (`kv reconfig`): the serving leader proposes it and
+    /// answers [`ClientReply::Reconfigured`] once its entry commits, `Invalid` with the reason
+    /// if the change is refused, `Unavailable` while another change is still uncommitted.
+    Reconfigure(Change),
+    /// This node's view of the membership (any node answers; nothing changes).
+    Membership,
     Put {
         #[serde(with = "serde_bytes")]
         key: Vec<u8>,
@@ -301,6 +347,15 @@ pub enum ClientReply {
     /// A Get's answer (`None`: the key was never written).
     Value(Option<serde_bytes::ByteBuf>),
     PutOk,
+    /// A [`ClientReq::Reconfigure`] committed: the configuration its entry put in force.
+    Reconfigured(Config),
+    /// The answer to [`ClientReq::Membership`]: the configuration in force at this node, the
+    /// leader it follows (itself when leading) and whether it serves as leader.
+    Membership {
+        config: Config,
+        leader: Option<NodeId>,
+        serving: bool,
+    },
     /// This node is not the serving leader; try `hint` (the leader it last heard from) if any.
     NotLeader {
         hint: Option<NodeId>,

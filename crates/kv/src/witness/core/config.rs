@@ -13,7 +13,7 @@
 use std::collections::BTreeSet;
 
 use crate::witness::proto::NodeId;
-pub use crate::witness::proto::{Config, Kind, Member};
+pub use crate::witness::proto::{Change, Config, Kind, Member};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
@@ -39,25 +39,7 @@ pub enum ConfigError {
     NoValueHolder,
 }
 
-/// One membership step (M22–M24). Each changes the voter set by at most one node; see
-/// `core::reconfig` for why that suffices here.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Change {
-    /// A new member joins non-voting (a replacement witness or backup catching up, M22). A
-    /// spare of that id is taken off the spare list.
-    Add { id: NodeId, kind: Kind },
-    /// A member leaves (a lost witness once its replacement votes; a failed backup).
-    Remove { id: NodeId },
-    /// Promote (a caught-up member, M22) or demote a member. A kind never changes: a
-    /// member's kind is which engine its process runs.
-    SetVoting { id: NodeId, voting: bool },
-    /// M22: the voting backup `backup` stops voting and the witness `witness` takes its place
-    /// in the commit quorum (Cheap Paxos), in one step: the voters lose one node and the
-    /// commit quorum swaps one member, so writes continue without the failed backup.
-    Substitute { backup: NodeId, witness: NodeId },
-    /// The substitute goes back to being a plain witness (a backup votes again).
-    EndSubstitute,
-}
+// `Change` travels in a client request (`kv reconfig`), so it is defined in `proto`.
 
 impl Config {
     /// The usual layout (M2): node 0 the first primary, then `backups` backups, then `witnesses`

@@ -58,6 +58,10 @@ use crate::witness::proto::{
 mod reconfig;
 #[path = "snapshot.rs"]
 mod snapshot;
+#[path = "refill.rs"]
+mod refill;
+#[path = "operator.rs"]
+mod operator;
 pub use reconfig::ReconfigError;
 
 /// Tunables. Every bound has its unit in its name.
@@ -133,6 +137,9 @@ pub struct Params {
     /// Keys per snapshot message (a key is at most `MAX_KEY_BYTES`, so a chunk stays far
     /// below `MAX_PEER_MSG_BYTES`).
     pub snapshot_chunk_keys: usize,
+    /// Bytes of values per refill message (`core/refill.rs`), at least one entry; far below
+    /// `MAX_PEER_MSG_BYTES`, and what a backup writes to SSD per acknowledged step.
+    pub refill_chunk_bytes: usize,
     /// How a backup places entries on SSD: hot and cold logs by popularity (M10), or one log
     /// (the `single-log` ablation).
     pub ssd_logs: SsdLogs,
@@ -203,6 +210,7 @@ impl Default for Params {
             member_lost_us: 3_000_000,
             log_keep_entries: 4096,
             snapshot_chunk_keys: 1024,
+            refill_chunk_bytes: 1 << 20,
             ssd_logs: SsdLogs::HotCold,
             ssd_segment_bytes: 64 << 20,
             ssd_capacity_bytes: 1 << 40,
@@ -273,6 +281,7 @@ impl Params {
             (self.max_pending_pulls, "max_pending_pulls"),
             (self.log_keep_entries, "log_keep_entries"),
             (self.snapshot_chunk_keys, "snapshot_chunk_keys"),
+            (self.refill_chunk_bytes, "refill_chunk_bytes"),
             (self.append_max_entries, "append_max_entries"),
             (self.batch_pull_bytes, "batch_pull_bytes"),
             (self.writeback_batch_bytes, "writeback_batch_bytes"),
@@ -792,6 +801,9 @@ pub struct Counters {
     pub refused_peer_msgs: u64,
     pub snapshots_sent: u64,
     pub snapshots_installed: u64,
+    /// Value refills of a backup behind the truncated log (`core/refill.rs`).
+    pub refills_sent: u64,
+    pub refills_installed: u64,
     /// Membership changes this node proposed on its own (M22–M24).
     pub reconfigs: u64,
     /// Times this head, an old primary, dropped its value table to serve as a witness (M24).
@@ -847,6 +859,7 @@ pub struct WitnessCore {
     rec: RecoveryState,
     reconf: reconfig::Reconf,
     snap: snapshot::Snap,
+    refill: refill::Refill,
     pub counters: Counters,
     out: Vec<Output>,
 }
@@ -905,6 +918,7 @@ impl WitnessCore {
             rec,
             reconf: reconfig::Reconf::default(),
             snap: snapshot::Snap::default(),
+            refill: refill::Refill::default(),
             counters: Counters::default(),
             out: Vec::new(),
         };
@@ -950,6 +964,14 @@ impl WitnessCore {
             needs_snapshot = first.map_or(durable.meta.is_some_and(|m| m.0 > 0), |f| f > 1);
             if let Some(f) = first.filter(|&f| f > 1) {
                 log.base_index = f - 1;
+            }
+        }
+        if c.kind == Kind::Backup {
+            let last = log.last_index();
+            if let Some(f) = durable.entries.iter().find(|e| e.index > last) {
+                if f.index > last + 1 {
+                    c.refill_restored(&mut log, f.index - 1, f.term);
+                }
             }
         }
         for e in durable.entries {
@@ -1358,6 +1380,7 @@ impl WitnessCore {
             self.advance_commit();
         }
         self.apply_committed();
+        self.operator_answer();
         self.maybe_compact();
         if self.role == RoleKind::Leader {
             self.drive_recovery();
@@ -2147,6 +2170,10 @@ impl WitnessCore {
     fn on_client(&mut self, tag: u64, req: ClientReq) {
         let reply = |c: &mut Self, reply| c.out.push(Output::Reply { tag, reply });
         match &req {
+            ClientReq::Reconfigure(change) => {
+                return self.on_client_reconfigure(tag, change.clone())
+            }
+            ClientReq::Membership => return self.on_client_membership(tag),
             ClientReq::Get { key } | ClientReq::Put { key, .. } => {
                 if key.is_empty() || key.len() > MAX_KEY_BYTES {
                     return reply(
@@ -2173,6 +2200,7 @@ impl WitnessCore {
         }
         match &req {
             ClientReq::Get { key } | ClientReq::Put { key, .. } => self.rec_sample(key),
+            ClientReq::Reconfigure(_) | ClientReq::Membership => {} // answered at the top
         }
         match req {
             ClientReq::Put { key, value } => {
@@ -2194,6 +2222,7 @@ impl WitnessCore {
                 }
             }
             ClientReq::Get { key } => self.on_get(tag, key),
+            ClientReq::Reconfigure(_) | ClientReq::Membership => {} // answered at the top
         }
     }
 
@@ -2645,9 +2674,9 @@ impl WitnessCore {
         let mut by_index: BTreeMap<u64, (u64, Loc)> = BTreeMap::new();
         let mut newest: HashMap<Vec<u8>, (Stamp, Loc)> = HashMap::new();
         for d in segs {
-            let (decoded, valid) = page::decode_pages(d.seg, 0, &d.bytes);
+            let (decoded, valid) = page::decode_pages_tagged(d.seg, 0, &d.bytes);
             self.backup.space.restore_seg(d.seg, d.log, valid as u64);
-            for (loc, e) in decoded {
+            for (loc, e, refill) in decoded {
                 if let Op::Config(cf) = &e.op {
                     configs.push((e.index, cf.clone()));
                 }
@@ -2661,7 +2690,10 @@ impl WitnessCore {
                         }
                     }
                 }
-                by_index.insert(e.index, (e.term, loc));
+                if !refill {
+                    // A refill version is indexed, never part of the log (`refill.rs`).
+                    by_index.insert(e.index, (e.term, loc));
+                }
             }
         }
         for (k, (st, loc)) in newest {
@@ -2730,6 +2762,18 @@ impl WitnessCore {
         entries: &[Entry],
         class: IoClass,
     ) -> (SsdWriteReq, Vec<Loc>) {
+        self.write_batch_tagged(log, entries, &[], class)
+    }
+
+    /// [`Self::write_batch`] with `refill[i]` marking entry `i` a refill version (missing:
+    /// a log entry).
+    fn write_batch_tagged(
+        &mut self,
+        log: SsdLog,
+        entries: &[Entry],
+        refill: &[bool],
+        class: IoClass,
+    ) -> (SsdWriteReq, Vec<Loc>) {
         let len = page::packed_len(entries) as u64;
         let id = self.next_io_id();
         let (seg, off) = self
@@ -2739,8 +2783,9 @@ impl WitnessCore {
         let mut b = page::BatchBuilder::new(seg, off);
         let locs = entries
             .iter()
-            .map(|e| {
-                b.push(e)
+            .enumerate()
+            .map(|(i, e)| {
+                b.push_tagged(e, refill.get(i).copied().unwrap_or(false))
                     .expect("entries are within the limits the leader checked")
             })
             .collect();
@@ -3071,7 +3116,7 @@ impl WitnessCore {
     /// (or a partial one has waited `writeback_linger_us`), write it to SSD, each entry to the
     /// log its key's popularity picks (M10): one write per log the batch touches.
     fn maybe_writeback(&mut self) {
-        if self.backup.wb_in_flight.is_some() {
+        if self.backup.wb_in_flight.is_some() || self.refill_writing() {
             return;
         }
         let limit = self.commit.min(self.persisted);
@@ -3138,6 +3183,9 @@ impl WitnessCore {
         let ok = result.is_ok();
         if !ok {
             self.counters.ssd_errors += 1;
+        }
+        if self.on_refill_written(id, &result) {
+            return;
         }
         let new_id = (!ok).then(|| self.next_io_id());
         let b = &mut self.backup;
@@ -3267,7 +3315,11 @@ impl WitnessCore {
         };
         let from_log = self.backup.space.seg(victim).map(|g| g.log);
         let mut by_log: [Vec<(Entry, Loc)>; 2] = Default::default();
-        for (loc, e) in page::decode_pages(victim, 0, &bytes).0 {
+        let mut refills: HashSet<Loc> = HashSet::new();
+        for (loc, e, refill) in page::decode_pages_tagged(victim, 0, &bytes).0 {
+            if refill {
+                refills.insert(loc);
+            }
             let by_index = e
                 .key()
                 .and_then(|k| self.backup.index.get(k))
@@ -3295,7 +3347,9 @@ impl WitnessCore {
                 let full = page::packed_len(batch.iter().map(|x| &x.0)) >= self.p.gc_write_bytes;
                 if full || it.peek().is_none() {
                     let es: Vec<Entry> = batch.iter().map(|x| x.0.clone()).collect();
-                    let (w, locs) = self.write_batch(log, &es, IoClass::Gc);
+                    // A moved refill version stays one (`refill.rs`).
+                    let tags: Vec<bool> = batch.iter().map(|x| refills.contains(&x.1)).collect();
+                    let (w, locs) = self.write_batch_tagged(log, &es, &tags, IoClass::Gc);
                     self.counters.gc_bytes_rewritten += w.bytes.len() as u64;
                     let g = self.backup.gc.as_mut().unwrap();
                     g.writes.push(w);
@@ -3409,6 +3463,26 @@ impl WitnessCore {
                     self.on_snapshot(from, term, snap);
                 }
             }
+            PeerBody::Refill {
+                last_index,
+                last_term,
+                config,
+                offset,
+                entries,
+                done,
+            } => {
+                if self.cfg.may_stand(from) {
+                    let c = refill::Chunk {
+                        last_index,
+                        last_term,
+                        config,
+                        offset,
+                        entries,
+                        done,
+                    };
+                    self.on_refill(from, term, c);
+                }
+            }
             PeerBody::AppendEntries {
                 leader,
                 prev_index,
@@ -3457,6 +3531,11 @@ impl WitnessCore {
                         next_offset,
                         installed,
                     } if same => self.on_snapshot_ack(from, last_index, next_offset, installed),
+                    PeerBody::RefillAck {
+                        last_index,
+                        next_offset,
+                        installed,
+                    } if same => self.on_refill_ack(from, last_index, next_offset, installed),
                     PeerBody::RequestLog { index } if same => self.on_request_log(from, index),
                     PeerBody::LogReply { index, entry, gone } if same => {
                         self.on_log_reply(from, index, entry, gone)

@@ -34,6 +34,10 @@ const KIND_PUT: u8 = 1;
 const KIND_PUT_KEY_ONLY: u8 = 2;
 /// A configuration entry (M22–M24): the value is the postcard-encoded `Config`.
 const KIND_CONFIG: u8 = 3;
+/// A Put with its value written by a refill (`core/refill.rs`): a version of the key at its
+/// stamp, not a log entry. A restart indexes it but never counts its index as part of the
+/// backup's log, so a refill cut short by a crash never passes for a log the backup holds.
+const KIND_REFILL_PUT: u8 = 4;
 
 /// The bytes a configuration entry's value holds on SSD.
 fn config_bytes(cfg: &crate::witness::proto::Config) -> Vec<u8> {
@@ -146,6 +150,11 @@ impl BatchBuilder {
     }
 
     pub fn push(&mut self, e: &Entry) -> Result<Loc, PageError> {
+        self.push_tagged(e, false)
+    }
+
+    /// [`Self::push`], with `refill` marking a Put (with its value) as a refill version.
+    pub fn push_tagged(&mut self, e: &Entry, refill: bool) -> Result<Loc, PageError> {
         let cfg_bytes;
         let (kind, key, value): (u8, &[u8], &[u8]) = match &e.op {
             Op::Noop => (KIND_NOOP, &[], &[]),
@@ -156,7 +165,7 @@ impl BatchBuilder {
             Op::Put {
                 key,
                 value: Some(v),
-            } => (KIND_PUT, key, v),
+            } => (if refill { KIND_REFILL_PUT } else { KIND_PUT }, key, v),
             Op::Put { key, value: None } => (KIND_PUT_KEY_ONLY, key, &[]),
         };
         if key.len() > MAX_KEY_BYTES || value.len() > MAX_VALUE_BYTES {
@@ -202,7 +211,8 @@ impl BatchBuilder {
     }
 }
 
-fn decode_payload(p: &[u8]) -> Option<Entry> {
+/// The entry and whether it is a refill version.
+fn decode_payload(p: &[u8]) -> Option<(Entry, bool)> {
     let (&kind, rest) = p.split_first()?;
     let klen = u16::from_le_bytes(rest.get(..2)?.try_into().ok()?) as usize;
     if klen > MAX_KEY_BYTES || rest.len() < 2 + klen + 16 {
@@ -215,7 +225,7 @@ fn decode_payload(p: &[u8]) -> Option<Entry> {
     let value = &f[16..];
     let op = match kind {
         KIND_NOOP if klen == 0 && value.is_empty() => Op::Noop,
-        KIND_PUT => Op::Put {
+        KIND_PUT | KIND_REFILL_PUT => Op::Put {
             key: key.to_vec(),
             value: Some(serde_bytes::ByteBuf::from(value.to_vec())),
         },
@@ -226,7 +236,7 @@ fn decode_payload(p: &[u8]) -> Option<Entry> {
         KIND_CONFIG if klen == 0 => Op::Config(postcard::from_bytes(value).ok()?),
         _ => return None,
     };
-    Some(Entry { index, term, op })
+    Some((Entry { index, term, op }, kind == KIND_REFILL_PUT))
 }
 
 /// Decodes the entries of `bytes`, which start at page-aligned byte `base` of segment `seg`.
@@ -235,6 +245,12 @@ fn decode_payload(p: &[u8]) -> Option<Entry> {
 /// A large entry cut off by the end of `bytes` also ends the scan (read more to get it; its
 /// length is [`cut_off_len`]).
 pub fn decode_pages(seg: u64, base: u64, bytes: &[u8]) -> (Vec<(Loc, Entry)>, usize) {
+    let (es, valid) = decode_pages_tagged(seg, base, bytes);
+    (es.into_iter().map(|(l, e, _)| (l, e)).collect(), valid)
+}
+
+/// [`decode_pages`] telling refill versions apart (`true`): what a restart and GC need.
+pub fn decode_pages_tagged(seg: u64, base: u64, bytes: &[u8]) -> (Vec<(Loc, Entry, bool)>, usize) {
     let mut out = Vec::new();
     let mut pos = 0usize;
     loop {
@@ -266,7 +282,7 @@ pub fn decode_pages(seg: u64, base: u64, bytes: &[u8]) -> (Vec<(Loc, Entry)>, us
         if entry_crc(seg, off, payload) != crc {
             break;
         }
-        let Some(e) = decode_payload(payload) else {
+        let Some((e, refill)) = decode_payload(payload) else {
             break;
         };
         out.push((
@@ -276,6 +292,7 @@ pub fn decode_pages(seg: u64, base: u64, bytes: &[u8]) -> (Vec<(Loc, Entry)>, us
                 len: framed as u32,
             },
             e,
+            refill,
         ));
         pos = advance(pos, framed);
     }
@@ -311,6 +328,26 @@ mod tests {
                 value: Some(serde_bytes::ByteBuf::from(vec![i as u8; vlen])),
             },
         }
+    }
+
+    #[test]
+    fn a_refill_version_keeps_its_tag_and_reads_as_a_put() {
+        let mut b = BatchBuilder::new(3, 0);
+        let (log, refill) = (put(5, 10), put(6, 10));
+        b.push(&log).unwrap();
+        b.push_tagged(&refill, true).unwrap();
+        // A Noop has no value: the tag cannot apply and is ignored.
+        b.push_tagged(&Entry { index: 7, term: 1, op: Op::Noop }, true).unwrap();
+        let (bytes, _) = b.finish();
+        let got: Vec<(Entry, bool)> = decode_pages_tagged(3, 0, &bytes)
+            .0
+            .into_iter()
+            .map(|(_, e, t)| (e, t))
+            .collect();
+        assert_eq!(got[0], (log, false));
+        assert_eq!(got[1], (refill.clone(), true));
+        assert!(!got[2].1);
+        assert_eq!(decode_pages(3, 0, &bytes).0[1].1, refill);
     }
 
     #[test]

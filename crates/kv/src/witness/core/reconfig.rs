@@ -58,6 +58,10 @@ pub(super) struct Reconf {
     pub last_error: Option<String>,
     /// Reconciliation is replacing its range (configurations undone, then redone).
     pub replaying: bool,
+    /// An operator's change proposed by this leader and not committed yet: (its index, its
+    /// term, the client's tag). At most one: a second change is refused while one is
+    /// uncommitted (`operator.rs`).
+    pub operator_waiting: Option<(u64, u64, u64)>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -243,6 +247,7 @@ impl WitnessCore {
         let now = self.now;
         self.reconf.heard_us = self.cfg.ids().map(|m| (m, now)).collect();
         self.reconf.was_primary = true;
+        self.refill_on_lead();
     }
 
     /// This head follows `leader` in `term` (M24): an old primary becomes a plain witness and

@@ -383,3 +383,73 @@ fn a_lost_substitute_leaves_and_writes_go_on() {
     assert_eq!(l, 4);
     assert_eq!(r.get(l, "a"), val("2"));
 }
+
+// ---- operator requests (`kv reconfig`, core/operator.rs) ----
+
+#[test]
+fn an_operator_change_is_answered_once_committed_and_a_refusal_says_why() {
+    let mut r = Router::with_params(Config::standard(1, 1), lost_params()); // P0 B1 W2
+    let p = r.wait_serving();
+    let add7 = ClientReq::Reconfigure(Change::Add {
+        id: 7,
+        kind: Kind::Head,
+    });
+    assert_eq!(
+        r.call(2, add7.clone(), 10),
+        Some(ClientReply::NotLeader { hint: Some(p) })
+    );
+    // Backup 1 holds its acks back: the entry cannot commit, so no answer yet, and a second
+    // change meanwhile is told to come back.
+    r.hold_persist.insert(1);
+    let tag = r.submit(p, add7);
+    r.run_for(30);
+    assert!(!r.replies.contains_key(&tag), "answered before the entry committed");
+    assert_eq!(
+        r.call(p, ClientReq::Reconfigure(Change::Remove { id: 2 }), 5),
+        Some(ClientReply::Unavailable)
+    );
+    r.hold_persist.clear();
+    let held = std::mem::take(&mut r.held);
+    for (n, seq) in held {
+        r.feed(n, Input::PmemPersisted { seq });
+    }
+    assert!(r.run_until(500, |r| r.replies.contains_key(&tag)));
+    match r.replies.remove(&tag) {
+        Some(ClientReply::Reconfigured(c)) => {
+            assert_eq!(c.member(7).map(|m| m.voting), Some(false));
+            assert!(r.node(p).commit_index() > 0 && r.node(p).config() == &c);
+        }
+        other => panic!("{other:?}"),
+    }
+    let e = match r.call(p, ClientReq::Reconfigure(Change::Remove { id: p }), 10) {
+        Some(ClientReply::Invalid(e)) => e,
+        other => panic!("{other:?}"),
+    };
+    assert!(e.contains("cannot remove"), "{e}");
+    // Any node tells its view.
+    assert!(r.run_until(200, |r| r.node(2).config().member(7).is_some()));
+    match r.call(2, ClientReq::Membership, 10) {
+        Some(ClientReply::Membership {
+            config,
+            leader,
+            serving,
+        }) => {
+            assert!(config.member(7).is_some());
+            assert_eq!((leader, serving), (Some(p), false));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_operator_change_at_a_deposed_leader_is_indeterminate() {
+    let mut r = Router::with_params(Config::standard(1, 1), lost_params()); // P0 B1 W2
+    let p = r.wait_serving();
+    assert_eq!(p, 0);
+    r.isolate(0);
+    let tag = r.submit(0, ClientReq::Reconfigure(Change::EndSubstitute));
+    assert!(r.run_until(2_000, |r| r.serving() == Some(2)));
+    r.cut.clear();
+    assert!(r.run_until(500, |r| r.replies.contains_key(&tag)));
+    assert_eq!(r.replies.remove(&tag), Some(ClientReply::Indeterminate));
+}

@@ -21,9 +21,8 @@
 //! must not lead: it says so in its acks (`want_snapshot`) and stands for nothing until the
 //! leader's snapshot is installed.
 //!
-//! SIMPLIFIED: a backup too far behind a truncated log (a substituted-out backup returning
-//! much later) is not refilled: it would need the values, which only the primary's table and
-//! the other backups' SSDs hold; the replacement policy adds a spare instead.
+//! A backup too far behind the truncated log (a substituted-out backup returning much later)
+//! gets the leader's values instead (`refill.rs`).
 
 use super::*;
 
@@ -154,6 +153,10 @@ impl WitnessCore {
     /// Leader: (re)sends the current chunk of a snapshot to `to`, starting one if none is in
     /// flight. `now_anyway` restarts a stale one at once (the member asked for it).
     pub(super) fn send_snapshot(&mut self, to: NodeId, now_anyway: bool) {
+        if self.cfg.kind(to) == Some(Kind::Backup) {
+            // A backup must hold every value: it gets them (`refill.rs`).
+            return self.send_refill(to, now_anyway);
+        }
         if self.role != RoleKind::Leader || self.cfg.kind(to) != Some(Kind::Head) {
             self.counters.values_unavailable += 1;
             return;

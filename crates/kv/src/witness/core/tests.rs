@@ -757,3 +757,5 @@ fn restarted_backup_rebuilds_its_index_and_serves_the_next_primary() {
 mod recovery;
 #[path = "reconfig_tests.rs"]
 mod reconfig_tests;
+#[path = "refill_tests.rs"]
+mod refill_tests;

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::witness::proto::{Change, Config};
 
 /// How long one request may take, retries included, before the client gives up.
 pub const CLIENT_DEADLINE_DEFAULT: Duration = Duration::from_secs(10);
@@ -57,6 +58,36 @@ impl WitnessClient {
         match self.call(req).await? {
             ClientReply::PutOk => Ok(()),
             r => Err(WitnessError::Refused(format!("unexpected reply to a put: {r:?}"))),
+        }
+    }
+
+    /// Submits a membership change to the leader and waits until it commits (`kv reconfig`):
+    /// the configuration then in force, or why it was refused (`Refused`), or `Unavailable`
+    /// when no leader took it before the deadline (another change pending all along).
+    pub async fn reconfigure(&mut self, change: Change) -> Result<Config, WitnessError> {
+        match self.call(ClientReq::Reconfigure(change)).await? {
+            ClientReply::Reconfigured(c) => Ok(c),
+            r => Err(WitnessError::Refused(format!("unexpected reply to a change: {r:?}"))),
+        }
+    }
+
+    /// Node `node`'s own view of the membership, leader or not: (its configuration, the
+    /// leader it follows, whether it serves as leader).
+    pub async fn membership(&mut self, node: NodeId) -> Result<(Config, Option<NodeId>, bool), WitnessError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let r = tokio::time::timeout(CLIENT_ATTEMPT_TIMEOUT, self.attempt(node, id, &ClientReq::Membership)).await;
+        match r {
+            Ok(Ok(ClientReply::Membership { config, leader, serving })) => Ok((config, leader, serving)),
+            Ok(Ok(r)) => Err(WitnessError::Refused(format!("unexpected reply to a membership request: {r:?}"))),
+            Ok(Err(Attempt::NotSent(e) | Attempt::Sent(e))) => {
+                self.conn = None;
+                Err(WitnessError::Unavailable(format!("node {node}: {e}")))
+            }
+            Err(_) => {
+                self.conn = None;
+                Err(WitnessError::Unavailable(format!("node {node}: no answer within {CLIENT_ATTEMPT_TIMEOUT:?}")))
+            }
         }
     }
 
