@@ -191,6 +191,8 @@ impl PeerBody {
             PeerBody::PriorityPull { .. } => "PriorityPull",
             PeerBody::PriorityPullReply { .. } => "PriorityPullReply",
             PeerBody::Popularity { .. } => "Popularity",
+            PeerBody::Refill { .. } => "Refill",
+            PeerBody::RefillAck { .. } => "RefillAck",
         }
     }
 }

@@ -33,7 +33,7 @@
 //! Simplified in this version (each marked `SIMPLIFIED` where it lives): a backup has one
 //! worker (M7).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
