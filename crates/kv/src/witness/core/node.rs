@@ -1427,7 +1427,12 @@ impl WitnessCore {
         let match_index = if success {
             self.leader_match.min(self.persisted)
         } else {
-            self.log.last_index()
+            // The leader probes again below this: the last index this head can vouch for (its
+            // adopted, content-less slots excluded), so one refusal skips them all.
+            let last = self.log.last_index();
+            (self.log.base_index + 1..=last)
+                .find(|&i| matches!(self.log.slot(i), Some(Slot::Unknown { .. })))
+                .map_or(last, |i| i - 1)
         };
         let sent_us = self.leader_sent_us;
         self.send(
@@ -1815,9 +1820,20 @@ impl WitnessCore {
     /// Where a retransmission to `p` starts: after its acknowledged prefix; for a member that
     /// gets values, never at or below the commit index (every voting backup holds committed
     /// entries, and this head keeps no values for them once applied).
+    ///
+    /// A member that has not acknowledged anything in this term is probed where `next` says
+    /// (Raft's nextIndex: the commit index + 1 at the election, lowered by each refusal), not
+    /// from index 1: below this head's truncated log that would mean a copy of the whole key
+    /// table, and a new leader made one for the dead old primary at every heartbeat retry —
+    /// a sort of every key in the node's one task while clients waited.
     fn retransmit_from(&self, p: NodeId) -> u64 {
         let l = self.lead.as_ref().unwrap();
-        let m = l.matched.get(&p).copied().unwrap_or(0) + 1;
+        let matched = l.matched.get(&p).copied().unwrap_or(0);
+        let m = if matched == 0 {
+            l.next.get(&p).copied().unwrap_or(1)
+        } else {
+            matched + 1
+        };
         if self.cfg.kind(p) == Some(Kind::Backup) && self.cfg.is_voter(p) {
             m.max(self.commit + 1)
         } else {
@@ -1987,7 +2003,11 @@ impl WitnessCore {
         }
         self.leader_sent_us = self.leader_sent_us.max(sent_us);
         self.reset_election_timer();
-        if prev_index > self.log.last_index() || !self.log.matches(prev_index, prev_term) {
+        // An adopted slot (M13) has a term but no known content: it cannot anchor the Log
+        // Matching check, or a heartbeat whose prev lands on one would move the commit index
+        // over an entry this head never held.
+        let prev_unknown = matches!(self.log.slot(prev_index), Some(Slot::Unknown { .. }));
+        if prev_index > self.log.last_index() || !self.log.matches(prev_index, prev_term) || prev_unknown {
             self.send_ack(from, false);
             return;
         }
@@ -2533,9 +2553,10 @@ impl WitnessCore {
             .lead
             .as_ref()
             .and_then(|l| l.recovery.as_ref())
-            .is_some_and(|r| r.batch.done && r.leftover.is_empty());
+            .is_some_and(|r| r.batch.done && r.leftover.is_empty() && r.pulls.is_empty());
         // The stream has passed every key: what it left, by one pass over the key table
-        // (again only if that list runs dry with keys still missing).
+        // (again only if that list runs dry, and every pull came back, with keys still
+        // missing: a pass per input would stall the node as surely as the old set did).
         let rescan = (leftover_dry && self.head.missing > 0)
             .then(|| self.head.scan_missing(LEFTOVER_SCAN_KEYS_MAX));
         let head = &self.head;

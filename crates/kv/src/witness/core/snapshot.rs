@@ -169,8 +169,14 @@ impl WitnessCore {
         let base = self.log.base_index;
         // A new copy when none is in flight, or the one in flight is behind the log and was
         // not started (a transfer under way is finished first; the rest follows by log).
+        // A stale copy is remade only for a member heard since it was sent: one that answers
+        // nothing gets the same chunk again (remaking means sorting every key, in the node's
+        // one task).
+        let heard = self.reconf.heard_us.get(&to).copied().unwrap_or(0);
         let fresh = self.snap.sending.get(&to).is_none_or(|s| {
-            s.last_index < base && s.offset == 0 && s.sent_us.is_none_or(|t| now >= t + retry)
+            s.last_index < base
+                && s.offset == 0
+                && s.sent_us.is_none_or(|t| now >= t + retry && heard > t)
         });
         if fresh {
             let mut keys: Vec<(Vec<u8>, Stamp)> = self
