@@ -523,6 +523,7 @@ impl World {
             ClientReply::NotLeader { hint } => retry_elsewhere = Some(hint),
             ClientReply::Unavailable => retry_elsewhere = Some(Some(self.clients[c].target)),
             ClientReply::Invalid(e) => panic!("invalid request: {e}"),
+            ClientReply::Status(_) => panic!("a status reply to a get or put"),
         }
         if let Some(hint) = retry_elsewhere {
             // Definitely not executed: the op never happened.

@@ -58,6 +58,8 @@ use crate::witness::proto::{
 mod reconfig;
 #[path = "snapshot.rs"]
 mod snapshot;
+mod status;
+use super::tiers::CountedMap;
 pub use reconfig::ReconfigError;
 
 /// Tunables. Every bound has its unit in its name.
@@ -590,8 +592,8 @@ struct Lead {
 /// A head's state machine: the key table (the oracle, M1) and the value table.
 #[derive(Clone, Debug, Default)]
 struct Head {
-    keys: HashMap<Vec<u8>, Stamp>,
-    values: HashMap<Vec<u8>, (Stamp, Vec<u8>)>,
+    keys: CountedMap<Stamp>,
+    values: CountedMap<(Stamp, Vec<u8>)>,
 }
 
 #[derive(Clone, Debug)]
@@ -631,7 +633,7 @@ enum ReadFor {
 struct Backup {
     /// DRAM index key → (stamp, location) of the newest written-back version. Every location
     /// is a reference of its segment in `space`.
-    index: HashMap<Vec<u8>, (Stamp, Loc)>,
+    index: CountedMap<(Stamp, Loc)>,
     /// Segments of the hot and cold logs and their live bytes.
     space: Space,
     /// Flushed slots of the recent-log window that hold a location (references too).
@@ -649,7 +651,7 @@ struct Backup {
 impl Backup {
     fn new() -> Self {
         Backup {
-            index: HashMap::new(),
+            index: CountedMap::default(),
             space: Space::default(),
             slot_refs: 0,
             written_back_through: 0,
@@ -1056,6 +1058,7 @@ impl WitnessCore {
     /// key table (installs never pass the oracle), and the missing set is exact.
     pub fn check_invariants_deep(&self) {
         self.check_invariants();
+        self.check_tiers_deep();
         if self.kind == Kind::Backup {
             // Pulls scan only `unflushed_slots`: nothing before it may still be an entry.
             let skipped = self.log.slots.len() - self.unflushed_slots().count();
@@ -2085,6 +2088,7 @@ impl WitnessCore {
     fn on_client(&mut self, tag: u64, req: ClientReq) {
         let reply = |c: &mut Self, reply| c.out.push(Output::Reply { tag, reply });
         match &req {
+            ClientReq::Status => return self.on_status(tag),
             ClientReq::Get { key } | ClientReq::Put { key, .. } => {
                 if key.is_empty() || key.len() > MAX_KEY_BYTES {
                     return reply(
@@ -2111,6 +2115,7 @@ impl WitnessCore {
         }
         match &req {
             ClientReq::Get { key } | ClientReq::Put { key, .. } => self.rec_sample(key),
+            ClientReq::Status => {}
         }
         match req {
             ClientReq::Put { key, value } => {
@@ -2132,6 +2137,7 @@ impl WitnessCore {
                 }
             }
             ClientReq::Get { key } => self.on_get(tag, key),
+            ClientReq::Status => {} // answered at the top
         }
     }
 

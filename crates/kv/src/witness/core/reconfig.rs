@@ -252,7 +252,7 @@ impl WitnessCore {
         if leader != self.id && self.reconf.was_primary {
             self.reconf.was_primary = false;
             if self.kind == Kind::Head && !self.cfg.gets_values(self.id) {
-                self.head.values = HashMap::new();
+                self.head.values.clear_and_free();
                 // Entries not applied yet still carry the values this head wrote as leader.
                 for i in self.applied + 1..=self.log.last_index() {
                     if let Some(Slot::Entry(e)) = self.log.slot_mut(i) {
