@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::witness::proto::StatusReport;
 
 /// How long one request may take, retries included, before the client gives up.
 pub const CLIENT_DEADLINE_DEFAULT: Duration = Duration::from_secs(10);
@@ -58,6 +59,31 @@ impl WitnessClient {
             ClientReply::PutOk => Ok(()),
             r => Err(WitnessError::Refused(format!("unexpected reply to a put: {r:?}"))),
         }
+    }
+
+    /// One node's status (`kv status`, `bench kv ttr`): asked of `node` itself, leader or not,
+    /// once, within [`CLIENT_ATTEMPT_TIMEOUT`].
+    pub async fn node_status(&mut self, node: NodeId) -> Result<StatusReport, WitnessError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let r = tokio::time::timeout(CLIENT_ATTEMPT_TIMEOUT, self.attempt(node, id, &ClientReq::Status)).await;
+        match r {
+            Ok(Ok(ClientReply::Status(s))) => Ok(*s),
+            Ok(Ok(other)) => Err(WitnessError::Refused(format!("node {node} answered a status request with {other:?}"))),
+            Ok(Err(Attempt::NotSent(e) | Attempt::Sent(e))) => {
+                self.conn = None;
+                Err(WitnessError::Unavailable(format!("node {node}: {e}")))
+            }
+            Err(_) => {
+                self.conn = None;
+                Err(WitnessError::Unavailable(format!("node {node}: no answer within {CLIENT_ATTEMPT_TIMEOUT:?}")))
+            }
+        }
+    }
+
+    /// The nodes this client knows.
+    pub fn nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes.keys().copied()
     }
 
     fn next_node(&mut self) {

@@ -35,7 +35,7 @@ use crate::witness::core::config::Config;
 use crate::witness::core::node::{
     Durable, Input, Output, Params, PmemRecord, Region, RoleKind, WitnessCore,
 };
-use crate::witness::proto::Entry;
+use crate::witness::proto::{Entry, StatusReport};
 use crate::witness::store::io::{IoClass, IoCompletion, IoConfig, IoOp, IoOutput, IoPool, IoRequest, IoSubmitter};
 use crate::witness::store::pmem::{PmemConfig, PmemMode, PmemRegion};
 use crate::witness::store::ssdlog::{SsdConfig, SsdLogs};
@@ -179,6 +179,30 @@ impl Pmem {
         }
         Ok(())
     }
+}
+
+impl Pmem {
+    /// The driver's part of a status reply: the NVMM rings and the process's resident set.
+    fn fill_status(&self, st: &mut StatusReport) {
+        st.tiers.nvmm_buffer_used_bytes = self.log.used_bytes() + self.meta.used_bytes();
+        st.tiers.nvmm_buffer_mapped_bytes = self.log.capacity_bytes() + self.meta.capacity_bytes();
+        if let Some((rss, shared)) = statm_rss_bytes() {
+            st.rss_bytes = rss;
+            st.rss_shared_bytes = shared;
+        }
+    }
+}
+
+/// This process's resident and shared bytes, from `/proc/self/statm` (pages: size resident
+/// shared ...). `None` off Linux or if the file is unreadable: the status still answers.
+pub fn statm_rss_bytes() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let mut f = s.split_whitespace().skip(1).map(|x| x.parse::<u64>().ok());
+    let (rss, shared) = (f.next()??, f.next()??);
+    // SAFETY: sysconf has no preconditions; it only reads a system constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let page = if page > 0 { page as u64 } else { 4096 };
+    Some((rss * page, shared * page))
 }
 
 fn decode_core(rec: &[u8]) -> Option<PmemRecord> {
@@ -386,7 +410,10 @@ pub async fn run_node(cfg: WitnessNodeConfig) -> Result<(), WitnessError> {
                     o @ (Output::SsdWrite { .. } | Output::SsdRead { .. } | Output::SsdFree { .. }) => {
                         send_ssd(&ssd_tx, io_request(o).expect("an SSD output")).await?
                     }
-                    Output::Reply { tag, reply } => {
+                    Output::Reply { tag, mut reply } => {
+                        if let ClientReply::Status(st) = &mut reply {
+                            pmem.fill_status(st);
+                        }
                         if let Some(c) = calls.remove(&tag) {
                             // A gone or stuck client loses only its own reply.
                             let _ = c.conn.try_send(NetMsg::Resp { id: c.id, reply });
