@@ -81,9 +81,14 @@ impl WitnessClient {
         }
     }
 
-    /// The nodes this client knows.
-    pub fn nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
-        self.nodes.keys().copied()
+    /// Every node's status, in id order; a node that does not answer is its error.
+    pub async fn all_status(&mut self) -> Vec<(NodeId, Result<StatusReport, WitnessError>)> {
+        let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            out.push((id, self.node_status(id).await));
+        }
+        out
     }
 
     fn next_node(&mut self) {
