@@ -346,7 +346,7 @@ pub struct TierReport {
     pub dram_popularity_bytes: u64,
     /// The in-memory Raft log's slot array.
     pub dram_log_bytes: u64,
-    /// Bytes of entries the index or the recent-log window still reference.
+    /// Bytes of the entries a backup's index points at (the newest version of every key).
     pub ssd_live_bytes: u64,
     /// Bytes the segment files take (live, stale versions GC has not reclaimed, page padding).
     pub ssd_allocated_bytes: u64,

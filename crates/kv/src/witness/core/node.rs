@@ -3119,11 +3119,12 @@ impl WitnessCore {
                 continue; // a Noop: in the log, not in the index
             };
             let st = e.stamp();
-            match b.index.get_mut(key) {
+            // A copy, not `get_mut`: the index's byte counters settle when its borrow ends.
+            match b.index.get(key).copied() {
                 Some(cur) if cur.0 <= st => {
                     b.space.drop_ref(cur.1);
                     b.space.add_ref(*loc);
-                    *cur = (st, *loc);
+                    *b.index.get_mut(key).expect("present above") = (st, *loc);
                 }
                 Some(_) => {}
                 None => {
@@ -3254,7 +3255,7 @@ impl WitnessCore {
         };
         let b = &mut self.backup;
         for (e, old, new) in g.moved.drain(..) {
-            if let Some(cur) = e.key().and_then(|k| b.index.get_mut(k)) {
+            if let Some(mut cur) = e.key().and_then(|k| b.index.get_mut(k)) {
                 if cur.1 == old {
                     cur.1 = new;
                     b.space.drop_ref(old);

@@ -325,7 +325,7 @@ impl WitnessCore {
             return; // older than what this head already dropped: it asks again if it needs
         }
         for (k, st) in keys {
-            let e = self.head.keys.get_or_insert(k, Stamp::ZERO);
+            let mut e = self.head.keys.get_or_insert(k, Stamp::ZERO);
             *e = (*e).max(st);
         }
         // A mismatch at `index` means `index` is past this head's commit (committed entries

@@ -87,8 +87,6 @@ pub struct Space {
     active: [Option<u64>; 2],
     next_seg: u64,
     refs_total: u64,
-    /// Σ of the segments' `live_bytes`, kept with them (for `kv status`, O(1)).
-    live_total: u64,
 }
 
 impl Default for Space {
@@ -98,7 +96,6 @@ impl Default for Space {
             active: [None, None],
             next_seg: 1,
             refs_total: 0,
-            live_total: 0,
         }
     }
 }
@@ -178,7 +175,6 @@ impl Space {
         g.refs += 1;
         g.live_bytes += loc.len as u64;
         self.refs_total += 1;
-        self.live_total += loc.len as u64;
     }
 
     pub fn drop_ref(&mut self, loc: Loc) {
@@ -189,17 +185,10 @@ impl Space {
         g.refs -= 1;
         g.live_bytes -= loc.len as u64;
         self.refs_total -= 1;
-        self.live_total -= loc.len as u64;
     }
 
     pub fn refs_total(&self) -> u64 {
         self.refs_total
-    }
-
-    /// Bytes of referenced entries, per reference (an entry both the index and the recent-log
-    /// window name counts twice: the window is bounded, `recent_index_window_entries`).
-    pub fn live_bytes_total(&self) -> u64 {
-        self.live_total
     }
 
     pub fn read_started(&mut self, seg: u64) {
@@ -282,7 +271,6 @@ impl Space {
 
     pub fn check_invariants(&self) {
         let mut refs = 0;
-        let mut live = 0;
         for (s, g) in &self.segs {
             assert!(*s < self.next_seg, "segment id {s} not below the next id");
             // An entry counts once per reference, and at most two reference it (the DRAM index
@@ -302,10 +290,8 @@ impl Space {
                 "segment {s}: write past end"
             );
             refs += g.refs;
-            live += g.live_bytes;
         }
         assert_eq!(refs, self.refs_total, "reference count drift");
-        assert_eq!(live, self.live_total, "live byte total drift");
         for (i, a) in self.active.iter().enumerate() {
             if let Some(a) = a {
                 let g = self.segs.get(a).expect("an active segment exists");

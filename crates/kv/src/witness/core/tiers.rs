@@ -9,8 +9,9 @@
 //!   (`nvmm_buffer_used_bytes`, `nvmm_buffer_mapped_bytes`, see `proto::TierReport`).
 //! - **DRAM**: a backup's index (key → stamp, SSD location), the popularity list, the slots of
 //!   the in-memory Raft log.
-//! - **SSD**: a backup's segments: live bytes (referenced entries) and allocated bytes (what
-//!   the files take, GC slack included), both kept by `ssd::Space`.
+//! - **SSD**: a backup's segments: live bytes (the entries its index points at: the newest
+//!   version of every key, counted by the index itself) and allocated bytes (what the files
+//!   take, stale versions and page padding included: `ssd::Space`).
 //!
 //! A table's bytes are its heap allocations as glibc's malloc hands them out
 //! ([`alloc_bytes`]: a key of 24 B takes a 32 B chunk, a 1 KiB value a 1040 B one) plus the
@@ -19,7 +20,7 @@
 //! by [`CountedMap`], whose only mutators keep it exact, and `check_invariants_deep` recounts.
 
 use std::collections::HashMap;
-use std::ops::Deref;
+use std::ops::{Deref, DerefMut};
 
 use crate::witness::proto::{Stamp, TierReport};
 
@@ -35,27 +36,29 @@ pub fn alloc_bytes(cap: usize) -> u64 {
     (((cap + 8 + 15) / 16) * 16).max(32) as u64
 }
 
-/// Heap bytes a table value owns beyond its slot.
+/// Bytes a table value owns beyond its slot: on the heap, and on SSD (the entry a backup's
+/// index entry points at).
 pub trait HeapBytes {
     fn heap_bytes(&self) -> u64;
+    fn ssd_bytes(&self) -> u64 {
+        0
+    }
 }
-
-/// A value whose heap bytes cannot change in place, so `get_mut` may hand it out.
-pub trait FixedHeap: HeapBytes {}
 
 impl HeapBytes for Stamp {
     fn heap_bytes(&self) -> u64 {
         0
     }
 }
-impl FixedHeap for Stamp {}
 
 impl HeapBytes for (Stamp, Loc) {
     fn heap_bytes(&self) -> u64 {
         0
     }
+    fn ssd_bytes(&self) -> u64 {
+        self.1.len as u64
+    }
 }
-impl FixedHeap for (Stamp, Loc) {}
 
 impl HeapBytes for (Stamp, Vec<u8>) {
     fn heap_bytes(&self) -> u64 {
@@ -63,14 +66,16 @@ impl HeapBytes for (Stamp, Vec<u8>) {
     }
 }
 
-/// A key-addressed table that knows its heap bytes. Reads go through `Deref` to the
-/// `HashMap`; every mutation goes through the methods here, so the counter cannot drift (a new
-/// mutation site that bypasses it does not compile).
+/// A key-addressed table that knows its bytes. Reads go through `Deref` to the `HashMap`;
+/// every mutation goes through the methods here (`get_mut` hands out a [`CountedMut`]), so the
+/// counters cannot drift: a new mutation site that bypasses them does not compile.
 #[derive(Clone, Debug)]
 pub struct CountedMap<V> {
     map: HashMap<Vec<u8>, V>,
     /// Heap bytes of the keys and values held ([`alloc_bytes`] of each allocation).
     heap_bytes: u64,
+    /// SSD bytes the values point at (a backup's index: the newest version of every key).
+    ssd_bytes: u64,
 }
 
 impl<V> Default for CountedMap<V> {
@@ -78,7 +83,48 @@ impl<V> Default for CountedMap<V> {
         CountedMap {
             map: HashMap::new(),
             heap_bytes: 0,
+            ssd_bytes: 0,
         }
+    }
+}
+
+/// A value borrowed for change: its bytes are taken before and counted again when the borrow
+/// ends, so an in-place change (a new location, a longer value) keeps the counters exact.
+pub struct CountedMut<'a, V: HeapBytes> {
+    v: &'a mut V,
+    heap_bytes: &'a mut u64,
+    ssd_bytes: &'a mut u64,
+}
+
+impl<'a, V: HeapBytes> CountedMut<'a, V> {
+    fn new(v: &'a mut V, heap_bytes: &'a mut u64, ssd_bytes: &'a mut u64) -> Self {
+        *heap_bytes -= v.heap_bytes();
+        *ssd_bytes -= v.ssd_bytes();
+        CountedMut {
+            v,
+            heap_bytes,
+            ssd_bytes,
+        }
+    }
+}
+
+impl<V: HeapBytes> Deref for CountedMut<'_, V> {
+    type Target = V;
+    fn deref(&self) -> &V {
+        self.v
+    }
+}
+
+impl<V: HeapBytes> DerefMut for CountedMut<'_, V> {
+    fn deref_mut(&mut self) -> &mut V {
+        self.v
+    }
+}
+
+impl<V: HeapBytes> Drop for CountedMut<'_, V> {
+    fn drop(&mut self) {
+        *self.heap_bytes += self.v.heap_bytes();
+        *self.ssd_bytes += self.v.ssd_bytes();
     }
 }
 
@@ -102,9 +148,13 @@ impl<V: HeapBytes> CountedMap<V> {
     pub fn insert(&mut self, k: Vec<u8>, v: V) -> Option<V> {
         let add_key = alloc_bytes(k.capacity());
         self.heap_bytes += v.heap_bytes();
+        self.ssd_bytes += v.ssd_bytes();
         let old = self.map.insert(k, v);
         match &old {
-            Some(o) => self.heap_bytes -= o.heap_bytes(),
+            Some(o) => {
+                self.heap_bytes -= o.heap_bytes();
+                self.ssd_bytes -= o.ssd_bytes();
+            }
             None => self.heap_bytes += add_key,
         }
         old
@@ -113,7 +163,27 @@ impl<V: HeapBytes> CountedMap<V> {
     pub fn remove(&mut self, k: &[u8]) -> Option<V> {
         let (key, v) = self.map.remove_entry(k)?;
         self.heap_bytes -= alloc_bytes(key.capacity()) + v.heap_bytes();
+        self.ssd_bytes -= v.ssd_bytes();
         Some(v)
+    }
+
+    pub fn get_mut(&mut self, k: &[u8]) -> Option<CountedMut<'_, V>> {
+        let v = self.map.get_mut(k)?;
+        Some(CountedMut::new(
+            v,
+            &mut self.heap_bytes,
+            &mut self.ssd_bytes,
+        ))
+    }
+
+    /// The value at `k`, inserting `default` first if absent.
+    pub fn get_or_insert(&mut self, k: Vec<u8>, default: V) -> CountedMut<'_, V> {
+        if !self.map.contains_key(&k) {
+            self.heap_bytes += alloc_bytes(k.capacity()) + default.heap_bytes();
+            self.ssd_bytes += default.ssd_bytes();
+        }
+        let v = self.map.entry(k).or_insert(default);
+        CountedMut::new(v, &mut self.heap_bytes, &mut self.ssd_bytes)
     }
 
     /// Drops everything and the table's memory with it (an old primary's value table, M24).
@@ -131,12 +201,19 @@ impl<V: HeapBytes> CountedMap<V> {
         self.heap_bytes
     }
 
-    /// Heap bytes recounted by a walk (`check_invariants_deep` only).
-    pub fn recount_heap_bytes(&self) -> u64 {
-        self.map
-            .iter()
-            .map(|(k, v)| alloc_bytes(k.capacity()) + v.heap_bytes())
-            .sum()
+    /// SSD bytes the values point at, as counted.
+    pub fn ssd_bytes(&self) -> u64 {
+        self.ssd_bytes
+    }
+
+    /// (heap, SSD) bytes recounted by a walk (`check_invariants_deep` only).
+    pub fn recount(&self) -> (u64, u64) {
+        self.map.iter().fold((0, 0), |(h, s), (k, v)| {
+            (
+                h + alloc_bytes(k.capacity()) + v.heap_bytes(),
+                s + v.ssd_bytes(),
+            )
+        })
     }
 
     /// The slot array at its capacity: one `(key, value)` slot and one control byte per bucket
@@ -161,20 +238,6 @@ impl<V: HeapBytes> CountedMap<V> {
     }
 }
 
-impl<V: FixedHeap> CountedMap<V> {
-    pub fn get_mut(&mut self, k: &[u8]) -> Option<&mut V> {
-        self.map.get_mut(k)
-    }
-
-    /// The value at `k`, inserting `default` first if absent.
-    pub fn get_or_insert(&mut self, k: Vec<u8>, default: V) -> &mut V {
-        if !self.map.contains_key(&k) {
-            self.heap_bytes += alloc_bytes(k.capacity()) + default.heap_bytes();
-        }
-        self.map.entry(k).or_insert(default)
-    }
-}
-
 /// Per-entry DRAM of the popularity list (`popularity::PopularityLru`): two B-tree entries
 /// (key → count and recency, recency → key), node overhead included (~1.5× the payload at
 /// B-tree fill), and two key allocations. The list is bounded (`popular_keys_max`), so an
@@ -192,7 +255,6 @@ pub(super) fn core_report(
     index: &CountedMap<(Stamp, Loc)>,
     popular_entries: usize,
     log_slot_bytes: u64,
-    ssd_live_bytes: u64,
     ssd_allocated_bytes: u64,
 ) -> TierReport {
     let key_count = (keys.len() + index.len()) as u64;
@@ -210,7 +272,7 @@ pub(super) fn core_report(
         dram_index_bytes: index.bytes(),
         dram_popularity_bytes: popularity_bytes(popular_entries, mean_key),
         dram_log_bytes: log_slot_bytes,
-        ssd_live_bytes,
+        ssd_live_bytes: index.ssd_bytes(),
         ssd_allocated_bytes,
     }
 }
@@ -243,25 +305,49 @@ mod tests {
         assert_eq!(old.map(|o| o.1.len()), Some(1024));
         assert_eq!(m.heap_bytes(), 32 + alloc_bytes(100));
         m.insert(b"k2".to_vec(), (ST, vec![0; 1024]));
-        assert_eq!(m.heap_bytes(), m.recount_heap_bytes());
+        assert_eq!((m.heap_bytes(), m.ssd_bytes()), m.recount());
         assert!(m.remove(b"nope").is_none());
         m.remove(b"k1").unwrap();
         assert_eq!(m.heap_bytes(), 32 + 1040);
-        assert_eq!(m.heap_bytes(), m.recount_heap_bytes());
+        assert_eq!((m.heap_bytes(), m.ssd_bytes()), m.recount());
         assert!(m.table_bytes() > 0 && m.bytes() > m.heap_bytes());
         m.clear_and_free();
         assert_eq!((m.bytes(), m.len()), (0, 0));
     }
 
+    /// A change through `get_mut` or `get_or_insert` is counted when the borrow ends.
     #[test]
-    fn fixed_values_may_change_in_place() {
+    fn in_place_changes_are_recounted() {
         let mut m: CountedMap<Stamp> = CountedMap::default();
         *m.get_or_insert(b"a".to_vec(), Stamp::ZERO) = ST;
         *m.get_or_insert(b"a".to_vec(), Stamp::ZERO) = ST;
         assert_eq!(m.len(), 1);
         assert_eq!(m.heap_bytes(), 32);
         *m.get_mut(b"a").unwrap() = Stamp { term: 2, index: 5 };
-        assert_eq!(m.heap_bytes(), m.recount_heap_bytes());
+        assert_eq!((m.heap_bytes(), m.ssd_bytes()), m.recount());
+
+        let loc = |len| Loc {
+            seg: 1,
+            off: 0,
+            len,
+        };
+        let mut idx: CountedMap<(Stamp, Loc)> = CountedMap::default();
+        idx.insert(b"k".to_vec(), (ST, loc(1000)));
+        idx.insert(b"j".to_vec(), (ST, loc(50)));
+        assert_eq!(idx.ssd_bytes(), 1050);
+        // A newer version at a new place (a writeback), then a GC move.
+        *idx.get_mut(b"k").unwrap() = (Stamp { term: 1, index: 9 }, loc(20));
+        idx.get_mut(b"j").unwrap().1 = loc(60);
+        assert_eq!(idx.ssd_bytes(), 80);
+        assert_eq!((idx.heap_bytes(), idx.ssd_bytes()), idx.recount());
+        idx.remove(b"k");
+        assert_eq!(idx.ssd_bytes(), 60);
+
+        let mut vals: CountedMap<(Stamp, Vec<u8>)> = CountedMap::default();
+        vals.insert(b"k".to_vec(), (ST, vec![1; 10]));
+        vals.get_mut(b"k").unwrap().1 = vec![2; 2000];
+        assert_eq!(vals.heap_bytes(), 32 + alloc_bytes(2000));
+        assert_eq!((vals.heap_bytes(), vals.ssd_bytes()), vals.recount());
     }
 
     /// The slot array is charged at capacity: 100k keys → 128k buckets of (Vec, Stamp) + 1.

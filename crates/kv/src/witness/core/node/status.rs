@@ -50,7 +50,6 @@ impl WitnessCore {
                 &b.index,
                 self.rec.lru.len(),
                 self.log_slot_bytes(),
-                b.space.live_bytes_total(),
                 b.space.used_bytes(),
             ),
             rss_bytes: 0,
@@ -72,30 +71,31 @@ impl WitnessCore {
 
     /// The tier counters equal a recount (run from `check_invariants_deep`).
     pub(super) fn check_tiers_deep(&self) {
+        let h = &self.head;
         for (name, counted, recounted) in [
             (
                 "key table",
-                self.head.keys.heap_bytes(),
-                self.head.keys.recount_heap_bytes(),
+                (h.keys.heap_bytes(), h.keys.ssd_bytes()),
+                h.keys.recount(),
             ),
             (
                 "value table",
-                self.head.values.heap_bytes(),
-                self.head.values.recount_heap_bytes(),
+                (h.values.heap_bytes(), h.values.ssd_bytes()),
+                h.values.recount(),
             ),
             (
                 "backup index",
-                self.backup.index.heap_bytes(),
-                self.backup.index.recount_heap_bytes(),
+                (
+                    self.backup.index.heap_bytes(),
+                    self.backup.index.ssd_bytes(),
+                ),
+                self.backup.index.recount(),
             ),
         ] {
-            assert_eq!(counted, recounted, "{name}: counted heap bytes drifted");
+            assert_eq!(
+                counted, recounted,
+                "{name}: counted (heap, SSD) bytes drifted"
+            );
         }
-        let live: u64 = self.backup.space.segs().map(|(_, g)| g.live_bytes).sum();
-        assert_eq!(
-            live,
-            self.backup.space.live_bytes_total(),
-            "SSD live bytes drifted"
-        );
     }
 }
