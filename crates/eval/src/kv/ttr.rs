@@ -1160,10 +1160,16 @@ fn cost_run(value_bytes: usize, plan: &Plan) -> anyhow::Result<Vec<StatusReport>
                 .into_iter()
                 .map(|(i, r)| r.map_err(|e| anyhow::anyhow!("node {i}: {e}")))
                 .collect::<anyhow::Result<_>>()?;
-            let done = all
-                .iter()
-                .filter(|s| s.kind == "backup")
-                .all(|s| s.written_back_through >= s.commit && s.keys >= plan.records);
+            // ... and the primary serves with its whole table: a spurious election under the
+            // load makes a witness lead, and its table is full only when its recovery ends.
+            let leader_full = all.iter().any(|s| {
+                s.role == "leader" && s.serving && !s.recovering && s.values >= plan.records
+            });
+            let done = leader_full
+                && all
+                    .iter()
+                    .filter(|s| s.kind == "backup")
+                    .all(|s| s.written_back_through >= s.commit && s.keys >= plan.records);
             if done {
                 return anyhow::Ok(all);
             }
