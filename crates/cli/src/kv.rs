@@ -69,6 +69,21 @@ pub enum KvCmd {
         #[command(flatten)]
         conn: KvConn,
     },
+    /// Show every node of a witness-KV group: role, term, leader, commit index, recovery, and
+    /// the bytes it holds per tier with its resident memory.
+    ///
+    /// Columns: NVMM-TBL is the key and value tables (NVMM hash tables in the paper, DRAM hash
+    /// tables here), NVMM-RING the log/buffer ring bytes in use, DRAM the backup index,
+    /// popularity list and log slots, SSD the segment files (live bytes in parentheses), RSS
+    /// the process's resident set and RSS/HEAP its private part over the DRAM and NVMM-table
+    /// bytes. Exits 1 if a node does not answer (after printing the others).
+    Status {
+        /// Print JSON ({"nodes": [...], "unreachable": [...]}) instead of a table.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        conn: KvConn,
+    },
     /// Change a witness-KV group's membership and wait until the change commits.
     ///
     /// The change goes to the serving leader (the client follows its hints) and is answered
@@ -353,6 +368,10 @@ pub fn run(cmd: KvCmd, verbose: u8) -> anyhow::Result<()> {
             crate::init_logging(verbose, "warn");
             crate::runtime()?.block_on(reconfig(a))
         }
+        KvCmd::Status { json, conn } => {
+            crate::init_logging(verbose, "warn");
+            crate::runtime()?.block_on(status(&conn, json))
+        }
         KvCmd::Put { key, value, conn } => {
             crate::init_logging(verbose, "warn");
             crate::runtime()?.block_on(async {
@@ -432,6 +451,77 @@ fn describe(c: &::kv::witness::core::config::Config) -> String {
         c.substitute.map_or("none".to_string(), |s| s.to_string()),
         if spares.is_empty() { "none".to_string() } else { spares.join(", ") }
     )
+}
+
+/// `kv status`: one status request to every node of a witness group.
+async fn status(conn: &KvConn, json: bool) -> anyhow::Result<()> {
+    let Some(mut w) = connect_witness(conn)? else {
+        bail!("`kv status` reads witness-KV groups; this cluster file describes a leaderless group (its nodes serve Prometheus metrics with --metrics)");
+    };
+    let all = w.all_status().await;
+    let unreachable: Vec<(u32, String)> =
+        all.iter().filter_map(|(id, r)| r.as_ref().err().map(|e| (*id, e.to_string()))).collect();
+    let nodes: Vec<&::kv::witness::proto::StatusReport> = all.iter().filter_map(|(_, r)| r.as_ref().ok()).collect();
+    if json {
+        let v = serde_json::json!({
+            "nodes": nodes,
+            "unreachable": unreachable.iter().map(|(id, e)| serde_json::json!({"id": id, "error": e})).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", status_table(&nodes));
+        for (id, e) in &unreachable {
+            println!("node {id}: no answer: {e}");
+        }
+    }
+    if !unreachable.is_empty() {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// The `kv status` table (sizes in MiB).
+fn status_table(nodes: &[&::kv::witness::proto::StatusReport]) -> String {
+    use std::fmt::Write;
+    let mib = |b: u64| format!("{:.1}", b as f64 / (1u64 << 20) as f64);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<4} {:<6} {:<11} {:>5} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>18} {:>9} {:>8}",
+        "NODE", "KIND", "ROLE", "TERM", "LEADER", "COMMIT", "KEYS", "VALUES", "NVMM-TBL", "NVMM-RING", "DRAM", "SSD (LIVE) MiB", "RSS", "RSS/HEAP"
+    );
+    for s in nodes {
+        let t = &s.tiers;
+        let mut role = s.role.clone();
+        if s.recovering {
+            role = format!("{role}*{}", s.missing_keys);
+        }
+        let heap = t.in_heap_bytes();
+        let private = s.rss_bytes.saturating_sub(s.rss_shared_bytes);
+        let ratio = if heap > 0 { format!("{:.2}", private as f64 / heap as f64) } else { "-".into() };
+        let _ = writeln!(
+            out,
+            "{:<4} {:<6} {:<11} {:>5} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>18} {:>9} {:>8}",
+            s.id,
+            s.kind,
+            role,
+            s.term,
+            s.leader.map_or("-".into(), |l| l.to_string()),
+            s.commit,
+            s.keys,
+            s.values,
+            mib(t.nvmm_key_table_bytes + t.nvmm_value_table_bytes),
+            mib(t.nvmm_buffer_used_bytes),
+            mib(t.dram_bytes()),
+            format!("{} ({})", mib(t.ssd_allocated_bytes), mib(t.ssd_live_bytes)),
+            mib(s.rss_bytes),
+            ratio,
+        );
+    }
+    if nodes.iter().any(|s| s.recovering) {
+        out.push_str("ROLE*N: leading and recovering, N keys still to pull\n");
+    }
+    out
 }
 
 /// The witness client when the cluster file describes a witness group.

@@ -153,13 +153,25 @@ fn tiny_ttr_run_reports_ttr_from_its_windows() {
             || absent.contains_key("cand_vs_steady.throughput_after_election"),
         "{json}"
     );
-    for name in [
-        "dram3x_vs_cand.cost_per_gb",
-        "ramcloud_vs_cand.cost_per_gb",
-        "nvm3x_vs_cand.cost_per_gb",
-    ] {
+    // From live bytes of a 1 MiB shard: the fixed per-node overheads (log slots, popularity
+    // list, table slots) weigh far more than at scale, so 3×NVMM may well cost less than this
+    // group; it is reported, not bounded.
+    for name in ["dram3x_vs_cand.cost_per_gb", "ramcloud_vs_cand.cost_per_gb"] {
         assert!(ratios[name].as_f64().unwrap() > 1.0, "{name}: {json}");
     }
+    assert!(ratios["nvm3x_vs_cand.cost_per_gb"].as_f64().unwrap() > 0.0, "{json}");
+    // The cost comes from the N = 2 group's live tier bytes, not the estimate.
+    assert!(!absent.contains_key("cost.live_tier_bytes"), "{json}");
+    assert!(fig("cost.n2.cand_usd_per_gb_ratio").unwrap() > 0.0, "{json}");
+    for node in 0..5 {
+        assert!(fig(&format!("cost.n2.node{node}.rss_private_bytes")).unwrap() > 0.0, "{json}");
+    }
+    // Every node's status before the kill, and the worst RSS over accounted bytes.
+    for node in 0..3 {
+        let name = format!("c.theta0_99.v1024.cand.node{node}.loaded.tier_nvmm_bytes");
+        assert!(fig(&name).is_some(), "{name}: {json}");
+    }
+    assert!(ratios["node_rss_vs_tier.bytes"].as_f64().unwrap() > 0.0, "{json}");
     assert!(fig("offline_bound.seq_read_mib_per_s").unwrap() > 0.0);
     assert!(fig("offline_bound.full_copy_s").unwrap() > 0.0);
     for f in [

@@ -541,6 +541,7 @@ impl World {
             r @ (ClientReply::Reconfigured(_) | ClientReply::Membership { .. }) => {
                 panic!("a membership reply to a get or put: {r:?}")
             }
+            ClientReply::Status(_) => panic!("a status reply to a get or put"),
         }
         if let Some(hint) = retry_elsewhere {
             // Definitely not executed: the op never happened.

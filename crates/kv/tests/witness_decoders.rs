@@ -125,7 +125,51 @@ fn samples() -> Vec<Vec<u8>> {
         id: 3,
         req: ClientReq::Membership,
     }));
+    // The status request and its reply (issue 25 item 10): the reply's strings and counters
+    // are the longest client reply a node sends without a value.
+    out.push(proto::encode(&NetMsg::Req {
+        id: 2,
+        req: ClientReq::Status,
+    }));
+    // As a client reads it: a NetMsg (what `decode_all` tries), mutated by the test below.
+    out.push(proto::encode(&NetMsg::Resp { id: 2, reply: ClientReply::Status(Box::new(proto::StatusReport {
+        id: 2,
+        kind: "head".into(),
+        role: "leader".into(),
+        term: 3,
+        leader: Some(2),
+        keys: 7,
+        tiers: proto::TierReport {
+            nvmm_key_table_bytes: 1 << 20,
+            ssd_allocated_bytes: 1 << 30,
+            ..Default::default()
+        },
+        rss_bytes: 1 << 25,
+        ..Default::default()
+    })) }));
     out
+}
+
+/// A status reply survives the trip, and its decoder refuses what is not one.
+#[test]
+fn a_status_reply_round_trips_and_garbage_is_an_error() {
+    let s = proto::StatusReport {
+        id: 1,
+        kind: "backup".into(),
+        role: "follower".into(),
+        written_back_through: 9,
+        ..Default::default()
+    };
+    let bytes = proto::encode(&ClientReply::Status(Box::new(s.clone())));
+    assert_eq!(
+        proto::decode_client_reply(&bytes).unwrap(),
+        ClientReply::Status(Box::new(s))
+    );
+    for cut in 1..bytes.len() {
+        // A truncated reply is an error, never a panic (it may decode as a shorter message).
+        let _ = proto::decode_client_reply(&bytes[..cut]);
+    }
+    assert!(proto::decode_client_reply(&[0xff; 8]).is_err());
 }
 
 #[test]

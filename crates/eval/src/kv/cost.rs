@@ -170,6 +170,50 @@ pub fn compare(group: &CandGroup, prices: &Prices) -> anyhow::Result<CostCompari
     })
 }
 
+impl From<&kv::witness::proto::TierReport> for TierBytes {
+    /// A node's live report, charged per tier: DRAM = index, popularity list and log slots;
+    /// NVMM = the key and value tables and the ring bytes in use; SSD = the segment files
+    /// (see `TierReport::{dram,nvmm,ssd}_bytes` for why those and not the mapped ring).
+    fn from(t: &kv::witness::proto::TierReport) -> TierBytes {
+        TierBytes {
+            dram: t.dram_bytes(),
+            nvmm: t.nvmm_bytes(),
+            ssd: t.ssd_bytes(),
+        }
+    }
+}
+
+/// The group as its nodes report it live (`ClientReq::Status`): the leader is the primary, the
+/// backups are the nodes of kind backup, every other head is a witness.
+pub fn group_from_reports(
+    reports: &[kv::witness::proto::StatusReport],
+    logical_bytes: u64,
+) -> anyhow::Result<CandGroup> {
+    let leaders: Vec<_> = reports.iter().filter(|r| r.role == "leader").collect();
+    ensure!(
+        leaders.len() == 1,
+        "{} nodes report leading (want exactly one primary)",
+        leaders.len()
+    );
+    let primary = leaders[0];
+    let backups: Vec<TierBytes> = reports
+        .iter()
+        .filter(|r| r.kind == "backup")
+        .map(|r| (&r.tiers).into())
+        .collect();
+    let witnesses: Vec<TierBytes> = reports
+        .iter()
+        .filter(|r| r.kind == "head" && r.id != primary.id)
+        .map(|r| (&r.tiers).into())
+        .collect();
+    Ok(CandGroup {
+        primary: (&primary.tiers).into(),
+        backups,
+        witnesses,
+        logical_bytes,
+    })
+}
+
 /// An a-priori group, before any node runs: per-key sizes and overheads (the spec's estimate).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayoutEstimate {
@@ -233,6 +277,76 @@ mod tests {
 
     fn close(actual: f64, expected: f64, tolerance: f64) -> bool {
         (actual - expected).abs() <= tolerance
+    }
+
+    /// Live reports become the group: the leader is the primary (whatever its id), backups by
+    /// kind, the other heads witnesses; tiers charged as `TierReport` says.
+    #[test]
+    fn a_group_from_live_reports() {
+        use kv::witness::proto::{StatusReport, TierReport};
+        let node = |id, kind: &str, role: &str, tiers| StatusReport {
+            id,
+            kind: kind.into(),
+            role: role.into(),
+            tiers,
+            ..StatusReport::default()
+        };
+        let table = TierReport {
+            nvmm_key_table_bytes: 100,
+            nvmm_value_table_bytes: 1000,
+            nvmm_buffer_used_bytes: 10,
+            nvmm_buffer_mapped_bytes: 1 << 28,
+            ..TierReport::default()
+        };
+        let backup = TierReport {
+            dram_index_bytes: 60,
+            dram_log_bytes: 5,
+            nvmm_buffer_used_bytes: 7,
+            ssd_live_bytes: 900,
+            ssd_allocated_bytes: 1200,
+            ..TierReport::default()
+        };
+        let keys = TierReport {
+            nvmm_key_table_bytes: 100,
+            ..TierReport::default()
+        };
+        let reports = [
+            node(0, "head", "follower", keys),
+            node(1, "backup", "follower", backup),
+            node(2, "backup", "follower", backup),
+            node(3, "head", "leader", table),
+            node(4, "head", "follower", keys),
+        ];
+        let g = group_from_reports(&reports, 1000).unwrap();
+        assert_eq!(
+            g.primary,
+            TierBytes {
+                dram: 0,
+                nvmm: 1110,
+                ssd: 0
+            },
+            "the mapped ring is not charged"
+        );
+        assert_eq!(
+            g.backups,
+            vec![
+                TierBytes {
+                    dram: 65,
+                    nvmm: 7,
+                    ssd: 1200
+                };
+                2
+            ]
+        );
+        assert_eq!(g.witnesses.len(), 2);
+        assert!(g.witnesses.iter().all(|w| w.nvmm == 100));
+        // No leader (or two) is an error, not a group.
+        let no_leader: Vec<_> = reports
+            .iter()
+            .filter(|r| r.role != "leader")
+            .cloned()
+            .collect();
+        assert!(group_from_reports(&no_leader, 1000).is_err());
     }
 
     #[test]

@@ -23,10 +23,16 @@
 //! - the paper-style offline bound (§7.7): the shard's logical bytes ÷ this run's best sequential
 //!   `O_DIRECT` read ([`super::ssd::best_sequential_read_mib_per_s`], measured before any group
 //!   starts so nothing else is on the disk);
-//! - cost per GB: the nodes do not report their tier bytes yet, so the cost ratios are
-//!   [`super::cost`]'s estimate for the N = 2 layout at this run's key and value sizes, and the
-//!   report says so under `absent`; likewise node RSS is reported against the logical bytes, not
-//!   against accounted tier bytes.
+//! - cost per GB: after the cells, an N = 2 cand group (primary, 2 backups, 2 witnesses) is
+//!   loaded with the headline shard and left to write back; every node then answers a status
+//!   request (`kv status`) with its tier bytes, and [`super::cost`] prices them (`cost.n2.*`).
+//!   Only if that group cannot be measured are the ratios the spec's estimate, and the report
+//!   says so under `absent` (`cost.live_tier_bytes`);
+//! - node RSS against accounted bytes: every node's status just before the kill (`loaded`) and
+//!   after the new primary's recovery (`recovered`): private RSS (statm resident − shared: the
+//!   NVMM rings are shared memory) over its DRAM and NVMM-table bytes,
+//!   `<cell>.<scheme>.node<i>.<phase>.rss_vs_tier.bytes`; `node_rss_vs_tier.bytes` is the worst
+//!   node of cand's headline runs.
 //!
 //! The exact ratio names of issue 25 (`offline_vs_cand.ttr_p999`, …) take the least favourable
 //! workload of the run's headline cells (YCSB-C and YCSB-B at θ = 0.99 and `--value-bytes`), so
@@ -40,6 +46,7 @@ use anyhow::Context;
 use clap::Args;
 
 use ::kv::witness::driver::{WitnessClient, WitnessError};
+use ::kv::witness::proto::StatusReport;
 use bench::{Percentile, Series, WindowStats};
 use testbed::kv::UpArgs;
 use testbed::kv_witness::LocalWitnessKv;
@@ -306,11 +313,28 @@ struct RunOut {
     load_ops_per_s: f64,
     /// Node id and resident bytes, just before the kill.
     rss: Vec<(usize, u64)>,
+    /// Every node's status (tier bytes, RSS) just before the kill, after the load settled.
+    status_loaded: Statuses,
+    /// Every node's status once the new primary reported its recovery done (empty if it did
+    /// not within the run); the killed node is an error.
+    status_recovered: Statuses,
     errors: u64,
     reads_problem: Option<String>,
     /// Leaderships taken (any head's `term T Leader` lines) between the start of the run
     /// phase and the kill: nonzero means a spurious election disturbed the steady state.
     warmup_elections: u64,
+}
+
+/// A status request to every node: (node, its report or why there is none).
+type Statuses = Vec<(usize, Result<StatusReport, String>)>;
+
+async fn statuses(lk: &LocalWitnessKv) -> Statuses {
+    let mut c = lk.file.client(lk.secret.clone());
+    c.all_status()
+        .await
+        .into_iter()
+        .map(|(id, r)| (id as usize, r.map_err(|e| e.to_string())))
+        .collect()
 }
 
 struct Plan {
@@ -456,6 +480,7 @@ fn run_group(
                 .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
                 .collect();
             let warmup_elections = leaderships(&heads).saturating_sub(leaderships_at_run);
+            let status_loaded = statuses(lk).await;
             lk.kill9(victim)?;
             let killed = Instant::now();
             eprintln!(
@@ -477,11 +502,17 @@ fn run_group(
                     }
                 }
             }
-            anyhow::Ok((killed, election, recovered, rss, warmup_elections))
+            anyhow::Ok((killed, election, recovered, rss, warmup_elections, status_loaded))
         };
         let (run, fault) = tokio::join!(runner.run(run_targets, &config), fault);
         let (_, run) = run?;
-        let (killed, election, recovered, rss, warmup_elections) = fault?;
+        let (killed, election, recovered, rss, warmup_elections, status_loaded) = fault?;
+        // After the run, so the request does not disturb its windows.
+        let status_recovered = if recovered.is_some() {
+            statuses(lk).await
+        } else {
+            Vec::new()
+        };
         let since = |t: Instant| t.saturating_duration_since(run.started);
         let windows = run
             .latency_windows
@@ -514,6 +545,8 @@ fn run_group(
             recovered: recovered.map(since),
             load_ops_per_s: load.throughput_ops_per_s(),
             rss,
+            status_loaded,
+            status_recovered,
             errors: run.errors_count,
             reads_problem,
             warmup_elections,
@@ -748,6 +781,7 @@ pub fn run(a: &KvTtrArgs) -> anyhow::Result<bench::Report> {
     report.figure("offline_bound.seq_read_mib_per_s", seq_read)?;
 
     let mut problems = Vec::new();
+    let mut rss_worst: Option<(f64, String)> = None;
     let mut headline_derived: Vec<(Cell, Vec<(&'static str, Derived)>)> = Vec::new();
     for cell in &cells {
         let records = ((shard_mib << 20) / (cell.value_bytes as u64 + KEY_BYTES_ESTIMATE)).max(1);
@@ -785,8 +819,35 @@ pub fn run(a: &KvTtrArgs) -> anyhow::Result<bench::Report> {
         }
         let derived = report_cell(&mut report, &out, cell, records, &schemes, &runs)?;
         if headline.contains(cell) {
+            // Every round and node of the headline cells, both phases: the bound holds for all.
+            let cand = schemes.iter().position(|s| s.name == "cand");
+            for r in cand.map_or(&[][..], |i| &runs[i][..]) {
+                if let Some((ratio, at)) = worst_rss_ratio(r) {
+                    if rss_worst.as_ref().is_none_or(|(w, _)| ratio > *w) {
+                        rss_worst = Some((ratio, format!("{} {at}", cell.label())));
+                    }
+                }
+            }
             headline_derived.push((cell.clone(), derived));
         }
+    }
+    // Cost per GB from the tier bytes an N = 2 group reports live after the headline load.
+    let cost_records = ((shard_mib << 20) / (a.value_bytes as u64 + KEY_BYTES_ESTIMATE)).max(1);
+    let cost_plan = Plan {
+        records: cost_records,
+        warmup,
+        after_kill,
+        clients: a.clients,
+        load_clients: a.load_clients,
+        seed: a.seed,
+    };
+    eprintln!(
+        "kv ttr: cost: an N = 2 group (P + 2 B + 2 W) loaded with {cost_records} records (load {})",
+        loadavg()
+    );
+    let live = cost_run(a.value_bytes, &cost_plan);
+    if let Err(e) = &live {
+        eprintln!("kv ttr: cost: no live tier bytes ({e:#}); falling back to the estimate");
     }
     headline_ratios(
         &mut report,
@@ -794,6 +855,8 @@ pub fn run(a: &KvTtrArgs) -> anyhow::Result<bench::Report> {
         shard_mib,
         a.value_bytes,
         seq_read,
+        live,
+        rss_worst,
     )?;
     eprintln!(
         "kv ttr: plots and samples in {} (load {})",
@@ -934,6 +997,12 @@ fn report_cell(
             for (node, rss) in &first.rss {
                 report.figure(&name(&format!("node{node}.rss_bytes")), *rss as f64)?;
             }
+            for (phase, st) in [
+                ("loaded", &first.status_loaded),
+                ("recovered", &first.status_recovered),
+            ] {
+                report_statuses(report, &name(""), phase, st)?;
+            }
         }
         medians.push((s.name, m));
     }
@@ -1007,6 +1076,138 @@ fn report_cell(
     Ok(medians)
 }
 
+/// One run's node statuses under `<prefix>node<i>.<phase>.`: tier bytes as charged (DRAM,
+/// NVMM, SSD), the private RSS and `rss_vs_tier.bytes` (private RSS over the DRAM and NVMM-table
+/// bytes: what the heap should hold; the NVMM rings are shared memory and not in it).
+fn report_statuses(
+    report: &mut bench::Report,
+    prefix: &str,
+    phase: &str,
+    st: &Statuses,
+) -> anyhow::Result<()> {
+    for (node, r) in st {
+        let name = |f: &str| format!("{prefix}node{node}.{phase}.{f}");
+        match r {
+            Ok(s) => {
+                let t = &s.tiers;
+                report.figure(&name("tier_dram_bytes"), t.dram_bytes() as f64)?;
+                report.figure(&name("tier_nvmm_bytes"), t.nvmm_bytes() as f64)?;
+                report.figure(&name("tier_ssd_bytes"), t.ssd_bytes() as f64)?;
+                let private = s.rss_bytes.saturating_sub(s.rss_shared_bytes);
+                report.figure(&name("rss_private_bytes"), private as f64)?;
+                if t.in_heap_bytes() > 0 && private > 0 {
+                    report.ratio(
+                        &name("rss_vs_tier.bytes"),
+                        private as f64,
+                        t.in_heap_bytes() as f64,
+                    )?;
+                }
+            }
+            Err(e) => report.absent(&name("status"), &format!("no status: {e}")),
+        }
+    }
+    Ok(())
+}
+
+/// The worst `rss_vs_tier.bytes` of one run's statuses: (ratio, which node and phase).
+fn worst_rss_ratio(r: &RunOut) -> Option<(f64, String)> {
+    let mut worst: Option<(f64, String)> = None;
+    for (phase, st) in [
+        ("loaded", &r.status_loaded),
+        ("recovered", &r.status_recovered),
+    ] {
+        for (node, s) in st {
+            let Ok(s) = s else { continue };
+            let heap = s.tiers.in_heap_bytes();
+            let private = s.rss_bytes.saturating_sub(s.rss_shared_bytes);
+            if heap == 0 || private == 0 {
+                continue;
+            }
+            let ratio = private as f64 / heap as f64;
+            if worst.as_ref().is_none_or(|(w, _)| ratio > *w) {
+                worst = Some((
+                    ratio,
+                    format!("node {node} ({} {}, {phase})", s.kind, s.role),
+                ));
+            }
+        }
+    }
+    worst
+}
+
+/// Cost per GB from live tier bytes (issue 25 item 10): a cand group of the N = 2 layout
+/// (primary, 2 backups, 2 witnesses) loaded with the headline cell's shard, left to write back,
+/// then asked for every node's status. No kill, no measured run: only the bytes matter.
+fn cost_run(value_bytes: usize, plan: &Plan) -> anyhow::Result<Vec<StatusReport>> {
+    let tmp = bench_dir("understudy-kv-cost-")?;
+    let extra: Vec<String> = [
+        "--protocol",
+        "witness",
+        "--backups",
+        "2",
+        "--witnesses",
+        "2",
+    ]
+    .map(String::from)
+    .to_vec();
+    let up = up_args(tmp.path(), 5, &extra)?;
+    let mut lk = LocalWitnessKv::start(&up)?;
+    let cell = Cell {
+        workload: "c",
+        theta: 0.99,
+        value_bytes,
+    };
+    let rt = crate::runtime()?;
+    let r = rt.block_on(async {
+        lk.wait_serving(Duration::from_secs(60)).await?;
+        let runner = Runner::new(spec_of(&cell, plan.records)?)?;
+        let config = RunConfig {
+            seed: plan.seed,
+            max_duration: None,
+            window: bench::LATENCY_WINDOW_DEFAULT,
+            max_errors: u64::MAX,
+            latency_windows: false,
+        };
+        let (_, load) = runner
+            .load(targets(&lk, plan.load_clients), &config)
+            .await?;
+        anyhow::ensure!(
+            load.errors_count == 0,
+            "the cost group's load failed {} inserts",
+            load.errors_count
+        );
+        // Writeback done on every backup, so SSD holds the shard and the buffers are drained.
+        let t0 = Instant::now();
+        loop {
+            let st = statuses(&lk).await;
+            let all: Vec<StatusReport> = st
+                .into_iter()
+                .map(|(i, r)| r.map_err(|e| anyhow::anyhow!("node {i}: {e}")))
+                .collect::<anyhow::Result<_>>()?;
+            // ... and the primary serves with its whole table: a spurious election under the
+            // load makes a witness lead, and its table is full only when its recovery ends.
+            let leader_full = all.iter().any(|s| {
+                s.role == "leader" && s.serving && !s.recovering && s.values >= plan.records
+            });
+            let done = leader_full
+                && all
+                    .iter()
+                    .filter(|s| s.kind == "backup")
+                    .all(|s| s.written_back_through >= s.commit && s.keys >= plan.records);
+            if done {
+                return anyhow::Ok(all);
+            }
+            anyhow::ensure!(
+                t0.elapsed() < SETTLE_MAX,
+                "the cost group's backups did not write back within {SETTLE_MAX:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    lk.stop();
+    r
+}
+
 /// The ratios under issue 25's exact names, over the headline cells (least favourable cell),
 /// each cell's own beside it, the offline bound and the cost estimate.
 fn headline_ratios(
@@ -1015,6 +1216,8 @@ fn headline_ratios(
     shard_mib: u64,
     value_bytes: usize,
     seq_read_mib_per_s: f64,
+    live: anyhow::Result<Vec<StatusReport>>,
+    rss_worst: Option<(f64, String)>,
 ) -> anyhow::Result<()> {
     let get = |schemes: &[(&'static str, Derived)], name: &str| {
         schemes
@@ -1126,31 +1329,69 @@ fn headline_ratios(
         ),
     }
 
-    // Cost: from the nodes' live tier bytes when they report them; they do not yet.
-    let estimate = LayoutEstimate {
-        key_bytes: KEY_BYTES_ESTIMATE,
-        value_bytes: value_bytes as u64,
-        ..LayoutEstimate::SPEC_1KIB_N2
-    };
+    // Cost: from the tier bytes the N = 2 group's nodes reported live; the spec's estimate
+    // only if that group could not be measured, and then said so.
     let records = ((shard_mib << 20) / (value_bytes as u64 + KEY_BYTES_ESTIMATE)).max(1);
-    let comparison = cost::compare(&estimate.group(records), &PAPER_PRICES)?;
-    report.figure(
-        "cost.estimate.cand_usd_per_gb_ratio",
-        comparison.cand_usd_per_gb,
-    )?;
+    let logical = records * (value_bytes as u64 + KEY_BYTES_ESTIMATE);
+    let live_group = live.and_then(|reports| {
+        for r in &reports {
+            let t = &r.tiers;
+            let name = |f: &str| format!("cost.n2.node{}.{f}", r.id);
+            report.figure(&name("tier_dram_bytes"), t.dram_bytes() as f64)?;
+            report.figure(&name("tier_nvmm_bytes"), t.nvmm_bytes() as f64)?;
+            report.figure(&name("tier_ssd_bytes"), t.ssd_bytes() as f64)?;
+            let private = r.rss_bytes.saturating_sub(r.rss_shared_bytes);
+            report.figure(&name("rss_private_bytes"), private as f64)?;
+            if t.in_heap_bytes() > 0 && private > 0 {
+                report.ratio(
+                    &name("rss_vs_tier.bytes"),
+                    private as f64,
+                    t.in_heap_bytes() as f64,
+                )?;
+            }
+        }
+        cost::group_from_reports(&reports, logical)
+    });
+    let comparison = match live_group {
+        Ok(group) => {
+            report.figure("cost.n2.logical_bytes", logical as f64)?;
+            let c = cost::compare(&group, &PAPER_PRICES)?;
+            report.figure("cost.n2.cand_usd_per_gb_ratio", c.cand_usd_per_gb)?;
+            c
+        }
+        Err(e) => {
+            let estimate = LayoutEstimate {
+                key_bytes: KEY_BYTES_ESTIMATE,
+                value_bytes: value_bytes as u64,
+                ..LayoutEstimate::SPEC_1KIB_N2
+            };
+            let c = cost::compare(&estimate.group(records), &PAPER_PRICES)?;
+            report.figure("cost.estimate.cand_usd_per_gb_ratio", c.cand_usd_per_gb)?;
+            report.absent(
+                "cost.live_tier_bytes",
+                &format!(
+                    "the N = 2 group's live tier bytes could not be read ({e:#}): the cost_per_gb \
+                     ratios are eval::kv::cost's spec ESTIMATE (N = 2 layout, this run's key and value \
+                     sizes, the paper's prices)"
+                ),
+            );
+            c
+        }
+    };
     for (name, value) in comparison.ratios() {
         report.ratio(name, value, 1.0)?;
     }
-    report.absent(
-        "cost.live_tier_bytes",
-        "the witness-KV nodes do not report their tier bytes yet: the cost_per_gb ratios are \
-         eval::kv::cost's spec estimate (N = 2 layout, this run's key and value sizes, the paper's prices)",
-    );
-    report.absent(
-        "node_rss_vs_tier_bytes",
-        "the nodes account no tier bytes yet; <cell>.<scheme>.node<i>.rss_bytes (before the kill) \
-         stand beside <cell>.records_count × (key + value)",
-    );
+    // Node RSS against accounted tier bytes: the worst node of cand's headline runs.
+    match rss_worst {
+        Some((ratio, at)) => {
+            eprintln!("kv ttr: the highest private RSS over accounted bytes: {ratio:.2} at {at}");
+            report.ratio("node_rss_vs_tier.bytes", ratio, 1.0)?;
+        }
+        None => report.absent(
+            "node_rss_vs_tier.bytes",
+            "no cand run of a headline cell returned node statuses",
+        ),
+    }
     Ok(())
 }
 
@@ -1193,6 +1434,8 @@ mod tests {
             recovered: Some(Duration::from_millis(3500)),
             load_ops_per_s: 1.0,
             rss: vec![],
+            status_loaded: vec![],
+            status_recovered: vec![],
             errors: 0,
             reads_problem: None,
             warmup_elections: 0,
@@ -1225,6 +1468,8 @@ mod tests {
             recovered: None,
             load_ops_per_s: 1.0,
             rss: vec![],
+            status_loaded: vec![],
+            status_recovered: vec![],
             errors: 0,
             reads_problem: None,
             warmup_elections: 0,

@@ -342,6 +342,9 @@ pub enum ClientReq {
         #[serde(with = "serde_bytes")]
         value: Vec<u8>,
     },
+    /// What the node is and holds (`kv status`, `bench kv ttr`'s cost per GB): answered by any
+    /// node, leader or not, and never changes anything.
+    Status,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -369,6 +372,85 @@ pub enum ClientReply {
     Indeterminate,
     /// A malformed request (too large a key or value).
     Invalid(String),
+    /// The answer to [`ClientReq::Status`].
+    Status(Box<StatusReport>),
+}
+
+/// One node's state and tier bytes, as `kv status` prints it (issue 25 item 10).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub id: NodeId,
+    /// "head" or "backup" (the configuration's kind of this node).
+    pub kind: String,
+    /// "follower", "candidate", "provisional" or "leader".
+    pub role: String,
+    pub term: u64,
+    /// The leader this node last heard from (itself when leading).
+    pub leader: Option<NodeId>,
+    pub commit: u64,
+    pub last_index: u64,
+    /// Leading, reconciled and its first entry committed.
+    pub serving: bool,
+    /// Leading and still pulling values from the backups (M17–M19).
+    pub recovering: bool,
+    /// Keys whose value this leader still has to pull (0 when not recovering).
+    pub missing_keys: u64,
+    /// Entries of the key table (heads) or of the SSD index (backups).
+    pub keys: u64,
+    /// Entries of the value table (a primary; 0 on a witness and a backup).
+    pub values: u64,
+    /// Entries a backup has written back to SSD through (its index is current to here).
+    pub written_back_through: u64,
+    pub tiers: TierReport,
+    /// The process's resident set (`/proc/self/statm`), and of it the pages shared with files
+    /// and shm (the NVMM rings): `rss_bytes - rss_shared_bytes` is the private memory the DRAM
+    /// and NVMM-table bytes stand for.
+    pub rss_bytes: u64,
+    pub rss_shared_bytes: u64,
+}
+
+/// Bytes a node holds, by tier (the paper's prices apply per tier: DRAM, NVMM, SSD).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierReport {
+    /// A head's key → stamp table (an NVMM hash table in the paper; see `core::tiers`).
+    pub nvmm_key_table_bytes: u64,
+    /// A primary's value table (NVMM in the paper).
+    pub nvmm_value_table_bytes: u64,
+    /// The NVMM log/buffer ring: bytes between its head and tail (live records).
+    pub nvmm_buffer_used_bytes: u64,
+    /// The NVMM rings as mapped (provisioned), used or not.
+    pub nvmm_buffer_mapped_bytes: u64,
+    /// A backup's index key → (stamp, SSD location).
+    pub dram_index_bytes: u64,
+    pub dram_popularity_bytes: u64,
+    /// The in-memory Raft log's slot array.
+    pub dram_log_bytes: u64,
+    /// Bytes of the entries a backup's index points at (the newest version of every key).
+    pub ssd_live_bytes: u64,
+    /// Bytes the segment files take (live, stale versions GC has not reclaimed, page padding).
+    pub ssd_allocated_bytes: u64,
+}
+
+impl TierReport {
+    /// DRAM charged at the DRAM price.
+    pub fn dram_bytes(&self) -> u64 {
+        self.dram_index_bytes + self.dram_popularity_bytes + self.dram_log_bytes
+    }
+    /// NVMM charged at the NVMM price: the tables and the buffer bytes in use. The mapped ring
+    /// is a fixed provision (256 MiB by default) sized for writeback lag, not for the data; at
+    /// the paper's scale it is noise, at a test's scale it would be most of the bill.
+    pub fn nvmm_bytes(&self) -> u64 {
+        self.nvmm_key_table_bytes + self.nvmm_value_table_bytes + self.nvmm_buffer_used_bytes
+    }
+    /// SSD charged at the SSD price: what the files take.
+    pub fn ssd_bytes(&self) -> u64 {
+        self.ssd_allocated_bytes
+    }
+    /// The bytes the process's private memory should hold: DRAM and the NVMM tables (which
+    /// are DRAM hash tables on this machine), not the shm rings nor SSD.
+    pub fn in_heap_bytes(&self) -> u64 {
+        self.dram_bytes() + self.nvmm_key_table_bytes + self.nvmm_value_table_bytes
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -4,7 +4,8 @@
 //! format (what the core writes and the store scans); [`ssd`] the backup's segments, their live
 //! bytes and the GC victim rule; [`detector`] the Φ-accrual failure detector with soft and hard
 //! thresholds; [`popularity`] the primary's sampler and the backups' popularity LRU (both driven
-//! by `WitnessCore`'s recovery policy, `node/recovery.rs`).
+//! by `WitnessCore`'s recovery policy, `node/recovery.rs`); [`tiers`] the bytes each tier holds,
+//! counted as the tables change (`kv status`, the cost per GB).
 
 pub mod config;
 pub mod detector;
@@ -12,6 +13,7 @@ pub mod node;
 pub mod page;
 pub mod popularity;
 pub mod ssd;
+pub mod tiers;
 
 #[cfg(test)]
 mod ssd_tests;

@@ -62,6 +62,8 @@ mod snapshot;
 mod refill;
 #[path = "operator.rs"]
 mod operator;
+mod status;
+use super::tiers::CountedMap;
 pub use reconfig::ReconfigError;
 
 /// Tunables. Every bound has its unit in its name.
@@ -619,8 +621,8 @@ struct Lead {
 /// keys, more as the shard grows), where a count kept at each write costs O(1).
 #[derive(Clone, Debug, Default)]
 struct Head {
-    keys: HashMap<Vec<u8>, Stamp>,
-    values: HashMap<Vec<u8>, (Stamp, Vec<u8>)>,
+    keys: CountedMap<Stamp>,
+    values: CountedMap<(Stamp, Vec<u8>)>,
     missing: usize,
 }
 
@@ -644,7 +646,7 @@ impl Head {
     /// Raises `key`'s stamp in the key table (never lowers it).
     fn raise_key(&mut self, key: &[u8], st: Stamp) {
         self.update(key, |h| {
-            let e = h.keys.entry(key.to_vec()).or_insert(Stamp::ZERO);
+            let mut e = h.keys.get_or_insert(key.to_vec(), Stamp::ZERO);
             *e = (*e).max(st);
         });
     }
@@ -657,7 +659,7 @@ impl Head {
 
     /// Drops every value (an old primary serving as a witness, M24).
     fn clear_values(&mut self) {
-        self.values = HashMap::new();
+        self.values.clear_and_free();
         self.missing = self.keys.values().filter(|&&ks| ks > Stamp::ZERO).count();
     }
 
@@ -715,7 +717,7 @@ enum ReadFor {
 struct Backup {
     /// DRAM index key → (stamp, location) of the newest written-back version. Every location
     /// is a reference of its segment in `space`.
-    index: HashMap<Vec<u8>, (Stamp, Loc)>,
+    index: CountedMap<(Stamp, Loc)>,
     /// Segments of the hot and cold logs and their live bytes.
     space: Space,
     /// Flushed slots of the recent-log window that hold a location (references too).
@@ -733,7 +735,7 @@ struct Backup {
 impl Backup {
     fn new() -> Self {
         Backup {
-            index: HashMap::new(),
+            index: CountedMap::default(),
             space: Space::default(),
             slot_refs: 0,
             written_back_through: 0,
@@ -1158,6 +1160,7 @@ impl WitnessCore {
     /// key table (installs never pass the oracle), and the missing set is exact.
     pub fn check_invariants_deep(&self) {
         self.check_invariants();
+        self.check_tiers_deep();
         if self.kind == Kind::Backup {
             // Pulls scan only `unflushed_slots`: nothing before it may still be an entry.
             let skipped = self.log.slots.len() - self.unflushed_slots().count();
@@ -2194,6 +2197,7 @@ impl WitnessCore {
                 return self.on_client_reconfigure(tag, change.clone())
             }
             ClientReq::Membership => return self.on_client_membership(tag),
+            ClientReq::Status => return self.on_status(tag),
             ClientReq::Get { key } | ClientReq::Put { key, .. } => {
                 if key.is_empty() || key.len() > MAX_KEY_BYTES {
                     return reply(
@@ -2221,6 +2225,7 @@ impl WitnessCore {
         match &req {
             ClientReq::Get { key } | ClientReq::Put { key, .. } => self.rec_sample(key),
             ClientReq::Reconfigure(_) | ClientReq::Membership => {} // answered at the top
+            ClientReq::Status => {}
         }
         match req {
             ClientReq::Put { key, value } => {
@@ -2243,6 +2248,7 @@ impl WitnessCore {
             }
             ClientReq::Get { key } => self.on_get(tag, key),
             ClientReq::Reconfigure(_) | ClientReq::Membership => {} // answered at the top
+            ClientReq::Status => {} // answered at the top
         }
     }
 
@@ -3256,11 +3262,12 @@ impl WitnessCore {
                 continue; // a Noop: in the log, not in the index
             };
             let st = e.stamp();
-            match b.index.get_mut(key) {
+            // A copy, not `get_mut`: the index's byte counters settle when its borrow ends.
+            match b.index.get(key).copied() {
                 Some(cur) if cur.0 <= st => {
                     b.space.drop_ref(cur.1);
                     b.space.add_ref(*loc);
-                    *cur = (st, *loc);
+                    *b.index.get_mut(key).expect("present above") = (st, *loc);
                 }
                 Some(_) => {}
                 None => {
@@ -3397,7 +3404,7 @@ impl WitnessCore {
         };
         let b = &mut self.backup;
         for (e, old, new) in g.moved.drain(..) {
-            if let Some(cur) = e.key().and_then(|k| b.index.get_mut(k)) {
+            if let Some(mut cur) = e.key().and_then(|k| b.index.get_mut(k)) {
                 if cur.1 == old {
                     cur.1 = new;
                     b.space.drop_ref(old);

@@ -755,6 +755,7 @@ fn restarted_backup_rebuilds_its_index_and_serves_the_next_primary() {
 
 /// The recovery policy and schemes (`node/recovery.rs`), on this module's router.
 mod recovery;
+mod tiers;
 #[path = "reconfig_tests.rs"]
 mod reconfig_tests;
 #[path = "refill_tests.rs"]

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::witness::proto::{Change, Config};
+use crate::witness::proto::StatusReport;
 
 /// How long one request may take, retries included, before the client gives up.
 pub const CLIENT_DEADLINE_DEFAULT: Duration = Duration::from_secs(10);
@@ -89,6 +90,36 @@ impl WitnessClient {
                 Err(WitnessError::Unavailable(format!("node {node}: no answer within {CLIENT_ATTEMPT_TIMEOUT:?}")))
             }
         }
+    }
+
+    /// One node's status (`kv status`, `bench kv ttr`): asked of `node` itself, leader or not,
+    /// once, within [`CLIENT_ATTEMPT_TIMEOUT`].
+    pub async fn node_status(&mut self, node: NodeId) -> Result<StatusReport, WitnessError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let r = tokio::time::timeout(CLIENT_ATTEMPT_TIMEOUT, self.attempt(node, id, &ClientReq::Status)).await;
+        match r {
+            Ok(Ok(ClientReply::Status(s))) => Ok(*s),
+            Ok(Ok(other)) => Err(WitnessError::Refused(format!("node {node} answered a status request with {other:?}"))),
+            Ok(Err(Attempt::NotSent(e) | Attempt::Sent(e))) => {
+                self.conn = None;
+                Err(WitnessError::Unavailable(format!("node {node}: {e}")))
+            }
+            Err(_) => {
+                self.conn = None;
+                Err(WitnessError::Unavailable(format!("node {node}: no answer within {CLIENT_ATTEMPT_TIMEOUT:?}")))
+            }
+        }
+    }
+
+    /// Every node's status, in id order; a node that does not answer is its error.
+    pub async fn all_status(&mut self) -> Vec<(NodeId, Result<StatusReport, WitnessError>)> {
+        let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            out.push((id, self.node_status(id).await));
+        }
+        out
     }
 
     fn next_node(&mut self) {
