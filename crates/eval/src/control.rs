@@ -44,6 +44,7 @@ use testbed::etcd::{EtcdCluster, MemberPlace};
 use testbed::hosts::Hosts;
 
 mod failover_monitor;
+mod nearlog_peer;
 use volume::driver::client::Cluster;
 use volume::driver::meta::{MetaReq, MetaResp, DEFAULT_OBJECT_SIZE_BYTES, META_ELECTION};
 
@@ -101,6 +102,8 @@ pub enum Part {
     FailoverHost,
     /// The host of the leading failover monitor and of the primary lost: until the standby promotes.
     FailoverMonitor,
+    /// A log peer's host lost: until its files are re-replicated on a spare peer.
+    NearlogPeer,
 }
 
 #[derive(Args, Debug)]
@@ -1071,6 +1074,9 @@ pub fn failover_main(a: FailoverArgs) -> anyhow::Result<bench::Report> {
         }
     }
 
+    if want(Part::NearlogPeer) {
+        csv.extend(nearlog_peer::measure(reps, &mut report, &mut failures)?);
+    }
     csv.extend(failover_monitor::measure(reps, ttl, want(Part::FailoverHost), want(Part::FailoverMonitor), &mut report, &mut failures)?);
     bench::write_csv(&out.join("samples.csv"), &["part", "rep", "what", "value", "loadavg"], csv)?;
     eprintln!("plots and samples in {}", out.display());
