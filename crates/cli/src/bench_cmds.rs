@@ -40,7 +40,12 @@ pub enum ControlBench {
     /// between acknowledged writes of a writer on an open volume when the metadata leader's
     /// host (with a shard) dies, against a shard's process alone; the embedded store's restart
     /// under `understudy volume up`; super and collapse latency on etcd against the embedded
-    /// store, interleaved. Needs root (network namespaces) and Debian's etcd-server.
+    /// store, interleaved. The failover monitor (on `testbed::hostbed`, the `failover_hosts`
+    /// test's scenario): the primary's host lost under a SQLite load through an endpoint on
+    /// another host, until the promoted primary serves; the leading monitor's host lost with
+    /// it, until the standby promotes. A log peer's host lost: until its files are
+    /// re-replicated on a spare peer, against 2× the peer lease plus their bytes at the disk
+    /// speed the run measures. Needs root (network namespaces) and Debian's etcd-server.
     Failover(eval::control::FailoverArgs),
 }
 

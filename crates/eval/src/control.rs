@@ -30,8 +30,8 @@
 //! changes instead of waiting out the shards' 5 s metadata-link silence (without `--store` the
 //! stall was 7.3 s against a 2.3 s takeover, debug build, load 7).
 //!
-//! The failover monitor's takeover is not measured here: the monitor is being moved onto the
-//! store; `takeover_vs_lease_ttl.failover_monitor` stays absent until it is.
+//! The failover monitor's takeover and the failover primary's host loss run on
+//! `testbed::hostbed` with the `failover_hosts` test's scenario: see `control/failover_monitor.rs`.
 
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
@@ -46,6 +46,9 @@ use clap::{Args, ValueEnum};
 use futures::StreamExt;
 use testbed::etcd::{EtcdCluster, MemberPlace};
 use testbed::hosts::Hosts;
+
+mod failover_monitor;
+mod nearlog_peer;
 use volume::driver::client::Cluster;
 use volume::driver::leader::LeaderWatch;
 use volume::driver::meta::{MetaReq, MetaResp, DEFAULT_OBJECT_SIZE_BYTES, META_ELECTION};
@@ -102,6 +105,12 @@ pub enum Part {
     Embedded,
     /// Super and collapse latency, metadata service on etcd against the embedded store.
     Latency,
+    /// The failover primary's host lost: until the promoted primary serves.
+    FailoverHost,
+    /// The host of the leading failover monitor and of the primary lost: until the standby promotes.
+    FailoverMonitor,
+    /// A log peer's host lost: until its files are re-replicated on a spare peer.
+    NearlogPeer,
 }
 
 #[derive(Args, Debug)]
@@ -1075,8 +1084,11 @@ pub fn failover_main(a: FailoverArgs) -> anyhow::Result<bench::Report> {
         }
     }
 
+    if want(Part::NearlogPeer) {
+        csv.extend(nearlog_peer::measure(reps, &mut report, &mut failures)?);
+    }
+    csv.extend(failover_monitor::measure(reps, ttl, want(Part::FailoverHost), want(Part::FailoverMonitor), &mut report, &mut failures)?);
     bench::write_csv(&out.join("samples.csv"), &["part", "rep", "what", "value", "loadavg"], csv)?;
-    eprintln!("takeover_vs_lease_ttl.failover_monitor: not measured (the failover monitor is not on the store yet)");
     eprintln!("plots and samples in {}", out.display());
     if !failures.is_empty() {
         // What was measured is kept (the report is stdout's last line all the same); the run

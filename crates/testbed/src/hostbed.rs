@@ -149,6 +149,11 @@ impl HostBed {
         Ok(bed)
     }
 
+    /// The `understudy` executable the daemons run.
+    pub fn bin(&self) -> &Path {
+        &self.bin
+    }
+
     pub fn hosts(&self) -> &Hosts {
         &self.hosts
     }

@@ -10,6 +10,7 @@
 //!   as `understudy nearlog up` runs it, or unsupervised ([`nearlog::LogCluster`]);
 //! * [`supervise`]: restarting the daemons of `up`, `kv up` and `nearlog up` when they exit;
 //! * [`failover`]: a failover monitor process, its clean-up guard and its control client;
+//! * [`failover_hosts`]: the failover application across a [`hostbed`]'s hosts, and its host loss;
 //! * [`etcd`]: a real N-member etcd cluster (Debian's etcd-server), the control plane's store;
 //! * [`ceph`]: a real single-node Ceph (ceph-mon, one ceph-osd per replica) from Debian's
 //!   packages;
@@ -35,6 +36,7 @@ pub mod cluster_file;
 mod datadir;
 pub mod etcd;
 pub mod failover;
+pub mod failover_hosts;
 pub mod hostbed;
 pub mod hosts;
 pub mod kv;
