@@ -191,6 +191,12 @@ impl<V: HeapBytes> CountedMap<V> {
         *self = CountedMap::default();
     }
 
+    /// Room for `additional` more keys without a resize (slot bytes are counted from the
+    /// capacity at report time).
+    pub fn reserve(&mut self, additional: usize) {
+        self.map.reserve(additional);
+    }
+
     /// Gives back slot capacity the table no longer needs (after a bulk load or a drop).
     pub fn shrink_to_fit(&mut self) {
         self.map.shrink_to_fit();
