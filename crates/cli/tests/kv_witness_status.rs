@@ -5,73 +5,15 @@
 //! DRAM index. `--json` parses, the table names every node.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use testbed::kv_witness::WitnessClusterFile;
+
+mod witness_group;
+use witness_group::*;
 
 const KEYS: u64 = 2_000;
 const VALUE_BYTES: u64 = 1_000;
-
-struct Up {
-    child: Child,
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // `kv up` stops its nodes and removes their /dev/shm regions on SIGTERM.
-        // SAFETY: kill(2) has no memory-safety preconditions.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(dir: &Path) -> Up {
-    let child = Command::new(env!("CARGO_BIN_EXE_understudy"))
-        .args([
-            "kv",
-            "up",
-            "--protocol",
-            "witness",
-            "--dir",
-            dir.to_str().unwrap(),
-            "--port-base",
-            "0",
-        ])
-        .stdout(std::fs::File::create(dir.with_extension("up.out")).unwrap())
-        .stderr(std::fs::File::create(dir.with_extension("up.log")).unwrap())
-        .spawn()
-        .unwrap();
-    Up { child }
-}
-
-fn wait_ready(dir: &Path) -> (WitnessClusterFile, Vec<u8>) {
-    let out = dir.with_extension("up.out");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let text = std::fs::read_to_string(&out).unwrap_or_default();
-        if text.contains("serving after") {
-            break;
-        }
-        let log = std::fs::read_to_string(dir.with_extension("up.log")).unwrap_or_default();
-        assert!(
-            Instant::now() < deadline,
-            "the witness group did not start serving:\n{text}\n{log}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    WitnessClusterFile::load(&dir.join("kv-cluster.json"))
-        .unwrap()
-        .expect("a witness cluster file")
-}
 
 fn status(cluster: &Path, json: bool) -> std::process::Output {
     let mut args = vec!["kv", "status", "--cluster", cluster.to_str().unwrap()];
@@ -117,7 +59,7 @@ fn u(n: &serde_json::Value, path: &[&str]) -> u64 {
 async fn status_reports_each_roles_tier_bytes_within_bounds_of_the_data() {
     let t = tempfile::tempdir_in("/var/tmp").unwrap();
     let dir: PathBuf = t.path().join("group");
-    let _up = start(&dir);
+    let _up = start(&dir, &[]);
     let (f, secret) = wait_ready(&dir);
     let cluster = dir.join("kv-cluster.json");
     let mut cl = f.client(secret);

@@ -9,8 +9,8 @@
 //! Every recorded history is checked for linearizability with `kv::checker`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::path::Path;
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -20,25 +20,8 @@ use kv::witness::driver::{WitnessClient, WitnessError};
 use testbed::kv_witness::WitnessClusterFile;
 use testbed::proc;
 
-struct Up {
-    child: Child,
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // `kv up` stops its nodes and removes their /dev/shm regions on SIGTERM.
-        proc::signal(self.child.id(), libc::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod witness_group;
+use witness_group::*;
 
 /// Resumes a stopped node when dropped (declared after `Up`, so before `kv up` stops the
 /// group: a stopped node would not handle its SIGTERM).
@@ -50,37 +33,6 @@ impl Drop for Resume {
     }
 }
 
-fn start(dir: &Path) -> Up {
-    let child = Command::new(env!("CARGO_BIN_EXE_understudy"))
-        .args(["kv", "up", "--protocol", "witness", "--dir", dir.to_str().unwrap(), "--port-base", "0"])
-        .stdout(std::fs::File::create(dir.with_extension("up.out")).unwrap())
-        .stderr(std::fs::File::create(dir.with_extension("up.log")).unwrap())
-        .spawn()
-        .unwrap();
-    Up { child }
-}
-
-/// Waits for `kv up` to report the group serving (it runs a put and a get first).
-fn wait_ready(dir: &Path) -> (WitnessClusterFile, Vec<u8>) {
-    let out = dir.with_extension("up.out");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let text = std::fs::read_to_string(&out).unwrap_or_default();
-        if text.contains("serving after") {
-            break;
-        }
-        let log = std::fs::read_to_string(dir.with_extension("up.log")).unwrap_or_default();
-        assert!(Instant::now() < deadline, "the witness group did not start serving:\n{text}\n{log}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    WitnessClusterFile::load(&dir.join("kv-cluster.json")).unwrap().expect("a witness cluster file")
-}
-
-fn pid_of(dir: &Path, name: &str) -> u32 {
-    let text = std::fs::read_to_string(dir.join("pids")).unwrap();
-    text.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).unwrap().trim().parse().unwrap()
-}
-
 fn node_log(dir: &Path, id: u32) -> String {
     std::fs::read_to_string(dir.join(format!("logs/node-{id}.log"))).unwrap_or_default()
 }
@@ -88,14 +40,6 @@ fn node_log(dir: &Path, id: u32) -> String {
 /// Elections so far, over every node's log (a head logs each candidacy).
 fn candidacies(dir: &Path) -> usize {
     (0..3).map(|i| node_log(dir, i).matches("Candidate").count()).sum()
-}
-
-/// A data directory on the disk (the SSD tier refuses tmpfs), removed with the test.
-fn disk_dir() -> (tempfile::TempDir, PathBuf) {
-    let t = tempfile::tempdir_in("/var/tmp").unwrap();
-    let dir = t.path().join("group");
-    std::fs::create_dir_all(&dir).unwrap();
-    (t, dir)
 }
 
 const CLIENTS: u64 = 4;
@@ -179,7 +123,7 @@ async fn leader(file: &WitnessClusterFile, secret: &[u8]) -> u32 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_stopped_shorter_than_the_hard_timeout_aborts_the_proactive_pull() {
     let (_t, dir) = disk_dir();
-    let _up = start(&dir);
+    let _up = start(&dir, &[]);
     let (file, secret) = tokio::task::spawn_blocking({
         let dir = dir.clone();
         move || wait_ready(&dir)
@@ -214,7 +158,7 @@ async fn primary_stopped_shorter_than_the_hard_timeout_aborts_the_proactive_pull
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn primary_stopped_past_the_hard_timeout_is_replaced_and_answers_nothing_stale() {
     let (_t, dir) = disk_dir();
-    let _up = start(&dir);
+    let _up = start(&dir, &[]);
     let (file, secret) = tokio::task::spawn_blocking({
         let dir = dir.clone();
         move || wait_ready(&dir)
