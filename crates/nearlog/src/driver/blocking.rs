@@ -503,6 +503,95 @@ impl FrameReader {
 mod tests {
     use super::*;
 
+    /// A TestPki in a temp dir: this process's link identity under `policy`, and the server side
+    /// of a blocking TLS session for the test's end.
+    fn pki(policy: wire::link::LinkPolicy) -> (tempfile::TempDir, wire::link::LinkTls, std::sync::Arc<rustls::ServerConfig>) {
+        let d = tempfile::tempdir().unwrap();
+        let p = wire::tls::TestPki::write(d.path());
+        let files = p.server_files(true);
+        (d, wire::link::LinkTls::from_files(&files, policy).unwrap(), wire::tls::server_config(&files).unwrap())
+    }
+
+    /// The frame reader and the non-blocking sender over TLS: frames split anywhere across
+    /// records and reads (`read_ready` says WouldBlock, never "closed", while a record is
+    /// incomplete), a send larger than the socket takes at once goes out over later calls, and
+    /// a plain client is refused by the TLS server.
+    #[test]
+    fn tls_frames_split_anywhere_and_sends_that_do_not_block() {
+        const BIG_BYTES: usize = 32 << 20;
+        let (_d, tls, srv_cfg) = pki(wire::link::LinkPolicy::Always);
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let msgs: Vec<Vec<u8>> = [10usize, 3 * FILL_BYTES + 17, 1, 0, 700].iter().map(|&n| (0..n).map(|i| (i % 251) as u8).collect()).collect();
+        let sent = msgs.clone();
+        let w = std::thread::spawn(move || {
+            let (sock, _) = l.accept().unwrap();
+            let mut s = rustls::StreamOwned::new(rustls::ServerConnection::new(srv_cfg.clone()).unwrap(), sock);
+            let mut bytes = Vec::new();
+            for m in &sent {
+                encode_into(m, &mut bytes).unwrap();
+            }
+            // Odd-sized records with pauses: frames, headers and records arrive split.
+            for piece in bytes.chunks(40_000 - 3) {
+                s.write_all(piece).unwrap();
+                s.flush().unwrap();
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            // Then it takes a large message from the client, slowly at first.
+            std::thread::sleep(Duration::from_millis(300));
+            let big: Vec<u8> = recv(&mut s, BIG_BYTES + 64).unwrap();
+            send(&mut s, &(big.len() as u64)).unwrap();
+            // A plain client on the same listener gets no session.
+            let (sock, _) = l.accept().unwrap();
+            let mut s = rustls::StreamOwned::new(rustls::ServerConnection::new(srv_cfg).unwrap(), sock);
+            let mut b = [0u8; 1];
+            s.read(&mut b).is_err()
+        });
+        let sock = TcpStream::connect(addr).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut s = tls_connect(sock, Some(&tls)).unwrap();
+        assert!(s.is_tls());
+        let mut r = FrameReader::default();
+        let mut got: Vec<Vec<u8>> = Vec::new();
+        let mut would_block = 0;
+        while got.len() < msgs.len() {
+            let mut pf = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            if s.buffered_plaintext() == 0 {
+                // SAFETY: one valid pollfd.
+                assert!(unsafe { libc::poll(&mut pf, 1, 20_000) } > 0, "nothing within 20 s after {} frames", got.len());
+            }
+            match r.fill(&mut s) {
+                Ok(n) => assert!(n > 0, "closed early after {} frames", got.len()),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => would_block += 1,
+                Err(e) => panic!("{e}"),
+            }
+            while let Some(m) = r.next::<Vec<u8>>(crate::proto::MAX_FRAME_BYTES).unwrap() {
+                got.push(m);
+            }
+        }
+        assert_eq!(got, msgs);
+        eprintln!("{would_block} reads completed no record");
+        // More than the loopback socket buffers (a few MiB) take while the server sleeps.
+        let big = encode(&vec![7u8; BIG_BYTES]).unwrap();
+        let mut at = s.send_ready(&big).unwrap();
+        assert!(at < big.len() || s.tls_pending(), "{BIG_BYTES} bytes went out at once while the peer slept");
+        let t0 = std::time::Instant::now();
+        while at < big.len() || s.tls_pending() {
+            assert!(t0.elapsed() < Duration::from_secs(30), "the send never finished");
+            let mut pf = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut pf, 1, 1000) };
+            at += s.send_ready(&big[at..]).unwrap();
+        }
+        let n: u64 = recv(&mut s, 1024).unwrap();
+        assert_eq!(n, BIG_BYTES as u64);
+        // A plain client: the server's handshake fails on its bytes.
+        let mut plain = TcpStream::connect(addr).unwrap();
+        plain.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let _ = plain.write_all(&encode(&crate::proto::PeerRequest::Stats).unwrap());
+        assert!(w.join().unwrap(), "the TLS server read a plain client's bytes as data");
+    }
+
     #[test]
     fn frame_reader_reassembles_small_and_large_frames_split_anywhere() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
