@@ -88,5 +88,4 @@ fn sqlite_under_the_shim_with_nearlog_links_over_tls() {
     assert!(err.contains("recovered"), "the WAL came back from the log peers: {err}");
     let ids: Vec<u64> = String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim().parse().unwrap()).collect();
     assert!(ids.len() as u64 >= acked, "{} rows recovered, {acked} acknowledged", ids.len());
-
 }
