@@ -351,6 +351,7 @@ async fn run_controller_standby(a: &ControllerArgs, url: &str, secret: std::sync
 pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
     match cmd {
         NearlogCmd::Peer(a) => {
+            crate::daemons::link_tls_at_start()?;
             let secret = read_secret(&a.secret_file)?;
             let l = tokio::net::TcpListener::bind(&a.listen).await.with_context(|| format!("cannot listen on {}", a.listen))?;
             let addr = l.local_addr()?.to_string();
@@ -375,6 +376,7 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             Ok(())
         }
         NearlogCmd::Controller(a) => {
+            crate::daemons::link_tls_at_start()?;
             std::fs::create_dir_all(&a.dir).with_context(|| format!("cannot create {}", a.dir.display()))?;
             let secret = ensure_secret(&a.secret_file.clone().unwrap_or_else(|| a.dir.join("secret")))?;
             if let Some(url) = &a.store {
@@ -409,6 +411,7 @@ pub async fn run(cmd: NearlogCmd) -> anyhow::Result<()> {
             Ok(())
         }
         NearlogCmd::Up(a) => {
+            crate::daemons::link_tls_at_start()?;
             let mut up = testbed::nearlog::up(&a.dir, a.region_bytes, a.port).await?;
             println!("nearlog controller {}", up.controller);
             for p in &up.peers {

@@ -64,6 +64,12 @@ impl LinkTls {
     pub fn wants_tls(&self, peer: SocketAddr) -> bool {
         wants_tls(self.policy, peer)
     }
+
+    /// The client side's rustls configuration, for blocking clients (`rustls::StreamOwned`:
+    /// the nearlog shim runs inside applications, without a tokio runtime).
+    pub fn client_config(&self) -> &std::sync::Arc<rustls::ClientConfig> {
+        self.connector.config()
+    }
 }
 
 /// Whether a link with `peer` runs over TLS under `policy`.

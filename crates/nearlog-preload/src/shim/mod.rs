@@ -17,7 +17,6 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_char, CStr};
-use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;

@@ -31,6 +31,9 @@ pub(super) fn load_config() -> Result<Config, String> {
     if secret.is_empty() {
         return Err(format!("cluster secret {secret_file} is empty"));
     }
+    // A bad link TLS setting (UNDERSTUDY_LINK_TLS*) stops here with its reason, before any
+    // connection; the certificate files are read once, at this first use.
+    blocking::link_tls().map_err(|e| e.to_string())?;
     let spin_us = match std::env::var("UNDERSTUDY_NEARLOG_SPIN_US") {
         Ok(s) => s.parse::<u64>().ok().filter(|&us| us <= 10_000).ok_or_else(|| format!("UNDERSTUDY_NEARLOG_SPIN_US={s:?} is not a number of microseconds up to 10000"))?,
         Err(_) => DEFAULT_SPIN_US,

@@ -114,7 +114,7 @@ pub(super) fn reopen_readonly(fd: c_int) -> Result<c_int, String> {
 
 pub(super) struct Shim {
     pub(super) cfg: Config,
-    pub(super) peers: HashMap<PeerId, (String, Option<TcpStream>, Instant)>,
+    pub(super) peers: HashMap<PeerId, (String, Option<blocking::Conn>, Instant)>,
     pub(super) files: HashMap<c_int, Tracked>,
     /// dup/dup2/dup3/F_DUPFD copies of log fds -> the fd their `Tracked` is filed under (they
     /// share the open file description, so one replication state serves them all).
@@ -225,7 +225,7 @@ impl Shim {
         Ok(rep)
     }
 
-    pub(super) fn ensure_conn(&mut self, peer: PeerId) -> Option<&mut TcpStream> {
+    pub(super) fn ensure_conn(&mut self, peer: PeerId) -> Option<&mut blocking::Conn> {
         let secret = &self.cfg.secret;
         let connected = self.peers.values().filter(|v| v.1.is_some()).count();
         let timeout = peer_connect_timeout(connected, self.peers.len(), self.redial_after.contains_key(&peer));
@@ -392,16 +392,26 @@ impl Shim {
         let reader = self.readers.entry(p).or_default();
         let mut replies = Vec::new();
         stats::add(&stats::READS, 1);
-        let mut lost = match reader.fill(conn) {
-            Ok(0) => Some("connection closed".to_string()),
-            Ok(_) => None,
-            Err(e) => Some(e.to_string()),
-        };
-        while lost.is_none() {
-            match reader.next::<PeerReply>(MAX_FRAME_BYTES) {
-                Ok(Some(rep)) => replies.push(rep),
-                Ok(None) => break,
-                Err(e) => lost = Some(e.to_string()),
+        let mut lost;
+        loop {
+            lost = match reader.fill(conn) {
+                Ok(0) => Some("connection closed".to_string()),
+                // TLS: the bytes completed no record yet (they wait in the session).
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && conn.is_tls() => None,
+                Ok(_) => None,
+                Err(e) => Some(e.to_string()),
+            };
+            while lost.is_none() {
+                match reader.next::<PeerReply>(MAX_FRAME_BYTES) {
+                    Ok(Some(rep)) => replies.push(rep),
+                    Ok(None) => break,
+                    Err(e) => lost = Some(e.to_string()),
+                }
+            }
+            // Replies a TLS session decrypted beyond what the buffer took do not show to poll:
+            // they are taken now.
+            if lost.is_some() || conn.buffered_plaintext() == 0 {
+                break;
             }
         }
         if !replies.is_empty() {
@@ -484,26 +494,14 @@ impl Shim {
 
     /// Writes what the kernel takes of peer `p`'s queue without blocking.
     pub(super) fn try_send(&mut self, p: PeerId) {
-        let Some(fd) = self.peers.get(&p).and_then(|v| v.1.as_ref()).map(|c| c.as_raw_fd()) else { return };
+        let Some(conn) = self.peers.get_mut(&p).and_then(|v| v.1.as_mut()) else { return };
         let Some(q) = self.sendq.get_mut(&p) else { return };
         let mut failed = None;
-        while q.1 < q.0.len() {
-            let rest = &q.0[q.1..];
-            // SAFETY: sending from our own buffer within its bounds; the fd is our connection.
-            let n = unsafe { libc::send(fd, rest.as_ptr() as *const c_void, rest.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if q.1 < q.0.len() || conn.tls_pending() {
             stats::add(&stats::SENDS, 1);
-            if n >= 0 {
-                q.1 += n as usize;
-                continue;
-            }
-            let e = std::io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => continue,
-                Some(libc::EAGAIN) => break,
-                _ => {
-                    failed = Some(e);
-                    break;
-                }
+            match conn.send_ready(&q.0[q.1..]) {
+                Ok(n) => q.1 += n,
+                Err(e) => failed = Some(e),
             }
         }
         if q.1 == q.0.len() {
@@ -523,8 +521,9 @@ impl Shim {
         }
     }
 
+    /// Bytes for peer `p` wait to go out: in its queue, or encrypted in its TLS session.
     pub(super) fn has_queued(&self, p: &PeerId) -> bool {
-        self.sendq.get(p).is_some_and(|q| q.1 < q.0.len())
+        self.sendq.get(p).is_some_and(|q| q.1 < q.0.len()) || self.peers.get(p).and_then(|v| v.1.as_ref()).is_some_and(|c| c.tls_pending())
     }
 
     pub(super) fn drop_conn(&mut self, p: PeerId) {

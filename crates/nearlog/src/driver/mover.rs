@@ -8,7 +8,6 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
@@ -34,7 +33,7 @@ fn req_name(req: &CtlRequest) -> String {
 /// Drives one [`FileClient`] over blocking, authenticated peer connections.
 pub struct Driver {
     secret: Vec<u8>,
-    peers: HashMap<PeerId, (String, Option<TcpStream>, Instant)>,
+    peers: HashMap<PeerId, (String, Option<blocking::Conn>, Instant)>,
     start: Instant,
 }
 
@@ -57,7 +56,7 @@ impl Driver {
         }
     }
 
-    fn conn(&mut self, peer: PeerId) -> Option<&mut TcpStream> {
+    fn conn(&mut self, peer: PeerId) -> Option<&mut blocking::Conn> {
         let (addr, conn, last_try) = self.peers.get_mut(&peer)?;
         if conn.is_none() && last_try.elapsed() >= Duration::from_millis(200) {
             *last_try = Instant::now();
@@ -109,8 +108,9 @@ impl Driver {
                 }
                 let conn = self.peers.get_mut(p).unwrap().1.as_mut().unwrap();
                 let mut pf = libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                // Replies a TLS session decrypted already do not show to poll.
                 // SAFETY: one valid pollfd.
-                if unsafe { libc::poll(&mut pf, 1, 0) } <= 0 {
+                if conn.buffered_plaintext() == 0 && unsafe { libc::poll(&mut pf, 1, 0) } <= 0 {
                     break;
                 }
             }

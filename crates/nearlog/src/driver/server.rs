@@ -21,6 +21,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::core::controller::{ControllerCore, CtlInput, CtlOutput};
+use crate::driver::blocking::Conn;
 use crate::store::MetaStore;
 use crate::core::peer::{PeerCore, PeerInput};
 use crate::proto::{CtlReply, CtlRequest, PeerReply, PeerRequest, MAX_FRAME_BYTES};
@@ -270,18 +271,18 @@ pub const MAX_PEER_CONNECTIONS: usize = 256;
 
 static PEER_CONNECTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-async fn serve_peer_conn(mut sock: TcpStream, core: Arc<Mutex<PeerCore>>, secret: &[u8]) -> Result<(), wire::WireError> {
+async fn serve_peer_conn(sock: TcpStream, core: Arc<Mutex<PeerCore>>, secret: &[u8]) -> Result<(), wire::WireError> {
     use std::sync::atomic::Ordering;
     sock.set_nodelay(true)?;
-    wire::auth::accept(&mut sock, secret).await?;
+    // TLS as this process's link setting wants it for the client's address, then the secret.
+    let link = wire::link::accept_authenticated(sock, secret).await?;
     if PEER_CONNECTIONS.fetch_add(1, Ordering::SeqCst) >= MAX_PEER_CONNECTIONS {
         PEER_CONNECTIONS.fetch_sub(1, Ordering::SeqCst);
         return Err(wire::WireError::Io(std::io::Error::other(format!("more than {MAX_PEER_CONNECTIONS} connections"))));
     }
     // The data path runs on its own thread with blocking I/O: a record's round trip is one
     // wake-up of this thread, with no hop through the async scheduler.
-    let sock = sock.into_std()?;
-    sock.set_nonblocking(false)?;
+    let sock = blocking_conn(link)?;
     // A client that vanished without closing frees its thread after this long (a live but
     // idle client simply reconnects).
     sock.set_read_timeout(Some(Duration::from_secs(PEER_IDLE_TIMEOUT_SECS)))?;
@@ -305,6 +306,25 @@ async fn serve_peer_conn(mut sock: TcpStream, core: Arc<Mutex<PeerCore>>, secret
         return Err(e.into());
     }
     Ok(())
+}
+
+/// The blocking connection of a data-path thread from an accepted link: the TCP socket back in
+/// blocking mode; a TLS session carries on in a `rustls::StreamOwned` (the handshake and the
+/// secret exchange are done, and flushed, so nothing of the session is left in tokio's hands).
+fn blocking_conn(link: wire::link::Link) -> Result<Conn, wire::WireError> {
+    use wire::tls::tokio_rustls::TlsStream;
+    let conn = match link {
+        wire::link::Link::Plain(s) => Conn::Plain(s.into_std()?),
+        wire::link::Link::Tls(t) => match *t {
+            TlsStream::Server(t) => {
+                let (io, session) = t.into_inner();
+                Conn::TlsServer(Box::new(wire::tls::rustls::StreamOwned::new(session, io.into_std()?)))
+            }
+            TlsStream::Client(_) => return Err(wire::WireError::Tls("an accepted link is the client side of TLS".into())),
+        },
+    };
+    conn.tcp().set_nonblocking(false)?;
+    Ok(conn)
 }
 
 /// Bytes a client connection's input buffer holds (one `read` asks for what is free of it); a
@@ -386,7 +406,7 @@ fn peer_spin() -> Duration {
 }
 
 /// Polls `sock` for input without sleeping (yielding the CPU between polls) for up to `spin`.
-fn spin_for_input(sock: &std::net::TcpStream, spin: Duration) {
+fn spin_for_input(sock: &Conn, spin: Duration) {
     use std::os::fd::AsRawFd;
     let until = std::time::Instant::now() + spin;
     let mut fd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
@@ -404,7 +424,7 @@ fn spin_for_input(sock: &std::net::TcpStream, spin: Duration) {
 /// one `write`. Per byte: the frame checksum, the record checksum, the copy into the region.
 /// Over 100 lines on purpose: the read buffer, the core's lock held across a batch, the large
 /// frame slot and the coalesced acks are one loop whose state crosses iterations.
-fn serve_records(mut sock: std::net::TcpStream, core: &Mutex<PeerCore>) -> Result<(), wire::WireError> {
+fn serve_records(mut sock: Conn, core: &Mutex<PeerCore>) -> Result<(), wire::WireError> {
     use std::io::{Read, Write};
     const HDR: usize = wire::FRAME_HEADER_BYTES;
     // Unparsed input is buf[start..end]: `read` fills the buffer directly (no staging copy).
@@ -537,10 +557,11 @@ pub async fn ctl_call(addr: &str, secret: &[u8], req: &CtlRequest) -> Result<Ctl
     Err(last.unwrap_or_else(|| wire::WireError::Decode(format!("no controller address in {addr:?}"))))
 }
 
-async fn ctl_connect(addr: &str, secret: &[u8]) -> Result<TcpStream, wire::WireError> {
-    let mut s = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
+async fn ctl_connect(addr: &str, secret: &[u8]) -> Result<wire::link::Link, wire::WireError> {
+    let s = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(addr))
         .await
         .map_err(|_| wire::WireError::Io(std::io::Error::other("connect timed out")))??;
+    let mut s = wire::link::connect(s, wire::link::process()?).await?;
     wire::auth::connect(&mut s, secret).await?;
     Ok(s)
 }
@@ -621,12 +642,12 @@ pub async fn run_controller_with<S: MetaStore + 'static>(
         });
     }
     let what = format!("nearlog controller {}", listener.local_addr().map(|a| a.to_string()).unwrap_or_default());
-    wire::listen::serve(listener, what, move |mut sock, from| {
+    wire::listen::serve(listener, what, move |sock, from| {
         let core = core.clone();
         let secret = secret.clone();
         async move {
             let res: Result<(), wire::WireError> = async {
-                wire::auth::accept(&mut sock, &secret).await?;
+                let mut sock = wire::link::accept_authenticated(sock, &secret).await?;
                 loop {
                     let req: CtlRequest = wire::read_msg(&mut sock, MAX_FRAME_BYTES).await?;
                     tracing::debug!(?req, "controller request");
