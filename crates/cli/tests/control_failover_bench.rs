@@ -67,11 +67,10 @@ fn tiny_control_failover_bench_emits_the_takeover_ratio() {
     assert!(min > 0.0 && min <= p50 && p50 <= max, "{v}");
     let ratio = v["ratios"]["takeover_vs_lease_ttl.nearlog_controller"].as_f64().unwrap();
     assert!((ratio - p50 / 2000.0).abs() < 1e-9, "the ratio is the median over the TTL: {v}");
-    // Only the part asked for; the failover monitor is not measured (never a made-up figure).
+    // Only the part asked for: no other leader's figure (never one not measured in this run).
     let ratios = v["ratios"].as_object().unwrap();
     assert_eq!(ratios.len(), 1, "{v}");
     assert!(figures.keys().all(|k| k == "lease_ttl_ms" || k.starts_with("takeover.nearlog_controller.")), "{v}");
-    assert!(String::from_utf8_lossy(&o.stderr).contains("failover_monitor: not measured"));
     // The raw samples: one row for the one repetition, with the load beside it.
     let csv = std::fs::read_to_string(out_dir.join("samples.csv")).unwrap();
     let rows: Vec<&str> = csv.lines().collect();

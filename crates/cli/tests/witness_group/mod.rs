@@ -69,9 +69,10 @@ pub fn cli(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_understudy")).args(args).stdin(Stdio::null()).output().unwrap()
 }
 
-/// A data directory on the disk (the SSD tier refuses tmpfs), removed with the test.
+/// A data directory on the disk (the SSD tier refuses tmpfs), made, and removed with the test.
 pub fn disk_dir() -> (tempfile::TempDir, PathBuf) {
     let t = tempfile::tempdir_in("/var/tmp").unwrap();
     let dir = t.path().join("group");
+    std::fs::create_dir_all(&dir).unwrap();
     (t, dir)
 }
